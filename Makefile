@@ -1,0 +1,26 @@
+# The two commands of the README: `make demo` and `make test`.
+# Both create .venv on first use and reinstall when the project's files change.
+
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test setup
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[test]'
+	touch $@
+
+demo: $(STAMP)
+	$(BIN)/p2ptrain demo --peers 4
+
+# pytest exits 5 when it collected no tests: that is a failure here, never a pass.
+test: $(STAMP)
+	$(BIN)/python -m pytest -q; rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing" >&2; exit 1; fi; \
+	exit $$rc

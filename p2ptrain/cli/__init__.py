@@ -1,0 +1,1 @@
+"""The ``p2ptrain`` command line: one module per command group."""

@@ -1,0 +1,1 @@
+"""libp2p transport: hosts that speak Noise only, pubsub settings, stream helpers."""

@@ -1,0 +1,105 @@
+"""Schema checking for message bodies: frozen dataclasses validated field by field.
+
+Why not a generic JSON-schema library: our bodies are small and typed, and a tiny checker that
+knows only ``str``, ``int``, ``float``, ``bool``, tuples, string-keyed dicts, ``X | None`` and
+nested dataclasses gives exact errors and no way to smuggle objects in.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from typing import Any, TypeVar
+
+from p2ptrain.wire.limits import MAX_DICT_LEN, MAX_LIST_LEN, MAX_STR_LEN
+
+
+class SchemaError(ValueError):
+    """A body does not match its message's schema."""
+
+
+T = TypeVar("T")
+
+
+def _check(value: Any, tp: Any, where: str, meta: dict[str, Any]) -> Any:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        (inner,) = [a for a in args if a is not type(None)]
+        return _check(value, inner, where, meta)
+    if tp is str:
+        if type(value) is not str:
+            raise SchemaError(f"{where}: expected a string")
+        if len(value) > meta.get("max_len", MAX_STR_LEN):
+            raise SchemaError(f"{where}: string longer than {meta.get('max_len', MAX_STR_LEN)}")
+        return value
+    if tp is bool:
+        if type(value) is not bool:
+            raise SchemaError(f"{where}: expected true/false")
+        return value
+    if tp is int:
+        if type(value) is not int:
+            raise SchemaError(f"{where}: expected an integer")
+        if not -(2**63) <= value < 2**63:
+            raise SchemaError(f"{where}: integer out of range")
+        return value
+    if tp is float:
+        if type(value) not in (int, float) or not math.isfinite(value):
+            raise SchemaError(f"{where}: expected a finite number")
+        return float(value)
+    if origin is tuple:
+        inner, ellipsis = typing.get_args(tp)
+        assert ellipsis is Ellipsis, "only tuple[T, ...] is supported"
+        if type(value) is not list:
+            raise SchemaError(f"{where}: expected a list")
+        if len(value) > meta.get("max_items", MAX_LIST_LEN):
+            raise SchemaError(f"{where}: more than {meta.get('max_items', MAX_LIST_LEN)} items")
+        return tuple(_check(v, inner, f"{where}[{i}]", {}) for i, v in enumerate(value))
+    if origin is dict:
+        key_tp, val_tp = typing.get_args(tp)
+        assert key_tp is str, "only string-keyed dicts are supported"
+        if type(value) is not dict:
+            raise SchemaError(f"{where}: expected an object")
+        if len(value) > meta.get("max_items", MAX_DICT_LEN):
+            raise SchemaError(f"{where}: more than {meta.get('max_items', MAX_DICT_LEN)} keys")
+        return {
+            _check(k, str, f"{where} key", {}): _check(v, val_tp, f"{where}.{k}", {})
+            for k, v in value.items()
+        }
+    if dataclasses.is_dataclass(tp):
+        return from_plain(tp, value, where)
+    raise TypeError(f"unsupported schema type {tp!r} at {where}")
+
+
+def from_plain(cls: type[T], data: Any, where: str = "body") -> T:
+    """Build dataclass ``cls`` from decoded JSON ``data``, rejecting unknown, missing or mistyped fields."""
+    if type(data) is not dict:
+        raise SchemaError(f"{where}: expected an object")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    unknown = set(data) - set(fields)
+    if unknown:
+        raise SchemaError(f"{where}: unknown field(s) {sorted(unknown)}")
+    kwargs = {}
+    for name, f in fields.items():
+        if name not in data:
+            if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING:
+                continue
+            raise SchemaError(f"{where}: missing field {name!r}")
+        kwargs[name] = _check(data[name], hints[name], f"{where}.{name}", dict(f.metadata))
+    return cls(**kwargs)
+
+
+def to_plain(obj: Any) -> Any:
+    """The JSON-ready form of a schema dataclass (tuples become lists)."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, (tuple, list)):
+        return [to_plain(v) for v in obj]
+    if isinstance(obj, dict):
+        return {k: to_plain(v) for k, v in obj.items()}
+    return obj
