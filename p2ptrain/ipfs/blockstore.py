@@ -1,0 +1,201 @@
+"""Blocks on disk, keyed by multihash, verified on the way in and on the way out; plus the pin set.
+
+Layout (under ``root``, normally ``<home>/blocks``), modelled on Kubo's flatfs so it is easy to inspect:
+``<root>/<XX>/<BASE32-MULTIHASH>.data`` where ``XX`` is the next-to-last two characters of the key.
+Keying by multihash (not by CID) means CIDv0 and CIDv1 names of the same dag-pb block share one file,
+as in Kubo. Each block is written to a temporary file, fsynced, and renamed into place, so a crash
+never leaves a half-written block under a real name, and concurrent writers (DataLoader workers,
+several processes) of the same block cannot interleave.
+
+Disks rot and people edit files: a block whose bytes no longer match its hash is moved to
+``<root>/quarantine/`` and reported as :class:`CorruptBlock`, so the caller can fetch it again.
+Pins live in ``<root>/pins.json``, rewritten atomically under an exclusive lock.
+"""
+
+from __future__ import annotations
+
+import base64
+import fcntl
+import json
+import os
+import secrets
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from p2ptrain.ipfs.cid import CID, RAW, BlockMismatch, cid_str, parse_cid, verify_block
+from p2ptrain.ipfs.dagpb import MAX_BLOCK_SIZE
+
+PINS_FILE = "pins.json"
+PINS_VERSION = 1
+RECURSIVE = "recursive"
+DIRECT = "direct"
+
+
+class BlockNotFound(KeyError):
+    """The store does not hold the block."""
+
+    def __init__(self, cid: CID) -> None:
+        super().__init__(cid_str(cid))
+        self.cid = cid
+
+    def __str__(self) -> str:
+        return f"block {cid_str(self.cid)} is not in the local store"
+
+
+class CorruptBlock(BlockMismatch):
+    """A stored block no longer matches its hash; it has been quarantined."""
+
+
+class PinFileError(ValueError):
+    """``pins.json`` exists but cannot be understood; nothing is rewritten until a person looks."""
+
+
+def _key(cid: CID) -> str:
+    return base64.b32encode(bytes(cid.digest)).decode("ascii").rstrip("=")
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    """Write ``data`` as ``path``: temporary file in the same directory, fsync, rename."""
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
+    fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        tmp.unlink(missing_ok=True)
+        raise
+    os.close(fd)
+    os.replace(tmp, path)
+
+
+class BlockStore:
+    """Content-addressed blocks under one directory. Synchronous; call from trio via ``to_thread``."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def _path(self, cid: CID) -> Path:
+        key = _key(cid)
+        return self.root / key[-3:-1] / f"{key}.data"
+
+    def has(self, cid: CID | str) -> bool:
+        return self._path(parse_cid(cid)).exists()
+
+    def get(self, cid: CID | str) -> bytes:
+        """The block's bytes, verified; :class:`BlockNotFound` or :class:`CorruptBlock` otherwise."""
+        cid = parse_cid(cid)
+        path = self._path(cid)
+        try:
+            with open(path, "rb") as f:
+                data = f.read(MAX_BLOCK_SIZE + 1)
+        except FileNotFoundError:
+            raise BlockNotFound(cid) from None
+        try:
+            if len(data) > MAX_BLOCK_SIZE:
+                raise BlockMismatch(cid, "too large")
+            verify_block(cid, data)
+        except BlockMismatch:
+            self._quarantine(path)
+            raise CorruptBlock(
+                cid, f"stored copy {path} does not match the CID's hash; quarantined, fetch it again"
+            ) from None
+        return data
+
+    def _quarantine(self, path: Path) -> None:
+        quarantine = self.root / "quarantine"
+        quarantine.mkdir(exist_ok=True)
+        try:
+            os.replace(path, quarantine / path.name)
+        except FileNotFoundError:  # another reader got there first
+            pass
+
+    def put(self, cid: CID | str, data: bytes) -> None:
+        """Store ``data`` as ``cid`` after checking its hash (:class:`BlockMismatch` if wrong)."""
+        cid = parse_cid(cid)
+        if len(data) > MAX_BLOCK_SIZE:
+            raise BlockMismatch(cid, f"block of {len(data)} bytes exceeds {MAX_BLOCK_SIZE}")
+        verify_block(cid, data)
+        path = self._path(cid)
+        if path.exists():
+            return
+        path.parent.mkdir(exist_ok=True)
+        _write_atomic(path, data)
+
+    def put_many(self, blocks: Iterable[tuple[CID | str, bytes]]) -> None:
+        for cid, data in blocks:
+            self.put(cid, data)
+
+    def delete(self, cid: CID | str) -> None:
+        """Remove the block if held (no error if not)."""
+        self._path(parse_cid(cid)).unlink(missing_ok=True)
+
+    def iter_cids(self) -> Iterator[CID]:
+        """Every held block, as a CIDv1 ``raw`` CID: the store keeps multihashes, not codecs (like Kubo)."""
+        for shard in sorted(self.root.iterdir()):
+            if len(shard.name) != 2 or not shard.is_dir():
+                continue
+            for path in sorted(shard.glob("*.data")):
+                key = path.name[: -len(".data")]
+                digest = base64.b32decode(key + "=" * (-len(key) % 8))
+                yield CID("base32", 1, RAW, digest)
+
+    def size_bytes(self) -> int:
+        """Total bytes of held blocks (file contents, not disk usage)."""
+        return sum(
+            p.stat().st_size
+            for shard in self.root.iterdir()
+            if len(shard.name) == 2 and shard.is_dir()
+            for p in shard.glob("*.data")
+        )
+
+    # ---- pins ----------------------------------------------------------------------------------
+
+    @contextmanager
+    def _pins_locked(self) -> Iterator[dict[str, str]]:
+        """Read-modify-write the pin set under an exclusive lock; the new set is written atomically."""
+        with open(self.root / ".pins.lock", "a+") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            pins = self._read_pins()
+            before = dict(pins)
+            yield pins
+            if pins != before:
+                payload = {"version": PINS_VERSION, "pins": dict(sorted(pins.items()))}
+                _write_atomic(self.root / PINS_FILE, json.dumps(payload, indent=1).encode() + b"\n")
+
+    def _read_pins(self) -> dict[str, str]:
+        path = self.root / PINS_FILE
+        try:
+            raw = json.loads(path.read_bytes())
+        except FileNotFoundError:
+            return {}
+        except ValueError as exc:
+            raise PinFileError(f"{path} is not valid JSON: {exc}") from None
+        if not isinstance(raw, dict) or raw.get("version") != PINS_VERSION:
+            raise PinFileError(f"{path}: expected a version {PINS_VERSION} pin file")
+        pins = raw.get("pins")
+        if not isinstance(pins, dict) or not all(
+            isinstance(k, str) and v in (RECURSIVE, DIRECT) for k, v in pins.items()
+        ):
+            raise PinFileError(f"{path}: 'pins' must map CIDs to 'recursive' or 'direct'")
+        return pins
+
+    def pin_add(self, cid: CID | str, recursive: bool = True) -> None:
+        key = cid_str(parse_cid(cid))
+        with self._pins_locked() as pins:
+            if pins.get(key) != RECURSIVE:  # a recursive pin is never downgraded, as in Kubo
+                pins[key] = RECURSIVE if recursive else DIRECT
+
+    def pin_rm(self, cid: CID | str) -> bool:
+        """Unpin; returns False if ``cid`` was not pinned."""
+        key = cid_str(parse_cid(cid))
+        with self._pins_locked() as pins:
+            return pins.pop(key, None) is not None
+
+    def pin_ls(self) -> dict[str, str]:
+        """``{cid: "recursive" | "direct"}``, as Kubo's ``pin ls`` reports them."""
+        return self._read_pins()

@@ -1,0 +1,146 @@
+"""The default content backend: the Kubo-compatible importer over the node's own block store.
+
+A block the store lacks (or holds corrupted) is asked of ``fetch_block``, the network exchange the node
+plugs in; its answer is verified and kept, so the next read is local. Without one, a missing block is a
+:class:`~p2ptrain.ipfs.store.ContentUnavailable` that names the CID.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import secrets
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import BinaryIO
+
+from p2ptrain.ipfs.blockstore import BlockNotFound, BlockStore, CorruptBlock
+from p2ptrain.ipfs.cid import CID, BlockMismatch, cid_str, parse_cid
+from p2ptrain.ipfs.dagpb import DecodeError, decode_node
+from p2ptrain.ipfs.store import ContentUnavailable, Progress
+from p2ptrain.ipfs.unixfs import import_stream, read_file
+
+
+class EmbeddedStore:
+    """A :class:`~p2ptrain.ipfs.store.ContentStore` whose blocks live in ``<home>/blocks``."""
+
+    def __init__(self, home: Path, fetch_block: Callable[[CID], bytes] | None = None) -> None:
+        self.home = Path(home)
+        self.blocks = BlockStore(self.home / "blocks")
+        self.fetch_block = fetch_block
+
+    # ---- blocks --------------------------------------------------------------------------------
+
+    def block(self, cid: CID | str) -> bytes:
+        """One verified block: from disk, else from ``fetch_block`` (then stored), else an error."""
+        cid = parse_cid(cid)
+        try:
+            return self.blocks.get(cid)
+        except BlockNotFound:
+            why = "not held locally"
+        except CorruptBlock as exc:
+            why = str(exc)
+        if self.fetch_block is None:
+            raise ContentUnavailable(cid, f"block {why} and no network fetcher is attached")
+        try:
+            data = self.fetch_block(cid)
+        except ContentUnavailable:
+            raise
+        except Exception as exc:  # the fetcher's failure is the user's answer: say which CID
+            raise ContentUnavailable(cid, f"block {why}; fetching it failed: {exc}") from exc
+        try:
+            self.blocks.put(cid, data)  # verifies
+        except BlockMismatch as exc:
+            raise ContentUnavailable(cid, f"fetched block rejected: {exc}") from None
+        return data
+
+    # ---- adding --------------------------------------------------------------------------------
+
+    def add_stream(
+        self,
+        stream: BinaryIO,
+        cid_version: int = 0,
+        only_hash: bool = False,
+        progress: Progress | None = None,
+    ) -> str:
+        """Import ``stream`` as a UnixFS file; store its blocks unless ``only_hash``; return the CID."""
+        root = None
+        for cid, data in import_stream(stream, cid_version=cid_version, progress=progress):
+            if not only_hash:
+                self.blocks.put(cid, data)
+            root = cid
+        assert root is not None  # the importer always yields a root, even for empty input
+        return cid_str(root)
+
+    def add_bytes(self, data: bytes, cid_version: int = 0, only_hash: bool = False) -> str:
+        return self.add_stream(io.BytesIO(data), cid_version, only_hash)
+
+    def add_file(
+        self,
+        path: Path,
+        cid_version: int = 0,
+        only_hash: bool = False,
+        progress: Progress | None = None,
+    ) -> str:
+        with open(path, "rb") as f:
+            return self.add_stream(f, cid_version, only_hash, progress)
+
+    # ---- reading -------------------------------------------------------------------------------
+
+    def iter_cat(self, cid: CID | str) -> Iterator[bytes]:
+        """The file's bytes in order, chunk by chunk, each block verified (a file need not fit in RAM)."""
+        return read_file(parse_cid(cid), self.block)
+
+    def cat(self, cid: CID | str) -> bytes:
+        return b"".join(self.iter_cat(cid))
+
+    def get(self, cid: CID | str, out_path: Path, progress: Progress | None = None) -> None:
+        out_path = Path(out_path)
+        tmp = out_path.with_name(f".{out_path.name}.{secrets.token_hex(6)}.part")
+        try:
+            with open(tmp, "xb") as f:
+                for chunk in self.iter_cat(cid):
+                    f.write(chunk)
+                    if progress:
+                        progress(len(chunk))
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, out_path)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def _walk(self, cid: CID, get: Callable[[CID], bytes]) -> None:
+        """Visit every block of the DAG through ``get``, reading each dag-pb node's links."""
+        data = get(cid)
+        if cid.codec.name == "dag-pb":
+            try:
+                links = decode_node(data).links
+            except DecodeError as exc:
+                raise ContentUnavailable(cid, f"not a dag-pb node: {exc}") from None
+            for link in links:
+                self._walk(link.cid, get)
+
+    def has(self, cid: CID | str) -> bool:
+        try:
+            self._walk(parse_cid(cid), self.blocks.get)
+        except (BlockNotFound, CorruptBlock, ContentUnavailable):
+            return False
+        return True
+
+    # ---- pins ----------------------------------------------------------------------------------
+
+    def pin_add(self, cid: CID | str, recursive: bool = True) -> None:
+        """Pin ``cid`` after making it local: the whole DAG if ``recursive``, else its root block."""
+        cid = parse_cid(cid)
+        if recursive:
+            self._walk(cid, self.block)
+        else:
+            self.block(cid)
+        self.blocks.pin_add(cid, recursive)
+
+    def pin_rm(self, cid: CID | str) -> None:
+        if not self.blocks.pin_rm(cid):
+            raise ContentUnavailable(cid, "not pinned")
+
+    def pin_ls(self) -> dict[str, str]:
+        return self.blocks.pin_ls()

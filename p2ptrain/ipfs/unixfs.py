@@ -1,0 +1,186 @@
+"""Files as IPFS DAGs, byte-for-byte like Kubo's ``ipfs add`` defaults, and back again.
+
+Importing: 256 KiB fixed-size chunks; a balanced tree of at most 174 links per node; CIDv0 with dag-pb
+UnixFS leaves, or (``cid_version=1``) CIDv1 with raw leaves, as Kubo's CLI does. Matching Kubo exactly
+is the point: a CID we print must name the same bytes on any IPFS node. The importer streams (one chunk
+and one pending link list per tree level in memory) and yields blocks leaves-first, the root last.
+
+Reading walks a DAG through a block getter and verifies every block against the CID that named it, so
+the bytes it yields are the ones the root CID promises, whoever served them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Generator, Iterator
+from dataclasses import dataclass
+from typing import BinaryIO
+
+from p2ptrain.ipfs.cid import CID, DAG_PB, RAW, cid_from_digest, verify_block
+from p2ptrain.ipfs.dagpb import (
+    FILE,
+    RAW_TYPE,
+    DecodeError,
+    decode_node,
+    decode_unixfs,
+    encode_file_leaf,
+    encode_file_node,
+)
+
+CHUNK_SIZE = 256 * 1024
+MAX_LINKS = 174
+# log_174 of any real file size is < 10; a deeper DAG is malicious or broken.
+MAX_DEPTH = 32
+
+Block = tuple[CID, bytes]
+
+
+@dataclass(frozen=True)
+class _Link:
+    cid: CID
+    tsize: int  # bytes of the whole subtree's blocks (dag-pb's Tsize)
+    filesize: int  # bytes of file content under it
+
+
+class _Chunker:
+    """Fixed-size chunks of a stream with one chunk of look-ahead, so "done" is known before reading."""
+
+    def __init__(self, stream: BinaryIO, size: int, progress: Callable[[int], None] | None) -> None:
+        self._stream, self._size, self._progress = stream, size, progress
+        self._next = self._read()
+
+    def _read(self) -> bytes:
+        data = self._stream.read(self._size)
+        while data and len(data) < self._size:  # short reads from pipes and raw files
+            more = self._stream.read(self._size - len(data))
+            if not more:
+                break
+            data += more
+        return data
+
+    @property
+    def done(self) -> bool:
+        return not self._next
+
+    def take(self) -> bytes:
+        chunk, self._next = self._next, self._read()
+        if self._progress:
+            self._progress(len(chunk))
+        return chunk
+
+
+class _Importer:
+    def __init__(self, chunker: _Chunker, cid_version: int, raw_leaves: bool) -> None:
+        self.chunks, self.version, self.raw_leaves = chunker, cid_version, raw_leaves
+
+    def _leaf(self, chunk: bytes) -> Generator[Block, None, _Link]:
+        if self.raw_leaves:
+            cid = cid_from_digest(hashlib.sha256(chunk).digest(), RAW, 1)
+            block = chunk
+        else:
+            block = encode_file_leaf(chunk)
+            cid = cid_from_digest(hashlib.sha256(block).digest(), DAG_PB, self.version)
+        yield cid, block
+        return _Link(cid, len(block), len(chunk))
+
+    def _node(self, children: list[_Link]) -> Generator[Block, None, _Link]:
+        block = encode_file_node(
+            [(bytes(c.cid), c.tsize) for c in children], [c.filesize for c in children]
+        )
+        cid = cid_from_digest(hashlib.sha256(block).digest(), DAG_PB, self.version)
+        yield cid, block
+        return _Link(
+            cid, len(block) + sum(c.tsize for c in children), sum(c.filesize for c in children)
+        )
+
+    def _fill(self, children: list[_Link], depth: int) -> Generator[Block, None, _Link]:
+        """go-unixfs' fillNodeRec: fill a node of ``depth`` with up to 174 full subtrees."""
+        while len(children) < MAX_LINKS and not self.chunks.done:
+            if depth == 1:
+                child = yield from self._leaf(self.chunks.take())
+            else:
+                child = yield from self._fill([], depth - 1)
+            children.append(child)
+        return (yield from self._node(children))
+
+    def layout(self) -> Generator[Block, None, _Link]:
+        """go-unixfs' balanced layout: grow a new root above the old one whenever the tree is full."""
+        root = yield from self._leaf(self.chunks.take())  # the empty file is one empty leaf
+        depth = 1
+        while not self.chunks.done:
+            root = yield from self._fill([root], depth)
+            depth += 1
+        return root
+
+
+def import_stream(
+    stream: BinaryIO,
+    cid_version: int = 0,
+    raw_leaves: bool | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> Iterator[Block]:
+    """Yield the blocks of ``stream`` as a UnixFS file, leaves first; the last block is the root.
+
+    ``raw_leaves`` defaults to Kubo's CLI choice: raw leaves with CIDv1, UnixFS leaves with CIDv0.
+    ``progress`` is called with the byte count of each chunk read (``tqdm.update`` fits).
+    """
+    if cid_version not in (0, 1):
+        raise ValueError(f"cid_version must be 0 or 1, not {cid_version!r}")
+    if raw_leaves is None:
+        raw_leaves = cid_version == 1
+    if raw_leaves and cid_version == 0:
+        raise ValueError("raw leaves need CIDv1")
+    importer = _Importer(_Chunker(stream, CHUNK_SIZE, progress), cid_version, raw_leaves)
+    yield from importer.layout()
+
+
+class DagError(ValueError):
+    """A DAG that is not a UnixFS file we can read (wrong type, inconsistent sizes, too deep)."""
+
+    def __init__(self, cid: CID, message: str) -> None:
+        super().__init__(f"{cid}: {message}")
+        self.cid = cid
+
+
+def read_file(root: CID, get_block: Callable[[CID], bytes]) -> Iterator[bytes]:
+    """Yield the content of the UnixFS file ``root`` in order, verifying every block it fetches.
+
+    Checks that each subtree yields exactly the size its parent declares, so a DAG cannot claim one
+    length and deliver another. Raises :class:`~p2ptrain.ipfs.cid.BlockMismatch` for a block whose
+    hash is wrong and :class:`DagError` for a well-hashed but unusable DAG.
+    """
+    yield from _read(root, get_block, None, 0)
+
+
+def _read(
+    cid: CID, get_block: Callable[[CID], bytes], expect: int | None, depth: int
+) -> Iterator[bytes]:
+    if depth > MAX_DEPTH:
+        raise DagError(cid, f"DAG deeper than {MAX_DEPTH} levels")
+    block = get_block(cid)
+    verify_block(cid, block)
+    if cid.codec.name == RAW:
+        if expect is not None and len(block) != expect:
+            raise DagError(cid, f"raw leaf has {len(block)} bytes, parent says {expect}")
+        yield block
+        return
+    try:
+        node = decode_node(block)
+        if node.data is None:
+            raise DecodeError("dag-pb node without UnixFS data")
+        meta = decode_unixfs(node.data)
+    except DecodeError as exc:
+        raise DagError(cid, f"not a UnixFS file node: {exc}") from None
+    if meta.type not in (FILE, RAW_TYPE):
+        raise DagError(cid, f"UnixFS type {meta.type} is not a file (directories are not supported)")
+    if node.links and len(meta.blocksizes) != len(node.links):
+        raise DagError(cid, f"{len(node.links)} links but {len(meta.blocksizes)} block sizes")
+    own = len(meta.data or b"")
+    total = own + sum(meta.blocksizes)
+    for declared in (meta.filesize, expect):
+        if declared is not None and declared != total:
+            raise DagError(cid, f"node holds {total} bytes of file, but {declared} are declared")
+    if meta.data:
+        yield meta.data
+    for link, size in zip(node.links, meta.blocksizes):
+        yield from _read(link.cid, get_block, size, depth + 1)
