@@ -1,0 +1,210 @@
+"""Message-framed bulk channels over libp2p streams.
+
+A :class:`Channel` wraps one long-lived libp2p stream (Noise-secured, yamux-multiplexed) and carries
+whole messages: each message is an 8-byte big-endian length followed by that many bytes. Nothing on
+the wire is ever unpickled; a receiver states the largest message it will accept, and a larger one
+closes the channel with a clear error before a byte of its body is buffered.
+
+Errors are ours (:class:`ChannelClosed`, :class:`ChannelError`) and name the remote peer, so callers
+never handle libp2p's internal exception zoo.
+
+How callers must behave (flow control): the sender blocks once the receiver's yamux window is full,
+and py-libp2p's yamux fails a writer whose reader has not read for 5 s. A peer that computes for
+longer must keep a task reading, or not hold a channel open with unread data in flight. Put deadlines
+around ``send``/``recv`` with ``trio.fail_after``.
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+from collections.abc import Awaitable, Callable
+from types import TracebackType
+
+import trio
+from libp2p.abc import IHost, INetStream
+from libp2p.custom_types import TProtocol
+from libp2p.peer.id import ID
+
+logger = logging.getLogger(__name__)
+
+_LENGTH = struct.Struct(">Q")
+# Read from the muxer in large pieces: each read() costs a window update and several trio yields.
+_READ_SIZE = 4 * 1024 * 1024
+
+
+def short_id(peer_id: ID) -> str:
+    """The last characters of a peer ID, enough to tell peers apart in a log line."""
+    text = peer_id.to_base58()
+    return text[-8:]
+
+
+class ChannelError(Exception):
+    """A channel failed: protocol violation, oversize message, or the transport broke."""
+
+    def __init__(self, peer_id: ID | None, message: str) -> None:
+        self.peer_id = peer_id
+        who = short_id(peer_id) if peer_id is not None else "?"
+        super().__init__(f"peer {who}: {message}")
+
+
+class ChannelClosed(ChannelError):
+    """The channel is closed: the peer closed or reset it, or we did."""
+
+
+class MessageTooLarge(ChannelError):
+    """The peer announced a message larger than the receiver's ``max_len``; the channel is closed."""
+
+
+class Channel:
+    """Whole messages, in order, over one libp2p stream.
+
+    One task may ``send`` while another ``recv``s; concurrent sends (or concurrent recvs) are
+    serialized so messages never interleave.
+    """
+
+    def __init__(self, stream: INetStream) -> None:
+        self._stream = stream
+        self.remote_peer: ID = stream.muxed_conn.peer_id
+        self._buf = bytearray()
+        self._send_lock = trio.Lock()
+        self._recv_lock = trio.Lock()
+        self._closed = False
+
+    def __repr__(self) -> str:
+        return f"<Channel to {short_id(self.remote_peer)}>"
+
+    async def send(self, data: bytes | bytearray | memoryview) -> None:
+        """Send one message (may be empty). Returns once the muxer has taken all of it."""
+        if self._closed:
+            raise ChannelClosed(self.remote_peer, "send on a closed channel")
+        view = memoryview(data).cast("B")
+        async with self._send_lock:
+            try:
+                await self._stream.write(_LENGTH.pack(len(view)) + view)
+            except trio.Cancelled:
+                raise
+            except Exception as error:
+                await self._abort()
+                raise ChannelClosed(
+                    self.remote_peer, f"send failed ({type(error).__name__}: {error})"
+                ) from error
+
+    async def recv(self, max_len: int) -> bytes:
+        """Receive one whole message of at most ``max_len`` bytes.
+
+        A larger announced length raises :class:`MessageTooLarge` and closes the channel (its body
+        is never read). End of stream, before or inside a message, raises :class:`ChannelClosed`.
+        """
+        if self._closed:
+            raise ChannelClosed(self.remote_peer, "recv on a closed channel")
+        async with self._recv_lock:
+            await self._fill(_LENGTH.size, what="message header")
+            (length,) = _LENGTH.unpack_from(self._buf)
+            if length > max_len:
+                await self._abort()
+                raise MessageTooLarge(
+                    self.remote_peer,
+                    f"message of {length} bytes exceeds the limit of {max_len}; channel closed",
+                )
+            del self._buf[: _LENGTH.size]
+            await self._fill(length, what=f"message of {length} bytes")
+            message = bytes(self._buf[:length])
+            del self._buf[:length]
+            return message
+
+    async def _fill(self, n: int, *, what: str) -> None:
+        """Read until the buffer holds at least ``n`` bytes."""
+        while len(self._buf) < n:
+            try:
+                chunk = await self._stream.read(max(_READ_SIZE, n - len(self._buf)))
+            except trio.Cancelled:
+                raise
+            except Exception as error:
+                await self._abort()
+                raise ChannelClosed(
+                    self.remote_peer,
+                    f"stream ended with {len(self._buf)} of {n} bytes of a {what} "
+                    f"({type(error).__name__})",
+                ) from error
+            if not chunk:
+                await self._abort()
+                raise ChannelClosed(
+                    self.remote_peer, f"stream ended with {len(self._buf)} of {n} bytes of a {what}"
+                )
+            self._buf += chunk
+
+    async def _abort(self) -> None:
+        """Reset the stream after an error; the peer sees a reset, not a clean end."""
+        if self._closed:
+            return
+        self._closed = True
+        with trio.CancelScope(shield=True):
+            try:
+                await self._stream.reset()
+            except Exception as error:  # the connection may already be gone
+                logger.debug("reset of channel to %s failed: %s", short_id(self.remote_peer), error)
+
+    async def aclose(self) -> None:
+        """Close our side cleanly; the peer's ``recv`` then raises :class:`ChannelClosed`."""
+        if self._closed:
+            return
+        self._closed = True
+        with trio.CancelScope(shield=True):
+            try:
+                await self._stream.close()
+            except Exception as error:
+                logger.debug("close of channel to %s failed: %s", short_id(self.remote_peer), error)
+
+    async def __aenter__(self) -> Channel:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc is None:
+            await self.aclose()
+        else:
+            await self._abort()
+
+
+async def open_channel(host: IHost, peer_id: ID, protocol: str) -> Channel:
+    """Open a channel to ``peer_id`` (already connected or in the peerstore) for ``protocol``."""
+    try:
+        stream = await host.new_stream(peer_id, [TProtocol(protocol)])
+    except trio.Cancelled:
+        raise
+    except Exception as error:
+        raise ChannelError(
+            peer_id, f"cannot open {protocol} ({type(error).__name__}: {error})"
+        ) from error
+    return Channel(stream)
+
+
+def serve_channels(
+    host: IHost, protocol: str, handler: Callable[[Channel], Awaitable[None]]
+) -> None:
+    """Run ``handler`` for every inbound channel on ``protocol``.
+
+    The channel is closed when the handler returns and reset if it raises. A handler's
+    :class:`ChannelError` (a peer went away) is logged, not raised: an exception escaping into
+    libp2p's stream machinery would tear down the whole connection to that peer.
+    """
+
+    async def _on_stream(stream: INetStream) -> None:
+        channel = Channel(stream)
+        try:
+            await handler(channel)
+        except ChannelError as error:
+            logger.info("%s handler on %s ended: %s", protocol, channel, error)
+            await channel._abort()
+        except Exception:
+            logger.exception("%s handler on %s failed", protocol, channel)
+            await channel._abort()
+        else:
+            await channel.aclose()
+
+    host.set_stream_handler(TProtocol(protocol), _on_stream)
