@@ -11,7 +11,9 @@ from p2ptrain import __version__
 from p2ptrain.errors import UserError
 
 # Each module registers one command group with ``add_parser(subparsers)``.
-GROUPS: list[str] = []
+GROUPS: list[str] = [
+    "ipfs",
+]
 
 
 def build_parser() -> argparse.ArgumentParser:

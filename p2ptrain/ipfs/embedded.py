@@ -41,7 +41,9 @@ class EmbeddedStore:
         except CorruptBlock as exc:
             why = str(exc)
         if self.fetch_block is None:
-            raise ContentUnavailable(cid, f"block {why} and no network fetcher is attached")
+            raise ContentUnavailable(
+                cid, f"block {why} ({self.blocks.root}) and no network fetcher is attached"
+            )
         try:
             data = self.fetch_block(cid)
         except ContentUnavailable:

@@ -1,0 +1,151 @@
+"""``p2ptrain ipfs …``: add, cat, get and pin content by CID, with the same CIDs Kubo's commands print.
+
+Without a running node these commands use the home's store directly (or a Kubo daemon with ``--ipfs``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from p2ptrain.errors import UserError
+from p2ptrain.identity import default_home
+from p2ptrain.ipfs.blockstore import PinFileError
+from p2ptrain.ipfs.cid import BlockMismatch, InvalidCID
+from p2ptrain.ipfs.store import ContentStore, ContentUnavailable, open_store
+from p2ptrain.ipfs.unixfs import DagError
+
+# Below this a bar is noise when stderr is not a terminal (logs, CI); above it a silent minute worries.
+LARGE_FILE = 256 * 1024 * 1024
+CONTENT_ERRORS = (InvalidCID, BlockMismatch, ContentUnavailable, DagError, PinFileError)
+
+
+def add_store_options(parser: argparse.ArgumentParser) -> None:
+    """``--home`` and ``--ipfs``, shared by every command that reads or writes content."""
+    parser.add_argument("--home", type=Path, default=None, help="node home (default: ~/.p2ptrain)")
+    parser.add_argument(
+        "--ipfs",
+        metavar="API",
+        default=None,
+        help="use a Kubo daemon's RPC API (e.g. http://127.0.0.1:5001) instead of the embedded store",
+    )
+
+
+def store_from_args(args: argparse.Namespace) -> ContentStore:
+    return open_store(args.home or default_home(), ipfs_api=args.ipfs)
+
+
+@contextmanager
+def content_errors() -> Iterator[None]:
+    """Turn the content layer's errors into one-line user errors."""
+    try:
+        yield
+    except CONTENT_ERRORS as exc:
+        raise UserError(str(exc)) from None
+
+
+@contextmanager
+def progress_bar(desc: str, total: int | None) -> Iterator[Callable[[int], None] | None]:
+    """A tqdm byte counter on stderr when someone is watching or the job is long, else nothing."""
+    if not (sys.stderr.isatty() or (total or 0) >= LARGE_FILE):
+        yield None
+        return
+    from tqdm import tqdm
+
+    with tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, leave=False,
+              file=sys.stderr) as bar:
+        yield bar.update
+
+
+def cmd_add(args: argparse.Namespace) -> int:
+    path = Path(args.file)
+    if not path.is_file():
+        raise UserError(f"{path}: not a file")
+    store = store_from_args(args)
+    with content_errors(), progress_bar(f"add {path.name}", path.stat().st_size) as progress:
+        cid = store.add_file(path, cid_version=args.cid_version, only_hash=args.only_hash,
+                             progress=progress)
+    print(cid)
+    return 0
+
+
+def cmd_cat(args: argparse.Namespace) -> int:
+    with content_errors():
+        data = store_from_args(args).cat(args.cid)
+    sys.stdout.buffer.write(data)
+    sys.stdout.buffer.flush()
+    return 0
+
+
+def cmd_get(args: argparse.Namespace) -> int:
+    out = Path(args.output or args.cid)
+    if not out.parent.is_dir():
+        raise UserError(f"{out.parent}: no such directory")
+    with content_errors(), progress_bar(f"get {args.cid[:16]}", None) as progress:
+        store_from_args(args).get(args.cid, out, progress=progress)
+    print(f"saved {args.cid} to {out}", file=sys.stderr)
+    return 0
+
+
+def cmd_pin_add(args: argparse.Namespace) -> int:
+    with content_errors():
+        store_from_args(args).pin_add(args.cid, recursive=args.recursive)
+    print(f"pinned {args.cid} {'recursively' if args.recursive else 'directly'}")
+    return 0
+
+
+def cmd_pin_rm(args: argparse.Namespace) -> int:
+    with content_errors():
+        store_from_args(args).pin_rm(args.cid)
+    print(f"unpinned {args.cid}")
+    return 0
+
+
+def cmd_pin_ls(args: argparse.Namespace) -> int:
+    with content_errors():
+        pins = store_from_args(args).pin_ls()
+    for cid, kind in sorted(pins.items()):
+        print(f"{cid} {kind}")
+    return 0
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    group = sub.add_parser("ipfs", help="add, read and pin content by IPFS CID")
+    cmds = group.add_subparsers(dest="ipfs_command", metavar="SUBCOMMAND", required=True)
+
+    p = cmds.add_parser("add", help="add a file and print its CID (the same CID as Kubo's ipfs add)")
+    p.add_argument("file", metavar="FILE")
+    p.add_argument("-n", "--only-hash", action="store_true", help="only compute the CID, store nothing")
+    p.add_argument("--cid-version", type=int, choices=(0, 1), default=0,
+                   help="0: CIDv0, dag-pb leaves (Kubo's default); 1: CIDv1, raw leaves")
+    add_store_options(p)
+    p.set_defaults(func=cmd_add)
+
+    p = cmds.add_parser("cat", help="write a file's bytes to stdout")
+    p.add_argument("cid", metavar="CID")
+    add_store_options(p)
+    p.set_defaults(func=cmd_cat)
+
+    p = cmds.add_parser("get", help="save a file (written atomically)")
+    p.add_argument("cid", metavar="CID")
+    p.add_argument("-o", "--output", metavar="PATH", help="where to write (default: ./CID)")
+    add_store_options(p)
+    p.set_defaults(func=cmd_get)
+
+    pin = cmds.add_parser("pin", help="keep content in the local store")
+    pins = pin.add_subparsers(dest="pin_command", metavar="ACTION", required=True)
+    p = pins.add_parser("add", help="fetch the whole DAG and pin it")
+    p.add_argument("cid", metavar="CID")
+    p.add_argument("--direct", dest="recursive", action="store_false", help="pin the root block only")
+    add_store_options(p)
+    p.set_defaults(func=cmd_pin_add)
+    p = pins.add_parser("rm", help="unpin")
+    p.add_argument("cid", metavar="CID")
+    add_store_options(p)
+    p.set_defaults(func=cmd_pin_rm)
+    p = pins.add_parser("ls", help="list pins")
+    add_store_options(p)
+    p.set_defaults(func=cmd_pin_ls)
