@@ -12,7 +12,6 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from p2ptrain.errors import UserError
-from p2ptrain.identity import default_home
 from p2ptrain.ipfs.blockstore import PinFileError
 from p2ptrain.ipfs.cid import BlockMismatch, InvalidCID
 from p2ptrain.ipfs.store import ContentStore, ContentUnavailable, open_store
@@ -35,7 +34,11 @@ def add_store_options(parser: argparse.ArgumentParser) -> None:
 
 
 def store_from_args(args: argparse.Namespace) -> ContentStore:
-    return open_store(args.home or default_home(), ipfs_api=args.ipfs)
+    if args.home is None:
+        from p2ptrain.identity import default_home  # imports libp2p (~1 s): only when needed
+
+        args.home = default_home()
+    return open_store(args.home, ipfs_api=args.ipfs)
 
 
 @contextmanager

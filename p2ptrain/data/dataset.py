@@ -1,0 +1,138 @@
+"""``IPFSDataset``: a PyTorch iterable dataset that streams verified shards by CID.
+
+Each reader (rank × DataLoader worker) gets a disjoint set of shards and fetches only those, through the
+content store, which verifies every block and keeps it, so the second epoch reads from local disk. While
+one shard is consumed the next is fetched in a background thread. Order is a pure function of
+``(seed, epoch)``: every worker computes the same shard permutation and takes its own slice, so with
+``set_epoch`` each epoch sees every sample of the selection exactly once, in a new order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
+
+from p2ptrain.data.manifest import Manifest, ShardRef
+from p2ptrain.data.shards import ShardError, decode_shard
+from p2ptrain.ipfs.cid import BlockMismatch
+from p2ptrain.ipfs.store import ContentStore, ContentUnavailable, open_store
+from p2ptrain.ipfs.unixfs import DagError
+
+
+class ShardUnavailable(RuntimeError):
+    """A shard the dataset needs cannot be had, or is not what the manifest promises."""
+
+    def __init__(self, split: str, index: int, cid: str, reason: str) -> None:
+        super().__init__(f"shard {index} of split {split!r} ({cid}) cannot be used: {reason}")
+        self.cid = cid
+
+
+class IPFSDataset(IterableDataset):
+    """Samples ``(features, label)`` of one split of the dataset whose manifest is ``manifest_cid``.
+
+    Choose shards with ``shard_ids`` (indices into the split), or with ``rank``/``world_size``
+    (shard ``i`` goes to rank ``i % world_size``), or neither for all. Give a ``store``, or a ``home``
+    for the embedded store of that node home. With ``DataLoader(num_workers=k)`` the selection is
+    split again across workers; call :meth:`set_epoch` before each epoch (without persistent workers)
+    to reshuffle.
+    """
+
+    def __init__(
+        self,
+        manifest_cid: str,
+        split: str = "train",
+        shard_ids: Sequence[int] | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+        store: ContentStore | None = None,
+        home: Path | None = None,
+        seed: int = 0,
+        shuffle: bool = True,
+    ) -> None:
+        super().__init__()
+        if store is None:
+            if home is None:
+                raise ValueError("IPFSDataset needs a store or a home")
+            store = open_store(Path(home))
+        self.store = store
+        self.manifest_cid = manifest_cid
+        self.manifest = Manifest.load(store, manifest_cid)
+        self.split = split
+        self.seed = seed
+        self.shuffle = shuffle
+        self.epoch = 0
+        self.shard_ids = self._select(len(self.manifest.shards(split)), shard_ids, rank, world_size)
+
+    @staticmethod
+    def _select(
+        count: int, shard_ids: Sequence[int] | None, rank: int | None, world_size: int | None
+    ) -> list[int]:
+        if (rank is None) != (world_size is None):
+            raise ValueError("give rank and world_size together")
+        if shard_ids is not None and rank is not None:
+            raise ValueError("give shard_ids or rank/world_size, not both")
+        if shard_ids is not None:
+            ids = list(shard_ids)
+            bad = [i for i in ids if not 0 <= i < count]
+            if bad or len(set(ids)) != len(ids):
+                raise ValueError(f"shard_ids must be distinct indices in [0, {count}): {ids}")
+            return ids
+        if rank is not None:
+            if not 0 <= rank < world_size:
+                raise ValueError(f"rank {rank} is outside world_size {world_size}")
+            return list(range(rank, count, world_size))
+        return list(range(count))
+
+    def set_epoch(self, epoch: int) -> None:
+        """Pick the epoch whose order the next iteration uses (same seed + epoch = same order)."""
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        """Samples in this selection (all workers together)."""
+        shards = self.manifest.shards(self.split)
+        return sum(shards[i].num_samples for i in self.shard_ids)
+
+    def _my_shards(self) -> list[int]:
+        ids = list(self.shard_ids)
+        if self.shuffle:
+            rng = np.random.default_rng([self.seed, self.epoch])
+            ids = [ids[i] for i in rng.permutation(len(ids))]
+        worker = get_worker_info()
+        if worker is not None:
+            ids = ids[worker.id :: worker.num_workers]
+        return ids
+
+    def load_shard(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Fetch (or read from cache), verify and decode shard ``index`` of the split."""
+        ref: ShardRef = self.manifest.shards(self.split)[index]
+        try:
+            data = self.store.cat(ref.cid)
+            features, labels = decode_shard(
+                data, self.manifest.features, self.manifest.labels, ref.num_samples
+            )
+        except ContentUnavailable as exc:
+            raise ShardUnavailable(self.split, index, ref.cid, exc.reason) from exc
+        except (BlockMismatch, DagError, ShardError) as exc:
+            raise ShardUnavailable(self.split, index, ref.cid, str(exc)) from exc
+        return torch.from_numpy(features), torch.from_numpy(labels)
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        ids = self._my_shards()
+        if not ids:
+            return
+        with ThreadPoolExecutor(1, thread_name_prefix="ipfs-prefetch") as prefetch:
+            pending = prefetch.submit(self.load_shard, ids[0])
+            for k, index in enumerate(ids):
+                features, labels = pending.result()
+                if k + 1 < len(ids):
+                    pending = prefetch.submit(self.load_shard, ids[k + 1])
+                if self.shuffle:
+                    rng = np.random.default_rng([self.seed, self.epoch, index])
+                    order = torch.from_numpy(rng.permutation(len(labels)))
+                    features, labels = features[order], labels[order]
+                yield from zip(features.unbind(0), labels.unbind(0))

@@ -1,0 +1,166 @@
+"""The dataset manifest: what a dataset CID names — splits of shards by CID, with sample counts and specs.
+
+A manifest is canonical JSON (sorted keys, no spaces, UTF-8) stored as a file in the content store, so
+its CID names exactly one manifest and peers that build the same dataset get the same CID. It arrives
+from the network, so :meth:`Manifest.from_json` is strict: known keys only, bounded sizes, valid CIDs,
+and bytes that are not in canonical form are refused (two encodings of one manifest would make two CIDs).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from p2ptrain.ipfs.cid import InvalidCID, cid_str, parse_cid
+from p2ptrain.ipfs.store import ContentStore
+
+SCHEMA = "p2ptrain.dataset"
+VERSION = 1
+MAX_MANIFEST_BYTES = 4 * 1024 * 1024
+MAX_SHARDS = 100_000
+MAX_DIMS = 8
+DTYPES = frozenset(
+    {"float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "bool"}
+)
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+
+class ManifestError(ValueError):
+    """Bytes that are not a valid dataset manifest."""
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """The dtype and per-sample shape of one array of every shard."""
+
+    dtype: str
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ShardRef:
+    cid: str
+    num_samples: int
+
+
+@dataclass(frozen=True)
+class Manifest:
+    name: str
+    features: TensorSpec
+    labels: TensorSpec
+    splits: dict[str, tuple[ShardRef, ...]]
+
+    def num_samples(self, split: str) -> int:
+        return sum(s.num_samples for s in self.shards(split))
+
+    def shards(self, split: str) -> tuple[ShardRef, ...]:
+        try:
+            return self.splits[split]
+        except KeyError:
+            raise ManifestError(
+                f"dataset {self.name!r} has no split {split!r} (it has {', '.join(self.splits)})"
+            ) from None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema": SCHEMA,
+            "version": VERSION,
+            "name": self.name,
+            "features": {"dtype": self.features.dtype, "shape": list(self.features.shape)},
+            "labels": {"dtype": self.labels.dtype, "shape": list(self.labels.shape)},
+            "splits": {
+                split: [{"cid": s.cid, "num_samples": s.num_samples} for s in shards]
+                for split, shards in self.splits.items()
+            },
+        }
+
+    def to_json(self) -> bytes:
+        """The canonical encoding; validated, so a manifest we write is one we would accept."""
+        data = _canonical(self.to_dict())
+        Manifest.from_json(data)
+        return data
+
+    @classmethod
+    def from_json(cls, data: bytes) -> Manifest:
+        if len(data) > MAX_MANIFEST_BYTES:
+            raise ManifestError(f"manifest of {len(data)} bytes exceeds {MAX_MANIFEST_BYTES}")
+        try:
+            raw = json.loads(data)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise ManifestError(f"manifest is not JSON: {exc}") from None
+        manifest = _parse(raw)
+        if _canonical(raw) != data:
+            raise ManifestError("manifest is not in canonical JSON form (sorted keys, no spaces)")
+        return manifest
+
+    def save(self, store: ContentStore) -> str:
+        """Store the manifest and return its CID."""
+        return store.add_bytes(self.to_json(), cid_version=1)
+
+    @classmethod
+    def load(cls, store: ContentStore, cid: str) -> Manifest:
+        return cls.from_json(store.cat(cid))
+
+
+def _canonical(value: Any) -> bytes:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def _keys(obj: Any, where: str, keys: set[str]) -> dict[str, Any]:
+    if not isinstance(obj, dict):
+        raise ManifestError(f"{where} must be an object")
+    if set(obj) != keys:
+        raise ManifestError(f"{where} must have exactly the keys {sorted(keys)}, not {sorted(obj)}")
+    return obj
+
+
+def _int(value: Any, where: str, low: int) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < low or value >= 1 << 53:
+        raise ManifestError(f"{where} must be an integer >= {low}")
+    return value
+
+
+def _spec(obj: Any, where: str) -> TensorSpec:
+    obj = _keys(obj, where, {"dtype", "shape"})
+    if obj["dtype"] not in DTYPES:
+        raise ManifestError(f"{where}.dtype must be one of {sorted(DTYPES)}")
+    shape = obj["shape"]
+    if not isinstance(shape, list) or len(shape) > MAX_DIMS:
+        raise ManifestError(f"{where}.shape must be a list of at most {MAX_DIMS} sizes")
+    return TensorSpec(obj["dtype"], tuple(_int(n, f"{where}.shape", 1) for n in shape))
+
+
+def _parse(raw: Any) -> Manifest:
+    raw = _keys(raw, "manifest", {"schema", "version", "name", "features", "labels", "splits"})
+    if raw["schema"] != SCHEMA or raw["version"] != VERSION:
+        raise ManifestError(f"not a {SCHEMA} version {VERSION} manifest")
+    if not isinstance(raw["name"], str) or not _NAME.match(raw["name"]):
+        raise ManifestError("name must be 1-64 characters of letters, digits, '.', '_', '-'")
+    if not isinstance(raw["splits"], dict) or not raw["splits"]:
+        raise ManifestError("splits must be a non-empty object")
+    splits: dict[str, tuple[ShardRef, ...]] = {}
+    total = 0
+    for split, shards in raw["splits"].items():
+        if not _NAME.match(split):
+            raise ManifestError(f"split name {split!r} is not allowed")
+        if not isinstance(shards, list) or not shards:
+            raise ManifestError(f"split {split!r} must be a non-empty list of shards")
+        total += len(shards)
+        if total > MAX_SHARDS:
+            raise ManifestError(f"more than {MAX_SHARDS} shards")
+        refs = []
+        for i, shard in enumerate(shards):
+            where = f"splits.{split}[{i}]"
+            shard = _keys(shard, where, {"cid", "num_samples"})
+            try:
+                cid = cid_str(parse_cid(shard["cid"])) if isinstance(shard["cid"], str) else None
+            except InvalidCID as exc:
+                raise ManifestError(f"{where}.cid: {exc}") from None
+            if cid != shard["cid"]:
+                raise ManifestError(f"{where}.cid must be a CID in canonical text form")
+            refs.append(ShardRef(cid, _int(shard["num_samples"], f"{where}.num_samples", 1)))
+        splits[split] = tuple(refs)
+    return Manifest(raw["name"], _spec(raw["features"], "features"), _spec(raw["labels"], "labels"),
+                    splits)

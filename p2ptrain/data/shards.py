@@ -1,0 +1,53 @@
+"""Dataset shards: one safetensors file per shard holding ``features`` and ``labels``.
+
+safetensors because shard bytes come from other peers: the format is a JSON header plus raw arrays, so
+reading one cannot run code (unlike pickle, ``torch.load`` or ``np.load(allow_pickle=True)``). A shard is
+also checked against the manifest's dtypes, shapes and sample count before anyone trains on it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from safetensors import SafetensorError
+from safetensors.numpy import load, save
+
+from p2ptrain.data.manifest import TensorSpec
+
+KEYS = ("features", "labels")
+
+
+class ShardError(ValueError):
+    """Shard bytes that do not hold what the manifest promises."""
+
+
+def encode_shard(features: np.ndarray, labels: np.ndarray) -> bytes:
+    if len(features) != len(labels) or len(features) == 0:
+        raise ValueError(f"a shard needs as many labels as samples (>0): {len(features)}, {len(labels)}")
+    return save({"features": np.ascontiguousarray(features), "labels": np.ascontiguousarray(labels)})
+
+
+def spec_of(array: np.ndarray) -> TensorSpec:
+    """The per-sample spec of a batch array (its first axis is the sample axis)."""
+    return TensorSpec(str(array.dtype), tuple(int(n) for n in array.shape[1:]))
+
+
+def decode_shard(
+    data: bytes, features: TensorSpec, labels: TensorSpec, num_samples: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Parse shard bytes and check them against the manifest; :class:`ShardError` if anything differs."""
+    try:
+        arrays = load(data)
+    except (SafetensorError, ValueError, KeyError) as exc:
+        raise ShardError(f"not a safetensors file: {exc}") from None
+    if set(arrays) != set(KEYS):
+        raise ShardError(f"shard holds {sorted(arrays)}, expected {list(KEYS)}")
+    out = []
+    for key, spec in zip(KEYS, (features, labels)):
+        array = arrays[key]
+        if spec_of(array) != spec or len(array) != num_samples:
+            raise ShardError(
+                f"{key} is {array.dtype}{list(array.shape)}, manifest says "
+                f"{spec.dtype}{[num_samples, *spec.shape]}"
+            )
+        out.append(array)
+    return out[0], out[1]
