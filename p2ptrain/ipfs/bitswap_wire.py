@@ -1,0 +1,234 @@
+"""Bitswap on the wire: length-prefixed protobuf messages, as Kubo and Helia speak them.
+
+The message schema is Bitswap's own (``libp2p.bitswap.pb.bitswap_pb2``, the 1.0/1.1/1.2 ``Message``); this
+module only frames and bounds it. Everything that arrives here comes from a peer, so:
+
+* a message is at most :data:`MAX_MESSAGE_SIZE` bytes (the spec's 4 MiB; Kubo's reader has the same cap)
+  and a block at most :data:`MAX_BLOCK_SIZE`; a frame announcing more is refused before it is buffered;
+* a block's CID is *computed* from its bytes (sha2-256 of the data, named with the sender's CID prefix),
+  never taken from the sender, so a block either is the one its CID names or names nothing we asked for.
+  Prefixes with any other hash function are dropped: we cannot check them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from google.protobuf.message import DecodeError as ProtobufDecodeError
+from libp2p.bitswap.pb.bitswap_pb2 import Message
+from libp2p.custom_types import TProtocol
+from libp2p.network.stream.exceptions import StreamEOF
+from libp2p.stream_muxer.exceptions import MuxedStreamEOF
+
+from p2ptrain.ipfs.cid import CID, DAG_PB, RAW, InvalidCID, cid_from_digest, parse_cid
+from p2ptrain.ipfs.dagpb import MAX_BLOCK_SIZE, varint
+
+__all__ = [
+    "PROTOCOLS",
+    "MAX_MESSAGE_SIZE",
+    "MAX_BLOCK_SIZE",
+    "TARGET_MESSAGE_SIZE",
+    "WireError",
+    "WantEntry",
+    "Received",
+    "encode_message",
+    "decode_message",
+    "block_prefix",
+    "MessageReader",
+]
+
+# Newest first: multistream-select takes the first one both sides speak. 1.2.0 adds want-have and
+# DontHave; 1.1.0 adds CID prefixes (CIDv1); 1.0.0 is CIDv0 blocks only.
+PROTOCOLS: tuple[TProtocol, ...] = (
+    TProtocol("/ipfs/bitswap/1.2.0"),
+    TProtocol("/ipfs/bitswap/1.1.0"),
+    TProtocol("/ipfs/bitswap/1.0.0"),
+)
+PROTOCOL_1_0 = PROTOCOLS[2]
+
+MAX_MESSAGE_SIZE = 4 * 1024 * 1024
+# What our sender packs into one message. Big messages mean few Python-level writes (the cost on a
+# libp2p stream is per frame and per call, not per byte), while staying well under the 4 MiB cap.
+TARGET_MESSAGE_SIZE = 2 * 1024 * 1024
+# One read() asks the muxer for this much: yamux returns what it has buffered, up to this.
+READ_SIZE = 8 * 1024 * 1024
+
+_SHA2_256 = 0x12
+_CODECS = {0x70: DAG_PB, 0x55: RAW}
+_CODE_OF = {DAG_PB: 0x70, RAW: 0x55}
+
+
+class WireError(ValueError):
+    """A peer sent bytes that are not a Bitswap message we accept; the stream is dropped."""
+
+
+@dataclass(frozen=True)
+class WantEntry:
+    """One wantlist entry as received: a want (block or have) or a cancel."""
+
+    cid: CID
+    cancel: bool = False
+    want_have: bool = False
+    send_dont_have: bool = False
+
+
+@dataclass
+class Received:
+    """A decoded message. ``blocks`` holds ``(cid, data)`` with the CID computed from ``data``."""
+
+    wants: list[WantEntry] = field(default_factory=list)
+    full_wantlist: bool = False
+    blocks: list[tuple[CID, bytes]] = field(default_factory=list)
+    haves: list[CID] = field(default_factory=list)
+    dont_haves: list[CID] = field(default_factory=list)
+    dropped_blocks: int = 0  # blocks we could not name (unknown codec or hash): never trusted
+
+
+def block_prefix(cid: CID) -> bytes:
+    """Bitswap 1.1's CID prefix: version, codec, multihash code and length, as varints."""
+    return b"".join(
+        (varint(cid.version), varint(_CODE_OF[cid.codec.name]), varint(_SHA2_256), varint(32))
+    )
+
+
+def _read_varint(buf: bytes | bytearray, pos: int) -> tuple[int, int]:
+    """``(value, next_pos)``; ``(-1, pos)`` when ``buf`` ends before the varint does."""
+    result = shift = 0
+    while pos < len(buf):
+        b = buf[pos]
+        pos += 1
+        result |= (b & 0x7F) << shift
+        if not b & 0x80:
+            return result, pos
+        shift += 7
+        if shift > 63:
+            raise WireError("varint longer than 9 bytes")
+    return -1, pos
+
+
+def _cid_of_block(prefix: bytes, data: bytes) -> CID | None:
+    """Name ``data`` with the sender's ``prefix``; None if the prefix is one we cannot verify."""
+    version, pos = _read_varint(prefix, 0)
+    codec, pos = _read_varint(prefix, pos)
+    mh_code, pos = _read_varint(prefix, pos)
+    mh_len, pos = _read_varint(prefix, pos)
+    if pos != len(prefix) or mh_code != _SHA2_256 or mh_len != 32 or codec not in _CODECS:
+        return None
+    if version not in (0, 1) or (version == 0 and codec != 0x70):
+        return None
+    return cid_from_digest(hashlib.sha256(data).digest(), _CODECS[codec], version)
+
+
+def encode_message(
+    *,
+    wants: Iterable[WantEntry] = (),
+    blocks: Iterable[tuple[CID, bytes]] = (),
+    haves: Iterable[CID] = (),
+    dont_haves: Iterable[CID] = (),
+    protocol: str = PROTOCOLS[0],
+) -> bytes:
+    """One message with its varint length prefix, in the form ``protocol`` understands."""
+    msg = Message()
+    for want in wants:
+        entry = msg.wantlist.entries.add()
+        entry.block = bytes(want.cid)
+        if want.cancel:
+            entry.cancel = True
+        else:
+            entry.priority = 1
+            if protocol != PROTOCOL_1_0:
+                entry.wantType = Message.Wantlist.Have if want.want_have else Message.Wantlist.Block
+                entry.sendDontHave = want.send_dont_have
+    for cid, data in blocks:
+        if protocol == PROTOCOL_1_0:
+            msg.blocks.append(data)  # 1.0 peers only know CIDv0 and hash the data themselves
+        else:
+            msg.payload.add(prefix=block_prefix(cid), data=data)
+    if protocol != PROTOCOL_1_0:
+        for cid in haves:
+            msg.blockPresences.add(cid=bytes(cid), type=Message.Have)
+        for cid in dont_haves:
+            msg.blockPresences.add(cid=bytes(cid), type=Message.DontHave)
+    body = msg.SerializeToString()
+    return varint(len(body)) + body
+
+
+def _parse_peer_cid(raw: bytes) -> CID:
+    try:
+        return parse_cid(raw)
+    except InvalidCID as exc:
+        raise WireError(f"bad CID in message: {exc}") from None
+
+
+def decode_message(body: bytes) -> Received:
+    """Decode one message body (without its length prefix)."""
+    msg = Message()
+    try:
+        msg.ParseFromString(body)
+    except ProtobufDecodeError as exc:
+        raise WireError(f"not a Bitswap message: {exc}") from None
+    out = Received(full_wantlist=msg.wantlist.full)
+    for entry in msg.wantlist.entries:
+        out.wants.append(
+            WantEntry(
+                cid=_parse_peer_cid(entry.block),
+                cancel=entry.cancel,
+                want_have=entry.wantType == Message.Wantlist.Have,
+                send_dont_have=entry.sendDontHave,
+            )
+        )
+    for data in msg.blocks:  # 1.0: CIDv0 dag-pb implied
+        if len(data) > MAX_BLOCK_SIZE:
+            out.dropped_blocks += 1
+            continue
+        out.blocks.append((cid_from_digest(hashlib.sha256(data).digest(), DAG_PB, 0), data))
+    for block in msg.payload:
+        data = block.data
+        cid = _cid_of_block(block.prefix, data) if len(data) <= MAX_BLOCK_SIZE else None
+        if cid is None:
+            out.dropped_blocks += 1
+        else:
+            out.blocks.append((cid, data))
+    for presence in msg.blockPresences:
+        cid = _parse_peer_cid(presence.cid)
+        (out.haves if presence.type == Message.Have else out.dont_haves).append(cid)
+    return out
+
+
+class MessageReader:
+    """Reads length-prefixed messages off a stream with few, large reads.
+
+    Reading the stream in big gulps (and slicing messages out of a local buffer) matters for speed: each
+    ``read()`` on a py-libp2p yamux stream costs Python work and may send a window update.
+    """
+
+    def __init__(self, stream) -> None:
+        self._stream = stream
+        self._buf = bytearray()
+
+    async def next_body(self) -> bytes | None:
+        """The next message body, or None at a clean end of stream between messages."""
+        while True:
+            size, pos = _read_varint(self._buf, 0)
+            if size > MAX_MESSAGE_SIZE:
+                raise WireError(f"message of {size} bytes exceeds {MAX_MESSAGE_SIZE}")
+            if size >= 0 and len(self._buf) - pos >= size:
+                body = bytes(self._buf[pos : pos + size])
+                del self._buf[: pos + size]
+                return body
+            chunk = await _read_or_eof(self._stream)
+            if not chunk:
+                if self._buf:
+                    raise WireError(f"stream ended inside a message ({len(self._buf)} bytes pending)")
+                return None
+            self._buf += chunk
+
+
+async def _read_or_eof(stream) -> bytes:
+    """One read; b"" at end of stream (py-libp2p raises EOF errors rather than returning b"")."""
+    try:
+        return await stream.read(READ_SIZE)
+    except (StreamEOF, MuxedStreamEOF):
+        return b""

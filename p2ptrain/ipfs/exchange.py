@@ -1,0 +1,583 @@
+"""Block exchange over Bitswap: serve the blocks we hold, fetch whole DAGs from several providers at once.
+
+Why standard Bitswap (``/ipfs/bitswap/1.2.0``, falling back to 1.1 and 1.0) rather than our own protocol:
+a Kubo or Helia peer can then fetch our blocks and we theirs, with no gateway in between. We speak the
+protocol as Kubo does: each side sends messages only on the one long-lived stream *it* opened to the
+other, and reads every stream the other opened. Wants go out on our stream, blocks come back on theirs.
+
+Why our own implementation rather than ``libp2p.bitswap.BitswapClient``: that client names multi-chunk
+files with the wrong CIDs, logs per block at INFO, polls, and stalled against a real Kubo node; its
+protobuf schema is sound and is what :mod:`p2ptrain.ipfs.bitswap_wire` uses.
+
+Trust: nothing a provider says is believed. A block's CID is computed from its bytes
+(:mod:`~p2ptrain.ipfs.bitswap_wire`), so a block is accepted only when that hash is one we asked for.
+Anything else from a provider we are fetching from (a corrupted or unsolicited block) costs that
+provider its place in the fetch: its outstanding wants go to the others, and :attr:`BlockExchange.strikes`
+counts the offence. A provider that disconnects, goes silent for ``stall_timeout`` or says DontHave
+loses its outstanding wants the same way, so a fetch finishes as long as one honest provider remains.
+
+Speed: a fetch keeps ``window`` blocks outstanding per provider; a server packs blocks into ~2 MiB
+messages, written with one call each, and reads its store off the event loop. See docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import math
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import trio
+from libp2p.abc import IHost, INetStream
+from libp2p.peer.id import ID
+from libp2p.peer.peerinfo import PeerInfo
+
+from p2ptrain.ipfs.bitswap_wire import (
+    MAX_MESSAGE_SIZE,
+    PROTOCOLS,
+    TARGET_MESSAGE_SIZE,
+    MessageReader,
+    Received,
+    WantEntry,
+    WireError,
+    decode_message,
+    encode_message,
+)
+from p2ptrain.ipfs.cid import CID, DAG_PB, cid_str, parse_cid
+from p2ptrain.ipfs.dagpb import DecodeError, decode_node
+from p2ptrain.net.streams import short_id
+
+__all__ = ["BlockExchange", "BlockSource", "FetchError", "FetchStats", "open_exchange"]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_WINDOW = 32  # blocks outstanding per provider: 8 MiB of 256 KiB leaves
+DEFAULT_STALL_TIMEOUT = 10.0
+DIAL_TIMEOUT = 10.0
+_TICK = 0.25  # how often a fetch looks for stalled or disconnected providers
+_RECENT_WANTS = 1 << 16  # digests we asked for lately: a late duplicate of one is not an offence
+_SERVE_BATCH = 8  # blocks loaded from disk per thread hop
+
+
+class BlockSource(Protocol):
+    """What the exchange needs of a block store (:class:`~p2ptrain.ipfs.blockstore.BlockStore` fits).
+
+    ``get`` must verify what it returns; ``put_many`` must verify and write atomically.
+    """
+
+    def has(self, cid: CID) -> bool: ...
+
+    def get(self, cid: CID) -> bytes: ...
+
+    def put_many(self, blocks: Iterable[tuple[CID, bytes]]) -> None: ...
+
+
+class FetchError(Exception):
+    """A DAG could not be fetched: names the block, and what each provider did wrong."""
+
+    def __init__(self, cid: CID, root: CID, reasons: dict[str, str]) -> None:
+        self.cid = cid
+        self.root = root
+        self.reasons = reasons
+        tried = "; ".join(f"{peer}: {why}" for peer, why in reasons.items()) or "no providers given"
+        super().__init__(f"cannot fetch block {cid_str(cid)} of {cid_str(root)}: {tried}")
+
+
+@dataclass
+class FetchStats:
+    """What one :meth:`BlockExchange.fetch_dag` did."""
+
+    blocks: int = 0  # fetched over the network
+    bytes: int = 0
+    local_blocks: int = 0  # already held (a resumed fetch)
+    seconds: float = 0.0
+    per_provider: dict[str, int] = field(default_factory=dict)  # short peer id -> bytes received
+    failed: dict[str, str] = field(default_factory=dict)  # short peer id -> why it was dropped
+
+
+class _Peer:
+    """Our side of one peer: the stream we opened to it, and what waits to be sent on it."""
+
+    def __init__(self, peer_id: ID) -> None:
+        self.id = peer_id
+        self.wants: dict[bytes, WantEntry] = {}  # our wants/cancels, by CID bytes (last one wins)
+        self.serve: dict[bytes, tuple[CID, str]] = {}  # what they asked of us: "block"|"have"|"dont"
+        self.wake = trio.Event()
+        self.stream: INetStream | None = None
+        self.protocol: str = PROTOCOLS[0]
+        self.done = False
+
+    def poke(self) -> None:
+        self.wake.set()
+
+
+class BlockExchange:
+    """Bitswap for one host: serves blocks of ``store`` to any peer, fetches DAGs into it.
+
+    Run it for the life of the host (``await nursery.start(exchange.run)`` or :func:`open_exchange`);
+    while it runs its stream handlers are installed.
+    """
+
+    def __init__(self, host: IHost, store: BlockSource) -> None:
+        self.host = host
+        self.store = store
+        self.strikes: collections.Counter[str] = collections.Counter()  # short peer id -> offences
+        self._peers: dict[ID, _Peer] = {}
+        self._sessions: set[_Session] = set()
+        self._recent: dict[bytes, None] = {}  # ordered set of digests we asked for
+        self._nursery: trio.Nursery | None = None
+
+    # ---- life cycle ----------------------------------------------------------------------------
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Install the Bitswap handlers and run the per-peer senders until cancelled."""
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                for protocol in PROTOCOLS:
+                    self.host.set_stream_handler(protocol, self._handle_stream)
+                task_status.started()
+                await trio.sleep_forever()
+        finally:
+            self._nursery = None
+            for protocol in PROTOCOLS:
+                self.host.remove_stream_handler(protocol)
+            for peer in self._peers.values():
+                peer.done = True
+
+    # ---- receiving -----------------------------------------------------------------------------
+
+    async def _handle_stream(self, stream: INetStream) -> None:
+        """Read every message a peer sends us on a stream it opened (or on ours, if it answers there)."""
+        peer_id = stream.muxed_conn.peer_id
+        reader = MessageReader(stream)
+        try:
+            while (body := await reader.next_body()) is not None:
+                self._on_message(peer_id, decode_message(body))
+        except WireError as exc:
+            logger.warning("bitswap: peer %s sent a bad message: %s", short_id(peer_id), exc)
+            self._offence(peer_id)
+            await _reset(stream)
+        except Exception as exc:  # the stream died under us: the sessions notice through the connection
+            logger.debug("bitswap: stream from %s ended: %r", short_id(peer_id), exc)
+        finally:
+            await _close(stream)
+
+    def _on_message(self, peer_id: ID, msg: Received) -> None:
+        if msg.wants or msg.full_wantlist:
+            self._on_wants(peer_id, msg)
+        for cid, data in msg.blocks:
+            self._on_block(peer_id, cid, data)
+        if msg.dropped_blocks:
+            self._on_unsolicited(peer_id, f"{msg.dropped_blocks} block(s) with an unverifiable CID prefix")
+        for cid in msg.dont_haves:
+            for session in list(self._sessions):
+                session.on_dont_have(peer_id, cid)
+
+    def _on_block(self, peer_id: ID, cid: CID, data: bytes) -> None:
+        claimed = False
+        for session in list(self._sessions):
+            claimed |= session.on_block(peer_id, cid, data)
+        if not claimed and bytes(cid.raw_digest) not in self._recent:
+            self._on_unsolicited(peer_id, f"block {cid_str(cid)} that was never asked for")
+
+    def _on_unsolicited(self, peer_id: ID, what: str) -> None:
+        # A corrupted block hashes to a CID nobody wanted, so it lands here too.
+        logger.warning("bitswap: peer %s sent %s", short_id(peer_id), what)
+        self._offence(peer_id)
+        for session in list(self._sessions):
+            session.on_bad_provider(peer_id, f"sent {what}")
+
+    def _offence(self, peer_id: ID) -> None:
+        self.strikes[short_id(peer_id)] += 1
+
+    # ---- serving -------------------------------------------------------------------------------
+
+    def _on_wants(self, peer_id: ID, msg: Received) -> None:
+        peer = self._peer(peer_id)
+        if msg.full_wantlist:
+            peer.serve.clear()
+        for want in msg.wants:
+            key = bytes(want.cid)
+            if want.cancel:
+                peer.serve.pop(key, None)
+            elif self.store.has(want.cid):
+                peer.serve[key] = (want.cid, "have" if want.want_have else "block")
+            elif want.send_dont_have:
+                peer.serve[key] = (want.cid, "dont")
+            # else: Kubo would remember the want until it gets the block; we do not fetch for others.
+        if peer.serve:
+            peer.poke()
+
+    def _load(self, items: list[tuple[CID, str]]) -> list[tuple[CID, str, bytes | None]]:
+        """Read the blocks to send (in a worker thread); a block gone or corrupt becomes a DontHave."""
+        out = []
+        for cid, kind in items:
+            data = None
+            if kind == "block":
+                try:
+                    data = self.store.get(cid)
+                except Exception as exc:
+                    logger.warning("bitswap: cannot serve %s: %s", cid_str(cid), exc)
+                    kind = "dont"
+            out.append((cid, kind, data))
+        return out
+
+    # ---- sending -------------------------------------------------------------------------------
+
+    def _peer(self, peer_id: ID) -> _Peer:
+        peer = self._peers.get(peer_id)
+        if peer is None:
+            if self._nursery is None:
+                raise RuntimeError("BlockExchange is not running (start it with exchange.run)")
+            peer = self._peers[peer_id] = _Peer(peer_id)
+            self._nursery.start_soon(self._send_loop, peer)
+        return peer
+
+    def send_wants(self, peer_id: ID, wants: Iterable[WantEntry]) -> None:
+        peer = self._peer(peer_id)
+        for want in wants:
+            peer.wants[bytes(want.cid)] = want
+            if not want.cancel:
+                self._remember(want.cid)
+        peer.poke()
+
+    def _remember(self, cid: CID) -> None:
+        self._recent[bytes(cid.raw_digest)] = None
+        if len(self._recent) > _RECENT_WANTS:
+            del self._recent[next(iter(self._recent))]
+
+    async def _send_loop(self, peer: _Peer) -> None:
+        """Everything we send to one peer, on one long-lived stream; a failure drops the peer."""
+        try:
+            while not peer.done:
+                await peer.wake.wait()
+                peer.wake = trio.Event()
+                if peer.stream is None:
+                    await self._open(peer)
+                while peer.wants or peer.serve:
+                    for message in await self._next_messages(peer):
+                        await peer.stream.write(message)
+        except Exception as exc:
+            reason = f"stream failed: {exc!r}"
+            logger.info("bitswap: dropping peer %s: %s", short_id(peer.id), reason)
+            for session in list(self._sessions):
+                session.on_bad_provider(peer.id, reason, offence=False)
+        finally:
+            if self._peers.get(peer.id) is peer:
+                del self._peers[peer.id]
+            if peer.stream is not None:
+                with trio.CancelScope(shield=True), trio.move_on_after(1):
+                    await _close(peer.stream)
+
+    async def _open(self, peer: _Peer) -> None:
+        with trio.fail_after(DIAL_TIMEOUT):
+            stream = await self.host.new_stream(peer.id, list(PROTOCOLS))
+        peer.stream = stream
+        peer.protocol = str(stream.get_protocol() or PROTOCOLS[0])
+        # A peer may answer on the stream we opened (py-libp2p's Bitswap does); Kubo never writes on it.
+        assert self._nursery is not None
+        self._nursery.start_soon(self._handle_stream, stream)
+
+    async def _next_messages(self, peer: _Peer) -> list[bytes]:
+        """Take queued wants and up to one batch of served blocks; pack them into messages."""
+        wants = list(peer.wants.values())
+        peer.wants.clear()
+        items = []
+        while peer.serve and len(items) < _SERVE_BATCH:
+            key = next(iter(peer.serve))
+            items.append(peer.serve.pop(key))
+        loaded = await trio.to_thread.run_sync(self._load, items) if items else []
+        messages = []
+        blocks: list[tuple[CID, bytes]] = []
+        haves: list[CID] = []
+        donts: list[CID] = []
+        size = 0
+        for cid, kind, data in loaded:
+            if data is not None and blocks and size + len(data) > TARGET_MESSAGE_SIZE:
+                messages.append(encode_message(wants=wants, blocks=blocks, protocol=peer.protocol))
+                wants, blocks, size = [], [], 0
+            if data is not None:
+                blocks.append((cid, data))
+                size += len(data)
+            elif kind == "have":
+                haves.append(cid)
+            else:
+                donts.append(cid)
+        if wants or blocks or haves or donts:
+            messages.append(
+                encode_message(
+                    wants=wants, blocks=blocks, haves=haves, dont_haves=donts, protocol=peer.protocol
+                )
+            )
+        assert all(len(m) <= MAX_MESSAGE_SIZE + 8 for m in messages)
+        return messages
+
+    # ---- fetching ------------------------------------------------------------------------------
+
+    async def fetch_dag(
+        self,
+        root: CID | str,
+        providers: Sequence[ID | PeerInfo],
+        *,
+        window: int = DEFAULT_WINDOW,
+        stall_timeout: float = DEFAULT_STALL_TIMEOUT,
+        max_bytes: int | None = None,
+        progress: Callable[[int], None] | None = None,
+    ) -> FetchStats:
+        """Make the whole DAG under ``root`` local: every block verified, written to the store.
+
+        Blocks already held are not fetched again (an interrupted fetch resumes). ``providers`` are peer
+        IDs the host can reach, or :class:`PeerInfo` with addresses. Raises :class:`FetchError` when a
+        block cannot be had from any provider, or when the DAG grows past ``max_bytes``.
+        """
+        root = parse_cid(root)
+        ids = []
+        for provider in providers:
+            if isinstance(provider, PeerInfo):
+                self.host.get_peerstore().add_addrs(provider.peer_id, provider.addrs, 600)
+                provider = provider.peer_id
+            if provider != self.host.get_id() and provider not in ids:
+                ids.append(provider)
+        session = _Session(self, root, ids, window, stall_timeout, max_bytes, progress)
+        self._sessions.add(session)
+        try:
+            return await session.run()
+        finally:
+            self._sessions.discard(session)
+
+
+class _Session:
+    """One fetch_dag: which blocks are wanted, who was asked for what, who is out."""
+
+    def __init__(
+        self,
+        exchange: BlockExchange,
+        root: CID,
+        providers: list[ID],
+        window: int,
+        stall_timeout: float,
+        max_bytes: int | None,
+        progress: Callable[[int], None] | None,
+    ) -> None:
+        self.ex = exchange
+        self.root = root
+        self.live = list(providers)
+        self.window = window
+        self.stall_timeout = stall_timeout
+        self.max_bytes = max_bytes
+        self.progress = progress
+        self.pending: deque[CID] = deque([root])
+        self.inflight: dict[ID, dict[bytes, CID]] = {p: {} for p in providers}
+        self.owner: dict[bytes, ID] = {}  # digest -> provider asked for it
+        self.dont_have: dict[bytes, set[ID]] = {}
+        self.done: set[bytes] = set()
+        self.last_progress: dict[ID, float] = {}
+        self.stats = FetchStats()
+        self.reasons: dict[str, str] = {}
+        self.changed = trio.Event()
+        self.error: FetchError | None = None
+        self._to_disk, self._from_net = trio.open_memory_channel[tuple[CID, bytes]](math.inf)
+
+    async def run(self) -> FetchStats:
+        start = trio.current_time()
+        # The memory channel is unbounded in type only: at most window × providers blocks are in flight.
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._write_blocks)
+            try:
+                failure = await self._schedule()
+            finally:
+                self._to_disk.close()  # the writer still stores what arrived, so a retry resumes
+        if failure is not None:
+            raise failure
+        self.stats.seconds = trio.current_time() - start
+        self.stats.failed = dict(self.reasons)
+        return self.stats
+
+    async def _schedule(self) -> FetchError | None:
+        try:
+            while True:
+                if self.error is not None:
+                    raise self.error
+                self.changed = trio.Event()
+                await self._assign()
+                if not self.pending and not self.owner:
+                    return None
+                with trio.move_on_after(_TICK):
+                    await self.changed.wait()
+                self._check_providers()
+        except FetchError as exc:
+            return exc
+
+    async def _assign(self) -> None:
+        """Hand pending blocks to providers with room in their window."""
+        batches: dict[ID, list[WantEntry]] = {}
+        skipped: list[CID] = []
+        while self.pending:
+            room = {p: self.window - len(self.inflight[p]) for p in self.live}
+            if not any(r > 0 for r in room.values()):
+                break
+            cid = self.pending.popleft()
+            digest = bytes(cid.raw_digest)
+            if digest in self.done or digest in self.owner:
+                continue
+            if self.ex.store.has(cid):
+                await self._resolve_local(cid)
+                continue
+            refused = self.dont_have.get(digest, set())
+            if not self.live or all(p in refused for p in self.live):
+                raise self._failure(cid)
+            candidates = [p for p in self.live if room[p] > 0 and p not in refused]
+            if not candidates:
+                skipped.append(cid)
+                continue
+            provider = max(candidates, key=room.__getitem__)
+            if not self.inflight[provider]:
+                self.last_progress[provider] = trio.current_time()
+            self.inflight[provider][digest] = cid
+            self.owner[digest] = provider
+            batches.setdefault(provider, []).append(WantEntry(cid, send_dont_have=True))
+        self.pending.extendleft(reversed(skipped))
+        if not self.live and (self.pending or self.owner):
+            raise self._failure(self.pending[0] if self.pending else self.root)
+        for provider, wants in batches.items():
+            self.ex.send_wants(provider, wants)
+
+    async def _resolve_local(self, cid: CID) -> None:
+        """A block we already hold: nothing to fetch, but its children may still be missing."""
+        self.done.add(bytes(cid.raw_digest))
+        self.stats.local_blocks += 1
+        if cid.codec.name == DAG_PB:
+            data = await trio.to_thread.run_sync(self.ex.store.get, cid)
+            self._queue_children(cid, data)
+
+    def _queue_children(self, cid: CID, data: bytes) -> None:
+        if cid.codec.name != DAG_PB:
+            return
+        try:
+            links = decode_node(data).links
+        except DecodeError as exc:
+            # The block matches its hash, so the content itself is malformed: no provider can help.
+            self.error = FetchError(cid, self.root, {"content": f"not a valid dag-pb node: {exc}"})
+            return
+        self.pending.extend(link.cid for link in links)
+
+    def _failure(self, cid: CID) -> FetchError:
+        reasons = dict(self.reasons)
+        for peer_id in self.dont_have.get(bytes(cid.raw_digest), ()):
+            reasons.setdefault(short_id(peer_id), "does not have it (DontHave)")
+        return FetchError(cid, self.root, reasons)
+
+    # -- events from the exchange (synchronous: called while a message is being handled) --
+
+    def on_block(self, peer_id: ID, cid: CID, data: bytes) -> bool:
+        """Take a block if it is one we want; its CID was computed from ``data``, so it is verified."""
+        digest = bytes(cid.raw_digest)
+        owner = self.owner.pop(digest, None)
+        if owner is None:
+            return digest in self.done  # a late duplicate is harmless; anything else is not ours
+        wanted = self.inflight[owner].pop(digest)
+        if owner != peer_id and owner in self.live:
+            self.ex.send_wants(owner, [WantEntry(wanted, cancel=True)])
+        self.done.add(digest)
+        self.last_progress[peer_id] = trio.current_time()
+        self.stats.blocks += 1
+        self.stats.bytes += len(data)
+        key = short_id(peer_id)
+        self.stats.per_provider[key] = self.stats.per_provider.get(key, 0) + len(data)
+        if self.max_bytes is not None and self.stats.bytes > self.max_bytes:
+            self.error = FetchError(
+                wanted, self.root, {"content": f"DAG is larger than the {self.max_bytes} byte limit"}
+            )
+        self._queue_children(wanted, data)
+        self._to_disk.send_nowait((wanted, data))  # the wanted CID: same hash, our codec
+        if self.progress is not None:
+            self.progress(len(data))
+        self.changed.set()
+        return True
+
+    def on_dont_have(self, peer_id: ID, cid: CID) -> None:
+        digest = bytes(cid.raw_digest)
+        if self.owner.get(digest) != peer_id:
+            return
+        del self.owner[digest]
+        wanted = self.inflight[peer_id].pop(digest)
+        self.dont_have.setdefault(digest, set()).add(peer_id)
+        self.pending.appendleft(wanted)
+        self.changed.set()
+
+    def on_bad_provider(self, peer_id: ID, reason: str, offence: bool = True) -> None:
+        if peer_id in self.live:
+            self._drop(peer_id, reason, cancel=offence)
+
+    def _check_providers(self) -> None:
+        now = trio.current_time()
+        network = self.ex.host.get_network()
+        for peer_id in list(self.live):
+            if not self.inflight[peer_id]:
+                continue
+            if now - self.last_progress.get(peer_id, now) > self.stall_timeout:
+                self._drop(peer_id, f"no block for {self.stall_timeout:g} s")
+            elif self.ex._peers.get(peer_id) and not network.get_connections(peer_id):
+                peer = self.ex._peers[peer_id]
+                if peer.stream is not None:
+                    self._drop(peer_id, "disconnected")
+
+    def _drop(self, peer_id: ID, reason: str, cancel: bool = False) -> None:
+        """Take a provider out of this fetch; what it owed goes back to the front of the queue."""
+        self.live.remove(peer_id)
+        self.reasons[short_id(peer_id)] = reason
+        owed = list(self.inflight[peer_id].values())
+        self.inflight[peer_id].clear()
+        for cid in owed:
+            del self.owner[bytes(cid.raw_digest)]
+        self.pending.extendleft(reversed(owed))
+        logger.info(
+            "bitswap: fetch of %s drops provider %s (%s); %d block(s) go to others",
+            cid_str(self.root), short_id(peer_id), reason, len(owed),
+        )
+        if cancel and owed and peer_id in self.ex._peers:
+            self.ex.send_wants(peer_id, [WantEntry(c, cancel=True) for c in owed])
+        self.changed.set()
+
+    async def _write_blocks(self) -> None:
+        """Write verified blocks to the store in batches, off the event loop (the store fsyncs)."""
+        async with self._from_net:
+            async for first in self._from_net:
+                batch = [first]
+                while len(batch) < 32:
+                    try:
+                        batch.append(self._from_net.receive_nowait())
+                    except (trio.WouldBlock, trio.EndOfChannel):
+                        break
+                await trio.to_thread.run_sync(self.ex.store.put_many, batch)
+
+
+@asynccontextmanager
+async def open_exchange(host: IHost, store: BlockSource) -> AsyncIterator[BlockExchange]:
+    """Run a :class:`BlockExchange` for the duration of the ``async with`` block."""
+    exchange = BlockExchange(host, store)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(exchange.run)
+        try:
+            yield exchange
+        finally:
+            nursery.cancel_scope.cancel()
+
+
+async def _close(stream: INetStream) -> None:
+    try:
+        await stream.close()
+    except Exception:
+        pass
+
+
+async def _reset(stream: INetStream) -> None:
+    try:
+        await stream.reset()
+    except Exception:
+        pass

@@ -1,0 +1,192 @@
+"""Bitswap block exchange between real libp2p hosts on 127.0.0.1, with real stores on disk."""
+
+from __future__ import annotations
+
+import io
+from contextlib import asynccontextmanager
+
+import pytest
+import trio
+from libp2p.crypto.ed25519 import create_new_key_pair
+from libp2p.peer.peerinfo import PeerInfo
+from multiaddr import Multiaddr
+
+from p2ptrain.ipfs.bitswap_wire import WantEntry, decode_message, encode_message
+from p2ptrain.ipfs.blockstore import BlockStore
+from p2ptrain.ipfs.cid import make_cid, parse_cid
+from p2ptrain.ipfs.exchange import BlockExchange, FetchError
+from p2ptrain.ipfs.unixfs import import_stream, read_file
+from p2ptrain.net.host import make_host
+from p2ptrain.net.streams import short_id
+
+LOOPBACK = "/ip4/127.0.0.1/tcp/0"
+DEADLINE = 60
+MiB = 1024 * 1024
+
+
+def content(n: int, seed: int = 0) -> bytes:
+    """Bytes that differ block to block (identical leaves would be deduplicated)."""
+    return bytes((i * 7 + seed + i // 251) % 256 for i in range(n)) if n < 4096 else _big(n, seed)
+
+
+def _big(n: int, seed: int) -> bytes:
+    import hashlib
+
+    out = bytearray()
+    counter = 0
+    while len(out) < n:
+        out += hashlib.sha512(f"{seed}:{counter}".encode()).digest() * 64
+        counter += 1
+    return bytes(out[:n])
+
+
+def add(store: BlockStore, data: bytes, cid_version: int = 0):
+    root = None
+    for cid, block in import_stream(io.BytesIO(data), cid_version=cid_version):
+        store.put(cid, block)
+        root = cid
+    return root
+
+
+class Node:
+    def __init__(self, host, store: BlockStore, exchange: BlockExchange, scope: trio.CancelScope):
+        self.host, self.store, self.exchange, self.scope = host, store, exchange, scope
+
+    @property
+    def info(self) -> PeerInfo:
+        return PeerInfo(self.host.get_id(), self.host.get_addrs())
+
+
+@asynccontextmanager
+async def nodes(tmp_path, *store_classes):
+    """Running hosts, one per store class, each with its own exchange; ``node.scope.cancel()`` kills one."""
+    async with trio.open_nursery() as nursery:
+        started = []
+        for i, store_class in enumerate(store_classes):
+            started.append(await nursery.start(_run_node, tmp_path / f"node{i}", store_class))
+        try:
+            yield started
+        finally:
+            nursery.cancel_scope.cancel()
+
+
+async def _run_node(home, store_class, *, task_status):
+    host = make_host(create_new_key_pair(), [LOOPBACK])
+    store = store_class(home / "blocks")
+    exchange = BlockExchange(host, store)
+    with trio.CancelScope() as scope:
+        async with host.run(listen_addrs=[Multiaddr(LOOPBACK)]), trio.open_nursery() as nursery:
+            await nursery.start(exchange.run)
+            task_status.started(Node(host, store, exchange, scope))
+            await trio.sleep_forever()
+
+
+def bytes_of(store: BlockStore, root) -> bytes:
+    return b"".join(read_file(root, store.get))
+
+
+def test_message_roundtrip_computes_cids_from_data():
+    leaf = make_cid(b"leaf", version=1)
+    wire = encode_message(
+        wants=[WantEntry(leaf, send_dont_have=True)], blocks=[(leaf, b"leaf")], dont_haves=[leaf]
+    )
+    msg = decode_message(wire[1:] if wire[0] < 0x80 else wire[2:])
+    assert msg.wants == [WantEntry(leaf, send_dont_have=True)]
+    assert msg.blocks == [(leaf, b"leaf")]
+    assert msg.dont_haves == [leaf]
+    # A block named by a prefix is named by its own hash: swapping the data renames it.
+    forged = encode_message(blocks=[(leaf, b"evil")])
+    (cid, data), = decode_message(forged[1:]).blocks
+    assert data == b"evil" and cid != leaf
+
+
+@pytest.mark.parametrize("cid_version", [0, 1])
+async def test_fetch_dag_from_one_provider(tmp_path, cid_version):
+    data = content(3 * MiB + 12345, seed=cid_version)
+    async with nodes(tmp_path, BlockStore, BlockStore) as (provider, fetcher):
+        root = add(provider.store, data, cid_version)
+        with trio.fail_after(DEADLINE):
+            stats = await fetcher.exchange.fetch_dag(root, [provider.info])
+        assert bytes_of(fetcher.store, root) == data
+        assert stats.blocks == 13 + 1  # 12 full leaves + a short one, plus the root
+        with trio.fail_after(DEADLINE):  # everything is local now: nothing goes over the wire
+            again = await fetcher.exchange.fetch_dag(root, [provider.info])
+        assert again.blocks == 0 and again.local_blocks == 14
+
+
+async def test_fetch_survives_provider_killed_mid_fetch(tmp_path):
+    data = content(20 * MiB, seed=1)
+    async with nodes(tmp_path, BlockStore, BlockStore, BlockStore) as (a, b, fetcher):
+        root = add(a.store, data)
+        add(b.store, data)
+        killed_at = None
+
+        def kill_a_after_5_mib(n: int) -> None:
+            nonlocal killed_at
+            got = fetcher_bytes.append(n) or sum(fetcher_bytes)
+            if killed_at is None and got >= 5 * MiB:
+                killed_at = got
+                a.scope.cancel()  # a's host stops: its connections close under the fetch
+
+        fetcher_bytes: list[int] = []
+        with trio.fail_after(DEADLINE):
+            stats = await fetcher.exchange.fetch_dag(
+                root, [a.info, b.info], progress=kill_a_after_5_mib
+            )
+        assert killed_at is not None
+        assert bytes_of(fetcher.store, root) == data
+        assert short_id(a.host.get_id()) in stats.failed
+        assert stats.per_provider[short_id(b.host.get_id())] > 0
+
+
+class LyingStore(BlockStore):
+    """A provider's store that serves every leaf with one byte flipped (a malicious or broken peer)."""
+
+    def get(self, cid):
+        data = super().get(cid)
+        if parse_cid(cid).codec.name == "raw" or len(data) > 1000:
+            data = bytes([data[0] ^ 0xFF]) + data[1:]
+        return data
+
+
+async def test_corrupted_block_rejected_and_fetched_from_other(tmp_path):
+    data = content(2 * MiB, seed=2)
+    async with nodes(tmp_path, LyingStore, BlockStore, BlockStore) as (liar, honest, fetcher):
+        root = add(liar.store, data, cid_version=1)
+        add(honest.store, data, cid_version=1)
+        with trio.fail_after(DEADLINE):
+            stats = await fetcher.exchange.fetch_dag(root, [liar.info, honest.info])
+        assert bytes_of(fetcher.store, root) == data
+        liar_id = short_id(liar.host.get_id())
+        assert "sent block" in stats.failed[liar_id]
+        assert fetcher.exchange.strikes[liar_id] >= 1
+        assert short_id(honest.host.get_id()) not in stats.failed
+
+
+async def test_only_a_lying_provider_is_a_clear_error(tmp_path):
+    data = content(MiB, seed=3)
+    async with nodes(tmp_path, LyingStore, BlockStore) as (liar, fetcher):
+        root = add(liar.store, data, cid_version=1)
+        with trio.fail_after(DEADLINE), pytest.raises(FetchError) as err:
+            await fetcher.exchange.fetch_dag(root, [liar.info])
+        assert short_id(liar.host.get_id()) in str(err.value)
+        leaves = [c for c in fetcher.store.iter_cids()]
+        for cid in leaves:  # whatever was stored is genuine
+            fetcher.store.get(cid)
+
+
+async def test_missing_block_is_dont_have_then_error(tmp_path):
+    async with nodes(tmp_path, BlockStore, BlockStore) as (provider, fetcher):
+        absent = make_cid(b"nobody has this", version=1)
+        with trio.fail_after(DEADLINE), pytest.raises(FetchError) as err:
+            await fetcher.exchange.fetch_dag(absent, [provider.info])
+        assert "DontHave" in str(err.value)
+
+
+async def test_dead_provider_list_is_an_error_not_a_hang(tmp_path):
+    async with nodes(tmp_path, BlockStore, BlockStore) as (provider, fetcher):
+        root = add(provider.store, content(300_000))
+        provider.scope.cancel()
+        await trio.sleep(0.2)
+        with trio.fail_after(DEADLINE), pytest.raises(FetchError):
+            await fetcher.exchange.fetch_dag(root, [provider.info])
