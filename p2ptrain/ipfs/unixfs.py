@@ -16,7 +16,7 @@ from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 from typing import BinaryIO
 
-from p2ptrain.ipfs.cid import CID, DAG_PB, RAW, cid_from_digest, verify_block
+from p2ptrain.ipfs.cid import CID, DAG_PB, RAW, cid_from_digest, cid_str, verify_block
 from p2ptrain.ipfs.dagpb import (
     FILE,
     RAW_TYPE,
@@ -138,7 +138,7 @@ class DagError(ValueError):
     """A DAG that is not a UnixFS file we can read (wrong type, inconsistent sizes, too deep)."""
 
     def __init__(self, cid: CID, message: str) -> None:
-        super().__init__(f"{cid}: {message}")
+        super().__init__(f"{cid_str(cid)}: {message}")
         self.cid = cid
 
 

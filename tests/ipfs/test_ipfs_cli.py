@@ -1,0 +1,70 @@
+"""``p2ptrain ipfs …`` through the installed command, as a user runs it."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+P2PTRAIN = str(Path(sys.executable).with_name("p2ptrain"))
+HELLO_V0 = "QmT78zSuBmuS4z925WZfrqQ1qHaJ56DQaTfyMUF7F8ff5o"
+HELLO_V1 = "bafkreifjjcie6lypi6ny7amxnfftagclbuxndqonfipmb64f2km2devei4"
+
+
+def run(*args, home):
+    return subprocess.run(
+        [P2PTRAIN, "ipfs", *args, "--home", str(home)], capture_output=True, timeout=60
+    )
+
+
+@pytest.fixture
+def hello(tmp_path):
+    path = tmp_path / "hello.txt"
+    path.write_bytes(b"hello world\n")
+    return path
+
+
+def test_add_cat_get(tmp_path, hello):
+    home = tmp_path / "home"
+    added = run("add", str(hello), home=home)
+    assert added.returncode == 0, added.stderr
+    assert added.stdout.decode().strip() == HELLO_V0
+    assert run("cat", HELLO_V0, home=home).stdout == b"hello world\n"
+    out = tmp_path / "copy.txt"
+    got = run("get", HELLO_V0, "-o", str(out), home=home)
+    assert got.returncode == 0, got.stderr
+    assert out.read_bytes() == b"hello world\n"
+
+
+def test_only_hash_and_cid_version_1_store_nothing(tmp_path, hello):
+    home = tmp_path / "home"
+    added = run("add", "--only-hash", "--cid-version", "1", str(hello), home=home)
+    assert added.stdout.decode().strip() == HELLO_V1
+    missing = run("cat", HELLO_V1, home=home)
+    assert missing.returncode == 1
+    assert HELLO_V1 in missing.stderr.decode()
+
+
+def test_pins_persist(tmp_path, hello):
+    home = tmp_path / "home"
+    run("add", str(hello), home=home)
+    assert run("pin", "add", HELLO_V0, home=home).returncode == 0
+    assert run("pin", "ls", home=home).stdout.decode() == f"{HELLO_V0} recursive\n"
+    assert run("pin", "rm", HELLO_V0, home=home).returncode == 0
+    assert run("pin", "ls", home=home).stdout == b""
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (("cat", "not-a-cid"), "not a CID"),
+        (("get", HELLO_V0, "-o", "/nonexistent/dir/x"), "no such directory"),
+        (("pin", "rm", HELLO_V0), "not pinned"),
+        (("add", "/nonexistent-file"), "not a file"),
+    ],
+)
+def test_user_errors_are_one_line(tmp_path, args, message):
+    result = run(*args, home=tmp_path / "home")
+    err = result.stderr.decode()
+    assert result.returncode == 1
+    assert message in err and "Traceback" not in err and err.count("\n") == 1
