@@ -1,0 +1,18 @@
+"""Ring all-reduce over libp2p streams: exact dense, and top-k sparse with error feedback.
+
+The trainer's surface: :class:`Collective` (one per host) for plain all-reduce rounds, and
+:class:`SparseAllReducer` (one per model) for top-k gradient averaging with error feedback.
+"""
+
+from p2ptrain.collective.endpoint import Collective, RoundStats
+from p2ptrain.collective.errors import BadPayload, CollectiveError, PeerFailed
+from p2ptrain.collective.rounds import PROTOCOL
+
+__all__ = [
+    "PROTOCOL",
+    "BadPayload",
+    "Collective",
+    "CollectiveError",
+    "PeerFailed",
+    "RoundStats",
+]

@@ -1,0 +1,155 @@
+"""Collective: one host's entry point for all-reduce rounds over libp2p streams."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+from libp2p.abc import IHost
+from libp2p.peer.id import ID
+
+from p2ptrain.collective.errors import CollectiveError
+from p2ptrain.collective.frames import DTYPES, round_digest
+from p2ptrain.collective.ring import FLOAT_DTYPES, SEGMENT_BYTES, ring_allreduce
+from p2ptrain.collective.rounds import PROTOCOL, RoundHub
+from p2ptrain.collective.sparse import clt_k_round, topk_indices
+
+OPS = ("mean", "sum")
+
+
+@dataclass
+class RoundStats:
+    """What the last round cost this peer: wall time and bytes it put on the wire (frames + headers)."""
+
+    round_id: int
+    seconds: float
+    bytes_sent: int
+
+
+class Collective:
+    """All-reduce over an agreed ring of peers, on one libp2p host.
+
+    Create one per host (it registers the stream handler for ``protocol``), then call
+    :meth:`allreduce` with the same ``ring`` and ``round_id`` on every member. Round ids must be fresh
+    for every attempt: a retry after :class:`PeerFailed` uses a new id (and usually a new ring).
+    """
+
+    def __init__(
+        self, host: IHost, protocol: str = PROTOCOL, *, segment_bytes: int = SEGMENT_BYTES
+    ) -> None:
+        self.host = host
+        self.hub = RoundHub(host, protocol)
+        self.segment_bytes = segment_bytes
+        self.last_round: RoundStats | None = None
+
+    @property
+    def peer_id(self) -> ID:
+        return self.hub.me
+
+    async def allreduce(
+        self,
+        tensor: torch.Tensor,
+        ring: list[ID],
+        round_id: int,
+        *,
+        op: str = "mean",
+        density: float = 1.0,
+        value_dtype: torch.dtype | None = None,
+        timeout: float = 5.0,
+        start_timeout: float | None = None,
+    ) -> torch.Tensor:
+        """The mean (or sum) over the ring of every member's ``tensor``, identical bits everywhere.
+
+        ``tensor`` is flat float32/float16/bfloat16 and is not modified. With ``density < 1`` this is
+        a one-shot sparse all-reduce: the round's leader picks the top ``density`` share of its own
+        entries and the ring sums exactly those entries (zeros elsewhere); for training use
+        :class:`SparseAllReducer`, which keeps what was not sent (error feedback).
+
+        ``timeout`` bounds every hop; ``start_timeout`` (default ``timeout``) bounds waiting for the
+        neighbours to join. A dead, stalled or misbehaving peer raises :class:`PeerFailed` naming it.
+        """
+        _check_tensor(tensor, op)
+        if not 0.0 < density <= 1.0:
+            raise CollectiveError(f"density must be in (0, 1], got {density}")
+        if density >= 1.0:
+            out = tensor.detach().clone()
+            await self.dense_round(out, ring, round_id, op=op, timeout=timeout, start_timeout=start_timeout)
+            return out
+        k = max(1, math.ceil(density * tensor.numel()))
+        flat = tensor.detach()
+        idx, values = await self.sparse_round(
+            flat, ring, round_id, k=k, select=lambda: topk_indices(flat, k),
+            value_dtype=value_dtype or tensor.dtype, op=op, timeout=timeout, start_timeout=start_timeout,
+        )
+        out = torch.zeros_like(flat)
+        out.index_copy_(0, idx, values.to(flat.dtype))
+        return out
+
+    async def dense_round(
+        self, data: torch.Tensor, ring: list[ID], round_id: int, *, op: str = "mean",
+        timeout: float = 5.0, start_timeout: float | None = None,
+    ) -> None:
+        """All-reduce ``data`` in place (flat, contiguous): the exact dense ring."""
+        _check_tensor(data, op)
+        if not data.is_contiguous():
+            raise CollectiveError("the tensor must be contiguous")
+        description = f"dense n={data.numel()} dtype={DTYPES[data.dtype]} op={op}"
+        digest = round_digest(round_id, ring, description)
+        started = time.perf_counter()
+        async with self.hub.open_round(
+            ring, round_id, digest, timeout=timeout, start_timeout=start_timeout or timeout
+        ) as links:
+            _check_finite_local(data)
+            await ring_allreduce(links, data, average=op == "mean", segment_bytes=self.segment_bytes)
+        self.last_round = RoundStats(round_id, time.perf_counter() - started, links.bytes_sent)
+
+    async def sparse_round(
+        self, source: torch.Tensor, ring: list[ID], round_id: int, *, k: int, select,
+        value_dtype: torch.dtype, op: str = "mean", timeout: float = 5.0,
+        start_timeout: float | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """CLT-k: the leader's ``select()`` picks k indices, the ring reduces ``source`` at them.
+
+        The leader is ``ring[round_id % len(ring)]``; only it calls ``select``. Returns the sorted
+        indices and the reduced values (``value_dtype``), the same bits on every member.
+        """
+        _check_tensor(source, op)
+        if value_dtype not in FLOAT_DTYPES:
+            raise CollectiveError(f"unsupported value dtype {value_dtype}")
+        if not 1 <= k <= source.numel():
+            raise CollectiveError(f"k must be in [1, {source.numel()}], got {k}")
+        description = (
+            f"clt-k n={source.numel()} k={k} dtype={DTYPES[source.dtype]} "
+            f"values={DTYPES[value_dtype]} op={op}"
+        )
+        digest = round_digest(round_id, ring, description)
+        started = time.perf_counter()
+        async with self.hub.open_round(
+            ring, round_id, digest, timeout=timeout, start_timeout=start_timeout or timeout
+        ) as links:
+            result = await clt_k_round(
+                links, source, k=k, leader=round_id % len(ring), select=select,
+                value_dtype=value_dtype, average=op == "mean", segment_bytes=self.segment_bytes,
+            )
+        self.last_round = RoundStats(round_id, time.perf_counter() - started, links.bytes_sent)
+        return result
+
+
+def _check_tensor(tensor: torch.Tensor, op: str) -> None:
+    if op not in OPS:
+        raise CollectiveError(f"op must be one of {OPS}, got {op!r}")
+    if tensor.dtype not in FLOAT_DTYPES:
+        raise CollectiveError(f"unsupported dtype {tensor.dtype}; use float32, float16 or bfloat16")
+    if tensor.dim() != 1:
+        raise CollectiveError(f"the tensor must be flat (1-D), got shape {tuple(tensor.shape)}")
+    if tensor.device.type != "cpu":
+        raise CollectiveError("the tensor must be on the CPU")
+
+
+def _check_finite_local(tensor: torch.Tensor) -> None:
+    """Refuse our own NaN/Inf inside the round, so the other members hear at once that we left."""
+    if tensor.numel() and not bool(torch.isfinite(tensor).all()):
+        raise ValueError("local tensor contains NaN or Inf")
+

@@ -1,0 +1,34 @@
+"""What a failed all-reduce round raises.
+
+Every failure names one peer, so the caller can drop it and retry on a new ring. A round fails as a
+whole: no partial result is ever returned.
+"""
+
+from __future__ import annotations
+
+from libp2p.peer.id import ID
+
+from p2ptrain.net.streams import short_id
+
+
+class CollectiveError(Exception):
+    """An all-reduce round could not complete (bad arguments, disagreement, or a peer failure)."""
+
+
+class PeerFailed(CollectiveError):
+    """A peer died, stalled past a deadline, or sent something we refuse to sum.
+
+    ``peer_id`` is the peer to blame; ``reported_by`` is the peer that saw it when the news came in an
+    abort notice rather than from our own neighbour.
+    """
+
+    def __init__(self, peer_id: ID, reason: str, *, reported_by: ID | None = None) -> None:
+        self.peer_id = peer_id
+        self.reason = reason
+        self.reported_by = reported_by
+        via = f" (reported by {short_id(reported_by)})" if reported_by is not None else ""
+        super().__init__(f"peer {short_id(peer_id)} failed: {reason}{via}")
+
+
+class BadPayload(PeerFailed):
+    """A peer sent a malformed frame: wrong round, step, length, dtype, NaN/Inf, or bad indices."""

@@ -1,0 +1,99 @@
+"""The binary frames of an all-reduce round: a fixed struct header, then raw bytes.
+
+Nothing here is ever unpickled: a frame is a 24-byte header followed by raw tensor bytes (or a short
+UTF-8 reason). Every field is checked against what the receiver expects at that point of the round,
+so a stale frame from an aborted round, or one for the wrong step, is refused rather than summed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from dataclasses import dataclass
+from enum import IntEnum
+
+import torch
+from libp2p.peer.id import ID
+
+MAGIC = b"PC"
+VERSION = 1
+HEADER = struct.Struct(">2sBBQBHIIB")  # magic, version, kind, round, phase, step, seg, count, dtype
+MAX_REASON = 512
+
+
+class Kind(IntEnum):
+    HELLO = 1  # first frame on a round's channel: the round digest
+    READY = 2  # the receiver has joined the same round; data may flow
+    DATA = 3
+    ABORT = 4  # the round failed: names the peer to blame
+
+
+class Phase(IntEnum):
+    NONE = 0
+    BROADCAST = 1  # bytes passed along the ring from a leader (sparse index sets)
+    REDUCE = 2  # reduce-scatter: partial sums travel one hop per step
+    GATHER = 3  # all-gather: each chunk owner's final bytes travel around the ring
+
+
+DTYPES: dict[torch.dtype, int] = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3, torch.uint8: 4}
+DTYPE_OF_CODE = {code: dtype for dtype, code in DTYPES.items()}
+
+
+@dataclass(frozen=True)
+class Header:
+    kind: int
+    round_id: int
+    phase: int = Phase.NONE
+    step: int = 0
+    seg: int = 0
+    count: int = 0
+    dtype: int = 0
+
+    def pack(self) -> bytes:
+        return HEADER.pack(
+            MAGIC, VERSION, self.kind, self.round_id, self.phase, self.step, self.seg, self.count,
+            self.dtype,
+        )
+
+
+def parse_header(frame: bytes) -> Header:
+    """The header of ``frame``; ValueError if it is short or not ours."""
+    if len(frame) < HEADER.size:
+        raise ValueError(f"frame of {len(frame)} bytes is shorter than the {HEADER.size}-byte header")
+    magic, version, kind, round_id, phase, step, seg, count, dtype = HEADER.unpack_from(frame)
+    if magic != MAGIC or version != VERSION:
+        raise ValueError(f"not a collective frame (magic {magic!r}, version {version})")
+    if kind not in Kind.__members__.values():
+        raise ValueError(f"unknown frame kind {kind}")
+    return Header(kind, round_id, phase, step, seg, count, dtype)
+
+
+def abort_frame(round_id: int, culprit: ID, reason: str) -> bytes:
+    """An ABORT frame: the culprit's peer ID bytes, then the reason (UTF-8, truncated)."""
+    who = culprit.to_bytes()
+    text = reason.encode("utf-8", "replace")[:MAX_REASON]
+    return Header(Kind.ABORT, round_id, count=len(who)).pack() + who + text
+
+
+def parse_abort(frame: bytes, header: Header) -> tuple[ID, str]:
+    body = frame[HEADER.size :]
+    if header.count == 0 or header.count > 128 or len(body) < header.count:
+        raise ValueError("malformed abort frame")
+    culprit = ID(bytes(body[: header.count]))
+    reason = bytes(body[header.count : header.count + MAX_REASON]).decode("utf-8", "replace")
+    return culprit, reason
+
+
+def round_digest(round_id: int, ring: list[ID], description: str) -> bytes:
+    """What every member must agree on before any data flows: round, ring order, and the shape.
+
+    ``description`` carries the algorithm, element count, dtypes, density and op; two peers that
+    disagree on any of it would otherwise sum garbage.
+    """
+    h = hashlib.sha256(b"p2ptrain/collective/round/v1\0")
+    h.update(round_id.to_bytes(8, "big"))
+    for peer in ring:
+        raw = peer.to_bytes()
+        h.update(len(raw).to_bytes(2, "big") + raw)
+    h.update(description.encode())
+    return h.digest()

@@ -1,0 +1,143 @@
+"""Ring algorithms over a round's links: exact all-reduce and a leader's broadcast.
+
+The all-reduce is reduce-scatter then all-gather over P nearly equal chunks, each cut into segments
+so that a segment travels on as soon as it has been summed (pipelining). Every chunk is summed in
+one fixed order, starting at the peer with the chunk's number and going around the ring; the peer
+that adds the last term (the chunk's *owner*) finishes it (divides by P for a mean) and everyone else
+copies the owner's exact bytes in the all-gather. So every member ends with bitwise-identical
+results, which later lets honest peers hash the same model.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import trio
+
+from p2ptrain.collective.errors import BadPayload
+from p2ptrain.collective.frames import DTYPES, Header, Kind, Phase
+from p2ptrain.collective.rounds import RoundLinks
+
+SEGMENT_BYTES = 1 << 20
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def chunk_bounds(n: int, parts: int) -> list[int]:
+    """``parts + 1`` boundaries splitting ``n`` elements into parts whose sizes differ by at most 1."""
+    base, extra = divmod(n, parts)
+    bounds = [0]
+    for c in range(parts):
+        bounds.append(bounds[-1] + base + (1 if c < extra else 0))
+    return bounds
+
+
+def segments(start: int, end: int, seg_elems: int) -> list[tuple[int, int]]:
+    return [(a, min(a + seg_elems, end)) for a in range(start, end, seg_elems)]
+
+
+def _bytes_of(t: torch.Tensor) -> memoryview:
+    return memoryview(t.view(torch.uint8).numpy())
+
+
+async def ring_allreduce(
+    links: RoundLinks, data: torch.Tensor, *, average: bool, segment_bytes: int = SEGMENT_BYTES
+) -> None:
+    """Sum (or average) the flat contiguous ``data`` of every member in place, bitwise-identically."""
+    size, me = links.size, links.me
+    if size == 1:
+        return
+    dtype = data.dtype
+    code = DTYPES[dtype]
+    bounds = chunk_bounds(data.numel(), size)
+    seg_elems = max(1, segment_bytes // data.element_size())
+    segs = [segments(bounds[c], bounds[c + 1], seg_elems) for c in range(size)]
+    outbox_send, outbox = trio.open_memory_channel[tuple[int, int, int, int, int]](math.inf)
+
+    async def sender() -> None:
+        async with outbox:
+            async for phase, step, seg, a, b in outbox:
+                header = Header(Kind.DATA, links.round_id, phase, step, seg, b - a, code)
+                await links.send(header, _bytes_of(data[a:b]))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(sender)
+        async with outbox_send:
+            for j, (a, b) in enumerate(segs[me]):
+                outbox_send.send_nowait((Phase.REDUCE, 0, j, a, b))
+            for step in range(size - 1):
+                chunk = (me - step - 1) % size
+                last = step == size - 2
+                for j, (a, b) in enumerate(segs[chunk]):
+                    incoming = await links.recv_tensor(
+                        phase=Phase.REDUCE, step=step, seg=j, count=b - a, dtype=dtype
+                    )
+                    mine = data[a:b]
+                    torch.add(incoming, mine, out=mine)
+                    if not last:
+                        outbox_send.send_nowait((Phase.REDUCE, step + 1, j, a, b))
+                        continue
+                    if average:
+                        mine.div_(size)
+                    outbox_send.send_nowait((Phase.GATHER, 0, j, a, b))
+            for step in range(size - 1):
+                chunk = (me - step) % size
+                for j, (a, b) in enumerate(segs[chunk]):
+                    incoming = await links.recv_tensor(
+                        phase=Phase.GATHER, step=step, seg=j, count=b - a, dtype=dtype
+                    )
+                    data[a:b].copy_(incoming)
+                    if step < size - 2:
+                        outbox_send.send_nowait((Phase.GATHER, step + 1, j, a, b))
+
+
+async def ring_broadcast(
+    links: RoundLinks, leader: int, payload: bytes | None, *, max_bytes: int,
+    check: Callable[[bytes], object], segment_bytes: int = SEGMENT_BYTES,
+) -> bytes:
+    """The leader's ``payload``, passed hop by hop around the ring.
+
+    Each member checks the whole payload (``check`` raises ValueError) before it forwards it, so a
+    bad payload is blamed on the member that first sent it, never on an honest forwarder. Every
+    member sends it at most once; the member just left of the leader only receives.
+    """
+    size, me = links.size, links.me
+    if size == 1:
+        assert payload is not None
+        return payload
+    forward = (me + 1) % size != leader
+    code = DTYPES[torch.uint8]
+    if me == leader:
+        assert payload is not None
+        await _send_broadcast(links, payload, segment_bytes)
+        return payload
+    frame = await links.recv(phase=Phase.BROADCAST, step=0, seg=0, count=8, dtype=code, nbytes=8)
+    total = int.from_bytes(frame[-8:], "big")
+    if total > max_bytes:
+        raise BadPayload(links.left_peer, f"announced a {total}-byte broadcast; the limit is {max_bytes}")
+    out = bytearray()
+    for j, a in enumerate(range(0, total, segment_bytes)):
+        n = min(segment_bytes, total - a)
+        frame = await links.recv(phase=Phase.BROADCAST, step=1, seg=j, count=n, dtype=code, nbytes=n)
+        out += memoryview(frame)[len(frame) - n :]
+    payload = bytes(out)
+    try:
+        check(payload)
+    except ValueError as error:
+        raise BadPayload(links.left_peer, f"sent an invalid broadcast: {error}") from None
+    if forward:
+        await _send_broadcast(links, payload, segment_bytes)
+    return payload
+
+
+async def _send_broadcast(links: RoundLinks, payload: bytes, segment_bytes: int) -> None:
+    view = memoryview(payload)
+    await links.send(_broadcast_header(links, 0, 0, 8), len(view).to_bytes(8, "big"))
+    for j, a in enumerate(range(0, len(view), segment_bytes)):
+        part = view[a : a + segment_bytes]
+        await links.send(_broadcast_header(links, 1, j, len(part)), part)
+
+
+def _broadcast_header(links: RoundLinks, step: int, seg: int, count: int) -> Header:
+    return Header(Kind.DATA, links.round_id, Phase.BROADCAST, step, seg, count, DTYPES[torch.uint8])

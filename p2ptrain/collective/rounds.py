@@ -1,0 +1,360 @@
+"""Rounds: who talks to whom for one all-reduce, with deadlines and abort notices.
+
+A round is identified by its round id and agreed by digest (round id, ring order, shape, dtype,
+algorithm). Each member opens one fresh channel to its right neighbour and accepts one from its left
+neighbour, so frames of an aborted round can never reach a later one: a later round has other
+channels, and every frame also carries its round id.
+
+When a member sees a neighbour die, stall past the hop deadline, or send a bad frame, it tells every
+other member with an ABORT notice naming that peer, then leaves. Members that were merely waiting on
+a healthy neighbour therefore fail within milliseconds with the true culprit named, instead of each
+timing out and blaming whoever sits to its left.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+import torch
+import trio
+from libp2p.abc import IHost
+from libp2p.peer.id import ID
+
+from p2ptrain.collective.errors import BadPayload, CollectiveError, PeerFailed
+from p2ptrain.collective.frames import (
+    DTYPES,
+    HEADER,
+    Header,
+    Kind,
+    abort_frame,
+    parse_abort,
+    parse_header,
+)
+from p2ptrain.net.streams import Channel, ChannelError, open_channel, serve_channels, short_id
+
+logger = logging.getLogger(__name__)
+
+PROTOCOL = "/p2ptrain/collective/1.0.0"
+# How long a member that lost a neighbour's channel waits for the abort notice that may explain it.
+_GRACE_S = 0.5
+_ABORT_SEND_S = 2.0
+_MAX_PENDING = 64
+_MEMORY = 1024
+
+
+@dataclass
+class _Arrival:
+    """An inbound round channel waiting for its round to start here."""
+
+    channel: Channel
+    digest: bytes
+    claimed: trio.Event = field(default_factory=trio.Event)
+    released: trio.Event = field(default_factory=trio.Event)
+
+
+@dataclass
+class _Round:
+    round_id: int
+    ring: list[ID]
+    scope: trio.CancelScope
+    abort: PeerFailed | None = None
+
+
+class RoundLinks:
+    """One member's two channels in a round: frames go right, frames come from the left.
+
+    Every send and receive has the hop deadline; every received frame is checked against exactly the
+    frame the schedule expects next.
+    """
+
+    def __init__(
+        self, ring: list[ID], me: int, round_id: int, timeout: float, left: Channel | None,
+        right: Channel | None,
+    ) -> None:
+        self.ring = ring
+        self.me = me
+        self.size = len(ring)
+        self.round_id = round_id
+        self.timeout = timeout
+        self.left_peer = ring[(me - 1) % self.size]
+        self.right_peer = ring[(me + 1) % self.size]
+        self._left = left
+        self._right = right
+        self.bytes_sent = 0
+
+    async def send(self, header: Header, payload: bytes | memoryview = b"") -> None:
+        assert self._right is not None
+        frame = header.pack() + payload
+        try:
+            with trio.fail_after(self.timeout):
+                await self._right.send(frame)
+        except trio.TooSlowError:
+            raise PeerFailed(
+                self.right_peer, f"did not accept round {self.round_id} data within {self.timeout:g} s"
+            ) from None
+        except ChannelError as error:
+            await trio.sleep(_GRACE_S)  # an abort notice naming the real culprit may be on its way
+            raise PeerFailed(self.right_peer, f"channel broke while sending: {error}") from error
+        self.bytes_sent += len(frame) + 8  # the channel's length prefix
+
+    async def recv(self, *, phase: int, step: int, seg: int, count: int, dtype: int, nbytes: int) -> bytes:
+        """The next frame's payload, which must be exactly the one described."""
+        assert self._left is not None
+        try:
+            with trio.fail_after(self.timeout):
+                frame = await self._left.recv(HEADER.size + nbytes)
+        except trio.TooSlowError:
+            raise PeerFailed(
+                self.left_peer, f"sent nothing for round {self.round_id} within {self.timeout:g} s"
+            ) from None
+        except ChannelError as error:
+            await trio.sleep(_GRACE_S)
+            raise PeerFailed(self.left_peer, f"channel broke while receiving: {error}") from error
+        try:
+            header = parse_header(frame)
+        except ValueError as error:
+            raise BadPayload(self.left_peer, str(error)) from None
+        if header.kind == Kind.ABORT:
+            culprit, reason = parse_abort(frame, header)
+            raise PeerFailed(culprit, reason, reported_by=self.left_peer)
+        expected = Header(Kind.DATA, self.round_id, phase, step, seg, count, dtype)
+        if header != expected or len(frame) != HEADER.size + nbytes:
+            raise BadPayload(
+                self.left_peer,
+                f"unexpected frame {header} with {len(frame) - HEADER.size} payload bytes; "
+                f"expected {expected} with {nbytes}",
+            )
+        return frame
+
+    async def recv_tensor(
+        self, *, phase: int, step: int, seg: int, count: int, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """The next frame as a read-only tensor of ``count`` finite values of ``dtype``."""
+        width = torch.empty((), dtype=dtype).element_size()
+        frame = await self.recv(
+            phase=phase, step=step, seg=seg, count=count, dtype=DTYPES[dtype], nbytes=count * width
+        )
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # read-only buffer: we never write into it
+            values = torch.frombuffer(frame, dtype=dtype, count=count, offset=HEADER.size)
+        if count and not bool(torch.isfinite(values).all()):
+            raise BadPayload(self.left_peer, f"sent NaN or Inf values (phase {phase}, step {step})")
+        return values
+
+
+class RoundHub:
+    """Accepts round channels and abort notices for one host, and opens rounds for its callers."""
+
+    def __init__(self, host: IHost, protocol: str = PROTOCOL) -> None:
+        self.host = host
+        self.protocol = protocol
+        self.me = host.get_id()
+        self._active: dict[int, _Round] = {}
+        self._inbox: dict[tuple[int, ID], _Arrival] = {}
+        self._waiting: dict[tuple[int, ID], trio.Event] = {}
+        self._early_aborts: OrderedDict[int, tuple[ID, PeerFailed]] = OrderedDict()
+        self._finished: OrderedDict[int, None] = OrderedDict()
+        serve_channels(host, protocol, self._on_channel)
+
+    # ---- inbound -------------------------------------------------------------------------------
+
+    async def _on_channel(self, channel: Channel) -> None:
+        peer = channel.remote_peer
+        frame = b""
+        with trio.move_on_after(10):
+            frame = await channel.recv(HEADER.size + 256 + 1024)
+        try:
+            header = parse_header(frame)
+        except ValueError as error:
+            logger.info("collective: refused a channel from %s: %s", short_id(peer), error)
+            return
+        if header.kind == Kind.ABORT:
+            try:
+                culprit, reason = parse_abort(frame, header)
+            except ValueError:
+                return
+            self._on_abort(header.round_id, peer, PeerFailed(culprit, reason, reported_by=peer))
+            return
+        if header.kind != Kind.HELLO:
+            return
+        await self._park(header.round_id, peer, channel, frame[HEADER.size :])
+
+    async def _park(self, round_id: int, peer: ID, channel: Channel, digest: bytes) -> None:
+        """Hold an inbound round channel until its round claims it (bounded), then until it ends."""
+        key = (round_id, peer)
+        if round_id in self._finished or key in self._inbox or len(self._inbox) >= _MAX_PENDING:
+            logger.info("collective: refused round %d channel from %s", round_id, short_id(peer))
+            return
+        arrival = _Arrival(channel, digest)
+        self._inbox[key] = arrival
+        if key in self._waiting:
+            self._waiting[key].set()
+        try:
+            with trio.move_on_after(60):
+                await arrival.claimed.wait()
+        finally:
+            if self._inbox.get(key) is arrival:
+                del self._inbox[key]
+        if arrival.claimed.is_set():
+            await arrival.released.wait()
+
+    def _on_abort(self, round_id: int, reporter: ID, failure: PeerFailed) -> None:
+        current = self._active.get(round_id)
+        if current is not None:
+            if reporter in current.ring and current.abort is None:
+                logger.info("collective: round %d aborted: %s", round_id, failure)
+                current.abort = failure
+                current.scope.cancel()
+        elif round_id not in self._finished:
+            self._early_aborts[round_id] = (reporter, failure)
+            while len(self._early_aborts) > _MEMORY:
+                self._early_aborts.popitem(last=False)
+
+    # ---- outbound ------------------------------------------------------------------------------
+
+    async def broadcast_abort(self, ring: list[ID], round_id: int, culprit: ID, reason: str) -> None:
+        """Tell every other member (not the culprit) that the round failed; best effort, bounded."""
+        frame = abort_frame(round_id, culprit, reason)
+
+        async def tell(peer: ID) -> None:
+            with trio.move_on_after(_ABORT_SEND_S):
+                try:
+                    channel = await open_channel(self.host, peer, self.protocol)
+                    async with channel:
+                        await channel.send(frame)
+                except ChannelError as error:
+                    logger.debug("collective: abort notice to %s failed: %s", short_id(peer), error)
+
+        with trio.CancelScope(shield=True):
+            async with trio.open_nursery() as nursery:
+                for peer in ring:
+                    if peer != self.me and peer != culprit:
+                        nursery.start_soon(tell, peer)
+
+    async def _claim_left(self, round_id: int, left: ID, digest: bytes, timeout: float) -> _Arrival:
+        key = (round_id, left)
+        if key not in self._inbox:
+            event = self._waiting.setdefault(key, trio.Event())
+            try:
+                with trio.move_on_after(timeout):
+                    await event.wait()
+            finally:
+                self._waiting.pop(key, None)
+            if key not in self._inbox:
+                raise PeerFailed(left, f"did not open its round {round_id} channel within {timeout:g} s")
+        arrival = self._inbox.pop(key)
+        arrival.claimed.set()
+        if arrival.digest != digest:
+            with trio.move_on_after(1):
+                await arrival.channel.send(abort_frame(round_id, left, "round parameters differ"))
+            raise PeerFailed(
+                left, "disagrees on the round (ring order, size, dtype, density or op differ)"
+            )
+        return arrival
+
+    async def _open_right(self, round_id: int, right: ID, digest: bytes, timeout: float) -> Channel:
+        try:
+            with trio.fail_after(timeout):
+                channel = await open_channel(self.host, right, self.protocol)
+                await channel.send(Header(Kind.HELLO, round_id).pack() + digest)
+                frame = await channel.recv(HEADER.size + 256 + 1024)
+        except trio.TooSlowError:
+            raise PeerFailed(right, f"did not join round {round_id} within {timeout:g} s") from None
+        except ChannelError as error:
+            raise PeerFailed(right, f"cannot reach it: {error}") from error
+        try:
+            header = parse_header(frame)
+            if header.kind == Kind.ABORT:
+                culprit, reason = parse_abort(frame, header)
+                raise PeerFailed(right, f"refused the round: {reason}")
+            if header.kind != Kind.READY or header.round_id != round_id:
+                raise ValueError(f"expected READY for round {round_id}, got {header}")
+        except ValueError as error:
+            raise BadPayload(right, str(error)) from None
+        return channel
+
+    @asynccontextmanager
+    async def open_round(
+        self, ring: list[ID], round_id: int, digest: bytes, *, timeout: float, start_timeout: float
+    ) -> AsyncIterator[RoundLinks]:
+        """Join round ``round_id`` of ``ring``: connect both neighbours, then yield the links.
+
+        Any failure inside (ours or a notice from another member) leaves as :class:`PeerFailed`; a
+        failure we detected ourselves is first announced to the other members.
+        """
+        if self.me not in ring:
+            raise CollectiveError("this host is not a member of the ring")
+        if len(set(ring)) != len(ring):
+            raise CollectiveError("the ring lists a peer twice")
+        if not 0 <= round_id < 2**64:
+            raise CollectiveError("round id must fit in 64 bits")
+        if round_id in self._active or round_id in self._finished:
+            raise CollectiveError(f"round {round_id} was already used here; use a fresh round id")
+        me = ring.index(self.me)
+        size = len(ring)
+        state = _Round(round_id, ring, trio.CancelScope())
+        early = self._early_aborts.pop(round_id, None)
+        if early is not None and early[0] in ring:
+            self._remember(round_id)
+            raise early[1]
+        self._active[round_id] = state
+        arrival: _Arrival | None = None
+        right: Channel | None = None
+        detected: PeerFailed | None = None
+        try:
+            with state.scope:
+                try:
+                    if size == 1:
+                        yield RoundLinks(ring, me, round_id, timeout, None, None)
+                        return
+                    left_peer, right_peer = ring[(me - 1) % size], ring[(me + 1) % size]
+                    async with trio.open_nursery() as nursery:
+
+                        async def connect_right() -> None:
+                            nonlocal right
+                            right = await self._open_right(round_id, right_peer, digest, start_timeout)
+
+                        nursery.start_soon(connect_right)
+                        arrival = await self._claim_left(round_id, left_peer, digest, start_timeout)
+                        with trio.fail_after(timeout):
+                            await arrival.channel.send(Header(Kind.READY, round_id).pack())
+                    yield RoundLinks(ring, me, round_id, timeout, arrival.channel, right)
+                except PeerFailed as failure:
+                    if failure.reported_by is None and failure.peer_id != self.me:
+                        detected = failure
+                    raise
+                except trio.TooSlowError:
+                    detected = PeerFailed(ring[(me - 1) % size], "did not answer within the deadline")
+                    raise detected from None
+                except ChannelError as error:
+                    detected = PeerFailed(error.peer_id or ring[(me + 1) % size], str(error))
+                    raise detected from error
+                except Exception as error:
+                    # Our own failure: name ourselves so the others stop waiting for us at once.
+                    detected = PeerFailed(self.me, f"local error: {type(error).__name__}: {error}")
+                    raise
+        finally:
+            if detected is not None and state.abort is None:
+                logger.info("collective: round %d failed here: %s", round_id, detected)
+                await self.broadcast_abort(ring, round_id, detected.peer_id, detected.reason)
+            del self._active[round_id]
+            self._remember(round_id)
+            if right is not None:
+                if detected is None and state.abort is None:
+                    await right.aclose()
+                else:
+                    await right._abort()
+            if arrival is not None:
+                arrival.released.set()
+        if state.abort is not None and state.scope.cancelled_caught:
+            raise state.abort
+
+    def _remember(self, round_id: int) -> None:
+        self._finished[round_id] = None
+        while len(self._finished) > _MEMORY:
+            self._finished.popitem(last=False)

@@ -1,0 +1,145 @@
+"""Top-k sparsification and the CLT-k sparse all-reduce.
+
+Selection: ``torch.topk`` over 16M entries costs 0.35-0.6 s on a small CPU; instead we estimate the
+k-th largest magnitude from a ~1% strided sample, keep the entries above a slightly lower threshold
+(one compare and one ``nonzero``), and cut the few extra candidates with a small ``topk``. The
+result is exactly k indices, so every member knows the volume in advance.
+
+All-reduce (CLT-k, after ScaleCom, NeurIPS 2020): members' top-k index sets differ, and a ring that
+merges them fills in towards dense. Instead the round's leader (rotating with the round id) chooses
+the index set from its own accumulated gradient, passes it around the ring once (as compact
+gaps), and every member contributes its own values at exactly those indices to an exact dense ring
+all-reduce of k values. Volume per member: 2k(P-1)/P values, the lower bound, plus about
+2k(P-1)/P bytes of indices on average over the ring. What a member did not send stays in its
+error-feedback residual, so its large entries are sent in a later round.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import torch
+
+from p2ptrain.collective.ring import SEGMENT_BYTES, ring_allreduce, ring_broadcast
+from p2ptrain.collective.rounds import RoundLinks
+
+_ESCAPE = 0xFFFF  # a gap of 65535 more, the encoding continues with the next 16-bit word
+_EXACT_BELOW = 1 << 16  # small tensors: a plain topk is cheaper than sampling
+
+
+def bucket_ks(sizes: Sequence[int], density: float) -> list[int]:
+    """k per bucket: ceil(density * size), at least 1 and at most the bucket's size."""
+    return [min(n, max(1, math.ceil(density * n))) if n else 0 for n in sizes]
+
+
+def topk_indices(
+    x: torch.Tensor, k: int, *, generator: torch.Generator | None = None, sample_share: float = 0.01,
+    margin: float = 1.25,
+) -> torch.Tensor:
+    """Sorted int64 indices of the ``k`` largest magnitudes of the flat ``x``.
+
+    Exact for small tensors; for large ones the candidates come from a sampled threshold set
+    ``margin`` times looser than k, and the final cut is exact among the candidates. Ties and
+    sampling make it differ from ``torch.topk`` only in which of nearly equal entries are kept.
+    """
+    n = x.numel()
+    if k >= n:
+        return torch.arange(n, dtype=torch.int64)
+    if k <= 0:
+        return torch.empty(0, dtype=torch.int64)
+    magnitude = x.abs()
+    if n < _EXACT_BELOW:
+        return torch.topk(magnitude, k, sorted=False).indices.sort().values
+    stride = max(1, int(1 / sample_share))
+    start = int(torch.randint(stride, (1,), generator=generator))
+    sample = magnitude[start::stride]
+    above = math.ceil(margin * k * sample.numel() / n)
+    rank = sample.numel() - above
+    candidates = None
+    if rank >= 1:
+        threshold = sample.kthvalue(rank).values
+        candidates = torch.nonzero(magnitude >= threshold).view(-1)
+    if candidates is None or candidates.numel() < k:
+        return torch.topk(magnitude, k, sorted=False).indices.sort().values
+    if candidates.numel() > k:
+        keep = torch.topk(magnitude[candidates], k, sorted=False).indices
+        candidates = candidates[keep].sort().values
+    return candidates
+
+
+def bucket_topk(
+    x: torch.Tensor, sizes: Sequence[int], ks: Sequence[int], *, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """Top-k per bucket (buckets are consecutive slices of ``x``), as sorted global indices."""
+    parts = []
+    offset = 0
+    for size, k in zip(sizes, ks, strict=True):
+        if k:
+            parts.append(topk_indices(x[offset : offset + size], k, generator=generator) + offset)
+        offset += size
+    if offset != x.numel():
+        raise ValueError(f"bucket sizes add up to {offset}, the tensor has {x.numel()} entries")
+    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
+
+
+def encode_indices(indices: torch.Tensor) -> bytes:
+    """Strictly increasing indices as 16-bit little-endian gaps (escapes for gaps of 65535 or more).
+
+    At 1% density a gap averages 100, so an index costs 2 bytes instead of 4 or 8.
+    """
+    idx = indices.to(torch.int64).numpy()
+    gaps = np.diff(idx, prepend=-1) - 1
+    if idx.size and gaps.min() < 0:
+        raise ValueError("indices must be strictly increasing and non-negative")
+    whole, rest = np.divmod(gaps, _ESCAPE)
+    if not whole.any():
+        return rest.astype("<u2").tobytes()
+    ends = np.cumsum(whole + 1) - 1
+    out = np.full(int(ends[-1]) + 1, _ESCAPE, dtype="<u2")
+    out[ends] = rest
+    return out.tobytes()
+
+
+def decode_indices(data: bytes, n: int, k: int) -> torch.Tensor:
+    """The inverse of :func:`encode_indices`; ValueError unless it holds exactly k indices below n."""
+    if len(data) % 2:
+        raise ValueError("odd length")
+    words = np.frombuffer(data, dtype="<u2")
+    ends = words != _ESCAPE
+    if int(ends.sum()) != k or (words.size and not ends[-1]):
+        raise ValueError(f"expected {k} indices")
+    idx = np.cumsum(words, dtype=np.int64)[ends] + np.arange(k, dtype=np.int64)
+    if k and idx[-1] >= n:
+        raise ValueError(f"index {int(idx[-1])} out of range for {n} entries")
+    return torch.from_numpy(idx)
+
+
+def max_encoded_bytes(n: int, k: int) -> int:
+    return 2 * (k + n // _ESCAPE + 1)
+
+
+async def clt_k_round(
+    links: RoundLinks, source: torch.Tensor, *, k: int, leader: int,
+    select: Callable[[], torch.Tensor], value_dtype: torch.dtype, average: bool,
+    segment_bytes: int = SEGMENT_BYTES,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One CLT-k round: the leader's k indices, then the exact ring all-reduce of the values there."""
+    n = source.numel()
+    payload = None
+    if links.me == leader:
+        indices = select()
+        if indices.numel() != k:
+            raise ValueError(f"selection returned {indices.numel()} indices, expected {k}")
+        payload = encode_indices(indices)
+    data = await ring_broadcast(
+        links, leader, payload, max_bytes=max_encoded_bytes(n, k),
+        check=lambda raw: decode_indices(raw, n, k), segment_bytes=segment_bytes,
+    )
+    indices = decode_indices(data, n, k)
+    values = source.index_select(0, indices).to(value_dtype)
+    if not bool(torch.isfinite(values).all()):
+        raise ValueError("local values contain NaN or Inf (or overflow the value dtype)")
+    await ring_allreduce(links, values, average=average, segment_bytes=segment_bytes)
+    return indices, values
