@@ -27,8 +27,9 @@ from p2ptrain.ipfs.unixfs import DagError
 class ShardUnavailable(RuntimeError):
     """A shard the dataset needs cannot be had, or is not what the manifest promises."""
 
-    def __init__(self, split: str, index: int, cid: str, reason: str) -> None:
-        super().__init__(f"shard {index} of split {split!r} ({cid}) cannot be used: {reason}")
+    def __init__(self, message: str, cid: str | None = None) -> None:
+        # One-message constructor: DataLoader rebuilds a worker's exception as ``type(exc)(message)``.
+        super().__init__(message)
         self.cid = cid
 
 
@@ -115,10 +116,11 @@ class IPFSDataset(IterableDataset):
             features, labels = decode_shard(
                 data, self.manifest.features, self.manifest.labels, ref.num_samples
             )
-        except ContentUnavailable as exc:
-            raise ShardUnavailable(self.split, index, ref.cid, exc.reason) from exc
-        except (BlockMismatch, DagError, ShardError) as exc:
-            raise ShardUnavailable(self.split, index, ref.cid, str(exc)) from exc
+        except (ContentUnavailable, BlockMismatch, DagError, ShardError) as exc:
+            reason = exc.reason if isinstance(exc, ContentUnavailable) else str(exc)
+            raise ShardUnavailable(
+                f"shard {index} of split {self.split!r} ({ref.cid}) cannot be used: {reason}", ref.cid
+            ) from exc
         return torch.from_numpy(features), torch.from_numpy(labels)
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
