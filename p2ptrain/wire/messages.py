@@ -60,3 +60,123 @@ class Goodbye:
     """Sent on clean shutdown so peers mark us gone at once instead of after the liveness timeout."""
 
     reason: str = field(default="", metadata={"max_len": 256})
+
+
+# --- training: tasks, rounds, elections, model records --------------------------------------------
+# Bodies that must stay verifiable outside pubsub (stored records, vote certificates) are nested
+# dataclasses carrying a detached Ed25519 signature; see p2ptrain.training.signing.
+
+_CID = {"max_len": 128}
+_PEER = {"max_len": 128}
+_SIG = {"max_len": 128}  # hex of a 64-byte Ed25519 signature
+
+
+@message("task_announce")
+@dataclass(frozen=True)
+class TaskAnnounce:
+    """A task's canonical bytes are stored by ``task_cid``; peers that meet its requirements may join."""
+
+    task_cid: str = field(metadata=_CID)
+    name: str = field(metadata={"max_len": 128})
+
+
+@message("round_plan")
+@dataclass(frozen=True)
+class RoundPlan:
+    """The coordinator's order for one round: who takes part (rank = index) from which model state.
+
+    ``step`` is the optimizer steps members must have taken before the round; ``base_cid``/``version``
+    name the latest confirmed model. A retry of a failed round keeps ``round`` and raises ``attempt``.
+    """
+
+    task_cid: str = field(metadata=_CID)
+    term: int
+    round: int
+    attempt: int
+    step: int
+    members: tuple[str, ...] = field(metadata={"max_items": 1024, **_PEER})
+    base_cid: str = field(metadata=_CID)
+    version: int
+
+
+@dataclass(frozen=True)
+class ModelRecord:
+    """One published global model: the unit of the run's history (a chain of confirmed records)."""
+
+    task_cid: str = field(metadata=_CID)
+    version: int
+    parent: str = field(metadata=_CID)  # model CID of the previous confirmed record (or the initial model)
+    round: int
+    step: int
+    members: tuple[str, ...] = field(metadata={"max_items": 1024})
+    metrics: dict[str, float] = field(metadata={"max_items": 16})
+    model_cid: str = field(metadata=_CID)
+    optimizer_cid: str = field(metadata=_CID)  # optimizer state, so a late joiner resumes exactly
+    term: int
+    coordinator: str = field(metadata=_PEER)
+
+
+@message("model_record")
+@dataclass(frozen=True)
+class SignedModelRecord:
+    """A model record with the coordinator's detached signature over its canonical bytes."""
+
+    record: ModelRecord
+    signature: str = field(metadata=_SIG)
+
+
+@dataclass(frozen=True)
+class Attestation:
+    """A member's statement: 'for record ``record_id`` my own weights hash to these CIDs'."""
+
+    task_cid: str = field(metadata=_CID)
+    version: int
+    record_id: str = field(metadata={"max_len": 64})
+    model_cid: str = field(metadata=_CID)
+    optimizer_cid: str = field(metadata=_CID)
+    attester: str = field(metadata=_PEER)
+
+
+@message("attestation")
+@dataclass(frozen=True)
+class SignedAttestation:
+    attestation: Attestation
+    signature: str = field(metadata=_SIG)
+
+
+@message("vote_request")
+@dataclass(frozen=True)
+class VoteRequest:
+    """A candidate asks the task's members for their vote as coordinator of ``term``."""
+
+    task_cid: str = field(metadata=_CID)
+    term: int
+    candidate: str = field(metadata=_PEER)
+
+
+@dataclass(frozen=True)
+class Vote:
+    """A member's one vote in ``term``."""
+
+    task_cid: str = field(metadata=_CID)
+    term: int
+    candidate: str = field(metadata=_PEER)
+    voter: str = field(metadata=_PEER)
+
+
+@message("vote")
+@dataclass(frozen=True)
+class SignedVote:
+    vote: Vote
+    signature: str = field(metadata=_SIG)
+
+
+@message("coordinator")
+@dataclass(frozen=True)
+class CoordinatorBeat:
+    """The coordinator's heartbeat for its term, with the votes that elected it (a quorum certificate)."""
+
+    task_cid: str = field(metadata=_CID)
+    term: int
+    coordinator: str = field(metadata=_PEER)
+    votes: tuple[SignedVote, ...] = field(metadata={"max_items": 128})

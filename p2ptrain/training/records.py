@@ -1,0 +1,272 @@
+"""Global models as bytes, signed records of them, attestations, and the chain of confirmed records.
+
+Same weights must give the same bytes on every peer, because a member proves it holds the global
+model by hashing its own weights to the CID the coordinator published. So a state dict is written as
+safetensors with sorted names, contiguous CPU tensors and fixed metadata; nothing else goes in.
+Loading uses ``safetensors.torch`` only (never ``torch.load``) and insists on exactly the names,
+shapes and dtypes of a module built from the registry.
+
+A record is *confirmed* when a quorum (a strict majority of the round's members) attest that their
+own weights hash to the record's CIDs. Confirmed records form a chain: each record's parent is the
+model CID of the previous confirmed record (the first one's parent is the initial model) and versions
+count up by one, so the history has no fork and no gap.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from enum import Enum
+
+import safetensors.torch
+import torch
+from libp2p.crypto.keys import KeyPair
+from torch import nn
+
+from p2ptrain.training import signing
+from p2ptrain.training.signing import SignatureError
+from p2ptrain.wire.messages import Attestation, ModelRecord, SignedAttestation, SignedModelRecord
+from p2ptrain.wire.schema import SchemaError, from_plain, to_plain
+
+log = logging.getLogger(__name__)
+
+# Fixed so that metadata never differs between peers (no versions, no timestamps, no host names).
+# One key only: safetensors writes the metadata map in hash order, so two keys can swap places
+# between two saves of the same tensors.
+_METADATA = {"format": "pt"}
+MAX_RECORD_BYTES = 64 * 1024
+
+
+class RecordError(ValueError):
+    """A record, attestation or model file is invalid or does not fit the chain."""
+
+
+# --- deterministic tensor files ---------------------------------------------------------------
+
+
+def tensors_bytes(tensors: Mapping[str, torch.Tensor]) -> bytes:
+    """Deterministic safetensors bytes: sorted names, contiguous CPU copies, fixed metadata."""
+    ordered = {k: tensors[k].detach().to("cpu").contiguous() for k in sorted(tensors)}
+    return safetensors.torch.save(ordered, metadata=dict(_METADATA))
+
+
+def model_bytes(module: nn.Module) -> bytes:
+    """The bytes whose CID names a model: its state dict as deterministic safetensors."""
+    return tensors_bytes(module.state_dict())
+
+
+def read_tensors(data: bytes) -> dict[str, torch.Tensor]:
+    """Parse safetensors bytes (no pickle involved); raise :class:`RecordError` if malformed."""
+    try:
+        return safetensors.torch.load(data)
+    except Exception as exc:  # safetensors raises its own error types for every malformation
+        raise RecordError(f"not a valid safetensors file: {exc}") from None
+
+
+def load_model_bytes(module: nn.Module, data: bytes) -> nn.Module:
+    """Load deterministic safetensors bytes into ``module``, which must match them exactly."""
+    tensors = read_tensors(data)
+    expected = module.state_dict()
+    missing, extra = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
+    if missing or extra:
+        raise RecordError(f"model file does not fit the architecture: missing {missing[:5]}, extra {extra[:5]}")
+    for name, want in expected.items():
+        got = tensors[name]
+        if got.shape != want.shape or got.dtype != want.dtype:
+            raise RecordError(
+                f"model file tensor {name}: {tuple(got.shape)} {got.dtype}, "
+                f"architecture needs {tuple(want.shape)} {want.dtype}"
+            )
+    module.load_state_dict(tensors, strict=True)
+    return module
+
+
+# --- signed records -----------------------------------------------------------------------------
+
+
+def sign_record(record: ModelRecord, key_pair: KeyPair) -> SignedModelRecord:
+    """Sign ``record`` as its coordinator (``record.coordinator`` is set to the signer)."""
+    record = replace(record, coordinator=signing.peer_str(key_pair))
+    return SignedModelRecord(record=record, signature=signing.sign(record, key_pair))
+
+
+def verify_record(signed: SignedModelRecord) -> ModelRecord:
+    """The record if its coordinator's signature verifies; :class:`RecordError` otherwise."""
+    try:
+        signing.verify(signed.record, signed.record.coordinator, signed.signature)
+    except SignatureError as exc:
+        raise RecordError(f"model record v{signed.record.version}: {exc}") from None
+    return signed.record
+
+
+def record_id(record: ModelRecord) -> str:
+    """What attestations name a record by: sha256 hex of its canonical bytes."""
+    return signing.body_id(record)
+
+
+def record_bytes(signed: SignedModelRecord) -> bytes:
+    """Canonical JSON of a signed record, for storing by CID or on disk."""
+    return json.dumps(to_plain(signed), sort_keys=True, separators=(",", ":")).encode()
+
+
+def record_from_bytes(data: bytes) -> SignedModelRecord:
+    """Parse and verify a stored signed record."""
+    if len(data) > MAX_RECORD_BYTES:
+        raise RecordError(f"model record of {len(data)} B is over the {MAX_RECORD_BYTES} B limit")
+    try:
+        signed = from_plain(SignedModelRecord, json.loads(data), "model_record")
+    except (ValueError, RecursionError, SchemaError) as exc:
+        raise RecordError(f"not a model record: {exc}") from None
+    verify_record(signed)
+    return signed
+
+
+def attest(record: ModelRecord, model_cid: str, optimizer_cid: str, key_pair: KeyPair) -> SignedAttestation:
+    """Sign what our own state hashes to for ``record`` (matching or not: a mismatch is evidence too)."""
+    body = Attestation(
+        task_cid=record.task_cid,
+        version=record.version,
+        record_id=record_id(record),
+        model_cid=model_cid,
+        optimizer_cid=optimizer_cid,
+        attester=signing.peer_str(key_pair),
+    )
+    return SignedAttestation(attestation=body, signature=signing.sign(body, key_pair))
+
+
+def verify_attestation(signed: SignedAttestation) -> Attestation:
+    try:
+        signing.verify(signed.attestation, signed.attestation.attester, signed.signature)
+    except SignatureError as exc:
+        raise RecordError(f"attestation: {exc}") from None
+    return signed.attestation
+
+
+# --- confirmation ------------------------------------------------------------------------------
+
+
+class Status(Enum):
+    PENDING = "pending"
+    CONFIRMED = "confirmed"
+    REJECTED = "rejected"
+
+
+def quorum(members: int) -> int:
+    """A strict majority: any two quorums of the same members share at least one member."""
+    return members // 2 + 1
+
+
+@dataclass
+class Tally:
+    """Attestations collected for one signed record, from its round's members only.
+
+    Confirmed at a quorum of matching attestations; rejected as soon as a quorum can no longer be
+    reached (too many members hashed their weights to something else), or by :meth:`expire` when
+    the attestation deadline passes first.
+    """
+
+    signed: SignedModelRecord
+    matching: set[str] = field(default_factory=set)
+    differing: dict[str, str] = field(default_factory=dict)  # attester -> the model CID it computed
+
+    def __post_init__(self) -> None:
+        self.record = verify_record(self.signed)
+        self.id = record_id(self.record)
+        self.status = Status.PENDING
+
+    def add(self, signed: SignedAttestation) -> Status:
+        """Count one attestation; raise :class:`RecordError` for one that is invalid or not for us."""
+        att = verify_attestation(signed)
+        if att.record_id != self.id or att.task_cid != self.record.task_cid:
+            raise RecordError(f"attestation by {att.attester[:16]} is for another record")
+        if att.attester not in self.record.members:
+            raise RecordError(f"attestation by {att.attester[:16]}, not a member of round {self.record.round}")
+        if att.attester in self.matching or att.attester in self.differing:
+            return self.status  # one voice per member; repeats change nothing
+        if (att.model_cid, att.optimizer_cid) == (self.record.model_cid, self.record.optimizer_cid):
+            self.matching.add(att.attester)
+        else:
+            self.differing[att.attester] = att.model_cid
+        self._settle()
+        return self.status
+
+    def _settle(self) -> None:
+        if self.status is not Status.PENDING:
+            return
+        need = quorum(len(self.record.members))
+        if len(self.matching) >= need:
+            self.status = Status.CONFIRMED
+        elif len(self.record.members) - len(self.differing) < need:
+            self._reject("a quorum can no longer reproduce it")
+
+    def expire(self) -> Status:
+        """The deadline passed: a record still short of a quorum is rejected."""
+        if self.status is Status.PENDING:
+            self._reject("the attestation deadline passed")
+        return self.status
+
+    def _reject(self, why: str) -> None:
+        self.status = Status.REJECTED
+        r = self.record
+        log.warning(
+            "task %s: model record v%d (%s, round %d, coordinator %s) rejected: %s; "
+            "%d of %d members reproduced it, %d computed other CIDs %s",
+            r.task_cid[:12], r.version, r.model_cid, r.round, r.coordinator[-8:], why,
+            len(self.matching), len(r.members), len(self.differing), sorted(set(self.differing.values()))[:3],
+        )
+
+
+class Chain:
+    """The confirmed history of one task: versions 1, 2, … each the child of the one before."""
+
+    def __init__(self, task_cid: str, initial_cid: str) -> None:
+        self.task_cid = task_cid
+        self.initial_cid = initial_cid
+        self.records: list[SignedModelRecord] = []
+
+    @property
+    def version(self) -> int:
+        return len(self.records)
+
+    @property
+    def head_cid(self) -> str:
+        """The latest confirmed model CID (the initial model before any record)."""
+        return self.records[-1].record.model_cid if self.records else self.initial_cid
+
+    def check(self, signed: SignedModelRecord) -> ModelRecord:
+        """Verify ``signed`` and that it extends the chain; :class:`RecordError` names fork or gap."""
+        r = verify_record(signed)
+        if r.task_cid != self.task_cid:
+            raise RecordError(f"model record v{r.version} belongs to task {r.task_cid[:16]}")
+        if r.version <= self.version:
+            held = self.records[r.version - 1].record if r.version >= 1 else None
+            if held is not None and record_id(held) == record_id(r):
+                raise RecordError(f"model record v{r.version} is already in the chain")
+            raise RecordError(f"fork: a different model record v{r.version} is already confirmed")
+        if r.version != self.version + 1:
+            raise RecordError(f"gap: model record v{r.version} after v{self.version}")
+        if r.parent != self.head_cid:
+            raise RecordError(
+                f"fork: model record v{r.version} has parent {r.parent}, the chain's head is {self.head_cid}"
+            )
+        return r
+
+    def append(self, signed: SignedModelRecord) -> None:
+        """Add a confirmed record (checked by :meth:`check` again)."""
+        self.check(signed)
+        self.records.append(signed)
+
+    def to_bytes(self) -> bytes:
+        """JSON lines of the signed records, oldest first."""
+        return b"".join(record_bytes(s) + b"\n" for s in self.records)
+
+    @classmethod
+    def from_bytes(cls, task_cid: str, initial_cid: str, data: bytes) -> Chain:
+        """Rebuild and re-verify a chain saved by :meth:`to_bytes`."""
+        chain = cls(task_cid, initial_cid)
+        for line in data.splitlines():
+            if line.strip():
+                chain.append(record_from_bytes(line))
+        return chain

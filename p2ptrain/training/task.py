@@ -1,0 +1,429 @@
+"""The task spec: what to train, on what data, how, and with how many peers.
+
+A task is written as TOML by a person and travels as canonical JSON bytes stored by CID. Parsing
+is strict (unknown keys, wrong types and out-of-range values are errors that name the field) because
+a task comes from another peer: it must not be able to smuggle in anything we did not plan for, and a
+typo must not silently fall back to a default. Canonical bytes fill in every default and sort keys, so
+the same task always has the same bytes and therefore the same CID on every peer.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import tomllib
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from p2ptrain.errors import UserError
+from p2ptrain.training.models import ModelError, check_model
+from p2ptrain.wire.messages import Capabilities
+
+# A CID in text form is short; anything longer is not a CID we made.
+_MAX_CID_LEN = 128
+_MAX_NAME_LEN = 128
+_MAX_TASK_BYTES = 64 * 1024
+
+# A coordinator's heartbeat carries a quorum of signed votes; 128 members keep it far below the wire cap.
+MAX_PEERS = 128
+
+OPTIMIZERS = ("sgd", "adam", "adamw")
+SCHEDULES = ("constant", "warmup", "cosine")
+DEVICES = ("any", "cpu", "cuda")
+
+
+class TaskError(UserError):
+    """A task file or task bytes are invalid; the message starts with the dotted field name."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A builder from :mod:`p2ptrain.training.models` and its keyword arguments (JSON scalars/lists)."""
+
+    name: str
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class DatasetSpec:
+    """A dataset manifest stored by CID and the names of its train and test splits."""
+
+    manifest: str
+    train_split: str = "train"
+    test_split: str = "test"
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """The optimizer every member runs, identically, on the averaged gradient."""
+
+    name: str
+    lr: float
+    weight_decay: float = 0.0
+    momentum: float | None = None  # sgd only
+    beta1: float | None = None  # adam/adamw only, like beta2 and eps
+    beta2: float | None = None
+    eps: float | None = None
+
+
+@dataclass(frozen=True)
+class ScheduleSpec:
+    """Learning-rate schedule over optimizer steps: constant, linear warmup, or warmup + cosine decay."""
+
+    name: str = "constant"
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.0
+
+
+@dataclass(frozen=True)
+class TrainingSpec:
+    """How long and how often: one round = ``sync_interval`` local batches, one all-reduce, one step.
+
+    Exactly one of ``total_steps`` (optimizer steps, i.e. rounds) and ``epochs`` is set.
+    """
+
+    batch_size: int
+    sync_interval: int = 1
+    total_steps: int | None = None
+    epochs: float | None = None
+    checkpoint_interval: int = 10
+    eval_batch_size: int = 256
+
+
+@dataclass(frozen=True)
+class CompressionSpec:
+    """Top-k sparsification of the gradient all-reduce (density 1.0 means dense)."""
+
+    density: float = 0.01
+    error_feedback: bool = True
+    fp16_values: bool = False
+
+
+@dataclass(frozen=True)
+class PeersSpec:
+    """How many members a round needs (``min``) and admits (``max``)."""
+
+    min: int = 1
+    max: int = 64
+
+
+@dataclass(frozen=True)
+class Requirements:
+    """Where members train and what memory they need (MiB of RAM, or of GPU memory for CUDA).
+
+    ``cpu`` (the default) runs every member on CPU, which any peer can; ``cuda`` admits CUDA peers
+    only; ``any`` lets each member pick. Members that hold bitwise-identical weights must compute the
+    optimizer step on the same kind of device, so ``any`` can make attestations fail between a CPU and
+    a GPU member.
+    """
+
+    device: str = "cpu"
+    min_memory_mb: int = 0
+
+
+@dataclass(frozen=True)
+class Task:
+    """A validated task; build it with :func:`parse_task` / :func:`load_task` / :func:`task_from_bytes`."""
+
+    name: str
+    model: ModelSpec
+    dataset: DatasetSpec
+    optimizer: OptimizerSpec
+    training: TrainingSpec
+    schedule: ScheduleSpec = ScheduleSpec()
+    compression: CompressionSpec = CompressionSpec()
+    peers: PeersSpec = PeersSpec()
+    requirements: Requirements = Requirements()
+    seed: int = 0
+    initial_model: str | None = None
+
+
+# --- field checks -----------------------------------------------------------------------------
+
+
+def _table(data: dict[str, Any], key: str, where: str, required: bool) -> dict[str, Any]:
+    value = data.get(key)
+    if value is None:
+        if required:
+            raise TaskError(f"{where}{key}: missing table [{where}{key}]")
+        return {}
+    if not isinstance(value, dict):
+        raise TaskError(f"{where}{key}: must be a table")
+    return value
+
+
+def _only(table: dict[str, Any], allowed: set[str], where: str) -> None:
+    unknown = sorted(set(table) - allowed)
+    if unknown:
+        raise TaskError(f"{where}{unknown[0]}: unknown field (allowed: {', '.join(sorted(allowed))})")
+
+
+def _str(table: dict[str, Any], key: str, where: str, default: Any = ..., max_len: int = _MAX_NAME_LEN) -> Any:
+    if key not in table:
+        if default is ...:
+            raise TaskError(f"{where}{key}: missing")
+        return default
+    value = table[key]
+    if not isinstance(value, str) or not value.strip():
+        raise TaskError(f"{where}{key}: must be a non-empty string")
+    if len(value) > max_len:
+        raise TaskError(f"{where}{key}: longer than {max_len} characters")
+    return value
+
+
+def _int(table: dict[str, Any], key: str, where: str, default: Any = ..., lo: int = 0, hi: int = 2**62) -> Any:
+    if key not in table:
+        if default is ...:
+            raise TaskError(f"{where}{key}: missing")
+        return default
+    value = table[key]
+    if type(value) is not int:
+        raise TaskError(f"{where}{key}: must be an integer")
+    if not lo <= value <= hi:
+        raise TaskError(f"{where}{key}: must be between {lo} and {hi}")
+    return value
+
+
+def _float(
+    table: dict[str, Any],
+    key: str,
+    where: str,
+    default: Any = ...,
+    lo: float = 0.0,
+    hi: float = math.inf,
+    lo_open: bool = False,
+) -> Any:
+    if key not in table:
+        if default is ...:
+            raise TaskError(f"{where}{key}: missing")
+        return default
+    value = table[key]
+    if type(value) not in (int, float) or not math.isfinite(value):
+        raise TaskError(f"{where}{key}: must be a finite number")
+    if lo_open and value <= lo:
+        raise TaskError(f"{where}{key}: must be > {lo:g}")
+    if value < lo or value > hi:
+        raise TaskError(f"{where}{key}: must be between {lo:g} and {hi:g}")
+    return float(value)
+
+
+def _bool(table: dict[str, Any], key: str, where: str, default: bool) -> bool:
+    value = table.get(key, default)
+    if type(value) is not bool:
+        raise TaskError(f"{where}{key}: must be true or false")
+    return value
+
+
+def _choice(table: dict[str, Any], key: str, where: str, choices: tuple[str, ...], default: Any = ...) -> Any:
+    value = _str(table, key, where, default)
+    if value not in choices:
+        raise TaskError(f"{where}{key}: must be one of {', '.join(choices)} (got {value!r})")
+    return value
+
+
+def _cid(table: dict[str, Any], key: str, where: str, default: Any = ...) -> Any:
+    value = _str(table, key, where, default, max_len=_MAX_CID_LEN)
+    if value is None:
+        return None
+    if not value.isalnum():
+        raise TaskError(f"{where}{key}: {value!r} is not a CID")
+    return value
+
+
+def _kwarg_value(value: Any, where: str, nested_ok: bool = True) -> Any:
+    """Model kwargs are JSON scalars or short flat lists of them: nothing that could carry code."""
+    if type(value) in (bool, int, str) or (type(value) is float and math.isfinite(value)):
+        return value
+    if nested_ok and isinstance(value, list) and len(value) <= 64:
+        return [_kwarg_value(v, f"{where}[{i}]", nested_ok=False) for i, v in enumerate(value)]
+    raise TaskError(f"{where}: must be a finite number, string, boolean or a short flat list of them")
+
+
+# --- parsing ----------------------------------------------------------------------------------
+
+
+def parse_task(data: dict[str, Any]) -> Task:
+    """Validate a task from its TOML/JSON table form; raise :class:`TaskError` naming the bad field."""
+    if not isinstance(data, dict):
+        raise TaskError("task: must be a table")
+    _only(
+        data,
+        {"name", "seed", "initial_model", "model", "dataset", "optimizer", "schedule", "training",
+         "compression", "peers", "requirements"},
+        "",
+    )
+    name = _str(data, "name", "")
+    seed = _int(data, "seed", "", 0, 0, 2**32 - 1)
+    initial_model = _cid(data, "initial_model", "", None)
+
+    m = _table(data, "model", "", True)
+    _only(m, {"name", "kwargs"}, "model.")
+    kwargs_t = _table(m, "kwargs", "model.", False)
+    if len(kwargs_t) > 32:
+        raise TaskError("model.kwargs: more than 32 arguments")
+    model = ModelSpec(
+        name=_str(m, "name", "model."),
+        kwargs={k: _kwarg_value(v, f"model.kwargs.{k}") for k, v in sorted(kwargs_t.items())},
+    )
+
+    try:
+        check_model(model.name, model.kwargs)
+    except ModelError as exc:
+        raise TaskError(str(exc)) from None
+
+    d = _table(data, "dataset", "", True)
+    _only(d, {"manifest", "train_split", "test_split"}, "dataset.")
+    dataset = DatasetSpec(
+        manifest=_cid(d, "manifest", "dataset."),
+        train_split=_str(d, "train_split", "dataset.", "train"),
+        test_split=_str(d, "test_split", "dataset.", "test"),
+    )
+
+    o = _table(data, "optimizer", "", True)
+    _only(o, {"name", "lr", "momentum", "weight_decay", "beta1", "beta2", "eps"}, "optimizer.")
+    opt_name = _choice(o, "name", "optimizer.", OPTIMIZERS)
+    if opt_name == "sgd":
+        extra = sorted({"beta1", "beta2", "eps"} & set(o))
+        if extra:
+            raise TaskError(f"optimizer.{extra[0]}: only for adam/adamw")
+        optimizer = OptimizerSpec(
+            name=opt_name,
+            lr=_float(o, "lr", "optimizer.", lo=0.0, hi=10.0, lo_open=True),
+            weight_decay=_float(o, "weight_decay", "optimizer.", 0.0, 0.0, 1.0),
+            momentum=_float(o, "momentum", "optimizer.", 0.0, 0.0, 0.999),
+        )
+    else:
+        if "momentum" in o:
+            raise TaskError(f"optimizer.momentum: only for sgd ({opt_name} uses beta1/beta2)")
+        optimizer = OptimizerSpec(
+            name=opt_name,
+            lr=_float(o, "lr", "optimizer.", lo=0.0, hi=10.0, lo_open=True),
+            weight_decay=_float(o, "weight_decay", "optimizer.", 0.0, 0.0, 1.0),
+            beta1=_float(o, "beta1", "optimizer.", 0.9, 0.0, 0.9999),
+            beta2=_float(o, "beta2", "optimizer.", 0.999, 0.0, 0.99999),
+            eps=_float(o, "eps", "optimizer.", 1e-8, 0.0, 1.0, lo_open=True),
+        )
+
+    s = _table(data, "schedule", "", False)
+    _only(s, {"name", "warmup_steps", "min_lr_ratio"}, "schedule.")
+    schedule = ScheduleSpec(
+        name=_choice(s, "name", "schedule.", SCHEDULES, "constant"),
+        warmup_steps=_int(s, "warmup_steps", "schedule.", 0, 0, 10**9),
+        min_lr_ratio=_float(s, "min_lr_ratio", "schedule.", 0.0, 0.0, 1.0),
+    )
+    if schedule.name == "constant" and schedule.warmup_steps:
+        raise TaskError("schedule.warmup_steps: a constant schedule has no warmup (use name = \"warmup\")")
+
+    t = _table(data, "training", "", True)
+    _only(t, {"batch_size", "sync_interval", "total_steps", "epochs", "checkpoint_interval",
+              "eval_batch_size"}, "training.")
+    training = TrainingSpec(
+        batch_size=_int(t, "batch_size", "training.", lo=1, hi=65536),
+        sync_interval=_int(t, "sync_interval", "training.", 1, 1, 10000),
+        total_steps=_int(t, "total_steps", "training.", None, 1, 10**9),
+        epochs=_float(t, "epochs", "training.", None, 0.0, 10000.0, lo_open=True),
+        checkpoint_interval=_int(t, "checkpoint_interval", "training.", 10, 1, 10**6),
+        eval_batch_size=_int(t, "eval_batch_size", "training.", 256, 1, 65536),
+    )
+    if (training.total_steps is None) == (training.epochs is None):
+        raise TaskError("training.total_steps: set exactly one of training.total_steps and training.epochs")
+    if training.total_steps is not None and schedule.warmup_steps > training.total_steps:
+        raise TaskError("schedule.warmup_steps: longer than training.total_steps")
+
+    c = _table(data, "compression", "", False)
+    _only(c, {"density", "error_feedback", "fp16_values"}, "compression.")
+    compression = CompressionSpec(
+        density=_float(c, "density", "compression.", 0.01, 0.0, 1.0, lo_open=True),
+        error_feedback=_bool(c, "error_feedback", "compression.", True),
+        fp16_values=_bool(c, "fp16_values", "compression.", False),
+    )
+
+    p = _table(data, "peers", "", False)
+    _only(p, {"min", "max"}, "peers.")
+    peers = PeersSpec(min=_int(p, "min", "peers.", 1, 1, MAX_PEERS), max=_int(p, "max", "peers.", 64, 1, MAX_PEERS))
+    if peers.max < peers.min:
+        raise TaskError(f"peers.max: must be >= peers.min ({peers.min})")
+
+    r = _table(data, "requirements", "", False)
+    _only(r, {"device", "min_memory_mb"}, "requirements.")
+    requirements = Requirements(
+        device=_choice(r, "device", "requirements.", DEVICES, "cpu"),
+        min_memory_mb=_int(r, "min_memory_mb", "requirements.", 0, 0, 2**40),
+    )
+    return Task(
+        name=name, model=model, dataset=dataset, optimizer=optimizer, training=training,
+        schedule=schedule, compression=compression, peers=peers, requirements=requirements,
+        seed=seed, initial_model=initial_model,
+    )
+
+
+def load_task(text: str | bytes) -> Task:
+    """Parse and validate a task from TOML text."""
+    if isinstance(text, bytes):
+        try:
+            text = text.decode()
+        except UnicodeDecodeError as exc:
+            raise TaskError(f"task: not UTF-8 ({exc})") from None
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise TaskError(f"task: not valid TOML ({exc})") from None
+    return parse_task(data)
+
+
+def _plain(task: Task) -> dict[str, Any]:
+    """The table form with every default filled in and absent optionals left out."""
+
+    def drop_none(obj: Any) -> Any:
+        if isinstance(obj, dict):
+            return {k: drop_none(v) for k, v in obj.items() if v is not None}
+        return obj
+
+    return drop_none(asdict(task))  # type: ignore[no-any-return]
+
+
+def task_bytes(task: Task) -> bytes:
+    """Canonical JSON bytes of a task (sorted keys, defaults filled in): store these by CID."""
+    return (json.dumps(_plain(task), sort_keys=True, separators=(",", ":"), allow_nan=False) + "\n").encode()
+
+
+def task_from_bytes(data: bytes) -> Task:
+    """Validate task bytes fetched by CID and insist they are canonical (one task, one CID)."""
+    if len(data) > _MAX_TASK_BYTES:
+        raise TaskError(f"task: {len(data)} B is over the {_MAX_TASK_BYTES} B limit")
+    try:
+        plain = json.loads(data)
+    except (ValueError, RecursionError) as exc:
+        raise TaskError(f"task: not JSON ({exc})") from None
+    task = parse_task(plain)
+    if task_bytes(task) != data:
+        raise TaskError("task: bytes are not in canonical form")
+    return task
+
+
+def unmet_requirement(task: Task, caps: Capabilities) -> str | None:
+    """Why a peer with ``caps`` may not join ``task``, or None when it may."""
+    req = task.requirements
+    if req.device == "cuda" and caps.device != "cuda":
+        return f"task needs a CUDA device, peer has {caps.device}"
+    if req.device == "cuda" or (req.device == "any" and caps.device == "cuda"):
+        memory, what = caps.gpu_memory_bytes or 0, "GPU memory"
+    else:
+        memory, what = caps.free_ram_bytes, "free RAM"
+    if memory < req.min_memory_mb * 1024 * 1024:
+        return f"task needs {req.min_memory_mb} MiB of {what}, peer has {memory // (1024 * 1024)} MiB"
+    return None
+
+
+def meets_requirements(task: Task, caps: Capabilities) -> bool:
+    """Whether a peer with ``caps`` may join ``task`` (see :func:`unmet_requirement` for why not)."""
+    return unmet_requirement(task, caps) is None
+
+
+def total_steps(task: Task, train_samples: int, peers: int) -> int:
+    """Optimizer steps the task runs: ``total_steps`` or ``epochs`` worth of rounds over ``peers``."""
+    if task.training.total_steps is not None:
+        return task.training.total_steps
+    per_round = task.training.batch_size * task.training.sync_interval * max(1, peers)
+    assert task.training.epochs is not None
+    return max(1, math.ceil(task.training.epochs * train_samples / per_round))

@@ -1,0 +1,355 @@
+"""The local side of a round: local gradients in, one identical optimizer step out.
+
+Choice: *gradient averaging with accumulation*, not DiLoCo-style model deltas. A round is
+``sync_interval`` local forward/backward passes whose gradients are accumulated (mean), one all-reduce
+of that flat gradient (the injected ``average``, in practice the sparse ring all-reduce with error
+feedback), and one optimizer step with the averaged gradient. Why: the optimizer then runs on every
+member with the same input from the same state, so every honest member holds bitwise-identical weights
+and optimizer state after every round, which is what lets members attest a published model CID by
+hashing their own weights, and lets a late joiner resume exactly from a checkpoint. Top-k with error
+feedback is also analysed for gradients (Karimireddy et al. 2019), which keeps its guarantees here.
+The cost is one all-reduce per optimizer step; ``sync_interval`` trades that against batch size.
+
+The contract on ``average(flat, round_id)``: it returns the *mean* over the round's members, and the
+very same tensor (bitwise) on every member. Anything non-finite is handled identically everywhere:
+a member whose own gradient is not finite contributes zeros (and logs it); an averaged gradient that
+is not finite is skipped by every member alike (the step counter still advances).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Awaitable, Callable, Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from p2ptrain.training.models import build_model
+from p2ptrain.training.records import RecordError, load_model_bytes, model_bytes, read_tensors, tensors_bytes
+from p2ptrain.training.task import Task
+
+log = logging.getLogger(__name__)
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+Average = Callable[[torch.Tensor, str], Awaitable[torch.Tensor]]
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+# fp16 autocast needs loss scaling to keep small gradients from flushing to zero. A fixed scale is
+# used (not torch's dynamic GradScaler) because the scale must be the same on every member.
+FP16_LOSS_SCALE = 1024.0
+_OPTIMIZER_STATE_KEYS = {"sgd": {"momentum_buffer"}, "adam": {"step", "exp_avg", "exp_avg_sq"},
+                         "adamw": {"step", "exp_avg", "exp_avg_sq"}}
+
+
+class TrainerError(RuntimeError):
+    """The trainer cannot do what was asked (out of sync with the round, bad state, no data)."""
+
+
+@dataclass(frozen=True)
+class Metrics:
+    loss: float
+    accuracy: float
+    samples: int
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one synchronised step did: local loss before it, whether the averaged gradient was used."""
+
+    step: int
+    local_loss: float
+    lr: float
+    applied: bool
+
+
+def resolve_device(device: str) -> torch.device:
+    """``auto`` picks CUDA when available, else CPU; ``cpu``/``cuda``/``cuda:N`` are taken as given."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise TrainerError(f"device {device!r} asked for, but CUDA is not available")
+    if dev.type not in ("cpu", "cuda"):
+        raise TrainerError(f"device {device!r}: only cpu, cuda and auto are supported")
+    return dev
+
+
+def lr_at(task: Task, step: int, total_steps: int) -> float:
+    """The learning rate of optimizer step ``step`` (0-based) under the task's schedule."""
+    base, sched = task.optimizer.lr, task.schedule
+    if sched.name != "constant" and step < sched.warmup_steps:
+        return base * (step + 1) / sched.warmup_steps
+    if sched.name == "cosine":
+        span = max(1, total_steps - sched.warmup_steps)
+        progress = min(1.0, (step - sched.warmup_steps) / span)
+        floor = base * sched.min_lr_ratio
+        return floor + (base - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    return base
+
+
+def build_optimizer(task: Task, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+    """The task's optimizer with the single-tensor code path (``foreach=False``) on every member, so
+    all members run the same kernels whatever torch would pick by default for their hardware."""
+    o = task.optimizer
+    if o.name == "sgd":
+        return torch.optim.SGD(params, lr=o.lr, momentum=o.momentum or 0.0, weight_decay=o.weight_decay,
+                               foreach=False)
+    cls = torch.optim.Adam if o.name == "adam" else torch.optim.AdamW
+    assert o.beta1 is not None and o.beta2 is not None and o.eps is not None
+    return cls(params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay,
+               foreach=False)
+
+
+def loss_and_hits(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """Mean cross-entropy, correct predictions and predictions, for ``(N, C)`` or ``(N, T, V)`` logits."""
+    flat_logits = logits.reshape(-1, logits.shape[-1]).float()
+    flat_targets = targets.reshape(-1).long()
+    loss = F.cross_entropy(flat_logits, flat_targets)
+    hits = int((flat_logits.argmax(-1) == flat_targets).sum())
+    return loss, hits, flat_targets.numel()
+
+
+def batched(samples: Iterable[Batch], batch_size: int) -> Iterator[Batch]:
+    """Stack ``(features, label)`` samples (e.g. from ``IPFSDataset``) into batches; the last may be short."""
+    xs: list[torch.Tensor] = []
+    ys: list[torch.Tensor] = []
+    for x, y in samples:
+        xs.append(torch.as_tensor(x))
+        ys.append(torch.as_tensor(y))
+        if len(xs) == batch_size:
+            yield torch.stack(xs), torch.stack(ys)
+            xs, ys = [], []
+    if xs:
+        yield torch.stack(xs), torch.stack(ys)
+
+
+def batches_forever(dataset: Iterable[Batch], batch_size: int, first_epoch: int = 0) -> Iterator[Batch]:
+    """Batches epoch after epoch, calling ``dataset.set_epoch`` (when it has one) to reshuffle."""
+    epoch = first_epoch
+    while True:
+        set_epoch = getattr(dataset, "set_epoch", None)
+        if set_epoch is not None:
+            set_epoch(epoch)
+        empty = True
+        for batch in batched(dataset, batch_size):
+            empty = False
+            yield batch
+        if empty:
+            raise TrainerError("the training data of this member is empty")
+        epoch += 1
+
+
+class Trainer:
+    """One member's model, optimizer and step counter for a task.
+
+    A round is :meth:`compute_gradient` (local, keeps the result until it is used) then
+    :meth:`sync` (average, then :meth:`apply`). If a round fails after some members applied its step,
+    :meth:`rollback` undoes the last step (one step of history is kept: a copy of weights and
+    optimizer state, i.e. about twice the model's memory with Adam), and :meth:`sync` can be retried
+    with the gradient already computed.
+    """
+
+    def __init__(
+        self,
+        task: Task,
+        *,
+        total_steps: int | None = None,
+        device: str = "auto",
+        precision: str = "fp32",
+        model: nn.Module | None = None,
+    ) -> None:
+        if precision not in PRECISIONS:
+            raise TrainerError(f"precision {precision!r}: must be one of {', '.join(PRECISIONS)}")
+        self.task = task
+        self.device = resolve_device(device)
+        if precision == "fp16" and self.device.type != "cuda":
+            raise TrainerError("precision fp16 needs a CUDA device (use bf16 on CPU)")
+        self.precision = precision
+        steps = total_steps if total_steps is not None else task.training.total_steps
+        if steps is None:
+            raise TrainerError("the task gives epochs, so the trainer needs total_steps (see task.total_steps)")
+        self.total_steps = steps
+        if model is None:
+            model = build_model(task.model.name, task.model.kwargs, task.seed)
+        self.model = model.to(self.device)
+        self.params = list(self.model.parameters())
+        self.optimizer = build_optimizer(task, self.params)
+        self.step = 0
+        self.pending: torch.Tensor | None = None
+        self.pending_loss = math.nan
+        self._snapshot: tuple[int, dict[str, torch.Tensor], dict[str, torch.Tensor]] | None = None
+
+    @property
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.params)
+
+    @property
+    def done(self) -> bool:
+        return self.step >= self.total_steps
+
+    def _autocast(self) -> torch.autocast:
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.precision, torch.float32)
+        return torch.autocast(self.device.type, dtype=dtype, enabled=self.precision != "fp32")
+
+    # --- the round -------------------------------------------------------------------------
+
+    def compute_gradient(self, batches: Iterator[Batch]) -> torch.Tensor:
+        """Take ``sync_interval`` batches, accumulate their mean gradient; return it flat (fp32, CPU).
+
+        The result is also kept as :attr:`pending` until :meth:`apply` uses it, so a failed all-reduce
+        can be retried without consuming more data.
+        """
+        k = self.task.training.sync_interval
+        scale = FP16_LOSS_SCALE if self.precision == "fp16" else 1.0
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        total = 0.0
+        for _ in range(k):
+            try:
+                x, y = next(batches)
+            except StopIteration:
+                raise TrainerError(f"the data ran out during local step {_ + 1} of {k}") from None
+            x, y = x.to(self.device), y.to(self.device)
+            with self._autocast():
+                logits = self.model(x)
+            loss, _hits, _n = loss_and_hits(logits, y)
+            (loss * (scale / k)).backward()
+            total += float(loss.detach())
+        flat = torch.cat([
+            (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float() for p in self.params
+        ]).cpu()
+        if scale != 1.0:
+            flat /= scale
+        if not torch.isfinite(flat).all():
+            log.warning("step %d: local gradient is not finite (loss %.4g); contributing zeros", self.step, total / k)
+            flat.zero_()
+        self.pending, self.pending_loss = flat, total / k
+        return flat
+
+    async def sync(self, average: Average, round_id: str) -> StepResult:
+        """Average the pending gradient with the round's members and apply the identical step."""
+        if self.pending is None:
+            raise TrainerError("sync before compute_gradient")
+        averaged = await average(self.pending, round_id)
+        return self.apply(averaged)
+
+    def apply(self, averaged: torch.Tensor) -> StepResult:
+        """One optimizer step with the members' mean gradient; every member computes the same update."""
+        if averaged.shape != (self.num_parameters,):
+            raise TrainerError(f"averaged gradient has shape {tuple(averaged.shape)}, expected ({self.num_parameters},)")
+        self._snapshot = (self.step, self.model_tensors(), self.optimizer_tensors())
+        lr = lr_at(self.task, self.step, self.total_steps)
+        applied = bool(torch.isfinite(averaged).all())
+        if applied:
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            offset = 0
+            for p in self.params:
+                n = p.numel()
+                p.grad = averaged[offset : offset + n].view_as(p).to(device=p.device, dtype=p.dtype).clone()
+                offset += n
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        else:
+            log.warning("step %d: averaged gradient is not finite; every member skips this step", self.step)
+        result = StepResult(step=self.step, local_loss=self.pending_loss, lr=lr, applied=applied)
+        self.step += 1
+        self.pending = None
+        return result
+
+    def rollback(self) -> None:
+        """Undo the last :meth:`apply` (its gradient is not kept: recompute or keep the flat copy)."""
+        if self._snapshot is None:
+            raise TrainerError("nothing to roll back")
+        step, model_t, optim_t = self._snapshot
+        self._load_tensors(model_t, optim_t, step)
+        self._snapshot = None
+
+    def align(self, plan_step: int) -> None:
+        """Make the trainer be at ``plan_step`` before a round: roll back one step if a failed round
+        was applied here but retried by the coordinator; anything else means resync from a checkpoint."""
+        if self.step == plan_step:
+            return
+        if self.step == plan_step + 1 and self._snapshot is not None and self._snapshot[0] == plan_step:
+            self.rollback()
+            return
+        raise TrainerError(f"trainer is at step {self.step}, the round starts at step {plan_step}: resync")
+
+    # --- evaluation --------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def evaluate(self, batches: Iterable[Batch]) -> Metrics:
+        """Mean loss and accuracy over ``batches`` (e.g. ``batched(test_dataset, eval_batch_size)``)."""
+        self.model.eval()
+        loss_sum, hits, count = 0.0, 0, 0
+        for x, y in batches:
+            x, y = x.to(self.device), y.to(self.device)
+            with self._autocast():
+                logits = self.model(x)
+            loss, h, n = loss_and_hits(logits, y)
+            loss_sum += float(loss) * n
+            hits += h
+            count += n
+        if count == 0:
+            raise TrainerError("evaluation data is empty")
+        return Metrics(loss=loss_sum / count, accuracy=hits / count, samples=count)
+
+    # --- state as bytes -----------------------------------------------------------------------
+
+    def model_tensors(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+
+    def optimizer_tensors(self) -> dict[str, torch.Tensor]:
+        """Optimizer state as named tensors (``state.<param index>.<key>``) plus the step counter."""
+        out = {"trainer.step": torch.tensor(self.step, dtype=torch.int64)}
+        for index, state in self.optimizer.state_dict()["state"].items():
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor):
+                    out[f"state.{index}.{key}"] = value.detach().cpu().clone()
+        return out
+
+    def model_bytes(self) -> bytes:
+        """Deterministic safetensors of the weights: the bytes a model CID names."""
+        return model_bytes(self.model)
+
+    def optimizer_bytes(self) -> bytes:
+        """Deterministic safetensors of the optimizer state and step: what a late joiner resumes from."""
+        return tensors_bytes(self.optimizer_tensors())
+
+    def load_state(self, model_data: bytes, optimizer_data: bytes) -> None:
+        """Resume from a checkpoint's bytes (checked against the architecture and the optimizer)."""
+        optim_t = read_tensors(optimizer_data)
+        step_t = optim_t.pop("trainer.step", None)
+        if step_t is None or step_t.dtype != torch.int64 or step_t.numel() != 1:
+            raise RecordError("optimizer file has no valid trainer.step")
+        load_model_bytes(self.model, model_data)
+        self._load_tensors(None, optim_t, int(step_t))
+
+    def _load_tensors(
+        self, model_t: dict[str, torch.Tensor] | None, optim_t: dict[str, torch.Tensor], step: int
+    ) -> None:
+        if model_t is not None:
+            self.model.load_state_dict(model_t, strict=True)
+        allowed = _OPTIMIZER_STATE_KEYS[self.task.optimizer.name]
+        state: dict[int, dict[str, torch.Tensor]] = {}
+        for name, tensor in optim_t.items():
+            if name == "trainer.step":
+                continue
+            parts = name.split(".")
+            if len(parts) != 3 or parts[0] != "state" or not parts[1].isdigit() or parts[2] not in allowed:
+                raise RecordError(f"optimizer file has unexpected tensor {name!r}")
+            index = int(parts[1])
+            if index >= len(self.params):
+                raise RecordError(f"optimizer file names parameter {index}, the model has {len(self.params)}")
+            if parts[2] != "step" and tensor.shape != self.params[index].shape:
+                raise RecordError(f"optimizer tensor {name} has shape {tuple(tensor.shape)}, "
+                                  f"parameter has {tuple(self.params[index].shape)}")
+            state.setdefault(index, {})[parts[2]] = tensor
+        sd = self.optimizer.state_dict()
+        sd["state"] = state
+        self.optimizer.load_state_dict(sd)
+        self.step = step
+        self.pending = None
