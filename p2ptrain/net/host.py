@@ -17,19 +17,28 @@ from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from libp2p.security.noise.transport import Transport as NoiseTransport
 from multiaddr import Multiaddr
 
+from p2ptrain.net import muxer
+from p2ptrain.net.noise import NoiseTransport as FastNoiseTransport
 
-def noise_only(key_pair: KeyPair) -> dict:
-    """The security options that offer and accept Noise alone."""
+
+def noise_only(key_pair: KeyPair, transport: type[NoiseTransport] = NoiseTransport) -> dict:
+    """The security options that offer and accept Noise alone (py-libp2p's class by default)."""
     noise_key = create_new_x25519_key_pair().private_key
-    return {NOISE_PROTOCOL_ID: NoiseTransport(key_pair, noise_privkey=noise_key)}
+    return {NOISE_PROTOCOL_ID: transport(key_pair, noise_privkey=noise_key)}
 
 
 def make_host(key_pair: KeyPair, listen_addrs: Sequence[str | Multiaddr]) -> IHost:
-    """A TCP host with our identity, Noise-only security and yamux; start it with ``host.run(...)``."""
+    """A TCP host with our identity, Noise-only security and yamux; start it with ``host.run(...)``.
+
+    Noise and yamux are our bulk-transfer subclasses (p2ptrain.net.noise, p2ptrain.net.muxer):
+    same wire formats, so stock libp2p peers interoperate; see docs/streams.md.
+    """
     addrs = [Multiaddr(str(a)) for a in listen_addrs]
-    return libp2p.new_host(
+    host = libp2p.new_host(
         key_pair=key_pair,
-        sec_opt=noise_only(key_pair),
-        muxer_preference="YAMUX",
+        sec_opt=noise_only(key_pair, FastNoiseTransport),
+        muxer_opt=muxer.muxer_options(),
         listen_addrs=addrs,
     )
+    muxer.install(host)
+    return host

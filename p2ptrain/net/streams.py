@@ -26,6 +26,8 @@ from libp2p.abc import IHost, INetStream
 from libp2p.custom_types import TProtocol
 from libp2p.peer.id import ID
 
+from p2ptrain.net.muxer import FastYamuxStream
+
 logger = logging.getLogger(__name__)
 
 _LENGTH = struct.Struct(">Q")
@@ -66,7 +68,9 @@ class Channel:
     def __init__(self, stream: INetStream) -> None:
         self._stream = stream
         self.remote_peer: ID = stream.muxed_conn.peer_id
-        self._buf = bytearray()
+        self._buf = bytearray()  # read-ahead when the stream is not ours
+        muxed = getattr(stream, "muxed_stream", None)
+        self._fast: FastYamuxStream | None = muxed if isinstance(muxed, FastYamuxStream) else None
         self._send_lock = trio.Lock()
         self._recv_lock = trio.Lock()
         self._closed = False
@@ -81,7 +85,11 @@ class Channel:
         view = memoryview(data).cast("B")
         async with self._send_lock:
             try:
-                await self._stream.write(_LENGTH.pack(len(view)) + view)
+                if self._fast is not None:
+                    # Our yamux sends the length inside the first frame, without copying the body.
+                    await self._fast.write(view, prefix=_LENGTH.pack(len(view)))
+                else:
+                    await self._stream.write(_LENGTH.pack(len(view)) + view)
             except trio.Cancelled:
                 raise
             except Exception as error:
@@ -93,28 +101,47 @@ class Channel:
     async def recv(self, max_len: int) -> bytes:
         """Receive one whole message of at most ``max_len`` bytes.
 
-        A larger announced length raises :class:`MessageTooLarge` and closes the channel (its body
-        is never read). End of stream, before or inside a message, raises :class:`ChannelClosed`.
+        A larger announced length raises :class:`MessageTooLarge` and closes the channel before the
+        body is assembled. End of stream, before or inside a message, raises :class:`ChannelClosed`.
         """
         if self._closed:
             raise ChannelClosed(self.remote_peer, "recv on a closed channel")
         async with self._recv_lock:
-            await self._fill(_LENGTH.size, what="message header")
-            (length,) = _LENGTH.unpack_from(self._buf)
+            (length,) = _LENGTH.unpack(await self._read_exactly(_LENGTH.size, "message header"))
             if length > max_len:
                 await self._abort()
                 raise MessageTooLarge(
                     self.remote_peer,
                     f"message of {length} bytes exceeds the limit of {max_len}; channel closed",
                 )
-            del self._buf[: _LENGTH.size]
-            await self._fill(length, what=f"message of {length} bytes")
-            message = bytes(self._buf[:length])
-            del self._buf[:length]
-            return message
+            return await self._read_exactly(length, f"message of {length} bytes")
+
+    async def _read_exactly(self, n: int, what: str) -> bytes:
+        """Exactly ``n`` bytes, or :class:`ChannelClosed` if the stream ends first."""
+        if self._fast is None:
+            await self._fill(n, what=what)
+            data = bytes(self._buf[:n])
+            del self._buf[:n]
+            return data
+        pieces: list[memoryview] = []
+        got = 0
+        while got < n:
+            try:
+                more = await self._fast.read_pieces(n - got)
+            except trio.Cancelled:
+                raise
+            except Exception as error:
+                await self._abort()
+                raise ChannelClosed(
+                    self.remote_peer,
+                    f"stream ended with {got} of {n} bytes of a {what} ({type(error).__name__})",
+                ) from error
+            pieces.extend(more)
+            got += sum(len(p) for p in more)
+        return b"".join(pieces)
 
     async def _fill(self, n: int, *, what: str) -> None:
-        """Read until the buffer holds at least ``n`` bytes."""
+        """Read until the buffer holds at least ``n`` bytes (any libp2p stream)."""
         while len(self._buf) < n:
             try:
                 chunk = await self._stream.read(max(_READ_SIZE, n - len(self._buf)))

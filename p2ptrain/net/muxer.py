@@ -1,0 +1,468 @@
+"""Yamux with a bulk-transfer fast path, speaking the standard yamux wire format.
+
+Profiling py-libp2p's yamux at bulk rates (docs/streams.md) puts the time in Python work per frame:
+64 KiB frames, two socket reads per Noise message, a window update after every ``read()``, a
+per-frame f-string log line, and a writer that polls every 10 ms and fails after 5 s without window.
+This module keeps py-libp2p's :class:`~libp2p.stream_muxer.yamux.yamux.Yamux` (connection lifecycle,
+close, reset, GO_AWAY, RTT pings, stale-stream sweeping) and replaces the data path:
+
+* writers send DATA frames of up to :data:`MAX_FRAME` bytes, within the peer's window (a frame up
+  to the window is legal yamux; a stock py-libp2p receiver accepts up to 16 MiB);
+* each stream announces a :data:`RECV_WINDOW` receive window in its SYN/ACK and returns credit in
+  batches of half the window, as go-yamux does;
+* the frame reader takes whole decrypted socket reads from :class:`~p2ptrain.net.noise.NoiseSession`
+  and hands payload slices to streams without copying them;
+* a writer waiting for window sleeps on an event (woken by the window update, a close or a reset)
+  and waits as long as its caller lets it: deadlines belong to the caller's cancel scope, not to a
+  hidden 5 s timer.
+
+The muxer class is installed by :func:`install`, because py-libp2p's muxer negotiation hard-codes
+its own ``Yamux`` class for ``/yamux/1.0.0``.
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+from collections import deque
+from typing import Any
+
+import trio
+from libp2p.abc import IHost, IMuxedConn, ISecureConn
+from libp2p.custom_types import TProtocol
+from libp2p.io.exceptions import ConnectionClosedError, IncompleteReadError, IOException
+from libp2p.network.connection.exceptions import RawConnError
+from libp2p.peer.id import ID
+from libp2p.stream_muxer.exceptions import (
+    MuxedStreamEOF,
+    MuxedStreamError,
+    MuxedStreamReset,
+)
+from libp2p.stream_muxer.muxer_multistream import MuxerMultistream
+from libp2p.stream_muxer.yamux.yamux import (
+    DEFAULT_WINDOW_SIZE,
+    FLAG_ACK,
+    FLAG_FIN,
+    FLAG_RST,
+    FLAG_SYN,
+    GO_AWAY_PROTOCOL_ERROR,
+    HEADER_SIZE,
+    PROTOCOL_ID,
+    TYPE_DATA,
+    TYPE_GO_AWAY,
+    TYPE_PING,
+    TYPE_WINDOW_UPDATE,
+    YAMUX_HEADER_FORMAT,
+    Yamux,
+    YamuxStream,
+)
+
+from p2ptrain.net.noise import NoiseSession
+
+logger = logging.getLogger(__name__)
+
+# Largest DATA frame we send. Bigger frames amortize per-frame Python work; the peer's window
+# still bounds every frame.
+MAX_FRAME = 1 << 20
+# Receive window per stream (go-yamux's maximum). Memory bound: one window of unread data per stream.
+RECV_WINDOW = 16 << 20
+
+_HEADER = struct.Struct(YAMUX_HEADER_FORMAT)
+_CONNECTION_ERRORS = (
+    ConnectionClosedError,
+    RawConnError,
+    IncompleteReadError,
+    IOException,
+    OSError,
+    trio.BrokenResourceError,
+    trio.ClosedResourceError,
+)
+
+
+class _Pieces:
+    """A stream's unread bytes as a queue of zero-copy slices of decrypted Noise messages.
+
+    ``len()`` and truthiness count bytes, which is what py-libp2p's inherited bookkeeping asks of a
+    stream buffer.
+    """
+
+    __slots__ = ("_queue", "_len")
+
+    def __init__(self) -> None:
+        self._queue: deque[memoryview] = deque()
+        self._len = 0
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __bool__(self) -> bool:
+        return self._len > 0
+
+    def append(self, piece: memoryview) -> None:
+        self._queue.append(piece)
+        self._len += len(piece)
+
+    def clear(self) -> None:
+        self._queue.clear()
+        self._len = 0
+
+    def take(self, n: int) -> list[memoryview]:
+        """Remove and return up to ``n`` bytes as slices."""
+        out: list[memoryview] = []
+        queue = self._queue
+        while n > 0 and queue:
+            piece = queue[0]
+            if len(piece) <= n:
+                queue.popleft()
+                out.append(piece)
+                n -= len(piece)
+                self._len -= len(piece)
+            else:
+                out.append(piece[:n])
+                queue[0] = piece[n:]
+                self._len -= n
+                n = 0
+        return out
+
+
+class FastYamuxStream(YamuxStream):
+    """A yamux stream with large frames, batched window credit and an event-driven writer."""
+
+    conn: FastYamux
+
+    def __init__(self, stream_id: int, conn: FastYamux, is_initiator: bool) -> None:
+        self._window_changed = trio.Event()
+        super().__init__(stream_id, conn, is_initiator)
+        self.pieces = _Pieces()
+        self._write_lock = trio.Lock()
+        self._unacked = 0  # bytes read but not yet credited back to the peer
+
+    # send_window and closed wake a writer waiting for window; the inherited code and our frame
+    # reader assign them directly.
+    @property
+    def send_window(self) -> int:
+        return self._send_window
+
+    @send_window.setter
+    def send_window(self, value: int) -> None:
+        self._send_window = value
+        self._window_changed.set()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed_flag
+
+    @closed.setter
+    def closed(self, value: bool) -> None:
+        self._closed_flag = value
+        self._window_changed.set()
+
+    # -- writing -------------------------------------------------------------------------------
+
+    async def write(self, data: bytes | memoryview, *, prefix: bytes = b"") -> None:
+        """Send ``prefix + data`` as DATA frames, waiting for window as long as the caller allows."""
+        view = memoryview(data).cast("B") if not isinstance(data, bytes) else memoryview(data)
+        if prefix:
+            # Sent inside the first frame, so a small header and its payload share a Noise message.
+            total = len(prefix) + len(view)
+        else:
+            total = len(view)
+        async with self._write_lock:
+            sent = 0
+            while sent < total:
+                if self.send_closed:
+                    raise MuxedStreamError("Stream is closed for sending")
+                if self.closed or self.conn.event_shutting_down.is_set():
+                    raise MuxedStreamReset("Stream is closed")
+                if self._send_window <= 0:
+                    self._window_changed = trio.Event()
+                    await self._window_changed.wait()
+                    continue
+                n = min(self._send_window, MAX_FRAME, total - sent)
+                self._send_window -= n
+                if sent < len(prefix):
+                    head = prefix[sent:]
+                    if n < len(head):
+                        chunk: list[bytes | memoryview] = [head[:n]]
+                    else:
+                        chunk = [head, view[: n - len(head)]]
+                else:
+                    start = sent - len(prefix)
+                    chunk = [view[start : start + n]]
+                await self.conn.send_frame(TYPE_DATA, 0, self.stream_id, n, chunk)
+                sent += n
+
+    # -- reading -------------------------------------------------------------------------------
+
+    async def read_pieces(self, max_bytes: int) -> list[memoryview]:
+        """Up to ``max_bytes`` of received data as zero-copy slices; waits for at least one byte.
+
+        Raises :class:`MuxedStreamEOF` after a clean end and :class:`MuxedStreamReset` after a reset,
+        once all data received before them has been read.
+        """
+        while True:
+            if self.pieces:
+                out = self.pieces.take(max_bytes)
+                await self._credit(sum(len(p) for p in out))
+                return out
+            if self.reset_received:
+                raise MuxedStreamReset("Stream was reset")
+            if self.recv_closed:
+                raise MuxedStreamEOF("Stream is closed for receiving")
+            if self.conn.event_shutting_down.is_set():
+                raise MuxedStreamEOF("Connection shut down")
+            event = self.conn.stream_events.get(self.stream_id)
+            if event is None:
+                raise MuxedStreamEOF("Stream was removed")
+            await event.wait()
+            if self.conn.stream_events.get(self.stream_id) is event:
+                self.conn.stream_events[self.stream_id] = trio.Event()
+
+    async def read(self, n: int | None = -1) -> bytes:
+        if n is None or n < 0:
+            n = 1 << 62
+        data = b"".join(await self.read_pieces(n))
+        if self.closed and not self.pieces:
+            await self.conn._finalize_stream(self, fully_closed=True)
+        return data
+
+    async def _credit(self, n: int) -> None:
+        """Return window to the peer in batches of half the window (go-yamux's rule)."""
+        self._unacked += n
+        if self._unacked < RECV_WINDOW // 2 or self.recv_closed or self.closed:
+            return
+        increment, self._unacked = self._unacked, 0
+        self.recv_window += increment
+        try:
+            await self.conn.send_frame(TYPE_WINDOW_UPDATE, 0, self.stream_id, increment)
+        except _CONNECTION_ERRORS as error:
+            logger.debug("window update to %s failed: %s", self.conn.peer_id, error)
+
+
+class FastYamux(Yamux):
+    """py-libp2p's Yamux connection with our frame reader and writer (see module docstring)."""
+
+    streams: dict[int, FastYamuxStream]  # type: ignore[assignment]
+
+    def __init__(self, secured_conn: ISecureConn, peer_id: ID, *args: Any, **kwargs: Any) -> None:
+        super().__init__(secured_conn, peer_id, *args, **kwargs)
+        self._noise = secured_conn if isinstance(secured_conn, NoiseSession) else None
+        # Frame parser state, carried across socket reads.
+        self._header = bytearray()
+        self._body_left = 0
+        self._body_stream: FastYamuxStream | None = None
+        self._body_flags = 0
+
+    # -- writing -------------------------------------------------------------------------------
+
+    async def send_frame(
+        self,
+        typ: int,
+        flags: int,
+        stream_id: int,
+        length: int,
+        payload: list[bytes | memoryview] | None = None,
+    ) -> None:
+        """Write one frame (header plus payload pieces) as one socket send."""
+        header = _HEADER.pack(0, typ, flags, stream_id, length)
+        async with self._write_lock:
+            if self._noise is None:
+                await self.secured_conn.write(b"".join([header, *(payload or ())]))
+                return
+            parts: list[bytes | memoryview] = []
+            self._noise.seal_frame(parts, header, payload or ())
+            await self._noise.send_sealed(parts)
+
+    async def _write_frame(self, data: bytes) -> None:
+        """Control frames from the inherited code (FIN, RST, GO_AWAY, pings), without the log cost."""
+        async with self._write_lock:
+            await self.secured_conn.write(data)
+
+    # -- streams -------------------------------------------------------------------------------
+
+    def _register(self, stream_id: int, is_initiator: bool) -> FastYamuxStream:
+        stream = FastYamuxStream(stream_id, self, is_initiator)
+        self.streams[stream_id] = stream
+        self.stream_buffers[stream_id] = stream.pieces  # type: ignore[assignment]
+        self.stream_events[stream_id] = trio.Event()
+        return stream
+
+    async def open_stream(self) -> FastYamuxStream:
+        await self.stream_backlog_semaphore.acquire()
+        async with self.streams_lock:
+            if self.event_shutting_down.is_set():
+                self.stream_backlog_semaphore.release()
+                raise MuxedStreamError("Connection is shutting down")
+            stream_id = self.next_stream_id
+            self.next_stream_id += 2
+            stream = self._register(stream_id, True)
+            stream._owns_backlog_slot = True
+        grow = RECV_WINDOW - DEFAULT_WINDOW_SIZE
+        stream.recv_window = RECV_WINDOW
+        try:
+            await self.send_frame(TYPE_WINDOW_UPDATE, FLAG_SYN, stream_id, grow)
+        except Exception as error:
+            async with self.streams_lock:
+                stream.closed = True
+                self._finalize_stream_locked(stream, fully_closed=True)
+            raise MuxedStreamError(f"Failed to send SYN: {error}") from error
+        return stream
+
+    # -- reading -------------------------------------------------------------------------------
+
+    async def _read_plaintext(self) -> list[memoryview]:
+        if self._noise is not None:
+            return await self._noise.read_pieces()
+        data = await self.secured_conn.read(None)
+        if not data:
+            raise ConnectionClosedError("Connection closed")
+        return [memoryview(data)]
+
+    async def handle_incoming(self) -> None:
+        """Parse frames from decrypted socket reads until the connection ends."""
+        try:
+            while not self.event_shutting_down.is_set():
+                for piece in await self._read_plaintext():
+                    if not await self._consume(piece):
+                        return
+        except _CONNECTION_ERRORS as error:
+            logger.debug("yamux connection to %s ended: %s", self.peer_id, error)
+        except Exception:
+            logger.exception("yamux frame reader for %s failed; closing the connection", self.peer_id)
+        finally:
+            self.event_shutting_down.set()
+            with trio.CancelScope(shield=True):
+                await self._cleanup_on_error()
+
+    async def _consume(self, piece: memoryview) -> bool:
+        """Advance the frame parser over ``piece``; False once the connection must end."""
+        off, end = 0, len(piece)
+        while off < end:
+            if self._body_left:
+                take = min(self._body_left, end - off)
+                stream = self._body_stream
+                if stream is not None:
+                    stream.pieces.append(piece[off : off + take])
+                    event = self.stream_events.get(stream.stream_id)
+                    if event is not None:
+                        event.set()
+                off += take
+                self._body_left -= take
+                if not self._body_left:
+                    self._apply_close_flags(stream, self._body_flags)
+                continue
+            header = self._header
+            need = HEADER_SIZE - len(header)
+            header += piece[off : off + need]
+            off += min(need, end - off)
+            if len(header) < HEADER_SIZE:
+                continue
+            _version, typ, flags, stream_id, length = _HEADER.unpack(header)
+            header.clear()
+            if not await self._on_frame(typ, flags, stream_id, length):
+                return False
+        return True
+
+    async def _on_frame(self, typ: int, flags: int, stream_id: int, length: int) -> bool:
+        """Act on one frame header (a DATA body follows it); False once the connection must end."""
+        if typ == TYPE_DATA:
+            stream = await self._on_open_flags(flags, stream_id)
+            if stream is not None:
+                if length > stream.recv_window:
+                    await self._protocol_error(
+                        f"DATA frame of {length} B exceeds the window "
+                        f"({stream.recv_window} B) on stream {stream_id}"
+                    )
+                    return False
+                stream.recv_window -= length
+            if length:
+                self._body_left, self._body_stream, self._body_flags = length, stream, flags
+            else:
+                self._apply_close_flags(stream, flags)
+        elif typ == TYPE_WINDOW_UPDATE:
+            stream = await self._on_open_flags(flags, stream_id)
+            if stream is not None:
+                stream.send_window = stream.send_window + length
+            self._apply_close_flags(stream, flags)
+        elif typ == TYPE_PING:
+            await self._on_ping(flags, length)
+        elif typ == TYPE_GO_AWAY:
+            logger.debug("GO_AWAY (code %d) from %s", length, self.peer_id)
+            return False
+        else:
+            await self._protocol_error(f"unknown frame type {typ}")
+            return False
+        return True
+
+    async def _on_open_flags(self, flags: int, stream_id: int) -> FastYamuxStream | None:
+        """Handle SYN (a new inbound stream) and find the frame's stream; None if unknown."""
+        if flags & FLAG_SYN:
+            if stream_id in self.streams or stream_id % 2 == self.next_stream_id % 2:
+                logger.debug("bad SYN for stream %d from %s: reset", stream_id, self.peer_id)
+                await self.send_frame(TYPE_WINDOW_UPDATE, FLAG_RST, stream_id, 0)
+                return None
+            stream = self._register(stream_id, False)
+            stream.recv_window = RECV_WINDOW
+            if not flags & FLAG_RST:
+                await self.send_frame(
+                    TYPE_WINDOW_UPDATE, FLAG_ACK, stream_id, RECV_WINDOW - DEFAULT_WINDOW_SIZE
+                )
+            await self.new_stream_send_channel.send(stream)
+            return stream
+        return self.streams.get(stream_id)
+
+    def _apply_close_flags(self, stream: FastYamuxStream | None, flags: int) -> None:
+        if stream is None or not flags & (FLAG_FIN | FLAG_RST):
+            return
+        if flags & FLAG_FIN:
+            stream.recv_closed = True
+            if stream.send_closed:
+                stream.closed = True
+        if flags & FLAG_RST:
+            stream.closed = True
+            stream.reset_received = True
+        event = self.stream_events.get(stream.stream_id)
+        if event is not None:
+            event.set()
+        if stream.closed:
+            self._finalize_stream_locked(stream, fully_closed=True)
+
+    async def _on_ping(self, flags: int, opaque: int) -> None:
+        if flags & FLAG_SYN:
+            await self.send_frame(TYPE_PING, FLAG_ACK, 0, opaque)
+        elif flags & FLAG_ACK:
+            sample = trio.current_time() - self._ping_sent_time
+            self._rtt = sample if self._rtt == 0.0 else (self._rtt + sample) / 2
+            self._ping_event.set()
+
+    async def _protocol_error(self, why: str) -> None:
+        logger.warning("yamux protocol error from %s: %s; closing", self.peer_id, why)
+        try:
+            await self.send_frame(TYPE_GO_AWAY, 0, 0, GO_AWAY_PROTOCOL_ERROR)
+        except _CONNECTION_ERRORS:
+            pass
+
+
+class _MuxerMultistream(MuxerMultistream):
+    """Muxer negotiation that builds the negotiated class (py-libp2p's builds its own Yamux)."""
+
+    async def new_conn(self, conn: ISecureConn, peer_id: ID) -> IMuxedConn:
+        protocol, muxer_class = await self._selector.select(
+            conn, conn.is_initiator, self.negotiate_timeout
+        )
+        if protocol is None or muxer_class is None:
+            raise MuxedStreamError("no stream muxer negotiated")
+        return self._annotate_connection(muxer_class(conn, peer_id), conn, protocol)
+
+
+def muxer_options() -> dict[TProtocol, type[IMuxedConn]]:
+    """The muxer options for ``libp2p.new_host``: our yamux under the standard protocol ID."""
+    return {TProtocol(PROTOCOL_ID): FastYamux}
+
+
+def install(host: IHost) -> None:
+    """Make ``host`` negotiate our yamux class (call before the host runs)."""
+    upgrader = host.get_network().upgrader  # type: ignore[attr-defined]
+    upgrader.muxer_multistream = _MuxerMultistream(
+        muxer_options(), upgrader.muxer_multistream.negotiate_timeout
+    )
