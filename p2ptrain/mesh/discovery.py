@@ -1,0 +1,312 @@
+"""Finding and staying connected to peers: bootstrap list, heartbeat addresses, Kad-DHT, mDNS.
+
+Why our own dialer: py-libp2p's ``host.connect`` goes through ``Swarm.dial_peer``, whose "happy
+eyeballs" loop waits 250 ms after starting each address's dial unless the peer's connection count
+already reached ``max_connections_per_peer`` (3 by default, so one successful dial never cuts the
+wait short). With the peer ID known from the multiaddr we call ``Swarm.dial_addr`` directly: one
+TCP + Noise + yamux handshake, a few milliseconds on loopback, all peers dialed in parallel.
+
+Sources of peers, all feeding one dial path:
+
+- ``--bootstrap`` multiaddrs (must end in ``/p2p/<peer id>``): kept connected for the node's
+  lifetime, redialed with backoff whenever the connection drops;
+- heartbeats: a heartbeat carries the sender's listen addresses, so a node that knows one peer
+  learns how to reach every peer in the mesh; those are kept connected while the peer is alive;
+- Kad-DHT (server mode): lookups of our own key walk the DHT and reveal peers that may not be on
+  the same pubsub mesh yet;
+- mDNS (``--mdns``, LAN only; it binds all interfaces): peers announced on the local network.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import trio
+from libp2p.abc import IHost, INetConn, INetStream, INetwork, INotifee
+from libp2p.discovery.events.peerDiscovery import peerDiscovery
+from libp2p.kad_dht.kad_dht import DHTMode, KadDHT
+from libp2p.peer.id import ID
+from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
+from libp2p.pubsub.pubsub import Pubsub
+from multiaddr import Multiaddr
+
+from p2ptrain.errors import UserError
+from p2ptrain.mesh.membership import MESH_TOPIC, MemberEvent, Membership
+from p2ptrain.mesh.router import short
+from p2ptrain.net.service import running_service
+
+logger = logging.getLogger(__name__)
+
+DIAL_TIMEOUT_S = 5.0
+REDIAL_MIN_S, REDIAL_MAX_S = 0.25, 5.0
+CONNECTED_POLL_S = 0.5
+# Of two peers that learn of each other from heartbeats, the one with the larger ID waits this long
+# before dialing, so the pair usually ends up with one connection, not two.
+YIELD_TO_LOWER_ID_S = 1.0
+DHT_WALK_INTERVALS_S = (1.0, 2.0, 5.0, 10.0, 30.0)
+ADDR_TTL_S = 3600
+
+
+def parse_bootstrap(addr: str) -> PeerInfo:
+    """A ``--bootstrap`` multiaddr with its ``/p2p/<peer id>``; a clear error otherwise."""
+    try:
+        maddr = Multiaddr(addr)
+    except Exception as exc:
+        raise UserError(f"--bootstrap {addr!r} is not a multiaddr: {exc}") from None
+    try:
+        return info_from_p2p_addr(maddr)
+    except Exception:
+        raise UserError(
+            f"--bootstrap {addr!r} has no /p2p/<peer id> part; copy an address from "
+            "`p2ptrain node status --json` (the \"addrs\" list), which includes it"
+        ) from None
+
+
+def _dialable(addrs: Iterable[str], peer_id: ID) -> list[Multiaddr]:
+    """TCP addresses from a peer's heartbeat, stripped of a ``/p2p`` part that is not its own."""
+    out = []
+    for text in addrs:
+        try:
+            maddr = Multiaddr(text)
+            names = [p.name for p in maddr.protocols()]
+            if "tcp" not in names or any(n in names for n in ("p2p-circuit", "ws", "wss")):
+                continue
+            if "p2p" in names:
+                if maddr.value_for_protocol("p2p") != peer_id.to_base58():
+                    continue
+                maddr = maddr.decapsulate(Multiaddr(f"/p2p/{peer_id.to_base58()}"))
+            out.append(maddr)
+        except Exception:
+            continue
+    return out
+
+
+class _ConnectionEvents(INotifee):
+    """Forwards new connections to the discovery task (a notifee must not block the swarm)."""
+
+    def __init__(self, send: trio.MemorySendChannel[ID]) -> None:
+        self._send = send
+
+    async def connected(self, network: INetwork, conn: INetConn) -> None:
+        try:
+            self._send.send_nowait(conn.muxed_conn.peer_id)
+        except (trio.WouldBlock, trio.ClosedResourceError, trio.BrokenResourceError):
+            pass
+
+    async def disconnected(self, network: INetwork, conn: INetConn) -> None:
+        await trio.lowlevel.checkpoint()
+
+    async def opened_stream(self, network: INetwork, stream: INetStream) -> None:
+        await trio.lowlevel.checkpoint()
+
+    async def closed_stream(self, network: INetwork, stream: INetStream) -> None:
+        await trio.lowlevel.checkpoint()
+
+    async def listen(self, network: INetwork, multiaddr: Multiaddr) -> None:
+        await trio.lowlevel.checkpoint()
+
+    async def listen_close(self, network: INetwork, multiaddr: Multiaddr) -> None:
+        await trio.lowlevel.checkpoint()
+
+
+class Discovery:
+    """Keeps the node connected to every peer it learns of; runs inside the node's nursery."""
+
+    def __init__(
+        self,
+        host: IHost,
+        pubsub: Pubsub,
+        membership: Membership,
+        bootstrap: Iterable[str] = (),
+        *,
+        mdns: bool = False,
+        dht: bool = True,
+    ) -> None:
+        self.host = host
+        self.pubsub = pubsub
+        self.membership = membership
+        self.bootstrap = [parse_bootstrap(a) for a in bootstrap]
+        self.mdns = mdns
+        self.dht: KadDHT | None = KadDHT(host, DHTMode.SERVER) if dht else None
+        self._own = host.get_id()
+        self._keeping: set[ID] = set()
+        self._nursery: trio.Nursery | None = None
+        self.dials = 0
+        self.dial_failures = 0
+
+    def connected(self, peer_id: ID) -> bool:
+        return any(not c.is_closed for c in self.host.get_network().get_connections(peer_id))
+
+    async def dial(self, peer_id: ID, addrs: Iterable[Multiaddr]) -> bool:
+        """Connect to ``peer_id`` at the first address that works; True if connected."""
+        if self.connected(peer_id):
+            return True
+        addrs = list(addrs)
+        self.host.get_peerstore().add_addrs(peer_id, addrs, ADDR_TTL_S)
+        network = self.host.get_network()
+        for addr in addrs:
+            self.dials += 1
+            try:
+                with trio.fail_after(DIAL_TIMEOUT_S):
+                    await network.dial_addr(addr, peer_id)  # type: ignore[attr-defined]
+                logger.debug("connected to %s at %s", short(peer_id), addr)
+                return True
+            except (Exception, trio.TooSlowError) as exc:  # every dial failure is the remote's
+                self.dial_failures += 1
+                logger.debug("dial %s at %s failed: %s", short(peer_id), addr, exc)
+        return self.connected(peer_id)
+
+    def keep_connected(self, peer_id: ID, addrs: list[Multiaddr], while_: Callable[[], bool]) -> None:
+        """Start (once per peer) a task that redials ``peer_id`` whenever it drops, while ``while_()``."""
+        if peer_id == self._own or peer_id in self._keeping or self._nursery is None:
+            return
+        self._keeping.add(peer_id)
+        self._nursery.start_soon(self._keep, peer_id, addrs, while_, name=f"keep:{short(peer_id)}")
+
+    async def _keep(self, peer_id: ID, addrs: list[Multiaddr], while_: Callable[[], bool]) -> None:
+        delay = REDIAL_MIN_S
+        try:
+            while while_():
+                if self.connected(peer_id) or await self.dial(peer_id, addrs):
+                    delay = REDIAL_MIN_S
+                    await trio.sleep(CONNECTED_POLL_S)
+                else:
+                    logger.debug("%s unreachable; redial in %.2f s", short(peer_id), delay)
+                    await trio.sleep(delay * random.uniform(0.8, 1.2))
+                    delay = min(delay * 2, REDIAL_MAX_S)
+        finally:
+            self._keeping.discard(peer_id)
+
+    async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        send, receive = trio.open_memory_channel[ID](256)
+        notifee = _ConnectionEvents(send)
+        self.host.get_network().register_notifee(notifee)
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            for info in self.bootstrap:
+                self.keep_connected(info.peer_id, list(info.addrs), lambda: True)
+            nursery.start_soon(self._greet_new_connections, receive)
+            nursery.start_soon(self._follow_heartbeats)
+            if self.dht is not None:
+                nursery.start_soon(self._walk_dht)
+            if self.mdns:
+                nursery.start_soon(self._listen_mdns)
+            task_status.started()
+        self._nursery = None
+
+    async def _greet_new_connections(self, receive: trio.MemoryReceiveChannel[ID]) -> None:
+        """Heartbeat as soon as a new peer (inbound or outbound) can hear us, not up to 1 s later."""
+        async with receive, trio.open_nursery() as nursery:
+            async for peer_id in receive:
+                nursery.start_soon(self._greet, peer_id)
+                if self.dht is not None:
+                    nursery.start_soon(self._add_to_dht, peer_id)
+
+    async def _greet(self, peer_id: ID) -> None:
+        with trio.move_on_after(DIAL_TIMEOUT_S):
+            await self.pubsub.wait_for_subscription(peer_id, MESH_TOPIC, timeout=DIAL_TIMEOUT_S)
+            self.membership.poke()
+
+    async def _add_to_dht(self, peer_id: ID) -> None:
+        assert self.dht is not None
+        with trio.move_on_after(DIAL_TIMEOUT_S):
+            try:
+                await self.dht.add_peer(peer_id)
+            except Exception as exc:
+                logger.debug("could not add %s to the DHT routing table: %s", short(peer_id), exc)
+
+    async def _follow_heartbeats(self) -> None:
+        async with self.membership.events() as events:
+            for record in self.membership.alive():
+                self._follow(MemberEvent("join", record.peer_id))
+            async for event in events:
+                self._follow(event)
+
+    def _follow(self, event: MemberEvent) -> None:
+        record = self.membership.get(event.peer_id)
+        if event.kind != "join" or record is None:
+            return
+        addrs = _dialable(record.addrs, event.peer_id)
+        if not addrs:
+            return
+
+        def alive() -> bool:
+            current = self.membership.get(event.peer_id)
+            return current is not None and current.alive
+
+        if self._own.to_bytes() < event.peer_id.to_bytes():
+            self.keep_connected(event.peer_id, addrs, alive)
+        elif self._nursery is not None:
+            self._nursery.start_soon(self._keep_later, event.peer_id, addrs, alive)
+
+    async def _keep_later(self, peer_id: ID, addrs: list[Multiaddr], alive: Callable[[], bool]) -> None:
+        await trio.sleep(YIELD_TO_LOWER_ID_S)
+        self.keep_connected(peer_id, addrs, alive)
+
+    async def _walk_dht(self) -> None:
+        """Look up our own key now and then; dial every peer the walk reveals."""
+        assert self.dht is not None
+        async with running_service(self.dht, "kad-dht"):
+            intervals = iter(DHT_WALK_INTERVALS_S)
+            interval = next(intervals)
+            while True:
+                await trio.sleep(interval)
+                interval = next(intervals, interval)
+                try:
+                    with trio.move_on_after(DIAL_TIMEOUT_S):
+                        found = await self.dht.peer_routing.find_closest_peers_network(self._own.to_bytes())
+                except Exception as exc:
+                    logger.debug("DHT walk failed: %s", exc)
+                    continue
+                for peer_id in found:
+                    if peer_id == self._own or self.connected(peer_id):
+                        continue
+                    addrs = self.host.get_peerstore().addrs(peer_id)
+                    if addrs:
+                        logger.debug("DHT revealed %s", short(peer_id))
+                        self.keep_connected(peer_id, list(addrs), lambda p=peer_id: self._known_alive(p))
+
+    def _known_alive(self, peer_id: ID) -> bool:
+        """Keep a DHT-found peer until heartbeats say it is gone (or it never heartbeats at all)."""
+        record = self.membership.get(peer_id)
+        return record is None or record.alive
+
+    async def _listen_mdns(self) -> None:
+        """Announce ourselves on the LAN and dial peers announced there."""
+        from libp2p.discovery.mdns.mdns import create_mdns_discovery
+
+        tcp_ports = [a.value_for_protocol("tcp") for a in self.host.get_addrs() if "tcp" in str(a)]
+        mdns = create_mdns_discovery(
+            self.host.get_network(),  # type: ignore[arg-type]
+            port=int(tcp_ports[0]) if tcp_ports else 4001,
+            private_network_fingerprint="p2ptrain",
+            host=self.host,
+        )
+        send, receive = trio.open_memory_channel[PeerInfo](256)
+        token = trio.lowlevel.current_trio_token()
+
+        def enqueue(info: PeerInfo) -> None:
+            try:
+                send.send_nowait(info)
+            except (trio.WouldBlock, trio.ClosedResourceError, trio.BrokenResourceError):
+                pass
+
+        def found(info: PeerInfo) -> None:  # called from zeroconf's thread
+            try:
+                token.run_sync_soon(enqueue, info)
+            except trio.RunFinishedError:
+                pass
+
+        peerDiscovery.register_peer_discovered_handler(found)
+        mdns.start()
+        try:
+            async with receive:
+                async for info in receive:
+                    logger.info("mDNS found %s", short(info.peer_id))
+                    self.keep_connected(info.peer_id, list(info.addrs), lambda p=info.peer_id: self._known_alive(p))
+        finally:
+            peerDiscovery.unregister_peer_discovered_handler(found)
+            mdns.stop()

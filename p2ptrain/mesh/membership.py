@@ -1,0 +1,226 @@
+"""Who is in the mesh: heartbeats on the mesh topic and a liveness view built from them.
+
+Every node publishes a signed :class:`Heartbeat` (its addresses, capabilities, tasks) every
+``interval`` seconds. A peer is *alive* from its first heartbeat until it is silent for
+``silence_heartbeats`` intervals or says :class:`Goodbye`; then it is *gone* (kept in the view,
+marked, so status can show when it left). Other layers await changes with :meth:`wait_until` or
+read a stream of :class:`MemberEvent` from :meth:`events`.
+
+The heartbeat also drives discovery: the addresses a heartbeat carries are how a node that knows
+one peer learns how to dial all the others (see :mod:`p2ptrain.mesh.discovery`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import trio
+from libp2p.peer.id import ID
+
+from p2ptrain.mesh import capabilities as caps_probe
+from p2ptrain.mesh.router import MessageRouter, short
+from p2ptrain.wire import Signed
+from p2ptrain.wire.messages import Capabilities, Goodbye, Heartbeat
+
+logger = logging.getLogger(__name__)
+
+MESH_TOPIC = "p2ptrain/mesh/1"
+DEFAULT_SILENCE_HEARTBEATS = 3
+# A new peer makes us heartbeat early so it sees us at once, but never more often than this.
+MIN_HEARTBEAT_GAP_S = 0.05
+EVENT_QUEUE = 1024
+TORCH_PROBE_DELAY_S = 2.0
+
+Publish = Callable[[str, Any], Awaitable[None]]
+
+
+@dataclass
+class PeerRecord:
+    """What we know about one peer from its heartbeats."""
+
+    peer_id: ID
+    addrs: tuple[str, ...]
+    caps: Capabilities
+    tasks: tuple[str, ...]
+    first_seen: float  # wall clock, for display
+    last_seen: float  # trio clock, for liveness
+    last_seen_wall: float
+    alive: bool = True
+    left_reason: str = ""
+
+    def age(self) -> float:
+        """Seconds since the last heartbeat."""
+        return trio.current_time() - self.last_seen
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "peer_id": self.peer_id.to_base58(),
+            "alive": self.alive,
+            "left_reason": self.left_reason or None,
+            "last_heartbeat_age_s": round(self.age(), 3),
+            "addrs": list(self.addrs),
+            "tasks": list(self.tasks),
+            "caps": {
+                "device": self.caps.device,
+                "gpu_name": self.caps.gpu_name,
+                "gpu_memory_bytes": self.caps.gpu_memory_bytes,
+                "cpu_count": self.caps.cpu_count,
+                "free_ram_bytes": self.caps.free_ram_bytes,
+                "version": self.caps.version,
+            },
+        }
+
+
+@dataclass(frozen=True)
+class MemberEvent:
+    kind: Literal["join", "leave"]
+    peer_id: ID
+    reason: str = ""
+
+
+@dataclass
+class Membership:
+    """The heartbeat sender and the liveness view; runs inside the node's nursery."""
+
+    own_id: ID
+    router: MessageRouter
+    publish: Publish
+    addrs: Callable[[], list[str]]
+    interval: float = 1.0
+    silence_heartbeats: int = DEFAULT_SILENCE_HEARTBEATS
+    tasks: tuple[str, ...] = ()
+    caps: Capabilities = field(default_factory=caps_probe.quick_capabilities)
+    _peers: dict[ID, PeerRecord] = field(default_factory=dict, init=False)
+    _changed: trio.Event = field(default_factory=trio.Event, init=False)
+    _wake: trio.Event = field(default_factory=trio.Event, init=False)
+    _listeners: list[trio.MemorySendChannel[MemberEvent]] = field(default_factory=list, init=False)
+
+    def __post_init__(self) -> None:
+        self.router.on(Heartbeat, self._on_heartbeat)
+        self.router.on(Goodbye, self._on_goodbye)
+
+    # -- the view ------------------------------------------------------------------------------
+
+    def alive(self) -> list[PeerRecord]:
+        """Peers heard from recently, oldest member first."""
+        return [p for p in self._peers.values() if p.alive]
+
+    def all(self) -> list[PeerRecord]:
+        """Every peer ever heard from, gone ones included."""
+        return list(self._peers.values())
+
+    def get(self, peer_id: ID) -> PeerRecord | None:
+        return self._peers.get(peer_id)
+
+    async def wait_until(self, predicate: Callable[[Membership], bool]) -> None:
+        """Return once ``predicate(self)`` holds; re-checked on every join and leave.
+
+        Bound it yourself: ``with trio.fail_after(10): await m.wait_until(lambda m: ...)``.
+        """
+        while not predicate(self):
+            await self._changed.wait()
+
+    @asynccontextmanager
+    async def events(self) -> AsyncIterator[trio.MemoryReceiveChannel[MemberEvent]]:
+        """A channel of join/leave events from now on, for as long as the block runs."""
+        send, receive = trio.open_memory_channel[MemberEvent](EVENT_QUEUE)
+        self._listeners.append(send)
+        try:
+            async with receive:
+                yield receive
+        finally:
+            self._listeners.remove(send)
+            send.close()
+
+    def _emit(self, event: MemberEvent) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+        for send in self._listeners:
+            try:
+                send.send_nowait(event)
+            except trio.WouldBlock:
+                logger.warning("a membership listener is %d events behind; dropping one", EVENT_QUEUE)
+
+    # -- receiving -----------------------------------------------------------------------------
+
+    def _on_heartbeat(self, signed: Signed[Heartbeat], topic: str) -> None:
+        hb, now = signed.msg, trio.current_time()
+        record = self._peers.get(signed.sender)
+        if record is None or not record.alive:
+            self._peers[signed.sender] = PeerRecord(
+                peer_id=signed.sender,
+                addrs=hb.addrs,
+                caps=hb.caps,
+                tasks=hb.tasks,
+                first_seen=time.time(),
+                last_seen=now,
+                last_seen_wall=time.time(),
+            )
+            logger.info("peer %s joined (%s, %d addrs)", short(signed.sender), hb.caps.device, len(hb.addrs))
+            self._emit(MemberEvent("join", signed.sender))
+            self.poke()  # let the newcomer hear from us now rather than in up to one interval
+            return
+        record.addrs, record.caps, record.tasks = hb.addrs, hb.caps, hb.tasks
+        record.last_seen, record.last_seen_wall = now, time.time()
+
+    def _on_goodbye(self, signed: Signed[Goodbye], topic: str) -> None:
+        self._mark_gone(signed.sender, f"goodbye: {signed.msg.reason}" if signed.msg.reason else "goodbye")
+
+    def _mark_gone(self, peer_id: ID, reason: str) -> None:
+        record = self._peers.get(peer_id)
+        if record is None or not record.alive:
+            return
+        record.alive, record.left_reason = False, reason
+        logger.info("peer %s left (%s)", short(peer_id), reason)
+        self._emit(MemberEvent("leave", peer_id, reason))
+
+    # -- sending -------------------------------------------------------------------------------
+
+    def poke(self) -> None:
+        """Send the next heartbeat now (e.g. a new connection wants to hear from us)."""
+        self._wake.set()
+
+    def heartbeat(self) -> Heartbeat:
+        return Heartbeat(addrs=tuple(self.addrs()[:16]), caps=self.caps, tasks=self.tasks)
+
+    async def say_goodbye(self, reason: str = "shutdown") -> None:
+        await self.publish(MESH_TOPIC, Goodbye(reason=reason[:256]))
+
+    async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        await self.router.join(MESH_TOPIC)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._refine_caps)
+            nursery.start_soon(self._reap)
+            task_status.started()
+            await self._send_heartbeats()
+
+    async def _send_heartbeats(self) -> None:
+        while True:
+            self.caps = caps_probe.refresh_ram(self.caps)
+            await self.publish(MESH_TOPIC, self.heartbeat())
+            await trio.sleep(MIN_HEARTBEAT_GAP_S)
+            self._wake = trio.Event()
+            with trio.move_on_after(max(self.interval - MIN_HEARTBEAT_GAP_S, 0.0)):
+                await self._wake.wait()
+
+    async def _reap(self) -> None:
+        """Mark peers silent for ``silence_heartbeats`` intervals as gone."""
+        limit = self.silence_heartbeats * self.interval
+        while True:
+            await trio.sleep(self.interval / 2)
+            for record in list(self._peers.values()):
+                if record.alive and record.age() > limit:
+                    self._mark_gone(record.peer_id, f"silent for {record.age():.1f} s")
+
+    async def _refine_caps(self) -> None:
+        # Wait until the mesh has formed: the import competes for the GIL with the event loop.
+        await trio.sleep(TORCH_PROBE_DELAY_S)
+        try:
+            self.caps = await trio.to_thread.run_sync(caps_probe.torch_capabilities, abandon_on_cancel=True)
+        except Exception as exc:  # a broken torch install must not stop the node; say so once
+            logger.warning("could not probe torch for GPU capabilities: %s", exc)

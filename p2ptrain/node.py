@@ -1,0 +1,366 @@
+"""One running peer: host, pubsub, membership, discovery and the control endpoint, in one lifetime.
+
+A :class:`Node` owns a home directory::
+
+    <home>/identity.key   Ed25519 key (0600): the peer ID survives restarts
+    <home>/config.toml    effective settings, written atomically on first start
+    <home>/control.sock   the owner-only control endpoint while the node runs
+    <home>/blocks/        the content layer's block store
+    <home>/logs/          log files of `p2ptrain node start`
+
+Other layers extend a node before or while it runs: message handlers (``node.on``), topics
+(``node.subscribe``), control ops (``node.control.register``) and services (``node.add_service``),
+which run in the node's own nursery and stop with it. There is no fire-and-forget anywhere: every
+task the node starts lives in a nursery that ``run`` waits for.
+
+Stopping is ordered and bounded: say Goodbye, cancel the services, close the host's connections,
+stop gossipsub and pubsub, close the listeners, remove the control socket. The node's lifetime runs
+shielded from the caller's cancellation and is driven by a stop event instead, because py-libp2p
+torn down by a plain cancellation leaks sockets and raises 'Nursery is closed to new arrivals'.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+import time
+import tomllib
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import trio
+from libp2p.abc import IHost
+from libp2p.crypto.keys import KeyPair
+from libp2p.peer.id import ID
+from libp2p.pubsub.pubsub import Pubsub
+from multiaddr import Multiaddr
+
+from p2ptrain import __version__
+from p2ptrain.errors import UserError
+from p2ptrain.identity import load_or_create_identity, peer_id_of
+from p2ptrain.mesh.discovery import Discovery, parse_bootstrap
+from p2ptrain.mesh.membership import DEFAULT_SILENCE_HEARTBEATS, MESH_TOPIC, Membership
+from p2ptrain.mesh.router import Handler, MessageRouter, short
+from p2ptrain.net.control import ControlServer
+from p2ptrain.net.host import make_host
+from p2ptrain.net.pubsub import MessageTooLarge, make_pubsub, publish_bytes, running_pubsub
+from p2ptrain.wire import encode
+from p2ptrain.wire.limits import MAX_MESSAGE_BYTES
+
+logger = logging.getLogger(__name__)
+
+CONFIG_FILE = "config.toml"
+DEFAULT_LISTEN = ("/ip4/127.0.0.1/tcp/0",)
+GOODBYE_TIMEOUT_S = 0.5
+HOST_CLOSE_TIMEOUT_S = 5.0
+# If an orderly stop takes longer than this, the node's lifetime is cancelled outright.
+SHUTDOWN_TIMEOUT_S = 15.0
+
+
+@dataclass
+class NodeConfig:
+    """The settings of a node; stored in ``<home>/config.toml``."""
+
+    listen: list[str] = field(default_factory=lambda: list(DEFAULT_LISTEN))
+    bootstrap: list[str] = field(default_factory=list)
+    mdns: bool = False
+    dht: bool = True
+    heartbeat_interval: float = 1.0
+    silence_heartbeats: int = DEFAULT_SILENCE_HEARTBEATS
+
+    @classmethod
+    def load(cls, home: Path) -> NodeConfig | None:
+        """The stored config, or None if the home has none yet."""
+        path = Path(home) / CONFIG_FILE
+        if not path.exists():
+            return None
+        try:
+            data = tomllib.loads(path.read_text())
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise UserError(f"{path} is not valid TOML: {exc}") from None
+        node = data.get("node", {})
+        known = set(cls.__dataclass_fields__)
+        unknown = set(node) - known
+        if unknown:
+            raise UserError(f"{path}: unknown setting(s) {sorted(unknown)}; known: {sorted(known)}")
+        return cls(**node)
+
+    def to_toml(self) -> str:
+        def value(v: Any) -> str:
+            if isinstance(v, bool):
+                return "true" if v else "false"
+            if isinstance(v, (int, float)):
+                return repr(v)
+            if isinstance(v, list):
+                return "[" + ", ".join(value(x) for x in v) + "]"
+            return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+        lines = ["# p2ptrain node settings (written on first start; edit while the node is stopped)", "[node]"]
+        lines += [f"{name} = {value(getattr(self, name))}" for name in self.__dataclass_fields__]
+        return "\n".join(lines) + "\n"
+
+
+def write_atomic(path: Path, data: bytes, mode: int = 0o600) -> None:
+    """tmp file + fsync + rename: readers see the old file or the new one, never half of one."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_CREAT | os.O_TRUNC | os.O_WRONLY, mode)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+
+
+def prepare_home(home: Path) -> None:
+    """Create the home (0700) and its folders; refuse a home that others can read."""
+    home.mkdir(parents=True, exist_ok=True, mode=0o700)
+    st = home.stat()
+    if st.st_uid != os.getuid():
+        raise UserError(f"{home} belongs to another user")
+    if st.st_mode & 0o077:
+        os.chmod(home, 0o700)  # ours: tighten it, the control socket and key live here
+    for sub in ("blocks", "logs"):
+        (home / sub).mkdir(exist_ok=True, mode=0o700)
+
+
+Service = Callable[..., Awaitable[Any]]
+
+
+class Node:
+    """One peer. ``await node.run()`` (or ``await nursery.start(node.run)``) until ``node.stop()``."""
+
+    def __init__(
+        self,
+        home: Path | str,
+        listen: Sequence[str] | None = None,
+        bootstrap: Sequence[str] | None = None,
+        *,
+        mdns: bool | None = None,
+        dht: bool | None = None,
+        heartbeat_interval: float | None = None,
+        silence_heartbeats: int | None = None,
+    ) -> None:
+        self.home = Path(home).expanduser().absolute()
+        prepare_home(self.home)
+        stored = NodeConfig.load(self.home)
+        base = stored or NodeConfig()
+        self.config = NodeConfig(
+            listen=list(listen) if listen else base.listen,
+            bootstrap=list(bootstrap) if bootstrap is not None else base.bootstrap,
+            mdns=base.mdns if mdns is None else mdns,
+            dht=base.dht if dht is None else dht,
+            heartbeat_interval=heartbeat_interval or base.heartbeat_interval,
+            silence_heartbeats=silence_heartbeats or base.silence_heartbeats,
+        )
+        self._listen = _maddrs(self.config.listen)
+        for addr in self.config.bootstrap:
+            parse_bootstrap(addr)  # a bad --bootstrap is the user's error: say so before starting
+        if stored is None:
+            write_atomic(self.home / CONFIG_FILE, self.config.to_toml().encode())
+        self.key_pair: KeyPair = load_or_create_identity(self.home)
+        self.peer_id: ID = peer_id_of(self.key_pair)
+        self.control = ControlServer(self.home)
+        self.router = MessageRouter(self.peer_id)
+        self.membership = Membership(
+            own_id=self.peer_id,
+            router=self.router,
+            publish=self.publish,
+            addrs=lambda: self.addrs,
+            interval=self.config.heartbeat_interval,
+            silence_heartbeats=self.config.silence_heartbeats,
+        )
+        self.host: IHost | None = None
+        self.pubsub: Pubsub | None = None
+        self.discovery: Discovery | None = None
+        self._services: list[tuple[Service, tuple[Any, ...], str]] = []
+        self._nursery: trio.Nursery | None = None
+        self._seq = time.time_ns() // 1000  # grows across restarts with no stored state
+        self._stop = trio.Event()
+        self.started = trio.Event()
+        self.stopped = trio.Event()
+        self.control.register("status", self._status_op)
+        self.control.register("ping", self._ping_op)
+
+    # -- the API for other layers --------------------------------------------------------------
+
+    def __repr__(self) -> str:
+        return f"<Node {short(self.peer_id)} home={self.home}>"
+
+    @property
+    def short_id(self) -> str:
+        return short(self.peer_id)
+
+    @property
+    def addrs(self) -> list[str]:
+        """Listen multiaddrs ending in ``/p2p/<peer id>``: each usable as another node's bootstrap."""
+        if self.host is None:
+            return []
+        suffix = f"/p2p/{self.peer_id.to_base58()}"
+        out = []
+        for addr in self.host.get_addrs():
+            text = str(addr)
+            out.append(text if text.endswith(suffix) else text + suffix)
+        return out
+
+    def on(self, msg_type: type, handler: Handler) -> None:
+        """Call ``handler(signed, topic)`` for every valid ``msg_type`` message on joined topics."""
+        self.router.on(msg_type, handler)
+
+    async def subscribe(self, topic: str) -> None:
+        """Join ``topic`` (while running); its messages go to the handlers registered with ``on``."""
+        await self.router.join(topic)
+
+    async def unsubscribe(self, topic: str) -> None:
+        await self.router.leave(topic)
+
+    async def publish(self, topic: str, msg: Any) -> None:
+        """Sign and publish a wire message; raises MessageTooLarge over the wire cap."""
+        if self.pubsub is None:
+            raise RuntimeError(f"{self!r} is not running")
+        self._seq += 1
+        try:
+            data = encode(msg, self.key_pair, self._seq)
+        except ValueError as exc:
+            raise MessageTooLarge(str(exc)) from None
+        await publish_bytes(self.pubsub, topic, data, MAX_MESSAGE_BYTES)
+
+    def add_service(self, fn: Service, *args: Any, name: str | None = None) -> None:
+        """Run ``await fn(*args)`` for the node's lifetime, started after the mesh is up.
+
+        If ``fn`` takes a ``task_status`` keyword it is started with ``nursery.start`` and the node
+        reports itself started only once ``fn`` called ``task_status.started()``. When ``fn``
+        returns, nothing else happens; when it raises, the node stops and ``run`` raises.
+        Register before ``run``; while running use :meth:`start_soon`.
+        """
+        if self._nursery is not None:
+            raise RuntimeError("the node is running: use node.start_soon(...) instead")
+        self._services.append((fn, args, name or getattr(fn, "__qualname__", repr(fn))))
+
+    def start_soon(self, fn: Service, *args: Any, name: str | None = None) -> None:
+        """Start a task in the node's service nursery (while running); it is cancelled at stop."""
+        if self._nursery is None:
+            raise RuntimeError(f"{self!r} is not running")
+        self._nursery.start_soon(fn, *args, name=name)
+
+    def stop(self) -> None:
+        """Ask the node to stop; ``run`` returns once everything is closed."""
+        self._stop.set()
+
+    # -- the lifetime --------------------------------------------------------------------------
+
+    async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        """Run until :meth:`stop` or cancellation; ``task_status.started()`` once the mesh is up."""
+        finished = trio.Event()
+        lifetime = trio.CancelScope(shield=True)
+
+        async def live(*, task_status: Any) -> None:
+            with lifetime:
+                try:
+                    await self._live(task_status)
+                finally:
+                    finished.set()
+
+        async with trio.open_nursery() as nursery:
+            try:
+                await nursery.start(live)
+                task_status.started()
+                await finished.wait()
+            finally:
+                self._stop.set()
+                with trio.CancelScope(shield=True):
+                    with trio.move_on_after(SHUTDOWN_TIMEOUT_S):
+                        await finished.wait()
+                    if not finished.is_set():
+                        logger.warning("%s did not stop in %.0f s; cancelling it", self.short_id, SHUTDOWN_TIMEOUT_S)
+                        lifetime.cancel()
+
+    async def _live(self, task_status: Any) -> None:
+        if self._stop.is_set():
+            return
+        self.control.claim_socket()  # fail fast, before any network work, if the home is in use
+        host = make_host(self.key_pair, self._listen)
+        pubsub = make_pubsub(host, self.config.heartbeat_interval)  # before any connection exists
+        self.host, self.pubsub = host, pubsub
+        try:
+            async with host.run(listen_addrs=self._listen):
+                async with running_pubsub(pubsub):
+                    try:
+                        await self._serve(host, pubsub, task_status)
+                    finally:
+                        with trio.move_on_after(HOST_CLOSE_TIMEOUT_S):
+                            await host.close()
+        finally:
+            self.host = self.pubsub = None
+            self.stopped.set()
+            logger.info("node %s stopped", self.short_id)
+
+    async def _serve(self, host: IHost, pubsub: Pubsub, task_status: Any) -> None:
+        self.discovery = Discovery(
+            host, pubsub, self.membership, self.config.bootstrap, mdns=self.config.mdns, dht=self.config.dht
+        )
+        async with trio.open_nursery() as nursery:
+            await nursery.start(self.control.serve)
+            await nursery.start(self.router.run, pubsub)
+            await nursery.start(self.membership.run)
+            await nursery.start(self.discovery.run)
+            async with trio.open_nursery() as services:
+                self._nursery = services
+                for fn, args, name in self._services:
+                    if "task_status" in inspect.signature(fn).parameters:
+                        await services.start(fn, *args, name=name)
+                    else:
+                        services.start_soon(fn, *args, name=name)
+                logger.info("node %s listening on %s", self.short_id, ", ".join(self.addrs))
+                self.started.set()
+                task_status.started()
+                await self._stop.wait()
+                logger.info("node %s stopping", self.short_id)
+                services.cancel_scope.cancel()
+            self._nursery = None
+            with trio.move_on_after(GOODBYE_TIMEOUT_S):
+                await self.membership.say_goodbye()
+                await trio.sleep(0.05)  # let the writer tasks put Goodbye on the wire
+            nursery.cancel_scope.cancel()
+
+    # -- control ops ---------------------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        """What `p2ptrain node status --json` prints (keys peer_id, addrs, peers are a contract)."""
+        connected = []
+        if self.host is not None:
+            connected = sorted(p.to_base58() for p in self.host.get_connected_peers())
+        members = sorted(self.membership.all(), key=lambda r: r.first_seen)
+        return {
+            "peer_id": self.peer_id.to_base58(),
+            "addrs": self.addrs,
+            "home": str(self.home),
+            "version": __version__,
+            "connected": connected,
+            "topics": self.router.topics,
+            "mesh_topic": MESH_TOPIC,
+            "heartbeat_interval_s": self.config.heartbeat_interval,
+            "caps": self.membership.heartbeat().caps.__dict__ if self.host is not None else None,
+            "peers": [r.as_json() for r in members if r.alive],
+            "gone": [r.as_json() for r in members if not r.alive],
+            "messages": self.router.stats(),
+        }
+
+    async def _status_op(self, request: dict[str, Any]) -> dict[str, Any]:
+        return self.status()
+
+    async def _ping_op(self, request: dict[str, Any]) -> dict[str, Any]:
+        return {"peer_id": self.peer_id.to_base58(), "started": self.started.is_set()}
+
+
+def _maddrs(addrs: Sequence[str]) -> list[Multiaddr]:
+    out = []
+    for a in addrs:
+        try:
+            out.append(Multiaddr(a))
+        except Exception as exc:
+            raise UserError(f"--listen {a!r} is not a multiaddr: {exc}") from None
+    return out
