@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from p2ptrain.errors import UserError
+from p2ptrain.ipfs.cid import InvalidCID, parse_cid
 from p2ptrain.training.models import ModelError, check_model
 from p2ptrain.wire.messages import Capabilities
 
@@ -225,8 +226,10 @@ def _cid(table: dict[str, Any], key: str, where: str, default: Any = ...) -> Any
     value = _str(table, key, where, default, max_len=_MAX_CID_LEN)
     if value is None:
         return None
-    if not value.isalnum():
-        raise TaskError(f"{where}{key}: {value!r} is not a CID")
+    try:
+        parse_cid(value)
+    except InvalidCID as exc:
+        raise TaskError(f"{where}{key}: {exc}") from None
     return value
 
 

@@ -1,0 +1,175 @@
+"""Model bytes, signed records, attestations and the confirmed chain."""
+
+import dataclasses
+import json
+
+import pytest
+import torch
+from libp2p.crypto.ed25519 import create_new_key_pair
+
+from p2ptrain.ipfs.embedded import EmbeddedStore
+from p2ptrain.training import signing
+from p2ptrain.training.models import build_model
+from p2ptrain.training.records import (
+    Chain,
+    RecordError,
+    Status,
+    Tally,
+    attest,
+    load_model_bytes,
+    model_bytes,
+    quorum,
+    record_bytes,
+    record_from_bytes,
+    record_id,
+    sign_record,
+    tensors_bytes,
+    verify_record,
+)
+from p2ptrain.wire import decode, encode
+from p2ptrain.wire.messages import ModelRecord, SignedAttestation
+
+TASK = "QmT78zSuBmuS4z925WZfrqQ1qHaJ56DQaTfyMUF7F8ff5o"
+KEYS = [create_new_key_pair() for _ in range(5)]
+PEERS = [signing.peer_str(k) for k in KEYS]
+
+
+@pytest.fixture
+def store(tmp_path):
+    return EmbeddedStore(tmp_path / "home")
+
+
+def test_model_bytes_deterministic_and_cid_stable(store, tmp_path):
+    a = build_model("cnn", {}, 3)
+    b = build_model("cnn", {}, 3)
+    data = model_bytes(a)
+    assert data == model_bytes(b) == model_bytes(a)
+    other = EmbeddedStore(tmp_path / "other")
+    assert store.add_bytes(data) == other.add_bytes(model_bytes(b))
+    # Non-contiguous and differently ordered tensors give the same bytes as their contiguous copies.
+    t = torch.arange(12.0).reshape(3, 4)
+    assert tensors_bytes({"b": t.t(), "a": t}) == tensors_bytes({"a": t.clone(), "b": t.t().contiguous()})
+
+
+def test_load_back_exactly_and_refuse_mismatch():
+    src = build_model("mlp", {"hidden": [16]}, 1)
+    dst = build_model("mlp", {"hidden": [16]}, 2)
+    load_model_bytes(dst, model_bytes(src))
+    assert model_bytes(dst) == model_bytes(src)
+    with pytest.raises(RecordError, match=r"tensor 1.weight: \(16, 64\) torch.float32, architecture needs \(32, 64\)"):
+        load_model_bytes(build_model("mlp", {"hidden": [32]}, 0), model_bytes(src))
+    with pytest.raises(RecordError, match="missing"):
+        load_model_bytes(build_model("mlp", {"hidden": [16, 16]}, 0), model_bytes(src))
+    with pytest.raises(RecordError, match="not a valid safetensors file"):
+        load_model_bytes(dst, b"\x80\x04pickle? no")
+    half = tensors_bytes({k: v.half() for k, v in src.state_dict().items()})
+    with pytest.raises(RecordError, match="torch.float16"):
+        load_model_bytes(dst, half)
+
+
+def record(version=1, parent="Qmparent", model_cid="Qmmodel", members=tuple(PEERS[:3]), **kw):
+    fields = dict(task_cid=TASK, version=version, parent=parent, round=version * 10 - 1, step=version * 10,
+                  members=members, metrics={"loss": 0.5, "accuracy": 0.9}, model_cid=model_cid,
+                  optimizer_cid="Qmoptim", term=1, coordinator="")
+    fields.update(kw)
+    return ModelRecord(**fields)
+
+
+def test_signed_record_verifies_and_tampering_is_caught():
+    signed = sign_record(record(), KEYS[0])
+    assert signed.record.coordinator == PEERS[0]
+    assert verify_record(signed) == signed.record
+    for change in [{"model_cid": "Qmevil"}, {"version": 2}, {"metrics": {"loss": 0.1, "accuracy": 0.99}},
+                   {"members": tuple(PEERS[:2])}, {"coordinator": PEERS[1]}]:
+        forged = dataclasses.replace(signed, record=dataclasses.replace(signed.record, **change))
+        with pytest.raises(RecordError):
+            verify_record(forged)
+    wrong_key = dataclasses.replace(signed, signature=signing.sign(signed.record, KEYS[1]))
+    with pytest.raises(RecordError, match="bad signature"):
+        verify_record(wrong_key)
+
+
+def test_record_bytes_round_trip_and_travel_on_the_wire():
+    signed = sign_record(record(), KEYS[0])
+    data = record_bytes(signed)
+    assert record_from_bytes(data) == signed
+    tampered = data.replace(b'"accuracy":0.9', b'"accuracy":1.0')
+    assert tampered != data
+    with pytest.raises(RecordError, match="bad signature"):
+        record_from_bytes(tampered)
+    with pytest.raises(RecordError, match="not a model record"):
+        record_from_bytes(json.dumps({"record": {}}).encode())
+    # The same signed record inside a wire envelope (signed by someone else, who relays it).
+    got = decode(encode(signed, KEYS[4], seq=1)).msg
+    assert got == signed and verify_record(got)
+
+
+def test_tally_confirms_at_a_quorum_of_members():
+    signed = sign_record(record(members=tuple(PEERS[:4])), KEYS[0])
+    tally = Tally(signed)
+    assert quorum(4) == 3
+    assert tally.add(attest(signed.record, "Qmmodel", "Qmoptim", KEYS[0])) is Status.PENDING
+    assert tally.add(attest(signed.record, "Qmmodel", "Qmoptim", KEYS[0])) is Status.PENDING  # repeat
+    assert tally.add(attest(signed.record, "Qmother", "Qmoptim", KEYS[1])) is Status.PENDING
+    assert tally.add(attest(signed.record, "Qmmodel", "Qmoptim", KEYS[2])) is Status.PENDING
+    with pytest.raises(RecordError, match="not a member"):
+        tally.add(attest(signed.record, "Qmmodel", "Qmoptim", KEYS[4]))
+    assert tally.add(attest(signed.record, "Qmmodel", "Qmoptim", KEYS[3])) is Status.CONFIRMED
+    assert tally.matching == set(PEERS[:1] + PEERS[2:4]) and tally.differing == {PEERS[1]: "Qmother"}
+
+
+def test_tally_rejects_a_record_nobody_reproduces(caplog):
+    signed = sign_record(record(), KEYS[0])
+    tally = Tally(signed)
+    tally.add(attest(signed.record, "QmA", "Qmoptim", KEYS[1]))
+    assert tally.status is Status.PENDING
+    assert tally.add(attest(signed.record, "QmB", "Qmoptim", KEYS[2])) is Status.REJECTED
+    assert "rejected" in caplog.text and "0 of 3 members reproduced it" in caplog.text
+    # Same model, other optimizer state: not a reproduction either.
+    tally2 = Tally(sign_record(record(), KEYS[0]))
+    tally2.add(attest(tally2.record, "Qmmodel", "Qmdiff", KEYS[1]))
+    assert tally2.expire() is Status.REJECTED
+
+
+def test_tally_refuses_forged_or_foreign_attestations():
+    signed = sign_record(record(), KEYS[0])
+    tally = Tally(signed)
+    att = attest(signed.record, "Qmmodel", "Qmoptim", KEYS[1])
+    forged = SignedAttestation(dataclasses.replace(att.attestation, attester=PEERS[2]), att.signature)
+    with pytest.raises(RecordError, match="bad signature"):
+        tally.add(forged)
+    other = attest(record(version=2), "Qmmodel", "Qmoptim", KEYS[1])
+    with pytest.raises(RecordError, match="another record"):
+        tally.add(other)
+    assert tally.matching == set()
+
+
+def test_chain_refuses_fork_and_gap():
+    chain = Chain(TASK, "Qminit")
+    r1 = sign_record(record(1, parent="Qminit", model_cid="Qm1"), KEYS[0])
+    chain.append(r1)
+    assert chain.head_cid == "Qm1" and chain.version == 1
+    with pytest.raises(RecordError, match="gap: model record v3 after v1"):
+        chain.append(sign_record(record(3, parent="Qm1", model_cid="Qm3"), KEYS[0]))
+    with pytest.raises(RecordError, match="fork: model record v2 has parent Qminit"):
+        chain.append(sign_record(record(2, parent="Qminit", model_cid="Qm2"), KEYS[0]))
+    with pytest.raises(RecordError, match="fork: a different model record v1"):
+        chain.append(sign_record(record(1, parent="Qminit", model_cid="Qm1b"), KEYS[1]))
+    with pytest.raises(RecordError, match="already in the chain"):
+        chain.append(r1)
+    with pytest.raises(RecordError, match="belongs to task"):
+        chain.append(sign_record(record(2, parent="Qm1", task_cid="Qmother"), KEYS[0]))
+    r2 = sign_record(record(2, parent="Qm1", model_cid="Qm2"), KEYS[1])  # a later term's coordinator
+    chain.append(r2)
+    again = Chain.from_bytes(TASK, "Qminit", chain.to_bytes())
+    assert again.records == [r1, r2] and again.head_cid == "Qm2"
+    with pytest.raises(RecordError, match="bad signature"):
+        Chain.from_bytes(TASK, "Qminit", chain.to_bytes().replace(b"Qm2", b"Qm9"))
+    with pytest.raises(RecordError, match="gap"):
+        Chain.from_bytes(TASK, "Qminit", record_bytes(r2))
+
+
+def test_record_id_names_the_exact_record():
+    a = record()
+    assert record_id(a) == record_id(dataclasses.replace(a))
+    assert record_id(a) != record_id(dataclasses.replace(a, step=a.step + 1))

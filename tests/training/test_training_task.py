@@ -1,0 +1,160 @@
+"""Task spec: strict validation whose errors name the field, canonical bytes, requirements."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+from p2ptrain.training.task import (
+    TaskError,
+    load_task,
+    meets_requirements,
+    task_bytes,
+    task_from_bytes,
+    total_steps,
+    unmet_requirement,
+)
+from p2ptrain.wire.messages import Capabilities
+
+CID = "QmT78zSuBmuS4z925WZfrqQ1qHaJ56DQaTfyMUF7F8ff5o"
+EXAMPLE = Path(__file__).resolve().parents[2] / "node" / "tasks" / "digits-mlp.toml"
+
+BASE = f"""
+name = "t"
+[model]
+name = "mlp"
+[dataset]
+manifest = "{CID}"
+[optimizer]
+name = "sgd"
+lr = 0.1
+[training]
+batch_size = 16
+total_steps = 10
+"""
+
+
+def with_(section: str, line: str) -> str:
+    """BASE with ``line`` added to ``[section]`` (or at top level for section "")."""
+    if not section:
+        return line + "\n" + BASE
+    if f"[{section}]" in BASE:
+        return BASE.replace(f"[{section}]\n", f"[{section}]\n{line}\n")
+    return BASE + f"\n[{section}]\n{line}\n"
+
+
+def test_minimal_task_gets_defaults():
+    task = load_task(BASE)
+    assert task.optimizer.momentum == 0.0 and task.optimizer.beta1 is None
+    assert task.training.sync_interval == 1 and task.training.checkpoint_interval == 10
+    assert task.compression.density == 0.01 and task.compression.error_feedback
+    assert task.requirements.device == "cpu"
+
+
+@pytest.mark.parametrize(
+    "section, line, field",
+    [
+        ("optimizer", "momentum = -1", "optimizer.momentum"),
+        ("", "typo = 1", "typo"),
+        ("model", 'kwargs = { hidden = [0] }', "model.kwargs.hidden[0]"),
+        ("model", 'kwargs = { depth = 2 }', "model.kwargs.depth"),
+        ("model", 'kwargs = { hidden = [[1]] }', "model.kwargs.hidden[0]"),
+        ("training", "sync_interval = 0", "training.sync_interval"),
+        ("training", 'epochs = 2', "training.total_steps"),
+        ("compression", "density = 0", "compression.density"),
+        ("compression", 'error_feedback = "yes"', "compression.error_feedback"),
+        ("peers", "min = 4\nmax = 2", "peers.max"),
+        ("peers", "max = 100000", "peers.max"),
+        ("requirements", 'device = "tpu"', "requirements.device"),
+        ("schedule", 'name = "cosine"\nwarmup_steps = 50', "schedule.warmup_steps"),
+        ("schedule", "warmup_steps = 5", "schedule.warmup_steps"),
+        ("", 'initial_model = "not-a-cid"', "initial_model"),
+        ("", "seed = -1", "seed"),
+        ("optimizer", "beta1 = 0.5", "optimizer.beta1"),
+        ("dataset", "extra = 1", "dataset.extra"),
+    ],
+)
+def test_errors_name_the_field(section, line, field):
+    with pytest.raises(TaskError) as info:
+        load_task(with_(section, line))
+    assert str(info.value).startswith(field + ":"), str(info.value)
+
+
+def test_bad_values_of_required_fields():
+    for old, new, field in [
+        ("lr = 0.1", "lr = 0", "optimizer.lr"),
+        ("lr = 0.1", "lr = nan", "optimizer.lr"),
+        ('name = "sgd"', 'name = "lamb"', "optimizer.name"),
+        ('name = "mlp"', 'name = "resnet1000"', "model.name"),
+        (f'manifest = "{CID}"', 'manifest = "x"', "dataset.manifest"),
+        ("batch_size = 16", "batch_size = 0", "training.batch_size"),
+        ("batch_size = 16\n", "", "training.batch_size"),
+    ]:
+        with pytest.raises(TaskError, match="^" + re.escape(field) + ":"):
+            load_task(BASE.replace(old, new, 1))
+    with pytest.raises(TaskError, match="^task: not valid TOML"):
+        load_task("name = ")
+    with pytest.raises(TaskError, match="^model: missing"):
+        load_task(BASE.replace('[model]\nname = "mlp"\n', ""))
+
+
+def test_oversized_model_refused_before_allocation():
+    huge = with_("model", 'kwargs = { in_features = 1000000, hidden = [60000], out_features = 10 }')
+    with pytest.raises(TaskError, match=r"^model.kwargs: mlp would have [\d,]+ parameters, over"):
+        load_task(huge)
+
+
+def test_canonical_bytes_stable_and_defaults_filled():
+    a = load_task(BASE)
+    # The same task written differently: explicit defaults, other key order, int for a float.
+    b = load_task(
+        BASE.replace("lr = 0.1", "weight_decay = 0\nlr = 0.1\nmomentum = 0.0")
+        + '\n[compression]\nfp16_values = false\ndensity = 0.01\n[schedule]\nname = "constant"\n'
+    )
+    assert task_bytes(a) == task_bytes(b)
+    assert task_from_bytes(task_bytes(a)) == a
+    assert task_bytes(load_task(BASE.replace("lr = 0.1", "lr = 0.2"))) != task_bytes(a)
+
+
+def test_task_bytes_must_be_canonical_and_valid():
+    data = task_bytes(load_task(BASE))
+    with pytest.raises(TaskError, match="canonical"):
+        task_from_bytes(data.replace(b'{"compression"', b'{ "compression"'))
+    with pytest.raises(TaskError, match="^optimizer.lr"):
+        task_from_bytes(data.replace(b'"lr":0.1', b'"lr":-1.0'))
+    with pytest.raises(TaskError, match="not JSON"):
+        task_from_bytes(b"\x00garbage")
+
+
+def test_example_task_file_is_valid_once_given_a_manifest():
+    text = EXAMPLE.read_text()
+    with pytest.raises(TaskError, match="^dataset.manifest"):
+        load_task(text)  # the placeholder must be replaced by a real manifest CID
+    task = load_task(re.sub(r'manifest = "\w+"', f'manifest = "{CID}"', text))
+    assert task.name == "digits-mlp" and task.model.name == "mlp"
+
+
+def caps(device="cpu", ram_mb=1024, gpu_mb=None):
+    return Capabilities(
+        device=device, cpu_count=2, free_ram_bytes=ram_mb << 20, version="0.1.0",
+        gpu_name="gpu" if gpu_mb else None, gpu_memory_bytes=(gpu_mb << 20) if gpu_mb else None,
+    )
+
+
+def test_requirements():
+    cpu_task = load_task(with_("requirements", "min_memory_mb = 512"))
+    assert meets_requirements(cpu_task, caps(ram_mb=1024))
+    assert not meets_requirements(cpu_task, caps(ram_mb=256))
+    assert "512 MiB of free RAM" in unmet_requirement(cpu_task, caps(ram_mb=256))
+    assert meets_requirements(cpu_task, caps("cuda", ram_mb=1024, gpu_mb=8))  # runs on its CPU
+    cuda_task = load_task(with_("requirements", 'device = "cuda"\nmin_memory_mb = 4096'))
+    assert not meets_requirements(cuda_task, caps(ram_mb=10**6))
+    assert not meets_requirements(cuda_task, caps("cuda", gpu_mb=2048))
+    assert meets_requirements(cuda_task, caps("cuda", gpu_mb=8192))
+
+
+def test_epochs_become_steps():
+    task = load_task(with_("training", "sync_interval = 2").replace("total_steps = 10", "epochs = 3"))
+    # 3 epochs of 1000 samples over 4 peers taking 16 x 2 samples each per round.
+    assert total_steps(task, 1000, 4) == 24
+    assert total_steps(load_task(BASE), 1000, 4) == 10
