@@ -273,6 +273,23 @@ class FastYamux(Yamux):
             self._noise.seal_frame(parts, header, payload or ())
             await self._noise.send_sealed(parts)
 
+    async def _reply(self, typ: int, flags: int, stream_id: int, length: int) -> None:
+        """Send a control frame on behalf of the frame reader without making it wait.
+
+        The reader must never block on a socket write: if both peers' readers waited on writes
+        while both peers' writers waited on full socket buffers, neither connection would move.
+        """
+        if self._nursery is None:
+            await self._send_quietly(typ, flags, stream_id, length)
+        else:
+            self._nursery.start_soon(self._send_quietly, typ, flags, stream_id, length)
+
+    async def _send_quietly(self, typ: int, flags: int, stream_id: int, length: int) -> None:
+        try:
+            await self.send_frame(typ, flags, stream_id, length)
+        except _CONNECTION_ERRORS as error:
+            logger.debug("control frame to %s not sent: %s", self.peer_id, error)
+
     async def _write_frame(self, data: bytes) -> None:
         """Control frames from the inherited code (FIN, RST, GO_AWAY, pings), without the log cost."""
         async with self._write_lock:
@@ -331,7 +348,7 @@ class FastYamux(Yamux):
             logger.exception("yamux frame reader for %s failed; closing the connection", self.peer_id)
         finally:
             self.event_shutting_down.set()
-            with trio.CancelScope(shield=True):
+            with trio.CancelScope(shield=True), trio.move_on_after(5):
                 await self._cleanup_on_error()
 
     async def _consume(self, piece: memoryview) -> bool:
@@ -399,12 +416,12 @@ class FastYamux(Yamux):
         if flags & FLAG_SYN:
             if stream_id in self.streams or stream_id % 2 == self.next_stream_id % 2:
                 logger.debug("bad SYN for stream %d from %s: reset", stream_id, self.peer_id)
-                await self.send_frame(TYPE_WINDOW_UPDATE, FLAG_RST, stream_id, 0)
+                await self._reply(TYPE_WINDOW_UPDATE, FLAG_RST, stream_id, 0)
                 return None
             stream = self._register(stream_id, False)
             stream.recv_window = RECV_WINDOW
             if not flags & FLAG_RST:
-                await self.send_frame(
+                await self._reply(
                     TYPE_WINDOW_UPDATE, FLAG_ACK, stream_id, RECV_WINDOW - DEFAULT_WINDOW_SIZE
                 )
             await self.new_stream_send_channel.send(stream)
@@ -429,7 +446,7 @@ class FastYamux(Yamux):
 
     async def _on_ping(self, flags: int, opaque: int) -> None:
         if flags & FLAG_SYN:
-            await self.send_frame(TYPE_PING, FLAG_ACK, 0, opaque)
+            await self._reply(TYPE_PING, FLAG_ACK, 0, opaque)
         elif flags & FLAG_ACK:
             sample = trio.current_time() - self._ping_sent_time
             self._rtt = sample if self._rtt == 0.0 else (self._rtt + sample) / 2
@@ -437,10 +454,8 @@ class FastYamux(Yamux):
 
     async def _protocol_error(self, why: str) -> None:
         logger.warning("yamux protocol error from %s: %s; closing", self.peer_id, why)
-        try:
-            await self.send_frame(TYPE_GO_AWAY, 0, 0, GO_AWAY_PROTOCOL_ERROR)
-        except _CONNECTION_ERRORS:
-            pass
+        with trio.move_on_after(1):
+            await self._send_quietly(TYPE_GO_AWAY, 0, 0, GO_AWAY_PROTOCOL_ERROR)
 
 
 class _MuxerMultistream(MuxerMultistream):

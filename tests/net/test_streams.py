@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
-import hashlib
+import logging
+import random
 from contextlib import asynccontextmanager
 
 import libp2p
+from libp2p import PLAINTEXT_PROTOCOL_ID, InsecureTransport
 import pytest
 import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
+from libp2p.network.exceptions import SwarmException
 from libp2p.peer.peerinfo import info_from_p2p_addr
 from multiaddr import Multiaddr
 
 from p2ptrain.net.host import make_host, noise_only
+from p2ptrain.net.muxer import FastYamux
+from p2ptrain.net.noise import NoiseSession
 from p2ptrain.net.streams import (
     Channel,
     ChannelClosed,
@@ -51,13 +56,8 @@ def stock():
 
 
 def pattern(n: int, seed: int = 0) -> bytes:
-    """Deterministic bytes that differ at every offset of a frame, so misalignment shows."""
-    out = bytearray()
-    counter = 0
-    while len(out) < n:
-        out += hashlib.sha256(f"{seed}:{counter}".encode()).digest()
-        counter += 1
-    return bytes(out[:n])
+    """Deterministic pseudo-random bytes, so a shifted, dropped or repeated frame cannot compare equal."""
+    return random.Random(seed).randbytes(n)
 
 
 SIZES = [0, 1, 65_523, 65_524, 65_525, 1 << 20, 16 << 20]
@@ -90,6 +90,72 @@ async def test_roundtrip_many_sizes():
     with trio.fail_after(DEADLINE):
         async with running(ours()) as a, running(ours()) as b:
             await roundtrip_all_sizes(a, b)
+            # make_host's connections run our muxer over our Noise session (the fast path).
+            conn = a.get_network().get_connection(b.get_id())
+            assert isinstance(conn.muxed_conn, FastYamux)
+            assert isinstance(conn.muxed_conn.secured_conn, NoiseSession)
+
+
+async def test_concurrent_channels_in_both_directions_keep_their_bytes():
+    """Four channels on one connection, each streaming 12 MiB both ways at once (frames interleave)."""
+    size = 12 << 20
+
+    async def sink_and_source(channel: Channel) -> None:
+        seed = int.from_bytes(await channel.recv(8), "big")
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(channel.send, pattern(size, seed + 100))
+            assert await channel.recv(size) == pattern(size, seed)
+
+    async def client(host, peer, seed: int) -> None:
+        async with await open_channel(host, peer, PROTO) as channel:
+            await channel.send(seed.to_bytes(8, "big"))
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(channel.send, pattern(size, seed))
+                assert await channel.recv(size) == pattern(size, seed + 100)
+
+    with trio.fail_after(120):
+        async with running(ours()) as a, running(ours()) as b:
+            serve_channels(b, PROTO, sink_and_source)
+            await connect(a, b)
+            async with trio.open_nursery() as nursery:
+                for seed in range(4):
+                    nursery.start_soon(client, a, b.get_id(), seed)
+
+
+async def test_a_reader_that_pauses_longer_than_5_s_does_not_fail_the_writer():
+    """py-libp2p's yamux fails a writer after 5 s without window; ours waits for the caller's deadline."""
+    size = 48 << 20  # three receive windows: the writer must stall until the reader resumes
+    got: list[bytes] = []
+    done = trio.Event()
+
+    async def sleepy(channel: Channel) -> None:
+        await trio.sleep(6)
+        got.append(await channel.recv(size))
+        done.set()
+
+    with trio.fail_after(90):
+        async with running(ours()) as a, running(ours()) as b:
+            serve_channels(b, PROTO, sleepy)
+            await connect(a, b)
+            async with await open_channel(a, b.get_id(), PROTO) as channel:
+                started = trio.current_time()
+                await channel.send(pattern(size, 7))
+                assert trio.current_time() - started > 5  # it really waited for the reader
+                await done.wait()
+    assert got == [pattern(size, 7)]
+
+
+async def test_plaintext_dial_to_our_host_is_refused():
+    kp = create_new_key_pair()
+    plain = libp2p.new_host(
+        key_pair=kp, sec_opt={PLAINTEXT_PROTOCOL_ID: InsecureTransport(kp)}, muxer_preference="YAMUX"
+    )
+    with trio.fail_after(DEADLINE):
+        async with running(ours()) as mine, running(plain) as theirs:
+            serve_channels(mine, PROTO, echo)
+            with pytest.raises(SwarmException):
+                await connect(theirs, mine)
+            assert mine.get_network().get_connection(theirs.get_id()) is None
 
 
 async def test_send_accepts_memoryview_and_keeps_message_boundaries():
@@ -206,10 +272,15 @@ async def test_send_after_close_raises():
 
 
 @pytest.mark.parametrize("direction", ["ours_dials_stock", "stock_dials_ours"])
-async def test_interop_with_stock_py_libp2p_host(direction):
+async def test_interop_with_stock_py_libp2p_host(direction, caplog):
+    """Our frames (up to 1 MiB, within the window) and window grants are plain yamux to a stock host."""
+    caplog.set_level(logging.WARNING)
     with trio.fail_after(DEADLINE):
         async with running(ours()) as mine, running(stock()) as theirs:
             if direction == "ours_dials_stock":
                 await roundtrip_all_sizes(mine, theirs)
             else:
                 await roundtrip_all_sizes(theirs, mine)
+    # Neither muxer saw a window violation or protocol error.
+    complaints = [r.getMessage() for r in caplog.records if r.name.startswith(("libp2p", "p2ptrain"))]
+    assert not complaints
