@@ -19,7 +19,9 @@ import fcntl
 import json
 import os
 import secrets
+from collections import deque
 from collections.abc import Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -30,6 +32,7 @@ PINS_FILE = "pins.json"
 PINS_VERSION = 1
 RECURSIVE = "recursive"
 DIRECT = "direct"
+WRITERS = 8
 
 
 class BlockNotFound(KeyError):
@@ -92,7 +95,8 @@ class BlockStore:
         path = self._path(cid)
         try:
             with open(path, "rb") as f:
-                data = f.read(MAX_BLOCK_SIZE + 1)
+                # Sized from fstat: read(MAX_BLOCK_SIZE + 1) would map and zero 2 MiB per block.
+                data = f.read(min(os.fstat(f.fileno()).st_size, MAX_BLOCK_SIZE) + 1)
         except FileNotFoundError:
             raise BlockNotFound(cid) from None
         try:
@@ -127,8 +131,21 @@ class BlockStore:
         _write_atomic(path, data)
 
     def put_many(self, blocks: Iterable[tuple[CID | str, bytes]]) -> None:
-        for cid, data in blocks:
-            self.put(cid, data)
+        """Store many blocks, several writes in flight at once.
+
+        An fsync costs ~1-3 ms here whatever the block size, so one at a time caps an add near
+        100 MB/s; overlapping them (the filesystem merges their journal commits) and overlapping
+        them with the caller's hashing (``blocks`` may be a lazy importer) roughly doubles that.
+        At most ``2 * WRITERS`` blocks are held in memory.
+        """
+        in_flight: deque[Future[None]] = deque()
+        with ThreadPoolExecutor(WRITERS, thread_name_prefix="blockstore-put") as pool:
+            for cid, data in blocks:
+                if len(in_flight) >= 2 * WRITERS:
+                    in_flight.popleft().result()
+                in_flight.append(pool.submit(self.put, cid, data))
+            for future in in_flight:
+                future.result()
 
     def delete(self, cid: CID | str) -> None:
         """Remove the block if held (no error if not)."""

@@ -9,8 +9,9 @@ every byte that arrives by CID passes through :func:`verify_block` before anythi
 from __future__ import annotations
 
 import hashlib
+from functools import lru_cache
 
-from multiformats import CID
+from multiformats import CID, multibase, multicodec, multihash
 
 __all__ = [
     "CID",
@@ -33,6 +34,22 @@ SUPPORTED_CODECS = frozenset({DAG_PB, RAW})
 SHA2_256 = "sha2-256"
 
 
+# multiformats checks every constructor argument with typing_validation (~180 µs per CID, more than
+# hashing a 256 KiB block). Where the bytes have been checked here against the only layouts we accept,
+# CIDs are built through its interning constructor instead, as its own ``CID.decode`` does.
+_BASE58 = multibase.get("base58btc")
+_BASE32 = multibase.get("base32")
+_CODECS = {DAG_PB: multicodec.get(DAG_PB), RAW: multicodec.get(RAW)}
+_CODEC_BY_PREFIX = {b"\x01\x70": _CODECS[DAG_PB], b"\x01\x55": _CODECS[RAW]}
+_SHA2_256 = multihash.get(SHA2_256)
+_MH_PREFIX = b"\x12\x20"
+
+
+def _fast_cid(version: int, codec_name: str, multihash_bytes: bytes) -> CID:
+    base = _BASE58 if version == 0 else _BASE32
+    return CID._new_instance(CID, base, version, _CODECS[codec_name], _SHA2_256, multihash_bytes)
+
+
 class InvalidCID(ValueError):
     """A string or byte sequence is not a CID p2ptrain accepts."""
 
@@ -49,21 +66,38 @@ def parse_cid(value: CID | str | bytes) -> CID:
     """Return ``value`` as a :class:`CID`, refusing anything outside dag-pb/raw over sha2-256."""
     if isinstance(value, CID):
         cid = value
+    elif isinstance(value, bytes) and len(value) == 34 and value.startswith(_MH_PREFIX):
+        return _fast_cid(0, DAG_PB, value)
+    elif isinstance(value, bytes) and len(value) == 36 and value[2:4] == _MH_PREFIX and (
+        codec := _CODEC_BY_PREFIX.get(value[:2])
+    ):
+        return _fast_cid(1, codec.name, value[2:])
+    elif isinstance(value, str):
+        cid = _decode_str(value.strip())
     else:
         try:
-            cid = CID.decode(value.strip() if isinstance(value, str) else value)
+            cid = CID.decode(value)
         except Exception as exc:  # multiformats raises a zoo of types; the caller needs one
-            shown = value if isinstance(value, str) else value.hex()
-            raise InvalidCID(f"not a CID: {shown[:100]!r} ({exc})") from None
+            raise InvalidCID(f"not a CID: {bytes(value[:50]).hex()!r} ({exc})") from None
     if cid.codec.name not in SUPPORTED_CODECS:
         raise InvalidCID(f"CID {cid} uses codec {cid.codec.name}; only dag-pb and raw are supported")
-    if cid.hashfun.name != SHA2_256 or len(cid.raw_digest) != 32:
+    if cid.hashfun.name != SHA2_256 or len(cid.digest) != 34:
         raise InvalidCID(f"CID {cid} uses hash {cid.hashfun.name}; only sha2-256 is supported")
     return cid
 
 
+@lru_cache(maxsize=4096)
+def _decode_str(text: str) -> CID:
+    """Text CIDs repeat (manifests, pins, shard lists) and multiformats decodes one in ~250 µs."""
+    try:
+        return CID.decode(text)
+    except Exception as exc:  # multiformats raises a zoo of types; the caller needs one
+        raise InvalidCID(f"not a CID: {text[:100]!r} ({exc})") from None
+
+
+@lru_cache(maxsize=4096)
 def cid_str(cid: CID) -> str:
-    """The canonical text form: base58btc for CIDv0, base32 for CIDv1 (what Kubo prints)."""
+    """The canonical text form: base58btc for CIDv0, base32 for CIDv1 (what Kubo prints); cached."""
     if cid.version == 0:
         return str(cid)
     return cid.encode("base32")
@@ -73,8 +107,9 @@ def cid_from_digest(digest: bytes, codec: str, version: int) -> CID:
     """Build the CID of a block whose sha2-256 ``digest`` is already known (the importer's hot path)."""
     if version == 0 and codec != DAG_PB:
         raise InvalidCID("CIDv0 can only name dag-pb blocks")
-    base = "base58btc" if version == 0 else "base32"
-    return CID(base, version, codec, b"\x12\x20" + digest)
+    if codec not in _CODECS or version not in (0, 1) or len(digest) != 32:
+        raise InvalidCID(f"cannot name a {codec} block with CIDv{version} and a {len(digest)}-byte digest")
+    return _fast_cid(version, codec, _MH_PREFIX + digest)
 
 
 def make_cid(data: bytes, codec: str = RAW, version: int = 1) -> CID:
@@ -86,5 +121,5 @@ def verify_block(cid: CID, data: bytes) -> None:
     """Raise :class:`BlockMismatch` unless ``data`` hashes to ``cid``'s multihash."""
     if cid.hashfun.name != SHA2_256:
         raise BlockMismatch(cid, f"hash function {cid.hashfun.name} is not supported")
-    if hashlib.sha256(data).digest() != cid.raw_digest:
+    if _MH_PREFIX + hashlib.sha256(data).digest() != cid.digest:
         raise BlockMismatch(cid, f"content of {len(data)} bytes does not match the CID's hash")

@@ -42,13 +42,13 @@ class PBLink:
 @dataclass(frozen=True)
 class PBNode:
     links: list[PBLink]
-    data: bytes | None
+    data: memoryview | None  # a view into the block: no copy of a 256 KiB leaf
 
 
 @dataclass(frozen=True)
 class UnixFSData:
     type: int
-    data: bytes | None = None
+    data: memoryview | None = None  # a view into the decoded buffer
     filesize: int | None = None
     blocksizes: list[int] = field(default_factory=list)
 
@@ -180,13 +180,13 @@ def decode_node(block: bytes) -> PBNode:
         if number == 2:
             links.append(_decode_link(value))
         elif number == 1:
-            data = bytes(value)
+            data = value
         else:
             raise DecodeError(f"unknown PBNode field {number}")
     return PBNode(links, data)
 
 
-def decode_unixfs(data: bytes) -> UnixFSData:
+def decode_unixfs(data: bytes | memoryview) -> UnixFSData:
     """Decode a UnixFS ``Data`` message; mode/mtime/hash-type/fanout are checked for shape and ignored."""
     kind = payload = filesize = None
     blocksizes: list[int] = []
@@ -202,7 +202,7 @@ def decode_unixfs(data: bytes) -> UnixFSData:
             kind = value
         elif number == 2:
             _expect(number, wire, _LEN)
-            payload = bytes(value)
+            payload = value
         elif number == 3:
             _expect(number, wire, _VARINT)
             if value > MAX_FILE_SIZE:

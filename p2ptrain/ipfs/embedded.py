@@ -66,13 +66,19 @@ class EmbeddedStore:
         progress: Progress | None = None,
     ) -> str:
         """Import ``stream`` as a UnixFS file; store its blocks unless ``only_hash``; return the CID."""
-        root = None
-        for cid, data in import_stream(stream, cid_version=cid_version, progress=progress):
-            if not only_hash:
-                self.blocks.put(cid, data)
-            root = cid
-        assert root is not None  # the importer always yields a root, even for empty input
-        return cid_str(root)
+        roots: list[CID] = []
+
+        def blocks() -> Iterator[tuple[CID, bytes]]:
+            for cid, data in import_stream(stream, cid_version=cid_version, progress=progress):
+                roots.append(cid)
+                yield cid, data
+
+        if only_hash:
+            for _ in blocks():
+                pass
+        else:
+            self.blocks.put_many(blocks())
+        return cid_str(roots[-1])  # the last block is the root; the empty file still has one
 
     def add_bytes(self, data: bytes, cid_version: int = 0, only_hash: bool = False) -> str:
         return self.add_stream(io.BytesIO(data), cid_version, only_hash)
@@ -91,7 +97,7 @@ class EmbeddedStore:
 
     def iter_cat(self, cid: CID | str) -> Iterator[bytes]:
         """The file's bytes in order, chunk by chunk, each block verified (a file need not fit in RAM)."""
-        return read_file(parse_cid(cid), self.block)
+        return read_file(parse_cid(cid), self.block, verified=True)  # self.block verifies
 
     def cat(self, cid: CID | str) -> bytes:
         return b"".join(self.iter_cat(cid))

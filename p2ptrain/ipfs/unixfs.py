@@ -142,23 +142,30 @@ class DagError(ValueError):
         self.cid = cid
 
 
-def read_file(root: CID, get_block: Callable[[CID], bytes]) -> Iterator[bytes]:
+def read_file(
+    root: CID, get_block: Callable[[CID], bytes], verified: bool = False
+) -> Iterator[bytes | memoryview]:
     """Yield the content of the UnixFS file ``root`` in order, verifying every block it fetches.
+
+    ``verified=True`` says ``get_block`` itself only returns blocks it checked against their CID
+    (the embedded store does), so they are not hashed twice. Chunks of dag-pb leaves are views into
+    their blocks (no copy); join or write them.
 
     Checks that each subtree yields exactly the size its parent declares, so a DAG cannot claim one
     length and deliver another. Raises :class:`~p2ptrain.ipfs.cid.BlockMismatch` for a block whose
     hash is wrong and :class:`DagError` for a well-hashed but unusable DAG.
     """
-    yield from _read(root, get_block, None, 0)
+    yield from _read(root, get_block, verified, None, 0)
 
 
 def _read(
-    cid: CID, get_block: Callable[[CID], bytes], expect: int | None, depth: int
-) -> Iterator[bytes]:
+    cid: CID, get_block: Callable[[CID], bytes], verified: bool, expect: int | None, depth: int
+) -> Iterator[bytes | memoryview]:
     if depth > MAX_DEPTH:
         raise DagError(cid, f"DAG deeper than {MAX_DEPTH} levels")
     block = get_block(cid)
-    verify_block(cid, block)
+    if not verified:
+        verify_block(cid, block)
     if cid.codec.name == RAW:
         if expect is not None and len(block) != expect:
             raise DagError(cid, f"raw leaf has {len(block)} bytes, parent says {expect}")
@@ -175,7 +182,7 @@ def _read(
         raise DagError(cid, f"UnixFS type {meta.type} is not a file (directories are not supported)")
     if node.links and len(meta.blocksizes) != len(node.links):
         raise DagError(cid, f"{len(node.links)} links but {len(meta.blocksizes)} block sizes")
-    own = len(meta.data or b"")
+    own = len(meta.data) if meta.data is not None else 0
     total = own + sum(meta.blocksizes)
     for declared in (meta.filesize, expect):
         if declared is not None and declared != total:
@@ -183,4 +190,4 @@ def _read(
     if meta.data:
         yield meta.data
     for link, size in zip(node.links, meta.blocksizes):
-        yield from _read(link.cid, get_block, size, depth + 1)
+        yield from _read(link.cid, get_block, verified, size, depth + 1)
