@@ -43,6 +43,7 @@ from p2ptrain.ipfs.bitswap_wire import (
     MessageReader,
     Received,
     WantEntry,
+    WireBlock,
     WireError,
     decode_message,
     encode_message,
@@ -170,20 +171,20 @@ class BlockExchange:
     def _on_message(self, peer_id: ID, msg: Received) -> None:
         if msg.wants or msg.full_wantlist:
             self._on_wants(peer_id, msg)
-        for cid, data in msg.blocks:
-            self._on_block(peer_id, cid, data)
+        for block in msg.blocks:
+            self._on_block(peer_id, block)
         if msg.dropped_blocks:
             self._on_unsolicited(peer_id, f"{msg.dropped_blocks} block(s) with an unverifiable CID prefix")
         for cid in msg.dont_haves:
             for session in list(self._sessions):
                 session.on_dont_have(peer_id, cid)
 
-    def _on_block(self, peer_id: ID, cid: CID, data: bytes) -> None:
+    def _on_block(self, peer_id: ID, block: WireBlock) -> None:
         claimed = False
         for session in list(self._sessions):
-            claimed |= session.on_block(peer_id, cid, data)
-        if not claimed and bytes(cid.raw_digest) not in self._recent:
-            self._on_unsolicited(peer_id, f"block {cid_str(cid)} that was never asked for")
+            claimed |= session.on_block(peer_id, block)
+        if not claimed and block.multihash not in self._recent:
+            self._on_unsolicited(peer_id, f"block {cid_str(block.cid())} that was never asked for")
 
     def _on_unsolicited(self, peer_id: ID, what: str) -> None:
         # A corrupted block hashes to a CID nobody wanted, so it lands here too.
@@ -247,20 +248,22 @@ class BlockExchange:
         peer.poke()
 
     def _remember(self, cid: CID) -> None:
-        self._recent[bytes(cid.raw_digest)] = None
+        self._recent[cid.digest] = None
         if len(self._recent) > _RECENT_WANTS:
             del self._recent[next(iter(self._recent))]
 
     async def _send_loop(self, peer: _Peer) -> None:
-        """Everything we send to one peer, on one long-lived stream; a failure drops the peer."""
+        """Everything we send to one peer, on one long-lived stream; a failure drops the peer.
+
+        Packing (reading blocks from disk, encoding) and writing run as two tasks with one message
+        between them, so the next message is read from disk while the current one is on the wire.
+        """
         try:
-            while not peer.done:
-                await peer.wake.wait()
-                peer.wake = trio.Event()
-                if peer.stream is None:
-                    await self._open(peer)
-                while peer.wants or peer.serve:
-                    for message in await self._next_messages(peer):
+            async with trio.open_nursery() as nursery:
+                packed, to_write = trio.open_memory_channel[bytes](1)
+                nursery.start_soon(self._pack_loop, peer, packed)
+                async with to_write:
+                    async for message in to_write:
                         await peer.stream.write(message)
         except Exception as exc:
             reason = f"stream failed: {exc!r}"
@@ -273,6 +276,17 @@ class BlockExchange:
             if peer.stream is not None:
                 with trio.CancelScope(shield=True), trio.move_on_after(1):
                     await _close(peer.stream)
+
+    async def _pack_loop(self, peer: _Peer, packed: trio.MemorySendChannel[bytes]) -> None:
+        async with packed:
+            while not peer.done:
+                await peer.wake.wait()
+                peer.wake = trio.Event()
+                if peer.stream is None:
+                    await self._open(peer)
+                while peer.wants or peer.serve:
+                    for message in await self._next_messages(peer):
+                        await packed.send(message)
 
     async def _open(self, peer: _Peer) -> None:
         with trio.fail_after(DIAL_TIMEOUT):
@@ -372,8 +386,9 @@ class _Session:
         self.max_bytes = max_bytes
         self.progress = progress
         self.pending: deque[CID] = deque([root])
+        # Blocks are keyed by multihash (``cid.digest``): a CIDv0 and a CIDv1 of one block are one block.
         self.inflight: dict[ID, dict[bytes, CID]] = {p: {} for p in providers}
-        self.owner: dict[bytes, ID] = {}  # digest -> provider asked for it
+        self.owner: dict[bytes, ID] = {}  # multihash -> provider asked for it
         self.dont_have: dict[bytes, set[ID]] = {}
         self.done: set[bytes] = set()
         self.last_progress: dict[ID, float] = {}
@@ -422,7 +437,7 @@ class _Session:
             if not any(r > 0 for r in room.values()):
                 break
             cid = self.pending.popleft()
-            digest = bytes(cid.raw_digest)
+            digest = cid.digest
             if digest in self.done or digest in self.owner:
                 continue
             if self.ex.store.has(cid):
@@ -449,7 +464,7 @@ class _Session:
 
     async def _resolve_local(self, cid: CID) -> None:
         """A block we already hold: nothing to fetch, but its children may still be missing."""
-        self.done.add(bytes(cid.raw_digest))
+        self.done.add(cid.digest)
         self.stats.local_blocks += 1
         if cid.codec.name == DAG_PB:
             data = await trio.to_thread.run_sync(self.ex.store.get, cid)
@@ -468,15 +483,16 @@ class _Session:
 
     def _failure(self, cid: CID) -> FetchError:
         reasons = dict(self.reasons)
-        for peer_id in self.dont_have.get(bytes(cid.raw_digest), ()):
+        for peer_id in self.dont_have.get(cid.digest, ()):
             reasons.setdefault(short_id(peer_id), "does not have it (DontHave)")
         return FetchError(cid, self.root, reasons)
 
     # -- events from the exchange (synchronous: called while a message is being handled) --
 
-    def on_block(self, peer_id: ID, cid: CID, data: bytes) -> bool:
-        """Take a block if it is one we want; its CID was computed from ``data``, so it is verified."""
-        digest = bytes(cid.raw_digest)
+    def on_block(self, peer_id: ID, block: WireBlock) -> bool:
+        """Take a block if it is one we want: its multihash was computed from its bytes, so the match
+        against the multihash of a CID we asked for *is* the verification."""
+        digest, data = block.multihash, block.data
         owner = self.owner.pop(digest, None)
         if owner is None:
             return digest in self.done  # a late duplicate is harmless; anything else is not ours
@@ -501,7 +517,7 @@ class _Session:
         return True
 
     def on_dont_have(self, peer_id: ID, cid: CID) -> None:
-        digest = bytes(cid.raw_digest)
+        digest = cid.digest
         if self.owner.get(digest) != peer_id:
             return
         del self.owner[digest]
@@ -534,7 +550,7 @@ class _Session:
         owed = list(self.inflight[peer_id].values())
         self.inflight[peer_id].clear()
         for cid in owed:
-            del self.owner[bytes(cid.raw_digest)]
+            del self.owner[cid.digest]
         self.pending.extendleft(reversed(owed))
         logger.info(
             "bitswap: fetch of %s drops provider %s (%s); %d block(s) go to others",

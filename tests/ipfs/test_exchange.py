@@ -92,12 +92,12 @@ def test_message_roundtrip_computes_cids_from_data():
     )
     msg = decode_message(wire[1:] if wire[0] < 0x80 else wire[2:])
     assert msg.wants == [WantEntry(leaf, send_dont_have=True)]
-    assert msg.blocks == [(leaf, b"leaf")]
+    assert [(b.cid(), b.data) for b in msg.blocks] == [(leaf, b"leaf")]
     assert msg.dont_haves == [leaf]
     # A block named by a prefix is named by its own hash: swapping the data renames it.
     forged = encode_message(blocks=[(leaf, b"evil")])
-    (cid, data), = decode_message(forged[1:]).blocks
-    assert data == b"evil" and cid != leaf
+    (block,) = decode_message(forged[1:]).blocks
+    assert block.data == b"evil" and block.cid() != leaf
 
 
 @pytest.mark.parametrize("cid_version", [0, 1])
