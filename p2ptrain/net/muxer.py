@@ -8,8 +8,8 @@ close, reset, GO_AWAY, RTT pings, stale-stream sweeping) and replaces the data p
 
 * writers send DATA frames of up to :data:`MAX_FRAME` bytes, within the peer's window (a frame up
   to the window is legal yamux; a stock py-libp2p receiver accepts up to 16 MiB);
-* each stream announces a :data:`RECV_WINDOW` receive window in its SYN/ACK and returns credit in
-  batches of half the window, as go-yamux does;
+* each stream returns credit in batches of half its window, as go-yamux does, and doubles the
+  window with each batch from yamux's 256 KiB up to :data:`RECV_WINDOW` (16 MiB);
 * the frame reader takes whole decrypted socket reads from :class:`~p2ptrain.net.noise.NoiseSession`
   and hands payload slices to streams without copying them;
 * a writer waiting for window sleeps on an event (woken by the window update, a close or a reset)
@@ -136,6 +136,7 @@ class FastYamuxStream(YamuxStream):
         self.pieces = _Pieces()
         self._write_lock = trio.Lock()
         self._unacked = 0  # bytes read but not yet credited back to the peer
+        self._window_target = DEFAULT_WINDOW_SIZE  # the receive window we let the peer fill
 
     # send_window and closed wake a writer waiting for window; the inherited code and our frame
     # reader assign them directly.
@@ -227,11 +228,19 @@ class FastYamuxStream(YamuxStream):
         return data
 
     async def _credit(self, n: int) -> None:
-        """Return window to the peer in batches of half the window (go-yamux's rule)."""
+        """Return window to the peer once half of it has been read (go-yamux's batching rule).
+
+        The window starts at yamux's 256 KiB and doubles with each update up to
+        :data:`RECV_WINDOW`, so a stream only gets a large buffer once its reader has shown it
+        drains one: a peer cannot park 16 MiB on every stream it opens.
+        """
         self._unacked += n
-        if self._unacked < RECV_WINDOW // 2 or self.recv_closed or self.closed:
+        if self._unacked < self._window_target // 2 or self.recv_closed or self.closed:
             return
         increment, self._unacked = self._unacked, 0
+        if self._window_target < RECV_WINDOW:
+            increment += self._window_target
+            self._window_target *= 2
         self.recv_window += increment
         try:
             await self.conn.send_frame(TYPE_WINDOW_UPDATE, 0, self.stream_id, increment)
@@ -314,10 +323,8 @@ class FastYamux(Yamux):
             self.next_stream_id += 2
             stream = self._register(stream_id, True)
             stream._owns_backlog_slot = True
-        grow = RECV_WINDOW - DEFAULT_WINDOW_SIZE
-        stream.recv_window = RECV_WINDOW
         try:
-            await self.send_frame(TYPE_WINDOW_UPDATE, FLAG_SYN, stream_id, grow)
+            await self.send_frame(TYPE_WINDOW_UPDATE, FLAG_SYN, stream_id, 0)
         except Exception as error:
             async with self.streams_lock:
                 stream.closed = True
@@ -419,11 +426,8 @@ class FastYamux(Yamux):
                 await self._reply(TYPE_WINDOW_UPDATE, FLAG_RST, stream_id, 0)
                 return None
             stream = self._register(stream_id, False)
-            stream.recv_window = RECV_WINDOW
             if not flags & FLAG_RST:
-                await self._reply(
-                    TYPE_WINDOW_UPDATE, FLAG_ACK, stream_id, RECV_WINDOW - DEFAULT_WINDOW_SIZE
-                )
+                await self._reply(TYPE_WINDOW_UPDATE, FLAG_ACK, stream_id, 0)
             await self.new_stream_send_channel.send(stream)
             return stream
         return self.streams.get(stream_id)

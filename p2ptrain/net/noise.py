@@ -140,6 +140,13 @@ class NoiseSession(SecureSession):
                     parts[0] = memoryview(parts[0])[sent:]
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as error:
             raise ConnectionClosedError(f"Noise connection to {self.remote_peer} broke: {error}") from error
+        except trio.Cancelled:
+            # The nonces of these messages are spent and part of them may be on the wire: the
+            # connection cannot carry another byte, so end it now rather than let the peer fail
+            # to decrypt the next one.
+            with trio.CancelScope(shield=True):
+                await self._raw.close()
+            raise
 
     # -- reading -------------------------------------------------------------------------------
 

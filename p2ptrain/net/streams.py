@@ -31,8 +31,6 @@ from p2ptrain.net.muxer import FastYamuxStream
 logger = logging.getLogger(__name__)
 
 _LENGTH = struct.Struct(">Q")
-# Read from the muxer in large pieces: each read() costs a window update and several trio yields.
-_READ_SIZE = 4 * 1024 * 1024
 
 
 def short_id(peer_id: ID) -> str:
@@ -63,14 +61,23 @@ class Channel:
 
     One task may ``send`` while another ``recv``s; concurrent sends (or concurrent recvs) are
     serialized so messages never interleave.
+
+    Cancellation: a cancelled ``recv`` loses nothing (the next ``recv`` continues the same
+    message), so ``with trio.move_on_after(t): await ch.recv(n)`` is a safe poll. A cancelled
+    ``send`` closes the channel, because the peer may already hold part of the message; if the
+    cancel lands while the connection is mid-frame, py-libp2p's connection cannot recover either,
+    and our Noise session ends the whole connection to that peer.
     """
 
     def __init__(self, stream: INetStream) -> None:
         self._stream = stream
         self.remote_peer: ID = stream.muxed_conn.peer_id
-        self._buf = bytearray()  # read-ahead when the stream is not ours
         muxed = getattr(stream, "muxed_stream", None)
         self._fast: FastYamuxStream | None = muxed if isinstance(muxed, FastYamuxStream) else None
+        # Bytes of the message being received, kept across a cancelled recv.
+        self._pending: list[bytes | memoryview] = []
+        self._pending_len = 0
+        self._incoming: int | None = None  # its announced length, once the header is in
         self._send_lock = trio.Lock()
         self._recv_lock = trio.Lock()
         self._closed = False
@@ -91,6 +98,7 @@ class Channel:
                 else:
                     await self._stream.write(_LENGTH.pack(len(view)) + view)
             except trio.Cancelled:
+                await self._abort()
                 raise
             except Exception as error:
                 await self._abort()
@@ -107,59 +115,54 @@ class Channel:
         if self._closed:
             raise ChannelClosed(self.remote_peer, "recv on a closed channel")
         async with self._recv_lock:
-            (length,) = _LENGTH.unpack(await self._read_exactly(_LENGTH.size, "message header"))
+            if self._incoming is None:
+                (self._incoming,) = _LENGTH.unpack(await self._take(_LENGTH.size, "message header"))
+            length = self._incoming
             if length > max_len:
                 await self._abort()
                 raise MessageTooLarge(
                     self.remote_peer,
                     f"message of {length} bytes exceeds the limit of {max_len}; channel closed",
                 )
-            return await self._read_exactly(length, f"message of {length} bytes")
+            body = await self._take(length, f"message of {length} bytes")
+            self._incoming = None
+            return body
 
-    async def _read_exactly(self, n: int, what: str) -> bytes:
-        """Exactly ``n`` bytes, or :class:`ChannelClosed` if the stream ends first."""
-        if self._fast is None:
-            await self._fill(n, what=what)
-            data = bytes(self._buf[:n])
-            del self._buf[:n]
-            return data
-        pieces: list[memoryview] = []
-        got = 0
-        while got < n:
+    async def _take(self, n: int, what: str) -> bytes:
+        """Exactly ``n`` bytes, or :class:`ChannelClosed` if the stream ends first.
+
+        Never reads past ``n``, so nothing of the next message is held here between calls.
+        """
+        while self._pending_len < n:
             try:
-                more = await self._fast.read_pieces(n - got)
+                more = await self._read_some(n - self._pending_len)
             except trio.Cancelled:
-                raise
+                raise  # what arrived stays in self._pending for the next recv
             except Exception as error:
                 await self._abort()
                 raise ChannelClosed(
                     self.remote_peer,
-                    f"stream ended with {got} of {n} bytes of a {what} ({type(error).__name__})",
-                ) from error
-            pieces.extend(more)
-            got += sum(len(p) for p in more)
-        return b"".join(pieces)
-
-    async def _fill(self, n: int, *, what: str) -> None:
-        """Read until the buffer holds at least ``n`` bytes (any libp2p stream)."""
-        while len(self._buf) < n:
-            try:
-                chunk = await self._stream.read(max(_READ_SIZE, n - len(self._buf)))
-            except trio.Cancelled:
-                raise
-            except Exception as error:
-                await self._abort()
-                raise ChannelClosed(
-                    self.remote_peer,
-                    f"stream ended with {len(self._buf)} of {n} bytes of a {what} "
+                    f"stream ended with {self._pending_len} of {n} bytes of a {what} "
                     f"({type(error).__name__})",
                 ) from error
-            if not chunk:
+            if not more:
                 await self._abort()
                 raise ChannelClosed(
-                    self.remote_peer, f"stream ended with {len(self._buf)} of {n} bytes of a {what}"
+                    self.remote_peer, f"stream ended with {self._pending_len} of {n} bytes of a {what}"
                 )
-            self._buf += chunk
+            self._pending.extend(more)
+            self._pending_len += sum(len(piece) for piece in more)
+        data = b"".join(self._pending)
+        self._pending.clear()
+        self._pending_len = 0
+        return data
+
+    async def _read_some(self, n: int) -> list[bytes | memoryview]:
+        """Between 1 and ``n`` bytes from the stream, as pieces; empty at a clean end."""
+        if self._fast is not None:
+            return list(await self._fast.read_pieces(n))
+        chunk = await self._stream.read(n)
+        return [chunk] if chunk else []
 
     async def _abort(self) -> None:
         """Reset the stream after an error; the peer sees a reset, not a clean end."""

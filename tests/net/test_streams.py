@@ -284,3 +284,61 @@ async def test_interop_with_stock_py_libp2p_host(direction, caplog):
     # Neither muxer saw a window violation or protocol error.
     complaints = [r.getMessage() for r in caplog.records if r.name.startswith(("libp2p", "p2ptrain"))]
     assert not complaints
+
+
+async def test_cancelled_recv_resumes_the_same_message():
+    """A deadline that fires mid-message loses nothing: the next recv returns the whole message."""
+    body = pattern(300_000, 3)
+    results: dict[str, object] = {}
+    first_half_in = trio.Event()
+    done = trio.Event()
+
+    async def patient(channel: Channel) -> None:
+        with trio.move_on_after(0.5) as idle:
+            await channel.recv(1 << 20)  # nothing sent yet: an idle poll times out
+        results["idle_timed_out"] = idle.cancelled_caught
+        first_half_in.set()
+        with trio.move_on_after(1) as partial:
+            await channel.recv(1 << 20)  # only the header and half the body arrive
+        results["partial_timed_out"] = partial.cancelled_caught
+        results["message"] = await channel.recv(1 << 20)
+        done.set()
+
+    with trio.fail_after(DEADLINE):
+        async with running(ours()) as a, running(ours()) as b:
+            serve_channels(b, PROTO, patient)
+            await connect(a, b)
+            stream = await a.new_stream(b.get_id(), [PROTO])
+            await first_half_in.wait()
+            await stream.write(len(body).to_bytes(8, "big") + body[:150_000])
+            await trio.sleep(1.5)
+            await stream.write(body[150_000:])
+            await done.wait()
+    assert results == {"idle_timed_out": True, "partial_timed_out": True, "message": body}
+
+
+async def test_cancelled_send_closes_the_channel_on_both_ends():
+    outcome: dict[str, BaseException] = {}
+    done = trio.Event()
+
+    async def never_reads_then_reads(channel: Channel) -> None:
+        await trio.sleep(2)
+        try:
+            while True:
+                await channel.recv(64 << 20)
+        except ChannelClosed as error:
+            outcome["reader"] = error
+        done.set()
+
+    with trio.fail_after(DEADLINE):
+        async with running(ours()) as a, running(ours()) as b:
+            serve_channels(b, PROTO, never_reads_then_reads)
+            await connect(a, b)
+            channel = await open_channel(a, b.get_id(), PROTO)
+            with trio.move_on_after(0.5) as scope:
+                await channel.send(pattern(32 << 20))  # more than the window: blocks, then cancelled
+            assert scope.cancelled_caught
+            with pytest.raises(ChannelClosed):
+                await channel.send(b"after")
+            await done.wait()
+    assert isinstance(outcome["reader"], ChannelClosed)
