@@ -1,0 +1,284 @@
+"""Coordinator election among a task's members, with terms: a pure state machine.
+
+No network and no clock inside: the node feeds it the time, its view of who is alive, the roster
+(the members of the last round plan; before the first round, the live members of the task) and the
+messages it receives, and broadcasts the messages it returns. So every property is testable by
+driving several machines in one process.
+
+The scheme is Raft's election with a deterministic candidate:
+
+- Terms count up. A member votes at most once per term (first valid request wins) and only for a
+  live roster member; its vote is a signed :class:`~p2ptrain.wire.messages.Vote`.
+- A candidate that collects votes from a strict majority of the roster is coordinator for that
+  term. Its heartbeat carries those signed votes, and a member accepts a coordinator only with such
+  a quorum certificate. Two majorities of one roster share a member, who voted once: so at most one
+  coordinator is accepted per term.
+- When the accepted coordinator is silent for ``timeout_beats`` heartbeats (or a term passes with no
+  coordinator), a member moves to the next term. Only the *designated* candidate of a term asks for
+  votes: the live roster member (not suspected of being the dead coordinator) with the lowest
+  ``sha256(task, term, peer)``. Members with the same view agree on it without talking, so
+  elections do not split; when views differ and votes split, the term times out and the next term's
+  ranking (a fresh hash order) picks again.
+- Stale terms are ignored; a valid heartbeat of a higher term moves a member to it (a coordinator
+  steps down). A member that hears its coordinator, and the coordinator itself, ignore vote
+  requests, so a peer that rejoins with a stale view cannot disrupt a working term; such a peer
+  (no coordinator, term run ahead on its own) follows the first heartbeat with a valid certificate.
+- A coordinator that no longer sees a quorum of its roster alive steps down, so the minority side of
+  a partition stops issuing rounds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from libp2p.crypto.keys import KeyPair
+
+from p2ptrain.training import signing
+from p2ptrain.training.records import quorum
+from p2ptrain.training.signing import SignatureError
+from p2ptrain.wire.messages import CoordinatorBeat, SignedVote, Vote, VoteRequest
+
+log = logging.getLogger(__name__)
+
+ElectionMessage = VoteRequest | SignedVote | CoordinatorBeat
+# Ballots older than this many terms are forgotten; those elections ended long ago.
+_BALLOT_MEMORY = 256
+
+
+@dataclass(frozen=True)
+class ElectionConfig:
+    heartbeat_s: float = 1.0
+    # A coordinator silent for this many heartbeats is presumed dead; also how long a term may pass
+    # without electing anyone before the next term starts.
+    timeout_beats: int = 3
+
+    @property
+    def timeout_s(self) -> float:
+        return self.heartbeat_s * self.timeout_beats
+
+
+def rank(task_cid: str, term: int, peer: str) -> bytes:
+    """A peer's place in the candidate order of a term (lowest first); fresh order every term."""
+    return hashlib.sha256(f"{task_cid}\x00{term}\x00{peer}".encode()).digest()
+
+
+def designated(task_cid: str, term: int, candidates: Collection[str]) -> str | None:
+    """The one peer that should stand in ``term``: the lowest rank among ``candidates``."""
+    return min(candidates, key=lambda p: rank(task_cid, term, p), default=None)
+
+
+class Election:
+    """One member's view of the election of one task."""
+
+    def __init__(self, task_cid: str, key_pair: KeyPair, config: ElectionConfig = ElectionConfig()) -> None:
+        self.task_cid = task_cid
+        self.key_pair = key_pair
+        self.me = signing.peer_str(key_pair)
+        self.config = config
+        self.term = 0
+        self.coordinator: str | None = None  # accepted for self.term
+        self._ballots: dict[int, str] = {}  # term -> whom I voted for (one vote per term, ever)
+        self.live: frozenset[str] = frozenset()
+        self.roster: tuple[str, ...] = ()
+        self.suspects: set[str] = set()  # peers whose coordinatorship timed out
+        self._votes: dict[str, SignedVote] = {}  # votes for me in self.term
+        self._certificate: tuple[SignedVote, ...] = ()
+        self._term_started: float | None = None
+        self._last_heard = 0.0
+        self._last_sent = -1e18
+
+    # --- queries --------------------------------------------------------------------------------
+
+    @property
+    def voted_for(self) -> str | None:
+        return self._ballots.get(self.term)
+
+    @property
+    def is_coordinator(self) -> bool:
+        return self.coordinator == self.me
+
+    def _voters(self) -> tuple[str, ...]:
+        return self.roster or tuple(sorted(self.live | {self.me}))
+
+    def _eligible(self) -> list[str]:
+        alive = self.live | {self.me}
+        return [p for p in self._voters() if p in alive and p not in self.suspects]
+
+    # --- inputs ---------------------------------------------------------------------------------
+
+    def tick(self, now: float, live: Collection[str], roster: Sequence[str] = ()) -> list[ElectionMessage]:
+        """Advance time with the current view; return messages to broadcast."""
+        self.live = frozenset(live)
+        self.roster = tuple(roster)
+        if self._term_started is None:
+            self._term_started = now
+        timeout = self.config.timeout_s
+        out: list[ElectionMessage] = []
+        if self.is_coordinator:
+            voters = self._voters()
+            if sum(1 for p in voters if p in self.live or p == self.me) < quorum(len(voters)):
+                log.warning("task %s: coordinator %s sees no quorum of its roster alive; stepping down (term %d)",
+                            self.task_cid[:12], self.me[-8:], self.term)
+                self._new_term(now, self.term + 1)
+            elif now - self._last_sent >= self.config.heartbeat_s:
+                self._last_sent = now
+                out.append(self._beat())
+            return out
+        if self.coordinator is not None:
+            if now - self._last_heard < timeout and self.coordinator in self.live:
+                return out
+            log.info("task %s: coordinator %s silent; %s moves to term %d",
+                     self.task_cid[:12], self.coordinator[-8:], self.me[-8:], self.term + 1)
+            self.suspects.add(self.coordinator)
+            self._new_term(now, self.term + 1)
+        elif now - self._term_started >= timeout:
+            self._new_term(now, self.term + 1)
+        if self.term > 0 and self.voted_for in (None, self.me) and designated(self.task_cid, self.term, self._eligible()) == self.me:
+            out += self._stand(now)
+        return out
+
+    def receive(self, now: float, sender: str, msg: Any) -> list[ElectionMessage]:
+        """Handle one election message from ``sender`` (its wire envelope already verified)."""
+        task_cid = msg.vote.task_cid if isinstance(msg, SignedVote) else getattr(msg, "task_cid", None)
+        if task_cid != self.task_cid:
+            return []
+        if isinstance(msg, VoteRequest):
+            return self._on_request(now, sender, msg)
+        if isinstance(msg, SignedVote):
+            return self._on_vote(now, msg)
+        if isinstance(msg, CoordinatorBeat):
+            return self._on_beat(now, sender, msg)
+        return []
+
+    # --- transitions ------------------------------------------------------------------------------
+
+    def _new_term(self, now: float, term: int) -> None:
+        self.term = term
+        self.coordinator = None
+        self._votes = {}
+        self._certificate = ()
+        self._term_started = now
+
+    def _vote(self, candidate: str) -> SignedVote:
+        self._ballots[self.term] = candidate
+        while len(self._ballots) > _BALLOT_MEMORY:
+            del self._ballots[min(self._ballots)]
+        body = Vote(task_cid=self.task_cid, term=self.term, candidate=candidate, voter=self.me)
+        return SignedVote(vote=body, signature=signing.sign(body, self.key_pair))
+
+    def _stand(self, now: float) -> list[ElectionMessage]:
+        """Vote for myself and ask for votes (again each heartbeat, in case a request was lost)."""
+        if self.voted_for is None:
+            own = self._vote(self.me)
+            self._votes[self.me] = own
+        out: list[ElectionMessage] = []
+        if self._won():
+            return [self._become_coordinator(now)]
+        if now - self._last_sent >= self.config.heartbeat_s:
+            self._last_sent = now
+            out.append(VoteRequest(task_cid=self.task_cid, term=self.term, candidate=self.me))
+        return out
+
+    def _won(self) -> bool:
+        voters = set(self._voters())
+        return sum(1 for v in self._votes if v in voters) >= quorum(len(voters))
+
+    def _become_coordinator(self, now: float) -> CoordinatorBeat:
+        voters = set(self._voters())
+        need = quorum(len(voters))
+        self._certificate = tuple(self._votes[v] for v in sorted(self._votes) if v in voters)[:need]
+        self.coordinator = self.me
+        self._last_heard = self._last_sent = now
+        log.info("task %s: %s is coordinator of term %d (%d votes)", self.task_cid[:12], self.me[-8:],
+                 self.term, len(self._votes))
+        return self._beat()
+
+    def _beat(self) -> CoordinatorBeat:
+        return CoordinatorBeat(task_cid=self.task_cid, term=self.term, coordinator=self.me, votes=self._certificate)
+
+    def _on_request(self, now: float, sender: str, msg: VoteRequest) -> list[ElectionMessage]:
+        if sender != msg.candidate or msg.term < self.term:
+            return []
+        if self.coordinator is not None and (self.is_coordinator or now - self._last_heard < self.config.timeout_s):
+            return []  # a working term is not disrupted by one peer's stale view
+        if msg.term > self.term:
+            self._new_term(now, msg.term)
+        if msg.candidate not in self._voters() or msg.candidate not in self.live | {self.me}:
+            return []
+        if self.voted_for not in (None, msg.candidate):
+            return []
+        return [self._vote(msg.candidate)]
+
+    def _on_vote(self, now: float, signed: SignedVote) -> list[ElectionMessage]:
+        v = signed.vote
+        if v.term > self.term and self.coordinator is None:
+            # Someone is voting in a later term: we missed its start. Catch up (but we have no vote
+            # to count yet: the vote is for that term's candidate).
+            self._new_term(now, v.term)
+            return []
+        if v.term != self.term or v.candidate != self.me or self.coordinator is not None:
+            return []
+        if v.voter not in self._voters():
+            return []
+        try:
+            signing.verify(v, v.voter, signed.signature)
+        except SignatureError as exc:
+            log.warning("task %s: dropped vote: %s", self.task_cid[:12], exc)
+            return []
+        self._votes[v.voter] = signed
+        if self.voted_for == self.me and self._won():
+            return [self._become_coordinator(now)]
+        return []
+
+    def check_certificate(self, beat: CoordinatorBeat) -> str | None:
+        """Why ``beat``'s votes do not elect its coordinator under our roster, or None if they do."""
+        voters = set(self._voters())
+        seen: set[str] = set()
+        for signed in beat.votes:
+            v = signed.vote
+            if (v.task_cid, v.term, v.candidate) != (self.task_cid, beat.term, beat.coordinator):
+                return f"a vote in the certificate is for another election ({v.term}, {v.candidate[-8:]})"
+            if v.voter in seen or v.voter not in voters:
+                continue
+            try:
+                signing.verify(v, v.voter, signed.signature)
+            except SignatureError as exc:
+                return str(exc)
+            seen.add(v.voter)
+        if len(seen) < quorum(len(voters)):
+            return f"{len(seen)} valid roster votes, a quorum is {quorum(len(voters))}"
+        return None
+
+    def _on_beat(self, now: float, sender: str, beat: CoordinatorBeat) -> list[ElectionMessage]:
+        if sender != beat.coordinator:
+            return []
+        if beat.term < self.term and self.coordinator is not None:
+            return []  # stale: we follow (or are) the coordinator of a later term
+        if beat.term == self.term and self.coordinator is not None:
+            if self.coordinator == beat.coordinator:
+                self._last_heard = now
+            elif not self.is_coordinator:
+                log.error("task %s: two coordinators claim term %d (%s, %s); keeping the first",
+                          self.task_cid[:12], beat.term, self.coordinator[-8:], beat.coordinator[-8:])
+            return []
+        problem = self.check_certificate(beat)
+        if problem is not None:
+            log.warning("task %s: ignored coordinator %s for term %d: %s",
+                        self.task_cid[:12], beat.coordinator[-8:], beat.term, problem)
+            return []
+        if beat.term != self.term:
+            # Later term: catch up. Earlier term while we have no coordinator: our own term ran
+            # ahead alone (we were cut off, or stood without being heard) while this coordinator
+            # kept a quorum; follow it. Ballots are kept per term, so going back never lets us vote
+            # twice in one term.
+            self._new_term(now, beat.term)
+        self.coordinator = beat.coordinator
+        self.suspects.discard(beat.coordinator)
+        self._last_heard = now
+        log.info("task %s: %s accepts coordinator %s for term %d",
+                 self.task_cid[:12], self.me[-8:], beat.coordinator[-8:], beat.term)
+        return []

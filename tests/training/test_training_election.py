@@ -1,0 +1,240 @@
+"""Coordinator election, driven in one process through real signed wire bytes.
+
+A small simulated network delivers every broadcast (encoded and decoded by the wire codec) to the
+nodes that can hear the sender; time is advanced explicitly. After every delivery the test checks
+the safety property: no two nodes ever accept different coordinators for the same term.
+"""
+
+import random
+
+import pytest
+from libp2p.crypto.ed25519 import create_new_key_pair
+
+from p2ptrain.training import signing
+from p2ptrain.training.election import Election, ElectionConfig, designated
+from p2ptrain.wire import decode, encode
+from p2ptrain.wire.messages import CoordinatorBeat, SignedVote, Vote, VoteRequest
+
+TASK = "QmT78zSuBmuS4z925WZfrqQ1qHaJ56DQaTfyMUF7F8ff5o"
+HB = 1.0
+CONFIG = ElectionConfig(heartbeat_s=HB, timeout_beats=3)
+
+
+class Net:
+    def __init__(self, n, seed=0, drop=0.0):
+        self.keys = [create_new_key_pair() for _ in range(n)]
+        self.ids = [signing.peer_str(k) for k in self.keys]
+        self.nodes = {p: Election(TASK, k, CONFIG) for p, k in zip(self.ids, self.keys)}
+        self.alive = set(self.ids)
+        self.groups = [set(self.ids)]  # partitions: a node hears only its own group
+        self.roster = tuple(self.ids)
+        self.now = 0.0
+        self.seq = 0
+        self.rng = random.Random(seed)
+        self.drop = drop
+        self.accepted: dict[int, set[str]] = {}
+        self.muted: set[str] = set()  # alive in everyone's view, but silent and deaf
+
+    def group_of(self, p):
+        return next(g for g in self.groups if p in g)
+
+    def view(self, p):
+        return {q for q in self.group_of(p) if q in self.alive}
+
+    def broadcast(self, sender, msgs):
+        if sender in self.muted:
+            return
+        queue = [(sender, m) for m in msgs]
+        while queue:
+            src, msg = queue.pop(0)
+            self.seq += 1
+            data = encode(msg, self.keys[self.ids.index(src)], self.seq)
+            for dst in sorted(self.view(src) - {src} - self.muted):
+                if self.drop and self.rng.random() < self.drop:
+                    continue
+                got = decode(data)
+                out = self.nodes[dst].receive(self.now, got.sender.to_base58(), got.msg)
+                self.check()
+                queue += [(dst, m) for m in out]
+
+    def check(self):
+        for p in self.alive:
+            e = self.nodes[p]
+            if e.coordinator is not None:
+                self.accepted.setdefault(e.term, set()).add(e.coordinator)
+        for term, who in self.accepted.items():
+            assert len(who) <= 1, f"term {term} has coordinators {who}"
+
+    def run(self, seconds, dt=0.25):
+        end = self.now + seconds
+        while self.now < end - 1e-9:
+            self.now += dt
+            for p in sorted(self.alive - self.muted):
+                out = self.nodes[p].tick(self.now, self.view(p) - {p}, self.roster)
+                self.check()
+                self.broadcast(p, out)
+
+    def coordinators(self, among=None):
+        """The (term, coordinator) each live node accepts."""
+        return {p: (self.nodes[p].term, self.nodes[p].coordinator) for p in (among or self.alive)}
+
+    def agreed(self, among=None):
+        views = set(self.coordinators(among).values())
+        if len(views) == 1:
+            (term, coordinator), = views
+            if coordinator is not None:
+                return term, coordinator
+        return None
+
+
+def test_first_election_is_quick_and_deterministic():
+    net = Net(4)
+    net.run(CONFIG.timeout_s + 2 * HB)
+    term, coordinator = net.agreed()
+    assert term == 1 and coordinator == designated(TASK, 1, net.ids)
+    assert net.nodes[coordinator].is_coordinator
+
+
+def test_coordinator_death_elects_another_within_a_few_heartbeats():
+    net = Net(4)
+    net.run(6)
+    term, old = net.agreed()
+    net.alive.discard(old)  # killed: the mesh has dropped it from the live view
+    net.run(2 * HB)  # no need to wait for our own timeout: the mesh already says it is gone
+    new_term, new = net.agreed()
+    assert new != old and new_term > term
+
+
+def test_hung_coordinator_still_in_the_live_view_is_replaced():
+    net = Net(4)
+    net.run(6)
+    term, old = net.agreed()
+    net.muted.add(old)  # hung, not dead: the mesh still lists it, but it sends and hears nothing
+    net.run(CONFIG.timeout_s + 3 * HB)
+    new_term, new = net.agreed(set(net.ids) - {old})
+    assert new != old and new_term > term
+    assert old in net.nodes[new].suspects
+
+
+def test_split_votes_elect_nobody_then_converge():
+    net = Net(4)
+    a, b, c, d = net.ids
+    net.groups = [{a, b}, {c, d}]  # two halves of a four-member roster: no side has a quorum (3)
+    net.run(4 * CONFIG.timeout_s)
+    assert all(coordinator is None for _, coordinator in net.coordinators().values())
+    assert max(e.term for e in net.nodes.values()) >= 2  # they tried, and timed out, more than once
+    net.groups = [set(net.ids)]
+    net.run(3 * CONFIG.timeout_s)
+    assert net.agreed() is not None
+
+
+def test_minority_coordinator_steps_down_and_old_terms_are_ignored():
+    net = Net(5)
+    net.run(6)
+    term, old = net.agreed()
+    rest = set(net.ids) - {old}
+    buddy = sorted(rest)[0]
+    net.groups = [{old, buddy}, rest - {buddy}]  # old coordinator cut off with one follower
+    net.run(3 * CONFIG.timeout_s)
+    majority = net.agreed(rest - {buddy})
+    assert majority is not None and majority[0] > term and majority[1] != old
+    assert not net.nodes[old].is_coordinator  # no quorum of its roster in sight: stepped down
+    # A beat of the old term, replayed to a follower of the new term, changes nothing.
+    follower = sorted(rest - {buddy} - {majority[1]})[0]
+    stale = CoordinatorBeat(task_cid=TASK, term=term, coordinator=old, votes=())
+    assert net.nodes[follower].receive(net.now, old, stale) == []
+    assert net.nodes[follower].coordinator == majority[1]
+    net.groups = [set(net.ids)]
+    net.run(3 * HB)
+    assert net.agreed() == majority  # healed without another election
+
+
+def test_rejoining_peer_follows_without_disrupting():
+    net = Net(4)
+    net.run(6)
+    term, coordinator = net.agreed()
+    loner = next(p for p in net.ids if p != coordinator)
+    net.groups = [{loner}, set(net.ids) - {loner}]
+    net.run(5 * CONFIG.timeout_s)  # alone, its term runs ahead; the others keep their term
+    assert net.nodes[loner].term > term and net.nodes[loner].coordinator is None
+    assert net.agreed(set(net.ids) - {loner}) == (term, coordinator)
+    net.groups = [set(net.ids)]
+    net.run(2 * HB)
+    assert net.agreed() == (term, coordinator)
+    # A restarted peer (fresh state) also just follows.
+    index = net.ids.index(loner)
+    net.nodes[loner] = Election(TASK, net.keys[index], CONFIG)
+    net.run(2 * HB)
+    assert net.agreed() == (term, coordinator)
+
+
+def test_forged_or_short_certificates_are_refused():
+    net = Net(4)
+    a, b, c, d = net.ids
+    follower = net.nodes[d]
+    follower.tick(0.0, {a, b, c}, net.roster)
+
+    def vote(key, candidate, term=1):
+        body = Vote(task_cid=TASK, term=term, candidate=candidate, voter=signing.peer_str(key))
+        return SignedVote(vote=body, signature=signing.sign(body, key))
+
+    short = CoordinatorBeat(task_cid=TASK, term=1, coordinator=a, votes=(vote(net.keys[0], a), vote(net.keys[1], a)))
+    assert "quorum is 3" in follower.check_certificate(short)
+    doubled = CoordinatorBeat(task_cid=TASK, term=1, coordinator=a, votes=short.votes + short.votes)
+    assert "quorum is 3" in follower.check_certificate(doubled)
+    outsider = create_new_key_pair()
+    padded = CoordinatorBeat(task_cid=TASK, term=1, coordinator=a, votes=short.votes + (vote(outsider, a),))
+    assert "quorum is 3" in follower.check_certificate(padded)
+    forged_sig = SignedVote(vote=vote(net.keys[2], a).vote, signature=vote(net.keys[1], a).signature)
+    forged = CoordinatorBeat(task_cid=TASK, term=1, coordinator=a, votes=short.votes + (forged_sig,))
+    assert "bad signature" in follower.check_certificate(forged)
+    other_term = CoordinatorBeat(task_cid=TASK, term=1, coordinator=a, votes=short.votes + (vote(net.keys[2], a, 2),))
+    assert "another election" in follower.check_certificate(other_term)
+    for beat in (short, padded, forged, other_term):
+        follower.receive(1.0, a, beat)
+        assert follower.coordinator is None
+    good = CoordinatorBeat(task_cid=TASK, term=1, coordinator=a, votes=short.votes + (vote(net.keys[2], a),))
+    follower.receive(1.0, b, good)  # relayed by someone else: the coordinator must send its own beat
+    assert follower.coordinator is None
+    follower.receive(1.0, a, good)
+    assert follower.coordinator == a and follower.term == 1
+
+
+def test_one_vote_per_term():
+    net = Net(3)
+    a, b, c = net.ids
+    voter = net.nodes[c]
+    voter.tick(0.0, {a, b}, net.roster)
+    first = voter.receive(0.1, a, VoteRequest(task_cid=TASK, term=1, candidate=a))
+    assert [m.vote.candidate for m in first] == [a]
+    assert voter.receive(0.2, b, VoteRequest(task_cid=TASK, term=1, candidate=b)) == []
+    again = voter.receive(0.3, a, VoteRequest(task_cid=TASK, term=1, candidate=a))  # lost vote resent
+    assert [m.vote.candidate for m in again] == [a]
+    assert voter.receive(0.4, c, VoteRequest(task_cid=TASK, term=1, candidate=b)) == []  # sender != candidate
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_failures_never_give_two_coordinators_per_term(seed):
+    net = Net(5, seed=seed, drop=0.1)
+    rng = random.Random(seed)
+    for _ in range(12):
+        event = rng.choice(["kill", "revive", "partition", "heal", "nothing"])
+        if event == "kill" and len(net.alive) > 3:
+            net.alive.discard(rng.choice(sorted(net.alive)))
+        elif event == "revive":
+            dead = sorted(set(net.ids) - net.alive)
+            if dead:
+                p = rng.choice(dead)
+                net.alive.add(p)
+                net.nodes[p] = Election(TASK, net.keys[net.ids.index(p)], CONFIG)  # restarted
+        elif event == "partition":
+            cut = set(rng.sample(net.ids, rng.randint(1, 2)))
+            net.groups = [cut, set(net.ids) - cut]
+        elif event == "heal":
+            net.groups = [set(net.ids)]
+        net.run(rng.choice([1.0, 2.5, 5.0]))
+    net.groups = [set(net.ids)]
+    net.alive = set(net.ids[:3]) | (net.alive & set(net.ids[3:]))  # a quorum of the roster is up
+    net.drop = 0.0
+    net.run(6 * CONFIG.timeout_s)
+    assert net.agreed() is not None
