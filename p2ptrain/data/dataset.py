@@ -59,7 +59,7 @@ class IPFSDataset(IterableDataset):
         if store is None:
             if home is None:
                 raise ValueError("IPFSDataset needs a store or a home")
-            store = open_store(Path(home))
+            store = open_store(Path(home).expanduser())
         self.store = store
         self.manifest_cid = manifest_cid
         self.manifest = Manifest.load(store, manifest_cid)

@@ -108,3 +108,13 @@ def test_concurrent_pinners_lose_nothing(tmp_path):
         p.join(60)
         assert p.exitcode == 0
     assert len(BlockStore(tmp_path).pin_ls()) == 60
+
+
+def test_put_many_stores_good_blocks_and_reports_a_bad_one(tmp_path):
+    store = BlockStore(tmp_path)
+    good = [(make_cid(bytes([i]) * 1000), bytes([i]) * 1000) for i in range(40)]
+    store.put_many(good)
+    assert all(store.get(cid) == data for cid, data in good)
+    with pytest.raises(BlockMismatch):
+        store.put_many([(make_cid(b"a"), b"b")])
+    assert not store.has(make_cid(b"a"))
