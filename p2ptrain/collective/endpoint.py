@@ -95,8 +95,7 @@ class Collective:
         _check_tensor(data, op)
         if not data.is_contiguous():
             raise CollectiveError("the tensor must be contiguous")
-        description = f"dense n={data.numel()} dtype={DTYPES[data.dtype]} op={op}"
-        digest = round_digest(round_id, ring, description)
+        digest = round_digest(round_id, ring, dense_description(data.numel(), data.dtype, op))
         started = time.perf_counter()
         async with self.hub.open_round(
             ring, round_id, digest, timeout=timeout, start_timeout=start_timeout or timeout
@@ -120,10 +119,7 @@ class Collective:
             raise CollectiveError(f"unsupported value dtype {value_dtype}")
         if not 1 <= k <= source.numel():
             raise CollectiveError(f"k must be in [1, {source.numel()}], got {k}")
-        description = (
-            f"clt-k n={source.numel()} k={k} dtype={DTYPES[source.dtype]} "
-            f"values={DTYPES[value_dtype]} op={op}"
-        )
+        description = sparse_description(source.numel(), k, source.dtype, value_dtype, op)
         digest = round_digest(round_id, ring, description)
         started = time.perf_counter()
         async with self.hub.open_round(
@@ -135,6 +131,16 @@ class Collective:
             )
         self.last_round = RoundStats(round_id, time.perf_counter() - started, links.bytes_sent)
         return result
+
+
+def dense_description(n: int, dtype: torch.dtype, op: str) -> str:
+    """What members of a dense round must agree on (hashed into the round digest)."""
+    return f"dense n={n} dtype={DTYPES[dtype]} op={op}"
+
+
+def sparse_description(n: int, k: int, dtype: torch.dtype, value_dtype: torch.dtype, op: str) -> str:
+    """What members of a CLT-k round must agree on (hashed into the round digest)."""
+    return f"clt-k n={n} k={k} dtype={DTYPES[dtype]} values={DTYPES[value_dtype]} op={op}"
 
 
 def _check_tensor(tensor: torch.Tensor, op: str) -> None:

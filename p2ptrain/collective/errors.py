@@ -6,6 +6,9 @@ whole: no partial result is ever returned.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 from libp2p.peer.id import ID
 
 from p2ptrain.net.streams import short_id
@@ -32,3 +35,31 @@ class PeerFailed(CollectiveError):
 
 class BadPayload(PeerFailed):
     """A peer sent a malformed frame: wrong round, step, length, dtype, NaN/Inf, or bad indices."""
+
+
+@contextmanager
+def single_failure() -> Iterator[None]:
+    """Turn a nursery's exception group into the one failure a caller can act on.
+
+    trio wraps even a single child's exception in a group; callers of a round want one
+    :class:`PeerFailed` naming one peer. The first PeerFailed wins, then the first other exception.
+    """
+    try:
+        yield
+    except BaseExceptionGroup as group:
+        leaves = list(_leaves(group))
+        for leaf in leaves:
+            if isinstance(leaf, PeerFailed):
+                raise leaf from None
+        for leaf in leaves:
+            if isinstance(leaf, Exception):
+                raise leaf from None
+        raise
+
+
+def _leaves(error: BaseException) -> Iterator[BaseException]:
+    if isinstance(error, BaseExceptionGroup):
+        for inner in error.exceptions:
+            yield from _leaves(inner)
+    else:
+        yield error

@@ -16,7 +16,7 @@ from collections.abc import Callable
 import torch
 import trio
 
-from p2ptrain.collective.errors import BadPayload
+from p2ptrain.collective.errors import BadPayload, single_failure
 from p2ptrain.collective.frames import DTYPES, Header, Kind, Phase
 from p2ptrain.collective.rounds import RoundLinks
 
@@ -61,35 +61,36 @@ async def ring_allreduce(
                 header = Header(Kind.DATA, links.round_id, phase, step, seg, b - a, code)
                 await links.send(header, _bytes_of(data[a:b]))
 
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(sender)
-        async with outbox_send:
-            for j, (a, b) in enumerate(segs[me]):
-                outbox_send.send_nowait((Phase.REDUCE, 0, j, a, b))
-            for step in range(size - 1):
-                chunk = (me - step - 1) % size
-                last = step == size - 2
-                for j, (a, b) in enumerate(segs[chunk]):
-                    incoming = await links.recv_tensor(
-                        phase=Phase.REDUCE, step=step, seg=j, count=b - a, dtype=dtype
-                    )
-                    mine = data[a:b]
-                    torch.add(incoming, mine, out=mine)
-                    if not last:
-                        outbox_send.send_nowait((Phase.REDUCE, step + 1, j, a, b))
-                        continue
-                    if average:
-                        mine.div_(size)
-                    outbox_send.send_nowait((Phase.GATHER, 0, j, a, b))
-            for step in range(size - 1):
-                chunk = (me - step) % size
-                for j, (a, b) in enumerate(segs[chunk]):
-                    incoming = await links.recv_tensor(
-                        phase=Phase.GATHER, step=step, seg=j, count=b - a, dtype=dtype
-                    )
-                    data[a:b].copy_(incoming)
-                    if step < size - 2:
-                        outbox_send.send_nowait((Phase.GATHER, step + 1, j, a, b))
+    with single_failure():
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(sender)
+            async with outbox_send:
+                for j, (a, b) in enumerate(segs[me]):
+                    outbox_send.send_nowait((Phase.REDUCE, 0, j, a, b))
+                for step in range(size - 1):
+                    chunk = (me - step - 1) % size
+                    last = step == size - 2
+                    for j, (a, b) in enumerate(segs[chunk]):
+                        incoming = await links.recv_tensor(
+                            phase=Phase.REDUCE, step=step, seg=j, count=b - a, dtype=dtype
+                        )
+                        mine = data[a:b]
+                        torch.add(incoming, mine, out=mine)
+                        if not last:
+                            outbox_send.send_nowait((Phase.REDUCE, step + 1, j, a, b))
+                            continue
+                        if average:
+                            mine.div_(size)
+                        outbox_send.send_nowait((Phase.GATHER, 0, j, a, b))
+                for step in range(size - 1):
+                    chunk = (me - step) % size
+                    for j, (a, b) in enumerate(segs[chunk]):
+                        incoming = await links.recv_tensor(
+                            phase=Phase.GATHER, step=step, seg=j, count=b - a, dtype=dtype
+                        )
+                        data[a:b].copy_(incoming)
+                        if step < size - 2:
+                            outbox_send.send_nowait((Phase.GATHER, step + 1, j, a, b))
 
 
 async def ring_broadcast(

@@ -25,7 +25,7 @@ import trio
 from libp2p.abc import IHost
 from libp2p.peer.id import ID
 
-from p2ptrain.collective.errors import BadPayload, CollectiveError, PeerFailed
+from p2ptrain.collective.errors import BadPayload, CollectiveError, PeerFailed, single_failure
 from p2ptrain.collective.frames import (
     DTYPES,
     HEADER,
@@ -35,7 +35,14 @@ from p2ptrain.collective.frames import (
     parse_abort,
     parse_header,
 )
-from p2ptrain.net.streams import Channel, ChannelError, open_channel, serve_channels, short_id
+from p2ptrain.net.streams import (
+    Channel,
+    ChannelError,
+    MessageTooLarge,
+    open_channel,
+    serve_channels,
+    short_id,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -112,6 +119,8 @@ class RoundLinks:
             raise PeerFailed(
                 self.left_peer, f"sent nothing for round {self.round_id} within {self.timeout:g} s"
             ) from None
+        except MessageTooLarge as error:
+            raise BadPayload(self.left_peer, f"sent an oversized frame: {error}") from None
         except ChannelError as error:
             await trio.sleep(_GRACE_S)
             raise PeerFailed(self.left_peer, f"channel broke while receiving: {error}") from error
@@ -313,16 +322,17 @@ class RoundHub:
                         yield RoundLinks(ring, me, round_id, timeout, None, None)
                         return
                     left_peer, right_peer = ring[(me - 1) % size], ring[(me + 1) % size]
-                    async with trio.open_nursery() as nursery:
 
-                        async def connect_right() -> None:
-                            nonlocal right
-                            right = await self._open_right(round_id, right_peer, digest, start_timeout)
+                    async def connect_right() -> None:
+                        nonlocal right
+                        right = await self._open_right(round_id, right_peer, digest, start_timeout)
 
-                        nursery.start_soon(connect_right)
-                        arrival = await self._claim_left(round_id, left_peer, digest, start_timeout)
-                        with trio.fail_after(timeout):
-                            await arrival.channel.send(Header(Kind.READY, round_id).pack())
+                    with single_failure():
+                        async with trio.open_nursery() as nursery:
+                            nursery.start_soon(connect_right)
+                            arrival = await self._claim_left(round_id, left_peer, digest, start_timeout)
+                            with trio.fail_after(timeout):
+                                await arrival.channel.send(Header(Kind.READY, round_id).pack())
                     yield RoundLinks(ring, me, round_id, timeout, arrival.channel, right)
                 except PeerFailed as failure:
                     if failure.reported_by is None and failure.peer_id != self.me:

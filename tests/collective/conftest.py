@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from contextlib import AsyncExitStack, asynccontextmanager
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
 
 import pytest
 import trio
@@ -16,6 +17,21 @@ from p2ptrain.net.host import make_host
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 
 
+@dataclass
+class Peer:
+    host: object
+    collective: Collective
+    scope: trio.CancelScope
+
+    @property
+    def id(self):
+        return self.host.get_id()
+
+    def kill(self) -> None:
+        """Stop the host: its connections close as if the process had died."""
+        self.scope.cancel()
+
+
 def _addr(host) -> Multiaddr:
     addr = host.get_addrs()[0]
     if "/p2p/" not in str(addr):
@@ -23,23 +39,54 @@ def _addr(host) -> Multiaddr:
     return addr
 
 
+async def _run_host(host, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    with trio.CancelScope() as scope:
+        async with host.run(listen_addrs=[Multiaddr(LOOPBACK)]):
+            task_status.started(scope)
+            await trio.sleep_forever()
+
+
 @asynccontextmanager
 async def start_cluster(n: int, **collective_options):
-    """``n`` running hosts, every pair connected, and a Collective on each (ring = list order)."""
-    async with AsyncExitStack() as stack:
-        hosts = []
+    """``n`` running hosts, every pair connected, each with a Collective (ring = list order)."""
+    async with trio.open_nursery() as nursery:
+        peers = []
         for _ in range(n):
             host = make_host(create_new_key_pair(), [LOOPBACK])
-            await stack.enter_async_context(host.run(listen_addrs=[Multiaddr(LOOPBACK)]))
-            hosts.append(host)
+            scope = await nursery.start(_run_host, host)
+            peers.append(Peer(host, Collective(host, **collective_options), scope))
         with trio.fail_after(30):
-            async with trio.open_nursery() as nursery:
-                for i, a in enumerate(hosts):
-                    for b in hosts[i + 1 :]:
-                        nursery.start_soon(a.connect, info_from_p2p_addr(_addr(b)))
-        yield [Collective(h, **collective_options) for h in hosts]
+            async with trio.open_nursery() as dials:
+                for i, a in enumerate(peers):
+                    for b in peers[i + 1 :]:
+                        dials.start_soon(a.host.connect, info_from_p2p_addr(_addr(b.host)))
+        yield peers
+        nursery.cancel_scope.cancel()
+
+
+async def run_all(calls, *, deadline: float = 60):
+    """Run one coroutine function per peer concurrently; their results (or exceptions), in order."""
+    results: list = [None] * len(calls)
+
+    async def one(i, call):
+        try:
+            results[i] = await call()
+        except Exception as error:  # collected: each test asserts on what every peer saw
+            results[i] = error
+
+    with trio.fail_after(deadline):
+        async with trio.open_nursery() as nursery:
+            for i, call in enumerate(calls):
+                nursery.start_soon(one, i, call)
+    return results
 
 
 @pytest.fixture
 def cluster():
     return start_cluster
+
+
+@pytest.fixture
+def gather():
+    """``await gather([call, ...])``: run one call per peer concurrently, bounded (see run_all)."""
+    return run_all

@@ -1,0 +1,101 @@
+"""SparseAllReducer: top-k gradient averaging with error feedback, one object per model per peer."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from libp2p.peer.id import ID
+
+from p2ptrain.collective.buckets import Buckets
+from p2ptrain.collective.endpoint import Collective
+from p2ptrain.collective.feedback import ErrorFeedback
+from p2ptrain.collective.ring import FLOAT_DTYPES
+from p2ptrain.collective.sparse import bucket_ks, bucket_topk
+
+
+class SparseAllReducer:
+    """Averages a peer's gradients with the ring, sending the top ``density`` share per bucket.
+
+    Each call is one all-reduce round (CLT-k: the round's leader picks the indices). What was not
+    sent stays in this object's residual and is added next step. If a round fails
+    (:class:`PeerFailed`), the state is unchanged: call again with the same gradient, a new round id
+    and the surviving ring. ``density=1.0`` is the exact dense all-reduce.
+    """
+
+    def __init__(
+        self,
+        collective: Collective,
+        *,
+        density: float = 0.01,
+        value_dtype: torch.dtype = torch.float32,
+        momentum: float = 0.0,
+        clip_norm: float | None = None,
+    ) -> None:
+        if not 0.0 < density <= 1.0:
+            raise ValueError(f"density must be in (0, 1], got {density}")
+        if value_dtype not in FLOAT_DTYPES:
+            raise ValueError(f"unsupported value dtype {value_dtype}")
+        self.collective = collective
+        self.density = density
+        self.value_dtype = value_dtype
+        self.momentum = momentum
+        self.clip_norm = clip_norm
+        self.feedback: ErrorFeedback | None = None
+        self._sizes: list[int] | None = None
+        self._buckets: Buckets | None = None
+        self.last_indices: torch.Tensor | None = None  # sent in the last round (None: all)
+
+    async def allreduce(
+        self, grad: torch.Tensor, ring: list[ID], round_id: int, *, bucket_sizes: list[int] | None = None,
+        timeout: float = 5.0, start_timeout: float | None = None,
+    ) -> torch.Tensor:
+        """The ring's average of the members' (compressed) flat float32 gradients, a new tensor."""
+        if grad.dim() != 1:
+            raise ValueError("grad must be flat (1-D)")
+        sizes = bucket_sizes or [grad.numel()]
+        if self.feedback is None:
+            self.feedback = ErrorFeedback(grad.numel(), momentum=self.momentum, clip_norm=self.clip_norm)
+            self._sizes = list(sizes)
+        elif sizes != self._sizes:
+            raise ValueError("bucket layout changed between steps")
+        pending = self.feedback.accumulate(grad)
+        ks = bucket_ks(sizes, self.density)
+        k = sum(ks)
+        if k == grad.numel():
+            values = pending.accumulated.to(self.value_dtype, copy=True)
+            await self.collective.dense_round(
+                values, ring, round_id, timeout=timeout, start_timeout=start_timeout
+            )
+            self.feedback.commit(pending, None, self.value_dtype)
+            self.last_indices = None
+            return values.to(torch.float32)
+        generator = torch.Generator().manual_seed(round_id & 0x7FFF_FFFF_FFFF_FFFF)
+        accumulated = pending.accumulated
+        indices, values = await self.collective.sparse_round(
+            accumulated, ring, round_id, k=k,
+            select=lambda: bucket_topk(accumulated, sizes, ks, generator=generator),
+            value_dtype=self.value_dtype, timeout=timeout, start_timeout=start_timeout,
+        )
+        self.feedback.commit(pending, indices, self.value_dtype)
+        self.last_indices = indices
+        out = torch.zeros(grad.numel(), dtype=torch.float32)
+        out.index_copy_(0, indices, values.to(torch.float32))
+        return out
+
+    async def allreduce_grads(
+        self, params: Iterable[torch.nn.Parameter], ring: list[ID], round_id: int, *,
+        timeout: float = 5.0, start_timeout: float | None = None,
+    ) -> None:
+        """Replace every parameter's ``.grad`` by the ring's averaged sparse update."""
+        params = list(params)
+        if self._buckets is None:
+            self._buckets = Buckets(params)
+        elif [id(p) for p in self._buckets.params] != [id(p) for p in params if p.requires_grad]:
+            raise ValueError("a SparseAllReducer serves one model; make another for that one")
+        flat = self._buckets.flatten_grads()
+        update = await self.allreduce(
+            flat, ring, round_id, bucket_sizes=self._buckets.sizes, timeout=timeout,
+            start_timeout=start_timeout,
+        )
+        self._buckets.write_grads(update)

@@ -1,0 +1,153 @@
+"""Dead, stalled and misbehaving peers: the round fails everywhere, naming the peer; nothing is summed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import trio
+
+from p2ptrain.collective import BadPayload, PeerFailed
+from p2ptrain.collective.endpoint import dense_description, sparse_description
+from p2ptrain.collective.frames import DTYPES, Header, Kind, Phase, round_digest
+from p2ptrain.collective.ring import chunk_bounds
+from p2ptrain.collective.sparse import encode_indices
+
+
+async def test_killed_peer_fails_the_round_on_every_survivor(cluster, gather):
+    n, timeout = 8 << 20, 2.0
+    async with cluster(4) as peers:
+        ring = [p.id for p in peers]
+        xs = [torch.full((n,), float(i)) for i in range(4)]
+        failed_at = {}
+        killed_at = None
+
+        async def member(i):
+            try:
+                return await peers[i].collective.allreduce(xs[i], ring, 1, timeout=timeout)
+            finally:
+                failed_at[i] = trio.current_time()
+
+        async def killer():
+            nonlocal killed_at
+            await trio.sleep(0.3)
+            killed_at = trio.current_time()
+            peers[2].kill()
+
+        outs = await gather([lambda i=i: member(i) for i in range(4)] + [killer], deadline=30)
+        for i in (0, 1, 3):
+            assert isinstance(outs[i], PeerFailed), (i, outs[i])
+            assert outs[i].peer_id == peers[2].id, (i, outs[i])
+            assert short_name(peers[2]) in str(outs[i])
+            assert failed_at[i] - killed_at < timeout + 3  # the hop deadline plus the abort notice
+
+        # The survivors retry on a new ring with a fresh round id.
+        survivors = [0, 1, 3]
+        new_ring = [peers[i].id for i in survivors]
+        outs = await gather([lambda i=i: peers[i].collective.allreduce(xs[i], new_ring, 2) for i in survivors])
+        for out in outs:
+            assert out.equal(torch.full((n,), 4.0 / 3))
+
+
+def short_name(peer) -> str:
+    return peer.id.to_base58()[-8:]
+
+
+async def test_peer_that_never_joins_is_named_within_the_start_deadline(cluster, gather):
+    async with cluster(3) as peers:
+        ring = [p.id for p in peers]
+        x = torch.ones(1000)
+        outs = await gather(
+            [lambda p=p: p.collective.allreduce(x, ring, 5, timeout=1.5) for p in peers[:2]], deadline=10
+        )
+    assert all(isinstance(o, PeerFailed) and o.peer_id == ring[2] for o in outs), outs
+
+
+def _nan(count):
+    return torch.full((count,), float("nan")).view(torch.uint8).numpy().tobytes()
+
+
+BAD_DENSE = {
+    "nan": lambda rid, count: (Header(Kind.DATA, rid, Phase.REDUCE, 0, 0, count, 1), _nan(count)),
+    "inf": lambda rid, count: (
+        Header(Kind.DATA, rid, Phase.REDUCE, 0, 0, count, 1),
+        torch.full((count,), float("inf")).numpy().tobytes(),
+    ),
+    "short": lambda rid, count: (Header(Kind.DATA, rid, Phase.REDUCE, 0, 0, count, 1), bytes(4 * count - 4)),
+    "long": lambda rid, count: (Header(Kind.DATA, rid, Phase.REDUCE, 0, 0, count, 1), bytes(4 * count + 4)),
+    "stale round": lambda rid, count: (Header(Kind.DATA, rid - 1, Phase.REDUCE, 0, 0, count, 1), bytes(4 * count)),
+    "wrong step": lambda rid, count: (Header(Kind.DATA, rid, Phase.GATHER, 0, 0, count, 1), bytes(4 * count)),
+    "wrong dtype": lambda rid, count: (Header(Kind.DATA, rid, Phase.REDUCE, 0, 0, count, 2), bytes(4 * count)),
+}
+
+
+async def _evil_member(peer, ring, rid, description, frames):
+    """Join the round properly, then send crafted frames instead of the real ones."""
+    digest = round_digest(rid, ring, description)
+    with trio.move_on_after(5):
+        async with peer.collective.hub.open_round(ring, rid, digest, timeout=5, start_timeout=5) as links:
+            for header, payload in frames:
+                await links.send(header, payload)
+            await trio.sleep_forever()
+
+
+@pytest.mark.parametrize("case", sorted(BAD_DENSE))
+async def test_bad_dense_payload_is_rejected_naming_the_sender(cluster, gather, case):
+    n, evil = 1000, 1
+    async with cluster(3) as peers:
+        ring = [p.id for p in peers]
+        rid = 10
+        count = chunk_bounds(n, 3)[evil + 1] - chunk_bounds(n, 3)[evil]
+        frames = [BAD_DENSE[case](rid, count)]
+        outs = await gather(
+            [
+                lambda: peers[0].collective.allreduce(torch.ones(n), ring, rid, timeout=3),
+                lambda: _evil_member(peers[1], ring, rid, dense_description(n, torch.float32, "mean"), frames),
+                lambda: peers[2].collective.allreduce(torch.ones(n), ring, rid, timeout=3),
+            ],
+            deadline=20,
+        )
+    right = outs[2]  # the evil peer's right neighbour saw the frame itself
+    assert isinstance(right, BadPayload) and right.peer_id == ring[evil], right
+    assert isinstance(outs[0], PeerFailed) and outs[0].peer_id == ring[evil], outs[0]
+    assert outs[0].reported_by == ring[2]
+
+
+@pytest.mark.parametrize("case", ["out of range", "wrong count", "odd length"])
+async def test_bad_index_set_from_the_leader_is_rejected(cluster, gather, case):
+    n, k, evil = 1000, 10, 1
+    indices = torch.arange(0, 100, 10)
+    if case == "out of range":
+        indices[-1] = n + 3
+    elif case == "wrong count":
+        indices = indices[:-1]
+    payload = encode_indices(indices) + (b"\0" if case == "odd length" else b"")
+    rid = 3 * 5 + evil  # round id % ring size picks the leader: the evil peer
+    u8 = DTYPES[torch.uint8]
+    frames = [
+        (Header(Kind.DATA, rid, Phase.BROADCAST, 0, 0, 8, u8), len(payload).to_bytes(8, "big")),
+        (Header(Kind.DATA, rid, Phase.BROADCAST, 1, 0, len(payload), u8), payload),
+    ]
+    description = sparse_description(n, k, torch.float32, torch.float32, "mean")
+
+    def honest(i):
+        x = torch.randn(n)
+        return lambda: peers[i].collective.allreduce(x, ring, rid, density=k / n, timeout=3)
+
+    async with cluster(3) as peers:
+        ring = [p.id for p in peers]
+        outs = await gather(
+            [honest(0), lambda: _evil_member(peers[1], ring, rid, description, frames), honest(2)], deadline=20
+        )
+    assert isinstance(outs[2], BadPayload) and outs[2].peer_id == ring[evil], outs[2]
+    assert isinstance(outs[0], PeerFailed) and outs[0].peer_id == ring[evil], outs[0]
+
+
+async def test_local_nan_is_refused_and_the_others_hear_at_once(cluster, gather):
+    async with cluster(3) as peers:
+        ring = [p.id for p in peers]
+        xs = [torch.ones(100), torch.ones(100), torch.ones(100)]
+        xs[0][5] = float("nan")
+        outs = await gather([lambda p=p, x=x: p.collective.allreduce(x, ring, 4, timeout=3) for p, x in zip(peers, xs)])
+    assert isinstance(outs[0], ValueError), outs[0]
+    for out in outs[1:]:
+        assert isinstance(out, PeerFailed) and out.peer_id == ring[0], out
