@@ -253,27 +253,28 @@ def main() -> int:
     payload = bytes(range(256)) * (total // 256)
     kinds = args.kinds.split(",")
     wheres = args.where.split(",")
-    results: dict[str, dict[str, float]] = {}
-    for where in wheres:
-        runner = run_one_process if where == "1proc" else run_two_processes
-        for kind in kinds:
-            samples = [runner(kind, payload, chunk) for _ in range(args.repeat)]
-            seconds = statistics.median(samples)
-            results.setdefault(where, {})[kind] = total / seconds / 1e6
-            if not args.json:
-                print(f"{where:6} {kind:8} {total / seconds / 1e6:8.1f} MB/s  "
-                      f"(runs: {', '.join(f'{total / s / 1e6:.0f}' for s in samples)})",
-                      file=sys.stderr, flush=True)
+    # Rounds interleave the kinds, so a burst of load from other work on this shared machine hits
+    # every kind of a round alike; ratios are taken within each round, then the median is reported.
+    samples: dict[str, dict[str, list[float]]] = {w: {k: [] for k in kinds} for w in wheres}
+    for _ in range(args.repeat):
+        for where in wheres:
+            runner = run_one_process if where == "1proc" else run_two_processes
+            for kind in kinds:
+                samples[where][kind].append(total / runner(kind, payload, chunk) / 1e6)
 
     out: dict[str, object] = {"size_mib": args.size_mib, "chunk_mib": args.chunk_mib,
                               "repeat": args.repeat}
-    for where, row in results.items():
-        for kind, mbps in row.items():
-            out[f"{kind}_{where}_MBps"] = round(mbps, 1)
-        if "channel" in row and "stock" in row:
-            out[f"channel_vs_stock_{where}"] = round(row["channel"] / row["stock"], 2)
-        if "channel" in row and "tcp" in row:
-            out[f"channel_vs_tcp_{where}"] = round(row["channel"] / row["tcp"], 3)
+    for where in wheres:
+        row = samples[where]
+        for kind in kinds:
+            out[f"{kind}_{where}_MBps"] = round(statistics.median(row[kind]), 1)
+            if not args.json:
+                print(f"{where:6} {kind:8} {statistics.median(row[kind]):8.1f} MB/s  "
+                      f"(runs: {', '.join(f'{v:.0f}' for v in row[kind])})")
+        for base in ("stock", "tcp"):
+            if "channel" in row and base in row:
+                ratios = [c / b for c, b in zip(row["channel"], row[base])]
+                out[f"channel_vs_{base}_{where}"] = round(statistics.median(ratios), 3)
     if args.json:
         print(json.dumps(out))
     else:

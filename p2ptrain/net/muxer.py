@@ -204,7 +204,11 @@ class FastYamuxStream(YamuxStream):
         while True:
             if self.pieces:
                 out = self.pieces.take(max_bytes)
-                await self._credit(sum(len(p) for p in out))
+                if self.closed and not self.pieces:
+                    # Drained after a full close: drop the bookkeeping now, not at the next sweep.
+                    await self.conn._finalize_stream(self, fully_closed=True)
+                else:
+                    await self._credit(sum(len(p) for p in out))
                 return out
             if self.reset_received:
                 raise MuxedStreamReset("Stream was reset")
@@ -222,10 +226,7 @@ class FastYamuxStream(YamuxStream):
     async def read(self, n: int | None = -1) -> bytes:
         if n is None or n < 0:
             n = 1 << 62
-        data = b"".join(await self.read_pieces(n))
-        if self.closed and not self.pieces:
-            await self.conn._finalize_stream(self, fully_closed=True)
-        return data
+        return b"".join(await self.read_pieces(n))
 
     async def _credit(self, n: int) -> None:
         """Return window to the peer once half of it has been read (go-yamux's batching rule).

@@ -12,7 +12,7 @@ import pytest
 import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.network.exceptions import SwarmException
-from libp2p.peer.peerinfo import info_from_p2p_addr
+from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
 from multiaddr import Multiaddr
 
 from p2ptrain.net.host import make_host, noise_only
@@ -342,3 +342,68 @@ async def test_cancelled_send_closes_the_channel_on_both_ends():
                 await channel.send(b"after")
             await done.wait()
     assert isinstance(outcome["reader"], ChannelClosed)
+
+
+async def _tampering_proxy(target_port: int, tamper: trio.Event, task_status=trio.TASK_STATUS_IGNORED):
+    """Forward one TCP connection to ``target_port``; once ``tamper`` is set, flip one bit in the
+    middle of the next large client-to-server read (inside a Noise ciphertext)."""
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    task_status.started(listeners[0].socket.getsockname()[1])
+    client = await listeners[0].accept()
+    server = await trio.open_tcp_stream("127.0.0.1", target_port)
+
+    async def pump(src, dst, may_tamper: bool) -> None:
+        flipped = False
+        try:
+            while data := await src.receive_some(65536):
+                if may_tamper and tamper.is_set() and not flipped and len(data) > 4096:
+                    altered = bytearray(data)
+                    altered[len(altered) // 2] ^= 0x01
+                    data, flipped = bytes(altered), True
+                await dst.send_all(data)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+        finally:
+            await dst.aclose()
+
+    async with client, server, listeners[0]:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(pump, client, server, True)
+            nursery.start_soon(pump, server, client, False)
+
+
+async def test_tampered_ciphertext_ends_the_connection_with_channel_closed(caplog):
+    caplog.set_level(logging.DEBUG, logger="p2ptrain.net.muxer")
+    tamper = trio.Event()
+    outcome: dict[str, object] = {}
+    done = trio.Event()
+
+    async def receiver(channel: Channel) -> None:
+        try:
+            outcome["first"] = await channel.recv(1 << 20)
+            await channel.send(b"ok")
+            outcome["second"] = await channel.recv(4 << 20)
+        except ChannelClosed as error:
+            outcome["error"] = error
+        finally:
+            done.set()
+
+    with trio.fail_after(DEADLINE):
+        async with running(ours()) as a, running(ours()) as b, trio.open_nursery() as nursery:
+            serve_channels(b, PROTO, receiver)
+            b_port = int(str(b.get_addrs()[0]).split("/tcp/")[1].split("/")[0])
+            proxy_port = await nursery.start(_tampering_proxy, b_port, tamper)
+            await a.connect(PeerInfo(b.get_id(), [Multiaddr(f"/ip4/127.0.0.1/tcp/{proxy_port}")]))
+            channel = await open_channel(a, b.get_id(), PROTO)
+            await channel.send(b"hello")
+            assert await channel.recv(10) == b"ok"
+            tamper.set()
+            with pytest.raises(ChannelClosed):
+                # The receiver drops the connection: our send or the reply fails, whichever is first.
+                await channel.send(pattern(2 << 20))
+                await channel.recv(10)
+            await done.wait()
+    assert outcome["first"] == b"hello"
+    assert "second" not in outcome  # the altered message was never delivered
+    assert isinstance(outcome["error"], ChannelClosed)
+    assert any("failed authentication" in r.getMessage() for r in caplog.records)
