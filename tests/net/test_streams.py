@@ -7,11 +7,9 @@ import random
 from contextlib import asynccontextmanager
 
 import libp2p
-from libp2p import PLAINTEXT_PROTOCOL_ID, InsecureTransport
 import pytest
 import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
-from libp2p.network.exceptions import SwarmException
 from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
 from multiaddr import Multiaddr
 
@@ -143,19 +141,6 @@ async def test_a_reader_that_pauses_longer_than_5_s_does_not_fail_the_writer():
                 assert trio.current_time() - started > 5  # it really waited for the reader
                 await done.wait()
     assert got == [pattern(size, 7)]
-
-
-async def test_plaintext_dial_to_our_host_is_refused():
-    kp = create_new_key_pair()
-    plain = libp2p.new_host(
-        key_pair=kp, sec_opt={PLAINTEXT_PROTOCOL_ID: InsecureTransport(kp)}, muxer_preference="YAMUX"
-    )
-    with trio.fail_after(DEADLINE):
-        async with running(ours()) as mine, running(plain) as theirs:
-            serve_channels(mine, PROTO, echo)
-            with pytest.raises(SwarmException):
-                await connect(theirs, mine)
-            assert mine.get_network().get_connection(theirs.get_id()) is None
 
 
 async def test_send_accepts_memoryview_and_keeps_message_boundaries():
