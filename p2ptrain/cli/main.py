@@ -12,6 +12,7 @@ from p2ptrain.errors import UserError
 
 # Each module registers one command group with ``add_parser(subparsers)``.
 GROUPS: list[str] = [
+    "node",
     "ipfs",
     "dataset",
 ]

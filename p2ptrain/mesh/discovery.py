@@ -41,7 +41,7 @@ from p2ptrain.net.service import running_service
 logger = logging.getLogger(__name__)
 
 DIAL_TIMEOUT_S = 5.0
-REDIAL_MIN_S, REDIAL_MAX_S = 0.25, 5.0
+REDIAL_MIN_S, REDIAL_MAX_S = 0.2, 2.0
 CONNECTED_POLL_S = 0.5
 # Of two peers that learn of each other from heartbeats, the one with the larger ID waits this long
 # before dialing, so the pair usually ends up with one connection, not two.
@@ -255,12 +255,12 @@ class Discovery:
             while True:
                 await trio.sleep(interval)
                 interval = next(intervals, interval)
+                found: list[ID] = []
                 try:
                     with trio.move_on_after(DIAL_TIMEOUT_S):
                         found = await self.dht.peer_routing.find_closest_peers_network(self._own.to_bytes())
                 except Exception as exc:
                     logger.debug("DHT walk failed: %s", exc)
-                    continue
                 for peer_id in found:
                     if peer_id == self._own or self.connected(peer_id):
                         continue

@@ -9,8 +9,10 @@ a silent drop measured in ../shared/FIELD-NOTES.md:
   of round messages is not spam; every message is still signed and checked by p2ptrain.wire);
 - subscription queue 32 -> ``SUBSCRIPTION_QUEUE`` (a burst of 100 delivered 32), and our router
   drains it in a task of its own;
+- per-peer outbound queue 32 -> ``OUTBOUND_QUEUE`` (a burst of 300 publishes kept 32 per peer),
+  and :func:`publish_bytes` waits while a peer's queue is half full;
 - pubsub ignores connections made before it started, so :func:`running_pubsub` registers those
-  peers explicitly once the service is up;
+  peers explicitly once the service is up, and inbound pubsub streams wait for the service to run;
 - messages over our wire cap are refused loudly by :func:`publish_bytes` instead of vanishing
   (pubsub's own cap, ~1 MiB, drops silently).
 """
@@ -21,12 +23,15 @@ import functools
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 import trio
-from libp2p.abc import IHost, ISubscriptionAPI
+from libp2p.abc import IHost, INetStream, ISubscriptionAPI
 from libp2p.pubsub.gossipsub import PROTOCOL_ID_V11, PROTOCOL_ID_V12, GossipSub
 from libp2p.pubsub.pb import rpc_pb2
+from libp2p.peer.id import ID
 from libp2p.pubsub.pubsub import Pubsub
+from libp2p.pubsub.rpc_queue import RpcQueue
 from libp2p.pubsub.subscription import TrioSubscriptionAPI
 
 from p2ptrain.net.service import running_service
@@ -35,6 +40,10 @@ logger = logging.getLogger(__name__)
 
 HEARTBEAT_INTERVAL_S = 1.0
 SUBSCRIPTION_QUEUE = 4096
+OUTBOUND_QUEUE = 4096
+# Our publisher waits (up to BACKPRESSURE_MAX_WAIT_S) while a peer's queue is this full.
+BACKPRESSURE_AT = OUTBOUND_QUEUE // 2
+BACKPRESSURE_MAX_WAIT_S = 2.0
 MAX_MESSAGES_PER_TOPIC_PER_S = 1000.0
 # Mesh degree: every training peer wants every control message quickly, and clusters are small.
 DEGREE, DEGREE_LOW, DEGREE_HIGH = 6, 4, 12
@@ -44,8 +53,40 @@ class MessageTooLarge(ValueError):
     """Our own message is over the wire cap; pubsub would have dropped it without a word."""
 
 
+class _DeepQueues(dict[ID, RpcQueue]):
+    """Per-peer outbound queues that hold ``OUTBOUND_QUEUE`` RPCs instead of 32.
+
+    Pubsub makes each queue inside its peer setup with a fixed 32-slot limit and drops what does
+    not fit (a burst of 100 publishes lost 68); resizing the queue as it is stored is the one
+    place to change that without copying the setup code.
+    """
+
+    def __setitem__(self, peer_id: ID, queue: RpcQueue) -> None:
+        queue._queue.max_size = OUTBOUND_QUEUE
+        super().__setitem__(peer_id, queue)
+
+
 class TrainingPubsub(Pubsub):
-    """Pubsub whose subscriptions hold a burst of ``SUBSCRIPTION_QUEUE`` messages, not 32."""
+    """Pubsub whose subscriptions hold a burst of ``SUBSCRIPTION_QUEUE`` messages, not 32, and
+    which holds inbound streams until it runs.
+
+    Pubsub registers its stream handler when it is built but can only read once its service
+    runs; a peer quick enough to open a pubsub stream in between used to crash the handler
+    (``'Pubsub' object has no attribute '_manager'``) and lose that peer for good.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.service_started = trio.Event()
+        self.peer_queues = _DeepQueues()
+
+    def queue_backlog(self) -> int:
+        """The longest outbound queue to any peer, in RPCs."""
+        return max((len(q) for q in self.peer_queues.values()), default=0)
+
+    async def stream_handler(self, stream: INetStream) -> None:
+        await self.service_started.wait()
+        await super().stream_handler(stream)
 
     async def subscribe(self, topic_id: str) -> ISubscriptionAPI:
         if topic_id in self.topic_ids:
@@ -85,6 +126,8 @@ async def running_pubsub(pubsub: Pubsub) -> AsyncIterator[Pubsub]:
     async with running_service(pubsub, "pubsub"):
         async with running_service(pubsub.router, "gossipsub"):
             await pubsub.wait_until_ready()
+            if isinstance(pubsub, TrainingPubsub):
+                pubsub.service_started.set()
             async with trio.open_nursery() as nursery:
                 for peer_id in pubsub.host.get_connected_peers():
                     nursery.start_soon(pubsub.ensure_peer_stream, peer_id, 5.0)
@@ -99,4 +142,10 @@ async def publish_bytes(pubsub: Pubsub, topic: str, data: bytes, limit: int) -> 
             f"message of {len(data)} B for topic {topic!r} is over the {limit} B cap: "
             "send bulk data on a stream or by CID"
         )
+    if isinstance(pubsub, TrainingPubsub) and pubsub.queue_backlog() >= BACKPRESSURE_AT:
+        # Slow down rather than overflow a peer's queue; a peer that stopped reading entirely
+        # must not stall us forever, so the wait is bounded.
+        with trio.move_on_after(BACKPRESSURE_MAX_WAIT_S):
+            while pubsub.queue_backlog() >= BACKPRESSURE_AT:
+                await trio.sleep(0.005)
     await pubsub.publish(topic, data)

@@ -1,0 +1,170 @@
+"""`p2ptrain node ...`: start a peer, print its ID, ask a running peer for its status."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+from p2ptrain.identity import default_home
+
+HOME_HELP = "node home: identity key, config, control socket, blocks, logs (default: $P2PTRAIN_HOME or ~/.p2ptrain)"
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    node = sub.add_parser(
+        "node",
+        help="run a peer and inspect it",
+        description=(
+            "Run a p2ptrain peer: a libp2p host (Noise-encrypted, authenticated by an Ed25519 key kept in the "
+            "home) that joins the gossipsub mesh, heartbeats its capabilities, finds peers by bootstrap "
+            "addresses, heartbeats, Kad-DHT and optionally mDNS, and serves an owner-only control socket."
+        ),
+    )
+    cmds = node.add_subparsers(dest="node_cmd", metavar="SUBCOMMAND", required=True)
+
+    start = cmds.add_parser(
+        "start",
+        help="run a peer until Ctrl-C or SIGTERM",
+        description=(
+            "Run a peer in the foreground until Ctrl-C or SIGTERM, then say goodbye to the mesh and stop "
+            "cleanly. Settings not given on the command line come from <home>/config.toml, which the "
+            "first start writes."
+        ),
+    )
+    start.add_argument("--home", type=Path, default=None, help=HOME_HELP)
+    start.add_argument(
+        "--listen",
+        action="append",
+        metavar="MULTIADDR",
+        help="address to listen on, e.g. /ip4/127.0.0.1/tcp/4001 (repeatable; default /ip4/127.0.0.1/tcp/0)",
+    )
+    start.add_argument(
+        "--bootstrap",
+        nargs="+",
+        action="extend",
+        metavar="MULTIADDR",
+        help="peers to connect to first, each ending in /p2p/<peer id> (copy them from `node status --json`, key \"addrs\")",
+    )
+    start.add_argument("--mdns", action="store_true", default=None, help="also find peers on the local network by mDNS (binds all interfaces)")
+    start.add_argument("--no-dht", dest="dht", action="store_false", default=None, help="do not run Kad-DHT peer routing")
+    start.add_argument("--heartbeat", type=float, metavar="SECONDS", help="heartbeat interval (default 1.0)")
+    start.set_defaults(func=cmd_start)
+
+    ident = cmds.add_parser(
+        "id",
+        help="print the peer ID of a home (creating its identity if new)",
+        description="Print the home's peer ID. No running node is needed; a new home gets a new Ed25519 identity.",
+    )
+    ident.add_argument("--home", type=Path, default=None, help=HOME_HELP)
+    ident.set_defaults(func=cmd_id)
+
+    status = cmds.add_parser(
+        "status",
+        help="show a running peer's addresses, connections, topics and the peers it hears",
+        description=(
+            "Ask the node running for this home (through its control socket) for its peer ID, listen "
+            "addresses, connected peers, mesh topics, and each peer's last heartbeat and capabilities."
+        ),
+    )
+    status.add_argument("--home", type=Path, default=None, help=HOME_HELP)
+    status.add_argument("--json", action="store_true", help="print one JSON object (keys peer_id, addrs, peers, ...)")
+    status.set_defaults(func=cmd_status)
+
+
+def _home(args: argparse.Namespace) -> Path:
+    return Path(args.home).expanduser() if args.home else default_home()
+
+
+def cmd_id(args: argparse.Namespace) -> int:
+    from p2ptrain.identity import load_or_create_identity, peer_id_of
+
+    print(peer_id_of(load_or_create_identity(_home(args))).to_base58())
+    return 0
+
+
+def cmd_start(args: argparse.Namespace) -> int:
+    import trio
+
+    from p2ptrain.node import Node
+
+    node = Node(
+        _home(args),
+        listen=args.listen,
+        bootstrap=args.bootstrap,
+        mdns=args.mdns,
+        dht=args.dht,
+        heartbeat_interval=args.heartbeat,
+    )
+    _log_to_home(node.home)
+    if args.verbose < 2:
+        # py-libp2p logs every refused redial of a stopped peer at ERROR; our discovery already
+        # reports reachability at DEBUG, so keep its churn out of the node's log.
+        logging.getLogger("libp2p").setLevel(logging.CRITICAL)
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_stop_on_signal, node)
+            await node.run()
+            nursery.cancel_scope.cancel()
+
+    async def _stop_on_signal(node: Node) -> None:
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            async for signum in signals:
+                logging.getLogger(__name__).info("node %s got %s: stopping", node.short_id, signal.Signals(signum).name)
+                node.stop()
+
+    trio.run(main)
+    return 0
+
+
+def _log_to_home(home: Path) -> None:
+    """Node lifecycle lines at INFO to stderr and to <home>/logs/node.log."""
+    fmt = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S")
+    handler = logging.FileHandler(home / "logs" / "node.log")
+    handler.setFormatter(fmt)
+    ours = logging.getLogger("p2ptrain")
+    ours.addHandler(handler)
+    if ours.getEffectiveLevel() > logging.INFO:
+        ours.setLevel(logging.INFO)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from p2ptrain.net.control import ControlClient
+
+    status = ControlClient(_home(args)).call("status")
+    if args.json:
+        json.dump(status, sys.stdout, indent=2)
+        print()
+        return 0
+    print(_render(status))
+    return 0
+
+
+def _gib(n: int | None) -> str:
+    return "?" if not n else f"{n / 2**30:.1f} GiB"
+
+
+def _render(s: dict[str, Any]) -> str:
+    lines = [f"peer   {s['peer_id']}", "addrs"]
+    lines += [f"  {a}" for a in s["addrs"]]
+    lines.append(f"topics {', '.join(s['topics']) or '-'}")
+    lines.append(f"connected to {len(s['connected'])} peer(s)")
+    lines.append(f"peers  {len(s['peers'])} alive, {len(s['gone'])} gone")
+    for p in s["peers"] + s["gone"]:
+        c = p["caps"]
+        device = c["device"] + (f" {c['gpu_name']} {_gib(c['gpu_memory_bytes'])}" if c.get("gpu_name") else "")
+        state = "alive" if p["alive"] else f"gone ({p['left_reason']})"
+        lines.append(
+            f"  {p['peer_id']}  {state:<10} heartbeat {p['last_heartbeat_age_s']:.1f} s ago  "
+            f"{device}, {c['cpu_count']} CPU, {_gib(c['free_ram_bytes'])} free RAM, v{c['version']}"
+        )
+    dropped = s.get("messages", {}).get("dropped", {})
+    if dropped:
+        lines.append("dropped messages: " + ", ".join(f"{k} {v}" for k, v in sorted(dropped.items())))
+    return "\n".join(lines)
+

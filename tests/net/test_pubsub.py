@@ -1,0 +1,44 @@
+"""GossipSub as we configure it: old connections are used, bursts are not dropped, big messages are refused."""
+
+from __future__ import annotations
+
+import pytest
+import trio
+from libp2p.crypto.ed25519 import create_new_key_pair
+from libp2p.peer.peerinfo import PeerInfo
+from multiaddr import Multiaddr
+
+from p2ptrain.net.host import make_host
+from p2ptrain.net.pubsub import SUBSCRIPTION_QUEUE, MessageTooLarge, make_pubsub, publish_bytes, running_pubsub
+
+LOOPBACK = Multiaddr("/ip4/127.0.0.1/tcp/0")
+
+
+async def test_connections_made_before_pubsub_started_carry_messages_and_bursts_arrive_whole():
+    a = make_host(create_new_key_pair(), [LOOPBACK])
+    b = make_host(create_new_key_pair(), [LOOPBACK])
+    async with a.run(listen_addrs=[LOOPBACK]), b.run(listen_addrs=[LOOPBACK]):
+        with trio.fail_after(10):
+            await a.connect(PeerInfo(b.get_id(), b.get_addrs()))
+        # Pubsub is built and started only now, after the connection exists.
+        pa, pb = make_pubsub(a), make_pubsub(b)
+        async with running_pubsub(pa), running_pubsub(pb):
+            sub = await pb.subscribe("t")
+            await pa.subscribe("t")
+            with trio.fail_after(10):
+                await pa.wait_for_subscription(b.get_id(), "t")
+                await pb.wait_for_subscription(a.get_id(), "t")
+                await pa.router.wait_for_mesh(b.get_id(), "t")
+            burst = 300  # py-libp2p's defaults deliver 32 of a burst (queue) and 10 per second (spam limit)
+            assert burst < SUBSCRIPTION_QUEUE
+            for i in range(burst):
+                await publish_bytes(pa, "t", f"m{i}".encode(), limit=1024)
+            got = []
+            with trio.fail_after(15):
+                while len(got) < burst:
+                    got.append((await sub.get()).data)
+            assert got == [f"m{i}".encode() for i in range(burst)]
+            with pytest.raises(MessageTooLarge, match="over the 1024 B cap"):
+                await publish_bytes(pa, "t", b"x" * 1025, limit=1024)
+        await a.close()
+        await b.close()

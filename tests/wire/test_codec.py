@@ -1,0 +1,178 @@
+"""The wire decoder: every rejection reason, replays, and a fuzzer that must only ever see DecodeError."""
+
+from __future__ import annotations
+
+import json
+import struct
+import time
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from libp2p.crypto.ed25519 import create_new_key_pair
+
+from p2ptrain.wire import DecodeError, ReplayGuard, decode, encode
+from p2ptrain.wire import codec
+from p2ptrain.wire.limits import MAX_CLOCK_SKEW_S, MAX_MESSAGE_BYTES, WIRE_VERSION
+from p2ptrain.wire.messages import Capabilities, Goodbye, Heartbeat
+from p2ptrain.identity import peer_id_of
+
+KEY = create_new_key_pair()
+OTHER = create_new_key_pair()
+CAPS = Capabilities(device="cpu", cpu_count=2, free_ram_bytes=1 << 30, version="0.1.0")
+
+
+def frame(payload: bytes, key=KEY, version: int = WIRE_VERSION, magic: bytes = codec.MAGIC) -> bytes:
+    """A frame around arbitrary payload bytes, signed like the real encoder signs."""
+    head = struct.pack(">4sBI", magic, version, len(payload))
+    return head + payload + key.private_key.sign(codec._DOMAIN + head + payload)
+
+
+def envelope(**overrides) -> bytes:
+    env = {
+        "type": "goodbye",
+        "sender": peer_id_of(KEY).to_base58(),
+        "seq": 1,
+        "ts": time.time(),
+        "body": {"reason": "x"},
+    }
+    env.update(overrides)
+    return json.dumps(env, sort_keys=True, separators=(",", ":")).encode()
+
+
+def reason_of(data: bytes) -> str:
+    with pytest.raises(DecodeError) as info:
+        decode(data)
+    return info.value.reason
+
+
+def test_round_trip_keeps_sender_seq_and_body():
+    hb = Heartbeat(addrs=("/ip4/127.0.0.1/tcp/1",), caps=CAPS, tasks=("t",))
+    signed = decode(encode(hb, KEY, seq=42))
+    assert signed.msg == hb
+    assert signed.seq == 42
+    assert signed.sender == peer_id_of(KEY)
+
+
+def test_our_frame_helper_matches_the_encoder():
+    # Guards the helper below: if the framing changes, the rejection tests must change with it.
+    assert decode(frame(envelope())).msg == Goodbye(reason="x")
+
+
+def test_oversized():
+    assert reason_of(b"\0" * (MAX_MESSAGE_BYTES + 1)) == "oversized"
+
+
+def test_encoder_refuses_to_build_an_oversized_message():
+    with pytest.raises(ValueError, match="cap"):
+        encode(Heartbeat(addrs=tuple("a" * 4000 for _ in range(16)), caps=CAPS, tasks=tuple("b" * 4000 for _ in range(64))), KEY, 1)
+
+
+@pytest.mark.parametrize(
+    "data",
+    [b"", b"P2TM", b"XXXX" + b"\0" * 100, frame(envelope())[:-1], frame(envelope()) + b"x"],
+    ids=["empty", "short", "bad-magic", "truncated", "trailing"],
+)
+def test_malformed_framing(data):
+    assert reason_of(data) == "malformed"
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [b"not json", b"[]", b'{"type":"goodbye"}', envelope(seq="1"), envelope(seq=-1), envelope(ts="now"), b'{"a":NaN}'],
+    ids=["not-json", "not-object", "missing-fields", "seq-type", "seq-negative", "ts-type", "nan"],
+)
+def test_malformed_envelope(payload):
+    assert reason_of(frame(payload)) == "malformed"
+
+
+def test_unknown_version():
+    assert reason_of(frame(envelope(), version=WIRE_VERSION + 1)) == "unknown-version"
+
+
+def test_bad_sender():
+    assert reason_of(frame(envelope(sender="not-a-peer-id"))) == "bad-sender"
+
+
+def test_unsigned_or_wrongly_signed():
+    good = frame(envelope())
+    unsigned = good[: -codec.SIG_LEN] + b"\0" * codec.SIG_LEN
+    assert reason_of(unsigned) == "bad-signature"
+    # Signed by another key while claiming KEY's peer ID: a forgery.
+    assert reason_of(frame(envelope(), key=OTHER)) == "bad-signature"
+    # Tampered after signing.
+    tampered = bytearray(good)
+    tampered[20] ^= 1
+    assert reason_of(bytes(tampered)) in {"bad-signature", "malformed"}
+
+
+def test_unknown_type():
+    assert reason_of(frame(envelope(type="launch_missiles"))) == "unknown-type"
+
+
+def test_stale_or_future_timestamp():
+    assert reason_of(frame(envelope(ts=time.time() - MAX_CLOCK_SKEW_S - 10))) == "stale"
+    assert reason_of(frame(envelope(ts=time.time() + MAX_CLOCK_SKEW_S + 10))) == "stale"
+
+
+@pytest.mark.parametrize(
+    "body",
+    [{"reason": 5}, {"reason": "x" * 300}, {"reason": "x", "extra": 1}, []],
+    ids=["type", "too-long", "unknown-field", "not-object"],
+)
+def test_schema(body):
+    assert reason_of(frame(envelope(body=body))) == "schema"
+
+
+def test_replay_guard_refuses_a_second_delivery_and_old_numbers():
+    guard = ReplayGuard(window=4)
+    sender = peer_id_of(KEY)
+    assert guard.accept(sender, 10)
+    assert not guard.accept(sender, 10)
+    for seq in (11, 12, 13, 14):
+        assert guard.accept(sender, seq)
+    assert not guard.accept(sender, 9)  # below the window's floor: too old to judge, refused
+    assert guard.accept(peer_id_of(OTHER), 10)  # windows are per sender
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.binary(max_size=2048))
+def test_fuzz_random_bytes_only_raise_decode_error(data):
+    try:
+        decode(data)
+    except DecodeError:
+        pass
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner, max_size=4),
+    max_leaves=20,
+)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.sampled_from(["heartbeat", "goodbye", "nope", "round_plan"]),
+    json_values,
+    st.one_of(st.integers(), st.floats(allow_nan=False), st.text(max_size=5)),
+)
+def test_fuzz_validly_signed_envelopes_only_raise_decode_error(mtype, body, seq):
+    """Correct signatures over hostile content: the schema checker is what stands in the way."""
+    payload = envelope(type=mtype, body=body, seq=seq)
+    try:
+        decode(frame(payload))
+    except DecodeError:
+        pass
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(min_size=1, max_size=64), st.integers(min_value=0, max_value=400))
+def test_fuzz_mutated_valid_messages_never_verify(patch, offset):
+    good = bytearray(encode(Goodbye(reason="hello"), KEY, seq=1))
+    offset %= len(good)
+    mutated = bytes(good[:offset] + patch + good[offset + len(patch):])
+    if mutated == bytes(good):
+        return
+    with pytest.raises(DecodeError):
+        decode(mutated)
