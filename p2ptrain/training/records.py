@@ -18,6 +18,7 @@ import json
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+from typing import Any
 from enum import Enum
 
 import safetensors.torch
@@ -36,6 +37,8 @@ log = logging.getLogger(__name__)
 # One key only: safetensors writes the metadata map in hash order, so two keys can swap places
 # between two saves of the same tensors.
 _METADATA = {"format": "pt"}
+MODEL_CARD_KEY = "p2ptrain.model"
+MAX_HEADER_BYTES = 16 * 1024 * 1024
 MAX_RECORD_BYTES = 64 * 1024
 
 
@@ -46,15 +49,44 @@ class RecordError(ValueError):
 # --- deterministic tensor files ---------------------------------------------------------------
 
 
-def tensors_bytes(tensors: Mapping[str, torch.Tensor]) -> bytes:
+def tensors_bytes(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> bytes:
     """Deterministic safetensors bytes: sorted names, contiguous CPU copies, fixed metadata."""
     ordered = {k: tensors[k].detach().to("cpu").contiguous() for k in sorted(tensors)}
-    return safetensors.torch.save(ordered, metadata=dict(_METADATA))
+    meta = dict(_METADATA if metadata is None else metadata)
+    if len(meta) != 1:
+        raise ValueError("deterministic safetensors take exactly one metadata key")
+    return safetensors.torch.save(ordered, metadata=meta)
 
 
-def model_bytes(module: nn.Module) -> bytes:
-    """The bytes whose CID names a model: its state dict as deterministic safetensors."""
-    return tensors_bytes(module.state_dict())
+def model_bytes(module: nn.Module, card: Mapping[str, Any] | None = None) -> bytes:
+    """The bytes whose CID names a model: its state dict as deterministic safetensors.
+
+    ``card`` (the registry name and kwargs of the architecture) is stored as the one metadata value,
+    in canonical JSON, so that a model CID alone tells :func:`p2ptrain.load_model` what to build.
+    """
+    if card is None:
+        return tensors_bytes(module.state_dict())
+    value = json.dumps(dict(card), sort_keys=True, separators=(",", ":"))
+    return tensors_bytes(module.state_dict(), metadata={MODEL_CARD_KEY: value})
+
+
+def read_model_card(data: bytes) -> dict[str, Any] | None:
+    """The architecture card in a model file's safetensors header, or None if it has none."""
+    if len(data) < 8:
+        raise RecordError("not a valid safetensors file: too short")
+    header_len = int.from_bytes(data[:8], "little")
+    if header_len > min(len(data) - 8, MAX_HEADER_BYTES):
+        raise RecordError("not a valid safetensors file: bad header length")
+    try:
+        header = json.loads(data[8 : 8 + header_len])
+        value = header.get("__metadata__", {}).get(MODEL_CARD_KEY)
+        card = json.loads(value) if value is not None else None
+    except (ValueError, AttributeError, TypeError) as exc:
+        raise RecordError(f"model file header is not valid: {exc}") from None
+    if card is not None and not (isinstance(card, dict) and isinstance(card.get("name"), str)
+                                 and isinstance(card.get("kwargs"), dict)):
+        raise RecordError("model file card must be an object with a name and kwargs")
+    return card
 
 
 def read_tensors(data: bytes) -> dict[str, torch.Tensor]:

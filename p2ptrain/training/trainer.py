@@ -312,8 +312,8 @@ class Trainer:
         return out
 
     def model_bytes(self) -> bytes:
-        """Deterministic safetensors of the weights: the bytes a model CID names."""
-        return model_bytes(self.model)
+        """Deterministic safetensors of the weights (with the architecture's card): the bytes a model CID names."""
+        return model_bytes(self.model, {"name": self.task.model.name, "kwargs": self.task.model.kwargs})
 
     def optimizer_bytes(self) -> bytes:
         """Deterministic safetensors of the optimizer state and step: what a late joiner resumes from."""

@@ -180,3 +180,25 @@ class CoordinatorBeat:
     term: int
     coordinator: str = field(metadata=_PEER)
     votes: tuple[SignedVote, ...] = field(metadata={"max_items": 128})
+
+
+@message("task_head")
+@dataclass(frozen=True)
+class TaskHead:
+    """The coordinator's periodic word on where a run stands, for late joiners and onlookers.
+
+    ``chain_cid`` names the confirmed chain's bytes (JSON lines of signed records), from which a
+    joiner rebuilds and re-verifies the history before loading the head model and optimizer state.
+    """
+
+    task_cid: str = field(metadata=_CID)
+    term: int
+    version: int
+    step: int
+    round: int
+    total_steps: int
+    chain_cid: str = field(metadata=_CID)
+    model_cid: str = field(metadata=_CID)
+    optimizer_cid: str = field(metadata=_CID)
+    members: tuple[str, ...] = field(metadata={"max_items": 1024, **_PEER})
+    done: bool = False

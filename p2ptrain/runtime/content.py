@@ -1,0 +1,89 @@
+"""The node's content service: the embedded store, Bitswap to serve and fetch it, and control ops.
+
+Providers are not looked up in a routing table: every connected peer of the mesh is asked (Bitswap
+wants go to all of them, and each answers only for what it has), which on a training mesh of tens of
+peers is both the fastest and the simplest way to find who holds a shard or a model.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import trio
+
+from p2ptrain.errors import UserError
+from p2ptrain.ipfs.cid import parse_cid
+from p2ptrain.ipfs.embedded import EmbeddedStore
+from p2ptrain.ipfs.exchange import BlockExchange, FetchError
+from p2ptrain.ipfs.store import ContentUnavailable
+from p2ptrain.node import Node
+
+logger = logging.getLogger(__name__)
+
+# Content we fetch on behalf of a task or a user is bounded, so a wrong CID cannot fill the disk.
+DEFAULT_MAX_FETCH_BYTES = 8 * 1024**3
+
+
+class ContentService:
+    """Runs for the node's lifetime; other services call :meth:`fetch` and use :attr:`store`."""
+
+    def __init__(self, node: Node) -> None:
+        self.node = node
+        self.store = EmbeddedStore(node.home)
+        self.exchange: BlockExchange | None = None
+        self._ready = trio.Event()
+        node.control.register("ipfs.fetch", self._fetch_op)
+        node.control.register("ipfs.add", self._add_op)
+
+    async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        assert self.node.host is not None
+        self.exchange = BlockExchange(self.node.host, self.store.blocks)
+        try:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(self.exchange.run)
+                self._ready.set()
+                task_status.started()
+                await trio.sleep_forever()
+        finally:
+            self.exchange = None
+
+    async def fetch(self, cid: str, *, timeout: float = 60.0, max_bytes: int = DEFAULT_MAX_FETCH_BYTES) -> None:
+        """Make the DAG under ``cid`` local, asking every connected peer; every block is verified.
+
+        Raises :class:`ContentUnavailable` naming the CID and the reason when nobody can provide it.
+        """
+        await self._ready.wait()
+        if await trio.to_thread.run_sync(self.store.has, cid):
+            return
+        assert self.exchange is not None and self.node.host is not None
+        providers = list(self.node.host.get_connected_peers())
+        if not providers:
+            raise ContentUnavailable(cid, "not held locally and no peer is connected")
+        try:
+            with trio.fail_after(timeout):
+                stats = await self.exchange.fetch_dag(parse_cid(cid), providers, max_bytes=max_bytes)
+        except FetchError as exc:
+            raise ContentUnavailable(cid, str(exc)) from None
+        except trio.TooSlowError:
+            raise ContentUnavailable(cid, f"fetch did not finish in {timeout:.0f} s") from None
+        logger.info("node %s fetched %s: %s", self.node.short_id, cid, stats)
+
+    async def _fetch_op(self, request: dict[str, Any]) -> dict[str, Any]:
+        cid = str(request.get("cid", ""))
+        timeout = float(request.get("timeout", 60.0))
+        try:
+            parse_cid(cid)
+        except Exception:
+            raise UserError(f"{cid!r} is not a CID") from None
+        try:
+            await self.fetch(cid, timeout=timeout)
+        except ContentUnavailable as exc:
+            raise UserError(f"cannot fetch {exc}") from None
+        return {"cid": cid}
+
+    async def _add_op(self, request: dict[str, Any]) -> dict[str, Any]:
+        """Store a small payload (task files go this way from the CLI); big files use the home's store."""
+        data = str(request.get("text", "")).encode()
+        cid = await trio.to_thread.run_sync(self.store.add_bytes, data)
+        return {"cid": cid}
