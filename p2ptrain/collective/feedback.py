@@ -59,7 +59,9 @@ class ErrorFeedback:
         """Make ``pending`` current after sending its entries at ``indices`` (None: all of them).
 
         The sent values were ``accumulated[indices]`` cast to ``value_dtype``; the rounding of that
-        cast stays in the residual, so nothing is lost to fp16 either.
+        cast stays in the residual, so nothing is lost to fp16 either. Sparse rounds zero the
+        velocity of sent entries (DGC's momentum factor masking: their momentum would otherwise be
+        applied twice, late); a dense round keeps it, which is exactly momentum SGD.
         """
         accumulated = pending.accumulated
         if indices is None:
@@ -71,8 +73,6 @@ class ErrorFeedback:
             residual.index_copy_(0, indices, chosen - chosen.to(value_dtype).to(torch.float32))
         self.residual = residual
         if pending.velocity is not None:
-            if indices is None:
-                pending.velocity.zero_()
-            else:
+            if indices is not None:
                 pending.velocity.index_fill_(0, indices, 0.0)
             self.velocity = pending.velocity

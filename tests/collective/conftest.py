@@ -6,12 +6,14 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 import pytest
+import torch
 import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.peerinfo import info_from_p2p_addr
 from multiaddr import Multiaddr
 
 from p2ptrain.collective import Collective
+from p2ptrain.collective.ring import chunk_bounds
 from p2ptrain.net.host import make_host
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
@@ -90,3 +92,68 @@ def cluster():
 def gather():
     """``await gather([call, ...])``: run one call per peer concurrently, bounded (see run_all)."""
     return run_all
+
+
+def ring_sum(contributions: list[torch.Tensor], average: bool) -> torch.Tensor:
+    """What the network ring computes, in one process: chunk c summed from member c around the ring."""
+    size = len(contributions)
+    bounds = chunk_bounds(contributions[0].numel(), size)
+    out = torch.empty_like(contributions[0])
+    for c in range(size):
+        a, b = bounds[c], bounds[c + 1]
+        acc = contributions[c][a:b].clone()
+        for j in range(1, size):
+            acc = torch.add(contributions[(c + j) % size][a:b], acc)
+        if average:
+            acc.div_(size)
+        out[a:b] = acc
+    return out
+
+
+class LocalRing:
+    """An in-process stand-in for P Collectives with the same arithmetic (for fast training tests).
+
+    ``member(i)`` has the ``dense_round``/``sparse_round`` methods SparseAllReducer calls; members run
+    concurrently in one trio process and meet at a barrier per round.
+    """
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._meetings: dict = {}
+
+    def member(self, index: int) -> LocalMember:
+        return LocalMember(self, index)
+
+    async def meet(self, key, index: int, value, combine):
+        slot = self._meetings.setdefault(key, {"values": {}, "done": trio.Event(), "result": None})
+        slot["values"][index] = value
+        if len(slot["values"]) == self.size:
+            slot["result"] = combine([slot["values"][i] for i in range(self.size)])
+            slot["done"].set()
+        with trio.fail_after(10):
+            await slot["done"].wait()
+        return slot["result"]
+
+
+@dataclass
+class LocalMember:
+    ring: LocalRing
+    index: int
+
+    async def dense_round(self, data, ring, round_id, *, op="mean", **_):
+        result = await self.ring.meet((round_id, "dense"), self.index, data.clone(), lambda xs: ring_sum(xs, op == "mean"))
+        data.copy_(result)
+
+    async def sparse_round(self, source, ring, round_id, *, k, select, value_dtype, op="mean", **_):
+        leader = round_id % self.ring.size
+        mine = select() if self.index == leader else None
+        indices = await self.ring.meet((round_id, "idx"), self.index, mine, lambda xs: xs[leader])
+        assert indices.numel() == k
+        values = source.index_select(0, indices).to(value_dtype)
+        reduced = await self.ring.meet((round_id, "values"), self.index, values, lambda xs: ring_sum(xs, op == "mean"))
+        return indices, reduced.clone()
+
+
+@pytest.fixture
+def local_ring():
+    return LocalRing

@@ -1,0 +1,155 @@
+"""Top-k selection, the index codec, error feedback, and the sparse path over real hosts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from p2ptrain.collective import Buckets, ErrorFeedback, SparseAllReducer
+from p2ptrain.collective.sparse import bucket_ks, bucket_topk, decode_indices, encode_indices, topk_indices
+
+
+@pytest.mark.parametrize("n,k", [(10, 3), (70_000, 700), (1 << 20, 10_486), (1 << 20, 1), (1 << 20, 1 << 20)])
+def test_sampled_topk_selects_exactly_the_largest_magnitudes(n, k):
+    x = torch.randn(n, generator=torch.Generator().manual_seed(n + k))
+    got = topk_indices(x, k, generator=torch.Generator().manual_seed(1))
+    assert got.numel() == k and got.dtype == torch.int64
+    assert bool((got[1:] > got[:-1]).all())
+    expected = torch.topk(x.abs(), k).indices.sort().values
+    assert got.equal(expected)
+
+
+def test_topk_of_mostly_zero_tensor_still_returns_k():
+    x = torch.zeros(200_000)
+    x[::1000] = torch.arange(1, 201, dtype=torch.float32)
+    got = topk_indices(x, 500)
+    assert got.numel() == 500
+    assert set(range(0, 200_000, 1000)) <= set(got.tolist())
+
+
+def test_bucket_topk_takes_k_from_every_bucket():
+    x = torch.cat([torch.full((1000,), 100.0), torch.full((3000,), 0.01)])
+    x += torch.randn(4000) * 1e-3
+    sizes = [1000, 3000]
+    ks = bucket_ks(sizes, 0.01)
+    assert ks == [10, 30]
+    got = bucket_topk(x, sizes, ks)
+    assert (got < 1000).sum() == 10 and (got >= 1000).sum() == 30
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.integers(0, 3_000_000), min_size=0, max_size=300, unique=True))
+def test_index_codec_roundtrip(values):
+    idx = torch.tensor(sorted(values), dtype=torch.int64)
+    data = encode_indices(idx)
+    assert decode_indices(data, 3_000_001, len(values)).equal(idx)
+
+
+def test_index_codec_is_two_bytes_per_index_at_one_percent_and_rejects_bad_input():
+    idx = torch.arange(0, 1_000_000, 100)
+    data = encode_indices(idx)
+    assert len(data) == 2 * idx.numel()
+    with pytest.raises(ValueError, match="out of range"):
+        decode_indices(data, 999_900, idx.numel())
+    with pytest.raises(ValueError, match="expected"):
+        decode_indices(data, 1_000_000, idx.numel() + 1)
+    with pytest.raises(ValueError, match="odd"):
+        decode_indices(data + b"\0", 1_000_000, idx.numel())
+    with pytest.raises(ValueError):
+        decode_indices(b"\xff\xff", 1_000_000, 0)  # a dangling escape
+    with pytest.raises(ValueError):
+        encode_indices(torch.tensor([5, 5]))
+
+
+@pytest.mark.parametrize("value_dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_error_feedback_invariant_sent_plus_residual_is_the_accumulated_input(value_dtype, momentum):
+    n = 5000
+    fb = ErrorFeedback(n, momentum=momentum)
+    gen = torch.Generator().manual_seed(3)
+    velocity = torch.zeros(n)
+    residual = torch.zeros(n)
+    for step in range(6):
+        grad = torch.randn(n, generator=gen) * (10.0 ** (step - 3))
+        velocity = torch.add(grad, velocity, alpha=momentum) if momentum else grad
+        expected = residual + velocity
+        pending = fb.accumulate(grad)
+        assert pending.accumulated.equal(expected)
+        assert fb.residual.equal(residual)  # nothing changes before commit (a failed round loses nothing)
+        idx = topk_indices(pending.accumulated, 50)
+        fb.commit(pending, idx, value_dtype)
+        sent = torch.zeros(n)
+        sent[idx] = expected[idx].to(value_dtype).float()
+        assert (sent + fb.residual).equal(expected)
+        residual = fb.residual.clone()
+        if momentum:
+            assert fb.velocity[idx].eq(0).all()
+            velocity = fb.velocity.clone()
+
+
+def test_clipping_bounds_the_local_gradient():
+    fb = ErrorFeedback(100, clip_norm=1.0)
+    pending = fb.accumulate(torch.full((100,), 3.0))
+    assert torch.linalg.vector_norm(pending.accumulated) == pytest.approx(1.0, rel=1e-5)
+
+
+def test_buckets_roundtrip_the_model_gradients():
+    model = torch.nn.Sequential(torch.nn.Linear(30, 20), torch.nn.ReLU(), torch.nn.Linear(20, 5))
+    model(torch.randn(4, 30)).sum().backward()
+    buckets = Buckets(model.parameters(), bucket_bytes=2048)
+    assert sum(buckets.sizes) == buckets.numel == sum(p.numel() for p in model.parameters())
+    assert len(buckets.sizes) > 1
+    flat = buckets.flatten_grads()
+    original = [p.grad.clone() for p in model.parameters()]
+    buckets.write_grads(flat * 2)
+    for p, g in zip(model.parameters(), original):
+        assert p.grad.equal(g * 2)
+
+
+async def test_density_one_sparse_path_equals_dense_bitwise(cluster, gather):
+    n, world = 30_011, 3
+    xs = [torch.randn(n, generator=torch.Generator().manual_seed(i)) for i in range(world)]
+    async with cluster(world, segment_bytes=8192) as peers:
+        ring = [p.id for p in peers]
+        dense = await gather([lambda p=p, x=x: p.collective.allreduce(x, ring, 1) for p, x in zip(peers, xs)])
+        reducers = [SparseAllReducer(p.collective, density=1.0) for p in peers]
+        via_reducer = await gather([lambda r=r, x=x: r.allreduce(x, ring, 2) for r, x in zip(reducers, xs)])
+        # The CLT-k machinery itself with every index selected: the same chunks, the same bits.
+        all_idx = torch.arange(n)
+        clt = await gather(
+            [
+                lambda p=p, x=x: p.collective.sparse_round(
+                    x, ring, 3, k=n, select=lambda: all_idx, value_dtype=torch.float32
+                )
+                for p, x in zip(peers, xs)
+            ]
+        )
+    for i in range(world):
+        assert dense[i].equal(dense[0])
+        assert via_reducer[i].equal(dense[0])
+        assert clt[i][0].equal(all_idx) and clt[i][1].equal(dense[0])
+        assert reducers[i].feedback.residual.eq(0).all()
+
+
+async def test_sparse_rounds_over_hosts_match_the_in_process_ring_bitwise(cluster, gather, local_ring):
+    """Same compressor code, network vs in-process arithmetic: identical bits on every step."""
+    n, world, steps = 50_000, 4, 4
+    grads = [[torch.randn(n, generator=torch.Generator().manual_seed(s * 10 + i)) for i in range(world)] for s in range(steps)]
+    local = local_ring(world)
+    async with cluster(world, segment_bytes=16_384) as peers:
+        ring = [p.id for p in peers]
+        net = [SparseAllReducer(p.collective, density=0.01, value_dtype=torch.float16) for p in peers]
+        sim = [SparseAllReducer(local.member(i), density=0.01, value_dtype=torch.float16) for i in range(world)]
+        for step in range(steps):
+            a = await gather([lambda r=r, g=g: r.allreduce(g, ring, 100 + step, bucket_sizes=[20_000, 30_000]) for r, g in zip(net, grads[step])])
+            b = await gather([lambda r=r, g=g: r.allreduce(g, ring, 100 + step, bucket_sizes=[20_000, 30_000]) for r, g in zip(sim, grads[step])])
+            leader = (100 + step) % world
+            for i in range(world):
+                assert a[i].equal(a[0]) and b[i].equal(a[0])
+                assert net[i].last_indices.equal(sim[i].last_indices)
+                assert net[i].feedback.residual.equal(sim[i].feedback.residual)
+            assert a[0].count_nonzero() <= 500
+            # The index set is the leader's own top-k of what it accumulated (per bucket).
+            assert net[leader].last_indices.numel() == 500
