@@ -19,8 +19,17 @@ $(STAMP): pyproject.toml constraints.txt
 demo: $(STAMP)
 	$(BIN)/p2ptrain demo --peers 4
 
+# js-ipfs, the RPC daemon the Kubo-backend tests run against (tests/ipfs/test_kubo.py); installed once
+# (~4 min). Without node/npm the tests skip and say why.
+JSIPFS_STAMP := ipfs/.jsipfs/.installed
+
+$(JSIPFS_STAMP): ipfs/install-jsipfs.sh
+	@if command -v node >/dev/null && command -v npm >/dev/null; then \
+		rm -f $@ && ipfs/install-jsipfs.sh; \
+	else echo "node/npm not found: the Kubo-backend tests will be skipped" >&2; fi
+
 # pytest exits 5 when it collected no tests: that is a failure here, never a pass.
-test: $(STAMP)
+test: $(STAMP) $(JSIPFS_STAMP)
 	$(BIN)/python -m pytest -q; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing" >&2; exit 1; fi; \
 	exit $$rc
