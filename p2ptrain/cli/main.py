@@ -15,6 +15,9 @@ GROUPS: list[str] = [
     "node",
     "ipfs",
     "dataset",
+    "task",
+    "model",
+    "demo",
 ]
 
 

@@ -53,6 +53,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     start.add_argument("--mdns", action="store_true", default=None, help="also find peers on the local network by mDNS (binds all interfaces)")
     start.add_argument("--no-dht", dest="dht", action="store_false", default=None, help="do not run Kad-DHT peer routing")
     start.add_argument("--heartbeat", type=float, metavar="SECONDS", help="heartbeat interval (default 1.0)")
+    start.add_argument(
+        "--accept-tasks", action="store_true",
+        help="join every announced task whose requirements this node meets (default: only --join)",
+    )
+    start.add_argument("--join", action="append", default=[], metavar="TASK_CID", help="take part in this task (repeatable)")
+    start.add_argument(
+        "--device", default="auto",
+        help="where to train: auto (CUDA when available, else CPU), cpu, cuda or cuda:N (default auto)",
+    )
+    start.add_argument(
+        "--precision", choices=("fp32", "bf16", "fp16"), default="fp32",
+        help="autocast precision of the forward pass (fp16 needs CUDA; default fp32)",
+    )
     start.set_defaults(func=cmd_start)
 
     ident = cmds.add_parser(
@@ -91,6 +104,8 @@ def cmd_start(args: argparse.Namespace) -> int:
     import trio
 
     from p2ptrain.node import Node
+    from p2ptrain.runtime.peer import make_peer
+    from p2ptrain.runtime.tasks import TaskOptions
 
     node = Node(
         _home(args),
@@ -100,6 +115,8 @@ def cmd_start(args: argparse.Namespace) -> int:
         dht=args.dht,
         heartbeat_interval=args.heartbeat,
     )
+    make_peer(node, TaskOptions(accept_tasks=args.accept_tasks, join=args.join, device=args.device,
+                                precision=args.precision))
     _log_to_home(node.home)
     if args.verbose < 2:
         # py-libp2p logs every refused redial of a stopped peer at ERROR; our discovery already

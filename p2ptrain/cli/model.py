@@ -1,0 +1,192 @@
+"""``p2ptrain model …``: fetch a trained model by CID and evaluate it.
+
+Content is taken from the home's store when it is there, else fetched from the mesh: through the
+home's running node, or, with ``--bootstrap``, through a short-lived node started for this command.
+Every byte is verified against its CID, and the architecture comes from p2ptrain's registry (named
+in the model file), never from code in a file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from p2ptrain.errors import UserError
+
+HOME_HELP = "node home whose store (and running node, if any) to use (default: ~/.p2ptrain)"
+EPHEMERAL_MESH_TIMEOUT_S = 20.0
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    group = sub.add_parser("model", help="fetch and evaluate trained models by CID", description=__doc__)
+    msub = group.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    fetch = msub.add_parser("fetch", help="fetch a model by CID (verified) into a safetensors file")
+    fetch.add_argument("model_cid", nargs="?", metavar="MODEL_CID")
+    fetch.add_argument("--latest", metavar="TASK_CID", help="fetch the latest confirmed model of this task")
+    fetch.add_argument("-o", "--output", type=Path, required=True, help="where to write the .safetensors file")
+    _source_options(fetch)
+    fetch.add_argument("--json", action="store_true", help="print one JSON object (model_cid, path, bytes, model)")
+    fetch.set_defaults(func=cmd_fetch)
+
+    evaluate = msub.add_parser("eval", help="accuracy and loss of a model on a dataset split")
+    evaluate.add_argument("model", metavar="MODEL_CID|PATH")
+    evaluate.add_argument("--dataset", required=True, metavar="MANIFEST_CID", help="dataset manifest CID")
+    evaluate.add_argument("--split", default="test", help="split to evaluate on (default test)")
+    evaluate.add_argument("--batch-size", type=int, default=256)
+    _source_options(evaluate)
+    evaluate.add_argument("--json", action="store_true", help="print one JSON object (accuracy, loss, samples)")
+    evaluate.set_defaults(func=cmd_eval)
+
+
+def _source_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--home", type=Path, default=None, help=HOME_HELP)
+    parser.add_argument(
+        "--bootstrap", nargs="+", default=[], metavar="MULTIADDR",
+        help="with no node running for --home: start a temporary node that joins the mesh here to fetch",
+    )
+
+
+def _home(args: argparse.Namespace) -> Path:
+    from p2ptrain.identity import default_home
+
+    return (args.home or default_home()).expanduser()
+
+
+def ensure_local(home: Path, cids: list[str], bootstrap: list[str], latest: str | None = None) -> list[str]:
+    """Make ``cids`` (plus the latest model of task ``latest``) local; return the CIDs in that order."""
+    from p2ptrain.ipfs.store import open_store
+    from p2ptrain.net.control import ControlClient, ControlError, socket_path
+
+    store = open_store(home)
+    if latest is None and all(store.has(c) for c in cids):
+        return cids
+    if socket_path(home).exists():
+        client = ControlClient(home, timeout=600.0)
+        try:
+            if latest is not None:
+                cids = cids + [_latest_from_status(client.call("task.status", task_cid=latest), latest)]
+            for cid in cids:
+                client.call("ipfs.fetch", cid=cid, timeout=300.0)
+            return cids
+        except ControlError as exc:
+            raise UserError(str(exc)) from None
+        except UserError:
+            if not bootstrap:
+                raise
+    if not bootstrap:
+        missing = [c for c in cids if not store.has(c)] or [f"latest model of {latest}"]
+        raise UserError(
+            f"{', '.join(missing)} not in the store of {home}, and no node is running there: start one "
+            f"(p2ptrain node start --home {home} --bootstrap ...) or pass --bootstrap MULTIADDR"
+        )
+    return _fetch_with_ephemeral_node(home, cids, bootstrap, latest)
+
+
+def _latest_from_status(status: dict[str, Any], task_cid: str) -> str:
+    cid = status.get("latest_model_cid")
+    if not cid or not status.get("version"):
+        raise UserError(f"task {task_cid} has no confirmed model yet (state: {status.get('state')})")
+    return str(cid)
+
+
+def _fetch_with_ephemeral_node(home: Path, cids: list[str], bootstrap: list[str], latest: str | None) -> list[str]:
+    import trio
+
+    from p2ptrain.ipfs.store import ContentUnavailable
+    from p2ptrain.node import Node
+    from p2ptrain.runtime.peer import make_peer
+
+    logging.getLogger("libp2p").setLevel(logging.CRITICAL)
+    node = Node(home, listen=["/ip4/127.0.0.1/tcp/0"], bootstrap=bootstrap)
+    peer = make_peer(node)
+    out = list(cids)
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(node.run)
+            try:
+                with trio.fail_after(EPHEMERAL_MESH_TIMEOUT_S):
+                    while not node.host or not node.host.get_connected_peers():
+                        await trio.sleep(0.1)
+                    if latest is not None:
+                        while True:
+                            known = peer.tasks.known.get(latest)
+                            if known is not None and known.head is not None and known.head.version > 0:
+                                out.append(known.head.model_cid)
+                                break
+                            await trio.sleep(0.2)
+                for cid in out:
+                    await peer.content.fetch(cid, timeout=300.0)
+            except trio.TooSlowError:
+                raise UserError(
+                    f"no peer reachable through {bootstrap[0]}" if latest is None or not node.host.get_connected_peers()
+                    else f"no peer told us the latest model of task {latest} within {EPHEMERAL_MESH_TIMEOUT_S:.0f} s"
+                ) from None
+            except ContentUnavailable as exc:
+                raise UserError(str(exc)) from None
+            finally:
+                node.stop()
+
+    trio.run(main)
+    return out
+
+
+def cmd_fetch(args: argparse.Namespace) -> int:
+    if (args.model_cid is None) == (args.latest is None):
+        raise UserError("give a MODEL_CID or --latest TASK_CID (one of them)")
+    home = _home(args)
+    cids = ensure_local(home, [args.model_cid] if args.model_cid else [], args.bootstrap, args.latest)
+    model_cid = cids[-1]
+    from p2ptrain.cli.ipfs import progress_bar
+    from p2ptrain.ipfs.store import open_store
+    from p2ptrain.training.loading import model_from_bytes
+    from p2ptrain.training.records import RecordError, read_model_card
+
+    store = open_store(home)
+    data = store.cat(model_cid)
+    try:
+        module = model_from_bytes(data)  # refuse to hand over a file that is not a loadable model
+        card = read_model_card(data)
+    except RecordError as exc:
+        raise UserError(f"{model_cid} is not a p2ptrain model: {exc}") from None
+    with progress_bar(f"writing {args.output.name}", len(data)) as progress:
+        store.get(model_cid, args.output, progress=progress)
+    params = sum(p.numel() for p in module.parameters())
+    summary = {"model_cid": model_cid, "path": str(args.output), "bytes": len(data), "model": card,
+               "parameters": params}
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        print(f"{model_cid} -> {args.output} ({len(data)} bytes, {card['name']} with {params} parameters)")
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    home = _home(args)
+    wanted = [args.dataset] + ([] if Path(args.model).exists() else [args.model])
+    ensure_local(home, wanted, args.bootstrap)
+    from p2ptrain.data.dataset import IPFSDataset
+    from p2ptrain.data.manifest import Manifest
+    from p2ptrain.ipfs.store import open_store
+    from p2ptrain.training.evaluation import evaluate_model
+    from p2ptrain.training.loading import load_model
+
+    store = open_store(home)
+    manifest = Manifest.load(store, args.dataset)
+    if args.split not in manifest.splits:
+        raise UserError(f"dataset {args.dataset} has no split {args.split!r} (it has {', '.join(manifest.splits)})")
+    for ref in manifest.shards(args.split):
+        ensure_local(home, [ref.cid], args.bootstrap)
+    module = load_model(args.model, store=store)
+    dataset = IPFSDataset(args.dataset, split=args.split, store=store, shuffle=False)
+    result = evaluate_model(module, dataset, args.batch_size)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(f"accuracy {result['accuracy']:.4f}  loss {result['loss']:.4f}  on {result['samples']} samples "
+              f"of split {args.split!r}")
+    return 0

@@ -1,0 +1,100 @@
+"""``p2ptrain task …``: publish a task to the mesh, list tasks, follow one.
+
+These commands talk to the running node of ``--home`` over its control socket: publishing needs the
+mesh (the task is announced to the other peers), and status is what the node has seen of the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from p2ptrain.errors import UserError
+
+HOME_HELP = "home of the running node to use (default: $P2PTRAIN_HOME or ~/.p2ptrain)"
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    group = sub.add_parser("task", help="publish and follow training tasks", description=__doc__)
+    tsub = group.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    publish = tsub.add_parser(
+        "publish", help="validate a task file, store it by CID and announce it",
+        description="Validate TASK.toml (errors name the field), check that its dataset can be had, "
+        "store it by CID, sign and announce it on the tasks topic, and print the task CID. Peers that "
+        "accept tasks and meet its requirements join it.",
+    )
+    publish.add_argument("task_file", type=Path, metavar="TASK.toml")
+    publish.add_argument("--home", type=Path, default=None, help=HOME_HELP)
+    publish.add_argument("--join", action="store_true", help="this node joins the task too")
+    publish.add_argument("--json", action="store_true", help="print one JSON object (task_cid, name, joined)")
+    publish.set_defaults(func=cmd_publish)
+
+    status = tsub.add_parser("status", help="state, round, members, coordinator and latest model of a task")
+    status.add_argument("task_cid", metavar="TASK_CID")
+    status.add_argument("--home", type=Path, default=None, help=HOME_HELP)
+    status.add_argument("--json", action="store_true", help="print one JSON object")
+    status.set_defaults(func=cmd_status)
+
+    listing = tsub.add_parser("list", help="tasks this node has heard of or takes part in")
+    listing.add_argument("--home", type=Path, default=None, help=HOME_HELP)
+    listing.add_argument("--json", action="store_true", help="print one JSON object {tasks: [...]}")
+    listing.set_defaults(func=cmd_list)
+
+
+def _client(args: argparse.Namespace) -> Any:
+    from p2ptrain.identity import default_home
+    from p2ptrain.net.control import ControlClient
+
+    return ControlClient(args.home or default_home(), timeout=120.0)
+
+
+def cmd_publish(args: argparse.Namespace) -> int:
+    try:
+        text = args.task_file.read_text()
+    except OSError as exc:
+        raise UserError(f"cannot read {args.task_file}: {exc.strerror}") from None
+    from p2ptrain.training.task import load_task
+
+    load_task(text)  # the same validation the node runs, before a node is needed
+    reply = _client(args).call("task.publish", text=text, join=args.join)
+    print(json.dumps(reply) if args.json else reply["task_cid"])
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    status = _client(args).call("task.status", task_cid=args.task_cid)
+    print(json.dumps(status, indent=None) if args.json else render_status(status))
+    return 0
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    tasks = _client(args).call("task.list")["tasks"]
+    if args.json:
+        print(json.dumps({"tasks": tasks}))
+        return 0
+    if not tasks:
+        print("no tasks heard of yet")
+    for t in tasks:
+        step = f"step {t.get('step', 0)}/{t.get('total_steps') or '?'}"
+        print(f"{t['task_cid']}  {t['name']:<20} {t['state']:<10} {step}  {'member' if t.get('member') else ''}")
+    return 0
+
+
+def render_status(s: dict[str, Any]) -> str:
+    """Human-readable task status."""
+    acc = s.get("accuracy")
+    lines = [
+        f"task       {s['name']} ({s['task_cid']})",
+        f"state      {s['state']}" + (f" ({s['error']})" if s.get("error") else ""),
+        f"progress   round {s.get('round')}, step {s.get('step')}/{s.get('total_steps')}",
+        f"members    {len(s.get('members') or [])}: " + ", ".join(m[-8:] for m in s.get("members") or []),
+    ]
+    if s.get("member"):
+        lines.append(f"coordinator {(s.get('coordinator') or '-')[-8:]} (term {s.get('term')})")
+        lines.append(f"loss       {s.get('loss')}, accuracy {acc if acc is None else f'{acc:.3f}'}")
+        lines.append(f"sent       {s.get('bytes_sent', 0)} bytes over {s.get('rounds_done', 0)} rounds")
+    lines.append(f"model      v{s.get('version', 0)} {s.get('latest_model_cid') or '-'}")
+    return "\n".join(lines)

@@ -1,0 +1,573 @@
+"""One task as seen by one member: elections, rounds, checkpoints, attestations, resync.
+
+The protocol logic lives in :mod:`p2ptrain.training` as pure state machines (``Election``,
+``RoundBook``, ``Tally``, ``Chain``) and the numerics in ``Trainer`` and the collective's
+``SparseAllReducer``. This module only feeds them: messages from the task's topic, the clock, the
+membership view, and it carries out what they decide (publish, compute, all-reduce, store).
+
+Three tasks run for a task, all in one nursery:
+
+- the *control loop* ticks the election every fraction of a heartbeat, and, while this member is
+  coordinator, issues round plans, re-announces the task and publishes the run's head;
+- the *round loop* executes plans: local gradient (in a worker thread), sparse ring all-reduce,
+  identical optimizer step, and at checkpoints stores the model and attests the coordinator's record;
+- the *resync loop* brings a member that is not at a confirmed state (a late joiner, or a member
+  that missed a round) to the head of the confirmed chain by CID, and only then advertises the task.
+
+A member advertises a task in its heartbeats only while its state is one that the others hold, so
+the coordinator never puts a member into a ring that would compute from different weights.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import trio
+from libp2p.peer.id import ID
+
+from p2ptrain.collective import Collective, CollectiveError, PeerFailed
+from p2ptrain.collective.reducer import SparseAllReducer
+from p2ptrain.data.dataset import IPFSDataset
+from p2ptrain.data.manifest import Manifest
+from p2ptrain.ipfs.store import ContentUnavailable
+from p2ptrain.mesh.router import short
+from p2ptrain.node import Node, write_atomic
+from p2ptrain.runtime.content import ContentService
+from p2ptrain.training.election import Election, ElectionConfig
+from p2ptrain.training.records import Chain, RecordError, Status, Tally, attest, load_model_bytes
+from p2ptrain.training.rounds import RoundBook, is_checkpoint, round_id, shard_of
+from p2ptrain.training.task import Task, total_steps, unmet_requirement
+from p2ptrain.training.trainer import Trainer, TrainerError, batched, batches_forever
+from p2ptrain.wire.messages import (
+    CoordinatorBeat,
+    RoundPlan,
+    SignedAttestation,
+    SignedModelRecord,
+    SignedVote,
+    TaskAnnounce,
+    TaskHead,
+    VoteRequest,
+)
+
+logger = logging.getLogger(__name__)
+
+TASKS_TOPIC = "p2ptrain/tasks/v1"
+TICK_FRACTION = 0.25  # control-loop period, as a fraction of the heartbeat interval
+HEAD_EVERY_S = 2.0  # how often the coordinator publishes the run's head (and re-announces the task)
+ATTEST_TIMEOUT_S = 20.0  # a record short of a quorum of attestations by then is rejected
+RETRY_BACKOFF_S = 1.5  # after a failed round, before the coordinator plans the retry
+FAILED_PEER_QUARANTINE_S = 10.0  # a peer named in a failed round is left out of plans this long
+FIRST_ROUND_GRACE_S = 2.0  # the first plan waits this long after election, for peers still joining
+HOP_TIMEOUT_S = 5.0
+START_TIMEOUT_S = 15.0  # members start a round at different times (compute, plan latency)
+
+
+def task_topic(task_cid: str) -> str:
+    return f"p2ptrain/task/{task_cid}"
+
+
+def numeric_round_id(name: str) -> int:
+    """The collective's integer round id for a round attempt's name (same on every member)."""
+    return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "big") & 0x7FFF_FFFF_FFFF_FFFF
+
+
+class TaskRun:
+    """One member's run of one task, for the lifetime of :meth:`run`."""
+
+    def __init__(
+        self,
+        node: Node,
+        content: ContentService,
+        collective: Collective,
+        task: Task,
+        task_cid: str,
+        *,
+        device: str = "auto",
+        precision: str = "fp32",
+    ) -> None:
+        self.node = node
+        self.content = content
+        self.collective = collective
+        self.task = task
+        self.task_cid = task_cid
+        self.device = device
+        self.precision = precision
+        self.me = node.peer_id.to_base58()
+        self.topic = task_topic(task_cid)
+        self.dir = node.home / "tasks" / task_cid
+        self.state = "starting"
+        self.error: str | None = None
+        self.synced = False
+        self.trainer: Trainer | None = None
+        self.reducer: SparseAllReducer | None = None
+        self.book: RoundBook | None = None
+        self.election = Election(task_cid, node.key_pair, ElectionConfig(heartbeat_s=node.config.heartbeat_interval))
+        self.manifest: Manifest | None = None
+        self.total_steps = 0
+        self.initial_cid = ""
+        self.observed_roster: tuple[str, ...] = ()
+        self.tally: Tally | None = None
+        self.tally_started = 0.0
+        self.early_attestations: dict[str, list[SignedAttestation]] = {}
+        self.checkpoint_cids: dict[int, tuple[str, str]] = {}  # step -> (model CID, optimizer CID)
+        self.heads: TaskHead | None = None
+        self.metrics: dict[str, float] = {}
+        self.bytes_sent = 0
+        self.rounds_done = 0
+        self.failed_peers: dict[str, float] = {}
+        self.retry_after = 0.0
+        self.elected_at: float | None = None
+        self.busy = False
+        self._plans_send, self._plans_recv = trio.open_memory_channel[RoundPlan](64)
+        self._batches: tuple[tuple[int, int], Iterator[Any]] | None = None
+        self._done = trio.Event()
+
+    # -- status ------------------------------------------------------------------------------
+
+    @property
+    def log_prefix(self) -> str:
+        return f"task {self.task.name} ({self.task_cid[:10]}) peer {short(self.node.peer_id)}"
+
+    def status(self) -> dict[str, Any]:
+        """What `p2ptrain task status --json` shows for a task this node takes part in."""
+        book = self.book
+        chain = book.chain if book else None
+        plan = book.last_plan if book else None
+        return {
+            "task_cid": self.task_cid,
+            "name": self.task.name,
+            "state": self.state,
+            "error": self.error,
+            "member": True,
+            "synced": self.synced,
+            "round": plan.round if plan else None,
+            "step": self.trainer.step if self.trainer else 0,
+            "total_steps": self.total_steps,
+            "members": list(plan.members) if plan else [],
+            "coordinator": self.election.coordinator,
+            "term": self.election.term,
+            "version": chain.version if chain else 0,
+            "latest_model_cid": chain.head_cid if chain else None,
+            "chain": [
+                {"version": s.record.version, "model_cid": s.record.model_cid, "round": s.record.round,
+                 "step": s.record.step, "metrics": dict(s.record.metrics)}
+                for s in (chain.records if chain else [])
+            ],
+            "loss": self.metrics.get("train_loss"),
+            "accuracy": self.metrics.get("accuracy"),
+            "test_loss": self.metrics.get("loss"),
+            "bytes_sent": self.bytes_sent,
+            "rounds_done": self.rounds_done,
+        }
+
+    # -- lifetime ----------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Take part in the task until it is done (or the node stops)."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        try:
+            await self._prepare()
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._control_loop)
+                nursery.start_soon(self._round_loop)
+                nursery.start_soon(self._resync_loop)
+                await self._done.wait()
+                nursery.cancel_scope.cancel()
+            self.state = "done"
+            logger.info("%s: done; final model %s", self.log_prefix, self.book.chain.head_cid if self.book else "-")
+        except (ContentUnavailable, TrainerError, RecordError) as exc:
+            self.state, self.error = "failed", str(exc)
+            logger.error("%s: failed: %s", self.log_prefix, exc)
+        except Exception as exc:
+            # A bug in one task must not take the node (and its other tasks) down with it.
+            self.state, self.error = "failed", f"internal error: {exc!r}"
+            logger.exception("%s: failed with an internal error", self.log_prefix)
+        finally:
+            self._advertise(False)
+
+    async def _prepare(self) -> None:
+        """Fetch the manifest, build the initial model (or fetch it) and the first round's state."""
+        self.state = "fetching data"
+        await self.content.fetch(self.task.dataset.manifest)
+        self.manifest = await trio.to_thread.run_sync(Manifest.load, self.content.store, self.task.dataset.manifest)
+        train_samples = self.manifest.num_samples(self.task.dataset.train_split)
+        self.total_steps = total_steps(self.task, train_samples, self.task.peers.max)
+        self.trainer = await trio.to_thread.run_sync(
+            lambda: Trainer(self.task, total_steps=self.total_steps, device=self.device, precision=self.precision)
+        )
+        if self.task.initial_model:
+            await self.content.fetch(self.task.initial_model)
+            data = await trio.to_thread.run_sync(self.content.store.cat, self.task.initial_model)
+            load_model_bytes(self.trainer.model, data)
+        self.initial_cid = await trio.to_thread.run_sync(self.content.store.add_bytes, self.trainer.model_bytes())
+        self.reducer = SparseAllReducer(
+            self.collective,
+            density=self.task.compression.density,
+            value_dtype=torch.float16 if self.task.compression.fp16_values else torch.float32,
+        )
+        self.book = RoundBook(self.task, self.task_cid, Chain(self.task_cid, self.initial_cid), self.total_steps)
+        self.synced = True  # step 0 from the task's seed (or initial model): every member holds it
+        self.state = "training"
+        self._advertise(True)
+        logger.info("%s: joined; %d steps, initial model %s", self.log_prefix, self.total_steps, self.initial_cid)
+
+    def _advertise(self, on: bool) -> None:
+        tasks = set(self.node.membership.tasks)
+        tasks.add(self.task_cid) if on else tasks.discard(self.task_cid)
+        if set(self.node.membership.tasks) != tasks:
+            self.node.membership.tasks = tuple(sorted(tasks))
+            self.node.membership.poke()
+
+    def _live(self) -> set[str]:
+        """Peers that advertise this task (so hold the state the run is at) and meet its requirements."""
+        live = {self.me} if self.synced else set()
+        for record in self.node.membership.alive():
+            if self.task_cid in record.tasks and unmet_requirement(self.task, record.caps) is None:
+                live.add(record.peer_id.to_base58())
+        return live
+
+    # -- messages ------------------------------------------------------------------------------
+
+    async def on_message(self, sender: str, msg: Any) -> None:
+        """Called by the task service for every valid message about this task."""
+        now = trio.current_time()
+        if isinstance(msg, (VoteRequest, SignedVote, CoordinatorBeat)):
+            before = self.election.coordinator
+            for out in self.election.receive(now, sender, msg):
+                await self.node.publish(self.topic, out)
+            self._note_coordinator(before, now)
+        elif isinstance(msg, RoundPlan):
+            self._on_plan(sender, msg)
+        elif isinstance(msg, SignedModelRecord):
+            await self._on_record(msg)
+        elif isinstance(msg, SignedAttestation):
+            self._on_attestation(msg)
+        elif isinstance(msg, TaskHead):
+            if self.heads is None or (msg.version, msg.step) >= (self.heads.version, self.heads.step):
+                self.heads = msg
+            if msg.done and self.synced and self.book and self.book.chain.version >= msg.version:
+                self._done.set()
+
+    def _note_coordinator(self, before: str | None, now: float) -> None:
+        if self.election.coordinator != before and self.election.coordinator is not None:
+            who = "this peer" if self.election.is_coordinator else short(self.election.coordinator)
+            logger.info("%s: coordinator of term %d is %s", self.log_prefix, self.election.term, who)
+            if self.election.is_coordinator:
+                self.elected_at = now
+
+    def _on_plan(self, sender: str, plan: RoundPlan) -> None:
+        if self.book is None or plan.task_cid != self.task_cid:
+            return
+        if self.me not in plan.members:
+            if sender == self.election.coordinator or self.election.coordinator is None:
+                self.observed_roster = plan.members  # so a joiner can check the coordinator's votes
+            return
+        if not self.synced:
+            return
+        problem = self.book.plan_problem(plan, sender, self.election)
+        if problem is not None:
+            logger.debug("%s: ignored plan %d.%d: %s", self.log_prefix, plan.round, plan.attempt, problem)
+            return
+        try:
+            self._plans_send.send_nowait(plan)
+        except trio.WouldBlock:
+            logger.warning("%s: plan queue full; dropped plan %d.%d", self.log_prefix, plan.round, plan.attempt)
+
+    async def _on_record(self, signed: SignedModelRecord) -> None:
+        if self.book is None or not self.synced:
+            return
+        try:
+            record = self.book.chain.check(signed)
+            tally = Tally(signed)
+        except RecordError as exc:
+            logger.warning("%s: refused model record: %s", self.log_prefix, exc)
+            return
+        if self.election.coordinator is not None and record.coordinator != self.election.coordinator:
+            logger.warning("%s: refused model record v%d from %s, not the coordinator", self.log_prefix,
+                           record.version, short(record.coordinator))
+            return
+        if self.tally is not None and self.tally.status is Status.PENDING and self.tally.id != tally.id:
+            logger.warning("%s: a second model record v%d while v%d is pending; keeping the first",
+                           self.log_prefix, record.version, self.tally.record.version)
+            return
+        if self.tally is None or self.tally.id != tally.id:
+            self.tally, self.tally_started = tally, trio.current_time()
+            for early in self.early_attestations.pop(tally.id, []):
+                self._count(early)
+        await self._attest_if_ready()
+
+    async def _attest_if_ready(self) -> None:
+        """Attest the pending record once our own state is at its step (we hashed our weights)."""
+        tally = self.tally
+        if tally is None or tally.status is not Status.PENDING or self.me not in tally.record.members:
+            return
+        if self.me in tally.matching or self.me in tally.differing:
+            return
+        cids = self.checkpoint_cids.get(tally.record.step)
+        if cids is None:
+            return  # our round is still running; _checkpoint calls us again
+        signed = attest(tally.record, cids[0], cids[1], self.node.key_pair)
+        await self.node.publish(self.topic, signed)
+        self._count(signed)
+
+    def _on_attestation(self, signed: SignedAttestation) -> None:
+        if self.tally is None or signed.attestation.record_id != self.tally.id:
+            pending = self.early_attestations.setdefault(signed.attestation.record_id, [])
+            if len(self.early_attestations) <= 8 and len(pending) < 1024:
+                pending.append(signed)
+            return
+        self._count(signed)
+
+    def _count(self, signed: SignedAttestation) -> None:
+        tally = self.tally
+        assert tally is not None and self.book is not None
+        try:
+            status = tally.add(signed)
+        except RecordError as exc:
+            logger.warning("%s: refused attestation: %s", self.log_prefix, exc)
+            return
+        if status is Status.CONFIRMED and self.book.chain.version < tally.record.version:
+            self._confirm(tally)
+        elif status is Status.REJECTED:
+            self.book.rejected_step = tally.record.step
+
+    def _confirm(self, tally: Tally) -> None:
+        assert self.book is not None
+        self.book.chain.append(tally.signed)
+        record = tally.record
+        self.metrics.update(record.metrics)
+        write_atomic(self.dir / "chain.jsonl", self.book.chain.to_bytes())
+        logger.info(
+            "%s: model v%d confirmed by %d/%d members: %s (round %d, step %d, accuracy %s)",
+            self.log_prefix, record.version, len(tally.matching), len(record.members), record.model_cid,
+            record.round, record.step, _fmt(record.metrics.get("accuracy")),
+        )
+        if record.step >= self.total_steps:
+            self._done.set()
+
+    # -- the control loop (election, planning, head) ---------------------------------------------
+
+    async def _control_loop(self) -> None:
+        period = self.node.config.heartbeat_interval * TICK_FRACTION
+        last_head = -math.inf
+        while True:
+            now = trio.current_time()
+            roster = self.book.last_plan.members if self.book and self.book.last_plan else self.observed_roster
+            before = self.election.coordinator
+            for out in self.election.tick(now, self._live(), roster):
+                await self.node.publish(self.topic, out)
+            self._note_coordinator(before, now)
+            if self.tally is not None and self.tally.status is Status.PENDING and now - self.tally_started > ATTEST_TIMEOUT_S:
+                if self.tally.expire() is Status.REJECTED and self.book is not None:
+                    self.book.rejected_step = self.tally.record.step
+            if self.election.is_coordinator and self.synced:
+                await self._maybe_plan(now)
+                if now - last_head >= HEAD_EVERY_S:
+                    last_head = now
+                    await self._publish_head()
+            await trio.sleep(period)
+
+    async def _maybe_plan(self, now: float) -> None:
+        assert self.book is not None and self.trainer is not None
+        if self.busy or now < self.retry_after:
+            return
+        if self.book.last_plan is None and self.elected_at is not None and now - self.elected_at < FIRST_ROUND_GRACE_S:
+            return
+        live = {p for p in self._live() if self.failed_peers.get(p, -math.inf) < now}
+        plan = self.book.next_plan(self.election, self.trainer.step, live)
+        if plan is None:
+            return
+        last = self.book.last_plan
+        if last is not None and (plan.round, plan.attempt) == (last.round, last.attempt):
+            return
+        logger.info("%s: plan round %d attempt %d at step %d with %d members", self.log_prefix,
+                    plan.round, plan.attempt, plan.step, len(plan.members))
+        await self.node.publish(self.topic, plan)
+        self._on_plan(self.me, plan)
+
+    async def _publish_head(self) -> None:
+        assert self.book is not None
+        chain = self.book.chain
+        chain_bytes = chain.to_bytes()
+        chain_cid = await trio.to_thread.run_sync(self.content.store.add_bytes, chain_bytes)
+        head = chain.records[-1].record if chain.records else None
+        plan = self.book.last_plan
+        msg = TaskHead(
+            task_cid=self.task_cid, term=self.election.term, version=chain.version,
+            step=head.step if head else 0, round=plan.round if plan else 0, total_steps=self.total_steps,
+            chain_cid=chain_cid, model_cid=chain.head_cid,
+            optimizer_cid=head.optimizer_cid if head else chain.head_cid,
+            members=plan.members if plan else (), done=bool(head and head.step >= self.total_steps),
+        )
+        await self.node.publish(TASKS_TOPIC, msg)
+        await self.node.publish(TASKS_TOPIC, TaskAnnounce(task_cid=self.task_cid, name=self.task.name))
+        self.heads = msg
+
+    # -- the round loop ------------------------------------------------------------------------
+
+    async def _round_loop(self) -> None:
+        async for plan in self._plans_recv:
+            while True:  # a newer plan supersedes queued older ones
+                try:
+                    plan = self._plans_recv.receive_nowait()
+                except trio.WouldBlock:
+                    break
+            self.busy = True
+            try:
+                await self._run_round(plan)
+            finally:
+                self.busy = False
+
+    async def _run_round(self, plan: RoundPlan) -> None:
+        trainer, reducer = self.trainer, self.reducer
+        assert trainer is not None and reducer is not None
+        try:
+            trainer.align(plan.step)
+        except TrainerError as exc:
+            logger.warning("%s: out of step (%s); resyncing from the latest confirmed model", self.log_prefix, exc)
+            self._desync()
+            return
+        rank, world = shard_of(plan, self.me)
+        batches = await self._training_batches(rank, world)
+        if trainer.pending is None:
+            await trio.to_thread.run_sync(trainer.compute_gradient, batches)
+        name = round_id(plan)
+        ring = [ID.from_base58(p) for p in plan.members]
+        rid = numeric_round_id(name)
+
+        async def average(flat: torch.Tensor, _name: str) -> torch.Tensor:
+            return await reducer.allreduce(flat, ring, rid, timeout=HOP_TIMEOUT_S, start_timeout=START_TIMEOUT_S)
+
+        started = time.perf_counter()
+        try:
+            result = await trainer.sync(average, name)
+        except CollectiveError as exc:
+            if isinstance(exc, PeerFailed) and exc.peer_id != self.node.peer_id:
+                self.failed_peers[exc.peer_id.to_base58()] = trio.current_time() + FAILED_PEER_QUARANTINE_S
+            self.retry_after = trio.current_time() + RETRY_BACKOFF_S
+            logger.warning("%s: round %d attempt %d failed: %s", self.log_prefix, plan.round, plan.attempt, exc)
+            return
+        stats = self.collective.last_round
+        self.bytes_sent += stats.bytes_sent if stats else 0
+        self.rounds_done += 1
+        self.metrics["train_loss"] = result.local_loss
+        logger.info(
+            "%s: round %d step %d done with %d peers in %.2f s (loss %.4f, %s sent)",
+            self.log_prefix, plan.round, result.step, len(plan.members), time.perf_counter() - started,
+            result.local_loss, _fmt_bytes(stats.bytes_sent if stats else 0),
+        )
+        if is_checkpoint(self.task, plan.round, self.total_steps):
+            await self._checkpoint(plan)
+
+    async def _training_batches(self, rank: int, world: int) -> Iterator[Any]:
+        """This member's batches for its place in the ring; shards are fetched (only these) first."""
+        if self._batches is not None and self._batches[0] == (rank, world):
+            return self._batches[1]
+        assert self.manifest is not None
+        split = self.task.dataset.train_split
+        shards = self.manifest.shards(split)
+        for index in range(rank, len(shards), world):
+            await self.content.fetch(shards[index].cid)
+        dataset = IPFSDataset(
+            self.task.dataset.manifest, split=split, rank=rank, world_size=world,
+            store=self.content.store, seed=self.task.seed + rank,
+        )
+        batches = batches_forever(dataset, self.task.training.batch_size)
+        self._batches = ((rank, world), batches)
+        logger.info("%s: training on shards %s of %d (rank %d of %d)", self.log_prefix,
+                    list(range(rank, len(shards), world)), len(shards), rank, world)
+        return batches
+
+    async def _checkpoint(self, plan: RoundPlan) -> None:
+        """Store our weights and optimizer state by CID; as coordinator, publish the signed record."""
+        trainer, book = self.trainer, self.book
+        assert trainer is not None and book is not None
+        model_data, optim_data = trainer.model_bytes(), trainer.optimizer_bytes()
+        store = self.content.store
+        model_cid = await trio.to_thread.run_sync(store.add_bytes, model_data)
+        optim_cid = await trio.to_thread.run_sync(store.add_bytes, optim_data)
+        self.checkpoint_cids = {trainer.step: (model_cid, optim_cid)}
+        if self.election.is_coordinator and plan.term == self.election.term:
+            metrics = await trio.to_thread.run_sync(self._evaluate)
+            metrics["train_loss"] = self.metrics.get("train_loss", math.nan)
+            metrics = {k: v for k, v in metrics.items() if math.isfinite(v)}
+            signed = book.checkpoint_record(plan, trainer.step, model_cid, optim_cid, metrics, self.node.key_pair)
+            logger.info("%s: publishing model v%d %s (accuracy %s)", self.log_prefix, signed.record.version,
+                        model_cid, _fmt(metrics.get("accuracy")))
+            await self.node.publish(self.topic, signed)
+            await self._on_record(signed)
+        await self._attest_if_ready()
+
+    def _evaluate(self) -> dict[str, float]:
+        """Loss and accuracy of the current weights on the task's test split (coordinator only)."""
+        assert self.trainer is not None
+        split = self.task.dataset.test_split
+        dataset = IPFSDataset(self.task.dataset.manifest, split=split, store=self.content.store, shuffle=False)
+        metrics = self.trainer.evaluate(batched(dataset, self.task.training.eval_batch_size))
+        return {"accuracy": metrics.accuracy, "loss": metrics.loss}
+
+    # -- resync --------------------------------------------------------------------------------
+
+    def _desync(self) -> None:
+        self.synced = False
+        self.state = "resyncing"
+        self._advertise(False)
+
+    async def _resync_loop(self) -> None:
+        """While out of sync: load the head of the confirmed chain (by CID, verified) and rejoin."""
+        while True:
+            await trio.sleep(self.node.config.heartbeat_interval)
+            head = self.heads
+            if self.synced or head is None or head.version == 0 or self.book is None:
+                continue
+            if head.version <= self.book.chain.version and self.trainer and self.trainer.step == self.book.head_step:
+                self.synced, self.state = True, "training"
+                self._advertise(True)
+                continue
+            try:
+                await self._load_head(head)
+            except (ContentUnavailable, RecordError, TrainerError) as exc:
+                logger.warning("%s: resync from model v%d failed: %s", self.log_prefix, head.version, exc)
+
+    async def _load_head(self, head: TaskHead) -> None:
+        assert self.trainer is not None
+        await self.content.fetch(head.chain_cid)
+        data = await trio.to_thread.run_sync(self.content.store.cat, head.chain_cid)
+        chain = Chain.from_bytes(self.task_cid, self.initial_cid, data)
+        if chain.version == 0:
+            return
+        last = chain.records[-1].record
+        await self.content.fetch(last.model_cid)
+        await self.content.fetch(last.optimizer_cid)
+        model = await trio.to_thread.run_sync(self.content.store.cat, last.model_cid)
+        optim = await trio.to_thread.run_sync(self.content.store.cat, last.optimizer_cid)
+        self.trainer.load_state(model, optim)
+        if self.trainer.step != last.step:
+            raise TrainerError(f"checkpoint v{last.version} says step {last.step}, its state says {self.trainer.step}")
+        self.book = RoundBook(self.task, self.task_cid, chain, self.total_steps)
+        self.tally = None
+        self.metrics.update(last.metrics)
+        write_atomic(self.dir / "chain.jsonl", chain.to_bytes())
+        self.synced, self.state = True, "training"
+        self._advertise(True)
+        logger.info("%s: resynced to model v%d %s at step %d", self.log_prefix, last.version, last.model_cid, last.step)
+        if last.step >= self.total_steps:
+            self._done.set()
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"

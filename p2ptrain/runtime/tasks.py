@@ -1,0 +1,239 @@
+"""The node's task service: publish tasks, hear announcements, join the ones that fit, report status.
+
+A task is its canonical bytes stored by CID. Publishing validates the file, checks that its dataset
+can be had, stores the bytes and announces ``(task CID, name)`` on the tasks topic. A node joins a
+task when told to (``--join CID``), or on an announcement when it accepts tasks (``--accept-tasks``)
+and meets the task's requirements; joining means fetching the task by CID (verified like every
+other byte) and running a :class:`~p2ptrain.runtime.task_run.TaskRun` for it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import trio
+
+from p2ptrain.collective import Collective
+from p2ptrain.errors import UserError
+from p2ptrain.ipfs.cid import parse_cid
+from p2ptrain.ipfs.store import ContentUnavailable
+from p2ptrain.mesh.router import short
+from p2ptrain.node import Node
+from p2ptrain.runtime.content import ContentService
+from p2ptrain.runtime.task_run import TASKS_TOPIC, TaskRun, task_topic
+from p2ptrain.training.task import TaskError, load_task, task_bytes, task_from_bytes, unmet_requirement
+from p2ptrain.wire.messages import (
+    CoordinatorBeat,
+    RoundPlan,
+    SignedAttestation,
+    SignedModelRecord,
+    SignedVote,
+    TaskAnnounce,
+    TaskHead,
+    VoteRequest,
+)
+
+logger = logging.getLogger(__name__)
+
+MAX_TASK_BYTES = 64 * 1024
+MAX_KNOWN_TASKS = 256
+
+
+@dataclass
+class KnownTask:
+    """A task this node has heard of, joined or not."""
+
+    task_cid: str
+    name: str
+    announced_by: str
+    head: TaskHead | None = None
+    refused: str | None = None  # why this node did not join it
+
+    def as_json(self) -> dict[str, Any]:
+        head = self.head
+        return {
+            "task_cid": self.task_cid,
+            "name": self.name,
+            "announced_by": self.announced_by,
+            "member": False,
+            "state": ("done" if head.done else "running") if head else "announced",
+            "refused": self.refused,
+            "version": head.version if head else 0,
+            "step": head.step if head else 0,
+            "round": head.round if head else None,
+            "total_steps": head.total_steps if head else None,
+            "latest_model_cid": head.model_cid if head and head.version else None,
+            "members": list(head.members) if head else [],
+        }
+
+
+@dataclass
+class TaskOptions:
+    accept_tasks: bool = False
+    join: Sequence[str] = ()
+    device: str = "auto"
+    precision: str = "fp32"
+
+
+class TaskService:
+    """Runs for the node's lifetime: one nursery holds every task this node takes part in."""
+
+    def __init__(self, node: Node, content: ContentService, options: TaskOptions) -> None:
+        self.node = node
+        self.content = content
+        self.options = options
+        self.known: dict[str, KnownTask] = {}
+        self.runs: dict[str, TaskRun] = {}
+        self.collective: Collective | None = None
+        self._nursery: trio.Nursery | None = None
+        node.on(TaskAnnounce, self._on_announce)
+        node.on(TaskHead, self._on_head)
+        for msg_type in (VoteRequest, SignedVote, CoordinatorBeat, RoundPlan, SignedModelRecord, SignedAttestation):
+            node.on(msg_type, self._on_task_message)
+        for op, handler in (
+            ("task.publish", self._publish_op),
+            ("task.join", self._join_op),
+            ("task.list", self._list_op),
+            ("task.status", self._status_op),
+        ):
+            node.control.register(op, handler)
+
+    async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        assert self.node.host is not None
+        self.collective = Collective(self.node.host)
+        await self.node.subscribe(TASKS_TOPIC)
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            for cid in self.options.join:
+                nursery.start_soon(self._join_quietly, cid)
+            task_status.started()
+            await trio.sleep_forever()
+
+    # -- joining -------------------------------------------------------------------------------
+
+    async def join(self, task_cid: str) -> TaskRun:
+        """Fetch the task by CID, check it fits this node, and start taking part in it."""
+        if task_cid in self.runs:
+            return self.runs[task_cid]
+        try:
+            parse_cid(task_cid)
+        except Exception:
+            raise UserError(f"{task_cid!r} is not a CID") from None
+        await self.content.fetch(task_cid, max_bytes=MAX_TASK_BYTES)
+        data = await trio.to_thread.run_sync(self.content.store.cat, task_cid)
+        task = task_from_bytes(data)
+        why = unmet_requirement(task, self.node.membership.caps)
+        if why is not None:
+            raise UserError(f"this node cannot take part in task {task.name} ({task_cid}): {why}")
+        if task_cid in self.runs:  # joined meanwhile
+            return self.runs[task_cid]
+        assert self.collective is not None and self._nursery is not None
+        run = TaskRun(self.node, self.content, self.collective, task, task_cid,
+                      device=self.options.device, precision=self.options.precision)
+        self.runs[task_cid] = run
+        await self.node.subscribe(task_topic(task_cid))
+        self._nursery.start_soon(run.run, name=f"task:{task_cid[:12]}")
+        return run
+
+    async def _join_quietly(self, task_cid: str) -> None:
+        """Join from an announcement or ``--join``: failures are logged, never fatal to the node."""
+        try:
+            await self.join(task_cid)
+        except (UserError, ContentUnavailable) as exc:
+            known = self.known.get(task_cid)
+            if known is not None:
+                known.refused = str(exc)
+            logger.warning("node %s does not join task %s: %s", self.node.short_id, task_cid, exc)
+
+    # -- messages ------------------------------------------------------------------------------
+
+    def _remember(self, task_cid: str, name: str, sender: str) -> KnownTask:
+        known = self.known.get(task_cid)
+        if known is None:
+            if len(self.known) >= MAX_KNOWN_TASKS:
+                self.known.pop(next(iter(self.known)))
+            known = self.known[task_cid] = KnownTask(task_cid, name, sender)
+        return known
+
+    async def _on_announce(self, signed: Any, topic: str) -> None:
+        msg: TaskAnnounce = signed.msg
+        new = msg.task_cid not in self.known
+        self._remember(msg.task_cid, msg.name, signed.sender.to_base58())
+        if new:
+            logger.info("node %s heard of task %s (%s) from %s", self.node.short_id, msg.name,
+                        msg.task_cid, short(signed.sender))
+        if new and self.options.accept_tasks and msg.task_cid not in self.runs and self._nursery is not None:
+            self._nursery.start_soon(self._join_quietly, msg.task_cid)
+
+    async def _on_head(self, signed: Any, topic: str) -> None:
+        head: TaskHead = signed.msg
+        known = self.known.get(head.task_cid)
+        if known is not None and (known.head is None or (head.version, head.step) >= (known.head.version, known.head.step)):
+            known.head = head
+        run = self.runs.get(head.task_cid)
+        if run is not None:
+            await run.on_message(signed.sender.to_base58(), head)
+
+    async def _on_task_message(self, signed: Any, topic: str) -> None:
+        msg = signed.msg
+        if isinstance(msg, SignedVote):
+            task_cid = msg.vote.task_cid
+        elif isinstance(msg, SignedModelRecord):
+            task_cid = msg.record.task_cid
+        elif isinstance(msg, SignedAttestation):
+            task_cid = msg.attestation.task_cid
+        else:
+            task_cid = msg.task_cid
+        run = self.runs.get(task_cid)
+        if run is not None and topic == run.topic:
+            await run.on_message(signed.sender.to_base58(), msg)
+
+    # -- control ops ---------------------------------------------------------------------------
+
+    async def _publish_op(self, request: dict[str, Any]) -> dict[str, Any]:
+        text = request.get("text")
+        if not isinstance(text, str) or len(text) > MAX_TASK_BYTES:
+            raise UserError(f"a task file must be TOML text of at most {MAX_TASK_BYTES} bytes")
+        task = load_task(text)
+        try:
+            await self.content.fetch(task.dataset.manifest, timeout=float(request.get("timeout", 30.0)))
+        except ContentUnavailable as exc:
+            raise TaskError(f"dataset.manifest: {exc}; add it first with: p2ptrain dataset add") from None
+        if task.initial_model:
+            try:
+                await self.content.fetch(task.initial_model)
+            except ContentUnavailable as exc:
+                raise TaskError(f"initial_model: {exc}") from None
+        task_cid = await trio.to_thread.run_sync(self.content.store.add_bytes, task_bytes(task))
+        await trio.to_thread.run_sync(self.content.store.pin_add, task_cid)
+        self._remember(task_cid, task.name, self.node.peer_id.to_base58())
+        await self.node.publish(TASKS_TOPIC, TaskAnnounce(task_cid=task_cid, name=task.name))
+        joined = False
+        if self.options.accept_tasks or request.get("join"):
+            await self.join(task_cid)
+            joined = True
+        logger.info("node %s published task %s as %s", self.node.short_id, task.name, task_cid)
+        return {"task_cid": task_cid, "name": task.name, "joined": joined}
+
+    async def _join_op(self, request: dict[str, Any]) -> dict[str, Any]:
+        run = await self.join(str(request.get("task_cid", "")))
+        return {"task_cid": run.task_cid, "name": run.task.name}
+
+    async def _list_op(self, request: dict[str, Any]) -> dict[str, Any]:
+        tasks = {cid: known.as_json() for cid, known in self.known.items()}
+        for cid, run in self.runs.items():
+            tasks[cid] = run.status()
+        return {"tasks": list(tasks.values())}
+
+    async def _status_op(self, request: dict[str, Any]) -> dict[str, Any]:
+        task_cid = str(request.get("task_cid", ""))
+        run = self.runs.get(task_cid)
+        if run is not None:
+            return run.status()
+        known = self.known.get(task_cid)
+        if known is not None:
+            return known.as_json()
+        raise UserError(f"this node has not heard of task {task_cid}")

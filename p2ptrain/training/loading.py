@@ -1,0 +1,48 @@
+"""Load a published model by CID (or from a file) into a ready ``torch.nn.Module``.
+
+A model file names its architecture in its safetensors metadata (the registry name and kwargs), so
+a model CID alone is enough: the builder comes from p2ptrain's registry, never from the file.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from torch import nn
+
+from p2ptrain.identity import default_home
+from p2ptrain.ipfs.cid import parse_cid
+from p2ptrain.ipfs.store import ContentStore, ContentUnavailable, open_store
+from p2ptrain.training.models import build_model
+from p2ptrain.training.records import RecordError, load_model_bytes, read_model_card
+
+
+def model_from_bytes(data: bytes) -> nn.Module:
+    """Build the architecture named in ``data``'s card and load the weights into it (eval mode)."""
+    card = read_model_card(data)
+    if card is None:
+        raise RecordError("the model file names no architecture (no p2ptrain.model metadata)")
+    module = build_model(card["name"], card["kwargs"], seed=0)
+    load_model_bytes(module, data)
+    return module.eval()
+
+
+def load_model(cid_or_path: str | Path, *, home: Path | None = None, store: ContentStore | None = None) -> nn.Module:
+    """The model at a path, or by CID from a node home's store (``~/.p2ptrain`` by default).
+
+    Every byte read by CID is verified against it. A CID the store does not hold raises
+    :class:`ContentUnavailable`; fetch it first with ``p2ptrain model fetch CID``.
+    """
+    path = Path(cid_or_path)
+    if path.exists():
+        return model_from_bytes(path.read_bytes())
+    cid = str(cid_or_path)
+    try:
+        parse_cid(cid)
+    except Exception:
+        raise FileNotFoundError(f"{cid}: no such file, and not a CID") from None
+    if store is None:
+        store = open_store(home or default_home())
+    if not store.has(cid):
+        raise ContentUnavailable(cid, "not in the local store; fetch it first: p2ptrain model fetch " + cid)
+    return model_from_bytes(store.cat(cid))
