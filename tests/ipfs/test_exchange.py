@@ -190,3 +190,13 @@ async def test_dead_provider_list_is_an_error_not_a_hang(tmp_path):
         await trio.sleep(0.2)
         with trio.fail_after(DEADLINE), pytest.raises(FetchError):
             await fetcher.exchange.fetch_dag(root, [provider.info])
+
+
+async def test_fetch_block_fetches_one_block_not_the_dag(tmp_path):
+    data = content(MiB, seed=4)
+    async with nodes(tmp_path, BlockStore, BlockStore) as (provider, fetcher):
+        root = add(provider.store, data)
+        with trio.fail_after(DEADLINE):
+            block = await fetcher.exchange.fetch_block(root, [provider.info])
+        assert block == provider.store.get(root)
+        assert len(list(fetcher.store.iter_cids())) == 1  # the root only, not its leaves
