@@ -38,7 +38,8 @@ from p2ptrain.identity import load_or_create_identity, peer_id_of
 from p2ptrain.net.control import ControlClient
 from p2ptrain.node import Node
 
-READY_TIMEOUT_S = 30.0
+# Generous: a node process imports libp2p and torch, which takes tens of seconds on a loaded 2-core box.
+READY_TIMEOUT_S = 120.0
 
 
 @asynccontextmanager

@@ -1,0 +1,164 @@
+"""A real in-process mesh: typed dispatch, bad input through the mesh, goodbye, transitive discovery."""
+
+from __future__ import annotations
+
+import json
+import struct
+import time
+
+import pytest
+import trio
+from libp2p.crypto.ed25519 import create_new_key_pair
+
+from p2ptrain.mesh.membership import MESH_TOPIC
+from p2ptrain.net.pubsub import MessageTooLarge
+from p2ptrain.node import Node
+from p2ptrain.testing import local_mesh
+from p2ptrain.wire import codec, encode
+from p2ptrain.wire.limits import MAX_MESSAGE_BYTES, WIRE_VERSION
+
+from .conftest import Blob, Note
+
+TOPIC = "test/notes"
+
+
+async def join_all(nodes: list[Node], topic: str) -> None:
+    """Subscribe everyone and wait until every pair knows the other is subscribed."""
+    for node in nodes:
+        await node.subscribe(topic)
+    with trio.fail_after(10):
+        for node in nodes:
+            for other in nodes:
+                if other is not node:
+                    await node.pubsub.wait_for_subscription(other.peer_id, topic)
+
+
+def collect(node: Node, into: list) -> None:
+    node.on(Note, lambda signed, topic: into.append((signed.sender, signed.msg, topic)))
+
+
+async def test_typed_messages_reach_every_peer_with_a_verified_sender(tmp_path):
+    async with local_mesh(4, tmp_path) as nodes:
+        inboxes = [[] for _ in nodes]
+        for node, inbox in zip(nodes, inboxes):
+            collect(node, inbox)
+        await join_all(nodes, TOPIC)
+        await nodes[0].publish(TOPIC, Note(text="hello", n=1))
+        with trio.fail_after(10):
+            while not all(inboxes[1:]):
+                await trio.sleep(0.01)
+        for inbox in inboxes[1:]:
+            assert inbox == [(nodes[0].peer_id, Note(text="hello", n=1), TOPIC)]
+        assert inboxes[0] == [], "a node does not dispatch its own messages back to itself"
+        # Status lists every other peer with its capabilities and a fresh heartbeat.
+        status = nodes[1].status()
+        assert {p["peer_id"] for p in status["peers"]} == {n.peer_id.to_base58() for n in nodes if n is not nodes[1]}
+        assert all(p["caps"]["cpu_count"] >= 1 and p["last_heartbeat_age_s"] < 5 for p in status["peers"])
+        assert MESH_TOPIC in status["topics"] and TOPIC in status["topics"]
+        assert all(a.endswith("/p2p/" + status["peer_id"]) for a in status["addrs"])
+
+
+async def test_a_burst_of_our_messages_arrives_whole(tmp_path):
+    async with local_mesh(3, tmp_path) as nodes:
+        inbox: list = []
+        collect(nodes[2], inbox)
+        await join_all(nodes, TOPIC)
+        for i in range(400):
+            await nodes[0].publish(TOPIC, Note(text="burst", n=i))
+        with trio.fail_after(20):
+            while len(inbox) < 400:
+                await trio.sleep(0.02)
+        assert [m.n for _, m, _ in inbox] == list(range(400))
+
+
+async def test_our_oversized_message_is_refused_loudly(tmp_path):
+    async with local_mesh(2, tmp_path) as nodes:
+        with pytest.raises(MessageTooLarge, match="cap"):
+            await nodes[0].publish(TOPIC, Blob(data="x" * (MAX_MESSAGE_BYTES + 1)))
+
+
+def forged_frame(payload_env: bytes, key, version: int = WIRE_VERSION) -> bytes:
+    head = struct.pack(">4sBI", codec.MAGIC, version, len(payload_env))
+    return head + payload_env + key.private_key.sign(codec._DOMAIN + head + payload_env)
+
+
+async def test_bad_messages_through_a_real_mesh_are_dropped_and_counted(tmp_path):
+    async with local_mesh(3, tmp_path) as nodes:
+        attacker, victims = nodes[0], nodes[1:]
+        inboxes = [[] for _ in victims]
+        for node, inbox in zip(victims, inboxes):
+            collect(node, inbox)
+        await join_all(nodes, TOPIC)
+        before = [dict(v.router.dropped) for v in victims]
+
+        stranger = create_new_key_pair()
+        valid_once = encode(Note(text="first", n=1), attacker.key_pair, seq=10**15)
+
+        def env(**kw) -> bytes:
+            base = {"type": "test.note", "sender": attacker.peer_id.to_base58(), "seq": 5, "ts": time.time(), "body": {"text": "x"}}
+            base.update(kw)
+            return json.dumps(base).encode()
+
+        bad = {
+            "malformed": b"definitely not a p2ptrain message",
+            "oversized": b"\x00" * (MAX_MESSAGE_BYTES + 1000),  # pubsub itself carries it (< 1 MiB)
+            # Properly signed by a stranger: gossipsub says the attacker sent it, the wire says the stranger.
+            "sender-mismatch": encode(Note(text="forged"), stranger, seq=1),
+            # Claims the attacker's ID, but signed with the stranger's key.
+            "bad-signature": forged_frame(env(), stranger),
+            "unknown-version": forged_frame(env(), attacker.key_pair, version=WIRE_VERSION + 7),
+            "unknown-type": forged_frame(env(type="rm -rf"), attacker.key_pair),
+            "schema": forged_frame(env(body={"text": 42}), attacker.key_pair),
+        }
+        for data in bad.values():
+            await attacker.pubsub.publish(TOPIC, data)  # raw pubsub: our own publish path would refuse
+        await attacker.pubsub.publish(TOPIC, valid_once)
+        await attacker.pubsub.publish(TOPIC, valid_once)  # a replay: new gossipsub seqno, same wire seq
+        await attacker.publish(TOPIC, Note(text="after", n=2))  # the mesh still works afterwards
+
+        expected = {reason: 1 for reason in bad} | {"replayed": 1}
+        with trio.fail_after(15):
+            while not all(len(i) >= 2 for i in inboxes):
+                await trio.sleep(0.02)
+            while True:
+                deltas = [
+                    {k: v.router.dropped[k] - b.get(k, 0) for k in v.router.dropped if v.router.dropped[k] != b.get(k, 0)}
+                    for v, b in zip(victims, before)
+                ]
+                if all(d == expected for d in deltas):
+                    break
+                await trio.sleep(0.02)
+        for inbox in inboxes:
+            assert [m.text for _, m, _ in inbox] == ["first", "after"], "nothing bad was accepted"
+        for v in victims:
+            assert v.status()["messages"]["dropped"]["replayed"] >= 1
+
+
+async def test_goodbye_marks_a_peer_gone_at_once_and_joins_are_events(tmp_path):
+    async with local_mesh(3, tmp_path, silence_heartbeats=30) as nodes:
+        watcher, leaver = nodes[0], nodes[2]
+        async with watcher.membership.events() as events:
+            leaver.stop()
+            with trio.fail_after(10):  # far less than the 30 s silence limit: it was the Goodbye
+                event = await events.receive()
+        assert event.kind == "leave" and event.peer_id == leaver.peer_id
+        assert "goodbye" in event.reason
+        assert [r.peer_id for r in watcher.membership.alive()] == [nodes[1].peer_id]
+        assert watcher.status()["gone"][0]["peer_id"] == leaver.peer_id.to_base58()
+
+
+async def test_a_node_that_knows_one_peer_finds_the_rest(tmp_path):
+    """A chain of bootstraps (c -> b -> a) becomes a full mesh of direct connections."""
+    async with trio.open_nursery() as nursery:
+        a = Node(tmp_path / "a")
+        await nursery.start(a.run)
+        b = Node(tmp_path / "b", bootstrap=a.addrs)
+        await nursery.start(b.run)
+        c = Node(tmp_path / "c", bootstrap=b.addrs)
+        await nursery.start(c.run)
+        with trio.fail_after(15):
+            while a.peer_id not in c.host.get_connected_peers() or c.peer_id not in a.host.get_connected_peers():
+                await trio.sleep(0.05)
+            await c.membership.wait_until(lambda m: len(m.alive()) == 2)
+        for node in (a, b, c):
+            node.stop()

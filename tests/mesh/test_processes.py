@@ -1,0 +1,92 @@
+"""Real `p2ptrain node` processes: a 4-peer mesh, a killed peer, a restarted peer, the id race."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from p2ptrain.testing import node_processes, wait_for
+
+CLI = [sys.executable, "-m", "p2ptrain.cli.main"]
+
+
+def cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout)
+
+
+def status_json(home: Path) -> dict:
+    done = cli("node", "status", "--home", str(home), "--json")
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def peer_ids(status: dict) -> set[str]:
+    return {p["peer_id"] for p in status["peers"]}
+
+
+def test_four_node_processes_form_a_mesh_survive_a_kill_and_a_restart(tmp_path):
+    with node_processes(4, tmp_path) as procs:
+        ids = {p.peer_id for p in procs}
+        # Every node lists the other three (polled through the control socket, bounded at 10 s).
+        wait_for(lambda: all(peer_ids(p.status()) == ids - {p.peer_id} for p in procs), timeout=10)
+        # ... and says so through the CLI contract: peer_id, addrs (usable as --bootstrap), peers.
+        for p in procs:
+            status = status_json(p.home)
+            assert status["peer_id"] == p.peer_id
+            assert p.addr in status["addrs"]
+            assert all(a.endswith(f"/p2p/{p.peer_id}") for a in status["addrs"])
+            assert peer_ids(status) == ids - {p.peer_id}
+        human = cli("node", "status", "--home", str(procs[0].home))
+        assert human.returncode == 0 and procs[1].peer_id in human.stdout
+
+        # A killed node gets no chance to say goodbye: the others notice its silence.
+        victim = procs[3]
+        victim.kill()
+        survivors = procs[:3]
+        wait_for(lambda: all(victim.peer_id in {g["peer_id"] for g in s.status()["gone"]} for s in survivors), timeout=20)
+        assert all(victim.peer_id not in peer_ids(s.status()) for s in survivors)
+        reasons = [g["left_reason"] for g in survivors[0].status()["gone"]]
+        assert any("silent" in r for r in reasons)
+
+        # Restarted on the same home (stale control socket and all), it keeps its peer ID and rejoins.
+        assert (victim.home / "control.sock").exists(), "a killed node leaves its socket behind"
+        victim.start()
+        victim.wait_ready()
+        assert victim.status()["peer_id"] == victim.peer_id
+        wait_for(lambda: all(peer_ids(p.status()) == ids - {p.peer_id} for p in procs), timeout=20)
+
+        # SIGTERM stops a node cleanly: exit code 0, socket removed, its log names it.
+        assert procs[0].terminate() == 0
+        assert not (procs[0].home / "control.sock").exists()
+        log = (procs[0].home / "logs" / "node.log").read_text()
+        short = procs[0].peer_id[-8:]
+        assert f"node {short} stopping" in log and f"node {short} stopped" in log
+
+
+def test_two_processes_racing_on_a_new_home_end_with_one_identity(tmp_path):
+    home = tmp_path / "new-home"
+    racers = [subprocess.Popen([*CLI, "node", "id", "--home", str(home)], stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    outputs = [r.communicate(timeout=60)[0].strip() for r in racers]
+    assert all(r.returncode == 0 for r in racers)
+    assert outputs[0] == outputs[1] and outputs[0].startswith("12D3KooW")
+    assert [p.name for p in home.iterdir() if "identity" in p.name] == ["identity.key"]
+    assert oct(os.stat(home / "identity.key").st_mode & 0o777) == "0o600"
+    assert cli("node", "id", "--home", str(home)).stdout.strip() == outputs[0]
+
+
+def test_bad_bootstrap_is_one_clear_line(tmp_path):
+    done = cli("node", "start", "--home", str(tmp_path / "h"), "--bootstrap", "/ip4/127.0.0.1/tcp/1")
+    assert done.returncode == 1
+    assert "no /p2p/<peer id> part" in done.stderr and "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("args", [["status"], ["status", "--json"]])
+def test_status_without_a_node_is_one_clear_line(tmp_path, args):
+    done = cli("node", *args, "--home", str(tmp_path / "h"))
+    assert done.returncode == 1
+    assert "no node is running for home" in done.stderr and "Traceback" not in done.stderr
