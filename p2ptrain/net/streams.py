@@ -3,15 +3,22 @@
 A :class:`Channel` wraps one long-lived libp2p stream (Noise-secured, yamux-multiplexed) and carries
 whole messages: each message is an 8-byte big-endian length followed by that many bytes. Nothing on
 the wire is ever unpickled; a receiver states the largest message it will accept, and a larger one
-closes the channel with a clear error before a byte of its body is buffered.
+closes the channel with a clear error before the body is assembled (what is buffered meanwhile is
+bounded by the stream's yamux window, at most 16 MiB).
 
 Errors are ours (:class:`ChannelClosed`, :class:`ChannelError`) and name the remote peer, so callers
 never handle libp2p's internal exception zoo.
 
-How callers must behave (flow control): the sender blocks once the receiver's yamux window is full,
-and py-libp2p's yamux fails a writer whose reader has not read for 5 s. A peer that computes for
-longer must keep a task reading, or not hold a channel open with unread data in flight. Put deadlines
-around ``send``/``recv`` with ``trio.fail_after``.
+On hosts from :func:`p2ptrain.net.host.make_host` the channel runs on our yamux and Noise classes
+(:mod:`p2ptrain.net.muxer`, :mod:`p2ptrain.net.noise`): large frames, no copies of message bodies on
+the way out, one join on the way in. With any other libp2p stream it falls back to plain
+``read``/``write``.
+
+How callers must behave (flow control): ``send`` blocks once the receiver's window is full, i.e.
+while the receiver is not calling ``recv``. Our muxer lets it wait as long as the caller's deadline
+allows (put one around ``send``/``recv`` with ``trio.fail_after``). py-libp2p's stock yamux instead
+fails a writer whose reader has not read for 5 s: when the sender is a stock peer, a receiver that
+computes for longer must keep a task reading, or not leave unread data in flight.
 """
 
 from __future__ import annotations
