@@ -47,6 +47,8 @@ log = logging.getLogger(__name__)
 ElectionMessage = VoteRequest | SignedVote | CoordinatorBeat
 # Ballots older than this many terms are forgotten; those elections ended long ago.
 _BALLOT_MEMORY = 256
+# Votes carried in a heartbeat (task.MAX_PEERS members at most, so all of them fit).
+_MAX_CERTIFICATE = 128
 
 
 @dataclass(frozen=True)
@@ -188,9 +190,10 @@ class Election:
         return sum(1 for v in self._votes if v in voters) >= quorum(len(voters))
 
     def _become_coordinator(self, now: float) -> CoordinatorBeat:
+        # Every vote collected, not just a quorum: members whose roster differs a little (a plan
+        # they missed) still find a majority of theirs in it.
         voters = set(self._voters())
-        need = quorum(len(voters))
-        self._certificate = tuple(self._votes[v] for v in sorted(self._votes) if v in voters)[:need]
+        self._certificate = tuple(self._votes[v] for v in sorted(self._votes) if v in voters)[:_MAX_CERTIFICATE]
         self.coordinator = self.me
         self._last_heard = self._last_sent = now
         log.info("task %s: %s is coordinator of term %d (%d votes)", self.task_cid[:12], self.me[-8:],

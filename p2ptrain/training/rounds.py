@@ -1,25 +1,31 @@
-"""Round bookkeeping: who takes part in the next round, at which step, and when to checkpoint.
+"""Round bookkeeping: who takes part, from which step, for how many rounds, and when to checkpoint.
 
-Every member keeps a :class:`RoundBook` (the last plan it followed and the confirmed chain), so when
-the coordinator dies the next one continues from its own state instead of from scratch. All of it is
-pure: the node decides when to call it.
+Every member keeps a :class:`RoundBook` (the last plan it followed, the latest plan it saw, and the
+confirmed chain), so when the coordinator dies the next one continues from its own state instead of
+from scratch. All of it is pure: the node decides when to call it.
 
 Rules, and why:
 
-- A round's members are the previous round's members that are still live, then joiners (in a fixed
-  hash order) up to ``peers.max``. No round runs with fewer than ``peers.min`` members, nor without a
-  quorum of the previous round's members: on the minority side of a partition nobody can plan, so
+- A plan covers a *span* of rounds, up to and including the next checkpoint round; members run its
+  rounds back to back (round ``round + i`` starts at step ``step + i``). One pubsub message per span,
+  not per round, keeps fast rounds clear of gossipsub's per-peer rate limit.
+- A span's members are the previous span's members that are still live, then joiners (in a fixed
+  hash order) up to ``peers.max``. No span starts with fewer than ``peers.min`` members, nor without
+  a quorum of the previous span's members: on the minority side of a partition nobody can plan, so
   the two sides never both extend the history.
-- Joiners are admitted only when the members' state *is* the latest confirmed checkpoint (the round
-  right after a confirmation, or the start), because a joiner loads that checkpoint by CID (weights
-  and optimizer state) and must hold exactly what the others hold.
-- After a checkpoint round the coordinator publishes a record and waits for its confirmation (or
-  rejection) before the next plan (a barrier), so members still hold the checkpointed state when
-  they attest, and joiners can come in right after a confirmation.
-- A failed round (a member died during the all-reduce) is retried: same round, next attempt, same
-  step, without the dead member. A member that applied the failed round's step rolls it back
-  (:meth:`Trainer.align`); a member that cannot reach the plan's step stops advertising the task
-  until it has resumed from the latest checkpoint.
+- Joiners are admitted only when the members' state *is* the latest confirmed checkpoint (after a
+  confirmation, or at the start), because a joiner loads that checkpoint by CID (weights and
+  optimizer state) and must hold exactly what the others hold.
+- A span ends with a checkpoint: the coordinator publishes a record and waits for its confirmation
+  (or rejection) before the next plan (a barrier), so members still hold the checkpointed state when
+  they attest.
+- When a member's all-reduce fails (a peer died) it stops and sends ``round_failed``; the
+  coordinator answers with a retry plan: the failed round, next attempt, its start step, the live
+  members. A member that already applied that round's step rolls it back (:meth:`Trainer.align`):
+  nobody can be further ahead, because the next round's all-reduce needs everyone.
+- A new coordinator continues from its own state. If it stopped inside a span it steps back one
+  round when it can (it may have applied a round that others did not finish); a member that cannot
+  reach a plan's step stops advertising the task until it has resumed from the latest checkpoint.
 """
 
 from __future__ import annotations
@@ -32,12 +38,12 @@ from libp2p.crypto.keys import KeyPair
 from p2ptrain.training.election import Election, rank
 from p2ptrain.training.records import Chain, quorum, sign_record
 from p2ptrain.training.task import Task
-from p2ptrain.wire.messages import ModelRecord, RoundPlan, SignedModelRecord
+from p2ptrain.wire.messages import ModelRecord, RoundFailed, RoundPlan, SignedModelRecord
 
 
-def round_id(plan: RoundPlan) -> str:
-    """The all-reduce's name for this round attempt (unique per task, round and attempt)."""
-    return f"{plan.task_cid}/r{plan.round}/a{plan.attempt}"
+def round_id(plan: RoundPlan, index: int) -> str:
+    """The all-reduce's name for the ``index``-th round of the plan (unique per term and attempt)."""
+    return f"{plan.task_cid}/t{plan.term}/r{plan.round + index}/a{plan.attempt}"
 
 
 def shard_of(plan: RoundPlan, peer: str) -> tuple[int, int]:
@@ -51,10 +57,17 @@ def is_checkpoint(task: Task, round_index: int, total_steps: int) -> bool:
     return (round_index + 1) % task.training.checkpoint_interval == 0 or round_index + 1 >= total_steps
 
 
+def span_length(task: Task, round_index: int, total_steps: int) -> int:
+    """Rounds from ``round_index`` up to and including the next checkpoint round."""
+    interval = task.training.checkpoint_interval
+    next_checkpoint = min((round_index // interval + 1) * interval, total_steps)
+    return max(1, next_checkpoint - round_index)
+
+
 def plan_members(
     task: Task, task_cid: str, previous: Sequence[str], live: Collection[str], admit_joiners: bool
 ) -> tuple[str, ...] | None:
-    """Members of the next round, sorted; None when no round may run now (see the module rules)."""
+    """Members of the next span, sorted; None when no span may start now (see the module rules)."""
     live = set(live)
     kept = [p for p in previous if p in live]
     if previous and len(kept) < quorum(len(previous)):
@@ -70,13 +83,15 @@ def plan_members(
 
 @dataclass
 class RoundBook:
-    """What a member knows of the run: the last plan it followed and the confirmed chain."""
+    """What a member knows of the run: plans followed and seen, failures, the confirmed chain."""
 
     task: Task
     task_cid: str
     chain: Chain
     total_steps: int
-    last_plan: RoundPlan | None = None
+    last_plan: RoundPlan | None = None  # the last plan this member followed
+    observed: RoundPlan | None = None  # the latest plan seen on the topic, followed or not
+    failed_round: int | None = None  # a reported failure of last_plan's attempt
     # The step of a checkpoint whose record was rejected: the barrier opens, training goes on, and
     # the next checkpoint tries again (joiners wait for a confirmed one).
     rejected_step: int | None = None
@@ -86,49 +101,91 @@ class RoundBook:
         """The step of the latest confirmed model (0 for the initial model)."""
         return self.chain.records[-1].record.step if self.chain.records else 0
 
-    def next_plan(self, election: Election, my_step: int, live: Collection[str]) -> RoundPlan | None:
+    def roster(self, me: str) -> tuple[str, ...]:
+        """The voters to give :meth:`Election.tick`: the members of the last span we took part in;
+        for a peer that is not among them (a joiner, or one dropped while away), the members of the
+        latest plan seen on the topic; none before the first span (then the live peers vote)."""
+        if self.last_plan is not None and me in self.last_plan.members:
+            return self.last_plan.members
+        return self.observed.members if self.observed is not None else ()
+
+    def report_failure(self, report: RoundFailed) -> bool:
+        """Note a member's ``round_failed`` for the current plan; True if it calls for a retry."""
+        last = self.last_plan
+        if last is None or (report.task_cid, report.term, report.attempt) != (self.task_cid, last.term, last.attempt):
+            return False
+        if not last.round <= report.round < last.round + last.rounds:
+            return False
+        if self.failed_round is None or report.round < self.failed_round:
+            self.failed_round = report.round
+        return True
+
+    def next_plan(
+        self, election: Election, my_step: int, live: Collection[str], can_roll_back: bool = False
+    ) -> RoundPlan | None:
         """As coordinator at optimizer step ``my_step``: the next plan, or None (wait, or done).
 
-        ``live`` is the set of peers (the coordinator included) that advertise this task and meet
-        its requirements. Continues after the last plan seen, whoever issued it: the next round if
-        our own state completed it, else a retry of it.
+        ``live``: the peers (the coordinator included) that advertise this task and meet its
+        requirements. ``can_roll_back``: the trainer keeps the state before its last step. The
+        coordinator then follows its own plan like any member (:meth:`plan_problem`, then align).
         """
-        if not election.is_coordinator or my_step >= self.total_steps:
+        if not election.is_coordinator:
             return None
         last = self.last_plan
         if last is None:
-            round_index, attempt, previous = 0, 0, ()
-        elif my_step == last.step + 1:
-            round_index, attempt, previous = last.round + 1, 0, last.members
-        elif my_step == last.step:
-            round_index, attempt, previous = last.round, last.attempt + 1, last.members
-        else:
-            return None  # our state does not follow the last plan: not ours to continue from
-        if last is not None and my_step == last.step + 1 and is_checkpoint(self.task, last.round, self.total_steps):
+            start_round, attempt, step, previous = 0, 0, my_step, ()
+            if my_step != self.head_step:
+                return None  # a fresh run starts from the head of the chain
+        elif self.failed_round is not None:
+            start_round, attempt, previous = self.failed_round, last.attempt + 1, last.members
+            step = last.step + (self.failed_round - last.round)
+        elif my_step == last.step + last.rounds:
+            start_round, attempt, step, previous = last.round + last.rounds, last.attempt, my_step, last.members
             if my_step not in (self.head_step, self.rejected_step):
-                return None  # barrier: the checkpoint of the last round is not confirmed yet
-        members = plan_members(self.task, self.task_cid, previous, live, admit_joiners=my_step == self.head_step)
+                return None  # barrier: the span's checkpoint is not confirmed (or rejected) yet
+        elif last.term != election.term and last.step <= my_step < last.step + last.rounds:
+            # Taking over a span the old coordinator did not finish: step back one round when we
+            # can, since we may have applied a round that others did not complete.
+            step = my_step - 1 if can_roll_back and my_step > last.step else my_step
+            start_round, attempt, previous = last.round + (step - last.step), last.attempt + 1, last.members
+        else:
+            return None  # the current span is still running
+        if my_step not in (step, step + 1) or step >= self.total_steps:
+            return None
+        admit = step == self.head_step
+        members = plan_members(self.task, self.task_cid, previous, live, admit_joiners=admit)
         if members is None or election.me not in members:
             return None
         return RoundPlan(
-            task_cid=self.task_cid, term=election.term, round=round_index, attempt=attempt, step=my_step,
-            members=members, base_cid=self.chain.head_cid, version=self.chain.version,
+            task_cid=self.task_cid, term=election.term, round=start_round, attempt=attempt, step=step,
+            rounds=span_length(self.task, start_round, self.total_steps), members=members,
+            base_cid=self.chain.head_cid, version=self.chain.version,
         )
 
     def plan_problem(self, plan: RoundPlan, sender: str, election: Election) -> str | None:
-        """Why a member should not follow ``plan``, or None. Records it as the last plan when followed."""
+        """Why a member should not follow ``plan``, or None. Records it as the last plan when followed.
+
+        Every plan of this task that arrives should pass through here, also on peers that are not
+        members: it is how a joiner learns the roster that elected the coordinator.
+        """
         if plan.task_cid != self.task_cid:
             return "plan for another task"
+        seen = self.observed
+        if seen is None or (plan.term, plan.round, plan.attempt) > (seen.term, seen.round, seen.attempt):
+            self.observed = plan
         if plan.term != election.term or sender != election.coordinator:
             return f"plan from {sender[-8:]} in term {plan.term}, not from the coordinator of term {election.term}"
         if election.me not in plan.members:
-            return "not a member of this round"
+            return "not a member of this span"
         if list(plan.members) != sorted(set(plan.members)):
             return "members are not sorted and distinct"
+        if plan.rounds < 1 or plan.step + plan.rounds > self.total_steps:
+            return f"a span of {plan.rounds} rounds from step {plan.step} does not fit the task"
         last = self.last_plan
-        if last is not None and (plan.round, plan.attempt) <= (last.round, last.attempt):
-            return f"round {plan.round}.{plan.attempt} is not after {last.round}.{last.attempt}"
+        if last is not None and (plan.term, plan.round, plan.attempt) <= (last.term, last.round, last.attempt):
+            return f"plan {plan.term}/{plan.round}.{plan.attempt} is not after {last.term}/{last.round}.{last.attempt}"
         self.last_plan = plan
+        self.failed_round = None
         return None
 
     def checkpoint_record(
@@ -140,10 +197,10 @@ class RoundBook:
         metrics: dict[str, float],
         key_pair: KeyPair,
     ) -> SignedModelRecord:
-        """As coordinator, after a checkpoint round: the signed record that extends the chain."""
+        """As coordinator, after the last round of a span: the signed record that extends the chain."""
         record = ModelRecord(
             task_cid=self.task_cid, version=self.chain.version + 1, parent=self.chain.head_cid,
-            round=plan.round, step=step, members=plan.members, metrics=dict(metrics),
+            round=plan.round + plan.rounds - 1, step=step, members=plan.members, metrics=dict(metrics),
             model_cid=model_cid, optimizer_cid=optimizer_cid, term=plan.term, coordinator="",
         )
         return sign_record(record, key_pair)

@@ -187,6 +187,11 @@ class Trainer:
         return sum(p.numel() for p in self.params)
 
     @property
+    def can_roll_back(self) -> bool:
+        """Whether the state before the last step is kept (see :meth:`rollback`)."""
+        return self._snapshot is not None
+
+    @property
     def done(self) -> bool:
         return self.step >= self.total_steps
 

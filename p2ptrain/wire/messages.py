@@ -83,10 +83,12 @@ class TaskAnnounce:
 @message("round_plan")
 @dataclass(frozen=True)
 class RoundPlan:
-    """The coordinator's order for one round: who takes part (rank = index) from which model state.
+    """The coordinator's order for a span of ``rounds`` rounds (up to the next checkpoint): who takes
+    part (rank = index in ``members``) from which state.
 
-    ``step`` is the optimizer steps members must have taken before the round; ``base_cid``/``version``
-    name the latest confirmed model. A retry of a failed round keeps ``round`` and raises ``attempt``.
+    ``step`` is the optimizer steps members must have taken before the first round; round
+    ``round + i`` starts at step ``step + i``. ``base_cid``/``version`` name the latest confirmed
+    model. A retry after a failure starts at the failed round with a higher ``attempt``.
     """
 
     task_cid: str = field(metadata=_CID)
@@ -94,9 +96,24 @@ class RoundPlan:
     round: int
     attempt: int
     step: int
+    rounds: int
     members: tuple[str, ...] = field(metadata={"max_items": 1024, **_PEER})
     base_cid: str = field(metadata=_CID)
     version: int
+
+
+@message("round_failed")
+@dataclass(frozen=True)
+class RoundFailed:
+    """A member's all-reduce of ``round`` (of the plan ``term``/``attempt``) failed: it stopped there,
+    at optimizer step ``step``. The coordinator answers with a retry plan."""
+
+    task_cid: str = field(metadata=_CID)
+    term: int
+    round: int
+    attempt: int
+    step: int
+    reason: str = field(default="", metadata={"max_len": 256})
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,9 @@ from p2ptrain.data.builtin import load_source
 from p2ptrain.ipfs.embedded import EmbeddedStore
 from p2ptrain.training.task import load_task
 
+# The models here are tiny: extra intra-op threads only fight the other processes on a small machine.
+torch.set_num_threads(1)
+
 
 @pytest.fixture(scope="session")
 def digits(tmp_path_factory):

@@ -1,0 +1,278 @@
+"""Whole rounds in one process, with every training-layer part real: elected coordinator, plans,
+shards from IPFSDataset, averaged steps, checkpoint records stored by CID, attestations, the chain,
+a late joiner resuming from a checkpoint by CID, a member dying mid-round, and coordinator failover.
+Only the network is replaced: messages are handed over directly and the all-reduce is an exact mean.
+"""
+
+import pytest
+import torch
+import trio
+from libp2p.crypto.ed25519 import create_new_key_pair
+
+from p2ptrain.data import IPFSDataset
+from p2ptrain.ipfs.embedded import EmbeddedStore
+from p2ptrain.training import signing
+from p2ptrain.training.election import Election, ElectionConfig
+from p2ptrain.training.records import Chain, Status, Tally, attest
+from p2ptrain.training.rounds import RoundBook, plan_members, round_id, shard_of, span_length
+from p2ptrain.training.task import task_bytes
+from p2ptrain.training.trainer import Trainer, batched, batches_forever
+from p2ptrain.wire.messages import RoundFailed, RoundPlan
+
+CONFIG = ElectionConfig(heartbeat_s=1.0, timeout_beats=3)
+
+
+class Member:
+    def __init__(self, tmp_path, name, task, task_cid, initial_cid, fetch_block):
+        self.key = create_new_key_pair()
+        self.id = signing.peer_str(self.key)
+        self.store = EmbeddedStore(tmp_path / name, fetch_block=fetch_block)
+        self.election = Election(task_cid, self.key, CONFIG)
+        self.book = RoundBook(task, task_cid, Chain(task_cid, initial_cid), task.training.total_steps)
+        self.trainer = Trainer(task, device="cpu")
+        self.task = task
+        self.data = None
+        self.shard = None
+        self.tally = None
+
+    def follow(self, plan: RoundPlan, sender: str) -> None:
+        problem = self.book.plan_problem(plan, sender, self.election)
+        assert problem is None, problem
+        self.trainer.align(plan.step)
+        shard = shard_of(plan, self.id)
+        if shard != self.shard:  # membership changed: re-shard the training split
+            self.shard = shard
+            ds = IPFSDataset(self.task.dataset.manifest, "train", rank=shard[0], world_size=shard[1],
+                             store=self.store, seed=shard[0])
+            self.data = batches_forever(ds, self.task.training.batch_size)
+
+    def own_cids(self):
+        return (self.store.add_bytes(self.trainer.model_bytes()),
+                self.store.add_bytes(self.trainer.optimizer_bytes()))
+
+
+class Swarm:
+    def __init__(self, tmp_path, digits, digits_task, steps):
+        self.tmp_path = tmp_path
+        self.source, cid = digits
+        self.task = digits_task(cid, steps=steps, **{"training.checkpoint_interval": "4"})
+        self.task_cid = self.source.add_bytes(task_bytes(self.task))
+        self.initial_cid = self.source.add_bytes(Trainer(self.task, device="cpu").model_bytes())
+        self.members: dict[str, Member] = {}
+        self.now = 0.0
+        self.records = []
+
+    def add(self, name):
+        m = Member(self.tmp_path, name, self.task, self.task_cid, self.initial_cid, self.fetch_block)
+        self.members[m.id] = m
+        return m
+
+    def fetch_block(self, cid):
+        """Stands in for Bitswap: the block from whichever peer's store holds it (verified on arrival)."""
+        for store in [self.source] + [m.store for m in self.members.values()]:
+            if store.blocks.has(cid):
+                return store.blocks.get(cid)
+        raise LookupError(f"nobody holds {cid}")
+
+    def live(self):
+        return set(self.members)
+
+    def elect(self, seconds=8.0):
+        """Run the election machines until all members accept one coordinator."""
+        end = self.now + seconds
+        while self.now < end:
+            self.now += 0.5
+            queue = []
+            for m in self.members.values():
+                roster = m.book.roster(m.id)
+                queue += [(m.id, msg) for msg in m.election.tick(self.now, self.live() - {m.id}, roster)]
+            while queue:
+                src, msg = queue.pop(0)
+                for m in self.members.values():
+                    if m.id != src:
+                        queue += [(m.id, out) for out in m.election.receive(self.now, src, msg)]
+            seen = {(m.election.term, m.election.coordinator) for m in self.members.values()}
+            if len(seen) == 1 and None not in next(iter(seen)):
+                return self.members[next(iter(seen))[1]]
+        raise AssertionError("no coordinator agreed")
+
+    def run_span(self, coordinator, die=None):
+        """Run the coordinator's next plan. ``die=(i, member)``: that member contributes to round i
+        and vanishes; members ranked before it get round i's result (the ring's all-gather reached
+        them), the rest fail there, and those who got it fail at round i + 1."""
+        c = coordinator
+        plan = c.book.next_plan(c.election, c.trainer.step, self.live(), c.trainer.can_roll_back)
+        assert plan is not None
+        for member_id in plan.members:
+            self.members[member_id].follow(plan, c.id)
+        group = [self.members[p] for p in plan.members]
+        parts: dict[str, dict[str, torch.Tensor]] = {}
+        failures: list[RoundFailed] = []
+        victim_rank = plan.members.index(die[1].id) if die else None
+
+        async def member(m):
+            for i in range(plan.rounds):
+                m.trainer.compute_gradient(m.data)
+                rid = round_id(plan, i)
+
+                async def average(flat, rid):
+                    got = parts.setdefault(rid, {})
+                    got[m.id] = flat
+                    if die and (i > die[0] or (i == die[0] and plan.members.index(m.id) >= victim_rank)):
+                        raise ConnectionError(f"ring neighbour {die[1].id[-8:]} is gone")
+                    while len(got) < len(group):
+                        await trio.sleep(0)
+                    return torch.stack([got[p] for p in plan.members]).mean(0)
+
+                try:
+                    await m.trainer.sync(average, rid)
+                except ConnectionError as exc:
+                    if m is not (die and die[1]):
+                        failures.append(RoundFailed(task_cid=plan.task_cid, term=plan.term, round=plan.round + i,
+                                                    attempt=plan.attempt, step=m.trainer.step, reason=str(exc)))
+                    return
+
+        async def main():
+            with trio.fail_after(60):
+                async with trio.open_nursery() as nursery:
+                    for m in group:
+                        nursery.start_soon(member, m)
+
+        trio.run(main)
+        if die:
+            del self.members[die[1].id]
+        for report in failures:
+            for m in self.members.values():
+                m.book.report_failure(report)
+        if not failures:
+            self.checkpoint(c, plan)
+        return plan, failures
+
+    def checkpoint(self, coordinator, plan):
+        model_cid, optimizer_cid = coordinator.own_cids()
+        test = IPFSDataset(self.task.dataset.manifest, "test", store=coordinator.store, shuffle=False)
+        metrics = coordinator.trainer.evaluate(batched(test, 256))
+        signed = coordinator.book.checkpoint_record(
+            plan, coordinator.trainer.step, model_cid, optimizer_cid,
+            {"loss": metrics.loss, "accuracy": metrics.accuracy}, coordinator.key,
+        )
+        attestations = [attest(signed.record, *self.members[p].own_cids(), self.members[p].key) for p in plan.members]
+        for p in plan.members:
+            tally = Tally(signed)
+            for a in attestations:
+                tally.add(a)
+            assert tally.status is Status.CONFIRMED
+            self.members[p].book.chain.append(signed)
+        self.records.append(signed)
+
+
+def same_state(members):
+    return len({(m.trainer.model_bytes(), m.trainer.optimizer_bytes()) for m in members}) == 1
+
+
+def test_full_run_with_joiner_death_and_failover(tmp_path, digits, digits_task):
+    swarm = Swarm(tmp_path, digits, digits_task, steps=40)  # checkpoint every 4 rounds
+    a, b, c = swarm.add("a"), swarm.add("b"), swarm.add("c")
+    coordinator = swarm.elect()
+    plan, failures = swarm.run_span(coordinator)
+    assert (plan.round, plan.rounds, plan.step) == (0, 4, 0) and not failures
+    assert same_state([a, b, c]) and a.book.chain.version == 1 and a.trainer.step == 4
+    assert a.book.chain.records[0].record.parent == swarm.initial_cid
+
+    # A late joiner: admitted right after the confirmed checkpoint, resumes from it by CID.
+    d = swarm.add("d")
+    assert "not from the coordinator" in d.book.plan_problem(coordinator.book.last_plan, coordinator.id, d.election)
+    assert d.book.roster(d.id) == coordinator.book.last_plan.members  # a joiner learns the roster
+    assert swarm.elect() is coordinator  # the joiner hears the heartbeat and checks its certificate
+    head = coordinator.book.chain.records[-1]
+    d.book.chain.append(head)  # records reach it by pubsub in a node
+    d.trainer.load_state(d.store.cat(head.record.model_cid), d.store.cat(head.record.optimizer_cid))
+    plan, failures = swarm.run_span(coordinator)
+    assert d.id in plan.members and not failures
+    assert same_state([a, b, c, d]) and d.book.chain.version == 2
+
+    # A member dies during round 1 of the span; some members applied that round, some did not.
+    victim = next(m for m in swarm.members.values() if m is not coordinator)
+    plan, failures = swarm.run_span(coordinator, die=(1, victim))
+    assert {f.round for f in failures} <= {plan.round + 1, plan.round + 2} and failures
+    steps = {m.trainer.step for m in swarm.members.values()}
+    assert steps <= {plan.step + 1, plan.step + 2}
+    retry, failures = swarm.run_span(coordinator)
+    assert (retry.round, retry.attempt, retry.step) == (plan.round + 1, plan.attempt + 1, plan.step + 1)
+    assert victim.id not in retry.members and not failures
+    assert same_state(swarm.members.values())
+
+    # The coordinator dies in the middle of the next span: another is elected and retries.
+    old_term = coordinator.election.term
+    plan, failures = swarm.run_span(coordinator, die=(2, coordinator))
+    new = swarm.elect()
+    assert new.election.term > old_term and new is not coordinator
+    retry, again = swarm.run_span(new)
+    assert retry.term == new.election.term and retry.round == min(f.round for f in failures)
+    assert retry.round in (plan.round + 2, plan.round + 3) and not again
+    while not new.trainer.done:
+        swarm.run_span(new)
+    survivors = list(swarm.members.values())
+    assert same_state(survivors) and len(survivors) == 2
+    chain = survivors[0].book.chain
+    assert [r.record.version for r in chain.records] == list(range(1, len(chain.records) + 1))
+    assert {r.record.coordinator for r in chain.records} == {coordinator.id, new.id}
+    for m in survivors:
+        assert m.book.chain.to_bytes() == chain.to_bytes()
+    assert chain.head_cid == survivors[0].own_cids()[0]
+    assert chain.records[-1].record.step == 40 and chain.records[-1].record.metrics["accuracy"] > 0.8
+
+
+def test_plan_members_rules(digits, digits_task):
+    _, cid = digits
+    task = digits_task(cid, **{"peers.min": "2", "peers.max": "3"})
+    prev = ("p1", "p2", "p3")
+    assert plan_members(task, "T", prev, {"p1", "p2", "p3", "p4"}, admit_joiners=False) == prev
+    assert plan_members(task, "T", prev, {"p1", "p2"}, admit_joiners=True) == ("p1", "p2")
+    assert plan_members(task, "T", prev, {"p1", "p4", "p5"}, admit_joiners=True) is None  # no quorum of prev
+    assert plan_members(task, "T", (), {"p1"}, admit_joiners=True) is None  # below peers.min
+    four = plan_members(task, "T", (), {"p1", "p2", "p3", "p4"}, admit_joiners=True)
+    assert len(four) == 3 and four == tuple(sorted(four))  # capped at peers.max
+    assert plan_members(task, "T", ("p1", "p2"), {"p1", "p2", "p3"}, admit_joiners=True) == prev
+
+
+def test_members_refuse_plans_not_from_the_coordinator(tmp_path, digits, digits_task):
+    swarm = Swarm(tmp_path, digits, digits_task, steps=10)
+    a, b, c = swarm.add("a"), swarm.add("b"), swarm.add("c")
+    coordinator = swarm.elect()
+    other = next(m for m in (a, b, c) if m is not coordinator)
+    plan = coordinator.book.next_plan(coordinator.election, 0, swarm.live())
+    assert plan.rounds == span_length(swarm.task, 0, 10) == 4
+    assert other.book.next_plan(other.election, 0, swarm.live()) is None  # not the coordinator
+    assert "not from the coordinator" in other.book.plan_problem(plan, other.id, other.election)
+    stale = RoundPlan(**{**plan.__dict__, "term": plan.term - 1})
+    assert "not from the coordinator" in other.book.plan_problem(stale, coordinator.id, other.election)
+    too_long = RoundPlan(**{**plan.__dict__, "rounds": 11})
+    assert "does not fit" in other.book.plan_problem(too_long, coordinator.id, other.election)
+    assert other.book.plan_problem(plan, coordinator.id, other.election) is None
+    assert "is not after" in other.book.plan_problem(plan, coordinator.id, other.election)  # replay
+
+
+@pytest.mark.parametrize("rejected", [False, True])
+def test_checkpoint_barrier(tmp_path, digits, digits_task, rejected):
+    swarm = Swarm(tmp_path, digits, digits_task, steps=10)
+    for name in "abc":
+        swarm.add(name)
+    c = swarm.elect()
+    plan = c.book.next_plan(c.election, 0, swarm.live())
+    for p in plan.members:
+        swarm.members[p].follow(plan, c.id)
+    for _ in range(plan.rounds):
+        g = [swarm.members[p].trainer.compute_gradient(swarm.members[p].data) for p in plan.members]
+        for p in plan.members:
+            swarm.members[p].trainer.apply(torch.stack(g).mean(0))
+    # The span ended with a checkpoint: no next plan until its record is confirmed (or rejected).
+    assert c.book.next_plan(c.election, c.trainer.step, swarm.live()) is None
+    if rejected:
+        c.book.rejected_step = c.trainer.step
+    else:
+        swarm.checkpoint(c, plan)
+    nxt = c.book.next_plan(c.election, c.trainer.step, swarm.live())
+    assert nxt is not None and (nxt.round, nxt.step, nxt.rounds) == (4, 4, 4)
+    last = c.book.next_plan  # the final span is cut at total_steps
+    assert span_length(swarm.task, 8, 10) == 2 and last
