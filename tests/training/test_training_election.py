@@ -238,3 +238,21 @@ def test_random_failures_never_give_two_coordinators_per_term(seed):
     net.drop = 0.0
     net.run(6 * CONFIG.timeout_s)
     assert net.agreed() is not None
+
+
+def test_largest_certificate_fits_the_wire():
+    """A task admits at most task.MAX_PEERS members; a heartbeat with all their votes must encode."""
+    from p2ptrain.training.task import MAX_PEERS
+
+    keys = [create_new_key_pair() for _ in range(MAX_PEERS)]
+    candidate = signing.peer_str(keys[0])
+    votes = []
+    for key in keys:
+        body = Vote(task_cid=TASK, term=7, candidate=candidate, voter=signing.peer_str(key))
+        votes.append(SignedVote(vote=body, signature=signing.sign(body, key)))
+    beat = CoordinatorBeat(task_cid=TASK, term=7, coordinator=candidate, votes=tuple(votes))
+    got = decode(encode(beat, keys[0], 1)).msg
+    assert got == beat
+    judge = Election(TASK, keys[1], CONFIG)
+    judge.tick(0.0, {signing.peer_str(k) for k in keys[2:]} | {candidate}, [signing.peer_str(k) for k in keys])
+    assert judge.check_certificate(got) is None
