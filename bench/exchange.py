@@ -130,14 +130,14 @@ async def _fetch_tcp(addr: str, size: int) -> tuple[float, str]:
     port = int(addr.split("/")[4])
     stream = await trio.open_tcp_stream("127.0.0.1", port)
     digest = hashlib.sha256()
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     got = 0
     while chunk := await stream.receive_some(4 * MIB):
         digest.update(chunk)
         got += len(chunk)
-    elapsed = time.perf_counter() - start
+    elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
     assert got == size, (got, size)
-    return elapsed, digest.hexdigest()
+    return elapsed, cpu, digest.hexdigest()  # hashing is the check here, and is counted as the others
 
 
 async def _fetch_ours(infos: list[tuple[str, str]], home: Path) -> tuple[float, str]:
@@ -160,14 +160,14 @@ async def _fetch_ours(infos: list[tuple[str, str]], home: Path) -> tuple[float, 
         await nursery.start(exchange.run)
         for info in providers:  # connect first: dialing is set-up, not transfer
             await host.connect(info)
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         await exchange.fetch_dag(root, providers)
-        elapsed = time.perf_counter() - start
+        elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
         nursery.cancel_scope.cancel()
     digest = hashlib.sha256()
     for chunk in read_file(root, store.get):
         digest.update(chunk)
-    return elapsed, digest.hexdigest()
+    return elapsed, cpu, digest.hexdigest()
 
 
 async def _fetch_py_bitswap(addr: str, root: str) -> tuple[float, str]:
@@ -187,16 +187,23 @@ async def _fetch_py_bitswap(addr: str, root: str) -> tuple[float, str]:
         await bitswap.start()
         bitswap.set_nursery(nursery)
         await host.connect(info)
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         data, _ = await MerkleDag(bitswap).fetch_file(bytes(CID.decode(root)), peer_id=info.peer_id)
-        elapsed = time.perf_counter() - start
+        elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
         await bitswap.stop()
         nursery.cancel_scope.cancel()
-    return elapsed, hashlib.sha256(data).hexdigest()
+    return elapsed, cpu, hashlib.sha256(data).hexdigest()
 
 
-def run_kind(kind: str, mib: int) -> float:
-    """MB/s of one fetch of ``kind`` (providers started and stopped around it)."""
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process, all threads (Linux /proc)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def run_kind(kind: str, mib: int) -> tuple[float, float, float]:
+    """``(MB/s, fetcher CPU s, providers' CPU s)`` of one fetch of ``kind``."""
     with tempfile.TemporaryDirectory(prefix="p2ptrain-bench-") as tmp:
         tmp = Path(tmp)
         serve_kind = {"ours-2prov": "ours"}.get(kind, kind)
@@ -206,12 +213,16 @@ def run_kind(kind: str, mib: int) -> float:
             for i in range(nprov):
                 procs.append(_start(serve_kind, mib, tmp / f"provider{i}"))
             info = procs[0][1]
+            provider_cpu = -sum(_cpu_seconds(p.pid) for p, _ in procs)
             if kind == "tcp":
-                elapsed, got = trio.run(_fetch_tcp, info[0], mib * MIB)
+                elapsed, cpu, got = trio.run(_fetch_tcp, info[0], mib * MIB)
             elif kind == "py-bitswap":
-                elapsed, got = trio.run(_fetch_py_bitswap, info[0], info[1])
+                elapsed, cpu, got = trio.run(_fetch_py_bitswap, info[0], info[1])
             else:
-                elapsed, got = trio.run(_fetch_ours, [(p[1][0], p[1][1]) for p in procs], tmp / "fetcher")
+                elapsed, cpu, got = trio.run(
+                    _fetch_ours, [(p[1][0], p[1][1]) for p in procs], tmp / "fetcher"
+                )
+            provider_cpu += sum(_cpu_seconds(p.pid) for p, _ in procs)
             if got != info[-1]:
                 raise RuntimeError(f"{kind}: fetched bytes differ from the provider's")
         finally:
@@ -221,7 +232,7 @@ def run_kind(kind: str, mib: int) -> float:
                     proc.wait(timeout=10)
                 except subprocess.TimeoutExpired:
                     proc.kill()
-    return mib * MIB / elapsed / 1e6
+    return mib * MIB / elapsed / 1e6, cpu, provider_cpu
 
 
 def main() -> None:
@@ -243,16 +254,28 @@ def main() -> None:
         trio.run(serve)
         return
 
-    results = {}
+    results, cpu = {}, {}
     for kind in args.kinds.split(","):
         runs = [run_kind(kind, args.mib) for _ in range(args.repeat)]
-        results[kind] = statistics.median(runs)
+        results[kind] = statistics.median(r[0] for r in runs)
+        # CPU per MB moves far less than wall time when other work shares the cores.
+        cpu[kind] = {
+            "fetcher_ms_per_MB": statistics.median(r[1] for r in runs) * 1e3 / (args.mib * MIB / 1e6),
+            "provider_ms_per_MB": statistics.median(r[2] for r in runs) * 1e3 / (args.mib * MIB / 1e6),
+        }
         if not args.json:
-            print(f"{kind:12s} {results[kind]:8.1f} MB/s   (runs: {', '.join(f'{r:.1f}' for r in runs)})")
+            print(
+                f"{kind:12s} {results[kind]:8.1f} MB/s   (runs: {', '.join(f'{r[0]:.1f}' for r in runs)})"
+                f"   CPU ms/MB: fetcher {cpu[kind]['fetcher_ms_per_MB']:.2f},"
+                f" provider(s) {cpu[kind]['provider_ms_per_MB']:.2f}"
+            )
     env = {k: v for k, v in os.environ.items() if k.startswith("PY_YAMUX_")}
     if args.json:
-        print(json.dumps({"mib": args.mib, "env": env, "MB_per_s": results}))
-    elif "ours" in results:
+        print(json.dumps({"mib": args.mib, "env": env, "MB_per_s": results, "cpu": cpu,
+                          "loadavg": os.getloadavg()}))
+    else:
+        print(f"load average: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+    if not args.json and "ours" in results:
         for kind in ("tcp", "py-bitswap"):
             if kind in results:
                 print(f"ours / {kind}: {results['ours'] / results[kind]:.2f}x")
