@@ -181,6 +181,7 @@ class Node:
         self._seq = time.time_ns() // 1000  # grows across restarts with no stored state
         self._stop = trio.Event()
         self.started = trio.Event()
+        self.started_at: float | None = None  # wall clock, when the mesh came up
         self.stopped = trio.Event()
         self.control.register("status", self._status_op)
         self.control.register("ping", self._ping_op)
@@ -315,6 +316,7 @@ class Node:
                     else:
                         services.start_soon(fn, *args, name=name)
                 logger.info("node %s listening on %s", self.short_id, ", ".join(self.addrs))
+                self.started_at = time.time()
                 self.started.set()
                 task_status.started()
                 await self._stop.wait()
@@ -339,6 +341,7 @@ class Node:
             "addrs": self.addrs,
             "home": str(self.home),
             "version": __version__,
+            "started_at": self.started_at,
             "connected": connected,
             "topics": self.router.topics,
             "mesh_topic": MESH_TOPIC,

@@ -63,6 +63,7 @@ class PeerRecord:
             "alive": self.alive,
             "left_reason": self.left_reason or None,
             "last_heartbeat_age_s": round(self.age(), 3),
+            "first_seen": self.first_seen,
             "addrs": list(self.addrs),
             "tasks": list(self.tasks),
             "caps": {

@@ -162,3 +162,24 @@ async def test_a_node_that_knows_one_peer_finds_the_rest(tmp_path):
             await c.membership.wait_until(lambda m: len(m.alive()) == 2)
         for node in (a, b, c):
             node.stop()
+
+
+async def test_the_dht_learns_peers_from_connections_and_lookups_reveal_them(tmp_path):
+    """Kad-DHT peer routing: c knows only b, and a lookup through b finds a."""
+    async with trio.open_nursery() as nursery:
+        a = Node(tmp_path / "a")
+        await nursery.start(a.run)
+        b = Node(tmp_path / "b", bootstrap=a.addrs)
+        await nursery.start(b.run)
+        with trio.fail_after(10):
+            await b.membership.wait_until(lambda m: len(m.alive()) == 1)
+        c = Node(tmp_path / "c", bootstrap=b.addrs)
+        await nursery.start(c.run)
+        with trio.fail_after(15):
+            while b.discovery.dht.routing_table.size() < 2:
+                await trio.sleep(0.05)
+            found = await c.discovery.dht.peer_routing.find_closest_peers_network(c.peer_id.to_bytes())
+        assert a.peer_id in found
+        assert c.host.get_peerstore().addrs(a.peer_id), "the lookup also brought a's addresses"
+        for node in (a, b, c):
+            node.stop()
