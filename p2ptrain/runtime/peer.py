@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from p2ptrain.node import Node
 from p2ptrain.runtime.content import ContentService
 from p2ptrain.runtime.tasks import TaskOptions, TaskService
@@ -16,8 +18,19 @@ class Peer:
     tasks: TaskService
 
 
+def warm_up_torch() -> None:
+    """Pay torch's lazy imports now, before the event loop has heartbeats to answer.
+
+    The first optimizer a process builds imports ``torch._dynamo``: seconds of work that hold the
+    GIL, even from a worker thread. Done while a task starts, it silenced nodes long enough for
+    their peers to mark them gone; done here, before the node runs, it costs only start-up time.
+    """
+    torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+
+
 def make_peer(node: Node, options: TaskOptions | None = None) -> Peer:
     """Install the services into ``node`` (before it runs); they start once the mesh is up."""
+    warm_up_torch()
     content = ContentService(node)
     tasks = TaskService(node, content, options or TaskOptions())
     node.add_service(content.run, name="content")

@@ -20,7 +20,6 @@ the coordinator never puts a member into a ring that would compute from differen
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
 import time
@@ -41,11 +40,12 @@ from p2ptrain.node import Node, write_atomic
 from p2ptrain.runtime.content import ContentService
 from p2ptrain.training.election import Election, ElectionConfig
 from p2ptrain.training.records import Chain, RecordError, Status, Tally, attest, load_model_bytes
-from p2ptrain.training.rounds import RoundBook, is_checkpoint, round_id, shard_of
+from p2ptrain.training.rounds import RoundBook, round_id, shard_of
 from p2ptrain.training.task import Task, total_steps, unmet_requirement
 from p2ptrain.training.trainer import Trainer, TrainerError, batched, batches_forever
 from p2ptrain.wire.messages import (
     CoordinatorBeat,
+    RoundFailed,
     RoundPlan,
     SignedAttestation,
     SignedModelRecord,
@@ -70,11 +70,6 @@ START_TIMEOUT_S = 15.0  # members start a round at different times (compute, pla
 
 def task_topic(task_cid: str) -> str:
     return f"p2ptrain/task/{task_cid}"
-
-
-def numeric_round_id(name: str) -> int:
-    """The collective's integer round id for a round attempt's name (same on every member)."""
-    return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "big") & 0x7FFF_FFFF_FFFF_FFFF
 
 
 class TaskRun:
@@ -111,7 +106,6 @@ class TaskRun:
         self.manifest: Manifest | None = None
         self.total_steps = 0
         self.initial_cid = ""
-        self.observed_roster: tuple[str, ...] = ()
         self.tally: Tally | None = None
         self.tally_started = 0.0
         self.early_attestations: dict[str, list[SignedAttestation]] = {}
@@ -244,6 +238,9 @@ class TaskRun:
             self._note_coordinator(before, now)
         elif isinstance(msg, RoundPlan):
             self._on_plan(sender, msg)
+        elif isinstance(msg, RoundFailed):
+            if self.book is not None and self.book.report_failure(msg):
+                logger.info("%s: %s reports round %d failed: %s", self.log_prefix, short(sender), msg.round, msg.reason)
         elif isinstance(msg, SignedModelRecord):
             await self._on_record(msg)
         elif isinstance(msg, SignedAttestation):
@@ -262,17 +259,15 @@ class TaskRun:
                 self.elected_at = now
 
     def _on_plan(self, sender: str, plan: RoundPlan) -> None:
+        # Every plan goes through the book, also when we are not a member: that is how a joiner
+        # learns the roster whose votes elected the coordinator.
         if self.book is None or plan.task_cid != self.task_cid:
-            return
-        if self.me not in plan.members:
-            if sender == self.election.coordinator or self.election.coordinator is None:
-                self.observed_roster = plan.members  # so a joiner can check the coordinator's votes
-            return
-        if not self.synced:
             return
         problem = self.book.plan_problem(plan, sender, self.election)
         if problem is not None:
-            logger.debug("%s: ignored plan %d.%d: %s", self.log_prefix, plan.round, plan.attempt, problem)
+            logger.debug("%s: not following plan %d.%d: %s", self.log_prefix, plan.round, plan.attempt, problem)
+            return
+        if not self.synced:
             return
         try:
             self._plans_send.send_nowait(plan)
@@ -358,7 +353,7 @@ class TaskRun:
         last_head = -math.inf
         while True:
             now = trio.current_time()
-            roster = self.book.last_plan.members if self.book and self.book.last_plan else self.observed_roster
+            roster = self.book.roster(self.me) if self.book else ()
             before = self.election.coordinator
             for out in self.election.tick(now, self._live(), roster):
                 await self.node.publish(self.topic, out)
@@ -380,14 +375,11 @@ class TaskRun:
         if self.book.last_plan is None and self.elected_at is not None and now - self.elected_at < FIRST_ROUND_GRACE_S:
             return
         live = {p for p in self._live() if self.failed_peers.get(p, -math.inf) < now}
-        plan = self.book.next_plan(self.election, self.trainer.step, live)
+        plan = self.book.next_plan(self.election, self.trainer.step, live, self.trainer.can_roll_back)
         if plan is None:
             return
-        last = self.book.last_plan
-        if last is not None and (plan.round, plan.attempt) == (last.round, last.attempt):
-            return
-        logger.info("%s: plan round %d attempt %d at step %d with %d members", self.log_prefix,
-                    plan.round, plan.attempt, plan.step, len(plan.members))
+        logger.info("%s: plan rounds %d-%d (attempt %d) from step %d with %d members", self.log_prefix,
+                    plan.round, plan.round + plan.rounds - 1, plan.attempt, plan.step, len(plan.members))
         await self.node.publish(self.topic, plan)
         self._on_plan(self.me, plan)
 
@@ -420,13 +412,14 @@ class TaskRun:
                     break
             self.busy = True
             try:
-                await self._run_round(plan)
+                await self._run_span(plan)
             finally:
                 self.busy = False
 
-    async def _run_round(self, plan: RoundPlan) -> None:
-        trainer, reducer = self.trainer, self.reducer
-        assert trainer is not None and reducer is not None
+    async def _run_span(self, plan: RoundPlan) -> None:
+        """The plan's rounds back to back, then its checkpoint; a newer plan or a failure ends it."""
+        trainer = self.trainer
+        assert trainer is not None and self.book is not None
         try:
             trainer.align(plan.step)
         except TrainerError as exc:
@@ -435,35 +428,48 @@ class TaskRun:
             return
         rank, world = shard_of(plan, self.me)
         batches = await self._training_batches(rank, world)
+        for index in range(plan.rounds):
+            if self.book.last_plan is not plan:
+                return  # superseded (a retry, or a new coordinator's plan): the loop takes it up
+            if not await self._run_round(plan, index, batches):
+                return
+        await self._checkpoint(plan)
+
+    async def _run_round(self, plan: RoundPlan, index: int, batches: Iterator[Any]) -> bool:
+        trainer, reducer = self.trainer, self.reducer
+        assert trainer is not None and reducer is not None
         if trainer.pending is None:
             await trio.to_thread.run_sync(trainer.compute_gradient, batches)
-        name = round_id(plan)
         ring = [ID.from_base58(p) for p in plan.members]
-        rid = numeric_round_id(name)
 
-        async def average(flat: torch.Tensor, _name: str) -> torch.Tensor:
+        async def average(flat: torch.Tensor, rid: int) -> torch.Tensor:
             return await reducer.allreduce(flat, ring, rid, timeout=HOP_TIMEOUT_S, start_timeout=START_TIMEOUT_S)
 
         started = time.perf_counter()
         try:
-            result = await trainer.sync(average, name)
+            result = await trainer.sync(average, round_id(plan, index))
         except CollectiveError as exc:
             if isinstance(exc, PeerFailed) and exc.peer_id != self.node.peer_id:
                 self.failed_peers[exc.peer_id.to_base58()] = trio.current_time() + FAILED_PEER_QUARANTINE_S
             self.retry_after = trio.current_time() + RETRY_BACKOFF_S
-            logger.warning("%s: round %d attempt %d failed: %s", self.log_prefix, plan.round, plan.attempt, exc)
-            return
+            logger.warning("%s: round %d (attempt %d) failed: %s", self.log_prefix, plan.round + index,
+                           plan.attempt, exc)
+            report = RoundFailed(task_cid=self.task_cid, term=plan.term, round=plan.round + index,
+                                 attempt=plan.attempt, step=trainer.step, reason=str(exc)[:256])
+            await self.node.publish(self.topic, report)
+            assert self.book is not None
+            self.book.report_failure(report)
+            return False
         stats = self.collective.last_round
         self.bytes_sent += stats.bytes_sent if stats else 0
         self.rounds_done += 1
         self.metrics["train_loss"] = result.local_loss
         logger.info(
             "%s: round %d step %d done with %d peers in %.2f s (loss %.4f, %s sent)",
-            self.log_prefix, plan.round, result.step, len(plan.members), time.perf_counter() - started,
+            self.log_prefix, plan.round + index, result.step, len(plan.members), time.perf_counter() - started,
             result.local_loss, _fmt_bytes(stats.bytes_sent if stats else 0),
         )
-        if is_checkpoint(self.task, plan.round, self.total_steps):
-            await self._checkpoint(plan)
+        return True
 
     async def _training_batches(self, rank: int, world: int) -> Iterator[Any]:
         """This member's batches for its place in the ring; shards are fetched (only these) first."""

@@ -27,6 +27,7 @@ from p2ptrain.runtime.task_run import TASKS_TOPIC, TaskRun, task_topic
 from p2ptrain.training.task import TaskError, load_task, task_bytes, task_from_bytes, unmet_requirement
 from p2ptrain.wire.messages import (
     CoordinatorBeat,
+    RoundFailed,
     RoundPlan,
     SignedAttestation,
     SignedModelRecord,
@@ -91,7 +92,8 @@ class TaskService:
         self._nursery: trio.Nursery | None = None
         node.on(TaskAnnounce, self._on_announce)
         node.on(TaskHead, self._on_head)
-        for msg_type in (VoteRequest, SignedVote, CoordinatorBeat, RoundPlan, SignedModelRecord, SignedAttestation):
+        for msg_type in (VoteRequest, SignedVote, CoordinatorBeat, RoundPlan, RoundFailed, SignedModelRecord,
+                         SignedAttestation):
             node.on(msg_type, self._on_task_message)
         for op, handler in (
             ("task.publish", self._publish_op),
