@@ -2,15 +2,15 @@
 
 Each reader (rank × DataLoader worker) gets a disjoint set of shards and fetches only those, through the
 content store, which verifies every block and keeps it, so the second epoch reads from local disk. While
-one shard is consumed the next is fetched in a background thread. Order is a pure function of
-``(seed, epoch)``: every worker computes the same shard permutation and takes its own slice, so with
-``set_epoch`` each epoch sees every sample of the selection exactly once, in a new order.
+one shard is consumed the next, if it is not local yet, is fetched in a background thread. Order is a
+pure function of ``(seed, epoch)``: every worker computes the same shard permutation and takes its own
+slice, so with ``set_epoch`` each epoch sees every sample of the selection exactly once, in a new order.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -123,16 +123,26 @@ class IPFSDataset(IterableDataset):
             ) from exc
         return torch.from_numpy(features), torch.from_numpy(labels)
 
+    def _prefetch(self, pool: ThreadPoolExecutor, index: int) -> Future | None:
+        """Start fetching shard ``index`` in the background, unless it is already local.
+
+        A local shard is read when its turn comes: reading it in the thread would only make the two
+        threads trade the GIL (the reader releases it for every block read and hash, and waits up to
+        the 5 ms switch interval to get it back from this busy thread each time).
+        """
+        if self.store.has(self.manifest.shards(self.split)[index].cid):
+            return None
+        return pool.submit(self.load_shard, index)
+
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         ids = self._my_shards()
         if not ids:
             return
         with ThreadPoolExecutor(1, thread_name_prefix="ipfs-prefetch") as prefetch:
-            pending = prefetch.submit(self.load_shard, ids[0])
+            pending = self._prefetch(prefetch, ids[0])
             for k, index in enumerate(ids):
-                features, labels = pending.result()
-                if k + 1 < len(ids):
-                    pending = prefetch.submit(self.load_shard, ids[k + 1])
+                features, labels = pending.result() if pending else self.load_shard(index)
+                pending = self._prefetch(prefetch, ids[k + 1]) if k + 1 < len(ids) else None
                 if self.shuffle:
                     rng = np.random.default_rng([self.seed, self.epoch, index])
                     order = torch.from_numpy(rng.permutation(len(labels)))

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from p2ptrain.ipfs.blockstore import BlockNotFound, BlockStore, CorruptBlock
-from p2ptrain.ipfs.cid import CID, BlockMismatch, cid_str, parse_cid
+from p2ptrain.ipfs.cid import CID, RAW, BlockMismatch, cid_str, parse_cid
 from p2ptrain.ipfs.dagpb import DecodeError, decode_node
 from p2ptrain.ipfs.store import ContentUnavailable, Progress
 from p2ptrain.ipfs.unixfs import import_stream, read_file
@@ -129,8 +129,18 @@ class EmbeddedStore:
                 self._walk(link.cid, get)
 
     def has(self, cid: CID | str) -> bool:
+        """Whether every block of the DAG is on disk. Cheap for CIDv1 files: raw leaves are only
+        looked up, not read (a rotten one is still caught, and refetched, when it is read)."""
+
+        def local(c: CID) -> bytes:
+            if c.codec.name == RAW:
+                if not self.blocks.has(c):
+                    raise BlockNotFound(c)
+                return b""
+            return self.blocks.get(c)
+
         try:
-            self._walk(parse_cid(cid), self.blocks.get)
+            self._walk(parse_cid(cid), local)
         except (BlockNotFound, CorruptBlock, ContentUnavailable):
             return False
         return True
