@@ -68,3 +68,13 @@ def test_user_errors_are_one_line(tmp_path, args, message):
     err = result.stderr.decode()
     assert result.returncode == 1
     assert message in err and "Traceback" not in err and err.count("\n") == 1
+
+
+def test_progress_bar_only_for_a_terminal_or_a_large_file(capsys):
+    from p2ptrain.cli.ipfs import LARGE_FILE, progress_bar
+
+    with progress_bar("add", 1000) as progress:  # stderr is captured: not a terminal
+        assert progress is None
+    with progress_bar("add", LARGE_FILE) as progress:
+        progress(LARGE_FILE // 2)
+    assert "add" in capsys.readouterr().err
