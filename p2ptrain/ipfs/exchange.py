@@ -63,6 +63,7 @@ _TICK = 0.25  # how often a fetch looks for stalled or disconnected providers
 _RECENT_WANTS = 1 << 16  # digests we asked for lately: a late duplicate of one is not an offence
 _SERVE_BATCH = 8  # blocks loaded from disk per thread hop
 _WRITERS = 4  # blocks being written (and fsynced) at once by one fetch
+MAX_PEER_WANTS = 8192  # requests one peer may have queued with our server (Kubo's own cap is similar)
 
 
 class BlockSource(Protocol):
@@ -208,6 +209,11 @@ class BlockExchange:
             key = bytes(want.cid)
             if want.cancel:
                 peer.serve.pop(key, None)
+            elif len(peer.serve) >= MAX_PEER_WANTS:
+                # What a peer may queue with us is bounded; the rest it can ask again (Kubo re-sends).
+                logger.info("bitswap: peer %s wants more than %d blocks; ignoring the rest",
+                            short_id(peer_id), MAX_PEER_WANTS)
+                break
             elif self.store.has(want.cid):
                 peer.serve[key] = (want.cid, "have" if want.want_have else "block")
             elif want.send_dont_have:

@@ -200,3 +200,18 @@ async def test_fetch_block_fetches_one_block_not_the_dag(tmp_path):
             block = await fetcher.exchange.fetch_block(root, [provider.info])
         assert block == provider.store.get(root)
         assert len(list(fetcher.store.iter_cids())) == 1  # the root only, not its leaves
+
+
+def test_wants_for_other_codecs_are_ignored_not_fatal():
+    """Kubo asks every peer for whatever it wants, dag-cbor included: skip those entries, keep the rest."""
+    from libp2p.bitswap.pb.bitswap_pb2 import Message
+    from multiformats import CID, multihash
+
+    cbor = CID("base32", 1, "dag-cbor", multihash.digest(b"x", "sha2-256"))
+    ours = make_cid(b"y", version=1)
+    msg = Message()
+    msg.wantlist.entries.add(block=bytes(cbor))
+    msg.wantlist.entries.add(block=bytes(ours), sendDontHave=True)
+    decoded = decode_message(msg.SerializeToString())
+    assert decoded.ignored_wants == 1
+    assert decoded.wants == [WantEntry(ours, send_dont_have=True)]
