@@ -64,7 +64,7 @@ logger = logging.getLogger(__name__)
 # Largest DATA frame we send. Bigger frames amortize per-frame Python work; the peer's window
 # still bounds every frame.
 MAX_FRAME = 1 << 20
-# Receive window per stream (go-yamux's maximum). Memory bound: one window of unread data per stream.
+# Largest receive window per stream (go-yamux's maximum): the most unread data a stream can hold.
 RECV_WINDOW = 16 << 20
 
 _HEADER = struct.Struct(YAMUX_HEADER_FORMAT)
@@ -161,7 +161,7 @@ class FastYamuxStream(YamuxStream):
     # -- writing -------------------------------------------------------------------------------
 
     async def write(self, data: bytes | memoryview, *, prefix: bytes = b"") -> None:
-        """Send ``prefix + data`` as DATA frames, waiting for window as long as the caller allows."""
+        """Send ``prefix + data`` as DATA frames; waits for window as long as the caller allows."""
         view = memoryview(data).cast("B") if not isinstance(data, bytes) else memoryview(data)
         if prefix:
             # Sent inside the first frame, so a small header and its payload share a Noise message.
@@ -198,8 +198,8 @@ class FastYamuxStream(YamuxStream):
     async def read_pieces(self, max_bytes: int) -> list[memoryview]:
         """Up to ``max_bytes`` of received data as zero-copy slices; waits for at least one byte.
 
-        Raises :class:`MuxedStreamEOF` after a clean end and :class:`MuxedStreamReset` after a reset,
-        once all data received before them has been read.
+        Raises :class:`MuxedStreamEOF` after a clean end and :class:`MuxedStreamReset` after a
+        reset, once all data received before them has been read.
         """
         while True:
             if self.pieces:
@@ -301,7 +301,7 @@ class FastYamux(Yamux):
             logger.debug("control frame to %s not sent: %s", self.peer_id, error)
 
     async def _write_frame(self, data: bytes) -> None:
-        """Control frames from the inherited code (FIN, RST, GO_AWAY, pings), without the log cost."""
+        """Control frames from inherited code (FIN, RST, GO_AWAY, pings), minus the log cost."""
         async with self._write_lock:
             await self.secured_conn.write(data)
 
@@ -353,7 +353,7 @@ class FastYamux(Yamux):
         except _CONNECTION_ERRORS as error:
             logger.debug("yamux connection to %s ended: %s", self.peer_id, error)
         except Exception:
-            logger.exception("yamux frame reader for %s failed; closing the connection", self.peer_id)
+            logger.exception("yamux frame reader for %s failed; closing", self.peer_id)
         finally:
             self.event_shutting_down.set()
             with trio.CancelScope(shield=True), trio.move_on_after(5):

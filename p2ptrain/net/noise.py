@@ -2,7 +2,8 @@
 
 py-libp2p's Noise session turns every write into one socket send per Noise message (at most 65,519
 plaintext bytes each) and every read into two small socket reads per message (length, then body),
-then copies plaintext through a BytesIO. At bulk rates that Python work, not the cipher, is the cost.
+then copies plaintext through a BytesIO. At bulk rates that Python work, not the cipher, is the
+cost.
 
 :class:`NoiseSession` keeps the handshake and the cipher states of py-libp2p's Noise XX
 implementation and changes only how bytes meet the socket:
@@ -68,13 +69,18 @@ class NoiseSession(SecureSession):
         protocol = noise_state.noise_protocol
         self._encrypt = protocol.cipher_state_encrypt.encrypt_with_ad
         self._decrypt = protocol.cipher_state_decrypt.decrypt_with_ad
-        self._raw: IRawConnection = session.conn.read_writer.read_write_closer  # type: ignore[attr-defined]
+        rw = session.conn.read_writer  # type: ignore[attr-defined]
+        self._raw: IRawConnection = rw.read_write_closer
         self._socket = _trio_socket(self._raw)
-        # Ciphertext from the socket; an incomplete Noise message stays at the front for the next read.
+        # Ciphertext from the socket; an incomplete Noise message stays at the front for the next
+        # read.
         self._rbuf = bytearray(SOCKET_READ + _LEN + MAX_NOISE_MESSAGE_LEN)
         self._rfill = 0
         self._plain: deque[memoryview] = deque()
         self._plain_len = 0
+
+    def _broken(self, error: BaseException) -> ConnectionClosedError:
+        return ConnectionClosedError(f"Noise connection to {self.remote_peer} broke: {error}")
 
     # -- writing -------------------------------------------------------------------------------
 
@@ -139,7 +145,7 @@ class NoiseSession(SecureSession):
                 if sent:
                     parts[0] = memoryview(parts[0])[sent:]
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as error:
-            raise ConnectionClosedError(f"Noise connection to {self.remote_peer} broke: {error}") from error
+            raise self._broken(error) from error
         except trio.Cancelled:
             # The nonces of these messages are spent and part of them may be on the wire: the
             # connection cannot carry another byte, so end it now rather than let the peer fail
@@ -159,7 +165,7 @@ class NoiseSession(SecureSession):
             try:
                 got = await self._socket.recv_into(view[fill:])
             except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as error:
-                raise ConnectionClosedError(f"Noise connection to {self.remote_peer} broke: {error}") from error
+                raise self._broken(error) from error
         else:
             data = await self._raw.read(len(buf) - fill)
             got = len(data)

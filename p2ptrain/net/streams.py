@@ -60,7 +60,7 @@ class ChannelClosed(ChannelError):
 
 
 class MessageTooLarge(ChannelError):
-    """The peer announced a message larger than the receiver's ``max_len``; the channel is closed."""
+    """The peer announced a message over the receiver's ``max_len``; the channel is closed."""
 
 
 class Channel:
@@ -155,7 +155,8 @@ class Channel:
             if not more:
                 await self._abort()
                 raise ChannelClosed(
-                    self.remote_peer, f"stream ended with {self._pending_len} of {n} bytes of a {what}"
+                    self.remote_peer,
+                    f"stream ended with {self._pending_len} of {n} bytes of a {what}",
                 )
             self._pending.extend(more)
             self._pending_len += sum(len(piece) for piece in more)
