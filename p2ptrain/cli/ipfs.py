@@ -48,6 +48,8 @@ def content_errors() -> Iterator[None]:
         yield
     except CONTENT_ERRORS as exc:
         raise UserError(str(exc)) from None
+    except OSError as exc:  # disk full, permissions: the user's to fix, worth one line
+        raise UserError(f"{exc.filename or 'I/O'}: {exc.strerror or exc}") from None
 
 
 @contextmanager
@@ -85,6 +87,8 @@ def cmd_cat(args: argparse.Namespace) -> int:
 
 def cmd_get(args: argparse.Namespace) -> int:
     out = Path(args.output or args.cid)
+    if out.is_dir():
+        out = out / args.cid
     if not out.parent.is_dir():
         raise UserError(f"{out.parent}: no such directory")
     with content_errors(), progress_bar(f"get {args.cid[:16]}", None) as progress:
@@ -134,7 +138,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
     p = cmds.add_parser("get", help="save a file (written atomically)")
     p.add_argument("cid", metavar="CID")
-    p.add_argument("-o", "--output", metavar="PATH", help="where to write (default: ./CID)")
+    p.add_argument("-o", "--output", metavar="PATH",
+                   help="file to write, or a folder to write CID into (default: ./CID)")
     add_store_options(p)
     p.set_defaults(func=cmd_get)
 

@@ -78,3 +78,12 @@ def test_progress_bar_only_for_a_terminal_or_a_large_file(capsys):
     with progress_bar("add", LARGE_FILE) as progress:
         progress(LARGE_FILE // 2)
     assert "add" in capsys.readouterr().err
+
+
+def test_get_into_a_folder(tmp_path, hello):
+    home = tmp_path / "home"
+    run("add", str(hello), home=home)
+    folder = tmp_path / "out"
+    folder.mkdir()
+    assert run("get", HELLO_V0, "-o", str(folder), home=home).returncode == 0
+    assert (folder / HELLO_V0).read_bytes() == b"hello world\n"
