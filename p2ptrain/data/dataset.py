@@ -38,7 +38,7 @@ class IPFSDataset(IterableDataset):
 
     Choose shards with ``shard_ids`` (indices into the split), or with ``rank``/``world_size``
     (shard ``i`` goes to rank ``i % world_size``), or neither for all. Give a ``store``, or a ``home``
-    for the embedded store of that node home. With ``DataLoader(num_workers=k)`` the selection is
+    for the embedded store of that node home (default: ``$P2PTRAIN_HOME`` or ``~/.p2ptrain``). With ``DataLoader(num_workers=k)`` the selection is
     split again across workers; call :meth:`set_epoch` before each epoch (without persistent workers)
     to reshuffle.
     """
@@ -58,7 +58,9 @@ class IPFSDataset(IterableDataset):
         super().__init__()
         if store is None:
             if home is None:
-                raise ValueError("IPFSDataset needs a store or a home")
+                from p2ptrain.identity import default_home  # imports libp2p: only when needed
+
+                home = default_home()
             store = open_store(Path(home).expanduser())
         self.store = store
         self.manifest_cid = manifest_cid

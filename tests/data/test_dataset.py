@@ -119,3 +119,9 @@ def test_missing_shard_is_a_clear_error(published, tmp_path):
     dataset = IPFSDataset(cid, store=source, shuffle=False)
     with pytest.raises(ShardUnavailable, match=f"shard 3 of split 'train' \\({gone}\\).*not held"):
         labels_of(dataset, num_workers=2)
+
+
+def test_default_home_comes_from_the_environment(published, monkeypatch):
+    source, cid, _ = published
+    monkeypatch.setenv("P2PTRAIN_HOME", str(source.home))
+    assert len(IPFSDataset(cid)) == N
