@@ -13,6 +13,7 @@ module only frames and bounds it. Everything that arrives here comes from a peer
 from __future__ import annotations
 
 import hashlib
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -233,33 +234,53 @@ def decode_message(body: bytes) -> Received:
 class MessageReader:
     """Reads length-prefixed messages off a stream with few, large reads.
 
-    Reading the stream in big gulps (and slicing messages out of a local buffer) matters for speed: each
-    ``read()`` on a py-libp2p yamux stream costs Python work and may send a window update.
+    Reading the stream in big gulps matters for speed: each ``read()`` on a py-libp2p yamux stream costs
+    Python work and may send a window update. Pieces are kept as read and joined once per message, so a
+    2 MiB block message is copied once here, not once per read.
     """
 
     def __init__(self, stream) -> None:
         self._stream = stream
-        self._buf = bytearray()
-        self._pos = 0  # start of unread bytes in _buf; consumed bytes are dropped in bulk, not per message
+        self._pieces: deque[bytes | memoryview] = deque()
+        self._size = 0  # bytes held in _pieces
 
     async def next_body(self) -> bytes | None:
         """The next message body, or None at a clean end of stream between messages."""
         while True:
-            size, start = _read_varint(self._buf, self._pos)
+            size, header = _read_varint(self._peek(10), 0)
             if size > MAX_MESSAGE_SIZE:
                 raise WireError(f"message of {size} bytes exceeds {MAX_MESSAGE_SIZE}")
-            if size >= 0 and len(self._buf) - start >= size:
-                self._pos = start + size
-                return bytes(memoryview(self._buf)[start : self._pos])
-            if self._pos:
-                del self._buf[: self._pos]
-                self._pos = 0
+            if size >= 0 and self._size >= header + size:
+                self._take(header)
+                return self._take(size)
             chunk = await _read_or_eof(self._stream)
             if not chunk:
-                if self._buf:
-                    raise WireError(f"stream ended inside a message ({len(self._buf)} bytes pending)")
+                if self._size:
+                    raise WireError(f"stream ended inside a message ({self._size} bytes pending)")
                 return None
-            self._buf += chunk
+            self._pieces.append(chunk)
+            self._size += len(chunk)
+
+    def _peek(self, n: int) -> bytes:
+        out = b""
+        for piece in self._pieces:
+            out += piece[: n - len(out)]
+            if len(out) >= n:
+                break
+        return out
+
+    def _take(self, n: int) -> bytes:
+        parts = []
+        while n:
+            piece = self._pieces.popleft()
+            if len(piece) > n:
+                piece = memoryview(piece)  # split without copying the rest
+                self._pieces.appendleft(piece[n:])
+                piece = piece[:n]
+            parts.append(piece)
+            n -= len(piece)
+            self._size -= len(piece)
+        return parts[0] if len(parts) == 1 and isinstance(parts[0], bytes) else b"".join(parts)
 
 
 async def _read_or_eof(stream) -> bytes:

@@ -215,3 +215,34 @@ def test_wants_for_other_codecs_are_ignored_not_fatal():
     decoded = decode_message(msg.SerializeToString())
     assert decoded.ignored_wants == 1
     assert decoded.wants == [WantEntry(ours, send_dont_have=True)]
+
+
+class ChunkedStream:
+    """Bytes delivered in given read sizes, then end of stream (how a muxer hands data over)."""
+
+    def __init__(self, data: bytes, sizes):
+        self.data, self.sizes = data, list(sizes)
+
+    async def read(self, n):
+        if not self.data:
+            return b""
+        k = min(self.sizes.pop(0) if self.sizes else len(self.data), n)
+        out, self.data = self.data[:k], self.data[k:]
+        return out
+
+
+@pytest.mark.parametrize("sizes", [[1] * 64, [3, 700_000, 5], [10_000_000]])
+async def test_message_reader_reassembles_across_any_read_boundaries(sizes):
+    from p2ptrain.ipfs.bitswap_wire import MessageReader, WireError
+
+    blocks = [content(n, seed=n) for n in (0, 5, 300_000, 7)]
+    wire = b"".join(encode_message(blocks=[(make_cid(b), b)]) for b in blocks)
+    reader = MessageReader(ChunkedStream(wire, sizes))
+    got = []
+    while (body := await reader.next_body()) is not None:
+        got.extend(b.data for b in decode_message(body).blocks)
+    assert got == blocks
+    with pytest.raises(WireError, match="inside a message"):
+        truncated = MessageReader(ChunkedStream(wire[:-1], sizes))
+        while await truncated.next_body() is not None:
+            pass
