@@ -392,3 +392,28 @@ async def test_tampered_ciphertext_ends_the_connection_with_channel_closed(caplo
     assert "second" not in outcome  # the altered message was never delivered
     assert isinstance(outcome["error"], ChannelClosed)
     assert any("failed authentication" in r.getMessage() for r in caplog.records)
+
+
+async def test_a_stream_nobody_reads_buffers_only_the_initial_256_KiB_window():
+    """The receive window grows only as the reader drains it, so unread streams cost 256 KiB each."""
+    parked: list[Channel] = []
+    release = trio.Event()
+
+    async def never_reads(channel: Channel) -> None:
+        parked.append(channel)
+        await release.wait()
+
+    with trio.fail_after(DEADLINE):
+        async with running(ours()) as a, running(ours()) as b:
+            serve_channels(b, PROTO, never_reads)
+            await connect(a, b)
+            channel = await open_channel(a, b.get_id(), PROTO)
+            with trio.move_on_after(2) as blocked:
+                await channel.send(pattern(4 << 20))
+            assert blocked.cancelled_caught  # the writer ran out of window
+            stream = parked[0]._fast
+            # Bytes the peer may have sent: held unread, plus read (protocol negotiation) but not
+            # yet credited back.
+            in_window = len(stream.pieces) + stream._unacked
+            release.set()
+    assert in_window == 256 * 1024
