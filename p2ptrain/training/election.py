@@ -139,7 +139,8 @@ class Election:
             self._new_term(now, self.term + 1)
         elif now - self._term_started >= timeout:
             self._new_term(now, self.term + 1)
-        if self.term > 0 and self.voted_for in (None, self.me) and designated(self.task_cid, self.term, self._eligible()) == self.me:
+        mine = designated(self.task_cid, self.term, self._eligible()) == self.me
+        if self.term > 0 and self.voted_for in (None, self.me) and mine:
             out += self._stand(now)
         return out
 

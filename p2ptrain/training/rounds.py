@@ -30,6 +30,7 @@ Rules, and why:
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
@@ -41,9 +42,11 @@ from p2ptrain.training.task import Task
 from p2ptrain.wire.messages import ModelRecord, RoundFailed, RoundPlan, SignedModelRecord
 
 
-def round_id(plan: RoundPlan, index: int) -> str:
-    """The all-reduce's name for the ``index``-th round of the plan (unique per term and attempt)."""
-    return f"{plan.task_cid}/t{plan.term}/r{plan.round + index}/a{plan.attempt}"
+def round_id(plan: RoundPlan, index: int) -> int:
+    """The all-reduce's id for the ``index``-th round of the plan: a 64-bit hash of task, term,
+    round and attempt, so every attempt of every task sharing a host gets a fresh id."""
+    name = f"{plan.task_cid}/t{plan.term}/r{plan.round + index}/a{plan.attempt}"
+    return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "big")
 
 
 def shard_of(plan: RoundPlan, peer: str) -> tuple[int, int]:

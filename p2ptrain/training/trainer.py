@@ -34,7 +34,7 @@ from p2ptrain.training.task import Task
 log = logging.getLogger(__name__)
 
 Batch = tuple[torch.Tensor, torch.Tensor]
-Average = Callable[[torch.Tensor, str], Awaitable[torch.Tensor]]
+Average = Callable[[torch.Tensor, int], Awaitable[torch.Tensor]]
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 # fp16 autocast needs loss scaling to keep small gradients from flushing to zero. A fixed scale is
@@ -234,7 +234,7 @@ class Trainer:
         self.pending, self.pending_loss = flat, total / k
         return flat
 
-    async def sync(self, average: Average, round_id: str) -> StepResult:
+    async def sync(self, average: Average, round_id: int) -> StepResult:
         """Average the pending gradient with the round's members and apply the identical step."""
         if self.pending is None:
             raise TrainerError("sync before compute_gradient")
@@ -340,7 +340,7 @@ class Trainer:
             self.model.load_state_dict(model_t, strict=True)
         allowed = _OPTIMIZER_STATE_KEYS[self.task.optimizer.name]
         state: dict[int, dict[str, torch.Tensor]] = {}
-        for name, tensor in optim_t.items():
+        for name, tensor in sorted(optim_t.items()):  # sorted: the first problem named is the same everywhere
             if name == "trainer.step":
                 continue
             parts = name.split(".")

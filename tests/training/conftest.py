@@ -46,10 +46,10 @@ class ExactMean:
 
     def __init__(self, members: int) -> None:
         self.members = members
-        self.rounds: dict[str, tuple[list[torch.Tensor], trio.Event, list[torch.Tensor]]] = {}
+        self.rounds: dict[int, tuple[list[torch.Tensor], trio.Event, list[torch.Tensor]]] = {}
         self.calls = 0
 
-    async def average(self, flat: torch.Tensor, round_id: str) -> torch.Tensor:
+    async def average(self, flat: torch.Tensor, round_id: int) -> torch.Tensor:
         self.calls += 1
         parts, done, result = self.rounds.setdefault(round_id, ([], trio.Event(), []))
         parts.append(flat.clone())

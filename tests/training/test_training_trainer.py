@@ -26,7 +26,7 @@ def test_digits_three_members_bitwise_identical_and_accurate(digits, digits_task
     async def member(i):
         while not trainers[i].done:
             trainers[i].compute_gradient(data[i])
-            await trainers[i].sync(mean.average, f"r{trainers[i].step}")
+            await trainers[i].sync(mean.average, trainers[i].step)
 
     async def main():
         async with trio.open_nursery() as nursery:
@@ -70,7 +70,7 @@ def test_resume_refuses_foreign_state(digits, digits_task):
     sgd = Trainer(digits_task(cid, **{"optimizer.name": '"sgd"', "optimizer.momentum": "0.9", "optimizer.lr": "0.1"}),
                   device="cpu")
     sgd.apply(torch.ones(sgd.num_parameters))
-    with pytest.raises(RecordError, match="unexpected tensor 'state.0.momentum_buffer'"):
+    with pytest.raises(RecordError, match=r"unexpected tensor 'state.0.momentum_buffer'"):
         t.load_state(t.model_bytes(), sgd.optimizer_bytes())
     wide = Trainer(digits_task(cid, **{"model.kwargs": "{ hidden = [65] }"}), device="cpu")
     with pytest.raises(RecordError, match="architecture needs"):

@@ -1,0 +1,131 @@
+"""Trainers averaging through the real collective: libp2p hosts on 127.0.0.1, the sparse ring
+all-reduce with error feedback, real digits shards. Members must end with identical bytes."""
+
+import pytest
+import torch
+import trio
+from libp2p.crypto.ed25519 import create_new_key_pair
+from libp2p.peer.peerinfo import info_from_p2p_addr
+from multiaddr import Multiaddr
+
+from p2ptrain.collective import Collective, PeerFailed
+from p2ptrain.data import IPFSDataset
+from p2ptrain.net.host import make_host
+from p2ptrain.training.rounds import round_id
+from p2ptrain.training.sync import PlanAverager
+from p2ptrain.training.trainer import Trainer, batched, batches_forever
+from p2ptrain.wire.messages import RoundPlan
+
+LOOPBACK = "/ip4/127.0.0.1/tcp/0"
+
+
+async def _run_host(host, *, task_status=trio.TASK_STATUS_IGNORED):
+    with trio.CancelScope() as scope:
+        async with host.run(listen_addrs=[Multiaddr(LOOPBACK)]):
+            task_status.started(scope)
+            await trio.sleep_forever()
+
+
+def _addr(host):
+    return Multiaddr(f"{host.get_addrs()[0]}".split("/p2p/")[0] + f"/p2p/{host.get_id().to_base58()}")
+
+
+async def start_hosts(nursery, n):
+    hosts, scopes = [], []
+    for _ in range(n):
+        host = make_host(create_new_key_pair(), [LOOPBACK])
+        scopes.append(await nursery.start(_run_host, host))
+        hosts.append(host)
+    with trio.fail_after(30):
+        async with trio.open_nursery() as dials:
+            for i, a in enumerate(hosts):
+                for b in hosts[i + 1:]:
+                    dials.start_soon(a.connect, info_from_p2p_addr(_addr(b)))
+    return hosts, scopes
+
+
+def plan_for(task_cid, members, round_index, step, rounds, attempt=0):
+    return RoundPlan(task_cid=task_cid, term=1, round=round_index, attempt=attempt, step=step, rounds=rounds,
+                     members=tuple(sorted(members)), base_cid=task_cid, version=0)
+
+
+@pytest.mark.parametrize("error_feedback, steps, min_accuracy", [("true", 120, 0.9), ("false", 30, 0.0)])
+async def test_members_stay_identical_over_the_sparse_ring(digits, digits_task, error_feedback, steps, min_accuracy):
+    store, cid = digits
+    task = digits_task(cid, steps=steps, **{"compression.density": "0.1",
+                                           "compression.error_feedback": error_feedback})
+    async with trio.open_nursery() as nursery:
+        hosts, _ = await start_hosts(nursery, 3)
+        ids = [h.get_id().to_base58() for h in hosts]
+        plan = plan_for(cid, ids, 0, 0, steps)
+        members = []
+        for host in hosts:
+            me = host.get_id().to_base58()
+            rank, world = plan.members.index(me), len(plan.members)
+            data = batches_forever(IPFSDataset(cid, "train", rank=rank, world_size=world, store=store, seed=rank), 32)
+            members.append((Trainer(task, device="cpu"), PlanAverager(task, Collective(host)).for_plan(plan), data))
+
+        async def run(trainer, average, data):
+            for i in range(plan.rounds):
+                trainer.compute_gradient(data)
+                await trainer.sync(average, round_id(plan, i))
+
+        with trio.fail_after(120):
+            async with trio.open_nursery() as runs:
+                for m in members:
+                    runs.start_soon(run, *m)
+        nursery.cancel_scope.cancel()
+    trainers = [m[0] for m in members]
+    assert len({t.model_bytes() for t in trainers}) == 1
+    assert len({t.optimizer_bytes() for t in trainers}) == 1
+    test = IPFSDataset(cid, "test", store=store, shuffle=False)
+    accuracy = trainers[0].evaluate(batched(test, 256)).accuracy
+    assert accuracy >= min_accuracy, accuracy
+
+
+async def test_dead_member_round_is_retried_without_it(digits, digits_task):
+    store, cid = digits
+    task = digits_task(cid, steps=20, **{"compression.density": "0.1"})
+    async with trio.open_nursery() as nursery:
+        hosts, scopes = await start_hosts(nursery, 3)
+        ids = [h.get_id().to_base58() for h in hosts]
+        trainers = [Trainer(task, device="cpu") for _ in hosts]
+        averagers = [PlanAverager(task, Collective(h), timeout=2.0) for h in hosts]
+        data = [batches_forever(IPFSDataset(cid, "train", store=store, seed=i), 32) for i in range(3)]
+
+        async def span(plan, who, fail_at=None):
+            """Each listed member runs the plan's rounds; returns {index: exception or None}."""
+            outcome = {}
+
+            async def run(i):
+                average = averagers[i].for_plan(plan)
+                try:
+                    for r in range(plan.rounds):
+                        trainers[i].compute_gradient(data[i])
+                        if fail_at == (i, r):
+                            scopes[i].cancel()  # the host dies: connections close like a killed process
+                            return
+                        await trainers[i].sync(average, round_id(plan, r))
+                    outcome[i] = None
+                except PeerFailed as exc:
+                    outcome[i] = exc
+
+            with trio.fail_after(60):
+                async with trio.open_nursery() as runs:
+                    for i in who:
+                        runs.start_soon(run, i)
+            return outcome
+
+        first = plan_for(cid, ids, 0, 0, 6)
+        outcome = await span(first, [0, 1, 2], fail_at=(2, 3))
+        assert all(isinstance(outcome[i], PeerFailed) for i in (0, 1))
+        assert {trainers[0].step, trainers[1].step} <= {3, 4}
+        retry = plan_for(cid, ids[:2], 3, 3, 3, attempt=1)
+        for t in trainers[:2]:
+            t.align(3)
+        outcome = await span(retry, [0, 1])
+        assert outcome == {0: None, 1: None}
+        nursery.cancel_scope.cancel()
+    assert trainers[0].step == trainers[1].step == 6
+    assert trainers[0].model_bytes() == trainers[1].model_bytes()
+    assert trainers[0].optimizer_bytes() == trainers[1].optimizer_bytes()
