@@ -34,9 +34,9 @@ class Buckets:
         self.sizes.append(current)
         self.numel = sum(self.sizes)
 
-    def flatten_grads(self) -> torch.Tensor:
-        """All gradients in one new flat float32 tensor (zeros where a parameter has no gradient)."""
-        flat = torch.empty(self.numel, dtype=torch.float32)
+    def flatten_grads(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        """All gradients in one flat float32 tensor (zeros where a parameter has no gradient)."""
+        flat = torch.empty(self.numel, dtype=torch.float32) if out is None else out
         offset = 0
         for p in self.params:
             n = p.numel()

@@ -2,19 +2,24 @@
 
 from __future__ import annotations
 
+import logging
 import math
+from collections.abc import Callable
 import time
 from dataclasses import dataclass
 
 import torch
+import trio
 from libp2p.abc import IHost
 from libp2p.peer.id import ID
 
-from p2ptrain.collective.errors import CollectiveError
+from p2ptrain.collective.errors import CollectiveError, single_failure
 from p2ptrain.collective.frames import DTYPES, round_digest
 from p2ptrain.collective.ring import FLOAT_DTYPES, SEGMENT_BYTES, ring_allreduce
 from p2ptrain.collective.rounds import PROTOCOL, RoundHub
 from p2ptrain.collective.sparse import clt_k_round, topk_indices
+
+logger = logging.getLogger(__name__)
 
 OPS = ("mean", "sum")
 
@@ -105,11 +110,17 @@ class Collective:
         self.last_round = RoundStats(round_id, time.perf_counter() - started, links.bytes_sent)
 
     async def sparse_round(
-        self, source: torch.Tensor, ring: list[ID], round_id: int, *, k: int, select,
+        self, source: torch.Tensor, ring: list[ID], round_id: int, *, k: int,
+        select: Callable[[], torch.Tensor],
+        gather: Callable[[torch.Tensor], torch.Tensor] | None = None,
         value_dtype: torch.dtype, op: str = "mean", timeout: float = 5.0,
         start_timeout: float | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """CLT-k: the leader's ``select()`` picks k indices, the ring reduces ``source`` at them.
+
+        ``select`` runs in a worker thread, overlapping with the round's setup. With ``gather``,
+        a member's values are ``gather(indices)`` instead of ``source[indices]`` (so the full
+        source need not exist; ``source`` then only gives the size and dtype).
 
         The leader is ``ring[round_id % len(ring)]``; only it calls ``select``. Returns the sorted
         indices and the reduced values (``value_dtype``), the same bits on every member.
@@ -121,16 +132,46 @@ class Collective:
             raise CollectiveError(f"k must be in [1, {source.numel()}], got {k}")
         description = sparse_description(source.numel(), k, source.dtype, value_dtype, op)
         digest = round_digest(round_id, ring, description)
+        leader = round_id % len(ring)
+        leading = ring[leader] == self.peer_id
+        selected: list = []
+        done = trio.Event()
+
+        async def run_select() -> None:
+            # In a thread (torch releases the GIL), so the leader's selection overlaps with the
+            # round's setup instead of stalling this host's networking.
+            try:
+                selected.append(await trio.to_thread.run_sync(select))
+            except Exception as error:
+                selected.append(error)
+            done.set()
+
         started = time.perf_counter()
-        async with self.hub.open_round(
-            ring, round_id, digest, timeout=timeout, start_timeout=start_timeout or timeout
-        ) as links:
-            result = await clt_k_round(
-                links, source, k=k, leader=round_id % len(ring), select=select,
-                value_dtype=value_dtype, average=op == "mean", segment_bytes=self.segment_bytes,
-            )
+        with single_failure():
+            async with trio.open_nursery() as nursery:
+                if leading:
+                    nursery.start_soon(run_select)
+                async with self.hub.open_round(
+                    ring, round_id, digest, timeout=timeout, start_timeout=start_timeout or timeout
+                ) as links:
+                    logger.debug("round %d: connected (%.1f ms)", round_id, _ms(started))
+                    indices = None
+                    if leading:
+                        await done.wait()
+                        logger.debug("round %d: selected (%.1f ms)", round_id, _ms(started))
+                        if isinstance(selected[0], Exception):
+                            raise selected[0]
+                        indices = selected[0]
+                    result = await clt_k_round(
+                        links, source, k=k, leader=leader, indices=indices, value_dtype=value_dtype,
+                        average=op == "mean", gather=gather, segment_bytes=self.segment_bytes,
+                    )
         self.last_round = RoundStats(round_id, time.perf_counter() - started, links.bytes_sent)
         return result
+
+
+def _ms(started: float) -> float:
+    return (time.perf_counter() - started) * 1e3
 
 
 def dense_description(n: int, dtype: torch.dtype, op: str) -> str:

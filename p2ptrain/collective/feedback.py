@@ -6,10 +6,16 @@ Optional extras from Deep Gradient Compression (Lin et al., ICLR 2018): momentum
 masking) and local gradient clipping. With momentum correction the optimizer must be plain SGD:
 the momentum already lives here.
 
-Updates are two-phase so a failed round loses nothing: :meth:`ErrorFeedback.accumulate` computes the
-candidate state without changing anything; only :meth:`ErrorFeedback.commit`, after the round
-succeeded, makes it current. A retry with the same gradient then starts from the same state.
-Invariant after a commit: sent + residual == accumulated input, exactly.
+Updates are two-phase so a failed round loses nothing: :meth:`ErrorFeedback.prepare` (and
+:meth:`ErrorFeedback.materialize`) compute the candidate state without changing anything; only
+:meth:`ErrorFeedback.commit`, after the round succeeded, makes it current. A retry with the same
+gradient then starts from the same state. Invariant after a commit: sent + residual == accumulated
+input, exactly.
+
+Only the round's leader needs the whole accumulated vector (to select from). Other members need it
+at the k chosen indices alone, so they add the full residual after the round: on a small shared
+machine their full-size arithmetic would otherwise compete for the cores with the leader's
+selection, which every member is waiting for.
 """
 
 from __future__ import annotations
@@ -21,14 +27,24 @@ import torch
 
 @dataclass
 class Pending:
-    """One step's accumulated tensor (what top-k selects from) and its candidate velocity."""
+    """One step's candidate state.
 
-    accumulated: torch.Tensor
+    ``grad`` is the gradient after clipping (and momentum correction: then it is the new velocity);
+    ``accumulated`` (residual + grad) exists once :meth:`ErrorFeedback.materialize` has run.
+    """
+
+    grad: torch.Tensor
     velocity: torch.Tensor | None
+    accumulated: torch.Tensor | None = None
 
 
 class ErrorFeedback:
-    """Residual (and optional velocity) of one peer for one flat float32 gradient vector."""
+    """Residual (and optional velocity) of one peer for one flat float32 gradient vector.
+
+    Two buffers per state alternate (materialize writes the spare one, commit swaps them), so a step
+    allocates nothing: fresh 64 MiB tensors cost more in page faults than the arithmetic itself.
+    A :class:`Pending` is therefore valid only until the next :meth:`prepare`.
+    """
 
     def __init__(self, numel: int, *, momentum: float = 0.0, clip_norm: float | None = None) -> None:
         if not 0.0 <= momentum < 1.0:
@@ -38,10 +54,12 @@ class ErrorFeedback:
         self.momentum = momentum
         self.clip_norm = clip_norm
         self.residual = torch.zeros(numel, dtype=torch.float32)
+        self._spare = torch.empty(numel, dtype=torch.float32)
         self.velocity = torch.zeros(numel, dtype=torch.float32) if momentum else None
+        self._spare_velocity = torch.empty(numel, dtype=torch.float32) if momentum else None
 
-    def accumulate(self, grad: torch.Tensor) -> Pending:
-        """residual + grad (or + the corrected velocity); the state is not changed yet."""
+    def prepare(self, grad: torch.Tensor) -> Pending:
+        """Clip and apply momentum correction to ``grad``; the state is not changed."""
         if grad.shape != self.residual.shape:
             raise ValueError(f"gradient has shape {tuple(grad.shape)}, expected {tuple(self.residual.shape)}")
         grad = grad.to(torch.float32)
@@ -49,11 +67,28 @@ class ErrorFeedback:
             norm = float(torch.linalg.vector_norm(grad))
             if norm > self.clip_norm:
                 grad = grad * (self.clip_norm / norm)
-        velocity = None
-        if self.velocity is not None:
-            velocity = torch.add(grad, self.velocity, alpha=self.momentum)
-            return Pending(self.residual + velocity, velocity)
-        return Pending(self.residual + grad, None)
+        if self.velocity is None:
+            return Pending(grad, None)
+        velocity = torch.add(grad, self.velocity, alpha=self.momentum, out=self._spare_velocity)
+        return Pending(velocity, velocity)
+
+    def materialize(self, pending: Pending) -> torch.Tensor:
+        """residual + grad as a whole vector (what top-k selects from); the state is not changed."""
+        if pending.accumulated is None:
+            pending.accumulated = torch.add(self.residual, pending.grad, out=self._spare)
+        return pending.accumulated
+
+    def accumulate(self, grad: torch.Tensor) -> Pending:
+        """:meth:`prepare` then :meth:`materialize`."""
+        pending = self.prepare(grad)
+        self.materialize(pending)
+        return pending
+
+    def values_at(self, pending: Pending, indices: torch.Tensor) -> torch.Tensor:
+        """(residual + grad)[indices], the same bits whether or not the whole sum exists."""
+        if pending.accumulated is not None:
+            return pending.accumulated.index_select(0, indices)
+        return torch.add(self.residual.index_select(0, indices), pending.grad.index_select(0, indices))
 
     def commit(self, pending: Pending, indices: torch.Tensor | None, value_dtype: torch.dtype) -> None:
         """Make ``pending`` current after sending its entries at ``indices`` (None: all of them).
@@ -63,16 +98,22 @@ class ErrorFeedback:
         velocity of sent entries (DGC's momentum factor masking: their momentum would otherwise be
         applied twice, late); a dense round keeps it, which is exactly momentum SGD.
         """
-        accumulated = pending.accumulated
-        if indices is None:
-            sent = accumulated.to(value_dtype).to(torch.float32)
-            residual = accumulated - sent
+        if pending.accumulated is None:
+            residual = self.residual.add_(pending.grad)
+        elif pending.accumulated is self._spare:
+            residual = pending.accumulated
+            self._spare, self.residual = self.residual, residual
         else:
-            residual = accumulated  # take ownership: accumulate() made a fresh tensor
-            chosen = accumulated.index_select(0, indices)
+            raise ValueError("stale pending state: prepare() was called again since")
+        if indices is None:
+            if value_dtype == torch.float32:
+                residual.zero_()
+            else:
+                residual.sub_(residual.to(value_dtype).to(torch.float32))
+        else:
+            chosen = residual.index_select(0, indices)
             residual.index_copy_(0, indices, chosen - chosen.to(value_dtype).to(torch.float32))
-        self.residual = residual
         if pending.velocity is not None:
             if indices is not None:
                 pending.velocity.index_fill_(0, indices, 0.0)
-            self.velocity = pending.velocity
+            self._spare_velocity, self.velocity = self.velocity, pending.velocity

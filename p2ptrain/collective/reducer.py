@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Iterable
 
 import torch
@@ -11,7 +13,9 @@ from p2ptrain.collective.buckets import Buckets
 from p2ptrain.collective.endpoint import Collective
 from p2ptrain.collective.feedback import ErrorFeedback
 from p2ptrain.collective.ring import FLOAT_DTYPES
-from p2ptrain.collective.sparse import bucket_ks, bucket_topk
+from p2ptrain.collective.sparse import Workspace, bucket_ks, bucket_topk
+
+logger = logging.getLogger(__name__)
 
 
 class SparseAllReducer:
@@ -45,12 +49,19 @@ class SparseAllReducer:
         self._sizes: list[int] | None = None
         self._buckets: Buckets | None = None
         self.last_indices: torch.Tensor | None = None  # sent in the last round (None: all)
+        self._workspace = Workspace()
+        self._flat: torch.Tensor | None = None
+        self._update: torch.Tensor | None = None
 
     async def allreduce(
         self, grad: torch.Tensor, ring: list[ID], round_id: int, *, bucket_sizes: list[int] | None = None,
-        timeout: float = 5.0, start_timeout: float | None = None,
+        out: torch.Tensor | None = None, timeout: float = 5.0, start_timeout: float | None = None,
     ) -> torch.Tensor:
-        """The ring's average of the members' (compressed) flat float32 gradients, a new tensor."""
+        """The ring's average of the members' (compressed) flat float32 gradients.
+
+        Written into ``out`` when given (saves allocating a full-size tensor every step), else into
+        a new tensor.
+        """
         if grad.dim() != 1:
             raise ValueError("grad must be flat (1-D)")
         sizes = bucket_sizes or [grad.numel()]
@@ -59,27 +70,36 @@ class SparseAllReducer:
             self._sizes = list(sizes)
         elif sizes != self._sizes:
             raise ValueError("bucket layout changed between steps")
-        pending = self.feedback.accumulate(grad)
+        started = time.perf_counter()
+        feedback = self.feedback
+        pending = feedback.prepare(grad)
         ks = bucket_ks(sizes, self.density)
         k = sum(ks)
         if k == grad.numel():
-            values = pending.accumulated.to(self.value_dtype, copy=True)
+            values = feedback.materialize(pending).to(self.value_dtype, copy=True)
             await self.collective.dense_round(
                 values, ring, round_id, timeout=timeout, start_timeout=start_timeout
             )
-            self.feedback.commit(pending, None, self.value_dtype)
+            feedback.commit(pending, None, self.value_dtype)
             self.last_indices = None
-            return values.to(torch.float32)
+            if out is None:
+                return values.to(torch.float32)
+            return out.copy_(values)
         generator = torch.Generator().manual_seed(round_id & 0x7FFF_FFFF_FFFF_FFFF)
-        accumulated = pending.accumulated
+
+        def select() -> torch.Tensor:  # the leader only, in a worker thread
+            accumulated = feedback.materialize(pending)
+            return bucket_topk(accumulated, sizes, ks, generator=generator, workspace=self._workspace)
+
         indices, values = await self.collective.sparse_round(
-            accumulated, ring, round_id, k=k,
-            select=lambda: bucket_topk(accumulated, sizes, ks, generator=generator),
+            pending.grad, ring, round_id, k=k, select=select,
+            gather=lambda chosen: feedback.values_at(pending, chosen),
             value_dtype=self.value_dtype, timeout=timeout, start_timeout=start_timeout,
         )
-        self.feedback.commit(pending, indices, self.value_dtype)
+        feedback.commit(pending, indices, self.value_dtype)
         self.last_indices = indices
-        out = torch.zeros(grad.numel(), dtype=torch.float32)
+        logger.debug("round %d: committed (%.1f ms)", round_id, (time.perf_counter() - started) * 1e3)
+        out = torch.zeros(grad.numel(), dtype=torch.float32) if out is None else out.zero_()
         out.index_copy_(0, indices, values.to(torch.float32))
         return out
 
@@ -93,9 +113,12 @@ class SparseAllReducer:
             self._buckets = Buckets(params)
         elif [id(p) for p in self._buckets.params] != [id(p) for p in params if p.requires_grad]:
             raise ValueError("a SparseAllReducer serves one model; make another for that one")
-        flat = self._buckets.flatten_grads()
+        if self._update is None:
+            self._flat = torch.empty(self._buckets.numel, dtype=torch.float32)
+            self._update = torch.empty(self._buckets.numel, dtype=torch.float32)
+        flat = self._buckets.flatten_grads(out=self._flat)
         update = await self.allreduce(
-            flat, ring, round_id, bucket_sizes=self._buckets.sizes, timeout=timeout,
+            flat, ring, round_id, bucket_sizes=self._buckets.sizes, out=self._update, timeout=timeout,
             start_timeout=start_timeout,
         )
         self._buckets.write_grads(update)

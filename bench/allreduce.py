@@ -1,0 +1,271 @@
+"""All-reduce round time: p2ptrain's ring over libp2p vs torch.distributed gloo, same run, same machine.
+
+    python bench/allreduce.py --peers 4 --size-mib 64 --density 0.01 [--json]
+
+Starts ``--peers`` peer processes on 127.0.0.1 that all-reduce a float32 tensor of ``--size-mib`` MiB
+(density 1.0: the exact dense ring; below 1: SparseAllReducer, i.e. per-round top-k selection by the
+rotating leader + error feedback + CLT-k ring), then the same number of gloo processes doing a dense
+``all_reduce`` of the same tensor. A round's time is the slowest peer's; the median over ``--rounds``
+is printed, with the bytes each peer put on the wire (mean over peers; the leader sends a little
+more, and the leader rotates) and the lower bound 2k(P-1)/P x value size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+VALUE_DTYPES = {"float32": torch.float32, "float16": torch.float16}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--peers", type=int, default=4)
+    parser.add_argument("--size-mib", type=float, default=64)
+    parser.add_argument("--density", type=float, default=0.01)
+    parser.add_argument("--value-dtype", choices=sorted(VALUE_DTYPES), default="float32")
+    parser.add_argument("--rounds", type=int, default=5, help="timed rounds (after one warm-up)")
+    parser.add_argument("--timeout", type=float, default=60.0, help="per-hop deadline in seconds")
+    parser.add_argument("--skip-gloo", action="store_true")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--profile", metavar="DIR", help="write each peer's cProfile stats to DIR")
+    parser.add_argument("--trace", action="store_true", help="peers log each phase of a round")
+    parser.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--gloo-port", type=int, default=None, help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+def numel_of(args: argparse.Namespace) -> int:
+    return int(args.size_mib * (1 << 20)) // 4
+
+
+def worker_argv(args: argparse.Namespace, extra: list[str]) -> list[str]:
+    return [
+        sys.executable, os.path.abspath(__file__), "--peers", str(args.peers), "--size-mib", str(args.size_mib),
+        "--density", str(args.density), "--value-dtype", args.value_dtype, "--rounds", str(args.rounds),
+        "--timeout", str(args.timeout), *(["--profile", args.profile] if args.profile else []),
+        *(["--trace"] if args.trace else []), *extra,
+    ]
+
+
+# ---- p2ptrain peer process ---------------------------------------------------------------------
+
+
+async def p2p_worker(args: argparse.Namespace) -> None:
+    import trio
+    from libp2p.crypto.ed25519 import create_new_key_pair
+    from libp2p.peer.peerinfo import info_from_p2p_addr
+    from multiaddr import Multiaddr
+
+    from p2ptrain.collective import Collective, SparseAllReducer
+    from p2ptrain.net.host import make_host
+
+    me = args.worker
+    if args.trace:
+        import logging
+
+        logging.basicConfig(format=f"peer{me} %(relativeCreated)8.1f %(name)s %(message)s")
+        logging.getLogger("p2ptrain.collective").setLevel(logging.DEBUG)
+    listen = Multiaddr("/ip4/127.0.0.1/tcp/0")
+    host = make_host(create_new_key_pair(), [listen])
+    async with host.run(listen_addrs=[listen]):
+        print(f"ADDR {host.get_addrs()[0]}/p2p/{host.get_id().to_base58()}", flush=True)
+        addrs = json.loads(await trio.to_thread.run_sync(sys.stdin.readline))
+        infos = [info_from_p2p_addr(Multiaddr(a)) for a in addrs]
+        for info in infos:  # so a round can (re)dial any member, whoever dialled first
+            host.get_peerstore().add_addrs(info.peer_id, info.addrs, 3600)
+
+        async def connect(info) -> None:
+            for attempt in range(5):  # a loaded machine can time out a handshake
+                try:
+                    await host.connect(info)
+                    return
+                except Exception:
+                    if attempt == 4:
+                        raise
+                    await trio.sleep(0.5)
+
+        with trio.fail_after(120):
+            async with trio.open_nursery() as nursery:
+                for info in infos[me + 1 :]:
+                    nursery.start_soon(connect, info)
+        ring = [info.peer_id for info in infos]
+        collective = Collective(host)
+        n = numel_of(args)
+        grad = torch.randn(n, generator=torch.Generator().manual_seed(me))
+        reducer = SparseAllReducer(
+            collective, density=args.density, value_dtype=VALUE_DTYPES[args.value_dtype]
+        )
+        barrier = torch.zeros(1)
+        out = torch.zeros(n)  # reused, as a trainer would: a fresh 64 MiB tensor costs page faults
+        times, sent = [], []
+        for r in range(args.rounds + 1):
+            # A one-element round first: everyone starts the timed round together.
+            await collective.allreduce(barrier, ring, 2 * r + 1, timeout=120, start_timeout=120)
+            if args.density >= 1.0:
+                data = grad.clone()
+                started = time.perf_counter()
+                await collective.dense_round(data, ring, 2 * r + 2, timeout=args.timeout)
+            else:
+                started = time.perf_counter()
+                await reducer.allreduce(grad, ring, 2 * r + 2, out=out, timeout=args.timeout)
+            elapsed = time.perf_counter() - started
+            if r:  # the first round warms up
+                times.append(elapsed)
+                sent.append(collective.last_round.bytes_sent)
+        print("RESULT " + json.dumps({"times": times, "bytes": sent}), flush=True)
+
+
+def run_p2p(args: argparse.Namespace) -> list[dict]:
+    procs = [
+        subprocess.Popen(
+            worker_argv(args, ["--worker", str(i)]), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(args.peers)
+    ]
+    try:
+        addrs = []
+        for proc in procs:
+            line = proc.stdout.readline()
+            if not line.startswith("ADDR "):
+                raise SystemExit(f"a peer process failed to start: {line!r}")
+            addrs.append(line.split()[1])
+        for proc in procs:
+            proc.stdin.write(json.dumps(addrs) + "\n")
+            proc.stdin.flush()
+        results = []
+        for proc in procs:
+            out, _ = proc.communicate(timeout=900)
+            lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
+            if proc.returncode or not lines:
+                raise SystemExit(f"a peer process failed (exit {proc.returncode})")
+            results.append(json.loads(lines[-1][7:]))
+        return results
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+
+
+# ---- gloo process ------------------------------------------------------------------------------
+
+
+def gloo_worker(args: argparse.Namespace) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.gloo_port), GLOO_SOCKET_IFNAME="lo")
+    rank = args.worker
+    dist.init_process_group("gloo", rank=rank, world_size=args.peers)
+    grad = torch.randn(numel_of(args), generator=torch.Generator().manual_seed(rank))
+    times = []
+    for r in range(args.rounds + 1):
+        data = grad.clone()
+        dist.barrier()
+        started = time.perf_counter()
+        dist.all_reduce(data)
+        elapsed = torch.tensor([time.perf_counter() - started])
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        if r:
+            times.append(float(elapsed))
+    if rank == 0:
+        print("RESULT " + json.dumps({"times": times}), flush=True)
+    dist.destroy_process_group()
+
+
+def run_gloo(args: argparse.Namespace) -> list[float]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [
+        subprocess.Popen(
+            worker_argv(args, ["--worker", str(i), "--gloo-port", str(port)]), stdout=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(args.peers)
+    ]
+    try:
+        outs = [proc.communicate(timeout=900)[0] for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    if any(proc.returncode for proc in procs):
+        raise SystemExit("a gloo process failed")
+    line = next(ln for ln in outs[0].splitlines() if ln.startswith("RESULT "))
+    return json.loads(line[7:])["times"]
+
+
+# ---- driver ------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(1)  # P processes share a small machine
+    if args.worker is not None:
+        if args.gloo_port is not None:
+            gloo_worker(args)
+        else:
+            import trio
+
+            if args.profile:
+                import cProfile
+
+                cProfile.runctx(
+                    "trio.run(p2p_worker, args)", globals(), {"trio": trio, "args": args},
+                    os.path.join(args.profile, f"peer{args.worker}.pstats"),
+                )
+            else:
+                trio.run(p2p_worker, args)
+        return 0
+    from p2ptrain.collective.sparse import bucket_ks
+
+    n = numel_of(args)
+    k = sum(bucket_ks([n], args.density)) if args.density < 1.0 else n
+    value_size = 4 if args.density >= 1.0 else torch.empty((), dtype=VALUE_DTYPES[args.value_dtype]).element_size()
+    lower_bound = 2 * k * (args.peers - 1) / args.peers * value_size
+
+    gloo_times = [] if args.skip_gloo else run_gloo(args)
+    results = run_p2p(args)
+    per_round = [max(r["times"][i] for r in results) for i in range(args.rounds)]
+    bytes_rounds = [statistics.mean(r["bytes"][i] for r in results) for i in range(args.rounds)]
+    max_bytes = max(max(r["bytes"]) for r in results)
+    report = {
+        "peers": args.peers,
+        "size_mib": args.size_mib,
+        "density": args.density,
+        "value_dtype": args.value_dtype if args.density < 1.0 else "float32",
+        "rounds": args.rounds,
+        "p2ptrain_s": statistics.median(per_round),
+        "gloo_s": statistics.median(gloo_times) if gloo_times else None,
+        "bytes_per_peer": statistics.median(bytes_rounds),
+        "max_bytes_per_peer": max_bytes,
+        "lower_bound_bytes": lower_bound,
+        "p2ptrain_rounds_s": per_round,
+        "gloo_rounds_s": gloo_times,
+    }
+    report["time_ratio"] = report["p2ptrain_s"] / report["gloo_s"] if gloo_times else None
+    report["bytes_ratio"] = report["bytes_per_peer"] / lower_bound
+    if args.json:
+        print(json.dumps(report))
+        return 0
+    mode = "dense ring" if args.density >= 1.0 else f"top-k {args.density:g} ({report['value_dtype']} values)"
+    print(f"{args.peers} peers, {args.size_mib:g} MiB float32, {mode}, median of {args.rounds} rounds")
+    print(f"  p2ptrain round   {report['p2ptrain_s'] * 1e3:9.1f} ms")
+    if gloo_times:
+        print(f"  gloo all_reduce  {report['gloo_s'] * 1e3:9.1f} ms   (p2ptrain / gloo = {report['time_ratio']:.2f})")
+    print(f"  bytes per peer   {report['bytes_per_peer']:12,.0f}   (max {max_bytes:,})")
+    print(f"  lower bound      {lower_bound:12,.0f}   (bytes / bound = {report['bytes_ratio']:.3f})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
