@@ -270,6 +270,8 @@ class Chain:
     def check(self, signed: SignedModelRecord) -> ModelRecord:
         """Verify ``signed`` and that it extends the chain; :class:`RecordError` names fork or gap."""
         r = verify_record(signed)
+        if r.version < 1:
+            raise RecordError(f"model record v{r.version}: versions start at 1")
         if r.task_cid != self.task_cid:
             raise RecordError(f"model record v{r.version} belongs to task {r.task_cid[:16]}")
         if r.version <= self.version:

@@ -31,6 +31,7 @@ Rules, and why:
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
@@ -200,10 +201,14 @@ class RoundBook:
         metrics: dict[str, float],
         key_pair: KeyPair,
     ) -> SignedModelRecord:
-        """As coordinator, after the last round of a span: the signed record that extends the chain."""
+        """As coordinator, after the last round of a span: the signed record that extends the chain.
+
+        Non-finite metrics (a diverged evaluation) are left out: records are strict JSON.
+        """
         record = ModelRecord(
             task_cid=self.task_cid, version=self.chain.version + 1, parent=self.chain.head_cid,
-            round=plan.round + plan.rounds - 1, step=step, members=plan.members, metrics=dict(metrics),
+            round=plan.round + plan.rounds - 1, step=step, members=plan.members,
+            metrics={k: float(v) for k, v in sorted(metrics.items()) if math.isfinite(v)},
             model_cid=model_cid, optimizer_cid=optimizer_cid, term=plan.term, coordinator="",
         )
         return sign_record(record, key_pair)

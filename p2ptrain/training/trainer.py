@@ -212,11 +212,11 @@ class Trainer:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         total = 0.0
-        for _ in range(k):
+        for i in range(k):
             try:
                 x, y = next(batches)
             except StopIteration:
-                raise TrainerError(f"the data ran out during local step {_ + 1} of {k}") from None
+                raise TrainerError(f"the data ran out during local step {i + 1} of {k}") from None
             x, y = x.to(self.device), y.to(self.device)
             with self._autocast():
                 logits = self.model(x)
@@ -332,6 +332,7 @@ class Trainer:
             raise RecordError("optimizer file has no valid trainer.step")
         load_model_bytes(self.model, model_data)
         self._load_tensors(None, optim_t, int(step_t))
+        self._snapshot = None  # the step before a checkpoint is not ours to return to
 
     def _load_tensors(
         self, model_t: dict[str, torch.Tensor] | None, optim_t: dict[str, torch.Tensor], step: int

@@ -167,6 +167,8 @@ def test_chain_refuses_fork_and_gap():
         Chain.from_bytes(TASK, "Qminit", chain.to_bytes().replace(b"Qm2", b"Qm9"))
     with pytest.raises(RecordError, match="gap"):
         Chain.from_bytes(TASK, "Qminit", record_bytes(r2))
+    with pytest.raises(RecordError, match="versions start at 1"):
+        Chain(TASK, "Qminit").append(sign_record(record(0, parent="Qminit"), KEYS[0]))
 
 
 def test_record_id_names_the_exact_record():

@@ -274,5 +274,6 @@ def test_checkpoint_barrier(tmp_path, digits, digits_task, rejected):
         swarm.checkpoint(c, plan)
     nxt = c.book.next_plan(c.election, c.trainer.step, swarm.live())
     assert nxt is not None and (nxt.round, nxt.step, nxt.rounds) == (4, 4, 4)
-    last = c.book.next_plan  # the final span is cut at total_steps
-    assert span_length(swarm.task, 8, 10) == 2 and last
+    diverged = c.book.checkpoint_record(nxt, 8, "Qma", "Qmb", {"loss": float("nan"), "accuracy": 0.1}, c.key)
+    assert diverged.record.metrics == {"accuracy": 0.1}
+    assert span_length(swarm.task, 8, 10) == 2  # the final span is cut at total_steps
