@@ -223,7 +223,9 @@ def _follow(cluster: Cluster, task_cid: str, steps: int, deadline: float, quiet:
     """Show the run live until every peer has the final model confirmed; return each peer's status."""
     from tqdm import tqdm
 
-    bar = tqdm(total=steps, unit="step", disable=quiet, file=sys.stderr, dynamic_ncols=True)
+    live = sys.stderr.isatty() and not quiet
+    bar = tqdm(total=steps, unit="step", disable=not live, file=sys.stderr, dynamic_ncols=True)
+    last_line = 0.0
     try:
         while True:
             statuses = {}
@@ -240,13 +242,15 @@ def _follow(cluster: Cluster, task_cid: str, steps: int, deadline: float, quiet:
             step = max(s.get("step", 0) for s in statuses.values())
             lead = max(statuses.values(), key=lambda s: (s.get("version", 0), s.get("step", 0)))
             acc = lead.get("accuracy")
+            sent = sum(s.get("bytes_sent", 0) for s in statuses.values())
+            line = (f"model v{lead.get('version', 0)}  loss {_num(lead.get('loss'))}  test acc {_num(acc)}  "
+                    f"peers {len(lead.get('members') or [])}  sent {sent / 1024:.1f} KiB")
             bar.n = min(step, steps)
-            bar.set_postfix_str(
-                f"round {lead.get('round')} loss {_num(lead.get('loss'))} acc {_num(acc)} "
-                f"peers {len(lead.get('members') or [])} sent {sum(s.get('bytes_sent', 0) for s in statuses.values()) / 1e6:.1f} MB",
-                refresh=False,
-            )
+            bar.set_postfix_str(line, refresh=False)
             bar.refresh()
+            if not live and not quiet and time.monotonic() - last_line >= 5.0:
+                last_line = time.monotonic()
+                print(f"      step {step}/{steps}  {line}", file=sys.stderr)
             if len(statuses) == len(cluster.homes) and all(s.get("state") == "done" for s in statuses.values()):
                 return statuses
             if time.monotonic() > deadline:
@@ -257,18 +261,16 @@ def _follow(cluster: Cluster, task_cid: str, steps: int, deadline: float, quiet:
 
 
 def _fetch_and_evaluate(home: Path, model_cid: str, manifest_cid: str, bootstrap: list[str]) -> tuple[float, float]:
-    from p2ptrain.cli.model import ensure_local
+    from p2ptrain.cli.model import ensure_local, split_shards
     from p2ptrain.data.dataset import IPFSDataset
-    from p2ptrain.data.manifest import Manifest
     from p2ptrain.ipfs.embedded import EmbeddedStore
     from p2ptrain.training.evaluation import evaluate_model
     from p2ptrain.training.loading import load_model
 
     home.mkdir(mode=0o700)
-    ensure_local(home, [model_cid, manifest_cid], bootstrap)
+    ensure_local(home, [model_cid, manifest_cid], bootstrap,
+                 then=lambda store: split_shards(store, manifest_cid, "test"))
     store = EmbeddedStore(home)
-    manifest = Manifest.load(store, manifest_cid)
-    ensure_local(home, [ref.cid for ref in manifest.shards("test")], bootstrap)
     module = load_model(model_cid, store=store)
     result = evaluate_model(module, IPFSDataset(manifest_cid, split="test", store=store, shuffle=False))
     return float(result["accuracy"]), float(result["loss"])

@@ -64,8 +64,20 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:
         print(f"p2ptrain: error: {exc}", file=sys.stderr)
         return 1
+    except BaseExceptionGroup as group:
+        # trio wraps an error raised inside a nursery; a user error stays one line all the same.
+        user_errors, rest = group.split(UserError)
+        if user_errors is None or rest is not None:
+            raise
+        print(f"p2ptrain: error: {_first_leaf(user_errors)}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
+
+
+def _first_leaf(group: BaseExceptionGroup) -> BaseException:
+    first = group.exceptions[0]
+    return _first_leaf(first) if isinstance(first, BaseExceptionGroup) else first
 
 
 if __name__ == "__main__":

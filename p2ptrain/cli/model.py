@@ -11,10 +11,14 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from p2ptrain.errors import UserError
+
+if TYPE_CHECKING:
+    from p2ptrain.ipfs.store import ContentStore
 
 HOME_HELP = "node home whose store (and running node, if any) to use (default: ~/.p2ptrain)"
 EPHEMERAL_MESH_TIMEOUT_S = 20.0
@@ -56,20 +60,31 @@ def _home(args: argparse.Namespace) -> Path:
     return (args.home or default_home()).expanduser()
 
 
-def ensure_local(home: Path, cids: list[str], bootstrap: list[str], latest: str | None = None) -> list[str]:
-    """Make ``cids`` (plus the latest model of task ``latest``) local; return the CIDs in that order."""
+def ensure_local(
+    home: Path, cids: list[str], bootstrap: list[str], latest: str | None = None,
+    then: Callable[[ContentStore], list[str]] | None = None,
+) -> list[str]:
+    """Make ``cids`` (plus the latest model of task ``latest``) local; return the CIDs in that order.
+
+    ``then(store)`` names more CIDs once the first ones are local (a dataset split's shards, read
+    from its manifest); they are fetched in the same session.
+    """
     from p2ptrain.ipfs.store import open_store
     from p2ptrain.net.control import ControlClient, ControlError, socket_path
 
     store = open_store(home)
     if latest is None and all(store.has(c) for c in cids):
-        return cids
+        more = then(store) if then else []
+        if all(store.has(c) for c in more):
+            return cids
     if socket_path(home).exists():
         client = ControlClient(home, timeout=600.0)
         try:
             if latest is not None:
                 cids = cids + [_latest_from_status(client.call("task.status", task_cid=latest), latest)]
             for cid in cids:
+                client.call("ipfs.fetch", cid=cid, timeout=300.0)
+            for cid in then(store) if then else []:
                 client.call("ipfs.fetch", cid=cid, timeout=300.0)
             return cids
         except ControlError as exc:
@@ -83,7 +98,7 @@ def ensure_local(home: Path, cids: list[str], bootstrap: list[str], latest: str 
             f"{', '.join(missing)} not in the store of {home}, and no node is running there: start one "
             f"(p2ptrain node start --home {home} --bootstrap ...) or pass --bootstrap MULTIADDR"
         )
-    return _fetch_with_ephemeral_node(home, cids, bootstrap, latest)
+    return _fetch_with_ephemeral_node(home, cids, bootstrap, latest, then)
 
 
 def _latest_from_status(status: dict[str, Any], task_cid: str) -> str:
@@ -93,7 +108,10 @@ def _latest_from_status(status: dict[str, Any], task_cid: str) -> str:
     return str(cid)
 
 
-def _fetch_with_ephemeral_node(home: Path, cids: list[str], bootstrap: list[str], latest: str | None) -> list[str]:
+def _fetch_with_ephemeral_node(
+    home: Path, cids: list[str], bootstrap: list[str], latest: str | None,
+    then: Callable[[ContentStore], list[str]] | None,
+) -> list[str]:
     import trio
 
     from p2ptrain.ipfs.store import ContentUnavailable
@@ -121,6 +139,9 @@ def _fetch_with_ephemeral_node(home: Path, cids: list[str], bootstrap: list[str]
                             await trio.sleep(0.2)
                 for cid in out:
                     await peer.content.fetch(cid, timeout=300.0)
+                more = await trio.to_thread.run_sync(then, peer.content.store) if then else []
+                for cid in more:
+                    await peer.content.fetch(cid, timeout=300.0)
             except trio.TooSlowError:
                 raise UserError(
                     f"no peer reachable through {bootstrap[0]}" if latest is None or not node.host.get_connected_peers()
@@ -133,6 +154,16 @@ def _fetch_with_ephemeral_node(home: Path, cids: list[str], bootstrap: list[str]
 
     trio.run(main)
     return out
+
+
+def split_shards(store: ContentStore, manifest_cid: str, split: str) -> list[str]:
+    """The shard CIDs of one split of a dataset whose manifest is local."""
+    from p2ptrain.data.manifest import Manifest
+
+    manifest = Manifest.load(store, manifest_cid)
+    if split not in manifest.splits:
+        raise UserError(f"dataset {manifest_cid} has no split {split!r} (it has {', '.join(manifest.splits)})")
+    return [ref.cid for ref in manifest.shards(split)]
 
 
 def cmd_fetch(args: argparse.Namespace) -> int:
@@ -167,20 +198,14 @@ def cmd_fetch(args: argparse.Namespace) -> int:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     home = _home(args)
-    wanted = [args.dataset] + ([] if Path(args.model).exists() else [args.model])
-    ensure_local(home, wanted, args.bootstrap)
     from p2ptrain.data.dataset import IPFSDataset
-    from p2ptrain.data.manifest import Manifest
     from p2ptrain.ipfs.store import open_store
     from p2ptrain.training.evaluation import evaluate_model
     from p2ptrain.training.loading import load_model
 
+    wanted = [args.dataset] + ([] if Path(args.model).exists() else [args.model])
+    ensure_local(home, wanted, args.bootstrap, then=lambda store: split_shards(store, args.dataset, args.split))
     store = open_store(home)
-    manifest = Manifest.load(store, args.dataset)
-    if args.split not in manifest.splits:
-        raise UserError(f"dataset {args.dataset} has no split {args.split!r} (it has {', '.join(manifest.splits)})")
-    for ref in manifest.shards(args.split):
-        ensure_local(home, [ref.cid], args.bootstrap)
     module = load_model(args.model, store=store)
     dataset = IPFSDataset(args.dataset, split=args.split, store=store, shuffle=False)
     result = evaluate_model(module, dataset, args.batch_size)

@@ -500,6 +500,9 @@ class TaskRun:
         optim_cid = await trio.to_thread.run_sync(store.add_bytes, optim_data)
         self.checkpoint_cids = {trainer.step: (model_cid, optim_cid)}
         if self.election.is_coordinator and plan.term == self.election.term:
+            assert self.manifest is not None
+            for ref in self.manifest.shards(self.task.dataset.test_split):
+                await self.content.fetch(ref.cid)
             metrics = await trio.to_thread.run_sync(self._evaluate)
             metrics["train_loss"] = self.metrics.get("train_loss", math.nan)
             metrics = {k: v for k, v in metrics.items() if math.isfinite(v)}
