@@ -28,7 +28,7 @@ def add_store_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--ipfs",
         metavar="API",
-        default=None,
+        default=argparse.SUPPRESS,  # keeps a value given before the subcommand (`p2ptrain ipfs --ipfs …`)
         help="use a Kubo daemon's RPC API (e.g. http://127.0.0.1:5001) instead of the embedded store",
     )
 
@@ -38,7 +38,7 @@ def store_from_args(args: argparse.Namespace) -> ContentStore:
         from p2ptrain.identity import default_home  # imports libp2p (~1 s): only when needed
 
         args.home = default_home()
-    return open_store(args.home, ipfs_api=args.ipfs)
+    return open_store(args.home, ipfs_api=getattr(args, "ipfs", None))
 
 
 @contextmanager
@@ -121,6 +121,8 @@ def cmd_pin_ls(args: argparse.Namespace) -> int:
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     group = sub.add_parser("ipfs", help="add, read and pin content by IPFS CID")
+    group.add_argument("--ipfs", metavar="API", default=None,
+                       help="for every subcommand: use a Kubo daemon's RPC API, e.g. http://127.0.0.1:5001")
     cmds = group.add_subparsers(dest="ipfs_command", metavar="SUBCOMMAND", required=True)
 
     p = cmds.add_parser("add", help="add a file and print its CID (the same CID as Kubo's ipfs add)")

@@ -160,3 +160,12 @@ def test_cli_add_and_cat_through_kubo(kubo_api, tmp_path, capsys):
     assert capsys.readouterr().out.strip() == "QmT78zSuBmuS4z925WZfrqQ1qHaJ56DQaTfyMUF7F8ff5o"
     assert cli_main(["ipfs", "cat", "QmT78zSuBmuS4z925WZfrqQ1qHaJ56DQaTfyMUF7F8ff5o", "--ipfs", kubo_api]) == 0
     assert capsys.readouterr().out == "hello world\n"
+
+
+def test_cli_ipfs_flag_before_the_subcommand(kubo_api, tmp_path, capsys):
+    cid = KuboStore(kubo_api).add_bytes(b"flag first\n")
+    assert cli_main(["ipfs", "--ipfs", kubo_api, "cat", cid]) == 0
+    assert capsys.readouterr().out == "flag first\n"
+    # Without --ipfs anywhere the home's embedded store is used, which does not hold it.
+    assert cli_main(["ipfs", "cat", cid, "--home", str(tmp_path)]) == 1
+    assert "not held locally" in capsys.readouterr().err
