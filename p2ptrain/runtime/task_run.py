@@ -121,6 +121,7 @@ class TaskRun:
         self._plans_send, self._plans_recv = trio.open_memory_channel[RoundPlan](64)
         self._batches: tuple[tuple[int, int], Iterator[Any]] | None = None
         self._done = trio.Event()
+        self._head_heard = trio.Event()
 
     # -- status ------------------------------------------------------------------------------
 
@@ -206,10 +207,19 @@ class TaskRun:
             value_dtype=torch.float16 if self.task.compression.fp16_values else torch.float32,
         )
         self.book = RoundBook(self.task, self.task_cid, Chain(self.task_cid, self.initial_cid), self.total_steps)
-        self.synced = True  # step 0 from the task's seed (or initial model): every member holds it
-        self.state = "training"
-        self._advertise(True)
-        logger.info("%s: joined; %d steps, initial model %s", self.log_prefix, self.total_steps, self.initial_cid)
+        if self.heads is None:
+            # A run under way has a coordinator that publishes its head every HEAD_EVERY_S: hear it
+            # before claiming to hold the run's state (we hold step 0, which is only right early on).
+            with trio.move_on_after(HEAD_EVERY_S * 1.5):
+                await self._head_heard.wait()
+        fresh = self.heads is None or self.heads.version == 0
+        logger.info("%s: joined; %d steps, initial model %s%s", self.log_prefix, self.total_steps,
+                    self.initial_cid, "" if fresh else f"; the run is at model v{self.heads.version}: resyncing")
+        if fresh:  # step 0 from the task's seed (or initial model): every member holds it
+            self.synced, self.state = True, "training"
+            self._advertise(True)
+        else:
+            self.state = "resyncing"
 
     def _advertise(self, on: bool) -> None:
         tasks = set(self.node.membership.tasks)
@@ -248,6 +258,7 @@ class TaskRun:
         elif isinstance(msg, TaskHead):
             if self.heads is None or (msg.version, msg.step) >= (self.heads.version, self.heads.step):
                 self.heads = msg
+                self._head_heard.set()
             if msg.done and self.synced and self.book and self.book.chain.version >= msg.version:
                 self._done.set()
 
@@ -529,11 +540,27 @@ class TaskRun:
         self._advertise(False)
 
     async def _resync_loop(self) -> None:
-        """While out of sync: load the head of the confirmed chain (by CID, verified) and rejoin."""
+        """While out of sync: load the head of the confirmed chain (by CID, verified) and rejoin.
+
+        A member also notices on its own that it fell behind: when the published head stays ahead
+        of its chain for two checks in a row (it missed a record, or its attestations), it stops
+        advertising the task, so no coordinator puts it into a ring with a stale state.
+        """
+        behind = 0
         while True:
             await trio.sleep(self.node.config.heartbeat_interval)
             head = self.heads
-            if self.synced or head is None or head.version == 0 or self.book is None:
+            if self.book is None or head is None:
+                continue
+            if self.synced:
+                pending = self.tally is not None and self.tally.status is Status.PENDING
+                behind = behind + 1 if head.version > self.book.chain.version and not pending else 0
+                if behind >= 2:
+                    logger.warning("%s: the run is at model v%d, this member at v%d", self.log_prefix,
+                                   head.version, self.book.chain.version)
+                    self._desync()
+                continue
+            if head.version == 0:
                 continue
             if head.version <= self.book.chain.version and self.trainer and self.trainer.step == self.book.head_step:
                 self.synced, self.state = True, "training"

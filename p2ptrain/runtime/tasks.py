@@ -136,6 +136,9 @@ class TaskService:
         run = TaskRun(self.node, self.content, self.collective, task, task_cid,
                       device=self.options.device, precision=self.options.precision)
         self.runs[task_cid] = run
+        known = self.known.get(task_cid)
+        if known is not None and known.head is not None:
+            await run.on_message(known.announced_by, known.head)  # what we heard before joining
         await self.node.subscribe(task_topic(task_cid))
         self._nursery.start_soon(run.run, name=f"task:{task_cid[:12]}")
         return run
