@@ -422,7 +422,8 @@ class _Session:
         self.stall_timeout = stall_timeout
         self.max_bytes = max_bytes
         self.progress = progress
-        self.pending: deque[CID] = deque([root])
+        self.unchecked: deque[CID] = deque([root])  # not yet looked up in the store
+        self.pending: deque[CID] = deque()  # known to be missing: to be asked for
         # Blocks are keyed by multihash (``cid.digest``): a CIDv0 and a CIDv1 of one block are one block.
         self.inflight: dict[ID, dict[bytes, CID]] = {p: {} for p in providers}
         self.owner: dict[bytes, ID] = {}  # multihash -> provider asked for it
@@ -456,8 +457,9 @@ class _Session:
                 if self.error is not None:
                     raise self.error
                 self.changed = trio.Event()
+                await self._sort_unchecked()
                 await self._assign()
-                if not self.pending and not self.owner:
+                if not self.unchecked and not self.pending and not self.owner:
                     return None
                 with trio.move_on_after(_TICK):
                     await self.changed.wait()
@@ -476,9 +478,6 @@ class _Session:
             cid = self.pending.popleft()
             digest = cid.digest
             if digest in self.done or digest in self.owner:
-                continue
-            if self.ex.store.has(cid):
-                await self._resolve_local(cid)
                 continue
             refused = self.dont_have.get(digest, set())
             if not self.live or all(p in refused for p in self.live):
@@ -499,6 +498,22 @@ class _Session:
         for provider, wants in batches.items():
             self.ex.send_wants(provider, wants)
 
+    async def _sort_unchecked(self) -> None:
+        """Look new CIDs up in the store, in one worker-thread hop per batch (a stat each): held ones
+        are resolved locally (an interrupted fetch resumes), missing ones wait for a provider."""
+        while self.unchecked:
+            batch = []
+            while self.unchecked:
+                cid = self.unchecked.popleft()
+                if cid.digest not in self.done and cid.digest not in self.owner:
+                    batch.append(cid)
+            held = await trio.to_thread.run_sync(lambda: [self.ex.store.has(c) for c in batch])
+            for cid, is_held in zip(batch, held):
+                if is_held:
+                    await self._resolve_local(cid)
+                else:
+                    self.pending.append(cid)
+
     async def _resolve_local(self, cid: CID) -> None:
         """A block we already hold: nothing to fetch, but its children may still be missing."""
         self.done.add(cid.digest)
@@ -516,7 +531,7 @@ class _Session:
             # The block matches its hash, so the content itself is malformed: no provider can help.
             self.error = FetchError(cid, self.root, {"content": f"not a valid dag-pb node: {exc}"})
             return
-        self.pending.extend(link.cid for link in links)
+        self.unchecked.extend(link.cid for link in links)
 
     def _failure(self, cid: CID) -> FetchError:
         reasons = dict(self.reasons)

@@ -246,3 +246,19 @@ async def test_message_reader_reassembles_across_any_read_boundaries(sizes):
         truncated = MessageReader(ChunkedStream(wire[:-1], sizes))
         while await truncated.next_body() is not None:
             pass
+
+
+async def test_interrupted_fetch_resumes_with_only_the_missing_blocks(tmp_path):
+    data = content(2 * MiB, seed=5)
+    async with nodes(tmp_path, BlockStore, BlockStore) as (provider, fetcher):
+        root = add(provider.store, data, cid_version=1)
+        with trio.fail_after(DEADLINE):
+            await fetcher.exchange.fetch_dag(root, [provider.info])
+        leaves = [c for c in fetcher.store.iter_cids() if c.digest != root.digest]
+        for cid in leaves[::2]:  # as if the first fetch had stopped half way
+            fetcher.store.delete(cid)
+        with trio.fail_after(DEADLINE):
+            stats = await fetcher.exchange.fetch_dag(root, [provider.info])
+        assert stats.blocks == len(leaves[::2])
+        assert stats.local_blocks == 1 + len(leaves) - len(leaves[::2])
+        assert bytes_of(fetcher.store, root) == data
