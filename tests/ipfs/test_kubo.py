@@ -25,6 +25,9 @@ from p2ptrain.ipfs.embedded import EmbeddedStore
 from p2ptrain.ipfs.kubo import KuboStore, api_multiaddr
 from p2ptrain.ipfs.store import ContentStore, ContentUnavailable, open_store
 
+# The first test may install js-ipfs (~4 min) when `make test` has not already: allow for it.
+pytestmark = pytest.mark.timeout(900)
+
 IPFS_DIR = Path(__file__).resolve().parents[2] / "ipfs"
 START_TIMEOUT = 180
 
