@@ -13,8 +13,9 @@ Other layers extend a node before or while it runs: message handlers (``node.on`
 which run in the node's own nursery and stop with it. There is no fire-and-forget anywhere: every
 task the node starts lives in a nursery that ``run`` waits for.
 
-Stopping is ordered and bounded: say Goodbye, cancel the services, close the host's connections,
-stop gossipsub and pubsub, close the listeners, remove the control socket. The node's lifetime runs
+Stopping is ordered and bounded: cancel the services, say Goodbye, stop discovery, membership and
+the router, stop gossipsub and pubsub, close the listeners, close every connection, remove the
+control socket. The node's lifetime runs
 shielded from the caller's cancellation and is driven by a stop event instead, because py-libp2p
 torn down by a plain cancellation leaks sockets and raises 'Nursery is closed to new arrivals'.
 """
@@ -46,7 +47,7 @@ from p2ptrain.mesh.membership import DEFAULT_SILENCE_HEARTBEATS, MESH_TOPIC, Mem
 from p2ptrain.mesh.router import Handler, MessageRouter, short
 from p2ptrain.net.control import ControlServer
 from p2ptrain.net.host import make_host
-from p2ptrain.net.pubsub import MessageTooLarge, make_pubsub, publish_bytes, running_pubsub
+from p2ptrain.net.pubsub import MessageTooLarge, close_host, make_pubsub, publish_bytes, running_pubsub
 from p2ptrain.wire import encode
 from p2ptrain.wire.limits import MAX_MESSAGE_BYTES
 
@@ -181,7 +182,8 @@ class Node:
         self._seq = time.time_ns() // 1000  # grows across restarts with no stored state
         self._stop = trio.Event()
         self.started = trio.Event()
-        self.started_at: float | None = None  # wall clock, when the mesh came up
+        self.listening_at: float | None = None  # wall clock: listeners up, pubsub running
+        self.started_at: float | None = None  # wall clock: mesh joined, services started
         self.stopped = trio.Event()
         self.control.register("status", self._status_op)
         self.control.register("ping", self._ping_op)
@@ -288,18 +290,22 @@ class Node:
         self.host, self.pubsub = host, pubsub
         try:
             async with host.run(listen_addrs=self._listen):
-                async with running_pubsub(pubsub):
-                    try:
+                try:
+                    async with running_pubsub(pubsub):
                         await self._serve(host, pubsub, task_status)
-                    finally:
-                        with trio.move_on_after(HOST_CLOSE_TIMEOUT_S):
-                            await host.close()
+                finally:
+                    # Pubsub first (it drops what still arrives), then listeners, then connections.
+                    logger.debug("node %s: pubsub stopped; closing the host", self.short_id)
+                    with trio.move_on_after(HOST_CLOSE_TIMEOUT_S):
+                        await close_host(host)
+                    logger.debug("node %s: host closed", self.short_id)
         finally:
             self.host = self.pubsub = None
             self.stopped.set()
             logger.info("node %s stopped", self.short_id)
 
     async def _serve(self, host: IHost, pubsub: Pubsub, task_status: Any) -> None:
+        self.listening_at = time.time()
         self.discovery = Discovery(
             host, pubsub, self.membership, self.config.bootstrap, mdns=self.config.mdns, dht=self.config.dht
         )
@@ -325,8 +331,13 @@ class Node:
             self._nursery = None
             with trio.move_on_after(GOODBYE_TIMEOUT_S):
                 await self.membership.say_goodbye()
-                await trio.sleep(0.05)  # let the writer tasks put Goodbye on the wire
+                # Let the per-peer writer tasks put Goodbye on the wire before pubsub stops.
+                while pubsub.queue_backlog() > 0:  # type: ignore[attr-defined]
+                    await trio.sleep(0.005)
+                await trio.sleep(0.01)
+            logger.debug("node %s: goodbye sent; stopping mesh tasks", self.short_id)
             nursery.cancel_scope.cancel()
+        logger.debug("node %s: mesh tasks stopped", self.short_id)
 
     # -- control ops ---------------------------------------------------------------------------
 
@@ -341,6 +352,7 @@ class Node:
             "addrs": self.addrs,
             "home": str(self.home),
             "version": __version__,
+            "listening_at": self.listening_at,
             "started_at": self.started_at,
             "connected": connected,
             "topics": self.router.topics,

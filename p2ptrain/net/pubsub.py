@@ -33,6 +33,7 @@ from libp2p.peer.id import ID
 from libp2p.pubsub.pubsub import Pubsub
 from libp2p.pubsub.rpc_queue import RpcQueue
 from libp2p.pubsub.subscription import TrioSubscriptionAPI
+from libp2p.tools.anyio_service.exceptions import LifecycleError
 
 from p2ptrain.net.service import running_service
 
@@ -86,7 +87,20 @@ class TrainingPubsub(Pubsub):
 
     async def stream_handler(self, stream: INetStream) -> None:
         await self.service_started.wait()
-        await super().stream_handler(stream)
+        if not self.manager.is_running:
+            await stream.reset()
+            return
+        try:
+            await super().stream_handler(stream)
+        except (LifecycleError, RuntimeError) as exc:
+            # Pubsub hands each message to a task of its service; while the service stops, that
+            # raises ("Nursery is closed to new arrivals") inside the *swarm's* connection task and
+            # would take the host down with it. A message arriving during shutdown is just dropped.
+            if self.manager.is_running and not isinstance(exc, LifecycleError) and "closed to new arrivals" not in str(exc):
+                raise
+            logger.debug("pubsub stream from %s ended during shutdown: %s", stream.muxed_conn.peer_id, exc)
+            with trio.move_on_after(1):
+                await stream.reset()
 
     async def subscribe(self, topic_id: str) -> ISubscriptionAPI:
         if topic_id in self.topic_ids:
@@ -132,6 +146,21 @@ async def running_pubsub(pubsub: Pubsub) -> AsyncIterator[Pubsub]:
                 for peer_id in pubsub.host.get_connected_peers():
                     nursery.start_soon(pubsub.ensure_peer_stream, peer_id, 5.0)
             yield pubsub
+
+
+async def close_host(host: IHost) -> None:
+    """Stop accepting connections, then close every connection.
+
+    ``host.close()`` closes connections first and listeners after; a peer redialing in between
+    gets a fresh connection whose pubsub messages then land on a stopping pubsub. Closing the
+    listeners first removes that window.
+    """
+    network = host.get_network()
+    listeners = getattr(network, "listeners", {})
+    for key, listener in list(listeners.items()):
+        await listener.close()
+        listeners.pop(key, None)
+    await host.close()
 
 
 async def publish_bytes(pubsub: Pubsub, topic: str, data: bytes, limit: int) -> None:

@@ -52,6 +52,14 @@ async def test_twenty_start_stop_cycles_of_a_four_node_mesh_leak_nothing(tmp_pat
             for cycle in range(CYCLES):
                 async with local_mesh(4, tmp_path / f"cycle{cycle}") as nodes:
                     assert all(len(n.membership.alive()) == 3 for n in nodes)
+                    # One node leaves while the others keep running (and may redial it): the
+                    # shutdown must cope with connections arriving while it stops.
+                    nodes[cycle % 4].stop()
+                    with trio.fail_after(15):
+                        await nodes[cycle % 4].stopped.wait()
+                        for other in nodes:
+                            if other is not nodes[cycle % 4]:
+                                await other.membership.wait_until(lambda m: len(m.alive()) == 2)
                 for node in nodes:
                     assert node.stopped.is_set() and node.host is None
                     assert not (node.home / "control.sock").exists()
