@@ -37,12 +37,12 @@ class EmbeddedStore:
         try:
             return self.blocks.get(cid)
         except BlockNotFound:
-            why = "not held locally"
-        except CorruptBlock as exc:
-            why = str(exc)
+            why = "is not held locally"
+        except CorruptBlock:
+            why = "was corrupt on disk (now quarantined)"
         if self.fetch_block is None:
             raise ContentUnavailable(
-                cid, f"block {why} ({self.blocks.root}) and no network fetcher is attached"
+                cid, f"block {why} in {self.blocks.root}, and no network fetcher is attached"
             )
         try:
             data = self.fetch_block(cid)
@@ -66,11 +66,11 @@ class EmbeddedStore:
         progress: Progress | None = None,
     ) -> str:
         """Import ``stream`` as a UnixFS file; store its blocks unless ``only_hash``; return the CID."""
-        roots: list[CID] = []
+        last: list[CID] = []  # the last block is the root; the empty file still has one
 
         def blocks() -> Iterator[tuple[CID, bytes]]:
             for cid, data in import_stream(stream, cid_version=cid_version, progress=progress):
-                roots.append(cid)
+                last[:] = [cid]
                 yield cid, data
 
         if only_hash:
@@ -78,7 +78,7 @@ class EmbeddedStore:
                 pass
         else:
             self.blocks.put_many(blocks())
-        return cid_str(roots[-1])  # the last block is the root; the empty file still has one
+        return cid_str(last[0])
 
     def add_bytes(self, data: bytes, cid_version: int = 0, only_hash: bool = False) -> str:
         return self.add_stream(io.BytesIO(data), cid_version, only_hash)
