@@ -136,7 +136,7 @@ def _readiness(statuses: list[dict], launched: float, polled_all_seen: float | N
 # -- 3. latency ---------------------------------------------------------------------------------
 
 
-async def _peer(index: int, home: Path, port: int, bootstrap: list[str], messages: int) -> None:
+async def _peer(index: int, home: Path, port: int, bootstrap: list[str], messages: int, interval: float) -> None:
     import torch  # noqa: F401  (as `node start` does; else the node's GPU probe imports it mid-measurement)
 
     from p2ptrain.node import Node
@@ -158,7 +158,7 @@ async def _peer(index: int, home: Path, port: int, bootstrap: list[str], message
                 await trio.sleep(1.0)  # everyone ready and meshed
                 for n in range(messages):
                     await node.publish(TOPIC, BenchPing(n=n, sent_at=time.time()))
-                    await trio.sleep(0.02)
+                    await trio.sleep(interval)
                 await trio.sleep(2.0)
             else:
                 with trio.move_on_after(60):
@@ -170,7 +170,7 @@ async def _peer(index: int, home: Path, port: int, bootstrap: list[str], message
     await main()
 
 
-def bench_latency(messages: int) -> dict:
+def bench_latency(messages: int, interval: float) -> dict:
     from p2ptrain.identity import load_or_create_identity, peer_id_of
     from p2ptrain.testing import free_port
 
@@ -183,7 +183,7 @@ def bench_latency(messages: int) -> dict:
         for i, home in enumerate(homes):
             boot = [a for j, a in enumerate(addrs) if j != i]
             cmd = [sys.executable, __file__, "--peer", str(i), "--home", str(home), "--port", str(ports[i]),
-                   "--messages", str(messages), "--bootstrap", *boot]
+                   "--messages", str(messages), "--interval", str(interval), "--bootstrap", *boot]
             procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True))
         launched = time.time()
         latencies: list[float] = []
@@ -214,6 +214,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--messages", type=int, default=100)
+    parser.add_argument("--interval", type=float, default=0.1, help="seconds between control messages")
+    parser.add_argument("--only-latency", action="store_true", help="skip parts 1 and 2")
     parser.add_argument("--peer", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--home", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
@@ -223,24 +225,29 @@ def main() -> None:
         import logging
 
         logging.getLogger("libp2p").setLevel(logging.CRITICAL)  # redials of a stopped peer are expected
-        trio.run(_peer, args.peer, args.home, args.port, args.bootstrap, args.messages)
+        trio.run(_peer, args.peer, args.home, args.port, args.bootstrap, args.messages, args.interval)
         return
 
     print(f"machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at start")
-    dial = bench_dialing(args.runs)
+    if not args.only_latency:
+        _dial_and_startup(args.runs)
+    lat = bench_latency(args.messages, args.interval)
+    print("3. 4 processes running a bare Node (no content/task services), started at once:")
+    _print_readiness(lat["readiness"])
+    print(f"4. control message every {args.interval} s, publish -> delivery at 3 peers ({lat['messages']} messages, "
+          f"delivered {lat['delivered_per_peer']}): median {lat['median_ms']:.1f} ms, p90 {lat['p90_ms']:.1f} ms, "
+          f"max {lat['max_ms']:.1f} ms")
+    print(f"load average {os.getloadavg()[0]:.1f} at end")
+
+
+def _dial_and_startup(runs: int) -> None:
+    dial = bench_dialing(runs)
     print("1. full mesh of 4 hosts, all 6 dials in parallel:")
     print(f"   host.connect (baseline) {_fmt(dial['connect_s'])}   dial_addr (ours) {_fmt(dial['dial_addr_s'])}"
           f"   -> {dial['ratio']:.1f}x faster")
     print("2. 4 `p2ptrain node start` processes started at once:")
-    for r in bench_startup(args.runs):
+    for r in bench_startup(runs):
         _print_readiness(r)
-    lat = bench_latency(args.messages)
-    print("3. 4 processes running a bare Node (no content/task services), started at once:")
-    _print_readiness(lat["readiness"])
-    print(f"4. control message, publish -> delivery at 3 peers ({lat['messages']} messages, "
-          f"delivered {lat['delivered_per_peer']}): median {lat['median_ms']:.1f} ms, p90 {lat['p90_ms']:.1f} ms, "
-          f"max {lat['max_ms']:.1f} ms")
-    print(f"load average {os.getloadavg()[0]:.1f} at end")
 
 
 def _print_readiness(r: dict) -> None:

@@ -1,0 +1,1 @@
+"""The mesh: verified message routing, heartbeat membership, peer discovery."""

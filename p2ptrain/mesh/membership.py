@@ -30,7 +30,8 @@ from p2ptrain.wire.messages import Capabilities, Goodbye, Heartbeat
 logger = logging.getLogger(__name__)
 
 MESH_TOPIC = "p2ptrain/mesh/1"
-DEFAULT_SILENCE_HEARTBEATS = 3
+# Five missed heartbeats: on a busy shared machine three were missed now and then by live peers.
+DEFAULT_SILENCE_HEARTBEATS = 5
 # A new peer makes us heartbeat early so it sees us at once, but never more often than this.
 MIN_HEARTBEAT_GAP_S = 0.05
 EVENT_QUEUE = 1024
@@ -202,10 +203,11 @@ class Membership:
 
     async def _send_heartbeats(self) -> None:
         while True:
+            # A fresh event before sending: a poke that arrives while we send or pause is kept.
+            self._wake = trio.Event()
             self.caps = caps_probe.refresh_ram(self.caps)
             await self.publish(MESH_TOPIC, self.heartbeat())
             await trio.sleep(MIN_HEARTBEAT_GAP_S)
-            self._wake = trio.Event()
             with trio.move_on_after(max(self.interval - MIN_HEARTBEAT_GAP_S, 0.0)):
                 await self._wake.wait()
 
