@@ -23,8 +23,10 @@ its own ``Yamux`` class for ``/yamux/1.0.0``.
 from __future__ import annotations
 
 import logging
+import math
 import struct
 from collections import deque
+from collections.abc import Sequence
 from typing import Any
 
 import trio
@@ -123,6 +125,19 @@ class _Pieces:
                 self._len -= n
                 n = 0
         return out
+
+
+class _Outgoing:
+    """A frame queued for the connection's writer task."""
+
+    __slots__ = ("header", "payload", "done", "error", "abandoned")
+
+    def __init__(self, header: bytes, payload: Sequence[bytes | memoryview]) -> None:
+        self.header = header
+        self.payload = payload
+        self.done = trio.Event()
+        self.error: BaseException | None = None
+        self.abandoned = False  # its sender was cancelled before it was written: skip it
 
 
 class FastYamuxStream(YamuxStream):
@@ -243,10 +258,7 @@ class FastYamuxStream(YamuxStream):
             increment += self._window_target
             self._window_target *= 2
         self.recv_window += increment
-        try:
-            await self.conn.send_frame(TYPE_WINDOW_UPDATE, 0, self.stream_id, increment)
-        except _CONNECTION_ERRORS as error:
-            logger.debug("window update to %s failed: %s", self.conn.peer_id, error)
+        self.conn.send_control(TYPE_WINDOW_UPDATE, 0, self.stream_id, increment)
 
 
 class FastYamux(Yamux):
@@ -257,6 +269,10 @@ class FastYamux(Yamux):
     def __init__(self, secured_conn: ISecureConn, peer_id: ID, *args: Any, **kwargs: Any) -> None:
         super().__init__(secured_conn, peer_id, *args, **kwargs)
         self._noise = secured_conn if isinstance(secured_conn, NoiseSession) else None
+        # Every frame goes through one writer task (see send_frame); unbounded because each data
+        # frame's sender waits for it, and control frames are a few bytes.
+        self._outbox, self._outbox_receive = trio.open_memory_channel[_Outgoing](math.inf)
+        self._writer_running = False
         # Frame parser state, carried across socket reads.
         self._header = bytearray()
         self._body_left = 0
@@ -273,37 +289,76 @@ class FastYamux(Yamux):
         length: int,
         payload: list[bytes | memoryview] | None = None,
     ) -> None:
-        """Write one frame (header plus payload pieces) as one socket send."""
-        header = _HEADER.pack(0, typ, flags, stream_id, length)
-        async with self._write_lock:
-            if self._noise is None:
-                await self.secured_conn.write(b"".join([header, *(payload or ())]))
-                return
-            parts: list[bytes | memoryview] = []
-            self._noise.seal_frame(parts, header, payload or ())
-            await self._noise.send_sealed(parts)
+        """Send one frame (header plus payload pieces) and wait until it is on the socket.
 
-    async def _reply(self, typ: int, flags: int, stream_id: int, length: int) -> None:
-        """Send a control frame on behalf of the frame reader without making it wait.
-
-        The reader must never block on a socket write: if both peers' readers waited on writes
-        while both peers' writers waited on full socket buffers, neither connection would move.
+        The frame is written by the connection's writer task, so cancelling the caller never tears
+        a frame: a DATA frame not yet started is dropped, one being written is finished, and
+        control frames (FIN, RST) are sent anyway.
         """
-        if self._nursery is None:
-            await self._send_quietly(typ, flags, stream_id, length)
-        else:
-            self._nursery.start_soon(self._send_quietly, typ, flags, stream_id, length)
-
-    async def _send_quietly(self, typ: int, flags: int, stream_id: int, length: int) -> None:
+        item = _Outgoing(_HEADER.pack(0, typ, flags, stream_id, length), payload or ())
+        if not self._writer_running:
+            # Before the frame reader starts, or after the connection ended (GO_AWAY at close).
+            async with self._write_lock:
+                await self._write_now(item)
+            return
+        self._outbox.send_nowait(item)
         try:
-            await self.send_frame(typ, flags, stream_id, length)
+            await item.done.wait()
+        except trio.Cancelled:
+            item.abandoned = typ == TYPE_DATA
+            raise
+        if item.error is not None:
+            raise item.error
+
+    def send_control(self, typ: int, flags: int, stream_id: int, length: int) -> None:
+        """Queue a control frame without waiting for it (window updates, ACKs, pings).
+
+        The frame reader must never wait on a socket write: if both peers' readers waited on
+        writes while both peers' writers waited on full socket buffers, neither would move.
+        Dropped if the connection has ended.
+        """
+        if self._writer_running:
+            self._outbox.send_nowait(_Outgoing(_HEADER.pack(0, typ, flags, stream_id, length), ()))
+
+    async def _write_now(self, item: _Outgoing) -> None:
+        if self._noise is None:
+            await self.secured_conn.write(b"".join([item.header, *item.payload]))
+            return
+        parts: list[bytes | memoryview] = []
+        self._noise.seal_frame(parts, item.header, item.payload)
+        await self._noise.send_sealed(parts)
+
+    async def _writer(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Write queued frames in order; the only task that writes once the muxer runs."""
+        self._writer_running = True
+        task_status.started()
+        item: _Outgoing | None = None
+        try:
+            async for item in self._outbox_receive:
+                if not item.abandoned:
+                    async with self._write_lock:
+                        await self._write_now(item)
+                item.done.set()
         except _CONNECTION_ERRORS as error:
-            logger.debug("control frame to %s not sent: %s", self.peer_id, error)
+            logger.debug("writing to %s failed: %s", self.peer_id, error)
+        finally:
+            self._writer_running = False
+            # The frame being written when the connection failed or shut down, and whatever is
+            # still queued, will never be written: fail their waiters.
+            ended = ConnectionClosedError(f"connection to {self.peer_id} ended")
+            while item is not None:
+                if not item.done.is_set():
+                    item.error = ended
+                    item.done.set()
+                try:
+                    item = self._outbox_receive.receive_nowait()
+                except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
+                    item = None
 
     async def _write_frame(self, data: bytes) -> None:
         """Control frames from inherited code (FIN, RST, GO_AWAY, pings), minus the log cost."""
-        async with self._write_lock:
-            await self.secured_conn.write(data)
+        _version, typ, flags, stream_id, length = _HEADER.unpack(data)
+        await self.send_frame(typ, flags, stream_id, length)
 
     # -- streams -------------------------------------------------------------------------------
 
@@ -344,20 +399,23 @@ class FastYamux(Yamux):
         return [memoryview(data)]
 
     async def handle_incoming(self) -> None:
-        """Parse frames from decrypted socket reads until the connection ends."""
-        try:
-            while not self.event_shutting_down.is_set():
-                for piece in await self._read_plaintext():
-                    if not await self._consume(piece):
-                        return
-        except _CONNECTION_ERRORS as error:
-            logger.debug("yamux connection to %s ended: %s", self.peer_id, error)
-        except Exception:
-            logger.exception("yamux frame reader for %s failed; closing", self.peer_id)
-        finally:
-            self.event_shutting_down.set()
-            with trio.CancelScope(shield=True), trio.move_on_after(5):
-                await self._cleanup_on_error()
+        """Run the writer task and parse frames from decrypted socket reads until the end."""
+        async with trio.open_nursery() as nursery:
+            await nursery.start(self._writer)
+            try:
+                while not self.event_shutting_down.is_set():
+                    for piece in await self._read_plaintext():
+                        if not await self._consume(piece):
+                            return
+            except _CONNECTION_ERRORS as error:
+                logger.debug("yamux connection to %s ended: %s", self.peer_id, error)
+            except Exception:
+                logger.exception("yamux frame reader for %s failed; closing", self.peer_id)
+            finally:
+                self.event_shutting_down.set()
+                with trio.CancelScope(shield=True), trio.move_on_after(5):
+                    await self._cleanup_on_error()
+                nursery.cancel_scope.cancel()
 
     async def _consume(self, piece: memoryview) -> bool:
         """Advance the frame parser over ``piece``; False once the connection must end."""
@@ -424,11 +482,11 @@ class FastYamux(Yamux):
         if flags & FLAG_SYN:
             if stream_id in self.streams or stream_id % 2 == self.next_stream_id % 2:
                 logger.debug("bad SYN for stream %d from %s: reset", stream_id, self.peer_id)
-                await self._reply(TYPE_WINDOW_UPDATE, FLAG_RST, stream_id, 0)
+                self.send_control(TYPE_WINDOW_UPDATE, FLAG_RST, stream_id, 0)
                 return None
             stream = self._register(stream_id, False)
             if not flags & FLAG_RST:
-                await self._reply(TYPE_WINDOW_UPDATE, FLAG_ACK, stream_id, 0)
+                self.send_control(TYPE_WINDOW_UPDATE, FLAG_ACK, stream_id, 0)
             await self.new_stream_send_channel.send(stream)
             return stream
         return self.streams.get(stream_id)
@@ -451,7 +509,7 @@ class FastYamux(Yamux):
 
     async def _on_ping(self, flags: int, opaque: int) -> None:
         if flags & FLAG_SYN:
-            await self._reply(TYPE_PING, FLAG_ACK, 0, opaque)
+            self.send_control(TYPE_PING, FLAG_ACK, 0, opaque)
         elif flags & FLAG_ACK:
             sample = trio.current_time() - self._ping_sent_time
             self._rtt = sample if self._rtt == 0.0 else (self._rtt + sample) / 2
@@ -459,8 +517,7 @@ class FastYamux(Yamux):
 
     async def _protocol_error(self, why: str) -> None:
         logger.warning("yamux protocol error from %s: %s; closing", self.peer_id, why)
-        with trio.move_on_after(1):
-            await self._send_quietly(TYPE_GO_AWAY, 0, 0, GO_AWAY_PROTOCOL_ERROR)
+        self.send_control(TYPE_GO_AWAY, 0, 0, GO_AWAY_PROTOCOL_ERROR)
 
 
 class _MuxerMultistream(MuxerMultistream):

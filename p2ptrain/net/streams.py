@@ -38,6 +38,8 @@ from p2ptrain.net.muxer import FastYamuxStream
 logger = logging.getLogger(__name__)
 
 _LENGTH = struct.Struct(">Q")
+# Longest a close or reset may take (it queues one small frame behind at most one in flight).
+_CLOSE_TIMEOUT_S = 2.0
 
 
 def short_id(peer_id: ID) -> str:
@@ -177,7 +179,9 @@ class Channel:
         if self._closed:
             return
         self._closed = True
-        with trio.CancelScope(shield=True):
+        # Shielded so a cancelled caller still tells the peer; bounded in case the connection is
+        # wedged.
+        with trio.CancelScope(shield=True), trio.move_on_after(_CLOSE_TIMEOUT_S):
             try:
                 await self._stream.reset()
             except Exception as error:  # the connection may already be gone
@@ -188,7 +192,7 @@ class Channel:
         if self._closed:
             return
         self._closed = True
-        with trio.CancelScope(shield=True):
+        with trio.CancelScope(shield=True), trio.move_on_after(_CLOSE_TIMEOUT_S):
             try:
                 await self._stream.close()
             except Exception as error:

@@ -417,3 +417,95 @@ async def test_a_stream_nobody_reads_buffers_only_the_initial_256_KiB_window():
             in_window = len(stream.pieces) + stream._unacked
             release.set()
     assert in_window == 256 * 1024
+
+
+class _Gate:
+    """Lets a proxy pump stop and resume forwarding."""
+
+    def __init__(self) -> None:
+        self.open = True
+        self.changed = trio.Event()
+
+    def set(self, open_: bool) -> None:
+        self.open = open_
+        self.changed.set()
+        self.changed = trio.Event()
+
+    async def wait_open(self) -> None:
+        while not self.open:
+            await self.changed.wait()
+
+
+async def _gated_proxy(target_port: int, gate: _Gate, task_status=trio.TASK_STATUS_IGNORED):
+    """Forward one TCP connection; client-to-server bytes flow only while ``gate`` is open."""
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    task_status.started(listeners[0].socket.getsockname()[1])
+    client = await listeners[0].accept()
+    server = await trio.open_tcp_stream("127.0.0.1", target_port)
+
+    async def pump(src, dst, gated: bool) -> None:
+        try:
+            while True:
+                if gated:
+                    await gate.wait_open()
+                data = await src.receive_some(65536)
+                if not data:
+                    break
+                await dst.send_all(data)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+        finally:
+            await dst.aclose()
+
+    async with client, server, listeners[0]:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(pump, client, server, True)
+            nursery.start_soon(pump, server, client, False)
+
+
+async def test_a_send_cancelled_mid_frame_resets_its_channel_and_keeps_the_connection():
+    """The sender's deadline fires while a frame is half on the wire (the path is stalled): that
+    channel is reset, the frame is completed by the connection's writer, other channels go on."""
+    outcome: dict[str, BaseException] = {}
+    first_done = trio.Event()
+
+    async def echo_first(channel: Channel) -> None:
+        if "first" in outcome:
+            await echo(channel)
+            return
+        outcome["first"] = None  # type: ignore[assignment]
+        try:
+            while True:
+                await channel.send(await channel.recv(64 << 20))
+        except ChannelClosed as error:
+            outcome["first"] = error
+        finally:
+            first_done.set()
+
+    gate = _Gate()
+    with trio.fail_after(60):
+        async with running(ours()) as a, running(ours()) as b, trio.open_nursery() as nursery:
+            serve_channels(b, PROTO, echo_first)
+            b_port = int(str(b.get_addrs()[0]).split("/tcp/")[1].split("/")[0])
+            proxy_port = await nursery.start(_gated_proxy, b_port, gate)
+            await a.connect(PeerInfo(b.get_id(), [Multiaddr(f"/ip4/127.0.0.1/tcp/{proxy_port}")]))
+            first = await open_channel(a, b.get_id(), PROTO)
+            second = await open_channel(a, b.get_id(), PROTO)
+            warm = pattern(12 << 20, 1)
+            await first.send(warm)  # grows the first stream's window to 16 MiB
+            assert await first.recv(64 << 20) == warm
+
+            gate.set(False)
+            with trio.move_on_after(2) as stalled:
+                await first.send(pattern(16 << 20, 2))  # fills the socket, blocks mid-frame
+            assert stalled.cancelled_caught
+            assert first._fast.send_window > 0  # it was the socket, not the window, that blocked
+            gate.set(True)
+
+            await first_done.wait()
+            await second.send(b"still here")
+            assert await second.recv(100) == b"still here"
+            with pytest.raises(ChannelClosed):
+                await first.send(b"x")
+            nursery.cancel_scope.cancel()
+    assert isinstance(outcome["first"], ChannelClosed)
