@@ -152,7 +152,8 @@ class Collective:
                 if leading:
                     nursery.start_soon(run_select)
                 async with self.hub.open_round(
-                    ring, round_id, digest, timeout=timeout, start_timeout=start_timeout or timeout
+                    ring, round_id, digest, timeout=timeout, start_timeout=start_timeout or timeout,
+                    mesh=True,
                 ) as links:
                     logger.debug("round %d: connected (%.1f ms)", round_id, _ms(started))
                     indices = None
@@ -181,7 +182,7 @@ def dense_description(n: int, dtype: torch.dtype, op: str) -> str:
 
 def sparse_description(n: int, k: int, dtype: torch.dtype, value_dtype: torch.dtype, op: str) -> str:
     """What members of a CLT-k round must agree on (hashed into the round digest)."""
-    return f"clt-k n={n} k={k} dtype={DTYPES[dtype]} values={DTYPES[value_dtype]} op={op}"
+    return f"clt-k/direct n={n} k={k} dtype={DTYPES[dtype]} values={DTYPES[value_dtype]} op={op}"
 
 
 def _check_tensor(tensor: torch.Tensor, op: str) -> None:

@@ -73,15 +73,16 @@ class _Round:
 
 
 class RoundLinks:
-    """One member's two channels in a round: frames go right, frames come from the left.
+    """One member's channels in a round: to its right neighbour and from its left one (ring), or
+    to and from every other member (mesh).
 
     Every send and receive has the hop deadline; every received frame is checked against exactly the
-    frame the schedule expects next.
+    frame the schedule expects next. ``to``/``source`` default to the ring neighbours.
     """
 
     def __init__(
-        self, ring: list[ID], me: int, round_id: int, timeout: float, left: Channel | None,
-        right: Channel | None,
+        self, ring: list[ID], me: int, round_id: int, timeout: float, inbound: dict[ID, Channel],
+        outbound: dict[ID, Channel],
     ) -> None:
         self.ring = ring
         self.me = me
@@ -90,69 +91,74 @@ class RoundLinks:
         self.timeout = timeout
         self.left_peer = ring[(me - 1) % self.size]
         self.right_peer = ring[(me + 1) % self.size]
-        self._left = left
-        self._right = right
+        self._inbound = inbound
+        self._outbound = outbound
         self.bytes_sent = 0
 
-    async def send(self, header: Header, payload: bytes | memoryview = b"") -> None:
-        assert self._right is not None
+    async def send(self, header: Header, payload: bytes | memoryview = b"", *, to: ID | None = None) -> None:
+        peer = self.right_peer if to is None else to
         frame = header.pack() + payload
         try:
             with trio.fail_after(self.timeout):
-                await self._right.send(frame)
+                await self._outbound[peer].send(frame)
         except trio.TooSlowError:
             raise PeerFailed(
-                self.right_peer, f"did not accept round {self.round_id} data within {self.timeout:g} s"
+                peer, f"did not accept round {self.round_id} data within {self.timeout:g} s"
             ) from None
         except ChannelError as error:
             await trio.sleep(_GRACE_S)  # an abort notice naming the real culprit may be on its way
-            raise PeerFailed(self.right_peer, f"channel broke while sending: {error}") from error
+            raise PeerFailed(peer, f"channel broke while sending: {error}") from error
         self.bytes_sent += len(frame) + 8  # the channel's length prefix
 
-    async def recv(self, *, phase: int, step: int, seg: int, count: int, dtype: int, nbytes: int) -> bytes:
+    async def recv(
+        self, *, phase: int, step: int, seg: int, count: int, dtype: int, nbytes: int,
+        source: ID | None = None,
+    ) -> bytes:
         """The next frame's payload, which must be exactly the one described."""
-        assert self._left is not None
+        peer = self.left_peer if source is None else source
         try:
             with trio.fail_after(self.timeout):
-                frame = await self._left.recv(HEADER.size + nbytes)
+                frame = await self._inbound[peer].recv(HEADER.size + nbytes)
         except trio.TooSlowError:
             raise PeerFailed(
-                self.left_peer, f"sent nothing for round {self.round_id} within {self.timeout:g} s"
+                peer, f"sent nothing for round {self.round_id} within {self.timeout:g} s"
             ) from None
         except MessageTooLarge as error:
-            raise BadPayload(self.left_peer, f"sent an oversized frame: {error}") from None
+            raise BadPayload(peer, f"sent an oversized frame: {error}") from None
         except ChannelError as error:
             await trio.sleep(_GRACE_S)
-            raise PeerFailed(self.left_peer, f"channel broke while receiving: {error}") from error
+            raise PeerFailed(peer, f"channel broke while receiving: {error}") from error
         try:
             header = parse_header(frame)
         except ValueError as error:
-            raise BadPayload(self.left_peer, str(error)) from None
+            raise BadPayload(peer, str(error)) from None
         if header.kind == Kind.ABORT:
             culprit, reason = parse_abort(frame, header)
-            raise PeerFailed(culprit, reason, reported_by=self.left_peer)
+            raise PeerFailed(culprit, reason, reported_by=peer)
         expected = Header(Kind.DATA, self.round_id, phase, step, seg, count, dtype)
         if header != expected or len(frame) != HEADER.size + nbytes:
             raise BadPayload(
-                self.left_peer,
+                peer,
                 f"unexpected frame {header} with {len(frame) - HEADER.size} payload bytes; "
                 f"expected {expected} with {nbytes}",
             )
         return frame
 
     async def recv_tensor(
-        self, *, phase: int, step: int, seg: int, count: int, dtype: torch.dtype
+        self, *, phase: int, step: int, seg: int, count: int, dtype: torch.dtype, source: ID | None = None
     ) -> torch.Tensor:
         """The next frame as a read-only tensor of ``count`` finite values of ``dtype``."""
         width = torch.empty((), dtype=dtype).element_size()
         frame = await self.recv(
-            phase=phase, step=step, seg=seg, count=count, dtype=DTYPES[dtype], nbytes=count * width
+            phase=phase, step=step, seg=seg, count=count, dtype=DTYPES[dtype], nbytes=count * width,
+            source=source,
         )
+        peer = self.left_peer if source is None else source
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # read-only buffer: we never write into it
             values = torch.frombuffer(frame, dtype=dtype, count=count, offset=HEADER.size)
         if count and not bool(torch.isfinite(values).all()):
-            raise BadPayload(self.left_peer, f"sent NaN or Inf values (phase {phase}, step {step})")
+            raise BadPayload(peer, f"sent NaN or Inf values (phase {phase}, step {step})")
         return values
 
 
@@ -245,7 +251,7 @@ class RoundHub:
                     if peer != self.me and peer != culprit:
                         nursery.start_soon(tell, peer)
 
-    async def _claim_left(self, round_id: int, left: ID, digest: bytes, timeout: float) -> _Arrival:
+    async def _accept(self, round_id: int, left: ID, digest: bytes, timeout: float) -> _Arrival:
         key = (round_id, left)
         if key not in self._inbox:
             event = self._waiting.setdefault(key, trio.Event())
@@ -261,12 +267,13 @@ class RoundHub:
         if arrival.digest != digest:
             with trio.move_on_after(1):
                 await arrival.channel.send(abort_frame(round_id, left, "round parameters differ"))
+            arrival.released.set()
             raise PeerFailed(
                 left, "disagrees on the round (ring order, size, dtype, density or op differ)"
             )
         return arrival
 
-    async def _open_right(self, round_id: int, right: ID, digest: bytes, timeout: float) -> Channel:
+    async def _dial(self, round_id: int, right: ID, digest: bytes, timeout: float) -> Channel:
         try:
             with trio.fail_after(timeout):
                 channel = await open_channel(self.host, right, self.protocol)
@@ -289,10 +296,12 @@ class RoundHub:
 
     @asynccontextmanager
     async def open_round(
-        self, ring: list[ID], round_id: int, digest: bytes, *, timeout: float, start_timeout: float
+        self, ring: list[ID], round_id: int, digest: bytes, *, timeout: float, start_timeout: float,
+        mesh: bool = False,
     ) -> AsyncIterator[RoundLinks]:
-        """Join round ``round_id`` of ``ring``: connect both neighbours, then yield the links.
+        """Join round ``round_id`` of ``ring``: connect the links, then yield them.
 
+        Ring rounds link each member to its two neighbours; ``mesh`` rounds to every other member.
         Any failure inside (ours or a notice from another member) leaves as :class:`PeerFailed`; a
         failure we detected ourselves is first announced to the other members.
         """
@@ -312,28 +321,37 @@ class RoundHub:
             self._remember(round_id)
             raise early[1]
         self._active[round_id] = state
-        arrival: _Arrival | None = None
-        right: Channel | None = None
+        if mesh:
+            sources = targets = [p for p in ring if p != self.me]
+        else:
+            sources, targets = [ring[(me - 1) % size]], [ring[(me + 1) % size]]
+        if size == 1:
+            sources = targets = []
+        arrivals: dict[ID, _Arrival] = {}
+        outbound: dict[ID, Channel] = {}
         detected: PeerFailed | None = None
         try:
             with state.scope:
                 try:
-                    if size == 1:
-                        yield RoundLinks(ring, me, round_id, timeout, None, None)
-                        return
-                    left_peer, right_peer = ring[(me - 1) % size], ring[(me + 1) % size]
 
-                    async def connect_right() -> None:
-                        nonlocal right
-                        right = await self._open_right(round_id, right_peer, digest, start_timeout)
+                    async def connect(peer: ID) -> None:
+                        outbound[peer] = await self._dial(round_id, peer, digest, start_timeout)
+
+                    async def accept(peer: ID) -> None:
+                        arrivals[peer] = arrival = await self._accept(
+                            round_id, peer, digest, start_timeout
+                        )
+                        with trio.fail_after(timeout):
+                            await arrival.channel.send(Header(Kind.READY, round_id).pack())
 
                     with single_failure():
                         async with trio.open_nursery() as nursery:
-                            nursery.start_soon(connect_right)
-                            arrival = await self._claim_left(round_id, left_peer, digest, start_timeout)
-                            with trio.fail_after(timeout):
-                                await arrival.channel.send(Header(Kind.READY, round_id).pack())
-                    yield RoundLinks(ring, me, round_id, timeout, arrival.channel, right)
+                            for peer in targets:
+                                nursery.start_soon(connect, peer)
+                            for peer in sources:
+                                nursery.start_soon(accept, peer)
+                    inbound = {peer: arrival.channel for peer, arrival in arrivals.items()}
+                    yield RoundLinks(ring, me, round_id, timeout, inbound, outbound)
                 except PeerFailed as failure:
                     if failure.reported_by is None and failure.peer_id != self.me:
                         detected = failure
@@ -354,12 +372,13 @@ class RoundHub:
                 await self.broadcast_abort(ring, round_id, detected.peer_id, detected.reason)
             del self._active[round_id]
             self._remember(round_id)
-            if right is not None:
-                if detected is None and state.abort is None:
-                    await right.aclose()
+            clean = detected is None and state.abort is None
+            for channel in outbound.values():
+                if clean:
+                    await channel.aclose()
                 else:
-                    await right._abort()
-            if arrival is not None:
+                    await channel._abort()
+            for arrival in arrivals.values():
                 arrival.released.set()
         if state.abort is not None and state.scope.cancelled_caught:
             raise state.abort

@@ -8,10 +8,11 @@ the volume in advance.
 
 All-reduce (CLT-k, after ScaleCom, NeurIPS 2020): members' top-k index sets differ, and a ring that
 merges them fills in towards dense. Instead the round's leader (rotating with the round id) chooses
-the index set from its own accumulated gradient, passes it around the ring once (as compact
-gaps), and every member contributes its own values at exactly those indices to an exact dense ring
-all-reduce of k values. Volume per member: 2k(P-1)/P values, the lower bound, plus about
-2k(P-1)/P bytes of indices on average over the ring. What a member did not send stays in its
+the index set from its own accumulated gradient, sends it to every member once (as compact gaps),
+and every member contributes its own values at exactly those indices to an exact all-reduce of k
+values (the direct exchange: same volume and bits as the ring, 2 hops instead of 2(P-1)). Volume
+per member: 2k(P-1)/P values, the lower bound, plus on average (P-1)/P x 2 bytes per index (the
+leader sends the set P-1 times; the leader rotates). What a member did not send stays in its
 error-feedback residual, so its large entries are sent in a later round.
 """
 
@@ -24,7 +25,8 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from p2ptrain.collective.ring import SEGMENT_BYTES, ring_allreduce, ring_broadcast
+from p2ptrain.collective.direct import direct_allreduce, direct_broadcast
+from p2ptrain.collective.ring import SEGMENT_BYTES
 from p2ptrain.collective.rounds import RoundLinks
 from p2ptrain.net.streams import short_id
 
@@ -172,7 +174,7 @@ async def clt_k_round(
         if indices.numel() != k:
             raise ValueError(f"selection returned {indices.numel()} indices, expected {k}")
         payload = encode_indices(indices)
-    data = await ring_broadcast(
+    data = await direct_broadcast(
         links, leader, payload, max_bytes=max_encoded_bytes(n, k),
         check=lambda raw: decode_indices(raw, n, k), segment_bytes=segment_bytes,
     )
@@ -181,6 +183,6 @@ async def clt_k_round(
     values = (gather(indices) if gather else source.index_select(0, indices)).to(value_dtype)
     if not bool(torch.isfinite(values).all()):
         raise ValueError("local values contain NaN or Inf (or overflow the value dtype)")
-    await ring_allreduce(links, values, average=average, segment_bytes=segment_bytes)
+    await direct_allreduce(links, values, average=average, segment_bytes=segment_bytes)
     logger.debug("round %d: %d values reduced", links.round_id, k)
     return indices, values

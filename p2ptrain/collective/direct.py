@@ -1,0 +1,134 @@
+"""Direct exchange: every member sends each part straight to the member that owns it.
+
+Same volume as the ring — each member sends (P-1)/P of the data to owners and (P-1)/P of the
+finished parts back (2(P-1)/P in all, the lower bound) — but in 2 hops instead of 2(P-1), over
+P-1 channels per member (hivemind's "butterfly" all-reduce has this shape). For the small payloads
+of a sparse round, latency (hops) dominates, not bandwidth, so this is what CLT-k uses; the
+pipelined ring stays the choice for big dense tensors.
+
+Determinism is the ring's: chunk c is owned by member c-1 and summed in the order c, c+1, ..., c-1,
+exactly the order the ring adds in, so the two algorithms give the same bits, and the owner's bytes
+are what everyone copies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import trio
+
+from p2ptrain.collective.errors import BadPayload, single_failure
+from p2ptrain.collective.frames import DTYPES, Header, Kind, Phase
+from p2ptrain.collective.ring import SEGMENT_BYTES, chunk_bounds, segments
+from p2ptrain.collective.rounds import RoundLinks
+
+
+def _bytes_of(t: torch.Tensor) -> memoryview:
+    return memoryview(t.view(torch.uint8).numpy())
+
+
+async def direct_allreduce(
+    links: RoundLinks, data: torch.Tensor, *, average: bool, segment_bytes: int = SEGMENT_BYTES
+) -> None:
+    """Sum (or average) the flat contiguous ``data`` of every member in place, bitwise-identically."""
+    size, me, ring = links.size, links.me, links.ring
+    if size == 1:
+        return
+    dtype = data.dtype
+    code = DTYPES[dtype]
+    bounds = chunk_bounds(data.numel(), size)
+    seg_elems = max(1, segment_bytes // data.element_size())
+    segs = [segments(bounds[c], bounds[c + 1], seg_elems) for c in range(size)]
+    mine = (me + 1) % size  # the chunk this member owns
+    contributions: dict[int, list[torch.Tensor]] = {}
+
+    async def send_chunk(chunk: int, phase: int, to: int) -> None:
+        for j, (a, b) in enumerate(segs[chunk]):
+            header = Header(Kind.DATA, links.round_id, phase, chunk, j, b - a, code)
+            await links.send(header, _bytes_of(data[a:b]), to=ring[to])
+
+    async def receive(chunk: int, phase: int, source: int, store: Callable[[int, int, torch.Tensor], None]) -> None:
+        for j, (a, b) in enumerate(segs[chunk]):
+            incoming = await links.recv_tensor(
+                phase=phase, step=chunk, seg=j, count=b - a, dtype=dtype, source=ring[source]
+            )
+            store(a, b, incoming)
+
+    def keep(member: int) -> Callable[[int, int, torch.Tensor], None]:
+        parts = contributions.setdefault(member, [])
+        return lambda a, b, incoming: parts.append(incoming)
+
+    with single_failure():
+        async with trio.open_nursery() as nursery:
+            for chunk in range(size):
+                if chunk != mine:
+                    nursery.start_soon(send_chunk, chunk, Phase.REDUCE, (chunk - 1) % size)
+            for member in range(size):
+                if member != me:
+                    nursery.start_soon(receive, mine, Phase.REDUCE, member, keep(member))
+    for j, (a, b) in enumerate(segs[mine]):
+        total = contributions[mine][j].clone() if mine != me else data[a:b].clone()
+        for step in range(1, size):
+            member = (mine + step) % size
+            term = data[a:b] if member == me else contributions[member][j]
+            total = torch.add(term, total)
+        if average:
+            total.div_(size)
+        data[a:b].copy_(total)
+
+    def place(a: int, b: int, incoming: torch.Tensor) -> None:
+        data[a:b].copy_(incoming)
+
+    with single_failure():
+        async with trio.open_nursery() as nursery:
+            for member in range(size):
+                if member != me:
+                    nursery.start_soon(send_chunk, mine, Phase.GATHER, member)
+            for chunk in range(size):
+                if chunk != mine:
+                    nursery.start_soon(receive, chunk, Phase.GATHER, (chunk - 1) % size, place)
+
+
+async def direct_broadcast(
+    links: RoundLinks, leader: int, payload: bytes | None, *, max_bytes: int,
+    check: Callable[[bytes], object], segment_bytes: int = SEGMENT_BYTES,
+) -> bytes:
+    """The leader's ``payload``, sent by the leader to every member (one hop); checked on arrival."""
+    size, me, ring = links.size, links.me, links.ring
+    u8 = DTYPES[torch.uint8]
+    if me == leader:
+        assert payload is not None
+        if size == 1:
+            return payload
+        view = memoryview(payload)
+
+        async def send_to(member: int) -> None:
+            to = ring[member]
+            await links.send(Header(Kind.DATA, links.round_id, Phase.BROADCAST, 0, 0, 8, u8), len(view).to_bytes(8, "big"), to=to)
+            for j, a in enumerate(range(0, len(view), segment_bytes)):
+                part = view[a : a + segment_bytes]
+                await links.send(Header(Kind.DATA, links.round_id, Phase.BROADCAST, 1, j, len(part), u8), part, to=to)
+
+        with single_failure():
+            async with trio.open_nursery() as nursery:
+                for member in range(size):
+                    if member != me:
+                        nursery.start_soon(send_to, member)
+        return payload
+    source = ring[leader]
+    frame = await links.recv(phase=Phase.BROADCAST, step=0, seg=0, count=8, dtype=u8, nbytes=8, source=source)
+    total = int.from_bytes(frame[-8:], "big")
+    if total > max_bytes:
+        raise BadPayload(source, f"announced a {total}-byte broadcast; the limit is {max_bytes}")
+    out = bytearray()
+    for j, a in enumerate(range(0, total, segment_bytes)):
+        n = min(segment_bytes, total - a)
+        frame = await links.recv(phase=Phase.BROADCAST, step=1, seg=j, count=n, dtype=u8, nbytes=n, source=source)
+        out += memoryview(frame)[len(frame) - n :]
+    payload = bytes(out)
+    try:
+        check(payload)
+    except ValueError as error:
+        raise BadPayload(source, f"sent an invalid broadcast: {error}") from None
+    return payload
