@@ -34,6 +34,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--value-dtype", choices=sorted(VALUE_DTYPES), default="float32")
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds (after one warm-up)")
     parser.add_argument("--timeout", type=float, default=60.0, help="per-hop deadline in seconds")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per process (both sides)")
     parser.add_argument("--skip-gloo", action="store_true")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--profile", metavar="DIR", help="write each peer's cProfile stats to DIR")
@@ -51,7 +52,7 @@ def worker_argv(args: argparse.Namespace, extra: list[str]) -> list[str]:
     return [
         sys.executable, os.path.abspath(__file__), "--peers", str(args.peers), "--size-mib", str(args.size_mib),
         "--density", str(args.density), "--value-dtype", args.value_dtype, "--rounds", str(args.rounds),
-        "--timeout", str(args.timeout), *(["--profile", args.profile] if args.profile else []),
+        "--timeout", str(args.timeout), "--threads", str(args.threads), *(["--profile", args.profile] if args.profile else []),
         *(["--trace"] if args.trace else []), *extra,
     ]
 
@@ -209,7 +210,7 @@ def run_gloo(args: argparse.Namespace) -> list[float]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    torch.set_num_threads(1)  # P processes share a small machine
+    torch.set_num_threads(args.threads)  # P processes share a small machine
     if args.worker is not None:
         if args.gloo_port is not None:
             gloo_worker(args)
