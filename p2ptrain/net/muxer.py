@@ -15,6 +15,8 @@ close, reset, GO_AWAY, RTT pings, stale-stream sweeping) and replaces the data p
 * a writer waiting for window sleeps on an event (woken by the window update, a close or a reset)
   and waits as long as its caller lets it: deadlines belong to the caller's cancel scope, not to a
   hidden 5 s timer.
+* one writer task per connection writes every frame: a cancelled caller never tears a frame, and
+  the frame reader queues its replies instead of waiting on the socket.
 
 The muxer class is installed by :func:`install`, because py-libp2p's muxer negotiation hard-codes
 its own ``Yamux`` class for ``/yamux/1.0.0``.

@@ -73,9 +73,9 @@ class Channel:
 
     Cancellation: a cancelled ``recv`` loses nothing (the next ``recv`` continues the same
     message), so ``with trio.move_on_after(t): await ch.recv(n)`` is a safe poll. A cancelled
-    ``send`` closes the channel, because the peer may already hold part of the message; if the
-    cancel lands while the connection is mid-frame, py-libp2p's connection cannot recover either,
-    and our Noise session ends the whole connection to that peer.
+    ``send`` resets the channel, because the peer may already hold part of the message; on our
+    muxer the connection and its other channels carry on (a frame already on its way is finished
+    by the connection's writer task, never torn).
     """
 
     def __init__(self, stream: INetStream) -> None:
