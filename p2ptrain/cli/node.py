@@ -10,8 +10,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from p2ptrain.identity import default_home
-
 HOME_HELP = "node home: identity key, config, control socket, blocks, logs (default: $P2PTRAIN_HOME or ~/.p2ptrain)"
 
 
@@ -90,7 +88,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _home(args: argparse.Namespace) -> Path:
-    return Path(args.home).expanduser() if args.home else default_home()
+    if args.home:
+        return Path(args.home).expanduser()
+    from p2ptrain.identity import default_home  # imports libp2p (~1.5 s): only when needed
+
+    return default_home()
 
 
 def cmd_id(args: argparse.Namespace) -> int:
