@@ -17,6 +17,9 @@ from p2ptrain.training.trainer import Trainer, batched, batches_forever
 from p2ptrain.wire.messages import RoundPlan
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
+# Hosts start and stop inside this bound too: a stuck shutdown fails the test instead of hanging it.
+WHOLE_TEST_S = 150
+pytestmark = pytest.mark.timeout(WHOLE_TEST_S + 30)
 
 
 async def _run_host(host, *, task_status=trio.TASK_STATUS_IGNORED):
@@ -54,27 +57,29 @@ async def test_members_stay_identical_over_the_sparse_ring(digits, digits_task, 
     store, cid = digits
     task = digits_task(cid, steps=steps, **{"compression.density": "0.1",
                                            "compression.error_feedback": error_feedback})
-    async with trio.open_nursery() as nursery:
-        hosts, _ = await start_hosts(nursery, 3)
-        ids = [h.get_id().to_base58() for h in hosts]
-        plan = plan_for(cid, ids, 0, 0, steps)
-        members = []
-        for host in hosts:
-            me = host.get_id().to_base58()
-            rank, world = plan.members.index(me), len(plan.members)
-            data = batches_forever(IPFSDataset(cid, "train", rank=rank, world_size=world, store=store, seed=rank), 32)
-            members.append((Trainer(task, device="cpu"), PlanAverager(task, Collective(host)).for_plan(plan), data))
+    with trio.fail_after(WHOLE_TEST_S):
+        async with trio.open_nursery() as nursery:
+            hosts, _ = await start_hosts(nursery, 3)
+            ids = [h.get_id().to_base58() for h in hosts]
+            plan = plan_for(cid, ids, 0, 0, steps)
+            members = []
+            for host in hosts:
+                me = host.get_id().to_base58()
+                rank, world = plan.members.index(me), len(plan.members)
+                shard = IPFSDataset(cid, "train", rank=rank, world_size=world, store=store, seed=rank)
+                data = batches_forever(shard, 32)
+                members.append((Trainer(task, device="cpu"), PlanAverager(task, Collective(host)).for_plan(plan), data))
 
-        async def run(trainer, average, data):
-            for i in range(plan.rounds):
-                trainer.compute_gradient(data)
-                await trainer.sync(average, round_id(plan, i))
+            async def run(trainer, average, data):
+                for i in range(plan.rounds):
+                    trainer.compute_gradient(data)
+                    await trainer.sync(average, round_id(plan, i))
 
-        with trio.fail_after(120):
-            async with trio.open_nursery() as runs:
-                for m in members:
-                    runs.start_soon(run, *m)
-        nursery.cancel_scope.cancel()
+            with trio.fail_after(120):
+                async with trio.open_nursery() as runs:
+                    for m in members:
+                        runs.start_soon(run, *m)
+            nursery.cancel_scope.cancel()
     trainers = [m[0] for m in members]
     assert len({t.model_bytes() for t in trainers}) == 1
     assert len({t.optimizer_bytes() for t in trainers}) == 1
@@ -86,46 +91,47 @@ async def test_members_stay_identical_over_the_sparse_ring(digits, digits_task, 
 async def test_dead_member_round_is_retried_without_it(digits, digits_task):
     store, cid = digits
     task = digits_task(cid, steps=20, **{"compression.density": "0.1"})
-    async with trio.open_nursery() as nursery:
-        hosts, scopes = await start_hosts(nursery, 3)
-        ids = [h.get_id().to_base58() for h in hosts]
-        trainers = [Trainer(task, device="cpu") for _ in hosts]
-        averagers = [PlanAverager(task, Collective(h), timeout=2.0) for h in hosts]
-        data = [batches_forever(IPFSDataset(cid, "train", store=store, seed=i), 32) for i in range(3)]
+    with trio.fail_after(WHOLE_TEST_S):
+        async with trio.open_nursery() as nursery:
+            hosts, scopes = await start_hosts(nursery, 3)
+            ids = [h.get_id().to_base58() for h in hosts]
+            trainers = [Trainer(task, device="cpu") for _ in hosts]
+            averagers = [PlanAverager(task, Collective(h), timeout=2.0) for h in hosts]
+            data = [batches_forever(IPFSDataset(cid, "train", store=store, seed=i), 32) for i in range(3)]
 
-        async def span(plan, who, fail_at=None):
-            """Each listed member runs the plan's rounds; returns {index: exception or None}."""
-            outcome = {}
+            async def span(plan, who, fail_at=None):
+                """Each listed member runs the plan's rounds; returns {index: exception or None}."""
+                outcome = {}
 
-            async def run(i):
-                average = averagers[i].for_plan(plan)
-                try:
-                    for r in range(plan.rounds):
-                        trainers[i].compute_gradient(data[i])
-                        if fail_at == (i, r):
-                            scopes[i].cancel()  # the host dies: connections close like a killed process
-                            return
-                        await trainers[i].sync(average, round_id(plan, r))
-                    outcome[i] = None
-                except PeerFailed as exc:
-                    outcome[i] = exc
+                async def run(i):
+                    average = averagers[i].for_plan(plan)
+                    try:
+                        for r in range(plan.rounds):
+                            trainers[i].compute_gradient(data[i])
+                            if fail_at == (i, r):
+                                scopes[i].cancel()  # the host dies: connections close like a killed process
+                                return
+                            await trainers[i].sync(average, round_id(plan, r))
+                        outcome[i] = None
+                    except PeerFailed as exc:
+                        outcome[i] = exc
 
-            with trio.fail_after(60):
-                async with trio.open_nursery() as runs:
-                    for i in who:
-                        runs.start_soon(run, i)
-            return outcome
+                with trio.fail_after(60):
+                    async with trio.open_nursery() as runs:
+                        for i in who:
+                            runs.start_soon(run, i)
+                return outcome
 
-        first = plan_for(cid, ids, 0, 0, 6)
-        outcome = await span(first, [0, 1, 2], fail_at=(2, 3))
-        assert all(isinstance(outcome[i], PeerFailed) for i in (0, 1))
-        assert {trainers[0].step, trainers[1].step} <= {3, 4}
-        retry = plan_for(cid, ids[:2], 3, 3, 3, attempt=1)
-        for t in trainers[:2]:
-            t.align(3)
-        outcome = await span(retry, [0, 1])
-        assert outcome == {0: None, 1: None}
-        nursery.cancel_scope.cancel()
+            first = plan_for(cid, ids, 0, 0, 6)
+            outcome = await span(first, [0, 1, 2], fail_at=(2, 3))
+            assert all(isinstance(outcome[i], PeerFailed) for i in (0, 1))
+            assert {trainers[0].step, trainers[1].step} <= {3, 4}
+            retry = plan_for(cid, ids[:2], 3, 3, 3, attempt=1)
+            for t in trainers[:2]:
+                t.align(3)
+            outcome = await span(retry, [0, 1])
+            assert outcome == {0: None, 1: None}
+            nursery.cancel_scope.cancel()
     assert trainers[0].step == trainers[1].step == 6
     assert trainers[0].model_bytes() == trainers[1].model_bytes()
     assert trainers[0].optimizer_bytes() == trainers[1].optimizer_bytes()
