@@ -267,6 +267,17 @@ class Node:
                 finally:
                     finished.set()
 
+        try:
+            await self._run_lifetime(live, finished, lifetime, task_status)
+        except BaseExceptionGroup as group:
+            # A user's mistake found while starting (home in use, port taken) should read as one
+            # line, not as the nursery tree it travelled through.
+            user_errors, _ = group.split(UserError)
+            if user_errors is not None:
+                raise _first_leaf(user_errors) from None
+            raise
+
+    async def _run_lifetime(self, live: Any, finished: trio.Event, lifetime: trio.CancelScope, task_status: Any) -> None:
         async with trio.open_nursery() as nursery:
             try:
                 await nursery.start(live)
@@ -291,6 +302,13 @@ class Node:
         try:
             async with host.run(listen_addrs=self._listen):
                 try:
+                    if len(host.get_addrs()) < len(self._listen):
+                        # py-libp2p logs a failed listen and carries on without it.
+                        listening = ", ".join(str(a) for a in host.get_addrs()) or "nothing"
+                        raise UserError(
+                            f"could not listen on all of {', '.join(self.config.listen)} (listening on {listening}); "
+                            "is the port in use by another program or node?"
+                        )
                     async with running_pubsub(pubsub):
                         await self._serve(host, pubsub, task_status)
                 finally:
@@ -369,6 +387,13 @@ class Node:
 
     async def _ping_op(self, request: dict[str, Any]) -> dict[str, Any]:
         return {"peer_id": self.peer_id.to_base58(), "started": self.started.is_set()}
+
+
+def _first_leaf(group: BaseExceptionGroup) -> BaseException:
+    exc: BaseException = group
+    while isinstance(exc, BaseExceptionGroup):
+        exc = exc.exceptions[0]
+    return exc
 
 
 def _maddrs(addrs: Sequence[str]) -> list[Multiaddr]:

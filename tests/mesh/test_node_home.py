@@ -1,0 +1,91 @@
+"""The node's home: layout, permissions, config written once and read back, bad settings refused."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import pytest
+import trio
+
+from p2ptrain.errors import UserError
+from p2ptrain.net.control import ControlClient
+from p2ptrain.node import Node, NodeConfig
+
+
+def mode(path) -> int:
+    return stat.S_IMODE(os.stat(path).st_mode)
+
+
+async def test_home_layout_permissions_and_a_control_op_from_another_layer(tmp_path):
+    home = tmp_path / "home"
+    home.mkdir(mode=0o755)  # too open: the node tightens it
+    node = Node(home, listen=["/ip4/127.0.0.1/tcp/0"])
+
+    async def answer(request):
+        return {"answer": request.get("x", 0) + 1}
+
+    node.control.register("answer", answer)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(node.run)
+        assert mode(home) == 0o700
+        assert mode(home / "identity.key") == 0o600
+        assert mode(home / "control.sock") == 0o600
+        assert (home / "blocks").is_dir() and (home / "logs").is_dir()
+        client = ControlClient(home)
+        with trio.fail_after(10):
+            assert await trio.to_thread.run_sync(lambda: client.call("answer", x=41)) == {"answer": 42}
+            status = await trio.to_thread.run_sync(lambda: client.call("status"))
+        assert status["peer_id"] == node.peer_id.to_base58()
+        assert status["addrs"] == node.addrs
+        with pytest.raises(UserError, match="already running"):
+            await Node(home).run()  # a second node on the same home is refused
+        node.stop()
+    assert not (home / "control.sock").exists()
+
+
+async def test_config_is_written_on_first_start_and_fills_in_what_the_command_line_leaves_out(tmp_path):
+    home = tmp_path / "h"
+    Node(home, listen=["/ip4/127.0.0.1/tcp/0"], heartbeat_interval=0.5, dht=False)
+    stored = NodeConfig.load(home)
+    assert stored is not None and stored.heartbeat_interval == 0.5 and stored.dht is False
+    assert mode(home / "config.toml") == 0o600
+    again = Node(home)
+    assert again.config == stored
+    override = Node(home, heartbeat_interval=2.0)
+    assert override.config.heartbeat_interval == 2.0
+    assert NodeConfig.load(home).heartbeat_interval == 0.5, "the stored config is not rewritten"
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"bootstrap": ["/ip4/127.0.0.1/tcp/4001"]}, "no /p2p/<peer id> part"),
+        ({"bootstrap": ["not an address"]}, "is not a multiaddr"),
+        ({"listen": ["nonsense"]}, "is not a multiaddr"),
+    ],
+)
+def test_bad_addresses_are_user_errors(tmp_path, kwargs, message):
+    with pytest.raises(UserError, match=message):
+        Node(tmp_path / "h", **kwargs)
+
+
+def test_unknown_config_setting_is_a_user_error(tmp_path):
+    home = tmp_path / "h"
+    home.mkdir(mode=0o700)
+    (home / "config.toml").write_text("[node]\nlisten = []\nheartbeat = 1\n")
+    with pytest.raises(UserError, match="unknown setting"):
+        Node(home)
+
+
+async def test_a_port_in_use_is_a_user_error_not_a_silent_node(tmp_path):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        node = Node(tmp_path / "h", listen=[f"/ip4/127.0.0.1/tcp/{port}"])
+        with trio.fail_after(30), pytest.raises(UserError, match="could not listen"):
+            await node.run()
+    assert not (tmp_path / "h" / "control.sock").exists()
