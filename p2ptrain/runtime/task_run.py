@@ -172,6 +172,7 @@ class TaskRun:
                 nursery.start_soon(self._control_loop)
                 nursery.start_soon(self._round_loop)
                 nursery.start_soon(self._resync_loop)
+                nursery.start_soon(self._replicate_data)
                 await self._done.wait()
                 nursery.cancel_scope.cancel()
             self.state = "done"
@@ -235,6 +236,13 @@ class TaskRun:
             if self.task_cid in record.tasks and unmet_requirement(self.task, record.caps) is None:
                 live.add(record.peer_id.to_base58())
         return live
+
+    def _voters_alive(self, roster: tuple[str, ...]) -> set[str]:
+        """Who counts as alive for the election: the roster's peers that the mesh hears, plus the
+        peers that advertise the task. A roster member that is resyncing is still a voter, or the
+        coordinator would step down each time one member catches up."""
+        alive = {record.peer_id.to_base58() for record in self.node.membership.alive()}
+        return (alive & set(roster)) | self._live() | {self.me}
 
     # -- messages ------------------------------------------------------------------------------
 
@@ -366,7 +374,7 @@ class TaskRun:
             now = trio.current_time()
             roster = self.book.roster(self.me) if self.book else ()
             before = self.election.coordinator
-            for out in self.election.tick(now, self._live(), roster):
+            for out in self.election.tick(now, self._voters_alive(roster), roster):
                 await self.node.publish(self.topic, out)
             self._note_coordinator(before, now)
             if self.tally is not None and self.tally.status is Status.PENDING and now - self.tally_started > ATTEST_TIMEOUT_S:
@@ -438,7 +446,12 @@ class TaskRun:
             self._desync()
             return
         rank, world = shard_of(plan, self.me)
-        batches = await self._training_batches(rank, world)
+        try:
+            batches = await self._training_batches(rank, world)
+        except ContentUnavailable as exc:
+            logger.warning("%s: cannot get my shards for rank %d of %d: %s", self.log_prefix, rank, world, exc)
+            await self._report_failure(plan, 0, f"no training data: {exc}")
+            return
         for index in range(plan.rounds):
             if self.book.last_plan is not plan:
                 return  # superseded (a retry, or a new coordinator's plan): the loop takes it up
@@ -465,11 +478,7 @@ class TaskRun:
             self.retry_after = trio.current_time() + RETRY_BACKOFF_S
             logger.warning("%s: round %d (attempt %d) failed: %s", self.log_prefix, plan.round + index,
                            plan.attempt, exc)
-            report = RoundFailed(task_cid=self.task_cid, term=plan.term, round=plan.round + index,
-                                 attempt=plan.attempt, step=trainer.step, reason=str(exc)[:256])
-            await self.node.publish(self.topic, report)
-            assert self.book is not None
-            self.book.report_failure(report)
+            await self._report_failure(plan, index, str(exc))
             return False
         stats = self.collective.last_round
         self.bytes_sent += stats.bytes_sent if stats else 0
@@ -481,6 +490,25 @@ class TaskRun:
             result.local_loss, _fmt_bytes(stats.bytes_sent if stats else 0),
         )
         return True
+
+    async def _report_failure(self, plan: RoundPlan, index: int, reason: str) -> None:
+        """Tell the coordinator (and ourselves, when we are it) that round ``index`` of ``plan`` failed here."""
+        assert self.trainer is not None and self.book is not None
+        report = RoundFailed(task_cid=self.task_cid, term=plan.term, round=plan.round + index,
+                             attempt=plan.attempt, step=self.trainer.step, reason=reason[:256])
+        await self.node.publish(self.topic, report)
+        self.book.report_failure(report)
+
+    async def _replicate_data(self) -> None:
+        """Hold every training shard, after our own: if the peer that published the dataset dies,
+        whichever shards a new ring assigns us can still be had from the other members."""
+        assert self.manifest is not None
+        await trio.sleep(self.node.config.heartbeat_interval * 2)  # own shards first
+        for ref in self.manifest.shards(self.task.dataset.train_split):
+            try:
+                await self.content.fetch(ref.cid)
+            except ContentUnavailable as exc:
+                logger.debug("%s: could not replicate shard %s yet: %s", self.log_prefix, ref.cid, exc)
 
     async def _training_batches(self, rank: int, world: int) -> Iterator[Any]:
         """This member's batches for its place in the ring; shards are fetched (only these) first."""
@@ -586,7 +614,9 @@ class TaskRun:
         self.trainer.load_state(model, optim)
         if self.trainer.step != last.step:
             raise TrainerError(f"checkpoint v{last.version} says step {last.step}, its state says {self.trainer.step}")
+        observed = self.book.observed if self.book else None
         self.book = RoundBook(self.task, self.task_cid, chain, self.total_steps)
+        self.book.observed = observed  # the roster we know of stays the roster
         self.tally = None
         self.metrics.update(last.metrics)
         write_atomic(self.dir / "chain.jsonl", chain.to_bytes())

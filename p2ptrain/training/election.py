@@ -126,6 +126,13 @@ class Election:
                 log.warning("task %s: coordinator %s sees no quorum of its roster alive; stepping down (term %d)",
                             self.task_cid[:12], self.me[-8:], self.term)
                 self._new_term(now, self.term + 1)
+            elif self.check_certificate(self._beat()) is not None:
+                # The roster changed under us (members died or joined) and our votes no longer make
+                # a quorum of it: peers that check our certificate against today's roster (a joiner,
+                # a member that resynced) would refuse us. Call an election among today's roster.
+                log.info("task %s: coordinator %s's votes no longer cover the roster; new election (term %d)",
+                         self.task_cid[:12], self.me[-8:], self.term + 1)
+                self._new_term(now, self.term + 1)
             elif now - self._last_sent >= self.config.heartbeat_s:
                 self._last_sent = now
                 out.append(self._beat())

@@ -137,7 +137,9 @@ class RoundBook:
             return None
         last = self.last_plan
         if last is None:
-            start_round, attempt, step, previous = 0, 0, my_step, ()
+            # A coordinator that (re)synced from the chain continues the round numbering after it.
+            start_round = self.chain.records[-1].record.round + 1 if self.chain.records else 0
+            attempt, step, previous = 0, my_step, ()
             if my_step != self.head_step:
                 return None  # a fresh run starts from the head of the chain
         elif self.failed_round is not None:

@@ -16,7 +16,7 @@ import pytest
 
 from p2ptrain.errors import UserError
 from p2ptrain.net.control import ControlClient
-from p2ptrain.testing import NodeProcess, free_port, node_processes, wait_for
+from p2ptrain.testing import NodeProcess, node_processes, wait_for
 from p2ptrain.training.records import Chain
 
 NODE_ARGS = ["--accept-tasks", "--device", "cpu"]
@@ -66,7 +66,7 @@ def cli(*args: str, timeout: float = 180.0) -> str:
 def publish(proc: NodeProcess, name: str, steps: int, checkpoint: int) -> tuple[str, str]:
     manifest = cli("dataset", "add", "sklearn:digits", "--shards", "8", "--home", str(proc.home)).splitlines()[-1]
     text = TASK.format(name=name, manifest=manifest, steps=steps, checkpoint=checkpoint)
-    task_cid = ControlClient(proc.home, timeout=120).call("task.publish", text=text)["task_cid"]
+    task_cid = ControlClient(proc.home, timeout=120).call("task.publish", text=text, join=True)["task_cid"]
     return manifest, task_cid
 
 
@@ -116,47 +116,42 @@ def test_four_peers_train_digits_to_90_percent_and_the_model_is_fetched_by_cid(t
 
 @pytest.mark.timeout(480)
 def test_late_joiner_killed_member_and_killed_coordinator_do_not_stop_the_run(tmp_path: Path) -> None:
-    with node_processes(3, tmp_path, extra_args=NODE_ARGS) as procs:
-        _, task_cid = publish(procs[0], "digits-faults", steps=100, checkpoint=10)
-        wait_for(lambda: (s := task_status(procs[0], task_cid)) and s["version"] >= 1, timeout=180, interval=0.5)
+    with node_processes(4, tmp_path, extra_args=["--device", "cpu"]) as procs:
+        members, joiner = procs[:3], procs[3]
+        _, task_cid = publish(members[0], "digits-faults", steps=200, checkpoint=10)
+        for p in members[1:]:
+            ControlClient(p.home, timeout=60).call("task.join", task_cid=task_cid)
+        wait_for(lambda: (s := task_status(members[0], task_cid)) and s["version"] >= 1, timeout=120, interval=0.2)
 
-        # A late joiner hears the task's re-announcement, loads the confirmed model by CID, joins a span.
-        joiner_home = tmp_path / "joiner"
-        joiner_home.mkdir(mode=0o700)
-        (joiner_home / "logs").mkdir(mode=0o700)
-        joiner = NodeProcess(joiner_home, free_port(), bootstrap=[procs[0].addr], extra_args=NODE_ARGS).start()
-        try:
-            joiner.wait_ready()
-            wait_for(lambda: (s := task_status(procs[0], task_cid)) and joiner.peer_id in s["members"],
-                     timeout=120, interval=0.5)
-            everyone = [*procs, joiner]
+        # A late joiner loads the confirmed model by CID and is admitted at the next checkpoint.
+        ControlClient(joiner.home, timeout=60).call("task.join", task_cid=task_cid)
+        wait_for(lambda: (s := task_status(members[0], task_cid)) and joiner.peer_id in s["members"],
+                 timeout=120, interval=0.2)
 
-            # SIGKILL a member that is not the coordinator: the others drop it and go on.
-            coordinator = task_status(procs[0], task_cid)["coordinator"]
-            victim = next(p for p in procs if p.peer_id != coordinator)
-            version = task_status(procs[0] if procs[0] is not victim else procs[1], task_cid)["version"]
-            victim.kill()
-            alive = [p for p in everyone if p is not victim]
-            wait_for(lambda: (s := task_status(alive[0], task_cid)) and s["version"] >= version + 2
-                     and victim.peer_id not in s["members"], timeout=120, interval=0.5)
+        # SIGKILL a member that is not the coordinator: the others drop it and go on.
+        coordinator = task_status(members[0], task_cid)["coordinator"]
+        victim = next(p for p in members if p.peer_id != coordinator)
+        alive = [p for p in procs if p is not victim]
+        version = task_status(alive[0], task_cid)["version"]
+        victim.kill()
+        wait_for(lambda: (s := task_status(alive[0], task_cid)) and s["version"] >= version + 2
+                 and victim.peer_id not in s["members"], timeout=120, interval=0.2)
 
-            # SIGKILL the coordinator: another is elected in a later term and finishes the run.
-            status = task_status(alive[0], task_cid)
-            old_coordinator, old_term = status["coordinator"], status["term"]
-            boss = next(p for p in alive if p.peer_id == old_coordinator)
-            boss.kill()
-            survivors = [p for p in alive if p is not boss]
-            final = wait_for(
-                lambda: (s := [task_status(p, task_cid) for p in survivors]) and all(x and x["state"] == "done" for x in s) and s,
-                timeout=240, interval=1.0,
-            )
-            assert all(s["term"] > old_term and s["coordinator"] != old_coordinator for s in final)
-            assert len({s["latest_model_cid"] for s in final}) == 1
-            chain = verified_chain(survivors[0], task_cid)  # no fork, no gap, every signature checks
-            assert chain.records[-1].record.step == 100
-            assert verified_chain(survivors[1], task_cid).to_bytes() == chain.to_bytes()
-            coordinators = [r.record.coordinator for r in chain.records]
-            assert old_coordinator in coordinators and len(set(coordinators)) >= 2
-            assert any(joiner.peer_id in r.record.members for r in chain.records)
-        finally:
-            joiner.terminate()
+        # SIGKILL the coordinator: another is elected in a later term and finishes the run.
+        status = task_status(alive[0], task_cid)
+        old_coordinator, old_term = status["coordinator"], status["term"]
+        boss = next(p for p in alive if p.peer_id == old_coordinator)
+        boss.kill()
+        survivors = [p for p in alive if p is not boss]
+        final = wait_for(
+            lambda: (s := [task_status(p, task_cid) for p in survivors]) and all(x and x["state"] == "done" for x in s) and s,
+            timeout=240, interval=1.0,
+        )
+        assert all(s["term"] > old_term and s["coordinator"] != old_coordinator for s in final)
+        assert len({s["latest_model_cid"] for s in final}) == 1
+        chain = verified_chain(survivors[0], task_cid)  # no fork, no gap, every signature checks
+        assert chain.records[-1].record.step == 200
+        assert verified_chain(survivors[1], task_cid).to_bytes() == chain.to_bytes()
+        coordinators = [r.record.coordinator for r in chain.records]
+        assert old_coordinator in coordinators and len(set(coordinators)) >= 2
+        assert any(joiner.peer_id in r.record.members for r in chain.records)
