@@ -336,10 +336,14 @@ class FastYamux(Yamux):
         task_status.started()
         item: _Outgoing | None = None
         try:
-            async for item in self._outbox_receive:
+            while True:
+                try:
+                    item = self._outbox_receive.receive_nowait()
+                except trio.WouldBlock:
+                    item = await self._outbox_receive.receive()
+                # No lock: while this task runs, nothing else writes (see send_frame).
                 if not item.abandoned:
-                    async with self._write_lock:
-                        await self._write_now(item)
+                    await self._write_now(item)
                 item.done.set()
         except _CONNECTION_ERRORS as error:
             logger.debug("writing to %s failed: %s", self.peer_id, error)
