@@ -32,9 +32,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     demo.add_argument("--peers", type=int, default=4, help="peer processes to start (default 4)")
-    demo.add_argument("--steps", type=int, default=120, help="optimizer steps (rounds) to train (default 120)")
+    demo.add_argument("--steps", type=int, default=150, help="optimizer steps (rounds) to train (default 150)")
     demo.add_argument("--density", type=float, default=0.01, help="top-k density of the all-reduce (default 0.01)")
-    demo.add_argument("--checkpoint-interval", type=int, default=20, help="rounds between published models")
+    demo.add_argument("--checkpoint-interval", type=int, default=25, help="rounds between published models (default 25)")
     demo.add_argument("--timeout", type=float, default=900.0, help="give up after this many seconds (default 900)")
     demo.add_argument("--workdir", type=Path, default=None, help="keep homes and logs here (default: a temp dir, removed)")
     demo.add_argument("--json", action="store_true", help="print one JSON summary object at the end")
@@ -54,7 +54,7 @@ manifest = "{manifest}"
 
 [optimizer]
 name = "adam"
-lr = 0.005
+lr = 0.02
 
 [schedule]
 name = "cosine"
@@ -87,7 +87,7 @@ class Cluster:
     def start(self, home: Path, bootstrap: list[str]) -> None:
         log = open(home.parent / f"{home.name}.log", "wb")
         cmd = [sys.executable, "-m", "p2ptrain.cli.main", "node", "start", "--home", str(home),
-               "--listen", "/ip4/127.0.0.1/tcp/0", "--accept-tasks", "--device", "cpu"]
+               "--listen", "/ip4/127.0.0.1/tcp/0", "--accept-tasks", "--device", "cpu", "--threads", "1"]
         if bootstrap:
             cmd += ["--bootstrap", *bootstrap]
         self.procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))

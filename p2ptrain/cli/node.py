@@ -61,6 +61,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="where to train: auto (CUDA when available, else CPU), cpu, cuda or cuda:N (default auto)",
     )
     start.add_argument(
+        "--threads", type=int, default=0, metavar="N",
+        help="CPU threads torch may use for training (default: torch's choice; 1 suits several "
+        "peers on one small machine)",
+    )
+    start.add_argument(
         "--precision", choices=("fp32", "bf16", "fp16"), default="fp32",
         help="autocast precision of the forward pass (fp16 needs CUDA; default fp32)",
     )
@@ -117,6 +122,10 @@ def cmd_start(args: argparse.Namespace) -> int:
         dht=args.dht,
         heartbeat_interval=args.heartbeat,
     )
+    if args.threads > 0:
+        import torch
+
+        torch.set_num_threads(args.threads)
     make_peer(node, TaskOptions(accept_tasks=args.accept_tasks, join=args.join, device=args.device,
                                 precision=args.precision))
     _log_to_home(node.home)

@@ -26,12 +26,9 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-import torch
 import trio
-from libp2p.peer.id import ID
 
 from p2ptrain.collective import Collective, CollectiveError, PeerFailed
-from p2ptrain.collective.reducer import SparseAllReducer
 from p2ptrain.data.dataset import IPFSDataset
 from p2ptrain.data.manifest import Manifest
 from p2ptrain.ipfs.store import ContentUnavailable
@@ -42,7 +39,8 @@ from p2ptrain.training.election import Election, ElectionConfig
 from p2ptrain.training.records import Chain, RecordError, Status, Tally, attest, load_model_bytes
 from p2ptrain.training.rounds import RoundBook, round_id, shard_of
 from p2ptrain.training.task import Task, total_steps, unmet_requirement
-from p2ptrain.training.trainer import Trainer, TrainerError, batched, batches_forever
+from p2ptrain.training.sync import PlanAverager
+from p2ptrain.training.trainer import Average, Trainer, TrainerError, batched, batches_forever
 from p2ptrain.wire.messages import (
     CoordinatorBeat,
     RoundFailed,
@@ -100,7 +98,7 @@ class TaskRun:
         self.error: str | None = None
         self.synced = False
         self.trainer: Trainer | None = None
-        self.reducer: SparseAllReducer | None = None
+        self.averager: PlanAverager | None = None
         self.book: RoundBook | None = None
         self.election = Election(task_cid, node.key_pair, ElectionConfig(heartbeat_s=node.config.heartbeat_interval))
         self.manifest: Manifest | None = None
@@ -202,11 +200,7 @@ class TaskRun:
             data = await trio.to_thread.run_sync(self.content.store.cat, self.task.initial_model)
             load_model_bytes(self.trainer.model, data)
         self.initial_cid = await trio.to_thread.run_sync(self.content.store.add_bytes, self.trainer.model_bytes())
-        self.reducer = SparseAllReducer(
-            self.collective,
-            density=self.task.compression.density,
-            value_dtype=torch.float16 if self.task.compression.fp16_values else torch.float32,
-        )
+        self.averager = PlanAverager(self.task, self.collective, timeout=HOP_TIMEOUT_S, start_timeout=START_TIMEOUT_S)
         self.book = RoundBook(self.task, self.task_cid, Chain(self.task_cid, self.initial_cid), self.total_steps)
         if self.heads is None:
             # A run under way has a coordinator that publishes its head every HEAD_EVERY_S: hear it
@@ -452,23 +446,20 @@ class TaskRun:
             logger.warning("%s: cannot get my shards for rank %d of %d: %s", self.log_prefix, rank, world, exc)
             await self._report_failure(plan, 0, f"no training data: {exc}")
             return
+        assert self.averager is not None
+        average = self.averager.for_plan(plan)
         for index in range(plan.rounds):
             if self.book.last_plan is not plan:
                 return  # superseded (a retry, or a new coordinator's plan): the loop takes it up
-            if not await self._run_round(plan, index, batches):
+            if not await self._run_round(plan, index, batches, average):
                 return
         await self._checkpoint(plan)
 
-    async def _run_round(self, plan: RoundPlan, index: int, batches: Iterator[Any]) -> bool:
-        trainer, reducer = self.trainer, self.reducer
-        assert trainer is not None and reducer is not None
+    async def _run_round(self, plan: RoundPlan, index: int, batches: Iterator[Any], average: Average) -> bool:
+        trainer = self.trainer
+        assert trainer is not None
         if trainer.pending is None:
             await trio.to_thread.run_sync(trainer.compute_gradient, batches)
-        ring = [ID.from_base58(p) for p in plan.members]
-
-        async def average(flat: torch.Tensor, rid: int) -> torch.Tensor:
-            return await reducer.allreduce(flat, ring, rid, timeout=HOP_TIMEOUT_S, start_timeout=START_TIMEOUT_S)
-
         started = time.perf_counter()
         try:
             result = await trainer.sync(average, round_id(plan, index))

@@ -25,10 +25,15 @@ from p2ptrain.wire.messages import RoundPlan
 class PlanAverager:
     """Builds the ``average(flat, round_id)`` of each plan over one host's :class:`Collective`."""
 
-    def __init__(self, task: Task, collective: Collective, *, timeout: float = 5.0) -> None:
+    def __init__(
+        self, task: Task, collective: Collective, *, timeout: float = 5.0, start_timeout: float | None = None
+    ) -> None:
         self.task = task
         self.collective = collective
         self.timeout = timeout
+        # Members start a round at different moments (compute, plan latency): waiting for the
+        # neighbours to join may need longer than one hop.
+        self.start_timeout = start_timeout
         c = task.compression
         self.value_dtype = torch.float16 if c.fp16_values else torch.float32
         self.reducer = (
@@ -43,10 +48,12 @@ class PlanAverager:
 
         async def average(flat: torch.Tensor, round_id: int) -> torch.Tensor:
             if self.reducer is not None:
-                return await self.reducer.allreduce(flat, ring, round_id, timeout=self.timeout)
+                return await self.reducer.allreduce(
+                    flat, ring, round_id, timeout=self.timeout, start_timeout=self.start_timeout
+                )
             return await self.collective.allreduce(
                 flat, ring, round_id, density=self.task.compression.density,
-                value_dtype=self.value_dtype, timeout=self.timeout,
+                value_dtype=self.value_dtype, timeout=self.timeout, start_timeout=self.start_timeout,
             )
 
         return average
