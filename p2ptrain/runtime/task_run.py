@@ -112,6 +112,8 @@ class TaskRun:
         self.metrics: dict[str, float] = {}
         self.bytes_sent = 0
         self.rounds_done = 0
+        self.compute_s = 0.0  # local forward/backward time of completed and failed rounds
+        self.sync_s = 0.0  # all-reduce + optimizer step time of completed rounds
         self.failed_peers: dict[str, float] = {}
         self.retry_after = 0.0
         self.elected_at: float | None = None
@@ -157,6 +159,8 @@ class TaskRun:
             "test_loss": self.metrics.get("loss"),
             "bytes_sent": self.bytes_sent,
             "rounds_done": self.rounds_done,
+            "compute_s": round(self.compute_s, 4),
+            "sync_s": round(self.sync_s, 4),
         }
 
     # -- lifetime ----------------------------------------------------------------------------
@@ -459,7 +463,9 @@ class TaskRun:
         trainer = self.trainer
         assert trainer is not None
         if trainer.pending is None:
+            began = time.perf_counter()
             await trio.to_thread.run_sync(trainer.compute_gradient, batches)
+            self.compute_s += time.perf_counter() - began
         started = time.perf_counter()
         try:
             result = await trainer.sync(average, round_id(plan, index))
@@ -471,6 +477,7 @@ class TaskRun:
                            plan.attempt, exc)
             await self._report_failure(plan, index, str(exc))
             return False
+        self.sync_s += time.perf_counter() - started
         stats = self.collective.last_round
         self.bytes_sent += stats.bytes_sent if stats else 0
         self.rounds_done += 1
