@@ -1,0 +1,53 @@
+"""p2ptrain.load_model: a model CID (or file) alone gives back a ready module, never code from the file."""
+
+import pytest
+import torch
+
+import p2ptrain
+from p2ptrain.ipfs.embedded import EmbeddedStore
+from p2ptrain.ipfs.store import ContentUnavailable
+from p2ptrain.training.models import ModelError, build_model
+from p2ptrain.training.records import RecordError, model_bytes
+
+CARD = {"name": "mlp", "kwargs": {"in_features": 64, "hidden": [32], "out_features": 10}}
+
+
+def test_load_by_cid_and_by_path_rebuilds_the_same_function(tmp_path):
+    module = build_model(CARD["name"], CARD["kwargs"], seed=7)
+    data = model_bytes(module, CARD)
+    store = EmbeddedStore(tmp_path / "home")
+    cid = store.add_bytes(data)
+    x = torch.randn(5, 64)
+    by_cid = p2ptrain.load_model(cid, store=store)
+    path = tmp_path / "m.safetensors"
+    path.write_bytes(data)
+    by_path = p2ptrain.load_model(path)
+    with torch.no_grad():
+        assert torch.equal(by_cid(x), module.eval()(x))
+        assert torch.equal(by_path(x), module(x))
+    assert not by_cid.training
+
+
+def test_refuses_files_without_a_card_or_with_an_unknown_architecture(tmp_path):
+    module = build_model(CARD["name"], CARD["kwargs"], seed=0)
+    bare = tmp_path / "bare.safetensors"
+    bare.write_bytes(model_bytes(module))
+    with pytest.raises(RecordError, match="names no architecture"):
+        p2ptrain.load_model(bare)
+    evil = tmp_path / "evil.safetensors"
+    evil.write_bytes(model_bytes(module, {"name": "os.system", "kwargs": {}}))
+    with pytest.raises(ModelError):
+        p2ptrain.load_model(evil)
+    wrong = tmp_path / "wrong.safetensors"
+    wrong.write_bytes(model_bytes(module, {"name": "mlp", "kwargs": {**CARD["kwargs"], "hidden": [16]}}))
+    with pytest.raises(RecordError, match="does not fit|architecture needs"):
+        p2ptrain.load_model(wrong)
+
+
+def test_a_cid_the_store_lacks_is_a_clear_error(tmp_path):
+    store = EmbeddedStore(tmp_path / "home")
+    missing = EmbeddedStore(tmp_path / "other").add_bytes(b"not here")
+    with pytest.raises(ContentUnavailable, match="p2ptrain model fetch"):
+        p2ptrain.load_model(missing, store=store)
+    with pytest.raises(FileNotFoundError):
+        p2ptrain.load_model(tmp_path / "no-such-file", store=store)
