@@ -78,6 +78,7 @@ async def p2p_worker(args: argparse.Namespace) -> None:
     listen = Multiaddr("/ip4/127.0.0.1/tcp/0")
     host = make_host(create_new_key_pair(), [listen])
     async with host.run(listen_addrs=[listen]):
+        collective = Collective(host)  # before anyone can dial us: the handler must be registered
         print(f"ADDR {host.get_addrs()[0]}/p2p/{host.get_id().to_base58()}", flush=True)
         addrs = json.loads(await trio.to_thread.run_sync(sys.stdin.readline))
         infos = [info_from_p2p_addr(Multiaddr(a)) for a in addrs]
@@ -99,7 +100,6 @@ async def p2p_worker(args: argparse.Namespace) -> None:
                 for info in infos[me + 1 :]:
                     nursery.start_soon(connect, info)
         ring = [info.peer_id for info in infos]
-        collective = Collective(host)
         n = numel_of(args)
         grad = torch.randn(n, generator=torch.Generator().manual_seed(me))
         reducer = SparseAllReducer(

@@ -1,4 +1,4 @@
-"""Ring algorithms over a round's links: exact all-reduce and a leader's broadcast.
+"""The ring all-reduce over a round's links: exact, pipelined, bitwise-identical everywhere.
 
 The all-reduce is reduce-scatter then all-gather over P nearly equal chunks, each cut into segments
 so that a segment travels on as soon as it has been summed (pipelining). Every chunk is summed in
@@ -11,12 +11,11 @@ results, which later lets honest peers hash the same model.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 import torch
 import trio
 
-from p2ptrain.collective.errors import BadPayload, single_failure
+from p2ptrain.collective.errors import single_failure
 from p2ptrain.collective.frames import DTYPES, Header, Kind, Phase
 from p2ptrain.collective.rounds import RoundLinks
 
@@ -91,54 +90,3 @@ async def ring_allreduce(
                         data[a:b].copy_(incoming)
                         if step < size - 2:
                             outbox_send.send_nowait((Phase.GATHER, step + 1, j, a, b))
-
-
-async def ring_broadcast(
-    links: RoundLinks, leader: int, payload: bytes | None, *, max_bytes: int,
-    check: Callable[[bytes], object], segment_bytes: int = SEGMENT_BYTES,
-) -> bytes:
-    """The leader's ``payload``, passed hop by hop around the ring.
-
-    Each member checks the whole payload (``check`` raises ValueError) before it forwards it, so a
-    bad payload is blamed on the member that first sent it, never on an honest forwarder. Every
-    member sends it at most once; the member just left of the leader only receives.
-    """
-    size, me = links.size, links.me
-    if size == 1:
-        assert payload is not None
-        return payload
-    forward = (me + 1) % size != leader
-    code = DTYPES[torch.uint8]
-    if me == leader:
-        assert payload is not None
-        await _send_broadcast(links, payload, segment_bytes)
-        return payload
-    frame = await links.recv(phase=Phase.BROADCAST, step=0, seg=0, count=8, dtype=code, nbytes=8)
-    total = int.from_bytes(frame[-8:], "big")
-    if total > max_bytes:
-        raise BadPayload(links.left_peer, f"announced a {total}-byte broadcast; the limit is {max_bytes}")
-    out = bytearray()
-    for j, a in enumerate(range(0, total, segment_bytes)):
-        n = min(segment_bytes, total - a)
-        frame = await links.recv(phase=Phase.BROADCAST, step=1, seg=j, count=n, dtype=code, nbytes=n)
-        out += memoryview(frame)[len(frame) - n :]
-    payload = bytes(out)
-    try:
-        check(payload)
-    except ValueError as error:
-        raise BadPayload(links.left_peer, f"sent an invalid broadcast: {error}") from None
-    if forward:
-        await _send_broadcast(links, payload, segment_bytes)
-    return payload
-
-
-async def _send_broadcast(links: RoundLinks, payload: bytes, segment_bytes: int) -> None:
-    view = memoryview(payload)
-    await links.send(_broadcast_header(links, 0, 0, 8), len(view).to_bytes(8, "big"))
-    for j, a in enumerate(range(0, len(view), segment_bytes)):
-        part = view[a : a + segment_bytes]
-        await links.send(_broadcast_header(links, 1, j, len(part)), part)
-
-
-def _broadcast_header(links: RoundLinks, step: int, seg: int, count: int) -> Header:
-    return Header(Kind.DATA, links.round_id, Phase.BROADCAST, step, seg, count, DTYPES[torch.uint8])
