@@ -61,6 +61,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="where to train: auto (CUDA when available, else CPU), cpu, cuda or cuda:N (default auto)",
     )
     start.add_argument(
+        "--ipfs", metavar="API", default=None,
+        help="keep content in this Kubo daemon (its RPC API, e.g. http://127.0.0.1:5001) instead of the "
+        "embedded store; Kubo then fetches blocks on its own network",
+    )
+    start.add_argument(
         "--threads", type=int, default=0, metavar="N",
         help="CPU threads torch may use for training (default: torch's choice; 1 suits several "
         "peers on one small machine)",
@@ -127,7 +132,7 @@ def cmd_start(args: argparse.Namespace) -> int:
 
         torch.set_num_threads(args.threads)
     make_peer(node, TaskOptions(accept_tasks=args.accept_tasks, join=args.join, device=args.device,
-                                precision=args.precision))
+                                precision=args.precision), ipfs_api=args.ipfs)
     _log_to_home(node.home)
     if args.verbose < 2:
         # py-libp2p logs every refused redial of a stopped peer at ERROR; our discovery already

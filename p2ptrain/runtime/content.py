@@ -16,7 +16,7 @@ from p2ptrain.errors import UserError
 from p2ptrain.ipfs.cid import parse_cid
 from p2ptrain.ipfs.embedded import EmbeddedStore
 from p2ptrain.ipfs.exchange import BlockExchange, FetchError
-from p2ptrain.ipfs.store import ContentUnavailable
+from p2ptrain.ipfs.store import ContentStore, ContentUnavailable, open_store
 from p2ptrain.node import Node
 
 logger = logging.getLogger(__name__)
@@ -28,9 +28,12 @@ DEFAULT_MAX_FETCH_BYTES = 8 * 1024**3
 class ContentService:
     """Runs for the node's lifetime; other services call :meth:`fetch` and use :attr:`store`."""
 
-    def __init__(self, node: Node) -> None:
+    def __init__(self, node: Node, ipfs_api: str | None = None) -> None:
         self.node = node
-        self.store = EmbeddedStore(node.home)
+        # With a Kubo daemon, Kubo stores and exchanges the blocks (on its own network, e.g. one
+        # daemon shared by a cluster) and we verify what it returns; else the embedded store + Bitswap.
+        self.kubo: ContentStore | None = open_store(node.home, ipfs_api) if ipfs_api else None
+        self.store: ContentStore = self.kubo or EmbeddedStore(node.home)
         self.exchange: BlockExchange | None = None
         self._ready = trio.Event()
         node.control.register("ipfs.fetch", self._fetch_op)
@@ -38,6 +41,11 @@ class ContentService:
 
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         assert self.node.host is not None
+        if self.kubo is not None:
+            self._ready.set()
+            task_status.started()
+            return
+        assert isinstance(self.store, EmbeddedStore)
         self.exchange = BlockExchange(self.node.host, self.store.blocks)
         try:
             async with trio.open_nursery() as nursery:
@@ -55,6 +63,15 @@ class ContentService:
         """
         await self._ready.wait()
         if await trio.to_thread.run_sync(self.store.has, cid):
+            return
+        if self.kubo is not None:
+            try:
+                with trio.fail_after(timeout):
+                    # Pinning makes Kubo fetch the whole DAG; cat then verifies it block by block.
+                    await trio.to_thread.run_sync(self.kubo.pin_add, cid, abandon_on_cancel=True)
+                    await trio.to_thread.run_sync(self.kubo.cat, cid, abandon_on_cancel=True)
+            except trio.TooSlowError:
+                raise ContentUnavailable(cid, f"Kubo did not fetch it in {timeout:.0f} s") from None
             return
         assert self.exchange is not None and self.node.host is not None
         providers = list(self.node.host.get_connected_peers())

@@ -28,10 +28,13 @@ def warm_up_torch() -> None:
     torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
 
 
-def make_peer(node: Node, options: TaskOptions | None = None) -> Peer:
-    """Install the services into ``node`` (before it runs); they start once the mesh is up."""
+def make_peer(node: Node, options: TaskOptions | None = None, ipfs_api: str | None = None) -> Peer:
+    """Install the services into ``node`` (before it runs); they start once the mesh is up.
+
+    ``ipfs_api``: a Kubo daemon's RPC address to keep content in, instead of the embedded store.
+    """
     warm_up_torch()
-    content = ContentService(node)
+    content = ContentService(node, ipfs_api)
     tasks = TaskService(node, content, options or TaskOptions())
     node.add_service(content.run, name="content")
     node.add_service(tasks.run, name="tasks")
