@@ -15,8 +15,9 @@ close, reset, GO_AWAY, RTT pings, stale-stream sweeping) and replaces the data p
 * a writer waiting for window sleeps on an event (woken by the window update, a close or a reset)
   and waits as long as its caller lets it: deadlines belong to the caller's cancel scope, not to a
   hidden 5 s timer.
-* one writer task per connection writes every frame: a cancelled caller never tears a frame, and
-  the frame reader queues its replies instead of waiting on the socket.
+* a cancelled writer never tears a frame: the unsent rest is finished first by the next writer or
+  by a flusher task; control frames (window updates, ACKs, FIN/RST) are queued and go out before
+  the next frame, so neither the frame reader nor a close ever waits on the socket.
 
 The muxer class is installed by :func:`install`, because py-libp2p's muxer negotiation hard-codes
 its own ``Yamux`` class for ``/yamux/1.0.0``.
@@ -25,7 +26,6 @@ its own ``Yamux`` class for ``/yamux/1.0.0``.
 from __future__ import annotations
 
 import logging
-import math
 import struct
 from collections import deque
 from collections.abc import Sequence
@@ -127,19 +127,6 @@ class _Pieces:
                 self._len -= n
                 n = 0
         return out
-
-
-class _Outgoing:
-    """A frame queued for the connection's writer task."""
-
-    __slots__ = ("header", "payload", "done", "error", "abandoned")
-
-    def __init__(self, header: bytes, payload: Sequence[bytes | memoryview]) -> None:
-        self.header = header
-        self.payload = payload
-        self.done = trio.Event()
-        self.error: BaseException | None = None
-        self.abandoned = False  # its sender was cancelled before it was written: skip it
 
 
 class FastYamuxStream(YamuxStream):
@@ -271,10 +258,12 @@ class FastYamux(Yamux):
     def __init__(self, secured_conn: ISecureConn, peer_id: ID, *args: Any, **kwargs: Any) -> None:
         super().__init__(secured_conn, peer_id, *args, **kwargs)
         self._noise = secured_conn if isinstance(secured_conn, NoiseSession) else None
-        # Every frame goes through one writer task (see send_frame); unbounded because each data
-        # frame's sender waits for it, and control frames are a few bytes.
-        self._outbox, self._outbox_receive = trio.open_memory_channel[_Outgoing](math.inf)
-        self._writer_running = False
+        # Control frames waiting for the next holder of the write lock (see send_control), and
+        # the unsent rest of a frame whose writer was cancelled (see send_frame).
+        self._control: list[bytes] = []
+        self._unsent: list[bytes | memoryview] = []
+        self._flush_wanted = trio.Event()
+        self._flusher_running = False
         # Frame parser state, carried across socket reads.
         self._header = bytearray()
         self._body_left = 0
@@ -289,82 +278,85 @@ class FastYamux(Yamux):
         flags: int,
         stream_id: int,
         length: int,
-        payload: list[bytes | memoryview] | None = None,
+        payload: Sequence[bytes | memoryview] = (),
     ) -> None:
-        """Send one frame (header plus payload pieces) and wait until it is on the socket.
+        """Write one frame (header plus payload pieces) with one gathering socket send.
 
-        The frame is written by the connection's writer task, so cancelling the caller never tears
-        a frame: a DATA frame not yet started is dropped, one being written is finished, and
-        control frames (FIN, RST) are sent anyway.
+        Cancelling the caller never tears a frame: what is still unsent of it stays queued and is
+        written first by the next holder of the write lock, or at once by the flusher task.
         """
-        item = _Outgoing(_HEADER.pack(0, typ, flags, stream_id, length), payload or ())
-        if not self._writer_running:
-            # Before the frame reader starts, or after the connection ended (GO_AWAY at close).
-            async with self._write_lock:
-                await self._write_now(item)
-            return
-        self._outbox.send_nowait(item)
-        try:
-            await item.done.wait()
-        except trio.Cancelled:
-            item.abandoned = typ == TYPE_DATA
-            raise
-        if item.error is not None:
-            raise item.error
+        header = _HEADER.pack(0, typ, flags, stream_id, length)
+        async with self._write_lock:
+            await self._drain_locked()
+            await self._send_locked(header, payload)
 
     def send_control(self, typ: int, flags: int, stream_id: int, length: int) -> None:
-        """Queue a control frame without waiting for it (window updates, ACKs, pings).
+        """Queue a control frame without waiting (window updates, ACKs, RSTs, pings).
 
         The frame reader must never wait on a socket write: if both peers' readers waited on
         writes while both peers' writers waited on full socket buffers, neither would move.
-        Dropped if the connection has ended.
+        Queued frames go out, in order, before the next frame of any writer.
         """
-        if self._writer_running:
-            self._outbox.send_nowait(_Outgoing(_HEADER.pack(0, typ, flags, stream_id, length), ()))
+        self._control.append(_HEADER.pack(0, typ, flags, stream_id, length))
+        self._flush_wanted.set()
 
-    async def _write_now(self, item: _Outgoing) -> None:
+    async def _send_locked(
+        self, header: bytes, payload: Sequence[bytes | memoryview] = ()
+    ) -> None:
         if self._noise is None:
-            await self.secured_conn.write(b"".join([item.header, *item.payload]))
+            await self.secured_conn.write(b"".join([header, *payload]))
             return
         parts: list[bytes | memoryview] = []
-        self._noise.seal_frame(parts, item.header, item.payload)
-        await self._noise.send_sealed(parts)
+        self._noise.seal_frame(parts, header, payload)
+        self._unsent = parts  # send_sealed consumes it as the kernel takes bytes
+        try:
+            await self._noise.send_sealed(parts)
+        except trio.Cancelled:
+            if parts:
+                self._flush_wanted.set()
+            raise
 
-    async def _writer(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Write queued frames in order; the only task that writes once the muxer runs."""
-        self._writer_running = True
+    async def _drain_locked(self) -> None:
+        """Finish a frame a cancelled writer left half-sent, then send queued control frames."""
+        if self._unsent:
+            assert self._noise is not None
+            try:
+                await self._noise.send_sealed(self._unsent)
+            except trio.Cancelled:
+                self._flush_wanted.set()
+                raise
+        if self._control:
+            # All queued control frames in one Noise message and one socket send.
+            headers, self._control = self._control, []
+            await self._send_locked(b"".join(headers))
+
+    async def _flusher(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Send queued control frames and finish torn frames when no writer is about to."""
+        self._flusher_running = True
         task_status.started()
-        item: _Outgoing | None = None
         try:
             while True:
-                try:
-                    item = self._outbox_receive.receive_nowait()
-                except trio.WouldBlock:
-                    item = await self._outbox_receive.receive()
-                # No lock: while this task runs, nothing else writes (see send_frame).
-                if not item.abandoned:
-                    await self._write_now(item)
-                item.done.set()
+                await self._flush_wanted.wait()
+                self._flush_wanted = trio.Event()
+                async with self._write_lock:
+                    await self._drain_locked()
         except _CONNECTION_ERRORS as error:
             logger.debug("writing to %s failed: %s", self.peer_id, error)
         finally:
-            self._writer_running = False
-            # The frame being written when the connection failed or shut down, and whatever is
-            # still queued, will never be written: fail their waiters.
-            ended = ConnectionClosedError(f"connection to {self.peer_id} ended")
-            while item is not None:
-                if not item.done.is_set():
-                    item.error = ended
-                    item.done.set()
-                try:
-                    item = self._outbox_receive.receive_nowait()
-                except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
-                    item = None
+            self._flusher_running = False
 
     async def _write_frame(self, data: bytes) -> None:
-        """Control frames from inherited code (FIN, RST, GO_AWAY, pings), minus the log cost."""
-        _version, typ, flags, stream_id, length = _HEADER.unpack(data)
-        await self.send_frame(typ, flags, stream_id, length)
+        """Control frames from inherited code (FIN, RST, GO_AWAY, pings), minus the log cost.
+
+        Queued while the connection runs, so a close or reset never waits behind a stalled
+        frame; written directly before the flusher starts or after it stopped.
+        """
+        if self._flusher_running:
+            self._control.append(bytes(data))
+            self._flush_wanted.set()
+            return
+        async with self._write_lock:
+            await self._send_locked(bytes(data))
 
     # -- streams -------------------------------------------------------------------------------
 
@@ -407,7 +399,7 @@ class FastYamux(Yamux):
     async def handle_incoming(self) -> None:
         """Run the writer task and parse frames from decrypted socket reads until the end."""
         async with trio.open_nursery() as nursery:
-            await nursery.start(self._writer)
+            await nursery.start(self._flusher)
             try:
                 while not self.event_shutting_down.is_set():
                     for piece in await self._read_plaintext():

@@ -125,34 +125,45 @@ class NoiseSession(SecureSession):
             return
         parts: list[bytes | memoryview] = []
         self.seal_frame(parts, data)
-        await self.send_sealed(parts)
+        try:
+            await self.send_sealed(parts)
+        except trio.Cancelled:
+            if parts:
+                # These nonces are spent and nobody will send the rest: the connection cannot
+                # carry another byte, so end it rather than let the peer fail to decrypt.
+                with trio.CancelScope(shield=True):
+                    await self._raw.close()
+            raise
 
     async def send_sealed(self, parts: list[bytes | memoryview]) -> None:
-        """Send Noise messages built by :meth:`seal_frame` with one gathering socket send."""
+        """Send Noise messages built by :meth:`seal_frame` with gathering socket sends.
+
+        ``parts`` is consumed as the kernel takes bytes: if this is cancelled, ``parts`` holds
+        exactly the unsent rest, which must be sent before anything else is sealed.
+        """
         if self._socket is None:
-            await self._raw.write(b"".join(parts))
+            try:
+                await self._raw.write(b"".join(parts))
+            except trio.Cancelled:
+                with trio.CancelScope(shield=True):
+                    await self._raw.close()  # how much went out is unknown: end the connection
+                raise
+            parts.clear()
             return
         try:
             while parts:
                 batch = parts[:_IOV_BATCH]
+                # A cancelled sendmsg has sent nothing (trio checks before each attempt).
                 sent = await self._socket.sendmsg(batch)
-                # Drop what the kernel took; keep the unsent tail of a partly sent buffer.
                 taken = 0
                 while taken < len(batch) and sent >= len(batch[taken]):
                     sent -= len(batch[taken])
                     taken += 1
-                parts = parts[taken:]
+                del parts[:taken]
                 if sent:
                     parts[0] = memoryview(parts[0])[sent:]
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as error:
             raise self._broken(error) from error
-        except trio.Cancelled:
-            # The nonces of these messages are spent and part of them may be on the wire: the
-            # connection cannot carry another byte, so end it now rather than let the peer fail
-            # to decrypt the next one.
-            with trio.CancelScope(shield=True):
-                await self._raw.close()
-            raise
 
     # -- reading -------------------------------------------------------------------------------
 
