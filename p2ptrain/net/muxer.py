@@ -397,7 +397,7 @@ class FastYamux(Yamux):
         return [memoryview(data)]
 
     async def handle_incoming(self) -> None:
-        """Run the writer task and parse frames from decrypted socket reads until the end."""
+        """Run the flusher task and parse frames from decrypted socket reads until the end."""
         async with trio.open_nursery() as nursery:
             await nursery.start(self._flusher)
             try:

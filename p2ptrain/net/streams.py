@@ -75,7 +75,7 @@ class Channel:
     message), so ``with trio.move_on_after(t): await ch.recv(n)`` is a safe poll. A cancelled
     ``send`` resets the channel, because the peer may already hold part of the message; on our
     muxer the connection and its other channels carry on (a frame already on its way is finished
-    by the connection's writer task, never torn).
+    by the muxer, never torn).
     """
 
     def __init__(self, stream: INetStream) -> None:
