@@ -10,6 +10,7 @@ the end compare numbers taken on the same machine at the same time.
     .venv/bin/python bench/streams.py --json          # one JSON object
     .venv/bin/python bench/streams.py --repeat 3      # 3 interleaved rounds; medians
     .venv/bin/python bench/streams.py --chunk-kib 64  # 64 KiB messages instead of 1 MiB
+    .venv/bin/python bench/streams.py --rtt           # round trip of a 1,000-byte message
 
 "Stock" means what py-libp2p gives by default: ``libp2p.new_host`` with Noise only and yamux, the
 library's default environment, one stream, writes of ``--chunk-kib`` and 1 MiB ``read()`` calls
@@ -188,6 +189,68 @@ async def send_one(kind: str, addr: str, payload: bytes, chunk: int) -> float:
 
 
 # --------------------------------------------------------------------------------------------
+# Round trips of small messages
+
+
+async def round_trips(kind: str, size: int, count: int) -> float:
+    """Median seconds for ``size`` bytes to go to an echo and back, one process."""
+    from libp2p.peer.peerinfo import info_from_p2p_addr
+    from multiaddr import Multiaddr
+
+    here, there = new_libp2p_host(kind), new_libp2p_host(kind)
+    listen = [Multiaddr("/ip4/127.0.0.1/tcp/0")]
+    async with here.run(listen_addrs=listen), there.run(listen_addrs=listen):
+        if kind == "stock":
+
+            async def echo_stream(stream) -> None:
+                while True:
+                    await stream.write(await stream.read(size))
+
+            there.set_stream_handler(PROTO, echo_stream)
+        else:
+            from p2ptrain.net.streams import serve_channels
+
+            async def echo_channel(channel) -> None:
+                while True:
+                    await channel.send(await channel.recv(size))
+
+            serve_channels(there, PROTO, echo_channel)
+        info = info_from_p2p_addr(Multiaddr(p2p_addr(there)))
+        await here.connect(info)
+        message = b"x" * size
+        times = []
+        if kind == "stock":
+            stream = await here.new_stream(info.peer_id, [PROTO])
+            for _ in range(count):
+                start = time.perf_counter()
+                await stream.write(message)
+                got = 0
+                while got < size:
+                    got += len(await stream.read(size - got))
+                times.append(time.perf_counter() - start)
+        else:
+            from p2ptrain.net.streams import open_channel
+
+            channel = await open_channel(here, info.peer_id, PROTO)
+            for _ in range(count):
+                start = time.perf_counter()
+                await channel.send(message)
+                await channel.recv(size)
+                times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+
+def rtt_main(args: argparse.Namespace) -> int:
+    out: dict[str, object] = {"rtt_size_bytes": args.rtt_size, "count": 300}
+    for kind in ("stock", "channel"):
+        seconds = trio.run(lambda k=kind: _bounded(round_trips(k, args.rtt_size, 300)))
+        out[f"{kind}_rtt_us"] = round(seconds * 1e6)
+    out["channel_vs_stock_rtt"] = round(out["stock_rtt_us"] / out["channel_rtt_us"], 2)
+    print(json.dumps(out) if args.json else "\n".join(f"{k}: {v}" for k, v in out.items()))
+    return 0
+
+
+# --------------------------------------------------------------------------------------------
 # Runs
 
 
@@ -245,8 +308,13 @@ def main() -> int:
     parser.add_argument("--kinds", default=",".join(KINDS))
     parser.add_argument("--where", default=",".join(WHERES))
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--rtt", action="store_true",
+                        help="instead: median round trip of small messages, stock vs channel")
+    parser.add_argument("--rtt-size", type=int, default=1000, help="bytes per --rtt message")
     parser.add_argument("--serve", choices=KINDS, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.rtt:
+        return rtt_main(args)
     total, chunk = args.size_mib * MIB, args.chunk_kib * 1024
     if args.serve:
         serve_main(args.serve, total, chunk)
