@@ -30,11 +30,31 @@ def peer_ids(status: dict) -> set[str]:
 
 
 @pytest.mark.timeout(900)  # five process starts, each importing libp2p and torch on a shared 2-core box
+def views(procs) -> str:
+    """Who sees whom, for a failure message."""
+    lines = []
+    for p in procs:
+        try:
+            s = p.status()
+            lines.append(f"{p.peer_id[-8:]}: peers {[x['peer_id'][-8:] for x in s['peers']]} "
+                         f"gone {[(x['peer_id'][-8:], x['left_reason']) for x in s['gone']]} connected {len(s['connected'])}")
+        except Exception as exc:
+            lines.append(f"{p.peer_id[-8:]}: {exc}")
+    return "\n".join(lines)
+
+
+def settle(procs, predicate, timeout: float) -> None:
+    try:
+        wait_for(predicate, timeout=timeout)
+    except TimeoutError:
+        raise AssertionError(f"not settled in {timeout} s:\n{views(procs)}") from None
+
+
 def test_four_node_processes_form_a_mesh_survive_a_kill_and_a_restart(tmp_path):
     with node_processes(4, tmp_path) as procs:
         ids = {p.peer_id for p in procs}
         # Every node lists the other three (polled through the control socket, bounded at 10 s).
-        wait_for(lambda: all(peer_ids(p.status()) == ids - {p.peer_id} for p in procs), timeout=10)
+        settle(procs, lambda: all(peer_ids(p.status()) == ids - {p.peer_id} for p in procs), timeout=10)
         # ... and says so through the CLI contract: peer_id, addrs (usable as --bootstrap), peers.
         for p in procs:
             status = status_json(p.home)
@@ -49,7 +69,7 @@ def test_four_node_processes_form_a_mesh_survive_a_kill_and_a_restart(tmp_path):
         victim = procs[3]
         victim.kill()
         survivors = procs[:3]
-        wait_for(lambda: all(victim.peer_id in {g["peer_id"] for g in s.status()["gone"]} for s in survivors), timeout=20)
+        settle(survivors, lambda: all(victim.peer_id in {g["peer_id"] for g in s.status()["gone"]} for s in survivors), timeout=20)
         assert all(victim.peer_id not in peer_ids(s.status()) for s in survivors)
         reasons = [g["left_reason"] for g in survivors[0].status()["gone"]]
         assert any("silent" in r for r in reasons)
@@ -59,7 +79,7 @@ def test_four_node_processes_form_a_mesh_survive_a_kill_and_a_restart(tmp_path):
         victim.start()
         victim.wait_ready()
         assert victim.status()["peer_id"] == victim.peer_id
-        wait_for(lambda: all(peer_ids(p.status()) == ids - {p.peer_id} for p in procs), timeout=20)
+        settle(procs, lambda: all(peer_ids(p.status()) == ids - {p.peer_id} for p in procs), timeout=20)
 
         # SIGTERM stops a node cleanly: exit code 0, socket removed, its log names it.
         assert procs[0].terminate() == 0
