@@ -20,6 +20,9 @@ from p2ptrain.collective.frames import DTYPES, Header, Kind, Phase
 from p2ptrain.collective.rounds import RoundLinks
 
 SEGMENT_BYTES = 1 << 20
+# Extra deadline per step of the ring schedule (see RoundLinks.recv): the member next to a stalled
+# peer times out first and its abort notice reaches the others well within this margin.
+STEP_PATIENCE_S = 0.5
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -71,7 +74,8 @@ async def ring_allreduce(
                     last = step == size - 2
                     for j, (a, b) in enumerate(segs[chunk]):
                         incoming = await links.recv_tensor(
-                            phase=Phase.REDUCE, step=step, seg=j, count=b - a, dtype=dtype
+                            phase=Phase.REDUCE, step=step, seg=j, count=b - a, dtype=dtype,
+                            patience=step * STEP_PATIENCE_S,
                         )
                         mine = data[a:b]
                         torch.add(incoming, mine, out=mine)
@@ -85,7 +89,8 @@ async def ring_allreduce(
                     chunk = (me - step) % size
                     for j, (a, b) in enumerate(segs[chunk]):
                         incoming = await links.recv_tensor(
-                            phase=Phase.GATHER, step=step, seg=j, count=b - a, dtype=dtype
+                            phase=Phase.GATHER, step=step, seg=j, count=b - a, dtype=dtype,
+                            patience=(size - 1 + step) * STEP_PATIENCE_S,
                         )
                         data[a:b].copy_(incoming)
                         if step < size - 2:

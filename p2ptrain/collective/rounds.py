@@ -112,12 +112,17 @@ class RoundLinks:
 
     async def recv(
         self, *, phase: int, step: int, seg: int, count: int, dtype: int, nbytes: int,
-        source: ID | None = None,
+        source: ID | None = None, patience: float = 0.0,
     ) -> bytes:
-        """The next frame's payload, which must be exactly the one described."""
+        """The next frame's payload, which must be exactly the one described.
+
+        ``patience`` extends the deadline: in a ring, a frame k steps in depends on peers k hops
+        away, so a member far from a stalled peer waits a little longer and hears the abort notice
+        of the member next to it, instead of blaming its own (healthy, starved) neighbour.
+        """
         peer = self.left_peer if source is None else source
         try:
-            with trio.fail_after(self.timeout):
+            with trio.fail_after(self.timeout + patience):
                 frame = await self._inbound[peer].recv(HEADER.size + nbytes)
         except trio.TooSlowError:
             raise PeerFailed(
@@ -145,13 +150,14 @@ class RoundLinks:
         return frame
 
     async def recv_tensor(
-        self, *, phase: int, step: int, seg: int, count: int, dtype: torch.dtype, source: ID | None = None
+        self, *, phase: int, step: int, seg: int, count: int, dtype: torch.dtype, source: ID | None = None,
+        patience: float = 0.0,
     ) -> torch.Tensor:
         """The next frame as a read-only tensor of ``count`` finite values of ``dtype``."""
         width = torch.empty((), dtype=dtype).element_size()
         frame = await self.recv(
             phase=phase, step=step, seg=seg, count=count, dtype=DTYPES[dtype], nbytes=count * width,
-            source=source,
+            source=source, patience=patience,
         )
         peer = self.left_peer if source is None else source
         with warnings.catch_warnings():
