@@ -235,6 +235,15 @@ class TaskRun:
                 live.add(record.peer_id.to_base58())
         return live
 
+    def _behind(self) -> bool:
+        """Whether others are known to be past our state: a later confirmed model, or a plan seen
+        on the topic that starts after our step."""
+        assert self.book is not None and self.trainer is not None
+        if self.heads is not None and self.heads.version > self.book.chain.version:
+            return True
+        seen = self.book.observed
+        return seen is not None and seen.step > self.trainer.step
+
     def _voters_alive(self, roster: tuple[str, ...]) -> set[str]:
         """Who counts as alive for the election: the roster's peers that the mesh hears, plus the
         peers that advertise the task. A roster member that is resyncing is still a voter, or the
@@ -388,6 +397,12 @@ class TaskRun:
     async def _maybe_plan(self, now: float) -> None:
         assert self.book is not None and self.trainer is not None
         if self.busy or now < self.retry_after:
+            return
+        if self._behind():
+            # Elected while behind the run (e.g. it joined at step 0 and missed the records): it
+            # must not plan from its own stale state. Resync first; the next term picks another.
+            logger.warning("%s: coordinator but behind the run; resyncing instead of planning", self.log_prefix)
+            self._desync()
             return
         if self.book.last_plan is None and self.elected_at is not None and now - self.elected_at < FIRST_ROUND_GRACE_S:
             return
