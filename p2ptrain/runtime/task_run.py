@@ -382,6 +382,8 @@ class TaskRun:
             roster = self.book.roster(self.me) if self.book else ()
             before = self.election.coordinator
             for out in self.election.tick(now, self._voters_alive(roster), roster):
+                if not self.synced and isinstance(out, (VoteRequest, CoordinatorBeat)):
+                    continue  # a member that is not at the run's state must not lead it; it still votes
                 await self.node.publish(self.topic, out)
             self._note_coordinator(before, now)
             if self.tally is not None and self.tally.status is Status.PENDING and now - self.tally_started > ATTEST_TIMEOUT_S:
@@ -576,6 +578,7 @@ class TaskRun:
     # -- resync --------------------------------------------------------------------------------
 
     def _desync(self) -> None:
+        self.election.step_down(trio.current_time())
         self.synced = False
         self.state = "resyncing"
         self._advertise(False)

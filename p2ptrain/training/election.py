@@ -164,6 +164,13 @@ class Election:
             return self._on_beat(now, sender, msg)
         return []
 
+    def step_down(self, now: float) -> None:
+        """Give up coordinatorship (e.g. our state fell behind the run): move to the next term, so
+        the members time out on us and elect the next term's candidate."""
+        if self.is_coordinator:
+            log.info("task %s: coordinator %s steps down (term %d)", self.task_cid[:12], self.me[-8:], self.term)
+            self._new_term(now, self.term + 1)
+
     # --- transitions ------------------------------------------------------------------------------
 
     def _new_term(self, now: float, term: int) -> None:
