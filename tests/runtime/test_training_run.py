@@ -14,46 +14,13 @@ from pathlib import Path
 
 import pytest
 
+from p2ptrain.cli.demo import TASK_TEMPLATE
 from p2ptrain.errors import UserError
 from p2ptrain.net.control import ControlClient
 from p2ptrain.testing import NodeProcess, node_processes, wait_for
 from p2ptrain.training.records import Chain
 
 NODE_ARGS = ["--accept-tasks", "--device", "cpu", "--threads", "1"]
-
-TASK = """\
-name = "{name}"
-seed = 0
-
-[model]
-name = "mlp"
-kwargs = {{ in_features = 64, hidden = [64], out_features = 10 }}
-
-[dataset]
-manifest = "{manifest}"
-
-[optimizer]
-name = "adam"
-lr = 0.02
-
-[schedule]
-name = "cosine"
-warmup_steps = 10
-min_lr_ratio = 0.1
-
-[training]
-batch_size = 32
-total_steps = {steps}
-checkpoint_interval = {checkpoint}
-
-[compression]
-density = 0.01
-error_feedback = true
-
-[peers]
-min = 2
-max = 8
-"""
 
 
 def cli(*args: str, timeout: float = 180.0) -> str:
@@ -65,7 +32,8 @@ def cli(*args: str, timeout: float = 180.0) -> str:
 
 def publish(proc: NodeProcess, name: str, steps: int, checkpoint: int) -> tuple[str, str]:
     manifest = cli("dataset", "add", "sklearn:digits", "--shards", "8", "--home", str(proc.home)).splitlines()[-1]
-    text = TASK.format(name=name, manifest=manifest, steps=steps, checkpoint=checkpoint)
+    text = TASK_TEMPLATE.format(manifest=manifest, steps=steps, checkpoint=checkpoint, density=0.01, peers=8)
+    text = text.replace('name = "demo-digits-mlp"', f'name = "{name}"')
     task_cid = ControlClient(proc.home, timeout=120).call("task.publish", text=text, join=True)["task_cid"]
     return manifest, task_cid
 
