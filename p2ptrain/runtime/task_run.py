@@ -515,11 +515,13 @@ class TaskRun:
         self.book.report_failure(report)
 
     async def _replicate_data(self) -> None:
-        """Hold every training shard, after our own: if the peer that published the dataset dies,
-        whichever shards a new ring assigns us can still be had from the other members."""
+        """Hold every shard (training, then test), after our own: if the peer that published the
+        dataset dies, whichever shards a new ring assigns us, and the test split a new coordinator
+        evaluates on, can still be had from the other members."""
         assert self.manifest is not None
         await trio.sleep(self.node.config.heartbeat_interval * 2)  # own shards first
-        for ref in self.manifest.shards(self.task.dataset.train_split):
+        test = self.manifest.shards(self.task.dataset.test_split) if self.task.dataset.test_split in self.manifest.splits else ()
+        for ref in (*self.manifest.shards(self.task.dataset.train_split), *test):
             try:
                 await self.content.fetch(ref.cid)
             except ContentUnavailable as exc:
@@ -555,9 +557,14 @@ class TaskRun:
         self.checkpoint_cids = {trainer.step: (model_cid, optim_cid)}
         if self.election.is_coordinator and plan.term == self.election.term:
             assert self.manifest is not None
-            for ref in self.manifest.shards(self.task.dataset.test_split):
-                await self.content.fetch(ref.cid)
-            metrics = await trio.to_thread.run_sync(self._evaluate)
+            try:
+                for ref in self.manifest.shards(self.task.dataset.test_split):
+                    await self.content.fetch(ref.cid)
+                metrics = await trio.to_thread.run_sync(self._evaluate)
+            except ContentUnavailable as exc:
+                # Metrics are a report, not part of the model: publish without them rather than stall.
+                logger.warning("%s: cannot evaluate (test data unavailable: %s)", self.log_prefix, exc)
+                metrics = {}
             metrics["train_loss"] = self.metrics.get("train_loss", math.nan)
             metrics = {k: v for k, v in metrics.items() if math.isfinite(v)}
             signed = book.checkpoint_record(plan, trainer.step, model_cid, optim_cid, metrics, self.node.key_pair)
