@@ -40,6 +40,7 @@ from libp2p.pubsub.pubsub import Pubsub
 from multiaddr import Multiaddr
 
 from p2ptrain import __version__
+from p2ptrain.atomic import write_atomic
 from p2ptrain.errors import UserError
 from p2ptrain.identity import load_or_create_identity, peer_id_of
 from p2ptrain.mesh.discovery import Discovery, parse_bootstrap
@@ -104,18 +105,6 @@ class NodeConfig:
         return "\n".join(lines) + "\n"
 
 
-def write_atomic(path: Path, data: bytes, mode: int = 0o600) -> None:
-    """tmp file + fsync + rename: readers see the old file or the new one, never half of one."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_CREAT | os.O_TRUNC | os.O_WRONLY, mode)
-    try:
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-
-
 def prepare_home(home: Path) -> None:
     """Create the home (0700) and its folders; refuse a home that others can read."""
     home.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -161,7 +150,7 @@ class Node:
         for addr in self.config.bootstrap:
             parse_bootstrap(addr)  # a bad --bootstrap is the user's error: say so before starting
         if stored is None:
-            write_atomic(self.home / CONFIG_FILE, self.config.to_toml().encode())
+            write_atomic(self.home / CONFIG_FILE, self.config.to_toml().encode(), mode=0o600)
         self.key_pair: KeyPair = load_or_create_identity(self.home)
         self.peer_id: ID = peer_id_of(self.key_pair)
         self.control = ControlServer(self.home)

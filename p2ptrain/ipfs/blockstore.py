@@ -18,13 +18,13 @@ import base64
 import fcntl
 import json
 import os
-import secrets
 from collections import deque
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
+from p2ptrain.atomic import write_atomic
 from p2ptrain.ipfs.cid import CID, RAW, BlockMismatch, cid_str, parse_cid, verify_block
 from p2ptrain.ipfs.dagpb import MAX_BLOCK_SIZE
 
@@ -56,23 +56,6 @@ class PinFileError(ValueError):
 
 def _key(cid: CID) -> str:
     return base64.b32encode(bytes(cid.digest)).decode("ascii").rstrip("=")
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    """Write ``data`` as ``path``: temporary file in the same directory, fsync, rename."""
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
-    fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-        os.fsync(fd)
-    except BaseException:
-        os.close(fd)
-        tmp.unlink(missing_ok=True)
-        raise
-    os.close(fd)
-    os.replace(tmp, path)
 
 
 class BlockStore:
@@ -128,7 +111,7 @@ class BlockStore:
         if path.exists():
             return
         path.parent.mkdir(exist_ok=True)
-        _write_atomic(path, data)
+        write_atomic(path, data)
 
     def put_many(self, blocks: Iterable[tuple[CID | str, bytes]]) -> None:
         """Store many blocks, several writes in flight at once.
@@ -182,7 +165,7 @@ class BlockStore:
             yield pins
             if pins != before:
                 payload = {"version": PINS_VERSION, "pins": dict(sorted(pins.items()))}
-                _write_atomic(self.root / PINS_FILE, json.dumps(payload, indent=1).encode() + b"\n")
+                write_atomic(self.root / PINS_FILE, json.dumps(payload, indent=1).encode() + b"\n")
 
     def _read_pins(self) -> dict[str, str]:
         path = self.root / PINS_FILE

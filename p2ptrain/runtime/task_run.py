@@ -33,7 +33,8 @@ from p2ptrain.data.dataset import IPFSDataset
 from p2ptrain.data.manifest import Manifest
 from p2ptrain.ipfs.store import ContentUnavailable
 from p2ptrain.mesh.router import short
-from p2ptrain.node import Node, write_atomic
+from p2ptrain.atomic import write_atomic
+from p2ptrain.node import Node
 from p2ptrain.runtime.content import ContentService
 from p2ptrain.training.election import Election, ElectionConfig
 from p2ptrain.training.records import Chain, RecordError, Status, Tally, attest, load_model_bytes
@@ -363,7 +364,7 @@ class TaskRun:
         self.book.chain.append(tally.signed)
         record = tally.record
         self.metrics.update(record.metrics)
-        write_atomic(self.dir / "chain.jsonl", self.book.chain.to_bytes())
+        write_atomic(self.dir / "chain.jsonl", self.book.chain.to_bytes(), mode=0o600)
         logger.info(
             "%s: model v%d confirmed by %d/%d members: %s (round %d, step %d, accuracy %s)",
             self.log_prefix, record.version, len(tally.matching), len(record.members), record.model_cid,
@@ -642,7 +643,7 @@ class TaskRun:
         self.book.observed = observed  # the roster we know of stays the roster
         self.tally = None
         self.metrics.update(last.metrics)
-        write_atomic(self.dir / "chain.jsonl", chain.to_bytes())
+        write_atomic(self.dir / "chain.jsonl", chain.to_bytes(), mode=0o600)
         self.synced, self.state = True, "training"
         self._advertise(True)
         logger.info("%s: resynced to model v%d %s at step %d", self.log_prefix, last.version, last.model_cid, last.step)
