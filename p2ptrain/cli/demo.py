@@ -264,16 +264,16 @@ def _fetch_and_evaluate(home: Path, model_cid: str, manifest_cid: str, bootstrap
     from p2ptrain.cli.model import ensure_local, split_shards
     from p2ptrain.data.dataset import IPFSDataset
     from p2ptrain.ipfs.embedded import EmbeddedStore
-    from p2ptrain.training.evaluation import evaluate_model
     from p2ptrain.training.loading import load_model
+    from p2ptrain.training.trainer import batched, evaluate_batches
 
     home.mkdir(mode=0o700)
     ensure_local(home, [model_cid, manifest_cid], bootstrap,
                  then=lambda store: split_shards(store, manifest_cid, "test"))
     store = EmbeddedStore(home)
     module = load_model(model_cid, store=store)
-    result = evaluate_model(module, IPFSDataset(manifest_cid, split="test", store=store, shuffle=False))
-    return float(result["accuracy"]), float(result["loss"])
+    metrics = evaluate_batches(module, batched(IPFSDataset(manifest_cid, split="test", store=store, shuffle=False), 256))
+    return metrics.accuracy, metrics.loss
 
 
 def _num(value: Any) -> str:

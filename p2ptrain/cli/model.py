@@ -9,6 +9,7 @@ in the model file), never from code in a file.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 from collections.abc import Callable
@@ -200,15 +201,15 @@ def cmd_eval(args: argparse.Namespace) -> int:
     home = _home(args)
     from p2ptrain.data.dataset import IPFSDataset
     from p2ptrain.ipfs.store import open_store
-    from p2ptrain.training.evaluation import evaluate_model
     from p2ptrain.training.loading import load_model
+    from p2ptrain.training.trainer import batched, evaluate_batches
 
     wanted = [args.dataset] + ([] if Path(args.model).exists() else [args.model])
     ensure_local(home, wanted, args.bootstrap, then=lambda store: split_shards(store, args.dataset, args.split))
     store = open_store(home)
     module = load_model(args.model, store=store)
     dataset = IPFSDataset(args.dataset, split=args.split, store=store, shuffle=False)
-    result = evaluate_model(module, dataset, args.batch_size)
+    result = dataclasses.asdict(evaluate_batches(module, batched(dataset, args.batch_size)))
     if args.json:
         print(json.dumps(result))
     else:

@@ -567,7 +567,6 @@ class TaskRun:
                 logger.warning("%s: cannot evaluate (test data unavailable: %s)", self.log_prefix, exc)
                 metrics = {}
             metrics["train_loss"] = self.metrics.get("train_loss", math.nan)
-            metrics = {k: v for k, v in metrics.items() if math.isfinite(v)}
             signed = book.checkpoint_record(plan, trainer.step, model_cid, optim_cid, metrics, self.node.key_pair)
             logger.info("%s: publishing model v%d %s (accuracy %s)", self.log_prefix, signed.record.version,
                         model_cid, _fmt(metrics.get("accuracy")))

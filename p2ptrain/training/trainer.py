@@ -18,10 +18,12 @@ is not finite is skipped by every member alike (the step counter still advances)
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -140,6 +142,29 @@ def batches_forever(dataset: Iterable[Batch], batch_size: int, first_epoch: int 
         if empty:
             raise TrainerError("the training data of this member is empty")
         epoch += 1
+
+
+@torch.no_grad()
+def evaluate_batches(
+    module: nn.Module,
+    batches: Iterable[Batch],
+    device: torch.device = torch.device("cpu"),
+    autocast: Callable[[], Any] = contextlib.nullcontext,
+) -> Metrics:
+    """Mean cross-entropy and accuracy of ``module`` (put in eval mode) over ``batches``."""
+    module.eval()
+    loss_sum, hits, count = 0.0, 0, 0
+    for x, y in batches:
+        x, y = x.to(device), y.to(device)
+        with autocast():
+            logits = module(x)
+        loss, h, n = loss_and_hits(logits, y)
+        loss_sum += float(loss) * n
+        hits += h
+        count += n
+    if count == 0:
+        raise TrainerError("evaluation data is empty")
+    return Metrics(loss=loss_sum / count, accuracy=hits / count, samples=count)
 
 
 class Trainer:
@@ -285,22 +310,9 @@ class Trainer:
 
     # --- evaluation --------------------------------------------------------------------------
 
-    @torch.no_grad()
     def evaluate(self, batches: Iterable[Batch]) -> Metrics:
         """Mean loss and accuracy over ``batches`` (e.g. ``batched(test_dataset, eval_batch_size)``)."""
-        self.model.eval()
-        loss_sum, hits, count = 0.0, 0, 0
-        for x, y in batches:
-            x, y = x.to(self.device), y.to(self.device)
-            with self._autocast():
-                logits = self.model(x)
-            loss, h, n = loss_and_hits(logits, y)
-            loss_sum += float(loss) * n
-            hits += h
-            count += n
-        if count == 0:
-            raise TrainerError("evaluation data is empty")
-        return Metrics(loss=loss_sum / count, accuracy=hits / count, samples=count)
+        return evaluate_batches(self.model, batches, self.device, self._autocast)
 
     # --- state as bytes -----------------------------------------------------------------------
 
