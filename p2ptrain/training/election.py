@@ -89,6 +89,7 @@ class Election:
         self.suspects: set[str] = set()  # peers whose coordinatorship timed out
         self._votes: dict[str, SignedVote] = {}  # votes for me in self.term
         self._certificate: tuple[SignedVote, ...] = ()
+        self._certified_for: tuple[int, tuple[str, ...]] | None = None
         self._term_started: float | None = None
         self._last_heard = 0.0
         self._last_sent = -1e18
@@ -126,16 +127,19 @@ class Election:
                 log.warning("task %s: coordinator %s sees no quorum of its roster alive; stepping down (term %d)",
                             self.task_cid[:12], self.me[-8:], self.term)
                 self._new_term(now, self.term + 1)
-            elif self.check_certificate(self._beat()) is not None:
+            elif self._certified_for != (self.term, voters) and self.check_certificate(self._beat()) is not None:
                 # The roster changed under us (members died or joined) and our votes no longer make
                 # a quorum of it: peers that check our certificate against today's roster (a joiner,
                 # a member that resynced) would refuse us. Call an election among today's roster.
                 log.info("task %s: coordinator %s's votes no longer cover the roster; new election (term %d)",
                          self.task_cid[:12], self.me[-8:], self.term + 1)
                 self._new_term(now, self.term + 1)
-            elif now - self._last_sent >= self.config.heartbeat_s:
-                self._last_sent = now
-                out.append(self._beat())
+            else:
+                # Checked once per (term, roster): verifying every vote's signature at each tick is waste.
+                self._certified_for = (self.term, voters)
+                if now - self._last_sent >= self.config.heartbeat_s:
+                    self._last_sent = now
+                    out.append(self._beat())
             return out
         if self.coordinator is not None:
             if now - self._last_heard < timeout and self.coordinator in self.live:
