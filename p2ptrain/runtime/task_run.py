@@ -110,6 +110,7 @@ class TaskRun:
         self.early_attestations: dict[str, list[SignedAttestation]] = {}
         self.checkpoint_cids: dict[int, tuple[str, str]] = {}  # step -> (model CID, optimizer CID)
         self.heads: TaskHead | None = None
+        self._chain_cid: tuple[int, str] | None = None  # (chain version, CID of its bytes)
         self.metrics: dict[str, float] = {}
         self.bytes_sent = 0
         self.rounds_done = 0
@@ -421,8 +422,11 @@ class TaskRun:
     async def _publish_head(self) -> None:
         assert self.book is not None
         chain = self.book.chain
-        chain_bytes = chain.to_bytes()
-        chain_cid = await trio.to_thread.run_sync(self.content.store.add_bytes, chain_bytes)
+        if self._chain_cid is None or self._chain_cid[0] != chain.version:
+            # Stored once per confirmed version, not at every head (every HEAD_EVERY_S).
+            cid = await trio.to_thread.run_sync(self.content.store.add_bytes, chain.to_bytes())
+            self._chain_cid = (chain.version, cid)
+        chain_cid = self._chain_cid[1]
         head = chain.records[-1].record if chain.records else None
         plan = self.book.last_plan
         msg = TaskHead(
