@@ -86,15 +86,7 @@ def main() -> None:
         first.mkdir(mode=0o700)
         name, features, labels = load_source("sklearn:digits")
         manifest, _ = build_dataset(EmbeddedStore(first), name, features, labels, num_shards=8)
-        cluster.start(first, [])
-        deadline = time.monotonic() + 120
-        bootstrap = cluster.wait_ready(first, deadline)["addrs"][:1]
-        for home in cluster.homes[1:]:
-            cluster.start(home, bootstrap)
-        for home in cluster.homes:
-            cluster.wait_ready(home, deadline)
-        while min(len(cluster.call(h, "status")["peers"]) for h in cluster.homes) < args.peers - 1:
-            time.sleep(0.2)
+        cluster.start(ready_timeout=120.0)
         rows = [run_task(cluster, manifest, d, args) for d in (0.01, 1.0)]
     finally:
         cluster.stop()

@@ -23,6 +23,7 @@ from typing import Any
 from p2ptrain.errors import UserError
 
 MESH_TIMEOUT_S = 60.0
+NODE_ARGS = ["--accept-tasks", "--device", "cpu", "--threads", "1"]
 POLL_S = 0.5
 
 
@@ -77,53 +78,54 @@ max = {peers}
 
 
 class Cluster:
-    """N ``p2ptrain node start`` processes on loopback, each with its own home."""
+    """N ``p2ptrain node start`` processes on loopback (:class:`p2ptrain.testing.NodeProcess`), each
+    with its own home; all bootstrap from the first."""
 
     def __init__(self, workdir: Path, n: int) -> None:
         self.workdir = workdir
         self.homes = [workdir / f"peer{i + 1}" for i in range(n)]
-        self.procs: list[subprocess.Popen[bytes]] = []
-
-    def start(self, home: Path, bootstrap: list[str]) -> None:
-        log = open(home.parent / f"{home.name}.log", "wb")
-        cmd = [sys.executable, "-m", "p2ptrain.cli.main", "node", "start", "--home", str(home),
-               "--listen", "/ip4/127.0.0.1/tcp/0", "--accept-tasks", "--device", "cpu", "--threads", "1"]
-        if bootstrap:
-            cmd += ["--bootstrap", *bootstrap]
-        self.procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
-        log.close()
+        self.procs: list[Any] = []
 
     def call(self, home: Path, op: str, **params: Any) -> dict[str, Any]:
         from p2ptrain.net.control import ControlClient
 
         return ControlClient(home, timeout=120.0).call(op, **params)
 
-    def wait_ready(self, home: Path, deadline: float) -> dict[str, Any]:
-        from p2ptrain.net.control import socket_path
+    def start(self, ready_timeout: float) -> list[str]:
+        """Start every peer; return once each sees all the others. Returns the first peer's address."""
+        from p2ptrain.testing import NodeProcess, free_port
 
-        proc = self.procs[self.homes.index(home)]
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise UserError(f"{home.name} exited with code {proc.returncode}; see {home.parent / home.name}.log")
-            if socket_path(home).exists():
-                try:
-                    return self.call(home, "status")
-                except UserError:
-                    pass
+        for home in self.homes:
+            (home / "logs").mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.procs = [NodeProcess(h, free_port(), extra_args=NODE_ARGS) for h in self.homes]
+        bootstrap = [self.procs[0].addr]
+        for proc in self.procs[1:]:
+            proc.bootstrap = bootstrap
+        for proc in self.procs:
+            proc.start()
+        try:
+            for proc in self.procs:
+                proc.wait_ready(ready_timeout)
+        except (RuntimeError, TimeoutError) as exc:
+            raise UserError(f"a peer did not start: {exc}") from None
+        mesh_deadline = time.monotonic() + MESH_TIMEOUT_S
+        while True:
+            seen = [len(self.call(h, "status")["peers"]) for h in self.homes]
+            if min(seen) >= len(self.homes) - 1:
+                return bootstrap
+            if time.monotonic() > mesh_deadline:
+                raise UserError(f"the mesh did not form in {MESH_TIMEOUT_S:.0f} s (peers seen: {seen})")
             time.sleep(0.2)
-        raise UserError(f"{home.name} did not start in time; see {home.parent / home.name}.log")
 
     def stop(self) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        end = time.monotonic() + 15
+        for proc in self.procs:  # SIGTERM them all first, so they stop in parallel
+            if proc.proc is not None and proc.proc.poll() is None:
+                proc.proc.send_signal(signal.SIGTERM)
         for proc in self.procs:
             try:
-                proc.wait(timeout=max(0.1, end - time.monotonic()))
+                proc.terminate()
             except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+                pass  # terminate() has SIGKILLed it
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -159,27 +161,14 @@ def _run(args: argparse.Namespace, cluster: Cluster, workdir: Path, say: Any) ->
 
     deadline = time.monotonic() + args.timeout
     first = cluster.homes[0]
-    first.mkdir(mode=0o700)
+    first.mkdir(mode=0o700, parents=True)
     say(f"[1/5] adding scikit-learn digits as 8 shards to {first.name}'s store")
     name, features, labels = load_source("sklearn:digits")
     manifest_cid, _ = build_dataset(EmbeddedStore(first), name, features, labels, num_shards=8)
     say(f"      dataset manifest {manifest_cid}")
 
     say(f"[2/5] starting {args.peers} peers on loopback (logs in {workdir})")
-    cluster.start(first, [])
-    bootstrap = cluster.wait_ready(first, deadline)["addrs"][:1]
-    for home in cluster.homes[1:]:
-        cluster.start(home, bootstrap)
-    mesh_deadline = min(deadline, time.monotonic() + MESH_TIMEOUT_S)
-    for home in cluster.homes:
-        cluster.wait_ready(home, mesh_deadline)
-    while True:
-        seen = [len(cluster.call(h, "status")["peers"]) for h in cluster.homes]
-        if min(seen) >= args.peers - 1:
-            break
-        if time.monotonic() > mesh_deadline:
-            raise UserError(f"the mesh did not form in {MESH_TIMEOUT_S:.0f} s (peers seen: {seen})")
-        time.sleep(0.2)
+    bootstrap = cluster.start(ready_timeout=max(1.0, deadline - time.monotonic()))
     say(f"      mesh formed: every peer sees the other {args.peers - 1}")
 
     say("[3/5] publishing the task (MLP, Adam, top-k density %g with error feedback)" % args.density)

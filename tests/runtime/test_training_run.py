@@ -14,13 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from p2ptrain.cli.demo import TASK_TEMPLATE
+from p2ptrain.cli.demo import NODE_ARGS, TASK_TEMPLATE
 from p2ptrain.errors import UserError
 from p2ptrain.net.control import ControlClient
 from p2ptrain.testing import NodeProcess, node_processes, wait_for
 from p2ptrain.training.records import Chain
-
-NODE_ARGS = ["--accept-tasks", "--device", "cpu", "--threads", "1"]
 
 
 def cli(*args: str, timeout: float = 180.0) -> str:
