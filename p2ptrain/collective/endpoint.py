@@ -112,15 +112,15 @@ class Collective:
     async def sparse_round(
         self, source: torch.Tensor, ring: list[ID], round_id: int, *, k: int,
         select: Callable[[], torch.Tensor],
-        gather: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        prepare: Callable[[], None] | None = None,
         value_dtype: torch.dtype, op: str = "mean", timeout: float = 5.0,
         start_timeout: float | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """CLT-k: the leader's ``select()`` picks k indices, the ring reduces ``source`` at them.
 
-        ``select`` runs in a worker thread, overlapping with the round's setup. With ``gather``,
-        a member's values are ``gather(indices)`` instead of ``source[indices]`` (so the full
-        source need not exist; ``source`` then only gives the size and dtype).
+        ``prepare()`` (every member) and then ``select()`` (the leader) run in a worker thread,
+        overlapping with the round's setup; ``source`` is read only after ``prepare`` returned, so
+        it may fill ``source`` (its size and dtype must be final).
 
         The leader is ``ring[round_id % len(ring)]``; only it calls ``select``. Returns the sorted
         indices and the reduced values (``value_dtype``), the same bits on every member.
@@ -134,14 +134,21 @@ class Collective:
         digest = round_digest(round_id, ring, description)
         leader = round_id % len(ring)
         leading = ring[leader] == self.peer_id
+        local = prepare is not None or leading
         selected: list = []
         done = trio.Event()
 
-        async def run_select() -> None:
-            # In a thread (torch releases the GIL), so the leader's selection overlaps with the
-            # round's setup instead of stalling this host's networking.
+        def work() -> torch.Tensor | None:
+            if prepare is not None:
+                prepare()
+            return select() if leading else None
+
+        async def run_local() -> None:
+            # In a thread (torch releases the GIL), so the local work overlaps with the round's
+            # setup (and, on the other members, with waiting for the leader's selection) instead
+            # of stalling this host's networking.
             try:
-                selected.append(await trio.to_thread.run_sync(select))
+                selected.append(await trio.to_thread.run_sync(work))
             except Exception as error:
                 selected.append(error)
             done.set()
@@ -149,23 +156,21 @@ class Collective:
         started = time.perf_counter()
         with single_failure():
             async with trio.open_nursery() as nursery:
-                if leading:
-                    nursery.start_soon(run_select)
+                if local:
+                    nursery.start_soon(run_local)
                 async with self.hub.open_round(
                     ring, round_id, digest, timeout=timeout, start_timeout=start_timeout or timeout,
                     mesh=True,
                 ) as links:
                     logger.debug("round %d: connected (%.1f ms)", round_id, _ms(started))
-                    indices = None
-                    if leading:
+                    if local:
                         await done.wait()
-                        logger.debug("round %d: selected (%.1f ms)", round_id, _ms(started))
+                        logger.debug("round %d: local work done (%.1f ms)", round_id, _ms(started))
                         if isinstance(selected[0], Exception):
                             raise selected[0]
-                        indices = selected[0]
                     result = await clt_k_round(
-                        links, source, k=k, leader=leader, indices=indices, value_dtype=value_dtype,
-                        average=op == "mean", gather=gather, segment_bytes=self.segment_bytes,
+                        links, source, k=k, leader=leader, indices=selected[0] if leading else None,
+                        value_dtype=value_dtype, average=op == "mean", segment_bytes=self.segment_bytes,
                     )
         self.last_round = RoundStats(round_id, time.perf_counter() - started, links.bytes_sent)
         return result

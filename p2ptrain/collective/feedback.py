@@ -12,10 +12,9 @@ Updates are two-phase so a failed round loses nothing: :meth:`ErrorFeedback.prep
 gradient then starts from the same state. Invariant after a commit: sent + residual == accumulated
 input, exactly.
 
-Only the round's leader needs the whole accumulated vector (to select from). Other members need it
-at the k chosen indices alone, so they add the full residual after the round: on a small shared
-machine their full-size arithmetic would otherwise compete for the cores with the leader's
-selection, which every member is waiting for.
+Every member forms the whole accumulated vector (residual + grad) while a round is being set up:
+the leader to select from it, the others because it becomes their residual after the round anyway
+(one full-size add either way), and so it overlaps with waiting for the leader's selection.
 """
 
 from __future__ import annotations
@@ -72,6 +71,10 @@ class ErrorFeedback:
         velocity = torch.add(grad, self.velocity, alpha=self.momentum, out=self._spare_velocity)
         return Pending(velocity, velocity)
 
+    def target(self, pending: Pending) -> torch.Tensor:
+        """The tensor :meth:`materialize` will fill, for a caller that runs it later (in a thread)."""
+        return self._spare if pending.accumulated is None else pending.accumulated
+
     def materialize(self, pending: Pending) -> torch.Tensor:
         """residual + grad as a whole vector (what top-k selects from); the state is not changed."""
         if pending.accumulated is None:
@@ -84,12 +87,6 @@ class ErrorFeedback:
         self.materialize(pending)
         return pending
 
-    def values_at(self, pending: Pending, indices: torch.Tensor) -> torch.Tensor:
-        """(residual + grad)[indices], the same bits whether or not the whole sum exists."""
-        if pending.accumulated is not None:
-            return pending.accumulated.index_select(0, indices)
-        return torch.add(self.residual.index_select(0, indices), pending.grad.index_select(0, indices))
-
     def commit(self, pending: Pending, indices: torch.Tensor | None, value_dtype: torch.dtype) -> None:
         """Make ``pending`` current after sending its entries at ``indices`` (None: all of them).
 
@@ -99,12 +96,11 @@ class ErrorFeedback:
         applied twice, late); a dense round keeps it, which is exactly momentum SGD.
         """
         if pending.accumulated is None:
-            residual = self.residual.add_(pending.grad)
-        elif pending.accumulated is self._spare:
-            residual = pending.accumulated
-            self._spare, self.residual = self.residual, residual
-        else:
+            raise ValueError("materialize() the pending state before committing it")
+        if pending.accumulated is not self._spare:
             raise ValueError("stale pending state: prepare() was called again since")
+        residual = pending.accumulated
+        self._spare, self.residual = self.residual, residual
         if indices is None:
             if value_dtype == torch.float32:
                 residual.zero_()

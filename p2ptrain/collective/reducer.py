@@ -86,14 +86,17 @@ class SparseAllReducer:
                 return values.to(torch.float32)
             return out.copy_(values)
         generator = torch.Generator().manual_seed(round_id & 0x7FFF_FFFF_FFFF_FFFF)
+        # Every member forms residual + grad during the round's setup (the leader selects from
+        # it; its values at the chosen indices are what a member sends; afterwards it simply
+        # becomes the residual).
+        accumulated = feedback.target(pending)
 
         def select() -> torch.Tensor:  # the leader only, in a worker thread
-            accumulated = feedback.materialize(pending)
             return bucket_topk(accumulated, sizes, ks, generator=generator, workspace=self._workspace)
 
         indices, values = await self.collective.sparse_round(
-            pending.grad, ring, round_id, k=k, select=select,
-            gather=lambda chosen: feedback.values_at(pending, chosen),
+            accumulated, ring, round_id, k=k, select=select,
+            prepare=lambda: feedback.materialize(pending),
             value_dtype=self.value_dtype, timeout=timeout, start_timeout=start_timeout,
         )
         feedback.commit(pending, indices, self.value_dtype)

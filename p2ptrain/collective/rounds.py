@@ -1,9 +1,17 @@
 """Rounds: who talks to whom for one all-reduce, with deadlines and abort notices.
 
 A round is identified by its round id and agreed by digest (round id, ring order, shape, dtype,
-algorithm). Each member opens one fresh channel to its right neighbour and accepts one from its left
-neighbour, so frames of an aborted round can never reach a later one: a later round has other
-channels, and every frame also carries its round id.
+algorithm). Each member sends on one channel to each peer it feeds (its right neighbour in a ring,
+everyone in a mesh) and receives on one channel from each peer that feeds it. A round starts on a
+channel with HELLO (round id + digest), answered by READY once the receiving member has joined.
+
+Channels outlive rounds: opening a libp2p stream costs protocol negotiation round trips (15-25 ms of
+a round on a loaded 2-core box, most of a small round), so after a round that ended cleanly on a
+member its channels wait for the next HELLO instead of closing. Only a clean round leaves a channel
+at a message boundary (every frame of the schedule consumed), so a member whose round failed or was
+cancelled resets its channels: frames of an aborted round never reach a later one (and every frame
+carries its round id besides). A sender whose idle channel turns out dead (the receiver's side of
+the last round failed, or it dropped the idle channel) opens a fresh one: HELLO is safe to repeat.
 
 When a member sees a neighbour die, stall past the hop deadline, or send a bad frame, it tells every
 other member with an ABORT notice naming that peer, then leaves. Members that were merely waiting on
@@ -14,6 +22,7 @@ timing out and blaming whoever sits to its left.
 from __future__ import annotations
 
 import logging
+import time
 import warnings
 from collections import OrderedDict
 from collections.abc import AsyncIterator
@@ -52,6 +61,14 @@ _GRACE_S = 0.5
 _ABORT_SEND_S = 2.0
 _MAX_PENDING = 64
 _MEMORY = 1024
+# How long a channel waits for its next round. A sender stops reusing a channel well before the
+# receiver drops it, so the two rarely cross (and when they do, the sender opens a fresh one).
+_IDLE_S = 120.0
+_REUSE_S = _IDLE_S - 20.0
+# Idle channels kept per peer and direction (concurrent rounds with one peer open more).
+_IDLE_PER_PEER = 2
+# The largest first frame on a channel: HELLO with its digest, or an ABORT notice.
+_FIRST_FRAME = HEADER.size + 256 + 1024
 
 
 @dataclass
@@ -62,6 +79,7 @@ class _Arrival:
     digest: bytes
     claimed: trio.Event = field(default_factory=trio.Event)
     released: trio.Event = field(default_factory=trio.Event)
+    reusable: bool = False  # set before ``released``: the round ended cleanly here
 
 
 @dataclass
@@ -180,37 +198,68 @@ class RoundHub:
         self._waiting: dict[tuple[int, ID], trio.Event] = {}
         self._early_aborts: OrderedDict[int, tuple[ID, PeerFailed]] = OrderedDict()
         self._finished: OrderedDict[int, None] = OrderedDict()
+        self._idle_out: dict[ID, list[tuple[Channel, float]]] = {}
+        self._idle_in: dict[ID, int] = {}
+        self.channels_opened = 0  # outbound channels opened so far (reuse keeps this low)
         serve_channels(host, protocol, self._on_channel)
 
     # ---- inbound -------------------------------------------------------------------------------
 
     async def _on_channel(self, channel: Channel) -> None:
+        """Serve one inbound channel: a round per HELLO, for as long as its rounds end cleanly."""
         peer = channel.remote_peer
-        frame = b""
-        with trio.move_on_after(10):
-            frame = await channel.recv(HEADER.size + 256 + 1024)
-        try:
-            header = parse_header(frame)
-        except ValueError as error:
-            logger.info("collective: refused a channel from %s: %s", short_id(peer), error)
-            return
-        if header.kind == Kind.ABORT:
-            try:
-                culprit, reason = parse_abort(frame, header)
-            except ValueError:
+        idle = False
+        while True:
+            frame = await self._next_frame(channel, idle)
+            if not frame:
                 return
-            self._on_abort(header.round_id, peer, PeerFailed(culprit, reason, reported_by=peer))
-            return
-        if header.kind != Kind.HELLO:
-            return
-        await self._park(header.round_id, peer, channel, frame[HEADER.size :])
+            try:
+                header = parse_header(frame)
+            except ValueError as error:
+                logger.info("collective: refused a channel from %s: %s", short_id(peer), error)
+                return
+            if header.kind == Kind.ABORT:
+                try:
+                    culprit, reason = parse_abort(frame, header)
+                except ValueError:
+                    return
+                self._on_abort(header.round_id, peer, PeerFailed(culprit, reason, reported_by=peer))
+                return
+            if header.kind != Kind.HELLO:
+                return
+            if not await self._park(header.round_id, peer, channel, frame[HEADER.size :]):
+                await channel._abort()  # possibly mid-message: the sender must not reuse it
+                return
+            idle = True
 
-    async def _park(self, round_id: int, peer: ID, channel: Channel, digest: bytes) -> None:
-        """Hold an inbound round channel until its round claims it (bounded), then until it ends."""
+    async def _next_frame(self, channel: Channel, idle: bool) -> bytes:
+        """The first frame of the channel's next round; empty if it ends or stays silent."""
+        peer = channel.remote_peer
+        if idle:
+            if self._idle_in.get(peer, 0) >= _IDLE_PER_PEER:
+                return b""
+            self._idle_in[peer] = self._idle_in.get(peer, 0) + 1
+        try:
+            with trio.move_on_after(_IDLE_S if idle else 10):
+                return await channel.recv(_FIRST_FRAME)
+            return b""
+        except ChannelError:
+            return b""  # the sender dropped it, or went away
+        finally:
+            if idle:
+                self._idle_in[peer] -= 1
+                if not self._idle_in[peer]:
+                    del self._idle_in[peer]
+
+    async def _park(self, round_id: int, peer: ID, channel: Channel, digest: bytes) -> bool:
+        """Hold an inbound round channel until its round claims it (bounded), then until it ends.
+
+        True if the round ended cleanly here, so the channel can carry the next one.
+        """
         key = (round_id, peer)
         if round_id in self._finished or key in self._inbox or len(self._inbox) >= _MAX_PENDING:
             logger.info("collective: refused round %d channel from %s", round_id, short_id(peer))
-            return
+            return False
         arrival = _Arrival(channel, digest)
         self._inbox[key] = arrival
         if key in self._waiting:
@@ -221,8 +270,10 @@ class RoundHub:
         finally:
             if self._inbox.get(key) is arrival:
                 del self._inbox[key]
-        if arrival.claimed.is_set():
-            await arrival.released.wait()
+        if not arrival.claimed.is_set():
+            return False
+        await arrival.released.wait()
+        return arrival.reusable
 
     def _on_abort(self, round_id: int, reporter: ID, failure: PeerFailed) -> None:
         current = self._active.get(round_id)
@@ -280,11 +331,28 @@ class RoundHub:
         return arrival
 
     async def _dial(self, round_id: int, right: ID, digest: bytes, timeout: float) -> Channel:
+        """A channel to ``right`` on which it has joined round ``round_id`` (answered READY)."""
+        hello = Header(Kind.HELLO, round_id).pack() + digest
         try:
             with trio.fail_after(timeout):
-                channel = await open_channel(self.host, right, self.protocol)
-                await channel.send(Header(Kind.HELLO, round_id).pack() + digest)
-                frame = await channel.recv(HEADER.size + 256 + 1024)
+                while True:
+                    channel = await self._take_idle(right)
+                    reused = channel is not None
+                    if channel is None:
+                        channel = await open_channel(self.host, right, self.protocol)
+                        self.channels_opened += 1
+                    try:
+                        await channel.send(hello)
+                        frame = await channel.recv(_FIRST_FRAME)
+                        break
+                    except ChannelError as error:
+                        await channel._abort()
+                        if not reused:
+                            raise
+                        logger.debug("collective: idle channel to %s was gone: %s", short_id(right), error)
+                    except BaseException:
+                        await channel._abort()
+                        raise
         except trio.TooSlowError:
             raise PeerFailed(right, f"did not join round {round_id} within {timeout:g} s") from None
         except ChannelError as error:
@@ -297,8 +365,32 @@ class RoundHub:
             if header.kind != Kind.READY or header.round_id != round_id:
                 raise ValueError(f"expected READY for round {round_id}, got {header}")
         except ValueError as error:
+            await channel._abort()
             raise BadPayload(right, str(error)) from None
+        except PeerFailed:
+            await channel._abort()
+            raise
         return channel
+
+    async def _take_idle(self, peer: ID) -> Channel | None:
+        """An idle channel to ``peer`` young enough to reuse, if any (older ones are closed)."""
+        pool = self._idle_out.get(peer, [])
+        while pool:
+            channel, since = pool.pop()
+            if not pool:
+                del self._idle_out[peer]
+            if time.monotonic() - since < _REUSE_S:
+                return channel
+            await channel.aclose()
+        return None
+
+    async def _release(self, peer: ID, channel: Channel) -> None:
+        """Keep a channel whose round ended cleanly for the next round with ``peer``."""
+        pool = self._idle_out.setdefault(peer, [])
+        if len(pool) >= _IDLE_PER_PEER:
+            await channel.aclose()
+        else:
+            pool.append((channel, time.monotonic()))
 
     @asynccontextmanager
     async def open_round(
@@ -336,6 +428,7 @@ class RoundHub:
         arrivals: dict[ID, _Arrival] = {}
         outbound: dict[ID, Channel] = {}
         detected: PeerFailed | None = None
+        completed = False
         try:
             with state.scope:
                 try:
@@ -358,6 +451,7 @@ class RoundHub:
                                 nursery.start_soon(accept, peer)
                     inbound = {peer: arrival.channel for peer, arrival in arrivals.items()}
                     yield RoundLinks(ring, me, round_id, timeout, inbound, outbound)
+                    completed = True
                 except PeerFailed as failure:
                     if failure.reported_by is None and failure.peer_id != self.me:
                         detected = failure
@@ -378,13 +472,15 @@ class RoundHub:
                 await self.broadcast_abort(ring, round_id, detected.peer_id, detected.reason)
             del self._active[round_id]
             self._remember(round_id)
-            clean = detected is None and state.abort is None
-            for channel in outbound.values():
-                if clean:
-                    await channel.aclose()
+            # Only a round that ran to its end leaves every channel at a message boundary.
+            reusable = completed and detected is None and state.abort is None
+            for peer, channel in outbound.items():
+                if reusable:
+                    await self._release(peer, channel)
                 else:
                     await channel._abort()
             for arrival in arrivals.values():
+                arrival.reusable = reusable
                 arrival.released.set()
         if state.abort is not None and state.scope.cancelled_caught:
             raise state.abort

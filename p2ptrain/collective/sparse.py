@@ -42,20 +42,33 @@ def bucket_ks(sizes: Sequence[int], density: float) -> list[int]:
 
 
 class Workspace:
-    """Scratch buffers for selection, kept between steps (fresh 64 MiB buffers cost page faults)."""
+    """Scratch buffers for selection, kept between steps (fresh 64 MiB buffers cost page faults).
+
+    Selection works on numpy arrays: on one thread numpy's abs, compare, partition and flatnonzero
+    are 1.1-30x faster than torch's (torch.ge into a bool tensor 10.8 ms vs 3.6 ms, kthvalue vs
+    partition 0.7 ms vs 0.2 ms on 16M / 210K floats).
+    """
 
     def __init__(self) -> None:
-        self._magnitude = torch.empty(0)
-        self._mask = torch.empty(0, dtype=torch.bool)
+        self._magnitude = np.empty(0, dtype=np.float32)
+        self._mask = np.empty(0, dtype=bool)
 
-    def magnitude(self, x: torch.Tensor) -> torch.Tensor:
-        if self._magnitude.numel() < x.numel() or self._magnitude.dtype != x.dtype:
-            self._magnitude = torch.empty(x.numel(), dtype=x.dtype)
-        return torch.abs(x, out=self._magnitude[: x.numel()])
+    def magnitude(self, x: torch.Tensor) -> np.ndarray:
+        """|x| as float32 (exact for float16 and bfloat16 too, so the order is the same)."""
+        n = x.numel()
+        if self._magnitude.size < n:
+            self._magnitude = np.empty(n, dtype=np.float32)
+        out = self._magnitude[:n]
+        x = x.detach()
+        if x.dtype == torch.float32:
+            np.abs(x.contiguous().numpy(), out=out)
+        else:
+            torch.from_numpy(out).copy_(x.abs())
+        return out
 
-    def mask(self, n: int) -> torch.Tensor:
-        if self._mask.numel() < n:
-            self._mask = torch.empty(n, dtype=torch.bool)
+    def mask(self, n: int) -> np.ndarray:
+        if self._mask.size < n:
+            self._mask = np.empty(n, dtype=bool)
         return self._mask[:n]
 
 
@@ -77,31 +90,34 @@ def topk_indices(
     workspace = workspace or Workspace()
     magnitude = workspace.magnitude(x)
     if n < _EXACT_BELOW:
-        return torch.topk(magnitude, k, sorted=False).indices.sort().values
+        return _exact_topk(magnitude, k)
     stride = max(1, int(1 / sample_share))
     start = int(torch.randint(stride, (1,), generator=generator))
     sample = magnitude[start::stride]
-    above = math.ceil(margin * k * sample.numel() / n)
-    rank = sample.numel() - above
+    above = math.ceil(margin * k * sample.size / n)
+    rank = sample.size - above
     if rank < 1:
-        return torch.topk(magnitude, k, sorted=False).indices.sort().values
-    threshold = sample.kthvalue(rank).values
-    mask = torch.ge(magnitude, threshold, out=workspace.mask(n))
-    # numpy's flatnonzero is ~5x faster than torch.nonzero on a large bool mask, and sorted.
-    candidates = torch.from_numpy(np.flatnonzero(mask.numpy()))
-    if candidates.numel() < k:  # the sample overestimated the threshold: rare, exact fallback
-        return torch.topk(magnitude, k, sorted=False).indices.sort().values
-    if candidates.numel() == k:
-        return candidates
+        return _exact_topk(magnitude, k)
+    threshold = np.partition(sample, rank - 1)[rank - 1]
+    mask = np.greater_equal(magnitude, threshold, out=workspace.mask(n))
+    candidates = np.flatnonzero(mask)  # sorted
+    if candidates.size < k:  # the sample overestimated the threshold: rare, exact fallback
+        return _exact_topk(magnitude, k)
+    if candidates.size == k:
+        return torch.from_numpy(candidates)
     # Exact cut among the candidates: the k-th largest magnitude, ties broken by position.
-    chosen = magnitude.index_select(0, candidates)
-    kth = chosen.kthvalue(chosen.numel() - k + 1).values
+    chosen = magnitude[candidates]
+    cut = chosen.size - k
+    kth = np.partition(chosen, cut)[cut]
     keep = chosen > kth
-    missing = k - int(keep.sum())
+    missing = k - int(np.count_nonzero(keep))
     if missing:
-        ties = np.flatnonzero((chosen == kth).numpy())[:missing]
-        keep[torch.from_numpy(ties)] = True
-    return candidates[keep]
+        keep[np.flatnonzero(chosen == kth)[:missing]] = True
+    return torch.from_numpy(candidates[keep])
+
+
+def _exact_topk(magnitude: np.ndarray, k: int) -> torch.Tensor:
+    return torch.topk(torch.from_numpy(magnitude), k, sorted=False).indices.sort().values
 
 
 def bucket_topk(
@@ -162,8 +178,7 @@ def max_encoded_bytes(n: int, k: int) -> int:
 
 async def clt_k_round(
     links: RoundLinks, source: torch.Tensor, *, k: int, leader: int, indices: torch.Tensor | None,
-    value_dtype: torch.dtype, average: bool, gather: Callable[[torch.Tensor], torch.Tensor] | None = None,
-    segment_bytes: int = SEGMENT_BYTES,
+    value_dtype: torch.dtype, average: bool, segment_bytes: int = SEGMENT_BYTES,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One CLT-k round: the leader's k ``indices`` go around the ring, then the exact ring
     all-reduce of every member's values there. Only the leader passes ``indices``."""
@@ -180,7 +195,7 @@ async def clt_k_round(
     )
     indices = decode_indices(data, n, k)
     logger.debug("round %d: indices from %s", links.round_id, short_id(links.ring[leader]))
-    values = (gather(indices) if gather else source.index_select(0, indices)).to(value_dtype)
+    values = source.index_select(0, indices).to(value_dtype)
     if not bool(torch.isfinite(values).all()):
         raise ValueError("local values contain NaN or Inf (or overflow the value dtype)")
     await direct_allreduce(links, values, average=average, segment_bytes=segment_bytes)

@@ -144,12 +144,14 @@ class LocalMember:
         result = await self.ring.meet((round_id, "dense"), self.index, data.clone(), lambda xs: ring_sum(xs, op == "mean"))
         data.copy_(result)
 
-    async def sparse_round(self, source, ring, round_id, *, k, select, value_dtype, op="mean", gather=None, **_):
+    async def sparse_round(self, source, ring, round_id, *, k, select, value_dtype, op="mean", prepare=None, **_):
         leader = round_id % self.ring.size
+        if prepare is not None:
+            prepare()
         mine = select() if self.index == leader else None
         indices = await self.ring.meet((round_id, "idx"), self.index, mine, lambda xs: xs[leader])
         assert indices.numel() == k
-        values = (gather(indices) if gather else source.index_select(0, indices)).to(value_dtype)
+        values = source.index_select(0, indices).to(value_dtype)
         reduced = await self.ring.meet((round_id, "values"), self.index, values, lambda xs: ring_sum(xs, op == "mean"))
         return indices, reduced.clone()
 
