@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-slow setup
+.PHONY: demo test setup
 
 setup: $(STAMP)
 
@@ -33,7 +33,3 @@ test: $(STAMP) $(JSIPFS_STAMP)
 	$(BIN)/python -m pytest -q; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing" >&2; exit 1; fi; \
 	exit $$rc
-
-# Long multi-process fault scenarios (late joiner, SIGKILLed member and coordinator); not in CI yet.
-test-slow: $(STAMP)
-	$(BIN)/python -m pytest -q -m slow
