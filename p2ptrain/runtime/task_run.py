@@ -115,7 +115,8 @@ class TaskRun:
         self.bytes_sent = 0
         self.rounds_done = 0
         self.compute_s = 0.0  # local forward/backward time of completed and failed rounds
-        self.sync_s = 0.0  # all-reduce + optimizer step time of completed rounds
+        self.sync_s = 0.0  # all-reduce time of completed rounds (waiting for the others included)
+        self.apply_s = 0.0  # optimizer step time of completed rounds
         self.failed_peers: dict[str, float] = {}
         self.retry_after = 0.0
         self.elected_at: float | None = None
@@ -163,6 +164,7 @@ class TaskRun:
             "rounds_done": self.rounds_done,
             "compute_s": round(self.compute_s, 4),
             "sync_s": round(self.sync_s, 4),
+            "apply_s": round(self.apply_s, 4),
         }
 
     # -- lifetime ----------------------------------------------------------------------------
@@ -488,9 +490,10 @@ class TaskRun:
             began = time.perf_counter()
             await trio.to_thread.run_sync(trainer.compute_gradient, batches)
             self.compute_s += time.perf_counter() - began
+        assert trainer.pending is not None
         started = time.perf_counter()
         try:
-            result = await trainer.sync(average, round_id(plan, index))
+            averaged = await average(trainer.pending, round_id(plan, index))
         except CollectiveError as exc:
             if isinstance(exc, PeerFailed) and exc.peer_id != self.node.peer_id:
                 self.failed_peers[exc.peer_id.to_base58()] = trio.current_time() + FAILED_PEER_QUARANTINE_S
@@ -499,7 +502,10 @@ class TaskRun:
                            plan.attempt, exc)
             await self._report_failure(plan, index, str(exc))
             return False
-        self.sync_s += time.perf_counter() - started
+        synced = time.perf_counter()
+        self.sync_s += synced - started
+        result = await trio.to_thread.run_sync(trainer.apply, averaged)
+        self.apply_s += time.perf_counter() - synced
         stats = self.collective.last_round
         self.bytes_sent += stats.bytes_sent if stats else 0
         self.rounds_done += 1

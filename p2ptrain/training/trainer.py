@@ -206,6 +206,7 @@ class Trainer:
         self.pending: torch.Tensor | None = None
         self.pending_loss = math.nan
         self._snapshot: tuple[int, dict[str, torch.Tensor], dict[str, torch.Tensor]] | None = None
+        self._snapshot_buffers: dict[str, torch.Tensor] = {}
 
     @property
     def num_parameters(self) -> int:
@@ -270,7 +271,7 @@ class Trainer:
         """One optimizer step with the members' mean gradient; every member computes the same update."""
         if averaged.shape != (self.num_parameters,):
             raise TrainerError(f"averaged gradient has shape {tuple(averaged.shape)}, expected ({self.num_parameters},)")
-        self._snapshot = (self.step, self.model_tensors(), self.optimizer_tensors())
+        self._take_snapshot()
         lr = lr_at(self.task, self.step, self.total_steps)
         applied = bool(torch.isfinite(averaged).all())
         if applied:
@@ -290,6 +291,24 @@ class Trainer:
         self.pending = None
         return result
 
+    def _take_snapshot(self) -> None:
+        """Keep the state before a step, for :meth:`rollback`, in the previous snapshot's tensors:
+        allocating a model-sized state afresh at every step costs page faults (23 ms a step for an
+        MLP of 4.3M parameters with Adam, against 6 ms for the copies alone)."""
+        buffers = self._snapshot_buffers
+
+        def keep(name: str, value: torch.Tensor) -> torch.Tensor:
+            buf = buffers.get(name)
+            if buf is None or buf.shape != value.shape or buf.dtype != value.dtype:
+                buf = buffers[name] = torch.empty_like(value, device="cpu")
+            return buf.copy_(value.detach())
+
+        self._snapshot = (
+            self.step,
+            {k: keep(f"model.{k}", v) for k, v in self.model.state_dict().items()},
+            self.optimizer_tensors(keep),
+        )
+
     def rollback(self) -> None:
         """Undo the last :meth:`apply` (its gradient is not kept: recompute or keep the flat copy)."""
         if self._snapshot is None:
@@ -297,6 +316,7 @@ class Trainer:
         step, model_t, optim_t = self._snapshot
         self._load_tensors(model_t, optim_t, step)
         self._snapshot = None
+        self._snapshot_buffers = {}  # the optimizer's state may now be these very tensors
 
     def align(self, plan_step: int) -> None:
         """Make the trainer be at ``plan_step`` before a round: roll back one step if a failed round
@@ -319,13 +339,17 @@ class Trainer:
     def model_tensors(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
 
-    def optimizer_tensors(self) -> dict[str, torch.Tensor]:
-        """Optimizer state as named tensors (``state.<param index>.<key>``) plus the step counter."""
+    def optimizer_tensors(
+        self, copy: Callable[[str, torch.Tensor], torch.Tensor] | None = None
+    ) -> dict[str, torch.Tensor]:
+        """Optimizer state as named tensors (``state.<param index>.<key>``) plus the step counter,
+        each a copy (``copy(name, tensor)`` makes it; default a fresh CPU clone)."""
         out = {"trainer.step": torch.tensor(self.step, dtype=torch.int64)}
         for index, state in self.optimizer.state_dict()["state"].items():
             for key, value in state.items():
                 if isinstance(value, torch.Tensor):
-                    out[f"state.{index}.{key}"] = value.detach().cpu().clone()
+                    name = f"state.{index}.{key}"
+                    out[name] = copy(name, value) if copy else value.detach().cpu().clone()
         return out
 
     def model_bytes(self) -> bytes:

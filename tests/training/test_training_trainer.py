@@ -112,6 +112,12 @@ def test_rollback_and_align(digits, digits_task):
     t.align(1)  # the coordinator retries round 1: this member had applied it, so it rolls back
     assert t.step == 1 and (t.model_bytes(), t.optimizer_bytes()) == state
     t.apply(g)
+    # Snapshots reuse their tensors; after a rollback the optimizer's state may be those very
+    # tensors, so the next snapshot must not write into them.
+    state = (t.model_bytes(), t.optimizer_bytes())
+    t.apply(t.compute_gradient(data))
+    t.align(2)
+    assert t.step == 2 and (t.model_bytes(), t.optimizer_bytes()) == state
     with pytest.raises(TrainerError, match="resync"):
         t.align(0)  # two steps behind the plan: only a checkpoint can fix that
     with pytest.raises(TrainerError, match="resync"):
