@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import math
-from collections.abc import Callable
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -17,7 +19,7 @@ from p2ptrain.collective.errors import CollectiveError, single_failure
 from p2ptrain.collective.frames import DTYPES, round_digest
 from p2ptrain.collective.ring import FLOAT_DTYPES, SEGMENT_BYTES, ring_allreduce
 from p2ptrain.collective.rounds import PROTOCOL, RoundHub
-from p2ptrain.collective.sparse import clt_k_round, topk_indices
+from p2ptrain.collective.sparse import Range, check_ranges, clt_k_round, select_ranges, slice_of, slice_ranges
 
 logger = logging.getLogger(__name__)
 
@@ -68,9 +70,10 @@ class Collective:
         """The mean (or sum) over the ring of every member's ``tensor``, identical bits everywhere.
 
         ``tensor`` is flat float32/float16/bfloat16 and is not modified. With ``density < 1`` this is
-        a one-shot sparse all-reduce: the round's leader picks the top ``density`` share of its own
-        entries and the ring sums exactly those entries (zeros elsewhere); for training use
-        :class:`SparseAllReducer`, which keeps what was not sent (error feedback).
+        a one-shot sparse all-reduce: each member picks the top ``density`` share of its own entries
+        in its slice of the tensor and the ring sums exactly the union of those entries (zeros
+        elsewhere); for training use :class:`SparseAllReducer`, which keeps what was not sent
+        (error feedback).
 
         ``timeout`` bounds every hop; ``start_timeout`` (default ``timeout``) bounds waiting for the
         neighbours to join. A dead, stalled or misbehaving peer raises :class:`PeerFailed` naming it.
@@ -85,7 +88,7 @@ class Collective:
         k = max(1, math.ceil(density * tensor.numel()))
         flat = tensor.detach()
         idx, values = await self.sparse_round(
-            flat, ring, round_id, k=k, select=lambda: topk_indices(flat, k),
+            flat, ring, round_id, sizes=[flat.numel()], ks=[k], select=lambda ranges: select_ranges(flat, ranges),
             value_dtype=value_dtype or tensor.dtype, op=op, timeout=timeout, start_timeout=start_timeout,
         )
         out = torch.zeros_like(flat)
@@ -110,43 +113,45 @@ class Collective:
         self.last_round = RoundStats(round_id, time.perf_counter() - started, links.bytes_sent)
 
     async def sparse_round(
-        self, source: torch.Tensor, ring: list[ID], round_id: int, *, k: int,
-        select: Callable[[], torch.Tensor],
-        prepare: Callable[[], None] | None = None,
-        value_dtype: torch.dtype, op: str = "mean", timeout: float = 5.0,
-        start_timeout: float | None = None,
+        self, source: torch.Tensor, ring: list[ID], round_id: int, *, sizes: Sequence[int],
+        ks: Sequence[int], select: Callable[[list[Range]], torch.Tensor],
+        prepare: Callable[[], None] | None = None, value_dtype: torch.dtype, op: str = "mean",
+        timeout: float = 5.0, start_timeout: float | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """CLT-k: the leader's ``select()`` picks k indices, the ring reduces ``source`` at them.
+        """Sliced CLT-k: each member's ``select(ranges)`` picks its slice's indices, the ring
+        reduces ``source`` at their union.
 
-        ``prepare()`` (every member) and then ``select()`` (the leader) run in a worker thread,
-        overlapping with the round's setup; ``source`` is read only after ``prepare`` returned, so
-        it may fill ``source`` (its size and dtype must be final).
-
-        The leader is ``ring[round_id % len(ring)]``; only it calls ``select``. Returns the sorted
-        indices and the reduced values (``value_dtype``), the same bits on every member.
+        ``source`` is cut in buckets of ``sizes`` with ``ks`` indices each (every member must pass
+        the same). ``select`` gets this member's ranges ``(start, end, k)`` and returns, sorted, k
+        global indices in each. ``prepare()`` and then ``select`` run in a worker thread, overlapping
+        with the round's setup; ``source`` is read only after ``prepare`` returned, so it may fill
+        ``source`` (its size and dtype must be final). Returns the sorted indices and the reduced
+        values (``value_dtype``), the same bits on every member.
         """
         _check_tensor(source, op)
         if value_dtype not in FLOAT_DTYPES:
             raise CollectiveError(f"unsupported value dtype {value_dtype}")
-        if not 1 <= k <= source.numel():
-            raise CollectiveError(f"k must be in [1, {source.numel()}], got {k}")
-        description = sparse_description(source.numel(), k, source.dtype, value_dtype, op)
+        if len(sizes) != len(ks) or sum(sizes) != source.numel():
+            raise CollectiveError(f"bucket sizes must add up to the tensor's {source.numel()} entries")
+        if not all(0 <= k <= n for n, k in zip(sizes, ks)) or sum(ks) < 1:
+            raise CollectiveError("every bucket's k must be in [0, its size], and at least one index sent")
+        description = sparse_description(sizes, ks, source.dtype, value_dtype, op)
         digest = round_digest(round_id, ring, description)
-        leader = round_id % len(ring)
-        leading = ring[leader] == self.peer_id
-        local = prepare is not None or leading
+        ranges = slice_ranges(sizes, ks, len(ring))
+        mine_ranges = ranges[slice_of(ring.index(self.peer_id), round_id, len(ring))] if self.peer_id in ring else []
         selected: list = []
         done = trio.Event()
 
-        def work() -> torch.Tensor | None:
+        def work() -> torch.Tensor:
             if prepare is not None:
                 prepare()
-            return select() if leading else None
+            chosen = select(mine_ranges)
+            check_ranges(chosen, mine_ranges)
+            return chosen
 
         async def run_local() -> None:
-            # In a thread (torch releases the GIL), so the local work overlaps with the round's
-            # setup (and, on the other members, with waiting for the leader's selection) instead
-            # of stalling this host's networking.
+            # In a thread (torch and numpy release the GIL), so the local work overlaps with the
+            # round's setup instead of stalling this host's networking.
             try:
                 selected.append(await trio.to_thread.run_sync(work))
             except Exception as error:
@@ -156,21 +161,19 @@ class Collective:
         started = time.perf_counter()
         with single_failure():
             async with trio.open_nursery() as nursery:
-                if local:
-                    nursery.start_soon(run_local)
+                nursery.start_soon(run_local)
                 async with self.hub.open_round(
                     ring, round_id, digest, timeout=timeout, start_timeout=start_timeout or timeout,
                     mesh=True,
                 ) as links:
                     logger.debug("round %d: connected (%.1f ms)", round_id, _ms(started))
-                    if local:
-                        await done.wait()
-                        logger.debug("round %d: local work done (%.1f ms)", round_id, _ms(started))
-                        if isinstance(selected[0], Exception):
-                            raise selected[0]
+                    await done.wait()
+                    logger.debug("round %d: selected (%.1f ms)", round_id, _ms(started))
+                    if isinstance(selected[0], Exception):
+                        raise selected[0]
                     result = await clt_k_round(
-                        links, source, k=k, leader=leader, indices=selected[0] if leading else None,
-                        value_dtype=value_dtype, average=op == "mean", segment_bytes=self.segment_bytes,
+                        links, source, ranges=ranges, mine=selected[0], value_dtype=value_dtype,
+                        average=op == "mean", segment_bytes=self.segment_bytes,
                     )
         self.last_round = RoundStats(round_id, time.perf_counter() - started, links.bytes_sent)
         return result
@@ -185,9 +188,15 @@ def dense_description(n: int, dtype: torch.dtype, op: str) -> str:
     return f"dense n={n} dtype={DTYPES[dtype]} op={op}"
 
 
-def sparse_description(n: int, k: int, dtype: torch.dtype, value_dtype: torch.dtype, op: str) -> str:
-    """What members of a CLT-k round must agree on (hashed into the round digest)."""
-    return f"clt-k/direct n={n} k={k} dtype={DTYPES[dtype]} values={DTYPES[value_dtype]} op={op}"
+def sparse_description(
+    sizes: Sequence[int], ks: Sequence[int], dtype: torch.dtype, value_dtype: torch.dtype, op: str
+) -> str:
+    """What members of a sliced CLT-k round must agree on (hashed into the round digest)."""
+    layout = hashlib.sha256(json.dumps([list(sizes), list(ks)]).encode()).hexdigest()[:16]
+    return (
+        f"clt-k/sliced n={sum(sizes)} k={sum(ks)} buckets={len(sizes)} layout={layout} "
+        f"dtype={DTYPES[dtype]} values={DTYPES[value_dtype]} op={op}"
+    )
 
 
 def _check_tensor(tensor: torch.Tensor, op: str) -> None:

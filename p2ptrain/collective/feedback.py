@@ -13,8 +13,8 @@ gradient then starts from the same state. Invariant after a commit: sent + resid
 input, exactly.
 
 Every member forms the whole accumulated vector (residual + grad) while a round is being set up:
-the leader to select from it, the others because it becomes their residual after the round anyway
-(one full-size add either way), and so it overlaps with waiting for the leader's selection.
+it selects its slice of the index set from it, and after the round it becomes the residual (a
+buffer swap, no second full-size pass).
 """
 
 from __future__ import annotations
@@ -106,6 +106,8 @@ class ErrorFeedback:
                 residual.zero_()
             else:
                 residual.sub_(residual.to(value_dtype).to(torch.float32))
+        elif value_dtype == torch.float32:
+            residual.index_fill_(0, indices, 0.0)
         else:
             chosen = residual.index_select(0, indices)
             residual.index_copy_(0, indices, chosen - chosen.to(value_dtype).to(torch.float32))

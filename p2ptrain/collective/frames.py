@@ -30,7 +30,7 @@ class Kind(IntEnum):
 
 class Phase(IntEnum):
     NONE = 0
-    BROADCAST = 1  # bytes passed along the ring from a leader (sparse index sets)
+    BROADCAST = 1  # bytes one member sends to every other (a slice's sparse index set)
     REDUCE = 2  # reduce-scatter: partial sums travel one hop per step
     GATHER = 3  # all-gather: each chunk owner's final bytes travel around the ring
 

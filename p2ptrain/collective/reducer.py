@@ -13,7 +13,7 @@ from p2ptrain.collective.buckets import Buckets
 from p2ptrain.collective.endpoint import Collective
 from p2ptrain.collective.feedback import ErrorFeedback
 from p2ptrain.collective.ring import FLOAT_DTYPES
-from p2ptrain.collective.sparse import Workspace, bucket_ks, bucket_topk
+from p2ptrain.collective.sparse import Workspace, bucket_ks, select_ranges
 
 logger = logging.getLogger(__name__)
 
@@ -21,7 +21,7 @@ logger = logging.getLogger(__name__)
 class SparseAllReducer:
     """Averages a peer's gradients with the ring, sending the top ``density`` share per bucket.
 
-    Each call is one all-reduce round (CLT-k: the round's leader picks the indices). What was not
+    Each call is one all-reduce round (sliced CLT-k: each member picks the indices of its slice). What was not
     sent stays in this object's residual and is added next step. If a round fails
     (:class:`PeerFailed`), the state is unchanged: call again with the same gradient, a new round id
     and the surviving ring. ``density=1.0`` is the exact dense all-reduce.
@@ -59,8 +59,8 @@ class SparseAllReducer:
     ) -> torch.Tensor:
         """The ring's average of the members' (compressed) flat float32 gradients.
 
-        Written into ``out`` when given (saves allocating a full-size tensor every step), else into
-        a new tensor.
+        Written into ``out`` when given (saves allocating a full-size tensor every step; it is
+        overwritten even if the round fails), else into a new tensor.
         """
         if grad.dim() != 1:
             raise ValueError("grad must be flat (1-D)")
@@ -86,25 +86,26 @@ class SparseAllReducer:
                 return values.to(torch.float32)
             return out.copy_(values)
         generator = torch.Generator().manual_seed(round_id & 0x7FFF_FFFF_FFFF_FFFF)
-        # Every member forms residual + grad during the round's setup (the leader selects from
-        # it; its values at the chosen indices are what a member sends; afterwards it simply
+        # Every member forms residual + grad during the round's setup (it selects its slice's
+        # indices from it; its values at the agreed indices are what it sends; afterwards it simply
         # becomes the residual).
         accumulated = feedback.target(pending)
+        result = torch.empty(grad.numel(), dtype=torch.float32) if out is None else out
 
-        def select() -> torch.Tensor:  # the leader only, in a worker thread
-            return bucket_topk(accumulated, sizes, ks, generator=generator, workspace=self._workspace)
+        def prepare() -> None:
+            feedback.materialize(pending)
+            result.zero_()  # here rather than after the round, where every member waits for it
 
         indices, values = await self.collective.sparse_round(
-            accumulated, ring, round_id, k=k, select=select,
-            prepare=lambda: feedback.materialize(pending),
-            value_dtype=self.value_dtype, timeout=timeout, start_timeout=start_timeout,
+            accumulated, ring, round_id, sizes=sizes, ks=ks,
+            select=lambda ranges: select_ranges(accumulated, ranges, generator=generator, workspace=self._workspace),
+            prepare=prepare, value_dtype=self.value_dtype, timeout=timeout, start_timeout=start_timeout,
         )
         feedback.commit(pending, indices, self.value_dtype)
         self.last_indices = indices
         logger.debug("round %d: committed (%.1f ms)", round_id, (time.perf_counter() - started) * 1e3)
-        out = torch.zeros(grad.numel(), dtype=torch.float32) if out is None else out.zero_()
-        out.index_copy_(0, indices, values.to(torch.float32))
-        return out
+        result.index_copy_(0, indices, values.to(torch.float32))
+        return result
 
     async def allreduce_grads(
         self, params: Iterable[torch.nn.Parameter], ring: list[ID], round_id: int, *,

@@ -14,6 +14,7 @@ from multiaddr import Multiaddr
 
 from p2ptrain.collective import Collective
 from p2ptrain.collective.ring import chunk_bounds
+from p2ptrain.collective.sparse import assemble, slice_of, slice_ranges
 from p2ptrain.net.host import make_host
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
@@ -144,13 +145,15 @@ class LocalMember:
         result = await self.ring.meet((round_id, "dense"), self.index, data.clone(), lambda xs: ring_sum(xs, op == "mean"))
         data.copy_(result)
 
-    async def sparse_round(self, source, ring, round_id, *, k, select, value_dtype, op="mean", prepare=None, **_):
-        leader = round_id % self.ring.size
+    async def sparse_round(self, source, ring, round_id, *, sizes, ks, select, value_dtype, op="mean", prepare=None, **_):
+        size = self.ring.size
         if prepare is not None:
             prepare()
-        mine = select() if self.index == leader else None
-        indices = await self.ring.meet((round_id, "idx"), self.index, mine, lambda xs: xs[leader])
-        assert indices.numel() == k
+        ranges = slice_ranges(sizes, ks, size)
+        mine = slice_of(self.index, round_id, size)
+        chosen = select(ranges[mine])
+        per_slice = await self.ring.meet((round_id, "idx"), self.index, (mine, chosen), dict)
+        indices = assemble([per_slice[m] for m in range(size)], ranges)
         values = source.index_select(0, indices).to(value_dtype)
         reduced = await self.ring.meet((round_id, "values"), self.index, values, lambda xs: ring_sum(xs, op == "mean"))
         return indices, reduced.clone()

@@ -10,7 +10,7 @@ from p2ptrain.collective import BadPayload, PeerFailed
 from p2ptrain.collective.endpoint import dense_description, sparse_description
 from p2ptrain.collective.frames import DTYPES, Header, Kind, Phase, round_digest
 from p2ptrain.collective.ring import chunk_bounds
-from p2ptrain.collective.sparse import encode_indices
+from p2ptrain.collective.sparse import encode_indices, slice_of, slice_ranges
 
 
 async def test_killed_peer_fails_the_round_on_every_survivor(cluster, gather):
@@ -119,22 +119,26 @@ async def test_bad_dense_payload_is_rejected_naming_the_sender(cluster, gather, 
     assert outs[0].reported_by == ring[2]
 
 
-@pytest.mark.parametrize("case", ["out of range", "wrong count", "odd length"])
-async def test_bad_index_set_from_the_leader_is_rejected(cluster, gather, case):
-    n, k, evil = 1000, 10, 1
-    indices = torch.arange(0, 100, 10)
-    if case == "out of range":
+@pytest.mark.parametrize("case", ["outside its slice", "out of range", "wrong count", "odd length"])
+async def test_bad_index_set_from_a_member_is_rejected(cluster, gather, case):
+    n, k, evil, rid = 1000, 10, 1, 16
+    ranges = slice_ranges([n], [k], 3)[slice_of(evil, rid, 3)]
+    (start, end, count), = ranges
+    indices = start + torch.arange(count) * 10
+    if case == "outside its slice":
+        indices[-1] = end + 1 if end < n - 1 else start - 1
+        indices = indices.sort().values
+    elif case == "out of range":
         indices[-1] = n + 3
     elif case == "wrong count":
         indices = indices[:-1]
     payload = encode_indices(indices) + (b"\0" if case == "odd length" else b"")
-    rid = 3 * 5 + evil  # round id % ring size picks the leader: the evil peer
     u8 = DTYPES[torch.uint8]
     frames = [
         (Header(Kind.DATA, rid, Phase.BROADCAST, 0, 0, 8, u8), len(payload).to_bytes(8, "big")),
         (Header(Kind.DATA, rid, Phase.BROADCAST, 1, 0, len(payload), u8), payload),
     ]
-    description = sparse_description(n, k, torch.float32, torch.float32, "mean")
+    description = sparse_description([n], [k], torch.float32, torch.float32, "mean")
 
     def honest(i):
         x = torch.randn(n)
@@ -146,7 +150,7 @@ async def test_bad_index_set_from_the_leader_is_rejected(cluster, gather, case):
             [honest(0), lambda: _evil_member(peers[1], ring, rid, description, frames, mesh=True), honest(2)],
             deadline=20,
         )
-    for out in (outs[0], outs[2]):  # the leader sends the set to each member directly
+    for out in (outs[0], outs[2]):  # every member sends its slice's set to each other directly
         assert isinstance(out, BadPayload) and out.peer_id == ring[evil], out
 
 
@@ -167,7 +171,7 @@ async def test_peer_that_stalls_mid_round_is_named_by_everyone(cluster, gather, 
     n, timeout = 10_000, 1.5
     rid = 21  # for the sparse round: leader 21 % 4 = 1, an honest peer
     if density < 1:
-        description, mesh = sparse_description(n, 100, torch.float32, torch.float32, "mean"), True
+        description, mesh = sparse_description([n], [100], torch.float32, torch.float32, "mean"), True
     else:
         description, mesh = dense_description(n, torch.float32, "mean"), False
     async with cluster(4) as peers:

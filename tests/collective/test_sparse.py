@@ -8,7 +8,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from p2ptrain.collective import Buckets, ErrorFeedback, SparseAllReducer
-from p2ptrain.collective.sparse import bucket_ks, bucket_topk, decode_indices, encode_indices, topk_indices
+from p2ptrain.collective.sparse import (
+    assemble,
+    bucket_ks,
+    check_ranges,
+    decode_indices,
+    encode_indices,
+    select_ranges,
+    slice_of,
+    slice_ranges,
+    topk_indices,
+)
 
 
 @pytest.mark.parametrize("n,k", [(10, 3), (70_000, 700), (1 << 20, 10_486), (1 << 20, 1), (1 << 20, 1 << 20)])
@@ -29,14 +39,42 @@ def test_topk_of_mostly_zero_tensor_still_returns_k():
     assert set(range(0, 200_000, 1000)) <= set(got.tolist())
 
 
-def test_bucket_topk_takes_k_from_every_bucket():
+def test_selection_takes_k_from_every_bucket():
     x = torch.cat([torch.full((1000,), 100.0), torch.full((3000,), 0.01)])
     x += torch.randn(4000) * 1e-3
     sizes = [1000, 3000]
     ks = bucket_ks(sizes, 0.01)
     assert ks == [10, 30]
-    got = bucket_topk(x, sizes, ks)
+    (whole,) = slice_ranges(sizes, ks, 1)
+    got = select_ranges(x, whole)
     assert (got < 1000).sum() == 10 and (got >= 1000).sum() == 30
+
+
+@pytest.mark.parametrize("parts", [1, 2, 3, 4, 7])
+def test_slices_split_every_bucket_and_its_k_and_assemble_to_sorted_top_ks(parts):
+    sizes, ks = [1000, 3, 4001, 50], [10, 3, 41, 0]
+    ranges = slice_ranges(sizes, ks, parts)
+    x = torch.randn(sum(sizes), generator=torch.Generator().manual_seed(parts))
+    per_slice = [select_ranges(x, ranges[m]) for m in range(parts)]
+    for m in range(parts):
+        check_ranges(per_slice[m], ranges[m])
+        for a, b, k in ranges[m]:
+            assert 0 <= k <= b - a
+            expected = torch.topk(x[a:b].abs(), k).indices.sort().values + a
+            assert per_slice[m][(per_slice[m] >= a) & (per_slice[m] < b)].equal(expected)
+    indices = assemble(per_slice, ranges)
+    assert indices.numel() == sum(ks) and bool((indices[1:] > indices[:-1]).all())
+    # Which member selects which slice rotates with the round id; every slice has one selector.
+    for round_id in range(5):
+        assert sorted(slice_of(j, round_id, parts) for j in range(parts)) == list(range(parts))
+
+
+def test_an_index_set_outside_its_slice_is_refused():
+    ranges = slice_ranges([100, 100], [4, 4], 2)[1]  # [50, 100) and [150, 200), 2 each
+    check_ranges(torch.tensor([60, 70, 150, 199]), ranges)
+    for bad in ([40, 70, 150, 199], [60, 70, 140, 199], [60, 70, 150], [60, 70, 80, 150]):
+        with pytest.raises(ValueError):
+            check_ranges(torch.tensor(bad), ranges)
 
 
 @settings(max_examples=50, deadline=None)
@@ -121,7 +159,8 @@ async def test_density_one_sparse_path_equals_dense_bitwise(cluster, gather):
         clt = await gather(
             [
                 lambda p=p, x=x: p.collective.sparse_round(
-                    x, ring, 3, k=n, select=lambda: all_idx, value_dtype=torch.float32
+                    x, ring, 3, sizes=[n], ks=[n], value_dtype=torch.float32,
+                    select=lambda ranges: torch.cat([torch.arange(a, b) for a, b, _ in ranges]),
                 )
                 for p, x in zip(peers, xs)
             ]
@@ -145,11 +184,9 @@ async def test_sparse_rounds_over_hosts_match_the_in_process_ring_bitwise(cluste
         for step in range(steps):
             a = await gather([lambda r=r, g=g: r.allreduce(g, ring, 100 + step, bucket_sizes=[20_000, 30_000]) for r, g in zip(net, grads[step])])
             b = await gather([lambda r=r, g=g: r.allreduce(g, ring, 100 + step, bucket_sizes=[20_000, 30_000]) for r, g in zip(sim, grads[step])])
-            leader = (100 + step) % world
             for i in range(world):
                 assert a[i].equal(a[0]) and b[i].equal(a[0])
                 assert net[i].last_indices.equal(sim[i].last_indices)
                 assert net[i].feedback.residual.equal(sim[i].feedback.residual)
+                assert net[i].last_indices.numel() == 500  # 1% of each bucket, slice by slice
             assert a[0].count_nonzero() <= 500
-            # The index set is the leader's own top-k of what it accumulated (per bucket).
-            assert net[leader].last_indices.numel() == 500
