@@ -14,6 +14,7 @@ from p2ptrain.collective.sparse import (
     check_ranges,
     decode_indices,
     encode_indices,
+    max_encoded_bytes,
     select_ranges,
     slice_of,
     slice_ranges,
@@ -85,20 +86,32 @@ def test_index_codec_roundtrip(values):
     assert decode_indices(data, 3_000_001, len(values)).equal(idx)
 
 
-def test_index_codec_is_two_bytes_per_index_at_one_percent_and_rejects_bad_input():
+def test_index_codec_picks_the_shorter_width_and_rejects_bad_input():
+    gen = torch.Generator().manual_seed(0)
+    one_percent = torch.randperm(1_000_000, generator=gen)[:10_000].sort().values
+    data = encode_indices(one_percent)
+    assert data[0] == 1 and len(data) < 1.4 * one_percent.numel()  # mostly one byte per index
+    tenth = torch.randperm(1_000_000, generator=gen)[:1_000].sort().values
+    data = encode_indices(tenth)
+    assert data[0] == 2 and len(data) == 1 + 2 * tenth.numel()
     idx = torch.arange(0, 1_000_000, 100)
     data = encode_indices(idx)
-    assert len(data) == 2 * idx.numel()
     with pytest.raises(ValueError, match="out of range"):
         decode_indices(data, 999_900, idx.numel())
     with pytest.raises(ValueError, match="expected"):
         decode_indices(data, 1_000_000, idx.numel() + 1)
-    with pytest.raises(ValueError, match="odd"):
+    with pytest.raises(ValueError, match="expected"):
         decode_indices(data + b"\0", 1_000_000, idx.numel())
+    with pytest.raises(ValueError, match="encoding"):
+        decode_indices(b"\x03" + data[1:], 1_000_000, idx.numel())
     with pytest.raises(ValueError):
-        decode_indices(b"\xff\xff", 1_000_000, 0)  # a dangling escape
+        decode_indices(b"\x01\xff", 1_000_000, 1)  # an escape without its full gap
+    with pytest.raises(ValueError, match="small enough"):
+        decode_indices(b"\x01\xff\x05\x00\x00\x00", 1_000_000, 1)  # not the canonical form
     with pytest.raises(ValueError):
         encode_indices(torch.tensor([5, 5]))
+    assert decode_indices(encode_indices(torch.tensor([70_000, 10**9])), 2 * 10**9, 2).tolist() == [70_000, 10**9]
+    assert len(encode_indices(torch.arange(300))) <= max_encoded_bytes(300, 300)
 
 
 @pytest.mark.parametrize("value_dtype", [torch.float32, torch.float16, torch.bfloat16])
