@@ -19,7 +19,7 @@ import torch
 import trio
 
 from p2ptrain.collective.errors import BadPayload, single_failure
-from p2ptrain.collective.frames import DTYPES, Header, Kind, Phase
+from p2ptrain.collective.frames import DTYPES, HEADER, Header, Kind, Phase
 from p2ptrain.collective.ring import SEGMENT_BYTES, chunk_bounds, segments
 from p2ptrain.collective.rounds import RoundLinks
 
@@ -94,7 +94,11 @@ async def direct_broadcast(
     links: RoundLinks, leader: int, payload: bytes | None, *, max_bytes: int,
     check: Callable[[bytes], object], segment_bytes: int = SEGMENT_BYTES,
 ) -> bytes:
-    """The leader's ``payload``, sent by the leader to every member (one hop); checked on arrival."""
+    """The leader's ``payload``, sent by the leader to every member (one hop); checked on arrival.
+
+    The first frame announces the payload's size in its count and carries its first segment, so
+    a small payload costs one frame.
+    """
     size, me, ring = links.size, links.me, links.ring
     u8 = DTYPES[torch.uint8]
     if me == leader:
@@ -105,8 +109,10 @@ async def direct_broadcast(
 
         async def send_to(member: int) -> None:
             to = ring[member]
-            await links.send(Header(Kind.DATA, links.round_id, Phase.BROADCAST, 0, 0, 8, u8), len(view).to_bytes(8, "big"), to=to)
-            for j, a in enumerate(range(0, len(view), segment_bytes)):
+            await links.send(
+                Header(Kind.DATA, links.round_id, Phase.BROADCAST, 0, 0, len(view), u8), view[:segment_bytes], to=to
+            )
+            for j, a in enumerate(range(segment_bytes, len(view), segment_bytes)):
                 part = view[a : a + segment_bytes]
                 await links.send(Header(Kind.DATA, links.round_id, Phase.BROADCAST, 1, j, len(part), u8), part, to=to)
 
@@ -117,12 +123,11 @@ async def direct_broadcast(
                         nursery.start_soon(send_to, member)
         return payload
     source = ring[leader]
-    frame = await links.recv(phase=Phase.BROADCAST, step=0, seg=0, count=8, dtype=u8, nbytes=8, source=source)
-    total = int.from_bytes(frame[-8:], "big")
-    if total > max_bytes:
-        raise BadPayload(source, f"announced a {total}-byte broadcast; the limit is {max_bytes}")
-    out = bytearray()
-    for j, a in enumerate(range(0, total, segment_bytes)):
+    total, frame = await links.recv_announced(
+        phase=Phase.BROADCAST, step=0, dtype=u8, max_count=max_bytes, first=segment_bytes, source=source
+    )
+    out = bytearray(memoryview(frame)[HEADER.size :])
+    for j, a in enumerate(range(segment_bytes, total, segment_bytes)):
         n = min(segment_bytes, total - a)
         frame = await links.recv(phase=Phase.BROADCAST, step=1, seg=j, count=n, dtype=u8, nbytes=n, source=source)
         out += memoryview(frame)[len(frame) - n :]

@@ -138,6 +138,34 @@ class RoundLinks:
         away, so a member far from a stalled peer waits a little longer and hears the abort notice
         of the member next to it, instead of blaming its own (healthy, starved) neighbour.
         """
+        peer, frame, header = await self._next(source, nbytes, patience)
+        expected = Header(Kind.DATA, self.round_id, phase, step, seg, count, dtype)
+        if header != expected or len(frame) != HEADER.size + nbytes:
+            raise BadPayload(
+                peer,
+                f"unexpected frame {header} with {len(frame) - HEADER.size} payload bytes; "
+                f"expected {expected} with {nbytes}",
+            )
+        return frame
+
+    async def recv_announced(
+        self, *, phase: int, step: int, dtype: int, max_count: int, first: int, source: ID | None = None,
+    ) -> tuple[int, bytes]:
+        """The first frame of a message whose size the sender announces in the frame's count (at
+        most ``max_count``); the frame carries its first ``min(count, first)`` bytes."""
+        peer, frame, header = await self._next(source, min(max_count, first), 0.0)
+        expected = Header(Kind.DATA, self.round_id, phase, step, 0, header.count, dtype)
+        if header != expected or header.count > max_count or len(frame) != HEADER.size + min(header.count, first):
+            raise BadPayload(
+                peer,
+                f"unexpected frame {header} with {len(frame) - HEADER.size} payload bytes; expected "
+                f"phase {phase} step {step} announcing at most {max_count} bytes",
+            )
+        return header.count, frame
+
+    async def _next(self, source: ID | None, nbytes: int, patience: float) -> tuple[ID, bytes, Header]:
+        """The next frame from ``source`` (default: the left neighbour), of at most ``nbytes``
+        payload bytes; ABORT notices raise here."""
         peer = self.left_peer if source is None else source
         try:
             with trio.fail_after(self.timeout + patience):
@@ -158,14 +186,7 @@ class RoundLinks:
         if header.kind == Kind.ABORT:
             culprit, reason = parse_abort(frame, header)
             raise PeerFailed(culprit, reason, reported_by=peer)
-        expected = Header(Kind.DATA, self.round_id, phase, step, seg, count, dtype)
-        if header != expected or len(frame) != HEADER.size + nbytes:
-            raise BadPayload(
-                peer,
-                f"unexpected frame {header} with {len(frame) - HEADER.size} payload bytes; "
-                f"expected {expected} with {nbytes}",
-            )
-        return frame
+        return peer, frame, header
 
     async def recv_tensor(
         self, *, phase: int, step: int, seg: int, count: int, dtype: torch.dtype, source: ID | None = None,

@@ -119,7 +119,7 @@ async def test_bad_dense_payload_is_rejected_naming_the_sender(cluster, gather, 
     assert outs[0].reported_by == ring[2]
 
 
-@pytest.mark.parametrize("case", ["outside its slice", "out of range", "wrong count", "odd length"])
+@pytest.mark.parametrize("case", ["outside its slice", "out of range", "wrong count", "odd length", "announces too much"])
 async def test_bad_index_set_from_a_member_is_rejected(cluster, gather, case):
     n, k, evil, rid = 1000, 10, 1, 16
     ranges = slice_ranges([n], [k], 3)[slice_of(evil, rid, 3)]
@@ -134,10 +134,8 @@ async def test_bad_index_set_from_a_member_is_rejected(cluster, gather, case):
         indices = indices[:-1]
     payload = encode_indices(indices) + (b"\0" if case == "odd length" else b"")
     u8 = DTYPES[torch.uint8]
-    frames = [
-        (Header(Kind.DATA, rid, Phase.BROADCAST, 0, 0, 8, u8), len(payload).to_bytes(8, "big")),
-        (Header(Kind.DATA, rid, Phase.BROADCAST, 1, 0, len(payload), u8), payload),
-    ]
+    announced = 10**6 if case == "announces too much" else len(payload)
+    frames = [(Header(Kind.DATA, rid, Phase.BROADCAST, 0, 0, announced, u8), payload)]
     description = sparse_description([n], [k], torch.float32, torch.float32, "mean")
 
     def honest(i):
