@@ -11,6 +11,11 @@ def _inputs(n: int, size: int) -> list[torch.Tensor]:
     return [torch.randn(n, generator=torch.Generator().manual_seed(i)) for i in range(size)]
 
 
+def _calls(peers, xs, ring, round_id, **options):
+    """One all-reduce call per peer, for ``gather``."""
+    return [lambda i=i: peers[i].collective.allreduce(xs[i], ring, round_id, **options) for i in range(len(peers))]
+
+
 async def test_clean_rounds_reuse_their_channels(cluster, gather):
     n = 50_000
     async with cluster(4) as peers:
@@ -19,9 +24,7 @@ async def test_clean_rounds_reuse_their_channels(cluster, gather):
         expected = torch.stack(xs).sum(0) / 4
         for rid in range(1, 7):
             density = 1.0 if rid % 3 == 0 else 0.01
-            outs = await gather([
-                lambda i=i: peers[i].collective.allreduce(xs[i], ring, rid, density=density) for i in range(4)
-            ])
+            outs = await gather(_calls(peers, xs, ring, rid, density=density))
             assert all(out.equal(outs[0]) for out in outs), rid
             if density == 1.0:
                 assert torch.allclose(outs[0], expected, atol=1e-6)
@@ -37,13 +40,13 @@ async def test_a_dead_idle_channel_is_replaced_without_failing_the_round(cluster
         ring = [p.id for p in peers]
         xs = _inputs(n, 3)
         expected = torch.stack(xs).sum(0) / 3
-        await gather([lambda i=i: peers[i].collective.allreduce(xs[i], ring, 1) for i in range(3)])
+        await gather(_calls(peers, xs, ring, 1))
         hub = peers[0].collective.hub
         opened = hub.channels_opened
         # Reset peer 0's idle channel to peer 1 underneath it, as when peer 1 dropped it.
         (channel, _), = hub._idle_out[ring[1]]
         await channel._stream.reset()
-        outs = await gather([lambda i=i: peers[i].collective.allreduce(xs[i], ring, 2) for i in range(3)])
+        outs = await gather(_calls(peers, xs, ring, 2))
         for out in outs:
             assert torch.allclose(out, expected, atol=1e-6)
         assert hub.channels_opened == opened + 1
@@ -55,7 +58,7 @@ async def test_after_a_failed_round_the_next_one_runs_on_fresh_channels(cluster,
         ring = [p.id for p in peers]
         xs = _inputs(n, 3)
         expected = torch.stack(xs).sum(0) / 3
-        await gather([lambda i=i: peers[i].collective.allreduce(xs[i], ring, 1) for i in range(3)])
+        await gather(_calls(peers, xs, ring, 1))
         # Peer 2 disagrees on the ring's order: the round fails on everyone, mid-handshake.
         wrong = [ring[0], ring[2], ring[1]]
         outs = await gather([
@@ -63,11 +66,9 @@ async def test_after_a_failed_round_the_next_one_runs_on_fresh_channels(cluster,
             for i in range(3)
         ], deadline=30)
         assert all(isinstance(out, PeerFailed) for out in outs), outs
-        outs = await gather([lambda i=i: peers[i].collective.allreduce(xs[i], ring, 3) for i in range(3)])
+        outs = await gather(_calls(peers, xs, ring, 3))
         for out in outs:
             assert out.equal(outs[0])
             assert torch.allclose(out, expected, atol=1e-6)
-        outs = await gather([
-            lambda i=i: peers[i].collective.allreduce(xs[i], ring, 4, density=0.05) for i in range(3)
-        ])
+        outs = await gather(_calls(peers, xs, ring, 4, density=0.05))
         assert all(out.equal(outs[0]) for out in outs)
