@@ -398,7 +398,7 @@ class RoundHub:
         pool = self._idle_out.get(peer, [])
         while pool:
             channel, since = pool.pop()
-            if not pool:
+            if not pool and self._idle_out.get(peer) is pool:
                 del self._idle_out[peer]
             if time.monotonic() - since < _REUSE_S:
                 return channel
@@ -406,12 +406,19 @@ class RoundHub:
         return None
 
     async def _release(self, peer: ID, channel: Channel) -> None:
-        """Keep a channel whose round ended cleanly for the next round with ``peer``."""
+        """Keep a channel whose round ended cleanly for the next round with ``peer``; close the
+        idle channels too old to reuse (so peers that left the run leave nothing behind)."""
+        now = time.monotonic()
+        for other, idle in list(self._idle_out.items()):
+            while idle and now - idle[0][1] >= _REUSE_S:  # oldest first
+                await idle.pop(0)[0].aclose()
+            if not idle and self._idle_out.get(other) is idle:  # (another round may have replaced it)
+                del self._idle_out[other]
         pool = self._idle_out.setdefault(peer, [])
         if len(pool) >= _IDLE_PER_PEER:
             await channel.aclose()
         else:
-            pool.append((channel, time.monotonic()))
+            pool.append((channel, now))
 
     @asynccontextmanager
     async def open_round(

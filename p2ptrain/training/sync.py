@@ -41,15 +41,23 @@ class PlanAverager:
             if c.error_feedback
             else None
         )
+        self._out: torch.Tensor | None = None
 
     def for_plan(self, plan: RoundPlan) -> Average:
-        """The ``average`` for the rounds of ``plan``: its members, in plan order, form the ring."""
+        """The ``average`` for the rounds of ``plan``: its members, in plan order, form the ring.
+
+        What it returns is valid until its next call (the buffer is reused).
+        """
         ring = [ID.from_base58(p) for p in plan.members]
 
         async def average(flat: torch.Tensor, round_id: int) -> torch.Tensor:
             if self.reducer is not None:
+                # One output buffer for every round: the trainer copies the average into the
+                # gradients at once, and a fresh model-sized tensor per round costs page faults.
+                if self._out is None or self._out.numel() != flat.numel():
+                    self._out = torch.empty(flat.numel(), dtype=torch.float32)
                 return await self.reducer.allreduce(
-                    flat, ring, round_id, timeout=self.timeout, start_timeout=self.start_timeout
+                    flat, ring, round_id, out=self._out, timeout=self.timeout, start_timeout=self.start_timeout
                 )
             return await self.collective.allreduce(
                 flat, ring, round_id, density=self.task.compression.density,
