@@ -63,6 +63,9 @@ def run_task(cluster: Cluster, manifest: str, density: float, args: argparse.Nam
         "step_without_sync_ms": round(1000 * compute / rounds, 2),
         "step_with_sync_ms": round(1000 * (compute + sync) / rounds, 2),
         "sync_overhead": round(sync / compute, 3),
+        # The member that waits least is the slowest one: its sync is closest to the round's own cost;
+        # the others' extra is waiting for it.
+        "sync_ms_per_round_by_member": sorted(round(1000 * s["sync_s"] / s["rounds_done"], 1) for s in members),
         "bytes_per_peer_per_step": round(sum(s["bytes_sent"] for s in members) / rounds),
         "time_to_90_s": round(to_90[0], 1) if to_90 else None,
         "step_at_90": to_90[1] if to_90 else None,
@@ -103,7 +106,8 @@ def main() -> None:
         print(f"density {r['density']:<5} step {r['step_without_sync_ms']:.1f} ms alone, "
               f"{r['step_with_sync_ms']:.1f} ms with sync (overhead {100 * r['sync_overhead']:.0f}%), "
               f"{r['bytes_per_peer_per_step']} B/peer/step, 90% after {r['time_to_90_s']} s "
-              f"(step {r['step_at_90']}), final accuracy {r['final_accuracy']:.3f}")
+              f"(step {r['step_at_90']}), final accuracy {r['final_accuracy']:.3f}; "
+              f"sync per round by member {r['sync_ms_per_round_by_member']} ms")
 
 
 if __name__ == "__main__":
