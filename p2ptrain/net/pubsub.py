@@ -154,12 +154,16 @@ async def close_host(host: IHost) -> None:
     ``host.close()`` closes connections first and listeners after; a peer redialing in between
     gets a fresh connection whose pubsub messages then land on a stopping pubsub. Closing the
     listeners first removes that window.
+
+    Each listener leaves the network's table before it is closed: while a TCP listener closes,
+    ``host.get_addrs()`` (which identify calls for a stream arriving meanwhile) would read its
+    closing socket and fail with EBADF inside libp2p's nursery, failing the node's shutdown.
     """
     network = host.get_network()
     listeners = getattr(network, "listeners", {})
     for key, listener in list(listeners.items()):
-        await listener.close()
         listeners.pop(key, None)
+        await listener.close()
     await host.close()
 
 
