@@ -18,8 +18,8 @@ slice m is chosen by member (m + round id) mod P from its own accumulated gradie
 selects from 1/P of the vector at once instead of all members waiting for one leader to select from
 all of it (at 64 MiB that wait was ~30 ms of the round's critical path), and each member sends its
 slice's indices (as compact gaps, ~1.3 bytes each at 1%) to every other. Volume per member:
-2k(P-1)/P values, the lower bound, plus (P-1)/P x k index encodings, evenly spread. Which member picks which slice rotates
-with the round id.
+2k(P-1)/P values, the lower bound, plus (P-1)/P x k index encodings, evenly spread. Which member
+picks which slice rotates with the round id.
 """
 
 from __future__ import annotations
@@ -244,7 +244,9 @@ async def clt_k_round(
     ``ranges[slice_of(me)]``) to every other, then the exact all-reduce of every member's values
     at the union. Returns the sorted indices and the reduced values, the same bits everywhere."""
     n, size = source.numel(), links.size
-    per_slice: list[torch.Tensor] = [mine] * size
+    # Each slice's indices: ours now, the others' as they arrive and pass their check.
+    per_slice: list[torch.Tensor] = [torch.empty(0, dtype=torch.int64)] * size
+    per_slice[slice_of(links.me, links.round_id, size)] = mine
 
     async def indices_of(member: int) -> None:
         m = slice_of(member, links.round_id, size)
@@ -264,7 +266,6 @@ async def clt_k_round(
         async with trio.open_nursery() as nursery:
             for member in range(size):
                 nursery.start_soon(indices_of, member)
-    per_slice[slice_of(links.me, links.round_id, size)] = mine
     indices = assemble(per_slice, ranges)
     logger.debug("round %d: %d indices agreed", links.round_id, indices.numel())
     values = source.index_select(0, indices).to(value_dtype)
