@@ -20,6 +20,7 @@ from p2ptrain.collective.frames import DTYPES, round_digest
 from p2ptrain.collective.ring import FLOAT_DTYPES, SEGMENT_BYTES, ring_allreduce
 from p2ptrain.collective.rounds import PROTOCOL, RoundHub
 from p2ptrain.collective.sparse import Range, check_ranges, clt_k_round, select_ranges, slice_of, slice_ranges
+from p2ptrain.tensors import all_finite
 
 logger = logging.getLogger(__name__)
 
@@ -212,6 +213,6 @@ def _check_tensor(tensor: torch.Tensor, op: str) -> None:
 
 def _check_finite_local(tensor: torch.Tensor) -> None:
     """Refuse our own NaN/Inf inside the round, so the other members hear at once that we left."""
-    if tensor.numel() and not bool(torch.isfinite(tensor).all()):
+    if not all_finite(tensor):
         raise ValueError("local tensor contains NaN or Inf")
 

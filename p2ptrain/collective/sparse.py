@@ -36,6 +36,7 @@ from p2ptrain.collective.direct import direct_allreduce, direct_broadcast
 from p2ptrain.collective.errors import single_failure
 from p2ptrain.collective.ring import SEGMENT_BYTES, chunk_bounds
 from p2ptrain.collective.rounds import RoundLinks
+from p2ptrain.tensors import all_finite
 
 logger = logging.getLogger(__name__)
 
@@ -269,7 +270,7 @@ async def clt_k_round(
     indices = assemble(per_slice, ranges)
     logger.debug("round %d: %d indices agreed", links.round_id, indices.numel())
     values = source.index_select(0, indices).to(value_dtype)
-    if not bool(torch.isfinite(values).all()):
+    if not all_finite(values):
         raise ValueError("local values contain NaN or Inf (or overflow the value dtype)")
     await direct_allreduce(links, values, average=average, segment_bytes=segment_bytes)
     logger.debug("round %d: %d values reduced", links.round_id, indices.numel())

@@ -1,0 +1,29 @@
+"""all_finite: the one-pass NaN/Inf check every layer makes on gradients and payloads."""
+
+import math
+
+import pytest
+import torch
+
+from p2ptrain.tensors import all_finite
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("n", [1, 7, 64, 4099])
+def test_any_nan_or_inf_anywhere_is_caught(dtype, n):
+    x = torch.randn(n, generator=torch.Generator().manual_seed(n)).to(dtype)
+    assert all_finite(x)
+    for position in {0, n // 2, n - 1}:  # head, middle (inside a vector lane), tail
+        for bad in (math.nan, math.inf, -math.inf):
+            y = x.clone()
+            y[position] = bad
+            assert not all_finite(y), (position, bad)
+
+
+def test_edge_values():
+    assert all_finite(torch.empty(0))
+    assert all_finite(torch.zeros(1000))
+    big = torch.full((10,), torch.finfo(torch.float32).max)
+    assert all_finite(big) and all_finite(-big)  # the largest floats are finite
+    assert all_finite(torch.zeros(3, 4))  # any shape
+    assert not all_finite(torch.tensor([[0.0, 1.0], [math.nan, 2.0]]))
