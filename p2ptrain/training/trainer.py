@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from p2ptrain.tensors import all_finite
 from p2ptrain.training.models import build_model
 from p2ptrain.training.records import RecordError, load_model_bytes, model_bytes, read_tensors, tensors_bytes
 from p2ptrain.training.task import Task
@@ -93,16 +94,22 @@ def lr_at(task: Task, step: int, total_steps: int) -> float:
 
 
 def build_optimizer(task: Task, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
-    """The task's optimizer with the single-tensor code path (``foreach=False``) on every member, so
-    all members run the same kernels whatever torch would pick by default for their hardware."""
+    """The task's optimizer with the fused kernel (``fused=True``) on every member, so all members run
+    the same kernels whatever torch would pick by default for their hardware.
+
+    Fused rather than the single-tensor path: one pass over each parameter instead of a dozen
+    elementwise ops, and no slow path on zeros. A sparse average leaves ~99% of Adam's second moment
+    at exactly 0, where torch's vectorized sqrt is ~12x slower than on other values (28 vs 2.3 ms on
+    4.3M floats): an Adam step of a 4.3M-parameter model took 26 ms single-tensor, 3.4 ms fused.
+    """
     o = task.optimizer
     if o.name == "sgd":
         return torch.optim.SGD(params, lr=o.lr, momentum=o.momentum or 0.0, weight_decay=o.weight_decay,
-                               foreach=False)
+                               fused=True)
     cls = torch.optim.Adam if o.name == "adam" else torch.optim.AdamW
     assert o.beta1 is not None and o.beta2 is not None and o.eps is not None
     return cls(params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay,
-               foreach=False)
+               fused=True)
 
 
 def loss_and_hits(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, int, int]:
@@ -254,7 +261,7 @@ class Trainer:
         ]).cpu()
         if scale != 1.0:
             flat /= scale
-        if not torch.isfinite(flat).all():
+        if not all_finite(flat):
             log.warning("step %d: local gradient is not finite (loss %.4g); contributing zeros", self.step, total / k)
             flat.zero_()
         self.pending, self.pending_loss = flat, total / k
@@ -273,14 +280,16 @@ class Trainer:
             raise TrainerError(f"averaged gradient has shape {tuple(averaged.shape)}, expected ({self.num_parameters},)")
         self._take_snapshot()
         lr = lr_at(self.task, self.step, self.total_steps)
-        applied = bool(torch.isfinite(averaged).all())
+        applied = all_finite(averaged)
         if applied:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
             offset = 0
             for p in self.params:
                 n = p.numel()
-                p.grad = averaged[offset : offset + n].view_as(p).to(device=p.device, dtype=p.dtype).clone()
+                # A view (on the CPU): the optimizers read gradients without writing them, and a
+                # model-sized copy every step costs page faults.
+                p.grad = averaged[offset : offset + n].view_as(p).to(device=p.device, dtype=p.dtype)
                 offset += n
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)

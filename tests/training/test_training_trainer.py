@@ -171,3 +171,19 @@ def test_language_model_trains_on_tokens(digits, digits_task):
     for _ in range(60):
         t.apply(t.compute_gradient(it))
     assert t.evaluate([(seq[:, :8], seq[:, 1:])]).accuracy > 0.9
+
+
+def test_apply_leaves_the_average_alone(digits, digits_task):
+    """The optimizer reads the average through views (no copy per step): it must not write into it,
+    nor keep it once the step is taken (the caller reuses that buffer next round)."""
+    _store, cid = digits
+    task = digits_task(cid)
+    a, b = Trainer(task, device="cpu"), Trainer(task, device="cpu")
+    assert all(g.get("fused") for g in a.optimizer.param_groups)
+    average = torch.randn(a.num_parameters, generator=torch.Generator().manual_seed(1))
+    kept = average.clone()
+    a.apply(average)
+    b.apply(kept.clone())
+    assert torch.equal(average, kept)
+    assert all(p.grad is None for p in a.params)
+    assert a.model_bytes() == b.model_bytes()
