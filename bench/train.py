@@ -1,11 +1,20 @@
 """Training benchmark: step time with and without synchronisation, and time to 90% accuracy.
 
-Runs N real `p2ptrain node start` processes on loopback (the demo's cluster) and, in the same run,
-two tasks on scikit-learn digits: top-k 1% and dense. For each, every peer reports, over the rounds
-it completed, its local step time (forward/backward, then the optimizer step) and its sync time (the
-all-reduce, waiting for the other members included), so "step time without sync" and "with sync"
-come from the same steps. Time to 90% is the wall time from
-publishing the task until a confirmed model with test accuracy >= 0.90 is seen.
+Runs N real `p2ptrain node start` processes on loopback (the demo's cluster) and, in the same run:
+
+1. the baseline without synchronisation: N processes (one per peer, as many threads each, at the
+   same time, so they share the cores as the peers do) take the task's local steps on their own
+   shards, each applying its own gradient: the step time a peer has when it talks to nobody;
+2. two tasks on scikit-learn digits, top-k 1% and dense, trained by the nodes. Every peer reports,
+   over the rounds it completed, its local step time (forward/backward, then the optimizer step) and
+   its sync time (the all-reduce, waiting for the other members included); a step with
+   synchronisation is their sum.
+
+The sync overhead is step-with-sync / baseline-step - 1. The peers' own split is printed too: the
+share of a step spent in sync (it counts a member's wait for slower members as sync, though on a
+machine with fewer cores than peers, the waiting member's core is what the others compute on).
+Time to 90% is the wall time from publishing the task until a confirmed model with test accuracy
+>= 0.90 is seen.
 
     .venv/bin/python bench/train.py --peers 4 [--hidden 512] [--batch 256] [--steps 80] [--json]
 """
@@ -15,6 +24,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -27,10 +39,69 @@ from p2ptrain.ipfs.embedded import EmbeddedStore
 
 
 def task_text(manifest: str, density: float, args: argparse.Namespace, name: str) -> str:
-    text = TASK_TEMPLATE.format(manifest=manifest, steps=args.steps, checkpoint=5, density=density, peers=args.peers)
+    text = TASK_TEMPLATE.format(manifest=manifest, steps=args.steps, checkpoint=args.checkpoint, density=density, peers=args.peers)
     text = text.replace('name = "demo-digits-mlp"', f'name = "{name}"')
     text = text.replace("hidden = [64]", f"hidden = [{args.hidden}, {args.hidden}]")
-    return text.replace("batch_size = 32", f"batch_size = {args.batch}")
+    return text.replace("batch_size = 32", f"batch_size = {args.batch}\nsync_interval = {args.sync_interval}")
+
+
+LOCAL_WARMUP_STEPS = 3
+
+
+def local_worker(args: argparse.Namespace) -> None:
+    """One peer's steps with nobody to talk to: its gradient goes straight into its optimizer.
+
+    Prints READY once warm, waits for a line on stdin so that all peers' timed steps overlap, then
+    prints the JSON of its step times.
+    """
+    import torch
+
+    from p2ptrain.data.dataset import IPFSDataset
+    from p2ptrain.training.task import load_task
+    from p2ptrain.training.trainer import Trainer, batches_forever
+
+    torch.set_num_threads(args.threads)
+    task = load_task(Path(args.local_task).read_text())
+    dataset = IPFSDataset(
+        task.dataset.manifest, split=task.dataset.train_split, rank=args.local_worker, world_size=args.peers,
+        store=EmbeddedStore(Path(args.local_store)), seed=task.seed + args.local_worker,
+    )
+    batches = batches_forever(dataset, task.training.batch_size)
+    trainer = Trainer(task, total_steps=LOCAL_WARMUP_STEPS + args.steps, device="cpu")
+
+    def step() -> float:
+        began = time.perf_counter()
+        trainer.apply(trainer.compute_gradient(batches))
+        return time.perf_counter() - began
+
+    for _ in range(LOCAL_WARMUP_STEPS):
+        step()
+    print("READY", flush=True)
+    sys.stdin.readline()
+    print(json.dumps([step() for _ in range(args.steps)]), flush=True)
+
+
+def run_local(task_file: Path, store: Path, args: argparse.Namespace) -> dict:
+    """The baseline: every peer's local steps at once, no synchronisation."""
+    argv = [sys.executable, __file__, "--peers", str(args.peers), "--steps", str(args.steps),
+            "--threads", str(args.threads), "--local-task", str(task_file), "--local-store", str(store)]
+    procs = [subprocess.Popen([*argv, "--local-worker", str(i)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True) for i in range(args.peers)]
+    try:
+        for proc in procs:
+            if proc.stdout.readline().strip() != "READY":
+                raise SystemExit("a local baseline worker failed to start")
+        for proc in procs:
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+        times = [json.loads(proc.stdout.readline()) for proc in procs]
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+    per_peer = [sum(t) / len(t) for t in times]
+    return {"step_ms": round(1000 * sum(per_peer) / len(per_peer), 2),
+            "step_ms_by_peer": sorted(round(1000 * t, 1) for t in per_peer)}
 
 
 def run_task(cluster: Cluster, manifest: str, density: float, args: argparse.Namespace) -> dict:
@@ -60,9 +131,9 @@ def run_task(cluster: Cluster, manifest: str, density: float, args: argparse.Nam
     return {
         "density": density,
         "wall_s": round(time.monotonic() - started, 1),
-        "step_without_sync_ms": round(1000 * compute / rounds, 2),
+        "in_run_local_step_ms": round(1000 * compute / rounds, 2),
         "step_with_sync_ms": round(1000 * (compute + sync) / rounds, 2),
-        "sync_overhead": round(sync / compute, 3),
+        "sync_share": round(sync / (compute + sync), 3),
         # The member that waits least is the slowest one: its sync is closest to the round's own cost;
         # the others' extra is waiting for it.
         "sync_ms_per_round_by_member": sorted(round(1000 * s["sync_s"] / s["rounds_done"], 1) for s in members),
@@ -73,15 +144,33 @@ def run_task(cluster: Cluster, manifest: str, density: float, args: argparse.Nam
     }
 
 
+def rescale(row: dict, local_ms: float) -> dict:
+    """``row`` with the baseline's step time and its overhead against it."""
+    row["step_without_sync_ms"] = local_ms
+    row["sync_overhead"] = round(row["step_with_sync_ms"] / local_ms - 1, 3)
+    return row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--peers", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=512, help="width of the MLP's two hidden layers")
     parser.add_argument("--batch", type=int, default=256, help="batch size per peer per step")
     parser.add_argument("--steps", type=int, default=80)
+    parser.add_argument("--sync-interval", type=int, default=1,
+                        help="local batches per round (accumulated into one gradient, one all-reduce, one step)")
+    parser.add_argument("--checkpoint", type=int, default=5, help="the task's checkpoint interval (steps)")
     parser.add_argument("--timeout", type=float, default=600.0)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per peer (the demo's nodes use 1)")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--keep", action="store_true", help="keep the peers' homes and logs (the path is printed)")
+    parser.add_argument("--local-worker", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--local-task", help=argparse.SUPPRESS)
+    parser.add_argument("--local-store", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.local_worker is not None:
+        local_worker(args)
+        return
     workdir = Path(tempfile.mkdtemp(prefix="p2ptrain-bench-train-"))
     cluster = Cluster(workdir, args.peers)
     load_before = os.getloadavg()[0]
@@ -91,20 +180,39 @@ def main() -> None:
         name, features, labels = load_source("sklearn:digits")
         manifest, _ = build_dataset(EmbeddedStore(first), name, features, labels, num_shards=8)
         cluster.start(ready_timeout=120.0)
-        rows = [run_task(cluster, manifest, d, args) for d in (0.01, 1.0)]
+        task_file = workdir / "local-task.toml"
+        task_file.write_text(task_text(manifest, 0.01, args, "bench-local"))
+        # The baseline before and after the tasks, so that a change in the machine's load during
+        # the run shows (and is averaged) rather than skewing the ratio one way.
+        before = run_local(task_file, first, args)
+        sparse = run_task(cluster, manifest, 0.01, args)
+        dense = run_task(cluster, manifest, 1.0, args)
+        after = run_local(task_file, first, args)
+        local = {"step_ms": round((before["step_ms"] + after["step_ms"]) / 2, 2),
+                 "step_ms_before": before["step_ms"], "step_ms_after": after["step_ms"]}
+        rows = [rescale(row, local["step_ms"]) for row in (sparse, dense)]
     finally:
         cluster.stop()
+        if args.keep:
+            print(f"peers' homes and logs kept in {workdir}", file=sys.stderr)
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
     result = {"peers": args.peers, "model": f"mlp 64-{args.hidden}-{args.hidden}-10", "batch": args.batch,
+              "sync_interval": args.sync_interval,
               "steps": args.steps, "load_average": [round(load_before, 2), round(os.getloadavg()[0], 2)],
-              "runs": rows}
+              "local": local, "runs": rows}
     if args.json:
         print(json.dumps(result))
         return
-    print(f"{args.peers} peers, {result['model']}, batch {args.batch}/peer, {args.steps} steps, "
+    print(f"{args.peers} peers, {result['model']}, batch {args.batch}/peer, sync interval {args.sync_interval}, "
+          f"{args.steps} steps, "
           f"load {result['load_average']}")
+    print(f"without sync: step {local['step_ms']:.1f} ms ({local['step_ms_before']:.1f} before the tasks, "
+          f"{local['step_ms_after']:.1f} after)")
     for r in rows:
-        print(f"density {r['density']:<5} step {r['step_without_sync_ms']:.1f} ms alone, "
-              f"{r['step_with_sync_ms']:.1f} ms with sync (overhead {100 * r['sync_overhead']:.0f}%), "
+        print(f"density {r['density']:<5} step {r['step_with_sync_ms']:.1f} ms with sync "
+              f"(overhead {100 * r['sync_overhead']:.0f}% over the baseline); in the run: "
+              f"{r['in_run_local_step_ms']:.1f} ms local + sync ({100 * r['sync_share']:.0f}% of a step), "
               f"{r['bytes_per_peer_per_step']} B/peer/step, 90% after {r['time_to_90_s']} s "
               f"(step {r['step_at_90']}), final accuracy {r['final_accuracy']:.3f}; "
               f"sync per round by member {r['sync_ms_per_round_by_member']} ms")
