@@ -11,12 +11,11 @@ Runs N real `p2ptrain node start` processes on loopback (the demo's cluster) and
    synchronisation is their sum.
 
 The sync overhead is step-with-sync / baseline-step - 1. The peers' own split is printed too: the
-share of a step spent in sync (it counts a member's wait for slower members as sync, though on a
-machine with fewer cores than peers, the waiting member's core is what the others compute on).
-Time to 90% is the wall time from publishing the task until a confirmed model with test accuracy
->= 0.90 is seen.
+share of a step they spent in sync, and each member's sync per round. Time to 90% is the wall time
+from publishing the task until a confirmed model with test accuracy >= 0.90 is seen.
 
-    .venv/bin/python bench/train.py --peers 4 [--hidden 512] [--batch 256] [--steps 80] [--json]
+    .venv/bin/python bench/train.py --peers 4 [--hidden 512] [--batch 256] [--steps 80]
+                                    [--sync-interval 1] [--checkpoint 5] [--keep] [--json]
 """
 
 from __future__ import annotations
@@ -31,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from p2ptrain.cli.demo import TASK_TEMPLATE, Cluster
+from p2ptrain.cli.demo import NODE_ARGS, TASK_TEMPLATE, Cluster
 from p2ptrain.data.build import build_dataset
 from p2ptrain.data.builtin import load_source
 from p2ptrain.errors import UserError
@@ -46,6 +45,7 @@ def task_text(manifest: str, density: float, args: argparse.Namespace, name: str
 
 
 LOCAL_WARMUP_STEPS = 3
+THREADS = int(NODE_ARGS[NODE_ARGS.index("--threads") + 1])  # the baseline's peers get what the nodes get
 
 
 def local_worker(args: argparse.Namespace) -> None:
@@ -60,7 +60,7 @@ def local_worker(args: argparse.Namespace) -> None:
     from p2ptrain.training.task import load_task
     from p2ptrain.training.trainer import Trainer, batches_forever
 
-    torch.set_num_threads(args.threads)
+    torch.set_num_threads(THREADS)
     task = load_task(Path(args.local_task).read_text())
     dataset = IPFSDataset(
         task.dataset.manifest, split=task.dataset.train_split, rank=args.local_worker, world_size=args.peers,
@@ -81,10 +81,10 @@ def local_worker(args: argparse.Namespace) -> None:
     print(json.dumps([step() for _ in range(args.steps)]), flush=True)
 
 
-def run_local(task_file: Path, store: Path, args: argparse.Namespace) -> dict:
-    """The baseline: every peer's local steps at once, no synchronisation."""
+def run_local(task_file: Path, store: Path, args: argparse.Namespace) -> float:
+    """The baseline: every peer's local steps at once, no synchronisation; the mean step in ms."""
     argv = [sys.executable, __file__, "--peers", str(args.peers), "--steps", str(args.steps),
-            "--threads", str(args.threads), "--local-task", str(task_file), "--local-store", str(store)]
+            "--local-task", str(task_file), "--local-store", str(store)]
     procs = [subprocess.Popen([*argv, "--local-worker", str(i)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                               text=True) for i in range(args.peers)]
     try:
@@ -99,9 +99,7 @@ def run_local(task_file: Path, store: Path, args: argparse.Namespace) -> dict:
         for proc in procs:
             proc.kill()
             proc.wait()
-    per_peer = [sum(t) / len(t) for t in times]
-    return {"step_ms": round(1000 * sum(per_peer) / len(per_peer), 2),
-            "step_ms_by_peer": sorted(round(1000 * t, 1) for t in per_peer)}
+    return 1000 * sum(sum(t) / len(t) for t in times) / len(times)
 
 
 def run_task(cluster: Cluster, manifest: str, density: float, args: argparse.Namespace) -> dict:
@@ -134,8 +132,8 @@ def run_task(cluster: Cluster, manifest: str, density: float, args: argparse.Nam
         "in_run_local_step_ms": round(1000 * compute / rounds, 2),
         "step_with_sync_ms": round(1000 * (compute + sync) / rounds, 2),
         "sync_share": round(sync / (compute + sync), 3),
-        # The member that waits least is the slowest one: its sync is closest to the round's own cost;
-        # the others' extra is waiting for it.
+        # Each member's mean: a round's own cost plus, in each round, the wait for members whose
+        # step ended later.
         "sync_ms_per_round_by_member": sorted(round(1000 * s["sync_s"] / s["rounds_done"], 1) for s in members),
         "bytes_per_peer_per_step": round(sum(s["bytes_sent"] for s in members) / rounds),
         "time_to_90_s": round(to_90[0], 1) if to_90 else None,
@@ -161,7 +159,6 @@ def main() -> None:
                         help="local batches per round (accumulated into one gradient, one all-reduce, one step)")
     parser.add_argument("--checkpoint", type=int, default=5, help="the task's checkpoint interval (steps)")
     parser.add_argument("--timeout", type=float, default=600.0)
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per peer (the demo's nodes use 1)")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--keep", action="store_true", help="keep the peers' homes and logs (the path is printed)")
     parser.add_argument("--local-worker", type=int, help=argparse.SUPPRESS)
@@ -188,8 +185,8 @@ def main() -> None:
         sparse = run_task(cluster, manifest, 0.01, args)
         dense = run_task(cluster, manifest, 1.0, args)
         after = run_local(task_file, first, args)
-        local = {"step_ms": round((before["step_ms"] + after["step_ms"]) / 2, 2),
-                 "step_ms_before": before["step_ms"], "step_ms_after": after["step_ms"]}
+        local = {"step_ms": round((before + after) / 2, 2), "step_ms_before": round(before, 2),
+                 "step_ms_after": round(after, 2)}
         rows = [rescale(row, local["step_ms"]) for row in (sparse, dense)]
     finally:
         cluster.stop()
