@@ -203,7 +203,7 @@ class RoundLinks:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # read-only buffer: we never write into it
             values = torch.frombuffer(frame, dtype=dtype, count=count, offset=HEADER.size)
-        if count and not all_finite(values):
+        if not all_finite(values):
             raise BadPayload(peer, f"sent NaN or Inf values (phase {phase}, step {step})")
         return values
 

@@ -52,8 +52,9 @@ class PlanAverager:
 
         async def average(flat: torch.Tensor, round_id: int) -> torch.Tensor:
             if self.reducer is not None:
-                # One output buffer for every round: the trainer copies the average into the
-                # gradients at once, and a fresh model-sized tensor per round costs page faults.
+                # One output buffer for every round: the trainer's step reads the average (as
+                # views) before the next round, and a fresh model-sized tensor per round costs
+                # page faults.
                 if self._out is None or self._out.numel() != flat.numel():
                     self._out = torch.empty(flat.numel(), dtype=torch.float32)
                 return await self.reducer.allreduce(
