@@ -113,6 +113,9 @@ def cmd_id(args: argparse.Namespace) -> int:
 
 
 def cmd_start(args: argparse.Namespace) -> int:
+    from p2ptrain.malloc import use_one_arena
+
+    use_one_arena()  # before any thread allocates (see p2ptrain/malloc.py)
     import trio
 
     from p2ptrain.node import Node
