@@ -15,6 +15,16 @@ a silent drop measured in ../shared/FIELD-NOTES.md:
   peers explicitly once the service is up, and inbound pubsub streams wait for the service to run;
 - messages over our wire cap are refused loudly by :func:`publish_bytes` instead of vanishing
   (pubsub's own cap, ~1 MiB, drops silently).
+
+Two more cut its CPU, which training peers share with their local steps (an idle node went from
+24 to 12 ms of CPU a second in a cluster of four):
+
+- gossipsub v1.1, not v1.2: py-libp2p's v1.2 answers *every* received message with an IDONTWANT
+  to each mesh peer (the spec means it for large messages; ours are capped small), and each of
+  those is one more RPC to send, parse and check;
+- no signed peer record on each RPC (:meth:`TrainingPubsub.write_msg`): py-libp2p attaches one to
+  every RPC and the receiver verifies its Ed25519 signature every time. The record still goes out
+  once per connection (pubsub's hello) and with identify.
 """
 
 from __future__ import annotations
@@ -27,7 +37,7 @@ from typing import Any
 
 import trio
 from libp2p.abc import IHost, INetStream, ISubscriptionAPI
-from libp2p.pubsub.gossipsub import PROTOCOL_ID_V11, PROTOCOL_ID_V12, GossipSub
+from libp2p.pubsub.gossipsub import PROTOCOL_ID_V11, GossipSub
 from libp2p.pubsub.pb import rpc_pb2
 from libp2p.peer.id import ID
 from libp2p.pubsub.pubsub import Pubsub
@@ -81,6 +91,13 @@ class TrainingPubsub(Pubsub):
         self.service_started = trio.Event()
         self.peer_queues = _DeepQueues()
 
+    async def write_msg(self, stream: INetStream, rpc_msg: rpc_pb2.RPC) -> bool:
+        # Without the sender's signed peer record: pubsub attaches it to every RPC and the receiver
+        # verifies its Ed25519 signature each time, for addresses it already has (the record
+        # went out with pubsub's hello and with identify; membership heartbeats carry them too).
+        rpc_msg.ClearField("senderRecord")
+        return await super().write_msg(stream, rpc_msg)
+
     def queue_backlog(self) -> int:
         """The longest outbound queue to any peer, in RPCs."""
         return max((len(q) for q in self.peer_queues.values()), default=0)
@@ -122,7 +139,7 @@ def make_pubsub(host: IHost, heartbeat_interval: float = HEARTBEAT_INTERVAL_S) -
     :func:`running_pubsub`. Strict signing stays on (gossipsub verifies the origin of every
     message; ``ID(msg.from_id)`` is that verified origin)."""
     router = GossipSub(
-        protocols=[PROTOCOL_ID_V12, PROTOCOL_ID_V11],
+        protocols=[PROTOCOL_ID_V11],
         degree=DEGREE,
         degree_low=DEGREE_LOW,
         degree_high=DEGREE_HIGH,

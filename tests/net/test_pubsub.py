@@ -6,6 +6,7 @@ import pytest
 import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.peerinfo import PeerInfo
+from libp2p.pubsub.gossipsub import PROTOCOL_ID_V11
 from multiaddr import Multiaddr
 
 from p2ptrain.net.host import make_host
@@ -29,6 +30,11 @@ async def test_connections_made_before_pubsub_started_carry_messages_and_bursts_
                 await pa.wait_for_subscription(b.get_id(), "t")
                 await pb.wait_for_subscription(a.get_id(), "t")
                 await pa.router.wait_for_mesh(b.get_id(), "t")
+            # Count the signed peer records b verifies from here on (py-libp2p attaches one to every RPC).
+            store = b.get_peerstore()
+            verified = []
+            consume = store.consume_peer_record
+            store.consume_peer_record = lambda envelope, ttl: verified.append(1) or consume(envelope, ttl)
             burst = 300  # py-libp2p's defaults deliver 32 of a burst (queue) and 10 per second (spam limit)
             assert burst < SUBSCRIPTION_QUEUE
             for i in range(burst):
@@ -40,5 +46,10 @@ async def test_connections_made_before_pubsub_started_carry_messages_and_bursts_
             assert got == [f"m{i}".encode() for i in range(burst)]
             with pytest.raises(MessageTooLarge, match="over the 1024 B cap"):
                 await publish_bytes(pa, "t", b"x" * 1025, limit=1024)
+            # The cheap protocol: gossipsub v1.1, so no IDONTWANT for each of the 300 messages, and
+            # no signed peer record (an Ed25519 check per RPC) attached to the messages we send.
+            assert pa.router.peer_protocol[b.get_id()] == PROTOCOL_ID_V11
+            assert not pa.router.dont_send_message_ids.get(b.get_id())
+            assert verified == []
         await a.close()
         await b.close()
