@@ -77,7 +77,7 @@ class EmbeddedStore:
             for _ in blocks():
                 pass
         else:
-            self.blocks.put_many(blocks())
+            self.blocks.put_many(blocks(), hashed=True)  # the importer named each block by its hash
         return cid_str(last[0])
 
     def add_bytes(self, data: bytes, cid_version: int = 0, only_hash: bool = False) -> str:
