@@ -7,8 +7,9 @@ membership view, and it carries out what they decide (publish, compute, all-redu
 
 Three tasks run for a task, all in one nursery:
 
-- the *control loop* ticks the election every fraction of a heartbeat, and, while this member is
-  coordinator, issues round plans, re-announces the task and publishes the run's head;
+- the *control loop* ticks the election every fraction of a heartbeat (and at once when a span
+  ends or a checkpoint is confirmed), and, while this member is coordinator, issues round plans,
+  re-announces the task and publishes the run's head;
 - the *round loop* executes plans: local gradient (in a worker thread), sparse ring all-reduce,
   identical optimizer step, and at checkpoints stores the model and attests the coordinator's record;
 - the *resync loop* brings a member that is not at a confirmed state (a late joiner, or a member
@@ -125,6 +126,9 @@ class TaskRun:
         self._batches: tuple[tuple[int, int], Iterator[Any]] | None = None
         self._done = trio.Event()
         self._head_heard = trio.Event()
+        # Set when the coordinator may be able to plan now (a span ended, a checkpoint was
+        # confirmed or rejected), so the next plan does not wait for the control loop's next tick.
+        self._wake = trio.Event()
 
     # -- status ------------------------------------------------------------------------------
 
@@ -361,6 +365,7 @@ class TaskRun:
             self._confirm(tally)
         elif status is Status.REJECTED:
             self.book.rejected_step = tally.record.step
+            self._wake.set()
 
     def _confirm(self, tally: Tally) -> None:
         assert self.book is not None
@@ -375,6 +380,7 @@ class TaskRun:
         )
         if record.step >= self.total_steps:
             self._done.set()
+        self._wake.set()
 
     # -- the control loop (election, planning, head) ---------------------------------------------
 
@@ -398,7 +404,9 @@ class TaskRun:
                 if now - last_head >= HEAD_EVERY_S:
                     last_head = now
                     await self._publish_head()
-            await trio.sleep(period)
+            with trio.move_on_after(period):
+                await self._wake.wait()
+            self._wake = trio.Event()
 
     async def _maybe_plan(self, now: float) -> None:
         assert self.book is not None and self.trainer is not None
@@ -456,6 +464,7 @@ class TaskRun:
                 await self._run_span(plan)
             finally:
                 self.busy = False
+                self._wake.set()
 
     async def _run_span(self, plan: RoundPlan) -> None:
         """The plan's rounds back to back, then its checkpoint; a newer plan or a failure ends it."""
