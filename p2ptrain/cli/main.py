@@ -45,7 +45,7 @@ def setup_logging(verbosity: int) -> None:
     if os.environ.get("P2PTRAIN_LOG"):
         level = getattr(logging, os.environ["P2PTRAIN_LOG"].upper(), level)
     logging.basicConfig(
-        level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S"
+        level=level, format="%(asctime)s.%(msecs)03d %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S"
     )
     if level > logging.DEBUG:
         # py-libp2p logs expected connection churn at WARNING/ERROR; keep it out of the user's way.

@@ -160,7 +160,7 @@ def cmd_start(args: argparse.Namespace) -> int:
 
 def _log_to_home(home: Path) -> None:
     """Node lifecycle lines at INFO to stderr and to <home>/logs/node.log."""
-    fmt = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S")
+    fmt = logging.Formatter("%(asctime)s.%(msecs)03d %(levelname)s %(name)s: %(message)s", "%H:%M:%S")
     handler = logging.FileHandler(home / "logs" / "node.log")
     handler.setFormatter(fmt)
     ours = logging.getLogger("p2ptrain")
