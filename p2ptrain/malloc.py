@@ -4,9 +4,9 @@ A node computes in trio's worker threads, and glibc gives a thread that allocate
 Such an arena hands freed memory back to the kernel far more eagerly than the main one, so the
 next step's model-sized tensors (gradients, activations) fault their pages in again. Measured with
 the MLP of the training benchmark (4.3M parameters, batch 256, one thread), a step in a worker
-thread took 99-101 ms in about half of the runs (+60,000-100,000 page faults), against 92 ms in the
-main thread; with one arena the worker thread's step is 92 ms in every run. The node's threads
-rarely allocate at the same moment, so sharing one arena's lock costs nothing measurable.
+thread took 99-101 ms in about half of the runs (+60,000-100,000 page faults), against 91-95 ms in
+the main thread; with one arena the worker thread's step took 91-94 ms in every run. The node's
+threads rarely allocate at the same moment; the training benchmark's nodes got faster, not slower.
 
 A leaf module (it imports nothing of ours).
 """

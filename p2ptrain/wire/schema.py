@@ -78,8 +78,9 @@ def _check(value: Any, tp: Any, where: str, meta: dict[str, Any]) -> Any:
 
 @functools.cache
 def _layout(cls: type) -> tuple[dict[str, Any], dict[str, dataclasses.Field[Any]]]:
-    """The resolved field types and the fields of a schema class: resolving the (string)
-    annotations took a third of a small message's decoding, and every node decodes every message."""
+    """The resolved field types and the fields of a schema class, once per class: resolving the
+    (string) annotations took 160 of the 200 µs of building a RoundPlan, and every node decodes
+    every message of the mesh."""
     return typing.get_type_hints(cls), {f.name: f for f in dataclasses.fields(cls)}
 
 
