@@ -125,6 +125,17 @@ class NodeProcess:
         except OSError:
             return ""
 
+    def events(self, lines: int = 60) -> str:
+        """The last ``lines`` lines of the node's log without its per-round progress lines: what a
+        failed multi-node test needs to show (elections, plans, failures), which thousands of
+        round lines would otherwise push out of view."""
+        try:
+            text = (self.home / "logs" / "stderr.log").read_text(errors="replace")
+        except OSError:
+            return ""
+        kept = [line for line in text.splitlines() if " done with " not in line]
+        return "\n".join(kept[-lines:])
+
     def terminate(self, timeout: float = 20.0) -> int:
         """SIGTERM, then wait (bounded); SIGKILL if it does not stop. Returns the exit code."""
         if self.proc is None:
@@ -167,6 +178,11 @@ def node_processes(n: int, base: Path, *, extra_args: Sequence[str] = (), ready_
         for p in procs:
             p.wait_ready(ready_timeout)
         yield procs
+    except BaseException:
+        # pytest shows what a failed test wrote to stderr: each node's story, not just an assert.
+        for p in procs:
+            sys.stderr.write(f"--- {p.home.name} ({p.peer_id[-8:]}): its last events ---\n{p.events()}\n")
+        raise
     finally:
         for p in procs:
             if p.proc is not None and p.proc.poll() is None:

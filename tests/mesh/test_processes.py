@@ -111,3 +111,11 @@ def test_status_without_a_node_is_one_clear_line(tmp_path, args):
     done = cli("node", *args, "--home", str(tmp_path / "h"))
     assert done.returncode == 1
     assert "no node is running for home" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_failed_block_shows_each_nodes_last_events(tmp_path, capsys):
+    with pytest.raises(RuntimeError, match="boom"), node_processes(1, tmp_path) as procs:
+        raise RuntimeError("boom")
+    err = capsys.readouterr().err
+    assert f"--- node0 ({procs[0].peer_id[-8:]}): its last events ---" in err
+    assert f"listening on /ip4/127.0.0.1/tcp/{procs[0].port}" in err
