@@ -64,6 +64,7 @@ ATTEST_TIMEOUT_S = 20.0  # a record short of a quorum of attestations by then is
 RETRY_BACKOFF_S = 1.5  # after a failed round, before the coordinator plans the retry
 FAILED_PEER_QUARANTINE_S = 10.0  # a peer named in a failed round is left out of plans this long
 FIRST_ROUND_GRACE_S = 2.0  # the first plan waits this long after election, for peers still joining
+CATCH_UP_WAIT_S = 2.0  # a member listed in a plan from a checkpoint it lacks waits this long for its head
 HOP_TIMEOUT_S = 5.0
 START_TIMEOUT_S = 15.0  # members start a round at different times (compute, plan latency)
 
@@ -122,6 +123,14 @@ class TaskRun:
         self.retry_after = 0.0
         self.elected_at: float | None = None
         self.busy = False
+        # Open while this member is in a span's rounds: a newer plan cancels it (see _on_plan).
+        self._rounds_scope: trio.CancelScope | None = None
+        # A member of the current plan reported that it cannot take part: retry without it now.
+        self._culprit_reported = False
+        # A plan that lists us but starts from a checkpoint we do not hold: (sender, plan), for the
+        # resync loop to catch up to and then follow.
+        self._catch_up: tuple[str, RoundPlan] | None = None
+        self._catch_up_wake = trio.Event()
         self._plans_send, self._plans_recv = trio.open_memory_channel[RoundPlan](64)
         self._batches: tuple[tuple[int, int], Iterator[Any]] | None = None
         self._done = trio.Event()
@@ -219,9 +228,11 @@ class TaskRun:
             # before claiming to hold the run's state (we hold step 0, which is only right early on).
             with trio.move_on_after(HEAD_EVERY_S * 1.5):
                 await self._head_heard.wait()
-        fresh = self.heads is None or self.heads.version == 0
+        # Step 0 is the run's state only while no span has started: a head at v0 with members may
+        # be up to HEAD_EVERY_S old, and the run past its first checkpoint by now.
+        fresh = self.heads is None or (self.heads.version == 0 and not self.heads.members)
         logger.info("%s: joined; %d steps, initial model %s%s", self.log_prefix, self.total_steps,
-                    self.initial_cid, "" if fresh else f"; the run is at model v{self.heads.version}: resyncing")
+                    self.initial_cid, "" if fresh else f"; the run is under way (model v{self.heads.version}): resyncing")
         if fresh:  # step 0 from the task's seed (or initial model): every member holds it
             self.synced, self.state = True, "training"
             self._advertise(True)
@@ -270,10 +281,14 @@ class TaskRun:
                 await self.node.publish(self.topic, out)
             self._note_coordinator(before, now)
         elif isinstance(msg, RoundPlan):
-            self._on_plan(sender, msg)
+            await self._on_plan(sender, msg)
         elif isinstance(msg, RoundFailed):
             if self.book is not None and self.book.report_failure(msg):
                 logger.info("%s: %s reports round %d failed: %s", self.log_prefix, short(sender), msg.round, msg.reason)
+                if self.election.is_coordinator and sender != self.me and self.book.reporter_out_of_step(msg):
+                    self.failed_peers[sender] = now + FAILED_PEER_QUARANTINE_S
+                    self._culprit_reported = True
+                    self._wake.set()
         elif isinstance(msg, SignedModelRecord):
             await self._on_record(msg)
         elif isinstance(msg, SignedAttestation):
@@ -292,21 +307,49 @@ class TaskRun:
             if self.election.is_coordinator:
                 self.elected_at = now
 
-    def _on_plan(self, sender: str, plan: RoundPlan) -> None:
+    async def _on_plan(self, sender: str, plan: RoundPlan) -> None:
         # Every plan goes through the book, also when we are not a member: that is how a joiner
         # learns the roster whose votes elected the coordinator.
         if self.book is None or plan.task_cid != self.task_cid:
             return
+        last = self.book.last_plan
+        new = last is None or (plan.term, plan.round, plan.attempt) > (last.term, last.round, last.attempt)
         problem = self.book.plan_problem(plan, sender, self.election)
         if problem is not None:
             logger.debug("%s: not following plan %d.%d: %s", self.log_prefix, plan.round, plan.attempt, problem)
+            if new and self.me in plan.members:
+                # Listed in a plan we will not follow (we do not recognise its coordinator yet):
+                # the others would wait for us until their start timeout.
+                await self._report_failure(plan, 0, f"cannot follow this plan: {problem}")
             return
-        if not self.synced:
+        self._culprit_reported = False  # it was about the plan this one supersedes
+        assert self.trainer is not None
+        if not self.synced or not self.trainer.can_align(plan.step):
+            # Listed in a plan from a checkpoint we do not hold (a joiner that advertised from a
+            # head the run has left, or a member that fell behind): the resync loop loads that
+            # checkpoint by CID and then follows the plan, while the others wait for our channels.
+            if self.synced:
+                self._desync()
+            if self._rounds_scope is not None:
+                self._rounds_scope.cancel()
+            self._catch_up = (sender, plan)
+            self._catch_up_wake.set()
             return
+        self._follow(plan)
+
+    def _follow(self, plan: RoundPlan) -> None:
+        """Hand a plan this member follows to the round loop."""
         try:
             self._plans_send.send_nowait(plan)
         except trio.WouldBlock:
             logger.warning("%s: plan queue full; dropped plan %d.%d", self.log_prefix, plan.round, plan.attempt)
+            return
+        if self._rounds_scope is not None:
+            # A followed plan is always after the one running here (a retry, or a new coordinator
+            # taking over): a round of the old one that still waits on a dead or absent peer would
+            # hold this member until its start timeout (15 s). Stop it now; its state is kept (the
+            # error feedback commits only after a round succeeds, the gradient stays pending).
+            self._rounds_scope.cancel()
 
     async def _on_record(self, signed: SignedModelRecord) -> None:
         if self.book is None or not self.synced:
@@ -386,7 +429,7 @@ class TaskRun:
 
     async def _control_loop(self) -> None:
         period = self.node.config.heartbeat_interval * TICK_FRACTION
-        last_head = -math.inf
+        last_head, head_version = -math.inf, -1
         while True:
             now = trio.current_time()
             roster = self.book.roster(self.me) if self.book else ()
@@ -401,8 +444,10 @@ class TaskRun:
                     self.book.rejected_step = self.tally.record.step
             if self.election.is_coordinator and self.synced:
                 await self._maybe_plan(now)
-                if now - last_head >= HEAD_EVERY_S:
-                    last_head = now
+                # Also at once when a checkpoint was confirmed: a member that the next plan lists
+                # without its state catches up from this head (_follow_from_behind).
+                if now - last_head >= HEAD_EVERY_S or self.book.chain.version != head_version:
+                    last_head, head_version = now, self.book.chain.version
                     await self._publish_head()
             with trio.move_on_after(period):
                 await self._wake.wait()
@@ -410,7 +455,14 @@ class TaskRun:
 
     async def _maybe_plan(self, now: float) -> None:
         assert self.book is not None and self.trainer is not None
-        if self.busy or now < self.retry_after:
+        last = self.book.last_plan
+        # The coordinator's own round may be waiting (up to START_TIMEOUT_S) on a peer that will not
+        # come: one of the old term's plan, when it was just elected, or one that reported it cannot
+        # take part. It plans at once; the new plan stops that round everywhere (_on_plan).
+        stuck = self._rounds_scope is not None and (
+            (last is not None and last.term != self.election.term) or self._culprit_reported
+        )
+        if (self.busy and not stuck) or now < self.retry_after:
             return
         if self._behind():
             # Elected while behind the run (e.g. it joined at step 0 and missed the records): it
@@ -427,7 +479,7 @@ class TaskRun:
         logger.info("%s: plan rounds %d-%d (attempt %d) from step %d with %d members", self.log_prefix,
                     plan.round, plan.round + plan.rounds - 1, plan.attempt, plan.step, len(plan.members))
         await self.node.publish(self.topic, plan)
-        self._on_plan(self.me, plan)
+        await self._on_plan(self.me, plan)
 
     async def _publish_head(self) -> None:
         assert self.book is not None
@@ -475,6 +527,8 @@ class TaskRun:
         except TrainerError as exc:
             logger.warning("%s: out of step (%s); resyncing from the latest confirmed model", self.log_prefix, exc)
             self._desync()
+            # The other members would wait for us until their start timeout: say so at once.
+            await self._report_failure(plan, 0, f"out of step: {exc}")
             return
         rank, world = shard_of(plan, self.me)
         try:
@@ -485,11 +539,21 @@ class TaskRun:
             return
         assert self.averager is not None
         average = self.averager.for_plan(plan)
-        for index in range(plan.rounds):
-            if self.book.last_plan is not plan:
-                return  # superseded (a retry, or a new coordinator's plan): the loop takes it up
-            if not await self._run_round(plan, index, batches, average):
-                return
+        index = 0
+        scope = self._rounds_scope = trio.CancelScope()
+        try:
+            with scope:
+                for index in range(plan.rounds):
+                    if self.book.last_plan is not plan:
+                        return  # superseded (a retry, or a new coordinator's plan): the loop takes it up
+                    if not await self._run_round(plan, index, batches, average):
+                        return
+        finally:
+            self._rounds_scope = None
+        if scope.cancelled_caught:
+            logger.info("%s: round %d (attempt %d) stopped: a newer plan supersedes it", self.log_prefix,
+                        plan.round + index, plan.attempt)
+            return
         await self._checkpoint(plan)
 
     async def _run_round(self, plan: RoundPlan, index: int, batches: Iterator[Any], average: Average) -> bool:
@@ -627,7 +691,13 @@ class TaskRun:
         """
         behind = 0
         while True:
-            await trio.sleep(self.node.config.heartbeat_interval)
+            with trio.move_on_after(self.node.config.heartbeat_interval):
+                await self._catch_up_wake.wait()
+            if self._catch_up is not None:
+                self._catch_up_wake = trio.Event()
+                (sender, plan), self._catch_up = self._catch_up, None
+                await self._follow_from_behind(sender, plan)
+                continue
             head = self.heads
             if self.book is None or head is None:
                 continue
@@ -649,6 +719,41 @@ class TaskRun:
                 await self._load_head(head)
             except (ContentUnavailable, RecordError, TrainerError) as exc:
                 logger.warning("%s: resync from model v%d failed: %s", self.log_prefix, head.version, exc)
+
+    async def _follow_from_behind(self, sender: str, plan: RoundPlan) -> None:
+        """Catch up to the checkpoint ``plan`` starts from, by CID from the run's head, then follow
+        it; if that cannot be done now, say so at once so the coordinator retries without us.
+
+        The coordinator publishes the head as soon as a checkpoint is confirmed, next to the plan
+        that starts from it, so the head is either here or on its way.
+        """
+        assert self.trainer is not None and self.book is not None
+        with trio.move_on_after(CATCH_UP_WAIT_S):
+            while self.heads is None or self.heads.version < plan.version:
+                await trio.sleep(0.05)
+        head = self.heads
+        problem = None
+        if head is None or head.version != plan.version or head.model_cid != plan.base_cid:
+            problem = f"behind the run, and its head is not the plan's base v{plan.version}"
+        elif head.version > self.book.chain.version or not self.trainer.can_align(plan.step):
+            try:
+                await self._load_head(head)
+            except (ContentUnavailable, RecordError, TrainerError) as exc:
+                problem = f"could not load the plan's base v{plan.version}: {exc}"
+        if problem is None and not self.trainer.can_align(plan.step):
+            problem = f"at step {self.trainer.step}, the plan starts at step {plan.step}"
+        if problem is not None:
+            logger.warning("%s: cannot follow plan %d.%d: %s", self.log_prefix, plan.round, plan.attempt, problem)
+            await self._report_failure(plan, 0, f"cannot follow this plan: {problem}")
+            return
+        if not self.synced:  # at the plan's base already (e.g. step 0 of a run that just began)
+            self.synced, self.state = True, "training"
+            self._advertise(True)
+        if self.book.last_plan is not plan and self.book.plan_problem(plan, sender, self.election) is not None:
+            return  # a newer plan came meanwhile: it is queued or catching up
+        logger.info("%s: caught up to model v%d; following plan %d.%d", self.log_prefix, plan.version,
+                    plan.round, plan.attempt)
+        self._follow(plan)
 
     async def _load_head(self, head: TaskHead) -> None:
         assert self.trainer is not None

@@ -124,6 +124,17 @@ class RoundBook:
             self.failed_round = report.round
         return True
 
+    def reporter_out_of_step(self, report: RoundFailed) -> bool:
+        """Whether a failure report of the current plan comes from a member that could not take part
+        at all: its optimizer step is neither the failed round's nor the one after (a member that
+        advertised the task from a state the run had left). The coordinator leaves it out of the
+        retry: it is the culprit, and the others may still be waiting for it."""
+        last = self.last_plan
+        if last is None:
+            return False
+        expected = last.step + (report.round - last.round)
+        return report.step not in (expected, expected + 1)
+
     def next_plan(
         self, election: Election, my_step: int, live: Collection[str], can_roll_back: bool = False
     ) -> RoundPlan | None:

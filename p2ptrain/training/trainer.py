@@ -327,15 +327,19 @@ class Trainer:
         self._snapshot = None
         self._snapshot_buffers = {}  # the optimizer's state may now be these very tensors
 
+    def can_align(self, plan_step: int) -> bool:
+        """Whether :meth:`align` can bring the trainer to ``plan_step``."""
+        return self.step == plan_step or (
+            self.step == plan_step + 1 and self._snapshot is not None and self._snapshot[0] == plan_step
+        )
+
     def align(self, plan_step: int) -> None:
         """Make the trainer be at ``plan_step`` before a round: roll back one step if a failed round
         was applied here but retried by the coordinator; anything else means resync from a checkpoint."""
-        if self.step == plan_step:
-            return
-        if self.step == plan_step + 1 and self._snapshot is not None and self._snapshot[0] == plan_step:
+        if not self.can_align(plan_step):
+            raise TrainerError(f"trainer is at step {self.step}, the round starts at step {plan_step}: resync")
+        if self.step == plan_step + 1:
             self.rollback()
-            return
-        raise TrainerError(f"trainer is at step {self.step}, the round starts at step {plan_step}: resync")
 
     # --- evaluation --------------------------------------------------------------------------
 

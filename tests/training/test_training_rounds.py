@@ -280,3 +280,26 @@ def test_checkpoint_barrier(tmp_path, digits, digits_task, rejected):
     diverged = c.book.checkpoint_record(nxt, 8, "Qma", "Qmb", {"loss": float("nan"), "accuracy": 0.1}, c.key)
     assert diverged.record.metrics == {"accuracy": 0.1}
     assert span_length(swarm.task, 8, 10) == 2  # the final span is cut at total_steps
+
+
+def test_a_report_from_a_member_that_could_not_take_part_names_it(tmp_path, digits, digits_task):
+    swarm = Swarm(tmp_path, digits, digits_task, steps=10)
+    for name in "abc":
+        swarm.add(name)
+    c = swarm.elect()
+    plan = c.book.next_plan(c.election, 0, swarm.live())
+    assert c.book.plan_problem(plan, c.id, c.election) is None
+    span = RoundPlan(**{**plan.__dict__, "round": 8, "step": 4})  # a span from step 4, as after a checkpoint
+    c.book.last_plan = span
+
+    def report(round_: int, step: int) -> RoundFailed:
+        return RoundFailed(task_cid=swarm.task_cid, term=span.term, round=round_, attempt=span.attempt,
+                           step=step, reason="x")
+
+    # Round 9 is step 5 of the run: a member there (or one past it, having applied it) took part.
+    assert c.book.report_failure(report(9, 5)) and not c.book.reporter_out_of_step(report(9, 5))
+    assert not c.book.reporter_out_of_step(report(9, 6))
+    # A member still at step 0 (or ahead of the span) advertised a state the run had left.
+    assert c.book.report_failure(report(8, 0)) and c.book.reporter_out_of_step(report(8, 0))
+    assert c.book.reporter_out_of_step(report(8, 7))
+    assert c.book.failed_round == 8
