@@ -24,7 +24,15 @@ The scheme is Raft's election with a deterministic candidate:
   requests, so a peer that rejoins with a stale view cannot disrupt a working term; such a peer
   (no coordinator, term run ahead on its own) follows the first heartbeat with a valid certificate.
 - A coordinator that no longer sees a quorum of its roster alive steps down, so the minority side of
-  a partition stops issuing rounds.
+  a partition stops issuing rounds. One whose votes no longer cover the roster (members joined or
+  left) calls a new election; in the term it gives up it does not stand: the others learn of the
+  change only when its heartbeats stop, and by then they suspect it, so its own vote would split
+  the term.
+- Terms time out on each member's own clock, so a member's term may run ahead of a candidate's
+  (the old coordinator above starts its new term seconds before the others do). A member without
+  a coordinator still votes, once, in a term up to ``_LOWER_TERM_VOTES`` behind its own, and follows
+  that term's winner; without this, a member one term ahead ignored every request and elections
+  went round for dozens of seconds (seen in the fault test's logs).
 """
 
 from __future__ import annotations
@@ -47,6 +55,8 @@ log = logging.getLogger(__name__)
 ElectionMessage = VoteRequest | SignedVote | CoordinatorBeat
 # Ballots older than this many terms are forgotten; those elections ended long ago.
 _BALLOT_MEMORY = 256
+# How many terms back a member without a coordinator still votes (see Election._on_request).
+_LOWER_TERM_VOTES = 2
 # Votes carried in a heartbeat (task.MAX_PEERS members at most, so all of them fit).
 _MAX_CERTIFICATE = 128
 
@@ -93,6 +103,10 @@ class Election:
         self._term_started: float | None = None
         self._last_heard = 0.0
         self._last_sent = -1e18
+        # The term a coordinator gave up (roster changed, or its state fell behind) calls: it does
+        # not stand in it. The others stop hearing it and suspect it, so they would not pick it,
+        # and a vote for itself would split the term.
+        self._abstain_term = -1
 
     # --- queries --------------------------------------------------------------------------------
 
@@ -134,6 +148,7 @@ class Election:
                 log.info("task %s: coordinator %s's votes no longer cover the roster; new election (term %d)",
                          self.task_cid[:12], self.me[-8:], self.term + 1)
                 self._new_term(now, self.term + 1)
+                self._abstain_term = self.term
             else:
                 # Checked once per (term, roster): verifying every vote's signature at each tick is waste.
                 self._certified_for = (self.term, voters)
@@ -149,9 +164,12 @@ class Election:
             self.suspects.add(self.coordinator)
             self._new_term(now, self.term + 1)
         elif now - self._term_started >= timeout:
+            log.info("task %s: term %d passed without a coordinator; %s moves to term %d (voted for %s)",
+                     self.task_cid[:12], self.term, self.me[-8:], self.term + 1,
+                     (self.voted_for or "nobody")[-8:])
             self._new_term(now, self.term + 1)
         mine = designated(self.task_cid, self.term, self._eligible()) == self.me
-        if self.term > 0 and self.voted_for in (None, self.me) and mine:
+        if self.term > 0 and self.voted_for in (None, self.me) and mine and self.term != self._abstain_term:
             out += self._stand(now)
         return out
 
@@ -174,6 +192,7 @@ class Election:
         if self.is_coordinator:
             log.info("task %s: coordinator %s steps down (term %d)", self.task_cid[:12], self.me[-8:], self.term)
             self._new_term(now, self.term + 1)
+            self._abstain_term = self.term
 
     # --- transitions ------------------------------------------------------------------------------
 
@@ -185,10 +204,13 @@ class Election:
         self._term_started = now
 
     def _vote(self, candidate: str) -> SignedVote:
-        self._ballots[self.term] = candidate
+        return self._vote_in(self.term, candidate)
+
+    def _vote_in(self, term: int, candidate: str) -> SignedVote:
+        self._ballots[term] = candidate
         while len(self._ballots) > _BALLOT_MEMORY:
             del self._ballots[min(self._ballots)]
-        body = Vote(task_cid=self.task_cid, term=self.term, candidate=candidate, voter=self.me)
+        body = Vote(task_cid=self.task_cid, term=term, candidate=candidate, voter=self.me)
         return SignedVote(vote=body, signature=signing.sign(body, self.key_pair))
 
     def _stand(self, now: float) -> list[ElectionMessage]:
@@ -196,6 +218,8 @@ class Election:
         if self.voted_for is None:
             own = self._vote(self.me)
             self._votes[self.me] = own
+            log.info("task %s: %s stands for term %d (roster %d, eligible %s)", self.task_cid[:12], self.me[-8:],
+                     self.term, len(self._voters()), sorted(p[-8:] for p in self._eligible()))
         out: list[ElectionMessage] = []
         if self._won():
             return [self._become_coordinator(now)]
@@ -223,7 +247,19 @@ class Election:
         return CoordinatorBeat(task_cid=self.task_cid, term=self.term, coordinator=self.me, votes=self._certificate)
 
     def _on_request(self, now: float, sender: str, msg: VoteRequest) -> list[ElectionMessage]:
-        if sender != msg.candidate or msg.term < self.term:
+        if sender != msg.candidate:
+            return []
+        if msg.term < self.term:
+            # Our terms time out on our own clock, so ours may have run ahead of the candidate's
+            # (a coordinator that gave up its term starts the next one before the others notice).
+            # With no coordinator we still vote in that recent term, once: ballots are per term,
+            # so no term gets two coordinators, and its winner is followed (see _on_beat).
+            if (self.coordinator is None and msg.term >= self.term - _LOWER_TERM_VOTES
+                    and msg.term not in self._ballots and msg.candidate in self._voters()
+                    and msg.candidate in self.live | {self.me}):
+                log.info("task %s: %s votes for %s in earlier term %d (at term %d)", self.task_cid[:12],
+                         self.me[-8:], msg.candidate[-8:], msg.term, self.term)
+                return [self._vote_in(msg.term, msg.candidate)]
             return []
         if self.coordinator is not None and (self.is_coordinator or now - self._last_heard < self.config.timeout_s):
             return []  # a working term is not disrupted by one peer's stale view
@@ -233,6 +269,9 @@ class Election:
             return []
         if self.voted_for not in (None, msg.candidate):
             return []
+        if self.voted_for is None:
+            log.info("task %s: %s votes for %s in term %d", self.task_cid[:12], self.me[-8:], msg.candidate[-8:],
+                     self.term)
         return [self._vote(msg.candidate)]
 
     def _on_vote(self, now: float, signed: SignedVote) -> list[ElectionMessage]:

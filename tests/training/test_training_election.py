@@ -256,3 +256,36 @@ def test_largest_certificate_fits_the_wire():
     judge = Election(TASK, keys[1], CONFIG)
     judge.tick(0.0, {signing.peer_str(k) for k in keys[2:]} | {candidate}, [signing.peer_str(k) for k in keys])
     assert judge.check_certificate(got) is None
+
+
+def test_a_coordinator_that_gives_up_its_term_does_not_stand_in_the_next():
+    # The others stop hearing it and suspect it, so a vote for itself would only split the term.
+    for _ in range(100):
+        net = Net(4)
+        net.roster = tuple(net.ids[:3])
+        net.run(6)
+        term, old = net.agreed()
+        if designated(TASK, term + 1, net.ids) == old:  # it would be the next term's candidate
+            break
+    net.roster = tuple(net.ids)  # a fourth member: its votes (a quorum of three) no longer cover it
+    net.run(2.0)  # the others still hear nothing wrong for a while (timeout is 3 s)
+    e = net.nodes[old]
+    assert not e.is_coordinator and e.term == term + 1 and e.voted_for is None
+    net.run(2 * CONFIG.timeout_s)
+    new_term, new = net.agreed()
+    assert new_term > term and new != old
+
+
+def test_a_member_whose_term_ran_ahead_still_votes_once_in_a_recent_one():
+    keys = [create_new_key_pair() for _ in range(3)]
+    a, b, c = (Election(TASK, k, CONFIG) for k in keys)
+    ids = [signing.peer_str(k) for k in keys]
+    roster = tuple(ids)
+    for e in (a, b, c):
+        e.tick(0.0, set(ids) - {e.me}, roster)
+    a._new_term(0.0, 5)  # its own clock moved it on; it has voted in none of these terms
+    out = a.receive(0.1, ids[1], VoteRequest(task_cid=TASK, term=4, candidate=ids[1]))
+    assert [(m.vote.term, m.vote.candidate) for m in out] == [(4, ids[1])]
+    assert a.term == 5  # it stays where it is
+    assert a.receive(0.2, ids[2], VoteRequest(task_cid=TASK, term=4, candidate=ids[2])) == []  # once per term
+    assert a.receive(0.3, ids[2], VoteRequest(task_cid=TASK, term=2, candidate=ids[2])) == []  # too old
