@@ -17,6 +17,11 @@ When a member sees a neighbour die, stall past the hop deadline, or send a bad f
 other member with an ABORT notice naming that peer, then leaves. Members that were merely waiting on
 a healthy neighbour therefore fail within milliseconds with the true culprit named, instead of each
 timing out and blaming whoever sits to its left.
+
+The culprit is told too (briefly: it may be dead), and a member asked to join a round that already
+failed here answers with the same notice. A member that is merely late (it got the plan after the
+others gave up on it) then learns that it was the one named, instead of finding its neighbours gone
+and blaming them: a healthy peer wrongly blamed would be left out of the next rings it plans.
 """
 
 from __future__ import annotations
@@ -60,6 +65,9 @@ PROTOCOL = "/p2ptrain/collective/1.0.0"
 # How long a member that lost a neighbour's channel waits for the abort notice that may explain it.
 _GRACE_S = 0.5
 _ABORT_SEND_S = 2.0
+# The notice to the culprit itself is bounded tighter: it is often dead, and a dial to a vanished
+# machine hangs where a live one answers in milliseconds.
+_CULPRIT_NOTICE_S = 0.5
 _MAX_PENDING = 64
 _MEMORY = 1024
 # How long a channel waits for its next round. A sender stops reusing a channel well before the
@@ -219,7 +227,8 @@ class RoundHub:
         self._inbox: dict[tuple[int, ID], _Arrival] = {}
         self._waiting: dict[tuple[int, ID], trio.Event] = {}
         self._early_aborts: OrderedDict[int, tuple[ID, PeerFailed]] = OrderedDict()
-        self._finished: OrderedDict[int, None] = OrderedDict()
+        # Rounds ended here, with the failure that ended each (None: it completed).
+        self._finished: OrderedDict[int, PeerFailed | None] = OrderedDict()
         self._idle_out: dict[ID, list[tuple[Channel, float]]] = {}
         self._idle_in: dict[ID, int] = {}
         self.channels_opened = 0  # outbound channels opened so far (reuse keeps this low)
@@ -281,6 +290,13 @@ class RoundHub:
         key = (round_id, peer)
         if round_id in self._finished or key in self._inbox or len(self._inbox) >= _MAX_PENDING:
             logger.info("collective: refused round %d channel from %s", round_id, short_id(peer))
+            failure = self._finished.get(round_id)
+            if failure is not None:  # a late member: tell it why the round is over
+                with trio.move_on_after(_CULPRIT_NOTICE_S):
+                    try:
+                        await channel.send(abort_frame(round_id, failure.peer_id, failure.reason))
+                    except ChannelError:
+                        pass
             return False
         arrival = _Arrival(channel, digest)
         self._inbox[key] = arrival
@@ -312,11 +328,11 @@ class RoundHub:
     # ---- outbound ------------------------------------------------------------------------------
 
     async def broadcast_abort(self, ring: list[ID], round_id: int, culprit: ID, reason: str) -> None:
-        """Tell every other member (not the culprit) that the round failed; best effort, bounded."""
+        """Tell every other member, the culprit included, that the round failed; best effort, bounded."""
         frame = abort_frame(round_id, culprit, reason)
 
         async def tell(peer: ID) -> None:
-            with trio.move_on_after(_ABORT_SEND_S):
+            with trio.move_on_after(_CULPRIT_NOTICE_S if peer == culprit else _ABORT_SEND_S):
                 try:
                     channel = await open_channel(self.host, peer, self.protocol)
                     async with channel:
@@ -327,7 +343,7 @@ class RoundHub:
         with trio.CancelScope(shield=True):
             async with trio.open_nursery() as nursery:
                 for peer in ring:
-                    if peer != self.me and peer != culprit:
+                    if peer != self.me:
                         nursery.start_soon(tell, peer)
 
     async def _accept(self, round_id: int, left: ID, digest: bytes, timeout: float) -> _Arrival:
@@ -345,7 +361,8 @@ class RoundHub:
         arrival.claimed.set()
         if arrival.digest != digest:
             with trio.move_on_after(1):
-                await arrival.channel.send(abort_frame(round_id, left, "round parameters differ"))
+                # Naming ourselves: the dialer cannot tell which side's parameters are stale either.
+                await arrival.channel.send(abort_frame(round_id, self.me, "round parameters differ"))
             arrival.released.set()
             raise PeerFailed(
                 left, "disagrees on the round (ring order, size, dtype, density or op differ)"
@@ -383,7 +400,9 @@ class RoundHub:
             header = parse_header(frame)
             if header.kind == Kind.ABORT:
                 culprit, reason = parse_abort(frame, header)
-                raise PeerFailed(right, f"refused the round: {reason}")
+                if culprit == right:
+                    raise PeerFailed(right, f"refused the round: {reason}")
+                raise PeerFailed(culprit, reason, reported_by=right)  # the round failed there already
             if header.kind != Kind.READY or header.round_id != round_id:
                 raise ValueError(f"expected READY for round {round_id}, got {header}")
         except ValueError as error:
@@ -445,7 +464,7 @@ class RoundHub:
         state = _Round(round_id, ring, trio.CancelScope())
         early = self._early_aborts.pop(round_id, None)
         if early is not None and early[0] in ring:
-            self._remember(round_id)
+            self._remember(round_id, early[1])
             raise early[1]
         self._active[round_id] = state
         if mesh:
@@ -469,8 +488,14 @@ class RoundHub:
                         arrivals[peer] = arrival = await self._accept(
                             round_id, peer, digest, start_timeout
                         )
-                        with trio.fail_after(timeout):
-                            await arrival.channel.send(Header(Kind.READY, round_id).pack())
+                        try:
+                            with trio.fail_after(timeout):
+                                await arrival.channel.send(Header(Kind.READY, round_id).pack())
+                        except ChannelError as error:
+                            # A channel parked before we joined, which its sender has since reset:
+                            # its round failed there, and the notice saying why may be on its way.
+                            await trio.sleep(_GRACE_S)
+                            raise PeerFailed(peer, f"its channel broke before the round began: {error}") from error
 
                     with single_failure():
                         async with trio.open_nursery() as nursery:
@@ -500,7 +525,7 @@ class RoundHub:
                 logger.info("collective: round %d failed here: %s", round_id, detected)
                 await self.broadcast_abort(ring, round_id, detected.peer_id, detected.reason)
             del self._active[round_id]
-            self._remember(round_id)
+            self._remember(round_id, detected or state.abort)
             # Only a round that ran to its end leaves every channel at a message boundary.
             reusable = completed and detected is None and state.abort is None
             for peer, channel in outbound.items():
@@ -514,7 +539,7 @@ class RoundHub:
         if state.abort is not None and state.scope.cancelled_caught:
             raise state.abort
 
-    def _remember(self, round_id: int) -> None:
-        self._finished[round_id] = None
+    def _remember(self, round_id: int, failure: PeerFailed | None) -> None:
+        self._finished[round_id] = failure
         while len(self._finished) > _MEMORY:
             self._finished.popitem(last=False)

@@ -192,3 +192,40 @@ async def test_peer_that_stalls_mid_round_is_named_by_everyone(cluster, gather, 
     if density == 1.0:
         assert outs[3].reported_by is None  # its right neighbour saw the silence itself ...
         assert outs[0].reported_by == ring[3]  # ... and told the others
+
+
+@pytest.mark.parametrize("density", [1.0, 0.01])
+@pytest.mark.parametrize("notice", ["heard", "lost"])
+async def test_a_member_that_joins_after_the_others_gave_up_learns_it_was_named(cluster, gather, density, notice):
+    """Peer 2 gets the round only after its neighbours timed out on it. It must not blame them.
+
+    Before, it found their channels gone (a dial refused, a parked HELLO since reset) and blamed a
+    healthy neighbour, which it would then leave out of the rings it plans. Now the others' abort
+    notice reaches it too, and if that notice is lost, a neighbour asked to join the failed round
+    answers with the same notice.
+    """
+    n, start, rid = 1000, 1.0, 31
+    async with cluster(3) as peers:
+        ring = [p.id for p in peers]
+        outs = await gather(
+            [lambda p=p: p.collective.allreduce(torch.ones(n), ring, rid, density=density, timeout=start)
+             for p in peers[:2]],
+            deadline=10,
+        )
+        assert all(isinstance(o, PeerFailed) and o.peer_id == ring[2] for o in outs), outs
+        hub = peers[2].collective.hub
+        if notice == "heard":
+            with trio.fail_after(5):
+                while rid not in hub._early_aborts:
+                    await trio.sleep(0.05)
+        else:
+            await trio.sleep(0.5)
+            hub._early_aborts.clear()  # as if the notice never arrived
+        began = trio.current_time()
+        late, = await gather(
+            [lambda: peers[2].collective.allreduce(torch.ones(n), ring, rid, density=density, timeout=5.0)],
+            deadline=10,
+        )
+        assert isinstance(late, PeerFailed) and late.peer_id == ring[2], late
+        assert late.reported_by in ring[:2]
+        assert trio.current_time() - began < 5.0  # told at once, not left to time out on its own
