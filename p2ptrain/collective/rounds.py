@@ -395,6 +395,10 @@ class RoundHub:
         except trio.TooSlowError:
             raise PeerFailed(right, f"did not join round {round_id} within {timeout:g} s") from None
         except ChannelError as error:
+            # Also what a member sees when the peer took our HELLO and then its round failed for
+            # another reason: the reset of this stream outruns the notice, which needs a stream
+            # of its own. Give the notice time to arrive before blaming the peer.
+            await trio.sleep(_GRACE_S)
             raise PeerFailed(right, f"cannot reach it: {error}") from error
         try:
             header = parse_header(frame)

@@ -229,3 +229,32 @@ async def test_a_member_that_joins_after_the_others_gave_up_learns_it_was_named(
         assert isinstance(late, PeerFailed) and late.peer_id == ring[2], late
         assert late.reported_by in ring[:2]
         assert trio.current_time() - began < 5.0  # told at once, not left to time out on its own
+
+
+async def test_a_member_whose_join_is_dropped_waits_for_the_notice_that_explains_it(cluster, gather):
+    """Peer 2 takes peer 1's HELLO, then its round fails on dead peer 3: it resets the channel and
+    its abort notice, which needs a stream of its own, arrives after the reset. Peer 1 must name
+    peer 3, not peer 2 (a fault-test log showed a healthy joiner blamed this way)."""
+    rid = 41
+    async with cluster(4) as peers:
+        ring = [p.id for p in peers]
+        peers[3].kill()
+        hub = peers[2].collective.hub
+
+        async def member_2_fails_on_peer_3():
+            with trio.fail_after(5):
+                while (rid, ring[1]) not in hub._inbox:
+                    await trio.sleep(0.01)
+            arrival = hub._inbox.pop((rid, ring[1]))
+            arrival.claimed.set()
+            arrival.released.set()  # not reusable: the parked channel is reset
+            await trio.sleep(0.1)
+            await hub.broadcast_abort(ring, rid, ring[3], "cannot reach it")
+
+        outs = await gather(
+            [lambda p=p: p.collective.allreduce(torch.ones(1000), ring, rid, timeout=3) for p in peers[:2]]
+            + [member_2_fails_on_peer_3],
+            deadline=10,
+        )
+    for out in outs[:2]:
+        assert isinstance(out, PeerFailed) and out.peer_id == ring[3] and out.reported_by == ring[2], out
