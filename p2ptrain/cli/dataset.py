@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from p2ptrain.cli.ipfs import add_store_options, content_errors, store_from_args
+from p2ptrain.cli.ipfs import add_store_options, cid_arg, content_errors, store_from_args
 from p2ptrain.data.manifest import Manifest, ManifestError
 from p2ptrain.errors import UserError
 
@@ -66,7 +66,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_add)
 
     p = cmds.add_parser("info", help="describe the dataset a manifest CID names")
-    p.add_argument("cid", metavar="CID")
+    p.add_argument("cid", metavar="CID", type=cid_arg)
     p.add_argument("--json", action="store_true", help="print the manifest as JSON")
     add_store_options(p)
     p.set_defaults(func=cmd_info)

@@ -13,13 +13,23 @@ from pathlib import Path
 
 from p2ptrain.errors import UserError
 from p2ptrain.ipfs.blockstore import PinFileError
-from p2ptrain.ipfs.cid import BlockMismatch, InvalidCID
+from p2ptrain.ipfs.cid import BlockMismatch, InvalidCID, parse_cid
 from p2ptrain.ipfs.store import ContentStore, ContentUnavailable, open_store
 from p2ptrain.ipfs.unixfs import DagError
 
 # Below this a bar is noise when stderr is not a terminal (logs, CI); above it a silent minute worries.
 LARGE_FILE = 256 * 1024 * 1024
 CONTENT_ERRORS = (InvalidCID, BlockMismatch, ContentUnavailable, DagError, PinFileError)
+
+
+def cid_arg(text: str) -> str:
+    """argparse ``type`` of every CID argument: a mistyped CID is a usage error, named at once,
+    before a store is opened or a node is asked (and never a traceback from deep inside)."""
+    try:
+        parse_cid(text)
+    except InvalidCID as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text.strip()
 
 
 def add_store_options(parser: argparse.ArgumentParser) -> None:
@@ -134,12 +144,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_add)
 
     p = cmds.add_parser("cat", help="write a file's bytes to stdout")
-    p.add_argument("cid", metavar="CID")
+    p.add_argument("cid", metavar="CID", type=cid_arg)
     add_store_options(p)
     p.set_defaults(func=cmd_cat)
 
     p = cmds.add_parser("get", help="save a file (written atomically)")
-    p.add_argument("cid", metavar="CID")
+    p.add_argument("cid", metavar="CID", type=cid_arg)
     p.add_argument("-o", "--output", metavar="PATH",
                    help="file to write, or a folder to write CID into (default: ./CID)")
     add_store_options(p)
@@ -148,12 +158,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     pin = cmds.add_parser("pin", help="keep content in the local store")
     pins = pin.add_subparsers(dest="pin_command", metavar="ACTION", required=True)
     p = pins.add_parser("add", help="fetch the whole DAG and pin it")
-    p.add_argument("cid", metavar="CID")
+    p.add_argument("cid", metavar="CID", type=cid_arg)
     p.add_argument("--direct", dest="recursive", action="store_false", help="pin the root block only")
     add_store_options(p)
     p.set_defaults(func=cmd_pin_add)
     p = pins.add_parser("rm", help="unpin")
-    p.add_argument("cid", metavar="CID")
+    p.add_argument("cid", metavar="CID", type=cid_arg)
     add_store_options(p)
     p.set_defaults(func=cmd_pin_rm)
     p = pins.add_parser("ls", help="list pins")

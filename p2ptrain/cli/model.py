@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from p2ptrain.cli.ipfs import cid_arg
 from p2ptrain.errors import UserError
 
 if TYPE_CHECKING:
@@ -30,8 +31,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     msub = group.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     fetch = msub.add_parser("fetch", help="fetch a model by CID (verified) into a safetensors file")
-    fetch.add_argument("model_cid", nargs="?", metavar="MODEL_CID")
-    fetch.add_argument("--latest", metavar="TASK_CID", help="fetch the latest confirmed model of this task")
+    fetch.add_argument("model_cid", nargs="?", metavar="MODEL_CID", type=cid_arg)
+    fetch.add_argument("--latest", metavar="TASK_CID", type=cid_arg, help="fetch the latest confirmed model of this task")
     fetch.add_argument("-o", "--output", type=Path, required=True, help="where to write the .safetensors file")
     _source_options(fetch)
     fetch.add_argument("--json", action="store_true", help="print one JSON object (model_cid, path, bytes, model)")
@@ -39,7 +40,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
     evaluate = msub.add_parser("eval", help="accuracy and loss of a model on a dataset split")
     evaluate.add_argument("model", metavar="MODEL_CID|PATH")
-    evaluate.add_argument("--dataset", required=True, metavar="MANIFEST_CID", help="dataset manifest CID")
+    evaluate.add_argument("--dataset", required=True, metavar="MANIFEST_CID", type=cid_arg, help="dataset manifest CID")
     evaluate.add_argument("--split", default="test", help="split to evaluate on (default test)")
     evaluate.add_argument("--batch-size", type=int, default=256)
     _source_options(evaluate)
@@ -204,6 +205,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from p2ptrain.training.loading import load_model
     from p2ptrain.training.trainer import batched, evaluate_batches
 
+    if not Path(args.model).exists():
+        try:
+            cid_arg(args.model)
+        except argparse.ArgumentTypeError as exc:
+            raise UserError(f"{args.model} is not a file, and {exc}") from None
     wanted = [args.dataset] + ([] if Path(args.model).exists() else [args.model])
     ensure_local(home, wanted, args.bootstrap, then=lambda store: split_shards(store, args.dataset, args.split))
     store = open_store(home)

@@ -10,6 +10,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from p2ptrain.cli.ipfs import cid_arg
+
 HOME_HELP = "node home: identity key, config, control socket, blocks, logs (default: $P2PTRAIN_HOME or ~/.p2ptrain)"
 
 
@@ -55,7 +57,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--accept-tasks", action="store_true",
         help="join every announced task whose requirements this node meets (default: only --join)",
     )
-    start.add_argument("--join", action="append", default=[], metavar="TASK_CID", help="take part in this task (repeatable)")
+    start.add_argument("--join", action="append", default=[], metavar="TASK_CID", type=cid_arg, help="take part in this task (repeatable)")
     start.add_argument(
         "--device", default="auto",
         help="where to train: auto (CUDA when available, else CPU), cpu, cuda or cuda:N (default auto)",

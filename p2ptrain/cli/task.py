@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from p2ptrain.cli.ipfs import cid_arg
 from p2ptrain.errors import UserError
 
 HOME_HELP = "home of the running node to use (default: $P2PTRAIN_HOME or ~/.p2ptrain)"
@@ -33,7 +34,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     publish.set_defaults(func=cmd_publish)
 
     status = tsub.add_parser("status", help="state, round, members, coordinator and latest model of a task")
-    status.add_argument("task_cid", metavar="TASK_CID")
+    status.add_argument("task_cid", metavar="TASK_CID", type=cid_arg)
     status.add_argument("--home", type=Path, default=None, help=HOME_HELP)
     status.add_argument("--json", action="store_true", help="print one JSON object")
     status.set_defaults(func=cmd_status)

@@ -57,7 +57,6 @@ def test_pins_persist(tmp_path, hello):
 @pytest.mark.parametrize(
     "args,message",
     [
-        (("cat", "not-a-cid"), "not a CID"),
         (("get", HELLO_V0, "-o", "/nonexistent/dir/x"), "no such directory"),
         (("pin", "rm", HELLO_V0), "not pinned"),
         (("add", "/nonexistent-file"), "not a file"),
