@@ -214,7 +214,7 @@ def _follow(cluster: Cluster, task_cid: str, steps: int, deadline: float, quiet:
 
     live = sys.stderr.isatty() and not quiet
     bar = tqdm(total=steps, unit="step", disable=not live, file=sys.stderr, dynamic_ncols=True)
-    last_line = 0.0
+    last_line, last_text = 0.0, ""
     try:
         while True:
             statuses = {}
@@ -234,12 +234,18 @@ def _follow(cluster: Cluster, task_cid: str, steps: int, deadline: float, quiet:
             sent = sum(s.get("bytes_sent", 0) for s in statuses.values())
             line = (f"model v{lead.get('version', 0)}  loss {_num(lead.get('loss'))}  test acc {_num(acc)}  "
                     f"peers {len(lead.get('members') or [])}  sent {sent / 1024:.1f} KiB")
+            if step == 0:  # before the first round: say what the peers are doing
+                states = sorted({str(s.get("state")) for s in statuses.values()})
+                if states == ["training"]:
+                    states = ["electing a coordinator" if not lead.get("coordinator") else "coordinator elected"]
+                line = f"{line}  ({', '.join(states)})"
             bar.n = min(step, steps)
             bar.set_postfix_str(line, refresh=False)
             bar.refresh()
-            if not live and not quiet and time.monotonic() - last_line >= 5.0:
-                last_line = time.monotonic()
-                print(f"      step {step}/{steps}  {line}", file=sys.stderr)
+            text = f"      step {step}/{steps}  {line}"
+            if not live and not quiet and time.monotonic() - last_line >= 5.0 and text != last_text:
+                last_line, last_text = time.monotonic(), text
+                print(text, file=sys.stderr)
             if len(statuses) == len(cluster.homes) and all(s.get("state") == "done" for s in statuses.values()):
                 return statuses
             if time.monotonic() > deadline:
