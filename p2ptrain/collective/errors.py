@@ -22,13 +22,15 @@ class PeerFailed(CollectiveError):
     """A peer died, stalled past a deadline, or sent something we refuse to sum.
 
     ``peer_id`` is the peer to blame; ``reported_by`` is the peer that saw it when the news came in an
-    abort notice rather than from our own neighbour.
+    abort notice rather than from our own neighbour. ``gone``: its channel broke or it could not be
+    reached, so it is dead or has left the round (rather than silent, late or misbehaving).
     """
 
-    def __init__(self, peer_id: ID, reason: str, *, reported_by: ID | None = None) -> None:
+    def __init__(self, peer_id: ID, reason: str, *, reported_by: ID | None = None, gone: bool = False) -> None:
         self.peer_id = peer_id
         self.reason = reason
         self.reported_by = reported_by
+        self.gone = gone
         via = f" (reported by {short_id(reported_by)})" if reported_by is not None else ""
         super().__init__(f"peer {short_id(peer_id)} failed: {reason}{via}")
 

@@ -134,7 +134,7 @@ class RoundLinks:
             ) from None
         except ChannelError as error:
             await trio.sleep(_GRACE_S)  # an abort notice naming the real culprit may be on its way
-            raise PeerFailed(peer, f"channel broke while sending: {error}") from error
+            raise PeerFailed(peer, f"channel broke while sending: {error}", gone=True) from error
         self.bytes_sent += len(frame) + 8  # the channel's length prefix
 
     async def recv(
@@ -187,7 +187,7 @@ class RoundLinks:
             raise BadPayload(peer, f"sent an oversized frame: {error}") from None
         except ChannelError as error:
             await trio.sleep(_GRACE_S)
-            raise PeerFailed(peer, f"channel broke while receiving: {error}") from error
+            raise PeerFailed(peer, f"channel broke while receiving: {error}", gone=True) from error
         try:
             header = parse_header(frame)
         except ValueError as error:
@@ -327,8 +327,11 @@ class RoundHub:
 
     # ---- outbound ------------------------------------------------------------------------------
 
-    async def broadcast_abort(self, ring: list[ID], round_id: int, culprit: ID, reason: str) -> None:
-        """Tell every other member, the culprit included, that the round failed; best effort, bounded."""
+    async def broadcast_abort(
+        self, ring: list[ID], round_id: int, culprit: ID, reason: str, *, tell_culprit: bool = True
+    ) -> None:
+        """Tell every other member that the round failed, and the culprit too unless its channel
+        broke (it is gone, or left the round itself); best effort, bounded."""
         frame = abort_frame(round_id, culprit, reason)
 
         async def tell(peer: ID) -> None:
@@ -343,7 +346,7 @@ class RoundHub:
         with trio.CancelScope(shield=True):
             async with trio.open_nursery() as nursery:
                 for peer in ring:
-                    if peer != self.me:
+                    if peer != self.me and (tell_culprit or peer != culprit):
                         nursery.start_soon(tell, peer)
 
     async def _accept(self, round_id: int, left: ID, digest: bytes, timeout: float) -> _Arrival:
@@ -399,7 +402,7 @@ class RoundHub:
             # another reason: the reset of this stream outruns the notice, which needs a stream
             # of its own. Give the notice time to arrive before blaming the peer.
             await trio.sleep(_GRACE_S)
-            raise PeerFailed(right, f"cannot reach it: {error}") from error
+            raise PeerFailed(right, f"cannot reach it: {error}", gone=True) from error
         try:
             header = parse_header(frame)
             if header.kind == Kind.ABORT:
@@ -499,7 +502,9 @@ class RoundHub:
                             # A channel parked before we joined, which its sender has since reset:
                             # its round failed there, and the notice saying why may be on its way.
                             await trio.sleep(_GRACE_S)
-                            raise PeerFailed(peer, f"its channel broke before the round began: {error}") from error
+                            raise PeerFailed(
+                                peer, f"its channel broke before the round began: {error}", gone=True
+                            ) from error
 
                     with single_failure():
                         async with trio.open_nursery() as nursery:
@@ -518,7 +523,7 @@ class RoundHub:
                     detected = PeerFailed(ring[(me - 1) % size], "did not answer within the deadline")
                     raise detected from None
                 except ChannelError as error:
-                    detected = PeerFailed(error.peer_id or ring[(me + 1) % size], str(error))
+                    detected = PeerFailed(error.peer_id or ring[(me + 1) % size], str(error), gone=True)
                     raise detected from error
                 except Exception as error:
                     # Our own failure: name ourselves so the others stop waiting for us at once.
@@ -527,7 +532,12 @@ class RoundHub:
         finally:
             if detected is not None and state.abort is None:
                 logger.info("collective: round %d failed here: %s", round_id, detected)
-                await self.broadcast_abort(ring, round_id, detected.peer_id, detected.reason)
+                # A culprit whose channel broke is dead or has left the round: a dial to a vanished
+                # host would only hold up our own report (0.5 s in the fault test). One that was
+                # silent or late is alive and must hear that it was named.
+                await self.broadcast_abort(
+                    ring, round_id, detected.peer_id, detected.reason, tell_culprit=not detected.gone
+                )
             del self._active[round_id]
             self._remember(round_id, detected or state.abort)
             # Only a round that ran to its end leaves every channel at a message boundary.
