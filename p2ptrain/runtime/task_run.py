@@ -433,6 +433,11 @@ class TaskRun:
         while True:
             now = trio.current_time()
             roster = self.book.roster(self.me) if self.book else ()
+            if not roster and self.heads is not None:
+                # A joiner that has seen no plan yet: the run's members, from its head. With the
+                # live peers instead it refused the coordinator's certificate (2 votes, a quorum of
+                # its 4 live peers is 3) and stood for the term itself.
+                roster = self.heads.members
             before = self.election.coordinator
             for out in self.election.tick(now, self._voters_alive(roster), roster):
                 if not self.synced and isinstance(out, (VoteRequest, CoordinatorBeat)):

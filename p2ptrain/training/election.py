@@ -24,15 +24,19 @@ The scheme is Raft's election with a deterministic candidate:
   requests, so a peer that rejoins with a stale view cannot disrupt a working term; such a peer
   (no coordinator, term run ahead on its own) follows the first heartbeat with a valid certificate.
 - A coordinator that no longer sees a quorum of its roster alive steps down, so the minority side of
-  a partition stops issuing rounds. One whose votes no longer cover the roster (members joined or
-  left) calls a new election; in the term it gives up it does not stand: the others learn of the
-  change only when its heartbeats stop, and by then they suspect it, so its own vote would split
-  the term.
-- Terms time out on each member's own clock, so a member's term may run ahead of a candidate's
-  (the old coordinator above starts its new term seconds before the others do). A member without
-  a coordinator still votes, once, in a term up to ``_LOWER_TERM_VOTES`` behind its own, and follows
-  that term's winner; without this, a member one term ahead ignored every request and elections
-  went round for dozens of seconds (seen in the fault test's logs).
+  a partition stops issuing rounds; one that steps down because its state fell behind does not
+  stand in the next term (the others will suspect it, so its own vote would only split the term).
+- A coordinator keeps every vote of its term in its certificate, also those that came after it had a
+  quorum, so a roster that grows a little (a joiner admitted) is still covered. One whose votes no
+  longer cover the roster renews its mandate: it stands in the next term at once, designated or not,
+  and the members that follow it vote for it although their term is still working: the request comes
+  from their own coordinator. Without this, the others noticed only when its heartbeats stopped, and
+  every admission cost a heartbeat timeout (3 s) without rounds.
+- Terms time out on each member's own clock, so a member's term may run ahead of a candidate's (a
+  coordinator that left its term starts the next one seconds before the others notice). A member
+  without a coordinator still votes, once, in a term up to ``_LOWER_TERM_VOTES`` behind its own, and
+  follows that term's winner; without this, a member one term ahead ignored every request and
+  elections went round for dozens of seconds (seen in the fault test's logs).
 """
 
 from __future__ import annotations
@@ -103,10 +107,10 @@ class Election:
         self._term_started: float | None = None
         self._last_heard = 0.0
         self._last_sent = -1e18
-        # The term a coordinator gave up (roster changed, or its state fell behind) calls: it does
-        # not stand in it. The others stop hearing it and suspect it, so they would not pick it,
-        # and a vote for itself would split the term.
+        # The term after one a coordinator stepped down from: it does not stand in it.
         self._abstain_term = -1
+        # The term in which a coordinator renews its mandate under a changed roster: it stands.
+        self._renew_term = -1
 
     # --- queries --------------------------------------------------------------------------------
 
@@ -145,10 +149,12 @@ class Election:
                 # The roster changed under us (members died or joined) and our votes no longer make
                 # a quorum of it: peers that check our certificate against today's roster (a joiner,
                 # a member that resynced) would refuse us. Call an election among today's roster.
-                log.info("task %s: coordinator %s's votes no longer cover the roster; new election (term %d)",
-                         self.task_cid[:12], self.me[-8:], self.term + 1)
+                log.info("task %s: coordinator %s's votes no longer cover the roster; asks for them again "
+                         "in term %d", self.task_cid[:12], self.me[-8:], self.term + 1)
                 self._new_term(now, self.term + 1)
-                self._abstain_term = self.term
+                self._renew_term = self.term
+                self._last_sent = -1e18  # ask now, not a heartbeat after the last beat
+                return self._stand(now)
             else:
                 # Checked once per (term, roster): verifying every vote's signature at each tick is waste.
                 self._certified_for = (self.term, voters)
@@ -168,7 +174,7 @@ class Election:
                      self.task_cid[:12], self.term, self.me[-8:], self.term + 1,
                      (self.voted_for or "nobody")[-8:])
             self._new_term(now, self.term + 1)
-        mine = designated(self.task_cid, self.term, self._eligible()) == self.me
+        mine = designated(self.task_cid, self.term, self._eligible()) == self.me or self.term == self._renew_term
         if self.term > 0 and self.voted_for in (None, self.me) and mine and self.term != self._abstain_term:
             out += self._stand(now)
         return out
@@ -235,13 +241,16 @@ class Election:
     def _become_coordinator(self, now: float) -> CoordinatorBeat:
         # Every vote collected, not just a quorum: members whose roster differs a little (a plan
         # they missed) still find a majority of theirs in it.
-        voters = set(self._voters())
-        self._certificate = tuple(self._votes[v] for v in sorted(self._votes) if v in voters)[:_MAX_CERTIFICATE]
+        self._certificate = self._certify()
         self.coordinator = self.me
         self._last_heard = self._last_sent = now
         log.info("task %s: %s is coordinator of term %d (%d votes)", self.task_cid[:12], self.me[-8:],
                  self.term, len(self._votes))
         return self._beat()
+
+    def _certify(self) -> tuple[SignedVote, ...]:
+        voters = set(self._voters())
+        return tuple(self._votes[v] for v in sorted(self._votes) if v in voters)[:_MAX_CERTIFICATE]
 
     def _beat(self) -> CoordinatorBeat:
         return CoordinatorBeat(task_cid=self.task_cid, term=self.term, coordinator=self.me, votes=self._certificate)
@@ -261,7 +270,10 @@ class Election:
                          self.me[-8:], msg.candidate[-8:], msg.term, self.term)
                 return [self._vote_in(msg.term, msg.candidate)]
             return []
-        if self.coordinator is not None and (self.is_coordinator or now - self._last_heard < self.config.timeout_s):
+        renewal = msg.candidate == self.coordinator and msg.term > self.term  # see the module docstring
+        if self.coordinator is not None and not renewal and (
+            self.is_coordinator or now - self._last_heard < self.config.timeout_s
+        ):
             return []  # a working term is not disrupted by one peer's stale view
         if msg.term > self.term:
             self._new_term(now, msg.term)
@@ -281,9 +293,11 @@ class Election:
             # to count yet: the vote is for that term's candidate).
             self._new_term(now, v.term)
             return []
-        if v.term != self.term or v.candidate != self.me or self.coordinator is not None:
+        if v.term != self.term or v.candidate != self.me:
             return []
-        if v.voter not in self._voters():
+        if (self.coordinator is not None and not self.is_coordinator) or v.voter not in self._voters():
+            return []
+        if v.voter in self._votes:
             return []
         try:
             signing.verify(v, v.voter, signed.signature)
@@ -291,6 +305,13 @@ class Election:
             log.warning("task %s: dropped vote: %s", self.task_cid[:12], exc)
             return []
         self._votes[v.voter] = signed
+        if self.is_coordinator:
+            # A vote that came after we had a quorum still goes into the certificate: with every
+            # vote of a 3-member roster, admitting a 4th member keeps a quorum (3 of 4), so no
+            # new election is needed for it.
+            self._certificate = self._certify()
+            self._last_sent = -1e18  # beat at the next tick: members that refused the smaller one accept
+            return []
         if self.voted_for == self.me and self._won():
             return [self._become_coordinator(now)]
         return []
@@ -328,8 +349,11 @@ class Election:
             return []
         problem = self.check_certificate(beat)
         if problem is not None:
-            log.warning("task %s: ignored coordinator %s for term %d: %s",
-                        self.task_cid[:12], beat.coordinator[-8:], beat.term, problem)
+            # Alone in our own view (just started, no peer or head heard yet) we cannot judge any
+            # certificate: that is no news worth a warning.
+            level = logging.WARNING if len(self._voters()) > 1 else logging.DEBUG
+            log.log(level, "task %s: ignored coordinator %s for term %d: %s",
+                    self.task_cid[:12], beat.coordinator[-8:], beat.term, problem)
             return []
         if beat.term != self.term:
             # Later term: catch up. Earlier term while we have no coordinator: our own term ran

@@ -258,18 +258,42 @@ def test_largest_certificate_fits_the_wire():
     assert judge.check_certificate(got) is None
 
 
-def test_a_coordinator_that_gives_up_its_term_does_not_stand_in_the_next():
-    # The others stop hearing it and suspect it, so a vote for itself would only split the term.
+def test_a_joiner_is_admitted_without_an_election_when_every_vote_was_kept():
+    # Three members elect; the coordinator wins at two votes but keeps the third, so admitting a
+    # fourth member (quorum 3 of 4) needs no new term.
+    net = Net(4)
+    net.roster = tuple(net.ids[:3])
+    net.run(6)
+    term, coordinator = net.agreed()
+    assert len(net.nodes[coordinator]._beat().votes) == 3
+    net.roster = tuple(net.ids)
+    net.run(2 * HB)
+    assert net.agreed() == (term, coordinator)
+
+
+def test_a_coordinator_whose_votes_no_longer_cover_the_roster_renews_them_at_once():
+    net = Net(7)
+    net.roster = tuple(net.ids[:3])
+    net.run(6)
+    term, coordinator = net.agreed(set(net.ids[:3]))
+    net.roster = tuple(net.ids)  # four joiners: three votes are not a quorum of seven
+    net.run(0.5)  # not a heartbeat timeout: its followers vote for it although their term works
+    assert net.agreed() == (term + 1, coordinator)
+    assert net.nodes[coordinator].check_certificate(net.nodes[coordinator]._beat()) is None
+
+
+def test_a_coordinator_that_steps_down_does_not_stand_in_the_next_term():
+    # Its state fell behind the run: the others will suspect it, so a vote for itself would only
+    # split the term.
     for _ in range(100):
         net = Net(4)
-        net.roster = tuple(net.ids[:3])
         net.run(6)
         term, old = net.agreed()
         if designated(TASK, term + 1, net.ids) == old:  # it would be the next term's candidate
             break
-    net.roster = tuple(net.ids)  # a fourth member: its votes (a quorum of three) no longer cover it
-    net.run(2.0)  # the others still hear nothing wrong for a while (timeout is 3 s)
     e = net.nodes[old]
+    e.step_down(net.now)
+    net.run(2.0)  # the others still hear nothing wrong for a while (timeout is 3 s)
     assert not e.is_coordinator and e.term == term + 1 and e.voted_for is None
     net.run(2 * CONFIG.timeout_s)
     new_term, new = net.agreed()
