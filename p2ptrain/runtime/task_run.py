@@ -120,6 +120,9 @@ class TaskRun:
         self.sync_s = 0.0  # all-reduce time of completed rounds (waiting for the others included)
         self.apply_s = 0.0  # optimizer step time of completed rounds
         self.failed_peers: dict[str, float] = {}
+        # Peers a round found unreachable (a broken channel, a refused dial): the election counts
+        # them as dead at once, not when the mesh stops hearing them (5 s) or beats stop (3 s).
+        self.gone_peers: dict[str, float] = {}
         self.retry_after = 0.0
         self.elected_at: float | None = None
         self.busy = False
@@ -268,7 +271,9 @@ class TaskRun:
         peers that advertise the task. A roster member that is resyncing is still a voter, or the
         coordinator would step down each time one member catches up."""
         alive = {record.peer_id.to_base58() for record in self.node.membership.alive()}
-        return (alive & set(roster)) | self._live() | {self.me}
+        now = trio.current_time()
+        gone = {p for p, until in self.gone_peers.items() if until > now}
+        return ((alive & set(roster)) | self._live() | {self.me}) - gone
 
     # -- messages ------------------------------------------------------------------------------
 
@@ -283,12 +288,13 @@ class TaskRun:
         elif isinstance(msg, RoundPlan):
             await self._on_plan(sender, msg)
         elif isinstance(msg, RoundFailed):
-            if self.book is not None and self.book.report_failure(msg):
+            if self.book is not None and self.book.report_failure(msg, sender):
                 logger.info("%s: %s reports round %d failed: %s", self.log_prefix, short(sender), msg.round, msg.reason)
                 if self.election.is_coordinator and sender != self.me and self.book.reporter_out_of_step(msg):
                     self.failed_peers[sender] = now + FAILED_PEER_QUARANTINE_S
                     self._culprit_reported = True
-                    self._wake.set()
+                if self.election.is_coordinator:
+                    self._wake.set()  # the last report may be the one the retry waits for
         elif isinstance(msg, SignedModelRecord):
             await self._on_record(msg)
         elif isinstance(msg, SignedAttestation):
@@ -443,6 +449,10 @@ class TaskRun:
                 if not self.synced and isinstance(out, (VoteRequest, CoordinatorBeat)):
                     continue  # a member that is not at the run's state must not lead it; it still votes
                 await self.node.publish(self.topic, out)
+            if before is not None and self.election.coordinator is None and before in self.election.suspects:
+                # A coordinator that fell silent is most likely dead: a plan listing it would fail
+                # on it (the mesh drops it only after 5 s). Left out like a peer a round named.
+                self.failed_peers[before] = now + FAILED_PEER_QUARANTINE_S
             self._note_coordinator(before, now)
             if self.tally is not None and self.tally.status is Status.PENDING and now - self.tally_started > ATTEST_TIMEOUT_S:
                 if self.tally.expire() is Status.REJECTED and self.book is not None:
@@ -467,7 +477,12 @@ class TaskRun:
         stuck = self._rounds_scope is not None and (
             (last is not None and last.term != self.election.term) or self._culprit_reported
         )
-        if (self.busy and not stuck) or now < self.retry_after:
+        if self.busy and not stuck:
+            return
+        quarantined = {p for p, until in self.failed_peers.items() if until > now}
+        if now < self.retry_after and self.book.failed_round is not None and not self.book.all_reported(quarantined):
+            # A retry: give the other members time to leave the failed round, unless all have said
+            # so. (Only a retry: the next span after a successful one waited here too, ~1 s.)
             return
         if self._behind():
             # Elected while behind the run (e.g. it joined at step 0 and missed the records): it
@@ -577,6 +592,9 @@ class TaskRun:
         except CollectiveError as exc:
             if isinstance(exc, PeerFailed) and exc.peer_id != self.node.peer_id:
                 self.failed_peers[exc.peer_id.to_base58()] = trio.current_time() + FAILED_PEER_QUARANTINE_S
+                if exc.gone:
+                    self.gone_peers[exc.peer_id.to_base58()] = trio.current_time() + FAILED_PEER_QUARANTINE_S
+                    self._wake.set()  # the election may act on it now (a dead coordinator)
             self.retry_after = trio.current_time() + RETRY_BACKOFF_S
             logger.warning("%s: round %d (attempt %d) failed: %s", self.log_prefix, plan.round + index,
                            plan.attempt, exc)
@@ -606,7 +624,7 @@ class TaskRun:
         report = RoundFailed(task_cid=self.task_cid, term=plan.term, round=plan.round + index,
                              attempt=plan.attempt, step=self.trainer.step, reason=reason[:256])
         await self.node.publish(self.topic, report)
-        self.book.report_failure(report)
+        self.book.report_failure(report, self.me)
 
     async def _replicate_data(self) -> None:
         """Hold every shard (training, then test), after our own: if the peer that published the

@@ -37,6 +37,9 @@ The scheme is Raft's election with a deterministic candidate:
   without a coordinator still votes, once, in a term up to ``_LOWER_TERM_VOTES`` behind its own, and
   follows that term's winner; without this, a member one term ahead ignored every request and
   elections went round for dozens of seconds (seen in the fault test's logs).
+- A member that still hears its coordinator sets a request of a later term aside, and votes for it
+  at once if it gives that coordinator up and enters that term: the candidate is usually the member
+  that saw the coordinator die first, and would otherwise ask again only a heartbeat later.
 """
 
 from __future__ import annotations
@@ -111,6 +114,10 @@ class Election:
         self._abstain_term = -1
         # The term in which a coordinator renews its mandate under a changed roster: it stands.
         self._renew_term = -1
+        # A request of a later term that came while our coordinator still looked alive: (term,
+        # candidate). If we give that coordinator up and enter that term, we vote for it at once
+        # instead of waiting a heartbeat for the candidate to ask again.
+        self._deferred: tuple[int, str] | None = None
 
     # --- queries --------------------------------------------------------------------------------
 
@@ -169,6 +176,12 @@ class Election:
                      self.task_cid[:12], self.coordinator[-8:], self.me[-8:], self.term + 1)
             self.suspects.add(self.coordinator)
             self._new_term(now, self.term + 1)
+            if self._deferred is not None and self._deferred[0] == self.term:
+                candidate = self._deferred[1]
+                if candidate in self._eligible():
+                    log.info("task %s: %s votes for %s in term %d (asked while its coordinator looked alive)",
+                             self.task_cid[:12], self.me[-8:], candidate[-8:], self.term)
+                    out.append(self._vote(candidate))
         elif now - self._term_started >= timeout:
             log.info("task %s: term %d passed without a coordinator; %s moves to term %d (voted for %s)",
                      self.task_cid[:12], self.term, self.me[-8:], self.term + 1,
@@ -274,6 +287,8 @@ class Election:
         if self.coordinator is not None and not renewal and (
             self.is_coordinator or now - self._last_heard < self.config.timeout_s
         ):
+            if msg.term > self.term and not self.is_coordinator:
+                self._deferred = (msg.term, msg.candidate)
             return []  # a working term is not disrupted by one peer's stale view
         if msg.term > self.term:
             self._new_term(now, msg.term)

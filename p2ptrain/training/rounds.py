@@ -33,7 +33,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from libp2p.crypto.keys import KeyPair
 
@@ -96,6 +96,7 @@ class RoundBook:
     last_plan: RoundPlan | None = None  # the last plan this member followed
     observed: RoundPlan | None = None  # the latest plan seen on the topic, followed or not
     failed_round: int | None = None  # a reported failure of last_plan's attempt
+    failure_reporters: set[str] = field(default_factory=set)  # who reported it
     # The step of a checkpoint whose record was rejected: the barrier opens, training goes on, and
     # the next checkpoint tries again (joiners wait for a confirmed one).
     rejected_step: int | None = None
@@ -113,8 +114,8 @@ class RoundBook:
             return self.last_plan.members
         return self.observed.members if self.observed is not None else ()
 
-    def report_failure(self, report: RoundFailed) -> bool:
-        """Note a member's ``round_failed`` for the current plan; True if it calls for a retry."""
+    def report_failure(self, report: RoundFailed, reporter: str) -> bool:
+        """Note ``reporter``'s ``round_failed`` for the current plan; True if it calls for a retry."""
         last = self.last_plan
         if last is None or (report.task_cid, report.term, report.attempt) != (self.task_cid, last.term, last.attempt):
             return False
@@ -122,7 +123,17 @@ class RoundBook:
             return False
         if self.failed_round is None or report.round < self.failed_round:
             self.failed_round = report.round
+        self.failure_reporters.add(reporter)
         return True
+
+    def all_reported(self, excluding: Collection[str]) -> bool:
+        """Whether every member of the failed plan but ``excluding`` (the culprits) reported the
+        failure: then all have left the round, and the retry need not wait any longer."""
+        last = self.last_plan
+        return (
+            last is not None and self.failed_round is not None
+            and set(last.members) - set(excluding) <= self.failure_reporters
+        )
 
     def reporter_out_of_step(self, report: RoundFailed) -> bool:
         """Whether a failure report of the current plan comes from a member that could not take part
@@ -203,6 +214,7 @@ class RoundBook:
             return f"plan {plan.term}/{plan.round}.{plan.attempt} is not after {last.term}/{last.round}.{last.attempt}"
         self.last_plan = plan
         self.failed_round = None
+        self.failure_reporters = set()
         return None
 
     def checkpoint_record(

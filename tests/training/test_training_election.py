@@ -313,3 +313,23 @@ def test_a_member_whose_term_ran_ahead_still_votes_once_in_a_recent_one():
     assert a.term == 5  # it stays where it is
     assert a.receive(0.2, ids[2], VoteRequest(task_cid=TASK, term=4, candidate=ids[2])) == []  # once per term
     assert a.receive(0.3, ids[2], VoteRequest(task_cid=TASK, term=2, candidate=ids[2])) == []  # too old
+
+
+def test_a_request_that_came_while_the_coordinator_looked_alive_is_answered_once_it_is_gone():
+    # The designated candidate saw the coordinator die a moment before the others (its round with
+    # it failed first): they still followed the coordinator and set the request aside. When they
+    # see the death too, they vote at once instead of waiting for the candidate's next request.
+    net = Net(4)
+    net.run(6)
+    term, old = net.agreed()
+    others = [p for p in net.ids if p != old]
+    candidate = designated(TASK, term + 1, others)
+    base_view = net.view
+    net.view = lambda p: base_view(p) - ({old} if p == candidate else set())
+    net.muted.add(old)  # dead, but only the candidate knows yet
+    net.run(0.25)
+    assert net.nodes[candidate].term == term + 1 and net.nodes[candidate].coordinator is None
+    assert all(net.nodes[p].coordinator == old for p in others if p != candidate)
+    net.alive.discard(old)  # now everyone does
+    net.run(0.25)  # one tick, far less than the candidate's next request (a heartbeat)
+    assert net.agreed() == (term + 1, candidate)

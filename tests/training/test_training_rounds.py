@@ -143,7 +143,7 @@ class Swarm:
             del self.members[die[1].id]
         for report in failures:
             for m in self.members.values():
-                m.book.report_failure(report)
+                m.book.report_failure(report, "x")
         if not failures:
             self.checkpoint(c, plan)
         return plan, failures
@@ -297,9 +297,32 @@ def test_a_report_from_a_member_that_could_not_take_part_names_it(tmp_path, digi
                            step=step, reason="x")
 
     # Round 9 is step 5 of the run: a member there (or one past it, having applied it) took part.
-    assert c.book.report_failure(report(9, 5)) and not c.book.reporter_out_of_step(report(9, 5))
+    assert c.book.report_failure(report(9, 5), c.id) and not c.book.reporter_out_of_step(report(9, 5))
     assert not c.book.reporter_out_of_step(report(9, 6))
     # A member still at step 0 (or ahead of the span) advertised a state the run had left.
-    assert c.book.report_failure(report(8, 0)) and c.book.reporter_out_of_step(report(8, 0))
+    assert c.book.report_failure(report(8, 0), c.id) and c.book.reporter_out_of_step(report(8, 0))
     assert c.book.reporter_out_of_step(report(8, 7))
     assert c.book.failed_round == 8
+
+
+def test_a_retry_need_not_wait_once_every_member_but_the_culprits_reported(tmp_path, digits, digits_task):
+    swarm = Swarm(tmp_path, digits, digits_task, steps=10)
+    for name in "abc":
+        swarm.add(name)
+    c = swarm.elect()
+    plan = c.book.next_plan(c.election, 0, swarm.live())
+    assert c.book.plan_problem(plan, c.id, c.election) is None
+    members = list(plan.members)
+    dead = next(p for p in members if p != c.id)
+    report = RoundFailed(task_cid=swarm.task_cid, term=plan.term, round=plan.round, attempt=plan.attempt,
+                         step=plan.step, reason="peer gone")
+    assert not c.book.all_reported([dead])  # nobody yet
+    for p in members:
+        if p != dead:
+            assert not c.book.all_reported([dead])
+            c.book.report_failure(report, p)
+    assert c.book.all_reported([dead])
+    assert not c.book.all_reported([])  # the dead one never reports
+    stale = RoundFailed(**{**report.__dict__, "attempt": plan.attempt + 1})
+    assert not c.book.report_failure(stale, dead)  # another attempt's report does not count
+    assert not c.book.all_reported([])
