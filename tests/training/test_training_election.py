@@ -213,13 +213,18 @@ def test_one_vote_per_term():
     assert voter.receive(0.4, c, VoteRequest(task_cid=TASK, term=1, candidate=b)) == []  # sender != candidate
 
 
+@pytest.mark.parametrize("grow", [False, True], ids=["fixed roster", "joiners admitted"])
 @pytest.mark.parametrize("seed", range(6))
-def test_random_failures_never_give_two_coordinators_per_term(seed):
+def test_random_failures_never_give_two_coordinators_per_term(seed, grow):
     net = Net(5, seed=seed, drop=0.1)
+    if grow:  # the roster starts with three members and grows as plans admit the others
+        net.roster = tuple(net.ids[:3])
     rng = random.Random(seed)
     for _ in range(12):
-        event = rng.choice(["kill", "revive", "partition", "heal", "nothing"])
-        if event == "kill" and len(net.alive) > 3:
+        event = rng.choice(["kill", "revive", "partition", "heal", "nothing"] + (["admit"] if grow else []))
+        if event == "admit" and len(net.roster) < 5:
+            net.roster = tuple(net.ids[: len(net.roster) + 1])
+        elif event == "kill" and len(net.alive) > 3:
             net.alive.discard(rng.choice(sorted(net.alive)))
         elif event == "revive":
             dead = sorted(set(net.ids) - net.alive)
