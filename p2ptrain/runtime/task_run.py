@@ -28,6 +28,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import trio
+from libp2p.peer.id import ID
 
 from p2ptrain.collective import Collective, CollectiveError, PeerFailed
 from p2ptrain.data.dataset import IPFSDataset
@@ -273,6 +274,17 @@ class TaskRun:
         alive = {record.peer_id.to_base58() for record in self.node.membership.alive()}
         now = trio.current_time()
         gone = {p for p, until in self.gone_peers.items() if until > now}
+        coordinator = self.election.coordinator
+        if (
+            coordinator is not None and not self.election.is_coordinator
+            and now - self.election.heard_at > 1.5 * self.election.config.heartbeat_s
+            and self.node.discovery is not None and not self.node.discovery.connected(ID.from_base58(coordinator))
+        ):
+            # It missed a heartbeat and we hold no connection to it (discovery keeps one to every
+            # peer it knows, and members talk directly): it is dead, most likely. Without this a
+            # coordinator that died between rounds cost the full heartbeat timeout (3 s). Only
+            # while both hold: a connection that comes back, or a beat, makes it live again.
+            gone.add(coordinator)
         return ((alive & set(roster)) | self._live() | {self.me}) - gone
 
     # -- messages ------------------------------------------------------------------------------

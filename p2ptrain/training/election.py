@@ -129,6 +129,11 @@ class Election:
     def is_coordinator(self) -> bool:
         return self.coordinator == self.me
 
+    @property
+    def heard_at(self) -> float:
+        """When the accepted coordinator's last heartbeat arrived (or it was accepted)."""
+        return self._last_heard
+
     def _voters(self) -> tuple[str, ...]:
         return self.roster or tuple(sorted(self.live | {self.me}))
 
