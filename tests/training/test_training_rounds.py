@@ -282,13 +282,19 @@ def test_checkpoint_barrier(tmp_path, digits, digits_task, rejected):
     assert span_length(swarm.task, 8, 10) == 2  # the final span is cut at total_steps
 
 
-def test_a_report_from_a_member_that_could_not_take_part_names_it(tmp_path, digits, digits_task):
+def _first_plan(tmp_path, digits, digits_task):
+    """Three members, an elected coordinator and the first plan it followed."""
     swarm = Swarm(tmp_path, digits, digits_task, steps=10)
     for name in "abc":
         swarm.add(name)
     c = swarm.elect()
     plan = c.book.next_plan(c.election, 0, swarm.live())
     assert c.book.plan_problem(plan, c.id, c.election) is None
+    return swarm, c, plan
+
+
+def test_a_report_from_a_member_that_could_not_take_part_names_it(tmp_path, digits, digits_task):
+    swarm, c, plan = _first_plan(tmp_path, digits, digits_task)
     span = RoundPlan(**{**plan.__dict__, "round": 8, "step": 4})  # a span from step 4, as after a checkpoint
     c.book.last_plan = span
 
@@ -306,12 +312,7 @@ def test_a_report_from_a_member_that_could_not_take_part_names_it(tmp_path, digi
 
 
 def test_a_retry_need_not_wait_once_every_member_but_the_culprits_reported(tmp_path, digits, digits_task):
-    swarm = Swarm(tmp_path, digits, digits_task, steps=10)
-    for name in "abc":
-        swarm.add(name)
-    c = swarm.elect()
-    plan = c.book.next_plan(c.election, 0, swarm.live())
-    assert c.book.plan_problem(plan, c.id, c.election) is None
+    swarm, c, plan = _first_plan(tmp_path, digits, digits_task)
     members = list(plan.members)
     dead = next(p for p in members if p != c.id)
     report = RoundFailed(task_cid=swarm.task_cid, term=plan.term, round=plan.round, attempt=plan.attempt,
