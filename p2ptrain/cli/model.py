@@ -205,12 +205,13 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from p2ptrain.training.loading import load_model
     from p2ptrain.training.trainer import batched, evaluate_batches
 
-    if not Path(args.model).exists():
+    is_file = Path(args.model).exists()
+    if not is_file:
         try:
             cid_arg(args.model)
         except argparse.ArgumentTypeError as exc:
             raise UserError(f"{args.model} is not a file, and {exc}") from None
-    wanted = [args.dataset] + ([] if Path(args.model).exists() else [args.model])
+    wanted = [args.dataset] + ([] if is_file else [args.model])
     ensure_local(home, wanted, args.bootstrap, then=lambda store: split_shards(store, args.dataset, args.split))
     store = open_store(home)
     module = load_model(args.model, store=store)

@@ -18,8 +18,9 @@ other member with an ABORT notice naming that peer, then leaves. Members that we
 a healthy neighbour therefore fail within milliseconds with the true culprit named, instead of each
 timing out and blaming whoever sits to its left.
 
-The culprit is told too (briefly: it may be dead), and a member asked to join a round that already
-failed here answers with the same notice. A member that is merely late (it got the plan after the
+The culprit is told too when it was silent or late rather than gone (a dial to a dead peer would
+only hold up the report), and a member asked to join a round that already failed here answers
+with the same notice. A member that is merely late (it got the plan after the
 others gave up on it) then learns that it was the one named, instead of finding its neighbours gone
 and blaming them: a healthy peer wrongly blamed would be left out of the next rings it plans.
 """
