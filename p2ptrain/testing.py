@@ -119,21 +119,20 @@ class NodeProcess:
     def status(self) -> dict[str, Any]:
         return self.client.call("status")
 
-    def read_log(self) -> str:
+    def _log_text(self) -> str:
         try:
-            return (self.home / "logs" / "stderr.log").read_text(errors="replace")[-4000:]
+            return (self.home / "logs" / "stderr.log").read_text(errors="replace")
         except OSError:
             return ""
+
+    def read_log(self) -> str:
+        return self._log_text()[-4000:]
 
     def events(self, lines: int = 60) -> str:
         """The last ``lines`` lines of the node's log without its per-round progress lines: what a
         failed multi-node test needs to show (elections, plans, failures), which thousands of
         round lines would otherwise push out of view."""
-        try:
-            text = (self.home / "logs" / "stderr.log").read_text(errors="replace")
-        except OSError:
-            return ""
-        kept = [line for line in text.splitlines() if " done with " not in line]
+        kept = [line for line in self._log_text().splitlines() if " done with " not in line]
         return "\n".join(kept[-lines:])
 
     def terminate(self, timeout: float = 20.0) -> int:

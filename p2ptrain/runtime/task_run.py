@@ -74,6 +74,11 @@ def task_topic(task_cid: str) -> str:
     return f"p2ptrain/task/{task_cid}"
 
 
+def _until_later(deadlines: dict[str, float], now: float) -> set[str]:
+    """The peers whose entry in ``deadlines`` (peer -> until when) has not run out at ``now``."""
+    return {p for p, until in deadlines.items() if until > now}
+
+
 class TaskRun:
     """One member's run of one task, for the lifetime of :meth:`run`."""
 
@@ -273,7 +278,7 @@ class TaskRun:
         coordinator would step down each time one member catches up."""
         alive = {record.peer_id.to_base58() for record in self.node.membership.alive()}
         now = trio.current_time()
-        gone = {p for p, until in self.gone_peers.items() if until > now}
+        gone = _until_later(self.gone_peers, now)
         coordinator = self.election.coordinator
         if (
             coordinator is not None and not self.election.is_coordinator
@@ -491,7 +496,7 @@ class TaskRun:
         )
         if self.busy and not stuck:
             return
-        quarantined = {p for p, until in self.failed_peers.items() if until > now}
+        quarantined = _until_later(self.failed_peers, now)
         if now < self.retry_after and self.book.failed_round is not None and not self.book.all_reported(quarantined):
             # A retry: give the other members time to leave the failed round, unless all have said
             # so. (Only a retry: the next span after a successful one waited here too, ~1 s.)
@@ -504,7 +509,7 @@ class TaskRun:
             return
         if self.book.last_plan is None and self.elected_at is not None and now - self.elected_at < FIRST_ROUND_GRACE_S:
             return
-        live = {p for p in self._live() if self.failed_peers.get(p, -math.inf) < now}
+        live = self._live() - quarantined
         plan = self.book.next_plan(self.election, self.trainer.step, live, self.trainer.can_roll_back)
         if plan is None:
             return
@@ -603,9 +608,10 @@ class TaskRun:
             averaged = await average(trainer.pending, round_id(plan, index))
         except CollectiveError as exc:
             if isinstance(exc, PeerFailed) and exc.peer_id != self.node.peer_id:
-                self.failed_peers[exc.peer_id.to_base58()] = trio.current_time() + FAILED_PEER_QUARANTINE_S
+                culprit, until = exc.peer_id.to_base58(), trio.current_time() + FAILED_PEER_QUARANTINE_S
+                self.failed_peers[culprit] = until
                 if exc.gone:
-                    self.gone_peers[exc.peer_id.to_base58()] = trio.current_time() + FAILED_PEER_QUARANTINE_S
+                    self.gone_peers[culprit] = until
                     self._wake.set()  # the election may act on it now (a dead coordinator)
             self.retry_after = trio.current_time() + RETRY_BACKOFF_S
             logger.warning("%s: round %d (attempt %d) failed: %s", self.log_prefix, plan.round + index,

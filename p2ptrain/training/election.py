@@ -137,6 +137,10 @@ class Election:
     def _voters(self) -> tuple[str, ...]:
         return self.roster or tuple(sorted(self.live | {self.me}))
 
+    def _votable(self, candidate: str) -> bool:
+        """Whether we may vote for ``candidate``: a live roster member (or ourselves)."""
+        return candidate in self._voters() and candidate in self.live | {self.me}
+
     def _eligible(self) -> list[str]:
         alive = self.live | {self.me}
         return [p for p in self._voters() if p in alive and p not in self.suspects]
@@ -282,8 +286,7 @@ class Election:
             # With no coordinator we still vote in that recent term, once: ballots are per term,
             # so no term gets two coordinators, and its winner is followed (see _on_beat).
             if (self.coordinator is None and msg.term >= self.term - _LOWER_TERM_VOTES
-                    and msg.term not in self._ballots and msg.candidate in self._voters()
-                    and msg.candidate in self.live | {self.me}):
+                    and msg.term not in self._ballots and self._votable(msg.candidate)):
                 log.info("task %s: %s votes for %s in earlier term %d (at term %d)", self.task_cid[:12],
                          self.me[-8:], msg.candidate[-8:], msg.term, self.term)
                 return [self._vote_in(msg.term, msg.candidate)]
@@ -297,7 +300,7 @@ class Election:
             return []  # a working term is not disrupted by one peer's stale view
         if msg.term > self.term:
             self._new_term(now, msg.term)
-        if msg.candidate not in self._voters() or msg.candidate not in self.live | {self.me}:
+        if not self._votable(msg.candidate):
             return []
         if self.voted_for not in (None, msg.candidate):
             return []
