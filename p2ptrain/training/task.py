@@ -391,7 +391,7 @@ def load_task(text: str | bytes) -> Task:
             raise TaskError(f"task: not UTF-8 ({exc})") from None
     try:
         data = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
+    except ValueError as exc:  # TOMLDecodeError, and an integer of over 4,300 digits
         raise TaskError(f"task: not valid TOML ({exc})") from None
     except RecursionError:
         # tomllib recurses per nested array or inline table; within MAX_TASK_BYTES the recursion

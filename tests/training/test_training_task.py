@@ -179,3 +179,8 @@ def test_deep_nesting_is_a_task_error_in_toml_and_in_bytes_by_cid():
         task_from_bytes(b"[" * 60_000)
     with pytest.raises(TaskError, match="over the 65536 B limit"):
         load_task(BASE + "#" * 70_000)
+
+
+def test_an_integer_too_long_for_python_to_read_is_a_task_error():
+    with pytest.raises(TaskError, match="not valid TOML"):
+        load_task(BASE.replace("lr = 0.1", "lr = " + "1" * 5000))  # was ValueError from int()
