@@ -82,3 +82,23 @@ def test_model_eval_prints_one_line_for_every_declared_error(tmp_path, model, da
     assert "Traceback" not in err, err
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("p2ptrain: error: ") and says in lines[0], err
+
+
+@pytest.mark.parametrize(
+    "content,says",
+    [
+        (b"\xff\xfe not UTF-8", "not UTF-8"),  # was UnicodeDecodeError
+        (b"name = 't'\n[model]\nkwargs = " + b"[" * 5000, "nested too deeply"),  # was RecursionError
+        (f"name = 't'\n[model]\nname = 'mlp'\n[dataset]\nmanifest = '{GOOD}'\n[optimizer]\nname = 'sgd'\n"
+         f"lr = 1{'0' * 400}\n".encode(), "optimizer.lr: must be a finite number"),  # was OverflowError
+    ],
+)
+def test_task_publish_prints_one_line_for_a_bad_task_file(tmp_path, content, says):
+    task = tmp_path / "task.toml"
+    task.write_bytes(content)
+    result = subprocess.run([P2PTRAIN, "task", "publish", str(task), "--home", str(tmp_path / "home")],
+                            capture_output=True, timeout=120, cwd=tmp_path)
+    err = result.stderr.decode()
+    assert result.returncode == 1 and "Traceback" not in err, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("p2ptrain: error: ") and says in lines[0], err
