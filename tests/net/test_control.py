@@ -250,3 +250,31 @@ async def test_connections_over_the_cap_are_told_busy_and_the_server_recovers(ho
             assert (await call(home, "ops"))["ops"]
             assert server.stats()["rejected"] == {"busy": 1}
         nursery.cancel_scope.cancel()
+
+
+async def test_every_op_of_a_real_peer_answers_hostile_parameters_and_the_node_keeps_serving(tmp_path):
+    from p2ptrain.node import Node
+    from p2ptrain.runtime.peer import make_peer
+
+    node = Node(tmp_path / "peer", listen=["/ip4/127.0.0.1/tcp/0"], dht=False)
+    make_peer(node)
+    hostile = [
+        {},
+        {"cid": [[1]], "task_cid": {"a": 1}, "text": 5, "join": "yes", "timeout": -1},
+        {"cid": "x" * 1000, "task_cid": "Qm" + "1" * 44, "text": "[[[[", "timeout": [1.5]},
+        {"cid": "QmT78zSuBmuS4z925WZfrqQ1qHaJ56DQaTfyMUF7F8ff5o", "timeout": 2**62, "text": "name = 1e400"},
+    ]
+    async with trio.open_nursery() as nursery:
+        await nursery.start(node.run)
+        path = socket_path(node.home)
+        with trio.fail_after(60):
+            ops = (await call(node.home, "ops"))["ops"]
+            assert {"status", "ipfs.fetch", "task.publish", "task.join", "task.status"} <= set(ops)
+            for op in ops:
+                for params in hostile:
+                    (reply,) = await exchange(path, json.dumps({"op": op, **params}).encode() + b"\n")
+                    assert isinstance(reply["ok"], bool), (op, params, reply)
+                    assert (await call(node.home, "ping"))["started"], f"{op} {params} stopped the node"
+            status = await call(node.home, "status")
+        assert status["control"]["rejected"].get("connection_error", 0) == 0
+        node.stop()
