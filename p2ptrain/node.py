@@ -369,6 +369,7 @@ class Node:
             "peers": [r.as_json() for r in members if r.alive],
             "gone": [r.as_json() for r in members if not r.alive],
             "messages": self.router.stats(),
+            "control": self.control.stats(),
         }
 
     async def _status_op(self, request: dict[str, Any]) -> dict[str, Any]:

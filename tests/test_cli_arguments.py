@@ -39,3 +39,66 @@ def test_model_eval_names_a_model_that_is_neither_a_file_nor_a_cid(tmp_path):
     err = result.stderr.decode()
     assert result.returncode == 1 and "Traceback" not in err, err
     assert "QmNotACid is not a file, and not a CID" in err
+
+
+def _eval_home(tmp_path):
+    """A home whose store holds a model, a valid manifest over a garbage shard, and a garbage manifest."""
+    from p2ptrain.data.manifest import Manifest, ShardRef, TensorSpec
+    from p2ptrain.ipfs.store import open_store
+    from p2ptrain.training.models import build_model
+    from p2ptrain.training.records import model_bytes
+
+    home = tmp_path / "home"
+    store = open_store(home)
+    model = tmp_path / "model.safetensors"
+    model.write_bytes(model_bytes(build_model("mlp", {}, 0), {"name": "mlp", "kwargs": {}}))
+    garbage_model = tmp_path / "garbage.safetensors"
+    garbage_model.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not a safetensors header")
+    shard = store.add_bytes(b"not a shard", cid_version=1)
+    manifest = Manifest("d", TensorSpec("float32", (64,)), TensorSpec("int64", ()), {"test": (ShardRef(shard, 4),)})
+    return {
+        "home": home,
+        "model": model,
+        "garbage_model": garbage_model,
+        "manifest": manifest.save(store),
+        "garbage_manifest": store.add_bytes(b"[" * 100_000, cid_version=1),
+    }
+
+
+@pytest.mark.parametrize(
+    "model,dataset,says",
+    [
+        ("model", "garbage_manifest", "nested"),  # ManifestError
+        ("garbage_model", "manifest", "not valid"),  # RecordError
+        ("model", "manifest", "cannot be used"),  # ShardUnavailable
+    ],
+)
+def test_model_eval_prints_one_line_for_every_declared_error(tmp_path, model, dataset, says):
+    h = _eval_home(tmp_path)
+    result = subprocess.run([P2PTRAIN, "model", "eval", str(h[model]), "--dataset", h[dataset], "--home", str(h["home"])],
+                            capture_output=True, timeout=120, cwd=tmp_path)
+    err = result.stderr.decode()
+    assert result.returncode == 1, err
+    assert "Traceback" not in err, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("p2ptrain: error: ") and says in lines[0], err
+
+
+@pytest.mark.parametrize(
+    "content,says",
+    [
+        (b"\xff\xfe not UTF-8", "not UTF-8"),  # was UnicodeDecodeError
+        (b"name = 't'\n[model]\nkwargs = " + b"[" * 5000, "nested too deeply"),  # was RecursionError
+        (f"name = 't'\n[model]\nname = 'mlp'\n[dataset]\nmanifest = '{GOOD}'\n[optimizer]\nname = 'sgd'\n"
+         f"lr = 1{'0' * 400}\n".encode(), "optimizer.lr: must be a finite number"),  # was OverflowError
+    ],
+)
+def test_task_publish_prints_one_line_for_a_bad_task_file(tmp_path, content, says):
+    task = tmp_path / "task.toml"
+    task.write_bytes(content)
+    result = subprocess.run([P2PTRAIN, "task", "publish", str(task), "--home", str(tmp_path / "home")],
+                            capture_output=True, timeout=120, cwd=tmp_path)
+    err = result.stderr.decode()
+    assert result.returncode == 1 and "Traceback" not in err, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("p2ptrain: error: ") and says in lines[0], err

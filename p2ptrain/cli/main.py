@@ -10,6 +10,23 @@ import sys
 from p2ptrain import __version__
 from p2ptrain.errors import UserError
 
+# Declared errors of decoders below the CLI that are not UserErrors (module, class): what they say
+# is the whole story for a user (a CID not held, a block that fails its hash, a malformed file), so
+# they are printed as one line like a UserError. Looked up in sys.modules when an error arrives: if a
+# module was never imported, nothing it declares can have been raised, and the CLI imports nothing
+# heavy just to be ready for it.
+DECLARED_ERRORS: list[tuple[str, str]] = [
+    ("p2ptrain.ipfs.store", "ContentUnavailable"),
+    ("p2ptrain.ipfs.unixfs", "DagError"),
+    ("p2ptrain.ipfs.cid", "BlockMismatch"),
+    ("p2ptrain.ipfs.cid", "InvalidCID"),
+    ("p2ptrain.ipfs.dagpb", "DecodeError"),
+    ("p2ptrain.ipfs.blockstore", "PinFileError"),
+    ("p2ptrain.data.tensorfile", "TensorFileError"),
+    ("p2ptrain.boundedjson", "JSONBoundsError"),
+    ("p2ptrain.training.signing", "SignatureError"),
+]
+
 # Each module registers one command group with ``add_parser(subparsers)``.
 GROUPS: list[str] = [
     "node",
@@ -52,6 +69,22 @@ def setup_logging(verbosity: int) -> None:
         logging.getLogger("libp2p").setLevel(max(level, logging.ERROR))
 
 
+def declared_errors() -> tuple[type[BaseException], ...]:
+    """UserError and the DECLARED_ERRORS of modules loaded so far: each printed as one line."""
+    found: list[type[BaseException]] = [UserError]
+    for module_name, name in DECLARED_ERRORS:
+        module = sys.modules.get(module_name)
+        if module is not None:
+            found.append(getattr(module, name))
+    return tuple(found)
+
+
+def one_line(exc: BaseException) -> str:
+    """``p2ptrain: error: <message>`` on one line, whatever the message holds."""
+    message = " ".join(str(exc).split()) or type(exc).__name__
+    return f"p2ptrain: error: {message}"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -61,18 +94,20 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(args.verbose)
     try:
         return int(args.func(args) or 0)
-    except UserError as exc:
-        print(f"p2ptrain: error: {exc}", file=sys.stderr)
-        return 1
-    except BaseExceptionGroup as group:
-        # trio wraps an error raised inside a nursery; a user error stays one line all the same.
-        user_errors, rest = group.split(UserError)
-        if user_errors is None or rest is not None:
-            raise
-        print(f"p2ptrain: error: {_first_leaf(user_errors)}", file=sys.stderr)
-        return 1
     except KeyboardInterrupt:
         return 130
+    except BaseExceptionGroup as group:
+        # trio wraps an error raised inside a nursery; a user error stays one line all the same.
+        declared, rest = group.split(declared_errors())
+        if declared is None or rest is not None:
+            raise
+        print(one_line(_first_leaf(declared)), file=sys.stderr)
+        return 1
+    except Exception as exc:
+        if not isinstance(exc, declared_errors()):
+            raise
+        print(one_line(exc), file=sys.stderr)
+        return 1
 
 
 def _first_leaf(group: BaseExceptionGroup) -> BaseException:

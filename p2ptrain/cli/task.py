@@ -54,12 +54,13 @@ def _client(args: argparse.Namespace) -> Any:
 
 def cmd_publish(args: argparse.Namespace) -> int:
     try:
-        text = args.task_file.read_text()
+        data = args.task_file.read_bytes()
     except OSError as exc:
         raise UserError(f"cannot read {args.task_file}: {exc.strerror}") from None
     from p2ptrain.training.task import load_task
 
-    load_task(text)  # the same validation the node runs, before a node is needed
+    load_task(data)  # the same validation the node runs, before a node is needed (and UTF-8 checked)
+    text = data.decode()
     reply = _client(args).call("task.publish", text=text, join=args.join)
     print(json.dumps(reply) if args.json else reply["task_cid"])
     return 0

@@ -81,7 +81,7 @@ def _array(archive, key: str, path: Path) -> np.ndarray:
 
 def _read_csv(path: Path) -> np.ndarray:
     """A numeric CSV, with or without one header line."""
-    with open(path) as f:
+    with open(path, errors="replace") as f:  # a binary file is refused by loadtxt below, in one line
         first = f.readline()
     skip = 0 if all(_is_number(v) for v in first.strip().split(",")) else 1
     try:

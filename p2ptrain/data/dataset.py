@@ -19,13 +19,14 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from p2ptrain.data.manifest import Manifest, ShardRef
 from p2ptrain.data.shards import ShardError, decode_shard
+from p2ptrain.errors import UserError
 from p2ptrain.ipfs.cid import BlockMismatch
 from p2ptrain.ipfs.store import ContentStore, ContentUnavailable, open_store
 from p2ptrain.ipfs.unixfs import DagError
 
 
-class ShardUnavailable(RuntimeError):
-    """A shard the dataset needs cannot be had, or is not what the manifest promises."""
+class ShardUnavailable(UserError, RuntimeError):
+    """A shard the dataset needs cannot be had, or is not what the manifest promises (one line in the CLI)."""
 
     def __init__(self, message: str, cid: str | None = None) -> None:
         # One-message constructor: DataLoader rebuilds a worker's exception as ``type(exc)(message)``.

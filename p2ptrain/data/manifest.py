@@ -2,33 +2,47 @@
 
 A manifest is canonical JSON (sorted keys, no spaces, UTF-8) stored as a file in the content store, so
 its CID names exactly one manifest and peers that build the same dataset get the same CID. It arrives
-from the network, so :meth:`Manifest.from_json` is strict: known keys only, bounded sizes, valid CIDs,
-and bytes that are not in canonical form are refused (two encodings of one manifest would make two CIDs).
+from the network, so :meth:`Manifest.from_json` is strict: known keys only, bounded sizes, depth, counts
+and numbers, dtypes from an allow-list, valid CIDs, and bytes that are not in canonical form are refused
+(two encodings of one manifest would make two CIDs). Every way to fail is one :class:`ManifestError`.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass
 from typing import Any
 
+from p2ptrain import boundedjson
+from p2ptrain.errors import UserError
 from p2ptrain.ipfs.cid import InvalidCID, cid_str, parse_cid
 from p2ptrain.ipfs.store import ContentStore
 
 SCHEMA = "p2ptrain.dataset"
 VERSION = 1
+# 4 MiB: 100,000 shard entries of ~70 B each fit, with room.
 MAX_MANIFEST_BYTES = 4 * 1024 * 1024
+# Shards over all splits: 100,000 shards of 10 MiB is a 1 TB dataset.
 MAX_SHARDS = 100_000
+# Dimensions of one sample (an image is 3); numpy allows 64.
 MAX_DIMS = 8
+# Elements of one sample: 2**24 (a 3x2048x2048 image is 12.6M); a shard's header is checked against
+# this shape, so a larger sample could only be refused later, after its shard was fetched.
+MAX_SAMPLE_ELEMENTS = 1 << 24
+# Samples of one shard: 2**31, so sample counts and their sums over MAX_SHARDS stay exact everywhere.
+MAX_SHARD_SAMPLES = 1 << 31
+# A manifest nests four levels (manifest > splits > list > shard); eight refuse any bomb early.
+MAX_DEPTH = 8
 DTYPES = frozenset(
     {"float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "bool"}
 )
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 
-class ManifestError(ValueError):
-    """Bytes that are not a valid dataset manifest."""
+class ManifestError(UserError, ValueError):
+    """Bytes that are not a valid dataset manifest (the CLI prints it as one line)."""
 
 
 @dataclass(frozen=True)
@@ -87,11 +101,15 @@ class Manifest:
         if len(data) > MAX_MANIFEST_BYTES:
             raise ManifestError(f"manifest of {len(data)} bytes exceeds {MAX_MANIFEST_BYTES}")
         try:
-            raw = json.loads(data)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise ManifestError(f"manifest is not JSON: {exc}") from None
+            raw = boundedjson.loads(data, max_depth=MAX_DEPTH, what="manifest")
+        except boundedjson.JSONBoundsError as exc:
+            raise ManifestError(str(exc)) from None
         manifest = _parse(raw)
-        if _canonical(raw) != data:
+        try:
+            canonical = _canonical(raw)
+        except ValueError:  # a lone surrogate in a string cannot be UTF-8
+            raise ManifestError("manifest is not in canonical JSON form (not UTF-8)") from None
+        if canonical != data:
             raise ManifestError("manifest is not in canonical JSON form (sorted keys, no spaces)")
         return manifest
 
@@ -116,34 +134,37 @@ def _keys(obj: Any, where: str, keys: set[str]) -> dict[str, Any]:
     return obj
 
 
-def _int(value: Any, where: str, low: int) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < low or value >= 1 << 53:
-        raise ManifestError(f"{where} must be an integer >= {low}")
+def _int(value: Any, where: str, low: int, high: int) -> int:
+    if type(value) is not int or not low <= value <= high:
+        raise ManifestError(f"{where} must be an integer from {low} to {high}")
     return value
 
 
 def _spec(obj: Any, where: str) -> TensorSpec:
     obj = _keys(obj, where, {"dtype", "shape"})
-    if obj["dtype"] not in DTYPES:
+    if type(obj["dtype"]) is not str or obj["dtype"] not in DTYPES:
         raise ManifestError(f"{where}.dtype must be one of {sorted(DTYPES)}")
     shape = obj["shape"]
-    if not isinstance(shape, list) or len(shape) > MAX_DIMS:
+    if type(shape) is not list or len(shape) > MAX_DIMS:
         raise ManifestError(f"{where}.shape must be a list of at most {MAX_DIMS} sizes")
-    return TensorSpec(obj["dtype"], tuple(_int(n, f"{where}.shape", 1) for n in shape))
+    dims = tuple(_int(n, f"{where}.shape", 1, MAX_SAMPLE_ELEMENTS) for n in shape)
+    if math.prod(dims) > MAX_SAMPLE_ELEMENTS:
+        raise ManifestError(f"{where}.shape has more than {MAX_SAMPLE_ELEMENTS} elements per sample")
+    return TensorSpec(obj["dtype"], dims)
 
 
 def _parse(raw: Any) -> Manifest:
     raw = _keys(raw, "manifest", {"schema", "version", "name", "features", "labels", "splits"})
-    if raw["schema"] != SCHEMA or raw["version"] != VERSION:
+    if raw["schema"] != SCHEMA or type(raw["version"]) is not int or raw["version"] != VERSION:
         raise ManifestError(f"not a {SCHEMA} version {VERSION} manifest")
-    if not isinstance(raw["name"], str) or not _NAME.match(raw["name"]):
+    if not isinstance(raw["name"], str) or not _NAME.fullmatch(raw["name"]):
         raise ManifestError("name must be 1-64 characters of letters, digits, '.', '_', '-'")
     if not isinstance(raw["splits"], dict) or not raw["splits"]:
         raise ManifestError("splits must be a non-empty object")
     splits: dict[str, tuple[ShardRef, ...]] = {}
     total = 0
     for split, shards in raw["splits"].items():
-        if not _NAME.match(split):
+        if not _NAME.fullmatch(split):
             raise ManifestError(f"split name {split!r} is not allowed")
         if not isinstance(shards, list) or not shards:
             raise ManifestError(f"split {split!r} must be a non-empty list of shards")
@@ -160,7 +181,7 @@ def _parse(raw: Any) -> Manifest:
                 raise ManifestError(f"{where}.cid: {exc}") from None
             if cid != shard["cid"]:
                 raise ManifestError(f"{where}.cid must be a CID in canonical text form")
-            refs.append(ShardRef(cid, _int(shard["num_samples"], f"{where}.num_samples", 1)))
+            refs.append(ShardRef(cid, _int(shard["num_samples"], f"{where}.num_samples", 1, MAX_SHARD_SAMPLES)))
         splits[split] = tuple(refs)
     return Manifest(raw["name"], _spec(raw["features"], "features"), _spec(raw["labels"], "labels"),
                     splits)

@@ -1,8 +1,9 @@
 """Dataset shards: one safetensors file per shard holding ``features`` and ``labels``.
 
 safetensors because shard bytes come from other peers: the format is a JSON header plus raw arrays, so
-reading one cannot run code (unlike pickle, ``torch.load`` or ``np.load(allow_pickle=True)``). A shard is
-also checked against the manifest's dtypes, shapes and sample count before anyone trains on it.
+reading one cannot run code (unlike pickle, ``torch.load`` or ``np.load(allow_pickle=True)``). A shard's
+header is checked (:func:`p2ptrain.data.tensorfile.read_header`: bounded, every byte range inside the
+file) and compared with the manifest's dtypes, shapes and sample count before any array is built.
 """
 
 from __future__ import annotations
@@ -12,11 +13,13 @@ from safetensors import SafetensorError
 from safetensors.numpy import load, save
 
 from p2ptrain.data.manifest import TensorSpec
+from p2ptrain.data.tensorfile import NUMPY_CODES, TensorFileError, read_header
+from p2ptrain.errors import UserError
 
 KEYS = ("features", "labels")
 
 
-class ShardError(ValueError):
+class ShardError(UserError, ValueError):
     """Shard bytes that do not hold what the manifest promises."""
 
 
@@ -36,18 +39,19 @@ def decode_shard(
 ) -> tuple[np.ndarray, np.ndarray]:
     """Parse shard bytes and check them against the manifest; :class:`ShardError` if anything differs."""
     try:
+        header = read_header(data)
+    except TensorFileError as exc:
+        raise ShardError(f"not a safetensors file: {exc}") from None
+    if set(header.tensors) != set(KEYS):
+        raise ShardError(f"shard holds {sorted(header.tensors)[:8]}, expected {list(KEYS)}")
+    for key, spec in zip(KEYS, (features, labels)):
+        info = header.tensors[key]
+        if info.dtype != NUMPY_CODES.get(spec.dtype) or info.shape != (num_samples, *spec.shape):
+            raise ShardError(
+                f"{key} is {info.dtype}{list(info.shape)}, manifest says {spec.dtype}{[num_samples, *spec.shape]}"
+            )
+    try:
         arrays = load(data)
     except (SafetensorError, ValueError, KeyError) as exc:
         raise ShardError(f"not a safetensors file: {exc}") from None
-    if set(arrays) != set(KEYS):
-        raise ShardError(f"shard holds {sorted(arrays)}, expected {list(KEYS)}")
-    out = []
-    for key, spec in zip(KEYS, (features, labels)):
-        array = arrays[key]
-        if spec_of(array) != spec or len(array) != num_samples:
-            raise ShardError(
-                f"{key} is {array.dtype}{list(array.shape)}, manifest says "
-                f"{spec.dtype}{[num_samples, *spec.shape]}"
-            )
-        out.append(array)
-    return out[0], out[1]
+    return arrays["features"], arrays["labels"]

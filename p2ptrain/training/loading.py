@@ -13,16 +13,22 @@ from torch import nn
 from p2ptrain.identity import default_home
 from p2ptrain.ipfs.cid import parse_cid
 from p2ptrain.ipfs.store import ContentStore, ContentUnavailable, open_store
-from p2ptrain.training.models import build_model
+from p2ptrain.training.models import ModelError, build_model
 from p2ptrain.training.records import RecordError, load_model_bytes, read_model_card
 
 
 def model_from_bytes(data: bytes) -> nn.Module:
-    """Build the architecture named in ``data``'s card and load the weights into it (eval mode)."""
+    """Build the architecture named in ``data``'s card and load the weights into it (eval mode).
+
+    Raises :class:`RecordError` for any file that is not such a model (the one declared error).
+    """
     card = read_model_card(data)
     if card is None:
         raise RecordError("the model file names no architecture (no p2ptrain.model metadata)")
-    module = build_model(card["name"], card["kwargs"], seed=0)
+    try:
+        module = build_model(card["name"], card["kwargs"], seed=0)
+    except ModelError as exc:  # the card names a model we would not build: the file is at fault
+        raise RecordError(f"the model file's card: {exc}") from None
     load_model_bytes(module, data)
     return module.eval()
 

@@ -3,8 +3,10 @@
 Same weights must give the same bytes on every peer, because a member proves it holds the global
 model by hashing its own weights to the CID the coordinator published. So a state dict is written as
 safetensors with sorted names, contiguous CPU tensors and fixed metadata; nothing else goes in.
-Loading uses ``safetensors.torch`` only (never ``torch.load``) and insists on exactly the names,
-shapes and dtypes of a module built from the registry.
+Loading uses ``safetensors.torch`` only (never ``torch.load``), after
+:func:`p2ptrain.data.tensorfile.read_header` has checked the header (bounded, every byte range
+inside the file), and insists on exactly the names, shapes and dtypes of a module built from the
+registry. Every way a model file, record or attestation can be bad is one :class:`RecordError`.
 
 A record is *confirmed* when a quorum (a strict majority of the round's members) attest that their
 own weights hash to the record's CIDs. Confirmed records form a chain: each record's parent is the
@@ -26,6 +28,9 @@ import torch
 from libp2p.crypto.keys import KeyPair
 from torch import nn
 
+from p2ptrain import boundedjson
+from p2ptrain.data.tensorfile import TensorFileError, read_header
+from p2ptrain.errors import UserError
 from p2ptrain.training import signing
 from p2ptrain.training.signing import SignatureError
 from p2ptrain.wire.messages import Attestation, ModelRecord, SignedAttestation, SignedModelRecord
@@ -38,12 +43,16 @@ log = logging.getLogger(__name__)
 # between two saves of the same tensors.
 _METADATA = {"format": "pt"}
 MODEL_CARD_KEY = "p2ptrain.model"
-MAX_HEADER_BYTES = 16 * 1024 * 1024
+# A signed record is ~1 KiB plus 60 B per member (MAX_PEERS = 128): 64 KiB is ample.
 MAX_RECORD_BYTES = 64 * 1024
+# A signed record nests four levels (record > metrics/members); eight refuse any bomb early.
+MAX_RECORD_DEPTH = 8
+# A model card is {"name": ..., "kwargs": {"hidden": [..]}}: three levels.
+MAX_CARD_DEPTH = 4
 
 
-class RecordError(ValueError):
-    """A record, attestation or model file is invalid or does not fit the chain."""
+class RecordError(UserError, ValueError):
+    """A record, attestation or model file is invalid or does not fit the chain (one line in the CLI)."""
 
 
 # --- deterministic tensor files ---------------------------------------------------------------
@@ -72,16 +81,10 @@ def model_bytes(module: nn.Module, card: Mapping[str, Any] | None = None) -> byt
 
 def read_model_card(data: bytes) -> dict[str, Any] | None:
     """The architecture card in a model file's safetensors header, or None if it has none."""
-    if len(data) < 8:
-        raise RecordError("not a valid safetensors file: too short")
-    header_len = int.from_bytes(data[:8], "little")
-    if header_len > min(len(data) - 8, MAX_HEADER_BYTES):
-        raise RecordError("not a valid safetensors file: bad header length")
     try:
-        header = json.loads(data[8 : 8 + header_len])
-        value = header.get("__metadata__", {}).get(MODEL_CARD_KEY)
-        card = json.loads(value) if value is not None else None
-    except (ValueError, AttributeError, TypeError) as exc:
+        value = read_header(data).metadata.get(MODEL_CARD_KEY)
+        card = boundedjson.loads(value, max_depth=MAX_CARD_DEPTH, what="model card") if value is not None else None
+    except (TensorFileError, boundedjson.JSONBoundsError) as exc:
         raise RecordError(f"model file header is not valid: {exc}") from None
     if card is not None and not (isinstance(card, dict) and isinstance(card.get("name"), str)
                                  and isinstance(card.get("kwargs"), dict)):
@@ -90,7 +93,15 @@ def read_model_card(data: bytes) -> dict[str, Any] | None:
 
 
 def read_tensors(data: bytes) -> dict[str, torch.Tensor]:
-    """Parse safetensors bytes (no pickle involved); raise :class:`RecordError` if malformed."""
+    """Parse safetensors bytes (no pickle involved); raise :class:`RecordError` if malformed.
+
+    The header is checked by :func:`read_header` first, so safetensors only ever builds tensors
+    from bytes whose every range lies inside the file.
+    """
+    try:
+        read_header(data)
+    except TensorFileError as exc:
+        raise RecordError(f"not a valid safetensors file: {exc}") from None
     try:
         return safetensors.torch.load(data)
     except Exception as exc:  # safetensors raises its own error types for every malformation
@@ -148,8 +159,9 @@ def record_from_bytes(data: bytes) -> SignedModelRecord:
     if len(data) > MAX_RECORD_BYTES:
         raise RecordError(f"model record of {len(data)} B is over the {MAX_RECORD_BYTES} B limit")
     try:
-        signed = from_plain(SignedModelRecord, json.loads(data), "model_record")
-    except (ValueError, RecursionError, SchemaError) as exc:
+        plain = boundedjson.loads(data, max_depth=MAX_RECORD_DEPTH, what="model record")
+        signed = from_plain(SignedModelRecord, plain, "model_record")
+    except (boundedjson.JSONBoundsError, SchemaError) as exc:
         raise RecordError(f"not a model record: {exc}") from None
     verify_record(signed)
     return signed

@@ -5,6 +5,11 @@ is strict (unknown keys, wrong types and out-of-range values are errors that nam
 a task comes from another peer: it must not be able to smuggle in anything we did not plan for, and a
 typo must not silently fall back to a default. Canonical bytes fill in every default and sort keys, so
 the same task always has the same bytes and therefore the same CID on every peer.
+
+Both decoders, :func:`load_task` (TOML) and :func:`task_from_bytes` (JSON by CID), raise one error,
+:class:`TaskError`, for anything they refuse: text over :data:`MAX_TASK_BYTES`, nesting deeper than
+:data:`MAX_TASK_DEPTH`, integers beyond :data:`MAX_NUMBER` (TOML and JSON both carry integers of
+any size, and a float check of ``10**400`` overflows) and every field out of its range.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import tomllib
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from p2ptrain import boundedjson
 from p2ptrain.errors import UserError
 from p2ptrain.ipfs.cid import InvalidCID, parse_cid
 from p2ptrain.training.models import ModelError, check_model
@@ -23,7 +29,13 @@ from p2ptrain.wire.messages import Capabilities
 # A CID in text form is short; anything longer is not a CID we made.
 _MAX_CID_LEN = 128
 _MAX_NAME_LEN = 128
-_MAX_TASK_BYTES = 64 * 1024
+# A task is a few hundred bytes; 64 KiB bounds both the TOML a person writes and the JSON we fetch.
+MAX_TASK_BYTES = 64 * 1024
+# A task nests three levels (task > model > kwargs > a list); eight refuse any bomb before parsing.
+MAX_TASK_DEPTH = 8
+# Integers where a number is expected must be exact in a float: |n| <= 2**53. Larger ones (TOML and
+# JSON both carry integers of any size) are refused before any float conversion can overflow.
+MAX_NUMBER = 2**53
 
 # A coordinator's heartbeat carries a quorum of signed votes; 128 members keep it far below the wire cap.
 MAX_PEERS = 128
@@ -199,13 +211,20 @@ def _float(
             raise TaskError(f"{where}{key}: missing")
         return default
     value = table[key]
-    if type(value) not in (int, float) or not math.isfinite(value):
+    if not _finite_number(value):
         raise TaskError(f"{where}{key}: must be a finite number")
     if lo_open and value <= lo:
         raise TaskError(f"{where}{key}: must be > {lo:g}")
     if value < lo or value > hi:
         raise TaskError(f"{where}{key}: must be between {lo:g} and {hi:g}")
     return float(value)
+
+
+def _finite_number(value: Any) -> bool:
+    """An int within +-MAX_NUMBER or a finite float (bools are not numbers here)."""
+    if type(value) is int:
+        return -MAX_NUMBER <= value <= MAX_NUMBER
+    return type(value) is float and math.isfinite(value)
 
 
 def _bool(table: dict[str, Any], key: str, where: str, default: bool) -> bool:
@@ -235,7 +254,7 @@ def _cid(table: dict[str, Any], key: str, where: str, default: Any = ...) -> Any
 
 def _kwarg_value(value: Any, where: str, nested_ok: bool = True) -> Any:
     """Model kwargs are JSON scalars or short flat lists of them: nothing that could carry code."""
-    if type(value) in (bool, int, str) or (type(value) is float and math.isfinite(value)):
+    if type(value) in (bool, str) or _finite_number(value):
         return value
     if nested_ok and isinstance(value, list) and len(value) <= 64:
         return [_kwarg_value(v, f"{where}[{i}]", nested_ok=False) for i, v in enumerate(value)]
@@ -361,7 +380,10 @@ def parse_task(data: dict[str, Any]) -> Task:
 
 
 def load_task(text: str | bytes) -> Task:
-    """Parse and validate a task from TOML text."""
+    """Parse and validate a task from TOML text; :class:`TaskError` for anything we refuse."""
+    size = len(text) if isinstance(text, bytes) else len(text.encode(errors="surrogatepass"))
+    if size > MAX_TASK_BYTES:
+        raise TaskError(f"task: {size} B is over the {MAX_TASK_BYTES} B limit")
     if isinstance(text, bytes):
         try:
             text = text.decode()
@@ -369,8 +391,12 @@ def load_task(text: str | bytes) -> Task:
             raise TaskError(f"task: not UTF-8 ({exc})") from None
     try:
         data = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
+    except ValueError as exc:  # TOMLDecodeError, and an integer of over 4,300 digits
         raise TaskError(f"task: not valid TOML ({exc})") from None
+    except RecursionError:
+        # tomllib recurses per nested array or inline table; within MAX_TASK_BYTES the recursion
+        # ends at the interpreter's limit, cleanly, and the text is simply not a task.
+        raise TaskError("task: nested too deeply") from None
     return parse_task(data)
 
 
@@ -392,12 +418,12 @@ def task_bytes(task: Task) -> bytes:
 
 def task_from_bytes(data: bytes) -> Task:
     """Validate task bytes fetched by CID and insist they are canonical (one task, one CID)."""
-    if len(data) > _MAX_TASK_BYTES:
-        raise TaskError(f"task: {len(data)} B is over the {_MAX_TASK_BYTES} B limit")
+    if len(data) > MAX_TASK_BYTES:
+        raise TaskError(f"task: {len(data)} B is over the {MAX_TASK_BYTES} B limit")
     try:
-        plain = json.loads(data)
-    except (ValueError, RecursionError) as exc:
-        raise TaskError(f"task: not JSON ({exc})") from None
+        plain = boundedjson.loads(data, max_depth=MAX_TASK_DEPTH, what="task")
+    except boundedjson.JSONBoundsError as exc:
+        raise TaskError(str(exc)) from None
     task = parse_task(plain)
     if task_bytes(task) != data:
         raise TaskError("task: bytes are not in canonical form")

@@ -88,3 +88,35 @@ def test_build_is_deterministic_and_splits_everything(tmp_path):
     assert manifest.num_samples("train") == 40 and manifest.num_samples("test") == 10
     with pytest.raises(ManifestError, match="no split 'valid'"):
         manifest.shards("valid")
+
+
+def _with_name(value: bytes) -> bytes:
+    """GOOD's canonical bytes with the name's JSON replaced by ``value`` (bytes crafted by hand)."""
+    data = GOOD.to_json()
+    assert b'"name":"toy"' in data
+    return data.replace(b'"name":"toy"', b'"name":' + value)
+
+
+@pytest.mark.parametrize(
+    "data,why",
+    [
+        (b"[" * 100_000, "nested"),  # was RecursionError
+        (_with_name(b"[" * 50_000 + b"]" * 50_000), "nested"),  # was RecursionError
+        (_with_name(b"1" + b"0" * 400), "integer"),
+        (mutate(features={"dtype": {}, "shape": []}), "dtype"),  # was TypeError: unhashable
+        (mutate(features={"dtype": [], "shape": []}), "dtype"),
+        (mutate(features={"dtype": "float32", "shape": [65536, 65536, 65536]}), "elements per sample"),
+        (mutate(splits={"train": [{"cid": SHARD, "num_samples": 2**40}]}), "num_samples"),
+        (mutate(version=True), "version 1"),
+        (mutate(name="toy\n"), "name"),
+    ],
+)
+def test_hostile_manifests_are_one_declared_error(data, why):
+    with pytest.raises(ManifestError, match=why):
+        Manifest.from_json(data)
+
+
+def test_a_manifest_error_is_a_user_error_for_the_cli():
+    from p2ptrain.errors import UserError
+
+    assert issubclass(ManifestError, UserError) and issubclass(ShardError, UserError)

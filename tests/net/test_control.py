@@ -11,7 +11,17 @@ import pytest
 import trio
 
 from p2ptrain.errors import UserError
-from p2ptrain.net.control import MAX_REQUEST_BYTES, ControlClient, ControlError, ControlServer, socket_path
+from p2ptrain.net.control import (
+    MAX_CONNECTIONS,
+    MAX_REQUEST_BYTES,
+    ControlClient,
+    ControlError,
+    ControlRequestError,
+    ControlServer,
+    parse_request,
+    socket_path,
+)
+from p2ptrain.testing import NodeProcess, free_port, local_mesh
 
 
 @pytest.fixture
@@ -111,3 +121,160 @@ def test_client_without_a_node_says_how_to_start_one(home):
 def test_socket_path_too_long_is_a_clear_error(tmp_path):
     with pytest.raises(UserError, match="shorter --home"):
         socket_path(tmp_path / ("x" * 120))
+
+
+# --- one boundary: nothing a client sends, and nothing an op does, stops the server -------------
+
+
+async def exchange(path, payload: bytes, *, shut: bool = True) -> list[dict]:
+    """Send ``payload`` on a fresh connection; every reply line until the server closes it."""
+    sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    with sock:
+        await sock.connect(os.fspath(path))
+        if payload:
+            await sock.send(payload)
+        if shut:
+            sock.shutdown(socket.SHUT_WR)
+        data = b""
+        while chunk := await sock.recv(65536):
+            data += chunk
+    return [json.loads(line) for line in data.splitlines()]
+
+
+def test_parse_request_refuses_a_nesting_bomb_with_its_declared_error():
+    with pytest.raises(ControlRequestError) as caught:
+        parse_request(b"[" * 100_000)
+    assert caught.value.reason == "not_json"
+    assert parse_request(b'{"op": "ping"}') == {"op": "ping"}
+
+
+async def test_a_100000_bracket_line_is_refused_and_the_node_process_keeps_answering(tmp_path):
+    home = tmp_path / "node"
+    home.mkdir(mode=0o700)
+    (home / "logs").mkdir(mode=0o700)
+    proc = NodeProcess(home, free_port(), extra_args=["--no-dht"]).start()
+    try:
+        await trio.to_thread.run_sync(proc.wait_ready)
+        with trio.fail_after(20):
+            replies = await exchange(socket_path(home), b"[" * 100_000 + b"\n" + b'{"op": "ping"}\n')
+            assert replies[0]["ok"] is False and "nested" in replies[0]["error"]
+            assert replies[1]["ok"] is True, "the same connection goes on after a refused line"
+            status = await trio.to_thread.run_sync(proc.status)
+        assert proc.proc.poll() is None
+        assert status["control"]["rejected"] == {"not_json": 1}
+    finally:
+        await trio.to_thread.run_sync(proc.terminate)
+
+
+class Unprintable(Exception):
+    def __str__(self) -> str:
+        raise RuntimeError("no message either")
+
+
+async def test_an_op_that_fails_in_any_way_is_an_error_reply_and_the_node_keeps_serving(tmp_path):
+    async def raises(request):
+        raise RuntimeError("injected failure")
+
+    async def unprintable(request):
+        raise Unprintable()
+
+    async def not_an_object(request):
+        return ["a", "list"]
+
+    async def unencodable(request):
+        return {"value": {(1, 2): "tuple keys are not JSON"}}
+
+    async def recursive(request):
+        loop: list = []
+        loop.append(loop)
+        return {"loop": loop}
+
+    async with local_mesh(1, tmp_path, dht=False) as (node,):
+        for name, handler in [("t.raises", raises), ("t.unprintable", unprintable), ("t.list", not_an_object),
+                              ("t.unencodable", unencodable), ("t.recursive", recursive)]:
+            node.control.register(name, handler)
+        path = socket_path(node.home)
+        with trio.fail_after(20):
+            for op, says in [("t.raises", "internal error in t.raises: injected failure"),
+                             ("t.unprintable", "internal error in t.unprintable: Unprintable"),
+                             ("t.list", "not an object"), ("t.unencodable", "could not be encoded"),
+                             ("t.recursive", "could not be encoded")]:
+                (reply,) = await exchange(path, json.dumps({"op": op}).encode() + b"\n")
+                assert reply == {"ok": False, "error": reply["error"]} and says in reply["error"], reply
+                assert (await call(node.home, "ping"))["started"], f"the node stopped answering after {op}"
+            status = await call(node.home, "status")
+    assert status["control"]["rejected"] == {"internal_error": 3, "bad_reply": 2}
+
+
+async def test_a_silent_or_dribbling_client_is_timed_out_while_others_are_served(tmp_path):
+    async with local_mesh(1, tmp_path, dht=False) as (node,):
+        node.control.request_timeout = 0.5
+        path = socket_path(node.home)
+        with trio.fail_after(20):
+            async with trio.open_nursery() as nursery:
+                results: dict[str, list[dict]] = {}
+
+                async def client(name: str, payload: bytes) -> None:
+                    results[name] = await exchange(path, payload, shut=False)
+
+                nursery.start_soon(client, "silent", b"")
+                nursery.start_soon(client, "dribbling", b'{"op": "pi')
+                assert (await call(node.home, "ping"))["started"]
+            for name in ("silent", "dribbling"):
+                (reply,) = results[name]
+                assert reply["ok"] is False and "no complete request line within 0.5 s" in reply["error"], name
+            assert (await call(node.home, "status"))["control"]["rejected"] == {"timeout": 2}
+
+
+async def test_connections_over_the_cap_are_told_busy_and_the_server_recovers(home):
+    server = ControlServer(home)
+    async with trio.open_nursery() as nursery:
+        path = await nursery.start(server.serve)
+        held = []
+        try:
+            with trio.fail_after(20):
+                for _ in range(MAX_CONNECTIONS):
+                    sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                    held.append(sock)
+                    await sock.connect(os.fspath(path))
+                while server.connections < MAX_CONNECTIONS:
+                    await trio.sleep(0.01)
+                with pytest.raises(ControlError, match="busy: 64 control connections are open"):
+                    await call(home, "ops")
+        finally:
+            for sock in held:
+                sock.close()
+        with trio.fail_after(20):
+            while server.connections:
+                await trio.sleep(0.01)
+            assert (await call(home, "ops"))["ops"]
+            assert server.stats()["rejected"] == {"busy": 1}
+        nursery.cancel_scope.cancel()
+
+
+async def test_every_op_of_a_real_peer_answers_hostile_parameters_and_the_node_keeps_serving(tmp_path):
+    from p2ptrain.node import Node
+    from p2ptrain.runtime.peer import make_peer
+
+    node = Node(tmp_path / "peer", listen=["/ip4/127.0.0.1/tcp/0"], dht=False)
+    make_peer(node)
+    hostile = [
+        {},
+        {"cid": [[1]], "task_cid": {"a": 1}, "text": 5, "join": "yes", "timeout": -1},
+        {"cid": "x" * 1000, "task_cid": "Qm" + "1" * 44, "text": "[[[[", "timeout": [1.5]},
+        {"cid": "QmT78zSuBmuS4z925WZfrqQ1qHaJ56DQaTfyMUF7F8ff5o", "timeout": 2**62, "text": "name = 1e400"},
+    ]
+    async with trio.open_nursery() as nursery:
+        await nursery.start(node.run)
+        path = socket_path(node.home)
+        with trio.fail_after(60):
+            ops = (await call(node.home, "ops"))["ops"]
+            assert {"status", "ipfs.fetch", "task.publish", "task.join", "task.status"} <= set(ops)
+            for op in ops:
+                for params in hostile:
+                    (reply,) = await exchange(path, json.dumps({"op": op, **params}).encode() + b"\n")
+                    assert isinstance(reply["ok"], bool), (op, params, reply)
+                    assert (await call(node.home, "ping"))["started"], f"{op} {params} stopped the node"
+            status = await call(node.home, "status")
+        assert status["control"]["rejected"].get("connection_error", 0) == 0
+        node.stop()

@@ -6,7 +6,7 @@ import torch
 import p2ptrain
 from p2ptrain.ipfs.embedded import EmbeddedStore
 from p2ptrain.ipfs.store import ContentUnavailable
-from p2ptrain.training.models import ModelError, build_model
+from p2ptrain.training.models import build_model
 from p2ptrain.training.records import RecordError, model_bytes
 
 CARD = {"name": "mlp", "kwargs": {"in_features": 64, "hidden": [32], "out_features": 10}}
@@ -36,7 +36,7 @@ def test_refuses_files_without_a_card_or_with_an_unknown_architecture(tmp_path):
         p2ptrain.load_model(bare)
     evil = tmp_path / "evil.safetensors"
     evil.write_bytes(model_bytes(module, {"name": "os.system", "kwargs": {}}))
-    with pytest.raises(ModelError):
+    with pytest.raises(RecordError, match="unknown model .os.system."):
         p2ptrain.load_model(evil)
     wrong = tmp_path / "wrong.safetensors"
     wrong.write_bytes(model_bytes(module, {"name": "mlp", "kwargs": {**CARD["kwargs"], "hidden": [16]}}))

@@ -175,3 +175,45 @@ def test_record_id_names_the_exact_record():
     a = record()
     assert record_id(a) == record_id(dataclasses.replace(a))
     assert record_id(a) != record_id(dataclasses.replace(a, step=a.step + 1))
+
+
+def _model_with_card(card_text: str) -> bytes:
+    return tensors_bytes(build_model("mlp", {"hidden": [4]}, 0).state_dict(), metadata={"p2ptrain.model": card_text})
+
+
+@pytest.mark.parametrize(
+    "data,why",
+    [
+        (b"\x10\x00\x00\x00\x00\x00\x00\x00" + b"[" * 16, "not valid"),
+        (len(b"[" * 100_000).to_bytes(8, "little") + b"[" * 100_000, "nested"),  # was RecursionError
+        (_model_with_card("[" * 50_000), "nested"),  # was RecursionError
+        (_model_with_card('{"name":"mlp","kwargs":{"in_features":1' + "0" * 400 + "}}"), "integer"),
+        (_model_with_card('{"name":"mlp"}'), "name and kwargs"),
+    ],
+)
+def test_a_hostile_model_file_header_is_a_record_error(data, why):
+    from p2ptrain.training.records import read_model_card
+
+    with pytest.raises(RecordError, match=why):
+        read_model_card(data)
+
+
+def test_huge_numbers_and_deep_nesting_in_a_stored_record_are_record_errors():
+    data = record_bytes(sign_record(record(), KEYS[0]))
+    assert b'"accuracy":0.9' in data
+    with pytest.raises(RecordError, match="integer"):  # a float overflow in the schema check before
+        record_from_bytes(data.replace(b'"accuracy":0.9', b'"accuracy":1' + b"0" * 400))
+    with pytest.raises(RecordError, match="nested"):
+        record_from_bytes(data.replace(b'"accuracy":0.9', b'"accuracy":' + b"[" * 5000 + b"]" * 5000))
+    with pytest.raises(RecordError):
+        record_from_bytes(b"[" * 60_000)
+
+
+def test_reading_tensors_checks_the_header_first():
+    from p2ptrain.training.records import read_tensors
+
+    good = tensors_bytes({"a": torch.zeros(2)})
+    assert read_tensors(good)["a"].shape == (2,)
+    bad = good[:8] + good[8:].replace(b"[0,8]", b"[0,9]")  # a range one byte past the data
+    with pytest.raises(RecordError, match="outside"):
+        read_tensors(bad)

@@ -158,3 +158,29 @@ def test_epochs_become_steps():
     # 3 epochs of 1000 samples over 4 peers taking 16 x 2 samples each per round.
     assert total_steps(task, 1000, 4) == 24
     assert total_steps(load_task(BASE), 1000, 4) == 10
+
+
+def test_huge_integers_are_task_errors_in_toml_and_in_bytes_by_cid():
+    with pytest.raises(TaskError, match="^optimizer.lr: must be a finite number"):
+        load_task(BASE.replace("lr = 0.1", "lr = 1" + "0" * 400))  # was OverflowError
+    with pytest.raises(TaskError, match="^optimizer.lr: must be a finite number"):
+        load_task(BASE.replace("lr = 0.1", f"lr = {2**53 + 1}"))
+    data = task_bytes(load_task(BASE))
+    with pytest.raises(TaskError, match="integer"):
+        task_from_bytes(data.replace(b'"lr":0.1', b'"lr":1' + b"0" * 400))  # was OverflowError
+    with pytest.raises(TaskError, match="must be a finite number"):
+        load_task(with_("model.kwargs", "in_features = 1" + "0" * 400))
+
+
+def test_deep_nesting_is_a_task_error_in_toml_and_in_bytes_by_cid():
+    with pytest.raises(TaskError, match="nested too deeply"):
+        load_task(with_("model.kwargs", "hidden = " + "[" * 5000 + "]" * 5000))  # was RecursionError
+    with pytest.raises(TaskError, match="nested"):
+        task_from_bytes(b"[" * 60_000)
+    with pytest.raises(TaskError, match="over the 65536 B limit"):
+        load_task(BASE + "#" * 70_000)
+
+
+def test_an_integer_too_long_for_python_to_read_is_a_task_error():
+    with pytest.raises(TaskError, match="not valid TOML"):
+        load_task(BASE.replace("lr = 0.1", "lr = " + "1" * 5000))  # was ValueError from int()

@@ -1,0 +1,149 @@
+"""Fuzz targets of the parsers of files and records from the network or disk, and of control lines.
+
+Where a format wraps JSON in binary (a safetensors header, the model card inside one), the target
+takes the JSON and wraps it as a peer would, so the fuzzer's JSON attacks (deep nesting, huge
+integers, non-finite numbers) reach the JSON parser and the checks behind it.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import numpy as np
+import torch
+from _p2ptrain_fuzzing import FuzzTarget
+from libp2p.crypto.ed25519 import create_new_key_pair
+
+from p2ptrain.data.manifest import Manifest, ManifestError, ShardRef, TensorSpec
+from p2ptrain.data.shards import ShardError, decode_shard, encode_shard
+from p2ptrain.data.tensorfile import TensorFileError, read_header
+from p2ptrain.ipfs.cid import make_cid
+from p2ptrain.net.control import ControlRequestError, parse_request
+from p2ptrain.training.loading import model_from_bytes
+from p2ptrain.training.models import build_model
+from p2ptrain.training.records import RecordError, model_bytes, record_bytes, record_from_bytes, sign_record, tensors_bytes
+from p2ptrain.training.task import TaskError, load_task, task_bytes, task_from_bytes
+from p2ptrain.wire.messages import ModelRecord
+
+CID = "QmT78zSuBmuS4z925WZfrqQ1qHaJ56DQaTfyMUF7F8ff5o"
+SHARD_CID = make_cid(b"shard").encode("base32")
+
+# --- manifests --------------------------------------------------------------------------------
+
+MANIFESTS = [
+    Manifest("toy", TensorSpec("float32", (2, 3)), TensorSpec("int64", ()),
+             {"train": (ShardRef(SHARD_CID, 10),)}).to_json(),
+    Manifest("digits", TensorSpec("float32", (64,)), TensorSpec("int64", ()),
+             {"train": (ShardRef(SHARD_CID, 100), ShardRef(CID, 90)), "test": (ShardRef(SHARD_CID, 5),)}).to_json(),
+]
+
+# --- tasks --------------------------------------------------------------------------------------
+
+TASK_TOML = f"""
+name = "t"
+seed = 3
+[model]
+name = "mlp"
+[model.kwargs]
+hidden = [8, 8]
+[dataset]
+manifest = "{CID}"
+[optimizer]
+name = "adam"
+lr = 0.001
+[schedule]
+name = "warmup"
+warmup_steps = 2
+[training]
+batch_size = 16
+total_steps = 10
+[compression]
+density = 0.5
+[peers]
+min = 2
+""".encode()
+TASK_TOML_SGD = TASK_TOML.replace(b'name = "adam"\nlr = 0.001', b'name = "sgd"\nlr = 0.1\nmomentum = 0.9')
+TASK_BYTES = [task_bytes(load_task(TASK_TOML)), task_bytes(load_task(TASK_TOML_SGD))]
+
+# --- records ------------------------------------------------------------------------------------
+
+KEY = create_new_key_pair()
+RECORDS = [
+    record_bytes(sign_record(ModelRecord(
+        task_cid=CID, version=v, parent=CID, round=3 * v, step=3 * v, members=("a", "b"),
+        metrics={"loss": 0.5, "accuracy": 0.9}, model_cid=CID, optimizer_cid=CID, term=1, coordinator=""), KEY))
+    for v in (1, 2)
+]
+
+# --- safetensors: headers, model files and their cards, shards --------------------------------
+
+_BODY = bytes(range(32))
+
+
+def _wrap(header: bytes, body: bytes) -> bytes:
+    return struct.pack("<Q", len(header)) + header + body
+
+
+def _header_of(data: bytes) -> bytes:
+    n = int.from_bytes(data[:8], "little")
+    return data[8 : 8 + n]
+
+
+def _decode_header(header: bytes) -> object:
+    return read_header(_wrap(header, _BODY))
+
+
+HEADERS = [
+    _header_of(tensors_bytes({"a": torch.zeros(4), "b": torch.zeros(2, dtype=torch.int64)})),
+    _header_of(tensors_bytes({"w": torch.zeros(2, 2, dtype=torch.float64)}, metadata={"k": "v"})),
+]
+
+_MODEL = build_model("mlp", {"in_features": 4, "hidden": [4], "out_features": 2}, 0)
+_CARD = {"name": "mlp", "kwargs": {"in_features": 4, "hidden": [4], "out_features": 2}}
+MODEL_FILES = [model_bytes(_MODEL, _CARD)]
+CARDS = [json.dumps(_CARD, sort_keys=True, separators=(",", ":")).encode()]
+
+
+def _decode_card(card: bytes) -> object:
+    """A model file whose card is ``card`` (as text, when it is UTF-8): what a peer could publish."""
+    try:
+        text = card.decode()
+    except UnicodeDecodeError:
+        text = card.decode("latin-1")
+    return model_from_bytes(tensors_bytes(_MODEL.state_dict(), metadata={"p2ptrain.model": text}))
+
+
+_FEATURES, _LABELS = TensorSpec("float32", (2,)), TensorSpec("int64", ())
+SHARDS = [encode_shard(np.arange(8, dtype=np.float32).reshape(4, 2), np.arange(4))]
+_SHARD_BODY_LEN = len(SHARDS[0]) - 8 - int.from_bytes(SHARDS[0][:8], "little")
+
+
+def _decode_shard(data: bytes) -> object:
+    return decode_shard(data, _FEATURES, _LABELS, 4)
+
+
+def _decode_shard_header(header: bytes) -> object:
+    return decode_shard(_wrap(header, bytes(_SHARD_BODY_LEN)), _FEATURES, _LABELS, 4)
+
+
+# --- control lines ------------------------------------------------------------------------------
+
+CONTROL_LINES = [
+    b'{"op":"status"}',
+    b'{"op":"ipfs.fetch","cid":"' + CID.encode() + b'","timeout":300.0}',
+    b'{"op":"task.publish","text":"name = \\"t\\"\\n","join":true}',
+]
+
+TARGETS = [
+    FuzzTarget("parsers.manifest", Manifest.from_json, (ManifestError,), MANIFESTS),
+    FuzzTarget("parsers.task_bytes", task_from_bytes, (TaskError,), TASK_BYTES),
+    FuzzTarget("parsers.task_toml", load_task, (TaskError,), [TASK_TOML, TASK_TOML_SGD]),
+    FuzzTarget("parsers.model_record", record_from_bytes, (RecordError,), RECORDS),
+    FuzzTarget("parsers.safetensors_header", _decode_header, (TensorFileError,), HEADERS),
+    FuzzTarget("parsers.model_file", model_from_bytes, (RecordError,), MODEL_FILES),
+    FuzzTarget("parsers.model_card", _decode_card, (RecordError,), CARDS),
+    FuzzTarget("parsers.shard", _decode_shard, (ShardError,), SHARDS),
+    FuzzTarget("parsers.shard_header", _decode_shard_header, (ShardError,), [_header_of(s) for s in SHARDS]),
+    FuzzTarget("parsers.control_line", parse_request, (ControlRequestError,), CONTROL_LINES),
+]
