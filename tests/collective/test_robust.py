@@ -51,7 +51,7 @@ def contributions(n: int) -> list[torch.Tensor]:
     return [signal + torch.randn(n, generator=torch.Generator().manual_seed(i)) for i in range(WORLD)]
 
 
-def clip_bound(honest: list[torch.Tensor], factor: float) -> float:
+def clip_bound(honest: list[torch.Tensor], factor: float, *, rounding: float = 1e-5) -> float:
     """The largest |clipped mean - honest mean| the rule allows, chunk by chunk of the reduced values
     (``honest``: every member's contribution as it would have been, at the agreed indices)."""
     bounds = chunk_bounds(honest[0].numel(), WORLD)
@@ -62,20 +62,24 @@ def clip_bound(honest: list[torch.Tensor], factor: float) -> float:
         tau = median_radius([float(s.norm()) for s in sent])
         clipped_off = sum(max(0.0, float(p.norm()) - tau) for i, p in enumerate(parts) if i != BAD)
         total += ((clipped_off + tau + float(parts[BAD].norm())) / WORLD) ** 2
-    return math.sqrt(total) * (1 + 1e-5) + 1e-6  # float32 rounding of the sums
+    return math.sqrt(total) * (1 + rounding) + rounding * sum(float(x.norm()) for x in honest)  # rounding of the sums
 
 
-async def one_round(peers, gather, xs, factor, *, density, robust, round_id):
+async def one_round(peers, gather, xs, factor, *, density, robust, round_id, value_dtype=torch.float32):
     """One SparseAllReducer round (fresh residuals: sent = the input at the agreed indices)."""
     ring = [p.id for p in peers]
     reducers = [
-        SparseAllReducer(hostile.Hostile(p.collective, factor) if i == BAD else p.collective, density=density, robust=robust)
+        SparseAllReducer(
+            hostile.Hostile(p.collective, factor) if i == BAD else p.collective, density=density, robust=robust,
+            value_dtype=value_dtype,
+        )
         for i, p in enumerate(peers)
     ]
     results = await gather([lambda r=r, x=x: r.allreduce(x, ring, round_id) for r, x in zip(reducers, xs)])
     indices = reducers[0].last_indices
     for r in reducers:
-        assert (r.last_indices is None) == (indices is None) and (indices is None or r.last_indices.equal(indices))
+        same = r.last_indices is None if indices is None else r.last_indices.equal(indices)
+        assert same
     indices = torch.arange(xs[0].numel()) if indices is None else indices
     return results, indices
 
@@ -103,6 +107,19 @@ async def test_clip_bounds_a_hostile_member_and_honest_results_stay_identical(cl
     if abs(factor) >= 100:
         assert without > 10 * bound  # the plain mean is wrecked: the hostile share dominates
         assert with_clip < float(honest_mean.norm()) < without
+
+
+async def test_clip_holds_with_float16_values(cluster, gather):
+    xs = contributions(20_000)
+    async with cluster(WORLD, segment_bytes=4096) as peers:
+        clipped, indices = await one_round(
+            peers, gather, xs, 100.0, density=0.05, robust="clip", round_id=1, value_dtype=torch.float16
+        )
+    for r in clipped[:BAD]:
+        assert r.equal(clipped[0])
+    honest = [x[indices] for x in xs]
+    deviation = float((clipped[0][indices] - torch.stack(honest).mean(0)).norm())
+    assert deviation <= clip_bound(honest, 100.0, rounding=2e-3)  # float16: 11 bits of mantissa
 
 
 async def test_without_a_hostile_member_clip_in_the_direct_exchange_matches_the_dense_ring_bitwise(cluster, gather):
