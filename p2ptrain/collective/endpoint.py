@@ -15,9 +15,9 @@ import trio
 from libp2p.abc import IHost
 from libp2p.peer.id import ID
 
+from p2ptrain.collective.direct import direct_allreduce
 from p2ptrain.collective.errors import CollectiveError, single_failure
 from p2ptrain.collective.frames import DTYPES, round_digest
-from p2ptrain.collective.direct import direct_allreduce
 from p2ptrain.collective.ring import FLOAT_DTYPES, SEGMENT_BYTES, ring_allreduce
 from p2ptrain.collective.robust import check_rule
 from p2ptrain.collective.rounds import PROTOCOL, RoundHub
