@@ -21,6 +21,7 @@ import trio
 from p2ptrain.collective.errors import BadPayload, single_failure
 from p2ptrain.collective.frames import DTYPES, HEADER, Header, Kind, Phase
 from p2ptrain.collective.ring import SEGMENT_BYTES, chunk_bounds, segments
+from p2ptrain.collective.robust import check_rule, clip_scales, contribution_norm, scaled
 from p2ptrain.collective.rounds import RoundLinks
 
 
@@ -29,9 +30,16 @@ def _bytes_of(t: torch.Tensor) -> memoryview:
 
 
 async def direct_allreduce(
-    links: RoundLinks, data: torch.Tensor, *, average: bool, segment_bytes: int = SEGMENT_BYTES
+    links: RoundLinks, data: torch.Tensor, *, average: bool, segment_bytes: int = SEGMENT_BYTES,
+    robust: str = "none",
 ) -> None:
-    """Sum (or average) the flat contiguous ``data`` of every member in place, bitwise-identically."""
+    """Sum (or average) the flat contiguous ``data`` of every member in place, bitwise-identically.
+
+    ``robust="clip"``: the owner of a chunk clips each member's contribution to it to the median of
+    their norms before summing (:mod:`p2ptrain.collective.robust`); only the owner computes, and
+    its bytes are what everyone copies.
+    """
+    check_rule(robust)
     size, me, ring = links.size, links.me, links.ring
     if size == 1:
         return
@@ -67,12 +75,20 @@ async def direct_allreduce(
             for member in range(size):
                 if member != me:
                     nursery.start_soon(receive, mine, Phase.REDUCE, member, keep(member))
+
+    def part(member: int, j: int) -> torch.Tensor:
+        a, b = segs[mine][j]
+        return data[a:b] if member == me else contributions[member][j]
+
+    scales = [1.0] * size
+    if robust == "clip":
+        scales = clip_scales([contribution_norm([part(m, j) for j in range(len(segs[mine]))]) for m in range(size)])
     for j, (a, b) in enumerate(segs[mine]):
-        total = contributions[mine][j].clone() if mine != me else data[a:b].clone()
+        first = part(mine, j)
+        total = first.clone() if scales[mine] == 1.0 else scaled(first, scales[mine])
         for step in range(1, size):
             member = (mine + step) % size
-            term = data[a:b] if member == me else contributions[member][j]
-            total = torch.add(term, total)
+            total = torch.add(scaled(part(member, j), scales[member]), total)
         if average:
             total.div_(size)
         data[a:b].copy_(total)

@@ -15,9 +15,11 @@ import trio
 from libp2p.abc import IHost
 from libp2p.peer.id import ID
 
+from p2ptrain.collective.direct import direct_allreduce
 from p2ptrain.collective.errors import CollectiveError, single_failure
 from p2ptrain.collective.frames import DTYPES, round_digest
 from p2ptrain.collective.ring import FLOAT_DTYPES, SEGMENT_BYTES, ring_allreduce
+from p2ptrain.collective.robust import check_rule
 from p2ptrain.collective.rounds import PROTOCOL, RoundHub
 from p2ptrain.collective.sparse import Range, check_ranges, clt_k_round, select_ranges, slice_of, slice_ranges
 from p2ptrain.tensors import all_finite
@@ -67,6 +69,7 @@ class Collective:
         value_dtype: torch.dtype | None = None,
         timeout: float = 5.0,
         start_timeout: float | None = None,
+        robust: str = "none",
     ) -> torch.Tensor:
         """The mean (or sum) over the ring of every member's ``tensor``, identical bits everywhere.
 
@@ -78,19 +81,24 @@ class Collective:
 
         ``timeout`` bounds every hop; ``start_timeout`` (default ``timeout``) bounds waiting for the
         neighbours to join. A dead, stalled or misbehaving peer raises :class:`PeerFailed` naming it.
+        ``robust="clip"`` clips every member's contribution to the round's median norm
+        (:mod:`p2ptrain.collective.robust`); every member must pass the same.
         """
         _check_tensor(tensor, op)
         if not 0.0 < density <= 1.0:
             raise CollectiveError(f"density must be in (0, 1], got {density}")
         if density >= 1.0:
             out = tensor.detach().clone()
-            await self.dense_round(out, ring, round_id, op=op, timeout=timeout, start_timeout=start_timeout)
+            await self.dense_round(
+                out, ring, round_id, op=op, timeout=timeout, start_timeout=start_timeout, robust=robust
+            )
             return out
         k = max(1, math.ceil(density * tensor.numel()))
         flat = tensor.detach()
         idx, values = await self.sparse_round(
             flat, ring, round_id, sizes=[flat.numel()], ks=[k], select=lambda ranges: select_ranges(flat, ranges),
             value_dtype=value_dtype or tensor.dtype, op=op, timeout=timeout, start_timeout=start_timeout,
+            robust=robust,
         )
         out = torch.zeros_like(flat)
         out.index_copy_(0, idx, values.to(flat.dtype))
@@ -98,26 +106,39 @@ class Collective:
 
     async def dense_round(
         self, data: torch.Tensor, ring: list[ID], round_id: int, *, op: str = "mean",
-        timeout: float = 5.0, start_timeout: float | None = None,
+        timeout: float = 5.0, start_timeout: float | None = None, robust: str = "none",
     ) -> None:
-        """All-reduce ``data`` in place (flat, contiguous): the exact dense ring."""
+        """All-reduce ``data`` in place (flat, contiguous): the exact dense ring.
+
+        With ``robust="clip"`` the direct exchange instead (every member meets every other), since
+        in a ring nobody sees a member's contribution alone, only partial sums: each chunk's owner
+        clips the contributions to it. Same chunks and summation order, so without a hostile member
+        it differs from the ring only where a norm exceeds the median.
+        """
         _check_tensor(data, op)
+        _check_robust(robust)
         if not data.is_contiguous():
             raise CollectiveError("the tensor must be contiguous")
-        digest = round_digest(round_id, ring, dense_description(data.numel(), data.dtype, op))
+        digest = round_digest(round_id, ring, dense_description(data.numel(), data.dtype, op, robust))
         started = time.perf_counter()
         async with self.hub.open_round(
-            ring, round_id, digest, timeout=timeout, start_timeout=start_timeout or timeout
+            ring, round_id, digest, timeout=timeout, start_timeout=start_timeout or timeout,
+            mesh=robust != "none",
         ) as links:
             _check_finite_local(data)
-            await ring_allreduce(links, data, average=op == "mean", segment_bytes=self.segment_bytes)
+            if robust == "none":
+                await ring_allreduce(links, data, average=op == "mean", segment_bytes=self.segment_bytes)
+            else:
+                await direct_allreduce(
+                    links, data, average=op == "mean", segment_bytes=self.segment_bytes, robust=robust
+                )
         self.last_round = RoundStats(round_id, time.perf_counter() - started, links.bytes_sent)
 
     async def sparse_round(
         self, source: torch.Tensor, ring: list[ID], round_id: int, *, sizes: Sequence[int],
         ks: Sequence[int], select: Callable[[list[Range]], torch.Tensor],
         prepare: Callable[[], None] | None = None, value_dtype: torch.dtype, op: str = "mean",
-        timeout: float = 5.0, start_timeout: float | None = None,
+        timeout: float = 5.0, start_timeout: float | None = None, robust: str = "none",
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Sliced CLT-k: each member's ``select(ranges)`` picks its slice's indices, the ring
         reduces ``source`` at their union.
@@ -127,16 +148,17 @@ class Collective:
         global indices in each. ``prepare()`` and then ``select`` run in a worker thread, overlapping
         with the round's setup; ``source`` is read only after ``prepare`` returned, so it may fill
         ``source`` (its size and dtype must be final). Returns the sorted indices and the reduced
-        values (``value_dtype``), the same bits on every member.
+        values (``value_dtype``), the same bits on every member. ``robust``: as in :meth:`allreduce`.
         """
         _check_tensor(source, op)
+        _check_robust(robust)
         if value_dtype not in FLOAT_DTYPES:
             raise CollectiveError(f"unsupported value dtype {value_dtype}")
         if len(sizes) != len(ks) or sum(sizes) != source.numel():
             raise CollectiveError(f"bucket sizes must add up to the tensor's {source.numel()} entries")
         if not all(0 <= k <= n for n, k in zip(sizes, ks)) or sum(ks) < 1:
             raise CollectiveError("every bucket's k must be in [0, its size], and at least one index sent")
-        description = sparse_description(sizes, ks, source.dtype, value_dtype, op)
+        description = sparse_description(sizes, ks, source.dtype, value_dtype, op, robust)
         digest = round_digest(round_id, ring, description)
         ranges = slice_ranges(sizes, ks, len(ring))
         mine_ranges = ranges[slice_of(ring.index(self.peer_id), round_id, len(ring))] if self.peer_id in ring else []
@@ -174,7 +196,7 @@ class Collective:
                         raise selected[0]
                     result = await clt_k_round(
                         links, source, ranges=ranges, mine=selected[0], value_dtype=value_dtype,
-                        average=op == "mean", segment_bytes=self.segment_bytes,
+                        average=op == "mean", segment_bytes=self.segment_bytes, robust=robust,
                     )
         self.last_round = RoundStats(round_id, time.perf_counter() - started, links.bytes_sent)
         return result
@@ -184,20 +206,34 @@ def _ms(started: float) -> float:
     return (time.perf_counter() - started) * 1e3
 
 
-def dense_description(n: int, dtype: torch.dtype, op: str) -> str:
+def dense_description(n: int, dtype: torch.dtype, op: str, robust: str = "none") -> str:
     """What members of a dense round must agree on (hashed into the round digest)."""
-    return f"dense n={n} dtype={DTYPES[dtype]} op={op}"
+    return f"dense n={n} dtype={DTYPES[dtype]} op={op}" + _robust_suffix(robust)
 
 
 def sparse_description(
-    sizes: Sequence[int], ks: Sequence[int], dtype: torch.dtype, value_dtype: torch.dtype, op: str
+    sizes: Sequence[int], ks: Sequence[int], dtype: torch.dtype, value_dtype: torch.dtype, op: str,
+    robust: str = "none",
 ) -> str:
     """What members of a sliced CLT-k round must agree on (hashed into the round digest)."""
     layout = hashlib.sha256(json.dumps([list(sizes), list(ks)]).encode()).hexdigest()[:16]
     return (
         f"clt-k/sliced n={sum(sizes)} k={sum(ks)} buckets={len(sizes)} layout={layout} "
         f"dtype={DTYPES[dtype]} values={DTYPES[value_dtype]} op={op}"
-    )
+    ) + _robust_suffix(robust)
+
+
+def _robust_suffix(robust: str) -> str:
+    """Members must agree on the rule (a clipping owner and a plain one give different bits); the
+    plain mean adds nothing, so its digests are those of before the option existed."""
+    return "" if robust == "none" else f" robust={robust}"
+
+
+def _check_robust(robust: str) -> None:
+    try:
+        check_rule(robust)
+    except ValueError as error:
+        raise CollectiveError(str(error)) from None
 
 
 def _check_tensor(tensor: torch.Tensor, op: str) -> None:

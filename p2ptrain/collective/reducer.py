@@ -13,6 +13,7 @@ from p2ptrain.collective.buckets import Buckets
 from p2ptrain.collective.endpoint import Collective
 from p2ptrain.collective.feedback import ErrorFeedback
 from p2ptrain.collective.ring import FLOAT_DTYPES
+from p2ptrain.collective.robust import check_rule
 from p2ptrain.collective.sparse import Workspace, bucket_ks, select_ranges
 
 logger = logging.getLogger(__name__)
@@ -24,7 +25,10 @@ class SparseAllReducer:
     Each call is one all-reduce round (sliced CLT-k: each member picks the indices of its slice). What was not
     sent stays in this object's residual and is added next step. If a round fails
     (:class:`PeerFailed`), the state is unchanged: call again with the same gradient, a new round id
-    and the surviving ring. ``density=1.0`` is the exact dense all-reduce.
+    and the surviving ring. ``density=1.0`` is the exact dense all-reduce. ``robust="clip"`` clips
+    every member's contribution to the round's median norm at whoever reduces it
+    (:mod:`p2ptrain.collective.robust`); what was clipped off is not kept in anyone's residual (the
+    sender believes it was sent, as with a lost round of plain gradient clipping).
     """
 
     def __init__(
@@ -35,16 +39,19 @@ class SparseAllReducer:
         value_dtype: torch.dtype = torch.float32,
         momentum: float = 0.0,
         clip_norm: float | None = None,
+        robust: str = "none",
     ) -> None:
         if not 0.0 < density <= 1.0:
             raise ValueError(f"density must be in (0, 1], got {density}")
         if value_dtype not in FLOAT_DTYPES:
             raise ValueError(f"unsupported value dtype {value_dtype}")
+        check_rule(robust)
         self.collective = collective
         self.density = density
         self.value_dtype = value_dtype
         self.momentum = momentum
         self.clip_norm = clip_norm
+        self.robust = robust
         self.feedback: ErrorFeedback | None = None
         self._sizes: list[int] | None = None
         self._buckets: Buckets | None = None
@@ -78,7 +85,7 @@ class SparseAllReducer:
         if k == grad.numel():
             values = feedback.materialize(pending).to(self.value_dtype, copy=True)
             await self.collective.dense_round(
-                values, ring, round_id, timeout=timeout, start_timeout=start_timeout
+                values, ring, round_id, timeout=timeout, start_timeout=start_timeout, robust=self.robust
             )
             feedback.commit(pending, None, self.value_dtype)
             self.last_indices = None
@@ -100,6 +107,7 @@ class SparseAllReducer:
             accumulated, ring, round_id, sizes=sizes, ks=ks,
             select=lambda ranges: select_ranges(accumulated, ranges, generator=generator, workspace=self._workspace),
             prepare=prepare, value_dtype=self.value_dtype, timeout=timeout, start_timeout=start_timeout,
+            robust=self.robust,
         )
         feedback.commit(pending, indices, self.value_dtype)
         self.last_indices = indices

@@ -239,11 +239,13 @@ def max_encoded_bytes(n: int, k: int) -> int:
 
 async def clt_k_round(
     links: RoundLinks, source: torch.Tensor, *, ranges: Sequence[Sequence[Range]], mine: torch.Tensor,
-    value_dtype: torch.dtype, average: bool, segment_bytes: int = SEGMENT_BYTES,
+    value_dtype: torch.dtype, average: bool, segment_bytes: int = SEGMENT_BYTES, robust: str = "none",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One sliced CLT-k round: every member sends its slice's indices (``mine``, chosen in
     ``ranges[slice_of(me)]``) to every other, then the exact all-reduce of every member's values
-    at the union. Returns the sorted indices and the reduced values, the same bits everywhere."""
+    at the union (``robust="clip"``: each owner clips the contributions to its chunk of those
+    values, see :mod:`p2ptrain.collective.robust`). Returns the sorted indices and the reduced
+    values, the same bits everywhere."""
     n, size = source.numel(), links.size
     # Each slice's indices: ours now, the others' as they arrive and pass their check.
     per_slice: list[torch.Tensor] = [torch.empty(0, dtype=torch.int64)] * size
@@ -272,6 +274,6 @@ async def clt_k_round(
     values = source.index_select(0, indices).to(value_dtype)
     if not all_finite(values):
         raise ValueError("local values contain NaN or Inf (or overflow the value dtype)")
-    await direct_allreduce(links, values, average=average, segment_bytes=segment_bytes)
+    await direct_allreduce(links, values, average=average, segment_bytes=segment_bytes, robust=robust)
     logger.debug("round %d: %d values reduced", links.round_id, indices.numel())
     return indices, values

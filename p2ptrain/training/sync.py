@@ -7,8 +7,10 @@ bound to that plan's ring.
 Compression fields map as: ``density`` → the top-k share (1.0 is the exact dense all-reduce);
 ``error_feedback = true`` → :class:`SparseAllReducer` (what was not sent is added next round);
 ``false`` → a one-shot sparse round per step (what was not sent is dropped); ``fp16_values`` → values
-travel as float16. Either way the result is the mean, with identical bits on every member, which is
-what the trainer's identical step needs.
+travel as float16; ``robust = "clip"`` → every contribution's norm is clipped to the round's median
+by whoever reduces it (against Byzantine members; dense rounds then use the direct exchange). Either
+way the result is the mean (of the clipped contributions), with identical bits on every member,
+which is what the trainer's identical step needs.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ class PlanAverager:
         c = task.compression
         self.value_dtype = torch.float16 if c.fp16_values else torch.float32
         self.reducer = (
-            SparseAllReducer(collective, density=c.density, value_dtype=self.value_dtype)
+            SparseAllReducer(collective, density=c.density, value_dtype=self.value_dtype, robust=c.robust)
             if c.error_feedback
             else None
         )
@@ -63,6 +65,7 @@ class PlanAverager:
             return await self.collective.allreduce(
                 flat, ring, round_id, density=self.task.compression.density,
                 value_dtype=self.value_dtype, timeout=self.timeout, start_timeout=self.start_timeout,
+                robust=self.task.compression.robust,
             )
 
         return average

@@ -43,6 +43,7 @@ MAX_PEERS = 128
 OPTIMIZERS = ("sgd", "adam", "adamw")
 SCHEDULES = ("constant", "warmup", "cosine")
 DEVICES = ("any", "cpu", "cuda")
+ROBUST = ("none", "clip")  # compression.robust: the plain mean, or each contribution's norm clipped to the median
 
 
 class TaskError(UserError):
@@ -105,11 +106,17 @@ class TrainingSpec:
 
 @dataclass(frozen=True)
 class CompressionSpec:
-    """Top-k sparsification of the gradient all-reduce (density 1.0 means dense)."""
+    """Top-k sparsification of the gradient all-reduce (density 1.0 means dense).
+
+    ``robust = "clip"`` defends the average against Byzantine members (scaled or sign-flipped
+    contributions): whoever reduces a part clips every member's contribution to the median of their
+    norms (docs/collective.md, "Byzantine members").
+    """
 
     density: float = 0.01
     error_feedback: bool = True
     fp16_values: bool = False
+    robust: str = "none"
 
 
 @dataclass(frozen=True)
@@ -353,11 +360,12 @@ def parse_task(data: dict[str, Any]) -> Task:
         raise TaskError("schedule.warmup_steps: longer than training.total_steps")
 
     c = _table(data, "compression", "", False)
-    _only(c, {"density", "error_feedback", "fp16_values"}, "compression.")
+    _only(c, {"density", "error_feedback", "fp16_values", "robust"}, "compression.")
     compression = CompressionSpec(
         density=_float(c, "density", "compression.", 0.01, 0.0, 1.0, lo_open=True),
         error_feedback=_bool(c, "error_feedback", "compression.", True),
         fp16_values=_bool(c, "fp16_values", "compression.", False),
+        robust=_choice(c, "robust", "compression.", ROBUST, "none"),
     )
 
     p = _table(data, "peers", "", False)

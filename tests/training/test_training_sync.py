@@ -13,6 +13,7 @@ from p2ptrain.data import IPFSDataset
 from p2ptrain.net.host import make_host
 from p2ptrain.training.rounds import round_id
 from p2ptrain.training.sync import PlanAverager
+from p2ptrain.training.task import TaskError
 from p2ptrain.training.trainer import Trainer, batched, batches_forever
 from p2ptrain.wire.messages import RoundPlan
 
@@ -52,11 +53,16 @@ def plan_for(task_cid, members, round_index, step, rounds, attempt=0):
                      members=tuple(sorted(members)), base_cid=task_cid, version=0)
 
 
-@pytest.mark.parametrize("error_feedback, steps, min_accuracy", [("true", 120, 0.9), ("false", 30, 0.0)])
-async def test_members_stay_identical_over_the_sparse_ring(digits, digits_task, error_feedback, steps, min_accuracy):
+@pytest.mark.parametrize(
+    "error_feedback, steps, min_accuracy, robust",
+    [("true", 120, 0.9, "none"), ("false", 30, 0.0, "none"), ("true", 120, 0.9, "clip"), ("false", 30, 0.0, "clip")],
+)
+async def test_members_stay_identical_over_the_sparse_ring(digits, digits_task, error_feedback, steps, min_accuracy, robust):
     store, cid = digits
     task = digits_task(cid, steps=steps, **{"compression.density": "0.1",
-                                           "compression.error_feedback": error_feedback})
+                                           "compression.error_feedback": error_feedback,
+                                           "compression.robust": f'"{robust}"'})
+    assert task.compression.robust == robust
     with trio.fail_after(WHOLE_TEST_S):
         async with trio.open_nursery() as nursery:
             hosts, _ = await start_hosts(nursery, 3)
@@ -135,3 +141,36 @@ async def test_dead_member_round_is_retried_without_it(digits, digits_task):
     assert trainers[0].step == trainers[1].step == 6
     assert trainers[0].model_bytes() == trainers[1].model_bytes()
     assert trainers[0].optimizer_bytes() == trainers[1].optimizer_bytes()
+
+
+def test_the_robust_rule_is_one_of_the_known_ones(digits_task):
+    with pytest.raises(TaskError, match="compression.robust: must be one of none, clip"):
+        digits_task("bafkreigh2akiscaildcqabsyg3dfr6chu3fgpregiymsck7e7aqa4s52zy", **{"compression.robust": '"median"'})
+    assert digits_task("bafkreigh2akiscaildcqabsyg3dfr6chu3fgpregiymsck7e7aqa4s52zy").compression.robust == "none"
+
+
+@pytest.mark.parametrize("error_feedback", ["true", "false"])
+async def test_the_robust_option_reaches_the_round(digits, digits_task, error_feedback):
+    """A member whose task says clip and one whose task does not disagree on the round's digest:
+    the option goes all the way to the wire, on both averaging paths."""
+    store, cid = digits
+    tasks = [digits_task(cid, steps=1, **{"compression.robust": f'"{rule}"', "compression.error_feedback": error_feedback})
+             for rule in ("clip", "none")]
+    failures = []
+    with trio.fail_after(WHOLE_TEST_S):
+        async with trio.open_nursery() as nursery:
+            hosts, _ = await start_hosts(nursery, 2)
+            plan = plan_for(cid, [h.get_id().to_base58() for h in hosts], 0, 0, 1)
+
+            async def run(task, host):
+                average = PlanAverager(task, Collective(host), timeout=10).for_plan(plan)
+                try:
+                    await average(torch.ones(100), round_id(plan, 0))
+                except PeerFailed as failure:
+                    failures.append(str(failure))
+
+            async with trio.open_nursery() as runs:
+                for task, host in zip(tasks, hosts):
+                    runs.start_soon(run, task, host)
+            nursery.cancel_scope.cancel()
+    assert len(failures) == 2 and all("disagrees" in f for f in failures), failures

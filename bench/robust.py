@@ -1,0 +1,148 @@
+"""Byzantine members: digits accuracy with and without robust="clip", and what clipping costs.
+
+    python bench/robust.py [--steps 400] [--rounds 30] [--json]
+
+Four real libp2p hosts on 127.0.0.1 in this process (tests/collective/hostile.py). Two parts:
+
+1. **Accuracy.** The digits MLP (64-128-10, SGD lr 0.1, batch 32 per member, 1% top-k + error
+   feedback) for ``--steps`` rounds, member 3 honest or hostile (x100, -100, -1: its values are
+   multiplied just before they go on the wire), robust "none" vs "clip". Test accuracy of member 0
+   (0 when its weights stopped being finite; "failed" when a round raised).
+2. **Healthy-path cost.** No hostile member; rounds of a flat gradient alternate between "none" and
+   "clip" in the same run (so the machine's load is shared alike), for the sparse path at 1% and
+   the dense path; median round time of each and their ratio. The dense path with clip is the
+   direct exchange instead of the ring, so its ratio includes that change of algorithm. Also the
+   owner's extra arithmetic alone (norms and scaling of one chunk), free of network noise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import trio
+
+from p2ptrain.collective import SparseAllReducer
+from p2ptrain.collective.robust import clip_scales, contribution_norm, scaled
+
+_spec = importlib.util.spec_from_file_location(
+    "p2ptrain_bench_hostile", Path(__file__).resolve().parent.parent / "tests" / "collective" / "hostile.py"
+)
+hostile = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(hostile)
+
+WORLD, BAD = 4, 3
+ATTACKS = {"honest": None, "x100": 100.0, "x-100": -100.0, "x-1": -1.0}
+ROUND_TIMEOUT_S = 60.0  # one timed round of up to 16 MiB among four hosts sharing two cores
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=400, help="training rounds per accuracy run")
+    parser.add_argument("--rounds", type=int, default=30, help="timed rounds per rule and size (after 2 warm-ups)")
+    parser.add_argument("--sparse-mib", type=float, default=16.0, help="gradient size of the sparse timing")
+    parser.add_argument("--dense-mib", type=float, default=4.0, help="tensor size of the dense timing")
+    parser.add_argument("--skip-accuracy", action="store_true")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    return parser.parse_args(argv)
+
+
+async def accuracy(collectives, steps: int, say) -> list[dict]:
+    rows = []
+    base = 0
+    for attack, factor in ATTACKS.items():
+        for robust in ("none", "clip"):
+            base += 1_000_000
+            times: list[float] = []
+            started = time.perf_counter()
+            try:
+                acc, _ = await hostile.train_digits(
+                    collectives, steps=steps, robust=robust, hostile={} if factor is None else {BAD: factor},
+                    first_round=base, on_round=lambda _step, seconds: times.append(seconds),
+                )
+                outcome: float | str = round(acc, 4)
+            except Exception as error:  # a round that raised (e.g. the hostile member's own NaN) is a result here
+                while isinstance(error, BaseExceptionGroup):
+                    error = error.exceptions[0]
+                outcome = f"failed: {type(error).__name__}: {str(error)[:120]}"
+            row = {"attack": attack, "robust": robust, "accuracy": outcome, "steps": steps, "rounds_completed": len(times),
+                   "median_round_ms": round(statistics.median(times) * 1e3, 2) if times else None,
+                   "seconds": round(time.perf_counter() - started, 1)}
+            say(row)
+            rows.append(row)
+    return rows
+
+
+async def round_cost(collectives, numel: int, density: float, rounds: int, first_round: int) -> dict:
+    """Median round time (slowest member) with each rule, rounds alternating between the two."""
+    ring = [c.peer_id for c in collectives]
+    gens = [torch.Generator().manual_seed(i) for i in range(WORLD)]
+    grads = [torch.randn(numel, generator=g) for g in gens]
+    reducers = {
+        rule: [SparseAllReducer(c, density=density, robust=rule) for c in collectives] for rule in ("none", "clip")
+    }
+    times: dict[str, list[float]] = {"none": [], "clip": []}
+    for i in range(rounds + 2):
+        for rule in (("none", "clip") if i % 2 else ("clip", "none")):
+            round_id = first_round + 2 * i + (rule == "clip")
+            started = time.perf_counter()
+            with trio.fail_after(ROUND_TIMEOUT_S):
+                async with trio.open_nursery() as nursery:
+                    for r, g in zip(reducers[rule], grads):
+                        nursery.start_soon(lambda r=r, g=g: r.allreduce(g, ring, round_id, timeout=ROUND_TIMEOUT_S))
+            if i >= 2:
+                times[rule].append(time.perf_counter() - started)
+    none, clip = statistics.median(times["none"]), statistics.median(times["clip"])
+    return {"numel": numel, "density": density, "rounds": rounds, "none_ms": round(none * 1e3, 2),
+            "clip_ms": round(clip * 1e3, 2), "ratio": round(clip / none, 3),
+            "owner_clip_ms": round(owner_clip_seconds(grads, density) * 1e3, 3)}
+
+
+def owner_clip_seconds(grads: list[torch.Tensor], density: float) -> float:
+    """What clipping adds at one owner, without the network: the P norms of its chunk of the
+    reduced values and the scaling of those above the median (median of 20 runs)."""
+    values = max(1, int(density * grads[0].numel()))
+    chunk = [g[: values // WORLD] for g in grads]
+    runs = []
+    for _ in range(20):
+        started = time.perf_counter()
+        scales = clip_scales([contribution_norm([c]) for c in chunk])
+        for c, factor in zip(chunk, scales):
+            scaled(c, factor)
+        runs.append(time.perf_counter() - started)
+    return statistics.median(runs)
+
+
+async def run(args: argparse.Namespace) -> dict:
+    torch.set_num_threads(1)
+    say = (lambda row: None) if args.json else (lambda row: print(json.dumps(row), flush=True))
+    report: dict = {"peers": WORLD, "hostile_member": BAD}
+    async with hostile.hosts(WORLD) as collectives:
+        if not args.skip_accuracy:
+            report["accuracy"] = await accuracy(collectives, args.steps, say)
+        report["cost"] = []
+        for numel, density, first in (
+            (int(args.sparse_mib * (1 << 20)) // 4, 0.01, 1 << 40),
+            (int(args.dense_mib * (1 << 20)) // 4, 1.0, 1 << 41),
+        ):
+            row = await round_cost(collectives, numel, density, args.rounds, first)
+            say(row)
+            report["cost"].append(row)
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    report = trio.run(run, args)
+    if args.json:
+        print(json.dumps(report))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

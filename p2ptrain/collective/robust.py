@@ -1,0 +1,67 @@
+"""Robust aggregation against Byzantine members: each contribution's norm clipped to the median norm.
+
+A member that sends finite but scaled (x100) or sign-flipped values passes every wire check and,
+in a plain mean, moves the result by its own norm / P: one member of four at x100 moves it 25x
+further than the honest signal. ``clip`` bounds that: the member that reduces a part (the owner of
+a chunk in the direct exchange, :mod:`p2ptrain.collective.direct`) has every member's contribution
+to that part, computes their norms, takes the lower median ``tau`` and scales every contribution
+whose norm exceeds ``tau`` down to ``tau`` before summing, in the ring's order, as before. This is
+one step of BTARD's CenteredClip (Gorbunov et al., 2022) with the centre at 0 and the clipping
+radius taken from the round itself rather than set by hand, so a task needs no scale-dependent
+threshold.
+
+Why the lower median: with f members Byzantine of P, the value at sorted position (P-1)//2 is at
+most the largest honest norm whenever f <= P/2, so a hostile contribution weighs at most what the
+largest honest one does. It is computed where the contributions already are (at the owner), from the
+received bytes, so nobody reports a norm it could lie about, no extra message is sent, and the
+owner's bytes are what every member copies: the result stays bitwise identical everywhere.
+
+What it does not do: a sign-flipped contribution of honest norm is within the radius and counts
+fully (it cancels at most one honest member's share); an owner is trusted with its own part (see
+docs/collective.md, "Byzantine members").
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+ROBUST_RULES = ("none", "clip")
+"""``none``: the plain mean; ``clip``: each contribution's norm clipped to the round's median norm."""
+
+
+def check_rule(rule: str) -> None:
+    """ValueError unless ``rule`` is one of :data:`ROBUST_RULES`."""
+    if rule not in ROBUST_RULES:
+        raise ValueError(f"robust must be one of {ROBUST_RULES}, got {rule!r}")
+
+
+def contribution_norm(parts: Sequence[torch.Tensor]) -> float:
+    """The L2 norm of one member's contribution, given as consecutive pieces, in float64.
+
+    float64 so that no finite float32 value can overflow the sum of squares (a hostile 1e30 gives
+    a norm of 1e30, not inf, and is scaled like any other).
+    """
+    total = 0.0
+    for part in parts:
+        total += float(torch.linalg.vector_norm(part, dtype=torch.float64)) ** 2
+    return math.sqrt(total)
+
+
+def median_radius(norms: Sequence[float]) -> float:
+    """The clipping radius: the lower median of the members' norms (sorted position (P-1)//2)."""
+    ordered = sorted(norms)
+    return ordered[(len(ordered) - 1) // 2]
+
+
+def clip_scales(norms: Sequence[float]) -> list[float]:
+    """Per member, the factor that brings its norm down to :func:`median_radius` (1.0 if within)."""
+    tau = median_radius(norms)
+    return [tau / n if n > tau else 1.0 for n in norms]
+
+
+def scaled(part: torch.Tensor, scale: float) -> torch.Tensor:
+    """``part`` times ``scale`` in its own dtype (a new tensor; ``part`` itself when 1.0)."""
+    return part if scale == 1.0 else torch.mul(part, scale)

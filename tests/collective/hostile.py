@@ -1,0 +1,144 @@
+"""A Byzantine member for tests and bench/robust.py, and digits training on real loopback hosts.
+
+:class:`Hostile` wraps a real :class:`Collective`: the member's contribution is multiplied by
+``factor`` after it was formed and just before it goes on the wire, so every byte the others see
+travels the real path (frames, checks, the owners' reduction). Its index selection stays honest:
+the attack is on the values, which every wire check accepts (finite, right count, right dtype).
+
+Loaded by path (bench/robust.py and tests/collective/test_robust.py), so it imports nothing from
+the test tree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+
+import torch
+import trio
+from libp2p.crypto.ed25519 import create_new_key_pair
+from libp2p.peer.peerinfo import info_from_p2p_addr
+from multiaddr import Multiaddr
+
+from p2ptrain.collective import Collective, SparseAllReducer
+from p2ptrain.net.host import make_host
+
+LOOPBACK = "/ip4/127.0.0.1/tcp/0"
+CONNECT_TIMEOUT_S = 30.0  # dialling every pair of a few loopback hosts on a loaded 2-core machine
+ROUND_TIMEOUT_S = 20.0  # one training round of four members, generous for a loaded machine
+
+
+class Hostile:
+    """A member that sends ``factor`` times its contribution (100: scaled; -1: sign-flipped).
+
+    It has the two methods :class:`SparseAllReducer` calls and forwards them to the real
+    collective with the transformed tensor.
+    """
+
+    def __init__(self, collective: Collective, factor: float) -> None:
+        self.collective = collective
+        self.factor = factor
+
+    async def dense_round(self, data: torch.Tensor, ring: list, round_id: int, **options) -> None:
+        data.mul_(self.factor)  # the reducer sends a copy of its accumulated gradient; the result overwrites it
+        await self.collective.dense_round(data, ring, round_id, **options)
+
+    async def sparse_round(self, source: torch.Tensor, ring: list, round_id: int, *, prepare=None, **options):
+        # ``source`` is filled by ``prepare`` (in a worker thread) and read only after it: transform
+        # it there, into a tensor of our own, leaving the reducer's accumulated gradient honest.
+        sent = torch.empty_like(source)
+
+        def hostile_prepare() -> None:
+            if prepare is not None:
+                prepare()
+            torch.mul(source, self.factor, out=sent)
+
+        return await self.collective.sparse_round(sent, ring, round_id, prepare=hostile_prepare, **options)
+
+
+def _addr(host) -> Multiaddr:
+    addr = host.get_addrs()[0]
+    if "/p2p/" not in str(addr):
+        addr = Multiaddr(f"{addr}/p2p/{host.get_id().to_base58()}")
+    return addr
+
+
+@asynccontextmanager
+async def hosts(n: int) -> AsyncIterator[list[Collective]]:
+    """``n`` real libp2p hosts on 127.0.0.1, every pair connected, each with a Collective."""
+    async with trio.open_nursery() as nursery:
+        made = [make_host(create_new_key_pair(), [LOOPBACK]) for _ in range(n)]
+
+        async def run(host, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+            async with host.run(listen_addrs=[Multiaddr(LOOPBACK)]):
+                task_status.started()
+                await trio.sleep_forever()
+
+        for host in made:
+            await nursery.start(run, host)
+        collectives = [Collective(host) for host in made]
+        with trio.fail_after(CONNECT_TIMEOUT_S):
+            async with trio.open_nursery() as dials:
+                for i, a in enumerate(made):
+                    for b in made[i + 1 :]:
+                        dials.start_soon(a.connect, info_from_p2p_addr(_addr(b)))
+        yield collectives
+        nursery.cancel_scope.cancel()
+
+
+def digits() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """scikit-learn digits scaled to [0, 1], split 1437 train / 360 test (fixed order)."""
+    from sklearn.datasets import load_digits
+
+    data = load_digits()
+    x = torch.tensor(data.data, dtype=torch.float32) / 16
+    y = torch.tensor(data.target)
+    order = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
+    return x, y, order[:1437], order[1437:]
+
+
+def mlp() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
+
+
+async def train_digits(
+    collectives: list[Collective], *, steps: int, robust: str, hostile: dict[int, float], density: float = 0.01,
+    batch: int = 32, lr: float = 0.1, first_round: int = 0, on_round: Callable[[int, float], None] | None = None,
+) -> tuple[float, list[torch.nn.Module]]:
+    """Train the digits MLP on every host (member i holds shard i); ``hostile`` maps a member to its
+    factor. Returns member 0's test accuracy (0.0 if its weights are no longer finite) and the models.
+
+    ``on_round(step, seconds)`` gets each round's wall time (all members, sync included).
+    """
+    x, y, train_idx, test_idx = digits()
+    size = len(collectives)
+    ring = [c.peer_id for c in collectives]
+    models = [mlp() for _ in range(size)]
+    reducers = [
+        SparseAllReducer(Hostile(c, hostile[i]) if i in hostile else c, density=density, robust=robust)
+        for i, c in enumerate(collectives)
+    ]
+    optimizers = [torch.optim.SGD(m.parameters(), lr=lr) for m in models]
+    shards = [train_idx[i::size] for i in range(size)]
+
+    async def member(i: int, step: int) -> None:
+        pick = torch.randint(len(shards[i]), (batch,), generator=torch.Generator().manual_seed(step * 10 + i))
+        chosen = shards[i][pick]
+        optimizers[i].zero_grad()
+        torch.nn.functional.cross_entropy(models[i](x[chosen]), y[chosen]).backward()
+        await reducers[i].allreduce_grads(models[i].parameters(), ring, first_round + step, timeout=ROUND_TIMEOUT_S)
+        optimizers[i].step()
+
+    for step in range(steps):
+        started = trio.current_time()
+        with trio.fail_after(ROUND_TIMEOUT_S):
+            async with trio.open_nursery() as nursery:
+                for i in range(size):
+                    nursery.start_soon(member, i, step)
+        if on_round is not None:
+            on_round(step, trio.current_time() - started)
+    with torch.no_grad():
+        logits = models[0](x[test_idx])
+        accuracy = (logits.argmax(1) == y[test_idx]).float().mean().item() if bool(logits.isfinite().all()) else 0.0
+    return accuracy, models
