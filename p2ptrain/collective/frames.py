@@ -26,6 +26,7 @@ class Kind(IntEnum):
     READY = 2  # the receiver has joined the same round; data may flow
     DATA = 3
     ABORT = 4  # the round failed: names the peer to blame
+    BUSY = 5  # HELLO refused for now (sender not in a plan known here, or its share is full): retry
 
 
 class Phase(IntEnum):
