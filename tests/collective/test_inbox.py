@@ -90,3 +90,32 @@ async def test_a_member_parks_at_most_its_share(cluster, gather):
         assert all(isinstance(r, torch.Tensor) for r in results), results
         for channel in held:
             await channel.aclose()
+
+
+async def test_a_handler_exception_is_a_counted_reset_and_the_host_keeps_serving(cluster, gather, monkeypatch):
+    """The collective handler's boundary: an unexpected error while serving one channel resets
+    that channel, is counted, and the next round on the same host runs."""
+    real_parse = rounds.parse_header
+    calls = {"n": 0}
+
+    def parse_once_broken(frame):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("injected")
+        return real_parse(frame)
+
+    async with cluster(2) as peers:
+        a, b = peers
+        monkeypatch.setattr(rounds, "parse_header", parse_once_broken)
+        with trio.fail_after(10):
+            channel = await open_channel(a.host, b.id, PROTOCOL)
+            await channel.send(Header(Kind.HELLO, 1).pack() + bytes(32))
+            try:
+                await channel.recv(1024)
+            except ChannelError:
+                pass  # reset by b's boundary
+        assert b.collective.hub.stats()["handler_error"] == 1
+        results = await gather([
+            (lambda p=p: p.collective.allreduce(torch.ones(64), [a.id, b.id], 2, timeout=5.0)) for p in peers
+        ])
+        assert all(isinstance(r, torch.Tensor) for r in results), results

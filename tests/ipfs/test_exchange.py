@@ -341,3 +341,34 @@ async def test_a_stalled_message_is_dropped_after_the_message_timeout(tmp_path, 
                 while node.exchange.inbound_bytes(attacker.get_id()):
                     await trio.sleep(0.01)
             assert node.exchange.stats()["rejected_bad_message"] == 1
+
+
+async def test_a_handler_exception_is_a_counted_reset_and_the_node_keeps_serving(tmp_path, monkeypatch):
+    """The Bitswap handler's boundary: an unexpected error while handling one message resets that
+    stream, is counted, and the node serves the next request."""
+    from p2ptrain.ipfs import exchange as exchange_module
+    from p2ptrain.ipfs.bitswap_wire import PROTOCOLS
+
+    real_decode = exchange_module.decode_message
+
+    def broken(body):
+        raise RuntimeError("injected")
+
+    data = content(300_000, seed=9)
+    async with nodes(tmp_path, BlockStore, BlockStore) as (node, honest):
+        root = add(node.store, data)
+        attacker = make_host(create_new_key_pair(), [LOOPBACK])
+        async with attacker.run(listen_addrs=[Multiaddr(LOOPBACK)]):
+            await attacker.connect(node.info)
+            monkeypatch.setattr(exchange_module, "decode_message", broken)
+            with trio.fail_after(DEADLINE):
+                stream = await attacker.new_stream(node.host.get_id(), [PROTOCOLS[0]])
+                await stream.write(encode_message(wants=[WantEntry(root)]))
+                with pytest.raises(Exception):  # reset by the node's boundary
+                    while await stream.read(1024):
+                        pass
+            monkeypatch.setattr(exchange_module, "decode_message", real_decode)
+            assert node.exchange.stats()["handler_error"] == 1
+            with trio.fail_after(DEADLINE):
+                await honest.exchange.fetch_dag(root, [node.info])
+            assert bytes_of(honest.store, root) == data
