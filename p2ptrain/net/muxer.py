@@ -70,6 +70,11 @@ logger = logging.getLogger(__name__)
 MAX_FRAME = 1 << 20
 # Largest receive window per stream (go-yamux's maximum): the most unread data a stream can hold.
 RECV_WINDOW = 16 << 20
+# Inbound streams a peer may have open on one connection; a SYN beyond it is answered with RST.
+# Every protocol handler caps its own streams per peer (collective 16, Bitswap 4), but a stream
+# holds up to yamux's initial 256 KiB window of unread data before any handler sees it (during
+# protocol negotiation): 128 streams bound that to 32 MiB per connection.
+MAX_INBOUND_STREAMS = 128
 
 _HEADER = struct.Struct(YAMUX_HEADER_FORMAT)
 _KNOWN_FLAGS = FLAG_SYN | FLAG_ACK | FLAG_FIN | FLAG_RST
@@ -297,6 +302,7 @@ class FastYamux(Yamux):
         self._body_left = 0
         self._body_stream: FastYamuxStream | None = None
         self._body_flags = 0
+        self.refused_streams = 0  # inbound streams refused over MAX_INBOUND_STREAMS
 
     # -- writing -------------------------------------------------------------------------------
 
@@ -509,6 +515,13 @@ class FastYamux(Yamux):
         if flags & FLAG_SYN:
             if stream_id in self.streams or stream_id % 2 == self.next_stream_id % 2:
                 logger.debug("bad SYN for stream %d from %s: reset", stream_id, self.peer_id)
+                self.send_control(TYPE_WINDOW_UPDATE, FLAG_RST, stream_id, 0)
+                return None
+            inbound = sum(1 for stream in self.streams.values() if not stream.is_initiator)
+            if inbound >= MAX_INBOUND_STREAMS:
+                self.refused_streams += 1
+                logger.info("%s has %d inbound streams open; refused stream %d",
+                            self.peer_id, inbound, stream_id)
                 self.send_control(TYPE_WINDOW_UPDATE, FLAG_RST, stream_id, 0)
                 return None
             stream = self._register(stream_id, False)
