@@ -56,6 +56,7 @@ from p2ptrain.net.streams import (
     ChannelError,
     MessageTooLarge,
     StreamGuard,
+    count_rejection,
     open_channel,
     serve_channels,
     short_id,
@@ -296,19 +297,21 @@ class RoundHub:
             try:
                 header = parse_header(frame)
             except ValueError as error:
-                self.refused["bad_frame"] += 1
-                logger.info("collective: refused a channel from %s: %s", short_id(peer), error)
+                count_rejection(self.refused, "bad_frame", logger, logging.INFO,
+                                "collective: refused a channel from %s: %s", short_id(peer), error)
                 return
             if header.kind == Kind.ABORT:
                 try:
                     culprit, reason = parse_abort(frame, header)
-                except ValueError:
-                    self.refused["bad_frame"] += 1
+                except ValueError as error:
+                    count_rejection(self.refused, "bad_frame", logger, logging.INFO,
+                                    "collective: bad abort notice from %s: %s", short_id(peer), error)
                     return
                 self._on_abort(header.round_id, peer, PeerFailed(culprit, reason, reported_by=peer))
                 return
             if header.kind != Kind.HELLO:
-                self.refused["bad_frame"] += 1
+                count_rejection(self.refused, "bad_frame", logger, logging.INFO,
+                                "collective: %s from %s as a channel's first frame", header, short_id(peer))
                 return
             if not await self._park(header.round_id, peer, channel, frame[HEADER.size :]):
                 await channel._abort()  # possibly mid-message: the sender must not reuse it
@@ -343,14 +346,14 @@ class RoundHub:
         key = (round_id, peer)
         busy = self._busy_reason(round_id, peer)
         if busy is not None:
-            self.refused[busy] += 1
-            logger.info("collective: refused round %d channel from %s (%s)", round_id, short_id(peer),
-                        busy.replace("_", " "))
+            count_rejection(self.refused, busy, logger, logging.INFO,
+                            "collective: answered BUSY to a round %d channel from %s", round_id,
+                            short_id(peer))
             await self._answer_busy(channel, round_id)
             return False
         if round_id in self._finished or key in self._inbox:
-            self.refused["stale_hello"] += 1
-            logger.info("collective: refused round %d channel from %s", round_id, short_id(peer))
+            count_rejection(self.refused, "stale_hello", logger, logging.INFO,
+                            "collective: refused round %d channel from %s", round_id, short_id(peer))
             failure = self._finished.get(round_id)
             if failure is not None:  # a late member: tell it why the round is over
                 with trio.move_on_after(_CULPRIT_NOTICE_S):
@@ -374,7 +377,9 @@ class RoundHub:
             if not self._pending_from[peer]:
                 del self._pending_from[peer]
         if not arrival.claimed.is_set():
-            self.refused["park_expired"] += 1
+            count_rejection(self.refused, "park_expired", logger, logging.INFO,
+                            "collective: round %d channel from %s expired unclaimed", round_id,
+                            short_id(peer))
             return False
         await arrival.released.wait()
         return arrival.reusable
@@ -405,7 +410,9 @@ class RoundHub:
         if not self._known(reporter):
             # Only a member may abort a round, and only members' early notices are kept: a stranger
             # must not push real ones out of the bounded memory.
-            self.refused["abort_not_member"] += 1
+            count_rejection(self.refused, "abort_not_member", logger, logging.INFO,
+                            "collective: ignored an abort notice from %s (no plan names it)",
+                            short_id(reporter))
             return
         current = self._active.get(round_id)
         if current is not None:

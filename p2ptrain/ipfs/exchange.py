@@ -54,7 +54,7 @@ from p2ptrain.ipfs.bitswap_wire import (
 )
 from p2ptrain.ipfs.cid import CID, DAG_PB, cid_str, parse_cid
 from p2ptrain.ipfs.dagpb import DecodeError, decode_node
-from p2ptrain.net.streams import StreamGuard, short_id
+from p2ptrain.net.streams import StreamGuard, count_rejection, short_id
 
 __all__ = ["BlockExchange", "BlockSource", "FetchError", "FetchStats", "open_exchange"]
 
@@ -218,8 +218,8 @@ class BlockExchange:
             while (body := await reader.next_body()) is not None:
                 self._on_message(peer_id, decode_message(body))
         except WireError as exc:
-            logger.warning("bitswap: peer %s sent a bad message: %s", short_id(peer_id), exc)
-            self.rejected["bad_message"] += 1
+            count_rejection(self.rejected, "bad_message", logger, logging.WARNING,
+                            "bitswap: peer %s sent a bad message: %s", short_id(peer_id), exc)
             self._offence(peer_id)
             await _reset(stream)
         except _STREAM_ENDED as exc:  # the sessions notice through the connection
@@ -381,9 +381,9 @@ class BlockExchange:
         try:
             await self._handle_stream(stream)
         except Exception:
-            self._guard.counters["handler_error"] += 1
-            logger.exception("bitswap: reading our stream to %s failed; stream reset",
-                             short_id(stream.muxed_conn.peer_id))
+            count_rejection(self._guard.counters, "handler_error", logger, logging.ERROR,
+                            "bitswap: reading our stream to %s failed; stream reset",
+                            short_id(stream.muxed_conn.peer_id), exc_info=True)
             await _reset(stream)
 
     async def _next_messages(self, peer: _Peer) -> list[bytes]:

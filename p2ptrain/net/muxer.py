@@ -520,8 +520,10 @@ class FastYamux(Yamux):
             inbound = sum(1 for stream in self.streams.values() if not stream.is_initiator)
             if inbound >= MAX_INBOUND_STREAMS:
                 self.refused_streams += 1
-                logger.info("%s has %d inbound streams open; refused stream %d",
-                            self.peer_id, inbound, stream_id)
+                n = self.refused_streams
+                if n & (n - 1) == 0:  # the 1st, 2nd, 4th, …: a flood must not flood the log
+                    logger.info("%s has %d inbound streams open; refused stream %d [%d so far]",
+                                self.peer_id, inbound, stream_id, n)
                 self.send_control(TYPE_WINDOW_UPDATE, FLAG_RST, stream_id, 0)
                 return None
             stream = self._register(stream_id, False)

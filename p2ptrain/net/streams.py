@@ -234,6 +234,18 @@ async def open_channel(host: IHost, peer_id: ID, protocol: str) -> Channel:
 StreamHandler = Callable[[INetStream], Awaitable[None]]
 
 
+def count_rejection(
+    counters: collections.Counter[str], reason: str, log: logging.Logger, level: int, message: str,
+    *args: object, exc_info: bool = False,
+) -> None:
+    """Count one rejection of remote input and log it, but only the 1st, 2nd, 4th, 8th, … of each
+    reason: a peer that floods us with bad input must not flood the log (and the disk) as well."""
+    counters[reason] += 1
+    n = counters[reason]
+    if n & (n - 1) == 0:
+        log.log(level, message + " [%s: %d so far]", *args, reason, n, exc_info=exc_info)
+
+
 class StreamGuard:
     """The boundary around one protocol's inbound stream handler: a per-peer cap on open streams,
     and any unexpected exception turned into a counted, logged reset of that one stream.
@@ -260,8 +272,8 @@ class StreamGuard:
         async def guarded(stream: INetStream) -> None:
             peer = stream.muxed_conn.peer_id
             if self._open.get(peer, 0) >= self.max_streams_per_peer:
-                self.counters["over_stream_cap"] += 1
-                logger.info(
+                count_rejection(
+                    self.counters, "over_stream_cap", logger, logging.INFO,
                     "%s: peer %s already has %d streams open; reset the new one",
                     self.protocol, short_id(peer), self.max_streams_per_peer,
                 )
@@ -271,9 +283,11 @@ class StreamGuard:
             try:
                 await handler(stream)
             except Exception:
-                self.counters["handler_error"] += 1
-                logger.exception("%s: handler for a stream from %s failed; stream reset",
-                                 self.protocol, short_id(peer))
+                count_rejection(
+                    self.counters, "handler_error", logger, logging.ERROR,
+                    "%s: handler for a stream from %s failed; stream reset",
+                    self.protocol, short_id(peer), exc_info=True,
+                )
                 await reset_stream(stream)
             finally:
                 self._open[peer] -= 1
