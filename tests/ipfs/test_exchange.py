@@ -377,3 +377,21 @@ async def test_a_handler_exception_is_a_counted_reset_and_the_node_keeps_serving
             with trio.fail_after(DEADLINE):
                 await honest.exchange.fetch_dag(root, [node.info])
             assert bytes_of(honest.store, root) == data
+
+
+async def test_fetches_work_across_idle_timeouts(tmp_path, monkeypatch):
+    """Idle streams are closed on both sides (the sender first), and a later fetch from the same
+    provider opens fresh ones instead of failing on a stream the provider dropped."""
+    from p2ptrain.ipfs import exchange as exchange_module
+
+    monkeypatch.setattr(exchange_module, "_SEND_IDLE_S", 0.2)
+    monkeypatch.setattr(exchange_module, "INBOUND_IDLE_S", 0.4)
+    first, second = content(300_000, seed=11), content(300_000, seed=12)
+    async with nodes(tmp_path, BlockStore, BlockStore) as (provider, fetcher):
+        roots = add(provider.store, first), add(provider.store, second)
+        with trio.fail_after(DEADLINE):
+            await fetcher.exchange.fetch_dag(roots[0], [provider.info])
+            while provider.exchange.inbound_streams(fetcher.host.get_id()):
+                await trio.sleep(0.05)  # both sides went idle and closed their streams
+            await fetcher.exchange.fetch_dag(roots[1], [provider.info])
+        assert bytes_of(fetcher.store, roots[1]) == second
