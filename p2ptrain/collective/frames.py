@@ -21,11 +21,16 @@ HEADER = struct.Struct(">2sBBQBHIIB")  # magic, version, kind, round, phase, ste
 MAX_REASON = 512
 
 
+class FrameError(ValueError):
+    """A frame that is not a well-formed collective frame (the only error of its decoders)."""
+
+
 class Kind(IntEnum):
     HELLO = 1  # first frame on a round's channel: the round digest
     READY = 2  # the receiver has joined the same round; data may flow
     DATA = 3
     ABORT = 4  # the round failed: names the peer to blame
+    BUSY = 5  # HELLO refused for now (sender not in a plan known here, or its share is full): retry
 
 
 class Phase(IntEnum):
@@ -57,14 +62,14 @@ class Header:
 
 
 def parse_header(frame: bytes) -> Header:
-    """The header of ``frame``; ValueError if it is short or not ours."""
+    """The header of ``frame``; :class:`FrameError` if it is short or not ours."""
     if len(frame) < HEADER.size:
-        raise ValueError(f"frame of {len(frame)} bytes is shorter than the {HEADER.size}-byte header")
+        raise FrameError(f"frame of {len(frame)} bytes is shorter than the {HEADER.size}-byte header")
     magic, version, kind, round_id, phase, step, seg, count, dtype = HEADER.unpack_from(frame)
     if magic != MAGIC or version != VERSION:
-        raise ValueError(f"not a collective frame (magic {magic!r}, version {version})")
+        raise FrameError(f"not a collective frame (magic {magic!r}, version {version})")
     if kind not in Kind.__members__.values():
-        raise ValueError(f"unknown frame kind {kind}")
+        raise FrameError(f"unknown frame kind {kind}")
     return Header(kind, round_id, phase, step, seg, count, dtype)
 
 
@@ -76,9 +81,11 @@ def abort_frame(round_id: int, culprit: ID, reason: str) -> bytes:
 
 
 def parse_abort(frame: bytes, header: Header) -> tuple[ID, str]:
+    """The culprit and reason of an ABORT frame; :class:`FrameError` if malformed (an ID is at
+    most 128 bytes, a reason at most MAX_REASON bytes are read)."""
     body = frame[HEADER.size :]
     if header.count == 0 or header.count > 128 or len(body) < header.count:
-        raise ValueError("malformed abort frame")
+        raise FrameError("malformed abort frame")
     culprit = ID(bytes(body[: header.count]))
     reason = bytes(body[header.count : header.count + MAX_REASON]).decode("utf-8", "replace")
     return culprit, reason

@@ -27,11 +27,12 @@ and blaming them: a healthy peer wrongly blamed would be left out of the next ri
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 import warnings
-from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections import OrderedDict, deque
+from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
@@ -54,6 +55,8 @@ from p2ptrain.net.streams import (
     Channel,
     ChannelError,
     MessageTooLarge,
+    StreamGuard,
+    count_rejection,
     open_channel,
     serve_channels,
     short_id,
@@ -69,7 +72,25 @@ _ABORT_SEND_S = 2.0
 # The notice to the culprit itself is bounded tighter: it is often dead, and a dial to a vanished
 # machine hangs where a live one answers in milliseconds.
 _CULPRIT_NOTICE_S = 0.5
+# Inbound round channels parked (HELLO received, round not yet opened here), in all and per sender.
+# Only peers of a plan this hub knows may park at all (see RoundHub.expect): 64 in all covers a
+# 16-member mesh 4 rounds ahead; 4 per sender is one member running up to 4 rounds ahead of us,
+# so one member (honest or not) can never take the whole inbox.
 _MAX_PENDING = 64
+_PENDING_PER_PEER = 4
+# How long a parked channel waits for its round to open here before it is dropped: longer than
+# a member's start timeout (15 s in the runtime) plus a gradient's compute.
+_PARK_S = 30.0
+# How long a fresh inbound channel may take to send its first frame (HELLO or ABORT).
+_FIRST_FRAME_S = 10.0
+# A dialer told BUSY waits this long before it says HELLO again on a fresh channel (until its start
+# deadline): the receiver has not yet seen the plan naming us, and nothing tells us when it will.
+_BUSY_RETRY_S = 0.05
+# Rings of the last rounds opened here whose members may park HELLOs (besides RoundHub.expect).
+_RECENT_RINGS = 4
+# Open inbound collective streams per peer: a mesh round uses one per peer, plus up to
+# _IDLE_PER_PEER idle ones, _PENDING_PER_PEER parked ones and a few abort notices.
+_STREAMS_PER_PEER = 16
 _MEMORY = 1024
 # How long a channel waits for its next round. A sender stops reusing a channel well before the
 # receiver drops it, so the two rarely cross (and when they do, the sender opens a fresh one).
@@ -233,7 +254,35 @@ class RoundHub:
         self._idle_out: dict[ID, list[tuple[Channel, float]]] = {}
         self._idle_in: dict[ID, int] = {}
         self.channels_opened = 0  # outbound channels opened so far (reuse keeps this low)
-        serve_channels(host, protocol, self._on_channel)
+        # Who may park a HELLO: the members of the plan the caller follows, and of recent rings.
+        self._expected: frozenset[ID] = frozenset()
+        self._recent_rings: deque[frozenset[ID]] = deque(maxlen=_RECENT_RINGS)
+        self._pending_from: dict[ID, int] = {}
+        self.refused: collections.Counter[str] = collections.Counter()
+        self._guard: StreamGuard = serve_channels(
+            host, protocol, self._on_channel, max_streams_per_peer=_STREAMS_PER_PEER
+        )
+
+    def expect(self, members: Iterable[ID]) -> None:
+        """The members of the plan this host follows now: only they (and the members of its last
+        rounds) may open round channels before the round opens here. A HELLO from anyone else is
+        answered BUSY at once and counted; a member this hub has not heard of yet retries."""
+        self._expected = frozenset(members)
+
+    def stats(self) -> dict[str, int]:
+        """What the inbound side refused, by reason, and what it holds now (for node status)."""
+        return {
+            **self._guard.stats(),
+            **{f"refused_{why}": n for why, n in self.refused.items()},
+            "parked": len(self._inbox),
+        }
+
+    def _known(self, peer: ID) -> bool:
+        if peer in self._expected:
+            return True
+        if any(peer in state.ring for state in self._active.values()):
+            return True
+        return any(peer in ring for ring in self._recent_rings)
 
     # ---- inbound -------------------------------------------------------------------------------
 
@@ -248,16 +297,21 @@ class RoundHub:
             try:
                 header = parse_header(frame)
             except ValueError as error:
-                logger.info("collective: refused a channel from %s: %s", short_id(peer), error)
+                count_rejection(self.refused, "bad_frame", logger, logging.INFO,
+                                "collective: refused a channel from %s: %s", short_id(peer), error)
                 return
             if header.kind == Kind.ABORT:
                 try:
                     culprit, reason = parse_abort(frame, header)
-                except ValueError:
+                except ValueError as error:
+                    count_rejection(self.refused, "bad_frame", logger, logging.INFO,
+                                    "collective: bad abort notice from %s: %s", short_id(peer), error)
                     return
                 self._on_abort(header.round_id, peer, PeerFailed(culprit, reason, reported_by=peer))
                 return
             if header.kind != Kind.HELLO:
+                count_rejection(self.refused, "bad_frame", logger, logging.INFO,
+                                "collective: %s from %s as a channel's first frame", header, short_id(peer))
                 return
             if not await self._park(header.round_id, peer, channel, frame[HEADER.size :]):
                 await channel._abort()  # possibly mid-message: the sender must not reuse it
@@ -272,7 +326,7 @@ class RoundHub:
                 return b""
             self._idle_in[peer] = self._idle_in.get(peer, 0) + 1
         try:
-            with trio.move_on_after(_IDLE_S if idle else 10):
+            with trio.move_on_after(_IDLE_S if idle else _FIRST_FRAME_S):
                 return await channel.recv(_FIRST_FRAME)
             return b""
         except ChannelError:
@@ -284,13 +338,22 @@ class RoundHub:
                     del self._idle_in[peer]
 
     async def _park(self, round_id: int, peer: ID, channel: Channel, digest: bytes) -> bool:
-        """Hold an inbound round channel until its round claims it (bounded), then until it ends.
+        """Hold an inbound round channel until its round claims it (at most ``_PARK_S``), then
+        until it ends.
 
         True if the round ended cleanly here, so the channel can carry the next one.
         """
         key = (round_id, peer)
-        if round_id in self._finished or key in self._inbox or len(self._inbox) >= _MAX_PENDING:
-            logger.info("collective: refused round %d channel from %s", round_id, short_id(peer))
+        busy = self._busy_reason(round_id, peer)
+        if busy is not None:
+            count_rejection(self.refused, busy, logger, logging.INFO,
+                            "collective: answered BUSY to a round %d channel from %s", round_id,
+                            short_id(peer))
+            await self._answer_busy(channel, round_id)
+            return False
+        if round_id in self._finished or key in self._inbox:
+            count_rejection(self.refused, "stale_hello", logger, logging.INFO,
+                            "collective: refused round %d channel from %s", round_id, short_id(peer))
             failure = self._finished.get(round_id)
             if failure is not None:  # a late member: tell it why the round is over
                 with trio.move_on_after(_CULPRIT_NOTICE_S):
@@ -301,20 +364,56 @@ class RoundHub:
             return False
         arrival = _Arrival(channel, digest)
         self._inbox[key] = arrival
+        self._pending_from[peer] = self._pending_from.get(peer, 0) + 1
         if key in self._waiting:
             self._waiting[key].set()
         try:
-            with trio.move_on_after(60):
+            with trio.move_on_after(_PARK_S):
                 await arrival.claimed.wait()
         finally:
             if self._inbox.get(key) is arrival:
                 del self._inbox[key]
+            self._pending_from[peer] -= 1
+            if not self._pending_from[peer]:
+                del self._pending_from[peer]
         if not arrival.claimed.is_set():
+            count_rejection(self.refused, "park_expired", logger, logging.INFO,
+                            "collective: round %d channel from %s expired unclaimed", round_id,
+                            short_id(peer))
             return False
         await arrival.released.wait()
         return arrival.reusable
 
+    def _busy_reason(self, round_id: int, peer: ID) -> str | None:
+        """Why a HELLO may not park now (a counter name), or None if it may."""
+        active = self._active.get(round_id)
+        if active is not None:
+            # The round is open here: only its own members may join it, and they are awaited.
+            return None if peer in active.ring else "hello_not_member"
+        if not self._known(peer):
+            return "hello_not_member"
+        if self._pending_from.get(peer, 0) >= _PENDING_PER_PEER:
+            return "hello_over_peer_cap"
+        if len(self._inbox) >= _MAX_PENDING:
+            return "hello_inbox_full"
+        return None
+
+    async def _answer_busy(self, channel: Channel, round_id: int) -> None:
+        """Tell the dialer to retry later (bounded: it may not be reading), then close."""
+        with trio.move_on_after(_CULPRIT_NOTICE_S):
+            try:
+                await channel.send(Header(Kind.BUSY, round_id).pack())
+            except ChannelError:
+                pass
+
     def _on_abort(self, round_id: int, reporter: ID, failure: PeerFailed) -> None:
+        if not self._known(reporter):
+            # Only a member may abort a round, and only members' early notices are kept: a stranger
+            # must not push real ones out of the bounded memory.
+            count_rejection(self.refused, "abort_not_member", logger, logging.INFO,
+                            "collective: ignored an abort notice from %s (no plan names it)",
+                            short_id(reporter))
+            return
         current = self._active.get(round_id)
         if current is not None:
             if reporter in current.ring and current.abort is None:
@@ -387,6 +486,11 @@ class RoundHub:
                     try:
                         await channel.send(hello)
                         frame = await channel.recv(_FIRST_FRAME)
+                        if _is_busy(frame, round_id):
+                            # It has not seen the plan naming us yet: ask again on a fresh channel.
+                            await channel.aclose()
+                            await trio.sleep(_BUSY_RETRY_S)
+                            continue
                         break
                     except ChannelError as error:
                         await channel._abort()
@@ -475,6 +579,7 @@ class RoundHub:
             self._remember(round_id, early[1])
             raise early[1]
         self._active[round_id] = state
+        self._recent_rings.append(frozenset(ring))
         if mesh:
             sources = targets = [p for p in ring if p != self.me]
         else:
@@ -558,3 +663,12 @@ class RoundHub:
         self._finished[round_id] = failure
         while len(self._finished) > _MEMORY:
             self._finished.popitem(last=False)
+
+
+def _is_busy(frame: bytes, round_id: int) -> bool:
+    """Whether ``frame`` is the receiver's BUSY answer to our HELLO for ``round_id``."""
+    try:
+        header = parse_header(frame)
+    except ValueError:
+        return False  # reported as a bad answer by the caller
+    return header.kind == Kind.BUSY and header.round_id == round_id

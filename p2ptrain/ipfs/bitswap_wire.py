@@ -13,10 +13,12 @@ module only frames and bounds it. Everything that arrives here comes from a peer
 from __future__ import annotations
 
 import hashlib
+import math
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+import trio
 from google.protobuf.message import DecodeError as ProtobufDecodeError
 from libp2p.bitswap.pb.bitswap_pb2 import Message
 from libp2p.custom_types import TProtocol
@@ -39,6 +41,7 @@ __all__ = [
     "decode_message",
     "block_prefix",
     "MessageReader",
+    "ByteBudget",
 ]
 
 # Newest first: multistream-select takes the first one both sides speak. 1.2.0 adds want-have and
@@ -54,8 +57,17 @@ MAX_MESSAGE_SIZE = 4 * 1024 * 1024
 # What our sender packs into one message. Big messages mean few Python-level writes (the cost on a
 # libp2p stream is per frame and per call, not per byte), while staying well under the 4 MiB cap.
 TARGET_MESSAGE_SIZE = 2 * 1024 * 1024
-# One read() asks the muxer for this much: yamux returns what it has buffered, up to this.
+# One read() asks the muxer for at most this much of a message whose size is known: yamux returns
+# what it has buffered, up to this. A read never goes past the end of the current message.
 READ_SIZE = 8 * 1024 * 1024
+# What one read asks for while the next message's length prefix is not yet in: small, because
+# those bytes are held before the message's size has been checked against the peer's budget.
+HEAD_READ = 64 * 1024
+
+# Wantlist entries and block presences one message may carry. Each entry costs a CID parse (tens
+# of microseconds): a 4 MiB message of bare CIDs would be ~110,000 of them, seconds of CPU. Our
+# server queues at most 8,192 wants per peer anyway (exchange.MAX_PEER_WANTS), as Kubo does.
+MAX_ENTRIES = 8192
 
 _SHA2_256 = 0x12
 _MH_PREFIX = b"\x12\x20"  # sha2-256, 32 bytes
@@ -192,12 +204,19 @@ def _parse_peer_cid(raw: bytes) -> CID | None:
 
 
 def decode_message(body: bytes) -> Received:
-    """Decode one message body (without its length prefix)."""
+    """Decode one message body (without its length prefix); :class:`WireError` is its only error."""
+    if len(body) > MAX_MESSAGE_SIZE:
+        raise WireError(f"message of {len(body)} bytes exceeds {MAX_MESSAGE_SIZE}")
     msg = Message()
     try:
         msg.ParseFromString(body)
     except ProtobufDecodeError as exc:
         raise WireError(f"not a Bitswap message: {exc}") from None
+    if len(msg.wantlist.entries) > MAX_ENTRIES or len(msg.blockPresences) > MAX_ENTRIES:
+        raise WireError(
+            f"message with {len(msg.wantlist.entries)} wants and {len(msg.blockPresences)} "
+            f"presences (at most {MAX_ENTRIES} each)"
+        )
     out = Received(full_wantlist=msg.wantlist.full)
     for entry in msg.wantlist.entries:
         cid = _parse_peer_cid(entry.block)
@@ -231,35 +250,107 @@ def decode_message(body: bytes) -> Received:
     return out
 
 
+class ByteBudget:
+    """Bytes of received messages one peer may hold with us at once, over all its streams.
+
+    A message's whole announced size is taken from the budget as soon as its length prefix is in
+    (before its body arrives), and given back when the next message is asked for: a peer that opens
+    many streams and leaves a large message half-sent on each pins at most ``limit`` bytes.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+
+    def take(self, n: int) -> bool:
+        if self.used + n > self.limit:
+            return False
+        self.used += n
+        return True
+
+    def give(self, n: int) -> None:
+        self.used -= n
+
+
 class MessageReader:
-    """Reads length-prefixed messages off a stream with few, large reads.
+    """Reads length-prefixed messages off a stream with few, large reads, within deadlines and a
+    byte budget.
 
     Reading the stream in big gulps matters for speed: each ``read()`` on a py-libp2p yamux stream costs
     Python work and may send a window update. Pieces are kept as read and joined once per message, so a
-    2 MiB block message is copied once here, not once per read.
+    2 MiB block message is copied once here, not once per read. A read never asks for more than the
+    rest of the current message (or :data:`HEAD_READ` while its length is unknown), so what this
+    reader holds is the current message, reserved in ``budget``, plus at most one small read.
+
+    Deadlines: the next message must begin within ``idle_timeout`` (else the stream ends cleanly:
+    :meth:`next_body` returns None) and, once begun, be complete within ``message_timeout`` (else
+    :class:`WireError`).
     """
 
-    def __init__(self, stream) -> None:
+    def __init__(
+        self,
+        stream,
+        budget: ByteBudget | None = None,
+        *,
+        idle_timeout: float = math.inf,
+        message_timeout: float = math.inf,
+    ) -> None:
         self._stream = stream
         self._pieces: deque[bytes | memoryview] = deque()
         self._size = 0  # bytes held in _pieces
+        self._budget = budget
+        self._reserved = 0  # bytes of the current message taken from the budget
+        self._idle_timeout = idle_timeout
+        self._message_timeout = message_timeout
+
+    @property
+    def held(self) -> int:
+        """Bytes this reader holds now: the message being read and what was read past it."""
+        return self._size
+
+    def release(self) -> None:
+        """Give the current message's bytes back to the budget (done by :meth:`next_body` for the
+        previous message; call it once the stream ends)."""
+        if self._budget is not None and self._reserved:
+            self._budget.give(self._reserved)
+        self._reserved = 0
 
     async def next_body(self) -> bytes | None:
-        """The next message body, or None at a clean end of stream between messages."""
+        """The next message body, or None at a clean end of stream (or idle timeout) between messages."""
+        self.release()
+        started = trio.current_time()
+        deadline = started + self._idle_timeout if not self._size else started + self._message_timeout
         while True:
             size, header = _read_varint(self._peek(10), 0)
             if size > MAX_MESSAGE_SIZE:
                 raise WireError(f"message of {size} bytes exceeds {MAX_MESSAGE_SIZE}")
+            if size >= 0 and not self._reserved and self._budget is not None:
+                if not self._budget.take(max(size, 1)):
+                    raise WireError(
+                        f"message of {size} bytes is over this peer's budget "
+                        f"({self._budget.used} of {self._budget.limit} bytes in flight)"
+                    )
+                self._reserved = max(size, 1)
             if size >= 0 and self._size >= header + size:
                 self._take(header)
                 return self._take(size)
-            chunk = await _read_or_eof(self._stream)
-            if not chunk:
-                if self._size:
-                    raise WireError(f"stream ended inside a message ({self._size} bytes pending)")
-                return None
-            self._pieces.append(chunk)
-            self._size += len(chunk)
+            want = header + size - self._size if size >= 0 else HEAD_READ
+            with trio.move_on_after(max(0.0, deadline - trio.current_time())):
+                chunk = await _read_or_eof(self._stream, min(want, READ_SIZE))
+                if not chunk:
+                    if self._size:
+                        raise WireError(f"stream ended inside a message ({self._size} bytes pending)")
+                    return None
+                if not self._size:  # a message begins: it has message_timeout from now
+                    deadline = trio.current_time() + self._message_timeout
+                self._pieces.append(chunk)
+                self._size += len(chunk)
+                continue
+            if self._size:
+                raise WireError(
+                    f"message incomplete after {self._message_timeout:g} s ({self._size} bytes in)"
+                )
+            return None  # idle
 
     def _peek(self, n: int) -> bytes:
         out = b""
@@ -283,9 +374,10 @@ class MessageReader:
         return parts[0] if len(parts) == 1 and isinstance(parts[0], bytes) else b"".join(parts)
 
 
-async def _read_or_eof(stream) -> bytes:
-    """One read; b"" at end of stream (py-libp2p raises EOF errors rather than returning b"")."""
+async def _read_or_eof(stream, n: int) -> bytes:
+    """One read of at most ``n`` bytes; b"" at end of stream (py-libp2p raises EOF errors rather
+    than returning b"")."""
     try:
-        return await stream.read(READ_SIZE)
+        return await stream.read(n)
     except (StreamEOF, MuxedStreamEOF):
         return b""

@@ -34,10 +34,14 @@ from typing import Protocol
 import trio
 from libp2p.abc import IHost, INetStream
 from libp2p.peer.id import ID
+from libp2p.io.exceptions import IOException
+from libp2p.network.stream.exceptions import StreamError
 from libp2p.peer.peerinfo import PeerInfo
+from libp2p.stream_muxer.exceptions import MuxedConnError, MuxedStreamError
 
 from p2ptrain.ipfs.bitswap_wire import (
     MAX_MESSAGE_SIZE,
+    ByteBudget,
     PROTOCOLS,
     TARGET_MESSAGE_SIZE,
     MessageReader,
@@ -50,7 +54,7 @@ from p2ptrain.ipfs.bitswap_wire import (
 )
 from p2ptrain.ipfs.cid import CID, DAG_PB, cid_str, parse_cid
 from p2ptrain.ipfs.dagpb import DecodeError, decode_node
-from p2ptrain.net.streams import short_id
+from p2ptrain.net.streams import StreamGuard, count_rejection, short_id
 
 __all__ = ["BlockExchange", "BlockSource", "FetchError", "FetchStats", "open_exchange"]
 
@@ -64,6 +68,21 @@ _RECENT_WANTS = 1 << 16  # digests we asked for lately: a late duplicate of one 
 _SERVE_BATCH = 8  # blocks loaded from disk per thread hop
 _WRITERS = 4  # blocks being written (and fsynced) at once by one fetch
 MAX_PEER_WANTS = 8192  # requests one peer may have queued with our server (Kubo's own cap is similar)
+# Inbound Bitswap streams one peer may have open with us (all Bitswap versions together). Kubo and
+# we open one long-lived stream per peer; 4 leaves room for a reconnect overlapping the old one.
+MAX_INBOUND_STREAMS_PER_PEER = 4
+# Bytes of inbound messages one peer may hold with us at once over all its streams, counted from a
+# message's length prefix (before its body is in): two whole messages of the 4 MiB maximum, e.g.
+# a block message on its stream and one on ours. A message over the budget resets its stream.
+MAX_INBOUND_BYTES_PER_PEER = 2 * MAX_MESSAGE_SIZE
+# An inbound stream with no message for this long is closed (the sender opens a fresh one when it
+# has something to say; ours closes its own stream after _SEND_IDLE_S, well before this).
+INBOUND_IDLE_S = 120.0
+# A message, once its first byte is in, must be complete within this: 4 MiB at 1 MB/s takes 4 s.
+MESSAGE_TIMEOUT_S = 30.0
+# Our sender closes its stream to a peer after this long with nothing to send, before the peer's
+# idle timeout (ours: INBOUND_IDLE_S) would reset it under a later write.
+_SEND_IDLE_S = 60.0
 
 
 class BlockSource(Protocol):
@@ -134,6 +153,27 @@ class BlockExchange:
         self._sessions: set[_Session] = set()
         self._recent: dict[bytes, None] = {}  # ordered set of digests we asked for
         self._nursery: trio.Nursery | None = None
+        self._guard = StreamGuard("bitswap", MAX_INBOUND_STREAMS_PER_PEER)
+        self._budgets: dict[ID, tuple[ByteBudget, int]] = {}  # peer -> (budget, readers using it)
+        self.rejected: collections.Counter[str] = collections.Counter()  # inbound refusals, by reason
+
+    def stats(self) -> dict[str, int]:
+        """Inbound refusals by reason, and what peers hold with us now (for node status)."""
+        return {
+            **self._guard.stats(),
+            **{f"rejected_{why}": n for why, n in self.rejected.items()},
+            "inbound_bytes_held": sum(budget.used for budget, _ in self._budgets.values()),
+            "offences": sum(self.strikes.values()),
+        }
+
+    def inbound_bytes(self, peer_id: ID) -> int:
+        """Bytes of inbound messages ``peer_id`` holds with us now (at most MAX_INBOUND_BYTES_PER_PEER)."""
+        entry = self._budgets.get(peer_id)
+        return entry[0].used if entry else 0
+
+    def inbound_streams(self, peer_id: ID) -> int:
+        """Inbound Bitswap streams ``peer_id`` has open with us now."""
+        return self._guard.open_streams(peer_id)
 
     # ---- life cycle ----------------------------------------------------------------------------
 
@@ -142,8 +182,9 @@ class BlockExchange:
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
+                handler = self._guard.wrap(self._handle_inbound)
                 for protocol in PROTOCOLS:
-                    self.host.set_stream_handler(protocol, self._handle_stream)
+                    self.host.set_stream_handler(protocol, handler)
                 task_status.started()
                 await trio.sleep_forever()
         finally:
@@ -155,20 +196,41 @@ class BlockExchange:
 
     # ---- receiving -----------------------------------------------------------------------------
 
-    async def _handle_stream(self, stream: INetStream) -> None:
-        """Read every message a peer sends us on a stream it opened (or on ours, if it answers there)."""
+    async def _handle_inbound(self, stream: INetStream) -> None:
+        """A stream a peer opened to us: read it until it ends or idles out (behind the guard)."""
+        await self._handle_stream(stream, idle_timeout=INBOUND_IDLE_S)
+
+    async def _handle_stream(self, stream: INetStream, idle_timeout: float = math.inf) -> None:
+        """Read every message a peer sends us on a stream it opened (or on ours, if it answers there).
+
+        What the peer holds here is bounded by its byte budget; a bad, oversize, over-budget or
+        too slow message resets the stream and is counted in :attr:`rejected`.
+        """
         peer_id = stream.muxed_conn.peer_id
-        reader = MessageReader(stream)
+        budget, users = self._budgets.get(peer_id, (None, 0))
+        if budget is None:
+            budget = ByteBudget(MAX_INBOUND_BYTES_PER_PEER)
+        self._budgets[peer_id] = (budget, users + 1)
+        reader = MessageReader(
+            stream, budget, idle_timeout=idle_timeout, message_timeout=MESSAGE_TIMEOUT_S
+        )
         try:
             while (body := await reader.next_body()) is not None:
                 self._on_message(peer_id, decode_message(body))
         except WireError as exc:
-            logger.warning("bitswap: peer %s sent a bad message: %s", short_id(peer_id), exc)
+            count_rejection(self.rejected, "bad_message", logger, logging.WARNING,
+                            "bitswap: peer %s sent a bad message: %s", short_id(peer_id), exc)
             self._offence(peer_id)
             await _reset(stream)
-        except Exception as exc:  # the stream died under us: the sessions notice through the connection
+        except _STREAM_ENDED as exc:  # the sessions notice through the connection
             logger.debug("bitswap: stream from %s ended: %r", short_id(peer_id), exc)
         finally:
+            reader.release()
+            budget, users = self._budgets[peer_id]
+            if users > 1:
+                self._budgets[peer_id] = (budget, users - 1)
+            else:
+                del self._budgets[peer_id]
             await _close(stream)
 
     def _on_message(self, peer_id: ID, msg: Received) -> None:
@@ -288,7 +350,15 @@ class BlockExchange:
     async def _pack_loop(self, peer: _Peer, packed: trio.MemorySendChannel[bytes]) -> None:
         async with packed:
             while not peer.done:
-                await peer.wake.wait()
+                with trio.move_on_after(_SEND_IDLE_S):
+                    await peer.wake.wait()
+                if not peer.wake.is_set():
+                    # Idle: leave, closing our stream before the peer's idle timeout resets it; a
+                    # later want starts a fresh _Peer and stream.
+                    peer.done = True
+                    if self._peers.get(peer.id) is peer:
+                        del self._peers[peer.id]
+                    return
                 peer.wake = trio.Event()
                 if peer.stream is None:
                     await self._open(peer)
@@ -303,7 +373,18 @@ class BlockExchange:
         peer.protocol = str(stream.get_protocol() or PROTOCOLS[0])
         # A peer may answer on the stream we opened (py-libp2p's Bitswap does); Kubo never writes on it.
         assert self._nursery is not None
-        self._nursery.start_soon(self._handle_stream, stream)
+        self._nursery.start_soon(self._read_own, stream)
+
+    async def _read_own(self, stream: INetStream) -> None:
+        """Read what a peer answers on the stream we opened, behind the same exception boundary as
+        inbound streams (this task runs in the exchange's nursery: an escape would end it)."""
+        try:
+            await self._handle_stream(stream)
+        except Exception:
+            count_rejection(self._guard.counters, "handler_error", logger, logging.ERROR,
+                            "bitswap: reading our stream to %s failed; stream reset",
+                            short_id(stream.muxed_conn.peer_id), exc_info=True)
+            await _reset(stream)
 
     async def _next_messages(self, peer: _Peer) -> list[bytes]:
         """Take queued wants and up to one batch of served blocks; pack them into messages."""
@@ -635,6 +716,13 @@ async def open_exchange(host: IHost, store: BlockSource) -> AsyncIterator[BlockE
             yield exchange
         finally:
             nursery.cancel_scope.cancel()
+
+
+# What a stream read raises when the peer closed, reset or went away: an end, not a fault.
+_STREAM_ENDED: tuple[type[BaseException], ...] = (
+    StreamError, MuxedStreamError, MuxedConnError, IOException, OSError, trio.BrokenResourceError,
+    trio.ClosedResourceError,
+)
 
 
 async def _close(stream: INetStream) -> None:

@@ -70,8 +70,41 @@ logger = logging.getLogger(__name__)
 MAX_FRAME = 1 << 20
 # Largest receive window per stream (go-yamux's maximum): the most unread data a stream can hold.
 RECV_WINDOW = 16 << 20
+# Inbound streams a peer may have open on one connection; a SYN beyond it is answered with RST.
+# Every protocol handler caps its own streams per peer (collective 16, Bitswap 4), but a stream
+# holds up to yamux's initial 256 KiB window of unread data before any handler sees it (during
+# protocol negotiation): 128 streams bound that to 32 MiB per connection.
+MAX_INBOUND_STREAMS = 128
 
 _HEADER = struct.Struct(YAMUX_HEADER_FORMAT)
+_KNOWN_FLAGS = FLAG_SYN | FLAG_ACK | FLAG_FIN | FLAG_RST
+_KNOWN_TYPES = (TYPE_DATA, TYPE_WINDOW_UPDATE, TYPE_PING, TYPE_GO_AWAY)
+
+
+class YamuxFrameError(ValueError):
+    """A frame header that no yamux peer may send; the connection is ended with GO_AWAY."""
+
+
+def parse_frame_header(raw: bytes | bytearray | memoryview) -> tuple[int, int, int, int]:
+    """``(type, flags, stream_id, length)`` of a 12-byte yamux frame header, checked as go-yamux
+    checks it: version 0, a known type, only known flags, a stream ID on DATA and WINDOW_UPDATE,
+    and no DATA frame longer than the largest window we ever grant (:data:`RECV_WINDOW`), so a
+    frame is refused before any of its body is buffered. :class:`YamuxFrameError` is its only error.
+    """
+    if len(raw) != HEADER_SIZE:
+        raise YamuxFrameError(f"frame header of {len(raw)} bytes (expected {HEADER_SIZE})")
+    version, typ, flags, stream_id, length = _HEADER.unpack(raw)
+    if version != 0:
+        raise YamuxFrameError(f"yamux version {version}")
+    if typ not in _KNOWN_TYPES:
+        raise YamuxFrameError(f"unknown frame type {typ}")
+    if flags & ~_KNOWN_FLAGS:
+        raise YamuxFrameError(f"unknown flags {flags:#x}")
+    if typ in (TYPE_DATA, TYPE_WINDOW_UPDATE) and stream_id == 0:
+        raise YamuxFrameError("DATA or WINDOW_UPDATE on stream 0")
+    if typ == TYPE_DATA and length > RECV_WINDOW:
+        raise YamuxFrameError(f"DATA frame of {length} B exceeds any window ({RECV_WINDOW} B)")
+    return typ, flags, stream_id, length
 _CONNECTION_ERRORS = (
     ConnectionClosedError,
     RawConnError,
@@ -269,6 +302,7 @@ class FastYamux(Yamux):
         self._body_left = 0
         self._body_stream: FastYamuxStream | None = None
         self._body_flags = 0
+        self.refused_streams = 0  # inbound streams refused over MAX_INBOUND_STREAMS
 
     # -- writing -------------------------------------------------------------------------------
 
@@ -438,7 +472,11 @@ class FastYamux(Yamux):
             off += min(need, end - off)
             if len(header) < HEADER_SIZE:
                 continue
-            _version, typ, flags, stream_id, length = _HEADER.unpack(header)
+            try:
+                typ, flags, stream_id, length = parse_frame_header(header)
+            except YamuxFrameError as error:
+                await self._protocol_error(str(error))
+                return False
             header.clear()
             if not await self._on_frame(typ, flags, stream_id, length):
                 return False
@@ -467,11 +505,8 @@ class FastYamux(Yamux):
             self._apply_close_flags(stream, flags)
         elif typ == TYPE_PING:
             await self._on_ping(flags, length)
-        elif typ == TYPE_GO_AWAY:
+        else:  # TYPE_GO_AWAY (parse_frame_header admits no other type)
             logger.debug("GO_AWAY (code %d) from %s", length, self.peer_id)
-            return False
-        else:
-            await self._protocol_error(f"unknown frame type {typ}")
             return False
         return True
 
@@ -480,6 +515,15 @@ class FastYamux(Yamux):
         if flags & FLAG_SYN:
             if stream_id in self.streams or stream_id % 2 == self.next_stream_id % 2:
                 logger.debug("bad SYN for stream %d from %s: reset", stream_id, self.peer_id)
+                self.send_control(TYPE_WINDOW_UPDATE, FLAG_RST, stream_id, 0)
+                return None
+            inbound = sum(1 for stream in self.streams.values() if not stream.is_initiator)
+            if inbound >= MAX_INBOUND_STREAMS:
+                self.refused_streams += 1
+                n = self.refused_streams
+                if n & (n - 1) == 0:  # the 1st, 2nd, 4th, …: a flood must not flood the log
+                    logger.info("%s has %d inbound streams open; refused stream %d [%d so far]",
+                                self.peer_id, inbound, stream_id, n)
                 self.send_control(TYPE_WINDOW_UPDATE, FLAG_RST, stream_id, 0)
                 return None
             stream = self._register(stream_id, False)

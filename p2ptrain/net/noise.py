@@ -49,6 +49,32 @@ def _trio_socket(raw: IRawConnection) -> trio.socket.SocketType | None:
     return stream.socket if isinstance(stream, trio.SocketStream) else None
 
 
+# ChaCha20-Poly1305's tag: a Noise transport message is never shorter.
+_TAG = 16
+
+
+class NoiseFrameError(IOException):
+    """A Noise transport message whose length cannot be a ciphertext (shorter than its tag)."""
+
+
+def message_spans(buf: bytes | bytearray | memoryview, end: int) -> tuple[list[tuple[int, int]], int]:
+    """The complete Noise messages in ``buf[:end]``: their ``(start, size)`` ciphertext spans and the
+    offset where the incomplete rest begins. A length prefix is 2 bytes, so no message can exceed
+    65,535 bytes, which the read buffer always holds. :class:`NoiseFrameError` is its only error."""
+    spans: list[tuple[int, int]] = []
+    off = 0
+    end = min(end, len(buf))
+    while end - off >= _LEN:
+        size = (buf[off] << 8) | buf[off + 1]
+        if size < _TAG:
+            raise NoiseFrameError(f"Noise message of {size} bytes is shorter than its {_TAG}-byte tag")
+        if end - off - _LEN < size:
+            break
+        spans.append((off + _LEN, size))
+        off += _LEN + size
+    return spans, off
+
+
 class NoiseDecryptError(IOException):
     """A Noise message failed authentication: the connection cannot continue."""
 
@@ -183,18 +209,15 @@ class NoiseSession(SecureSession):
             view[fill : fill + got] = data
         if not got:
             raise ConnectionClosedError("Connection closed")
-        off, end = 0, fill + got
-        while end - off >= _LEN:
-            size = (buf[off] << 8) | buf[off + 1]
-            if end - off - _LEN < size:
-                break
+        end = fill + got
+        spans, off = message_spans(buf, end)
+        for start, size in spans:
             try:
-                plain = self._decrypt(None, view[off + _LEN : off + _LEN + size])
+                plain = self._decrypt(None, view[start : start + size])
             except InvalidTag as error:
                 raise NoiseDecryptError(
                     f"Noise message from {self.remote_peer} failed authentication"
                 ) from error
-            off += _LEN + size
             if plain:
                 self._plain.append(memoryview(plain))
                 self._plain_len += len(plain)

@@ -23,6 +23,7 @@ computes for longer must keep a task reading, or not leave unread data in flight
 
 from __future__ import annotations
 
+import collections
 import logging
 import struct
 from collections.abc import Awaitable, Callable
@@ -40,6 +41,10 @@ logger = logging.getLogger(__name__)
 _LENGTH = struct.Struct(">Q")
 # Longest a close or reset may take (it queues one small frame behind at most one in flight).
 _CLOSE_TIMEOUT_S = 2.0
+# Default cap on one peer's open inbound streams of one protocol (serve_channels): 32 concurrent
+# long-lived channels is far more than any of our protocols opens to one peer, while each
+# refused stream costs the attacker as much as us.
+MAX_STREAMS_PER_PEER = 32
 
 
 def short_id(peer_id: ID) -> str:
@@ -226,15 +231,100 @@ async def open_channel(host: IHost, peer_id: ID, protocol: str) -> Channel:
     return Channel(stream)
 
 
-def serve_channels(
-    host: IHost, protocol: str, handler: Callable[[Channel], Awaitable[None]]
+StreamHandler = Callable[[INetStream], Awaitable[None]]
+
+
+def count_rejection(
+    counters: collections.Counter[str], reason: str, log: logging.Logger, level: int, message: str,
+    *args: object, exc_info: bool = False,
 ) -> None:
-    """Run ``handler`` for every inbound channel on ``protocol``.
+    """Count one rejection of remote input and log it, but only the 1st, 2nd, 4th, 8th, … of each
+    reason: a peer that floods us with bad input must not flood the log (and the disk) as well."""
+    counters[reason] += 1
+    n = counters[reason]
+    if n & (n - 1) == 0:
+        log.log(level, message + " [%s: %d so far]", *args, reason, n, exc_info=exc_info)
+
+
+class StreamGuard:
+    """The boundary around one protocol's inbound stream handler: a per-peer cap on open streams,
+    and any unexpected exception turned into a counted, logged reset of that one stream.
+
+    Why here: a handler is called by libp2p's stream machinery, where an escaping exception tears
+    down the whole connection to the peer (or worse), and a peer can open streams for free: without
+    a cap each one holds a task, a receive window and whatever the handler buffers.
+    """
+
+    def __init__(self, protocol: str, max_streams_per_peer: int) -> None:
+        self.protocol = protocol
+        self.max_streams_per_peer = max_streams_per_peer
+        self._open: dict[ID, int] = {}
+        # What was refused or failed, by reason; read by ``stats()`` (node status).
+        self.counters: collections.Counter[str] = collections.Counter()
+
+    def open_streams(self, peer_id: ID) -> int:
+        """Inbound streams of this protocol now open from ``peer_id``."""
+        return self._open.get(peer_id, 0)
+
+    def wrap(self, handler: StreamHandler) -> StreamHandler:
+        """``handler`` behind the cap and the exception boundary."""
+
+        async def guarded(stream: INetStream) -> None:
+            peer = stream.muxed_conn.peer_id
+            if self._open.get(peer, 0) >= self.max_streams_per_peer:
+                count_rejection(
+                    self.counters, "over_stream_cap", logger, logging.INFO,
+                    "%s: peer %s already has %d streams open; reset the new one",
+                    self.protocol, short_id(peer), self.max_streams_per_peer,
+                )
+                await reset_stream(stream)
+                return
+            self._open[peer] = self._open.get(peer, 0) + 1
+            try:
+                await handler(stream)
+            except Exception:
+                count_rejection(
+                    self.counters, "handler_error", logger, logging.ERROR,
+                    "%s: handler for a stream from %s failed; stream reset",
+                    self.protocol, short_id(peer), exc_info=True,
+                )
+                await reset_stream(stream)
+            finally:
+                self._open[peer] -= 1
+                if not self._open[peer]:
+                    del self._open[peer]
+
+        return guarded
+
+    def stats(self) -> dict[str, int]:
+        """Counters plus the number of inbound streams open now (all peers)."""
+        return {**self.counters, "open_streams": sum(self._open.values())}
+
+
+async def reset_stream(stream: INetStream) -> None:
+    """Reset ``stream``, bounded and shielded; a stream whose connection is gone is fine."""
+    with trio.CancelScope(shield=True), trio.move_on_after(_CLOSE_TIMEOUT_S):
+        try:
+            await stream.reset()
+        except Exception as error:
+            logger.debug("reset of a stream failed: %s", error)
+
+
+def serve_channels(
+    host: IHost,
+    protocol: str,
+    handler: Callable[[Channel], Awaitable[None]],
+    *,
+    max_streams_per_peer: int = MAX_STREAMS_PER_PEER,
+) -> StreamGuard:
+    """Run ``handler`` for every inbound channel on ``protocol``, at most ``max_streams_per_peer``
+    at once per peer; returns the guard whose counters say what was refused.
 
     The channel is closed when the handler returns and reset if it raises. A handler's
-    :class:`ChannelError` (a peer went away) is logged, not raised: an exception escaping into
-    libp2p's stream machinery would tear down the whole connection to that peer.
+    :class:`ChannelError` (a peer went away) is logged, not raised; any other exception is counted
+    by the guard (``handler_error``) and resets only that channel.
     """
+    guard = StreamGuard(protocol, max_streams_per_peer)
 
     async def _on_stream(stream: INetStream) -> None:
         channel = Channel(stream)
@@ -243,10 +333,11 @@ def serve_channels(
         except ChannelError as error:
             logger.info("%s handler on %s ended: %s", protocol, channel, error)
             await channel._abort()
-        except Exception:
-            logger.exception("%s handler on %s failed", protocol, channel)
+        except BaseException:
             await channel._abort()
+            raise  # the guard counts and logs it
         else:
             await channel.aclose()
 
-    host.set_stream_handler(TProtocol(protocol), _on_stream)
+    host.set_stream_handler(TProtocol(protocol), guard.wrap(_on_stream))
+    return guard

@@ -346,6 +346,8 @@ class TaskRun:
                 await self._report_failure(plan, 0, f"cannot follow this plan: {problem}")
             return
         self._culprit_reported = False  # it was about the plan this one supersedes
+        # Only members of a plan we follow may open round channels to us before the round opens.
+        self.collective.hub.expect(ID.from_base58(member) for member in plan.members)
         assert self.trainer is not None
         if not self.synced or not self.trainer.can_align(plan.step):
             # Listed in a plan from a checkpoint we do not hold (a joiner that advertised from a

@@ -207,6 +207,8 @@ async def test_a_member_that_joins_after_the_others_gave_up_learns_it_was_named(
     n, start, rid = 1000, 1.0, 31
     async with cluster(3) as peers:
         ring = [p.id for p in peers]
+        for p in peers:  # every member has the plan (as the runtime tells the hub), peer 2 too
+            p.collective.hub.expect(ring)
         outs = await gather(
             [lambda p=p: p.collective.allreduce(torch.ones(n), ring, rid, density=density, timeout=start)
              for p in peers[:2]],
@@ -240,6 +242,7 @@ async def test_a_member_whose_join_is_dropped_waits_for_the_notice_that_explains
         ring = [p.id for p in peers]
         peers[3].kill()
         hub = peers[2].collective.hub
+        hub.expect(ring)  # peer 2 has the plan (as the runtime tells the hub), not yet the round
 
         async def member_2_fails_on_peer_3():
             with trio.fail_after(5):

@@ -262,3 +262,136 @@ async def test_interrupted_fetch_resumes_with_only_the_missing_blocks(tmp_path):
         assert stats.blocks == len(leaves[::2])
         assert stats.local_blocks == 1 + len(leaves) - len(leaves[::2])
         assert bytes_of(fetcher.store, root) == data
+
+
+# ---- hostile peers (issue 13, found #5) ---------------------------------------------------------
+
+HOSTILE_STREAMS = 200
+
+
+async def _hostile_streams(attacker, target_id, count: int, partial: int, opened: list) -> None:
+    """``count`` Bitswap streams, each announcing a 4 MiB message and sending ``partial`` bytes of it,
+    then holding it open; returns once every stream was refused or has its bytes written."""
+    from p2ptrain.ipfs.bitswap_wire import MAX_MESSAGE_SIZE, PROTOCOLS
+    from p2ptrain.ipfs.dagpb import varint
+
+    async def one() -> None:
+        try:
+            stream = await attacker.new_stream(target_id, [PROTOCOLS[0]])
+            opened.append(stream)
+            await stream.write(varint(MAX_MESSAGE_SIZE) + bytes(partial))
+        except Exception:
+            pass  # reset by the node: refused
+
+    async with trio.open_nursery() as nursery:
+        for _ in range(count):
+            nursery.start_soon(one)
+
+
+async def test_hostile_streams_pin_at_most_the_per_peer_budget(tmp_path):
+    from p2ptrain.ipfs.bitswap_wire import MAX_MESSAGE_SIZE
+    from p2ptrain.ipfs.exchange import MAX_INBOUND_BYTES_PER_PEER, MAX_INBOUND_STREAMS_PER_PEER
+
+    data = content(MiB + 7, seed=5)
+    async with nodes(tmp_path, BlockStore, BlockStore) as (node, honest):
+        root = add(node.store, data)
+        attacker = make_host(create_new_key_pair(), [LOOPBACK])
+        async with attacker.run(listen_addrs=[Multiaddr(LOOPBACK)]):
+            await attacker.connect(node.info)
+            opened: list = []
+            with trio.fail_after(DEADLINE):
+                await _hostile_streams(attacker, node.host.get_id(), HOSTILE_STREAMS, MAX_MESSAGE_SIZE - 1, opened)
+            who = attacker.get_id()
+            held = node.exchange.inbound_bytes(who)
+            stats = node.exchange.stats()
+            # Two 4 MiB messages fit the budget; every other stream was refused at once.
+            assert held == MAX_INBOUND_BYTES_PER_PEER == 2 * MAX_MESSAGE_SIZE
+            assert node.exchange.inbound_streams(who) <= MAX_INBOUND_STREAMS_PER_PEER
+            # (A burst can also meet the muxer's cap on inbound streams per connection first.)
+            at_muxer = sum(
+                getattr(conn.muxed_conn, "refused_streams", 0)
+                for conn in node.host.get_network().get_connections(who)
+            )
+            assert stats["over_stream_cap"] + stats["rejected_bad_message"] + at_muxer == HOSTILE_STREAMS - 2
+            # The node still serves an honest peer meanwhile.
+            with trio.fail_after(DEADLINE):
+                await honest.exchange.fetch_dag(root, [node.info])
+            assert bytes_of(honest.store, root) == data
+            for stream in opened:
+                with trio.move_on_after(1):
+                    try:
+                        await stream.reset()
+                    except Exception:
+                        pass
+            with trio.fail_after(5):  # the node lets go of the bytes once the streams are reset
+                while node.exchange.inbound_bytes(who):
+                    await trio.sleep(0.01)
+
+
+async def test_a_stalled_message_is_dropped_after_the_message_timeout(tmp_path, monkeypatch):
+    from p2ptrain.ipfs import exchange as exchange_module
+
+    monkeypatch.setattr(exchange_module, "MESSAGE_TIMEOUT_S", 0.5)
+    async with nodes(tmp_path, BlockStore) as (node,):
+        attacker = make_host(create_new_key_pair(), [LOOPBACK])
+        async with attacker.run(listen_addrs=[Multiaddr(LOOPBACK)]):
+            await attacker.connect(node.info)
+            opened: list = []
+            with trio.fail_after(DEADLINE):
+                await _hostile_streams(attacker, node.host.get_id(), 1, 1000, opened)
+                (stream,) = opened
+                with pytest.raises(Exception):  # reset by the node once the message is overdue
+                    while await stream.read(1024):
+                        pass
+                while node.exchange.inbound_bytes(attacker.get_id()):
+                    await trio.sleep(0.01)
+            assert node.exchange.stats()["rejected_bad_message"] == 1
+
+
+async def test_a_handler_exception_is_a_counted_reset_and_the_node_keeps_serving(tmp_path, monkeypatch):
+    """The Bitswap handler's boundary: an unexpected error while handling one message resets that
+    stream, is counted, and the node serves the next request."""
+    from p2ptrain.ipfs import exchange as exchange_module
+    from p2ptrain.ipfs.bitswap_wire import PROTOCOLS
+
+    real_decode = exchange_module.decode_message
+
+    def broken(body):
+        raise RuntimeError("injected")
+
+    data = content(300_000, seed=9)
+    async with nodes(tmp_path, BlockStore, BlockStore) as (node, honest):
+        root = add(node.store, data)
+        attacker = make_host(create_new_key_pair(), [LOOPBACK])
+        async with attacker.run(listen_addrs=[Multiaddr(LOOPBACK)]):
+            await attacker.connect(node.info)
+            monkeypatch.setattr(exchange_module, "decode_message", broken)
+            with trio.fail_after(DEADLINE):
+                stream = await attacker.new_stream(node.host.get_id(), [PROTOCOLS[0]])
+                await stream.write(encode_message(wants=[WantEntry(root)]))
+                with pytest.raises(Exception):  # reset by the node's boundary
+                    while await stream.read(1024):
+                        pass
+            monkeypatch.setattr(exchange_module, "decode_message", real_decode)
+            assert node.exchange.stats()["handler_error"] == 1
+            with trio.fail_after(DEADLINE):
+                await honest.exchange.fetch_dag(root, [node.info])
+            assert bytes_of(honest.store, root) == data
+
+
+async def test_fetches_work_across_idle_timeouts(tmp_path, monkeypatch):
+    """Idle streams are closed on both sides (the sender first), and a later fetch from the same
+    provider opens fresh ones instead of failing on a stream the provider dropped."""
+    from p2ptrain.ipfs import exchange as exchange_module
+
+    monkeypatch.setattr(exchange_module, "_SEND_IDLE_S", 0.2)
+    monkeypatch.setattr(exchange_module, "INBOUND_IDLE_S", 0.4)
+    first, second = content(300_000, seed=11), content(300_000, seed=12)
+    async with nodes(tmp_path, BlockStore, BlockStore) as (provider, fetcher):
+        roots = add(provider.store, first), add(provider.store, second)
+        with trio.fail_after(DEADLINE):
+            await fetcher.exchange.fetch_dag(roots[0], [provider.info])
+            while provider.exchange.inbound_streams(fetcher.host.get_id()):
+                await trio.sleep(0.05)  # both sides went idle and closed their streams
+            await fetcher.exchange.fetch_dag(roots[1], [provider.info])
+        assert bytes_of(fetcher.store, roots[1]) == second
