@@ -24,8 +24,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
+from p2ptrain import boundedjson
 from p2ptrain.atomic import write_atomic
-from p2ptrain.ipfs.cid import CID, RAW, BlockMismatch, cid_str, parse_cid, verify_block
+from p2ptrain.ipfs.cid import CID, RAW, BlockMismatch, InvalidCID, cid_str, parse_cid, verify_block
 from p2ptrain.ipfs.dagpb import MAX_BLOCK_SIZE
 
 PINS_FILE = "pins.json"
@@ -33,6 +34,9 @@ PINS_VERSION = 1
 RECURSIVE = "recursive"
 DIRECT = "direct"
 WRITERS = 8
+# pins.json is ours, but a person may edit it and a disk may rot it. 64 MiB holds ~600,000 pins of
+# ~100 bytes each; a bigger file is refused before it is read into memory.
+MAX_PINS_FILE_BYTES = 64 * 1024 * 1024
 
 
 class BlockNotFound(KeyError):
@@ -175,19 +179,11 @@ class BlockStore:
     def _read_pins(self) -> dict[str, str]:
         path = self.root / PINS_FILE
         try:
-            raw = json.loads(path.read_bytes())
+            with open(path, "rb") as f:
+                data = f.read(MAX_PINS_FILE_BYTES + 1)
         except FileNotFoundError:
             return {}
-        except ValueError as exc:
-            raise PinFileError(f"{path} is not valid JSON: {exc}") from None
-        if not isinstance(raw, dict) or raw.get("version") != PINS_VERSION:
-            raise PinFileError(f"{path}: expected a version {PINS_VERSION} pin file")
-        pins = raw.get("pins")
-        if not isinstance(pins, dict) or not all(
-            isinstance(k, str) and v in (RECURSIVE, DIRECT) for k, v in pins.items()
-        ):
-            raise PinFileError(f"{path}: 'pins' must map CIDs to 'recursive' or 'direct'")
-        return pins
+        return parse_pins(data, str(path))
 
     def pin_add(self, cid: CID | str, recursive: bool = True) -> None:
         key = cid_str(parse_cid(cid))
@@ -204,3 +200,25 @@ class BlockStore:
     def pin_ls(self) -> dict[str, str]:
         """``{cid: "recursive" | "direct"}``, as Kubo's ``pin ls`` reports them."""
         return self._read_pins()
+
+
+def parse_pins(data: bytes, where: str = PINS_FILE) -> dict[str, str]:
+    """The pin set in ``pins.json`` bytes; :class:`PinFileError` for anything else (bounded parse:
+    size, nesting, numbers; every key must be a CID we accept)."""
+    try:
+        raw = boundedjson.loads(data, max_bytes=MAX_PINS_FILE_BYTES, what=where)
+    except boundedjson.JSONBoundsError as exc:
+        raise PinFileError(f"{where} is not a valid pin file: {exc}") from None
+    if not isinstance(raw, dict) or raw.get("version") != PINS_VERSION:
+        raise PinFileError(f"{where}: expected a version {PINS_VERSION} pin file")
+    pins = raw.get("pins")
+    if not isinstance(pins, dict) or not all(
+        isinstance(k, str) and v in (RECURSIVE, DIRECT) for k, v in pins.items()
+    ):
+        raise PinFileError(f"{where}: 'pins' must map CIDs to 'recursive' or 'direct'")
+    for key in pins:
+        try:
+            parse_cid(key)
+        except InvalidCID as exc:
+            raise PinFileError(f"{where}: {exc}") from None
+    return pins
