@@ -14,6 +14,7 @@ from p2ptrain.errors import UserError
 GROUPS: list[str] = [
     "node",
     "ipfs",
+    "repo",
     "dataset",
     "task",
     "model",

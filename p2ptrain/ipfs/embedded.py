@@ -10,7 +10,7 @@ from __future__ import annotations
 import io
 import os
 import secrets
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
@@ -137,13 +137,33 @@ class EmbeddedStore:
             return False
         return True
 
+    def reachable(self, recursive: Iterable[CID | str], direct: Iterable[CID | str] = ()) -> set[bytes]:
+        """The multihashes of every held block under ``recursive`` roots, plus the ``direct`` roots.
+
+        The mark phase of ``repo gc``: each distinct block is read once (:func:`walk_dag`); a block
+        that is missing ends its branch (nothing below it can be known, nor kept). A reachable block
+        that is corrupt or a DAG that cannot be walked raises (:class:`CorruptBlock`,
+        :class:`DagError`): a collection that cannot see what a root needs must not delete anything.
+        """
+        keep = {parse_cid(c).digest for c in direct}
+
+        def held(c: CID) -> bytes | None:
+            try:
+                return self.blocks.get(c) if c.codec.name != RAW else None
+            except BlockNotFound:
+                return None
+
+        for root in recursive:
+            keep.update(c.digest for c in walk_dag(parse_cid(root), held))
+        return keep
+
     # ---- pins ----------------------------------------------------------------------------------
 
     def pin_add(self, cid: CID | str, recursive: bool = True) -> None:
         """Pin ``cid`` after making it local: the whole DAG if ``recursive``, else its root block."""
         cid = parse_cid(cid)
-        if recursive:
-            for _ in walk_dag(cid, self.block):  # DagError for a DAG too deep or not dag-pb
+        if recursive and not self.has(cid):  # has() only stats raw leaves: pinning what was just added is cheap
+            for _ in walk_dag(cid, self.block):  # fetches what is missing; DagError for a DAG too deep
                 pass
         else:
             self.block(cid)
