@@ -10,6 +10,7 @@ import hashlib
 from pathlib import Path
 
 import trio
+import trio.testing
 
 from p2ptrain.ipfs.cid import DAG_PB, cid_from_digest, cid_str, make_cid
 from p2ptrain.ipfs.dagpb import encode_file_leaf, encode_file_node
@@ -95,3 +96,27 @@ async def test_bad_task_announcements_are_counted_refusals_and_the_node_keeps_se
         # Still serving: the control socket answers and the process runs.
         assert victim.status()["peer_id"] == victim.peer_id
         assert victim.proc.poll() is None
+
+
+async def test_a_flood_of_announced_tasks_starts_at_most_the_join_cap(tmp_path: Path) -> None:
+    """Joins in flight are bounded: the content service of this node is not running, so every join
+    waits on it, as joins stuck on a silent provider would; the rest are refused as "busy"."""
+    from libp2p.crypto.ed25519 import create_new_key_pair
+
+    from p2ptrain.runtime.tasks import MAX_CONCURRENT_JOINS, TaskOptions, TaskService
+    from p2ptrain.runtime.content import ContentService
+    from p2ptrain.wire import decode, encode
+
+    node = Node(tmp_path / "node")
+    tasks = TaskService(node, ContentService(node), TaskOptions(accept_tasks=True))
+    key = create_new_key_pair()
+    flood = [cid_str(make_cid(f"task {i}".encode())) for i in range(MAX_CONCURRENT_JOINS + 6)]
+    async with trio.open_nursery() as nursery:
+        tasks._nursery = nursery
+        for i, cid in enumerate(flood):
+            signed = decode(encode(TaskAnnounce(task_cid=cid, name=f"t{i}"), key, seq=i + 1))
+            await tasks._on_announce(signed, TASKS_TOPIC)
+        await trio.testing.wait_all_tasks_blocked()
+        assert len(tasks._joining) == MAX_CONCURRENT_JOINS
+        assert tasks.join_rejections["busy"] == 6
+        nursery.cancel_scope.cancel()
