@@ -177,3 +177,12 @@ def test_importer_output_never_has_empty_children():
         store: dict[bytes, bytes] = {cid.digest: block for cid, block in blocks}
         root = blocks[-1][0]
         assert b"".join(read_file(root, lambda c: store[c.digest])) == bytes(size)
+
+
+def test_a_bomb_of_one_byte_leaves_reads_right_with_each_block_read_once_or_so(tmp_path):
+    """Legal (every size adds up) but 174**3 visits of a 1-byte leaf without the subtree cache."""
+    store = BlockStore(tmp_path / "blocks")
+    root, size = bomb(store, levels=3, leaf=b"x")
+    getter, calls = counting(store.get)
+    assert b"".join(read_file(root, getter)) == b"x" * size
+    assert calls[0] == 3 + 174  # three nodes once each, the leaf under the first subtree's 174 links
