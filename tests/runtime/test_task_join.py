@@ -7,6 +7,9 @@ this process that serves the bad content over Bitswap and announces it, signed, 
 from __future__ import annotations
 
 import hashlib
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import trio
@@ -93,8 +96,11 @@ async def test_bad_task_announcements_are_counted_refusals_and_the_node_keeps_se
         assert joins["remembered_failures"] == len(bad)
         tasks = {t["task_cid"]: t for t in listing["tasks"]}
         assert "empty subtree" in tasks[bad["bomb"]]["refused"]
-        # Still serving: the control socket answers and the process runs.
+        # Still serving: the control socket answers and the process runs; the CLI shows the counters.
         assert victim.status()["peer_id"] == victim.peer_id
+        shown = subprocess.run([sys.executable, "-m", "p2ptrain.cli.main", "task", "list", "--json", "--home",
+                                str(victim.home)], capture_output=True, text=True, timeout=60)
+        assert json.loads(shown.stdout)["joins"]["rejected"]["recently_failed"] >= len(bad)
         assert victim.proc.poll() is None
 
 
