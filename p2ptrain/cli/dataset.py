@@ -24,6 +24,9 @@ def cmd_add(args: argparse.Namespace) -> int:
             )
         except (ValueError, ManifestError) as exc:
             raise UserError(f"{args.source}: {exc}") from None
+        for ref in (ref for shards in manifest.splits.values() for ref in shards):
+            store.pin_add(ref.cid)  # pinned like any ipfs add: kept by repo gc
+        store.pin_add(cid)
     for split, shards in manifest.splits.items():
         print(f"{split}: {manifest.num_samples(split)} samples in {len(shards)} shards",
               file=sys.stderr)

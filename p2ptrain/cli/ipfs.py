@@ -83,6 +83,8 @@ def cmd_add(args: argparse.Namespace) -> int:
     with content_errors(), progress_bar(f"add {path.name}", path.stat().st_size) as progress:
         cid = store.add_file(path, cid_version=args.cid_version, only_hash=args.only_hash,
                              progress=progress)
+        if args.pin and not args.only_hash:
+            store.pin_add(cid)  # as Kubo's ipfs add: kept by repo gc until unpinned
     print(cid)
     return 0
 
@@ -138,6 +140,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = cmds.add_parser("add", help="add a file and print its CID (the same CID as Kubo's ipfs add)")
     p.add_argument("file", metavar="FILE")
     p.add_argument("-n", "--only-hash", action="store_true", help="only compute the CID, store nothing")
+    p.add_argument("--no-pin", dest="pin", action="store_false",
+                   help="do not pin it (as Kubo's --pin=false): p2ptrain repo gc may then remove it")
     p.add_argument("--cid-version", type=int, choices=(0, 1), default=0,
                    help="0: CIDv0, dag-pb leaves (Kubo's default); 1: CIDv1, raw leaves")
     add_store_options(p)

@@ -31,6 +31,7 @@ DECLARED_ERRORS: list[tuple[str, str]] = [
 GROUPS: list[str] = [
     "node",
     "ipfs",
+    "repo",
     "dataset",
     "task",
     "model",

@@ -41,7 +41,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
     listing = tsub.add_parser("list", help="tasks this node has heard of or takes part in")
     listing.add_argument("--home", type=Path, default=None, help=HOME_HELP)
-    listing.add_argument("--json", action="store_true", help="print one JSON object {tasks: [...]}")
+    listing.add_argument("--json", action="store_true", help="print one JSON object {tasks: [...], joins: {...}}")
     listing.set_defaults(func=cmd_list)
 
 
@@ -73,9 +73,10 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    tasks = _client(args).call("task.list")["tasks"]
-    if args.json:
-        print(json.dumps({"tasks": tasks}))
+    reply = _client(args).call("task.list")
+    tasks = reply["tasks"]
+    if args.json:  # "joins": announcements not joined, by why (busy, recently_failed, refused, ...)
+        print(json.dumps({"tasks": tasks, "joins": reply.get("joins")}))
         return 0
     if not tasks:
         print("no tasks heard of yet")

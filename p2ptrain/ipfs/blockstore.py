@@ -15,17 +15,21 @@ Pins live in ``<root>/pins.json``, rewritten atomically under an exclusive lock.
 from __future__ import annotations
 
 import base64
+import binascii
 import fcntl
+import hashlib
 import json
 import os
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from p2ptrain import boundedjson
 from p2ptrain.atomic import write_atomic
-from p2ptrain.ipfs.cid import CID, RAW, BlockMismatch, cid_str, parse_cid, verify_block
+from p2ptrain.ipfs.cid import CID, RAW, BlockMismatch, InvalidCID, cid_str, parse_cid, verify_block
 from p2ptrain.ipfs.dagpb import MAX_BLOCK_SIZE
 
 PINS_FILE = "pins.json"
@@ -33,6 +37,13 @@ PINS_VERSION = 1
 RECURSIVE = "recursive"
 DIRECT = "direct"
 WRITERS = 8
+# pins.json is ours, but a person may edit it and a disk may rot it. 64 MiB holds ~600,000 pins of
+# ~100 bytes each; a bigger file is refused before it is read into memory.
+MAX_PINS_FILE_BYTES = 64 * 1024 * 1024
+# File times come from a coarse kernel clock (a jiffy behind time.time() on Linux, 2 s steps on FAT):
+# a sweep keeps every block written less than this before the collection began, so a block stored
+# just as it began is never taken for an old one.
+MTIME_SLACK_S = 2.0
 
 
 class BlockNotFound(KeyError):
@@ -56,6 +67,45 @@ class PinFileError(ValueError):
 
 def _key(cid: CID) -> str:
     return base64.b32encode(bytes(cid.digest)).decode("ascii").rstrip("=")
+
+
+_SHA2_256_PREFIX = b"\x12\x20"
+
+
+def _multihash_of(path: Path) -> bytes | None:
+    """The multihash a block file's name says it holds, or None for a name that is not one."""
+    key = path.name[: -len(".data")]
+    try:
+        digest = base64.b32decode(key + "=" * (-len(key) % 8))
+    except (binascii.Error, ValueError):
+        return None
+    if len(digest) != 34 or not digest.startswith(_SHA2_256_PREFIX) or _key_of(digest) != key:
+        return None
+    return digest
+
+
+def _key_of(multihash: bytes) -> str:
+    return base64.b32encode(multihash).decode("ascii").rstrip("=")
+
+
+@dataclass
+class BadBlock:
+    """A block file that does not hold what its name says (``repo verify``)."""
+
+    path: Path
+    cid: str | None  # the CIDv1 raw name of the multihash in its file name; None if the name is not one
+    reason: str
+
+
+@dataclass
+class Sweep:
+    """What a garbage collection removed (or, dry, would remove) and kept."""
+
+    removed: int = 0
+    removed_bytes: int = 0
+    kept: int = 0
+    kept_bytes: int = 0
+    removed_cids: list[str] = field(default_factory=list)
 
 
 class BlockStore:
@@ -113,8 +163,11 @@ class BlockStore:
         if not hashed:
             verify_block(cid, data)
         path = self._path(cid)
-        if path.exists():
+        try:
+            os.utime(path)  # held already: "written now" as far as a concurrent gc's sweep is concerned
             return
+        except FileNotFoundError:
+            pass
         path.parent.mkdir(exist_ok=True)
         write_atomic(path, data)
 
@@ -141,13 +194,78 @@ class BlockStore:
 
     def iter_cids(self) -> Iterator[CID]:
         """Every held block, as a CIDv1 ``raw`` CID: the store keeps multihashes, not codecs (like Kubo)."""
+        for path in self.block_files():
+            multihash = _multihash_of(path)
+            if multihash is not None:  # a stray file is not a block (repo verify lists it)
+                yield CID("base32", 1, RAW, multihash)
+
+    def block_files(self) -> Iterator[Path]:
+        """Every ``*.data`` file in the shard folders, in a stable order (the quarantine is not a shard)."""
         for shard in sorted(self.root.iterdir()):
-            if len(shard.name) != 2 or not shard.is_dir():
+            if len(shard.name) == 2 and shard.is_dir():
+                yield from sorted(shard.glob("*.data"))
+
+    def verify(self, progress: Callable[[int], None] | None = None) -> Iterator[BadBlock]:
+        """Read every block and yield those whose bytes do not hash to the multihash in their name.
+
+        Read-only (nothing is quarantined: that is for a reader that needs the block), so it is safe
+        next to a running node. ``progress`` is called with 1 per block checked.
+        """
+        for path in self.block_files():
+            multihash = _multihash_of(path)
+            cid = None if multihash is None else cid_str(CID("base32", 1, RAW, multihash))
+            if multihash is None:
+                yield BadBlock(path, None, "file name is not a sha2-256 multihash")
+            else:
+                try:
+                    with open(path, "rb") as f:
+                        data = f.read(MAX_BLOCK_SIZE + 1)
+                except OSError as exc:
+                    yield BadBlock(path, cid, f"unreadable: {exc.strerror or exc}")
+                else:
+                    if len(data) > MAX_BLOCK_SIZE:
+                        yield BadBlock(path, cid, f"larger than {MAX_BLOCK_SIZE} bytes")
+                    elif _SHA2_256_PREFIX + hashlib.sha256(data).digest() != multihash:
+                        yield BadBlock(path, cid, f"{len(data)} bytes that do not hash to the name")
+            if progress is not None:
+                progress(1)
+
+    @contextmanager
+    def gc_lock(self) -> Iterator[None]:
+        """Hold the pin lock: no pin is added or removed while a collection marks and sweeps."""
+        with open(self.root / ".pins.lock", "a+") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            yield
+
+    def sweep(
+        self,
+        keep: set[bytes],
+        written_before: float,
+        dry_run: bool = False,
+        progress: Callable[[int], None] | None = None,
+    ) -> Sweep:
+        """Remove every block whose multihash is not in ``keep`` and whose file was last written
+        (or re-put) before ``written_before`` (a ``time.time()``, less MTIME_SLACK_S): a block another
+        process stored after the collection began is kept, whether or not a root reaches it yet."""
+        result = Sweep()
+        for path in self.block_files():
+            multihash = _multihash_of(path)
+            try:
+                st = path.stat()
+            except FileNotFoundError:
                 continue
-            for path in sorted(shard.glob("*.data")):
-                key = path.name[: -len(".data")]
-                digest = base64.b32decode(key + "=" * (-len(key) % 8))
-                yield CID("base32", 1, RAW, digest)
+            if multihash is None or multihash in keep or st.st_mtime >= written_before - MTIME_SLACK_S:
+                result.kept += 1
+                result.kept_bytes += st.st_size
+            else:
+                if not dry_run:
+                    path.unlink(missing_ok=True)
+                result.removed += 1
+                result.removed_bytes += st.st_size
+                result.removed_cids.append(cid_str(CID("base32", 1, RAW, multihash)))
+            if progress is not None:
+                progress(1)
+        return result
 
     def size_bytes(self) -> int:
         """Total bytes of held blocks (file contents, not disk usage)."""
@@ -175,19 +293,11 @@ class BlockStore:
     def _read_pins(self) -> dict[str, str]:
         path = self.root / PINS_FILE
         try:
-            raw = json.loads(path.read_bytes())
+            with open(path, "rb") as f:
+                data = f.read(MAX_PINS_FILE_BYTES + 1)
         except FileNotFoundError:
             return {}
-        except ValueError as exc:
-            raise PinFileError(f"{path} is not valid JSON: {exc}") from None
-        if not isinstance(raw, dict) or raw.get("version") != PINS_VERSION:
-            raise PinFileError(f"{path}: expected a version {PINS_VERSION} pin file")
-        pins = raw.get("pins")
-        if not isinstance(pins, dict) or not all(
-            isinstance(k, str) and v in (RECURSIVE, DIRECT) for k, v in pins.items()
-        ):
-            raise PinFileError(f"{path}: 'pins' must map CIDs to 'recursive' or 'direct'")
-        return pins
+        return parse_pins(data, str(path))
 
     def pin_add(self, cid: CID | str, recursive: bool = True) -> None:
         key = cid_str(parse_cid(cid))
@@ -204,3 +314,25 @@ class BlockStore:
     def pin_ls(self) -> dict[str, str]:
         """``{cid: "recursive" | "direct"}``, as Kubo's ``pin ls`` reports them."""
         return self._read_pins()
+
+
+def parse_pins(data: bytes, where: str = PINS_FILE) -> dict[str, str]:
+    """The pin set in ``pins.json`` bytes; :class:`PinFileError` for anything else (bounded parse:
+    size, nesting, numbers; every key must be a CID we accept)."""
+    try:
+        raw = boundedjson.loads(data, max_bytes=MAX_PINS_FILE_BYTES, what=where)
+    except boundedjson.JSONBoundsError as exc:
+        raise PinFileError(f"{where} is not a valid pin file: {exc}") from None
+    if not isinstance(raw, dict) or raw.get("version") != PINS_VERSION:
+        raise PinFileError(f"{where}: expected a version {PINS_VERSION} pin file")
+    pins = raw.get("pins")
+    if not isinstance(pins, dict) or not all(
+        isinstance(k, str) and v in (RECURSIVE, DIRECT) for k, v in pins.items()
+    ):
+        raise PinFileError(f"{where}: 'pins' must map CIDs to 'recursive' or 'direct'")
+    for key in pins:
+        try:
+            parse_cid(key)
+        except InvalidCID as exc:
+            raise PinFileError(f"{where}: {exc}") from None
+    return pins

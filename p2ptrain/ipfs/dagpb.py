@@ -15,6 +15,13 @@ from p2ptrain.ipfs.cid import CID, InvalidCID, parse_cid
 # Bitswap and Kubo refuse blocks over 2 MiB; nothing we make comes near it (leaves are 256 KiB).
 MAX_BLOCK_SIZE = 2 * 1024 * 1024
 MAX_FILE_SIZE = 1 << 62
+# Links in one node. Files have at most 174 (Kubo's balanced layout); a plain directory is turned into
+# a HAMT shard by Kubo past 256 KiB of block (about 6,500 entries), whose nodes have at most 256 links.
+# 8,192 admits all of those and keeps a 2 MiB block of 38-byte links (55,000) from being one node.
+MAX_LINKS_PER_NODE = 8192
+# A link's name (a directory entry): 255 bytes is the file name limit of every common filesystem;
+# 1,024 leaves room for other tools' names and keeps names from being where a block's bytes go.
+MAX_LINK_NAME_BYTES = 1024
 
 # UnixFS Data.DataType values.
 RAW_TYPE = 0
@@ -153,12 +160,16 @@ def _decode_link(buf: memoryview) -> PBLink:
                 raise DecodeError(f"PBLink hash: {exc}") from None
         elif number == 2:
             _expect(number, wire, _LEN)
+            if len(value) > MAX_LINK_NAME_BYTES:
+                raise DecodeError(f"PBLink name of {len(value)} bytes exceeds {MAX_LINK_NAME_BYTES}")
             try:
                 name = bytes(value).decode("utf-8")
             except UnicodeDecodeError:
                 raise DecodeError("PBLink name is not UTF-8") from None
         elif number == 3:
             _expect(number, wire, _VARINT)
+            if value > MAX_FILE_SIZE:
+                raise DecodeError(f"PBLink Tsize {value} out of range")
             tsize = value
         else:
             raise DecodeError(f"unknown PBLink field {number}")
@@ -178,6 +189,8 @@ def decode_node(block: bytes) -> PBNode:
             raise DecodeError("PBNode field after Data")
         _expect(number, wire, _LEN)
         if number == 2:
+            if len(links) >= MAX_LINKS_PER_NODE:
+                raise DecodeError(f"more than {MAX_LINKS_PER_NODE} links in one node")
             links.append(_decode_link(value))
         elif number == 1:
             data = value
@@ -188,6 +201,8 @@ def decode_node(block: bytes) -> PBNode:
 
 def decode_unixfs(data: bytes | memoryview) -> UnixFSData:
     """Decode a UnixFS ``Data`` message; mode/mtime/hash-type/fanout are checked for shape and ignored."""
+    if len(data) > MAX_BLOCK_SIZE:
+        raise DecodeError(f"UnixFS data of {len(data)} bytes exceeds {MAX_BLOCK_SIZE}")
     kind = payload = filesize = None
     blocksizes: list[int] = []
     seen: set[int] = set()
@@ -210,6 +225,10 @@ def decode_unixfs(data: bytes | memoryview) -> UnixFSData:
             filesize = value
         elif number == 4:
             _expect(number, wire, _VARINT)
+            if value > MAX_FILE_SIZE:
+                raise DecodeError(f"UnixFS blocksize {value} out of range")
+            if len(blocksizes) >= MAX_LINKS_PER_NODE:
+                raise DecodeError(f"more than {MAX_LINKS_PER_NODE} UnixFS blocksizes")
             blocksizes.append(value)
         elif number in (5, 6, 7):  # hashType, fanout, mode
             _expect(number, wire, _VARINT)

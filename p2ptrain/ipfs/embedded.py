@@ -10,15 +10,14 @@ from __future__ import annotations
 import io
 import os
 import secrets
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
 from p2ptrain.ipfs.blockstore import BlockNotFound, BlockStore, CorruptBlock
 from p2ptrain.ipfs.cid import CID, RAW, BlockMismatch, cid_str, parse_cid
-from p2ptrain.ipfs.dagpb import DecodeError, decode_node
 from p2ptrain.ipfs.store import ContentUnavailable, Progress
-from p2ptrain.ipfs.unixfs import import_stream, read_file
+from p2ptrain.ipfs.unixfs import DagError, import_stream, read_file, walk_dag
 
 
 class EmbeddedStore:
@@ -95,12 +94,13 @@ class EmbeddedStore:
 
     # ---- reading -------------------------------------------------------------------------------
 
-    def iter_cat(self, cid: CID | str) -> Iterator[bytes]:
-        """The file's bytes in order, chunk by chunk, each block verified (a file need not fit in RAM)."""
-        return read_file(parse_cid(cid), self.block, verified=True)  # self.block verifies
+    def iter_cat(self, cid: CID | str, max_bytes: int | None = None) -> Iterator[bytes]:
+        """The file's bytes in order, chunk by chunk, each block verified (a file need not fit in RAM);
+        a file declared larger than ``max_bytes`` fails with ``FileTooLarge`` before it is read."""
+        return read_file(parse_cid(cid), self.block, verified=True, max_bytes=max_bytes)  # self.block verifies
 
-    def cat(self, cid: CID | str) -> bytes:
-        return b"".join(self.iter_cat(cid))
+    def cat(self, cid: CID | str, max_bytes: int | None = None) -> bytes:
+        return b"".join(self.iter_cat(cid, max_bytes))
 
     def get(self, cid: CID | str, out_path: Path, progress: Progress | None = None) -> None:
         out_path = Path(out_path)
@@ -117,41 +117,54 @@ class EmbeddedStore:
         finally:
             tmp.unlink(missing_ok=True)
 
-    def _walk(self, cid: CID, get: Callable[[CID], bytes]) -> None:
-        """Visit every block of the DAG through ``get``, reading each dag-pb node's links."""
-        data = get(cid)
-        if cid.codec.name == "dag-pb":
-            try:
-                links = decode_node(data).links
-            except DecodeError as exc:
-                raise ContentUnavailable(cid, f"not a dag-pb node: {exc}") from None
-            for link in links:
-                self._walk(link.cid, get)
-
     def has(self, cid: CID | str) -> bool:
         """Whether every block of the DAG is on disk. Cheap for CIDv1 files: raw leaves are only
-        looked up, not read (a rotten one is still caught, and refetched, when it is read)."""
+        looked up, not read (a rotten one is still caught, and refetched, when it is read). A DAG
+        this store cannot walk (too deep, a block that is not dag-pb) is not "held": the fetch that
+        follows says why."""
 
-        def local(c: CID) -> bytes:
+        def local(c: CID) -> bytes | None:
             if c.codec.name == RAW:
                 if not self.blocks.has(c):
                     raise BlockNotFound(c)
-                return b""
+                return None
             return self.blocks.get(c)
 
         try:
-            self._walk(parse_cid(cid), local)
-        except (BlockNotFound, CorruptBlock, ContentUnavailable):
+            for _ in walk_dag(parse_cid(cid), local):
+                pass
+        except (BlockNotFound, CorruptBlock, DagError):
             return False
         return True
+
+    def reachable(self, recursive: Iterable[CID | str], direct: Iterable[CID | str] = ()) -> set[bytes]:
+        """The multihashes of every held block under ``recursive`` roots, plus the ``direct`` roots.
+
+        The mark phase of ``repo gc``: each distinct block is read once (:func:`walk_dag`); a block
+        that is missing ends its branch (nothing below it can be known, nor kept). A reachable block
+        that is corrupt or a DAG that cannot be walked raises (:class:`CorruptBlock`,
+        :class:`DagError`): a collection that cannot see what a root needs must not delete anything.
+        """
+        keep = {parse_cid(c).digest for c in direct}
+
+        def held(c: CID) -> bytes | None:
+            try:
+                return self.blocks.get(c) if c.codec.name != RAW else None
+            except BlockNotFound:
+                return None
+
+        for root in recursive:
+            keep.update(c.digest for c in walk_dag(parse_cid(root), held))
+        return keep
 
     # ---- pins ----------------------------------------------------------------------------------
 
     def pin_add(self, cid: CID | str, recursive: bool = True) -> None:
         """Pin ``cid`` after making it local: the whole DAG if ``recursive``, else its root block."""
         cid = parse_cid(cid)
-        if recursive:
-            self._walk(cid, self.block)
+        if recursive and not self.has(cid):  # has() only stats raw leaves: pinning what was just added is cheap
+            for _ in walk_dag(cid, self.block):  # fetches what is missing; DagError for a DAG too deep
+                pass
         else:
             self.block(cid)
         self.blocks.pin_add(cid, recursive)

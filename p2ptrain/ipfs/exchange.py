@@ -54,6 +54,7 @@ from p2ptrain.ipfs.bitswap_wire import (
 )
 from p2ptrain.ipfs.cid import CID, DAG_PB, cid_str, parse_cid
 from p2ptrain.ipfs.dagpb import DecodeError, decode_node
+from p2ptrain.ipfs.unixfs import MAX_DEPTH
 from p2ptrain.net.streams import StreamGuard, count_rejection, short_id
 
 __all__ = ["BlockExchange", "BlockSource", "FetchError", "FetchStats", "open_exchange"]
@@ -504,6 +505,10 @@ class _Session:
         self.max_bytes = max_bytes
         self.progress = progress
         self.unchecked: deque[CID] = deque([root])  # not yet looked up in the store
+        # Every block this fetch has queued, by multihash, with its depth below the root: a block
+        # linked many times (legal: Kubo's file of zeros) is looked up, asked for and walked once,
+        # so a DAG costs one visit per distinct block; a block deeper than MAX_DEPTH ends the fetch.
+        self.depth: dict[bytes, int] = {root.digest: 0}
         self.pending: deque[CID] = deque()  # known to be missing: to be asked for
         # Blocks are keyed by multihash (``cid.digest``): a CIDv0 and a CIDv1 of one block are one block.
         self.inflight: dict[ID, dict[bytes, CID]] = {p: {} for p in providers}
@@ -539,6 +544,8 @@ class _Session:
                     raise self.error
                 self.changed = trio.Event()
                 await self._sort_unchecked()
+                if self.error is not None:  # a held block's links ended the walk (_queue_children)
+                    raise self.error
                 await self._assign()
                 if not self.unchecked and not self.pending and not self.owner:
                     return None
@@ -612,7 +619,15 @@ class _Session:
             # The block matches its hash, so the content itself is malformed: no provider can help.
             self.error = FetchError(cid, self.root, {"content": f"not a valid dag-pb node: {exc}"})
             return
-        self.unchecked.extend(link.cid for link in links)
+        depth = self.depth[cid.digest] + 1
+        for link in links:
+            if link.cid.digest in self.depth:
+                continue
+            if depth > MAX_DEPTH:
+                self.error = FetchError(link.cid, self.root, {"content": f"DAG deeper than {MAX_DEPTH} levels"})
+                return
+            self.depth[link.cid.digest] = depth
+            self.unchecked.append(link.cid)
 
     def _failure(self, cid: CID) -> FetchError:
         reasons = dict(self.reasons)

@@ -35,7 +35,7 @@ from ipfshttpclient import exceptions as ipfs_errors
 from p2ptrain.errors import UserError
 from p2ptrain.ipfs.cid import CID, BlockMismatch, cid_str, parse_cid
 from p2ptrain.ipfs.store import ContentUnavailable, Progress
-from p2ptrain.ipfs.unixfs import CHUNK_SIZE, import_stream, read_file
+from p2ptrain.ipfs.unixfs import CHUNK_SIZE, FileTooLarge, import_stream, read_file
 
 __all__ = ["KuboStore", "api_multiaddr"]
 
@@ -122,9 +122,15 @@ class KuboStore:
 
     # ---- reading -------------------------------------------------------------------------------
 
-    def _stream_cat(self, cid: CID, sink: BinaryIO, progress: Progress | None) -> None:
+    def _stream_cat(
+        self, cid: CID, sink: BinaryIO, progress: Progress | None, max_bytes: int | None = None
+    ) -> None:
         def fetch() -> None:
+            got = 0
             for chunk in self._client.cat(cid_str(cid), stream=True):
+                got += len(chunk)
+                if max_bytes is not None and got > max_bytes:
+                    raise FileTooLarge(cid, f"file is over the {max_bytes} byte limit")
                 sink.write(chunk)
                 if progress:
                     progress(len(chunk))
@@ -140,17 +146,17 @@ class KuboStore:
         except ipfs_errors.ErrorResponse as exc:
             raise ContentUnavailable(cid, f"the daemon at {self.api} says: {exc}") from None
 
-    def _verified_blocks(self, cid: CID) -> Iterator[bytes | memoryview]:
+    def _verified_blocks(self, cid: CID, max_bytes: int | None = None) -> Iterator[bytes | memoryview]:
         """The file read block by block, each block checked against its CID (any DAG layout)."""
-        return read_file(cid, self._block)
+        return read_file(cid, self._block, max_bytes=max_bytes)
 
-    def cat(self, cid: CID | str) -> bytes:
+    def cat(self, cid: CID | str, max_bytes: int | None = None) -> bytes:
         cid = parse_cid(cid)
         buf = io.BytesIO()
-        self._stream_cat(cid, buf, None)
+        self._stream_cat(cid, buf, None, max_bytes)
         if _recomputes_to(cid, buf):
             return buf.getvalue()
-        return b"".join(self._verified_blocks(cid))
+        return b"".join(self._verified_blocks(cid, max_bytes))
 
     def get(self, cid: CID | str, out_path: Path, progress: Progress | None = None) -> None:
         """Stream to a temporary file, check it, then rename it into place (nothing partial appears)."""

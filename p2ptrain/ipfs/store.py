@@ -40,7 +40,10 @@ class ContentStore(Protocol):
         progress: Progress | None = None,
     ) -> str: ...
 
-    def cat(self, cid: CID | str) -> bytes: ...
+    def cat(self, cid: CID | str, max_bytes: int | None = None) -> bytes:
+        """The whole file; a file larger than ``max_bytes`` raises ``unixfs.FileTooLarge`` without
+        being read to the end (callers reading untrusted CIDs into memory pass a bound)."""
+        ...
 
     def get(self, cid: CID | str, out_path: Path, progress: Progress | None = None) -> None:
         """Write the file to ``out_path`` atomically (nothing appears there unless it is complete)."""

@@ -29,7 +29,9 @@ from p2ptrain.ipfs.dagpb import (
 
 CHUNK_SIZE = 256 * 1024
 MAX_LINKS = 174
-# log_174 of any real file size is < 10; a deeper DAG is malicious or broken.
+# log_174 of any real file size is < 10 (174**9 leaves of 256 KiB is past any disk); a deeper DAG is
+# malicious or broken. Every walk (read, has, pin, gc, verify, fetch) refuses to go below it, which also
+# keeps a 1,100-block chain from being walked at all.
 MAX_DEPTH = 32
 
 Block = tuple[CID, bytes]
@@ -142,8 +144,45 @@ class DagError(ValueError):
         self.cid = cid
 
 
+class FileTooLarge(DagError):
+    """The file is larger than the reader was allowed to read (its declared size says so up front)."""
+
+
+# The reader keeps the output of small subtrees it has read, by CID, for the rest of the read: a block
+# linked many times (legal: a file of zeros) is then read, hashed and walked once, and a DAG whose
+# links all lead to one tiny subtree (a "bomb" with 1-byte leaves: 66 µs per visit, 5 minutes for a
+# 23 KB DAG of three levels) costs one visit per cached subtree instead of one per byte.
+# Subtrees up to one chunk (256 KiB) are kept, 8 MiB at most (least recently used goes first).
+MAX_CACHED_SUBTREE = CHUNK_SIZE
+READ_CACHE_BYTES = 8 * 1024 * 1024
+
+
+class _ReadCache:
+    """Outputs of validated subtrees of one read, keyed by codec and multihash, LRU under a byte budget."""
+
+    def __init__(self) -> None:
+        self.items: dict[tuple[int, bytes], bytes] = {}
+        self.size = 0
+
+    def get(self, cid: CID) -> bytes | None:
+        key = (cid.codec.code, cid.digest)
+        data = self.items.pop(key, None)
+        if data is not None:
+            self.items[key] = data  # most recently used last
+        return data
+
+    def put(self, cid: CID, data: bytes) -> None:
+        self.items[(cid.codec.code, cid.digest)] = data
+        self.size += len(data)
+        while self.size > READ_CACHE_BYTES:
+            self.size -= len(self.items.pop(next(iter(self.items))))
+
+
 def read_file(
-    root: CID, get_block: Callable[[CID], bytes], verified: bool = False
+    root: CID,
+    get_block: Callable[[CID], bytes],
+    verified: bool = False,
+    max_bytes: int | None = None,
 ) -> Iterator[bytes | memoryview]:
     """Yield the content of the UnixFS file ``root`` in order, verifying every block it fetches.
 
@@ -151,24 +190,44 @@ def read_file(
     (the embedded store does), so they are not hashed twice. Chunks of dag-pb leaves are views into
     their blocks (no copy); join or write them.
 
-    Checks that each subtree yields exactly the size its parent declares, so a DAG cannot claim one
-    length and deliver another. Raises :class:`~p2ptrain.ipfs.cid.BlockMismatch` for a block whose
-    hash is wrong and :class:`DagError` for a well-hashed but unusable DAG.
+    Checks that each node's declared filesize is the sum of its own data and its blocksizes, and
+    that each subtree yields exactly the size its parent declares, so a DAG cannot claim one length
+    and deliver another. A link to an empty subtree is refused (no importer makes one, and it is
+    what lets a 23 KB DAG of links to one empty child cost 174**depth visits for 0 bytes): so every
+    block visited yields at least one byte, and subtrees up to MAX_CACHED_SUBTREE read once are
+    served from memory after, so the work is bounded by the output. ``max_bytes`` bounds the
+    output: a root that declares more fails with :class:`FileTooLarge` before any child is read.
+    Raises :class:`~p2ptrain.ipfs.cid.BlockMismatch` for a block whose hash is wrong and
+    :class:`DagError` for a well-hashed but unusable DAG.
     """
-    yield from _read(root, get_block, verified, None, 0)
+    yield from _read(root, get_block, verified, None, 0, _ReadCache(), max_bytes)
 
 
 def _read(
-    cid: CID, get_block: Callable[[CID], bytes], verified: bool, expect: int | None, depth: int
+    cid: CID,
+    get_block: Callable[[CID], bytes],
+    verified: bool,
+    expect: int | None,
+    depth: int,
+    cache: _ReadCache,
+    max_bytes: int | None = None,
 ) -> Iterator[bytes | memoryview]:
     if depth > MAX_DEPTH:
         raise DagError(cid, f"DAG deeper than {MAX_DEPTH} levels")
+    cached = cache.get(cid)
+    if cached is not None:
+        if expect is not None and len(cached) != expect:
+            raise DagError(cid, f"subtree holds {len(cached)} bytes of file, parent says {expect}")
+        yield cached
+        return
     block = get_block(cid)
     if not verified:
         verify_block(cid, block)
     if cid.codec.name == RAW:
         if expect is not None and len(block) != expect:
             raise DagError(cid, f"raw leaf has {len(block)} bytes, parent says {expect}")
+        if max_bytes is not None and len(block) > max_bytes:
+            raise FileTooLarge(cid, f"file of {len(block)} bytes is over the {max_bytes} byte limit")
         yield block
         return
     try:
@@ -180,14 +239,64 @@ def _read(
         raise DagError(cid, f"not a UnixFS file node: {exc}") from None
     if meta.type not in (FILE, RAW_TYPE):
         raise DagError(cid, f"UnixFS type {meta.type} is not a file (directories are not supported)")
-    if node.links and len(meta.blocksizes) != len(node.links):
+    if len(meta.blocksizes) != len(node.links):
         raise DagError(cid, f"{len(node.links)} links but {len(meta.blocksizes)} block sizes")
+    if 0 in meta.blocksizes:
+        raise DagError(cid, "a link to an empty subtree (no importer makes one; refused as a DAG bomb)")
     own = len(meta.data) if meta.data is not None else 0
     total = own + sum(meta.blocksizes)
     for declared in (meta.filesize, expect):
         if declared is not None and declared != total:
             raise DagError(cid, f"node holds {total} bytes of file, but {declared} are declared")
-    if meta.data:
-        yield meta.data
-    for link, size in zip(node.links, meta.blocksizes):
-        yield from _read(link.cid, get_block, verified, size, depth + 1)
+    if max_bytes is not None and total > max_bytes:
+        raise FileTooLarge(cid, f"file of {total} bytes is over the {max_bytes} byte limit")
+    children = zip(node.links, meta.blocksizes)
+    if total > MAX_CACHED_SUBTREE or not node.links:  # stream it (a leaf is its block: nothing to keep)
+        if meta.data:
+            yield meta.data
+        for link, size in children:
+            yield from _read(link.cid, get_block, verified, size, depth + 1, cache)
+        return
+    parts = [meta.data] if meta.data else []
+    for link, size in children:
+        parts.extend(_read(link.cid, get_block, verified, size, depth + 1, cache))
+    data = b"".join(parts)
+    cache.put(cid, data)
+    yield data
+
+
+def walk_dag(
+    root: CID, get_block: Callable[[CID], bytes | None], max_depth: int = MAX_DEPTH
+) -> Iterator[CID]:
+    """Yield every distinct block of the DAG under ``root`` once, breadth first, without recursion.
+
+    ``get_block`` returns a block's bytes, or None where its links need not be read (a raw leaf that
+    is only looked up); it raises for a missing block. A block linked many times (legal: Kubo links
+    one chunk of zeros under every position of a file of zeros) is visited once, so the walk costs
+    one visit per distinct block whatever the DAG's shape; :class:`DagError` for a block deeper than
+    ``max_depth`` links or a dag-pb block that does not decode. Blocks are told apart by codec and
+    multihash: the same bytes named raw have no links to follow.
+    """
+    seen = {(root.codec.code, root.digest)}
+    level = [root]
+    depth = 0
+    while level:
+        if depth > max_depth:
+            raise DagError(level[0], f"DAG deeper than {max_depth} levels")
+        below: list[CID] = []
+        for cid in level:
+            data = get_block(cid)
+            yield cid
+            if data is None or cid.codec.name != DAG_PB:
+                continue
+            try:
+                links = decode_node(data).links
+            except DecodeError as exc:
+                raise DagError(cid, f"not a dag-pb node: {exc}") from None
+            for link in links:
+                key = (link.cid.codec.code, link.cid.digest)
+                if key not in seen:
+                    seen.add(key)
+                    below.append(link.cid)
+        level = below
+        depth += 1

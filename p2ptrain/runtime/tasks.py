@@ -10,20 +10,25 @@ other byte) and running a :class:`~p2ptrain.runtime.task_run.TaskRun` for it.
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import trio
 
 from p2ptrain.collective import Collective
 from p2ptrain.errors import UserError
-from p2ptrain.ipfs.cid import parse_cid
-from p2ptrain.ipfs.store import ContentUnavailable
+from p2ptrain.data.manifest import MAX_MANIFEST_BYTES, Manifest, ManifestError
+from p2ptrain.ipfs.cid import InvalidCID, parse_cid
+from p2ptrain.ipfs.store import ContentStore, ContentUnavailable
+from p2ptrain.ipfs.unixfs import DagError
 from p2ptrain.mesh.router import short
 from p2ptrain.node import Node
 from p2ptrain.runtime.content import ContentService
 from p2ptrain.runtime.task_run import TASKS_TOPIC, TaskRun, task_topic
+from p2ptrain.training.records import RecordError, record_from_bytes
 from p2ptrain.training.task import TaskError, load_task, task_bytes, task_from_bytes, unmet_requirement
 from p2ptrain.wire.messages import (
     CoordinatorBeat,
@@ -41,6 +46,78 @@ logger = logging.getLogger(__name__)
 
 MAX_TASK_BYTES = 64 * 1024
 MAX_KNOWN_TASKS = 256
+# Joins from announcements in flight at once. A join is a fetch of at most MAX_TASK_BYTES and a parse,
+# so 4 keep up with any honest mesh; a flood of announced CIDs beyond that is refused (counted "busy")
+# instead of piling up fetches and worker threads. Coordinators re-announce their task every few
+# seconds, so an honest task refused while busy is joined on a later announcement.
+MAX_CONCURRENT_JOINS = 4
+# How long a task CID whose join failed is not tried again: long enough that a hostile announcer
+# repeating a bad CID costs one failed fetch per 10 minutes, short enough that a task whose data was
+# briefly unreachable is joined again without restarting the node.
+FAILED_JOIN_MEMORY_S = 600.0
+# Failed CIDs remembered at once (oldest forgotten first): bounds the memory a flood of distinct bad
+# CIDs can take to ~1024 short entries.
+MAX_FAILED_JOINS = 1024
+# A join from an announcement fetches a file of at most MAX_TASK_BYTES: if that takes longer than
+# this, the announcer (or its content) is not worth waiting for.
+JOIN_FETCH_TIMEOUT_S = 30.0
+# A run's chain.jsonl holds one signed record (at most 64 KiB) per checkpoint; 64 MiB is over
+# a thousand checkpoints of the largest record, and keeps a damaged file from being read whole.
+MAX_CHAIN_FILE_BYTES = 64 * 1024 * 1024
+
+
+class RunStateError(UserError):
+    """A task's state under the home cannot be read, so what it needs is unknown (``repo gc`` stops)."""
+
+
+def run_state_roots(home: Path, store: ContentStore) -> dict[str, list[str]]:
+    """The CIDs each task this home took part in still needs, by task CID: the task file, its
+    dataset (manifest and every shard) and initial model, every confirmed model and optimizer state
+    in ``tasks/<task CID>/chain.jsonl`` (where :class:`TaskRun` keeps them) and the chain's own CID.
+
+    What ``repo gc`` must keep besides pins. Content the store does not hold is listed if named, not
+    fetched. Raises :class:`RunStateError` for state that cannot be read: a collection that cannot
+    tell what a run needs must not delete anything.
+    """
+    tasks_dir = Path(home) / "tasks"
+    roots: dict[str, list[str]] = {}
+    if not tasks_dir.is_dir():
+        return roots
+    for run_dir in sorted(tasks_dir.iterdir()):
+        try:
+            parse_cid(run_dir.name)
+        except InvalidCID:
+            continue  # not a run's folder: TaskRun names them by task CID
+        try:
+            roots[run_dir.name] = _run_roots(run_dir, store)
+        except (UserError, ManifestError, RecordError, DagError, ContentUnavailable, OSError) as exc:
+            raise RunStateError(f"cannot tell what task {run_dir.name} needs ({run_dir}): {exc}") from None
+    return roots
+
+
+def _run_roots(run_dir: Path, store: ContentStore) -> list[str]:
+    task_cid = run_dir.name
+    cids = [task_cid]
+    if store.has(task_cid):
+        task = task_from_bytes(store.cat(task_cid, max_bytes=MAX_TASK_BYTES + 1))
+        cids.append(task.dataset.manifest)
+        if task.initial_model:
+            cids.append(task.initial_model)
+        if store.has(task.dataset.manifest):
+            manifest = Manifest.from_json(store.cat(task.dataset.manifest, max_bytes=MAX_MANIFEST_BYTES + 1))
+            cids.extend(ref.cid for shards in manifest.splits.values() for ref in shards)
+    chain_file = run_dir / "chain.jsonl"
+    if chain_file.exists():
+        with open(chain_file, "rb") as f:
+            data = f.read(MAX_CHAIN_FILE_BYTES + 1)
+        if len(data) > MAX_CHAIN_FILE_BYTES:
+            raise RecordError(f"chain.jsonl is over {MAX_CHAIN_FILE_BYTES} bytes")
+        for line in data.splitlines():
+            if line.strip():
+                record = record_from_bytes(line).record
+                cids += [record.model_cid, record.optimizer_cid]
+        cids.append(store.add_bytes(data, only_hash=True))  # the chain's CID, as TaskRun stores it
+    return cids
 
 
 @dataclass
@@ -90,6 +167,10 @@ class TaskService:
         self.runs: dict[str, TaskRun] = {}
         self.collective: Collective | None = None
         self._nursery: trio.Nursery | None = None
+        # Why announcements were not joined, by kind: read by `p2ptrain task list --json` ("joins").
+        self.join_rejections: Counter[str] = Counter()
+        self._joining: set[str] = set()
+        self._failed: dict[str, float] = {}  # task CID -> trio time until which it is not retried
         node.on(TaskAnnounce, self._on_announce)
         node.on(TaskHead, self._on_head)
         for msg_type in (VoteRequest, SignedVote, CoordinatorBeat, RoundPlan, RoundFailed, SignedModelRecord,
@@ -124,8 +205,8 @@ class TaskService:
             parse_cid(task_cid)
         except Exception:
             raise UserError(f"{task_cid!r} is not a CID") from None
-        await self.content.fetch(task_cid, max_bytes=MAX_TASK_BYTES)
-        data = await trio.to_thread.run_sync(self.content.store.cat, task_cid)
+        await self.content.fetch(task_cid, timeout=JOIN_FETCH_TIMEOUT_S, max_bytes=MAX_TASK_BYTES)
+        data = await trio.to_thread.run_sync(self._read_task, task_cid)
         task = task_from_bytes(data)
         why = unmet_requirement(task, self.node.membership.caps)
         if why is not None:
@@ -136,22 +217,65 @@ class TaskService:
         run = TaskRun(self.node, self.content, self.collective, task, task_cid,
                       device=self.options.device, precision=self.options.precision)
         self.runs[task_cid] = run
+        self._failed.pop(task_cid, None)
         known = self.known.get(task_cid)
+        if known is not None:
+            known.refused = None
         if known is not None and known.head is not None:
             await run.on_message(known.announced_by, known.head)  # what we heard before joining
         await self.node.subscribe(task_topic(task_cid))
         self._nursery.start_soon(run.run, name=f"task:{task_cid[:12]}")
         return run
 
+    def _read_task(self, task_cid: str) -> bytes:
+        """The task's bytes, read no further than MAX_TASK_BYTES + 1 (enough to refuse a bigger one):
+        a DAG that claims more, or hides a bomb, fails on its declared sizes before it is walked."""
+        return self.content.store.cat(task_cid, max_bytes=MAX_TASK_BYTES + 1)
+
     async def _join_quietly(self, task_cid: str) -> None:
-        """Join from an announcement or ``--join``: failures are logged, never fatal to the node."""
+        """Join from an announcement or ``--join``: the one boundary of the join path.
+
+        Whatever goes wrong (a bad CID, content that is not a task, a DAG bomb, a bug) is a counted,
+        logged refusal of this task, remembered for FAILED_JOIN_MEMORY_S; never a node exit.
+        """
+        self._joining.add(task_cid)
         try:
             await self.join(task_cid)
-        except (UserError, ContentUnavailable) as exc:
+        except Exception as exc:
+            kind = "refused" if isinstance(exc, (UserError, ContentUnavailable)) else type(exc).__name__
+            self.join_rejections[kind] += 1
+            self._remember_failure(task_cid)
             known = self.known.get(task_cid)
             if known is not None:
-                known.refused = str(exc)
-            logger.warning("node %s does not join task %s: %s", self.node.short_id, task_cid, exc)
+                known.refused = str(exc)[:500]
+            if kind == "refused":
+                logger.warning("node %s does not join task %s: %s", self.node.short_id, task_cid, exc)
+            else:
+                logger.warning("node %s does not join task %s (%s): %s", self.node.short_id, task_cid, kind, exc,
+                               exc_info=not isinstance(exc, ValueError))
+        finally:
+            self._joining.discard(task_cid)
+
+    def _remember_failure(self, task_cid: str) -> None:
+        self._failed.pop(task_cid, None)
+        while len(self._failed) >= MAX_FAILED_JOINS:
+            self._failed.pop(next(iter(self._failed)))
+        self._failed[task_cid] = trio.current_time() + FAILED_JOIN_MEMORY_S
+
+    def _should_join(self, task_cid: str) -> bool:
+        """Whether an announcement of ``task_cid`` starts a join now; counts why not when it does not."""
+        if task_cid in self.runs or task_cid in self._joining:
+            return False
+        until = self._failed.get(task_cid)
+        if until is not None:
+            if trio.current_time() < until:
+                self.join_rejections["recently_failed"] += 1
+                return False
+            del self._failed[task_cid]
+        if len(self._joining) >= MAX_CONCURRENT_JOINS:
+            self.join_rejections["busy"] += 1
+            return False
+        return True
 
     # -- messages ------------------------------------------------------------------------------
 
@@ -170,7 +294,8 @@ class TaskService:
         if new:
             logger.info("node %s heard of task %s (%s) from %s", self.node.short_id, msg.name,
                         msg.task_cid, short(signed.sender))
-        if new and self.options.accept_tasks and msg.task_cid not in self.runs and self._nursery is not None:
+        if self.options.accept_tasks and self._nursery is not None and self._should_join(msg.task_cid):
+            self._joining.add(msg.task_cid)  # counted from now: a burst cannot start more than the cap
             self._nursery.start_soon(self._join_quietly, msg.task_cid)
 
     async def _on_head(self, signed: Any, topic: str) -> None:
@@ -231,7 +356,9 @@ class TaskService:
         tasks = {cid: known.as_json() for cid, known in self.known.items()}
         for cid, run in self.runs.items():
             tasks[cid] = run.status()
-        return {"tasks": list(tasks.values())}
+        return {"tasks": list(tasks.values()), "joins": {
+            "joining": len(self._joining), "remembered_failures": len(self._failed),
+            "rejected": dict(self.join_rejections)}}
 
     async def _status_op(self, request: dict[str, Any]) -> dict[str, Any]:
         task_cid = str(request.get("task_cid", ""))

@@ -118,3 +118,19 @@ def test_put_many_stores_good_blocks_and_reports_a_bad_one(tmp_path):
     with pytest.raises(BlockMismatch):
         store.put_many([(make_cid(b"a"), b"b")])
     assert not store.has(make_cid(b"a"))
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "[" * 100_000,  # RecursionError from json.loads before boundedjson
+        '{"version": 1, "pins": {"' + "[" * 50 + '": "recursive"}}',
+        '{"version": 1' + "0" * 400 + ', "pins": {}}',
+        '{"version": 1, "pins": {"not a cid": "recursive"}}',
+    ],
+    ids=["deep", "key-not-cid", "huge-int", "bad-cid"],
+)
+def test_hostile_pin_files_are_one_declared_error(tmp_path, text):
+    (tmp_path / "pins.json").write_text(text)
+    with pytest.raises(PinFileError):
+        BlockStore(tmp_path).pin_ls()

@@ -108,3 +108,22 @@ def test_parse_cid_refuses_other_hashes_and_codecs():
         parse_cid("bafyreidykglsfhoixmivffc5uwhcgshx4j465xwqntbmu43nb2dzqwfvae")  # dag-cbor
     with pytest.raises(InvalidCID):
         parse_cid("Qm" + "1" * 44)
+
+
+def test_decode_node_bounds_links_and_names():
+    from p2ptrain.ipfs.dagpb import MAX_LINK_NAME_BYTES, MAX_LINKS_PER_NODE
+
+    link = b"\x0a" + varint(len(bytes(LEAF))) + bytes(LEAF)
+    many = (b"\x12" + varint(len(link)) + link) * (MAX_LINKS_PER_NODE + 1)
+    with pytest.raises(DecodeError, match="links in one node"):
+        decode_node(many)
+    assert len(decode_node((b"\x12" + varint(len(link)) + link) * MAX_LINKS_PER_NODE).links) == MAX_LINKS_PER_NODE
+    name = b"n" * (MAX_LINK_NAME_BYTES + 1)
+    named = link + b"\x12" + varint(len(name)) + name
+    with pytest.raises(DecodeError, match="name"):
+        decode_node(b"\x12" + varint(len(named)) + named)
+
+
+def test_decode_unixfs_bounds_sizes():
+    with pytest.raises(DecodeError, match="blocksize"):
+        decode_unixfs(b"\x08\x02\x20" + varint((1 << 62) + 1))

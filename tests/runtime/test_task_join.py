@@ -1,0 +1,128 @@
+"""A node that accepts tasks survives hostile task announcements (issue 13, found #2).
+
+The victim is a real ``p2ptrain node start --accept-tasks`` process; the attacker is a real peer in
+this process that serves the bad content over Bitswap and announces it, signed, on the tasks topic.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import trio
+import trio.testing
+
+from p2ptrain.ipfs.cid import DAG_PB, cid_from_digest, cid_str, make_cid
+from p2ptrain.ipfs.dagpb import encode_file_leaf, encode_file_node
+from p2ptrain.node import Node
+from p2ptrain.runtime.peer import make_peer
+from p2ptrain.runtime.task_run import TASKS_TOPIC
+from p2ptrain.testing import node_processes
+from p2ptrain.wire.messages import TaskAnnounce
+
+DEADLINE_S = 120.0  # joins fetch from the attacker; the node process itself is slow to start here
+POLL_S = 5.0  # how long one round of announcements is given to show in the victim's task list
+
+
+def _dag_pb(store, block: bytes):
+    cid = cid_from_digest(hashlib.sha256(block).digest(), DAG_PB, 0)
+    store.put(cid, block)
+    return cid
+
+
+def _bad_tasks(store) -> dict[str, str]:
+    """name -> task CID of content that is not a task, each held by the attacker's store."""
+    empty_node = _dag_pb(store, b"")  # the empty dag-pb node: a valid block, not a UnixFS file
+    child = _dag_pb(store, encode_file_leaf(b""))
+    for _ in range(3):  # the DAG bomb: 174 links to one child, three levels deep
+        child = _dag_pb(store, encode_file_node([(bytes(child), 100)] * 174, [0] * 174))
+    garbage = b"\xff\x00 not a task " * 100
+    garbage_cid = make_cid(garbage)
+    store.put(garbage_cid, garbage)
+    return {
+        "empty-dag-pb": cid_str(empty_node),
+        "bomb": cid_str(child),
+        "garbage-bytes": cid_str(garbage_cid),
+        "not-a-cid": "QmThisIsNotACid!!",
+    }
+
+
+async def test_bad_task_announcements_are_counted_refusals_and_the_node_keeps_serving(tmp_path: Path) -> None:
+    with node_processes(1, tmp_path / "victim", extra_args=["--accept-tasks"]) as (victim,):
+        attacker = Node(tmp_path / "attacker", listen=["/ip4/127.0.0.1/tcp/0"], bootstrap=[victim.addr])
+        peer = make_peer(attacker)
+        assert attacker.home.is_dir()
+        bad = _bad_tasks(peer.content.store.blocks)
+
+        def listing() -> dict:
+            assert victim.proc.poll() is None, f"the node exited:\n{victim.read_log()}"
+            return victim.client.call("task.list")
+
+        def all_refused(reply: dict) -> bool:
+            tasks = {t["task_cid"]: t for t in reply["tasks"]}
+            return all(tasks.get(cid, {}).get("refused") for cid in bad.values())
+
+        async def announce_until(done) -> dict:
+            """Announce every bad CID, again each round (the attacker's subscription view may lag),
+            until the victim's task list shows ``done``."""
+            while True:
+                for name, cid in bad.items():
+                    await attacker.publish(TASKS_TOPIC, TaskAnnounce(task_cid=cid, name=name))
+                with trio.move_on_after(POLL_S):
+                    while True:
+                        reply = await trio.to_thread.run_sync(listing)
+                        if done(reply):
+                            return reply
+                        await trio.sleep(0.1)
+
+        async with trio.open_nursery() as nursery:
+            with trio.fail_after(DEADLINE_S):
+                await nursery.start(attacker.run)
+                await attacker.membership.wait_until(lambda m: len(m.alive()) >= 1)
+                first = await announce_until(all_refused)
+                # The same bad CIDs again: each is a counted refusal, not a new fetch and parse.
+                again = await announce_until(
+                    lambda r: r["joins"]["rejected"].get("recently_failed", 0) >= len(bad))
+            attacker.stop()
+            nursery.cancel_scope.cancel()
+
+        assert sum(first["joins"]["rejected"].values()) >= len(bad)
+        listing = again
+        joins = listing["joins"]
+        assert sum(joins["rejected"].values()) >= len(bad)
+        assert joins["remembered_failures"] == len(bad)
+        tasks = {t["task_cid"]: t for t in listing["tasks"]}
+        assert "empty subtree" in tasks[bad["bomb"]]["refused"]
+        # Still serving: the control socket answers and the process runs; the CLI shows the counters.
+        assert victim.status()["peer_id"] == victim.peer_id
+        shown = subprocess.run([sys.executable, "-m", "p2ptrain.cli.main", "task", "list", "--json", "--home",
+                                str(victim.home)], capture_output=True, text=True, timeout=60)
+        assert json.loads(shown.stdout)["joins"]["rejected"]["recently_failed"] >= len(bad)
+        assert victim.proc.poll() is None
+
+
+async def test_a_flood_of_announced_tasks_starts_at_most_the_join_cap(tmp_path: Path) -> None:
+    """Joins in flight are bounded: the content service of this node is not running, so every join
+    waits on it, as joins stuck on a silent provider would; the rest are refused as "busy"."""
+    from libp2p.crypto.ed25519 import create_new_key_pair
+
+    from p2ptrain.runtime.tasks import MAX_CONCURRENT_JOINS, TaskOptions, TaskService
+    from p2ptrain.runtime.content import ContentService
+    from p2ptrain.wire import decode, encode
+
+    node = Node(tmp_path / "node")
+    tasks = TaskService(node, ContentService(node), TaskOptions(accept_tasks=True))
+    key = create_new_key_pair()
+    flood = [cid_str(make_cid(f"task {i}".encode())) for i in range(MAX_CONCURRENT_JOINS + 6)]
+    async with trio.open_nursery() as nursery:
+        tasks._nursery = nursery
+        for i, cid in enumerate(flood):
+            signed = decode(encode(TaskAnnounce(task_cid=cid, name=f"t{i}"), key, seq=i + 1))
+            await tasks._on_announce(signed, TASKS_TOPIC)
+        await trio.testing.wait_all_tasks_blocked()
+        assert len(tasks._joining) == MAX_CONCURRENT_JOINS
+        assert tasks.join_rejections["busy"] == 6
+        nursery.cancel_scope.cancel()
