@@ -19,6 +19,7 @@ from p2ptrain import boundedjson
 from p2ptrain.errors import UserError
 from p2ptrain.ipfs.cid import InvalidCID, cid_str, parse_cid
 from p2ptrain.ipfs.store import ContentStore
+from p2ptrain.ipfs.unixfs import FileTooLarge
 
 SCHEMA = "p2ptrain.dataset"
 VERSION = 1
@@ -119,7 +120,12 @@ class Manifest:
 
     @classmethod
     def load(cls, store: ContentStore, cid: str) -> Manifest:
-        return cls.from_json(store.cat(cid))
+        """Read and check the manifest under ``cid``; a file over the manifest limit is refused unread."""
+        try:
+            data = store.cat(cid, max_bytes=MAX_MANIFEST_BYTES)
+        except FileTooLarge:
+            raise ManifestError(f"manifest {cid} is over the {MAX_MANIFEST_BYTES} B limit") from None
+        return cls.from_json(data)
 
 
 def _canonical(value: Any) -> bytes:

@@ -32,7 +32,7 @@ from libp2p.peer.id import ID
 
 from p2ptrain.collective import Collective, CollectiveError, PeerFailed
 from p2ptrain.data.dataset import IPFSDataset
-from p2ptrain.data.manifest import Manifest
+from p2ptrain.data.manifest import MAX_MANIFEST_BYTES, Manifest
 from p2ptrain.ipfs.store import ContentUnavailable
 from p2ptrain.mesh.router import short
 from p2ptrain.atomic import write_atomic
@@ -218,7 +218,7 @@ class TaskRun:
     async def _prepare(self) -> None:
         """Fetch the manifest, build the initial model (or fetch it) and the first round's state."""
         self.state = "fetching data"
-        await self.content.fetch(self.task.dataset.manifest)
+        await self.content.fetch(self.task.dataset.manifest, max_bytes=MAX_MANIFEST_BYTES)
         self.manifest = await trio.to_thread.run_sync(Manifest.load, self.content.store, self.task.dataset.manifest)
         train_samples = self.manifest.num_samples(self.task.dataset.train_split)
         self.total_steps = total_steps(self.task, train_samples, self.task.peers.max)
