@@ -115,6 +115,31 @@ def test_stale_or_future_timestamp():
     assert reason_of(frame(envelope(ts=time.time() + MAX_CLOCK_SKEW_S + 10))) == "stale"
 
 
+@pytest.mark.parametrize("ts", [10**400, -(10**400), 2**63, 1e308, -1e308], ids=["huge-int", "huge-neg", "int64+1", "huge-float", "huge-neg-float"])
+def test_a_signed_timestamp_too_large_for_a_float_is_malformed_not_an_overflow(ts):
+    """Issue 13 found 1: ``abs(now - 10**400)`` raised OverflowError and stopped the node."""
+    assert reason_of(frame(envelope(ts=ts))) == "malformed"
+
+
+@pytest.mark.parametrize("depth", [40, 30_000])  # 30,000 fits the 64 KiB cap
+def test_a_signed_payload_nested_deeper_than_the_bound_is_malformed(depth):
+    deep = envelope(body={"reason": "x", "n": []}).replace(b"[]", b"[" * depth + b"]" * depth)
+    assert reason_of(frame(deep)) == "malformed"
+
+
+@pytest.mark.parametrize(
+    "value",
+    [10**400, -(10**400), 2**63, float("inf"), float("nan"), "1.0", True],
+    ids=["huge-int", "huge-neg", "int64+1", "inf", "nan", "string", "bool"],
+)
+def test_schema_float_fields_refuse_what_is_not_a_finite_number_in_range(value):
+    """The schema check of a float field (a model record's metrics) must not overflow either."""
+    from p2ptrain.wire.schema import SchemaError, _check
+
+    with pytest.raises(SchemaError):
+        _check(value, float, "metrics.loss", {})
+
+
 @pytest.mark.parametrize(
     "body",
     [{"reason": 5}, {"reason": "x" * 300}, {"reason": "x", "extra": 1}, []],
