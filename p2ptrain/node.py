@@ -368,7 +368,10 @@ class Node:
             "caps": self.membership.heartbeat().caps.__dict__ if self.host is not None else None,
             "peers": [r.as_json() for r in members if r.alive],
             "gone": [r.as_json() for r in members if not r.alive],
-            "messages": self.router.stats(),
+            "messages": {
+                **self.router.stats(),
+                "dropped_below_router": dict(getattr(self.pubsub, "dropped", {})),
+            },
         }
 
     async def _status_op(self, request: dict[str, Any]) -> dict[str, Any]:

@@ -14,7 +14,12 @@ a silent drop measured in ../shared/FIELD-NOTES.md:
 - pubsub ignores connections made before it started, so :func:`running_pubsub` registers those
   peers explicitly once the service is up, and inbound pubsub streams wait for the service to run;
 - messages over our wire cap are refused loudly by :func:`publish_bytes` instead of vanishing
-  (pubsub's own cap, ~1 MiB, drops silently).
+  (pubsub's own cap, ~1 MiB, drops silently);
+- what pubsub drops from the network *below* our message router is counted in
+  :attr:`TrainingPubsub.dropped` (shown by `node status`): inbound RPC frames over its 1 MiB cap
+  (``rpc-oversized``), frames that are not a pubsub protobuf (``rpc-malformed``; py-libp2p let
+  protobuf's DecodeError escape its stream handler), invalid signed peer records, too many
+  subscriptions in one RPC, and messages that did not fit a subscription's queue (``queue-full``).
 
 Two more cut its CPU, which training peers share with their local steps (an idle node went from
 24 to 12 ms of CPU a second in a cluster of four):
@@ -31,18 +36,25 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections import Counter
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
 import trio
+from google.protobuf.message import DecodeError as ProtobufDecodeError
 from libp2p.abc import IHost, INetStream, ISubscriptionAPI
+from libp2p.exceptions import ParseError
+from libp2p.io.exceptions import IncompleteReadError, IOException, MessageTooLarge as RpcTooLarge
+from libp2p.network.stream.exceptions import StreamEOF, StreamError
 from libp2p.pubsub.gossipsub import PROTOCOL_ID_V11, GossipSub
 from libp2p.pubsub.pb import rpc_pb2
 from libp2p.peer.id import ID
 from libp2p.pubsub.pubsub import Pubsub
 from libp2p.pubsub.rpc_queue import RpcQueue
 from libp2p.pubsub.subscription import TrioSubscriptionAPI
+from libp2p.pubsub.utils import maybe_consume_signed_record
+from libp2p.utils.varint import read_varint_prefixed_bytes_limited
 from libp2p.tools.anyio_service.exceptions import LifecycleError
 
 from p2ptrain.net.service import running_service
@@ -55,6 +67,8 @@ OUTBOUND_QUEUE = 4096
 # Our publisher waits (up to BACKPRESSURE_MAX_WAIT_S) while a peer's queue is this full.
 BACKPRESSURE_AT = OUTBOUND_QUEUE // 2
 BACKPRESSURE_MAX_WAIT_S = 2.0
+# Resetting the stream of a peer that sent a bad frame must not hang on that peer.
+STREAM_RESET_TIMEOUT_S = 1.0
 MAX_MESSAGES_PER_TOPIC_PER_S = 1000.0
 # Mesh degree: every training peer wants every control message quickly, and clusters are small.
 DEGREE, DEGREE_LOW, DEGREE_HIGH = 6, 4, 12
@@ -90,6 +104,73 @@ class TrainingPubsub(Pubsub):
         super().__init__(*args, **kwargs)
         self.service_started = trio.Event()
         self.peer_queues = _DeepQueues()
+        # What pubsub drops before our router sees it, by reason (see the module docstring).
+        self.dropped: Counter[str] = Counter()
+
+    def _drop(self, reason: str, peer_id: ID, detail: object = "") -> None:
+        self.dropped[reason] += 1
+        logger.debug("pubsub dropped input from %s: %s %s", peer_id, reason, detail)
+
+    async def continuously_read_stream(self, stream: INetStream) -> None:
+        """Read a peer's RPCs; each one is handled like py-libp2p does, but every frame that is
+        dropped here is counted, and a frame that does not parse ends the stream (counted) instead
+        of raising protobuf's DecodeError into the swarm's connection task.
+
+        py-libp2p's loop also feeds a metrics channel; our hosts do not enable metrics.
+        """
+        peer_id = stream.muxed_conn.peer_id
+        try:
+            while self.manager.is_running:
+                try:
+                    incoming = await read_varint_prefixed_bytes_limited(stream, self.max_inbound_rpc_size)
+                    rpc = rpc_pb2.RPC()
+                    rpc.ParseFromString(incoming)
+                except RpcTooLarge as exc:
+                    await self._give_up_on(stream, peer_id, "rpc-oversized", exc)
+                    return
+                except (ProtobufDecodeError, ParseError) as exc:
+                    await self._give_up_on(stream, peer_id, "rpc-malformed", exc)
+                    return
+                if not maybe_consume_signed_record(rpc, self.host, peer_id):
+                    self._drop("rpc-bad-peer-record", peer_id)
+                    continue
+                await self._handle_rpc(peer_id, rpc)
+        except (StreamEOF, StreamError, IncompleteReadError, IOException) as exc:
+            logger.debug("pubsub stream from %s ended: %s", peer_id, exc)
+
+    async def _give_up_on(self, stream: INetStream, peer_id: ID, reason: str, detail: object) -> None:
+        """Count the bad frame, reset the stream and forget the peer's pubsub state (as py-libp2p
+        does for an oversized frame); the peer may open a new stream, and is counted again."""
+        self._drop(reason, peer_id, detail)
+        with trio.move_on_after(STREAM_RESET_TIMEOUT_S):
+            try:
+                await stream.reset()
+            except Exception as exc:  # the stream may already be gone; nothing more to do
+                logger.debug("reset of the pubsub stream from %s failed: %s", peer_id, exc)
+        self._handle_dead_peer(peer_id)
+
+    async def _handle_rpc(self, peer_id: ID, rpc: rpc_pb2.RPC) -> None:
+        """py-libp2p's handling of one inbound RPC: messages, subscriptions, control."""
+        for msg in rpc.publish:
+            if self._is_subscribed_to_msg(msg) and self.manager.is_running:
+                self.manager.run_task(self.push_msg, peer_id, msg)
+        if rpc.subscriptions:
+            if len(rpc.subscriptions) > self.max_subscriptions_per_rpc:
+                self._drop("rpc-too-many-subscriptions", peer_id, len(rpc.subscriptions))
+            else:
+                for sub in rpc.subscriptions:
+                    self.handle_subscription(peer_id, sub)
+        if rpc.HasField("control"):
+            await self.router.handle_rpc(rpc, peer_id)
+
+    def notify_subscriptions(self, publish_message: rpc_pb2.Message) -> None:
+        """Hand a message to our subscriptions; one that does not fit a full queue is counted."""
+        for topic in publish_message.topicIDs:
+            if topic in self.topic_ids:
+                try:
+                    self.subscribed_topics_send[topic].send_nowait(publish_message)
+                except trio.WouldBlock:
+                    self._drop("queue-full", ID(publish_message.from_id), topic)
 
     async def write_msg(self, stream: INetStream, rpc_msg: rpc_pb2.RPC) -> bool:
         # Without the sender's signed peer record: pubsub attaches it to every RPC and the receiver
