@@ -67,7 +67,9 @@ def _check(value: Any, tp: Any, where: str, meta: dict[str, Any]) -> Any:
             raise SchemaError(f"{where}: expected a list")
         if len(value) > meta.get("max_items", MAX_LIST_LEN):
             raise SchemaError(f"{where}: more than {meta.get('max_items', MAX_LIST_LEN)} items")
-        return tuple(_check(v, inner, f"{where}[{i}]", {}) for i, v in enumerate(value))
+        # A tuple field's "max_len" bounds each of its strings (e.g. a heartbeat's addresses).
+        item_meta = {k: v for k, v in meta.items() if k != "max_items"}
+        return tuple(_check(v, inner, f"{where}[{i}]", item_meta) for i, v in enumerate(value))
     if origin is dict:
         key_tp, val_tp = typing.get_args(tp)
         assert key_tp is str, "only string-keyed dicts are supported"

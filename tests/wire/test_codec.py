@@ -201,3 +201,20 @@ def test_fuzz_mutated_valid_messages_never_verify(patch, offset):
         return
     with pytest.raises(DecodeError):
         decode(mutated)
+
+
+def test_replay_guard_memory_is_bounded_however_many_identities_write():
+    """Throwaway identities (issue 13, found 7) must not grow the guard without end."""
+    guard = ReplayGuard(window=8, max_entries=64)
+    active = peer_id_of(KEY)
+    for i in range(1000):
+        assert guard.accept(active, 10_000 + i)  # an honest, recently heard sender
+        assert guard.accept(peer_id_of(create_new_key_pair()), 1)
+    assert guard.entries <= 64 and len(guard) <= 64
+    assert guard.evicted > 900
+    assert not guard.accept(active, 10_999), "the recently heard sender's window was kept"
+
+
+def test_a_heartbeat_address_longer_than_the_bound_is_a_schema_error():
+    hb = {"addrs": ["/ip4/127.0.0.1/tcp/1/" + "x" * 300], "caps": {"device": "cpu", "cpu_count": 1, "free_ram_bytes": 1, "version": "0"}}
+    assert reason_of(frame(envelope(type="heartbeat", body=hb))) == "schema"
