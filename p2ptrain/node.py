@@ -289,7 +289,8 @@ class Node:
             return
         self.control.claim_socket()  # fail fast, before any network work, if the home is in use
         host = make_host(self.key_pair, self._listen)
-        pubsub = make_pubsub(host, self.config.heartbeat_interval)  # before any connection exists
+        # Before any connection exists; inbound messages over the wire cap are dropped as read.
+        pubsub = make_pubsub(host, self.config.heartbeat_interval, MAX_MESSAGE_BYTES)
         self.host, self.pubsub = host, pubsub
         try:
             async with host.run(listen_addrs=self._listen):

@@ -19,7 +19,9 @@ a silent drop measured in ../shared/FIELD-NOTES.md:
   :attr:`TrainingPubsub.dropped` (shown by `node status`): inbound RPC frames over its 1 MiB cap
   (``rpc-oversized``), frames that are not a pubsub protobuf (``rpc-malformed``; py-libp2p let
   protobuf's DecodeError escape its stream handler), invalid signed peer records, too many
-  subscriptions in one RPC, and messages that did not fit a subscription's queue (``queue-full``).
+  subscriptions in one RPC, messages that did not fit a subscription's queue (``queue-full``), and
+  messages over the wire cap (``oversized``, dropped as read: they are never checked, queued or
+  forwarded).
 
 Two more cut its CPU, which training peers share with their local steps (an idle node went from
 24 to 12 ms of CPU a second in a cluster of four):
@@ -100,8 +102,12 @@ class TrainingPubsub(Pubsub):
     (``'Pubsub' object has no attribute '_manager'``) and lose that peer for good.
     """
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, max_message_bytes: int | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        # Inbound messages over this are dropped (counted "oversized") as they are read, before
+        # their signature is checked and before they can sit in a subscription queue (an 80 KB
+        # frame flood grew a node by 140 MB through that queue).
+        self.max_message_bytes = max_message_bytes
         self.service_started = trio.Event()
         self.peer_queues = _DeepQueues()
         # What pubsub drops before our router sees it, by reason (see the module docstring).
@@ -152,7 +158,9 @@ class TrainingPubsub(Pubsub):
     async def _handle_rpc(self, peer_id: ID, rpc: rpc_pb2.RPC) -> None:
         """py-libp2p's handling of one inbound RPC: messages, subscriptions, control."""
         for msg in rpc.publish:
-            if self._is_subscribed_to_msg(msg) and self.manager.is_running:
+            if self.max_message_bytes is not None and len(msg.data) > self.max_message_bytes:
+                self._drop("oversized", peer_id, f"{len(msg.data)} B")
+            elif self._is_subscribed_to_msg(msg) and self.manager.is_running:
                 self.manager.run_task(self.push_msg, peer_id, msg)
         if rpc.subscriptions:
             if len(rpc.subscriptions) > self.max_subscriptions_per_rpc:
@@ -215,10 +223,13 @@ class TrainingPubsub(Pubsub):
         return subscription
 
 
-def make_pubsub(host: IHost, heartbeat_interval: float = HEARTBEAT_INTERVAL_S) -> TrainingPubsub:
+def make_pubsub(
+    host: IHost, heartbeat_interval: float = HEARTBEAT_INTERVAL_S, max_message_bytes: int | None = None
+) -> TrainingPubsub:
     """Pubsub + GossipSub for ``host``; build it before the host dials anyone, run it with
     :func:`running_pubsub`. Strict signing stays on (gossipsub verifies the origin of every
-    message; ``ID(msg.from_id)`` is that verified origin)."""
+    message; ``ID(msg.from_id)`` is that verified origin). Inbound messages over
+    ``max_message_bytes`` (the mesh passes the wire cap) are dropped as they are read."""
     router = GossipSub(
         protocols=[PROTOCOL_ID_V11],
         degree=DEGREE,
@@ -229,7 +240,7 @@ def make_pubsub(host: IHost, heartbeat_interval: float = HEARTBEAT_INTERVAL_S) -
         adaptive_gossip_enabled=False,
         max_messages_per_topic_per_second=MAX_MESSAGES_PER_TOPIC_PER_S,
     )
-    return TrainingPubsub(host, router, strict_signing=True)
+    return TrainingPubsub(host, router, strict_signing=True, max_message_bytes=max_message_bytes)
 
 
 @asynccontextmanager
