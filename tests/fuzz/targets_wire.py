@@ -7,12 +7,16 @@ from __future__ import annotations
 
 import json
 import struct
+import tempfile
 import time
+from pathlib import Path
 
 from _p2ptrain_fuzzing import FuzzTarget
 from libp2p.crypto.ed25519 import create_new_key_pair
 
 from p2ptrain import boundedjson
+from p2ptrain.errors import UserError
+from p2ptrain.node import NodeConfig
 from p2ptrain.identity import peer_id_of
 from p2ptrain.wire import DecodeError, decode, encode
 from p2ptrain.wire import codec
@@ -104,6 +108,16 @@ def _signed_payload_of(msg: object) -> bytes:
     return encode(msg, KEY, seq=7, ts=_NOW)[struct.calcsize(">4sBI") : -codec.SIG_LEN]
 
 
+_CONFIG_DIR = Path(tempfile.mkdtemp(prefix="p2ptrain-fuzz-config-"))
+
+
+def _parse_config(data: bytes) -> NodeConfig:
+    """A node's config.toml (disk input, hand-edited): parsed from a real file, as at start."""
+    path = _CONFIG_DIR / "config.toml"
+    path.write_bytes(data)
+    return NodeConfig.parse(path)
+
+
 TARGETS = [
     FuzzTarget("wire.frame", lambda data: decode(data, now=_NOW), (DecodeError,), FRAMES),
     FuzzTarget("wire.signed_payload", _decode_signed_payload, (DecodeError,), PAYLOADS),
@@ -112,6 +126,12 @@ TARGETS = [
         lambda data: boundedjson.loads(data, max_bytes=1 << 20),
         (boundedjson.JSONBoundsError,),
         PAYLOADS,
+    ),
+    FuzzTarget(
+        "node.config",
+        _parse_config,
+        (UserError,),
+        [NodeConfig().to_toml().encode(), NodeConfig(bootstrap=["/ip4/127.0.0.1/tcp/1/p2p/" + _SENDER], heartbeat_interval=0.5).to_toml().encode()],
     ),
     *(
         FuzzTarget(f"wire.{type(m).TYPE}", _decode_signed_payload, (DecodeError,), [_signed_payload_of(m)])
