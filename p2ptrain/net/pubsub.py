@@ -7,8 +7,8 @@ a silent drop measured in ../shared/FIELD-NOTES.md:
 - adaptive gossip off: on low "network health" it raises the heartbeat to 30-60 s;
 - spam limit 10 msg/s per peer per topic -> ``MAX_MESSAGES_PER_TOPIC_PER_S`` (a coordinator's burst
   of round messages is not spam; every message is still signed and checked by p2ptrain.wire);
-- subscription queue 32 -> ``SUBSCRIPTION_QUEUE`` (a burst of 100 delivered 32), and our router
-  drains it in a task of its own;
+- subscription queue 32 -> ``SUBSCRIPTION_QUEUE`` (a burst of 100 delivered 32), bounded in bytes
+  too (``SUBSCRIPTION_QUEUE_BYTES``), and our router drains it in a task of its own;
 - per-peer outbound queue 32 -> ``OUTBOUND_QUEUE`` (a burst of 300 publishes kept 32 per peer),
   and :func:`publish_bytes` waits while a peer's queue is half full;
 - pubsub ignores connections made before it started, so :func:`running_pubsub` registers those
@@ -65,6 +65,9 @@ logger = logging.getLogger(__name__)
 
 HEARTBEAT_INTERVAL_S = 1.0
 SUBSCRIPTION_QUEUE = 4096
+# ... and at most this many bytes of message data a topic: 4096 messages at our 64 KiB cap would pin
+# 256 MiB; honest traffic is small control messages (a burst of 4096 heartbeats is ~2 MB).
+SUBSCRIPTION_QUEUE_BYTES = 16 * 1024 * 1024
 OUTBOUND_QUEUE = 4096
 # Our publisher waits (up to BACKPRESSURE_MAX_WAIT_S) while a peer's queue is this full.
 BACKPRESSURE_AT = OUTBOUND_QUEUE // 2
@@ -91,6 +94,27 @@ class _DeepQueues(dict[ID, RpcQueue]):
     def __setitem__(self, peer_id: ID, queue: RpcQueue) -> None:
         queue._queue.max_size = OUTBOUND_QUEUE
         super().__setitem__(peer_id, queue)
+
+
+class _BoundedSubscription(TrioSubscriptionAPI):
+    """A subscription that knows how many bytes of message data wait in its queue."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.queued_bytes = 0
+
+    def __aiter__(self) -> AsyncIterator[rpc_pb2.Message]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[rpc_pb2.Message]:
+        async for msg in self.receive_channel:
+            self.queued_bytes -= len(msg.data)
+            yield msg
+
+    async def get(self) -> rpc_pb2.Message:
+        msg = await self.receive_channel.receive()
+        self.queued_bytes -= len(msg.data)
+        return msg
 
 
 class TrainingPubsub(Pubsub):
@@ -173,12 +197,21 @@ class TrainingPubsub(Pubsub):
 
     def notify_subscriptions(self, publish_message: rpc_pb2.Message) -> None:
         """Hand a message to our subscriptions; one that does not fit a full queue is counted."""
+        size = len(publish_message.data)
         for topic in publish_message.topicIDs:
             if topic in self.topic_ids:
+                subscription = self.subscribed_topics_receive[topic]
+                if isinstance(subscription, _BoundedSubscription):
+                    if subscription.queued_bytes + size > SUBSCRIPTION_QUEUE_BYTES:
+                        self._drop("queue-full", ID(publish_message.from_id), f"{topic}: bytes")
+                        continue
                 try:
                     self.subscribed_topics_send[topic].send_nowait(publish_message)
                 except trio.WouldBlock:
                     self._drop("queue-full", ID(publish_message.from_id), topic)
+                    continue
+                if isinstance(subscription, _BoundedSubscription):
+                    subscription.queued_bytes += size
 
     async def write_msg(self, stream: INetStream, rpc_msg: rpc_pb2.RPC) -> bool:
         # Without the sender's signed peer record: pubsub attaches it to every RPC and the receiver
@@ -212,9 +245,7 @@ class TrainingPubsub(Pubsub):
         if topic_id in self.topic_ids:
             return self.subscribed_topics_receive[topic_id]
         send, receive = trio.open_memory_channel[rpc_pb2.Message](SUBSCRIPTION_QUEUE)
-        subscription = TrioSubscriptionAPI(
-            receive, unsubscribe_fn=functools.partial(self.unsubscribe, topic_id)
-        )
+        subscription = _BoundedSubscription(receive, unsubscribe_fn=functools.partial(self.unsubscribe, topic_id))
         self.subscribed_topics_send[topic_id] = send
         self.subscribed_topics_receive[topic_id] = subscription
         packet, subopt = self._build_announce_rpc(topic_id, subscribe=True)
