@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import statistics
 import subprocess
@@ -43,6 +44,9 @@ import trio
 MESH_READY_TIMEOUT_S = 30.0
 STATUS_TIMEOUT_S = 10.0
 SETTLE_S = 3.0  # after the flood, time for the victim to drain its queues before the last count
+# Before the flood, the victim's RSS is sampled every RSS_SETTLE_STEP_S until it grows by less than
+# RSS_SETTLED_DELTA between samples (bounded by RSS_SETTLE_TIMEOUT_S).
+RSS_SETTLE_STEP_S, RSS_SETTLED_DELTA, RSS_SETTLE_TIMEOUT_S = 2.0, 1 << 20, 60.0
 TICK_S = 0.01  # the attacker writes one RPC of rate * TICK_S messages every tick
 # After the flood: the victim's counters are read every DRAIN_STEP_S until they stop moving.
 DRAIN_STEP_S, DRAIN_TIMEOUT_S = 1.0, 120.0
@@ -57,6 +61,22 @@ def _rss_bytes(pid: int) -> int:
 
 class _Stop(BaseException):
     """SIGTERM to the poller: report and exit."""
+
+
+def _settled_rss(pid: int) -> int:
+    """The victim's RSS once its start-up is over: a node imports torch a few seconds after it
+    is ready (its capability probe), ~100 MB that must not be counted against the flood."""
+    last, deadline = -(2**40), time.monotonic() + RSS_SETTLE_TIMEOUT_S
+    while (now := _rss_bytes(pid)) - last > RSS_SETTLED_DELTA and time.monotonic() < deadline:
+        last = now
+        time.sleep(RSS_SETTLE_STEP_S)
+    return now
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU time the process has used so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def poll_status(home: Path, interval: float) -> None:
@@ -183,9 +203,10 @@ async def _attack(args: argparse.Namespace, victim_addr: str, victim_id: str, ho
             stream = await host.new_stream(victim, [PROTOCOL_ID_V11])
         flood_start = time.time()
         start = trio.current_time()
+        every = per_tick / args.rate  # seconds between frames: TICK_S, or longer at rates below 1/TICK_S
         for i, frame in enumerate(frames):
             await stream.write(frame)
-            await trio.sleep_until(start + TICK_S * (i + 1))
+            await trio.sleep_until(start + every * (i + 1))
         elapsed = trio.current_time() - start
         # Stay connected until the victim has read it all: closing drops what it has not read yet.
         drain_s = await _drain(home)
@@ -212,7 +233,8 @@ def run(args: argparse.Namespace) -> dict:
     from p2ptrain.testing import node_processes
 
     with tempfile.TemporaryDirectory() as tmp, node_processes(1, Path(tmp)) as (victim,):
-        rss_before = _rss_bytes(victim.proc.pid)
+        rss_before = _settled_rss(victim.proc.pid)
+        cpu_before = _cpu_seconds(victim.proc.pid)
         before = victim.status()["messages"]
         poller = subprocess.Popen(
             [sys.executable, __file__, "--poll-status", str(victim.home), "--interval", str(args.interval)],
@@ -228,6 +250,7 @@ def run(args: argparse.Namespace) -> dict:
         status = victim.status()
         alive = victim.proc.poll() is None
         rss_after = _rss_bytes(victim.proc.pid) if alive else 0
+        cpu_used = _cpu_seconds(victim.proc.pid) - cpu_before if alive else 0.0
     during = lambda wall: attack["flood_start"] <= wall <= attack["flood_end"] + attack["drain_s"]  # noqa: E731
     lat = sorted(latency for wall, latency in polled["calls"] if during(wall))
     failures = [text for wall, text in polled["failures"] if during(wall)]
@@ -250,6 +273,9 @@ def run(args: argparse.Namespace) -> dict:
         "status_max_bytes": polled.get("max_size"),
         "rss_before_mb": round(rss_before / 2**20, 1),
         "rss_after_mb": round(rss_after / 2**20, 1),
+        # Victim CPU over the whole run (mesh setup, message build, flood, drain, settle).
+        "victim_cpu_s": round(cpu_used, 1),
+        "victim_cpu_us_per_msg": round(1e6 * cpu_used / max(attack["sent_total"], 1)),
         "dropped": delta("dropped"),
         "dropped_below_router": delta("dropped_below_router"),
         "delivered": delta("delivered"),
@@ -281,7 +307,8 @@ def main() -> None:
     print(f"victim alive: {result['victim_alive']}; it worked off its backlog {result['drain_s']} s after the flood")
     print(f"node status: {result['status_calls']} calls, p50 {result['status_p50_s']} s, max {result['status_max_s']} s, "
           f"{result['status_failures']} failed, largest answer {result['status_max_bytes']} B")
-    print(f"victim RSS: {result['rss_before_mb']} MB before, {result['rss_after_mb']} MB after")
+    print(f"victim RSS: {result['rss_before_mb']} MB before, {result['rss_after_mb']} MB after; "
+          f"CPU {result['victim_cpu_s']} s over the run (~{result['victim_cpu_us_per_msg']} us a message)")
     print(f"dropped by the router: {result['dropped']}")
     print(f"dropped below the router: {result['dropped_below_router']}")
     print(f"delivered: {result['delivered']}")
