@@ -21,7 +21,8 @@ a silent drop measured in ../shared/FIELD-NOTES.md:
   protobuf's DecodeError escape its stream handler), invalid signed peer records, too many
   subscriptions in one RPC, messages that did not fit a subscription's queue (``queue-full``), and
   messages over the wire cap (``oversized``, dropped as read: they are never checked, queued or
-  forwarded).
+  forwarded), and messages over a peer's inbound rate (``rate-limited``, see
+  ``MAX_INBOUND_MESSAGES_PER_PEER_PER_S``).
 
 Two more cut its CPU, which training peers share with their local steps (an idle node went from
 24 to 12 ms of CPU a second in a cluster of four):
@@ -75,6 +76,12 @@ BACKPRESSURE_MAX_WAIT_S = 2.0
 # Resetting the stream of a peer that sent a bad frame must not hang on that peer.
 STREAM_RESET_TIMEOUT_S = 1.0
 MAX_MESSAGES_PER_TOPIC_PER_S = 1000.0
+# Gossipsub's limit above only gates what we *forward*: every message is handed to our subscriptions
+# (after an Ed25519 check, ~0.8 ms of CPU a message all told) first. So each peer's inbound messages
+# are also limited as they are read, before any check: a token bucket of this rate and burst
+# (a coordinator's burst of round messages is tens; our burst test sends 400).
+MAX_INBOUND_MESSAGES_PER_PEER_PER_S = 1000.0
+INBOUND_BURST = 2000
 # Mesh degree: every training peer wants every control message quickly, and clusters are small.
 DEGREE, DEGREE_LOW, DEGREE_HIGH = 6, 4, 12
 
@@ -136,6 +143,18 @@ class TrainingPubsub(Pubsub):
         self.peer_queues = _DeepQueues()
         # What pubsub drops before our router sees it, by reason (see the module docstring).
         self.dropped: Counter[str] = Counter()
+        # Per peer reading from us: (tokens, trio time of the last refill); entries live while the
+        # peer's stream is read, so there is one per connected peer at most.
+        self._inbound_tokens: dict[ID, tuple[float, float]] = {}
+
+    def _admit(self, peer_id: ID, count: int) -> int:
+        """How many of ``count`` messages just read from ``peer_id`` its token bucket allows."""
+        now = trio.current_time()
+        tokens, then = self._inbound_tokens.get(peer_id, (float(INBOUND_BURST), now))
+        tokens = min(float(INBOUND_BURST), tokens + (now - then) * MAX_INBOUND_MESSAGES_PER_PEER_PER_S)
+        admitted = min(count, int(tokens))
+        self._inbound_tokens[peer_id] = (tokens - admitted, now)
+        return admitted
 
     def _drop(self, reason: str, peer_id: ID, detail: object = "") -> None:
         self.dropped[reason] += 1
@@ -167,6 +186,8 @@ class TrainingPubsub(Pubsub):
                 await self._handle_rpc(peer_id, rpc)
         except (StreamEOF, StreamError, IncompleteReadError, IOException) as exc:
             logger.debug("pubsub stream from %s ended: %s", peer_id, exc)
+        finally:
+            self._inbound_tokens.pop(peer_id, None)
 
     async def _give_up_on(self, stream: INetStream, peer_id: ID, reason: str, detail: object) -> None:
         """Count the bad frame, reset the stream and forget the peer's pubsub state (as py-libp2p
@@ -180,8 +201,13 @@ class TrainingPubsub(Pubsub):
         self._handle_dead_peer(peer_id)
 
     async def _handle_rpc(self, peer_id: ID, rpc: rpc_pb2.RPC) -> None:
-        """py-libp2p's handling of one inbound RPC: messages, subscriptions, control."""
-        for msg in rpc.publish:
+        """py-libp2p's handling of one inbound RPC: messages (rate-limited per peer first),
+        subscriptions, control."""
+        admitted = self._admit(peer_id, len(rpc.publish)) if rpc.publish else 0
+        if admitted < len(rpc.publish):
+            self.dropped["rate-limited"] += len(rpc.publish) - admitted
+            logger.debug("pubsub dropped %d messages from %s: rate-limited", len(rpc.publish) - admitted, peer_id)
+        for msg in rpc.publish[:admitted]:
             if self.max_message_bytes is not None and len(msg.data) > self.max_message_bytes:
                 self._drop("oversized", peer_id, f"{len(msg.data)} B")
             elif self._is_subscribed_to_msg(msg) and self.manager.is_running:

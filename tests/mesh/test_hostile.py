@@ -37,9 +37,12 @@ def signed_envelope(node: Node, **overrides) -> bytes:
 
 
 async def subscribed(node: Node, peers, topic: str) -> None:
+    """Wait until ``node`` knows ``peers`` subscribed to ``topic`` and has them in its gossipsub
+    mesh for it (what it publishes before that may go nowhere)."""
     with trio.fail_after(20):
         for peer in peers:
             await node.pubsub.wait_for_subscription(peer, topic)
+            await node.pubsub.router.wait_for_mesh(peer, topic)
 
 
 @pytest.mark.timeout(600)  # three node processes, each importing libp2p and torch on a shared box
@@ -129,3 +132,35 @@ async def test_exceptions_in_decode_and_in_a_handler_are_counted_rejections_not_
         dropped = victim.status()["messages"]["dropped"]
         assert dropped["decoder-error"] == 1 and dropped["handler-error"] == 1
         assert not victim.stopped.is_set()
+
+
+async def test_a_peer_flooding_faster_than_its_inbound_rate_is_cut_off_before_any_check(tmp_path):
+    """Gossipsub's own rate limit only gates forwarding; each message still costs the receiver its
+    checks. 6,000 messages written at once: 2,000 (the burst) and what the rate refills get through."""
+    from libp2p.pubsub.pb import rpc_pb2
+    from libp2p.pubsub.validators import PUBSUB_SIGNING_PREFIX
+
+    async with local_mesh(2, tmp_path) as (victim, attacker):
+        stream = await raw_pubsub_stream(attacker, victim)
+        key, origin = attacker.key_pair, attacker.peer_id.to_bytes()
+        frames = []
+        for batch in range(60):
+            msgs = []
+            for i in range(100):
+                msg = rpc_pb2.Message(data=b"junk", topicIDs=[MESH_TOPIC], from_id=origin, seqno=(batch * 100 + i).to_bytes(8, "big"))
+                msg.signature = key.private_key.sign(PUBSUB_SIGNING_PREFIX.encode() + msg.SerializeToString())
+                msgs.append(msg)
+            rpc = rpc_pb2.RPC(publish=msgs).SerializeToString()
+            frames.append(encode_uvarint(len(rpc)) + rpc)
+        before = victim.router.dropped["malformed"]
+        with trio.fail_after(30):
+            await stream.write(b"".join(frames))
+            while True:
+                counted = victim.router.dropped["malformed"] - before
+                limited = victim.pubsub.dropped["rate-limited"]
+                if counted + limited + victim.pubsub.dropped["queue-full"] >= 6000:
+                    break
+                await trio.sleep(0.05)
+        assert limited >= 1000, "the flood was cut off as it was read"
+        assert counted >= 2000, "the burst got through to be checked (and dropped) by the router"
+        assert victim.status()["messages"]["dropped_below_router"]["rate-limited"] == limited

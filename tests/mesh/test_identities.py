@@ -76,7 +76,8 @@ async def test_the_view_is_capped_gone_peers_expire_and_status_stays_bounded(tmp
 
 async def test_discovery_dials_few_addresses_of_a_peer_and_keeps_a_bounded_number_of_peers(tmp_path, monkeypatch):
     monkeypatch.setattr(discovery_module, "MAX_KEPT_PEERS", 12, raising=False)
-    async with local_mesh(2, tmp_path) as (victim, attacker):
+    # Fresh identities stay alive (so followed) for the whole test, however loaded the machine.
+    async with local_mesh(2, tmp_path, silence_heartbeats=60) as (victim, attacker):
         heard = hearing(victim)
         fresh = {await heartbeat_from_a_fresh_identity(attacker, closed_port_addrs(16)) for _ in range(40)}
         store = victim.host.get_peerstore()
@@ -86,7 +87,7 @@ async def test_discovery_dials_few_addresses_of_a_peer_and_keeps_a_bounded_numbe
             return [store.addrs(p) for p in fresh if p in store.peer_ids() and store.addrs(p)]
 
         with trio.fail_after(20):
-            while not fresh <= heard or len(dialed()) < 12:
+            while not fresh <= heard or len(dialed()) < 8:
                 await trio.sleep(0.05)
         assert all(len(a) <= 4 for a in dialed()), "at most MAX_DIAL_ADDRS_PER_PEER of 16 addresses"
         with trio.fail_after(10):  # a peer with a larger ID than ours is followed a second later
