@@ -60,6 +60,18 @@ GOODBYE_TIMEOUT_S = 0.5
 HOST_CLOSE_TIMEOUT_S = 5.0
 # If an orderly stop takes longer than this, the node's lifetime is cancelled outright.
 SHUTDOWN_TIMEOUT_S = 15.0
+# `node status` lists at most this many alive and this many gone peers (and counts them all), so
+# its answer stays under ~150 KB however many identities heartbeat at us (it reached 0.93 MB).
+STATUS_MAX_PEERS = 64
+
+
+# config.toml is written by us and edited by hand: a few hundred bytes. The bounds below refuse a
+# file that is clearly not one (or a typo such as heartbeat_interval = 1e400) with one clear line.
+MAX_CONFIG_BYTES = 64 * 1024
+MAX_CONFIG_ADDRS = 64
+MAX_CONFIG_ADDR_LEN = 1024
+MAX_HEARTBEAT_INTERVAL_S = 60.0
+MAX_SILENCE_HEARTBEATS = 1000
 
 
 @dataclass
@@ -75,19 +87,38 @@ class NodeConfig:
 
     @classmethod
     def load(cls, home: Path) -> NodeConfig | None:
-        """The stored config, or None if the home has none yet."""
+        """The stored config, or None if the home has none yet; a :class:`UserError` naming the
+        file and the setting for anything else (too big, not TOML, unknown or mistyped settings)."""
         path = Path(home) / CONFIG_FILE
         if not path.exists():
             return None
+        return cls.parse(path)
+
+    @classmethod
+    def parse(cls, path: Path) -> NodeConfig:
+        """Read and check ``path``; every problem is one :class:`UserError` line."""
         try:
-            data = tomllib.loads(path.read_text())
-        except (OSError, tomllib.TOMLDecodeError) as exc:
+            with path.open("rb") as f:
+                raw = f.read(MAX_CONFIG_BYTES + 1)
+        except OSError as exc:
+            raise UserError(f"cannot read {path}: {exc.strerror or exc}") from None
+        if len(raw) > MAX_CONFIG_BYTES:
+            raise UserError(f"{path} is over {MAX_CONFIG_BYTES} bytes; it is not a node config")
+        try:
+            data = tomllib.loads(raw.decode("utf-8"))
+        except (ValueError, RecursionError) as exc:  # TOMLDecodeError, UnicodeDecodeError, 5,000-digit ints
             raise UserError(f"{path} is not valid TOML: {exc}") from None
         node = data.get("node", {})
+        if not isinstance(node, dict):
+            raise UserError(f"{path}: [node] must be a table")
         known = set(cls.__dataclass_fields__)
         unknown = set(node) - known
         if unknown:
-            raise UserError(f"{path}: unknown setting(s) {sorted(unknown)}; known: {sorted(known)}")
+            raise UserError(f"{path}: unknown setting(s) {sorted(unknown)[:8]}; known: {sorted(known)}")
+        for name, value in node.items():
+            problem = _config_problem(name, value)
+            if problem:
+                raise UserError(f"{path}: {name} {problem}")
         return cls(**node)
 
     def to_toml(self) -> str:
@@ -103,6 +134,25 @@ class NodeConfig:
         lines = ["# p2ptrain node settings (written on first start; edit while the node is stopped)", "[node]"]
         lines += [f"{name} = {value(getattr(self, name))}" for name in self.__dataclass_fields__]
         return "\n".join(lines) + "\n"
+
+
+def _config_problem(name: str, value: Any) -> str | None:
+    """Why ``value`` is not acceptable for setting ``name``, or None."""
+    if name in ("listen", "bootstrap"):
+        if not isinstance(value, list) or not all(isinstance(a, str) and len(a) <= MAX_CONFIG_ADDR_LEN for a in value):
+            return f"must be a list of multiaddr strings (each at most {MAX_CONFIG_ADDR_LEN} characters)"
+        if len(value) > MAX_CONFIG_ADDRS:
+            return f"lists {len(value)} addresses; at most {MAX_CONFIG_ADDRS}"
+    elif name in ("mdns", "dht"):
+        if not isinstance(value, bool):
+            return "must be true or false"
+    elif name == "heartbeat_interval":
+        if type(value) not in (int, float) or not 0 < value <= MAX_HEARTBEAT_INTERVAL_S:
+            return f"must be a number of seconds above 0 and at most {MAX_HEARTBEAT_INTERVAL_S:g}"
+    elif name == "silence_heartbeats":
+        if type(value) is not int or not 1 <= value <= MAX_SILENCE_HEARTBEATS:
+            return f"must be a whole number from 1 to {MAX_SILENCE_HEARTBEATS}"
+    return None
 
 
 def prepare_home(home: Path) -> None:
@@ -286,7 +336,8 @@ class Node:
             return
         self.control.claim_socket()  # fail fast, before any network work, if the home is in use
         host = make_host(self.key_pair, self._listen)
-        pubsub = make_pubsub(host, self.config.heartbeat_interval)  # before any connection exists
+        # Before any connection exists; inbound messages over the wire cap are dropped as read.
+        pubsub = make_pubsub(host, self.config.heartbeat_interval, MAX_MESSAGE_BYTES)
         self.host, self.pubsub = host, pubsub
         try:
             async with host.run(listen_addrs=self._listen):
@@ -353,7 +404,9 @@ class Node:
         connected = []
         if self.host is not None:
             connected = sorted(p.to_base58() for p in self.host.get_connected_peers())
-        members = sorted(self.membership.all(), key=lambda r: r.first_seen)
+        members = self.membership.all()
+        alive = sorted((r for r in members if r.alive), key=lambda r: r.first_seen)
+        gone = sorted((r for r in members if not r.alive), key=lambda r: -r.left_at)
         return {
             "peer_id": self.peer_id.to_base58(),
             "addrs": self.addrs,
@@ -366,10 +419,19 @@ class Node:
             "mesh_topic": MESH_TOPIC,
             "heartbeat_interval_s": self.config.heartbeat_interval,
             "caps": self.membership.heartbeat().caps.__dict__ if self.host is not None else None,
-            "peers": [r.as_json() for r in members if r.alive],
-            "gone": [r.as_json() for r in members if not r.alive],
-            "messages": self.router.stats(),
+            # Bounded however many identities heartbeat at us: the oldest members and the latest
+            # departures are listed, the rest counted.
+            "peers": [r.as_json() for r in alive[:STATUS_MAX_PEERS]],
+            "gone": [r.as_json() for r in gone[:STATUS_MAX_PEERS]],
+            "peers_total": len(alive),
+            "gone_total": len(gone),
+            "membership": {"evicted": self.membership.evicted, "expired": self.membership.expired},
+            "discovery": self.discovery.stats() if self.discovery is not None else None,
             "control": self.control.stats(),
+            "messages": {
+                **self.router.stats(),
+                "dropped_below_router": dict(getattr(self.pubsub, "dropped", {})),
+            },
         }
 
     async def _status_op(self, request: dict[str, Any]) -> dict[str, Any]:

@@ -192,7 +192,7 @@ def _render(s: dict[str, Any]) -> str:
     lines += [f"  {a}" for a in s["addrs"]]
     lines.append(f"topics {', '.join(s['topics']) or '-'}")
     lines.append(f"connected to {len(s['connected'])} peer(s)")
-    lines.append(f"peers  {len(s['peers'])} alive, {len(s['gone'])} gone")
+    lines.append(f"peers  {s.get('peers_total', len(s['peers']))} alive, {s.get('gone_total', len(s['gone']))} gone")
     for p in s["peers"] + s["gone"]:
         c = p["caps"]
         device = c["device"] + (f" {c['gpu_name']} {_gib(c['gpu_memory_bytes'])}" if c.get("gpu_name") else "")

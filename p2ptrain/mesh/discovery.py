@@ -15,6 +15,13 @@ Sources of peers, all feeding one dial path:
 - Kad-DHT (server mode): lookups of our own key walk the DHT and reveal peers that may not be on
   the same pubsub mesh yet;
 - mDNS (``--mdns``, LAN only; it binds all interfaces): peers announced on the local network.
+
+A heartbeat's addresses are chosen by its sender, and identities are free, so the dialing they
+cause is bounded (issue 13: 9,000 fresh identities with 16 addresses each pinned a core):
+at most ``MAX_DIAL_ADDRS_PER_PEER`` addresses per peer, ``MAX_CONCURRENT_DIALS`` dials at once,
+``MAX_KEPT_PEERS`` peers kept connected at once (bootstrap peers always are; beyond the cap a newly
+heard-of peer is not dialed by us, counted in ``not_kept``, and reaches us by dialing itself), and a
+per-peer backoff that grows to ``REDIAL_MAX_UNREACHED_S`` for a peer never once reached.
 """
 
 from __future__ import annotations
@@ -41,7 +48,17 @@ from p2ptrain.net.service import running_service
 logger = logging.getLogger(__name__)
 
 DIAL_TIMEOUT_S = 5.0
+# Redial backoff of a peer we were connected to (it restarts, a link blips): quick, capped at 2 s.
 REDIAL_MIN_S, REDIAL_MAX_S = 0.2, 2.0
+# ... and of a peer never reached at any of its addresses (likely made up): up to 30 s between tries.
+REDIAL_MAX_UNREACHED_S = 30.0
+# A real node listens on one or two addresses; a heartbeat may carry 16.
+MAX_DIAL_ADDRS_PER_PEER = 4
+# Dials in flight at once, over all peers: a handshake costs ~10 ms of CPU, so 8 at once stay far
+# below one core even when every one of them times out.
+MAX_CONCURRENT_DIALS = 8
+# Peers we keep connected at once (one redial task each): far above any cluster we run.
+MAX_KEPT_PEERS = 256
 CONNECTED_POLL_S = 0.5
 # Of two peers that learn of each other from heartbeats, the one with the larger ID waits this long
 # before dialing, so the pair usually ends up with one connection, not two.
@@ -137,8 +154,18 @@ class Discovery:
         self._own = host.get_id()
         self._keeping: set[ID] = set()
         self._nursery: trio.Nursery | None = None
+        self._dial_slots = trio.CapacityLimiter(MAX_CONCURRENT_DIALS)
         self.dials = 0
         self.dial_failures = 0
+        self.not_kept = 0  # peers heard of but not dialed because MAX_KEPT_PEERS were kept
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "dials": self.dials,
+            "dial_failures": self.dial_failures,
+            "kept": len(self._keeping),
+            "not_kept": self.not_kept,
+        }
 
     def connected(self, peer_id: ID) -> bool:
         return any(not c.is_closed for c in self.host.get_network().get_connections(peer_id))
@@ -147,14 +174,17 @@ class Discovery:
         """Connect to ``peer_id`` at the first address that works; True if connected."""
         if self.connected(peer_id):
             return True
-        addrs = list(addrs)
+        addrs = list(addrs)[:MAX_DIAL_ADDRS_PER_PEER]
         self.host.get_peerstore().add_addrs(peer_id, addrs, ADDR_TTL_S)
         network = self.host.get_network()
         for addr in addrs:
-            self.dials += 1
             try:
-                with trio.fail_after(DIAL_TIMEOUT_S):
-                    await network.dial_addr(addr, peer_id)  # type: ignore[attr-defined]
+                async with self._dial_slots:
+                    if self.connected(peer_id):
+                        return True
+                    self.dials += 1
+                    with trio.fail_after(DIAL_TIMEOUT_S):
+                        await network.dial_addr(addr, peer_id)  # type: ignore[attr-defined]
                 logger.debug("connected to %s at %s", short(peer_id), addr)
                 return True
             except (Exception, trio.TooSlowError) as exc:  # every dial failure is the remote's
@@ -166,20 +196,27 @@ class Discovery:
         """Start (once per peer) a task that redials ``peer_id`` whenever it drops, while ``while_()``."""
         if peer_id == self._own or peer_id in self._keeping or self._nursery is None:
             return
+        if len(self._keeping) >= MAX_KEPT_PEERS and not self._is_bootstrap(peer_id):
+            self.not_kept += 1
+            logger.debug("not dialing %s: already keeping %d peers", short(peer_id), MAX_KEPT_PEERS)
+            return
         self._keeping.add(peer_id)
         self._nursery.start_soon(self._keep, peer_id, addrs, while_, name=f"keep:{short(peer_id)}")
 
+    def _is_bootstrap(self, peer_id: ID) -> bool:
+        return any(info.peer_id == peer_id for info in self.bootstrap)
+
     async def _keep(self, peer_id: ID, addrs: list[Multiaddr], while_: Callable[[], bool]) -> None:
-        delay = REDIAL_MIN_S
+        delay, reached = REDIAL_MIN_S, False
         try:
             while while_():
                 if self.connected(peer_id) or await self.dial(peer_id, addrs):
-                    delay = REDIAL_MIN_S
+                    delay, reached = REDIAL_MIN_S, True
                     await trio.sleep(CONNECTED_POLL_S)
                 else:
                     logger.debug("%s unreachable; redial in %.2f s", short(peer_id), delay)
                     await trio.sleep(delay * random.uniform(0.8, 1.2))
-                    delay = min(delay * 2, REDIAL_MAX_S)
+                    delay = min(delay * 2, REDIAL_MAX_S if reached or self._is_bootstrap(peer_id) else REDIAL_MAX_UNREACHED_S)
         finally:
             self._keeping.discard(peer_id)
 

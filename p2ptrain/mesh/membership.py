@@ -8,6 +8,14 @@ read a stream of :class:`MemberEvent` from :meth:`events`.
 
 The heartbeat also drives discovery: the addresses a heartbeat carries are how a node that knows
 one peer learns how to dial all the others (see :mod:`p2ptrain.mesh.discovery`).
+
+Identities cost an attacker nothing (9,000 heartbeats from fresh keys grew a node's view, and its
+`node status`, without end), so the view is bounded: gone peers are forgotten ``GONE_TTL_S`` after
+they left, and at most ``MAX_PEER_RECORDS`` peers are known at once. When a newcomer finds the view
+full, the record evicted is the longest-gone peer, or if none is gone the alive peer we have heard
+the fewest heartbeats from (the longest silent of those): a throwaway identity has sent one, an
+established peer one per interval since it joined, so a flood of fresh keys evicts its own kind and
+never the peers we train with (see docs/mesh.md).
 """
 
 from __future__ import annotations
@@ -35,6 +43,15 @@ DEFAULT_SILENCE_HEARTBEATS = 5
 # A new peer makes us heartbeat early so it sees us at once, but never more often than this.
 MIN_HEARTBEAT_GAP_S = 0.05
 EVENT_QUEUE = 1024
+# A peer's entry in `node status` shows this many of its addresses and tasks (tasks_total counts
+# all): keeps one entry under ~2.5 KB with the schema's longest strings.
+STATUS_MAX_ADDRS = 4
+STATUS_MAX_TASKS = 8
+# How many peers (alive and gone) the view holds: ten times the largest cluster we run, and at
+# ~1 KB a record, about 1 MB at most.
+MAX_PEER_RECORDS = 1024
+# How long a gone peer stays listed (for `node status` and a late look at who left): ten minutes.
+GONE_TTL_S = 600.0
 TORCH_PROBE_DELAY_S = 2.0
 
 Publish = Callable[[str, Any], Awaitable[None]]
@@ -53,6 +70,8 @@ class PeerRecord:
     last_seen_wall: float
     alive: bool = True
     left_reason: str = ""
+    left_at: float = 0.0  # trio clock, when marked gone
+    heartbeats: int = 1  # heard since it (re)joined: what eviction ranks by
 
     def age(self) -> float:
         """Seconds since the last heartbeat."""
@@ -65,8 +84,9 @@ class PeerRecord:
             "left_reason": self.left_reason or None,
             "last_heartbeat_age_s": round(self.age(), 3),
             "first_seen": self.first_seen,
-            "addrs": list(self.addrs),
-            "tasks": list(self.tasks),
+            "addrs": list(self.addrs[:STATUS_MAX_ADDRS]),
+            "tasks": list(self.tasks[:STATUS_MAX_TASKS]),
+            "tasks_total": len(self.tasks),
             "caps": {
                 "device": self.caps.device,
                 "gpu_name": self.caps.gpu_name,
@@ -101,6 +121,10 @@ class Membership:
     _changed: trio.Event = field(default_factory=trio.Event, init=False)
     _wake: trio.Event = field(default_factory=trio.Event, init=False)
     _listeners: list[trio.MemorySendChannel[MemberEvent]] = field(default_factory=list, init=False)
+    max_records: int = MAX_PEER_RECORDS
+    gone_ttl: float = GONE_TTL_S
+    evicted: int = field(default=0, init=False)  # records pushed out by a newcomer to a full view
+    expired: int = field(default=0, init=False)  # gone records forgotten after gone_ttl
 
     def __post_init__(self) -> None:
         self.router.on(Heartbeat, self._on_heartbeat)
@@ -154,6 +178,8 @@ class Membership:
         hb, now = signed.msg, trio.current_time()
         record = self._peers.get(signed.sender)
         if record is None or not record.alive:
+            if record is None and len(self._peers) >= self.max_records:
+                self._evict_one()
             self._peers[signed.sender] = PeerRecord(
                 peer_id=signed.sender,
                 addrs=hb.addrs,
@@ -169,6 +195,20 @@ class Membership:
             return
         record.addrs, record.caps, record.tasks = hb.addrs, hb.caps, hb.tasks
         record.last_seen, record.last_seen_wall = now, time.time()
+        record.heartbeats += 1
+
+    def _evict_one(self) -> None:
+        """Make room for a newcomer: the longest-gone peer, else the alive peer with the fewest
+        heartbeats (the longest silent of those)."""
+        gone = [r for r in self._peers.values() if not r.alive]
+        if gone:
+            victim = min(gone, key=lambda r: r.left_at)
+        else:
+            victim = min(self._peers.values(), key=lambda r: (r.heartbeats, r.last_seen))
+        if victim.alive:
+            self._mark_gone(victim.peer_id, "evicted: membership view full")
+        del self._peers[victim.peer_id]
+        self.evicted += 1
 
     def _on_goodbye(self, signed: Signed[Goodbye], topic: str) -> None:
         self._mark_gone(signed.sender, f"goodbye: {signed.msg.reason}" if signed.msg.reason else "goodbye")
@@ -178,6 +218,7 @@ class Membership:
         if record is None or not record.alive:
             return
         record.alive, record.left_reason = False, reason
+        record.left_at = trio.current_time()
         logger.info("peer %s left (%s)", short(peer_id), reason)
         self._emit(MemberEvent("leave", peer_id, reason))
 
@@ -212,13 +253,18 @@ class Membership:
                 await self._wake.wait()
 
     async def _reap(self) -> None:
-        """Mark peers silent for ``silence_heartbeats`` intervals as gone."""
+        """Mark peers silent for ``silence_heartbeats`` intervals as gone; forget those gone for
+        longer than ``gone_ttl``."""
         limit = self.silence_heartbeats * self.interval
         while True:
             await trio.sleep(self.interval / 2)
+            now = trio.current_time()
             for record in list(self._peers.values()):
                 if record.alive and record.age() > limit:
                     self._mark_gone(record.peer_id, f"silent for {record.age():.1f} s")
+                elif not record.alive and now - record.left_at > self.gone_ttl:
+                    del self._peers[record.peer_id]
+                    self.expired += 1
 
     async def _refine_caps(self) -> None:
         # Wait until the mesh has formed: the import competes for the GIL with the event loop.

@@ -97,19 +97,20 @@ class MessageRouter:
         logger.debug("dropped message on %s from %s: %s %s", topic, short(origin), reason, detail)
 
     async def _deliver(self, topic: str, raw: rpc_pb2.Message) -> None:
+        """The one boundary of every pubsub message: whatever goes wrong in checking it or in a
+        handler is a counted, logged rejection of that message, never an exception out of here
+        (which would end the topic's reader and, through the node's nursery, the node)."""
         origin = ID(raw.from_id)
         if origin == self._own_id:
             return  # pubsub hands our own publications back to us
         try:
-            signed = decode(raw.data)
-        except DecodeError as exc:
-            self._drop(exc.reason, topic, origin, exc)
+            signed = self._check(topic, raw, origin)
+        except Exception:
+            # A decoder bug is still the input's fault as far as the node is concerned.
+            self.dropped["decoder-error"] += 1
+            logger.exception("checking a message on %s from %s failed unexpectedly", topic, short(origin))
             return
-        if signed.sender != origin:
-            self._drop("sender-mismatch", topic, origin, f"wire sender {short(signed.sender)}")
-            return
-        if not self._replay.accept(signed.sender, signed.seq):
-            self._drop("replayed", topic, origin, f"seq {signed.seq}")
+        if signed is None:
             return
         handlers = self._handlers.get(type(signed.msg), [])
         self.delivered[type(signed.msg).TYPE] += 1
@@ -124,6 +125,21 @@ class MessageRouter:
                 logger.exception(
                     "handler %r failed on %s from %s", handler, type(signed.msg).TYPE, short(origin)
                 )
+
+    def _check(self, topic: str, raw: rpc_pb2.Message, origin: ID) -> Signed[Any] | None:
+        """Decode and verify ``raw``; None (counted) if it is to be dropped."""
+        try:
+            signed = decode(raw.data)
+        except DecodeError as exc:
+            self._drop(exc.reason, topic, origin, exc)
+            return None
+        if signed.sender != origin:
+            self._drop("sender-mismatch", topic, origin, f"wire sender {short(signed.sender)}")
+            return None
+        if not self._replay.accept(signed.sender, signed.seq):
+            self._drop("replayed", topic, origin, f"seq {signed.seq}")
+            return None
+        return signed
 
     def stats(self) -> dict[str, dict[str, int]]:
         return {"dropped": dict(self.dropped), "delivered": dict(self.delivered)}

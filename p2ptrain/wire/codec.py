@@ -23,6 +23,7 @@ from libp2p.crypto.ed25519 import Ed25519PublicKey
 from libp2p.crypto.keys import KeyPair
 from libp2p.peer.id import ID
 
+from p2ptrain import boundedjson
 from p2ptrain.wire.limits import MAX_CLOCK_SKEW_S, MAX_MESSAGE_BYTES, WIRE_VERSION
 from p2ptrain.wire.messages import MESSAGE_TYPES, type_name
 from p2ptrain.wire.schema import SchemaError, from_plain, to_plain
@@ -31,6 +32,12 @@ MAGIC = b"P2TM"
 _HEADER = struct.Struct(">4sBI")
 SIG_LEN = 64
 _DOMAIN = b"p2ptrain/wire/v1\x00"
+# Our deepest message (a coordinator beat: envelope > body > votes > vote) nests 5 levels; 32 is
+# boundedjson's default and far below anything that could recurse dangerously.
+MAX_PAYLOAD_DEPTH = boundedjson.MAX_DEPTH
+# A timestamp outside +-2**53 s cannot be a real clock reading, and keeping it inside the range a
+# float holds exactly means ``now - ts`` is always a plain float subtraction.
+_TS_BOUND = 2**53
 
 T = TypeVar("T")
 
@@ -75,10 +82,6 @@ def encode(msg: Any, key_pair: KeyPair, seq: int, ts: float | None = None) -> by
     return data
 
 
-def _reject_constant(name: str) -> Any:
-    raise DecodeError("malformed", f"non-finite number {name}")
-
-
 def decode(data: bytes, now: float | None = None) -> Signed[Any]:
     """Check and verify a framed message; raise :class:`DecodeError` on anything wrong."""
     if len(data) > MAX_MESSAGE_BYTES:
@@ -96,15 +99,17 @@ def decode(data: bytes, now: float | None = None) -> Signed[Any]:
     payload = signed_part[_HEADER.size :]
     signature = data[_HEADER.size + length :]
     try:
-        env = json.loads(payload, parse_constant=_reject_constant)
-    except (ValueError, RecursionError) as exc:
-        raise DecodeError("malformed", f"payload is not JSON: {exc}") from None
+        # Bounded: ints are int64 and floats finite, so no later comparison (the clock-skew check)
+        # can overflow; nesting is at most MAX_PAYLOAD_DEPTH, so nothing recurses deeply.
+        env = boundedjson.loads(payload, max_depth=MAX_PAYLOAD_DEPTH, what="payload")
+    except boundedjson.JSONBoundsError as exc:
+        raise DecodeError("malformed", str(exc)) from None
     if type(env) is not dict or set(env) != {"type", "sender", "seq", "ts", "body"}:
         raise DecodeError("malformed", "bad envelope")
     sender_s, seq, ts, mtype = env["sender"], env["seq"], env["ts"], env["type"]
     if type(sender_s) is not str or type(seq) is not int or type(mtype) is not str:
         raise DecodeError("malformed", "bad envelope field types")
-    if type(ts) not in (int, float) or not 0 <= seq < 2**63:
+    if type(ts) not in (int, float) or not 0 <= seq < 2**63 or not -_TS_BOUND <= ts <= _TS_BOUND:
         raise DecodeError("malformed", "bad envelope field values")
     try:
         sender = ID.from_base58(sender_s)

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, TypeVar
 
+from p2ptrain.wire.limits import MAX_ADDR_LEN
+
 MESSAGE_TYPES: dict[str, type] = {}
 
 M = TypeVar("M")
@@ -36,11 +38,11 @@ def type_name(msg: Any) -> str:
 class Capabilities:
     """What a peer offers, so tasks can pick peers that fit their requirements."""
 
-    device: str  # "cpu" or "cuda"
+    device: str = field(metadata={"max_len": 16})  # "cpu" or "cuda"
     cpu_count: int
     free_ram_bytes: int
-    version: str
-    gpu_name: str | None = None
+    version: str = field(metadata={"max_len": 64})
+    gpu_name: str | None = field(default=None, metadata={"max_len": 128})
     gpu_memory_bytes: int | None = None
 
 
@@ -49,9 +51,9 @@ class Capabilities:
 class Heartbeat:
     """Sent every heartbeat interval on the membership topic: 'I am alive, here is how to reach me'."""
 
-    addrs: tuple[str, ...] = field(metadata={"max_items": 16})
+    addrs: tuple[str, ...] = field(metadata={"max_items": 16, "max_len": MAX_ADDR_LEN})
     caps: Capabilities
-    tasks: tuple[str, ...] = field(default=(), metadata={"max_items": 64})
+    tasks: tuple[str, ...] = field(default=(), metadata={"max_items": 64, "max_len": 128})
 
 
 @message("goodbye")

@@ -17,6 +17,10 @@ from typing import Any, TypeVar
 from p2ptrain.wire.limits import MAX_DICT_LEN, MAX_LIST_LEN, MAX_STR_LEN
 
 
+# Integers are signed 64-bit, like every number boundedjson lets through.
+_MIN_INT, _MAX_INT = -(2**63), 2**63 - 1
+
+
 class SchemaError(ValueError):
     """A body does not match its message's schema."""
 
@@ -45,13 +49,17 @@ def _check(value: Any, tp: Any, where: str, meta: dict[str, Any]) -> Any:
     if tp is int:
         if type(value) is not int:
             raise SchemaError(f"{where}: expected an integer")
-        if not -(2**63) <= value < 2**63:
+        if not _MIN_INT <= value <= _MAX_INT:
             raise SchemaError(f"{where}: integer out of range")
         return value
     if tp is float:
-        if type(value) not in (int, float) or not math.isfinite(value):
-            raise SchemaError(f"{where}: expected a finite number")
-        return float(value)
+        # An int is range-checked *before* any float arithmetic: ``math.isfinite(10**400)`` and
+        # ``float(10**400)`` raise OverflowError, which is not this checker's declared error.
+        if type(value) is int and _MIN_INT <= value <= _MAX_INT:
+            return float(value)
+        if type(value) is float and math.isfinite(value):
+            return value
+        raise SchemaError(f"{where}: expected a finite number in range")
     if origin is tuple:
         inner, ellipsis = typing.get_args(tp)
         assert ellipsis is Ellipsis, "only tuple[T, ...] is supported"
@@ -59,7 +67,9 @@ def _check(value: Any, tp: Any, where: str, meta: dict[str, Any]) -> Any:
             raise SchemaError(f"{where}: expected a list")
         if len(value) > meta.get("max_items", MAX_LIST_LEN):
             raise SchemaError(f"{where}: more than {meta.get('max_items', MAX_LIST_LEN)} items")
-        return tuple(_check(v, inner, f"{where}[{i}]", {}) for i, v in enumerate(value))
+        # A tuple field's "max_len" bounds each of its strings (e.g. a heartbeat's addresses).
+        item_meta = {k: v for k, v in meta.items() if k != "max_items"}
+        return tuple(_check(v, inner, f"{where}[{i}]", item_meta) for i, v in enumerate(value))
     if origin is dict:
         key_tp, val_tp = typing.get_args(tp)
         assert key_tp is str, "only string-keyed dicts are supported"

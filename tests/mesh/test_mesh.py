@@ -101,7 +101,6 @@ async def test_bad_messages_through_a_real_mesh_are_dropped_and_counted(tmp_path
 
         bad = {
             "malformed": b"definitely not a p2ptrain message",
-            "oversized": b"\x00" * (MAX_MESSAGE_BYTES + 1000),  # pubsub itself carries it (< 1 MiB)
             # Properly signed by a stranger: gossipsub says the attacker sent it, the wire says the stranger.
             "sender-mismatch": encode(Note(text="forged"), stranger, seq=1),
             # Claims the attacker's ID, but signed with the stranger's key.
@@ -112,6 +111,8 @@ async def test_bad_messages_through_a_real_mesh_are_dropped_and_counted(tmp_path
         }
         for data in bad.values():
             await attacker.pubsub.publish(TOPIC, data)  # raw pubsub: our own publish path would refuse
+        # Over our wire cap, under pubsub's 1 MiB: dropped as read, below the router.
+        await attacker.pubsub.publish(TOPIC, b"\x00" * (MAX_MESSAGE_BYTES + 1000))
         await attacker.pubsub.publish(TOPIC, valid_once)
         await attacker.pubsub.publish(TOPIC, valid_once)  # a replay: new gossipsub seqno, same wire seq
         await attacker.publish(TOPIC, Note(text="after", n=2))  # the mesh still works afterwards
@@ -132,6 +133,7 @@ async def test_bad_messages_through_a_real_mesh_are_dropped_and_counted(tmp_path
             assert [m.text for _, m, _ in inbox] == ["first", "after"], "nothing bad was accepted"
         for v in victims:
             assert v.status()["messages"]["dropped"]["replayed"] >= 1
+            assert v.status()["messages"]["dropped_below_router"]["oversized"] >= 1
 
 
 async def test_goodbye_marks_a_peer_gone_at_once_and_joins_are_events(tmp_path):

@@ -89,3 +89,28 @@ async def test_a_port_in_use_is_a_user_error_not_a_silent_node(tmp_path):
         with trio.fail_after(30), pytest.raises(UserError, match="could not listen"):
             await node.run()
     assert not (tmp_path / "h" / "control.sock").exists()
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("[node]\nheartbeat_interval = \"fast\"\n", "heartbeat_interval must be a number"),
+        ("[node]\nheartbeat_interval = 1e400\n", "heartbeat_interval must be a number"),
+        ("[node]\nheartbeat_interval = nan\n", "heartbeat_interval must be a number"),
+        ("[node]\nsilence_heartbeats = 10000000000000000000\n", "not valid TOML|silence_heartbeats"),
+        ("[node]\nlisten = \"/ip4/127.0.0.1/tcp/0\"\n", "listen must be a list"),
+        ("[node]\nbootstrap = [1, 2]\n", "bootstrap must be a list"),
+        ("[node]\nmdns = \"yes\"\n", "mdns must be true or false"),
+        ("node = 5\n", r"\[node\] must be a table"),
+        ("[node]\nlisten = " + "[" * 5000 + "]" * 5000 + "\n", "not valid TOML|listen must be"),
+        ("# " + "x" * 70_000 + "\n", "over 65536 bytes"),
+        ("\xff\xfe[node]\n", "not valid TOML"),
+    ],
+    ids=["type", "huge-float", "nan", "huge-int", "not-list", "not-strings", "not-bool", "not-table", "deep", "huge", "not-utf8"],
+)
+def test_a_bad_config_file_is_one_user_error_line(tmp_path, text, message):
+    home = tmp_path / "h"
+    home.mkdir(mode=0o700)
+    (home / "config.toml").write_bytes(text.encode("latin-1") if text.startswith("\xff") else text.encode())
+    with pytest.raises(UserError, match=message):
+        Node(home)

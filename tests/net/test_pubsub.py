@@ -53,3 +53,34 @@ async def test_connections_made_before_pubsub_started_carry_messages_and_bursts_
             assert verified == []
         await a.close()
         await b.close()
+
+
+async def test_a_subscription_queue_holds_a_bounded_number_of_bytes_and_counts_the_rest(monkeypatch):
+    """A flood of maximal messages at a reader that is behind must not pin memory without bound:
+    4096 queued messages of 64 KiB would be 256 MiB."""
+    from p2ptrain.net import pubsub as pubsub_module
+
+    monkeypatch.setattr(pubsub_module, "SUBSCRIPTION_QUEUE_BYTES", 1 << 20, raising=False)
+    a = make_host(create_new_key_pair(), [LOOPBACK])
+    b = make_host(create_new_key_pair(), [LOOPBACK])
+    pa, pb = make_pubsub(a), make_pubsub(b)
+    async with a.run(listen_addrs=[LOOPBACK]), b.run(listen_addrs=[LOOPBACK]):
+        async with running_pubsub(pa), running_pubsub(pb):
+            with trio.fail_after(10):
+                await a.connect(PeerInfo(b.get_id(), b.get_addrs()))
+            sub = await pb.subscribe("t")  # and nobody reads it until the flood is over
+            await pa.subscribe("t")
+            with trio.fail_after(10):
+                await pa.wait_for_subscription(b.get_id(), "t")
+                await pa.router.wait_for_mesh(b.get_id(), "t")
+            size, count = 60_000, 40  # 2.4 MB in all
+            for i in range(count):
+                await publish_bytes(pa, "t", i.to_bytes(4, "big") + b"\x00" * (size - 4), limit=1 << 20)
+            with trio.fail_after(20):
+                while sub.receive_channel.statistics().current_buffer_used + pb.dropped["queue-full"] < count:
+                    await trio.sleep(0.02)
+            queued = sub.receive_channel.statistics().current_buffer_used
+            assert queued * size <= 1 << 20
+            assert pb.dropped["queue-full"] == count - queued
+            first = await sub.get()
+            assert first.data[:4] == (0).to_bytes(4, "big") and len(first.data) == size

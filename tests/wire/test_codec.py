@@ -115,6 +115,31 @@ def test_stale_or_future_timestamp():
     assert reason_of(frame(envelope(ts=time.time() + MAX_CLOCK_SKEW_S + 10))) == "stale"
 
 
+@pytest.mark.parametrize("ts", [10**400, -(10**400), 2**63, 1e308, -1e308], ids=["huge-int", "huge-neg", "int64+1", "huge-float", "huge-neg-float"])
+def test_a_signed_timestamp_too_large_for_a_float_is_malformed_not_an_overflow(ts):
+    """Issue 13 found 1: ``abs(now - 10**400)`` raised OverflowError and stopped the node."""
+    assert reason_of(frame(envelope(ts=ts))) == "malformed"
+
+
+@pytest.mark.parametrize("depth", [40, 30_000])  # 30,000 fits the 64 KiB cap
+def test_a_signed_payload_nested_deeper_than_the_bound_is_malformed(depth):
+    deep = envelope(body={"reason": "x", "n": []}).replace(b"[]", b"[" * depth + b"]" * depth)
+    assert reason_of(frame(deep)) == "malformed"
+
+
+@pytest.mark.parametrize(
+    "value",
+    [10**400, -(10**400), 2**63, float("inf"), float("nan"), "1.0", True],
+    ids=["huge-int", "huge-neg", "int64+1", "inf", "nan", "string", "bool"],
+)
+def test_schema_float_fields_refuse_what_is_not_a_finite_number_in_range(value):
+    """The schema check of a float field (a model record's metrics) must not overflow either."""
+    from p2ptrain.wire.schema import SchemaError, _check
+
+    with pytest.raises(SchemaError):
+        _check(value, float, "metrics.loss", {})
+
+
 @pytest.mark.parametrize(
     "body",
     [{"reason": 5}, {"reason": "x" * 300}, {"reason": "x", "extra": 1}, []],
@@ -176,3 +201,20 @@ def test_fuzz_mutated_valid_messages_never_verify(patch, offset):
         return
     with pytest.raises(DecodeError):
         decode(mutated)
+
+
+def test_replay_guard_memory_is_bounded_however_many_identities_write():
+    """Throwaway identities (issue 13, found 7) must not grow the guard without end."""
+    guard = ReplayGuard(window=8, max_entries=64)
+    active = peer_id_of(KEY)
+    for i in range(1000):
+        assert guard.accept(active, 10_000 + i)  # an honest, recently heard sender
+        assert guard.accept(peer_id_of(create_new_key_pair()), 1)
+    assert guard.entries <= 64 and len(guard) <= 64
+    assert guard.evicted > 900
+    assert not guard.accept(active, 10_999), "the recently heard sender's window was kept"
+
+
+def test_a_heartbeat_address_longer_than_the_bound_is_a_schema_error():
+    hb = {"addrs": ["/ip4/127.0.0.1/tcp/1/" + "x" * 300], "caps": {"device": "cpu", "cpu_count": 1, "free_ram_bytes": 1, "version": "0"}}
+    assert reason_of(frame(envelope(type="heartbeat", body=hb))) == "schema"

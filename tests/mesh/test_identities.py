@@ -1,0 +1,96 @@
+"""Throwaway identities (issue 13, found 7): heartbeats from thousands of fresh keys must not grow
+a node's view, its dialing or its `node status` without bound.
+
+The attacker is a real node that injects pubsub messages signed by fresh keys (as any peer can:
+pubsub checks each message's signature against its claimed origin, and a fresh key signs validly),
+so the victim receives exactly what a swarm of one-shot peers would send.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import trio
+from libp2p.crypto.ed25519 import create_new_key_pair
+from libp2p.peer.id import ID
+from libp2p.pubsub.pb import rpc_pb2
+from libp2p.pubsub.validators import PUBSUB_SIGNING_PREFIX
+
+from p2ptrain.identity import peer_id_of
+from p2ptrain.mesh import discovery as discovery_module
+from p2ptrain.mesh.membership import MESH_TOPIC
+from p2ptrain.node import STATUS_MAX_PEERS, Node
+from p2ptrain.testing import free_port, local_mesh
+from p2ptrain.wire import encode
+from p2ptrain.wire.messages import Capabilities, Heartbeat
+
+CAPS = Capabilities(device="cpu", cpu_count=1, free_ram_bytes=1, version="0")
+
+
+def closed_port_addrs(n: int) -> tuple[str, ...]:
+    """Loopback addresses nobody listens on: each dial is refused at once."""
+    return tuple(f"/ip4/127.0.0.1/tcp/{free_port()}" for _ in range(n))
+
+
+async def heartbeat_from_a_fresh_identity(attacker: Node, addrs: tuple[str, ...] = ()) -> ID:
+    key = create_new_key_pair()
+    data = encode(Heartbeat(addrs=addrs, caps=CAPS), key, seq=time.time_ns() // 1000)
+    msg = rpc_pb2.Message(data=data, topicIDs=[MESH_TOPIC], from_id=peer_id_of(key).to_bytes(), seqno=b"\x00" * 8)
+    msg.signature = key.private_key.sign(PUBSUB_SIGNING_PREFIX.encode() + msg.SerializeToString())
+    msg.key = key.public_key.serialize()
+    await attacker.pubsub.push_msg(attacker.peer_id, msg)  # validated, then relayed to the mesh
+    return peer_id_of(key)
+
+
+def hearing(node: Node) -> set:
+    """The senders of every valid heartbeat ``node`` receives from now on."""
+    heard: set = set()
+    node.on(Heartbeat, lambda signed, topic: heard.add(signed.sender))
+    return heard
+
+
+async def test_the_view_is_capped_gone_peers_expire_and_status_stays_bounded(tmp_path):
+    async with local_mesh(3, tmp_path) as (victim, honest, attacker):
+        victim.membership.max_records = 100
+        victim.membership.gone_ttl = 1.0
+        heard = hearing(victim)
+        fresh = {await heartbeat_from_a_fresh_identity(attacker) for _ in range(150)}
+        with trio.fail_after(20):
+            while not fresh <= heard:
+                await trio.sleep(0.05)
+        assert len(victim.membership.all()) <= 100
+        # Honest peers heartbeat every second, so they are never the ones evicted.
+        assert {r.peer_id for r in victim.membership.alive()} >= {honest.peer_id, attacker.peer_id}
+        status = victim.status()
+        assert len(status["peers"]) == STATUS_MAX_PEERS and status["peers_total"] <= 100
+        assert status["membership"]["evicted"] >= 50
+        assert len(json.dumps(status)) < 150_000
+        # The fresh identities fall silent: marked gone, then forgotten after gone_ttl.
+        with trio.fail_after(30):
+            while len(victim.membership.all()) > 2:
+                await trio.sleep(0.1)
+        assert victim.membership.expired >= 98
+        assert {r.peer_id for r in victim.membership.alive()} == {honest.peer_id, attacker.peer_id}
+
+
+async def test_discovery_dials_few_addresses_of_a_peer_and_keeps_a_bounded_number_of_peers(tmp_path, monkeypatch):
+    monkeypatch.setattr(discovery_module, "MAX_KEPT_PEERS", 12, raising=False)
+    # Fresh identities stay alive (so followed) for the whole test, however loaded the machine.
+    async with local_mesh(2, tmp_path, silence_heartbeats=60) as (victim, attacker):
+        heard = hearing(victim)
+        fresh = {await heartbeat_from_a_fresh_identity(attacker, closed_port_addrs(16)) for _ in range(40)}
+        store = victim.host.get_peerstore()
+
+        def dialed() -> list:
+            fresh = [r.peer_id for r in victim.membership.alive() if r.peer_id != attacker.peer_id]
+            return [store.addrs(p) for p in fresh if p in store.peer_ids() and store.addrs(p)]
+
+        with trio.fail_after(20):
+            while not fresh <= heard or len(dialed()) < 8:
+                await trio.sleep(0.05)
+        assert all(len(a) <= 4 for a in dialed()), "at most MAX_DIAL_ADDRS_PER_PEER of 16 addresses"
+        with trio.fail_after(10):  # a peer with a larger ID than ours is followed a second later
+            while victim.status()["discovery"]["not_kept"] < 40 - 12:
+                await trio.sleep(0.05)
+        assert len(victim.discovery._keeping) <= 12
