@@ -217,6 +217,7 @@ class Node:
         self.pubsub: Pubsub | None = None
         self.discovery: Discovery | None = None
         self._services: list[tuple[Service, tuple[Any, ...], str]] = []
+        self._status_sections: dict[str, Callable[[], dict[str, Any]]] = {}
         self._nursery: trio.Nursery | None = None
         self._seq = time.time_ns() // 1000  # grows across restarts with no stored state
         self._stop = trio.Event()
@@ -281,6 +282,11 @@ class Node:
         if self._nursery is not None:
             raise RuntimeError("the node is running: use node.start_soon(...) instead")
         self._services.append((fn, args, name or getattr(fn, "__qualname__", repr(fn))))
+
+    def add_status(self, section: str, fn: Callable[[], dict[str, Any]]) -> None:
+        """Show ``fn()`` under ``services.<section>`` in `node status`: how a service above the node
+        (content, tasks) reports its counters without the node importing it."""
+        self._status_sections[section] = fn
 
     def start_soon(self, fn: Service, *args: Any, name: str | None = None) -> None:
         """Start a task in the node's service nursery (while running); it is cancelled at stop."""
@@ -432,6 +438,7 @@ class Node:
                 **self.router.stats(),
                 "dropped_below_router": dict(getattr(self.pubsub, "dropped", {})),
             },
+            "services": {section: fn() for section, fn in self._status_sections.items()},
         }
 
     async def _status_op(self, request: dict[str, Any]) -> dict[str, Any]:

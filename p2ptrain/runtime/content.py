@@ -38,6 +38,11 @@ class ContentService:
         self._ready = trio.Event()
         node.control.register("ipfs.fetch", self._fetch_op)
         node.control.register("ipfs.add", self._add_op)
+        node.add_status("content", self._status)
+
+    def _status(self) -> dict[str, Any]:
+        """Bitswap's inbound refusals and what peers hold with us now (none with Kubo)."""
+        return {"bitswap": self.exchange.stats() if self.exchange is not None else None}
 
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         assert self.node.host is not None

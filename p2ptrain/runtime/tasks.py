@@ -183,6 +183,15 @@ class TaskService:
             ("task.status", self._status_op),
         ):
             node.control.register(op, handler)
+        node.add_status("tasks", self._node_status)
+
+    def _joins(self) -> dict[str, Any]:
+        return {"joining": len(self._joining), "remembered_failures": len(self._failed),
+                "rejected": dict(self.join_rejections)}
+
+    def _node_status(self) -> dict[str, Any]:
+        """Joins refused and the collective's inbound refusals, for `node status`."""
+        return {"joins": self._joins(), "collective": self.collective.hub.stats() if self.collective else None}
 
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         assert self.node.host is not None
@@ -356,9 +365,7 @@ class TaskService:
         tasks = {cid: known.as_json() for cid, known in self.known.items()}
         for cid, run in self.runs.items():
             tasks[cid] = run.status()
-        return {"tasks": list(tasks.values()), "joins": {
-            "joining": len(self._joining), "remembered_failures": len(self._failed),
-            "rejected": dict(self.join_rejections)}}
+        return {"tasks": list(tasks.values()), "joins": self._joins()}
 
     async def _status_op(self, request: dict[str, Any]) -> dict[str, Any]:
         task_cid = str(request.get("task_cid", ""))

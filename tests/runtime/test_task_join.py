@@ -97,7 +97,12 @@ async def test_bad_task_announcements_are_counted_refusals_and_the_node_keeps_se
         tasks = {t["task_cid"]: t for t in listing["tasks"]}
         assert "empty subtree" in tasks[bad["bomb"]]["refused"]
         # Still serving: the control socket answers and the process runs; the CLI shows the counters.
-        assert victim.status()["peer_id"] == victim.peer_id
+        status = victim.status()
+        assert status["peer_id"] == victim.peer_id
+        # node status carries the services' counters: joins refused, the collective's and Bitswap's inbound side.
+        assert status["services"]["tasks"]["joins"]["remembered_failures"] == len(bad)
+        assert "parked" in status["services"]["tasks"]["collective"]
+        assert "inbound_bytes_held" in status["services"]["content"]["bitswap"]
         shown = subprocess.run([sys.executable, "-m", "p2ptrain.cli.main", "task", "list", "--json", "--home",
                                 str(victim.home)], capture_output=True, text=True, timeout=60)
         assert json.loads(shown.stdout)["joins"]["rejected"]["recently_failed"] >= len(bad)
