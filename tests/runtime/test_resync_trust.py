@@ -155,3 +155,45 @@ async def test_a_head_naming_content_that_is_no_chain_is_a_counted_resync_failur
         assert victim.node.host is not None and victim.tasks.runs[task_cid] is run  # still serving
 
     await _with_victim_and_attacker(tmp_path, body)
+
+
+async def test_a_chain_extended_by_a_stranger_or_forked_is_not_loaded(tmp_path: Path) -> None:
+    """The chain a head names is re-verified record by record, but anyone can sign a record whose
+    parent is the real head and that names a model of their choice: the records a chain adds must be
+    signed by the coordinator our election accepted for their term, and the records we confirmed
+    must be there unchanged."""
+    from dataclasses import replace
+
+    from p2ptrain.training.records import Chain, sign_record
+    from p2ptrain.training.trainer import Trainer
+
+    async def body(victim: Peer, attacker: Peer, manifest: str) -> None:
+        reply = await victim.tasks._publish_op({"text": TASK.format(name="forged", manifest=manifest), "join": True})
+        run: TaskRun = victim.tasks.runs[reply["task_cid"]]
+        await _wait(lambda: run.state == "failed" or (run.book is not None and run.book.chain.version >= 1))
+        assert run.state == "training" and run.synced, run.error
+        ours = run.book.chain
+        real = ours.records[-1].record
+        # The attacker's model of the right architecture, and a record for it one version ahead.
+        poisoned = Trainer(run.task, total_steps=run.total_steps, device="cpu")
+        poisoned.step = real.step + 5
+        store = attacker.content.store
+        model_cid = store.add_bytes(poisoned.model_bytes())
+        optim_cid = store.add_bytes(poisoned.optimizer_bytes())
+        key = attacker.node.key_pair
+        extra = sign_record(replace(real, version=real.version + 1, parent=real.model_cid, step=real.step + 5,
+                                    model_cid=model_cid, optimizer_cid=optim_cid), key)
+        extended = Chain.from_bytes(run.task_cid, run.initial_cid, ours.to_bytes())
+        extended.append(extra)
+        forked = Chain(run.task_cid, run.initial_cid)
+        forked.append(sign_record(replace(ours.records[0].record, model_cid=model_cid, optimizer_cid=optim_cid), key))
+        for chain, why in ((extended, "signed by"), (forked, "fork")):
+            chain_cid = store.add_bytes(chain.to_bytes())
+            head = _head(run.task_cid, chain_cid, chain.version)
+            failure = await run._try_load_head(head)
+            assert failure is not None and why in failure, failure
+            assert run.trainer.model_bytes() != poisoned.model_bytes()
+        assert run.rejected["resync_failed"] == 2 and run.rejected["fork"] == 1
+        assert run.state != "failed" and run.book.chain is ours
+
+    await _with_victim_and_attacker(tmp_path, body)
