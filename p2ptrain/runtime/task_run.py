@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
@@ -34,12 +35,13 @@ from p2ptrain.collective import Collective, CollectiveError, PeerFailed
 from p2ptrain.data.dataset import IPFSDataset
 from p2ptrain.data.manifest import MAX_MANIFEST_BYTES, Manifest
 from p2ptrain.ipfs.store import ContentUnavailable
+from p2ptrain.ipfs.unixfs import DagError
 from p2ptrain.mesh.router import short
 from p2ptrain.atomic import write_atomic
 from p2ptrain.node import Node
 from p2ptrain.runtime.content import ContentService
 from p2ptrain.training.election import Election, ElectionConfig
-from p2ptrain.training.records import Chain, RecordError, Status, Tally, attest, load_model_bytes
+from p2ptrain.training.records import MAX_CHAIN_BYTES, Chain, RecordError, Status, Tally, attest, load_model_bytes
 from p2ptrain.training.rounds import RoundBook, round_id, shard_of
 from p2ptrain.training.task import Task, total_steps, unmet_requirement
 from p2ptrain.training.sync import PlanAverager
@@ -68,6 +70,12 @@ FIRST_ROUND_GRACE_S = 2.0  # the first plan waits this long after election, for 
 CATCH_UP_WAIT_S = 2.0  # a member listed in a plan from a checkpoint it lacks waits this long for its head
 HOP_TIMEOUT_S = 5.0
 START_TIMEOUT_S = 15.0  # members start a round at different times (compute, plan latency)
+# Fetching a head's chain, model or optimizer state: each is bounded in bytes too (MAX_CHAIN_BYTES,
+# Trainer.state_limits), so this only ends a transfer that stalls; 60 s is ContentService's default.
+RESYNC_FETCH_TIMEOUT_S = 60.0
+# Terms whose coordinator (as our election accepted it) is remembered, to check who signed the
+# records a head's chain adds: 256 terms (a few KiB) go back further than any member stays away.
+KNOWN_TERMS = 256
 
 
 def task_topic(task_cid: str) -> str:
@@ -118,6 +126,11 @@ class TaskRun:
         self.early_attestations: dict[str, list[SignedAttestation]] = {}
         self.checkpoint_cids: dict[int, tuple[str, str]] = {}  # step -> (model CID, optimizer CID)
         self.heads: TaskHead | None = None
+        self._head_sender: str | None = None  # who published self.heads
+        # term -> the coordinator our election accepted for it (the last KNOWN_TERMS terms)
+        self._coordinators: dict[int, str] = {}
+        # Heads and chains refused, resyncs that failed, by kind: shown in `task status` ("rejected").
+        self.rejected: Counter[str] = Counter()
         self._chain_cid: tuple[int, str] | None = None  # (chain version, CID of its bytes)
         self.metrics: dict[str, float] = {}
         self.bytes_sent = 0
@@ -187,6 +200,7 @@ class TaskRun:
             "compute_s": round(self.compute_s, 4),
             "sync_s": round(self.sync_s, 4),
             "apply_s": round(self.apply_s, 4),
+            "rejected": dict(self.rejected),
         }
 
     # -- lifetime ----------------------------------------------------------------------------
@@ -317,13 +331,47 @@ class TaskRun:
         elif isinstance(msg, SignedAttestation):
             self._on_attestation(msg)
         elif isinstance(msg, TaskHead):
-            if self.heads is None or (msg.version, msg.step) >= (self.heads.version, self.heads.step):
-                self.heads = msg
+            problem = self._head_problem(sender)
+            if problem is not None:
+                self._refuse("head_untrusted", f"ignored a head (model v{msg.version}): {problem}")
+                return
+            if (self.heads is None or sender != self._head_sender
+                    or (msg.version, msg.step) >= (self.heads.version, self.heads.step)):
+                self.heads, self._head_sender = msg, sender
                 self._head_heard.set()
             if msg.done and self.synced and self.book and self.book.chain.version >= msg.version:
                 self._done.set()
 
+    def _head_problem(self, sender: str) -> str | None:
+        """Why a head from ``sender`` is not to be acted on, or None.
+
+        A head makes a member stop advertising and load a chain, a model and an optimizer state by
+        CID, so only the coordinator our election accepted (a quorum of the roster voted for it) is
+        heard. A member that knows no coordinator right now (between terms) waits for the next one,
+        unless it holds no confirmed model: a fresh joiner has no other way into a run under way and
+        trusts the head's sender (see docs/training.md, "Heads and resync").
+        """
+        coordinator = self.election.coordinator
+        if coordinator is not None:
+            if sender == coordinator:
+                return None
+            return f"from {short(sender)}, not the coordinator {short(coordinator)} of term {self.election.term}"
+        if self.book is not None and self.book.chain.version > 0:
+            return f"from {short(sender)} while no coordinator is known"
+        return None
+
+    def _refuse(self, kind: str, why: str) -> None:
+        """Count a refusal of ``kind``; log it the 1st, 2nd, 4th, 8th... time (a flood stays a few lines)."""
+        self.rejected[kind] += 1
+        n = self.rejected[kind]
+        if n & (n - 1) == 0:
+            logger.warning("%s: %s (%s refusal #%d)", self.log_prefix, why, kind, n)
+
     def _note_coordinator(self, before: str | None, now: float) -> None:
+        if self.election.coordinator is not None:
+            self._coordinators[self.election.term] = self.election.coordinator
+            while len(self._coordinators) > KNOWN_TERMS:
+                del self._coordinators[min(self._coordinators)]
         if self.election.coordinator != before and self.election.coordinator is not None:
             who = "this peer" if self.election.is_coordinator else short(self.election.coordinator)
             logger.info("%s: coordinator of term %d is %s", self.log_prefix, self.election.term, who)
@@ -539,7 +587,7 @@ class TaskRun:
         )
         await self.node.publish(TASKS_TOPIC, msg)
         await self.node.publish(TASKS_TOPIC, TaskAnnounce(task_cid=self.task_cid, name=self.task.name))
-        self.heads = msg
+        self.heads, self._head_sender = msg, self.me
 
     # -- the round loop ------------------------------------------------------------------------
 
@@ -758,10 +806,17 @@ class TaskRun:
                 self.synced, self.state = True, "training"
                 self._advertise(True)
                 continue
-            try:
-                await self._load_head(head)
-            except (ContentUnavailable, RecordError, TrainerError) as exc:
-                logger.warning("%s: resync from model v%d failed: %s", self.log_prefix, head.version, exc)
+            await self._try_load_head(head)
+
+    def _check_signer(self, version: int, term: int, coordinator: str) -> None:
+        """A record a head's chain adds must come from the coordinator our election accepted for its
+        term (where we know that term), and from no term later than ours (where we know ours)."""
+        known = self._coordinators.get(term)
+        if known is not None and coordinator != known:
+            raise RecordError(f"model record v{version} of term {term} is signed by {short(coordinator)}, "
+                              f"the coordinator of that term was {short(known)}")
+        if self.election.coordinator is not None and term > self.election.term:
+            raise RecordError(f"model record v{version} is of term {term}, after the current term {self.election.term}")
 
     async def _follow_from_behind(self, sender: str, plan: RoundPlan) -> None:
         """Catch up to the checkpoint ``plan`` starts from, by CID from the run's head, then follow
@@ -779,10 +834,9 @@ class TaskRun:
         if head is None or head.version != plan.version or head.model_cid != plan.base_cid:
             problem = f"behind the run, and its head is not the plan's base v{plan.version}"
         elif head.version > self.book.chain.version or not self.trainer.can_align(plan.step):
-            try:
-                await self._load_head(head)
-            except (ContentUnavailable, RecordError, TrainerError) as exc:
-                problem = f"could not load the plan's base v{plan.version}: {exc}"
+            failure = await self._try_load_head(head)
+            if failure is not None:
+                problem = f"could not load the plan's base v{plan.version}: {failure}"
         if problem is None and not self.trainer.can_align(plan.step):
             problem = f"at step {self.trainer.step}, the plan starts at step {plan.step}"
         if problem is not None:
@@ -798,18 +852,46 @@ class TaskRun:
                     plan.round, plan.attempt)
         self._follow(plan)
 
+    async def _try_load_head(self, head: TaskHead) -> str | None:
+        """The resync path's one boundary: load ``head``, or count and log why not (returned).
+
+        Everything a head names comes from the network: any failure to load it (content missing or
+        too large, a DAG that is not a file, a chain that forks or is signed by a stranger, a state
+        that does not fit) is a refused resync, never an error out of the run.
+        """
+        try:
+            await self._load_head(head)
+        except Exception as exc:  # noqa: BLE001 - the boundary: trio.Cancelled is a BaseException
+            if isinstance(exc, RecordError) and str(exc).startswith("fork"):
+                self.rejected["fork"] += 1
+            known = isinstance(exc, (ContentUnavailable, RecordError, TrainerError, DagError))
+            self._refuse("resync_failed", f"resync from model v{head.version} failed: "
+                                          f"{exc if known else repr(exc)}")
+            return str(exc)
+        return None
+
     async def _load_head(self, head: TaskHead) -> None:
-        assert self.trainer is not None
-        await self.content.fetch(head.chain_cid)
-        data = await trio.to_thread.run_sync(self.content.store.cat, head.chain_cid)
-        chain = Chain.from_bytes(self.task_cid, self.initial_cid, data)
+        """Load the chain ``head`` names (it must extend ours), then its head's model and optimizer.
+
+        Every read is bounded: the chain by MAX_CHAIN_BYTES, the state by what this architecture
+        takes (Trainer.state_limits). The records it adds must each be signed by the coordinator our
+        election accepted for that record's term, where we know that term.
+        """
+        assert self.trainer is not None and self.book is not None
+        store = self.content.store
+        await self.content.fetch(head.chain_cid, timeout=RESYNC_FETCH_TIMEOUT_S, max_bytes=MAX_CHAIN_BYTES)
+        data = await trio.to_thread.run_sync(lambda: store.cat(head.chain_cid, max_bytes=MAX_CHAIN_BYTES))
+        chain = await trio.to_thread.run_sync(Chain.from_bytes, self.task_cid, self.initial_cid, data)
+        for signed in self.book.chain.extension(chain):  # a fork raises RecordError
+            self._check_signer(signed.record.version, signed.record.term, signed.record.coordinator)
         if chain.version == 0:
             return
         last = chain.records[-1].record
-        await self.content.fetch(last.model_cid)
-        await self.content.fetch(last.optimizer_cid)
-        model = await trio.to_thread.run_sync(self.content.store.cat, last.model_cid)
-        optim = await trio.to_thread.run_sync(self.content.store.cat, last.optimizer_cid)
+        max_model, max_optim = self.trainer.state_limits()
+        await self.content.fetch(last.model_cid, timeout=RESYNC_FETCH_TIMEOUT_S, max_bytes=max_model)
+        await self.content.fetch(last.optimizer_cid, timeout=RESYNC_FETCH_TIMEOUT_S, max_bytes=max_optim)
+        model = await trio.to_thread.run_sync(lambda: store.cat(last.model_cid, max_bytes=max_model))
+        optim = await trio.to_thread.run_sync(lambda: store.cat(last.optimizer_cid, max_bytes=max_optim))
         self.trainer.load_state(model, optim)
         if self.trainer.step != last.step:
             raise TrainerError(f"checkpoint v{last.version} says step {last.step}, its state says {self.trainer.step}")

@@ -28,7 +28,7 @@ from p2ptrain.mesh.router import short
 from p2ptrain.node import Node
 from p2ptrain.runtime.content import ContentService
 from p2ptrain.runtime.task_run import TASKS_TOPIC, TaskRun, task_topic
-from p2ptrain.training.records import RecordError, record_from_bytes
+from p2ptrain.training.records import MAX_CHAIN_BYTES, RecordError, record_from_bytes
 from p2ptrain.training.task import TaskError, load_task, task_bytes, task_from_bytes, unmet_requirement
 from p2ptrain.wire.messages import (
     CoordinatorBeat,
@@ -61,9 +61,8 @@ MAX_FAILED_JOINS = 1024
 # A join from an announcement fetches a file of at most MAX_TASK_BYTES: if that takes longer than
 # this, the announcer (or its content) is not worth waiting for.
 JOIN_FETCH_TIMEOUT_S = 30.0
-# A run's chain.jsonl holds one signed record (at most 64 KiB) per checkpoint; 64 MiB is over
-# a thousand checkpoints of the largest record, and keeps a damaged file from being read whole.
-MAX_CHAIN_FILE_BYTES = 64 * 1024 * 1024
+# A run's chain.jsonl: the one limit on a chain's bytes, on disk or fetched (records.MAX_CHAIN_BYTES, 64 MiB).
+MAX_CHAIN_FILE_BYTES = MAX_CHAIN_BYTES
 
 
 class RunStateError(UserError):

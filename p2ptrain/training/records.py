@@ -49,6 +49,13 @@ MAX_RECORD_BYTES = 64 * 1024
 MAX_RECORD_DEPTH = 8
 # A model card is {"name": ..., "kwargs": {"hidden": [..]}}: three levels.
 MAX_CARD_DEPTH = 4
+# A chain's bytes (JSON lines of signed records, on disk as chain.jsonl or named by a head's
+# chain_cid): 64 MiB is over a thousand checkpoints of the largest record (MAX_RECORD_BYTES) and
+# ~100,000 of a typical one (~650 B), and keeps a hostile or damaged chain from being read whole.
+MAX_CHAIN_BYTES = 64 * 1024 * 1024
+# Records in one chain: each costs a signature check (~0.2 ms here), so 65,536 records take ~13 s of
+# one worker thread at most; that is a checkpoint every 10 steps for 655,360 steps.
+MAX_CHAIN_RECORDS = 65_536
 
 
 class RecordError(UserError, ValueError):
@@ -299,6 +306,17 @@ class Chain:
             )
         return r
 
+    def extension(self, other: Chain) -> list[SignedModelRecord]:
+        """The records ``other`` adds to this chain, which must be a prefix of it: the same records
+        at every version this chain holds. A different record at a version we confirmed is a fork
+        (:class:`RecordError`); a shorter chain adds nothing (an empty list)."""
+        if (other.task_cid, other.initial_cid) != (self.task_cid, self.initial_cid):
+            raise RecordError("fork: the chain starts from another task or initial model")
+        for mine, theirs in zip(self.records, other.records):
+            if record_id(mine.record) != record_id(theirs.record):
+                raise RecordError(f"fork: a different model record v{mine.record.version} than the one confirmed here")
+        return other.records[self.version:]
+
     def append(self, signed: SignedModelRecord) -> None:
         """Add a confirmed record (checked by :meth:`check` again)."""
         self.check(signed)
@@ -310,9 +328,14 @@ class Chain:
 
     @classmethod
     def from_bytes(cls, task_cid: str, initial_cid: str, data: bytes) -> Chain:
-        """Rebuild and re-verify a chain saved by :meth:`to_bytes`."""
+        """Rebuild and re-verify a chain saved by :meth:`to_bytes` (at most :data:`MAX_CHAIN_BYTES`
+        and :data:`MAX_CHAIN_RECORDS`); every way it can be bad is a :class:`RecordError`."""
+        if len(data) > MAX_CHAIN_BYTES:
+            raise RecordError(f"chain of {len(data)} B is over the {MAX_CHAIN_BYTES} B limit")
+        lines = [line for line in data.splitlines() if line.strip()]
+        if len(lines) > MAX_CHAIN_RECORDS:
+            raise RecordError(f"chain of {len(lines)} records is over the {MAX_CHAIN_RECORDS} record limit")
         chain = cls(task_cid, initial_cid)
-        for line in data.splitlines():
-            if line.strip():
-                chain.append(record_from_bytes(line))
+        for line in lines:
+            chain.append(record_from_bytes(line))
         return chain

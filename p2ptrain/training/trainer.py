@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import re
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -43,6 +44,14 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 # fp16 autocast needs loss scaling to keep small gradients from flushing to zero. A fixed scale is
 # used (not torch's dynamic GradScaler) because the scale must be the same on every member.
 FP16_LOSS_SCALE = 1024.0
+# A parameter index in an optimizer file's tensor names: up to 9 ASCII digits (a model of more than
+# 10**9 parameter tensors does not exist; a longer run of digits only costs int() time).
+_INDEX = re.compile(r"[0-9]{1,9}")
+# What a checkpoint file may carry beyond its tensors' bytes: the 8-byte length, the header's JSON
+# (each tensor's name, dtype, shape and offsets: under _HEADER_PER_TENSOR bytes with names of at most
+# tensorfile.MAX_NAME_LENGTH) and the metadata (the model card, a few hundred bytes; 64 KiB allowed).
+_HEADER_PER_TENSOR = 512
+_HEADER_SLACK = 64 * 1024
 _OPTIMIZER_STATE_KEYS = {"sgd": {"momentum_buffer"}, "adam": {"step", "exp_avg", "exp_avg_sq"},
                          "adamw": {"step", "exp_avg", "exp_avg_sq"}}
 
@@ -373,6 +382,19 @@ class Trainer:
         """Deterministic safetensors of the optimizer state and step: what a late joiner resumes from."""
         return tensors_bytes(self.optimizer_tensors())
 
+    def state_limits(self) -> tuple[int, int]:
+        """The most bytes an honest (model, optimizer) checkpoint of this architecture can take:
+        the bound for reading a checkpoint named by a peer, before anything is parsed."""
+        def size(tensors: list[torch.Tensor], per_tensor: int) -> int:
+            return sum(t.numel() * t.element_size() + per_tensor for t in tensors) + _HEADER_SLACK
+
+        model = size(list(self.model.state_dict().values()), _HEADER_PER_TENSOR)
+        # Each state key of the optimizer at most once per parameter and at most as large as it (a
+        # scalar "step" takes 8 bytes, inside its header allowance); plus trainer.step.
+        keys = len(_OPTIMIZER_STATE_KEYS[self.task.optimizer.name])
+        optim = keys * sum(p.numel() * p.element_size() + _HEADER_PER_TENSOR for p in self.params)
+        return model, optim + _HEADER_SLACK + _HEADER_PER_TENSOR + 8
+
     def load_state(self, model_data: bytes, optimizer_data: bytes) -> None:
         """Resume from a checkpoint's bytes (checked against the architecture and the optimizer)."""
         optim_t = read_tensors(optimizer_data)
@@ -394,7 +416,9 @@ class Trainer:
             if name == "trainer.step":
                 continue
             parts = name.split(".")
-            if len(parts) != 3 or parts[0] != "state" or not parts[1].isdigit() or parts[2] not in allowed:
+            # ASCII digits only: str.isdigit() also accepts '²', on which int() raises ValueError.
+            if (len(parts) != 3 or parts[0] != "state" or not _INDEX.fullmatch(parts[1])
+                    or parts[2] not in allowed):
                 raise RecordError(f"optimizer file has unexpected tensor {name!r}")
             index = int(parts[1])
             if index >= len(self.params):

@@ -217,3 +217,42 @@ def test_reading_tensors_checks_the_header_first():
     bad = good[:8] + good[8:].replace(b"[0,8]", b"[0,9]")  # a range one byte past the data
     with pytest.raises(RecordError, match="outside"):
         read_tensors(bad)
+
+
+def test_a_chain_extends_another_only_with_the_same_records_as_a_prefix():
+    r1 = sign_record(record(1, parent="Qminit", model_cid="Qm1"), KEYS[0])
+    r2 = sign_record(record(2, parent="Qm1", model_cid="Qm2"), KEYS[0])
+    r3 = sign_record(record(3, parent="Qm2", model_cid="Qm3"), KEYS[1])
+    ours, longer, shorter = Chain(TASK, "Qminit"), Chain(TASK, "Qminit"), Chain(TASK, "Qminit")
+    for r in (r1, r2):
+        ours.append(r)
+    for r in (r1, r2, r3):
+        longer.append(r)
+    shorter.append(r1)
+    assert ours.extension(longer) == [r3]
+    assert ours.extension(shorter) == [] and ours.extension(ours) == []
+    assert Chain(TASK, "Qminit").extension(longer) == [r1, r2, r3]  # a fresh joiner's empty chain
+    # A fork at a version we confirmed: another record v2 (signed by anyone, parent links intact).
+    forked = Chain(TASK, "Qminit")
+    forked.append(r1)
+    forked.append(sign_record(record(2, parent="Qm1", model_cid="Qm2evil"), KEYS[4]))
+    forked.append(sign_record(record(3, parent="Qm2evil", model_cid="Qm3evil"), KEYS[4]))
+    with pytest.raises(RecordError, match="fork: a different model record v2"):
+        ours.extension(forked)
+    with pytest.raises(RecordError, match="fork: the chain starts from another"):
+        ours.extension(Chain(TASK, "Qmotherinit"))
+
+
+def test_chain_bytes_and_records_are_bounded(monkeypatch):
+    import p2ptrain.training.records as records
+
+    with pytest.raises(RecordError, match="over the 67108864 B limit"):
+        Chain.from_bytes(TASK, "Qminit", b"\n" * (records.MAX_CHAIN_BYTES + 1))
+    chain = Chain(TASK, "Qminit")
+    parent = "Qminit"
+    for v in (1, 2, 3):
+        chain.append(sign_record(record(v, parent=parent, model_cid=f"Qm{v}"), KEYS[0]))
+        parent = f"Qm{v}"
+    monkeypatch.setattr(records, "MAX_CHAIN_RECORDS", 2)
+    with pytest.raises(RecordError, match="3 records is over the 2 record limit"):
+        Chain.from_bytes(TASK, "Qminit", chain.to_bytes())

@@ -7,7 +7,7 @@ import torch
 import trio
 
 from p2ptrain.data import IPFSDataset
-from p2ptrain.training.records import RecordError
+from p2ptrain.training.records import RecordError, tensors_bytes
 from p2ptrain.training.trainer import Trainer, TrainerError, batched, batches_forever, lr_at, resolve_device
 
 
@@ -187,3 +187,27 @@ def test_apply_leaves_the_average_alone(digits, digits_task):
     assert torch.equal(average, kept)
     assert all(p.grad is None for p in a.params)
     assert a.model_bytes() == b.model_bytes()
+
+
+def test_an_optimizer_file_with_non_ascii_digits_is_a_record_error(digits, digits_task):
+    """'²'.isdigit() is True and int('²') raises ValueError: the name check takes ASCII digits only."""
+    _, cid = digits
+    t = Trainer(digits_task(cid), device="cpu")
+    t.apply(torch.zeros(t.num_parameters))
+    optim = t.optimizer_tensors()
+    for bad in ("state.².exp_avg", "state.1" + "0" * 200 + ".exp_avg", "state.٣.exp_avg"):
+        hostile = dict(optim)
+        hostile[bad] = hostile.pop("state.0.exp_avg")
+        with pytest.raises(RecordError, match="unexpected tensor"):
+            t.load_state(t.model_bytes(), tensors_bytes(hostile))
+
+
+def test_state_limits_hold_an_honest_checkpoint(digits, digits_task):
+    _, cid = digits
+    for extra in ({}, {"optimizer.name": '"sgd"', "optimizer.momentum": "0.9"}):
+        t = Trainer(digits_task(cid, **extra), device="cpu")
+        t.apply(torch.zeros(t.num_parameters))
+        max_model, max_optim = t.state_limits()
+        assert len(t.model_bytes()) <= max_model and len(t.optimizer_bytes()) <= max_optim
+        # ...and are no more than the tensors' bytes plus header allowance (not the 8 GiB default).
+        assert max_model < 4 * len(t.model_bytes()) + 128 * 1024
