@@ -855,7 +855,11 @@ async def run_group(base: Path, names: list[str], sizes: Sizes, deadline: float,
                 continue
             cluster.killed.clear()
             if name != "restart_same_home":
+                pre = models_of(await statuses(cluster), cluster)
                 result.detail.update(await settle(cluster))
+                # Models lost while the bench restarted the nodes an earlier scenario killed: the
+                # earlier scenario's damage, shown here, not counted in this one's lost_models.
+                result.detail["lost_in_settle"] = lost_models(pre, models_of(await statuses(cluster), cluster))[0]
             say(f"{name} ...")
             t = trio.current_time()
             try:
