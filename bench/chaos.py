@@ -98,8 +98,8 @@ FREEZE_S = HOP_TIMEOUT_S + 5.0
 # Before a fault scenario, the cluster gets this long to be whole again (restarted nodes back in the plan).
 SETTLE_TIMEOUT_S = 45.0
 # After an attack, wait this long before judging: a node dying of an uncaught error logs, stops its
-# services and exits over a second or two.
-EXIT_GRACE_S = 3.0
+# services and exits over a second or two (more on a loaded machine: 3 s once missed one).
+EXIT_GRACE_S = 5.0
 
 
 @dataclass(frozen=True)
