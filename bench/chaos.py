@@ -932,9 +932,12 @@ def main() -> int:
     logging.getLogger("libp2p").setLevel(logging.CRITICAL)
     results: list[Result] = []
     started = time.monotonic()
+    interrupted = False
     try:
         trio.run(main_async, args, results)
-    except KeyboardInterrupt:
+    except* KeyboardInterrupt:  # bare, or inside the nursery's exception group
+        interrupted = True
+    if interrupted:
         say("interrupted: every node process has been stopped")
         return 130
     report = {
