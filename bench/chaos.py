@@ -25,7 +25,7 @@ For every scenario it reports:
 - ``lost_models``: confirmed models (version, CID) seen on any node before the fault that no node
   holds after it, plus versions at which two nodes' confirmed chains disagree (forks); must be 0;
 - ``corrupted_blocks``: blocks under the honest nodes' homes that do not hash to their CID, by
-  ``p2ptrain repo verify`` where the code has it, else by hashing them here (``detail.verified_by``).
+  ``p2ptrain repo verify``.
 
 Scenarios (``--only`` takes these names; a prefix selects a group, e.g. ``--only hostile``):
 
@@ -48,7 +48,6 @@ Scenarios (``--only`` takes these names; a prefix selects a group, e.g. ``--only
 from __future__ import annotations
 
 import argparse
-import base64
 import contextlib
 import datetime
 import json
@@ -73,7 +72,7 @@ import hostile
 from p2ptrain.cli.demo import TASK_TEMPLATE
 from p2ptrain.errors import UserError
 from p2ptrain.ipfs.blockstore import BlockStore
-from p2ptrain.ipfs.cid import DAG_PB, BlockMismatch, make_cid, parse_cid, verify_block
+from p2ptrain.ipfs.cid import DAG_PB, make_cid
 from p2ptrain.ipfs.dagpb import encode_file_leaf
 from p2ptrain.net.control import ControlClient
 from p2ptrain.runtime.task_run import HOP_TIMEOUT_S
@@ -141,32 +140,7 @@ def say(*parts: Any) -> None:
     print(f"[chaos {time.strftime('%H:%M:%S')}]", *parts, file=sys.stderr, flush=True)
 
 
-# ---- blocks: `repo verify` where it exists, else hashing here ------------------------------------
-
-
-def hash_check(home: Path) -> tuple[int, int]:
-    """(blocks that do not hash to their CID, blocks checked) under ``home/blocks``, by hashing each
-    file with p2ptrain.ipfs's CID functions (the store names a file by the base32 of its multihash)."""
-    bad = total = 0
-    for path in sorted((Path(home) / "blocks").glob("??/*.data")):
-        key = path.name[: -len(".data")]
-        try:
-            multihash = base64.b32decode(key + "=" * (-len(key) % 8))
-            cid = parse_cid(b"\x01\x55" + multihash)  # CIDv1 raw: the hash alone decides
-            data = path.read_bytes()
-        except (ValueError, OSError):
-            bad += 1
-            total += 1
-            continue
-        total += 1
-        try:
-            verify_block(cid, data)
-        except BlockMismatch:
-            bad += 1
-    return bad, total
-
-
-_REPO_VERIFY: bool | None = None
+# ---- blocks: `p2ptrain repo verify` ----------------------------------------------------------------
 
 
 def _cli(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
@@ -174,41 +148,17 @@ def _cli(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
                           timeout=timeout)
 
 
-def has_repo_verify() -> bool:
-    """Whether the code under test has `p2ptrain repo verify` (asked once)."""
-    global _REPO_VERIFY
-    if _REPO_VERIFY is None:
-        done = _cli("repo", "verify", "--help", timeout=VERIFY_TIMEOUT_S)
-        _REPO_VERIFY = done.returncode == 0
-    return _REPO_VERIFY
-
-
-def _repo_verify(home: Path) -> int:
-    """Bad blocks `p2ptrain repo verify` reports for ``home`` (exit 0: none; exit 1: it lists them)."""
+def repo_verify(home: Path) -> int:
+    """Blocks of ``home`` that `p2ptrain repo verify` finds not hashing to their CID (exit 0: none)."""
     done = _cli("repo", "verify", "--home", str(home), "--json", timeout=VERIFY_TIMEOUT_S)
-    if done.returncode == 2 and "--json" in done.stderr:
-        done = _cli("repo", "verify", "--home", str(home), timeout=VERIFY_TIMEOUT_S)
-    if done.returncode == 0:
-        return 0
-    if done.returncode != 1:
+    if done.returncode not in (0, 1):
         raise RuntimeError(f"repo verify {home} exited {done.returncode}: {done.stderr.strip()[-300:]}")
-    with contextlib.suppress(ValueError):
-        report = json.loads(done.stdout)
-        for key in ("bad", "corrupt", "corrupted", "failed", "mismatched", "bad_blocks"):
-            value = report.get(key) if isinstance(report, dict) else None
-            if isinstance(value, list):
-                return len(value)
-            if isinstance(value, int) and not isinstance(value, bool):
-                return value
-    listed = [line for line in (done.stdout + done.stderr).splitlines() if "Qm" in line or "baf" in line]
-    return max(1, len(listed))
+    return len(json.loads(done.stdout)["bad"])
 
 
-def corrupted_blocks(homes: list[Path]) -> tuple[int, str]:
-    """Bad blocks summed over ``homes``, and how they were found ("repo verify" or "bench hash")."""
-    if has_repo_verify():
-        return sum(_repo_verify(h) for h in homes), "repo verify"
-    return sum(hash_check(h)[0] for h in homes), "bench hash"
+def corrupted_blocks(homes: list[Path]) -> int:
+    """Bad blocks summed over ``homes``."""
+    return sum(repo_verify(h) for h in homes)
 
 
 # ---- node processes --------------------------------------------------------------------------------
@@ -423,7 +373,7 @@ async def finish(cluster: Cluster, result: Result, before: dict[str, dict[int, s
     after = models_of(await statuses(cluster), cluster)
     result.lost_models, result.detail["models"] = lost_models(before, after)
     homes = [p.home for p in cluster.procs]
-    result.corrupted_blocks, result.detail["verified_by"] = await trio.to_thread.run_sync(corrupted_blocks, homes)
+    result.corrupted_blocks = await trio.to_thread.run_sync(corrupted_blocks, homes)
 
 
 # ---- fault scenarios (the 4-node cluster) ---------------------------------------------------------

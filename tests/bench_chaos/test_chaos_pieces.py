@@ -95,13 +95,11 @@ def test_hello_frame_is_a_collective_hello() -> None:
     assert header.kind == Kind.HELLO and header.round_id == 7 and len(frame) == 24 + 32
 
 
-def test_block_check_finds_a_corrupted_block_by_hashing(tmp_path: Path) -> None:
+def test_block_check_counts_a_corrupted_block(tmp_path: Path) -> None:
     store = EmbeddedStore(tmp_path)
     store.add_bytes(b"one block" * 1000)
     root = parse_cid(store.add_bytes(b"another" * 1000))
-    assert chaos.hash_check(tmp_path) == (0, 2)
+    assert chaos.corrupted_blocks([tmp_path]) == 0
     path = next(p for p in (tmp_path / "blocks").glob("??/*.data") if p.read_bytes() == store.block(root))
     path.write_bytes(b"flipped" + path.read_bytes()[7:])
-    assert chaos.hash_check(tmp_path) == (1, 2)
-    bad, how = chaos.corrupted_blocks([tmp_path])
-    assert bad == 1 and how in ("repo verify", "bench hash")
+    assert chaos.corrupted_blocks([tmp_path]) == 1
