@@ -236,11 +236,16 @@ async def collective_hellos(
     """Open ``channels`` collective channels to each target, send a HELLO for a round nobody
     planned on each, and hold them open: ``hold_s`` in all (a non-member parking rounds in the inbox)."""
     held: list[Any] = []
+    refused = 0
 
     async def park(target: ID, i: int) -> None:
-        channel = await open_channel(peer.host, target, COLLECTIVE_PROTOCOL)
-        held.append(channel)
-        await channel.send(hello_frame(2**40 + i))
+        nonlocal refused
+        try:
+            channel = await open_channel(peer.host, target, COLLECTIVE_PROTOCOL)
+            held.append(channel)
+            await channel.send(hello_frame(2**40 + i))
+        except Exception:  # the victim refused (BUSY, reset, stream cap): that is a result, counted
+            refused += 1
 
     started = trio.current_time()
     try:
@@ -253,8 +258,12 @@ async def collective_hellos(
     finally:
         with trio.CancelScope(shield=True), trio.move_on_after(IO_TIMEOUT_S):
             for channel in held:
-                await channel.aclose()
-    return {"channels": len(held), "targets": len(targets), "held_s": round(trio.current_time() - started, 2)}
+                try:
+                    await channel.aclose()
+                except Exception:  # the victim may have reset it first
+                    pass
+    return {"channels": len(held), "refused": refused, "targets": len(targets),
+            "held_s": round(trio.current_time() - started, 2)}
 
 
 async def bitswap_pinning(
@@ -266,6 +275,7 @@ async def bitswap_pinning(
     chunk = b"\0" * WRITE_CHUNK
     opened: list[INetStream] = []
     sent = 0
+    refused = 0
 
     async def fill(stream: INetStream) -> None:
         nonlocal sent
@@ -278,9 +288,13 @@ async def bitswap_pinning(
             left -= len(piece)
 
     async def attack() -> None:
-        stream = await peer.host.new_stream(target, [TProtocol(BITSWAP_PROTOCOLS[0])])
-        opened.append(stream)
-        await fill(stream)
+        nonlocal refused
+        try:
+            stream = await peer.host.new_stream(target, [TProtocol(BITSWAP_PROTOCOLS[0])])
+            opened.append(stream)
+            await fill(stream)
+        except Exception:  # the victim refused (stream cap, byte budget: a reset): a result, counted
+            refused += 1
 
     started = trio.current_time()
     try:
@@ -296,7 +310,8 @@ async def bitswap_pinning(
                     await stream.reset()
                 except Exception:  # the victim may have reset it first
                     pass
-    return {"streams": len(opened), "bytes_sent": sent, "held_s": round(trio.current_time() - started, 2)}
+    return {"streams": len(opened), "refused": refused, "bytes_sent": sent,
+            "held_s": round(trio.current_time() - started, 2)}
 
 
 def control_bomb(home: Path, depth: int = CONTROL_DEPTH) -> dict[str, Any]:
