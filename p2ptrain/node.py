@@ -431,7 +431,8 @@ class Node:
             "gone": [r.as_json() for r in gone[:STATUS_MAX_PEERS]],
             "peers_total": len(alive),
             "gone_total": len(gone),
-            "membership": {"evicted": self.membership.evicted, "expired": self.membership.expired},
+            "membership": {"evicted": self.membership.evicted, "expired": self.membership.expired,
+                           "dropped_events": dict(self.membership.dropped_events)},
             "discovery": self.discovery.stats() if self.discovery is not None else None,
             "control": self.control.stats(),
             "messages": {

@@ -21,6 +21,7 @@ never the peers we train with (see docs/mesh.md).
 from __future__ import annotations
 
 import logging
+from collections import Counter
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -32,6 +33,7 @@ from libp2p.peer.id import ID
 
 from p2ptrain.mesh import capabilities as caps_probe
 from p2ptrain.mesh.router import MessageRouter, short
+from p2ptrain.net.streams import count_rejection
 from p2ptrain.wire import Signed
 from p2ptrain.wire.messages import Capabilities, Goodbye, Heartbeat
 
@@ -52,6 +54,9 @@ STATUS_MAX_TASKS = 8
 MAX_PEER_RECORDS = 1024
 # How long a gone peer stays listed (for `node status` and a late look at who left): ten minutes.
 GONE_TTL_S = 600.0
+# Joins and departures are logged at INFO while the view holds at most this many peers, at DEBUG
+# beyond: 9,000 throwaway identities wrote 9,000 "joined" lines (and as many "left").
+LOG_PEERS_AT_INFO = 64
 TORCH_PROBE_DELAY_S = 2.0
 
 Publish = Callable[[str, Any], Awaitable[None]]
@@ -125,6 +130,8 @@ class Membership:
     gone_ttl: float = GONE_TTL_S
     evicted: int = field(default=0, init=False)  # records pushed out by a newcomer to a full view
     expired: int = field(default=0, init=False)  # gone records forgotten after gone_ttl
+    # Events a listener was too far behind to take (one counter per reason, logged sparingly).
+    dropped_events: Counter[str] = field(default_factory=Counter, init=False)
 
     def __post_init__(self) -> None:
         self.router.on(Heartbeat, self._on_heartbeat)
@@ -170,7 +177,8 @@ class Membership:
             try:
                 send.send_nowait(event)
             except trio.WouldBlock:
-                logger.warning("a membership listener is %d events behind; dropping one", EVENT_QUEUE)
+                count_rejection(self.dropped_events, "listener-behind", logger, logging.WARNING,
+                                "a membership listener is %d events behind; dropping one", EVENT_QUEUE)
 
     # -- receiving -----------------------------------------------------------------------------
 
@@ -189,13 +197,17 @@ class Membership:
                 last_seen=now,
                 last_seen_wall=time.time(),
             )
-            logger.info("peer %s joined (%s, %d addrs)", short(signed.sender), hb.caps.device, len(hb.addrs))
+            logger.log(self._peer_log_level(), "peer %s joined (%s, %d addrs)", short(signed.sender), hb.caps.device,
+                       len(hb.addrs))
             self._emit(MemberEvent("join", signed.sender))
             self.poke()  # let the newcomer hear from us now rather than in up to one interval
             return
         record.addrs, record.caps, record.tasks = hb.addrs, hb.caps, hb.tasks
         record.last_seen, record.last_seen_wall = now, time.time()
         record.heartbeats += 1
+
+    def _peer_log_level(self) -> int:
+        return logging.INFO if len(self._peers) <= LOG_PEERS_AT_INFO else logging.DEBUG
 
     def _evict_one(self) -> None:
         """Make room for a newcomer: the longest-gone peer, else the alive peer with the fewest
@@ -219,7 +231,7 @@ class Membership:
             return
         record.alive, record.left_reason = False, reason
         record.left_at = trio.current_time()
-        logger.info("peer %s left (%s)", short(peer_id), reason)
+        logger.log(self._peer_log_level(), "peer %s left (%s)", short(peer_id), reason)
         self._emit(MemberEvent("leave", peer_id, reason))
 
     # -- sending -------------------------------------------------------------------------------

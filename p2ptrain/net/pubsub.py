@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -167,7 +167,7 @@ class TrainingPubsub(Pubsub):
         # peer's stream is read, so there is one per connected peer at most.
         self._inbound_tokens: dict[ID, tuple[float, float]] = {}
         # Per origin: (tokens, trio time of the last refill), least recently heard first.
-        self._origin_tokens: dict[bytes, tuple[float, float]] = {}
+        self._origin_tokens: OrderedDict[bytes, tuple[float, float]] = OrderedDict()
 
     def _admit(self, peer_id: ID, count: int) -> int:
         """How many of ``count`` messages just read from ``peer_id`` its token bucket allows."""
@@ -180,11 +180,12 @@ class TrainingPubsub(Pubsub):
     def _origin_admits(self, origin: bytes) -> bool:
         """Whether ``origin`` (a verified signer) has budget left for one more message."""
         now = trio.current_time()
-        tokens = _refilled(self._origin_tokens.pop(origin, None), now, MAX_MESSAGES_PER_ORIGIN_PER_S, ORIGIN_BURST)
+        tokens = _refilled(self._origin_tokens.get(origin), now, MAX_MESSAGES_PER_ORIGIN_PER_S, ORIGIN_BURST)
         admitted = tokens >= 1.0
         self._origin_tokens[origin] = (tokens - 1.0 if admitted else tokens, now)
+        self._origin_tokens.move_to_end(origin)
         if len(self._origin_tokens) > MAX_ORIGIN_BUDGETS:
-            del self._origin_tokens[next(iter(self._origin_tokens))]
+            self._origin_tokens.popitem(last=False)
         return admitted
 
     async def validate_msg(self, msg_forwarder: ID, msg: rpc_pb2.Message) -> None:

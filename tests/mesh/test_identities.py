@@ -9,6 +9,7 @@ so the victim receives exactly what a swarm of one-shot peers would send.
 from __future__ import annotations
 
 import json
+import logging
 import time
 
 import trio
@@ -19,6 +20,7 @@ from libp2p.pubsub.validators import PUBSUB_SIGNING_PREFIX
 
 from p2ptrain.identity import peer_id_of
 from p2ptrain.mesh import discovery as discovery_module
+from p2ptrain.mesh import membership as membership_module
 from p2ptrain.mesh.membership import MESH_TOPIC
 from p2ptrain.node import STATUS_MAX_PEERS, Node
 from p2ptrain.testing import free_port, local_mesh
@@ -50,7 +52,8 @@ def hearing(node: Node) -> set:
     return heard
 
 
-async def test_the_view_is_capped_gone_peers_expire_and_status_stays_bounded(tmp_path):
+async def test_the_view_is_capped_gone_peers_expire_and_status_stays_bounded(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger=membership_module.__name__)
     async with local_mesh(3, tmp_path) as (victim, honest, attacker):
         victim.membership.max_records = 100
         victim.membership.gone_ttl = 1.0
@@ -72,6 +75,10 @@ async def test_the_view_is_capped_gone_peers_expire_and_status_stays_bounded(tmp
                 await trio.sleep(0.1)
         assert victim.membership.expired >= 98
         assert {r.peer_id for r in victim.membership.alive()} == {honest.peer_id, attacker.peer_id}
+    # The log stays bounded too: joins beyond LOG_PEERS_AT_INFO peers in view go to DEBUG (all
+    # three nodes log here; each logged at most that many joins at INFO, not 150).
+    joins = [r for r in caplog.records if r.levelno == logging.INFO and "joined (" in r.getMessage()]
+    assert len(joins) <= 3 * (membership_module.LOG_PEERS_AT_INFO + 2)
 
 
 async def test_discovery_dials_few_addresses_of_a_peer_and_keeps_a_bounded_number_of_peers(tmp_path, monkeypatch):
