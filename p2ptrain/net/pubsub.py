@@ -23,7 +23,9 @@ a silent drop measured in ../shared/FIELD-NOTES.md:
   messages over the wire cap (``oversized``, dropped as read: they are never checked, queued or
   forwarded), messages over a peer's inbound rate (``rate-limited``, see
   ``MAX_INBOUND_MESSAGES_PER_PEER_PER_S``), and messages over their signer's budget once its
-  signature is checked (``origin-rate-limited``, see ``MAX_MESSAGES_PER_ORIGIN_PER_S``).
+  signature is checked (``origin-rate-limited``, see ``MAX_MESSAGES_PER_ORIGIN_PER_S``), and
+  messages from origins we do not know while their topic's queue is backlogged (``shed-unknown``,
+  see ``SHED_UNKNOWN_ABOVE``).
 
 Two more cut its CPU, which training peers share with their local steps (an idle node went from
 24 to 12 ms of CPU a second in a cluster of four):
@@ -41,7 +43,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections import Counter, OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -91,6 +93,11 @@ INBOUND_BURST = 2000
 # burst of a few hundred (tests/net/test_pubsub.py sends 300). Over budget: dropped, not forwarded.
 MAX_MESSAGES_PER_ORIGIN_PER_S = 100.0
 ORIGIN_BURST = 500
+# When a topic's queue holds more than this many messages (about 0.2 s of checks), only origins the
+# node already knows (``TrainingPubsub.known_origin``: alive in its membership view) are admitted
+# to it: 9,000 throwaway identities at 1,000/s queued seconds of checks ahead of honest heartbeats,
+# members called each other silent and elections churned for 10-30 s after the attacker left.
+SHED_UNKNOWN_ABOVE = 256
 # Origins whose budget is remembered (fresh identities cannot grow the table); the one heard from
 # longest ago is forgotten first, and starts again with a full burst.
 MAX_ORIGIN_BUDGETS = 4096
@@ -166,6 +173,8 @@ class TrainingPubsub(Pubsub):
         # Per peer reading from us: (tokens, trio time of the last refill); entries live while the
         # peer's stream is read, so there is one per connected peer at most.
         self._inbound_tokens: dict[ID, tuple[float, float]] = {}
+        # Whether an origin is one we already know; set by the node (pubsub knows no membership).
+        self.known_origin: Callable[[bytes], bool] | None = None
         # Per origin: (tokens, trio time of the last refill), least recently heard first.
         self._origin_tokens: OrderedDict[bytes, tuple[float, float]] = OrderedDict()
 
@@ -191,10 +200,22 @@ class TrainingPubsub(Pubsub):
     async def validate_msg(self, msg_forwarder: ID, msg: rpc_pb2.Message) -> None:
         """Gossipsub has checked the origin's signature when it calls this: charge the origin's
         budget before the topic validators, our router and forwarding spend anything on it."""
-        if msg.from_id != self.my_id.to_bytes() and not self._origin_admits(msg.from_id):
-            self._drop("origin-rate-limited", ID(msg.from_id))
-            raise ValidationError("over the origin's message budget")
+        if msg.from_id != self.my_id.to_bytes():
+            if not self._origin_admits(msg.from_id):
+                self._drop("origin-rate-limited", ID(msg.from_id))
+                raise ValidationError("over the origin's message budget")
+            if self._backlogged(msg) and self.known_origin is not None and not self.known_origin(msg.from_id):
+                self._drop("shed-unknown", ID(msg.from_id))
+                raise ValidationError("backlogged: only known origins are admitted")
         await super().validate_msg(msg_forwarder, msg)
+
+    def _backlogged(self, msg: rpc_pb2.Message) -> bool:
+        """Whether a topic of ``msg`` that we read has more than SHED_UNKNOWN_ABOVE messages queued."""
+        for topic in msg.topicIDs:
+            send = self.subscribed_topics_send.get(topic)
+            if send is not None and send.statistics().current_buffer_used > SHED_UNKNOWN_ABOVE:
+                return True
+        return False
 
     def _drop(self, reason: str, peer_id: ID, detail: object = "") -> None:
         self.dropped[reason] += 1
