@@ -304,11 +304,6 @@ class TaskRun:
             # coordinator that died between rounds cost the full heartbeat timeout (3 s). Only
             # while both hold: a connection that comes back, or a beat, makes it live again.
             gone.add(coordinator)
-        if coordinator is not None and now - self.election.heard_at < self.election.config.timeout_s:
-            # Its beat is proof of life: the mesh's heartbeats queue behind everything else on the
-            # mesh topic, and under a flood members called a coordinator they had just heard silent
-            # (accept, "silent", accept... every ~250 ms for seconds; docs/reliability.md).
-            alive.add(coordinator)
         return ((alive & set(roster)) | self._live() | {self.me}) - gone
 
     # -- messages ------------------------------------------------------------------------------
