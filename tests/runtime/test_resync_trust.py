@@ -187,13 +187,15 @@ async def test_a_chain_extended_by_a_stranger_or_forked_is_not_loaded(tmp_path: 
         extended.append(extra)
         forked = Chain(run.task_cid, run.initial_cid)
         forked.append(sign_record(replace(ours.records[0].record, model_cid=model_cid, optimizer_cid=optim_cid), key))
-        for chain, why in ((extended, "signed by"), (forked, "fork")):
+        # The victim keeps training meanwhile: if it confirmed its own next version first, the
+        # stranger's extension is refused as a fork of it instead (refused either way).
+        for chain, reasons in ((extended, ("signed by", "fork")), (forked, ("fork",))):
             chain_cid = store.add_bytes(chain.to_bytes())
             head = _head(run.task_cid, chain_cid, chain.version)
             failure = await run._try_load_head(head)
-            assert failure is not None and why in failure, failure
+            assert failure is not None and any(why in failure for why in reasons), failure
             assert run.trainer.model_bytes() != poisoned.model_bytes()
-        assert run.rejected["resync_failed"] == 2 and run.rejected["fork"] == 1
+        assert run.rejected["resync_failed"] == 2 and run.rejected["fork"] >= 1
         assert run.state != "failed" and run.book.chain is ours
 
     await _with_victim_and_attacker(tmp_path, body)
