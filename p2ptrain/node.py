@@ -283,11 +283,6 @@ class Node:
             raise RuntimeError("the node is running: use node.start_soon(...) instead")
         self._services.append((fn, args, name or getattr(fn, "__qualname__", repr(fn))))
 
-    def _known_origin(self, origin: bytes) -> bool:
-        """Whether the peer that signed a pubsub message is alive in our membership view."""
-        record = self.membership.get(ID(origin))
-        return record is not None and record.alive
-
     def add_status(self, section: str, fn: Callable[[], dict[str, Any]]) -> None:
         """Show ``fn()`` under ``services.<section>`` in `node status`: how a service above the node
         (content, tasks) reports its counters without the node importing it."""
@@ -349,7 +344,6 @@ class Node:
         host = make_host(self.key_pair, self._listen)
         # Before any connection exists; inbound messages over the wire cap are dropped as read.
         pubsub = make_pubsub(host, self.config.heartbeat_interval, MAX_MESSAGE_BYTES)
-        pubsub.known_origin = self._known_origin  # under a backlog, peers we know go first
         self.host, self.pubsub = host, pubsub
         try:
             async with host.run(listen_addrs=self._listen):

@@ -21,11 +21,8 @@ a silent drop measured in ../shared/FIELD-NOTES.md:
   protobuf's DecodeError escape its stream handler), invalid signed peer records, too many
   subscriptions in one RPC, messages that did not fit a subscription's queue (``queue-full``), and
   messages over the wire cap (``oversized``, dropped as read: they are never checked, queued or
-  forwarded), messages over a peer's inbound rate (``rate-limited``, see
-  ``MAX_INBOUND_MESSAGES_PER_PEER_PER_S``), and messages over their signer's budget once its
-  signature is checked (``origin-rate-limited``, see ``MAX_MESSAGES_PER_ORIGIN_PER_S``), and
-  messages from origins we do not know while their topic's queue is backlogged (``shed-unknown``,
-  see ``SHED_UNKNOWN_ABOVE``).
+  forwarded), and messages over a peer's inbound rate (``rate-limited``, see
+  ``MAX_INBOUND_MESSAGES_PER_PEER_PER_S``).
 
 Two more cut its CPU, which training peers share with their local steps (an idle node went from
 24 to 12 ms of CPU a second in a cluster of four):
@@ -42,8 +39,8 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections import Counter, OrderedDict
-from collections.abc import AsyncIterator, Callable
+from collections import Counter
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -56,7 +53,7 @@ from libp2p.network.stream.exceptions import StreamEOF, StreamError
 from libp2p.pubsub.gossipsub import PROTOCOL_ID_V11, GossipSub
 from libp2p.pubsub.pb import rpc_pb2
 from libp2p.peer.id import ID
-from libp2p.pubsub.pubsub import Pubsub, ValidationError
+from libp2p.pubsub.pubsub import Pubsub
 from libp2p.pubsub.rpc_queue import RpcQueue
 from libp2p.pubsub.subscription import TrioSubscriptionAPI
 from libp2p.pubsub.utils import maybe_consume_signed_record
@@ -85,32 +82,8 @@ MAX_MESSAGES_PER_TOPIC_PER_S = 1000.0
 # (a coordinator's burst of round messages is tens; our burst test sends 400).
 MAX_INBOUND_MESSAGES_PER_PEER_PER_S = 1000.0
 INBOUND_BURST = 2000
-# ... and per *origin* (the peer that signed a message, whoever relays it), once gossipsub has
-# checked that signature (so no one can spend another origin's budget): an honest peer publishes a
-# heartbeat a second and tens of round messages a second at most, and a flood of 800 valid signed
-# heartbeats/s from one identity queued ahead of honest heartbeats made members think the
-# coordinator silent for seconds (docs/reliability.md). The burst leaves room for a publish
-# burst of a few hundred (tests/net/test_pubsub.py sends 300). Over budget: dropped, not forwarded.
-MAX_MESSAGES_PER_ORIGIN_PER_S = 100.0
-ORIGIN_BURST = 500
-# When a topic's queue holds more than this many messages (about 0.2 s of checks), only origins the
-# node already knows (``TrainingPubsub.known_origin``: alive in its membership view) are admitted
-# to it: 9,000 throwaway identities at 1,000/s queued seconds of checks ahead of honest heartbeats,
-# members called each other silent and elections churned for 10-30 s after the attacker left.
-SHED_UNKNOWN_ABOVE = 256
-# Origins whose budget is remembered (fresh identities cannot grow the table); the one heard from
-# longest ago is forgotten first, and starts again with a full burst.
-MAX_ORIGIN_BUDGETS = 4096
 # Mesh degree: every training peer wants every control message quickly, and clusters are small.
 DEGREE, DEGREE_LOW, DEGREE_HIGH = 6, 4, 12
-
-
-def _refilled(bucket: tuple[float, float] | None, now: float, rate: float, burst: int) -> float:
-    """Tokens in a token bucket ``(tokens, time of the last refill)`` at ``now``; a new one is full."""
-    if bucket is None:
-        return float(burst)
-    tokens, then = bucket
-    return min(float(burst), tokens + (now - then) * rate)
 
 
 class MessageTooLarge(ValueError):
@@ -173,49 +146,15 @@ class TrainingPubsub(Pubsub):
         # Per peer reading from us: (tokens, trio time of the last refill); entries live while the
         # peer's stream is read, so there is one per connected peer at most.
         self._inbound_tokens: dict[ID, tuple[float, float]] = {}
-        # Whether an origin is one we already know; set by the node (pubsub knows no membership).
-        self.known_origin: Callable[[bytes], bool] | None = None
-        # Per origin: (tokens, trio time of the last refill), least recently heard first.
-        self._origin_tokens: OrderedDict[bytes, tuple[float, float]] = OrderedDict()
 
     def _admit(self, peer_id: ID, count: int) -> int:
         """How many of ``count`` messages just read from ``peer_id`` its token bucket allows."""
         now = trio.current_time()
-        tokens = _refilled(self._inbound_tokens.get(peer_id), now, MAX_INBOUND_MESSAGES_PER_PEER_PER_S, INBOUND_BURST)
+        tokens, then = self._inbound_tokens.get(peer_id, (float(INBOUND_BURST), now))
+        tokens = min(float(INBOUND_BURST), tokens + (now - then) * MAX_INBOUND_MESSAGES_PER_PEER_PER_S)
         admitted = min(count, int(tokens))
         self._inbound_tokens[peer_id] = (tokens - admitted, now)
         return admitted
-
-    def _origin_admits(self, origin: bytes) -> bool:
-        """Whether ``origin`` (a verified signer) has budget left for one more message."""
-        now = trio.current_time()
-        tokens = _refilled(self._origin_tokens.get(origin), now, MAX_MESSAGES_PER_ORIGIN_PER_S, ORIGIN_BURST)
-        admitted = tokens >= 1.0
-        self._origin_tokens[origin] = (tokens - 1.0 if admitted else tokens, now)
-        self._origin_tokens.move_to_end(origin)
-        if len(self._origin_tokens) > MAX_ORIGIN_BUDGETS:
-            self._origin_tokens.popitem(last=False)
-        return admitted
-
-    async def validate_msg(self, msg_forwarder: ID, msg: rpc_pb2.Message) -> None:
-        """Gossipsub has checked the origin's signature when it calls this: charge the origin's
-        budget before the topic validators, our router and forwarding spend anything on it."""
-        if msg.from_id != self.my_id.to_bytes():
-            if not self._origin_admits(msg.from_id):
-                self._drop("origin-rate-limited", ID(msg.from_id))
-                raise ValidationError("over the origin's message budget")
-            if self._backlogged(msg) and self.known_origin is not None and not self.known_origin(msg.from_id):
-                self._drop("shed-unknown", ID(msg.from_id))
-                raise ValidationError("backlogged: only known origins are admitted")
-        await super().validate_msg(msg_forwarder, msg)
-
-    def _backlogged(self, msg: rpc_pb2.Message) -> bool:
-        """Whether a topic of ``msg`` that we read has more than SHED_UNKNOWN_ABOVE messages queued."""
-        for topic in msg.topicIDs:
-            send = self.subscribed_topics_send.get(topic)
-            if send is not None and send.statistics().current_buffer_used > SHED_UNKNOWN_ABOVE:
-                return True
-        return False
 
     def _drop(self, reason: str, peer_id: ID, detail: object = "") -> None:
         self.dropped[reason] += 1
