@@ -37,6 +37,7 @@ from p2ptrain.data.manifest import MAX_MANIFEST_BYTES, Manifest
 from p2ptrain.ipfs.store import ContentUnavailable
 from p2ptrain.ipfs.unixfs import DagError
 from p2ptrain.mesh.router import short
+from p2ptrain.net.streams import count_rejection
 from p2ptrain.atomic import write_atomic
 from p2ptrain.node import Node
 from p2ptrain.runtime.content import ContentService
@@ -362,10 +363,7 @@ class TaskRun:
 
     def _refuse(self, kind: str, why: str) -> None:
         """Count a refusal of ``kind``; log it the 1st, 2nd, 4th, 8th... time (a flood stays a few lines)."""
-        self.rejected[kind] += 1
-        n = self.rejected[kind]
-        if n & (n - 1) == 0:
-            logger.warning("%s: %s (%s refusal #%d)", self.log_prefix, why, kind, n)
+        count_rejection(self.rejected, kind, logger, logging.WARNING, "%s: %s", self.log_prefix, why)
 
     def _note_coordinator(self, before: str | None, now: float) -> None:
         if self.election.coordinator is not None:
