@@ -37,9 +37,10 @@ from dataclasses import dataclass, field
 
 from libp2p.crypto.keys import KeyPair
 
-from p2ptrain.training.election import Election, rank
+from p2ptrain.training.election import Election
 from p2ptrain.training.records import Chain, quorum, sign_record
 from p2ptrain.training.task import Task
+from p2ptrain.training.voters import rank
 from p2ptrain.wire.messages import ModelRecord, RoundFailed, RoundPlan, SignedModelRecord
 
 

@@ -16,6 +16,7 @@ from p2ptrain.training.election import Election, ElectionConfig
 from p2ptrain.training.records import Chain, Status, Tally, attest
 from p2ptrain.training.rounds import RoundBook, plan_members, round_id, shard_of, span_length
 from p2ptrain.training.sync import RoundTimings, run_round
+from p2ptrain.training.voters import View
 from p2ptrain.training.task import task_bytes
 from p2ptrain.training.trainer import Trainer, batched, batches_forever
 from p2ptrain.wire.messages import RoundFailed, RoundPlan
@@ -86,7 +87,7 @@ class Swarm:
             queue = []
             for m in self.members.values():
                 roster = m.book.roster(m.id)
-                queue += [(m.id, msg) for msg in m.election.tick(self.now, self.live() - {m.id}, roster)]
+                queue += [(m.id, msg) for msg in m.election.tick(self.now, View(advertising=frozenset(self.live() - {m.id})), roster)]
             while queue:
                 src, msg = queue.pop(0)
                 for m in self.members.values():
