@@ -1,9 +1,11 @@
 """Coordinator election among a task's members, with terms: a pure state machine.
 
-No network and no clock inside: the node feeds it the time, its view of who is alive, the roster
-(the members of the last round plan; before the first round, the live members of the task) and the
-messages it receives, and broadcasts the messages it returns. So every property is testable by
-driving several machines in one process.
+No network and no clock inside: the node feeds it the time, a :class:`~p2ptrain.training.voters.View`
+of its peers (who counts as alive is decided here, from it: :mod:`p2ptrain.training.voters`), the
+roster (the members of the last round plan; before the first round, the live members of the task),
+whether this member is at the run's state (one that is not never leads), and the messages it
+receives, and broadcasts the messages it returns. So every property is testable by driving several
+machines in one process.
 
 The scheme is Raft's election with a deterministic candidate:
 
@@ -44,10 +46,8 @@ The scheme is Raft's election with a deterministic candidate:
 
 from __future__ import annotations
 
-import hashlib
 import logging
-from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
 
 from libp2p.crypto.keys import KeyPair
@@ -55,6 +55,7 @@ from libp2p.crypto.keys import KeyPair
 from p2ptrain.training import signing
 from p2ptrain.training.records import quorum
 from p2ptrain.training.signing import SignatureError
+from p2ptrain.training.voters import ElectionConfig, View, designated, voters_alive
 from p2ptrain.wire.messages import CoordinatorBeat, SignedVote, Vote, VoteRequest
 
 log = logging.getLogger(__name__)
@@ -66,28 +67,6 @@ _BALLOT_MEMORY = 256
 _LOWER_TERM_VOTES = 2
 # Votes carried in a heartbeat (task.MAX_PEERS members at most, so all of them fit).
 _MAX_CERTIFICATE = 128
-
-
-@dataclass(frozen=True)
-class ElectionConfig:
-    heartbeat_s: float = 1.0
-    # A coordinator silent for this many heartbeats is presumed dead; also how long a term may pass
-    # without electing anyone before the next term starts.
-    timeout_beats: int = 3
-
-    @property
-    def timeout_s(self) -> float:
-        return self.heartbeat_s * self.timeout_beats
-
-
-def rank(task_cid: str, term: int, peer: str) -> bytes:
-    """A peer's place in the candidate order of a term (lowest first); fresh order every term."""
-    return hashlib.sha256(f"{task_cid}\x00{term}\x00{peer}".encode()).digest()
-
-
-def designated(task_cid: str, term: int, candidates: Collection[str]) -> str | None:
-    """The one peer that should stand in ``term``: the lowest rank among ``candidates``."""
-    return min(candidates, key=lambda p: rank(task_cid, term, p), default=None)
 
 
 class Election:
@@ -104,6 +83,9 @@ class Election:
         self.live: frozenset[str] = frozenset()
         self.roster: tuple[str, ...] = ()
         self.suspects: set[str] = set()  # peers whose coordinatorship timed out
+        # The coordinator the latest tick gave up on (it fell silent), else None: most likely dead,
+        # so the planner leaves it out like a peer a round named (RoundBook.note_silent_coordinator).
+        self.given_up: str | None = None
         self._votes: dict[str, SignedVote] = {}  # votes for me in self.term
         self._certificate: tuple[SignedVote, ...] = ()
         self._certified_for: tuple[int, tuple[str, ...]] | None = None
@@ -147,10 +129,20 @@ class Election:
 
     # --- inputs ---------------------------------------------------------------------------------
 
-    def tick(self, now: float, live: Collection[str], roster: Sequence[str] = ()) -> list[ElectionMessage]:
-        """Advance time with the current view; return messages to broadcast."""
-        self.live = frozenset(live)
+    def tick(self, now: float, view: View, roster: Sequence[str] = (), *, may_lead: bool = True) -> list[ElectionMessage]:
+        """Advance time with the current view; return messages to broadcast.
+
+        ``view``: what the node sees of its peers; who counts as alive is computed from it
+        (:func:`~p2ptrain.training.voters.voters_alive`). ``may_lead``: whether this member is at
+        the run's state. One that is not must not lead the run: it does not stand for a term (so it
+        cannot win one), and a coordinator steps down; it still votes, and its vote counts.
+        """
         self.roster = tuple(roster)
+        self.live = voters_alive(view, self.roster, self.me, coordinator=self.coordinator,
+                                 heard_at=self._last_heard, now=now, config=self.config)
+        self.given_up = None
+        if self.is_coordinator and not may_lead:
+            self.step_down(now)
         if self._term_started is None:
             self._term_started = now
         timeout = self.config.timeout_s
@@ -184,6 +176,7 @@ class Election:
             log.info("task %s: coordinator %s silent; %s moves to term %d",
                      self.task_cid[:12], self.coordinator[-8:], self.me[-8:], self.term + 1)
             self.suspects.add(self.coordinator)
+            self.given_up = self.coordinator
             self._new_term(now, self.term + 1)
             if self._deferred is not None and self._deferred[0] == self.term:
                 candidate = self._deferred[1]
@@ -197,7 +190,7 @@ class Election:
                      (self.voted_for or "nobody")[-8:])
             self._new_term(now, self.term + 1)
         mine = designated(self.task_cid, self.term, self._eligible()) == self.me or self.term == self._renew_term
-        if self.term > 0 and self.voted_for in (None, self.me) and mine and self.term != self._abstain_term:
+        if may_lead and self.term > 0 and self.voted_for in (None, self.me) and mine and self.term != self._abstain_term:
             out += self._stand(now)
         return out
 

@@ -26,6 +26,10 @@ Rules, and why:
 - A new coordinator continues from its own state. If it stopped inside a span it steps back one
   round when it can (it may have applied a round that others did not finish); a member that cannot
   reach a plan's step stops advertising the task until it has resumed from the latest checkpoint.
+- When to plan at all (:meth:`RoundBook.decide`): not while its own span runs (unless that span is
+  stuck on a peer that will not come), not during a failed round's backoff, not while behind the run
+  (then resync), not in the first moments of a fresh run's first term; and without the peers a round
+  or a silent coordinator term named, for a while (they are most likely dead).
 """
 
 from __future__ import annotations
@@ -34,13 +38,43 @@ import hashlib
 import math
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
+from enum import Enum
 
 from libp2p.crypto.keys import KeyPair
 
-from p2ptrain.training.election import Election, rank
+from p2ptrain.training.election import Election
 from p2ptrain.training.records import Chain, quorum, sign_record
 from p2ptrain.training.task import Task
+from p2ptrain.training.voters import rank
 from p2ptrain.wire.messages import ModelRecord, RoundFailed, RoundPlan, SignedModelRecord
+
+# After a failed round, the coordinator waits this long before it plans the retry, so the other
+# members have left the failed round (unless all of them reported that they have).
+RETRY_BACKOFF_S = 1.5
+# A peer named in a failed round (or a coordinator that fell silent) is left out of plans this long.
+FAILED_PEER_QUARANTINE_S = 10.0
+# The first plan waits this long after the coordinator's election, for peers still joining.
+FIRST_ROUND_GRACE_S = 2.0
+
+
+class Hold(Enum):
+    """Why :meth:`RoundBook.decide` gives no plan now."""
+
+    WAIT = "wait"  # nothing to plan yet: a span runs, a retry backs off, a barrier, too few peers
+    BEHIND = "behind"  # the run is past this coordinator's state: resync instead of planning
+
+
+def _until_later(deadlines: dict[str, float], now: float) -> frozenset[str]:
+    """The peers whose entry in ``deadlines`` (peer -> until when) has not run out at ``now``."""
+    return frozenset(p for p, until in deadlines.items() if until > now)
+
+
+def _exclude(deadlines: dict[str, float], peer: str, now: float) -> None:
+    """Leave ``peer`` out until FAILED_PEER_QUARANTINE_S from ``now``; entries that ran out go, so
+    the map holds only the peers excluded now (reporters come from the network)."""
+    for p in [p for p, until in deadlines.items() if until <= now]:
+        del deadlines[p]
+    deadlines[peer] = now + FAILED_PEER_QUARANTINE_S
 
 
 def round_id(plan: RoundPlan, index: int) -> int:
@@ -100,19 +134,114 @@ class RoundBook:
     # The step of a checkpoint whose record was rejected: the barrier opens, training goes on, and
     # the next checkpoint tries again (joiners wait for a confirmed one).
     rejected_step: int | None = None
+    # The coordinator's plan gating (see decide); kept across a resync (see resynced).
+    failed_peers: dict[str, float] = field(default_factory=dict)  # peer -> left out of plans until
+    # Peers a round found unreachable (a broken channel, a refused dial) -> until when: the election
+    # counts them as dead at once, not when the mesh stops hearing them (5 s) or beats stop (3 s).
+    gone_peers: dict[str, float] = field(default_factory=dict)
+    retry_after: float = 0.0  # a retry is not planned before then (RETRY_BACKOFF_S after a failure)
+    elected_at: float | None = None  # when this member last became coordinator
+    # A member of the current plan reported that it cannot take part: retry without it now.
+    culprit_reported: bool = False
 
     @property
     def head_step(self) -> int:
         """The step of the latest confirmed model (0 for the initial model)."""
         return self.chain.records[-1].record.step if self.chain.records else 0
 
-    def roster(self, me: str) -> tuple[str, ...]:
+    def roster(self, me: str, head_members: Sequence[str] = ()) -> tuple[str, ...]:
         """The voters to give :meth:`Election.tick`: the members of the last span we took part in;
         for a peer that is not among them (a joiner, or one dropped while away), the members of the
-        latest plan seen on the topic; none before the first span (then the live peers vote)."""
+        latest plan seen on the topic; with no plan seen yet, ``head_members`` (the members the
+        run's head names: with the live peers instead, a joiner refused the coordinator's
+        certificate, 2 votes where a quorum of its 4 live peers is 3, and stood itself); none
+        before the first span (then the live peers vote)."""
         if self.last_plan is not None and me in self.last_plan.members:
             return self.last_plan.members
-        return self.observed.members if self.observed is not None else ()
+        return self.observed.members if self.observed is not None else tuple(head_members)
+
+    def resynced(self, chain: Chain) -> RoundBook:
+        """The book of a member that loaded ``chain``'s head: plans and failures start afresh from
+        it; the roster seen on the topic and the plan gating's timers carry over."""
+        return RoundBook(
+            self.task, self.task_cid, chain, self.total_steps, observed=self.observed,
+            failed_peers=self.failed_peers, gone_peers=self.gone_peers, retry_after=self.retry_after,
+            elected_at=self.elected_at, culprit_reported=self.culprit_reported,
+        )
+
+    # --- what the coordinator hears (inputs to decide) --------------------------------------------
+
+    def note_elected(self, now: float) -> None:
+        """This member became coordinator at ``now`` (the first plan waits FIRST_ROUND_GRACE_S)."""
+        self.elected_at = now
+
+    def note_round_failed(self, now: float, culprit: str | None = None, gone: bool = False) -> None:
+        """A round failed here at ``now``: back off the retry; leave ``culprit`` (the peer the
+        all-reduce blamed, not ourselves) out of plans, and when ``gone`` (unreachable) out of the
+        election's live peers too, for FAILED_PEER_QUARANTINE_S."""
+        if culprit is not None:
+            _exclude(self.failed_peers, culprit, now)
+            if gone:
+                _exclude(self.gone_peers, culprit, now)
+        self.retry_after = now + RETRY_BACKOFF_S
+
+    def note_failure_report(self, now: float, report: RoundFailed, reporter: str, me: str, *, coordinator: bool) -> bool:
+        """A ``round_failed`` from ``reporter`` (:meth:`report_failure`; True if it calls for a
+        retry). As coordinator, a reporter that could not take part at all (:meth:`reporter_out_of_step`)
+        is the culprit: left out of plans, and the retry is planned now (see decide's "stuck")."""
+        if not self.report_failure(report, reporter):
+            return False
+        if coordinator and reporter != me and self.reporter_out_of_step(report):
+            _exclude(self.failed_peers, reporter, now)
+            self.culprit_reported = True
+        return True
+
+    def note_silent_coordinator(self, now: float, peer: str) -> None:
+        """The election gave up on coordinator ``peer`` (:attr:`Election.given_up`): most likely
+        dead, and a plan listing it would fail on it (the mesh drops it only after 5 s)."""
+        _exclude(self.failed_peers, peer, now)
+
+    def gone(self, now: float) -> frozenset[str]:
+        """Peers a round found unreachable, still quarantined: for the election's View.gone."""
+        return _until_later(self.gone_peers, now)
+
+    def quarantined(self, now: float) -> frozenset[str]:
+        """Peers left out of plans at ``now``."""
+        return _until_later(self.failed_peers, now)
+
+    def decide(
+        self, now: float, election: Election, my_step: int, advertising: Collection[str], *,
+        can_roll_back: bool, span_running: bool, rounds_running: bool, head_version: int,
+    ) -> RoundPlan | Hold:
+        """As coordinator at ``now``: the next plan to publish, or why none (:class:`Hold`).
+
+        ``advertising``: the peers (ourselves included) that advertise the task and meet its
+        requirements. ``span_running``: our own span (rounds and checkpoint) is under way;
+        ``rounds_running``: its rounds are (a newer plan can stop them). ``head_version``: the
+        version of the run's latest head heard (0 for none).
+        """
+        if not election.is_coordinator:
+            return Hold.WAIT
+        last = self.last_plan
+        # Our own round may be waiting (up to the start timeout, 15 s) on a peer that will not
+        # come: one of the old term's plan, when we were just elected, or one that reported it
+        # cannot take part. Plan at once; the new plan stops that round everywhere.
+        stuck = rounds_running and ((last is not None and last.term != election.term) or self.culprit_reported)
+        if span_running and not stuck:
+            return Hold.WAIT
+        quarantined = self.quarantined(now)
+        if now < self.retry_after and self.failed_round is not None and not self.all_reported(quarantined):
+            # A retry: give the other members time to leave the failed round, unless all have said
+            # so. (Only a retry: the next span after a successful one waited here too, ~1 s.)
+            return Hold.WAIT
+        if head_version > self.chain.version or (self.observed is not None and self.observed.step > my_step):
+            # Elected while behind the run (a later confirmed model, or a plan seen past our step,
+            # e.g. it joined at step 0 and missed the records): it must not plan from its stale state.
+            return Hold.BEHIND
+        if last is None and self.elected_at is not None and now - self.elected_at < FIRST_ROUND_GRACE_S:
+            return Hold.WAIT
+        plan = self.next_plan(election, my_step, set(advertising) - quarantined, can_roll_back)
+        return Hold.WAIT if plan is None else plan
 
     def report_failure(self, report: RoundFailed, reporter: str) -> bool:
         """Note ``reporter``'s ``round_failed`` for the current plan; True if it calls for a retry."""
@@ -215,6 +344,7 @@ class RoundBook:
         self.last_plan = plan
         self.failed_round = None
         self.failure_reporters = set()
+        self.culprit_reported = False  # it was about the plan this one supersedes
         return None
 
     def checkpoint_record(

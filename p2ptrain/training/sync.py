@@ -1,4 +1,7 @@
-"""The trainer's ``average`` over the real collective, configured from the task's compression.
+"""One round (compute -> average -> apply), and the trainer's ``average`` over the real collective.
+
+:func:`run_round` is the one way a round runs, in the node and in the tests alike, so what the tests
+check (identical bits on every member, a failed round keeping its gradient) is what the node does.
 
 One :class:`PlanAverager` per task per member: it owns the :class:`SparseAllReducer` whose residual
 (error feedback) must live across rounds, and hands the trainer, for each plan, an ``average``
@@ -15,13 +18,64 @@ which is what the trainer's identical step needs.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
 import torch
+import trio
 from libp2p.peer.id import ID
 
 from p2ptrain.collective import Collective, SparseAllReducer
 from p2ptrain.training.task import Task
-from p2ptrain.training.trainer import Average
+from p2ptrain.training.trainer import Average, StepResult, Trainer
 from p2ptrain.wire.messages import RoundPlan
+
+
+@dataclass
+class RoundTimings:
+    """Where a member's round time goes, for `task status` (totals) and the per-round log line
+    (``last_*``). Compute counts also for rounds whose all-reduce failed (the gradient was computed
+    and is kept for the retry); sync and apply count for completed rounds only."""
+
+    compute_s: float = 0.0
+    sync_s: float = 0.0
+    apply_s: float = 0.0
+    last_compute_s: float = 0.0
+    last_sync_s: float = 0.0
+    last_apply_s: float = 0.0
+
+
+async def run_round(
+    trainer: Trainer, batches: Iterator[Any], average: Average, round_id: int, timings: RoundTimings
+) -> StepResult:
+    """One synchronised step: the local gradient, its average over the round's members, the
+    identical optimizer step.
+
+    The gradient is computed only when none is pending: a round whose all-reduce failed keeps its
+    gradient, and the retry averages the same one (the others still hold the step it is for).
+    Compute and apply run in a worker thread, so this host keeps serving its part of the others'
+    traffic meanwhile. Errors from ``average`` (``CollectiveError``) propagate; the gradient stays
+    pending.
+    """
+    timings.last_compute_s = timings.last_sync_s = timings.last_apply_s = 0.0
+    if trainer.pending is None:
+        began = time.perf_counter()
+        await trio.to_thread.run_sync(trainer.compute_gradient, batches)
+        timings.last_compute_s = time.perf_counter() - began
+        timings.compute_s += timings.last_compute_s
+    pending = trainer.pending
+    assert pending is not None  # compute_gradient sets it
+    started = time.perf_counter()
+    averaged = await average(pending, round_id)
+    synced = time.perf_counter()
+    result = await trio.to_thread.run_sync(trainer.apply, averaged)
+    applied = time.perf_counter()
+    timings.last_sync_s, timings.last_apply_s = synced - started, applied - synced
+    timings.sync_s += timings.last_sync_s
+    timings.apply_s += timings.last_apply_s
+    return result
 
 
 class PlanAverager:

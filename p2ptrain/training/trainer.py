@@ -186,11 +186,11 @@ def evaluate_batches(
 class Trainer:
     """One member's model, optimizer and step counter for a task.
 
-    A round is :meth:`compute_gradient` (local, keeps the result until it is used) then
-    :meth:`sync` (average, then :meth:`apply`). If a round fails after some members applied its step,
-    :meth:`rollback` undoes the last step (one step of history is kept: a copy of weights and
-    optimizer state, i.e. about twice the model's memory with Adam), and :meth:`sync` can be retried
-    with the gradient already computed.
+    A round is :meth:`compute_gradient` (local, keeps the result until it is used), the average of
+    :attr:`pending` over the round's members, then :meth:`apply`; :func:`p2ptrain.training.sync.run_round`
+    does the three. If a round fails after some members applied its step, :meth:`rollback` undoes the
+    last step (one step of history is kept: a copy of weights and optimizer state, i.e. about twice the
+    model's memory with Adam), and the round can be retried with the gradient already computed.
     """
 
     def __init__(
@@ -275,13 +275,6 @@ class Trainer:
             flat.zero_()
         self.pending, self.pending_loss = flat, total / k
         return flat
-
-    async def sync(self, average: Average, round_id: int) -> StepResult:
-        """Average the pending gradient with the round's members and apply the identical step."""
-        if self.pending is None:
-            raise TrainerError("sync before compute_gradient")
-        averaged = await average(self.pending, round_id)
-        return self.apply(averaged)
 
     def apply(self, averaged: torch.Tensor) -> StepResult:
         """One optimizer step with the members' mean gradient; every member computes the same update."""

@@ -12,6 +12,7 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 
 from p2ptrain.training import signing
 from p2ptrain.training.election import Election, ElectionConfig, designated
+from p2ptrain.training.voters import View
 from p2ptrain.wire import decode, encode
 from p2ptrain.wire.messages import CoordinatorBeat, SignedVote, Vote, VoteRequest
 
@@ -34,6 +35,13 @@ class Net:
         self.drop = drop
         self.accepted: dict[int, set[str]] = {}
         self.muted: set[str] = set()  # alive in everyone's view, but silent and deaf
+        # Heard by the mesh but not at the run's state (resyncing): not advertising, may not lead.
+        self.unsynced: set[str] = set()
+        self.gone: dict[str, set[str]] = {}  # peer -> peers its rounds found unreachable
+        self.connections = False  # whether nodes tell the election which connections are open
+        self.disconnected: set[str] = set()  # peers nobody holds a connection to
+        self.sent: list[tuple[str, object]] = []  # every broadcast, in order
+        self.given_up: list[tuple[str, str]] = []  # (node, the coordinator its tick gave up on)
 
     def group_of(self, p):
         return next(g for g in self.groups if p in g)
@@ -41,12 +49,19 @@ class Net:
     def view(self, p):
         return {q for q in self.group_of(p) if q in self.alive}
 
+    def view_of(self, p):
+        """What node ``p`` hands its election: the mesh hears its group's live peers."""
+        seen = frozenset(self.view(p) - {p})
+        return View(heard=seen, advertising=seen - self.unsynced, gone=frozenset(self.gone.get(p, ())),
+                    connected=seen - self.disconnected if self.connections else None)
+
     def broadcast(self, sender, msgs):
         if sender in self.muted:
             return
         queue = [(sender, m) for m in msgs]
         while queue:
             src, msg = queue.pop(0)
+            self.sent.append((src, msg))
             self.seq += 1
             data = encode(msg, self.keys[self.ids.index(src)], self.seq)
             for dst in sorted(self.view(src) - {src} - self.muted):
@@ -70,9 +85,18 @@ class Net:
         while self.now < end - 1e-9:
             self.now += dt
             for p in sorted(self.alive - self.muted):
-                out = self.nodes[p].tick(self.now, self.view(p) - {p}, self.roster)
+                out = self.nodes[p].tick(self.now, self.view_of(p), self.roster, may_lead=p not in self.unsynced)
+                if self.nodes[p].given_up is not None:
+                    self.given_up.append((p, self.nodes[p].given_up))
                 self.check()
                 self.broadcast(p, out)
+
+    def run_until_agreed(self, seconds):
+        """Run until every live node accepts one coordinator (or ``seconds`` pass); the agreement."""
+        end = self.now + seconds
+        while self.agreed() is None and self.now < end:
+            self.run(HB)
+        return self.agreed()
 
     def coordinators(self, among=None):
         """The (term, coordinator) each live node accepts."""
@@ -172,7 +196,7 @@ def test_forged_or_short_certificates_are_refused():
     net = Net(4)
     a, b, c, d = net.ids
     follower = net.nodes[d]
-    follower.tick(0.0, {a, b, c}, net.roster)
+    follower.tick(0.0, View(advertising=frozenset({a, b, c})), net.roster)
 
     def vote(key, candidate, term=1):
         body = Vote(task_cid=TASK, term=term, candidate=candidate, voter=signing.peer_str(key))
@@ -204,7 +228,7 @@ def test_one_vote_per_term():
     net = Net(3)
     a, b, c = net.ids
     voter = net.nodes[c]
-    voter.tick(0.0, {a, b}, net.roster)
+    voter.tick(0.0, View(advertising=frozenset({a, b})), net.roster)
     first = voter.receive(0.1, a, VoteRequest(task_cid=TASK, term=1, candidate=a))
     assert [m.vote.candidate for m in first] == [a]
     assert voter.receive(0.2, b, VoteRequest(task_cid=TASK, term=1, candidate=b)) == []
@@ -259,7 +283,8 @@ def test_largest_certificate_fits_the_wire():
     got = decode(encode(beat, keys[0], 1)).msg
     assert got == beat
     judge = Election(TASK, keys[1], CONFIG)
-    judge.tick(0.0, {signing.peer_str(k) for k in keys[2:]} | {candidate}, [signing.peer_str(k) for k in keys])
+    judge.tick(0.0, View(advertising=frozenset({signing.peer_str(k) for k in keys[2:]} | {candidate})),
+               [signing.peer_str(k) for k in keys])
     assert judge.check_certificate(got) is None
 
 
@@ -311,7 +336,7 @@ def test_a_member_whose_term_ran_ahead_still_votes_once_in_a_recent_one():
     ids = [signing.peer_str(k) for k in keys]
     roster = tuple(ids)
     for e in (a, b, c):
-        e.tick(0.0, set(ids) - {e.me}, roster)
+        e.tick(0.0, View(advertising=frozenset(set(ids) - {e.me})), roster)
     a._new_term(0.0, 5)  # its own clock moved it on; it has voted in none of these terms
     out = a.receive(0.1, ids[1], VoteRequest(task_cid=TASK, term=4, candidate=ids[1]))
     assert [(m.vote.term, m.vote.candidate) for m in out] == [(4, ids[1])]
@@ -338,3 +363,81 @@ def test_a_request_that_came_while_the_coordinator_looked_alive_is_answered_once
     net.alive.discard(old)  # now everyone does
     net.run(0.25)  # one tick, far less than the candidate's next request (a heartbeat)
     assert net.agreed() == (term + 1, candidate)
+
+
+# --- liveness and standing (what the node's view says; training/voters.py) ----------------------
+
+
+def test_a_dead_coordinator_with_no_connection_is_given_up_after_one_and_a_half_beats():
+    # Dead between rounds: the mesh still lists it (it drops a peer only after 5 s) and nothing
+    # else tells the members, but nobody holds a connection to it any more. Waiting for the beat
+    # timeout (3 s) cost 3 s without rounds; 1.5 beats and no connection is enough.
+    net = Net(4)
+    net.connections = True
+    net.run(6)
+    term, old = net.agreed()
+    net.muted.add(old)
+    net.disconnected.add(old)
+    net.run(CONFIG.unconnected_silent_beats * HB + 2 * 0.25)
+    others = set(net.ids) - {old}
+    new_term, new = net.agreed(others)
+    assert new != old and new_term > term
+    assert {p for p, gave_up in net.given_up if gave_up == old} == others
+
+
+def test_a_silent_coordinator_still_connected_keeps_the_full_timeout():
+    # Only both together count: a coordinator we are still connected to may be slow, not dead.
+    net = Net(4)
+    net.connections = True
+    net.run(6)
+    term, old = net.agreed()
+    net.muted.add(old)
+    net.run(CONFIG.unconnected_silent_beats * HB + 2 * 0.25)
+    assert net.agreed(set(net.ids) - {old}) == (term, old)
+    assert net.given_up == []
+
+
+def test_a_resyncing_roster_member_is_still_a_voter():
+    # Two of three roster members resync (heard, not advertising the task): they still count for
+    # the coordinator's quorum and still vote, so the one member at the run's state leads.
+    net = Net(3)
+    leader = net.ids[0]
+    net.unsynced = set(net.ids[1:])
+    # Terms whose candidate resyncs pass without a coordinator (each is the leader's with odds 1/3).
+    term, coordinator = net.run_until_agreed(40 * CONFIG.timeout_s)
+    assert coordinator == leader
+    assert len(net.nodes[leader]._beat().votes) >= 2
+    net.run(4 * CONFIG.timeout_s)
+    assert net.agreed() == (term, leader)  # and it does not step down for want of live voters
+
+
+def test_a_member_not_at_the_runs_state_never_stands():
+    net = Net(4)
+    behind = designated(TASK, 1, net.ids)  # the first term's candidate
+    net.unsynced = {behind}
+    term, coordinator = net.run_until_agreed(40 * CONFIG.timeout_s)
+    assert coordinator != behind
+    assert not [m for p, m in net.sent if p == behind and isinstance(m, (VoteRequest, CoordinatorBeat))]
+    assert net.nodes[behind].voted_for == coordinator  # it still votes
+
+
+def test_a_member_not_at_the_runs_state_steps_down():
+    net = Net(3)
+    net.run(6)
+    term, old = net.agreed()
+    net.unsynced = {old}
+    net.run(CONFIG.timeout_s + 4 * HB)
+    new_term, new = net.agreed()
+    assert new != old and new_term > term and not net.nodes[old].is_coordinator
+
+
+def test_a_peer_a_round_found_gone_is_not_voted_for():
+    net = Net(4)
+    gone = designated(TASK, 1, net.ids)  # it would be the first term's candidate
+    for p in net.ids:
+        if p != gone:
+            net.gone[p] = {gone}  # their rounds found it unreachable; it still runs and stands
+    net.run(3 * CONFIG.timeout_s)
+    assert not [m for p, m in net.sent if isinstance(m, SignedVote) and m.vote.candidate == gone and p != gone]
+    term, coordinator = net.agreed(set(net.ids) - {gone})
+    assert coordinator != gone

@@ -15,6 +15,8 @@ from p2ptrain.training import signing
 from p2ptrain.training.election import Election, ElectionConfig
 from p2ptrain.training.records import Chain, Status, Tally, attest
 from p2ptrain.training.rounds import RoundBook, plan_members, round_id, shard_of, span_length
+from p2ptrain.training.sync import RoundTimings, run_round
+from p2ptrain.training.voters import View
 from p2ptrain.training.task import task_bytes
 from p2ptrain.training.trainer import Trainer, batched, batches_forever
 from p2ptrain.wire.messages import RoundFailed, RoundPlan
@@ -85,7 +87,7 @@ class Swarm:
             queue = []
             for m in self.members.values():
                 roster = m.book.roster(m.id)
-                queue += [(m.id, msg) for msg in m.election.tick(self.now, self.live() - {m.id}, roster)]
+                queue += [(m.id, msg) for msg in m.election.tick(self.now, View(advertising=frozenset(self.live() - {m.id})), roster)]
             while queue:
                 src, msg = queue.pop(0)
                 for m in self.members.values():
@@ -112,7 +114,6 @@ class Swarm:
 
         async def member(m):
             for i in range(plan.rounds):
-                m.trainer.compute_gradient(m.data)
                 rid = round_id(plan, i)
 
                 async def average(flat, rid):
@@ -125,7 +126,7 @@ class Swarm:
                     return torch.stack([got[p] for p in plan.members]).mean(0)
 
                 try:
-                    await m.trainer.sync(average, rid)
+                    await run_round(m.trainer, m.data, average, rid, RoundTimings())
                 except ConnectionError as exc:
                     if m is not (die and die[1]):
                         failures.append(RoundFailed(task_cid=plan.task_cid, term=plan.term, round=plan.round + i,

@@ -8,11 +8,11 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.peerinfo import info_from_p2p_addr
 from multiaddr import Multiaddr
 
-from p2ptrain.collective import Collective, PeerFailed
+from p2ptrain.collective import Collective, CollectiveError, PeerFailed
 from p2ptrain.data import IPFSDataset
 from p2ptrain.net.host import make_host
 from p2ptrain.training.rounds import round_id
-from p2ptrain.training.sync import PlanAverager
+from p2ptrain.training.sync import PlanAverager, RoundTimings, run_round
 from p2ptrain.training.task import TaskError
 from p2ptrain.training.trainer import Trainer, batched, batches_forever
 from p2ptrain.wire.messages import RoundPlan
@@ -78,8 +78,7 @@ async def test_members_stay_identical_over_the_sparse_ring(digits, digits_task, 
 
             async def run(trainer, average, data):
                 for i in range(plan.rounds):
-                    trainer.compute_gradient(data)
-                    await trainer.sync(average, round_id(plan, i))
+                    await run_round(trainer, data, average, round_id(plan, i), RoundTimings())
 
             with trio.fail_after(120):
                 async with trio.open_nursery() as runs:
@@ -113,11 +112,10 @@ async def test_dead_member_round_is_retried_without_it(digits, digits_task):
                     average = averagers[i].for_plan(plan)
                     try:
                         for r in range(plan.rounds):
-                            trainers[i].compute_gradient(data[i])
                             if fail_at == (i, r):
                                 scopes[i].cancel()  # the host dies: connections close like a killed process
                                 return
-                            await trainers[i].sync(average, round_id(plan, r))
+                            await run_round(trainers[i], data[i], average, round_id(plan, r), RoundTimings())
                         outcome[i] = None
                     except PeerFailed as exc:
                         outcome[i] = exc
@@ -174,3 +172,34 @@ async def test_the_robust_option_reaches_the_round(digits, digits_task, error_fe
                     runs.start_soon(run, task, host)
             nursery.cancel_scope.cancel()
     assert len(failures) == 2 and all("disagrees" in f for f in failures), failures
+
+
+async def test_a_failed_round_keeps_its_gradient_and_its_compute_time(digits, digits_task):
+    """run_round computes only when no gradient is pending: the retry of a failed round averages the
+    gradient the failed one computed (the data is not consumed twice), and the compute time of the
+    failed round is counted, its sync time not."""
+    store, cid = digits
+    trainer = Trainer(digits_task(cid, steps=4), device="cpu")
+    data = batches_forever(IPFSDataset(cid, "train", store=store, seed=0), 32)
+    seen = []
+
+    async def failing(flat, rid):
+        seen.append(flat)
+        raise CollectiveError("the ring broke")
+
+    async def identity(flat, rid):
+        seen.append(flat)
+        return flat.clone()
+
+    timings = RoundTimings()
+    with trio.fail_after(WHOLE_TEST_S):
+        with pytest.raises(CollectiveError):
+            await run_round(trainer, data, failing, 1, timings)
+        assert trainer.pending is not None and trainer.step == 0
+        assert timings.compute_s > 0 and timings.sync_s == 0 and timings.apply_s == 0
+        computed = timings.compute_s
+        result = await run_round(trainer, data, identity, 1, timings)
+    assert seen[0] is seen[1]  # the same gradient, not a new one
+    assert timings.compute_s == computed and timings.last_compute_s == 0
+    assert result.step == 0 and trainer.step == 1 and trainer.pending is None
+    assert timings.sync_s > 0 and timings.apply_s > 0

@@ -8,6 +8,7 @@ import trio
 
 from p2ptrain.data import IPFSDataset
 from p2ptrain.training.records import RecordError, tensors_bytes
+from p2ptrain.training.sync import RoundTimings, run_round
 from p2ptrain.training.trainer import Trainer, TrainerError, batched, batches_forever, lr_at, resolve_device
 
 
@@ -25,8 +26,7 @@ def test_digits_three_members_bitwise_identical_and_accurate(digits, digits_task
 
     async def member(i):
         while not trainers[i].done:
-            trainers[i].compute_gradient(data[i])
-            await trainers[i].sync(mean.average, trainers[i].step)
+            await run_round(trainers[i], data[i], mean.average, trainers[i].step, RoundTimings())
 
     async def main():
         async with trio.open_nursery() as nursery:

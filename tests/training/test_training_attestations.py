@@ -1,0 +1,127 @@
+"""Counting attestations of the pending checkpoint record (training/attestations.py), with real
+signed records and attestations and an injected clock."""
+
+import pytest
+from libp2p.crypto.ed25519 import create_new_key_pair
+
+from p2ptrain.training import signing
+from p2ptrain.training.attestations import (
+    ATTEST_TIMEOUT_S,
+    MAX_EARLY_PER_RECORD,
+    MAX_EARLY_RECORDS,
+    Attestations,
+)
+from p2ptrain.training.records import Chain, RecordError, Status, attest, sign_record
+from p2ptrain.wire.messages import Attestation, ModelRecord, SignedAttestation
+
+TASK = "QmT78zSuBmuS4z925WZfrqQ1qHaJ56DQaTfyMUF7F8ff5o"
+INITIAL = "bafkreigh2akiscaildcqabsyg3dfr6chu3fgpregiymsck7e7aqa4s52zy"
+KEYS = [create_new_key_pair() for _ in range(4)]
+PEERS = [signing.peer_str(k) for k in KEYS]
+COORDINATOR = KEYS[0]
+
+
+def signed_record(version=1, parent=INITIAL, model_cid="Qmmodel", members=tuple(sorted(PEERS[:3])), key=COORDINATOR):
+    record = ModelRecord(task_cid=TASK, version=version, parent=parent, round=version * 10 - 1, step=version * 10,
+                         members=members, metrics={"loss": 0.5}, model_cid=model_cid, optimizer_cid="Qmoptim",
+                         term=1, coordinator="")
+    return sign_record(record, key)
+
+
+def attestations_for(signed, model_cid="Qmmodel"):
+    """Each member's attestation that its weights hash to ``model_cid``."""
+    return [attest(signed.record, model_cid, "Qmoptim", k) for k in KEYS if signing.peer_str(k) in signed.record.members]
+
+
+def test_a_quorum_confirms():
+    chain, att = Chain(TASK, INITIAL), Attestations()
+    signed = signed_record()
+    assert att.offer_record(signed, chain, PEERS[0], 0.0) is Status.PENDING and att.pending
+    first, second, third = attestations_for(signed)
+    assert att.add(first) is Status.PENDING
+    assert att.add(first) is Status.PENDING  # one voice per member
+    assert att.add(second) is Status.CONFIRMED and not att.pending
+    assert att.add(third) is Status.CONFIRMED
+
+
+def test_a_quorum_of_other_hashes_rejects():
+    chain, att = Chain(TASK, INITIAL), Attestations()
+    signed = signed_record()
+    att.offer_record(signed, chain, None, 0.0)
+    first, second, _ = attestations_for(signed, model_cid="Qmother")
+    assert att.add(first) is Status.PENDING
+    assert att.add(second) is Status.REJECTED
+
+
+def test_attestations_that_come_before_their_record_are_counted_when_it_comes():
+    chain, att = Chain(TASK, INITIAL), Attestations()
+    signed = signed_record()
+    first, second, _ = attestations_for(signed)
+    assert att.add(first) is None and att.add(second) is None  # kept: no record yet
+    assert att.offer_record(signed, chain, PEERS[0], 5.0) is Status.CONFIRMED
+
+
+def test_the_early_buffer_is_bounded():
+    att = Attestations()
+    key = KEYS[1]
+
+    def forged(record_id):
+        body = Attestation(task_cid=TASK, version=1, record_id=record_id, model_cid="Qm", optimizer_cid="Qm",
+                           attester=PEERS[1])
+        return SignedAttestation(attestation=body, signature=signing.sign(body, key))
+
+    for i in range(MAX_EARLY_RECORDS + 20):  # attestations for records that never come
+        assert att.add(forged(f"{i:064x}")) is None
+    assert len(att._early) == MAX_EARLY_RECORDS  # no key for the ones over the bound either
+    one = forged("0" * 64)
+    for _ in range(MAX_EARLY_PER_RECORD + 5):
+        att.add(one)
+    assert max(len(kept) for kept in att._early.values()) == MAX_EARLY_PER_RECORD
+    assert att.dropped_early == 20 + MAX_EARLY_PER_RECORD + 5 - (MAX_EARLY_PER_RECORD - 1)
+
+
+def test_a_second_record_is_refused_while_one_is_pending():
+    chain, att = Chain(TASK, INITIAL), Attestations()
+    signed = signed_record()
+    att.offer_record(signed, chain, PEERS[0], 0.0)
+    assert att.offer_record(signed, chain, PEERS[0], 1.0) is None  # the same one again: nothing new
+    other = signed_record(model_cid="Qmother")
+    with pytest.raises(RecordError, match="second model record v1 while v1 is pending"):
+        att.offer_record(other, chain, PEERS[0], 1.0)
+    assert att.tally.record == signed.record
+
+
+def test_a_record_not_from_the_coordinator_or_off_the_chain_is_refused():
+    chain, att = Chain(TASK, INITIAL), Attestations()
+    with pytest.raises(RecordError, match="not the coordinator"):
+        att.offer_record(signed_record(key=KEYS[1]), chain, PEERS[0], 0.0)
+    with pytest.raises(RecordError, match="fork"):
+        att.offer_record(signed_record(parent="Qmelsewhere"), chain, PEERS[0], 0.0)
+    with pytest.raises(RecordError, match="gap"):
+        att.offer_record(signed_record(version=2), chain, PEERS[0], 0.0)
+    assert att.tally is None
+
+
+def test_a_record_short_of_a_quorum_by_the_deadline_is_rejected():
+    chain, att = Chain(TASK, INITIAL), Attestations()
+    signed = signed_record()
+    att.offer_record(signed, chain, PEERS[0], 100.0)
+    att.add(attestations_for(signed)[0])
+    assert att.expire(100.0 + ATTEST_TIMEOUT_S) is None  # not yet
+    assert att.expire(100.0 + ATTEST_TIMEOUT_S + 0.1) is Status.REJECTED and not att.pending
+    assert att.expire(200.0) is None  # once
+    # The barrier is open: the next record is taken up.
+    assert att.offer_record(signed_record(model_cid="Qmnext"), chain, PEERS[0], 201.0) is Status.PENDING
+
+
+def test_whose_attestation_is_due():
+    chain, att = Chain(TASK, INITIAL), Attestations()
+    signed = signed_record()
+    assert att.due(PEERS[1]) is None  # no record
+    att.offer_record(signed, chain, PEERS[0], 0.0)
+    assert att.due(PEERS[1]) == signed.record
+    assert att.due(PEERS[3]) is None  # not a member of the span
+    att.add(next(a for a in attestations_for(signed) if a.attestation.attester == PEERS[1]))
+    assert att.due(PEERS[1]) is None  # attested
+    att.clear()
+    assert att.due(PEERS[2]) is None and not att.pending

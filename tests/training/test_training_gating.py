@@ -1,0 +1,180 @@
+"""When a coordinator plans (RoundBook.decide): each gating rule, driven by an injected clock.
+
+Three real elections elect a coordinator over signed votes; its RoundBook then answers what the
+node's control loop asks at every tick: a plan to publish, or why not (Hold.WAIT, Hold.BEHIND).
+"""
+
+import pytest
+from libp2p.crypto.ed25519 import create_new_key_pair
+
+from p2ptrain.training import signing
+from p2ptrain.training.election import Election, ElectionConfig
+from p2ptrain.training.records import Chain
+from p2ptrain.training.rounds import (
+    FAILED_PEER_QUARANTINE_S,
+    FIRST_ROUND_GRACE_S,
+    RETRY_BACKOFF_S,
+    Hold,
+    RoundBook,
+)
+from p2ptrain.training.voters import View
+from p2ptrain.wire.messages import RoundFailed, RoundPlan
+
+CONFIG = ElectionConfig(heartbeat_s=1.0, timeout_beats=3)
+INITIAL = "bafkreigh2akiscaildcqabsyg3dfr6chu3fgpregiymsck7e7aqa4s52zy"
+
+
+class Run:
+    """Three members' elections and books; ``c`` is the coordinator they elected."""
+
+    def __init__(self, task, task_cid):
+        keys = [create_new_key_pair() for _ in range(3)]
+        self.ids = [signing.peer_str(k) for k in keys]
+        self.elections = {p: Election(task_cid, k, CONFIG) for p, k in zip(self.ids, keys)}
+        self.books = {p: RoundBook(task, task_cid, Chain(task_cid, INITIAL), 10) for p in self.ids}
+        self.task_cid = task_cid
+        now = 0.0
+        while len({(e.term, e.coordinator) for e in self.elections.values()} - {(0, None)}) != 1 or any(
+            e.coordinator is None for e in self.elections.values()
+        ):
+            now += 0.25
+            assert now < 30, "no coordinator"
+            queue = []
+            for p, e in self.elections.items():
+                queue += [(p, m) for m in e.tick(now, View(advertising=frozenset(self.ids) - {p}))]
+            while queue:
+                src, msg = queue.pop(0)
+                for p, e in self.elections.items():
+                    if p != src:
+                        queue += [(p, m) for m in e.receive(now, src, msg)]
+        self.c = next(p for p, e in self.elections.items() if e.is_coordinator)
+        self.election = self.elections[self.c]
+        self.book = self.books[self.c]
+        self.others = [p for p in self.ids if p != self.c]
+
+    def decide(self, now, my_step=0, advertising=None, span_running=False, rounds_running=False, head_version=0):
+        return self.book.decide(now, self.election, my_step, set(self.ids) if advertising is None else advertising,
+                                can_roll_back=False, span_running=span_running, rounds_running=rounds_running,
+                                head_version=head_version)
+
+    def follow(self, plan):
+        assert isinstance(plan, RoundPlan), plan
+        assert self.book.plan_problem(plan, self.c, self.election) is None
+        return plan
+
+    def report(self, plan, step):
+        return RoundFailed(task_cid=self.task_cid, term=plan.term, round=plan.round, attempt=plan.attempt,
+                           step=step, reason="x")
+
+
+@pytest.fixture
+def run(digits, digits_task):
+    _, cid = digits
+    return Run(digits_task(cid, steps=10), "QmTask")
+
+
+def test_only_the_coordinator_plans(run):
+    follower = run.others[0]
+    assert run.books[follower].decide(100.0, run.elections[follower], 0, set(run.ids), can_roll_back=False,
+                                      span_running=False, rounds_running=False, head_version=1) is Hold.WAIT
+    # (behind the run too, but only a coordinator resyncs for that: a follower is dropped from plans)
+    assert isinstance(run.decide(100.0), RoundPlan)
+
+
+def test_the_first_plan_waits_for_peers_still_joining(run):
+    run.book.note_elected(100.0)
+    assert run.decide(100.0 + FIRST_ROUND_GRACE_S - 0.1) is Hold.WAIT
+    plan = run.decide(100.0 + FIRST_ROUND_GRACE_S)
+    assert isinstance(plan, RoundPlan) and plan.members == tuple(sorted(run.ids))
+
+
+def test_no_plan_while_the_own_span_runs_unless_a_culprit_holds_it(run):
+    plan = run.follow(run.decide(10.0))
+    assert run.decide(11.0, span_running=True, rounds_running=True) is Hold.WAIT
+    # A member reports that it cannot take part (its step is not the plan's): the coordinator's
+    # own round would wait for it until the start timeout. Plan the retry without it at once.
+    culprit = run.others[0]
+    assert run.book.note_failure_report(11.0, run.report(plan, 7), culprit, run.c, coordinator=True)
+    assert run.book.culprit_reported and culprit in run.book.quarantined(11.0)
+    retry = run.follow(run.decide(11.0, span_running=True, rounds_running=True))
+    assert (retry.round, retry.attempt) == (plan.round, plan.attempt + 1) and culprit not in retry.members
+    # Following the retry clears the culprit: the span runs again, nothing to plan.
+    assert not run.book.culprit_reported
+    assert run.decide(11.5, span_running=True, rounds_running=True) is Hold.WAIT
+
+
+def test_a_report_from_a_member_that_took_part_names_no_culprit(run):
+    plan = run.follow(run.decide(10.0))
+    assert run.book.note_failure_report(11.0, run.report(plan, plan.step), run.others[0], run.c, coordinator=True)
+    assert not run.book.culprit_reported and run.book.quarantined(11.0) == frozenset()
+    assert run.decide(11.0, span_running=True, rounds_running=True) is Hold.WAIT
+
+
+def test_a_span_of_the_old_term_does_not_hold_a_new_coordinator(run):
+    plan = run.decide(10.0)
+    old = RoundPlan(**{**plan.__dict__, "term": run.election.term - 1})
+    run.book.last_plan = old  # followed under the previous coordinator, its round still waiting
+    assert run.decide(11.0, span_running=True, rounds_running=False) is Hold.WAIT  # checkpointing
+    takeover = run.decide(11.0, span_running=True, rounds_running=True)
+    assert isinstance(takeover, RoundPlan) and takeover.term == run.election.term
+    assert takeover.attempt == old.attempt + 1
+
+
+def test_a_retry_backs_off_unless_everyone_reported(run):
+    plan = run.follow(run.decide(10.0))
+    dead, alive = run.others
+    run.book.note_round_failed(20.0, culprit=dead, gone=True)
+    run.book.note_failure_report(20.0, run.report(plan, plan.step), run.c, run.c, coordinator=True)
+    assert run.book.gone(20.0) == {dead}
+    assert run.decide(20.0 + RETRY_BACKOFF_S - 0.1) is Hold.WAIT
+    retry = run.decide(20.0 + RETRY_BACKOFF_S)
+    assert isinstance(retry, RoundPlan) and dead not in retry.members
+    # Every member but the culprit said it left the round: no need to wait.
+    run.book.note_failure_report(20.1, run.report(plan, plan.step), alive, run.c, coordinator=True)
+    assert isinstance(run.decide(20.1), RoundPlan)
+
+
+def test_a_quarantine_ends(run):
+    run.follow(run.decide(10.0))
+    dead = run.others[0]
+    run.book.note_round_failed(20.0, culprit=dead, gone=True)
+    until = 20.0 + FAILED_PEER_QUARANTINE_S
+    assert run.book.quarantined(until - 0.1) == run.book.gone(until - 0.1) == {dead}
+    assert run.book.quarantined(until) == run.book.gone(until) == frozenset()
+    run.book.note_silent_coordinator(until + 1, run.others[1])
+    assert run.book.failed_peers.keys() == {run.others[1]}  # the one that ran out is forgotten
+
+
+def test_a_coordinator_given_up_is_left_out(run):
+    silent = run.others[0]
+    run.book.note_silent_coordinator(10.0, silent)
+    plan = run.decide(10.0)
+    assert isinstance(plan, RoundPlan) and silent not in plan.members
+
+
+def test_a_coordinator_behind_the_run_resyncs_instead_of_planning(run):
+    assert run.decide(10.0, head_version=1) is Hold.BEHIND  # a later confirmed model
+    ahead = RoundPlan(task_cid=run.task_cid, term=run.election.term + 5, round=4, attempt=0, step=4, rounds=1,
+                      members=tuple(sorted(run.ids)), base_cid=INITIAL, version=0)
+    assert run.book.plan_problem(ahead, run.others[0], run.election) is not None  # seen, not followed
+    assert run.decide(10.0, my_step=0) is Hold.BEHIND  # a plan seen past our step
+    assert run.decide(10.0, my_step=4) is not Hold.BEHIND
+
+
+def test_the_roster_before_any_plan_is_the_heads_members(run):
+    book, me = run.books[run.others[0]], run.others[0]
+    assert book.roster(me) == ()
+    assert book.roster(me, ("x", "y")) == ("x", "y")
+    plan = run.decide(10.0)
+    book.plan_problem(plan, run.c, run.elections[me])
+    assert book.roster(me, ("x", "y")) == plan.members
+
+
+def test_a_resynced_book_keeps_the_roster_and_the_timers(run):
+    plan = run.follow(run.decide(10.0))
+    run.book.note_elected(9.0)
+    run.book.note_round_failed(20.0, culprit=run.others[0], gone=True)
+    fresh = run.book.resynced(Chain(run.task_cid, INITIAL))
+    assert fresh.last_plan is None and fresh.failed_round is None and fresh.observed is plan
+    assert fresh.quarantined(20.0) == fresh.gone(20.0) == {run.others[0]}
+    assert (fresh.retry_after, fresh.elected_at) == (20.0 + RETRY_BACKOFF_S, 9.0)
