@@ -75,7 +75,7 @@ from p2ptrain.ipfs.blockstore import BlockStore
 from p2ptrain.ipfs.cid import DAG_PB, make_cid
 from p2ptrain.ipfs.dagpb import encode_file_leaf
 from p2ptrain.net.control import ControlClient
-from p2ptrain.runtime.task_run import HOP_TIMEOUT_S
+from p2ptrain.runtime.spans import HOP_TIMEOUT_S
 from p2ptrain.testing import NodeProcess, free_port
 
 NODE_ARGS = ["--device", "cpu", "--threads", "1"]

@@ -47,7 +47,7 @@ from p2ptrain.net.control import socket_path
 from p2ptrain.net.host import make_host
 from p2ptrain.net.pubsub import make_pubsub, running_pubsub
 from p2ptrain.net.streams import open_channel
-from p2ptrain.runtime.task_run import TASKS_TOPIC
+from p2ptrain.runtime.run_state import TASKS_TOPIC
 from p2ptrain.wire import encode
 from p2ptrain.wire.messages import Capabilities, Heartbeat, TaskAnnounce
 

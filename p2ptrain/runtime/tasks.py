@@ -27,7 +27,8 @@ from p2ptrain.ipfs.unixfs import DagError
 from p2ptrain.mesh.router import short
 from p2ptrain.node import Node
 from p2ptrain.runtime.content import ContentService
-from p2ptrain.runtime.task_run import TASKS_TOPIC, TaskRun, task_topic
+from p2ptrain.runtime.run_state import TASKS_TOPIC, task_topic
+from p2ptrain.runtime.task_run import TaskRun
 from p2ptrain.training.records import MAX_CHAIN_BYTES, RecordError, record_from_bytes
 from p2ptrain.training.task import TaskError, load_task, task_bytes, task_from_bytes, unmet_requirement
 from p2ptrain.wire.messages import (
@@ -358,7 +359,7 @@ class TaskService:
 
     async def _join_op(self, request: dict[str, Any]) -> dict[str, Any]:
         run = await self.join(str(request.get("task_cid", "")))
-        return {"task_cid": run.task_cid, "name": run.task.name}
+        return {"task_cid": run.task_cid, "name": run.shared.task.name}
 
     async def _list_op(self, request: dict[str, Any]) -> dict[str, Any]:
         tasks = {cid: known.as_json() for cid, known in self.known.items()}

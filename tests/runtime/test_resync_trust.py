@@ -22,7 +22,8 @@ from p2ptrain.ipfs.cid import DAG_PB, cid_from_digest, cid_str, make_cid
 from p2ptrain.ipfs.dagpb import encode_file_leaf, encode_file_node
 from p2ptrain.node import Node
 from p2ptrain.runtime.peer import Peer, make_peer
-from p2ptrain.runtime.task_run import TASKS_TOPIC, TaskRun
+from p2ptrain.runtime.run_state import TASKS_TOPIC
+from p2ptrain.runtime.task_run import TaskRun
 from p2ptrain.training.task import load_task, task_bytes
 from p2ptrain.wire.messages import TaskHead
 
@@ -105,20 +106,20 @@ async def test_heads_from_a_peer_that_is_not_the_coordinator_are_refused_and_tra
         bad = _bad_chains(attacker.content.store.blocks)
         reply = await victim.tasks._publish_op({"text": TASK.format(name="trusted", manifest=manifest), "join": True})
         run: TaskRun = victim.tasks.runs[reply["task_cid"]]
-        await _wait(lambda: run.state == "failed" or (run.book is not None and run.book.chain.version >= 1))
-        assert run.state == "training" and run.synced, run.error
-        version, step = run.book.chain.version, run.trainer.step
+        await _wait(lambda: run.shared.phase == "failed" or (run.shared.book is not None and run.shared.book.chain.version >= 1))
+        assert run.shared.phase == "training" and run.shared.synced, run.shared.error
+        version, step = run.shared.book.chain.version, run.shared.trainer.step
         for i in range(int(FLOOD_S * HEADS_PER_S)):  # a head 10**9 versions ahead, 10 a second
-            await attacker.node.publish(TASKS_TOPIC, _head(run.task_cid, bad[i % len(bad)], 10**9 + i))
+            await attacker.node.publish(TASKS_TOPIC, _head(run.shared.task_cid, bad[i % len(bad)], 10**9 + i))
             await trio.sleep(1 / HEADS_PER_S)
-            assert run.state == "training" and run.synced, (run.state, run.error)
-        await _wait(lambda: run.book.chain.version > version + 1 or run.state != "training")
-        assert run.state == "training" and run.synced, (run.state, run.error)
-        assert run.trainer.step > step
-        assert run.heads is not None and run.heads.version < 10**9
-        assert run.rejected["head_untrusted"] > 0
-        assert run.status()["rejected"]["head_untrusted"] == run.rejected["head_untrusted"]
-        assert run.rejected["resync_failed"] == 0
+            assert run.shared.phase == "training" and run.shared.synced, (run.shared.phase, run.shared.error)
+        await _wait(lambda: run.shared.book.chain.version > version + 1 or run.shared.phase != "training")
+        assert run.shared.phase == "training" and run.shared.synced, (run.shared.phase, run.shared.error)
+        assert run.shared.trainer.step > step
+        assert run.shared.heads is not None and run.shared.heads.version < 10**9
+        assert run.shared.rejected["head_untrusted"] > 0
+        assert run.status()["rejected"]["head_untrusted"] == run.shared.rejected["head_untrusted"]
+        assert run.shared.rejected["resync_failed"] == 0
 
     await _with_victim_and_attacker(tmp_path, body)
 
@@ -147,11 +148,11 @@ async def test_a_head_naming_content_that_is_no_chain_is_a_counted_resync_failur
             reply = await victim.tasks._publish_op({"text": text, "join": True})
             assert reply["task_cid"] == task_cid
             run: TaskRun = victim.tasks.runs[task_cid]
-            await _wait(lambda: run.state == "failed" or run.status().get("rejected", {}).get("resync_failed", 0) >= 3)
+            await _wait(lambda: run.shared.phase == "failed" or run.status().get("rejected", {}).get("resync_failed", 0) >= 3)
             flooding.cancel_scope.cancel()
-        assert run.state == "resyncing", (run.state, run.error)
-        assert run.error is None
-        assert run.rejected["resync_failed"] >= 3
+        assert run.shared.phase == "resyncing", (run.shared.phase, run.shared.error)
+        assert run.shared.error is None
+        assert run.shared.rejected["resync_failed"] >= 3
         assert victim.node.host is not None and victim.tasks.runs[task_cid] is run  # still serving
 
     await _with_victim_and_attacker(tmp_path, body)
@@ -170,12 +171,12 @@ async def test_a_chain_extended_by_a_stranger_or_forked_is_not_loaded(tmp_path: 
     async def body(victim: Peer, attacker: Peer, manifest: str) -> None:
         reply = await victim.tasks._publish_op({"text": TASK.format(name="forged", manifest=manifest), "join": True})
         run: TaskRun = victim.tasks.runs[reply["task_cid"]]
-        await _wait(lambda: run.state == "failed" or (run.book is not None and run.book.chain.version >= 1))
-        assert run.state == "training" and run.synced, run.error
-        ours = run.book.chain
+        await _wait(lambda: run.shared.phase == "failed" or (run.shared.book is not None and run.shared.book.chain.version >= 1))
+        assert run.shared.phase == "training" and run.shared.synced, run.shared.error
+        ours = run.shared.book.chain
         real = ours.records[-1].record
         # The attacker's model of the right architecture, and a record for it one version ahead.
-        poisoned = Trainer(run.task, total_steps=run.total_steps, device="cpu")
+        poisoned = Trainer(run.shared.task, total_steps=run.shared.total_steps, device="cpu")
         poisoned.step = real.step + 5
         store = attacker.content.store
         model_cid = store.add_bytes(poisoned.model_bytes())
@@ -183,19 +184,19 @@ async def test_a_chain_extended_by_a_stranger_or_forked_is_not_loaded(tmp_path: 
         key = attacker.node.key_pair
         extra = sign_record(replace(real, version=real.version + 1, parent=real.model_cid, step=real.step + 5,
                                     model_cid=model_cid, optimizer_cid=optim_cid), key)
-        extended = Chain.from_bytes(run.task_cid, run.initial_cid, ours.to_bytes())
+        extended = Chain.from_bytes(run.shared.task_cid, run.shared.initial_cid, ours.to_bytes())
         extended.append(extra)
-        forked = Chain(run.task_cid, run.initial_cid)
+        forked = Chain(run.shared.task_cid, run.shared.initial_cid)
         forked.append(sign_record(replace(ours.records[0].record, model_cid=model_cid, optimizer_cid=optim_cid), key))
         # The victim keeps training meanwhile: if it confirmed its own next version first, the
         # stranger's extension is refused as a fork of it instead (refused either way).
         for chain, reasons in ((extended, ("signed by", "fork")), (forked, ("fork",))):
             chain_cid = store.add_bytes(chain.to_bytes())
-            head = _head(run.task_cid, chain_cid, chain.version)
-            failure = await run._try_load_head(head)
+            head = _head(run.shared.task_cid, chain_cid, chain.version)
+            failure = await run.resync.try_load_head(head)
             assert failure is not None and any(why in failure for why in reasons), failure
-            assert run.trainer.model_bytes() != poisoned.model_bytes()
-        assert run.rejected["resync_failed"] == 2 and run.rejected["fork"] >= 1
-        assert run.state != "failed" and run.book.chain is ours
+            assert run.shared.trainer.model_bytes() != poisoned.model_bytes()
+        assert run.shared.rejected["resync_failed"] == 2 and run.shared.rejected["fork"] >= 1
+        assert run.shared.phase != "failed" and run.shared.book.chain is ours
 
     await _with_victim_and_attacker(tmp_path, body)

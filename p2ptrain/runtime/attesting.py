@@ -1,0 +1,121 @@
+"""Checkpoints: the coordinator's signed record of a span's model, every member's attestation of it,
+and the confirmed chain on disk.
+
+The counting (which record is pending, attestations that came before their record, the quorum,
+the deadline) is the pure :class:`~p2ptrain.training.records.Attestations`; this module evaluates,
+signs and publishes, and writes what was confirmed.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import trio
+
+from p2ptrain.atomic import write_atomic
+from p2ptrain.ipfs.store import ContentUnavailable
+from p2ptrain.runtime.datafeed import DataFeed
+from p2ptrain.runtime.run_state import RunState
+from p2ptrain.training.records import RecordError, Status, Tally, attest
+from p2ptrain.wire.messages import RoundPlan, SignedAttestation, SignedModelRecord
+
+logger = logging.getLogger(__name__)
+
+
+class Attesting:
+    """Records and attestations of one run, and the coordinator's record at the end of a span."""
+
+    def __init__(self, run: RunState, data: DataFeed) -> None:
+        self.run = run
+        self.data = data
+        self.checkpoint_cids: dict[int, tuple[str, str]] = {}  # step -> (model CID, optimizer CID)
+
+    async def checkpoint_stored(self, plan: RoundPlan, step: int, model_cid: str, optim_cid: str) -> None:
+        """Our state at the end of ``plan`` is stored: as its coordinator, evaluate and publish the
+        signed record; as a member, attest the record once it is here."""
+        run = self.run
+        _, book = run.require()
+        self.checkpoint_cids = {step: (model_cid, optim_cid)}
+        if run.election.is_coordinator and plan.term == run.election.term:
+            try:
+                await self.data.fetch_test_split()
+                metrics = await trio.to_thread.run_sync(self.data.evaluate)
+            except ContentUnavailable as exc:
+                # Metrics are a report, not part of the model: publish without them rather than stall.
+                logger.warning("%s: cannot evaluate (test data unavailable: %s)", run.log_prefix, exc)
+                metrics = {}
+            metrics["train_loss"] = run.metrics.get("train_loss", math.nan)
+            signed = book.checkpoint_record(plan, step, model_cid, optim_cid, metrics, run.node.key_pair)
+            logger.info("%s: publishing model v%d %s (accuracy %s)", run.log_prefix, signed.record.version,
+                        model_cid, _fmt(metrics.get("accuracy")))
+            await run.broadcast(signed)  # our own copy comes back through on_record
+        await self._attest_if_ready()
+
+    async def on_record(self, signed: SignedModelRecord) -> None:
+        run = self.run
+        if run.book is None or not run.synced:
+            return
+        try:
+            status = run.attestations.offer_record(signed, run.book.chain, run.election.coordinator,
+                                                   trio.current_time())
+        except RecordError as exc:
+            logger.warning("%s: refused model record: %s", run.log_prefix, exc)
+            return
+        self._settled(status)
+        await self._attest_if_ready()
+
+    async def _attest_if_ready(self) -> None:
+        """Attest the pending record once our own state is at its step (we hashed our weights)."""
+        run = self.run
+        record = run.attestations.due(run.me)
+        if record is None:
+            return
+        cids = self.checkpoint_cids.get(record.step)
+        if cids is None:
+            return  # our round is still running; checkpoint_stored calls us again
+        await run.broadcast(attest(record, cids[0], cids[1], run.node.key_pair))
+
+    def on_attestation(self, signed: SignedAttestation) -> None:
+        try:
+            status = self.run.attestations.add(signed)
+        except RecordError as exc:
+            logger.warning("%s: refused attestation: %s", self.run.log_prefix, exc)
+            return
+        self._settled(status)
+
+    def expire(self, now: float) -> None:
+        """A pending record short of a quorum of attestations by its deadline is rejected."""
+        self._settled(self.run.attestations.expire(now))
+
+    def _settled(self, status: Status | None) -> None:
+        """Act on what counting decided: append a confirmed record, open the barrier on a rejection."""
+        run = self.run
+        tally = run.attestations.tally
+        if tally is None or run.book is None:
+            return
+        if status is Status.CONFIRMED and run.book.chain.version < tally.record.version:
+            self._confirm(tally)
+        elif status is Status.REJECTED:
+            run.book.rejected_step = tally.record.step
+            run.wake_leader.set()
+
+    def _confirm(self, tally: Tally) -> None:
+        run = self.run
+        _, book = run.require()
+        book.chain.append(tally.signed)
+        record = tally.record
+        run.metrics.update(record.metrics)
+        write_atomic(run.dir / "chain.jsonl", book.chain.to_bytes(), mode=0o600)
+        logger.info(
+            "%s: model v%d confirmed by %d/%d members: %s (round %d, step %d, accuracy %s)",
+            run.log_prefix, record.version, len(tally.matching), len(record.members), record.model_cid,
+            record.round, record.step, _fmt(record.metrics.get("accuracy")),
+        )
+        if record.step >= run.total_steps:
+            run.done.set()
+        run.wake_leader.set()
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"

@@ -1,0 +1,84 @@
+"""A member's data for a run: its training shards for its place in the ring, the test split, and
+a copy of every shard so that the data outlives the peer that published it."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import trio
+
+from p2ptrain.data.dataset import IPFSDataset
+from p2ptrain.ipfs.store import ContentUnavailable
+from p2ptrain.runtime.run_state import RunState
+from p2ptrain.training.trainer import batched, batches_forever
+
+logger = logging.getLogger(__name__)
+
+# Replication starts once this member's own shards are in (they go first, so its first round does
+# not wait behind the whole dataset), or after this long when no plan has given it shards yet (a
+# joiner still resyncing, a peer left out of the ring): then all shards are worth holding anyway.
+REPLICATE_DEADLINE_S = 10.0
+
+
+class DataFeed:
+    """Batches for this member's rank, the coordinator's evaluation, and shard replication."""
+
+    def __init__(self, run: RunState) -> None:
+        self.run = run
+        self._batches: tuple[tuple[int, int], Iterator[Any]] | None = None
+        self._own_shards_held = trio.Event()
+
+    async def training_batches(self, rank: int, world: int) -> Iterator[Any]:
+        """This member's batches for its place in the ring; shards are fetched (only these) first."""
+        if self._batches is not None and self._batches[0] == (rank, world):
+            return self._batches[1]
+        run = self.run
+        assert run.manifest is not None
+        split = run.task.dataset.train_split
+        shards = run.manifest.shards(split)
+        for index in range(rank, len(shards), world):
+            await run.content.fetch(shards[index].cid)
+        dataset = IPFSDataset(
+            run.task.dataset.manifest, split=split, rank=rank, world_size=world,
+            store=run.content.store, seed=run.task.seed + rank,
+        )
+        self._own_shards_held.set()
+        batches = batches_forever(dataset, run.task.training.batch_size)
+        self._batches = ((rank, world), batches)
+        logger.info("%s: training on shards %s of %d (rank %d of %d)", run.log_prefix,
+                    list(range(rank, len(shards), world)), len(shards), rank, world)
+        return batches
+
+    async def fetch_test_split(self) -> None:
+        """Every shard of the test split, for the coordinator's evaluation (ContentUnavailable if not)."""
+        run = self.run
+        assert run.manifest is not None
+        for ref in run.manifest.shards(run.task.dataset.test_split):
+            await run.content.fetch(ref.cid)
+
+    def evaluate(self) -> dict[str, float]:
+        """Loss and accuracy of the current weights on the task's test split (coordinator only)."""
+        run = self.run
+        trainer, _ = run.require()
+        split = run.task.dataset.test_split
+        dataset = IPFSDataset(run.task.dataset.manifest, split=split, store=run.content.store, shuffle=False)
+        metrics = trainer.evaluate(batched(dataset, run.task.training.eval_batch_size))
+        return {"accuracy": metrics.accuracy, "loss": metrics.loss}
+
+    async def replicate(self) -> None:
+        """Hold every shard (training, then test), after our own: if the peer that published the
+        dataset dies, whichever shards a new ring assigns us, and the test split a new coordinator
+        evaluates on, can still be had from the other members."""
+        run = self.run
+        assert run.manifest is not None
+        with trio.move_on_after(REPLICATE_DEADLINE_S):
+            await self._own_shards_held.wait()
+        dataset = run.task.dataset
+        test = run.manifest.shards(dataset.test_split) if dataset.test_split in run.manifest.splits else ()
+        for ref in (*run.manifest.shards(dataset.train_split), *test):
+            try:
+                await run.content.fetch(ref.cid)
+            except ContentUnavailable as exc:
+                logger.debug("%s: could not replicate shard %s yet: %s", run.log_prefix, ref.cid, exc)

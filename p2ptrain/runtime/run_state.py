@@ -1,0 +1,170 @@
+"""What the parts of one member's run of a task share: the run's objects, its phase, its counters.
+
+A run is split by job (:mod:`~p2ptrain.runtime.leading`, :mod:`~p2ptrain.runtime.spans`,
+:mod:`~p2ptrain.runtime.attesting`, :mod:`~p2ptrain.runtime.resync`,
+:mod:`~p2ptrain.runtime.datafeed`); each holds only what its job needs and reads the rest here.
+What one job tells another goes through :class:`Nudge` (wake a loop now) or a method call, never a
+flag another loop polls.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from p2ptrain.collective import Collective
+from p2ptrain.data.manifest import Manifest
+from p2ptrain.mesh.router import short
+from p2ptrain.net.streams import count_rejection
+from p2ptrain.node import Node
+from p2ptrain.runtime.content import ContentService
+from p2ptrain.training.attestations import Attestations
+from p2ptrain.training.election import Election, ElectionConfig
+from p2ptrain.training.rounds import RoundBook
+from p2ptrain.training.sync import RoundTimings
+from p2ptrain.training.task import Task, unmet_requirement
+from p2ptrain.training.trainer import Trainer
+from p2ptrain.wire.messages import RoundFailed, RoundPlan, TaskHead
+
+logger = logging.getLogger(__name__)
+
+TASKS_TOPIC = "p2ptrain/tasks/v1"
+
+
+def task_topic(task_cid: str) -> str:
+    return f"p2ptrain/task/{task_cid}"
+
+
+class Nudge:
+    """Wake one waiting loop now instead of at its next period; a nudge while nobody waits is kept.
+
+    trio's Event cannot be cleared, so each wait that consumed a nudge starts a fresh one: that
+    reset lives here, in one place, not in every loop that waits.
+    """
+
+    def __init__(self) -> None:
+        self._event = trio.Event()
+
+    def set(self) -> None:
+        self._event.set()
+
+    async def wait(self, timeout: float) -> bool:
+        """Wait for a nudge, at most ``timeout`` seconds (the loop's period); True if nudged."""
+        with trio.move_on_after(timeout):
+            await self._event.wait()
+        nudged = self._event.is_set()
+        if nudged:
+            self._event = trio.Event()
+        return nudged
+
+
+@dataclass
+class RunState:
+    """One member's run of one task: set up by :class:`~p2ptrain.runtime.task_run.TaskRun`."""
+
+    node: Node
+    content: ContentService
+    collective: Collective
+    task: Task
+    task_cid: str
+    election: Election
+    me: str = ""
+    topic: str = ""
+    dir: Path = Path()
+    phase: str = "starting"  # `task status` "state": starting, fetching data, training, resyncing, done, failed
+    error: str | None = None
+    # Whether this member holds the state the run is at (so it advertises the task and may lead).
+    synced: bool = False
+    manifest: Manifest | None = None
+    total_steps: int = 0
+    initial_cid: str = ""
+    trainer: Trainer | None = None
+    book: RoundBook | None = None
+    heads: TaskHead | None = None  # the latest head of the run heard from its coordinator
+    head_sender: str | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+    timings: RoundTimings = field(default_factory=RoundTimings)
+    # The pending record's count of attestations (and those that came before their record).
+    attestations: Attestations = field(default_factory=Attestations)
+    bytes_sent: int = 0
+    rounds_done: int = 0
+    # Heads and chains refused, resyncs that failed, by kind: shown in `task status` ("rejected").
+    rejected: Counter[str] = field(default_factory=Counter)
+    # The coordinator may be able to plan now (a span ended, a checkpoint was confirmed or
+    # rejected, a failure was reported): its control loop wakes at once, not at its next tick.
+    wake_leader: Nudge = field(default_factory=Nudge)
+    done: trio.Event = field(default_factory=trio.Event)
+    head_heard: trio.Event = field(default_factory=trio.Event)
+    # Set by TaskRun: hands a message this member sent to its own handlers, as a peer's would be.
+    deliver_own: Callable[[Any], Awaitable[None]] | None = None
+
+    @classmethod
+    def create(cls, node: Node, content: ContentService, collective: Collective, task: Task, task_cid: str) -> RunState:
+        election = Election(task_cid, node.key_pair, ElectionConfig(heartbeat_s=node.config.heartbeat_interval))
+        return cls(node=node, content=content, collective=collective, task=task, task_cid=task_cid,
+                   election=election, me=node.peer_id.to_base58(), topic=task_topic(task_cid),
+                   dir=node.home / "tasks" / task_cid)
+
+    @property
+    def log_prefix(self) -> str:
+        return f"task {self.task.name} ({self.task_cid[:10]}) peer {short(self.node.peer_id)}"
+
+    def require(self) -> tuple[Trainer, RoundBook]:
+        """The trainer and the book, which exist from the end of the run's preparation on."""
+        if self.trainer is None or self.book is None:
+            raise RuntimeError("the run is not prepared yet")
+        return self.trainer, self.book
+
+    # -- what every job does -----------------------------------------------------------------
+
+    async def broadcast(self, msg: Any) -> None:
+        """Publish ``msg`` on the task's topic and handle it here too, as every other member does.
+
+        Pubsub does not deliver a peer's own messages back to it: this is the one place where a
+        member's plans, records, attestations and failure reports reach its own handlers.
+        """
+        await self.node.publish(self.topic, msg)
+        if self.deliver_own is not None:
+            await self.deliver_own(msg)
+
+    async def report_failure(self, plan: RoundPlan, index: int, reason: str) -> None:
+        """Tell the coordinator (and ourselves, when we are it) that round ``index`` of ``plan`` failed here."""
+        trainer, _ = self.require()
+        await self.broadcast(RoundFailed(task_cid=self.task_cid, term=plan.term, round=plan.round + index,
+                                         attempt=plan.attempt, step=trainer.step, reason=reason[:256]))
+
+    def advertise(self, on: bool) -> None:
+        """Say (in our heartbeats) whether we hold the run's state: only advertising peers are planned."""
+        tasks = set(self.node.membership.tasks)
+        tasks.add(self.task_cid) if on else tasks.discard(self.task_cid)
+        if set(self.node.membership.tasks) != tasks:
+            self.node.membership.tasks = tuple(sorted(tasks))
+            self.node.membership.poke()
+
+    def set_synced(self) -> None:
+        self.synced, self.phase = True, "training"
+        self.advertise(True)
+
+    def desync(self, now: float) -> None:
+        """Our state is not the run's: stop leading and advertising until the resync loop loads it."""
+        self.election.step_down(now)
+        self.synced, self.phase = False, "resyncing"
+        self.advertise(False)
+
+    def advertising(self) -> set[str]:
+        """Peers that advertise this task (so hold the state the run is at) and meet its requirements."""
+        live = {self.me} if self.synced else set()
+        for record in self.node.membership.alive():
+            if self.task_cid in record.tasks and unmet_requirement(self.task, record.caps) is None:
+                live.add(record.peer_id.to_base58())
+        return live
+
+    def refuse(self, kind: str, why: str) -> None:
+        """Count a refusal of ``kind``; log it the 1st, 2nd, 4th, 8th... time (a flood stays a few lines)."""
+        count_rejection(self.rejected, kind, logger, logging.WARNING, "%s: %s", self.log_prefix, why)

@@ -1,0 +1,171 @@
+"""Running the plans this member follows: a span's rounds back to back, then its checkpoint.
+
+Each round is :func:`p2ptrain.training.sync.run_round` (local gradient in a worker thread, the
+sparse ring all-reduce, the identical optimizer step). A newer plan (a retry, a new coordinator's
+plan) cancels the span that runs: a round still waiting on a dead or absent peer would otherwise
+hold this member until its start timeout. At the end of a span the model and optimizer state are
+stored by CID and handed to :class:`~p2ptrain.runtime.attesting.Attesting`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import trio
+
+from p2ptrain.collective import CollectiveError, PeerFailed
+from p2ptrain.ipfs.store import ContentUnavailable
+from p2ptrain.runtime.attesting import Attesting
+from p2ptrain.runtime.datafeed import DataFeed
+from p2ptrain.runtime.run_state import RunState
+from p2ptrain.training.rounds import round_id, shard_of
+from p2ptrain.training.sync import PlanAverager, run_round
+from p2ptrain.training.trainer import Average, TrainerError
+from p2ptrain.wire.messages import RoundPlan
+
+logger = logging.getLogger(__name__)
+
+# One hop of the all-reduce (a chunk to the next member) must arrive within this.
+HOP_TIMEOUT_S = 5.0
+# Members start a round at different times (compute, plan latency): a round waits this long for all.
+START_TIMEOUT_S = 15.0
+# Plans queued for the round loop; a newer one supersedes the queued ones, so a few suffice.
+PLAN_QUEUE = 64
+
+
+class Spans:
+    """The round loop: takes followed plans, runs their rounds, stores each span's checkpoint."""
+
+    def __init__(self, run: RunState, data: DataFeed, attesting: Attesting) -> None:
+        self.run = run
+        self.data = data
+        self.attesting = attesting
+        self.averager = PlanAverager(run.task, run.collective, timeout=HOP_TIMEOUT_S, start_timeout=START_TIMEOUT_S)
+        self._plans_send, self._plans_recv = trio.open_memory_channel[RoundPlan](PLAN_QUEUE)
+        # Open while this member is in a span's rounds: a newer plan cancels it (see follow).
+        self._scope: trio.CancelScope | None = None
+        self.running = False  # a span is under way (its rounds or its checkpoint)
+
+    @property
+    def in_rounds(self) -> bool:
+        """Whether this member is inside a span's rounds (where a newer plan cancels it)."""
+        return self._scope is not None
+
+    def follow(self, plan: RoundPlan) -> None:
+        """Hand a plan this member follows to the round loop; stop the span it supersedes."""
+        try:
+            self._plans_send.send_nowait(plan)
+        except trio.WouldBlock:
+            logger.warning("%s: plan queue full; dropped plan %d.%d", self.run.log_prefix, plan.round, plan.attempt)
+            return
+        self.stop_rounds()
+
+    def stop_rounds(self) -> None:
+        """End the rounds of the running span now (their state is kept: the error feedback commits
+        only after a round succeeds, the pending gradient stays for the retry)."""
+        if self._scope is not None:
+            self._scope.cancel()
+
+    async def run_loop(self) -> None:
+        async for plan in self._plans_recv:
+            while True:  # a newer plan supersedes queued older ones
+                try:
+                    plan = self._plans_recv.receive_nowait()
+                except trio.WouldBlock:
+                    break
+            self.running = True
+            try:
+                await self._run_span(plan)
+            finally:
+                self.running = False
+                self.run.wake_leader.set()
+
+    async def _run_span(self, plan: RoundPlan) -> None:
+        """The plan's rounds back to back, then its checkpoint; a newer plan or a failure ends it."""
+        run = self.run
+        trainer, book = run.require()
+        try:
+            trainer.align(plan.step)
+        except TrainerError as exc:
+            logger.warning("%s: out of step (%s); resyncing from the latest confirmed model", run.log_prefix, exc)
+            run.desync(trio.current_time())
+            # The other members would wait for us until their start timeout: say so at once.
+            await run.report_failure(plan, 0, f"out of step: {exc}")
+            return
+        rank, world = shard_of(plan, run.me)
+        try:
+            batches = await self.data.training_batches(rank, world)
+        except ContentUnavailable as exc:
+            logger.warning("%s: cannot get my shards for rank %d of %d: %s", run.log_prefix, rank, world, exc)
+            await run.report_failure(plan, 0, f"no training data: {exc}")
+            return
+        average = self.averager.for_plan(plan)
+        index = 0
+        scope = self._scope = trio.CancelScope()
+        try:
+            with scope:
+                for index in range(plan.rounds):
+                    if run.require()[1].last_plan is not plan:
+                        return  # superseded (a retry, or a new coordinator's plan): the loop takes it up
+                    if not await self._run_round(plan, index, batches, average):
+                        return
+        finally:
+            self._scope = None
+        if scope.cancelled_caught:
+            logger.info("%s: round %d (attempt %d) stopped: a newer plan supersedes it", run.log_prefix,
+                        plan.round + index, plan.attempt)
+            return
+        await self._checkpoint(plan)
+
+    async def _run_round(self, plan: RoundPlan, index: int, batches: Iterator[Any], average: Average) -> bool:
+        run = self.run
+        trainer, book = run.require()
+        try:
+            result = await run_round(trainer, batches, average, round_id(plan, index), run.timings)
+        except CollectiveError as exc:
+            culprit, gone = None, False
+            if isinstance(exc, PeerFailed) and exc.peer_id != run.node.peer_id:
+                culprit, gone = exc.peer_id.to_base58(), exc.gone
+            book.note_round_failed(trio.current_time(), culprit, gone)
+            if gone:
+                run.wake_leader.set()  # the election may act on it now (a dead coordinator)
+            logger.warning("%s: round %d (attempt %d) failed: %s", run.log_prefix, plan.round + index,
+                           plan.attempt, exc)
+            await run.report_failure(plan, index, str(exc))
+            return False
+        timings = run.timings
+        stats = run.collective.last_round
+        sent = stats.bytes_sent if stats else 0
+        run.bytes_sent += sent
+        run.rounds_done += 1
+        run.metrics["train_loss"] = result.local_loss
+        logger.info(
+            "%s: round %d step %d done with %d peers: compute %.0f ms, sync %.0f ms, apply %.0f ms "
+            "(loss %.4f, %s sent)",
+            run.log_prefix, plan.round + index, result.step, len(plan.members), 1e3 * timings.last_compute_s,
+            1e3 * timings.last_sync_s, 1e3 * timings.last_apply_s, result.local_loss, _fmt_bytes(sent),
+        )
+        return True
+
+    async def _checkpoint(self, plan: RoundPlan) -> None:
+        """Store our weights and optimizer state by CID, for the span's record and our attestation."""
+        trainer, _ = self.run.require()
+        # In a thread: serializing a model and its optimizer state copies every tensor (60 ms at 4.3M
+        # parameters with Adam), long enough to stall this host's part in the others' traffic.
+        model_data, optim_data = await trio.to_thread.run_sync(
+            lambda: (trainer.model_bytes(), trainer.optimizer_bytes())
+        )
+        store = self.run.content.store
+        model_cid = await trio.to_thread.run_sync(store.add_bytes, model_data)
+        optim_cid = await trio.to_thread.run_sync(store.add_bytes, optim_data)
+        await self.attesting.checkpoint_stored(plan, trainer.step, model_cid, optim_cid)
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
