@@ -327,7 +327,7 @@ class TaskService:
         else:
             task_cid = msg.task_cid
         run = self.runs.get(task_cid)
-        if run is not None and topic == run.topic:
+        if run is not None and topic == run.shared.topic:
             await run.on_message(signed.sender.to_base58(), msg)
 
     # -- control ops ---------------------------------------------------------------------------
