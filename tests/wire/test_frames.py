@@ -11,15 +11,19 @@ import torch
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.id import ID
 
-from p2ptrain.collective.frames import (
+from p2ptrain.wire.frames import (
     DTYPES,
     FrameError,
     Header,
     Kind,
     Phase,
     abort_frame,
+    busy_frame,
+    hello_frame,
+    is_busy,
     parse_abort,
     parse_header,
+    ready_frame,
     round_digest,
 )
 
@@ -33,11 +37,20 @@ def test_round_digest_bytes() -> None:
 
 
 def test_control_frame_bytes() -> None:
-    assert (Header(Kind.HELLO, 7).pack() + bytes.fromhex(DIGEST)).hex() == (
-        "504301010000000000000007" + ZERO_HEADER_TAIL + DIGEST
-    )
-    assert Header(Kind.READY, 7).pack().hex() == "504301020000000000000007" + ZERO_HEADER_TAIL
-    assert Header(Kind.BUSY, 7).pack().hex() == "504301050000000000000007" + ZERO_HEADER_TAIL
+    hello = "504301010000000000000007" + ZERO_HEADER_TAIL + DIGEST
+    assert (Header(Kind.HELLO, 7).pack() + bytes.fromhex(DIGEST)).hex() == hello
+    assert hello_frame(7, bytes.fromhex(DIGEST)).hex() == hello
+    ready = "504301020000000000000007" + ZERO_HEADER_TAIL
+    assert Header(Kind.READY, 7).pack().hex() == ready_frame(7).hex() == ready
+    busy = "504301050000000000000007" + ZERO_HEADER_TAIL
+    assert Header(Kind.BUSY, 7).pack().hex() == busy_frame(7).hex() == busy
+
+
+def test_is_busy_only_for_a_busy_answer_to_this_round() -> None:
+    assert is_busy(busy_frame(7), 7)
+    assert not is_busy(busy_frame(8), 7)
+    assert not is_busy(ready_frame(7), 7)
+    assert not is_busy(b"PC", 7)  # malformed: for the caller to refuse
 
 
 def test_abort_frame_bytes_and_parse() -> None:
