@@ -46,6 +46,7 @@ from p2ptrain.identity import load_or_create_identity, peer_id_of
 from p2ptrain.mesh.discovery import Discovery, parse_bootstrap
 from p2ptrain.mesh.membership import DEFAULT_SILENCE_HEARTBEATS, MESH_TOPIC, Membership
 from p2ptrain.mesh.router import Handler, MessageRouter, short
+from p2ptrain.net import control_ops
 from p2ptrain.net.control import ControlServer
 from p2ptrain.net.host import make_host
 from p2ptrain.net.pubsub import MessageTooLarge, close_host, make_pubsub, publish_bytes, running_pubsub
@@ -225,8 +226,8 @@ class Node:
         self.listening_at: float | None = None  # wall clock: listeners up, pubsub running
         self.started_at: float | None = None  # wall clock: mesh joined, services started
         self.stopped = trio.Event()
-        self.control.register("status", self._status_op)
-        self.control.register("ping", self._ping_op)
+        self.control.register(control_ops.STATUS, self._status_op)
+        self.control.register(control_ops.PING, self._ping_op)
 
     # -- the API for other layers --------------------------------------------------------------
 

@@ -32,6 +32,7 @@ import trio
 
 from p2ptrain import boundedjson
 from p2ptrain.errors import UserError
+from p2ptrain.net import control_ops
 
 logger = logging.getLogger(__name__)
 
@@ -148,8 +149,8 @@ class ControlServer:
         # reason -> requests or connections refused for it (oversize, not_json, bad_request,
         # unknown_op, op_error, internal_error, bad_reply, timeout, busy, connection_error).
         self.rejected: Counter[str] = Counter()
-        self.register("ops", self._list_ops)
-        self.register("control.stats", self._stats_op)
+        self.register(control_ops.OPS, self._list_ops)
+        self.register(control_ops.CONTROL_STATS, self._stats_op)
 
     def register(self, op: str, handler: Handler) -> None:
         """Answer requests ``{"op": op, ...}`` with ``await handler(request)`` (a JSON-able dict).
