@@ -13,7 +13,6 @@ itself, which also lets a message be stored or forwarded outside pubsub and stil
 
 from __future__ import annotations
 
-import json
 import struct
 import time
 from dataclasses import dataclass
@@ -60,13 +59,9 @@ class Signed(Generic[T]):
     msg: T
 
 
-def _canonical(obj: Any) -> bytes:
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
-
-
 def encode(msg: Any, key_pair: KeyPair, seq: int, ts: float | None = None) -> bytes:
     """Sign and frame ``msg`` (an instance of a registered message type)."""
-    payload = _canonical(
+    payload = boundedjson.canonical(
         {
             "type": type_name(msg),
             "sender": ID.from_pubkey(key_pair.public_key).to_base58(),

@@ -8,14 +8,21 @@ non-ASCII text and floats in exponent form are where encoder options would show.
 from __future__ import annotations
 
 import hashlib
+import json
+import math
 
+import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from libp2p.crypto.ed25519 import create_new_key_pair
 
+from p2ptrain.boundedjson import canonical
+from p2ptrain.data import manifest as manifest_module
 from p2ptrain.data.manifest import Manifest, ShardRef, TensorSpec
 from p2ptrain.ipfs.embedded import EmbeddedStore
 from p2ptrain.training.records import attest, model_bytes, record_bytes, record_id, sign_record
-from p2ptrain.training.task import load_task, task_bytes
+from p2ptrain.training.task import TaskError, load_task, task_bytes
 from p2ptrain.wire import encode
 from p2ptrain.wire.messages import ModelRecord
 
@@ -103,3 +110,51 @@ def test_model_file_with_its_card() -> None:
 def test_signed_wire_message() -> None:
     data = encode(sign_record(RECORD, KEY), KEY, seq=5, ts=1700000000.25)
     assert hashlib.sha256(data).hexdigest() == "dca16ca6af250c8b56c0dd90d4c49e616298b85d81109e76fdeea8eaa4ebff32"
+
+
+# --- the options the old encoders differed in ------------------------------------------------------
+# codec, signing and task bytes used exactly canonical()'s options. The model card and the stored
+# record allowed NaN, the manifest wrote non-ASCII text raw: below, the values those callers can
+# produce are shown to encode the same either way.
+
+_FINITE_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**63), 2**63 - 1) | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=10), inner, max_size=5),
+    max_leaves=30,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_FINITE_JSON)
+def test_allowing_nan_changes_no_finite_value(value) -> None:
+    """Records and model cards: their old encoder allowed NaN; for every finite value the bytes agree."""
+    assert canonical(value) == json.dumps(value, sort_keys=True, separators=(",", ":")).encode()
+
+
+def test_no_record_or_card_can_hold_nan() -> None:
+    """A record is signed (always NaN-free) before it is stored; a card's kwargs come from a task, whose
+    values are finite, and a card with NaN was unreadable anyway (the reader refuses NaN)."""
+    with pytest.raises(ValueError):
+        sign_record(ModelRecord(**{**RECORD.__dict__, "metrics": {"loss": math.nan}}), KEY)
+    with pytest.raises(TaskError, match="model.kwargs.p"):
+        load_task(TASK.replace("hidden = [32, 16]", "hidden = [32, 16], p = nan"))
+    with pytest.raises(ValueError):
+        canonical({"kwargs": {"p": math.inf}})
+
+
+_NAMES = st.from_regex(manifest_module._NAME, fullmatch=True)
+_SPECS = st.builds(TensorSpec, st.sampled_from(sorted(manifest_module.DTYPES)),
+                   st.lists(st.integers(1, 64), max_size=3).map(tuple))
+_SHARDS = st.lists(st.builds(ShardRef, st.just(CID), st.integers(1, 1000)), min_size=1, max_size=3).map(tuple)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.builds(Manifest, _NAMES, _SPECS, _SPECS, st.dictionaries(_NAMES, _SHARDS, min_size=1, max_size=3)))
+def test_every_valid_manifest_is_ascii_so_escaping_changes_nothing(manifest: Manifest) -> None:
+    """The manifest's old encoder wrote non-ASCII raw (``ensure_ascii=False``); but every string a
+    manifest may hold (names, splits, dtypes, CIDs) is ASCII, so its bytes are the same."""
+    raw = manifest.to_dict()
+    data = manifest.to_json()
+    assert data == json.dumps(raw, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+    assert Manifest.from_json(data) == manifest
