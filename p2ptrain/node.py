@@ -52,6 +52,7 @@ from p2ptrain.net.host import make_host
 from p2ptrain.net.pubsub import MessageTooLarge, close_host, make_pubsub, publish_bytes, running_pubsub
 from p2ptrain.wire import encode
 from p2ptrain.wire.limits import MAX_MESSAGE_BYTES
+from p2ptrain.wire.messages import MESSAGES, MessageRegistry
 
 logger = logging.getLogger(__name__)
 
@@ -172,7 +173,11 @@ Service = Callable[..., Awaitable[Any]]
 
 
 class Node:
-    """One peer. ``await node.run()`` (or ``await nursery.start(node.run)``) until ``node.stop()``."""
+    """One peer. ``await node.run()`` (or ``await nursery.start(node.run)``) until ``node.stop()``.
+
+    ``messages``: the message types its router decodes (default: the package's); tests and
+    extensions with types of their own pass ``MESSAGES.copy()`` extended with them.
+    """
 
     def __init__(
         self,
@@ -184,6 +189,7 @@ class Node:
         dht: bool | None = None,
         heartbeat_interval: float | None = None,
         silence_heartbeats: int | None = None,
+        messages: MessageRegistry = MESSAGES,
     ) -> None:
         self.home = Path(home).expanduser().absolute()
         prepare_home(self.home)
@@ -205,7 +211,7 @@ class Node:
         self.key_pair: KeyPair = load_or_create_identity(self.home)
         self.peer_id: ID = peer_id_of(self.key_pair)
         self.control = ControlServer(self.home)
-        self.router = MessageRouter(self.peer_id)
+        self.router = MessageRouter(self.peer_id, messages)
         self.membership = Membership(
             own_id=self.peer_id,
             router=self.router,

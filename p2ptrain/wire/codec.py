@@ -24,7 +24,7 @@ from libp2p.peer.id import ID
 
 from p2ptrain import boundedjson
 from p2ptrain.wire.limits import MAX_CLOCK_SKEW_S, MAX_MESSAGE_BYTES, WIRE_VERSION
-from p2ptrain.wire.messages import MESSAGE_TYPES, type_name
+from p2ptrain.wire.messages import MESSAGES, MessageRegistry, type_name
 from p2ptrain.wire.schema import SchemaError, from_plain, to_plain
 
 MAGIC = b"P2TM"
@@ -77,8 +77,9 @@ def encode(msg: Any, key_pair: KeyPair, seq: int, ts: float | None = None) -> by
     return data
 
 
-def decode(data: bytes, now: float | None = None) -> Signed[Any]:
-    """Check and verify a framed message; raise :class:`DecodeError` on anything wrong."""
+def decode(data: bytes, now: float | None = None, types: MessageRegistry = MESSAGES) -> Signed[Any]:
+    """Check and verify a framed message; raise :class:`DecodeError` on anything wrong (a type
+    ``types`` does not know is ``unknown-type``)."""
     if len(data) > MAX_MESSAGE_BYTES:
         raise DecodeError("oversized", f"{len(data)} B")
     if len(data) < _HEADER.size + SIG_LEN:
@@ -119,7 +120,7 @@ def decode(data: bytes, now: float | None = None) -> Signed[Any]:
         valid = False
     if not valid:
         raise DecodeError("bad-signature", sender_s)
-    cls = MESSAGE_TYPES.get(mtype)
+    cls = types.get(mtype)
     if cls is None:
         raise DecodeError("unknown-type", mtype[:64])
     now = time.time() if now is None else now
