@@ -57,6 +57,7 @@ from p2ptrain.wire.frames import (
     DTYPES,
     HEADER,
     MAX_FIRST_FRAME,
+    PROTOCOL,
     Header,
     Kind,
     abort_frame,
@@ -70,7 +71,6 @@ from p2ptrain.wire.frames import (
 
 logger = logging.getLogger(__name__)
 
-PROTOCOL = "/p2ptrain/collective/1.0.0"
 # How long a member that lost a neighbour's channel waits for the abort notice that may explain it.
 _GRACE_S = 0.5
 _ABORT_SEND_S = 2.0

@@ -18,6 +18,8 @@ from enum import IntEnum
 import torch
 from libp2p.peer.id import ID
 
+# The libp2p protocol of a round's channels, whose frames this module describes.
+PROTOCOL = "/p2ptrain/collective/1.0.0"
 MAGIC = b"PC"
 VERSION = 1
 HEADER = struct.Struct(">2sBBQBHIIB")  # magic, version, kind, round, phase, step, seg, count, dtype

@@ -9,9 +9,8 @@ import torch
 import trio
 
 from p2ptrain.collective import rounds
-from p2ptrain.collective.rounds import PROTOCOL
 from p2ptrain.net.streams import ChannelError, open_channel
-from p2ptrain.wire.frames import Header, Kind
+from p2ptrain.wire.frames import PROTOCOL, Header, Kind
 
 # More than the whole pending inbox (64) per member.
 FLOOD = 70

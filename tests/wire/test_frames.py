@@ -13,6 +13,7 @@ from libp2p.peer.id import ID
 
 from p2ptrain.wire.frames import (
     DTYPES,
+    PROTOCOL,
     FrameError,
     Header,
     Kind,
@@ -30,6 +31,10 @@ from p2ptrain.wire.frames import (
 PEER = ID.from_pubkey(create_new_key_pair(b"\x01" * 32).public_key)
 DIGEST = "ee104a6e86de1f0278e0a7317040de9e0ef637a652c2f49052cad4bcec3bfce5"
 ZERO_HEADER_TAIL = "000000000000000000000000"  # phase, step, seg, count, dtype of a control frame
+
+
+def test_protocol_id() -> None:
+    assert PROTOCOL == "/p2ptrain/collective/1.0.0"
 
 
 def test_round_digest_bytes() -> None:
