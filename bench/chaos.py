@@ -741,7 +741,7 @@ async def settle(cluster: Cluster) -> dict[str, Any]:
             # A node that does not even answer `node status` is wedged (an earlier attack left its
             # event loop starved): restart it, once, and give the cluster another chance.
             for p in cluster.alive():
-                if await call(p, "status") is None:
+                if await call(p, control_ops.STATUS) is None:
                     restarted.append(cluster.name(p))
                     p.kill()
                     await cluster.restart(p, wait=False)
