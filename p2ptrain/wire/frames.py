@@ -49,6 +49,7 @@ class Phase(IntEnum):
     GATHER = 3  # all-gather: each chunk owner's final bytes travel around the ring
 
 
+# A frame's dtype byte: the element type of its tensor bytes (0 in frames that carry none).
 DTYPES: dict[torch.dtype, int] = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3, torch.uint8: 4}
 
 # The largest first frame on a channel, which is read before anything is known of its sender: HELLO
