@@ -4,7 +4,8 @@
 ``{"op": "status", ...}`` gets one line back, ``{"ok": true, ...}`` or ``{"ok": false, "error":
 "..."}``. Why a Unix socket: file permissions are the access control (no token to leak, nothing
 on a TCP port), and the kernel tells us the peer is local. Any layer adds an operation with
-``control.register("op", handler)``; the CLI and DataLoader worker processes talk to the node
+``control.register(name, handler)``, the name a constant in :mod:`p2ptrain.net.control_ops` that
+clients import too; the CLI and DataLoader worker processes talk to the node
 through :class:`ControlClient`, which is synchronous on purpose (no event loop needed there).
 
 The server is one boundary: whatever a client sends (a 100,000-deep ``[[[…``, a line that never
