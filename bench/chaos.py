@@ -74,6 +74,7 @@ from p2ptrain.errors import UserError
 from p2ptrain.ipfs.blockstore import BlockStore
 from p2ptrain.ipfs.cid import DAG_PB, make_cid
 from p2ptrain.ipfs.dagpb import encode_file_leaf
+from p2ptrain.net import control_ops
 from p2ptrain.net.control import ControlClient
 from p2ptrain.runtime.spans import HOP_TIMEOUT_S
 from p2ptrain.testing import NodeProcess, free_port
@@ -258,7 +259,7 @@ async def statuses(cluster: Cluster) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
 
     async def one(p: NodeProcess) -> None:
-        s = await call(p, "task.status", {"task_cid": cluster.task_cid})
+        s = await call(p, control_ops.TASK_STATUS, {"task_cid": cluster.task_cid})
         if s is not None and s.get("member"):
             out[cluster.name(p)] = s
 
@@ -324,13 +325,13 @@ async def start_training(cluster: Cluster, join_others: bool) -> None:
         lambda: build_dataset(EmbeddedStore(first.home), name, features, labels, num_shards=8))
     text = TASK_TEMPLATE.format(manifest=manifest, steps=TOTAL_STEPS, checkpoint=CHECKPOINT_INTERVAL,
                                 density=0.01, peers=8).replace("demo-digits-mlp", "chaos-digits-mlp")
-    published = await call(first, "task.publish", {"text": text, "join": True}, timeout=120)
+    published = await call(first, control_ops.TASK_PUBLISH, {"text": text, "join": True}, timeout=120)
     if published is None:
-        raise RuntimeError(f"task.publish failed on {first.home}:\n{first.read_log()}")
+        raise RuntimeError(f"{control_ops.TASK_PUBLISH} failed on {first.home}:\n{first.read_log()}")
     cluster.task_cid = published["task_cid"]
     if join_others:
         for p in cluster.procs[1:]:
-            await call(p, "task.join", {"task_cid": cluster.task_cid}, timeout=120)
+            await call(p, control_ops.TASK_JOIN, {"task_cid": cluster.task_cid}, timeout=120)
     started = trio.current_time()
     with trio.fail_after(TRAINING_TIMEOUT_S):
         while True:
@@ -529,7 +530,7 @@ async def kill_provider_mid_fetch(cluster: Cluster, sizes: Sizes, result: Result
 
     async def fetch() -> None:
         t = trio.current_time()
-        outcome["answer"] = await call(fetcher, "ipfs.fetch", {"cid": cid, "timeout": sizes.recover_timeout_s},
+        outcome["answer"] = await call(fetcher, control_ops.IPFS_FETCH, {"cid": cid, "timeout": sizes.recover_timeout_s},
                                        timeout=sizes.recover_timeout_s + 30)
         outcome["done_at"] = trio.current_time()
         outcome["fetch_s"] = round(outcome["done_at"] - t, 2)
@@ -660,7 +661,7 @@ async def _watch(cluster: Cluster, victim: NodeProcess, stop: trio.Event, out: d
             if mb is not None:
                 peaks[cluster.name(p)] = max(peaks.get(cluster.name(p), 0.0), mb)
         t = time.monotonic()
-        answer = await call(victim, "status")
+        answer = await call(victim, control_ops.STATUS)
         if answer is not None:
             latencies.append(time.monotonic() - t)
             sizes.append(len(json.dumps(answer)))
@@ -740,7 +741,7 @@ async def settle(cluster: Cluster) -> dict[str, Any]:
             # A node that does not even answer `node status` is wedged (an earlier attack left its
             # event loop starved): restart it, once, and give the cluster another chance.
             for p in cluster.alive():
-                if await call(p, "status") is None:
+                if await call(p, control_ops.STATUS) is None:
                     restarted.append(cluster.name(p))
                     p.kill()
                     await cluster.restart(p, wait=False)

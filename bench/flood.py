@@ -82,6 +82,7 @@ def _cpu_seconds(pid: int) -> float:
 def poll_status(home: Path, interval: float) -> None:
     """Child mode: call `node status` every ``interval`` s until SIGTERM; print each call's wall
     time and latency (JSON)."""
+    from p2ptrain.net import control_ops
     from p2ptrain.net.control import ControlClient
 
     def stop(signum: int, frame: object) -> None:
@@ -96,7 +97,7 @@ def poll_status(home: Path, interval: float) -> None:
         while True:
             t0, wall = time.monotonic(), time.time()
             try:
-                sizes.append(len(json.dumps(client.call("status"))))
+                sizes.append(len(json.dumps(client.call(control_ops.STATUS))))
                 calls.append((wall, time.monotonic() - t0))
             except Exception as exc:  # a failure is a data point of this bench
                 failures.append((wall, f"{type(exc).__name__}: {exc}"[:200]))
@@ -159,9 +160,10 @@ def _frames(messages: list, per_frame: int) -> list[bytes]:
 
 def _counted(home: Path) -> int:
     """Every message the victim's router has seen so far (dropped or delivered, any reason)."""
+    from p2ptrain.net import control_ops
     from p2ptrain.net.control import ControlClient
 
-    messages = ControlClient(home, timeout=STATUS_TIMEOUT_S).call("status")["messages"]
+    messages = ControlClient(home, timeout=STATUS_TIMEOUT_S).call(control_ops.STATUS)["messages"]
     return sum(sum(messages[k].values()) for k in ("dropped", "delivered", "dropped_below_router"))
 
 

@@ -35,8 +35,6 @@ from libp2p.pubsub.pb import rpc_pb2
 from libp2p.pubsub.validators import PUBSUB_SIGNING_PREFIX
 from multiaddr import Multiaddr
 
-from p2ptrain.collective.frames import Header, Kind
-from p2ptrain.collective.rounds import PROTOCOL as COLLECTIVE_PROTOCOL
 from p2ptrain.ipfs.bitswap_wire import MAX_MESSAGE_SIZE, PROTOCOLS as BITSWAP_PROTOCOLS
 from p2ptrain.ipfs.blockstore import BlockStore
 from p2ptrain.ipfs.cid import DAG_PB, cid_str, make_cid
@@ -49,6 +47,7 @@ from p2ptrain.net.pubsub import make_pubsub, running_pubsub
 from p2ptrain.net.streams import open_channel
 from p2ptrain.runtime.run_state import TASKS_TOPIC
 from p2ptrain.wire import encode
+from p2ptrain.wire.frames import PROTOCOL as COLLECTIVE_PROTOCOL, Header, Kind
 from p2ptrain.wire.messages import Capabilities, Heartbeat, TaskAnnounce
 
 # Connecting to a node and seeing it in a topic's gossipsub peers takes ~1 s on loopback (pubsub's

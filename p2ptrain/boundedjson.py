@@ -5,7 +5,8 @@ Why not plain :func:`json.loads`: its C decoder recurses per level, so 100,000 `
 accepts ``NaN``, and it parses a 400-digit integer that later overflows a float comparison
 (``abs(now - 10**400)`` raised ``OverflowError`` and stopped a node). Every decoder of untrusted
 JSON goes through :func:`loads`, which raises one declared error, :class:`JSONBoundsError`, for
-all of that. This module is a leaf: it imports nothing of ours.
+all of that. Its counterpart :func:`canonical` is the one encoder of JSON whose bytes are hashed
+into a CID or signed. This module is a leaf: it imports nothing of ours.
 """
 
 from __future__ import annotations
@@ -94,3 +95,15 @@ def loads(
         raise JSONBoundsError(f"{what}: {exc}") from None
     except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError
         raise JSONBoundsError(f"{what}: not JSON ({exc})") from None
+
+
+def canonical(value: Any) -> bytes:
+    """The canonical JSON bytes of ``value``: sorted keys, no spaces, ASCII (``\\u`` escapes).
+
+    The one encoder of every document that is hashed into a CID or signed (wire messages, signed
+    bodies and records, task files, dataset manifests, model cards), so one value has one encoding,
+    the one peers running older code produce too (tests/wire/test_canonical.py pins it). NaN and
+    Infinity raise ``ValueError``: :func:`loads` refuses them, so a document carrying one could never
+    be read back.
+    """
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()

@@ -46,11 +46,13 @@ from p2ptrain.identity import load_or_create_identity, peer_id_of
 from p2ptrain.mesh.discovery import Discovery, parse_bootstrap
 from p2ptrain.mesh.membership import DEFAULT_SILENCE_HEARTBEATS, MESH_TOPIC, Membership
 from p2ptrain.mesh.router import Handler, MessageRouter, short
+from p2ptrain.net import control_ops
 from p2ptrain.net.control import ControlServer
 from p2ptrain.net.host import make_host
 from p2ptrain.net.pubsub import MessageTooLarge, close_host, make_pubsub, publish_bytes, running_pubsub
 from p2ptrain.wire import encode
 from p2ptrain.wire.limits import MAX_MESSAGE_BYTES
+from p2ptrain.wire.messages import MESSAGES, MessageRegistry
 
 logger = logging.getLogger(__name__)
 
@@ -171,7 +173,11 @@ Service = Callable[..., Awaitable[Any]]
 
 
 class Node:
-    """One peer. ``await node.run()`` (or ``await nursery.start(node.run)``) until ``node.stop()``."""
+    """One peer. ``await node.run()`` (or ``await nursery.start(node.run)``) until ``node.stop()``.
+
+    ``messages``: the message types its router decodes (default: the package's); tests and
+    extensions with types of their own pass ``MESSAGES.copy()`` extended with them.
+    """
 
     def __init__(
         self,
@@ -183,6 +189,7 @@ class Node:
         dht: bool | None = None,
         heartbeat_interval: float | None = None,
         silence_heartbeats: int | None = None,
+        messages: MessageRegistry = MESSAGES,
     ) -> None:
         self.home = Path(home).expanduser().absolute()
         prepare_home(self.home)
@@ -204,7 +211,7 @@ class Node:
         self.key_pair: KeyPair = load_or_create_identity(self.home)
         self.peer_id: ID = peer_id_of(self.key_pair)
         self.control = ControlServer(self.home)
-        self.router = MessageRouter(self.peer_id)
+        self.router = MessageRouter(self.peer_id, messages)
         self.membership = Membership(
             own_id=self.peer_id,
             router=self.router,
@@ -225,8 +232,8 @@ class Node:
         self.listening_at: float | None = None  # wall clock: listeners up, pubsub running
         self.started_at: float | None = None  # wall clock: mesh joined, services started
         self.stopped = trio.Event()
-        self.control.register("status", self._status_op)
-        self.control.register("ping", self._ping_op)
+        self.control.register(control_ops.STATUS, self._status_op)
+        self.control.register(control_ops.PING, self._ping_op)
 
     # -- the API for other layers --------------------------------------------------------------
 

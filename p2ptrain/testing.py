@@ -35,6 +35,7 @@ import trio
 
 from p2ptrain.errors import UserError
 from p2ptrain.identity import load_or_create_identity, peer_id_of
+from p2ptrain.net import control_ops
 from p2ptrain.net.control import ControlClient
 from p2ptrain.node import Node
 
@@ -108,7 +109,7 @@ class NodeProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"node {self.home} exited with {self.proc.returncode}:\n{self.read_log()}")
             try:
-                if self.client.call("ping")["started"]:
+                if self.client.call(control_ops.PING)["started"]:
                     return
             except (UserError, OSError):
                 pass
@@ -117,7 +118,7 @@ class NodeProcess:
             time.sleep(0.02)
 
     def status(self) -> dict[str, Any]:
-        return self.client.call("status")
+        return self.client.call(control_ops.STATUS)
 
     def _log_text(self) -> str:
         try:

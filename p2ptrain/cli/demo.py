@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from p2ptrain.errors import UserError
+from p2ptrain.net import control_ops
 
 MESH_TIMEOUT_S = 60.0
 NODE_ARGS = ["--accept-tasks", "--device", "cpu", "--threads", "1"]
@@ -110,7 +111,7 @@ class Cluster:
             raise UserError(f"a peer did not start: {exc}") from None
         mesh_deadline = time.monotonic() + MESH_TIMEOUT_S
         while True:
-            seen = [len(self.call(h, "status")["peers"]) for h in self.homes]
+            seen = [len(self.call(h, control_ops.STATUS)["peers"]) for h in self.homes]
             if min(seen) >= len(self.homes) - 1:
                 return bootstrap
             if time.monotonic() > mesh_deadline:
@@ -174,14 +175,14 @@ def _run(args: argparse.Namespace, cluster: Cluster, workdir: Path, say: Any) ->
     say("[3/5] publishing the task (MLP, Adam, top-k density %g with error feedback)" % args.density)
     text = TASK_TEMPLATE.format(manifest=manifest_cid, steps=args.steps, checkpoint=args.checkpoint_interval,
                                 density=args.density, peers=args.peers)
-    task_cid = cluster.call(first, "task.publish", text=text)["task_cid"]
+    task_cid = cluster.call(first, control_ops.TASK_PUBLISH, text=text)["task_cid"]
     say(f"      task {task_cid}")
 
     say("[4/5] training")
     final = _follow(cluster, task_cid, args.steps, deadline, quiet=args.json)
     model_cid = final[first.name]["latest_model_cid"]
     per_peer = [
-        {"peer": name, "peer_id": cluster.call(h, "status")["peer_id"], "model_cid": final[name]["latest_model_cid"],
+        {"peer": name, "peer_id": cluster.call(h, control_ops.STATUS)["peer_id"], "model_cid": final[name]["latest_model_cid"],
          "version": final[name]["version"], "bytes_sent": final[name]["bytes_sent"]}
         for name, h in ((h.name, h) for h in cluster.homes)
     ]
@@ -220,7 +221,7 @@ def _follow(cluster: Cluster, task_cid: str, steps: int, deadline: float, quiet:
             statuses = {}
             for home in cluster.homes:
                 try:
-                    statuses[home.name] = cluster.call(home, "task.status", task_cid=task_cid)
+                    statuses[home.name] = cluster.call(home, control_ops.TASK_STATUS, task_cid=task_cid)
                 except UserError:
                     continue
             if not statuses:

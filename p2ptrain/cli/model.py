@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from p2ptrain.cli.ipfs import cid_arg
 from p2ptrain.errors import UserError
+from p2ptrain.net import control_ops
 
 if TYPE_CHECKING:
     from p2ptrain.ipfs.store import ContentStore
@@ -83,11 +84,11 @@ def ensure_local(
         client = ControlClient(home, timeout=600.0)
         try:
             if latest is not None:
-                cids = cids + [_latest_from_status(client.call("task.status", task_cid=latest), latest)]
+                cids = cids + [_latest_from_status(client.call(control_ops.TASK_STATUS, task_cid=latest), latest)]
             for cid in cids:
-                client.call("ipfs.fetch", cid=cid, timeout=300.0)
+                client.call(control_ops.IPFS_FETCH, cid=cid, timeout=300.0)
             for cid in then(store) if then else []:
-                client.call("ipfs.fetch", cid=cid, timeout=300.0)
+                client.call(control_ops.IPFS_FETCH, cid=cid, timeout=300.0)
             return cids
         except ControlError as exc:
             raise UserError(str(exc)) from None

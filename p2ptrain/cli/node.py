@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from p2ptrain.cli.ipfs import cid_arg
+from p2ptrain.net import control_ops
 
 HOME_HELP = "node home: identity key, config, control socket, blocks, logs (default: $P2PTRAIN_HOME or ~/.p2ptrain)"
 
@@ -174,7 +175,7 @@ def _log_to_home(home: Path) -> None:
 def cmd_status(args: argparse.Namespace) -> int:
     from p2ptrain.net.control import ControlClient
 
-    status = ControlClient(_home(args)).call("status")
+    status = ControlClient(_home(args)).call(control_ops.STATUS)
     if args.json:
         json.dump(status, sys.stdout, indent=2)
         print()

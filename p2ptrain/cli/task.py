@@ -13,6 +13,7 @@ from typing import Any
 
 from p2ptrain.cli.ipfs import cid_arg
 from p2ptrain.errors import UserError
+from p2ptrain.net import control_ops
 
 HOME_HELP = "home of the running node to use (default: $P2PTRAIN_HOME or ~/.p2ptrain)"
 
@@ -61,19 +62,19 @@ def cmd_publish(args: argparse.Namespace) -> int:
 
     load_task(data)  # the same validation the node runs, before a node is needed (and UTF-8 checked)
     text = data.decode()
-    reply = _client(args).call("task.publish", text=text, join=args.join)
+    reply = _client(args).call(control_ops.TASK_PUBLISH, text=text, join=args.join)
     print(json.dumps(reply) if args.json else reply["task_cid"])
     return 0
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    status = _client(args).call("task.status", task_cid=args.task_cid)
+    status = _client(args).call(control_ops.TASK_STATUS, task_cid=args.task_cid)
     print(json.dumps(status, indent=None) if args.json else render_status(status))
     return 0
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    reply = _client(args).call("task.list")
+    reply = _client(args).call(control_ops.TASK_LIST)
     tasks = reply["tasks"]
     if args.json:  # "joins": announcements not joined, by why (busy, recently_failed, refused, ...)
         print(json.dumps({"tasks": tasks, "joins": reply.get("joins")}))

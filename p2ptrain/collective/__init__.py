@@ -9,7 +9,7 @@ from p2ptrain.collective.endpoint import Collective, RoundStats
 from p2ptrain.collective.errors import BadPayload, CollectiveError, PeerFailed
 from p2ptrain.collective.feedback import ErrorFeedback
 from p2ptrain.collective.reducer import SparseAllReducer
-from p2ptrain.collective.rounds import PROTOCOL
+from p2ptrain.wire.frames import PROTOCOL
 
 __all__ = [
     "PROTOCOL",

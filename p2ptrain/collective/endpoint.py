@@ -17,12 +17,12 @@ from libp2p.peer.id import ID
 
 from p2ptrain.collective.direct import direct_allreduce
 from p2ptrain.collective.errors import CollectiveError, single_failure
-from p2ptrain.collective.frames import DTYPES, round_digest
 from p2ptrain.collective.ring import FLOAT_DTYPES, SEGMENT_BYTES, ring_allreduce
 from p2ptrain.collective.robust import check_rule
-from p2ptrain.collective.rounds import PROTOCOL, RoundHub
+from p2ptrain.collective.rounds import RoundHub
 from p2ptrain.collective.sparse import Range, check_ranges, clt_k_round, select_ranges, slice_of, slice_ranges
 from p2ptrain.tensors import all_finite
+from p2ptrain.wire.frames import DTYPES, PROTOCOL, round_digest
 
 logger = logging.getLogger(__name__)
 

@@ -16,8 +16,8 @@ import torch
 import trio
 
 from p2ptrain.collective.errors import single_failure
-from p2ptrain.collective.frames import DTYPES, Header, Kind, Phase
 from p2ptrain.collective.rounds import RoundLinks
+from p2ptrain.wire.frames import DTYPES, Header, Kind, Phase
 
 SEGMENT_BYTES = 1 << 20
 # Extra deadline per step of the ring schedule (see RoundLinks.recv): the member next to a stalled

@@ -42,15 +42,6 @@ from libp2p.abc import IHost
 from libp2p.peer.id import ID
 
 from p2ptrain.collective.errors import BadPayload, CollectiveError, PeerFailed, single_failure
-from p2ptrain.collective.frames import (
-    DTYPES,
-    HEADER,
-    Header,
-    Kind,
-    abort_frame,
-    parse_abort,
-    parse_header,
-)
 from p2ptrain.net.streams import (
     Channel,
     ChannelError,
@@ -62,10 +53,24 @@ from p2ptrain.net.streams import (
     short_id,
 )
 from p2ptrain.tensors import all_finite
+from p2ptrain.wire.frames import (
+    DTYPES,
+    HEADER,
+    MAX_FIRST_FRAME,
+    PROTOCOL,
+    Header,
+    Kind,
+    abort_frame,
+    busy_frame,
+    hello_frame,
+    is_busy,
+    parse_abort,
+    parse_header,
+    ready_frame,
+)
 
 logger = logging.getLogger(__name__)
 
-PROTOCOL = "/p2ptrain/collective/1.0.0"
 # How long a member that lost a neighbour's channel waits for the abort notice that may explain it.
 _GRACE_S = 0.5
 _ABORT_SEND_S = 2.0
@@ -98,8 +103,6 @@ _IDLE_S = 120.0
 _REUSE_S = _IDLE_S - 20.0
 # Idle channels kept per peer and direction (concurrent rounds with one peer open more).
 _IDLE_PER_PEER = 2
-# The largest first frame on a channel: HELLO with its digest, or an ABORT notice.
-_FIRST_FRAME = HEADER.size + 256 + 1024
 
 
 @dataclass
@@ -327,7 +330,7 @@ class RoundHub:
             self._idle_in[peer] = self._idle_in.get(peer, 0) + 1
         try:
             with trio.move_on_after(_IDLE_S if idle else _FIRST_FRAME_S):
-                return await channel.recv(_FIRST_FRAME)
+                return await channel.recv(MAX_FIRST_FRAME)
             return b""
         except ChannelError:
             return b""  # the sender dropped it, or went away
@@ -402,7 +405,7 @@ class RoundHub:
         """Tell the dialer to retry later (bounded: it may not be reading), then close."""
         with trio.move_on_after(_CULPRIT_NOTICE_S):
             try:
-                await channel.send(Header(Kind.BUSY, round_id).pack())
+                await channel.send(busy_frame(round_id))
             except ChannelError:
                 pass
 
@@ -474,7 +477,7 @@ class RoundHub:
 
     async def _dial(self, round_id: int, right: ID, digest: bytes, timeout: float) -> Channel:
         """A channel to ``right`` on which it has joined round ``round_id`` (answered READY)."""
-        hello = Header(Kind.HELLO, round_id).pack() + digest
+        hello = hello_frame(round_id, digest)
         try:
             with trio.fail_after(timeout):
                 while True:
@@ -485,8 +488,8 @@ class RoundHub:
                         self.channels_opened += 1
                     try:
                         await channel.send(hello)
-                        frame = await channel.recv(_FIRST_FRAME)
-                        if _is_busy(frame, round_id):
+                        frame = await channel.recv(MAX_FIRST_FRAME)
+                        if is_busy(frame, round_id):
                             # It has not seen the plan naming us yet: ask again on a fresh channel.
                             await channel.aclose()
                             await trio.sleep(_BUSY_RETRY_S)
@@ -603,7 +606,7 @@ class RoundHub:
                         )
                         try:
                             with trio.fail_after(timeout):
-                                await arrival.channel.send(Header(Kind.READY, round_id).pack())
+                                await arrival.channel.send(ready_frame(round_id))
                         except ChannelError as error:
                             # A channel parked before we joined, which its sender has since reset:
                             # its round failed there, and the notice saying why may be on its way.
@@ -664,11 +667,3 @@ class RoundHub:
         while len(self._finished) > _MEMORY:
             self._finished.popitem(last=False)
 
-
-def _is_busy(frame: bytes, round_id: int) -> bool:
-    """Whether ``frame`` is the receiver's BUSY answer to our HELLO for ``round_id``."""
-    try:
-        header = parse_header(frame)
-    except ValueError:
-        return False  # reported as a bad answer by the caller
-    return header.kind == Kind.BUSY and header.round_id == round_id

@@ -9,7 +9,6 @@ and numbers, dtypes from an allow-list, valid CIDs, and bytes that are not in ca
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import dataclass
@@ -93,7 +92,7 @@ class Manifest:
 
     def to_json(self) -> bytes:
         """The canonical encoding; validated, so a manifest we write is one we would accept."""
-        data = _canonical(self.to_dict())
+        data = boundedjson.canonical(self.to_dict())
         Manifest.from_json(data)
         return data
 
@@ -106,11 +105,7 @@ class Manifest:
         except boundedjson.JSONBoundsError as exc:
             raise ManifestError(str(exc)) from None
         manifest = _parse(raw)
-        try:
-            canonical = _canonical(raw)
-        except ValueError:  # a lone surrogate in a string cannot be UTF-8
-            raise ManifestError("manifest is not in canonical JSON form (not UTF-8)") from None
-        if canonical != data:
+        if boundedjson.canonical(raw) != data:
             raise ManifestError("manifest is not in canonical JSON form (sorted keys, no spaces)")
         return manifest
 
@@ -126,10 +121,6 @@ class Manifest:
         except FileTooLarge:
             raise ManifestError(f"manifest {cid} is over the {MAX_MANIFEST_BYTES} B limit") from None
         return cls.from_json(data)
-
-
-def _canonical(value: Any) -> bytes:
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
 
 
 def _keys(obj: Any, where: str, keys: set[str]) -> dict[str, Any]:

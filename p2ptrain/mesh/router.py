@@ -22,7 +22,7 @@ from libp2p.pubsub.pb import rpc_pb2
 from libp2p.pubsub.pubsub import Pubsub
 
 from p2ptrain.wire import DecodeError, ReplayGuard, Signed, decode
-from p2ptrain.wire.messages import MESSAGE_TYPES
+from p2ptrain.wire.messages import MESSAGES, MessageRegistry
 
 logger = logging.getLogger(__name__)
 
@@ -39,8 +39,9 @@ def short(peer_id: ID | str) -> str:
 class MessageRouter:
     """Decode, verify and dispatch pubsub messages; one reader task per joined topic."""
 
-    def __init__(self, own_id: ID) -> None:
+    def __init__(self, own_id: ID, types: MessageRegistry = MESSAGES) -> None:
         self._own_id = own_id
+        self._types = types  # what is decoded; any other type is dropped as unknown-type
         self._handlers: dict[type, list[Handler]] = {}
         self._replay = ReplayGuard()
         self._pubsub: Pubsub | None = None
@@ -54,7 +55,7 @@ class MessageRouter:
         Handlers run in the topic's reader task, in arrival order: keep them short (hand long work
         to a service of your own through a memory channel), or the topic's queue backs up.
         """
-        if getattr(msg_type, "TYPE", None) not in MESSAGE_TYPES:
+        if not self._types.knows(msg_type):
             raise TypeError(f"{msg_type!r} is not a registered wire message type")
         self._handlers.setdefault(msg_type, []).append(handler)
 
@@ -129,7 +130,7 @@ class MessageRouter:
     def _check(self, topic: str, raw: rpc_pb2.Message, origin: ID) -> Signed[Any] | None:
         """Decode and verify ``raw``; None (counted) if it is to be dropped."""
         try:
-            signed = decode(raw.data)
+            signed = decode(raw.data, types=self._types)
         except DecodeError as exc:
             self._drop(exc.reason, topic, origin, exc)
             return None

@@ -4,7 +4,8 @@
 ``{"op": "status", ...}`` gets one line back, ``{"ok": true, ...}`` or ``{"ok": false, "error":
 "..."}``. Why a Unix socket: file permissions are the access control (no token to leak, nothing
 on a TCP port), and the kernel tells us the peer is local. Any layer adds an operation with
-``control.register("op", handler)``; the CLI and DataLoader worker processes talk to the node
+``control.register(name, handler)``, the name a constant in :mod:`p2ptrain.net.control_ops` that
+clients import too; the CLI and DataLoader worker processes talk to the node
 through :class:`ControlClient`, which is synchronous on purpose (no event loop needed there).
 
 The server is one boundary: whatever a client sends (a 100,000-deep ``[[[…``, a line that never
@@ -32,6 +33,7 @@ import trio
 
 from p2ptrain import boundedjson
 from p2ptrain.errors import UserError
+from p2ptrain.net import control_ops
 
 logger = logging.getLogger(__name__)
 
@@ -148,8 +150,8 @@ class ControlServer:
         # reason -> requests or connections refused for it (oversize, not_json, bad_request,
         # unknown_op, op_error, internal_error, bad_reply, timeout, busy, connection_error).
         self.rejected: Counter[str] = Counter()
-        self.register("ops", self._list_ops)
-        self.register("control.stats", self._stats_op)
+        self.register(control_ops.OPS, self._list_ops)
+        self.register(control_ops.CONTROL_STATS, self._stats_op)
 
     def register(self, op: str, handler: Handler) -> None:
         """Answer requests ``{"op": op, ...}`` with ``await handler(request)`` (a JSON-able dict).

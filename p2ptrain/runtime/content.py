@@ -17,6 +17,7 @@ from p2ptrain.ipfs.cid import parse_cid
 from p2ptrain.ipfs.embedded import EmbeddedStore
 from p2ptrain.ipfs.exchange import BlockExchange, FetchError
 from p2ptrain.ipfs.store import ContentStore, ContentUnavailable, open_store
+from p2ptrain.net import control_ops
 from p2ptrain.node import Node
 
 logger = logging.getLogger(__name__)
@@ -36,8 +37,8 @@ class ContentService:
         self.store: ContentStore = self.kubo or EmbeddedStore(node.home)
         self.exchange: BlockExchange | None = None
         self._ready = trio.Event()
-        node.control.register("ipfs.fetch", self._fetch_op)
-        node.control.register("ipfs.add", self._add_op)
+        node.control.register(control_ops.IPFS_FETCH, self._fetch_op)
+        node.control.register(control_ops.IPFS_ADD, self._add_op)
         node.add_status("content", self._status)
 
     def _status(self) -> dict[str, Any]:

@@ -25,6 +25,7 @@ from p2ptrain.ipfs.cid import InvalidCID, parse_cid
 from p2ptrain.ipfs.store import ContentStore, ContentUnavailable
 from p2ptrain.ipfs.unixfs import DagError
 from p2ptrain.mesh.router import short
+from p2ptrain.net import control_ops
 from p2ptrain.node import Node
 from p2ptrain.runtime.content import ContentService
 from p2ptrain.runtime.run_state import TASKS_TOPIC, task_topic
@@ -177,10 +178,10 @@ class TaskService:
                          SignedAttestation):
             node.on(msg_type, self._on_task_message)
         for op, handler in (
-            ("task.publish", self._publish_op),
-            ("task.join", self._join_op),
-            ("task.list", self._list_op),
-            ("task.status", self._status_op),
+            (control_ops.TASK_PUBLISH, self._publish_op),
+            (control_ops.TASK_JOIN, self._join_op),
+            (control_ops.TASK_LIST, self._list_op),
+            (control_ops.TASK_STATUS, self._status_op),
         ):
             node.control.register(op, handler)
         node.add_status("tasks", self._node_status)

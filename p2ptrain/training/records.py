@@ -16,7 +16,6 @@ count up by one, so the history has no fork and no gap.
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -82,7 +81,7 @@ def model_bytes(module: nn.Module, card: Mapping[str, Any] | None = None) -> byt
     """
     if card is None:
         return tensors_bytes(module.state_dict())
-    value = json.dumps(dict(card), sort_keys=True, separators=(",", ":"))
+    value = boundedjson.canonical(dict(card)).decode("ascii")
     return tensors_bytes(module.state_dict(), metadata={MODEL_CARD_KEY: value})
 
 
@@ -158,7 +157,7 @@ def record_id(record: ModelRecord) -> str:
 
 def record_bytes(signed: SignedModelRecord) -> bytes:
     """Canonical JSON of a signed record, for storing by CID or on disk."""
-    return json.dumps(to_plain(signed), sort_keys=True, separators=(",", ":")).encode()
+    return boundedjson.canonical(to_plain(signed))
 
 
 def record_from_bytes(data: bytes) -> SignedModelRecord:

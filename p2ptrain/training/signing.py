@@ -10,13 +10,13 @@ signer's public key is recovered from its peer ID, as in the wire codec.
 from __future__ import annotations
 
 import hashlib
-import json
 from typing import Any
 
 from libp2p.crypto.ed25519 import Ed25519PublicKey
 from libp2p.crypto.keys import KeyPair
 from libp2p.peer.id import ID
 
+from p2ptrain import boundedjson
 from p2ptrain.wire.schema import to_plain
 
 SIGNATURE_HEX_LEN = 128
@@ -28,7 +28,7 @@ class SignatureError(ValueError):
 
 def canonical_bytes(body: Any) -> bytes:
     """Canonical JSON of a schema dataclass: sorted keys, no spaces, no NaN."""
-    return json.dumps(to_plain(body), sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+    return boundedjson.canonical(to_plain(body))
 
 
 def body_id(body: Any) -> str:

@@ -14,7 +14,6 @@ any size, and a float check of ``10**400`` overflows) and every field out of its
 
 from __future__ import annotations
 
-import json
 import math
 import tomllib
 from dataclasses import asdict, dataclass, field
@@ -421,7 +420,7 @@ def _plain(task: Task) -> dict[str, Any]:
 
 def task_bytes(task: Task) -> bytes:
     """Canonical JSON bytes of a task (sorted keys, defaults filled in): store these by CID."""
-    return (json.dumps(_plain(task), sort_keys=True, separators=(",", ":"), allow_nan=False) + "\n").encode()
+    return boundedjson.canonical(_plain(task)) + b"\n"
 
 
 def task_from_bytes(data: bytes) -> Task:

@@ -13,7 +13,6 @@ itself, which also lets a message be stored or forwarded outside pubsub and stil
 
 from __future__ import annotations
 
-import json
 import struct
 import time
 from dataclasses import dataclass
@@ -25,7 +24,7 @@ from libp2p.peer.id import ID
 
 from p2ptrain import boundedjson
 from p2ptrain.wire.limits import MAX_CLOCK_SKEW_S, MAX_MESSAGE_BYTES, WIRE_VERSION
-from p2ptrain.wire.messages import MESSAGE_TYPES, type_name
+from p2ptrain.wire.messages import MESSAGES, MessageRegistry, type_name
 from p2ptrain.wire.schema import SchemaError, from_plain, to_plain
 
 MAGIC = b"P2TM"
@@ -60,13 +59,9 @@ class Signed(Generic[T]):
     msg: T
 
 
-def _canonical(obj: Any) -> bytes:
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
-
-
 def encode(msg: Any, key_pair: KeyPair, seq: int, ts: float | None = None) -> bytes:
     """Sign and frame ``msg`` (an instance of a registered message type)."""
-    payload = _canonical(
+    payload = boundedjson.canonical(
         {
             "type": type_name(msg),
             "sender": ID.from_pubkey(key_pair.public_key).to_base58(),
@@ -82,8 +77,9 @@ def encode(msg: Any, key_pair: KeyPair, seq: int, ts: float | None = None) -> by
     return data
 
 
-def decode(data: bytes, now: float | None = None) -> Signed[Any]:
-    """Check and verify a framed message; raise :class:`DecodeError` on anything wrong."""
+def decode(data: bytes, now: float | None = None, types: MessageRegistry = MESSAGES) -> Signed[Any]:
+    """Check and verify a framed message; raise :class:`DecodeError` on anything wrong (a type
+    ``types`` does not know is ``unknown-type``)."""
     if len(data) > MAX_MESSAGE_BYTES:
         raise DecodeError("oversized", f"{len(data)} B")
     if len(data) < _HEADER.size + SIG_LEN:
@@ -124,7 +120,7 @@ def decode(data: bytes, now: float | None = None) -> Signed[Any]:
         valid = False
     if not valid:
         raise DecodeError("bad-signature", sender_s)
-    cls = MESSAGE_TYPES.get(mtype)
+    cls = types.get(mtype)
     if cls is None:
         raise DecodeError("unknown-type", mtype[:64])
     now = time.time() if now is None else now

@@ -1,7 +1,10 @@
 """The schemas of every message that travels on pubsub, registered by type name.
 
 A message is a frozen dataclass checked by :mod:`p2ptrain.wire.schema`. Adding a type means adding
-a class here with ``@message("name")``; a receiver drops any type it does not know.
+a class here with ``@message("name")``, which registers it in :data:`MESSAGES`; a receiver drops any
+type its registry does not know. The decoder and the router are handed a registry (default:
+:data:`MESSAGES`), so a test or an extension that needs types of its own builds its own registry
+(``MESSAGES.copy()`` plus ``@message("x", into=registry)``) instead of adding to the package's.
 """
 
 from __future__ import annotations
@@ -11,18 +14,47 @@ from typing import Any, Callable, TypeVar
 
 from p2ptrain.wire.limits import MAX_ADDR_LEN
 
-MESSAGE_TYPES: dict[str, type] = {}
-
 M = TypeVar("M")
 
 
-def message(name: str) -> Callable[[type[M]], type[M]]:
-    """Register a dataclass as the schema of message type ``name``."""
+class MessageRegistry:
+    """Message type names and the dataclass each one is decoded into: what a decoder accepts."""
+
+    def __init__(self, types: dict[str, type] | None = None) -> None:
+        self._types: dict[str, type] = dict(types or {})
+
+    def add(self, name: str, cls: type) -> None:
+        """Accept messages of type ``name`` as ``cls`` (whose ``TYPE`` must be ``name``)."""
+        if name in self._types:
+            raise ValueError(f"message type {name!r} registered twice")
+        self._types[name] = cls
+
+    def get(self, name: str) -> type | None:
+        """The schema of type ``name``, or None if this registry does not know it."""
+        return self._types.get(name)
+
+    def knows(self, cls: type) -> bool:
+        """Whether ``cls`` is the registered schema of its type name."""
+        return self._types.get(getattr(cls, "TYPE", None)) is cls  # type: ignore[arg-type]
+
+    def copy(self) -> MessageRegistry:
+        """A registry of the same types, to extend without touching this one."""
+        return MessageRegistry(self._types)
+
+    def names(self) -> list[str]:
+        return sorted(self._types)
+
+
+MESSAGES = MessageRegistry()
+"""The package's message types (filled by the ``@message`` classes below): the default of every
+decoder and router."""
+
+
+def message(name: str, into: MessageRegistry = MESSAGES) -> Callable[[type[M]], type[M]]:
+    """Name a dataclass message type ``name`` and register it in ``into`` (default :data:`MESSAGES`)."""
 
     def register(cls: type[M]) -> type[M]:
-        if name in MESSAGE_TYPES:
-            raise ValueError(f"message type {name!r} registered twice")
-        MESSAGE_TYPES[name] = cls
+        into.add(name, cls)
         cls.TYPE = name  # type: ignore[attr-defined]
         return cls
 

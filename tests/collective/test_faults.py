@@ -8,9 +8,9 @@ import trio
 
 from p2ptrain.collective import BadPayload, PeerFailed
 from p2ptrain.collective.endpoint import dense_description, sparse_description
-from p2ptrain.collective.frames import DTYPES, Header, Kind, Phase, round_digest
 from p2ptrain.collective.ring import chunk_bounds
 from p2ptrain.collective.sparse import encode_indices, slice_of, slice_ranges
+from p2ptrain.wire.frames import DTYPES, Header, Kind, Phase, round_digest
 
 
 async def test_killed_peer_fails_the_round_on_every_survivor(cluster, gather):

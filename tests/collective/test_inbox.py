@@ -8,10 +8,9 @@ import os
 import torch
 import trio
 
-from p2ptrain.collective.frames import Header, Kind
 from p2ptrain.collective import rounds
-from p2ptrain.collective.rounds import PROTOCOL
 from p2ptrain.net.streams import ChannelError, open_channel
+from p2ptrain.wire.frames import PROTOCOL, Header, Kind
 
 # More than the whole pending inbox (64) per member.
 FLOOD = 70

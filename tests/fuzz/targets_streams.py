@@ -11,7 +11,6 @@ from _p2ptrain_fuzzing import FuzzTarget
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.id import ID
 
-from p2ptrain.collective.frames import HEADER, FrameError, Header, Kind, abort_frame, parse_abort, parse_header
 from p2ptrain.ipfs.bitswap_wire import (
     MAX_MESSAGE_SIZE,
     ByteBudget,
@@ -24,6 +23,7 @@ from p2ptrain.ipfs.bitswap_wire import (
 from p2ptrain.ipfs.cid import make_cid
 from p2ptrain.net.muxer import YamuxFrameError, parse_frame_header
 from p2ptrain.net.noise import NoiseFrameError, message_spans
+from p2ptrain.wire.frames import HEADER, FrameError, Header, Kind, abort_frame, parse_abort, parse_header
 
 _LEAF = make_cid(b"leaf", version=1)
 _V0 = make_cid(b"v0 leaf", codec="dag-pb", version=0)

@@ -22,7 +22,7 @@ from p2ptrain.wire import DecodeError, decode, encode
 from p2ptrain.wire import codec
 from p2ptrain.wire.limits import WIRE_VERSION
 from p2ptrain.wire.messages import (
-    MESSAGE_TYPES,
+    MESSAGES,
     Attestation,
     Capabilities,
     CoordinatorBeat,
@@ -99,7 +99,7 @@ SAMPLES = [
         optimizer_cid=_CID, members=(_SENDER,), done=False,
     ),
 ]
-_WIRE_TYPES = {name for name, cls in MESSAGE_TYPES.items() if cls.__module__ == "p2ptrain.wire.messages"}
+_WIRE_TYPES = set(MESSAGES.names())
 assert {type(m).TYPE for m in SAMPLES} == _WIRE_TYPES, "every wire message type needs a fuzz seed here"
 
 

@@ -1,23 +1,26 @@
-"""Message types used only by the mesh tests (registered once per test session)."""
+"""Message types used only by the mesh tests, in a registry of their own.
+
+The package's registry (:data:`p2ptrain.wire.messages.MESSAGES`) is never touched: nodes that must
+read these types are built with ``messages=TEST_MESSAGES``.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from p2ptrain.wire.messages import MESSAGE_TYPES, message
+from p2ptrain.wire.messages import MESSAGES, message
 
-if "test.note" not in MESSAGE_TYPES:
+TEST_MESSAGES = MESSAGES.copy()
 
-    @message("test.note")
-    @dataclass(frozen=True)
-    class Note:
-        text: str
-        n: int = 0
 
-    @message("test.blob")
-    @dataclass(frozen=True)
-    class Blob:
-        data: str = field(metadata={"max_len": 1 << 20})
+@message("test.note", into=TEST_MESSAGES)
+@dataclass(frozen=True)
+class Note:
+    text: str
+    n: int = 0
 
-Note = MESSAGE_TYPES["test.note"]
-Blob = MESSAGE_TYPES["test.blob"]
+
+@message("test.blob", into=TEST_MESSAGES)
+@dataclass(frozen=True)
+class Blob:
+    data: str = field(metadata={"max_len": 1 << 20})

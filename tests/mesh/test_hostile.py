@@ -21,7 +21,7 @@ from p2ptrain.testing import local_mesh, node_processes, wait_for
 from p2ptrain.wire import codec
 from p2ptrain.wire.limits import WIRE_VERSION
 
-from .conftest import Note
+from .conftest import TEST_MESSAGES, Note
 
 TOPIC = "test/hostile"
 
@@ -82,7 +82,7 @@ async def raw_pubsub_stream(attacker: Node, victim: Node):
     ],
 )
 async def test_broken_pubsub_frames_are_counted_below_the_router_and_the_node_keeps_serving(tmp_path, reason, frame):
-    async with local_mesh(2, tmp_path) as (victim, attacker):
+    async with local_mesh(2, tmp_path, messages=TEST_MESSAGES) as (victim, attacker):
         stream = await raw_pubsub_stream(attacker, victim)
         with trio.fail_after(10):
             await stream.write(frame)
@@ -103,7 +103,7 @@ async def test_broken_pubsub_frames_are_counted_below_the_router_and_the_node_ke
 
 async def test_exceptions_in_decode_and_in_a_handler_are_counted_rejections_not_exits(tmp_path, monkeypatch):
     """One boundary per input: the router catches what its own checks or a handler raise."""
-    async with local_mesh(2, tmp_path) as (victim, sender):
+    async with local_mesh(2, tmp_path, messages=TEST_MESSAGES) as (victim, sender):
         await victim.subscribe(TOPIC)
         await sender.subscribe(TOPIC)
         await subscribed(sender, [victim.peer_id], TOPIC)
@@ -117,8 +117,8 @@ async def test_exceptions_in_decode_and_in_a_handler_are_counted_rejections_not_
         victim.on(Note, handler)
         real_decode = router_module.decode
 
-        def decode_with_a_bug(data: bytes):
-            signed = real_decode(data)
+        def decode_with_a_bug(data: bytes, types):
+            signed = real_decode(data, types=types)
             if getattr(signed.msg, "text", None) == "poison":
                 raise OverflowError("a decoder's bug")  # the class of found 1
             return signed

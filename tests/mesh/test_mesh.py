@@ -17,7 +17,7 @@ from p2ptrain.testing import local_mesh
 from p2ptrain.wire import codec, encode
 from p2ptrain.wire.limits import MAX_MESSAGE_BYTES, WIRE_VERSION
 
-from .conftest import Blob, Note
+from .conftest import TEST_MESSAGES, Blob, Note
 
 TOPIC = "test/notes"
 
@@ -38,7 +38,7 @@ def collect(node: Node, into: list) -> None:
 
 
 async def test_typed_messages_reach_every_peer_with_a_verified_sender(tmp_path):
-    async with local_mesh(4, tmp_path) as nodes:
+    async with local_mesh(4, tmp_path, messages=TEST_MESSAGES) as nodes:
         inboxes = [[] for _ in nodes]
         for node, inbox in zip(nodes, inboxes):
             collect(node, inbox)
@@ -59,7 +59,7 @@ async def test_typed_messages_reach_every_peer_with_a_verified_sender(tmp_path):
 
 
 async def test_a_burst_of_our_messages_arrives_whole(tmp_path):
-    async with local_mesh(3, tmp_path) as nodes:
+    async with local_mesh(3, tmp_path, messages=TEST_MESSAGES) as nodes:
         inbox: list = []
         collect(nodes[2], inbox)
         await join_all(nodes, TOPIC)
@@ -72,7 +72,7 @@ async def test_a_burst_of_our_messages_arrives_whole(tmp_path):
 
 
 async def test_our_oversized_message_is_refused_loudly(tmp_path):
-    async with local_mesh(2, tmp_path) as nodes:
+    async with local_mesh(2, tmp_path, messages=TEST_MESSAGES) as nodes:
         with pytest.raises(MessageTooLarge, match="cap"):
             await nodes[0].publish(TOPIC, Blob(data="x" * (MAX_MESSAGE_BYTES + 1)))
 
@@ -83,7 +83,7 @@ def forged_frame(payload_env: bytes, key, version: int = WIRE_VERSION) -> bytes:
 
 
 async def test_bad_messages_through_a_real_mesh_are_dropped_and_counted(tmp_path):
-    async with local_mesh(3, tmp_path) as nodes:
+    async with local_mesh(3, tmp_path, messages=TEST_MESSAGES) as nodes:
         attacker, victims = nodes[0], nodes[1:]
         inboxes = [[] for _ in victims]
         for node, inbox in zip(victims, inboxes):

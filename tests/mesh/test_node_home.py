@@ -9,6 +9,7 @@ import pytest
 import trio
 
 from p2ptrain.errors import UserError
+from p2ptrain.net import control_ops
 from p2ptrain.net.control import ControlClient
 from p2ptrain.node import Node, NodeConfig
 
@@ -35,7 +36,7 @@ async def test_home_layout_permissions_and_a_control_op_from_another_layer(tmp_p
         client = ControlClient(home)
         with trio.fail_after(10):
             assert await trio.to_thread.run_sync(lambda: client.call("answer", x=41)) == {"answer": 42}
-            status = await trio.to_thread.run_sync(lambda: client.call("status"))
+            status = await trio.to_thread.run_sync(lambda: client.call(control_ops.STATUS))
         assert status["peer_id"] == node.peer_id.to_base58()
         assert status["addrs"] == node.addrs
         with pytest.raises(UserError, match="already running"):

@@ -11,6 +11,7 @@ import pytest
 import trio
 
 from p2ptrain.errors import UserError
+from p2ptrain.net import control_ops
 from p2ptrain.net.control import (
     MAX_CONNECTIONS,
     MAX_REQUEST_BYTES,
@@ -53,7 +54,7 @@ async def test_registered_ops_answer_and_errors_are_clear(home):
         assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
         with trio.fail_after(10):
             assert await call(home, "echo", text="hi") == {"echo": "hi"}
-            assert "echo" in (await call(home, "ops"))["ops"]
+            assert "echo" in (await call(home, control_ops.OPS))["ops"]
             with pytest.raises(ControlError, match="no such model"):
                 await call(home, "fails")
             with pytest.raises(ControlError, match="unknown op 'nope'"):
@@ -87,7 +88,7 @@ async def test_garbage_and_oversized_requests_get_errors_and_the_server_keeps_se
             assert [r["ok"] for r in replies] == [False, False, False, True]
             big = await trio.to_thread.run_sync(raw_exchange, path, b"x" * (MAX_REQUEST_BYTES + 100))
             assert big[0]["ok"] is False and "bytes" in big[0]["error"]
-            assert (await call(home, "ops"))["ops"]
+            assert (await call(home, control_ops.OPS))["ops"]
         nursery.cancel_scope.cancel()
 
 
@@ -100,7 +101,7 @@ async def test_stale_socket_from_a_crashed_node_is_replaced(home):
     async with trio.open_nursery() as nursery:
         await nursery.start(server.serve)
         with trio.fail_after(10):
-            assert (await call(home, "ops"))["ops"]
+            assert (await call(home, control_ops.OPS))["ops"]
         nursery.cancel_scope.cancel()
 
 
@@ -115,7 +116,7 @@ async def test_a_second_server_on_a_live_home_is_refused(home):
 
 def test_client_without_a_node_says_how_to_start_one(home):
     with pytest.raises(UserError, match=f"no node is running for home {home}.*p2ptrain node start --home {home}"):
-        ControlClient(home).call("status")
+        ControlClient(home).call(control_ops.STATUS)
 
 
 def test_socket_path_too_long_is_a_clear_error(tmp_path):
@@ -201,8 +202,8 @@ async def test_an_op_that_fails_in_any_way_is_an_error_reply_and_the_node_keeps_
                              ("t.recursive", "could not be encoded")]:
                 (reply,) = await exchange(path, json.dumps({"op": op}).encode() + b"\n")
                 assert reply == {"ok": False, "error": reply["error"]} and says in reply["error"], reply
-                assert (await call(node.home, "ping"))["started"], f"the node stopped answering after {op}"
-            status = await call(node.home, "status")
+                assert (await call(node.home, control_ops.PING))["started"], f"the node stopped answering after {op}"
+            status = await call(node.home, control_ops.STATUS)
     assert status["control"]["rejected"] == {"internal_error": 3, "bad_reply": 2}
 
 
@@ -219,11 +220,11 @@ async def test_a_silent_or_dribbling_client_is_timed_out_while_others_are_served
 
                 nursery.start_soon(client, "silent", b"")
                 nursery.start_soon(client, "dribbling", b'{"op": "pi')
-                assert (await call(node.home, "ping"))["started"]
+                assert (await call(node.home, control_ops.PING))["started"]
             for name in ("silent", "dribbling"):
                 (reply,) = results[name]
                 assert reply["ok"] is False and "no complete request line within 0.5 s" in reply["error"], name
-            assert (await call(node.home, "status"))["control"]["rejected"] == {"timeout": 2}
+            assert (await call(node.home, control_ops.STATUS))["control"]["rejected"] == {"timeout": 2}
 
 
 async def test_connections_over_the_cap_are_told_busy_and_the_server_recovers(home):
@@ -240,14 +241,14 @@ async def test_connections_over_the_cap_are_told_busy_and_the_server_recovers(ho
                 while server.connections < MAX_CONNECTIONS:
                     await trio.sleep(0.01)
                 with pytest.raises(ControlError, match="busy: 64 control connections are open"):
-                    await call(home, "ops")
+                    await call(home, control_ops.OPS)
         finally:
             for sock in held:
                 sock.close()
         with trio.fail_after(20):
             while server.connections:
                 await trio.sleep(0.01)
-            assert (await call(home, "ops"))["ops"]
+            assert (await call(home, control_ops.OPS))["ops"]
             assert server.stats()["rejected"] == {"busy": 1}
         nursery.cancel_scope.cancel()
 
@@ -268,13 +269,13 @@ async def test_every_op_of_a_real_peer_answers_hostile_parameters_and_the_node_k
         await nursery.start(node.run)
         path = socket_path(node.home)
         with trio.fail_after(60):
-            ops = (await call(node.home, "ops"))["ops"]
-            assert {"status", "ipfs.fetch", "task.publish", "task.join", "task.status"} <= set(ops)
+            ops = (await call(node.home, control_ops.OPS))["ops"]
+            assert set(ops) == set(control_ops.ALL)  # every op it serves is declared where clients find it
             for op in ops:
                 for params in hostile:
                     (reply,) = await exchange(path, json.dumps({"op": op, **params}).encode() + b"\n")
                     assert isinstance(reply["ok"], bool), (op, params, reply)
-                    assert (await call(node.home, "ping"))["started"], f"{op} {params} stopped the node"
-            status = await call(node.home, "status")
+                    assert (await call(node.home, control_ops.PING))["started"], f"{op} {params} stopped the node"
+            status = await call(node.home, control_ops.STATUS)
         assert status["control"]["rejected"].get("connection_error", 0) == 0
         node.stop()

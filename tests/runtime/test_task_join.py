@@ -18,6 +18,7 @@ import trio.testing
 from p2ptrain.ipfs.cid import DAG_PB, cid_from_digest, cid_str, make_cid
 from p2ptrain.ipfs.dagpb import encode_file_leaf, encode_file_node
 from p2ptrain.node import Node
+from p2ptrain.net import control_ops
 from p2ptrain.runtime.peer import make_peer
 from p2ptrain.runtime.run_state import TASKS_TOPIC
 from p2ptrain.testing import node_processes
@@ -59,7 +60,7 @@ async def test_bad_task_announcements_are_counted_refusals_and_the_node_keeps_se
 
         def listing() -> dict:
             assert victim.proc.poll() is None, f"the node exited:\n{victim.read_log()}"
-            return victim.client.call("task.list")
+            return victim.client.call(control_ops.TASK_LIST)
 
         def all_refused(reply: dict) -> bool:
             tasks = {t["task_cid"]: t for t in reply["tasks"]}

@@ -16,6 +16,7 @@ import pytest
 
 from p2ptrain.cli.demo import NODE_ARGS, TASK_TEMPLATE
 from p2ptrain.errors import UserError
+from p2ptrain.net import control_ops
 from p2ptrain.net.control import ControlClient
 from p2ptrain.testing import NodeProcess, node_processes, wait_for
 from p2ptrain.training.records import Chain
@@ -32,13 +33,13 @@ def publish(proc: NodeProcess, name: str, steps: int, checkpoint: int) -> tuple[
     manifest = cli("dataset", "add", "sklearn:digits", "--shards", "8", "--home", str(proc.home)).splitlines()[-1]
     text = TASK_TEMPLATE.format(manifest=manifest, steps=steps, checkpoint=checkpoint, density=0.01, peers=8)
     text = text.replace('name = "demo-digits-mlp"', f'name = "{name}"')
-    task_cid = ControlClient(proc.home, timeout=120).call("task.publish", text=text, join=True)["task_cid"]
+    task_cid = ControlClient(proc.home, timeout=120).call(control_ops.TASK_PUBLISH, text=text, join=True)["task_cid"]
     return manifest, task_cid
 
 
 def task_status(proc: NodeProcess, task_cid: str) -> dict | None:
     try:
-        return ControlClient(proc.home, timeout=10).call("task.status", task_cid=task_cid)
+        return ControlClient(proc.home, timeout=10).call(control_ops.TASK_STATUS, task_cid=task_cid)
     except (UserError, OSError):
         return None
 
@@ -92,11 +93,11 @@ def test_late_joiner_killed_member_and_killed_coordinator_do_not_stop_the_run(tm
         # out a 10 s quarantine (if a round's failure was blamed on it) before it is admitted again.
         _, task_cid = publish(members[0], "digits-faults", steps=STEPS, checkpoint=20)
         for p in members[1:]:
-            ControlClient(p.home, timeout=60).call("task.join", task_cid=task_cid)
+            ControlClient(p.home, timeout=60).call(control_ops.TASK_JOIN, task_cid=task_cid)
         wait_for(lambda: (s := task_status(members[0], task_cid)) and s["version"] >= 1, timeout=120, interval=0.2)
 
         # A late joiner loads the confirmed model by CID and is admitted at the next checkpoint.
-        ControlClient(joiner.home, timeout=60).call("task.join", task_cid=task_cid)
+        ControlClient(joiner.home, timeout=60).call(control_ops.TASK_JOIN, task_cid=task_cid)
         wait_for(lambda: (s := task_status(members[0], task_cid)) and joiner.peer_id in s["members"],
                  timeout=120, interval=0.2)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import struct
 import time
+from dataclasses import dataclass
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -14,7 +15,7 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 from p2ptrain.wire import DecodeError, ReplayGuard, decode, encode
 from p2ptrain.wire import codec
 from p2ptrain.wire.limits import MAX_CLOCK_SKEW_S, MAX_MESSAGE_BYTES, WIRE_VERSION
-from p2ptrain.wire.messages import Capabilities, Goodbye, Heartbeat
+from p2ptrain.wire.messages import MESSAGES, Capabilities, Goodbye, Heartbeat, message
 from p2ptrain.identity import peer_id_of
 
 KEY = create_new_key_pair()
@@ -218,3 +219,23 @@ def test_replay_guard_memory_is_bounded_however_many_identities_write():
 def test_a_heartbeat_address_longer_than_the_bound_is_a_schema_error():
     hb = {"addrs": ["/ip4/127.0.0.1/tcp/1/" + "x" * 300], "caps": {"device": "cpu", "cpu_count": 1, "free_ram_bytes": 1, "version": "0"}}
     assert reason_of(frame(envelope(type="heartbeat", body=hb))) == "schema"
+
+
+def test_a_decoder_knows_only_the_types_it_is_handed() -> None:
+    """A test's (or an extension's) own type lives in a registry of its own; the package's is untouched."""
+    ours = MESSAGES.copy()
+
+    @message("test.codec.extra", into=ours)
+    @dataclass(frozen=True)
+    class Extra:
+        n: int
+
+    data = encode(Extra(n=3), KEY, seq=1)
+    assert decode(data, types=ours).msg == Extra(n=3)
+    with pytest.raises(DecodeError) as refused:
+        decode(data)  # the package's registry: MESSAGES
+    assert refused.value.reason == "unknown-type"
+    assert "test.codec.extra" not in MESSAGES.names() and MESSAGES.get("heartbeat") is Heartbeat
+    assert decode(encode(Goodbye(reason="x"), KEY, seq=2), types=ours).msg == Goodbye(reason="x")
+    with pytest.raises(ValueError, match="registered twice"):
+        message("heartbeat", into=ours)(Extra)

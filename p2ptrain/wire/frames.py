@@ -1,8 +1,11 @@
-"""The binary frames of an all-reduce round: a fixed struct header, then raw bytes.
+"""The binary frames of an all-reduce round (protocol ``/p2ptrain/collective/1.0.0``).
 
-Nothing here is ever unpickled: a frame is a 24-byte header followed by raw tensor bytes (or a short
-UTF-8 reason). Every field is checked against what the receiver expects at that point of the round,
-so a stale frame from an aborted round, or one for the wrong step, is refused rather than summed.
+A frame is a 24-byte struct header followed by raw tensor bytes, a round digest (HELLO) or a culprit
+and a short UTF-8 reason (ABORT); nothing here is ever unpickled. The collective
+(:mod:`p2ptrain.collective.rounds`) checks every field against what it expects at that point of the
+round, so a stale frame from an aborted round, or one for the wrong step, is refused rather than
+summed. This module only says what the bytes are: it lives in ``wire/`` with our other formats, below
+the collective, and peers running older code read exactly these bytes (tests/wire/test_frames.py).
 """
 
 from __future__ import annotations
@@ -15,10 +18,16 @@ from enum import IntEnum
 import torch
 from libp2p.peer.id import ID
 
+# The libp2p protocol of a round's channels, whose frames this module describes.
+PROTOCOL = "/p2ptrain/collective/1.0.0"
 MAGIC = b"PC"
 VERSION = 1
 HEADER = struct.Struct(">2sBBQBHIIB")  # magic, version, kind, round, phase, step, seg, count, dtype
+# An ABORT's reason is for a log line: 512 bytes are sent and read at most.
 MAX_REASON = 512
+# An ABORT's culprit is a peer ID: an Ed25519 identity multihash is 38 bytes, 128 leaves room for
+# any key type libp2p knows and refuses a longer one before it is parsed.
+MAX_CULPRIT_ID = 128
 
 
 class FrameError(ValueError):
@@ -40,8 +49,12 @@ class Phase(IntEnum):
     GATHER = 3  # all-gather: each chunk owner's final bytes travel around the ring
 
 
+# A frame's dtype byte: the element type of its tensor bytes (0 in frames that carry none).
 DTYPES: dict[torch.dtype, int] = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3, torch.uint8: 4}
-DTYPE_OF_CODE = {code: dtype for dtype, code in DTYPES.items()}
+
+# The largest first frame on a channel, which is read before anything is known of its sender: HELLO
+# with its 32-byte digest, or an ABORT notice (culprit and reason); 1,304 bytes leave room for both.
+MAX_FIRST_FRAME = HEADER.size + 256 + 1024
 
 
 @dataclass(frozen=True)
@@ -73,6 +86,31 @@ def parse_header(frame: bytes) -> Header:
     return Header(kind, round_id, phase, step, seg, count, dtype)
 
 
+def hello_frame(round_id: int, digest: bytes) -> bytes:
+    """HELLO, the first frame a dialer sends on a round's channel: the round and its digest."""
+    return Header(Kind.HELLO, round_id).pack() + digest
+
+
+def ready_frame(round_id: int) -> bytes:
+    """READY: the receiver has joined the same round; data may flow."""
+    return Header(Kind.READY, round_id).pack()
+
+
+def busy_frame(round_id: int) -> bytes:
+    """BUSY: the HELLO for ``round_id`` is refused for now; the dialer retries on a fresh channel."""
+    return Header(Kind.BUSY, round_id).pack()
+
+
+def is_busy(frame: bytes, round_id: int) -> bool:
+    """Whether ``frame`` is a BUSY answer to our HELLO for ``round_id`` (anything else, well-formed
+    or not, is for the caller to judge)."""
+    try:
+        header = parse_header(frame)
+    except FrameError:
+        return False
+    return header.kind == Kind.BUSY and header.round_id == round_id
+
+
 def abort_frame(round_id: int, culprit: ID, reason: str) -> bytes:
     """An ABORT frame: the culprit's peer ID bytes, then the reason (UTF-8, truncated)."""
     who = culprit.to_bytes()
@@ -82,9 +120,9 @@ def abort_frame(round_id: int, culprit: ID, reason: str) -> bytes:
 
 def parse_abort(frame: bytes, header: Header) -> tuple[ID, str]:
     """The culprit and reason of an ABORT frame; :class:`FrameError` if malformed (an ID is at
-    most 128 bytes, a reason at most MAX_REASON bytes are read)."""
+    most MAX_CULPRIT_ID bytes, a reason at most MAX_REASON bytes are read)."""
     body = frame[HEADER.size :]
-    if header.count == 0 or header.count > 128 or len(body) < header.count:
+    if header.count == 0 or header.count > MAX_CULPRIT_ID or len(body) < header.count:
         raise FrameError("malformed abort frame")
     culprit = ID(bytes(body[: header.count]))
     reason = bytes(body[header.count : header.count + MAX_REASON]).decode("utf-8", "replace")

@@ -1,0 +1,29 @@
+"""docs/mesh.md's table of wire formats names every pubsub type, control op and collective frame that
+the code declares, so a format added without its row fails here."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from p2ptrain.net import control_ops
+from p2ptrain.wire.frames import Kind
+from p2ptrain.wire.messages import MESSAGES
+
+DOC = (Path(__file__).resolve().parents[2] / "docs" / "mesh.md").read_text()
+
+
+def test_every_pubsub_type_has_a_row() -> None:
+    for name in MESSAGES.names():
+        assert f"| `{name}` | `{MESSAGES.get(name).__name__}` |" in DOC, name
+
+
+def test_every_control_op_has_a_row_with_its_constant() -> None:
+    constants = {value: key for key, value in vars(control_ops).items() if key.isupper() and isinstance(value, str)}
+    assert set(constants) == set(control_ops.ALL)
+    for op in control_ops.ALL:
+        assert f"| `{op}` | `{constants[op]}` |" in DOC, op
+
+
+def test_every_frame_kind_has_a_row() -> None:
+    for kind in Kind:
+        assert f"| `{kind.name}` ({kind.value}) |" in DOC, kind
