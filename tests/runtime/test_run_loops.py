@@ -100,3 +100,98 @@ async def test_members_agree_on_one_coordinator_and_every_member_follows_its_pla
             await peers.wait_until(advanced, STEP_S, what="a later plan on every member")
             term = first[0]["term"]
             assert {(s["coordinator"], s["term"]) for s in _statuses(peers, task_cid)} == {(first[0]["coordinator"], term)}
+
+
+# -- the round loop: identical steps; attesting: a quorum confirms what each member computed ------------
+
+
+async def test_after_the_first_checkpoint_every_member_holds_the_same_chain_and_model(tmp_path: Path) -> None:
+    with trio.fail_after(DEADLINE_S):
+        async with local_peers(3, tmp_path) as peers:
+            task_cid = await _start_run(peers)
+            await _all_at_version(peers, task_cid, 1)
+            chains = [_chain_on_disk(peer, task_cid) for peer in peers]
+            firsts = [chain.records[0].record for chain in chains]
+            assert len({(r.model_cid, r.optimizer_cid, r.step, r.round) for r in firsts}) == 1, firsts
+            assert firsts[0].step == CHECKPOINT_INTERVAL and firsts[0].version == 1
+            assert set(firsts[0].members) == _ids(peers)
+            # Same head at the same version, on every member.
+            assert all(s["latest_model_cid"] == chains[i].head_cid for i, s in enumerate(_statuses(peers, task_cid)) if s["version"] == chains[i].version)
+            for s in _statuses(peers, task_cid):
+                assert s["chain"][0]["model_cid"] == firsts[0].model_cid
+
+
+async def test_a_confirmed_record_names_the_model_each_member_computed_itself(tmp_path: Path) -> None:
+    """Confirmed (version >= 1 everywhere) means a quorum attested that their own weights hash to
+    the record's CID: each member's store holds those bytes, stored by itself at the checkpoint
+    (no member fetches a model while in step), and the initial model they started from."""
+    with trio.fail_after(DEADLINE_S):
+        async with local_peers(3, tmp_path) as peers:
+            task_cid = await _start_run(peers)
+            statuses = await _all_at_version(peers, task_cid, 1)
+            record = statuses[0]["chain"][0]
+            blobs = []
+            for peer in peers:
+                store = peer.content.store
+                assert store.has(record["model_cid"]), f"{peer.node.short_id} did not compute model v1 itself"
+                blobs.append(store.cat(record["model_cid"]))
+                assert store.add_bytes(blobs[-1], only_hash=True) == record["model_cid"]
+            assert len(set(blobs)) == 1
+            assert len({_chain_on_disk(peer, task_cid).initial_cid for peer in peers}) == 1
+
+
+# -- the resync loop: a late joiner catches up and is then planned -----------------------------------------
+
+
+async def test_a_late_joiner_resyncs_to_the_confirmed_chain_and_is_then_planned(tmp_path: Path) -> None:
+    with trio.fail_after(DEADLINE_S):
+        async with local_peers(3, tmp_path) as peers:
+            task_cid = await _start_run(peers)
+            await _all_at_version(peers, task_cid, 1)
+            late = await peers.add_peer()
+            await late.tasks.join(task_cid)
+            me = late.node.peer_id.to_base58()
+
+            def caught_up() -> dict[str, Any] | None:
+                s = peers.status(3, task_cid)
+                _failed([s])
+                return s if s["synced"] and s["version"] >= 1 and me in s["members"] else None
+
+            mine = await peers.wait_until(caught_up, STEP_S, what="the late joiner synced and in a plan")
+            theirs = await _all_at_version(peers, task_cid, mine["version"], [0, 1, 2])
+            for s in theirs:
+                assert s["chain"][: mine["version"]] == mine["chain"][: mine["version"]]
+            ours = _chain_on_disk(late, task_cid)
+            assert ours.version >= 1
+            assert ours.records[0].record == _chain_on_disk(peers[0], task_cid).records[0].record
+            # Listed by the coordinator in a plan, and every member sees that plan.
+            await peers.wait_until(lambda: all(me in s["members"] for s in _statuses(peers, task_cid)), STEP_S,
+                                   what="every member's plan lists the late joiner")
+
+
+# -- a member that leaves does not stop the run ----------------------------------------------------------
+
+
+async def test_the_run_goes_on_without_a_stopped_coordinator(tmp_path: Path) -> None:
+    with trio.fail_after(DEADLINE_S):
+        async with local_peers(3, tmp_path) as peers:
+            task_cid = await _start_run(peers)
+            statuses = await _all_at_version(peers, task_cid, 1)
+            leader = statuses[0]["coordinator"]
+            gone = next(i for i in range(3) if peers[i].node.peer_id.to_base58() == leader)
+            rest = [i for i in range(3) if i != gone]
+            version = max(s["version"] for s in _statuses(peers, task_cid, rest))
+            await peers.stop_peer(gone)
+
+            def without_it() -> list[dict[str, Any]] | None:
+                statuses = _statuses(peers, task_cid, rest)
+                _failed(statuses)
+                leaders = {(s["coordinator"], s["term"]) for s in statuses}
+                ok = (len(leaders) == 1 and None not in (c := next(iter(leaders))) and c[0] != leader
+                      and all(s["version"] > version and leader not in s["members"] for s in statuses))
+                return statuses if ok else None
+
+            after = await peers.wait_until(without_it, STEP_S, what="a new coordinator and a checkpoint without the old one")
+            assert after[0]["term"] > statuses[0]["term"]
+            record = _chain_on_disk(peers[rest[0]], task_cid).records[-1].record
+            assert leader not in record.members and set(record.members) == _ids(peers, rest)
