@@ -39,7 +39,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import trio
 
@@ -47,6 +47,10 @@ from p2ptrain.errors import UserError
 from p2ptrain.identity import load_or_create_identity, peer_id_of
 from p2ptrain.net.control import ControlClient
 from p2ptrain.node import Node
+
+if TYPE_CHECKING:  # the runtime imports torch: only local_peers' users pay for it, when they call it
+    from p2ptrain.runtime.peer import Peer
+    from p2ptrain.runtime.tasks import TaskOptions
 
 T = TypeVar("T")
 
@@ -342,31 +346,35 @@ async def wait_until(
         raise TimeoutError(f"{what or 'condition'} not met in {timeout} s") from None
 
 
-class LocalPeers(Sequence[Any]):
+class LocalPeers(Sequence["Peer"]):
     """The full peers of :func:`local_peers`: a sequence of :class:`~p2ptrain.runtime.peer.Peer`,
     plus what a test of a run needs: start one more (a late joiner), stop one (a member that
     leaves), read a peer's task status, and wait, waking on the peers' task messages."""
 
-    def __init__(self, base: Path, nursery: trio.Nursery, node_kwargs: dict[str, Any], task_options: Any) -> None:
+    def __init__(self, base: Path, nursery: trio.Nursery, node_kwargs: dict[str, Any],
+                 task_options: TaskOptions | None) -> None:
         self.base = Path(base)
         self.changes = Changes()
         self._nursery = nursery
         self._node_kwargs = node_kwargs
         self._task_options = task_options
-        self._peers: list[Any] = []
+        self._peers: list[Peer] = []
         self._scopes: list[trio.CancelScope] = []
 
     def __len__(self) -> int:
         return len(self._peers)
 
-    def __getitem__(self, index: Any) -> Any:
+    def __getitem__(self, index: int) -> Peer:  # type: ignore[override]  (no slices)
         return self._peers[index]
 
-    def running(self) -> list[Any]:
+    def __iter__(self) -> Iterator[Peer]:
+        return iter(list(self._peers))
+
+    def running(self) -> list[Peer]:
         """The peers whose node has not been stopped."""
         return [p for p in self._peers if not p.node.stopped.is_set()]
 
-    async def add_peer(self, *, see_all: bool = True) -> Any:
+    async def add_peer(self, *, see_all: bool = True) -> Peer:
         """Start one more full peer (home ``<base>/peer<i>``), bootstrapping from every running one;
         with ``see_all``, return once it and they see each other. Bound it with ``trio.fail_after``."""
         from p2ptrain.runtime.peer import make_peer
@@ -410,6 +418,24 @@ class LocalPeers(Sequence[Any]):
         run = self._peers[index].tasks.runs.get(task_cid)
         return run.status() if run is not None else {}
 
+    def describe(self) -> str:
+        """One line per peer and task it runs: what a failed test needs to see first."""
+        keys = ("state", "error", "synced", "term", "coordinator", "round", "step", "version", "members",
+                "rounds_done", "rejected")
+        lines = []
+        for i, peer in enumerate(self._peers):
+            stopped = " (stopped)" if peer.node.stopped.is_set() else ""
+            runs = peer.tasks.runs.items()
+            if not runs:
+                lines.append(f"peer{i} {peer.node.short_id}{stopped}: no task")
+            for task_cid, run in runs:
+                status = run.status()
+                status["coordinator"] = (status["coordinator"] or "-")[-8:]
+                status["members"] = [m[-8:] for m in status["members"]]
+                shown = ", ".join(f"{k}={status.get(k)}" for k in keys)
+                lines.append(f"peer{i} {peer.node.short_id}{stopped} task {task_cid[:12]}: {shown}")
+        return "--- local peers ---\n" + "\n".join(lines) + "\n"
+
     async def wait_until(self, predicate: Callable[[], T | None], timeout: float, what: str | None = None) -> T:
         """:func:`wait_until`, woken by these peers' task messages and membership changes."""
         return await wait_until(predicate, timeout, changes=self.changes, what=what)
@@ -417,7 +443,7 @@ class LocalPeers(Sequence[Any]):
 
 @asynccontextmanager
 async def local_peers(
-    n: int, base: Path, *, timeout: float = 60.0, task_options: Any = None, **node_kwargs: Any
+    n: int, base: Path, *, timeout: float = 60.0, task_options: TaskOptions | None = None, **node_kwargs: Any
 ) -> AsyncIterator[LocalPeers]:
     """N full p2ptrain peers in this process (``runtime.peer.make_peer``: a node with its content
     and task services) on 127.0.0.1, each bootstrapping from the ones before; yields once each sees
@@ -442,6 +468,10 @@ async def local_peers(
                     await peers.add_peer(see_all=False)
                 await peers.wait_connected()
             yield peers
+        except BaseException:
+            # pytest shows what a failed test wrote to stderr: where each peer's runs stood.
+            sys.stderr.write(peers.describe())
+            raise
         finally:
             for peer in peers:
                 peer.node.stop()
@@ -452,7 +482,7 @@ async def local_peers(
 
 
 async def publish_digits_task(
-    peer: Any, *, name: str = "digits", shards: int = 4, total_steps: int = 12, checkpoint_interval: int = 4,
+    peer: Peer, *, name: str = "digits", shards: int = 4, total_steps: int = 12, checkpoint_interval: int = 4,
     min_peers: int = 1, max_peers: int = 8,
 ) -> str:
     """Add sklearn's digits (``shards`` train shards) to ``peer``'s store and store a tiny task on
