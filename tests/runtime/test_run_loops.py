@@ -195,3 +195,27 @@ async def test_the_run_goes_on_without_a_stopped_coordinator(tmp_path: Path) -> 
             assert after[0]["term"] > statuses[0]["term"]
             record = _chain_on_disk(peers[rest[0]], task_cid).records[-1].record
             assert leader not in record.members and set(record.members) == _ids(peers, rest)
+
+
+async def test_the_run_goes_on_without_a_stopped_member(tmp_path: Path) -> None:
+    with trio.fail_after(DEADLINE_S):
+        async with local_peers(3, tmp_path) as peers:
+            task_cid = await _start_run(peers)
+            statuses = await _all_at_version(peers, task_cid, 1)
+            leader = statuses[0]["coordinator"]
+            gone = next(i for i in range(3) if peers[i].node.peer_id.to_base58() != leader)
+            left = peers[gone].node.peer_id.to_base58()
+            rest = [i for i in range(3) if i != gone]
+            version = max(s["version"] for s in _statuses(peers, task_cid, rest))
+            await peers.stop_peer(gone)
+
+            def without_it() -> list[dict[str, Any]] | None:
+                statuses = _statuses(peers, task_cid, rest)
+                _failed(statuses)
+                ok = all(s["version"] > version and left not in s["members"] for s in statuses)
+                return statuses if ok else None
+
+            after = await peers.wait_until(without_it, STEP_S, what="a checkpoint confirmed without the stopped member")
+            assert after[0]["coordinator"] in _ids(peers, rest)
+            record = _chain_on_disk(peers[rest[0]], task_cid).records[-1].record
+            assert set(record.members) == _ids(peers, rest)
