@@ -452,12 +452,16 @@ async def local_peers(
     node is stopped. A test of a run::
 
         async with local_peers(3, tmp_path) as peers:
-            task_cid = await publish_digits_task(peers[0], total_steps=12, checkpoint_interval=4)
-            for peer in peers:
+            task_cid = await publish_digits_task(peers[0], total_steps=30, checkpoint_interval=3, min_peers=3)
+            for peer in peers:  # the first plan waits for all three (min_peers)
                 await peer.tasks.join(task_cid)
-            status = await peers.wait_until(
-                lambda: (s := peers.status(1, task_cid))["version"] >= 1 and s, 60, what="checkpoint v1")
-            assert status["latest_model_cid"] == peers.status(0, task_cid)["latest_model_cid"]
+
+            def at_v1() -> list[dict[str, Any]] | None:
+                statuses = [peers.status(i, task_cid) for i in range(len(peers))]
+                return statuses if all(s.get("version", 0) >= 1 for s in statuses) else None
+
+            statuses = await peers.wait_until(at_v1, 60, what="every member at model v1")
+            assert len({s["chain"][0]["model_cid"] for s in statuses}) == 1
     """
     node_kwargs.setdefault("dht", False)  # peers bootstrap from each other: no DHT walks to pay for
     async with trio.open_nursery() as nursery:
