@@ -12,10 +12,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
 import trio
 
+from p2ptrain.errors import UserError
+from p2ptrain.ipfs.store import ContentUnavailable
 from p2ptrain.testing import LocalPeers, local_peers, publish_digits_task
 from p2ptrain.training.records import Chain, record_from_bytes
+from p2ptrain.training.task import TaskError
 
 # Each test, whole: peers start, torch warms up, the members train a tiny MLP to a checkpoint or
 # two. Well under a minute alone; this bound leaves room for a loaded 2-core box.
@@ -219,3 +223,26 @@ async def test_the_run_goes_on_without_a_stopped_member(tmp_path: Path) -> None:
             assert after[0]["coordinator"] in _ids(peers, rest)
             record = _chain_on_disk(peers[rest[0]], task_cid).records[-1].record
             assert set(record.members) == _ids(peers, rest)
+
+
+# -- the task service: a join refuses what this node cannot run, with one clear error ------------------
+
+# Over any test machine's free RAM (the field's bound is 2**40): a requirement this node cannot meet.
+HUGE_MEMORY_MB = 2**30
+
+
+async def test_a_join_refuses_what_is_no_task_or_cannot_run_here_and_starts_no_run(tmp_path: Path) -> None:
+    with trio.fail_after(DEADLINE_S):
+        async with local_peers(2, tmp_path) as (holder, joiner):
+            with pytest.raises(UserError, match="is not a CID"):
+                await joiner.tasks.join("not-a-cid")
+            absent = holder.content.store.add_bytes(b"p2ptrain: a task nobody holds", only_hash=True)
+            with pytest.raises(ContentUnavailable):
+                await joiner.tasks.join(absent)
+            garbage = holder.content.store.add_bytes(b"\xff\x00 not a task " * 10)
+            with pytest.raises(TaskError):
+                await joiner.tasks.join(garbage)
+            too_big = await publish_digits_task(holder, extra=f"[requirements]\nmin_memory_mb = {HUGE_MEMORY_MB}\n")
+            with pytest.raises(UserError, match="cannot take part in task"):
+                await joiner.tasks.join(too_big)
+            assert joiner.tasks.runs == {}
