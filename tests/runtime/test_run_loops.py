@@ -144,6 +144,25 @@ async def test_a_confirmed_record_names_the_model_each_member_computed_itself(tm
             assert len({_chain_on_disk(peer, task_cid).initial_cid for peer in peers}) == 1
 
 
+
+async def test_a_run_ends_done_on_every_member_at_its_last_checkpoint(tmp_path: Path) -> None:
+    with trio.fail_after(DEADLINE_S):
+        async with local_peers(3, tmp_path) as peers:
+            steps = 2 * CHECKPOINT_INTERVAL
+            task_cid = await publish_digits_task(peers[0], total_steps=steps, checkpoint_interval=CHECKPOINT_INTERVAL)
+            await _join_all(peers, task_cid)
+
+            def done() -> list[dict[str, Any]] | None:
+                statuses = _statuses(peers, task_cid)
+                _failed(statuses)
+                return statuses if all(s["state"] == "done" for s in statuses) else None
+
+            statuses = await peers.wait_until(done, STEP_S, what="the run done on every member")
+            assert {(s["version"], s["step"], s["latest_model_cid"]) for s in statuses} == {
+                (2, steps, statuses[0]["latest_model_cid"])}
+            assert _chain_on_disk(peers[0], task_cid).records[-1].record.step == steps
+
+
 # -- the resync loop: a late joiner catches up and is then planned -----------------------------------------
 
 
