@@ -47,6 +47,17 @@ from p2ptrain.errors import UserError
 from p2ptrain.identity import load_or_create_identity, peer_id_of
 from p2ptrain.net.control import ControlClient
 from p2ptrain.node import Node
+from p2ptrain.wire.messages import (
+    CoordinatorBeat,
+    RoundFailed,
+    RoundPlan,
+    SignedAttestation,
+    SignedModelRecord,
+    SignedVote,
+    TaskAnnounce,
+    TaskHead,
+    VoteRequest,
+)
 
 if TYPE_CHECKING:  # the runtime imports torch: only local_peers' users pay for it, when they call it
     from p2ptrain.runtime.peer import Peer
@@ -253,14 +264,10 @@ max = {max_peers}
 """
 
 
-def _task_message_types() -> tuple[type, ...]:
-    from p2ptrain.wire.messages import (
-        CoordinatorBeat, RoundFailed, RoundPlan, SignedAttestation, SignedModelRecord, SignedVote, TaskAnnounce,
-        TaskHead, VoteRequest,
-    )
-
-    return (CoordinatorBeat, RoundFailed, RoundPlan, SignedAttestation, SignedModelRecord, SignedVote, TaskAnnounce,
-            TaskHead, VoteRequest)
+# What wakes a wait: every message of a task's run (its topic and the tasks topic); not heartbeats,
+# which come every second whatever the run does.
+TASK_MESSAGE_TYPES: tuple[type, ...] = (CoordinatorBeat, RoundFailed, RoundPlan, SignedAttestation, SignedModelRecord,
+                                        SignedVote, TaskAnnounce, TaskHead, VoteRequest)
 
 
 async def _next_membership_change(node: Node) -> None:
@@ -290,7 +297,7 @@ class Changes:
         self._nodes: list[Node] = []
 
     def watch(self, node: Node) -> None:
-        for msg_type in _task_message_types():
+        for msg_type in TASK_MESSAGE_TYPES:
             node.on(msg_type, self._heard)
         self._nodes.append(node)
 
