@@ -185,7 +185,7 @@ async def _attack(args: argparse.Namespace, victim_addr: str, victim_id: str, ho
     from libp2p.pubsub.gossipsub import PROTOCOL_ID_V11
     from multiaddr import Multiaddr
 
-    from p2ptrain.mesh.membership import MESH_TOPIC
+    from p2ptrain.wire.topics import MESH_TOPIC
     from p2ptrain.net.host import make_host
     from p2ptrain.net.pubsub import close_host
 

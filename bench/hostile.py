@@ -40,12 +40,12 @@ from p2ptrain.ipfs.blockstore import BlockStore
 from p2ptrain.ipfs.cid import DAG_PB, cid_str, make_cid
 from p2ptrain.ipfs.dagpb import encode_file_leaf, encode_file_node, varint
 from p2ptrain.ipfs.exchange import BlockExchange
-from p2ptrain.mesh.membership import MESH_TOPIC
+from p2ptrain.wire.topics import MESH_TOPIC
 from p2ptrain.net.control import socket_path
 from p2ptrain.net.host import make_host
 from p2ptrain.net.pubsub import make_pubsub, running_pubsub
 from p2ptrain.net.streams import open_channel
-from p2ptrain.runtime.run_state import TASKS_TOPIC
+from p2ptrain.wire.topics import TASKS_TOPIC
 from p2ptrain.wire import encode
 from p2ptrain.wire.frames import PROTOCOL as COLLECTIVE_PROTOCOL, Header, Kind
 from p2ptrain.wire.messages import Capabilities, Heartbeat, TaskAnnounce

@@ -44,7 +44,8 @@ from p2ptrain.atomic import write_atomic
 from p2ptrain.errors import UserError
 from p2ptrain.identity import load_or_create_identity, peer_id_of
 from p2ptrain.mesh.discovery import Discovery, parse_bootstrap
-from p2ptrain.mesh.membership import DEFAULT_SILENCE_HEARTBEATS, MESH_TOPIC, Membership
+from p2ptrain.mesh.membership import DEFAULT_SILENCE_HEARTBEATS, Membership
+from p2ptrain.wire.topics import MESH_TOPIC
 from p2ptrain.mesh.router import Handler, MessageRouter, short
 from p2ptrain.net import control_ops
 from p2ptrain.net.control import ControlServer

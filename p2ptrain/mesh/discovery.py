@@ -41,7 +41,8 @@ from libp2p.pubsub.pubsub import Pubsub
 from multiaddr import Multiaddr
 
 from p2ptrain.errors import UserError
-from p2ptrain.mesh.membership import MESH_TOPIC, MemberEvent, Membership
+from p2ptrain.mesh.membership import MemberEvent, Membership
+from p2ptrain.wire.topics import MESH_TOPIC
 from p2ptrain.mesh.router import short
 from p2ptrain.net.service import running_service
 

@@ -36,10 +36,10 @@ from p2ptrain.mesh.router import MessageRouter, short
 from p2ptrain.net.streams import count_rejection
 from p2ptrain.wire import Signed
 from p2ptrain.wire.messages import Capabilities, Goodbye, Heartbeat
+from p2ptrain.wire.topics import MESH_TOPIC
 
 logger = logging.getLogger(__name__)
 
-MESH_TOPIC = "p2ptrain/mesh/1"
 # Five missed heartbeats: on a busy shared machine three were missed now and then by live peers.
 DEFAULT_SILENCE_HEARTBEATS = 5
 # A new peer makes us heartbeat early so it sees us at once, but never more often than this.

@@ -19,11 +19,12 @@ from libp2p.peer.id import ID
 from p2ptrain.mesh.router import short
 from p2ptrain.runtime.attesting import Attesting
 from p2ptrain.runtime.resync import Resync
-from p2ptrain.runtime.run_state import TASKS_TOPIC, RunState
+from p2ptrain.runtime.run_state import RunState
 from p2ptrain.runtime.spans import Spans
 from p2ptrain.training.election import ElectionMessage, View
 from p2ptrain.training.rounds import Hold
 from p2ptrain.wire.messages import TaskAnnounce, TaskHead
+from p2ptrain.wire.topics import TASKS_TOPIC
 
 logger = logging.getLogger(__name__)
 

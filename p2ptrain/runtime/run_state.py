@@ -31,15 +31,9 @@ from p2ptrain.training.sync import RoundTimings
 from p2ptrain.training.task import Task, unmet_requirement
 from p2ptrain.training.trainer import Trainer
 from p2ptrain.wire.messages import RoundFailed, RoundPlan, TaskHead
+from p2ptrain.wire.topics import task_topic
 
 logger = logging.getLogger(__name__)
-
-TASKS_TOPIC = "p2ptrain/tasks/v1"
-
-
-def task_topic(task_cid: str) -> str:
-    return f"p2ptrain/task/{task_cid}"
-
 
 class Nudge:
     """Wake one waiting loop now instead of at its next period; a nudge while nobody waits is kept.

@@ -28,10 +28,10 @@ from p2ptrain.mesh.router import short
 from p2ptrain.net import control_ops
 from p2ptrain.node import Node
 from p2ptrain.runtime.content import ContentService
-from p2ptrain.runtime.run_state import TASKS_TOPIC, task_topic
 from p2ptrain.runtime.task_run import TaskRun
 from p2ptrain.training.records import MAX_CHAIN_BYTES, RecordError, record_from_bytes
 from p2ptrain.training.task import TaskError, load_task, task_bytes, task_from_bytes, unmet_requirement
+from p2ptrain.wire.topics import TASKS_TOPIC, task_topic
 from p2ptrain.wire.messages import (
     CoordinatorBeat,
     RoundFailed,

@@ -22,7 +22,7 @@ from libp2p.peer.id import ID
 from p2ptrain.ipfs.cid import cid_str, parse_cid, verify_block
 from p2ptrain.ipfs.dagpb import decode_node
 from p2ptrain.ipfs.embedded import EmbeddedStore
-from p2ptrain.mesh.membership import MESH_TOPIC
+from p2ptrain.wire.topics import MESH_TOPIC
 from p2ptrain.testing import local_mesh
 from p2ptrain.wire import codec
 from p2ptrain.wire.frames import Kind, parse_header

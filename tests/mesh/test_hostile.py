@@ -15,7 +15,7 @@ from libp2p.pubsub.gossipsub import PROTOCOL_ID_V11
 from libp2p.utils.varint import encode_uvarint
 
 from p2ptrain.mesh import router as router_module
-from p2ptrain.mesh.membership import MESH_TOPIC
+from p2ptrain.wire.topics import MESH_TOPIC
 from p2ptrain.node import Node
 from p2ptrain.testing import local_mesh, node_processes, wait_for
 from p2ptrain.wire import codec

@@ -21,7 +21,7 @@ from libp2p.pubsub.validators import PUBSUB_SIGNING_PREFIX
 from p2ptrain.identity import peer_id_of
 from p2ptrain.mesh import discovery as discovery_module
 from p2ptrain.mesh import membership as membership_module
-from p2ptrain.mesh.membership import MESH_TOPIC
+from p2ptrain.wire.topics import MESH_TOPIC
 from p2ptrain.node import STATUS_MAX_PEERS, Node
 from p2ptrain.testing import free_port, local_mesh
 from p2ptrain.wire import encode

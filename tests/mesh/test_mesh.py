@@ -10,7 +10,7 @@ import pytest
 import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
 
-from p2ptrain.mesh.membership import MESH_TOPIC
+from p2ptrain.wire.topics import MESH_TOPIC
 from p2ptrain.net.pubsub import MessageTooLarge
 from p2ptrain.node import Node
 from p2ptrain.testing import local_mesh

@@ -22,7 +22,7 @@ from p2ptrain.ipfs.cid import DAG_PB, cid_from_digest, cid_str, make_cid
 from p2ptrain.ipfs.dagpb import encode_file_leaf, encode_file_node
 from p2ptrain.node import Node
 from p2ptrain.runtime.peer import Peer, make_peer
-from p2ptrain.runtime.run_state import TASKS_TOPIC
+from p2ptrain.wire.topics import TASKS_TOPIC
 from p2ptrain.runtime.task_run import TaskRun
 from p2ptrain.training.task import load_task, task_bytes
 from p2ptrain.wire.messages import TaskHead

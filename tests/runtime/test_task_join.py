@@ -20,7 +20,7 @@ from p2ptrain.ipfs.dagpb import encode_file_leaf, encode_file_node
 from p2ptrain.node import Node
 from p2ptrain.net import control_ops
 from p2ptrain.runtime.peer import make_peer
-from p2ptrain.runtime.run_state import TASKS_TOPIC
+from p2ptrain.wire.topics import TASKS_TOPIC
 from p2ptrain.testing import node_processes
 from p2ptrain.wire.messages import TaskAnnounce
 
