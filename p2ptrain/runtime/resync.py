@@ -33,8 +33,10 @@ RESYNC_FETCH_TIMEOUT_S = 60.0
 # A member listed in a plan from a checkpoint it lacks waits this long for the head that names it
 # (the coordinator publishes it next to the plan), then tells the coordinator it cannot follow.
 CATCH_UP_WAIT_S = 2.0
-# A synced member checks once per heartbeat whether the run's head is ahead of its chain; this many
-# checks in a row (no record pending) and it has missed a record: it resyncs.
+# The resync loop looks at the run's head this often (in heartbeats) when nothing wakes it: a synced
+# member whose chain stays behind the head for BEHIND_CHECKS looks in a row (no record pending) has
+# missed a record, and resyncs. Heads come every HEAD_EVERY_S (2 s), so two looks span one head.
+CHECK_EVERY_BEATS = 1.0
 BEHIND_CHECKS = 2
 # Terms whose coordinator (as our election accepted it) is remembered, to check who signed the
 # records a head's chain adds: 256 terms (a few KiB) go back further than any member stays away.
@@ -117,7 +119,7 @@ class Resync:
         """
         run = self.run
         behind = 0
-        period = run.node.config.heartbeat_interval
+        period = run.node.config.heartbeat_interval * CHECK_EVERY_BEATS
         while True:
             caught_up = None
             with trio.move_on_after(period):

@@ -152,6 +152,8 @@ class TaskRun:
             run.phase, run.error = "failed", f"internal error: {exc!r}"
             logger.exception("%s: failed with an internal error", run.log_prefix)
         finally:
+            if run.phase not in ("done", "failed"):
+                run.phase = "stopped"  # the node is stopping (the run was cancelled)
             run.advertise(False)
 
     async def _prepare(self) -> None:
