@@ -43,9 +43,10 @@ from p2ptrain import __version__
 from p2ptrain.atomic import write_atomic
 from p2ptrain.errors import UserError
 from p2ptrain.identity import load_or_create_identity, peer_id_of
+from p2ptrain.logs import short_id
 from p2ptrain.mesh.discovery import Discovery, parse_bootstrap
 from p2ptrain.mesh.membership import DEFAULT_SILENCE_HEARTBEATS, MESH_TOPIC, Membership
-from p2ptrain.mesh.router import Handler, MessageRouter, short
+from p2ptrain.mesh.router import Handler, MessageRouter
 from p2ptrain.net.control import ControlServer
 from p2ptrain.net.host import make_host
 from p2ptrain.net.pubsub import MessageTooLarge, close_host, make_pubsub, publish_bytes, running_pubsub
@@ -231,11 +232,8 @@ class Node:
     # -- the API for other layers --------------------------------------------------------------
 
     def __repr__(self) -> str:
-        return f"<Node {short(self.peer_id)} home={self.home}>"
+        return f"<Node {short_id(self.peer_id)} home={self.home}>"
 
-    @property
-    def short_id(self) -> str:
-        return short(self.peer_id)
 
     @property
     def addrs(self) -> list[str]:
@@ -334,7 +332,7 @@ class Node:
                     with trio.move_on_after(SHUTDOWN_TIMEOUT_S):
                         await finished.wait()
                     if not finished.is_set():
-                        logger.warning("%s did not stop in %.0f s; cancelling it", self.short_id, SHUTDOWN_TIMEOUT_S)
+                        logger.warning("%s did not stop in %.0f s; cancelling it", short_id(self.peer_id), SHUTDOWN_TIMEOUT_S)
                         lifetime.cancel()
 
     async def _live(self, task_status: Any) -> None:
@@ -359,14 +357,14 @@ class Node:
                         await self._serve(host, pubsub, task_status)
                 finally:
                     # Pubsub first (it drops what still arrives), then listeners, then connections.
-                    logger.debug("node %s: pubsub stopped; closing the host", self.short_id)
+                    logger.debug("node %s: pubsub stopped; closing the host", short_id(self.peer_id))
                     with trio.move_on_after(HOST_CLOSE_TIMEOUT_S):
                         await close_host(host)
-                    logger.debug("node %s: host closed", self.short_id)
+                    logger.debug("node %s: host closed", short_id(self.peer_id))
         finally:
             self.host = self.pubsub = None
             self.stopped.set()
-            logger.info("node %s stopped", self.short_id)
+            logger.info("node %s stopped", short_id(self.peer_id))
 
     async def _serve(self, host: IHost, pubsub: Pubsub, task_status: Any) -> None:
         self.listening_at = time.time()
@@ -385,12 +383,12 @@ class Node:
                         await services.start(fn, *args, name=name)
                     else:
                         services.start_soon(fn, *args, name=name)
-                logger.info("node %s listening on %s", self.short_id, ", ".join(self.addrs))
+                logger.info("node %s listening on %s", short_id(self.peer_id), ", ".join(self.addrs))
                 self.started_at = time.time()
                 self.started.set()
                 task_status.started()
                 await self._stop.wait()
-                logger.info("node %s stopping", self.short_id)
+                logger.info("node %s stopping", short_id(self.peer_id))
                 services.cancel_scope.cancel()
             self._nursery = None
             with trio.move_on_after(GOODBYE_TIMEOUT_S):
@@ -399,9 +397,9 @@ class Node:
                 while pubsub.queue_backlog() > 0:  # type: ignore[attr-defined]
                     await trio.sleep(0.005)
                 await trio.sleep(0.01)
-            logger.debug("node %s: goodbye sent; stopping mesh tasks", self.short_id)
+            logger.debug("node %s: goodbye sent; stopping mesh tasks", short_id(self.peer_id))
             nursery.cancel_scope.cancel()
-        logger.debug("node %s: mesh tasks stopped", self.short_id)
+        logger.debug("node %s: mesh tasks stopped", short_id(self.peer_id))
 
     # -- control ops ---------------------------------------------------------------------------
 

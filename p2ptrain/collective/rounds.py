@@ -51,15 +51,14 @@ from p2ptrain.collective.frames import (
     parse_abort,
     parse_header,
 )
+from p2ptrain.logs import count_rejection, short_id
 from p2ptrain.net.streams import (
     Channel,
     ChannelError,
     MessageTooLarge,
     StreamGuard,
-    count_rejection,
     open_channel,
     serve_channels,
-    short_id,
 )
 from p2ptrain.tensors import all_finite
 

@@ -31,9 +31,9 @@ from typing import Any, Literal
 import trio
 from libp2p.peer.id import ID
 
+from p2ptrain.logs import count_rejection, short_id
 from p2ptrain.mesh import capabilities as caps_probe
-from p2ptrain.mesh.router import MessageRouter, short
-from p2ptrain.net.streams import count_rejection
+from p2ptrain.mesh.router import MessageRouter
 from p2ptrain.wire import Signed
 from p2ptrain.wire.messages import Capabilities, Goodbye, Heartbeat
 
@@ -197,7 +197,7 @@ class Membership:
                 last_seen=now,
                 last_seen_wall=time.time(),
             )
-            logger.log(self._peer_log_level(), "peer %s joined (%s, %d addrs)", short(signed.sender), hb.caps.device,
+            logger.log(self._peer_log_level(), "peer %s joined (%s, %d addrs)", short_id(signed.sender), hb.caps.device,
                        len(hb.addrs))
             self._emit(MemberEvent("join", signed.sender))
             self.poke()  # let the newcomer hear from us now rather than in up to one interval
@@ -231,7 +231,7 @@ class Membership:
             return
         record.alive, record.left_reason = False, reason
         record.left_at = trio.current_time()
-        logger.log(self._peer_log_level(), "peer %s left (%s)", short(peer_id), reason)
+        logger.log(self._peer_log_level(), "peer %s left (%s)", short_id(peer_id), reason)
         self._emit(MemberEvent("leave", peer_id, reason))
 
     # -- sending -------------------------------------------------------------------------------

@@ -34,6 +34,7 @@ from libp2p.abc import IHost, INetStream
 from libp2p.custom_types import TProtocol
 from libp2p.peer.id import ID
 
+from p2ptrain.logs import count_rejection, short_id
 from p2ptrain.net.muxer import FastYamuxStream
 
 logger = logging.getLogger(__name__)
@@ -45,12 +46,6 @@ _CLOSE_TIMEOUT_S = 2.0
 # long-lived channels is far more than any of our protocols opens to one peer, while each
 # refused stream costs the attacker as much as us.
 MAX_STREAMS_PER_PEER = 32
-
-
-def short_id(peer_id: ID) -> str:
-    """The last characters of a peer ID, enough to tell peers apart in a log line."""
-    text = peer_id.to_base58()
-    return text[-8:]
 
 
 class ChannelError(Exception):
@@ -232,18 +227,6 @@ async def open_channel(host: IHost, peer_id: ID, protocol: str) -> Channel:
 
 
 StreamHandler = Callable[[INetStream], Awaitable[None]]
-
-
-def count_rejection(
-    counters: collections.Counter[str], reason: str, log: logging.Logger, level: int, message: str,
-    *args: object, exc_info: bool = False,
-) -> None:
-    """Count one rejection of remote input and log it, but only the 1st, 2nd, 4th, 8th, … of each
-    reason: a peer that floods us with bad input must not flood the log (and the disk) as well."""
-    counters[reason] += 1
-    n = counters[reason]
-    if n & (n - 1) == 0:
-        log.log(level, message + " [%s: %d so far]", *args, reason, n, exc_info=exc_info)
 
 
 class StreamGuard:

@@ -17,7 +17,7 @@ from p2ptrain.ipfs.cid import make_cid, parse_cid
 from p2ptrain.ipfs.exchange import BlockExchange, FetchError
 from p2ptrain.ipfs.unixfs import import_stream, read_file
 from p2ptrain.net.host import make_host
-from p2ptrain.net.streams import short_id
+from p2ptrain.logs import short_id
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 DEADLINE = 60
@@ -309,7 +309,7 @@ async def test_hostile_streams_pin_at_most_the_per_peer_budget(tmp_path):
             assert node.exchange.inbound_streams(who) <= MAX_INBOUND_STREAMS_PER_PEER
             # (A burst can also meet the muxer's cap on inbound streams per connection first.)
             at_muxer = sum(
-                getattr(conn.muxed_conn, "refused_streams", 0)
+                conn.muxed_conn.refused["over_inbound_streams"] if hasattr(conn.muxed_conn, "refused") else 0
                 for conn in node.host.get_network().get_connections(who)
             )
             assert stats["over_stream_cap"] + stats["rejected_bad_message"] + at_muxer == HOSTILE_STREAMS - 2

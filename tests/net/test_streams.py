@@ -15,6 +15,7 @@ from multiaddr import Multiaddr
 
 from p2ptrain.net.host import make_host, noise_only
 from p2ptrain.net.muxer import FastYamux
+from p2ptrain.logs import short_id
 from p2ptrain.net.noise import NoiseSession
 from p2ptrain.net.streams import (
     Channel,
@@ -22,7 +23,6 @@ from p2ptrain.net.streams import (
     MessageTooLarge,
     open_channel,
     serve_channels,
-    short_id,
 )
 
 PROTO = "/p2ptrain/test-channel/1.0.0"
