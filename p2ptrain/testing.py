@@ -8,7 +8,7 @@ Two shapes:
       async with local_mesh(4, tmp_path) as nodes:
           await nodes[0].publish("my/topic", msg)
 
-- :class:`NodeProcess` / :func:`node_processes` (sync): N ``p2ptrain node start`` processes,
+- :class:`~p2ptrain.local_nodes.NodeProcess` / :func:`node_processes` (sync): N ``p2ptrain node start`` processes,
   each ready (its control socket answers) before the call returns; they know each other's
   addresses up front (identities are created and ports reserved before launch), so all start at
   once, as on a real cluster::
@@ -22,7 +22,6 @@ Every wait is bounded; a node that fails to start raises with its log attached.
 from __future__ import annotations
 
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -33,13 +32,9 @@ from typing import Any
 
 import trio
 
-from p2ptrain.errors import UserError
-from p2ptrain.identity import load_or_create_identity, peer_id_of
-from p2ptrain.net.control import ControlClient
+from p2ptrain.local_nodes import READY_TIMEOUT_S, NodeProcess, free_port
+from p2ptrain.logs import short_id
 from p2ptrain.node import Node
-
-# Generous: a node process imports libp2p and torch, which takes tens of seconds on a loaded 2-core box.
-READY_TIMEOUT_S = 120.0
 
 
 @asynccontextmanager
@@ -69,97 +64,6 @@ async def local_mesh(
                 node.stop()
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (the kernel's pick)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class NodeProcess:
-    """One ``p2ptrain node start`` child process and its control client."""
-
-    def __init__(self, home: Path, port: int, bootstrap: Sequence[str] = (), extra_args: Sequence[str] = ()) -> None:
-        self.home = Path(home)
-        self.port = port
-        self.peer_id = peer_id_of(load_or_create_identity(self.home)).to_base58()
-        self.addr = f"/ip4/127.0.0.1/tcp/{port}/p2p/{self.peer_id}"
-        self.bootstrap = list(bootstrap)
-        self.extra_args = list(extra_args)
-        self.client = ControlClient(self.home, timeout=10.0)
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.started_at = 0.0
-
-    def start(self) -> NodeProcess:
-        cmd = [sys.executable, "-m", "p2ptrain.cli.main", "node", "start", "--home", str(self.home)]
-        cmd += ["--listen", f"/ip4/127.0.0.1/tcp/{self.port}", *self.extra_args]
-        if self.bootstrap:
-            cmd += ["--bootstrap", *self.bootstrap]
-        self.log = open(self.home / "logs" / "stderr.log", "ab")  # noqa: SIM115 (closed in wait)
-        self.started_at = time.monotonic()
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
-        return self
-
-    def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> None:
-        """Block until the node's control socket answers (bounded)."""
-        assert self.proc is not None
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"node {self.home} exited with {self.proc.returncode}:\n{self.read_log()}")
-            try:
-                if self.client.call("ping")["started"]:
-                    return
-            except (UserError, OSError):
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"node {self.home} not ready in {timeout} s:\n{self.read_log()}")
-            time.sleep(0.02)
-
-    def status(self) -> dict[str, Any]:
-        return self.client.call("status")
-
-    def _log_text(self) -> str:
-        try:
-            return (self.home / "logs" / "stderr.log").read_text(errors="replace")
-        except OSError:
-            return ""
-
-    def read_log(self) -> str:
-        return self._log_text()[-4000:]
-
-    def events(self, lines: int = 60) -> str:
-        """The last ``lines`` lines of the node's log without its per-round progress lines: what a
-        failed multi-node test needs to show (elections, plans, failures), which thousands of
-        round lines would otherwise push out of view."""
-        kept = [line for line in self._log_text().splitlines() if " done with " not in line]
-        return "\n".join(kept[-lines:])
-
-    def terminate(self, timeout: float = 20.0) -> int:
-        """SIGTERM, then wait (bounded); SIGKILL if it does not stop. Returns the exit code."""
-        if self.proc is None:
-            return 0
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            raise
-
-    def kill(self) -> None:
-        """SIGKILL: the node gets no chance to say goodbye (a crash, as far as peers can tell)."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
-
-    def wait(self, timeout: float) -> int:
-        assert self.proc is not None
-        code = self.proc.wait(timeout)
-        self.log.close()
-        return code
-
-
 @contextmanager
 def node_processes(n: int, base: Path, *, extra_args: Sequence[str] = (), ready_timeout: float = READY_TIMEOUT_S) -> Iterator[list[NodeProcess]]:
     """N node processes on loopback, each bootstrapping from all the others, started at once."""
@@ -180,7 +84,7 @@ def node_processes(n: int, base: Path, *, extra_args: Sequence[str] = (), ready_
     except BaseException:
         # pytest shows what a failed test wrote to stderr: each node's story, not just an assert.
         for p in procs:
-            sys.stderr.write(f"--- {p.home.name} ({p.peer_id[-8:]}): its last events ---\n{p.events()}\n")
+            sys.stderr.write(f"--- {p.home.name} ({short_id(p.peer_id)}): its last events ---\n{p.events()}\n")
         raise
     finally:
         for p in procs:
