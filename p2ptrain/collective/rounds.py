@@ -313,7 +313,7 @@ class RoundHub:
                                 "collective: %s from %s as a channel's first frame", header, short_id(peer))
                 return
             if not await self._park(header.round_id, peer, channel, frame[HEADER.size :]):
-                await channel._abort()  # possibly mid-message: the sender must not reuse it
+                await channel.reset()  # possibly mid-message: the sender must not reuse it
                 return
             idle = True
 
@@ -492,12 +492,12 @@ class RoundHub:
                             continue
                         break
                     except ChannelError as error:
-                        await channel._abort()
+                        await channel.reset()
                         if not reused:
                             raise
                         logger.debug("collective: idle channel to %s was gone: %s", short_id(right), error)
                     except BaseException:
-                        await channel._abort()
+                        await channel.reset()
                         raise
         except trio.TooSlowError:
             raise PeerFailed(right, f"did not join round {round_id} within {timeout:g} s") from None
@@ -517,10 +517,10 @@ class RoundHub:
             if header.kind != Kind.READY or header.round_id != round_id:
                 raise ValueError(f"expected READY for round {round_id}, got {header}")
         except ValueError as error:
-            await channel._abort()
+            await channel.reset()
             raise BadPayload(right, str(error)) from None
         except PeerFailed:
-            await channel._abort()
+            await channel.reset()
             raise
         return channel
 
@@ -651,7 +651,7 @@ class RoundHub:
                 if reusable:
                     await self._release(peer, channel)
                 else:
-                    await channel._abort()
+                    await channel.reset()
             for arrival in arrivals.values():
                 arrival.reusable = reusable
                 arrival.released.set()

@@ -107,10 +107,10 @@ class Channel:
                 else:
                     await self._stream.write(_LENGTH.pack(len(view)) + view)
             except trio.Cancelled:
-                await self._abort()
+                await self.reset()
                 raise
             except Exception as error:
-                await self._abort()
+                await self.reset()
                 raise ChannelClosed(
                     self.remote_peer, f"send failed ({type(error).__name__}: {error})"
                 ) from error
@@ -128,7 +128,7 @@ class Channel:
                 (self._incoming,) = _LENGTH.unpack(await self._take(_LENGTH.size, "message header"))
             length = self._incoming
             if length > max_len:
-                await self._abort()
+                await self.reset()
                 raise MessageTooLarge(
                     self.remote_peer,
                     f"message of {length} bytes exceeds the limit of {max_len}; channel closed",
@@ -148,14 +148,14 @@ class Channel:
             except trio.Cancelled:
                 raise  # what arrived stays in self._pending for the next recv
             except Exception as error:
-                await self._abort()
+                await self.reset()
                 raise ChannelClosed(
                     self.remote_peer,
                     f"stream ended with {self._pending_len} of {n} bytes of a {what} "
                     f"({type(error).__name__})",
                 ) from error
             if not more:
-                await self._abort()
+                await self.reset()
                 raise ChannelClosed(
                     self.remote_peer,
                     f"stream ended with {self._pending_len} of {n} bytes of a {what}",
@@ -174,8 +174,10 @@ class Channel:
         chunk = await self._stream.read(n)
         return [chunk] if chunk else []
 
-    async def _abort(self) -> None:
-        """Reset the stream after an error; the peer sees a reset, not a clean end."""
+    async def reset(self) -> None:
+        """End the channel with a reset: the peer sees a reset, not a clean end, and its next
+        ``recv`` raises :class:`ChannelClosed`. For a channel that failed or may hold part of a
+        message in either direction, which must not be reused. Idempotent, shielded, bounded."""
         if self._closed:
             return
         self._closed = True
@@ -210,7 +212,7 @@ class Channel:
         if exc is None:
             await self.aclose()
         else:
-            await self._abort()
+            await self.reset()
 
 
 async def open_channel(host: IHost, peer_id: ID, protocol: str) -> Channel:
@@ -315,9 +317,9 @@ def serve_channels(
             await handler(channel)
         except ChannelError as error:
             logger.info("%s handler on %s ended: %s", protocol, channel, error)
-            await channel._abort()
+            await channel.reset()
         except BaseException:
-            await channel._abort()
+            await channel.reset()
             raise  # the guard counts and logs it
         else:
             await channel.aclose()

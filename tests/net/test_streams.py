@@ -13,9 +13,9 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
 from multiaddr import Multiaddr
 
+from p2ptrain.logs import short_id
 from p2ptrain.net.host import make_host, noise_only
 from p2ptrain.net.muxer import FastYamux
-from p2ptrain.logs import short_id
 from p2ptrain.net.noise import NoiseSession
 from p2ptrain.net.streams import (
     Channel,
@@ -254,6 +254,39 @@ async def test_send_after_close_raises():
             await channel.aclose()
             with pytest.raises(ChannelClosed):
                 await channel.send(b"late")
+
+
+async def test_reset_ends_the_channel_on_both_ends_and_keeps_the_connection():
+    """``reset`` (what the collective uses on a channel that may hold part of a message): the peer's
+    next receive fails, our next send fails, and a new channel on the same connection works."""
+    firsts: list[bytes] = []
+    errors: list[BaseException] = []
+    ended = trio.Semaphore(0)
+
+    async def reader(channel: Channel) -> None:
+        try:
+            firsts.append(await channel.recv(100))
+            await channel.recv(100)
+        except ChannelClosed as error:
+            errors.append(error)
+        finally:
+            ended.release()
+
+    with trio.fail_after(DEADLINE):
+        async with running(ours()) as a, running(ours()) as b:
+            serve_channels(b, PROTO, reader)
+            await connect(a, b)
+            channel = await open_channel(a, b.get_id(), PROTO)
+            await channel.send(b"first")
+            await channel.reset()
+            await ended.acquire()
+            with pytest.raises(ChannelClosed):
+                await channel.send(b"late")
+            async with await open_channel(a, b.get_id(), PROTO) as again:
+                await again.send(b"again")
+            await ended.acquire()
+    assert firsts == [b"first", b"again"]
+    assert len(errors) == 2 and all(isinstance(e, ChannelClosed) for e in errors)
 
 
 @pytest.mark.parametrize("direction", ["ours_dials_stock", "stock_dials_ours"])
