@@ -1,6 +1,6 @@
 """Spin up real p2ptrain peers on loopback, for our tests and for users' own tests.
 
-Two shapes:
+Three shapes:
 
 - :func:`local_mesh` (async, trio): N :class:`~p2ptrain.node.Node` objects in this process,
   connected and heartbeating, each seeing the other N-1 before the block starts::
@@ -16,6 +16,12 @@ Two shapes:
       with node_processes(4, tmp_path) as procs:
           procs[0].status()["peers"]
 
+- :func:`connected_hosts` (async, trio): N bare libp2p hosts, every pair connected, for a test of
+  one protocol (channels, the collective, Bitswap) without the rest of a node::
+
+      async with connected_hosts(3) as peers:
+          collectives = [Collective(p.host) for p in peers]
+
 Every wait is bounded; a node that fails to start raises with its log attached.
 """
 
@@ -25,15 +31,22 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import trio
+from libp2p.abc import IHost
+from libp2p.crypto.ed25519 import create_new_key_pair
+from libp2p.peer.id import ID
+from libp2p.peer.peerinfo import PeerInfo
+from multiaddr import Multiaddr
 
 from p2ptrain.local_nodes import READY_TIMEOUT_S, NodeProcess, free_port
 from p2ptrain.logs import short_id
+from p2ptrain.net.host import make_host
 from p2ptrain.node import Node
 
 
@@ -108,3 +121,84 @@ def wait_for(predicate: Any, timeout: float, interval: float = 0.05) -> Any:
             raise TimeoutError(f"condition not met in {timeout} s")
         time.sleep(interval)
 
+
+
+# -- N connected libp2p hosts ------------------------------------------------------------------
+# Bare hosts (no Node: no pubsub, membership or control socket) for tests of one protocol at a
+# time: channels, the collective, Bitswap. One copy instead of one per test file.
+
+LOOPBACK = "/ip4/127.0.0.1/tcp/0"
+# Bound on starting the hosts and on dialing every pair: each dial is a TCP connect plus a Noise
+# handshake on loopback (milliseconds); 30 s leaves room for a loaded 2-core CI box.
+CONNECT_TIMEOUT_S = 30.0
+
+
+@dataclass
+class LocalHost:
+    """One running libp2p host of :func:`connected_hosts`, and the scope that runs it."""
+
+    host: IHost
+    scope: trio.CancelScope
+    _nursery: trio.Nursery
+
+    @property
+    def id(self) -> ID:
+        return self.host.get_id()
+
+    @property
+    def info(self) -> PeerInfo:
+        """What another host dials to reach this one."""
+        return PeerInfo(self.host.get_id(), self.host.get_addrs())
+
+    async def start(self, service: Callable[..., Awaitable[Any]], *args: Any) -> Any:
+        """Run ``service`` (``nursery.start`` style) for as long as this host runs."""
+        return await self._nursery.start(service, *args)
+
+    def kill(self) -> None:
+        """Stop the host and its services: its connections close as if its process had died."""
+        self.scope.cancel()
+
+
+async def connect(a: IHost, b: IHost, timeout: float = CONNECT_TIMEOUT_S) -> None:
+    """``a`` dials ``b`` (both running), bounded by ``timeout``."""
+    with trio.fail_after(timeout):
+        await a.connect(PeerInfo(b.get_id(), b.get_addrs()))
+
+
+def new_host() -> IHost:
+    """A host as a node makes it (:func:`p2ptrain.net.host.make_host`), fresh key, loopback."""
+    return make_host(create_new_key_pair(), [LOOPBACK])
+
+
+async def _run_host(host: IHost, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+    with trio.CancelScope() as scope:
+        async with host.run(listen_addrs=[Multiaddr(LOOPBACK)]), trio.open_nursery() as services:
+            task_status.started(LocalHost(host, scope, services))
+            await trio.sleep_forever()
+
+
+@asynccontextmanager
+async def connected_hosts(
+    n: int, *, connected: bool = True, make: Callable[[], IHost] = new_host, timeout: float = CONNECT_TIMEOUT_S,
+) -> AsyncIterator[list[LocalHost]]:
+    """``n`` running libp2p hosts on 127.0.0.1, every pair connected (unless ``connected=False``).
+
+    Starting and dialing are bounded by ``timeout``; the hosts stop when the block ends. A host's
+    ``kill()`` stops it alone, mid-test, as a crash would::
+
+        async with connected_hosts(3) as peers:
+            serve_channels(peers[1].host, PROTO, handler)
+            async with await open_channel(peers[0].host, peers[1].id, PROTO) as channel:
+                await channel.send(b"hello")
+            peers[2].kill()
+    """
+    async with trio.open_nursery() as nursery:
+        with trio.fail_after(timeout):
+            peers: list[LocalHost] = [await nursery.start(_run_host, make()) for _ in range(n)]
+            if connected:
+                async with trio.open_nursery() as dials:
+                    for i, a in enumerate(peers):
+                        for b in peers[i + 1:]:
+                            dials.start_soon(a.host.connect, b.info)
+        yield peers
+        nursery.cancel_scope.cancel()
