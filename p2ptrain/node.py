@@ -57,6 +57,9 @@ logger = logging.getLogger(__name__)
 
 CONFIG_FILE = "config.toml"
 DEFAULT_LISTEN = ("/ip4/127.0.0.1/tcp/0",)
+# Bound on saying goodbye at shutdown (publish, then wait until pubsub's writers put it on the
+# wire): a goodbye only saves peers the 5 heartbeats of silence before they call us gone, so a
+# peer that is not reading must not hold up our exit; on a live connection it takes milliseconds.
 GOODBYE_TIMEOUT_S = 0.5
 HOST_CLOSE_TIMEOUT_S = 5.0
 # If an orderly stop takes longer than this, the node's lifetime is cancelled outright.
@@ -394,9 +397,7 @@ class Node:
             with trio.move_on_after(GOODBYE_TIMEOUT_S):
                 await self.membership.say_goodbye()
                 # Let the per-peer writer tasks put Goodbye on the wire before pubsub stops.
-                while pubsub.queue_backlog() > 0:  # type: ignore[attr-defined]
-                    await trio.sleep(0.005)
-                await trio.sleep(0.01)
+                await pubsub.wait_for_backlog(below=1)  # type: ignore[attr-defined]
             logger.debug("node %s: goodbye sent; stopping mesh tasks", short_id(self.peer_id))
             nursery.cancel_scope.cancel()
         logger.debug("node %s: mesh tasks stopped", short_id(self.peer_id))

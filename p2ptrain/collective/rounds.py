@@ -65,9 +65,15 @@ from p2ptrain.tensors import all_finite
 logger = logging.getLogger(__name__)
 
 PROTOCOL = "/p2ptrain/collective/1.0.0"
-# How long a member that lost a neighbour's channel waits for the abort notice that may explain it.
-_GRACE_S = 0.5
+# How long a member that lost a neighbour's channel waits for the abort notice that may explain it
+# (see _wait_for_abort_notice). A deadline, not a sleep: the notice ends the wait when it comes.
+# 0.5 s: a notice travels on a stream of its own (a yamux stream open and protocol negotiation on
+# an open connection, milliseconds on a LAN, tens of ms on a loaded 2-core box), sent as soon as
+# its sender sees the failure; waiting longer only delays the blame when no notice is coming.
+_ABORT_NOTICE_WAIT_S = 0.5
 _ABORT_SEND_S = 2.0
+# Bound on telling a dialer whose round digest differs from ours (it may not be reading).
+_MISMATCH_NOTICE_S = 1.0
 # The notice to the culprit itself is bounded tighter: it is often dead, and a dial to a vanished
 # machine hangs where a live one answers in milliseconds.
 _CULPRIT_NOTICE_S = 0.5
@@ -99,6 +105,17 @@ _REUSE_S = _IDLE_S - 20.0
 _IDLE_PER_PEER = 2
 # The largest first frame on a channel: HELLO with its digest, or an ABORT notice.
 _FIRST_FRAME = HEADER.size + 256 + 1024
+
+
+async def _wait_for_abort_notice() -> None:
+    """After a channel of a round broke: give the abort notice that may explain it (naming the
+    real culprit) up to ``_ABORT_NOTICE_WAIT_S`` to arrive, before the caller blames the peer.
+
+    Always called inside the round's cancel scope, which the notice cancels on arrival
+    (:meth:`RoundHub._on_abort`): the notice itself ends this wait, and ``open_round`` then raises
+    it. Returning means no notice came in time.
+    """
+    await trio.sleep(_ABORT_NOTICE_WAIT_S)
 
 
 @dataclass
@@ -154,7 +171,7 @@ class RoundLinks:
                 peer, f"did not accept round {self.round_id} data within {self.timeout:g} s"
             ) from None
         except ChannelError as error:
-            await trio.sleep(_GRACE_S)  # an abort notice naming the real culprit may be on its way
+            await _wait_for_abort_notice()
             raise PeerFailed(peer, f"channel broke while sending: {error}", gone=True) from error
         self.bytes_sent += len(frame) + 8  # the channel's length prefix
 
@@ -207,7 +224,7 @@ class RoundLinks:
         except MessageTooLarge as error:
             raise BadPayload(peer, f"sent an oversized frame: {error}") from None
         except ChannelError as error:
-            await trio.sleep(_GRACE_S)
+            await _wait_for_abort_notice()
             raise PeerFailed(peer, f"channel broke while receiving: {error}", gone=True) from error
         try:
             header = parse_header(frame)
@@ -462,7 +479,7 @@ class RoundHub:
         arrival = self._inbox.pop(key)
         arrival.claimed.set()
         if arrival.digest != digest:
-            with trio.move_on_after(1):
+            with trio.move_on_after(_MISMATCH_NOTICE_S):
                 # Naming ourselves: the dialer cannot tell which side's parameters are stale either.
                 await arrival.channel.send(abort_frame(round_id, self.me, "round parameters differ"))
             arrival.released.set()
@@ -505,7 +522,7 @@ class RoundHub:
             # Also what a member sees when the peer took our HELLO and then its round failed for
             # another reason: the reset of this stream outruns the notice, which needs a stream
             # of its own. Give the notice time to arrive before blaming the peer.
-            await trio.sleep(_GRACE_S)
+            await _wait_for_abort_notice()
             raise PeerFailed(right, f"cannot reach it: {error}", gone=True) from error
         try:
             header = parse_header(frame)
@@ -606,7 +623,7 @@ class RoundHub:
                         except ChannelError as error:
                             # A channel parked before we joined, which its sender has since reset:
                             # its round failed there, and the notice saying why may be on its way.
-                            await trio.sleep(_GRACE_S)
+                            await _wait_for_abort_notice()
                             raise PeerFailed(
                                 peer, f"its channel broke before the round began: {error}", gone=True
                             ) from error

@@ -59,6 +59,9 @@ MAX_DIAL_ADDRS_PER_PEER = 4
 MAX_CONCURRENT_DIALS = 8
 # Peers we keep connected at once (one redial task each): far above any cluster we run.
 MAX_KEPT_PEERS = 256
+# How often a kept peer's connection and keep-condition (``while_``, e.g. "membership still counts
+# it alive", which has no event of its own here) are checked again: a lost connection is redialed
+# within half a second, well inside the 5 heartbeats (5 s) after which membership calls it gone.
 CONNECTED_POLL_S = 0.5
 # Of two peers that learn of each other from heartbeats, the one with the larger ID waits this long
 # before dialing, so the pair usually ends up with one connection, not two.

@@ -57,6 +57,8 @@ GONE_TTL_S = 600.0
 # Joins and departures are logged at INFO while the view holds at most this many peers, at DEBUG
 # beyond: 9,000 throwaway identities wrote 9,000 "joined" lines (and as many "left").
 LOG_PEERS_AT_INFO = 64
+# The GPU probe imports torch (seconds of GIL) this long after start, once the mesh has formed:
+# no event says "formed" for a node alone or still discovering, and 2 s covers a LAN join.
 TORCH_PROBE_DELAY_S = 2.0
 
 Publish = Callable[[str, Any], Awaitable[None]]
