@@ -58,6 +58,17 @@ async def hosts(n: int) -> AsyncIterator[list[Collective]]:
         yield [Collective(peer.host) for peer in peers]
 
 
+async def average_gradients(reducer: SparseAllReducer, model: torch.nn.Module, ring: list, round_id: int, **options) -> None:
+    """What a node does with a round: the model's flat gradient through the reducer (top-k over the
+    whole vector), the members' mean written back as every parameter's ``.grad``."""
+    params = list(model.parameters())
+    mean = await reducer.allreduce(torch.cat([p.grad.reshape(-1) for p in params]), ring, round_id, **options)
+    offset = 0
+    for p in params:
+        p.grad.copy_(mean[offset : offset + p.numel()].view_as(p))
+        offset += p.numel()
+
+
 def digits() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """scikit-learn digits scaled to [0, 1], split 1437 train / 360 test (fixed order)."""
     from sklearn.datasets import load_digits
@@ -99,7 +110,7 @@ async def train_digits(
         chosen = shards[i][pick]
         optimizers[i].zero_grad()
         torch.nn.functional.cross_entropy(models[i](x[chosen]), y[chosen]).backward()
-        await reducers[i].allreduce_grads(models[i].parameters(), ring, first_round + step, timeout=ROUND_TIMEOUT_S)
+        await average_gradients(reducers[i], models[i], ring, first_round + step, timeout=ROUND_TIMEOUT_S)
         optimizers[i].step()
 
     for step in range(steps):
