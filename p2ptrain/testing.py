@@ -122,7 +122,6 @@ def wait_for(predicate: Any, timeout: float, interval: float = 0.05) -> Any:
         time.sleep(interval)
 
 
-
 # -- N connected libp2p hosts ------------------------------------------------------------------
 # Bare hosts (no Node: no pubsub, membership or control socket) for tests of one protocol at a
 # time: channels, the collective, Bitswap. One copy instead of one per test file.
