@@ -532,3 +532,38 @@ async def test_a_send_cancelled_mid_frame_resets_its_channel_and_keeps_the_conne
                 await first.send(b"x")
             nursery.cancel_scope.cancel()
     assert isinstance(outcome["first"], ChannelClosed)
+
+
+async def test_inbound_streams_over_the_muxer_cap_are_refused_counted_and_logged_at_powers_of_two(caplog):
+    """Streams beyond MAX_INBOUND_STREAMS on one connection are reset at SYN; the count is readable
+    (FastYamux.refused) and the log gets the 1st, 2nd, 4th, ... refusal only (logs.count_rejection)."""
+    from p2ptrain.net.muxer import MAX_INBOUND_STREAMS
+
+    hold = trio.Event()
+
+    async def holder(stream) -> None:
+        await hold.wait()
+
+    extra = 12
+    caplog.set_level(logging.INFO, logger="p2ptrain.net.muxer")
+    with trio.fail_after(60):
+        async with running(new_host()) as a, running(new_host()) as b:
+            b.set_stream_handler(PROTO, holder)
+            await connect(a, b)
+            opened, refused = [], 0
+
+            async def one() -> None:
+                nonlocal refused
+                try:
+                    opened.append(await a.new_stream(b.get_id(), [PROTO]))
+                except Exception:  # reset at SYN: libp2p's error for a refused stream
+                    refused += 1
+
+            async with trio.open_nursery() as nursery:
+                for _ in range(MAX_INBOUND_STREAMS + extra):
+                    nursery.start_soon(one)
+            counted = b.get_network().get_connection(a.get_id()).muxed_conn.refused["over_inbound_streams"]
+            hold.set()
+    assert counted >= extra and refused >= extra
+    logged = [r for r in caplog.records if "inbound streams open; refused stream" in r.getMessage()]
+    assert len(logged) == counted.bit_length()  # 1, 2, 4, 8, ...: one line per power of two
