@@ -69,7 +69,7 @@ from typing import Any
 import trio
 
 import hostile
-from p2ptrain.cli.demo import TASK_TEMPLATE
+from p2ptrain.training.demo import TASK_TEMPLATE
 from p2ptrain.errors import UserError
 from p2ptrain.ipfs.blockstore import BlockStore
 from p2ptrain.ipfs.cid import DAG_PB, make_cid

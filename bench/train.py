@@ -30,7 +30,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from p2ptrain.cli.demo import NODE_ARGS, TASK_TEMPLATE, Cluster
+from p2ptrain.cli.demo import Cluster
+from p2ptrain.local_nodes import NODE_ARGS
+from p2ptrain.training.demo import TASK_TEMPLATE
 from p2ptrain.data.build import build_dataset
 from p2ptrain.data.builtin import load_source
 from p2ptrain.errors import UserError

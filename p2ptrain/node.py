@@ -43,11 +43,12 @@ from p2ptrain import __version__
 from p2ptrain.atomic import write_atomic
 from p2ptrain.errors import UserError
 from p2ptrain.identity import load_or_create_identity, peer_id_of
+from p2ptrain.logs import short_id
 from p2ptrain.mesh.discovery import Discovery, parse_bootstrap
 from p2ptrain.mesh.membership import DEFAULT_SILENCE_HEARTBEATS, Membership
-from p2ptrain.wire.topics import MESH_TOPIC
-from p2ptrain.mesh.router import Handler, MessageRouter, short
+from p2ptrain.mesh.router import Handler, MessageRouter
 from p2ptrain.net import control_ops
+from p2ptrain.wire.topics import MESH_TOPIC
 from p2ptrain.net.control import ControlServer
 from p2ptrain.net.host import make_host
 from p2ptrain.net.pubsub import MessageTooLarge, close_host, make_pubsub, publish_bytes, running_pubsub
@@ -59,6 +60,9 @@ logger = logging.getLogger(__name__)
 
 CONFIG_FILE = "config.toml"
 DEFAULT_LISTEN = ("/ip4/127.0.0.1/tcp/0",)
+# Bound on saying goodbye at shutdown (publish, then wait until pubsub's writers put it on the
+# wire): a goodbye only saves peers the 5 heartbeats of silence before they call us gone, so a
+# peer that is not reading must not hold up our exit; on a live connection it takes milliseconds.
 GOODBYE_TIMEOUT_S = 0.5
 HOST_CLOSE_TIMEOUT_S = 5.0
 # If an orderly stop takes longer than this, the node's lifetime is cancelled outright.
@@ -239,11 +243,8 @@ class Node:
     # -- the API for other layers --------------------------------------------------------------
 
     def __repr__(self) -> str:
-        return f"<Node {short(self.peer_id)} home={self.home}>"
+        return f"<Node {short_id(self.peer_id)} home={self.home}>"
 
-    @property
-    def short_id(self) -> str:
-        return short(self.peer_id)
 
     @property
     def addrs(self) -> list[str]:
@@ -342,7 +343,7 @@ class Node:
                     with trio.move_on_after(SHUTDOWN_TIMEOUT_S):
                         await finished.wait()
                     if not finished.is_set():
-                        logger.warning("%s did not stop in %.0f s; cancelling it", self.short_id, SHUTDOWN_TIMEOUT_S)
+                        logger.warning("%s did not stop in %.0f s; cancelling it", short_id(self.peer_id), SHUTDOWN_TIMEOUT_S)
                         lifetime.cancel()
 
     async def _live(self, task_status: Any) -> None:
@@ -367,14 +368,14 @@ class Node:
                         await self._serve(host, pubsub, task_status)
                 finally:
                     # Pubsub first (it drops what still arrives), then listeners, then connections.
-                    logger.debug("node %s: pubsub stopped; closing the host", self.short_id)
+                    logger.debug("node %s: pubsub stopped; closing the host", short_id(self.peer_id))
                     with trio.move_on_after(HOST_CLOSE_TIMEOUT_S):
                         await close_host(host)
-                    logger.debug("node %s: host closed", self.short_id)
+                    logger.debug("node %s: host closed", short_id(self.peer_id))
         finally:
             self.host = self.pubsub = None
             self.stopped.set()
-            logger.info("node %s stopped", self.short_id)
+            logger.info("node %s stopped", short_id(self.peer_id))
 
     async def _serve(self, host: IHost, pubsub: Pubsub, task_status: Any) -> None:
         self.listening_at = time.time()
@@ -393,23 +394,21 @@ class Node:
                         await services.start(fn, *args, name=name)
                     else:
                         services.start_soon(fn, *args, name=name)
-                logger.info("node %s listening on %s", self.short_id, ", ".join(self.addrs))
+                logger.info("node %s listening on %s", short_id(self.peer_id), ", ".join(self.addrs))
                 self.started_at = time.time()
                 self.started.set()
                 task_status.started()
                 await self._stop.wait()
-                logger.info("node %s stopping", self.short_id)
+                logger.info("node %s stopping", short_id(self.peer_id))
                 services.cancel_scope.cancel()
             self._nursery = None
             with trio.move_on_after(GOODBYE_TIMEOUT_S):
                 await self.membership.say_goodbye()
                 # Let the per-peer writer tasks put Goodbye on the wire before pubsub stops.
-                while pubsub.queue_backlog() > 0:  # type: ignore[attr-defined]
-                    await trio.sleep(0.005)
-                await trio.sleep(0.01)
-            logger.debug("node %s: goodbye sent; stopping mesh tasks", self.short_id)
+                await pubsub.wait_for_backlog(below=1)  # type: ignore[attr-defined]
+            logger.debug("node %s: goodbye sent; stopping mesh tasks", short_id(self.peer_id))
             nursery.cancel_scope.cancel()
-        logger.debug("node %s: mesh tasks stopped", self.short_id)
+        logger.debug("node %s: mesh tasks stopped", short_id(self.peer_id))
 
     # -- control ops ---------------------------------------------------------------------------
 

@@ -1,6 +1,6 @@
 """Spin up real p2ptrain peers on loopback, for our tests and for users' own tests.
 
-Two shapes:
+Four shapes:
 
 - :func:`local_mesh` (async, trio): N :class:`~p2ptrain.node.Node` objects in this process,
   connected and heartbeating, each seeing the other N-1 before the block starts::
@@ -8,7 +8,7 @@ Two shapes:
       async with local_mesh(4, tmp_path) as nodes:
           await nodes[0].publish("my/topic", msg)
 
-- :class:`NodeProcess` / :func:`node_processes` (sync): N ``p2ptrain node start`` processes,
+- :class:`~p2ptrain.local_nodes.NodeProcess` / :func:`node_processes` (sync): N ``p2ptrain node start`` processes,
   each ready (its control socket answers) before the call returns; they know each other's
   addresses up front (identities are created and ports reserved before launch), so all start at
   once, as on a real cluster::
@@ -25,6 +25,11 @@ Two shapes:
           for peer in peers:
               await peer.tasks.join(task_cid)
           await peers.wait_until(lambda: peers.status(0, task_cid)["version"] >= 1, 60)
+- :func:`connected_hosts` (async, trio): N bare libp2p hosts, every pair connected, for a test of
+  one protocol (channels, the collective, Bitswap) without the rest of a node::
+
+      async with connected_hosts(3) as peers:
+          collectives = [Collective(p.host) for p in peers]
 
 Every wait is bounded; a node that fails to start raises with its log attached.
 """
@@ -32,21 +37,25 @@ Every wait is bounded; a node that fails to start raises with its log attached.
 from __future__ import annotations
 
 import signal
-import socket
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import trio
+from libp2p.abc import IHost
+from libp2p.crypto.ed25519 import create_new_key_pair
+from libp2p.peer.id import ID
+from libp2p.peer.peerinfo import PeerInfo
+from multiaddr import Multiaddr
 
-from p2ptrain.errors import UserError
-from p2ptrain.identity import load_or_create_identity, peer_id_of
-from p2ptrain.net import control_ops
-from p2ptrain.net.control import ControlClient
+from p2ptrain.local_nodes import READY_TIMEOUT_S, NodeProcess, free_port
+from p2ptrain.logs import short_id
+from p2ptrain.net.host import make_host
 from p2ptrain.node import Node
 from p2ptrain.wire.messages import (
     CoordinatorBeat,
@@ -65,9 +74,6 @@ if TYPE_CHECKING:  # the runtime imports torch: only local_peers' users pay for 
     from p2ptrain.runtime.tasks import TaskOptions
 
 T = TypeVar("T")
-
-# Generous: a node process imports libp2p and torch, which takes tens of seconds on a loaded 2-core box.
-READY_TIMEOUT_S = 120.0
 
 
 @asynccontextmanager
@@ -97,97 +103,6 @@ async def local_mesh(
                 node.stop()
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (the kernel's pick)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class NodeProcess:
-    """One ``p2ptrain node start`` child process and its control client."""
-
-    def __init__(self, home: Path, port: int, bootstrap: Sequence[str] = (), extra_args: Sequence[str] = ()) -> None:
-        self.home = Path(home)
-        self.port = port
-        self.peer_id = peer_id_of(load_or_create_identity(self.home)).to_base58()
-        self.addr = f"/ip4/127.0.0.1/tcp/{port}/p2p/{self.peer_id}"
-        self.bootstrap = list(bootstrap)
-        self.extra_args = list(extra_args)
-        self.client = ControlClient(self.home, timeout=10.0)
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.started_at = 0.0
-
-    def start(self) -> NodeProcess:
-        cmd = [sys.executable, "-m", "p2ptrain.cli.main", "node", "start", "--home", str(self.home)]
-        cmd += ["--listen", f"/ip4/127.0.0.1/tcp/{self.port}", *self.extra_args]
-        if self.bootstrap:
-            cmd += ["--bootstrap", *self.bootstrap]
-        self.log = open(self.home / "logs" / "stderr.log", "ab")  # noqa: SIM115 (closed in wait)
-        self.started_at = time.monotonic()
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
-        return self
-
-    def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> None:
-        """Block until the node's control socket answers (bounded)."""
-        assert self.proc is not None
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"node {self.home} exited with {self.proc.returncode}:\n{self.read_log()}")
-            try:
-                if self.client.call(control_ops.PING)["started"]:
-                    return
-            except (UserError, OSError):
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"node {self.home} not ready in {timeout} s:\n{self.read_log()}")
-            time.sleep(0.02)
-
-    def status(self) -> dict[str, Any]:
-        return self.client.call(control_ops.STATUS)
-
-    def _log_text(self) -> str:
-        try:
-            return (self.home / "logs" / "stderr.log").read_text(errors="replace")
-        except OSError:
-            return ""
-
-    def read_log(self) -> str:
-        return self._log_text()[-4000:]
-
-    def events(self, lines: int = 60) -> str:
-        """The last ``lines`` lines of the node's log without its per-round progress lines: what a
-        failed multi-node test needs to show (elections, plans, failures), which thousands of
-        round lines would otherwise push out of view."""
-        kept = [line for line in self._log_text().splitlines() if " done with " not in line]
-        return "\n".join(kept[-lines:])
-
-    def terminate(self, timeout: float = 20.0) -> int:
-        """SIGTERM, then wait (bounded); SIGKILL if it does not stop. Returns the exit code."""
-        if self.proc is None:
-            return 0
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            raise
-
-    def kill(self) -> None:
-        """SIGKILL: the node gets no chance to say goodbye (a crash, as far as peers can tell)."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
-
-    def wait(self, timeout: float) -> int:
-        assert self.proc is not None
-        code = self.proc.wait(timeout)
-        self.log.close()
-        return code
-
-
 @contextmanager
 def node_processes(n: int, base: Path, *, extra_args: Sequence[str] = (), ready_timeout: float = READY_TIMEOUT_S) -> Iterator[list[NodeProcess]]:
     """N node processes on loopback, each bootstrapping from all the others, started at once."""
@@ -208,7 +123,7 @@ def node_processes(n: int, base: Path, *, extra_args: Sequence[str] = (), ready_
     except BaseException:
         # pytest shows what a failed test wrote to stderr: each node's story, not just an assert.
         for p in procs:
-            sys.stderr.write(f"--- {p.home.name} ({p.peer_id[-8:]}): its last events ---\n{p.events()}\n")
+            sys.stderr.write(f"--- {p.home.name} ({short_id(p.peer_id)}): its last events ---\n{p.events()}\n")
         raise
     finally:
         for p in procs:
@@ -438,8 +353,8 @@ class LocalPeers(Sequence["Peer"]):
                 lines.append(f"peer{i} {peer.node.short_id}{stopped}: no task")
             for task_cid, run in runs:
                 status = run.status()
-                status["coordinator"] = (status["coordinator"] or "-")[-8:]
-                status["members"] = [m[-8:] for m in status["members"]]
+                status["coordinator"] = short_id(status["coordinator"]) if status["coordinator"] else "-"
+                status["members"] = [short_id(m) for m in status["members"]]
                 shown = ", ".join(f"{k}={status.get(k)}" for k in keys)
                 lines.append(f"peer{i} {peer.node.short_id}{stopped} task {task_cid[:12]}: {shown}")
         return "--- local peers ---\n" + "\n".join(lines) + "\n"
@@ -524,3 +439,82 @@ async def publish_digits_task(
         return cid
 
     return await trio.to_thread.run_sync(build)
+# -- N connected libp2p hosts ------------------------------------------------------------------
+# Bare hosts (no Node: no pubsub, membership or control socket) for tests of one protocol at a
+# time: channels, the collective, Bitswap. One copy instead of one per test file.
+
+LOOPBACK = "/ip4/127.0.0.1/tcp/0"
+# Bound on starting the hosts and on dialing every pair: each dial is a TCP connect plus a Noise
+# handshake on loopback (milliseconds); 30 s leaves room for a loaded 2-core CI box.
+CONNECT_TIMEOUT_S = 30.0
+
+
+@dataclass
+class LocalHost:
+    """One running libp2p host of :func:`connected_hosts`, and the scope that runs it."""
+
+    host: IHost
+    scope: trio.CancelScope
+    _nursery: trio.Nursery
+
+    @property
+    def id(self) -> ID:
+        return self.host.get_id()
+
+    @property
+    def info(self) -> PeerInfo:
+        """What another host dials to reach this one."""
+        return PeerInfo(self.host.get_id(), self.host.get_addrs())
+
+    async def start(self, service: Callable[..., Awaitable[Any]], *args: Any) -> Any:
+        """Run ``service`` (``nursery.start`` style) for as long as this host runs."""
+        return await self._nursery.start(service, *args)
+
+    def kill(self) -> None:
+        """Stop the host and its services: its connections close as if its process had died."""
+        self.scope.cancel()
+
+
+async def connect(a: IHost, b: IHost, timeout: float = CONNECT_TIMEOUT_S) -> None:
+    """``a`` dials ``b`` (both running), bounded by ``timeout``."""
+    with trio.fail_after(timeout):
+        await a.connect(PeerInfo(b.get_id(), b.get_addrs()))
+
+
+def new_host() -> IHost:
+    """A host as a node makes it (:func:`p2ptrain.net.host.make_host`), fresh key, loopback."""
+    return make_host(create_new_key_pair(), [LOOPBACK])
+
+
+async def _run_host(host: IHost, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+    with trio.CancelScope() as scope:
+        async with host.run(listen_addrs=[Multiaddr(LOOPBACK)]), trio.open_nursery() as services:
+            task_status.started(LocalHost(host, scope, services))
+            await trio.sleep_forever()
+
+
+@asynccontextmanager
+async def connected_hosts(
+    n: int, *, connected: bool = True, make: Callable[[], IHost] = new_host, timeout: float = CONNECT_TIMEOUT_S,
+) -> AsyncIterator[list[LocalHost]]:
+    """``n`` running libp2p hosts on 127.0.0.1, every pair connected (unless ``connected=False``).
+
+    Starting and dialing are bounded by ``timeout``; the hosts stop when the block ends. A host's
+    ``kill()`` stops it alone, mid-test, as a crash would::
+
+        async with connected_hosts(3) as peers:
+            serve_channels(peers[1].host, PROTO, handler)
+            async with await open_channel(peers[0].host, peers[1].id, PROTO) as channel:
+                await channel.send(b"hello")
+            peers[2].kill()
+    """
+    async with trio.open_nursery() as nursery:
+        with trio.fail_after(timeout):
+            peers: list[LocalHost] = [await nursery.start(_run_host, make()) for _ in range(n)]
+            if connected:
+                async with trio.open_nursery() as dials:
+                    for i, a in enumerate(peers):
+                        for b in peers[i + 1:]:
+                            dials.start_soon(a.host.connect, b.info)
+        yield peers
+        nursery.cancel_scope.cancel()

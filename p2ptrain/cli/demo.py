@@ -22,9 +22,9 @@ from typing import Any
 
 from p2ptrain.errors import UserError
 from p2ptrain.net import control_ops
+from p2ptrain.training.demo import TASK_TEMPLATE
 
 MESH_TIMEOUT_S = 60.0
-NODE_ARGS = ["--accept-tasks", "--device", "cpu", "--threads", "1"]
 POLL_S = 0.5
 
 
@@ -43,49 +43,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     demo.set_defaults(func=cmd_demo)
 
 
-TASK_TEMPLATE = """\
-name = "demo-digits-mlp"
-seed = 0
-
-[model]
-name = "mlp"
-kwargs = {{ in_features = 64, hidden = [64], out_features = 10 }}
-
-[dataset]
-manifest = "{manifest}"
-
-[optimizer]
-name = "adam"
-lr = 0.02
-
-[schedule]
-name = "cosine"
-warmup_steps = 10
-min_lr_ratio = 0.1
-
-[training]
-batch_size = 32
-total_steps = {steps}
-checkpoint_interval = {checkpoint}
-
-[compression]
-density = {density}
-error_feedback = true
-
-[peers]
-min = 2
-max = {peers}
-"""
-
-
 class Cluster:
-    """N ``p2ptrain node start`` processes on loopback (:class:`p2ptrain.testing.NodeProcess`), each
+    """N ``p2ptrain node start`` processes on loopback (:class:`p2ptrain.local_nodes.NodeProcess`), each
     with its own home; all bootstrap from the first."""
 
     def __init__(self, workdir: Path, n: int) -> None:
         self.workdir = workdir
         self.homes = [workdir / f"peer{i + 1}" for i in range(n)]
-        self.procs: list[Any] = []
+        self.procs: list[Any] = []  # local_nodes.NodeProcess
 
     def call(self, home: Path, op: str, **params: Any) -> dict[str, Any]:
         from p2ptrain.net.control import ControlClient
@@ -94,7 +59,7 @@ class Cluster:
 
     def start(self, ready_timeout: float) -> list[str]:
         """Start every peer; return once each sees all the others. Returns the first peer's address."""
-        from p2ptrain.testing import NodeProcess, free_port
+        from p2ptrain.local_nodes import NODE_ARGS, NodeProcess, free_port
 
         for home in self.homes:
             (home / "logs").mkdir(parents=True, exist_ok=True, mode=0o700)

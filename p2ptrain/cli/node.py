@@ -121,6 +121,7 @@ def cmd_start(args: argparse.Namespace) -> int:
     use_one_arena()  # before any thread allocates (see p2ptrain/malloc.py)
     import trio
 
+    from p2ptrain.logs import short_id
     from p2ptrain.node import Node
     from p2ptrain.runtime.peer import make_peer
     from p2ptrain.runtime.tasks import TaskOptions
@@ -154,7 +155,7 @@ def cmd_start(args: argparse.Namespace) -> int:
     async def _stop_on_signal(node: Node) -> None:
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             async for signum in signals:
-                logging.getLogger(__name__).info("node %s got %s: stopping", node.short_id, signal.Signals(signum).name)
+                logging.getLogger(__name__).info("node %s got %s: stopping", short_id(node.peer_id), signal.Signals(signum).name)
                 node.stop()
 
     trio.run(main)

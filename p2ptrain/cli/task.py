@@ -13,6 +13,7 @@ from typing import Any
 
 from p2ptrain.cli.ipfs import cid_arg
 from p2ptrain.errors import UserError
+from p2ptrain.logs import short_id
 from p2ptrain.net import control_ops
 
 HOME_HELP = "home of the running node to use (default: $P2PTRAIN_HOME or ~/.p2ptrain)"
@@ -94,10 +95,10 @@ def render_status(s: dict[str, Any]) -> str:
         f"task       {s['name']} ({s['task_cid']})",
         f"state      {s['state']}" + (f" ({s['error']})" if s.get("error") else ""),
         f"progress   round {s.get('round')}, step {s.get('step')}/{s.get('total_steps')}",
-        f"members    {len(s.get('members') or [])}: " + ", ".join(m[-8:] for m in s.get("members") or []),
+        f"members    {len(s.get('members') or [])}: " + ", ".join(short_id(m) for m in s.get("members") or []),
     ]
     if s.get("member"):
-        lines.append(f"coordinator {(s.get('coordinator') or '-')[-8:]} (term {s.get('term')})")
+        lines.append(f"coordinator {short_id(s.get('coordinator') or '-')} (term {s.get('term')})")
         lines.append(f"loss       {s.get('loss')}, accuracy {acc if acc is None else f'{acc:.3f}'}")
         lines.append(f"sent       {s.get('bytes_sent', 0)} bytes over {s.get('rounds_done', 0)} rounds")
     lines.append(f"model      v{s.get('version', 0)} {s.get('latest_model_cid') or '-'}")

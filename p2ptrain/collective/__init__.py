@@ -4,7 +4,6 @@ The trainer's surface: :class:`Collective` (one per host) for plain all-reduce r
 :class:`SparseAllReducer` (one per model) for top-k gradient averaging with error feedback.
 """
 
-from p2ptrain.collective.buckets import Buckets
 from p2ptrain.collective.endpoint import Collective, RoundStats
 from p2ptrain.collective.errors import BadPayload, CollectiveError, PeerFailed
 from p2ptrain.collective.feedback import ErrorFeedback
@@ -14,7 +13,6 @@ from p2ptrain.wire.frames import PROTOCOL
 __all__ = [
     "PROTOCOL",
     "BadPayload",
-    "Buckets",
     "Collective",
     "CollectiveError",
     "ErrorFeedback",

@@ -11,7 +11,7 @@ from contextlib import contextmanager
 
 from libp2p.peer.id import ID
 
-from p2ptrain.net.streams import short_id
+from p2ptrain.logs import short_id
 
 
 class CollectiveError(Exception):

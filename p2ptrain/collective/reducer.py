@@ -4,12 +4,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
-
 import torch
 from libp2p.peer.id import ID
 
-from p2ptrain.collective.buckets import Buckets
 from p2ptrain.collective.endpoint import Collective
 from p2ptrain.collective.feedback import ErrorFeedback
 from p2ptrain.collective.ring import FLOAT_DTYPES
@@ -20,7 +17,7 @@ logger = logging.getLogger(__name__)
 
 
 class SparseAllReducer:
-    """Averages a peer's gradients with the ring, sending the top ``density`` share per bucket.
+    """Averages a peer's flat gradient with the ring, sending its top ``density`` share.
 
     Each call is one all-reduce round (sliced CLT-k: each member picks the indices of its slice). What was not
     sent stays in this object's residual and is added next step. If a round fails
@@ -53,30 +50,27 @@ class SparseAllReducer:
         self.clip_norm = clip_norm
         self.robust = robust
         self.feedback: ErrorFeedback | None = None
-        self._sizes: list[int] | None = None
-        self._buckets: Buckets | None = None
         self.last_indices: torch.Tensor | None = None  # sent in the last round (None: all)
         self._workspace = Workspace()
-        self._flat: torch.Tensor | None = None
-        self._update: torch.Tensor | None = None
 
     async def allreduce(
-        self, grad: torch.Tensor, ring: list[ID], round_id: int, *, bucket_sizes: list[int] | None = None,
+        self, grad: torch.Tensor, ring: list[ID], round_id: int, *,
         out: torch.Tensor | None = None, timeout: float = 5.0, start_timeout: float | None = None,
     ) -> torch.Tensor:
         """The ring's average of the members' (compressed) flat float32 gradients.
 
-        Written into ``out`` when given (saves allocating a full-size tensor every step; it is
-        overwritten even if the round fails), else into a new tensor.
+        Top-k is taken over the whole vector, one bucket (what training has always run: the node
+        passes the model's flat gradient). Written into ``out`` when given (saves allocating a
+        full-size tensor every step; it is overwritten even if the round fails), else into a new
+        tensor.
         """
         if grad.dim() != 1:
             raise ValueError("grad must be flat (1-D)")
-        sizes = bucket_sizes or [grad.numel()]
+        sizes = [grad.numel()]
         if self.feedback is None:
             self.feedback = ErrorFeedback(grad.numel(), momentum=self.momentum, clip_norm=self.clip_norm)
-            self._sizes = list(sizes)
-        elif sizes != self._sizes:
-            raise ValueError("bucket layout changed between steps")
+        elif grad.numel() != self.feedback.residual.numel():
+            raise ValueError("a SparseAllReducer serves one model: the gradient's size changed between steps")
         started = time.perf_counter()
         feedback = self.feedback
         pending = feedback.prepare(grad)
@@ -114,23 +108,3 @@ class SparseAllReducer:
         logger.debug("round %d: committed (%.1f ms)", round_id, (time.perf_counter() - started) * 1e3)
         result.index_copy_(0, indices, values.to(torch.float32))
         return result
-
-    async def allreduce_grads(
-        self, params: Iterable[torch.nn.Parameter], ring: list[ID], round_id: int, *,
-        timeout: float = 5.0, start_timeout: float | None = None,
-    ) -> None:
-        """Replace every parameter's ``.grad`` by the ring's averaged sparse update."""
-        params = list(params)
-        if self._buckets is None:
-            self._buckets = Buckets(params)
-        elif [id(p) for p in self._buckets.params] != [id(p) for p in params if p.requires_grad]:
-            raise ValueError("a SparseAllReducer serves one model; make another for that one")
-        if self._update is None:
-            self._flat = torch.empty(self._buckets.numel, dtype=torch.float32)
-            self._update = torch.empty(self._buckets.numel, dtype=torch.float32)
-        flat = self._buckets.flatten_grads(out=self._flat)
-        update = await self.allreduce(
-            flat, ring, round_id, bucket_sizes=self._buckets.sizes, out=self._update, timeout=timeout,
-            start_timeout=start_timeout,
-        )
-        self._buckets.write_grads(update)

@@ -42,15 +42,14 @@ from libp2p.abc import IHost
 from libp2p.peer.id import ID
 
 from p2ptrain.collective.errors import BadPayload, CollectiveError, PeerFailed, single_failure
+from p2ptrain.logs import count_rejection, short_id
 from p2ptrain.net.streams import (
     Channel,
     ChannelError,
     MessageTooLarge,
     StreamGuard,
-    count_rejection,
     open_channel,
     serve_channels,
-    short_id,
 )
 from p2ptrain.tensors import all_finite
 from p2ptrain.wire.frames import (
@@ -71,9 +70,15 @@ from p2ptrain.wire.frames import (
 
 logger = logging.getLogger(__name__)
 
-# How long a member that lost a neighbour's channel waits for the abort notice that may explain it.
-_GRACE_S = 0.5
+# How long a member that lost a neighbour's channel waits for the abort notice that may explain it
+# (see _wait_for_abort_notice). A deadline, not a sleep: the notice ends the wait when it comes.
+# 0.5 s: a notice travels on a stream of its own (a yamux stream open and protocol negotiation on
+# an open connection, milliseconds on a LAN, tens of ms on a loaded 2-core box), sent as soon as
+# its sender sees the failure; waiting longer only delays the blame when no notice is coming.
+_ABORT_NOTICE_WAIT_S = 0.5
 _ABORT_SEND_S = 2.0
+# Bound on telling a dialer whose round digest differs from ours (it may not be reading).
+_MISMATCH_NOTICE_S = 1.0
 # The notice to the culprit itself is bounded tighter: it is often dead, and a dial to a vanished
 # machine hangs where a live one answers in milliseconds.
 _CULPRIT_NOTICE_S = 0.5
@@ -103,6 +108,17 @@ _IDLE_S = 120.0
 _REUSE_S = _IDLE_S - 20.0
 # Idle channels kept per peer and direction (concurrent rounds with one peer open more).
 _IDLE_PER_PEER = 2
+
+
+async def _wait_for_abort_notice() -> None:
+    """After a channel of a round broke: give the abort notice that may explain it (naming the
+    real culprit) up to ``_ABORT_NOTICE_WAIT_S`` to arrive, before the caller blames the peer.
+
+    Always called inside the round's cancel scope, which the notice cancels on arrival
+    (:meth:`RoundHub._on_abort`): the notice itself ends this wait, and ``open_round`` then raises
+    it. Returning means no notice came in time.
+    """
+    await trio.sleep(_ABORT_NOTICE_WAIT_S)
 
 
 @dataclass
@@ -158,7 +174,7 @@ class RoundLinks:
                 peer, f"did not accept round {self.round_id} data within {self.timeout:g} s"
             ) from None
         except ChannelError as error:
-            await trio.sleep(_GRACE_S)  # an abort notice naming the real culprit may be on its way
+            await _wait_for_abort_notice()
             raise PeerFailed(peer, f"channel broke while sending: {error}", gone=True) from error
         self.bytes_sent += len(frame) + 8  # the channel's length prefix
 
@@ -211,7 +227,7 @@ class RoundLinks:
         except MessageTooLarge as error:
             raise BadPayload(peer, f"sent an oversized frame: {error}") from None
         except ChannelError as error:
-            await trio.sleep(_GRACE_S)
+            await _wait_for_abort_notice()
             raise PeerFailed(peer, f"channel broke while receiving: {error}", gone=True) from error
         try:
             header = parse_header(frame)
@@ -317,7 +333,7 @@ class RoundHub:
                                 "collective: %s from %s as a channel's first frame", header, short_id(peer))
                 return
             if not await self._park(header.round_id, peer, channel, frame[HEADER.size :]):
-                await channel._abort()  # possibly mid-message: the sender must not reuse it
+                await channel.reset()  # possibly mid-message: the sender must not reuse it
                 return
             idle = True
 
@@ -466,7 +482,7 @@ class RoundHub:
         arrival = self._inbox.pop(key)
         arrival.claimed.set()
         if arrival.digest != digest:
-            with trio.move_on_after(1):
+            with trio.move_on_after(_MISMATCH_NOTICE_S):
                 # Naming ourselves: the dialer cannot tell which side's parameters are stale either.
                 await arrival.channel.send(abort_frame(round_id, self.me, "round parameters differ"))
             arrival.released.set()
@@ -496,12 +512,12 @@ class RoundHub:
                             continue
                         break
                     except ChannelError as error:
-                        await channel._abort()
+                        await channel.reset()
                         if not reused:
                             raise
                         logger.debug("collective: idle channel to %s was gone: %s", short_id(right), error)
                     except BaseException:
-                        await channel._abort()
+                        await channel.reset()
                         raise
         except trio.TooSlowError:
             raise PeerFailed(right, f"did not join round {round_id} within {timeout:g} s") from None
@@ -509,7 +525,7 @@ class RoundHub:
             # Also what a member sees when the peer took our HELLO and then its round failed for
             # another reason: the reset of this stream outruns the notice, which needs a stream
             # of its own. Give the notice time to arrive before blaming the peer.
-            await trio.sleep(_GRACE_S)
+            await _wait_for_abort_notice()
             raise PeerFailed(right, f"cannot reach it: {error}", gone=True) from error
         try:
             header = parse_header(frame)
@@ -521,10 +537,10 @@ class RoundHub:
             if header.kind != Kind.READY or header.round_id != round_id:
                 raise ValueError(f"expected READY for round {round_id}, got {header}")
         except ValueError as error:
-            await channel._abort()
+            await channel.reset()
             raise BadPayload(right, str(error)) from None
         except PeerFailed:
-            await channel._abort()
+            await channel.reset()
             raise
         return channel
 
@@ -610,7 +626,7 @@ class RoundHub:
                         except ChannelError as error:
                             # A channel parked before we joined, which its sender has since reset:
                             # its round failed there, and the notice saying why may be on its way.
-                            await trio.sleep(_GRACE_S)
+                            await _wait_for_abort_notice()
                             raise PeerFailed(
                                 peer, f"its channel broke before the round began: {error}", gone=True
                             ) from error
@@ -655,7 +671,7 @@ class RoundHub:
                 if reusable:
                     await self._release(peer, channel)
                 else:
-                    await channel._abort()
+                    await channel.reset()
             for arrival in arrivals.values():
                 arrival.reusable = reusable
                 arrival.released.set()

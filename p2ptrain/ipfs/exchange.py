@@ -55,7 +55,8 @@ from p2ptrain.ipfs.bitswap_wire import (
 from p2ptrain.ipfs.cid import CID, DAG_PB, cid_str, parse_cid
 from p2ptrain.ipfs.dagpb import DecodeError, decode_node
 from p2ptrain.ipfs.unixfs import MAX_DEPTH
-from p2ptrain.net.streams import StreamGuard, count_rejection, short_id
+from p2ptrain.logs import count_rejection, short_id
+from p2ptrain.net.streams import StreamGuard
 
 __all__ = ["BlockExchange", "BlockSource", "FetchError", "FetchStats", "open_exchange"]
 

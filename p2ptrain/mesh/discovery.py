@@ -41,9 +41,9 @@ from libp2p.pubsub.pubsub import Pubsub
 from multiaddr import Multiaddr
 
 from p2ptrain.errors import UserError
+from p2ptrain.logs import short_id
 from p2ptrain.mesh.membership import MemberEvent, Membership
 from p2ptrain.wire.topics import MESH_TOPIC
-from p2ptrain.mesh.router import short
 from p2ptrain.net.service import running_service
 
 logger = logging.getLogger(__name__)
@@ -60,6 +60,9 @@ MAX_DIAL_ADDRS_PER_PEER = 4
 MAX_CONCURRENT_DIALS = 8
 # Peers we keep connected at once (one redial task each): far above any cluster we run.
 MAX_KEPT_PEERS = 256
+# How often a kept peer's connection and keep-condition (``while_``, e.g. "membership still counts
+# it alive", which has no event of its own here) are checked again: a lost connection is redialed
+# within half a second, well inside the 5 heartbeats (5 s) after which membership calls it gone.
 CONNECTED_POLL_S = 0.5
 # Of two peers that learn of each other from heartbeats, the one with the larger ID waits this long
 # before dialing, so the pair usually ends up with one connection, not two.
@@ -186,11 +189,11 @@ class Discovery:
                     self.dials += 1
                     with trio.fail_after(DIAL_TIMEOUT_S):
                         await network.dial_addr(addr, peer_id)  # type: ignore[attr-defined]
-                logger.debug("connected to %s at %s", short(peer_id), addr)
+                logger.debug("connected to %s at %s", short_id(peer_id), addr)
                 return True
             except (Exception, trio.TooSlowError) as exc:  # every dial failure is the remote's
                 self.dial_failures += 1
-                logger.debug("dial %s at %s failed: %s", short(peer_id), addr, exc)
+                logger.debug("dial %s at %s failed: %s", short_id(peer_id), addr, exc)
         return self.connected(peer_id)
 
     def keep_connected(self, peer_id: ID, addrs: list[Multiaddr], while_: Callable[[], bool]) -> None:
@@ -199,10 +202,10 @@ class Discovery:
             return
         if len(self._keeping) >= MAX_KEPT_PEERS and not self._is_bootstrap(peer_id):
             self.not_kept += 1
-            logger.debug("not dialing %s: already keeping %d peers", short(peer_id), MAX_KEPT_PEERS)
+            logger.debug("not dialing %s: already keeping %d peers", short_id(peer_id), MAX_KEPT_PEERS)
             return
         self._keeping.add(peer_id)
-        self._nursery.start_soon(self._keep, peer_id, addrs, while_, name=f"keep:{short(peer_id)}")
+        self._nursery.start_soon(self._keep, peer_id, addrs, while_, name=f"keep:{short_id(peer_id)}")
 
     def _is_bootstrap(self, peer_id: ID) -> bool:
         return any(info.peer_id == peer_id for info in self.bootstrap)
@@ -215,7 +218,7 @@ class Discovery:
                     delay, reached = REDIAL_MIN_S, True
                     await trio.sleep(CONNECTED_POLL_S)
                 else:
-                    logger.debug("%s unreachable; redial in %.2f s", short(peer_id), delay)
+                    logger.debug("%s unreachable; redial in %.2f s", short_id(peer_id), delay)
                     await trio.sleep(delay * random.uniform(0.8, 1.2))
                     delay = min(delay * 2, REDIAL_MAX_S if reached or self._is_bootstrap(peer_id) else REDIAL_MAX_UNREACHED_S)
         finally:
@@ -258,7 +261,7 @@ class Discovery:
             try:
                 await self.dht.add_peer(peer_id)
             except Exception as exc:
-                logger.debug("could not add %s to the DHT routing table: %s", short(peer_id), exc)
+                logger.debug("could not add %s to the DHT routing table: %s", short_id(peer_id), exc)
 
     async def _follow_heartbeats(self) -> None:
         async with self.membership.events() as events:
@@ -309,7 +312,7 @@ class Discovery:
                         continue
                     addrs = self.host.get_peerstore().addrs(peer_id)
                     if addrs:
-                        logger.debug("DHT revealed %s", short(peer_id))
+                        logger.debug("DHT revealed %s", short_id(peer_id))
                         self.keep_connected(peer_id, list(addrs), lambda p=peer_id: self._known_alive(p))
 
     def _known_alive(self, peer_id: ID) -> bool:
@@ -348,7 +351,7 @@ class Discovery:
         try:
             async with receive:
                 async for info in receive:
-                    logger.info("mDNS found %s", short(info.peer_id))
+                    logger.info("mDNS found %s", short_id(info.peer_id))
                     self.keep_connected(info.peer_id, list(info.addrs), lambda p=info.peer_id: self._known_alive(p))
         finally:
             peerDiscovery.unregister_peer_discovered_handler(found)

@@ -31,9 +31,9 @@ from typing import Any, Literal
 import trio
 from libp2p.peer.id import ID
 
+from p2ptrain.logs import count_rejection, short_id
 from p2ptrain.mesh import capabilities as caps_probe
-from p2ptrain.mesh.router import MessageRouter, short
-from p2ptrain.net.streams import count_rejection
+from p2ptrain.mesh.router import MessageRouter
 from p2ptrain.wire import Signed
 from p2ptrain.wire.messages import Capabilities, Goodbye, Heartbeat
 from p2ptrain.wire.topics import MESH_TOPIC
@@ -57,6 +57,8 @@ GONE_TTL_S = 600.0
 # Joins and departures are logged at INFO while the view holds at most this many peers, at DEBUG
 # beyond: 9,000 throwaway identities wrote 9,000 "joined" lines (and as many "left").
 LOG_PEERS_AT_INFO = 64
+# The GPU probe imports torch (seconds of GIL) this long after start, once the mesh has formed:
+# no event says "formed" for a node alone or still discovering, and 2 s covers a LAN join.
 TORCH_PROBE_DELAY_S = 2.0
 
 Publish = Callable[[str, Any], Awaitable[None]]
@@ -197,7 +199,7 @@ class Membership:
                 last_seen=now,
                 last_seen_wall=time.time(),
             )
-            logger.log(self._peer_log_level(), "peer %s joined (%s, %d addrs)", short(signed.sender), hb.caps.device,
+            logger.log(self._peer_log_level(), "peer %s joined (%s, %d addrs)", short_id(signed.sender), hb.caps.device,
                        len(hb.addrs))
             self._emit(MemberEvent("join", signed.sender))
             self.poke()  # let the newcomer hear from us now rather than in up to one interval
@@ -231,7 +233,7 @@ class Membership:
             return
         record.alive, record.left_reason = False, reason
         record.left_at = trio.current_time()
-        logger.log(self._peer_log_level(), "peer %s left (%s)", short(peer_id), reason)
+        logger.log(self._peer_log_level(), "peer %s left (%s)", short_id(peer_id), reason)
         self._emit(MemberEvent("leave", peer_id, reason))
 
     # -- sending -------------------------------------------------------------------------------

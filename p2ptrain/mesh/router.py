@@ -21,6 +21,7 @@ from libp2p.peer.id import ID
 from libp2p.pubsub.pb import rpc_pb2
 from libp2p.pubsub.pubsub import Pubsub
 
+from p2ptrain.logs import short_id
 from p2ptrain.wire import DecodeError, ReplayGuard, Signed, decode
 from p2ptrain.wire.messages import MESSAGES, MessageRegistry
 
@@ -29,11 +30,6 @@ logger = logging.getLogger(__name__)
 M = TypeVar("M")
 Handler = Callable[[Signed[Any], str], Awaitable[None] | None]
 
-
-def short(peer_id: ID | str) -> str:
-    """The short form of a peer ID used in logs: its last 8 characters."""
-    text = peer_id.to_base58() if isinstance(peer_id, ID) else str(peer_id)
-    return text[-8:]
 
 
 class MessageRouter:
@@ -95,7 +91,7 @@ class MessageRouter:
 
     def _drop(self, reason: str, topic: str, origin: ID, detail: object = "") -> None:
         self.dropped[reason] += 1
-        logger.debug("dropped message on %s from %s: %s %s", topic, short(origin), reason, detail)
+        logger.debug("dropped message on %s from %s: %s %s", topic, short_id(origin), reason, detail)
 
     async def _deliver(self, topic: str, raw: rpc_pb2.Message) -> None:
         """The one boundary of every pubsub message: whatever goes wrong in checking it or in a
@@ -109,7 +105,7 @@ class MessageRouter:
         except Exception:
             # A decoder bug is still the input's fault as far as the node is concerned.
             self.dropped["decoder-error"] += 1
-            logger.exception("checking a message on %s from %s failed unexpectedly", topic, short(origin))
+            logger.exception("checking a message on %s from %s failed unexpectedly", topic, short_id(origin))
             return
         if signed is None:
             return
@@ -124,7 +120,7 @@ class MessageRouter:
                 # A message from the network must not take the node down through a handler's bug.
                 self.dropped["handler-error"] += 1
                 logger.exception(
-                    "handler %r failed on %s from %s", handler, type(signed.msg).TYPE, short(origin)
+                    "handler %r failed on %s from %s", handler, type(signed.msg).TYPE, short_id(origin)
                 )
 
     def _check(self, topic: str, raw: rpc_pb2.Message, origin: ID) -> Signed[Any] | None:
@@ -135,7 +131,7 @@ class MessageRouter:
             self._drop(exc.reason, topic, origin, exc)
             return None
         if signed.sender != origin:
-            self._drop("sender-mismatch", topic, origin, f"wire sender {short(signed.sender)}")
+            self._drop("sender-mismatch", topic, origin, f"wire sender {short_id(signed.sender)}")
             return None
         if not self._replay.accept(signed.sender, signed.seq):
             self._drop("replayed", topic, origin, f"seq {signed.seq}")

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 import struct
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Sequence
 from typing import Any
 
@@ -61,6 +61,7 @@ from libp2p.stream_muxer.yamux.yamux import (
     YamuxStream,
 )
 
+from p2ptrain.logs import count_rejection
 from p2ptrain.net.noise import NoiseSession
 
 logger = logging.getLogger(__name__)
@@ -302,7 +303,8 @@ class FastYamux(Yamux):
         self._body_left = 0
         self._body_stream: FastYamuxStream | None = None
         self._body_flags = 0
-        self.refused_streams = 0  # inbound streams refused over MAX_INBOUND_STREAMS
+        # Inbound streams refused, by reason (over_inbound_streams: beyond MAX_INBOUND_STREAMS).
+        self.refused: Counter[str] = Counter()
 
     # -- writing -------------------------------------------------------------------------------
 
@@ -519,11 +521,9 @@ class FastYamux(Yamux):
                 return None
             inbound = sum(1 for stream in self.streams.values() if not stream.is_initiator)
             if inbound >= MAX_INBOUND_STREAMS:
-                self.refused_streams += 1
-                n = self.refused_streams
-                if n & (n - 1) == 0:  # the 1st, 2nd, 4th, …: a flood must not flood the log
-                    logger.info("%s has %d inbound streams open; refused stream %d [%d so far]",
-                                self.peer_id, inbound, stream_id, n)
+                count_rejection(self.refused, "over_inbound_streams", logger, logging.INFO,
+                                "%s has %d inbound streams open; refused stream %d",
+                                self.peer_id, inbound, stream_id)
                 self.send_control(TYPE_WINDOW_UPDATE, FLAG_RST, stream_id, 0)
                 return None
             stream = self._register(stream_id, False)

@@ -40,7 +40,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -98,9 +98,20 @@ class _DeepQueues(dict[ID, RpcQueue]):
     place to change that without copying the setup code.
     """
 
+    def __init__(self, on_removed: Callable[[], None]) -> None:
+        super().__init__()
+        self._on_removed = on_removed
+
     def __setitem__(self, peer_id: ID, queue: RpcQueue) -> None:
         queue._queue.max_size = OUTBOUND_QUEUE
         super().__setitem__(peer_id, queue)
+
+    def pop(self, *args: Any) -> Any:
+        """Pubsub drops a departed peer's queue here: what it held no longer counts as backlog."""
+        try:
+            return super().pop(*args)
+        finally:
+            self._on_removed()
 
 
 class _BoundedSubscription(TrioSubscriptionAPI):
@@ -140,7 +151,11 @@ class TrainingPubsub(Pubsub):
         # frame flood grew a node by 140 MB through that queue).
         self.max_message_bytes = max_message_bytes
         self.service_started = trio.Event()
-        self.peer_queues = _DeepQueues()
+        self.peer_queues = _DeepQueues(self._backlog_changed)
+        # Set (then replaced) whenever the outbound backlog shrinks: a peer's writer finished an
+        # RPC, or a peer's queue was dropped. What wait_for_backlog sleeps on instead of polling.
+        self._backlog_shrank = trio.Event()
+        self._writes_in_flight = 0
         # What pubsub drops before our router sees it, by reason (see the module docstring).
         self.dropped: Counter[str] = Counter()
         # Per peer reading from us: (tokens, trio time of the last refill); entries live while the
@@ -249,11 +264,29 @@ class TrainingPubsub(Pubsub):
         # verifies its Ed25519 signature each time, for addresses it already has (the record
         # went out with pubsub's hello and with identify; membership heartbeats carry them too).
         rpc_msg.ClearField("senderRecord")
-        return await super().write_msg(stream, rpc_msg)
+        # Pubsub's per-peer writer pops an RPC off the queue and calls this without a checkpoint
+        # in between, so an RPC is always either queued or counted here until it is written.
+        self._writes_in_flight += 1
+        try:
+            return await super().write_msg(stream, rpc_msg)
+        finally:
+            self._writes_in_flight -= 1
+            self._backlog_changed()
+
+    def _backlog_changed(self) -> None:
+        self._backlog_shrank.set()
+        self._backlog_shrank = trio.Event()
 
     def queue_backlog(self) -> int:
         """The longest outbound queue to any peer, in RPCs."""
         return max((len(q) for q in self.peer_queues.values()), default=0)
+
+    async def wait_for_backlog(self, below: int) -> None:
+        """Return once every peer's outbound queue holds fewer than ``below`` RPCs; with
+        ``below=1``, once every queued RPC has also been written to its stream. Woken by the
+        writers, not by polling; unbounded (a peer may stop reading), so bound it."""
+        while self.queue_backlog() >= below or (below <= 1 and self._writes_in_flight):
+            await self._backlog_shrank.wait()
 
     async def stream_handler(self, stream: INetStream) -> None:
         await self.service_started.wait()
@@ -350,6 +383,5 @@ async def publish_bytes(pubsub: Pubsub, topic: str, data: bytes, limit: int) -> 
         # Slow down rather than overflow a peer's queue; a peer that stopped reading entirely
         # must not stall us forever, so the wait is bounded.
         with trio.move_on_after(BACKPRESSURE_MAX_WAIT_S):
-            while pubsub.queue_backlog() >= BACKPRESSURE_AT:
-                await trio.sleep(0.005)
+            await pubsub.wait_for_backlog(below=BACKPRESSURE_AT)
     await pubsub.publish(topic, data)

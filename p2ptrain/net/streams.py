@@ -34,6 +34,7 @@ from libp2p.abc import IHost, INetStream
 from libp2p.custom_types import TProtocol
 from libp2p.peer.id import ID
 
+from p2ptrain.logs import count_rejection, short_id
 from p2ptrain.net.muxer import FastYamuxStream
 
 logger = logging.getLogger(__name__)
@@ -45,12 +46,6 @@ _CLOSE_TIMEOUT_S = 2.0
 # long-lived channels is far more than any of our protocols opens to one peer, while each
 # refused stream costs the attacker as much as us.
 MAX_STREAMS_PER_PEER = 32
-
-
-def short_id(peer_id: ID) -> str:
-    """The last characters of a peer ID, enough to tell peers apart in a log line."""
-    text = peer_id.to_base58()
-    return text[-8:]
 
 
 class ChannelError(Exception):
@@ -112,10 +107,10 @@ class Channel:
                 else:
                     await self._stream.write(_LENGTH.pack(len(view)) + view)
             except trio.Cancelled:
-                await self._abort()
+                await self.reset()
                 raise
             except Exception as error:
-                await self._abort()
+                await self.reset()
                 raise ChannelClosed(
                     self.remote_peer, f"send failed ({type(error).__name__}: {error})"
                 ) from error
@@ -133,7 +128,7 @@ class Channel:
                 (self._incoming,) = _LENGTH.unpack(await self._take(_LENGTH.size, "message header"))
             length = self._incoming
             if length > max_len:
-                await self._abort()
+                await self.reset()
                 raise MessageTooLarge(
                     self.remote_peer,
                     f"message of {length} bytes exceeds the limit of {max_len}; channel closed",
@@ -153,14 +148,14 @@ class Channel:
             except trio.Cancelled:
                 raise  # what arrived stays in self._pending for the next recv
             except Exception as error:
-                await self._abort()
+                await self.reset()
                 raise ChannelClosed(
                     self.remote_peer,
                     f"stream ended with {self._pending_len} of {n} bytes of a {what} "
                     f"({type(error).__name__})",
                 ) from error
             if not more:
-                await self._abort()
+                await self.reset()
                 raise ChannelClosed(
                     self.remote_peer,
                     f"stream ended with {self._pending_len} of {n} bytes of a {what}",
@@ -179,8 +174,10 @@ class Channel:
         chunk = await self._stream.read(n)
         return [chunk] if chunk else []
 
-    async def _abort(self) -> None:
-        """Reset the stream after an error; the peer sees a reset, not a clean end."""
+    async def reset(self) -> None:
+        """End the channel with a reset: the peer sees a reset, not a clean end, and its next
+        ``recv`` raises :class:`ChannelClosed`. For a channel that failed or may hold part of a
+        message in either direction, which must not be reused. Idempotent, shielded, bounded."""
         if self._closed:
             return
         self._closed = True
@@ -215,7 +212,7 @@ class Channel:
         if exc is None:
             await self.aclose()
         else:
-            await self._abort()
+            await self.reset()
 
 
 async def open_channel(host: IHost, peer_id: ID, protocol: str) -> Channel:
@@ -232,18 +229,6 @@ async def open_channel(host: IHost, peer_id: ID, protocol: str) -> Channel:
 
 
 StreamHandler = Callable[[INetStream], Awaitable[None]]
-
-
-def count_rejection(
-    counters: collections.Counter[str], reason: str, log: logging.Logger, level: int, message: str,
-    *args: object, exc_info: bool = False,
-) -> None:
-    """Count one rejection of remote input and log it, but only the 1st, 2nd, 4th, 8th, … of each
-    reason: a peer that floods us with bad input must not flood the log (and the disk) as well."""
-    counters[reason] += 1
-    n = counters[reason]
-    if n & (n - 1) == 0:
-        log.log(level, message + " [%s: %d so far]", *args, reason, n, exc_info=exc_info)
 
 
 class StreamGuard:
@@ -332,9 +317,9 @@ def serve_channels(
             await handler(channel)
         except ChannelError as error:
             logger.info("%s handler on %s ended: %s", protocol, channel, error)
-            await channel._abort()
+            await channel.reset()
         except BaseException:
-            await channel._abort()
+            await channel.reset()
             raise  # the guard counts and logs it
         else:
             await channel.aclose()

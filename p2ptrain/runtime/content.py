@@ -17,6 +17,7 @@ from p2ptrain.ipfs.cid import parse_cid
 from p2ptrain.ipfs.embedded import EmbeddedStore
 from p2ptrain.ipfs.exchange import BlockExchange, FetchError
 from p2ptrain.ipfs.store import ContentStore, ContentUnavailable, open_store
+from p2ptrain.logs import short_id
 from p2ptrain.net import control_ops
 from p2ptrain.node import Node
 
@@ -90,7 +91,7 @@ class ContentService:
             raise ContentUnavailable(cid, str(exc)) from None
         except trio.TooSlowError:
             raise ContentUnavailable(cid, f"fetch did not finish in {timeout:.0f} s") from None
-        logger.info("node %s fetched %s: %s", self.node.short_id, cid, stats)
+        logger.info("node %s fetched %s: %s", short_id(self.node.peer_id), cid, stats)
 
     async def _fetch_op(self, request: dict[str, Any]) -> dict[str, Any]:
         cid = str(request.get("cid", ""))

@@ -16,7 +16,7 @@ import math
 import trio
 from libp2p.peer.id import ID
 
-from p2ptrain.mesh.router import short
+from p2ptrain.logs import short_id
 from p2ptrain.runtime.attesting import Attesting
 from p2ptrain.runtime.resync import Resync
 from p2ptrain.runtime.run_state import RunState
@@ -57,7 +57,7 @@ class Leading:
         election = self.run.election
         self.resync.note_coordinator()
         if election.coordinator != before and election.coordinator is not None:
-            who = "this peer" if election.is_coordinator else short(election.coordinator)
+            who = "this peer" if election.is_coordinator else short_id(election.coordinator)
             logger.info("%s: coordinator of term %d is %s", self.run.log_prefix, election.term, who)
             if election.is_coordinator and self.run.book is not None:
                 self.run.book.note_elected(now)

@@ -18,7 +18,7 @@ import trio
 
 from p2ptrain.ipfs.store import ContentUnavailable
 from p2ptrain.ipfs.unixfs import DagError
-from p2ptrain.mesh.router import short
+from p2ptrain.logs import short_id
 from p2ptrain.atomic import write_atomic
 from p2ptrain.runtime.run_state import Nudge, RunState
 from p2ptrain.training.records import MAX_CHAIN_BYTES, Chain, RecordError
@@ -91,9 +91,9 @@ class Resync:
         if coordinator is not None:
             if sender == coordinator:
                 return None
-            return f"from {short(sender)}, not the coordinator {short(coordinator)} of term {run.election.term}"
+            return f"from {short_id(sender)}, not the coordinator {short_id(coordinator)} of term {run.election.term}"
         if run.book is not None and run.book.chain.version > 0:
-            return f"from {short(sender)} while no coordinator is known"
+            return f"from {short_id(sender)} while no coordinator is known"
         return None
 
     # -- catching up to a plan ---------------------------------------------------------------
@@ -211,8 +211,8 @@ class Resync:
         election = self.run.election
         known = self.coordinators.get(term)
         if known is not None and coordinator != known:
-            raise RecordError(f"model record v{version} of term {term} is signed by {short(coordinator)}, "
-                              f"the coordinator of that term was {short(known)}")
+            raise RecordError(f"model record v{version} of term {term} is signed by {short_id(coordinator)}, "
+                              f"the coordinator of that term was {short_id(known)}")
         if election.coordinator is not None and term > election.term:
             raise RecordError(f"model record v{version} is of term {term}, after the current term {election.term}")
 

@@ -20,8 +20,7 @@ import trio
 
 from p2ptrain.collective import Collective
 from p2ptrain.data.manifest import Manifest
-from p2ptrain.mesh.router import short
-from p2ptrain.net.streams import count_rejection
+from p2ptrain.logs import count_rejection, short_id
 from p2ptrain.node import Node
 from p2ptrain.runtime.content import ContentService
 from p2ptrain.training.attestations import Attestations
@@ -107,7 +106,7 @@ class RunState:
 
     @property
     def log_prefix(self) -> str:
-        return f"task {self.task.name} ({self.task_cid[:10]}) peer {short(self.node.peer_id)}"
+        return f"task {self.task.name} ({self.task_cid[:10]}) peer {short_id(self.node.peer_id)}"
 
     def require(self) -> tuple[Trainer, RoundBook]:
         """The trainer and the book, which exist from the end of the run's preparation on."""

@@ -31,7 +31,7 @@ from libp2p.peer.id import ID
 from p2ptrain.collective import Collective
 from p2ptrain.data.manifest import MAX_MANIFEST_BYTES, Manifest
 from p2ptrain.ipfs.store import ContentUnavailable
-from p2ptrain.mesh.router import short
+from p2ptrain.logs import short_id
 from p2ptrain.node import Node
 from p2ptrain.runtime.attesting import Attesting
 from p2ptrain.runtime.content import ContentService
@@ -217,7 +217,7 @@ class TaskRun:
             return
         coordinator = run.election.is_coordinator
         if run.book.note_failure_report(trio.current_time(), report, sender, run.me, coordinator=coordinator):
-            logger.info("%s: %s reports round %d failed: %s", run.log_prefix, short(sender), report.round,
+            logger.info("%s: %s reports round %d failed: %s", run.log_prefix, short_id(sender), report.round,
                         report.reason)
             if coordinator:
                 run.wake_leader.set()  # the last report may be the one the retry waits for

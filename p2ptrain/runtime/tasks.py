@@ -24,7 +24,7 @@ from p2ptrain.data.manifest import MAX_MANIFEST_BYTES, Manifest, ManifestError
 from p2ptrain.ipfs.cid import InvalidCID, parse_cid
 from p2ptrain.ipfs.store import ContentStore, ContentUnavailable
 from p2ptrain.ipfs.unixfs import DagError
-from p2ptrain.mesh.router import short
+from p2ptrain.logs import short_id
 from p2ptrain.net import control_ops
 from p2ptrain.node import Node
 from p2ptrain.runtime.content import ContentService
@@ -259,9 +259,9 @@ class TaskService:
             if known is not None:
                 known.refused = str(exc)[:500]
             if kind == "refused":
-                logger.warning("node %s does not join task %s: %s", self.node.short_id, task_cid, exc)
+                logger.warning("node %s does not join task %s: %s", short_id(self.node.peer_id), task_cid, exc)
             else:
-                logger.warning("node %s does not join task %s (%s): %s", self.node.short_id, task_cid, kind, exc,
+                logger.warning("node %s does not join task %s (%s): %s", short_id(self.node.peer_id), task_cid, kind, exc,
                                exc_info=not isinstance(exc, ValueError))
         finally:
             self._joining.discard(task_cid)
@@ -302,8 +302,8 @@ class TaskService:
         new = msg.task_cid not in self.known
         self._remember(msg.task_cid, msg.name, signed.sender.to_base58())
         if new:
-            logger.info("node %s heard of task %s (%s) from %s", self.node.short_id, msg.name,
-                        msg.task_cid, short(signed.sender))
+            logger.info("node %s heard of task %s (%s) from %s", short_id(self.node.peer_id), msg.name,
+                        msg.task_cid, short_id(signed.sender))
         if self.options.accept_tasks and self._nursery is not None and self._should_join(msg.task_cid):
             self._joining.add(msg.task_cid)  # counted from now: a burst cannot start more than the cap
             self._nursery.start_soon(self._join_quietly, msg.task_cid)
@@ -355,7 +355,7 @@ class TaskService:
         if self.options.accept_tasks or request.get("join"):
             await self.join(task_cid)
             joined = True
-        logger.info("node %s published task %s as %s", self.node.short_id, task.name, task_cid)
+        logger.info("node %s published task %s as %s", short_id(self.node.peer_id), task.name, task_cid)
         return {"task_cid": task_cid, "name": task.name, "joined": joined}
 
     async def _join_op(self, request: dict[str, Any]) -> dict[str, Any]:

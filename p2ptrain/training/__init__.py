@@ -10,6 +10,7 @@ Modules, each with one job:
 - :mod:`~p2ptrain.training.rounds`: plans, spans, retries, checkpoints.
 - :mod:`~p2ptrain.training.records`: deterministic model bytes, records, attestations, the chain.
 - :mod:`~p2ptrain.training.signing`: detached signatures for bodies that outlive pubsub.
+- :mod:`~p2ptrain.training.demo`: the demo's task file (``p2ptrain demo``, tests, benches).
 
 Nothing is re-exported here: import what you use from its module.
 """

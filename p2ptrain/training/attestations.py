@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 
+from p2ptrain.logs import short_id
 from p2ptrain.training.records import Chain, RecordError, Status, Tally
 from p2ptrain.wire.messages import ModelRecord, SignedAttestation, SignedModelRecord
 
@@ -58,7 +59,7 @@ class Attestations:
         record = chain.check(signed)
         tally = Tally(signed)
         if coordinator is not None and record.coordinator != coordinator:
-            raise RecordError(f"model record v{record.version} from {record.coordinator[-8:]}, not the coordinator")
+            raise RecordError(f"model record v{record.version} from {short_id(record.coordinator)}, not the coordinator")
         if self.tally is not None and self.tally.id == tally.id:
             return None
         if self.pending:

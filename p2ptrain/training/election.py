@@ -52,6 +52,7 @@ from typing import Any
 
 from libp2p.crypto.keys import KeyPair
 
+from p2ptrain.logs import short_id
 from p2ptrain.training import signing
 from p2ptrain.training.records import quorum
 from p2ptrain.training.signing import SignatureError
@@ -151,14 +152,14 @@ class Election:
             voters = self._voters()
             if sum(1 for p in voters if p in self.live or p == self.me) < quorum(len(voters)):
                 log.warning("task %s: coordinator %s sees no quorum of its roster alive; stepping down (term %d)",
-                            self.task_cid[:12], self.me[-8:], self.term)
+                            self.task_cid[:12], short_id(self.me), self.term)
                 self._new_term(now, self.term + 1)
             elif self._certified_for != (self.term, voters) and self.check_certificate(self._beat()) is not None:
                 # The roster changed under us (members died or joined) and our votes no longer make
                 # a quorum of it: peers that check our certificate against today's roster (a joiner,
                 # a member that resynced) would refuse us. Call an election among today's roster.
                 log.info("task %s: coordinator %s's votes no longer cover the roster; asks for them again "
-                         "in term %d", self.task_cid[:12], self.me[-8:], self.term + 1)
+                         "in term %d", self.task_cid[:12], short_id(self.me), self.term + 1)
                 self._new_term(now, self.term + 1)
                 self._renew_term = self.term
                 self._last_sent = -1e18  # ask now, not a heartbeat after the last beat
@@ -174,7 +175,7 @@ class Election:
             if now - self._last_heard < timeout and self.coordinator in self.live:
                 return out
             log.info("task %s: coordinator %s silent; %s moves to term %d",
-                     self.task_cid[:12], self.coordinator[-8:], self.me[-8:], self.term + 1)
+                     self.task_cid[:12], short_id(self.coordinator), short_id(self.me), self.term + 1)
             self.suspects.add(self.coordinator)
             self.given_up = self.coordinator
             self._new_term(now, self.term + 1)
@@ -182,12 +183,12 @@ class Election:
                 candidate = self._deferred[1]
                 if candidate in self._eligible():
                     log.info("task %s: %s votes for %s in term %d (asked while its coordinator looked alive)",
-                             self.task_cid[:12], self.me[-8:], candidate[-8:], self.term)
+                             self.task_cid[:12], short_id(self.me), short_id(candidate), self.term)
                     out.append(self._vote(candidate))
         elif now - self._term_started >= timeout:
             log.info("task %s: term %d passed without a coordinator; %s moves to term %d (voted for %s)",
-                     self.task_cid[:12], self.term, self.me[-8:], self.term + 1,
-                     (self.voted_for or "nobody")[-8:])
+                     self.task_cid[:12], self.term, short_id(self.me), self.term + 1,
+                     short_id(self.voted_for or "nobody"))
             self._new_term(now, self.term + 1)
         mine = designated(self.task_cid, self.term, self._eligible()) == self.me or self.term == self._renew_term
         if may_lead and self.term > 0 and self.voted_for in (None, self.me) and mine and self.term != self._abstain_term:
@@ -211,7 +212,7 @@ class Election:
         """Give up coordinatorship (e.g. our state fell behind the run): move to the next term, so
         the members time out on us and elect the next term's candidate."""
         if self.is_coordinator:
-            log.info("task %s: coordinator %s steps down (term %d)", self.task_cid[:12], self.me[-8:], self.term)
+            log.info("task %s: coordinator %s steps down (term %d)", self.task_cid[:12], short_id(self.me), self.term)
             self._new_term(now, self.term + 1)
             self._abstain_term = self.term
 
@@ -239,8 +240,8 @@ class Election:
         if self.voted_for is None:
             own = self._vote(self.me)
             self._votes[self.me] = own
-            log.info("task %s: %s stands for term %d (roster %d, eligible %s)", self.task_cid[:12], self.me[-8:],
-                     self.term, len(self._voters()), sorted(p[-8:] for p in self._eligible()))
+            log.info("task %s: %s stands for term %d (roster %d, eligible %s)", self.task_cid[:12], short_id(self.me),
+                     self.term, len(self._voters()), sorted(short_id(p) for p in self._eligible()))
         out: list[ElectionMessage] = []
         if self._won():
             return [self._become_coordinator(now)]
@@ -259,7 +260,7 @@ class Election:
         self._certificate = self._certify()
         self.coordinator = self.me
         self._last_heard = self._last_sent = now
-        log.info("task %s: %s is coordinator of term %d (%d votes)", self.task_cid[:12], self.me[-8:],
+        log.info("task %s: %s is coordinator of term %d (%d votes)", self.task_cid[:12], short_id(self.me),
                  self.term, len(self._votes))
         return self._beat()
 
@@ -281,7 +282,7 @@ class Election:
             if (self.coordinator is None and msg.term >= self.term - _LOWER_TERM_VOTES
                     and msg.term not in self._ballots and self._votable(msg.candidate)):
                 log.info("task %s: %s votes for %s in earlier term %d (at term %d)", self.task_cid[:12],
-                         self.me[-8:], msg.candidate[-8:], msg.term, self.term)
+                         short_id(self.me), short_id(msg.candidate), msg.term, self.term)
                 return [self._vote_in(msg.term, msg.candidate)]
             return []
         renewal = msg.candidate == self.coordinator and msg.term > self.term  # see the module docstring
@@ -298,7 +299,7 @@ class Election:
         if self.voted_for not in (None, msg.candidate):
             return []
         if self.voted_for is None:
-            log.info("task %s: %s votes for %s in term %d", self.task_cid[:12], self.me[-8:], msg.candidate[-8:],
+            log.info("task %s: %s votes for %s in term %d", self.task_cid[:12], short_id(self.me), short_id(msg.candidate),
                      self.term)
         return [self._vote(msg.candidate)]
 
@@ -339,7 +340,7 @@ class Election:
         for signed in beat.votes:
             v = signed.vote
             if (v.task_cid, v.term, v.candidate) != (self.task_cid, beat.term, beat.coordinator):
-                return f"a vote in the certificate is for another election ({v.term}, {v.candidate[-8:]})"
+                return f"a vote in the certificate is for another election ({v.term}, {short_id(v.candidate)})"
             if v.voter in seen or v.voter not in voters:
                 continue
             try:
@@ -361,7 +362,7 @@ class Election:
                 self._last_heard = now
             elif not self.is_coordinator:
                 log.error("task %s: two coordinators claim term %d (%s, %s); keeping the first",
-                          self.task_cid[:12], beat.term, self.coordinator[-8:], beat.coordinator[-8:])
+                          self.task_cid[:12], beat.term, short_id(self.coordinator), short_id(beat.coordinator))
             return []
         problem = self.check_certificate(beat)
         if problem is not None:
@@ -369,7 +370,7 @@ class Election:
             # certificate: that is no news worth a warning.
             level = logging.WARNING if len(self._voters()) > 1 else logging.DEBUG
             log.log(level, "task %s: ignored coordinator %s for term %d: %s",
-                    self.task_cid[:12], beat.coordinator[-8:], beat.term, problem)
+                    self.task_cid[:12], short_id(beat.coordinator), beat.term, problem)
             return []
         if beat.term != self.term:
             # Later term: catch up. Earlier term while we have no coordinator: our own term ran
@@ -381,5 +382,5 @@ class Election:
         self.suspects.discard(beat.coordinator)
         self._last_heard = now
         log.info("task %s: %s accepts coordinator %s for term %d",
-                 self.task_cid[:12], self.me[-8:], beat.coordinator[-8:], beat.term)
+                 self.task_cid[:12], short_id(self.me), short_id(beat.coordinator), beat.term)
         return []

@@ -30,6 +30,7 @@ from torch import nn
 from p2ptrain import boundedjson
 from p2ptrain.data.tensorfile import TensorFileError, read_header
 from p2ptrain.errors import UserError
+from p2ptrain.logs import short_id
 from p2ptrain.training import signing
 from p2ptrain.training.signing import SignatureError
 from p2ptrain.wire.messages import Attestation, ModelRecord, SignedAttestation, SignedModelRecord
@@ -263,7 +264,7 @@ class Tally:
         log.warning(
             "task %s: model record v%d (%s, round %d, coordinator %s) rejected: %s; "
             "%d of %d members reproduced it, %d computed other CIDs %s",
-            r.task_cid[:12], r.version, r.model_cid, r.round, r.coordinator[-8:], why,
+            r.task_cid[:12], r.version, r.model_cid, r.round, short_id(r.coordinator), why,
             len(self.matching), len(r.members), len(self.differing), sorted(set(self.differing.values()))[:3],
         )
 

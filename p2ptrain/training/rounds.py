@@ -42,6 +42,7 @@ from enum import Enum
 
 from libp2p.crypto.keys import KeyPair
 
+from p2ptrain.logs import short_id
 from p2ptrain.training.election import Election
 from p2ptrain.training.records import Chain, quorum, sign_record
 from p2ptrain.training.task import Task
@@ -331,7 +332,7 @@ class RoundBook:
         if seen is None or (plan.term, plan.round, plan.attempt) > (seen.term, seen.round, seen.attempt):
             self.observed = plan
         if plan.term != election.term or sender != election.coordinator:
-            return f"plan from {sender[-8:]} in term {plan.term}, not from the coordinator of term {election.term}"
+            return f"plan from {short_id(sender)} in term {plan.term}, not from the coordinator of term {election.term}"
         if election.me not in plan.members:
             return "not a member of this span"
         if list(plan.members) != sorted(set(plan.members)):

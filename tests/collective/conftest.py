@@ -8,63 +8,36 @@ from dataclasses import dataclass
 import pytest
 import torch
 import trio
-from libp2p.crypto.ed25519 import create_new_key_pair
-from libp2p.peer.peerinfo import info_from_p2p_addr
-from multiaddr import Multiaddr
 
 from p2ptrain.collective import Collective
 from p2ptrain.collective.ring import chunk_bounds
 from p2ptrain.collective.sparse import assemble, slice_of, slice_ranges
-from p2ptrain.net.host import make_host
-
-LOOPBACK = "/ip4/127.0.0.1/tcp/0"
+from p2ptrain.testing import LocalHost, connected_hosts
 
 
 @dataclass
 class Peer:
-    host: object
+    local: LocalHost
     collective: Collective
-    scope: trio.CancelScope
+
+    @property
+    def host(self):
+        return self.local.host
 
     @property
     def id(self):
-        return self.host.get_id()
+        return self.local.id
 
     def kill(self) -> None:
         """Stop the host: its connections close as if the process had died."""
-        self.scope.cancel()
-
-
-def _addr(host) -> Multiaddr:
-    addr = host.get_addrs()[0]
-    if "/p2p/" not in str(addr):
-        addr = Multiaddr(f"{addr}/p2p/{host.get_id().to_base58()}")
-    return addr
-
-
-async def _run_host(host, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-    with trio.CancelScope() as scope:
-        async with host.run(listen_addrs=[Multiaddr(LOOPBACK)]):
-            task_status.started(scope)
-            await trio.sleep_forever()
+        self.local.kill()
 
 
 @asynccontextmanager
 async def start_cluster(n: int, **collective_options):
     """``n`` running hosts, every pair connected, each with a Collective (ring = list order)."""
-    async with trio.open_nursery() as nursery:
-        peers = []
-        for _ in range(n):
-            host = make_host(create_new_key_pair(), [LOOPBACK])
-            scope = await nursery.start(_run_host, host)
-            peers.append(Peer(host, Collective(host, **collective_options), scope))
-        with trio.fail_after(30):
-            async with trio.open_nursery() as dials:
-                for i, a in enumerate(peers):
-                    for b in peers[i + 1 :]:
-                        dials.start_soon(a.host.connect, info_from_p2p_addr(_addr(b.host)))
-        yield peers
-        nursery.cancel_scope.cancel()
+    async with connected_hosts(n) as hosts:
+        yield [Peer(local, Collective(local.host, **collective_options)) for local in hosts]
 
 
 async def run_all(calls, *, deadline: float = 60):

@@ -16,15 +16,10 @@ from contextlib import asynccontextmanager
 
 import torch
 import trio
-from libp2p.crypto.ed25519 import create_new_key_pair
-from libp2p.peer.peerinfo import info_from_p2p_addr
-from multiaddr import Multiaddr
 
 from p2ptrain.collective import Collective, SparseAllReducer
-from p2ptrain.net.host import make_host
+from p2ptrain.testing import connected_hosts
 
-LOOPBACK = "/ip4/127.0.0.1/tcp/0"
-CONNECT_TIMEOUT_S = 30.0  # dialling every pair of a few loopback hosts on a loaded 2-core machine
 ROUND_TIMEOUT_S = 20.0  # one training round of four members, generous for a loaded machine
 
 
@@ -56,34 +51,22 @@ class Hostile:
         return await self.collective.sparse_round(sent, ring, round_id, prepare=hostile_prepare, **options)
 
 
-def _addr(host) -> Multiaddr:
-    addr = host.get_addrs()[0]
-    if "/p2p/" not in str(addr):
-        addr = Multiaddr(f"{addr}/p2p/{host.get_id().to_base58()}")
-    return addr
-
-
 @asynccontextmanager
 async def hosts(n: int) -> AsyncIterator[list[Collective]]:
     """``n`` real libp2p hosts on 127.0.0.1, every pair connected, each with a Collective."""
-    async with trio.open_nursery() as nursery:
-        made = [make_host(create_new_key_pair(), [LOOPBACK]) for _ in range(n)]
+    async with connected_hosts(n) as peers:
+        yield [Collective(peer.host) for peer in peers]
 
-        async def run(host, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-            async with host.run(listen_addrs=[Multiaddr(LOOPBACK)]):
-                task_status.started()
-                await trio.sleep_forever()
 
-        for host in made:
-            await nursery.start(run, host)
-        collectives = [Collective(host) for host in made]
-        with trio.fail_after(CONNECT_TIMEOUT_S):
-            async with trio.open_nursery() as dials:
-                for i, a in enumerate(made):
-                    for b in made[i + 1 :]:
-                        dials.start_soon(a.connect, info_from_p2p_addr(_addr(b)))
-        yield collectives
-        nursery.cancel_scope.cancel()
+async def average_gradients(reducer: SparseAllReducer, model: torch.nn.Module, ring: list, round_id: int, **options) -> None:
+    """What a node does with a round: the model's flat gradient through the reducer (top-k over the
+    whole vector), the members' mean written back as every parameter's ``.grad``."""
+    params = list(model.parameters())
+    mean = await reducer.allreduce(torch.cat([p.grad.reshape(-1) for p in params]), ring, round_id, **options)
+    offset = 0
+    for p in params:
+        p.grad.copy_(mean[offset : offset + p.numel()].view_as(p))
+        offset += p.numel()
 
 
 def digits() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -127,7 +110,7 @@ async def train_digits(
         chosen = shards[i][pick]
         optimizers[i].zero_grad()
         torch.nn.functional.cross_entropy(models[i](x[chosen]), y[chosen]).backward()
-        await reducers[i].allreduce_grads(models[i].parameters(), ring, first_round + step, timeout=ROUND_TIMEOUT_S)
+        await average_gradients(reducers[i], models[i], ring, first_round + step, timeout=ROUND_TIMEOUT_S)
         optimizers[i].step()
 
     for step in range(steps):

@@ -16,6 +16,17 @@ from p2ptrain.collective import SparseAllReducer
 PEERS, STEPS, BATCH, LR = 4, 400, 32, 0.1
 
 
+async def average_gradients(reducer: SparseAllReducer, model: torch.nn.Module, ring: list, round_id: int, **options) -> None:
+    """What a node does with a round: the model's flat gradient through the reducer (top-k over the
+    whole vector), the members' mean written back as every parameter's ``.grad``."""
+    params = list(model.parameters())
+    mean = await reducer.allreduce(torch.cat([p.grad.reshape(-1) for p in params]), ring, round_id, **options)
+    offset = 0
+    for p in params:
+        p.grad.copy_(mean[offset : offset + p.numel()].view_as(p))
+        offset += p.numel()
+
+
 def data():
     digits = load_digits()
     x = torch.tensor(digits.data, dtype=torch.float32) / 16
@@ -43,7 +54,7 @@ async def train(local_ring, density: float) -> tuple[float, list[torch.nn.Module
         batch = shards[i][pick]
         optimizers[i].zero_grad()
         torch.nn.functional.cross_entropy(models[i](x[batch]), y[batch]).backward()
-        await reducers[i].allreduce_grads(models[i].parameters(), members, step)
+        await average_gradients(reducers[i], models[i], members, step)
         optimizers[i].step()
 
     for step in range(STEPS):

@@ -10,6 +10,7 @@ from p2ptrain.collective import BadPayload, PeerFailed
 from p2ptrain.collective.endpoint import dense_description, sparse_description
 from p2ptrain.collective.ring import chunk_bounds
 from p2ptrain.collective.sparse import encode_indices, slice_of, slice_ranges
+from p2ptrain.logs import short_id
 from p2ptrain.wire.frames import DTYPES, Header, Kind, Phase, round_digest
 
 
@@ -37,7 +38,7 @@ async def test_killed_peer_fails_the_round_on_every_survivor(cluster, gather):
         for i in (0, 1, 3):
             assert isinstance(outs[i], PeerFailed), (i, outs[i])
             assert outs[i].peer_id == peers[2].id, (i, outs[i])
-            assert short_name(peers[2]) in str(outs[i])
+            assert short_id(peers[2].id) in str(outs[i])
             assert failed_at[i] - killed_at < timeout + 3  # the hop deadline plus the abort notice
 
         # The survivors retry on a new ring with a fresh round id.
@@ -46,10 +47,6 @@ async def test_killed_peer_fails_the_round_on_every_survivor(cluster, gather):
         outs = await gather([lambda i=i: peers[i].collective.allreduce(xs[i], new_ring, 2) for i in survivors])
         for out in outs:
             assert out.equal(torch.full((n,), 4.0 / 3))
-
-
-def short_name(peer) -> str:
-    return peer.id.to_base58()[-8:]
 
 
 async def test_peer_that_never_joins_is_named_within_the_start_deadline(cluster, gather):

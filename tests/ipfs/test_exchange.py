@@ -16,8 +16,9 @@ from p2ptrain.ipfs.blockstore import BlockStore
 from p2ptrain.ipfs.cid import make_cid, parse_cid
 from p2ptrain.ipfs.exchange import BlockExchange, FetchError
 from p2ptrain.ipfs.unixfs import import_stream, read_file
+from p2ptrain.logs import short_id
 from p2ptrain.net.host import make_host
-from p2ptrain.net.streams import short_id
+from p2ptrain.testing import connected_hosts
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 DEADLINE = 60
@@ -60,25 +61,14 @@ class Node:
 @asynccontextmanager
 async def nodes(tmp_path, *store_classes):
     """Running hosts, one per store class, each with its own exchange; ``node.scope.cancel()`` kills one."""
-    async with trio.open_nursery() as nursery:
+    async with connected_hosts(len(store_classes), connected=False) as hosts:
         started = []
-        for i, store_class in enumerate(store_classes):
-            started.append(await nursery.start(_run_node, tmp_path / f"node{i}", store_class))
-        try:
-            yield started
-        finally:
-            nursery.cancel_scope.cancel()
-
-
-async def _run_node(home, store_class, *, task_status):
-    host = make_host(create_new_key_pair(), [LOOPBACK])
-    store = store_class(home / "blocks")
-    exchange = BlockExchange(host, store)
-    with trio.CancelScope() as scope:
-        async with host.run(listen_addrs=[Multiaddr(LOOPBACK)]), trio.open_nursery() as nursery:
-            await nursery.start(exchange.run)
-            task_status.started(Node(host, store, exchange, scope))
-            await trio.sleep_forever()
+        for i, (local, store_class) in enumerate(zip(hosts, store_classes)):
+            store = store_class(tmp_path / f"node{i}" / "blocks")
+            exchange = BlockExchange(local.host, store)
+            await local.start(exchange.run)
+            started.append(Node(local.host, store, exchange, local.scope))
+        yield started
 
 
 def bytes_of(store: BlockStore, root) -> bytes:
@@ -309,7 +299,7 @@ async def test_hostile_streams_pin_at_most_the_per_peer_budget(tmp_path):
             assert node.exchange.inbound_streams(who) <= MAX_INBOUND_STREAMS_PER_PEER
             # (A burst can also meet the muxer's cap on inbound streams per connection first.)
             at_muxer = sum(
-                getattr(conn.muxed_conn, "refused_streams", 0)
+                conn.muxed_conn.refused["over_inbound_streams"] if hasattr(conn.muxed_conn, "refused") else 0
                 for conn in node.host.get_network().get_connections(who)
             )
             assert stats["over_stream_cap"] + stats["rejected_bad_message"] + at_muxer == HOSTILE_STREAMS - 2

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from libp2p.crypto.ed25519 import create_new_key_pair
 
-from p2ptrain.cli.demo import TASK_TEMPLATE
+from p2ptrain.training.demo import TASK_TEMPLATE
 from p2ptrain.data.build import build_dataset
 from p2ptrain.ipfs.blockstore import BlockStore
 from p2ptrain.ipfs.cid import cid_str, make_cid, parse_cid

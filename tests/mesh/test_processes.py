@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from p2ptrain.logs import short_id
 from p2ptrain.testing import node_processes, wait_for
 
 CLI = [sys.executable, "-m", "p2ptrain.cli.main"]
@@ -36,10 +37,10 @@ def views(procs) -> str:
     for p in procs:
         try:
             s = p.status()
-            lines.append(f"{p.peer_id[-8:]}: peers {[x['peer_id'][-8:] for x in s['peers']]} "
-                         f"gone {[(x['peer_id'][-8:], x['left_reason']) for x in s['gone']]} connected {len(s['connected'])}")
+            lines.append(f"{short_id(p.peer_id)}: peers {[short_id(x['peer_id']) for x in s['peers']]} "
+                         f"gone {[(short_id(x['peer_id']), x['left_reason']) for x in s['gone']]} connected {len(s['connected'])}")
         except Exception as exc:
-            lines.append(f"{p.peer_id[-8:]}: {exc}")
+            lines.append(f"{short_id(p.peer_id)}: {exc}")
     return "\n".join(lines)
 
 
@@ -85,7 +86,7 @@ def test_four_node_processes_form_a_mesh_survive_a_kill_and_a_restart(tmp_path):
         assert procs[0].terminate() == 0
         assert not (procs[0].home / "control.sock").exists()
         log = (procs[0].home / "logs" / "node.log").read_text()
-        short = procs[0].peer_id[-8:]
+        short = short_id(procs[0].peer_id)
         assert f"node {short} stopping" in log and f"node {short} stopped" in log
 
 
@@ -117,5 +118,5 @@ def test_a_failed_block_shows_each_nodes_last_events(tmp_path, capsys):
     with pytest.raises(RuntimeError, match="boom"), node_processes(1, tmp_path) as procs:
         raise RuntimeError("boom")
     err = capsys.readouterr().err
-    assert f"--- node0 ({procs[0].peer_id[-8:]}): its last events ---" in err
+    assert f"--- node0 ({short_id(procs[0].peer_id)}): its last events ---" in err
     assert f"listening on /ip4/127.0.0.1/tcp/{procs[0].port}" in err

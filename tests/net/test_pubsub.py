@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
-from libp2p.peer.peerinfo import PeerInfo
 from libp2p.pubsub.gossipsub import PROTOCOL_ID_V11
 from multiaddr import Multiaddr
 
 from p2ptrain.net.host import make_host
 from p2ptrain.net.pubsub import SUBSCRIPTION_QUEUE, MessageTooLarge, make_pubsub, publish_bytes, running_pubsub
+from p2ptrain.testing import connect, connected_hosts
 
 LOOPBACK = Multiaddr("/ip4/127.0.0.1/tcp/0")
 
@@ -19,8 +19,7 @@ async def test_connections_made_before_pubsub_started_carry_messages_and_bursts_
     a = make_host(create_new_key_pair(), [LOOPBACK])
     b = make_host(create_new_key_pair(), [LOOPBACK])
     async with a.run(listen_addrs=[LOOPBACK]), b.run(listen_addrs=[LOOPBACK]):
-        with trio.fail_after(10):
-            await a.connect(PeerInfo(b.get_id(), b.get_addrs()))
+        await connect(a, b, timeout=10)
         # Pubsub is built and started only now, after the connection exists.
         pa, pb = make_pubsub(a), make_pubsub(b)
         async with running_pubsub(pa), running_pubsub(pb):
@@ -66,8 +65,7 @@ async def test_a_subscription_queue_holds_a_bounded_number_of_bytes_and_counts_t
     pa, pb = make_pubsub(a), make_pubsub(b)
     async with a.run(listen_addrs=[LOOPBACK]), b.run(listen_addrs=[LOOPBACK]):
         async with running_pubsub(pa), running_pubsub(pb):
-            with trio.fail_after(10):
-                await a.connect(PeerInfo(b.get_id(), b.get_addrs()))
+            await connect(a, b, timeout=10)
             sub = await pb.subscribe("t")  # and nobody reads it until the flood is over
             await pa.subscribe("t")
             with trio.fail_after(10):
@@ -84,3 +82,26 @@ async def test_a_subscription_queue_holds_a_bounded_number_of_bytes_and_counts_t
             assert pb.dropped["queue-full"] == count - queued
             first = await sub.get()
             assert first.data[:4] == (0).to_bytes(4, "big") and len(first.data) == size
+
+
+async def test_wait_for_backlog_returns_once_every_queued_rpc_is_written():
+    """What the node's goodbye and the publisher's backpressure wait on: woken by pubsub's writers."""
+    async with connected_hosts(2) as (a, b):
+        pa, pb = make_pubsub(a.host), make_pubsub(b.host)
+        async with running_pubsub(pa), running_pubsub(pb):
+            sub = await pb.subscribe("t")
+            await pa.subscribe("t")
+            with trio.fail_after(10):
+                await pa.wait_for_subscription(b.id, "t")
+                await pa.router.wait_for_mesh(b.id, "t")
+            burst = 200
+            for i in range(burst):
+                await publish_bytes(pa, "t", f"m{i}".encode(), limit=1024)
+            with trio.fail_after(10):
+                await pa.wait_for_backlog(below=1)
+            assert pa.queue_backlog() == 0
+            got = []
+            with trio.fail_after(10):
+                while len(got) < burst:
+                    got.append((await sub.get()).data)
+            assert got == [f"m{i}".encode() for i in range(burst)]

@@ -10,10 +10,11 @@ import libp2p
 import pytest
 import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
-from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
+from libp2p.peer.peerinfo import PeerInfo
 from multiaddr import Multiaddr
 
-from p2ptrain.net.host import make_host, noise_only
+from p2ptrain.logs import short_id
+from p2ptrain.net.host import noise_only
 from p2ptrain.net.muxer import FastYamux
 from p2ptrain.net.noise import NoiseSession
 from p2ptrain.net.streams import (
@@ -22,8 +23,8 @@ from p2ptrain.net.streams import (
     MessageTooLarge,
     open_channel,
     serve_channels,
-    short_id,
 )
+from p2ptrain.testing import connect, new_host
 
 PROTO = "/p2ptrain/test-channel/1.0.0"
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
@@ -34,17 +35,6 @@ DEADLINE = 30
 async def running(host):
     async with host.run(listen_addrs=[Multiaddr(LOOPBACK)]):
         yield host
-
-
-async def connect(a, b) -> None:
-    addr = b.get_addrs()[0]
-    if "/p2p/" not in str(addr):
-        addr = Multiaddr(f"{addr}/p2p/{b.get_id().to_base58()}")
-    await a.connect(info_from_p2p_addr(addr))
-
-
-def ours():
-    return make_host(create_new_key_pair(), [LOOPBACK])
 
 
 def stock():
@@ -86,7 +76,7 @@ async def roundtrip_all_sizes(client_host, server_host) -> None:
 
 async def test_roundtrip_many_sizes():
     with trio.fail_after(DEADLINE):
-        async with running(ours()) as a, running(ours()) as b:
+        async with running(new_host()) as a, running(new_host()) as b:
             await roundtrip_all_sizes(a, b)
             # make_host's connections run our muxer over our Noise session (the fast path).
             conn = a.get_network().get_connection(b.get_id())
@@ -112,7 +102,7 @@ async def test_concurrent_channels_in_both_directions_keep_their_bytes():
                 assert await channel.recv(size) == pattern(size, seed + 100)
 
     with trio.fail_after(120):
-        async with running(ours()) as a, running(ours()) as b:
+        async with running(new_host()) as a, running(new_host()) as b:
             serve_channels(b, PROTO, sink_and_source)
             await connect(a, b)
             async with trio.open_nursery() as nursery:
@@ -132,7 +122,7 @@ async def test_a_reader_that_pauses_longer_than_5_s_does_not_fail_the_writer():
         done.set()
 
     with trio.fail_after(90):
-        async with running(ours()) as a, running(ours()) as b:
+        async with running(new_host()) as a, running(new_host()) as b:
             serve_channels(b, PROTO, sleepy)
             await connect(a, b)
             async with await open_channel(a, b.get_id(), PROTO) as channel:
@@ -153,7 +143,7 @@ async def test_send_accepts_memoryview_and_keeps_message_boundaries():
         done.set()
 
     with trio.fail_after(DEADLINE):
-        async with running(ours()) as a, running(ours()) as b:
+        async with running(new_host()) as a, running(new_host()) as b:
             serve_channels(b, PROTO, collect)
             await connect(a, b)
             async with await open_channel(a, b.get_id(), PROTO) as channel:
@@ -180,7 +170,7 @@ async def test_oversize_message_is_refused_and_closes_the_channel():
             done.set()
 
     with trio.fail_after(DEADLINE):
-        async with running(ours()) as a, running(ours()) as b:
+        async with running(new_host()) as a, running(new_host()) as b:
             serve_channels(b, PROTO, strict)
             await connect(a, b)
             channel = await open_channel(a, b.get_id(), PROTO)
@@ -208,7 +198,7 @@ async def test_peer_closing_mid_message_raises_channel_closed_naming_the_peer():
             done.set()
 
     with trio.fail_after(DEADLINE):
-        async with running(ours()) as a, running(ours()) as b:
+        async with running(new_host()) as a, running(new_host()) as b:
             serve_channels(b, PROTO, reader)
             await connect(a, b)
             stream = await a.new_stream(b.get_id(), [PROTO])
@@ -235,7 +225,7 @@ async def test_clean_close_between_messages_raises_channel_closed():
             done.set()
 
     with trio.fail_after(DEADLINE):
-        async with running(ours()) as a, running(ours()) as b:
+        async with running(new_host()) as a, running(new_host()) as b:
             serve_channels(b, PROTO, reader)
             await connect(a, b)
             async with await open_channel(a, b.get_id(), PROTO) as channel:
@@ -247,7 +237,7 @@ async def test_clean_close_between_messages_raises_channel_closed():
 
 async def test_send_after_close_raises():
     with trio.fail_after(DEADLINE):
-        async with running(ours()) as a, running(ours()) as b:
+        async with running(new_host()) as a, running(new_host()) as b:
             serve_channels(b, PROTO, echo)
             await connect(a, b)
             channel = await open_channel(a, b.get_id(), PROTO)
@@ -256,12 +246,45 @@ async def test_send_after_close_raises():
                 await channel.send(b"late")
 
 
+async def test_reset_ends_the_channel_on_both_ends_and_keeps_the_connection():
+    """``reset`` (what the collective uses on a channel that may hold part of a message): the peer's
+    next receive fails, our next send fails, and a new channel on the same connection works."""
+    firsts: list[bytes] = []
+    errors: list[BaseException] = []
+    ended = trio.Semaphore(0)
+
+    async def reader(channel: Channel) -> None:
+        try:
+            firsts.append(await channel.recv(100))
+            await channel.recv(100)
+        except ChannelClosed as error:
+            errors.append(error)
+        finally:
+            ended.release()
+
+    with trio.fail_after(DEADLINE):
+        async with running(new_host()) as a, running(new_host()) as b:
+            serve_channels(b, PROTO, reader)
+            await connect(a, b)
+            channel = await open_channel(a, b.get_id(), PROTO)
+            await channel.send(b"first")
+            await channel.reset()
+            await ended.acquire()
+            with pytest.raises(ChannelClosed):
+                await channel.send(b"late")
+            async with await open_channel(a, b.get_id(), PROTO) as again:
+                await again.send(b"again")
+            await ended.acquire()
+    assert firsts == [b"first", b"again"]
+    assert len(errors) == 2 and all(isinstance(e, ChannelClosed) for e in errors)
+
+
 @pytest.mark.parametrize("direction", ["ours_dials_stock", "stock_dials_ours"])
 async def test_interop_with_stock_py_libp2p_host(direction, caplog):
     """Our frames (up to 1 MiB, within the window) and window grants are plain yamux to a stock host."""
     caplog.set_level(logging.WARNING)
     with trio.fail_after(DEADLINE):
-        async with running(ours()) as mine, running(stock()) as theirs:
+        async with running(new_host()) as mine, running(stock()) as theirs:
             if direction == "ours_dials_stock":
                 await roundtrip_all_sizes(mine, theirs)
             else:
@@ -290,7 +313,7 @@ async def test_cancelled_recv_resumes_the_same_message():
         done.set()
 
     with trio.fail_after(DEADLINE):
-        async with running(ours()) as a, running(ours()) as b:
+        async with running(new_host()) as a, running(new_host()) as b:
             serve_channels(b, PROTO, patient)
             await connect(a, b)
             stream = await a.new_stream(b.get_id(), [PROTO])
@@ -316,7 +339,7 @@ async def test_cancelled_send_closes_the_channel_on_both_ends():
         done.set()
 
     with trio.fail_after(DEADLINE):
-        async with running(ours()) as a, running(ours()) as b:
+        async with running(new_host()) as a, running(new_host()) as b:
             serve_channels(b, PROTO, never_reads_then_reads)
             await connect(a, b)
             channel = await open_channel(a, b.get_id(), PROTO)
@@ -374,7 +397,7 @@ async def test_tampered_ciphertext_ends_the_connection_with_channel_closed(caplo
             done.set()
 
     with trio.fail_after(DEADLINE):
-        async with running(ours()) as a, running(ours()) as b, trio.open_nursery() as nursery:
+        async with running(new_host()) as a, running(new_host()) as b, trio.open_nursery() as nursery:
             serve_channels(b, PROTO, receiver)
             b_port = int(str(b.get_addrs()[0]).split("/tcp/")[1].split("/")[0])
             proxy_port = await nursery.start(_tampering_proxy, b_port, tamper)
@@ -404,7 +427,7 @@ async def test_a_stream_nobody_reads_buffers_only_the_initial_256_KiB_window():
         await release.wait()
 
     with trio.fail_after(DEADLINE):
-        async with running(ours()) as a, running(ours()) as b:
+        async with running(new_host()) as a, running(new_host()) as b:
             serve_channels(b, PROTO, never_reads)
             await connect(a, b)
             channel = await open_channel(a, b.get_id(), PROTO)
@@ -484,7 +507,7 @@ async def test_a_send_cancelled_mid_frame_resets_its_channel_and_keeps_the_conne
 
     gate = _Gate()
     with trio.fail_after(60):
-        async with running(ours()) as a, running(ours()) as b, trio.open_nursery() as nursery:
+        async with running(new_host()) as a, running(new_host()) as b, trio.open_nursery() as nursery:
             serve_channels(b, PROTO, echo_first)
             b_port = int(str(b.get_addrs()[0]).split("/tcp/")[1].split("/")[0])
             proxy_port = await nursery.start(_gated_proxy, b_port, gate)
@@ -509,3 +532,38 @@ async def test_a_send_cancelled_mid_frame_resets_its_channel_and_keeps_the_conne
                 await first.send(b"x")
             nursery.cancel_scope.cancel()
     assert isinstance(outcome["first"], ChannelClosed)
+
+
+async def test_inbound_streams_over_the_muxer_cap_are_refused_counted_and_logged_at_powers_of_two(caplog):
+    """Streams beyond MAX_INBOUND_STREAMS on one connection are reset at SYN; the count is readable
+    (FastYamux.refused) and the log gets the 1st, 2nd, 4th, ... refusal only (logs.count_rejection)."""
+    from p2ptrain.net.muxer import MAX_INBOUND_STREAMS
+
+    hold = trio.Event()
+
+    async def holder(stream) -> None:
+        await hold.wait()
+
+    extra = 12
+    caplog.set_level(logging.INFO, logger="p2ptrain.net.muxer")
+    with trio.fail_after(60):
+        async with running(new_host()) as a, running(new_host()) as b:
+            b.set_stream_handler(PROTO, holder)
+            await connect(a, b)
+            opened, refused = [], 0
+
+            async def one() -> None:
+                nonlocal refused
+                try:
+                    opened.append(await a.new_stream(b.get_id(), [PROTO]))
+                except Exception:  # reset at SYN: libp2p's error for a refused stream
+                    refused += 1
+
+            async with trio.open_nursery() as nursery:
+                for _ in range(MAX_INBOUND_STREAMS + extra):
+                    nursery.start_soon(one)
+            counted = b.get_network().get_connection(a.get_id()).muxed_conn.refused["over_inbound_streams"]
+            hold.set()
+    assert counted >= extra and refused >= extra
+    logged = [r for r in caplog.records if "inbound streams open; refused stream" in r.getMessage()]
+    assert len(logged) == counted.bit_length()  # 1, 2, 4, 8, ...: one line per power of two

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from p2ptrain.cli.demo import NODE_ARGS, TASK_TEMPLATE
+from p2ptrain.local_nodes import NODE_ARGS
+from p2ptrain.training.demo import TASK_TEMPLATE
 from p2ptrain.errors import UserError
 from p2ptrain.net import control_ops
 from p2ptrain.net.control import ControlClient

@@ -11,6 +11,7 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 
 from p2ptrain.data import IPFSDataset
 from p2ptrain.ipfs.embedded import EmbeddedStore
+from p2ptrain.logs import short_id
 from p2ptrain.training import signing
 from p2ptrain.training.election import Election, ElectionConfig
 from p2ptrain.training.records import Chain, Status, Tally, attest
@@ -120,7 +121,7 @@ class Swarm:
                     got = parts.setdefault(rid, {})
                     got[m.id] = flat
                     if die and (i > die[0] or (i == die[0] and plan.members.index(m.id) >= victim_rank)):
-                        raise ConnectionError(f"ring neighbour {die[1].id[-8:]} is gone")
+                        raise ConnectionError(f"ring neighbour {short_id(die[1].id)} is gone")
                     while len(got) < len(group):
                         await trio.sleep(0)
                     return torch.stack([got[p] for p in plan.members]).mean(0)

@@ -4,48 +4,19 @@ all-reduce with error feedback, real digits shards. Members must end with identi
 import pytest
 import torch
 import trio
-from libp2p.crypto.ed25519 import create_new_key_pair
-from libp2p.peer.peerinfo import info_from_p2p_addr
-from multiaddr import Multiaddr
 
 from p2ptrain.collective import Collective, CollectiveError, PeerFailed
 from p2ptrain.data import IPFSDataset
-from p2ptrain.net.host import make_host
+from p2ptrain.testing import connected_hosts
 from p2ptrain.training.rounds import round_id
 from p2ptrain.training.sync import PlanAverager, RoundTimings, run_round
 from p2ptrain.training.task import TaskError
 from p2ptrain.training.trainer import Trainer, batched, batches_forever
 from p2ptrain.wire.messages import RoundPlan
 
-LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 # Hosts start and stop inside this bound too: a stuck shutdown fails the test instead of hanging it.
 WHOLE_TEST_S = 150
 pytestmark = pytest.mark.timeout(WHOLE_TEST_S + 30)
-
-
-async def _run_host(host, *, task_status=trio.TASK_STATUS_IGNORED):
-    with trio.CancelScope() as scope:
-        async with host.run(listen_addrs=[Multiaddr(LOOPBACK)]):
-            task_status.started(scope)
-            await trio.sleep_forever()
-
-
-def _addr(host):
-    return Multiaddr(f"{host.get_addrs()[0]}".split("/p2p/")[0] + f"/p2p/{host.get_id().to_base58()}")
-
-
-async def start_hosts(nursery, n):
-    hosts, scopes = [], []
-    for _ in range(n):
-        host = make_host(create_new_key_pair(), [LOOPBACK])
-        scopes.append(await nursery.start(_run_host, host))
-        hosts.append(host)
-    with trio.fail_after(30):
-        async with trio.open_nursery() as dials:
-            for i, a in enumerate(hosts):
-                for b in hosts[i + 1:]:
-                    dials.start_soon(a.connect, info_from_p2p_addr(_addr(b)))
-    return hosts, scopes
 
 
 def plan_for(task_cid, members, round_index, step, rounds, attempt=0):
@@ -64,8 +35,8 @@ async def test_members_stay_identical_over_the_sparse_ring(digits, digits_task, 
                                            "compression.robust": f'"{robust}"'})
     assert task.compression.robust == robust
     with trio.fail_after(WHOLE_TEST_S):
-        async with trio.open_nursery() as nursery:
-            hosts, _ = await start_hosts(nursery, 3)
+        async with connected_hosts(3) as peers:
+            hosts = [p.host for p in peers]
             ids = [h.get_id().to_base58() for h in hosts]
             plan = plan_for(cid, ids, 0, 0, steps)
             members = []
@@ -84,7 +55,6 @@ async def test_members_stay_identical_over_the_sparse_ring(digits, digits_task, 
                 async with trio.open_nursery() as runs:
                     for m in members:
                         runs.start_soon(run, *m)
-            nursery.cancel_scope.cancel()
     trainers = [m[0] for m in members]
     assert len({t.model_bytes() for t in trainers}) == 1
     assert len({t.optimizer_bytes() for t in trainers}) == 1
@@ -97,8 +67,8 @@ async def test_dead_member_round_is_retried_without_it(digits, digits_task):
     store, cid = digits
     task = digits_task(cid, steps=20, **{"compression.density": "0.1"})
     with trio.fail_after(WHOLE_TEST_S):
-        async with trio.open_nursery() as nursery:
-            hosts, scopes = await start_hosts(nursery, 3)
+        async with connected_hosts(3) as peers:
+            hosts = [p.host for p in peers]
             ids = [h.get_id().to_base58() for h in hosts]
             trainers = [Trainer(task, device="cpu") for _ in hosts]
             averagers = [PlanAverager(task, Collective(h), timeout=2.0) for h in hosts]
@@ -113,7 +83,7 @@ async def test_dead_member_round_is_retried_without_it(digits, digits_task):
                     try:
                         for r in range(plan.rounds):
                             if fail_at == (i, r):
-                                scopes[i].cancel()  # the host dies: connections close like a killed process
+                                peers[i].kill()  # the host dies: connections close like a killed process
                                 return
                             await run_round(trainers[i], data[i], average, round_id(plan, r), RoundTimings())
                         outcome[i] = None
@@ -135,7 +105,6 @@ async def test_dead_member_round_is_retried_without_it(digits, digits_task):
                 t.align(3)
             outcome = await span(retry, [0, 1])
             assert outcome == {0: None, 1: None}
-            nursery.cancel_scope.cancel()
     assert trainers[0].step == trainers[1].step == 6
     assert trainers[0].model_bytes() == trainers[1].model_bytes()
     assert trainers[0].optimizer_bytes() == trainers[1].optimizer_bytes()
@@ -156,8 +125,8 @@ async def test_the_robust_option_reaches_the_round(digits, digits_task, error_fe
              for rule in ("clip", "none")]
     failures = []
     with trio.fail_after(WHOLE_TEST_S):
-        async with trio.open_nursery() as nursery:
-            hosts, _ = await start_hosts(nursery, 2)
+        async with connected_hosts(2) as peers:
+            hosts = [p.host for p in peers]
             plan = plan_for(cid, [h.get_id().to_base58() for h in hosts], 0, 0, 1)
 
             async def run(task, host):
@@ -170,7 +139,6 @@ async def test_the_robust_option_reaches_the_round(digits, digits_task, error_fe
             async with trio.open_nursery() as runs:
                 for task, host in zip(tasks, hosts):
                     runs.start_soon(run, task, host)
-            nursery.cancel_scope.cancel()
     assert len(failures) == 2 and all("disagrees" in f for f in failures), failures
 
 
