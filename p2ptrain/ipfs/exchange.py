@@ -85,6 +85,10 @@ MESSAGE_TIMEOUT_S = 30.0
 # Our sender closes its stream to a peer after this long with nothing to send, before the peer's
 # idle timeout (ours: INBOUND_IDLE_S) would reset it under a later write.
 _SEND_IDLE_S = 60.0
+# Closing our sender's stream to a peer we drop is shielded from cancellation (so the peer sees the
+# stream end) but bounded: a close is one frame on an open connection (milliseconds), and a peer
+# that does not take it within a second is dead or hostile; the stream is given up then.
+_CLOSE_TIMEOUT_S = 1.0
 
 
 class BlockSource(Protocol):
@@ -346,7 +350,7 @@ class BlockExchange:
             if self._peers.get(peer.id) is peer:
                 del self._peers[peer.id]
             if peer.stream is not None:
-                with trio.CancelScope(shield=True), trio.move_on_after(1):
+                with trio.CancelScope(shield=True), trio.move_on_after(_CLOSE_TIMEOUT_S):
                     await _close(peer.stream)
 
     async def _pack_loop(self, peer: _Peer, packed: trio.MemorySendChannel[bytes]) -> None:
