@@ -350,13 +350,13 @@ class LocalPeers(Sequence["Peer"]):
             stopped = " (stopped)" if peer.node.stopped.is_set() else ""
             runs = peer.tasks.runs.items()
             if not runs:
-                lines.append(f"peer{i} {peer.node.short_id}{stopped}: no task")
+                lines.append(f"peer{i} {short_id(peer.node.peer_id)}{stopped}: no task")
             for task_cid, run in runs:
                 status = run.status()
                 status["coordinator"] = short_id(status["coordinator"]) if status["coordinator"] else "-"
                 status["members"] = [short_id(m) for m in status["members"]]
                 shown = ", ".join(f"{k}={status.get(k)}" for k in keys)
-                lines.append(f"peer{i} {peer.node.short_id}{stopped} task {task_cid[:12]}: {shown}")
+                lines.append(f"peer{i} {short_id(peer.node.peer_id)}{stopped} task {task_cid[:12]}: {shown}")
         return "--- local peers ---\n" + "\n".join(lines) + "\n"
 
     async def wait_until(self, predicate: Callable[[], T | None], timeout: float, what: str | None = None) -> T:

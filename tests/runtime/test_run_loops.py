@@ -15,11 +15,13 @@ from typing import Any
 import pytest
 import trio
 
+from p2ptrain.data.manifest import Manifest
 from p2ptrain.errors import UserError
+from p2ptrain.logs import short_id
 from p2ptrain.ipfs.store import ContentUnavailable
 from p2ptrain.testing import LocalPeers, local_peers, publish_digits_task
 from p2ptrain.training.records import Chain, record_from_bytes
-from p2ptrain.training.task import TaskError
+from p2ptrain.training.task import TaskError, task_from_bytes
 
 # Each test, whole: peers start, torch warms up, the members train a tiny MLP to a checkpoint or
 # two. Well under a minute alone; this bound leaves room for a loaded 2-core box.
@@ -106,6 +108,28 @@ async def test_members_agree_on_one_coordinator_and_every_member_follows_its_pla
             assert {(s["coordinator"], s["term"]) for s in _statuses(peers, task_cid)} == {(first[0]["coordinator"], term)}
 
 
+# -- data replication: every member ends up holding every shard --------------------------------------
+
+
+async def test_every_member_comes_to_hold_every_shard_not_only_its_own(tmp_path: Path) -> None:
+    with trio.fail_after(DEADLINE_S):
+        async with local_peers(2, tmp_path) as peers:
+            task_cid = await _start_run(peers)
+            store = peers[0].content.store
+            task = task_from_bytes(store.cat(task_cid))
+            manifest = Manifest.load(store, task.dataset.manifest)
+            train = manifest.shards(task.dataset.train_split)
+            shards = [ref.cid for ref in (*train, *manifest.shards(task.dataset.test_split))]
+            assert len(train) == 4  # two members: each trains on two of them, and must fetch the rest
+            member = peers[1].content.store
+
+            def replicated() -> bool:
+                _failed(_statuses(peers, task_cid))
+                return all(member.has(cid) for cid in shards)
+
+            await peers.wait_until(replicated, STEP_S, what="every shard held by the member that did not publish")
+
+
 # -- the round loop: identical steps; attesting: a quorum confirms what each member computed ------------
 
 
@@ -137,7 +161,7 @@ async def test_a_confirmed_record_names_the_model_each_member_computed_itself(tm
             blobs = []
             for peer in peers:
                 store = peer.content.store
-                assert store.has(record["model_cid"]), f"{peer.node.short_id} did not compute model v1 itself"
+                assert store.has(record["model_cid"]), f"{short_id(peer.node.peer_id)} did not compute model v1 itself"
                 blobs.append(store.cat(record["model_cid"]))
                 assert store.add_bytes(blobs[-1], only_hash=True) == record["model_cid"]
             assert len(set(blobs)) == 1
