@@ -56,7 +56,7 @@ from p2ptrain.logs import short_id
 from p2ptrain.training import signing
 from p2ptrain.training.records import quorum
 from p2ptrain.training.signing import SignatureError
-from p2ptrain.training.voters import ElectionConfig, View, designated, voters_alive
+from p2ptrain.training.voters import ElectionConfig, View, certificate_problem, designated, voters_alive
 from p2ptrain.wire.messages import CoordinatorBeat, SignedVote, Vote, VoteRequest
 
 log = logging.getLogger(__name__)
@@ -335,22 +335,7 @@ class Election:
 
     def check_certificate(self, beat: CoordinatorBeat) -> str | None:
         """Why ``beat``'s votes do not elect its coordinator under our roster, or None if they do."""
-        voters = set(self._voters())
-        seen: set[str] = set()
-        for signed in beat.votes:
-            v = signed.vote
-            if (v.task_cid, v.term, v.candidate) != (self.task_cid, beat.term, beat.coordinator):
-                return f"a vote in the certificate is for another election ({v.term}, {short_id(v.candidate)})"
-            if v.voter in seen or v.voter not in voters:
-                continue
-            try:
-                signing.verify(v, v.voter, signed.signature)
-            except SignatureError as exc:
-                return str(exc)
-            seen.add(v.voter)
-        if len(seen) < quorum(len(voters)):
-            return f"{len(seen)} valid roster votes, a quorum is {quorum(len(voters))}"
-        return None
+        return certificate_problem(self.task_cid, beat, self._voters())
 
     def _on_beat(self, now: float, sender: str, beat: CoordinatorBeat) -> list[ElectionMessage]:
         if sender != beat.coordinator:

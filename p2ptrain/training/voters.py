@@ -1,4 +1,4 @@
-"""Who takes part in an election: the election's settings, the candidate order, and who counts as alive.
+"""Who takes part in an election: its settings, the candidate order, who counts as alive, whose votes elect.
 
 Pure, like :mod:`p2ptrain.training.election`: the node hands in a :class:`View` of what it sees of
 its peers (the mesh's heartbeats, who advertises the task, who a round found unreachable, which
@@ -11,6 +11,12 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
+
+from p2ptrain.logs import short_id
+from p2ptrain.training import signing
+from p2ptrain.training.records import quorum
+from p2ptrain.training.signing import SignatureError
+from p2ptrain.wire.messages import CoordinatorBeat
 
 
 @dataclass(frozen=True)
@@ -82,3 +88,24 @@ def rank(task_cid: str, term: int, peer: str) -> bytes:
 def designated(task_cid: str, term: int, candidates: Collection[str]) -> str | None:
     """The one peer that should stand in ``term``: the lowest rank among ``candidates``."""
     return min(candidates, key=lambda p: rank(task_cid, term, p), default=None)
+
+
+def certificate_problem(task_cid: str, beat: CoordinatorBeat, voters: Collection[str]) -> str | None:
+    """Why ``beat``'s votes do not elect its coordinator under the roster ``voters``, or None if they
+    do: a quorum of distinct roster members' valid signatures for this task, term and coordinator."""
+    voters = set(voters)
+    seen: set[str] = set()
+    for signed in beat.votes:
+        v = signed.vote
+        if (v.task_cid, v.term, v.candidate) != (task_cid, beat.term, beat.coordinator):
+            return f"a vote in the certificate is for another election ({v.term}, {short_id(v.candidate)})"
+        if v.voter in seen or v.voter not in voters:
+            continue
+        try:
+            signing.verify(v, v.voter, signed.signature)
+        except SignatureError as exc:
+            return str(exc)
+        seen.add(v.voter)
+    if len(seen) < quorum(len(voters)):
+        return f"{len(seen)} valid roster votes, a quorum is {quorum(len(voters))}"
+    return None
