@@ -22,10 +22,11 @@ DIGITS = 7
 def compute(train_features: np.ndarray) -> Standardize:
     """Mean and (population) std of each feature over the train split's samples (axis 0)."""
     flat = np.asarray(train_features, dtype=np.float64).reshape(len(train_features), -1)
-    def rounded(values: np.ndarray) -> tuple[float, ...]:
-        return tuple(float(f"{v:.{DIGITS}g}") for v in values)
+    return Standardize(_rounded(flat.mean(axis=0)), _rounded(flat.std(axis=0)))
 
-    return Standardize(rounded(flat.mean(axis=0)), rounded(flat.std(axis=0)))
+
+def _rounded(values: np.ndarray) -> tuple[float, ...]:
+    return tuple(float(f"{v:.{DIGITS}g}") for v in values)
 
 
 def apply(features: np.ndarray, stats: Standardize) -> np.ndarray:
