@@ -20,7 +20,8 @@ def cmd_add(args: argparse.Namespace) -> int:
     with content_errors():
         try:
             cid, manifest = build_dataset(
-                store, args.name or name, features, labels, args.shards, args.test_fraction, args.seed
+                store, args.name or name, features, labels, args.shards, args.test_fraction, args.seed,
+                standardize=args.standardize,
             )
         except (ValueError, ManifestError) as exc:
             raise UserError(f"{args.source}: {exc}") from None
@@ -46,6 +47,9 @@ def cmd_info(args: argparse.Namespace) -> int:
     print(f"dataset  {manifest.name}  ({args.cid})")
     for key, spec in (("features", manifest.features), ("labels", manifest.labels)):
         print(f"{key:<9}{spec.dtype} {list(spec.shape)}")
+    if manifest.standardize is not None:
+        print(f"standardized: per-feature mean and std of the train split ({len(manifest.standardize.mean)} "
+              "features), applied by IPFSDataset and model eval")
     for split, shards in manifest.splits.items():
         print(f"{split}: {manifest.num_samples(split)} samples, {len(shards)} shards")
         for i, shard in enumerate(shards):
@@ -65,6 +69,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="fraction of samples held out as the test split (default 0.2)")
     p.add_argument("--seed", type=int, default=0, help="seed of the train/test split (default 0)")
     p.add_argument("--name", default=None, help="dataset name (default: from the source)")
+    p.add_argument("--standardize", action="store_true",
+                   help="store the train split's per-feature mean and std in the manifest; readers "
+                   "(training, model eval, IPFSDataset) then see (x - mean) / std. For raw tabular "
+                   "features on different scales")
     add_store_options(p)
     p.set_defaults(func=cmd_add)
 

@@ -41,7 +41,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
     evaluate = msub.add_parser("eval", help="accuracy and loss of a model on a dataset split")
     evaluate.add_argument("model", metavar="MODEL_CID|PATH")
-    evaluate.add_argument("--dataset", required=True, metavar="MANIFEST_CID", type=cid_arg, help="dataset manifest CID")
+    evaluate.add_argument("--dataset", required=True, metavar="MANIFEST_CID", type=cid_arg,
+                          help="dataset manifest CID (a --standardize dataset is evaluated standardized, as trained)")
     evaluate.add_argument("--split", default="test", help="split to evaluate on (default test)")
     evaluate.add_argument("--batch-size", type=int, default=256)
     _source_options(evaluate)
@@ -216,6 +217,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     ensure_local(home, wanted, args.bootstrap, then=lambda store: split_shards(store, args.dataset, args.split))
     store = open_store(home)
     module = load_model(args.model, store=store)
+    # IPFSDataset applies the manifest's standardization (dataset add --standardize): the model is
+    # evaluated on the inputs it was trained on.
     dataset = IPFSDataset(args.dataset, split=args.split, store=store, shuffle=False)
     result = dataclasses.asdict(evaluate_batches(module, batched(dataset, args.batch_size)))
     if args.json:

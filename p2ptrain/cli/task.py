@@ -89,17 +89,49 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def render_status(s: dict[str, Any]) -> str:
-    """Human-readable task status."""
-    acc = s.get("accuracy")
+    """Human-readable task status: progress as the last *completed* round and step, the latest
+    confirmed model with its test metrics, and what the run waits for before its first round."""
     lines = [
         f"task       {s['name']} ({s['task_cid']})",
         f"state      {s['state']}" + (f" ({s['error']})" if s.get("error") else ""),
-        f"progress   round {s.get('round')}, step {s.get('step')}/{s.get('total_steps')}",
+        f"progress   {_progress(s)}",
         f"members    {len(s.get('members') or [])}: " + ", ".join(short_id(m) for m in s.get("members") or []),
     ]
     if s.get("member"):
         lines.append(f"coordinator {short_id(s.get('coordinator') or '-')} (term {s.get('term')})")
-        lines.append(f"loss       {s.get('loss')}, accuracy {acc if acc is None else f'{acc:.3f}'}")
+        if s.get("loss") is not None:
+            lines.append(f"training   loss {_num(s.get('loss'), '.4g')} (this peer's last round)")
         lines.append(f"sent       {s.get('bytes_sent', 0)} bytes over {s.get('rounds_done', 0)} rounds")
-    lines.append(f"model      v{s.get('version', 0)} {s.get('latest_model_cid') or '-'}")
+    lines.append(f"model      {_model(s)}")
     return "\n".join(lines)
+
+
+def _num(value: Any, spec: str = ".3f") -> str:
+    """A metric for people: fixed digits, '-' when there is none."""
+    return "-" if value is None else format(float(value), spec)
+
+
+def _progress(s: dict[str, Any]) -> str:
+    total = s.get("total_steps") or "?"
+    if not s.get("member"):  # what the run's head says: its step, not a round this node saw complete
+        return f"step {s.get('step', 0)}/{total}"
+    if s.get("last_round") is None:
+        text = f"no round completed yet (step {s.get('step', 0)}/{total})"
+        waiting = s.get("waiting_for_peers") or 0
+        if waiting:
+            text += f"; waiting for {waiting} more peer{'s' if waiting > 1 else ''}"
+        return text
+    return f"round {s['last_round']} completed, step {s['last_step']}/{total}"
+
+
+def _model(s: dict[str, Any]) -> str:
+    """The latest confirmed model: version, CID and the test metrics its record carries."""
+    if not s.get("version"):
+        return "none confirmed yet" + (f" (initial model {s['latest_model_cid']})" if s.get("latest_model_cid") else "")
+    text = f"v{s['version']} {s.get('latest_model_cid') or '-'}"
+    chain = s.get("chain") or []
+    metrics = chain[-1].get("metrics", {}) if chain else {}
+    if "accuracy" in metrics or "loss" in metrics:
+        text += f"\n           test accuracy {_num(metrics.get('accuracy'))}, test loss {_num(metrics.get('loss'))}"
+        text += f" (round {chain[-1].get('round')}, step {chain[-1].get('step')})"
+    return text

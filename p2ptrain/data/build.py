@@ -13,6 +13,7 @@ import numpy as np
 
 from p2ptrain.data.manifest import Manifest, ShardRef
 from p2ptrain.data.shards import encode_shard, spec_of
+from p2ptrain.data.standardize import compute as standardize_stats
 from p2ptrain.ipfs.store import ContentStore
 
 
@@ -24,6 +25,7 @@ def build_dataset(
     num_shards: int,
     test_fraction: float = 0.2,
     seed: int = 0,
+    standardize: bool = False,
 ) -> tuple[str, Manifest]:
     """Store the shards and the manifest; return ``(manifest_cid, manifest)``.
 
@@ -53,5 +55,6 @@ def build_dataset(
                      len(part))
             for part in np.array_split(idx, count)
         )
-    manifest = Manifest(name, spec_of(features), spec_of(labels), refs)
+    stats = standardize_stats(features[splits["train"]]) if standardize else None
+    manifest = Manifest(name, spec_of(features), spec_of(labels), refs, stats)
     return manifest.save(store), manifest

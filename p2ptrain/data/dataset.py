@@ -5,6 +5,8 @@ content store, which verifies every block and keeps it, so the second epoch read
 one shard is consumed the next, if it is not local yet, is fetched in a background thread. Order is a
 pure function of ``(seed, epoch)``: every worker computes the same shard permutation and takes its own
 slice, so with ``set_epoch`` each epoch sees every sample of the selection exactly once, in a new order.
+A manifest made with ``dataset add --standardize`` has its features standardized here, so training and
+``model eval`` see the same inputs.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from p2ptrain.data.manifest import Manifest, ShardRef
 from p2ptrain.data.shards import ShardError, decode_shard
+from p2ptrain.data.standardize import apply as standardize
 from p2ptrain.errors import UserError
 from p2ptrain.ipfs.cid import BlockMismatch
 from p2ptrain.ipfs.store import ContentStore, ContentUnavailable, open_store
@@ -112,7 +115,8 @@ class IPFSDataset(IterableDataset):
         return ids
 
     def load_shard(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Fetch (or read from cache), verify and decode shard ``index`` of the split."""
+        """Fetch (or read from cache), verify and decode shard ``index`` of the split; standardize its
+        features when the manifest says so (as float32)."""
         ref: ShardRef = self.manifest.shards(self.split)[index]
         try:
             data = self.store.cat(ref.cid)
@@ -124,6 +128,8 @@ class IPFSDataset(IterableDataset):
             raise ShardUnavailable(
                 f"shard {index} of split {self.split!r} ({ref.cid}) cannot be used: {reason}", ref.cid
             ) from exc
+        if self.manifest.standardize is not None:
+            features = standardize(features, self.manifest.standardize)
         return torch.from_numpy(features), torch.from_numpy(labels)
 
     def _prefetch(self, pool: ThreadPoolExecutor, index: int) -> Future | None:

@@ -35,6 +35,10 @@ MAX_SAMPLE_ELEMENTS = 1 << 24
 MAX_SHARD_SAMPLES = 1 << 31
 # A manifest nests four levels (manifest > splits > list > shard); eight refuse any bomb early.
 MAX_DEPTH = 8
+# Features a manifest may carry standardization for (a mean and a std each): 65,536 take about
+# 1.6 MB of canonical JSON, within MAX_MANIFEST_BYTES; wider samples (images) are not what
+# per-feature standardization is for.
+MAX_STANDARDIZE_FEATURES = 1 << 16
 DTYPES = frozenset(
     {"float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "bool"}
 )
@@ -60,11 +64,23 @@ class ShardRef:
 
 
 @dataclass(frozen=True)
+class Standardize:
+    """Per-feature mean and standard deviation of the train split, flattened in sample order: readers
+    (``IPFSDataset``, so training and ``model eval``) map ``x`` to ``(x - mean) / std`` (a feature
+    with std 0 to ``x - mean``). Set by ``dataset add --standardize``."""
+
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+
+
+@dataclass(frozen=True)
 class Manifest:
     name: str
     features: TensorSpec
     labels: TensorSpec
     splits: dict[str, tuple[ShardRef, ...]]
+    # Optional, and absent from the JSON when None: manifests from before it keep their bytes and CIDs.
+    standardize: Standardize | None = None
 
     def num_samples(self, split: str) -> int:
         return sum(s.num_samples for s in self.shards(split))
@@ -88,7 +104,8 @@ class Manifest:
                 split: [{"cid": s.cid, "num_samples": s.num_samples} for s in shards]
                 for split, shards in self.splits.items()
             },
-        }
+        } | ({"standardize": {"mean": list(self.standardize.mean), "std": list(self.standardize.std)}}
+             if self.standardize is not None else {})
 
     def to_json(self) -> bytes:
         """The canonical encoding; validated, so a manifest we write is one we would accept."""
@@ -151,7 +168,8 @@ def _spec(obj: Any, where: str) -> TensorSpec:
 
 
 def _parse(raw: Any) -> Manifest:
-    raw = _keys(raw, "manifest", {"schema", "version", "name", "features", "labels", "splits"})
+    keys = {"schema", "version", "name", "features", "labels", "splits"}
+    raw = _keys(raw, "manifest", keys | ({"standardize"} & set(raw)) if isinstance(raw, dict) else keys)
     if raw["schema"] != SCHEMA or type(raw["version"]) is not int or raw["version"] != VERSION:
         raise ManifestError(f"not a {SCHEMA} version {VERSION} manifest")
     if not isinstance(raw["name"], str) or not _NAME.fullmatch(raw["name"]):
@@ -180,5 +198,23 @@ def _parse(raw: Any) -> Manifest:
                 raise ManifestError(f"{where}.cid must be a CID in canonical text form")
             refs.append(ShardRef(cid, _int(shard["num_samples"], f"{where}.num_samples", 1, MAX_SHARD_SAMPLES)))
         splits[split] = tuple(refs)
-    return Manifest(raw["name"], _spec(raw["features"], "features"), _spec(raw["labels"], "labels"),
-                    splits)
+    features = _spec(raw["features"], "features")
+    standardize = _standardize(raw["standardize"], features) if "standardize" in raw else None
+    return Manifest(raw["name"], features, _spec(raw["labels"], "labels"), splits, standardize)
+
+
+def _floats(value: Any, where: str, count: int, low: float) -> tuple[float, ...]:
+    if type(value) is not list or len(value) != count:
+        raise ManifestError(f"{where} must be a list of {count} numbers (one per feature)")
+    if not all(type(v) in (int, float) and math.isfinite(v) and v >= low for v in value):
+        raise ManifestError(f"{where} must hold finite numbers" + (f" >= {low}" if low > -math.inf else ""))
+    return tuple(float(v) for v in value)
+
+
+def _standardize(obj: Any, features: TensorSpec) -> Standardize:
+    obj = _keys(obj, "standardize", {"mean", "std"})
+    count = math.prod(features.shape)
+    if count > MAX_STANDARDIZE_FEATURES:
+        raise ManifestError(f"standardize: {count} features exceed {MAX_STANDARDIZE_FEATURES}")
+    return Standardize(_floats(obj["mean"], "standardize.mean", count, -math.inf),
+                       _floats(obj["std"], "standardize.std", count, 0.0))

@@ -125,6 +125,9 @@ class TaskRun:
             "sync_s": round(run.timings.sync_s, 4),
             "apply_s": round(run.timings.apply_s, 4),
             "rejected": dict(run.rejected),
+            # issue 15: the last round completed (not the start of the last span), and before the
+            # first round how many more advertising peers the task needs.
+            **_progress(run),
         }
 
     # -- lifetime ----------------------------------------------------------------------------
@@ -251,3 +254,24 @@ class TaskRun:
             self.resync.catch_up(sender, plan)
             return
         self.spans.follow(plan)
+
+
+def _progress(run: RunState) -> dict[str, Any]:
+    """``last_round``/``last_step``: the last round this member completed and the step after it
+    (round ``plan.round + i`` of a followed plan ends at step ``plan.step + i + 1``; a member that
+    loaded a checkpoint instead is at its record's last round); None before the first round.
+    ``waiting_for_peers``: before the first plan, how many more peers must advertise the task to
+    reach ``peers.min`` (0 once a plan exists)."""
+    book, trainer = run.book, run.trainer
+    step = trainer.step if trainer else 0
+    plan = book.last_plan if book else None
+    last_round: int | None = None
+    if plan is not None and plan.step < step <= plan.step + plan.rounds:
+        last_round = plan.round + (step - plan.step) - 1
+    elif book is not None and book.chain.records and step == book.head_step:
+        last_round = book.chain.records[-1].record.round
+    waiting = 0
+    if book is not None and plan is None and book.observed is None and not book.chain.records:
+        waiting = max(0, run.task.peers.min - len(run.advertising()))
+    return {"last_round": last_round, "last_step": step if last_round is not None else None,
+            "waiting_for_peers": waiting}

@@ -52,6 +52,12 @@ _INDEX = re.compile(r"[0-9]{1,9}")
 # tensorfile.MAX_NAME_LENGTH) and the metadata (the model card, a few hundred bytes; 64 KiB allowed).
 _HEADER_PER_TENSOR = 512
 _HEADER_SLACK = 64 * 1024
+# A fresh classifier's cross-entropy is about log(num_classes) (uniform guesses); a local loss over
+# LOSS_WARN_FACTOR times that in the first LOSS_WARN_STEPS steps means the inputs are on a scale the
+# model cannot start from (raw tabular features: losses of 25-72 on a 2-class CSV), so the log says
+# once per trainer that the features may need ``dataset add --standardize``.
+LOSS_WARN_FACTOR = 10.0
+LOSS_WARN_STEPS = 10
 _OPTIMIZER_STATE_KEYS = {"sgd": {"momentum_buffer"}, "adam": {"step", "exp_avg", "exp_avg_sq"},
                          "adamw": {"step", "exp_avg", "exp_avg_sq"}}
 
@@ -223,6 +229,7 @@ class Trainer:
         self.pending_loss = math.nan
         self._snapshot: tuple[int, dict[str, torch.Tensor], dict[str, torch.Tensor]] | None = None
         self._snapshot_buffers: dict[str, torch.Tensor] = {}
+        self.warned_loss = False  # the enormous-first-loss warning was given (once per trainer)
 
     @property
     def num_parameters(self) -> int:
@@ -253,7 +260,7 @@ class Trainer:
         scale = FP16_LOSS_SCALE if self.precision == "fp16" else 1.0
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        total = 0.0
+        total, classes = 0.0, 0
         for i in range(k):
             try:
                 x, y = next(batches)
@@ -265,6 +272,8 @@ class Trainer:
             loss, _hits, _n = loss_and_hits(logits, y)
             (loss * (scale / k)).backward()
             total += float(loss.detach())
+            classes = logits.shape[-1]
+        self._check_first_loss(total / k, classes)
         flat = torch.cat([
             (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float() for p in self.params
         ]).cpu()
@@ -275,6 +284,17 @@ class Trainer:
             flat.zero_()
         self.pending, self.pending_loss = flat, total / k
         return flat
+
+    def _check_first_loss(self, loss: float, classes: int) -> None:
+        """Warn (once) when an early loss is enormous for ``classes`` classes: see LOSS_WARN_FACTOR."""
+        if self.warned_loss or self.step >= LOSS_WARN_STEPS or classes < 2 or not math.isfinite(loss):
+            return
+        limit = LOSS_WARN_FACTOR * math.log(classes)
+        if loss > limit:
+            self.warned_loss = True
+            log.warning("step %d: local loss %.4g is over %.0fx log(%d classes) = %.3g this early: the features "
+                        "may need --standardize (p2ptrain dataset add --standardize)", self.step, loss,
+                        LOSS_WARN_FACTOR, classes, limit)
 
     def apply(self, averaged: torch.Tensor) -> StepResult:
         """One optimizer step with the members' mean gradient; every member computes the same update."""

@@ -1,0 +1,91 @@
+"""`p2ptrain task status`: the status a member reports (TaskRun.status) and how the CLI shows it.
+
+One in-process run on two real loopback peers (``p2ptrain.testing.local_peers``) gives the three
+status dicts the human output must read well: before the first round (one member waiting for the
+second, ``peers.min = 2``), at the first confirmed model, and done. Each is checked as a dict (the new
+``--json`` keys) and as rendered text (rounds completed, not the start of a span; formatted test
+metrics; the training loss labelled as such).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from p2ptrain.cli.task import render_status
+from p2ptrain.testing import LocalPeers, local_peers, publish_digits_task
+
+# The whole test: two peers start, torch warms up, a tiny MLP trains 9 steps. Well under a minute
+# alone; the bound leaves room for a loaded 2-core box.
+DEADLINE_S = 120.0
+# One condition (the join's head wait, a checkpoint, the end of the run).
+STEP_S = 60.0
+TOTAL_STEPS = 9
+CHECKPOINT_INTERVAL = 3
+# Keys `task status --json` had before issue 15: a contract, kept.
+OLD_KEYS = {"task_cid", "name", "state", "error", "member", "synced", "round", "step", "total_steps", "members",
+            "coordinator", "term", "version", "latest_model_cid", "chain", "loss", "accuracy", "test_loss",
+            "bytes_sent", "rounds_done", "compute_s", "sync_s", "apply_s", "rejected"}
+# A float printed raw (repr) has more than 4 decimals: formatted metrics never do.
+RAW_FLOAT = re.compile(r"\d\.\d{5,}")
+
+
+async def _wait(peers: LocalPeers, index: int, task_cid: str, ok: Any, what: str) -> dict[str, Any]:
+    def check() -> dict[str, Any] | None:
+        s = peers.status(index, task_cid)
+        assert s.get("state") != "failed", s.get("error")
+        return s if s and ok(s) else None
+
+    return await peers.wait_until(check, STEP_S, what=what)
+
+
+async def test_status_says_the_last_completed_round_the_confirmed_model_and_who_it_waits_for(tmp_path: Path) -> None:
+    with trio.fail_after(DEADLINE_S):
+        async with local_peers(2, tmp_path) as peers:
+            task_cid = await publish_digits_task(peers[0], total_steps=TOTAL_STEPS,
+                                                 checkpoint_interval=CHECKPOINT_INTERVAL, min_peers=2)
+            await peers[0].tasks.join(task_cid)
+            before = await _wait(peers, 0, task_cid, lambda s: s["state"] == "training", "the first member synced")
+            assert OLD_KEYS <= set(before)
+            assert (before["last_round"], before["last_step"], before["waiting_for_peers"]) == (None, None, 1)
+            text = render_status(before)
+            assert "None" not in text, text
+            assert "no round completed yet (step 0/9); waiting for 1 more peer" in text, text
+            assert "model      none confirmed yet" in text, text
+
+            await peers[1].tasks.join(task_cid)
+            mid = await _wait(peers, 0, task_cid, lambda s: s["version"] >= 1, "model v1")
+            assert OLD_KEYS <= set(mid)
+            # Round r of a span ends at step r + 1 here (no retries); v1 is the span ending at step 3.
+            assert mid["last_step"] == mid["step"] >= CHECKPOINT_INTERVAL
+            assert mid["last_round"] == mid["last_step"] - 1 and mid["waiting_for_peers"] == 0
+            record = mid["chain"][0]
+            assert (record["round"], record["step"]) == (CHECKPOINT_INTERVAL - 1, CHECKPOINT_INTERVAL)
+            text = render_status(mid)
+            assert f"round {mid['last_round']} completed, step {mid['last_step']}/9" in text, text
+            metrics = record["metrics"]
+            assert (f"test accuracy {metrics['accuracy']:.3f}, test loss {metrics['loss']:.3f} "
+                    f"(round 2, step 3)") in text, text
+            assert "training   loss " in text and "(this peer's last round)" in text, text
+            assert not RAW_FLOAT.search(text), text
+
+            done = await _wait(peers, 0, task_cid, lambda s: s["state"] == "done", "the run done")
+            assert (done["last_round"], done["last_step"]) == (TOTAL_STEPS - 1, TOTAL_STEPS)
+            assert done["chain"][-1]["round"] == TOTAL_STEPS - 1  # the record's round: the span's last
+            text = render_status(done)
+            assert "state      done" in text and "round 8 completed, step 9/9" in text, text
+            assert f"model      v{done['version']} {done['latest_model_cid']}" in text, text
+            assert not RAW_FLOAT.search(text), text
+
+
+def test_a_non_member_shows_the_heads_step_not_a_round_it_did_not_see_complete() -> None:
+    # The shape runtime/tasks.py reports for a task this node only heard of (its head's "round" is
+    # the start of the coordinator's span).
+    s = {"task_cid": "bafy", "name": "t", "member": False, "state": "running", "version": 11, "step": 300,
+         "round": 275, "total_steps": 300, "latest_model_cid": "bafymodel", "members": []}
+    text = render_status(s)
+    assert "progress   step 300/300" in text and "275" not in text, text
+    assert "model      v11 bafymodel" in text, text
