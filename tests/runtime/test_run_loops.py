@@ -133,7 +133,7 @@ async def test_every_member_comes_to_hold_every_shard_not_only_its_own(tmp_path:
 # -- the round loop: identical steps; attesting: a quorum confirms what each member computed ------------
 
 
-async def test_after_the_first_checkpoint_every_member_holds_the_same_chain_and_model(tmp_path: Path) -> None:
+async def test_after_the_first_checkpoint_every_member_holds_the_same_chain_and_the_model_it_computed(tmp_path: Path) -> None:
     with trio.fail_after(DEADLINE_S):
         async with local_peers(3, tmp_path) as peers:
             task_cid = await _start_run(peers)
@@ -147,26 +147,17 @@ async def test_after_the_first_checkpoint_every_member_holds_the_same_chain_and_
             assert all(s["latest_model_cid"] == chains[i].head_cid for i, s in enumerate(_statuses(peers, task_cid)) if s["version"] == chains[i].version)
             for s in _statuses(peers, task_cid):
                 assert s["chain"][0]["model_cid"] == firsts[0].model_cid
-
-
-async def test_a_confirmed_record_names_the_model_each_member_computed_itself(tmp_path: Path) -> None:
-    """Confirmed (version >= 1 everywhere) means a quorum attested that their own weights hash to
-    the record's CID: each member's store holds those bytes, stored by itself at the checkpoint
-    (no member fetches a model while in step), and the initial model they started from."""
-    with trio.fail_after(DEADLINE_S):
-        async with local_peers(3, tmp_path) as peers:
-            task_cid = await _start_run(peers)
-            statuses = await _all_at_version(peers, task_cid, 1)
-            record = statuses[0]["chain"][0]
+            # Attesting: confirmed means a quorum attested that their own weights hash to the
+            # record's CID: each member's store holds those bytes, stored by itself at the
+            # checkpoint (no member fetches a model while in step), from the same initial model.
             blobs = []
             for peer in peers:
                 store = peer.content.store
-                assert store.has(record["model_cid"]), f"{short_id(peer.node.peer_id)} did not compute model v1 itself"
-                blobs.append(store.cat(record["model_cid"]))
-                assert store.add_bytes(blobs[-1], only_hash=True) == record["model_cid"]
+                assert store.has(firsts[0].model_cid), f"{short_id(peer.node.peer_id)} did not compute model v1 itself"
+                blobs.append(store.cat(firsts[0].model_cid))
+                assert store.add_bytes(blobs[-1], only_hash=True) == firsts[0].model_cid
             assert len(set(blobs)) == 1
-            assert len({_chain_on_disk(peer, task_cid).initial_cid for peer in peers}) == 1
-
+            assert len({chain.initial_cid for chain in chains}) == 1
 
 
 async def test_a_run_ends_done_on_every_member_at_its_last_checkpoint(tmp_path: Path) -> None:
