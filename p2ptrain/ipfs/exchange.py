@@ -206,11 +206,17 @@ class BlockExchange:
         """A stream a peer opened to us: read it until it ends or idles out (behind the guard)."""
         await self._handle_stream(stream, idle_timeout=INBOUND_IDLE_S)
 
-    async def _handle_stream(self, stream: INetStream, idle_timeout: float = math.inf) -> None:
+    async def _handle_stream(
+        self, stream: INetStream, idle_timeout: float = math.inf, *, ours: bool = False
+    ) -> None:
         """Read every message a peer sends us on a stream it opened (or on ours, if it answers there).
 
         What the peer holds here is bounded by its byte budget; a bad, oversize, over-budget or
         too slow message resets the stream and is counted in :attr:`rejected`.
+
+        The end of the peer's side is only the end of *its* writing: on a stream it opened we close
+        ours too (we never write there), but on a stream we opened (``ours``) the write side stays
+        open for our sender. js-libp2p 3 (Helia) half-closes every incoming Bitswap stream at once.
         """
         peer_id = stream.muxed_conn.peer_id
         budget, users = self._budgets.get(peer_id, (None, 0))
@@ -237,7 +243,8 @@ class BlockExchange:
                 self._budgets[peer_id] = (budget, users - 1)
             else:
                 del self._budgets[peer_id]
-            await _close(stream)
+            if not ours:  # our sender closes its own stream when it is done with it
+                await _close(stream)
 
     def _on_message(self, peer_id: ID, msg: Received) -> None:
         if msg.wants or msg.full_wantlist:
@@ -385,7 +392,7 @@ class BlockExchange:
         """Read what a peer answers on the stream we opened, behind the same exception boundary as
         inbound streams (this task runs in the exchange's nursery: an escape would end it)."""
         try:
-            await self._handle_stream(stream)
+            await self._handle_stream(stream, ours=True)
         except Exception:
             count_rejection(self._guard.counters, "handler_error", logger, logging.ERROR,
                             "bitswap: reading our stream to %s failed; stream reset",
