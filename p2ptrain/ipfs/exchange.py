@@ -347,7 +347,7 @@ class BlockExchange:
                 nursery.start_soon(self._pack_loop, peer, packed)
                 async with to_write:
                     async for message in to_write:
-                        await peer.stream.write(message)
+                        await self._write(peer, message)
         except Exception as exc:
             reason = f"stream failed: {exc!r}"
             logger.info("bitswap: dropping peer %s: %s", short_id(peer.id), reason)
@@ -378,6 +378,25 @@ class BlockExchange:
                 while peer.wants or peer.serve:
                     for message in await self._next_messages(peer):
                         await packed.send(message)
+
+    async def _write(self, peer: _Peer, message: bytes) -> None:
+        """Write one message on our stream to ``peer``; if the peer ended that stream, once more on a
+        fresh one.
+
+        A peer may end a stream we opened while it idles: Helia resets an incoming Bitswap stream
+        with no message for 10 s (5 s in older versions), well before our _SEND_IDLE_S. That is not
+        a failure of the peer, so the message goes on a new stream; a second failure in a row is.
+        """
+        assert peer.stream is not None
+        try:
+            await peer.stream.write(message)
+            return
+        except _STREAM_ENDED as exc:
+            logger.debug("bitswap: our stream to %s ended (%r); opening a fresh one",
+                         short_id(peer.id), exc)
+        await _reset(peer.stream)
+        await self._open(peer)
+        await peer.stream.write(message)
 
     async def _open(self, peer: _Peer) -> None:
         with trio.fail_after(DIAL_TIMEOUT):

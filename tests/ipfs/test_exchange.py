@@ -443,7 +443,7 @@ class JsLikeBitswap:
                 if blocks or donts:
                     await self._send(peer_id, blocks=blocks, dont_haves=donts)
                 self._poke()
-            if stream.muxed_conn.peer_id and self.idle_reset_s < math.inf:
+            if self.idle_reset_s < math.inf:  # idle (or ended): Helia resets it either way
                 self.resets += 1
                 await stream.reset()
                 self._poke()
@@ -506,3 +506,19 @@ async def test_fetch_from_and_serve_to_a_peer_that_half_closes_incoming_streams(
         our_root = add(node.store, ours_data, cid_version)
         with trio.fail_after(DEADLINE):
             assert await js.fetch(our_root, node.host.get_id()) == ours_data
+
+
+async def test_fetch_after_the_peer_reset_our_idle_stream(tmp_path):
+    """Helia resets an incoming Bitswap stream idle for 10 s; our sender keeps its stream up to 60 s.
+    The next want must go out on a fresh stream, not fail the fetch (it did: 'stream failed')."""
+    first, second = content(300_000, seed=40), content(300_000, seed=41)
+    blocks = [*dag_blocks(first, 1)[0], *dag_blocks(second, 1)[0]]
+    async with js_like_pair(tmp_path, blocks, idle_reset_s=0.3) as (node, js):
+        peer = js.host.get_id()
+        with trio.fail_after(DEADLINE):
+            await node.exchange.fetch_dag(dag_blocks(first, 1)[1], [peer])
+            while not js.resets:  # the peer reset our stream for idling
+                await js.changed.wait()
+            stats = await node.exchange.fetch_dag(dag_blocks(second, 1)[1], [peer])
+        assert stats.failed == {}
+        assert bytes_of(node.store, dag_blocks(second, 1)[1]) == second
