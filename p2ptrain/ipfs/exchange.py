@@ -40,6 +40,7 @@ from libp2p.peer.peerinfo import PeerInfo
 from libp2p.stream_muxer.exceptions import MuxedConnError, MuxedStreamError
 
 from p2ptrain.ipfs.bitswap_wire import (
+    MAX_ENTRIES,
     MAX_MESSAGE_SIZE,
     ByteBudget,
     PROTOCOLS,
@@ -420,8 +421,11 @@ class BlockExchange:
 
     async def _next_messages(self, peer: _Peer) -> list[bytes]:
         """Take queued wants and up to one batch of served blocks; pack them into messages."""
-        wants = list(peer.wants.values())
-        peer.wants.clear()
+        # At most MAX_ENTRIES wants a message: a receiver refuses more (ours does, bitswap_wire);
+        # the rest go in the next message.
+        wants = []
+        while peer.wants and len(wants) < MAX_ENTRIES:
+            wants.append(peer.wants.pop(next(iter(peer.wants))))
         items = []
         while peer.serve and len(items) < _SERVE_BATCH:
             key = next(iter(peer.serve))

@@ -522,3 +522,20 @@ async def test_fetch_after_the_peer_reset_our_idle_stream(tmp_path):
             stats = await node.exchange.fetch_dag(dag_blocks(second, 1)[1], [peer])
         assert stats.failed == {}
         assert bytes_of(node.store, dag_blocks(second, 1)[1]) == second
+
+
+async def test_a_wantlist_longer_than_one_message_may_carry_is_split(tmp_path):
+    """A receiver takes at most MAX_ENTRIES wants a message (go and JS bound theirs too); more queued
+    at once went out as one message, which the provider refused and reset (the fetch then failed)."""
+    from p2ptrain.ipfs.bitswap_wire import MAX_ENTRIES
+
+    data = content(300_000, seed=50)
+    async with nodes(tmp_path, BlockStore, BlockStore) as (provider, fetcher):
+        root = add(provider.store, data)
+        await fetcher.host.connect(provider.info)
+        absent = [make_cid(b"absent %d" % i) for i in range(MAX_ENTRIES + 100)]
+        fetcher.exchange.send_wants(provider.host.get_id(), [WantEntry(c) for c in absent])
+        with trio.fail_after(DEADLINE):
+            await fetcher.exchange.fetch_dag(root, [provider.info])
+        assert bytes_of(fetcher.store, root) == data
+        assert provider.exchange.stats().get("rejected_bad_message", 0) == 0
