@@ -404,6 +404,8 @@ class JsLikeBitswap:
         self.host = host
         self.held = {cid.digest: (cid, data) for cid, data in blocks}
         self.got: dict[bytes, bytes] = {}
+        self.haves: list = []
+        self.dont_haves: list = []
         self.idle_reset_s = idle_reset_s
         self.resets = 0
         self.changed = trio.Event()
@@ -440,6 +442,8 @@ class JsLikeBitswap:
                         donts.append(want.cid)
                 for block in msg.blocks:
                     self.got[block.multihash] = block.data
+                self.haves += msg.haves
+                self.dont_haves += msg.dont_haves
                 if blocks or donts:
                     await self._send(peer_id, blocks=blocks, dont_haves=donts)
                 self._poke()
@@ -539,3 +543,21 @@ async def test_a_wantlist_longer_than_one_message_may_carry_is_split(tmp_path):
             await fetcher.exchange.fetch_dag(root, [provider.info])
         assert bytes_of(fetcher.store, root) == data
         assert provider.exchange.stats().get("rejected_bad_message", 0) == 0
+
+
+async def test_want_have_gets_have_and_send_dont_have_gets_dont_have(tmp_path):
+    """Bitswap 1.2 as Kubo and Helia ask: want-have for a held block is answered Have (not the block),
+    a want for a missing block with sendDontHave gets DontHave, and one without it gets nothing."""
+    held = make_cid(b"held block", version=1)
+    missing, quiet = make_cid(b"missing", version=1), make_cid(b"missing, no DontHave wanted", version=1)
+    async with js_like_pair(tmp_path) as (node, js):
+        node.store.put(held, b"held block")
+        with trio.fail_after(DEADLINE):
+            await js._send(node.host.get_id(), wants=[
+                WantEntry(held, want_have=True, send_dont_have=True),
+                WantEntry(quiet),
+                WantEntry(missing, send_dont_have=True),
+            ])
+            while len(js.haves) + len(js.dont_haves) < 2:
+                await js.changed.wait()
+        assert js.haves == [held] and js.dont_haves == [missing] and js.got == {}
