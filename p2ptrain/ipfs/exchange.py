@@ -4,6 +4,8 @@ Why standard Bitswap (``/ipfs/bitswap/1.2.0``, falling back to 1.1 and 1.0) rath
 a Kubo or Helia peer can then fetch our blocks and we theirs, with no gateway in between. We speak the
 protocol as Kubo does: each side sends messages only on the one long-lived stream *it* opened to the
 other, and reads every stream the other opened. Wants go out on our stream, blocks come back on theirs.
+Helia (js-libp2p 3) differs in ways we allow for: it sends each message on a fresh stream, half-closes
+every stream it accepts at once, and resets one that idles 10 s; see docs/content.md, "Interop rules".
 
 Why our own implementation rather than ``libp2p.bitswap.BitswapClient``: that client names multi-chunk
 files with the wrong CIDs, logs per block at INFO, polls, and stalled against a real Kubo node; its
