@@ -24,5 +24,8 @@ JSON
     node@22 helia @helia/unixfs @helia/bitswap@4 @helia/libp2p @libp2p/tcp @libp2p/noise @libp2p/yamux \
     @libp2p/identify @multiformats/multiaddr ipfs-unixfs-importer )
 "$DEST/node_modules/.bin/node" --version
+# ES modules resolve packages from the script's own folder: run helia-peer.mjs through a link in DEST
+# (with node --preserve-symlinks-main).
+ln -sf "$HERE/helia-peer.mjs" "$DEST/helia-peer.mjs"
 touch "$DEST/.installed"
 echo "Helia installed in $DEST"
