@@ -28,8 +28,17 @@ $(JSIPFS_STAMP): ipfs/install-jsipfs.sh
 		rm -f $@ && ipfs/install-jsipfs.sh; \
 	else echo "node/npm not found: the Kubo-backend tests will be skipped" >&2; fi
 
+# Helia (JS IPFS on js-libp2p 3) and a Node 22 binary from npm, for the Bitswap interop test
+# (tests/ipfs/test_helia.py); installed once (~1 min). Without npm the test skips and says why.
+HELIA_STAMP := ipfs/.helia/.installed
+
+$(HELIA_STAMP): ipfs/install-helia.sh
+	@if command -v npm >/dev/null; then \
+		rm -f $@ && ipfs/install-helia.sh; \
+	else echo "npm not found: the Helia interop test will be skipped" >&2; fi
+
 # pytest exits 5 when it collected no tests: that is a failure here, never a pass.
-test: $(STAMP) $(JSIPFS_STAMP)
+test: $(STAMP) $(JSIPFS_STAMP) $(HELIA_STAMP)
 	$(BIN)/python -m pytest -q; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing" >&2; exit 1; fi; \
 	exit $$rc

@@ -4,6 +4,8 @@ Why standard Bitswap (``/ipfs/bitswap/1.2.0``, falling back to 1.1 and 1.0) rath
 a Kubo or Helia peer can then fetch our blocks and we theirs, with no gateway in between. We speak the
 protocol as Kubo does: each side sends messages only on the one long-lived stream *it* opened to the
 other, and reads every stream the other opened. Wants go out on our stream, blocks come back on theirs.
+Helia (js-libp2p 3) differs in ways we allow for: it sends each message on a fresh stream, half-closes
+every stream it accepts at once, and resets one that idles 10 s; see docs/content.md, "Interop rules".
 
 Why our own implementation rather than ``libp2p.bitswap.BitswapClient``: that client names multi-chunk
 files with the wrong CIDs, logs per block at INFO, polls, and stalled against a real Kubo node; its
@@ -40,6 +42,7 @@ from libp2p.peer.peerinfo import PeerInfo
 from libp2p.stream_muxer.exceptions import MuxedConnError, MuxedStreamError
 
 from p2ptrain.ipfs.bitswap_wire import (
+    MAX_ENTRIES,
     MAX_MESSAGE_SIZE,
     ByteBudget,
     PROTOCOLS,
@@ -206,11 +209,17 @@ class BlockExchange:
         """A stream a peer opened to us: read it until it ends or idles out (behind the guard)."""
         await self._handle_stream(stream, idle_timeout=INBOUND_IDLE_S)
 
-    async def _handle_stream(self, stream: INetStream, idle_timeout: float = math.inf) -> None:
+    async def _handle_stream(
+        self, stream: INetStream, idle_timeout: float = math.inf, *, ours: bool = False
+    ) -> None:
         """Read every message a peer sends us on a stream it opened (or on ours, if it answers there).
 
         What the peer holds here is bounded by its byte budget; a bad, oversize, over-budget or
         too slow message resets the stream and is counted in :attr:`rejected`.
+
+        The end of the peer's side is only the end of *its* writing: on a stream it opened we close
+        ours too (we never write there), but on a stream we opened (``ours``) the write side stays
+        open for our sender. js-libp2p 3 (Helia) half-closes every incoming Bitswap stream at once.
         """
         peer_id = stream.muxed_conn.peer_id
         budget, users = self._budgets.get(peer_id, (None, 0))
@@ -237,7 +246,8 @@ class BlockExchange:
                 self._budgets[peer_id] = (budget, users - 1)
             else:
                 del self._budgets[peer_id]
-            await _close(stream)
+            if not ours:  # our sender closes its own stream when it is done with it
+                await _close(stream)
 
     def _on_message(self, peer_id: ID, msg: Received) -> None:
         if msg.wants or msg.full_wantlist:
@@ -340,7 +350,7 @@ class BlockExchange:
                 nursery.start_soon(self._pack_loop, peer, packed)
                 async with to_write:
                     async for message in to_write:
-                        await peer.stream.write(message)
+                        await self._write(peer, message)
         except Exception as exc:
             reason = f"stream failed: {exc!r}"
             logger.info("bitswap: dropping peer %s: %s", short_id(peer.id), reason)
@@ -372,6 +382,25 @@ class BlockExchange:
                     for message in await self._next_messages(peer):
                         await packed.send(message)
 
+    async def _write(self, peer: _Peer, message: bytes) -> None:
+        """Write one message on our stream to ``peer``; if the peer ended that stream, once more on a
+        fresh one.
+
+        A peer may end a stream we opened while it idles: Helia resets an incoming Bitswap stream
+        with no message for 10 s (5 s in older versions), well before our _SEND_IDLE_S. That is not
+        a failure of the peer, so the message goes on a new stream; a second failure in a row is.
+        """
+        assert peer.stream is not None
+        try:
+            await peer.stream.write(message)
+            return
+        except _STREAM_ENDED as exc:
+            logger.debug("bitswap: our stream to %s ended (%r); opening a fresh one",
+                         short_id(peer.id), exc)
+        await _reset(peer.stream)
+        await self._open(peer)
+        await peer.stream.write(message)
+
     async def _open(self, peer: _Peer) -> None:
         with trio.fail_after(DIAL_TIMEOUT):
             stream = await self.host.new_stream(peer.id, list(PROTOCOLS))
@@ -385,7 +414,7 @@ class BlockExchange:
         """Read what a peer answers on the stream we opened, behind the same exception boundary as
         inbound streams (this task runs in the exchange's nursery: an escape would end it)."""
         try:
-            await self._handle_stream(stream)
+            await self._handle_stream(stream, ours=True)
         except Exception:
             count_rejection(self._guard.counters, "handler_error", logger, logging.ERROR,
                             "bitswap: reading our stream to %s failed; stream reset",
@@ -394,8 +423,11 @@ class BlockExchange:
 
     async def _next_messages(self, peer: _Peer) -> list[bytes]:
         """Take queued wants and up to one batch of served blocks; pack them into messages."""
-        wants = list(peer.wants.values())
-        peer.wants.clear()
+        # At most MAX_ENTRIES wants a message: a receiver refuses more (ours does, bitswap_wire);
+        # the rest go in the next message.
+        wants = []
+        while peer.wants and len(wants) < MAX_ENTRIES:
+            wants.append(peer.wants.pop(next(iter(peer.wants))))
         items = []
         while peer.serve and len(items) < _SERVE_BATCH:
             key = next(iter(peer.serve))

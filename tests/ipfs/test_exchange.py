@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import math
 from contextlib import asynccontextmanager
 
 import pytest
@@ -385,3 +386,178 @@ async def test_fetches_work_across_idle_timeouts(tmp_path, monkeypatch):
                 await trio.sleep(0.05)  # both sides went idle and closed their streams
             await fetcher.exchange.fetch_dag(roots[1], [provider.info])
         assert bytes_of(fetcher.store, roots[1]) == second
+
+
+# ---- peers that speak Bitswap as js-libp2p 3 (Helia) does (issue 15) -----------------------------
+
+
+class JsLikeBitswap:
+    """Bitswap as Helia on js-libp2p 3 speaks it, on a real py-libp2p host.
+
+    What matters for interop (read from @helia/bitswap's network.ts): every incoming stream is
+    half-closed at once (its write side ends, it stays readable); every message it sends goes on a
+    fresh stream of its own, closed after the message; only ``/ipfs/bitswap/1.2.0``; an incoming
+    stream with no message for ``idle_reset_s`` is reset (Helia's messageReceiveTimeout, 5 s).
+    """
+
+    def __init__(self, host, blocks=(), idle_reset_s: float = math.inf) -> None:
+        self.host = host
+        self.held = {cid.digest: (cid, data) for cid, data in blocks}
+        self.got: dict[bytes, bytes] = {}
+        self.haves: list = []
+        self.dont_haves: list = []
+        self.idle_reset_s = idle_reset_s
+        self.resets = 0
+        self.changed = trio.Event()
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        from p2ptrain.ipfs.bitswap_wire import PROTOCOLS
+
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            self.host.set_stream_handler(PROTOCOLS[0], self._on_stream)
+            task_status.started()
+            await trio.sleep_forever()
+
+    def _poke(self) -> None:
+        self.changed.set()
+        self.changed = trio.Event()
+
+    async def _on_stream(self, stream) -> None:
+        from p2ptrain.ipfs.bitswap_wire import MessageReader
+
+        peer_id = stream.muxed_conn.peer_id
+        try:
+            await stream.close_write()  # js-libp2p 3: the first thing done with an incoming stream
+            reader = MessageReader(stream, idle_timeout=self.idle_reset_s)
+            while (body := await reader.next_body()) is not None:
+                msg = decode_message(body)
+                blocks, donts = [], []
+                for want in msg.wants:
+                    if want.cancel:
+                        continue
+                    if want.cid.digest in self.held:
+                        blocks.append(self.held[want.cid.digest])
+                    elif want.send_dont_have:
+                        donts.append(want.cid)
+                for block in msg.blocks:
+                    self.got[block.multihash] = block.data
+                self.haves += msg.haves
+                self.dont_haves += msg.dont_haves
+                if blocks or donts:
+                    await self._send(peer_id, blocks=blocks, dont_haves=donts)
+                self._poke()
+            if self.idle_reset_s < math.inf:  # idle (or ended): Helia resets it either way
+                self.resets += 1
+                await stream.reset()
+                self._poke()
+        except Exception:
+            pass  # the other side went away: the test sees it as a missing block
+
+    async def _send(self, peer_id, **message) -> None:
+        from p2ptrain.ipfs.bitswap_wire import PROTOCOLS
+
+        stream = await self.host.new_stream(peer_id, [PROTOCOLS[0]])
+        await stream.write(encode_message(**message))
+        await stream.close()
+
+    async def fetch(self, root, peer_id) -> bytes:
+        """The file under ``root``, level by level: each level's wants in one message on a fresh stream."""
+        from p2ptrain.ipfs.dagpb import decode_node
+
+        level = [root]
+        while level:
+            await self._send(peer_id, wants=[WantEntry(c, send_dont_have=True) for c in level])
+            while not all(c.digest in self.got for c in level):
+                await self.changed.wait()
+            level = [
+                link.cid for c in level if c.codec.name == "dag-pb"
+                for link in decode_node(self.got[c.digest]).links
+            ]
+        return b"".join(read_file(root, lambda cid: self.got[cid.digest]))
+
+
+@asynccontextmanager
+async def js_like_pair(tmp_path, blocks=(), idle_reset_s: float = math.inf):
+    """A p2ptrain node (BlockStore + BlockExchange) and a JsLikeBitswap peer, connected."""
+    async with connected_hosts(2) as (ours, theirs):
+        store = BlockStore(tmp_path / "blocks")
+        exchange = BlockExchange(ours.host, store)
+        await ours.start(exchange.run)
+        js = JsLikeBitswap(theirs.host, blocks, idle_reset_s)
+        await theirs.start(js.run)
+        yield Node(ours.host, store, exchange, ours.scope), js
+
+
+def dag_blocks(data: bytes, cid_version: int):
+    blocks = list(import_stream(io.BytesIO(data), cid_version=cid_version))
+    return blocks, blocks[-1][0]
+
+
+@pytest.mark.parametrize("cid_version", [0, 1])
+async def test_fetch_from_and_serve_to_a_peer_that_half_closes_incoming_streams(tmp_path, cid_version):
+    """Issue 15: js-libp2p 3 ends its side of our stream at once; we must keep writing on it.
+
+    Both directions of a 3 MiB file (a root and 13 leaves): each needs at least two messages on the
+    stream p2ptrain opened, the second one after the peer's half-close arrived."""
+    theirs_data, ours_data = content(3 * MiB + 5, seed=20 + cid_version), content(3 * MiB + 7, seed=30)
+    blocks, their_root = dag_blocks(theirs_data, cid_version)
+    async with js_like_pair(tmp_path, blocks) as (node, js):
+        with trio.fail_after(DEADLINE):
+            stats = await node.exchange.fetch_dag(their_root, [js.host.get_id()])
+        assert bytes_of(node.store, their_root) == theirs_data
+        assert stats.failed == {}
+        our_root = add(node.store, ours_data, cid_version)
+        with trio.fail_after(DEADLINE):
+            assert await js.fetch(our_root, node.host.get_id()) == ours_data
+
+
+async def test_fetch_after_the_peer_reset_our_idle_stream(tmp_path):
+    """Helia resets an incoming Bitswap stream idle for 10 s; our sender keeps its stream up to 60 s.
+    The next want must go out on a fresh stream, not fail the fetch (it did: 'stream failed')."""
+    first, second = content(300_000, seed=40), content(300_000, seed=41)
+    blocks = [*dag_blocks(first, 1)[0], *dag_blocks(second, 1)[0]]
+    async with js_like_pair(tmp_path, blocks, idle_reset_s=0.3) as (node, js):
+        peer = js.host.get_id()
+        with trio.fail_after(DEADLINE):
+            await node.exchange.fetch_dag(dag_blocks(first, 1)[1], [peer])
+            while not js.resets:  # the peer reset our stream for idling
+                await js.changed.wait()
+            stats = await node.exchange.fetch_dag(dag_blocks(second, 1)[1], [peer])
+        assert stats.failed == {}
+        assert bytes_of(node.store, dag_blocks(second, 1)[1]) == second
+
+
+async def test_a_wantlist_longer_than_one_message_may_carry_is_split(tmp_path):
+    """A receiver takes at most MAX_ENTRIES wants a message (go and JS bound theirs too); more queued
+    at once went out as one message, which the provider refused and reset (the fetch then failed)."""
+    from p2ptrain.ipfs.bitswap_wire import MAX_ENTRIES
+
+    data = content(300_000, seed=50)
+    async with nodes(tmp_path, BlockStore, BlockStore) as (provider, fetcher):
+        root = add(provider.store, data)
+        await fetcher.host.connect(provider.info)
+        absent = [make_cid(b"absent %d" % i) for i in range(MAX_ENTRIES + 100)]
+        fetcher.exchange.send_wants(provider.host.get_id(), [WantEntry(c) for c in absent])
+        with trio.fail_after(DEADLINE):
+            await fetcher.exchange.fetch_dag(root, [provider.info])
+        assert bytes_of(fetcher.store, root) == data
+        assert provider.exchange.stats().get("rejected_bad_message", 0) == 0
+
+
+async def test_want_have_gets_have_and_send_dont_have_gets_dont_have(tmp_path):
+    """Bitswap 1.2 as Kubo and Helia ask: want-have for a held block is answered Have (not the block),
+    a want for a missing block with sendDontHave gets DontHave, and one without it gets nothing."""
+    held = make_cid(b"held block", version=1)
+    missing, quiet = make_cid(b"missing", version=1), make_cid(b"missing, no DontHave wanted", version=1)
+    async with js_like_pair(tmp_path) as (node, js):
+        node.store.put(held, b"held block")
+        with trio.fail_after(DEADLINE):
+            await js._send(node.host.get_id(), wants=[
+                WantEntry(held, want_have=True, send_dont_have=True),
+                WantEntry(quiet),
+                WantEntry(missing, send_dont_have=True),
+            ])
+            while len(js.haves) + len(js.dont_haves) < 2:
+                await js.changed.wait()
+        assert js.haves == [held] and js.dont_haves == [missing] and js.got == {}
