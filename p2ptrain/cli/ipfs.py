@@ -1,6 +1,9 @@
 """``p2ptrain ipfs …``: add, cat, get and pin content by CID, with the same CIDs Kubo's commands print.
 
-Without a running node these commands use the home's store directly (or a Kubo daemon with ``--ipfs``).
+Content is read from the home's store. What the store lacks is fetched first (over Bitswap, every
+block verified): by the home's running node when one answers on its control socket, else, with
+``--bootstrap``, by a temporary node started for this command (as ``model fetch`` does). With
+``--ipfs API`` a Kubo daemon does all of it on its own network.
 """
 
 from __future__ import annotations
@@ -43,12 +46,43 @@ def add_store_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_fetch_options(parser: argparse.ArgumentParser) -> None:
+    """``--bootstrap``, for the commands that may fetch what the home's store lacks."""
+    parser.add_argument(
+        "--bootstrap", nargs="+", default=[], metavar="MULTIADDR",
+        help="when no node runs for --home: start a temporary node that joins the mesh here to fetch "
+             "what the store lacks (a running node for --home is used without it)",
+    )
+
+
+def pin_flag(text: str) -> bool:
+    """Kubo's spelling of a boolean option: ``--pin=false`` (and ``--pin=true``)."""
+    value = text.strip().lower()
+    if value not in ("true", "false"):
+        raise argparse.ArgumentTypeError(f"expected true or false, not {text!r}")
+    return value == "true"
+
+
 def store_from_args(args: argparse.Namespace) -> ContentStore:
     if args.home is None:
         from p2ptrain.identity import default_home  # imports libp2p (~1 s): only when needed
 
         args.home = default_home()
     return open_store(args.home, ipfs_api=getattr(args, "ipfs", None))
+
+
+def make_local(args: argparse.Namespace, cid: str) -> None:
+    """Fetch the DAG under ``cid`` into the home's store unless it is all there already.
+
+    Through the home's running node (its control socket answers; it fetches from every peer it is
+    connected to), else through a temporary node bootstrapped from ``--bootstrap``; with neither, one
+    line saying how to get either. A Kubo backend (``--ipfs``) fetches on its own, so nothing is done.
+    """
+    if getattr(args, "ipfs", None):
+        return
+    from p2ptrain.cli.model import ensure_local  # here, not at the top: cli.model imports this module
+
+    ensure_local(args.home, [cid], args.bootstrap)
 
 
 @contextmanager
@@ -90,8 +124,10 @@ def cmd_add(args: argparse.Namespace) -> int:
 
 
 def cmd_cat(args: argparse.Namespace) -> int:
+    store = store_from_args(args)
     with content_errors():
-        data = store_from_args(args).cat(args.cid)
+        make_local(args, args.cid)
+        data = store.cat(args.cid)
     sys.stdout.buffer.write(data)
     sys.stdout.buffer.flush()
     return 0
@@ -103,15 +139,20 @@ def cmd_get(args: argparse.Namespace) -> int:
         out = out / args.cid
     if not out.parent.is_dir():
         raise UserError(f"{out.parent}: no such directory")
+    store = store_from_args(args)
+    with content_errors():
+        make_local(args, args.cid)
     with content_errors(), progress_bar(f"get {args.cid[:16]}", None) as progress:
-        store_from_args(args).get(args.cid, out, progress=progress)
+        store.get(args.cid, out, progress=progress)
     print(f"saved {args.cid} to {out}", file=sys.stderr)
     return 0
 
 
 def cmd_pin_add(args: argparse.Namespace) -> int:
+    store = store_from_args(args)
     with content_errors():
-        store_from_args(args).pin_add(args.cid, recursive=args.recursive)
+        make_local(args, args.cid)
+        store.pin_add(args.cid, recursive=args.recursive)
     print(f"pinned {args.cid} {'recursively' if args.recursive else 'directly'}")
     return 0
 
@@ -140,8 +181,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = cmds.add_parser("add", help="add a file and print its CID (the same CID as Kubo's ipfs add)")
     p.add_argument("file", metavar="FILE")
     p.add_argument("-n", "--only-hash", action="store_true", help="only compute the CID, store nothing")
-    p.add_argument("--no-pin", dest="pin", action="store_false",
-                   help="do not pin it (as Kubo's --pin=false): p2ptrain repo gc may then remove it")
+    p.add_argument("--pin", type=pin_flag, nargs="?", const=True, default=True, metavar="true|false",
+                   help="pin it recursively (the default, as Kubo's ipfs add); --pin=false does not, "
+                        "and p2ptrain repo gc may then remove it")
+    p.add_argument("--no-pin", dest="pin", action="store_false", help="the same as --pin=false")
     p.add_argument("--cid-version", type=int, choices=(0, 1), default=0,
                    help="0: CIDv0, dag-pb leaves (Kubo's default); 1: CIDv1, raw leaves")
     add_store_options(p)
@@ -150,6 +193,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = cmds.add_parser("cat", help="write a file's bytes to stdout")
     p.add_argument("cid", metavar="CID", type=cid_arg)
     add_store_options(p)
+    add_fetch_options(p)
     p.set_defaults(func=cmd_cat)
 
     p = cmds.add_parser("get", help="save a file (written atomically)")
@@ -157,6 +201,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-o", "--output", metavar="PATH",
                    help="file to write, or a folder to write CID into (default: ./CID)")
     add_store_options(p)
+    add_fetch_options(p)
     p.set_defaults(func=cmd_get)
 
     pin = cmds.add_parser("pin", help="keep content in the local store")
@@ -165,6 +210,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("cid", metavar="CID", type=cid_arg)
     p.add_argument("--direct", dest="recursive", action="store_false", help="pin the root block only")
     add_store_options(p)
+    add_fetch_options(p)
     p.set_defaults(func=cmd_pin_add)
     p = pins.add_parser("rm", help="unpin")
     p.add_argument("cid", metavar="CID", type=cid_arg)
