@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 import sys
+import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -19,7 +21,17 @@ from p2ptrain.ipfs.blockstore import PinFileError
 from p2ptrain.ipfs.cid import BlockMismatch, InvalidCID, parse_cid
 from p2ptrain.ipfs.store import ContentStore, ContentUnavailable, open_store
 from p2ptrain.ipfs.unixfs import DagError
+from p2ptrain.net import control_ops
 
+# What the CLI asks of the home's running node: the same 300 s to fetch that `model fetch` asks for.
+NODE_FETCH_TIMEOUT_S = 300.0
+# A node that does not answer a ping this fast is stuck, not running usefully: said in one line.
+NODE_PROBE_TIMEOUT_S = 5.0
+# While the node fetches, the CLI asks it how far it is this often (one small request each time).
+PROGRESS_POLL_S = 0.5
+# Off a terminal (a log, CI) a fetch in flight says how far it is this often: a long fetch is seen
+# moving, a short one prints nothing.
+PROGRESS_LINE_S = 10.0
 # Below this a bar is noise when stderr is not a terminal (logs, CI); above it a silent minute worries.
 LARGE_FILE = 256 * 1024 * 1024
 CONTENT_ERRORS = (InvalidCID, BlockMismatch, ContentUnavailable, DagError, PinFileError)
@@ -71,18 +83,97 @@ def store_from_args(args: argparse.Namespace) -> ContentStore:
     return open_store(args.home, ipfs_api=getattr(args, "ipfs", None))
 
 
-def make_local(args: argparse.Namespace, cid: str) -> None:
+def make_local(args: argparse.Namespace, store: ContentStore, cid: str) -> None:
     """Fetch the DAG under ``cid`` into the home's store unless it is all there already.
 
     Through the home's running node (its control socket answers; it fetches from every peer it is
     connected to), else through a temporary node bootstrapped from ``--bootstrap``; with neither, one
     line saying how to get either. A Kubo backend (``--ipfs``) fetches on its own, so nothing is done.
     """
-    if getattr(args, "ipfs", None):
+    if getattr(args, "ipfs", None) or store.has(cid):
+        return
+    if node_answers(args.home):
+        fetch_through_node(args.home, cid)
         return
     from p2ptrain.cli.model import ensure_local  # here, not at the top: cli.model imports this module
 
-    ensure_local(args.home, [cid], args.bootstrap)
+    ensure_local(args.home, [cid], args.bootstrap)  # a temporary node, or the line saying how to fetch
+
+
+def node_answers(home: Path) -> bool:
+    """Whether a node runs for ``home``: the rule is that its control socket answers a ping (a
+    socket file left by a crashed node does not)."""
+    from p2ptrain.net.control import ControlClient, ControlError
+
+    try:
+        ControlClient(home, timeout=NODE_PROBE_TIMEOUT_S).call(control_ops.PING)
+    except ControlError:
+        raise  # something answered, and failed: say so rather than start a second node on the home
+    except UserError:
+        return False
+    return True
+
+
+def fetch_through_node(home: Path, cid: str) -> None:
+    """Have the home's running node fetch ``cid`` (``ipfs.fetch``), showing on stderr how far it is.
+
+    The fetch is one request that returns when the DAG is local; meanwhile a second connection asks
+    ``ipfs.progress`` every :data:`PROGRESS_POLL_S` (a node that does not know the op is not asked again).
+    """
+    from p2ptrain.net.control import ControlClient, ControlError
+
+    done = threading.Event()
+    failed: list[BaseException] = []
+
+    def fetch() -> None:
+        try:
+            ControlClient(home, timeout=NODE_FETCH_TIMEOUT_S + NODE_PROBE_TIMEOUT_S).call(
+                control_ops.IPFS_FETCH, cid=cid, timeout=NODE_FETCH_TIMEOUT_S)
+        except BaseException as exc:  # handed to the caller's thread below
+            failed.append(exc)
+        finally:
+            done.set()
+
+    thread = threading.Thread(target=fetch, name=f"ipfs.fetch {cid}", daemon=True)
+    thread.start()
+    watcher = ControlClient(home, timeout=NODE_PROBE_TIMEOUT_S)
+    with fetch_progress(f"fetch {cid[:16]}") as show:
+        while not done.wait(PROGRESS_POLL_S):
+            try:
+                reply = watcher.call(control_ops.IPFS_PROGRESS, cid=cid)
+            except ControlError:
+                done.wait()  # an older node: no progress to show, only the fetch's end
+                break
+            except (UserError, OSError):
+                continue  # progress is a courtesy: the fetch's own reply says how it went
+            show(int(reply.get("bytes", 0)))
+    thread.join()
+    if failed:
+        raise failed[0]
+
+
+@contextmanager
+def fetch_progress(desc: str) -> Iterator[Callable[[int], None]]:
+    """``show(bytes_so_far)`` for a fetch whose size is not known: a live counter on a terminal,
+    else a line on stderr every :data:`PROGRESS_LINE_S` (stdout stays the content's, for ``cat``)."""
+    if sys.stderr.isatty():
+        from tqdm import tqdm
+
+        with tqdm(desc=desc, unit="B", unit_scale=True, unit_divisor=1024, leave=False, file=sys.stderr) as bar:
+            def update(n: int) -> None:
+                bar.update(n - bar.n)
+
+            yield update
+        return
+    next_line = time.monotonic() + PROGRESS_LINE_S
+
+    def line(n: int) -> None:
+        nonlocal next_line
+        if time.monotonic() >= next_line:
+            next_line += PROGRESS_LINE_S
+            print(f"{desc}: {n / 2**20:.1f} MiB so far", file=sys.stderr, flush=True)
+
+    yield line
 
 
 @contextmanager
@@ -126,7 +217,7 @@ def cmd_add(args: argparse.Namespace) -> int:
 def cmd_cat(args: argparse.Namespace) -> int:
     store = store_from_args(args)
     with content_errors():
-        make_local(args, args.cid)
+        make_local(args, store, args.cid)
         data = store.cat(args.cid)
     sys.stdout.buffer.write(data)
     sys.stdout.buffer.flush()
@@ -141,7 +232,7 @@ def cmd_get(args: argparse.Namespace) -> int:
         raise UserError(f"{out.parent}: no such directory")
     store = store_from_args(args)
     with content_errors():
-        make_local(args, args.cid)
+        make_local(args, store, args.cid)
     with content_errors(), progress_bar(f"get {args.cid[:16]}", None) as progress:
         store.get(args.cid, out, progress=progress)
     print(f"saved {args.cid} to {out}", file=sys.stderr)
@@ -151,7 +242,7 @@ def cmd_get(args: argparse.Namespace) -> int:
 def cmd_pin_add(args: argparse.Namespace) -> int:
     store = store_from_args(args)
     with content_errors():
-        make_local(args, args.cid)
+        make_local(args, store, args.cid)
         store.pin_add(args.cid, recursive=args.recursive)
     print(f"pinned {args.cid} {'recursively' if args.recursive else 'directly'}")
     return 0

@@ -1,14 +1,22 @@
 """``p2ptrain ipfs cat|get|pin add`` fetch what the home's store lacks: through the home's running
 node, or through a temporary node with ``--bootstrap`` (real node processes, the installed command)."""
 
+import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
-from p2ptrain.testing import node_processes, wait_for
+import trio
+
+from p2ptrain.net import control_ops
+from p2ptrain.testing import local_peers, node_processes, wait_for
 
 P2PTRAIN = str(Path(sys.executable).with_name("p2ptrain"))
 CONNECT_TIMEOUT_S = 30.0  # two node processes on loopback find each other in a few seconds
+DEADLINE_S = 60.0  # the in-process test: two peers start and exchange about 1 MiB on loopback
+CHUNK = 256 * 1024  # the importer's chunk: one leaf
+FILE_BYTES = 4 * CHUNK + 123  # a root over five leaves
 
 
 def ipfs(*args: str, home: Path) -> subprocess.CompletedProcess:
@@ -42,3 +50,33 @@ def test_cat_get_pin_through_the_running_node_and_a_temporary_one(tmp_path):
         cat = ipfs("cat", cid, "--bootstrap", a.addr, home=fresh)
         assert cat.returncode == 0, cat.stderr
         assert cat.stdout == payload
+
+
+async def test_progress_of_a_fetch_in_flight_is_answered_by_the_control_op(tmp_path):
+    """``ipfs.progress`` (what the CLI shows while the node fetches): the verified bytes so far of a
+    fetch in flight, and nothing once it ended. Asked at every scheduling point of the node's own
+    loop, so it is asked between the root block's arrival and the last leaf's, whatever the speed."""
+    request = b""
+    replies: list[dict] = []
+
+    async def ask() -> dict:
+        return await fetcher.node.control.handle_line(request)
+
+    with trio.fail_after(DEADLINE_S):
+        async with local_peers(2, tmp_path) as (holder, fetcher):
+            cid = holder.content.store.add_bytes(os.urandom(FILE_BYTES))
+            request = json.dumps({"op": control_ops.IPFS_PROGRESS, "cid": cid}).encode()
+            assert await ask() == {"ok": True, "cid": cid, "fetching": False, "bytes": 0}
+            done = trio.Event()
+
+            async def fetch() -> None:
+                await fetcher.content.fetch(cid, timeout=DEADLINE_S / 2)
+                done.set()
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(fetch)
+                while not done.is_set():
+                    replies.append(await ask())
+                    await trio.sleep(0)
+            assert any(r["fetching"] and 0 < r["bytes"] < FILE_BYTES for r in replies), replies[-3:]
+            assert await ask() == {"ok": True, "cid": cid, "fetching": False, "bytes": 0}
