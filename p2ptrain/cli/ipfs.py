@@ -264,7 +264,7 @@ def cmd_pin_ls(args: argparse.Namespace) -> int:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    group = sub.add_parser("ipfs", help="add, read and pin content by IPFS CID")
+    group = sub.add_parser("ipfs", help="add, read and pin content by IPFS CID", description=__doc__)
     group.add_argument("--ipfs", metavar="API", default=None,
                        help="for every subcommand: use a Kubo daemon's RPC API, e.g. http://127.0.0.1:5001")
     cmds = group.add_subparsers(dest="ipfs_command", metavar="SUBCOMMAND", required=True)
@@ -281,13 +281,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_store_options(p)
     p.set_defaults(func=cmd_add)
 
-    p = cmds.add_parser("cat", help="write a file's bytes to stdout")
+    fetched = " (what the home's store lacks is fetched first: by its running node, else with --bootstrap)"
+    p = cmds.add_parser("cat", help="write a file's bytes to stdout", description="Write a file's bytes to stdout" + fetched)
     p.add_argument("cid", metavar="CID", type=cid_arg)
     add_store_options(p)
     add_fetch_options(p)
     p.set_defaults(func=cmd_cat)
 
-    p = cmds.add_parser("get", help="save a file (written atomically)")
+    p = cmds.add_parser("get", help="save a file (written atomically)", description="Save a file, written atomically" + fetched)
     p.add_argument("cid", metavar="CID", type=cid_arg)
     p.add_argument("-o", "--output", metavar="PATH",
                    help="file to write, or a folder to write CID into (default: ./CID)")
@@ -297,7 +298,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
     pin = cmds.add_parser("pin", help="keep content in the local store")
     pins = pin.add_subparsers(dest="pin_command", metavar="ACTION", required=True)
-    p = pins.add_parser("add", help="fetch the whole DAG and pin it")
+    p = pins.add_parser("add", help="fetch the whole DAG and pin it", description="Pin a DAG" + fetched)
     p.add_argument("cid", metavar="CID", type=cid_arg)
     p.add_argument("--direct", dest="recursive", action="store_false", help="pin the root block only")
     add_store_options(p)
