@@ -9,6 +9,7 @@ block verified): by the home's running node when one answers on its control sock
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import threading
 import time
@@ -18,9 +19,11 @@ from pathlib import Path
 
 from p2ptrain.errors import UserError
 from p2ptrain.ipfs.blockstore import PinFileError
-from p2ptrain.ipfs.cid import BlockMismatch, InvalidCID, parse_cid
+from p2ptrain.ipfs.cid import CID, RAW, BlockMismatch, InvalidCID, cid_str, parse_cid
+from p2ptrain.ipfs.dagpb import DecodeError, PBNode, UnixFSData, decode_node, decode_unixfs
+from p2ptrain.ipfs.embedded import EmbeddedStore
 from p2ptrain.ipfs.store import ContentStore, ContentUnavailable, open_store
-from p2ptrain.ipfs.unixfs import DagError
+from p2ptrain.ipfs.unixfs import DagError, walk_dag
 from p2ptrain.net import control_ops
 
 # What the CLI asks of the home's running node: the same 300 s to fetch that `model fetch` asks for.
@@ -239,6 +242,70 @@ def cmd_get(args: argparse.Namespace) -> int:
     return 0
 
 
+UNIXFS_TYPES = {0: "raw", 1: "directory", 2: "file", 3: "metadata", 4: "symlink", 5: "hamt-shard"}
+
+
+def embedded_from_args(args: argparse.Namespace) -> EmbeddedStore:
+    """The home's embedded store, for the commands that read blocks themselves (ls, stat)."""
+    store = store_from_args(args)
+    if not isinstance(store, EmbeddedStore):
+        raise UserError(f"ipfs {args.ipfs_command} reads the home's own store; with --ipfs ask the daemon "
+                        f"(ipfs {args.ipfs_command} {args.cid})")
+    return store
+
+
+def root_links(store: EmbeddedStore, cid: str) -> tuple[PBNode | None, UnixFSData | None]:
+    """The root block of ``cid`` decoded: (None, None) for a raw block, which has no links."""
+    root = parse_cid(cid)
+    data = store.block(root)
+    if root.codec.name == RAW:
+        return None, None
+    try:
+        node = decode_node(data)
+        return node, decode_unixfs(node.data) if node.data is not None else None
+    except DecodeError as exc:
+        raise DagError(root, f"not a dag-pb node: {exc}") from None
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    store = embedded_from_args(args)
+    with content_errors():
+        make_local(args, store, args.cid)
+        node, _ = root_links(store, args.cid)
+    for link in node.links if node is not None else []:  # as Kubo's ipfs ls: CID, size, name
+        print(f"{cid_str(link.cid)} {link.tsize or 0} {link.name or ''}".rstrip())
+    return 0
+
+
+def cmd_stat(args: argparse.Namespace) -> int:
+    store = embedded_from_args(args)
+    with content_errors():
+        make_local(args, store, args.cid)
+        node, unixfs = root_links(store, args.cid)
+        sizes: list[int] = []
+
+        def measured(c: CID) -> bytes:
+            data = store.block(c)
+            sizes.append(len(data))
+            return data
+
+        for _ in walk_dag(parse_cid(args.cid), measured):
+            pass
+    if node is None:
+        kind, size = "raw", sizes[0]
+    else:
+        kind = UNIXFS_TYPES.get(unixfs.type, "unknown") if unixfs is not None else "dag-pb"
+        size = unixfs.filesize or 0 if unixfs is not None else 0
+    stat = {"cid": args.cid, "type": kind, "size": size, "cumulative_size": sum(sizes), "blocks": len(sizes),
+            "links": len(node.links) if node is not None else 0}
+    if args.json:
+        print(json.dumps(stat))
+    else:  # Kubo's ipfs files stat layout
+        print(f"{args.cid}\nSize: {size}\nCumulativeSize: {stat['cumulative_size']}\n"
+              f"ChildBlocks: {stat['links']}\nBlocks: {len(sizes)}\nType: {kind}")
+    return 0
+
+
 def cmd_pin_add(args: argparse.Namespace) -> int:
     store = store_from_args(args)
     with content_errors():
@@ -295,6 +362,23 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_store_options(p)
     add_fetch_options(p)
     p.set_defaults(func=cmd_get)
+
+    p = cmds.add_parser("ls", help="list the links of a DAG's root block (CID, size, name), as Kubo's ipfs ls",
+                        description="List the links of a DAG's root block: CID, size, name" + fetched)
+    p.add_argument("cid", metavar="CID", type=cid_arg)
+    add_store_options(p)
+    add_fetch_options(p)
+    p.set_defaults(func=cmd_ls)
+
+    p = cmds.add_parser("stat", help="size, cumulative size, blocks and type of a DAG",
+                        description="Size (the file's bytes), cumulative size (every distinct block's bytes), "
+                                    "child links, blocks and UnixFS type of a DAG" + fetched)
+    p.add_argument("cid", metavar="CID", type=cid_arg)
+    p.add_argument("--json", action="store_true",
+                   help="one JSON object: cid, type, size, cumulative_size, blocks, links")
+    add_store_options(p)
+    add_fetch_options(p)
+    p.set_defaults(func=cmd_stat)
 
     pin = cmds.add_parser("pin", help="keep content in the local store")
     pins = pin.add_subparsers(dest="pin_command", metavar="ACTION", required=True)

@@ -43,6 +43,14 @@ def test_cat_get_pin_through_the_running_node_and_a_temporary_one(tmp_path):
         pinned = ipfs("pin", "add", cid, home=b.home)
         assert pinned.returncode == 0, pinned.stderr
         assert ipfs("pin", "ls", home=b.home).stdout.decode() == f"{cid} recursive\n"
+        other = tmp_path / "other.bin"  # one more, for ls and stat to fetch through the node
+        other.write_bytes(os.urandom(len(payload)))  # 5 distinct leaves under one root
+        other_cid = ipfs("add", "--cid-version", "1", str(other), home=a.home).stdout.decode().strip()
+        stat = ipfs("stat", other_cid, "--json", home=b.home)
+        assert stat.returncode == 0, stat.stderr
+        assert json.loads(stat.stdout) | {"cumulative_size": 0} == {
+            "cid": other_cid, "type": "file", "size": len(payload), "cumulative_size": 0, "blocks": 6, "links": 5}
+        assert len(ipfs("ls", other_cid, home=b.home).stdout.splitlines()) == 5
 
         fresh = tmp_path / "fresh"
         alone = ipfs("cat", cid, home=fresh)
