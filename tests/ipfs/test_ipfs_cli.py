@@ -99,3 +99,15 @@ def test_add_pins_recursively_unless_pin_false(tmp_path, hello):
     assert run("pin", "ls", home=home).stdout.decode() == f"{HELLO_V0} recursive\n"
     bad = run("add", "--pin=maybe", str(hello), home=home)
     assert bad.returncode == 2 and "true or false" in bad.stderr.decode()
+
+
+def test_a_fetch_off_a_terminal_says_how_far_it_is_on_stderr_only(capsys, monkeypatch):
+    """While the home's node fetches, a log sees a line every PROGRESS_LINE_S (0 here: every call);
+    stdout stays the content's, for ipfs cat."""
+    from p2ptrain.cli import ipfs
+
+    monkeypatch.setattr(ipfs, "PROGRESS_LINE_S", 0.0)
+    with ipfs.fetch_progress("fetch QmX") as show:  # stderr is captured: not a terminal
+        show(3 * 2**20)
+    out, err = capsys.readouterr()
+    assert out == "" and err == "fetch QmX: 3.0 MiB so far\n"
