@@ -38,8 +38,8 @@ class ContentService:
         self.store: ContentStore = self.kubo or EmbeddedStore(node.home)
         self.exchange: BlockExchange | None = None
         self._ready = trio.Event()
-        # Bytes fetched so far of each DAG being fetched now, by root CID, for `ipfs.progress`: as
-        # many entries as fetches in flight, each gone when its last fetch ends.
+        # Block bytes fetched and verified so far of each DAG being fetched now, by root CID, for
+        # `ipfs.progress`: as many entries as fetches in flight, each gone when its last fetch ends.
         self.fetching: dict[str, int] = {}
         self._fetchers: dict[str, int] = {}
         node.control.register(control_ops.IPFS_FETCH, self._fetch_op)
@@ -110,12 +110,8 @@ class ContentService:
         logger.info("node %s fetched %s: %s", short_id(self.node.peer_id), cid, stats)
 
     async def _fetch_op(self, request: dict[str, Any]) -> dict[str, Any]:
-        cid = str(request.get("cid", ""))
+        cid = _cid_of(request)
         timeout = float(request.get("timeout", 60.0))
-        try:
-            parse_cid(cid)
-        except Exception:
-            raise UserError(f"{cid!r} is not a CID") from None
         try:
             await self.fetch(cid, timeout=timeout)
         except ContentUnavailable as exc:
@@ -125,7 +121,7 @@ class ContentService:
     async def _progress_op(self, request: dict[str, Any]) -> dict[str, Any]:
         """How far the fetch of ``cid`` is (the CLI asks while its ``ipfs.fetch`` runs): bytes
         fetched and verified so far, or ``fetching: false`` when no fetch of it is in flight."""
-        cid = str(request.get("cid", ""))
+        cid = _cid_of(request)
         if cid not in self.fetching:
             return {"cid": cid, "fetching": False, "bytes": 0}
         return {"cid": cid, "fetching": True, "bytes": self.fetching[cid]}
@@ -135,3 +131,13 @@ class ContentService:
         data = str(request.get("text", "")).encode()
         cid = await trio.to_thread.run_sync(self.store.add_bytes, data)
         return {"cid": cid}
+
+
+def _cid_of(request: dict[str, Any]) -> str:
+    """The request's ``cid``, refused in one line unless it parses as a CID."""
+    cid = str(request.get("cid", ""))
+    try:
+        parse_cid(cid)
+    except Exception:
+        raise UserError(f"{cid!r} is not a CID") from None
+    return cid
