@@ -1,5 +1,6 @@
-"""``p2ptrain ipfs cat|get|pin add`` fetch what the home's store lacks: through the home's running
-node, or through a temporary node with ``--bootstrap`` (real node processes, the installed command)."""
+"""``p2ptrain ipfs cat|get|ls|stat|pin add`` fetch what the home's store lacks: through the home's
+running node, or through a temporary node with ``--bootstrap`` (real node processes, the installed
+command); and ``ipfs.progress``, which the CLI asks while the node fetches."""
 
 import json
 import os
@@ -17,10 +18,11 @@ CONNECT_TIMEOUT_S = 30.0  # two node processes on loopback find each other in a 
 DEADLINE_S = 60.0  # the in-process test: two peers start and exchange about 1 MiB on loopback
 CHUNK = 256 * 1024  # the importer's chunk: one leaf
 FILE_BYTES = 4 * CHUNK + 123  # a root over five leaves
+CLI_TIMEOUT_S = 90.0  # one command; the temporary node alone may take 20 s to reach a peer
 
 
 def ipfs(*args: str, home: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([P2PTRAIN, "ipfs", *args, "--home", str(home)], capture_output=True, timeout=90)
+    return subprocess.run([P2PTRAIN, "ipfs", *args, "--home", str(home)], capture_output=True, timeout=CLI_TIMEOUT_S)
 
 
 def test_cat_get_pin_through_the_running_node_and_a_temporary_one(tmp_path):
