@@ -339,7 +339,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = cmds.add_parser("add", help="add a file and print its CID (the same CID as Kubo's ipfs add)")
     p.add_argument("file", metavar="FILE")
     p.add_argument("-n", "--only-hash", action="store_true", help="only compute the CID, store nothing")
-    p.add_argument("--pin", type=pin_flag, nargs="?", const=True, default=True, metavar="true|false",
+    # A value is required (not Kubo's bare --pin): `--pin FILE` must not read FILE as the value.
+    p.add_argument("--pin", type=pin_flag, default=True, metavar="true|false",
                    help="pin it recursively (the default, as Kubo's ipfs add); --pin=false does not, "
                         "and p2ptrain repo gc may then remove it")
     p.add_argument("--no-pin", dest="pin", action="store_false", help="the same as --pin=false")
