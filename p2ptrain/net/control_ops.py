@@ -18,12 +18,13 @@ PING = "ping"  # cheap liveness: {"peer_id", "started"}
 # The content service (runtime/content.py).
 IPFS_ADD = "ipfs.add"  # store a small text payload, answer its CID
 IPFS_FETCH = "ipfs.fetch"  # fetch a DAG from peers into the block store
+IPFS_PROGRESS = "ipfs.progress"  # bytes fetched so far by an ipfs.fetch in flight
 # The task service (runtime/tasks.py).
 TASK_PUBLISH = "task.publish"  # publish a task file (and optionally join it)
 TASK_JOIN = "task.join"  # join an announced task
 TASK_LIST = "task.list"  # tasks known here
 TASK_STATUS = "task.status"  # one task's state, round, members and latest model
 
-ALL: tuple[str, ...] = (OPS, CONTROL_STATS, STATUS, PING, IPFS_ADD, IPFS_FETCH, TASK_PUBLISH, TASK_JOIN,
+ALL: tuple[str, ...] = (OPS, CONTROL_STATS, STATUS, PING, IPFS_ADD, IPFS_FETCH, IPFS_PROGRESS, TASK_PUBLISH, TASK_JOIN,
                         TASK_LIST, TASK_STATUS)
 """Every op a full peer (node + content + tasks) answers; a test holds a running peer to exactly these."""

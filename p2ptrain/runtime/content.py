@@ -38,7 +38,12 @@ class ContentService:
         self.store: ContentStore = self.kubo or EmbeddedStore(node.home)
         self.exchange: BlockExchange | None = None
         self._ready = trio.Event()
+        # Block bytes fetched and verified so far of each DAG being fetched now, by root CID, for
+        # `ipfs.progress`: as many entries as fetches in flight, each gone when its last fetch ends.
+        self.fetching: dict[str, int] = {}
+        self._fetchers: dict[str, int] = {}
         node.control.register(control_ops.IPFS_FETCH, self._fetch_op)
+        node.control.register(control_ops.IPFS_PROGRESS, self._progress_op)
         node.control.register(control_ops.IPFS_ADD, self._add_op)
         node.add_status("content", self._status)
 
@@ -84,30 +89,55 @@ class ContentService:
         providers = list(self.node.host.get_connected_peers())
         if not providers:
             raise ContentUnavailable(cid, "not held locally and no peer is connected")
+
+        def progress(n: int) -> None:
+            self.fetching[cid] = self.fetching.get(cid, 0) + n
+
+        self.fetching.setdefault(cid, 0)
+        self._fetchers[cid] = self._fetchers.get(cid, 0) + 1
         try:
             with trio.fail_after(timeout):
-                stats = await self.exchange.fetch_dag(parse_cid(cid), providers, max_bytes=max_bytes)
+                stats = await self.exchange.fetch_dag(parse_cid(cid), providers, max_bytes=max_bytes,
+                                                      progress=progress)
         except FetchError as exc:
             raise ContentUnavailable(cid, str(exc)) from None
         except trio.TooSlowError:
             raise ContentUnavailable(cid, f"fetch did not finish in {timeout:.0f} s") from None
+        finally:
+            self._fetchers[cid] -= 1
+            if not self._fetchers[cid]:
+                del self._fetchers[cid], self.fetching[cid]
         logger.info("node %s fetched %s: %s", short_id(self.node.peer_id), cid, stats)
 
     async def _fetch_op(self, request: dict[str, Any]) -> dict[str, Any]:
-        cid = str(request.get("cid", ""))
+        cid = _cid_of(request)
         timeout = float(request.get("timeout", 60.0))
-        try:
-            parse_cid(cid)
-        except Exception:
-            raise UserError(f"{cid!r} is not a CID") from None
         try:
             await self.fetch(cid, timeout=timeout)
         except ContentUnavailable as exc:
             raise UserError(f"cannot fetch {exc}") from None
         return {"cid": cid}
 
+    async def _progress_op(self, request: dict[str, Any]) -> dict[str, Any]:
+        """How far the fetch of ``cid`` is (the CLI asks while its ``ipfs.fetch`` runs): bytes
+        fetched and verified so far, or ``fetching: false`` when no fetch of it is in flight."""
+        cid = _cid_of(request)
+        if cid not in self.fetching:
+            return {"cid": cid, "fetching": False, "bytes": 0}
+        return {"cid": cid, "fetching": True, "bytes": self.fetching[cid]}
+
     async def _add_op(self, request: dict[str, Any]) -> dict[str, Any]:
         """Store a small payload (task files go this way from the CLI); big files use the home's store."""
         data = str(request.get("text", "")).encode()
         cid = await trio.to_thread.run_sync(self.store.add_bytes, data)
         return {"cid": cid}
+
+
+def _cid_of(request: dict[str, Any]) -> str:
+    """The request's ``cid``, refused in one line unless it parses as a CID."""
+    cid = str(request.get("cid", ""))
+    try:
+        parse_cid(cid)
+    except Exception:
+        raise UserError(f"{cid!r} is not a CID") from None
+    return cid

@@ -86,3 +86,28 @@ def test_get_into_a_folder(tmp_path, hello):
     folder.mkdir()
     assert run("get", HELLO_V0, "-o", str(folder), home=home).returncode == 0
     assert (folder / HELLO_V0).read_bytes() == b"hello world\n"
+
+
+def test_add_pins_recursively_unless_pin_false(tmp_path, hello):
+    """As Kubo's ipfs add: pinned (so repo gc keeps it) unless --pin=false, Kubo's spelling."""
+    home = tmp_path / "home"
+    unpinned = run("add", "--pin=false", str(hello), home=home)
+    assert unpinned.returncode == 0, unpinned.stderr
+    assert run("pin", "ls", home=home).stdout == b""
+    assert run("cat", HELLO_V0, home=home).stdout == b"hello world\n"  # stored, only not pinned
+    assert run("add", str(hello), home=home).returncode == 0
+    assert run("pin", "ls", home=home).stdout.decode() == f"{HELLO_V0} recursive\n"
+    bad = run("add", "--pin=maybe", str(hello), home=home)
+    assert bad.returncode == 2 and "true or false" in bad.stderr.decode()
+
+
+def test_a_fetch_off_a_terminal_says_how_far_it_is_on_stderr_only(capsys, monkeypatch):
+    """While the home's node fetches, a log sees a line every PROGRESS_LINE_S (0 here: every call);
+    stdout stays the content's, for ipfs cat."""
+    from p2ptrain.cli import ipfs
+
+    monkeypatch.setattr(ipfs, "PROGRESS_LINE_S", 0.0)
+    with ipfs.fetch_progress("fetch QmX") as show:  # stderr is captured: not a terminal
+        show(3 * 2**20)
+    out, err = capsys.readouterr()
+    assert out == "" and err == "fetch QmX: 3.0 MiB so far\n"
