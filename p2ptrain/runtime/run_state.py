@@ -70,7 +70,8 @@ class RunState:
     me: str = ""
     topic: str = ""
     dir: Path = Path()
-    phase: str = "starting"  # `task status` "state": starting, fetching data, training, resyncing, done, failed
+    # `task status` "state": starting, fetching data, training, resyncing, done, cancelled, failed
+    phase: str = "starting"
     error: str | None = None
     # Whether this member holds the state the run is at (so it advertises the task and may lead).
     synced: bool = False
@@ -94,6 +95,9 @@ class RunState:
     wake_leader: Nudge = field(default_factory=Nudge)
     done: trio.Event = field(default_factory=trio.Event)
     head_heard: trio.Event = field(default_factory=trio.Event)
+    # The publisher's reason, once it cancelled the run (see cancel), and when that was heard.
+    cancel_reason: str | None = None
+    cancelled_at: float = 0.0
     # Set by TaskRun: hands a message this member sent to its own handlers, as a peer's would be.
     deliver_own: Callable[[Any], Awaitable[None]] | None = None
 
@@ -149,6 +153,18 @@ class RunState:
         self.election.step_down(now)
         self.synced, self.phase = False, "resyncing"
         self.advertise(False)
+
+    def cancel(self, reason: str) -> None:
+        """The publisher cancelled the run: plan no more; the control loop ends the run at the next
+        span boundary (:meth:`~p2ptrain.runtime.leading.Leading.cancel_settled`)."""
+        if self.cancel_reason is not None:
+            return
+        self.cancel_reason, self.cancelled_at = reason or "cancelled by the publisher", trio.current_time()
+        if self.book is not None:
+            self.book.cancelled = True
+        logger.info("%s: cancelled by the task's publisher (%s); stopping at the end of the span under way",
+                    self.log_prefix, self.cancel_reason)
+        self.wake_leader.set()
 
     def advertising(self) -> set[str]:
         """Peers that advertise this task (so hold the state the run is at) and meet its requirements."""

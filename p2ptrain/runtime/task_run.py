@@ -51,6 +51,7 @@ from p2ptrain.wire.messages import (
     SignedAttestation,
     SignedModelRecord,
     SignedVote,
+    TaskCancel,
     TaskHead,
     VoteRequest,
 )
@@ -101,6 +102,7 @@ class TaskRun:
             "name": run.task.name,
             "state": run.phase,
             "error": run.error,
+            "cancel_reason": run.cancel_reason,
             "member": True,
             "synced": run.synced,
             "round": plan.round if plan else None,
@@ -142,8 +144,9 @@ class TaskRun:
                 nursery.start_soon(self.data.replicate)
                 await run.done.wait()
                 nursery.cancel_scope.cancel()
-            run.phase = "done"
-            logger.info("%s: done; final model %s", run.log_prefix, run.book.chain.head_cid if run.book else "-")
+            run.phase = "done" if run.cancel_reason is None else "cancelled"
+            logger.info("%s: %s; final model %s", run.log_prefix, run.phase,
+                        run.book.chain.head_cid if run.book else "-")
         except (ContentUnavailable, TrainerError, RecordError) as exc:
             run.phase, run.error = "failed", str(exc)
             logger.error("%s: failed: %s", run.log_prefix, exc)
@@ -152,7 +155,7 @@ class TaskRun:
             run.phase, run.error = "failed", f"internal error: {exc!r}"
             logger.exception("%s: failed with an internal error", run.log_prefix)
         finally:
-            if run.phase not in ("done", "failed"):
+            if run.phase not in ("done", "cancelled", "failed"):
                 run.phase = "stopped"  # the node is stopping (the run was cancelled)
             run.advertise(False)
 
@@ -174,7 +177,8 @@ class TaskRun:
             load_model_bytes(trainer.model, data)
         run.initial_cid = await trio.to_thread.run_sync(content.store.add_bytes, trainer.model_bytes())
         run.trainer = trainer
-        run.book = RoundBook(task, run.task_cid, Chain(run.task_cid, run.initial_cid), run.total_steps)
+        run.book = RoundBook(task, run.task_cid, Chain(run.task_cid, run.initial_cid), run.total_steps,
+                             cancelled=run.cancel_reason is not None)
         if run.heads is None:
             # A run under way has a coordinator that publishes its head every HEAD_EVERY_S: hear it
             # before claiming to hold the run's state (we hold step 0, which is only right early on).
@@ -207,6 +211,18 @@ class TaskRun:
             self.attesting.on_attestation(msg)
         elif isinstance(msg, TaskHead):
             self.resync.on_head(sender, msg)
+        elif isinstance(msg, TaskCancel):
+            self._on_cancel(sender, msg)
+
+    def _on_cancel(self, sender: str, msg: TaskCancel) -> None:
+        """Obey a cancel only from the publisher the task file names: anyone else is counted."""
+        run = self.shared
+        publisher = run.task.publisher
+        if publisher is None or sender != publisher:
+            run.refuse("cancel", f"refused a cancel from {short_id(sender)}: "
+                       + ("the task names no publisher" if publisher is None else "not the task's publisher"))
+            return
+        run.cancel(msg.reason)
 
     async def _deliver_own(self, msg: Any) -> None:
         await self.on_message(self.shared.me, msg)

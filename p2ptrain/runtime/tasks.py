@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +40,7 @@ from p2ptrain.wire.messages import (
     SignedModelRecord,
     SignedVote,
     TaskAnnounce,
+    TaskCancel,
     TaskHead,
     VoteRequest,
 )
@@ -174,6 +175,7 @@ class TaskService:
         self._failed: dict[str, float] = {}  # task CID -> trio time until which it is not retried
         node.on(TaskAnnounce, self._on_announce)
         node.on(TaskHead, self._on_head)
+        node.on(TaskCancel, self._on_cancel)
         for msg_type in (VoteRequest, SignedVote, CoordinatorBeat, RoundPlan, RoundFailed, SignedModelRecord,
                          SignedAttestation):
             node.on(msg_type, self._on_task_message)
@@ -182,6 +184,7 @@ class TaskService:
             (control_ops.TASK_JOIN, self._join_op),
             (control_ops.TASK_LIST, self._list_op),
             (control_ops.TASK_STATUS, self._status_op),
+            (control_ops.TASK_CANCEL, self._cancel_op),
         ):
             node.control.register(op, handler)
         node.add_status("tasks", self._node_status)
@@ -317,6 +320,12 @@ class TaskService:
         if run is not None:
             await run.on_message(signed.sender.to_base58(), head)
 
+    async def _on_cancel(self, signed: Any, topic: str) -> None:
+        """A task's cancel: its run (if we take part) checks that the publisher sent it."""
+        run = self.runs.get(signed.msg.task_cid)
+        if run is not None:
+            await run.on_message(signed.sender.to_base58(), signed.msg)
+
     async def _on_task_message(self, signed: Any, topic: str) -> None:
         msg = signed.msg
         if isinstance(msg, SignedVote):
@@ -338,6 +347,8 @@ class TaskService:
         if not isinstance(text, str) or len(text) > MAX_TASK_BYTES:
             raise UserError(f"a task file must be TOML text of at most {MAX_TASK_BYTES} bytes")
         task = load_task(text)
+        if task.publisher is None:  # this node's key is the one that may cancel it (task cancel)
+            task = replace(task, publisher=self.node.peer_id.to_base58())
         try:
             await self.content.fetch(task.dataset.manifest, timeout=float(request.get("timeout", 30.0)))
         except ContentUnavailable as exc:
@@ -367,6 +378,31 @@ class TaskService:
         for cid, run in self.runs.items():
             tasks[cid] = run.status()
         return {"tasks": list(tasks.values()), "joins": self._joins()}
+
+    async def _cancel_op(self, request: dict[str, Any]) -> dict[str, Any]:
+        """`task cancel`: announce the cancel of a task this node published (members check the key)."""
+        task_cid = str(request.get("task_cid", ""))
+        try:
+            parse_cid(task_cid)
+        except InvalidCID:
+            raise UserError(f"{task_cid!r} is not a CID") from None
+        reason = str(request.get("reason") or "")[:256]
+        run = self.runs.get(task_cid)
+        if run is not None:
+            task = run.shared.task
+        else:
+            await self.content.fetch(task_cid, timeout=JOIN_FETCH_TIMEOUT_S, max_bytes=MAX_TASK_BYTES)
+            task = task_from_bytes(await trio.to_thread.run_sync(self._read_task, task_cid))
+        me = self.node.peer_id.to_base58()
+        if task.publisher != me:
+            raise UserError(f"only the task's publisher ({task.publisher or 'none named'}) can cancel it; "
+                            f"this node is {me}")
+        msg = TaskCancel(task_cid=task_cid, reason=reason)
+        await self.node.publish(TASKS_TOPIC, msg)
+        if run is not None:
+            await run.on_message(me, msg)  # pubsub does not deliver our own message back to us
+        logger.info("node %s cancelled task %s", short_id(self.node.peer_id), task_cid)
+        return {"task_cid": task_cid, "cancelled": True}
 
     async def _status_op(self, request: dict[str, Any]) -> dict[str, Any]:
         task_cid = str(request.get("task_cid", ""))
