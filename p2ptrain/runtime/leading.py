@@ -104,6 +104,7 @@ class Leading:
                 # on it (the mesh drops it only after 5 s). Left out like a peer a round named.
                 run.book.note_silent_coordinator(now, election.given_up)
             self._note_coordinator(before, now)
+            run.note_waiting(self._peers_short(), now)
             self.attesting.expire(now)
             if election.is_coordinator and run.synced and run.book is not None:
                 await self._maybe_plan(now)
@@ -117,6 +118,15 @@ class Leading:
                 run.done.set()
                 return
             await run.wake_leader.wait(period)
+
+    def _peers_short(self) -> int:
+        """How many more peers the run needs now: for a quorum of the roster (no coordinator can be
+        elected without it), or, between spans, for ``peers.min`` advertising members (no span is
+        planned with fewer). 0 while a span runs, or while this member is not at the run's state."""
+        run = self.run
+        if not run.synced or self.spans.running or run.cancel_reason is not None:
+            return 0
+        return max(run.election.short_of_quorum, run.task.peers.min - len(run.advertising()))
 
     def cancel_settled(self, now: float) -> bool:
         """Whether a cancelled run may stop now: at a span boundary (no span of ours running), once

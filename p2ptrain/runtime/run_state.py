@@ -95,6 +95,10 @@ class RunState:
     wake_leader: Nudge = field(default_factory=Nudge)
     done: trio.Event = field(default_factory=trio.Event)
     head_heard: trio.Event = field(default_factory=trio.Event)
+    # How many more peers the run waits for (a quorum of its roster to elect a coordinator, or
+    # peers.min to plan a span), and since when (trio time); 0 and None while it does not wait.
+    waiting_for: int = 0
+    waiting_since: float | None = None
     # The publisher's reason, once it cancelled the run (see cancel), and when that was heard.
     cancel_reason: str | None = None
     cancelled_at: float = 0.0
@@ -153,6 +157,17 @@ class RunState:
         self.election.step_down(now)
         self.synced, self.phase = False, "resyncing"
         self.advertise(False)
+
+    def note_waiting(self, short: int, now: float) -> None:
+        """Record (and log, once per wait) that the run needs ``short`` more peers (0: it does not)."""
+        if short and self.waiting_since is None:
+            self.waiting_since = now
+            logger.info("%s: waiting for %d more peer(s) (peers.min %d); not electing or planning until then",
+                        self.log_prefix, short, self.task.peers.min)
+        elif not short and self.waiting_since is not None:
+            logger.info("%s: enough peers again after waiting %.0f s", self.log_prefix, now - self.waiting_since)
+            self.waiting_since = None
+        self.waiting_for = short
 
     def cancel(self, reason: str) -> None:
         """The publisher cancelled the run: plan no more; the control loop ends the run at the next

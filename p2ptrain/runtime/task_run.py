@@ -103,6 +103,9 @@ class TaskRun:
             "state": run.phase,
             "error": run.error,
             "cancel_reason": run.cancel_reason,
+            # "waiting for N more peers since T": N, and the seconds waited so far (None: not waiting)
+            "waiting_for_peers": run.waiting_for,
+            "waiting_s": None if run.waiting_since is None else round(trio.current_time() - run.waiting_since, 1),
             "member": True,
             "synced": run.synced,
             "round": plan.round if plan else None,
