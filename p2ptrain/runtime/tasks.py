@@ -28,12 +28,14 @@ from p2ptrain.logs import short_id
 from p2ptrain.net import control_ops
 from p2ptrain.node import Node
 from p2ptrain.runtime.content import ContentService
+from p2ptrain.runtime.head_answers import HeadAnswers
 from p2ptrain.runtime.task_run import TaskRun
 from p2ptrain.training.records import MAX_CHAIN_BYTES, RecordError, record_from_bytes
 from p2ptrain.training.task import TaskError, load_task, task_bytes, task_from_bytes, unmet_requirement
 from p2ptrain.wire.topics import TASKS_TOPIC, task_topic
 from p2ptrain.wire.messages import (
     CoordinatorBeat,
+    HeadRequest,
     RoundFailed,
     RoundPlan,
     SignedAttestation,
@@ -66,6 +68,8 @@ MAX_FAILED_JOINS = 1024
 JOIN_FETCH_TIMEOUT_S = 30.0
 # A run's chain.jsonl: the one limit on a chain's bytes, on disk or fetched (records.MAX_CHAIN_BYTES, 64 MiB).
 MAX_CHAIN_FILE_BYTES = MAX_CHAIN_BYTES
+# A run in one of these states is over: it acts on no head, and its node answers head requests for it.
+FINISHED_PHASES = frozenset({"done", "cancelled", "failed", "stopped"})
 
 
 class RunStateError(UserError):
@@ -176,6 +180,9 @@ class TaskService:
         node.on(TaskAnnounce, self._on_announce)
         node.on(TaskHead, self._on_head)
         node.on(TaskCancel, self._on_cancel)
+        self.head_answers = HeadAnswers(node.home, content.store, self._running, self._total_steps,
+                                        lambda head: node.publish(TASKS_TOPIC, head))
+        node.on(HeadRequest, self._on_head_request)
         for msg_type in (VoteRequest, SignedVote, CoordinatorBeat, RoundPlan, RoundFailed, SignedModelRecord,
                          SignedAttestation):
             node.on(msg_type, self._on_task_message)
@@ -195,7 +202,17 @@ class TaskService:
 
     def _node_status(self) -> dict[str, Any]:
         """Joins refused and the collective's inbound refusals, for `node status`."""
-        return {"joins": self._joins(), "collective": self.collective.hub.stats() if self.collective else None}
+        return {"joins": self._joins(), "collective": self.collective.hub.stats() if self.collective else None,
+                "head_requests": dict(self.head_answers.stats)}
+
+    def _running(self, task_cid: str) -> bool:
+        """Whether this node's run of ``task_cid`` is under way (not done, cancelled, failed or stopped)."""
+        run = self.runs.get(task_cid)
+        return run is not None and run.shared.phase not in FINISHED_PHASES
+
+    def _total_steps(self, task_cid: str) -> int | None:
+        run = self.runs.get(task_cid)
+        return run.shared.total_steps if run is not None and run.shared.total_steps else None
 
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         assert self.node.host is not None
@@ -317,8 +334,12 @@ class TaskService:
         if known is not None and (known.head is None or (head.version, head.step) >= (known.head.version, known.head.step)):
             known.head = head
         run = self.runs.get(head.task_cid)
-        if run is not None:
+        if run is not None and self._running(head.task_cid):  # an ended run acts on no head
             await run.on_message(signed.sender.to_base58(), head)
+
+    async def _on_head_request(self, signed: Any, topic: str) -> None:
+        if topic == TASKS_TOPIC:
+            await self.head_answers.on_request(signed.msg)
 
     async def _on_cancel(self, signed: Any, topic: str) -> None:
         """A task's cancel: its run (if we take part) checks that the publisher sent it."""

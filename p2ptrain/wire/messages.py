@@ -265,3 +265,14 @@ class TaskCancel:
 
     task_cid: str = field(metadata=_CID)
     reason: str = field(default="", metadata={"max_len": 256})
+
+
+@message("task_head_request")
+@dataclass(frozen=True)
+class HeadRequest:
+    """Who holds the confirmed chain of ``task_cid``? Published on the tasks topic by a fetcher
+    (`model fetch --latest`); a node whose run of the task is over, or that holds its chain on
+    disk, answers with a :class:`TaskHead` of its own (rate-limited per task). The fetcher
+    verifies the chain the head names before it believes the model."""
+
+    task_cid: str = field(metadata=_CID)

@@ -1,0 +1,119 @@
+"""Finished runs stay findable: a member answers a head request for a task it took part in.
+
+While a run goes on, its coordinator publishes the run's head every ``HEAD_EVERY_S``; once it ends,
+nobody does, and ``model fetch --latest TASK`` from a fresh home heard nothing. So every node that
+holds a task's confirmed chain (``<home>/tasks/<task CID>/chain.jsonl``, kept by every member, also
+after a restart) and whose run of it is not under way answers a
+:class:`~p2ptrain.wire.messages.HeadRequest` with a :class:`~p2ptrain.wire.messages.TaskHead` of
+its own. A member of a run under way stays quiet: its coordinator's heads are the ones members act
+on, and an extra head from a non-coordinator would only be refused (and counted) by them.
+
+The answer is a claim, not proof: the fetcher re-verifies the chain it names (signatures, links,
+the head model) before it believes it (cli/model.py). Requests come from anyone, so answers are
+rate-limited per task and the chain is read from disk once per change of the file.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+
+import trio
+
+from p2ptrain.ipfs.cid import InvalidCID, parse_cid
+from p2ptrain.ipfs.store import ContentStore
+from p2ptrain.training.records import MAX_CHAIN_BYTES, Chain, RecordError, record_from_bytes
+from p2ptrain.wire.messages import HeadRequest, TaskHead
+
+logger = logging.getLogger(__name__)
+
+# A task's head is published in answer at most once per this many seconds, whoever asks and however
+# often: a flood of requests costs each answering node one small message per task per second, and a
+# fetcher asks again every HEAD_REQUEST_EVERY_S (cli/model.py, 2 s), so one answer per second is enough.
+HEAD_ANSWER_EVERY_S = 1.0
+# Tasks whose last answer time is remembered (oldest forgotten first): only tasks with a chain on
+# this node's disk are answered, so this bounds nothing an honest node reaches; it caps the map.
+MAX_ANSWERED_TASKS = 1024
+
+
+class HeadAnswers:
+    """Answers head requests from the chains on this node's disk; counts what it did in ``stats``."""
+
+    def __init__(self, home: Path, store: ContentStore, running: Callable[[str], bool],
+                 total_steps: Callable[[str], int | None], publish: Callable[[TaskHead], object]) -> None:
+        """``running(task_cid)``: whether this node's run of the task is under way (then it stays
+        quiet). ``total_steps(task_cid)``: the run's length where this node still knows it (its run
+        since the node started), else None. ``publish(head)``: an async callable that publishes on
+        the tasks topic."""
+        self.home = Path(home)
+        self.store = store
+        self.running = running
+        self.total_steps = total_steps
+        self.publish = publish
+        # answered, rate_limited, running (a run under way), not_held, bad_chain: for `node status`.
+        self.stats: Counter[str] = Counter()
+        self._last: dict[str, float] = {}  # task CID -> trio time of its last answer
+        self._heads: dict[str, tuple[tuple[int, int], TaskHead]] = {}  # task CID -> ((mtime, size), head)
+
+    async def on_request(self, request: HeadRequest) -> None:
+        task_cid = request.task_cid
+        try:
+            parse_cid(task_cid)  # before it names a folder on disk
+        except InvalidCID:
+            self.stats["not_held"] += 1
+            return
+        if self.running(task_cid):
+            self.stats["running"] += 1
+            return
+        now = trio.current_time()
+        if now - self._last.get(task_cid, -HEAD_ANSWER_EVERY_S) < HEAD_ANSWER_EVERY_S:
+            self.stats["rate_limited"] += 1
+            return
+        try:
+            head = await trio.to_thread.run_sync(self.head_of, task_cid)
+        except (OSError, RecordError) as exc:
+            self.stats["bad_chain"] += 1
+            logger.warning("cannot answer for task %s: its chain.jsonl cannot be read: %s", task_cid, exc)
+            return
+        if head is None:
+            self.stats["not_held"] += 1
+            return
+        self._last.pop(task_cid, None)
+        while len(self._last) >= MAX_ANSWERED_TASKS:
+            self._last.pop(next(iter(self._last)))
+        self._last[task_cid] = now
+        await self.publish(head)  # type: ignore[misc]
+        self.stats["answered"] += 1
+
+    def head_of(self, task_cid: str) -> TaskHead | None:
+        """The head of the confirmed chain this node holds for ``task_cid`` (None: none, or no record
+        yet), its bytes stored by CID so a fetcher can get them. Verified once per change of the file."""
+        path = self.home / "tasks" / task_cid / "chain.jsonl"
+        try:
+            st = path.stat()
+        except FileNotFoundError:
+            return None
+        key = (st.st_mtime_ns, st.st_size)
+        cached = self._heads.get(task_cid)
+        if cached is not None and cached[0] == key and cached[1].total_steps == (self.total_steps(task_cid) or 0):
+            return cached[1]
+        with open(path, "rb") as f:
+            data = f.read(MAX_CHAIN_BYTES + 1)
+        lines = data.splitlines()
+        if not lines:
+            return None
+        chain = Chain.from_bytes(task_cid, record_from_bytes(lines[0]).record.parent, data)
+        last = chain.records[-1].record
+        total = self.total_steps(task_cid) or 0  # 0: not known here (read from disk after a restart)
+        head = TaskHead(
+            task_cid=task_cid, term=last.term, version=chain.version, step=last.step, round=last.round,
+            total_steps=total, chain_cid=self.store.add_bytes(chain.to_bytes()), model_cid=last.model_cid,
+            optimizer_cid=last.optimizer_cid, members=last.members, done=bool(total) and last.step >= total,
+        )
+        self._heads.pop(task_cid, None)
+        while len(self._heads) >= MAX_ANSWERED_TASKS:
+            self._heads.pop(next(iter(self._heads)))
+        self._heads[task_cid] = (key, head)
+        return head
