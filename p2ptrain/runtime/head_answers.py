@@ -55,9 +55,13 @@ class HeadAnswers:
         # answered, rate_limited, running (a run under way), not_held, bad_chain: for `node status`.
         self.stats: Counter[str] = Counter()
         self._last: dict[str, float] = {}  # task CID -> trio time of its last answer
+        self._answering: set[str] = set()  # tasks whose answer is under way (one at a time each)
         self._heads: dict[str, tuple[tuple[int, int], TaskHead]] = {}  # task CID -> ((mtime, size), head)
 
-    async def on_request(self, request: HeadRequest) -> None:
+    def on_request(self, request: HeadRequest, nursery: trio.Nursery) -> None:
+        """Decide at once (this runs in the tasks topic's reader) whether to answer; the answer (a
+        chain read and verified in a worker thread the first time) runs in ``nursery``, at most one
+        per task at a time and one per task per HEAD_ANSWER_EVERY_S."""
         task_cid = request.task_cid
         try:
             parse_cid(task_cid)  # before it names a folder on disk
@@ -68,24 +72,34 @@ class HeadAnswers:
             self.stats["running"] += 1
             return
         now = trio.current_time()
-        if now - self._last.get(task_cid, -HEAD_ANSWER_EVERY_S) < HEAD_ANSWER_EVERY_S:
+        if task_cid in self._answering or now - self._last.get(task_cid, -HEAD_ANSWER_EVERY_S) < HEAD_ANSWER_EVERY_S:
             self.stats["rate_limited"] += 1
             return
-        try:
-            head = await trio.to_thread.run_sync(self.head_of, task_cid)
-        except (OSError, RecordError) as exc:
-            self.stats["bad_chain"] += 1
-            logger.warning("cannot answer for task %s: its chain.jsonl cannot be read: %s", task_cid, exc)
-            return
-        if head is None:
+        if not (self.home / "tasks" / task_cid / "chain.jsonl").is_file():
             self.stats["not_held"] += 1
             return
         self._last.pop(task_cid, None)
         while len(self._last) >= MAX_ANSWERED_TASKS:
             self._last.pop(next(iter(self._last)))
         self._last[task_cid] = now
-        await self.publish(head)  # type: ignore[misc]
-        self.stats["answered"] += 1
+        self._answering.add(task_cid)
+        nursery.start_soon(self._answer, task_cid)
+
+    async def _answer(self, task_cid: str) -> None:
+        try:
+            head = await trio.to_thread.run_sync(self.head_of, task_cid)
+            if head is None:
+                self.stats["not_held"] += 1
+                return
+            await self.publish(head)  # type: ignore[misc]
+            self.stats["answered"] += 1
+        except Exception as exc:  # noqa: BLE001 - the boundary: an answer never takes the node down
+            known = isinstance(exc, (OSError, RecordError))
+            self.stats["bad_chain" if known else type(exc).__name__] += 1
+            logger.warning("cannot answer for task %s: %s", task_cid,
+                           f"its chain.jsonl cannot be read: {exc}" if known else repr(exc), exc_info=not known)
+        finally:
+            self._answering.discard(task_cid)
 
     def head_of(self, task_cid: str) -> TaskHead | None:
         """The head of the confirmed chain this node holds for ``task_cid`` (None: none, or no record

@@ -42,6 +42,9 @@ HEAD_COLLECT_S = 1.0
 # Heads queued for verification; more arriving meanwhile are dropped (counted "busy"): each costs a
 # chain fetch, and a flood of fake heads must not queue fetches without end.
 MAX_QUEUED_HEADS = 16
+# Distinct heads remembered as judged; past this, new ones are dropped (counted "busy"): a flood of
+# made-up heads cannot grow the fetcher's memory without end.
+MAX_SEEN_HEADS = 1024
 # Each chain fetch stops after this long (a head naming content nobody serves).
 CHAIN_FETCH_TIMEOUT_S = 10.0
 
@@ -64,6 +67,9 @@ class LatestFinder:
     def _on_head(self, signed: Any, topic: str) -> None:
         head: TaskHead = signed.msg
         if head.task_cid != self.task_cid or head.version < 1 or (head.chain_cid, head.model_cid) in self._seen:
+            return
+        if len(self._seen) >= MAX_SEEN_HEADS:
+            self.refused["busy"] += 1
             return
         self._seen.add((head.chain_cid, head.model_cid))
         try:

@@ -337,9 +337,9 @@ class TaskService:
         if run is not None and self._running(head.task_cid):  # an ended run acts on no head
             await run.on_message(signed.sender.to_base58(), head)
 
-    async def _on_head_request(self, signed: Any, topic: str) -> None:
-        if topic == TASKS_TOPIC:
-            await self.head_answers.on_request(signed.msg)
+    def _on_head_request(self, signed: Any, topic: str) -> None:
+        if topic == TASKS_TOPIC and self._nursery is not None:
+            self.head_answers.on_request(signed.msg, self._nursery)
 
     async def _on_cancel(self, signed: Any, topic: str) -> None:
         """A task's cancel: its run (if we take part) checks that the publisher sent it."""
