@@ -94,7 +94,6 @@ class RunState:
     # rejected, a failure was reported): its control loop wakes at once, not at its next tick.
     wake_leader: Nudge = field(default_factory=Nudge)
     done: trio.Event = field(default_factory=trio.Event)
-    head_heard: trio.Event = field(default_factory=trio.Event)
     # How many more peers the run waits for (a quorum of its roster to elect a coordinator, or
     # peers.min to plan a span), and since when (trio time); 0 and None while it does not wait.
     waiting_for: int = 0

@@ -38,14 +38,16 @@ from p2ptrain.runtime.content import ContentService
 from p2ptrain.runtime.datafeed import DataFeed
 from p2ptrain.runtime.leading import HEAD_EVERY_S, Leading
 from p2ptrain.runtime.resync import Resync
-from p2ptrain.runtime.run_state import RunState
+from p2ptrain.runtime.run_state import Nudge, RunState
 from p2ptrain.runtime.spans import Spans
 from p2ptrain.training.records import Chain, RecordError, load_model_bytes
 from p2ptrain.training.rounds import RoundBook
 from p2ptrain.training.task import Task, total_steps
 from p2ptrain.training.trainer import Trainer, TrainerError
+from p2ptrain.wire.topics import TASKS_TOPIC
 from p2ptrain.wire.messages import (
     CoordinatorBeat,
+    HeadRequest,
     RoundFailed,
     RoundPlan,
     SignedAttestation,
@@ -61,6 +63,15 @@ logger = logging.getLogger(__name__)
 # A joiner listens this long for the run's head before it takes step 0 as the run's state: the
 # coordinator of a run under way publishes one every HEAD_EVERY_S, and one may be lost.
 HEAR_HEAD_S = HEAD_EVERY_S * 1.5
+# Meanwhile it asks for the head this often (a request published before our pubsub mesh formed is lost): a run that is over has no coordinator publishing heads,
+# its members answer requests (runtime/head_answers.py), at most one answer per task per second.
+ASK_HEAD_EVERY_S = 1.0
+
+
+def _fresh(heads: TaskHead | None) -> bool:
+    """Whether the run's state may be step 0: no head heard, or one from before the first span
+    (a head at v0 with members may be up to HEAD_EVERY_S old, the run past its first checkpoint)."""
+    return heads is None or (heads.version == 0 and not heads.members)
 
 
 class TaskRun:
@@ -86,6 +97,7 @@ class TaskRun:
         self.spans = Spans(run, self.data, self.attesting)
         self.resync = Resync(run)
         self.leading = Leading(run, self.spans, self.attesting, self.resync)
+        self._head_news = Nudge()  # a head arrived: the join's wait for the run's state looks again
 
     @property
     def task_cid(self) -> str:
@@ -182,15 +194,18 @@ class TaskRun:
         run.trainer = trainer
         run.book = RoundBook(task, run.task_cid, Chain(run.task_cid, run.initial_cid), run.total_steps,
                              cancelled=run.cancel_reason is not None)
-        if run.heads is None:
+        if _fresh(run.heads):
             # A run under way has a coordinator that publishes its head every HEAD_EVERY_S: hear it
             # before claiming to hold the run's state (we hold step 0, which is only right early on).
+            # A run that is over has none: ask, and its members answer (runtime/head_answers.py).
+            # Without asking, a joiner of a finished run trained it again from step 0, alone, and
+            # forked its history (gossip had handed it the run's first head, v0 with no members).
             with trio.move_on_after(HEAR_HEAD_S):
-                await run.head_heard.wait()
-        # Step 0 is the run's state only while no span has started: a head at v0 with members may
-        # be up to HEAD_EVERY_S old, and the run past its first checkpoint by now.
+                while _fresh(run.heads):
+                    await run.node.publish(TASKS_TOPIC, HeadRequest(task_cid=run.task_cid))
+                    await self._head_news.wait(ASK_HEAD_EVERY_S)
         heads = run.heads
-        fresh = heads is None or (heads.version == 0 and not heads.members)
+        fresh = _fresh(heads)
         logger.info("%s: joined; %d steps, initial model %s%s", run.log_prefix, run.total_steps, run.initial_cid,
                     "" if heads is None or fresh else f"; the run is under way (model v{heads.version}): resyncing")
         if fresh:  # step 0 from the task's seed (or initial model): every member holds it
@@ -214,6 +229,7 @@ class TaskRun:
             self.attesting.on_attestation(msg)
         elif isinstance(msg, TaskHead):
             self.resync.on_head(sender, msg)
+            self._head_news.set()
         elif isinstance(msg, TaskCancel):
             self._on_cancel(sender, msg)
 

@@ -51,3 +51,33 @@ async def test_a_held_chain_is_answered_and_verified_and_a_forged_head_is_refuse
             assert (head.model_cid, head.version, got.head_cid) == (v2, 2, v2)
             assert finder.refused["bad_chain"] == 1
             assert holder.tasks.head_answers.stats["answered"] >= 1
+
+
+async def test_a_joiner_of_a_finished_run_loads_its_final_model_instead_of_training_again(tmp_path: Path) -> None:
+    """Nobody publishes heads once a run is over: the joiner asks, a member answers, and the
+    joiner resyncs to the final checkpoint (and is done) rather than starting at step 0 alone."""
+    from p2ptrain.testing import publish_digits_task
+
+    with trio.fail_after(2 * DEADLINE_S):
+        async with local_peers(2, tmp_path) as peers:
+            task_cid = await publish_digits_task(peers[0], total_steps=6, checkpoint_interval=3)
+            async with trio.open_nursery() as nursery:
+                for peer in peers:
+                    nursery.start_soon(peer.tasks.join, task_cid)
+
+            def done() -> list | None:
+                statuses = [peers.status(i, task_cid) for i in range(2)]
+                return statuses if all(s.get("state") == "done" for s in statuses) else None
+
+            final = (await peers.wait_until(done, DEADLINE_S, what="the run done on both members"))[0]
+            late = await peers.add_peer()
+            await late.tasks.join(task_cid)
+
+            def settled() -> dict | None:
+                status = peers.status(2, task_cid)
+                return status if status.get("state") in ("done", "failed") else None
+
+            status = await peers.wait_until(settled, DEADLINE_S, what="the late joiner done")
+            assert status["state"] == "done", status.get("error")
+            assert (status["version"], status["latest_model_cid"]) == (final["version"], final["latest_model_cid"])
+            assert status["rounds_done"] == 0  # loaded, not trained again
