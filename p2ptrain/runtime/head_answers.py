@@ -24,6 +24,7 @@ import trio
 
 from p2ptrain.ipfs.cid import InvalidCID, parse_cid
 from p2ptrain.ipfs.store import ContentStore
+from p2ptrain.runtime.run_state import CANCEL_SENT_FILE
 from p2ptrain.training.records import MAX_CHAIN_BYTES, Chain, RecordError, record_from_bytes
 from p2ptrain.wire.messages import HeadRequest, TaskHead
 
@@ -55,8 +56,29 @@ class HeadAnswers:
         # answered, rate_limited, running (a run under way), not_held, bad_chain: for `node status`.
         self.stats: Counter[str] = Counter()
         self._last: dict[str, float] = {}  # task CID -> trio time of its last answer
+        self._cancels: dict[str, float] = {}  # task CID -> trio time the publisher last repeated its cancel
         self._answering: set[str] = set()  # tasks whose answer is under way (one at a time each)
         self._heads: dict[str, tuple[tuple[int, int], TaskHead]] = {}  # task CID -> ((mtime, size), head)
+
+    def may_repeat_cancel(self, task_cid: str) -> bool:
+        """Whether this node (the task's publisher) sent the task's cancel and may repeat it now:
+        at most once per HEAD_ANSWER_EVERY_S per task, whoever asks."""
+        try:
+            parse_cid(task_cid)  # before it names a folder on disk
+        except InvalidCID:
+            return False
+        if not (self.home / "tasks" / task_cid / CANCEL_SENT_FILE).is_file():
+            return False
+        now = trio.current_time()
+        if now - self._cancels.get(task_cid, -HEAD_ANSWER_EVERY_S) < HEAD_ANSWER_EVERY_S:
+            self.stats["cancel_rate_limited"] += 1
+            return False
+        self._cancels.pop(task_cid, None)
+        while len(self._cancels) >= MAX_ANSWERED_TASKS:
+            self._cancels.pop(next(iter(self._cancels)))
+        self._cancels[task_cid] = now
+        self.stats["cancel_repeated"] += 1
+        return True
 
     def on_request(self, request: HeadRequest, nursery: trio.Nursery) -> None:
         """Decide at once (this runs in the tasks topic's reader) whether to answer; the answer (a

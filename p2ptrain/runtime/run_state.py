@@ -18,6 +18,7 @@ from typing import Any
 
 import trio
 
+from p2ptrain.atomic import write_atomic
 from p2ptrain.collective import Collective
 from p2ptrain.data.manifest import Manifest
 from p2ptrain.logs import count_rejection, short_id
@@ -33,6 +34,13 @@ from p2ptrain.wire.messages import RoundFailed, RoundPlan, TaskHead
 from p2ptrain.wire.topics import task_topic
 
 logger = logging.getLogger(__name__)
+
+# In a run's folder: the publisher's cancel, kept so that this home never runs the task again
+# (a restart with --join, an announcement) and, on the publisher's node, so that it tells joiners.
+CANCELLED_FILE = "cancelled"
+# In a run's folder on the publisher's node: it sent the cancel, and repeats it to whoever asks for
+# the task's head (a joiner), since only its key can sign one.
+CANCEL_SENT_FILE = "cancel_sent"
 
 class Nudge:
     """Wake one waiting loop now instead of at its next period; a nudge while nobody waits is kept.
@@ -176,6 +184,8 @@ class RunState:
         self.cancel_reason, self.cancelled_at = reason or "cancelled by the publisher", trio.current_time()
         if self.book is not None:
             self.book.cancelled = True
+        self.dir.mkdir(parents=True, exist_ok=True)
+        write_atomic(self.dir / CANCELLED_FILE, self.cancel_reason.encode(), mode=0o600)
         logger.info("%s: cancelled by the task's publisher (%s); stopping at the end of the span under way",
                     self.log_prefix, self.cancel_reason)
         self.wake_leader.set()

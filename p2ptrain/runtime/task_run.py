@@ -194,16 +194,18 @@ class TaskRun:
         run.trainer = trainer
         run.book = RoundBook(task, run.task_cid, Chain(run.task_cid, run.initial_cid), run.total_steps,
                              cancelled=run.cancel_reason is not None)
-        if _fresh(run.heads):
-            # A run under way has a coordinator that publishes its head every HEAD_EVERY_S: hear it
-            # before claiming to hold the run's state (we hold step 0, which is only right early on).
-            # A run that is over has none: ask, and its members answer (runtime/head_answers.py).
-            # Without asking, a joiner of a finished run trained it again from step 0, alone, and
-            # forked its history (gossip had handed it the run's first head, v0 with no members).
-            with trio.move_on_after(HEAR_HEAD_S):
-                while _fresh(run.heads):
+        # A run under way has a coordinator that publishes its head every HEAD_EVERY_S: hear it
+        # before claiming to hold the run's state (we hold step 0, which is only right early on).
+        # A run that is over has none: ask, and its members answer (runtime/head_answers.py), and
+        # its publisher repeats its cancel if it cancelled it. Without asking, a joiner of a
+        # finished run trained it again from step 0, alone, and forked its history (gossip had
+        # handed it the run's first head, v0 with no members). Asked once even with a head in hand.
+        with trio.move_on_after(HEAR_HEAD_S):
+            await run.node.publish(TASKS_TOPIC, HeadRequest(task_cid=run.task_cid))
+            while _fresh(run.heads):
+                await self._head_news.wait(ASK_HEAD_EVERY_S)
+                if _fresh(run.heads):
                     await run.node.publish(TASKS_TOPIC, HeadRequest(task_cid=run.task_cid))
-                    await self._head_news.wait(ASK_HEAD_EVERY_S)
         heads = run.heads
         fresh = _fresh(heads)
         logger.info("%s: joined; %d steps, initial model %s%s", run.log_prefix, run.total_steps, run.initial_cid,

@@ -28,7 +28,9 @@ from p2ptrain.logs import short_id
 from p2ptrain.net import control_ops
 from p2ptrain.node import Node
 from p2ptrain.runtime.content import ContentService
+from p2ptrain.atomic import write_atomic
 from p2ptrain.runtime.head_answers import HeadAnswers
+from p2ptrain.runtime.run_state import CANCEL_SENT_FILE, CANCELLED_FILE
 from p2ptrain.runtime.task_run import TaskRun
 from p2ptrain.training.records import MAX_CHAIN_BYTES, RecordError, record_from_bytes
 from p2ptrain.training.task import TaskError, load_task, task_bytes, task_from_bytes, unmet_requirement
@@ -243,6 +245,8 @@ class TaskService:
             raise UserError(f"this node cannot take part in task {task.name} ({task_cid}): {why}")
         if task_cid in self.runs:  # joined meanwhile
             return self.runs[task_cid]
+        if self._cancelled_here(task_cid):
+            raise UserError(f"task {task.name} ({task_cid}) was cancelled by its publisher")
         assert self.collective is not None and self._nursery is not None
         run = TaskRun(self.node, self.content, self.collective, task, task_cid,
                       device=self.options.device, precision=self.options.precision)
@@ -256,6 +260,10 @@ class TaskService:
         await self.node.subscribe(task_topic(task_cid))
         self._nursery.start_soon(run.run, name=f"task:{task_cid[:12]}")
         return run
+
+    def _cancelled_here(self, task_cid: str) -> bool:
+        """Whether this home heard (or, as publisher, sent) the task's cancel: it never runs it again."""
+        return (self.node.home / "tasks" / task_cid / CANCELLED_FILE).is_file()
 
     def _read_task(self, task_cid: str) -> bytes:
         """The task's bytes, read no further than MAX_TASK_BYTES + 1 (enough to refuse a bigger one):
@@ -338,8 +346,15 @@ class TaskService:
             await run.on_message(signed.sender.to_base58(), head)
 
     def _on_head_request(self, signed: Any, topic: str) -> None:
-        if topic == TASKS_TOPIC and self._nursery is not None:
-            self.head_answers.on_request(signed.msg, self._nursery)
+        if topic != TASKS_TOPIC or self._nursery is None:
+            return
+        self.head_answers.on_request(signed.msg, self._nursery)
+        if self.head_answers.may_repeat_cancel(signed.msg.task_cid):
+            # Only the publisher can sign a cancel: its node tells whoever asks about the task (a
+            # joiner) that it is cancelled, once per HEAD_ANSWER_EVERY_S at most.
+            reason = (self.node.home / "tasks" / signed.msg.task_cid / CANCELLED_FILE).read_bytes()[:256]
+            self._nursery.start_soon(self.node.publish, TASKS_TOPIC,
+                                     TaskCancel(task_cid=signed.msg.task_cid, reason=reason.decode(errors="replace")))
 
     async def _on_cancel(self, signed: Any, topic: str) -> None:
         """A task's cancel: its run (if we take part) checks that the publisher sent it."""
@@ -419,6 +434,10 @@ class TaskService:
             raise UserError(f"only the task's publisher ({task.publisher or 'none named'}) can cancel it; "
                             f"this node is {me}")
         msg = TaskCancel(task_cid=task_cid, reason=reason)
+        run_dir = self.node.home / "tasks" / task_cid
+        run_dir.mkdir(parents=True, exist_ok=True)
+        write_atomic(run_dir / CANCELLED_FILE, (reason or "cancelled by the publisher").encode(), mode=0o600)
+        write_atomic(run_dir / CANCEL_SENT_FILE, b"", mode=0o600)
         await self.node.publish(TASKS_TOPIC, msg)
         if run is not None:
             await run.on_message(me, msg)  # pubsub does not deliver our own message back to us

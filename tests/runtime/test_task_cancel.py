@@ -93,3 +93,23 @@ async def test_the_publishers_cancel_stops_every_member_and_a_strangers_is_refus
             # No plan after the cancel: the runs are over, so nothing moves any more.
             rounds = [s["rounds_done"] for s in stopped]
             assert [peers.status(i, task_cid)["rounds_done"] for i in range(3)] == rounds
+            # A peer that joins afterwards asks for the run's head; the publisher answers with its
+            # cancel again, so the newcomer does not train the task again on its own.
+            late = await peers.add_peer()
+            await late.tasks.join(task_cid)
+
+            def late_stopped() -> dict[str, Any] | None:
+                status = peers.status(3, task_cid)
+                return status if status.get("state") in ("cancelled", "done", "failed") else None
+
+            newcomer = await peers.wait_until(late_stopped, STEP_S, what="the late joiner's run cancelled")
+            assert newcomer["state"] == "cancelled" and newcomer["rounds_done"] == 0
+            # And no member runs it again (a restart with --join, an announcement): the home keeps the cancel.
+            with pytest.raises(UserError, match="cancelled"):
+                await _rejoin(peers[1], task_cid)
+
+
+async def _rejoin(peer: Any, task_cid: str) -> None:
+    """Join ``task_cid`` as a restarted node would (its run of this process forgotten)."""
+    peer.tasks.runs.pop(task_cid)
+    await peer.tasks.join(task_cid)
