@@ -120,12 +120,15 @@ def _fetch_with_ephemeral_node(
 
     from p2ptrain.ipfs.store import ContentUnavailable
     from p2ptrain.node import Node
+    from p2ptrain.runtime.latest import LatestFinder
     from p2ptrain.runtime.peer import make_peer
+    from p2ptrain.training.records import RecordError
 
     logging.getLogger("libp2p").setLevel(logging.CRITICAL)
     node = Node(home, listen=["/ip4/127.0.0.1/tcp/0"], bootstrap=bootstrap)
     peer = make_peer(node)
     out = list(cids)
+    finder = LatestFinder(node, peer.content, latest) if latest is not None else None
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
@@ -134,23 +137,24 @@ def _fetch_with_ephemeral_node(
                 with trio.fail_after(EPHEMERAL_MESH_TIMEOUT_S):
                     while not node.host or not node.host.get_connected_peers():
                         await trio.sleep(0.1)
-                    if latest is not None:
-                        while True:
-                            known = peer.tasks.known.get(latest)
-                            if known is not None and known.head is not None and known.head.version > 0:
-                                out.append(known.head.model_cid)
-                                break
-                            await trio.sleep(0.2)
+                    if finder is not None:
+                        # Any member of a run (under way or over) answers; the chain is verified.
+                        head, _ = await finder.find()
+                        out.append(head.model_cid)
                 for cid in out:
                     await peer.content.fetch(cid, timeout=300.0)
                 more = await trio.to_thread.run_sync(then, peer.content.store) if then else []
                 for cid in more:
                     await peer.content.fetch(cid, timeout=300.0)
             except trio.TooSlowError:
+                refused = dict(finder.refused) if finder is not None else {}
                 raise UserError(
                     f"no peer reachable through {bootstrap[0]}" if latest is None or not node.host.get_connected_peers()
                     else f"no peer told us the latest model of task {latest} within {EPHEMERAL_MESH_TIMEOUT_S:.0f} s"
+                    + (f" (heads refused: {refused})" if refused else "")
                 ) from None
+            except RecordError as exc:  # two verified chains that fork
+                raise UserError(f"the peers disagree on task {latest}'s history: {exc}") from None
             except ContentUnavailable as exc:
                 raise UserError(str(exc)) from None
             finally:

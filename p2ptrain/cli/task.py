@@ -41,6 +41,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     status.add_argument("--json", action="store_true", help="print one JSON object")
     status.set_defaults(func=cmd_status)
 
+    cancel = tsub.add_parser(
+        "cancel", help="stop a task this node published",
+        description="Announce, signed by this node's key, that the task is cancelled. Members obey it "
+        "only from the task's publisher (the node that ran `task publish`, named in the task file): "
+        "they finish the span under way, keep the last confirmed model and report the state "
+        "'cancelled'. A cancel from any other peer is refused and counted (`task status`, rejected).",
+    )
+    cancel.add_argument("task_cid", metavar="TASK_CID", type=cid_arg)
+    cancel.add_argument("--reason", default="", help="a short note the members log (at most 256 characters)")
+    cancel.add_argument("--home", type=Path, default=None, help=HOME_HELP)
+    cancel.add_argument("--json", action="store_true", help="print one JSON object (task_cid, cancelled)")
+    cancel.set_defaults(func=cmd_cancel)
+
     listing = tsub.add_parser("list", help="tasks this node has heard of or takes part in")
     listing.add_argument("--home", type=Path, default=None, help=HOME_HELP)
     listing.add_argument("--json", action="store_true", help="print one JSON object {tasks: [...], joins: {...}}")
@@ -71,6 +84,12 @@ def cmd_publish(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     status = _client(args).call(control_ops.TASK_STATUS, task_cid=args.task_cid)
     print(json.dumps(status, indent=None) if args.json else render_status(status))
+    return 0
+
+
+def cmd_cancel(args: argparse.Namespace) -> int:
+    reply = _client(args).call(control_ops.TASK_CANCEL, task_cid=args.task_cid, reason=args.reason[:256])
+    print(json.dumps(reply) if args.json else f"cancelled task {reply['task_cid']}")
     return 0
 
 

@@ -24,7 +24,8 @@ TASK_PUBLISH = "task.publish"  # publish a task file (and optionally join it)
 TASK_JOIN = "task.join"  # join an announced task
 TASK_LIST = "task.list"  # tasks known here
 TASK_STATUS = "task.status"  # one task's state, round, members and latest model
+TASK_CANCEL = "task.cancel"  # the publisher stops a task's run (TaskCancel on the tasks topic)
 
 ALL: tuple[str, ...] = (OPS, CONTROL_STATS, STATUS, PING, IPFS_ADD, IPFS_FETCH, IPFS_PROGRESS, TASK_PUBLISH, TASK_JOIN,
-                        TASK_LIST, TASK_STATUS)
+                        TASK_LIST, TASK_STATUS, TASK_CANCEL)
 """Every op a full peer (node + content + tasks) answers; a test holds a running peer to exactly these."""

@@ -21,6 +21,7 @@ from p2ptrain.runtime.attesting import Attesting
 from p2ptrain.runtime.resync import Resync
 from p2ptrain.runtime.run_state import RunState
 from p2ptrain.runtime.spans import Spans
+from p2ptrain.training.attestations import ATTEST_TIMEOUT_S
 from p2ptrain.training.election import ElectionMessage, View
 from p2ptrain.training.rounds import Hold
 from p2ptrain.wire.messages import TaskAnnounce, TaskHead
@@ -30,6 +31,10 @@ logger = logging.getLogger(__name__)
 
 TICK_FRACTION = 0.25  # control-loop period, as a fraction of the heartbeat interval
 HEAD_EVERY_S = 2.0  # how often the coordinator publishes the run's head (and re-announces the task)
+# A cancelled member whose last span ended waits at most this long for that span's checkpoint to be
+# confirmed before it stops: the record's own deadline (attestations.ATTEST_TIMEOUT_S, 20 s), after
+# which the record is rejected anyway and the last confirmed model is the one kept.
+CANCEL_SETTLE_S = ATTEST_TIMEOUT_S
 
 
 class Leading:
@@ -41,6 +46,7 @@ class Leading:
         self.attesting = attesting
         self.resync = resync
         self._chain_cid: tuple[int, str] | None = None  # (chain version, CID of its bytes)
+        self._idle_since: float | None = None  # when a cancelled run was first seen between spans
 
     async def on_election_message(self, sender: str, msg: ElectionMessage) -> None:
         """A vote request, vote or coordinator heartbeat from ``sender``: the election answers."""
@@ -98,6 +104,7 @@ class Leading:
                 # on it (the mesh drops it only after 5 s). Left out like a peer a round named.
                 run.book.note_silent_coordinator(now, election.given_up)
             self._note_coordinator(before, now)
+            run.note_waiting(self._peers_short(), now)
             self.attesting.expire(now)
             if election.is_coordinator and run.synced and run.book is not None:
                 await self._maybe_plan(now)
@@ -106,7 +113,35 @@ class Leading:
                 if now - last_head >= HEAD_EVERY_S or run.book.chain.version != head_version:
                     last_head, head_version = now, run.book.chain.version
                     await self._publish_head()
+            if run.cancel_reason is not None and self.cancel_settled(now):
+                run.phase = "cancelled"
+                run.done.set()
+                return
             await run.wake_leader.wait(period)
+
+    def _peers_short(self) -> int:
+        """How many more peers the run needs now: for a quorum of the roster (no coordinator can be
+        elected without it), or, between spans, for ``peers.min`` advertising members (no span is
+        planned with fewer). 0 while a span runs, or while this member is not at the run's state."""
+        run = self.run
+        if not run.synced or self.spans.running or run.cancel_reason is not None:
+            return 0
+        return max(run.election.short_of_quorum, run.task.peers.min - len(run.advertising()))
+
+    def cancel_settled(self, now: float) -> bool:
+        """Whether a cancelled run may stop now: at a span boundary (no span of ours running), once
+        the span's checkpoint is confirmed (our step is the chain's head) or CANCEL_SETTLE_S after
+        the span ended; a span under way is never cut (its members would fail their rounds)."""
+        run = self.run
+        if self.spans.running:
+            self._idle_since = None
+            return False
+        if self._idle_since is None:
+            self._idle_since = now
+        if run.trainer is None or run.book is None or not run.synced:
+            return True  # nothing of ours to settle (still preparing, or resyncing)
+        settled = run.trainer.step == run.book.head_step and not run.attestations.pending
+        return settled or now - self._idle_since >= CANCEL_SETTLE_S
 
     async def _maybe_plan(self, now: float) -> None:
         run = self.run

@@ -72,7 +72,6 @@ class Resync:
         if (run.heads is None or sender != run.head_sender
                 or (head.version, head.step) >= (run.heads.version, run.heads.step)):
             run.heads, run.head_sender = head, sender
-            run.head_heard.set()
             self._new_head.set()
         if head.done and run.synced and run.book and run.book.chain.version >= head.version:
             run.done.set()

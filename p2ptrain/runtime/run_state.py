@@ -18,6 +18,7 @@ from typing import Any
 
 import trio
 
+from p2ptrain.atomic import write_atomic
 from p2ptrain.collective import Collective
 from p2ptrain.data.manifest import Manifest
 from p2ptrain.logs import count_rejection, short_id
@@ -33,6 +34,13 @@ from p2ptrain.wire.messages import RoundFailed, RoundPlan, TaskHead
 from p2ptrain.wire.topics import task_topic
 
 logger = logging.getLogger(__name__)
+
+# In a run's folder: the publisher's cancel, kept so that this home never runs the task again
+# (a restart with --join, an announcement) and, on the publisher's node, so that it tells joiners.
+CANCELLED_FILE = "cancelled"
+# In a run's folder on the publisher's node: it sent the cancel, and repeats it to whoever asks for
+# the task's head (a joiner), since only its key can sign one.
+CANCEL_SENT_FILE = "cancel_sent"
 
 class Nudge:
     """Wake one waiting loop now instead of at its next period; a nudge while nobody waits is kept.
@@ -70,7 +78,8 @@ class RunState:
     me: str = ""
     topic: str = ""
     dir: Path = Path()
-    phase: str = "starting"  # `task status` "state": starting, fetching data, training, resyncing, done, failed
+    # `task status` "state": starting, fetching data, training, resyncing, done, cancelled, failed
+    phase: str = "starting"
     error: str | None = None
     # Whether this member holds the state the run is at (so it advertises the task and may lead).
     synced: bool = False
@@ -93,7 +102,13 @@ class RunState:
     # rejected, a failure was reported): its control loop wakes at once, not at its next tick.
     wake_leader: Nudge = field(default_factory=Nudge)
     done: trio.Event = field(default_factory=trio.Event)
-    head_heard: trio.Event = field(default_factory=trio.Event)
+    # How many more peers the run waits for (a quorum of its roster to elect a coordinator, or
+    # peers.min to plan a span), and since when (trio time); 0 and None while it does not wait.
+    waiting_for: int = 0
+    waiting_since: float | None = None
+    # The publisher's reason, once it cancelled the run (see cancel), and when that was heard.
+    cancel_reason: str | None = None
+    cancelled_at: float = 0.0
     # Set by TaskRun: hands a message this member sent to its own handlers, as a peer's would be.
     deliver_own: Callable[[Any], Awaitable[None]] | None = None
 
@@ -149,6 +164,31 @@ class RunState:
         self.election.step_down(now)
         self.synced, self.phase = False, "resyncing"
         self.advertise(False)
+
+    def note_waiting(self, short: int, now: float) -> None:
+        """Record (and log, once per wait) that the run needs ``short`` more peers (0: it does not)."""
+        if short and self.waiting_since is None:
+            self.waiting_since = now
+            logger.info("%s: waiting for %d more peer(s) (peers.min %d); not electing or planning until then",
+                        self.log_prefix, short, self.task.peers.min)
+        elif not short and self.waiting_since is not None:
+            logger.info("%s: enough peers again after waiting %.0f s", self.log_prefix, now - self.waiting_since)
+            self.waiting_since = None
+        self.waiting_for = short
+
+    def cancel(self, reason: str) -> None:
+        """The publisher cancelled the run: plan no more; the control loop ends the run at the next
+        span boundary (:meth:`~p2ptrain.runtime.leading.Leading.cancel_settled`)."""
+        if self.cancel_reason is not None:
+            return
+        self.cancel_reason, self.cancelled_at = reason or "cancelled by the publisher", trio.current_time()
+        if self.book is not None:
+            self.book.cancelled = True
+        self.dir.mkdir(parents=True, exist_ok=True)
+        write_atomic(self.dir / CANCELLED_FILE, self.cancel_reason.encode(), mode=0o600)
+        logger.info("%s: cancelled by the task's publisher (%s); stopping at the end of the span under way",
+                    self.log_prefix, self.cancel_reason)
+        self.wake_leader.set()
 
     def advertising(self) -> set[str]:
         """Peers that advertise this task (so hold the state the run is at) and meet its requirements."""

@@ -38,19 +38,22 @@ from p2ptrain.runtime.content import ContentService
 from p2ptrain.runtime.datafeed import DataFeed
 from p2ptrain.runtime.leading import HEAD_EVERY_S, Leading
 from p2ptrain.runtime.resync import Resync
-from p2ptrain.runtime.run_state import RunState
+from p2ptrain.runtime.run_state import Nudge, RunState
 from p2ptrain.runtime.spans import Spans
 from p2ptrain.training.records import Chain, RecordError, load_model_bytes
 from p2ptrain.training.rounds import RoundBook
 from p2ptrain.training.task import Task, total_steps
 from p2ptrain.training.trainer import Trainer, TrainerError
+from p2ptrain.wire.topics import TASKS_TOPIC
 from p2ptrain.wire.messages import (
     CoordinatorBeat,
+    HeadRequest,
     RoundFailed,
     RoundPlan,
     SignedAttestation,
     SignedModelRecord,
     SignedVote,
+    TaskCancel,
     TaskHead,
     VoteRequest,
 )
@@ -60,6 +63,15 @@ logger = logging.getLogger(__name__)
 # A joiner listens this long for the run's head before it takes step 0 as the run's state: the
 # coordinator of a run under way publishes one every HEAD_EVERY_S, and one may be lost.
 HEAR_HEAD_S = HEAD_EVERY_S * 1.5
+# Meanwhile it asks for the head this often (a request published before our pubsub mesh formed is lost): a run that is over has no coordinator publishing heads,
+# its members answer requests (runtime/head_answers.py), at most one answer per task per second.
+ASK_HEAD_EVERY_S = 1.0
+
+
+def _fresh(heads: TaskHead | None) -> bool:
+    """Whether the run's state may be step 0: no head heard, or one from before the first span
+    (a head at v0 with members may be up to HEAD_EVERY_S old, the run past its first checkpoint)."""
+    return heads is None or (heads.version == 0 and not heads.members)
 
 
 class TaskRun:
@@ -85,6 +97,7 @@ class TaskRun:
         self.spans = Spans(run, self.data, self.attesting)
         self.resync = Resync(run)
         self.leading = Leading(run, self.spans, self.attesting, self.resync)
+        self._head_news = Nudge()  # a head arrived: the join's wait for the run's state looks again
 
     @property
     def task_cid(self) -> str:
@@ -101,6 +114,10 @@ class TaskRun:
             "name": run.task.name,
             "state": run.phase,
             "error": run.error,
+            "cancel_reason": run.cancel_reason,
+            # "waiting for N more peers since T": N, and the seconds waited so far (None: not waiting)
+            "waiting_for_peers": run.waiting_for,
+            "waiting_s": None if run.waiting_since is None else round(trio.current_time() - run.waiting_since, 1),
             "member": True,
             "synced": run.synced,
             "round": plan.round if plan else None,
@@ -125,8 +142,7 @@ class TaskRun:
             "sync_s": round(run.timings.sync_s, 4),
             "apply_s": round(run.timings.apply_s, 4),
             "rejected": dict(run.rejected),
-            # issue 15: the last round completed (not the start of the last span), and before the
-            # first round how many more advertising peers the task needs.
+            # the last round completed (not the start of the last span) and the step after it
             **_progress(run),
         }
 
@@ -145,8 +161,9 @@ class TaskRun:
                 nursery.start_soon(self.data.replicate)
                 await run.done.wait()
                 nursery.cancel_scope.cancel()
-            run.phase = "done"
-            logger.info("%s: done; final model %s", run.log_prefix, run.book.chain.head_cid if run.book else "-")
+            run.phase = "done" if run.cancel_reason is None else "cancelled"
+            logger.info("%s: %s; final model %s", run.log_prefix, run.phase,
+                        run.book.chain.head_cid if run.book else "-")
         except (ContentUnavailable, TrainerError, RecordError) as exc:
             run.phase, run.error = "failed", str(exc)
             logger.error("%s: failed: %s", run.log_prefix, exc)
@@ -155,7 +172,7 @@ class TaskRun:
             run.phase, run.error = "failed", f"internal error: {exc!r}"
             logger.exception("%s: failed with an internal error", run.log_prefix)
         finally:
-            if run.phase not in ("done", "failed"):
+            if run.phase not in ("done", "cancelled", "failed"):
                 run.phase = "stopped"  # the node is stopping (the run was cancelled)
             run.advertise(False)
 
@@ -177,16 +194,22 @@ class TaskRun:
             load_model_bytes(trainer.model, data)
         run.initial_cid = await trio.to_thread.run_sync(content.store.add_bytes, trainer.model_bytes())
         run.trainer = trainer
-        run.book = RoundBook(task, run.task_cid, Chain(run.task_cid, run.initial_cid), run.total_steps)
-        if run.heads is None:
-            # A run under way has a coordinator that publishes its head every HEAD_EVERY_S: hear it
-            # before claiming to hold the run's state (we hold step 0, which is only right early on).
-            with trio.move_on_after(HEAR_HEAD_S):
-                await run.head_heard.wait()
-        # Step 0 is the run's state only while no span has started: a head at v0 with members may
-        # be up to HEAD_EVERY_S old, and the run past its first checkpoint by now.
+        run.book = RoundBook(task, run.task_cid, Chain(run.task_cid, run.initial_cid), run.total_steps,
+                             cancelled=run.cancel_reason is not None)
+        # A run under way has a coordinator that publishes its head every HEAD_EVERY_S: hear it
+        # before claiming to hold the run's state (we hold step 0, which is only right early on).
+        # A run that is over has none: ask, and its members answer (runtime/head_answers.py), and
+        # its publisher repeats its cancel if it cancelled it. Without asking, a joiner of a
+        # finished run trained it again from step 0, alone, and forked its history (gossip had
+        # handed it the run's first head, v0 with no members). Asked once even with a head in hand.
+        with trio.move_on_after(HEAR_HEAD_S):
+            await run.node.publish(TASKS_TOPIC, HeadRequest(task_cid=run.task_cid))
+            while _fresh(run.heads):
+                await self._head_news.wait(ASK_HEAD_EVERY_S)
+                if _fresh(run.heads):
+                    await run.node.publish(TASKS_TOPIC, HeadRequest(task_cid=run.task_cid))
         heads = run.heads
-        fresh = heads is None or (heads.version == 0 and not heads.members)
+        fresh = _fresh(heads)
         logger.info("%s: joined; %d steps, initial model %s%s", run.log_prefix, run.total_steps, run.initial_cid,
                     "" if heads is None or fresh else f"; the run is under way (model v{heads.version}): resyncing")
         if fresh:  # step 0 from the task's seed (or initial model): every member holds it
@@ -210,6 +233,19 @@ class TaskRun:
             self.attesting.on_attestation(msg)
         elif isinstance(msg, TaskHead):
             self.resync.on_head(sender, msg)
+            self._head_news.set()
+        elif isinstance(msg, TaskCancel):
+            self._on_cancel(sender, msg)
+
+    def _on_cancel(self, sender: str, msg: TaskCancel) -> None:
+        """Obey a cancel only from the publisher the task file names: anyone else is counted."""
+        run = self.shared
+        publisher = run.task.publisher
+        if publisher is None or sender != publisher:
+            run.refuse("cancel", f"refused a cancel from {short_id(sender)}: "
+                       + ("the task names no publisher" if publisher is None else "not the task's publisher"))
+            return
+        run.cancel(msg.reason)
 
     async def _deliver_own(self, msg: Any) -> None:
         await self.on_message(self.shared.me, msg)
@@ -259,9 +295,7 @@ class TaskRun:
 def _progress(run: RunState) -> dict[str, Any]:
     """``last_round``/``last_step``: the last round this member completed and the step after it
     (round ``plan.round + i`` of a followed plan ends at step ``plan.step + i + 1``; a member that
-    loaded a checkpoint instead is at its record's last round); None before the first round.
-    ``waiting_for_peers``: before the first plan, how many more peers must advertise the task to
-    reach ``peers.min`` (0 once a plan exists)."""
+    loaded a checkpoint instead is at its record's last round); None before the first round."""
     book, trainer = run.book, run.trainer
     step = trainer.step if trainer else 0
     plan = book.last_plan if book else None
@@ -270,8 +304,4 @@ def _progress(run: RunState) -> dict[str, Any]:
         last_round = plan.round + (step - plan.step) - 1
     elif book is not None and book.chain.records and step == book.head_step:
         last_round = book.chain.records[-1].record.round
-    waiting = 0
-    if book is not None and plan is None and book.observed is None and not book.chain.records:
-        waiting = max(0, run.task.peers.min - len(run.advertising()))
-    return {"last_round": last_round, "last_step": step if last_round is not None else None,
-            "waiting_for_peers": waiting}
+    return {"last_round": last_round, "last_step": step if last_round is not None else None}

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -28,18 +28,23 @@ from p2ptrain.logs import short_id
 from p2ptrain.net import control_ops
 from p2ptrain.node import Node
 from p2ptrain.runtime.content import ContentService
+from p2ptrain.atomic import write_atomic
+from p2ptrain.runtime.head_answers import HeadAnswers
+from p2ptrain.runtime.run_state import CANCEL_SENT_FILE, CANCELLED_FILE
 from p2ptrain.runtime.task_run import TaskRun
 from p2ptrain.training.records import MAX_CHAIN_BYTES, RecordError, record_from_bytes
 from p2ptrain.training.task import TaskError, load_task, task_bytes, task_from_bytes, unmet_requirement
 from p2ptrain.wire.topics import TASKS_TOPIC, task_topic
 from p2ptrain.wire.messages import (
     CoordinatorBeat,
+    HeadRequest,
     RoundFailed,
     RoundPlan,
     SignedAttestation,
     SignedModelRecord,
     SignedVote,
     TaskAnnounce,
+    TaskCancel,
     TaskHead,
     VoteRequest,
 )
@@ -65,6 +70,8 @@ MAX_FAILED_JOINS = 1024
 JOIN_FETCH_TIMEOUT_S = 30.0
 # A run's chain.jsonl: the one limit on a chain's bytes, on disk or fetched (records.MAX_CHAIN_BYTES, 64 MiB).
 MAX_CHAIN_FILE_BYTES = MAX_CHAIN_BYTES
+# A run in one of these states is over: it acts on no head, and its node answers head requests for it.
+FINISHED_PHASES = frozenset({"done", "cancelled", "failed", "stopped"})
 
 
 class RunStateError(UserError):
@@ -174,6 +181,10 @@ class TaskService:
         self._failed: dict[str, float] = {}  # task CID -> trio time until which it is not retried
         node.on(TaskAnnounce, self._on_announce)
         node.on(TaskHead, self._on_head)
+        node.on(TaskCancel, self._on_cancel)
+        self.head_answers = HeadAnswers(node.home, content.store, self._running, self._total_steps,
+                                        lambda head: node.publish(TASKS_TOPIC, head))
+        node.on(HeadRequest, self._on_head_request)
         for msg_type in (VoteRequest, SignedVote, CoordinatorBeat, RoundPlan, RoundFailed, SignedModelRecord,
                          SignedAttestation):
             node.on(msg_type, self._on_task_message)
@@ -182,6 +193,7 @@ class TaskService:
             (control_ops.TASK_JOIN, self._join_op),
             (control_ops.TASK_LIST, self._list_op),
             (control_ops.TASK_STATUS, self._status_op),
+            (control_ops.TASK_CANCEL, self._cancel_op),
         ):
             node.control.register(op, handler)
         node.add_status("tasks", self._node_status)
@@ -192,7 +204,17 @@ class TaskService:
 
     def _node_status(self) -> dict[str, Any]:
         """Joins refused and the collective's inbound refusals, for `node status`."""
-        return {"joins": self._joins(), "collective": self.collective.hub.stats() if self.collective else None}
+        return {"joins": self._joins(), "collective": self.collective.hub.stats() if self.collective else None,
+                "head_requests": dict(self.head_answers.stats)}
+
+    def _running(self, task_cid: str) -> bool:
+        """Whether this node's run of ``task_cid`` is under way (not done, cancelled, failed or stopped)."""
+        run = self.runs.get(task_cid)
+        return run is not None and run.shared.phase not in FINISHED_PHASES
+
+    def _total_steps(self, task_cid: str) -> int | None:
+        run = self.runs.get(task_cid)
+        return run.shared.total_steps if run is not None and run.shared.total_steps else None
 
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         assert self.node.host is not None
@@ -223,6 +245,8 @@ class TaskService:
             raise UserError(f"this node cannot take part in task {task.name} ({task_cid}): {why}")
         if task_cid in self.runs:  # joined meanwhile
             return self.runs[task_cid]
+        if self._cancelled_here(task_cid):
+            raise UserError(f"task {task.name} ({task_cid}) was cancelled by its publisher")
         assert self.collective is not None and self._nursery is not None
         run = TaskRun(self.node, self.content, self.collective, task, task_cid,
                       device=self.options.device, precision=self.options.precision)
@@ -236,6 +260,10 @@ class TaskService:
         await self.node.subscribe(task_topic(task_cid))
         self._nursery.start_soon(run.run, name=f"task:{task_cid[:12]}")
         return run
+
+    def _cancelled_here(self, task_cid: str) -> bool:
+        """Whether this home heard (or, as publisher, sent) the task's cancel: it never runs it again."""
+        return (self.node.home / "tasks" / task_cid / CANCELLED_FILE).is_file()
 
     def _read_task(self, task_cid: str) -> bytes:
         """The task's bytes, read no further than MAX_TASK_BYTES + 1 (enough to refuse a bigger one):
@@ -314,8 +342,25 @@ class TaskService:
         if known is not None and (known.head is None or (head.version, head.step) >= (known.head.version, known.head.step)):
             known.head = head
         run = self.runs.get(head.task_cid)
-        if run is not None:
+        if run is not None and self._running(head.task_cid):  # an ended run acts on no head
             await run.on_message(signed.sender.to_base58(), head)
+
+    def _on_head_request(self, signed: Any, topic: str) -> None:
+        if topic != TASKS_TOPIC or self._nursery is None:
+            return
+        self.head_answers.on_request(signed.msg, self._nursery)
+        if self.head_answers.may_repeat_cancel(signed.msg.task_cid):
+            # Only the publisher can sign a cancel: its node tells whoever asks about the task (a
+            # joiner) that it is cancelled, once per HEAD_ANSWER_EVERY_S at most.
+            reason = (self.node.home / "tasks" / signed.msg.task_cid / CANCELLED_FILE).read_bytes()[:256]
+            self._nursery.start_soon(self.node.publish, TASKS_TOPIC,
+                                     TaskCancel(task_cid=signed.msg.task_cid, reason=reason.decode(errors="replace")))
+
+    async def _on_cancel(self, signed: Any, topic: str) -> None:
+        """A task's cancel: its run (if we take part) checks that the publisher sent it."""
+        run = self.runs.get(signed.msg.task_cid)
+        if run is not None:
+            await run.on_message(signed.sender.to_base58(), signed.msg)
 
     async def _on_task_message(self, signed: Any, topic: str) -> None:
         msg = signed.msg
@@ -338,6 +383,8 @@ class TaskService:
         if not isinstance(text, str) or len(text) > MAX_TASK_BYTES:
             raise UserError(f"a task file must be TOML text of at most {MAX_TASK_BYTES} bytes")
         task = load_task(text)
+        if task.publisher is None:  # this node's key is the one that may cancel it (task cancel)
+            task = replace(task, publisher=self.node.peer_id.to_base58())
         try:
             await self.content.fetch(task.dataset.manifest, timeout=float(request.get("timeout", 30.0)))
         except ContentUnavailable as exc:
@@ -367,6 +414,35 @@ class TaskService:
         for cid, run in self.runs.items():
             tasks[cid] = run.status()
         return {"tasks": list(tasks.values()), "joins": self._joins()}
+
+    async def _cancel_op(self, request: dict[str, Any]) -> dict[str, Any]:
+        """`task cancel`: announce the cancel of a task this node published (members check the key)."""
+        task_cid = str(request.get("task_cid", ""))
+        try:
+            parse_cid(task_cid)
+        except InvalidCID:
+            raise UserError(f"{task_cid!r} is not a CID") from None
+        reason = str(request.get("reason") or "")[:256]
+        run = self.runs.get(task_cid)
+        if run is not None:
+            task = run.shared.task
+        else:
+            await self.content.fetch(task_cid, timeout=JOIN_FETCH_TIMEOUT_S, max_bytes=MAX_TASK_BYTES)
+            task = task_from_bytes(await trio.to_thread.run_sync(self._read_task, task_cid))
+        me = self.node.peer_id.to_base58()
+        if task.publisher != me:
+            raise UserError(f"only the task's publisher ({task.publisher or 'none named'}) can cancel it; "
+                            f"this node is {me}")
+        msg = TaskCancel(task_cid=task_cid, reason=reason)
+        run_dir = self.node.home / "tasks" / task_cid
+        run_dir.mkdir(parents=True, exist_ok=True)
+        write_atomic(run_dir / CANCELLED_FILE, (reason or "cancelled by the publisher").encode(), mode=0o600)
+        write_atomic(run_dir / CANCEL_SENT_FILE, b"", mode=0o600)
+        await self.node.publish(TASKS_TOPIC, msg)
+        if run is not None:
+            await run.on_message(me, msg)  # pubsub does not deliver our own message back to us
+        logger.info("node %s cancelled task %s", short_id(self.node.peer_id), task_cid)
+        return {"task_cid": task_cid, "cancelled": True}
 
     async def _status_op(self, request: dict[str, Any]) -> dict[str, Any]:
         task_cid = str(request.get("task_cid", ""))

@@ -28,6 +28,11 @@ The scheme is Raft's election with a deterministic candidate:
 - A coordinator that no longer sees a quorum of its roster alive steps down, so the minority side of
   a partition stops issuing rounds; one that steps down because its state fell behind does not
   stand in the next term (the others will suspect it, so its own vote would only split the term).
+- A member that sees fewer of its roster alive than a quorum (a lone member of a two-member run, the
+  minority side of a partition) cannot win any term: it neither stands nor lets its term time out,
+  and says how many more peers it waits for (``short_of_quorum``). It still votes when asked, and
+  its term's timer starts afresh when enough peers are back. Before, it stood and timed out term
+  after term (a new term every 3 s), which only looked like progress.
 - A coordinator keeps every vote of its term in its certificate, also those that came after it had a
   quorum, so a roster that grows a little (a joiner admitted) is still covered. One whose votes no
   longer cover the roster renews its mandate: it stands in the next term at once, designated or not,
@@ -101,6 +106,9 @@ class Election:
         # candidate). If we give that coordinator up and enter that term, we vote for it at once
         # instead of waiting a heartbeat for the candidate to ask again.
         self._deferred: tuple[int, str] | None = None
+        # How many more roster members must be alive before an election can be won (0: enough);
+        # while short, the member waits in its term instead of standing and timing out term after term.
+        self.short_of_quorum = 0
 
     # --- queries --------------------------------------------------------------------------------
 
@@ -142,6 +150,12 @@ class Election:
         self.live = voters_alive(view, self.roster, self.me, coordinator=self.coordinator,
                                  heard_at=self._last_heard, now=now, config=self.config)
         self.given_up = None
+        voters = self._voters()
+        short = max(0, quorum(len(voters)) - sum(1 for p in voters if p in self.live or p == self.me))
+        if short and not self.short_of_quorum:
+            log.info("task %s: %s sees too few of its roster of %d alive; waiting for %d more peer(s) "
+                     "instead of moving to new terms", self.task_cid[:12], short_id(self.me), len(voters), short)
+        self.short_of_quorum = short
         if self.is_coordinator and not may_lead:
             self.step_down(now)
         if self._term_started is None:
@@ -185,13 +199,20 @@ class Election:
                     log.info("task %s: %s votes for %s in term %d (asked while its coordinator looked alive)",
                              self.task_cid[:12], short_id(self.me), short_id(candidate), self.term)
                     out.append(self._vote(candidate))
+        elif short:
+            # No election can be won without a quorum of the roster alive: standing and timing out
+            # term after term only churns terms (a lone member of a two-member run moved to a new
+            # term every 3 s). Wait in this term; its timer starts when enough peers are back.
+            self._term_started = now
+            return out
         elif now - self._term_started >= timeout:
             log.info("task %s: term %d passed without a coordinator; %s moves to term %d (voted for %s)",
                      self.task_cid[:12], self.term, short_id(self.me), self.term + 1,
                      short_id(self.voted_for or "nobody"))
             self._new_term(now, self.term + 1)
         mine = designated(self.task_cid, self.term, self._eligible()) == self.me or self.term == self._renew_term
-        if may_lead and self.term > 0 and self.voted_for in (None, self.me) and mine and self.term != self._abstain_term:
+        if (may_lead and not short and self.term > 0 and self.voted_for in (None, self.me) and mine
+                and self.term != self._abstain_term):
             out += self._stand(now)
         return out
 

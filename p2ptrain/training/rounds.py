@@ -29,7 +29,8 @@ Rules, and why:
 - When to plan at all (:meth:`RoundBook.decide`): not while its own span runs (unless that span is
   stuck on a peer that will not come), not during a failed round's backoff, not while behind the run
   (then resync), not in the first moments of a fresh run's first term; and without the peers a round
-  or a silent coordinator term named, for a while (they are most likely dead).
+  or a silent coordinator term named, for a while (they are most likely dead); never again once the
+  task's publisher cancelled the run.
 """
 
 from __future__ import annotations
@@ -144,6 +145,8 @@ class RoundBook:
     elected_at: float | None = None  # when this member last became coordinator
     # A member of the current plan reported that it cannot take part: retry without it now.
     culprit_reported: bool = False
+    # The task's publisher cancelled the run: no plan is made any more (the span under way ends).
+    cancelled: bool = False
 
     @property
     def head_step(self) -> int:
@@ -167,7 +170,7 @@ class RoundBook:
         return RoundBook(
             self.task, self.task_cid, chain, self.total_steps, observed=self.observed,
             failed_peers=self.failed_peers, gone_peers=self.gone_peers, retry_after=self.retry_after,
-            elected_at=self.elected_at, culprit_reported=self.culprit_reported,
+            elected_at=self.elected_at, culprit_reported=self.culprit_reported, cancelled=self.cancelled,
         )
 
     # --- what the coordinator hears (inputs to decide) --------------------------------------------
@@ -221,7 +224,7 @@ class RoundBook:
         ``rounds_running``: its rounds are (a newer plan can stop them). ``head_version``: the
         version of the run's latest head heard (0 for none).
         """
-        if not election.is_coordinator:
+        if not election.is_coordinator or self.cancelled:
             return Hold.WAIT
         last = self.last_plan
         # Our own round may be waiting (up to the start timeout, 15 s) on a peer that will not

@@ -28,6 +28,8 @@ from p2ptrain.wire.messages import Capabilities
 # A CID in text form is short; anything longer is not a CID we made.
 _MAX_CID_LEN = 128
 _MAX_NAME_LEN = 128
+# A base58 peer ID of an Ed25519 key is 52 characters; 128 leaves room for other key types.
+_MAX_PEER_LEN = 128
 # A task is a few hundred bytes; 64 KiB bounds both the TOML a person writes and the JSON we fetch.
 MAX_TASK_BYTES = 64 * 1024
 # A task nests three levels (task > model > kwargs > a list); eight refuse any bomb before parsing.
@@ -155,6 +157,10 @@ class Task:
     requirements: Requirements = Requirements()
     seed: int = 0
     initial_model: str | None = None
+    # The peer ID of the node that published the task (`task publish` fills it in when the file
+    # leaves it out): the one key whose `task cancel` members obey. Part of the task's bytes, so
+    # every member learns it from the task it fetched by CID, not from who happened to announce it.
+    publisher: str | None = None
 
 
 # --- field checks -----------------------------------------------------------------------------
@@ -276,13 +282,14 @@ def parse_task(data: dict[str, Any]) -> Task:
         raise TaskError("task: must be a table")
     _only(
         data,
-        {"name", "seed", "initial_model", "model", "dataset", "optimizer", "schedule", "training",
+        {"name", "seed", "initial_model", "publisher", "model", "dataset", "optimizer", "schedule", "training",
          "compression", "peers", "requirements"},
         "",
     )
     name = _str(data, "name", "")
     seed = _int(data, "seed", "", 0, 0, 2**32 - 1)
     initial_model = _cid(data, "initial_model", "", None)
+    publisher = _str(data, "publisher", "", None, max_len=_MAX_PEER_LEN)
 
     m = _table(data, "model", "", True)
     _only(m, {"name", "kwargs"}, "model.")
@@ -382,7 +389,7 @@ def parse_task(data: dict[str, Any]) -> Task:
     return Task(
         name=name, model=model, dataset=dataset, optimizer=optimizer, training=training,
         schedule=schedule, compression=compression, peers=peers, requirements=requirements,
-        seed=seed, initial_model=initial_model,
+        seed=seed, initial_model=initial_model, publisher=publisher,
     )
 
 

@@ -253,3 +253,26 @@ class TaskHead:
     optimizer_cid: str = field(metadata=_CID)
     members: tuple[str, ...] = field(metadata={"max_items": 1024, **_PEER})
     done: bool = False
+
+
+@message("task_cancel")
+@dataclass(frozen=True)
+class TaskCancel:
+    """The task's publisher stops its run: members finish the span under way, keep the last
+    confirmed model, plan no more and report the state ``cancelled``. Published on the tasks topic
+    (the publisher need not be a member); members obey it only from the peer the task file names as
+    ``publisher`` (the pubsub envelope is signed by the sender's key)."""
+
+    task_cid: str = field(metadata=_CID)
+    reason: str = field(default="", metadata={"max_len": 256})
+
+
+@message("task_head_request")
+@dataclass(frozen=True)
+class HeadRequest:
+    """Who holds the confirmed chain of ``task_cid``? Published on the tasks topic by a fetcher
+    (`model fetch --latest`); a node whose run of the task is over, or that holds its chain on
+    disk, answers with a :class:`TaskHead` of its own (rate-limited per task). The fetcher
+    verifies the chain the head names before it believes the model."""
+
+    task_cid: str = field(metadata=_CID)

@@ -9,6 +9,8 @@ over any chain's bound (the "bomb" of issue 13 #3), and bytes that are not a cha
 
 from __future__ import annotations
 
+import dataclasses
+
 import hashlib
 from pathlib import Path
 from typing import Any
@@ -133,7 +135,9 @@ async def test_a_head_naming_content_that_is_no_chain_is_a_counted_resync_failur
     async def body(victim: Peer, attacker: Peer, manifest: str) -> None:
         bad = _bad_chains(attacker.content.store.blocks)
         text = TASK.format(name="joined-late", manifest=manifest)
-        task_cid = victim.content.store.add_bytes(task_bytes(load_task(text)), only_hash=True)
+        # `task publish` names its node as the task's publisher (the key `task cancel` obeys).
+        task = dataclasses.replace(load_task(text), publisher=victim.node.peer_id.to_base58())
+        task_cid = victim.content.store.add_bytes(task_bytes(task), only_hash=True)
         sent = 0
 
         async def flood() -> None:

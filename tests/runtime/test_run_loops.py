@@ -259,6 +259,33 @@ async def test_the_run_goes_on_without_a_stopped_member(tmp_path: Path) -> None:
             assert set(record.members) == _ids(peers, rest)
 
 
+async def test_a_member_left_below_peers_min_waits_for_peers_instead_of_cycling_through_terms(tmp_path: Path) -> None:
+    heartbeat = 0.5  # the election's timeout is 3 heartbeats: 1.5 s
+    with trio.fail_after(DEADLINE_S):
+        async with local_peers(2, tmp_path, heartbeat_interval=heartbeat) as peers:
+            task_cid = await publish_digits_task(peers[0], total_steps=TOTAL_STEPS,
+                                                 checkpoint_interval=CHECKPOINT_INTERVAL, min_peers=2)
+            await _join_all(peers, task_cid)
+            await _all_at_version(peers, task_cid, 1)
+            await peers.stop_peer(1)
+
+            def waiting() -> dict[str, Any] | None:
+                status = peers.status(0, task_cid)
+                _failed([status])
+                return status if status["waiting_for_peers"] == 1 else None
+
+            first = await peers.wait_until(waiting, STEP_S, what="the lone member waiting for 1 more peer")
+
+            def waited_long() -> dict[str, Any] | None:
+                status = peers.status(0, task_cid)
+                return status if (status["waiting_s"] or 0) >= 4 * 3 * heartbeat else None
+
+            # Four election timeouts alone: before, four new terms (and vote requests nobody answers).
+            later = await peers.wait_until(waited_long, STEP_S, what="the lone member waiting 6 s")
+            assert later["term"] == first["term"] and later["waiting_for_peers"] == 1
+            assert later["state"] == "training" and later["version"] >= 1
+
+
 # -- the task service: a join refuses what this node cannot run, with one clear error ------------------
 
 # Over any test machine's free RAM (the field's bound is 2**40): a requirement this node cannot meet.

@@ -140,13 +140,15 @@ def test_hung_coordinator_still_in_the_live_view_is_replaced():
     assert old in net.nodes[new].suspects
 
 
-def test_split_votes_elect_nobody_then_converge():
+def test_split_halves_elect_nobody_and_wait_then_converge():
     net = Net(4)
     a, b, c, d = net.ids
     net.groups = [{a, b}, {c, d}]  # two halves of a four-member roster: no side has a quorum (3)
     net.run(4 * CONFIG.timeout_s)
     assert all(coordinator is None for _, coordinator in net.coordinators().values())
-    assert max(e.term for e in net.nodes.values()) >= 2  # they tried, and timed out, more than once
+    # Neither half can win a term, so neither churns through terms: each waits for one more peer.
+    assert max(e.term for e in net.nodes.values()) == 0
+    assert {e.short_of_quorum for e in net.nodes.values()} == {1}
     net.groups = [set(net.ids)]
     net.run(3 * CONFIG.timeout_s)
     assert net.agreed() is not None
@@ -441,3 +443,26 @@ def test_a_peer_a_round_found_gone_is_not_voted_for():
     assert not [m for p, m in net.sent if isinstance(m, SignedVote) and m.vote.candidate == gone and p != gone]
     term, coordinator = net.agreed(set(net.ids) - {gone})
     assert coordinator != gone
+
+
+def test_a_lone_member_below_a_quorum_waits_instead_of_cycling_through_terms():
+    """A two-member run after one member stopped: the other cannot win any term (a quorum of its
+    roster is 2), so it neither stands nor moves term after term; it says it waits for one more peer.
+    When the peer is back, one election settles it."""
+    net = Net(2)
+    term, coordinator = net.run_until_agreed(4 * CONFIG.timeout_s)
+    gone = next(p for p in net.ids if p != coordinator)
+    for stopped in (gone, coordinator):  # a follower left alone, and a coordinator left alone
+        lone = next(p for p in net.ids if p != stopped)
+        net.alive.discard(stopped)
+        net.run(2 * CONFIG.timeout_s)  # gives its coordinator up (or steps down): at most one term on
+        waiting_term = net.nodes[lone].term
+        assert net.nodes[lone].coordinator is None and net.nodes[lone].short_of_quorum == 1
+        sent = len(net.sent)
+        net.run(10 * CONFIG.timeout_s)  # thirty seconds alone: before, ten new terms and their requests
+        assert net.nodes[lone].term == waiting_term
+        assert net.sent[sent:] == []
+        net.alive.add(stopped)
+        net.nodes[stopped] = Election(TASK, net.keys[net.ids.index(stopped)], CONFIG)  # restarted
+        assert net.run_until_agreed(4 * CONFIG.timeout_s) is not None
+        assert all(e.short_of_quorum == 0 for e in net.nodes.values())
