@@ -27,6 +27,7 @@ from p2ptrain.wire.messages import (
     Capabilities,
     CoordinatorBeat,
     Goodbye,
+    HeadRequest,
     Heartbeat,
     ModelRecord,
     RoundFailed,
@@ -35,6 +36,7 @@ from p2ptrain.wire.messages import (
     SignedModelRecord,
     SignedVote,
     TaskAnnounce,
+    TaskCancel,
     TaskHead,
     Vote,
     VoteRequest,
@@ -98,6 +100,8 @@ SAMPLES = [
         task_cid=_CID, term=3, version=2, step=30, round=3, total_steps=100, chain_cid=_CID, model_cid=_CID,
         optimizer_cid=_CID, members=(_SENDER,), done=False,
     ),
+    TaskCancel(task_cid=_CID, reason="enough"),
+    HeadRequest(task_cid=_CID),
 ]
 _WIRE_TYPES = set(MESSAGES.names())
 assert {type(m).TYPE for m in SAMPLES} == _WIRE_TYPES, "every wire message type needs a fuzz seed here"
