@@ -55,7 +55,7 @@ def verified_chain(proc: NodeProcess, task_cid: str) -> Chain:
 
 
 @pytest.mark.timeout(420)
-def test_four_peers_train_digits_to_90_percent_and_the_model_is_fetched_by_cid(tmp_path: Path) -> None:
+def test_four_peers_train_digits_to_90_percent_and_the_model_is_fetched_by_cid_also_after_the_run(tmp_path: Path) -> None:
     with node_processes(4, tmp_path, extra_args=NODE_ARGS) as procs:
         manifest, task_cid = publish(procs[0], "digits-90", steps=150, checkpoint=50)
         statuses = wait_for(
@@ -80,6 +80,19 @@ def test_four_peers_train_digits_to_90_percent_and_the_model_is_fetched_by_cid(t
         result = json.loads(cli("model", "eval", str(out), "--dataset", manifest, "--home", str(fresh),
                                 "--bootstrap", procs[3].addr, "--json"))
         assert result["accuracy"] == pytest.approx(recorded, abs=1e-9)
+
+        # Finished runs stay findable: all members but one that never led stop, so no coordinator
+        # publishes heads any more; `model fetch --latest` from a fresh home asks, and that member
+        # answers with its head (the chain is re-verified by the fetcher).
+        coordinator = statuses[0]["coordinator"]
+        keep = next(i for i, p in enumerate(procs) if p.peer_id != coordinator)
+        for i, p in enumerate(procs):
+            if i != keep:
+                p.terminate()
+        latest = tmp_path / "latest.safetensors"
+        summary = json.loads(cli("model", "fetch", "--latest", task_cid, "-o", str(latest), "--home",
+                                 str(tmp_path / "fresh-latest"), "--bootstrap", procs[keep].addr, "--json"))
+        assert summary["model_cid"] == model_cid and latest.stat().st_size == summary["bytes"]
 
 
 STEPS = 1200
