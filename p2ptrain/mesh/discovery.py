@@ -16,9 +16,6 @@ Sources of peers, all feeding one dial path:
   the same pubsub mesh yet;
 - mDNS (``--mdns``, LAN only; it binds all interfaces): peers announced on the local network.
 
-The DHT also routes content (``provide``/``find_providers``, for the content service): a node
-announces the roots it holds, and a fetch none of its connected peers can serve asks who holds it.
-
 A heartbeat's addresses are chosen by its sender, and identities are free, so the dialing they
 cause is bounded (issue 13: 9,000 fresh identities with 16 addresses each pinned a core):
 at most ``MAX_DIAL_ADDRS_PER_PEER`` addresses per peer, ``MAX_CONCURRENT_DIALS`` dials at once,
@@ -75,16 +72,6 @@ DHT_WALK_INTERVALS_S = (1.0, 2.0, 5.0, 10.0, 30.0)
 # (measured: ~0.16 s of a late joiner's ~0.35 s); they wait until that is done.
 DHT_DELAY_S = 1.0
 ADDR_TTL_S = 3600
-# Content routing (``provide``/``find_providers``): one announcement walks the DHT towards the key
-# and sends ADD_PROVIDER to the closest peers; one lookup asks them for providers. On a mesh of tens
-# of peers either takes a few round trips; 10 s bounds a walk through unresponsive peers.
-PROVIDE_TIMEOUT_S = 10.0
-FIND_PROVIDERS_TIMEOUT_S = 10.0
-# Providers taken from one lookup: a handful is plenty to fetch from, and each may be dialed.
-MAX_FOUND_PROVIDERS = 8
-# Connected peers put into an empty routing table before a provide or a lookup (the table is
-# otherwise filled DHT_DELAY_S after each connection): enough to start the walk from.
-MAX_SEED_PEERS = 16
 
 
 def parse_bootstrap(addr: str) -> PeerInfo:
@@ -175,10 +162,6 @@ class Discovery:
         self.dials = 0
         self.dial_failures = 0
         self.not_kept = 0  # peers heard of but not dialed because MAX_KEPT_PEERS were kept
-        self.provides = 0  # DHT announcements at least one peer took
-        self.provide_failures = 0  # ... and those no peer took (or that timed out)
-        self.providers_found = 0  # providers DHT lookups returned
-        self.find_failures = 0  # DHT lookups that found no provider
 
     def stats(self) -> dict[str, int]:
         return {
@@ -186,61 +169,7 @@ class Discovery:
             "dial_failures": self.dial_failures,
             "kept": len(self._keeping),
             "not_kept": self.not_kept,
-            "provides": self.provides,
-            "provide_failures": self.provide_failures,
-            "providers_found": self.providers_found,
-            "find_failures": self.find_failures,
         }
-
-    async def provide(self, cid: str) -> bool:
-        """Announce on the DHT that we hold ``cid`` (its multihash is the key); True when at least
-        one peer took the record. A failure or timeout is counted, never raised."""
-        if self.dht is None:
-            return False
-        await self._seed_routing_table()
-        ok = False
-        with trio.move_on_after(PROVIDE_TIMEOUT_S):
-            try:
-                ok = await self.dht.provide(cid)
-            except Exception as exc:  # the remote peers' answers are hostile input
-                logger.debug("DHT provide %s failed: %s", cid, exc)
-        if ok:
-            self.provides += 1
-        else:
-            self.provide_failures += 1
-        return ok
-
-    async def find_providers(self, cid: str) -> list[PeerInfo]:
-        """Peers the DHT says hold ``cid`` (at most MAX_FOUND_PROVIDERS, ourselves left out), each
-        with the addresses its record carried; [] on failure or after FIND_PROVIDERS_TIMEOUT_S."""
-        if self.dht is None:
-            return []
-        await self._seed_routing_table()
-        found: list[PeerInfo] = []
-        with trio.move_on_after(FIND_PROVIDERS_TIMEOUT_S):
-            try:
-                found = await self.dht.find_providers(cid, MAX_FOUND_PROVIDERS + 1)
-            except Exception as exc:
-                logger.debug("DHT find_providers %s failed: %s", cid, exc)
-        found = [info for info in found if info.peer_id != self._own][:MAX_FOUND_PROVIDERS]
-        if found:
-            self.providers_found += len(found)
-        else:
-            self.find_failures += 1
-        return found
-
-    async def _seed_routing_table(self) -> None:
-        """Put connected peers into the DHT's routing table when it is empty (a provide or lookup
-        right after start would otherwise walk from nobody)."""
-        assert self.dht is not None
-        if self.dht.get_routing_table_size() > 0:
-            return
-        for peer_id in list(self.host.get_connected_peers())[:MAX_SEED_PEERS]:
-            with trio.move_on_after(DIAL_TIMEOUT_S):
-                try:
-                    await self.dht.add_peer(peer_id)
-                except Exception as exc:
-                    logger.debug("could not add %s to the DHT routing table: %s", short_id(peer_id), exc)
 
     def connected(self, peer_id: ID) -> bool:
         return any(not c.is_closed for c in self.host.get_network().get_connections(peer_id))
