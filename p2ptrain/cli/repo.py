@@ -104,7 +104,7 @@ def _node_running(home: Path) -> bool:
 
 def cmd_gc(args: argparse.Namespace) -> int:
     from p2ptrain.ipfs.blockstore import DIRECT, CorruptBlock
-    from p2ptrain.runtime.tasks import run_state_roots
+    from p2ptrain.runtime.run_roots import run_state_roots
 
     home = _home(args)
     store = _store(home)

@@ -13,17 +13,14 @@ import logging
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
 
 import trio
 
 from p2ptrain.collective import Collective
 from p2ptrain.errors import UserError
-from p2ptrain.data.manifest import MAX_MANIFEST_BYTES, Manifest, ManifestError
 from p2ptrain.ipfs.cid import InvalidCID, parse_cid
-from p2ptrain.ipfs.store import ContentStore, ContentUnavailable
-from p2ptrain.ipfs.unixfs import DagError
+from p2ptrain.ipfs.store import ContentUnavailable
 from p2ptrain.logs import short_id
 from p2ptrain.net import control_ops
 from p2ptrain.node import Node
@@ -32,8 +29,7 @@ from p2ptrain.atomic import write_atomic
 from p2ptrain.runtime.head_answers import HeadAnswers
 from p2ptrain.runtime.run_state import CANCEL_SENT_FILE, CANCELLED_FILE
 from p2ptrain.runtime.task_run import TaskRun
-from p2ptrain.training.records import MAX_CHAIN_BYTES, RecordError, record_from_bytes
-from p2ptrain.training.task import TaskError, load_task, task_bytes, task_from_bytes, unmet_requirement
+from p2ptrain.training.task import MAX_TASK_BYTES, TaskError, load_task, task_bytes, task_from_bytes, unmet_requirement
 from p2ptrain.wire.topics import TASKS_TOPIC, task_topic
 from p2ptrain.wire.messages import (
     CoordinatorBeat,
@@ -51,7 +47,6 @@ from p2ptrain.wire.messages import (
 
 logger = logging.getLogger(__name__)
 
-MAX_TASK_BYTES = 64 * 1024
 MAX_KNOWN_TASKS = 256
 # Joins from announcements in flight at once. A join is a fetch of at most MAX_TASK_BYTES and a parse,
 # so 4 keep up with any honest mesh; a flood of announced CIDs beyond that is refused (counted "busy")
@@ -68,64 +63,8 @@ MAX_FAILED_JOINS = 1024
 # A join from an announcement fetches a file of at most MAX_TASK_BYTES: if that takes longer than
 # this, the announcer (or its content) is not worth waiting for.
 JOIN_FETCH_TIMEOUT_S = 30.0
-# A run's chain.jsonl: the one limit on a chain's bytes, on disk or fetched (records.MAX_CHAIN_BYTES, 64 MiB).
-MAX_CHAIN_FILE_BYTES = MAX_CHAIN_BYTES
 # A run in one of these states is over: it acts on no head, and its node answers head requests for it.
 FINISHED_PHASES = frozenset({"done", "cancelled", "failed", "stopped"})
-
-
-class RunStateError(UserError):
-    """A task's state under the home cannot be read, so what it needs is unknown (``repo gc`` stops)."""
-
-
-def run_state_roots(home: Path, store: ContentStore) -> dict[str, list[str]]:
-    """The CIDs each task this home took part in still needs, by task CID: the task file, its
-    dataset (manifest and every shard) and initial model, every confirmed model and optimizer state
-    in ``tasks/<task CID>/chain.jsonl`` (where :class:`TaskRun` keeps them) and the chain's own CID.
-
-    What ``repo gc`` must keep besides pins. Content the store does not hold is listed if named, not
-    fetched. Raises :class:`RunStateError` for state that cannot be read: a collection that cannot
-    tell what a run needs must not delete anything.
-    """
-    tasks_dir = Path(home) / "tasks"
-    roots: dict[str, list[str]] = {}
-    if not tasks_dir.is_dir():
-        return roots
-    for run_dir in sorted(tasks_dir.iterdir()):
-        try:
-            parse_cid(run_dir.name)
-        except InvalidCID:
-            continue  # not a run's folder: TaskRun names them by task CID
-        try:
-            roots[run_dir.name] = _run_roots(run_dir, store)
-        except (UserError, ManifestError, RecordError, DagError, ContentUnavailable, OSError) as exc:
-            raise RunStateError(f"cannot tell what task {run_dir.name} needs ({run_dir}): {exc}") from None
-    return roots
-
-
-def _run_roots(run_dir: Path, store: ContentStore) -> list[str]:
-    task_cid = run_dir.name
-    cids = [task_cid]
-    if store.has(task_cid):
-        task = task_from_bytes(store.cat(task_cid, max_bytes=MAX_TASK_BYTES + 1))
-        cids.append(task.dataset.manifest)
-        if task.initial_model:
-            cids.append(task.initial_model)
-        if store.has(task.dataset.manifest):
-            manifest = Manifest.from_json(store.cat(task.dataset.manifest, max_bytes=MAX_MANIFEST_BYTES + 1))
-            cids.extend(ref.cid for shards in manifest.splits.values() for ref in shards)
-    chain_file = run_dir / "chain.jsonl"
-    if chain_file.exists():
-        with open(chain_file, "rb") as f:
-            data = f.read(MAX_CHAIN_FILE_BYTES + 1)
-        if len(data) > MAX_CHAIN_FILE_BYTES:
-            raise RecordError(f"chain.jsonl is over {MAX_CHAIN_FILE_BYTES} bytes")
-        for line in data.splitlines():
-            if line.strip():
-                record = record_from_bytes(line).record
-                cids += [record.model_cid, record.optimizer_cid]
-        cids.append(store.add_bytes(data, only_hash=True))  # the chain's CID, as TaskRun stores it
-    return cids
 
 
 @dataclass
