@@ -6,7 +6,7 @@ logged, and each pause between two consecutive completed rounds longer than ``--
 with the events inside it (failures, elections, plans), so a slow recovery shows its cause.
 
     .venv/bin/python -m pytest tests/runtime/test_training_run.py -k late_joiner --basetemp=/tmp/run
-    .venv/bin/python bench/pauses.py /tmp/run/test_late_joiner_killed_member0 [--min 1.5] [--events]
+    .venv/bin/python bench/pauses.py /tmp/run/test_a_run_survives_a_late_joi0 [--min 1.5] [--events]
 """
 
 from __future__ import annotations

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import collections
 import logging
+from typing import TYPE_CHECKING
 
-from libp2p.peer.id import ID
+if TYPE_CHECKING:  # libp2p costs ~1.3 s to import: the CLI's commands that never open a host skip it
+    from libp2p.peer.id import ID
 
 # Characters of a base58 peer ID kept in log lines: its last 8 tell the peers of a run apart
 # (58**8, about 1e14 values) and keep lines short. Logs and tests rely on this exact form.
@@ -18,7 +20,7 @@ SHORT_ID_CHARS = 8
 
 def short_id(peer_id: ID | str) -> str:
     """The short form of a peer ID (an :class:`ID` or its base58 text) used in logs: its last 8 characters."""
-    text = peer_id.to_base58() if isinstance(peer_id, ID) else str(peer_id)
+    text = peer_id if isinstance(peer_id, str) else peer_id.to_base58()
     return text[-SHORT_ID_CHARS:]
 
 
