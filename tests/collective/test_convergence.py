@@ -6,33 +6,21 @@ LocalRing and real hosts give identical bits, so this measures the compressor, n
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
 import pytest
 import torch
 import trio
-from sklearn.datasets import load_digits
 
 from p2ptrain.collective import SparseAllReducer
 
+# What a node does with a round and the digits split: one copy, shared with test_robust.py.
+_spec = importlib.util.spec_from_file_location("p2ptrain_test_hostile", Path(__file__).with_name("hostile.py"))
+hostile = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(hostile)
+
 PEERS, STEPS, BATCH, LR = 4, 400, 32, 0.1
-
-
-async def average_gradients(reducer: SparseAllReducer, model: torch.nn.Module, ring: list, round_id: int, **options) -> None:
-    """What a node does with a round: the model's flat gradient through the reducer (top-k over the
-    whole vector), the members' mean written back as every parameter's ``.grad``."""
-    params = list(model.parameters())
-    mean = await reducer.allreduce(torch.cat([p.grad.reshape(-1) for p in params]), ring, round_id, **options)
-    offset = 0
-    for p in params:
-        p.grad.copy_(mean[offset : offset + p.numel()].view_as(p))
-        offset += p.numel()
-
-
-def data():
-    digits = load_digits()
-    x = torch.tensor(digits.data, dtype=torch.float32) / 16
-    y = torch.tensor(digits.target)
-    order = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
-    return x, y, order[:1437], order[1437:]
 
 
 def model():
@@ -41,7 +29,7 @@ def model():
 
 
 async def train(local_ring, density: float) -> tuple[float, list[torch.nn.Module]]:
-    x, y, train_idx, test_idx = data()
+    x, y, train_idx, test_idx = hostile.digits()
     ring = local_ring(PEERS)
     members = list(range(PEERS))  # LocalRing ignores the ring's contents, only its order matters
     models = [model() for _ in members]
@@ -54,7 +42,7 @@ async def train(local_ring, density: float) -> tuple[float, list[torch.nn.Module
         batch = shards[i][pick]
         optimizers[i].zero_grad()
         torch.nn.functional.cross_entropy(models[i](x[batch]), y[batch]).backward()
-        await average_gradients(reducers[i], models[i], members, step)
+        await hostile.average_gradients(reducers[i], models[i], members, step)
         optimizers[i].step()
 
     for step in range(STEPS):
