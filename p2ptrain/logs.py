@@ -1,7 +1,8 @@
 """How our log lines name peers, and how a flood of bad input is kept out of the log.
 
 A leaf (imports nothing of ours), so every layer, including ``net/muxer.py`` below
-``net/streams.py``, uses the same two helpers instead of a copy.
+``net/streams.py``, uses the same helpers instead of a copy. ``fmt_bytes`` and ``fmt_s`` keep values
+in log lines short and readable (never a 17-digit float).
 """
 
 from __future__ import annotations
@@ -32,3 +33,17 @@ def count_rejection(
     n = counters[reason]
     if n & (n - 1) == 0:
         log.log(level, message + " [%s: %d so far]", *args, reason, n, exc_info=exc_info)
+
+
+def fmt_bytes(n: float) -> str:
+    """Bytes for people: ``512 B``, ``1.5 KiB``, ``3.2 MiB``, ``1.1 GiB``."""
+    for unit in ("B", "KiB", "MiB"):
+        if n < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def fmt_s(seconds: float) -> str:
+    """A duration for people: ``850 ms`` below 10 s, else ``12.3 s``."""
+    return f"{seconds * 1e3:.0f} ms" if seconds < 10 else f"{seconds:.1f} s"

@@ -232,6 +232,7 @@ class Node:
         self._status_sections: dict[str, Callable[[], dict[str, Any]]] = {}
         self._nursery: trio.Nursery | None = None
         self._seq = time.time_ns() // 1000  # grows across restarts with no stored state
+        self.bytes_published = 0  # signed payload bytes this node published (once per message)
         self._stop = trio.Event()
         self.started = trio.Event()
         self.listening_at: float | None = None  # wall clock: listeners up, pubsub running
@@ -279,6 +280,7 @@ class Node:
         except ValueError as exc:
             raise MessageTooLarge(str(exc)) from None
         await publish_bytes(self.pubsub, topic, data, MAX_MESSAGE_BYTES)
+        self.bytes_published += len(data)
 
     def add_service(self, fn: Service, *args: Any, name: str | None = None) -> None:
         """Run ``await fn(*args)`` for the node's lifetime, started after the mesh is up.
@@ -444,6 +446,7 @@ class Node:
             "control": self.control.stats(),
             "messages": {
                 **self.router.stats(),
+                "bytes_published": self.bytes_published,
                 "dropped_below_router": dict(getattr(self.pubsub, "dropped", {})),
             },
             "services": {section: fn() for section, fn in self._status_sections.items()},

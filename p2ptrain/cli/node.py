@@ -77,6 +77,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--precision", choices=("fp32", "bf16", "fp16"), default="fp32",
         help="autocast precision of the forward pass (fp16 needs CUDA; default fp32)",
     )
+    start.add_argument(
+        "--metrics", metavar="[HOST:]PORT", default=None,
+        help="serve Prometheus metrics over HTTP at this address, e.g. 127.0.0.1:9464 (a bare PORT "
+        "listens on 127.0.0.1; default: no metrics). Names: docs/operating.md",
+    )
     start.set_defaults(func=cmd_start)
 
     ident = cmds.add_parser(
@@ -126,6 +131,11 @@ def cmd_start(args: argparse.Namespace) -> int:
     from p2ptrain.runtime.peer import make_peer
     from p2ptrain.runtime.tasks import TaskOptions
 
+    metrics_at = None
+    if args.metrics is not None:
+        from p2ptrain.metrics import MetricsServer, parse_address
+
+        metrics_at = parse_address(args.metrics)  # a typo is one line, before anything starts
     node = Node(
         _home(args),
         listen=args.listen,
@@ -138,8 +148,10 @@ def cmd_start(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    make_peer(node, TaskOptions(accept_tasks=args.accept_tasks, join=args.join, device=args.device,
-                                precision=args.precision), ipfs_api=args.ipfs)
+    peer = make_peer(node, TaskOptions(accept_tasks=args.accept_tasks, join=args.join, device=args.device,
+                                       precision=args.precision), ipfs_api=args.ipfs)
+    if metrics_at is not None:
+        node.add_service(MetricsServer(peer, *metrics_at).run, name="metrics")
     _log_to_home(node.home)
     if args.verbose < 2:
         # py-libp2p logs every refused redial of a stopped peer at ERROR; our discovery already
