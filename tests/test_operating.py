@@ -3,12 +3,16 @@ while it trains, then drawn by ``task report`` from the confirmed records on a m
 
 from __future__ import annotations
 
+import json
+import logging
 import urllib.request
 from pathlib import Path
 
+import pytest
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
+from p2ptrain.cli.report import load_points, write_report
 from p2ptrain.metrics import MetricsServer
 from p2ptrain.testing import local_peers, publish_digits_task
 
@@ -32,7 +36,8 @@ def _one(samples: dict, name: str, **labels: str) -> float:
     return value
 
 
-async def test_a_run_is_scraped_while_it_trains_and_drawn_after(tmp_path: Path) -> None:
+async def test_a_run_is_scraped_while_it_trains_and_drawn_after(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="p2ptrain")
     with trio.fail_after(DEADLINE_S):
         async with local_peers(2, tmp_path) as peers, trio.open_nursery() as nursery:
             server = MetricsServer(peers[1], "127.0.0.1", 0)  # the joiner: it fetched from peer 0
@@ -63,6 +68,21 @@ async def test_a_run_is_scraped_while_it_trains_and_drawn_after(tmp_path: Path) 
             await peers.wait_until(lambda: peers.status(0, task_cid).get("state") == "done", 60, what="the run done")
             nursery.cancel_scope.cancel()
 
+    # the report: from the member's verified chain on disk; the records carry the round split
+    points = load_points(peers[0].node.home, task_cid)
+    assert [p.step for p in points] == [4, 8]
+    assert all(p.members == 2 and p.accuracy is not None and p.train_loss is not None for p in points)
+    assert all(p.compute_s and p.sync_s and p.apply_s and p.bytes_sent for p in points)
+    write_report(points, task_cid, tmp_path / "report.png")
+    assert (tmp_path / "report.png").read_bytes().startswith(b"\x89PNG")
+    write_report(points, task_cid, tmp_path / "report.html")
+    assert "data:image/png;base64," in (tmp_path / "report.html").read_text()
+
+    # INFO tells the story of the run per span, not per round (those lines are DEBUG)
+    info = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO and r.name.startswith("p2ptrain.runtime")]
+    assert any("span of rounds 0-3 (steps 1-4) done with 2 peers" in line for line in info), info
+    assert not [line for line in info if " done with 2 peers: compute " in line]
+
 
 def test_metrics_address_is_loopback_unless_a_host_is_named(tmp_path: Path, capsys) -> None:
     from p2ptrain.cli.main import main
@@ -74,3 +94,14 @@ def test_metrics_address_is_loopback_unless_a_host_is_named(tmp_path: Path, caps
     assert main(["node", "start", "--home", str(tmp_path), "--metrics", "localhost:http"]) == 1
     assert capsys.readouterr().err.strip() == (
         "p2ptrain: error: --metrics 'localhost:http': expected HOST:PORT or PORT, e.g. 127.0.0.1:9464")
+
+
+def test_json_log_lines_are_one_object_each() -> None:
+    from p2ptrain.logs import formatter
+
+    record = logging.LogRecord("p2ptrain.x", logging.WARNING, __file__, 1, "model v%d: loss %.4f", (3, 0.123456), None)
+    line = formatter("json").format(record)
+    assert "\n" not in line
+    parsed = json.loads(line)
+    assert (parsed["level"], parsed["logger"], parsed["msg"]) == ("WARNING", "p2ptrain.x", "model v3: loss 0.1235")
+    assert parsed["ts"].endswith("Z")

@@ -58,13 +58,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def setup_logging(verbosity: int) -> None:
+def setup_logging(verbosity: int, log_format: str = "text") -> None:
+    """Log to stderr at the level -v / -vv / $P2PTRAIN_LOG ask for, as text or one JSON object a line."""
+    from p2ptrain.logs import formatter
+
     level = [logging.WARNING, logging.INFO, logging.DEBUG][min(verbosity, 2)]
     if os.environ.get("P2PTRAIN_LOG"):
         level = getattr(logging, os.environ["P2PTRAIN_LOG"].upper(), level)
-    logging.basicConfig(
-        level=level, format="%(asctime)s.%(msecs)03d %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S"
-    )
+    handler = logging.StreamHandler()
+    handler.setFormatter(formatter(log_format))
+    logging.basicConfig(level=level, handlers=[handler])
     if level > logging.DEBUG:
         # py-libp2p logs expected connection churn at WARNING/ERROR; keep it out of the user's way.
         logging.getLogger("libp2p").setLevel(max(level, logging.ERROR))
@@ -92,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    setup_logging(args.verbose)
+    setup_logging(args.verbose, getattr(args, "log_format", None) or "text")
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:

@@ -5,12 +5,14 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import sys
 from pathlib import Path
 from typing import Any
 
 from p2ptrain.cli.ipfs import cid_arg
+from p2ptrain.logs import LOG_FORMATS, formatter
 from p2ptrain.net import control_ops
 
 HOME_HELP = "node home: identity key, config, control socket, blocks, logs (default: $P2PTRAIN_HOME or ~/.p2ptrain)"
@@ -82,6 +84,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="serve Prometheus metrics over HTTP at this address, e.g. 127.0.0.1:9464 (a bare PORT "
         "listens on 127.0.0.1; default: no metrics). Names: docs/operating.md",
     )
+    start.add_argument(
+        "--log-format", choices=LOG_FORMATS, default=os.environ.get("P2PTRAIN_LOG_FORMAT") or "text",
+        help="log lines on stderr and in <home>/logs/node.log as text, or as one JSON object per line "
+        "(keys ts, level, logger, msg) for log shippers (default: $P2PTRAIN_LOG_FORMAT or text)",
+    )
     start.set_defaults(func=cmd_start)
 
     ident = cmds.add_parser(
@@ -152,7 +159,7 @@ def cmd_start(args: argparse.Namespace) -> int:
                                        precision=args.precision), ipfs_api=args.ipfs)
     if metrics_at is not None:
         node.add_service(MetricsServer(peer, *metrics_at).run, name="metrics")
-    _log_to_home(node.home)
+    _log_to_home(node.home, args.log_format)
     if args.verbose < 2:
         # py-libp2p logs every refused redial of a stopped peer at ERROR; our discovery already
         # reports reachability at DEBUG, so keep its churn out of the node's log.
@@ -174,11 +181,10 @@ def cmd_start(args: argparse.Namespace) -> int:
     return 0
 
 
-def _log_to_home(home: Path) -> None:
+def _log_to_home(home: Path, log_format: str) -> None:
     """Node lifecycle lines at INFO to stderr and to <home>/logs/node.log."""
-    fmt = logging.Formatter("%(asctime)s.%(msecs)03d %(levelname)s %(name)s: %(message)s", "%H:%M:%S")
     handler = logging.FileHandler(home / "logs" / "node.log")
-    handler.setFormatter(fmt)
+    handler.setFormatter(formatter(log_format))
     ours = logging.getLogger("p2ptrain")
     ours.addHandler(handler)
     if ours.getEffectiveLevel() > logging.INFO:

@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from p2ptrain.cli import report
 from p2ptrain.cli.ipfs import cid_arg
 from p2ptrain.errors import UserError
 from p2ptrain.logs import short_id
@@ -58,6 +59,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     listing.add_argument("--home", type=Path, default=None, help=HOME_HELP)
     listing.add_argument("--json", action="store_true", help="print one JSON object {tasks: [...], joins: {...}}")
     listing.set_defaults(func=cmd_list)
+
+    report.add_parser(tsub, HOME_HELP)
 
 
 def _client(args: argparse.Namespace) -> Any:

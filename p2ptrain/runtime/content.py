@@ -116,7 +116,7 @@ class ContentService:
         totals["bytes"] += stats.bytes
         totals["blocks"] += stats.blocks
         totals["seconds"] += stats.seconds
-        logger.info("node %s fetched %s: %d blocks, %s in %.2f s from %d peer(s)", short_id(self.node.peer_id), cid,
+        logger.debug("node %s fetched %s: %d blocks, %s in %.2f s from %d peer(s)", short_id(self.node.peer_id), cid,
                     stats.blocks, fmt_bytes(stats.bytes), stats.seconds, len(stats.per_provider))
 
     async def _fetch_op(self, request: dict[str, Any]) -> dict[str, Any]:
