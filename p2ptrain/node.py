@@ -123,7 +123,7 @@ class NodeConfig:
         if unknown:
             raise UserError(f"{path}: unknown setting(s) {sorted(unknown)[:8]}; known: {sorted(known)}")
         for name, value in node.items():
-            problem = _config_problem(name, value)
+            problem = config_problem(name, value)
             if problem:
                 raise UserError(f"{path}: {name} {problem}")
         return cls(**node)
@@ -143,7 +143,7 @@ class NodeConfig:
         return "\n".join(lines) + "\n"
 
 
-def _config_problem(name: str, value: Any) -> str | None:
+def config_problem(name: str, value: Any) -> str | None:
     """Why ``value`` is not acceptable for setting ``name``, or None."""
     if name in ("listen", "bootstrap"):
         if not isinstance(value, list) or not all(isinstance(a, str) and len(a) <= MAX_CONFIG_ADDR_LEN for a in value):

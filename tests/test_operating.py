@@ -105,3 +105,24 @@ def test_json_log_lines_are_one_object_each() -> None:
     parsed = json.loads(line)
     assert (parsed["level"], parsed["logger"], parsed["msg"]) == ("WARNING", "p2ptrain.x", "model v3: loss 0.1235")
     assert parsed["ts"].endswith("Z")
+
+
+def test_config_show_names_where_each_setting_came_from(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    from p2ptrain.cli.main import main
+
+    (tmp_path / "config.toml").write_text('[node]\nmdns = true\nlisten = ["/ip4/127.0.0.1/tcp/4001"]\n')
+    monkeypatch.setenv("P2PTRAIN_DHT", "false")
+    monkeypatch.setenv("P2PTRAIN_LISTEN", "/ip4/127.0.0.1/tcp/5001, /ip4/127.0.0.1/tcp/5002")
+    assert main(["config", "show", "--home", str(tmp_path), "--listen", "/ip4/127.0.0.1/tcp/6001", "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["listen"] == {"value": ["/ip4/127.0.0.1/tcp/6001"], "source": "flag --listen"}  # flag over env
+    assert shown["dht"] == {"value": False, "source": "env P2PTRAIN_DHT"}
+    assert shown["mdns"] == {"value": True, "source": f"file {tmp_path / 'config.toml'}"}
+    assert shown["heartbeat_interval"] == {"value": 1.0, "source": "default"}
+    assert main(["config", "show", "--home", str(tmp_path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["listen"]["value"] == ["/ip4/127.0.0.1/tcp/5001", "/ip4/127.0.0.1/tcp/5002"]
+
+    monkeypatch.setenv("P2PTRAIN_SILENCE_HEARTBEATS", "0")
+    assert main(["config", "show", "--home", str(tmp_path)]) == 1
+    assert capsys.readouterr().err.strip() == (
+        "p2ptrain: error: $P2PTRAIN_SILENCE_HEARTBEATS: silence_heartbeats must be a whole number from 1 to 1000")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import sys
 
 from p2ptrain import __version__
@@ -36,6 +37,7 @@ GROUPS: list[str] = [
     "task",
     "model",
     "demo",
+    "config",
 ]
 
 
@@ -55,7 +57,24 @@ def build_parser() -> argparse.ArgumentParser:
     for name in GROUPS:
         module = __import__(f"p2ptrain.cli.{name}", fromlist=["add_parser"])
         module.add_parser(sub)
+    _plain_help(parser)
     return parser
+
+
+def _plain_help(parser: argparse.ArgumentParser) -> None:
+    """Help text for a terminal: descriptions taken from docstrings lose their reStructuredText
+    (````name```` → ```name```, ``:class:`X``` → ```X```), in this parser and every one below it."""
+    def plain(text: str | None) -> str | None:
+        return None if text is None else re.sub(r":\w+:`", "`", text).replace("``", "`")
+
+    parser.description = plain(parser.description)
+    for action in parser._actions:
+        action.help = plain(action.help)
+        if isinstance(action, argparse._SubParsersAction):
+            for choice in action._choices_actions:
+                choice.help = plain(choice.help)
+            for sub in action.choices.values():
+                _plain_help(sub)
 
 
 def setup_logging(verbosity: int, log_format: str = "text") -> None:
@@ -95,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    setup_logging(args.verbose, getattr(args, "log_format", None) or "text")
+    setup_logging(args.verbose, getattr(args, "log_format", None) or os.environ.get("P2PTRAIN_LOG_FORMAT") or "text")
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:

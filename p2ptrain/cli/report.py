@@ -141,7 +141,7 @@ def draw(points: list[Point], task_cid: str) -> bytes:
     acc.set_ylim(0, 1)
     acc.set_ylabel("test accuracy")
     handles = ax.get_legend_handles_labels()[0] + acc.get_legend_handles_labels()[0]
-    ax.legend(handles=handles, fontsize=8, loc="center right")
+    ax.legend(handles=handles, fontsize=8, loc="lower left")  # loss starts high, accuracy mid-way: free
     ax.set_title("loss and accuracy of each confirmed model", fontsize=10)
 
     ax = axes[0][1]
@@ -173,7 +173,8 @@ def draw(points: list[Point], task_cid: str) -> bytes:
             ms = [1e3 * (v or 0.0) for v in values]
             ax.bar(starts, ms, width=widths, bottom=bottom, align="edge", label=label, color=color)
             bottom = [b + v for b, v in zip(bottom, ms)]
-        ax.legend(fontsize=8)
+        ax.set_ylim(0, 1.25 * max(bottom))  # headroom for the legend above the bars
+        ax.legend(fontsize=8, loc="upper center", ncol=3)
     else:
         _no_data(ax)
     ax.set_ylabel("ms")
