@@ -10,20 +10,23 @@ That is safe here because a scrape never touches the node's objects from that th
 trio thread to take the snapshot (``trio.from_thread.run_sync``), so every counter is read between
 two trio steps, never while a coroutine is half-way through an update. Serving HTTP from a trio task
 instead would mean a second HTTP stack for one plain GET; the client's server is the one Prometheus
-users know. Loopback is the default address: the numbers name peers, tasks and traffic, which is no
+users know. Its threads are bounded in time (:data:`REQUEST_TIMEOUT_S`) and in work
+(:data:`MAX_CONCURRENT_SCRAPES` snapshots at once). Loopback is the default address: the numbers name peers, tasks and traffic, which is no
 one else's business unless the operator says so with an explicit address.
 """
 
 from __future__ import annotations
 
 import logging
+import socket
 import threading
+from wsgiref.simple_server import WSGIRequestHandler, make_server
 from collections.abc import Iterator
 from typing import Any
 
 import trio
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
-from prometheus_client.exposition import start_http_server
+from prometheus_client.exposition import ThreadingWSGIServer, make_wsgi_app
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from p2ptrain.errors import UserError
@@ -33,6 +36,14 @@ from p2ptrain.runtime.peer import Peer
 logger = logging.getLogger(__name__)
 
 DEFAULT_METRICS_HOST = "127.0.0.1"
+# A scrape's request must arrive within this, or its connection is closed: a client that opens a
+# connection and sends nothing holds one server thread for this long, not forever. Prometheus sends
+# its GET at once; 10 s is its default scrape timeout.
+REQUEST_TIMEOUT_S = 10.0
+# Scrapes answered at once; one more while these run gets an empty answer (it does not wait).
+# Each takes a snapshot in the trio thread (about a millisecond, longer with many tasks): one
+# Prometheus and a curl or two need no more, and a loop of requests cannot keep trio busy.
+MAX_CONCURRENT_SCRAPES = 4
 LOOPBACK_HOSTS = ("127.0.0.1", "::1", "localhost")
 PREFIX = "p2ptrain"
 
@@ -69,13 +80,22 @@ class PeerCollector(Collector):
     def __init__(self, peer: Peer, token: trio.lowlevel.TrioToken) -> None:
         self.peer = peer
         self.token = token
+        self._gate = threading.BoundedSemaphore(MAX_CONCURRENT_SCRAPES)
+        self.refused = 0  # scrapes over MAX_CONCURRENT_SCRAPES, answered empty
 
     def collect(self) -> Iterator[Metric]:
+        if not self._gate.acquire(blocking=False):
+            self.refused += 1
+            return
         try:
             snap = trio.from_thread.run_sync(snapshot, self.peer, trio_token=self.token)
         except trio.RunFinishedError:
             return  # the node has stopped: an empty scrape, not an error page
+        finally:
+            self._gate.release()
         yield from families(snap)
+        yield _counter("scrapes_refused", f"Scrapes answered empty: over {MAX_CONCURRENT_SCRAPES} at once.", [],
+                       [([], self.refused)])
 
 
 def _counter(name: str, doc: str, labels: list[str], rows: list[tuple[list[str], float]]) -> CounterMetricFamily:
@@ -194,9 +214,11 @@ class MetricsServer:
         registry = CollectorRegistry(auto_describe=False)
         registry.register(PeerCollector(self.peer, trio.lowlevel.current_trio_token()))
         try:
-            server, thread = start_http_server(self.port, addr=self.host, registry=registry)
+            server = _server(self.host, self.port, registry)
         except OSError as exc:
             raise UserError(f"cannot serve metrics on {self.host}:{self.port}: {exc.strerror or exc}") from None
+        thread = threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True)
+        thread.start()
         self.bound_port = server.server_port
         if self.host not in LOOPBACK_HOSTS:
             logger.warning("metrics are served on %s, beyond this machine: anyone who reaches it sees this "
@@ -211,6 +233,25 @@ class MetricsServer:
             # that a scrape waiting on this trio thread for its snapshot is still answered.
             with trio.CancelScope(shield=True):
                 await trio.to_thread.run_sync(_close, server, thread)
+
+
+class _Handler(WSGIRequestHandler):
+    """prometheus-client's handler, with a deadline on reading the request and no access log."""
+
+    timeout = REQUEST_TIMEOUT_S
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+def _server(host: str, port: int, registry: CollectorRegistry) -> Any:
+    """prometheus-client's threading WSGI server for ``registry``, bound to ``host`` (IPv4 or IPv6)."""
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+
+    class Server(ThreadingWSGIServer):
+        address_family = family
+
+    return make_server(host, port, make_wsgi_app(registry), Server, handler_class=_Handler)
 
 
 def _close(server: Any, thread: threading.Thread) -> None:
