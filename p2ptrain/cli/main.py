@@ -63,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _plain_help(parser: argparse.ArgumentParser) -> None:
     """Help text for a terminal: descriptions taken from docstrings lose their reStructuredText
-    (````name```` → ```name```, ``:class:`X``` → ```X```), in this parser and every one below it."""
+    (double backquotes become one, a role such as :class: is dropped), here and in every subparser."""
     def plain(text: str | None) -> str | None:
         return None if text is None else re.sub(r":\w+:`", "`", text).replace("``", "`")
 

@@ -113,10 +113,11 @@ def write_report(points: list[Point], task_cid: str, output: Path) -> None:
     if suffix not in FORMATS:
         raise UserError(f"-o {output}: the report is a .png or an .html file")
     png = draw(points, task_cid)
-    if suffix == ".png":
-        output.write_bytes(png)
-    else:
-        output.write_text(_html(points, task_cid, png))
+    data = png if suffix == ".png" else _html(points, task_cid, png).encode()
+    try:
+        output.write_bytes(data)
+    except OSError as exc:
+        raise UserError(f"cannot write {output}: {exc.strerror or exc}") from None
 
 
 def draw(points: list[Point], task_cid: str) -> bytes:
