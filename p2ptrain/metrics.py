@@ -11,8 +11,9 @@ trio thread to take the snapshot (``trio.from_thread.run_sync``), so every count
 two trio steps, never while a coroutine is half-way through an update. Serving HTTP from a trio task
 instead would mean a second HTTP stack for one plain GET; the client's server is the one Prometheus
 users know. Its threads are bounded in time (:data:`REQUEST_TIMEOUT_S`) and in work
-(:data:`MAX_CONCURRENT_SCRAPES` snapshots at once). Loopback is the default address: the numbers name peers, tasks and traffic, which is no
-one else's business unless the operator says so with an explicit address.
+(:data:`MAX_CONCURRENT_SCRAPES` snapshots at once). Loopback is the default address: the numbers
+name peers, tasks and traffic, which is no one else's business unless the operator says so with an
+explicit address.
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ from __future__ import annotations
 import logging
 import socket
 import threading
-from wsgiref.simple_server import WSGIRequestHandler, make_server
 from collections.abc import Iterator
 from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 import trio
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -66,7 +67,7 @@ def parse_address(text: str) -> tuple[str, int]:
 def snapshot(peer: Peer) -> dict[str, Any]:
     """Everything a scrape reports, as plain data. Runs in the trio thread (see the module doc)."""
     runs = []
-    for task_cid, run in list(peer.tasks.runs.items()):
+    for run in list(peer.tasks.runs.values()):
         status = run.status()
         status["round_seconds"] = run.shared.round_seconds.snapshot()
         status["is_coordinator"] = run.shared.election.coordinator == run.shared.me
@@ -122,8 +123,9 @@ def families(snap: dict[str, Any]) -> Iterator[Metric]:
                  [(["alive"], node.get("peers_total", 0)), (["gone"], node.get("gone_total", 0))])
     yield _gauge("connected_peers", "Peers with an open libp2p connection.", [], [([], len(node.get("connected") or []))])
     membership = node.get("membership") or {}
-    yield _counter("peers_left", "Peers marked gone, by why: expired (silent) or evicted (table full).", ["reason"],
-                   [(["expired"], membership.get("expired", 0)), (["evicted"], membership.get("evicted", 0))])
+    yield _counter("peer_records_dropped", "Peer records the membership view let go: forgotten (gone longer "
+                   "than its 10 min memory) or evicted (the view was full).", ["reason"],
+                   [(["forgotten"], membership.get("expired", 0)), (["evicted"], membership.get("evicted", 0))])
     yield _counter("messages_received", "Valid pubsub messages delivered to handlers, by type.", ["type"],
                    [([t], n) for t, n in sorted((messages.get("delivered") or {}).items())])
     yield _counter("messages_rejected", "Input refused, by where it was refused (source) and why (reason).",
@@ -156,6 +158,8 @@ def _rejections(node: dict[str, Any], runs: list[dict[str, Any]]) -> Iterator[tu
     sources.append(("bitswap", {k.removeprefix("rejected_"): v for k, v in bitswap.items() if k.startswith("rejected_")}))
     tasks = services.get("tasks") or {}
     sources.append(("joins", (tasks.get("joins") or {}).get("rejected") or {}))
+    collective = tasks.get("collective") or {}
+    sources.append(("collective", {k.removeprefix("refused_"): v for k, v in collective.items() if k.startswith("refused_")}))
     task_rejected: dict[str, int] = {}
     for run in runs:
         for reason, n in (run.get("rejected") or {}).items():
