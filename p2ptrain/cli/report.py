@@ -3,9 +3,9 @@
 Drawn from the confirmed chain a member keeps (``<home>/tasks/<task CID>/chain.jsonl``), re-verified
 record by record (signatures, versions, parents) before anything is drawn: what the picture shows
 is what a quorum of members attested, not what one node says. Each record carries the test metrics
-the coordinator measured and, since this report exists, the span's mean round: its compute, sync
-and apply time and the bytes the coordinator sent (the record's ``round_*`` metrics); older records
-without them leave those panels empty.
+the coordinator measured and its mean round over the span: compute, sync and apply time and bytes
+sent (the record's ``round_*`` metrics); records from older versions, without them, leave those
+two panels empty.
 
 matplotlib (Agg backend: no display needed) is an optional extra, ``pip install 'p2ptrain[report]'``:
 a peer on a server trains without it, and a 40 MB plotting stack has no place in every image.
@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from p2ptrain.cli.config import home_help
 from p2ptrain.cli.ipfs import cid_arg
 from p2ptrain.errors import UserError
 
@@ -48,7 +49,7 @@ class Point:
     bytes_sent: float | None
 
 
-def add_parser(tsub: argparse._SubParsersAction, home_help: str) -> None:
+def add_parser(tsub: argparse._SubParsersAction) -> None:
     """Register ``task report`` in the task group."""
     report = tsub.add_parser(
         "report", help="draw a run: loss, accuracy, members, bytes and time per round (PNG or HTML)",
@@ -57,7 +58,8 @@ def add_parser(tsub: argparse._SubParsersAction, home_help: str) -> None:
     report.add_argument("task_cid", metavar="TASK_CID", type=cid_arg, help="the task whose run to draw (this home must be a member)")
     report.add_argument("-o", "--output", type=Path, required=True, metavar="FILE",
                         help="where to write the report: FILE.png (a picture) or FILE.html (the picture and a table)")
-    report.add_argument("--home", type=Path, default=None, help=home_help)
+    report.add_argument("--home", type=Path, default=None,
+                        help=home_help("a member's home, whose tasks/<task CID>/chain.jsonl is drawn; no node needs to run"))
     report.set_defaults(func=cmd_report)
 
 

@@ -61,7 +61,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     listing.add_argument("--json", action="store_true", help="print one JSON object {tasks: [...], joins: {...}}")
     listing.set_defaults(func=cmd_list)
 
-    report.add_parser(tsub, HOME_HELP)
+    report.add_parser(tsub)
 
 
 def _client(args: argparse.Namespace) -> Any:
