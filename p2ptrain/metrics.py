@@ -49,8 +49,9 @@ LOOPBACK_HOSTS = ("127.0.0.1", "::1", "localhost")
 PREFIX = "p2ptrain"
 
 
-def parse_address(text: str) -> tuple[str, int]:
-    """``HOST:PORT`` or ``PORT`` (on loopback) → (host, port); a UserError line otherwise."""
+def parse_address(text: str, what: str = "--metrics") -> tuple[str, int]:
+    """``HOST:PORT`` or ``PORT`` (on loopback) → (host, port); a UserError line naming ``what``
+    (the flag or the environment variable it came from) otherwise."""
     host, sep, port_text = text.rpartition(":")
     if not sep:
         host = DEFAULT_METRICS_HOST
@@ -60,7 +61,7 @@ def parse_address(text: str) -> tuple[str, int]:
     except ValueError:
         port = -1
     if not 0 <= port <= 65535:
-        raise UserError(f"--metrics {text!r}: expected HOST:PORT or PORT, e.g. 127.0.0.1:9464")
+        raise UserError(f"{what} {text!r}: expected HOST:PORT or PORT, e.g. 127.0.0.1:9464")
     return host, port
 
 

@@ -113,12 +113,15 @@ def cmd_start(args: argparse.Namespace) -> int:
     from p2ptrain.runtime.peer import make_peer
     from p2ptrain.runtime.tasks import TaskOptions
 
-    settings = values(resolve(args))  # flags, P2PTRAIN_* environment, config.toml, defaults
+    resolved = resolve(args)  # flags, P2PTRAIN_* environment, config.toml, defaults
+    settings = values(resolved)
     metrics_at = None
     if settings["metrics"] is not None:
         from p2ptrain.metrics import MetricsServer, parse_address
 
-        metrics_at = parse_address(settings["metrics"])  # a typo is one line, before anything starts
+        source = next(s.source for s in resolved if s.name == "metrics").split()[-1]
+        what = source if source.startswith("--") else f"${source}"
+        metrics_at = parse_address(settings["metrics"], what)  # a typo is one line, before anything starts
     node = Node(
         settings["home"],
         listen=settings["listen"],
