@@ -123,7 +123,7 @@ class NodeConfig:
         if unknown:
             raise UserError(f"{path}: unknown setting(s) {sorted(unknown)[:8]}; known: {sorted(known)}")
         for name, value in node.items():
-            problem = _config_problem(name, value)
+            problem = config_problem(name, value)
             if problem:
                 raise UserError(f"{path}: {name} {problem}")
         return cls(**node)
@@ -143,7 +143,7 @@ class NodeConfig:
         return "\n".join(lines) + "\n"
 
 
-def _config_problem(name: str, value: Any) -> str | None:
+def config_problem(name: str, value: Any) -> str | None:
     """Why ``value`` is not acceptable for setting ``name``, or None."""
     if name in ("listen", "bootstrap"):
         if not isinstance(value, list) or not all(isinstance(a, str) and len(a) <= MAX_CONFIG_ADDR_LEN for a in value):
@@ -232,6 +232,7 @@ class Node:
         self._status_sections: dict[str, Callable[[], dict[str, Any]]] = {}
         self._nursery: trio.Nursery | None = None
         self._seq = time.time_ns() // 1000  # grows across restarts with no stored state
+        self.bytes_published = 0  # signed payload bytes this node published (once per message)
         self._stop = trio.Event()
         self.started = trio.Event()
         self.listening_at: float | None = None  # wall clock: listeners up, pubsub running
@@ -279,6 +280,7 @@ class Node:
         except ValueError as exc:
             raise MessageTooLarge(str(exc)) from None
         await publish_bytes(self.pubsub, topic, data, MAX_MESSAGE_BYTES)
+        self.bytes_published += len(data)
 
     def add_service(self, fn: Service, *args: Any, name: str | None = None) -> None:
         """Run ``await fn(*args)`` for the node's lifetime, started after the mesh is up.
@@ -444,6 +446,7 @@ class Node:
             "control": self.control.stats(),
             "messages": {
                 **self.router.stats(),
+                "bytes_published": self.bytes_published,
                 "dropped_below_router": dict(getattr(self.pubsub, "dropped", {})),
             },
             "services": {section: fn() for section, fn in self._status_sections.items()},

@@ -77,7 +77,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_add)
 
     p = cmds.add_parser("info", help="describe the dataset a manifest CID names")
-    p.add_argument("cid", metavar="CID", type=cid_arg)
+    p.add_argument("cid", metavar="CID", type=cid_arg, help="the dataset's manifest CID")
     p.add_argument("--json", action="store_true", help="print the manifest as JSON")
     add_store_options(p)
     p.set_defaults(func=cmd_info)

@@ -3,7 +3,8 @@
 It starts N peer processes (``p2ptrain node start``), adds scikit-learn's digits as a sharded
 dataset, publishes a task (an MLP, top-k sparsified gradients with error feedback), shows the run
 live, and when the last model is confirmed, fetches it by CID into a fresh home through the mesh and
-reports its test accuracy there. Nothing is mocked: these are the same processes, messages and
+reports its test accuracy and loss there; the run is drawn (``task report``) to
+p2ptrain-demo-report.png. Nothing is mocked: these are the same processes, messages and
 bytes as on a real network.
 """
 
@@ -21,11 +22,17 @@ from pathlib import Path
 from typing import Any
 
 from p2ptrain.errors import UserError
+from p2ptrain.logs import fmt_bytes
 from p2ptrain.net import control_ops
 from p2ptrain.training.demo import TASK_TEMPLATE
 
 MESH_TIMEOUT_S = 60.0
 POLL_S = 0.5
+# Where the demo draws its run (task report), in the folder it was started from.
+DEFAULT_REPORT = "p2ptrain-demo-report.png"
+# Width of the live line beside the progress bar: the longest usual line ("model v6  loss 0.123  test
+# acc 0.880  peers 4  sent 215.1 KiB"), so the bar does not jump as numbers grow or notes go.
+STATUS_WIDTH = 64
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -38,7 +45,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     demo.add_argument("--density", type=float, default=0.01, help="top-k density of the all-reduce (default 0.01)")
     demo.add_argument("--checkpoint-interval", type=int, default=25, help="rounds between published models (default 25)")
     demo.add_argument("--timeout", type=float, default=900.0, help="give up after this many seconds (default 900)")
-    demo.add_argument("--workdir", type=Path, default=None, help="keep homes and logs here (default: a temp dir, removed)")
+    demo.add_argument("--workdir", type=Path, default=None, metavar="DIR",
+                      help="keep the peers' homes and logs in this (new or empty) folder, and say so at the end "
+                      "(default: a temporary folder, removed when the demo ends)")
+    demo.add_argument("--report", type=Path, default=Path(DEFAULT_REPORT), metavar="FILE",
+                      help=f"draw the run to FILE.png or FILE.html at the end (default {DEFAULT_REPORT}; "
+                      "needs matplotlib: pip install 'p2ptrain[report]')")
+    demo.add_argument("--no-report", dest="report", action="store_const", const=None, help="draw no report")
     demo.add_argument("--json", action="store_true", help="print one JSON summary object at the end")
     demo.set_defaults(func=cmd_demo)
 
@@ -115,8 +128,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(summary))
     else:
-        say(f"done in {summary['seconds']:.0f} s: model {summary['model_cid']} has test accuracy "
-            f"{summary['accuracy']:.3f} after fetching it by CID on a fresh home")
+        if keep:
+            say(f"homes and logs of the peers kept in {workdir}")
+        if summary.get("report"):
+            say(f"report of the run: {summary['report']}")
+        say(f"done in {summary['seconds']:.0f} s: model {summary['model_cid']}, fetched by CID on a fresh home: "
+            f"test accuracy {summary['accuracy']:.3f}, test loss {summary['loss']:.4f}"
+            + ("" if summary.get("train_loss") is None else f"; final training loss {summary['train_loss']:.4f}"))
     return 0 if summary["agree"] else 1
 
 
@@ -133,7 +151,8 @@ def _run(args: argparse.Namespace, cluster: Cluster, workdir: Path, say: Any) ->
     manifest_cid, _ = build_dataset(EmbeddedStore(first), name, features, labels, num_shards=8)
     say(f"      dataset manifest {manifest_cid}")
 
-    say(f"[2/5] starting {args.peers} peers on loopback (logs in {workdir})")
+    where = f"homes and logs in {workdir}" if args.workdir is not None else "pass --workdir DIR to keep their logs"
+    say(f"[2/5] starting {args.peers} peers on loopback ({where})")
     bootstrap = cluster.start(ready_timeout=max(1.0, deadline - time.monotonic()))
     say(f"      mesh formed: every peer sees the other {args.peers - 1}")
 
@@ -157,7 +176,9 @@ def _run(args: argparse.Namespace, cluster: Cluster, workdir: Path, say: Any) ->
     say("[5/5] fetching the model by CID on a fresh home, through the mesh, and evaluating it")
     accuracy, loss = _fetch_and_evaluate(workdir / "fetcher", model_cid, manifest_cid, bootstrap)
     chain = final[first.name]["chain"]
+    report = _draw(args.report, first, task_cid, say)
     return {
+        "report": report,
         "model_cid": model_cid,
         "accuracy": accuracy,
         "loss": loss,
@@ -170,6 +191,7 @@ def _run(args: argparse.Namespace, cluster: Cluster, workdir: Path, say: Any) ->
         "density": args.density,
         "versions": len(chain),
         "coordinator_accuracy": chain[-1]["metrics"].get("accuracy") if chain else None,
+        "train_loss": chain[-1]["metrics"].get("train_loss") if chain else None,
         "bytes_sent": sum(p["bytes_sent"] for p in per_peer),
     }
 
@@ -179,8 +201,13 @@ def _follow(cluster: Cluster, task_cid: str, steps: int, deadline: float, quiet:
     from tqdm import tqdm
 
     live = sys.stderr.isatty() and not quiet
-    bar = tqdm(total=steps, unit="step", disable=not live, file=sys.stderr, dynamic_ncols=True)
+    # Fixed-width fields, so that the bar keeps its width as counts, rate and time left change.
+    bar_format = ("{l_bar}{bar}| {n_fmt:>%d}/{total_fmt} [{elapsed}<{remaining:>5}, {rate_fmt:>11}{postfix}]"
+                  % len(str(steps)))
+    bar = tqdm(total=steps, unit="step", disable=not live, file=sys.stderr, dynamic_ncols=True, bar_format=bar_format,
+               postfix="starting ...".ljust(STATUS_WIDTH))
     last_line, last_text = 0.0, ""
+    training = False  # the first round is done: the bar's rate counts from here, not from the election
     try:
         while True:
             statuses = {}
@@ -198,15 +225,22 @@ def _follow(cluster: Cluster, task_cid: str, steps: int, deadline: float, quiet:
             lead = max(statuses.values(), key=lambda s: (s.get("version", 0), s.get("step", 0)))
             acc = lead.get("accuracy")
             sent = sum(s.get("bytes_sent", 0) for s in statuses.values())
-            line = (f"model v{lead.get('version', 0)}  loss {_num(lead.get('loss'))}  test acc {_num(acc)}  "
-                    f"peers {len(lead.get('members') or [])}  sent {sent / 1024:.1f} KiB")
             if step == 0:  # before the first round: say what the peers are doing
                 states = sorted({str(s.get("state")) for s in statuses.values()})
                 if states == ["training"]:
                     states = ["electing a coordinator" if not lead.get("coordinator") else "coordinator elected"]
-                line = f"{line}  ({', '.join(states)})"
+                line = f"{', '.join(states)} ..."
+            else:
+                line = (f"model v{lead.get('version', 0)}  loss {_num(lead.get('loss'))}  test acc {_num(acc)}  "
+                        f"peers {len(lead.get('members') or [])}  sent {fmt_bytes(sent)}")
+                if not training:
+                    training = True
+                    # restart tqdm's clock here, counting from this step: the rate (and the time
+                    # left) is of training alone, not of the start and the election before it
+                    bar.reset(total=steps)
+                    bar.initial = min(step, steps)
             bar.n = min(step, steps)
-            bar.set_postfix_str(line, refresh=False)
+            bar.set_postfix_str(line.ljust(STATUS_WIDTH), refresh=False)
             bar.refresh()
             text = f"      step {step}/{steps}  {line}"
             if not live and not quiet and time.monotonic() - last_line >= 5.0 and text != last_text:
@@ -219,6 +253,21 @@ def _follow(cluster: Cluster, task_cid: str, steps: int, deadline: float, quiet:
             time.sleep(POLL_S)
     finally:
         bar.close()
+
+
+def _draw(output: Path | None, home: Path, task_cid: str, say: Any) -> str | None:
+    """Draw the run from the first peer's confirmed chain; the report's path, or None (not asked
+    for, or matplotlib missing: the demo's result does not depend on a picture)."""
+    if output is None:
+        return None
+    from p2ptrain.cli.report import load_points, write_report
+
+    try:
+        write_report(load_points(home, task_cid), task_cid, output)
+    except UserError as exc:
+        say(f"      no report: {exc}")
+        return None
+    return str(output.absolute())
 
 
 def _fetch_and_evaluate(home: Path, model_cid: str, manifest_cid: str, bootstrap: list[str]) -> tuple[float, float]:

@@ -52,7 +52,7 @@ def cid_arg(text: str) -> str:
 
 def add_store_options(parser: argparse.ArgumentParser) -> None:
     """``--home`` and ``--ipfs``, shared by every command that reads or writes content."""
-    parser.add_argument("--home", type=Path, default=None, help="node home (default: ~/.p2ptrain)")
+    parser.add_argument("--home", type=Path, default=None, help="node home (default: $P2PTRAIN_HOME or ~/.p2ptrain)")
     parser.add_argument(
         "--ipfs",
         metavar="API",
@@ -337,7 +337,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     cmds = group.add_subparsers(dest="ipfs_command", metavar="SUBCOMMAND", required=True)
 
     p = cmds.add_parser("add", help="add a file and print its CID (the same CID as Kubo's ipfs add)")
-    p.add_argument("file", metavar="FILE")
+    p.add_argument("file", metavar="FILE", help="the file to add")
     p.add_argument("-n", "--only-hash", action="store_true", help="only compute the CID, store nothing")
     # A value is required (not Kubo's bare --pin): `--pin FILE` must not read FILE as the value.
     p.add_argument("--pin", type=pin_flag, default=True, metavar="true|false",
@@ -351,13 +351,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
     fetched = " (what the home's store lacks is fetched first: by its running node, else with --bootstrap)"
     p = cmds.add_parser("cat", help="write a file's bytes to stdout", description="Write a file's bytes to stdout" + fetched)
-    p.add_argument("cid", metavar="CID", type=cid_arg)
+    p.add_argument("cid", metavar="CID", type=cid_arg, help="the content's CID")
     add_store_options(p)
     add_fetch_options(p)
     p.set_defaults(func=cmd_cat)
 
     p = cmds.add_parser("get", help="save a file (written atomically)", description="Save a file, written atomically" + fetched)
-    p.add_argument("cid", metavar="CID", type=cid_arg)
+    p.add_argument("cid", metavar="CID", type=cid_arg, help="the content's CID")
     p.add_argument("-o", "--output", metavar="PATH",
                    help="file to write, or a folder to write CID into (default: ./CID)")
     add_store_options(p)
@@ -366,7 +366,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
     p = cmds.add_parser("ls", help="list the links of a DAG's root block (CID, size, name), as Kubo's ipfs ls",
                         description="List the links of a DAG's root block: CID, size, name" + fetched)
-    p.add_argument("cid", metavar="CID", type=cid_arg)
+    p.add_argument("cid", metavar="CID", type=cid_arg, help="the content's CID")
     add_store_options(p)
     add_fetch_options(p)
     p.set_defaults(func=cmd_ls)
@@ -374,7 +374,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = cmds.add_parser("stat", help="size, cumulative size, blocks and type of a DAG",
                         description="Size (the file's bytes), cumulative size (every distinct block's bytes), "
                                     "child links, blocks and UnixFS type of a DAG" + fetched)
-    p.add_argument("cid", metavar="CID", type=cid_arg)
+    p.add_argument("cid", metavar="CID", type=cid_arg, help="the content's CID")
     p.add_argument("--json", action="store_true",
                    help="one JSON object: cid, type, size, cumulative_size, blocks, links")
     add_store_options(p)
@@ -384,13 +384,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     pin = cmds.add_parser("pin", help="keep content in the local store")
     pins = pin.add_subparsers(dest="pin_command", metavar="ACTION", required=True)
     p = pins.add_parser("add", help="fetch the whole DAG and pin it", description="Pin a DAG" + fetched)
-    p.add_argument("cid", metavar="CID", type=cid_arg)
+    p.add_argument("cid", metavar="CID", type=cid_arg, help="the content's CID")
     p.add_argument("--direct", dest="recursive", action="store_false", help="pin the root block only")
     add_store_options(p)
     add_fetch_options(p)
     p.set_defaults(func=cmd_pin_add)
     p = pins.add_parser("rm", help="unpin")
-    p.add_argument("cid", metavar="CID", type=cid_arg)
+    p.add_argument("cid", metavar="CID", type=cid_arg, help="the content's CID")
     add_store_options(p)
     p.set_defaults(func=cmd_pin_rm)
     p = pins.add_parser("ls", help="list pins")

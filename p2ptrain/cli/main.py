@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import sys
 
 from p2ptrain import __version__
@@ -36,6 +37,7 @@ GROUPS: list[str] = [
     "task",
     "model",
     "demo",
+    "config",
 ]
 
 
@@ -55,16 +57,36 @@ def build_parser() -> argparse.ArgumentParser:
     for name in GROUPS:
         module = __import__(f"p2ptrain.cli.{name}", fromlist=["add_parser"])
         module.add_parser(sub)
+    _plain_help(parser)
     return parser
 
 
-def setup_logging(verbosity: int) -> None:
+def _plain_help(parser: argparse.ArgumentParser) -> None:
+    """Help text for a terminal: descriptions taken from docstrings lose their reStructuredText
+    (double backquotes become one, a role such as :class: is dropped), here and in every subparser."""
+    def plain(text: str | None) -> str | None:
+        return None if text is None else re.sub(r":\w+:`", "`", text).replace("``", "`")
+
+    parser.description = plain(parser.description)
+    for action in parser._actions:
+        action.help = plain(action.help)
+        if isinstance(action, argparse._SubParsersAction):
+            for choice in action._choices_actions:
+                choice.help = plain(choice.help)
+            for sub in action.choices.values():
+                _plain_help(sub)
+
+
+def setup_logging(verbosity: int, log_format: str = "text") -> None:
+    """Log to stderr at the level -v / -vv / $P2PTRAIN_LOG ask for, as text or one JSON object a line."""
+    from p2ptrain.logs import formatter
+
     level = [logging.WARNING, logging.INFO, logging.DEBUG][min(verbosity, 2)]
     if os.environ.get("P2PTRAIN_LOG"):
         level = getattr(logging, os.environ["P2PTRAIN_LOG"].upper(), level)
-    logging.basicConfig(
-        level=level, format="%(asctime)s.%(msecs)03d %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S"
-    )
+    handler = logging.StreamHandler()
+    handler.setFormatter(formatter(log_format))
+    logging.basicConfig(level=level, handlers=[handler])
     if level > logging.DEBUG:
         # py-libp2p logs expected connection churn at WARNING/ERROR; keep it out of the user's way.
         logging.getLogger("libp2p").setLevel(max(level, logging.ERROR))
@@ -92,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    setup_logging(args.verbose)
+    setup_logging(args.verbose, getattr(args, "log_format", None) or os.environ.get("P2PTRAIN_LOG_FORMAT") or "text")
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:

@@ -23,7 +23,7 @@ from p2ptrain.net import control_ops
 if TYPE_CHECKING:
     from p2ptrain.ipfs.store import ContentStore
 
-HOME_HELP = "node home whose store (and running node, if any) to use (default: ~/.p2ptrain)"
+HOME_HELP = "node home whose store (and running node, if any) to use (default: $P2PTRAIN_HOME or ~/.p2ptrain)"
 EPHEMERAL_MESH_TIMEOUT_S = 20.0
 
 
@@ -32,7 +32,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     msub = group.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     fetch = msub.add_parser("fetch", help="fetch a model by CID (verified) into a safetensors file")
-    fetch.add_argument("model_cid", nargs="?", metavar="MODEL_CID", type=cid_arg)
+    fetch.add_argument("model_cid", nargs="?", metavar="MODEL_CID", type=cid_arg,
+                       help="the model's CID (or give --latest TASK_CID)")
     fetch.add_argument("--latest", metavar="TASK_CID", type=cid_arg, help="fetch the latest confirmed model of this task")
     fetch.add_argument("-o", "--output", type=Path, required=True, help="where to write the .safetensors file")
     _source_options(fetch)
@@ -40,7 +41,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     fetch.set_defaults(func=cmd_fetch)
 
     evaluate = msub.add_parser("eval", help="accuracy and loss of a model on a dataset split")
-    evaluate.add_argument("model", metavar="MODEL_CID|PATH")
+    evaluate.add_argument("model", metavar="MODEL_CID|PATH", help="a model by CID, or a .safetensors file")
     evaluate.add_argument("--dataset", required=True, metavar="MANIFEST_CID", type=cid_arg,
                           help="dataset manifest CID (a --standardize dataset is evaluated standardized, as trained)")
     evaluate.add_argument("--split", default="test", help="split to evaluate on (default test)")

@@ -11,9 +11,11 @@ from pathlib import Path
 from typing import Any
 
 from p2ptrain.cli.ipfs import cid_arg
+from p2ptrain.cli.config import add_setting_flags, home_help, resolve, values
+from p2ptrain.logs import formatter
 from p2ptrain.net import control_ops
 
-HOME_HELP = "node home: identity key, config, control socket, blocks, logs (default: $P2PTRAIN_HOME or ~/.p2ptrain)"
+HOME_HELP = home_help("node home: identity key, config, control socket, blocks, logs")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -33,27 +35,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="run a peer until Ctrl-C or SIGTERM",
         description=(
             "Run a peer in the foreground until Ctrl-C or SIGTERM, then say goodbye to the mesh and stop "
-            "cleanly. Settings not given on the command line come from <home>/config.toml, which the "
-            "first start writes."
+            "cleanly. A setting not given as a flag comes from its P2PTRAIN_* environment variable, else "
+            "from <home>/config.toml (which the first start writes), else its default: `p2ptrain config "
+            "show` prints each with its source."
         ),
     )
-    start.add_argument("--home", type=Path, default=None, help=HOME_HELP)
-    start.add_argument(
-        "--listen",
-        action="append",
-        metavar="MULTIADDR",
-        help="address to listen on, e.g. /ip4/127.0.0.1/tcp/4001 (repeatable; default /ip4/127.0.0.1/tcp/0)",
-    )
-    start.add_argument(
-        "--bootstrap",
-        nargs="+",
-        action="extend",
-        metavar="MULTIADDR",
-        help="peers to connect to first, each ending in /p2p/<peer id> (copy them from `node status --json`, key \"addrs\")",
-    )
-    start.add_argument("--mdns", action="store_true", default=None, help="also find peers on the local network by mDNS (binds all interfaces)")
-    start.add_argument("--no-dht", dest="dht", action="store_false", default=None, help="do not run Kad-DHT peer routing")
-    start.add_argument("--heartbeat", type=float, metavar="SECONDS", help="heartbeat interval (default 1.0)")
+    add_setting_flags(start)
     start.add_argument(
         "--accept-tasks", action="store_true",
         help="join every announced task whose requirements this node meets (default: only --join)",
@@ -126,21 +113,33 @@ def cmd_start(args: argparse.Namespace) -> int:
     from p2ptrain.runtime.peer import make_peer
     from p2ptrain.runtime.tasks import TaskOptions
 
+    resolved = resolve(args)  # flags, P2PTRAIN_* environment, config.toml, defaults
+    settings = values(resolved)
+    metrics_at = None
+    if settings["metrics"] is not None:
+        from p2ptrain.metrics import MetricsServer, parse_address
+
+        source = next(s.source for s in resolved if s.name == "metrics").split()[-1]
+        what = source if source.startswith("--") else f"${source}"
+        metrics_at = parse_address(settings["metrics"], what)  # a typo is one line, before anything starts
     node = Node(
-        _home(args),
-        listen=args.listen,
-        bootstrap=args.bootstrap,
-        mdns=args.mdns,
-        dht=args.dht,
-        heartbeat_interval=args.heartbeat,
+        settings["home"],
+        listen=settings["listen"],
+        bootstrap=settings["bootstrap"],
+        mdns=settings["mdns"],
+        dht=settings["dht"],
+        heartbeat_interval=settings["heartbeat_interval"],
+        silence_heartbeats=settings["silence_heartbeats"],
     )
     if args.threads > 0:
         import torch
 
         torch.set_num_threads(args.threads)
-    make_peer(node, TaskOptions(accept_tasks=args.accept_tasks, join=args.join, device=args.device,
-                                precision=args.precision), ipfs_api=args.ipfs)
-    _log_to_home(node.home)
+    peer = make_peer(node, TaskOptions(accept_tasks=args.accept_tasks, join=args.join, device=args.device,
+                                       precision=args.precision), ipfs_api=args.ipfs)
+    if metrics_at is not None:
+        node.add_service(MetricsServer(peer, *metrics_at).run, name="metrics")
+    _log_to_home(node.home, settings["log_format"])
     if args.verbose < 2:
         # py-libp2p logs every refused redial of a stopped peer at ERROR; our discovery already
         # reports reachability at DEBUG, so keep its churn out of the node's log.
@@ -162,11 +161,10 @@ def cmd_start(args: argparse.Namespace) -> int:
     return 0
 
 
-def _log_to_home(home: Path) -> None:
+def _log_to_home(home: Path, log_format: str) -> None:
     """Node lifecycle lines at INFO to stderr and to <home>/logs/node.log."""
-    fmt = logging.Formatter("%(asctime)s.%(msecs)03d %(levelname)s %(name)s: %(message)s", "%H:%M:%S")
     handler = logging.FileHandler(home / "logs" / "node.log")
-    handler.setFormatter(fmt)
+    handler.setFormatter(formatter(log_format))
     ours = logging.getLogger("p2ptrain")
     ours.addHandler(handler)
     if ours.getEffectiveLevel() > logging.INFO:

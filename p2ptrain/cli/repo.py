@@ -154,7 +154,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
             "fetched again the next time something reads it."
         ),
     )
-    p.add_argument("--home", type=Path, default=None, help="node home (default: ~/.p2ptrain)")
+    p.add_argument("--home", type=Path, default=None, help="node home (default: $P2PTRAIN_HOME or ~/.p2ptrain)")
     p.add_argument("--json", action="store_true", help='print one JSON object {"blocks": N, "bad": [...]}')
     p.set_defaults(func=cmd_verify)
 
@@ -171,7 +171,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
             "reachable block is corrupt or a task's state cannot be read."
         ),
     )
-    p.add_argument("--home", type=Path, default=None, help="node home (default: ~/.p2ptrain)")
+    p.add_argument("--home", type=Path, default=None, help="node home (default: $P2PTRAIN_HOME or ~/.p2ptrain)")
     p.add_argument("--dry-run", action="store_true", help="only report what would be removed")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object {removed, removed_bytes, kept, kept_bytes, pins, tasks, ...}")

@@ -11,12 +11,14 @@ import json
 from pathlib import Path
 from typing import Any
 
+from p2ptrain.cli import report
+from p2ptrain.cli.config import home_help
 from p2ptrain.cli.ipfs import cid_arg
 from p2ptrain.errors import UserError
 from p2ptrain.logs import short_id
 from p2ptrain.net import control_ops
 
-HOME_HELP = "home of the running node to use (default: $P2PTRAIN_HOME or ~/.p2ptrain)"
+HOME_HELP = home_help("home of the running node to use")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -29,14 +31,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "store it by CID, sign and announce it on the tasks topic, and print the task CID. Peers that "
         "accept tasks and meet its requirements join it.",
     )
-    publish.add_argument("task_file", type=Path, metavar="TASK.toml")
+    publish.add_argument("task_file", type=Path, metavar="TASK.toml", help="the task file (TOML; docs/training.md)")
     publish.add_argument("--home", type=Path, default=None, help=HOME_HELP)
     publish.add_argument("--join", action="store_true", help="this node joins the task too")
     publish.add_argument("--json", action="store_true", help="print one JSON object (task_cid, name, joined)")
     publish.set_defaults(func=cmd_publish)
 
     status = tsub.add_parser("status", help="state, round, members, coordinator and latest model of a task")
-    status.add_argument("task_cid", metavar="TASK_CID", type=cid_arg)
+    status.add_argument("task_cid", metavar="TASK_CID", type=cid_arg, help="the task's CID (from task publish or task list)")
     status.add_argument("--home", type=Path, default=None, help=HOME_HELP)
     status.add_argument("--json", action="store_true", help="print one JSON object")
     status.set_defaults(func=cmd_status)
@@ -48,7 +50,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "they finish the span under way, keep the last confirmed model and report the state "
         "'cancelled'. A cancel from any other peer is refused and counted (`task status`, rejected).",
     )
-    cancel.add_argument("task_cid", metavar="TASK_CID", type=cid_arg)
+    cancel.add_argument("task_cid", metavar="TASK_CID", type=cid_arg, help="the CID of a task this node published")
     cancel.add_argument("--reason", default="", help="a short note the members log (at most 256 characters)")
     cancel.add_argument("--home", type=Path, default=None, help=HOME_HELP)
     cancel.add_argument("--json", action="store_true", help="print one JSON object (task_cid, cancelled)")
@@ -58,6 +60,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     listing.add_argument("--home", type=Path, default=None, help=HOME_HELP)
     listing.add_argument("--json", action="store_true", help="print one JSON object {tasks: [...], joins: {...}}")
     listing.set_defaults(func=cmd_list)
+
+    report.add_parser(tsub)
 
 
 def _client(args: argparse.Namespace) -> Any:

@@ -44,6 +44,7 @@ class MessageRouter:
         self._nursery: trio.Nursery | None = None
         self.dropped: Counter[str] = Counter()
         self.delivered: Counter[str] = Counter()
+        self.bytes_received = 0  # payload bytes of peers' messages on our topics, before checks
 
     def on(self, msg_type: type[M], handler: Handler) -> None:
         """Call ``handler(signed, topic)`` (sync or async) for every valid ``msg_type`` message.
@@ -100,6 +101,7 @@ class MessageRouter:
         origin = ID(raw.from_id)
         if origin == self._own_id:
             return  # pubsub hands our own publications back to us
+        self.bytes_received += len(raw.data)
         try:
             signed = self._check(topic, raw, origin)
         except Exception:
@@ -139,4 +141,4 @@ class MessageRouter:
         return signed
 
     def stats(self) -> dict[str, dict[str, int]]:
-        return {"dropped": dict(self.dropped), "delivered": dict(self.delivered)}
+        return {"dropped": dict(self.dropped), "delivered": dict(self.delivered), "bytes_received": self.bytes_received}

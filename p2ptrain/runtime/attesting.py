@@ -30,6 +30,9 @@ class Attesting:
         self.run = run
         self.data = data
         self.checkpoint_cids: dict[int, tuple[str, str]] = {}  # step -> (model CID, optimizer CID)
+        # This member's round totals (rounds, compute, sync, apply seconds, bytes sent) at its last
+        # checkpoint: the coordinator's record reports the span's means from them.
+        self._totals_before = (0, 0.0, 0.0, 0.0, 0)
 
     async def checkpoint_stored(self, plan: RoundPlan, step: int, model_cid: str, optim_cid: str) -> None:
         """Our state at the end of ``plan`` is stored: as its coordinator, evaluate and publish the
@@ -46,11 +49,28 @@ class Attesting:
                 logger.warning("%s: cannot evaluate (test data unavailable: %s)", run.log_prefix, exc)
                 metrics = {}
             metrics["train_loss"] = run.metrics.get("train_loss", math.nan)
+            metrics.update(self._span_means())
             signed = book.checkpoint_record(plan, step, model_cid, optim_cid, metrics, run.node.key_pair)
             logger.info("%s: publishing model v%d %s (accuracy %s)", run.log_prefix, signed.record.version,
                         model_cid, _fmt(metrics.get("accuracy")))
             await run.broadcast(signed)  # our own copy comes back through on_record
+        self._totals_before = self._totals()
         await self._attest_if_ready()
+
+    def _totals(self) -> tuple[int, float, float, float, int]:
+        t = self.run.timings
+        return (self.run.rounds_done, t.compute_s, t.sync_s, t.apply_s, self.run.bytes_sent)
+
+    def _span_means(self) -> dict[str, float]:
+        """The coordinator's mean round of the span (since its last checkpoint): compute, sync and
+        apply seconds and bytes sent, for ``task report``. Four of the record's 16 metrics; none when
+        it ran no round (a coordinator that just took over)."""
+        now, before = self._totals(), self._totals_before
+        rounds = now[0] - before[0]
+        if rounds <= 0:
+            return {}
+        names = ("round_compute_s", "round_sync_s", "round_apply_s", "round_bytes_sent")
+        return {name: round((now[i + 1] - before[i + 1]) / rounds, 6) for i, name in enumerate(names)}
 
     async def on_record(self, signed: SignedModelRecord) -> None:
         run = self.run

@@ -17,7 +17,7 @@ from p2ptrain.ipfs.cid import parse_cid
 from p2ptrain.ipfs.embedded import EmbeddedStore
 from p2ptrain.ipfs.exchange import BlockExchange, FetchError
 from p2ptrain.ipfs.store import ContentStore, ContentUnavailable, open_store
-from p2ptrain.logs import short_id
+from p2ptrain.logs import fmt_bytes, short_id
 from p2ptrain.net import control_ops
 from p2ptrain.node import Node
 
@@ -42,6 +42,8 @@ class ContentService:
         # `ipfs.progress`: as many entries as fetches in flight, each gone when its last fetch ends.
         self.fetching: dict[str, int] = {}
         self._fetchers: dict[str, int] = {}
+        # Totals of Bitswap fetches, for the metrics exporter (fetch throughput = bytes / seconds).
+        self.fetch_totals: dict[str, float] = {"ok": 0, "failed": 0, "bytes": 0, "blocks": 0, "seconds": 0.0}
         node.control.register(control_ops.IPFS_FETCH, self._fetch_op)
         node.control.register(control_ops.IPFS_PROGRESS, self._progress_op)
         node.control.register(control_ops.IPFS_ADD, self._add_op)
@@ -100,14 +102,22 @@ class ContentService:
                 stats = await self.exchange.fetch_dag(parse_cid(cid), providers, max_bytes=max_bytes,
                                                       progress=progress)
         except FetchError as exc:
+            self.fetch_totals["failed"] += 1
             raise ContentUnavailable(cid, str(exc)) from None
         except trio.TooSlowError:
+            self.fetch_totals["failed"] += 1
             raise ContentUnavailable(cid, f"fetch did not finish in {timeout:.0f} s") from None
         finally:
             self._fetchers[cid] -= 1
             if not self._fetchers[cid]:
                 del self._fetchers[cid], self.fetching[cid]
-        logger.info("node %s fetched %s: %s", short_id(self.node.peer_id), cid, stats)
+        totals = self.fetch_totals
+        totals["ok"] += 1
+        totals["bytes"] += stats.bytes
+        totals["blocks"] += stats.blocks
+        totals["seconds"] += stats.seconds
+        logger.debug("node %s fetched %s: %d blocks, %s in %.2f s from %d peer(s)", short_id(self.node.peer_id), cid,
+                    stats.blocks, fmt_bytes(stats.bytes), stats.seconds, len(stats.per_provider))
 
     async def _fetch_op(self, request: dict[str, Any]) -> dict[str, Any]:
         cid = _cid_of(request)
@@ -141,3 +151,4 @@ def _cid_of(request: dict[str, Any]) -> str:
     except Exception:
         raise UserError(f"{cid!r} is not a CID") from None
     return cid
+

@@ -77,8 +77,13 @@ class DataFeed:
             await self._own_shards_held.wait()
         dataset = run.task.dataset
         test = run.manifest.shards(dataset.test_split) if dataset.test_split in run.manifest.splits else ()
-        for ref in (*run.manifest.shards(dataset.train_split), *test):
+        refs = (*run.manifest.shards(dataset.train_split), *test)
+        held = 0
+        for ref in refs:
             try:
                 await run.content.fetch(ref.cid)
+                held += 1
             except ContentUnavailable as exc:
                 logger.debug("%s: could not replicate shard %s yet: %s", run.log_prefix, ref.cid, exc)
+        logger.info("%s: holds %d of the data set's %d shards (each fetch is logged at DEBUG)", run.log_prefix,
+                    held, len(refs))

@@ -22,6 +22,7 @@ from p2ptrain.atomic import write_atomic
 from p2ptrain.collective import Collective
 from p2ptrain.data.manifest import Manifest
 from p2ptrain.logs import count_rejection, short_id
+from p2ptrain.metrics_hist import RoundHistograms
 from p2ptrain.node import Node
 from p2ptrain.runtime.content import ContentService
 from p2ptrain.training.attestations import Attestations
@@ -92,6 +93,8 @@ class RunState:
     head_sender: str | None = None
     metrics: dict[str, float] = field(default_factory=dict)
     timings: RoundTimings = field(default_factory=RoundTimings)
+    # Every completed round's compute / sync / apply time, bucketed (for `node start --metrics`).
+    round_seconds: RoundHistograms = field(default_factory=RoundHistograms)
     # The pending record's count of attestations (and those that came before their record).
     attestations: Attestations = field(default_factory=Attestations)
     bytes_sent: int = 0

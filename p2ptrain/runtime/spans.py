@@ -17,6 +17,7 @@ import trio
 
 from p2ptrain.collective import CollectiveError, PeerFailed
 from p2ptrain.ipfs.store import ContentUnavailable
+from p2ptrain.logs import fmt_bytes, fmt_s
 from p2ptrain.runtime.attesting import Attesting
 from p2ptrain.runtime.datafeed import DataFeed
 from p2ptrain.runtime.run_state import RunState
@@ -103,6 +104,7 @@ class Spans:
             return
         average = self.averager.for_plan(plan)
         index = 0
+        began, sent_before, step_before = trio.current_time(), run.bytes_sent, trainer.step
         scope = self._scope = trio.CancelScope()
         try:
             with scope:
@@ -117,6 +119,10 @@ class Spans:
             logger.info("%s: round %d (attempt %d) stopped: a newer plan supersedes it", run.log_prefix,
                         plan.round + index, plan.attempt)
             return
+        logger.info("%s: span of rounds %d-%d (steps %d-%d) done with %d peers in %s: loss %.4f, %s sent",
+                    run.log_prefix, plan.round, plan.round + plan.rounds - 1, step_before + 1, trainer.step,
+                    len(plan.members), fmt_s(trio.current_time() - began), run.metrics.get("train_loss", float("nan")),
+                    fmt_bytes(run.bytes_sent - sent_before))
         await self._checkpoint(plan)
 
     async def _run_round(self, plan: RoundPlan, index: int, batches: Iterator[Any], average: Average) -> bool:
@@ -141,11 +147,12 @@ class Spans:
         run.bytes_sent += sent
         run.rounds_done += 1
         run.metrics["train_loss"] = result.local_loss
-        logger.info(
+        run.round_seconds.observe(timings.last_compute_s, timings.last_sync_s, timings.last_apply_s)
+        logger.debug(
             "%s: round %d step %d done with %d peers: compute %.0f ms, sync %.0f ms, apply %.0f ms "
             "(loss %.4f, %s sent)",
             run.log_prefix, plan.round + index, result.step, len(plan.members), 1e3 * timings.last_compute_s,
-            1e3 * timings.last_sync_s, 1e3 * timings.last_apply_s, result.local_loss, _fmt_bytes(sent),
+            1e3 * timings.last_sync_s, 1e3 * timings.last_apply_s, result.local_loss, fmt_bytes(sent),
         )
         return True
 
@@ -162,10 +169,3 @@ class Spans:
         optim_cid = await trio.to_thread.run_sync(store.add_bytes, optim_data)
         await self.attesting.checkpoint_stored(plan, trainer.step, model_cid, optim_cid)
 
-
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"

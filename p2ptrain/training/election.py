@@ -262,7 +262,7 @@ class Election:
             own = self._vote(self.me)
             self._votes[self.me] = own
             log.info("task %s: %s stands for term %d (roster %d, eligible %s)", self.task_cid[:12], short_id(self.me),
-                     self.term, len(self._voters()), sorted(short_id(p) for p in self._eligible()))
+                     self.term, len(self._voters()), ", ".join(sorted(short_id(p) for p in self._eligible())))
         out: list[ElectionMessage] = []
         if self._won():
             return [self._become_coordinator(now)]
