@@ -1,0 +1,100 @@
+"""``p2ptrain model serve`` and ``model predict``: answer predictions from a model by CID over HTTP/JSON.
+
+The model is fetched as ``model fetch`` does (the home's store, its running node, or a temporary node
+with ``--bootstrap``; every byte verified against the CID) and built from the registry. Requests are
+batched dynamically; see docs/serving.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from p2ptrain.cli.ipfs import cid_arg
+from p2ptrain.errors import UserError
+
+# The input file of `model predict`: a request body, so the server's own body limit
+# (serve.spec.MAX_BODY_BYTES, 8 MiB) is the useful size; the file is not read past it.
+MAX_INPUT_FILE_BYTES = 8 * 1024 * 1024
+MISSING_HYPERCORN = "model serve needs hypercorn: pip install 'p2ptrain[serve]'"
+
+
+def add_parsers(msub: argparse._SubParsersAction) -> None:
+    """Register ``serve`` and ``predict`` under the ``model`` group."""
+    from p2ptrain.cli.model import _source_options
+
+    serve = msub.add_parser("serve", help="serve a model over HTTP/JSON (POST /predict), batched", description=__doc__)
+    serve.add_argument("model_cid", nargs="?", metavar="MODEL_CID", type=cid_arg)
+    serve.add_argument("--latest", metavar="TASK_CID", type=cid_arg,
+                       help="serve the latest confirmed model of this task, swapping to each new one")
+    serve.add_argument("--listen", default="127.0.0.1:8080", metavar="HOST:PORT",
+                       help="where to listen (default 127.0.0.1:8080; port 0 picks a free one)")
+    serve.add_argument("--max-batch", type=int, default=64, metavar="N",
+                       help="samples in one forward at most (default 64; 1 turns batching off)")
+    serve.add_argument("--max-wait-ms", type=float, default=5.0, metavar="T",
+                       help="how long a batch waits for more requests after its first (default 5)")
+    serve.add_argument("--device", default="auto", help="auto (CUDA when available, else CPU), cpu, cuda or cuda:N")
+    _source_options(serve)
+    serve.set_defaults(func=cmd_serve)
+
+    predict = msub.add_parser("predict", help="send INPUT.json to a server of MODEL_CID; print its answer")
+    predict.add_argument("model_cid", metavar="MODEL_CID", type=cid_arg)
+    predict.add_argument("input", metavar="INPUT.json", type=Path,
+                         help='{"inputs": [sample, ...]} or a bare list of samples ("-": standard input)')
+    predict.add_argument("--url", required=True, help="the server, e.g. http://127.0.0.1:8080")
+    predict.set_defaults(func=cmd_predict)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    try:
+        import hypercorn  # noqa: F401  (an optional extra)
+    except ImportError:
+        raise UserError(MISSING_HYPERCORN) from None
+    import trio
+
+    from p2ptrain.cli.model import _home, ensure_local
+    from p2ptrain.serve.api import open_model
+
+    home = _home(args)
+    cids = [args.model_cid] if args.model_cid else []
+    server = open_model(
+        args.model_cid, latest=args.latest, home=home, device=args.device, listen=args.listen,
+        max_batch=args.max_batch, max_wait_ms=args.max_wait_ms,
+        resolve=lambda: ensure_local(home, cids, args.bootstrap, args.latest)[-1],
+    )
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            url = await nursery.start(server.run)
+            following = f", following task {args.latest}" if args.latest else ""
+            print(f"serving {server.batcher.current.cid} at {url}{following} (POST /predict, GET /health, GET /model)",
+                  flush=True)
+
+    trio.run(main)
+    return 0
+
+
+def cmd_predict(args: argparse.Namespace) -> int:
+    from p2ptrain import boundedjson
+    from p2ptrain.serve.api import predict
+
+    raw = sys.stdin.buffer.read(MAX_INPUT_FILE_BYTES + 1) if str(args.input) == "-" else _read(args.input)
+    doc = boundedjson.loads(raw, max_bytes=MAX_INPUT_FILE_BYTES, what=str(args.input))
+    inputs = doc.get("inputs") if isinstance(doc, dict) else doc
+    if not isinstance(inputs, list):
+        raise UserError(f'{args.input}: expected {{"inputs": [...]}} or a list of samples')
+    answer = predict(args.url, inputs)
+    if answer.get("model_cid") != args.model_cid:
+        raise UserError(f"{args.url} serves {answer.get('model_cid')}, not {args.model_cid}")
+    print(json.dumps(answer))
+    return 0
+
+
+def _read(path: Path) -> bytes:
+    try:
+        with path.open("rb") as f:
+            return f.read(MAX_INPUT_FILE_BYTES + 1)
+    except OSError as exc:
+        raise UserError(f"{path}: {exc.strerror}") from None
