@@ -78,7 +78,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_predict(args: argparse.Namespace) -> int:
     from p2ptrain import boundedjson
-    from p2ptrain.serve.api import predict
+    from p2ptrain.serve.client import predict
 
     raw = sys.stdin.buffer.read(MAX_INPUT_FILE_BYTES + 1) if str(args.input) == "-" else _read(args.input)
     doc = boundedjson.loads(raw, max_bytes=MAX_INPUT_FILE_BYTES, what=str(args.input))

@@ -1,4 +1,4 @@
-"""``p2ptrain.serve``: serve a model by CID from Python, and ``p2ptrain.serve.predict``, its client.
+"""``p2ptrain.serve(cid)``: serve a model by CID from Python (the client is :mod:`p2ptrain.serve.client`).
 
 ``serve(cid)`` blocks and serves until interrupted, like ``p2ptrain model serve``. The model must be in
 the home's store or fetchable through the home's running node (the CLI can also start a temporary
@@ -8,10 +8,7 @@ with :func:`open_model` and ``await nursery.start(server.run)`` instead.
 
 from __future__ import annotations
 
-import json
-import urllib.error
-import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,17 +17,6 @@ import trio
 from p2ptrain.errors import UserError
 from p2ptrain.serve.batcher import Loaded
 from p2ptrain.serve.server import LATEST_POLL_S, Server, load_served, resolve_device
-
-# A client waits this long for an answer: a batch of MAX_INPUTS_PER_REQUEST samples on a loaded CPU
-# takes well under a second; a minute means the server is gone or stuck.
-CLIENT_TIMEOUT_S = 60.0
-# An answer larger than this is not read (a 1024-sample batch of 1,000 logits is ~20 MB of JSON).
-MAX_ANSWER_BYTES = 64 * 1024 * 1024
-
-
-class ServeError(UserError):
-    """A prediction request failed: the server's reason (4xx/5xx) or why it could not be reached."""
-
 
 def via_node(home: Path, cid: str | None = None, latest: str | None = None) -> str:
     """Make ``cid`` (or ``latest``'s newest confirmed model) local through the home's store or its
@@ -92,23 +78,4 @@ def serve(model_cid: str | None = None, **options: Any) -> None:
     trio.run(main)
 
 
-def predict(url: str, inputs: Sequence[Any], timeout: float = CLIENT_TIMEOUT_S) -> dict[str, Any]:
-    """POST ``inputs`` (a list of samples) to a server's ``/predict``; its answer
-    ``{"outputs": [...], "model_cid": ...}``. :class:`ServeError` with the server's reason otherwise."""
-    body = json.dumps({"inputs": list(inputs)}).encode()
-    request = urllib.request.Request(url.rstrip("/") + "/predict", data=body,
-                                     headers={"content-type": "application/json"}, method="POST")
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as answer:
-            return json.loads(answer.read(MAX_ANSWER_BYTES))
-    except urllib.error.HTTPError as exc:
-        try:
-            reason = json.loads(exc.read(64 * 1024)).get("error", exc.reason)
-        except ValueError:
-            reason = exc.reason
-        raise ServeError(f"{url}: {exc.code} {reason}") from None
-    except (urllib.error.URLError, OSError, ValueError) as exc:
-        raise ServeError(f"{url}: {getattr(exc, 'reason', exc)}") from None
-
-
-__all__ = ["LATEST_POLL_S", "Loaded", "ServeError", "Server", "open_model", "predict", "serve", "via_node"]
+__all__ = ["LATEST_POLL_S", "Loaded", "Server", "open_model", "serve", "via_node"]
