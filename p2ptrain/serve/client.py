@@ -21,7 +21,12 @@ MAX_ERROR_BYTES = 64 * 1024
 
 
 class ServeError(UserError):
-    """A prediction request failed: the server's reason (4xx/5xx) or why it could not be reached."""
+    """A prediction request failed: the server's reason (4xx/5xx) or why it could not be reached
+    (``status`` 0: another server of the model may answer)."""
+
+    def __init__(self, message: str, status: int = 0) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 def predict(url: str, inputs: Sequence[Any], timeout: float = CLIENT_TIMEOUT_S) -> dict[str, Any]:
@@ -38,7 +43,7 @@ def predict(url: str, inputs: Sequence[Any], timeout: float = CLIENT_TIMEOUT_S) 
             reason = json.loads(exc.read(MAX_ERROR_BYTES)).get("error", exc.reason)
         except (ValueError, AttributeError):
             reason = exc.reason
-        raise ServeError(f"{url}: {exc.code} {reason}") from None
+        raise ServeError(f"{url}: {exc.code} {reason}", exc.code) from None
     except (urllib.error.URLError, OSError, ValueError) as exc:
         raise ServeError(f"{url}: {getattr(exc, 'reason', exc)}") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("outputs"), list):

@@ -22,6 +22,7 @@ import trio
 
 from p2ptrain.errors import UserError
 from p2ptrain.ipfs.store import ContentStore
+from p2ptrain.runtime.served import SERVED_EVERY_S
 from p2ptrain.serve.app import ServeApp
 from p2ptrain.serve.batcher import Batcher, Loaded
 from p2ptrain.serve.spec import spec_for
@@ -113,7 +114,7 @@ class Server:
     def __init__(
         self, loaded: Loaded, *, listen: str = "127.0.0.1:8080", max_batch: int = 64, max_wait_ms: float = 5.0,
         follow: Callable[[], str] | None = None, store: ContentStore | None = None, home: Path | None = None,
-        follow_every_s: float = LATEST_POLL_S,
+        follow_every_s: float = LATEST_POLL_S, announce: Callable[[str, str], None] | None = None,
     ) -> None:
         if not 1 <= max_batch <= MAX_BATCH_LIMIT:
             raise UserError(f"--max-batch must be 1 to {MAX_BATCH_LIMIT}")
@@ -126,6 +127,7 @@ class Server:
         self.listen, self.follow, self.store, self.home = listen, follow, store, home
         self.follow_every_s = follow_every_s
         self.follow_failures = 0
+        self.announce = announce
 
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         from hypercorn.config import Config
@@ -143,7 +145,23 @@ class Server:
             binds = await nursery.start(lambda task_status: serve(self.app, config, task_status=task_status))
             if self.follow is not None:
                 nursery.start_soon(self._follow)
+            if self.announce is not None:
+                nursery.start_soon(self._announce, binds[0])
             task_status.started(binds[0])
+
+    async def _announce(self, url: str) -> None:
+        """Tell the mesh we serve the current model, every SERVED_EVERY_S (``announce(cid, url)``
+        is blocking: a control call to the home's node); a failure is logged and tried again."""
+        assert self.announce is not None
+        failures = 0
+        while True:
+            try:
+                await trio.to_thread.run_sync(self.announce, self.batcher.current.cid, url)
+            except Exception as exc:  # no node now, or it refused: serving goes on unannounced
+                failures += 1
+                if failures & (failures - 1) == 0:
+                    logger.warning("not announced on the mesh (%d times so far): %s", failures, exc)
+            await trio.sleep(SERVED_EVERY_S)
 
     async def _follow(self) -> None:
         """Swap to each new head ``follow`` names; a failed lookup keeps the current model (logged)."""
