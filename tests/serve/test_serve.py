@@ -225,3 +225,15 @@ async def test_a_head_swap_during_a_burst_loses_no_request(home: dict) -> None:
     for answer in answers:
         assert torch.allclose(torch.tensor(answer["outputs"]), expected[answer["model_cid"]], atol=1e-6)
     assert server.batcher.counts["requests"] == len(answers) and server.follow_failures == 0
+
+
+def test_serve_refuses_in_one_line_without_hypercorn_or_with_a_device_not_here(
+        home: dict, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["model", "serve", home["model"], "--home", str(home["home"]), "--listen", "127.0.0.1:0"]
+    assert main(argv + ["--device", "tpu:3"]) == 1
+    assert capsys.readouterr().err.startswith("p2ptrain: error: --device 'tpu:3'")
+    assert main(["model", "serve", "--home", str(home["home"])]) == 1
+    assert "one of them" in capsys.readouterr().err
+    monkeypatch.setitem(sys.modules, "hypercorn", None)  # import hypercorn raises ImportError
+    assert main(argv) == 1
+    assert capsys.readouterr().err.strip() == "p2ptrain: error: model serve needs hypercorn: pip install 'p2ptrain[serve]'"
