@@ -26,7 +26,7 @@ from p2ptrain.runtime.served import SERVED_EVERY_S
 from p2ptrain.serve.app import ServeApp
 from p2ptrain.serve.batcher import Batcher, Loaded
 from p2ptrain.serve.spec import spec_for
-from p2ptrain.training.records import MAX_CHAIN_BYTES, RecordError, record_from_bytes, quorum, read_model_card, verify_record
+from p2ptrain.training.records import MAX_CHAIN_BYTES, RecordError, quorum, read_model_card, record_from_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -95,8 +95,8 @@ def record_info(home: Path, model_cid: str) -> dict[str, Any]:
                 continue
             for line in path.read_bytes().splitlines():
                 signed = record_from_bytes(line)
-                if signed.record.model_cid == model_cid:
-                    record = verify_record(signed)
+                if signed.record.model_cid == model_cid:  # record_from_bytes verified its signature
+                    record = signed.record
                     return {"task_cid": record.task_cid, "version": record.version, "step": record.step,
                             "metrics": dict(record.metrics), "members": len(record.members),
                             "attestations": quorum(len(record.members))}
@@ -158,9 +158,14 @@ class Server:
             try:
                 await trio.to_thread.run_sync(self.announce, self.batcher.current.cid, url)
             except Exception as exc:  # no node now, or it refused: serving goes on unannounced
-                failures += 1
+                failures += 1  # said once at INFO (a server without a node is normal), then at DEBUG
                 if failures & (failures - 1) == 0:
-                    logger.warning("not announced on the mesh (%d times so far): %s", failures, exc)
+                    logger.log(logging.INFO if failures == 1 else logging.DEBUG,
+                               "not announced on the mesh (%d times so far): %s", failures, exc)
+            else:
+                if failures:
+                    logger.info("announced on the mesh at %s", url)
+                failures = 0
             await trio.sleep(SERVED_EVERY_S)
 
     async def _follow(self) -> None:

@@ -33,7 +33,9 @@ from p2ptrain.serve import ServeError, predict
 from p2ptrain.serve.server import Server, load_served
 from p2ptrain.serve.spec import MAX_BODY_BYTES, InputError, parse_request, spec_for
 from p2ptrain.training.models import build_model
-from p2ptrain.training.records import model_bytes
+from p2ptrain.identity import load_or_create_identity
+from p2ptrain.training.records import model_bytes, record_bytes, sign_record
+from p2ptrain.wire.messages import ModelRecord
 
 P2PTRAIN = str(Path(sys.executable).with_name("p2ptrain"))
 CARD = {"name": "mlp", "kwargs": {"in_features": 64, "hidden": [32], "out_features": 10}}
@@ -197,11 +199,22 @@ def test_token_inputs_are_checked_for_integers_range_and_length() -> None:
 
 async def test_a_head_swap_during_a_burst_loses_no_request(home: dict) -> None:
     store = open_store(home["home"])
-    first = load_served(store, home["model"], torch.device("cpu"))
-    second = load_served(store, home["other"], torch.device("cpu"))
+    # The home holds the chain of a task whose v1 is the second model: GET /model tells its record.
+    task = store.add_bytes(b"a task", cid_version=1)
+    key = load_or_create_identity(home["home"])
+    record = ModelRecord(task_cid=task, version=1, parent=home["model"], round=9, step=10, members=("a", "b", "c"),
+                         metrics={"accuracy": 0.5}, model_cid=home["other"], optimizer_cid=home["other"], term=1,
+                         coordinator="")
+    (home["home"] / "tasks" / task).mkdir(parents=True)
+    (home["home"] / "tasks" / task / "chain.jsonl").write_bytes(record_bytes(sign_record(record, key)) + b"\n")
+    first = load_served(store, home["model"], torch.device("cpu"), home["home"])
+    second = load_served(store, home["other"], torch.device("cpu"), home["home"])
+    assert first.info["task_cid"] is None
+    assert {k: second.info[k] for k in ("task_cid", "version", "step", "metrics", "members", "attestations")} == {
+        "task_cid": task, "version": 1, "step": 10, "metrics": {"accuracy": 0.5}, "members": 3, "attestations": 2}
     head = [home["model"]]
     server = Server(first, listen="127.0.0.1:0", max_batch=16, max_wait_ms=1, follow=lambda: head[0], store=store,
-                    follow_every_s=0.01)
+                    home=home["home"], follow_every_s=0.01)
     x = torch.randn(4, 64)
     expected = {cid: loaded.module(x).detach() for cid, loaded in ((home["model"], first), (home["other"], second))}
     answers: list[dict] = []
@@ -225,6 +238,7 @@ async def test_a_head_swap_during_a_burst_loses_no_request(home: dict) -> None:
     for answer in answers:
         assert torch.allclose(torch.tensor(answer["outputs"]), expected[answer["model_cid"]], atol=1e-6)
     assert server.batcher.counts["requests"] == len(answers) and server.follow_failures == 0
+    assert server.batcher.current.info["step"] == 10
 
 
 def test_serve_refuses_in_one_line_without_hypercorn_or_with_a_device_not_here(
