@@ -61,10 +61,10 @@ def add_parsers(msub: argparse._SubParsersAction) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    try:
-        import hypercorn  # noqa: F401  (an optional extra)
-    except ImportError:
-        raise UserError(MISSING_HYPERCORN) from None
+    import importlib.util
+
+    if importlib.util.find_spec("hypercorn") is None:  # an optional extra
+        raise UserError(MISSING_HYPERCORN)
     import trio
 
     from p2ptrain.cli.model import _home, ensure_local
