@@ -21,6 +21,11 @@ from p2ptrain.serve.spec import MAX_BODY_BYTES, InputError, parse_request
 
 logger = logging.getLogger(__name__)
 
+# Bytes of request bodies being read at once, over all connections: each body is at most
+# MAX_BODY_BYTES (8 MiB), and 32 such uploads at once (256 MiB) are all the memory bodies may hold; a
+# request that would pass it is answered 503 before its body is read. Small requests never meet it.
+MAX_BODY_BYTES_IN_FLIGHT = 256 * 1024 * 1024
+
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 
@@ -37,6 +42,7 @@ class ServeApp:
     def __init__(self, batcher: Batcher) -> None:
         self.batcher = batcher
         self.rejected: Counter[str] = Counter()
+        self.reading = 0  # bytes of bodies being read now (MAX_BODY_BYTES_IN_FLIGHT)
 
     async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -69,7 +75,7 @@ class ServeApp:
                          "served": dict(self.batcher.counts), "rejected": dict(self.rejected)}
         if path == "/model":
             return 200, {"model_cid": loaded.cid, **loaded.info, "input": loaded.spec.describe()}
-        body = await _read_body(scope, receive)
+        body = await self._read_body(scope, receive)
         if body is None:
             self.rejected["disconnected"] += 1
             return 0, {}
@@ -86,24 +92,38 @@ class ServeApp:
         return 200, {"outputs": outputs.tolist(), "model_cid": cid}
 
 
-async def _read_body(scope: dict[str, Any], receive: Receive) -> bytes | None:
-    """The request body, at most MAX_BODY_BYTES (else 413); None if the client disconnected."""
-    for name, value in scope["headers"]:
-        if name == b"content-length":
-            if not value.isdigit() or int(value) > MAX_BODY_BYTES:
-                raise _Refused(413, "too_large", f"the body is over the {MAX_BODY_BYTES} B limit")
-    chunks, size = [], 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return None
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise _Refused(413, "too_large", f"the body is over the {MAX_BODY_BYTES} B limit")
-        chunks.append(chunk)
-        if not message.get("more_body", False):
-            return b"".join(chunks)
+    async def _read_body(self, scope: dict[str, Any], receive: Receive) -> bytes | None:
+        """The request body, at most MAX_BODY_BYTES (else 413); None if the client disconnected.
+
+        Its bytes count against MAX_BODY_BYTES_IN_FLIGHT while it is read (a declared length up front):
+        past that, 503."""
+        declared = 0
+        for name, value in scope["headers"]:
+            if name == b"content-length":
+                if not value.isdigit() or int(value) > MAX_BODY_BYTES:
+                    raise _Refused(413, "too_large", f"the body is over the {MAX_BODY_BYTES} B limit")
+                declared = int(value)
+        held = 0
+        try:
+            chunks, size = [], 0
+            while True:
+                if max(size, declared) > held:
+                    if self.reading + max(size, declared) - held > MAX_BODY_BYTES_IN_FLIGHT:
+                        raise _Refused(503, "busy", "too many request bodies are being read; retry")
+                    self.reading += max(size, declared) - held
+                    held = max(size, declared)
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    return None
+                chunk = message.get("body", b"")
+                size += len(chunk)
+                if size > MAX_BODY_BYTES:
+                    raise _Refused(413, "too_large", f"the body is over the {MAX_BODY_BYTES} B limit")
+                chunks.append(chunk)
+                if not message.get("more_body", False):
+                    return b"".join(chunks)
+        finally:
+            self.reading -= held
 
 
 async def _lifespan(receive: Receive, send: Send) -> None:

@@ -25,10 +25,12 @@ from p2ptrain.serve.spec import InputSpec
 
 logger = logging.getLogger(__name__)
 
-# Requests waiting for a batch: 1024 queued requests of up to 1024 samples each are at most ~3 GB of
-# float32 digits rows, and at the bench's ~2,000 req/s half a second of backlog. One more is
+# Requests waiting for a batch: at the bench's ~200 req/s, five seconds of backlog. One more is
 # answered 503 (busy, retry) instead of growing memory without end.
 MAX_QUEUED_REQUESTS = 1024
+# Samples waiting for a batch, over all queued requests: 65,536 samples of 784 float32 (MNIST-sized)
+# are 205 MB, the most the queue holds whatever the requests' sizes; past it, 503.
+MAX_QUEUED_SAMPLES = 65_536
 
 
 class Busy(Exception):
@@ -73,6 +75,7 @@ class Batcher:
         self.counts: Counter[str] = Counter()  # requests, samples, batches, failed
         self._send, self._recv = trio.open_memory_channel[_Pending](MAX_QUEUED_REQUESTS)
         self._carry: _Pending | None = None  # taken but over the batch: first of the next one
+        self.queued_samples = 0
 
     def swap(self, loaded: Loaded) -> None:
         """Serve ``loaded`` from the next batch on (batches under way finish on their model)."""
@@ -86,11 +89,15 @@ class Batcher:
     async def predict(self, x: torch.Tensor) -> tuple[torch.Tensor, str]:
         """The model's outputs for ``x`` and the CID of the model that computed them."""
         pending = _Pending(x)
+        if self.queued_samples + len(x) > MAX_QUEUED_SAMPLES:
+            self.counts["busy"] += 1
+            raise Busy(f"{self.queued_samples} samples are queued; retry")
         try:
             self._send.send_nowait(pending)
         except trio.WouldBlock:
             self.counts["busy"] += 1
             raise Busy(f"{MAX_QUEUED_REQUESTS} requests are queued; retry") from None
+        self.queued_samples += len(x)
         await pending.done.wait()
         if pending.outputs is None:
             raise RuntimeError(pending.error)
@@ -129,6 +136,7 @@ class Batcher:
         return batch
 
     async def _answer(self, loaded: Loaded, group: list[_Pending]) -> None:
+        self.queued_samples -= sum(len(p.x) for p in group)
         try:
             out = await trio.to_thread.run_sync(forward, loaded, [p.x for p in group])
         except Exception as exc:  # a model that fails on checked input: answer, count, keep serving

@@ -32,6 +32,7 @@ from p2ptrain.ipfs.store import open_store
 from p2ptrain.serve import ServeError, predict
 from p2ptrain.serve.server import Server, load_served
 from p2ptrain.serve.spec import MAX_BODY_BYTES, InputError, parse_request, spec_for
+from p2ptrain.testing import wait_until
 from p2ptrain.training.models import build_model
 from p2ptrain.identity import load_or_create_identity
 from p2ptrain.training.records import model_bytes, record_bytes, sign_record
@@ -251,3 +252,37 @@ def test_serve_refuses_in_one_line_without_hypercorn_or_with_a_device_not_here(
     monkeypatch.setitem(sys.modules, "hypercorn", None)  # import hypercorn raises ImportError
     assert main(argv) == 1
     assert capsys.readouterr().err.strip() == "p2ptrain: error: model serve needs hypercorn: pip install 'p2ptrain[serve]'"
+
+
+async def test_bodies_in_flight_and_queued_samples_are_bounded_with_503(home: dict) -> None:
+    from p2ptrain.serve.app import MAX_BODY_BYTES_IN_FLIGHT, ServeApp
+    from p2ptrain.serve.batcher import MAX_QUEUED_SAMPLES, Batcher
+
+    loaded = load_served(open_store(home["home"]), home["model"], torch.device("cpu"))
+    app = ServeApp(Batcher(loaded, 64, 0.001))  # its batch loop is not running: requests stay queued
+    body = json.dumps({"inputs": [[0.0] * 64] * 1024}).encode()
+
+    async def post() -> int:
+        sent: list[dict] = []
+
+        async def receive() -> dict:
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        async def send(message: dict) -> None:
+            sent.append(message)
+
+        scope = {"type": "http", "path": "/predict", "method": "POST",
+                 "headers": [(b"content-length", str(len(body)).encode())]}
+        async with trio.open_nursery() as nursery:  # a queued request waits for the batch loop: not running
+            nursery.start_soon(app, scope, receive, send)
+            await wait_until(lambda: sent or app.batcher.queued, CALL_DEADLINE_S, what="answered or queued")
+            nursery.cancel_scope.cancel()
+        return sent[0]["status"] if sent else 0
+
+    app.reading = MAX_BODY_BYTES_IN_FLIGHT - len(body) + 1  # other uploads hold all but a byte too few
+    assert await post() == 503 and app.rejected["busy"] == 1
+    app.reading = 0
+    app.batcher.queued_samples = MAX_QUEUED_SAMPLES - 1023
+    assert await post() == 503 and app.rejected["busy"] == 2
+    app.batcher.queued_samples = 0
+    assert await post() == 0 and app.batcher.queued_samples == 1024 and app.reading == 0
