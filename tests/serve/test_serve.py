@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -28,13 +29,13 @@ from p2ptrain.cli.main import main
 from p2ptrain.data import IPFSDataset
 from p2ptrain.data.build import build_dataset
 from p2ptrain.data.builtin import load_source
+from p2ptrain.identity import load_or_create_identity
 from p2ptrain.ipfs.store import open_store
 from p2ptrain.serve import ServeError, predict
 from p2ptrain.serve.server import Server, load_served
 from p2ptrain.serve.spec import MAX_BODY_BYTES, InputError, parse_request, spec_for
 from p2ptrain.testing import wait_until
 from p2ptrain.training.models import build_model
-from p2ptrain.identity import load_or_create_identity
 from p2ptrain.training.records import model_bytes, record_bytes, sign_record
 from p2ptrain.wire.messages import ModelRecord
 
