@@ -180,7 +180,7 @@ class Server:
                     loaded = await trio.to_thread.run_sync(load_served, self.store, cid, device, self.home)
                     self.batcher.swap(loaded)
             except Exception as exc:  # a head not found or not loadable now: serve on, try again
-                self.follow_failures += 1  # logged the 1st, 2nd, 4th, ... time: a node gone for hours is one line an hour
+                self.follow_failures += 1  # logged the 1st, 2nd, 4th, ... time: a stopped node is not a line every 5 s
                 n = self.follow_failures
                 if n & (n - 1) == 0:
                     logger.warning("--latest: keeping %s (%d failed lookups so far): %s", self.batcher.current.cid, n, exc)
