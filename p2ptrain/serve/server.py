@@ -120,6 +120,9 @@ class Server:
             raise UserError(f"--max-batch must be 1 to {MAX_BATCH_LIMIT}")
         if not 0 <= max_wait_ms <= MAX_WAIT_MS_LIMIT:
             raise UserError(f"--max-wait-ms must be 0 to {MAX_WAIT_MS_LIMIT}")
+        host, _, port = listen.rpartition(":")
+        if not host or not port.isdigit() or int(port) > 65535:
+            raise UserError(f"--listen {listen!r}: give HOST:PORT (port 0 to 65535; 0 picks a free one)")
         if follow is not None and store is None:
             raise ValueError("follow needs the store its CIDs are made local in")
         self.batcher = Batcher(loaded, max_batch, max_wait_ms / 1000)
@@ -131,7 +134,6 @@ class Server:
 
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         from hypercorn.config import Config
-        from hypercorn.trio import serve
 
         config = Config()
         config.bind = [self.listen]
@@ -142,12 +144,25 @@ class Server:
         config.backlog = BACKLOG
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self.batcher.run)
-            binds = await nursery.start(lambda task_status: serve(self.app, config, task_status=task_status))
+            binds = await nursery.start(self._listen, config)
             if self.follow is not None:
                 nursery.start_soon(self._follow)
             if self.announce is not None:
                 nursery.start_soon(self._announce, binds[0])
             task_status.started(binds[0])
+
+    async def _listen(self, config: Any, *, task_status: Any) -> None:
+        """hypercorn's trio worker; an address that cannot be bound is one UserError line."""
+        from hypercorn.trio import serve
+
+        try:
+            await serve(self.app, config, task_status=task_status)
+        except BaseExceptionGroup as group:  # hypercorn's nurseries wrap a bind error
+            bind_errors, rest = group.split(OSError)  # gaierror, EADDRINUSE, EADDRNOTAVAIL, EACCES
+            if bind_errors is None or rest is not None:
+                raise
+            exc = _first_leaf(bind_errors)
+            raise UserError(f"cannot listen on {self.listen}: {getattr(exc, 'strerror', None) or exc}") from None
 
     async def _announce(self, url: str) -> None:
         """Tell the mesh we serve the current model, every SERVED_EVERY_S (``announce(cid, url)``
@@ -184,3 +199,8 @@ class Server:
                 n = self.follow_failures
                 if n & (n - 1) == 0:
                     logger.warning("--latest: keeping %s (%d failed lookups so far): %s", self.batcher.current.cid, n, exc)
+
+
+def _first_leaf(group: BaseExceptionGroup) -> BaseException:
+    first = group.exceptions[0]
+    return _first_leaf(first) if isinstance(first, BaseExceptionGroup) else first

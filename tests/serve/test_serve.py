@@ -243,13 +243,18 @@ async def test_a_head_swap_during_a_burst_loses_no_request(home: dict) -> None:
     assert server.batcher.current.info["step"] == 10
 
 
-def test_serve_refuses_in_one_line_without_hypercorn_or_with_a_device_not_here(
+def test_serve_refuses_in_one_line_without_hypercorn_a_device_or_an_address(
         home: dict, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["model", "serve", home["model"], "--home", str(home["home"]), "--listen", "127.0.0.1:0"]
     assert main(argv + ["--device", "tpu:3"]) == 1
     assert capsys.readouterr().err.startswith("p2ptrain: error: --device 'tpu:3'")
     assert main(["model", "serve", "--home", str(home["home"])]) == 1
     assert "one of them" in capsys.readouterr().err
+    assert main(argv[:-1] + ["127.0.0.1"]) == 1
+    assert capsys.readouterr().err.startswith("p2ptrain: error: --listen '127.0.0.1': give HOST:PORT")
+    assert main(argv[:-1] + [home["url"].removeprefix("http://")]) == 1  # the server process holds that port
+    err = capsys.readouterr().err
+    assert err.startswith(f"p2ptrain: error: cannot listen on {home['url'].removeprefix('http://')}: ") and len(err.splitlines()) == 1
     monkeypatch.setitem(sys.modules, "hypercorn", None)  # import hypercorn raises ImportError
     assert main(argv) == 1
     assert capsys.readouterr().err.strip() == "p2ptrain: error: model serve needs hypercorn: pip install 'p2ptrain[serve]'"
