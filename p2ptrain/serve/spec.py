@@ -27,6 +27,10 @@ MAX_INPUTS_PER_REQUEST = 1024
 MAX_BODY_BYTES = 8 * 1024 * 1024
 # {"inputs": [[[...]]]}: a (C, H, W) sample nests four levels; six refuse any bracket bomb early.
 MAX_REQUEST_DEPTH = 6
+# Numbers in one answer: 2M floats are ~40 MB of JSON (under the client's 64 MiB read limit). A
+# classifier's 1024 samples of 10 logits are far below; a language model answers (T, vocab) logits a
+# sample, so 128 sequences of 64 tokens over 256 ids is the most one request may ask.
+MAX_OUTPUT_NUMBERS = 2_000_000
 
 
 class InputError(ValueError):
@@ -41,6 +45,7 @@ class InputSpec:
     dtype: torch.dtype
     vocab: int = 0
     max_len: int = 0  # > 0: a variable-length sequence of 1..max_len ids (shapes is unused)
+    outputs: int = 0  # numbers answered per sample (classes), or per token (vocab) for sequences
 
     def describe(self) -> dict[str, Any]:
         """The spec as JSON, for ``GET /model``."""
@@ -56,10 +61,13 @@ class InputSpec:
                 raise InputError(f"each input must be a list of 1 to {self.max_len} token ids (got shape {list(sample)})")
             if x.numel() and (int(x.min()) < 0 or int(x.max()) >= self.vocab):
                 raise InputError(f"token ids must be in [0, {self.vocab})")
-            return x
-        if sample not in self.shapes:
+        elif sample not in self.shapes:
             want = " or ".join(str(list(s)) for s in self.shapes)
             raise InputError(f"each input must have shape {want} (got {list(sample)})")
+        numbers = len(x) * self.outputs * (sample[0] if self.max_len else 1)
+        if numbers > MAX_OUTPUT_NUMBERS:
+            raise InputError(f"the answer would hold {numbers} numbers, over the {MAX_OUTPUT_NUMBERS} limit: "
+                             "send fewer samples a request")
         return x
 
 
@@ -67,12 +75,13 @@ def spec_for(card: dict[str, Any]) -> InputSpec:
     """The input spec of the architecture a model card names (ValueError for one serve cannot take)."""
     name, kw = card["name"], card["kwargs"]
     if name == "mlp":
-        return InputSpec(((int(kw.get("in_features", 64)),),), torch.float32)
+        return InputSpec(((int(kw.get("in_features", 64)),),), torch.float32, outputs=int(kw.get("out_features", 10)))
     if name == "cnn":
         c, s = int(kw.get("in_channels", 1)), int(kw.get("image_size", 8))
-        return InputSpec(((c * s * s,), (c, s, s)), torch.float32)
+        return InputSpec(((c * s * s,), (c, s, s)), torch.float32, outputs=int(kw.get("num_classes", 10)))
     if name == "transformer_lm":
-        return InputSpec((), torch.int64, vocab=int(kw.get("vocab_size", 256)), max_len=int(kw.get("context", 64)))
+        vocab = int(kw.get("vocab_size", 256))
+        return InputSpec((), torch.int64, vocab=vocab, max_len=int(kw.get("context", 64)), outputs=vocab)
     raise ValueError(f"model serve does not know the inputs of a {name!r} model")
 
 

@@ -197,6 +197,10 @@ def test_token_inputs_are_checked_for_integers_range_and_length() -> None:
                        (b'{"inputs": [[' + b"1," * 8 + b"1]]}", "1 to 8"), (b'{"inputs": [[-1]]}', "[0, 50)")]:
         with pytest.raises(InputError, match=says.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
             parse_request(body, spec)
+    big = spec_for({"name": "transformer_lm", "kwargs": {"vocab_size": 4096, "context": 64}})
+    assert len(parse_request(json.dumps({"inputs": [[1] * 64] * 7}).encode(), big)) == 7
+    with pytest.raises(InputError, match="2097152 numbers"):  # 8 x 64 x 4096 logits: a 40 MB answer
+        parse_request(json.dumps({"inputs": [[1] * 64] * 8}).encode(), big)
 
 
 async def test_a_head_swap_during_a_burst_loses_no_request(home: dict) -> None:
