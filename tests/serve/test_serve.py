@@ -25,6 +25,8 @@ import pytest
 import torch
 import trio
 
+import p2ptrain
+
 from p2ptrain.cli.main import main
 from p2ptrain.data import IPFSDataset
 from p2ptrain.data.build import build_dataset
@@ -32,7 +34,7 @@ from p2ptrain.data.builtin import load_source
 from p2ptrain.identity import load_or_create_identity
 from p2ptrain.ipfs.store import open_store
 from p2ptrain.serve import ServeError, predict
-from p2ptrain.serve.server import Server, load_served
+from p2ptrain.serve.server import load_served
 from p2ptrain.serve.spec import MAX_BODY_BYTES, InputError, parse_request, spec_for
 from p2ptrain.testing import wait_until
 from p2ptrain.training.models import build_model
@@ -219,8 +221,10 @@ async def test_a_head_swap_during_a_burst_loses_no_request(home: dict) -> None:
     assert {k: second.info[k] for k in ("task_cid", "version", "step", "metrics", "members", "attestations")} == {
         "task_cid": task, "version": 1, "step": 10, "metrics": {"accuracy": 0.5}, "members": 3, "attestations": 2}
     head = [home["model"]]
-    server = Server(first, listen="127.0.0.1:0", max_batch=16, max_wait_ms=1, follow=lambda: head[0], store=store,
-                    home=home["home"], follow_every_s=0.01)
+    # The Python API's --latest: resolve() names the task's head (the CLI's resolve asks the node or the mesh).
+    server = p2ptrain.serve.open_model(latest=task, resolve=lambda: head[0], home=home["home"], device="cpu",
+                                       listen="127.0.0.1:0", max_batch=16, max_wait_ms=1, follow_every_s=0.01)
+    assert server.batcher.current.cid == home["model"]
     x = torch.randn(4, 64)
     expected = {cid: loaded.module(x).detach() for cid, loaded in ((home["model"], first), (home["other"], second))}
     answers: list[dict] = []
