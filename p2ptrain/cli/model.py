@@ -1,4 +1,4 @@
-"""``p2ptrain model …``: fetch a trained model by CID and evaluate it.
+"""``p2ptrain model …``: fetch a trained model by CID and evaluate it (serve it: cli/serve.py).
 
 Content is taken from the home's store when it is there, else fetched from the mesh: through the
 home's running node, or, with ``--bootstrap``, through a short-lived node started for this command.
@@ -28,7 +28,7 @@ EPHEMERAL_MESH_TIMEOUT_S = 20.0
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    group = sub.add_parser("model", help="fetch and evaluate trained models by CID", description=__doc__)
+    group = sub.add_parser("model", help="fetch, evaluate and serve trained models by CID", description=__doc__)
     msub = group.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     fetch = msub.add_parser("fetch", help="fetch a model by CID (verified) into a safetensors file")
@@ -49,6 +49,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     _source_options(evaluate)
     evaluate.add_argument("--json", action="store_true", help="print one JSON object (accuracy, loss, samples)")
     evaluate.set_defaults(func=cmd_eval)
+
+    from p2ptrain.cli import serve as serve_cli  # model serve, model predict
+
+    serve_cli.add_parsers(msub)
 
 
 def _source_options(parser: argparse.ArgumentParser) -> None:

@@ -8,6 +8,7 @@ import torch
 
 from p2ptrain.node import Node
 from p2ptrain.runtime.content import ContentService
+from p2ptrain.runtime.served import ServedModels
 from p2ptrain.runtime.tasks import TaskOptions, TaskService
 
 
@@ -16,6 +17,7 @@ class Peer:
     node: Node
     content: ContentService
     tasks: TaskService
+    served: ServedModels
 
 
 def warm_up_torch() -> None:
@@ -36,6 +38,7 @@ def make_peer(node: Node, options: TaskOptions | None = None, ipfs_api: str | No
     warm_up_torch()
     content = ContentService(node, ipfs_api)
     tasks = TaskService(node, content, options or TaskOptions())
+    served = ServedModels(node)  # the directory of served models (model serve / model predict)
     node.add_service(content.run, name="content")
     node.add_service(tasks.run, name="tasks")
-    return Peer(node, content, tasks)
+    return Peer(node, content, tasks, served)

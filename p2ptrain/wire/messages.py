@@ -276,3 +276,15 @@ class HeadRequest:
     verifies the chain the head names before it believes the model."""
 
     task_cid: str = field(metadata=_CID)
+
+
+@message("model_served")
+@dataclass(frozen=True)
+class ModelServed:
+    """The sender serves ``model_cid`` over HTTP/JSON at ``url`` (``p2ptrain model serve`` beside its
+    node), published on the tasks topic every ``SERVED_EVERY_S`` while it does. Peers list it for
+    ``model predict`` for a few periods (runtime/served.py). A claim, not proof: a client checks
+    that the answers name the CID it asked for, and trusts the outputs only as far as the peer."""
+
+    model_cid: str = field(metadata=_CID)
+    url: str = field(metadata={"max_len": 256})
