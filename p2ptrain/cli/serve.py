@@ -33,7 +33,8 @@ def add_parsers(msub: argparse._SubParsersAction) -> None:
     from p2ptrain.cli.model import _source_options
 
     serve = msub.add_parser("serve", help="serve a model over HTTP/JSON (POST /predict), batched", description=__doc__)
-    serve.add_argument("model_cid", nargs="?", metavar="MODEL_CID", type=cid_arg)
+    serve.add_argument("model_cid", nargs="?", metavar="MODEL_CID", type=cid_arg,
+                       help="the model to serve, by CID (or name a task with --latest instead)")
     serve.add_argument("--latest", metavar="TASK_CID", type=cid_arg,
                        help="serve the latest confirmed model of this task, swapping to each new one")
     serve.add_argument("--listen", default="127.0.0.1:8080", metavar="HOST:PORT",
@@ -50,7 +51,8 @@ def add_parsers(msub: argparse._SubParsersAction) -> None:
     serve.set_defaults(func=cmd_serve)
 
     predict = msub.add_parser("predict", help="send INPUT.json to a server of MODEL_CID; print its answer")
-    predict.add_argument("model_cid", metavar="MODEL_CID", type=cid_arg)
+    predict.add_argument("model_cid", metavar="MODEL_CID", type=cid_arg,
+                         help="the model whose answers you want: a server announcing this CID answers")
     predict.add_argument("input", metavar="INPUT.json", type=Path,
                          help='{"inputs": [sample, ...]} or a bare list of samples ("-": standard input)')
     predict.add_argument("--url", default=None,
