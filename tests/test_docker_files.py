@@ -111,6 +111,13 @@ def test_the_entry_points_exist_in_the_image():
         for source in sources.split():
             assert (ROOT / source).exists(), f"Dockerfile copies {source}, which is not in the repository"
             copied.append(source)
+    # .dockerignore shuts out everything (a repository's .venv alone is GBs of build context) but
+    # what is let back in: each COPY source must be.
+    allowed = {line[1:].rstrip("/") for line in (ROOT / ".dockerignore").read_text().splitlines()
+               if line.startswith("!")}
+    for source in (c.rstrip("/") for c in copied):
+        assert any(source == a or source.startswith(a + "/") for a in allowed), \
+            f".dockerignore keeps {source} out of the build context"
     entrypoint = json.loads(re.search(r"^ENTRYPOINT (\[.*\])$", dockerfile, re.M).group(1))[0]
     for path in COMPOSE_FILES:
         entrypoints = [e[0] for e in _flow_list(path.read_text(), "entrypoint")]
