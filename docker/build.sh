@@ -3,9 +3,10 @@
 #
 #   docker/build.sh                      # base + image; P2PTRAIN_TORCH_FIND_LINKS=/opt/wheels for a local wheel
 #
-# 1. The base: a Debian bookworm root filesystem (Python 3.11, venv, gcc, GMP, CA certificates)
-#    made with debootstrap and imported as localhost/p2ptrain-base:bookworm. Made once, kept.
-# 2. The image (docker/Dockerfile from that base): the package and torch's CPU wheel in /opt/venv.
+# 1. Two bases, Debian bookworm root filesystems made with debootstrap, imported, made once and kept:
+#    localhost/p2ptrain-base:bookworm (Python 3.11, venv, gcc, GMP and Python headers: the build
+#    stage) and localhost/p2ptrain-runtime:bookworm (Python 3.11, venv, CA certificates: the image).
+# 2. The image (docker/Dockerfile on those bases): the package and torch's CPU wheel in /opt/venv.
 #
 # Environment (all optional):
 #   P2PTRAIN_IMAGE            image name (default localhost/p2ptrain:latest, what docker/compose.yaml runs)
@@ -18,7 +19,6 @@
 set -eu
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 IMAGE="${P2PTRAIN_IMAGE:-localhost/p2ptrain:latest}"
-BASE=localhost/p2ptrain-base:bookworm
 CACHE="${P2PTRAIN_BUILD_CACHE:-/var/tmp/p2ptrain-build}"
 TORCH_FIND_LINKS="${P2PTRAIN_TORCH_FIND_LINKS:-https://download.pytorch.org/whl/cpu/torch/}"
 HOST_CA="${HOST_CA:-/etc/ssl/certs/ca-certificates.crt}"
@@ -29,24 +29,28 @@ mirror() {  # the Debian mirror apt already uses (deb822 "URIs:" or a one-line "
         /etc/apt/sources.list.d/*.sources /etc/apt/sources.list 2>/dev/null | head -n 1
 }
 
-mkdir -p "$CACHE/pip"
-if ! podman image exists "$BASE"; then
-    if [ ! -e "$CACHE/rootfs/.complete" ]; then
+# base NAME PACKAGES: debootstrap bookworm with PACKAGES into $CACHE/NAME, import it as localhost/NAME:bookworm
+base() {
+    if podman image exists "localhost/$1:bookworm"; then return; fi
+    if [ ! -e "$CACHE/$1/.complete" ]; then
         MIRROR="${DEBIAN_MIRROR:-$(mirror)}"
         MIRROR="${MIRROR:-http://deb.debian.org/debian}"
-        echo "build: debootstrap bookworm from $MIRROR into $CACHE/rootfs (about a minute)"
-        rm -rf "$CACHE/rootfs"
-        debootstrap --variant=minbase \
-            --include=python3,python3-venv,python3-dev,gcc,libgmp-dev,ca-certificates \
-            bookworm "$CACHE/rootfs" "$MIRROR"
-        touch "$CACHE/rootfs/.complete"
+        echo "build: debootstrap bookworm from $MIRROR into $CACHE/$1 (about a minute)"
+        rm -rf "${CACHE:?}/$1"
+        debootstrap --variant=minbase --include="$2" bookworm "$CACHE/$1" "$MIRROR"
+        touch "$CACHE/$1/.complete"
     fi
-    echo "build: importing the root filesystem as $BASE"
-    tar -C "$CACHE/rootfs" --exclude=./.complete --exclude='./var/cache/apt/archives/*.deb' -c . \
-        | podman import --change 'CMD ["/bin/bash"]' - "$BASE"
-fi
+    echo "build: importing $CACHE/$1 as localhost/$1:bookworm"
+    tar -C "$CACHE/$1" --exclude=./.complete --exclude='./var/cache/apt/*' --exclude='./var/lib/apt/lists/*' -c . \
+        | podman import --change 'CMD ["/bin/bash"]' - "localhost/$1:bookworm"
+}
 
-set -- --network host --build-arg BASE="$BASE" --build-arg BUILD_PACKAGES= \
+mkdir -p "$CACHE/pip"
+base p2ptrain-base python3,python3-venv,python3-dev,gcc,libgmp-dev,ca-certificates
+base p2ptrain-runtime python3,python3-venv,ca-certificates
+
+set -- --network host --build-arg BASE=localhost/p2ptrain-base:bookworm \
+    --build-arg RUNTIME_BASE=localhost/p2ptrain-runtime:bookworm --build-arg BUILD_PACKAGES= \
     -v "$CACHE/pip:/root/.cache/pip"
 if [ -d "$TORCH_FIND_LINKS" ]; then
     set -- "$@" -v "$(cd "$TORCH_FIND_LINKS" && pwd):/wheels:ro" --build-arg TORCH_FIND_LINKS=/wheels
