@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test setup
+.PHONY: demo test setup cli-docs
 
 setup: $(STAMP)
 
@@ -18,6 +18,10 @@ $(STAMP): pyproject.toml constraints.txt
 
 demo: $(STAMP)
 	$(BIN)/p2ptrain demo --peers 4
+
+# docs/cli.md, generated from the argument parser (tests/test_cli_reference.py fails while it is stale).
+cli-docs: $(STAMP)
+	$(BIN)/python -m p2ptrain.cli.reference --write
 
 # js-ipfs, the RPC daemon the Kubo-backend tests run against (tests/ipfs/test_kubo.py); installed once
 # (~4 min). Without node/npm the tests skip and say why.

@@ -1,5 +1,5 @@
 #!/bin/sh
-# Kubo container init script (docker/compose.yaml mounts it into /container-init.d).
+# Kubo container init script (docker/compose.kubo.yaml mounts it into /container-init.d).
 # Runs once after `ipfs init`: a private cluster, reachable by the p2ptrain peers only.
 set -eu
 ipfs bootstrap rm --all
