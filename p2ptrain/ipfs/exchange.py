@@ -785,6 +785,8 @@ class _Session:
         )
         if cancel and owed and peer_id in self.ex._peers:
             self.ex.send_wants(peer_id, [WantEntry(c, cancel=True) for c in owed])
+        if not self.live:
+            self.root_settled.set()  # nobody left to answer for the root either
         self.changed.set()
 
     async def _write_blocks(self) -> None:

@@ -156,9 +156,12 @@ class ContentService:
         finally:
             self.exchange = self.routing = None
 
-    async def fetch(self, cid: str, *, timeout: float = 60.0, max_bytes: int = DEFAULT_MAX_FETCH_BYTES) -> None:
+    async def fetch(self, cid: str, *, timeout: float = 60.0, max_bytes: int = DEFAULT_MAX_FETCH_BYTES,
+                    progress: Callable[[int], None] | None = None) -> None:
         """Make the DAG under ``cid`` local, asking every connected peer and the DHT at once; every
-        block is verified. What was fetched is then announced.
+        block is verified. What was fetched is then announced. ``progress(bytes_so_far)`` is called
+        as each verified block arrives (the CLI's temporary node shows it; ``ipfs.progress`` tells
+        the same to a CLI whose home's node fetches).
 
         Raises :class:`ContentUnavailable` naming the CID and the reason when nobody can provide it.
         """
@@ -179,14 +182,19 @@ class ContentService:
         if not providers and self.routing is None:
             raise ContentUnavailable(cid, "not held locally and no peer is connected")
 
-        def progress(n: int) -> None:
+        mine = [0]
+
+        def arrived(n: int) -> None:
             self.fetching[cid] = self.fetching.get(cid, 0) + n
+            if progress is not None:
+                mine[0] += n
+                progress(mine[0])
 
         self.fetching.setdefault(cid, 0)
         self._fetchers[cid] = self._fetchers.get(cid, 0) + 1
         try:
             with trio.fail_after(timeout):
-                stats = await self._fetch_dag(cid, providers, max_bytes, progress)
+                stats = await self._fetch_dag(cid, providers, max_bytes, arrived)
         except FetchError as exc:
             raise ContentUnavailable(cid, str(exc)) from None
         except trio.TooSlowError:
