@@ -233,6 +233,8 @@ class ContentService:
                 return
             await routing.find_and_connect(cid, set(connected), found_send)
 
+        stats: FetchStats | None = None
+        failure: FetchError | None = None
         async with trio.open_nursery() as nursery:
             nursery.start_soon(search)
             try:
@@ -240,8 +242,13 @@ class ContentService:
                     stats = await self.exchange.fetch_dag(parse_cid(cid), connected, max_bytes=max_bytes,
                                                           progress=counted, more_providers=found,
                                                           root_settled=root_settled)
+            except FetchError as exc:  # raised here, not from the nursery (it would wrap it in a group)
+                failure = exc
             finally:
                 nursery.cancel_scope.cancel()  # first useful answer wins: the lookup is not needed
+        if failure is not None:
+            raise failure
+        assert stats is not None
         if set(stats.per_provider) - {short_id(p) for p in connected}:
             self.dht_fetches += 1
         return stats

@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 import trio
 
+from p2ptrain.ipfs.store import ContentUnavailable
 from p2ptrain.mesh import discovery as discovery_module
 from p2ptrain.node import Node
 from p2ptrain.runtime.latest import LatestFinder, head_key
@@ -87,6 +88,10 @@ async def test_a_fetcher_finds_the_holder_of_content_and_of_a_runs_head_through_
                 await c.content.fetch(cid, timeout=STEP_S)
                 assert c.content.store.cat(cid) == data
                 assert c.content.dht_fetches == 1
+                # Nobody holds this one: the fetch fails (one clear error) once the lookup is over too.
+                missing = "QmbFMke1KXqnYyBBWxB74N4c5SBnJMVAiMNRcGu6x1AwQH"  # the empty file's CID
+                with pytest.raises(ContentUnavailable):
+                    await c.content.fetch(missing, timeout=STEP_S)
 
                 # The task's head key names H (what D's finder looks up and dials), and the finder
                 # verifies the head H then answers, as from any other answer.
