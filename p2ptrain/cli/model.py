@@ -123,6 +123,7 @@ def _fetch_with_ephemeral_node(
 ) -> list[str]:
     import trio
 
+    from p2ptrain.cli.ipfs import fetch_progress
     from p2ptrain.ipfs.store import ContentUnavailable
     from p2ptrain.node import Node
     from p2ptrain.runtime.latest import LatestFinder
@@ -134,6 +135,13 @@ def _fetch_with_ephemeral_node(
     peer = make_peer(node)
     out = list(cids)
     finder = LatestFinder(node, peer.content, latest) if latest is not None else None
+
+    async def fetch(cid: str) -> None:
+        """One CID through the temporary node, showing on stderr how far it is (as through a node)."""
+        if await trio.to_thread.run_sync(peer.content.store.has, cid):
+            return
+        with fetch_progress(f"fetch {cid[:16]}") as show:
+            await peer.content.fetch(cid, timeout=300.0, progress=show)
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
@@ -147,10 +155,10 @@ def _fetch_with_ephemeral_node(
                         head, _ = await finder.find()
                         out.append(head.model_cid)
                 for cid in out:
-                    await peer.content.fetch(cid, timeout=300.0)
+                    await fetch(cid)
                 more = await trio.to_thread.run_sync(then, peer.content.store) if then else []
                 for cid in more:
-                    await peer.content.fetch(cid, timeout=300.0)
+                    await fetch(cid)
             except trio.TooSlowError:
                 refused = dict(finder.refused) if finder is not None else {}
                 raise UserError(

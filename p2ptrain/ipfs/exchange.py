@@ -469,16 +469,25 @@ class BlockExchange:
         stall_timeout: float = DEFAULT_STALL_TIMEOUT,
         max_bytes: int | None = None,
         progress: Callable[[int], None] | None = None,
+        more_providers: trio.MemoryReceiveChannel[ID] | None = None,
+        root_settled: trio.Event | None = None,
     ) -> FetchStats:
         """Make the whole DAG under ``root`` local: every block verified, written to the store.
 
         Blocks already held are not fetched again (an interrupted fetch resumes). ``providers`` are peer
         IDs the host can reach, or :class:`PeerInfo` with addresses. Raises :class:`FetchError` when a
         block cannot be had from any provider, or when the DAG grows past ``max_bytes``.
+
+        ``more_providers``: peers found while the fetch runs (the content service's DHT lookup, in
+        parallel with the connected peers). Each one received joins the fetch at once; until the
+        channel is closed, a block every provider so far refused waits for them instead of failing
+        the fetch, so the fetch fails only once the search is over too. ``root_settled`` is set once
+        the root block is in (or held) or every provider so far refused it (or there is none): the
+        moment a search beside the fetch is worth its cost.
         """
         session = _Session(
             self, parse_cid(root), self._provider_ids(providers), window, stall_timeout, max_bytes,
-            progress, recursive=True,
+            progress, recursive=True, more_providers=more_providers, root_settled=root_settled,
         )
         return await self._run_session(session)
 
@@ -532,8 +541,13 @@ class _Session:
         max_bytes: int | None,
         progress: Callable[[int], None] | None,
         recursive: bool,
+        more_providers: trio.MemoryReceiveChannel[ID] | None = None,
+        root_settled: trio.Event | None = None,
     ) -> None:
         self.ex = exchange
+        self.root_settled = root_settled if root_settled is not None else trio.Event()
+        self.more_providers = more_providers
+        self.searching = more_providers is not None  # more providers may still come: refusals wait
         self.recursive = recursive
         self.root = root
         self.live = list(providers)
@@ -562,17 +576,36 @@ class _Session:
     async def run(self) -> FetchStats:
         start = trio.current_time()
         # The memory channel is unbounded in type only: at most window × providers blocks are in flight.
+        taking = trio.CancelScope()
+        if not self.live:
+            self.root_settled.set()
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._write_blocks)
+            if self.more_providers is not None:
+                nursery.start_soon(self._take_providers, self.more_providers, taking)
             try:
                 failure = await self._schedule()
             finally:
+                taking.cancel()  # the fetch is over: whoever is found now is not needed
                 self._to_disk.close()  # the writer still stores what arrived, so a retry resumes
         if failure is not None:
             raise failure
         self.stats.seconds = trio.current_time() - start
         self.stats.failed = dict(self.reasons)
         return self.stats
+
+    async def _take_providers(self, more: trio.MemoryReceiveChannel[ID], scope: trio.CancelScope) -> None:
+        """Add each provider found while the fetch runs; when the search ends, refusals count."""
+        with scope:
+            async for peer_id in more:
+                if peer_id == self.ex.host.get_id() or peer_id in self.inflight:
+                    continue  # already asked (or dropped): a second chance is not the search's to give
+                self.live.append(peer_id)
+                self.inflight[peer_id] = {}
+                logger.debug("bitswap: fetch of %s adds provider %s", cid_str(self.root), short_id(peer_id))
+                self.changed.set()
+        self.searching = False
+        self.changed.set()
 
     async def _schedule(self) -> FetchError | None:
         try:
@@ -606,7 +639,12 @@ class _Session:
                 continue
             refused = self.dont_have.get(digest, set())
             if not self.live or all(p in refused for p in self.live):
-                raise self._failure(cid)
+                if digest == self.root.digest:
+                    self.root_settled.set()
+                if not self.searching:
+                    raise self._failure(cid)
+                skipped.append(cid)  # a provider still being searched for may have it
+                continue
             candidates = [p for p in self.live if room[p] > 0 and p not in refused]
             if not candidates:
                 skipped.append(cid)
@@ -618,7 +656,7 @@ class _Session:
             self.owner[digest] = provider
             batches.setdefault(provider, []).append(WantEntry(cid, send_dont_have=True))
         self.pending.extendleft(reversed(skipped))
-        if not self.live and (self.pending or self.owner):
+        if not self.live and not self.searching and (self.pending or self.owner):
             raise self._failure(self.pending[0] if self.pending else self.root)
         for provider, wants in batches.items():
             self.ex.send_wants(provider, wants)
@@ -641,6 +679,8 @@ class _Session:
 
     async def _resolve_local(self, cid: CID) -> None:
         """A block we already hold: nothing to fetch, but its children may still be missing."""
+        if cid.digest == self.root.digest:
+            self.root_settled.set()
         self.done.add(cid.digest)
         self.stats.local_blocks += 1
         if self.recursive and cid.codec.name == DAG_PB:
@@ -682,6 +722,8 @@ class _Session:
         if owner is None:
             return digest in self.done  # a late duplicate is harmless; anything else is not ours
         wanted = self.inflight[owner].pop(digest)
+        if digest == self.root.digest:
+            self.root_settled.set()
         if owner != peer_id and owner in self.live:
             self.ex.send_wants(owner, [WantEntry(wanted, cancel=True)])
         self.done.add(digest)
@@ -743,6 +785,8 @@ class _Session:
         )
         if cancel and owed and peer_id in self.ex._peers:
             self.ex.send_wants(peer_id, [WantEntry(c, cancel=True) for c in owed])
+        if not self.live:
+            self.root_settled.set()  # nobody left to answer for the root either
         self.changed.set()
 
     async def _write_blocks(self) -> None:

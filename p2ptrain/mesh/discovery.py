@@ -89,7 +89,7 @@ def parse_bootstrap(addr: str) -> PeerInfo:
         ) from None
 
 
-def _dialable(addrs: Iterable[str], peer_id: ID) -> list[Multiaddr]:
+def dialable(addrs: Iterable[str], peer_id: ID) -> list[Multiaddr]:
     """TCP addresses from a peer's heartbeat, stripped of a ``/p2p`` part that is not its own."""
     out = []
     for text in addrs:
@@ -274,7 +274,7 @@ class Discovery:
         record = self.membership.get(event.peer_id)
         if event.kind != "join" or record is None:
             return
-        addrs = _dialable(record.addrs, event.peer_id)
+        addrs = dialable(record.addrs, event.peer_id)
         if not addrs:
             return
 

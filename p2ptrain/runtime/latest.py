@@ -10,6 +10,11 @@ this task; the head's model must be the chain's head, and each record's signer o
 members. Of the heads that verify, the longest chain wins, and two verified chains that disagree at a
 version they both hold (a fork) are refused: the fetch fails rather than pick one.
 
+Holders are found through the Kad-DHT too: a node that holds a task's chain (a member of its run,
+also after the run and after a restart) announces :func:`head_key` of the task, and the fetcher
+looks that key up and dials the holders it names, so its requests reach a holder that shares no
+pubsub mesh with the node it bootstrapped from. What a holder then answers is verified as above.
+
 What a fresh home cannot check: that the signers were *elected* (the vote certificates are not
 kept in the chain). So a peer that forged a whole chain of its own for the task would be believed
 if no honest holder answered; docs/training.md says so.
@@ -20,11 +25,14 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import trio
 
+from p2ptrain.ipfs.cid import InvalidCID, parse_cid
 from p2ptrain.ipfs.store import ContentUnavailable
+from p2ptrain.mesh.providers import derived_key
 from p2ptrain.node import Node
 from p2ptrain.runtime.content import ContentService
 from p2ptrain.training.records import MAX_CHAIN_BYTES, Chain, RecordError, record_from_bytes
@@ -47,6 +55,37 @@ MAX_QUEUED_HEADS = 16
 MAX_SEEN_HEADS = 1024
 # Each chain fetch stops after this long (a head naming content nobody serves).
 CHAIN_FETCH_TIMEOUT_S = 10.0
+# The fetcher looks the task's head key up on the DHT again this often (each lookup bounded by
+# providers.FIND_DEADLINE_S, each names at most providers.MAX_PROVIDERS_PER_QUERY holders to dial):
+# a holder that announced after the last lookup is found by the next.
+HEAD_LOOKUP_EVERY_S = 5.0
+# Tasks whose heads a node announces at start (one folder each under <home>/tasks): past this, the
+# oldest-named are not announced; far above the runs one home takes part in.
+MAX_ANNOUNCED_TASKS = 256
+
+
+def head_key(task_cid: str) -> str:
+    """The DHT key under which holders of ``task_cid``'s chain announce themselves."""
+    return derived_key("head", task_cid)
+
+
+def held_tasks(home: Path) -> list[str]:
+    """Task CIDs whose confirmed chain this home keeps (``tasks/<task CID>/chain.jsonl``), at most
+    MAX_ANNOUNCED_TASKS: the heads a node announces on the DHT when it starts."""
+    out: list[str] = []
+    tasks = Path(home) / "tasks"
+    if not tasks.is_dir():
+        return out
+    for entry in sorted(tasks.iterdir()):
+        try:
+            parse_cid(entry.name)
+        except InvalidCID:
+            continue
+        if (entry / "chain.jsonl").is_file():
+            out.append(entry.name)
+            if len(out) >= MAX_ANNOUNCED_TASKS:
+                break
+    return out
 
 
 @dataclass
@@ -81,6 +120,7 @@ class LatestFinder:
         """The verified head with the longest chain (unbounded: the caller bounds it)."""
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._ask)
+            nursery.start_soon(self._find_holders)
             async for head in self._recv:
                 chain = await self._verify(head)
                 if chain is None:
@@ -101,6 +141,21 @@ class LatestFinder:
         while True:
             await self.node.publish(TASKS_TOPIC, HeadRequest(task_cid=self.task_cid))
             await trio.sleep(HEAD_REQUEST_EVERY_S)
+
+    async def _find_holders(self) -> None:
+        """Dial the holders the DHT names for the task's head key (none without the DHT): once
+        connected, the next head request reaches them."""
+        routing = self.content.routing
+        if routing is None:
+            return
+        key = head_key(self.task_cid)
+        while True:
+            assert self.node.host is not None
+            holders = await routing.find(key, exclude=set(self.node.host.get_connected_peers()))
+            async with trio.open_nursery() as nursery:
+                for info in holders:
+                    nursery.start_soon(routing.connect, info)
+            await trio.sleep(HEAD_LOOKUP_EVERY_S)
 
     async def _verify(self, head: TaskHead) -> Chain | None:
         """The chain ``head`` names, fetched and re-verified, or None (counted by why)."""

@@ -27,6 +27,7 @@ from p2ptrain.node import Node
 from p2ptrain.runtime.content import ContentService
 from p2ptrain.atomic import write_atomic
 from p2ptrain.runtime.head_answers import HeadAnswers
+from p2ptrain.runtime.latest import head_key, held_tasks
 from p2ptrain.runtime.run_state import CANCEL_SENT_FILE, CANCELLED_FILE
 from p2ptrain.runtime.task_run import TaskRun
 from p2ptrain.training.task import MAX_TASK_BYTES, TaskError, load_task, task_bytes, task_from_bytes, unmet_requirement
@@ -159,6 +160,9 @@ class TaskService:
         assert self.node.host is not None
         self.collective = Collective(self.node.host)
         await self.node.subscribe(TASKS_TOPIC)
+        # Runs this home took part in stay findable by task CID through the DHT (runtime/latest.py).
+        for task_cid in await trio.to_thread.run_sync(held_tasks, self.node.home):
+            self.content.announce(head_key(task_cid))
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             for cid in self.options.join:
@@ -198,6 +202,7 @@ class TaskService:
             await run.on_message(known.announced_by, known.head)  # what we heard before joining
         await self.node.subscribe(task_topic(task_cid))
         self._nursery.start_soon(run.run, name=f"task:{task_cid[:12]}")
+        self.content.announce(head_key(task_cid))  # a member keeps the run's chain: findable by task CID
         return run
 
     def _cancelled_here(self, task_cid: str) -> bool:

@@ -90,3 +90,20 @@ async def test_progress_of_a_fetch_in_flight_is_answered_by_the_control_op(tmp_p
                     await trio.sleep(0)
             assert any(r["fetching"] and 0 < r["bytes"] < FILE_BYTES for r in replies), replies[-3:]
             assert await ask() == {"ok": True, "cid": cid, "fetching": False, "bytes": 0}
+
+
+async def test_a_temporary_node_shows_how_far_its_fetch_is(tmp_path, capsys, monkeypatch):
+    """``--bootstrap`` (a temporary node in the command's process, cli/model.py) says on stderr how
+    far its fetch is, as a fetch through the home's node does: here a line per verified block
+    (``PROGRESS_LINE_S`` = 0; 10 s off a terminal in use). Red before: the temporary node was silent."""
+    from p2ptrain.cli import ipfs as cli_ipfs
+    from p2ptrain.cli.model import ensure_local
+
+    monkeypatch.setattr(cli_ipfs, "PROGRESS_LINE_S", 0.0)
+    with trio.fail_after(DEADLINE_S):
+        async with local_peers(1, tmp_path) as (holder,):
+            cid = holder.content.store.add_bytes(os.urandom(FILE_BYTES))
+            fresh = tmp_path / "fresh"
+            await trio.to_thread.run_sync(ensure_local, fresh, [cid], holder.node.addrs[:1])
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith(f"fetch {cid[:16]}")]
+    assert len(lines) >= 2 and lines[-1].endswith(f"{FILE_BYTES / 2**20:.1f} MiB so far"), lines
