@@ -111,6 +111,11 @@ def test_the_readme_commands_run_as_written(tmp_path: Path) -> None:
             elif verb == ["task", "cancel"]:
                 run(argv, machines[0], subs)
                 wait_for(lambda: all(status_of(n, subs).get("state") == "cancelled" for n in nodes), RUN_TIMEOUT_S, interval=0.5)
+            elif verb == ["task", "report"]:  # a member's home holds the run's chain
+                run(argv, machines[0], subs)
+                assert (machines[0] / argv[argv.index("-o") + 1]).stat().st_size > 0
+            elif verb == ["config", "show"]:
+                assert "listen" in run(argv, machines[0], subs)
             elif verb == ["model", "eval"]:
                 report = json.loads(run([*argv, "--json"], fresh, subs))
                 assert report["samples"] > 0 and report["accuracy"] > 0.2, report
