@@ -55,6 +55,9 @@ class LocalSGDTrainer(Trainer):
         self.inner_steps = task.training.inner_steps
         self.outer = OuterOptimizer(task.outer or OuterSpec(), self.num_parameters)
         self._start = torch.empty(self.num_parameters, dtype=torch.float32)
+        # The inner step under way (0-based), None between inner loops: for status and for tests
+        # that stop a member in the middle of one.
+        self.inner_step: int | None = None
 
     def flat_weights(self, out: torch.Tensor | None = None) -> torch.Tensor:
         """The model's parameters as one flat float32 CPU vector (in ``out`` when given)."""
@@ -77,6 +80,7 @@ class LocalSGDTrainer(Trainer):
         losses = 0.0
         try:
             for i in range(self.inner_steps):
+                self.inner_step = i
                 loss = self.backward(batches)
                 losses += loss
                 grads_ok = all(p.grad is None or all_finite(p.grad) for p in self.params)
@@ -90,6 +94,7 @@ class LocalSGDTrainer(Trainer):
             self.optimizer.zero_grad(set_to_none=True)
             delta = torch.sub(start, self.flat_weights())
         finally:
+            self.inner_step = None
             self._set_weights(start)  # whatever happened, the model holds the shared weights
         if not all_finite(delta):
             log.warning("step %d: pseudo-gradient is not finite; contributing zeros", self.step)
