@@ -51,6 +51,11 @@ VALUES = ("fp32", "fp16", "int8", "2bit")  # compression.values: how the sent va
 # DiLoCo's outer Nesterov defaults (Douillard et al. 2023): learning rate 0.7, momentum 0.9.
 OUTER_LR = 0.7
 OUTER_MOMENTUM = 0.9
+# How long the outer all-reduce waits for the members' inner loops by default: members compute H
+# steps each, at different speeds; a member later than this is left out of the round (its retry
+# goes on without it). 60 s covers a CPU member twice as slow as the others at H = 100 steps of a
+# 5M-parameter model (~0.3 s a step); a task sets its own with outer.wait_s.
+OUTER_WAIT_S = 60.0
 
 
 class TaskError(UserError):
@@ -136,6 +141,9 @@ class OuterSpec:
     optimizer: str = "nesterov"
     lr: float | None = OUTER_LR
     momentum: float | None = OUTER_MOMENTUM
+    # Seconds the outer all-reduce waits for the slowest member's inner loop (the slow-peer rule:
+    # a deadline, not a weighted contribution; docs/training.md).
+    wait_s: float = OUTER_WAIT_S
 
 
 @dataclass(frozen=True)
@@ -443,15 +451,16 @@ def _outer(data: dict[str, Any], training: TrainingSpec) -> OuterSpec | None:
         if "outer" in data:
             raise TaskError('outer: only for training.mode = "local_sgd"')
         return None
-    _only(o, {"optimizer", "lr", "momentum"}, "outer.")
+    _only(o, {"optimizer", "lr", "momentum", "wait_s"}, "outer.")
     name = _choice(o, "optimizer", "outer.", OUTER_OPTIMIZERS, "nesterov")
+    wait_s = _float(o, "wait_s", "outer.", OUTER_WAIT_S, 1.0, 3600.0)
     if name == "average":
         extra = sorted({"lr", "momentum"} & set(o))
         if extra:
             raise TaskError(f'outer.{extra[0]}: not for optimizer = "average" (the mean model is taken as is)')
-        return OuterSpec(optimizer=name, lr=None, momentum=None)
+        return OuterSpec(optimizer=name, lr=None, momentum=None, wait_s=wait_s)
     return OuterSpec(
-        optimizer=name,
+        optimizer=name, wait_s=wait_s,
         lr=_float(o, "lr", "outer.", OUTER_LR, 0.0, 10.0, lo_open=True),
         momentum=_float(o, "momentum", "outer.", OUTER_MOMENTUM, 0.0, 0.999),
     )

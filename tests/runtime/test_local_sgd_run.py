@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 import trio
 
 from p2ptrain.testing import LocalPeers, local_peers
@@ -134,3 +135,57 @@ async def test_a_local_sgd_run_survives_a_member_stopped_mid_inner_loop_takes_a_
             ours = peers[4].content.store
             assert ours.add_bytes(joiner.model_bytes(), only_hash=True) == last.model_cid
             assert ours.add_bytes(joiner.optimizer_bytes(), only_hash=True) == last.optimizer_cid
+
+
+# -- a slower member: the outer round waits for it up to outer.wait_s, then goes on without it ---------
+
+
+async def test_the_outer_round_waits_for_a_slower_member_up_to_outer_wait_s_then_names_it() -> None:
+    """The slow-peer rule is a deadline: members that finished their inner loops wait for the others
+    up to ``outer.wait_s`` (a member that is merely slower is waited for); past it the round fails
+    naming the late member, not as gone, and the coordinator's retry leaves it out."""
+    from p2ptrain.collective import Collective, PeerFailed
+    from p2ptrain.runtime.spans import START_TIMEOUT_S, round_start_timeout
+    from p2ptrain.testing import connected_hosts
+    from p2ptrain.training.sync import PlanAverager
+    from p2ptrain.training.task import load_task
+    from p2ptrain.wire.messages import RoundPlan
+
+    text = TASK.format(manifest="bafkreigh2akiscaildcqabsyg3dfr6chu3fgpregiymsck7e7aqa4s52zy", inner=5, steps=4,
+                       checkpoint=2).replace('[outer]\n', '[outer]\nwait_s = 1.5\n')
+    task = load_task(text)
+    assert round_start_timeout(task) == 1.5
+    assert round_start_timeout(load_task(text.replace('mode = "local_sgd"\ninner_steps = 5\n', "")
+                                         .replace('[outer]\nwait_s = 1.5\noptimizer = "average"', ""))) == START_TIMEOUT_S
+    with trio.fail_after(DEADLINE_S):
+        async with connected_hosts(3) as hosts:
+            members = tuple(h.id.to_base58() for h in hosts)
+            plan = RoundPlan(task_cid=task.dataset.manifest, term=1, round=0, attempt=0, step=0, rounds=1,
+                             members=members, base_cid=task.dataset.manifest, version=0)
+            averages = [PlanAverager(task, Collective(h.host), start_timeout=round_start_timeout(task)).for_plan(plan)
+                        for h in hosts]
+            results: list[Any] = [None] * 3
+            late = trio.Event()
+
+            async def member(i: int, round_id: int, delay: trio.Event | None = None) -> None:
+                if delay is not None:
+                    await delay.wait()
+                try:
+                    results[i] = await averages[i](torch.full((1000,), float(i)), round_id)
+                except PeerFailed as exc:
+                    results[i] = exc
+
+            # Slower, within the deadline: the third member joins once the other two are waiting.
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(member, 0, 1)
+                nursery.start_soon(member, 1, 1)
+                nursery.start_soon(member, 2, 1, late)
+                await trio.sleep(0.5)  # the third member's inner loop takes 0.5 s longer
+                late.set()
+            assert all(isinstance(r, torch.Tensor) for r in results), results
+            # Later than the deadline (here: never): the round fails for the others, naming it.
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(member, 0, 2)
+                nursery.start_soon(member, 1, 2)
+            for r in results[:2]:
+                assert isinstance(r, PeerFailed) and r.peer_id == hosts[2].id and not r.gone, r
