@@ -418,8 +418,10 @@ def parse_task(data: dict[str, Any]) -> Task:
     outer = _outer(data, training)
     if (training.total_steps is None) == (training.epochs is None):
         raise TaskError("training.total_steps: set exactly one of training.total_steps and training.epochs")
-    if training.total_steps is not None and schedule.warmup_steps > training.total_steps:
-        raise TaskError("schedule.warmup_steps: longer than training.total_steps")
+    # The schedule runs over optimizer steps: in local-SGD mode the inner ones, H per outer step.
+    if training.total_steps is not None and schedule.warmup_steps > training.total_steps * training.steps_per_round:
+        raise TaskError("schedule.warmup_steps: longer than training.total_steps"
+                        + (" x training.inner_steps" if training.local_sgd else ""))
 
     c = _table(data, "compression", "", False)
     _only(c, {"density", "error_feedback", "fp16_values", "robust", "values"}, "compression.")

@@ -159,3 +159,37 @@ def test_a_joiner_resumes_from_the_checkpoint_bytes_and_steps_identically(traine
     with pytest.raises(RecordError):
         late.load_state(a.model_bytes(), tensors_bytes({"trainer.step": torch.tensor(3), "state.0.exp_avg": torch.zeros(1)}))
     assert sync.step == 0
+
+
+# -- the language task: Python's own sources as bytes, and a >= 5M-parameter transformer_lm ------------
+
+
+def test_the_stdlib_text_source_and_the_example_language_task(monkeypatch, tmp_path) -> None:
+    import re
+    from pathlib import Path
+
+    import p2ptrain.data.builtin as builtin
+    from p2ptrain.data.build import build_dataset
+    from p2ptrain.ipfs.embedded import EmbeddedStore
+    from p2ptrain.training.models import build_model
+
+    monkeypatch.setattr(builtin, "TEXT_MAX_BYTES", 64 * 1024)  # the first 64 KiB: enough to check the shape
+    name, features, labels = builtin.load_source("text:python-stdlib")
+    window = builtin.TEXT_CONTEXT
+    assert name == "text-python-stdlib" and features.dtype == labels.dtype == "uint8"
+    assert features.shape == labels.shape == (64 * 1024 // (window + 1), window)
+    assert (features[:, 1:] == labels[:, :-1]).all()  # a label is the next byte
+    assert b"import" in features.tobytes()
+    with pytest.raises(Exception, match="text:python-stdlib"):
+        builtin.load_source("text:nothing")
+
+    example = Path(__file__).resolve().parents[2] / "node" / "tasks" / "stdlib-lm.toml"
+    store = EmbeddedStore(tmp_path)
+    manifest, _ = build_dataset(store, name, features, labels, 2)
+    task = load_task(re.sub(r'manifest = "\w+"', f'manifest = "{manifest}"', example.read_text()))
+    assert task.training.local_sgd and task.compression.values == "2bit"
+    model = build_model(task.model.name, task.model.kwargs, task.seed)
+    assert sum(p.numel() for p in model.parameters()) >= 5_000_000
+    x, y = next(iter(IPFSDataset(manifest, "train", store=store)))
+    logits = model(x[None, :])  # uint8 tokens straight from the shards
+    assert logits.shape == (1, window, 256) and y.shape == (window,)
