@@ -101,18 +101,35 @@ def test_average_outer_step_lands_on_the_members_mean_model() -> None:
 H, ROUNDS, WORLD = 10, 12, 4
 
 
+class _Mean:
+    """The members' exact mean, computed once per round id (conftest's ExactMean, for a module-scoped fixture)."""
+
+    def __init__(self, members: int) -> None:
+        self.members = members
+        self.rounds: dict[int, tuple[list[torch.Tensor], trio.Event, list[torch.Tensor]]] = {}
+
+    async def average(self, flat: torch.Tensor, round_id: int) -> torch.Tensor:
+        parts, done, result = self.rounds.setdefault(round_id, ([], trio.Event(), []))
+        parts.append(flat.clone())
+        if len(parts) == self.members:
+            result.append(torch.stack(parts).mean(0))
+            done.set()
+        with trio.fail_after(10):
+            await done.wait()
+        return result[0].clone()
+
+
 @pytest.fixture(scope="module")
 def trained(digits):
     """Four LocalSGDTrainers after ROUNDS rounds of H inner steps (Adam inside, Nesterov outside)."""
-    from tests.training.conftest import ExactMean, digits_task  # noqa: PLC0415 (module-scoped fixture)
-
     store, cid = digits
-    task = digits_task(cid, steps=ROUNDS, **{"training.mode": '"local_sgd"', "training.inner_steps": str(H),
-                                             "optimizer.lr": "0.003"})
+    task = load_task(f"""name = "digits"\nseed = 3\n[model]\nname = "mlp"\nkwargs = {{ hidden = [64] }}
+[dataset]\nmanifest = "{cid}"\n[optimizer]\nname = "adam"\nlr = 0.003
+[training]\nbatch_size = 32\ntotal_steps = {ROUNDS}\nmode = "local_sgd"\ninner_steps = {H}\n""")
     trainers = [new_trainer(task, device="cpu") for _ in range(WORLD)]
     data = [batches_forever(IPFSDataset(cid, "train", rank=r, world_size=WORLD, store=store, seed=r), 32)
             for r in range(WORLD)]
-    mean = ExactMean(WORLD)
+    mean = _Mean(WORLD)
     history: list[set[bytes]] = []
 
     async def main() -> None:
