@@ -215,7 +215,7 @@ def compare_local_sgd(cluster: Cluster, manifest: str, args: argparse.Namespace)
         checkpoint = max(1, args.inner_checkpoint // inner)
         for label, density, values, outer in (
             (f"local-SGD dense (DiLoCo, nesterov), H={inner}", 1.0, "fp32", "nesterov"),
-            (f"local-SGD {args.lsgd_density:.0%} top-k 2-bit (average), H={inner}", args.lsgd_density, "2bit", "average"),
+            (f"local-SGD {100 * args.lsgd_density:g}% top-k 2-bit (average), H={inner}", args.lsgd_density, "2bit", "average"),
         ):
             text = local_sgd_text(sync_text, inner, density, values, outer, outer_steps, checkpoint)
             text = text.replace('name = "bench-sync"', f'name = "bench-lsgd-{inner}-{density}"')
