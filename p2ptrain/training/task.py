@@ -52,9 +52,10 @@ VALUES = ("fp32", "fp16", "int8", "2bit")  # compression.values: how the sent va
 OUTER_LR = 0.7
 OUTER_MOMENTUM = 0.9
 # How long the outer all-reduce waits for the members' inner loops by default: members compute H
-# steps each, at different speeds; a member later than this is left out of the round (its retry
-# goes on without it). 60 s covers a CPU member twice as slow as the others at H = 100 steps of a
-# 5M-parameter model (~0.3 s a step); a task sets its own with outer.wait_s.
+# steps each, at different speeds; a member later than this past the first is left out of the round
+# (the retry goes on without it). 60 s is 4x sync mode's 15 s start timeout: the gap between the
+# fastest and slowest member grows with H. Tasks with minutes-long inner loops set their own
+# outer.wait_s (node/tasks/stdlib-lm.toml: 120 s for 50 steps of 1.6-2.1 s on a loaded CPU core).
 OUTER_WAIT_S = 60.0
 
 
