@@ -16,6 +16,15 @@ from publishing the task until a confirmed model with test accuracy >= 0.90 is s
 
     .venv/bin/python bench/train.py --peers 4 [--hidden 512] [--batch 256] [--steps 80]
                                     [--sync-interval 1] [--checkpoint 5] [--keep] [--json]
+
+``--local-sgd``: instead, the same nodes train, one after the other, the same task (model, data,
+per-peer batch, inner optimizer) as sync mode at 1% top-k, as local-SGD dense with DiLoCo's Nesterov
+outer step (fp32 values), and as local-SGD sparse (``--lsgd-density``, 2-bit values, ``average``
+outer step), for every H of ``--inner``; each run is cancelled once a confirmed checkpoint reaches
+``--target`` test accuracy. Reported per run: wall time and bytes each peer sent to the target
+(its mean bytes per round times the rounds to the target), and the sync run's bytes over each.
+
+    .venv/bin/python bench/train.py --local-sgd --peers 4 --hidden 64 --batch 32 [--inner 10 50 100]
 """
 
 from __future__ import annotations
@@ -144,6 +153,80 @@ def run_task(cluster: Cluster, manifest: str, density: float, args: argparse.Nam
     }
 
 
+def local_sgd_text(sync_text: str, inner: int, density: float, values: str, outer: str, steps: int,
+                   checkpoint: int) -> str:
+    """The sync task turned local-SGD: same model, data, batch and inner optimizer."""
+    text = sync_text.replace("batch_size =", f'mode = "local_sgd"\ninner_steps = {inner}\nbatch_size =', 1)
+    text = text.replace("total_steps = ", "total_steps_was = ", 1).replace("checkpoint_interval = ", "checkpoint_was = ", 1)
+    text = "\n".join(line for line in text.splitlines() if not line.startswith(("total_steps_was", "checkpoint_was")))
+    text = text.replace("batch_size =", f"total_steps = {steps}\ncheckpoint_interval = {checkpoint}\nbatch_size =", 1)
+    text = text.replace("density = 0.01", f"density = {density}" + (f'\nvalues = "{values}"' if values != "fp32" else ""))
+    return text + f'\n[outer]\noptimizer = "{outer}"\n'
+
+
+def run_to_target(cluster: Cluster, text: str, label: str, args: argparse.Namespace) -> dict:
+    """Publish ``text``, wait for a confirmed checkpoint at ``args.target`` accuracy (or the end),
+    cancel the run, and report time and bytes per peer to the target."""
+    first = cluster.homes[0]
+    started = time.monotonic()
+    task_cid = cluster.call(first, "task.publish", text=text, join=True)["task_cid"]
+    hit = None
+    statuses: list[dict] = []
+    while hit is None:
+        try:
+            statuses = [cluster.call(h, "task.status", task_cid=task_cid) for h in cluster.homes]
+        except UserError:
+            time.sleep(0.5)
+            continue
+        for record in statuses[0].get("chain", []):
+            if record["metrics"].get("accuracy", 0) >= args.target:
+                hit = (time.monotonic() - started, record["step"], record["metrics"]["accuracy"])
+                break
+        if hit is None and all(s.get("state") == "done" for s in statuses):
+            break
+        if time.monotonic() - started > args.timeout:
+            break
+        if hit is None:
+            time.sleep(0.5)
+    members = [s for s in statuses if s.get("rounds_done")]
+    per_round = sum(s["bytes_sent"] / s["rounds_done"] for s in members) / max(1, len(members))
+    if hit is not None and statuses[0].get("state") not in ("done", "cancelled"):
+        cluster.call(first, "task.cancel", task_cid=task_cid)
+        while not all(cluster.call(h, "task.status", task_cid=task_cid).get("state") in ("done", "cancelled", "failed")
+                      for h in cluster.homes):
+            time.sleep(0.5)
+    return {
+        "run": label,
+        "time_to_target_s": round(hit[0], 1) if hit else None,
+        "rounds_to_target": hit[1] if hit else None,
+        "accuracy_at_target": round(hit[2], 4) if hit else None,
+        "bytes_per_peer_per_round": round(per_round),
+        "bytes_per_peer_to_target": round(per_round * hit[1]) if hit else None,
+        "best_accuracy": max((r["metrics"].get("accuracy", 0) for r in statuses[0].get("chain", [])), default=None),
+    }
+
+
+def compare_local_sgd(cluster: Cluster, manifest: str, args: argparse.Namespace) -> list[dict]:
+    """Sync sparse, then local-SGD dense (DiLoCo) and sparse + 2-bit for each H, to the target."""
+    sync_text = task_text(manifest, 0.01, args, "bench-sync")
+    rows = [run_to_target(cluster, sync_text, "sync, 1% top-k, fp32 values", args)]
+    for inner in args.inner:
+        outer_steps = max(3, args.inner_budget // inner)
+        checkpoint = max(1, args.inner_checkpoint // inner)
+        for label, density, values, outer in (
+            (f"local-SGD dense (DiLoCo, nesterov), H={inner}", 1.0, "fp32", "nesterov"),
+            (f"local-SGD {100 * args.lsgd_density:g}% top-k 2-bit (average), H={inner}", args.lsgd_density, "2bit", "average"),
+        ):
+            text = local_sgd_text(sync_text, inner, density, values, outer, outer_steps, checkpoint)
+            text = text.replace('name = "bench-sync"', f'name = "bench-lsgd-{inner}-{density}"')
+            rows.append(run_to_target(cluster, text, label, args))
+    base = rows[0]["bytes_per_peer_to_target"]
+    for row in rows:
+        mine = row["bytes_per_peer_to_target"]
+        row["fewer_bytes_than_sync"] = round(base / mine, 1) if base and mine else None
+    return rows
+
+
 def rescale(row: dict, local_ms: float) -> dict:
     """``row`` with the baseline's step time and its overhead against it."""
     row["step_without_sync_ms"] = local_ms
@@ -163,6 +246,15 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=600.0)
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--keep", action="store_true", help="keep the peers' homes and logs (the path is printed)")
+    parser.add_argument("--local-sgd", action="store_true",
+                        help="compare sync sparse, local-SGD dense and local-SGD sparse+2-bit to --target")
+    parser.add_argument("--inner", type=int, nargs="+", default=[10, 50, 100], help="H values (--local-sgd)")
+    parser.add_argument("--lsgd-density", type=float, default=0.02, help="top-k share of local-SGD sparse")
+    parser.add_argument("--target", type=float, default=0.90, help="test accuracy to reach (--local-sgd)")
+    parser.add_argument("--inner-budget", type=int, default=1500,
+                        help="inner steps per member a local-SGD run may take (its outer steps: this / H, at least 3)")
+    parser.add_argument("--inner-checkpoint", type=int, default=20,
+                        help="inner steps between local-SGD checkpoints (at least one outer step)")
     parser.add_argument("--local-worker", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--local-task", help=argparse.SUPPRESS)
     parser.add_argument("--local-store", help=argparse.SUPPRESS)
@@ -179,6 +271,12 @@ def main() -> None:
         name, features, labels = load_source("sklearn:digits")
         manifest, _ = build_dataset(EmbeddedStore(first), name, features, labels, num_shards=8)
         cluster.start(ready_timeout=120.0)
+        if args.local_sgd:
+            rows = compare_local_sgd(cluster, manifest, args)
+            result = {"peers": args.peers, "model": f"mlp 64-{args.hidden}-{args.hidden}-10", "batch": args.batch,
+                      "load_average": [round(load_before, 2), round(os.getloadavg()[0], 2)], "runs": rows}
+            print(json.dumps(result) if args.json else "\n".join(json.dumps(r) for r in [result["load_average"], *rows]))
+            return
         task_file = workdir / "local-task.toml"
         task_file.write_text(task_text(manifest, 0.01, args, "bench-local"))
         # The baseline before and after the tasks, so that a change in the machine's load during

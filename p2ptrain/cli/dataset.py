@@ -63,7 +63,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
     p = cmds.add_parser("add", help="split a dataset into shards, store them, print the manifest CID")
     p.add_argument("source", metavar="SOURCE",
-                   help="a folder (features.npy+labels.npy, .npz or .csv files) or sklearn:digits")
+                   help="a folder (features.npy+labels.npy, .npz or .csv files), sklearn:digits (iris, wine, "
+                   "breast_cancer) or text:python-stdlib (Python's own sources as bytes, for a language model)")
     p.add_argument("--shards", type=int, required=True, metavar="N", help="shards in the train split")
     p.add_argument("--test-fraction", type=float, default=0.2, metavar="F",
                    help="fraction of samples held out as the test split (default 0.2)")

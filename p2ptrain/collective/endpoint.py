@@ -16,13 +16,14 @@ from libp2p.abc import IHost
 from libp2p.peer.id import ID
 
 from p2ptrain.collective.direct import direct_allreduce
-from p2ptrain.collective.errors import CollectiveError, single_failure
+from p2ptrain.collective.errors import BadPayload, CollectiveError, single_failure
 from p2ptrain.collective.ring import FLOAT_DTYPES, SEGMENT_BYTES, ring_allreduce
 from p2ptrain.collective.robust import check_rule
 from p2ptrain.collective.rounds import RoundHub
 from p2ptrain.collective.sparse import Range, check_ranges, clt_k_round, select_ranges, slice_of, slice_ranges
 from p2ptrain.tensors import all_finite
 from p2ptrain.wire.frames import DTYPES, PROTOCOL, round_digest
+from p2ptrain.wire.quantized import KINDS
 
 logger = logging.getLogger(__name__)
 
@@ -139,6 +140,7 @@ class Collective:
         ks: Sequence[int], select: Callable[[list[Range]], torch.Tensor],
         prepare: Callable[[], None] | None = None, value_dtype: torch.dtype, op: str = "mean",
         timeout: float = 5.0, start_timeout: float | None = None, robust: str = "none",
+        quantize: str | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Sliced CLT-k: each member's ``select(ranges)`` picks its slice's indices, the ring
         reduces ``source`` at their union.
@@ -149,7 +151,12 @@ class Collective:
         with the round's setup; ``source`` is read only after ``prepare`` returned, so it may fill
         ``source`` (its size and dtype must be final). Returns the sorted indices and the reduced
         values (``value_dtype``), the same bits on every member. ``robust``: as in :meth:`allreduce`.
+        ``quantize`` (``"int8"``, ``"2bit"``): the values travel quantized (``value_dtype`` is then
+        unused and the values come back float32); not with ``robust``. A member whose bytes we
+        refuse is counted (``refused_bad_payload`` in the hub's stats) and named in the failure.
         """
+        if quantize is not None and (quantize not in KINDS or robust != "none"):
+            raise CollectiveError(f"quantize={quantize!r} (with robust={robust!r}) is not supported")
         _check_tensor(source, op)
         _check_robust(robust)
         if value_dtype not in FLOAT_DTYPES:
@@ -159,6 +166,8 @@ class Collective:
         if not all(0 <= k <= n for n, k in zip(sizes, ks)) or sum(ks) < 1:
             raise CollectiveError("every bucket's k must be in [0, its size], and at least one index sent")
         description = sparse_description(sizes, ks, source.dtype, value_dtype, op, robust)
+        if quantize is not None:  # members must agree on it; plain rounds keep their digests
+            description += f" quantize={quantize}"
         digest = round_digest(round_id, ring, description)
         ranges = slice_ranges(sizes, ks, len(ring))
         mine_ranges = ranges[slice_of(ring.index(self.peer_id), round_id, len(ring))] if self.peer_id in ring else []
@@ -182,22 +191,28 @@ class Collective:
             done.set()
 
         started = time.perf_counter()
-        with single_failure():
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(run_local)
-                async with self.hub.open_round(
-                    ring, round_id, digest, timeout=timeout, start_timeout=start_timeout or timeout,
-                    mesh=True,
-                ) as links:
-                    logger.debug("round %d: connected (%.1f ms)", round_id, _ms(started))
-                    await done.wait()
-                    logger.debug("round %d: selected (%.1f ms)", round_id, _ms(started))
-                    if isinstance(selected[0], Exception):
-                        raise selected[0]
-                    result = await clt_k_round(
-                        links, source, ranges=ranges, mine=selected[0], value_dtype=value_dtype,
-                        average=op == "mean", segment_bytes=self.segment_bytes, robust=robust,
-                    )
+        try:
+            with single_failure():
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(run_local)
+                    async with self.hub.open_round(
+                        ring, round_id, digest, timeout=timeout, start_timeout=start_timeout or timeout,
+                        mesh=True,
+                    ) as links:
+                        logger.debug("round %d: connected (%.1f ms)", round_id, _ms(started))
+                        await done.wait()
+                        logger.debug("round %d: selected (%.1f ms)", round_id, _ms(started))
+                        if isinstance(selected[0], Exception):
+                            raise selected[0]
+                        result = await clt_k_round(
+                            links, source, ranges=ranges, mine=selected[0], value_dtype=value_dtype,
+                            average=op == "mean", segment_bytes=self.segment_bytes, robust=robust,
+                            quantize=quantize,
+                        )
+        except BadPayload as error:
+            self.hub.refused["bad_payload"] += 1
+            logger.warning("round %d: refused what %s sent: %s", round_id, error.peer_id, error.reason)
+            raise
         self.last_round = RoundStats(round_id, time.perf_counter() - started, links.bytes_sent)
         return result
 

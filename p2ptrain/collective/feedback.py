@@ -87,11 +87,15 @@ class ErrorFeedback:
         self.materialize(pending)
         return pending
 
-    def commit(self, pending: Pending, indices: torch.Tensor | None, value_dtype: torch.dtype) -> None:
+    def commit(
+        self, pending: Pending, indices: torch.Tensor | None, value_dtype: torch.dtype,
+        sent: torch.Tensor | None = None,
+    ) -> None:
         """Make ``pending`` current after sending its entries at ``indices`` (None: all of them).
 
-        The sent values were ``accumulated[indices]`` cast to ``value_dtype``; the rounding of that
-        cast stays in the residual, so nothing is lost to fp16 either. Sparse rounds zero the
+        The sent values were ``accumulated[indices]`` cast to ``value_dtype``, or, when given,
+        ``sent`` (what the members received for them: quantized values, dequantized); the rounding
+        stays in the residual, so nothing is lost to fp16 or to the quantization either. Sparse rounds zero the
         velocity of sent entries (DGC's momentum factor masking: their momentum would otherwise be
         applied twice, late); a dense round keeps it, which is exactly momentum SGD.
         """
@@ -106,6 +110,8 @@ class ErrorFeedback:
                 residual.zero_()
             else:
                 residual.sub_(residual.to(value_dtype).to(torch.float32))
+        elif sent is not None:
+            residual.index_copy_(0, indices, residual.index_select(0, indices) - sent)
         elif value_dtype == torch.float32:
             residual.index_fill_(0, indices, 0.0)
         else:

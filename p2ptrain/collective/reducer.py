@@ -12,6 +12,7 @@ from p2ptrain.collective.feedback import ErrorFeedback
 from p2ptrain.collective.ring import FLOAT_DTYPES
 from p2ptrain.collective.robust import check_rule
 from p2ptrain.collective.sparse import Workspace, bucket_ks, select_ranges
+from p2ptrain.wire.quantized import KINDS, roundtrip
 
 logger = logging.getLogger(__name__)
 
@@ -26,6 +27,8 @@ class SparseAllReducer:
     every member's contribution to the round's median norm at whoever reduces it
     (:mod:`p2ptrain.collective.robust`); what was clipped off is not kept in anyone's residual (the
     sender believes it was sent, as with a lost round of plain gradient clipping).
+    ``quantize="int8"|"2bit"``: the values travel quantized (:mod:`p2ptrain.collective.quantized`),
+    and the residual keeps what the quantization dropped.
     """
 
     def __init__(
@@ -37,12 +40,16 @@ class SparseAllReducer:
         momentum: float = 0.0,
         clip_norm: float | None = None,
         robust: str = "none",
+        quantize: str | None = None,
     ) -> None:
         if not 0.0 < density <= 1.0:
             raise ValueError(f"density must be in (0, 1], got {density}")
         if value_dtype not in FLOAT_DTYPES:
             raise ValueError(f"unsupported value dtype {value_dtype}")
         check_rule(robust)
+        if quantize is not None and (quantize not in KINDS or density >= 1.0 or robust != "none"):
+            raise ValueError(f"quantize={quantize!r} needs density < 1 and no robust rule")
+        self.quantize = quantize
         self.collective = collective
         self.density = density
         self.value_dtype = value_dtype
@@ -101,9 +108,11 @@ class SparseAllReducer:
             accumulated, ring, round_id, sizes=sizes, ks=ks,
             select=lambda ranges: select_ranges(accumulated, ranges, generator=generator, workspace=self._workspace),
             prepare=prepare, value_dtype=self.value_dtype, timeout=timeout, start_timeout=start_timeout,
-            robust=self.robust,
+            robust=self.robust, quantize=self.quantize,
         )
-        feedback.commit(pending, indices, self.value_dtype)
+        # What the others received for our values: the quantization's rounding stays in the residual.
+        sent = None if self.quantize is None else roundtrip(accumulated.index_select(0, indices), self.quantize)
+        feedback.commit(pending, indices, self.value_dtype, sent)
         self.last_indices = indices
         logger.debug("round %d: committed (%.1f ms)", round_id, (time.perf_counter() - started) * 1e3)
         result.index_copy_(0, indices, values.to(torch.float32))

@@ -34,6 +34,7 @@ import trio
 
 from p2ptrain.collective.direct import direct_allreduce, direct_broadcast
 from p2ptrain.collective.errors import single_failure
+from p2ptrain.collective.quantized import quantized_allreduce
 from p2ptrain.collective.ring import SEGMENT_BYTES, chunk_bounds
 from p2ptrain.collective.rounds import RoundLinks
 from p2ptrain.tensors import all_finite
@@ -240,12 +241,14 @@ def max_encoded_bytes(n: int, k: int) -> int:
 async def clt_k_round(
     links: RoundLinks, source: torch.Tensor, *, ranges: Sequence[Sequence[Range]], mine: torch.Tensor,
     value_dtype: torch.dtype, average: bool, segment_bytes: int = SEGMENT_BYTES, robust: str = "none",
+    quantize: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One sliced CLT-k round: every member sends its slice's indices (``mine``, chosen in
     ``ranges[slice_of(me)]``) to every other, then the exact all-reduce of every member's values
     at the union (``robust="clip"``: each owner clips the contributions to its chunk of those
     values, see :mod:`p2ptrain.collective.robust`). Returns the sorted indices and the reduced
-    values, the same bits everywhere."""
+    values, the same bits everywhere. ``quantize`` (``"int8"``, ``"2bit"``): the values travel
+    quantized and all-gathered instead (:mod:`p2ptrain.collective.quantized`); the result is float32."""
     n, size = source.numel(), links.size
     # Each slice's indices: ours now, the others' as they arrive and pass their check.
     per_slice: list[torch.Tensor] = [torch.empty(0, dtype=torch.int64)] * size
@@ -271,6 +274,13 @@ async def clt_k_round(
                 nursery.start_soon(indices_of, member)
     indices = assemble(per_slice, ranges)
     logger.debug("round %d: %d indices agreed", links.round_id, indices.numel())
+    if quantize is not None:
+        chosen = source.index_select(0, indices).to(torch.float32)
+        if not all_finite(chosen):
+            raise ValueError("local values contain NaN or Inf")
+        reduced = await quantized_allreduce(links, chosen, quantize, average=average, segment_bytes=segment_bytes)
+        logger.debug("round %d: %d quantized values reduced", links.round_id, indices.numel())
+        return indices, reduced
     values = source.index_select(0, indices).to(value_dtype)
     if not all_finite(values):
         raise ValueError("local values contain NaN or Inf (or overflow the value dtype)")

@@ -1,6 +1,12 @@
-"""Where datasets come from before they become shards: scikit-learn's bundled real data, or a folder.
+"""Where datasets come from before they become shards: scikit-learn's bundled real data, text that
+ships with Python, or a folder.
 
-``sklearn:<name>`` reads a data set scikit-learn ships inside its wheel (nothing is downloaded). A folder
+``sklearn:<name>`` reads a data set scikit-learn ships inside its wheel (nothing is downloaded).
+``text:python-stdlib`` is a language-modelling set from the Python standard library's own sources
+(on every machine that runs p2ptrain): the ``.py`` files in path order, as bytes (the tokens; a
+vocabulary of 256), cut into windows of :data:`TEXT_CONTEXT` + 1 bytes; features are a window's
+first TEXT_CONTEXT bytes, labels its last TEXT_CONTEXT (the next byte at every position), both
+uint8, for ``transformer_lm`` with ``vocab_size = 256``. A folder
 holds either ``features.npy`` + ``labels.npy``, or ``.npz`` files with those two arrays, or ``.csv``
 files of numbers whose last column is the label; several files are concatenated in name order. numpy
 files are read with ``allow_pickle=False``: a folder may have come from anywhere.
@@ -15,17 +21,26 @@ import numpy as np
 from p2ptrain.errors import UserError
 
 SKLEARN = ("digits", "iris", "wine", "breast_cancer")
+TEXT = ("python-stdlib",)
+# Tokens per sample of a text source: the context of node/tasks/stdlib-lm.toml's transformer_lm.
+TEXT_CONTEXT = 128
+# The text read, at most: 8 MiB is ~65,000 windows of 129 bytes (16.5 MiB of shards with their
+# labels), many epochs of a benchmark's run, and a bound on what `dataset add` holds in memory.
+TEXT_MAX_BYTES = 8 * 1024 * 1024
 
 
 def load_source(source: str) -> tuple[str, np.ndarray, np.ndarray]:
     """Return ``(name, features, labels)``; features float32 and labels int64 for built-in sets."""
     if source.startswith("sklearn:"):
         return _sklearn(source.removeprefix("sklearn:"))
+    if source.startswith("text:"):
+        return _text(source.removeprefix("text:"))
     path = Path(source)
     if path.is_dir():
         features, labels = load_folder(path)
         return path.resolve().name, features, labels
-    raise UserError(f"{source}: not a folder, and not one of " + ", ".join(f"sklearn:{n}" for n in SKLEARN))
+    known = [f"sklearn:{n}" for n in SKLEARN] + [f"text:{n}" for n in TEXT]
+    raise UserError(f"{source}: not a folder, and not one of " + ", ".join(known))
 
 
 def _sklearn(name: str) -> tuple[str, np.ndarray, np.ndarray]:
@@ -35,6 +50,35 @@ def _sklearn(name: str) -> tuple[str, np.ndarray, np.ndarray]:
 
     bunch = getattr(sklearn.datasets, f"load_{name}")()
     return name.replace("_", "-"), bunch.data.astype(np.float32), bunch.target.astype(np.int64)
+
+
+def _text(name: str) -> tuple[str, np.ndarray, np.ndarray]:
+    if name not in TEXT:
+        have = ", ".join(f"text:{n}" for n in TEXT)
+        raise UserError(f"unknown built-in text text:{name} (have: {have})")
+    import sysconfig
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    chunks: list[bytes] = []
+    total = 0
+    for path in sorted(root.rglob("*.py")):
+        if "site-packages" in path.parts or "dist-packages" in path.parts:
+            continue  # what was installed, not what ships with Python
+        try:
+            data = path.read_bytes()
+        except OSError:
+            continue
+        chunks.append(data[: TEXT_MAX_BYTES - total])
+        total += len(chunks[-1])
+        if total >= TEXT_MAX_BYTES:
+            break
+    text = np.frombuffer(b"".join(chunks), dtype=np.uint8)
+    window = TEXT_CONTEXT + 1
+    count = len(text) // window
+    if count < 2:
+        raise UserError(f"text:{name}: found only {len(text)} bytes of Python sources under {root}")
+    windows = text[: count * window].reshape(count, window)
+    return f"text-{name}", np.ascontiguousarray(windows[:, :-1]), np.ascontiguousarray(windows[:, 1:])
 
 
 def load_folder(folder: Path) -> tuple[np.ndarray, np.ndarray]:

@@ -1,7 +1,11 @@
 """Running the plans this member follows: a span's rounds back to back, then its checkpoint.
 
 Each round is :func:`p2ptrain.training.sync.run_round` (local gradient in a worker thread, the
-sparse ring all-reduce, the identical optimizer step). A newer plan (a retry, a new coordinator's
+sparse ring all-reduce, the identical optimizer step). In local-SGD mode the same call is H inner
+steps, the all-reduce of the pseudo-gradient and the outer step (the trainer's, see
+:mod:`p2ptrain.training.local_sgd`), so a span's rounds, its checkpoint and everything after are
+counted in outer steps; only the wait for the members to join a round is the task's
+``outer.wait_s`` (:func:`round_start_timeout`). A newer plan (a retry, a new coordinator's
 plan) cancels the span that runs: a round still waiting on a dead or absent peer would otherwise
 hold this member until its start timeout. At the end of a span the model and optimizer state are
 stored by CID and handed to :class:`~p2ptrain.runtime.attesting.Attesting`.
@@ -23,6 +27,7 @@ from p2ptrain.runtime.datafeed import DataFeed
 from p2ptrain.runtime.run_state import RunState
 from p2ptrain.training.rounds import round_id, shard_of
 from p2ptrain.training.sync import PlanAverager, run_round
+from p2ptrain.training.task import Task
 from p2ptrain.training.trainer import Average, TrainerError
 from p2ptrain.wire.messages import RoundPlan
 
@@ -36,6 +41,15 @@ START_TIMEOUT_S = 15.0
 PLAN_QUEUE = 64
 
 
+def round_start_timeout(task: Task) -> float:
+    """How long a round waits for every member to join: START_TIMEOUT_S, or in local-SGD mode the
+    task's ``outer.wait_s`` (members join after H inner steps each; a member later than that is
+    left out: the others' round fails naming it, and the retry goes on without it)."""
+    if task.training.local_sgd and task.outer is not None:
+        return task.outer.wait_s
+    return START_TIMEOUT_S
+
+
 class Spans:
     """The round loop: takes followed plans, runs their rounds, stores each span's checkpoint."""
 
@@ -43,7 +57,8 @@ class Spans:
         self.run = run
         self.data = data
         self.attesting = attesting
-        self.averager = PlanAverager(run.task, run.collective, timeout=HOP_TIMEOUT_S, start_timeout=START_TIMEOUT_S)
+        self.averager = PlanAverager(run.task, run.collective, timeout=HOP_TIMEOUT_S,
+                                     start_timeout=round_start_timeout(run.task))
         self._plans_send, self._plans_recv = trio.open_memory_channel[RoundPlan](PLAN_QUEUE)
         # Open while this member is in a span's rounds: a newer plan cancels it (see follow).
         self._scope: trio.CancelScope | None = None

@@ -43,7 +43,8 @@ from p2ptrain.runtime.spans import Spans
 from p2ptrain.training.records import Chain, RecordError, load_model_bytes
 from p2ptrain.training.rounds import RoundBook
 from p2ptrain.training.task import Task, total_steps
-from p2ptrain.training.trainer import Trainer, TrainerError
+from p2ptrain.training.local_sgd import new_trainer
+from p2ptrain.training.trainer import TrainerError
 from p2ptrain.wire.topics import TASKS_TOPIC
 from p2ptrain.wire.messages import (
     CoordinatorBeat,
@@ -186,7 +187,7 @@ class TaskRun:
         train_samples = run.manifest.num_samples(task.dataset.train_split)
         run.total_steps = total_steps(task, train_samples, task.peers.max)
         trainer = await trio.to_thread.run_sync(
-            lambda: Trainer(task, total_steps=run.total_steps, device=self.device, precision=self.precision)
+            lambda: new_trainer(task, total_steps=run.total_steps, device=self.device, precision=self.precision)
         )
         if task.initial_model:
             await content.fetch(task.initial_model)

@@ -214,7 +214,7 @@ class TinyLM(nn.Module):
         if t > self.context:
             raise ValueError(f"sequence of {t} tokens is longer than the model's context {self.context}")
         pos = torch.arange(t, device=x.device)
-        h = self.tokens(x) + self.positions(pos)
+        h = self.tokens(x.long()) + self.positions(pos)  # byte datasets store uint8 tokens
         mask = nn.Transformer.generate_square_subsequent_mask(t, device=x.device, dtype=h.dtype)
         for block in self.blocks:
             h = block(h, src_mask=mask, is_causal=True)

@@ -10,7 +10,8 @@ bound to that plan's ring.
 Compression fields map as: ``density`` → the top-k share (1.0 is the exact dense all-reduce);
 ``error_feedback = true`` → :class:`SparseAllReducer` (what was not sent is added next round);
 ``false`` → a one-shot sparse round per step (what was not sent is dropped); ``fp16_values`` → values
-travel as float16; ``robust = "clip"`` → every contribution's norm is clipped to the round's median
+travel as float16; ``values = "int8"|"2bit"`` → values travel quantized with a scale per chunk and
+all-gathered (the residual keeps the rounding); ``robust = "clip"`` → every contribution's norm is clipped to the round's median
 by whoever reduces it (against Byzantine members; dense rounds then use the direct exchange). Either
 way the result is the mean (of the clipped contributions), with identical bits on every member,
 which is what the trainer's identical step needs.
@@ -93,7 +94,8 @@ class PlanAverager:
         c = task.compression
         self.value_dtype = torch.float16 if c.fp16_values else torch.float32
         self.reducer = (
-            SparseAllReducer(collective, density=c.density, value_dtype=self.value_dtype, robust=c.robust)
+            SparseAllReducer(collective, density=c.density, value_dtype=self.value_dtype, robust=c.robust,
+                             quantize=c.values)
             if c.error_feedback
             else None
         )

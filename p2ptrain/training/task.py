@@ -45,6 +45,18 @@ OPTIMIZERS = ("sgd", "adam", "adamw")
 SCHEDULES = ("constant", "warmup", "cosine")
 DEVICES = ("any", "cpu", "cuda")
 ROBUST = ("none", "clip")  # compression.robust: the plain mean, or each contribution's norm clipped to the median
+MODES = ("sync", "local_sgd")  # training.mode: one all-reduce per optimizer step, or DiLoCo-style outer steps
+OUTER_OPTIMIZERS = ("nesterov", "average")  # outer.optimizer
+VALUES = ("fp32", "fp16", "int8", "2bit")  # compression.values: how the sent values travel
+# DiLoCo's outer Nesterov defaults (Douillard et al. 2023): learning rate 0.7, momentum 0.9.
+OUTER_LR = 0.7
+OUTER_MOMENTUM = 0.9
+# How long the outer all-reduce waits for the members' inner loops by default: members compute H
+# steps each, at different speeds; a member later than this past the first is left out of the round
+# (the retry goes on without it). 60 s is 4x sync mode's 15 s start timeout: the gap between the
+# fastest and slowest member grows with H. Tasks with minutes-long inner loops set their own
+# outer.wait_s (node/tasks/stdlib-lm.toml: 120 s for 50 steps of 1.6-2.1 s on a loaded CPU core).
+OUTER_WAIT_S = 60.0
 
 
 class TaskError(UserError):
@@ -95,6 +107,11 @@ class TrainingSpec:
     """How long and how often: one round = ``sync_interval`` local batches, one all-reduce, one step.
 
     Exactly one of ``total_steps`` (optimizer steps, i.e. rounds) and ``epochs`` is set.
+
+    ``mode = "local_sgd"`` (stored as ``mode``; sync mode is stored as no field at all, so the bytes
+    and CIDs of tasks written before the option existed do not change): a round is ``inner_steps``
+    local optimizer steps, then one all-reduce of the pseudo-gradient and one outer step
+    (:mod:`p2ptrain.training.outer`); ``total_steps`` then counts outer steps.
     """
 
     batch_size: int
@@ -103,6 +120,31 @@ class TrainingSpec:
     epochs: float | None = None
     checkpoint_interval: int = 10
     eval_batch_size: int = 256
+    mode: str | None = None  # None: "sync"
+    inner_steps: int | None = None  # local_sgd only
+
+    @property
+    def local_sgd(self) -> bool:
+        return self.mode == "local_sgd"
+
+    @property
+    def steps_per_round(self) -> int:
+        """Local optimizer steps per round: ``inner_steps`` in local-SGD mode, else one."""
+        return self.inner_steps if self.inner_steps is not None else 1
+
+
+@dataclass(frozen=True)
+class OuterSpec:
+    """The outer optimizer of local-SGD mode, run identically by every member on the averaged
+    pseudo-gradient: ``nesterov`` (SGD with Nesterov momentum, DiLoCo's choice) or ``average``
+    (the members' mean model, federated averaging's; no lr or momentum)."""
+
+    optimizer: str = "nesterov"
+    lr: float | None = OUTER_LR
+    momentum: float | None = OUTER_MOMENTUM
+    # Seconds the outer all-reduce waits for the slowest member's inner loop (the slow-peer rule:
+    # a deadline, not a weighted contribution; docs/training.md).
+    wait_s: float = OUTER_WAIT_S
 
 
 @dataclass(frozen=True)
@@ -118,6 +160,10 @@ class CompressionSpec:
     error_feedback: bool = True
     fp16_values: bool = False
     robust: str = "none"
+    # "int8" or "2bit": the values travel quantized with a scale per chunk (wire/quantized.py).
+    # None: as fp16_values says (``values = "fp16"`` is stored as fp16_values, "fp32" as neither,
+    # so older tasks keep their bytes).
+    values: str | None = None
 
 
 @dataclass(frozen=True)
@@ -157,6 +203,7 @@ class Task:
     requirements: Requirements = Requirements()
     seed: int = 0
     initial_model: str | None = None
+    outer: OuterSpec | None = None  # local-SGD mode only
     # The peer ID of the node that published the task (`task publish` fills it in when the file
     # leaves it out): the one key whose `task cancel` members obey. Part of the task's bytes, so
     # every member learns it from the task it fetched by CID, not from who happened to announce it.
@@ -283,7 +330,7 @@ def parse_task(data: dict[str, Any]) -> Task:
     _only(
         data,
         {"name", "seed", "initial_model", "publisher", "model", "dataset", "optimizer", "schedule", "training",
-         "compression", "peers", "requirements"},
+         "outer", "compression", "peers", "requirements"},
         "",
     )
     name = _str(data, "name", "")
@@ -351,7 +398,14 @@ def parse_task(data: dict[str, Any]) -> Task:
 
     t = _table(data, "training", "", True)
     _only(t, {"batch_size", "sync_interval", "total_steps", "epochs", "checkpoint_interval",
-              "eval_batch_size"}, "training.")
+              "eval_batch_size", "mode", "inner_steps"}, "training.")
+    mode = _choice(t, "mode", "training.", MODES, "sync")
+    if mode == "local_sgd":
+        inner_steps = _int(t, "inner_steps", "training.", ..., 1, 10000)
+    elif "inner_steps" in t:
+        raise TaskError('training.inner_steps: only for mode = "local_sgd"')
+    else:
+        inner_steps = None
     training = TrainingSpec(
         batch_size=_int(t, "batch_size", "training.", lo=1, hi=65536),
         sync_interval=_int(t, "sync_interval", "training.", 1, 1, 10000),
@@ -359,20 +413,20 @@ def parse_task(data: dict[str, Any]) -> Task:
         epochs=_float(t, "epochs", "training.", None, 0.0, 10000.0, lo_open=True),
         checkpoint_interval=_int(t, "checkpoint_interval", "training.", 10, 1, 10**6),
         eval_batch_size=_int(t, "eval_batch_size", "training.", 256, 1, 65536),
+        mode="local_sgd" if mode == "local_sgd" else None,
+        inner_steps=inner_steps,
     )
+    outer = _outer(data, training)
     if (training.total_steps is None) == (training.epochs is None):
         raise TaskError("training.total_steps: set exactly one of training.total_steps and training.epochs")
-    if training.total_steps is not None and schedule.warmup_steps > training.total_steps:
-        raise TaskError("schedule.warmup_steps: longer than training.total_steps")
+    # The schedule runs over optimizer steps: in local-SGD mode the inner ones, H per outer step.
+    if training.total_steps is not None and schedule.warmup_steps > training.total_steps * training.steps_per_round:
+        raise TaskError("schedule.warmup_steps: longer than training.total_steps"
+                        + (" x training.inner_steps" if training.local_sgd else ""))
 
     c = _table(data, "compression", "", False)
-    _only(c, {"density", "error_feedback", "fp16_values", "robust"}, "compression.")
-    compression = CompressionSpec(
-        density=_float(c, "density", "compression.", 0.01, 0.0, 1.0, lo_open=True),
-        error_feedback=_bool(c, "error_feedback", "compression.", True),
-        fp16_values=_bool(c, "fp16_values", "compression.", False),
-        robust=_choice(c, "robust", "compression.", ROBUST, "none"),
-    )
+    _only(c, {"density", "error_feedback", "fp16_values", "robust", "values"}, "compression.")
+    compression = _compression(c)
 
     p = _table(data, "peers", "", False)
     _only(p, {"min", "max"}, "peers.")
@@ -389,7 +443,51 @@ def parse_task(data: dict[str, Any]) -> Task:
     return Task(
         name=name, model=model, dataset=dataset, optimizer=optimizer, training=training,
         schedule=schedule, compression=compression, peers=peers, requirements=requirements,
-        seed=seed, initial_model=initial_model, publisher=publisher,
+        seed=seed, initial_model=initial_model, publisher=publisher, outer=outer,
+    )
+
+
+def _outer(data: dict[str, Any], training: TrainingSpec) -> OuterSpec | None:
+    """``[outer]``: only in local-SGD mode, where it defaults to DiLoCo's Nesterov (0.7, 0.9)."""
+    o = _table(data, "outer", "", False)
+    if not training.local_sgd:
+        if "outer" in data:
+            raise TaskError('outer: only for training.mode = "local_sgd"')
+        return None
+    _only(o, {"optimizer", "lr", "momentum", "wait_s"}, "outer.")
+    name = _choice(o, "optimizer", "outer.", OUTER_OPTIMIZERS, "nesterov")
+    wait_s = _float(o, "wait_s", "outer.", OUTER_WAIT_S, 1.0, 3600.0)
+    if name == "average":
+        extra = sorted({"lr", "momentum"} & set(o))
+        if extra:
+            raise TaskError(f'outer.{extra[0]}: not for optimizer = "average" (the mean model is taken as is)')
+        return OuterSpec(optimizer=name, lr=None, momentum=None, wait_s=wait_s)
+    return OuterSpec(
+        optimizer=name, wait_s=wait_s,
+        lr=_float(o, "lr", "outer.", OUTER_LR, 0.0, 10.0, lo_open=True),
+        momentum=_float(o, "momentum", "outer.", OUTER_MOMENTUM, 0.0, 0.999),
+    )
+
+
+def _compression(c: dict[str, Any]) -> CompressionSpec:
+    density = _float(c, "density", "compression.", 0.01, 0.0, 1.0, lo_open=True)
+    error_feedback = _bool(c, "error_feedback", "compression.", True)
+    fp16 = _bool(c, "fp16_values", "compression.", False)
+    robust = _choice(c, "robust", "compression.", ROBUST, "none")
+    values = _choice(c, "values", "compression.", VALUES, "fp16" if fp16 else "fp32")
+    if fp16 and values != "fp16":
+        raise TaskError(f'compression.values: "{values}" contradicts fp16_values = true')
+    if values in ("int8", "2bit"):
+        if density >= 1.0:
+            raise TaskError(f'compression.values: "{values}" quantizes sparse values; it needs density < 1')
+        if not error_feedback:
+            raise TaskError(f'compression.values: "{values}" needs error_feedback = true (it keeps what '
+                            "the quantization drops)")
+        if robust != "none":
+            raise TaskError(f'compression.robust: "{robust}" does not combine with "{values}" values')
+    return CompressionSpec(
+        density=density, error_feedback=error_feedback, fp16_values=values == "fp16", robust=robust,
+        values=values if values in ("int8", "2bit") else None,
     )
 
 
@@ -464,9 +562,10 @@ def meets_requirements(task: Task, caps: Capabilities) -> bool:
 
 
 def total_steps(task: Task, train_samples: int, peers: int) -> int:
-    """Optimizer steps the task runs: ``total_steps`` or ``epochs`` worth of rounds over ``peers``."""
+    """Rounds the task runs (optimizer steps; outer steps in local-SGD mode): ``total_steps`` or
+    ``epochs`` worth of rounds over ``peers``."""
     if task.training.total_steps is not None:
         return task.training.total_steps
-    per_round = task.training.batch_size * task.training.sync_interval * max(1, peers)
+    per_round = task.training.batch_size * task.training.sync_interval * task.training.steps_per_round * max(1, peers)
     assert task.training.epochs is not None
     return max(1, math.ceil(task.training.epochs * train_samples / per_round))

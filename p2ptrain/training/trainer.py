@@ -256,6 +256,19 @@ class Trainer:
         The result is also kept as :attr:`pending` until :meth:`apply` uses it, so a failed all-reduce
         can be retried without consuming more data.
         """
+        loss = self.backward(batches)
+        flat = torch.cat([
+            (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float() for p in self.params
+        ]).cpu()
+        if not all_finite(flat):
+            log.warning("step %d: local gradient is not finite (loss %.4g); contributing zeros", self.step, loss)
+            flat.zero_()
+        self.pending, self.pending_loss = flat, loss
+        return flat
+
+    def backward(self, batches: Iterator[Batch]) -> float:
+        """Accumulate the mean gradient of ``sync_interval`` batches into the parameters' ``.grad``
+        (unscaled, fp32 loss scaling undone); return the mean local loss."""
         k = self.task.training.sync_interval
         scale = FP16_LOSS_SCALE if self.precision == "fp16" else 1.0
         self.model.train()
@@ -274,16 +287,11 @@ class Trainer:
             total += float(loss.detach())
             classes = logits.shape[-1]
         self._check_first_loss(total / k, classes)
-        flat = torch.cat([
-            (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float() for p in self.params
-        ]).cpu()
         if scale != 1.0:
-            flat /= scale
-        if not all_finite(flat):
-            log.warning("step %d: local gradient is not finite (loss %.4g); contributing zeros", self.step, total / k)
-            flat.zero_()
-        self.pending, self.pending_loss = flat, total / k
-        return flat
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.div_(scale)
+        return total / k
 
     def _check_first_loss(self, loss: float, classes: int) -> None:
         """Warn (once) when an early loss is enormous for ``classes`` classes: see LOSS_WARN_FACTOR."""
