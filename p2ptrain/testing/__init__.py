@@ -69,6 +69,17 @@ from p2ptrain.wire.messages import (
     VoteRequest,
 )
 
+from p2ptrain.testing.wan import (  # noqa: E402  (the WAN harness: public from here, too)
+    EmulatedWan,
+    WanError,
+    WanPeer,
+    cleanup_stale,
+    emulated_wan,
+    parse_rate,
+    wan_node_processes,
+    wan_unavailable,
+)
+
 if TYPE_CHECKING:  # the runtime imports torch: only local_peers' users pay for it, when they call it
     from p2ptrain.runtime.peer import Peer
     from p2ptrain.runtime.tasks import TaskOptions
@@ -112,6 +123,14 @@ def node_processes(n: int, base: Path, *, extra_args: Sequence[str] = (), ready_
         home.mkdir(parents=True, exist_ok=True, mode=0o700)
         (home / "logs").mkdir(exist_ok=True, mode=0o700)
         procs.append(NodeProcess(home, free_port(), extra_args=extra_args))
+    with run_node_processes(procs, ready_timeout) as started:
+        yield started
+
+
+@contextmanager
+def run_node_processes(procs: list[NodeProcess], ready_timeout: float = READY_TIMEOUT_S) -> Iterator[list[NodeProcess]]:
+    """Start ``procs`` at once, each bootstrapping from all the others; yield once each is ready;
+    stop them all when the block ends (SIGTERM, then SIGKILL)."""
     for p in procs:
         p.bootstrap = [q.addr for q in procs if q is not p]
     try:
