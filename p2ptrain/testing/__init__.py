@@ -1,6 +1,6 @@
 """Spin up real p2ptrain peers on loopback, for our tests and for users' own tests.
 
-Four shapes:
+Four shapes on loopback:
 
 - :func:`local_mesh` (async, trio): N :class:`~p2ptrain.node.Node` objects in this process,
   connected and heartbeating, each seeing the other N-1 before the block starts::
@@ -30,6 +30,13 @@ Four shapes:
 
       async with connected_hosts(3) as peers:
           collectives = [Collective(p.host) for p in peers]
+
+And beyond loopback, :mod:`p2ptrain.testing.wan` (re-exported here): :func:`emulated_wan` puts N
+peers in network namespaces behind rate-limited links (needs root), :func:`wan_node_processes`
+starts ``node start`` processes inside them::
+
+      with emulated_wan(4, "100mbit") as wan, wan_node_processes(wan, tmp_path) as procs:
+          procs[0].status()["peers"]
 
 Every wait is bounded; a node that fails to start raises with its log attached.
 """
