@@ -86,6 +86,7 @@ from p2ptrain.testing.wan import (  # noqa: E402  (the WAN harness: public from 
     wan_node_processes,
     wan_unavailable,
 )
+from p2ptrain.testing.nat import EmulatedNat, emulated_nat, nat_unavailable  # noqa: E402  (NATs on that WAN)
 
 if TYPE_CHECKING:  # the runtime imports torch: only local_peers' users pay for it, when they call it
     from p2ptrain.runtime.peer import Peer
