@@ -52,6 +52,7 @@ from p2ptrain.wire.topics import MESH_TOPIC
 from p2ptrain.net.control import ControlServer
 from p2ptrain.net.host import make_host
 from p2ptrain.net.pubsub import MessageTooLarge, close_host, make_pubsub, publish_bytes, running_pubsub
+from p2ptrain.net.reachability import Reachability
 from p2ptrain.wire import encode
 from p2ptrain.wire.limits import MAX_MESSAGE_BYTES
 from p2ptrain.wire.messages import MESSAGES, MessageRegistry
@@ -228,6 +229,7 @@ class Node:
         self.host: IHost | None = None
         self.pubsub: Pubsub | None = None
         self.discovery: Discovery | None = None
+        self.reachability: Reachability | None = None
         self._services: list[tuple[Service, tuple[Any, ...], str]] = []
         self._status_sections: dict[str, Callable[[], dict[str, Any]]] = {}
         self._nursery: trio.Nursery | None = None
@@ -382,11 +384,14 @@ class Node:
         self.discovery = Discovery(
             host, pubsub, self.membership, self.config.bootstrap, mdns=self.config.mdns, dht=self.config.dht
         )
+        self.reachability = Reachability(host, lambda: list(host.get_connected_peers()))
         async with trio.open_nursery() as nursery:
             await nursery.start(self.control.serve)
             await nursery.start(self.router.run, pubsub)
             await nursery.start(self.membership.run)
             await nursery.start(self.discovery.run)
+            await nursery.start(self.reachability.run)
+            nursery.start_soon(self._tell_reachability, self.reachability)
             async with trio.open_nursery() as services:
                 self._nursery = services
                 for fn, args, name in self._services:
@@ -410,6 +415,13 @@ class Node:
             nursery.cancel_scope.cancel()
         logger.debug("node %s: mesh tasks stopped", short_id(self.peer_id))
 
+    async def _tell_reachability(self, reach: Reachability) -> None:
+        """Put each new reachability verdict in our heartbeats, the next one sent at once."""
+        while True:
+            await reach.changed.wait()
+            self.membership.reachability = reach.status
+            self.membership.poke()
+
     # -- control ops ---------------------------------------------------------------------------
 
     def status(self) -> dict[str, Any]:
@@ -423,6 +435,9 @@ class Node:
         return {
             "peer_id": self.peer_id.to_base58(),
             "addrs": self.addrs,
+            # public / private / unknown (p2ptrain.net.reachability): a contract, like the keys above.
+            "reachability": self.reachability.status if self.reachability is not None else "unknown",
+            "autonat": self.reachability.stats() if self.reachability is not None else None,
             "home": str(self.home),
             "version": __version__,
             "listening_at": self.listening_at,
