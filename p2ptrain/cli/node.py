@@ -53,6 +53,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     start.add_argument("--mdns", action="store_true", default=None, help="also find peers on the local network by mDNS (binds all interfaces)")
     start.add_argument("--no-dht", dest="dht", action="store_false", default=None, help="do not run Kad-DHT peer routing")
+    start.add_argument(
+        "--relay-service", dest="relay_service", action="store_true", default=None,
+        help="relay connections for peers behind NAT (within per-reservation limits; see docs/nat.md); "
+        "useful on a node others can dial",
+    )
     start.add_argument("--heartbeat", type=float, metavar="SECONDS", help="heartbeat interval (default 1.0)")
     start.add_argument(
         "--accept-tasks", action="store_true",
@@ -133,6 +138,7 @@ def cmd_start(args: argparse.Namespace) -> int:
         mdns=args.mdns,
         dht=args.dht,
         heartbeat_interval=args.heartbeat,
+        relay_service=args.relay_service,
     )
     if args.threads > 0:
         import torch
