@@ -72,13 +72,24 @@ def is_circuit(addr: Multiaddr) -> bool:
     return any(p.name == "p2p-circuit" for p in addr.protocols())
 
 
+class _CountingProtocol(CircuitV2Protocol):
+    """py-libp2p's relay, counting the bytes it forwards (what serving costs, in `node status`)."""
+
+    relayed_bytes = 0
+
+    async def _read_stream_with_retry(self, stream: Any, *args: Any, **kwargs: Any) -> Any:
+        data = await super()._read_stream_with_retry(stream, *args, **kwargs)
+        self.relayed_bytes += len(data or b"")
+        return data
+
+
 class Relaying:
     """A node's relay roles (see the module); :meth:`run` for the node's lifetime."""
 
     def __init__(self, host: IHost, serve: bool) -> None:
         self.host = host
         self.serve = serve
-        self.protocol = CircuitV2Protocol(host, limits=LIMITS, allow_hop=serve)
+        self.protocol = _CountingProtocol(host, limits=LIMITS, allow_hop=serve)
         # No CLIENT role: py-libp2p would then reserve a slot on the relay at every dial; our
         # reservations are explicit (reserve), made only by private nodes.
         roles = RelayRole.STOP | (RelayRole.HOP if serve else RelayRole(0))
@@ -129,6 +140,12 @@ class Relaying:
             await self.transport.dial(addr)
         self.counts["dialed"] += 1
 
+    def relayed_peers(self) -> list[ID]:
+        """Connected peers we reach only through a relay (no direct connection to them)."""
+        network = self.host.get_network()
+        return [p for p in self.host.get_connected_peers()
+                if all(any(is_circuit(a) for a in c.get_transport_addresses()) for c in network.get_connections(p))]
+
     def stats(self) -> dict[str, Any]:
-        return {"service": self.serve, "reserved_on": [short_id(r) for r in self.reserved], "addrs": self.addrs,
-                **dict(self.counts)}
+        return {"service": self.serve, "relayed_peers": [short_id(p) for p in self.relayed_peers()], "reserved_on": [short_id(r) for r in self.reserved], "addrs": self.addrs,
+                "relayed_bytes": self.protocol.relayed_bytes, **dict(self.counts)}

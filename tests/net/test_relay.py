@@ -58,4 +58,5 @@ async def test_a_reserved_peer_is_dialed_through_the_relay_which_sees_only_ciphe
             relayed = b"".join(forwarded)
             assert len(relayed) > 2 * len(MARKER)  # both ways went through the relay ...
             assert b"PLAINTEXT-MARKER" not in relayed  # ... and never in clear
+            assert relay.stats()["relayed_bytes"] == len(relayed)
             nursery.cancel_scope.cancel()
