@@ -4,6 +4,7 @@ slot is dialed through the relay, and the relay forwards only ciphertext."""
 from __future__ import annotations
 
 import trio
+from multiaddr import Multiaddr
 
 from p2ptrain.net.relay import Relaying, is_circuit
 from p2ptrain.testing import connected_hosts
@@ -45,7 +46,6 @@ async def test_a_reserved_peer_is_dialed_through_the_relay_which_sees_only_ciphe
                 (circuit,) = ends[1].addrs
                 assert circuit.endswith(f"/p2p/{relay_host.id}/p2p-circuit/p2p/{target.id}")
 
-                from multiaddr import Multiaddr
                 await ends[0].dial(Multiaddr(circuit))
                 conns = dialer.host.get_network().get_connections(target.id)
                 assert conns and all(any(is_circuit(a) for a in c.get_transport_addresses()) for c in conns)
