@@ -46,9 +46,10 @@ RUN_TIMEOUT_S = 900.0
 GLOO_PORT = 29500  # inside rank 0's namespace: every port there is free
 # A node process imports torch and libp2p: minutes on this 2-core box when it runs at load 20.
 NODE_READY_TIMEOUT_S = 300.0
-# hivemind's matchmaking window per global step (its default is 5 s, made for large batches; one
-# second is the shortest that formed groups of all peers reliably here).
-HIVEMIND_MATCHMAKING_S = 1.0
+# hivemind's matchmaking window per global step: its default, 5 s. At 1 s (shorter than its 3 s
+# request timeout, which hivemind warns may deadlock) its peers at load 20 kept failing to form a
+# group ("could not find a group") and fell out of sync.
+HIVEMIND_MATCHMAKING_S = 5.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
