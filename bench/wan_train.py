@@ -180,22 +180,28 @@ opt = hivemind.Optimizer(dht=dht, run_id="wan-bench", batch_size_per_step=batch,
                          matchmaking_time=float(matchmaking), averaging_timeout=60.0, verbose=False)
 print("READY", flush=True); sys.stdin.readline()
 g = torch.Generator().manual_seed(rank)
-started, reached, accuracy, local = time.perf_counter(), None, 0.0, 0
+# hivemind's butterfly all-reduce of the gradients (not measured: its schedule's volume, as DDP's)
+volume = 2 * (world - 1) / world * 4 * sum(p.numel() for p in model.parameters())
+started, reached, accuracy, local, evaluated = time.perf_counter(), None, 0.0, 0, 0
 while opt.local_epoch < steps and time.perf_counter() - started < 900:
     i = torch.randint(len(x), (batch,), generator=g)
     loss = torch.nn.functional.cross_entropy(model(x[i]), y[i])
     opt.zero_grad(); loss.backward(); opt.step(); local += 1
-    if opt.local_epoch and opt.local_epoch % checkpoint == 0 and rank == 0:
+    if opt.local_epoch and opt.local_epoch % checkpoint == 0 and opt.local_epoch != evaluated and rank == 0:
+        evaluated = opt.local_epoch
         with torch.no_grad():
             accuracy = float((model(tx).argmax(1) == ty).float().mean())
+        print(f"hivemind rank 0: epoch {opt.local_epoch}, {local} local steps, accuracy {accuracy:.3f}, "
+              f"{time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
         if accuracy >= float(target) and reached is None:
             reached = (time.perf_counter() - started, opt.local_epoch)
             print("RESULT " + json.dumps({"time_to_target_s": round(reached[0], 2), "steps": opt.local_epoch,
-                                          "local_steps": local, "final_accuracy": accuracy}), flush=True)
+                                          "local_steps": local, "final_accuracy": accuracy,
+                                          "bytes_per_peer_per_step": volume}), flush=True)
             break
 if rank == 0 and reached is None:
     print("RESULT " + json.dumps({"time_to_target_s": None, "steps": opt.local_epoch, "local_steps": local,
-                                  "final_accuracy": accuracy}), flush=True)
+                                  "final_accuracy": accuracy, "bytes_per_peer_per_step": volume}), flush=True)
 sys.stdout.flush()
 import os; os._exit(0)
 '''
