@@ -12,10 +12,9 @@ Updates are two-phase so a failed round loses nothing: :meth:`ErrorFeedback.prep
 gradient then starts from the same state. Invariant after a commit: sent + residual == accumulated
 input, exactly.
 
-Every member forms the accumulated vector (residual + grad) during a round: first its own slice
-(:meth:`ErrorFeedback.materialize_range`), which it selects its share of the index set from, then
-the whole (:meth:`ErrorFeedback.materialize`) while the indices travel; after the round it becomes
-the residual (a buffer swap, no second full-size pass).
+Every member forms the whole accumulated vector (residual + grad) while a round is being set up:
+it selects its slice of the index set from it, and after the round it becomes the residual (a
+buffer swap, no second full-size pass).
 """
 
 from __future__ import annotations
