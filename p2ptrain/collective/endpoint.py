@@ -145,10 +145,9 @@ class Collective:
 
         ``source`` is cut in buckets of ``sizes`` with ``ks`` indices each (every member must pass
         the same). ``select`` gets this member's ranges ``(start, end, k)`` and returns, sorted, k
-        global indices in each. ``select`` runs in a worker thread, overlapping with the round's
-        setup, then ``prepare()`` in one, overlapping with the exchange of the indices (select must
-        not need it); ``source`` is read only after ``prepare`` returned, so it may fill ``source``
-        (its size and dtype must be final). Returns the sorted indices and the reduced
+        global indices in each. ``prepare()`` and then ``select`` run in a worker thread, overlapping
+        with the round's setup; ``source`` is read only after ``prepare`` returned, so it may fill
+        ``source`` (its size and dtype must be final). Returns the sorted indices and the reduced
         values (``value_dtype``), the same bits on every member. ``robust``: as in :meth:`allreduce`.
         """
         _check_tensor(source, op)
@@ -164,34 +163,23 @@ class Collective:
         ranges = slice_ranges(sizes, ks, len(ring))
         mine_ranges = ranges[slice_of(ring.index(self.peer_id), round_id, len(ring))] if self.peer_id in ring else []
         selected: list = []
-        prepared: list[Exception] = []
-        done, ready = trio.Event(), trio.Event()
+        done = trio.Event()
 
         def work() -> torch.Tensor:
+            if prepare is not None:
+                prepare()
             chosen = select(mine_ranges)
             check_ranges(chosen, mine_ranges)
             return chosen
 
         async def run_local() -> None:
             # In a thread (torch and numpy release the GIL), so the local work overlaps with the
-            # round's setup instead of stalling this host's networking: first the selection (what
-            # the first bytes of the round wait for), then the rest, while the indices travel.
+            # round's setup instead of stalling this host's networking.
             try:
                 selected.append(await trio.to_thread.run_sync(work))
             except Exception as error:
                 selected.append(error)
             done.set()
-            if prepare is not None and not isinstance(selected[0], Exception):
-                try:
-                    await trio.to_thread.run_sync(prepare)
-                except Exception as error:
-                    prepared.append(error)
-            ready.set()
-
-        async def source_ready() -> None:
-            await ready.wait()
-            if prepared:
-                raise prepared[0]
 
         started = time.perf_counter()
         with single_failure():
@@ -209,7 +197,6 @@ class Collective:
                     result = await clt_k_round(
                         links, source, ranges=ranges, mine=selected[0], value_dtype=value_dtype,
                         average=op == "mean", segment_bytes=self.segment_bytes, robust=robust,
-                        source_ready=source_ready,
                     )
         self.last_round = RoundStats(round_id, time.perf_counter() - started, links.bytes_sent)
         return result

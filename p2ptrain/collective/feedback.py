@@ -75,12 +75,6 @@ class ErrorFeedback:
         """The tensor :meth:`materialize` will fill, for a caller that runs it later (in a thread)."""
         return self._spare if pending.accumulated is None else pending.accumulated
 
-    def materialize_range(self, pending: Pending, start: int, end: int) -> torch.Tensor:
-        """residual + grad on ``[start, end)`` only, into :meth:`target` (what a member selects its
-        slice from before the rest is formed); :meth:`materialize` still forms the whole vector."""
-        part = self.target(pending)[start:end]
-        return torch.add(self.residual[start:end], pending.grad[start:end], out=part)
-
     def materialize(self, pending: Pending) -> torch.Tensor:
         """residual + grad as a whole vector (what top-k selects from); the state is not changed."""
         if pending.accumulated is None:

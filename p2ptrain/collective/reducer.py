@@ -11,7 +11,7 @@ from p2ptrain.collective.endpoint import Collective
 from p2ptrain.collective.feedback import ErrorFeedback
 from p2ptrain.collective.ring import FLOAT_DTYPES
 from p2ptrain.collective.robust import check_rule
-from p2ptrain.collective.sparse import Range, Workspace, bucket_ks, select_ranges
+from p2ptrain.collective.sparse import Workspace, bucket_ks, select_ranges
 
 logger = logging.getLogger(__name__)
 
@@ -93,19 +93,14 @@ class SparseAllReducer:
         accumulated = feedback.target(pending)
         result = torch.empty(grad.numel(), dtype=torch.float32) if out is None else out
 
-        def select(ranges: list[Range]) -> torch.Tensor:
-            # Only this member's slice is formed before it selects (a quarter of the vector at 4
-            # members): the indices leave sooner; the rest is formed while they travel (prepare).
-            for start, end, _ in ranges:
-                feedback.materialize_range(pending, start, end)
-            return select_ranges(accumulated, ranges, generator=generator, workspace=self._workspace)
-
         def prepare() -> None:
             feedback.materialize(pending)
             result.zero_()  # here rather than after the round, where every member waits for it
 
         indices, values = await self.collective.sparse_round(
-            accumulated, ring, round_id, sizes=sizes, ks=ks, select=select, prepare=prepare, value_dtype=self.value_dtype, timeout=timeout, start_timeout=start_timeout,
+            accumulated, ring, round_id, sizes=sizes, ks=ks,
+            select=lambda ranges: select_ranges(accumulated, ranges, generator=generator, workspace=self._workspace),
+            prepare=prepare, value_dtype=self.value_dtype, timeout=timeout, start_timeout=start_timeout,
             robust=self.robust,
         )
         feedback.commit(pending, indices, self.value_dtype)

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -240,14 +240,12 @@ def max_encoded_bytes(n: int, k: int) -> int:
 async def clt_k_round(
     links: RoundLinks, source: torch.Tensor, *, ranges: Sequence[Sequence[Range]], mine: torch.Tensor,
     value_dtype: torch.dtype, average: bool, segment_bytes: int = SEGMENT_BYTES, robust: str = "none",
-    source_ready: Callable[[], Awaitable[None]] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One sliced CLT-k round: every member sends its slice's indices (``mine``, chosen in
     ``ranges[slice_of(me)]``) to every other, then the exact all-reduce of every member's values
     at the union (``robust="clip"``: each owner clips the contributions to its chunk of those
     values, see :mod:`p2ptrain.collective.robust`). Returns the sorted indices and the reduced
-    values, the same bits everywhere. ``source`` is read once the indices are agreed and
-    ``source_ready()`` (if given) returned: it may still be being filled while they travel."""
+    values, the same bits everywhere."""
     n, size = source.numel(), links.size
     # Each slice's indices: ours now, the others' as they arrive and pass their check.
     per_slice: list[torch.Tensor] = [torch.empty(0, dtype=torch.int64)] * size
@@ -273,8 +271,6 @@ async def clt_k_round(
                 nursery.start_soon(indices_of, member)
     indices = assemble(per_slice, ranges)
     logger.debug("round %d: %d indices agreed", links.round_id, indices.numel())
-    if source_ready is not None:
-        await source_ready()
     values = source.index_select(0, indices).to(value_dtype)
     if not all_finite(values):
         raise ValueError("local values contain NaN or Inf (or overflow the value dtype)")
