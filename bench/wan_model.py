@@ -118,16 +118,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size-mib", type=float, default=64)
     parser.add_argument("--density", type=float, default=0.01)
     parser.add_argument("--latency-ms", type=float, default=25.0, help="one-way latency per hop of a real WAN")
+    parser.add_argument("--per-message-ms", type=float, default=None,
+                        help="use this per-message cost instead of the fitted one (a sensitivity check)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     rows = [json.loads(line) for line in open(args.fit) if line.strip()]
     fit = fit_sparse(rows)
+    if args.per_message_ms is not None:
+        fit.per_message_s = args.per_message_ms / 1e3
     n = int(args.size_mib * (1 << 20)) // 4
     table = predict(fit, n, args.density, [4, 8, 16, 64, 256, 1024], args.latency_ms / 1e3)
     if args.json:
         print(json.dumps({"fit": fit.__dict__, "latency_ms": args.latency_ms, "predictions": table}))
         return 0
-    print(f"fit over {len(rows)} runs: fixed {fit.fixed_s * 1e3:.0f} ms a round, {fit.per_message_s * 1e3:.2f} ms a "
+    print(f"fit over {len(rows)} runs ({sum(r['density'] < 1 for r in rows)} sparse): fixed {fit.fixed_s * 1e3:.0f} ms a round, {fit.per_message_s * 1e3:.2f} ms a "
           f"message, RMS error {fit.residual_s * 1e3:.0f} ms; latency {args.latency_ms:g} ms a hop")
     print(f"{'peers':>6} {'sparse 100M':>12} {'sparse mix':>11} {'ring 100M':>10} {'ring mix':>9} {'msgs':>6} {'vals/msg':>9}")
     for r in table:
