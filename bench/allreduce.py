@@ -79,7 +79,7 @@ async def p2p_worker(args: argparse.Namespace) -> None:
     if args.trace:
         import logging
 
-        logging.basicConfig(format=f"peer{me} %(relativeCreated)8.1f %(name)s %(message)s")
+        logging.basicConfig(format=f"peer{me} %(created).4f %(name)s %(message)s")  # wall clock: comparable across peers
         logging.getLogger("p2ptrain.collective").setLevel(logging.DEBUG)
     listen = Multiaddr(f"/ip4/{args.listen_ip}/tcp/0")
     host = make_host(create_new_key_pair(), [listen])

@@ -4,7 +4,7 @@ latency, the kernel here has no netem). Needs root.
 
     python bench/wan.py --peers 4 --rate 100mbit --size-mib 64 --density 0.01 --json
     python bench/wan.py --peers 4 --rate 100mbit --size-mib 64 --density 0.01 --trace   # where a round's time goes
-    python bench/wan.py --peers 4 --rate 100mbit --train --json                        # time to target accuracy
+    python bench/wan.py --peers 4 --rate 100mbit --train --json     # + time to 90% accuracy, p2ptrain/DDP/hivemind
 
 All-reduce part: bench/allreduce.py's peers (its logic, imported), each started inside its namespace:
 p2ptrain's round (``--density`` < 1: the sparse reducer; 1: the dense ring) and gloo's dense
@@ -24,6 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ is not a package: its siblings by path
 
 import allreduce  # noqa: E402  (bench/allreduce.py: the peers and the report)
+import wan_train  # noqa: E402  (bench/wan_train.py: --train)
 
 from p2ptrain.testing.wan import IFACE, emulated_wan, parse_rate, wan_unavailable  # noqa: E402
 
@@ -42,8 +43,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=300.0, help="per-hop deadline in seconds")
     parser.add_argument("--skip-gloo", action="store_true")
     parser.add_argument("--trace", action="store_true", help="peers log each phase of a round (stderr)")
-    parser.add_argument("--train", action="store_true", help="also: time to target accuracy (bench/wan_train.py)")
+    parser.add_argument("--train", action="store_true",
+                        help="also: time to 90%% test accuracy for p2ptrain, DDP and hivemind (bench/wan_train.py)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    wan_train.add_arguments(parser)
     return parser.parse_args(argv)
 
 
@@ -103,16 +106,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     report = allreduce_rounds(args)
     if args.train:
-        from wan_train import train_race  # bench/wan_train.py
-
-        report.update(train_race(args))
+        report.update(wan_train.train_race(args))
     if args.json:
         print(json.dumps(report))
     else:
         print_rounds(args, report)
         if args.train:
-            for name, r in report["time_to_target"].items():
-                print(f"  {name:10s} time to target {r['time_to_target_s']}")
+            print(f"time to {report['target_accuracy']:.0%} test accuracy, {report['model']}, batch "
+                  f"{report['batch_per_peer']} per peer: " + ", ".join(
+                      f"{name} {t} s" for name, t in report["time_to_target_s"].items()))
     return 0
 
 

@@ -76,7 +76,7 @@ from p2ptrain.wire.messages import (
     VoteRequest,
 )
 
-from p2ptrain.testing.wan import (  # noqa: E402  (the WAN harness: public from here, too)
+from p2ptrain.testing.wan import (  # noqa: E402, F401  (the WAN harness: public from here, re-exported)
     EmulatedWan,
     WanError,
     WanPeer,

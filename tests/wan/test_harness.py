@@ -10,7 +10,6 @@ import os
 import select
 import subprocess
 import sys
-import time
 
 import pytest
 

@@ -23,7 +23,7 @@ from p2ptrain.training.demo import TASK_TEMPLATE
 pytestmark = pytest.mark.skipif(bool(wan_unavailable()), reason=wan_unavailable() or "")
 
 # Short: the test is about the links, not the accuracy (tests/runtime covers that on loopback).
-STEPS, CHECKPOINT = 20, 10
+STEPS, CHECKPOINT = 10, 10
 CLI_TIMEOUT_S = 180.0
 RUN_TIMEOUT_S = 180.0
 
