@@ -90,7 +90,7 @@ def parse_bootstrap(addr: str) -> PeerInfo:
         ) from None
 
 
-def _dialable(addrs: Iterable[str], peer_id: ID) -> list[Multiaddr]:
+def dialable(addrs: Iterable[str], peer_id: ID) -> list[Multiaddr]:
     """TCP addresses from a peer's heartbeat, stripped of a ``/p2p`` part that is not its own, then
     its relayed ones (``…/p2p/<relay>/p2p-circuit/p2p/<peer>``, kept whole): direct first."""
     direct, relayed = [], []
@@ -242,7 +242,7 @@ class Discovery:
         try:
             while while_():
                 record = self.membership.get(peer_id)
-                current = (_dialable(record.addrs, peer_id) if record is not None else []) or addrs
+                current = (dialable(record.addrs, peer_id) if record is not None else []) or addrs
                 if self.connected(peer_id) or await self.dial(peer_id, current):
                     delay, reached = REDIAL_MIN_S, True
                     await trio.sleep(CONNECTED_POLL_S)
@@ -317,7 +317,7 @@ class Discovery:
         record = self.membership.get(event.peer_id)
         if event.kind != "join" or record is None:
             return
-        addrs = _dialable(record.addrs, event.peer_id)
+        addrs = dialable(record.addrs, event.peer_id)
         if not addrs:
             return
 

@@ -19,7 +19,7 @@ from libp2p.abc import IHost
 from libp2p.peer.id import ID
 from multiaddr import Multiaddr
 
-from p2ptrain.mesh.discovery import _dialable
+from p2ptrain.mesh.discovery import dialable
 from p2ptrain.mesh.membership import Membership
 from p2ptrain.net.reachability import Reachability
 from p2ptrain.net.relay import Relaying
@@ -54,7 +54,7 @@ async def keep_reservations(host: IHost, relaying: Relaying, reachability: Reach
                         or refused.get(peer, -REFUSED_RETRY_S) + REFUSED_RETRY_S > now
                         or not host.get_network().get_connections(peer)):
                     continue
-                direct = [a for a in _dialable(record.addrs, peer) if "/p2p-circuit" not in str(a)]
+                direct = [a for a in dialable(record.addrs, peer) if "/p2p-circuit" not in str(a)]
                 if not direct:
                     continue
                 if not await relaying.reserve(peer, Multiaddr(f"{direct[0]}/p2p/{peer.to_base58()}")):

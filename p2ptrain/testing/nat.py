@@ -69,19 +69,24 @@ class EmulatedNat(Sequence[WanPeer]):
         self.wan = wan
         self.prefix = wan.prefix
         self.public = public
-        self.lans = lans
-        self.routers = [lan.router for lan in lans]
-        self.private = [p for lan in lans for p in lan.peers]
-        self._peers = [*public, *self.private]
+        self.lans = lans  # filled while the harness builds them
+
+    @property
+    def routers(self) -> list[WanPeer]:
+        return [lan.router for lan in self.lans]
+
+    @property
+    def private(self) -> list[WanPeer]:
+        return [p for lan in self.lans for p in lan.peers]
 
     def __len__(self) -> int:
-        return len(self._peers)
+        return len(self.public) + len(self.private)
 
     def __getitem__(self, index: int) -> WanPeer:  # type: ignore[override]  (no slices)
-        return self._peers[index]
+        return [*self.public, *self.private][index]
 
     def __iter__(self) -> Iterator[WanPeer]:
-        return iter(self._peers)
+        return iter([*self.public, *self.private])
 
     def lan_of(self, peer: WanPeer) -> int | None:
         """The index of the LAN ``peer`` sits in, or None for a public peer."""
@@ -144,21 +149,18 @@ def emulated_nat(public: int = 2, lans: Sequence[int] = (2, 1), rate: str | int 
     bits = parse_rate(rate)
     router_rates: list[str | int | tuple[str | int, str | int]] = [bits] * public + [bits * n for n in lans]
     with emulated_wan(public + len(lans), bits, rates=router_rates) as wan:
-        built: list[Lan] = []
-        net = EmulatedNat(wan, list(wan)[:public], built)
+        net = EmulatedNat(wan, list(wan)[:public], [])
         try:
             index = len(wan)
             for k, n in enumerate(lans):
-                built.append(_add_lan(wan, k, wan[public + k], n, bits, index))
+                net.lans.append(_add_lan(wan, k, wan[public + k], n, bits, index))
                 index += n
-            net = EmulatedNat(wan, list(wan)[:public], built)
             yield net
         finally:
             net.close()
-            for lan in built:  # their namespaces go with the WAN's; their processes are ours to wait for
-                for peer in lan.peers:
-                    for proc in peer._procs:
-                        try:
-                            proc.wait(STOP_GRACE_S)
-                        except subprocess.TimeoutExpired:
-                            proc.kill()
+            for peer in net.private:  # their namespaces go with the WAN's; their processes are ours to wait for
+                for proc in peer._procs:
+                    try:
+                        proc.wait(STOP_GRACE_S)
+                    except subprocess.TimeoutExpired:
+                        proc.kill()
