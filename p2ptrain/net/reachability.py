@@ -13,10 +13,11 @@ told "public", a firewalled one included. Ours opens a *fresh* TCP connection to
 closes it: proof that the address accepts connections from outside, which is what reachability
 means (the Noise handshake that follows a real dial is not needed to know that).
 
-Verdicts: ``public`` when at least :data:`CONFIRMATIONS` peers reached us (or all asked, when
-fewer were asked), ``private`` when that many could not and fewer reached us, else ``unknown``.
-A peer on the same LAN behind the same NAT does reach us (directly): the majority rule is what
-keeps one such neighbour from making a private peer "public".
+Verdicts: ``public`` when at least :data:`CONFIRMATIONS` peers reached us, ``private`` when that
+many could not and fewer reached us, else ``unknown`` (also in a mesh of two: one answer is not
+enough). A peer on the same LAN behind the same NAT does reach us (directly): needing two answers
+is what keeps one such neighbour, perhaps the only peer we are connected to at the first check,
+from making a private peer "public".
 """
 
 from __future__ import annotations
@@ -66,12 +67,9 @@ CHECK_INTERVAL_S = 120.0
 
 def decide(reached: int, unreached: int) -> Status:
     """The verdict from how many asked peers reached us and how many could not (see the module)."""
-    need = min(CONFIRMATIONS, reached + unreached)
-    if need == 0:
-        return "unknown"
-    if reached >= need:
+    if reached >= CONFIRMATIONS:
         return "public"
-    if unreached >= need:
+    if unreached >= CONFIRMATIONS:
         return "private"
     return "unknown"
 

@@ -52,8 +52,9 @@ def test_two_public_and_three_private_peers_behind_two_nats_train_and_a_private_
 
         def meshed():
             s = [p.status() for p in procs]
+            heard = {p["peer_id"]: p["reachability"] for p in s[0]["peers"]}  # from heartbeats
             ok = (all(x["reachability"] != "unknown" for x in s) and all(len(x["relay"]["reserved_on"]) == 2 for x in s[2:])
-                  and all(len(x["connected"]) >= 4 for x in s))
+                  and all(len(x["connected"]) >= 4 for x in s) and all(heard.get(i, "unknown") != "unknown" for i in ids[1:]))
             return s if ok else None
 
         statuses = wait_for(meshed, MESH_TIMEOUT_S, interval=0.5)
