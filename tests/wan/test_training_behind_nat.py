@@ -62,8 +62,10 @@ def test_two_public_and_three_private_peers_behind_two_nats_train_and_a_private_
         # Heartbeats carry it: a public peer's view of every other peer.
         view = {p["peer_id"]: p["reachability"] for p in statuses[0]["peers"]}
         assert [view[i] for i in ids[1:]] == ["public", "private", "private", "private"]
-        # The lone private peer (LAN 1) reaches LAN 0's peers only through a relay.
-        assert statuses[4]["discovery"]["relayed_dials"] >= 1 and len(statuses[4]["relay"]["relayed_peers"]) == 2
+        # The lone private peer (LAN 1) and LAN 0's two are connected only through a relay (whichever
+        # side dialed: the lower peer ID dials first).
+        assert len(statuses[4]["relay"]["relayed_peers"]) == 2
+        assert sum(s["discovery"]["relayed_dials"] for s in statuses[2:]) >= 2
         assert all("/p2p-circuit/" in a for a in statuses[4]["relay"]["addrs"])
 
         manifest = cli("dataset", "add", "sklearn:digits", "--shards", "5", "--home", str(procs[2].home)).splitlines()[-1]
