@@ -20,6 +20,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -41,6 +42,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--trace", action="store_true", help="peers log each phase of a round")
     parser.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--gloo-port", type=int, default=None, help=argparse.SUPPRESS)
+    # Where the workers listen and gloo rendezvous: loopback here; bench/wan.py's namespaces set them.
+    parser.add_argument("--listen-ip", default="127.0.0.1", help=argparse.SUPPRESS)
+    parser.add_argument("--gloo-addr", default="127.0.0.1", help=argparse.SUPPRESS)
+    parser.add_argument("--gloo-ifname", default="lo", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
 
@@ -52,7 +57,8 @@ def worker_argv(args: argparse.Namespace, extra: list[str]) -> list[str]:
     return [
         sys.executable, os.path.abspath(__file__), "--peers", str(args.peers), "--size-mib", str(args.size_mib),
         "--density", str(args.density), "--value-dtype", args.value_dtype, "--rounds", str(args.rounds),
-        "--timeout", str(args.timeout), "--threads", str(args.threads), *(["--profile", args.profile] if args.profile else []),
+        "--timeout", str(args.timeout), "--threads", str(args.threads), "--gloo-addr", args.gloo_addr,
+        "--gloo-ifname", args.gloo_ifname, *(["--profile", args.profile] if args.profile else []),
         *(["--trace"] if args.trace else []), *extra,
     ]
 
@@ -73,9 +79,9 @@ async def p2p_worker(args: argparse.Namespace) -> None:
     if args.trace:
         import logging
 
-        logging.basicConfig(format=f"peer{me} %(relativeCreated)8.1f %(name)s %(message)s")
+        logging.basicConfig(format=f"peer{me} %(created).4f %(name)s %(message)s")  # wall clock: comparable across peers
         logging.getLogger("p2ptrain.collective").setLevel(logging.DEBUG)
-    listen = Multiaddr("/ip4/127.0.0.1/tcp/0")
+    listen = Multiaddr(f"/ip4/{args.listen_ip}/tcp/0")
     host = make_host(create_new_key_pair(), [listen])
     async with host.run(listen_addrs=[listen]):
         collective = Collective(host)  # before anyone can dial us: the handler must be registered
@@ -126,10 +132,15 @@ async def p2p_worker(args: argparse.Namespace) -> None:
         print("RESULT " + json.dumps({"times": times, "bytes": sent, "cpu": cpu}), flush=True)
 
 
-def run_p2p(args: argparse.Namespace) -> list[dict]:
+def same_machine(i: int, argv: list[str]) -> list[str]:
+    """How peer ``i``'s worker is started: as is (bench/wan.py starts each inside its namespace)."""
+    return argv
+
+
+def run_p2p(args: argparse.Namespace, launch: Callable[[int, list[str]], list[str]] = same_machine) -> list[dict]:
     procs = [
         subprocess.Popen(
-            worker_argv(args, ["--worker", str(i)]), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            launch(i, worker_argv(args, ["--worker", str(i)])), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             text=True,
         )
         for i in range(args.peers)
@@ -164,7 +175,7 @@ def run_p2p(args: argparse.Namespace) -> list[dict]:
 def gloo_worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.gloo_port), GLOO_SOCKET_IFNAME="lo")
+    os.environ.update(MASTER_ADDR=args.gloo_addr, MASTER_PORT=str(args.gloo_port), GLOO_SOCKET_IFNAME=args.gloo_ifname)
     rank = args.worker
     dist.init_process_group("gloo", rank=rank, world_size=args.peers)
     grad = torch.randn(numel_of(args), generator=torch.Generator().manual_seed(rank))
@@ -183,13 +194,13 @@ def gloo_worker(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
-def run_gloo(args: argparse.Namespace) -> list[float]:
+def run_gloo(args: argparse.Namespace, launch: Callable[[int, list[str]], list[str]] = same_machine) -> list[float]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     procs = [
         subprocess.Popen(
-            worker_argv(args, ["--worker", str(i), "--gloo-port", str(port)]), stdout=subprocess.PIPE,
+            launch(i, worker_argv(args, ["--worker", str(i), "--gloo-port", str(port)])), stdout=subprocess.PIPE,
             text=True,
         )
         for i in range(args.peers)
@@ -228,6 +239,16 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 trio.run(p2p_worker, args)
         return 0
+    report = measure(args)
+    if args.json:
+        print(json.dumps(report))
+        return 0
+    print_report(args, report)
+    return 0
+
+
+def measure(args: argparse.Namespace, launch: Callable[[int, list[str]], list[str]] = same_machine) -> dict:
+    """gloo's rounds, then p2ptrain's, each peer's worker started by ``launch``; the report."""
     from p2ptrain.collective.sparse import bucket_ks
 
     n = numel_of(args)
@@ -235,8 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     value_size = 4 if args.density >= 1.0 else torch.empty((), dtype=VALUE_DTYPES[args.value_dtype]).element_size()
     lower_bound = 2 * k * (args.peers - 1) / args.peers * value_size
 
-    gloo_times = [] if args.skip_gloo else run_gloo(args)
-    results = run_p2p(args)
+    gloo_times = [] if args.skip_gloo else run_gloo(args, launch)
+    results = run_p2p(args, launch)
     per_round = [max(r["times"][i] for r in results) for i in range(args.rounds)]
     bytes_rounds = [statistics.mean(r["bytes"][i] for r in results) for i in range(args.rounds)]
     max_bytes = max(max(r["bytes"]) for r in results)
@@ -258,9 +279,12 @@ def main(argv: list[str] | None = None) -> int:
     }
     report["time_ratio"] = report["p2ptrain_s"] / report["gloo_s"] if gloo_times else None
     report["bytes_ratio"] = report["bytes_per_peer"] / lower_bound
-    if args.json:
-        print(json.dumps(report))
-        return 0
+    return report
+
+
+def print_report(args: argparse.Namespace, report: dict) -> None:
+    lower_bound, gloo_times = report["lower_bound_bytes"], report["gloo_rounds_s"]
+    max_bytes = report["max_bytes_per_peer"]
     mode = "dense ring" if args.density >= 1.0 else f"top-k {args.density:g} ({report['value_dtype']} values)"
     print(f"{args.peers} peers, {args.size_mib:g} MiB float32, {mode}, median of {args.rounds} rounds")
     print(f"  p2ptrain round   {report['p2ptrain_s'] * 1e3:9.1f} ms")
@@ -269,7 +293,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  gloo all_reduce  {report['gloo_s'] * 1e3:9.1f} ms   (p2ptrain / gloo = {report['time_ratio']:.2f})")
     print(f"  bytes per peer   {report['bytes_per_peer']:12,.0f}   (max {max_bytes:,})")
     print(f"  lower bound      {lower_bound:12,.0f}   (bytes / bound = {report['bytes_ratio']:.3f})")
-    return 0
 
 
 if __name__ == "__main__":

@@ -41,11 +41,16 @@ def free_port() -> int:
 class NodeProcess:
     """One ``p2ptrain node start`` child process and its control client."""
 
-    def __init__(self, home: Path, port: int, bootstrap: Sequence[str] = (), extra_args: Sequence[str] = ()) -> None:
+    def __init__(self, home: Path, port: int, bootstrap: Sequence[str] = (), extra_args: Sequence[str] = (), *,
+                 ip: str = "127.0.0.1", launcher: Sequence[str] = ()) -> None:
+        """``ip``: the address it listens on; ``launcher``: argv put before the command (e.g.
+        ``ip netns exec NS``, to start it inside a network namespace: p2ptrain.testing.wan)."""
         self.home = Path(home)
         self.port = port
+        self.ip = ip
+        self.launcher = list(launcher)
         self.peer_id = peer_id_of(load_or_create_identity(self.home)).to_base58()
-        self.addr = f"/ip4/127.0.0.1/tcp/{port}/p2p/{self.peer_id}"
+        self.addr = f"/ip4/{ip}/tcp/{port}/p2p/{self.peer_id}"
         self.bootstrap = list(bootstrap)
         self.extra_args = list(extra_args)
         self.client = ControlClient(self.home, timeout=10.0)
@@ -53,8 +58,8 @@ class NodeProcess:
         self.started_at = 0.0
 
     def start(self) -> NodeProcess:
-        cmd = [sys.executable, "-m", "p2ptrain.cli.main", "node", "start", "--home", str(self.home)]
-        cmd += ["--listen", f"/ip4/127.0.0.1/tcp/{self.port}", *self.extra_args]
+        cmd = [*self.launcher, sys.executable, "-m", "p2ptrain.cli.main", "node", "start", "--home", str(self.home)]
+        cmd += ["--listen", f"/ip4/{self.ip}/tcp/{self.port}", *self.extra_args]
         if self.bootstrap:
             cmd += ["--bootstrap", *self.bootstrap]
         self.log = open(self.home / "logs" / "stderr.log", "ab")  # noqa: SIM115 (closed in wait)

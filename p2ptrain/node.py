@@ -52,6 +52,9 @@ from p2ptrain.wire.topics import MESH_TOPIC
 from p2ptrain.net.control import ControlServer
 from p2ptrain.net.host import make_host
 from p2ptrain.net.pubsub import MessageTooLarge, close_host, make_pubsub, publish_bytes, running_pubsub
+from p2ptrain.mesh.relays import keep_reservations
+from p2ptrain.net.reachability import Reachability
+from p2ptrain.net.relay import Relaying, is_circuit
 from p2ptrain.wire import encode
 from p2ptrain.wire.limits import MAX_MESSAGE_BYTES
 from p2ptrain.wire.messages import MESSAGES, MessageRegistry
@@ -91,6 +94,7 @@ class NodeConfig:
     dht: bool = True
     heartbeat_interval: float = 1.0
     silence_heartbeats: int = DEFAULT_SILENCE_HEARTBEATS
+    relay_service: bool = False  # relay connections for peers behind NAT (docs/nat.md)
 
     @classmethod
     def load(cls, home: Path) -> NodeConfig | None:
@@ -150,7 +154,7 @@ def config_problem(name: str, value: Any) -> str | None:
             return f"must be a list of multiaddr strings (each at most {MAX_CONFIG_ADDR_LEN} characters)"
         if len(value) > MAX_CONFIG_ADDRS:
             return f"lists {len(value)} addresses; at most {MAX_CONFIG_ADDRS}"
-    elif name in ("mdns", "dht"):
+    elif name in ("mdns", "dht", "relay_service"):
         if not isinstance(value, bool):
             return "must be true or false"
     elif name == "heartbeat_interval":
@@ -194,6 +198,7 @@ class Node:
         dht: bool | None = None,
         heartbeat_interval: float | None = None,
         silence_heartbeats: int | None = None,
+        relay_service: bool | None = None,
         messages: MessageRegistry = MESSAGES,
     ) -> None:
         self.home = Path(home).expanduser().absolute()
@@ -207,6 +212,7 @@ class Node:
             dht=base.dht if dht is None else dht,
             heartbeat_interval=heartbeat_interval or base.heartbeat_interval,
             silence_heartbeats=silence_heartbeats or base.silence_heartbeats,
+            relay_service=base.relay_service if relay_service is None else relay_service,
         )
         self._listen = _maddrs(self.config.listen)
         for addr in self.config.bootstrap:
@@ -228,6 +234,8 @@ class Node:
         self.host: IHost | None = None
         self.pubsub: Pubsub | None = None
         self.discovery: Discovery | None = None
+        self.reachability: Reachability | None = None
+        self.relaying: Relaying | None = None
         self._services: list[tuple[Service, tuple[Any, ...], str]] = []
         self._status_sections: dict[str, Callable[[], dict[str, Any]]] = {}
         self._nursery: trio.Nursery | None = None
@@ -257,6 +265,8 @@ class Node:
         for addr in self.host.get_addrs():
             text = str(addr)
             out.append(text if text.endswith(suffix) else text + suffix)
+        if self.relaying is not None:
+            out.extend(self.relaying.addrs)  # through relays, when we are behind a NAT
         return out
 
     def on(self, msg_type: type, handler: Handler) -> None:
@@ -381,14 +391,22 @@ class Node:
 
     async def _serve(self, host: IHost, pubsub: Pubsub, task_status: Any) -> None:
         self.listening_at = time.time()
+        self.relaying = Relaying(host, serve=self.config.relay_service)
         self.discovery = Discovery(
-            host, pubsub, self.membership, self.config.bootstrap, mdns=self.config.mdns, dht=self.config.dht
+            host, pubsub, self.membership, self.config.bootstrap, mdns=self.config.mdns, dht=self.config.dht,
+            dial_relayed=self.relaying.dial,
         )
+        self.reachability = Reachability(host, lambda: _direct_peers(host))
         async with trio.open_nursery() as nursery:
             await nursery.start(self.control.serve)
+            await nursery.start(self.relaying.run)
             await nursery.start(self.router.run, pubsub)
             await nursery.start(self.membership.run)
             await nursery.start(self.discovery.run)
+            await nursery.start(self.reachability.run)
+            nursery.start_soon(self._tell_reachability, self.reachability)
+            await nursery.start(keep_reservations, host, self.relaying, self.reachability, self.membership,
+                                self.membership.poke)
             async with trio.open_nursery() as services:
                 self._nursery = services
                 for fn, args, name in self._services:
@@ -412,6 +430,13 @@ class Node:
             nursery.cancel_scope.cancel()
         logger.debug("node %s: mesh tasks stopped", short_id(self.peer_id))
 
+    async def _tell_reachability(self, reach: Reachability) -> None:
+        """Put each new reachability verdict in our heartbeats, the next one sent at once."""
+        while True:
+            await reach.changed.wait()
+            self.membership.reachability = reach.status
+            self.membership.poke()
+
     # -- control ops ---------------------------------------------------------------------------
 
     def status(self) -> dict[str, Any]:
@@ -425,6 +450,10 @@ class Node:
         return {
             "peer_id": self.peer_id.to_base58(),
             "addrs": self.addrs,
+            # public / private / unknown (p2ptrain.net.reachability): a contract, like the keys above.
+            "reachability": self.reachability.status if self.reachability is not None else "unknown",
+            "autonat": self.reachability.stats() if self.reachability is not None else None,
+            "relay": self.relaying.stats() if self.relaying is not None else None,
             "home": str(self.home),
             "version": __version__,
             "listening_at": self.listening_at,
@@ -457,6 +486,13 @@ class Node:
 
     async def _ping_op(self, request: dict[str, Any]) -> dict[str, Any]:
         return {"peer_id": self.peer_id.to_base58(), "started": self.started.is_set()}
+
+
+def _direct_peers(host: IHost) -> list[ID]:
+    """Peers we have a direct (not relayed) connection to: AutoNAT servers refuse relayed requests."""
+    network = host.get_network()
+    return [p for p in host.get_connected_peers()
+            if any(not any(is_circuit(a) for a in c.get_transport_addresses()) for c in network.get_connections(p))]
 
 
 def _first_leaf(group: BaseExceptionGroup) -> BaseException:

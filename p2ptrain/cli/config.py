@@ -36,11 +36,13 @@ ENV_SETTINGS: tuple[tuple[str, str, str], ...] = (
     ("dht", "P2PTRAIN_DHT", "bool"),
     ("heartbeat_interval", "P2PTRAIN_HEARTBEAT_INTERVAL", "float"),
     ("silence_heartbeats", "P2PTRAIN_SILENCE_HEARTBEATS", "int"),
+    ("relay_service", "P2PTRAIN_RELAY_SERVICE", "bool"),
 )
 # Flags of ``node start`` that set a config.toml setting (the argparse dest of each).
 FLAG_OF = {"listen": "--listen", "bootstrap": "--bootstrap", "mdns": "--mdns", "dht": "--no-dht",
-           "heartbeat_interval": "--heartbeat"}
-DEST_OF = {"listen": "listen", "bootstrap": "bootstrap", "mdns": "mdns", "dht": "dht", "heartbeat_interval": "heartbeat"}
+           "heartbeat_interval": "--heartbeat", "relay_service": "--relay-service"}
+DEST_OF = {"listen": "listen", "bootstrap": "bootstrap", "mdns": "mdns", "dht": "dht", "heartbeat_interval": "heartbeat",
+           "relay_service": "relay_service"}
 TRUE, FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
@@ -68,6 +70,11 @@ def add_setting_flags(parser: argparse.ArgumentParser) -> None:
                         help="also find peers on the local network by mDNS (binds all interfaces)")
     parser.add_argument("--no-dht", dest="dht", action="store_false", default=None, help="do not run Kad-DHT peer routing")
     parser.add_argument("--heartbeat", type=float, metavar="SECONDS", help="heartbeat interval (default 1.0)")
+    parser.add_argument(
+        "--relay-service", dest="relay_service", action="store_true", default=None,
+        help="relay connections for peers behind NAT (within per-reservation limits; see docs/nat.md); "
+        "useful on a node others can dial",
+    )
     parser.add_argument(
         "--metrics", metavar="[HOST:]PORT", default=None,
         help="serve Prometheus metrics over HTTP at this address, e.g. 127.0.0.1:9464 (a bare PORT "

@@ -130,6 +130,7 @@ def cmd_start(args: argparse.Namespace) -> int:
         dht=settings["dht"],
         heartbeat_interval=settings["heartbeat_interval"],
         silence_heartbeats=settings["silence_heartbeats"],
+        relay_service=settings["relay_service"],
     )
     if args.threads > 0:
         import torch

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 import trio
@@ -43,6 +43,7 @@ from multiaddr import Multiaddr
 from p2ptrain.errors import UserError
 from p2ptrain.logs import short_id
 from p2ptrain.mesh.membership import MemberEvent, Membership
+from p2ptrain.wire.messages import Heartbeat
 from p2ptrain.wire.topics import MESH_TOPIC
 from p2ptrain.net.service import running_service
 
@@ -90,22 +91,31 @@ def parse_bootstrap(addr: str) -> PeerInfo:
 
 
 def dialable(addrs: Iterable[str], peer_id: ID) -> list[Multiaddr]:
-    """TCP addresses from a peer's heartbeat, stripped of a ``/p2p`` part that is not its own."""
-    out = []
+    """TCP addresses from a peer's heartbeat, stripped of a ``/p2p`` part that is not its own, then
+    its relayed ones (``…/p2p/<relay>/p2p-circuit/p2p/<peer>``, kept whole): direct first."""
+    direct, relayed = [], []
     for text in addrs:
         try:
             maddr = Multiaddr(text)
             names = [p.name for p in maddr.protocols()]
-            if "tcp" not in names or any(n in names for n in ("p2p-circuit", "ws", "wss")):
+            if "tcp" not in names or any(n in names for n in ("ws", "wss")):
+                continue
+            if "p2p-circuit" in names:
+                if names.count("p2p-circuit") == 1 and names[-1] == "p2p" and text.endswith(f"/p2p/{peer_id.to_base58()}"):
+                    relayed.append(maddr)
                 continue
             if "p2p" in names:
                 if maddr.value_for_protocol("p2p") != peer_id.to_base58():
                     continue
                 maddr = maddr.decapsulate(Multiaddr(f"/p2p/{peer_id.to_base58()}"))
-            out.append(maddr)
+            direct.append(maddr)
         except Exception:
             continue
-    return out
+    return direct + relayed
+
+
+def _is_circuit(addr: Multiaddr) -> bool:
+    return "/p2p-circuit" in str(addr)
 
 
 class _ConnectionEvents(INotifee):
@@ -148,8 +158,16 @@ class Discovery:
         *,
         mdns: bool = False,
         dht: bool = True,
+        dial_relayed: Callable[[Multiaddr], Awaitable[None]] | None = None,
     ) -> None:
         self.host = host
+        # Connects through a relay to the peer a circuit address names (p2ptrain.net.relay); None:
+        # circuit addresses are not dialed.
+        self.dial_relayed = dial_relayed
+        # Set when an unconnected kept peer's heartbeat names a relayed address: its redial waits
+        # on this rather than the rest of its backoff (it may just have become reachable).
+        self._new_relayed: dict[ID, trio.Event] = {}
+        membership.router.on(Heartbeat, self._on_heartbeat)
         self.pubsub = pubsub
         self.membership = membership
         self.bootstrap = [parse_bootstrap(a) for a in bootstrap]
@@ -160,6 +178,7 @@ class Discovery:
         self._nursery: trio.Nursery | None = None
         self._dial_slots = trio.CapacityLimiter(MAX_CONCURRENT_DIALS)
         self.dials = 0
+        self.relayed_dials = 0
         self.dial_failures = 0
         self.not_kept = 0  # peers heard of but not dialed because MAX_KEPT_PEERS were kept
 
@@ -167,6 +186,7 @@ class Discovery:
         return {
             "dials": self.dials,
             "dial_failures": self.dial_failures,
+            "relayed_dials": self.relayed_dials,
             "kept": len(self._keeping),
             "not_kept": self.not_kept,
         }
@@ -179,7 +199,7 @@ class Discovery:
         if self.connected(peer_id):
             return True
         addrs = list(addrs)[:MAX_DIAL_ADDRS_PER_PEER]
-        self.host.get_peerstore().add_addrs(peer_id, addrs, ADDR_TTL_S)
+        self.host.get_peerstore().add_addrs(peer_id, [a for a in addrs if not _is_circuit(a)], ADDR_TTL_S)
         network = self.host.get_network()
         for addr in addrs:
             try:
@@ -187,8 +207,14 @@ class Discovery:
                     if self.connected(peer_id):
                         return True
                     self.dials += 1
-                    with trio.fail_after(DIAL_TIMEOUT_S):
-                        await network.dial_addr(addr, peer_id)  # type: ignore[attr-defined]
+                    if _is_circuit(addr):
+                        if self.dial_relayed is None:
+                            continue
+                        self.relayed_dials += 1
+                        await self.dial_relayed(addr)  # bounded by its own timeout (several round trips)
+                    else:
+                        with trio.fail_after(DIAL_TIMEOUT_S):
+                            await network.dial_addr(addr, peer_id)  # type: ignore[attr-defined]
                 logger.debug("connected to %s at %s", short_id(peer_id), addr)
                 return True
             except (Exception, trio.TooSlowError) as exc:  # every dial failure is the remote's
@@ -212,17 +238,34 @@ class Discovery:
 
     async def _keep(self, peer_id: ID, addrs: list[Multiaddr], while_: Callable[[], bool]) -> None:
         delay, reached = REDIAL_MIN_S, False
+        self._new_relayed[peer_id] = trio.Event()
         try:
             while while_():
-                if self.connected(peer_id) or await self.dial(peer_id, addrs):
+                record = self.membership.get(peer_id)
+                current = (dialable(record.addrs, peer_id) if record is not None else []) or addrs
+                if self.connected(peer_id) or await self.dial(peer_id, current):
                     delay, reached = REDIAL_MIN_S, True
                     await trio.sleep(CONNECTED_POLL_S)
                 else:
                     logger.debug("%s unreachable; redial in %.2f s", short_id(peer_id), delay)
-                    await trio.sleep(delay * random.uniform(0.8, 1.2))
+                    with trio.move_on_after(delay * random.uniform(0.8, 1.2)):
+                        await self._new_relayed[peer_id].wait()
+                    if self._new_relayed[peer_id].is_set():
+                        self._new_relayed[peer_id] = trio.Event()
+                        delay = REDIAL_MIN_S
                     delay = min(delay * 2, REDIAL_MAX_S if reached or self._is_bootstrap(peer_id) else REDIAL_MAX_UNREACHED_S)
         finally:
             self._keeping.discard(peer_id)
+            self._new_relayed.pop(peer_id, None)
+
+    def _on_heartbeat(self, signed: Any, topic: str) -> None:
+        """Wake the backed-off redial of a kept, unconnected peer whose heartbeat names a relayed
+        address (it reserved one since we last tried): at most one redial per heartbeat of it."""
+        event = self._new_relayed.get(signed.sender)
+        if event is None or event.is_set() or self.dial_relayed is None:
+            return
+        if any("/p2p-circuit" in a for a in signed.msg.addrs) and not self.connected(signed.sender):
+            event.set()
 
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         send, receive = trio.open_memory_channel[ID](256)

@@ -34,6 +34,7 @@ from libp2p.peer.id import ID
 from p2ptrain.logs import count_rejection, short_id
 from p2ptrain.mesh import capabilities as caps_probe
 from p2ptrain.mesh.router import MessageRouter
+from p2ptrain.net import reachability
 from p2ptrain.wire import Signed
 from p2ptrain.wire.messages import Capabilities, Goodbye, Heartbeat
 from p2ptrain.wire.topics import MESH_TOPIC
@@ -79,6 +80,7 @@ class PeerRecord:
     left_reason: str = ""
     left_at: float = 0.0  # trio clock, when marked gone
     heartbeats: int = 1  # heard since it (re)joined: what eviction ranks by
+    reachability: str = "unknown"  # what its last heartbeat said (public, private, unknown)
 
     def age(self) -> float:
         """Seconds since the last heartbeat."""
@@ -94,6 +96,7 @@ class PeerRecord:
             "addrs": list(self.addrs[:STATUS_MAX_ADDRS]),
             "tasks": list(self.tasks[:STATUS_MAX_TASKS]),
             "tasks_total": len(self.tasks),
+            "reachability": self.reachability,
             "caps": {
                 "device": self.caps.device,
                 "gpu_name": self.caps.gpu_name,
@@ -123,6 +126,7 @@ class Membership:
     interval: float = 1.0
     silence_heartbeats: int = DEFAULT_SILENCE_HEARTBEATS
     tasks: tuple[str, ...] = ()
+    reachability: str = "unknown"  # ours, as the node's Reachability last found it
     caps: Capabilities = field(default_factory=caps_probe.quick_capabilities)
     _peers: dict[ID, PeerRecord] = field(default_factory=dict, init=False)
     _changed: trio.Event = field(default_factory=trio.Event, init=False)
@@ -198,6 +202,7 @@ class Membership:
                 first_seen=time.time(),
                 last_seen=now,
                 last_seen_wall=time.time(),
+                reachability=_reachability(hb),
             )
             logger.log(self._peer_log_level(), "peer %s joined (%s, %d addrs)", short_id(signed.sender), hb.caps.device,
                        len(hb.addrs))
@@ -205,6 +210,7 @@ class Membership:
             self.poke()  # let the newcomer hear from us now rather than in up to one interval
             return
         record.addrs, record.caps, record.tasks = hb.addrs, hb.caps, hb.tasks
+        record.reachability = _reachability(hb)
         record.last_seen, record.last_seen_wall = now, time.time()
         record.heartbeats += 1
 
@@ -243,7 +249,7 @@ class Membership:
         self._wake.set()
 
     def heartbeat(self) -> Heartbeat:
-        return Heartbeat(addrs=tuple(self.addrs()[:16]), caps=self.caps, tasks=self.tasks)
+        return Heartbeat(addrs=tuple(self.addrs()[:16]), caps=self.caps, tasks=self.tasks, reachability=self.reachability)
 
     async def say_goodbye(self, reason: str = "shutdown") -> None:
         await self.publish(MESH_TOPIC, Goodbye(reason=reason[:256]))
@@ -287,3 +293,8 @@ class Membership:
             self.caps = await trio.to_thread.run_sync(caps_probe.torch_capabilities, abandon_on_cancel=True)
         except Exception as exc:  # a broken torch install must not stop the node; say so once
             logger.warning("could not probe torch for GPU capabilities: %s", exc)
+
+
+def _reachability(hb: Heartbeat) -> str:
+    """A heartbeat's reachability, anything but the three known values read as "unknown"."""
+    return hb.reachability if hb.reachability in reachability.STATUSES else "unknown"

@@ -86,6 +86,10 @@ class Heartbeat:
     addrs: tuple[str, ...] = field(metadata={"max_items": 16, "max_len": MAX_ADDR_LEN})
     caps: Capabilities
     tasks: tuple[str, ...] = field(default=(), metadata={"max_items": 64, "max_len": 128})
+    # Whether others can dial the sender (p2ptrain.net.reachability): "public", "private" or
+    # "unknown"; any other value is read as "unknown". Added in issue 20 with a default, so a
+    # heartbeat without it (an older sender) decodes as "unknown".
+    reachability: str = field(default="unknown", metadata={"max_len": 16})
 
 
 @message("goodbye")

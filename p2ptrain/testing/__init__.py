@@ -1,6 +1,6 @@
 """Spin up real p2ptrain peers on loopback, for our tests and for users' own tests.
 
-Four shapes:
+Four shapes on loopback:
 
 - :func:`local_mesh` (async, trio): N :class:`~p2ptrain.node.Node` objects in this process,
   connected and heartbeating, each seeing the other N-1 before the block starts::
@@ -30,6 +30,13 @@ Four shapes:
 
       async with connected_hosts(3) as peers:
           collectives = [Collective(p.host) for p in peers]
+
+And beyond loopback, :mod:`p2ptrain.testing.wan` (re-exported here): :func:`emulated_wan` puts N
+peers in network namespaces behind rate-limited links (needs root), :func:`wan_node_processes`
+starts ``node start`` processes inside them::
+
+      with emulated_wan(4, "100mbit") as wan, wan_node_processes(wan, tmp_path) as procs:
+          procs[0].status()["peers"]
 
 Every wait is bounded; a node that fails to start raises with its log attached.
 """
@@ -68,6 +75,18 @@ from p2ptrain.wire.messages import (
     TaskHead,
     VoteRequest,
 )
+
+from p2ptrain.testing.wan import (  # noqa: E402, F401  (the WAN harness: public from here, re-exported)
+    EmulatedWan,
+    WanError,
+    WanPeer,
+    cleanup_stale,
+    emulated_wan,
+    parse_rate,
+    wan_node_processes,
+    wan_unavailable,
+)
+from p2ptrain.testing.nat import EmulatedNat, emulated_nat, nat_unavailable  # noqa: E402  (NATs on that WAN)
 
 if TYPE_CHECKING:  # the runtime imports torch: only local_peers' users pay for it, when they call it
     from p2ptrain.runtime.peer import Peer
@@ -112,6 +131,14 @@ def node_processes(n: int, base: Path, *, extra_args: Sequence[str] = (), ready_
         home.mkdir(parents=True, exist_ok=True, mode=0o700)
         (home / "logs").mkdir(exist_ok=True, mode=0o700)
         procs.append(NodeProcess(home, free_port(), extra_args=extra_args))
+    with run_node_processes(procs, ready_timeout) as started:
+        yield started
+
+
+@contextmanager
+def run_node_processes(procs: list[NodeProcess], ready_timeout: float = READY_TIMEOUT_S) -> Iterator[list[NodeProcess]]:
+    """Start ``procs`` at once, each bootstrapping from all the others; yield once each is ready;
+    stop them all when the block ends (SIGTERM, then SIGKILL)."""
     for p in procs:
         p.bootstrap = [q.addr for q in procs if q is not p]
     try:

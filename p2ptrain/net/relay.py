@@ -1,0 +1,151 @@
+"""Circuit relay v2 (``/libp2p/circuit/relay/0.2.0/hop`` and ``…/stop``): how a peer nobody can dial
+(behind a NAT) still takes part. py-libp2p's ``CircuitV2Protocol`` and ``CircuitV2Transport``,
+wired the way the field notes found them to work.
+
+Three roles, one object per node (:class:`Relaying`):
+
+- every node *accepts* relayed connections (the stop protocol) and can *dial* a
+  ``…/p2p-circuit/p2p/<peer>`` address (:meth:`Relaying.dial`); py-libp2p's swarm skips circuit
+  addresses, so the mesh's discovery calls this for them;
+- a node started with ``--relay-service`` *serves* (the hop protocol), within :data:`LIMITS`;
+- a private node *reserves* a slot on a relay (:meth:`Relaying.reserve`: an explicit reservation,
+  which py-libp2p's auto-relay does not make reliably) and advertises
+  ``<relay addr>/p2p-circuit/p2p/<own id>``; py-libp2p refreshes the reservation before it lapses.
+
+End to end: a relayed connection is a stream through the relay on which the two peers run the
+same Noise handshake and yamux as on a direct one (``upgrade_outbound_connection`` /
+``upgrade_inbound_connection``), so the relay forwards ciphertext and cannot stand in for either
+peer (tests/net/test_relay.py checks that a plaintext marker never crosses it in clear).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from typing import Any
+
+import trio
+from libp2p.abc import IHost
+from libp2p.peer.id import ID
+from libp2p.relay.circuit_v2.config import RelayConfig, RelayRole
+from libp2p.relay.circuit_v2.protocol import PROTOCOL_ID as HOP_PROTOCOL_ID
+from libp2p.relay.circuit_v2.protocol import CircuitV2Protocol
+from libp2p.relay.circuit_v2.resources import RelayLimits
+from libp2p.relay.circuit_v2.transport import CircuitV2Transport
+from libp2p.tools.anyio_service import background_trio_service
+from multiaddr import Multiaddr
+
+from p2ptrain.logs import short_id
+
+logger = logging.getLogger(__name__)
+
+# Limits a relay (--relay-service) puts on each reservation, all in one place:
+# Reservations held at once: a relay serves the private peers of a few training meshes; each
+# costs a record and, when used, circuits.
+RELAY_MAX_RESERVATIONS = 32
+# Circuits at once per reserved peer: a private member of a ring talks to its two neighbours, the
+# coordinator, and fetchers; 16 leaves room without letting one peer hold the relay's sockets.
+RELAY_MAX_CIRCUITS_PER_PEER = 16
+# How long a circuit lives: a training run's connections are long-lived; after this the relay
+# resets it and the peers redial (discovery's redial loop). One hour, as py-libp2p's default.
+RELAY_MAX_CIRCUIT_S = 3600
+# Bytes one circuit may carry both ways together: 8 GiB, a few hundred rounds of a 64 MiB dense
+# model or thousands of sparse ones, then it is reset and redialed. Bounds what one circuit
+# costs the relay's operator.
+RELAY_MAX_CIRCUIT_BYTES = 8 * 1024**3
+# How long a reservation is valid; py-libp2p's client refreshes it before it lapses.
+RELAY_RESERVATION_TTL_S = 3600
+
+LIMITS = RelayLimits(
+    duration=RELAY_MAX_CIRCUIT_S,
+    data=RELAY_MAX_CIRCUIT_BYTES,
+    max_circuit_conns=RELAY_MAX_CIRCUITS_PER_PEER,
+    max_reservations=RELAY_MAX_RESERVATIONS,
+    reservation_ttl=RELAY_RESERVATION_TTL_S,
+)
+# One reservation request or one relayed dial, start to finish (a few round trips).
+RELAY_OP_TIMEOUT_S = 20.0
+
+
+def is_circuit(addr: Multiaddr) -> bool:
+    """Whether ``addr`` goes through a relay (has a ``/p2p-circuit`` part)."""
+    return any(p.name == "p2p-circuit" for p in addr.protocols())
+
+
+class _CountingProtocol(CircuitV2Protocol):
+    """py-libp2p's relay, counting the bytes it forwards (what serving costs, in `node status`)."""
+
+    relayed_bytes = 0
+
+    async def _read_stream_with_retry(self, stream: Any, *args: Any, **kwargs: Any) -> Any:
+        data = await super()._read_stream_with_retry(stream, *args, **kwargs)
+        self.relayed_bytes += len(data or b"")
+        return data
+
+
+class Relaying:
+    """A node's relay roles (see the module); :meth:`run` for the node's lifetime."""
+
+    def __init__(self, host: IHost, serve: bool) -> None:
+        self.host = host
+        self.serve = serve
+        self.protocol = _CountingProtocol(host, limits=LIMITS, allow_hop=serve)
+        # No CLIENT role: py-libp2p would then reserve a slot on the relay at every dial; our
+        # reservations are explicit (reserve), made only by private nodes.
+        roles = RelayRole.STOP | (RelayRole.HOP if serve else RelayRole(0))
+        self.transport = CircuitV2Transport(host, self.protocol, RelayConfig(roles=roles, limits=LIMITS))
+        self.reserved: dict[ID, str] = {}  # relay -> the circuit address we advertise through it
+        self.counts: Counter[str] = Counter()
+        self._nursery: trio.Nursery | None = None
+
+    async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        async with background_trio_service(self.protocol), trio.open_nursery() as nursery:
+            self._nursery = nursery
+            task_status.started()
+            await trio.sleep_forever()
+
+    @property
+    def addrs(self) -> list[str]:
+        """The circuit addresses we can be dialed at (one per relay we hold a reservation on)."""
+        return list(self.reserved.values())
+
+    async def reserve(self, relay: ID, relay_addr: Multiaddr) -> bool:
+        """Reserve a slot on ``relay`` (connected, reached at ``relay_addr``); True if it granted one."""
+        if self._nursery is None:
+            raise RuntimeError("Relaying is not running")
+        try:
+            with trio.fail_after(RELAY_OP_TIMEOUT_S):
+                stream = await self.host.new_stream(relay, [HOP_PROTOCOL_ID])
+                try:
+                    ok = await self.transport.reserve(stream, relay, self._nursery)
+                finally:
+                    await stream.close()
+        except Exception as exc:  # not a relay, or gone: the caller tries another
+            self.counts["reserve_failed"] += 1
+            logger.debug("no reservation on %s: %s", short_id(relay), exc)
+            return False
+        if not ok:
+            self.counts["reserve_refused"] += 1
+            return False
+        base = str(relay_addr).split("/p2p/")[0]
+        self.reserved[relay] = f"{base}/p2p/{relay.to_base58()}/p2p-circuit/p2p/{self.host.get_id().to_base58()}"
+        self.counts["reserved"] += 1
+        logger.info("reserved a relay slot on %s: reachable at %s", short_id(relay), self.reserved[relay])
+        return True
+
+    async def dial(self, addr: Multiaddr) -> None:
+        """Connect through a relay to the peer a circuit address names (raises if it cannot)."""
+        self.counts["dials"] += 1
+        with trio.fail_after(RELAY_OP_TIMEOUT_S):
+            await self.transport.dial(addr)
+        self.counts["dialed"] += 1
+
+    def relayed_peers(self) -> list[ID]:
+        """Connected peers we reach only through a relay (no direct connection to them)."""
+        network = self.host.get_network()
+        return [p for p in self.host.get_connected_peers()
+                if all(any(is_circuit(a) for a in c.get_transport_addresses()) for c in network.get_connections(p))]
+
+    def stats(self) -> dict[str, Any]:
+        return {"service": self.serve, "relayed_peers": [short_id(p) for p in self.relayed_peers()], "reserved_on": [short_id(r) for r in self.reserved], "addrs": self.addrs,
+                "relayed_bytes": self.protocol.relayed_bytes, **dict(self.counts)}

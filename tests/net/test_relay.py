@@ -1,0 +1,62 @@
+"""Circuit relay v2 between real hosts on 127.0.0.1 (p2ptrain.net.relay): a peer that reserved a
+slot is dialed through the relay, and the relay forwards only ciphertext."""
+
+from __future__ import annotations
+
+import trio
+from multiaddr import Multiaddr
+
+from p2ptrain.net.relay import Relaying, is_circuit
+from p2ptrain.testing import connected_hosts
+
+TIMEOUT_S = 30.0
+ECHO = "/p2ptrain-test/echo/1"
+# Sent in clear by the application: a relay that could read the connection would see it.
+MARKER = b"PLAINTEXT-MARKER-" * 64
+
+
+async def test_a_reserved_peer_is_dialed_through_the_relay_which_sees_only_ciphertext():
+    async with connected_hosts(3, connected=False) as (dialer, relay_host, target):
+        async with trio.open_nursery() as nursery:
+            relay = Relaying(relay_host.host, serve=True)
+            ends = [Relaying(dialer.host, serve=False), Relaying(target.host, serve=False)]
+            for r in (relay, *ends):
+                await nursery.start(r.run)
+            forwarded: list[bytes] = []
+            read = relay.protocol._read_stream_with_retry
+
+            async def recording(stream, *args, **kwargs):  # the relay's own forwarding path, watched
+                data = await read(stream, *args, **kwargs)
+                forwarded.append(bytes(data or b""))
+                return data
+
+            relay.protocol._read_stream_with_retry = recording
+
+            async def echo(stream):
+                got = b""
+                while len(got) < len(MARKER):
+                    got += await stream.read(len(MARKER) - len(got))
+                await stream.write(got)
+                await stream.close()
+
+            target.host.set_stream_handler(ECHO, echo)
+            with trio.fail_after(TIMEOUT_S):
+                await target.host.connect(relay_host.info)
+                assert await ends[1].reserve(relay_host.id, relay_host.host.get_addrs()[0])
+                (circuit,) = ends[1].addrs
+                assert circuit.endswith(f"/p2p/{relay_host.id}/p2p-circuit/p2p/{target.id}")
+
+                await ends[0].dial(Multiaddr(circuit))
+                conns = dialer.host.get_network().get_connections(target.id)
+                assert conns and all(any(is_circuit(a) for a in c.get_transport_addresses()) for c in conns)
+                stream = await dialer.host.new_stream(target.id, [ECHO])
+                await stream.write(MARKER)
+                back = b""
+                while len(back) < len(MARKER):
+                    back += await stream.read(len(MARKER) - len(back))
+                assert back == MARKER
+            relayed = b"".join(forwarded)
+            assert len(relayed) > 2 * len(MARKER)  # both ways went through the relay ...
+            assert b"PLAINTEXT-MARKER" not in relayed  # ... and never in clear
+            assert relay.stats()["relayed_bytes"] == len(relayed)
+            nursery.cancel_scope.cancel()

@@ -1,0 +1,66 @@
+"""The demo task trained across 4 `p2ptrain node start` processes, each in its own network
+namespace behind a 100 Mbit/s link (p2ptrain.testing.wan), and the model fetched by CID from a
+fifth namespace by a node that took no part: what loopback cannot show (real addresses, real link
+rates, no shared 127.0.0.1).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from p2ptrain.errors import UserError
+from p2ptrain.local_nodes import NODE_ARGS
+from p2ptrain.net import control_ops
+from p2ptrain.net.control import ControlClient
+from p2ptrain.testing import emulated_wan, wait_for, wan_node_processes, wan_unavailable
+from p2ptrain.training.demo import TASK_TEMPLATE
+
+pytestmark = pytest.mark.skipif(bool(wan_unavailable()), reason=wan_unavailable() or "")
+
+# Short: the test is about the links, not the accuracy (tests/runtime covers that on loopback).
+STEPS, CHECKPOINT = 10, 10
+CLI_TIMEOUT_S = 180.0
+RUN_TIMEOUT_S = 180.0
+
+
+def cli(*args: str, launcher: list[str] | None = None) -> str:
+    done = subprocess.run([*(launcher or []), sys.executable, "-m", "p2ptrain.cli.main", *args], capture_output=True,
+                          text=True, timeout=CLI_TIMEOUT_S)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+def task_status(home: Path, task_cid: str) -> dict | None:
+    try:
+        return ControlClient(home, timeout=10).call(control_ops.TASK_STATUS, task_cid=task_cid)
+    except (UserError, OSError):
+        return None
+
+
+@pytest.mark.timeout(300)
+def test_four_peers_behind_100mbit_links_train_the_demo_and_a_fifth_fetches_the_model_by_cid(tmp_path: Path) -> None:
+    with emulated_wan(5, "100mbit") as wan, wan_node_processes(wan, tmp_path, peers=range(4), extra_args=NODE_ARGS) as procs:
+        assert all(p.addr.startswith(f"/ip4/{wan[i].ip}/") for i, p in enumerate(procs))
+        manifest = cli("dataset", "add", "sklearn:digits", "--shards", "4", "--home", str(procs[0].home)).splitlines()[-1]
+        text = TASK_TEMPLATE.format(manifest=manifest, steps=STEPS, checkpoint=CHECKPOINT, density=0.01, peers=4)
+        task_cid = ControlClient(procs[0].home, timeout=120).call(control_ops.TASK_PUBLISH, text=text, join=True)["task_cid"]
+        statuses = wait_for(
+            lambda: (s := [task_status(p.home, task_cid) for p in procs]) and all(x and x["state"] == "done" for x in s) and s,
+            timeout=RUN_TIMEOUT_S, interval=0.5,
+        )
+        heads = {s["latest_model_cid"] for s in statuses}
+        assert len(heads) == 1, f"members disagree on the final model: {heads}"
+        model_cid = heads.pop()
+        # Every member trained: the final record names all four.
+        assert {p.peer_id for p in procs} <= set(statuses[0]["members"])
+
+        # Peer 4 took no part: its fresh home fetches the model through its own 100 Mbit/s link.
+        out = tmp_path / "model.safetensors"
+        summary = json.loads(cli("model", "fetch", model_cid, "-o", str(out), "--home", str(tmp_path / "fresh"),
+                                 "--bootstrap", procs[2].addr, "--json", launcher=wan[4].exec_prefix()))
+        assert summary["model_cid"] == model_cid and out.stat().st_size == summary["bytes"] > 0
