@@ -16,6 +16,7 @@ from libp2p.crypto.x25519 import create_new_key_pair as create_new_x25519_key_pa
 from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from libp2p.security.noise.transport import Transport as NoiseTransport
 from multiaddr import Multiaddr
+from multiaddr.utils import get_thin_waist_addresses
 
 from p2ptrain.net import muxer
 from p2ptrain.net.noise import NoiseTransport as FastNoiseTransport
@@ -42,3 +43,24 @@ def make_host(key_pair: KeyPair, listen_addrs: Sequence[str | Multiaddr]) -> IHo
     )
     muxer.install(host)
     return host
+
+
+WILDCARDS = ("/ip4/0.0.0.0/", "/ip6/::/")
+
+
+def dialable_addrs(addrs: Sequence[Multiaddr]) -> list[Multiaddr]:
+    """The host's listen addresses as others can dial them: a wildcard listen address
+    (``/ip4/0.0.0.0``, ``/ip6/::``) becomes this machine's interface addresses (loopback and
+    link-local left out, as py-libp2p's ``get_thin_waist_addresses`` does), or loopback when it has
+    no other. Advertised as is, ``0.0.0.0`` sent every peer of another machine dialling itself: a
+    three-machine run whose members listened on 0.0.0.0 never formed its ring (docs/deploy.md)."""
+    out: list[Multiaddr] = []
+    for addr in addrs:
+        text = str(addr)
+        if not text.startswith(WILDCARDS):
+            out.append(addr)
+            continue
+        concrete = get_thin_waist_addresses(addr) or [Multiaddr(text.replace("/ip4/0.0.0.0/", "/ip4/127.0.0.1/", 1)
+                                                                .replace("/ip6/::/", "/ip6/::1/", 1))]
+        out.extend(a for a in concrete if a not in out)
+    return out
