@@ -60,8 +60,11 @@ from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
 from multiaddr import Multiaddr
 
+from p2ptrain.errors import UserError
 from p2ptrain.local_nodes import READY_TIMEOUT_S, NodeProcess, free_port
 from p2ptrain.logs import short_id
+from p2ptrain.net import control_ops
+from p2ptrain.net.control import ControlClient
 from p2ptrain.net.host import make_host
 from p2ptrain.node import Node
 from p2ptrain.wire.messages import (
@@ -174,6 +177,29 @@ def wait_for(predicate: Any, timeout: float, interval: float = 0.05) -> Any:
             raise TimeoutError(f"condition not met in {timeout} s")
         time.sleep(interval)
 
+
+# One CLI command as a process: it imports torch and libp2p, and a temporary node (``--bootstrap``)
+# may take 20 s to reach a peer, on a loaded machine.
+CLI_TIMEOUT_S = 180.0
+
+
+def run_cli(*args: str, launcher: Sequence[str] = (), timeout: float = CLI_TIMEOUT_S) -> str:
+    """Run ``p2ptrain ARGS`` as a process (inside a namespace with ``launcher``, e.g.
+    ``WanPeer.exec_prefix()``) and return its stdout, stripped; a failure raises AssertionError
+    with its stderr, which is what a test wants to see."""
+    done = subprocess.run([*launcher, sys.executable, "-m", "p2ptrain.cli.main", *args], capture_output=True,
+                          text=True, timeout=timeout)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+def task_status_of(home: Path, task_cid: str) -> dict[str, Any] | None:
+    """A running node's status of one task (``task status --json``) through its control socket,
+    or None while it does not answer it (starting, stopped, killed, or not in the task)."""
+    try:
+        return ControlClient(home, timeout=10).call(control_ops.TASK_STATUS, task_cid=task_cid)
+    except (UserError, OSError):
+        return None
 
 
 # -- full peers in one process (node + content + tasks), for tests of a task's run -------------------

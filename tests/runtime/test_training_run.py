@@ -8,25 +8,15 @@ are published, attested and fetched by CID. Faults are real too: members are SIG
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from p2ptrain.training.demo import TASK_TEMPLATE
-from p2ptrain.errors import UserError
 from p2ptrain.net import control_ops
 from p2ptrain.net.control import ControlClient
-from p2ptrain.testing import NodeProcess, node_processes, wait_for
+from p2ptrain.testing import NodeProcess, node_processes, run_cli as cli, task_status_of, wait_for
 from p2ptrain.training.records import Chain
-
-
-def cli(*args: str, timeout: float = 180.0) -> str:
-    done = subprocess.run([sys.executable, "-m", "p2ptrain.cli.main", *args], capture_output=True, text=True,
-                          timeout=timeout)
-    assert done.returncode == 0, done.stderr
-    return done.stdout.strip()
 
 
 def publish(proc: NodeProcess, name: str, steps: int, checkpoint: int) -> tuple[str, str]:
@@ -38,10 +28,7 @@ def publish(proc: NodeProcess, name: str, steps: int, checkpoint: int) -> tuple[
 
 
 def task_status(proc: NodeProcess, task_cid: str) -> dict | None:
-    try:
-        return ControlClient(proc.home, timeout=10).call(control_ops.TASK_STATUS, task_cid=task_cid)
-    except (UserError, OSError):
-        return None
+    return task_status_of(proc.home, task_cid)
 
 
 def verified_chain(proc: NodeProcess, task_cid: str) -> Chain:

@@ -7,41 +7,24 @@ reachability (status and heartbeats), reservations, relayed connections, the tra
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-from p2ptrain.errors import UserError
 from p2ptrain.local_nodes import NODE_ARGS
 from p2ptrain.net import control_ops
 from p2ptrain.net.control import ControlClient
-from p2ptrain.testing import emulated_nat, nat_unavailable, wait_for, wan_node_processes
+from p2ptrain.testing import run_cli as cli, task_status_of as task_status, emulated_nat, nat_unavailable, wait_for, wan_node_processes
 from p2ptrain.training.demo import TASK_TEMPLATE
 
 pytestmark = pytest.mark.skipif(bool(nat_unavailable()), reason=nat_unavailable() or "")
 
 STEPS, CHECKPOINT = 10, 10
-CLI_TIMEOUT_S = 180.0
 # Bound on every node knowing its reachability and every private one holding relay slots, and on
 # every node connected to all four others (relayed where nothing else works).
 MESH_TIMEOUT_S = 90.0
 RUN_TIMEOUT_S = 180.0
 
 
-def cli(*args: str, launcher: list[str] | None = None) -> str:
-    done = subprocess.run([*(launcher or []), sys.executable, "-m", "p2ptrain.cli.main", *args], capture_output=True,
-                          text=True, timeout=CLI_TIMEOUT_S)
-    assert done.returncode == 0, done.stderr
-    return done.stdout.strip()
-
-
-def task_status(home: Path, task_cid: str) -> dict | None:
-    try:
-        return ControlClient(home, timeout=10).call(control_ops.TASK_STATUS, task_cid=task_cid)
-    except (UserError, OSError):
-        return None
 
 
 @pytest.mark.timeout(400)

@@ -7,39 +7,23 @@ rates, no shared 127.0.0.1).
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from p2ptrain.errors import UserError
 from p2ptrain.local_nodes import NODE_ARGS
 from p2ptrain.net import control_ops
 from p2ptrain.net.control import ControlClient
-from p2ptrain.testing import emulated_wan, wait_for, wan_node_processes, wan_unavailable
+from p2ptrain.testing import run_cli as cli, task_status_of as task_status, emulated_wan, wait_for, wan_node_processes, wan_unavailable
 from p2ptrain.training.demo import TASK_TEMPLATE
 
 pytestmark = pytest.mark.skipif(bool(wan_unavailable()), reason=wan_unavailable() or "")
 
 # Short: the test is about the links, not the accuracy (tests/runtime covers that on loopback).
 STEPS, CHECKPOINT = 10, 10
-CLI_TIMEOUT_S = 180.0
 RUN_TIMEOUT_S = 180.0
 
 
-def cli(*args: str, launcher: list[str] | None = None) -> str:
-    done = subprocess.run([*(launcher or []), sys.executable, "-m", "p2ptrain.cli.main", *args], capture_output=True,
-                          text=True, timeout=CLI_TIMEOUT_S)
-    assert done.returncode == 0, done.stderr
-    return done.stdout.strip()
-
-
-def task_status(home: Path, task_cid: str) -> dict | None:
-    try:
-        return ControlClient(home, timeout=10).call(control_ops.TASK_STATUS, task_cid=task_cid)
-    except (UserError, OSError):
-        return None
 
 
 @pytest.mark.timeout(300)
