@@ -13,6 +13,8 @@ from functools import lru_cache
 
 from multiformats import CID, multibase, multicodec, multihash
 
+from p2ptrain.errors import UserError
+
 __all__ = [
     "CID",
     "DAG_PB",
@@ -60,6 +62,18 @@ class BlockMismatch(ValueError):
     def __init__(self, cid: CID, message: str) -> None:
         super().__init__(f"block {cid_str(cid)}: {message}")
         self.cid = cid
+
+
+def requested_cid(text: object) -> str:
+    """A CID named in a control request (``task join``, ``ipfs cat``, ``model predict``...), as
+    text: refused in one line (:class:`~p2ptrain.errors.UserError`, its first 64 characters quoted,
+    whatever the request held) unless it parses as a CID we support."""
+    cid = str(text)
+    try:
+        parse_cid(cid)
+    except InvalidCID:
+        raise UserError(f"{cid[:64]!r} is not a CID") from None
+    return cid
 
 
 def parse_cid(value: CID | str | bytes) -> CID:

@@ -21,7 +21,7 @@ from libp2p.peer.id import ID
 
 from p2ptrain.errors import UserError
 from p2ptrain.ipfs.blockstore import PinFileError
-from p2ptrain.ipfs.cid import parse_cid
+from p2ptrain.ipfs.cid import parse_cid, requested_cid
 from p2ptrain.ipfs.embedded import EmbeddedStore
 from p2ptrain.ipfs.exchange import BlockExchange, FetchError, FetchStats
 from p2ptrain.ipfs.store import ContentStore, ContentUnavailable, open_store
@@ -264,7 +264,7 @@ class ContentService:
         return stats
 
     async def _fetch_op(self, request: dict[str, Any]) -> dict[str, Any]:
-        cid = _cid_of(request)
+        cid = requested_cid(request.get("cid", ""))
         timeout = float(request.get("timeout", 60.0))
         try:
             await self.fetch(cid, timeout=timeout)
@@ -275,7 +275,7 @@ class ContentService:
     async def _progress_op(self, request: dict[str, Any]) -> dict[str, Any]:
         """How far the fetch of ``cid`` is (the CLI asks while its ``ipfs.fetch`` runs): bytes
         fetched and verified so far, or ``fetching: false`` when no fetch of it is in flight."""
-        cid = _cid_of(request)
+        cid = requested_cid(request.get("cid", ""))
         if cid not in self.fetching:
             return {"cid": cid, "fetching": False, "bytes": 0}
         return {"cid": cid, "fetching": True, "bytes": self.fetching[cid]}
@@ -286,14 +286,4 @@ class ContentService:
         cid = await trio.to_thread.run_sync(self.store.add_bytes, data)
         self.announce(cid)
         return {"cid": cid}
-
-
-def _cid_of(request: dict[str, Any]) -> str:
-    """The request's ``cid``, refused in one line unless it parses as a CID."""
-    cid = str(request.get("cid", ""))
-    try:
-        parse_cid(cid)
-    except Exception:
-        raise UserError(f"{cid!r} is not a CID") from None
-    return cid
 

@@ -21,7 +21,7 @@ from urllib.parse import urlsplit
 import trio
 
 from p2ptrain.errors import UserError
-from p2ptrain.ipfs.cid import InvalidCID, parse_cid
+from p2ptrain.ipfs.cid import InvalidCID, parse_cid, requested_cid
 from p2ptrain.logs import count_rejection, short_id
 from p2ptrain.net import control_ops
 from p2ptrain.node import Node
@@ -129,9 +129,5 @@ class ServedModels:
 
     async def _find_op(self, request: dict[str, Any]) -> dict[str, Any]:
         """``model predict``: who serves ``model_cid`` (this node's own server included)."""
-        model_cid = str(request.get("model_cid", ""))
-        try:
-            parse_cid(model_cid)
-        except InvalidCID:
-            raise UserError(f"{model_cid[:64]!r} is not a CID") from None
+        model_cid = requested_cid(request.get("model_cid", ""))
         return {"model_cid": model_cid, "servers": self.servers(model_cid)}

@@ -19,7 +19,7 @@ import trio
 
 from p2ptrain.collective import Collective
 from p2ptrain.errors import UserError
-from p2ptrain.ipfs.cid import InvalidCID, parse_cid
+from p2ptrain.ipfs.cid import requested_cid
 from p2ptrain.ipfs.store import ContentUnavailable
 from p2ptrain.logs import short_id
 from p2ptrain.net import control_ops
@@ -176,10 +176,7 @@ class TaskService:
         """Fetch the task by CID, check it fits this node, and start taking part in it."""
         if task_cid in self.runs:
             return self.runs[task_cid]
-        try:
-            parse_cid(task_cid)
-        except Exception:
-            raise UserError(f"{task_cid!r} is not a CID") from None
+        requested_cid(task_cid)
         await self.content.fetch(task_cid, timeout=JOIN_FETCH_TIMEOUT_S, max_bytes=MAX_TASK_BYTES)
         data = await trio.to_thread.run_sync(self._read_task, task_cid)
         task = task_from_bytes(data)
@@ -361,11 +358,7 @@ class TaskService:
 
     async def _cancel_op(self, request: dict[str, Any]) -> dict[str, Any]:
         """`task cancel`: announce the cancel of a task this node published (members check the key)."""
-        task_cid = str(request.get("task_cid", ""))
-        try:
-            parse_cid(task_cid)
-        except InvalidCID:
-            raise UserError(f"{task_cid!r} is not a CID") from None
+        task_cid = requested_cid(request.get("task_cid", ""))
         reason = str(request.get("reason") or "")[:256]
         run = self.runs.get(task_cid)
         if run is not None:
