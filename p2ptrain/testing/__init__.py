@@ -51,7 +51,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequen
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any
 
 import trio
 from libp2p.abc import IHost
@@ -67,17 +67,6 @@ from p2ptrain.net import control_ops
 from p2ptrain.net.control import ControlClient
 from p2ptrain.net.host import make_host
 from p2ptrain.node import Node
-from p2ptrain.wire.messages import (
-    CoordinatorBeat,
-    RoundFailed,
-    RoundPlan,
-    SignedAttestation,
-    SignedModelRecord,
-    SignedVote,
-    TaskAnnounce,
-    TaskHead,
-    VoteRequest,
-)
 
 from p2ptrain.testing.wan import (  # noqa: E402, F401  (the WAN harness: public from here, re-exported)
     EmulatedWan,
@@ -90,12 +79,16 @@ from p2ptrain.testing.wan import (  # noqa: E402, F401  (the WAN harness: public
     wan_unavailable,
 )
 from p2ptrain.testing.nat import EmulatedNat, emulated_nat, nat_unavailable  # noqa: E402  (NATs on that WAN)
-
-if TYPE_CHECKING:  # the runtime imports torch: only local_peers' users pay for it, when they call it
-    from p2ptrain.runtime.peer import Peer
-    from p2ptrain.runtime.tasks import TaskOptions
-
-T = TypeVar("T")
+from p2ptrain.testing.peers import (  # noqa: E402, F401  (full peers in one process, re-exported)
+    DIGITS_TASK,
+    PEER_STOP_TIMEOUT_S,
+    WAIT_FALLBACK_S,
+    Changes,
+    LocalPeers,
+    local_peers,
+    publish_digits_task,
+    wait_until,
+)
 
 
 @asynccontextmanager
@@ -202,296 +195,6 @@ def task_status_of(home: Path, task_cid: str) -> dict[str, Any] | None:
         return None
 
 
-# -- full peers in one process (node + content + tasks), for tests of a task's run -------------------
-
-# A wait with no event to wake it re-checks its predicate this often: some state (a member's round
-# count, a confirmed checkpoint) changes without a message this process hears. 0.25 s: a quarter of
-# the default heartbeat, so a condition is seen within a beat of holding, at a negligible CPU cost.
-WAIT_FALLBACK_S = 0.25
-# How long a peer is given to stop (stop_peer): its goodbye, host close and services' cancellation.
-PEER_STOP_TIMEOUT_S = 15.0
-# The task of publish_digits_task: a 64 -> 16 -> 10 MLP on sklearn's 8x8 digits, so a round is a few
-# milliseconds of compute and ~5 KiB of gradients: a test's time goes into the protocol, not torch.
-DIGITS_TASK = """\
-name = "{name}"
-seed = 0
-[model]
-name = "mlp"
-kwargs = {{ in_features = 64, hidden = [16], out_features = 10 }}
-[dataset]
-manifest = "{manifest}"
-[optimizer]
-name = "sgd"
-lr = 0.05
-[training]
-batch_size = 16
-total_steps = {total_steps}
-checkpoint_interval = {checkpoint_interval}
-[peers]
-min = {min_peers}
-max = {max_peers}
-"""
-
-
-# What wakes a wait: every message of a task's run (its topic and the tasks topic); not heartbeats,
-# which come every second whatever the run does.
-TASK_MESSAGE_TYPES: tuple[type, ...] = (CoordinatorBeat, RoundFailed, RoundPlan, SignedAttestation, SignedModelRecord,
-                                        SignedVote, TaskAnnounce, TaskHead, VoteRequest)
-
-
-async def _next_membership_change(node: Node) -> None:
-    """Return at the node's next member join or leave (Membership.wait_until re-checks on each)."""
-    checks = 0
-
-    def changed(_: Any) -> bool:
-        nonlocal checks
-        checks += 1
-        return checks > 1
-
-    await node.membership.wait_until(changed)
-
-
-class Changes:
-    """Wakes waiters whenever a watched node hears a task message (votes, beats, plans, records,
-    attestations, heads) or sees a member join or leave: what :func:`wait_until` sleeps on, so a
-    test wakes when the run it watches moves, not on a timer::
-
-        changes = Changes()
-        changes.watch(node)  # before or while it runs
-        await wait_until(lambda: my_condition(), 30, changes=changes)
-    """
-
-    def __init__(self) -> None:
-        self._event = trio.Event()
-        self._nodes: list[Node] = []
-
-    def watch(self, node: Node) -> None:
-        for msg_type in TASK_MESSAGE_TYPES:
-            node.on(msg_type, self._heard)
-        self._nodes.append(node)
-
-    def _heard(self, signed: Any, topic: str) -> None:
-        self.fire()
-
-    def fire(self) -> None:
-        """Wake every waiter now."""
-        self._event.set()
-        self._event = trio.Event()
-
-    async def wait(self, timeout: float) -> None:
-        """Until the next change, or ``timeout`` seconds, whichever comes first."""
-        event = self._event
-        with trio.move_on_after(timeout):
-            async with trio.open_nursery() as nursery:
-
-                async def member_change(node: Node) -> None:
-                    await _next_membership_change(node)
-                    nursery.cancel_scope.cancel()
-
-                for node in self._nodes:
-                    if node.host is not None:
-                        nursery.start_soon(member_change, node)
-                await event.wait()
-                nursery.cancel_scope.cancel()
-
-
-async def wait_until(
-    predicate: Callable[[], T | None], timeout: float, *, changes: Changes | None = None,
-    interval: float = WAIT_FALLBACK_S, what: str | None = None,
-) -> T:
-    """Return ``predicate()``'s first truthy value; raise ``TimeoutError`` after ``timeout`` seconds.
-
-    The predicate is checked at once, then after each event of ``changes`` (if given), and after
-    ``interval`` seconds with no event (state that changes without a message). ``what`` names the
-    condition in the error; a predicate that raises ends the wait with its error::
-
-        await wait_until(lambda: peer.tasks.runs[cid].status()["version"] >= 1, 60, changes=changes,
-                         what="the first checkpoint confirmed")
-    """
-    try:
-        with trio.fail_after(timeout):
-            while True:
-                result = predicate()
-                if result:
-                    return result
-                if changes is not None:
-                    await changes.wait(interval)
-                else:
-                    await trio.sleep(interval)
-    except trio.TooSlowError:
-        raise TimeoutError(f"{what or 'condition'} not met in {timeout} s") from None
-
-
-class LocalPeers(Sequence["Peer"]):
-    """The full peers of :func:`local_peers`: a sequence of :class:`~p2ptrain.runtime.peer.Peer`,
-    plus what a test of a run needs: start one more (a late joiner), stop one (a member that
-    leaves), read a peer's task status, and wait, waking on the peers' task messages."""
-
-    def __init__(self, base: Path, nursery: trio.Nursery, node_kwargs: dict[str, Any],
-                 task_options: TaskOptions | None) -> None:
-        self.base = Path(base)
-        self.changes = Changes()
-        self._nursery = nursery
-        self._node_kwargs = node_kwargs
-        self._task_options = task_options
-        self._peers: list[Peer] = []
-        self._scopes: list[trio.CancelScope] = []
-
-    def __len__(self) -> int:
-        return len(self._peers)
-
-    def __getitem__(self, index: int) -> Peer:  # type: ignore[override]  (no slices)
-        return self._peers[index]
-
-    def __iter__(self) -> Iterator[Peer]:
-        return iter(list(self._peers))
-
-    def running(self) -> list[Peer]:
-        """The peers whose node has not been stopped."""
-        return [p for p in self._peers if not p.node.stopped.is_set()]
-
-    async def add_peer(self, *, see_all: bool = True) -> Peer:
-        """Start one more full peer (home ``<base>/peer<i>``), bootstrapping from every running one;
-        with ``see_all``, return once it and they see each other. Bound it with ``trio.fail_after``."""
-        from p2ptrain.runtime.peer import make_peer
-
-        bootstrap = [addr for p in self.running() for addr in p.node.addrs[:1]]
-        node = Node(self.base / f"peer{len(self._peers)}", bootstrap=bootstrap, **self._node_kwargs)
-        peer = make_peer(node, self._task_options)
-        self.changes.watch(node)
-        self._peers.append(peer)
-        scope = trio.CancelScope()
-        self._scopes.append(scope)
-
-        async def run(*, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-            with scope:
-                await node.run(task_status=task_status)
-
-        await self._nursery.start(run)
-        if see_all:
-            await self.wait_connected()
-        return peer
-
-    async def wait_connected(self) -> None:
-        """Until every running peer sees every other as alive (unbounded: bound it yourself)."""
-        running = self.running()
-        for peer in running:
-            others = {p.node.peer_id for p in running if p is not peer}
-            await peer.node.membership.wait_until(
-                lambda m, others=others: others <= {r.peer_id for r in m.alive()})
-
-    async def stop_peer(self, index: int) -> None:
-        """Stop peer ``index``'s node (its goodbye sent, its tasks cancelled) and wait until it is
-        down, at most PEER_STOP_TIMEOUT_S (then cancelled)."""
-        node = self._peers[index].node
-        node.stop()
-        with trio.move_on_after(PEER_STOP_TIMEOUT_S):
-            await node.stopped.wait()
-        self._scopes[index].cancel()
-
-    def status(self, index: int, task_cid: str) -> dict[str, Any]:
-        """What ``p2ptrain task status --json`` shows on peer ``index`` ({} before it joined)."""
-        run = self._peers[index].tasks.runs.get(task_cid)
-        return run.status() if run is not None else {}
-
-    def describe(self) -> str:
-        """One line per peer and task it runs: what a failed test needs to see first."""
-        keys = ("state", "error", "synced", "term", "coordinator", "round", "step", "version", "members",
-                "rounds_done", "rejected")
-        lines = []
-        for i, peer in enumerate(self._peers):
-            stopped = " (stopped)" if peer.node.stopped.is_set() else ""
-            runs = peer.tasks.runs.items()
-            if not runs:
-                lines.append(f"peer{i} {short_id(peer.node.peer_id)}{stopped}: no task")
-            for task_cid, run in runs:
-                status = run.status()
-                status["coordinator"] = short_id(status["coordinator"]) if status["coordinator"] else "-"
-                status["members"] = [short_id(m) for m in status["members"]]
-                shown = ", ".join(f"{k}={status.get(k)}" for k in keys)
-                lines.append(f"peer{i} {short_id(peer.node.peer_id)}{stopped} task {task_cid[:12]}: {shown}")
-        return "--- local peers ---\n" + "\n".join(lines) + "\n"
-
-    async def wait_until(self, predicate: Callable[[], T | None], timeout: float, what: str | None = None) -> T:
-        """:func:`wait_until`, woken by these peers' task messages and membership changes."""
-        return await wait_until(predicate, timeout, changes=self.changes, what=what)
-
-
-@asynccontextmanager
-async def local_peers(
-    n: int, base: Path, *, timeout: float = 60.0, task_options: TaskOptions | None = None, **node_kwargs: Any
-) -> AsyncIterator[LocalPeers]:
-    """N full p2ptrain peers in this process (``runtime.peer.make_peer``: a node with its content
-    and task services) on 127.0.0.1, each bootstrapping from the ones before; yields once each sees
-    the other N-1 (all within ``timeout`` seconds). ``node_kwargs`` go to each :class:`Node` (e.g.
-    ``heartbeat_interval``); ``task_options`` is a ``runtime.tasks.TaskOptions``. On exit every
-    node is stopped. A test of a run::
-
-        async with local_peers(3, tmp_path) as peers:
-            task_cid = await publish_digits_task(peers[0], total_steps=30, checkpoint_interval=3, min_peers=3)
-            for peer in peers:  # the first plan waits for all three (min_peers)
-                await peer.tasks.join(task_cid)
-
-            def at_v1() -> list[dict[str, Any]] | None:
-                statuses = [peers.status(i, task_cid) for i in range(len(peers))]
-                return statuses if all(s.get("version", 0) >= 1 for s in statuses) else None
-
-            statuses = await peers.wait_until(at_v1, 60, what="every member at model v1")
-            assert len({s["chain"][0]["model_cid"] for s in statuses}) == 1
-    """
-    node_kwargs.setdefault("dht", False)  # peers bootstrap from each other: no DHT walks to pay for
-    async with trio.open_nursery() as nursery:
-        peers = LocalPeers(base, nursery, node_kwargs, task_options)
-        try:
-            with trio.fail_after(timeout):
-                for _ in range(n):
-                    await peers.add_peer(see_all=False)
-                await peers.wait_connected()
-            yield peers
-        except BaseException:
-            # pytest shows what a failed test wrote to stderr: where each peer's runs stood.
-            sys.stderr.write(peers.describe())
-            raise
-        finally:
-            for peer in peers:
-                peer.node.stop()
-            with trio.move_on_after(PEER_STOP_TIMEOUT_S):
-                for peer in peers:
-                    await peer.node.stopped.wait()
-            nursery.cancel_scope.cancel()
-
-
-async def publish_digits_task(
-    peer: Peer, *, name: str = "digits", shards: int = 4, total_steps: int = 12, checkpoint_interval: int = 4,
-    min_peers: int = 1, max_peers: int = 8, extra: str = "",
-) -> str:
-    """Add sklearn's digits (``shards`` train shards) to ``peer``'s store and store a tiny task on
-    it (:data:`DIGITS_TASK`); return the task's CID, which any connected peer can
-    ``await peer.tasks.join(task_cid)`` (joining fetches the task and its data from the mesh).
-
-    ``extra``: TOML appended to the task file, e.g. ``"[requirements]\\nmin_memory_mb = 1024\\n"``.
-    Nothing is announced: joins by CID are what a test controls. Needs scikit-learn.
-    """
-    import numpy as np
-
-    from p2ptrain.data.build import build_dataset
-    from p2ptrain.data.builtin import load_source
-    from p2ptrain.training.task import load_task, task_bytes
-
-    store = peer.content.store
-
-    def build() -> str:
-        source, features, labels = load_source("sklearn:digits")
-        manifest, _ = build_dataset(store, source, (features / 16.0).astype(np.float32), labels, shards,
-                                    test_fraction=0.2)
-        text = DIGITS_TASK.format(name=name, manifest=manifest, total_steps=total_steps,
-                                  checkpoint_interval=checkpoint_interval, min_peers=min_peers, max_peers=max_peers)
-        text += extra
-        cid = store.add_bytes(task_bytes(load_task(text)))
-        store.pin_add(cid)
-        return cid
-
-    return await trio.to_thread.run_sync(build)
 # -- N connected libp2p hosts ------------------------------------------------------------------
 # Bare hosts (no Node: no pubsub, membership or control socket) for tests of one protocol at a
 # time: channels, the collective, Bitswap. One copy instead of one per test file.
