@@ -8,8 +8,8 @@ the same task always has the same bytes and therefore the same CID on every peer
 
 Both decoders, :func:`load_task` (TOML) and :func:`task_from_bytes` (JSON by CID), raise one error,
 :class:`TaskError`, for anything they refuse: text over :data:`MAX_TASK_BYTES`, nesting deeper than
-:data:`MAX_TASK_DEPTH`, integers beyond :data:`MAX_NUMBER` (TOML and JSON both carry integers of
-any size, and a float check of ``10**400`` overflows) and every field out of its range.
+:data:`MAX_TASK_DEPTH`, integers beyond ``task_fields.MAX_NUMBER`` (TOML and JSON both carry integers
+of any size, and a float check of ``10**400`` overflows) and every field out of its range (checks: task_fields).
 """
 
 from __future__ import annotations
@@ -20,24 +20,17 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from p2ptrain import boundedjson
-from p2ptrain.errors import UserError
-from p2ptrain.ipfs.cid import InvalidCID, parse_cid
+from p2ptrain.training import task_fields as fields
 from p2ptrain.training.models import ModelError, check_model
+from p2ptrain.training.task_fields import TaskError
 from p2ptrain.wire.messages import Capabilities
 
-# A CID in text form is short; anything longer is not a CID we made.
-_MAX_CID_LEN = 128
-_MAX_NAME_LEN = 128
 # A base58 peer ID of an Ed25519 key is 52 characters; 128 leaves room for other key types.
 _MAX_PEER_LEN = 128
 # A task is a few hundred bytes; 64 KiB bounds both the TOML a person writes and the JSON we fetch.
 MAX_TASK_BYTES = 64 * 1024
 # A task nests three levels (task > model > kwargs > a list); eight refuse any bomb before parsing.
 MAX_TASK_DEPTH = 8
-# Integers where a number is expected must be exact in a float: |n| <= 2**53. Larger ones (TOML and
-# JSON both carry integers of any size) are refused before any float conversion can overflow.
-MAX_NUMBER = 2**53
-
 # A coordinator's heartbeat carries a quorum of signed votes; 128 members keep it far below the wire cap.
 MAX_PEERS = 128
 
@@ -57,10 +50,6 @@ OUTER_MOMENTUM = 0.9
 # fastest and slowest member grows with H. Tasks with minutes-long inner loops set their own
 # outer.wait_s (node/tasks/stdlib-lm.toml: 120 s for 50 steps of 1.6-2.1 s on a loaded CPU core).
 OUTER_WAIT_S = 60.0
-
-
-class TaskError(UserError):
-    """A task file or task bytes are invalid; the message starts with the dotted field name."""
 
 
 @dataclass(frozen=True)
@@ -210,116 +199,6 @@ class Task:
     publisher: str | None = None
 
 
-# --- field checks -----------------------------------------------------------------------------
-
-
-def _table(data: dict[str, Any], key: str, where: str, required: bool) -> dict[str, Any]:
-    value = data.get(key)
-    if value is None:
-        if required:
-            raise TaskError(f"{where}{key}: missing table [{where}{key}]")
-        return {}
-    if not isinstance(value, dict):
-        raise TaskError(f"{where}{key}: must be a table")
-    return value
-
-
-def _only(table: dict[str, Any], allowed: set[str], where: str) -> None:
-    unknown = sorted(set(table) - allowed)
-    if unknown:
-        raise TaskError(f"{where}{unknown[0]}: unknown field (allowed: {', '.join(sorted(allowed))})")
-
-
-def _str(table: dict[str, Any], key: str, where: str, default: Any = ..., max_len: int = _MAX_NAME_LEN) -> Any:
-    if key not in table:
-        if default is ...:
-            raise TaskError(f"{where}{key}: missing")
-        return default
-    value = table[key]
-    if not isinstance(value, str) or not value.strip():
-        raise TaskError(f"{where}{key}: must be a non-empty string")
-    if len(value) > max_len:
-        raise TaskError(f"{where}{key}: longer than {max_len} characters")
-    return value
-
-
-def _int(table: dict[str, Any], key: str, where: str, default: Any = ..., lo: int = 0, hi: int = 2**62) -> Any:
-    if key not in table:
-        if default is ...:
-            raise TaskError(f"{where}{key}: missing")
-        return default
-    value = table[key]
-    if type(value) is not int:
-        raise TaskError(f"{where}{key}: must be an integer")
-    if not lo <= value <= hi:
-        raise TaskError(f"{where}{key}: must be between {lo} and {hi}")
-    return value
-
-
-def _float(
-    table: dict[str, Any],
-    key: str,
-    where: str,
-    default: Any = ...,
-    lo: float = 0.0,
-    hi: float = math.inf,
-    lo_open: bool = False,
-) -> Any:
-    if key not in table:
-        if default is ...:
-            raise TaskError(f"{where}{key}: missing")
-        return default
-    value = table[key]
-    if not _finite_number(value):
-        raise TaskError(f"{where}{key}: must be a finite number")
-    if lo_open and value <= lo:
-        raise TaskError(f"{where}{key}: must be > {lo:g}")
-    if value < lo or value > hi:
-        raise TaskError(f"{where}{key}: must be between {lo:g} and {hi:g}")
-    return float(value)
-
-
-def _finite_number(value: Any) -> bool:
-    """An int within +-MAX_NUMBER or a finite float (bools are not numbers here)."""
-    if type(value) is int:
-        return -MAX_NUMBER <= value <= MAX_NUMBER
-    return type(value) is float and math.isfinite(value)
-
-
-def _bool(table: dict[str, Any], key: str, where: str, default: bool) -> bool:
-    value = table.get(key, default)
-    if type(value) is not bool:
-        raise TaskError(f"{where}{key}: must be true or false")
-    return value
-
-
-def _choice(table: dict[str, Any], key: str, where: str, choices: tuple[str, ...], default: Any = ...) -> Any:
-    value = _str(table, key, where, default)
-    if value not in choices:
-        raise TaskError(f"{where}{key}: must be one of {', '.join(choices)} (got {value!r})")
-    return value
-
-
-def _cid(table: dict[str, Any], key: str, where: str, default: Any = ...) -> Any:
-    value = _str(table, key, where, default, max_len=_MAX_CID_LEN)
-    if value is None:
-        return None
-    try:
-        parse_cid(value)
-    except InvalidCID as exc:
-        raise TaskError(f"{where}{key}: {exc}") from None
-    return value
-
-
-def _kwarg_value(value: Any, where: str, nested_ok: bool = True) -> Any:
-    """Model kwargs are JSON scalars or short flat lists of them: nothing that could carry code."""
-    if type(value) in (bool, str) or _finite_number(value):
-        return value
-    if nested_ok and isinstance(value, list) and len(value) <= 64:
-        return [_kwarg_value(v, f"{where}[{i}]", nested_ok=False) for i, v in enumerate(value)]
-    raise TaskError(f"{where}: must be a finite number, string, boolean or a short flat list of them")
-
-
 # --- parsing ----------------------------------------------------------------------------------
 
 
@@ -327,25 +206,25 @@ def parse_task(data: dict[str, Any]) -> Task:
     """Validate a task from its TOML/JSON table form; raise :class:`TaskError` naming the bad field."""
     if not isinstance(data, dict):
         raise TaskError("task: must be a table")
-    _only(
+    fields.only(
         data,
         {"name", "seed", "initial_model", "publisher", "model", "dataset", "optimizer", "schedule", "training",
          "outer", "compression", "peers", "requirements"},
         "",
     )
-    name = _str(data, "name", "")
-    seed = _int(data, "seed", "", 0, 0, 2**32 - 1)
-    initial_model = _cid(data, "initial_model", "", None)
-    publisher = _str(data, "publisher", "", None, max_len=_MAX_PEER_LEN)
+    name = fields.text(data, "name", "")
+    seed = fields.integer(data, "seed", "", 0, 0, 2**32 - 1)
+    initial_model = fields.cid(data, "initial_model", "", None)
+    publisher = fields.text(data, "publisher", "", None, max_len=_MAX_PEER_LEN)
 
-    m = _table(data, "model", "", True)
-    _only(m, {"name", "kwargs"}, "model.")
-    kwargs_t = _table(m, "kwargs", "model.", False)
+    m = fields.table(data, "model", "", True)
+    fields.only(m, {"name", "kwargs"}, "model.")
+    kwargs_t = fields.table(m, "kwargs", "model.", False)
     if len(kwargs_t) > 32:
         raise TaskError("model.kwargs: more than 32 arguments")
     model = ModelSpec(
-        name=_str(m, "name", "model."),
-        kwargs={k: _kwarg_value(v, f"model.kwargs.{k}") for k, v in sorted(kwargs_t.items())},
+        name=fields.text(m, "name", "model."),
+        kwargs={k: fields.kwarg_value(v, f"model.kwargs.{k}") for k, v in sorted(kwargs_t.items())},
     )
 
     try:
@@ -353,66 +232,66 @@ def parse_task(data: dict[str, Any]) -> Task:
     except ModelError as exc:
         raise TaskError(str(exc)) from None
 
-    d = _table(data, "dataset", "", True)
-    _only(d, {"manifest", "train_split", "test_split"}, "dataset.")
+    d = fields.table(data, "dataset", "", True)
+    fields.only(d, {"manifest", "train_split", "test_split"}, "dataset.")
     dataset = DatasetSpec(
-        manifest=_cid(d, "manifest", "dataset."),
-        train_split=_str(d, "train_split", "dataset.", "train"),
-        test_split=_str(d, "test_split", "dataset.", "test"),
+        manifest=fields.cid(d, "manifest", "dataset."),
+        train_split=fields.text(d, "train_split", "dataset.", "train"),
+        test_split=fields.text(d, "test_split", "dataset.", "test"),
     )
 
-    o = _table(data, "optimizer", "", True)
-    _only(o, {"name", "lr", "momentum", "weight_decay", "beta1", "beta2", "eps"}, "optimizer.")
-    opt_name = _choice(o, "name", "optimizer.", OPTIMIZERS)
+    o = fields.table(data, "optimizer", "", True)
+    fields.only(o, {"name", "lr", "momentum", "weight_decay", "beta1", "beta2", "eps"}, "optimizer.")
+    opt_name = fields.choice(o, "name", "optimizer.", OPTIMIZERS)
     if opt_name == "sgd":
         extra = sorted({"beta1", "beta2", "eps"} & set(o))
         if extra:
             raise TaskError(f"optimizer.{extra[0]}: only for adam/adamw")
         optimizer = OptimizerSpec(
             name=opt_name,
-            lr=_float(o, "lr", "optimizer.", lo=0.0, hi=10.0, lo_open=True),
-            weight_decay=_float(o, "weight_decay", "optimizer.", 0.0, 0.0, 1.0),
-            momentum=_float(o, "momentum", "optimizer.", 0.0, 0.0, 0.999),
+            lr=fields.number(o, "lr", "optimizer.", lo=0.0, hi=10.0, lo_open=True),
+            weight_decay=fields.number(o, "weight_decay", "optimizer.", 0.0, 0.0, 1.0),
+            momentum=fields.number(o, "momentum", "optimizer.", 0.0, 0.0, 0.999),
         )
     else:
         if "momentum" in o:
             raise TaskError(f"optimizer.momentum: only for sgd ({opt_name} uses beta1/beta2)")
         optimizer = OptimizerSpec(
             name=opt_name,
-            lr=_float(o, "lr", "optimizer.", lo=0.0, hi=10.0, lo_open=True),
-            weight_decay=_float(o, "weight_decay", "optimizer.", 0.0, 0.0, 1.0),
-            beta1=_float(o, "beta1", "optimizer.", 0.9, 0.0, 0.9999),
-            beta2=_float(o, "beta2", "optimizer.", 0.999, 0.0, 0.99999),
-            eps=_float(o, "eps", "optimizer.", 1e-8, 0.0, 1.0, lo_open=True),
+            lr=fields.number(o, "lr", "optimizer.", lo=0.0, hi=10.0, lo_open=True),
+            weight_decay=fields.number(o, "weight_decay", "optimizer.", 0.0, 0.0, 1.0),
+            beta1=fields.number(o, "beta1", "optimizer.", 0.9, 0.0, 0.9999),
+            beta2=fields.number(o, "beta2", "optimizer.", 0.999, 0.0, 0.99999),
+            eps=fields.number(o, "eps", "optimizer.", 1e-8, 0.0, 1.0, lo_open=True),
         )
 
-    s = _table(data, "schedule", "", False)
-    _only(s, {"name", "warmup_steps", "min_lr_ratio"}, "schedule.")
+    s = fields.table(data, "schedule", "", False)
+    fields.only(s, {"name", "warmup_steps", "min_lr_ratio"}, "schedule.")
     schedule = ScheduleSpec(
-        name=_choice(s, "name", "schedule.", SCHEDULES, "constant"),
-        warmup_steps=_int(s, "warmup_steps", "schedule.", 0, 0, 10**9),
-        min_lr_ratio=_float(s, "min_lr_ratio", "schedule.", 0.0, 0.0, 1.0),
+        name=fields.choice(s, "name", "schedule.", SCHEDULES, "constant"),
+        warmup_steps=fields.integer(s, "warmup_steps", "schedule.", 0, 0, 10**9),
+        min_lr_ratio=fields.number(s, "min_lr_ratio", "schedule.", 0.0, 0.0, 1.0),
     )
     if schedule.name == "constant" and schedule.warmup_steps:
         raise TaskError("schedule.warmup_steps: a constant schedule has no warmup (use name = \"warmup\")")
 
-    t = _table(data, "training", "", True)
-    _only(t, {"batch_size", "sync_interval", "total_steps", "epochs", "checkpoint_interval",
+    t = fields.table(data, "training", "", True)
+    fields.only(t, {"batch_size", "sync_interval", "total_steps", "epochs", "checkpoint_interval",
               "eval_batch_size", "mode", "inner_steps"}, "training.")
-    mode = _choice(t, "mode", "training.", MODES, "sync")
+    mode = fields.choice(t, "mode", "training.", MODES, "sync")
     if mode == "local_sgd":
-        inner_steps = _int(t, "inner_steps", "training.", ..., 1, 10000)
+        inner_steps = fields.integer(t, "inner_steps", "training.", ..., 1, 10000)
     elif "inner_steps" in t:
         raise TaskError('training.inner_steps: only for mode = "local_sgd"')
     else:
         inner_steps = None
     training = TrainingSpec(
-        batch_size=_int(t, "batch_size", "training.", lo=1, hi=65536),
-        sync_interval=_int(t, "sync_interval", "training.", 1, 1, 10000),
-        total_steps=_int(t, "total_steps", "training.", None, 1, 10**9),
-        epochs=_float(t, "epochs", "training.", None, 0.0, 10000.0, lo_open=True),
-        checkpoint_interval=_int(t, "checkpoint_interval", "training.", 10, 1, 10**6),
-        eval_batch_size=_int(t, "eval_batch_size", "training.", 256, 1, 65536),
+        batch_size=fields.integer(t, "batch_size", "training.", lo=1, hi=65536),
+        sync_interval=fields.integer(t, "sync_interval", "training.", 1, 1, 10000),
+        total_steps=fields.integer(t, "total_steps", "training.", None, 1, 10**9),
+        epochs=fields.number(t, "epochs", "training.", None, 0.0, 10000.0, lo_open=True),
+        checkpoint_interval=fields.integer(t, "checkpoint_interval", "training.", 10, 1, 10**6),
+        eval_batch_size=fields.integer(t, "eval_batch_size", "training.", 256, 1, 65536),
         mode="local_sgd" if mode == "local_sgd" else None,
         inner_steps=inner_steps,
     )
@@ -424,21 +303,21 @@ def parse_task(data: dict[str, Any]) -> Task:
         raise TaskError("schedule.warmup_steps: longer than training.total_steps"
                         + (" x training.inner_steps" if training.local_sgd else ""))
 
-    c = _table(data, "compression", "", False)
-    _only(c, {"density", "error_feedback", "fp16_values", "robust", "values"}, "compression.")
+    c = fields.table(data, "compression", "", False)
+    fields.only(c, {"density", "error_feedback", "fp16_values", "robust", "values"}, "compression.")
     compression = _compression(c)
 
-    p = _table(data, "peers", "", False)
-    _only(p, {"min", "max"}, "peers.")
-    peers = PeersSpec(min=_int(p, "min", "peers.", 1, 1, MAX_PEERS), max=_int(p, "max", "peers.", 64, 1, MAX_PEERS))
+    p = fields.table(data, "peers", "", False)
+    fields.only(p, {"min", "max"}, "peers.")
+    peers = PeersSpec(min=fields.integer(p, "min", "peers.", 1, 1, MAX_PEERS), max=fields.integer(p, "max", "peers.", 64, 1, MAX_PEERS))
     if peers.max < peers.min:
         raise TaskError(f"peers.max: must be >= peers.min ({peers.min})")
 
-    r = _table(data, "requirements", "", False)
-    _only(r, {"device", "min_memory_mb"}, "requirements.")
+    r = fields.table(data, "requirements", "", False)
+    fields.only(r, {"device", "min_memory_mb"}, "requirements.")
     requirements = Requirements(
-        device=_choice(r, "device", "requirements.", DEVICES, "cpu"),
-        min_memory_mb=_int(r, "min_memory_mb", "requirements.", 0, 0, 2**40),
+        device=fields.choice(r, "device", "requirements.", DEVICES, "cpu"),
+        min_memory_mb=fields.integer(r, "min_memory_mb", "requirements.", 0, 0, 2**40),
     )
     return Task(
         name=name, model=model, dataset=dataset, optimizer=optimizer, training=training,
@@ -449,14 +328,14 @@ def parse_task(data: dict[str, Any]) -> Task:
 
 def _outer(data: dict[str, Any], training: TrainingSpec) -> OuterSpec | None:
     """``[outer]``: only in local-SGD mode, where it defaults to DiLoCo's Nesterov (0.7, 0.9)."""
-    o = _table(data, "outer", "", False)
+    o = fields.table(data, "outer", "", False)
     if not training.local_sgd:
         if "outer" in data:
             raise TaskError('outer: only for training.mode = "local_sgd"')
         return None
-    _only(o, {"optimizer", "lr", "momentum", "wait_s"}, "outer.")
-    name = _choice(o, "optimizer", "outer.", OUTER_OPTIMIZERS, "nesterov")
-    wait_s = _float(o, "wait_s", "outer.", OUTER_WAIT_S, 1.0, 3600.0)
+    fields.only(o, {"optimizer", "lr", "momentum", "wait_s"}, "outer.")
+    name = fields.choice(o, "optimizer", "outer.", OUTER_OPTIMIZERS, "nesterov")
+    wait_s = fields.number(o, "wait_s", "outer.", OUTER_WAIT_S, 1.0, 3600.0)
     if name == "average":
         extra = sorted({"lr", "momentum"} & set(o))
         if extra:
@@ -464,17 +343,17 @@ def _outer(data: dict[str, Any], training: TrainingSpec) -> OuterSpec | None:
         return OuterSpec(optimizer=name, lr=None, momentum=None, wait_s=wait_s)
     return OuterSpec(
         optimizer=name, wait_s=wait_s,
-        lr=_float(o, "lr", "outer.", OUTER_LR, 0.0, 10.0, lo_open=True),
-        momentum=_float(o, "momentum", "outer.", OUTER_MOMENTUM, 0.0, 0.999),
+        lr=fields.number(o, "lr", "outer.", OUTER_LR, 0.0, 10.0, lo_open=True),
+        momentum=fields.number(o, "momentum", "outer.", OUTER_MOMENTUM, 0.0, 0.999),
     )
 
 
 def _compression(c: dict[str, Any]) -> CompressionSpec:
-    density = _float(c, "density", "compression.", 0.01, 0.0, 1.0, lo_open=True)
-    error_feedback = _bool(c, "error_feedback", "compression.", True)
-    fp16 = _bool(c, "fp16_values", "compression.", False)
-    robust = _choice(c, "robust", "compression.", ROBUST, "none")
-    values = _choice(c, "values", "compression.", VALUES, "fp16" if fp16 else "fp32")
+    density = fields.number(c, "density", "compression.", 0.01, 0.0, 1.0, lo_open=True)
+    error_feedback = fields.boolean(c, "error_feedback", "compression.", True)
+    fp16 = fields.boolean(c, "fp16_values", "compression.", False)
+    robust = fields.choice(c, "robust", "compression.", ROBUST, "none")
+    values = fields.choice(c, "values", "compression.", VALUES, "fp16" if fp16 else "fp32")
     if fp16 and values != "fp16":
         raise TaskError(f'compression.values: "{values}" contradicts fp16_values = true')
     if values in ("int8", "2bit"):
