@@ -90,7 +90,7 @@ def add_setting_flags(parser: argparse.ArgumentParser) -> None:
 def resolve(args: argparse.Namespace) -> list[Setting]:
     """Every setting of ``node start`` with its value and source (first: ``home``)."""
     from p2ptrain.identity import default_home
-    from p2ptrain.node import CONFIG_FILE, NodeConfig, config_problem
+    from p2ptrain.node_config import CONFIG_FILE, NodeConfig, config_problem
 
     if args.home:
         home = Setting("home", str(Path(args.home).expanduser().absolute()), "flag --home")

@@ -16,7 +16,7 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 
 from p2ptrain import boundedjson
 from p2ptrain.errors import UserError
-from p2ptrain.node import NodeConfig
+from p2ptrain.node_config import NodeConfig
 from p2ptrain.identity import peer_id_of
 from p2ptrain.wire import DecodeError, decode, encode
 from p2ptrain.wire import codec

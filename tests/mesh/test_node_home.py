@@ -11,7 +11,8 @@ import trio
 from p2ptrain.errors import UserError
 from p2ptrain.net import control_ops
 from p2ptrain.net.control import ControlClient
-from p2ptrain.node import Node, NodeConfig
+from p2ptrain.node import Node
+from p2ptrain.node_config import NodeConfig
 
 
 def mode(path) -> int:
