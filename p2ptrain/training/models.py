@@ -13,6 +13,7 @@ for the language model (targets ``(N, T)``); the trainer's loss and accuracy han
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -117,11 +118,18 @@ def check_model(name: str, kwargs: dict[str, Any]) -> int:
     return n
 
 
+_SEEDED_BUILD = threading.Lock()
+
+
 def build_model(name: str, kwargs: dict[str, Any], seed: int) -> nn.Module:
     """Build a registered model with weights initialised deterministically from ``seed`` (on CPU)."""
     check_model(name, kwargs)
     full = check_kwargs(name, kwargs)
-    with torch.random.fork_rng(devices=[]):
+    # torch's initialisers draw from its one global generator: two peers of one process (local_peers)
+    # building at once from threads interleaved their draws, and members of a run started from
+    # different "initial" models (their records then forked). fork_rng alone does not keep other
+    # threads out; the lock does.
+    with _SEEDED_BUILD, torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         module = REGISTRY[name].fn(**full)
     return module

@@ -66,3 +66,20 @@ def test_transformer_is_causal_and_blocks_differ():
     assert not torch.equal(w0, w1)
     with pytest.raises(ValueError, match="longer than the model's context"):
         m(torch.zeros(1, 9, dtype=torch.long))
+
+
+def test_models_built_at_once_from_threads_are_identical():
+    """In-process peers build their trainers in worker threads: torch's initialisers share one global
+    generator, and without a lock concurrent builds interleaved their draws (members of one run then
+    started from different initial models, and every record forked)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from p2ptrain.training.models import build_model
+
+    def weights(_: int) -> bytes:
+        module = build_model("mlp", {"in_features": 64, "hidden": [256, 256, 256], "out_features": 10}, 7)
+        return b"".join(p.detach().numpy().tobytes() for p in module.parameters())
+
+    with ThreadPoolExecutor(8) as pool:
+        built = list(pool.map(weights, range(32)))
+    assert len(set(built)) == 1
