@@ -132,8 +132,7 @@ class Attesting:
             run.log_prefix, record.version, len(tally.matching), len(record.members), record.model_cid,
             record.round, record.step, _fmt(record.metrics.get("accuracy")),
         )
-        if record.step >= run.total_steps:
-            run.done.set()
+        run.end_if_over()
         run.wake_leader.set()
 
 

@@ -12,7 +12,7 @@ coordinator of its term where we know it.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import trio
 
@@ -74,7 +74,7 @@ class Resync:
             run.heads, run.head_sender = head, sender
             self._new_head.set()
         if head.done and run.synced and run.book and run.book.chain.version >= head.version:
-            run.done.set()
+            run.end_if_over()
 
     def head_problem(self, sender: str) -> str | None:
         """Why a head from ``sender`` is not to be acted on, or None.
@@ -125,6 +125,10 @@ class Resync:
                 caught_up = await self._catch_up_recv.receive()
             if caught_up is not None:
                 await self._follow_from_behind(*caught_up, follow)
+                continue
+            if run.book is not None and run.trainer is not None and not run.synced \
+                    and run.book.end_of_run(run.me, run.trainer.step) == "load":
+                await self.try_load_last_checkpoint()  # the run ended without us: our chain names its end
                 continue
             head = run.heads
             if run.book is None or head is None:
@@ -193,14 +197,23 @@ class Resync:
         too large, a DAG that is not a file, a chain that forks or is signed by a stranger, a state
         that does not fit) is a refused resync, never an error out of the run.
         """
+        return await self._load_bounded(head.version, self._load_head(head))
+
+    async def try_load_last_checkpoint(self) -> str | None:
+        """Load the last checkpoint of our own confirmed chain (the run ended without us; see
+        :meth:`RunState.end_if_over`), through the same boundary as a head."""
+        _, book = self.run.require()
+        return await self._load_bounded(book.chain.version, self._load_chain(book.chain))
+
+    async def _load_bounded(self, version: int, loading: Awaitable[None]) -> str | None:
         run = self.run
         try:
-            await self._load_head(head)
+            await loading
         except Exception as exc:  # noqa: BLE001 - the boundary: trio.Cancelled is a BaseException
             if isinstance(exc, RecordError) and str(exc).startswith("fork"):
                 run.rejected["fork"] += 1
             known = isinstance(exc, (ContentUnavailable, RecordError, TrainerError, DagError))
-            run.refuse("resync_failed", f"resync from model v{head.version} failed: {exc if known else repr(exc)}")
+            run.refuse("resync_failed", f"resync from model v{version} failed: {exc if known else repr(exc)}")
             return str(exc)
         return None
 
@@ -223,13 +236,21 @@ class Resync:
         election accepted for that record's term, where we know that term.
         """
         run = self.run
-        trainer, book = run.require()
+        _, book = run.require()
         store = run.content.store
         await run.content.fetch(head.chain_cid, timeout=RESYNC_FETCH_TIMEOUT_S, max_bytes=MAX_CHAIN_BYTES)
         data = await trio.to_thread.run_sync(lambda: store.cat(head.chain_cid, max_bytes=MAX_CHAIN_BYTES))
         chain = await trio.to_thread.run_sync(Chain.from_bytes, run.task_cid, run.initial_cid, data)
         for signed in book.chain.extension(chain):  # a fork raises RecordError
             self._check_signer(signed.record.version, signed.record.term, signed.record.coordinator)
+        await self._load_chain(chain)
+
+    async def _load_chain(self, chain: Chain) -> None:
+        """Load the model and optimizer state of ``chain``'s last checkpoint (a verified chain that
+        extends ours, or ours) and follow the run from it."""
+        run = self.run
+        trainer, book = run.require()
+        store = run.content.store
         if chain.version == 0:
             return
         last = chain.records[-1].record

@@ -168,6 +168,20 @@ class RunState:
         self.synced, self.phase = False, "resyncing"
         self.advertise(False)
 
+    def end_if_over(self) -> None:
+        """Done once the confirmed chain ends the run and this member holds its last checkpoint.
+        A member that does not (:meth:`RoundBook.end_of_run` says "load": the last span ran without
+        it) resyncs first: the resync loop loads that checkpoint by CID, then ends the run. Done at
+        once, it ended naming a model whose weights it did not hold."""
+        trainer, book = self.require()
+        verdict = book.end_of_run(self.me, trainer.step)
+        if verdict == "done":
+            self.done.set()
+        elif verdict == "load" and self.synced:
+            logger.info("%s: the run ended at step %d without this member (at step %d): loading its last checkpoint",
+                        self.log_prefix, book.head_step, trainer.step)
+            self.desync(trio.current_time())
+
     def note_waiting(self, short: int, now: float) -> None:
         """Record (and log, once per wait) that the run needs ``short`` more peers (0: it does not)."""
         if short and self.waiting_since is None:

@@ -153,6 +153,20 @@ class RoundBook:
         """The step of the latest confirmed model (0 for the initial model)."""
         return self.chain.records[-1].record.step if self.chain.records else 0
 
+    def end_of_run(self, me: str, trainer_step: int) -> str | None:
+        """Whether the confirmed chain ends the run for this member: None while its last record is
+        short of the run's last step; "done" when this member holds that checkpoint's weights (it
+        was a member of the span that computed it, or its trainer is at that step); "load" when the
+        record was confirmed without it (a joiner synced to an earlier checkpoint and not yet
+        admitted when the last span ran): it must load the last checkpoint by CID before it is
+        done, or it would end naming a model it does not hold, with older weights in its trainer."""
+        if not self.chain.records:
+            return None
+        last = self.chain.records[-1].record
+        if last.step < self.total_steps:
+            return None
+        return "done" if me in last.members or trainer_step == last.step else "load"
+
     def roster(self, me: str, head_members: Sequence[str] = ()) -> tuple[str, ...]:
         """The voters to give :meth:`Election.tick`: the members of the last span we took part in;
         for a peer that is not among them (a joiner, or one dropped while away), the members of the

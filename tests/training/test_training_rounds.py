@@ -228,6 +228,31 @@ def test_full_run_with_joiner_death_and_failover(tmp_path, digits, digits_task):
     assert chain.records[-1].record.step == 40 and chain.records[-1].record.metrics["accuracy"] > 0.8
 
 
+def test_a_joiner_not_in_the_last_span_loads_the_last_checkpoint_before_it_is_done(tmp_path, digits, digits_task):
+    swarm = Swarm(tmp_path, digits, digits_task, steps=8)  # two spans of 4 rounds
+    a, b, c = swarm.add("a"), swarm.add("b"), swarm.add("c")
+    coordinator = swarm.elect()
+    swarm.run_span(coordinator)
+    assert a.book.end_of_run(a.id, a.trainer.step) is None  # v1 at step 4 of 8: not over
+
+    # A joiner synced to v1 (its record and state loaded by CID) but not admitted: it is not in
+    # the swarm, so the last span is planned without it; the final record reaches it by pubsub.
+    d = Member(tmp_path, "d", swarm.task, swarm.task_cid, swarm.initial_cid, swarm.fetch_block)
+    head = coordinator.book.chain.records[-1]
+    d.book.chain.append(head)
+    d.trainer.load_state(d.store.cat(head.record.model_cid), d.store.cat(head.record.optimizer_cid))
+    swarm.run_span(coordinator)
+    final = coordinator.book.chain.records[-1]
+    assert final.record.step == 8 and d.id not in final.record.members
+    d.book.chain.append(final)
+
+    assert [m.book.end_of_run(m.id, m.trainer.step) for m in (a, b, c)] == ["done"] * 3
+    assert d.book.end_of_run(d.id, d.trainer.step) == "load"  # its trainer holds v1's weights, at step 4
+    d.trainer.load_state(d.store.cat(final.record.model_cid), d.store.cat(final.record.optimizer_cid))
+    assert d.book.end_of_run(d.id, d.trainer.step) == "done"
+    assert d.trainer.model_bytes() == a.trainer.model_bytes()
+
+
 def test_plan_members_rules(digits, digits_task):
     _, cid = digits
     task = digits_task(cid, **{"peers.min": "2", "peers.max": "3"})
