@@ -48,7 +48,7 @@ from p2ptrain.net import control_ops
 from p2ptrain.node_config import CONFIG_FILE, NodeConfig, prepare_home
 from p2ptrain.wire.topics import MESH_TOPIC
 from p2ptrain.net.control import ControlServer
-from p2ptrain.net.host import dialable_addrs, make_host
+from p2ptrain.net.host import advertised_addrs, make_host
 from p2ptrain.net.pubsub import MessageTooLarge, close_host, make_pubsub, publish_bytes, running_pubsub
 from p2ptrain.mesh.relays import keep_reservations
 from p2ptrain.net.reachability import Reachability
@@ -155,7 +155,7 @@ class Node:
             return []
         suffix = f"/p2p/{self.peer_id.to_base58()}"
         out = []
-        for addr in dialable_addrs(self.host.get_addrs()):
+        for addr in advertised_addrs(self.host.get_addrs()):
             text = str(addr)
             out.append(text if text.endswith(suffix) else text + suffix)
         if self.relaying is not None:

@@ -48,7 +48,7 @@ def make_host(key_pair: KeyPair, listen_addrs: Sequence[str | Multiaddr]) -> IHo
 WILDCARDS = ("/ip4/0.0.0.0/", "/ip6/::/")
 
 
-def dialable_addrs(addrs: Sequence[Multiaddr]) -> list[Multiaddr]:
+def advertised_addrs(addrs: Sequence[Multiaddr]) -> list[Multiaddr]:
     """The host's listen addresses as others can dial them: a wildcard listen address
     (``/ip4/0.0.0.0``, ``/ip6/::``) becomes this machine's interface addresses (loopback and
     link-local left out, as py-libp2p's ``get_thin_waist_addresses`` does), or loopback when it has

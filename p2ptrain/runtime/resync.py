@@ -268,5 +268,4 @@ class Resync:
         write_atomic(run.dir / "chain.jsonl", chain.to_bytes(), mode=0o600)
         run.set_synced()
         logger.info("%s: resynced to model v%d %s at step %d", run.log_prefix, last.version, last.model_cid, last.step)
-        if last.step >= run.total_steps:
-            run.done.set()
+        run.end_if_over()
