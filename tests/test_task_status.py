@@ -48,7 +48,10 @@ async def test_status_says_the_last_completed_round_the_confirmed_model_and_who_
             task_cid = await publish_digits_task(peers[0], total_steps=TOTAL_STEPS,
                                                  checkpoint_interval=CHECKPOINT_INTERVAL, min_peers=2)
             await peers[0].tasks.join(task_cid)
-            before = await _wait(peers, 0, task_cid, lambda s: s["state"] == "training", "the first member synced")
+            # "training" comes at the sync; the wait for peers is noted at the control loop's next
+            # tick after it (on a loaded box, a status read can fall between the two).
+            before = await _wait(peers, 0, task_cid, lambda s: s["state"] == "training" and s["waiting_for_peers"],
+                                 "the first member synced and waiting")
             assert OLD_KEYS <= set(before)
             assert (before["last_round"], before["last_step"], before["waiting_for_peers"]) == (None, None, 1)
             text = render_status(before)
