@@ -31,6 +31,7 @@ from prometheus_client.exposition import ThreadingWSGIServer, make_wsgi_app
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from p2ptrain.errors import UserError
+from p2ptrain.hostport import AddressError, parse_host_port
 from p2ptrain.logs import short_id
 from p2ptrain.runtime.peer import Peer
 
@@ -52,17 +53,10 @@ PREFIX = "p2ptrain"
 def parse_address(text: str, what: str = "--metrics") -> tuple[str, int]:
     """``HOST:PORT`` or ``PORT`` (on loopback) → (host, port); a UserError line naming ``what``
     (the flag or the environment variable it came from) otherwise."""
-    host, sep, port_text = text.rpartition(":")
-    if not sep:
-        host = DEFAULT_METRICS_HOST
-    host = host.strip("[]") or DEFAULT_METRICS_HOST
     try:
-        port = int(port_text)
-    except ValueError:
-        port = -1
-    if not 0 <= port <= 65535:
-        raise UserError(f"{what} {text!r}: expected HOST:PORT or PORT, e.g. 127.0.0.1:9464")
-    return host, port
+        return parse_host_port(text, default_host=DEFAULT_METRICS_HOST)
+    except AddressError:
+        raise UserError(f"{what} {text!r}: expected HOST:PORT or PORT, e.g. 127.0.0.1:9464") from None
 
 
 def snapshot(peer: Peer) -> dict[str, Any]:

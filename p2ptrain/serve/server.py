@@ -21,6 +21,7 @@ import torch
 import trio
 
 from p2ptrain.errors import UserError
+from p2ptrain.hostport import AddressError, format_host_port, parse_host_port
 from p2ptrain.ipfs.store import ContentStore
 from p2ptrain.runtime.served import SERVED_EVERY_S
 from p2ptrain.serve.app import ServeApp
@@ -120,9 +121,10 @@ class Server:
             raise UserError(f"--max-batch must be 1 to {MAX_BATCH_LIMIT}")
         if not 0 <= max_wait_ms <= MAX_WAIT_MS_LIMIT:
             raise UserError(f"--max-wait-ms must be 0 to {MAX_WAIT_MS_LIMIT}")
-        host, _, port = listen.rpartition(":")
-        if not host or not port.isdigit() or int(port) > 65535:
-            raise UserError(f"--listen {listen!r}: give HOST:PORT (port 0 to 65535; 0 picks a free one)")
+        try:
+            self.bind = format_host_port(*parse_host_port(listen))
+        except AddressError:
+            raise UserError(f"--listen {listen!r}: give HOST:PORT (port 0 to 65535; 0 picks a free one)") from None
         if follow is not None and store is None:
             raise ValueError("follow needs the store its CIDs are made local in")
         self.batcher = Batcher(loaded, max_batch, max_wait_ms / 1000)
@@ -136,7 +138,7 @@ class Server:
         from hypercorn.config import Config
 
         config = Config()
-        config.bind = [self.listen]
+        config.bind = [self.bind]
         config.accesslog = None
         config.errorlog = logging.getLogger("hypercorn.error")
         config.keep_alive_timeout = KEEP_ALIVE_S
