@@ -126,14 +126,19 @@ def families(snap: dict[str, Any]) -> Iterator[Metric]:
     yield _counter("messages_rejected", "Input refused, by where it was refused (source) and why (reason).",
                    ["source", "reason"], list(_rejections(node, snap["runs"])))
     collective_sent = sum(r.get("bytes_sent", 0) for r in snap["runs"])
+    collective_received = sum(r.get("bytes_received", 0) for r in snap["runs"])
     fetch = snap["fetch"]
+    bitswap = ((node.get("services") or {}).get("content") or {}).get("bitswap") or {}
     yield _counter("bytes", "Payload bytes by protocol and direction: pubsub (signed messages we published / "
-                   "received), collective (gradient frames sent), bitswap (blocks fetched).",
+                   "received), collective (gradient frames sent / received), bitswap (blocks fetched / "
+                   "served to peers).",
                    ["protocol", "direction"],
                    [(["pubsub", "sent"], messages.get("bytes_published", 0)),
                     (["pubsub", "received"], messages.get("bytes_received", 0)),
                     (["collective", "sent"], collective_sent),
-                    (["bitswap", "received"], fetch.get("bytes", 0))])
+                    (["collective", "received"], collective_received),
+                    (["bitswap", "received"], fetch.get("bytes", 0)),
+                    (["bitswap", "sent"], bitswap.get("served_bytes", 0))])
     yield _counter("fetches", "Bitswap fetches of a DAG, by result.", ["result"],
                    [(["ok"], fetch.get("ok", 0)), (["failed"], fetch.get("failed", 0))])
     yield _counter("fetch_seconds", "Time spent in successful fetches; rate(bytes{protocol=\"bitswap\"}) / "

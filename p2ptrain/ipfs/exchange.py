@@ -61,7 +61,7 @@ from p2ptrain.ipfs.fetch_session import (
     FetchSession,
     FetchStats,
 )
-from p2ptrain.ipfs.serving import Outbox, next_messages, queue_wants
+from p2ptrain.ipfs.serving import Outbox, Packed, next_messages, queue_wants
 from p2ptrain.ipfs.store import BlockSource
 from p2ptrain.logs import count_rejection, short_id
 from p2ptrain.net.streams import StreamGuard
@@ -111,14 +111,19 @@ class BlockExchange:
         self._guard = StreamGuard("bitswap", MAX_INBOUND_STREAMS_PER_PEER)
         self._budgets: dict[ID, tuple[ByteBudget, int]] = {}  # peer -> (budget, readers using it)
         self.rejected: collections.Counter[str] = collections.Counter()  # inbound refusals, by reason
+        # Blocks we served to peers (written on our stream to them), and their data bytes.
+        self.served_blocks = 0
+        self.served_bytes = 0
 
     def stats(self) -> dict[str, int]:
-        """Inbound refusals by reason, and what peers hold with us now (for node status)."""
+        """Inbound refusals by reason, what peers hold with us now, and what we served (for node status)."""
         return {
             **self._guard.stats(),
             **{f"rejected_{why}": n for why, n in self.rejected.items()},
             "inbound_bytes_held": sum(budget.used for budget, _ in self._budgets.values()),
             "offences": sum(self.strikes.values()),
+            "served_blocks": self.served_blocks,
+            "served_bytes": self.served_bytes,
         }
 
     def inbound_bytes(self, peer_id: ID) -> int:
@@ -265,11 +270,13 @@ class BlockExchange:
         """
         try:
             async with trio.open_nursery() as nursery:
-                packed, to_write = trio.open_memory_channel[bytes](1)
+                packed, to_write = trio.open_memory_channel[Packed](1)
                 nursery.start_soon(self._pack_loop, peer, packed)
                 async with to_write:
-                    async for message in to_write:
-                        await self._write(peer, message)
+                    async for item in to_write:
+                        await self._write(peer, item.message)
+                        self.served_blocks += item.blocks
+                        self.served_bytes += item.block_bytes
         except Exception as exc:
             reason = f"stream failed: {exc!r}"
             logger.info("bitswap: dropping peer %s: %s", short_id(peer.id), reason)
@@ -282,7 +289,7 @@ class BlockExchange:
                 with trio.CancelScope(shield=True), trio.move_on_after(_CLOSE_TIMEOUT_S):
                     await _close(peer.stream)
 
-    async def _pack_loop(self, peer: Outbox, packed: trio.MemorySendChannel[bytes]) -> None:
+    async def _pack_loop(self, peer: Outbox, packed: trio.MemorySendChannel[Packed]) -> None:
         async with packed:
             while not peer.done:
                 with trio.move_on_after(_SEND_IDLE_S):
@@ -298,8 +305,8 @@ class BlockExchange:
                 if peer.stream is None:
                     await self._open(peer)
                 while peer.wants or peer.serve:
-                    for message in await next_messages(peer, self.store):
-                        await packed.send(message)
+                    for item in await next_messages(peer, self.store):
+                        await packed.send(item)
 
     async def _write(self, peer: Outbox, message: bytes) -> None:
         """Write one message on our stream to ``peer``; if the peer ended that stream, once more on a

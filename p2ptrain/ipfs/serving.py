@@ -10,6 +10,7 @@ within the wire's limits. The exchange (``exchange.py``) owns the streams these 
 from __future__ import annotations
 
 import logging
+from typing import NamedTuple
 
 import trio
 from libp2p.abc import INetStream
@@ -28,12 +29,20 @@ from p2ptrain.ipfs.cid import CID, cid_str
 from p2ptrain.ipfs.store import BlockSource
 from p2ptrain.logs import short_id
 
-__all__ = ["MAX_PEER_WANTS", "Outbox", "next_messages", "queue_wants"]
+__all__ = ["MAX_PEER_WANTS", "Outbox", "Packed", "next_messages", "queue_wants"]
 
 logger = logging.getLogger(__name__)
 
 MAX_PEER_WANTS = 8192  # requests one peer may have queued with our server (Kubo's own cap is similar)
 _SERVE_BATCH = 8  # blocks loaded from disk per thread hop
+
+
+class Packed(NamedTuple):
+    """One encoded message, and the blocks it serves (counted as served once it is written)."""
+
+    message: bytes
+    blocks: int
+    block_bytes: int
 
 
 class Outbox:
@@ -89,7 +98,7 @@ def _load(store: BlockSource, items: list[tuple[CID, str]]) -> list[tuple[CID, s
     return out
 
 
-async def next_messages(peer: Outbox, store: BlockSource) -> list[bytes]:
+async def next_messages(peer: Outbox, store: BlockSource) -> list[Packed]:
     """Take queued wants and up to one batch of served blocks; pack them into messages."""
     # At most MAX_ENTRIES wants a message: a receiver refuses more (ours does, bitswap_wire);
     # the rest go in the next message.
@@ -101,14 +110,15 @@ async def next_messages(peer: Outbox, store: BlockSource) -> list[bytes]:
         key = next(iter(peer.serve))
         items.append(peer.serve.pop(key))
     loaded = await trio.to_thread.run_sync(_load, store, items) if items else []
-    messages = []
+    messages: list[Packed] = []
     blocks: list[tuple[CID, bytes]] = []
     haves: list[CID] = []
     donts: list[CID] = []
     size = 0
     for cid, kind, data in loaded:
         if data is not None and blocks and size + len(data) > TARGET_MESSAGE_SIZE:
-            messages.append(encode_message(wants=wants, blocks=blocks, protocol=peer.protocol))
+            message = encode_message(wants=wants, blocks=blocks, protocol=peer.protocol)
+            messages.append(Packed(message, len(blocks), size))
             wants, blocks, size = [], [], 0
         if data is not None:
             blocks.append((cid, data))
@@ -118,10 +128,9 @@ async def next_messages(peer: Outbox, store: BlockSource) -> list[bytes]:
         else:
             donts.append(cid)
     if wants or blocks or haves or donts:
-        messages.append(
-            encode_message(
-                wants=wants, blocks=blocks, haves=haves, dont_haves=donts, protocol=peer.protocol
-            )
+        message = encode_message(
+            wants=wants, blocks=blocks, haves=haves, dont_haves=donts, protocol=peer.protocol
         )
-    assert all(len(m) <= MAX_MESSAGE_SIZE + 8 for m in messages)
+        messages.append(Packed(message, len(blocks), size))
+    assert all(len(m.message) <= MAX_MESSAGE_SIZE + 8 for m in messages)
     return messages
