@@ -15,6 +15,7 @@ from pathlib import Path
 from p2ptrain.cli.ipfs import cid_arg
 from p2ptrain.cli.model import HOME_HELP
 from p2ptrain.errors import UserError
+from p2ptrain.serve.limits import MAX_CONNECTIONS
 
 # The input file of `model predict`: a request body, so the server's own body limit
 # (serve.spec.MAX_BODY_BYTES, 8 MiB) is the useful size; the file is not read past it.
@@ -43,6 +44,8 @@ def add_parsers(msub: argparse._SubParsersAction) -> None:
                        help="samples in one forward at most (default 64; 1 turns batching off)")
     serve.add_argument("--max-wait-ms", type=float, default=5.0, metavar="T",
                        help="how long a batch waits for more requests after its first (default 5)")
+    serve.add_argument("--max-connections", type=int, default=MAX_CONNECTIONS, metavar="N",
+                       help=f"connections served at once (default {MAX_CONNECTIONS}); more wait to be accepted")
     serve.add_argument("--device", default="auto", help="auto (CUDA when available, else CPU), cpu, cuda or cuda:N")
     serve.add_argument("--public-url", metavar="URL", default=None,
                        help="the URL peers should use, announced on the mesh through the home's running node "
@@ -83,7 +86,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             raise UserError(f"--public-url {exc}") from None
     server = open_model(
         args.model_cid, latest=args.latest, home=home, device=args.device, listen=args.listen,
-        max_batch=args.max_batch, max_wait_ms=args.max_wait_ms,
+        max_batch=args.max_batch, max_wait_ms=args.max_wait_ms, max_connections=args.max_connections,
         resolve=lambda: ensure_local(home, cids, args.bootstrap, args.latest)[-1],
         announce=lambda cid, bound: announce(home, cid, args.public_url or reachable(bound)),
     )
