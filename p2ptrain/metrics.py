@@ -31,6 +31,7 @@ from prometheus_client.exposition import ThreadingWSGIServer, make_wsgi_app
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from p2ptrain.errors import UserError
+from p2ptrain.hostport import AddressError, parse_host_port
 from p2ptrain.logs import short_id
 from p2ptrain.runtime.peer import Peer
 
@@ -52,17 +53,10 @@ PREFIX = "p2ptrain"
 def parse_address(text: str, what: str = "--metrics") -> tuple[str, int]:
     """``HOST:PORT`` or ``PORT`` (on loopback) → (host, port); a UserError line naming ``what``
     (the flag or the environment variable it came from) otherwise."""
-    host, sep, port_text = text.rpartition(":")
-    if not sep:
-        host = DEFAULT_METRICS_HOST
-    host = host.strip("[]") or DEFAULT_METRICS_HOST
     try:
-        port = int(port_text)
-    except ValueError:
-        port = -1
-    if not 0 <= port <= 65535:
-        raise UserError(f"{what} {text!r}: expected HOST:PORT or PORT, e.g. 127.0.0.1:9464")
-    return host, port
+        return parse_host_port(text, default_host=DEFAULT_METRICS_HOST)
+    except AddressError:
+        raise UserError(f"{what} {text!r}: expected HOST:PORT or PORT, e.g. 127.0.0.1:9464") from None
 
 
 def snapshot(peer: Peer) -> dict[str, Any]:
@@ -132,14 +126,19 @@ def families(snap: dict[str, Any]) -> Iterator[Metric]:
     yield _counter("messages_rejected", "Input refused, by where it was refused (source) and why (reason).",
                    ["source", "reason"], list(_rejections(node, snap["runs"])))
     collective_sent = sum(r.get("bytes_sent", 0) for r in snap["runs"])
+    collective_received = sum(r.get("bytes_received", 0) for r in snap["runs"])
     fetch = snap["fetch"]
+    bitswap = ((node.get("services") or {}).get("content") or {}).get("bitswap") or {}
     yield _counter("bytes", "Payload bytes by protocol and direction: pubsub (signed messages we published / "
-                   "received), collective (gradient frames sent), bitswap (blocks fetched).",
+                   "received), collective (gradient frames sent / received), bitswap (blocks fetched / "
+                   "served to peers).",
                    ["protocol", "direction"],
                    [(["pubsub", "sent"], messages.get("bytes_published", 0)),
                     (["pubsub", "received"], messages.get("bytes_received", 0)),
                     (["collective", "sent"], collective_sent),
-                    (["bitswap", "received"], fetch.get("bytes", 0))])
+                    (["collective", "received"], collective_received),
+                    (["bitswap", "received"], fetch.get("bytes", 0)),
+                    (["bitswap", "sent"], bitswap.get("served_bytes", 0))])
     yield _counter("fetches", "Bitswap fetches of a DAG, by result.", ["result"],
                    [(["ok"], fetch.get("ok", 0)), (["failed"], fetch.get("failed", 0))])
     yield _counter("fetch_seconds", "Time spent in successful fetches; rate(bytes{protocol=\"bitswap\"}) / "

@@ -125,3 +125,13 @@ def test_the_entry_points_exist_in_the_image():
             name = Path(used).name
             assert used == f"/usr/local/bin/{name}" and f"docker/{name}" in copied, (path.name, used)
             assert (DOCKER / name).stat().st_mode & 0o111, f"docker/{name} is not executable"
+
+
+def test_the_image_installs_the_serve_extra():
+    """``model serve`` runs from the image: the package is installed with its ``serve`` extra, and the
+    build's import check imports hypercorn (an extra that is gone fails the build, not a user)."""
+    dockerfile = (DOCKER / "Dockerfile").read_text()
+    installs = re.findall(r"pip install [^\n]*-c constraints\.txt (\S+)", dockerfile)
+    assert installs[-1] == '".[serve]"', installs  # the last install is the package's own
+    assert re.search(r"python -c \"import [^\"]*\bhypercorn\b", dockerfile)
+

@@ -42,6 +42,8 @@ async def test_a_run_is_scraped_while_it_trains_and_drawn_after(tmp_path: Path, 
         async with local_peers(2, tmp_path) as peers, trio.open_nursery() as nursery:
             server = MetricsServer(peers[1], "127.0.0.1", 0)  # the joiner: it fetched from peer 0
             await nursery.start(server.run)
+            publisher = MetricsServer(peers[0], "127.0.0.1", 0)  # served the task's blocks to peer 1
+            await nursery.start(publisher.run)
             task_cid = await publish_digits_task(peers[0], total_steps=8, checkpoint_interval=4)
             async with trio.open_nursery() as joins:
                 for peer in peers:
@@ -58,12 +60,17 @@ async def test_a_run_is_scraped_while_it_trains_and_drawn_after(tmp_path: Path, 
                 assert _one(samples, "p2ptrain_task_round_seconds_count", task=task_cid, phase=phase) == rounds
                 assert _one(samples, "p2ptrain_task_round_seconds_bucket", task=task_cid, phase=phase, le="+Inf") == rounds
             assert _one(samples, "p2ptrain_bytes_total", protocol="collective", direction="sent") > 0
+            assert _one(samples, "p2ptrain_bytes_total", protocol="collective", direction="received") > 0
             assert _one(samples, "p2ptrain_bytes_total", protocol="pubsub", direction="received") > 0
             assert _one(samples, "p2ptrain_task_coordinator_term", task=task_cid) >= 1
             # peer 1 fetched the task, the manifest and its shards from peer 0 by Bitswap
             assert _one(samples, "p2ptrain_fetches_total", result="ok") >= 2
             assert _one(samples, "p2ptrain_bytes_total", protocol="bitswap", direction="received") > 0
             assert _one(samples, "p2ptrain_fetch_seconds_total") > 0
+            # ... which peer 0's exporter counts as served; peer 0 received peer 1's gradient frames
+            served = await trio.to_thread.run_sync(_scrape, publisher.bound_port)
+            assert _one(served, "p2ptrain_bytes_total", protocol="bitswap", direction="sent") > 0
+            assert _one(served, "p2ptrain_bytes_total", protocol="collective", direction="received") > 0
 
             await peers.wait_until(lambda: peers.status(0, task_cid).get("state") == "done", 60, what="the run done")
             nursery.cancel_scope.cancel()

@@ -10,11 +10,17 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from p2ptrain.cli.ipfs import cid_arg
 from p2ptrain.cli.model import HOME_HELP
 from p2ptrain.errors import UserError
+from p2ptrain.serve.limits import MAX_CONNECTIONS
+
+if TYPE_CHECKING:
+    from p2ptrain.serve.server import Server
 
 # The input file of `model predict`: a request body, so the server's own body limit
 # (serve.spec.MAX_BODY_BYTES, 8 MiB) is the useful size; the file is not read past it.
@@ -43,6 +49,8 @@ def add_parsers(msub: argparse._SubParsersAction) -> None:
                        help="samples in one forward at most (default 64; 1 turns batching off)")
     serve.add_argument("--max-wait-ms", type=float, default=5.0, metavar="T",
                        help="how long a batch waits for more requests after its first (default 5)")
+    serve.add_argument("--max-connections", type=int, default=MAX_CONNECTIONS, metavar="N",
+                       help=f"connections served at once (default {MAX_CONNECTIONS}); more wait to be accepted")
     serve.add_argument("--device", default="auto", help="auto (CUDA when available, else CPU), cpu, cuda or cuda:N")
     serve.add_argument("--public-url", metavar="URL", default=None,
                        help="the URL peers should use, announced on the mesh through the home's running node "
@@ -70,6 +78,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import trio
 
     from p2ptrain.cli.model import _home, ensure_local
+    from p2ptrain.net.control import socket_path
     from p2ptrain.serve.api import open_model
 
     home = _home(args)
@@ -81,15 +90,29 @@ def cmd_serve(args: argparse.Namespace) -> int:
             check_url(args.public_url)
         except ValueError as exc:
             raise UserError(f"--public-url {exc}") from None
-    server = open_model(
-        args.model_cid, latest=args.latest, home=home, device=args.device, listen=args.listen,
-        max_batch=args.max_batch, max_wait_ms=args.max_wait_ms,
-        resolve=lambda: ensure_local(home, cids, args.bootstrap, args.latest)[-1],
-        announce=lambda cid, bound: announce(home, cid, args.public_url or reachable(bound)),
-    )
+
+    def build(resolve: Callable[[], str]) -> Server:
+        return open_model(
+            args.model_cid, latest=args.latest, home=home, device=args.device, listen=args.listen,
+            max_batch=args.max_batch, max_wait_ms=args.max_wait_ms, max_connections=args.max_connections,
+            resolve=resolve, announce=lambda cid, bound: announce(home, cid, args.public_url or reachable(bound)),
+        )
+
+    # --latest through --bootstrap alone: one temporary node for the server's life (serve/temporary.py),
+    # not one per lookup. Otherwise the home's store or running node (or, for a fixed CID, a temporary
+    # node for the first fetch only).
+    temporary = args.latest is not None and bool(args.bootstrap) and not socket_path(home).exists()
+    server = None if temporary else build(lambda: ensure_local(home, cids, args.bootstrap, args.latest)[-1])
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
+            nonlocal server
+            if server is None:
+                from p2ptrain.serve.temporary import TemporaryFollower
+
+                follower = TemporaryFollower(home, args.bootstrap, args.latest)
+                await nursery.start(follower.run)
+                server = await trio.to_thread.run_sync(build, follower.latest_blocking)
             url = await nursery.start(server.run)
             following = f", following task {args.latest}" if args.latest else ""
             print(f"serving {server.batcher.current.cid} at {url}{following} (POST /predict, GET /health, GET /model)",

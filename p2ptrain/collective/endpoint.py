@@ -32,11 +32,13 @@ OPS = ("mean", "sum")
 
 @dataclass
 class RoundStats:
-    """What the last round cost this peer: wall time and bytes it put on the wire (frames + headers)."""
+    """What the last round cost this peer: wall time, bytes it put on the wire and bytes it took off
+    it (frames + headers)."""
 
     round_id: int
     seconds: float
     bytes_sent: int
+    bytes_received: int = 0
 
 
 class Collective:
@@ -133,7 +135,7 @@ class Collective:
                 await direct_allreduce(
                     links, data, average=op == "mean", segment_bytes=self.segment_bytes, robust=robust
                 )
-        self.last_round = RoundStats(round_id, time.perf_counter() - started, links.bytes_sent)
+        self.last_round = RoundStats(round_id, time.perf_counter() - started, links.bytes_sent, links.bytes_received)
 
     async def sparse_round(
         self, source: torch.Tensor, ring: list[ID], round_id: int, *, sizes: Sequence[int],
@@ -213,7 +215,7 @@ class Collective:
             self.hub.refused["bad_payload"] += 1
             logger.warning("round %d: refused what %s sent: %s", round_id, error.peer_id, error.reason)
             raise
-        self.last_round = RoundStats(round_id, time.perf_counter() - started, links.bytes_sent)
+        self.last_round = RoundStats(round_id, time.perf_counter() - started, links.bytes_sent, links.bytes_received)
         return result
 
 

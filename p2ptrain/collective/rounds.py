@@ -162,6 +162,7 @@ class RoundLinks:
         self._inbound = inbound
         self._outbound = outbound
         self.bytes_sent = 0
+        self.bytes_received = 0  # frames taken off the inbound channels, length prefixes included
 
     async def send(self, header: Header, payload: bytes | memoryview = b"", *, to: ID | None = None) -> None:
         peer = self.right_peer if to is None else to
@@ -229,6 +230,7 @@ class RoundLinks:
         except ChannelError as error:
             await _wait_for_abort_notice()
             raise PeerFailed(peer, f"channel broke while receiving: {error}", gone=True) from error
+        self.bytes_received += len(frame) + 8  # the channel's length prefix
         try:
             header = parse_header(frame)
         except ValueError as error:

@@ -26,6 +26,20 @@ class ContentUnavailable(LookupError):
         super().__init__(f"{self.cid}: {reason}")
 
 
+class BlockSource(Protocol):
+    """What Bitswap needs of a block store (:class:`~p2ptrain.ipfs.blockstore.BlockStore` fits).
+
+    ``get`` must verify what it returns; ``put`` must verify and write atomically. Both are called
+    from worker threads.
+    """
+
+    def has(self, cid: CID) -> bool: ...
+
+    def get(self, cid: CID) -> bytes: ...
+
+    def put(self, cid: CID, data: bytes) -> None: ...
+
+
 @runtime_checkable
 class ContentStore(Protocol):
     """Add, read and pin UnixFS files by CID. CIDs are returned as strings in Kubo's text form."""

@@ -6,10 +6,10 @@ per-frame f-string log line, and a writer that polls every 10 ms and fails after
 This module keeps py-libp2p's :class:`~libp2p.stream_muxer.yamux.yamux.Yamux` (connection lifecycle,
 close, reset, GO_AWAY, RTT pings, stale-stream sweeping) and replaces the data path:
 
-* writers send DATA frames of up to :data:`MAX_FRAME` bytes, within the peer's window (a frame up
+* writers send DATA frames of up to :data:`~p2ptrain.net.yamux_stream.MAX_FRAME` bytes, within the peer's window (a frame up
   to the window is legal yamux; a stock py-libp2p receiver accepts up to 16 MiB);
 * each stream returns credit in batches of half its window, as go-yamux does, and doubles the
-  window with each batch from yamux's 256 KiB up to :data:`RECV_WINDOW` (16 MiB);
+  window with each batch from yamux's 256 KiB up to :data:`~p2ptrain.net.yamux_frames.RECV_WINDOW` (16 MiB);
 * the frame reader takes whole decrypted socket reads from :class:`~p2ptrain.net.noise.NoiseSession`
   and hands payload slices to streams without copying them;
 * a writer waiting for window sleeps on an event (woken by the window update, a close or a reset)
@@ -21,13 +21,15 @@ close, reset, GO_AWAY, RTT pings, stale-stream sweeping) and replaces the data p
 
 The muxer class is installed by :func:`install`, because py-libp2p's muxer negotiation hard-codes
 its own ``Yamux`` class for ``/yamux/1.0.0``.
+
+Layout: this module is the connection (frame reader and writer, stream table, negotiation); the
+stream is :mod:`p2ptrain.net.yamux_stream`, the checked frame header codec :mod:`p2ptrain.net.yamux_frames`.
 """
 
 from __future__ import annotations
 
 import logging
-import struct
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
@@ -37,14 +39,9 @@ from libp2p.custom_types import TProtocol
 from libp2p.io.exceptions import ConnectionClosedError, IncompleteReadError, IOException
 from libp2p.network.connection.exceptions import RawConnError
 from libp2p.peer.id import ID
-from libp2p.stream_muxer.exceptions import (
-    MuxedStreamEOF,
-    MuxedStreamError,
-    MuxedStreamReset,
-)
+from libp2p.stream_muxer.exceptions import MuxedStreamError
 from libp2p.stream_muxer.muxer_multistream import MuxerMultistream
 from libp2p.stream_muxer.yamux.yamux import (
-    DEFAULT_WINDOW_SIZE,
     FLAG_ACK,
     FLAG_FIN,
     FLAG_RST,
@@ -56,56 +53,23 @@ from libp2p.stream_muxer.yamux.yamux import (
     TYPE_GO_AWAY,
     TYPE_PING,
     TYPE_WINDOW_UPDATE,
-    YAMUX_HEADER_FORMAT,
     Yamux,
-    YamuxStream,
 )
 
 from p2ptrain.logs import count_rejection
 from p2ptrain.net.noise import NoiseSession
+from p2ptrain.net.yamux_frames import FRAME_HEADER, YamuxFrameError, parse_frame_header
+from p2ptrain.net.yamux_stream import FastYamuxStream
 
 logger = logging.getLogger(__name__)
 
-# Largest DATA frame we send. Bigger frames amortize per-frame Python work; the peer's window
-# still bounds every frame.
-MAX_FRAME = 1 << 20
-# Largest receive window per stream (go-yamux's maximum): the most unread data a stream can hold.
-RECV_WINDOW = 16 << 20
 # Inbound streams a peer may have open on one connection; a SYN beyond it is answered with RST.
 # Every protocol handler caps its own streams per peer (collective 16, Bitswap 4), but a stream
 # holds up to yamux's initial 256 KiB window of unread data before any handler sees it (during
 # protocol negotiation): 128 streams bound that to 32 MiB per connection.
 MAX_INBOUND_STREAMS = 128
 
-_HEADER = struct.Struct(YAMUX_HEADER_FORMAT)
-_KNOWN_FLAGS = FLAG_SYN | FLAG_ACK | FLAG_FIN | FLAG_RST
-_KNOWN_TYPES = (TYPE_DATA, TYPE_WINDOW_UPDATE, TYPE_PING, TYPE_GO_AWAY)
-
-
-class YamuxFrameError(ValueError):
-    """A frame header that no yamux peer may send; the connection is ended with GO_AWAY."""
-
-
-def parse_frame_header(raw: bytes | bytearray | memoryview) -> tuple[int, int, int, int]:
-    """``(type, flags, stream_id, length)`` of a 12-byte yamux frame header, checked as go-yamux
-    checks it: version 0, a known type, only known flags, a stream ID on DATA and WINDOW_UPDATE,
-    and no DATA frame longer than the largest window we ever grant (:data:`RECV_WINDOW`), so a
-    frame is refused before any of its body is buffered. :class:`YamuxFrameError` is its only error.
-    """
-    if len(raw) != HEADER_SIZE:
-        raise YamuxFrameError(f"frame header of {len(raw)} bytes (expected {HEADER_SIZE})")
-    version, typ, flags, stream_id, length = _HEADER.unpack(raw)
-    if version != 0:
-        raise YamuxFrameError(f"yamux version {version}")
-    if typ not in _KNOWN_TYPES:
-        raise YamuxFrameError(f"unknown frame type {typ}")
-    if flags & ~_KNOWN_FLAGS:
-        raise YamuxFrameError(f"unknown flags {flags:#x}")
-    if typ in (TYPE_DATA, TYPE_WINDOW_UPDATE) and stream_id == 0:
-        raise YamuxFrameError("DATA or WINDOW_UPDATE on stream 0")
-    if typ == TYPE_DATA and length > RECV_WINDOW:
-        raise YamuxFrameError(f"DATA frame of {length} B exceeds any window ({RECV_WINDOW} B)")
-    return typ, flags, stream_id, length
+# What a socket read or write raises when the connection is gone: an end, logged at DEBUG.
 _CONNECTION_ERRORS = (
     ConnectionClosedError,
     RawConnError,
@@ -115,173 +79,6 @@ _CONNECTION_ERRORS = (
     trio.BrokenResourceError,
     trio.ClosedResourceError,
 )
-
-
-class _Pieces:
-    """A stream's unread bytes as a queue of zero-copy slices of decrypted Noise messages.
-
-    ``len()`` and truthiness count bytes, which is what py-libp2p's inherited bookkeeping asks of a
-    stream buffer.
-    """
-
-    __slots__ = ("_queue", "_len")
-
-    def __init__(self) -> None:
-        self._queue: deque[memoryview] = deque()
-        self._len = 0
-
-    def __len__(self) -> int:
-        return self._len
-
-    def __bool__(self) -> bool:
-        return self._len > 0
-
-    def append(self, piece: memoryview) -> None:
-        self._queue.append(piece)
-        self._len += len(piece)
-
-    def clear(self) -> None:
-        self._queue.clear()
-        self._len = 0
-
-    def take(self, n: int) -> list[memoryview]:
-        """Remove and return up to ``n`` bytes as slices."""
-        out: list[memoryview] = []
-        queue = self._queue
-        while n > 0 and queue:
-            piece = queue[0]
-            if len(piece) <= n:
-                queue.popleft()
-                out.append(piece)
-                n -= len(piece)
-                self._len -= len(piece)
-            else:
-                out.append(piece[:n])
-                queue[0] = piece[n:]
-                self._len -= n
-                n = 0
-        return out
-
-
-class FastYamuxStream(YamuxStream):
-    """A yamux stream with large frames, batched window credit and an event-driven writer."""
-
-    conn: FastYamux
-
-    def __init__(self, stream_id: int, conn: FastYamux, is_initiator: bool) -> None:
-        self._window_changed = trio.Event()
-        super().__init__(stream_id, conn, is_initiator)
-        self.pieces = _Pieces()
-        self._write_lock = trio.Lock()
-        self._unacked = 0  # bytes read but not yet credited back to the peer
-        self._window_target = DEFAULT_WINDOW_SIZE  # the receive window we let the peer fill
-
-    # send_window and closed wake a writer waiting for window; the inherited code and our frame
-    # reader assign them directly.
-    @property
-    def send_window(self) -> int:
-        return self._send_window
-
-    @send_window.setter
-    def send_window(self, value: int) -> None:
-        self._send_window = value
-        self._window_changed.set()
-
-    @property
-    def closed(self) -> bool:
-        return self._closed_flag
-
-    @closed.setter
-    def closed(self, value: bool) -> None:
-        self._closed_flag = value
-        self._window_changed.set()
-
-    # -- writing -------------------------------------------------------------------------------
-
-    async def write(self, data: bytes | memoryview, *, prefix: bytes = b"") -> None:
-        """Send ``prefix + data`` as DATA frames; waits for window as long as the caller allows."""
-        view = memoryview(data).cast("B") if not isinstance(data, bytes) else memoryview(data)
-        if prefix:
-            # Sent inside the first frame, so a small header and its payload share a Noise message.
-            total = len(prefix) + len(view)
-        else:
-            total = len(view)
-        async with self._write_lock:
-            sent = 0
-            while sent < total:
-                if self.send_closed:
-                    raise MuxedStreamError("Stream is closed for sending")
-                if self.closed or self.conn.event_shutting_down.is_set():
-                    raise MuxedStreamReset("Stream is closed")
-                if self._send_window <= 0:
-                    self._window_changed = trio.Event()
-                    await self._window_changed.wait()
-                    continue
-                n = min(self._send_window, MAX_FRAME, total - sent)
-                self._send_window -= n
-                if sent < len(prefix):
-                    head = prefix[sent:]
-                    if n < len(head):
-                        chunk: list[bytes | memoryview] = [head[:n]]
-                    else:
-                        chunk = [head, view[: n - len(head)]]
-                else:
-                    start = sent - len(prefix)
-                    chunk = [view[start : start + n]]
-                await self.conn.send_frame(TYPE_DATA, 0, self.stream_id, n, chunk)
-                sent += n
-
-    # -- reading -------------------------------------------------------------------------------
-
-    async def read_pieces(self, max_bytes: int) -> list[memoryview]:
-        """Up to ``max_bytes`` of received data as zero-copy slices; waits for at least one byte.
-
-        Raises :class:`MuxedStreamEOF` after a clean end and :class:`MuxedStreamReset` after a
-        reset, once all data received before them has been read.
-        """
-        while True:
-            if self.pieces:
-                out = self.pieces.take(max_bytes)
-                if self.closed and not self.pieces:
-                    # Drained after a full close: drop the bookkeeping now, not at the next sweep.
-                    await self.conn._finalize_stream(self, fully_closed=True)
-                else:
-                    await self._credit(sum(len(p) for p in out))
-                return out
-            if self.reset_received:
-                raise MuxedStreamReset("Stream was reset")
-            if self.recv_closed:
-                raise MuxedStreamEOF("Stream is closed for receiving")
-            if self.conn.event_shutting_down.is_set():
-                raise MuxedStreamEOF("Connection shut down")
-            event = self.conn.stream_events.get(self.stream_id)
-            if event is None:
-                raise MuxedStreamEOF("Stream was removed")
-            await event.wait()
-            if self.conn.stream_events.get(self.stream_id) is event:
-                self.conn.stream_events[self.stream_id] = trio.Event()
-
-    async def read(self, n: int | None = -1) -> bytes:
-        if n is None or n < 0:
-            n = 1 << 62
-        return b"".join(await self.read_pieces(n))
-
-    async def _credit(self, n: int) -> None:
-        """Return window to the peer once half of it has been read (go-yamux's batching rule).
-
-        The window starts at yamux's 256 KiB and doubles with each update up to
-        :data:`RECV_WINDOW`, so a stream only gets a large buffer once its reader has shown it
-        drains one: a peer cannot park 16 MiB on every stream it opens.
-        """
-        self._unacked += n
-        if self._unacked < self._window_target // 2 or self.recv_closed or self.closed:
-            return
-        increment, self._unacked = self._unacked, 0
-        if self._window_target < RECV_WINDOW:
-            increment += self._window_target
-            self._window_target *= 2
-        self.recv_window += increment
-        self.conn.send_control(TYPE_WINDOW_UPDATE, 0, self.stream_id, increment)
 
 
 class FastYamux(Yamux):
@@ -321,7 +118,7 @@ class FastYamux(Yamux):
         Cancelling the caller never tears a frame: what is still unsent of it stays queued and is
         written first by the next holder of the write lock, or at once by the flusher task.
         """
-        header = _HEADER.pack(0, typ, flags, stream_id, length)
+        header = FRAME_HEADER.pack(0, typ, flags, stream_id, length)
         async with self._write_lock:
             await self._drain_locked()
             await self._send_locked(header, payload)
@@ -333,7 +130,7 @@ class FastYamux(Yamux):
         writes while both peers' writers waited on full socket buffers, neither would move.
         Queued frames go out, in order, before the next frame of any writer.
         """
-        self._control.append(_HEADER.pack(0, typ, flags, stream_id, length))
+        self._control.append(FRAME_HEADER.pack(0, typ, flags, stream_id, length))
         self._flush_wanted.set()
 
     async def _send_locked(

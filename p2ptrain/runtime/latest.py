@@ -103,6 +103,17 @@ class LatestFinder:
         self._seen: set[tuple[str, str]] = set()  # (chain CID, model CID) already judged
         self.node.on(TaskHead, self._on_head)
 
+    @property
+    def judged(self) -> int:
+        """Distinct heads judged so far (at most MAX_SEEN_HEADS)."""
+        return len(self._seen)
+
+    def forget_judged(self) -> None:
+        """Forget which heads were judged, keeping the best: a finder that lives as long as a
+        server (``model serve --latest``, serve/temporary.py) calls this now and then, so
+        MAX_SEEN_HEADS bounds its memory, not how many checkpoints it can follow."""
+        self._seen.clear()
+
     def _on_head(self, signed: Any, topic: str) -> None:
         head: TaskHead = signed.msg
         if head.task_cid != self.task_cid or head.version < 1 or (head.chain_cid, head.model_cid) in self._seen:

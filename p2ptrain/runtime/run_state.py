@@ -98,6 +98,7 @@ class RunState:
     # The pending record's count of attestations (and those that came before their record).
     attestations: Attestations = field(default_factory=Attestations)
     bytes_sent: int = 0
+    bytes_received: int = 0  # collective frames taken off the wire (the metrics' collective/received)
     rounds_done: int = 0
     # Heads and chains refused, resyncs that failed, by kind: shown in `task status` ("rejected").
     rejected: Counter[str] = field(default_factory=Counter)

@@ -160,6 +160,7 @@ class Spans:
         stats = run.collective.last_round
         sent = stats.bytes_sent if stats else 0
         run.bytes_sent += sent
+        run.bytes_received += stats.bytes_received if stats else 0
         run.rounds_done += 1
         run.metrics["train_loss"] = result.local_loss
         run.round_seconds.observe(timings.last_compute_s, timings.last_sync_s, timings.last_apply_s)

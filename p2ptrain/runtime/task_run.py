@@ -138,6 +138,7 @@ class TaskRun:
             "accuracy": run.metrics.get("accuracy"),
             "test_loss": run.metrics.get("loss"),
             "bytes_sent": run.bytes_sent,
+            "bytes_received": run.bytes_received,
             "rounds_done": run.rounds_done,
             "compute_s": round(run.timings.compute_s, 4),
             "sync_s": round(run.timings.sync_s, 4),

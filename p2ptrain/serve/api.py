@@ -66,7 +66,7 @@ def serve(model_cid: str | None = None, **options: Any) -> None:
     """Serve ``model_cid`` (or ``latest=TASK_CID``) over HTTP until interrupted.
 
     Options: ``home``, ``listen`` ("127.0.0.1:8080"), ``max_batch`` (64), ``max_wait_ms`` (5),
-    ``device`` ("auto"), ``on_ready`` (called with the URL once listening).
+    ``max_connections`` (256), ``device`` ("auto"), ``on_ready`` (called with the URL once listening).
     """
     on_ready: Callable[[str], None] = options.pop("on_ready", None) or (lambda url: None)
     server = open_model(model_cid, **options)

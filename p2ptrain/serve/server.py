@@ -5,6 +5,9 @@ size limits on headers) with a native trio worker, so the server runs in the sam
 concurrency as the rest of p2ptrain: one nursery holds the listener, the batch loop and the head
 follower, and cancelling it stops all three. (uvicorn runs on asyncio only; aiohttp too.)
 
+Open connections are capped (``--max-connections``): the accept loop is ours
+(:mod:`p2ptrain.serve.connections`), each connection served by hypercorn's own connection server.
+
 ``follow`` (for ``--latest``) is a blocking function that returns the newest confirmed model CID of a
 task, made local; it runs in a worker thread every ``follow_every_s``, and a new CID is loaded
 (verified against its CID by the store, built from the registry) and swapped in between batches.
@@ -15,18 +18,23 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import trio
 
 from p2ptrain.errors import UserError
+from p2ptrain.hostport import AddressError, format_host_port, parse_host_port
 from p2ptrain.ipfs.store import ContentStore
 from p2ptrain.runtime.served import SERVED_EVERY_S
 from p2ptrain.serve.app import ServeApp
 from p2ptrain.serve.batcher import Batcher, Loaded
+from p2ptrain.serve.limits import MAX_CONNECTIONS, MAX_CONNECTIONS_LIMIT
 from p2ptrain.serve.spec import spec_for
 from p2ptrain.training.records import MAX_CHAIN_BYTES, RecordError, quorum, read_model_card, record_from_bytes
+
+if TYPE_CHECKING:
+    from p2ptrain.serve.connections import CappedListener
 
 logger = logging.getLogger(__name__)
 
@@ -115,14 +123,18 @@ class Server:
         self, loaded: Loaded, *, listen: str = "127.0.0.1:8080", max_batch: int = 64, max_wait_ms: float = 5.0,
         follow: Callable[[], str] | None = None, store: ContentStore | None = None, home: Path | None = None,
         follow_every_s: float = LATEST_POLL_S, announce: Callable[[str, str], None] | None = None,
+        max_connections: int = MAX_CONNECTIONS,
     ) -> None:
         if not 1 <= max_batch <= MAX_BATCH_LIMIT:
             raise UserError(f"--max-batch must be 1 to {MAX_BATCH_LIMIT}")
         if not 0 <= max_wait_ms <= MAX_WAIT_MS_LIMIT:
             raise UserError(f"--max-wait-ms must be 0 to {MAX_WAIT_MS_LIMIT}")
-        host, _, port = listen.rpartition(":")
-        if not host or not port.isdigit() or int(port) > 65535:
-            raise UserError(f"--listen {listen!r}: give HOST:PORT (port 0 to 65535; 0 picks a free one)")
+        if not 1 <= max_connections <= MAX_CONNECTIONS_LIMIT:
+            raise UserError(f"--max-connections must be 1 to {MAX_CONNECTIONS_LIMIT}")
+        try:
+            self.bind = format_host_port(*parse_host_port(listen))
+        except AddressError:
+            raise UserError(f"--listen {listen!r}: give HOST:PORT (port 0 to 65535; 0 picks a free one)") from None
         if follow is not None and store is None:
             raise ValueError("follow needs the store its CIDs are made local in")
         self.batcher = Batcher(loaded, max_batch, max_wait_ms / 1000)
@@ -131,12 +143,21 @@ class Server:
         self.follow_every_s = follow_every_s
         self.follow_failures = 0
         self.announce = announce
+        self.max_connections = max_connections
+        self._listener: CappedListener | None = None
+
+    @property
+    def connections(self) -> int:
+        """Connections open now (at most ``max_connections``)."""
+        return self._listener.open if self._listener is not None else 0
 
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         from hypercorn.config import Config
 
+        from p2ptrain.serve.connections import serve_capped  # hypercorn: the optional extra
+
         config = Config()
-        config.bind = [self.listen]
+        config.bind = [self.bind]
         config.accesslog = None
         config.errorlog = logging.getLogger("hypercorn.error")
         config.keep_alive_timeout = KEEP_ALIVE_S
@@ -144,25 +165,12 @@ class Server:
         config.backlog = BACKLOG
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self.batcher.run)
-            binds = await nursery.start(self._listen, config)
+            url, self._listener = await nursery.start(serve_capped, self.app, config, self.max_connections, self.listen)
             if self.follow is not None:
                 nursery.start_soon(self._follow)
             if self.announce is not None:
-                nursery.start_soon(self._announce, binds[0])
-            task_status.started(binds[0])
-
-    async def _listen(self, config: Any, *, task_status: Any) -> None:
-        """hypercorn's trio worker; an address that cannot be bound is one UserError line."""
-        from hypercorn.trio import serve
-
-        try:
-            await serve(self.app, config, task_status=task_status)
-        except BaseExceptionGroup as group:  # hypercorn's nurseries wrap a bind error
-            bind_errors, rest = group.split(OSError)  # gaierror, EADDRINUSE, EADDRNOTAVAIL, EACCES
-            if bind_errors is None or rest is not None:
-                raise
-            exc = _first_leaf(bind_errors)
-            raise UserError(f"cannot listen on {self.listen}: {getattr(exc, 'strerror', None) or exc}") from None
+                nursery.start_soon(self._announce, url)
+            task_status.started(url)
 
     async def _announce(self, url: str) -> None:
         """Tell the mesh we serve the current model, every SERVED_EVERY_S (``announce(cid, url)``
@@ -199,8 +207,3 @@ class Server:
                 n = self.follow_failures
                 if n & (n - 1) == 0:
                     logger.warning("--latest: keeping %s (%d failed lookups so far): %s", self.batcher.current.cid, n, exc)
-
-
-def _first_leaf(group: BaseExceptionGroup) -> BaseException:
-    first = group.exceptions[0]
-    return _first_leaf(first) if isinstance(first, BaseExceptionGroup) else first

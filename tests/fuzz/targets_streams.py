@@ -21,7 +21,7 @@ from p2ptrain.ipfs.bitswap_wire import (
     encode_message,
 )
 from p2ptrain.ipfs.cid import make_cid
-from p2ptrain.net.muxer import YamuxFrameError, parse_frame_header
+from p2ptrain.net.yamux_frames import YamuxFrameError, parse_frame_header
 from p2ptrain.net.noise import NoiseFrameError, message_spans
 from p2ptrain.wire.frames import HEADER, FrameError, Header, Kind, abort_frame, parse_abort, parse_header
 

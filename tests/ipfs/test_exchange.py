@@ -100,6 +100,10 @@ async def test_fetch_dag_from_one_provider(tmp_path, cid_version):
             stats = await fetcher.exchange.fetch_dag(root, [provider.info])
         assert bytes_of(fetcher.store, root) == data
         assert stats.blocks == 13 + 1  # 12 full leaves + a short one, plus the root
+        with trio.fail_after(DEADLINE):  # the provider counts a block once its write returned
+            while provider.exchange.stats()["served_blocks"] < stats.blocks:
+                await trio.sleep(0.01)
+        assert provider.exchange.stats()["served_bytes"] == stats.bytes
         with trio.fail_after(DEADLINE):  # everything is local now: nothing goes over the wire
             again = await fetcher.exchange.fetch_dag(root, [provider.info])
         assert again.blocks == 0 and again.local_blocks == 14

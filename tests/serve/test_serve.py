@@ -260,6 +260,8 @@ def test_serve_refuses_in_one_line_without_hypercorn_a_device_or_an_address(
     assert "one of them" in capsys.readouterr().err
     assert main(argv[:-1] + ["127.0.0.1"]) == 1
     assert capsys.readouterr().err.startswith("p2ptrain: error: --listen '127.0.0.1': give HOST:PORT")
+    assert main(argv + ["--max-connections", "0"]) == 1
+    assert capsys.readouterr().err.strip() == "p2ptrain: error: --max-connections must be 1 to 4096"
     assert main(argv[:-1] + [home["url"].removeprefix("http://")]) == 1  # the server process holds that port
     err = capsys.readouterr().err
     assert err.startswith(f"p2ptrain: error: cannot listen on {home['url'].removeprefix('http://')}: ") and len(err.splitlines()) == 1
@@ -300,3 +302,55 @@ async def test_bodies_in_flight_and_queued_samples_are_bounded_with_503(home: di
     assert await post() == 503 and app.rejected["busy"] == 2
     app.batcher.queued_samples = 0
     assert await post() == 0 and app.batcher.queued_samples == 1024 and app.reading == 0
+
+
+# How long a connection past the cap is watched for an answer it must not get while the cap is
+# full: without the cap it is accepted and answered in milliseconds.
+QUEUED_WATCH_S = 1.0
+# A connection its client closed frees its slot at once; hypercorn alone keeps one that was idle
+# until its keep-alive timer (server.KEEP_ALIVE_S, 30 s) fires.
+RELEASE_S = 10.0
+HEALTH = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+
+
+async def _response(stream: trio.SocketStream) -> bytes:
+    """One HTTP response off a keep-alive connection: head, then Content-Length bytes of body."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = await stream.receive_some(65536)
+        assert chunk, f"connection closed after {data!r}"
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+    while len(body) < length:
+        body += await stream.receive_some(65536)
+    return head + b"\r\n\r\n" + body
+
+
+async def test_connections_past_the_cap_wait_unaccepted_while_the_open_ones_are_served(home: dict) -> None:
+    from p2ptrain.serve.server import Server
+
+    loaded = load_served(open_store(home["home"]), home["model"], torch.device("cpu"))
+    server = Server(loaded, listen="127.0.0.1:0", max_connections=2)
+    with trio.fail_after(CALL_DEADLINE_S):
+        async with trio.open_nursery() as nursery:
+            host, port = (await nursery.start(server.run)).removeprefix("http://").split(":")
+            kept = await trio.open_tcp_stream(host, int(port))  # a keep-alive client
+            await kept.send_all(HEALTH)
+            assert (await _response(kept)).startswith(b"HTTP/1.1 200")
+            idle = await trio.open_tcp_stream(host, int(port))  # kept alive, idle: holds the second slot
+            await idle.send_all(HEALTH)
+            assert (await _response(idle)).startswith(b"HTTP/1.1 200")
+            assert server.connections == 2
+            queued = await trio.open_tcp_stream(host, int(port))  # the kernel takes it; the server does not
+            await queued.send_all(HEALTH)
+            await kept.send_all(HEALTH)  # the open connections are served meanwhile
+            assert (await _response(kept)).startswith(b"HTTP/1.1 200")
+            with trio.move_on_after(QUEUED_WATCH_S):
+                early = await queued.receive_some(65536)
+                pytest.fail(f"a connection past the cap was answered: {early!r}")
+            assert server.connections == 2
+            await idle.aclose()  # its slot frees: the waiting connection is accepted and answered
+            with trio.fail_after(RELEASE_S):
+                assert (await _response(queued)).startswith(b"HTTP/1.1 200")
+            nursery.cancel_scope.cancel()
