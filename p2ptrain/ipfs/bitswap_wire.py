@@ -66,7 +66,7 @@ HEAD_READ = 64 * 1024
 
 # Wantlist entries and block presences one message may carry. Each entry costs a CID parse (tens
 # of microseconds): a 4 MiB message of bare CIDs would be ~110,000 of them, seconds of CPU. Our
-# server queues at most 8,192 wants per peer anyway (exchange.MAX_PEER_WANTS), as Kubo does.
+# server queues at most 8,192 wants per peer anyway (serving.MAX_PEER_WANTS), as Kubo does.
 MAX_ENTRIES = 8192
 
 _SHA2_256 = 0x12
