@@ -14,7 +14,10 @@ Why the lower median: with f members Byzantine of P, the value at sorted positio
 most the largest honest norm whenever f <= P/2, so a hostile contribution weighs at most what the
 largest honest one does. It is computed where the contributions already are (at the owner), from the
 received bytes, so nobody reports a norm it could lie about, no extra message is sent, and the
-owner's bytes are what every member copies: the result stays bitwise identical everywhere.
+owner's bytes are what every member copies: the result stays bitwise identical everywhere. With
+quantized values there is no owner (every member all-gathers every contribution,
+:mod:`p2ptrain.collective.quantized`): every member clips, with :func:`exact_norm`, a norm that is
+the same float on every CPU, so their results agree bit for bit too.
 
 What it does not do: a sign-flipped contribution of honest norm is within the radius and counts
 fully (it cancels at most one honest member's share); an owner is trusted with its own part (see
