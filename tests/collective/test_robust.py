@@ -147,8 +147,9 @@ def test_exact_norm_is_the_correctly_rounded_norm():
 
 
 def test_a_task_may_clip_quantized_values():
-    base = 'name = "t"\n[model]\nname = "mlp"\n[dataset]\nmanifest = "bafkreigh2akiscaildcqabsyg3dfr6chu3fgpregiymsck7e7aqa4s52zy"\n' \
-        '[optimizer]\nname = "adamw"\nlr = 0.001\n[training]\nbatch_size = 8\ntotal_steps = 10\n'
+    base = ('name = "t"\n[model]\nname = "mlp"\n[dataset]\n'
+            'manifest = "bafkreigh2akiscaildcqabsyg3dfr6chu3fgpregiymsck7e7aqa4s52zy"\n'
+            '[optimizer]\nname = "adamw"\nlr = 0.001\n[training]\nbatch_size = 8\ntotal_steps = 10\n')
     compression = load_task(base + '[compression]\nvalues = "int8"\nrobust = "clip"\n').compression
     assert (compression.values, compression.robust) == ("int8", "clip")
 
