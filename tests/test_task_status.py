@@ -65,6 +65,7 @@ async def test_status_says_the_last_completed_round_the_confirmed_model_and_who_
             # Round r of a span ends at step r + 1 here (no retries); v1 is the span ending at step 3.
             assert mid["last_step"] == mid["step"] >= CHECKPOINT_INTERVAL
             assert mid["last_round"] == mid["last_step"] - 1 and mid["waiting_for_peers"] == 0
+            assert (mid["inner_steps"], mid["inner_step"]) == (None, None)  # sync mode: no inner loop
             record = mid["chain"][0]
             assert (record["round"], record["step"]) == (CHECKPOINT_INTERVAL - 1, CHECKPOINT_INTERVAL)
             text = render_status(mid)

@@ -139,12 +139,20 @@ def _progress(s: dict[str, Any]) -> str:
     if not s.get("member"):  # what the run's head says: its step, not a round this node saw complete
         return f"step {s.get('step', 0)}/{total}"
     if s.get("last_round") is None:
-        text = f"no round completed yet (step {s.get('step', 0)}/{total})"
+        text = f"no round completed yet (step {s.get('step', 0)}/{total})" + _inner(s)
         waiting = s.get("waiting_for_peers") or 0
         if waiting:
             text += f"; waiting for {waiting} more peer{'s' if waiting > 1 else ''}"
         return text
-    return f"round {s['last_round']} completed, step {s['last_step']}/{total}"
+    text = f"round {s['last_round']} completed, step {s['last_step']}/{total}"
+    return text + _inner(s)
+
+
+def _inner(s: dict[str, Any]) -> str:
+    """Local-SGD mode: where this member is in its inner loop (a round there takes H local steps)."""
+    if s.get("inner_step") is None:
+        return ""
+    return f"; inner step {s['inner_step']}/{s.get('inner_steps') or '?'}"
 
 
 def _model(s: dict[str, Any]) -> str:

@@ -154,11 +154,11 @@ class Collective:
         ``source`` (its size and dtype must be final). Returns the sorted indices and the reduced
         values (``value_dtype``), the same bits on every member. ``robust``: as in :meth:`allreduce`.
         ``quantize`` (``"int8"``, ``"2bit"``): the values travel quantized (``value_dtype`` is then
-        unused and the values come back float32); not with ``robust``. A member whose bytes we
-        refuse is counted (``refused_bad_payload`` in the hub's stats) and named in the failure.
+        unused and the values come back float32); with ``robust``, every member clips. A member
+        whose bytes we refuse is counted (``refused_bad_payload`` in the hub's stats) and named in the failure.
         """
-        if quantize is not None and (quantize not in KINDS or robust != "none"):
-            raise CollectiveError(f"quantize={quantize!r} (with robust={robust!r}) is not supported")
+        if quantize is not None and quantize not in KINDS:
+            raise CollectiveError(f"quantize={quantize!r} is not supported")
         _check_tensor(source, op)
         _check_robust(robust)
         if value_dtype not in FLOAT_DTYPES:

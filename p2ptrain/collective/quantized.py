@@ -7,6 +7,15 @@ member dequantizes all of them and sums them in member order 0, 1, ..., P-1. The
 same float32 operations in the same order give the same bits on every member; a member's own values
 go through the same decode, so it adds exactly what the others add for it.
 
+``robust="clip"`` works here at every member rather than at an owner: each member has every
+member's dequantized contribution, so each computes their norms
+(:func:`~p2ptrain.collective.robust.exact_norm`, the same float on any CPU), the radius and the
+factors from the same bytes, and scales each contribution before adding it: the same bits
+everywhere again. The clipped vector is a member's whole contribution (in the fp32 path, each
+owner's chunk of it). What a clip removes is not put back in anyone's residual, as in the fp32
+path: the sender's error feedback keeps only what the quantization dropped (it believes it sent
+what it encoded).
+
 Volume per member: (P - 1) x the encoded values (for 2-bit, 0.28 bytes a value with the scales),
 against 2 (P - 1) / P x 4 bytes a value for the float32 reduce-scatter and all-gather.
 """
@@ -19,16 +28,20 @@ import trio
 from p2ptrain.collective.direct import direct_broadcast
 from p2ptrain.collective.errors import single_failure
 from p2ptrain.collective.ring import SEGMENT_BYTES
+from p2ptrain.collective.robust import check_rule, clip_scales, exact_norm, scaled
 from p2ptrain.collective.rounds import RoundLinks
 from p2ptrain.wire.quantized import decode, encode, encoded_size
 
 
 async def quantized_allreduce(
     links: RoundLinks, values: torch.Tensor, kind: str, *, average: bool, segment_bytes: int = SEGMENT_BYTES,
+    robust: str = "none",
 ) -> torch.Tensor:
     """The sum (or mean) over the round's members of their ``values`` (flat float32, the same count
     everywhere), each quantized as ``kind``; the same bits on every member. A member whose bytes do
-    not decode to that count of values fails the round as :class:`BadPayload` naming it."""
+    not decode to that count of values fails the round as :class:`BadPayload` naming it.
+    ``robust="clip"``: each dequantized contribution is clipped to the median of their norms first."""
+    check_rule(robust)
     count = values.numel()
     size = links.size
     decoded: list[torch.Tensor | None] = [None] * size
@@ -49,10 +62,14 @@ async def quantized_allreduce(
             async with trio.open_nursery() as nursery:
                 for member in range(size):
                     nursery.start_soon(gather, member)
+    parts = [part for part in decoded if part is not None]
+    assert len(parts) == size  # every broadcast completed, or the round raised
+    factors = [1.0] * size
+    if robust == "clip":  # ~10 ms per 100,000 values and member: off the event loop
+        factors = await trio.to_thread.run_sync(lambda: clip_scales([exact_norm(part) for part in parts]))
     total = torch.zeros(count, dtype=torch.float32)
-    for part in decoded:
-        assert part is not None  # every broadcast completed, or the round raised
-        total.add_(part)
+    for part, factor in zip(parts, factors):
+        total.add_(scaled(part, factor))
     if average:
         total.div_(size)
     return total

@@ -28,7 +28,8 @@ class SparseAllReducer:
     (:mod:`p2ptrain.collective.robust`); what was clipped off is not kept in anyone's residual (the
     sender believes it was sent, as with a lost round of plain gradient clipping).
     ``quantize="int8"|"2bit"``: the values travel quantized (:mod:`p2ptrain.collective.quantized`),
-    and the residual keeps what the quantization dropped.
+    and the residual keeps what the quantization dropped (with ``robust="clip"``, every member clips
+    the dequantized contributions itself).
     """
 
     def __init__(
@@ -47,8 +48,8 @@ class SparseAllReducer:
         if value_dtype not in FLOAT_DTYPES:
             raise ValueError(f"unsupported value dtype {value_dtype}")
         check_rule(robust)
-        if quantize is not None and (quantize not in KINDS or density >= 1.0 or robust != "none"):
-            raise ValueError(f"quantize={quantize!r} needs density < 1 and no robust rule")
+        if quantize is not None and (quantize not in KINDS or density >= 1.0):
+            raise ValueError(f"quantize={quantize!r} needs density < 1")
         self.quantize = quantize
         self.collective = collective
         self.density = density

@@ -14,7 +14,10 @@ Why the lower median: with f members Byzantine of P, the value at sorted positio
 most the largest honest norm whenever f <= P/2, so a hostile contribution weighs at most what the
 largest honest one does. It is computed where the contributions already are (at the owner), from the
 received bytes, so nobody reports a norm it could lie about, no extra message is sent, and the
-owner's bytes are what every member copies: the result stays bitwise identical everywhere.
+owner's bytes are what every member copies: the result stays bitwise identical everywhere. With
+quantized values there is no owner (every member all-gathers every contribution,
+:mod:`p2ptrain.collective.quantized`): every member clips, with :func:`exact_norm`, a norm that is
+the same float on every CPU, so their results agree bit for bit too.
 
 What it does not do: a sign-flipped contribution of honest norm is within the radius and counts
 fully (it cancels at most one honest member's share); an owner is trusted with its own part (see
@@ -48,6 +51,20 @@ def contribution_norm(parts: Sequence[torch.Tensor]) -> float:
     for part in parts:
         total += float(torch.linalg.vector_norm(part, dtype=torch.float64)) ** 2
     return math.sqrt(total)
+
+
+def exact_norm(values: torch.Tensor) -> float:
+    """The L2 norm of float32 ``values``, the same float on every machine, whatever its SIMD width.
+
+    Where every member clips by itself (the quantized all-gather, :mod:`p2ptrain.collective.quantized`)
+    every member must compute the same radius and the same factors from the same bytes, or their
+    results differ by an ulp and no checkpoint is attested. A vectorized reduction's order (and so its
+    rounding) depends on the CPU; here every square is exact in float64 (24 bits of mantissa squared
+    fit in 53, and no float32's square leaves float64's range) and :func:`math.fsum` rounds their sum
+    once, correctly, so the result depends on the values alone. (~10 ms per 100,000 values.)
+    """
+    squares = torch.square(values.detach().reshape(-1).to(torch.float32).to(torch.float64))
+    return math.sqrt(math.fsum(squares.tolist()))
 
 
 def median_radius(norms: Sequence[float]) -> float:

@@ -248,7 +248,8 @@ async def clt_k_round(
     at the union (``robust="clip"``: each owner clips the contributions to its chunk of those
     values, see :mod:`p2ptrain.collective.robust`). Returns the sorted indices and the reduced
     values, the same bits everywhere. ``quantize`` (``"int8"``, ``"2bit"``): the values travel
-    quantized and all-gathered instead (:mod:`p2ptrain.collective.quantized`); the result is float32."""
+    quantized and all-gathered instead (:mod:`p2ptrain.collective.quantized`, where every member
+    clips under ``robust="clip"``); the result is float32."""
     n, size = source.numel(), links.size
     # Each slice's indices: ours now, the others' as they arrive and pass their check.
     per_slice: list[torch.Tensor] = [torch.empty(0, dtype=torch.int64)] * size
@@ -278,7 +279,8 @@ async def clt_k_round(
         chosen = source.index_select(0, indices).to(torch.float32)
         if not all_finite(chosen):
             raise ValueError("local values contain NaN or Inf")
-        reduced = await quantized_allreduce(links, chosen, quantize, average=average, segment_bytes=segment_bytes)
+        reduced = await quantized_allreduce(links, chosen, quantize, average=average, segment_bytes=segment_bytes,
+                                            robust=robust)
         logger.debug("round %d: %d quantized values reduced", links.round_id, indices.numel())
         return indices, reduced
     values = source.index_select(0, indices).to(value_dtype)

@@ -43,7 +43,7 @@ from p2ptrain.runtime.spans import Spans
 from p2ptrain.training.records import Chain, RecordError, load_model_bytes
 from p2ptrain.training.rounds import RoundBook
 from p2ptrain.training.task import Task, total_steps
-from p2ptrain.training.local_sgd import new_trainer
+from p2ptrain.training.local_sgd import LocalSGDTrainer, new_trainer
 from p2ptrain.training.trainer import TrainerError
 from p2ptrain.wire.topics import TASKS_TOPIC
 from p2ptrain.wire.messages import (
@@ -146,6 +146,7 @@ class TaskRun:
             "rejected": dict(run.rejected),
             # the last round completed (not the start of the last span) and the step after it
             **_progress(run),
+            **_inner(run),
         }
 
     # -- lifetime ----------------------------------------------------------------------------
@@ -292,6 +293,15 @@ class TaskRun:
             self.resync.catch_up(sender, plan)
             return
         self.spans.follow(plan)
+
+
+def _inner(run: RunState) -> dict[str, Any]:
+    """Local-SGD mode: ``inner_steps`` is H and ``inner_step`` the inner step under way, 1 to H (None
+    between inner loops: in the all-reduce, the outer step, a checkpoint). Both None in sync mode.
+    Read from the trainer while its worker thread runs the loop: one int, the last one it set."""
+    trainer = run.trainer
+    inner = trainer.inner_step if isinstance(trainer, LocalSGDTrainer) else None
+    return {"inner_steps": run.task.training.inner_steps, "inner_step": None if inner is None else inner + 1}
 
 
 def _progress(run: RunState) -> dict[str, Any]:

@@ -362,8 +362,6 @@ def _compression(c: dict[str, Any]) -> CompressionSpec:
         if not error_feedback:
             raise TaskError(f'compression.values: "{values}" needs error_feedback = true (it keeps what '
                             "the quantization drops)")
-        if robust != "none":
-            raise TaskError(f'compression.robust: "{robust}" does not combine with "{values}" values')
     return CompressionSpec(
         density=density, error_feedback=error_feedback, fp16_values=values == "fp16", robust=robust,
         values=values if values in ("int8", "2bit") else None,

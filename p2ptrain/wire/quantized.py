@@ -8,9 +8,9 @@ then the codes. The count of values is not in the bytes: both sides know it from
 
 What a peer sends is only ever *dequantized* (``code * scale`` in float32, the same operation on
 every member), never trusted for its size: :func:`decode` checks the exact length for the expected
-count before it reads anything, and refuses non-finite or negative scales, the int8 code -128 and
-non-zero padding bits, with one error, :class:`QuantError`. The sender's error feedback keeps
-``v - dequantize(quantize(v))``, so nothing the quantization drops is lost
+count before it reads anything, and refuses non-finite or negative scales, int8 values that
+overflow float32 (a scale above its max / 127), the int8 code -128 and non-zero padding bits, with
+one error, :class:`QuantError`. The sender's error feedback keeps ``v - dequantize(quantize(v))``, so nothing the quantization drops is lost
 (tests/wire/test_quantized.py pins the bytes).
 """
 
@@ -100,7 +100,10 @@ def decode(data: bytes, count: int, kind: str) -> torch.Tensor:
         codes = raw.view(np.int8)
         if codes.size and int(codes.min()) < -_INT8_MAX:
             raise QuantError("int8 code -128 is not used")
-        return torch.from_numpy(codes.astype(np.float32)) * each
+        values = torch.from_numpy(codes.astype(np.float32)) * each
+        if not bool(torch.isfinite(values).all()):  # 127 x a scale above float32's max / 127
+            raise QuantError("a value overflows float32")
+        return values
     unpacked = np.stack([(raw >> shift) & 3 for shift in (0, 2, 4, 6)], axis=1).reshape(-1)
     if np.any(unpacked[count:]):
         raise QuantError("padding bits of the last byte are not zero")

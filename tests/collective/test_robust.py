@@ -19,7 +19,9 @@ import torch
 
 from p2ptrain.collective import CollectiveError, PeerFailed, SparseAllReducer
 from p2ptrain.collective.ring import chunk_bounds
-from p2ptrain.collective.robust import clip_scales, contribution_norm, median_radius
+from p2ptrain.collective.robust import clip_scales, contribution_norm, exact_norm, median_radius
+from p2ptrain.training.task import load_task
+from p2ptrain.wire.quantized import roundtrip
 
 _spec = importlib.util.spec_from_file_location("p2ptrain_test_hostile", Path(__file__).with_name("hostile.py"))
 hostile = importlib.util.module_from_spec(_spec)
@@ -65,13 +67,13 @@ def clip_bound(honest: list[torch.Tensor], factor: float, *, rounding: float = 1
     return math.sqrt(total) * (1 + rounding) + rounding * sum(float(x.norm()) for x in honest)  # rounding of the sums
 
 
-async def one_round(peers, gather, xs, factor, *, density, robust, round_id, value_dtype=torch.float32):
+async def one_round(peers, gather, xs, factor, *, density, robust, round_id, value_dtype=torch.float32, quantize=None):
     """One SparseAllReducer round (fresh residuals: sent = the input at the agreed indices)."""
     ring = [p.id for p in peers]
     reducers = [
         SparseAllReducer(
             hostile.Hostile(p.collective, factor) if i == BAD else p.collective, density=density, robust=robust,
-            value_dtype=value_dtype,
+            value_dtype=value_dtype, quantize=quantize,
         )
         for i, p in enumerate(peers)
     ]
@@ -107,6 +109,49 @@ async def test_clip_bounds_a_hostile_member_and_honest_results_stay_identical(cl
     if abs(factor) >= 100:
         assert without > 10 * bound  # the plain mean is wrecked: the hostile share dominates
         assert with_clip < float(honest_mean.norm()) < without
+
+
+@pytest.mark.parametrize("kind", ["2bit", "int8"])
+async def test_clip_bounds_a_hostile_member_with_quantized_values(cluster, gather, kind):
+    """Every member clips the dequantized contributions itself (no owner): the honest members still
+    hold the same bits, exactly the clipped mean of what was sent, within the rule's bound, while
+    the plain mean of the same quantized values is wrecked."""
+    xs = contributions(20_000)
+    async with cluster(WORLD, segment_bytes=4096) as peers:
+        clipped, indices = await one_round(peers, gather, xs, 100.0, density=0.05, robust="clip", round_id=1,
+                                           quantize=kind)
+        plain, _ = await one_round(peers, gather, xs, 100.0, density=0.05, robust="none", round_id=1 + WORLD,
+                                   quantize=kind)
+    for r in clipped[:BAD]:
+        assert r.equal(clipped[0])
+    honest = [roundtrip(x[indices], kind) for x in xs]  # what each member sends, dequantized
+    sent = [roundtrip(x[indices] * 100.0, kind) if i == BAD else h for i, (x, h) in enumerate(zip(xs, honest))]
+    expected = torch.zeros(indices.numel())
+    for part, factor in zip(sent, clip_scales([exact_norm(p) for p in sent])):
+        expected.add_(part * factor if factor != 1.0 else part)
+    assert clipped[0][indices].equal(expected / WORLD)  # the clipped mean, in member order, bit for bit
+    honest_mean = torch.stack(honest).mean(0)
+    tau = median_radius([exact_norm(p) for p in sent])
+    clipped_off = sum(max(0.0, exact_norm(h) - tau) for i, h in enumerate(honest) if i != BAD)
+    bound = (clipped_off + tau + exact_norm(honest[BAD])) / WORLD * (1 + 1e-5)
+    with_clip = float((clipped[0][indices] - honest_mean).norm())
+    without = float((plain[0][indices] - honest_mean).norm())
+    assert with_clip <= bound
+    assert without > 10 * bound and with_clip < float(honest_mean.norm()) < without
+
+
+def test_exact_norm_is_the_correctly_rounded_norm():
+    x = torch.randn(100_003, generator=torch.Generator().manual_seed(5))
+    assert exact_norm(x) == math.sqrt(math.fsum(float(v) ** 2 for v in x.tolist()))
+    assert exact_norm(torch.full((10,), 3e38)) == pytest.approx(3e38 * math.sqrt(10), rel=1e-7)  # no overflow
+
+
+def test_a_task_may_clip_quantized_values():
+    base = ('name = "t"\n[model]\nname = "mlp"\n[dataset]\n'
+            'manifest = "bafkreigh2akiscaildcqabsyg3dfr6chu3fgpregiymsck7e7aqa4s52zy"\n'
+            '[optimizer]\nname = "adamw"\nlr = 0.001\n[training]\nbatch_size = 8\ntotal_steps = 10\n')
+    compression = load_task(base + '[compression]\nvalues = "int8"\nrobust = "clip"\n').compression
+    assert (compression.values, compression.robust) == ("int8", "clip")
 
 
 async def test_clip_holds_with_float16_values(cluster, gather):

@@ -2,8 +2,9 @@
 
 One run checked several ways (the suite's time budget): four members train digits in outer steps,
 every checkpoint is confirmed by attestations (so every member computed the same bits), a member
-stopped in the middle of its inner loop does not stop the run, a late joiner catches up from the
-outer state by CID, and the run ends at >= 90% test accuracy.
+stopped in the middle of its inner loop (seen there by `task status`: its inner step) does not stop
+the run, a late joiner catches up from the outer state by CID, and the run ends at >= 90% test
+accuracy.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import numpy as np
 import torch
 import trio
 
+from p2ptrain.cli.task import render_status
 from p2ptrain.testing import LocalPeers, local_peers
 from p2ptrain.training.local_sgd import LocalSGDTrainer
 from p2ptrain.training.records import Chain, record_from_bytes
@@ -111,11 +113,13 @@ async def test_a_local_sgd_run_survives_a_member_stopped_mid_inner_loop_takes_a_
             victim = next(i for i in range(4) if peers[i].node.peer_id.to_base58() != leader)
             gone = peers[victim].node.peer_id.to_base58()
 
-            def mid_inner_loop() -> bool:
-                trainer = _trainer(peers, victim, task_cid)
-                return trainer is not None and trainer.inner_step is not None and trainer.inner_step >= 1
+            def mid_inner_loop() -> dict[str, Any] | None:
+                s = peers.status(victim, task_cid)  # what `task status --json` says
+                return s if (s.get("inner_step") or 0) >= 2 else None  # 1-based: one inner step done
 
-            await peers.wait_until(mid_inner_loop, STEP_S, what="the victim inside its inner loop")
+            seen = await peers.wait_until(mid_inner_loop, STEP_S, what="the victim inside its inner loop")
+            assert seen["inner_steps"] == INNER and seen["inner_step"] <= INNER
+            assert f"; inner step {seen['inner_step']}/{INNER}" in render_status(seen)
             await peers.stop_peer(victim)
             await late.tasks.join(task_cid)
             rest = [i for i in range(4) if i != victim]

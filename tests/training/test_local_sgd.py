@@ -64,7 +64,6 @@ def test_local_sgd_fields_defaults_and_canonical_bytes() -> None:
     ('[compression]\nvalues = "int8"\nfp16_values = true\n', 'compression.values: "int8" contradicts fp16_values'),
     ('[compression]\nvalues = "2bit"\ndensity = 1.0\n', "compression.values: \"2bit\" quantizes sparse values"),
     ('[compression]\nvalues = "2bit"\nerror_feedback = false\n', "needs error_feedback = true"),
-    ('[compression]\nvalues = "int8"\nrobust = "clip"\n', "compression.robust: \"clip\" does not combine"),
 ])
 def test_bad_local_sgd_fields_are_one_line_errors_naming_the_field(extra: str, message: str) -> None:
     with pytest.raises(TaskError) as info:

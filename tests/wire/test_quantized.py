@@ -42,6 +42,8 @@ def test_hostile_bytes_are_one_declared_error(kind: str) -> None:
         b"\x00\x00\x80\xbf" + good[4:],  # a negative scale
         good[:-1] + bytes([0x80]) if kind == "int8" else good[:-1] + bytes([good[-1] | 0xC0]),  # -128; padding
     ]
+    if kind == "int8":
+        bad.append(b"\xff\xff\x7f\x7f" + good[4:])  # float32's max as a scale: 127 codes of it overflow
     for data in bad:
         with pytest.raises(QuantError):
             decode(data, count, kind)
