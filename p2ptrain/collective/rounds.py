@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import time
 from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
@@ -39,7 +38,8 @@ import trio
 from libp2p.abc import IHost
 from libp2p.peer.id import ID
 
-from p2ptrain.collective.errors import BadPayload, CollectiveError, PeerFailed, single_failure
+from p2ptrain.collective.errors import CollectiveError, PeerFailed, single_failure
+from p2ptrain.collective.dialing import Dialer
 from p2ptrain.collective.links import RoundLinks, wait_for_abort_notice
 from p2ptrain.logs import count_rejection, short_id
 from p2ptrain.net.streams import Channel, ChannelError, StreamGuard, open_channel, serve_channels
@@ -50,8 +50,6 @@ from p2ptrain.wire.frames import (
     Kind,
     abort_frame,
     busy_frame,
-    hello_frame,
-    is_busy,
     parse_abort,
     parse_header,
     ready_frame,
@@ -125,9 +123,10 @@ class RoundHub:
         self._early_aborts: OrderedDict[int, tuple[ID, PeerFailed]] = OrderedDict()
         # Rounds ended here, with the failure that ended each (None: it completed).
         self._finished: OrderedDict[int, PeerFailed | None] = OrderedDict()
-        self._idle_out: dict[ID, list[tuple[Channel, float]]] = {}
         self._idle_in: dict[ID, int] = {}
-        self.channels_opened = 0  # outbound channels opened so far (reuse keeps this low)
+        self.dialer = Dialer(
+            host, protocol, reuse_s=_REUSE_S, per_peer=_IDLE_PER_PEER, busy_retry_s=_BUSY_RETRY_S
+        )
         # Who may park a HELLO: the members of the plan the caller follows, and of recent rings.
         self._expected: frozenset[ID] = frozenset()
         self._recent_rings: deque[frozenset[ID]] = deque(maxlen=_RECENT_RINGS)
@@ -136,6 +135,11 @@ class RoundHub:
         self._guard: StreamGuard = serve_channels(
             host, protocol, self._on_channel, max_streams_per_peer=_STREAMS_PER_PEER
         )
+
+    @property
+    def channels_opened(self) -> int:
+        """Outbound channels opened so far (reuse keeps this low)."""
+        return self.dialer.opened
 
     def expect(self, members: Iterable[ID]) -> None:
         """The members of the plan this host follows now: only they (and the members of its last
@@ -346,86 +350,6 @@ class RoundHub:
             )
         return arrival
 
-    async def _dial(self, round_id: int, right: ID, digest: bytes, timeout: float) -> Channel:
-        """A channel to ``right`` on which it has joined round ``round_id`` (answered READY)."""
-        hello = hello_frame(round_id, digest)
-        try:
-            with trio.fail_after(timeout):
-                while True:
-                    channel = await self._take_idle(right)
-                    reused = channel is not None
-                    if channel is None:
-                        channel = await open_channel(self.host, right, self.protocol)
-                        self.channels_opened += 1
-                    try:
-                        await channel.send(hello)
-                        frame = await channel.recv(MAX_FIRST_FRAME)
-                        if is_busy(frame, round_id):
-                            # It has not seen the plan naming us yet: ask again on a fresh channel.
-                            await channel.aclose()
-                            await trio.sleep(_BUSY_RETRY_S)
-                            continue
-                        break
-                    except ChannelError as error:
-                        await channel.reset()
-                        if not reused:
-                            raise
-                        logger.debug("collective: idle channel to %s was gone: %s", short_id(right), error)
-                    except BaseException:
-                        await channel.reset()
-                        raise
-        except trio.TooSlowError:
-            raise PeerFailed(right, f"did not join round {round_id} within {timeout:g} s") from None
-        except ChannelError as error:
-            # Also what a member sees when the peer took our HELLO and then its round failed for
-            # another reason: the reset of this stream outruns the notice, which needs a stream
-            # of its own. Give the notice time to arrive before blaming the peer.
-            await wait_for_abort_notice()
-            raise PeerFailed(right, f"cannot reach it: {error}", gone=True) from error
-        try:
-            header = parse_header(frame)
-            if header.kind == Kind.ABORT:
-                culprit, reason = parse_abort(frame, header)
-                if culprit == right:
-                    raise PeerFailed(right, f"refused the round: {reason}")
-                raise PeerFailed(culprit, reason, reported_by=right)  # the round failed there already
-            if header.kind != Kind.READY or header.round_id != round_id:
-                raise ValueError(f"expected READY for round {round_id}, got {header}")
-        except ValueError as error:
-            await channel.reset()
-            raise BadPayload(right, str(error)) from None
-        except PeerFailed:
-            await channel.reset()
-            raise
-        return channel
-
-    async def _take_idle(self, peer: ID) -> Channel | None:
-        """An idle channel to ``peer`` young enough to reuse, if any (older ones are closed)."""
-        pool = self._idle_out.get(peer, [])
-        while pool:
-            channel, since = pool.pop()
-            if not pool and self._idle_out.get(peer) is pool:
-                del self._idle_out[peer]
-            if time.monotonic() - since < _REUSE_S:
-                return channel
-            await channel.aclose()
-        return None
-
-    async def _release(self, peer: ID, channel: Channel) -> None:
-        """Keep a channel whose round ended cleanly for the next round with ``peer``; close the
-        idle channels too old to reuse (so peers that left the run leave nothing behind)."""
-        now = time.monotonic()
-        for other, idle in list(self._idle_out.items()):
-            while idle and now - idle[0][1] >= _REUSE_S:  # oldest first
-                await idle.pop(0)[0].aclose()
-            if not idle and self._idle_out.get(other) is idle:  # (another round may have replaced it)
-                del self._idle_out[other]
-        pool = self._idle_out.setdefault(peer, [])
-        if len(pool) >= _IDLE_PER_PEER:
-            await channel.aclose()
-        else:
-            pool.append((channel, now))
-
     @asynccontextmanager
     async def open_round(
         self, ring: list[ID], round_id: int, digest: bytes, *, timeout: float, start_timeout: float,
@@ -469,7 +393,7 @@ class RoundHub:
                 try:
 
                     async def connect(peer: ID) -> None:
-                        outbound[peer] = await self._dial(round_id, peer, digest, start_timeout)
+                        outbound[peer] = await self.dialer.dial(round_id, peer, digest, start_timeout)
 
                     async def accept(peer: ID) -> None:
                         arrivals[peer] = arrival = await self._accept(
@@ -524,7 +448,7 @@ class RoundHub:
             reusable = completed and detected is None and state.abort is None
             for peer, channel in outbound.items():
                 if reusable:
-                    await self._release(peer, channel)
+                    await self.dialer.release(peer, channel)
                 else:
                     await channel.reset()
             for arrival in arrivals.values():
