@@ -330,6 +330,8 @@ async def clt_k_round(
             index_received[member].set()
             if quantize is None:
                 fill(m)
+            if all(event.is_set() for event in index_received):
+                logger.debug("round %d: %d indices agreed", links.round_id, total)
 
     async def before_send(chunk: int, member: int) -> None:
         await index_sent[member].wait()
@@ -351,7 +353,6 @@ async def clt_k_round(
                 ))
     indices = assemble(per_slice, ranges)
     if quantize is not None:
-        logger.debug("round %d: %d indices agreed", links.round_id, indices.numel())
         chosen = values_at(indices).to(torch.float32)
         if not all_finite(chosen):
             raise ValueError("local values contain NaN or Inf")
