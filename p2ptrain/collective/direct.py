@@ -13,7 +13,7 @@ are what everyone copies.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 
 import torch
 import trio
@@ -31,20 +31,13 @@ def _bytes_of(t: torch.Tensor) -> memoryview:
 
 async def direct_allreduce(
     links: RoundLinks, data: torch.Tensor, *, average: bool, segment_bytes: int = SEGMENT_BYTES,
-    robust: str = "none", before_send: Callable[[int, int], Awaitable[None]] | None = None,
-    before_receive: Callable[[int], Awaitable[None]] | None = None,
+    robust: str = "none",
 ) -> None:
     """Sum (or average) the flat contiguous ``data`` of every member in place, bitwise-identically.
 
     ``robust="clip"``: the owner of a chunk clips each member's contribution to it to the median of
     their norms before summing (:mod:`p2ptrain.collective.robust`); only the owner computes, and
     its bytes are what everyone copies.
-
-    ``data`` may still be filling when this starts (the sparse round fills it slice by slice as
-    the indices arrive): ``await before_send(chunk, member)`` returns once ``data``'s ``chunk`` is
-    final and whatever must precede it on the channel to ``member`` was sent (also called with
-    ``member`` = this member before it sums its own chunk); ``await before_receive(member)`` once
-    whatever precedes the contribution on the channel from ``member`` was consumed.
     """
     check_rule(robust)
     size, me, ring = links.size, links.me, links.ring
@@ -59,15 +52,11 @@ async def direct_allreduce(
     contributions: dict[int, list[torch.Tensor]] = {}
 
     async def send_chunk(chunk: int, phase: int, to: int) -> None:
-        if phase == Phase.REDUCE and before_send is not None:
-            await before_send(chunk, to)
         for j, (a, b) in enumerate(segs[chunk]):
             header = Header(Kind.DATA, links.round_id, phase, chunk, j, b - a, code)
             await links.send(header, _bytes_of(data[a:b]), to=ring[to])
 
     async def receive(chunk: int, phase: int, source: int, store: Callable[[int, int, torch.Tensor], None]) -> None:
-        if phase == Phase.REDUCE and before_receive is not None:
-            await before_receive(source)
         for j, (a, b) in enumerate(segs[chunk]):
             incoming = await links.recv_tensor(
                 phase=phase, step=chunk, seg=j, count=b - a, dtype=dtype, source=ring[source]
@@ -86,8 +75,6 @@ async def direct_allreduce(
             for member in range(size):
                 if member != me:
                     nursery.start_soon(receive, mine, Phase.REDUCE, member, keep(member))
-    if before_send is not None:
-        await before_send(mine, me)
 
     def part(member: int, j: int) -> torch.Tensor:
         a, b = segs[mine][j]
@@ -122,13 +109,11 @@ async def direct_allreduce(
 async def direct_broadcast(
     links: RoundLinks, leader: int, payload: bytes | None, *, max_bytes: int,
     check: Callable[[bytes], object], segment_bytes: int = SEGMENT_BYTES,
-    sent: Callable[[int], None] | None = None,
 ) -> bytes:
     """The leader's ``payload``, sent by the leader to every member (one hop); checked on arrival.
 
     The first frame announces the payload's size in its count and carries its first segment, so
-    a small payload costs one frame. On the leader, ``sent(member)`` is called once the payload's
-    last frame to ``member`` was sent.
+    a small payload costs one frame.
     """
     size, me, ring = links.size, links.me, links.ring
     u8 = DTYPES[torch.uint8]
@@ -146,8 +131,6 @@ async def direct_broadcast(
             for j, a in enumerate(range(segment_bytes, len(view), segment_bytes)):
                 part = view[a : a + segment_bytes]
                 await links.send(Header(Kind.DATA, links.round_id, Phase.BROADCAST, 1, j, len(part), u8), part, to=to)
-            if sent is not None:
-                sent(member)
 
         with single_failure():
             async with trio.open_nursery() as nursery:

@@ -138,22 +138,19 @@ class Collective:
     async def sparse_round(
         self, source: torch.Tensor, ring: list[ID], round_id: int, *, sizes: Sequence[int],
         ks: Sequence[int], select: Callable[[list[Range]], torch.Tensor],
-        values: Callable[[torch.Tensor], torch.Tensor] | None = None,
         prepare: Callable[[], None] | None = None, value_dtype: torch.dtype, op: str = "mean",
         timeout: float = 5.0, start_timeout: float | None = None, robust: str = "none",
         quantize: str | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Sliced CLT-k: each member's ``select(ranges)`` picks its slice's indices, the ring
-        reduces this member's ``values(indices)`` (default: ``source`` at them) at their union.
+        reduces ``source`` at their union.
 
         ``source`` is cut in buckets of ``sizes`` with ``ks`` indices each (every member must pass
         the same). ``select`` gets this member's ranges ``(start, end, k)`` and returns, sorted, k
-        global indices in each. ``select`` and then ``prepare()`` run in a worker thread: the
-        selection overlaps with the round's setup, ``prepare`` with the exchange of the indices
-        and values (so it must not change what ``values`` returns); the round returns once
-        ``prepare`` has. ``values`` runs on the event loop once the indices are agreed (keep it
-        to index arithmetic). Returns the sorted indices and the reduced values (``value_dtype``),
-        the same bits on every member. ``robust``: as in :meth:`allreduce`.
+        global indices in each. ``prepare()`` and then ``select`` run in a worker thread, overlapping
+        with the round's setup; ``source`` is read only after ``prepare`` returned, so it may fill
+        ``source`` (its size and dtype must be final). Returns the sorted indices and the reduced
+        values (``value_dtype``), the same bits on every member. ``robust``: as in :meth:`allreduce`.
         ``quantize`` (``"int8"``, ``"2bit"``): the values travel quantized (``value_dtype`` is then
         unused and the values come back float32); not with ``robust``. A member whose bytes we
         refuse is counted (``refused_bad_payload`` in the hub's stats) and named in the failure.
@@ -174,33 +171,24 @@ class Collective:
         digest = round_digest(round_id, ring, description)
         ranges = slice_ranges(sizes, ks, len(ring))
         mine_ranges = ranges[slice_of(ring.index(self.peer_id), round_id, len(ring))] if self.peer_id in ring else []
-        selected: list = []  # our indices (or the error selecting them)
-        prepared: list[Exception] = []
-        done, finished = trio.Event(), trio.Event()
+        selected: list = []
+        done = trio.Event()
 
-        def chosen(result: torch.Tensor | Exception) -> None:
-            selected.append(result)
-            done.set()
-
-        def work() -> None:
-            try:
-                indices = select(mine_ranges)
-                check_ranges(indices, mine_ranges)
-            except Exception as error:
-                trio.from_thread.run_sync(chosen, error)
-                return
-            trio.from_thread.run_sync(chosen, indices)
+        def work() -> torch.Tensor:
             if prepare is not None:
                 prepare()
+            chosen = select(mine_ranges)
+            check_ranges(chosen, mine_ranges)
+            return chosen
 
         async def run_local() -> None:
             # In a thread (torch and numpy release the GIL), so the local work overlaps with the
-            # round's setup and exchange instead of stalling this host's networking.
+            # round's setup instead of stalling this host's networking.
             try:
-                await trio.to_thread.run_sync(work)
+                selected.append(await trio.to_thread.run_sync(work))
             except Exception as error:
-                prepared.append(error)
-            finished.set()
+                selected.append(error)
+            done.set()
 
         started = time.perf_counter()
         try:
@@ -217,15 +205,10 @@ class Collective:
                         if isinstance(selected[0], Exception):
                             raise selected[0]
                         result = await clt_k_round(
-                            links, source.numel(), ranges=ranges, mine=selected[0],
-                            values_at=values or (lambda indices: source.index_select(0, indices)),
-                            value_dtype=value_dtype, average=op == "mean", segment_bytes=self.segment_bytes,
-                            robust=robust, quantize=quantize,
+                            links, source, ranges=ranges, mine=selected[0], value_dtype=value_dtype,
+                            average=op == "mean", segment_bytes=self.segment_bytes, robust=robust,
+                            quantize=quantize,
                         )
-                        logger.debug("round %d: exchanged (%.1f ms)", round_id, _ms(started))
-                        await finished.wait()
-                        if prepared:
-                            raise prepared[0]
         except BadPayload as error:
             self.hub.refused["bad_payload"] += 1
             logger.warning("round %d: refused what %s sent: %s", round_id, error.peer_id, error.reason)

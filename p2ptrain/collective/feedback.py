@@ -12,18 +12,14 @@ Updates are two-phase so a failed round loses nothing: :meth:`ErrorFeedback.prep
 gradient then starts from the same state. Invariant after a commit: sent + residual == accumulated
 input, exactly.
 
-A sparse round needs little of the accumulated vector (residual + grad) before its first byte
-leaves: the member's own slice, which it selects from (:meth:`ErrorFeedback.form`), and its values
-at the agreed indices, which :meth:`ErrorFeedback.values_at` computes from the residual and the
-gradient directly (the same bits). The rest of the vector is formed while the round's bytes travel
-(:meth:`ErrorFeedback.materialize` skips what was formed), and after the round it becomes the
-residual (a buffer swap, no second full-size pass).
+Every member forms the whole accumulated vector (residual + grad) while a round is being set up:
+it selects its slice of the index set from it, and after the round it becomes the residual (a
+buffer swap, no second full-size pass).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -33,14 +29,12 @@ class Pending:
     """One step's candidate state.
 
     ``grad`` is the gradient after clipping (and momentum correction: then it is the new velocity);
-    ``accumulated`` (residual + grad) exists once :meth:`ErrorFeedback.materialize` has run;
-    ``formed``: the spans of it :meth:`ErrorFeedback.form` filled before that.
+    ``accumulated`` (residual + grad) exists once :meth:`ErrorFeedback.materialize` has run.
     """
 
     grad: torch.Tensor
     velocity: torch.Tensor | None
     accumulated: torch.Tensor | None = None
-    formed: list[tuple[int, int]] = field(default_factory=list)
 
 
 class ErrorFeedback:
@@ -81,36 +75,10 @@ class ErrorFeedback:
         """The tensor :meth:`materialize` will fill, for a caller that runs it later (in a thread)."""
         return self._spare if pending.accumulated is None else pending.accumulated
 
-    def form(self, pending: Pending, spans: Sequence[tuple[int, int]]) -> torch.Tensor:
-        """residual + grad over ``spans`` ([start, end) each) only, in :meth:`target`'s buffer
-        (what a member selects its slice from before the rest is formed); returns the buffer."""
-        target = self.target(pending)
-        if pending.accumulated is None:
-            for a, b in spans:
-                torch.add(self.residual[a:b], pending.grad[a:b], out=target[a:b])
-                pending.formed.append((a, b))
-        return target
-
-    def values_at(self, pending: Pending, indices: torch.Tensor) -> torch.Tensor:
-        """``accumulated[indices]`` (the same bits: one float32 add per entry either way), whether
-        or not the vector is formed there yet."""
-        if pending.accumulated is not None:
-            return pending.accumulated.index_select(0, indices)
-        return torch.add(self.residual.index_select(0, indices), pending.grad.index_select(0, indices))
-
     def materialize(self, pending: Pending) -> torch.Tensor:
-        """residual + grad as a whole vector (what top-k selects from; the spans :meth:`form`
-        filled are not formed again); the state is not changed."""
+        """residual + grad as a whole vector (what top-k selects from); the state is not changed."""
         if pending.accumulated is None:
-            if not pending.formed:
-                torch.add(self.residual, pending.grad, out=self._spare)
-            else:
-                end = 0
-                for a, b in sorted(pending.formed) + [(self._spare.numel(), self._spare.numel())]:
-                    if end < a:
-                        torch.add(self.residual[end:a], pending.grad[end:a], out=self._spare[end:a])
-                    end = max(end, b)
-            pending.accumulated = self._spare
+            pending.accumulated = torch.add(self.residual, pending.grad, out=self._spare)
         return pending.accumulated
 
     def accumulate(self, grad: torch.Tensor) -> Pending:

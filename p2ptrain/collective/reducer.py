@@ -11,7 +11,7 @@ from p2ptrain.collective.endpoint import Collective
 from p2ptrain.collective.feedback import ErrorFeedback
 from p2ptrain.collective.ring import FLOAT_DTYPES
 from p2ptrain.collective.robust import check_rule
-from p2ptrain.collective.sparse import Range, Workspace, bucket_ks, select_ranges
+from p2ptrain.collective.sparse import Workspace, bucket_ks, select_ranges
 from p2ptrain.wire.quantized import KINDS, roundtrip
 
 logger = logging.getLogger(__name__)
@@ -94,26 +94,20 @@ class SparseAllReducer:
                 return values.to(torch.float32)
             return out.copy_(values)
         generator = torch.Generator().manual_seed(round_id & 0x7FFF_FFFF_FFFF_FFFF)
-        # Before its first byte leaves, a member forms residual + grad over its own slice only and
-        # selects its indices there; its values at the agreed indices come from residual and grad
-        # directly. The rest of the vector (which afterwards simply becomes the residual) and the
-        # output's zeros are written while the indices and values travel: at 64 MiB that moves
-        # ~3/4 of the CPU work (and memory traffic) of a round off its critical path.
+        # Every member forms residual + grad during the round's setup (it selects its slice's
+        # indices from it; its values at the agreed indices are what it sends; afterwards it simply
+        # becomes the residual).
         accumulated = feedback.target(pending)
         result = torch.empty(grad.numel(), dtype=torch.float32) if out is None else out
 
-        def select(ranges: list[Range]) -> torch.Tensor:
-            feedback.form(pending, [(a, b) for a, b, _ in ranges])
-            return select_ranges(accumulated, ranges, generator=generator, workspace=self._workspace)
-
         def prepare() -> None:
             feedback.materialize(pending)
-            result.zero_()
+            result.zero_()  # here rather than after the round, where every member waits for it
 
         indices, values = await self.collective.sparse_round(
-            accumulated, ring, round_id, sizes=sizes, ks=ks, select=select,
-            values=lambda agreed: feedback.values_at(pending, agreed), prepare=prepare,
-            value_dtype=self.value_dtype, timeout=timeout, start_timeout=start_timeout,
+            accumulated, ring, round_id, sizes=sizes, ks=ks,
+            select=lambda ranges: select_ranges(accumulated, ranges, generator=generator, workspace=self._workspace),
+            prepare=prepare, value_dtype=self.value_dtype, timeout=timeout, start_timeout=start_timeout,
             robust=self.robust, quantize=self.quantize,
         )
         # What the others received for our values: the quantization's rounding stays in the residual.

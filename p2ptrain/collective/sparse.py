@@ -26,8 +26,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Sequence
-from functools import partial
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -239,79 +238,21 @@ def max_encoded_bytes(n: int, k: int) -> int:
     return 1 + 2 * k + 4 * (min(k, n // _CAP[2] + 1))
 
 
-def slice_positions(ranges: Sequence[Sequence[Range]]) -> list[list[tuple[int, int]]]:
-    """Where slice m's indices of each bucket sit in :func:`assemble`'s order: [start, end) per
-    bucket (bucket by bucket, slice by slice)."""
-    out: list[list[tuple[int, int]]] = [[] for _ in ranges]
-    position = 0
-    for bucket in range(len(ranges[0])):
-        for m, mine in enumerate(ranges):
-            k = mine[bucket][2]
-            out[m].append((position, position + k))
-            position += k
-    return out
-
-
-def chunk_slices(ranges: Sequence[Sequence[Range]], parts: int) -> list[set[int]]:
-    """Which slices' indices value chunk c (of ``parts``, over :func:`assemble`'s order) needs.
-
-    With one bucket chunk c is exactly slice c; with several, a chunk spans pieces of more."""
-    positions = slice_positions(ranges)
-    bounds = chunk_bounds(sum(b - a for spans in positions for a, b in spans), parts)
-    return [
-        {m for m, spans in enumerate(positions) for a, b in spans if a < b and a < bounds[c + 1] and bounds[c] < b}
-        for c in range(parts)
-    ]
-
-
 async def clt_k_round(
-    links: RoundLinks, n: int, *, ranges: Sequence[Sequence[Range]], mine: torch.Tensor,
-    values_at: Callable[[torch.Tensor], torch.Tensor], value_dtype: torch.dtype, average: bool,
-    segment_bytes: int = SEGMENT_BYTES, robust: str = "none", quantize: str | None = None,
+    links: RoundLinks, source: torch.Tensor, *, ranges: Sequence[Sequence[Range]], mine: torch.Tensor,
+    value_dtype: torch.dtype, average: bool, segment_bytes: int = SEGMENT_BYTES, robust: str = "none",
+    quantize: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One sliced CLT-k round over ``n`` entries: every member sends its slice's indices
-    (``mine``, chosen in ``ranges[slice_of(me)]``) to every other, then the exact all-reduce of
-    every member's values at the union (``values_at(indices)``: this member's, any float dtype;
-    ``robust="clip"``: each owner clips the contributions to its chunk of those values, see
-    :mod:`p2ptrain.collective.robust`). Returns the sorted indices and the reduced values, the same
-    bits everywhere. ``quantize`` (``"int8"``, ``"2bit"``): the values travel quantized and
-    all-gathered instead (:mod:`p2ptrain.collective.quantized`); the result is float32.
-
-    Pipelined: a member sends its values of chunk c to chunk c's owner as soon as the indices of
-    the slices that chunk covers are in (with one bucket, chunk c is slice c), not once all are:
-    a member whose slice is selected sooner than the others' no longer leaves the link idle. Each
-    channel still carries the same frames in the same order (the sender's indices, then its
-    contribution, then the owner's finished chunk), so the wire format is unchanged.
-    """
-    size, me = links.size, links.me
+    """One sliced CLT-k round: every member sends its slice's indices (``mine``, chosen in
+    ``ranges[slice_of(me)]``) to every other, then the exact all-reduce of every member's values
+    at the union (``robust="clip"``: each owner clips the contributions to its chunk of those
+    values, see :mod:`p2ptrain.collective.robust`). Returns the sorted indices and the reduced
+    values, the same bits everywhere. ``quantize`` (``"int8"``, ``"2bit"``): the values travel
+    quantized and all-gathered instead (:mod:`p2ptrain.collective.quantized`); the result is float32."""
+    n, size = source.numel(), links.size
     # Each slice's indices: ours now, the others' as they arrive and pass their check.
     per_slice: list[torch.Tensor] = [torch.empty(0, dtype=torch.int64)] * size
-    own = slice_of(me, links.round_id, size)
-    per_slice[own] = mine
-    total = sum(count for bucket in ranges for _, _, count in bucket)
-    values = torch.empty(total, dtype=value_dtype)
-    positions = slice_positions(ranges)
-    needs = chunk_slices(ranges, size)
-    chunk_ready = [trio.Event() for _ in range(size)]
-    index_sent = [trio.Event() for _ in range(size)]  # our indices are on the channel to member m
-    index_received = [trio.Event() for _ in range(size)]  # member m's indices were read off its channel
-    index_sent[me].set()
-    index_received[me].set()
-
-    def fill(m: int) -> None:
-        """Our values at slice m's indices, in their place; then the chunks that became final."""
-        offset = 0
-        for a, b in positions[m]:
-            if b > a:
-                chosen = values_at(per_slice[m][offset : offset + b - a]).to(value_dtype)
-                if not all_finite(chosen):
-                    raise ValueError("local values contain NaN or Inf (or overflow the value dtype)")
-                values[a:b] = chosen
-            offset += b - a
-        for c in range(size):
-            needs[c].discard(m)
-            if not needs[c]:
-                chunk_ready[c].set()
+    per_slice[slice_of(links.me, links.round_id, size)] = mine
 
     async def indices_of(member: int) -> None:
         m = slice_of(member, links.round_id, size)
@@ -324,40 +265,25 @@ async def clt_k_round(
         payload = encode_indices(mine) if member == links.me else None
         await direct_broadcast(
             links, member, payload, max_bytes=max_encoded_bytes(n, k), check=check,
-            segment_bytes=segment_bytes, sent=lambda to: index_sent[to].set(),
+            segment_bytes=segment_bytes,
         )
-        if member != me:
-            index_received[member].set()
-            if quantize is None:
-                fill(m)
-            if all(event.is_set() for event in index_received):
-                logger.debug("round %d: %d indices agreed", links.round_id, total)
 
-    async def before_send(chunk: int, member: int) -> None:
-        await index_sent[member].wait()
-        await chunk_ready[chunk].wait()
-
-    async def before_receive(member: int) -> None:
-        await index_received[member].wait()
-
-    if quantize is None:
-        fill(own)
     with single_failure():
         async with trio.open_nursery() as nursery:
             for member in range(size):
                 nursery.start_soon(indices_of, member)
-            if quantize is None:
-                nursery.start_soon(partial(
-                    direct_allreduce, links, values, average=average, segment_bytes=segment_bytes,
-                    robust=robust, before_send=before_send, before_receive=before_receive,
-                ))
     indices = assemble(per_slice, ranges)
+    logger.debug("round %d: %d indices agreed", links.round_id, indices.numel())
     if quantize is not None:
-        chosen = values_at(indices).to(torch.float32)
+        chosen = source.index_select(0, indices).to(torch.float32)
         if not all_finite(chosen):
             raise ValueError("local values contain NaN or Inf")
         reduced = await quantized_allreduce(links, chosen, quantize, average=average, segment_bytes=segment_bytes)
         logger.debug("round %d: %d quantized values reduced", links.round_id, indices.numel())
         return indices, reduced
+    values = source.index_select(0, indices).to(value_dtype)
+    if not all_finite(values):
+        raise ValueError("local values contain NaN or Inf (or overflow the value dtype)")
+    await direct_allreduce(links, values, average=average, segment_bytes=segment_bytes, robust=robust)
     logger.debug("round %d: %d values reduced", links.round_id, indices.numel())
     return indices, values

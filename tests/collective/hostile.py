@@ -38,14 +38,17 @@ class Hostile:
         data.mul_(self.factor)  # the reducer sends a copy of its accumulated gradient; the result overwrites it
         await self.collective.dense_round(data, ring, round_id, **options)
 
-    async def sparse_round(self, source: torch.Tensor, ring: list, round_id: int, *, values=None, **options):
-        # What the member sends are its ``values`` at the agreed indices: transform those, leaving
-        # the reducer's accumulated gradient honest.
-        def hostile_values(indices: torch.Tensor) -> torch.Tensor:
-            honest = source.index_select(0, indices) if values is None else values(indices)
-            return honest * self.factor
+    async def sparse_round(self, source: torch.Tensor, ring: list, round_id: int, *, prepare=None, **options):
+        # ``source`` is filled by ``prepare`` (in a worker thread) and read only after it: transform
+        # it there, into a tensor of our own, leaving the reducer's accumulated gradient honest.
+        sent = torch.empty_like(source)
 
-        return await self.collective.sparse_round(source, ring, round_id, values=hostile_values, **options)
+        def hostile_prepare() -> None:
+            if prepare is not None:
+                prepare()
+            torch.mul(source, self.factor, out=sent)
+
+        return await self.collective.sparse_round(sent, ring, round_id, prepare=hostile_prepare, **options)
 
 
 @asynccontextmanager

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 from hypothesis import given, settings
@@ -142,30 +140,6 @@ def test_error_feedback_invariant_sent_plus_residual_is_the_accumulated_input(va
             velocity = fb.velocity.clone()
 
 
-@pytest.mark.parametrize("momentum", [0.0, 0.9])
-def test_forming_a_slice_first_gives_the_bits_of_the_whole_vector(momentum):
-    """A member forms its own slice of residual + grad, reads its values at the agreed indices
-    before the rest is formed, and forms the rest while they travel: the same bits as forming
-    the whole vector at once, and the same state after the commit."""
-    n = 10_007
-    whole, split = ErrorFeedback(n, momentum=momentum), ErrorFeedback(n, momentum=momentum)
-    gen = torch.Generator().manual_seed(5)
-    for step in range(3):
-        grad = torch.randn(n, generator=gen)
-        reference = whole.accumulate(grad)
-        pending = split.prepare(grad)
-        spans = [(2_000, 4_500), (7_000, 7_001), (9_000, n)]
-        formed = split.form(pending, spans)
-        for a, b in spans:
-            assert formed[a:b].equal(reference.accumulated[a:b])
-        idx = topk_indices(reference.accumulated, 100)
-        assert split.values_at(pending, idx).equal(reference.accumulated[idx])
-        assert split.materialize(pending).equal(reference.accumulated)
-        whole.commit(reference, idx, torch.float16)
-        split.commit(pending, idx, torch.float16)
-        assert split.residual.equal(whole.residual)
-
-
 def test_clipping_bounds_the_local_gradient():
     fb = ErrorFeedback(100, clip_norm=1.0)
     pending = fb.accumulate(torch.full((100,), 3.0))
@@ -216,52 +190,3 @@ async def test_sparse_rounds_over_hosts_match_the_in_process_ring_bitwise(cluste
                 assert net[i].feedback.residual.equal(sim[i].feedback.residual)
                 assert net[i].last_indices.numel() == 500  # 1% of the vector, slice by slice
             assert a[0].count_nonzero() <= 500
-
-
-async def test_values_flow_before_every_slice_is_selected_and_the_bits_stay_the_reference(cluster, gather, local_ring):
-    """The pipelined schedule: a member's values for the chunk of its own slice are formed (and
-    sent to that chunk's owner) as soon as it has selected, not once every member has; here
-    member 0 selects only after every other member read its values, which the unpipelined
-    schedule never allows. ``prepare`` overlaps the exchange: each member's waits until its own
-    values were read. Identical bits everywhere, equal to the in-process reference (every slice
-    selected, then the values of the whole vector)."""
-    n, world, k = 40_000, 4, 400
-    wait_s = 10.0  # bounded waits: on the unpipelined schedule they run out and the asserts fail
-    xs = [torch.randn(n, generator=torch.Generator().manual_seed(20 + i)) for i in range(world)]
-    read = [threading.Event() for _ in range(world)]
-    waited: list[list[bool]] = [[] for _ in range(world)]
-    local = local_ring(world)
-
-    def select(i: int):
-        def run(ranges):
-            if i == 0:
-                waited[i].append(all(read[j].wait(timeout=wait_s) for j in range(1, world)))
-            return select_ranges(xs[i], ranges)
-        return run
-
-    def values(i: int):
-        def run(indices: torch.Tensor) -> torch.Tensor:
-            read[i].set()
-            return xs[i].index_select(0, indices)
-        return run
-
-    async with cluster(world, segment_bytes=4096) as peers:
-        ring = [p.id for p in peers]
-        net = await gather([
-            lambda i=i: peers[i].collective.sparse_round(
-                xs[i], ring, 9, sizes=[n], ks=[k], select=select(i), values=values(i),
-                prepare=lambda i=i: waited[i].append(read[i].wait(timeout=wait_s)), value_dtype=torch.float32,
-            )
-            for i in range(world)
-        ])
-    reference = await gather([
-        lambda i=i: local.member(i).sparse_round(
-            xs[i], ring, 9, sizes=[n], ks=[k], select=lambda ranges, i=i: select_ranges(xs[i], ranges),
-            value_dtype=torch.float32,
-        )
-        for i in range(world)
-    ])
-    assert waited == [[True, True]] + [[True]] * (world - 1)
-    for i in range(world):
-        indices, reduced = net[i]
-        assert indices.equal(reference[0][0]) and reduced.equal(reference[0][1])
