@@ -11,6 +11,8 @@ p2ptrain's round (``--density`` < 1: the sparse reducer; 1: the dense ring) and 
 ``all_reduce`` of the same tensor, in the same run and WAN. ``floor_s`` is the bandwidth floor of
 p2ptrain's round: the bytes a peer sends divided by its link rate (a peer's upload and download
 run at once, each at the rate); ``gloo_floor_s`` the same for a ring all-reduce of the dense tensor.
+``p2ptrain_s`` / ``floor_ratio``: the slowest member's round, timed from its own start;
+``p2ptrain_span_s`` / ``span_floor_ratio``: from the first member's start to the last one's end.
 """
 
 from __future__ import annotations
@@ -83,6 +85,7 @@ def allreduce_rounds(args: argparse.Namespace) -> dict:
         machine={**machine(), "load_avg_1m_before": load_before["load_avg_1m"]},
     )
     report["floor_ratio"] = report["p2ptrain_s"] / report["floor_s"]
+    report["span_floor_ratio"] = report["p2ptrain_span_s"] / report["floor_s"]
     report["gloo_floor_ratio"] = report["gloo_s"] / report["gloo_floor_s"] if report["gloo_s"] else None
     return report
 
@@ -91,7 +94,8 @@ def print_rounds(args: argparse.Namespace, r: dict) -> None:
     mode = "dense ring" if args.density >= 1.0 else f"top-k {args.density:g} ({r['value_dtype']} values)"
     print(f"{args.peers} peers behind {args.rate} links, {args.size_mib:g} MiB float32, {mode}, "
           f"median of {args.rounds} rounds (load {r['machine']['load_avg_1m']} on {r['machine']['cpus']} CPUs)")
-    print(f"  p2ptrain round  {r['p2ptrain_s']:8.3f} s   floor {r['floor_s']:.3f} s   ({r['floor_ratio']:.2f}x floor)")
+    print(f"  p2ptrain round  {r['p2ptrain_s']:8.3f} s   floor {r['floor_s']:.3f} s   ({r['floor_ratio']:.2f}x floor; "
+          f"first start to last end {r['p2ptrain_span_s']:.3f} s, {r['span_floor_ratio']:.2f}x)")
     print(f"  bytes per peer  {r['bytes_per_peer']:12,.0f}   (max {r['max_bytes_per_peer']:,})")
     if r["gloo_s"] is not None:
         print(f"  gloo all_reduce {r['gloo_s']:8.3f} s   floor {r['gloo_floor_s']:.3f} s   "

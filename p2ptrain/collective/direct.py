@@ -21,7 +21,7 @@ import trio
 from p2ptrain.collective.errors import BadPayload, single_failure
 from p2ptrain.collective.ring import SEGMENT_BYTES, chunk_bounds, segments
 from p2ptrain.collective.robust import check_rule, clip_scales, contribution_norm, scaled
-from p2ptrain.collective.rounds import RoundLinks
+from p2ptrain.collective.links import RoundLinks
 from p2ptrain.wire.frames import DTYPES, HEADER, Header, Kind, Phase
 
 

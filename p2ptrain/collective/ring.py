@@ -16,7 +16,7 @@ import torch
 import trio
 
 from p2ptrain.collective.errors import single_failure
-from p2ptrain.collective.rounds import RoundLinks
+from p2ptrain.collective.links import RoundLinks
 from p2ptrain.wire.frames import DTYPES, Header, Kind, Phase
 
 SEGMENT_BYTES = 1 << 20

@@ -29,40 +29,27 @@ from __future__ import annotations
 
 import collections
 import logging
-import time
-import warnings
 from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
-import torch
 import trio
 from libp2p.abc import IHost
 from libp2p.peer.id import ID
 
-from p2ptrain.collective.errors import BadPayload, CollectiveError, PeerFailed, single_failure
+from p2ptrain.collective.errors import CollectiveError, PeerFailed, single_failure
+from p2ptrain.collective.dialing import Dialer
+from p2ptrain.collective.links import RoundLinks, wait_for_abort_notice
 from p2ptrain.logs import count_rejection, short_id
-from p2ptrain.net.streams import (
-    Channel,
-    ChannelError,
-    MessageTooLarge,
-    StreamGuard,
-    open_channel,
-    serve_channels,
-)
-from p2ptrain.tensors import all_finite
+from p2ptrain.net.streams import Channel, ChannelError, StreamGuard, open_channel, serve_channels
 from p2ptrain.wire.frames import (
-    DTYPES,
     HEADER,
     MAX_FIRST_FRAME,
     PROTOCOL,
-    Header,
     Kind,
     abort_frame,
     busy_frame,
-    hello_frame,
-    is_busy,
     parse_abort,
     parse_header,
     ready_frame,
@@ -70,12 +57,6 @@ from p2ptrain.wire.frames import (
 
 logger = logging.getLogger(__name__)
 
-# How long a member that lost a neighbour's channel waits for the abort notice that may explain it
-# (see _wait_for_abort_notice). A deadline, not a sleep: the notice ends the wait when it comes.
-# 0.5 s: a notice travels on a stream of its own (a yamux stream open and protocol negotiation on
-# an open connection, milliseconds on a LAN, tens of ms on a loaded 2-core box), sent as soon as
-# its sender sees the failure; waiting longer only delays the blame when no notice is coming.
-_ABORT_NOTICE_WAIT_S = 0.5
 _ABORT_SEND_S = 2.0
 # Bound on telling a dialer whose round digest differs from ours (it may not be reading).
 _MISMATCH_NOTICE_S = 1.0
@@ -110,17 +91,6 @@ _REUSE_S = _IDLE_S - 20.0
 _IDLE_PER_PEER = 2
 
 
-async def _wait_for_abort_notice() -> None:
-    """After a channel of a round broke: give the abort notice that may explain it (naming the
-    real culprit) up to ``_ABORT_NOTICE_WAIT_S`` to arrive, before the caller blames the peer.
-
-    Always called inside the round's cancel scope, which the notice cancels on arrival
-    (:meth:`RoundHub._on_abort`): the notice itself ends this wait, and ``open_round`` then raises
-    it. Returning means no notice came in time.
-    """
-    await trio.sleep(_ABORT_NOTICE_WAIT_S)
-
-
 @dataclass
 class _Arrival:
     """An inbound round channel waiting for its round to start here."""
@@ -140,125 +110,6 @@ class _Round:
     abort: PeerFailed | None = None
 
 
-class RoundLinks:
-    """One member's channels in a round: to its right neighbour and from its left one (ring), or
-    to and from every other member (mesh).
-
-    Every send and receive has the hop deadline; every received frame is checked against exactly the
-    frame the schedule expects next. ``to``/``source`` default to the ring neighbours.
-    """
-
-    def __init__(
-        self, ring: list[ID], me: int, round_id: int, timeout: float, inbound: dict[ID, Channel],
-        outbound: dict[ID, Channel],
-    ) -> None:
-        self.ring = ring
-        self.me = me
-        self.size = len(ring)
-        self.round_id = round_id
-        self.timeout = timeout
-        self.left_peer = ring[(me - 1) % self.size]
-        self.right_peer = ring[(me + 1) % self.size]
-        self._inbound = inbound
-        self._outbound = outbound
-        self.bytes_sent = 0
-        self.bytes_received = 0  # frames taken off the inbound channels, length prefixes included
-
-    async def send(self, header: Header, payload: bytes | memoryview = b"", *, to: ID | None = None) -> None:
-        peer = self.right_peer if to is None else to
-        frame = header.pack() + payload
-        try:
-            with trio.fail_after(self.timeout):
-                await self._outbound[peer].send(frame)
-        except trio.TooSlowError:
-            raise PeerFailed(
-                peer, f"did not accept round {self.round_id} data within {self.timeout:g} s"
-            ) from None
-        except ChannelError as error:
-            await _wait_for_abort_notice()
-            raise PeerFailed(peer, f"channel broke while sending: {error}", gone=True) from error
-        self.bytes_sent += len(frame) + 8  # the channel's length prefix
-
-    async def recv(
-        self, *, phase: int, step: int, seg: int, count: int, dtype: int, nbytes: int,
-        source: ID | None = None, patience: float = 0.0,
-    ) -> bytes:
-        """The next frame's payload, which must be exactly the one described.
-
-        ``patience`` extends the deadline: in a ring, a frame k steps in depends on peers k hops
-        away, so a member far from a stalled peer waits a little longer and hears the abort notice
-        of the member next to it, instead of blaming its own (healthy, starved) neighbour.
-        """
-        peer, frame, header = await self._next(source, nbytes, patience)
-        expected = Header(Kind.DATA, self.round_id, phase, step, seg, count, dtype)
-        if header != expected or len(frame) != HEADER.size + nbytes:
-            raise BadPayload(
-                peer,
-                f"unexpected frame {header} with {len(frame) - HEADER.size} payload bytes; "
-                f"expected {expected} with {nbytes}",
-            )
-        return frame
-
-    async def recv_announced(
-        self, *, phase: int, step: int, dtype: int, max_count: int, first: int, source: ID | None = None,
-    ) -> tuple[int, bytes]:
-        """The first frame of a message whose size the sender announces in the frame's count (at
-        most ``max_count``); the frame carries its first ``min(count, first)`` bytes."""
-        peer, frame, header = await self._next(source, min(max_count, first), 0.0)
-        expected = Header(Kind.DATA, self.round_id, phase, step, 0, header.count, dtype)
-        if header != expected or header.count > max_count or len(frame) != HEADER.size + min(header.count, first):
-            raise BadPayload(
-                peer,
-                f"unexpected frame {header} with {len(frame) - HEADER.size} payload bytes; expected "
-                f"phase {phase} step {step} announcing at most {max_count} bytes",
-            )
-        return header.count, frame
-
-    async def _next(self, source: ID | None, nbytes: int, patience: float) -> tuple[ID, bytes, Header]:
-        """The next frame from ``source`` (default: the left neighbour), of at most ``nbytes``
-        payload bytes; ABORT notices raise here."""
-        peer = self.left_peer if source is None else source
-        try:
-            with trio.fail_after(self.timeout + patience):
-                frame = await self._inbound[peer].recv(HEADER.size + nbytes)
-        except trio.TooSlowError:
-            raise PeerFailed(
-                peer, f"sent nothing for round {self.round_id} within {self.timeout:g} s"
-            ) from None
-        except MessageTooLarge as error:
-            raise BadPayload(peer, f"sent an oversized frame: {error}") from None
-        except ChannelError as error:
-            await _wait_for_abort_notice()
-            raise PeerFailed(peer, f"channel broke while receiving: {error}", gone=True) from error
-        self.bytes_received += len(frame) + 8  # the channel's length prefix
-        try:
-            header = parse_header(frame)
-        except ValueError as error:
-            raise BadPayload(peer, str(error)) from None
-        if header.kind == Kind.ABORT:
-            culprit, reason = parse_abort(frame, header)
-            raise PeerFailed(culprit, reason, reported_by=peer)
-        return peer, frame, header
-
-    async def recv_tensor(
-        self, *, phase: int, step: int, seg: int, count: int, dtype: torch.dtype, source: ID | None = None,
-        patience: float = 0.0,
-    ) -> torch.Tensor:
-        """The next frame as a read-only tensor of ``count`` finite values of ``dtype``."""
-        width = torch.empty((), dtype=dtype).element_size()
-        frame = await self.recv(
-            phase=phase, step=step, seg=seg, count=count, dtype=DTYPES[dtype], nbytes=count * width,
-            source=source, patience=patience,
-        )
-        peer = self.left_peer if source is None else source
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)  # read-only buffer: we never write into it
-            values = torch.frombuffer(frame, dtype=dtype, count=count, offset=HEADER.size)
-        if not all_finite(values):
-            raise BadPayload(peer, f"sent NaN or Inf values (phase {phase}, step {step})")
-        return values
-
-
 class RoundHub:
     """Accepts round channels and abort notices for one host, and opens rounds for its callers."""
 
@@ -272,9 +123,10 @@ class RoundHub:
         self._early_aborts: OrderedDict[int, tuple[ID, PeerFailed]] = OrderedDict()
         # Rounds ended here, with the failure that ended each (None: it completed).
         self._finished: OrderedDict[int, PeerFailed | None] = OrderedDict()
-        self._idle_out: dict[ID, list[tuple[Channel, float]]] = {}
         self._idle_in: dict[ID, int] = {}
-        self.channels_opened = 0  # outbound channels opened so far (reuse keeps this low)
+        self.dialer = Dialer(
+            host, protocol, reuse_s=_REUSE_S, per_peer=_IDLE_PER_PEER, busy_retry_s=_BUSY_RETRY_S
+        )
         # Who may park a HELLO: the members of the plan the caller follows, and of recent rings.
         self._expected: frozenset[ID] = frozenset()
         self._recent_rings: deque[frozenset[ID]] = deque(maxlen=_RECENT_RINGS)
@@ -283,6 +135,11 @@ class RoundHub:
         self._guard: StreamGuard = serve_channels(
             host, protocol, self._on_channel, max_streams_per_peer=_STREAMS_PER_PEER
         )
+
+    @property
+    def channels_opened(self) -> int:
+        """Outbound channels opened so far (reuse keeps this low)."""
+        return self.dialer.opened
 
     def expect(self, members: Iterable[ID]) -> None:
         """The members of the plan this host follows now: only they (and the members of its last
@@ -493,86 +350,6 @@ class RoundHub:
             )
         return arrival
 
-    async def _dial(self, round_id: int, right: ID, digest: bytes, timeout: float) -> Channel:
-        """A channel to ``right`` on which it has joined round ``round_id`` (answered READY)."""
-        hello = hello_frame(round_id, digest)
-        try:
-            with trio.fail_after(timeout):
-                while True:
-                    channel = await self._take_idle(right)
-                    reused = channel is not None
-                    if channel is None:
-                        channel = await open_channel(self.host, right, self.protocol)
-                        self.channels_opened += 1
-                    try:
-                        await channel.send(hello)
-                        frame = await channel.recv(MAX_FIRST_FRAME)
-                        if is_busy(frame, round_id):
-                            # It has not seen the plan naming us yet: ask again on a fresh channel.
-                            await channel.aclose()
-                            await trio.sleep(_BUSY_RETRY_S)
-                            continue
-                        break
-                    except ChannelError as error:
-                        await channel.reset()
-                        if not reused:
-                            raise
-                        logger.debug("collective: idle channel to %s was gone: %s", short_id(right), error)
-                    except BaseException:
-                        await channel.reset()
-                        raise
-        except trio.TooSlowError:
-            raise PeerFailed(right, f"did not join round {round_id} within {timeout:g} s") from None
-        except ChannelError as error:
-            # Also what a member sees when the peer took our HELLO and then its round failed for
-            # another reason: the reset of this stream outruns the notice, which needs a stream
-            # of its own. Give the notice time to arrive before blaming the peer.
-            await _wait_for_abort_notice()
-            raise PeerFailed(right, f"cannot reach it: {error}", gone=True) from error
-        try:
-            header = parse_header(frame)
-            if header.kind == Kind.ABORT:
-                culprit, reason = parse_abort(frame, header)
-                if culprit == right:
-                    raise PeerFailed(right, f"refused the round: {reason}")
-                raise PeerFailed(culprit, reason, reported_by=right)  # the round failed there already
-            if header.kind != Kind.READY or header.round_id != round_id:
-                raise ValueError(f"expected READY for round {round_id}, got {header}")
-        except ValueError as error:
-            await channel.reset()
-            raise BadPayload(right, str(error)) from None
-        except PeerFailed:
-            await channel.reset()
-            raise
-        return channel
-
-    async def _take_idle(self, peer: ID) -> Channel | None:
-        """An idle channel to ``peer`` young enough to reuse, if any (older ones are closed)."""
-        pool = self._idle_out.get(peer, [])
-        while pool:
-            channel, since = pool.pop()
-            if not pool and self._idle_out.get(peer) is pool:
-                del self._idle_out[peer]
-            if time.monotonic() - since < _REUSE_S:
-                return channel
-            await channel.aclose()
-        return None
-
-    async def _release(self, peer: ID, channel: Channel) -> None:
-        """Keep a channel whose round ended cleanly for the next round with ``peer``; close the
-        idle channels too old to reuse (so peers that left the run leave nothing behind)."""
-        now = time.monotonic()
-        for other, idle in list(self._idle_out.items()):
-            while idle and now - idle[0][1] >= _REUSE_S:  # oldest first
-                await idle.pop(0)[0].aclose()
-            if not idle and self._idle_out.get(other) is idle:  # (another round may have replaced it)
-                del self._idle_out[other]
-        pool = self._idle_out.setdefault(peer, [])
-        if len(pool) >= _IDLE_PER_PEER:
-            await channel.aclose()
-        else:
-            pool.append((channel, now))
-
     @asynccontextmanager
     async def open_round(
         self, ring: list[ID], round_id: int, digest: bytes, *, timeout: float, start_timeout: float,
@@ -616,7 +393,7 @@ class RoundHub:
                 try:
 
                     async def connect(peer: ID) -> None:
-                        outbound[peer] = await self._dial(round_id, peer, digest, start_timeout)
+                        outbound[peer] = await self.dialer.dial(round_id, peer, digest, start_timeout)
 
                     async def accept(peer: ID) -> None:
                         arrivals[peer] = arrival = await self._accept(
@@ -628,7 +405,7 @@ class RoundHub:
                         except ChannelError as error:
                             # A channel parked before we joined, which its sender has since reset:
                             # its round failed there, and the notice saying why may be on its way.
-                            await _wait_for_abort_notice()
+                            await wait_for_abort_notice()
                             raise PeerFailed(
                                 peer, f"its channel broke before the round began: {error}", gone=True
                             ) from error
@@ -671,7 +448,7 @@ class RoundHub:
             reusable = completed and detected is None and state.abort is None
             for peer, channel in outbound.items():
                 if reusable:
-                    await self._release(peer, channel)
+                    await self.dialer.release(peer, channel)
                 else:
                     await channel.reset()
             for arrival in arrivals.values():

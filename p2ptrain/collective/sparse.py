@@ -36,7 +36,7 @@ from p2ptrain.collective.direct import direct_allreduce, direct_broadcast
 from p2ptrain.collective.errors import single_failure
 from p2ptrain.collective.quantized import quantized_allreduce
 from p2ptrain.collective.ring import SEGMENT_BYTES, chunk_bounds
-from p2ptrain.collective.rounds import RoundLinks
+from p2ptrain.collective.links import RoundLinks
 from p2ptrain.tensors import all_finite
 
 logger = logging.getLogger(__name__)

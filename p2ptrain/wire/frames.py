@@ -2,7 +2,7 @@
 
 A frame is a 24-byte struct header followed by raw tensor bytes, a round digest (HELLO) or a culprit
 and a short UTF-8 reason (ABORT); nothing here is ever unpickled. The collective
-(:mod:`p2ptrain.collective.rounds`) checks every field against what it expects at that point of the
+(:mod:`p2ptrain.collective.links`) checks every field against what it expects at that point of the
 round, so a stale frame from an aborted round, or one for the wrong step, is refused rather than
 summed. This module only says what the bytes are: it lives in ``wire/`` with our other formats, below
 the collective, and peers running older code read exactly these bytes (tests/wire/test_frames.py).

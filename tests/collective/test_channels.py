@@ -44,7 +44,7 @@ async def test_a_dead_idle_channel_is_replaced_without_failing_the_round(cluster
         hub = peers[0].collective.hub
         opened = hub.channels_opened
         # Reset peer 0's idle channel to peer 1 underneath it, as when peer 1 dropped it.
-        (channel, _), = hub._idle_out[ring[1]]
+        (channel, _), = hub.dialer.idle[ring[1]]
         await channel._stream.reset()
         outs = await gather(_calls(peers, xs, ring, 2))
         for out in outs:
