@@ -1,16 +1,25 @@
-"""Time to a target accuracy across an emulated WAN (``bench/wan.py --train``): p2ptrain (top-k 1%
-and dense), torch DDP over gloo, and hivemind 1.1.12's ``hivemind.Optimizer``; each peer in its own
-network namespace behind the same ``--rate`` link, same task, same model, same per-peer batch.
+"""Time to a target accuracy across an emulated WAN (``bench/wan.py --train``): p2ptrain (top-k 1%,
+dense, and local-SGD with 2-bit sparse pseudo-gradients), torch DDP over gloo, and hivemind 1.1.12's
+``hivemind.Optimizer``; each peer in its own network namespace behind the same ``--rate`` link, same
+task, same model, same per-peer batch.
 
 The task is bench/train.py's (scikit-learn digits, an MLP 64-H-H-10, Adam at lr 0.02 with the
 demo's cosine schedule); every peer reads the same shards of the same dataset (p2ptrain's members
 fetch theirs by CID; DDP's ranks read them from the store they were built in; hivemind's peers from
 arrays exported from it: hivemind runs in a venv of its own and cannot import p2ptrain).
-Accuracy is on the dataset's test split, every ``--checkpoint`` steps (p2ptrain: at its checkpoints).
+Accuracy is on the dataset's test split: p2ptrain's at its checkpoints (a confirmed record), DDP's
+and hivemind's every ``--eval-every`` steps (default 1: they stop at the first step at the target).
 
-Clocks: p2ptrain's starts when the task is published (members then fetch the task and their shards
-over the WAN), DDP's and hivemind's when their process group / DHT is up and the data is loaded, so
-p2ptrain pays for more of its start than the others do.
+Two clocks for every run, in ``time_to_target_from_launch_s`` and
+``time_to_target_from_first_step_s``:
+- from launch: processes started to the target. DDP: its ranks' process start, imports and
+  ``init_process_group`` included; hivemind: its processes and DHT start; p2ptrain: the node
+  processes' start to a connected mesh (measured once, added to each of its runs), then the task's
+  publication, the members' joins and shard fetches over the WAN, the election and the first plan.
+- from the first step: DDP's and hivemind's first step (after their barrier), p2ptrain's first plan
+  (the coordinator's log) to the target.
+``time_to_target_s`` keeps the meaning it had: p2ptrain from the task's publication, DDP and
+hivemind from their first step.
 
 hivemind is installed by this bench, never by the package: ``HIVEMIND_VENV`` (default
 /work/hivemind-venv) with ``pip install torch==2.13.0 hivemind==1.1.12`` (its wheel ships ``p2pd``).
@@ -24,6 +33,7 @@ import os
 import shutil
 import subprocess
 import sys
+import datetime
 import tempfile
 import time
 from pathlib import Path
@@ -33,6 +43,7 @@ import train as train_bench  # bench/train.py: the task text and the p2ptrain ru
 
 from p2ptrain.data.build import build_dataset
 from p2ptrain.data.builtin import load_source
+from p2ptrain.errors import UserError
 from p2ptrain.ipfs.embedded import EmbeddedStore
 from p2ptrain.local_nodes import NODE_ARGS
 from p2ptrain.net.control import ControlClient
@@ -50,6 +61,10 @@ NODE_READY_TIMEOUT_S = 300.0
 # request timeout, which hivemind warns may deadlock) its peers at load 20 kept failing to form a
 # group ("could not find a group") and fell out of sync.
 HIVEMIND_MATCHMAKING_S = 5.0
+POLL_S = 0.25  # how often the bench asks the publisher's node for the run's confirmed chain
+# After the target, the bench cancels the run; members settle their last span's checkpoint first
+# (leading.CANCEL_SETTLE_S, 20 s) and the next run waits for them.
+CANCEL_WAIT_S = 60.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -57,12 +72,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--hidden", type=int, default=512, help="width of the MLP's two hidden layers")
     group.add_argument("--batch", type=int, default=64, help="batch per peer per step")
     group.add_argument("--steps", type=int, default=150, help="the task's total steps (the most any run takes)")
-    group.add_argument("--checkpoint", type=int, default=10, help="steps between evaluations")
+    group.add_argument("--checkpoint", type=int, default=10, help="p2ptrain sync runs: steps between checkpoints")
+    group.add_argument("--eval-every", type=int, default=1,
+                       help="DDP and hivemind: steps (epochs) between evaluations (1: they stop at the first step at the target)")
     group.add_argument("--skip-hivemind", action="store_true")
+    group.add_argument("--hivemind-timeout", type=float, default=RUN_TIMEOUT_S,
+                       help="seconds of hivemind training before it counts as not reaching the target")
+    group.add_argument("--skip-dense", action="store_true", help="no p2ptrain dense run")
+    group.add_argument("--skip-ddp", action="store_true", help="no DDP run (a run too long to share one lock with hivemind's)")
+    group.add_argument("--lsgd-inner", type=int, default=10,
+                       help="p2ptrain local-SGD run: inner steps H per round (0: no local-SGD run)")
+    group.add_argument("--lsgd-density", type=float, default=0.01, help="its pseudo-gradient's top-k share (2-bit values)")
+    group.add_argument("--lsgd-steps", type=int, default=30, help="its outer steps at most (one checkpoint each)")
 
 
 class WanCluster:
-    """What bench/train.py's run_task needs of a cluster: the homes and a control call."""
+    """What bench/train.py's task texts need of a cluster: the homes and a control call."""
 
     def __init__(self, homes: list[Path]) -> None:
         self.homes = homes
@@ -76,86 +101,145 @@ def task_args(args: argparse.Namespace) -> argparse.Namespace:
                               batch=args.batch, sync_interval=1, timeout=RUN_TIMEOUT_S)
 
 
-def run_p2ptrain(args: argparse.Namespace, workdir: Path) -> tuple[str, list[dict]]:
-    """Both p2ptrain runs (1%, dense) on node processes in the namespaces; the dataset's manifest."""
+def progress(what: str, row: dict | None = None) -> None:
+    """A line on stderr as each part ends: a run cut short still leaves its finished rows."""
+    print(f"wan_train {time.strftime('%H:%M:%S')} load {os.getloadavg()[0]:.1f}: {what}"
+          + (f" {json.dumps(row)}" if row is not None else ""), file=sys.stderr, flush=True)
+
+
+def log_stamps(homes: list[Path], name: str, day: float) -> dict[str, list[float]]:
+    """Wall-clock stamps of a task's start from the nodes' logs (logs.TEXT_FORMAT, local HH:MM:SS.mmm
+    on the day of ``day``): every member's "joined", the first "coordinator of term", the first plan."""
+    marks = {"joined": ": joined;", "elected": ": coordinator of term", "first_plan": ": plan rounds 0-"}
+    midnight = datetime.datetime.fromtimestamp(day).replace(hour=0, minute=0, second=0, microsecond=0).timestamp()
+    found: dict[str, list[float]] = {key: [] for key in marks}
+    for home in homes:
+        log = home / "logs" / "node.log"
+        for line in log.read_text(errors="replace").splitlines() if log.exists() else []:
+            if f"task {name} (" not in line:
+                continue
+            for key, mark in marks.items():
+                if mark in line:
+                    h, m, rest = line[:12].split(":")
+                    found[key].append(midnight + 3600 * int(h) + 60 * int(m) + float(rest))
+    return {key: sorted(v) for key, v in found.items()}
+
+
+def run_p2p_task(cluster: WanCluster, text: str, name: str, nodes_up_s: float) -> dict:
+    """Publish ``text`` (task ``name``), wait for a confirmed checkpoint at the target, cancel the run.
+
+    Clocks: ``time_to_target_s`` from the publication (this key's meaning since the bench was
+    written), ``from_launch_s`` adds the nodes' own start (``nodes_up_s``: processes launched to a
+    connected mesh), ``from_first_step_s`` from the first plan (the coordinator's log) on. The target
+    is seen when the publisher's ``task status`` shows a confirmed record at it (polled every
+    POLL_S): a model every member attested, not one member's evaluation.
+    """
+    first = cluster.homes[0]
+    published = time.time()
+    task_cid = cluster.call(first, "task.publish", text=text, join=True)["task_cid"]
+    hit = None
+    status: dict[str, Any] = {}
+    while hit is None:
+        try:
+            status = cluster.call(first, "task.status", task_cid=task_cid)
+        except UserError:  # not heard of yet
+            status = {}
+        for record in status.get("chain", []):
+            if record["metrics"].get("accuracy", 0) >= TARGET_ACCURACY:
+                hit = (time.time(), record["step"], record["metrics"]["accuracy"])
+                break
+        if hit is None and status.get("state") in ("done", "failed", "cancelled"):
+            break
+        if time.time() - published > RUN_TIMEOUT_S:
+            break
+        if hit is None:
+            time.sleep(POLL_S)
+    statuses = [cluster.call(h, "task.status", task_cid=task_cid) for h in cluster.homes]
+    if statuses[0].get("state") not in ("done", "cancelled", "failed"):
+        cluster.call(first, "task.cancel", task_cid=task_cid)
+        deadline = time.time() + CANCEL_WAIT_S
+        while time.time() < deadline and not all(
+                cluster.call(h, "task.status", task_cid=task_cid).get("state") in ("done", "cancelled", "failed")
+                for h in cluster.homes):
+            time.sleep(POLL_S)
+    stamps = log_stamps(cluster.homes, name, published)
+    first_plan = stamps["first_plan"][0] if stamps["first_plan"] else None
+    members = [s for s in statuses if s.get("rounds_done")]
+    rounds = sum(s["rounds_done"] for s in members) or 1
+    best = max((r["metrics"].get("accuracy", 0) for r in statuses[0].get("chain", [])), default=None)
+    row = {
+        "time_to_target_s": hit and round(hit[0] - published, 2),
+        "from_launch_s": hit and round(nodes_up_s + hit[0] - published, 2),
+        "from_first_step_s": hit and first_plan and round(hit[0] - first_plan, 2),
+        "steps": hit[1] if hit else None,
+        "final_accuracy": hit[2] if hit else best,
+        "start_s": {key: round(v[-1 if key == "joined" else 0] - published, 2) if v else None
+                    for key, v in stamps.items()},
+        "nodes_up_s": round(nodes_up_s, 2),
+        "compute_ms_per_round": round(1000 * sum(s["compute_s"] + s["apply_s"] for s in members) / rounds, 1),
+        "sync_ms_per_round": round(1000 * sum(s["sync_s"] for s in members) / rounds, 1),
+        "bytes_per_peer_per_step": round(sum(s["bytes_sent"] for s in members) / rounds),
+    }
+    progress(f"p2ptrain {name} ({time.time() - published:.1f} s with its cancel)", row)
+    return row
+
+
+def run_p2ptrain(args: argparse.Namespace, workdir: Path) -> tuple[str, dict[str, dict]]:
+    """p2ptrain's runs (sync 1%, sync dense, local-SGD) one after the other on the same node
+    processes in the namespaces; the dataset's manifest."""
     home0 = workdir / "node0"
     home0.mkdir(parents=True, mode=0o700)
     name, features, labels = load_source("sklearn:digits")
     manifest, _ = build_dataset(EmbeddedStore(home0), name, features, labels, num_shards=8)
-    with emulated_wan(args.peers, args.rate) as wan, \
-            wan_node_processes(wan, workdir, extra_args=NODE_ARGS, ready_timeout=NODE_READY_TIMEOUT_S) as procs:
-        wait_for(lambda: min(len(p.status()["peers"]) for p in procs) >= args.peers - 1, 120, interval=0.2)
-        cluster = WanCluster([p.home for p in procs])
-        rows = [train_bench.run_task(cluster, manifest, density, task_args(args)) for density in (0.01, 1.0)]
-    return manifest, rows
+    with emulated_wan(args.peers, args.rate) as wan:
+        launched = time.time()
+        with wan_node_processes(wan, workdir, extra_args=NODE_ARGS, ready_timeout=NODE_READY_TIMEOUT_S) as procs:
+            wait_for(lambda: min(len(p.status()["peers"]) for p in procs) >= args.peers - 1, 120, interval=0.2)
+            nodes_up_s = time.time() - launched
+            progress(f"p2ptrain nodes up in {nodes_up_s:.1f} s")
+            cluster = WanCluster([p.home for p in procs])
+            targs = task_args(args)
+            sync_text = train_bench.task_text(manifest, 0.01, targs, "wan-sync-1pct")
+            runs = {"p2ptrain": run_p2p_task(cluster, sync_text, "wan-sync-1pct", nodes_up_s)}
+            if not args.skip_dense:
+                text = train_bench.task_text(manifest, 1.0, targs, "wan-sync-dense")
+                runs["p2ptrain_dense"] = run_p2p_task(cluster, text, "wan-sync-dense", nodes_up_s)
+            if args.lsgd_inner:
+                text = train_bench.local_sgd_text(sync_text, args.lsgd_inner, args.lsgd_density, "2bit", "average",
+                                                  args.lsgd_steps, 1).replace('"wan-sync-1pct"', '"wan-lsgd"')
+                row = run_p2p_task(cluster, text, "wan-lsgd", nodes_up_s)
+                row.update(inner_steps=args.lsgd_inner, outer_steps=row.pop("steps"),
+                           bytes_per_peer_per_round=row.pop("bytes_per_peer_per_step"),
+                           compute_ms_per_outer_round=row.pop("compute_ms_per_round"),
+                           sync_ms_per_outer_round=row.pop("sync_ms_per_round"))
+                runs["p2ptrain_local_sgd"] = row
+    return manifest, runs
 
 
 # ---- torch DDP over gloo, one rank per namespace ------------------------------------------------------
 
 
-def ddp_worker(argv: list[str]) -> None:
-    """One DDP rank: the task's model wrapped in DistributedDataParallel, its shards, its optimizer."""
-    import torch
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel
-
-    from p2ptrain.data.dataset import IPFSDataset
-    from p2ptrain.training.task import load_task
-    from p2ptrain.training.trainer import (Trainer, batched, batches_forever, evaluate_batches, loss_and_hits,
-                                           lr_at)
-
-    rank, world, master, task_file, store_home, checkpoint = argv[0:6]
-    rank, world, checkpoint = int(rank), int(world), int(checkpoint)
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR=master, MASTER_PORT=str(GLOO_PORT), GLOO_SOCKET_IFNAME=IFACE)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    task = load_task(Path(task_file).read_text())
-    store = EmbeddedStore(Path(store_home))
-    trainer = Trainer(task, device="cpu")  # the same model, seed and optimizer as a p2ptrain member's
-    model = DistributedDataParallel(trainer.model)
-    batches = batches_forever(IPFSDataset(task.dataset.manifest, split=task.dataset.train_split, rank=rank,
-                                          world_size=world, store=store, seed=task.seed + rank),
-                              task.training.batch_size)
-    test = list(IPFSDataset(task.dataset.manifest, split="test", store=store, shuffle=False))
-    dist.barrier()
-    started, reached, accuracy = time.perf_counter(), None, 0.0
-    for step in range(trainer.total_steps):
-        for group in trainer.optimizer.param_groups:
-            group["lr"] = lr_at(task, step, trainer.total_steps)
-        model.train()
-        x, y = next(batches)
-        loss, _, _ = loss_and_hits(model(x), y)
-        trainer.optimizer.zero_grad(set_to_none=True)
-        loss.backward()  # DDP's gloo all-reduce of the gradient buckets
-        trainer.optimizer.step()
-        if (step + 1) % checkpoint == 0 or step + 1 == trainer.total_steps:
-            flag = torch.zeros(1)
-            if rank == 0:
-                accuracy = evaluate_batches(trainer.model, batched(test, 256)).accuracy
-                flag[0] = accuracy >= TARGET_ACCURACY
-            dist.broadcast(flag, 0)
-            if flag[0] and reached is None:
-                reached = (time.perf_counter() - started, step + 1)
-                break
-    if rank == 0:
-        print("RESULT " + json.dumps({"time_to_target_s": reached and round(reached[0], 2),
-                                      "steps": reached[1] if reached else trainer.total_steps,
-                                      "final_accuracy": accuracy,
-                                      "bytes_per_peer_per_step": 2 * (world - 1) / world * 4 * trainer.num_parameters}),
-              flush=True)
-    dist.destroy_process_group()
-
-
 def run_ddp(args: argparse.Namespace, task_file: Path, store_home: Path) -> dict:
+    """The ranks of bench/wan_ddp_worker.py, one per namespace; rank 0's result with both clocks."""
+    worker = Path(__file__).resolve().parent / "wan_ddp_worker.py"
     with emulated_wan(args.peers, args.rate) as wan:
-        procs = [wan[i].popen([sys.executable, __file__, "--ddp-worker", str(i), str(args.peers), wan[0].ip,
-                               str(task_file), str(store_home), str(args.checkpoint)],
+        launched = time.time()
+        procs = [wan[i].popen([sys.executable, str(worker), str(i), str(args.peers), wan[0].ip, str(task_file),
+                               str(store_home), str(args.eval_every), str(TARGET_ACCURACY), IFACE, str(GLOO_PORT)],
                               stdout=subprocess.PIPE, text=True) for i in range(args.peers)]
         outs = [proc.communicate(timeout=RUN_TIMEOUT_S)[0] for proc in procs]
     line = next((ln for ln in outs[0].splitlines() if ln.startswith("RESULT ")), None)
     if line is None or any(p.returncode for p in procs):
         raise SystemExit("a DDP rank failed")
-    return json.loads(line[7:])
+    result = json.loads(line[7:])
+    wall = result.pop("wall")
+    result.update(
+        from_launch_s=wall["target"] and round(wall["target"] - launched, 2),
+        from_first_step_s=result["time_to_target_s"],
+        start_s={"imports": round(wall["imported"] - launched, 2), "process_group": round(wall["group_up"] - launched, 2),
+                 "first_step": round(wall["first_step"] - launched, 2)},
+    )
+    return result
 
 
 # ---- hivemind.Optimizer, one peer per namespace -----------------------------------------------------
@@ -163,7 +247,7 @@ def run_ddp(args: argparse.Namespace, task_file: Path, store_home: Path) -> dict
 HIVEMIND_WORKER = r'''
 import json, sys, time
 import numpy as np, torch, hivemind
-rank, world, ip, data, hidden, batch, steps, checkpoint, target, lr, matchmaking = sys.argv[1:12]
+rank, world, ip, data, hidden, batch, steps, checkpoint, target, lr, matchmaking, timeout = sys.argv[1:13]
 rank, world, hidden, batch, steps, checkpoint = map(int, (rank, world, hidden, batch, steps, checkpoint))
 torch.set_num_threads(1); torch.manual_seed(0)
 arrays = np.load(data)
@@ -182,8 +266,9 @@ print("READY", flush=True); sys.stdin.readline()
 g = torch.Generator().manual_seed(rank)
 # hivemind's butterfly all-reduce of the gradients (not measured: its schedule's volume, as DDP's)
 volume = 2 * (world - 1) / world * 4 * sum(p.numel() for p in model.parameters())
+first_step_wall = time.time()
 started, reached, accuracy, local, evaluated = time.perf_counter(), None, 0.0, 0, 0
-while opt.local_epoch < steps and time.perf_counter() - started < 900:
+while opt.local_epoch < steps and time.perf_counter() - started < float(timeout):
     i = torch.randint(len(x), (batch,), generator=g)
     loss = torch.nn.functional.cross_entropy(model(x[i]), y[i])
     opt.zero_grad(); loss.backward(); opt.step(); local += 1
@@ -197,11 +282,14 @@ while opt.local_epoch < steps and time.perf_counter() - started < 900:
             reached = (time.perf_counter() - started, opt.local_epoch)
             print("RESULT " + json.dumps({"time_to_target_s": round(reached[0], 2), "steps": opt.local_epoch,
                                           "local_steps": local, "final_accuracy": accuracy,
-                                          "bytes_per_peer_per_step": volume}), flush=True)
+                                          "bytes_per_peer_per_step": volume,
+                                          "wall": {"first_step": first_step_wall, "target": time.time()}}),
+                  flush=True)
             break
 if rank == 0 and reached is None:
     print("RESULT " + json.dumps({"time_to_target_s": None, "steps": opt.local_epoch, "local_steps": local,
-                                  "final_accuracy": accuracy, "bytes_per_peer_per_step": volume}), flush=True)
+                                  "final_accuracy": accuracy, "bytes_per_peer_per_step": volume,
+                                  "wall": {"first_step": first_step_wall, "target": None}}), flush=True)
 sys.stdout.flush()
 import os; os._exit(0)
 '''
@@ -234,10 +322,13 @@ def run_hivemind(args: argparse.Namespace, data: Path, workdir: Path) -> dict:
     script.write_text(HIVEMIND_WORKER)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     with emulated_wan(args.peers, args.rate) as wan:
+        launched = time.time()
+
         def start(i: int) -> subprocess.Popen[str]:
             return wan[i].popen([str(python), str(script), str(i), str(args.peers), wan[i].ip, str(data),
-                                 str(args.hidden), str(args.batch), str(args.steps), str(args.checkpoint),
-                                 str(TARGET_ACCURACY), "0.02", str(HIVEMIND_MATCHMAKING_S)],
+                                 str(args.hidden), str(args.batch), str(args.steps), str(args.eval_every),
+                                 str(TARGET_ACCURACY), "0.02", str(HIVEMIND_MATCHMAKING_S),
+                                 str(args.hivemind_timeout)],
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
 
         procs = [start(0)]
@@ -255,31 +346,51 @@ def run_hivemind(args: argparse.Namespace, data: Path, workdir: Path) -> dict:
         line = next((ln for ln in iter(procs[0].stdout.readline, "") if ln.startswith("RESULT ")), None)
     if line is None:
         raise SystemExit("hivemind: rank 0 gave no result")
-    return json.loads(line[7:])
+    result = json.loads(line[7:])
+    wall = result.pop("wall")
+    result.update(from_launch_s=wall["target"] and round(wall["target"] - launched, 2),
+                  from_first_step_s=result["time_to_target_s"],
+                  start_s={"first_step": round(wall["first_step"] - launched, 2)})
+    return result
 
 
 def train_race(args: argparse.Namespace) -> dict:
-    """The four runs, one after another; ``time_to_target_s`` per system, and each run's details."""
+    """Every run, one after another; ``time_to_target_s`` per system (each on its own clock, as
+    since the bench was written: p2ptrain from the task's publication, DDP from its first step,
+    hivemind from its first step) and the comparable clocks, ``time_to_target_from_launch_s``
+    (processes launched to the target) and ``time_to_target_from_first_step_s``; each run's details."""
     workdir = Path(tempfile.mkdtemp(prefix="p2ptrain-wan-train-"))
+    load = {"before": round(os.getloadavg()[0], 2)}
     try:
-        manifest, (sparse, dense) = run_p2ptrain(args, workdir)
+        manifest, runs = run_p2ptrain(args, workdir)
+        load["after_p2ptrain"] = round(os.getloadavg()[0], 2)
         home0 = workdir / "node0"
         task_file = workdir / "task.toml"
         task_file.write_text(train_bench.task_text(manifest, 1.0, task_args(args), "bench-ddp"))
-        ddp = run_ddp(args, task_file, home0)
-        runs = {"p2ptrain": sparse, "p2ptrain_dense": dense, "ddp": ddp}
+        if not args.skip_ddp:
+            runs["ddp"] = run_ddp(args, task_file, home0)
+            progress("ddp", runs["ddp"])
+            load["after_ddp"] = round(os.getloadavg()[0], 2)
         if not args.skip_hivemind:
             data = workdir / "arrays.npz"
             export_arrays(manifest, home0, args.peers, data)
             runs["hivemind"] = run_hivemind(args, data, workdir)
+            progress("hivemind", runs["hivemind"])
+            load["after_hivemind"] = round(os.getloadavg()[0], 2)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    times = {"p2ptrain": sparse["time_to_90_s"], "p2ptrain_dense": dense["time_to_90_s"], "ddp": ddp["time_to_target_s"]}
-    if "hivemind" in runs:
-        times["hivemind"] = runs["hivemind"]["time_to_target_s"]
+    launch = {name: run["from_launch_s"] for name, run in runs.items()}
+    first = {name: run["from_first_step_s"] for name, run in runs.items()}
+
+    def ratios(clock: dict[str, float | None], base: str) -> dict[str, float | None]:
+        return {name: round(t / clock[base], 3) if t and clock.get(base) else None
+                for name, t in clock.items() if name.startswith("p2ptrain")}
+
     return {"target_accuracy": TARGET_ACCURACY, "model": f"mlp 64-{args.hidden}-{args.hidden}-10",
-            "batch_per_peer": args.batch, "time_to_target_s": times, "train_runs": runs}
-
-
-if __name__ == "__main__" and sys.argv[1:2] == ["--ddp-worker"]:
-    ddp_worker(sys.argv[2:])
+            "parameters": runs.get("ddp", {}).get("parameters"), "batch_per_peer": args.batch, "load_avg_1m": load,
+            "time_to_target_s": {name: run["time_to_target_s"] for name, run in runs.items()},
+            "time_to_target_from_launch_s": launch, "time_to_target_from_first_step_s": first,
+            "ratio_to_ddp": {"from_launch": ratios(launch, "ddp"), "from_first_step": ratios(first, "ddp")},
+            "ratio_to_hivemind": {"from_launch": ratios(launch, "hivemind"),
+                                  "from_first_step": ratios(first, "hivemind")},
+            "train_runs": runs}

@@ -55,7 +55,9 @@ from p2ptrain.wire.messages import ModelRecord, RoundFailed, RoundPlan, SignedMo
 RETRY_BACKOFF_S = 1.5
 # A peer named in a failed round (or a coordinator that fell silent) is left out of plans this long.
 FAILED_PEER_QUARANTINE_S = 10.0
-# The first plan waits this long after the coordinator's election, for peers still joining.
+# The first plan waits this long after the coordinator's election, for peers still joining, unless
+# the task's ``peers.max`` already advertise it (no one else could be admitted: the wait would only
+# delay the run's first step, by 2 s of its ~9 s start on an emulated WAN, bench/wan_train.py).
 FIRST_ROUND_GRACE_S = 2.0
 
 
@@ -256,7 +258,9 @@ class RoundBook:
             # Elected while behind the run (a later confirmed model, or a plan seen past our step,
             # e.g. it joined at step 0 and missed the records): it must not plan from its stale state.
             return Hold.BEHIND
-        if last is None and self.elected_at is not None and now - self.elected_at < FIRST_ROUND_GRACE_S:
+        joining_possible = len(set(advertising) - quarantined) < self.task.peers.max
+        if last is None and self.elected_at is not None and now - self.elected_at < FIRST_ROUND_GRACE_S \
+                and joining_possible:
             return Hold.WAIT
         plan = self.next_plan(election, my_step, set(advertising) - quarantined, can_roll_back)
         return Hold.WAIT if plan is None else plan

@@ -88,6 +88,15 @@ def test_the_first_plan_waits_for_peers_still_joining(run):
     assert isinstance(plan, RoundPlan) and plan.members == tuple(sorted(run.ids))
 
 
+def test_the_first_plan_does_not_wait_when_the_task_is_full(digits, digits_task):
+    # peers.max members already advertise the task: nobody else could join the first plan.
+    full = Run(digits_task(digits[1], steps=10, **{"peers.max": "3"}), "QmTask")
+    full.book.note_elected(100.0)
+    assert full.decide(100.0, advertising={full.c, full.others[0]}) is Hold.WAIT
+    plan = full.decide(100.0)
+    assert isinstance(plan, RoundPlan) and plan.members == tuple(sorted(full.ids))
+
+
 def test_no_plan_while_the_own_span_runs_unless_a_culprit_holds_it(run):
     plan = run.follow(run.decide(10.0))
     assert run.decide(11.0, span_running=True, rounds_running=True) is Hold.WAIT
