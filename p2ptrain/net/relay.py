@@ -7,7 +7,8 @@ Three roles, one object per node (:class:`Relaying`):
 - every node *accepts* relayed connections (the stop protocol) and can *dial* a
   ``…/p2p-circuit/p2p/<peer>`` address (:meth:`Relaying.dial`); py-libp2p's swarm skips circuit
   addresses, so the mesh's discovery calls this for them;
-- a node started with ``--relay-service`` *serves* (the hop protocol), within :data:`LIMITS`;
+- a node started with ``--relay-service`` *serves* (the hop protocol), within the limits it was
+  given (:func:`relay_limits`; default :data:`LIMITS`);
 - a private node *reserves* a slot on a relay (:meth:`Relaying.reserve`: an explicit reservation,
   which py-libp2p's auto-relay does not make reliably) and advertises
   ``<relay addr>/p2p-circuit/p2p/<own id>``; py-libp2p refreshes the reservation before it lapses.
@@ -39,30 +40,59 @@ from p2ptrain.logs import short_id
 
 logger = logging.getLogger(__name__)
 
-# Limits a relay (--relay-service) puts on each reservation, all in one place:
+# Limits a relay (--relay-service) puts on each reservation, all in one place. The first three are
+# the defaults of settings an operator may change (node start --relay-max-reservations,
+# --relay-max-circuit-duration, --relay-max-circuit-bytes; config.toml relay_max_*), within the
+# bounds below; the others are fixed.
 # Reservations held at once: a relay serves the private peers of a few training meshes; each
-# costs a record and, when used, circuits.
+# costs a record and, when used, circuits. A reservation beyond it is refused (RESOURCE_LIMIT_EXCEEDED).
 RELAY_MAX_RESERVATIONS = 32
-# Circuits at once per reserved peer: a private member of a ring talks to its two neighbours, the
-# coordinator, and fetchers; 16 leaves room without letting one peer hold the relay's sockets.
-RELAY_MAX_CIRCUITS_PER_PEER = 16
 # How long a circuit lives: a training run's connections are long-lived; after this the relay
 # resets it and the peers redial (discovery's redial loop). One hour, as py-libp2p's default.
+# py-libp2p checks it at each read of the circuit, so an idle circuit ends at its next byte.
 RELAY_MAX_CIRCUIT_S = 3600
 # Bytes one circuit may carry both ways together: 8 GiB, a few hundred rounds of a 64 MiB dense
 # model or thousands of sparse ones, then it is reset and redialed. Bounds what one circuit
 # costs the relay's operator.
 RELAY_MAX_CIRCUIT_BYTES = 8 * 1024**3
+# Circuits at once per reserved peer: a private member of a ring talks to its two neighbours, the
+# coordinator, and fetchers; 16 leaves room without letting one peer hold the relay's sockets.
+RELAY_MAX_CIRCUITS_PER_PEER = 16
 # How long a reservation is valid; py-libp2p's client refreshes it before it lapses.
 RELAY_RESERVATION_TTL_S = 3600
 
-LIMITS = RelayLimits(
-    duration=RELAY_MAX_CIRCUIT_S,
-    data=RELAY_MAX_CIRCUIT_BYTES,
-    max_circuit_conns=RELAY_MAX_CIRCUITS_PER_PEER,
-    max_reservations=RELAY_MAX_RESERVATIONS,
-    reservation_ttl=RELAY_RESERVATION_TTL_S,
-)
+# What an operator may set (checked with one clear line by node_config.config_problem):
+# at least 1 reservation (0 would be no service: leave --relay-service off), at most 4096 (each a
+# record and up to RELAY_MAX_CIRCUITS_PER_PEER sockets: beyond that one Python process is the limit);
+RELAY_RESERVATIONS_RANGE = (1, 4096)
+# circuits of 10 s (a round's exchange, and the connection setup, must fit) to 7 days;
+RELAY_CIRCUIT_S_RANGE = (10, 7 * 24 * 3600)
+# 1 MiB (the Noise handshake, identify and a few control messages fit many times) to 1 TiB.
+RELAY_CIRCUIT_BYTES_RANGE = (1024**2, 1024**4)
+
+
+def relay_limits(
+    max_reservations: int = RELAY_MAX_RESERVATIONS,
+    max_circuit_s: int = RELAY_MAX_CIRCUIT_S,
+    max_circuit_bytes: int = RELAY_MAX_CIRCUIT_BYTES,
+) -> RelayLimits:
+    """The limits a relay enforces per reservation: the three settable ones, and the fixed ones.
+    Values outside the ``RELAY_*_RANGE`` bounds are the caller's error (ValueError)."""
+    for name, value, (low, high) in (("max_reservations", max_reservations, RELAY_RESERVATIONS_RANGE),
+                                      ("max_circuit_s", max_circuit_s, RELAY_CIRCUIT_S_RANGE),
+                                      ("max_circuit_bytes", max_circuit_bytes, RELAY_CIRCUIT_BYTES_RANGE)):
+        if type(value) is not int or not low <= value <= high:
+            raise ValueError(f"{name} must be a whole number from {low} to {high}, got {value!r}")
+    return RelayLimits(
+        duration=max_circuit_s,
+        data=max_circuit_bytes,
+        max_circuit_conns=RELAY_MAX_CIRCUITS_PER_PEER,
+        max_reservations=max_reservations,
+        reservation_ttl=RELAY_RESERVATION_TTL_S,
+    )
+
+
+LIMITS = relay_limits()
 # One reservation request or one relayed dial, start to finish (a few round trips).
 RELAY_OP_TIMEOUT_S = 20.0
 
@@ -86,14 +116,15 @@ class _CountingProtocol(CircuitV2Protocol):
 class Relaying:
     """A node's relay roles (see the module); :meth:`run` for the node's lifetime."""
 
-    def __init__(self, host: IHost, serve: bool) -> None:
+    def __init__(self, host: IHost, serve: bool, limits: RelayLimits = LIMITS) -> None:
         self.host = host
         self.serve = serve
-        self.protocol = _CountingProtocol(host, limits=LIMITS, allow_hop=serve)
+        self.limits = limits
+        self.protocol = _CountingProtocol(host, limits=limits, allow_hop=serve)
         # No CLIENT role: py-libp2p would then reserve a slot on the relay at every dial; our
         # reservations are explicit (reserve), made only by private nodes.
         roles = RelayRole.STOP | (RelayRole.HOP if serve else RelayRole(0))
-        self.transport = CircuitV2Transport(host, self.protocol, RelayConfig(roles=roles, limits=LIMITS))
+        self.transport = CircuitV2Transport(host, self.protocol, RelayConfig(roles=roles, limits=limits))
         self.reserved: dict[ID, str] = {}  # relay -> the circuit address we advertise through it
         self.counts: Counter[str] = Counter()
         self._nursery: trio.Nursery | None = None
@@ -147,5 +178,7 @@ class Relaying:
                 if all(any(is_circuit(a) for a in c.get_transport_addresses()) for c in network.get_connections(p))]
 
     def stats(self) -> dict[str, Any]:
-        return {"service": self.serve, "relayed_peers": [short_id(p) for p in self.relayed_peers()], "reserved_on": [short_id(r) for r in self.reserved], "addrs": self.addrs,
+        served = {"limits": {"max_reservations": self.limits.max_reservations, "max_circuit_duration_s": self.limits.duration,
+                             "max_circuit_bytes": self.limits.data}} if self.serve else {}
+        return {"service": self.serve, **served, "relayed_peers": [short_id(p) for p in self.relayed_peers()], "reserved_on": [short_id(r) for r in self.reserved], "addrs": self.addrs,
                 "relayed_bytes": self.protocol.relayed_bytes, **dict(self.counts)}

@@ -3,10 +3,11 @@ slot is dialed through the relay, and the relay forwards only ciphertext."""
 
 from __future__ import annotations
 
+import pytest
 import trio
 from multiaddr import Multiaddr
 
-from p2ptrain.net.relay import Relaying, is_circuit
+from p2ptrain.net.relay import Relaying, is_circuit, relay_limits
 from p2ptrain.testing import connected_hosts
 
 TIMEOUT_S = 30.0
@@ -59,4 +60,47 @@ async def test_a_reserved_peer_is_dialed_through_the_relay_which_sees_only_ciphe
             assert len(relayed) > 2 * len(MARKER)  # both ways went through the relay ...
             assert b"PLAINTEXT-MARKER" not in relayed  # ... and never in clear
             assert relay.stats()["relayed_bytes"] == len(relayed)
+            nursery.cancel_scope.cancel()
+
+
+SINK = "/p2ptrain-test/sink/1"
+LIMITED_BYTES = 1024**2  # the smallest circuit byte limit an operator may set (RELAY_CIRCUIT_BYTES_RANGE)
+
+
+async def test_a_relay_refuses_reservations_beyond_its_count_and_closes_a_circuit_beyond_its_bytes():
+    async with connected_hosts(4, connected=False) as (dialer, relay_host, target, late):
+        async with trio.open_nursery() as nursery:
+            relay = Relaying(relay_host.host, serve=True,
+                             limits=relay_limits(max_reservations=1, max_circuit_bytes=LIMITED_BYTES))
+            ends = [Relaying(h.host, serve=False) for h in (dialer, target, late)]
+            for r in (relay, *ends):
+                await nursery.start(r.run)
+            received = [0]
+
+            async def sink(stream):
+                try:
+                    while data := await stream.read(1 << 16):
+                        received[0] += len(data)
+                except Exception:  # the relay reset the circuit under it
+                    pass
+
+            target.host.set_stream_handler(SINK, sink)
+            with trio.fail_after(TIMEOUT_S):
+                for h in (target, late):
+                    await h.host.connect(relay_host.info)
+                assert await ends[1].reserve(relay_host.id, relay_host.host.get_addrs()[0])
+                # The relay holds one reservation: a second peer's is refused.
+                assert not await ends[2].reserve(relay_host.id, relay_host.host.get_addrs()[0])
+                assert ends[2].counts["reserve_refused"] == 1 and not ends[2].addrs
+
+                await ends[0].dial(Multiaddr(ends[1].addrs[0]))
+                (circuit,) = dialer.host.get_network().get_connections(target.id)
+                stream = await dialer.host.new_stream(target.id, [SINK])
+                with pytest.raises(Exception):
+                    for _ in range(4 * LIMITED_BYTES // len(MARKER)):  # 4x what the circuit may carry
+                        await stream.write(MARKER)
+                        await trio.sleep(0)
+                    await stream.read(1)
+                await circuit.event_closed.wait()  # the relay reset the circuit: the connection over it ends
+            assert received[0] < LIMITED_BYTES
             nursery.cancel_scope.cancel()
