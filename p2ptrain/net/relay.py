@@ -11,7 +11,9 @@ Three roles, one object per node (:class:`Relaying`):
   given (:func:`relay_limits`; default :data:`LIMITS`);
 - a private node *reserves* a slot on a relay (:meth:`Relaying.reserve`: an explicit reservation,
   which py-libp2p's auto-relay does not make reliably) and advertises
-  ``<relay addr>/p2p-circuit/p2p/<own id>``; py-libp2p refreshes the reservation before it lapses.
+  ``<relay addr>/p2p-circuit/p2p/<own id>``; py-libp2p refreshes the reservation before it lapses;
+- every node tries to *upgrade* a relayed connection to a direct one by hole punching (DCUtR,
+  :class:`_HolePunching`), where both NATs let it through.
 
 End to end: a relayed connection is a stream through the relay on which the two peers run the
 same Noise handshake and yamux as on a direct one (``upgrade_outbound_connection`` /
@@ -29,6 +31,7 @@ import trio
 from libp2p.abc import IHost
 from libp2p.peer.id import ID
 from libp2p.relay.circuit_v2.config import RelayConfig, RelayRole
+from libp2p.relay.circuit_v2.dcutr import DCUtRProtocol
 from libp2p.relay.circuit_v2.protocol import PROTOCOL_ID as HOP_PROTOCOL_ID
 from libp2p.relay.circuit_v2.protocol import CircuitV2Protocol
 from libp2p.relay.circuit_v2.resources import RelayLimits
@@ -96,6 +99,15 @@ LIMITS = relay_limits()
 # One reservation request or one relayed dial, start to finish (a few round trips).
 RELAY_OP_TIMEOUT_S = 20.0
 
+# Hole punching (DCUtR, see _HolePunching). Sessions others start with us that run at once: each
+# makes us dial up to PUNCH_MAX_ADDRS addresses, 3 rounds; more are refused, not queued.
+PUNCH_MAX_CONCURRENT = 4
+# Addresses of a peer's CONNECT message we dial (its own NAT's address, perhaps one per IP family);
+# the rest are ignored: a CONNECT is hostile, and each address costs a TCP connect.
+PUNCH_MAX_ADDRS = 4
+# Sessions one peer may start with us per connection to it (py-libp2p's initiator tries 3 times).
+PUNCH_MAX_PER_PEER = 3
+
 
 def is_circuit(addr: Multiaddr) -> bool:
     """Whether ``addr`` goes through a relay (has a ``/p2p-circuit`` part)."""
@@ -113,10 +125,62 @@ class _CountingProtocol(CircuitV2Protocol):
         return data
 
 
-class Relaying:
-    """A node's relay roles (see the module); :meth:`run` for the node's lifetime."""
+class _HolePunching(DCUtRProtocol):
+    """py-libp2p's DCUtR (``/libp2p/dcutr``: upgrade a relayed connection to a direct one by a TCP
+    simultaneous open from both peers' listen ports), bounded for what others ask of us: a session
+    only over a relayed connection (a direct one needs none, and it is how a peer could otherwise make
+    us dial third parties at will), one per peer at a time and :data:`PUNCH_MAX_PER_PEER` per
+    connection, :data:`PUNCH_MAX_CONCURRENT` at once, :data:`PUNCH_MAX_ADDRS` addresses dialed;
+    refusals and results counted (``punch_*`` in ``node status`` ``relay``).
 
-    def __init__(self, host: IHost, serve: bool, limits: RelayLimits = LIMITS) -> None:
+    py-libp2p drives it: every 2 s it starts a session with each peer connected only through a relay
+    (up to 3 per peer); after a direct connection is verified, new streams prefer it and the relayed
+    connection is closed 60 s later. docs/nat.md says where it works (a NAT that drops unsolicited
+    packets) and where not (one that answers them with a reset, or a symmetric NAT).
+    """
+
+    def __init__(self, host: IHost, counts: Counter[str]) -> None:
+        super().__init__(host)
+        self.counts = counts
+        self._sessions = 0
+        self._inbound: Counter[ID] = Counter()
+
+    def on_peer_disconnected(self, peer_id: ID) -> None:
+        super().on_peer_disconnected(peer_id)
+        self._inbound.pop(peer_id, None)
+
+    async def _handle_dcutr_stream(self, stream: Any) -> None:
+        peer = stream.muxed_conn.peer_id
+        relayed = any(is_circuit(a) for a in stream.muxed_conn.get_transport_addresses())
+        why = ("not_relayed" if not relayed else "busy" if self._sessions >= PUNCH_MAX_CONCURRENT or peer in self._in_progress
+               else "too_many" if self._inbound[peer] >= PUNCH_MAX_PER_PEER else None)
+        if why is not None:
+            self.counts[f"punch_refused_{why}"] += 1
+            await stream.reset()
+            return
+        self._inbound[peer] += 1
+        self._sessions += 1
+        try:
+            await super()._handle_dcutr_stream(stream)
+        finally:
+            self._sessions -= 1
+
+    def _decode_observed_addrs(self, addr_bytes: list[bytes]) -> list[Multiaddr]:
+        return super()._decode_observed_addrs(addr_bytes[:PUNCH_MAX_ADDRS])
+
+    async def _perform_hole_punch(self, *args: Any, **kwargs: Any) -> bool:
+        ok = await super()._perform_hole_punch(*args, **kwargs)
+        self.counts["punched" if ok else "punch_failed"] += 1
+        if ok:
+            logger.info("hole punched: a direct connection to %s replaces the relayed one", short_id(args[0]))
+        return ok
+
+
+class Relaying:
+    """A node's relay roles (see the module); :meth:`run` for the node's lifetime. ``hole_punch``:
+    run DCUtR (off in tests of the relay path itself, where a punch would replace the circuit)."""
+
+    def __init__(self, host: IHost, serve: bool, limits: RelayLimits = LIMITS, hole_punch: bool = True) -> None:
         self.host = host
         self.serve = serve
         self.limits = limits
@@ -127,10 +191,19 @@ class Relaying:
         self.transport = CircuitV2Transport(host, self.protocol, RelayConfig(roles=roles, limits=limits))
         self.reserved: dict[ID, str] = {}  # relay -> the circuit address we advertise through it
         self.counts: Counter[str] = Counter()
+        self.punching = _HolePunching(host, self.counts) if hole_punch else None
         self._nursery: trio.Nursery | None = None
 
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-        async with background_trio_service(self.protocol), trio.open_nursery() as nursery:
+        async with background_trio_service(self.protocol):
+            if self.punching is None:
+                await self._serve(task_status)
+            else:
+                async with background_trio_service(self.punching):
+                    await self._serve(task_status)
+
+    async def _serve(self, task_status: Any) -> None:
+        async with trio.open_nursery() as nursery:
             self._nursery = nursery
             task_status.started()
             await trio.sleep_forever()

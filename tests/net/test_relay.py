@@ -19,8 +19,8 @@ MARKER = b"PLAINTEXT-MARKER-" * 64
 async def test_a_reserved_peer_is_dialed_through_the_relay_which_sees_only_ciphertext():
     async with connected_hosts(3, connected=False) as (dialer, relay_host, target):
         async with trio.open_nursery() as nursery:
-            relay = Relaying(relay_host.host, serve=True)
-            ends = [Relaying(dialer.host, serve=False), Relaying(target.host, serve=False)]
+            relay = Relaying(relay_host.host, serve=True, hole_punch=False)
+            ends = [Relaying(h.host, serve=False, hole_punch=False) for h in (dialer, target)]
             for r in (relay, *ends):
                 await nursery.start(r.run)
             forwarded: list[bytes] = []
@@ -70,9 +70,9 @@ LIMITED_BYTES = 1024**2  # the smallest circuit byte limit an operator may set (
 async def test_a_relay_refuses_reservations_beyond_its_count_and_closes_a_circuit_beyond_its_bytes():
     async with connected_hosts(4, connected=False) as (dialer, relay_host, target, late):
         async with trio.open_nursery() as nursery:
-            relay = Relaying(relay_host.host, serve=True,
+            relay = Relaying(relay_host.host, serve=True, hole_punch=False,
                              limits=relay_limits(max_reservations=1, max_circuit_bytes=LIMITED_BYTES))
-            ends = [Relaying(h.host, serve=False) for h in (dialer, target, late)]
+            ends = [Relaying(h.host, serve=False, hole_punch=False) for h in (dialer, target, late)]
             for r in (relay, *ends):
                 await nursery.start(r.run)
             received = [0]
@@ -103,4 +103,21 @@ async def test_a_relay_refuses_reservations_beyond_its_count_and_closes_a_circui
                     await stream.read(1)
                 await circuit.event_closed.wait()  # the relay reset the circuit: the connection over it ends
             assert received[0] < LIMITED_BYTES
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_hole_punching_session_is_refused_over_a_direct_connection():
+    """DCUtR makes us dial the addresses a peer names: only a peer we reach through a relay may ask
+    (over a direct connection it could make us connect to any host it likes)."""
+    from libp2p.relay.circuit_v2.dcutr import PROTOCOL_ID as DCUTR
+
+    async with connected_hosts(2) as (asker, target):
+        async with trio.open_nursery() as nursery:
+            relaying = Relaying(target.host, serve=False)
+            await nursery.start(relaying.run)
+            with trio.fail_after(TIMEOUT_S):
+                stream = await asker.host.new_stream(target.id, [DCUTR])
+                with pytest.raises(Exception):
+                    await stream.read(1)  # reset at once, before any CONNECT
+            assert relaying.counts["punch_refused_not_relayed"] == 1
             nursery.cancel_scope.cancel()
