@@ -142,7 +142,8 @@ class _HolePunching(DCUtRProtocol):
     def __init__(self, host: IHost, counts: Counter[str]) -> None:
         super().__init__(host)
         self.counts = counts
-        self._sessions = 0
+        self._serving: set[ID] = set()  # peers whose session with us runs now (ours with them may too:
+        # both peers' auto-drive may start one at once, and refusing either would fail both)
         self._inbound: Counter[ID] = Counter()
 
     def on_peer_disconnected(self, peer_id: ID) -> None:
@@ -152,18 +153,18 @@ class _HolePunching(DCUtRProtocol):
     async def _handle_dcutr_stream(self, stream: Any) -> None:
         peer = stream.muxed_conn.peer_id
         relayed = any(is_circuit(a) for a in stream.muxed_conn.get_transport_addresses())
-        why = ("not_relayed" if not relayed else "busy" if self._sessions >= PUNCH_MAX_CONCURRENT or peer in self._in_progress
+        why = ("not_relayed" if not relayed else "busy" if len(self._serving) >= PUNCH_MAX_CONCURRENT or peer in self._serving
                else "too_many" if self._inbound[peer] >= PUNCH_MAX_PER_PEER else None)
         if why is not None:
             self.counts[f"punch_refused_{why}"] += 1
             await stream.reset()
             return
         self._inbound[peer] += 1
-        self._sessions += 1
+        self._serving.add(peer)
         try:
             await super()._handle_dcutr_stream(stream)
         finally:
-            self._sessions -= 1
+            self._serving.discard(peer)
 
     def _decode_observed_addrs(self, addr_bytes: list[bytes]) -> list[Multiaddr]:
         return super()._decode_observed_addrs(addr_bytes[:PUNCH_MAX_ADDRS])
