@@ -1,7 +1,10 @@
 """What NAT costs a training run: the demo task trained by 4 `p2ptrain node start` processes, each
 in its own namespace behind a ``--rate`` link, all public, against the same with two members
-behind two different emulated NATs (p2ptrain.testing.nat: each reaches the other only through a
-relay, the two public peers run ``--relay-service``). Needs root.
+behind two different emulated NATs (p2ptrain.testing.nat; the two public peers run
+``--relay-service``): routers that answer unsolicited packets with a reset (``two_behind_nat``:
+the private pair reaches each other only through a relay; hole punching cannot work), and routers
+that drop them like home routers' firewalls (``two_behind_firewalled_nat``: the pair meets through
+a relay, then hole punching connects it directly). Needs root.
 
     python bench/nat.py --rate 100mbit --steps 40 --json
     python bench/nat.py --rate 100mbit --only-streams --stream-mib 32    # relayed vs direct, one stream
@@ -12,9 +15,11 @@ at ``--rate``: seconds, MB/s, and the bytes the relay forwarded (Noise and yamux
 
 Per layout: ``run_s`` (task published to every member done), ``steps_per_s`` (steps / run_s),
 ``sync_s`` (members' mean time in the gradient exchange), ``relayed_bytes`` (what the relays
-forwarded), and for the NAT layout ``private_ready_s`` (a private node's process start to: knows it
+forwarded), and for the NAT layouts ``private_pairs_direct`` (of the private pairs behind
+different NATs, how many are directly connected when the run ends, as "n/m"), ``private_ready_s`` (a private node's process start to: knows it
 is private, holds relay slots and is connected to all others) and ``first_round_s`` (publish to
-the private members' first round). ``ratio``: NAT steps/s over all-public steps/s. One run each, on
+the private members' first round). ``ratio``: NAT steps/s over all-public steps/s
+(``ratio_firewalled``: the same for the firewalled NATs). One run each, on
 a loaded 2-core box: compare within a run, not across machines.
 """
 
@@ -31,6 +36,7 @@ from pathlib import Path
 
 from p2ptrain.errors import UserError
 from p2ptrain.local_nodes import NODE_ARGS
+from p2ptrain.logs import short_id
 from p2ptrain.net import control_ops
 from p2ptrain.net.control import ControlClient
 from p2ptrain.testing import emulated_nat, emulated_wan, nat_unavailable, wait_for, wan_node_processes
@@ -87,8 +93,8 @@ def all_public(args: argparse.Namespace, base: Path) -> dict:
         return train(procs, args.steps, [])
 
 
-def two_behind_nat(args: argparse.Namespace, base: Path) -> dict:
-    with emulated_nat(public=2, lans=[1, 1], rate=args.rate) as net:
+def two_behind_nat(args: argparse.Namespace, base: Path, firewall: bool = False) -> dict:
+    with emulated_nat(public=2, lans=[1, 1], rate=args.rate, firewall=firewall) as net:
         started = time.monotonic()
         with wan_node_processes(net, base, extra_args=[*NODE_ARGS, "--relay-service"]) as procs:
             ready: dict[int, float] = {}
@@ -103,6 +109,10 @@ def two_behind_nat(args: argparse.Namespace, base: Path) -> dict:
 
             wait_for(settled, MESH_TIMEOUT_S, interval=POLL_S)
             out = train(procs, args.steps, [2, 3])
+            a, b = procs[2].status(), procs[3].status()
+            direct = b["peer_id"] in a["connected"] and short_id(b["peer_id"]) not in a["relay"]["relayed_peers"]
+            out["private_pairs_direct"] = f"{int(direct)}/1"
+            out["punched"] = sum(s["relay"].get("punched", 0) for s in (a, b))
             out["private_ready_s"] = {str(i): round(t, 2) for i, t in ready.items()}
             return out
 
@@ -174,8 +184,11 @@ def main(argv: list[str] | None = None) -> None:
         with tempfile.TemporaryDirectory() as tmp:
             public = all_public(args, Path(tmp) / "public")
             nat = two_behind_nat(args, Path(tmp) / "nat")
+            punched = two_behind_nat(args, Path(tmp) / "firewalled", firewall=True)
         report.update({"steps": args.steps, "all_public": public, "two_behind_nat": nat,
-                       "ratio": round(nat["steps_per_s"] / public["steps_per_s"], 3)})
+                       "two_behind_firewalled_nat": punched,
+                       "ratio": round(nat["steps_per_s"] / public["steps_per_s"], 3),
+                       "ratio_firewalled": round(punched["steps_per_s"] / public["steps_per_s"], 3)})
     print(json.dumps(report, indent=None if args.json else 2))
 
 

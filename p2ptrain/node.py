@@ -52,7 +52,7 @@ from p2ptrain.net.host import advertised_addrs, make_host
 from p2ptrain.net.pubsub import MessageTooLarge, close_host, make_pubsub, publish_bytes, running_pubsub
 from p2ptrain.mesh.relays import keep_reservations
 from p2ptrain.net.reachability import Reachability
-from p2ptrain.net.relay import Relaying, is_circuit
+from p2ptrain.net.relay import Relaying, is_circuit, relay_limits
 from p2ptrain.wire import encode
 from p2ptrain.wire.limits import MAX_MESSAGE_BYTES
 from p2ptrain.wire.messages import MESSAGES, MessageRegistry
@@ -92,6 +92,9 @@ class Node:
         heartbeat_interval: float | None = None,
         silence_heartbeats: int | None = None,
         relay_service: bool | None = None,
+        relay_max_reservations: int | None = None,
+        relay_max_circuit_duration: int | None = None,
+        relay_max_circuit_bytes: int | None = None,
         messages: MessageRegistry = MESSAGES,
     ) -> None:
         self.home = Path(home).expanduser().absolute()
@@ -106,6 +109,9 @@ class Node:
             heartbeat_interval=heartbeat_interval or base.heartbeat_interval,
             silence_heartbeats=silence_heartbeats or base.silence_heartbeats,
             relay_service=base.relay_service if relay_service is None else relay_service,
+            relay_max_reservations=relay_max_reservations or base.relay_max_reservations,
+            relay_max_circuit_duration=relay_max_circuit_duration or base.relay_max_circuit_duration,
+            relay_max_circuit_bytes=relay_max_circuit_bytes or base.relay_max_circuit_bytes,
         )
         self._listen = _maddrs(self.config.listen)
         for addr in self.config.bootstrap:
@@ -284,7 +290,9 @@ class Node:
 
     async def _serve(self, host: IHost, pubsub: Pubsub, task_status: Any) -> None:
         self.listening_at = time.time()
-        self.relaying = Relaying(host, serve=self.config.relay_service)
+        config = self.config
+        self.relaying = Relaying(host, serve=config.relay_service, limits=relay_limits(
+            config.relay_max_reservations, config.relay_max_circuit_duration, config.relay_max_circuit_bytes))
         self.discovery = Discovery(
             host, pubsub, self.membership, self.config.bootstrap, mdns=self.config.mdns, dht=self.config.dht,
             dial_relayed=self.relaying.dial,

@@ -13,6 +13,14 @@ from typing import Any
 
 from p2ptrain.errors import UserError
 from p2ptrain.mesh.membership import DEFAULT_SILENCE_HEARTBEATS
+from p2ptrain.net.relay import (
+    RELAY_CIRCUIT_BYTES_RANGE,
+    RELAY_CIRCUIT_S_RANGE,
+    RELAY_MAX_CIRCUIT_BYTES,
+    RELAY_MAX_CIRCUIT_S,
+    RELAY_MAX_RESERVATIONS,
+    RELAY_RESERVATIONS_RANGE,
+)
 
 CONFIG_FILE = "config.toml"
 DEFAULT_LISTEN = ("/ip4/127.0.0.1/tcp/0",)
@@ -36,6 +44,10 @@ class NodeConfig:
     heartbeat_interval: float = 1.0
     silence_heartbeats: int = DEFAULT_SILENCE_HEARTBEATS
     relay_service: bool = False  # relay connections for peers behind NAT (docs/nat.md)
+    # What a relay allows each reservation (used with relay_service; p2ptrain.net.relay)
+    relay_max_reservations: int = RELAY_MAX_RESERVATIONS
+    relay_max_circuit_duration: int = RELAY_MAX_CIRCUIT_S  # seconds
+    relay_max_circuit_bytes: int = RELAY_MAX_CIRCUIT_BYTES
 
     @classmethod
     def load(cls, home: Path) -> NodeConfig | None:
@@ -88,6 +100,14 @@ class NodeConfig:
         return "\n".join(lines) + "\n"
 
 
+# Whole-number settings and their bounds (the relay's: p2ptrain.net.relay says why these).
+_RANGES = {
+    "relay_max_reservations": RELAY_RESERVATIONS_RANGE,
+    "relay_max_circuit_duration": RELAY_CIRCUIT_S_RANGE,
+    "relay_max_circuit_bytes": RELAY_CIRCUIT_BYTES_RANGE,
+}
+
+
 def config_problem(name: str, value: Any) -> str | None:
     """Why ``value`` is not acceptable for setting ``name``, or None."""
     if name in ("listen", "bootstrap"):
@@ -101,6 +121,10 @@ def config_problem(name: str, value: Any) -> str | None:
     elif name == "heartbeat_interval":
         if type(value) not in (int, float) or not 0 < value <= MAX_HEARTBEAT_INTERVAL_S:
             return f"must be a number of seconds above 0 and at most {MAX_HEARTBEAT_INTERVAL_S:g}"
+    elif name in _RANGES:
+        low, high = _RANGES[name]
+        if type(value) is not int or not low <= value <= high:
+            return f"must be a whole number from {low} to {high}"
     elif name == "silence_heartbeats":
         if type(value) is not int or not 1 <= value <= MAX_SILENCE_HEARTBEATS:
             return f"must be a whole number from 1 to {MAX_SILENCE_HEARTBEATS}"

@@ -37,12 +37,19 @@ ENV_SETTINGS: tuple[tuple[str, str, str], ...] = (
     ("heartbeat_interval", "P2PTRAIN_HEARTBEAT_INTERVAL", "float"),
     ("silence_heartbeats", "P2PTRAIN_SILENCE_HEARTBEATS", "int"),
     ("relay_service", "P2PTRAIN_RELAY_SERVICE", "bool"),
+    ("relay_max_reservations", "P2PTRAIN_RELAY_MAX_RESERVATIONS", "int"),
+    ("relay_max_circuit_duration", "P2PTRAIN_RELAY_MAX_CIRCUIT_DURATION", "int"),
+    ("relay_max_circuit_bytes", "P2PTRAIN_RELAY_MAX_CIRCUIT_BYTES", "int"),
 )
 # Flags of ``node start`` that set a config.toml setting (the argparse dest of each).
 FLAG_OF = {"listen": "--listen", "bootstrap": "--bootstrap", "mdns": "--mdns", "dht": "--no-dht",
-           "heartbeat_interval": "--heartbeat", "relay_service": "--relay-service"}
+           "heartbeat_interval": "--heartbeat", "relay_service": "--relay-service",
+           "relay_max_reservations": "--relay-max-reservations",
+           "relay_max_circuit_duration": "--relay-max-circuit-duration",
+           "relay_max_circuit_bytes": "--relay-max-circuit-bytes"}
 DEST_OF = {"listen": "listen", "bootstrap": "bootstrap", "mdns": "mdns", "dht": "dht", "heartbeat_interval": "heartbeat",
-           "relay_service": "relay_service"}
+           "relay_service": "relay_service", "relay_max_reservations": "relay_max_reservations",
+           "relay_max_circuit_duration": "relay_max_circuit_duration", "relay_max_circuit_bytes": "relay_max_circuit_bytes"}
 TRUE, FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
@@ -75,6 +82,15 @@ def add_setting_flags(parser: argparse.ArgumentParser) -> None:
         help="relay connections for peers behind NAT (within per-reservation limits; see docs/nat.md); "
         "useful on a node others can dial",
     )
+    parser.add_argument("--relay-max-reservations", type=int, metavar="N",
+                        help="with --relay-service: peers that may hold a reservation at once; more are refused "
+                        "(default 32, from 1 to 4096)")
+    parser.add_argument("--relay-max-circuit-duration", type=int, metavar="SECONDS",
+                        help="with --relay-service: a relayed connection is reset after this long and the peers "
+                        "redial (default 3600, from 10 to 604800)")
+    parser.add_argument("--relay-max-circuit-bytes", type=int, metavar="BYTES",
+                        help="with --relay-service: bytes one relayed connection may carry both ways, then it is "
+                        "reset and redialed (default 8589934592 = 8 GiB, from 1048576 to 1099511627776)")
     parser.add_argument(
         "--metrics", metavar="[HOST:]PORT", default=None,
         help="serve Prometheus metrics over HTTP at this address, e.g. 127.0.0.1:9464 (a bare PORT "
@@ -106,6 +122,9 @@ def resolve(args: argparse.Namespace) -> list[Setting]:
     for name, variable, kind in ENV_SETTINGS:
         flag_value = getattr(args, DEST_OF[name], None) if name in DEST_OF else None
         if flag_value is not None:
+            problem = config_problem(name, flag_value)
+            if problem:
+                raise UserError(f"{FLAG_OF[name]}: {name} {problem}")
             settings.append(Setting(name, flag_value, f"flag {FLAG_OF[name]}"))
         elif os.environ.get(variable):
             value = _from_env(variable, os.environ[variable], kind)

@@ -131,6 +131,9 @@ def cmd_start(args: argparse.Namespace) -> int:
         heartbeat_interval=settings["heartbeat_interval"],
         silence_heartbeats=settings["silence_heartbeats"],
         relay_service=settings["relay_service"],
+        relay_max_reservations=settings["relay_max_reservations"],
+        relay_max_circuit_duration=settings["relay_max_circuit_duration"],
+        relay_max_circuit_bytes=settings["relay_max_circuit_bytes"],
     )
     if args.threads > 0:
         import torch

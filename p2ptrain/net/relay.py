@@ -7,10 +7,13 @@ Three roles, one object per node (:class:`Relaying`):
 - every node *accepts* relayed connections (the stop protocol) and can *dial* a
   ``…/p2p-circuit/p2p/<peer>`` address (:meth:`Relaying.dial`); py-libp2p's swarm skips circuit
   addresses, so the mesh's discovery calls this for them;
-- a node started with ``--relay-service`` *serves* (the hop protocol), within :data:`LIMITS`;
+- a node started with ``--relay-service`` *serves* (the hop protocol), within the limits it was
+  given (:func:`relay_limits`; default :data:`LIMITS`);
 - a private node *reserves* a slot on a relay (:meth:`Relaying.reserve`: an explicit reservation,
   which py-libp2p's auto-relay does not make reliably) and advertises
-  ``<relay addr>/p2p-circuit/p2p/<own id>``; py-libp2p refreshes the reservation before it lapses.
+  ``<relay addr>/p2p-circuit/p2p/<own id>``; py-libp2p refreshes the reservation before it lapses;
+- every node tries to *upgrade* a relayed connection to a direct one by hole punching (DCUtR,
+  :class:`_HolePunching`), where both NATs let it through.
 
 End to end: a relayed connection is a stream through the relay on which the two peers run the
 same Noise handshake and yamux as on a direct one (``upgrade_outbound_connection`` /
@@ -28,6 +31,7 @@ import trio
 from libp2p.abc import IHost
 from libp2p.peer.id import ID
 from libp2p.relay.circuit_v2.config import RelayConfig, RelayRole
+from libp2p.relay.circuit_v2.dcutr import DCUtRProtocol
 from libp2p.relay.circuit_v2.protocol import PROTOCOL_ID as HOP_PROTOCOL_ID
 from libp2p.relay.circuit_v2.protocol import CircuitV2Protocol
 from libp2p.relay.circuit_v2.resources import RelayLimits
@@ -39,32 +43,70 @@ from p2ptrain.logs import short_id
 
 logger = logging.getLogger(__name__)
 
-# Limits a relay (--relay-service) puts on each reservation, all in one place:
+# Limits a relay (--relay-service) puts on each reservation, all in one place. The first three are
+# the defaults of settings an operator may change (node start --relay-max-reservations,
+# --relay-max-circuit-duration, --relay-max-circuit-bytes; config.toml relay_max_*), within the
+# bounds below; the others are fixed.
 # Reservations held at once: a relay serves the private peers of a few training meshes; each
-# costs a record and, when used, circuits.
+# costs a record and, when used, circuits. A reservation beyond it is refused (RESOURCE_LIMIT_EXCEEDED).
 RELAY_MAX_RESERVATIONS = 32
-# Circuits at once per reserved peer: a private member of a ring talks to its two neighbours, the
-# coordinator, and fetchers; 16 leaves room without letting one peer hold the relay's sockets.
-RELAY_MAX_CIRCUITS_PER_PEER = 16
 # How long a circuit lives: a training run's connections are long-lived; after this the relay
 # resets it and the peers redial (discovery's redial loop). One hour, as py-libp2p's default.
+# py-libp2p checks it at each read of the circuit, so an idle circuit ends at its next byte.
 RELAY_MAX_CIRCUIT_S = 3600
 # Bytes one circuit may carry both ways together: 8 GiB, a few hundred rounds of a 64 MiB dense
 # model or thousands of sparse ones, then it is reset and redialed. Bounds what one circuit
 # costs the relay's operator.
 RELAY_MAX_CIRCUIT_BYTES = 8 * 1024**3
+# Circuits at once per reserved peer: a private member of a ring talks to its two neighbours, the
+# coordinator, and fetchers; 16 leaves room without letting one peer hold the relay's sockets.
+RELAY_MAX_CIRCUITS_PER_PEER = 16
 # How long a reservation is valid; py-libp2p's client refreshes it before it lapses.
 RELAY_RESERVATION_TTL_S = 3600
 
-LIMITS = RelayLimits(
-    duration=RELAY_MAX_CIRCUIT_S,
-    data=RELAY_MAX_CIRCUIT_BYTES,
-    max_circuit_conns=RELAY_MAX_CIRCUITS_PER_PEER,
-    max_reservations=RELAY_MAX_RESERVATIONS,
-    reservation_ttl=RELAY_RESERVATION_TTL_S,
-)
+# What an operator may set (checked with one clear line by node_config.config_problem):
+# at least 1 reservation (0 would be no service: leave --relay-service off), at most 4096 (each a
+# record and up to RELAY_MAX_CIRCUITS_PER_PEER sockets: beyond that one Python process is the limit);
+RELAY_RESERVATIONS_RANGE = (1, 4096)
+# circuits of 10 s (a round's exchange, and the connection setup, must fit) to 7 days;
+RELAY_CIRCUIT_S_RANGE = (10, 7 * 24 * 3600)
+# 1 MiB (the Noise handshake, identify and a few control messages fit many times) to 1 TiB.
+RELAY_CIRCUIT_BYTES_RANGE = (1024**2, 1024**4)
+
+
+def relay_limits(
+    max_reservations: int = RELAY_MAX_RESERVATIONS,
+    max_circuit_s: int = RELAY_MAX_CIRCUIT_S,
+    max_circuit_bytes: int = RELAY_MAX_CIRCUIT_BYTES,
+) -> RelayLimits:
+    """The limits a relay enforces per reservation: the three settable ones, and the fixed ones.
+    Values outside the ``RELAY_*_RANGE`` bounds are the caller's error (ValueError)."""
+    for name, value, (low, high) in (("max_reservations", max_reservations, RELAY_RESERVATIONS_RANGE),
+                                      ("max_circuit_s", max_circuit_s, RELAY_CIRCUIT_S_RANGE),
+                                      ("max_circuit_bytes", max_circuit_bytes, RELAY_CIRCUIT_BYTES_RANGE)):
+        if type(value) is not int or not low <= value <= high:
+            raise ValueError(f"{name} must be a whole number from {low} to {high}, got {value!r}")
+    return RelayLimits(
+        duration=max_circuit_s,
+        data=max_circuit_bytes,
+        max_circuit_conns=RELAY_MAX_CIRCUITS_PER_PEER,
+        max_reservations=max_reservations,
+        reservation_ttl=RELAY_RESERVATION_TTL_S,
+    )
+
+
+LIMITS = relay_limits()
 # One reservation request or one relayed dial, start to finish (a few round trips).
 RELAY_OP_TIMEOUT_S = 20.0
+
+# Hole punching (DCUtR, see _HolePunching). Sessions others start with us that run at once: each
+# makes us dial up to PUNCH_MAX_ADDRS addresses, 3 rounds; more are refused, not queued.
+PUNCH_MAX_CONCURRENT = 4
+# Addresses of a peer's CONNECT message we dial (its own NAT's address, perhaps one per IP family);
+# the rest are ignored: a CONNECT is hostile, and each address costs a TCP connect.
+PUNCH_MAX_ADDRS = 4
+# Sessions one peer may start with us per connection to it (py-libp2p's initiator tries 3 times).
+PUNCH_MAX_PER_PEER = 3
 
 
 def is_circuit(addr: Multiaddr) -> bool:
@@ -83,23 +125,94 @@ class _CountingProtocol(CircuitV2Protocol):
         return data
 
 
-class Relaying:
-    """A node's relay roles (see the module); :meth:`run` for the node's lifetime."""
+class _HolePunching(DCUtRProtocol):
+    """py-libp2p's DCUtR (``/libp2p/dcutr``: upgrade a relayed connection to a direct one by a TCP
+    simultaneous open from both peers' listen ports), bounded for what others ask of us: a session
+    only over a relayed connection (a direct one needs none, and it is how a peer could otherwise make
+    us dial third parties at will), one per peer at a time and :data:`PUNCH_MAX_PER_PEER` per
+    connection, :data:`PUNCH_MAX_CONCURRENT` at once, :data:`PUNCH_MAX_ADDRS` addresses dialed;
+    refusals and results counted (``punch_*`` in ``node status`` ``relay``).
 
-    def __init__(self, host: IHost, serve: bool) -> None:
+    py-libp2p drives it: every 2 s it starts a session with each peer connected only through a relay
+    (up to 3 per peer); after a direct connection is verified, new streams prefer it. py-libp2p
+    would also close the relayed connection 60 s later; we keep it (:meth:`_schedule_relay_close`).
+    docs/nat.md says where it works (a NAT that drops unsolicited packets) and where not (one that
+    answers them with a reset, or a symmetric NAT).
+    """
+
+    def __init__(self, host: IHost, counts: Counter[str]) -> None:
+        super().__init__(host)
+        self.counts = counts
+        self._serving: set[ID] = set()  # peers whose session with us runs now (ours with them may too:
+        # both peers' auto-drive may start one at once, and refusing either would fail both)
+        self._inbound: Counter[ID] = Counter()
+
+    def on_peer_disconnected(self, peer_id: ID) -> None:
+        super().on_peer_disconnected(peer_id)
+        self._inbound.pop(peer_id, None)
+
+    async def _handle_dcutr_stream(self, stream: Any) -> None:
+        peer = stream.muxed_conn.peer_id
+        relayed = any(is_circuit(a) for a in stream.muxed_conn.get_transport_addresses())
+        why = ("not_relayed" if not relayed else "busy" if len(self._serving) >= PUNCH_MAX_CONCURRENT or peer in self._serving
+               else "too_many" if self._inbound[peer] >= PUNCH_MAX_PER_PEER else None)
+        if why is not None:
+            self.counts[f"punch_refused_{why}"] += 1
+            await stream.reset()
+            return
+        self._inbound[peer] += 1
+        self._serving.add(peer)
+        try:
+            await super()._handle_dcutr_stream(stream)
+        finally:
+            self._serving.discard(peer)
+
+    def _decode_observed_addrs(self, addr_bytes: list[bytes]) -> list[Multiaddr]:
+        return super()._decode_observed_addrs(addr_bytes[:PUNCH_MAX_ADDRS])
+
+    def _schedule_relay_close(self, peer_id: ID) -> None:
+        """Keep the relayed connection after a punch: streams already on it (the collective's
+        channels, reused round after round) stay there, and closing it under a round in flight
+        failed that round and left a member out of the rest of the span (measured: bench/nat.py's
+        firewalled layout, 3000 steps, docs/nat.md). It ends as any circuit does (its duration or
+        byte limit, a peer leaving); streams opened after the punch use the direct connection."""
+
+    async def _perform_hole_punch(self, *args: Any, **kwargs: Any) -> bool:
+        ok = await super()._perform_hole_punch(*args, **kwargs)
+        self.counts["punched" if ok else "punch_failed"] += 1
+        if ok:
+            logger.info("hole punched: a direct connection to %s replaces the relayed one", short_id(args[0]))
+        return ok
+
+
+class Relaying:
+    """A node's relay roles (see the module); :meth:`run` for the node's lifetime. ``hole_punch``:
+    run DCUtR (off in tests of the relay path itself, where a punch would replace the circuit)."""
+
+    def __init__(self, host: IHost, serve: bool, limits: RelayLimits = LIMITS, hole_punch: bool = True) -> None:
         self.host = host
         self.serve = serve
-        self.protocol = _CountingProtocol(host, limits=LIMITS, allow_hop=serve)
+        self.limits = limits
+        self.protocol = _CountingProtocol(host, limits=limits, allow_hop=serve)
         # No CLIENT role: py-libp2p would then reserve a slot on the relay at every dial; our
         # reservations are explicit (reserve), made only by private nodes.
         roles = RelayRole.STOP | (RelayRole.HOP if serve else RelayRole(0))
-        self.transport = CircuitV2Transport(host, self.protocol, RelayConfig(roles=roles, limits=LIMITS))
+        self.transport = CircuitV2Transport(host, self.protocol, RelayConfig(roles=roles, limits=limits))
         self.reserved: dict[ID, str] = {}  # relay -> the circuit address we advertise through it
         self.counts: Counter[str] = Counter()
+        self.punching = _HolePunching(host, self.counts) if hole_punch else None
         self._nursery: trio.Nursery | None = None
 
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-        async with background_trio_service(self.protocol), trio.open_nursery() as nursery:
+        async with background_trio_service(self.protocol):
+            if self.punching is None:
+                await self._serve(task_status)
+            else:
+                async with background_trio_service(self.punching):
+                    await self._serve(task_status)
+
+    async def _serve(self, task_status: Any) -> None:
+        async with trio.open_nursery() as nursery:
             self._nursery = nursery
             task_status.started()
             await trio.sleep_forever()
@@ -147,5 +260,7 @@ class Relaying:
                 if all(any(is_circuit(a) for a in c.get_transport_addresses()) for c in network.get_connections(p))]
 
     def stats(self) -> dict[str, Any]:
-        return {"service": self.serve, "relayed_peers": [short_id(p) for p in self.relayed_peers()], "reserved_on": [short_id(r) for r in self.reserved], "addrs": self.addrs,
+        served = {"limits": {"max_reservations": self.limits.max_reservations, "max_circuit_duration_s": self.limits.duration,
+                             "max_circuit_bytes": self.limits.data}} if self.serve else {}
+        return {"service": self.serve, **served, "relayed_peers": [short_id(p) for p in self.relayed_peers()], "reserved_on": [short_id(r) for r in self.reserved], "addrs": self.addrs,
                 "relayed_bytes": self.protocol.relayed_bytes, **dict(self.counts)}

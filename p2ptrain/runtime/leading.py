@@ -146,10 +146,16 @@ class Leading:
     async def _maybe_plan(self, now: float) -> None:
         run = self.run
         trainer, book = run.require()
+        membership = run.node.membership
+        # Peers behind NATs (what their heartbeats say, and what we found of ourselves): the plan's
+        # ring keeps them apart where it can (training.rounds.ring_order).
+        private = {r.peer_id.to_base58() for r in membership.alive() if r.reachability == "private"}
+        if membership.reachability == "private":
+            private.add(run.me)
         decision = book.decide(
             now, run.election, trainer.step, run.advertising(), can_roll_back=trainer.can_roll_back,
             span_running=self.spans.running, rounds_running=self.spans.in_rounds,
-            head_version=run.heads.version if run.heads is not None else 0,
+            head_version=run.heads.version if run.heads is not None else 0, private=private,
         )
         if decision is Hold.BEHIND:
             # Elected while behind the run (e.g. it joined at step 0 and missed the records): it

@@ -15,6 +15,18 @@ address ``192.168.<lan+1>.<2+i>`` and a default route via the router. Inside the
 peers' connections leave with the router's address; nothing routes *into* a LAN, so an inbound
 dial to a private peer fails. Peers of one LAN reach each other directly over the LAN bridge.
 
+What a router does with an unsolicited inbound TCP packet (one that matches no connection its
+private peers opened) decides whether hole punching can work through it:
+
+- by default (Linux MASQUERADE alone) the packet is for the router itself, whose TCP stack answers
+  a SYN with a reset; the reset reaches the peer that sent it (it matches that peer's own
+  connection attempt in the sender's NAT) and aborts its connect. A TCP simultaneous open then
+  succeeds only if both SYNs cross within the one-way delay: microseconds here, so practically never;
+- with ``firewall=True`` the router also drops such packets (``iptables -A INPUT -i wan0 -p tcp -m
+  conntrack --ctstate NEW -j DROP``), as home routers' firewalls do: the first SYN is dropped, the
+  other side's SYN opens its own NAT's mapping, and the simultaneous open goes through
+  (measured: MASQUERADE keeps source ports, and conntrack lets the crossing SYNs pass).
+
 Rates: each private peer's veth gets tbf at its rate on both ends, as a WAN peer's link does; a
 router's WAN link is limited to the sum of its LAN's rates (the LAN's members do not share a
 narrower uplink: a measurement of relayed against direct paths compares equal per-peer links).
@@ -103,7 +115,11 @@ class EmulatedNat(Sequence[WanPeer]):
                     proc.terminate()
 
 
-def _add_lan(wan: EmulatedWan, k: int, router: WanPeer, sizes: int, rate: int, first_index: int) -> Lan:
+# A home router's firewall: unsolicited inbound TCP to the router is dropped, not answered (module doc).
+FIREWALL_RULE = ("-A", "INPUT", "-i", IFACE, "-p", "tcp", "-m", "conntrack", "--ctstate", "NEW", "-j", "DROP")
+
+
+def _add_lan(wan: EmulatedWan, k: int, router: WanPeer, sizes: int, rate: int, first_index: int, firewall: bool) -> Lan:
     net = LAN_SUBNET.format(k + 1)
     ns = router.namespace
     _run("ip", "-n", ns, "link", "add", LAN_BRIDGE, "type", "bridge")
@@ -111,6 +127,8 @@ def _add_lan(wan: EmulatedWan, k: int, router: WanPeer, sizes: int, rate: int, f
     _run("ip", "-n", ns, "link", "set", LAN_BRIDGE, "up")
     _run("ip", "netns", "exec", ns, "sysctl", "-q", "-w", "net.ipv4.ip_forward=1")
     _run("ip", "netns", "exec", ns, "iptables", "-t", "nat", "-A", "POSTROUTING", "-o", IFACE, "-j", "MASQUERADE")
+    if firewall:
+        _run("ip", "netns", "exec", ns, "iptables", *FIREWALL_RULE)
     peers = []
     for i in range(sizes):
         index = first_index + i
@@ -136,9 +154,11 @@ def _add_lan(wan: EmulatedWan, k: int, router: WanPeer, sizes: int, rate: int, f
 
 
 @contextmanager
-def emulated_nat(public: int = 2, lans: Sequence[int] = (2, 1), rate: str | int = "100mbit") -> Iterator[EmulatedNat]:
+def emulated_nat(public: int = 2, lans: Sequence[int] = (2, 1), rate: str | int = "100mbit", *,
+                 firewall: bool = False) -> Iterator[EmulatedNat]:
     """``public`` peers on the WAN and, per entry of ``lans``, a NAT with that many private peers
-    behind it; every peer's link limited to ``rate`` both ways. Everything is removed when the
+    behind it; every peer's link limited to ``rate`` both ways. ``firewall``: the routers drop
+    unsolicited inbound TCP instead of answering it with a reset (the module says why it matters). Everything is removed when the
     block ends, however it ends; raises :class:`~p2ptrain.testing.wan.WanError` where it cannot
     be set up (:func:`nat_unavailable` says why)."""
     reason = nat_unavailable()
@@ -153,7 +173,7 @@ def emulated_nat(public: int = 2, lans: Sequence[int] = (2, 1), rate: str | int 
         try:
             index = len(wan)
             for k, n in enumerate(lans):
-                net.lans.append(_add_lan(wan, k, wan[public + k], n, bits, index))
+                net.lans.append(_add_lan(wan, k, wan[public + k], n, bits, index, firewall))
                 index += n
             yield net
         finally:

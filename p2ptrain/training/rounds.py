@@ -89,7 +89,7 @@ def round_id(plan: RoundPlan, index: int) -> int:
 
 
 def shard_of(plan: RoundPlan, peer: str) -> tuple[int, int]:
-    """``(rank, world_size)`` of ``peer`` in the plan: its index among the sorted members."""
+    """``(rank, world_size)`` of ``peer`` in the plan: its index in the plan's member order."""
     return plan.members.index(peer), len(plan.members)
 
 
@@ -107,20 +107,48 @@ def span_length(task: Task, round_index: int, total_steps: int) -> int:
 
 
 def plan_members(
-    task: Task, task_cid: str, previous: Sequence[str], live: Collection[str], admit_joiners: bool
+    task: Task, task_cid: str, previous: Sequence[str], live: Collection[str], admit_joiners: bool,
+    private: Collection[str] = (),
 ) -> tuple[str, ...] | None:
-    """Members of the next span, sorted; None when no span may start now (see the module rules)."""
+    """Members of the next span in ring order (:func:`ring_order`, given the members whose heartbeats
+    say ``private``); None when no span may start now (see the module rules)."""
     live = set(live)
     kept = [p for p in previous if p in live]
     if previous and len(kept) < quorum(len(previous)):
         return None
-    members = kept[: task.peers.max]
+    members = sorted(kept)[: task.peers.max]
     if admit_joiners:
         joiners = sorted((p for p in live if p not in previous), key=lambda p: rank(task_cid, 0, p))
         members += joiners[: task.peers.max - len(members)]
     if len(members) < task.peers.min:
         return None
-    return tuple(sorted(members))
+    return ring_order(members, private)
+
+
+def ring_order(members: Collection[str], private: Collection[str]) -> tuple[str, ...]:
+    """The order of a plan's members, which is the dense ring's (each member sends to the next and
+    receives from the one before, the last wrapping to the first) and the ranks of data shards.
+
+    A link between two private members (behind NATs, reached through a relay unless they share a
+    LAN) crosses the relay's link twice and runs at the narrower of its rates; a link with a public
+    member is direct (the private one dialed it). So the public members go first, sorted, and each
+    is followed by one private member, sorted, while there are any: no two private members are
+    ring neighbours when there are at least as many public members as private ones; otherwise the
+    remaining private members come last, together, and the ring has as few private-private links as
+    any order can (one per private member beyond the public ones). Without private members this is
+    the sorted order, as plans were before reachability was known. Pure and deterministic from the
+    members and the reachability they advertised (the coordinator's view; members do not recompute
+    it, they check only that the members are distinct: :meth:`RoundBook.plan_problem`).
+    """
+    private = set(private)
+    hidden = sorted(p for p in members if p in private)
+    public = sorted(p for p in members if p not in private)
+    order: list[str] = []
+    for i, peer in enumerate(public):
+        order.append(peer)
+        if i < len(hidden):
+            order.append(hidden[i])
+    return tuple(order + hidden[len(public):])
 
 
 @dataclass
@@ -232,13 +260,15 @@ class RoundBook:
     def decide(
         self, now: float, election: Election, my_step: int, advertising: Collection[str], *,
         can_roll_back: bool, span_running: bool, rounds_running: bool, head_version: int,
+        private: Collection[str] = (),
     ) -> RoundPlan | Hold:
         """As coordinator at ``now``: the next plan to publish, or why none (:class:`Hold`).
 
         ``advertising``: the peers (ourselves included) that advertise the task and meet its
         requirements. ``span_running``: our own span (rounds and checkpoint) is under way;
         ``rounds_running``: its rounds are (a newer plan can stop them). ``head_version``: the
-        version of the run's latest head heard (0 for none).
+        version of the run's latest head heard (0 for none). ``private``: the peers whose
+        reachability is ``private`` (their heartbeats, and ours), for the ring's order.
         """
         if not election.is_coordinator or self.cancelled:
             return Hold.WAIT
@@ -262,7 +292,7 @@ class RoundBook:
         if last is None and self.elected_at is not None and now - self.elected_at < FIRST_ROUND_GRACE_S \
                 and joining_possible:
             return Hold.WAIT
-        plan = self.next_plan(election, my_step, set(advertising) - quarantined, can_roll_back)
+        plan = self.next_plan(election, my_step, set(advertising) - quarantined, can_roll_back, private)
         return Hold.WAIT if plan is None else plan
 
     def report_failure(self, report: RoundFailed, reporter: str) -> bool:
@@ -298,12 +328,14 @@ class RoundBook:
         return report.step not in (expected, expected + 1)
 
     def next_plan(
-        self, election: Election, my_step: int, live: Collection[str], can_roll_back: bool = False
+        self, election: Election, my_step: int, live: Collection[str], can_roll_back: bool = False,
+        private: Collection[str] = (),
     ) -> RoundPlan | None:
         """As coordinator at optimizer step ``my_step``: the next plan, or None (wait, or done).
 
         ``live``: the peers (the coordinator included) that advertise this task and meet its
-        requirements. ``can_roll_back``: the trainer keeps the state before its last step. The
+        requirements. ``can_roll_back``: the trainer keeps the state before its last step.
+        ``private``: the peers behind NATs (:func:`ring_order`). The
         coordinator then follows its own plan like any member (:meth:`plan_problem`, then align).
         """
         if not election.is_coordinator:
@@ -332,7 +364,7 @@ class RoundBook:
         if my_step not in (step, step + 1) or step >= self.total_steps:
             return None
         admit = step == self.head_step
-        members = plan_members(self.task, self.task_cid, previous, live, admit_joiners=admit)
+        members = plan_members(self.task, self.task_cid, previous, live, admit_joiners=admit, private=private)
         if members is None or election.me not in members:
             return None
         return RoundPlan(
@@ -356,8 +388,8 @@ class RoundBook:
             return f"plan from {short_id(sender)} in term {plan.term}, not from the coordinator of term {election.term}"
         if election.me not in plan.members:
             return "not a member of this span"
-        if list(plan.members) != sorted(set(plan.members)):
-            return "members are not sorted and distinct"
+        if len(set(plan.members)) != len(plan.members):
+            return "members are not distinct"
         if plan.rounds < 1 or plan.step + plan.rounds > self.total_steps:
             return f"a span of {plan.rounds} rounds from step {plan.step} does not fit the task"
         last = self.last_plan

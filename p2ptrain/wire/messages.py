@@ -10,7 +10,7 @@ type its registry does not know. The decoder and the router are handed a registr
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, ClassVar, TypeVar
 
 from p2ptrain.wire.limits import MAX_ADDR_LEN
 
@@ -70,6 +70,9 @@ def type_name(msg: Any) -> str:
 class Capabilities:
     """What a peer offers, so tasks can pick peers that fit their requirements."""
 
+    # Newer versions may add optional fields; this one skips them (p2ptrain.wire.schema).
+    EXTENSIBLE: ClassVar[bool] = True
+
     device: str = field(metadata={"max_len": 16})  # "cpu" or "cuda"
     cpu_count: int
     free_ram_bytes: int
@@ -81,7 +84,13 @@ class Capabilities:
 @message("heartbeat")
 @dataclass(frozen=True)
 class Heartbeat:
-    """Sent every heartbeat interval on the membership topic: 'I am alive, here is how to reach me'."""
+    """Sent every heartbeat interval on the membership topic: 'I am alive, here is how to reach me'.
+
+    Extensible: a newer version may add optional fields, which this one skips (p2ptrain.wire.schema),
+    so a field added to heartbeats does not split a mesh of mixed versions.
+    """
+
+    EXTENSIBLE: ClassVar[bool] = True
 
     addrs: tuple[str, ...] = field(metadata={"max_items": 16, "max_len": MAX_ADDR_LEN})
     caps: Capabilities

@@ -3,6 +3,16 @@
 Why not a generic JSON-schema library: our bodies are small and typed, and a tiny checker that
 knows only ``str``, ``int``, ``float``, ``bool``, tuples, string-keyed dicts, ``X | None`` and
 nested dataclasses gives exact errors and no way to smuggle objects in.
+
+Unknown fields are refused, except in a type that declares ``EXTENSIBLE = True`` (a heartbeat and
+its capabilities): there a newer sender's added fields are skipped, at most
+:data:`MAX_UNKNOWN_FIELDS` of them, each named like a field (:data:`FIELD_NAME`), so the next field
+added to a heartbeat does not make older nodes drop every heartbeat of newer ones (the
+``reachability`` field did: older nodes refused them as ``schema``, and the mesh split by version).
+The rule for adding a field (docs/mesh.md): to an extensible type, only an optional one (with a
+default) whose absence means what older nodes do, since they never see it; to any other type
+(plans, records, votes: messages an older node would act on without the field, or whose signed
+bytes are checked again outside pubsub), never: that is a new type or a new wire version.
 """
 
 from __future__ import annotations
@@ -10,12 +20,20 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import re
 import types
 import typing
 from typing import Any, TypeVar
 
 from p2ptrain.wire.limits import MAX_DICT_LEN, MAX_LIST_LEN, MAX_STR_LEN
 
+
+# Unknown fields an EXTENSIBLE type skips per object: a newer minor version adds a field or two at a
+# time; more is not a newer version of this type but something else. Their values are bounded like
+# every body's (the 64 KiB message cap, nesting depth 32) and are never read.
+MAX_UNKNOWN_FIELDS = 8
+# What a skipped field's name must look like: one of ours (lower-case Python identifiers, short).
+FIELD_NAME = re.compile(r"[a-z][a-z0-9_]{0,31}")
 
 # Integers are signed 64-bit, like every number boundedjson lets through.
 _MIN_INT, _MAX_INT = -(2**63), 2**63 - 1
@@ -95,13 +113,20 @@ def _layout(cls: type) -> tuple[dict[str, Any], dict[str, dataclasses.Field[Any]
 
 
 def from_plain(cls: type[T], data: Any, where: str = "body") -> T:
-    """Build dataclass ``cls`` from decoded JSON ``data``, rejecting unknown, missing or mistyped fields."""
+    """Build dataclass ``cls`` from decoded JSON ``data``, rejecting missing or mistyped fields and
+    unknown ones (an ``EXTENSIBLE`` type skips up to :data:`MAX_UNKNOWN_FIELDS` well-named ones)."""
     if type(data) is not dict:
         raise SchemaError(f"{where}: expected an object")
     hints, fields = _layout(cls)
     unknown = set(data) - set(fields)
     if unknown:
-        raise SchemaError(f"{where}: unknown field(s) {sorted(unknown)}")
+        if not getattr(cls, "EXTENSIBLE", False):
+            raise SchemaError(f"{where}: unknown field(s) {sorted(unknown)[:8]}")
+        if len(unknown) > MAX_UNKNOWN_FIELDS:
+            raise SchemaError(f"{where}: {len(unknown)} unknown fields, over {MAX_UNKNOWN_FIELDS}")
+        badly_named = sorted(name for name in unknown if not FIELD_NAME.fullmatch(name))
+        if badly_named:
+            raise SchemaError(f"{where}: unknown field(s) not named like a field {[n[:32] for n in badly_named[:4]]}")
     kwargs = {}
     for name, f in fields.items():
         if name not in data:

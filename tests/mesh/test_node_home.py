@@ -22,7 +22,7 @@ def mode(path) -> int:
 async def test_home_layout_permissions_and_a_control_op_from_another_layer(tmp_path):
     home = tmp_path / "home"
     home.mkdir(mode=0o755)  # too open: the node tightens it
-    node = Node(home, listen=["/ip4/127.0.0.1/tcp/0"])
+    node = Node(home, listen=["/ip4/127.0.0.1/tcp/0"], relay_service=True, relay_max_reservations=4)
 
     async def answer(request):
         return {"answer": request.get("x", 0) + 1}
@@ -40,6 +40,7 @@ async def test_home_layout_permissions_and_a_control_op_from_another_layer(tmp_p
             status = await trio.to_thread.run_sync(lambda: client.call(control_ops.STATUS))
         assert status["peer_id"] == node.peer_id.to_base58()
         assert status["addrs"] == node.addrs
+        assert status["relay"]["limits"]["max_reservations"] == 4  # what the relay it serves enforces
         with pytest.raises(UserError, match="already running"):
             await Node(home).run()  # a second node on the same home is refused
         node.stop()
@@ -116,3 +117,33 @@ def test_a_bad_config_file_is_one_user_error_line(tmp_path, text, message):
     (home / "config.toml").write_bytes(text.encode("latin-1") if text.startswith("\xff") else text.encode())
     with pytest.raises(UserError, match=message):
         Node(home)
+
+
+def test_relay_limits_come_from_flags_environment_or_file_within_bounds(tmp_path, monkeypatch, capsys):
+    """node start's --relay-max-* (config show resolves what it would run with): flag over
+    P2PTRAIN_* over config.toml over the defaults of p2ptrain.net.relay; out of bounds is one line."""
+    import json
+
+    from p2ptrain.cli.main import main
+    from p2ptrain.net.relay import RELAY_MAX_CIRCUIT_BYTES
+
+    (tmp_path / "config.toml").write_text("[node]\nrelay_max_circuit_duration = 600\n")
+    monkeypatch.setenv("P2PTRAIN_RELAY_MAX_CIRCUIT_BYTES", str(64 * 1024**2))
+    assert main(["config", "show", "--home", str(tmp_path), "--relay-max-reservations", "4", "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["relay_max_reservations"] == {"value": 4, "source": "flag --relay-max-reservations"}
+    assert shown["relay_max_circuit_bytes"] == {"value": 64 * 1024**2, "source": "env P2PTRAIN_RELAY_MAX_CIRCUIT_BYTES"}
+    assert shown["relay_max_circuit_duration"] == {"value": 600, "source": f"file {tmp_path / 'config.toml'}"}
+    monkeypatch.delenv("P2PTRAIN_RELAY_MAX_CIRCUIT_BYTES")
+    assert main(["config", "show", "--home", str(tmp_path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["relay_max_circuit_bytes"]["value"] == RELAY_MAX_CIRCUIT_BYTES
+
+    for args, error in [
+        (["--relay-max-reservations", "0"], "--relay-max-reservations: relay_max_reservations must be a whole number from 1 to 4096"),
+        (["--relay-max-circuit-bytes", "1000"], "--relay-max-circuit-bytes: relay_max_circuit_bytes must be a whole number from 1048576 to 1099511627776"),
+    ]:
+        assert main(["config", "show", "--home", str(tmp_path), *args]) == 1
+        assert capsys.readouterr().err.strip() == f"p2ptrain: error: {error}"
+    (tmp_path / "config.toml").write_text("[node]\nrelay_max_circuit_duration = 1\n")
+    with pytest.raises(UserError, match="relay_max_circuit_duration must be a whole number from 10 to 604800"):
+        Node(tmp_path)

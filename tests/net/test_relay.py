@@ -3,10 +3,11 @@ slot is dialed through the relay, and the relay forwards only ciphertext."""
 
 from __future__ import annotations
 
+import pytest
 import trio
 from multiaddr import Multiaddr
 
-from p2ptrain.net.relay import Relaying, is_circuit
+from p2ptrain.net.relay import Relaying, is_circuit, relay_limits
 from p2ptrain.testing import connected_hosts
 
 TIMEOUT_S = 30.0
@@ -18,8 +19,8 @@ MARKER = b"PLAINTEXT-MARKER-" * 64
 async def test_a_reserved_peer_is_dialed_through_the_relay_which_sees_only_ciphertext():
     async with connected_hosts(3, connected=False) as (dialer, relay_host, target):
         async with trio.open_nursery() as nursery:
-            relay = Relaying(relay_host.host, serve=True)
-            ends = [Relaying(dialer.host, serve=False), Relaying(target.host, serve=False)]
+            relay = Relaying(relay_host.host, serve=True, hole_punch=False)
+            ends = [Relaying(h.host, serve=False, hole_punch=False) for h in (dialer, target)]
             for r in (relay, *ends):
                 await nursery.start(r.run)
             forwarded: list[bytes] = []
@@ -59,4 +60,64 @@ async def test_a_reserved_peer_is_dialed_through_the_relay_which_sees_only_ciphe
             assert len(relayed) > 2 * len(MARKER)  # both ways went through the relay ...
             assert b"PLAINTEXT-MARKER" not in relayed  # ... and never in clear
             assert relay.stats()["relayed_bytes"] == len(relayed)
+            nursery.cancel_scope.cancel()
+
+
+SINK = "/p2ptrain-test/sink/1"
+LIMITED_BYTES = 1024**2  # the smallest circuit byte limit an operator may set (RELAY_CIRCUIT_BYTES_RANGE)
+
+
+async def test_a_relay_refuses_reservations_beyond_its_count_and_closes_a_circuit_beyond_its_bytes():
+    async with connected_hosts(4, connected=False) as (dialer, relay_host, target, late):
+        async with trio.open_nursery() as nursery:
+            relay = Relaying(relay_host.host, serve=True, hole_punch=False,
+                             limits=relay_limits(max_reservations=1, max_circuit_bytes=LIMITED_BYTES))
+            ends = [Relaying(h.host, serve=False, hole_punch=False) for h in (dialer, target, late)]
+            for r in (relay, *ends):
+                await nursery.start(r.run)
+            received = [0]
+
+            async def sink(stream):
+                try:
+                    while data := await stream.read(1 << 16):
+                        received[0] += len(data)
+                except Exception:  # the relay reset the circuit under it
+                    pass
+
+            target.host.set_stream_handler(SINK, sink)
+            with trio.fail_after(TIMEOUT_S):
+                for h in (target, late):
+                    await h.host.connect(relay_host.info)
+                assert await ends[1].reserve(relay_host.id, relay_host.host.get_addrs()[0])
+                # The relay holds one reservation: a second peer's is refused.
+                assert not await ends[2].reserve(relay_host.id, relay_host.host.get_addrs()[0])
+                assert ends[2].counts["reserve_refused"] == 1 and not ends[2].addrs
+
+                await ends[0].dial(Multiaddr(ends[1].addrs[0]))
+                (circuit,) = dialer.host.get_network().get_connections(target.id)
+                stream = await dialer.host.new_stream(target.id, [SINK])
+                with pytest.raises(Exception):
+                    for _ in range(4 * LIMITED_BYTES // len(MARKER)):  # 4x what the circuit may carry
+                        await stream.write(MARKER)
+                        await trio.sleep(0)
+                    await stream.read(1)
+                await circuit.event_closed.wait()  # the relay reset the circuit: the connection over it ends
+            assert received[0] < LIMITED_BYTES
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_hole_punching_session_is_refused_over_a_direct_connection():
+    """DCUtR makes us dial the addresses a peer names: only a peer we reach through a relay may ask
+    (over a direct connection it could make us connect to any host it likes)."""
+    from libp2p.relay.circuit_v2.dcutr import PROTOCOL_ID as DCUTR
+
+    async with connected_hosts(2) as (asker, target):
+        async with trio.open_nursery() as nursery:
+            relaying = Relaying(target.host, serve=False)
+            await nursery.start(relaying.run)
+            with trio.fail_after(TIMEOUT_S):
+                stream = await asker.host.new_stream(target.id, [DCUTR])
+                with pytest.raises(Exception):
+                    await stream.read(1)  # reset at once, before any CONNECT
+            assert relaying.counts["punch_refused_not_relayed"] == 1
             nursery.cancel_scope.cancel()

@@ -15,7 +15,7 @@ from p2ptrain.logs import short_id
 from p2ptrain.training import signing
 from p2ptrain.training.election import Election, ElectionConfig
 from p2ptrain.training.records import Chain, Status, Tally, attest
-from p2ptrain.training.rounds import RoundBook, plan_members, round_id, shard_of, span_length
+from p2ptrain.training.rounds import RoundBook, plan_members, ring_order, round_id, shard_of, span_length
 from p2ptrain.training.sync import RoundTimings, run_round
 from p2ptrain.training.voters import View
 from p2ptrain.training.task import task_bytes
@@ -266,6 +266,33 @@ def test_plan_members_rules(digits, digits_task):
     assert plan_members(task, "T", ("p1", "p2"), {"p1", "p2", "p3"}, admit_joiners=True) == prev
 
 
+def private_links(ring, private):
+    """Ring links (each member to the next, the last to the first) between two private members."""
+    return sum(1 for i, p in enumerate(ring) if p in private and ring[(i + 1) % len(ring)] in private)
+
+
+def test_the_ring_keeps_private_members_apart_so_no_link_between_them_is_relayed(digits, digits_task):
+    _, cid = digits
+    task = digits_task(cid, **{"peers.min": "2", "peers.max": "8"})
+    # Sorted, two private members behind different NATs are ring neighbours: one relayed link.
+    four, private = ("a", "b", "c", "d"), {"a", "b"}
+    assert private_links(sorted(four), private) == 1
+    ring = plan_members(task, "T", (), set(four), admit_joiners=True, private=private)
+    assert ring == ("c", "a", "d", "b") and private_links(ring, private) == 0
+    # The same from any previous order and any order of the inputs: every member could compute it.
+    assert plan_members(task, "T", ("d", "b", "c", "a"), {"b", "a", "d", "c"}, admit_joiners=False,
+                        private=["b", "a"]) == ring
+    # More private members than public ones: the rest sit together, the fewest relayed links possible.
+    eight = [f"p{i}" for i in range(8)]
+    for n_private in range(9):
+        hidden = set(eight[:n_private])
+        ring = ring_order(eight, hidden)
+        assert sorted(ring) == eight
+        assert private_links(ring, hidden) == (n_private if n_private == 8 else max(0, n_private - (8 - n_private)))
+    # Nobody private (or nobody known to be): the sorted order of plans before reachability.
+    assert ring_order(four, ()) == four and ring_order(four, {"x"}) == four
+
+
 def test_members_refuse_plans_not_from_the_coordinator(tmp_path, digits, digits_task):
     swarm = Swarm(tmp_path, digits, digits_task, steps=10)
     a, b, c = swarm.add("a"), swarm.add("b"), swarm.add("c")
@@ -279,6 +306,13 @@ def test_members_refuse_plans_not_from_the_coordinator(tmp_path, digits, digits_
     assert "not from the coordinator" in other.book.plan_problem(stale, coordinator.id, other.election)
     too_long = RoundPlan(**{**plan.__dict__, "rounds": 11})
     assert "does not fit" in other.book.plan_problem(too_long, coordinator.id, other.election)
+    twice = RoundPlan(**{**plan.__dict__, "members": (*plan.members, other.id)})
+    assert "not distinct" in other.book.plan_problem(twice, coordinator.id, other.election)
+    # The coordinator's ring order (private members apart: ring_order) is followed as it comes.
+    ids = {m.id for m in (a, b, c)}
+    private = {coordinator.id} if coordinator.id == min(ids) else ids - {coordinator.id}  # never sorted then
+    plan = coordinator.book.next_plan(coordinator.election, 0, swarm.live(), private=private)
+    assert plan.members == ring_order(plan.members, private) != tuple(sorted(plan.members))
     assert other.book.plan_problem(plan, coordinator.id, other.election) is None
     assert "is not after" in other.book.plan_problem(plan, coordinator.id, other.election)  # replay
 

@@ -150,6 +150,32 @@ def test_schema(body):
     assert reason_of(frame(envelope(body=body))) == "schema"
 
 
+def heartbeat_body(**extra) -> dict:
+    from p2ptrain.wire.schema import to_plain
+
+    return {**to_plain(Heartbeat(addrs=("/ip4/127.0.0.1/tcp/1",), caps=CAPS, reachability="public")), **extra}
+
+
+def test_a_heartbeat_from_a_newer_version_with_added_fields_is_read_without_them():
+    """Mixed versions: a newer node's heartbeat with fields this version does not know (in the
+    heartbeat and in its capabilities) is read, the fields skipped; so adding a field to heartbeats
+    no longer makes older nodes drop every heartbeat of newer ones."""
+    from p2ptrain.wire.schema import MAX_UNKNOWN_FIELDS
+
+    body = heartbeat_body(uplink_mbit=100, relay={"slots": 3})
+    body["caps"]["npu_count"] = 2
+    signed = decode(frame(envelope(type="heartbeat", body=body)))
+    assert signed.msg == Heartbeat(addrs=("/ip4/127.0.0.1/tcp/1",), caps=CAPS, reachability="public")
+    # Bounded: a few well-named fields, never a crowd or names no version of ours would use.
+    many = heartbeat_body(**{f"field_{i}": i for i in range(MAX_UNKNOWN_FIELDS + 1)})
+    assert reason_of(frame(envelope(type="heartbeat", body=many))) == "schema"
+    assert reason_of(frame(envelope(type="heartbeat", body=heartbeat_body(**{"Not A Field": 1})))) == "schema"
+    assert reason_of(frame(envelope(type="heartbeat", body=heartbeat_body(**{"x" * 40: 1})))) == "schema"
+    # Known fields are checked as ever, and other types still refuse any unknown field.
+    assert reason_of(frame(envelope(type="heartbeat", body=heartbeat_body(addrs="x")))) == "schema"
+    assert reason_of(frame(envelope(body={"reason": "x", "extra": 1}))) == "schema"
+
+
 def test_replay_guard_refuses_a_second_delivery_and_old_numbers():
     guard = ReplayGuard(window=4)
     sender = peer_id_of(KEY)
