@@ -28,10 +28,12 @@ def test_two_private_peers_behind_firewalled_nats_upgrade_their_relayed_connecti
             s = [p.status() for p in procs]
             private = s[2:]
             ok = (all(x["reachability"] == "private" for x in private) and all(len(x["connected"]) >= 3 for x in private)
-                  and not any(x["relay"]["relayed_peers"] for x in private))
+                  and not any(x["relay"]["relayed_peers"] for x in private)
+                  # The punch is counted when DCUtR returns, a moment after the direct connection
+                  # exists: a status read in between saw it direct with nothing counted yet.
+                  and sum(x["relay"].get("punched", 0) for x in private) >= 1)
             return s if ok else None
 
         statuses = wait_for(direct, PUNCH_TIMEOUT_S, interval=0.5)
         # They met through a relay (nothing else reaches a private peer), and a punch replaced it.
         assert sum(s["discovery"]["relayed_dials"] for s in statuses[2:]) >= 1
-        assert sum(s["relay"].get("punched", 0) for s in statuses[2:]) >= 1
