@@ -16,6 +16,7 @@ from libp2p.peer.id import ID
 from p2ptrain.collective.errors import BadPayload, PeerFailed
 from p2ptrain.collective.links import wait_for_abort_notice
 from p2ptrain.logs import short_id
+from p2ptrain.net.relay import has_direct_connection, over_relay
 from p2ptrain.net.streams import Channel, ChannelError, open_channel
 from p2ptrain.wire.frames import MAX_FIRST_FRAME, Kind, hello_frame, is_busy, parse_abort, parse_header
 
@@ -88,13 +89,17 @@ class Dialer:
         return channel
 
     async def _take_idle(self, peer: ID) -> Channel | None:
-        """An idle channel to ``peer`` young enough to reuse, if any (older ones are closed)."""
+        """An idle channel to ``peer`` young enough to reuse, if any (older ones are closed, and so
+        is one over a relay once a direct connection to ``peer`` exists: after a hole punch the
+        relayed connection is kept, and reusing its channels would hold every later round on the
+        relay; a fresh stream takes the direct connection)."""
         pool = self.idle.get(peer, [])
         while pool:
             channel, since = pool.pop()
             if not pool and self.idle.get(peer) is pool:
                 del self.idle[peer]
-            if time.monotonic() - since < self._reuse_s:
+            superseded = over_relay(channel.connection) and has_direct_connection(self.host, peer)
+            if time.monotonic() - since < self._reuse_s and not superseded:
                 return channel
             await channel.aclose()
         return None

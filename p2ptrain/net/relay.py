@@ -114,6 +114,18 @@ def is_circuit(addr: Multiaddr) -> bool:
     return any(p.name == "p2p-circuit" for p in addr.protocols())
 
 
+def over_relay(connection: Any) -> bool:
+    """Whether a connection (a swarm connection, or the muxed connection a stream runs on) goes
+    through a relay."""
+    return any(is_circuit(a) for a in connection.get_transport_addresses())
+
+
+def has_direct_connection(host: IHost, peer: ID) -> bool:
+    """Whether ``host`` holds a connection to ``peer`` that does not go through a relay (after a
+    hole punch, beside the relayed one it keeps)."""
+    return any(not over_relay(c) for c in host.get_network().get_connections(peer))
+
+
 class _CountingProtocol(CircuitV2Protocol):
     """py-libp2p's relay, counting the bytes it forwards (what serving costs, in `node status`)."""
 
@@ -153,7 +165,7 @@ class _HolePunching(DCUtRProtocol):
 
     async def _handle_dcutr_stream(self, stream: Any) -> None:
         peer = stream.muxed_conn.peer_id
-        relayed = any(is_circuit(a) for a in stream.muxed_conn.get_transport_addresses())
+        relayed = over_relay(stream.muxed_conn)
         why = ("not_relayed" if not relayed else "busy" if len(self._serving) >= PUNCH_MAX_CONCURRENT or peer in self._serving
                else "too_many" if self._inbound[peer] >= PUNCH_MAX_PER_PEER else None)
         if why is not None:
@@ -255,9 +267,7 @@ class Relaying:
 
     def relayed_peers(self) -> list[ID]:
         """Connected peers we reach only through a relay (no direct connection to them)."""
-        network = self.host.get_network()
-        return [p for p in self.host.get_connected_peers()
-                if all(any(is_circuit(a) for a in c.get_transport_addresses()) for c in network.get_connections(p))]
+        return [p for p in self.host.get_connected_peers() if not has_direct_connection(self.host, p)]
 
     def stats(self) -> dict[str, Any]:
         served = {"limits": {"max_reservations": self.limits.max_reservations, "max_circuit_duration_s": self.limits.duration,

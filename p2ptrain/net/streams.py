@@ -30,7 +30,7 @@ from collections.abc import Awaitable, Callable
 from types import TracebackType
 
 import trio
-from libp2p.abc import IHost, INetStream
+from libp2p.abc import IHost, IMuxedConn, INetStream
 from libp2p.custom_types import TProtocol
 from libp2p.peer.id import ID
 
@@ -93,6 +93,11 @@ class Channel:
 
     def __repr__(self) -> str:
         return f"<Channel to {short_id(self.remote_peer)}>"
+
+    @property
+    def connection(self) -> IMuxedConn:
+        """The muxed connection this channel's stream runs on (e.g. to tell a relayed one)."""
+        return self._stream.muxed_conn
 
     async def send(self, data: bytes | bytearray | memoryview) -> None:
         """Send one message (may be empty). Returns once the muxer has taken all of it."""

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import torch
+import trio
+from multiaddr import Multiaddr
 
-from p2ptrain.collective import PeerFailed
+from p2ptrain.collective import Collective, PeerFailed
+from p2ptrain.net.relay import Relaying, over_relay
+from p2ptrain.testing import connected_hosts
 
 
 def _inputs(n: int, size: int) -> list[torch.Tensor]:
@@ -72,3 +76,42 @@ async def test_after_a_failed_round_the_next_one_runs_on_fresh_channels(cluster,
             assert torch.allclose(out, expected, atol=1e-6)
         outs = await gather(_calls(peers, xs, ring, 4, density=0.05))
         assert all(out.equal(outs[0]) for out in outs)
+
+
+async def test_after_a_direct_connection_appears_the_rounds_leave_the_relay(gather):
+    # What a hole punch leaves: the relayed connection kept (net.relay) beside a new direct one.
+    # The round channels opened over the relay must not be reused then, or every later round would
+    # still cross the relay.
+    n = 40_000
+    async with connected_hosts(3, connected=False) as (a, relay_host, b):
+        async with trio.open_nursery() as nursery:
+            relays = [Relaying(relay_host.host, serve=True, hole_punch=False),
+                      *(Relaying(h.host, serve=False, hole_punch=False) for h in (a, b))]
+            for relay in relays:
+                await nursery.start(relay.run)
+            with trio.fail_after(30):
+                await b.host.connect(relay_host.info)
+                assert await relays[2].reserve(relay_host.id, relay_host.host.get_addrs()[0])
+                await relays[1].dial(Multiaddr(relays[2].addrs[0]))
+            peers = [Collective(a.host), Collective(b.host)]
+            ring = [a.id, b.id]
+            xs = _inputs(n, 2)
+            expected = torch.stack(xs).sum(0) / 2
+
+            def idle_channels():
+                return [channel for peer, other in zip(peers, reversed(ring))
+                        for channel, _ in peer.hub.dialer.idle[other]]
+
+            for rid, direct in ((1, False), (2, True)):
+                if direct:
+                    with trio.fail_after(30):
+                        await a.host.get_network().dial_addr(b.host.get_addrs()[0], b.id)
+                outs = await gather([lambda i=i: peers[i].allreduce(xs[i], ring, rid, density=1.0) for i in range(2)])
+                for out in outs:
+                    assert torch.allclose(out, expected, atol=1e-6)
+                channels = idle_channels()
+                assert len(channels) == 2 and all(over_relay(c.connection) is not direct for c in channels), rid
+            forwarded = relays[0].protocol.relayed_bytes
+            outs = await gather([lambda i=i: peers[i].allreduce(xs[i], ring, 3, density=1.0) for i in range(2)])
+            assert relays[0].protocol.relayed_bytes == forwarded  # round 3 reused the direct channels
+            nursery.cancel_scope.cancel()
