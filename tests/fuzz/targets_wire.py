@@ -67,6 +67,10 @@ _CAPS = {"device": "cpu", "cpu_count": 2, "free_ram_bytes": 1 << 30, "version": 
 PAYLOADS = [
     _payload("goodbye", {"reason": "shutdown"}),
     _payload("heartbeat", {"addrs": ["/ip4/127.0.0.1/tcp/4001"], "caps": _CAPS, "tasks": []}),
+    # A newer version's heartbeat: fields this version skips (wire.schema EXTENSIBLE), so the
+    # mutations' huge numbers and deep nesting also land in values that are never read.
+    _payload("heartbeat", {"addrs": ["/ip4/127.0.0.1/tcp/4001"], "caps": {**_CAPS, "npu_count": 2}, "tasks": [],
+                           "future_field": {"nested": [1, 2.5, "x", {"deeper": [True]}]}}),
 ]
 FRAMES = [
     encode(Goodbye(reason="x"), KEY, seq=3, ts=_NOW),
