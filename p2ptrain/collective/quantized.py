@@ -29,7 +29,7 @@ from p2ptrain.collective.direct import direct_broadcast
 from p2ptrain.collective.errors import single_failure
 from p2ptrain.collective.ring import SEGMENT_BYTES
 from p2ptrain.collective.robust import check_rule, clip_scales, exact_norm, scaled
-from p2ptrain.collective.rounds import RoundLinks
+from p2ptrain.collective.links import RoundLinks
 from p2ptrain.wire.quantized import decode, encode, encoded_size
 
 
