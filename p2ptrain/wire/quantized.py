@@ -21,6 +21,8 @@ import math
 import numpy as np
 import torch
 
+from p2ptrain.tensors import all_finite
+
 # Values per scale: 128 keeps the scales' share small (4 bytes per 128 values: 0.25 bits a value)
 # while a chunk's largest value, which sets its scale, is local enough to keep small values apart.
 CHUNK = 128
@@ -92,7 +94,7 @@ def decode(data: bytes, count: int, kind: str) -> torch.Tensor:
         raise QuantError(f"{len(data)} bytes for {count} {kind} values, expected {expected}")
     chunks = math.ceil(count / CHUNK)
     scales = torch.from_numpy(np.frombuffer(data, dtype="<f4", count=chunks).astype(np.float32))
-    if not bool(torch.isfinite(scales).all()) or bool((scales < 0).any()):
+    if not all_finite(scales) or bool((scales < 0).any()):
         raise QuantError("a scale is negative or not finite")
     each = _per_value(scales, count)
     raw = np.frombuffer(data, dtype=np.uint8, offset=4 * chunks)
@@ -101,7 +103,7 @@ def decode(data: bytes, count: int, kind: str) -> torch.Tensor:
         if codes.size and int(codes.min()) < -_INT8_MAX:
             raise QuantError("int8 code -128 is not used")
         values = torch.from_numpy(codes.astype(np.float32)) * each
-        if not bool(torch.isfinite(values).all()):  # 127 x a scale above float32's max / 127
+        if not all_finite(values):  # 127 x a scale above float32's max / 127
             raise QuantError("a value overflows float32")
         return values
     unpacked = np.stack([(raw >> shift) & 3 for shift in (0, 2, 4, 6)], axis=1).reshape(-1)
