@@ -20,6 +20,7 @@ from p2ptrain.net.relay import (
     RELAY_MAX_CIRCUIT_S,
     RELAY_MAX_RESERVATIONS,
     RELAY_RESERVATIONS_RANGE,
+    bound_problem,
 )
 
 CONFIG_FILE = "config.toml"
@@ -122,9 +123,7 @@ def config_problem(name: str, value: Any) -> str | None:
         if type(value) not in (int, float) or not 0 < value <= MAX_HEARTBEAT_INTERVAL_S:
             return f"must be a number of seconds above 0 and at most {MAX_HEARTBEAT_INTERVAL_S:g}"
     elif name in _RANGES:
-        low, high = _RANGES[name]
-        if type(value) is not int or not low <= value <= high:
-            return f"must be a whole number from {low} to {high}"
+        return bound_problem(value, _RANGES[name])
     elif name == "silence_heartbeats":
         if type(value) is not int or not 1 <= value <= MAX_SILENCE_HEARTBEATS:
             return f"must be a whole number from 1 to {MAX_SILENCE_HEARTBEATS}"

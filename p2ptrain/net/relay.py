@@ -74,6 +74,15 @@ RELAY_CIRCUIT_S_RANGE = (10, 7 * 24 * 3600)
 RELAY_CIRCUIT_BYTES_RANGE = (1024**2, 1024**4)
 
 
+def bound_problem(value: object, bounds: tuple[int, int]) -> str | None:
+    """Why ``value`` is not a whole number within ``bounds`` (one of the ``RELAY_*_RANGE``), or None.
+    The one check behind both :func:`relay_limits` and the node's settings (node_config)."""
+    low, high = bounds
+    if type(value) is not int or not low <= value <= high:
+        return f"must be a whole number from {low} to {high}"
+    return None
+
+
 def relay_limits(
     max_reservations: int = RELAY_MAX_RESERVATIONS,
     max_circuit_s: int = RELAY_MAX_CIRCUIT_S,
@@ -81,11 +90,12 @@ def relay_limits(
 ) -> RelayLimits:
     """The limits a relay enforces per reservation: the three settable ones, and the fixed ones.
     Values outside the ``RELAY_*_RANGE`` bounds are the caller's error (ValueError)."""
-    for name, value, (low, high) in (("max_reservations", max_reservations, RELAY_RESERVATIONS_RANGE),
-                                      ("max_circuit_s", max_circuit_s, RELAY_CIRCUIT_S_RANGE),
-                                      ("max_circuit_bytes", max_circuit_bytes, RELAY_CIRCUIT_BYTES_RANGE)):
-        if type(value) is not int or not low <= value <= high:
-            raise ValueError(f"{name} must be a whole number from {low} to {high}, got {value!r}")
+    for name, value, bounds in (("max_reservations", max_reservations, RELAY_RESERVATIONS_RANGE),
+                                ("max_circuit_s", max_circuit_s, RELAY_CIRCUIT_S_RANGE),
+                                ("max_circuit_bytes", max_circuit_bytes, RELAY_CIRCUIT_BYTES_RANGE)):
+        problem = bound_problem(value, bounds)
+        if problem is not None:
+            raise ValueError(f"{name} {problem}, got {value!r}")
     return RelayLimits(
         duration=max_circuit_s,
         data=max_circuit_bytes,
