@@ -1,11 +1,12 @@
-"""all_finite: the one-pass NaN/Inf check every layer makes on gradients and payloads."""
+"""all_finite: the one-pass NaN/Inf check every layer makes on gradients and payloads; large_empty:
+model-sized buffers on huge pages."""
 
 import math
 
 import pytest
 import torch
 
-from p2ptrain.tensors import all_finite
+from p2ptrain.tensors import all_finite, large_empty
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
@@ -27,3 +28,12 @@ def test_edge_values():
     assert all_finite(big) and all_finite(-big)  # the largest floats are finite
     assert all_finite(torch.zeros(3, 4))  # any shape
     assert not all_finite(torch.tensor([[0.0, 1.0], [math.nan, 2.0]]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.uint8])
+def test_large_empty_is_a_writable_flat_tensor_of_its_dtype(dtype):
+    for n in (0, 5, 3 << 20):  # empty, small, and large enough for huge pages
+        t = large_empty(n, dtype)
+        assert t.dtype == dtype and t.shape == (n,) and t.is_contiguous()
+        t.fill_(3)
+        assert bool((t == 3).all())
