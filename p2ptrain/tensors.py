@@ -5,6 +5,8 @@ A leaf module (it imports nothing of ours), so the collective and the trainer ca
 
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 import torch
 
@@ -41,3 +43,19 @@ def large_empty(numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     array = np.empty(numel, dtype=_NUMPY_OF[dtype])
     tensor = torch.from_numpy(array)
     return tensor.view(torch.bfloat16) if dtype == torch.bfloat16 else tensor
+
+
+def zero_fill(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor.zero_()``, through the C library's ``memset`` when the tensor is contiguous on the CPU.
+
+    For a model-sized buffer glibc's memset writes with non-temporal stores, where torch's fill
+    first reads every cache line it writes: 64 MiB on one thread 0.96 against 2.55 ms. The bytes
+    are the same (+0.0 everywhere), and the version counter autograd checks is bumped as an
+    in-place op would.
+    """
+    if tensor.device.type != "cpu" or not tensor.is_contiguous() or tensor.requires_grad:
+        return tensor.zero_()
+    if tensor.numel():
+        ctypes.memset(tensor.data_ptr(), 0, tensor.numel() * tensor.element_size())
+        torch.autograd.graph.increment_version(tensor)
+    return tensor
