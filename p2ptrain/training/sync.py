@@ -29,8 +29,8 @@ import trio
 from libp2p.peer.id import ID
 
 from p2ptrain.collective import Collective, SparseAllReducer
-from p2ptrain.training.task import Task
 from p2ptrain.tensors import large_empty
+from p2ptrain.training.task import Task
 from p2ptrain.training.trainer import Average, StepResult, Trainer
 from p2ptrain.wire.messages import RoundPlan
 
