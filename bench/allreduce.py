@@ -77,6 +77,7 @@ async def p2p_worker(args: argparse.Namespace) -> None:
 
     from p2ptrain.collective import Collective, SparseAllReducer
     from p2ptrain.net.host import make_host
+    from p2ptrain.tensors import large_empty
 
     me = args.worker
     if args.trace:
@@ -115,7 +116,9 @@ async def p2p_worker(args: argparse.Namespace) -> None:
             collective, density=args.density, value_dtype=VALUE_DTYPES[args.value_dtype]
         )
         barrier = torch.zeros(1)
-        out = torch.zeros(n)  # reused, as a trainer would: a fresh 64 MiB tensor costs page faults
+        # Reused, as the trainer's (training/sync.py) is: a fresh 64 MiB tensor costs page faults;
+        # on huge pages where the kernel offers them, as the trainer's is too.
+        out = large_empty(n).zero_()
         times, sent, cpu, spans = [], [], [], []
         for r in range(args.rounds + 1):
             # A one-element round first: everyone starts the timed round together.

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from p2ptrain.tensors import large_empty
+
 
 @dataclass
 class Pending:
@@ -52,10 +54,10 @@ class ErrorFeedback:
             raise ValueError("clip_norm must be positive")
         self.momentum = momentum
         self.clip_norm = clip_norm
-        self.residual = torch.zeros(numel, dtype=torch.float32)
-        self._spare = torch.empty(numel, dtype=torch.float32)
-        self.velocity = torch.zeros(numel, dtype=torch.float32) if momentum else None
-        self._spare_velocity = torch.empty(numel, dtype=torch.float32) if momentum else None
+        self.residual = large_empty(numel).zero_()
+        self._spare = large_empty(numel)
+        self.velocity = large_empty(numel).zero_() if momentum else None
+        self._spare_velocity = large_empty(numel) if momentum else None
 
     def prepare(self, grad: torch.Tensor) -> Pending:
         """Clip and apply momentum correction to ``grad``; the state is not changed."""

@@ -12,6 +12,7 @@ from p2ptrain.collective.feedback import ErrorFeedback
 from p2ptrain.collective.ring import FLOAT_DTYPES
 from p2ptrain.collective.robust import check_rule
 from p2ptrain.collective.sparse import Workspace, bucket_ks, select_ranges
+from p2ptrain.tensors import large_empty, zero_fill
 from p2ptrain.wire.quantized import KINDS, roundtrip
 
 logger = logging.getLogger(__name__)
@@ -99,11 +100,11 @@ class SparseAllReducer:
         # indices from it; its values at the agreed indices are what it sends; afterwards it simply
         # becomes the residual).
         accumulated = feedback.target(pending)
-        result = torch.empty(grad.numel(), dtype=torch.float32) if out is None else out
+        result = large_empty(grad.numel()) if out is None else out
 
         def prepare() -> None:
             feedback.materialize(pending)
-            result.zero_()  # here rather than after the round, where every member waits for it
+            zero_fill(result)  # here rather than after the round, where every member waits for it
 
         indices, values = await self.collective.sparse_round(
             accumulated, ring, round_id, sizes=sizes, ks=ks,

@@ -44,6 +44,9 @@ logger = logging.getLogger(__name__)
 _CAP = {1: 0xFF, 2: 0xFFFF}  # index codec: word width -> the capped value that means "escaped"
 _WORD = {1: np.dtype("<u1"), 2: np.dtype("<u2")}
 _EXACT_BELOW = 1 << 16  # small tensors: a plain topk is cheaper than sampling
+# Entries per block of the candidate scan (Workspace.candidates): 1 MiB of float32 magnitudes, what
+# one core's L2 cache holds here; 64K-1M all measured within ~10% of each other, 4M (no blocks) 25% slower.
+_BLOCK = 1 << 18
 
 
 def bucket_ks(sizes: Sequence[int], density: float) -> list[int]:
@@ -61,7 +64,8 @@ class Workspace:
 
     def __init__(self) -> None:
         self._magnitude = np.empty(0, dtype=np.float32)
-        self._mask = np.empty(0, dtype=bool)
+        self._block = np.empty(_BLOCK, dtype=np.float32)
+        self._block_mask = np.empty(_BLOCK, dtype=bool)
 
     def magnitude(self, x: torch.Tensor) -> np.ndarray:
         """|x| as float32 (exact for float16 and bfloat16 too, so the order is the same)."""
@@ -76,10 +80,30 @@ class Workspace:
             torch.from_numpy(out).copy_(x.abs())
         return out
 
-    def mask(self, n: int) -> np.ndarray:
-        if self._mask.size < n:
-            self._mask = np.empty(n, dtype=bool)
-        return self._mask[:n]
+    def candidates(self, x: torch.Tensor, threshold: np.floating) -> tuple[np.ndarray, np.ndarray]:
+        """The sorted positions of the flat ``x`` whose magnitude is at least ``threshold``, and
+        those magnitudes (float32).
+
+        Block by block (:data:`_BLOCK` entries), so |x| and the comparison stay in the core's cache
+        instead of being written to and read back from memory (two passes of 16 MiB plus a mask of
+        4 MiB on a 4M-entry slice): 5.2 -> 3.9 ms for that slice's whole selection on one thread.
+        """
+        positions, magnitudes = [], []
+        for a in range(0, x.numel(), _BLOCK):
+            part = _float32(x[a : a + _BLOCK])
+            size = part.size
+            magnitude = np.abs(part, out=self._block[:size])
+            hits = np.flatnonzero(np.greater_equal(magnitude, threshold, out=self._block_mask[:size]))
+            positions.append(hits + a)
+            magnitudes.append(magnitude[hits])
+        return np.concatenate(positions), np.concatenate(magnitudes)
+
+
+def _float32(x: torch.Tensor) -> np.ndarray:
+    """``x`` as a float32 numpy array: a view when it is float32 already (exact for float16 and
+    bfloat16, whose every value float32 holds)."""
+    x = x.detach()
+    return x.numpy() if x.dtype == torch.float32 else x.to(torch.float32).numpy()
 
 
 def topk_indices(
@@ -98,25 +122,22 @@ def topk_indices(
     if k <= 0:
         return torch.empty(0, dtype=torch.int64)
     workspace = workspace or Workspace()
-    magnitude = workspace.magnitude(x)
     if n < _EXACT_BELOW:
-        return _exact_topk(magnitude, k)
+        return _exact_topk(workspace.magnitude(x), k)
     stride = max(1, int(1 / sample_share))
     start = int(torch.randint(stride, (1,), generator=generator))
-    sample = magnitude[start::stride]
+    sample = np.abs(_float32(x[start::stride]))
     above = math.ceil(margin * k * sample.size / n)
     rank = sample.size - above
     if rank < 1:
-        return _exact_topk(magnitude, k)
-    threshold = np.partition(sample, rank - 1)[rank - 1]
-    mask = np.greater_equal(magnitude, threshold, out=workspace.mask(n))
-    candidates = np.flatnonzero(mask)  # sorted
+        return _exact_topk(workspace.magnitude(x), k)
+    sample.partition(rank - 1)
+    candidates, chosen = workspace.candidates(x, sample[rank - 1])  # sorted, and their magnitudes
     if candidates.size < k:  # the sample overestimated the threshold: rare, exact fallback
-        return _exact_topk(magnitude, k)
+        return _exact_topk(workspace.magnitude(x), k)
     if candidates.size == k:
         return torch.from_numpy(candidates)
     # Exact cut among the candidates: the k-th largest magnitude, ties broken by position.
-    chosen = magnitude[candidates]
     cut = chosen.size - k
     kth = np.partition(chosen, cut)[cut]
     keep = chosen > kth

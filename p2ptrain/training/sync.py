@@ -29,6 +29,7 @@ import trio
 from libp2p.peer.id import ID
 
 from p2ptrain.collective import Collective, SparseAllReducer
+from p2ptrain.tensors import large_empty
 from p2ptrain.training.task import Task
 from p2ptrain.training.trainer import Average, StepResult, Trainer
 from p2ptrain.wire.messages import RoundPlan
@@ -112,9 +113,9 @@ class PlanAverager:
             if self.reducer is not None:
                 # One output buffer for every round: the trainer's step reads the average (as
                 # views) before the next round, and a fresh model-sized tensor per round costs
-                # page faults.
+                # page faults (huge pages: the round's fill and scatter into it are cheaper).
                 if self._out is None or self._out.numel() != flat.numel():
-                    self._out = torch.empty(flat.numel(), dtype=torch.float32)
+                    self._out = large_empty(flat.numel())
                 return await self.reducer.allreduce(
                     flat, ring, round_id, out=self._out, timeout=self.timeout, start_timeout=self.start_timeout
                 )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -30,6 +31,18 @@ def test_sampled_topk_selects_exactly_the_largest_magnitudes(n, k):
     assert bool((got[1:] > got[:-1]).all())
     expected = torch.topk(x.abs(), k).indices.sort().values
     assert got.equal(expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_sampled_topk_is_exact_across_scan_blocks_with_ties_broken_by_position(dtype):
+    # Longer than several candidate-scan blocks and not a multiple of one; half-precision values
+    # repeat, so ties at the cut (the lowest positions win) fall in different blocks.
+    n, k = (1 << 20) + 12_345, 10_600
+    x = torch.randn(n, generator=torch.Generator().manual_seed(7)).to(dtype)
+    got = topk_indices(x, k, generator=torch.Generator().manual_seed(2))
+    magnitude = x.abs().to(torch.float32).numpy()
+    by_rank = np.lexsort((np.arange(n), -magnitude))  # largest first, then by position
+    assert got.numpy().tolist() == np.sort(by_rank[:k]).tolist()
 
 
 def test_topk_of_mostly_zero_tensor_still_returns_k():
