@@ -8,7 +8,9 @@ counted in outer steps; only the wait for the members to join a round is the tas
 ``outer.wait_s`` (:func:`round_start_timeout`). A newer plan (a retry, a new coordinator's
 plan) cancels the span that runs: a round still waiting on a dead or absent peer would otherwise
 hold this member until its start timeout. At the end of a span the model and optimizer state are
-stored by CID and handed to :class:`~p2ptrain.runtime.attesting.Attesting`.
+stored by CID and handed to :class:`~p2ptrain.runtime.attesting.Attesting`: before the next span,
+or with ``[training] overlap_checkpoints`` from a copy taken before it, while it trains
+(docs/training.md, "Overlapping checkpoints").
 """
 
 from __future__ import annotations
@@ -205,6 +207,7 @@ class Spans:
         # In a thread: serializing a model and its optimizer state copies every tensor (60 ms at 4.3M
         # parameters with Adam), long enough to stall this host's part in the others' traffic.
         model_data, optim_data = await trio.to_thread.run_sync(lambda: (model_bytes(), optimizer_bytes()))
+        del model_bytes, optimizer_bytes  # a snapshot's tensors go now, not when its record settles
         serialized = trio.current_time()
         store = self.run.content.store
         model_cid = await trio.to_thread.run_sync(store.add_bytes, model_data)
