@@ -19,6 +19,7 @@ from p2ptrain.logs import short_id
 from p2ptrain.runtime.datafeed import DataFeed
 from p2ptrain.runtime.run_state import Nudge, RunState
 from p2ptrain.training.records import RecordError, Status, Tally, attest
+from p2ptrain.training.trainer import StateSnapshot
 from p2ptrain.wire.messages import RoundPlan, SignedAttestation, SignedModelRecord
 
 logger = logging.getLogger(__name__)
@@ -45,31 +46,32 @@ class Attesting:
         self._totals_before = (0, 0.0, 0.0, 0.0, 0)
         self._settle_news = Nudge()  # a record was confirmed or rejected
 
-    async def measure(self, plan: RoundPlan) -> dict[str, float] | None:
-        """At the end of ``plan``'s span, before the next span changes the weights: as the coordinator
-        of its term, the record's metrics (the evaluation on the test split, the span's means);
-        None for the other members."""
+    def span_metrics(self, plan: RoundPlan) -> dict[str, float] | None:
+        """At the end of ``plan``'s span, before the next one: as the coordinator of its term, the
+        record's metrics known now (the last training loss, the span's round means; the evaluation
+        comes next, :meth:`evaluate`); None for the other members."""
         run = self.run
-        if not (run.election.is_coordinator and plan.term == run.election.term):
-            self._totals_before = self._totals()
-            return None
+        coordinator = run.election.is_coordinator and plan.term == run.election.term
+        metrics = {"train_loss": run.metrics.get("train_loss", math.nan), **self._span_means()}
+        self._totals_before = self._totals()
+        return metrics if coordinator else None
+
+    async def evaluate(self, metrics: dict[str, float], snapshot: StateSnapshot | None = None) -> None:
+        """Add the test split's loss and accuracy to ``metrics``: of the trainer's weights now, or
+        of ``snapshot``'s (overlap mode: the trainer is in the next span by then)."""
+        run = self.run
         try:
             await self.data.fetch_test_split()
-            metrics = await trio.to_thread.run_sync(self.data.evaluate)
+            metrics.update(await trio.to_thread.run_sync(self.data.evaluate, snapshot))
         except ContentUnavailable as exc:
             # Metrics are a report, not part of the model: publish without them rather than stall.
             logger.warning("%s: cannot evaluate (test data unavailable: %s)", run.log_prefix, exc)
-            metrics = {}
-        metrics["train_loss"] = run.metrics.get("train_loss", math.nan)
-        metrics.update(self._span_means())
-        self._totals_before = self._totals()
-        return metrics
 
     async def checkpoint_stored(
         self, plan: RoundPlan, step: int, model_cid: str, optim_cid: str, metrics: dict[str, float] | None
     ) -> None:
         """Our state at the end of ``plan`` is stored: as its coordinator (``metrics`` from
-        :meth:`measure`), publish the signed record once the checkpoint before it is settled; as a
+        :meth:`span_metrics` and :meth:`evaluate`), publish the signed record once the checkpoint before it is settled; as a
         member, attest the record once it is here."""
         run = self.run
         self.checkpoint_cids[step] = (model_cid, optim_cid)

@@ -30,7 +30,7 @@ from p2ptrain.runtime.run_state import RunState
 from p2ptrain.training.rounds import round_id, shard_of
 from p2ptrain.training.sync import PlanAverager, run_round
 from p2ptrain.training.task import Task
-from p2ptrain.training.trainer import Average, TrainerError
+from p2ptrain.training.trainer import Average, StateSnapshot, TrainerError
 from p2ptrain.wire.messages import RoundPlan
 
 logger = logging.getLogger(__name__)
@@ -181,38 +181,50 @@ class Spans:
         return True
 
     async def _checkpoint(self, plan: RoundPlan) -> None:
-        """Take this member's state at the end of ``plan`` (and, as coordinator, evaluate it), then
-        store it by CID for the span's record and our attestation: before the next span in the
-        default mode, meanwhile with ``overlap_checkpoints`` (the next span starts once the state is
-        copied: :meth:`Trainer.snapshot`)."""
+        """Take this member's state at the end of ``plan`` and store it by CID for the span's record
+        (as coordinator, with its evaluation) and our attestation: before the next span in the
+        default mode; with ``overlap_checkpoints`` the next span starts once the state is copied
+        (:meth:`Trainer.snapshot`), and the evaluation, storing and the record happen meanwhile."""
         run = self.run
         trainer, _ = run.require()
         step = trainer.step
+        metrics = self.attesting.span_metrics(plan)
         if run.task.training.overlap_checkpoints and self._settling is not None:
             # In a thread: copying a model and its optimizer state (205 MB at 17.1 M parameters with
             # Adam) would stall this host's part in the others' traffic.
+            began = trio.current_time()
             snapshot = await trio.to_thread.run_sync(trainer.snapshot)
-            metrics = await self.attesting.measure(plan)
-            self._settling.start_soon(self._store, plan, step, snapshot.model_bytes, snapshot.optimizer_bytes, metrics)
+            logger.info("%s: checkpoint at step %d: state copied in %s; storing it while the next span trains",
+                        run.log_prefix, step, fmt_s(trio.current_time() - began))
+            self._settling.start_soon(self._settle, plan, snapshot, metrics)
         else:
-            metrics = await self.attesting.measure(plan)
-            await self._store(plan, step, trainer.model_bytes, trainer.optimizer_bytes, metrics)
+            if metrics is not None:
+                await self.attesting.evaluate(metrics)
+            model_cid, optim_cid = await self._store(step, trainer.model_bytes, trainer.optimizer_bytes)
+            await self.attesting.checkpoint_stored(plan, step, model_cid, optim_cid, metrics)
+
+    async def _settle(self, plan: RoundPlan, snapshot: StateSnapshot, metrics: dict[str, float] | None) -> None:
+        """Overlap mode, in the round loop's nursery: evaluate the snapshot (coordinator), store it,
+        then the record and attestations (:meth:`Attesting.checkpoint_stored`)."""
+        if metrics is not None:
+            await self.attesting.evaluate(metrics, snapshot)
+        step = snapshot.step
+        model_cid, optim_cid = await self._store(step, snapshot.model_bytes, snapshot.optimizer_bytes)
+        del snapshot  # its tensors go now, not when its record settles
+        await self.attesting.checkpoint_stored(plan, step, model_cid, optim_cid, metrics)
 
     async def _store(
-        self, plan: RoundPlan, step: int, model_bytes: Callable[[], bytes], optimizer_bytes: Callable[[], bytes],
-        metrics: dict[str, float] | None,
-    ) -> None:
-        """Serialize the state of ``step`` and add it to the store, then hand it to attesting."""
+        self, step: int, model_bytes: Callable[[], bytes], optimizer_bytes: Callable[[], bytes]
+    ) -> tuple[str, str]:
+        """Serialize the state of ``step`` and add it to the store: its model and optimizer CIDs."""
         began = trio.current_time()
         # In a thread: serializing a model and its optimizer state copies every tensor (60 ms at 4.3M
         # parameters with Adam), long enough to stall this host's part in the others' traffic.
         model_data, optim_data = await trio.to_thread.run_sync(lambda: (model_bytes(), optimizer_bytes()))
-        del model_bytes, optimizer_bytes  # a snapshot's tensors go now, not when its record settles
         serialized = trio.current_time()
         store = self.run.content.store
         model_cid = await trio.to_thread.run_sync(store.add_bytes, model_data)
         optim_cid = await trio.to_thread.run_sync(store.add_bytes, optim_data)
-        del model_data, optim_data
         logger.info("%s: checkpoint at step %d: serialized in %s, stored in %s", self.run.log_prefix, step,
                     fmt_s(serialized - began), fmt_s(trio.current_time() - serialized))
-        await self.attesting.checkpoint_stored(plan, step, model_cid, optim_cid, metrics)
+        return model_cid, optim_cid

@@ -197,6 +197,7 @@ class StateSnapshot:
     model: dict[str, torch.Tensor]
     optimizer: dict[str, torch.Tensor]
     card: dict[str, Any]
+    module: nn.Module  # the architecture on the meta device, for :meth:`Trainer.evaluate_snapshot`
 
     def model_bytes(self) -> bytes:
         """What :meth:`Trainer.model_bytes` gave at :attr:`step`."""
@@ -395,6 +396,14 @@ class Trainer:
         """Mean loss and accuracy over ``batches`` (e.g. ``batched(test_dataset, eval_batch_size)``)."""
         return evaluate_batches(self.model, batches, self.device, self._autocast)
 
+    def evaluate_snapshot(self, snapshot: StateSnapshot, batches: Iterable[Batch]) -> Metrics:
+        """:meth:`evaluate` of the weights in ``snapshot``, while this trainer's own module may be
+        in a later step: the snapshot's module (built on the meta device) takes its tensors
+        themselves (no copy on CPU)."""
+        module = snapshot.module
+        module.load_state_dict(snapshot.model, strict=True, assign=True)
+        return evaluate_batches(module.to(self.device), batches, self.device, self._autocast)
+
     # --- state as bytes -----------------------------------------------------------------------
 
     def model_tensors(self) -> dict[str, torch.Tensor]:
@@ -426,7 +435,11 @@ class Trainer:
         path, while the next span changes the originals): one copy of each tensor, where
         :meth:`model_bytes` and :meth:`optimizer_bytes` make two of the optimizer's and the
         serialization's own work. Its bytes are the ones those give at this step."""
-        return StateSnapshot(self.step, self.model_tensors(), self.optimizer_tensors(), self._card())
+        # The module to evaluate it with, on the meta device: no memory, no initialisation, and
+        # built now, while this trainer is idle (build_model seeds torch's global generator).
+        with torch.device("meta"):
+            module = build_model(self.task.model.name, self.task.model.kwargs, self.task.seed)
+        return StateSnapshot(self.step, self.model_tensors(), self.optimizer_tensors(), self._card(), module)
 
     def _card(self) -> dict[str, Any]:
         return {"name": self.task.model.name, "kwargs": self.task.model.kwargs}
