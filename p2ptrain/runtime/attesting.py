@@ -71,8 +71,8 @@ class Attesting:
         self, plan: RoundPlan, step: int, model_cid: str, optim_cid: str, metrics: dict[str, float] | None
     ) -> None:
         """Our state at the end of ``plan`` is stored: as its coordinator (``metrics`` from
-        :meth:`span_metrics` and :meth:`evaluate`), publish the signed record once the checkpoint before it is settled; as a
-        member, attest the record once it is here."""
+        :meth:`span_metrics` and :meth:`evaluate`), publish the signed record once the checkpoint
+        before it is settled; as a member, attest the record once it is here."""
         run = self.run
         self.checkpoint_cids[step] = (model_cid, optim_cid)
         for old in sorted(self.checkpoint_cids)[:-KEPT_CHECKPOINTS]:

@@ -214,7 +214,8 @@ class RoundBook:
     def unsettled(self, my_step: int) -> int | None:
         """The step of this member's checkpoint that is neither confirmed nor rejected, or None: at
         ``my_step`` when a span just ended there, else the last one before it (overlap mode)."""
-        if my_step > self.settled_step and (my_step >= self.total_steps or my_step % self.task.training.checkpoint_interval == 0):
+        at_checkpoint = my_step >= self.total_steps or my_step % self.task.training.checkpoint_interval == 0
+        if my_step > self.settled_step and at_checkpoint:
             return my_step
         previous = self.previous_checkpoint(my_step)
         return previous if previous > self.settled_step else None

@@ -32,7 +32,9 @@ from torch import nn
 
 from p2ptrain.tensors import all_finite
 from p2ptrain.training.models import build_model
-from p2ptrain.training.records import RecordError, load_model_bytes, model_bytes, read_tensors, state_bytes, tensors_bytes
+from p2ptrain.training.records import (
+    RecordError, load_model_bytes, model_bytes, read_tensors, state_bytes, tensors_bytes,
+)
 from p2ptrain.training.task import Task
 
 log = logging.getLogger(__name__)
