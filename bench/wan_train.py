@@ -83,6 +83,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--lsgd-inner", type=int, default=10,
                        help="p2ptrain local-SGD run: inner steps H per round (0: no local-SGD run)")
     group.add_argument("--lsgd-density", type=float, default=0.01, help="its pseudo-gradient's top-k share (2-bit values)")
+    group.add_argument("--no-overlap", action="store_true",
+                       help="p2ptrain tasks without [training] overlap_checkpoints (for nodes of a release before it)")
+    group.add_argument("--logs", type=Path, default=None,
+                       help="copy each p2ptrain node's log here (node0.log, ...) before the work folder goes")
     group.add_argument("--lsgd-steps", type=int, default=30, help="its outer steps at most (one checkpoint each)")
 
 
@@ -99,6 +103,12 @@ class WanCluster:
 def task_args(args: argparse.Namespace) -> argparse.Namespace:
     return argparse.Namespace(steps=args.steps, checkpoint=args.checkpoint, peers=args.peers, hidden=args.hidden,
                               batch=args.batch, sync_interval=1, timeout=RUN_TIMEOUT_S)
+
+
+def overlap(text: str, args: argparse.Namespace) -> str:
+    """The task with its checkpoints settling while the next span trains (docs/training.md), unless
+    ``--no-overlap``: nodes of a release before the field refuse a task that names it."""
+    return text if args.no_overlap else text.replace("[training]\n", "[training]\noverlap_checkpoints = true\n", 1)
 
 
 def progress(what: str, row: dict | None = None) -> None:
@@ -199,10 +209,10 @@ def run_p2ptrain(args: argparse.Namespace, workdir: Path) -> tuple[str, dict[str
             progress(f"p2ptrain nodes up in {nodes_up_s:.1f} s")
             cluster = WanCluster([p.home for p in procs])
             targs = task_args(args)
-            sync_text = train_bench.task_text(manifest, 0.01, targs, "wan-sync-1pct")
+            sync_text = overlap(train_bench.task_text(manifest, 0.01, targs, "wan-sync-1pct"), args)
             runs = {"p2ptrain": run_p2p_task(cluster, sync_text, "wan-sync-1pct", nodes_up_s)}
             if not args.skip_dense:
-                text = train_bench.task_text(manifest, 1.0, targs, "wan-sync-dense")
+                text = overlap(train_bench.task_text(manifest, 1.0, targs, "wan-sync-dense"), args)
                 runs["p2ptrain_dense"] = run_p2p_task(cluster, text, "wan-sync-dense", nodes_up_s)
             if args.lsgd_inner:
                 text = train_bench.local_sgd_text(sync_text, args.lsgd_inner, args.lsgd_density, "2bit", "average",
@@ -213,6 +223,12 @@ def run_p2ptrain(args: argparse.Namespace, workdir: Path) -> tuple[str, dict[str
                            compute_ms_per_outer_round=row.pop("compute_ms_per_round"),
                            sync_ms_per_outer_round=row.pop("sync_ms_per_round"))
                 runs["p2ptrain_local_sgd"] = row
+            if args.logs is not None:
+                args.logs.mkdir(parents=True, exist_ok=True)
+                for i, proc in enumerate(procs):
+                    log = proc.home / "logs" / "node.log"
+                    if log.exists():
+                        shutil.copyfile(log, args.logs / f"node{i}.log")
     return manifest, runs
 
 

@@ -15,12 +15,23 @@ import trio
 
 from p2ptrain.atomic import write_atomic
 from p2ptrain.ipfs.store import ContentUnavailable
+from p2ptrain.logs import short_id
 from p2ptrain.runtime.datafeed import DataFeed
-from p2ptrain.runtime.run_state import RunState
+from p2ptrain.runtime.run_state import Nudge, RunState
 from p2ptrain.training.records import RecordError, Status, Tally, attest
+from p2ptrain.training.trainer import StateSnapshot
 from p2ptrain.wire.messages import RoundPlan, SignedAttestation, SignedModelRecord
 
 logger = logging.getLogger(__name__)
+
+
+# The coordinator's record of a checkpoint waits for the one before it to settle (overlap mode: the
+# next span's checkpoint can be stored first); it looks again at each settlement, and this often
+# besides, since it also stops waiting when this member is no longer the plan's coordinator.
+SETTLE_CHECK_S = 0.5
+# Checkpoint CIDs kept for attesting: the one whose record may be pending and the one stored during
+# the next span (at most one checkpoint is unsettled: training.rounds).
+KEPT_CHECKPOINTS = 2
 
 
 class Attesting:
@@ -33,29 +44,61 @@ class Attesting:
         # This member's round totals (rounds, compute, sync, apply seconds, bytes sent) at its last
         # checkpoint: the coordinator's record reports the span's means from them.
         self._totals_before = (0, 0.0, 0.0, 0.0, 0)
+        self._settle_news = Nudge()  # a record was confirmed or rejected
 
-    async def checkpoint_stored(self, plan: RoundPlan, step: int, model_cid: str, optim_cid: str) -> None:
-        """Our state at the end of ``plan`` is stored: as its coordinator, evaluate and publish the
-        signed record; as a member, attest the record once it is here."""
+    def span_metrics(self, plan: RoundPlan) -> dict[str, float] | None:
+        """At the end of ``plan``'s span, before the next one: as the coordinator of its term, the
+        record's metrics known now (the last training loss, the span's round means; the evaluation
+        comes next, :meth:`evaluate`); None for the other members."""
         run = self.run
-        _, book = run.require()
-        self.checkpoint_cids = {step: (model_cid, optim_cid)}
-        if run.election.is_coordinator and plan.term == run.election.term:
-            try:
-                await self.data.fetch_test_split()
-                metrics = await trio.to_thread.run_sync(self.data.evaluate)
-            except ContentUnavailable as exc:
-                # Metrics are a report, not part of the model: publish without them rather than stall.
-                logger.warning("%s: cannot evaluate (test data unavailable: %s)", run.log_prefix, exc)
-                metrics = {}
-            metrics["train_loss"] = run.metrics.get("train_loss", math.nan)
-            metrics.update(self._span_means())
+        coordinator = run.election.is_coordinator and plan.term == run.election.term
+        metrics = {"train_loss": run.metrics.get("train_loss", math.nan), **self._span_means()}
+        self._totals_before = self._totals()
+        return metrics if coordinator else None
+
+    async def evaluate(self, metrics: dict[str, float], snapshot: StateSnapshot | None = None) -> None:
+        """Add the test split's loss and accuracy to ``metrics``: of the trainer's weights now, or
+        of ``snapshot``'s (overlap mode: the trainer is in the next span by then)."""
+        run = self.run
+        try:
+            await self.data.fetch_test_split()
+            metrics.update(await trio.to_thread.run_sync(self.data.evaluate, snapshot))
+        except ContentUnavailable as exc:
+            # Metrics are a report, not part of the model: publish without them rather than stall.
+            logger.warning("%s: cannot evaluate (test data unavailable: %s)", run.log_prefix, exc)
+
+    async def checkpoint_stored(
+        self, plan: RoundPlan, step: int, model_cid: str, optim_cid: str, metrics: dict[str, float] | None
+    ) -> None:
+        """Our state at the end of ``plan`` is stored: as its coordinator (``metrics`` from
+        :meth:`span_metrics` and :meth:`evaluate`), publish the signed record once the checkpoint
+        before it is settled; as a member, attest the record once it is here."""
+        run = self.run
+        self.checkpoint_cids[step] = (model_cid, optim_cid)
+        for old in sorted(self.checkpoint_cids)[:-KEPT_CHECKPOINTS]:
+            del self.checkpoint_cids[old]
+        if metrics is not None and await self._previous_settled(plan, step):
+            _, book = run.require()
             signed = book.checkpoint_record(plan, step, model_cid, optim_cid, metrics, run.node.key_pair)
             logger.info("%s: publishing model v%d %s (accuracy %s)", run.log_prefix, signed.record.version,
                         model_cid, _fmt(metrics.get("accuracy")))
             await run.broadcast(signed)  # our own copy comes back through on_record
-        self._totals_before = self._totals()
         await self._attest_if_ready()
+
+    async def _previous_settled(self, plan: RoundPlan, step: int) -> bool:
+        """Wait until the checkpoint before ``step`` is confirmed or rejected (its record is the new
+        one's parent); False when this member stopped being the coordinator of ``plan``'s term
+        meanwhile (its record would be refused). At once without overlapping checkpoints: the
+        barrier held the span until then."""
+        run = self.run
+        while run.election.is_coordinator and plan.term == run.election.term:
+            _, book = run.require()
+            if book.settled_step >= book.previous_checkpoint(step):
+                return True
+            await self._settle_news.wait(SETTLE_CHECK_S)
+        logger.info("%s: not publishing the checkpoint at step %d: no longer the coordinator of term %d",
+                    run.log_prefix, step, plan.term)
+        return False
 
     def _totals(self) -> tuple[int, float, float, float, int]:
         t = self.run.timings
@@ -82,7 +125,7 @@ class Attesting:
         except RecordError as exc:
             logger.warning("%s: refused model record: %s", run.log_prefix, exc)
             return
-        self._settled(status)
+        await self._settled(status)
         await self._attest_if_ready()
 
     async def _attest_if_ready(self) -> None:
@@ -96,20 +139,23 @@ class Attesting:
             return  # our round is still running; checkpoint_stored calls us again
         await run.broadcast(attest(record, cids[0], cids[1], run.node.key_pair))
 
-    def on_attestation(self, signed: SignedAttestation) -> None:
+    async def on_attestation(self, signed: SignedAttestation) -> None:
         try:
             status = self.run.attestations.add(signed)
         except RecordError as exc:
             logger.warning("%s: refused attestation: %s", self.run.log_prefix, exc)
             return
-        self._settled(status)
+        logger.debug("%s: attestation of v%d from %s: %s", self.run.log_prefix, signed.attestation.version,
+                     short_id(signed.attestation.attester), "early" if status is None else status.value)
+        await self._settled(status)
 
-    def expire(self, now: float) -> None:
+    async def expire(self, now: float) -> None:
         """A pending record short of a quorum of attestations by its deadline is rejected."""
-        self._settled(self.run.attestations.expire(now))
+        await self._settled(self.run.attestations.expire(now))
 
-    def _settled(self, status: Status | None) -> None:
-        """Act on what counting decided: append a confirmed record, open the barrier on a rejection."""
+    async def _settled(self, status: Status | None) -> None:
+        """Act on what counting decided: append a confirmed record, open the barrier on a rejection;
+        then take up the record kept for after it (overlap mode) and attest it."""
         run = self.run
         tally = run.attestations.tally
         if tally is None or run.book is None:
@@ -119,6 +165,19 @@ class Attesting:
         elif status is Status.REJECTED:
             run.book.rejected_step = tally.record.step
             run.wake_leader.set()
+        else:
+            return
+        self._settle_news.set()
+        if run.attestations.next is None or run.book is None:
+            return
+        try:
+            status = run.attestations.take_next(run.book.chain, run.election.coordinator, trio.current_time())
+        except RecordError as exc:
+            logger.warning("%s: refused the model record kept for after v%d: %s", run.log_prefix,
+                           tally.record.version, exc)
+            return
+        await self._settled(status)
+        await self._attest_if_ready()
 
     def _confirm(self, tally: Tally) -> None:
         run = self.run

@@ -12,7 +12,7 @@ import trio
 from p2ptrain.data.dataset import IPFSDataset
 from p2ptrain.ipfs.store import ContentUnavailable
 from p2ptrain.runtime.run_state import RunState
-from p2ptrain.training.trainer import batched, batches_forever
+from p2ptrain.training.trainer import StateSnapshot, batched, batches_forever
 
 logger = logging.getLogger(__name__)
 
@@ -58,13 +58,15 @@ class DataFeed:
         for ref in run.manifest.shards(run.task.dataset.test_split):
             await run.content.fetch(ref.cid)
 
-    def evaluate(self) -> dict[str, float]:
-        """Loss and accuracy of the current weights on the task's test split (coordinator only)."""
+    def evaluate(self, snapshot: StateSnapshot | None = None) -> dict[str, float]:
+        """Loss and accuracy of the current weights (or of ``snapshot``'s) on the task's test split
+        (coordinator only)."""
         run = self.run
         trainer, _ = run.require()
         split = run.task.dataset.test_split
         dataset = IPFSDataset(run.task.dataset.manifest, split=split, store=run.content.store, shuffle=False)
-        metrics = trainer.evaluate(batched(dataset, run.task.training.eval_batch_size))
+        batches = batched(dataset, run.task.training.eval_batch_size)
+        metrics = trainer.evaluate(batches) if snapshot is None else trainer.evaluate_snapshot(snapshot, batches)
         return {"accuracy": metrics.accuracy, "loss": metrics.loss}
 
     async def replicate(self) -> None:

@@ -67,6 +67,19 @@ class Leading:
             logger.info("%s: coordinator of term %d is %s", self.run.log_prefix, election.term, who)
             if election.is_coordinator and self.run.book is not None:
                 self.run.book.note_elected(now)
+                self._abandon_unrecorded()
+
+    def _abandon_unrecorded(self) -> None:
+        """Newly elected with no record pending: a checkpoint the previous coordinator stored but did
+        not record gets no record any more; counted as rejected so the barrier opens (overlap mode:
+        :meth:`~p2ptrain.training.rounds.RoundBook.abandon_unrecorded`)."""
+        run = self.run
+        if run.trainer is None or run.book is None or not run.synced or run.attestations.pending:
+            return
+        step = run.book.abandon_unrecorded(run.trainer.step)
+        if step is not None:
+            logger.warning("%s: the checkpoint at step %d has no record from the previous coordinator; "
+                           "going on from model v%d", run.log_prefix, step, run.book.chain.version)
 
     def view(self) -> View:
         """What this node sees of its peers, for the election."""
@@ -105,7 +118,7 @@ class Leading:
                 run.book.note_silent_coordinator(now, election.given_up)
             self._note_coordinator(before, now)
             run.note_waiting(self._peers_short(), now)
-            self.attesting.expire(now)
+            await self.attesting.expire(now)
             if election.is_coordinator and run.synced and run.book is not None:
                 await self._maybe_plan(now)
                 # Also at once when a checkpoint was confirmed: a member that the next plan lists

@@ -8,13 +8,15 @@ counted in outer steps; only the wait for the members to join a round is the tas
 ``outer.wait_s`` (:func:`round_start_timeout`). A newer plan (a retry, a new coordinator's
 plan) cancels the span that runs: a round still waiting on a dead or absent peer would otherwise
 hold this member until its start timeout. At the end of a span the model and optimizer state are
-stored by CID and handed to :class:`~p2ptrain.runtime.attesting.Attesting`.
+stored by CID and handed to :class:`~p2ptrain.runtime.attesting.Attesting`: before the next span,
+or with ``[training] overlap_checkpoints`` from a copy taken before it, while it trains
+(docs/training.md, "Overlapping checkpoints").
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import trio
@@ -28,7 +30,7 @@ from p2ptrain.runtime.run_state import RunState
 from p2ptrain.training.rounds import round_id, shard_of
 from p2ptrain.training.sync import PlanAverager, run_round
 from p2ptrain.training.task import Task
-from p2ptrain.training.trainer import Average, TrainerError
+from p2ptrain.training.trainer import Average, StateSnapshot, TrainerError
 from p2ptrain.wire.messages import RoundPlan
 
 logger = logging.getLogger(__name__)
@@ -62,7 +64,8 @@ class Spans:
         self._plans_send, self._plans_recv = trio.open_memory_channel[RoundPlan](PLAN_QUEUE)
         # Open while this member is in a span's rounds: a newer plan cancels it (see follow).
         self._scope: trio.CancelScope | None = None
-        self.running = False  # a span is under way (its rounds or its checkpoint)
+        self.running = False  # a span is under way (its rounds, or its checkpoint until it may overlap)
+        self._settling: trio.Nursery | None = None  # run_loop's, for checkpoints that settle meanwhile
 
     @property
     def in_rounds(self) -> bool:
@@ -85,18 +88,23 @@ class Spans:
             self._scope.cancel()
 
     async def run_loop(self) -> None:
-        async for plan in self._plans_recv:
-            while True:  # a newer plan supersedes queued older ones
+        # Checkpoints settling (stored, recorded, attested) while the next span trains (overlap
+        # mode): tasks of this nursery, cancelled with the run. At most two at once: the barrier
+        # plans no span while a checkpoint before the last one is unsettled (training.rounds).
+        async with trio.open_nursery() as settling:
+            self._settling = settling
+            async for plan in self._plans_recv:
+                while True:  # a newer plan supersedes queued older ones
+                    try:
+                        plan = self._plans_recv.receive_nowait()
+                    except trio.WouldBlock:
+                        break
+                self.running = True
                 try:
-                    plan = self._plans_recv.receive_nowait()
-                except trio.WouldBlock:
-                    break
-            self.running = True
-            try:
-                await self._run_span(plan)
-            finally:
-                self.running = False
-                self.run.wake_leader.set()
+                    await self._run_span(plan)
+                finally:
+                    self.running = False
+                    self.run.wake_leader.set()
 
     async def _run_span(self, plan: RoundPlan) -> None:
         """The plan's rounds back to back, then its checkpoint; a newer plan or a failure ends it."""
@@ -173,15 +181,50 @@ class Spans:
         return True
 
     async def _checkpoint(self, plan: RoundPlan) -> None:
-        """Store our weights and optimizer state by CID, for the span's record and our attestation."""
-        trainer, _ = self.run.require()
+        """Take this member's state at the end of ``plan`` and store it by CID for the span's record
+        (as coordinator, with its evaluation) and our attestation: before the next span in the
+        default mode; with ``overlap_checkpoints`` the next span starts once the state is copied
+        (:meth:`Trainer.snapshot`), and the evaluation, storing and the record happen meanwhile."""
+        run = self.run
+        trainer, _ = run.require()
+        step = trainer.step
+        metrics = self.attesting.span_metrics(plan)
+        if run.task.training.overlap_checkpoints and self._settling is not None:
+            # In a thread: copying a model and its optimizer state (205 MB at 17.1 M parameters with
+            # Adam) would stall this host's part in the others' traffic.
+            began = trio.current_time()
+            snapshot = await trio.to_thread.run_sync(trainer.snapshot)
+            logger.info("%s: checkpoint at step %d: state copied in %s; storing it while the next span trains",
+                        run.log_prefix, step, fmt_s(trio.current_time() - began))
+            self._settling.start_soon(self._settle, plan, snapshot, metrics)
+        else:
+            if metrics is not None:
+                await self.attesting.evaluate(metrics)
+            model_cid, optim_cid = await self._store(step, trainer.model_bytes, trainer.optimizer_bytes)
+            await self.attesting.checkpoint_stored(plan, step, model_cid, optim_cid, metrics)
+
+    async def _settle(self, plan: RoundPlan, snapshot: StateSnapshot, metrics: dict[str, float] | None) -> None:
+        """Overlap mode, in the round loop's nursery: evaluate the snapshot (coordinator), store it,
+        then the record and attestations (:meth:`Attesting.checkpoint_stored`)."""
+        if metrics is not None:
+            await self.attesting.evaluate(metrics, snapshot)
+        step = snapshot.step
+        model_cid, optim_cid = await self._store(step, snapshot.model_bytes, snapshot.optimizer_bytes)
+        del snapshot  # its tensors go now, not when its record settles
+        await self.attesting.checkpoint_stored(plan, step, model_cid, optim_cid, metrics)
+
+    async def _store(
+        self, step: int, model_bytes: Callable[[], bytes], optimizer_bytes: Callable[[], bytes]
+    ) -> tuple[str, str]:
+        """Serialize the state of ``step`` and add it to the store: its model and optimizer CIDs."""
+        began = trio.current_time()
         # In a thread: serializing a model and its optimizer state copies every tensor (60 ms at 4.3M
         # parameters with Adam), long enough to stall this host's part in the others' traffic.
-        model_data, optim_data = await trio.to_thread.run_sync(
-            lambda: (trainer.model_bytes(), trainer.optimizer_bytes())
-        )
+        model_data, optim_data = await trio.to_thread.run_sync(lambda: (model_bytes(), optimizer_bytes()))
+        serialized = trio.current_time()
         store = self.run.content.store
         model_cid = await trio.to_thread.run_sync(store.add_bytes, model_data)
         optim_cid = await trio.to_thread.run_sync(store.add_bytes, optim_data)
-        await self.attesting.checkpoint_stored(plan, trainer.step, model_cid, optim_cid)
-
+        logger.info("%s: checkpoint at step %d: serialized in %s, stored in %s", self.run.log_prefix, step,
+                    fmt_s(serialized - began), fmt_s(trio.current_time() - serialized))
+        return model_cid, optim_cid

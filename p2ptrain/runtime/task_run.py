@@ -233,7 +233,7 @@ class TaskRun:
         elif isinstance(msg, SignedModelRecord):
             await self.attesting.on_record(msg)
         elif isinstance(msg, SignedAttestation):
-            self.attesting.on_attestation(msg)
+            await self.attesting.on_attestation(msg)
         elif isinstance(msg, TaskHead):
             self.resync.on_head(sender, msg)
             self._head_news.set()

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 
 from p2ptrain.logs import short_id
-from p2ptrain.training.records import Chain, RecordError, Status, Tally
+from p2ptrain.training.records import Chain, RecordError, Status, Tally, verify_record
 from p2ptrain.wire.messages import ModelRecord, SignedAttestation, SignedModelRecord
 
 log = logging.getLogger(__name__)
@@ -38,6 +38,10 @@ class Attestations:
 
     def __init__(self) -> None:
         self.tally: Tally | None = None
+        # With overlapping checkpoints the coordinator publishes the next record as soon as the
+        # pending one settles on its side, which can be before it does here: the record that extends
+        # the pending one is kept (one, the latest) and taken up when that one settles (take_next).
+        self.next: SignedModelRecord | None = None
         self.started = 0.0  # when self.tally was taken up
         self._early: dict[str, list[SignedAttestation]] = {}  # record id -> attestations for it
         self.dropped_early = 0  # early attestations over the bounds, not kept
@@ -56,6 +60,9 @@ class Attestations:
         Raises :class:`RecordError` (one line, the reason) when it is refused: it does not extend
         ``chain``, is not signed by ``coordinator`` (when we know one), or another record is pending.
         """
+        if self.pending and self._extends_pending(signed, coordinator):
+            self.next = signed
+            return None
         record = chain.check(signed)
         tally = Tally(signed)
         if coordinator is not None and record.coordinator != coordinator:
@@ -73,6 +80,26 @@ class Attestations:
             except RecordError as exc:
                 log.warning("task %s: refused attestation: %s", record.task_cid[:12], exc)
         return tally.status
+
+    def _extends_pending(self, signed: SignedModelRecord, coordinator: str | None) -> bool:
+        """Whether ``signed`` is the record after the pending one (its child, the next version),
+        signed by ``coordinator``: checked in full against the chain when it is taken up."""
+        assert self.tally is not None
+        pending, record = self.tally.record, signed.record
+        if (record.version, record.parent) != (pending.version + 1, pending.model_cid):
+            return False
+        if coordinator is None or record.coordinator != coordinator:
+            return False
+        verify_record(signed)  # a forged one must not take the slot of the coordinator's
+        return True
+
+    def take_next(self, chain: Chain, coordinator: str | None, now: float) -> Status | None:
+        """Once the pending record settled: take up the record kept for after it (:meth:`offer_record`,
+        so :class:`RecordError` when it does not extend ``chain``: its parent was rejected)."""
+        signed, self.next = self.next, None
+        if signed is None or self.pending:
+            return None
+        return self.offer_record(signed, chain, coordinator, now)
 
     def add(self, signed: SignedAttestation) -> Status | None:
         """Count one attestation: the tally's status, or None when its record has not come (kept
@@ -100,8 +127,9 @@ class Attestations:
         return tally.record
 
     def clear(self) -> None:
-        """Forget the pending record (a resync loaded a chain past it)."""
+        """Forget the pending record and the one kept for after it (a resync loaded a chain past them)."""
         self.tally = None
+        self.next = None
 
     def _keep_early(self, signed: SignedAttestation) -> None:
         record_id = signed.attestation.record_id

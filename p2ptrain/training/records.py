@@ -80,10 +80,15 @@ def model_bytes(module: nn.Module, card: Mapping[str, Any] | None = None) -> byt
     ``card`` (the registry name and kwargs of the architecture) is stored as the one metadata value,
     in canonical JSON, so that a model CID alone tells :func:`p2ptrain.load_model` what to build.
     """
+    return state_bytes(module.state_dict(), card)
+
+
+def state_bytes(tensors: Mapping[str, torch.Tensor], card: Mapping[str, Any] | None = None) -> bytes:
+    """:func:`model_bytes` of a state dict (or a copy of one): the same bytes for the same tensors."""
     if card is None:
-        return tensors_bytes(module.state_dict())
+        return tensors_bytes(tensors)
     value = boundedjson.canonical(dict(card)).decode("ascii")
-    return tensors_bytes(module.state_dict(), metadata={MODEL_CARD_KEY: value})
+    return tensors_bytes(tensors, metadata={MODEL_CARD_KEY: value})
 
 
 def read_model_card(data: bytes) -> dict[str, Any] | None:

@@ -19,6 +19,18 @@ Rules, and why:
 - A span ends with a checkpoint: the coordinator publishes a record and waits for its confirmation
   (or rejection) before the next plan (a barrier), so members still hold the checkpointed state when
   they attest.
+- With ``[training] overlap_checkpoints = true`` the barrier moves one span later: every member
+  takes its checkpoint's bytes (and the coordinator its evaluation) before the next span starts,
+  and storing, the record, the attestations and the confirmation go on while the next span trains.
+  At most one checkpoint is unsettled: the span after a checkpoint's span is not planned before it
+  is confirmed or rejected (:meth:`RoundBook.settled_step`). While peers wait to join (and there is
+  room) the coordinator keeps the barrier of a checkpoint, since joiners are admitted only at a
+  confirmed head. A plan made while its start's checkpoint is unsettled names the latest confirmed
+  model as its ``base_cid``/``version``: its ``step`` is then one span past that record's.
+  A checkpoint that a coordinator of an earlier term stored but never recorded (it died first)
+  gets no record any more (records come from the coordinator only): a new coordinator with no
+  record pending counts it as rejected (:meth:`RoundBook.abandon_unrecorded`), or the barrier one
+  span later would never open.
 - When a member's all-reduce fails (a peer died) it stops and sends ``round_failed``; the
   coordinator answers with a retry plan: the failed round, next attempt, its start step, the live
   members. A member that already applied that round's step rolls it back (:meth:`Trainer.align`):
@@ -182,6 +194,41 @@ class RoundBook:
     def head_step(self) -> int:
         """The step of the latest confirmed model (0 for the initial model)."""
         return self.chain.records[-1].record.step if self.chain.records else 0
+
+    @property
+    def overlap(self) -> bool:
+        """Whether checkpoints settle while the next span trains (the task's ``overlap_checkpoints``)."""
+        return bool(self.task.training.overlap_checkpoints)
+
+    @property
+    def settled_step(self) -> int:
+        """The step of the latest checkpoint that is settled: confirmed (the chain's head) or rejected."""
+        return max(self.head_step, self.rejected_step or 0)
+
+    def previous_checkpoint(self, step: int) -> int:
+        """The step of the last checkpoint before ``step`` (0, the initial model, for none): every
+        ``checkpoint_interval`` steps (:func:`is_checkpoint`; a round ``r`` ends at step ``r + 1``)."""
+        interval = self.task.training.checkpoint_interval
+        return max(0, (step - 1) // interval * interval)
+
+    def unsettled(self, my_step: int) -> int | None:
+        """The step of this member's checkpoint that is neither confirmed nor rejected, or None: at
+        ``my_step`` when a span just ended there, else the last one before it (overlap mode)."""
+        at_checkpoint = my_step >= self.total_steps or my_step % self.task.training.checkpoint_interval == 0
+        if my_step > self.settled_step and at_checkpoint:
+            return my_step
+        previous = self.previous_checkpoint(my_step)
+        return previous if previous > self.settled_step else None
+
+    def abandon_unrecorded(self, my_step: int) -> int | None:
+        """As a newly elected coordinator with no record pending (overlap mode): the checkpoint an
+        earlier coordinator stored but did not record never gets a record (records are taken from
+        the coordinator only), so it counts as rejected: the barrier opens and training goes on
+        from the latest confirmed model. Returns its step, or None when there is none."""
+        step = self.unsettled(my_step) if self.overlap else None
+        if step is not None:
+            self.rejected_step = step
+        return step
 
     def end_of_run(self, me: str, trainer_step: int) -> str | None:
         """Whether the confirmed chain ends the run for this member: None while its last record is
@@ -352,7 +399,7 @@ class RoundBook:
             step = last.step + (self.failed_round - last.round)
         elif my_step == last.step + last.rounds:
             start_round, attempt, step, previous = last.round + last.rounds, last.attempt, my_step, last.members
-            if my_step not in (self.head_step, self.rejected_step):
+            if my_step not in (self.head_step, self.rejected_step) and not self._may_overlap(last, my_step, live):
                 return None  # barrier: the span's checkpoint is not confirmed (or rejected) yet
         elif last.term != election.term and last.step <= my_step < last.step + last.rounds:
             # Taking over a span the old coordinator did not finish: step back one round when we
@@ -372,6 +419,16 @@ class RoundBook:
             rounds=span_length(self.task, start_round, self.total_steps), members=members,
             base_cid=self.chain.head_cid, version=self.chain.version,
         )
+
+    def _may_overlap(self, last: RoundPlan, my_step: int, live: Collection[str]) -> bool:
+        """Whether the span after ``last`` (ended at ``my_step``, its checkpoint unsettled) may be
+        planned now: in overlap mode, once the checkpoint before it is settled (at most one unsettled)
+        and while no peer waits to join a span with room for it (joiners need a confirmed head)."""
+        if not self.overlap or self.settled_step < self.previous_checkpoint(my_step):
+            return False
+        kept = [p for p in last.members if p in live]
+        waiting = [p for p in live if p not in last.members]
+        return not (waiting and len(kept) < self.task.peers.max)
 
     def plan_problem(self, plan: RoundPlan, sender: str, election: Election) -> str | None:
         """Why a member should not follow ``plan``, or None. Records it as the last plan when followed.

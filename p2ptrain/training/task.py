@@ -111,6 +111,9 @@ class TrainingSpec:
     eval_batch_size: int = 256
     mode: str | None = None  # None: "sync"
     inner_steps: int | None = None  # local_sgd only
+    # True: a span's checkpoint is stored, recorded and attested while the next span trains
+    # (training.rounds); None (stored as no field, like ``mode``): the next span waits for it.
+    overlap_checkpoints: bool | None = None
 
     @property
     def local_sgd(self) -> bool:
@@ -277,7 +280,7 @@ def parse_task(data: dict[str, Any]) -> Task:
 
     t = fields.table(data, "training", "", True)
     fields.only(t, {"batch_size", "sync_interval", "total_steps", "epochs", "checkpoint_interval",
-              "eval_batch_size", "mode", "inner_steps"}, "training.")
+              "eval_batch_size", "mode", "inner_steps", "overlap_checkpoints"}, "training.")
     mode = fields.choice(t, "mode", "training.", MODES, "sync")
     if mode == "local_sgd":
         inner_steps = fields.integer(t, "inner_steps", "training.", ..., 1, 10000)
@@ -294,6 +297,7 @@ def parse_task(data: dict[str, Any]) -> Task:
         eval_batch_size=fields.integer(t, "eval_batch_size", "training.", 256, 1, 65536),
         mode="local_sgd" if mode == "local_sgd" else None,
         inner_steps=inner_steps,
+        overlap_checkpoints=fields.boolean(t, "overlap_checkpoints", "training.", False) or None,
     )
     outer = _outer(data, training)
     if (training.total_steps is None) == (training.epochs is None):

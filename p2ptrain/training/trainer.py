@@ -32,7 +32,9 @@ from torch import nn
 
 from p2ptrain.tensors import all_finite
 from p2ptrain.training.models import build_model
-from p2ptrain.training.records import RecordError, load_model_bytes, model_bytes, read_tensors, tensors_bytes
+from p2ptrain.training.records import (
+    RecordError, load_model_bytes, model_bytes, read_tensors, state_bytes, tensors_bytes,
+)
 from p2ptrain.training.task import Task
 
 log = logging.getLogger(__name__)
@@ -187,6 +189,25 @@ def evaluate_batches(
     if count == 0:
         raise TrainerError("evaluation data is empty")
     return Metrics(loss=loss_sum / count, accuracy=hits / count, samples=count)
+
+
+@dataclass(frozen=True)
+class StateSnapshot:
+    """A member's state at one step, as tensor copies (:meth:`Trainer.snapshot`)."""
+
+    step: int
+    model: dict[str, torch.Tensor]
+    optimizer: dict[str, torch.Tensor]
+    card: dict[str, Any]
+    module: nn.Module  # the architecture on the meta device, for :meth:`Trainer.evaluate_snapshot`
+
+    def model_bytes(self) -> bytes:
+        """What :meth:`Trainer.model_bytes` gave at :attr:`step`."""
+        return state_bytes(self.model, self.card)
+
+    def optimizer_bytes(self) -> bytes:
+        """What :meth:`Trainer.optimizer_bytes` gave at :attr:`step`."""
+        return tensors_bytes(self.optimizer)
 
 
 class Trainer:
@@ -377,6 +398,14 @@ class Trainer:
         """Mean loss and accuracy over ``batches`` (e.g. ``batched(test_dataset, eval_batch_size)``)."""
         return evaluate_batches(self.model, batches, self.device, self._autocast)
 
+    def evaluate_snapshot(self, snapshot: StateSnapshot, batches: Iterable[Batch]) -> Metrics:
+        """:meth:`evaluate` of the weights in ``snapshot``, while this trainer's own module may be
+        in a later step: the snapshot's module (built on the meta device) takes its tensors
+        themselves (no copy on CPU)."""
+        module = snapshot.module
+        module.load_state_dict(snapshot.model, strict=True, assign=True)
+        return evaluate_batches(module.to(self.device), batches, self.device, self._autocast)
+
     # --- state as bytes -----------------------------------------------------------------------
 
     def model_tensors(self) -> dict[str, torch.Tensor]:
@@ -397,11 +426,25 @@ class Trainer:
 
     def model_bytes(self) -> bytes:
         """Deterministic safetensors of the weights (with the architecture's card): the bytes a model CID names."""
-        return model_bytes(self.model, {"name": self.task.model.name, "kwargs": self.task.model.kwargs})
+        return model_bytes(self.model, self._card())
 
     def optimizer_bytes(self) -> bytes:
         """Deterministic safetensors of the optimizer state and step: what a late joiner resumes from."""
         return tensors_bytes(self.optimizer_tensors())
+
+    def snapshot(self) -> StateSnapshot:
+        """Copies of the weights and the optimizer state now, to serialize later (off the training's
+        path, while the next span changes the originals): one copy of each tensor, where
+        :meth:`model_bytes` and :meth:`optimizer_bytes` make two of the optimizer's and the
+        serialization's own work. Its bytes are the ones those give at this step."""
+        # The module to evaluate it with, on the meta device: no memory, no initialisation, and
+        # built now, while this trainer is idle (build_model seeds torch's global generator).
+        with torch.device("meta"):
+            module = build_model(self.task.model.name, self.task.model.kwargs, self.task.seed)
+        return StateSnapshot(self.step, self.model_tensors(), self.optimizer_tensors(), self._card(), module)
+
+    def _card(self) -> dict[str, Any]:
+        return {"name": self.task.model.name, "kwargs": self.task.model.kwargs}
 
     def state_limits(self) -> tuple[int, int]:
         """The most bytes an honest (model, optimizer) checkpoint of this architecture can take:

@@ -125,3 +125,38 @@ def test_whose_attestation_is_due():
     assert att.due(PEERS[1]) is None  # attested
     att.clear()
     assert att.due(PEERS[2]) is None and not att.pending
+
+
+def test_the_record_after_the_pending_one_is_kept_and_taken_up_once_it_settles():
+    """Overlapping checkpoints: the coordinator publishes v2 once v1 is confirmed on its side, which
+    can be before this member counted v1's last attestation. v2 is kept (not refused) and taken up
+    then, with the attestations that came early; a forged or unrelated v2 does not take its place."""
+    chain, att = Chain(TASK, INITIAL), Attestations()
+    v1 = signed_record()
+    assert att.offer_record(v1, chain, PEERS[0], 0.0) is Status.PENDING
+    v2 = signed_record(version=2, parent="Qmmodel", model_cid="Qmmodel2")
+    early = attestations_for(v2, model_cid="Qmmodel2")
+    assert att.add(early[0]) is None  # before its record: kept
+    assert att.offer_record(v2, chain, PEERS[0], 1.0) is None and att.next == v2
+    with pytest.raises(RecordError):  # signed by another key: refused, the kept one stays
+        att.offer_record(signed_record(version=2, parent="Qmmodel", key=KEYS[1]), chain, PEERS[0], 1.5)
+    with pytest.raises(RecordError, match="gap"):  # not v1's child: checked against the chain
+        att.offer_record(signed_record(version=2, parent="Qmelse"), chain, PEERS[0], 1.5)
+    assert att.next == v2
+    for a in attestations_for(v1)[:2]:
+        status = att.add(a)
+    assert status is Status.CONFIRMED
+    chain.append(v1)
+    assert att.take_next(chain, PEERS[0], 2.0) is Status.PENDING and att.tally.record == v2.record
+    assert att.next is None and att.due(PEERS[1]) == v2.record
+    assert att.add(early[1]) is Status.CONFIRMED  # the early one counted with this one
+
+
+def test_the_record_kept_for_after_a_rejected_one_is_refused_when_taken_up():
+    chain, att = Chain(TASK, INITIAL), Attestations()
+    att.offer_record(signed_record(), chain, PEERS[0], 0.0)
+    att.offer_record(signed_record(version=2, parent="Qmmodel", model_cid="Qmmodel2"), chain, PEERS[0], 1.0)
+    assert att.expire(ATTEST_TIMEOUT_S + 1) is Status.REJECTED
+    with pytest.raises(RecordError, match="gap"):  # its parent never joined the chain
+        att.take_next(chain, PEERS[0], ATTEST_TIMEOUT_S + 1)
+    assert att.next is None and not att.pending

@@ -55,10 +55,10 @@ class Member:
 
 
 class Swarm:
-    def __init__(self, tmp_path, digits, digits_task, steps):
+    def __init__(self, tmp_path, digits, digits_task, steps, **extra):
         self.tmp_path = tmp_path
         self.source, cid = digits
-        self.task = digits_task(cid, steps=steps, **{"training.checkpoint_interval": "4"})
+        self.task = digits_task(cid, steps=steps, **{"training.checkpoint_interval": "4", **extra})
         self.task_cid = self.source.add_bytes(task_bytes(self.task))
         self.initial_cid = self.source.add_bytes(Trainer(self.task, device="cpu").model_bytes())
         self.members: dict[str, Member] = {}
@@ -388,3 +388,125 @@ def test_a_retry_need_not_wait_once_every_member_but_the_culprits_reported(tmp_p
     stale = RoundFailed(**{**report.__dict__, "attempt": plan.attempt + 1})
     assert not c.book.report_failure(stale, dead)  # another attempt's report does not count
     assert not c.book.all_reported([])
+
+
+# -- overlapping checkpoints ([training] overlap_checkpoints = true): the barrier one span later --------
+
+
+def _overlap_swarm(tmp_path, digits, digits_task, names="abc", **extra):
+    swarm = Swarm(tmp_path, digits, digits_task, steps=16, **{"training.overlap_checkpoints": "true", **extra})
+    for name in names:
+        swarm.add(name)
+    return swarm, swarm.elect()
+
+
+def _plan_and_follow(c, step, live, can_roll_back=False):
+    """The coordinator's next plan at optimizer step ``step`` (None: it waits), followed."""
+    plan = c.book.next_plan(c.election, step, live, can_roll_back)
+    if plan is not None:
+        assert c.book.plan_problem(plan, c.id, c.election) is None
+    return plan
+
+
+def _confirm(c, plan, step):
+    """The checkpoint at ``step`` confirmed: its record appended to the coordinator's chain."""
+    signed = c.book.checkpoint_record(plan, step, f"Qmmodel{step}", f"Qmoptim{step}", {}, c.key)
+    c.book.chain.append(signed)
+    return signed
+
+
+def test_overlap_plans_the_next_span_before_the_checkpoint_settles_and_at_most_one_is_unsettled(tmp_path, digits, digits_task):
+    swarm, c = _overlap_swarm(tmp_path, digits, digits_task)
+    live = swarm.live()
+    first = _plan_and_follow(c, 0, live)
+    assert (first.step, first.rounds) == (0, 4)
+    # Span 1 ended at step 4, its checkpoint unsettled: span 2 is planned at once, from the latest
+    # confirmed model (the initial one), one span past it.
+    second = _plan_and_follow(c, 4, live)
+    assert (second.round, second.step, second.rounds) == (4, 4, 4)
+    assert (second.base_cid, second.version) == (swarm.initial_cid, 0)
+    assert c.book.unsettled(4) == 4 and c.book.unsettled(6) == 4
+    # Span 2 ended at step 8 with the checkpoint at 4 still unsettled: no third span (one pending).
+    assert c.book.next_plan(c.election, 8, live) is None
+    _confirm(c, first, 4)
+    assert c.book.unsettled(8) == 8
+    third = _plan_and_follow(c, 8, live)
+    assert (third.step, third.base_cid, third.version) == (8, "Qmmodel4", 1)
+    # The last span's checkpoint settles like any other: the run ends only at a confirmed record.
+    assert c.book.next_plan(c.election, 12, live) is None
+    _confirm(c, second, 8)
+    last = _plan_and_follow(c, 12, live)
+    assert last.step + last.rounds == 16
+    assert c.book.next_plan(c.election, 16, live) is None  # nothing after the last step
+    assert c.book.end_of_run(c.id, 16) is None  # not over before the last record is confirmed
+
+
+def test_overlap_keeps_the_barrier_while_a_peer_waits_to_join_and_admits_it_at_the_confirmed_head(tmp_path, digits, digits_task):
+    swarm, c = _overlap_swarm(tmp_path, digits, digits_task)
+    first = _plan_and_follow(c, 0, swarm.live())
+    joiner = swarm.add("d")
+    live = swarm.live()
+    assert c.book.next_plan(c.election, 4, live) is None  # a joiner waits: keep today's barrier
+    _confirm(c, first, 4)
+    second = _plan_and_follow(c, 4, live)
+    assert joiner.id in second.members and (second.base_cid, second.version) == ("Qmmodel4", 1)
+
+
+def test_overlap_goes_on_past_a_peer_that_cannot_be_admitted(tmp_path, digits, digits_task):
+    swarm, c = _overlap_swarm(tmp_path, digits, digits_task, **{"peers.max": "3"})
+    _plan_and_follow(c, 0, swarm.live())
+    extra = swarm.add("d")
+    second = _plan_and_follow(c, 4, swarm.live())  # no room for it: nobody waits for a confirmed head
+    assert second is not None and extra.id not in second.members
+
+
+def test_overlap_a_rejected_checkpoint_opens_the_barrier_and_training_goes_on(tmp_path, digits, digits_task):
+    swarm, c = _overlap_swarm(tmp_path, digits, digits_task)
+    live = swarm.live()
+    _plan_and_follow(c, 0, live)
+    second = _plan_and_follow(c, 4, live)
+    assert c.book.next_plan(c.election, 8, live) is None
+    c.book.rejected_step = 4  # its record found no quorum
+    third = _plan_and_follow(c, 8, live)
+    assert (third.step, third.base_cid, third.version) == (8, swarm.initial_cid, 0)
+    # The next record extends the chain from its confirmed head (the initial model), as version 1.
+    signed = _confirm(c, second, 8)
+    assert (signed.record.version, signed.record.parent, signed.record.step) == (1, swarm.initial_cid, 8)
+
+
+@pytest.mark.parametrize("died_at", [4, 6])
+def test_overlap_a_new_coordinator_abandons_a_checkpoint_its_predecessor_never_recorded(tmp_path, digits, digits_task, died_at):
+    """The coordinator dies with the checkpoint at step 4 stored but unrecorded: right after span 1
+    (``died_at`` 4, before it planned span 2) or inside span 2 (6). Records come from the
+    coordinator only, so none will come: the new one counts it as rejected and the run goes on."""
+    swarm, old = _overlap_swarm(tmp_path, digits, digits_task, names="abcd")
+    first = _plan_and_follow(old, 0, swarm.live())
+    survivors = [m for m in swarm.members.values() if m is not old]
+    for m in survivors:
+        assert m.book.plan_problem(first, old.id, m.election) is None
+    if died_at == 6:
+        second = _plan_and_follow(old, 4, swarm.live())
+        for m in survivors:
+            assert m.book.plan_problem(second, old.id, m.election) is None
+    del swarm.members[old.id]
+    new = swarm.elect()
+    assert new is not old and new.election.term > first.term
+    live = swarm.live()
+    assert new.book.abandon_unrecorded(died_at) == 4 and new.book.settled_step == 4  # as elected
+    retry = _plan_and_follow(new, died_at, live, can_roll_back=died_at == 6)
+    assert retry.term == new.election.term and old.id not in retry.members
+    assert (retry.base_cid, retry.version) == (swarm.initial_cid, 0)
+    assert retry.step == (4 if died_at == 4 else 5)  # inside a span it steps back one round
+    # The barrier one span later opens (without the abandonment it waited for step 4 forever).
+    nxt = _plan_and_follow(new, 8, live)
+    assert nxt is not None and (nxt.step, nxt.version) == (8, 0)
+
+
+def test_without_overlap_nothing_is_abandoned_and_the_barrier_stays_at_the_span_end(tmp_path, digits, digits_task):
+    swarm = Swarm(tmp_path, digits, digits_task, steps=16)
+    for name in "abc":
+        swarm.add(name)
+    c = swarm.elect()
+    _plan_and_follow(c, 0, swarm.live())
+    assert c.book.next_plan(c.election, 4, swarm.live()) is None
+    assert c.book.abandon_unrecorded(4) is None and c.book.next_plan(c.election, 4, swarm.live()) is None

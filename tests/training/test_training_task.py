@@ -184,3 +184,14 @@ def test_deep_nesting_is_a_task_error_in_toml_and_in_bytes_by_cid():
 def test_an_integer_too_long_for_python_to_read_is_a_task_error():
     with pytest.raises(TaskError, match="not valid TOML"):
         load_task(BASE.replace("lr = 0.1", "lr = " + "1" * 5000))  # was ValueError from int()
+
+
+def test_overlap_checkpoints_is_opt_in_and_leaves_other_tasks_bytes_unchanged():
+    plain = load_task(BASE)
+    assert plain.training.overlap_checkpoints is None and b"overlap" not in task_bytes(plain)
+    assert task_bytes(load_task(with_("training", "overlap_checkpoints = false"))) == task_bytes(plain)
+    on = load_task(with_("training", "overlap_checkpoints = true"))
+    assert on.training.overlap_checkpoints is True and b'"overlap_checkpoints":true' in task_bytes(on)
+    assert task_from_bytes(task_bytes(on)) == on
+    with pytest.raises(TaskError, match="^training.overlap_checkpoints: must be true or false"):
+        load_task(with_("training", 'overlap_checkpoints = "yes"'))

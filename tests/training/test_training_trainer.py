@@ -211,3 +211,21 @@ def test_state_limits_hold_an_honest_checkpoint(digits, digits_task):
         assert len(t.model_bytes()) <= max_model and len(t.optimizer_bytes()) <= max_optim
         # ...and are no more than the tensors' bytes plus header allowance (not the 8 GiB default).
         assert max_model < 4 * len(t.model_bytes()) + 128 * 1024
+
+
+def test_a_snapshot_keeps_the_bytes_and_the_evaluation_of_its_step_while_the_trainer_moves_on(digits, digits_task):
+    """Overlapping checkpoints serialize and evaluate a snapshot while the next span trains."""
+    store, cid = digits
+    task = digits_task(cid, steps=20, **{"optimizer.name": '"adam"'})
+    trainer = Trainer(task, device="cpu")
+    data = member_data(store, cid, 0, 1)
+    trainer.apply(trainer.compute_gradient(data))
+    snapshot = trainer.snapshot()
+    model, optim = trainer.model_bytes(), trainer.optimizer_bytes()
+    test = list(batched(IPFSDataset(cid, "test", store=store, shuffle=False), 256))
+    before = trainer.evaluate(test)
+    for _ in range(3):
+        trainer.apply(trainer.compute_gradient(data))
+    assert trainer.model_bytes() != model and trainer.evaluate(test) != before
+    assert snapshot.step == 1 and snapshot.model_bytes() == model and snapshot.optimizer_bytes() == optim
+    assert trainer.evaluate_snapshot(snapshot, test) == before
