@@ -26,9 +26,10 @@ from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 
 from p2ptrain.data.dataset import IPFSDataset  # noqa: E402
 from p2ptrain.ipfs.embedded import EmbeddedStore  # noqa: E402
+from p2ptrain.training.batches import batched, batches_forever, evaluate_batches, loss_and_hits  # noqa: E402
+from p2ptrain.training.optimizers import lr_at  # noqa: E402
 from p2ptrain.training.task import load_task  # noqa: E402
-from p2ptrain.training.trainer import (Trainer, batched, batches_forever, evaluate_batches,  # noqa: E402
-                                       loss_and_hits, lr_at)
+from p2ptrain.training.trainer import Trainer  # noqa: E402
 
 
 def main(argv: list[str]) -> None:

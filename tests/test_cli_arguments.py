@@ -33,6 +33,15 @@ def test_a_malformed_cid_is_a_usage_error_naming_the_argument(tmp_path, args):
     assert not (tmp_path / "home").exists()  # refused before anything was created
 
 
+def test_node_start_refuses_a_device_it_cannot_train_on_before_anything_starts(tmp_path, capsys):
+    """A typo in --device was torch's RuntimeError inside the first task run, long after the start."""
+    from p2ptrain.cli.main import main
+
+    assert main(["node", "start", "--home", str(tmp_path / "home"), "--device", "gpu"]) == 1
+    assert capsys.readouterr().err.strip() == "p2ptrain: error: --device 'gpu': use auto, cpu, cuda or cuda:N"
+    assert not (tmp_path / "home").exists()
+
+
 def test_model_eval_names_a_model_that_is_neither_a_file_nor_a_cid(tmp_path):
     result = subprocess.run([P2PTRAIN, "model", "eval", "QmNotACid", "--dataset", GOOD, "--home",
                              str(tmp_path / "home")], capture_output=True, timeout=60, cwd=tmp_path)

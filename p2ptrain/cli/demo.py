@@ -274,8 +274,8 @@ def _fetch_and_evaluate(home: Path, model_cid: str, manifest_cid: str, bootstrap
     from p2ptrain.cli.model import ensure_local, split_shards
     from p2ptrain.data.dataset import IPFSDataset
     from p2ptrain.ipfs.embedded import EmbeddedStore
+    from p2ptrain.training.batches import batched, evaluate_batches
     from p2ptrain.training.loading import load_model
-    from p2ptrain.training.trainer import batched, evaluate_batches
 
     home.mkdir(mode=0o700)
     ensure_local(home, [model_cid, manifest_cid], bootstrap,

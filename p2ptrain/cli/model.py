@@ -221,8 +221,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     home = _home(args)
     from p2ptrain.data.dataset import IPFSDataset
     from p2ptrain.ipfs.store import open_store
+    from p2ptrain.training.batches import batched, evaluate_batches
     from p2ptrain.training.loading import load_model
-    from p2ptrain.training.trainer import batched, evaluate_batches
 
     is_file = Path(args.model).exists()
     if not is_file:

@@ -12,6 +12,7 @@ from typing import Any
 
 from p2ptrain.cli.ipfs import cid_arg
 from p2ptrain.cli.config import add_setting_flags, home_help, resolve, values
+from p2ptrain.errors import UserError
 from p2ptrain.logs import formatter
 from p2ptrain.net import control_ops
 
@@ -122,6 +123,7 @@ def cmd_start(args: argparse.Namespace) -> int:
         source = next(s.source for s in resolved if s.name == "metrics").split()[-1]
         what = source if source.startswith("--") else f"${source}"
         metrics_at = parse_address(settings["metrics"], what)  # a typo is one line, before anything starts
+    _check_device(args.device)
     node = Node(
         settings["home"],
         listen=settings["listen"],
@@ -210,3 +212,13 @@ def _render(s: dict[str, Any]) -> str:
         lines.append("dropped messages: " + ", ".join(f"{k} {v}" for k, v in sorted(dropped.items())))
     return "\n".join(lines)
 
+
+def _check_device(device: str) -> None:
+    """``--device`` as the trainer will resolve it, now: a typo or a missing GPU is one line at
+    start, not a failed task run later."""
+    from p2ptrain.training.trainer import TrainerError, resolve_device
+
+    try:
+        resolve_device(device)
+    except TrainerError as exc:
+        raise UserError(f"--{exc}") from None

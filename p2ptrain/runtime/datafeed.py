@@ -12,7 +12,8 @@ import trio
 from p2ptrain.data.dataset import IPFSDataset
 from p2ptrain.ipfs.store import ContentUnavailable
 from p2ptrain.runtime.run_state import RunState
-from p2ptrain.training.trainer import StateSnapshot, batched, batches_forever
+from p2ptrain.training.batches import batched, batches_forever
+from p2ptrain.training.trainer import StateSnapshot
 
 logger = logging.getLogger(__name__)
 

@@ -32,6 +32,8 @@ from p2ptrain.serve.batcher import Batcher, Loaded
 from p2ptrain.serve.limits import MAX_CONNECTIONS, MAX_CONNECTIONS_LIMIT
 from p2ptrain.serve.spec import spec_for
 from p2ptrain.training.records import MAX_CHAIN_BYTES, RecordError, quorum, read_model_card, record_from_bytes
+from p2ptrain.training.trainer import TrainerError
+from p2ptrain.training.trainer import resolve_device as training_device
 
 if TYPE_CHECKING:
     from p2ptrain.serve.connections import CappedListener
@@ -59,15 +61,10 @@ MAX_CHAINS_SCANNED = 256
 
 def resolve_device(device: str) -> torch.device:
     """``auto`` (CUDA if available, else CPU), ``cpu``, ``cuda`` or ``cuda:N``; UserError otherwise."""
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
-        dev = torch.device(device)
-    except RuntimeError:
-        raise UserError(f"--device {device!r}: use auto, cpu, cuda or cuda:N") from None
-    if dev.type not in ("cpu", "cuda") or (dev.type == "cuda" and not torch.cuda.is_available()):
-        raise UserError(f"--device {device!r}: not available here (use auto, cpu, cuda or cuda:N)")
-    return dev
+        return training_device(device)
+    except TrainerError as exc:
+        raise UserError(f"--{exc}") from None  # "--device 'mps': ..."
 
 
 def load_served(store: ContentStore, cid: str, device: torch.device, home: Path | None = None) -> Loaded:

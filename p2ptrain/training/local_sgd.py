@@ -33,10 +33,12 @@ from typing import Any
 import torch
 
 from p2ptrain.tensors import all_finite
+from p2ptrain.training.batches import Batch
+from p2ptrain.training.optimizers import lr_at
 from p2ptrain.training.outer import OuterError, OuterOptimizer
 from p2ptrain.training.records import RecordError
 from p2ptrain.training.task import OuterSpec, Task
-from p2ptrain.training.trainer import Batch, StepResult, Trainer, TrainerError, lr_at
+from p2ptrain.training.trainer import StepResult, Trainer, TrainerError
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,6 @@ is not finite is skipped by every member alike (the step counter still advances)
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import re
@@ -27,11 +26,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from p2ptrain.tensors import all_finite
+from p2ptrain.training.batches import Batch, Metrics, evaluate_batches, loss_and_hits
+from p2ptrain.training.errors import TrainerError
 from p2ptrain.training.models import build_model
+from p2ptrain.training.optimizers import build_optimizer, lr_at
 from p2ptrain.training.records import (
     RecordError, load_model_bytes, model_bytes, read_tensors, state_bytes, tensors_bytes,
 )
@@ -39,7 +40,6 @@ from p2ptrain.training.task import Task
 
 log = logging.getLogger(__name__)
 
-Batch = tuple[torch.Tensor, torch.Tensor]
 Average = Callable[[torch.Tensor, int], Awaitable[torch.Tensor]]
 
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -64,17 +64,6 @@ _OPTIMIZER_STATE_KEYS = {"sgd": {"momentum_buffer"}, "adam": {"step", "exp_avg",
                          "adamw": {"step", "exp_avg", "exp_avg_sq"}}
 
 
-class TrainerError(RuntimeError):
-    """The trainer cannot do what was asked (out of sync with the round, bad state, no data)."""
-
-
-@dataclass(frozen=True)
-class Metrics:
-    loss: float
-    accuracy: float
-    samples: int
-
-
 @dataclass(frozen=True)
 class StepResult:
     """What one synchronised step did: local loss before it, whether the averaged gradient was used."""
@@ -86,109 +75,20 @@ class StepResult:
 
 
 def resolve_device(device: str) -> torch.device:
-    """``auto`` picks CUDA when available, else CPU; ``cpu``/``cuda``/``cuda:N`` are taken as given."""
+    """``auto`` picks CUDA when available, else CPU; ``cpu``/``cuda``/``cuda:N`` are taken as given.
+    Anything else is a :class:`TrainerError` naming the device (``node start`` and ``serve`` check
+    their ``--device`` with it before anything starts)."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(device)
+    try:
+        dev = torch.device(device)
+    except RuntimeError:  # torch's own parse error ("gpu", "cuda:x"): a traceback for a typo
+        raise TrainerError(f"device {device!r}: use auto, cpu, cuda or cuda:N") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise TrainerError(f"device {device!r} asked for, but CUDA is not available")
     if dev.type not in ("cpu", "cuda"):
         raise TrainerError(f"device {device!r}: only cpu, cuda and auto are supported")
     return dev
-
-
-def lr_at(task: Task, step: int, total_steps: int) -> float:
-    """The learning rate of optimizer step ``step`` (0-based) under the task's schedule."""
-    base, sched = task.optimizer.lr, task.schedule
-    if sched.name != "constant" and step < sched.warmup_steps:
-        return base * (step + 1) / sched.warmup_steps
-    if sched.name == "cosine":
-        span = max(1, total_steps - sched.warmup_steps)
-        progress = min(1.0, (step - sched.warmup_steps) / span)
-        floor = base * sched.min_lr_ratio
-        return floor + (base - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
-    return base
-
-
-def build_optimizer(task: Task, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
-    """The task's optimizer with the fused kernel (``fused=True``) on every member, so all members run
-    the same kernels whatever torch would pick by default for their hardware.
-
-    Fused rather than the single-tensor path: one pass over each parameter instead of a dozen
-    elementwise ops, and no slow path on zeros. A sparse average leaves ~99% of Adam's second moment
-    at exactly 0, where torch's vectorized sqrt is ~12x slower than on other values (28 vs 2.3 ms on
-    4.3M floats): an Adam step of a 4.3M-parameter model took 26 ms single-tensor, 3.4 ms fused.
-    """
-    o = task.optimizer
-    if o.name == "sgd":
-        return torch.optim.SGD(params, lr=o.lr, momentum=o.momentum or 0.0, weight_decay=o.weight_decay,
-                               fused=True)
-    cls = torch.optim.Adam if o.name == "adam" else torch.optim.AdamW
-    assert o.beta1 is not None and o.beta2 is not None and o.eps is not None
-    return cls(params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay,
-               fused=True)
-
-
-def loss_and_hits(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, int, int]:
-    """Mean cross-entropy, correct predictions and predictions, for ``(N, C)`` or ``(N, T, V)`` logits."""
-    flat_logits = logits.reshape(-1, logits.shape[-1]).float()
-    flat_targets = targets.reshape(-1).long()
-    loss = F.cross_entropy(flat_logits, flat_targets)
-    hits = int((flat_logits.argmax(-1) == flat_targets).sum())
-    return loss, hits, flat_targets.numel()
-
-
-def batched(samples: Iterable[Batch], batch_size: int) -> Iterator[Batch]:
-    """Stack ``(features, label)`` samples (e.g. from ``IPFSDataset``) into batches; the last may be short."""
-    xs: list[torch.Tensor] = []
-    ys: list[torch.Tensor] = []
-    for x, y in samples:
-        xs.append(torch.as_tensor(x))
-        ys.append(torch.as_tensor(y))
-        if len(xs) == batch_size:
-            yield torch.stack(xs), torch.stack(ys)
-            xs, ys = [], []
-    if xs:
-        yield torch.stack(xs), torch.stack(ys)
-
-
-def batches_forever(dataset: Iterable[Batch], batch_size: int, first_epoch: int = 0) -> Iterator[Batch]:
-    """Batches epoch after epoch, calling ``dataset.set_epoch`` (when it has one) to reshuffle."""
-    epoch = first_epoch
-    while True:
-        set_epoch = getattr(dataset, "set_epoch", None)
-        if set_epoch is not None:
-            set_epoch(epoch)
-        empty = True
-        for batch in batched(dataset, batch_size):
-            empty = False
-            yield batch
-        if empty:
-            raise TrainerError("the training data of this member is empty")
-        epoch += 1
-
-
-@torch.no_grad()
-def evaluate_batches(
-    module: nn.Module,
-    batches: Iterable[Batch],
-    device: torch.device = torch.device("cpu"),
-    autocast: Callable[[], Any] = contextlib.nullcontext,
-) -> Metrics:
-    """Mean cross-entropy and accuracy of ``module`` (put in eval mode) over ``batches``."""
-    module.eval()
-    loss_sum, hits, count = 0.0, 0, 0
-    for x, y in batches:
-        x, y = x.to(device), y.to(device)
-        with autocast():
-            logits = module(x)
-        loss, h, n = loss_and_hits(logits, y)
-        loss_sum += float(loss) * n
-        hits += h
-        count += n
-    if count == 0:
-        raise TrainerError("evaluation data is empty")
-    return Metrics(loss=loss_sum / count, accuracy=hits / count, samples=count)
 
 
 @dataclass(frozen=True)

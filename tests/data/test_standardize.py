@@ -20,10 +20,11 @@ from p2ptrain.data.build import build_dataset
 from p2ptrain.data.builtin import load_source
 from p2ptrain.data.manifest import MAX_STANDARDIZE_FEATURES, Manifest, ManifestError
 from p2ptrain.ipfs.store import open_store
+from p2ptrain.training.batches import batched, batches_forever
 from p2ptrain.training.models import build_model
 from p2ptrain.training.records import model_bytes
 from p2ptrain.training.task import load_task
-from p2ptrain.training.trainer import Trainer, batched, batches_forever
+from p2ptrain.training.trainer import Trainer
 
 P2PTRAIN = str(Path(sys.executable).with_name("p2ptrain"))
 # sklearn:breast_cancer in 4 shards, test fraction 0.2, seed 0, built before --standardize existed.

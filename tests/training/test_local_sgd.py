@@ -7,12 +7,13 @@ import torch
 import trio
 
 from p2ptrain.data import IPFSDataset
+from p2ptrain.training.batches import batched, batches_forever
 from p2ptrain.training.local_sgd import LocalSGDTrainer, new_trainer
 from p2ptrain.training.outer import MOMENTUM_KEY, OuterOptimizer
 from p2ptrain.training.records import RecordError, tensors_bytes
 from p2ptrain.training.sync import RoundTimings, run_round
 from p2ptrain.training.task import OuterSpec, TaskError, load_task, task_bytes, task_from_bytes, total_steps
-from p2ptrain.training.trainer import Trainer, batched, batches_forever
+from p2ptrain.training.trainer import Trainer
 
 BASE = """name = "t"
 [model]

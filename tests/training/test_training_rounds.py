@@ -13,13 +13,14 @@ from p2ptrain.data import IPFSDataset
 from p2ptrain.ipfs.embedded import EmbeddedStore
 from p2ptrain.logs import short_id
 from p2ptrain.training import signing
+from p2ptrain.training.batches import batched, batches_forever
 from p2ptrain.training.election import Election, ElectionConfig
 from p2ptrain.training.records import Chain, Status, Tally, attest
 from p2ptrain.training.rounds import RoundBook, plan_members, ring_order, round_id, shard_of, span_length
 from p2ptrain.training.sync import RoundTimings, run_round
-from p2ptrain.training.voters import View
 from p2ptrain.training.task import task_bytes
-from p2ptrain.training.trainer import Trainer, batched, batches_forever
+from p2ptrain.training.trainer import Trainer
+from p2ptrain.training.voters import View
 from p2ptrain.wire.messages import RoundFailed, RoundPlan
 
 CONFIG = ElectionConfig(heartbeat_s=1.0, timeout_beats=3)

@@ -1,0 +1,86 @@
+"""Samples into batches, epoch after epoch, and a module's loss and accuracy over batches: what the
+trainer, the coordinator's evaluation, ``model eval`` and the benches' baselines share."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from p2ptrain.training.errors import TrainerError
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Metrics:
+    loss: float
+    accuracy: float
+    samples: int
+
+
+def loss_and_hits(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """Mean cross-entropy, correct predictions and predictions, for ``(N, C)`` or ``(N, T, V)`` logits."""
+    flat_logits = logits.reshape(-1, logits.shape[-1]).float()
+    flat_targets = targets.reshape(-1).long()
+    loss = F.cross_entropy(flat_logits, flat_targets)
+    hits = int((flat_logits.argmax(-1) == flat_targets).sum())
+    return loss, hits, flat_targets.numel()
+
+
+def batched(samples: Iterable[Batch], batch_size: int) -> Iterator[Batch]:
+    """Stack ``(features, label)`` samples (e.g. from ``IPFSDataset``) into batches; the last may be short."""
+    xs: list[torch.Tensor] = []
+    ys: list[torch.Tensor] = []
+    for x, y in samples:
+        xs.append(torch.as_tensor(x))
+        ys.append(torch.as_tensor(y))
+        if len(xs) == batch_size:
+            yield torch.stack(xs), torch.stack(ys)
+            xs, ys = [], []
+    if xs:
+        yield torch.stack(xs), torch.stack(ys)
+
+
+def batches_forever(dataset: Iterable[Batch], batch_size: int, first_epoch: int = 0) -> Iterator[Batch]:
+    """Batches epoch after epoch, calling ``dataset.set_epoch`` (when it has one) to reshuffle."""
+    epoch = first_epoch
+    while True:
+        set_epoch = getattr(dataset, "set_epoch", None)
+        if set_epoch is not None:
+            set_epoch(epoch)
+        empty = True
+        for batch in batched(dataset, batch_size):
+            empty = False
+            yield batch
+        if empty:
+            raise TrainerError("the training data of this member is empty")
+        epoch += 1
+
+
+@torch.no_grad()
+def evaluate_batches(
+    module: nn.Module,
+    batches: Iterable[Batch],
+    device: torch.device = torch.device("cpu"),
+    autocast: Callable[[], Any] = contextlib.nullcontext,
+) -> Metrics:
+    """Mean cross-entropy and accuracy of ``module`` (put in eval mode) over ``batches``."""
+    module.eval()
+    loss_sum, hits, count = 0.0, 0, 0
+    for x, y in batches:
+        x, y = x.to(device), y.to(device)
+        with autocast():
+            logits = module(x)
+        loss, h, n = loss_and_hits(logits, y)
+        loss_sum += float(loss) * n
+        hits += h
+        count += n
+    if count == 0:
+        raise TrainerError("evaluation data is empty")
+    return Metrics(loss=loss_sum / count, accuracy=hits / count, samples=count)
