@@ -161,7 +161,7 @@ class Leading:
         trainer, book = run.require()
         membership = run.node.membership
         # Peers behind NATs (what their heartbeats say, and what we found of ourselves): the plan's
-        # ring keeps them apart where it can (training.rounds.ring_order).
+        # ring keeps them apart where it can (training.plans.ring_order).
         private = {r.peer_id.to_base58() for r in membership.alive() if r.reachability == "private"}
         if membership.reachability == "private":
             private.add(run.me)

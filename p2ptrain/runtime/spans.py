@@ -27,7 +27,7 @@ from p2ptrain.logs import fmt_bytes, fmt_s
 from p2ptrain.runtime.attesting import Attesting
 from p2ptrain.runtime.datafeed import DataFeed
 from p2ptrain.runtime.run_state import RunState
-from p2ptrain.training.rounds import round_id, shard_of
+from p2ptrain.training.plans import round_id, shard_of
 from p2ptrain.training.sync import PlanAverager, run_round
 from p2ptrain.training.task import Task
 from p2ptrain.training.trainer import Average, StateSnapshot, TrainerError

@@ -47,7 +47,6 @@ Rules, and why:
 
 from __future__ import annotations
 
-import hashlib
 import math
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
@@ -57,9 +56,9 @@ from libp2p.crypto.keys import KeyPair
 
 from p2ptrain.logs import short_id
 from p2ptrain.training.election import Election
-from p2ptrain.training.records import Chain, quorum, sign_record
+from p2ptrain.training.plans import plan_members, span_length
+from p2ptrain.training.records import Chain, sign_record
 from p2ptrain.training.task import Task
-from p2ptrain.training.voters import rank
 from p2ptrain.wire.messages import ModelRecord, RoundFailed, RoundPlan, SignedModelRecord
 
 # After a failed round, the coordinator waits this long before it plans the retry, so the other
@@ -91,76 +90,6 @@ def _exclude(deadlines: dict[str, float], peer: str, now: float) -> None:
     for p in [p for p, until in deadlines.items() if until <= now]:
         del deadlines[p]
     deadlines[peer] = now + FAILED_PEER_QUARANTINE_S
-
-
-def round_id(plan: RoundPlan, index: int) -> int:
-    """The all-reduce's id for the ``index``-th round of the plan: a 64-bit hash of task, term,
-    round and attempt, so every attempt of every task sharing a host gets a fresh id."""
-    name = f"{plan.task_cid}/t{plan.term}/r{plan.round + index}/a{plan.attempt}"
-    return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "big")
-
-
-def shard_of(plan: RoundPlan, peer: str) -> tuple[int, int]:
-    """``(rank, world_size)`` of ``peer`` in the plan: its index in the plan's member order."""
-    return plan.members.index(peer), len(plan.members)
-
-
-def is_checkpoint(task: Task, round_index: int, total_steps: int) -> bool:
-    """Whether round ``round_index`` (0-based) ends with a published model: every
-    ``checkpoint_interval`` rounds, and the last round."""
-    return (round_index + 1) % task.training.checkpoint_interval == 0 or round_index + 1 >= total_steps
-
-
-def span_length(task: Task, round_index: int, total_steps: int) -> int:
-    """Rounds from ``round_index`` up to and including the next checkpoint round."""
-    interval = task.training.checkpoint_interval
-    next_checkpoint = min((round_index // interval + 1) * interval, total_steps)
-    return max(1, next_checkpoint - round_index)
-
-
-def plan_members(
-    task: Task, task_cid: str, previous: Sequence[str], live: Collection[str], admit_joiners: bool,
-    private: Collection[str] = (),
-) -> tuple[str, ...] | None:
-    """Members of the next span in ring order (:func:`ring_order`, given the members whose heartbeats
-    say ``private``); None when no span may start now (see the module rules)."""
-    live = set(live)
-    kept = [p for p in previous if p in live]
-    if previous and len(kept) < quorum(len(previous)):
-        return None
-    members = sorted(kept)[: task.peers.max]
-    if admit_joiners:
-        joiners = sorted((p for p in live if p not in previous), key=lambda p: rank(task_cid, 0, p))
-        members += joiners[: task.peers.max - len(members)]
-    if len(members) < task.peers.min:
-        return None
-    return ring_order(members, private)
-
-
-def ring_order(members: Collection[str], private: Collection[str]) -> tuple[str, ...]:
-    """The order of a plan's members, which is the dense ring's (each member sends to the next and
-    receives from the one before, the last wrapping to the first) and the ranks of data shards.
-
-    A link between two private members (behind NATs, reached through a relay unless they share a
-    LAN) crosses the relay's link twice and runs at the narrower of its rates; a link with a public
-    member is direct (the private one dialed it). So the public members go first, sorted, and each
-    is followed by one private member, sorted, while there are any: no two private members are
-    ring neighbours when there are at least as many public members as private ones; otherwise the
-    remaining private members come last, together, and the ring has as few private-private links as
-    any order can (one per private member beyond the public ones). Without private members this is
-    the sorted order, as plans were before reachability was known. Pure and deterministic from the
-    members and the reachability they advertised (the coordinator's view; members do not recompute
-    it, they check only that the members are distinct: :meth:`RoundBook.plan_problem`).
-    """
-    private = set(private)
-    hidden = sorted(p for p in members if p in private)
-    public = sorted(p for p in members if p not in private)
-    order: list[str] = []
-    for i, peer in enumerate(public):
-        order.append(peer)
-        if i < len(hidden):
-            order.append(hidden[i])
-    return tuple(order + hidden[len(public):])
 
 
 @dataclass
@@ -207,7 +136,8 @@ class RoundBook:
 
     def previous_checkpoint(self, step: int) -> int:
         """The step of the last checkpoint before ``step`` (0, the initial model, for none): every
-        ``checkpoint_interval`` steps (:func:`is_checkpoint`; a round ``r`` ends at step ``r + 1``)."""
+        ``checkpoint_interval`` steps, where spans end (:func:`~p2ptrain.training.plans.span_length`;
+        a round ``r`` ends at step ``r + 1``)."""
         interval = self.task.training.checkpoint_interval
         return max(0, (step - 1) // interval * interval)
 
@@ -382,7 +312,7 @@ class RoundBook:
 
         ``live``: the peers (the coordinator included) that advertise this task and meet its
         requirements. ``can_roll_back``: the trainer keeps the state before its last step.
-        ``private``: the peers behind NATs (:func:`ring_order`). The
+        ``private``: the peers behind NATs (:func:`~p2ptrain.training.plans.ring_order`). The
         coordinator then follows its own plan like any member (:meth:`plan_problem`, then align).
         """
         if not election.is_coordinator:

@@ -16,7 +16,8 @@ from p2ptrain.training import signing
 from p2ptrain.training.batches import batched, batches_forever
 from p2ptrain.training.election import Election, ElectionConfig
 from p2ptrain.training.records import Chain, Status, Tally, attest
-from p2ptrain.training.rounds import RoundBook, plan_members, ring_order, round_id, shard_of, span_length
+from p2ptrain.training.plans import plan_members, ring_order, round_id, shard_of, span_length
+from p2ptrain.training.rounds import RoundBook
 from p2ptrain.training.sync import RoundTimings, run_round
 from p2ptrain.training.task import task_bytes
 from p2ptrain.training.trainer import Trainer

@@ -9,7 +9,7 @@ from p2ptrain.collective import Collective, CollectiveError, PeerFailed
 from p2ptrain.data import IPFSDataset
 from p2ptrain.testing import connected_hosts
 from p2ptrain.training.batches import batched, batches_forever
-from p2ptrain.training.rounds import round_id
+from p2ptrain.training.plans import round_id
 from p2ptrain.training.sync import PlanAverager, RoundTimings, run_round
 from p2ptrain.training.task import TaskError
 from p2ptrain.training.trainer import Trainer
