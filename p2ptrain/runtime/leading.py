@@ -71,8 +71,8 @@ class Leading:
 
     def _abandon_unrecorded(self) -> None:
         """Newly elected with no record pending: a checkpoint the previous coordinator stored but did
-        not record gets no record any more; counted as rejected so the barrier opens (overlap mode:
-        :meth:`~p2ptrain.training.rounds.RoundBook.abandon_unrecorded`)."""
+        not record gets no record any more; counted as rejected so the barrier opens
+        (:meth:`~p2ptrain.training.rounds.RoundBook.abandon_unrecorded`)."""
         run = self.run
         if run.trainer is None or run.book is None or not run.synced or run.attestations.pending:
             return

@@ -151,11 +151,13 @@ class RoundBook:
         return previous if previous > self.settled_step else None
 
     def abandon_unrecorded(self, my_step: int) -> int | None:
-        """As a newly elected coordinator with no record pending (overlap mode): the checkpoint an
-        earlier coordinator stored but did not record never gets a record (records are taken from
-        the coordinator only), so it counts as rejected: the barrier opens and training goes on
-        from the latest confirmed model. Returns its step, or None when there is none."""
-        step = self.unsettled(my_step) if self.overlap else None
+        """As a newly elected coordinator with no record pending: the checkpoint an earlier
+        coordinator stored but did not record (it died between its span's end and its record) never
+        gets a record (records are taken from the coordinator only), so it counts as rejected: the
+        barrier opens and training goes on from the latest confirmed model. In either mode: without
+        it the barrier at that checkpoint (one span later with overlap) waited forever. Returns its
+        step, or None when there is none."""
+        step = self.unsettled(my_step)
         if step is not None:
             self.rejected_step = step
         return step
