@@ -9,6 +9,7 @@ reports (``p2ptrain task status --json``), the chain a member keeps on disk
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -233,6 +234,47 @@ async def test_the_run_goes_on_without_a_stopped_coordinator(tmp_path: Path) -> 
             assert after[0]["term"] > statuses[0]["term"]
             record = _chain_on_disk(peers[rest[0]], task_cid).records[-1].record
             assert leader not in record.members and set(record.members) == _ids(peers, rest)
+
+
+async def test_the_run_goes_on_when_the_coordinator_stops_between_a_span_and_its_record(tmp_path: Path) -> None:
+    """The coordinator's store holds its next checkpoint (a large model's takes seconds to store)
+    and it stops there: the span's checkpoint never gets a record. Its successor counts that
+    checkpoint as rejected and plans on; before, the barrier at the span's end waited forever."""
+    held, release = threading.Event(), threading.Event()
+    with trio.fail_after(DEADLINE_S):
+        async with local_peers(3, tmp_path) as peers:
+            task_cid = await _start_run(peers)
+            statuses = await _all_at_version(peers, task_cid, 1)
+            leader = statuses[0]["coordinator"]
+            gone = next(i for i in range(3) if peers[i].node.peer_id.to_base58() == leader)
+            rest = [i for i in range(3) if i != gone]
+            store = peers[gone].content.store
+            add_bytes = store.add_bytes
+
+            def hold(data: bytes, *args: Any, **kwargs: Any) -> str:
+                if b"trainer.step" in data[:4096]:  # its optimizer state: the checkpoint's second part
+                    held.set()
+                    release.wait(STEP_S)
+                return add_bytes(data, *args, **kwargs)
+
+            store.add_bytes = hold  # type: ignore[method-assign]
+            await peers.wait_until(lambda: held.is_set() or None, STEP_S, what="the coordinator storing a checkpoint")
+            version = max(s["version"] for s in _statuses(peers, task_cid, rest))
+            peers[gone].node.stop()
+
+            def without_it() -> list[dict[str, Any]] | None:
+                statuses = _statuses(peers, task_cid, rest)
+                _failed(statuses)
+                ok = all(s["version"] > version and s["coordinator"] not in (None, leader) for s in statuses)
+                return statuses if ok else None
+
+            try:
+                after = await peers.wait_until(without_it, STEP_S, what="a checkpoint confirmed after the unrecorded one")
+            finally:
+                release.set()  # the stopped coordinator's store returns; its run is cancelled by then
+            await peers.stop_peer(gone)
+            record = _chain_on_disk(peers[rest[0]], task_cid).records[-1].record
+            assert set(record.members) == _ids(peers, rest) and record.step > after[0]["chain"][version - 1]["step"]
 
 
 async def test_the_run_goes_on_without_a_stopped_member(tmp_path: Path) -> None:
