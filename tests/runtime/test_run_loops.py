@@ -211,14 +211,20 @@ async def test_a_late_joiner_resyncs_to_the_confirmed_chain_and_is_then_planned(
 # -- a member that leaves does not stop the run ----------------------------------------------------------
 
 
+async def _run_at_v1_and_its_coordinator(peers: LocalPeers) -> tuple[str, list[dict[str, Any]], int, list[int]]:
+    """A run on every peer, at its first confirmed model: the task, the statuses, the index of the
+    coordinator and the others' indexes."""
+    task_cid = await _start_run(peers)
+    statuses = await _all_at_version(peers, task_cid, 1)
+    gone = next(i for i in range(len(peers)) if peers[i].node.peer_id.to_base58() == statuses[0]["coordinator"])
+    return task_cid, statuses, gone, [i for i in range(len(peers)) if i != gone]
+
+
 async def test_the_run_goes_on_without_a_stopped_coordinator(tmp_path: Path) -> None:
     with trio.fail_after(DEADLINE_S):
         async with local_peers(3, tmp_path) as peers:
-            task_cid = await _start_run(peers)
-            statuses = await _all_at_version(peers, task_cid, 1)
+            task_cid, statuses, gone, rest = await _run_at_v1_and_its_coordinator(peers)
             leader = statuses[0]["coordinator"]
-            gone = next(i for i in range(3) if peers[i].node.peer_id.to_base58() == leader)
-            rest = [i for i in range(3) if i != gone]
             version = max(s["version"] for s in _statuses(peers, task_cid, rest))
             await peers.stop_peer(gone)
 
@@ -243,11 +249,8 @@ async def test_the_run_goes_on_when_the_coordinator_stops_between_a_span_and_its
     held, release = threading.Event(), threading.Event()
     with trio.fail_after(DEADLINE_S):
         async with local_peers(3, tmp_path) as peers:
-            task_cid = await _start_run(peers)
-            statuses = await _all_at_version(peers, task_cid, 1)
+            task_cid, statuses, gone, rest = await _run_at_v1_and_its_coordinator(peers)
             leader = statuses[0]["coordinator"]
-            gone = next(i for i in range(3) if peers[i].node.peer_id.to_base58() == leader)
-            rest = [i for i in range(3) if i != gone]
             store = peers[gone].content.store
             add_bytes = store.add_bytes
 
