@@ -26,6 +26,12 @@ def shard_of(plan: RoundPlan, peer: str) -> tuple[int, int]:
     return plan.members.index(peer), len(plan.members)
 
 
+def is_checkpoint(task: Task, round_index: int, total_steps: int) -> bool:
+    """Whether round ``round_index`` (0-based, ending at step ``round_index + 1``) ends with a
+    published model: every ``checkpoint_interval`` rounds, and the last round."""
+    return (round_index + 1) % task.training.checkpoint_interval == 0 or round_index + 1 >= total_steps
+
+
 def span_length(task: Task, round_index: int, total_steps: int) -> int:
     """Rounds from ``round_index`` up to and including the next checkpoint round."""
     interval = task.training.checkpoint_interval

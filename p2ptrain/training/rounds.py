@@ -56,7 +56,7 @@ from libp2p.crypto.keys import KeyPair
 
 from p2ptrain.logs import short_id
 from p2ptrain.training.election import Election
-from p2ptrain.training.plans import plan_members, span_length
+from p2ptrain.training.plans import is_checkpoint, plan_members, span_length
 from p2ptrain.training.records import Chain, sign_record
 from p2ptrain.training.task import Task
 from p2ptrain.wire.messages import ModelRecord, RoundFailed, RoundPlan, SignedModelRecord
@@ -144,8 +144,7 @@ class RoundBook:
     def unsettled(self, my_step: int) -> int | None:
         """The step of this member's checkpoint that is neither confirmed nor rejected, or None: at
         ``my_step`` when a span just ended there, else the last one before it (overlap mode)."""
-        at_checkpoint = my_step >= self.total_steps or my_step % self.task.training.checkpoint_interval == 0
-        if my_step > self.settled_step and at_checkpoint:
+        if my_step > self.settled_step and is_checkpoint(self.task, my_step - 1, self.total_steps):
             return my_step
         previous = self.previous_checkpoint(my_step)
         return previous if previous > self.settled_step else None
