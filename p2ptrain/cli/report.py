@@ -75,7 +75,8 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 def load_points(home: Path, task_cid: str) -> list[Point]:
     """The run's confirmed records from ``home``, verified; a UserError line when there are none."""
-    from p2ptrain.training.records import MAX_CHAIN_BYTES, Chain, RecordError, record_from_bytes
+    from p2ptrain.training.lineage import MAX_CHAIN_BYTES, read_chain
+    from p2ptrain.training.records import RecordError
 
     path = home / "tasks" / task_cid / CHAIN_FILE
     try:
@@ -86,12 +87,10 @@ def load_points(home: Path, task_cid: str) -> list[Point]:
                         f"tasks/<task CID>/{CHAIN_FILE}; pass it with --home)") from None
     except OSError as exc:
         raise UserError(f"cannot read {path}: {exc.strerror or exc}") from None
-    lines = data.splitlines()
-    if not any(line.strip() for line in lines):
+    if not data.strip():
         raise UserError(f"{path} holds no confirmed model yet")
     try:
-        first = record_from_bytes(lines[0]).record
-        chain = Chain.from_bytes(task_cid, first.parent, data)
+        chain = read_chain(task_cid, data)
     except RecordError as exc:
         raise UserError(f"{path}: {exc}") from None
     return [_point(s.record) for s in chain.records]

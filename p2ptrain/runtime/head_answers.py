@@ -25,7 +25,8 @@ import trio
 from p2ptrain.ipfs.cid import InvalidCID, parse_cid
 from p2ptrain.ipfs.store import ContentStore
 from p2ptrain.runtime.run_state import CANCEL_SENT_FILE
-from p2ptrain.training.records import MAX_CHAIN_BYTES, Chain, RecordError, record_from_bytes
+from p2ptrain.training.lineage import MAX_CHAIN_BYTES, read_chain
+from p2ptrain.training.records import RecordError
 from p2ptrain.wire.messages import HeadRequest, TaskHead
 
 logger = logging.getLogger(__name__)
@@ -137,10 +138,9 @@ class HeadAnswers:
             return cached[1]
         with open(path, "rb") as f:
             data = f.read(MAX_CHAIN_BYTES + 1)
-        lines = data.splitlines()
-        if not lines:
+        if not data.strip():
             return None
-        chain = Chain.from_bytes(task_cid, record_from_bytes(lines[0]).record.parent, data)
+        chain = read_chain(task_cid, data)
         last = chain.records[-1].record
         total = self.total_steps(task_cid) or 0  # 0: not known here (read from disk after a restart)
         head = TaskHead(

@@ -21,7 +21,8 @@ from p2ptrain.ipfs.unixfs import DagError
 from p2ptrain.logs import short_id
 from p2ptrain.atomic import write_atomic
 from p2ptrain.runtime.run_state import Nudge, RunState
-from p2ptrain.training.records import MAX_CHAIN_BYTES, Chain, RecordError
+from p2ptrain.training.lineage import MAX_CHAIN_BYTES, Chain
+from p2ptrain.training.records import Misconduct, RecordError
 from p2ptrain.training.trainer import TrainerError
 from p2ptrain.wire.messages import RoundPlan, TaskHead
 
@@ -240,9 +241,13 @@ class Resync:
         store = run.content.store
         await run.content.fetch(head.chain_cid, timeout=RESYNC_FETCH_TIMEOUT_S, max_bytes=MAX_CHAIN_BYTES)
         data = await trio.to_thread.run_sync(lambda: store.cat(head.chain_cid, max_bytes=MAX_CHAIN_BYTES))
-        chain = await trio.to_thread.run_sync(Chain.from_bytes, run.task_cid, run.initial_cid, data)
-        for signed in book.chain.extension(chain):  # a fork raises RecordError
+        chain = await trio.to_thread.run_sync(Chain.from_bytes, run.task_cid, run.initial_cid, data, book.chain.rules)
+        added = book.chain.extension(chain)  # a fork raises RecordError
+        for signed in added:
             self._check_signer(signed.record.version, signed.record.term, signed.record.coordinator)
+        problem = book.lineage_problem(added)
+        if problem is not None:
+            raise Misconduct(problem)
         await self._load_chain(chain)
 
     async def _load_chain(self, chain: Chain) -> None:

@@ -13,7 +13,8 @@ from p2ptrain.errors import UserError
 from p2ptrain.ipfs.cid import InvalidCID, parse_cid
 from p2ptrain.ipfs.store import ContentStore, ContentUnavailable
 from p2ptrain.ipfs.unixfs import DagError
-from p2ptrain.training.records import MAX_CHAIN_BYTES, RecordError, record_from_bytes
+from p2ptrain.training.lineage import MAX_CHAIN_BYTES, chain_lines, entry_from_bytes
+from p2ptrain.training.records import RecordError
 from p2ptrain.training.task import MAX_TASK_BYTES, task_from_bytes
 
 # A run's chain.jsonl: the one limit on a chain's bytes, on disk or fetched (records.MAX_CHAIN_BYTES, 64 MiB).
@@ -66,9 +67,8 @@ def _run_roots(run_dir: Path, store: ContentStore) -> list[str]:
             data = f.read(MAX_CHAIN_FILE_BYTES + 1)
         if len(data) > MAX_CHAIN_FILE_BYTES:
             raise RecordError(f"chain.jsonl is over {MAX_CHAIN_FILE_BYTES} bytes")
-        for line in data.splitlines():
-            if line.strip():
-                record = record_from_bytes(line).record
-                cids += [record.model_cid, record.optimizer_cid]
+        for line in chain_lines(data):
+            record = entry_from_bytes(line).signed.record
+            cids += [record.model_cid, record.optimizer_cid]
         cids.append(store.add_bytes(data, only_hash=True))  # the chain's CID, as TaskRun stores it
     return cids

@@ -209,12 +209,26 @@ class RunState:
         self.wake_leader.set()
 
     def advertising(self) -> set[str]:
-        """Peers that advertise this task (so hold the state the run is at) and meet its requirements."""
+        """Peers that advertise this task (so hold the state the run is at), meet its requirements
+        and, where the task has an allowlist, are on it: only these are planned and vote."""
         live = {self.me} if self.synced else set()
         for record in self.node.membership.alive():
-            if self.task_cid in record.tasks and unmet_requirement(self.task, record.caps) is None:
-                live.add(record.peer_id.to_base58())
+            peer = record.peer_id.to_base58()
+            if (self.task_cid in record.tasks and unmet_requirement(self.task, record.caps) is None
+                    and self.task.peers.admits(peer)):
+                live.add(peer)
         return live
+
+    def accuse(self, coordinator: str, why: str) -> None:
+        """``coordinator`` signed a plan or record that breaks the run's rules: stop following it
+        (the election moves on and never votes for it again) and leave it out of plans we make."""
+        now = trio.current_time()
+        logger.warning("%s: coordinator %s broke the run's rules (%s); no longer following it",
+                       self.log_prefix, short_id(coordinator), why)
+        self.election.give_up(now, coordinator)
+        if self.book is not None:
+            self.book.note_silent_coordinator(now, coordinator)
+        self.wake_leader.set()
 
     def refuse(self, kind: str, why: str) -> None:
         """Count a refusal of ``kind``; log it the 1st, 2nd, 4th, 8th... time (a flood stays a few lines)."""

@@ -40,8 +40,9 @@ from p2ptrain.runtime.leading import HEAD_EVERY_S, Leading
 from p2ptrain.runtime.resync import Resync
 from p2ptrain.runtime.run_state import Nudge, RunState
 from p2ptrain.runtime.spans import Spans
-from p2ptrain.training.records import Chain, RecordError, load_model_bytes
-from p2ptrain.training.rounds import RoundBook
+from p2ptrain.training.lineage import Chain, ChainRules
+from p2ptrain.training.records import RecordError, load_model_bytes
+from p2ptrain.training.rounds import RoundBook, RuleBreak
 from p2ptrain.training.task import Task, total_steps
 from p2ptrain.training.local_sgd import LocalSGDTrainer, new_trainer
 from p2ptrain.training.trainer import TrainerError
@@ -197,7 +198,8 @@ class TaskRun:
             load_model_bytes(trainer.model, data)
         run.initial_cid = await trio.to_thread.run_sync(content.store.add_bytes, trainer.model_bytes())
         run.trainer = trainer
-        run.book = RoundBook(task, run.task_cid, Chain(run.task_cid, run.initial_cid), run.total_steps,
+        chain = Chain(run.task_cid, run.initial_cid, ChainRules.of(task, run.task_cid))
+        run.book = RoundBook(task, run.task_cid, chain, run.total_steps,
                              cancelled=run.cancel_reason is not None)
         # A run under way has a coordinator that publishes its head every HEAD_EVERY_S: hear it
         # before claiming to hold the run's state (we hold step 0, which is only right early on).
@@ -274,6 +276,10 @@ class TaskRun:
         last = book.last_plan
         new = last is None or (plan.term, plan.round, plan.attempt) > (last.term, last.round, last.attempt)
         problem = book.plan_problem(plan, sender, run.election)
+        if isinstance(problem, RuleBreak):
+            run.refuse("plan_rules", f"refused plan {plan.round}.{plan.attempt} of {short_id(sender)}: {problem}")
+            run.accuse(sender, problem)
+            return
         if problem is not None:
             logger.debug("%s: not following plan %d.%d: %s", run.log_prefix, plan.round, plan.attempt, problem)
             if new and run.me in plan.members:

@@ -27,9 +27,10 @@ from p2ptrain.node import Node
 from p2ptrain.runtime.content import ContentService
 from p2ptrain.atomic import write_atomic
 from p2ptrain.runtime.head_answers import HeadAnswers
-from p2ptrain.runtime.latest import head_key, held_tasks
+from p2ptrain.runtime.latest import LatestFinder, head_key, held_tasks
 from p2ptrain.runtime.run_state import CANCEL_SENT_FILE, CANCELLED_FILE
 from p2ptrain.runtime.task_run import TaskRun
+from p2ptrain.training.lineage import Chain
 from p2ptrain.training.task import MAX_TASK_BYTES, TaskError, load_task, task_bytes, task_from_bytes, unmet_requirement
 from p2ptrain.wire.topics import TASKS_TOPIC, task_topic
 from p2ptrain.wire.messages import (
@@ -66,20 +67,33 @@ MAX_FAILED_JOINS = 1024
 JOIN_FETCH_TIMEOUT_S = 30.0
 # A run in one of these states is over: it acts on no head, and its node answers head requests for it.
 FINISHED_PHASES = frozenset({"done", "cancelled", "failed", "stopped"})
+# `task status` of a task this node is not a member of looks its latest chain up and verifies it for
+# this long by default (a request may say less, up to MAX_VERIFY_HEAD_S): a run under way publishes
+# a head every 2 s, and a finished run's members answer a request within a second.
+VERIFY_HEAD_S = 10.0
+MAX_VERIFY_HEAD_S = 60.0
 
 
 @dataclass
 class KnownTask:
-    """A task this node has heard of, joined or not."""
+    """A task this node has heard of, joined or not.
+
+    ``head`` is the latest head heard, a claim anyone can make: it says only whether the run looks
+    under way or done. What the run confirmed comes from ``verified``, the longest chain a
+    :class:`~p2ptrain.runtime.latest.LatestFinder` verified for it (``task status`` looks it up).
+    """
 
     task_cid: str
     name: str
     announced_by: str
     head: TaskHead | None = None
     refused: str | None = None  # why this node did not join it
+    verified: Chain | None = None
+    verified_cid: str | None = None  # the CID of ``verified``'s bytes (a head named it)
 
     def as_json(self) -> dict[str, Any]:
-        head = self.head
+        head, chain = self.head, self.verified
+        last = chain.records[-1].record if chain is not None and chain.records else None
         return {
             "task_cid": self.task_cid,
             "name": self.name,
@@ -87,12 +101,13 @@ class KnownTask:
             "member": False,
             "state": ("done" if head.done else "running") if head else "announced",
             "refused": self.refused,
-            "version": head.version if head else 0,
-            "step": head.step if head else 0,
+            "version": last.version if last else 0,
+            "step": last.step if last else 0,
             "round": head.round if head else None,
             "total_steps": head.total_steps if head else None,
-            "latest_model_cid": head.model_cid if head and head.version else None,
-            "members": list(head.members) if head else [],
+            "latest_model_cid": last.model_cid if last else None,
+            "members": list(last.members) if last else [],
+            "chain_cid": self.verified_cid,
         }
 
 
@@ -119,6 +134,7 @@ class TaskService:
         self.join_rejections: Counter[str] = Counter()
         self._joining: set[str] = set()
         self._failed: dict[str, float] = {}  # task CID -> trio time until which it is not retried
+        self._finders: dict[str, LatestFinder] = {}  # task CID -> a lookup of its latest chain under way
         node.on(TaskAnnounce, self._on_announce)
         node.on(TaskHead, self._on_head)
         node.on(TaskCancel, self._on_cancel)
@@ -181,6 +197,8 @@ class TaskService:
         data = await trio.to_thread.run_sync(self._read_task, task_cid)
         task = task_from_bytes(data)
         why = unmet_requirement(task, self.node.membership.caps)
+        if why is None and not task.peers.admits(self.node.peer_id.to_base58()):
+            why = "the task admits only the peers on its allowlist (peers.allow), and this node is not one"
         if why is not None:
             raise UserError(f"this node cannot take part in task {task.name} ({task_cid}): {why}")
         if task_cid in self.runs:  # joined meanwhile
@@ -282,6 +300,9 @@ class TaskService:
         known = self.known.get(head.task_cid)
         if known is not None and (known.head is None or (head.version, head.step) >= (known.head.version, known.head.step)):
             known.head = head
+        finder = self._finders.get(head.task_cid)
+        if finder is not None:
+            finder.offer(head)
         run = self.runs.get(head.task_cid)
         if run is not None and self._running(head.task_cid):  # an ended run acts on no head
             await run.on_message(signed.sender.to_base58(), head)
@@ -387,6 +408,32 @@ class TaskService:
         if run is not None:
             return run.status()
         known = self.known.get(task_cid)
-        if known is not None:
-            return known.as_json()
-        raise UserError(f"this node has not heard of task {task_cid}")
+        if known is None:
+            raise UserError(f"this node has not heard of task {task_cid}")
+        # A lookup when asked for one (a timeout given: `model fetch --latest`, `model verify`), or
+        # when a head claimed a confirmed model: a task only announced has nothing to verify yet.
+        timeout = request.get("timeout")
+        if isinstance(timeout, (int, float)) or (known.head is not None and known.head.version >= 1):
+            await self._verify_latest(known, float(timeout) if isinstance(timeout, (int, float)) else VERIFY_HEAD_S)
+        return known.as_json()
+
+    async def _verify_latest(self, known: KnownTask, timeout: float) -> None:
+        """Look up and verify the latest chain of a task this node is not a member of (the same
+        :class:`LatestFinder` as a fresh home's ``model fetch --latest``): heads heard meanwhile are
+        judged by the chains they name, and the longest that verifies becomes ``known.verified``."""
+        if known.task_cid in self._finders or len(self._finders) >= MAX_CONCURRENT_JOINS:
+            return  # one lookup per task at a time, a few at once: the busy ones answer with what is known
+        finder = LatestFinder(self.node, self.content, known.task_cid, listen=False)
+        self._finders[known.task_cid] = finder
+        if known.head is not None:
+            finder.offer(known.head)
+        try:
+            with trio.move_on_after(min(max(timeout, 0.0), MAX_VERIFY_HEAD_S)):
+                await finder.find()
+        except (ContentUnavailable, TaskError) as exc:
+            logger.warning("node %s cannot verify the chain of task %s: %s", short_id(self.node.peer_id),
+                           known.task_cid, exc)
+        finally:
+            del self._finders[known.task_cid]
+        if finder.best is not None and (known.verified is None or finder.best[1].version > known.verified.version):
+            known.verified, known.verified_cid = finder.best[1], finder.best[0].chain_cid

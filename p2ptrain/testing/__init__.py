@@ -79,6 +79,13 @@ from p2ptrain.testing.wan import (  # noqa: E402, F401  (the WAN harness: public
     wan_unavailable,
 )
 from p2ptrain.testing.nat import EmulatedNat, emulated_nat, nat_unavailable  # noqa: E402  (NATs on that WAN)
+from p2ptrain.testing.chains import (  # noqa: E402, F401  (chains with their proofs, re-exported)
+    attestations_for,
+    proven_chain,
+    proven_record,
+    rules_task,
+    votes_for,
+)
 from p2ptrain.testing.peers import (  # noqa: E402, F401  (full peers in one process, re-exported)
     DIGITS_TASK,
     PEER_STOP_TIMEOUT_S,

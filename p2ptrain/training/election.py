@@ -89,6 +89,11 @@ class Election:
         self.live: frozenset[str] = frozenset()
         self.roster: tuple[str, ...] = ()
         self.suspects: set[str] = set()  # peers whose coordinatorship timed out
+        # Peers this member caught breaking the run's rules as coordinator (give_up), with the term
+        # it caught them in: it never votes for them again, nor names them as a term's candidate,
+        # nor follows them in that term or an earlier one. Unlike suspects they are not forgiven
+        # when heard again: a peer that signs a forged record is not merely slow.
+        self.accused: dict[str, int] = {}
         # The coordinator the latest tick gave up on (it fell silent), else None: most likely dead,
         # so the planner leaves it out like a peer a round named (RoundBook.note_silent_coordinator).
         self.given_up: str | None = None
@@ -129,12 +134,13 @@ class Election:
         return self.roster or tuple(sorted(self.live | {self.me}))
 
     def _votable(self, candidate: str) -> bool:
-        """Whether we may vote for ``candidate``: a live roster member (or ourselves)."""
-        return candidate in self._voters() and candidate in self.live | {self.me}
+        """Whether we may vote for ``candidate``: a live roster member (or ourselves), never one we
+        caught breaking the run's rules."""
+        return candidate in self._voters() and candidate in self.live | {self.me} and candidate not in self.accused
 
     def _eligible(self) -> list[str]:
         alive = self.live | {self.me}
-        return [p for p in self._voters() if p in alive and p not in self.suspects]
+        return [p for p in self._voters() if p in alive and p not in self.suspects and p not in self.accused]
 
     # --- inputs ---------------------------------------------------------------------------------
 
@@ -228,6 +234,26 @@ class Election:
         if isinstance(msg, CoordinatorBeat):
             return self._on_beat(now, sender, msg)
         return []
+
+    def give_up(self, now: float, peer: str) -> None:
+        """Stop following coordinator ``peer`` now: it signed a plan or record that breaks the run's
+        rules. We move to the next term (so does every member that saw the same evidence) and never
+        vote for it again; a quorum that did not see it can still elect it, and we follow a valid
+        certificate as always (a minority must not cut itself off from the run)."""
+        if peer == self.me:
+            return
+        self.accused[peer] = max(self.term, self.accused.get(peer, 0))
+        if self.coordinator != peer:
+            return
+        log.warning("task %s: %s stops following coordinator %s (it broke the run's rules); moves to term %d",
+                    self.task_cid[:12], short_id(self.me), short_id(peer), self.term + 1)
+        self.suspects.add(peer)
+        self._new_term(now, self.term + 1)
+
+    @property
+    def certificate(self) -> tuple[SignedVote, ...]:
+        """The votes that elected this member in the current term (empty unless coordinator)."""
+        return self._certificate if self.is_coordinator else ()
 
     def step_down(self, now: float) -> None:
         """Give up coordinatorship (e.g. our state fell behind the run): move to the next term, so
@@ -361,6 +387,8 @@ class Election:
     def _on_beat(self, now: float, sender: str, beat: CoordinatorBeat) -> list[ElectionMessage]:
         if sender != beat.coordinator:
             return []
+        if beat.term <= self.accused.get(beat.coordinator, -1):
+            return []  # the term we caught it in, or an earlier one: its certificate changes nothing
         if beat.term < self.term and self.coordinator is not None:
             return []  # stale: we follow (or are) the coordinator of a later term
         if beat.term == self.term and self.coordinator is not None:

@@ -37,6 +37,9 @@ MAX_PEERS = 128
 OPTIMIZERS = ("sgd", "adam", "adamw")
 SCHEDULES = ("constant", "warmup", "cosine")
 DEVICES = ("any", "cpu", "cuda")
+ADMISSION = ("open", "allowlist")  # peers.admission
+# An allowlist names at most this many peers (8x MAX_PEERS: room to rotate machines in and out).
+MAX_ALLOWED = 1024
 ROBUST = ("none", "clip")  # compression.robust: the plain mean, or each contribution's norm clipped to the median
 MODES = ("sync", "local_sgd")  # training.mode: one all-reduce per optimizer step, or DiLoCo-style outer steps
 OUTER_OPTIMIZERS = ("nesterov", "average")  # outer.optimizer
@@ -160,10 +163,23 @@ class CompressionSpec:
 
 @dataclass(frozen=True)
 class PeersSpec:
-    """How many members a round needs (``min``) and admits (``max``)."""
+    """How many members a round needs (``min``) and admits (``max``), and who may be one.
+
+    ``admission = "allowlist"`` (with ``allow``, the peer IDs that may be members) closes the run:
+    no other identity is planned, elected, counted in a quorum or believed in a chain, so made-up
+    identities (Sybils) cannot outvote the members. ``"open"`` (stored as no field, so the bytes of
+    tasks written before the option stay the same) admits any peer that meets the requirements;
+    docs/security.md says what a quorum of open members proves and what it does not.
+    """
 
     min: int = 1
     max: int = 64
+    admission: str | None = None  # None: "open"
+    allow: tuple[str, ...] | None = None  # admission = "allowlist" only
+
+    def admits(self, peer: str) -> bool:
+        """Whether ``peer`` may be a member of the run."""
+        return self.allow is None or peer in self.allow
 
 
 @dataclass(frozen=True)
@@ -311,11 +327,7 @@ def parse_task(data: dict[str, Any]) -> Task:
     fields.only(c, {"density", "error_feedback", "fp16_values", "robust", "values"}, "compression.")
     compression = _compression(c)
 
-    p = fields.table(data, "peers", "", False)
-    fields.only(p, {"min", "max"}, "peers.")
-    peers = PeersSpec(min=fields.integer(p, "min", "peers.", 1, 1, MAX_PEERS), max=fields.integer(p, "max", "peers.", 64, 1, MAX_PEERS))
-    if peers.max < peers.min:
-        raise TaskError(f"peers.max: must be >= peers.min ({peers.min})")
+    peers = _peers(fields.table(data, "peers", "", False))
 
     r = fields.table(data, "requirements", "", False)
     fields.only(r, {"device", "min_memory_mb"}, "requirements.")
@@ -328,6 +340,24 @@ def parse_task(data: dict[str, Any]) -> Task:
         schedule=schedule, compression=compression, peers=peers, requirements=requirements,
         seed=seed, initial_model=initial_model, publisher=publisher, outer=outer,
     )
+
+
+def _peers(p: dict[str, Any]) -> PeersSpec:
+    """``[peers]``: the member bounds and, with ``admission = "allowlist"``, who may be a member."""
+    fields.only(p, {"min", "max", "admission", "allow"}, "peers.")
+    lo = fields.integer(p, "min", "peers.", 1, 1, MAX_PEERS)
+    hi = fields.integer(p, "max", "peers.", 64, 1, MAX_PEERS)
+    if hi < lo:
+        raise TaskError(f"peers.max: must be >= peers.min ({lo})")
+    admission = fields.choice(p, "admission", "peers.", ADMISSION, "open")
+    if admission == "open":
+        if "allow" in p:
+            raise TaskError('peers.allow: only with admission = "allowlist"')
+        return PeersSpec(min=lo, max=hi)
+    allow = fields.peer_ids(p, "allow", "peers.", MAX_ALLOWED)
+    if len(allow) < lo:
+        raise TaskError(f"peers.allow: {len(allow)} peers can never make peers.min = {lo} members")
+    return PeersSpec(min=lo, max=hi, admission=admission, allow=allow)
 
 
 def _outer(data: dict[str, Any], training: TrainingSpec) -> OuterSpec | None:

@@ -22,9 +22,11 @@ from p2ptrain.ipfs.cid import make_cid
 from p2ptrain.net.control import ControlRequestError, parse_request
 from p2ptrain.training.loading import model_from_bytes
 from p2ptrain.training.models import build_model
-from p2ptrain.training.records import RecordError, model_bytes, record_bytes, record_from_bytes, sign_record, tensors_bytes
+from p2ptrain.testing import attestations_for, proven_record
+from p2ptrain.training.lineage import entry_bytes, entry_from_bytes
+from p2ptrain.training.records import RecordError, model_bytes, tensors_bytes
 from p2ptrain.training.task import TaskError, load_task, task_bytes, task_from_bytes
-from p2ptrain.wire.messages import ModelRecord
+from p2ptrain.wire.messages import ConfirmedRecord, ModelRecord
 
 CID = "QmT78zSuBmuS4z925WZfrqQ1qHaJ56DQaTfyMUF7F8ff5o"
 SHARD_CID = make_cid(b"shard").encode("base32")
@@ -70,13 +72,19 @@ TASK_BYTES = [task_bytes(load_task(TASK_TOML)), task_bytes(load_task(TASK_TOML_S
 
 # --- records ------------------------------------------------------------------------------------
 
-KEY = create_new_key_pair()
-RECORDS = [
-    record_bytes(sign_record(ModelRecord(
-        task_cid=CID, version=v, parent=CID, round=3 * v, step=3 * v, members=("a", "b"),
-        metrics={"loss": 0.5, "accuracy": 0.9}, model_cid=CID, optimizer_cid=CID, term=1, coordinator=""), KEY))
-    for v in (1, 2)
-]
+KEYS = [create_new_key_pair() for _ in range(2)]
+
+
+def _chain_line(version: int) -> bytes:
+    """A chain line: a signed record with its certificate and both members' attestations."""
+    signed = proven_record(ModelRecord(
+        task_cid=CID, version=version, parent=CID, round=3 * version, step=3 * version, members=(),
+        metrics={"loss": 0.5, "accuracy": 0.9}, model_cid=CID, optimizer_cid=CID, term=1, coordinator=""),
+        KEYS[0], KEYS)
+    return entry_bytes(ConfirmedRecord(signed=signed, attestations=attestations_for(signed.record, KEYS)))
+
+
+RECORDS = [_chain_line(v) for v in (1, 2)]
 
 # --- safetensors: headers, model files and their cards, shards --------------------------------
 
@@ -141,7 +149,7 @@ TARGETS = [
     FuzzTarget("parsers.manifest", Manifest.from_json, (ManifestError,), MANIFESTS),
     FuzzTarget("parsers.task_bytes", task_from_bytes, (TaskError,), TASK_BYTES),
     FuzzTarget("parsers.task_toml", load_task, (TaskError,), [TASK_TOML, TASK_TOML_SGD]),
-    FuzzTarget("parsers.model_record", record_from_bytes, (RecordError,), RECORDS),
+    FuzzTarget("parsers.chain_line", entry_from_bytes, (RecordError,), RECORDS),
     FuzzTarget("parsers.safetensors_header", _decode_header, (TensorFileError,), HEADERS),
     FuzzTarget("parsers.model_file", model_from_bytes, (RecordError,), MODEL_FILES),
     FuzzTarget("parsers.model_card", _decode_card, (RecordError,), CARDS),

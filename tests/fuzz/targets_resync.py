@@ -7,7 +7,8 @@ import torch
 from _p2ptrain_fuzzing import FuzzTarget
 from libp2p.crypto.ed25519 import create_new_key_pair
 
-from p2ptrain.training.records import Chain, RecordError, sign_record
+from p2ptrain.training.lineage import Chain
+from p2ptrain.training.records import RecordError, sign_record
 from p2ptrain.training.task import load_task
 from p2ptrain.training.trainer import Trainer
 from p2ptrain.wire.messages import ModelRecord

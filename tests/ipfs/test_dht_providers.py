@@ -31,9 +31,7 @@ from p2ptrain.mesh import discovery as discovery_module
 from p2ptrain.node import Node
 from p2ptrain.runtime.latest import LatestFinder, head_key
 from p2ptrain.runtime.peer import make_peer
-from p2ptrain.testing import wait_until
-from p2ptrain.training.records import Chain, sign_record
-from p2ptrain.wire.messages import ModelRecord
+from p2ptrain.testing import proven_chain, rules_task, wait_until
 
 DEADLINE_S = 60.0  # four nodes start, two announcements, two lookups, 1 MiB and a chain on loopback
 STEP_S = 15.0  # each wait inside it: an announcement (retried every 2 s), a lookup and its dial
@@ -60,14 +58,9 @@ async def test_a_fetcher_finds_the_holder_of_content_and_of_a_runs_head_through_
                 data = os.urandom(FILE_BYTES)
                 cid = store.add_bytes(data)
                 store.pin_add(cid)  # announced when H starts
-                task_cid = store.add_bytes(b"a task's bytes, for its CID\n")
+                task_cid, rules = rules_task(store)
                 initial, v1 = store.add_bytes(b"model 0"), store.add_bytes(b"model 1")
-                me = h.node.peer_id.to_base58()
-                chain = Chain(task_cid, initial)
-                chain.append(sign_record(ModelRecord(
-                    task_cid=task_cid, version=1, parent=initial, round=9, step=10, members=(me,),
-                    metrics={"accuracy": 0.5}, model_cid=v1, optimizer_cid=v1, term=1, coordinator=""),
-                    h.node.key_pair))
+                chain = proven_chain(task_cid, initial, [v1], [h.node.key_pair], rules=rules)
                 (tmp_path / "h" / "tasks" / task_cid).mkdir(parents=True)
                 (tmp_path / "h" / "tasks" / task_cid / "chain.jsonl").write_bytes(chain.to_bytes())
                 await start(h.node)

@@ -19,7 +19,7 @@ import trio
 from p2ptrain.cli.task import render_status
 from p2ptrain.testing import LocalPeers, local_peers
 from p2ptrain.training.local_sgd import LocalSGDTrainer
-from p2ptrain.training.records import Chain, record_from_bytes
+from p2ptrain.training.lineage import Chain, read_chain
 
 # The whole run, alone about 15 s; room for a loaded 2-core box.
 DEADLINE_S = 150.0
@@ -76,8 +76,7 @@ async def _publish(peers: LocalPeers) -> str:
 
 def _chain(peer: Any, task_cid: str) -> Chain:
     data = (peer.node.home / "tasks" / task_cid / "chain.jsonl").read_bytes()
-    first = record_from_bytes(data.splitlines()[0]).record
-    return Chain.from_bytes(task_cid, first.parent, data)
+    return read_chain(task_cid, data)
 
 
 def _trainer(peers: LocalPeers, index: int, task_cid: str) -> LocalSGDTrainer | None:

@@ -164,12 +164,14 @@ async def test_a_head_naming_content_that_is_no_chain_is_a_counted_resync_failur
 
 async def test_a_chain_extended_by_a_stranger_or_forked_is_not_loaded(tmp_path: Path) -> None:
     """The chain a head names is re-verified record by record, but anyone can sign a record whose
-    parent is the real head and that names a model of their choice: the records a chain adds must be
-    signed by the coordinator our election accepted for their term, and the records we confirmed
-    must be there unchanged."""
+    parent is the real head and that names a model of their choice: the records a chain adds must
+    prove their signer's election and a quorum of attestations, be signed by the coordinator our
+    election accepted for their term, and the records we confirmed must be there unchanged."""
     from dataclasses import replace
 
-    from p2ptrain.training.records import Chain, sign_record
+    from p2ptrain.testing import attestations_for, proven_record
+    from p2ptrain.training.lineage import Chain
+    from p2ptrain.training.records import sign_record
     from p2ptrain.training.trainer import Trainer
 
     async def body(victim: Peer, attacker: Peer, manifest: str) -> None:
@@ -186,15 +188,18 @@ async def test_a_chain_extended_by_a_stranger_or_forked_is_not_loaded(tmp_path: 
         model_cid = store.add_bytes(poisoned.model_bytes())
         optim_cid = store.add_bytes(poisoned.optimizer_bytes())
         key = attacker.node.key_pair
+        # A record that only its signer backs (no votes, no attestations) ...
         extra = sign_record(replace(real, version=real.version + 1, parent=real.model_cid, step=real.step + 5,
-                                    model_cid=model_cid, optimizer_cid=optim_cid), key)
+                                    round=real.round + 5, model_cid=model_cid, optimizer_cid=optim_cid), key)
         extended = Chain.from_bytes(run.shared.task_cid, run.shared.initial_cid, ours.to_bytes())
         extended.append(extra)
-        forked = Chain(run.shared.task_cid, run.shared.initial_cid)
-        forked.append(sign_record(replace(ours.records[0].record, model_cid=model_cid, optimizer_cid=optim_cid), key))
+        # ... and a whole chain the attacker proves by itself, as the one member of its own v1.
+        forged = proven_record(replace(ours.records[0].record, model_cid=model_cid, optimizer_cid=optim_cid), key, [key])
+        forked = Chain(run.shared.task_cid, run.shared.initial_cid, ours.rules)
+        forked.append(forged, attestations_for(forged.record, [key]))
         # The victim keeps training meanwhile: if it confirmed its own next version first, the
         # stranger's extension is refused as a fork of it instead (refused either way).
-        for chain, reasons in ((extended, ("signed by", "fork")), (forked, ("fork",))):
+        for chain, reasons in ((extended, ("not one of its members", "fork")), (forked, ("fork",))):
             chain_cid = store.add_bytes(chain.to_bytes())
             head = _head(run.shared.task_cid, chain_cid, chain.version)
             failure = await run.resync.try_load_head(head)

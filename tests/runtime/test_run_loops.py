@@ -21,7 +21,7 @@ from p2ptrain.errors import UserError
 from p2ptrain.logs import short_id
 from p2ptrain.ipfs.store import ContentUnavailable
 from p2ptrain.testing import LocalPeers, local_peers, publish_digits_task
-from p2ptrain.training.records import Chain, record_from_bytes
+from p2ptrain.training.lineage import Chain, read_chain
 from p2ptrain.training.task import TaskError, task_from_bytes
 
 # Each test, whole: peers start, torch warms up, the members train a tiny MLP to a checkpoint or
@@ -75,8 +75,7 @@ async def _all_at_version(peers: LocalPeers, task_cid: str, version: int, indexe
 def _chain_on_disk(peer: Any, task_cid: str) -> Chain:
     """The member's chain.jsonl, re-verified record by record (signatures, versions, parents)."""
     data = (peer.node.home / "tasks" / task_cid / "chain.jsonl").read_bytes()
-    first = record_from_bytes(data.splitlines()[0]).record
-    return Chain.from_bytes(task_cid, first.parent, data)
+    return read_chain(task_cid, data)
 
 
 # -- the control loop: election and plans ---------------------------------------------------------------

@@ -15,7 +15,7 @@ from p2ptrain.errors import UserError
 from p2ptrain.net import control_ops
 from p2ptrain.net.control import ControlClient
 from p2ptrain.testing import LocalPeers, local_peers, publish_digits_task
-from p2ptrain.training.records import Chain, record_from_bytes
+from p2ptrain.training.lineage import read_chain
 from p2ptrain.training.task import task_bytes, task_from_bytes
 from p2ptrain.wire.messages import TaskCancel
 from p2ptrain.wire.topics import TASKS_TOPIC
@@ -85,7 +85,7 @@ async def test_the_publishers_cancel_stops_every_member_and_a_strangers_is_refus
             heads = set()
             for i, s in enumerate(stopped):
                 data = (peers[i].node.home / "tasks" / task_cid / "chain.jsonl").read_bytes()
-                chain = Chain.from_bytes(task_cid, record_from_bytes(data.splitlines()[0]).record.parent, data)
+                chain = read_chain(task_cid, data)
                 assert (chain.version, chain.head_cid) == (s["version"], s["latest_model_cid"])
                 assert s["step"] == chain.records[-1].record.step
                 heads.add(chain.head_cid)

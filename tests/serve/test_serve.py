@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from libp2p.crypto.ed25519 import create_new_key_pair
 import trio
 
 import p2ptrain
@@ -38,8 +39,10 @@ from p2ptrain.serve.server import load_served
 from p2ptrain.serve.spec import MAX_BODY_BYTES, InputError, parse_request, spec_for
 from p2ptrain.testing import wait_until
 from p2ptrain.training.models import build_model
-from p2ptrain.training.records import model_bytes, record_bytes, sign_record
-from p2ptrain.wire.messages import ModelRecord
+from p2ptrain.testing import attestations_for, proven_record
+from p2ptrain.training.lineage import entry_bytes
+from p2ptrain.training.records import model_bytes
+from p2ptrain.wire.messages import ConfirmedRecord, ModelRecord
 
 P2PTRAIN = str(Path(sys.executable).with_name("p2ptrain"))
 CARD = {"name": "mlp", "kwargs": {"in_features": 64, "hidden": [32], "out_features": 10}}
@@ -209,12 +212,14 @@ async def test_a_head_swap_during_a_burst_loses_no_request(home: dict) -> None:
     store = open_store(home["home"])
     # The home holds the chain of a task whose v1 is the second model: GET /model tells its record.
     task = store.add_bytes(b"a task", cid_version=1)
-    key = load_or_create_identity(home["home"])
-    record = ModelRecord(task_cid=task, version=1, parent=home["model"], round=9, step=10, members=("a", "b", "c"),
+    keys = [load_or_create_identity(home["home"])] + [create_new_key_pair() for _ in range(2)]
+    record = ModelRecord(task_cid=task, version=1, parent=home["model"], round=9, step=10, members=(),
                          metrics={"accuracy": 0.5}, model_cid=home["other"], optimizer_cid=home["other"], term=1,
                          coordinator="")
+    signed = proven_record(record, keys[0], keys)
+    line = entry_bytes(ConfirmedRecord(signed=signed, attestations=attestations_for(signed.record, keys[:2])))
     (home["home"] / "tasks" / task).mkdir(parents=True)
-    (home["home"] / "tasks" / task / "chain.jsonl").write_bytes(record_bytes(sign_record(record, key)) + b"\n")
+    (home["home"] / "tasks" / task / "chain.jsonl").write_bytes(line + b"\n")
     first = load_served(store, home["model"], torch.device("cpu"), home["home"])
     second = load_served(store, home["other"], torch.device("cpu"), home["home"])
     assert first.info["task_cid"] is None

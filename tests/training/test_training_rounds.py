@@ -15,7 +15,8 @@ from p2ptrain.logs import short_id
 from p2ptrain.training import signing
 from p2ptrain.training.batches import batched, batches_forever
 from p2ptrain.training.election import Election, ElectionConfig
-from p2ptrain.training.records import Chain, Status, Tally, attest
+from p2ptrain.training.lineage import Chain
+from p2ptrain.training.records import Status, Tally, attest
 from p2ptrain.training.plans import plan_members, ring_order, round_id, shard_of, span_length
 from p2ptrain.training.rounds import RoundBook
 from p2ptrain.training.sync import RoundTimings, run_round
@@ -162,7 +163,7 @@ class Swarm:
         )
         attestations = [attest(signed.record, *self.members[p].own_cids(), self.members[p].key) for p in plan.members]
         for p in plan.members:
-            tally = Tally(signed)
+            tally = Tally(signed, plan.members)
             for a in attestations:
                 tally.add(a)
             assert tally.status is Status.CONFIRMED
