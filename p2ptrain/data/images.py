@@ -37,6 +37,12 @@ MAX_IMAGE_FILE_BYTES = 256 * 1024 * 1024
 MAX_IMAGE_PIXELS = 1 << 26
 # Images in one dataset: ImageNet-1k has 1.28M; the labels array and file list stay small.
 MAX_IMAGES = 1 << 24
+
+
+class ImageError(UserError, ValueError):
+    """An image folder or file that is over the bounds or not a PNG/JPEG image we can read."""
+
+
 # Modes that are already one channel: such images stay grayscale if every image is one.
 _GRAY = frozenset({"1", "L", "LA", "I", "I;16", "I;16L", "I;16B", "F"})
 
@@ -54,9 +60,9 @@ def parse_size(text: str) -> tuple[int, int]:
     try:
         width, height = (int(parts[0]), int(parts[0])) if len(parts) == 1 else (int(parts[0]), int(parts[1]))
     except ValueError:
-        raise UserError(f"--image-size {text}: give N or WIDTHxHEIGHT, e.g. 32 or 64x48") from None
+        raise ImageError(f"--image-size {text}: give N or WIDTHxHEIGHT, e.g. 32 or 64x48") from None
     if len(parts) > 2 or not (1 <= width <= 4096 and 1 <= height <= 4096):
-        raise UserError(f"--image-size {text}: give N or WIDTHxHEIGHT, each from 1 to 4096")
+        raise ImageError(f"--image-size {text}: give N or WIDTHxHEIGHT, each from 1 to 4096")
     return width, height
 
 
@@ -71,14 +77,14 @@ def read_image_folder(
     if size is None:
         if len(set(sizes)) > 1:
             first, other = sizes[0], next(s for s in sizes if s != sizes[0])
-            raise UserError(f"{root}: images differ in size ({first[0]}x{first[1]}, {other[0]}x{other[1]}, ...): "
+            raise ImageError(f"{root}: images differ in size ({first[0]}x{first[1]}, {other[0]}x{other[1]}, ...): "
                             "give --image-size")
         size = sizes[0]
     mode = "L" if all(m in _GRAY for m in modes) else "RGB"
     channels = 1 if mode == "L" else 3
     width, height = size
     if channels * width * height > MAX_SAMPLE_ELEMENTS:
-        raise UserError(f"{channels}x{height}x{width} pixels per image are over {MAX_SAMPLE_ELEMENTS}")
+        raise ImageError(f"{channels}x{height}x{width} pixels per image are over {MAX_SAMPLE_ELEMENTS}")
     features = _scratch((len(files), channels, height, width))
     labels = np.empty(len(files), dtype=np.int64)
     ops = need("PIL.ImageOps", "reading an image folder")
@@ -108,13 +114,13 @@ def _listing(root: Path) -> tuple[tuple[str, ...], list[tuple[int, Path]]]:
             continue
         name = sub.name
         if len(name) > MAX_CLASS_NAME or not _printable_utf8(name):
-            raise UserError(f"{sub}: a class folder's name must be at most {MAX_CLASS_NAME} printable UTF-8 characters")
+            raise ImageError(f"{sub}: a class folder's name must be at most {MAX_CLASS_NAME} printable UTF-8 characters")
         files.extend((len(classes), path) for path in found)
         classes.append(name)
         if len(classes) > MAX_CLASSES or len(files) > MAX_IMAGES:
-            raise UserError(f"{root}: over {MAX_CLASSES} classes or {MAX_IMAGES} images")
+            raise ImageError(f"{root}: over {MAX_CLASSES} classes or {MAX_IMAGES} images")
     if not files:
-        raise UserError(f"{root}: no class folders with .png/.jpg files (root/CLASS/IMAGE.png)")
+        raise ImageError(f"{root}: no class folders with .png/.jpg files (root/CLASS/IMAGE.png)")
     return tuple(classes), files
 
 
@@ -145,19 +151,22 @@ def _opened(image, path: Path) -> Iterator:
     try:
         size = path.stat().st_size
         if size > MAX_IMAGE_FILE_BYTES:
-            raise UserError(f"{path}: {size} B is over the {MAX_IMAGE_FILE_BYTES} B limit of an image file")
+            raise ImageError(f"{path}: {size} B is over the {MAX_IMAGE_FILE_BYTES} B limit of an image file")
         with warnings.catch_warnings():
             warnings.simplefilter("error", image.DecompressionBombWarning)
             with image.open(path, formats=FORMATS) as im:
                 width, height = im.size
                 if width * height > MAX_IMAGE_PIXELS:
-                    raise UserError(f"{path}: its header claims {width}x{height} pixels, over the limit of "
+                    raise ImageError(f"{path}: its header claims {width}x{height} pixels, over the limit of "
                                     f"{MAX_IMAGE_PIXELS}")
                 yield im
-    except UserError:
+    except ImageError:
         raise
+    except (image.DecompressionBombError, image.DecompressionBombWarning) as exc:  # Pillow's check, in open()
+        raise ImageError(f"{path}: its header claims more pixels than the limit of {MAX_IMAGE_PIXELS} "
+                         f"({str(exc).split(',')[0]})") from None
     except Exception as exc:  # noqa: BLE001 (see the docstring)
-        raise UserError(f"{path}: not a PNG or JPEG image we can read ({type(exc).__name__}: {exc})") from None
+        raise ImageError(f"{path}: not a PNG or JPEG image we can read ({type(exc).__name__}: {exc})") from None
 
 
 def _decode(image, ops, path: Path, mode: str, size: tuple[int, int]) -> np.ndarray:

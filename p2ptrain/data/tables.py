@@ -54,6 +54,10 @@ BATCH_ROWS = 1 << 16
 Column = np.ndarray | list[str]
 
 
+class TableError(UserError, ValueError):
+    """A table file that is over the bounds, not what it says it is, or not what the options ask."""
+
+
 def table_kind(path: Path) -> str | None:
     """``parquet``, ``arrow`` or ``jsonl`` by the file's suffix; ``None`` for anything else."""
     return KINDS.get(path.suffix.lower()) if path.is_file() else None
@@ -91,19 +95,19 @@ def table_arrays(path: Path, features: list[str] | None, label: str) -> tuple[np
     if features is None:
         features = [name for name in numeric_columns(path) if name != label]
         if not features:
-            raise UserError(f"{path}: no numeric column besides {label!r}: choose --features COL,...")
+            raise TableError(f"{path}: no numeric column besides {label!r}: choose --features COL,...")
     if label in features:
-        raise UserError(f"{path}: {label!r} is the label; it cannot be a feature too")
+        raise TableError(f"{path}: {label!r} is the label; it cannot be a feature too")
     columns = read_columns(path, [*features, label])
     parts = []
     for name in features:
         column = columns[name]
         if isinstance(column, list):
-            raise UserError(f"{path}: column {name!r} holds text, not numbers: choose other --features (or --text)")
+            raise TableError(f"{path}: column {name!r} holds text, not numbers: choose other --features (or --text)")
         part = column.astype(np.float32).reshape(len(column), -1)
         if not np.isfinite(part).all():
             row = int(np.nonzero(~np.isfinite(part).all(axis=1))[0][0])
-            raise UserError(f"{path}: column {name!r} is not a finite number in row {row}")
+            raise TableError(f"{path}: column {name!r} is not a finite number in row {row}")
         parts.append(part)
     labels, classes = _labels(path, label, columns[label])
     return np.concatenate(parts, axis=1), labels, classes
@@ -113,7 +117,7 @@ def table_documents(path: Path, column: str) -> list[tuple[str, str]]:
     """The strings of a text column, each named ``path row N`` for errors."""
     values = read_columns(path, [column])[column]
     if not isinstance(values, list):
-        raise UserError(f"{path}: column {column!r} holds numbers, not text")
+        raise TableError(f"{path}: column {column!r} holds numbers, not text")
     return [(f"{path} row {i}", text) for i, text in enumerate(values)]
 
 
@@ -123,12 +127,12 @@ def _labels(path: Path, name: str, column: Column) -> tuple[np.ndarray, tuple[st
         index = {c: i for i, c in enumerate(classes)}
         return np.fromiter((index[v] for v in column), dtype=np.int64, count=len(column)), classes
     if column.ndim != 1:
-        raise UserError(f"{path}: label column {name!r} holds lists; a label is one number or string")
+        raise TableError(f"{path}: label column {name!r} holds lists; a label is one number or string")
     if column.dtype.kind == "f" and not (np.isfinite(column).all() and (column == np.round(column)).all()):
-        raise UserError(f"{path}: label column {name!r} holds fractions; labels are class numbers (or strings)")
+        raise TableError(f"{path}: label column {name!r} holds fractions; labels are class numbers (or strings)")
     labels = column.astype(np.int64)
     if len(labels) and labels.min() < 0:
-        raise UserError(f"{path}: label column {name!r} holds negative numbers; classes count from 0")
+        raise TableError(f"{path}: label column {name!r} holds negative numbers; classes count from 0")
     return labels, None
 
 
@@ -142,9 +146,9 @@ class _Budget:
         self.rows += rows
         self.bytes += size
         if self.rows > MAX_ROWS:
-            raise UserError(f"{self.path}: over {MAX_ROWS} rows")
+            raise TableError(f"{self.path}: over {MAX_ROWS} rows")
         if self.bytes > MAX_TABLE_BYTES:
-            raise UserError(f"{self.path}: the chosen columns decode to over {MAX_TABLE_BYTES} B")
+            raise TableError(f"{self.path}: the chosen columns decode to over {MAX_TABLE_BYTES} B")
 
 
 # --- Parquet ----------------------------------------------------------------------------------------
@@ -159,14 +163,14 @@ def _parquet(path: Path) -> tuple[Any, int]:
         f.seek(max(size - 8, 0))
         tail = f.read(8)
     if tail[4:] == b"PARE":
-        raise UserError(f"{path}: an encrypted Parquet file (not supported)")
+        raise TableError(f"{path}: an encrypted Parquet file (not supported)")
     if size < 12 or head != b"PAR1" or tail[4:] != b"PAR1":
-        raise UserError(f"{path}: not a Parquet file (no PAR1 at its start and end)")
+        raise TableError(f"{path}: not a Parquet file (no PAR1 at its start and end)")
     footer = int.from_bytes(tail[:4], "little")
     if footer > size - 12:
-        raise UserError(f"{path}: its footer claims {footer} B, more than the file's {size} B hold")
+        raise TableError(f"{path}: its footer claims {footer} B, more than the file's {size} B hold")
     if footer > MAX_FOOTER_BYTES:
-        raise UserError(f"{path}: a footer of {footer} B, over the {MAX_FOOTER_BYTES} B limit")
+        raise TableError(f"{path}: a footer of {footer} B, over the {MAX_FOOTER_BYTES} B limit")
     parquet = pq.ParquetFile(path, thrift_string_size_limit=MAX_FOOTER_BYTES, pre_buffer=False,
                              thrift_container_size_limit=MAX_FOOTER_ENTRIES, schema_depth_limit=MAX_SCHEMA_DEPTH)
     return parquet, size - 8 - footer
@@ -177,29 +181,29 @@ def _parquet_batches(path: Path, names: list[str]) -> Iterator[Any]:
     meta = parquet.metadata
     _has_columns(path, parquet.schema_arrow.names, names)
     if not 0 <= meta.num_rows <= MAX_ROWS:
-        raise UserError(f"{path}: its footer claims {meta.num_rows} rows, outside 0 to {MAX_ROWS}")
+        raise TableError(f"{path}: its footer claims {meta.num_rows} rows, outside 0 to {MAX_ROWS}")
     if meta.num_row_groups > MAX_GROUPS or meta.num_columns > MAX_COLUMNS:
-        raise UserError(f"{path}: {meta.num_row_groups} row groups of {meta.num_columns} columns, over "
+        raise TableError(f"{path}: {meta.num_row_groups} row groups of {meta.num_columns} columns, over "
                         f"{MAX_GROUPS} or {MAX_COLUMNS}")
     rows, declared = 0, 0
     wanted = {i for i in range(meta.num_columns) if meta.schema.column(i).path.split(".")[0] in names}
     for g in range(meta.num_row_groups):
         group = meta.row_group(g)
         if group.num_rows < 0:
-            raise UserError(f"{path}: row group {g} claims {group.num_rows} rows")
+            raise TableError(f"{path}: row group {g} claims {group.num_rows} rows")
         rows += group.num_rows
         for c in range(group.num_columns):
             chunk = group.column(c)
             starts = [o for o in (chunk.dictionary_page_offset, chunk.data_page_offset) if o is not None]
             start, end = min(starts), min(starts) + chunk.total_compressed_size
             if start < 4 or chunk.total_compressed_size < 0 or end > data_end:
-                raise UserError(f"{path}: row group {g} puts column {chunk.path_in_schema!r} at bytes {start}-{end}, "
+                raise TableError(f"{path}: row group {g} puts column {chunk.path_in_schema!r} at bytes {start}-{end}, "
                                 f"outside the file's data (4-{data_end}): the footer does not describe this file")
             declared += chunk.total_uncompressed_size if c in wanted else 0
     if rows != meta.num_rows:
-        raise UserError(f"{path}: its row groups hold {rows} rows, its footer says {meta.num_rows}")
+        raise TableError(f"{path}: its row groups hold {rows} rows, its footer says {meta.num_rows}")
     if declared > MAX_TABLE_BYTES:
-        raise UserError(f"{path}: the chosen columns are {declared} B uncompressed, over {MAX_TABLE_BYTES}")
+        raise TableError(f"{path}: the chosen columns are {declared} B uncompressed, over {MAX_TABLE_BYTES}")
     # Strings are read as dictionaries (as stored), so their decoded size is counted before they are.
     strings = [f.name for f in parquet.schema_arrow if f.name in names and _is_text(f.type)]
     reader = need("pyarrow.parquet", "reading a Parquet table").ParquetFile(
@@ -218,14 +222,14 @@ def _arrow(pa: Any, path: Path) -> Any:
         f.seek(max(size - 10, 0))
         tail = f.read(10)
     if size < 18 or head != b"ARROW1" or tail[4:] != b"ARROW1":
-        raise UserError(f"{path}: not an Arrow IPC file (no ARROW1 at its start and end)")
+        raise TableError(f"{path}: not an Arrow IPC file (no ARROW1 at its start and end)")
     footer = int.from_bytes(tail[:4], "little", signed=True)
     if not 0 < footer <= min(size - 18, MAX_FOOTER_BYTES):
-        raise UserError(f"{path}: its footer claims {footer} B, outside the file's {size} B or the "
+        raise TableError(f"{path}: its footer claims {footer} B, outside the file's {size} B or the "
                         f"{MAX_FOOTER_BYTES} B limit")
     reader = pa.ipc.open_file(pa.memory_map(str(path)))
     if len(reader.schema.names) > MAX_COLUMNS or reader.num_record_batches > MAX_GROUPS:
-        raise UserError(f"{path}: {len(reader.schema.names)} columns in {reader.num_record_batches} batches, "
+        raise TableError(f"{path}: {len(reader.schema.names)} columns in {reader.num_record_batches} batches, "
                         f"over {MAX_COLUMNS} or {MAX_GROUPS}")
     return reader
 
@@ -246,16 +250,16 @@ def _arrow_errors(pa: Any, path: Path) -> Iterator[None]:
     """pyarrow's errors (bad bytes, a schema it cannot read, an allocation refused) as one line."""
     try:
         yield
-    except UserError:
+    except TableError:
         raise
     except (pa.ArrowException, OSError, ValueError, MemoryError) as exc:
-        raise UserError(f"{path}: cannot be read as a table: {str(exc).splitlines()[0][:300]}") from None
+        raise TableError(f"{path}: cannot be read as a table: {str(exc).splitlines()[0][:300]}") from None
 
 
 def _has_columns(path: Path, have: list[str], names: list[str]) -> None:
     missing = [n for n in names if n not in have]
     if missing:
-        raise UserError(f"{path}: no column {missing[0]!r} (it has {', '.join(have[:20])})")
+        raise TableError(f"{path}: no column {missing[0]!r} (it has {', '.join(have[:20])})")
 
 
 def _numeric(pa: Any, kind: Any) -> bool:
@@ -290,12 +294,12 @@ def _decoded_bytes(pa: Any, array: Any) -> int:
 
 def _from_arrow(pa: Any, where: str, chunks: list[Any]) -> Column:
     if not chunks or sum(len(c) for c in chunks) == 0:
-        raise UserError(f"{where}: the table has no rows")
+        raise TableError(f"{where}: the table has no rows")
     array = pa.chunked_array(chunks)
     if pa.types.is_dictionary(array.type):
         array = array.cast(array.type.value_type)  # its decoded size was counted in the budget
     if array.null_count:
-        raise UserError(f"{where}: {array.null_count} empty (null) values")
+        raise TableError(f"{where}: {array.null_count} empty (null) values")
     kind = array.type
     if _numeric(pa, kind):
         return array.to_numpy()
@@ -304,11 +308,11 @@ def _from_arrow(pa: Any, where: str, chunks: list[Any]) -> Column:
         lengths = compute.list_value_length(array).to_numpy()
         flat = compute.list_flatten(array)
         if len(set(lengths.tolist())) != 1 or lengths[0] == 0 or flat.null_count:
-            raise UserError(f"{where}: lists of numbers must all have one length (> 0) and no empty values")
+            raise TableError(f"{where}: lists of numbers must all have one length (> 0) and no empty values")
         return flat.to_numpy().reshape(len(array), int(lengths[0]))
     if pa.types.is_string(kind) or pa.types.is_large_string(kind):
         return array.to_pylist()
-    raise UserError(f"{where}: a column of {str(kind)[:80]}; a dataset reads numbers, lists of numbers or strings")
+    raise TableError(f"{where}: a column of {str(kind)[:80]}; a dataset reads numbers, lists of numbers or strings")
 
 
 # --- JSON Lines ------------------------------------------------------------------------------------
@@ -322,15 +326,15 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[int, int, dict[str, Any]]]:
             if not line:
                 return
             if len(line) > MAX_LINE_BYTES:
-                raise UserError(f"{path}, line {number}: over the {MAX_LINE_BYTES} B limit of a JSON Lines row")
+                raise TableError(f"{path}, line {number}: over the {MAX_LINE_BYTES} B limit of a JSON Lines row")
             if not line.strip():
                 continue
             try:
                 row = boundedjson.loads(line, max_depth=MAX_LINE_DEPTH, what=f"{path}, line {number}")
             except boundedjson.JSONBoundsError as exc:
-                raise UserError(str(exc)) from None
+                raise TableError(str(exc)) from None
             if type(row) is not dict:
-                raise UserError(f"{path}, line {number}: not a JSON object")
+                raise TableError(f"{path}, line {number}: not a JSON object")
             yield number, len(line), row
 
 
@@ -342,7 +346,7 @@ def _read_jsonl(path: Path, names: list[str]) -> dict[str, Column]:
         for name in names:
             value = row.get(name)
             if value is None:
-                raise UserError(f"{path}, line {number}: no value for {name!r}")
+                raise TableError(f"{path}, line {number}: no value for {name!r}")
             values[name].append(value)
     return {name: _from_values(f"{path}: column {name!r}", column) for name, column in values.items()}
 
@@ -353,7 +357,7 @@ def _is_number(value: Any) -> bool:
 
 def _from_values(where: str, values: list[Any]) -> Column:
     if not values:
-        raise UserError(f"{where}: the table has no rows")
+        raise TableError(f"{where}: the table has no rows")
     if all(map(_is_number, values)):
         return np.asarray(values)
     if all(type(v) is str for v in values):
@@ -362,5 +366,5 @@ def _from_values(where: str, values: list[Any]) -> Column:
         width = len(values[0])
         if width and all(len(v) == width and all(map(_is_number, v)) for v in values):
             return np.asarray(values, dtype=np.float64)
-        raise UserError(f"{where}: lists must all hold numbers and have one length (> 0)")
-    raise UserError(f"{where}: values must all be numbers, all strings, or all lists of numbers")
+        raise TableError(f"{where}: lists must all hold numbers and have one length (> 0)")
+    raise TableError(f"{where}: values must all be numbers, all strings, or all lists of numbers")
