@@ -95,6 +95,8 @@ def build_source(
         tokens = Tokens(source.vocab_size, tokenizer)
     pixels: Pixels | Literal["train"] | None = None
     if source.images:
+        if standardize:
+            raise ValueError("--standardize is per feature, for tables and arrays: an image folder takes --normalize")
         channels = source.features.shape[1]
         pixels = normalize or Pixels((0.0,) * channels, (1.0,) * channels)
     elif normalize is not None:
