@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from p2ptrain import boundedjson
+from p2ptrain.data.parquet_footer import Footer, FooterError, read_footer
 from p2ptrain.data.source import need
 from p2ptrain.errors import UserError
 
@@ -39,7 +40,8 @@ MAX_ROWS = 1 << 28
 MAX_TABLE_BYTES = 4 << 30
 # Parquet / Arrow footer (the schema and every row group's metadata): real files have KBs to MBs.
 MAX_FOOTER_BYTES = 64 << 20
-# Columns of a schema (leaves) and its nesting depth; entries of the footer's lists (column chunks).
+# Columns of a schema (Parquet: its elements) and its nesting depth; values in a footer (each column
+# chunk is about 20).
 MAX_COLUMNS = 10_000
 MAX_SCHEMA_DEPTH = 16
 MAX_FOOTER_ENTRIES = 1 << 22
@@ -71,7 +73,7 @@ def numeric_columns(path: Path) -> list[str]:
         return [k for k, v in first.items() if _is_number(v) or (type(v) is list and v and all(map(_is_number, v)))]
     pa = need("pyarrow", "reading a Parquet or Arrow table")
     with _arrow_errors(pa, path):
-        schema = _parquet(path)[0].schema_arrow if table_kind(path) == "parquet" else _arrow(pa, path).schema
+        schema = _parquet(path).schema_arrow if table_kind(path) == "parquet" else _arrow(pa, path).schema
     return [f.name for f in schema if _numeric(pa, f.type) or (_is_list(pa, f.type) and _numeric(pa, f.type.value_type))]
 
 
@@ -153,63 +155,65 @@ class _Budget:
 
 # --- Parquet ----------------------------------------------------------------------------------------
 
-def _parquet(path: Path) -> tuple[Any, int]:
-    """The opened file, after its footer's length was checked against the file; and where the
-    data ends (the footer's start)."""
+def _parquet(path: Path, names: list[str] | None = None) -> Any:
+    """The opened file, after its footer was read and checked against the file by
+    :mod:`p2ptrain.data.parquet_footer` (and, given ``names``, their declared sizes against the
+    budget); string columns among ``names`` are read as dictionaries, as stored, so their decoded
+    size is counted before they are decoded."""
     pq = need("pyarrow.parquet", "reading a Parquet table")
     size = path.stat().st_size
     with open(path, "rb") as f:
         head = f.read(4)
         f.seek(max(size - 8, 0))
         tail = f.read(8)
-    if tail[4:] == b"PARE":
-        raise TableError(f"{path}: an encrypted Parquet file (not supported)")
-    if size < 12 or head != b"PAR1" or tail[4:] != b"PAR1":
-        raise TableError(f"{path}: not a Parquet file (no PAR1 at its start and end)")
-    footer = int.from_bytes(tail[:4], "little")
-    if footer > size - 12:
-        raise TableError(f"{path}: its footer claims {footer} B, more than the file's {size} B hold")
-    if footer > MAX_FOOTER_BYTES:
-        raise TableError(f"{path}: a footer of {footer} B, over the {MAX_FOOTER_BYTES} B limit")
-    parquet = pq.ParquetFile(path, thrift_string_size_limit=MAX_FOOTER_BYTES, pre_buffer=False,
+        if tail[4:] == b"PARE":
+            raise TableError(f"{path}: an encrypted Parquet file (not supported)")
+        if size < 12 or head != b"PAR1" or tail[4:] != b"PAR1":
+            raise TableError(f"{path}: not a Parquet file (no PAR1 at its start and end)")
+        length = int.from_bytes(tail[:4], "little")
+        if length > size - 12:
+            raise TableError(f"{path}: its footer claims {length} B, more than the file's {size} B hold")
+        if length > MAX_FOOTER_BYTES:
+            raise TableError(f"{path}: a footer of {length} B, over the {MAX_FOOTER_BYTES} B limit")
+        data_end = size - 8 - length
+        f.seek(data_end)
+        raw = f.read(length)
+    try:
+        footer = read_footer(raw, MAX_FOOTER_ENTRIES)
+    except FooterError as exc:
+        raise TableError(f"{path}: {exc}") from None
+    _check_footer(path, footer, data_end, names or [])
+    parquet = pq.ParquetFile(path, pre_buffer=False, thrift_string_size_limit=MAX_FOOTER_BYTES,
                              thrift_container_size_limit=MAX_FOOTER_ENTRIES, schema_depth_limit=MAX_SCHEMA_DEPTH)
-    return parquet, size - 8 - footer
+    strings = [f.name for f in parquet.schema_arrow if names and f.name in names and _is_text(f.type)]
+    if not strings:
+        return parquet
+    return pq.ParquetFile(path, read_dictionary=strings, pre_buffer=False, thrift_string_size_limit=MAX_FOOTER_BYTES,
+                          thrift_container_size_limit=MAX_FOOTER_ENTRIES, schema_depth_limit=MAX_SCHEMA_DEPTH)
+
+
+def _check_footer(path: Path, footer: Footer, data_end: int, names: list[str]) -> None:
+    if not 0 <= footer.num_rows <= MAX_ROWS:
+        raise TableError(f"{path}: its footer claims {footer.num_rows} rows, outside 0 to {MAX_ROWS}")
+    if footer.row_groups > MAX_GROUPS or footer.schema_elements > MAX_COLUMNS:
+        raise TableError(f"{path}: {footer.row_groups} row groups of {footer.schema_elements} schema elements, "
+                         f"over {MAX_GROUPS} or {MAX_COLUMNS}")
+    declared = 0
+    for chunk in footer.chunks:
+        if chunk.start < 4 or chunk.end > data_end:
+            raise TableError(f"{path}: its footer puts column {chunk.column!r} at bytes {chunk.start}-{chunk.end}, "
+                             f"outside the file's data (4-{data_end}): the footer does not describe this file")
+        if chunk.uncompressed < 0:
+            raise TableError(f"{path}: its footer gives column {chunk.column!r} a negative size")
+        declared += chunk.uncompressed if chunk.column in names else 0
+    if declared > MAX_TABLE_BYTES:
+        raise TableError(f"{path}: the chosen columns are {declared} B uncompressed, over {MAX_TABLE_BYTES}")
 
 
 def _parquet_batches(path: Path, names: list[str]) -> Iterator[Any]:
-    parquet, data_end = _parquet(path)
-    meta = parquet.metadata
+    parquet = _parquet(path, names)
     _has_columns(path, parquet.schema_arrow.names, names)
-    if not 0 <= meta.num_rows <= MAX_ROWS:
-        raise TableError(f"{path}: its footer claims {meta.num_rows} rows, outside 0 to {MAX_ROWS}")
-    if meta.num_row_groups > MAX_GROUPS or meta.num_columns > MAX_COLUMNS:
-        raise TableError(f"{path}: {meta.num_row_groups} row groups of {meta.num_columns} columns, over "
-                        f"{MAX_GROUPS} or {MAX_COLUMNS}")
-    rows, declared = 0, 0
-    wanted = {i for i in range(meta.num_columns) if meta.schema.column(i).path.split(".")[0] in names}
-    for g in range(meta.num_row_groups):
-        group = meta.row_group(g)
-        if group.num_rows < 0:
-            raise TableError(f"{path}: row group {g} claims {group.num_rows} rows")
-        rows += group.num_rows
-        for c in range(group.num_columns):
-            chunk = group.column(c)
-            starts = [o for o in (chunk.dictionary_page_offset, chunk.data_page_offset) if o is not None]
-            start, end = min(starts), min(starts) + chunk.total_compressed_size
-            if start < 4 or chunk.total_compressed_size < 0 or end > data_end:
-                raise TableError(f"{path}: row group {g} puts column {chunk.path_in_schema!r} at bytes {start}-{end}, "
-                                f"outside the file's data (4-{data_end}): the footer does not describe this file")
-            declared += chunk.total_uncompressed_size if c in wanted else 0
-    if rows != meta.num_rows:
-        raise TableError(f"{path}: its row groups hold {rows} rows, its footer says {meta.num_rows}")
-    if declared > MAX_TABLE_BYTES:
-        raise TableError(f"{path}: the chosen columns are {declared} B uncompressed, over {MAX_TABLE_BYTES}")
-    # Strings are read as dictionaries (as stored), so their decoded size is counted before they are.
-    strings = [f.name for f in parquet.schema_arrow if f.name in names and _is_text(f.type)]
-    reader = need("pyarrow.parquet", "reading a Parquet table").ParquetFile(
-        path, read_dictionary=strings, pre_buffer=False, thrift_string_size_limit=MAX_FOOTER_BYTES,
-        thrift_container_size_limit=MAX_FOOTER_ENTRIES, schema_depth_limit=MAX_SCHEMA_DEPTH)
-    yield from reader.iter_batches(batch_size=BATCH_ROWS, columns=names)
+    yield from parquet.iter_batches(batch_size=BATCH_ROWS, columns=names)
 
 
 # --- Arrow IPC -------------------------------------------------------------------------------------
@@ -257,6 +261,9 @@ def _arrow_errors(pa: Any, path: Path) -> Iterator[None]:
 
 
 def _has_columns(path: Path, have: list[str], names: list[str]) -> None:
+    twice = sorted({n for n in names if have.count(n) > 1})
+    if twice:
+        raise TableError(f"{path}: more than one column is named {twice[0]!r}")
     missing = [n for n in names if n not in have]
     if missing:
         raise TableError(f"{path}: no column {missing[0]!r} (it has {', '.join(have[:20])})")

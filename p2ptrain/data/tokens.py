@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import glob
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -59,14 +60,27 @@ def parse_tokenizer(data: bytes, what: str = "tokenizer") -> Any:
     if type(raw) is not dict or type(raw.get("model")) is not dict:
         raise TokenizerError(f"{what}: not a tokenizer.json (an object with a 'model')")
     library = need("tokenizers", "a tokenizer file")
-    try:
+    with library_errors(f"{what}: the tokenizers library refuses it"):
         tokenizer = library.Tokenizer.from_str(data.decode())
-    except Exception as exc:  # noqa: BLE001 (the library raises plain Exception for a bad file)
-        raise TokenizerError(f"{what}: the tokenizers library refuses it: {exc}") from None
-    vocab = vocab_size(tokenizer)
+        vocab = vocab_size(tokenizer)
     if not 2 <= vocab <= MAX_VOCAB:
         raise TokenizerError(f"{what}: a vocabulary of {vocab} ids, outside 2 to {MAX_VOCAB}")
     return tokenizer
+
+
+@contextmanager
+def library_errors(what: str) -> Iterator[None]:
+    """The tokenizers library's failures as one :class:`TokenizerError`: it raises plain
+    ``Exception`` for a bad file, and a Rust panic inside it arrives as ``PanicException``, which
+    derives from ``BaseException`` (a fuzzed tokenizer.json panicked on a slice index)."""
+    try:
+        yield
+    except (KeyboardInterrupt, SystemExit, GeneratorExit):
+        raise
+    except TokenizerError:
+        raise
+    except BaseException as exc:  # noqa: BLE001 (see the docstring)
+        raise TokenizerError(f"{what}: {type(exc).__name__}: {str(exc)[:300]}") from None
 
 
 def vocab_size(tokenizer: Any) -> int:
@@ -187,7 +201,8 @@ def _tokenize(model: Any, documents: Iterable[tuple[str, bytes | str]], eos: int
     end = np.asarray([eos if eos is not None else 0], dtype=dtype)
 
     def flush() -> None:
-        encoded = iter(model.encode_batch([p for p in pending if p is not None], add_special_tokens=False))
+        with library_errors("the tokenizer fails on this text"):
+            encoded = iter(model.encode_batch([p for p in pending if p is not None], add_special_tokens=False))
         parts.extend(end if p is None else np.asarray(next(encoded).ids, dtype=dtype) for p in pending)
         pending.clear()
 
