@@ -121,7 +121,12 @@ class IPFSDataset(IterableDataset):
 
     def load_shard(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Fetch (or read from cache), verify and decode shard ``index`` of the split; standardize its
-        features when the manifest says so (as float32)."""
+        features, or scale its pixels, when the manifest says so (as float32)."""
+        features, labels = self._read(index)
+        return torch.from_numpy(self._scaled(features)), torch.from_numpy(labels)
+
+    def _read(self, index: int) -> tuple[np.ndarray, np.ndarray]:
+        """Shard ``index`` as stored (pixels still uint8: shuffling them moves a quarter of the bytes)."""
         ref: ShardRef = self.manifest.shards(self.split)[index]
         try:
             data = self.store.cat(ref.cid)
@@ -134,11 +139,14 @@ class IPFSDataset(IterableDataset):
             raise ShardUnavailable(
                 f"shard {index} of split {self.split!r} ({ref.cid}) cannot be used: {reason}", ref.cid
             ) from exc
+        return features, labels
+
+    def _scaled(self, features: np.ndarray) -> np.ndarray:
         if self.manifest.standardize is not None:
-            features = standardize(features, self.manifest.standardize)
+            return standardize(features, self.manifest.standardize)
         if self.manifest.pixels is not None:
-            features = apply_pixels(features, self.manifest.pixels)
-        return torch.from_numpy(features), torch.from_numpy(labels)
+            return apply_pixels(features, self.manifest.pixels)
+        return features
 
     def _check_ranges(self, features: np.ndarray, labels: np.ndarray) -> None:
         """Labels below the class count, token ids below the vocabulary (ShardError if not)."""
@@ -172,7 +180,7 @@ class IPFSDataset(IterableDataset):
         """
         if self.store.has(self.manifest.shards(self.split)[index].cid):
             return None
-        return pool.submit(self.load_shard, index)
+        return pool.submit(self._read, index)
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         ids = self._my_shards()
@@ -181,10 +189,9 @@ class IPFSDataset(IterableDataset):
         with ThreadPoolExecutor(1, thread_name_prefix="ipfs-prefetch") as prefetch:
             pending = self._prefetch(prefetch, ids[0])
             for k, index in enumerate(ids):
-                features, labels = pending.result() if pending else self.load_shard(index)
+                features, labels = pending.result() if pending else self._read(index)
                 pending = self._prefetch(prefetch, ids[k + 1]) if k + 1 < len(ids) else None
                 if self.shuffle:
-                    rng = np.random.default_rng([self.seed, self.epoch, index])
-                    order = torch.from_numpy(rng.permutation(len(labels)))
+                    order = np.random.default_rng([self.seed, self.epoch, index]).permutation(len(labels))
                     features, labels = features[order], labels[order]
-                yield from zip(features.unbind(0), labels.unbind(0))
+                yield from zip(torch.from_numpy(self._scaled(features)).unbind(0), torch.from_numpy(labels).unbind(0))

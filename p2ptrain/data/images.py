@@ -1,13 +1,13 @@
 """An image folder (``root/CLASS/*.png|jpg``) as a dataset: uint8 pixels of one size, labels from
 the folder names.
 
-Two passes, so that nothing is decoded before every file has been looked at: the first opens each
-file lazily (Pillow reads only the header) and refuses a file over :data:`MAX_IMAGE_FILE_BYTES`, a
-format other than PNG or JPEG, or a header that claims more than :data:`MAX_IMAGE_PIXELS` pixels
-(a 50,000 x 50,000 PNG of a few hundred bytes would otherwise ask for 7.5 GB); the second decodes,
-converts to RGB (or grayscale when every image is), scales to cover the target size and crops the
-centre (``ImageOps.fit``), into one preallocated array. That array is memory-mapped from an
-unlinked temporary file, so a folder larger than memory can be added.
+Each file is opened lazily (Pillow reads only the header) and refused before any pixel is decoded
+if it is over :data:`MAX_IMAGE_FILE_BYTES`, not PNG or JPEG, or claims more than
+:data:`MAX_IMAGE_PIXELS` pixels (a 50,000 x 50,000 PNG of a few hundred bytes would otherwise ask for
+7.5 GB); then it is decoded, converted to RGB (grayscale stays one channel when every image is),
+scaled to cover the target size and centre-cropped (``ImageOps.fit``) into one preallocated array,
+on one thread per core. That array is memory-mapped from an unlinked temporary file, so a folder
+larger than memory can be added; nothing is stored before every file is decoded.
 
 Classes are the subfolders that hold images, in sorted order (label ``i`` is ``classes[i]``), and
 files are read in sorted order, so the same folder gives the same shards. The pixels depend on
@@ -16,11 +16,14 @@ Pillow's decoders and resampling: pin Pillow where CIDs must match across machin
 
 from __future__ import annotations
 
+import os
 import tempfile
 import warnings
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 
@@ -43,6 +46,9 @@ class ImageError(UserError, ValueError):
     """An image folder or file that is over the bounds or not a PNG/JPEG image we can read."""
 
 
+# Files handed to the decoding threads at a time.
+THREAD_BATCH = 256
+T = TypeVar("T")
 # Modes that are already one channel: such images stay grayscale if every image is one.
 _GRAY = frozenset({"1", "L", "LA", "I", "I;16", "I;16L", "I;16B", "F"})
 
@@ -70,29 +76,26 @@ def read_image_folder(
     root: Path, size: tuple[int, int] | None = None, progress: Callable[[int], None] | None = None
 ) -> Source:
     """The folder as uint8 ``(N, C, H, W)`` features and int64 labels (``size`` is width, height;
-    ``None``: the images' own size, which must then be the same for all)."""
+    ``None``: the first image's size, which every image must then have)."""
     image = need("PIL.Image", "reading an image folder")
-    classes, files = _listing(root)
-    modes, sizes = _headers(image, files)
-    if size is None:
-        if len(set(sizes)) > 1:
-            first, other = sizes[0], next(s for s in sizes if s != sizes[0])
-            raise ImageError(f"{root}: images differ in size ({first[0]}x{first[1]}, {other[0]}x{other[1]}, ...): "
-                            "give --image-size")
-        size = sizes[0]
-    mode = "L" if all(m in _GRAY for m in modes) else "RGB"
-    channels = 1 if mode == "L" else 3
-    width, height = size
-    if channels * width * height > MAX_SAMPLE_ELEMENTS:
-        raise ImageError(f"{channels}x{height}x{width} pixels per image are over {MAX_SAMPLE_ELEMENTS}")
-    features = _scratch((len(files), channels, height, width))
-    labels = np.empty(len(files), dtype=np.int64)
     ops = need("PIL.ImageOps", "reading an image folder")
-    for i, (label, path) in enumerate(files):
-        features[i] = _decode(image, ops, path, mode, size)
-        labels[i] = label
-        if progress is not None:
-            progress(1)
+    classes, files = _listing(root)
+    same = size is None
+    if size is None:
+        with _opened(image, files[0][1]) as first:
+            size = first.size
+    width, height = size
+    if 3 * width * height > MAX_SAMPLE_ELEMENTS:
+        raise ImageError(f"3x{height}x{width} pixels per image are over {MAX_SAMPLE_ELEMENTS}")
+    features = _scratch((len(files), 3, height, width))
+    gray = np.asarray(_in_threads(lambda i: _decode(image, ops, files[i][1], size, same, features[i]), len(files),
+                                  progress))
+    if gray.all():
+        features = features[:, :1]
+    else:
+        for i in np.nonzero(gray)[0]:  # a grayscale image among colour ones: the same value in R, G and B
+            features[i, 1:] = features[i, :1]
+    labels = np.fromiter((label for label, _ in files), dtype=np.int64, count=len(files))
     return Source(dataset_name(root.resolve().name), features, labels, classes, images=True)
 
 
@@ -132,14 +135,17 @@ def _printable_utf8(name: str) -> bool:
     return name.isprintable()
 
 
-def _headers(image, files: list[tuple[int, Path]]) -> tuple[list[str], list[tuple[int, int]]]:
-    """Mode and size of every file from its header alone, each checked against the bounds."""
-    modes, sizes = [], []
-    for _, path in files:
-        with _opened(image, path) as im:
-            modes.append(im.mode)
-            sizes.append(im.size)
-    return modes, sizes
+def _in_threads(work: Callable[[int], T], count: int, progress: Callable[[int], None] | None = None) -> list[T]:
+    """``[work(0), ..., work(count - 1)]`` on one thread per core (Pillow decodes and resizes without
+    the GIL), a batch at a time so a million files never make a million futures. The first failure
+    in file order is the one raised, whatever the threads' timing."""
+    results: list[T] = []
+    with ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="images") as pool:
+        for start in range(0, count, THREAD_BATCH):
+            results.extend(pool.map(work, range(start, min(start + THREAD_BATCH, count))))
+            if progress is not None:
+                progress(min(THREAD_BATCH, count - start))
+    return results
 
 
 @contextmanager
@@ -169,18 +175,28 @@ def _opened(image, path: Path) -> Iterator:
         raise ImageError(f"{path}: not a PNG or JPEG image we can read ({type(exc).__name__}: {exc})") from None
 
 
-def _decode(image, ops, path: Path, mode: str, size: tuple[int, int]) -> np.ndarray:
-    """One image as uint8 ``(C, H, W)``: converted to ``mode``, scaled to cover ``size`` and
-    centre-cropped to it. A JPEG is decoded at the smallest of 1/8, 1/4, 1/2, 1 scale that still
-    covers ``size`` (``draft``): the same pixels on every run, for a fraction of the work."""
+def _decode(image, ops, path: Path, size: tuple[int, int], same: bool, out: np.ndarray) -> bool:
+    """Decode one image into ``out`` (uint8 ``(3, H, W)``): converted to RGB, or to grayscale into
+    channel 0 (then True is returned), scaled to cover ``size`` and centre-cropped to it; ``same``:
+    it must have that size already. A JPEG is decoded at the smallest of 1/8, 1/4, 1/2, 1 scale that
+    still covers ``size`` (``draft``): the same pixels on every run, for a fraction of the work."""
     with _opened(image, path) as im:
+        if same and im.size != size:
+            raise ImageError(f"{path}: images differ in size ({size[0]}x{size[1]}, {im.size[0]}x{im.size[1]}, ...): "
+                             "give --image-size")
+        gray = im.mode in _GRAY
+        mode = "L" if gray else "RGB"
         if im.format == "JPEG":
             im.draft(mode, size)
         im = im.convert(mode)
         if im.size != size:
             im = ops.fit(im, size, method=image.Resampling.BILINEAR)
         pixels = np.asarray(im, dtype=np.uint8)
-    return pixels[None] if pixels.ndim == 2 else pixels.transpose(2, 0, 1)
+    if gray:
+        out[0] = pixels
+    else:
+        out[:] = pixels.transpose(2, 0, 1)
+    return gray
 
 
 def _scratch(shape: tuple[int, ...]) -> np.ndarray:
