@@ -50,6 +50,8 @@ MAX_GROUPS = 1 << 16
 # One JSON Lines line, and its nesting (a row with a list of numbers is depth 2).
 MAX_LINE_BYTES = 16 << 20
 MAX_LINE_DEPTH = 8
+# The largest class number a label column may hold (a class count any model's output layer could have).
+MAX_LABEL = (1 << 31) - 1
 # Rows per Parquet read: bounds the memory of one step of the budget.
 BATCH_ROWS = 1 << 16
 
@@ -106,7 +108,8 @@ def table_arrays(path: Path, features: list[str] | None, label: str) -> tuple[np
         column = columns[name]
         if isinstance(column, list):
             raise TableError(f"{path}: column {name!r} holds text, not numbers: choose other --features (or --text)")
-        part = column.astype(np.float32).reshape(len(column), -1)
+        with np.errstate(over="ignore"):  # a number beyond float32 becomes inf, refused just below
+            part = column.astype(np.float32).reshape(len(column), -1)
         if not np.isfinite(part).all():
             row = int(np.nonzero(~np.isfinite(part).all(axis=1))[0][0])
             raise TableError(f"{path}: column {name!r} is not a finite number in row {row}")
@@ -132,10 +135,9 @@ def _labels(path: Path, name: str, column: Column) -> tuple[np.ndarray, tuple[st
         raise TableError(f"{path}: label column {name!r} holds lists; a label is one number or string")
     if column.dtype.kind == "f" and not (np.isfinite(column).all() and (column == np.round(column)).all()):
         raise TableError(f"{path}: label column {name!r} holds fractions; labels are class numbers (or strings)")
-    labels = column.astype(np.int64)
-    if len(labels) and labels.min() < 0:
-        raise TableError(f"{path}: label column {name!r} holds negative numbers; classes count from 0")
-    return labels, None
+    if len(column) and not (column.min() >= 0 and column.max() <= MAX_LABEL):
+        raise TableError(f"{path}: label column {name!r} holds numbers outside 0 to {MAX_LABEL}; classes count from 0")
+    return column.astype(np.int64), None
 
 
 class _Budget:

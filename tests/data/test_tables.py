@@ -83,7 +83,8 @@ def test_default_features_are_the_other_numeric_columns_and_integer_labels_stay(
 @pytest.mark.parametrize("table,args,message", [
     (pa.table({"x": [1.0, None], "y": [0, 1]}), ["--label", "y"], "1 empty (null) values"),
     (pa.table({"x": [1.0, 2.0], "y": [0.5, 1.0]}), ["--label", "y"], "holds fractions"),
-    (pa.table({"x": [1.0, 2.0], "y": [-1, 1]}), ["--label", "y"], "negative"),
+    (pa.table({"x": [1.0, 2.0], "y": [-1, 1]}), ["--label", "y"], "outside 0 to 2147483647"),
+    (pa.table({"x": [1.0, 2.0], "y": [1e300, 1.0]}), ["--label", "y"], "outside 0 to 2147483647"),
     (pa.table({"x": ["a", "b"], "y": [0, 1]}), ["--label", "y", "--features", "x"], "holds text"),
     (pa.table({"x": [1.0, float("nan")], "y": [0, 1]}), ["--label", "y"], "not a finite number in row 1"),
     (pa.table({"x": [1.0, 2.0], "y": [0, 1]}), ["--label", "nope"], "no column 'nope' (it has x, y)"),
