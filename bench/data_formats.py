@@ -82,7 +82,8 @@ def pillow_direct(root: Path, size: int) -> np.ndarray:
     out = np.empty((len(files), 3, size, size), np.uint8)
     for i, path in enumerate(files):
         with Image.open(path) as im:
-            out[i] = np.asarray(ImageOps.fit(im.convert("RGB"), (size, size), Image.Resampling.BILINEAR)).transpose(2, 0, 1)
+            fitted = ImageOps.fit(im.convert("RGB"), (size, size), Image.Resampling.BILINEAR)
+            out[i] = np.asarray(fitted).transpose(2, 0, 1)
     return out
 
 
@@ -219,7 +220,7 @@ def main() -> None:
         x, y = pyarrow_direct(work / "table.parquet")
         out.update(bench_loader("parquet", {"ipfs": (AllSplits(cid, store), False),
                                             "pyarrow": (PyarrowRows(work / "table.parquet"), False),
-                                            "memory": (TensorDataset(torch.from_numpy(x), torch.from_numpy(y)), True)},
+                                            "memory": (TensorDataset(torch.from_numpy(x.copy()), torch.from_numpy(y.copy())), True)},
                                 args.repeat))
     if args.json:
         print(json.dumps(out, indent=2))

@@ -141,8 +141,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                       help="a tokenizer.json of the tokenizers library, stored by CID and named in the "
                       "manifest (default: bytes, a vocabulary of 256)")
     text.add_argument("--context", type=int, default=None, metavar="T",
-                      help="tokens per sample (default 128, as text:python-stdlib has always had); windows of T+1 tokens give the next token at "
-                      "every position as labels")
+                      help="tokens per sample (default 128, as text:python-stdlib has always had); windows of "
+                      "T+1 tokens give the next token at every position as labels")
     text.add_argument("--eos", metavar="TOKEN", help="a token of the tokenizer put after every document "
                       "(file, row), e.g. '<|endoftext|>'")
     add_store_options(p)

@@ -117,7 +117,8 @@ def _listing(root: Path) -> tuple[tuple[str, ...], list[tuple[int, Path]]]:
             continue
         name = sub.name
         if len(name) > MAX_CLASS_NAME or not _printable_utf8(name):
-            raise ImageError(f"{sub}: a class folder's name must be at most {MAX_CLASS_NAME} printable UTF-8 characters")
+            raise ImageError(f"{sub}: a class folder's name must be at most {MAX_CLASS_NAME} printable UTF-8 "
+                             "characters")
         files.extend((len(classes), path) for path in found)
         classes.append(name)
         if len(classes) > MAX_CLASSES or len(files) > MAX_IMAGES:

@@ -76,7 +76,8 @@ def numeric_columns(path: Path) -> list[str]:
     pa = need("pyarrow", "reading a Parquet or Arrow table")
     with _arrow_errors(pa, path):
         schema = _parquet(path).schema_arrow if table_kind(path) == "parquet" else _arrow(pa, path).schema
-    return [f.name for f in schema if _numeric(pa, f.type) or (_is_list(pa, f.type) and _numeric(pa, f.type.value_type))]
+    return [f.name for f in schema
+            if _numeric(pa, f.type) or (_is_list(pa, f.type) and _numeric(pa, f.type.value_type))]
 
 
 def read_columns(path: Path, names: list[str]) -> dict[str, Column]:
@@ -87,14 +88,17 @@ def read_columns(path: Path, names: list[str]) -> dict[str, Column]:
     budget = _Budget(path)
     chunks: dict[str, list[Any]] = {name: [] for name in names}
     with _arrow_errors(pa, path):
-        for batch in _parquet_batches(path, names) if table_kind(path) == "parquet" else _arrow_batches(pa, path, names):
+        batches = _parquet_batches(path, names) if table_kind(path) == "parquet" else _arrow_batches(pa, path, names)
+        for batch in batches:
             budget.add(batch.num_rows, sum(_decoded_bytes(pa, batch.column(name)) for name in names))
             for name in names:
                 chunks[name].append(batch.column(name))
         return {name: _from_arrow(pa, f"{path}: column {name!r}", parts) for name, parts in chunks.items()}
 
 
-def table_arrays(path: Path, features: list[str] | None, label: str) -> tuple[np.ndarray, np.ndarray, tuple[str, ...] | None]:
+def table_arrays(
+    path: Path, features: list[str] | None, label: str
+) -> tuple[np.ndarray, np.ndarray, tuple[str, ...] | None]:
     """``(features float32 (N, F), labels int64 (N,), classes or None)`` of a table."""
     if features is None:
         features = [name for name in numeric_columns(path) if name != label]

@@ -122,9 +122,11 @@ def _jpeg_bytes(noise: bool = False) -> bytes:
 HOSTILE = [
     ("bomb.png", lambda: png_claiming(50_000, 50_000), "its header claims"),
     # A complete, valid image, refused by our cap alone (Pillow's own check starts at 89M pixels).
-    ("big.png", lambda: png_claiming(9000, 9000, rows=9000), f"claims 9000x9000 pixels, over the limit of {MAX_IMAGE_PIXELS}"),
+    ("big.png", lambda: png_claiming(9000, 9000, rows=9000),
+     f"claims 9000x9000 pixels, over the limit of {MAX_IMAGE_PIXELS}"),
     ("bomb.jpg", lambda: jpeg_claiming(50_000, 50_000), "its header claims"),
-    ("broken.png", lambda: png_claiming(8, 8)[:33] + _chunk(b"IDAT", b"not zlib") + _chunk(b"IEND", b""), "not a PNG or JPEG image we can read"),
+    ("broken.png", lambda: png_claiming(8, 8)[:33] + _chunk(b"IDAT", b"not zlib") + _chunk(b"IEND", b""),
+     "not a PNG or JPEG image we can read"),
     ("cut.jpg", lambda: _jpeg_bytes(noise=True)[:300], "not a PNG or JPEG image we can read"),
     ("gif.png", lambda: b"GIF89a" + bytes(64), "not a PNG or JPEG image we can read"),
 ]

@@ -109,7 +109,8 @@ def test_a_table_text_column_is_tokenized_row_by_row(tmp_path, corpus, dataset_c
                                  home=tmp_path / "h")
     assert code == 0, err
     tokenizer = Tokenizer.from_file(str(tokenizer_path))
-    ids = [i for row in rows for i in tokenizer.encode(row, add_special_tokens=False).ids + [tokenizer.token_to_id(EOS)]]
+    eos = tokenizer.token_to_id(EOS)
+    ids = [i for row in rows for i in tokenizer.encode(row, add_special_tokens=False).ids + [eos]]
     assert dataset_windows(cid, tmp_path / "h") == windows_of(ids)
 
 
