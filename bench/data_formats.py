@@ -217,11 +217,10 @@ def main() -> None:
         stats, cid, store = bench_add("parquet", str(work / "table.parquet"), SourceOptions(label="y"),
                                       lambda: pyarrow_direct(work / "table.parquet"), table_bytes, args.repeat, work)
         out.update(stats)
-        x, y = pyarrow_direct(work / "table.parquet")
+        memory = TensorDataset(*(torch.from_numpy(a.copy()) for a in pyarrow_direct(work / "table.parquet")))
         out.update(bench_loader("parquet", {"ipfs": (AllSplits(cid, store), False),
                                             "pyarrow": (PyarrowRows(work / "table.parquet"), False),
-                                            "memory": (TensorDataset(torch.from_numpy(x.copy()), torch.from_numpy(y.copy())), True)},
-                                args.repeat))
+                                            "memory": (memory, True)}, args.repeat))
     if args.json:
         print(json.dumps(out, indent=2))
         return
