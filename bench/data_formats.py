@@ -28,6 +28,7 @@ import json
 import statistics
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -198,6 +199,7 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    warnings.filterwarnings("ignore", "The given NumPy array is not writable")  # the pyarrow reader's views
     out: dict[str, object] = {}
     with tempfile.TemporaryDirectory(prefix="p2ptrain-bench-data-") as tmp:
         work = Path(tmp)
