@@ -15,7 +15,7 @@ import torch
 from _p2ptrain_fuzzing import FuzzTarget
 from libp2p.crypto.ed25519 import create_new_key_pair
 
-from p2ptrain.data.manifest import Manifest, ManifestError, ShardRef, Standardize, TensorSpec
+from p2ptrain.data.manifest import Manifest, ManifestError, Pixels, ShardRef, Standardize, TensorSpec, Tokens
 from p2ptrain.data.shards import ShardError, decode_shard, encode_shard
 from p2ptrain.data.tensorfile import TensorFileError, read_header
 from p2ptrain.ipfs.cid import make_cid
@@ -40,6 +40,10 @@ MANIFESTS = [
              {"train": (ShardRef(SHARD_CID, 100), ShardRef(CID, 90)), "test": (ShardRef(SHARD_CID, 5),)}).to_json(),
     Manifest("toy-std", TensorSpec("float32", (3,)), TensorSpec("int64", ()), {"train": (ShardRef(SHARD_CID, 10),)},
              Standardize((0.5, -1e-05, 3.0), (1.25, 0.0, 4254.0))).to_json(),
+    Manifest("images", TensorSpec("uint8", (3, 8, 8)), TensorSpec("int64", ()), {"train": (ShardRef(SHARD_CID, 10),)},
+             classes=("cat", "dog"), pixels=Pixels((0.5, 0.4, 0.3), (0.25, 0.2, 0.2))).to_json(),
+    Manifest("text", TensorSpec("uint16", (16,)), TensorSpec("uint16", (16,)), {"train": (ShardRef(SHARD_CID, 10),)},
+             tokens=Tokens(50_257, SHARD_CID)).to_json(),
 ]
 
 # --- tasks --------------------------------------------------------------------------------------
