@@ -163,7 +163,8 @@ async def _peer(index: int, home: Path, port: int, bootstrap: list[str], message
                 with trio.move_on_after(60):
                     while len(received) < messages:
                         await trio.sleep(0.05)
-                print(json.dumps({"event": "received", "peer": index, "latencies": [l for _, l in received]}), flush=True)
+                latencies = [latency for _, latency in received]
+                print(json.dumps({"event": "received", "peer": index, "latencies": latencies}), flush=True)
             node.stop()
 
     await main()

@@ -201,7 +201,7 @@ class Node:
         """
         if self._nursery is not None:
             raise RuntimeError("the node is running: use node.start_soon(...) instead")
-        self._services.append((fn, args, name or getattr(fn, "__qualname__", repr(fn))))
+        self._services.append((fn, args, name or str(getattr(fn, "__qualname__", repr(fn)))))
 
     def add_status(self, section: str, fn: Callable[[], dict[str, Any]]) -> None:
         """Show ``fn()`` under ``services.<section>`` in `node status`: how a service above the node

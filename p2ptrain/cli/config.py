@@ -180,7 +180,7 @@ def values(settings: list[Setting]) -> dict[str, Any]:
     return {s.name: s.value for s in settings}
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     group = sub.add_parser("config", help="show a node's effective settings and where each came from",
                            description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     cmds = group.add_subparsers(dest="config_cmd", metavar="SUBCOMMAND", required=True)

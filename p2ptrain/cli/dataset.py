@@ -57,7 +57,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     group = sub.add_parser("dataset", help="publish datasets as shards by CID and inspect them")
     cmds = group.add_subparsers(dest="dataset_command", metavar="SUBCOMMAND", required=True)
 

@@ -35,7 +35,7 @@ DEFAULT_REPORT = "p2ptrain-demo-report.png"
 STATUS_WIDTH = 64
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     demo = sub.add_parser(
         "demo", help="train on N local peers over loopback, then fetch the model by CID",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,

@@ -27,7 +27,7 @@ HOME_HELP = "node home whose store (and running node, if any) to use (default: $
 EPHEMERAL_MESH_TIMEOUT_S = 20.0
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     group = sub.add_parser("model", help="fetch, evaluate and serve trained models by CID", description=__doc__)
     msub = group.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
@@ -148,7 +148,8 @@ def _fetch_with_ephemeral_node(
             await nursery.start(node.run)
             try:
                 with trio.fail_after(EPHEMERAL_MESH_TIMEOUT_S):
-                    while not node.host or not node.host.get_connected_peers():
+                    # py-libp2p has no event for a new connection: poll.
+                    while not node.host or not node.host.get_connected_peers():  # noqa: ASYNC110
                         await trio.sleep(0.1)
                     if finder is not None:
                         # Any member of a run (under way or over) answers; the chain is verified.
@@ -161,8 +162,9 @@ def _fetch_with_ephemeral_node(
                     await fetch(cid)
             except trio.TooSlowError:
                 refused = dict(finder.refused) if finder is not None else {}
+                connected = node.host is not None and node.host.get_connected_peers()
                 raise UserError(
-                    f"no peer reachable through {bootstrap[0]}" if latest is None or not node.host.get_connected_peers()
+                    f"no peer reachable through {bootstrap[0]}" if latest is None or not connected
                     else f"no peer told us the latest model of task {latest} within {EPHEMERAL_MESH_TIMEOUT_S:.0f} s"
                     + (f" (heads refused: {refused})" if refused else "")
                 ) from None
@@ -207,6 +209,7 @@ def cmd_fetch(args: argparse.Namespace) -> int:
         raise UserError(f"{model_cid} is not a p2ptrain model: {exc}") from None
     with progress_bar(f"writing {args.output.name}", len(data)) as progress:
         store.get(model_cid, args.output, progress=progress)
+    assert card is not None  # model_from_bytes refuses a file without one
     params = sum(p.numel() for p in module.parameters())
     summary = {"model_cid": model_cid, "path": str(args.output), "bytes": len(data), "model": card,
                "parameters": params}

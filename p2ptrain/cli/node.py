@@ -19,7 +19,7 @@ from p2ptrain.net import control_ops
 HOME_HELP = home_help("node home: identity key, config, control socket, blocks, logs")
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     node = sub.add_parser(
         "node",
         help="run a peer and inspect it",
@@ -46,7 +46,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--accept-tasks", action="store_true",
         help="join every announced task whose requirements this node meets (default: only --join)",
     )
-    start.add_argument("--join", action="append", default=[], metavar="TASK_CID", type=cid_arg, help="take part in this task (repeatable)")
+    start.add_argument("--join", action="append", default=[], metavar="TASK_CID", type=cid_arg,
+                       help="take part in this task (repeatable)")
     start.add_argument(
         "--device", default="auto",
         help="where to train: auto (CUDA when available, else CPU), cpu, cuda or cuda:N (default auto)",

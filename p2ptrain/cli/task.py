@@ -21,7 +21,7 @@ from p2ptrain.net import control_ops
 HOME_HELP = home_help("home of the running node to use")
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     group = sub.add_parser("task", help="publish and follow training tasks", description=__doc__)
     tsub = group.add_subparsers(dest="command", metavar="COMMAND", required=True)
 

@@ -26,7 +26,7 @@ from p2ptrain.wire.frames import DTYPES, HEADER, Header, Kind, Phase
 
 
 def _bytes_of(t: torch.Tensor) -> memoryview:
-    return memoryview(t.view(torch.uint8).numpy())
+    return memoryview(t.view(torch.uint8).numpy())  # type: ignore[arg-type]  # an ndarray is a buffer
 
 
 async def direct_allreduce(

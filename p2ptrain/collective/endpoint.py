@@ -173,7 +173,7 @@ class Collective:
         digest = round_digest(round_id, ring, description)
         ranges = slice_ranges(sizes, ks, len(ring))
         mine_ranges = ranges[slice_of(ring.index(self.peer_id), round_id, len(ring))] if self.peer_id in ring else []
-        selected: list = []
+        selected: list[torch.Tensor | Exception] = []
         done = trio.Event()
 
         def work() -> torch.Tensor:

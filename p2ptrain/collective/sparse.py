@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -42,7 +43,7 @@ from p2ptrain.tensors import all_finite
 logger = logging.getLogger(__name__)
 
 _CAP = {1: 0xFF, 2: 0xFFFF}  # index codec: word width -> the capped value that means "escaped"
-_WORD = {1: np.dtype("<u1"), 2: np.dtype("<u2")}
+_WORD: dict[int, np.dtype[Any]] = {1: np.dtype("<u1"), 2: np.dtype("<u2")}
 _EXACT_BELOW = 1 << 16  # small tensors: a plain topk is cheaper than sampling
 # Entries per block of the candidate scan (Workspace.candidates): 1 MiB of float32 magnitudes, what
 # one core's L2 cache holds here; 64K-1M all measured within ~10% of each other, 4M (no blocks) 25% slower.
@@ -228,7 +229,8 @@ def encode_indices(indices: torch.Tensor) -> bytes:
     width = min(sizes, key=lambda w: (sizes[w], w))
     words = np.minimum(gaps, _CAP[width]).astype(_WORD[width])
     escaped = gaps[gaps >= _CAP[width]].astype("<u4")
-    return bytes([width]) + words.tobytes() + escaped.tobytes()
+    encoded: bytes = bytes([width]) + words.tobytes() + escaped.tobytes()
+    return encoded
 
 
 def decode_indices(data: bytes, n: int, k: int) -> torch.Tensor:

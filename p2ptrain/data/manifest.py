@@ -194,7 +194,7 @@ def _parse(raw: Any) -> Manifest:
                 cid = cid_str(parse_cid(shard["cid"])) if isinstance(shard["cid"], str) else None
             except InvalidCID as exc:
                 raise ManifestError(f"{where}.cid: {exc}") from None
-            if cid != shard["cid"]:
+            if cid is None or cid != shard["cid"]:  # (null passed here once)
                 raise ManifestError(f"{where}.cid must be a CID in canonical text form")
             refs.append(ShardRef(cid, _int(shard["num_samples"], f"{where}.num_samples", 1, MAX_SHARD_SAMPLES)))
         splits[split] = tuple(refs)

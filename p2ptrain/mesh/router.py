@@ -140,5 +140,5 @@ class MessageRouter:
             return None
         return signed
 
-    def stats(self) -> dict[str, dict[str, int]]:
+    def stats(self) -> dict[str, Any]:
         return {"dropped": dict(self.dropped), "delivered": dict(self.delivered), "bytes_received": self.bytes_received}

@@ -282,5 +282,6 @@ class Relaying:
     def stats(self) -> dict[str, Any]:
         served = {"limits": {"max_reservations": self.limits.max_reservations, "max_circuit_duration_s": self.limits.duration,
                              "max_circuit_bytes": self.limits.data}} if self.serve else {}
-        return {"service": self.serve, **served, "relayed_peers": [short_id(p) for p in self.relayed_peers()], "reserved_on": [short_id(r) for r in self.reserved], "addrs": self.addrs,
+        return {"service": self.serve, **served, "relayed_peers": [short_id(p) for p in self.relayed_peers()],
+                "reserved_on": [short_id(r) for r in self.reserved], "addrs": self.addrs,
                 "relayed_bytes": self.protocol.relayed_bytes, **dict(self.counts)}

@@ -64,8 +64,9 @@ logger = logging.getLogger(__name__)
 # A joiner listens this long for the run's head before it takes step 0 as the run's state: the
 # coordinator of a run under way publishes one every HEAD_EVERY_S, and one may be lost.
 HEAR_HEAD_S = HEAD_EVERY_S * 1.5
-# Meanwhile it asks for the head this often (a request published before our pubsub mesh formed is lost): a run that is over has no coordinator publishing heads,
-# its members answer requests (runtime/head_answers.py), at most one answer per task per second.
+# Meanwhile it asks for the head this often (a request published before our pubsub mesh formed is
+# lost): a run that is over has no coordinator publishing heads, its members answer requests
+# (runtime/head_answers.py), at most one answer per task per second.
 ASK_HEAD_EVERY_S = 1.0
 
 

@@ -68,7 +68,7 @@ from p2ptrain.net.control import ControlClient
 from p2ptrain.net.host import make_host
 from p2ptrain.node import Node
 
-from p2ptrain.testing.wan import (  # noqa: E402, F401  (the WAN harness: public from here, re-exported)
+from p2ptrain.testing.wan import (  # noqa: F401  (the WAN harness: public from here, re-exported)
     EmulatedWan,
     WanError,
     WanPeer,
@@ -78,8 +78,8 @@ from p2ptrain.testing.wan import (  # noqa: E402, F401  (the WAN harness: public
     wan_node_processes,
     wan_unavailable,
 )
-from p2ptrain.testing.nat import EmulatedNat, emulated_nat, nat_unavailable  # noqa: E402  (NATs on that WAN)
-from p2ptrain.testing.peers import (  # noqa: E402, F401  (full peers in one process, re-exported)
+from p2ptrain.testing.nat import EmulatedNat, emulated_nat, nat_unavailable  # noqa: F401  (NATs on that WAN)
+from p2ptrain.testing.peers import (  # noqa: F401  (full peers in one process, re-exported)
     DIGITS_TASK,
     PEER_STOP_TIMEOUT_S,
     WAIT_FALLBACK_S,
@@ -119,7 +119,9 @@ async def local_mesh(
 
 
 @contextmanager
-def node_processes(n: int, base: Path, *, extra_args: Sequence[str] = (), ready_timeout: float = READY_TIMEOUT_S) -> Iterator[list[NodeProcess]]:
+def node_processes(
+    n: int, base: Path, *, extra_args: Sequence[str] = (), ready_timeout: float = READY_TIMEOUT_S
+) -> Iterator[list[NodeProcess]]:
     """N node processes on loopback, each bootstrapping from all the others, started at once."""
     procs: list[NodeProcess] = []
     for i in range(n):

@@ -6,6 +6,7 @@ messages, peers added or stopped mid-run) and :func:`publish_digits_task`. Re-ex
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager
@@ -29,6 +30,9 @@ from p2ptrain.wire.messages import (
 )
 
 if TYPE_CHECKING:  # the runtime imports torch: only local_peers' users pay for it, when they call it
+    from libp2p.peer.id import ID
+
+    from p2ptrain.mesh.membership import Membership
     from p2ptrain.runtime.peer import Peer
     from p2ptrain.runtime.tasks import TaskOptions
 
@@ -170,7 +174,7 @@ class LocalPeers(Sequence["Peer"]):
     def __len__(self) -> int:
         return len(self._peers)
 
-    def __getitem__(self, index: int) -> Peer:  # type: ignore[override]  (no slices)
+    def __getitem__(self, index: int) -> Peer:  # type: ignore[override]  # (no slices)
         return self._peers[index]
 
     def __iter__(self) -> Iterator[Peer]:
@@ -207,8 +211,7 @@ class LocalPeers(Sequence["Peer"]):
         running = self.running()
         for peer in running:
             others = {p.node.peer_id for p in running if p is not peer}
-            await peer.node.membership.wait_until(
-                lambda m, others=others: others <= {r.peer_id for r in m.alive()})
+            await peer.node.membership.wait_until(functools.partial(_sees, others))
 
     async def stop_peer(self, index: int) -> None:
         """Stop peer ``index``'s node (its goodbye sent, its tasks cancelled) and wait until it is
@@ -322,3 +325,8 @@ async def publish_digits_task(
         return cid
 
     return await trio.to_thread.run_sync(build)
+
+
+def _sees(others: set[ID], membership: Membership) -> bool:
+    """Whether ``membership`` holds every one of ``others`` alive."""
+    return others <= {r.peer_id for r in membership.alive()}

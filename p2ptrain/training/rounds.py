@@ -322,7 +322,7 @@ class RoundBook:
         if last is None:
             # A coordinator that (re)synced from the chain continues the round numbering after it.
             start_round = self.chain.records[-1].record.round + 1 if self.chain.records else 0
-            attempt, step, previous = 0, my_step, ()
+            attempt, step, previous = 0, my_step, tuple[str, ...]()
             if my_step != self.head_step:
                 return None  # a fresh run starts from the head of the chain
         elif self.failed_round is not None:

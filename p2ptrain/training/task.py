@@ -22,7 +22,7 @@ from typing import Any
 from p2ptrain import boundedjson
 from p2ptrain.training import task_fields as fields
 from p2ptrain.training.models import ModelError, check_model
-from p2ptrain.training.task_fields import TaskError
+from p2ptrain.training.task_fields import TaskError as TaskError  # re-exported: the task's one error
 from p2ptrain.wire.messages import Capabilities
 
 # A base58 peer ID of an Ed25519 key is 52 characters; 128 leaves room for other key types.
@@ -313,7 +313,8 @@ def parse_task(data: dict[str, Any]) -> Task:
 
     p = fields.table(data, "peers", "", False)
     fields.only(p, {"min", "max"}, "peers.")
-    peers = PeersSpec(min=fields.integer(p, "min", "peers.", 1, 1, MAX_PEERS), max=fields.integer(p, "max", "peers.", 64, 1, MAX_PEERS))
+    peers = PeersSpec(min=fields.integer(p, "min", "peers.", 1, 1, MAX_PEERS),
+                      max=fields.integer(p, "max", "peers.", 64, 1, MAX_PEERS))
     if peers.max < peers.min:
         raise TaskError(f"peers.max: must be >= peers.min ({peers.min})")
 

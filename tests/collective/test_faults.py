@@ -171,7 +171,9 @@ async def test_peer_that_stalls_mid_round_is_named_by_everyone(cluster, gather, 
         description, mesh = dense_description(n, torch.float32, "mean"), False
     async with cluster(4) as peers:
         ring = [p.id for p in peers]
-        stalled = lambda: _evil_member(peers[2], ring, rid, description, [], mesh=mesh)
+        def stalled():
+            return _evil_member(peers[2], ring, rid, description, [], mesh=mesh)
+
         started = trio.current_time()
         ended = {}
 

@@ -92,7 +92,8 @@ async def test_clip_bounds_a_hostile_member_and_honest_results_stay_identical(cl
     xs = contributions(20_000)
     async with cluster(WORLD, segment_bytes=4096) as peers:  # several segments per chunk
         clipped, indices = await one_round(peers, gather, xs, factor, density=density, robust="clip", round_id=1)
-        plain, plain_indices = await one_round(peers, gather, xs, factor, density=density, robust="none", round_id=1 + WORLD)  # same slice owners
+        plain, plain_indices = await one_round(peers, gather, xs, factor, density=density, robust="none",
+                                               round_id=1 + WORLD)  # same slice owners
     for r in clipped[:BAD]:
         assert r.equal(clipped[0])  # every honest member holds the same bits
     for r in plain[:BAD]:

@@ -85,8 +85,8 @@ async def test_bitswap_with_helia_both_directions(tmp_path):
     link = HELIA_DIR / "helia-peer.mjs"  # ESM resolves packages from the script's own folder
     if not link.is_symlink():
         link.symlink_to(SCRIPT)
-    stderr = open(tmp_path / "helia.log", "wb")
-    with trio.fail_after(DEADLINE_S):
+    # the node process writes its log here; closed when the test ends
+    with open(tmp_path / "helia.log", "wb") as stderr, trio.fail_after(DEADLINE_S):  # noqa: ASYNC230
         async with connected_hosts(1, connected=False) as (ours,), trio.open_nursery() as nursery:
             store = BlockStore(tmp_path / "blocks")
             exchange = BlockExchange(ours.host, store)

@@ -153,7 +153,8 @@ async def test_a_peer_flooding_faster_than_its_inbound_rate_is_cut_off_before_an
         for batch in range(60):
             msgs = []
             for i in range(100):
-                msg = rpc_pb2.Message(data=b"junk", topicIDs=[MESH_TOPIC], from_id=origin, seqno=(batch * 100 + i).to_bytes(8, "big"))
+                msg = rpc_pb2.Message(data=b"junk", topicIDs=[MESH_TOPIC], from_id=origin,
+                                      seqno=(batch * 100 + i).to_bytes(8, "big"))
                 msg.signature = key.private_key.sign(PUBSUB_SIGNING_PREFIX.encode() + msg.SerializeToString())
                 msgs.append(msg)
             rpc = rpc_pb2.RPC(publish=msgs).SerializeToString()

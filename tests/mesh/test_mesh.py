@@ -95,7 +95,8 @@ async def test_bad_messages_through_a_real_mesh_are_dropped_and_counted(tmp_path
         valid_once = encode(Note(text="first", n=1), attacker.key_pair, seq=10**15)
 
         def env(**kw) -> bytes:
-            base = {"type": "test.note", "sender": attacker.peer_id.to_base58(), "seq": 5, "ts": time.time(), "body": {"text": "x"}}
+            base = {"type": "test.note", "sender": attacker.peer_id.to_base58(), "seq": 5, "ts": time.time(),
+                    "body": {"text": "x"}}
             base.update(kw)
             return json.dumps(base).encode()
 

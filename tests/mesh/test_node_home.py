@@ -139,8 +139,10 @@ def test_relay_limits_come_from_flags_environment_or_file_within_bounds(tmp_path
     assert json.loads(capsys.readouterr().out)["relay_max_circuit_bytes"]["value"] == RELAY_MAX_CIRCUIT_BYTES
 
     for args, error in [
-        (["--relay-max-reservations", "0"], "--relay-max-reservations: relay_max_reservations must be a whole number from 1 to 4096"),
-        (["--relay-max-circuit-bytes", "1000"], "--relay-max-circuit-bytes: relay_max_circuit_bytes must be a whole number from 1048576 to 1099511627776"),
+        (["--relay-max-reservations", "0"],
+         "--relay-max-reservations: relay_max_reservations must be a whole number from 1 to 4096"),
+        (["--relay-max-circuit-bytes", "1000"],
+         "--relay-max-circuit-bytes: relay_max_circuit_bytes must be a whole number from 1048576 to 1099511627776"),
     ]:
         assert main(["config", "show", "--home", str(tmp_path), *args]) == 1
         assert capsys.readouterr().err.strip() == f"p2ptrain: error: {error}"

@@ -21,7 +21,10 @@ PEERS = [signing.peer_str(k) for k in KEYS]
 COORDINATOR = KEYS[0]
 
 
-def signed_record(version=1, parent=INITIAL, model_cid="Qmmodel", members=tuple(sorted(PEERS[:3])), key=COORDINATOR):
+FIRST_THREE = tuple(sorted(PEERS[:3]))
+
+
+def signed_record(version=1, parent=INITIAL, model_cid="Qmmodel", members=FIRST_THREE, key=COORDINATOR):
     record = ModelRecord(task_cid=TASK, version=version, parent=parent, round=version * 10 - 1, step=version * 10,
                          members=members, metrics={"loss": 0.5}, model_cid=model_cid, optimizer_cid="Qmoptim",
                          term=1, coordinator="")
