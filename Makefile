@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test setup cli-docs lint
+.PHONY: demo test setup cli-docs lint test-tools
 
 setup: $(STAMP)
 
@@ -45,6 +45,25 @@ $(HELIA_STAMP): ipfs/install-helia.sh
 		rm -f $@ && ipfs/install-helia.sh; \
 	else echo "npm not found: the Helia interop test will be skipped" >&2; fi
 
+# Tools the suite needs from the system, as TOOL:DEBIAN-PACKAGE pairs (tests/conftest.py reads this
+# line): the emulated WAN's `ip` and `tc`, the emulated NAT's `iptables`. Installed when missing and
+# this runs as root; otherwise their tests skip and say why. Under CI=true a test that finds one of
+# these missing fails instead of skipping (tests/conftest.py): CI never passes by running less.
+TEST_TOOLS := ip:iproute2 tc:iproute2 iptables:iptables
+
+test-tools:
+	@missing=""; for pair in $(TEST_TOOLS); do \
+		command -v "$${pair%%:*}" >/dev/null 2>&1 || missing="$$missing $${pair#*:}"; \
+	done; \
+	missing=$$(echo $$missing | tr ' ' '\n' | sort -u | tr '\n' ' '); \
+	if [ -z "$${missing% }" ]; then exit 0; fi; \
+	if [ "$$(id -u)" -ne 0 ] || ! command -v apt-get >/dev/null 2>&1; then \
+		echo "not root (or no apt-get): not installing $$missing; the tests that need it will skip" >&2; \
+	else \
+		echo "installing $$missing for the WAN/NAT tests" >&2; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; \
+	fi
+
 # pytest exits 5 when it collected no tests: that is a failure here, never a pass.
 # Two workers (pytest-xdist): most of the suite's time is real peers waiting on each other (rounds,
 # heartbeats, elections), not CPU; on a 2-core machine the suite took 645 s in one process and 419 s
@@ -57,7 +76,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check --quiet .
 	$(BIN)/mypy
 
-test: lint $(JSIPFS_STAMP) $(HELIA_STAMP)
+test: lint test-tools $(JSIPFS_STAMP) $(HELIA_STAMP)
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing" >&2; exit 1; fi; \
 	exit $$rc

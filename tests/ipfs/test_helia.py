@@ -13,7 +13,6 @@ import hashlib
 import io
 import json
 import os
-import shutil
 from pathlib import Path
 
 import pytest
@@ -41,14 +40,8 @@ DEADLINE_S = 120
 # Helia's start (Node loads ~1,000 modules) and each request's answer.
 STARTUP_S = 30
 
-if not NODE.exists():
-    why = (
-        "npm is not installed: the Helia interop test needs it (ipfs/install-helia.sh installs Node 22 "
-        "and Helia with npm)"
-        if shutil.which("npm") is None
-        else "Helia is not installed: run ipfs/install-helia.sh (make test does it when npm is present)"
-    )
-    pytest.skip(why, allow_module_level=True)
+# npm: ipfs/install-helia.sh installs Node 22 and Helia with it (make test does, when npm is present).
+pytestmark = pytest.mark.needs("npm", "helia")  # tests/conftest.py decides
 
 
 class Helia:
