@@ -40,6 +40,7 @@ from p2ptrain.runtime.leading import HEAD_EVERY_S, Leading
 from p2ptrain.runtime.resync import Resync
 from p2ptrain.runtime.run_state import Nudge, RunState
 from p2ptrain.runtime.spans import Spans
+from p2ptrain.runtime.status import FINISHED, Phase
 from p2ptrain.training.records import Chain, RecordError, load_model_bytes
 from p2ptrain.training.rounds import RoundBook
 from p2ptrain.training.task import Task, total_steps
@@ -165,26 +166,26 @@ class TaskRun:
                 nursery.start_soon(self.data.replicate)
                 await run.done.wait()
                 nursery.cancel_scope.cancel()
-            run.phase = "done" if run.cancel_reason is None else "cancelled"
+            run.phase = Phase.DONE if run.cancel_reason is None else Phase.CANCELLED
             logger.info("%s: %s; final model %s", run.log_prefix, run.phase,
                         run.book.chain.head_cid if run.book else "-")
         except (ContentUnavailable, TrainerError, RecordError) as exc:
-            run.phase, run.error = "failed", str(exc)
+            run.phase, run.error = Phase.FAILED, str(exc)
             logger.error("%s: failed: %s", run.log_prefix, exc)
         except Exception as exc:
             # A bug in one task must not take the node (and its other tasks) down with it.
-            run.phase, run.error = "failed", f"internal error: {exc!r}"
+            run.phase, run.error = Phase.FAILED, f"internal error: {exc!r}"
             logger.exception("%s: failed with an internal error", run.log_prefix)
         finally:
-            if run.phase not in ("done", "cancelled", "failed"):
-                run.phase = "stopped"  # the node is stopping (the run was cancelled)
+            if run.phase not in FINISHED:
+                run.phase = Phase.STOPPED  # the node is stopping (the run was cancelled)
             run.advertise(False)
 
     async def _prepare(self) -> None:
         """Fetch the manifest, build the initial model (or fetch it) and the first round's state."""
         run = self.shared
         task, content = run.task, run.content
-        run.phase = "fetching data"
+        run.phase = Phase.FETCHING
         await content.fetch(task.dataset.manifest, max_bytes=MAX_MANIFEST_BYTES)
         run.manifest = await trio.to_thread.run_sync(Manifest.load, content.store, task.dataset.manifest)
         train_samples = run.manifest.num_samples(task.dataset.train_split)
@@ -219,7 +220,7 @@ class TaskRun:
         if fresh:  # step 0 from the task's seed (or initial model): every member holds it
             run.set_synced()
         else:
-            run.phase = "resyncing"
+            run.phase = Phase.RESYNCING
 
     # -- messages ------------------------------------------------------------------------------
 

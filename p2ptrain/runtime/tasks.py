@@ -29,6 +29,7 @@ from p2ptrain.atomic import write_atomic
 from p2ptrain.runtime.head_answers import HeadAnswers
 from p2ptrain.runtime.latest import head_key, held_tasks
 from p2ptrain.runtime.run_state import CANCEL_SENT_FILE, CANCELLED_FILE
+from p2ptrain.runtime.status import FINISHED
 from p2ptrain.runtime.task_run import TaskRun
 from p2ptrain.training.task import MAX_TASK_BYTES, TaskError, load_task, task_bytes, task_from_bytes, unmet_requirement
 from p2ptrain.wire.topics import TASKS_TOPIC, task_topic
@@ -64,8 +65,6 @@ MAX_FAILED_JOINS = 1024
 # A join from an announcement fetches a file of at most MAX_TASK_BYTES: if that takes longer than
 # this, the announcer (or its content) is not worth waiting for.
 JOIN_FETCH_TIMEOUT_S = 30.0
-# A run in one of these states is over: it acts on no head, and its node answers head requests for it.
-FINISHED_PHASES = frozenset({"done", "cancelled", "failed", "stopped"})
 
 
 @dataclass
@@ -150,7 +149,7 @@ class TaskService:
     def _running(self, task_cid: str) -> bool:
         """Whether this node's run of ``task_cid`` is under way (not done, cancelled, failed or stopped)."""
         run = self.runs.get(task_cid)
-        return run is not None and run.shared.phase not in FINISHED_PHASES
+        return run is not None and run.shared.phase not in FINISHED
 
     def _total_steps(self, task_cid: str) -> int | None:
         run = self.runs.get(task_cid)
