@@ -126,12 +126,13 @@ def _fetch_with_ephemeral_node(
     from p2ptrain.cli.ipfs import fetch_progress
     from p2ptrain.ipfs.store import ContentUnavailable
     from p2ptrain.node import Node
+    from p2ptrain.node_config import NodeConfig
     from p2ptrain.runtime.latest import LatestFinder
     from p2ptrain.runtime.peer import make_peer
     from p2ptrain.training.records import RecordError
 
     logging.getLogger("libp2p").setLevel(logging.CRITICAL)
-    node = Node(home, listen=["/ip4/127.0.0.1/tcp/0"], bootstrap=bootstrap)
+    node = Node(home, dataclasses.replace(NodeConfig.of_home(home), listen=["/ip4/127.0.0.1/tcp/0"], bootstrap=bootstrap))
     peer = make_peer(node)
     out = list(cids)
     finder = LatestFinder(node, peer.content, latest) if latest is not None else None

@@ -40,7 +40,7 @@ from p2ptrain.runtime.leading import HEAD_EVERY_S, Leading
 from p2ptrain.runtime.resync import Resync
 from p2ptrain.runtime.run_state import Nudge, RunState
 from p2ptrain.runtime.spans import Spans
-from p2ptrain.runtime.status import FINISHED, Phase
+from p2ptrain.runtime.status import FINISHED, ChainEntry, Phase, TaskStatus
 from p2ptrain.training.records import Chain, RecordError, load_model_bytes
 from p2ptrain.training.rounds import RoundBook
 from p2ptrain.training.task import Task, total_steps
@@ -106,50 +106,54 @@ class TaskRun:
     def task_cid(self) -> str:
         return self.shared.task_cid
 
-    def status(self) -> dict[str, Any]:
-        """What `p2ptrain task status --json` shows for a task this node takes part in."""
+    def status(self) -> TaskStatus:
+        """What `p2ptrain task status` shows for a task this node takes part in."""
         run = self.shared
         book = run.book
         chain = book.chain if book else None
         plan = book.last_plan if book else None
-        return {
-            "task_cid": run.task_cid,
-            "name": run.task.name,
-            "state": run.phase,
-            "error": run.error,
-            "cancel_reason": run.cancel_reason,
-            # "waiting for N more peers since T": N, and the seconds waited so far (None: not waiting)
-            "waiting_for_peers": run.waiting_for,
-            "waiting_s": None if run.waiting_since is None else round(trio.current_time() - run.waiting_since, 1),
-            "member": True,
-            "synced": run.synced,
-            "round": plan.round if plan else None,
-            "step": run.trainer.step if run.trainer else 0,
-            "total_steps": run.total_steps,
-            "members": list(plan.members) if plan else [],
-            "coordinator": run.election.coordinator,
-            "term": run.election.term,
-            "version": chain.version if chain else 0,
-            "latest_model_cid": chain.head_cid if chain else None,
-            "chain": [
-                {"version": s.record.version, "model_cid": s.record.model_cid, "round": s.record.round,
-                 "step": s.record.step, "metrics": dict(s.record.metrics)}
-                for s in (chain.records if chain else [])
-            ],
-            "loss": run.metrics.get("train_loss"),
-            "accuracy": run.metrics.get("accuracy"),
-            "test_loss": run.metrics.get("loss"),
-            "bytes_sent": run.bytes_sent,
-            "bytes_received": run.bytes_received,
-            "rounds_done": run.rounds_done,
-            "compute_s": round(run.timings.compute_s, 4),
-            "sync_s": round(run.timings.sync_s, 4),
-            "apply_s": round(run.timings.apply_s, 4),
-            "rejected": dict(run.rejected),
-            # the last round completed (not the start of the last span) and the step after it
-            **_progress(run),
-            **_inner(run),
-        }
+        last_round, last_step = _progress(run)
+        inner = run.trainer.inner_step if isinstance(run.trainer, LocalSGDTrainer) else None
+        return TaskStatus(
+            task_cid=run.task_cid,
+            name=run.task.name,
+            state=run.phase,
+            member=True,
+            error=run.error,
+            cancel_reason=run.cancel_reason,
+            waiting_for_peers=run.waiting_for,
+            waiting_s=None if run.waiting_since is None else round(trio.current_time() - run.waiting_since, 1),
+            synced=run.synced,
+            round=plan.round if plan else None,
+            step=run.trainer.step if run.trainer else 0,
+            total_steps=run.total_steps,
+            members=tuple(plan.members) if plan else (),
+            coordinator=run.election.coordinator,
+            term=run.election.term,
+            version=chain.version if chain else 0,
+            latest_model_cid=chain.head_cid if chain else None,
+            chain=tuple(ChainEntry(version=s.record.version, model_cid=s.record.model_cid, round=s.record.round,
+                                   step=s.record.step, metrics=dict(s.record.metrics))
+                        for s in (chain.records if chain else [])),
+            loss=run.metrics.get("train_loss"),
+            accuracy=run.metrics.get("accuracy"),
+            test_loss=run.metrics.get("loss"),
+            bytes_sent=run.bytes_sent,
+            bytes_received=run.bytes_received,
+            rounds_done=run.rounds_done,
+            compute_s=round(run.timings.compute_s, 4),
+            sync_s=round(run.timings.sync_s, 4),
+            apply_s=round(run.timings.apply_s, 4),
+            rejected=dict(run.rejected),
+            last_round=last_round,
+            last_step=last_step,
+            # Local-SGD mode: read from the trainer while its worker thread runs the inner loop
+            # (one int, the last one it set); shown 1 to H.
+            inner_steps=run.task.training.inner_steps,
+            inner_step=None if inner is None else inner + 1,
+            is_coordinator=run.election.coordinator == run.me,
+            round_seconds=run.round_seconds.snapshot(),
+        )
 
     # -- lifetime ----------------------------------------------------------------------------
 
@@ -297,16 +301,7 @@ class TaskRun:
         self.spans.follow(plan)
 
 
-def _inner(run: RunState) -> dict[str, Any]:
-    """Local-SGD mode: ``inner_steps`` is H and ``inner_step`` the inner step under way, 1 to H (None
-    between inner loops: in the all-reduce, the outer step, a checkpoint). Both None in sync mode.
-    Read from the trainer while its worker thread runs the loop: one int, the last one it set."""
-    trainer = run.trainer
-    inner = trainer.inner_step if isinstance(trainer, LocalSGDTrainer) else None
-    return {"inner_steps": run.task.training.inner_steps, "inner_step": None if inner is None else inner + 1}
-
-
-def _progress(run: RunState) -> dict[str, Any]:
+def _progress(run: RunState) -> tuple[int | None, int | None]:
     """``last_round``/``last_step``: the last round this member completed and the step after it
     (round ``plan.round + i`` of a followed plan ends at step ``plan.step + i + 1``; a member that
     loaded a checkpoint instead is at its record's last round); None before the first round."""
@@ -318,4 +313,4 @@ def _progress(run: RunState) -> dict[str, Any]:
         last_round = plan.round + (step - plan.step) - 1
     elif book is not None and book.chain.records and step == book.head_step:
         last_round = book.chain.records[-1].record.round
-    return {"last_round": last_round, "last_step": step if last_round is not None else None}
+    return last_round, step if last_round is not None else None

@@ -29,7 +29,7 @@ from p2ptrain.atomic import write_atomic
 from p2ptrain.runtime.head_answers import HeadAnswers
 from p2ptrain.runtime.latest import head_key, held_tasks
 from p2ptrain.runtime.run_state import CANCEL_SENT_FILE, CANCELLED_FILE
-from p2ptrain.runtime.status import FINISHED
+from p2ptrain.runtime.status import FINISHED, TaskStatus
 from p2ptrain.runtime.task_run import TaskRun
 from p2ptrain.training.task import MAX_TASK_BYTES, TaskError, load_task, task_bytes, task_from_bytes, unmet_requirement
 from p2ptrain.wire.topics import TASKS_TOPIC, task_topic
@@ -77,22 +77,22 @@ class KnownTask:
     head: TaskHead | None = None
     refused: str | None = None  # why this node did not join it
 
-    def as_json(self) -> dict[str, Any]:
+    def status(self) -> TaskStatus:
         head = self.head
-        return {
-            "task_cid": self.task_cid,
-            "name": self.name,
-            "announced_by": self.announced_by,
-            "member": False,
-            "state": ("done" if head.done else "running") if head else "announced",
-            "refused": self.refused,
-            "version": head.version if head else 0,
-            "step": head.step if head else 0,
-            "round": head.round if head else None,
-            "total_steps": head.total_steps if head else None,
-            "latest_model_cid": head.model_cid if head and head.version else None,
-            "members": list(head.members) if head else [],
-        }
+        return TaskStatus(
+            task_cid=self.task_cid,
+            name=self.name,
+            announced_by=self.announced_by,
+            member=False,
+            state=("done" if head.done else "running") if head else "announced",
+            refused=self.refused,
+            version=head.version if head else 0,
+            step=head.step if head else 0,
+            round=head.round if head else None,
+            total_steps=head.total_steps if head else None,
+            latest_model_cid=head.model_cid if head and head.version else None,
+            members=tuple(head.members) if head else (),
+        )
 
 
 @dataclass
@@ -350,9 +350,9 @@ class TaskService:
         return {"task_cid": run.task_cid, "name": run.shared.task.name}
 
     async def _list_op(self, request: dict[str, Any]) -> dict[str, Any]:
-        tasks = {cid: known.as_json() for cid, known in self.known.items()}
+        tasks = {cid: known.status().to_json() for cid, known in self.known.items()}
         for cid, run in self.runs.items():
-            tasks[cid] = run.status()
+            tasks[cid] = run.status().to_json()
         return {"tasks": list(tasks.values()), "joins": self._joins()}
 
     async def _cancel_op(self, request: dict[str, Any]) -> dict[str, Any]:
@@ -384,8 +384,8 @@ class TaskService:
         task_cid = str(request.get("task_cid", ""))
         run = self.runs.get(task_cid)
         if run is not None:
-            return run.status()
+            return run.status().to_json()
         known = self.known.get(task_cid)
         if known is not None:
-            return known.as_json()
+            return known.status().to_json()
         raise UserError(f"this node has not heard of task {task_cid}")

@@ -17,6 +17,7 @@ from libp2p.utils.varint import encode_uvarint
 from p2ptrain.mesh import router as router_module
 from p2ptrain.wire.topics import MESH_TOPIC
 from p2ptrain.node import Node
+from p2ptrain.node_config import NodeConfig
 from p2ptrain.testing import local_mesh, node_processes, wait_for
 from p2ptrain.wire import codec
 from p2ptrain.wire.limits import WIRE_VERSION
@@ -49,7 +50,7 @@ async def subscribed(node: Node, peers, topic: str) -> None:
 async def test_a_signed_timestamp_of_10_pow_400_stops_no_node_of_a_three_process_mesh(tmp_path):
     """Issue 13, found 1: this one message made all three nodes exit with code 1."""
     with node_processes(3, tmp_path / "procs") as procs:
-        attacker = Node(tmp_path / "attacker", bootstrap=[procs[0].addr])
+        attacker = Node(tmp_path / "attacker", NodeConfig(bootstrap=[procs[0].addr]))
         async with trio.open_nursery() as nursery:
             await nursery.start(attacker.run)
             victims = [ID.from_base58(p.peer_id) for p in procs]

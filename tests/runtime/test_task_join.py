@@ -17,6 +17,7 @@ import trio.testing
 from p2ptrain.ipfs.cid import DAG_PB, cid_from_digest, cid_str, make_cid
 from p2ptrain.ipfs.dagpb import encode_file_leaf, encode_file_node
 from p2ptrain.node import Node
+from p2ptrain.node_config import NodeConfig
 from p2ptrain.net import control_ops
 from p2ptrain.runtime.peer import make_peer
 from p2ptrain.wire.topics import TASKS_TOPIC
@@ -52,7 +53,7 @@ def _bad_tasks(store) -> dict[str, str]:
 
 async def test_bad_task_announcements_are_counted_refusals_and_the_node_keeps_serving(tmp_path: Path) -> None:
     with node_processes(1, tmp_path / "victim", extra_args=["--accept-tasks"]) as (victim,):
-        attacker = Node(tmp_path / "attacker", listen=["/ip4/127.0.0.1/tcp/0"], bootstrap=[victim.addr])
+        attacker = Node(tmp_path / "attacker", NodeConfig(listen=["/ip4/127.0.0.1/tcp/0"], bootstrap=[victim.addr]))
         peer = make_peer(attacker)
         assert attacker.home.is_dir()
         bad = _bad_tasks(peer.content.store.blocks)
