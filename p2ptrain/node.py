@@ -43,7 +43,7 @@ from p2ptrain.identity import load_or_create_identity, peer_id_of
 from p2ptrain.logs import short_id
 from p2ptrain.mesh.discovery import Discovery, parse_bootstrap
 from p2ptrain.mesh.membership import Membership
-from p2ptrain.mesh.router import Handler, MessageRouter
+from p2ptrain.mesh.router import M, MessageRouter
 from p2ptrain.net import control_ops
 from p2ptrain.node_config import CONFIG_FILE, NodeConfig, prepare_home
 from p2ptrain.runtime.status import NodeStatus
@@ -54,7 +54,7 @@ from p2ptrain.net.pubsub import MessageTooLarge, close_host, make_pubsub, publis
 from p2ptrain.mesh.relays import keep_reservations
 from p2ptrain.net.reachability import Reachability
 from p2ptrain.net.relay import Relaying, is_circuit, relay_limits
-from p2ptrain.wire import encode
+from p2ptrain.wire import Signed, encode
 from p2ptrain.wire.limits import MAX_MESSAGE_BYTES
 from p2ptrain.wire.messages import MESSAGES, MessageRegistry
 
@@ -148,7 +148,7 @@ class Node:
             out.extend(self.relaying.addrs)  # through relays, when we are behind a NAT
         return out
 
-    def on(self, msg_type: type, handler: Handler) -> None:
+    def on(self, msg_type: type[M], handler: Callable[[Signed[M], str], Awaitable[None] | None]) -> None:
         """Call ``handler(signed, topic)`` for every valid ``msg_type`` message on joined topics."""
         self.router.on(msg_type, handler)
 

@@ -14,11 +14,12 @@ import json
 import logging
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from p2ptrain.cli.ipfs import cid_arg
 from p2ptrain.errors import UserError
 from p2ptrain.net import control_ops
+from p2ptrain.runtime.status import TaskStatus
 
 if TYPE_CHECKING:
     from p2ptrain.ipfs.store import ContentStore
@@ -90,7 +91,8 @@ def ensure_local(
         client = ControlClient(home, timeout=600.0)
         try:
             if latest is not None:
-                cids = cids + [_latest_from_status(client.call(control_ops.TASK_STATUS, task_cid=latest), latest)]
+                status = TaskStatus.from_json(client.call(control_ops.TASK_STATUS, task_cid=latest))
+                cids = cids + [_latest_from_status(status, latest)]
             for cid in cids:
                 client.call(control_ops.IPFS_FETCH, cid=cid, timeout=300.0)
             for cid in then(store) if then else []:
@@ -110,11 +112,11 @@ def ensure_local(
     return _fetch_with_ephemeral_node(home, cids, bootstrap, latest, then)
 
 
-def _latest_from_status(status: dict[str, Any], task_cid: str) -> str:
-    cid = status.get("latest_model_cid")
-    if not cid or not status.get("version"):
-        raise UserError(f"task {task_cid} has no confirmed model yet (state: {status.get('state')})")
-    return str(cid)
+def _latest_from_status(status: TaskStatus, task_cid: str) -> str:
+    cid = status.latest_model_cid
+    if not cid or not status.version:
+        raise UserError(f"task {task_cid} has no confirmed model yet (state: {status.state})")
+    return cid
 
 
 def _fetch_with_ephemeral_node(

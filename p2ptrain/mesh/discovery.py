@@ -44,6 +44,7 @@ from multiaddr import Multiaddr
 from p2ptrain.errors import UserError
 from p2ptrain.logs import short_id
 from p2ptrain.mesh.membership import MemberEvent, Membership
+from p2ptrain.wire import Signed
 from p2ptrain.wire.messages import Heartbeat
 from p2ptrain.wire.topics import MESH_TOPIC
 from p2ptrain.net.service import running_service
@@ -259,7 +260,7 @@ class Discovery:
             self._keeping.discard(peer_id)
             self._new_relayed.pop(peer_id, None)
 
-    def _on_heartbeat(self, signed: Any, topic: str) -> None:
+    def _on_heartbeat(self, signed: Signed[Heartbeat], topic: str) -> None:
         """Wake the backed-off redial of a kept, unconnected peer whose heartbeat names a relayed
         address (it reserved one since we last tried): at most one redial per heartbeat of it."""
         event = self._new_relayed.get(signed.sender)

@@ -26,7 +26,6 @@ import logging
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import trio
 
@@ -36,6 +35,7 @@ from p2ptrain.mesh.providers import derived_key
 from p2ptrain.node import Node
 from p2ptrain.runtime.content import ContentService
 from p2ptrain.training.records import MAX_CHAIN_BYTES, Chain, RecordError, record_from_bytes
+from p2ptrain.wire import Signed
 from p2ptrain.wire.messages import HeadRequest, TaskHead
 from p2ptrain.wire.topics import TASKS_TOPIC
 
@@ -114,8 +114,8 @@ class LatestFinder:
         MAX_SEEN_HEADS bounds its memory, not how many checkpoints it can follow."""
         self._seen.clear()
 
-    def _on_head(self, signed: Any, topic: str) -> None:
-        head: TaskHead = signed.msg
+    def _on_head(self, signed: Signed[TaskHead], topic: str) -> None:
+        head = signed.msg
         if head.task_cid != self.task_cid or head.version < 1 or (head.chain_cid, head.model_cid) in self._seen:
             return
         if len(self._seen) >= MAX_SEEN_HEADS:

@@ -32,6 +32,7 @@ from p2ptrain.runtime.run_state import CANCEL_SENT_FILE, CANCELLED_FILE
 from p2ptrain.runtime.status import FINISHED, TaskStatus
 from p2ptrain.runtime.task_run import TaskRun
 from p2ptrain.training.task import MAX_TASK_BYTES, TaskError, load_task, task_bytes, task_from_bytes, unmet_requirement
+from p2ptrain.wire import Signed
 from p2ptrain.wire.topics import TASKS_TOPIC, task_topic
 from p2ptrain.wire.messages import (
     CoordinatorBeat,
@@ -265,8 +266,8 @@ class TaskService:
             known = self.known[task_cid] = KnownTask(task_cid, name, sender)
         return known
 
-    async def _on_announce(self, signed: Any, topic: str) -> None:
-        msg: TaskAnnounce = signed.msg
+    async def _on_announce(self, signed: Signed[TaskAnnounce], topic: str) -> None:
+        msg = signed.msg
         new = msg.task_cid not in self.known
         self._remember(msg.task_cid, msg.name, signed.sender.to_base58())
         if new:
@@ -276,8 +277,8 @@ class TaskService:
             self._joining.add(msg.task_cid)  # counted from now: a burst cannot start more than the cap
             self._nursery.start_soon(self._join_quietly, msg.task_cid)
 
-    async def _on_head(self, signed: Any, topic: str) -> None:
-        head: TaskHead = signed.msg
+    async def _on_head(self, signed: Signed[TaskHead], topic: str) -> None:
+        head = signed.msg
         known = self.known.get(head.task_cid)
         if known is not None and (known.head is None or (head.version, head.step) >= (known.head.version, known.head.step)):
             known.head = head
@@ -285,7 +286,7 @@ class TaskService:
         if run is not None and self._running(head.task_cid):  # an ended run acts on no head
             await run.on_message(signed.sender.to_base58(), head)
 
-    def _on_head_request(self, signed: Any, topic: str) -> None:
+    def _on_head_request(self, signed: Signed[HeadRequest], topic: str) -> None:
         if topic != TASKS_TOPIC or self._nursery is None:
             return
         self.head_answers.on_request(signed.msg, self._nursery)
@@ -296,13 +297,13 @@ class TaskService:
             self._nursery.start_soon(self.node.publish, TASKS_TOPIC,
                                      TaskCancel(task_cid=signed.msg.task_cid, reason=reason.decode(errors="replace")))
 
-    async def _on_cancel(self, signed: Any, topic: str) -> None:
+    async def _on_cancel(self, signed: Signed[TaskCancel], topic: str) -> None:
         """A task's cancel: its run (if we take part) checks that the publisher sent it."""
         run = self.runs.get(signed.msg.task_cid)
         if run is not None:
             await run.on_message(signed.sender.to_base58(), signed.msg)
 
-    async def _on_task_message(self, signed: Any, topic: str) -> None:
+    async def _on_task_message(self, signed: Signed[Any], topic: str) -> None:
         msg = signed.msg
         if isinstance(msg, SignedVote):
             task_cid = msg.vote.task_cid

@@ -19,6 +19,7 @@ import trio
 from p2ptrain.logs import short_id
 from p2ptrain.node import Node
 from p2ptrain.node_config import NodeConfig
+from p2ptrain.wire import Signed
 from p2ptrain.wire.messages import (
     CoordinatorBeat,
     RoundFailed,
@@ -106,7 +107,7 @@ class Changes:
             node.on(msg_type, self._heard)
         self._nodes.append(node)
 
-    def _heard(self, signed: Any, topic: str) -> None:
+    def _heard(self, signed: Signed[Any], topic: str) -> None:
         self.fire()
 
     def fire(self) -> None:
