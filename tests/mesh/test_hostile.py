@@ -87,7 +87,7 @@ async def test_broken_pubsub_frames_are_counted_below_the_router_and_the_node_ke
         stream = await raw_pubsub_stream(attacker, victim)
         with trio.fail_after(10):
             await stream.write(frame)
-            while victim.status()["messages"]["dropped_below_router"].get(reason, 0) < 1:
+            while victim.status().messages["dropped_below_router"].get(reason, 0) < 1:
                 await trio.sleep(0.02)
         # The victim still runs and still delivers: a fresh, honest message gets through.
         inbox: list = []
@@ -130,7 +130,7 @@ async def test_exceptions_in_decode_and_in_a_handler_are_counted_rejections_not_
         with trio.fail_after(15):
             while inbox != ["after"]:
                 await trio.sleep(0.02)
-        dropped = victim.status()["messages"]["dropped"]
+        dropped = victim.status().messages["dropped"]
         assert dropped["decoder-error"] == 1 and dropped["handler-error"] == 1
         assert not victim.stopped.is_set()
 
@@ -171,4 +171,4 @@ async def test_a_peer_flooding_faster_than_its_inbound_rate_is_cut_off_before_an
                 await trio.sleep(0.05)
         assert limited >= 3000, "the flood was cut off as it was read"
         assert counted >= 200, "the burst got through to be checked (and dropped) by the router"
-        assert victim.status()["messages"]["dropped_below_router"]["rate-limited"] == limited
+        assert victim.status().messages["dropped_below_router"]["rate-limited"] == limited
