@@ -136,7 +136,7 @@ class ImageFolderLike(Dataset):
 def image_folder_reader(root: Path, size: int) -> tuple[Dataset, str]:
     try:
         from torchvision import datasets, transforms
-    except Exception:  # noqa: BLE001 (not installed, or a build that does not match torch)
+    except Exception:  # (not installed, or a build that does not match torch)
         return ImageFolderLike(root, size), "ImageFolder-like (Pillow)"
     transform = transforms.Compose([transforms.Resize(size), transforms.CenterCrop(size), transforms.ToTensor()])
     return datasets.ImageFolder(str(root), transform=transform), "torchvision ImageFolder"

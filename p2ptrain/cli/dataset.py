@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import Literal
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -45,10 +46,12 @@ def cmd_add(args: argparse.Namespace) -> int:
     return 0
 
 
-def _normalize(value: str | None) -> Pixels | str | None:
+def _normalize(value: str | None) -> Pixels | Literal["train"] | None:
     """``--normalize``: ``train`` (the train split's statistics) or ``MEAN,…/STD,…`` per channel."""
-    if value is None or value == "train":
-        return value
+    if value is None:
+        return None
+    if value == "train":
+        return "train"
     try:
         mean, std = ([float(v) for v in part.split(",")] for part in value.split("/"))
     except ValueError:
@@ -102,7 +105,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     group = sub.add_parser("dataset", help="publish datasets as shards by CID and inspect them")
     cmds = group.add_subparsers(dest="dataset_command", metavar="SUBCOMMAND", required=True)
 

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from p2ptrain.cli.ipfs import cid_arg
 from p2ptrain.errors import UserError
 from p2ptrain.net import control_ops
+from p2ptrain.runtime.status import TaskStatus
 
 if TYPE_CHECKING:
     from p2ptrain.ipfs.store import ContentStore
@@ -28,7 +29,7 @@ HOME_HELP = "node home whose store (and running node, if any) to use (default: $
 EPHEMERAL_MESH_TIMEOUT_S = 20.0
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     group = sub.add_parser("model", help="fetch, evaluate and serve trained models by CID", description=__doc__)
     msub = group.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
@@ -93,7 +94,8 @@ def ensure_local(
         client = ControlClient(home, timeout=600.0)
         try:
             if latest is not None:
-                status = client.call(control_ops.TASK_STATUS, task_cid=latest, timeout=EPHEMERAL_MESH_TIMEOUT_S)
+                status = TaskStatus.from_json(
+                    client.call(control_ops.TASK_STATUS, task_cid=latest, timeout=EPHEMERAL_MESH_TIMEOUT_S))
                 cids = cids + [_latest_from_status(status, latest)]
             for cid in cids:
                 client.call(control_ops.IPFS_FETCH, cid=cid, timeout=300.0)
@@ -114,11 +116,11 @@ def ensure_local(
     return _fetch_with_ephemeral_node(home, cids, bootstrap, latest, then)
 
 
-def _latest_from_status(status: dict[str, Any], task_cid: str) -> str:
-    cid = status.get("latest_model_cid")
-    if not cid or not status.get("version"):
-        raise UserError(f"task {task_cid} has no confirmed model yet (state: {status.get('state')})")
-    return str(cid)
+def _latest_from_status(status: TaskStatus, task_cid: str) -> str:
+    cid = status.latest_model_cid
+    if not cid or not status.version:
+        raise UserError(f"task {task_cid} has no confirmed model yet (state: {status.state})")
+    return cid
 
 
 def _fetch_with_ephemeral_node(
@@ -184,10 +186,11 @@ def with_ephemeral_node(home: Path, bootstrap: list[str], work: Callable[[Any], 
 
     from p2ptrain.ipfs.store import ContentUnavailable
     from p2ptrain.node import Node
+    from p2ptrain.node_config import NodeConfig
     from p2ptrain.runtime.peer import make_peer
 
     logging.getLogger("libp2p").setLevel(logging.CRITICAL)
-    node = Node(home, listen=["/ip4/127.0.0.1/tcp/0"], bootstrap=bootstrap)
+    node = Node(home, dataclasses.replace(NodeConfig.of_home(home), listen=["/ip4/127.0.0.1/tcp/0"], bootstrap=bootstrap))
     peer = make_peer(node)
 
     async def main() -> None:
@@ -195,7 +198,8 @@ def with_ephemeral_node(home: Path, bootstrap: list[str], work: Callable[[Any], 
             await nursery.start(node.run)
             try:
                 with trio.move_on_after(EPHEMERAL_MESH_TIMEOUT_S):
-                    while not node.host or not node.host.get_connected_peers():
+                    # py-libp2p has no event for a new connection: poll.
+                    while not node.host or not node.host.get_connected_peers():  # noqa: ASYNC110
                         await trio.sleep(0.1)
                 if not node.host or not node.host.get_connected_peers():
                     raise UserError(f"no peer reachable through {bootstrap[0]}")
@@ -238,6 +242,7 @@ def cmd_fetch(args: argparse.Namespace) -> int:
         raise UserError(f"{model_cid} is not a p2ptrain model: {exc}") from None
     with progress_bar(f"writing {args.output.name}", len(data)) as progress:
         store.get(model_cid, args.output, progress=progress)
+    assert card is not None  # model_from_bytes refuses a file without one
     params = sum(p.numel() for p in module.parameters())
     summary = {"model_cid": model_cid, "path": str(args.output), "bytes": len(data), "model": card,
                "parameters": params}

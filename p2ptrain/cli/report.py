@@ -49,13 +49,14 @@ class Point:
     bytes_sent: float | None
 
 
-def add_parser(tsub: argparse._SubParsersAction) -> None:
+def add_parser(tsub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Register ``task report`` in the task group."""
     report = tsub.add_parser(
         "report", help="draw a run: loss, accuracy, members, bytes and time per round (PNG or HTML)",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    report.add_argument("task_cid", metavar="TASK_CID", type=cid_arg, help="the task whose run to draw (this home must be a member)")
+    report.add_argument("task_cid", metavar="TASK_CID", type=cid_arg,
+                        help="the task whose run to draw (this home must be a member)")
     report.add_argument("-o", "--output", type=Path, required=True, metavar="FILE",
                         help="where to write the report: FILE.png (a picture) or FILE.html (the picture and a table)")
     report.add_argument("--home", type=Path, default=None,

@@ -38,7 +38,7 @@ from p2ptrain.net import control_ops
 EVAL_TOLERANCE = 1e-3
 
 
-def add_parser(msub: argparse._SubParsersAction, home_help: str) -> None:
+def add_parser(msub: argparse._SubParsersAction[argparse.ArgumentParser], home_help: str) -> None:
     verify = msub.add_parser(
         "verify", help="check a model's lineage from its task down: signatures, elections, quorums, bytes",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,

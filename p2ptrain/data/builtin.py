@@ -16,6 +16,7 @@ files are read with ``allow_pickle=False``: a folder may have come from anywhere
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -111,19 +112,20 @@ def load_folder(folder: Path) -> tuple[np.ndarray, np.ndarray]:
         raise UserError(f"{folder}: files do not have matching shapes: {exc}") from None
 
 
-def _npy(path: Path):
+def _npy(path: Path) -> Any:
     """``np.load`` without pickle; a missing or unreadable file is the user's to fix."""
     try:
-        return np.load(path, allow_pickle=False)
+        return np.load(path, allow_pickle=False)  # an array, or an archive of them (.npz)
     except FileNotFoundError:
         raise UserError(f"{path}: missing") from None
     except (ValueError, OSError) as exc:
         raise UserError(f"{path}: cannot read as a numpy file without pickle: {exc}") from None
 
 
-def _array(archive, key: str, path: Path) -> np.ndarray:
+def _array(archive: Any, key: str, path: Path) -> np.ndarray:
     try:
-        return archive[key]
+        array: np.ndarray = archive[key]
+        return array
     except ValueError as exc:  # object arrays refuse to load without pickle
         raise UserError(f"{path}[{key}]: {exc}") from None
 

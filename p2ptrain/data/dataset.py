@@ -42,12 +42,13 @@ class ShardUnavailable(UserError, RuntimeError):
         self.cid = cid
 
 
-class IPFSDataset(IterableDataset):
+class IPFSDataset(IterableDataset[tuple[torch.Tensor, torch.Tensor]]):
     """Samples ``(features, label)`` of one split of the dataset whose manifest is ``manifest_cid``.
 
     Choose shards with ``shard_ids`` (indices into the split), or with ``rank``/``world_size``
     (shard ``i`` goes to rank ``i % world_size``), or neither for all. Give a ``store``, or a ``home``
-    for the embedded store of that node home (default: ``$P2PTRAIN_HOME`` or ``~/.p2ptrain``). With ``DataLoader(num_workers=k)`` the selection is
+    for the embedded store of that node home (default: ``$P2PTRAIN_HOME`` or ``~/.p2ptrain``). With
+    ``DataLoader(num_workers=k)`` the selection is
     split again across workers; call :meth:`set_epoch` before each epoch (without persistent workers)
     to reshuffle.
     """
@@ -95,7 +96,7 @@ class IPFSDataset(IterableDataset):
                 raise ValueError(f"shard_ids must be distinct indices in [0, {count}): {ids}")
             return ids
         if rank is not None:
-            if not 0 <= rank < world_size:
+            if world_size is None or not 0 <= rank < world_size:
                 raise ValueError(f"rank {rank} is outside world_size {world_size}")
             return list(range(rank, count, world_size))
         return list(range(count))
@@ -171,7 +172,7 @@ class IPFSDataset(IterableDataset):
 
         return tokenizer_by_cid(self.store, tokens.tokenizer)
 
-    def _prefetch(self, pool: ThreadPoolExecutor, index: int) -> Future | None:
+    def _prefetch(self, pool: ThreadPoolExecutor, index: int) -> Future[tuple[np.ndarray, np.ndarray]] | None:
         """Start fetching shard ``index`` in the background, unless it is already local.
 
         A local shard is read when its turn comes: reading it in the thread would only make the two

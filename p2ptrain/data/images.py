@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -150,7 +150,7 @@ def _in_threads(work: Callable[[int], T], count: int, progress: Callable[[int], 
 
 
 @contextmanager
-def _opened(image, path: Path) -> Iterator:
+def _opened(image: Any, path: Path) -> Iterator[Any]:
     """``Image.open`` of one file within the bounds; any failure, of opening or of what the caller
     does with the image, is one line naming the file. Pillow's decoders raise many types for bad
     bytes (OSError, SyntaxError, struct.error, ValueError, IndexError, its DecompressionBombError),
@@ -172,11 +172,11 @@ def _opened(image, path: Path) -> Iterator:
     except (image.DecompressionBombError, image.DecompressionBombWarning) as exc:  # Pillow's check, in open()
         raise ImageError(f"{path}: its header claims more pixels than the limit of {MAX_IMAGE_PIXELS} "
                          f"({str(exc).split(',')[0]})") from None
-    except Exception as exc:  # noqa: BLE001 (see the docstring)
+    except Exception as exc:  # (see the docstring)
         raise ImageError(f"{path}: not a PNG or JPEG image we can read ({type(exc).__name__}: {exc})") from None
 
 
-def _decode(image, ops, path: Path, size: tuple[int, int], same: bool, out: np.ndarray) -> bool:
+def _decode(image: Any, ops: Any, path: Path, size: tuple[int, int], same: bool, out: np.ndarray) -> bool:
     """Decode one image into ``out`` (uint8 ``(3, H, W)``): converted to RGB, or to grayscale into
     channel 0 (then True is returned), scaled to cover ``size`` and centre-cropped to it; ``same``:
     it must have that size already. A JPEG is decoded at the smallest of 1/8, 1/4, 1/2, 1 scale that

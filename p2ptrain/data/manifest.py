@@ -259,7 +259,7 @@ def _cid(value: Any, where: str) -> str:
         cid = cid_str(parse_cid(value)) if isinstance(value, str) else None
     except InvalidCID as exc:
         raise ManifestError(f"{where}: {exc}") from None
-    if cid != value:
+    if cid is None or cid != value:  # (null passed here once)
         raise ManifestError(f"{where} must be a CID in canonical text form")
     return cid
 

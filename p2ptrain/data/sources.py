@@ -72,7 +72,7 @@ def _text(spec: str, options: SourceOptions, progress: Progress | None) -> Sourc
         if tokenizer is None and options.context == builtin.TEXT_CONTEXT:
             # As it always was: no `tokens` field, so its manifest keeps its CID.
             return Source(*builtin.load_source(f"text:{spec}"))
-        name, documents = f"text-{spec}", builtin.stdlib_documents(spec)
+        name, documents = f"text-{spec}", iter(builtin.stdlib_documents(spec))
     else:
         files = text_files(spec)
         stem = Path(spec).name if Path(spec).exists() else Path(spec).parent.name

@@ -276,28 +276,28 @@ def _has_columns(path: Path, have: list[str], names: list[str]) -> None:
 
 
 def _numeric(pa: Any, kind: Any) -> bool:
-    return pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_boolean(kind)
+    return bool(pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_boolean(kind))
 
 
 def _is_list(pa: Any, kind: Any) -> bool:
-    return pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind)
+    return bool(pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind))
 
 
 def _is_text(kind: Any) -> bool:
     import pyarrow as pa
 
-    return pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_binary(kind) \
-        or pa.types.is_large_binary(kind)
+    return bool(pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_binary(kind)
+                or pa.types.is_large_binary(kind))
 
 
 def _decoded_bytes(pa: Any, array: Any) -> int:
     """What ``array`` will take once decoded: a dictionary-encoded column counts each value's length
     at every row that refers to it (a 1 MB string named by a million rows is a TB of text)."""
     if not pa.types.is_dictionary(array.type):
-        return array.nbytes
+        return int(array.nbytes)
     compute = need("pyarrow.compute", "reading a Parquet or Arrow table")
     if not _is_text(array.type.value_type):
-        return array.nbytes
+        return int(array.nbytes)
     lengths = compute.binary_length(array.dictionary).fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64)
     indices = array.indices.fill_null(0).to_numpy(zero_copy_only=False)
     if len(indices) and (indices.min() < 0 or indices.max() >= len(lengths)):
@@ -314,17 +314,21 @@ def _from_arrow(pa: Any, where: str, chunks: list[Any]) -> Column:
     if array.null_count:
         raise TableError(f"{where}: {array.null_count} empty (null) values")
     kind = array.type
+    column: Column
     if _numeric(pa, kind):
-        return array.to_numpy()
+        column = array.to_numpy()
+        return column
     if _is_list(pa, kind) and _numeric(pa, kind.value_type):
         compute = need("pyarrow.compute", "reading a Parquet or Arrow table")
         lengths = compute.list_value_length(array).to_numpy()
         flat = compute.list_flatten(array)
         if len(set(lengths.tolist())) != 1 or lengths[0] == 0 or flat.null_count:
             raise TableError(f"{where}: lists of numbers must all have one length (> 0) and no empty values")
-        return flat.to_numpy().reshape(len(array), int(lengths[0]))
+        column = flat.to_numpy().reshape(len(array), int(lengths[0]))
+        return column
     if pa.types.is_string(kind) or pa.types.is_large_string(kind):
-        return array.to_pylist()
+        column = array.to_pylist()
+        return column
     raise TableError(f"{where}: a column of {str(kind)[:80]}; a dataset reads numbers, lists of numbers or strings")
 
 

@@ -79,7 +79,7 @@ def library_errors(what: str) -> Iterator[None]:
         raise
     except TokenizerError:
         raise
-    except BaseException as exc:  # noqa: BLE001 (see the docstring)
+    except BaseException as exc:  # (see the docstring)
         raise TokenizerError(f"{what}: {type(exc).__name__}: {str(exc)[:300]}") from None
 
 

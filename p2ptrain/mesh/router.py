@@ -28,6 +28,7 @@ from p2ptrain.wire.messages import MESSAGES, MessageRegistry
 logger = logging.getLogger(__name__)
 
 M = TypeVar("M")
+# A handler of one message type M gets a Signed[M]; the router keeps them all as this.
 Handler = Callable[[Signed[Any], str], Awaitable[None] | None]
 
 
@@ -46,7 +47,7 @@ class MessageRouter:
         self.delivered: Counter[str] = Counter()
         self.bytes_received = 0  # payload bytes of peers' messages on our topics, before checks
 
-    def on(self, msg_type: type[M], handler: Handler) -> None:
+    def on(self, msg_type: type[M], handler: Callable[[Signed[M], str], Awaitable[None] | None]) -> None:
         """Call ``handler(signed, topic)`` (sync or async) for every valid ``msg_type`` message.
 
         Handlers run in the topic's reader task, in arrival order: keep them short (hand long work
@@ -140,5 +141,5 @@ class MessageRouter:
             return None
         return signed
 
-    def stats(self) -> dict[str, dict[str, int]]:
+    def stats(self) -> dict[str, Any]:
         return {"dropped": dict(self.dropped), "delivered": dict(self.delivered), "bytes_received": self.bytes_received}

@@ -116,7 +116,7 @@ class HeadAnswers:
                 return
             await self.publish(head)  # type: ignore[misc]
             self.stats["answered"] += 1
-        except Exception as exc:  # noqa: BLE001 - the boundary: an answer never takes the node down
+        except Exception as exc:  # the boundary: an answer never takes the node down
             known = isinstance(exc, (OSError, RecordError))
             self.stats["bad_chain" if known else type(exc).__name__] += 1
             logger.warning("cannot answer for task %s: %s", task_cid,

@@ -40,6 +40,7 @@ from p2ptrain.runtime.content import ContentService
 from p2ptrain.training.lineage import MAX_CHAIN_BYTES, Chain, ChainRules, read_chain
 from p2ptrain.training.records import RecordError
 from p2ptrain.training.task import MAX_TASK_BYTES, task_from_bytes
+from p2ptrain.wire import Signed
 from p2ptrain.wire.messages import HeadRequest, TaskHead
 from p2ptrain.wire.topics import TASKS_TOPIC
 
@@ -110,7 +111,7 @@ class LatestFinder:
         self._send, self._recv = trio.open_memory_channel[TaskHead](MAX_QUEUED_HEADS)
         self._seen: set[str] = set()  # chain CIDs already judged
         if self.listen:
-            self.node.on(TaskHead, lambda signed, topic: self.offer(signed.msg))
+            self.node.on(TaskHead, self._on_head)
 
     @property
     def judged(self) -> int:
@@ -127,6 +128,9 @@ class LatestFinder:
         server (``model serve --latest``, serve/temporary.py) or a node calls this now and then, so
         MAX_SEEN_HEADS bounds its memory, not how many checkpoints it can follow."""
         self._seen.clear()
+
+    def _on_head(self, signed: Signed[TaskHead], topic: str) -> None:
+        self.offer(signed.msg)
 
     def offer(self, head: TaskHead) -> None:
         """A head heard: its chain is judged once (by chain CID, whatever the head claims)."""

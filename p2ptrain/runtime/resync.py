@@ -210,7 +210,7 @@ class Resync:
         run = self.run
         try:
             await loading
-        except Exception as exc:  # noqa: BLE001 - the boundary: trio.Cancelled is a BaseException
+        except Exception as exc:  # the boundary: trio.Cancelled is a BaseException
             if isinstance(exc, RecordError) and str(exc).startswith("fork"):
                 run.rejected["fork"] += 1
             known = isinstance(exc, (ContentUnavailable, RecordError, TrainerError, DagError))

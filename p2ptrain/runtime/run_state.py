@@ -25,6 +25,7 @@ from p2ptrain.logs import count_rejection, short_id
 from p2ptrain.metrics_hist import RoundHistograms
 from p2ptrain.node import Node
 from p2ptrain.runtime.content import ContentService
+from p2ptrain.runtime.status import Phase
 from p2ptrain.training.attestations import Attestations
 from p2ptrain.training.election import Election, ElectionConfig
 from p2ptrain.training.rounds import RoundBook
@@ -79,8 +80,7 @@ class RunState:
     me: str = ""
     topic: str = ""
     dir: Path = Path()
-    # `task status` "state": starting, fetching data, training, resyncing, done, cancelled, failed
-    phase: str = "starting"
+    phase: Phase = Phase.STARTING  # `task status` "state"
     error: str | None = None
     # Whether this member holds the state the run is at (so it advertises the task and may lead).
     synced: bool = False
@@ -160,13 +160,13 @@ class RunState:
             self.node.membership.poke()
 
     def set_synced(self) -> None:
-        self.synced, self.phase = True, "training"
+        self.synced, self.phase = True, Phase.TRAINING
         self.advertise(True)
 
     def desync(self, now: float) -> None:
         """Our state is not the run's: stop leading and advertising until the resync loop loads it."""
         self.election.step_down(now)
-        self.synced, self.phase = False, "resyncing"
+        self.synced, self.phase = False, Phase.RESYNCING
         self.advertise(False)
 
     def end_if_over(self) -> None:

@@ -40,6 +40,7 @@ from p2ptrain.runtime.leading import HEAD_EVERY_S, Leading
 from p2ptrain.runtime.resync import Resync
 from p2ptrain.runtime.run_state import Nudge, RunState
 from p2ptrain.runtime.spans import Spans
+from p2ptrain.runtime.status import FINISHED, ChainEntry, Phase, TaskStatus
 from p2ptrain.training.lineage import Chain, ChainRules
 from p2ptrain.training.records import RecordError, load_model_bytes
 from p2ptrain.training.rounds import RoundBook, RuleBreak
@@ -65,8 +66,9 @@ logger = logging.getLogger(__name__)
 # A joiner listens this long for the run's head before it takes step 0 as the run's state: the
 # coordinator of a run under way publishes one every HEAD_EVERY_S, and one may be lost.
 HEAR_HEAD_S = HEAD_EVERY_S * 1.5
-# Meanwhile it asks for the head this often (a request published before our pubsub mesh formed is lost): a run that is over has no coordinator publishing heads,
-# its members answer requests (runtime/head_answers.py), at most one answer per task per second.
+# Meanwhile it asks for the head this often (a request published before our pubsub mesh formed is
+# lost): a run that is over has no coordinator publishing heads, its members answer requests
+# (runtime/head_answers.py), at most one answer per task per second.
 ASK_HEAD_EVERY_S = 1.0
 
 
@@ -105,50 +107,54 @@ class TaskRun:
     def task_cid(self) -> str:
         return self.shared.task_cid
 
-    def status(self) -> dict[str, Any]:
-        """What `p2ptrain task status --json` shows for a task this node takes part in."""
+    def status(self) -> TaskStatus:
+        """What `p2ptrain task status` shows for a task this node takes part in."""
         run = self.shared
         book = run.book
         chain = book.chain if book else None
         plan = book.last_plan if book else None
-        return {
-            "task_cid": run.task_cid,
-            "name": run.task.name,
-            "state": run.phase,
-            "error": run.error,
-            "cancel_reason": run.cancel_reason,
-            # "waiting for N more peers since T": N, and the seconds waited so far (None: not waiting)
-            "waiting_for_peers": run.waiting_for,
-            "waiting_s": None if run.waiting_since is None else round(trio.current_time() - run.waiting_since, 1),
-            "member": True,
-            "synced": run.synced,
-            "round": plan.round if plan else None,
-            "step": run.trainer.step if run.trainer else 0,
-            "total_steps": run.total_steps,
-            "members": list(plan.members) if plan else [],
-            "coordinator": run.election.coordinator,
-            "term": run.election.term,
-            "version": chain.version if chain else 0,
-            "latest_model_cid": chain.head_cid if chain else None,
-            "chain": [
-                {"version": s.record.version, "model_cid": s.record.model_cid, "round": s.record.round,
-                 "step": s.record.step, "metrics": dict(s.record.metrics)}
-                for s in (chain.records if chain else [])
-            ],
-            "loss": run.metrics.get("train_loss"),
-            "accuracy": run.metrics.get("accuracy"),
-            "test_loss": run.metrics.get("loss"),
-            "bytes_sent": run.bytes_sent,
-            "bytes_received": run.bytes_received,
-            "rounds_done": run.rounds_done,
-            "compute_s": round(run.timings.compute_s, 4),
-            "sync_s": round(run.timings.sync_s, 4),
-            "apply_s": round(run.timings.apply_s, 4),
-            "rejected": dict(run.rejected),
-            # the last round completed (not the start of the last span) and the step after it
-            **_progress(run),
-            **_inner(run),
-        }
+        last_round, last_step = _progress(run)
+        inner = run.trainer.inner_step if isinstance(run.trainer, LocalSGDTrainer) else None
+        return TaskStatus(
+            task_cid=run.task_cid,
+            name=run.task.name,
+            state=run.phase,
+            member=True,
+            error=run.error,
+            cancel_reason=run.cancel_reason,
+            waiting_for_peers=run.waiting_for,
+            waiting_s=None if run.waiting_since is None else round(trio.current_time() - run.waiting_since, 1),
+            synced=run.synced,
+            round=plan.round if plan else None,
+            step=run.trainer.step if run.trainer else 0,
+            total_steps=run.total_steps,
+            members=tuple(plan.members) if plan else (),
+            coordinator=run.election.coordinator,
+            term=run.election.term,
+            version=chain.version if chain else 0,
+            latest_model_cid=chain.head_cid if chain else None,
+            chain=tuple(ChainEntry(version=s.record.version, model_cid=s.record.model_cid, round=s.record.round,
+                                   step=s.record.step, metrics=dict(s.record.metrics))
+                        for s in (chain.records if chain else [])),
+            loss=run.metrics.get("train_loss"),
+            accuracy=run.metrics.get("accuracy"),
+            test_loss=run.metrics.get("loss"),
+            bytes_sent=run.bytes_sent,
+            bytes_received=run.bytes_received,
+            rounds_done=run.rounds_done,
+            compute_s=round(run.timings.compute_s, 4),
+            sync_s=round(run.timings.sync_s, 4),
+            apply_s=round(run.timings.apply_s, 4),
+            rejected=dict(run.rejected),
+            last_round=last_round,
+            last_step=last_step,
+            # Local-SGD mode: read from the trainer while its worker thread runs the inner loop
+            # (one int, the last one it set); shown 1 to H.
+            inner_steps=run.task.training.inner_steps,
+            inner_step=None if inner is None else inner + 1,
+            is_coordinator=run.election.coordinator == run.me,
+            round_seconds=run.round_seconds.snapshot(),
+        )
 
     # -- lifetime ----------------------------------------------------------------------------
 
@@ -165,26 +171,26 @@ class TaskRun:
                 nursery.start_soon(self.data.replicate)
                 await run.done.wait()
                 nursery.cancel_scope.cancel()
-            run.phase = "done" if run.cancel_reason is None else "cancelled"
+            run.phase = Phase.DONE if run.cancel_reason is None else Phase.CANCELLED
             logger.info("%s: %s; final model %s", run.log_prefix, run.phase,
                         run.book.chain.head_cid if run.book else "-")
         except (ContentUnavailable, TrainerError, RecordError) as exc:
-            run.phase, run.error = "failed", str(exc)
+            run.phase, run.error = Phase.FAILED, str(exc)
             logger.error("%s: failed: %s", run.log_prefix, exc)
         except Exception as exc:
             # A bug in one task must not take the node (and its other tasks) down with it.
-            run.phase, run.error = "failed", f"internal error: {exc!r}"
+            run.phase, run.error = Phase.FAILED, f"internal error: {exc!r}"
             logger.exception("%s: failed with an internal error", run.log_prefix)
         finally:
-            if run.phase not in ("done", "cancelled", "failed"):
-                run.phase = "stopped"  # the node is stopping (the run was cancelled)
+            if run.phase not in FINISHED:
+                run.phase = Phase.STOPPED  # the node is stopping (the run was cancelled)
             run.advertise(False)
 
     async def _prepare(self) -> None:
         """Fetch the manifest, build the initial model (or fetch it) and the first round's state."""
         run = self.shared
         task, content = run.task, run.content
-        run.phase = "fetching data"
+        run.phase = Phase.FETCHING
         await content.fetch(task.dataset.manifest, max_bytes=MAX_MANIFEST_BYTES)
         run.manifest = await trio.to_thread.run_sync(Manifest.load, content.store, task.dataset.manifest)
         train_samples = run.manifest.num_samples(task.dataset.train_split)
@@ -220,7 +226,7 @@ class TaskRun:
         if fresh:  # step 0 from the task's seed (or initial model): every member holds it
             run.set_synced()
         else:
-            run.phase = "resyncing"
+            run.phase = Phase.RESYNCING
 
     # -- messages ------------------------------------------------------------------------------
 
@@ -301,16 +307,7 @@ class TaskRun:
         self.spans.follow(plan)
 
 
-def _inner(run: RunState) -> dict[str, Any]:
-    """Local-SGD mode: ``inner_steps`` is H and ``inner_step`` the inner step under way, 1 to H (None
-    between inner loops: in the all-reduce, the outer step, a checkpoint). Both None in sync mode.
-    Read from the trainer while its worker thread runs the loop: one int, the last one it set."""
-    trainer = run.trainer
-    inner = trainer.inner_step if isinstance(trainer, LocalSGDTrainer) else None
-    return {"inner_steps": run.task.training.inner_steps, "inner_step": None if inner is None else inner + 1}
-
-
-def _progress(run: RunState) -> dict[str, Any]:
+def _progress(run: RunState) -> tuple[int | None, int | None]:
     """``last_round``/``last_step``: the last round this member completed and the step after it
     (round ``plan.round + i`` of a followed plan ends at step ``plan.step + i + 1``; a member that
     loaded a checkpoint instead is at its record's last round); None before the first round."""
@@ -322,4 +319,4 @@ def _progress(run: RunState) -> dict[str, Any]:
         last_round = plan.round + (step - plan.step) - 1
     elif book is not None and book.chain.records and step == book.head_step:
         last_round = book.chain.records[-1].record.round
-    return {"last_round": last_round, "last_step": step if last_round is not None else None}
+    return last_round, step if last_round is not None else None

@@ -29,9 +29,11 @@ from p2ptrain.atomic import write_atomic
 from p2ptrain.runtime.head_answers import HeadAnswers
 from p2ptrain.runtime.latest import LatestFinder, head_key, held_tasks
 from p2ptrain.runtime.run_state import CANCEL_SENT_FILE, CANCELLED_FILE
+from p2ptrain.runtime.status import FINISHED, TaskStatus
 from p2ptrain.runtime.task_run import TaskRun
 from p2ptrain.training.lineage import Chain
 from p2ptrain.training.task import MAX_TASK_BYTES, TaskError, load_task, task_bytes, task_from_bytes, unmet_requirement
+from p2ptrain.wire import Signed
 from p2ptrain.wire.topics import TASKS_TOPIC, task_topic
 from p2ptrain.wire.messages import (
     CoordinatorBeat,
@@ -65,8 +67,6 @@ MAX_FAILED_JOINS = 1024
 # A join from an announcement fetches a file of at most MAX_TASK_BYTES: if that takes longer than
 # this, the announcer (or its content) is not worth waiting for.
 JOIN_FETCH_TIMEOUT_S = 30.0
-# A run in one of these states is over: it acts on no head, and its node answers head requests for it.
-FINISHED_PHASES = frozenset({"done", "cancelled", "failed", "stopped"})
 # `task status` of a task this node is not a member of looks its latest chain up and verifies it for
 # this long by default (a request may say less, up to MAX_VERIFY_HEAD_S): a run under way publishes
 # a head every 2 s, and a finished run's members answer a request within a second.
@@ -91,24 +91,24 @@ class KnownTask:
     verified: Chain | None = None
     verified_cid: str | None = None  # the CID of ``verified``'s bytes (a head named it)
 
-    def as_json(self) -> dict[str, Any]:
+    def status(self) -> TaskStatus:
         head, chain = self.head, self.verified
         last = chain.records[-1].record if chain is not None and chain.records else None
-        return {
-            "task_cid": self.task_cid,
-            "name": self.name,
-            "announced_by": self.announced_by,
-            "member": False,
-            "state": ("done" if head.done else "running") if head else "announced",
-            "refused": self.refused,
-            "version": last.version if last else 0,
-            "step": last.step if last else 0,
-            "round": head.round if head else None,
-            "total_steps": head.total_steps if head else None,
-            "latest_model_cid": last.model_cid if last else None,
-            "members": list(last.members) if last else [],
-            "chain_cid": self.verified_cid,
-        }
+        return TaskStatus(
+            task_cid=self.task_cid,
+            name=self.name,
+            announced_by=self.announced_by,
+            member=False,
+            state=("done" if head.done else "running") if head else "announced",
+            refused=self.refused,
+            version=last.version if last else 0,
+            step=last.step if last else 0,
+            round=head.round if head else None,
+            total_steps=head.total_steps if head else None,
+            latest_model_cid=last.model_cid if last else None,
+            members=tuple(last.members) if last else (),
+            chain_cid=self.verified_cid,
+        )
 
 
 @dataclass
@@ -166,7 +166,7 @@ class TaskService:
     def _running(self, task_cid: str) -> bool:
         """Whether this node's run of ``task_cid`` is under way (not done, cancelled, failed or stopped)."""
         run = self.runs.get(task_cid)
-        return run is not None and run.shared.phase not in FINISHED_PHASES
+        return run is not None and run.shared.phase not in FINISHED
 
     def _total_steps(self, task_cid: str) -> int | None:
         run = self.runs.get(task_cid)
@@ -284,8 +284,8 @@ class TaskService:
             known = self.known[task_cid] = KnownTask(task_cid, name, sender)
         return known
 
-    async def _on_announce(self, signed: Any, topic: str) -> None:
-        msg: TaskAnnounce = signed.msg
+    async def _on_announce(self, signed: Signed[TaskAnnounce], topic: str) -> None:
+        msg = signed.msg
         new = msg.task_cid not in self.known
         self._remember(msg.task_cid, msg.name, signed.sender.to_base58())
         if new:
@@ -295,8 +295,8 @@ class TaskService:
             self._joining.add(msg.task_cid)  # counted from now: a burst cannot start more than the cap
             self._nursery.start_soon(self._join_quietly, msg.task_cid)
 
-    async def _on_head(self, signed: Any, topic: str) -> None:
-        head: TaskHead = signed.msg
+    async def _on_head(self, signed: Signed[TaskHead], topic: str) -> None:
+        head = signed.msg
         known = self.known.get(head.task_cid)
         if known is not None and (known.head is None or (head.version, head.step) >= (known.head.version, known.head.step)):
             known.head = head
@@ -307,7 +307,7 @@ class TaskService:
         if run is not None and self._running(head.task_cid):  # an ended run acts on no head
             await run.on_message(signed.sender.to_base58(), head)
 
-    def _on_head_request(self, signed: Any, topic: str) -> None:
+    def _on_head_request(self, signed: Signed[HeadRequest], topic: str) -> None:
         if topic != TASKS_TOPIC or self._nursery is None:
             return
         self.head_answers.on_request(signed.msg, self._nursery)
@@ -318,13 +318,13 @@ class TaskService:
             self._nursery.start_soon(self.node.publish, TASKS_TOPIC,
                                      TaskCancel(task_cid=signed.msg.task_cid, reason=reason.decode(errors="replace")))
 
-    async def _on_cancel(self, signed: Any, topic: str) -> None:
+    async def _on_cancel(self, signed: Signed[TaskCancel], topic: str) -> None:
         """A task's cancel: its run (if we take part) checks that the publisher sent it."""
         run = self.runs.get(signed.msg.task_cid)
         if run is not None:
             await run.on_message(signed.sender.to_base58(), signed.msg)
 
-    async def _on_task_message(self, signed: Any, topic: str) -> None:
+    async def _on_task_message(self, signed: Signed[Any], topic: str) -> None:
         msg = signed.msg
         if isinstance(msg, SignedVote):
             task_cid = msg.vote.task_cid
@@ -372,9 +372,9 @@ class TaskService:
         return {"task_cid": run.task_cid, "name": run.shared.task.name}
 
     async def _list_op(self, request: dict[str, Any]) -> dict[str, Any]:
-        tasks = {cid: known.as_json() for cid, known in self.known.items()}
+        tasks = {cid: known.status().to_json() for cid, known in self.known.items()}
         for cid, run in self.runs.items():
-            tasks[cid] = run.status()
+            tasks[cid] = run.status().to_json()
         return {"tasks": list(tasks.values()), "joins": self._joins()}
 
     async def _cancel_op(self, request: dict[str, Any]) -> dict[str, Any]:
@@ -406,7 +406,7 @@ class TaskService:
         task_cid = str(request.get("task_cid", ""))
         run = self.runs.get(task_cid)
         if run is not None:
-            return run.status()
+            return run.status().to_json()
         known = self.known.get(task_cid)
         if known is None:
             raise UserError(f"this node has not heard of task {task_cid}")
@@ -415,7 +415,7 @@ class TaskService:
         timeout = request.get("timeout")
         if isinstance(timeout, (int, float)) or (known.head is not None and known.head.version >= 1):
             await self._verify_latest(known, float(timeout) if isinstance(timeout, (int, float)) else VERIFY_HEAD_S)
-        return known.as_json()
+        return known.status().to_json()
 
     async def _verify_latest(self, known: KnownTask, timeout: float) -> None:
         """Look up and verify the latest chain of a task this node is not a member of (the same

@@ -17,6 +17,7 @@ thread where the node lives.
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ import trio
 from p2ptrain.errors import UserError
 from p2ptrain.ipfs.store import ContentUnavailable
 from p2ptrain.node import Node
+from p2ptrain.node_config import NodeConfig
 from p2ptrain.runtime.latest import MAX_SEEN_HEADS, LatestFinder
 from p2ptrain.runtime.peer import make_peer
 
@@ -48,7 +50,7 @@ class TemporaryFollower:
     ``task_cid``, for as long as :meth:`run` runs; ``lookups`` counts the lookups answered."""
 
     def __init__(self, home: Path, bootstrap: list[str], task_cid: str, *, lookup_s: float = LOOKUP_S) -> None:
-        self.node = Node(home, listen=["/ip4/127.0.0.1/tcp/0"], bootstrap=bootstrap)
+        self.node = Node(home, replace(NodeConfig.of_home(home), listen=["/ip4/127.0.0.1/tcp/0"], bootstrap=bootstrap))
         self.peer = make_peer(self.node)
         self.finder = LatestFinder(self.node, self.peer.content, task_cid)
         self.task_cid = task_cid

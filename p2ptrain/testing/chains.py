@@ -25,7 +25,9 @@ __all__ = ["attestations_for", "proven_chain", "proven_record", "rules_task", "v
 _NO_DATA = "QmbFMke1KXqnYyBBWxB74N4c5SBnJMVAiMNRcGu6x1AwQH"
 
 
-def rules_task(store: Any, *, min_peers: int = 1, max_peers: int = 8, allow: Sequence[str] | None = None) -> tuple[str, ChainRules]:
+def rules_task(
+    store: Any, *, min_peers: int = 1, max_peers: int = 8, allow: Sequence[str] | None = None,
+) -> tuple[str, ChainRules]:
     """Store a small task whose chains a test forges or checks (its CID and its :class:`ChainRules`):
     a reader of a chain fetches the task for its rules, as a verifier would. Never trained."""
     from p2ptrain.training.demo import TASK_TEMPLATE

@@ -61,7 +61,9 @@ from p2ptrain.logs import short_id
 from p2ptrain.training import signing
 from p2ptrain.training.records import quorum
 from p2ptrain.training.signing import SignatureError
-from p2ptrain.training.voters import ElectionConfig, View, certificate_problem, designated, voters_alive
+from p2ptrain.training.voters import ElectionConfig as ElectionConfig  # re-exported with View: what a tick takes
+from p2ptrain.training.voters import View as View
+from p2ptrain.training.voters import certificate_problem, designated, voters_alive
 from p2ptrain.wire.messages import CoordinatorBeat, SignedVote, Vote, VoteRequest
 
 log = logging.getLogger(__name__)

@@ -138,7 +138,7 @@ def proof(record: ModelRecord, attestations: Iterable[SignedAttestation]) -> tup
     """The attestations a chain keeps for ``record``: a quorum of its members' matching ones,
     sorted by attester, so that the same set gives the same bytes."""
     rid = record_id(record)
-    by_attester = {}
+    by_attester: dict[str, SignedAttestation] = {}
     for signed in attestations:
         a = signed.attestation
         if (a.record_id, a.model_cid, a.optimizer_cid) == (rid, record.model_cid, record.optimizer_cid):

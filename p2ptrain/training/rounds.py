@@ -447,10 +447,10 @@ class RoundBook:
         held = self.span_plans.get(end)
         if held is None or (plan.term, plan.round, plan.attempt) > (held.term, held.round, held.attempt):
             self.span_plans[end] = plan
-        for old in sorted(self.span_plans)[:-KEPT_SPAN_PLANS]:
-            del self.span_plans[old]
-        for old in sorted(self.refused_spans)[:-KEPT_SPAN_PLANS]:
-            self.refused_spans.discard(old)  # (end step first: the oldest spans go)
+        for step in sorted(self.span_plans)[:-KEPT_SPAN_PLANS]:
+            del self.span_plans[step]
+        for refused in sorted(self.refused_spans)[:-KEPT_SPAN_PLANS]:
+            self.refused_spans.discard(refused)  # (end step first: the oldest spans go)
 
     def checkpoint_record(
         self,

@@ -28,9 +28,9 @@ import torch
 import trio
 from libp2p.peer.id import ID
 
-from p2ptrain.collective import Collective, SparseAllReducer
+from p2ptrain.collective import Collective, RoundSpec, SparseAllReducer
 from p2ptrain.tensors import large_empty
-from p2ptrain.training.task import Task
+from p2ptrain.training.task import CompressionSpec, Task
 from p2ptrain.training.trainer import Average, StepResult, Trainer
 from p2ptrain.wire.messages import RoundPlan
 
@@ -88,18 +88,10 @@ class PlanAverager:
     ) -> None:
         self.task = task
         self.collective = collective
-        self.timeout = timeout
         # Members start a round at different moments (compute, plan latency): waiting for the
-        # neighbours to join may need longer than one hop.
-        self.start_timeout = start_timeout
-        c = task.compression
-        self.value_dtype = torch.float16 if c.fp16_values else torch.float32
-        self.reducer = (
-            SparseAllReducer(collective, density=c.density, value_dtype=self.value_dtype, robust=c.robust,
-                             quantize=c.values)
-            if c.error_feedback
-            else None
-        )
+        # neighbours to join may need longer than one hop (start_timeout).
+        self.spec = round_spec(task.compression, timeout=timeout, start_timeout=start_timeout)
+        self.reducer = SparseAllReducer(collective, self.spec) if task.compression.error_feedback else None
         self._out: torch.Tensor | None = None
 
     def for_plan(self, plan: RoundPlan) -> Average:
@@ -116,13 +108,19 @@ class PlanAverager:
                 # page faults (huge pages: the round's fill and scatter into it are cheaper).
                 if self._out is None or self._out.numel() != flat.numel():
                     self._out = large_empty(flat.numel())
-                return await self.reducer.allreduce(
-                    flat, ring, round_id, out=self._out, timeout=self.timeout, start_timeout=self.start_timeout
-                )
-            return await self.collective.allreduce(
-                flat, ring, round_id, density=self.task.compression.density,
-                value_dtype=self.value_dtype, timeout=self.timeout, start_timeout=self.start_timeout,
-                robust=self.task.compression.robust,
-            )
+                return await self.reducer.allreduce(flat, ring, round_id, out=self._out)
+            return await self.collective.allreduce(flat, ring, round_id, self.spec)
 
         return average
+
+
+def round_spec(c: CompressionSpec, *, timeout: float = 5.0, start_timeout: float | None = None) -> RoundSpec:
+    """The rounds a task's ``[compression]`` asks for (already checked when the task was parsed).
+
+    ``fp16_values`` (or ``values = "fp16"``) sends float16 values, else float32; ``values = "int8"``
+    or ``"2bit"`` quantizes them (``c.values``). Without error feedback the one-shot sparse round of
+    :meth:`Collective.allreduce` quantizes nothing (the task parser refuses that combination).
+    """
+    return RoundSpec(density=c.density, value_dtype=torch.float16 if c.fp16_values else torch.float32,
+                     robust=c.robust, quantize=c.values if c.error_feedback else None, timeout=timeout,
+                     start_timeout=start_timeout)

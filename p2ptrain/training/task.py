@@ -22,7 +22,7 @@ from typing import Any
 from p2ptrain import boundedjson
 from p2ptrain.training import task_fields as fields
 from p2ptrain.training.models import ModelError, check_model
-from p2ptrain.training.task_fields import TaskError
+from p2ptrain.training.task_fields import TaskError as TaskError  # re-exported: the task's one error
 from p2ptrain.wire.messages import Capabilities
 
 # A base58 peer ID of an Ed25519 key is 52 characters; 128 leaves room for other key types.

@@ -138,7 +138,7 @@ def peer_ids(table: dict[str, Any], key: str, where: str, max_items: int) -> tup
             raise TaskError(f"{where}{key}[{i}]: must be a peer ID")
         try:
             ok = isinstance(ID.from_base58(peer).extract_public_key(), Ed25519PublicKey)
-        except Exception:  # noqa: BLE001 - base58 and multihash parsing raise many kinds
+        except Exception:  # base58 and multihash parsing raise many kinds
             ok = False
         if not ok:
             raise TaskError(f"{where}{key}[{i}]: {peer[:64]!r} is not the peer ID of an Ed25519 key")

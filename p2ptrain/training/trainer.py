@@ -30,7 +30,7 @@ from torch import nn
 
 from p2ptrain.tensors import all_finite
 from p2ptrain.training.batches import Batch, Metrics, evaluate_batches, loss_and_hits
-from p2ptrain.training.errors import TrainerError
+from p2ptrain.training.errors import TrainerError as TrainerError  # re-exported: callers catch it here
 from p2ptrain.training.models import build_model
 from p2ptrain.training.optimizers import build_optimizer, lr_at
 from p2ptrain.training.records import (
@@ -204,7 +204,7 @@ class Trainer:
             with self._autocast():
                 logits = self.model(x)
             loss, _hits, _n = loss_and_hits(logits, y)
-            (loss * (scale / k)).backward()
+            (loss * (scale / k)).backward()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
             total += float(loss.detach())
             classes = logits.shape[-1]
         self._check_first_loss(total / k, classes)

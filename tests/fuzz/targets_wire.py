@@ -95,7 +95,8 @@ SAMPLES = [
         signature=_SIG,
     ),
     SignedAttestation(
-        attestation=Attestation(task_cid=_CID, version=2, record_id="r" * 64, model_cid=_CID, optimizer_cid=_CID, attester=_SENDER),
+        attestation=Attestation(task_cid=_CID, version=2, record_id="r" * 64, model_cid=_CID, optimizer_cid=_CID,
+                                attester=_SENDER),
         signature=_SIG,
     ),
     VoteRequest(task_cid=_CID, term=3, candidate=_SENDER),
@@ -141,7 +142,8 @@ TARGETS = [
         "node.config",
         _parse_config,
         (UserError,),
-        [NodeConfig().to_toml().encode(), NodeConfig(bootstrap=["/ip4/127.0.0.1/tcp/1/p2p/" + _SENDER], heartbeat_interval=0.5).to_toml().encode()],
+        [NodeConfig().to_toml().encode(),
+         NodeConfig(bootstrap=["/ip4/127.0.0.1/tcp/1/p2p/" + _SENDER], heartbeat_interval=0.5).to_toml().encode()],
     ),
     *(
         FuzzTarget(f"wire.{type(m).TYPE}", _decode_signed_payload, (DecodeError,), [_signed_payload_of(m)])

@@ -29,6 +29,7 @@ import trio
 from p2ptrain.ipfs.store import ContentUnavailable
 from p2ptrain.mesh import discovery as discovery_module
 from p2ptrain.node import Node
+from p2ptrain.node_config import NodeConfig
 from p2ptrain.runtime.latest import LatestFinder, head_key
 from p2ptrain.runtime.peer import make_peer
 from p2ptrain.testing import proven_chain, rules_task, wait_until
@@ -53,7 +54,7 @@ async def test_a_fetcher_finds_the_holder_of_content_and_of_a_runs_head_through_
                 return node
 
             try:
-                h = make_peer(Node(tmp_path / "h", dht=True))
+                h = make_peer(Node(tmp_path / "h", NodeConfig(dht=True)))
                 store = h.content.store
                 data = os.urandom(FILE_BYTES)
                 cid = store.add_bytes(data)
@@ -64,12 +65,12 @@ async def test_a_fetcher_finds_the_holder_of_content_and_of_a_runs_head_through_
                 (tmp_path / "h" / "tasks" / task_cid).mkdir(parents=True)
                 (tmp_path / "h" / "tasks" / task_cid / "chain.jsonl").write_bytes(chain.to_bytes())
                 await start(h.node)
-                b = await start(Node(tmp_path / "b", bootstrap=h.node.addrs[:1], dht=True))
+                b = await start(Node(tmp_path / "b", NodeConfig(bootstrap=h.node.addrs[:1], dht=True)))
                 routing = h.content.routing
                 assert routing is not None
                 await wait_until(lambda: routing.provides >= 2, STEP_S, what="H's two announcements taken by B")
-                c = make_peer(Node(tmp_path / "c", bootstrap=b.addrs[:1], dht=True))
-                d = make_peer(Node(tmp_path / "d", bootstrap=b.addrs[:1], dht=True))
+                c = make_peer(Node(tmp_path / "c", NodeConfig(bootstrap=b.addrs[:1], dht=True)))
+                d = make_peer(Node(tmp_path / "d", NodeConfig(bootstrap=b.addrs[:1], dht=True)))
                 await start(c.node)
                 await start(d.node)
                 # C and D hear H's heartbeat through B, yet do not dial it.

@@ -17,6 +17,7 @@ import torch
 import trio
 
 from p2ptrain.cli.task import render_status
+from p2ptrain.runtime.status import TaskStatus
 from p2ptrain.testing import LocalPeers, local_peers
 from p2ptrain.training.local_sgd import LocalSGDTrainer
 from p2ptrain.training.lineage import Chain, read_chain
@@ -118,7 +119,7 @@ async def test_a_local_sgd_run_survives_a_member_stopped_mid_inner_loop_takes_a_
 
             seen = await peers.wait_until(mid_inner_loop, STEP_S, what="the victim inside its inner loop")
             assert seen["inner_steps"] == INNER and seen["inner_step"] <= INNER
-            assert f"; inner step {seen['inner_step']}/{INNER}" in render_status(seen)
+            assert f"; inner step {seen['inner_step']}/{INNER}" in render_status(TaskStatus.from_json(seen))
             await peers.stop_peer(victim)
             await late.tasks.join(task_cid)
             rest = [i for i in range(4) if i != victim]

@@ -23,6 +23,7 @@ from p2ptrain.data.builtin import load_source
 from p2ptrain.ipfs.cid import DAG_PB, cid_from_digest, cid_str, make_cid
 from p2ptrain.ipfs.dagpb import encode_file_leaf, encode_file_node
 from p2ptrain.node import Node
+from p2ptrain.node_config import NodeConfig
 from p2ptrain.runtime.peer import Peer, make_peer
 from p2ptrain.wire.topics import TASKS_TOPIC
 from p2ptrain.runtime.task_run import TaskRun
@@ -79,7 +80,7 @@ def _head(task_cid: str, chain_cid: str, version: int) -> TaskHead:
 
 
 async def _with_victim_and_attacker(tmp_path: Path, body: Any) -> None:
-    victim = Node(tmp_path / "victim", listen=["/ip4/127.0.0.1/tcp/0"])
+    victim = Node(tmp_path / "victim", NodeConfig(listen=["/ip4/127.0.0.1/tcp/0"]))
     victim_peer = make_peer(victim)
     name, features, labels = load_source("sklearn:digits")
     manifest, _ = build_dataset(victim_peer.content.store, name, (features / 16.0).astype(np.float32), labels, 4,
@@ -87,7 +88,7 @@ async def _with_victim_and_attacker(tmp_path: Path, body: Any) -> None:
     async with trio.open_nursery() as nursery:
         with trio.fail_after(DEADLINE_S):
             await nursery.start(victim.run)
-            attacker = Node(tmp_path / "attacker", listen=["/ip4/127.0.0.1/tcp/0"], bootstrap=victim.addrs[:1])
+            attacker = Node(tmp_path / "attacker", NodeConfig(listen=["/ip4/127.0.0.1/tcp/0"], bootstrap=victim.addrs[:1]))
             attacker_peer = make_peer(attacker)
             await nursery.start(attacker.run)
             await victim.membership.wait_until(lambda m: len(m.alive()) >= 1)
@@ -120,7 +121,7 @@ async def test_heads_from_a_peer_that_is_not_the_coordinator_are_refused_and_tra
         assert run.shared.trainer.step > step
         assert run.shared.heads is not None and run.shared.heads.version < 10**9
         assert run.shared.rejected["head_untrusted"] > 0
-        assert run.status()["rejected"]["head_untrusted"] == run.shared.rejected["head_untrusted"]
+        assert run.status().rejected["head_untrusted"] == run.shared.rejected["head_untrusted"]
         assert run.shared.rejected["resync_failed"] == 0
 
     await _with_victim_and_attacker(tmp_path, body)
@@ -152,7 +153,7 @@ async def test_a_head_naming_content_that_is_no_chain_is_a_counted_resync_failur
             reply = await victim.tasks._publish_op({"text": text, "join": True})
             assert reply["task_cid"] == task_cid
             run: TaskRun = victim.tasks.runs[task_cid]
-            await _wait(lambda: run.shared.phase == "failed" or run.status().get("rejected", {}).get("resync_failed", 0) >= 3)
+            await _wait(lambda: run.shared.phase == "failed" or run.status().rejected.get("resync_failed", 0) >= 3)
             flooding.cancel_scope.cancel()
         assert run.shared.phase == "resyncing", (run.shared.phase, run.shared.error)
         assert run.shared.error is None

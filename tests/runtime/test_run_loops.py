@@ -61,7 +61,9 @@ async def _start_run(peers: LocalPeers) -> str:
     return task_cid
 
 
-async def _all_at_version(peers: LocalPeers, task_cid: str, version: int, indexes: list[int] | None = None) -> list[dict[str, Any]]:
+async def _all_at_version(
+    peers: LocalPeers, task_cid: str, version: int, indexes: list[int] | None = None
+) -> list[dict[str, Any]]:
     """Wait until every listed member has confirmed ``version``; their statuses then."""
 
     def reached() -> list[dict[str, Any]] | None:
@@ -144,7 +146,8 @@ async def test_after_the_first_checkpoint_every_member_holds_the_same_chain_and_
             assert firsts[0].step == CHECKPOINT_INTERVAL and firsts[0].version == 1
             assert set(firsts[0].members) == _ids(peers)
             # Same head at the same version, on every member.
-            assert all(s["latest_model_cid"] == chains[i].head_cid for i, s in enumerate(_statuses(peers, task_cid)) if s["version"] == chains[i].version)
+            assert all(s["latest_model_cid"] == chains[i].head_cid
+                       for i, s in enumerate(_statuses(peers, task_cid)) if s["version"] == chains[i].version)
             for s in _statuses(peers, task_cid):
                 assert s["chain"][0]["model_cid"] == firsts[0].model_cid
             # Attesting: confirmed means a quorum attested that their own weights hash to the

@@ -48,7 +48,9 @@ STEPS = 1200
 
 
 @pytest.mark.timeout(540)
-def test_a_run_survives_a_late_joiner_and_killed_members_reaches_90_percent_and_its_model_is_fetched_by_cid(tmp_path: Path) -> None:
+def test_a_run_survives_a_late_joiner_and_killed_members_reaches_90_percent_and_its_model_is_fetched_by_cid(
+    tmp_path: Path,
+) -> None:
     """One run seen whole (one run, not two: four node processes cost ~35 s of a CI budget each time)."""
     with node_processes(4, tmp_path, extra_args=["--device", "cpu", "--threads", "1"]) as procs:
         members, joiner = procs[:3], procs[3]

@@ -269,7 +269,8 @@ def test_serve_refuses_in_one_line_without_hypercorn_a_device_or_an_address(
     assert capsys.readouterr().err.strip() == "p2ptrain: error: --max-connections must be 1 to 4096"
     assert main(argv[:-1] + [home["url"].removeprefix("http://")]) == 1  # the server process holds that port
     err = capsys.readouterr().err
-    assert err.startswith(f"p2ptrain: error: cannot listen on {home['url'].removeprefix('http://')}: ") and len(err.splitlines()) == 1
+    assert err.startswith(f"p2ptrain: error: cannot listen on {home['url'].removeprefix('http://')}: ")
+    assert len(err.splitlines()) == 1
     monkeypatch.setitem(sys.modules, "hypercorn", None)  # import hypercorn raises ImportError
     assert main(argv) == 1
     assert capsys.readouterr().err.strip() == "p2ptrain: error: model serve needs hypercorn: pip install 'p2ptrain[serve]'"

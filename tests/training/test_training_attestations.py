@@ -24,6 +24,9 @@ PEERS = [signing.peer_str(k) for k in KEYS]
 COORDINATOR = KEYS[0]
 
 
+FIRST_THREE = tuple(sorted(PEERS[:3]))
+
+
 TASK_SPEC = load_task(f"""name = "t"
 [model]
 name = "mlp"
@@ -39,7 +42,7 @@ total_steps = 1000
 """)
 
 
-def span(version: int, members=tuple(sorted(PEERS[:3]))) -> RoundPlan:
+def span(version: int, members=FIRST_THREE) -> RoundPlan:
     """The plan of the span that record ``version`` ends (ten rounds, as signed_record's)."""
     return RoundPlan(task_cid=TASK, term=1, round=version * 10 - 10, attempt=0, step=version * 10 - 10, rounds=10,
                      members=members, base_cid=INITIAL, version=version - 1)
@@ -54,7 +57,7 @@ def new_book(*versions: int) -> RoundBook:
     return book
 
 
-def signed_record(version=1, parent=INITIAL, model_cid="Qmmodel", members=tuple(sorted(PEERS[:3])), key=COORDINATOR):
+def signed_record(version=1, parent=INITIAL, model_cid="Qmmodel", members=FIRST_THREE, key=COORDINATOR):
     record = ModelRecord(task_cid=TASK, version=version, parent=parent, round=version * 10 - 1, step=version * 10,
                          members=members, metrics={"loss": 0.5}, model_cid=model_cid, optimizer_cid="Qmoptim",
                          term=1, coordinator="")

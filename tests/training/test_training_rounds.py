@@ -91,7 +91,8 @@ class Swarm:
             queue = []
             for m in self.members.values():
                 roster = m.book.roster(m.id)
-                queue += [(m.id, msg) for msg in m.election.tick(self.now, View(advertising=frozenset(self.live() - {m.id})), roster)]
+                advertising = frozenset(self.live() - {m.id})
+                queue += [(m.id, msg) for msg in m.election.tick(self.now, View(advertising=advertising), roster)]
             while queue:
                 src, msg = queue.pop(0)
                 for m in self.members.values():
@@ -126,7 +127,7 @@ class Swarm:
                     if die and (i > die[0] or (i == die[0] and plan.members.index(m.id) >= victim_rank)):
                         raise ConnectionError(f"ring neighbour {short_id(die[1].id)} is gone")
                     while len(got) < len(group):
-                        await trio.sleep(0)
+                        await trio.lowlevel.checkpoint()
                     return torch.stack([got[p] for p in plan.members]).mean(0)
 
                 try:
