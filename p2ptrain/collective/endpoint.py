@@ -73,6 +73,7 @@ class Collective:
         timeout: float = 5.0,
         start_timeout: float | None = None,
         robust: str = "none",
+        seed: int | None = None,
     ) -> torch.Tensor:
         """The mean (or sum) over the ring of every member's ``tensor``, identical bits everywhere.
 
@@ -85,7 +86,8 @@ class Collective:
         ``timeout`` bounds every hop; ``start_timeout`` (default ``timeout``) bounds waiting for the
         neighbours to join. A dead, stalled or misbehaving peer raises :class:`PeerFailed` naming it.
         ``robust="clip"`` clips every member's contribution to the round's median norm
-        (:mod:`p2ptrain.collective.robust`); every member must pass the same.
+        (:mod:`p2ptrain.collective.robust`); every member must pass the same. ``seed``: as in
+        :meth:`sparse_round`.
         """
         _check_tensor(tensor, op)
         if not 0.0 < density <= 1.0:
@@ -101,7 +103,7 @@ class Collective:
         idx, values = await self.sparse_round(
             flat, ring, round_id, sizes=[flat.numel()], ks=[k], select=lambda ranges: select_ranges(flat, ranges),
             value_dtype=value_dtype or tensor.dtype, op=op, timeout=timeout, start_timeout=start_timeout,
-            robust=robust,
+            robust=robust, seed=seed,
         )
         out = torch.zeros_like(flat)
         out.index_copy_(0, idx, values.to(flat.dtype))
@@ -142,7 +144,7 @@ class Collective:
         ks: Sequence[int], select: Callable[[list[Range]], torch.Tensor],
         prepare: Callable[[], None] | None = None, value_dtype: torch.dtype, op: str = "mean",
         timeout: float = 5.0, start_timeout: float | None = None, robust: str = "none",
-        quantize: str | None = None,
+        quantize: str | None = None, seed: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Sliced CLT-k: each member's ``select(ranges)`` picks its slice's indices, the ring
         reduces ``source`` at their union.
@@ -156,6 +158,7 @@ class Collective:
         ``quantize`` (``"int8"``, ``"2bit"``): the values travel quantized (``value_dtype`` is then
         unused and the values come back float32); with ``robust``, every member clips. A member
         whose bytes we refuse is counted (``refused_bad_payload`` in the hub's stats) and named in the failure.
+        ``seed`` (default ``round_id``, the same on every member) rotates which slice each member picks.
         """
         if quantize is not None and quantize not in KINDS:
             raise CollectiveError(f"quantize={quantize!r} is not supported")
@@ -172,7 +175,8 @@ class Collective:
             description += f" quantize={quantize}"
         digest = round_digest(round_id, ring, description)
         ranges = slice_ranges(sizes, ks, len(ring))
-        mine_ranges = ranges[slice_of(ring.index(self.peer_id), round_id, len(ring))] if self.peer_id in ring else []
+        rotation = round_id if seed is None else seed
+        mine_ranges = ranges[slice_of(ring.index(self.peer_id), rotation, len(ring))] if self.peer_id in ring else []
         selected: list = []
         done = trio.Event()
 
@@ -209,7 +213,7 @@ class Collective:
                         result = await clt_k_round(
                             links, source, ranges=ranges, mine=selected[0], value_dtype=value_dtype,
                             average=op == "mean", segment_bytes=self.segment_bytes, robust=robust,
-                            quantize=quantize,
+                            quantize=quantize, rotation=rotation,
                         )
         except BadPayload as error:
             self.hub.refused["bad_payload"] += 1

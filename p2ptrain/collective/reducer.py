@@ -65,14 +65,17 @@ class SparseAllReducer:
     async def allreduce(
         self, grad: torch.Tensor, ring: list[ID], round_id: int, *,
         out: torch.Tensor | None = None, timeout: float = 5.0, start_timeout: float | None = None,
+        seed: int | None = None,
     ) -> torch.Tensor:
         """The ring's average of the members' (compressed) flat float32 gradients.
 
         Top-k is taken over the whole vector, one bucket (what training has always run: the node
         passes the model's flat gradient). Written into ``out`` when given (saves allocating a
         full-size tensor every step; it is overwritten even if the round fails), else into a new
-        tensor.
+        tensor. ``seed`` (default ``round_id``; the same on every member) draws the round's top-k
+        choices: which slice each member picks, where the threshold sample starts.
         """
+        seed = round_id if seed is None else seed
         if grad.dim() != 1:
             raise ValueError("grad must be flat (1-D)")
         sizes = [grad.numel()]
@@ -95,7 +98,7 @@ class SparseAllReducer:
             if out is None:
                 return values.to(torch.float32)
             return out.copy_(values)
-        generator = torch.Generator().manual_seed(round_id & 0x7FFF_FFFF_FFFF_FFFF)
+        generator = torch.Generator().manual_seed(seed & 0x7FFF_FFFF_FFFF_FFFF)
         # Every member forms residual + grad during the round's setup (it selects its slice's
         # indices from it; its values at the agreed indices are what it sends; afterwards it simply
         # becomes the residual).
@@ -110,7 +113,7 @@ class SparseAllReducer:
             accumulated, ring, round_id, sizes=sizes, ks=ks,
             select=lambda ranges: select_ranges(accumulated, ranges, generator=generator, workspace=self._workspace),
             prepare=prepare, value_dtype=self.value_dtype, timeout=timeout, start_timeout=start_timeout,
-            robust=self.robust, quantize=self.quantize,
+            robust=self.robust, quantize=self.quantize, seed=seed,
         )
         # What the others received for our values: the quantization's rounding stays in the residual.
         sent = None if self.quantize is None else roundtrip(accumulated.index_select(0, indices), self.quantize)

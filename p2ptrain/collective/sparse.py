@@ -262,10 +262,10 @@ def max_encoded_bytes(n: int, k: int) -> int:
 async def clt_k_round(
     links: RoundLinks, source: torch.Tensor, *, ranges: Sequence[Sequence[Range]], mine: torch.Tensor,
     value_dtype: torch.dtype, average: bool, segment_bytes: int = SEGMENT_BYTES, robust: str = "none",
-    quantize: str | None = None,
+    quantize: str | None = None, rotation: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One sliced CLT-k round: every member sends its slice's indices (``mine``, chosen in
-    ``ranges[slice_of(me)]``) to every other, then the exact all-reduce of every member's values
+    ``ranges[slice_of(me, rotation)]``; ``rotation`` defaults to the round id) to every other, then the exact all-reduce of every member's values
     at the union (``robust="clip"``: each owner clips the contributions to its chunk of those
     values, see :mod:`p2ptrain.collective.robust`). Returns the sorted indices and the reduced
     values, the same bits everywhere. ``quantize`` (``"int8"``, ``"2bit"``): the values travel
@@ -274,10 +274,11 @@ async def clt_k_round(
     n, size = source.numel(), links.size
     # Each slice's indices: ours now, the others' as they arrive and pass their check.
     per_slice: list[torch.Tensor] = [torch.empty(0, dtype=torch.int64)] * size
-    per_slice[slice_of(links.me, links.round_id, size)] = mine
+    rotation = links.round_id if rotation is None else rotation
+    per_slice[slice_of(links.me, rotation, size)] = mine
 
     async def indices_of(member: int) -> None:
-        m = slice_of(member, links.round_id, size)
+        m = slice_of(member, rotation, size)
         k = sum(count for _, _, count in ranges[m])
 
         def check(raw: bytes) -> None:

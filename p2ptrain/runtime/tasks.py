@@ -66,6 +66,9 @@ MAX_FAILED_JOINS = 1024
 JOIN_FETCH_TIMEOUT_S = 30.0
 # A run in one of these states is over: it acts on no head, and its node answers head requests for it.
 FINISHED_PHASES = frozenset({"done", "cancelled", "failed", "stopped"})
+# A run in one of these states does not hold the run's state yet: its node answers head requests from
+# the chain on its disk, so members that restart together hear each other's chains (runtime/resume.py).
+STARTING_PHASES = frozenset({"starting", "fetching data", "resuming"})
 
 
 @dataclass
@@ -122,7 +125,7 @@ class TaskService:
         node.on(TaskAnnounce, self._on_announce)
         node.on(TaskHead, self._on_head)
         node.on(TaskCancel, self._on_cancel)
-        self.head_answers = HeadAnswers(node.home, content.store, self._running, self._total_steps,
+        self.head_answers = HeadAnswers(node.home, content.store, self._under_way, self._total_steps,
                                         lambda head: node.publish(TASKS_TOPIC, head))
         node.on(HeadRequest, self._on_head_request)
         for msg_type in (VoteRequest, SignedVote, CoordinatorBeat, RoundPlan, RoundFailed, SignedModelRecord,
@@ -151,6 +154,12 @@ class TaskService:
         """Whether this node's run of ``task_cid`` is under way (not done, cancelled, failed or stopped)."""
         run = self.runs.get(task_cid)
         return run is not None and run.shared.phase not in FINISHED_PHASES
+
+    def _under_way(self, task_cid: str) -> bool:
+        """Whether this node's run of ``task_cid`` holds (or is getting) the run's state: then its
+        coordinator's heads are the run's, and this node answers no head request for it."""
+        run = self.runs.get(task_cid)
+        return run is not None and run.shared.phase not in FINISHED_PHASES | STARTING_PHASES
 
     def _total_steps(self, task_cid: str) -> int | None:
         run = self.runs.get(task_cid)

@@ -180,11 +180,17 @@ class RoundBook:
         for a peer that is not among them (a joiner, or one dropped while away), the members of the
         latest plan seen on the topic; with no plan seen yet, ``head_members`` (the members the
         run's head names: with the live peers instead, a joiner refused the coordinator's
-        certificate, 2 votes where a quorum of its 4 live peers is 3, and stood itself); none
-        before the first span (then the live peers vote)."""
+        certificate, 2 votes where a quorum of its 4 live peers is 3, and stood itself); without
+        those, the members of the last record of our chain (a member that resumed its chain after
+        a stop of the whole run: nobody publishes plans or heads, and a quorum of those members
+        elects the run's next coordinator); none before the first span (then the live peers vote)."""
         if self.last_plan is not None and me in self.last_plan.members:
             return self.last_plan.members
-        return self.observed.members if self.observed is not None else tuple(head_members)
+        if self.observed is not None:
+            return self.observed.members
+        if head_members or not self.chain.records:
+            return tuple(head_members)
+        return self.chain.records[-1].record.members
 
     def resynced(self, chain: Chain) -> RoundBook:
         """The book of a member that loaded ``chain``'s head: plans and failures start afresh from

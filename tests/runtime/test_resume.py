@@ -1,0 +1,83 @@
+"""A run survives losing every member: restarted on their homes, the members resume from their last
+confirmed record (issue 32). Real loopback peers in this process (``p2ptrain.testing.local_peers``),
+stopped and started again on the same homes; the SIGKILL of real processes is
+tests/runtime/test_whole_run_restart.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from p2ptrain.testing import LocalPeers, local_peers, publish_digits_task
+from p2ptrain.training.records import Chain, record_from_bytes
+
+# Three peers start, a run of a few dozen rounds twice: well under two minutes alone.
+DEADLINE_S = 240.0
+# One condition (a checkpoint, every member done): rounds of this model take milliseconds.
+STEP_S = 90.0
+
+
+def chain_bytes(peers: LocalPeers, index: int, task_cid: str) -> bytes:
+    return (peers[index].node.home / "tasks" / task_cid / "chain.jsonl").read_bytes()
+
+
+def verified(data: bytes, task_cid: str) -> Chain:
+    return Chain.from_bytes(task_cid, record_from_bytes(data.splitlines()[0]).record.parent, data)
+
+
+async def run_to_the_end(peers: LocalPeers, task_cid: str) -> list[dict[str, Any]]:
+    def done() -> list[dict[str, Any]] | None:
+        statuses = [peers.status(i, task_cid) for i in range(len(peers))]
+        return statuses if all(s.get("state") == "done" for s in statuses) else None
+
+    return await peers.wait_until(done, STEP_S, what="every member done")
+
+
+async def test_members_stopped_together_resume_from_their_last_record_and_end_where_an_unstopped_run_ends(
+    tmp_path: Path,
+) -> None:
+    with trio.fail_after(DEADLINE_S):
+        async with local_peers(3, tmp_path) as peers:
+            # The same task twice but for its name: the same seed, data, model and rounds.
+            stopped = await publish_digits_task(peers[0], name="stopped", total_steps=40, checkpoint_interval=4,
+                                                min_peers=3)
+            unstopped = await publish_digits_task(peers[0], name="unstopped", total_steps=40, checkpoint_interval=4,
+                                                  min_peers=3)
+            async with trio.open_nursery() as nursery:
+                for peer in peers:
+                    nursery.start_soon(peer.tasks.join, unstopped)
+            reference = await run_to_the_end(peers, unstopped)
+
+            async with trio.open_nursery() as nursery:
+                for peer in peers:
+                    nursery.start_soon(peer.tasks.join, stopped)
+
+            def at_v3() -> list[dict[str, Any]] | None:
+                statuses = [peers.status(i, stopped) for i in range(3)]
+                return statuses if all(s.get("version", 0) >= 3 for s in statuses) else None
+
+            await peers.wait_until(at_v3, STEP_S, what="every member at model v3")
+            for i in range(3):
+                await peers.stop_peer(i)
+            before = [chain_bytes(peers, i, stopped) for i in range(3)]
+            for i in range(3):
+                await peers.restart_peer(i, see_all=False)
+            await peers.wait_connected()
+            async with trio.open_nursery() as nursery:
+                for peer in peers:
+                    nursery.start_soon(peer.tasks.join, stopped)
+            final = await run_to_the_end(peers, stopped)
+
+            heads = [verified(b, stopped) for b in before]
+            longest = max(heads, key=lambda c: c.version)
+            for i, status in enumerate(final):
+                assert status["resumed_from"] is not None
+                # Every member resumed at the longest chain any of them held, not at step 0.
+                assert status["resumed_from"] == {"version": longest.version,
+                                                  "step": longest.records[-1].record.step}
+                after = chain_bytes(peers, i, stopped)
+                assert after.startswith(before[i]), "a record of the chain before the stop was lost or changed"
+                assert verified(after, stopped).to_bytes() == after
+            assert {s["latest_model_cid"] for s in final} == {reference[0]["latest_model_cid"]}
