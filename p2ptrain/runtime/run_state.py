@@ -227,6 +227,17 @@ class RunState:
                     self.log_prefix, self.cancel_reason)
         self.wake_leader.set()
 
+    def uncancel(self) -> None:
+        """The publisher resumed the run before its cancel settled (task resume): plan again."""
+        if self.cancel_reason is None:
+            return
+        self.cancel_reason = None
+        if self.book is not None:
+            self.book.cancelled = False
+        (self.dir / CANCELLED_FILE).unlink(missing_ok=True)
+        logger.info("%s: resumed by the task's publisher before the cancel settled", self.log_prefix)
+        self.wake_leader.set()
+
     def advertising(self) -> set[str]:
         """Peers that advertise this task (so hold the state the run is at) and meet its requirements."""
         live = {self.me} if self.synced else set()

@@ -30,7 +30,9 @@ from p2ptrain.runtime.head_answers import HeadAnswers
 from p2ptrain.runtime.latest import head_key, held_tasks
 from p2ptrain.runtime.run_state import CANCEL_SENT_FILE, CANCELLED_FILE
 from p2ptrain.runtime.task_run import TaskRun
-from p2ptrain.training.task import MAX_TASK_BYTES, TaskError, load_task, task_bytes, task_from_bytes, unmet_requirement
+from p2ptrain.training.task import (
+    MAX_TASK_BYTES, Task, TaskError, load_task, task_bytes, task_from_bytes, unmet_requirement,
+)
 from p2ptrain.wire.topics import TASKS_TOPIC, task_topic
 from p2ptrain.wire.messages import (
     CoordinatorBeat,
@@ -43,6 +45,7 @@ from p2ptrain.wire.messages import (
     TaskAnnounce,
     TaskCancel,
     TaskHead,
+    TaskResume,
     VoteRequest,
 )
 
@@ -125,6 +128,7 @@ class TaskService:
         node.on(TaskAnnounce, self._on_announce)
         node.on(TaskHead, self._on_head)
         node.on(TaskCancel, self._on_cancel)
+        node.on(TaskResume, self._on_resume)
         self.head_answers = HeadAnswers(node.home, content.store, self._under_way, self._total_steps,
                                         lambda head: node.publish(TASKS_TOPIC, head))
         node.on(HeadRequest, self._on_head_request)
@@ -137,6 +141,7 @@ class TaskService:
             (control_ops.TASK_LIST, self._list_op),
             (control_ops.TASK_STATUS, self._status_op),
             (control_ops.TASK_CANCEL, self._cancel_op),
+            (control_ops.TASK_RESUME, self._resume_op),
         ):
             node.control.register(op, handler)
         node.add_status("tasks", self._node_status)
@@ -312,6 +317,39 @@ class TaskService:
         if run is not None:
             await run.on_message(signed.sender.to_base58(), signed.msg)
 
+    async def _on_resume(self, signed: Any, topic: str) -> None:
+        """A task's resume: obeyed for a run this home cancelled, and only from the task's publisher."""
+        if topic == TASKS_TOPIC:
+            await self._resume_here(signed.msg.task_cid, signed.sender.to_base58())
+
+    async def _resume_here(self, task_cid: str, sender: str) -> None:
+        """Forget the cancel of ``task_cid`` and resume its run from this home's chain, if ``sender``
+        is the publisher its task file names; anyone else's resume is refused and counted (in the
+        run's status, ``rejected``, and in ``task list --json``, ``joins``). A run this home never
+        cancelled ignores it."""
+        run = self.runs.get(task_cid)
+        if run is None or run.shared.cancel_reason is None:
+            if run is not None or not self._cancelled_here(task_cid) or not self.content.store.has(task_cid):
+                return  # nothing of ours to resume (only a task held here is read, never fetched for a stranger)
+        task = run.shared.task if run is not None else task_from_bytes(
+            await trio.to_thread.run_sync(self._read_task, task_cid))
+        if task.publisher is None or sender != task.publisher:
+            why = "the task names no publisher" if task.publisher is None else "not the task's publisher"
+            self.join_rejections["resume_refused"] += 1
+            if run is not None:
+                run.shared.refuse("resume", f"refused a resume from {short_id(sender)}: {why}")
+            else:
+                logger.warning("node %s refused a resume of task %s from %s: %s", short_id(self.node.peer_id),
+                               task_cid, short_id(sender), why)
+            return
+        (self.node.home / "tasks" / task_cid / CANCELLED_FILE).unlink(missing_ok=True)
+        if run is not None and run.shared.phase not in FINISHED_PHASES:
+            run.shared.uncancel()  # the cancel had not settled yet: the run simply goes on
+            return
+        self.runs.pop(task_cid, None)
+        logger.info("node %s resumes task %s: its publisher continues it", short_id(self.node.peer_id), task_cid)
+        await self.join(task_cid)
+
     async def _on_task_message(self, signed: Any, topic: str) -> None:
         msg = signed.msg
         if isinstance(msg, SignedVote):
@@ -370,11 +408,7 @@ class TaskService:
         task_cid = requested_cid(request.get("task_cid", ""))
         reason = str(request.get("reason") or "")[:256]
         run = self.runs.get(task_cid)
-        if run is not None:
-            task = run.shared.task
-        else:
-            await self.content.fetch(task_cid, timeout=JOIN_FETCH_TIMEOUT_S, max_bytes=MAX_TASK_BYTES)
-            task = task_from_bytes(await trio.to_thread.run_sync(self._read_task, task_cid))
+        task = await self._task_of(task_cid)
         me = self.node.peer_id.to_base58()
         if task.publisher != me:
             raise UserError(f"only the task's publisher ({task.publisher or 'none named'}) can cancel it; "
@@ -389,6 +423,30 @@ class TaskService:
             await run.on_message(me, msg)  # pubsub does not deliver our own message back to us
         logger.info("node %s cancelled task %s", short_id(self.node.peer_id), task_cid)
         return {"task_cid": task_cid, "cancelled": True}
+
+    async def _resume_op(self, request: dict[str, Any]) -> dict[str, Any]:
+        """`task resume`: announce that this node, the task's publisher, continues a run it
+        cancelled; the members (and this node, if it is one) resume it from their chains."""
+        task_cid = requested_cid(request.get("task_cid", ""))
+        task = await self._task_of(task_cid)
+        me = self.node.peer_id.to_base58()
+        if task.publisher != me:
+            raise UserError(f"only the task's publisher ({task.publisher or 'none named'}) can resume it; "
+                            f"this node is {me}")
+        run_dir = self.node.home / "tasks" / task_cid
+        (run_dir / CANCEL_SENT_FILE).unlink(missing_ok=True)  # joiners are no longer told it is cancelled
+        await self.node.publish(TASKS_TOPIC, TaskResume(task_cid=task_cid))
+        await self._resume_here(task_cid, me)  # pubsub does not deliver our own message back to us
+        logger.info("node %s resumed task %s", short_id(self.node.peer_id), task_cid)
+        return {"task_cid": task_cid, "resumed": True}
+
+    async def _task_of(self, task_cid: str) -> Task:
+        """The task ``task_cid`` (from its run here, else fetched by CID, bounded)."""
+        run = self.runs.get(task_cid)
+        if run is not None:
+            return run.shared.task
+        await self.content.fetch(task_cid, timeout=JOIN_FETCH_TIMEOUT_S, max_bytes=MAX_TASK_BYTES)
+        return task_from_bytes(await trio.to_thread.run_sync(self._read_task, task_cid))
 
     async def _status_op(self, request: dict[str, Any]) -> dict[str, Any]:
         task_cid = str(request.get("task_cid", ""))

@@ -5,13 +5,14 @@ tests/runtime/test_whole_run_restart.py."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import trio
 
 from p2ptrain.testing import LocalPeers, local_peers, publish_digits_task
-from p2ptrain.training.records import Chain, record_from_bytes
+from p2ptrain.training.records import Chain, record_bytes, record_from_bytes, sign_record
 
 # Three peers start, a run of a few dozen rounds twice: well under two minutes alone.
 DEADLINE_S = 240.0
@@ -81,3 +82,53 @@ async def test_members_stopped_together_resume_from_their_last_record_and_end_wh
                 assert after.startswith(before[i]), "a record of the chain before the stop was lost or changed"
                 assert verified(after, stopped).to_bytes() == after
             assert {s["latest_model_cid"] for s in final} == {reference[0]["latest_model_cid"]}
+
+
+async def test_a_chain_file_whose_last_record_forks_is_refused_and_kept_as_it_was(tmp_path: Path) -> None:
+    """The last line of a member's chain.jsonl is a record of its version that does not follow the
+    record before it: that member's run is refused with the fork named (its file untouched, also
+    while the others go on), and the others resume without it."""
+    with trio.fail_after(DEADLINE_S):
+        async with local_peers(3, tmp_path) as peers:
+            task_cid = await publish_digits_task(peers[0], total_steps=400, checkpoint_interval=4, min_peers=2)
+            async with trio.open_nursery() as nursery:
+                for peer in peers:
+                    nursery.start_soon(peer.tasks.join, task_cid)
+
+            def at_v3() -> list[dict[str, Any]] | None:
+                statuses = [peers.status(i, task_cid) for i in range(3)]
+                return statuses if all(s.get("version", 0) >= 3 for s in statuses) else None
+
+            await peers.wait_until(at_v3, STEP_S, what="every member at model v3")
+            for i in range(3):
+                await peers.stop_peer(i)
+            chain = verified(chain_bytes(peers, 2, task_cid), task_cid)
+            last = chain.records[-1].record
+            forked = sign_record(replace(last, parent=chain.initial_cid), peers[2].node.key_pair)
+            damaged = chain.to_bytes().splitlines(keepends=True)[:-1] + [record_bytes(forked) + b"\n"]
+            path = peers[2].node.home / "tasks" / task_cid / "chain.jsonl"
+            path.write_bytes(b"".join(damaged))
+            kept = path.read_bytes()
+            versions = [verified(chain_bytes(peers, i, task_cid), task_cid).version for i in (0, 1)]
+
+            for i in range(3):
+                await peers.restart_peer(i, see_all=False)
+            await peers.wait_connected()
+            async with trio.open_nursery() as nursery:
+                for peer in peers:
+                    nursery.start_soon(peer.tasks.join, task_cid)
+
+            def refused() -> dict[str, Any] | None:
+                status = peers.status(2, task_cid)
+                return status if status.get("state") == "failed" else None
+
+            status = await peers.wait_until(refused, STEP_S, what="the member with the forked file refused")
+            assert "fork" in status["error"] and "chain.jsonl" in status["error"], status["error"]
+            assert status["rounds_done"] == 0
+
+            def others_moved_on() -> list[dict[str, Any]] | None:
+                statuses = [peers.status(i, task_cid) for i in (0, 1)]
+                return statuses if all(s.get("version", 0) > max(versions) for s in statuses) else None
+
+            await peers.wait_until(others_moved_on, STEP_S, what="the other two past their chains' head")
+            assert path.read_bytes() == kept
