@@ -114,6 +114,7 @@ class Resume:
         if tried:  # a load that failed may have failed half-way: our own checkpoint again
             await self.resync.try_load_last_checkpoint()
         _, book = run.require()
+        run.election.resume_after(book.chain.records[-1].record.term)  # the first term's clock starts now
         run.resumed_from = {"version": book.chain.version, "step": book.head_step}
         logger.info("%s: resumed at model v%d, step %d (%d other member(s) answered)", run.log_prefix,
                     book.chain.version, book.head_step, len(self.heads))

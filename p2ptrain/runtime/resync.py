@@ -67,6 +67,10 @@ class Resync:
 
     def on_head(self, sender: str, head: TaskHead) -> None:
         run = self.run
+        if run.election.coordinator is None and run.book is not None and 0 < head.version <= run.book.chain.version:
+            # No news from a peer whose head we would refuse anyway (no coordinator known): the
+            # members of a run that resumed answer each other's head requests while they start.
+            return
         problem = self.head_problem(sender)
         if problem is not None:
             run.refuse("head_untrusted", f"ignored a head (model v{head.version}): {problem}")

@@ -114,13 +114,15 @@ class Election:
 
     def resume_after(self, term: int) -> None:
         """This member resumes a run whose confirmed chain ends with a record of ``term`` (after a
-        stop; its ballots of that time are forgotten): it starts at the next term and votes in no
+        stop; its ballots of that time are forgotten): it goes to the next term and votes in no
         term up to ``term``. Terms are not used twice, so a chain never holds two coordinators'
-        records under one term, and the run's first election takes one term, not a timeout first."""
-        if term >= self.term:
+        records under one term, and the run's first election takes one term, not a timeout first.
+        Called again once the member may lead, while no coordinator is known: that term's clock
+        starts afresh (a term that ran out while every member was still loading would cost another)."""
+        self._floor = max(self._floor, term)
+        if self.coordinator is None and self.term <= term + 1:
             self._new_term(0.0, term + 1)
-            self._term_started = None  # the term's clock starts at the first tick
-            self._floor = term
+            self._term_started = None  # the term's clock starts at the next tick
 
     # --- queries --------------------------------------------------------------------------------
 

@@ -68,7 +68,8 @@ RETRY_BACKOFF_S = 1.5
 FAILED_PEER_QUARANTINE_S = 10.0
 # The first plan waits this long after the coordinator's election, for peers still joining, unless
 # the task's ``peers.max`` already advertise it (no one else could be admitted: the wait would only
-# delay the run's first step, by 2 s of its ~9 s start on an emulated WAN, bench/wan_train.py).
+# delay the run's first step, by 2 s of its ~9 s start on an emulated WAN, bench/wan_train.py), or
+# the run resumed from a record whose members all advertise it again (runtime/resume.py).
 FIRST_ROUND_GRACE_S = 2.0
 
 
@@ -273,6 +274,8 @@ class RoundBook:
             # e.g. it joined at step 0 and missed the records): it must not plan from its stale state.
             return Hold.BEHIND
         joining_possible = len(set(advertising) - quarantined) < self.task.peers.max
+        if last is None and self.chain.records and set(self.chain.records[-1].record.members) <= set(advertising):
+            joining_possible = False  # resumed, with every member of the last record back: start now
         if last is None and self.elected_at is not None and now - self.elected_at < FIRST_ROUND_GRACE_S \
                 and joining_possible:
             return Hold.WAIT

@@ -466,3 +466,17 @@ def test_a_lone_member_below_a_quorum_waits_instead_of_cycling_through_terms():
         net.nodes[stopped] = Election(TASK, net.keys[net.ids.index(stopped)], CONFIG)  # restarted
         assert net.run_until_agreed(4 * CONFIG.timeout_s) is not None
         assert all(e.short_of_quorum == 0 for e in net.nodes.values())
+
+
+def test_members_that_resume_a_stopped_run_elect_in_the_term_after_its_last_record_at_once():
+    """After a stop of the whole run (ballots forgotten), a term of the chain is never used again:
+    the members go to the term after the last record's and elect its designated candidate without
+    waiting for a term to time out; a request for a term up to the record's gets no vote."""
+    net = Net(3)
+    for node in net.nodes.values():
+        node.resume_after(7)
+    stale = net.ids[0]
+    net.broadcast(stale, [VoteRequest(task_cid=TASK, term=7, candidate=stale)])
+    assert not [m for _, m in net.sent if isinstance(m, SignedVote)]
+    net.run(2 * HB)
+    assert net.agreed() == (8, designated(TASK, 8, net.ids))
