@@ -54,8 +54,9 @@ async def test_status_says_the_last_completed_round_the_confirmed_model_and_who_
                                  "the first member synced and waiting")
             assert OLD_KEYS <= set(before)
             assert (before["last_round"], before["last_step"], before["waiting_for_peers"]) == (None, None, 1)
+            assert before["resumed_from"] is None  # a fresh start: no chain on this home
             text = render_status(before)
-            assert "None" not in text, text
+            assert "None" not in text and "resumed" not in text, text
             assert "no round completed yet (step 0/9); waiting for 1 more peer" in text, text
             assert "model      none confirmed yet" in text, text
 
@@ -93,3 +94,10 @@ def test_a_non_member_shows_the_heads_step_not_a_round_it_did_not_see_complete()
     text = render_status(s)
     assert "progress   step 300/300" in text and "275" not in text, text
     assert "model      v11 bafymodel" in text, text
+
+
+def test_a_member_that_resumed_says_from_which_record() -> None:
+    s = {"task_cid": "bafy", "name": "t", "member": True, "state": "training", "version": 5, "step": 250,
+         "total_steps": 600, "latest_model_cid": "bafymodel", "members": [], "last_round": None,
+         "resumed_from": {"version": 5, "step": 250}}
+    assert "resumed    from model v5 at step 250" in render_status(s)

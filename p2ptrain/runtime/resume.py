@@ -25,6 +25,7 @@ import logging
 
 import trio
 
+from p2ptrain.logs import short_id
 from p2ptrain.runtime.resync import Resync
 from p2ptrain.runtime.run_state import Nudge, RunState
 from p2ptrain.training.records import Chain
@@ -92,16 +93,18 @@ class Resume:
         _, book = run.require()
         others = set(book.chain.records[-1].record.members) - {run.me}
         deadline = trio.current_time() + RESUME_WAIT_S
+        asked = -ASK_EVERY_S
         while not others <= set(self.heads) and run.election.coordinator is None:
             now = trio.current_time()
             if now >= deadline:
-                missing = sorted(others - set(self.heads))
-                logger.warning("%s: %d member(s) of model v%d did not answer in %.0f s; going on without them",
-                               run.log_prefix, len(missing), book.chain.version, RESUME_WAIT_S)
+                missing = ", ".join(short_id(p) for p in sorted(others - set(self.heads)))
+                logger.warning("%s: member(s) %s of model v%d did not answer in %.0f s; going on without them",
+                               run.log_prefix, missing, book.chain.version, RESUME_WAIT_S)
                 break
-            await run.node.publish(TASKS_TOPIC, HeadRequest(task_cid=run.task_cid))
-            await self._news.wait(min(ASK_EVERY_S, deadline - now))
-        self.hearing = False
+            if now - asked >= ASK_EVERY_S:
+                await run.node.publish(TASKS_TOPIC, HeadRequest(task_cid=run.task_cid))
+                asked = now
+            await self._news.wait(min(asked + ASK_EVERY_S, deadline) - now)
         tried = False
         for head in sorted(self.heads.values(), key=lambda h: (h.version, h.step), reverse=True):
             if head.version <= book.chain.version:
@@ -113,6 +116,7 @@ class Resume:
             tried = True
         if tried:  # a load that failed may have failed half-way: our own checkpoint again
             await self.resync.try_load_last_checkpoint()
+        self.hearing = False  # only now: heads go to the resync loop, which must not load meanwhile
         _, book = run.require()
         run.election.resume_after(book.chain.records[-1].record.term)  # the first term's clock starts now
         run.resumed_from = {"version": book.chain.version, "step": book.head_step}

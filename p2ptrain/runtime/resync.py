@@ -247,11 +247,12 @@ class Resync:
         await run.content.fetch(head.chain_cid, timeout=RESYNC_FETCH_TIMEOUT_S, max_bytes=MAX_CHAIN_BYTES)
         data = await trio.to_thread.run_sync(lambda: store.cat(head.chain_cid, max_bytes=MAX_CHAIN_BYTES))
         chain = await trio.to_thread.run_sync(Chain.from_bytes, run.task_cid, run.initial_cid, data)
+        added = book.chain.extension(chain)  # a fork raises RecordError
         if chain.version < book.chain.version:
             # Loading it would take this member back behind records it confirmed (and a chain
             # file is never cut short): a head from behind is no state to go to.
             raise RecordError(f"the head's chain ends at v{chain.version}, before this member's v{book.chain.version}")
-        for signed in book.chain.extension(chain):  # a fork raises RecordError
+        for signed in added:
             self._check_signer(signed.record.version, signed.record.term, signed.record.coordinator)
         await self.load_chain(chain)
 

@@ -10,6 +10,8 @@ they decide, one job per module:
 - :mod:`~p2ptrain.runtime.spans`: the round loop (the rounds of a followed plan, then its checkpoint);
 - :mod:`~p2ptrain.runtime.attesting`: records, attestations, the confirmed chain on disk;
 - :mod:`~p2ptrain.runtime.resync`: heads, loading the confirmed chain by CID, catching up to a plan;
+- :mod:`~p2ptrain.runtime.resume`: a member that starts with the task's chain on its home resumes
+  from its last record (after hearing the other members' chains);
 - :mod:`~p2ptrain.runtime.datafeed`: the member's shards, the test split, replication;
 - :mod:`~p2ptrain.runtime.run_state`: what they share.
 

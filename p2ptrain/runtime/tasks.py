@@ -348,7 +348,7 @@ class TaskService:
             return
         self.runs.pop(task_cid, None)
         logger.info("node %s resumes task %s: its publisher continues it", short_id(self.node.peer_id), task_cid)
-        await self.join(task_cid)
+        await self._join_quietly(task_cid)  # the join path's one boundary: a failure is counted, logged
 
     async def _on_task_message(self, signed: Any, topic: str) -> None:
         msg = signed.msg

@@ -132,3 +132,44 @@ async def test_a_chain_file_whose_last_record_forks_is_refused_and_kept_as_it_wa
 
             await peers.wait_until(others_moved_on, STEP_S, what="the other two past their chains' head")
             assert path.read_bytes() == kept
+
+
+async def test_a_member_restarted_while_the_run_goes_on_resumes_its_chain_then_catches_up(tmp_path: Path) -> None:
+    """Only one member stops: the others train on. Started again on its home, it resumes from its
+    own chain (not step 0), loads the head the run has reached (heard while it resumed, or from the
+    coordinator it learns from the run's plans) and is planned again; its chain.jsonl keeps every
+    record it had."""
+    with trio.fail_after(DEADLINE_S):
+        async with local_peers(3, tmp_path) as peers:
+            task_cid = await publish_digits_task(peers[0], total_steps=100_000, checkpoint_interval=4, min_peers=2)
+            async with trio.open_nursery() as nursery:
+                for peer in peers:
+                    nursery.start_soon(peer.tasks.join, task_cid)
+
+            def at_v2() -> list[dict[str, Any]] | None:
+                statuses = [peers.status(i, task_cid) for i in range(3)]
+                return statuses if all(s.get("version", 0) >= 2 for s in statuses) else None
+
+            await peers.wait_until(at_v2, STEP_S, what="every member at model v2")
+            await peers.stop_peer(2)
+            before = chain_bytes(peers, 2, task_cid)
+            held = verified(before, task_cid)
+
+            def moved_on() -> dict[str, Any] | None:
+                status = peers.status(0, task_cid)
+                return status if status["version"] >= held.version + 2 else None
+
+            await peers.wait_until(moved_on, STEP_S, what="the other two two checkpoints further")
+            await peers.restart_peer(2)
+            await peers[2].tasks.join(task_cid)
+
+            def back() -> dict[str, Any] | None:
+                status, other = peers.status(2, task_cid), peers.status(0, task_cid)
+                return status if peers[2].node.peer_id.to_base58() in other["members"] \
+                    and status.get("rounds_done", 0) > 0 else None
+
+            status = await peers.wait_until(back, STEP_S, what="the restarted member planned again")
+            # From its own chain, or from the head the run had reached if a member answered first.
+            assert status["resumed_from"] is not None and status["resumed_from"]["version"] >= held.version
+            assert status["version"] > held.version + 1
+            assert chain_bytes(peers, 2, task_cid).startswith(before)
