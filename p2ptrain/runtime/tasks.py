@@ -57,6 +57,12 @@ MAX_KNOWN_TASKS = 256
 # instead of piling up fetches and worker threads. Coordinators re-announce their task every few
 # seconds, so an honest task refused while busy is joined on a later announcement.
 MAX_CONCURRENT_JOINS = 4
+# ``--join`` on a home that does not hold the task: it comes from peers, so the join waits this long
+# for one to be in view, and a join that found nobody holding it yet is tried again JOIN_RETRIES times,
+# JOIN_RETRY_S apart (the others may still be starting: a power cut, every machine at once).
+JOIN_PEER_WAIT_S = 60.0
+JOIN_RETRIES = 5
+JOIN_RETRY_S = 5.0
 # How long a task CID whose join failed is not tried again: long enough that a hostile announcer
 # repeating a bad CID costs one failed fetch per 10 minutes, short enough that a task whose data was
 # briefly unreachable is joined again without restarting the node.
@@ -180,7 +186,7 @@ class TaskService:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             for cid in self.options.join:
-                nursery.start_soon(self._join_quietly, cid)
+                nursery.start_soon(self._join_named, cid)
             task_status.started()
             await trio.sleep_forever()
 
@@ -225,15 +231,17 @@ class TaskService:
         a DAG that claims more, or hides a bomb, fails on its declared sizes before it is walked."""
         return self.content.store.cat(task_cid, max_bytes=MAX_TASK_BYTES + 1)
 
-    async def _join_quietly(self, task_cid: str) -> None:
+    async def _join_quietly(self, task_cid: str) -> Exception | None:
         """Join from an announcement or ``--join``: the one boundary of the join path.
 
         Whatever goes wrong (a bad CID, content that is not a task, a DAG bomb, a bug) is a counted,
-        logged refusal of this task, remembered for FAILED_JOIN_MEMORY_S; never a node exit.
+        logged refusal of this task, remembered for FAILED_JOIN_MEMORY_S; never a node exit. The
+        failure is returned (None: joined).
         """
         self._joining.add(task_cid)
         try:
             await self.join(task_cid)
+            return None
         except Exception as exc:
             kind = "refused" if isinstance(exc, (UserError, ContentUnavailable)) else type(exc).__name__
             self.join_rejections[kind] += 1
@@ -246,8 +254,22 @@ class TaskService:
             else:
                 logger.warning("node %s does not join task %s (%s): %s", short_id(self.node.peer_id), task_cid, kind, exc,
                                exc_info=not isinstance(exc, ValueError))
+            return exc
         finally:
             self._joining.discard(task_cid)
+
+    async def _join_named(self, task_cid: str) -> None:
+        """``--join``: a home that does not hold the task gets it from peers, so the join waits for
+        one to be in view (at most JOIN_PEER_WAIT_S: a node started at the same time as the others,
+        after a power cut, or on a new home); a join that still found nobody holding the task is
+        tried again, JOIN_RETRY_S apart, JOIN_RETRIES times."""
+        if not self.content.store.has(task_cid):
+            with trio.move_on_after(JOIN_PEER_WAIT_S):
+                await self.node.membership.wait_until(lambda m: bool(m.alive()))
+        for _ in range(JOIN_RETRIES):
+            if not isinstance(await self._join_quietly(task_cid), ContentUnavailable):
+                return
+            await trio.sleep(JOIN_RETRY_S)
 
     def _remember_failure(self, task_cid: str) -> None:
         self._failed.pop(task_cid, None)
