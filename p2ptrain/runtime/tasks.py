@@ -26,6 +26,7 @@ from p2ptrain.net import control_ops
 from p2ptrain.node import Node
 from p2ptrain.runtime.content import ContentService
 from p2ptrain.atomic import write_atomic
+from p2ptrain.runtime.chain_file import CHAIN_FILE
 from p2ptrain.runtime.head_answers import HeadAnswers
 from p2ptrain.runtime.latest import head_key, held_tasks
 from p2ptrain.runtime.run_state import CANCEL_SENT_FILE, CANCELLED_FILE
@@ -351,8 +352,9 @@ class TaskService:
         cancelled ignores it."""
         run = self.runs.get(task_cid)
         if run is None or run.shared.cancel_reason is None:
-            if run is not None or not self._cancelled_here(task_cid) or not self.content.store.has(task_cid):
-                return  # nothing of ours to resume (only a task held here is read, never fetched for a stranger)
+            held = (self.node.home / "tasks" / task_cid / CHAIN_FILE).is_file() and self.content.store.has(task_cid)
+            if run is not None or not self._cancelled_here(task_cid) or not held:
+                return  # no run of ours to resume (only a task held here is read, never fetched for a stranger)
         task = run.shared.task if run is not None else task_from_bytes(
             await trio.to_thread.run_sync(self._read_task, task_cid))
         if task.publisher is None or sender != task.publisher:
@@ -459,6 +461,7 @@ class TaskService:
         (run_dir / CANCEL_SENT_FILE).unlink(missing_ok=True)  # joiners are no longer told it is cancelled
         await self.node.publish(TASKS_TOPIC, TaskResume(task_cid=task_cid))
         await self._resume_here(task_cid, me)  # pubsub does not deliver our own message back to us
+        (run_dir / CANCELLED_FILE).unlink(missing_ok=True)  # a publisher that is no member: no run to resume
         logger.info("node %s resumed task %s", short_id(self.node.peer_id), task_cid)
         return {"task_cid": task_cid, "resumed": True}
 
