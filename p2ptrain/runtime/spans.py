@@ -19,6 +19,7 @@ import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import torch
 import trio
 
 from p2ptrain.collective import CollectiveError, PeerFailed
@@ -26,6 +27,7 @@ from p2ptrain.ipfs.store import ContentUnavailable
 from p2ptrain.logs import fmt_bytes, fmt_s
 from p2ptrain.runtime.attesting import Attesting
 from p2ptrain.runtime.datafeed import DataFeed
+from p2ptrain.runtime.feedback_file import load_feedback, save_feedback
 from p2ptrain.runtime.run_state import RunState
 from p2ptrain.training.plans import round_id, shard_of
 from p2ptrain.training.sync import PlanAverager, run_round
@@ -120,7 +122,7 @@ class Spans:
             return
         rank, world = shard_of(plan, run.me)
         try:
-            batches = await self.data.training_batches(rank, world)
+            batches = await self.data.training_batches(rank, world, trainer.batch_position)
         except ContentUnavailable as exc:
             logger.warning("%s: cannot get my shards for rank %d of %d: %s", run.log_prefix, rank, world, exc)
             await run.report_failure(plan, 0, f"no training data: {exc}")
@@ -189,6 +191,7 @@ class Spans:
         trainer, _ = run.require()
         step = trainer.step
         metrics = self.attesting.span_metrics(plan)
+        residual = self.averager.feedback_state()  # a copy: the next span changes the residual
         if run.task.training.overlap_checkpoints and self._settling is not None:
             # In a thread: copying a model and its optimizer state (205 MB at 17.1 M parameters with
             # Adam) would stall this host's part in the others' traffic.
@@ -196,33 +199,49 @@ class Spans:
             snapshot = await trio.to_thread.run_sync(trainer.snapshot)
             logger.info("%s: checkpoint at step %d: state copied in %s; storing it while the next span trains",
                         run.log_prefix, step, fmt_s(trio.current_time() - began))
-            self._settling.start_soon(self._settle, plan, snapshot, metrics)
+            self._settling.start_soon(self._settle, plan, snapshot, residual, metrics)
         else:
             if metrics is not None:
                 await self.attesting.evaluate(metrics)
-            model_cid, optim_cid = await self._store(step, trainer.model_bytes, trainer.optimizer_bytes)
+            model_cid, optim_cid = await self._store(step, trainer.model_bytes, trainer.optimizer_bytes, residual)
             await self.attesting.checkpoint_stored(plan, step, model_cid, optim_cid, metrics)
 
-    async def _settle(self, plan: RoundPlan, snapshot: StateSnapshot, metrics: dict[str, float] | None) -> None:
+    async def _settle(self, plan: RoundPlan, snapshot: StateSnapshot, residual: torch.Tensor | None,
+                      metrics: dict[str, float] | None) -> None:
         """Overlap mode, in the round loop's nursery: evaluate the snapshot (coordinator), store it,
         then the record and attestations (:meth:`Attesting.checkpoint_stored`)."""
         if metrics is not None:
             await self.attesting.evaluate(metrics, snapshot)
         step = snapshot.step
-        model_cid, optim_cid = await self._store(step, snapshot.model_bytes, snapshot.optimizer_bytes)
-        del snapshot  # its tensors go now, not when its record settles
+        model_cid, optim_cid = await self._store(step, snapshot.model_bytes, snapshot.optimizer_bytes, residual)
+        del snapshot, residual  # their tensors go now, not when the record settles
         await self.attesting.checkpoint_stored(plan, step, model_cid, optim_cid, metrics)
 
+    def restore_feedback(self, step: int) -> None:
+        """This member loaded the checkpoint at ``step``: take back the error feedback it kept there
+        (runtime/feedback_file.py), if it did; otherwise its residual stays as it is."""
+        run = self.run
+        trainer, _ = run.require()
+        residual = load_feedback(run.dir, step, trainer.num_parameters)
+        if residual is not None:
+            self.averager.restore_feedback(residual)
+            logger.info("%s: error feedback of step %d restored", run.log_prefix, step)
+
     async def _store(
-        self, step: int, model_bytes: Callable[[], bytes], optimizer_bytes: Callable[[], bytes]
+        self, step: int, model_bytes: Callable[[], bytes], optimizer_bytes: Callable[[], bytes],
+        residual: torch.Tensor | None,
     ) -> tuple[str, str]:
-        """Serialize the state of ``step`` and add it to the store: its model and optimizer CIDs."""
+        """Serialize the state of ``step`` and add it to the store: its model and optimizer CIDs.
+        This member's error feedback at ``step`` (``residual``) is kept on its disk first, so any
+        checkpoint it attests can be resumed from exactly (runtime/feedback_file.py)."""
         began = trio.current_time()
         # In a thread: serializing a model and its optimizer state copies every tensor (60 ms at 4.3M
         # parameters with Adam), long enough to stall this host's part in the others' traffic.
         model_data, optim_data = await trio.to_thread.run_sync(lambda: (model_bytes(), optimizer_bytes()))
         serialized = trio.current_time()
         store = self.run.content.store
+        if residual is not None:
+            await trio.to_thread.run_sync(save_feedback, self.run.dir, step, residual)
         model_cid = await trio.to_thread.run_sync(store.add_bytes, model_data)
         optim_cid = await trio.to_thread.run_sync(store.add_bytes, optim_data)
         logger.info("%s: checkpoint at step %d: serialized in %s, stored in %s", self.run.log_prefix, step,

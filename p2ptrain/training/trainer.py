@@ -162,6 +162,18 @@ class Trainer:
         return self._snapshot is not None
 
     @property
+    def batches_per_step(self) -> int:
+        """Batches one step's gradient takes: ``sync_interval``."""
+        return self.task.training.sync_interval
+
+    @property
+    def batch_position(self) -> int:
+        """Where the batches of the next gradient start in this member's stream of batches
+        (:class:`~p2ptrain.training.batches.PositionedBatches`): a function of the step alone (the
+        pending gradient, kept for a retry, took its step's batches already)."""
+        return (self.step + (self.pending is not None)) * self.batches_per_step
+
+    @property
     def done(self) -> bool:
         return self.step >= self.total_steps
 
