@@ -11,8 +11,12 @@ Four real libp2p hosts on 127.0.0.1 in this process (tests/collective/hostile.py
 2. **Healthy-path cost.** No hostile member; rounds of a flat gradient alternate between "none" and
    "clip" in the same run (so the machine's load is shared alike), for the sparse path at 1% and
    the dense path; median round time of each and their ratio. The dense path with clip is the
-   direct exchange instead of the ring, so its ratio includes that change of algorithm. Also the
-   owner's extra arithmetic alone (norms and scaling of one chunk), free of network noise.
+   direct exchange instead of the ring, so its ratio includes that change of algorithm. A "clip"
+   round carries its checks (drawn owners, a verifier per chunk, signed items, CONFIRM: issue 27),
+   so its ratio is what a robust round costs in all. Also, free of network noise, the owner's extra
+   arithmetic alone (norms and scaling of one chunk) and the checks' CPU work at one member (its
+   signatures, the signatures it verifies, the SHA-256 of what it sends and receives, and the
+   verifier's recomputation of one chunk).
 """
 
 from __future__ import annotations
@@ -27,8 +31,14 @@ from pathlib import Path
 import torch
 import trio
 
+from libp2p.crypto.ed25519 import create_new_key_pair
+from libp2p.peer.id import ID
+
 from p2ptrain.collective import RoundSpec, SparseAllReducer
+from p2ptrain.collective.direct import reduce_chunk
 from p2ptrain.collective.robust import clip_scales, contribution_norm, scaled
+from p2ptrain.collective.witness import digest_of, signed_by
+from p2ptrain.wire.frames import statement
 
 _spec = importlib.util.spec_from_file_location(
     "p2ptrain_bench_hostile", Path(__file__).resolve().parent.parent / "tests" / "collective" / "hostile.py"
@@ -101,7 +111,8 @@ async def round_cost(collectives, numel: int, density: float, rounds: int, first
     none, clip = statistics.median(times["none"]), statistics.median(times["clip"])
     return {"numel": numel, "density": density, "rounds": rounds, "none_ms": round(none * 1e3, 2),
             "clip_ms": round(clip * 1e3, 2), "ratio": round(clip / none, 3),
-            "owner_clip_ms": round(owner_clip_seconds(grads, density) * 1e3, 3)}
+            "owner_clip_ms": round(owner_clip_seconds(grads, density) * 1e3, 3),
+            "checks_cpu_ms": round(checks_seconds(grads, density) * 1e3, 3)}
 
 
 def owner_clip_seconds(grads: list[torch.Tensor], density: float) -> float:
@@ -115,6 +126,36 @@ def owner_clip_seconds(grads: list[torch.Tensor], density: float) -> float:
         scales = clip_scales([contribution_norm([c]) for c in chunk])
         for c, factor in zip(chunk, scales):
             scaled(c, factor)
+        runs.append(time.perf_counter() - started)
+    return statistics.median(runs)
+
+
+def checks_seconds(grads: list[torch.Tensor], density: float) -> float:
+    """The checks' CPU work at one member of a robust round of this size (median of 10 runs): it
+    signs its P - 1 contributions and its chunk (and its index set in a sparse round), verifies the
+    signatures of the P - 1 contributions it reduces and of the P - 1 chunks (and index sets) it
+    receives, hashes every value it sends and receives, and recomputes the chunk it checks."""
+    values = [g[: max(WORLD, int(density * g.numel()))] for g in grads]
+    per_chunk = values[0].numel() // WORLD
+    pair = create_new_key_pair()
+    peer = ID.from_pubkey(pair.public_key)
+    sparse = density < 1.0
+    signs = WORLD + sparse
+    verifies = (WORLD - 1) * (2 + sparse)
+    runs = []
+    for _ in range(10):
+        started = time.perf_counter()
+        digest_of([values[0]])  # what it sends: its contributions and its chunk
+        for v in values[1:]:  # what it receives: the contributions to its chunk and the other chunks
+            digest_of([v[:per_chunk]])
+            digest_of([v[per_chunk : 2 * per_chunk]])
+        said = statement(bytes(32), 2, 0, bytes(32))
+        signature = b""
+        for _ in range(signs):
+            signature = pair.private_key.sign(said)
+        for _ in range(verifies):
+            signed_by(peer, said, signature)
+        reduce_chunk([[v[:per_chunk]] for v in values], 0, RoundSpec(robust="clip"))
         runs.append(time.perf_counter() - started)
     return statistics.median(runs)
 

@@ -6,7 +6,7 @@ take a round's options as one :class:`RoundSpec`.
 """
 
 from p2ptrain.collective.endpoint import Collective, RoundStats
-from p2ptrain.collective.errors import BadPayload, CollectiveError, PeerFailed
+from p2ptrain.collective.errors import BadPayload, CollectiveError, Misbehaved, PeerFailed
 from p2ptrain.collective.feedback import ErrorFeedback
 from p2ptrain.collective.reducer import SparseAllReducer
 from p2ptrain.collective.spec import RoundSpec
@@ -18,6 +18,7 @@ __all__ = [
     "Collective",
     "CollectiveError",
     "ErrorFeedback",
+    "Misbehaved",
     "PeerFailed",
     "RoundSpec",
     "RoundStats",

@@ -6,9 +6,21 @@ P-1 channels per member (hivemind's "butterfly" all-reduce has this shape). For 
 of a sparse round, latency (hops) dominates, not bandwidth, so this is what CLT-k uses; the
 pipelined ring stays the choice for big dense tensors.
 
-Determinism is the ring's: chunk c is owned by member c-1 and summed in the order c, c+1, ..., c-1,
-exactly the order the ring adds in, so the two algorithms give the same bits, and the owner's bytes
-are what everyone copies.
+Determinism is the ring's: chunk c is summed in the order c, c+1, ..., c-1 (ring positions), exactly
+the order the ring adds in, whoever owns it, so the two algorithms give the same bits, and the
+owner's bytes are what everyone copies.
+
+A robust round trusts no owner (docs/collective.md, "Byzantine members"): the owners are drawn per
+round (:mod:`p2ptrain.collective.owners`), every member also sends its contribution to a chunk to
+that chunk's verifier, which recomputes the chunk and compares it with the owner's bytes, and every
+member signs what it sends (:mod:`p2ptrain.collective.witness`). The owner checks the signatures of
+the contributions it reduces and forwards them to the verifier: when the verifier's result differs,
+it can tell an owner that computed something else (named) from a contributor that sent the two of
+them different values (named, by its own signature).
+
+On one channel (one sender, one receiver) the frames go in this order: the receiver's chunk of the
+sender's values (REDUCE, then their signature), the chunk the receiver checks (VERIFY), and the
+sender's finished chunk (GATHER, its signature, and to its verifier the contributions' signatures).
 """
 
 from __future__ import annotations
@@ -18,92 +30,183 @@ from collections.abc import Callable
 import torch
 import trio
 
-from p2ptrain.collective.errors import BadPayload, single_failure
+from p2ptrain.collective.errors import BadPayload, Misbehaved, single_failure
+from p2ptrain.collective.links import RoundLinks
+from p2ptrain.collective.owners import Owners, ring_owners
 from p2ptrain.collective.ring import SEGMENT_BYTES, chunk_bounds, segments
 from p2ptrain.collective.robust import clip_scales, contribution_norm, scaled
-from p2ptrain.collective.links import RoundLinks
 from p2ptrain.collective.spec import RoundSpec
-from p2ptrain.wire.frames import DTYPES, HEADER, Header, Kind, Phase
+from p2ptrain.collective.witness import Witness, digest_of, tensor_bytes
+from p2ptrain.logs import short_id
+from p2ptrain.wire.frames import DIGEST_BYTES, DTYPES, ENTRY_BYTES, HEADER, SIGNATURE_BYTES, Header, Kind, Phase, Said
+
+_U8 = DTYPES[torch.uint8]
+Parts = list[torch.Tensor]  # one member's contribution to a chunk, segment by segment
 
 
-def _bytes_of(t: torch.Tensor) -> memoryview:
-    return memoryview(t.view(torch.uint8).numpy())  # type: ignore[arg-type]  # an ndarray is a buffer
+def reduce_chunk(parts: list[Parts], start: int, spec: RoundSpec) -> Parts:
+    """Chunk ``start``'s reduction from every member's ``parts`` (by ring position): clipped to the
+    median norm under ``spec.robust="clip"``, summed in the order start, start+1, ..., start-1,
+    divided for a mean. The owner and the chunk's verifier both run exactly this."""
+    size = len(parts)
+    scales = [1.0] * size
+    if spec.robust == "clip":
+        scales = clip_scales([contribution_norm(p) for p in parts])
+    out = []
+    for j, first in enumerate(parts[start]):
+        total = first.clone() if scales[start] == 1.0 else scaled(first, scales[start])
+        for step in range(1, size):
+            member = (start + step) % size
+            total = torch.add(scaled(parts[member][j], scales[member]), total)
+        if spec.average:
+            total.div_(size)
+        out.append(total)
+    return out
 
 
 async def direct_allreduce(
-    links: RoundLinks, data: torch.Tensor, spec: RoundSpec, *, segment_bytes: int = SEGMENT_BYTES,
+    links: RoundLinks, data: torch.Tensor, spec: RoundSpec, *, owners: Owners | None = None,
+    witness: Witness | None = None, segment_bytes: int = SEGMENT_BYTES,
 ) -> None:
     """Sum (or average, ``spec.op``) the flat contiguous ``data`` of every member in place,
     bitwise-identically.
 
-    ``spec.robust="clip"``: the owner of a chunk clips each member's contribution to it to the
-    median of their norms before summing (:mod:`p2ptrain.collective.robust`); only the owner
-    computes, and its bytes are what everyone copies.
+    ``owners`` (default: the ring's) says who reduces each chunk and who checks it; ``witness`` (a
+    robust round) signs what this member sends. ``spec.robust="clip"``: the owner of a chunk clips
+    each member's contribution to it to the median of their norms before summing
+    (:mod:`p2ptrain.collective.robust`); its bytes are what everyone copies, once its verifier (if
+    any) found them equal to its own recomputation. A verifier that does not raises
+    :class:`Misbehaved` naming the owner, or the contributor that sent the two of them different
+    values.
     """
     size, me, ring = links.size, links.me, links.ring
     if size == 1:
         return
+    owners = owners or ring_owners(size)
     dtype = data.dtype
     code = DTYPES[dtype]
     bounds = chunk_bounds(data.numel(), size)
     seg_elems = max(1, segment_bytes // data.element_size())
     segs = [segments(bounds[c], bounds[c + 1], seg_elems) for c in range(size)]
-    mine = (me + 1) % size  # the chunk this member owns
-    contributions: dict[int, list[torch.Tensor]] = {}
+    mine, checking = owners.owned_by(me), owners.checked_by(me)
 
-    async def send_chunk(chunk: int, phase: int, to: int) -> None:
-        for j, (a, b) in enumerate(segs[chunk]):
-            header = Header(Kind.DATA, links.round_id, phase, chunk, j, b - a, code)
-            await links.send(header, _bytes_of(data[a:b]), to=ring[to])
+    def local(chunk: int) -> Parts:
+        return [data[a:b] for a, b in segs[chunk]]
 
-    async def receive(chunk: int, phase: int, source: int, store: Callable[[int, int, torch.Tensor], None]) -> None:
-        for j, (a, b) in enumerate(segs[chunk]):
-            incoming = await links.recv_tensor(
-                phase=phase, step=chunk, seg=j, count=b - a, dtype=dtype, source=ring[source]
-            )
-            store(a, b, incoming)
+    held: dict[int, Parts] = {me: local(mine)}  # every member's contribution to our chunk
+    checks: dict[int, Parts] = {}  # every member's contribution to the chunk we check
+    if checking is not None:
+        checks[me] = local(checking)
+    inputs: dict[int, bytes] = {}  # signed digests of the contributions to our chunk (for its verifier)
+    results: dict[int, Parts] = {}  # every chunk's reduced values, placed into ``data`` at the end
+    proofs = bytearray()  # the signed contributions the owner of the chunk we check reduced
+    contributed, reduced = trio.Event(), trio.Event()
+    signatures: dict[int, bytes] = {}
 
-    def keep(member: int) -> Callable[[int, int, torch.Tensor], None]:
-        parts = contributions.setdefault(member, [])
-        return lambda a, b, incoming: parts.append(incoming)
+    async def send_parts(chunk: int, parts: Parts, phase: int, to: int) -> None:
+        for j, part in enumerate(parts):
+            header = Header(Kind.DATA, links.round_id, phase, chunk, j, part.numel(), code)
+            await links.send(header, tensor_bytes(part), to=ring[to])
+
+    async def send_bytes(chunk: int, phase: int, seg: int, payload: bytes, to: int) -> None:
+        await links.send(Header(Kind.DATA, links.round_id, phase, chunk, seg, len(payload), _U8), payload, to=ring[to])
+
+    async def feed(member: int) -> None:
+        """What we send ``member``, in the channel's order (module docstring)."""
+        chunk = owners.owned_by(member)
+        await send_parts(chunk, local(chunk), Phase.REDUCE, member)
+        if witness is not None:
+            signature = witness.sign(Said.CONTRIBUTION, chunk, digest_of(local(chunk)))
+            await send_bytes(chunk, Phase.REDUCE, len(segs[chunk]), signature, member)
+        theirs = owners.checked_by(member)
+        if theirs is not None:
+            await send_parts(theirs, local(theirs), Phase.VERIFY, member)
+        await reduced.wait()
+        await send_parts(mine, results[mine], Phase.GATHER, member)
+        if witness is not None:
+            await send_bytes(mine, Phase.GATHER, len(segs[mine]), signatures[mine], member)
+            if owners.verifier is not None and owners.verifier[mine] == member:
+                proof = b"".join(inputs[m] for m in range(size) if m != me)
+                await send_bytes(mine, Phase.GATHER, len(segs[mine]) + 1, proof, member)
+
+    async def receive_parts(chunk: int, phase: int, source: int) -> Parts:
+        return [
+            await links.recv_tensor(phase=phase, step=chunk, seg=j, count=b - a, dtype=dtype, source=ring[source])
+            for j, (a, b) in enumerate(segs[chunk])
+        ]
+
+    async def receive_bytes(chunk: int, phase: int, seg: int, nbytes: int, source: int) -> bytes:
+        frame = await links.recv(phase=phase, step=chunk, seg=seg, count=nbytes, dtype=_U8, nbytes=nbytes,
+                                 source=ring[source])
+        return bytes(memoryview(frame)[HEADER.size :])
+
+    async def take(member: int) -> None:
+        """What ``member`` sends us, in the channel's order."""
+        parts = await receive_parts(mine, Phase.REDUCE, member)
+        if witness is not None:
+            signature = await receive_bytes(mine, Phase.REDUCE, len(segs[mine]), SIGNATURE_BYTES, member)
+            digest = digest_of(parts)
+            if not witness.signed(member, Said.CONTRIBUTION, mine, digest, signature):
+                raise BadPayload(ring[member], f"its contribution to chunk {mine} does not match its signature")
+            inputs[member] = digest + signature
+        held[member] = parts
+        if len(held) == size:
+            contributed.set()
+        if checking is not None:
+            checks[member] = await receive_parts(checking, Phase.VERIFY, member)
+        chunk = owners.owned_by(member)
+        results[chunk] = await receive_parts(chunk, Phase.GATHER, member)
+        if witness is not None:
+            signature = await receive_bytes(chunk, Phase.GATHER, len(segs[chunk]), SIGNATURE_BYTES, member)
+            witness.heard(Said.RESULT, chunk, member, digest_of(results[chunk]), signature)
+            if chunk == checking:
+                proofs.extend(await receive_bytes(chunk, Phase.GATHER, len(segs[chunk]) + 1,
+                                                  (size - 1) * ENTRY_BYTES, member))
 
     with single_failure():
         async with trio.open_nursery() as nursery:
-            for chunk in range(size):
-                if chunk != mine:
-                    nursery.start_soon(send_chunk, chunk, Phase.REDUCE, (chunk - 1) % size)
             for member in range(size):
                 if member != me:
-                    nursery.start_soon(receive, mine, Phase.REDUCE, member, keep(member))
+                    nursery.start_soon(feed, member)
+                    nursery.start_soon(take, member)
+            await contributed.wait()
+            results[mine] = reduce_chunk([held[m] for m in range(size)], mine, spec)
+            if witness is not None:
+                signatures[mine] = witness.sign(Said.RESULT, mine, digest_of(results[mine]))
+            reduced.set()
+    if checking is not None:
+        _check_chunk(links, owners, checking, [checks[m] for m in range(size)], results[checking], bytes(proofs),
+                     spec, witness)
+    for chunk, parts in results.items():
+        for (a, b), part in zip(segs[chunk], parts):
+            data[a:b].copy_(part)
 
-    def part(member: int, j: int) -> torch.Tensor:
-        a, b = segs[mine][j]
-        return data[a:b] if member == me else contributions[member][j]
 
-    scales = [1.0] * size
-    if spec.robust == "clip":
-        scales = clip_scales([contribution_norm([part(m, j) for j in range(len(segs[mine]))]) for m in range(size)])
-    for j, (a, b) in enumerate(segs[mine]):
-        first = part(mine, j)
-        total = first.clone() if scales[mine] == 1.0 else scaled(first, scales[mine])
-        for step in range(1, size):
-            member = (mine + step) % size
-            total = torch.add(scaled(part(member, j), scales[member]), total)
-        if spec.average:
-            total.div_(size)
-        data[a:b].copy_(total)
-
-    def place(a: int, b: int, incoming: torch.Tensor) -> None:
-        data[a:b].copy_(incoming)
-
-    with single_failure():
-        async with trio.open_nursery() as nursery:
-            for member in range(size):
-                if member != me:
-                    nursery.start_soon(send_chunk, mine, Phase.GATHER, member)
-            for chunk in range(size):
-                if chunk != mine:
-                    nursery.start_soon(receive, chunk, Phase.GATHER, (chunk - 1) % size, place)
+def _check_chunk(
+    links: RoundLinks, owners: Owners, chunk: int, contributions: list[Parts], result: Parts, proofs: bytes,
+    spec: RoundSpec, witness: Witness | None,
+) -> None:
+    """As ``chunk``'s verifier: recompute it from the contributions we received and compare with
+    the owner's bytes; on a difference, :class:`Misbehaved` naming whoever the signed digests the
+    owner forwarded (``proofs``: one per member but the owner, ring order) prove wrong."""
+    ours = reduce_chunk(contributions, chunk, spec)
+    if all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(ours, result)):
+        return
+    owner = owners.owner[chunk]
+    culprit, why = owner, f"its chunk {chunk} is not the reduction of the contributions (its verifier recomputed it)"
+    if witness is not None:
+        others = [m for m in range(links.size) if m != owner]
+        for i, member in enumerate(others):
+            entry = proofs[i * ENTRY_BYTES : (i + 1) * ENTRY_BYTES]
+            claimed, signature = entry[:DIGEST_BYTES], entry[DIGEST_BYTES:]
+            if claimed == digest_of(contributions[member]):
+                continue
+            if witness.signed(member, Said.CONTRIBUTION, chunk, claimed, signature):
+                culprit, why = member, f"sent chunk {chunk}'s owner and its verifier different values"
+            else:
+                why = f"forwarded a contribution to chunk {chunk} that {short_id(links.ring[member])} never signed"
+            break
+    raise Misbehaved(links.ring[culprit], why)
 
 
 async def direct_broadcast(
@@ -153,3 +256,32 @@ async def direct_broadcast(
     except ValueError as error:
         raise BadPayload(source, f"sent an invalid broadcast: {error}") from None
     return payload
+
+
+async def witnessed_broadcast(
+    links: RoundLinks, leader: int, payload: bytes | None, *, witness: Witness | None, said: int, max_bytes: int,
+    check: Callable[[bytes], object], segment_bytes: int = SEGMENT_BYTES,
+) -> bytes:
+    """:func:`direct_broadcast`, in a robust round (``witness``) with the leader's signature of the
+    payload after it, which every receiver records for the CONFIRM exchange (the payload's key in
+    the statement is the leader's ring position). Returns the payload without the signature."""
+    if witness is None:
+        return await direct_broadcast(links, leader, payload, max_bytes=max_bytes, check=check,
+                                      segment_bytes=segment_bytes)
+    if leader == links.me:
+        assert payload is not None
+        signature = witness.sign(said, leader, digest_of([payload]))
+        await direct_broadcast(links, leader, payload + signature, max_bytes=max_bytes + SIGNATURE_BYTES,
+                               check=check, segment_bytes=segment_bytes)
+        return payload
+
+    def signed(raw: bytes) -> None:
+        if len(raw) < SIGNATURE_BYTES:
+            raise ValueError("no signature after the payload")
+        body = raw[:-SIGNATURE_BYTES]
+        check(body)
+        witness.heard(said, leader, leader, digest_of([body]), raw[-SIGNATURE_BYTES:])
+
+    raw = await direct_broadcast(links, leader, None, max_bytes=max_bytes + SIGNATURE_BYTES, check=signed,
+                                 segment_bytes=segment_bytes)
+    return raw[:-SIGNATURE_BYTES]

@@ -16,11 +16,13 @@ from libp2p.abc import IHost
 from libp2p.peer.id import ID
 
 from p2ptrain.collective.direct import direct_allreduce
-from p2ptrain.collective.errors import BadPayload, CollectiveError, single_failure
+from p2ptrain.collective.errors import BadPayload, CollectiveError, Misbehaved, PeerFailed, single_failure
+from p2ptrain.collective.owners import Owners, drawn
 from p2ptrain.collective.ring import FLOAT_DTYPES, SEGMENT_BYTES, ring_allreduce
 from p2ptrain.collective.rounds import RoundHub
 from p2ptrain.collective.spec import RoundSpec
 from p2ptrain.collective.sparse import Range, check_ranges, clt_k_round, select_ranges, slice_of, slice_ranges
+from p2ptrain.collective.witness import Witness
 from p2ptrain.tensors import all_finite
 from p2ptrain.wire.frames import DTYPES, PROTOCOL, round_digest
 
@@ -53,6 +55,7 @@ class Collective:
     ) -> None:
         self.host = host
         self.hub = RoundHub(host, protocol)
+        self._key = host.get_private_key()  # signs what we send in robust rounds (collective.witness)
         self.segment_bytes = segment_bytes
         self.last_round: RoundStats | None = None
 
@@ -62,7 +65,7 @@ class Collective:
 
     async def allreduce(
         self, tensor: torch.Tensor, ring: list[ID], round_id: int, spec: RoundSpec = DENSE, *,
-        seed: int | None = None,
+        seed: int | None = None, owner_seed: int | None = None,
     ) -> torch.Tensor:
         """The mean (or sum) over the ring of every member's ``tensor``, identical bits everywhere.
 
@@ -75,51 +78,68 @@ class Collective:
         ``spec.timeout`` bounds every hop; ``spec.start_timeout`` (default ``timeout``) bounds waiting
         for the neighbours to join. A dead, stalled or misbehaving peer raises :class:`PeerFailed`
         naming it. ``spec.robust="clip"`` clips every member's contribution to the round's median
-        norm (:mod:`p2ptrain.collective.robust`); every member must pass the same spec. ``seed``: as
-        in :meth:`sparse_round`.
+        norm (:mod:`p2ptrain.collective.robust`); every member must pass the same spec. ``seed`` and
+        ``owner_seed``: as in :meth:`sparse_round`.
         """
         _check_tensor(tensor)
         if spec.density >= 1.0:
             out = tensor.detach().clone()
-            await self.dense_round(out, ring, round_id, spec)
+            await self.dense_round(out, ring, round_id, spec, owner_seed=owner_seed)
             return out
         k = max(1, math.ceil(spec.density * tensor.numel()))
         flat = tensor.detach()
         idx, values = await self.sparse_round(
             flat, ring, round_id, spec, sizes=[flat.numel()], ks=[k], select=lambda ranges: select_ranges(flat, ranges),
-            seed=seed,
+            seed=seed, owner_seed=owner_seed,
         )
         out = torch.zeros_like(flat)
         out.index_copy_(0, idx, values.to(flat.dtype))
         return out
 
-    async def dense_round(self, data: torch.Tensor, ring: list[ID], round_id: int, spec: RoundSpec = DENSE) -> None:
+    async def dense_round(
+        self, data: torch.Tensor, ring: list[ID], round_id: int, spec: RoundSpec = DENSE, *,
+        owner_seed: int | None = None,
+    ) -> None:
         """All-reduce ``data`` in place (flat, contiguous): the exact dense ring.
 
         With ``spec.robust="clip"`` the direct exchange instead (every member meets every other),
         since in a ring nobody sees a member's contribution alone, only partial sums: each chunk's
-        owner clips the contributions to it. Same chunks and summation order, so without a hostile
-        member it differs from the ring only where a norm exceeds the median.
+        owner clips the contributions to it, and its verifier checks it (``owner_seed``: as in
+        :meth:`sparse_round`). Same chunks and summation order, so without a hostile member it
+        differs from the ring only where a norm exceeds the median.
         """
         _check_tensor(data)
         if not data.is_contiguous():
             raise CollectiveError("the tensor must be contiguous")
-        digest = round_digest(round_id, ring, dense_description(data.numel(), data.dtype, spec.op, spec.robust))
+        suffix, owners = _checks(spec, len(ring), round_id if owner_seed is None else owner_seed, direct=True)
+        description = dense_description(data.numel(), data.dtype, spec.op, spec.robust) + suffix
+        digest = round_digest(round_id, ring, description)
         started = time.perf_counter()
-        async with self.hub.open_round(
-            ring, round_id, digest, timeout=spec.timeout, start_timeout=spec.join_timeout, mesh=spec.robust != "none",
-        ) as links:
-            _check_finite_local(data)
-            if spec.robust == "none":
-                await ring_allreduce(links, data, average=spec.average, segment_bytes=self.segment_bytes)
-            else:
-                await direct_allreduce(links, data, spec, segment_bytes=self.segment_bytes)
+        try:
+            async with self.hub.open_round(
+                ring, round_id, digest, timeout=spec.timeout, start_timeout=spec.join_timeout,
+                mesh=spec.robust != "none",
+            ) as links:
+                _check_finite_local(data)
+                if spec.robust == "none":
+                    await ring_allreduce(links, data, average=spec.average, segment_bytes=self.segment_bytes)
+                else:
+                    witness = Witness(links, digest, self._key)
+                    await direct_allreduce(links, data, spec, owners=owners, witness=witness,
+                                           segment_bytes=self.segment_bytes)
+                    await witness.confirm()
+        except BadPayload as error:
+            self._refused(round_id, "bad_payload", error)
+            raise
+        except Misbehaved as error:
+            self._refused(round_id, "misbehaved", error)
+            raise
         self.last_round = RoundStats(round_id, time.perf_counter() - started, links.bytes_sent, links.bytes_received)
 
     async def sparse_round(
         self, source: torch.Tensor, ring: list[ID], round_id: int, spec: RoundSpec, *, sizes: Sequence[int],
         ks: Sequence[int], select: Callable[[list[Range]], torch.Tensor], prepare: Callable[[], None] | None = None,
-        seed: int | None = None,
+        seed: int | None = None, owner_seed: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Sliced CLT-k: each member's ``select(ranges)`` picks its slice's indices, the ring
         reduces ``source`` at their union.
@@ -134,6 +154,12 @@ class Collective:
         values come back float32); with ``spec.robust``, every member clips. A member whose bytes we
         refuse is counted (``refused_bad_payload`` in the hub's stats) and named in the failure.
         ``seed`` (default ``round_id``, the same on every member) rotates which slice each member picks.
+        ``owner_seed`` (default ``round_id``; the same on every member, and one no member can choose:
+        the runtime passes a hash of the run's last confirmed model and the round's number) draws, in
+        a robust round, who reduces and who checks each chunk of the values
+        (:mod:`p2ptrain.collective.owners`); it never changes the result's bits. A robust round
+        names a member whose bytes another member's check proves wrong (:class:`Misbehaved`,
+        counted as ``refused_misbehaved``).
         """
         _check_tensor(source)
         if len(sizes) != len(ks) or sum(sizes) != source.numel():
@@ -143,6 +169,9 @@ class Collective:
         description = sparse_description(sizes, ks, source.dtype, spec.values_of(source.dtype), spec.op, spec.robust)
         if spec.quantize is not None:  # members must agree on it; plain rounds keep their digests
             description += f" quantize={spec.quantize}"
+        seed_of_owners = round_id if owner_seed is None else owner_seed
+        suffix, owners = _checks(spec, len(ring), seed_of_owners, direct=spec.quantize is None)
+        description += suffix
         digest = round_digest(round_id, ring, description)
         ranges = slice_ranges(sizes, ks, len(ring))
         rotation = round_id if seed is None else seed
@@ -179,16 +208,36 @@ class Collective:
                         logger.debug("round %d: selected (%.1f ms)", round_id, _ms(started))
                         if isinstance(selected[0], Exception):
                             raise selected[0]
+                        witness = Witness(links, digest, self._key) if spec.robust != "none" else None
                         result = await clt_k_round(
                             links, source, spec, ranges=ranges, mine=selected[0], segment_bytes=self.segment_bytes,
-                            rotation=rotation,
+                            rotation=rotation, owners=owners, witness=witness,
                         )
         except BadPayload as error:
-            self.hub.refused["bad_payload"] += 1
-            logger.warning("round %d: refused what %s sent: %s", round_id, error.peer_id, error.reason)
+            self._refused(round_id, "bad_payload", error)
+            raise
+        except Misbehaved as error:
+            self._refused(round_id, "misbehaved", error)
             raise
         self.last_round = RoundStats(round_id, time.perf_counter() - started, links.bytes_sent, links.bytes_received)
         return result
+
+    def _refused(self, round_id: int, why: str, error: PeerFailed) -> None:
+        """Count and log a round that failed on what a peer sent (a robust round's own check, too)."""
+        self.hub.refused[why] += 1
+        logger.warning("round %d: refused what %s sent: %s", round_id, error.peer_id, error.reason)
+
+
+def _checks(spec: RoundSpec, size: int, seed: int, *, direct: bool) -> tuple[str, Owners | None]:
+    """A robust round's checks: the suffix of its description (members that check differently, or
+    drew other owners, fail the round at HELLO; a plain round's description stays as it was) and, in
+    the direct exchange, the owners and verifiers drawn from ``seed``."""
+    if spec.robust == "none":
+        return "", None
+    if not direct:
+        return " witnessed", None
+    owners = drawn(size, seed)
+    return f" witnessed {owners.describe()}", owners
 
 
 def _ms(started: float) -> float:

@@ -39,6 +39,13 @@ class BadPayload(PeerFailed):
     """A peer sent a malformed frame: wrong round, step, length, dtype, NaN/Inf, or bad indices."""
 
 
+class Misbehaved(PeerFailed):
+    """A peer's well-formed bytes are proven wrong by this member's own check in a robust round: an
+    owner whose chunk is not the reduction of its contributions, a member that sent different bytes
+    to different members (equivocation), a signature that its claimed signer never made
+    (:mod:`p2ptrain.collective.witness`)."""
+
+
 @contextmanager
 def single_failure() -> Iterator[None]:
     """Turn a nursery's exception group into the one failure a caller can act on.

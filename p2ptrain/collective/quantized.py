@@ -25,23 +25,27 @@ from __future__ import annotations
 import torch
 import trio
 
-from p2ptrain.collective.direct import direct_broadcast
+from p2ptrain.collective.direct import witnessed_broadcast
 from p2ptrain.collective.errors import single_failure
 from p2ptrain.collective.ring import SEGMENT_BYTES
 from p2ptrain.collective.robust import clip_scales, exact_norm, scaled
 from p2ptrain.collective.links import RoundLinks
 from p2ptrain.collective.spec import RoundSpec
+from p2ptrain.collective.witness import Witness
+from p2ptrain.wire.frames import Said
 from p2ptrain.wire.quantized import decode, encode, encoded_size
 
 
 async def quantized_allreduce(
-    links: RoundLinks, values: torch.Tensor, spec: RoundSpec, *, segment_bytes: int = SEGMENT_BYTES,
+    links: RoundLinks, values: torch.Tensor, spec: RoundSpec, *, witness: Witness | None = None,
+    segment_bytes: int = SEGMENT_BYTES,
 ) -> torch.Tensor:
     """The sum (or mean, ``spec.op``) over the round's members of their ``values`` (flat float32,
     the same count everywhere), each quantized as ``spec.quantize``; the same bits on every member.
     A member whose bytes do not decode to that count of values fails the round as
     :class:`BadPayload` naming it. ``spec.robust="clip"``: each dequantized contribution is clipped
-    to the median of their norms first."""
+    to the median of their norms first. ``witness`` (a robust round): each member's encoded values
+    travel signed, for the round's CONFIRM exchange (an equivocating member is named there)."""
     if spec.quantize is None:
         raise ValueError("a quantized round needs spec.quantize")
     kind = spec.quantize
@@ -55,9 +59,9 @@ async def quantized_allreduce(
         def check(raw: bytes) -> None:
             decoded[member] = decode(raw, count, kind)
 
-        await direct_broadcast(
-            links, member, mine if member == links.me else None, max_bytes=encoded_size(count, kind),
-            check=check, segment_bytes=segment_bytes,
+        await witnessed_broadcast(
+            links, member, mine if member == links.me else None, witness=witness, said=Said.VALUES,
+            max_bytes=encoded_size(count, kind), check=check, segment_bytes=segment_bytes,
         )
 
     if size > 1:

@@ -47,7 +47,7 @@ class SparseAllReducer:
 
     async def allreduce(
         self, grad: torch.Tensor, ring: list[ID], round_id: int, *, out: torch.Tensor | None = None,
-        seed: int | None = None,
+        seed: int | None = None, owner_seed: int | None = None,
     ) -> torch.Tensor:
         """The ring's average of the members' (compressed) flat float32 gradients.
 
@@ -55,7 +55,9 @@ class SparseAllReducer:
         passes the model's flat gradient). Written into ``out`` when given (saves allocating a
         full-size tensor every step; it is overwritten even if the round fails), else into a new
         tensor. ``seed`` (default ``round_id``; the same on every member) draws the round's top-k
-        choices: which slice each member picks, where the threshold sample starts.
+        choices: which slice each member picks, where the threshold sample starts. ``owner_seed``
+        (default ``round_id``): who reduces and checks each chunk in a robust round
+        (:meth:`Collective.sparse_round`).
         """
         seed = round_id if seed is None else seed
         if grad.dim() != 1:
@@ -72,7 +74,7 @@ class SparseAllReducer:
         k = sum(ks)
         if k == grad.numel():
             values = feedback.materialize(pending).to(self.value_dtype, copy=True)
-            await self.collective.dense_round(values, ring, round_id, self.spec)
+            await self.collective.dense_round(values, ring, round_id, self.spec, owner_seed=owner_seed)
             feedback.commit(pending, None, self.value_dtype)
             self.last_indices = None
             if out is None:
@@ -92,7 +94,7 @@ class SparseAllReducer:
         indices, values = await self.collective.sparse_round(
             accumulated, ring, round_id, self.spec, sizes=sizes, ks=ks,
             select=lambda ranges: select_ranges(accumulated, ranges, generator=generator, workspace=self._workspace),
-            prepare=prepare, seed=seed,
+            prepare=prepare, seed=seed, owner_seed=owner_seed,
         )
         # What the others received for our values: the quantization's rounding stays in the residual.
         quantize = self.spec.quantize

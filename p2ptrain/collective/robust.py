@@ -20,8 +20,9 @@ quantized values there is no owner (every member all-gathers every contribution,
 the same float on every CPU, so their results agree bit for bit too.
 
 What it does not do: a sign-flipped contribution of honest norm is within the radius and counts
-fully (it cancels at most one honest member's share); an owner is trusted with its own part (see
-docs/collective.md, "Byzantine members").
+fully (it cancels at most one honest member's share). The owner itself is not trusted in a robust
+round: it is drawn per round and its chunk recomputed by a verifier (:mod:`p2ptrain.collective.owners`,
+docs/collective.md, "No trusted owner").
 """
 
 from __future__ import annotations

@@ -33,13 +33,16 @@ import numpy as np
 import torch
 import trio
 
-from p2ptrain.collective.direct import direct_allreduce, direct_broadcast
+from p2ptrain.collective.direct import direct_allreduce, witnessed_broadcast
 from p2ptrain.collective.errors import single_failure
 from p2ptrain.collective.quantized import quantized_allreduce
 from p2ptrain.collective.ring import SEGMENT_BYTES, chunk_bounds
 from p2ptrain.collective.links import RoundLinks
+from p2ptrain.collective.owners import Owners
 from p2ptrain.collective.spec import RoundSpec
+from p2ptrain.collective.witness import Witness
 from p2ptrain.tensors import all_finite
+from p2ptrain.wire.frames import Said
 
 logger = logging.getLogger(__name__)
 
@@ -265,6 +268,7 @@ def max_encoded_bytes(n: int, k: int) -> int:
 async def clt_k_round(
     links: RoundLinks, source: torch.Tensor, spec: RoundSpec, *, ranges: Sequence[Sequence[Range]],
     mine: torch.Tensor, segment_bytes: int = SEGMENT_BYTES, rotation: int | None = None,
+    owners: Owners | None = None, witness: Witness | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One sliced CLT-k round: every member sends its slice's indices (``mine``, chosen in
     ``ranges[slice_of(me, rotation)]``; ``rotation`` defaults to the round id) to every other, then
@@ -273,7 +277,10 @@ async def clt_k_round(
     :mod:`p2ptrain.collective.robust`). Returns the sorted indices and the reduced values, the same
     bits everywhere. ``spec.quantize`` (``"int8"``, ``"2bit"``): the values travel quantized and
     all-gathered instead (:mod:`p2ptrain.collective.quantized`, where every member clips under
-    ``robust="clip"``); the result is float32."""
+    ``robust="clip"``); the result is float32. ``owners``: who reduces and checks each chunk of the
+    values (:mod:`p2ptrain.collective.owners`); ``witness`` (a robust round): index sets, values and
+    chunks travel signed, and the round ends with the CONFIRM exchange that names an equivocator
+    (:mod:`p2ptrain.collective.witness`)."""
     n, size = source.numel(), links.size
     # Each slice's indices: ours now, the others' as they arrive and pass their check.
     per_slice: list[torch.Tensor] = [torch.empty(0, dtype=torch.int64)] * size
@@ -289,9 +296,9 @@ async def clt_k_round(
             check_ranges(per_slice[m], ranges[m])
 
         payload = encode_indices(mine) if member == links.me else None
-        await direct_broadcast(
-            links, member, payload, max_bytes=max_encoded_bytes(n, k), check=check,
-            segment_bytes=segment_bytes,
+        await witnessed_broadcast(
+            links, member, payload, witness=witness, said=Said.INDICES, max_bytes=max_encoded_bytes(n, k),
+            check=check, segment_bytes=segment_bytes,
         )
 
     with single_failure():
@@ -304,12 +311,14 @@ async def clt_k_round(
         chosen = source.index_select(0, indices).to(torch.float32)
         if not all_finite(chosen):
             raise ValueError("local values contain NaN or Inf")
-        reduced = await quantized_allreduce(links, chosen, spec, segment_bytes=segment_bytes)
+        values = await quantized_allreduce(links, chosen, spec, witness=witness, segment_bytes=segment_bytes)
         logger.debug("round %d: %d quantized values reduced", links.round_id, indices.numel())
-        return indices, reduced
-    values = source.index_select(0, indices).to(spec.values_of(source.dtype))
-    if not all_finite(values):
-        raise ValueError("local values contain NaN or Inf (or overflow the value dtype)")
-    await direct_allreduce(links, values, spec, segment_bytes=segment_bytes)
-    logger.debug("round %d: %d values reduced", links.round_id, indices.numel())
+    else:
+        values = source.index_select(0, indices).to(spec.values_of(source.dtype))
+        if not all_finite(values):
+            raise ValueError("local values contain NaN or Inf (or overflow the value dtype)")
+        await direct_allreduce(links, values, spec, owners=owners, witness=witness, segment_bytes=segment_bytes)
+        logger.debug("round %d: %d values reduced", links.round_id, indices.numel())
+    if witness is not None:
+        await witness.confirm()
     return indices, values

@@ -32,6 +32,17 @@ def round_seed(task: Task, round_index: int) -> int:
     return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "big")
 
 
+def owner_seed(plan: RoundPlan, round_index: int) -> int:
+    """The seed that draws, in a robust round, who reduces and who checks each chunk
+    (:mod:`p2ptrain.collective.owners`): a 64-bit hash of the plan's base (the run's last confirmed
+    model, which members check against their chain) and the round's number. Nobody chooses it: the
+    model is the previous span's all-reduce, fixed before this span's members are known, so no key a
+    member picks makes it the owner of a chosen slice (issue 27). Term and attempt do not enter it,
+    so a retry or a resumed run draws the same owners for the same ring."""
+    name = f"owners/{plan.base_cid}/r{round_index}"
+    return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "big")
+
+
 def shard_of(plan: RoundPlan, peer: str) -> tuple[int, int]:
     """``(rank, world_size)`` of ``peer`` in the plan: its index in the plan's member order."""
     return plan.members.index(peer), len(plan.members)

@@ -120,21 +120,26 @@ class PlanAverager:
         What it returns is valid until its next call (the buffer is reused). Each round's top-k
         choices are drawn from :func:`~p2ptrain.training.plans.round_seed` (the task's seed and the
         round's number), not from its round id, which names the term and attempt too: a run that
-        stopped and resumed under a new term makes the very choices it would have made.
+        stopped and resumed under a new term makes the very choices it would have made. A robust
+        round's owners are drawn from :func:`~p2ptrain.training.plans.owner_seed` (the plan's base
+        model and the round's number), which no member chooses.
         """
         ring = [ID.from_base58(p) for p in plan.members]
-        seeds = {plans.round_id(plan, i): plans.round_seed(self.task, plan.round + i) for i in range(plan.rounds)}
+        seeds = {
+            plans.round_id(plan, i): (plans.round_seed(self.task, plan.round + i), plans.owner_seed(plan, plan.round + i))
+            for i in range(plan.rounds)
+        }
 
         async def average(flat: torch.Tensor, round_id: int) -> torch.Tensor:
-            seed = seeds.get(round_id, round_id)
+            seed, owner_seed = seeds.get(round_id, (round_id, round_id))
             if self.reducer is not None:
                 # One output buffer for every round: the trainer's step reads the average (as
                 # views) before the next round, and a fresh model-sized tensor per round costs
                 # page faults (huge pages: the round's fill and scatter into it are cheaper).
                 if self._out is None or self._out.numel() != flat.numel():
                     self._out = large_empty(flat.numel())
-                return await self.reducer.allreduce(flat, ring, round_id, out=self._out, seed=seed)
-            return await self.collective.allreduce(flat, ring, round_id, self.spec, seed=seed)
+                return await self.reducer.allreduce(flat, ring, round_id, out=self._out, seed=seed, owner_seed=owner_seed)
+            return await self.collective.allreduce(flat, ring, round_id, self.spec, seed=seed, owner_seed=owner_seed)
 
         return average
 

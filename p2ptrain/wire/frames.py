@@ -47,6 +47,8 @@ class Phase(IntEnum):
     BROADCAST = 1  # bytes one member sends to every other (a slice's sparse index set)
     REDUCE = 2  # reduce-scatter: partial sums travel one hop per step
     GATHER = 3  # all-gather: each chunk owner's final bytes travel around the ring
+    VERIFY = 4  # robust rounds: a member's contribution to a chunk, sent to that chunk's verifier too
+    CONFIRM = 5  # robust rounds: what each member received from every other, as signed digests
 
 
 # A frame's dtype byte: the element type of its tensor bytes (0 in frames that carry none).
@@ -127,6 +129,32 @@ def parse_abort(frame: bytes, header: Header) -> tuple[ID, str]:
     culprit = ID(bytes(body[: header.count]))
     reason = bytes(body[header.count : header.count + MAX_REASON]).decode("utf-8", "replace")
     return culprit, reason
+
+
+# What a member signs in a robust round (collective/witness.py): a statement that it sent these bytes.
+SIGNATURE_BYTES = 64  # Ed25519
+DIGEST_BYTES = 32  # SHA-256 of the bytes a statement is about
+ENTRY_BYTES = DIGEST_BYTES + SIGNATURE_BYTES  # one statement in a CONFIRM frame or an owner's inputs
+_STATEMENT_DOMAIN = b"p2ptrain/collective/statement/v1\0"
+
+
+class Said(IntEnum):
+    """What a statement is about: the bytes a member sent in one part of a robust round."""
+
+    INDICES = 1  # a sparse round's index set of one slice, broadcast by its selector (key: the member)
+    CONTRIBUTION = 2  # a member's values of one chunk, sent to the chunk's owner (key: the chunk)
+    RESULT = 3  # a chunk's reduced values, sent by its owner to every member (key: the chunk)
+    VALUES = 4  # a member's quantized values, broadcast to every member (key: the member)
+
+
+def statement(round_digest: bytes, said: int, key: int, digest: bytes) -> bytes:
+    """The bytes a member signs to say that, in the round of ``round_digest`` (which names the round
+    id, the ring and every parameter), the bytes it sent as ``said`` ``key`` hash to ``digest``.
+    Ed25519 signatures are deterministic: one key signs one statement one way, so two valid
+    signatures over different digests for the same round, kind and key prove equivocation."""
+    if len(round_digest) != 32 or len(digest) != DIGEST_BYTES:
+        raise FrameError("a statement names a 32-byte round digest and a 32-byte digest")
+    return _STATEMENT_DOMAIN + round_digest + bytes([said]) + key.to_bytes(4, "big") + digest
 
 
 def round_digest(round_id: int, ring: list[ID], description: str) -> bytes:

@@ -114,11 +114,12 @@ class LocalMember:
     ring: LocalRing
     index: int
 
-    async def dense_round(self, data, ring, round_id, spec):
+    async def dense_round(self, data, ring, round_id, spec, *, owner_seed=None):
         result = await self.ring.meet((round_id, "dense"), self.index, data.clone(), lambda xs: ring_sum(xs, spec.average))
         data.copy_(result)
 
-    async def sparse_round(self, source, ring, round_id, spec, *, sizes, ks, select, prepare=None, seed=None):
+    async def sparse_round(self, source, ring, round_id, spec, *, sizes, ks, select, prepare=None, seed=None,
+                           owner_seed=None):
         size = self.ring.size
         if prepare is not None:
             prepare()

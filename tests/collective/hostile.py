@@ -5,20 +5,33 @@
 travels the real path (frames, checks, the owners' reduction). Its index selection stays honest:
 the attack is on the values, which every wire check accepts (finite, right count, right dtype).
 
+:class:`Owner` is a member that attacks as a chunk's owner in a robust round: it writes values of
+its own into the chunk it reduces (``poison``), or sends one member other bytes for its chunk than
+the rest, signed with its own key like the real ones (``equivocate_to``: equivocation). It runs the
+real code with two seams patched (:func:`install`): the owner's reduction and the frames it sends,
+both only inside the task that :meth:`Owner.acting` marks, so the honest members in the same
+process are untouched.
+
 Loaded by path (bench/robust.py and tests/collective/test_robust.py), so it imports nothing from
 the test tree.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+import hashlib
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from contextvars import ContextVar
 
 import torch
 import trio
 
 from p2ptrain.collective import Collective, RoundSpec, SparseAllReducer
+from p2ptrain.collective import direct
+from p2ptrain.collective.links import RoundLinks
+from p2ptrain.collective.witness import Witness
 from p2ptrain.testing import connected_hosts
+from p2ptrain.wire.frames import DTYPES, SIGNATURE_BYTES, Phase, Said
 
 ROUND_TIMEOUT_S = 20.0  # one training round of four members, generous for a loaded machine
 
@@ -34,9 +47,9 @@ class Hostile:
         self.collective = collective
         self.factor = factor
 
-    async def dense_round(self, data: torch.Tensor, ring: list, round_id: int, spec: RoundSpec) -> None:
+    async def dense_round(self, data: torch.Tensor, ring: list, round_id: int, spec: RoundSpec, **options) -> None:
         data.mul_(self.factor)  # the reducer sends a copy of its accumulated gradient; the result overwrites it
-        await self.collective.dense_round(data, ring, round_id, spec)
+        await self.collective.dense_round(data, ring, round_id, spec, **options)
 
     async def sparse_round(self, source: torch.Tensor, ring: list, round_id: int, spec: RoundSpec, *, prepare=None,
                            **options):
@@ -127,3 +140,77 @@ async def train_digits(
         logits = models[0](x[test_idx])
         accuracy = (logits.argmax(1) == y[test_idx]).float().mean().item() if bool(logits.isfinite().all()) else 0.0
     return accuracy, models
+
+
+class Owner:
+    """What a hostile owner does in the rounds it takes part in (see the module docstring):
+    ``poison``, a value written into every value of the chunk it reduces; ``equivocate_to``, a
+    peer ID that gets this owner's chunk plus one, signed anew."""
+
+    def __init__(self, collective: Collective, *, poison: float | None = None, equivocate_to=None) -> None:
+        self.collective = collective
+        self.poison = poison
+        self.equivocate_to = equivocate_to
+        self._witness: Witness | None = None
+        self._verifying = False
+        self._altered: dict[int, hashlib._Hash] = {}  # chunk -> SHA-256 of the altered bytes sent so far
+
+    @contextmanager
+    def acting(self) -> Iterator[None]:
+        """Within this block (and the tasks it starts) this member is the hostile owner."""
+        token = _acting.set(self)
+        try:
+            yield
+        finally:
+            _acting.reset(token)
+
+
+_acting: ContextVar[Owner | None] = ContextVar("p2ptrain_test_hostile_owner", default=None)
+_TORCH_DTYPES = {code: dtype for dtype, code in DTYPES.items()}
+
+
+def install(monkeypatch) -> None:
+    """Patch the seams :class:`Owner` acts through (pytest's ``monkeypatch`` undoes it)."""
+    reduce_chunk, check_chunk, send, witness_init = direct.reduce_chunk, direct._check_chunk, RoundLinks.send, Witness.__init__
+
+    def hostile_reduce(parts, start, spec):
+        out = reduce_chunk(parts, start, spec)
+        owner = _acting.get()
+        if owner is not None and owner.poison is not None and not owner._verifying:
+            out = [torch.full_like(part, owner.poison) for part in out]
+        return out
+
+    def honest_check(*args, **kwargs):  # as a verifier it checks honestly: the attack is on its own chunk
+        owner = _acting.get()
+        if owner is not None:
+            owner._verifying = True
+        try:
+            return check_chunk(*args, **kwargs)
+        finally:
+            if owner is not None:
+                owner._verifying = False
+
+    def remember_witness(self, *args, **kwargs):
+        witness_init(self, *args, **kwargs)
+        owner = _acting.get()
+        if owner is not None:
+            owner._witness = self
+
+    async def equivocating_send(self, header, payload=b"", *, to=None):
+        owner = _acting.get()
+        if owner is not None and owner.equivocate_to is not None and to == owner.equivocate_to and header.phase == Phase.GATHER:
+            dtype = _TORCH_DTYPES[header.dtype]
+            if dtype != torch.uint8:  # a segment of the chunk's values: other values, still finite
+                values = torch.frombuffer(bytearray(payload), dtype=dtype) + 1
+                payload = values.view(torch.uint8).numpy().tobytes()
+                owner._altered.setdefault(header.step, hashlib.sha256()).update(payload)
+            elif header.count == SIGNATURE_BYTES and header.step in owner._altered:  # its signature, made anew
+                witness = owner._witness
+                digest = owner._altered.pop(header.step).digest()
+                payload = owner.collective.host.get_private_key().sign(witness.statement(Said.RESULT, header.step, digest))
+        await send(self, header, payload, to=to)
+
+    monkeypatch.setattr(direct, "reduce_chunk", hostile_reduce)
+    monkeypatch.setattr(direct, "_check_chunk", honest_check)
+    monkeypatch.setattr(Witness, "__init__", remember_witness)
+    monkeypatch.setattr(RoundLinks, "send", equivocating_send)

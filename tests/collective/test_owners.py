@@ -1,0 +1,133 @@
+"""No trusted owner in a robust round (issue 27): owners drawn from a seed nobody chose, each chunk
+recomputed by a verifier, every item sent signed and compared at CONFIRM; over real hosts.
+
+The hostile member runs the real code (tests/collective/hostile.py, :class:`Owner`): it writes its
+own values into the chunk it reduces, or sends one member other (signed) bytes for it. Without the
+checks both attacks go through: every member accepts the poisoned chunk, or members end the round
+holding different bits with nobody named.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from p2ptrain.collective import Misbehaved, PeerFailed, RoundSpec
+from p2ptrain.collective.owners import drawn, ring_owners
+
+_spec = importlib.util.spec_from_file_location("p2ptrain_test_hostile_owners", Path(__file__).with_name("hostile.py"))
+hostile = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(hostile)
+
+WORLD, BAD = 4, 3
+SEED = 20271  # the owner seed of the rounds below (the runtime's: a hash of the base model and round)
+
+
+def test_drawn_owners_are_a_permutation_and_nobody_checks_its_own_chunk():
+    for size in (2, 3, 4, 7, 16):
+        for seed in range(50):
+            owners = drawn(size, seed)
+            assert sorted(owners.owner) == list(range(size))
+            assert sorted(owners.verifier) == list(range(size))
+            assert all(owners.owner[c] != owners.verifier[c] for c in range(size))
+            assert owners == drawn(size, seed)  # the same on every machine
+    assert drawn(1, 5).verifier is None
+
+
+def test_no_key_owns_a_chosen_chunk_every_round():
+    """The ring's owner of the last chunk (the output layer's slice) is fixed by sorted peer IDs;
+    drawn owners give each ring position that chunk in about 1/P of the rounds."""
+    assert {ring_owners(WORLD).owner[WORLD - 1] for _ in range(10)} == {WORLD - 2}
+    rounds = 4000
+    owned = Counter(drawn(WORLD, seed).owner[WORLD - 1] for seed in range(rounds))
+    assert set(owned) == set(range(WORLD))
+    assert all(abs(n / rounds - 1 / WORLD) < 0.03 for n in owned.values())
+
+
+def inputs(n: int) -> list[torch.Tensor]:
+    return [torch.randn(n, generator=torch.Generator().manual_seed(i)) for i in range(WORLD)]
+
+
+@pytest.mark.parametrize("density", [1.0, 0.05])
+async def test_who_owns_a_chunk_does_not_change_its_bits(cluster, gather, density):
+    async with cluster(WORLD) as peers:
+        ring = [p.id for p in peers]
+        xs = inputs(4096)
+        results = []
+        for round_id, seed in ((1, 1), (2, 2), (3, 99)):
+            spec = RoundSpec(density=density, robust="clip", timeout=20)
+            results.append(await gather([
+                lambda p=p, x=x: p.collective.allreduce(x, ring, round_id, spec, seed=7, owner_seed=seed)
+                for p, x in zip(peers, xs)
+            ]))
+    assert len({drawn(WORLD, s).owner for s in (1, 2, 99)}) == 3
+    for result in results:
+        for r in result:
+            assert isinstance(r, torch.Tensor) and r.equal(results[0][0])
+
+
+def chunk_verifier(seed: int) -> tuple[int, int]:
+    owners = drawn(WORLD, seed)
+    chunk = owners.owned_by(BAD)
+    return chunk, owners.verifier[chunk]
+
+
+@pytest.mark.parametrize("density", [1.0, 0.05])
+async def test_an_owner_that_writes_its_own_values_is_caught_and_named(cluster, gather, monkeypatch, density):
+    hostile.install(monkeypatch)
+    chunk, verifier = chunk_verifier(SEED)
+    async with cluster(WORLD) as peers:
+        ring = [p.id for p in peers]
+        attacker = hostile.Owner(peers[BAD].collective, poison=1000.0)
+        spec = RoundSpec(density=density, robust="clip", timeout=20)
+        xs = inputs(4096)
+
+        async def member(i: int):
+            if i != BAD:
+                return await peers[i].collective.allreduce(xs[i], ring, 5, spec, owner_seed=SEED)
+            with attacker.acting():
+                return await peers[i].collective.allreduce(xs[i], ring, 5, spec, owner_seed=SEED)
+
+        results = await gather([lambda i=i: member(i) for i in range(WORLD)])
+        refused = peers[verifier].collective.hub.refused["misbehaved"]
+    for i in range(WORLD):
+        if i == BAD:
+            continue
+        failure = results[i]
+        assert isinstance(failure, PeerFailed), f"member {i} accepted the round: {failure!r}"
+        assert failure.peer_id == ring[BAD]
+        assert f"its chunk {chunk} is not the reduction" in failure.reason
+    assert isinstance(results[verifier], Misbehaved)  # its own finding; the others heard its notice
+    assert refused == 1
+
+
+async def test_an_equivocating_owner_is_named_by_every_honest_member(cluster, gather, monkeypatch):
+    hostile.install(monkeypatch)
+    chunk, verifier = chunk_verifier(SEED)
+    target = next(i for i in range(WORLD) if i not in (BAD, verifier))  # its verifier gets the honest bytes
+    async with cluster(WORLD) as peers:
+        ring = [p.id for p in peers]
+        attacker = hostile.Owner(peers[BAD].collective, equivocate_to=ring[target])
+        spec = RoundSpec(density=1.0, robust="clip", timeout=20)
+        xs = inputs(4096)
+
+        async def member(i: int):
+            if i != BAD:
+                return await peers[i].collective.dense_round(xs[i], ring, 6, spec, owner_seed=SEED)
+            with attacker.acting():
+                return await peers[i].collective.dense_round(xs[i], ring, 6, spec, owner_seed=SEED)
+
+        results = await gather([lambda i=i: member(i) for i in range(WORLD)])
+    reasons = set()
+    for i in range(WORLD):
+        if i == BAD:
+            continue
+        failure = results[i]
+        assert isinstance(failure, PeerFailed), f"member {i} accepted the round: {failure!r}"
+        assert failure.peer_id == ring[BAD]
+        reasons.add(failure.reason)
+    assert reasons == {f"equivocated: signed two different result {chunk} in round 6"}
