@@ -116,7 +116,7 @@ async def direct_allreduce(
         chunk = owners.owned_by(member)
         await send_parts(chunk, local(chunk), Phase.REDUCE, member)
         if witness is not None:
-            signature = witness.sign(Said.CONTRIBUTION, chunk, digest_of(local(chunk)))
+            signature = await trio.to_thread.run_sync(_signed, witness, Said.CONTRIBUTION, chunk, local(chunk))
             await send_bytes(chunk, Phase.REDUCE, len(segs[chunk]), signature, member)
         theirs = owners.checked_by(member)
         if theirs is not None:
@@ -145,8 +145,8 @@ async def direct_allreduce(
         parts = await receive_parts(mine, Phase.REDUCE, member)
         if witness is not None:
             signature = await receive_bytes(mine, Phase.REDUCE, len(segs[mine]), SIGNATURE_BYTES, member)
-            digest = digest_of(parts)
-            if not witness.signed(member, Said.CONTRIBUTION, mine, digest, signature):
+            digest = await trio.to_thread.run_sync(_checked, witness, member, Said.CONTRIBUTION, mine, parts, signature)
+            if digest is None:
                 raise BadPayload(ring[member], f"its contribution to chunk {mine} does not match its signature")
             inputs[member] = digest + signature
         held[member] = parts
@@ -158,7 +158,7 @@ async def direct_allreduce(
         results[chunk] = await receive_parts(chunk, Phase.GATHER, member)
         if witness is not None:
             signature = await receive_bytes(chunk, Phase.GATHER, len(segs[chunk]), SIGNATURE_BYTES, member)
-            witness.heard(Said.RESULT, chunk, member, digest_of(results[chunk]), signature)
+            await trio.to_thread.run_sync(_heard, witness, member, Said.RESULT, chunk, results[chunk], signature)
             if chunk == checking:
                 proofs.extend(await receive_bytes(chunk, Phase.GATHER, len(segs[chunk]) + 1,
                                                   (size - 1) * ENTRY_BYTES, member))
@@ -170,9 +170,9 @@ async def direct_allreduce(
                     nursery.start_soon(feed, member)
                     nursery.start_soon(take, member)
             await contributed.wait()
-            results[mine] = reduce_chunk([held[m] for m in range(size)], mine, spec)
+            results[mine] = await trio.to_thread.run_sync(reduce_chunk, [held[m] for m in range(size)], mine, spec)
             if witness is not None:
-                signatures[mine] = witness.sign(Said.RESULT, mine, digest_of(results[mine]))
+                signatures[mine] = await trio.to_thread.run_sync(_signed, witness, Said.RESULT, mine, results[mine])
             reduced.set()
     if checking is not None:
         _check_chunk(links, owners, checking, [checks[m] for m in range(size)], results[checking], bytes(proofs),
@@ -180,6 +180,22 @@ async def direct_allreduce(
     for chunk, parts in results.items():
         for (a, b), part in zip(segs[chunk], parts):
             data[a:b].copy_(part)
+
+
+# Hashing, signing and verifying run in worker threads (hashlib, libsodium and torch release the
+# GIL): they overlap the round's traffic instead of holding up every channel of this member.
+def _signed(witness: Witness, said: int, key: int, parts: Parts) -> bytes:
+    return witness.sign(said, key, digest_of(parts))
+
+
+def _checked(witness: Witness, signer: int, said: int, key: int, parts: Parts, signature: bytes) -> bytes | None:
+    """The digest of ``parts`` if ``signer`` signed it, else None."""
+    digest = digest_of(parts)
+    return digest if witness.signed(signer, said, key, digest, signature) else None
+
+
+def _heard(witness: Witness, signer: int, said: int, key: int, parts: Parts, signature: bytes) -> None:
+    witness.heard(said, key, signer, digest_of(parts), signature)
 
 
 def _check_chunk(
