@@ -45,6 +45,7 @@ class BackgroundPeer:
         self._error: BaseException | None = None
         self._token: trio.lowlevel.TrioToken | None = None
         self._stop: trio.Event | None = None
+        self._nursery: trio.Nursery | None = None
         self.peer: Peer | None = None
         self._thread = threading.Thread(target=self._main, name="p2ptrain-peer", daemon=True)
         self._thread.start()
@@ -69,8 +70,10 @@ class BackgroundPeer:
         self._stop = trio.Event()
         async with trio.open_nursery() as nursery:
             await nursery.start(node.run)
-            self._ready.set()
-            await self._stop.wait()
+            async with trio.open_nursery() as self._nursery:  # what start_soon runs, ended before the node
+                self._ready.set()
+                await self._stop.wait()
+                self._nursery.cancel_scope.cancel()
             node.stop()
 
     @property
@@ -88,6 +91,16 @@ class BackgroundPeer:
         if not self.running:
             raise UserError("the p2ptrain peer of this run is not running (closed, or it failed)")
         return trio.from_thread.run_sync(fn, *args, trio_token=self._token)
+
+    def start_soon(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> None:
+        """Run ``await fn(*args)`` in the peer's trio thread until the peer closes (from any thread
+        that is not the peer's own; the peer's own code uses its nursery directly)."""
+        assert self._nursery is not None
+        nursery = self._nursery
+        if threading.current_thread() is self._thread:
+            nursery.start_soon(fn, *args)
+        else:
+            trio.from_thread.run_sync(nursery.start_soon, fn, *args, trio_token=self._token)
 
     def close(self) -> None:
         """Stop the node (goodbye sent, runs ended) and its thread; idempotent."""

@@ -37,8 +37,9 @@ import torch
 from torch import nn
 
 from p2ptrain.api.background import BackgroundPeer
-from p2ptrain.api.rendezvous import JOIN_WINDOW_S, choose_run, load_initial, store_own
+from p2ptrain.api.rendezvous import JOIN_WINDOW_S, choose_run, keep_announcing, load_initial, store_own
 from p2ptrain.errors import UserError
+from p2ptrain.identity import load_or_create_identity, peer_id_of
 from p2ptrain.ipfs.store import open_store
 from p2ptrain.net.control import socket_path
 from p2ptrain.node_config import NodeConfig
@@ -135,13 +136,16 @@ class Optimizer:
         architecture = str(store.add_bytes(card, only_hash=True))
         self._user_card = {"name": USER_MODEL, "kwargs": {"architecture": architecture}}
         initial = str(store.add_bytes(model_bytes(model, self._user_card), only_hash=True))
+        if publisher is None:  # who may cancel the run: the member whose task is taken, unless told
+            publisher = peer_id_of(load_or_create_identity(home)).to_base58()
         task = _task(run, architecture, initial, options, allow, publisher)
         self.bridge = GradientBridge()
         self._evaluate = evaluate
         self._inner = 0  # local-SGD: inner steps taken since the last outer step
         self._theta: torch.Tensor | None = None  # local-SGD: the shared weights the inner steps started from
         self._closed = False
-        config = NodeConfig(listen=list(listen), bootstrap=list(bootstrap))
+        self._bootstrap = list(bootstrap)
+        config = NodeConfig(listen=list(listen), bootstrap=self._bootstrap)
         self._peer = BackgroundPeer(home, config)
         try:
             self.run_cid = self._peer.call(self._join, task, card, join_window_s)
@@ -158,12 +162,13 @@ class Optimizer:
         peer = self._peer.peer
         assert peer is not None
         own = await store_own(peer, task, card, self.model, self._user_card)
-        chosen = await choose_run(peer, self.run, own, self._card, window)
+        chosen = await choose_run(peer, self.run, own, self._card, window, expect_peers=bool(self._bootstrap))
         if not chosen.own:
             await load_initial(peer, chosen.task, self.model)  # every member starts from the same bits
         task = chosen.task
         peer.tasks.bindings[chosen.task_cid] = lambda total_steps: self._make_trainer(task, total_steps)
         await peer.tasks.join(chosen.task_cid)
+        self._peer.start_soon(keep_announcing, peer, self.run, chosen.task_cid)
         log.info("run %r: taking part as %s in %s (%s)", self.run, peer.node.peer_id.to_base58(), chosen.task_cid,
                  "its first member" if chosen.own else "it was under way or announced first")
         return chosen.task_cid
@@ -203,7 +208,7 @@ class Optimizer:
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
-    def step(self, closure: Callable[[], Any] | None = None, *, loss: float | None = None) -> Any:
+    def step(self, closure: Callable[[], Any] | None = None, *, loss: float | torch.Tensor | None = None) -> Any:
         """One step of the run with this member's gradients (call after ``loss.backward()``).
 
         Nothing is sent when a gradient is missing (a ``step()`` before ``backward()``) or not
@@ -317,6 +322,19 @@ class Optimizer:
     def step_count(self) -> int:
         """The run's steps this member holds (outer steps in local-SGD mode)."""
         return self.status().step
+
+    @property
+    def peer_id(self) -> str:
+        """This member's peer ID."""
+        assert self._peer.peer is not None
+        return self._peer.peer.node.peer_id.to_base58()
+
+    @property
+    def addresses(self) -> list[str]:
+        """Where this member listens, with its peer ID: what another member passes as ``bootstrap``."""
+        peer = self._peer.peer
+        assert peer is not None
+        return self._peer.call_soon(lambda: list(peer.node.addrs))  # type: ignore[no-any-return]
 
     @property
     def peers(self) -> tuple[str, ...]:

@@ -36,6 +36,11 @@ log = logging.getLogger(__name__)
 # the script at about the same time announce theirs within it (an announcement a second each).
 JOIN_WINDOW_S = 5.0
 ANNOUNCE_EVERY_S = 1.0
+# A member of a run goes on announcing it this often, so that a member who starts the script later
+# (a late joiner) hears of the run within its window; one small message per member per period.
+KEEP_ANNOUNCING_S = 2.0
+# With bootstrap addresses, the window starts once one of them is connected, within this.
+CONNECT_TIMEOUT_S = 60.0
 # Each candidate task and architecture card is fetched within this (bounded in bytes as well).
 FETCH_TIMEOUT_S = 30.0
 
@@ -64,10 +69,20 @@ async def store_own(peer: Peer, task: Task, card: bytes, module: nn.Module, user
     return await trio.to_thread.run_sync(put)
 
 
-async def choose_run(peer: Peer, name: str, own_cid: str, card: dict[str, object], window: float = JOIN_WINDOW_S) -> Chosen:
+async def choose_run(peer: Peer, name: str, own_cid: str, card: dict[str, object], window: float = JOIN_WINDOW_S,
+                     *, expect_peers: bool = False) -> Chosen:
     """Announce ``own_cid`` as a run named ``name`` for ``window`` seconds, then take the run of that
-    name (see the module); :class:`UserError` naming the difference when it is not this model's."""
+    name (see the module); :class:`UserError` naming the difference when it is not this model's.
+    ``expect_peers`` (bootstrap addresses were given): the window starts once a peer is connected,
+    within :data:`CONNECT_TIMEOUT_S`, so a slow dial does not make a run of one."""
     tasks = peer.tasks
+    if expect_peers:
+        with trio.move_on_after(CONNECT_TIMEOUT_S):
+            # py-libp2p has no event for a new connection: poll.
+            while not (peer.node.host and peer.node.host.get_connected_peers()):  # noqa: ASYNC110
+                await trio.sleep(0.1)
+        if not (peer.node.host and peer.node.host.get_connected_peers()):
+            raise UserError(f"run {name!r}: no bootstrap peer answered within {CONNECT_TIMEOUT_S:.0f} s")
     deadline = trio.current_time() + window
     while True:
         await peer.node.publish(TASKS_TOPIC, TaskAnnounce(task_cid=own_cid, name=name))
@@ -93,6 +108,13 @@ async def choose_run(peer: Peer, name: str, own_cid: str, card: dict[str, object
             raise UserError(f"run {name!r} ({cid}) trains another model or with other options: {difference}")
         return Chosen(cid, task, False)
     return Chosen(own_cid, await _task(peer, own_cid), True)
+
+
+async def keep_announcing(peer: Peer, name: str, task_cid: str) -> None:
+    """Announce the run this member takes part in every :data:`KEEP_ANNOUNCING_S` (until cancelled)."""
+    while True:
+        await peer.node.publish(TASKS_TOPIC, TaskAnnounce(task_cid=task_cid, name=name))
+        await trio.sleep(KEEP_ANNOUNCING_S)
 
 
 def _under_way(peer: Peer, name: str) -> list[str]:

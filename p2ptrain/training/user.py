@@ -28,6 +28,7 @@ e.g. ``LambdaLR(inner, lambda _: f(opt.step_count))``: a late joiner takes the r
 from __future__ import annotations
 
 import logging
+import math
 import re
 import threading
 from collections.abc import Callable, Iterator
@@ -267,7 +268,7 @@ class UserTrainer(Trainer):
 
     def evaluate_own(self) -> dict[str, float]:
         """The user's own evaluation of the weights now (``train(test_data=...)``), else nothing."""
-        return dict(self._evaluate_own(self.model)) if self._evaluate_own is not None else {}
+        return _evaluate_user(self.model, self.bridge, self._evaluate_own)
 
 
 class UserLocalSGDTrainer(LocalSGDTrainer):
@@ -319,4 +320,20 @@ class UserLocalSGDTrainer(LocalSGDTrainer):
         raise TrainerError("overlapping checkpoints are not available for a run of the user's own model")
 
     def evaluate_own(self) -> dict[str, float]:
-        return dict(self._evaluate_own(self.model)) if self._evaluate_own is not None else {}
+        return _evaluate_user(self.model, self.bridge, self._evaluate_own)
+
+
+def _evaluate_user(model: nn.Module, bridge: GradientBridge,
+                   evaluate: Callable[[nn.Module], dict[str, float]] | None) -> dict[str, float]:
+    """``evaluate(model)`` while the user's loop is not in a forward or backward pass (the bridge's
+    lock), the module's train/eval mode as it was before; only finite numbers are kept (they go
+    into a signed record)."""
+    if evaluate is None:
+        return {}
+    with bridge.model_lock:
+        was_training = model.training
+        try:
+            metrics = evaluate(model)
+        finally:
+            model.train(was_training)
+    return {str(k): float(v) for k, v in dict(metrics).items() if math.isfinite(float(v))}
