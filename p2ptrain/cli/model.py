@@ -230,20 +230,17 @@ def cmd_fetch(args: argparse.Namespace) -> int:
     model_cid = cids[-1]
     from p2ptrain.cli.ipfs import progress_bar
     from p2ptrain.ipfs.store import open_store
-    from p2ptrain.training.loading import model_from_bytes
-    from p2ptrain.training.records import RecordError, read_model_card
+    from p2ptrain.training.loading import describe_model_file
+    from p2ptrain.training.records import RecordError
 
     store = open_store(home)
     data = store.cat(model_cid)
     try:
-        module = model_from_bytes(data)  # refuse to hand over a file that is not a loadable model
-        card = read_model_card(data)
+        card, params = describe_model_file(data)  # refuse to hand over a file that is not a model
     except RecordError as exc:
         raise UserError(f"{model_cid} is not a p2ptrain model: {exc}") from None
     with progress_bar(f"writing {args.output.name}", len(data)) as progress:
         store.get(model_cid, args.output, progress=progress)
-    assert card is not None  # model_from_bytes refuses a file without one
-    params = sum(p.numel() for p in module.parameters())
     summary = {"model_cid": model_cid, "path": str(args.output), "bytes": len(data), "model": card,
                "parameters": params}
     if args.json:

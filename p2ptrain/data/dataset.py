@@ -101,6 +101,17 @@ class IPFSDataset(IterableDataset[tuple[torch.Tensor, torch.Tensor]]):
             return list(range(rank, count, world_size))
         return list(range(count))
 
+    @property
+    def shard_count(self) -> int:
+        """Shards in the split (all of them, not only this selection's)."""
+        return len(self.manifest.shards(self.split))
+
+    def select(self, *, shard_ids: Sequence[int] | None = None, rank: int | None = None,
+               world_size: int | None = None) -> None:
+        """Choose the shards again, as the constructor does (``p2ptrain.train`` shards a shared
+        dataset once it knows the run's members)."""
+        self.shard_ids = self._select(self.shard_count, shard_ids, rank, world_size)
+
     def set_epoch(self, epoch: int) -> None:
         """Pick the epoch whose order the next iteration uses (same seed + epoch = same order)."""
         self.epoch = epoch

@@ -39,7 +39,9 @@ class DataFeed:
         if held is not None and held[0] == (rank, world) and held[1].position == position:
             return held[1]
         run = self.run
-        assert run.manifest is not None
+        if run.task.model.user:
+            return iter(())  # the user's loop reads its own data (training/user.py)
+        assert run.manifest is not None and run.task.dataset is not None
         split = run.task.dataset.train_split
         shards = run.manifest.shards(split)
         for index in range(rank, len(shards), world):
@@ -58,6 +60,8 @@ class DataFeed:
     async def fetch_test_split(self) -> None:
         """Every shard of the test split, for the coordinator's evaluation (ContentUnavailable if not)."""
         run = self.run
+        if run.task.dataset is None:
+            return  # the members' own data: each evaluates (or not) on its own
         assert run.manifest is not None
         for ref in run.manifest.shards(run.task.dataset.test_split):
             await run.content.fetch(ref.cid)
@@ -67,6 +71,8 @@ class DataFeed:
         (coordinator only)."""
         run = self.run
         trainer, _ = run.require()
+        if run.task.dataset is None:
+            return trainer.evaluate_own()
         split = run.task.dataset.test_split
         dataset = IPFSDataset(run.task.dataset.manifest, split=split, store=run.content.store, shuffle=False)
         batches = batched(dataset, run.task.training.eval_batch_size)
@@ -78,10 +84,12 @@ class DataFeed:
         dataset dies, whichever shards a new ring assigns us, and the test split a new coordinator
         evaluates on, can still be had from the other members."""
         run = self.run
+        dataset = run.task.dataset
+        if dataset is None:
+            return  # nothing shared to replicate: each member's data is its own
         assert run.manifest is not None
         with trio.move_on_after(REPLICATE_DEADLINE_S):
             await self._own_shards_held.wait()
-        dataset = run.task.dataset
         test = run.manifest.shards(dataset.test_split) if dataset.test_split in run.manifest.splits else ()
         refs = (*run.manifest.shards(dataset.train_split), *test)
         held = 0

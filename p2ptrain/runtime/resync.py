@@ -280,7 +280,9 @@ class Resync:
         await run.content.fetch(last.optimizer_cid, timeout=RESYNC_FETCH_TIMEOUT_S, max_bytes=max_optim)
         model = await trio.to_thread.run_sync(lambda: store.cat(last.model_cid, max_bytes=max_model))
         optim = await trio.to_thread.run_sync(lambda: store.cat(last.optimizer_cid, max_bytes=max_optim))
-        trainer.load_state(model, optim)
+        # In a worker thread: a trainer driven by the user's loop loads only while the user waits in
+        # its step (training/user.py), and parsing a large state is CPU work anyway.
+        await trio.to_thread.run_sync(trainer.load_state, model, optim)
         if trainer.step != last.step:
             raise TrainerError(f"checkpoint v{last.version} says step {last.step}, its state says {trainer.step}")
         self.restore_feedback(last.step)

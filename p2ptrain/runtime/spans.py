@@ -21,15 +21,16 @@ from typing import Any
 
 import torch
 import trio
+from libp2p.peer.id import ID
 
-from p2ptrain.collective import CollectiveError, PeerFailed
+from p2ptrain.collective import CollectiveError, PeerFailed, RoundSpec
 from p2ptrain.ipfs.store import ContentUnavailable
 from p2ptrain.logs import fmt_bytes, fmt_s
 from p2ptrain.runtime.attesting import Attesting
 from p2ptrain.runtime.datafeed import DataFeed
 from p2ptrain.runtime.feedback_file import load_feedback, save_feedback
 from p2ptrain.runtime.run_state import RunState
-from p2ptrain.training.plans import round_id, shard_of
+from p2ptrain.training.plans import buffers_round_id, round_id, shard_of
 from p2ptrain.training.sync import PlanAverager, run_round
 from p2ptrain.training.task import Task
 from p2ptrain.training.trainer import Average, StateSnapshot, TrainerError
@@ -187,6 +188,40 @@ class Spans:
         (as coordinator, with its evaluation) and our attestation: before the next span in the
         default mode; with ``overlap_checkpoints`` the next span starts once the state is copied
         (:meth:`Trainer.snapshot`), and the evaluation, storing and the record happen meanwhile."""
+        run = self.run
+        trainer, book = run.require()
+        step = trainer.step
+        try:
+            if not await self._average_buffers(plan):
+                book.rejected_step = step  # no checkpoint this span: the barrier opens, the next tries again
+                run.wake_leader.set()
+                return
+            await self._take_checkpoint(plan)
+        finally:
+            trainer.release_span()  # a user's loop waits for this (training/user.py)
+
+    async def _average_buffers(self, plan: RoundPlan) -> bool:
+        """Average the members' buffers (BatchNorm's running statistics: each member's come from its
+        own data) over the span's ring, so that the checkpoint every member hashes is the same;
+        False when that round failed (this span then has no checkpoint). Models without buffers
+        (the registry's) skip it."""
+        run = self.run
+        trainer, _ = run.require()
+        flat = trainer.buffer_vector()
+        if flat is None or len(plan.members) < 2:
+            return True
+        ring = [ID.from_base58(p) for p in plan.members]
+        try:
+            averaged = await run.collective.allreduce(
+                flat, ring, buffers_round_id(plan), RoundSpec(timeout=HOP_TIMEOUT_S, start_timeout=START_TIMEOUT_S))
+        except CollectiveError as exc:
+            logger.warning("%s: averaging the buffers at step %d failed (%s); no checkpoint this span",
+                           run.log_prefix, trainer.step, exc)
+            return False
+        trainer.load_buffer_vector(averaged)
+        return True
+
+    async def _take_checkpoint(self, plan: RoundPlan) -> None:
         run = self.run
         trainer, _ = run.require()
         step = trainer.step

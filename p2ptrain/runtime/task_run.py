@@ -25,6 +25,7 @@ the coordinator never puts a member into a ring that would compute from differen
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import trio
@@ -50,7 +51,7 @@ from p2ptrain.training.records import RecordError, load_model_bytes
 from p2ptrain.training.rounds import RoundBook, RuleBreak
 from p2ptrain.training.task import Task, total_steps
 from p2ptrain.training.local_sgd import LocalSGDTrainer, new_trainer
-from p2ptrain.training.trainer import TrainerError
+from p2ptrain.training.trainer import Trainer, TrainerError
 from p2ptrain.wire.topics import TASKS_TOPIC
 from p2ptrain.wire.messages import (
     CoordinatorBeat,
@@ -95,9 +96,13 @@ class TaskRun:
         *,
         device: str = "auto",
         precision: str = "fp32",
+        make_trainer: Callable[[int], Trainer] | None = None,
     ) -> None:
         self.device = device
         self.precision = precision
+        # A run of the user's own module: its trainer (the user's module, optimizer and loop) comes
+        # from the process that runs the user's script (p2ptrain.Optimizer), given the run's length.
+        self.make_trainer = make_trainer
         self.shared = run = RunState.create(node, content, collective, task, task_cid)
         run.deliver_own = self._deliver_own
         self.data = DataFeed(run)
@@ -198,14 +203,24 @@ class TaskRun:
         run = self.shared
         task, content = run.task, run.content
         run.phase = Phase.FETCHING
-        await content.fetch(task.dataset.manifest, max_bytes=MAX_MANIFEST_BYTES)
-        run.manifest = await trio.to_thread.run_sync(Manifest.load, content.store, task.dataset.manifest)
-        train_samples = run.manifest.num_samples(task.dataset.train_split)
+        train_samples = 0
+        if task.dataset is not None:
+            manifest_cid = task.dataset.manifest
+            await content.fetch(manifest_cid, max_bytes=MAX_MANIFEST_BYTES)
+            run.manifest = await trio.to_thread.run_sync(Manifest.load, content.store, manifest_cid)
+            train_samples = run.manifest.num_samples(task.dataset.train_split)
         run.total_steps = total_steps(task, train_samples, task.peers.max)
-        trainer = await trio.to_thread.run_sync(
-            lambda: new_trainer(task, total_steps=run.total_steps, device=self.device, precision=self.precision)
-        )
-        if task.initial_model:
+        make = self.make_trainer
+        if make is not None:
+            trainer = make(run.total_steps)
+        else:
+            if task.model.user:
+                raise TrainerError("a run of the members' own model: only a process running its script joins it "
+                                   "(p2ptrain.Optimizer)")
+            trainer = await trio.to_thread.run_sync(
+                lambda: new_trainer(task, total_steps=run.total_steps, device=self.device, precision=self.precision)
+            )
+        if task.initial_model and make is None:  # the user's module holds the run's initial weights already
             await content.fetch(task.initial_model)
             data = await trio.to_thread.run_sync(content.store.cat, task.initial_model)
             load_model_bytes(trainer.model, data)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -32,6 +32,7 @@ from p2ptrain.runtime.latest import LatestFinder, head_key, held_tasks
 from p2ptrain.runtime.run_state import CANCEL_SENT_FILE, CANCELLED_FILE
 from p2ptrain.runtime.status import FINISHED, Phase, TaskStatus
 from p2ptrain.runtime.task_run import TaskRun
+from p2ptrain.training.trainer import Trainer
 from p2ptrain.training.lineage import Chain
 from p2ptrain.training.task import (
     MAX_TASK_BYTES, Task, TaskError, load_task, task_bytes, task_from_bytes, unmet_requirement,
@@ -148,6 +149,9 @@ class TaskService:
         self._joining: set[str] = set()
         self._failed: dict[str, float] = {}  # task CID -> trio time until which it is not retried
         self._finders: dict[str, LatestFinder] = {}  # task CID -> a lookup of its latest chain under way
+        # Runs of the user's own model this process takes part in: task CID -> the trainer maker
+        # (p2ptrain.Optimizer binds one before it joins; training/user.py).
+        self.bindings: dict[str, Callable[[int], Trainer]] = {}
         node.on(TaskAnnounce, self._on_announce)
         node.on(TaskHead, self._on_head)
         node.on(TaskCancel, self._on_cancel)
@@ -220,6 +224,9 @@ class TaskService:
         why = unmet_requirement(task, self.node.membership.caps)
         if why is None and not task.peers.admits(self.node.peer_id.to_base58()):
             why = "the task admits only the peers on its allowlist (peers.allow), and this node is not one"
+        if why is None and task.model.user and task_cid not in self.bindings:
+            why = ("it trains the members' own model: only a process running its script takes part "
+                   "(p2ptrain.Optimizer or p2ptrain.train), no node joins it by itself")
         if why is not None:
             raise UserError(f"this node cannot take part in task {task.name} ({task_cid}): {why}")
         if task_cid in self.runs:  # joined meanwhile
@@ -228,7 +235,8 @@ class TaskService:
             raise UserError(f"task {task.name} ({task_cid}) was cancelled by its publisher")
         assert self.collective is not None and self._nursery is not None
         run = TaskRun(self.node, self.content, self.collective, task, task_cid,
-                      device=self.options.device, precision=self.options.precision)
+                      device=self.options.device, precision=self.options.precision,
+                      make_trainer=self.bindings.get(task_cid))
         self.runs[task_cid] = run
         self._failed.pop(task_cid, None)
         known = self.known.get(task_cid)
@@ -418,10 +426,11 @@ class TaskService:
         task = load_task(text)
         if task.publisher is None:  # this node's key is the one that may cancel it (task cancel)
             task = replace(task, publisher=self.node.peer_id.to_base58())
-        try:
-            await self.content.fetch(task.dataset.manifest, timeout=float(request.get("timeout", 30.0)))
-        except ContentUnavailable as exc:
-            raise TaskError(f"dataset.manifest: {exc}; add it first with: p2ptrain dataset add") from None
+        if task.dataset is not None:
+            try:
+                await self.content.fetch(task.dataset.manifest, timeout=float(request.get("timeout", 30.0)))
+            except ContentUnavailable as exc:
+                raise TaskError(f"dataset.manifest: {exc}; add it first with: p2ptrain dataset add") from None
         if task.initial_model:
             try:
                 await self.content.fetch(task.initial_model)

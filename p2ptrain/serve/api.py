@@ -8,15 +8,17 @@ with :func:`open_model` and ``await nursery.start(server.run)`` instead.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import trio
+from torch import nn
 
 from p2ptrain.errors import UserError
 from p2ptrain.serve.batcher import Loaded
 from p2ptrain.serve.server import LATEST_POLL_S, Server, load_served, resolve_device
+from p2ptrain.serve.spec import UserModel
 
 def via_node(home: Path, cid: str | None = None, latest: str | None = None) -> str:
     """Make ``cid`` (or ``latest``'s newest confirmed model) local through the home's store or its
@@ -43,9 +45,14 @@ def via_node(home: Path, cid: str | None = None, latest: str | None = None) -> s
 
 def open_model(
     cid: str | None = None, *, latest: str | None = None, home: Path | None = None,
-    resolve: Callable[[], str] | None = None, device: str = "auto", **options: Any,
+    resolve: Callable[[], str] | None = None, device: str = "auto", model: nn.Module | None = None,
+    input_shape: Sequence[int] | None = None, **options: Any,
 ) -> Server:
     """A :class:`Server` for model ``cid`` (or ``latest=TASK_CID``, followed), not yet running.
+
+    A model trained from the user's own module (``p2ptrain.Optimizer``, ``p2ptrain.train``) has no
+    builder in p2ptrain: give the instance as ``model`` (its weights are not used; each model served
+    loads into a copy) and one sample's ``input_shape``.
 
     ``resolve`` makes the model local and returns its CID (default: :func:`via_node`); with
     ``latest`` it is called again every ``LATEST_POLL_S`` and a new CID is swapped in.
@@ -58,14 +65,21 @@ def open_model(
     home = (home or default_home()).expanduser()
     resolve = resolve or (lambda: via_node(home, cid, latest))
     store = open_store(home)
-    loaded = load_served(store, resolve(), resolve_device(device), home)
-    return Server(loaded, follow=resolve if latest else None, store=store, home=home, **options)
+    user_model = None
+    if model is not None:
+        if input_shape is None:
+            raise UserError("serving your own module needs input_shape=(one sample's shape), e.g. (1, 28, 28)")
+        user_model = UserModel(model, tuple(input_shape))
+    loaded = load_served(store, resolve(), resolve_device(device), home, user_model)
+    return Server(loaded, follow=resolve if latest else None, store=store, home=home, user_model=user_model,
+                  **options)
 
 
 def serve(model_cid: str | None = None, **options: Any) -> None:
     """Serve ``model_cid`` (or ``latest=TASK_CID``) over HTTP until interrupted.
 
-    Options: ``home``, ``listen`` ("127.0.0.1:8080"), ``max_batch`` (64), ``max_wait_ms`` (5),
+    Options: ``model`` and ``input_shape`` (a model of your own module), ``home``, ``listen``
+    ("127.0.0.1:8080"), ``max_batch`` (64), ``max_wait_ms`` (5),
     ``max_connections`` (256), ``device`` ("auto"), ``on_ready`` (called with the URL once listening).
     """
     on_ready: Callable[[str], None] = options.pop("on_ready", None) or (lambda url: None)

@@ -15,6 +15,7 @@ task, made local; it runs in a worker thread every ``follow_every_s``, and a new
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -30,9 +31,9 @@ from p2ptrain.runtime.served import SERVED_EVERY_S
 from p2ptrain.serve.app import ServeApp
 from p2ptrain.serve.batcher import Batcher, Loaded
 from p2ptrain.serve.limits import MAX_CONNECTIONS, MAX_CONNECTIONS_LIMIT
-from p2ptrain.serve.spec import spec_for
+from p2ptrain.serve.spec import UserModel, spec_for
 from p2ptrain.training.lineage import MAX_CHAIN_BYTES, chain_lines, entry_from_bytes
-from p2ptrain.training.records import RecordError, read_model_card
+from p2ptrain.training.records import RecordError, load_model_bytes, read_model_card
 from p2ptrain.training.trainer import TrainerError
 from p2ptrain.training.trainer import resolve_device as training_device
 
@@ -68,17 +69,24 @@ def resolve_device(device: str) -> torch.device:
         raise UserError(f"--{exc}") from None  # "--device 'mps': ..."
 
 
-def load_served(store: ContentStore, cid: str, device: torch.device, home: Path | None = None) -> Loaded:
-    """The model ``cid`` from ``store`` (every byte verified), built from the registry, on ``device``."""
+def load_served(store: ContentStore, cid: str, device: torch.device, home: Path | None = None,
+                user_model: UserModel | None = None) -> Loaded:
+    """The model ``cid`` from ``store`` (every byte verified), built from the registry (or loaded
+    into a copy of the user's own instance), on ``device``."""
     from p2ptrain.training.loading import model_from_bytes
 
     data = store.cat(cid)
-    module = model_from_bytes(data)  # RecordError for anything that is not a p2ptrain model
     card = read_model_card(data) or {}
-    try:
-        spec = spec_for(card)
-    except ValueError as exc:
-        raise UserError(f"{cid}: {exc}") from None
+    if user_model is not None:
+        module = copy.deepcopy(user_model.module)  # a followed head swaps in beside the one serving
+        load_model_bytes(module, data)  # RecordError unless the file fits the instance exactly
+        spec = user_model.spec(module)
+    else:
+        module = model_from_bytes(data)  # RecordError for anything that is not a p2ptrain model
+        try:
+            spec = spec_for(card)
+        except ValueError as exc:
+            raise UserError(f"{cid}: {exc}") from None
     info: dict[str, Any] = {"model": card, "parameters": sum(p.numel() for p in module.parameters()),
                             "task_cid": None, "version": None, "step": None, "metrics": None, "attestations": None}
     if home is not None:
@@ -121,7 +129,7 @@ class Server:
         self, loaded: Loaded, *, listen: str = "127.0.0.1:8080", max_batch: int = 64, max_wait_ms: float = 5.0,
         follow: Callable[[], str] | None = None, store: ContentStore | None = None, home: Path | None = None,
         follow_every_s: float = LATEST_POLL_S, announce: Callable[[str, str], None] | None = None,
-        max_connections: int = MAX_CONNECTIONS,
+        max_connections: int = MAX_CONNECTIONS, user_model: UserModel | None = None,
     ) -> None:
         if not 1 <= max_batch <= MAX_BATCH_LIMIT:
             raise UserError(f"--max-batch must be 1 to {MAX_BATCH_LIMIT}")
@@ -139,6 +147,7 @@ class Server:
         self.app = ServeApp(self.batcher)
         self.listen, self.follow, self.store, self.home = listen, follow, store, home
         self.follow_every_s = follow_every_s
+        self.user_model = user_model  # the user's instance that followed heads load into (a copy each)
         self.follow_failures = 0
         self.announce = announce
         self.max_connections = max_connections
@@ -198,7 +207,8 @@ class Server:
                 cid = await trio.to_thread.run_sync(self.follow)
                 if cid != self.batcher.current.cid:
                     device = self.batcher.current.device
-                    loaded = await trio.to_thread.run_sync(load_served, self.store, cid, device, self.home)
+                    loaded = await trio.to_thread.run_sync(load_served, self.store, cid, device, self.home,
+                                                          self.user_model)
                     self.batcher.swap(loaded)
             except Exception as exc:  # a head not found or not loadable now: serve on, try again
                 self.follow_failures += 1  # logged the 1st, 2nd, 4th, ... time: a stopped node is not a line every 5 s

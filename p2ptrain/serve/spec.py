@@ -15,8 +15,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import nn
 
 from p2ptrain import boundedjson
+from p2ptrain.errors import UserError
 
 # Samples in one request: 1024 digits rows are ~0.5 MB of JSON; a bigger batch is better sent as
 # several requests (the server batches them anyway), and one request cannot hold the queue alone.
@@ -69,6 +71,24 @@ class InputSpec:
             raise InputError(f"the answer would hold {numbers} numbers, over the {MAX_OUTPUT_NUMBERS} limit: "
                              "send fewer samples a request")
         return x
+
+
+@dataclass(frozen=True)
+class UserModel:
+    """A model of the user's own module, served from Python (``p2ptrain.serve(cid, model=instance,
+    input_shape=...)``): the instance is the architecture (copied for each model loaded into it), and
+    the sample shape is the user's word, since no card can say what the module takes."""
+
+    module: nn.Module
+    input_shape: tuple[int, ...]
+
+    def spec(self, module: nn.Module) -> InputSpec:
+        """Float samples of ``input_shape``; the numbers answered per sample from one forward pass."""
+        if not self.input_shape or any(not isinstance(d, int) or d < 1 for d in self.input_shape):
+            raise UserError(f"input_shape must be positive ints (one sample's shape), not {self.input_shape!r}")
+        with torch.no_grad():
+            out = module.eval()(torch.zeros(1, *self.input_shape))
+        return InputSpec((tuple(self.input_shape),), torch.float32, outputs=max(1, out[0].numel()))
 
 
 def spec_for(card: dict[str, Any]) -> InputSpec:

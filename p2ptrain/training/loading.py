@@ -10,21 +10,51 @@ from pathlib import Path
 
 from torch import nn
 
+from p2ptrain.errors import UserError
 from p2ptrain.identity import default_home
 from p2ptrain.ipfs.cid import parse_cid
 from p2ptrain.ipfs.store import ContentStore, ContentUnavailable, open_store
 from p2ptrain.training.models import ModelError, build_model
-from p2ptrain.training.records import RecordError, load_model_bytes, read_model_card
+from p2ptrain.training.records import RecordError, load_model_bytes, read_model_card, read_tensors
+from p2ptrain.training.task import USER_MODEL
+
+
+class NoBuilder(UserError):
+    """A model trained from a user's own module: only the user's script can build it (no code
+    crosses the network), so it loads into the user's instance, not from its file alone."""
+
+
+def no_builder(card: dict[str, object]) -> NoBuilder:
+    kwargs = card.get("kwargs")
+    architecture = kwargs.get("architecture") if isinstance(kwargs, dict) else None
+    return NoBuilder(f"this model was trained from a user's own module (architecture card {architecture}): p2ptrain "
+                     "has no builder for it; load it into your instance with p2ptrain.load_state(model, CID), or "
+                     "serve it with p2ptrain.serve(CID, model=instance)")
+
+
+def describe_model_file(data: bytes) -> tuple[dict[str, object], int]:
+    """The card of a model file and how many numbers its tensors hold; :class:`RecordError` for a
+    file that is not a p2ptrain model. A registry model is built and loaded (the file must fit its
+    architecture); a user's model is only read (its architecture is the user's script)."""
+    card = read_model_card(data)
+    if card is None:
+        raise RecordError("the model file names no architecture (no p2ptrain.model metadata)")
+    if card["name"] == USER_MODEL:
+        return card, sum(t.numel() for t in read_tensors(data).values())
+    return card, sum(p.numel() for p in model_from_bytes(data).parameters())
 
 
 def model_from_bytes(data: bytes) -> nn.Module:
     """Build the architecture named in ``data``'s card and load the weights into it (eval mode).
 
-    Raises :class:`RecordError` for any file that is not such a model (the one declared error).
+    Raises :class:`RecordError` for any file that is not such a model (the one declared error), and
+    :class:`NoBuilder` for a model of a user's own module.
     """
     card = read_model_card(data)
     if card is None:
         raise RecordError("the model file names no architecture (no p2ptrain.model metadata)")
+    if card["name"] == USER_MODEL:
+        raise no_builder(card)
     try:
         module = build_model(card["name"], card["kwargs"], seed=0)
     except ModelError as exc:  # the card names a model we would not build: the file is at fault

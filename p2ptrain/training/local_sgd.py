@@ -122,7 +122,9 @@ class LocalSGDTrainer(Trainer):
             self._set_weights(theta)
         else:
             log.warning("step %d: averaged pseudo-gradient is not finite; every member skips this step", self.step)
-        lr = lr_at(self.task, (self.step + 1) * self.inner_steps - 1, self.total_steps * self.inner_steps)
+        # The inner rate of this step's last inner step: the task's schedule, or the user's own optimizer's.
+        lr = (lr_at(self.task, (self.step + 1) * self.inner_steps - 1, self.total_steps * self.inner_steps)
+              if self.task.optimizer is not None else float(self.optimizer.param_groups[0]["lr"]))
         result = StepResult(step=self.step, local_loss=self.pending_loss, lr=lr, applied=applied)
         self.step += 1
         self.pending = None

@@ -43,6 +43,13 @@ def owner_seed(plan: RoundPlan, round_index: int) -> int:
     return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "big")
 
 
+def buffers_round_id(plan: RoundPlan) -> int:
+    """The id of the all-reduce that averages the members' buffers at the end of ``plan``'s span
+    (runtime/spans.py): apart from every round's (:func:`round_id`)."""
+    name = f"{plan.task_cid}/t{plan.term}/r{plan.round + plan.rounds - 1}/a{plan.attempt}/buffers"
+    return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "big")
+
+
 def shard_of(plan: RoundPlan, peer: str) -> tuple[int, int]:
     """``(rank, world_size)`` of ``peer`` in the plan: its index in the plan's member order."""
     return plan.members.index(peer), len(plan.members)

@@ -1,0 +1,8 @@
+"""The Python API for the user's own module and loop: ``p2ptrain.Optimizer``, ``p2ptrain.train``,
+``p2ptrain.load_state`` (re-exported by ``p2ptrain``)."""
+
+from p2ptrain.api.load import load_state
+from p2ptrain.api.optimizer import Optimizer, RunFinished
+from p2ptrain.api.train import TrainResult, train
+
+__all__ = ["Optimizer", "RunFinished", "TrainResult", "load_state", "train"]

@@ -1,0 +1,57 @@
+"""``p2ptrain.load_state(model, cid_or_path)``: a confirmed model's weights into the user's own instance.
+
+A run of the user's own module publishes safetensors whose card names no builder (only the user's
+script has the code), so the weights go into an instance the user built: the same class, the same
+shapes. Every byte read by CID is verified against the CID by the store; the file must then fit the
+instance exactly (every parameter and buffer, by name, shape and dtype), or nothing is loaded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from torch import nn
+
+from p2ptrain.errors import UserError
+from p2ptrain.identity import default_home
+from p2ptrain.ipfs.cid import parse_cid
+from p2ptrain.ipfs.store import open_store
+from p2ptrain.training.records import RecordError, load_model_bytes
+
+__all__ = ["load_state"]
+
+
+def load_state(model: nn.Module, cid_or_path: str | Path, *, home: str | Path | None = None,
+               bootstrap: Sequence[str] = ()) -> nn.Module:
+    """Load the model file at a path, or the model ``cid_or_path`` from ``home``'s store, into ``model``.
+
+    ``home``: the home the run used (``p2ptrain.Optimizer(home=...)``; default ``~/.p2ptrain``). A CID
+    the store lacks is fetched through the home's running node, or with ``bootstrap`` addresses
+    through a temporary node (as ``p2ptrain model fetch`` does). Returns ``model``. Raises
+    :class:`~p2ptrain.errors.UserError` in one line when the file cannot be had or does not fit
+    ``model``; ``model`` is then unchanged.
+    """
+    path = Path(cid_or_path)
+    if path.is_file():
+        data = path.read_bytes()
+    else:
+        cid = str(cid_or_path)
+        try:
+            parse_cid(cid)
+        except Exception:
+            raise UserError(f"{cid}: no such file, and not a CID") from None
+        where = Path(home).expanduser() if home is not None else default_home()
+        store = open_store(where)
+        if not store.has(cid):
+            from p2ptrain.cli.model import ensure_local  # the fetch paths model fetch has
+
+            ensure_local(where, [cid], list(bootstrap))
+        data = store.cat(cid)  # verified against the CID, block by block
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    try:
+        load_model_bytes(model, data)
+    except RecordError as exc:
+        model.load_state_dict(state)  # a file that fit only in part leaves nothing behind
+        raise UserError(f"{cid_or_path} does not fit this model: {exc}") from None
+    return model

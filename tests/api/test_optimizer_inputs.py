@@ -1,0 +1,122 @@
+"""What ``p2ptrain.Optimizer`` refuses, in one clear line each, losing nothing: another model or
+other options than the run's (naming the first difference), a model with no parameters, a step
+before backward, a non-finite gradient. Members run in this process (each on its own thread and
+home), on loopback."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import p2ptrain
+from p2ptrain.errors import UserError
+from p2ptrain.local_nodes import free_port
+
+
+def _net(width: int = 32) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, width), nn.ReLU(), nn.Linear(width, 3))
+
+
+def _options(home: Path, **more: object) -> dict[str, object]:
+    return {"run": "inputs", "home": home, "listen": [f"/ip4/127.0.0.1/tcp/{free_port()}"], "min_peers": 1,
+            "checkpoint_every": 5, "total_steps": 1000, "join_window_s": 3.0, **more}
+
+
+def _step(opt: p2ptrain.Optimizer, model: nn.Module) -> None:
+    opt.zero_grad()
+    model(torch.randn(4, 8)).square().mean().backward()
+    opt.step()
+
+
+@contextmanager
+def _first_member(tmp_path: Path) -> Iterator[tuple[p2ptrain.Optimizer, nn.Module]]:
+    """A member alone in run "inputs" (min_peers 1), under way: two steps taken."""
+    model = _net()
+    opt = p2ptrain.Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model, **_options(tmp_path / "a"))
+    try:
+        _step(opt, model)
+        _step(opt, model)
+        yield opt, model
+    finally:
+        opt.close()
+
+
+def test_a_member_with_another_width_or_learning_rate_is_refused_naming_it(tmp_path: Path) -> None:
+    with _first_member(tmp_path) as (first, _):
+        boot = first.addresses
+        wide = _net(width=48)
+        with pytest.raises(UserError, match=r"0\.weight") as refused:
+            p2ptrain.Optimizer(torch.optim.SGD(wide.parameters(), lr=0.1), model=wide,
+                               **_options(tmp_path / "b", bootstrap=boot))
+        assert "48" in str(refused.value) and "\n" not in str(refused.value)
+        same = _net()
+        with pytest.raises(UserError, match=r"\blr\b") as refused:
+            p2ptrain.Optimizer(torch.optim.SGD(same.parameters(), lr=0.2), model=same,
+                               **_options(tmp_path / "c", bootstrap=boot))
+        assert "\n" not in str(refused.value)
+
+
+def test_bad_input_is_one_clear_error_and_changes_nothing(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="no parameters"):
+        p2ptrain.Optimizer(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1), model=nn.ReLU(),
+                           **_options(tmp_path / "empty"))
+    with _first_member(tmp_path) as (opt, model):
+        before = [p.detach().clone() for p in model.parameters()]
+        steps = opt.step_count
+        opt.zero_grad()
+        with pytest.raises(RuntimeError, match="before backward"):
+            opt.step()
+        model(torch.randn(4, 8)).sum().backward()
+        next(iter(model.parameters())).grad[0, 0] = float("nan")  # type: ignore[index]
+        with pytest.raises(FloatingPointError, match=r"0\.weight.*not finite"):
+            opt.step()
+        assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+        assert opt.step_count == steps
+        _step(opt, model)  # and the run goes on
+        assert opt.step_count == steps + 1
+    assert threading.active_count() < 50
+
+
+def test_a_run_of_a_users_module_is_loaded_and_served_into_the_users_instance_not_built(tmp_path: Path) -> None:
+    """No builder exists for a user's module: ``load_model`` and ``model serve`` say so in one line;
+    ``load_state`` and ``p2ptrain.serve(cid, model=instance)`` take the user's instance; the file
+    must fit it exactly."""
+    import trio
+
+    from p2ptrain.serve import open_model, predict
+    from p2ptrain.training.loading import NoBuilder
+
+    with _first_member(tmp_path) as (opt, model):
+        while opt.step_count < 5:
+            _step(opt, model)
+        cid = opt.wait_confirmed(5, timeout=120)
+        home = tmp_path / "a"
+        with pytest.raises(NoBuilder, match="load_state") as no_builder:
+            p2ptrain.load_model(cid, home=home)
+        assert "\n" not in str(no_builder.value)
+        fresh = p2ptrain.load_state(_net(), cid, home=home)
+        with pytest.raises(UserError, match="does not fit"):
+            p2ptrain.load_state(_net(width=16), cid, home=home)
+        x = torch.randn(3, 8)
+        with torch.no_grad():
+            expected = fresh.eval()(x)
+        server = open_model(cid, home=home, model=_net(), input_shape=(8,), listen="127.0.0.1:0")
+
+        async def ask() -> dict[str, object]:
+            with trio.fail_after(60):
+                async with trio.open_nursery() as nursery:
+                    url = await nursery.start(server.run)
+                    answer = await trio.to_thread.run_sync(predict, url, x.tolist())
+                    nursery.cancel_scope.cancel()
+            return answer  # type: ignore[no-any-return]
+
+        answer = trio.run(ask)
+        assert answer["model_cid"] == cid
+        assert torch.allclose(torch.tensor(answer["outputs"]), expected, atol=1e-6)

@@ -1,0 +1,128 @@
+"""Runs of a module defined in tests/api/member_script.py (not in the registry), each member a
+separate process from its own loop (``p2ptrain.Optimizer``): a member killed mid-run and a late
+joiner; a hostile member that sends x100 gradients against ``robust="clip"``."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from p2ptrain.testing import task_status_of
+from p2ptrain.testing.scripts import ScriptMember, last_json, script_members, start_script
+
+SCRIPT = Path(__file__).with_name("member_script.py")
+# Three or four processes import torch and libp2p, meet, train 160 steps: about a minute alone,
+# several on a loaded 2-core machine.
+RUN_S = 420.0
+
+
+def _started(proc: subprocess.Popen[str], timeout: float) -> str:
+    """The run CID the member prints once it takes part (bounded)."""
+    deadline = time.monotonic() + timeout
+    assert proc.stdout is not None
+    os.set_blocking(proc.stdout.fileno(), False)
+    buffered = ""
+    while time.monotonic() < deadline:
+        chunk = proc.stdout.read() or ""
+        buffered += chunk
+        for line in buffered.splitlines():
+            if line.startswith('{"started"'):
+                os.set_blocking(proc.stdout.fileno(), True)
+                return str(json.loads(line)["run_cid"])
+        if proc.poll() is not None:
+            raise AssertionError(f"member exited with {proc.returncode} before taking part")
+        time.sleep(0.2)
+    raise AssertionError(f"member did not take part within {timeout:.0f} s")
+
+
+def _version(member: ScriptMember, run_cid: str) -> int:
+    status = task_status_of(member.home, run_cid)
+    return int(status["version"]) if status else 0
+
+
+def _finish(procs: dict[int, subprocess.Popen[str]], members: list[ScriptMember], deadline: float) -> list[dict]:
+    results = []
+    for i, proc in procs.items():
+        try:
+            out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"member {i} did not finish:\n{(members[i].home / 'script.log').read_text()[-4000:]}") from None
+        assert proc.returncode == 0, (members[i].home / "script.log").read_text()[-4000:]
+        results.append(last_json(out))
+    return results
+
+
+def test_a_member_killed_mid_run_and_a_late_joiner(tmp_path: Path) -> None:
+    members = script_members(4, tmp_path)
+    args = ["--steps", "160", "--checkpoint-every", "20"]
+    deadline = time.monotonic() + RUN_S
+    procs = {i: start_script(SCRIPT, members[i], args) for i in range(3)}
+    try:
+        run_cid = _started(procs[0], RUN_S / 2)
+        while _version(members[0], run_cid) < 1:  # the run is under way: one model confirmed
+            assert time.monotonic() < deadline, "no model confirmed"
+            time.sleep(0.5)
+        procs[2].send_signal(signal.SIGKILL)  # dies without a goodbye
+        procs[2].wait(30)
+        del procs[2]
+        procs[3] = start_script(SCRIPT, members[3], args)  # joins the run under way: loads its head by CID
+        results = _finish(procs, members, deadline)
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert {r["run_cid"] for r in results} == {run_cid}
+    assert len({r["model_cid"] for r in results}) == 1, results
+    assert len({r["weights"] for r in results}) == 1, "members ended with different weights"
+    assert all(r["steps"] == 160 for r in results)
+    assert min(r["accuracy"] for r in results) >= 0.9, results
+    final = task_status_of(members[3].home, run_cid)
+    assert final is not None and final["state"] == "done"
+    assert members[2].peer_id not in final["members"]
+
+
+def test_a_hostile_member_sending_x100_gradients_is_bounded_by_clip(tmp_path: Path) -> None:
+    members = script_members(4, tmp_path)
+    args = ["--steps", "120", "--checkpoint-every", "40", "--robust", "clip"]
+    deadline = time.monotonic() + RUN_S
+    procs = {i: start_script(SCRIPT, members[i], args + (["--scale", "100"] if i == 3 else []))
+             for i in range(4)}
+    try:
+        results = _finish(procs, members, deadline)
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    honest = results[:3]
+    assert len({r["weights"] for r in results}) == 1
+    assert min(r["accuracy"] for r in honest) >= 0.9, results
+
+
+def test_the_model_cid_loads_into_a_fresh_instance_in_a_fresh_process(tmp_path: Path) -> None:
+    """Three processes train to >= 0.9 with identical weights; the run's model, loaded by CID from a
+    member's home into a new DigitsNet in a new process, predicts exactly what the members' did."""
+    members = script_members(3, tmp_path)
+    deadline = time.monotonic() + RUN_S
+    procs = {i: start_script(SCRIPT, members[i], ["--steps", "100"]) for i in range(3)}
+    try:
+        results = _finish(procs, members, deadline)
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert len({r["model_cid"] for r in results}) == 1 and len({r["weights"] for r in results}) == 1, results
+    assert min(r["accuracy"] for r in results) >= 0.9, results
+    cid = results[0]["model_cid"]
+    out = subprocess.run([sys.executable, str(SCRIPT), "--home", str(members[1].home), "--load", cid],
+                         capture_output=True, text=True, timeout=120, check=True).stdout
+    loaded = last_json(out)
+    assert loaded["weights"] == results[1]["weights"]
+    assert loaded["predictions"] == results[1]["predictions"]
