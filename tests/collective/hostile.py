@@ -145,12 +145,15 @@ async def train_digits(
 class Owner:
     """What a hostile owner does in the rounds it takes part in (see the module docstring):
     ``poison``, a value written into every value of the chunk it reduces; ``equivocate_to``, a
-    peer ID that gets this owner's chunk plus one, signed anew."""
+    peer ID that gets this owner's chunk plus one, signed anew; ``split``: as a contributor, it
+    sends each chunk's verifier its values plus one (the owners get the signed, honest ones)."""
 
-    def __init__(self, collective: Collective, *, poison: float | None = None, equivocate_to=None) -> None:
+    def __init__(self, collective: Collective, *, poison: float | None = None, equivocate_to=None,
+                 split: bool = False) -> None:
         self.collective = collective
         self.poison = poison
         self.equivocate_to = equivocate_to
+        self.split = split
         self._witness: Witness | None = None
         self._verifying = False
         self._altered: dict[int, hashlib._Hash] = {}  # chunk -> SHA-256 of the altered bytes sent so far
@@ -167,6 +170,11 @@ class Owner:
 
 _acting: ContextVar[Owner | None] = ContextVar("p2ptrain_test_hostile_owner", default=None)
 _TORCH_DTYPES = {code: dtype for dtype, code in DTYPES.items()}
+
+
+def _plus_one(payload, dtype: torch.dtype) -> bytes:
+    """Other values than the segment ``payload`` holds, still finite: every one plus one."""
+    return (torch.frombuffer(bytearray(payload), dtype=dtype) + 1).view(torch.uint8).numpy().tobytes()
 
 
 def install(monkeypatch) -> None:
@@ -198,11 +206,12 @@ def install(monkeypatch) -> None:
 
     async def equivocating_send(self, header, payload=b"", *, to=None):
         owner = _acting.get()
+        if owner is not None and owner.split and header.phase == Phase.VERIFY:
+            payload = _plus_one(payload, _TORCH_DTYPES[header.dtype])
         if owner is not None and owner.equivocate_to is not None and to == owner.equivocate_to and header.phase == Phase.GATHER:
             dtype = _TORCH_DTYPES[header.dtype]
             if dtype != torch.uint8:  # a segment of the chunk's values: other values, still finite
-                values = torch.frombuffer(bytearray(payload), dtype=dtype) + 1
-                payload = values.view(torch.uint8).numpy().tobytes()
+                payload = _plus_one(payload, dtype)
                 owner._altered.setdefault(header.step, hashlib.sha256()).update(payload)
             elif header.count == SIGNATURE_BYTES and header.step in owner._altered:  # its signature, made anew
                 witness = owner._witness

@@ -18,6 +18,8 @@ import torch
 
 from p2ptrain.collective import Misbehaved, PeerFailed, RoundSpec
 from p2ptrain.collective.owners import drawn, ring_owners
+from p2ptrain.training.plans import owner_seed
+from p2ptrain.wire.messages import RoundPlan
 
 _spec = importlib.util.spec_from_file_location("p2ptrain_test_hostile_owners", Path(__file__).with_name("hostile.py"))
 hostile = importlib.util.module_from_spec(_spec)
@@ -46,6 +48,20 @@ def test_no_key_owns_a_chosen_chunk_every_round():
     owned = Counter(drawn(WORLD, seed).owner[WORLD - 1] for seed in range(rounds))
     assert set(owned) == set(range(WORLD))
     assert all(abs(n / rounds - 1 / WORLD) < 0.03 for n in owned.values())
+
+
+def test_the_runtime_seed_is_the_base_model_and_the_round():
+    """What members draw owners from: the plan's base (the last confirmed model, checked against the
+    chain) and the round's number; a retry (attempt) or a new term (a resumed run) draws the same."""
+    cid = "bafkreigh2akiscaildcqabsyg3dfr6chu3fgpregiymsck7e7aqa4s52zy"
+    plan = RoundPlan(task_cid=cid, term=1, round=10, attempt=0, step=10, rounds=5, members=("a", "b"), base_cid=cid,
+                     version=2)
+    retry = RoundPlan(task_cid=cid, term=3, round=10, attempt=2, step=10, rounds=5, members=("a", "b"), base_cid=cid,
+                      version=2)
+    other_base = RoundPlan(task_cid=cid, term=1, round=10, attempt=0, step=10, rounds=5, members=("a", "b"),
+                           base_cid="bafkreidivzimqfqtoqxkrpge6bjyhlvxqs3rhe73owtmdulaxr5do5in7u", version=2)
+    assert owner_seed(plan, 11) == owner_seed(retry, 11)
+    assert len({owner_seed(plan, 11), owner_seed(plan, 12), owner_seed(other_base, 11)}) == 3
 
 
 def inputs(n: int) -> list[torch.Tensor]:
@@ -131,3 +147,28 @@ async def test_an_equivocating_owner_is_named_by_every_honest_member(cluster, ga
         assert failure.peer_id == ring[BAD]
         reasons.add(failure.reason)
     assert reasons == {f"equivocated: signed two different result {chunk} in round 6"}
+
+
+async def test_a_contributor_that_sends_owner_and_verifier_different_values_is_named(cluster, gather, monkeypatch):
+    """The verifier's recomputation differs from the owner's chunk; the owner forwarded the signed
+    digest of what it got, which the contributor signed: the contributor is named, not the owner."""
+    hostile.install(monkeypatch)
+    async with cluster(WORLD) as peers:
+        ring = [p.id for p in peers]
+        attacker = hostile.Owner(peers[BAD].collective, split=True)
+        spec = RoundSpec(density=1.0, robust="clip", timeout=20)
+        xs = inputs(4096)
+
+        async def member(i: int):
+            if i != BAD:
+                return await peers[i].collective.dense_round(xs[i], ring, 7, spec, owner_seed=SEED)
+            with attacker.acting():
+                return await peers[i].collective.dense_round(xs[i], ring, 7, spec, owner_seed=SEED)
+
+        results = await gather([lambda i=i: member(i) for i in range(WORLD)])
+    for i in range(WORLD):
+        if i != BAD:
+            failure = results[i]
+            assert isinstance(failure, PeerFailed), f"member {i} accepted the round: {failure!r}"
+            assert failure.peer_id == ring[BAD]
+    assert any("its verifier different values" in results[i].reason for i in range(WORLD) if i != BAD)
