@@ -145,15 +145,17 @@ async def train_digits(
 class Owner:
     """What a hostile owner does in the rounds it takes part in (see the module docstring):
     ``poison``, a value written into every value of the chunk it reduces; ``equivocate_to``, a
-    peer ID that gets this owner's chunk plus one, signed anew; ``split``: as a contributor, it
+    peer ID that gets this owner's chunk plus one, signed anew (``resign=False``: under the
+    signature of the real chunk); ``split``: as a contributor, it
     sends each chunk's verifier its values plus one (the owners get the signed, honest ones)."""
 
     def __init__(self, collective: Collective, *, poison: float | None = None, equivocate_to=None,
-                 split: bool = False) -> None:
+                 split: bool = False, resign: bool = True) -> None:
         self.collective = collective
         self.poison = poison
         self.equivocate_to = equivocate_to
         self.split = split
+        self.resign = resign  # False: the altered chunk goes with the signature of the real one
         self._witness: Witness | None = None
         self._verifying = False
         self._altered: dict[int, hashlib._Hash] = {}  # chunk -> SHA-256 of the altered bytes sent so far
@@ -213,7 +215,7 @@ def install(monkeypatch) -> None:
             if dtype != torch.uint8:  # a segment of the chunk's values: other values, still finite
                 payload = _plus_one(payload, dtype)
                 owner._altered.setdefault(header.step, hashlib.sha256()).update(payload)
-            elif header.count == SIGNATURE_BYTES and header.step in owner._altered:  # its signature, made anew
+            elif header.count == SIGNATURE_BYTES and header.step in owner._altered and owner.resign:  # made anew
                 witness = owner._witness
                 digest = owner._altered.pop(header.step).digest()
                 payload = owner.collective.host.get_private_key().sign(witness.statement(Said.RESULT, header.step, digest))

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from p2ptrain.collective import Misbehaved, PeerFailed, RoundSpec
+from p2ptrain.collective import BadPayload, Misbehaved, PeerFailed, RoundSpec
 from p2ptrain.collective.owners import drawn, ring_owners
 from p2ptrain.training.plans import owner_seed
 from p2ptrain.wire.messages import RoundPlan
@@ -172,3 +172,31 @@ async def test_a_contributor_that_sends_owner_and_verifier_different_values_is_n
             assert isinstance(failure, PeerFailed), f"member {i} accepted the round: {failure!r}"
             assert failure.peer_id == ring[BAD]
     assert any("its verifier different values" in results[i].reason for i in range(WORLD) if i != BAD)
+
+
+async def test_bytes_under_a_wrong_signature_are_refused_on_arrival_so_their_receiver_is_not_blamed(
+    cluster, gather, monkeypatch
+):
+    """An owner sends one member other bytes under the signature of the real ones. Were they kept,
+    that member's CONFIRM would report a digest its sender never signed and the others would name
+    it; its receiver refuses them at once instead (BadPayload naming the owner)."""
+    hostile.install(monkeypatch)
+    _, verifier = chunk_verifier(SEED)
+    target = next(i for i in range(WORLD) if i not in (BAD, verifier))
+    async with cluster(WORLD) as peers:
+        ring = [p.id for p in peers]
+        attacker = hostile.Owner(peers[BAD].collective, equivocate_to=ring[target], resign=False)
+        spec = RoundSpec(density=1.0, robust="clip", timeout=20)
+        xs = inputs(4096)
+
+        async def member(i: int):
+            if i != BAD:
+                return await peers[i].collective.dense_round(xs[i], ring, 8, spec, owner_seed=SEED)
+            with attacker.acting():
+                return await peers[i].collective.dense_round(xs[i], ring, 8, spec, owner_seed=SEED)
+
+        results = await gather([lambda i=i: member(i) for i in range(WORLD)])
+    assert isinstance(results[target], BadPayload) and results[target].peer_id == ring[BAD]
+    for i in range(WORLD):
+        if i != BAD:
+            assert isinstance(results[i], PeerFailed) and results[i].peer_id == ring[BAD], results[i]
