@@ -30,6 +30,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,7 @@ from p2ptrain.api.rendezvous import JOIN_WINDOW_S, choose_run, keep_announcing, 
 from p2ptrain.errors import UserError
 from p2ptrain.identity import load_or_create_identity, peer_id_of
 from p2ptrain.ipfs.store import open_store
+from p2ptrain.metrics import parse_address
 from p2ptrain.net.control import socket_path
 from p2ptrain.node_config import NodeConfig
 from p2ptrain.runtime.status import FINISHED, TaskStatus
@@ -79,7 +81,11 @@ class Optimizer:
     compression and defence, as a task's ``[compression]``. ``checkpoint_every``: steps between
     confirmed models. ``min_peers``/``max_peers``: members a step needs / admits. ``total_steps``:
     the run's length (None: as long as members step). ``evaluate(model) -> {"accuracy": …, "loss": …}``:
-    the metrics recorded with each checkpoint (this member's, when it coordinates).
+    the metrics recorded with each checkpoint (this member's, when it coordinates). ``metrics``:
+    ``HOST:PORT`` of a Prometheus endpoint for this member's node (as ``node start --metrics``).
+    ``node_config``: every other setting of this member's node (NAT, relays, rates: a
+    :class:`~p2ptrain.node_config.NodeConfig`, as ``node start`` takes them); ``listen`` and
+    ``bootstrap`` override its own.
     """
 
     def __init__(
@@ -105,6 +111,8 @@ class Optimizer:
         allow: Sequence[str] | None = None,
         publisher: str | None = None,
         evaluate: Callable[[nn.Module], dict[str, float]] | None = None,
+        metrics: str | None = None,
+        node_config: NodeConfig | None = None,
         join_window_s: float = JOIN_WINDOW_S,
         ready_timeout_s: float = READY_TIMEOUT_S,
     ) -> None:
@@ -145,8 +153,9 @@ class Optimizer:
         self._theta: torch.Tensor | None = None  # local-SGD: the shared weights the inner steps started from
         self._closed = False
         self._bootstrap = list(bootstrap)
-        config = NodeConfig(listen=list(listen), bootstrap=self._bootstrap)
-        self._peer = BackgroundPeer(home, config)
+        config = replace(node_config or NodeConfig(), listen=list(listen), bootstrap=self._bootstrap)
+        metrics_at = parse_address(metrics, "metrics=") if metrics is not None else None
+        self._peer = BackgroundPeer(home, config, metrics_at=metrics_at)
         try:
             self.run_cid = self._peer.call(self._join, task, card, join_window_s)
             self._wait_ready(ready_timeout_s)
