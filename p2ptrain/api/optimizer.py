@@ -40,7 +40,7 @@ from torch import nn
 from p2ptrain.api.background import BackgroundPeer
 from p2ptrain.api.rendezvous import JOIN_WINDOW_S, choose_run, keep_announcing, load_initial, store_own
 from p2ptrain.errors import UserError
-from p2ptrain.identity import load_or_create_identity, peer_id_of
+from p2ptrain.identity import default_home, load_or_create_identity, peer_id_of
 from p2ptrain.ipfs.store import open_store
 from p2ptrain.metrics import parse_address
 from p2ptrain.net.control import socket_path
@@ -74,11 +74,13 @@ class Optimizer:
     ``step()`` is one step of the run named ``run``, identical on every member (see the module).
 
     ``bootstrap``: addresses of peers of the mesh (``/ip4/…/tcp/…/p2p/…``); ``home``: this peer's
-    home (identity, store; default ``~/.p2ptrain/runs/<run>``); ``listen``: where it listens (default
-    loopback; give this machine's address for peers elsewhere). ``mode="local_sgd"`` with
+    home (identity, store; default ``runs/<run>`` under ``$P2PTRAIN_HOME`` or ``~/.p2ptrain``);
+    ``listen``: where it listens (default loopback; give this machine's address for peers elsewhere). ``mode="local_sgd"`` with
     ``inner_steps=H``: ``step()`` is an inner step, every H-th one an outer step over the members.
     ``density``, ``quantize`` (None, "int8", "2bit"), ``robust`` ("none", "clip"): the round's
-    compression and defence, as a task's ``[compression]``. ``checkpoint_every``: steps between
+    compression and defence, as a task's ``[compression]``. ``outer_optimizer`` ("nesterov",
+    DiLoCo's, or "average": the members' mean, as FedAvg), ``outer_lr``, ``outer_momentum``:
+    local-SGD's outer step. ``checkpoint_every``: steps between
     confirmed models. ``min_peers``/``max_peers``: members a step needs / admits. ``total_steps``:
     the run's length (None: as long as members step). ``evaluate(model) -> {"accuracy": …, "loss": …}``:
     the metrics recorded with each checkpoint (this member's, when it coordinates). ``metrics``:
@@ -108,6 +110,7 @@ class Optimizer:
         total_steps: int | None = None,
         outer_lr: float = 0.7,
         outer_momentum: float = 0.9,
+        outer_optimizer: str = "nesterov",
         allow: Sequence[str] | None = None,
         publisher: str | None = None,
         evaluate: Callable[[nn.Module], dict[str, float]] | None = None,
@@ -133,10 +136,12 @@ class Optimizer:
                    "max_peers": max_peers, "total_steps": total_steps or UNBOUNDED_STEPS,
                    "buffers": "averaged at each checkpoint"}
         if mode == "local_sgd":
-            options.update(outer_lr=outer_lr, outer_momentum=outer_momentum)
+            options.update(outer_optimizer=outer_optimizer)
+            if outer_optimizer == "nesterov":  # "average" takes no rate or momentum
+                options.update(outer_lr=outer_lr, outer_momentum=outer_momentum)
         self._card = card_of(model, optimizer, options)  # CardError (a ValueError) for a model it cannot describe
         card = card_bytes(self._card)
-        home = Path(home).expanduser() if home is not None else Path.home() / ".p2ptrain" / "runs" / _safe(run)
+        home = Path(home).expanduser() if home is not None else default_home() / "runs" / _safe(run)
         if socket_path(home).exists():
             raise UserError(f"a p2ptrain node runs on {home}: give p2ptrain.Optimizer(home=...) another home")
         home.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -406,7 +411,9 @@ def _task(run: str, architecture: str, initial: str, options: dict[str, Any], al
                             "peers": peers, "model": {"name": USER_MODEL, "architecture": architecture}}
     if options["mode"] == "local_sgd":
         training.update(mode="local_sgd", inner_steps=options["inner_steps"])
-        data["outer"] = {"lr": options["outer_lr"], "momentum": options["outer_momentum"]}
+        data["outer"] = {"optimizer": options["outer_optimizer"]}
+        if "outer_lr" in options:
+            data["outer"].update(lr=options["outer_lr"], momentum=options["outer_momentum"])
     if publisher is not None:
         data["publisher"] = publisher
     try:
