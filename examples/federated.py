@@ -37,7 +37,9 @@ def main() -> None:
     train_data, test_data = digits(args.member, args.members)
     torch.manual_seed(args.member)
     model = SimpleNN()
-    mode = {"mode": "local_sgd", "inner_steps": 4, "quantize": "int8"} if local_sgd else {"density": 0.1}
+    # Local-SGD here is federated averaging: 4 local steps, then the members' mean model.
+    mode = ({"mode": "local_sgd", "inner_steps": 4, "quantize": "int8", "outer_optimizer": "average"}
+            if local_sgd else {"density": 0.1})
     result = p2ptrain.train(model, train_data, test_data=test_data, steps=args.steps, batch_size=32,
                             optimizer=lambda params: torch.optim.Adam(params, lr=3e-3),
                             run=args.run or "digits-federated", home=args.home, listen=[args.listen],

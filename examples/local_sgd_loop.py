@@ -18,7 +18,7 @@ INNER_STEPS = 8
 
 
 def main() -> None:
-    args = parse_args(__doc__, steps=12)  # outer steps: 12 x 8 batches
+    args = parse_args(__doc__, steps=20)  # outer steps: 20 x 8 batches
     train_data, test_data = digits(args.member, args.members)
     torch.manual_seed(args.member)
     model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
@@ -26,7 +26,7 @@ def main() -> None:
     opt = p2ptrain.Optimizer(torch.optim.Adam(model.parameters(), lr=3e-3), model=model,
                              run=args.run or "digits-local-sgd", home=args.home, listen=[args.listen],
                              bootstrap=args.bootstrap, mode="local_sgd", inner_steps=INNER_STEPS,
-                             quantize="int8", checkpoint_every=4, min_peers=min(2, args.members),
+                             quantize="int8", checkpoint_every=5, min_peers=min(2, args.members),
                              total_steps=args.steps)
     with opt:
         try:

@@ -38,9 +38,10 @@ STOP_TIMEOUT_S = 30.0
 class BackgroundPeer:
     """A peer of ``home`` with ``config``, run by a daemon thread until :meth:`close`."""
 
-    def __init__(self, home: Path, config: NodeConfig) -> None:
+    def __init__(self, home: Path, config: NodeConfig, *, metrics_at: tuple[str, int] | None = None) -> None:
         self.home = home
         self._config = config
+        self._metrics_at = metrics_at  # (host, port) of a Prometheus endpoint, as node start --metrics
         self._ready = threading.Event()
         self._error: BaseException | None = None
         self._token: trio.lowlevel.TrioToken | None = None
@@ -66,6 +67,10 @@ class BackgroundPeer:
     async def _run(self) -> None:
         node = Node(self.home, self._config)
         self.peer = make_peer(node)
+        if self._metrics_at is not None:
+            from p2ptrain.metrics import MetricsServer
+
+            node.add_service(MetricsServer(self.peer, *self._metrics_at).run, name="metrics")
         self._token = trio.lowlevel.current_trio_token()
         self._stop = trio.Event()
         async with trio.open_nursery() as nursery:

@@ -26,7 +26,8 @@ def load_state(model: nn.Module, cid_or_path: str | Path, *, home: str | Path | 
                bootstrap: Sequence[str] = ()) -> nn.Module:
     """Load the model file at a path, or the model ``cid_or_path`` from ``home``'s store, into ``model``.
 
-    ``home``: the home the run used (``p2ptrain.Optimizer(home=...)``; default ``~/.p2ptrain``). A CID
+    ``home``: the home the run used (``p2ptrain.Optimizer(home=...)``); by default the first of
+    ``~/.p2ptrain`` and the runs' homes under it (``~/.p2ptrain/runs/<run>``) that holds the CID. A CID
     the store lacks is fetched through the home's running node, or with ``bootstrap`` addresses
     through a temporary node (as ``p2ptrain model fetch`` does). Returns ``model``. Raises
     :class:`~p2ptrain.errors.UserError` in one line when the file cannot be had or does not fit
@@ -41,7 +42,7 @@ def load_state(model: nn.Module, cid_or_path: str | Path, *, home: str | Path | 
             parse_cid(cid)
         except Exception:
             raise UserError(f"{cid}: no such file, and not a CID") from None
-        where = Path(home).expanduser() if home is not None else default_home()
+        where = Path(home).expanduser() if home is not None else _home_holding(cid)
         store = open_store(where)
         if not store.has(cid):
             from p2ptrain.cli.model import ensure_local  # the fetch paths model fetch has
@@ -55,3 +56,18 @@ def load_state(model: nn.Module, cid_or_path: str | Path, *, home: str | Path | 
         model.load_state_dict(state)  # a file that fit only in part leaves nothing behind
         raise UserError(f"{cid_or_path} does not fit this model: {exc}") from None
     return model
+
+
+# Run homes looked through for a CID when no home is given (one directory listing, bounded).
+MAX_RUN_HOMES = 256
+
+
+def _home_holding(cid: str) -> Path:
+    """The default home, or the first run home under it (``Optimizer``'s default) holding ``cid``."""
+    base = default_home()
+    runs = base / "runs"
+    candidates = [base] + (sorted(p for p in runs.iterdir() if p.is_dir())[:MAX_RUN_HOMES] if runs.is_dir() else [])
+    for home in candidates:
+        if (home / "blocks").is_dir() and open_store(home).has(cid):
+            return home
+    return base

@@ -30,6 +30,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -39,8 +40,9 @@ from torch import nn
 from p2ptrain.api.background import BackgroundPeer
 from p2ptrain.api.rendezvous import JOIN_WINDOW_S, choose_run, keep_announcing, load_initial, store_own
 from p2ptrain.errors import UserError
-from p2ptrain.identity import load_or_create_identity, peer_id_of
+from p2ptrain.identity import default_home, load_or_create_identity, peer_id_of
 from p2ptrain.ipfs.store import open_store
+from p2ptrain.metrics import parse_address
 from p2ptrain.net.control import socket_path
 from p2ptrain.node_config import NodeConfig
 from p2ptrain.runtime.status import FINISHED, TaskStatus
@@ -72,14 +74,20 @@ class Optimizer:
     ``step()`` is one step of the run named ``run``, identical on every member (see the module).
 
     ``bootstrap``: addresses of peers of the mesh (``/ip4/…/tcp/…/p2p/…``); ``home``: this peer's
-    home (identity, store; default ``~/.p2ptrain/runs/<run>``); ``listen``: where it listens (default
-    loopback; give this machine's address for peers elsewhere). ``mode="local_sgd"`` with
+    home (identity, store; default ``runs/<run>`` under ``$P2PTRAIN_HOME`` or ``~/.p2ptrain``);
+    ``listen``: where it listens (default loopback; give this machine's address for peers elsewhere). ``mode="local_sgd"`` with
     ``inner_steps=H``: ``step()`` is an inner step, every H-th one an outer step over the members.
     ``density``, ``quantize`` (None, "int8", "2bit"), ``robust`` ("none", "clip"): the round's
-    compression and defence, as a task's ``[compression]``. ``checkpoint_every``: steps between
+    compression and defence, as a task's ``[compression]``. ``outer_optimizer`` ("nesterov",
+    DiLoCo's, or "average": the members' mean, as FedAvg), ``outer_lr``, ``outer_momentum``:
+    local-SGD's outer step. ``checkpoint_every``: steps between
     confirmed models. ``min_peers``/``max_peers``: members a step needs / admits. ``total_steps``:
     the run's length (None: as long as members step). ``evaluate(model) -> {"accuracy": …, "loss": …}``:
-    the metrics recorded with each checkpoint (this member's, when it coordinates).
+    the metrics recorded with each checkpoint (this member's, when it coordinates). ``metrics``:
+    ``HOST:PORT`` of a Prometheus endpoint for this member's node (as ``node start --metrics``).
+    ``node_config``: every other setting of this member's node (NAT, relays, rates: a
+    :class:`~p2ptrain.node_config.NodeConfig`, as ``node start`` takes them); ``listen`` and
+    ``bootstrap`` override its own.
     """
 
     def __init__(
@@ -102,9 +110,12 @@ class Optimizer:
         total_steps: int | None = None,
         outer_lr: float = 0.7,
         outer_momentum: float = 0.9,
+        outer_optimizer: str = "nesterov",
         allow: Sequence[str] | None = None,
         publisher: str | None = None,
         evaluate: Callable[[nn.Module], dict[str, float]] | None = None,
+        metrics: str | None = None,
+        node_config: NodeConfig | None = None,
         join_window_s: float = JOIN_WINDOW_S,
         ready_timeout_s: float = READY_TIMEOUT_S,
     ) -> None:
@@ -125,10 +136,12 @@ class Optimizer:
                    "max_peers": max_peers, "total_steps": total_steps or UNBOUNDED_STEPS,
                    "buffers": "averaged at each checkpoint"}
         if mode == "local_sgd":
-            options.update(outer_lr=outer_lr, outer_momentum=outer_momentum)
+            options.update(outer_optimizer=outer_optimizer)
+            if outer_optimizer == "nesterov":  # "average" takes no rate or momentum
+                options.update(outer_lr=outer_lr, outer_momentum=outer_momentum)
         self._card = card_of(model, optimizer, options)  # CardError (a ValueError) for a model it cannot describe
         card = card_bytes(self._card)
-        home = Path(home).expanduser() if home is not None else Path.home() / ".p2ptrain" / "runs" / _safe(run)
+        home = Path(home).expanduser() if home is not None else default_home() / "runs" / _safe(run)
         if socket_path(home).exists():
             raise UserError(f"a p2ptrain node runs on {home}: give p2ptrain.Optimizer(home=...) another home")
         home.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -145,8 +158,9 @@ class Optimizer:
         self._theta: torch.Tensor | None = None  # local-SGD: the shared weights the inner steps started from
         self._closed = False
         self._bootstrap = list(bootstrap)
-        config = NodeConfig(listen=list(listen), bootstrap=self._bootstrap)
-        self._peer = BackgroundPeer(home, config)
+        config = replace(node_config or NodeConfig(), listen=list(listen), bootstrap=self._bootstrap)
+        metrics_at = parse_address(metrics, "metrics=") if metrics is not None else None
+        self._peer = BackgroundPeer(home, config, metrics_at=metrics_at)
         try:
             self.run_cid = self._peer.call(self._join, task, card, join_window_s)
             self._wait_ready(ready_timeout_s)
@@ -397,7 +411,9 @@ def _task(run: str, architecture: str, initial: str, options: dict[str, Any], al
                             "peers": peers, "model": {"name": USER_MODEL, "architecture": architecture}}
     if options["mode"] == "local_sgd":
         training.update(mode="local_sgd", inner_steps=options["inner_steps"])
-        data["outer"] = {"lr": options["outer_lr"], "momentum": options["outer_momentum"]}
+        data["outer"] = {"optimizer": options["outer_optimizer"]}
+        if "outer_lr" in options:
+            data["outer"].update(lr=options["outer_lr"], momentum=options["outer_momentum"])
     if publisher is not None:
         data["publisher"] = publisher
     try:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import math
 import sys
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,6 +39,10 @@ from p2ptrain.training.batches import evaluate_batches
 __all__ = ["TrainResult", "train"]
 
 log = logging.getLogger(__name__)
+
+# A shared dataset is sharded by position among the first span's members, which forms once
+# min_peers members are there: waited for this long, then this member reads every shard.
+MEMBERS_WAIT_S = 300.0
 
 Loss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -166,7 +171,11 @@ def _batches(loader: DataLoader[Any]) -> Iterator[tuple[torch.Tensor, torch.Tens
 
 
 def _shard(data: Any, opt: Optimizer) -> None:
-    """An IPFSDataset shared by the run: this member's shards, by its position among the members."""
+    """An IPFSDataset shared by the run: this member's shards, by its position among the members of
+    the run's first span (waited for, up to MEMBERS_WAIT_S: before it, a member knows only itself)."""
+    deadline = time.monotonic() + MEMBERS_WAIT_S
+    while not opt.peers and time.monotonic() < deadline:
+        time.sleep(0.2)
     members = sorted(opt.peers) or [opt.peer_id]
     position = members.index(opt.peer_id) if opt.peer_id in members else 0
     count = data.shard_count

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from p2ptrain.testing.scripts import run_script, script_members
 
 EXAMPLES = Path(__file__).parents[2] / "examples"
 RUN_S = 420.0  # processes import torch and libp2p, meet and train: a minute alone, more when loaded
 
 
+@pytest.mark.timeout(RUN_S + 60)
 def test_custom_loop_cnn_with_batchnorm(tmp_path: Path) -> None:
     results = run_script(EXAMPLES / "custom_loop.py", script_members(2, tmp_path), ["--steps", "50"], timeout=RUN_S)
     assert len({r["model_cid"] for r in results}) == 1 and results[0]["model_cid"]
@@ -17,6 +20,7 @@ def test_custom_loop_cnn_with_batchnorm(tmp_path: Path) -> None:
     assert all(r["steps"] == 50 for r in results)
 
 
+@pytest.mark.timeout(RUN_S + 60)
 def test_federated_with_train_in_local_sgd_mode(tmp_path: Path) -> None:
     """``p2ptrain.train`` with ``mode="local_sgd"``, three members, each on its own third of the data."""
     results = run_script(EXAMPLES / "federated.py", script_members(3, tmp_path), ["--local-sgd", "--steps", "160"],
@@ -27,6 +31,7 @@ def test_federated_with_train_in_local_sgd_mode(tmp_path: Path) -> None:
     assert all(r["metrics"]["accuracy"] == r["accuracy"] for r in results)
 
 
+@pytest.mark.timeout(RUN_S + 60)
 def test_local_sgd_from_a_loop(tmp_path: Path) -> None:
     results = run_script(EXAMPLES / "local_sgd_loop.py", script_members(2, tmp_path), timeout=RUN_S)
     assert len({r["model_cid"] for r in results}) == 1 and results[0]["model_cid"]

@@ -36,10 +36,11 @@ def _step(opt: p2ptrain.Optimizer, model: nn.Module) -> None:
 
 
 @contextmanager
-def _first_member(tmp_path: Path) -> Iterator[tuple[p2ptrain.Optimizer, nn.Module]]:
+def _first_member(tmp_path: Path, **more: object) -> Iterator[tuple[p2ptrain.Optimizer, nn.Module]]:
     """A member alone in run "inputs" (min_peers 1), under way: two steps taken."""
     model = _net()
-    opt = p2ptrain.Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model, **_options(tmp_path / "a"))
+    opt = p2ptrain.Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model,
+                             **_options(tmp_path / "a", **more))
     try:
         _step(opt, model)
         _step(opt, model)
@@ -87,16 +88,22 @@ def test_bad_input_is_one_clear_error_and_changes_nothing(tmp_path: Path) -> Non
 def test_a_run_of_a_users_module_is_loaded_and_served_into_the_users_instance_not_built(tmp_path: Path) -> None:
     """No builder exists for a user's module: ``load_model`` and ``model serve`` say so in one line;
     ``load_state`` and ``p2ptrain.serve(cid, model=instance)`` take the user's instance; the file
-    must fit it exactly."""
+    must fit it exactly. The run's member serves Prometheus metrics like a node."""
     import trio
 
     from p2ptrain.serve import open_model, predict
     from p2ptrain.training.loading import NoBuilder
 
-    with _first_member(tmp_path) as (opt, model):
+    import urllib.request
+
+    metrics_port = free_port()
+    with _first_member(tmp_path, metrics=f"127.0.0.1:{metrics_port}") as (opt, model):
         while opt.step_count < 5:
             _step(opt, model)
         cid = opt.wait_confirmed(5, timeout=120)
+        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=30) as page:
+            exposition = page.read().decode()
+        assert f'p2ptrain_task_step{{task="{opt.run_cid}"}}' in exposition  # Prometheus sees the run
         home = tmp_path / "a"
         with pytest.raises(NoBuilder, match="load_state") as no_builder:
             p2ptrain.load_model(cid, home=home)

@@ -12,6 +12,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from p2ptrain.testing import task_status_of
 from p2ptrain.testing.scripts import ScriptMember, last_json, script_members, start_script
 
@@ -57,6 +59,7 @@ def _finish(procs: dict[int, subprocess.Popen[str]], members: list[ScriptMember]
     return results
 
 
+@pytest.mark.timeout(RUN_S + 60)
 def test_a_member_killed_mid_run_and_a_late_joiner(tmp_path: Path) -> None:
     members = script_members(4, tmp_path)
     args = ["--steps", "160", "--checkpoint-every", "20"]
@@ -87,6 +90,7 @@ def test_a_member_killed_mid_run_and_a_late_joiner(tmp_path: Path) -> None:
     assert members[2].peer_id not in final["members"]
 
 
+@pytest.mark.timeout(RUN_S + 60)
 def test_a_hostile_member_sending_x100_gradients_is_bounded_by_clip(tmp_path: Path) -> None:
     members = script_members(4, tmp_path)
     args = ["--steps", "120", "--checkpoint-every", "40", "--robust", "clip"]
@@ -105,6 +109,7 @@ def test_a_hostile_member_sending_x100_gradients_is_bounded_by_clip(tmp_path: Pa
     assert min(r["accuracy"] for r in honest) >= 0.9, results
 
 
+@pytest.mark.timeout(RUN_S + 60)
 def test_the_model_cid_loads_into_a_fresh_instance_in_a_fresh_process(tmp_path: Path) -> None:
     """Three processes train to >= 0.9 with identical weights; the run's model, loaded by CID from a
     member's home into a new DigitsNet in a new process, predicts exactly what the members' did."""
