@@ -1,14 +1,18 @@
 """Byzantine members: digits accuracy with and without robust="clip", and what clipping costs.
 
-    python bench/robust.py [--steps 400] [--rounds 30] [--json]
+    python bench/robust.py [--steps 400] [--rounds 30] [--json] [--skip-accuracy] [--skip-owner]
 
-Four real libp2p hosts on 127.0.0.1 in this process (tests/collective/hostile.py). Two parts:
+Four real libp2p hosts on 127.0.0.1 in this process (tests/collective/hostile.py). Three parts:
 
 1. **Accuracy.** The digits MLP (64-128-10, SGD lr 0.1, batch 32 per member, 1% top-k + error
    feedback) for ``--steps`` rounds, member 3 honest or hostile (x100, -100, -1: its values are
    multiplied just before they go on the wire), robust "none" vs "clip". Test accuracy of member 0
    (0 when its weights stopped being finite; "failed" when a round raised).
-2. **Healthy-path cost.** No hostile member; rounds of a flat gradient alternate between "none" and
+2. **A targeted owner** (issue 27), under "clip": member 3 writes 1000.0 into every value of the
+   chunk it reduces, every round; a round that fails is run again without the member the honest
+   ones named (what the runtime's next plan does). Test accuracy against an honest run of the same
+   length, in the same run, and who was named.
+3. **Healthy-path cost.** No hostile member; rounds of a flat gradient alternate between "none" and
    "clip" in the same run (so the machine's load is shared alike), for the sparse path at 1% and
    the dense path; median round time of each and their ratio. The dense path with clip is the
    direct exchange instead of the ring, so its ratio includes that change of algorithm. A "clip"
@@ -28,6 +32,7 @@ import statistics
 import time
 from pathlib import Path
 
+import pytest
 import torch
 import trio
 
@@ -58,6 +63,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--sparse-mib", type=float, default=16.0, help="gradient size of the sparse timing")
     parser.add_argument("--dense-mib", type=float, default=4.0, help="tensor size of the dense timing")
     parser.add_argument("--skip-accuracy", action="store_true")
+    parser.add_argument("--skip-owner", action="store_true", help="skip the targeted-owner runs")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     return parser.parse_args(argv)
 
@@ -85,6 +91,24 @@ async def accuracy(collectives, steps: int, say) -> list[dict]:
                    "seconds": round(time.perf_counter() - started, 1)}
             say(row)
             rows.append(row)
+    return rows
+
+
+async def owner_accuracy(collectives, steps: int, say) -> list[dict]:
+    """Digits under "clip": honest, then member 3 poisoning the chunk it owns (see the docstring)."""
+    rows = []
+    for attack, base in (("honest", 1 << 42), ("owner writes 1000.0", 1 << 43)):
+        named: list[int] = []
+        owners = {} if attack == "honest" else {BAD: hostile.Owner(collectives[BAD], poison=1000.0)}
+        started = time.perf_counter()
+        with pytest.MonkeyPatch.context() as patch:
+            hostile.install(patch)
+            acc, _ = await hostile.train_digits(collectives, steps=steps, robust="clip", hostile={}, owners=owners,
+                                                named=named, first_round=base)
+        row = {"owner": attack, "robust": "clip", "accuracy": round(acc, 4), "steps": steps, "named": named,
+               "seconds": round(time.perf_counter() - started, 1)}
+        say(row)
+        rows.append(row)
     return rows
 
 
@@ -167,6 +191,8 @@ async def run(args: argparse.Namespace) -> dict:
     async with hostile.hosts(WORLD) as collectives:
         if not args.skip_accuracy:
             report["accuracy"] = await accuracy(collectives, args.steps, say)
+        if not args.skip_owner:
+            report["owner"] = await owner_accuracy(collectives, args.steps, say)
         report["cost"] = []
         for numel, density, first in (
             (int(args.sparse_mib * (1 << 20)) // 4, 0.01, 1 << 40),

@@ -26,7 +26,7 @@ from contextvars import ContextVar
 import torch
 import trio
 
-from p2ptrain.collective import Collective, RoundSpec, SparseAllReducer
+from p2ptrain.collective import Collective, PeerFailed, RoundSpec, SparseAllReducer
 from p2ptrain.collective import direct
 from p2ptrain.collective.links import RoundLinks
 from p2ptrain.collective.witness import Witness
@@ -102,15 +102,21 @@ def mlp() -> torch.nn.Module:
 async def train_digits(
     collectives: list[Collective], *, steps: int, robust: str, hostile: dict[int, float], density: float = 0.01,
     batch: int = 32, lr: float = 0.1, first_round: int = 0, on_round: Callable[[int, float], None] | None = None,
+    owners: dict[int, Owner] | None = None, named: list | None = None,
 ) -> tuple[float, list[torch.nn.Module]]:
     """Train the digits MLP on every host (member i holds shard i); ``hostile`` maps a member to its
-    factor. Returns member 0's test accuracy (0.0 if its weights are no longer finite) and the models.
+    factor, ``owners`` to its :class:`Owner` attack (:func:`install` must be in effect). Returns
+    member 0's test accuracy (0.0 if its weights are no longer finite) and the models.
 
-    ``on_round(step, seconds)`` gets each round's wall time (all members, sync included).
+    With ``owners``, a round that fails is run again without every member an honest one named (what
+    the runtime's next plan does), and the names are appended to ``named``. ``on_round(step,
+    seconds)`` gets each round's wall time (all members, sync included).
     """
     x, y, train_idx, test_idx = digits()
     size = len(collectives)
+    owners = owners or {}
     ring = [c.peer_id for c in collectives]
+    live = list(range(size))
     models = [mlp() for _ in range(size)]
     spec = RoundSpec(density=density, robust=robust, timeout=ROUND_TIMEOUT_S)
     reducers = [
@@ -119,21 +125,45 @@ async def train_digits(
     ]
     optimizers = [torch.optim.SGD(m.parameters(), lr=lr) for m in models]
     shards = [train_idx[i::size] for i in range(size)]
+    failures: dict[int, Exception] = {}
 
-    async def member(i: int, step: int) -> None:
+    async def member(i: int, step: int, round_id: int) -> None:
         pick = torch.randint(len(shards[i]), (batch,), generator=torch.Generator().manual_seed(step * 10 + i))
         chosen = shards[i][pick]
         optimizers[i].zero_grad()
         torch.nn.functional.cross_entropy(models[i](x[chosen]), y[chosen]).backward()
-        await average_gradients(reducers[i], models[i], ring, first_round + step)
-        optimizers[i].step()
+        members = [ring[m] for m in live]
+        try:
+            if i in owners:
+                with owners[i].acting():
+                    await average_gradients(reducers[i], models[i], members, round_id)
+            else:
+                await average_gradients(reducers[i], models[i], members, round_id)
+        except PeerFailed as error:
+            if not owners:
+                raise
+            failures[i] = error
 
+    round_id = first_round
     for step in range(steps):
         started = trio.current_time()
-        with trio.fail_after(ROUND_TIMEOUT_S):
-            async with trio.open_nursery() as nursery:
-                for i in range(size):
-                    nursery.start_soon(member, i, step)
+        while True:
+            failures.clear()
+            with trio.fail_after(ROUND_TIMEOUT_S):
+                async with trio.open_nursery() as nursery:
+                    for i in live:
+                        nursery.start_soon(member, i, step, round_id)
+            round_id += 1
+            if not failures:
+                break
+            culprits = {ring.index(e.peer_id) for i, e in failures.items() if i not in owners and e.peer_id in ring}
+            if not culprits:
+                raise next(iter(failures.values()))
+            live = [i for i in live if i not in culprits]
+            if named is not None:
+                named.extend(sorted(culprits))
+        for i in live:
+            optimizers[i].step()
         if on_round is not None:
             on_round(step, trio.current_time() - started)
     with torch.no_grad():
