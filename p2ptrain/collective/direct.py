@@ -19,8 +19,10 @@ it can tell an owner that computed something else (named) from a contributor tha
 them different values (named, by its own signature).
 
 On one channel (one sender, one receiver) the frames go in this order: the receiver's chunk of the
-sender's values (REDUCE, then their signature), the chunk the receiver checks (VERIFY), and the
-sender's finished chunk (GATHER, its signature, and to its verifier the contributions' signatures).
+sender's values (REDUCE), the chunk the receiver checks (VERIFY), and the sender's finished chunk
+(GATHER). In a robust round the signatures ride after the values of a chunk's last frame (a
+trailer: no frames of their own), the contributions' signed digests too, on the GATHER to the
+chunk's verifier, and an empty chunk is one empty frame.
 """
 
 from __future__ import annotations
@@ -40,7 +42,6 @@ from p2ptrain.collective.witness import Witness, digest_of, tensor_bytes
 from p2ptrain.logs import short_id
 from p2ptrain.wire.frames import DIGEST_BYTES, DTYPES, ENTRY_BYTES, HEADER, SIGNATURE_BYTES, Header, Kind, Phase, Said
 
-_U8 = DTYPES[torch.uint8]
 Parts = list[torch.Tensor]  # one member's contribution to a chunk, segment by segment
 
 
@@ -88,6 +89,8 @@ async def direct_allreduce(
     bounds = chunk_bounds(data.numel(), size)
     seg_elems = max(1, segment_bytes // data.element_size())
     segs = [segments(bounds[c], bounds[c + 1], seg_elems) for c in range(size)]
+    if witness is not None:  # every chunk is one frame at least: its signature rides on the last one
+        segs = [s or [(bounds[c], bounds[c])] for c, s in enumerate(segs)]
     mine, checking = owners.owned_by(me), owners.checked_by(me)
 
     def local(chunk: int) -> Parts:
@@ -103,48 +106,45 @@ async def direct_allreduce(
     contributed, reduced = trio.Event(), trio.Event()
     signatures: dict[int, bytes] = {}
 
-    async def send_parts(chunk: int, parts: Parts, phase: int, to: int) -> None:
+    async def send_parts(chunk: int, parts: Parts, phase: int, to: int, trailer: bytes = b"") -> None:
+        """``parts`` as frames, ``trailer`` (signatures) after the last one's values."""
         for j, part in enumerate(parts):
             header = Header(Kind.DATA, links.round_id, phase, chunk, j, part.numel(), code)
-            await links.send(header, tensor_bytes(part), to=ring[to])
-
-    async def send_bytes(chunk: int, phase: int, seg: int, payload: bytes, to: int) -> None:
-        await links.send(Header(Kind.DATA, links.round_id, phase, chunk, seg, len(payload), _U8), payload, to=ring[to])
+            payload = tensor_bytes(part)
+            await links.send(header, b"".join((payload, trailer)) if trailer and j == len(parts) - 1 else payload,
+                             to=ring[to])
 
     async def feed(member: int) -> None:
         """What we send ``member``, in the channel's order (module docstring)."""
         chunk = owners.owned_by(member)
-        await send_parts(chunk, local(chunk), Phase.REDUCE, member)
+        signature = b""
         if witness is not None:
             signature = await trio.to_thread.run_sync(_signed, witness, Said.CONTRIBUTION, chunk, local(chunk))
-            await send_bytes(chunk, Phase.REDUCE, len(segs[chunk]), signature, member)
+        await send_parts(chunk, local(chunk), Phase.REDUCE, member, signature)
         theirs = owners.checked_by(member)
         if theirs is not None:
             await send_parts(theirs, local(theirs), Phase.VERIFY, member)
         await reduced.wait()
-        await send_parts(mine, results[mine], Phase.GATHER, member)
+        trailer = b""
         if witness is not None:
-            await send_bytes(mine, Phase.GATHER, len(segs[mine]), signatures[mine], member)
+            trailer = signatures[mine]
             if owners.verifier is not None and owners.verifier[mine] == member:
-                proof = b"".join(inputs[m] for m in range(size) if m != me)
-                await send_bytes(mine, Phase.GATHER, len(segs[mine]) + 1, proof, member)
+                trailer += b"".join(inputs[m] for m in range(size) if m != me)  # the proof of what it reduced
+        await send_parts(mine, results[mine], Phase.GATHER, member, trailer)
 
-    async def receive_parts(chunk: int, phase: int, source: int) -> Parts:
-        return [
-            await links.recv_tensor(phase=phase, step=chunk, seg=j, count=b - a, dtype=dtype, source=ring[source])
-            for j, (a, b) in enumerate(segs[chunk])
-        ]
-
-    async def receive_bytes(chunk: int, phase: int, seg: int, nbytes: int, source: int) -> bytes:
-        frame = await links.recv(phase=phase, step=chunk, seg=seg, count=nbytes, dtype=_U8, nbytes=nbytes,
-                                 source=ring[source])
-        return bytes(memoryview(frame)[HEADER.size :])
+    async def receive_parts(chunk: int, phase: int, source: int, trailer: int = 0) -> tuple[Parts, bytes]:
+        """A chunk's frames from ``source``, and the ``trailer`` bytes after the last one's values."""
+        parts, tail, last = [], b"", len(segs[chunk]) - 1
+        for j, (a, b) in enumerate(segs[chunk]):
+            part, tail = await links.recv_tensor_trailed(phase=phase, step=chunk, seg=j, count=b - a, dtype=dtype,
+                                                         trailer=trailer if j == last else 0, source=ring[source])
+            parts.append(part)
+        return parts, tail
 
     async def take(member: int) -> None:
         """What ``member`` sends us, in the channel's order."""
-        parts = await receive_parts(mine, Phase.REDUCE, member)
+        parts, signature = await receive_parts(mine, Phase.REDUCE, member, SIGNATURE_BYTES if witness else 0)
         if witness is not None:
-            signature = await receive_bytes(mine, Phase.REDUCE, len(segs[mine]), SIGNATURE_BYTES, member)
             digest = await trio.to_thread.run_sync(_checked, witness, member, Said.CONTRIBUTION, mine, parts, signature)
             if digest is None:
                 raise BadPayload(ring[member], f"its contribution to chunk {mine} does not match its signature")
@@ -153,15 +153,16 @@ async def direct_allreduce(
         if len(held) == size:
             contributed.set()
         if checking is not None:
-            checks[member] = await receive_parts(checking, Phase.VERIFY, member)
+            checks[member], _ = await receive_parts(checking, Phase.VERIFY, member)
         chunk = owners.owned_by(member)
-        results[chunk] = await receive_parts(chunk, Phase.GATHER, member)
+        trailer = 0
         if witness is not None:
-            signature = await receive_bytes(chunk, Phase.GATHER, len(segs[chunk]), SIGNATURE_BYTES, member)
+            trailer = SIGNATURE_BYTES + ((size - 1) * ENTRY_BYTES if chunk == checking else 0)
+        results[chunk], tail = await receive_parts(chunk, Phase.GATHER, member, trailer)
+        if witness is not None:
+            signature = tail[:SIGNATURE_BYTES]
             await trio.to_thread.run_sync(_heard, witness, member, Said.RESULT, chunk, results[chunk], signature)
-            if chunk == checking:
-                proofs.extend(await receive_bytes(chunk, Phase.GATHER, len(segs[chunk]) + 1,
-                                                  (size - 1) * ENTRY_BYTES, member))
+            proofs.extend(tail[SIGNATURE_BYTES:])
 
     with single_failure():
         async with trio.open_nursery() as nursery:

@@ -142,15 +142,27 @@ class RoundLinks:
         patience: float = 0.0,
     ) -> torch.Tensor:
         """The next frame as a read-only tensor of ``count`` finite values of ``dtype``."""
+        values, _ = await self.recv_tensor_trailed(phase=phase, step=step, seg=seg, count=count, dtype=dtype,
+                                                   trailer=0, source=source, patience=patience)
+        return values
+
+    async def recv_tensor_trailed(
+        self, *, phase: int, step: int, seg: int, count: int, dtype: torch.dtype, trailer: int,
+        source: ID | None = None, patience: float = 0.0,
+    ) -> tuple[torch.Tensor, bytes]:
+        """:meth:`recv_tensor` of a frame whose payload ends with exactly ``trailer`` more bytes (a
+        robust round's signatures ride on the last frame of what they sign); the values and those."""
         width = torch.empty((), dtype=dtype).element_size()
         frame = await self.recv(
-            phase=phase, step=step, seg=seg, count=count, dtype=DTYPES[dtype], nbytes=count * width,
+            phase=phase, step=step, seg=seg, count=count, dtype=DTYPES[dtype], nbytes=count * width + trailer,
             source=source, patience=patience,
         )
         peer = self.left_peer if source is None else source
+        if count == 0:  # an empty chunk's frame (it carries a trailer)
+            return torch.empty(0, dtype=dtype), bytes(memoryview(frame)[HEADER.size :])
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # read-only buffer: we never write into it
             values = torch.frombuffer(frame, dtype=dtype, count=count, offset=HEADER.size)
         if not all_finite(values):
             raise BadPayload(peer, f"sent NaN or Inf values (phase {phase}, step {step})")
-        return values
+        return values, bytes(memoryview(frame)[HEADER.size + count * width :])

@@ -206,6 +206,8 @@ _TORCH_DTYPES = {code: dtype for dtype, code in DTYPES.items()}
 
 def _plus_one(payload, dtype: torch.dtype) -> bytes:
     """Other values than the segment ``payload`` holds, still finite: every one plus one."""
+    if not len(payload):
+        return b""
     return (torch.frombuffer(bytearray(payload), dtype=dtype) + 1).view(torch.uint8).numpy().tobytes()
 
 
@@ -241,14 +243,19 @@ def install(monkeypatch) -> None:
         if owner is not None and owner.split and header.phase == Phase.VERIFY:
             payload = _plus_one(payload, _TORCH_DTYPES[header.dtype])
         if owner is not None and owner.equivocate_to is not None and to == owner.equivocate_to and header.phase == Phase.GATHER:
+            # A segment of its chunk's values, other values, still finite; the last one carries the
+            # chunk's signature (then made anew over the altered values, unless resign is False).
             dtype = _TORCH_DTYPES[header.dtype]
-            if dtype != torch.uint8:  # a segment of the chunk's values: other values, still finite
-                payload = _plus_one(payload, dtype)
-                owner._altered.setdefault(header.step, hashlib.sha256()).update(payload)
-            elif header.count == SIGNATURE_BYTES and header.step in owner._altered and owner.resign:  # made anew
-                witness = owner._witness
-                digest = owner._altered.pop(header.step).digest()
-                payload = owner.collective.host.get_private_key().sign(witness.statement(Said.RESULT, header.step, digest))
+            size = header.count * torch.empty((), dtype=dtype).element_size()
+            values, trailer = _plus_one(bytes(payload[:size]), dtype), bytes(payload[size:])
+            altered = owner._altered.setdefault(header.step, hashlib.sha256())
+            altered.update(values)
+            if trailer:
+                del owner._altered[header.step]
+                if owner.resign:
+                    statement = owner._witness.statement(Said.RESULT, header.step, altered.digest())
+                    trailer = owner.collective.host.get_private_key().sign(statement) + trailer[SIGNATURE_BYTES:]
+            payload = values + trailer
         await send(self, header, payload, to=to)
 
     monkeypatch.setattr(direct, "reduce_chunk", hostile_reduce)
