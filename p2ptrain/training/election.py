@@ -13,12 +13,11 @@ The scheme is Raft's election with a deterministic candidate:
   live roster member; its vote is a signed :class:`~p2ptrain.wire.messages.Vote`.
 - A candidate that collects votes from a strict majority of the roster is coordinator for that
   term. Its heartbeat carries those signed votes, and a member accepts a coordinator only with such
-  a quorum certificate. Two majorities of one roster share a member, who voted once: so at most one
-  coordinator is accepted per term.
+  a quorum certificate.
 - When the accepted coordinator is silent for ``timeout_beats`` heartbeats (or a term passes with no
   coordinator), a member moves to the next term. Only the *designated* candidate of a term asks for
-  votes: the live roster member (not suspected of being the dead coordinator) with the lowest
-  ``sha256(task, term, peer)``. Members with the same view agree on it without talking, so
+  votes: the live roster member (not suspected: given up as silent, until it beats or asks for votes)
+  with the lowest ``sha256(task, term, peer)``. Members with the same view agree on it without talking, so
   elections do not split; when views differ and votes split, the term times out and the next term's
   ranking (a fresh hash order) picks again.
 - Stale terms are ignored; a valid heartbeat of a higher term moves a member to it (a coordinator
@@ -31,14 +30,12 @@ The scheme is Raft's election with a deterministic candidate:
 - A member that sees fewer of its roster alive than a quorum (a lone member of a two-member run, the
   minority side of a partition) cannot win any term: it neither stands nor lets its term time out,
   and says how many more peers it waits for (``short_of_quorum``). It still votes when asked, and
-  its term's timer starts afresh when enough peers are back. Before, it stood and timed out term
-  after term (a new term every 3 s), which only looked like progress.
+  its term's timer starts afresh when enough peers are back.
 - A coordinator keeps every vote of its term in its certificate, also those that came after it had a
   quorum, so a roster that grows a little (a joiner admitted) is still covered. One whose votes no
   longer cover the roster renews its mandate: it stands in the next term at once, designated or not,
   and the members that follow it vote for it although their term is still working: the request comes
-  from their own coordinator. Without this, the others noticed only when its heartbeats stopped, and
-  every admission cost a heartbeat timeout (3 s) without rounds.
+  from their own coordinator (else every admission cost a heartbeat timeout, 3 s, without rounds).
 - Terms time out on each member's own clock, so a member's term may run ahead of a candidate's (a
   coordinator that left its term starts the next one seconds before the others notice). A member
   without a coordinator still votes, once, in a term up to ``_LOWER_TERM_VOTES`` behind its own, and
@@ -47,6 +44,15 @@ The scheme is Raft's election with a deterministic candidate:
 - A member that still hears its coordinator sets a request of a later term aside, and votes for it
   at once if it gives that coordinator up and enters that term: the candidate is usually the member
   that saw the coordinator die first, and would otherwise ask again only a heartbeat later.
+
+Safety (at most one coordinator accepted per term) rests on two facts. (1) One vote per member per
+term, ever: ``_vote_in`` signs every vote and refuses a second; ballots are kept per term (a member
+whose term goes back cannot vote again in a term it passed), and a term whose ballot it lost
+(dropped from memory, or cast before a restart: the node persists ``voted_through``) counts as
+voted. (2) Two majorities of one roster share a member, so two certificates of one term name the
+same coordinator while the rosters they are checked against have intersecting majorities: the same
+roster, or rosters one member apart. No rule above may break (1) or count votes on other grounds
+than (2); where rosters differ more, (2) fails (docs/training.md, "Election").
 """
 
 from __future__ import annotations
@@ -75,12 +81,16 @@ _BALLOT_MEMORY = 256
 _LOWER_TERM_VOTES = 2
 # Votes carried in a heartbeat (task.MAX_PEERS members at most, so all of them fit).
 _MAX_CERTIFICATE = 128
+# The ballot of a term at or below Election._forgotten_through: cast for someone we no longer know.
+_FORGOTTEN = "?"
 
 
 class Election:
     """One member's view of the election of one task."""
 
-    def __init__(self, task_cid: str, key_pair: KeyPair, config: ElectionConfig = ElectionConfig()) -> None:
+    def __init__(self, task_cid: str, key_pair: KeyPair, config: ElectionConfig = ElectionConfig(), *,
+                 voted_through: int = -1) -> None:
+        """``voted_through``: what :attr:`voted_through` was when this member last ran the task."""
         self.task_cid = task_cid
         self.key_pair = key_pair
         self.me = signing.peer_str(key_pair)
@@ -88,6 +98,9 @@ class Election:
         self.term = 0
         self.coordinator: str | None = None  # accepted for self.term
         self._ballots: dict[int, str] = {}  # term -> whom I voted for (one vote per term, ever)
+        # Every term up to this one counts as voted in, for nobody we know: ballots cast before a
+        # restart, and ballots dropped from memory (_BALLOT_MEMORY). All of _ballots lie above it.
+        self._forgotten_through = voted_through
         self.live: frozenset[str] = frozenset()
         self.roster: tuple[str, ...] = ()
         self.suspects: set[str] = set()  # peers whose coordinatorship timed out
@@ -121,7 +134,18 @@ class Election:
 
     @property
     def voted_for(self) -> str | None:
-        return self._ballots.get(self.term)
+        return self._ballot(self.term)
+
+    @property
+    def voted_through(self) -> int:
+        """The latest term this member may have voted in (-1: none). The node persists it before it
+        sends what a tick or a receive returned and passes it to the Election it makes after a
+        restart: without it, a member restarted within a term voted in it again."""
+        return max(self._ballots, default=self._forgotten_through)
+
+    def _ballot(self, term: int) -> str | None:
+        """Whom we voted for in ``term``: None if nobody, :data:`_FORGOTTEN` if we cannot tell."""
+        return _FORGOTTEN if term <= self._forgotten_through else self._ballots.get(term)
 
     @property
     def is_coordinator(self) -> bool:
@@ -203,7 +227,7 @@ class Election:
             self._new_term(now, self.term + 1)
             if self._deferred is not None and self._deferred[0] == self.term:
                 candidate = self._deferred[1]
-                if candidate in self._eligible():
+                if candidate in self._eligible() and self.voted_for in (None, candidate):
                     log.info("task %s: %s votes for %s in term %d (asked while its coordinator looked alive)",
                              self.task_cid[:12], short_id(self.me), short_id(candidate), self.term)
                     out.append(self._vote(candidate))
@@ -278,9 +302,12 @@ class Election:
         return self._vote_in(self.term, candidate)
 
     def _vote_in(self, term: int, candidate: str) -> SignedVote:
+        assert self._ballot(term) in (None, candidate), "a second vote in one term"
         self._ballots[term] = candidate
         while len(self._ballots) > _BALLOT_MEMORY:
-            del self._ballots[min(self._ballots)]
+            oldest = min(self._ballots)
+            del self._ballots[oldest]
+            self._forgotten_through = max(self._forgotten_through, oldest)
         body = Vote(task_cid=self.task_cid, term=term, candidate=candidate, voter=self.me)
         return SignedVote(vote=body, signature=signing.sign(body, self.key_pair))
 
@@ -323,13 +350,16 @@ class Election:
     def _on_request(self, now: float, sender: str, msg: VoteRequest) -> list[ElectionMessage]:
         if sender != msg.candidate:
             return []
+        # A suspect that asks for votes is not the hung coordinator we gave up: it may be designated
+        # again. Otherwise members that each suspect all the others each stood alone, term after term.
+        self.suspects.discard(msg.candidate)
         if msg.term < self.term:
             # Our terms time out on our own clock, so ours may have run ahead of the candidate's
             # (a coordinator that gave up its term starts the next one before the others notice).
             # With no coordinator we still vote in that recent term, once: ballots are per term,
             # so no term gets two coordinators, and its winner is followed (see _on_beat).
             if (self.coordinator is None and msg.term >= self.term - _LOWER_TERM_VOTES
-                    and msg.term not in self._ballots and self._votable(msg.candidate)):
+                    and self._ballot(msg.term) is None and self._votable(msg.candidate)):
                 log.info("task %s: %s votes for %s in earlier term %d (at term %d)", self.task_cid[:12],
                          short_id(self.me), short_id(msg.candidate), msg.term, self.term)
                 return [self._vote_in(msg.term, msg.candidate)]
