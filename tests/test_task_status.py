@@ -34,7 +34,7 @@ OLD_KEYS = {"task_cid", "name", "state", "error", "member", "synced", "round", "
 # Every key `task status --json` has for a member's run (issue 28 made the status a TaskStatus; the
 # JSON kept every key and type): a contract, pinned exactly. is_coordinator came with it.
 MEMBER_KEYS = OLD_KEYS | {"cancel_reason", "waiting_for_peers", "waiting_s", "bytes_received", "last_round",
-                          "last_step", "inner_steps", "inner_step", "is_coordinator"}
+                          "last_step", "inner_steps", "inner_step", "is_coordinator", "resumed_from"}
 # ... and for a task this node only heard of.
 HEARD_KEYS = {"task_cid", "name", "announced_by", "member", "state", "refused", "version", "step", "round",
               "total_steps", "latest_model_cid", "members", "chain_cid"}
@@ -65,8 +65,9 @@ async def test_status_says_the_last_completed_round_the_confirmed_model_and_who_
             assert isinstance(before["members"], list) and isinstance(before["chain"], list)
             assert type(before["state"]) is str and before["state"] == "training"
             assert (before["last_round"], before["last_step"], before["waiting_for_peers"]) == (None, None, 1)
+            assert before["resumed_from"] is None  # a fresh start: no chain on this home
             text = render_status(TaskStatus.from_json(before))
-            assert "None" not in text, text
+            assert "None" not in text and "resumed" not in text, text
             assert "no round completed yet (step 0/9); waiting for 1 more peer" in text, text
             assert "model      none confirmed yet" in text, text
 
@@ -117,3 +118,10 @@ def test_a_task_only_heard_of_has_its_own_keys_and_survives_the_round_trip() -> 
     assert set(status.to_json()) == HEARD_KEYS and status.to_json() == heard
     # A newer node may send keys this client does not know: they are ignored, not an error.
     assert TaskStatus.from_json({**heard, "from_the_future": 1}).to_json() == heard
+
+
+def test_a_member_that_resumed_says_from_which_record() -> None:
+    s = {"task_cid": "bafy", "name": "t", "member": True, "state": "training", "version": 5, "step": 250,
+         "total_steps": 600, "latest_model_cid": "bafymodel", "members": [], "last_round": None,
+         "resumed_from": {"version": 5, "step": 250}}
+    assert "resumed    from model v5 at step 250" in render_status(TaskStatus.from_json(s))

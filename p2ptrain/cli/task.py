@@ -49,13 +49,26 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         description="Announce, signed by this node's key, that the task is cancelled. Members obey it "
         "only from the task's publisher (the node that ran `task publish`, named in the task file): "
         "they finish the span under way, keep the last confirmed model and report the state "
-        "'cancelled'. A cancel from any other peer is refused and counted (`task status`, rejected).",
+        "'cancelled'. A cancel from any other peer is refused and counted (`task status`, rejected). "
+        "`task resume` continues the run from its last confirmed model.",
     )
     cancel.add_argument("task_cid", metavar="TASK_CID", type=cid_arg, help="the CID of a task this node published")
     cancel.add_argument("--reason", default="", help="a short note the members log (at most 256 characters)")
     cancel.add_argument("--home", type=Path, default=None, help=HOME_HELP)
     cancel.add_argument("--json", action="store_true", help="print one JSON object (task_cid, cancelled)")
     cancel.set_defaults(func=cmd_cancel)
+
+    resume = tsub.add_parser(
+        "resume", help="continue a task this node published and cancelled",
+        description="Announce, signed by this node's key, that the cancelled task goes on. Members "
+        "obey it only from the task's publisher: each forgets the cancel and resumes the run from the "
+        "last confirmed model on its home (`task status` shows resumed_from). A resume from any other "
+        "peer is refused and counted. Safe to repeat (e.g. once a member that was down is up again).",
+    )
+    resume.add_argument("task_cid", metavar="TASK_CID", type=cid_arg, help="the CID of a task this node published")
+    resume.add_argument("--home", type=Path, default=None, help=HOME_HELP)
+    resume.add_argument("--json", action="store_true", help="print one JSON object (task_cid, resumed)")
+    resume.set_defaults(func=cmd_resume)
 
     listing = tsub.add_parser("list", help="tasks this node has heard of or takes part in")
     listing.add_argument("--home", type=Path, default=None, help=HOME_HELP)
@@ -98,6 +111,12 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_resume(args: argparse.Namespace) -> int:
+    reply = _client(args).call(control_ops.TASK_RESUME, task_cid=args.task_cid)
+    print(json.dumps(reply) if args.json else f"resumed task {reply['task_cid']}")
+    return 0
+
+
 def cmd_list(args: argparse.Namespace) -> int:
     reply = _client(args).call(control_ops.TASK_LIST)
     tasks = [TaskStatus.from_json(t) for t in reply["tasks"]]
@@ -126,6 +145,8 @@ def render_status(s: TaskStatus) -> str:
         if s.loss is not None:
             lines.append(f"training   loss {_num(s.loss, '.4g')} (this peer's last round)")
         lines.append(f"sent       {s.bytes_sent} bytes over {s.rounds_done} rounds")
+    if s.resumed_from:
+        lines.append(f"resumed    from model v{s.resumed_from['version']} at step {s.resumed_from['step']}")
     lines.append(f"model      {_model(s)}")
     return "\n".join(lines)
 

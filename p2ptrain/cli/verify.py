@@ -136,10 +136,10 @@ def verify(home: Path, *, model_cid: str | None, task_cid: str | None, bootstrap
         report.model_cid = model_cid
         return report
     # Everything still to fetch, in one go (one temporary node with --bootstrap, not one per file).
-    split = task.dataset.test_split
+    dataset = task.dataset if evaluate else None
     ensure_local(home, [last.model_cid, last.optimizer_cid, *([task.initial_model] if task.initial_model else []),
-                        *([task.dataset.manifest] if evaluate else [])], bootstrap,
-                 then=(lambda st: split_shards(st, task.dataset.manifest, split)) if evaluate else None)
+                        *([dataset.manifest] if dataset is not None else [])], bootstrap,
+                 then=(lambda st: split_shards(st, dataset.manifest, dataset.test_split)) if dataset is not None else None)
     initial_cid = _initial_cid(store, task)
     entries, problems = audit(ChainRules.of(task, task_cid), initial_cid, b"\n".join(lines))
     report.problems += problems
@@ -149,8 +149,10 @@ def verify(home: Path, *, model_cid: str | None, task_cid: str | None, bootstrap
         report.checked.append(f"{len(entries)} records: each signed by its elected coordinator, attested by a "
                               f"quorum of its members, linked to the one before; initial model {initial_cid} rebuilt")
     report.problems += _check_bytes(store, task, last.model_cid, last.optimizer_cid, report)
-    if evaluate:
+    if evaluate and task.dataset is not None and not task.model.user:
         report.problems += _check_metrics(store, task, last, report)
+    elif evaluate:
+        report.checked.append("no test metrics recomputed: the run's members evaluate on their own data")
     return report
 
 
@@ -230,10 +232,13 @@ def _chain_and_task(home: Path, task_cid: str, bootstrap: list[str]) -> tuple[by
 
 
 def _initial_cid(store: Any, task: Any) -> str:
-    """The CID of the run's initial model, rebuilt here from the task as every member builds it."""
+    """The CID of the run's initial model, rebuilt here from the task as every member builds it
+    (a run of the members' own module names its initial weights instead: nothing here builds it)."""
     from p2ptrain.training.local_sgd import new_trainer
     from p2ptrain.training.records import load_model_bytes
 
+    if task.model.user:
+        return str(task.initial_model)
     trainer = new_trainer(task, total_steps=1, device="cpu")
     if task.initial_model:
         load_model_bytes(trainer.model, store.cat(task.initial_model))
@@ -245,8 +250,10 @@ def _check_bytes(store: Any, task: Any, model_cid: str, optimizer_cid: str, repo
     from p2ptrain.training.records import RecordError, load_model_bytes
     from p2ptrain.training.trainer import Trainer
 
-    problems = []
+    problems: list[str] = []
     sizes = []
+    if task.model.user:
+        return problems + _check_user_model(store, task, model_cid, optimizer_cid, report)
     for what, cid in (("model", model_cid), ("optimizer state", optimizer_cid)):
         data = store.cat(cid)
         sizes.append(len(data))
@@ -259,6 +266,32 @@ def _check_bytes(store: Any, task: Any, model_cid: str, optimizer_cid: str, repo
     if not problems:
         report.checked.append(f"model and optimizer state hashed again ({sizes[0]} + {sizes[1]} bytes); "
                               f"the model loads into the task's {task.model.name}")
+    return problems
+
+
+def _check_user_model(store: Any, task: Any, model_cid: str, optimizer_cid: str, report: Report) -> list[str]:
+    """A run of the members' own module: the model's tensors against the architecture card the
+    task names (nothing here can build the module itself)."""
+    from p2ptrain.training.fingerprint import CardError, card_from_bytes
+    from p2ptrain.training.records import RecordError, read_tensors
+
+    problems = []
+    for what, cid in (("model", model_cid), ("optimizer state", optimizer_cid)):
+        if store.add_bytes(store.cat(cid), only_hash=True) != cid:
+            problems.append(f"{what} {cid}: its bytes in the store do not hash to its CID")
+    try:
+        card = card_from_bytes(store.cat(task.model.architecture))
+        tensors = read_tensors(store.cat(model_cid))
+    except (CardError, RecordError) as exc:
+        return problems + [f"model {model_cid}: {exc}"]
+    want = {name: (tuple(shape), dtype) for name, shape, dtype, _ in card["tensors"]}
+    got = {name: (tuple(t.shape), str(t.dtype).removeprefix("torch.")) for name, t in tensors.items()}
+    if want != got:
+        first = next((n for n in sorted(set(want) | set(got)) if want.get(n) != got.get(n)), "?")
+        problems.append(f"model {model_cid}: tensor {first} is {got.get(first)}, the architecture card says {want.get(first)}")
+    if not problems:
+        report.checked.append(f"model and optimizer state hashed again; the model's {len(got)} tensors are the "
+                              f"architecture card's ({task.model.architecture})")
     return problems
 
 

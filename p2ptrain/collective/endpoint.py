@@ -61,7 +61,8 @@ class Collective:
         return self.hub.me
 
     async def allreduce(
-        self, tensor: torch.Tensor, ring: list[ID], round_id: int, spec: RoundSpec = DENSE,
+        self, tensor: torch.Tensor, ring: list[ID], round_id: int, spec: RoundSpec = DENSE, *,
+        seed: int | None = None,
     ) -> torch.Tensor:
         """The mean (or sum) over the ring of every member's ``tensor``, identical bits everywhere.
 
@@ -74,7 +75,8 @@ class Collective:
         ``spec.timeout`` bounds every hop; ``spec.start_timeout`` (default ``timeout``) bounds waiting
         for the neighbours to join. A dead, stalled or misbehaving peer raises :class:`PeerFailed`
         naming it. ``spec.robust="clip"`` clips every member's contribution to the round's median
-        norm (:mod:`p2ptrain.collective.robust`); every member must pass the same spec.
+        norm (:mod:`p2ptrain.collective.robust`); every member must pass the same spec. ``seed``: as
+        in :meth:`sparse_round`.
         """
         _check_tensor(tensor)
         if spec.density >= 1.0:
@@ -85,6 +87,7 @@ class Collective:
         flat = tensor.detach()
         idx, values = await self.sparse_round(
             flat, ring, round_id, spec, sizes=[flat.numel()], ks=[k], select=lambda ranges: select_ranges(flat, ranges),
+            seed=seed,
         )
         out = torch.zeros_like(flat)
         out.index_copy_(0, idx, values.to(flat.dtype))
@@ -116,6 +119,7 @@ class Collective:
     async def sparse_round(
         self, source: torch.Tensor, ring: list[ID], round_id: int, spec: RoundSpec, *, sizes: Sequence[int],
         ks: Sequence[int], select: Callable[[list[Range]], torch.Tensor], prepare: Callable[[], None] | None = None,
+        seed: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Sliced CLT-k: each member's ``select(ranges)`` picks its slice's indices, the ring
         reduces ``source`` at their union.
@@ -129,6 +133,7 @@ class Collective:
         (``"int8"``, ``"2bit"``): the values travel quantized (the value dtype is then unused and the
         values come back float32); with ``spec.robust``, every member clips. A member whose bytes we
         refuse is counted (``refused_bad_payload`` in the hub's stats) and named in the failure.
+        ``seed`` (default ``round_id``, the same on every member) rotates which slice each member picks.
         """
         _check_tensor(source)
         if len(sizes) != len(ks) or sum(sizes) != source.numel():
@@ -140,7 +145,8 @@ class Collective:
             description += f" quantize={spec.quantize}"
         digest = round_digest(round_id, ring, description)
         ranges = slice_ranges(sizes, ks, len(ring))
-        mine_ranges = ranges[slice_of(ring.index(self.peer_id), round_id, len(ring))] if self.peer_id in ring else []
+        rotation = round_id if seed is None else seed
+        mine_ranges = ranges[slice_of(ring.index(self.peer_id), rotation, len(ring))] if self.peer_id in ring else []
         selected: list[torch.Tensor | Exception] = []
         done = trio.Event()
 
@@ -175,6 +181,7 @@ class Collective:
                             raise selected[0]
                         result = await clt_k_round(
                             links, source, spec, ranges=ranges, mine=selected[0], segment_bytes=self.segment_bytes,
+                            rotation=rotation,
                         )
         except BadPayload as error:
             self.hub.refused["bad_payload"] += 1

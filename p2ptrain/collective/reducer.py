@@ -47,14 +47,17 @@ class SparseAllReducer:
 
     async def allreduce(
         self, grad: torch.Tensor, ring: list[ID], round_id: int, *, out: torch.Tensor | None = None,
+        seed: int | None = None,
     ) -> torch.Tensor:
         """The ring's average of the members' (compressed) flat float32 gradients.
 
         Top-k is taken over the whole vector, one bucket (what training has always run: the node
         passes the model's flat gradient). Written into ``out`` when given (saves allocating a
         full-size tensor every step; it is overwritten even if the round fails), else into a new
-        tensor.
+        tensor. ``seed`` (default ``round_id``; the same on every member) draws the round's top-k
+        choices: which slice each member picks, where the threshold sample starts.
         """
+        seed = round_id if seed is None else seed
         if grad.dim() != 1:
             raise ValueError("grad must be flat (1-D)")
         sizes = [grad.numel()]
@@ -75,7 +78,7 @@ class SparseAllReducer:
             if out is None:
                 return values.to(torch.float32)
             return out.copy_(values)
-        generator = torch.Generator().manual_seed(round_id & 0x7FFF_FFFF_FFFF_FFFF)
+        generator = torch.Generator().manual_seed(seed & 0x7FFF_FFFF_FFFF_FFFF)
         # Every member forms residual + grad during the round's setup (it selects its slice's
         # indices from it; its values at the agreed indices are what it sends; afterwards it simply
         # becomes the residual).
@@ -89,7 +92,7 @@ class SparseAllReducer:
         indices, values = await self.collective.sparse_round(
             accumulated, ring, round_id, self.spec, sizes=sizes, ks=ks,
             select=lambda ranges: select_ranges(accumulated, ranges, generator=generator, workspace=self._workspace),
-            prepare=prepare,
+            prepare=prepare, seed=seed,
         )
         # What the others received for our values: the quantization's rounding stays in the residual.
         quantize = self.spec.quantize

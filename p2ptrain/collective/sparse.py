@@ -264,23 +264,24 @@ def max_encoded_bytes(n: int, k: int) -> int:
 
 async def clt_k_round(
     links: RoundLinks, source: torch.Tensor, spec: RoundSpec, *, ranges: Sequence[Sequence[Range]],
-    mine: torch.Tensor, segment_bytes: int = SEGMENT_BYTES,
+    mine: torch.Tensor, segment_bytes: int = SEGMENT_BYTES, rotation: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One sliced CLT-k round: every member sends its slice's indices (``mine``, chosen in
-    ``ranges[slice_of(me)]``) to every other, then the exact all-reduce of every member's values
-    at the union, in ``spec.values_of(source.dtype)`` (``spec.robust="clip"``: each owner clips the
-    contributions to its chunk of those values, see :mod:`p2ptrain.collective.robust`). Returns the
-    sorted indices and the reduced values, the same bits everywhere. ``spec.quantize`` (``"int8"``,
-    ``"2bit"``): the values travel quantized and all-gathered instead
-    (:mod:`p2ptrain.collective.quantized`, where every member clips under ``robust="clip"``); the
-    result is float32."""
+    ``ranges[slice_of(me, rotation)]``; ``rotation`` defaults to the round id) to every other, then
+    the exact all-reduce of every member's values at the union, in ``spec.values_of(source.dtype)``
+    (``spec.robust="clip"``: each owner clips the contributions to its chunk of those values, see
+    :mod:`p2ptrain.collective.robust`). Returns the sorted indices and the reduced values, the same
+    bits everywhere. ``spec.quantize`` (``"int8"``, ``"2bit"``): the values travel quantized and
+    all-gathered instead (:mod:`p2ptrain.collective.quantized`, where every member clips under
+    ``robust="clip"``); the result is float32."""
     n, size = source.numel(), links.size
     # Each slice's indices: ours now, the others' as they arrive and pass their check.
     per_slice: list[torch.Tensor] = [torch.empty(0, dtype=torch.int64)] * size
-    per_slice[slice_of(links.me, links.round_id, size)] = mine
+    rotation = links.round_id if rotation is None else rotation
+    per_slice[slice_of(links.me, rotation, size)] = mine
 
     async def indices_of(member: int) -> None:
-        m = slice_of(member, links.round_id, size)
+        m = slice_of(member, rotation, size)
         k = sum(count for _, _, count in ranges[m])
 
         def check(raw: bytes) -> None:

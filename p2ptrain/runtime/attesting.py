@@ -13,7 +13,6 @@ import math
 
 import trio
 
-from p2ptrain.atomic import write_atomic
 from p2ptrain.ipfs.store import ContentUnavailable
 from p2ptrain.logs import short_id
 from p2ptrain.runtime.datafeed import DataFeed
@@ -208,7 +207,7 @@ class Attesting:
         book.chain.append(tally.signed, tuple(tally.matching.values()))
         record = tally.record
         run.metrics.update(record.metrics)
-        write_atomic(run.dir / "chain.jsonl", book.chain.to_bytes(), mode=0o600)
+        run.save_chain()
         logger.info(
             "%s: model v%d confirmed by %d/%d members: %s (round %d, step %d, accuracy %s)",
             run.log_prefix, record.version, len(tally.matching), len(tally.members), record.model_cid,

@@ -149,8 +149,8 @@ class LatestFinder:
     async def find(self) -> tuple[TaskHead, Chain]:
         """The verified chain that is longest, with the head that named it (unbounded: the caller
         bounds it). :class:`ContentUnavailable` or :class:`TaskError` when the task itself cannot be
-        had: its rules are what every chain is checked against."""
-        await self._load_rules()
+        had: its rules are what every chain is checked against. The task is fetched when the first
+        head arrives: a peer that answers is connected then, and has the task if it ran it."""
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._ask)
             nursery.start_soon(self._find_holders)
@@ -195,6 +195,7 @@ class LatestFinder:
 
     async def _judge(self, head: TaskHead) -> bool:
         """Verify the chain ``head`` names; True when it verified (kept as the best if longest)."""
+        await self._load_rules()
         chain = await self._verify(head)
         if chain is None:
             return False

@@ -55,12 +55,15 @@ def _run_roots(run_dir: Path, store: ContentStore) -> list[str]:
     cids = [task_cid]
     if store.has(task_cid):
         task = task_from_bytes(store.cat(task_cid, max_bytes=MAX_TASK_BYTES + 1))
-        cids.append(task.dataset.manifest)
         if task.initial_model:
             cids.append(task.initial_model)
-        if store.has(task.dataset.manifest):
-            manifest = Manifest.from_json(store.cat(task.dataset.manifest, max_bytes=MAX_MANIFEST_BYTES + 1))
-            cids.extend(ref.cid for shards in manifest.splits.values() for ref in shards)
+        if task.model.architecture:
+            cids.append(task.model.architecture)
+        if task.dataset is not None:
+            cids.append(task.dataset.manifest)
+            if store.has(task.dataset.manifest):
+                manifest = Manifest.from_json(store.cat(task.dataset.manifest, max_bytes=MAX_MANIFEST_BYTES + 1))
+                cids.extend(ref.cid for shards in manifest.splits.values() for ref in shards)
     chain_file = run_dir / "chain.jsonl"
     if chain_file.exists():
         with open(chain_file, "rb") as f:

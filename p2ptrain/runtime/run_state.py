@@ -24,10 +24,12 @@ from p2ptrain.data.manifest import Manifest
 from p2ptrain.logs import count_rejection, short_id
 from p2ptrain.metrics_hist import RoundHistograms
 from p2ptrain.node import Node
+from p2ptrain.runtime.chain_file import ChainFile
 from p2ptrain.runtime.content import ContentService
 from p2ptrain.runtime.status import Phase
 from p2ptrain.training.attestations import Attestations
 from p2ptrain.training.election import Election, ElectionConfig
+from p2ptrain.training.records import RecordError
 from p2ptrain.training.rounds import RoundBook
 from p2ptrain.training.sync import RoundTimings
 from p2ptrain.training.task import Task, unmet_requirement
@@ -92,6 +94,11 @@ class RunState:
     initial_cid: str = ""
     trainer: Trainer | None = None
     book: RoundBook | None = None
+    # The confirmed chain on disk (chain.jsonl): read when the run starts, only ever extended.
+    chain_file: ChainFile | None = None
+    # The confirmed record this run resumed from when it started with a chain on its home (or took
+    # a longer one from the run's other members then): {"version", "step"}; None for a fresh start.
+    resumed_from: dict[str, int] | None = None
     heads: TaskHead | None = None  # the latest head of the run heard from its coordinator
     head_sender: str | None = None
     metrics: dict[str, float] = field(default_factory=dict)
@@ -178,6 +185,18 @@ class RunState:
             write_atomic(self.dir / VOTED_FILE, str(voted).encode(), mode=0o600)
             self.voted_saved = voted
 
+    def save_chain(self) -> None:
+        """Append to chain.jsonl the records the book's chain adds to it (runtime/chain_file.py).
+        A chain that does not extend the file (a fork) is refused, counted and logged there; the
+        file is kept as it was and the run goes on."""
+        if self.book is None or self.chain_file is None:
+            return
+        try:
+            self.chain_file.extend(self.book.chain)
+        except RecordError as exc:
+            self.rejected["fork"] += 1
+            self.refuse("chain_file", f"chain.jsonl not extended: {exc}")
+
     def set_synced(self) -> None:
         self.synced, self.phase = True, Phase.TRAINING
         self.advertise(True)
@@ -225,6 +244,17 @@ class RunState:
         write_atomic(self.dir / CANCELLED_FILE, self.cancel_reason.encode(), mode=0o600)
         logger.info("%s: cancelled by the task's publisher (%s); stopping at the end of the span under way",
                     self.log_prefix, self.cancel_reason)
+        self.wake_leader.set()
+
+    def uncancel(self) -> None:
+        """The publisher resumed the run before its cancel settled (task resume): plan again."""
+        if self.cancel_reason is None:
+            return
+        self.cancel_reason = None
+        if self.book is not None:
+            self.book.cancelled = False
+        (self.dir / CANCELLED_FILE).unlink(missing_ok=True)
+        logger.info("%s: resumed by the task's publisher before the cancel settled", self.log_prefix)
         self.wake_leader.set()
 
     def advertising(self) -> set[str]:

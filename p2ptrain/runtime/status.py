@@ -24,6 +24,7 @@ class Phase(StrEnum):
     FETCHING = "fetching data"
     TRAINING = "training"
     RESYNCING = "resyncing"
+    RESUMING = "resuming"  # from the chain on its home, after a stop (runtime/resume.py)
     DONE = "done"
     CANCELLED = "cancelled"  # by the task's publisher
     FAILED = "failed"
@@ -128,6 +129,8 @@ class TaskStatus:
     sync_s: float = _member(0.0)
     apply_s: float = _member(0.0)
     rejected: dict[str, int] = _member_dict()  # heads, chains, resyncs refused, by kind
+    # The confirmed record this run resumed from after a stop ({"version", "step"}); None for a fresh start.
+    resumed_from: dict[str, int] | None = _member()
     # The last round this member completed and the step after it (None before the first round).
     last_round: int | None = _member()
     last_step: int | None = _member()

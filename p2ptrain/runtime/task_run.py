@@ -10,6 +10,8 @@ they decide, one job per module:
 - :mod:`~p2ptrain.runtime.spans`: the round loop (the rounds of a followed plan, then its checkpoint);
 - :mod:`~p2ptrain.runtime.attesting`: records, attestations, the confirmed chain on disk;
 - :mod:`~p2ptrain.runtime.resync`: heads, loading the confirmed chain by CID, catching up to a plan;
+- :mod:`~p2ptrain.runtime.resume`: a member that starts with the task's chain on its home resumes
+  from its last record (after hearing the other members' chains);
 - :mod:`~p2ptrain.runtime.datafeed`: the member's shards, the test split, replication;
 - :mod:`~p2ptrain.runtime.run_state`: what they share.
 
@@ -23,6 +25,7 @@ the coordinator never puts a member into a ring that would compute from differen
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import trio
@@ -34,9 +37,11 @@ from p2ptrain.ipfs.store import ContentUnavailable
 from p2ptrain.logs import short_id
 from p2ptrain.node import Node
 from p2ptrain.runtime.attesting import Attesting
+from p2ptrain.runtime.chain_file import ChainFile
 from p2ptrain.runtime.content import ContentService
 from p2ptrain.runtime.datafeed import DataFeed
 from p2ptrain.runtime.leading import HEAD_EVERY_S, Leading
+from p2ptrain.runtime.resume import Resume
 from p2ptrain.runtime.resync import Resync
 from p2ptrain.runtime.run_state import Nudge, RunState
 from p2ptrain.runtime.spans import Spans
@@ -46,7 +51,7 @@ from p2ptrain.training.records import RecordError, load_model_bytes
 from p2ptrain.training.rounds import RoundBook, RuleBreak
 from p2ptrain.training.task import Task, total_steps
 from p2ptrain.training.local_sgd import LocalSGDTrainer, new_trainer
-from p2ptrain.training.trainer import TrainerError
+from p2ptrain.training.trainer import Trainer, TrainerError
 from p2ptrain.wire.topics import TASKS_TOPIC
 from p2ptrain.wire.messages import (
     CoordinatorBeat,
@@ -91,15 +96,20 @@ class TaskRun:
         *,
         device: str = "auto",
         precision: str = "fp32",
+        make_trainer: Callable[[int], Trainer] | None = None,
     ) -> None:
         self.device = device
         self.precision = precision
+        # A run of the user's own module: its trainer (the user's module, optimizer and loop) comes
+        # from the process that runs the user's script (p2ptrain.Optimizer), given the run's length.
+        self.make_trainer = make_trainer
         self.shared = run = RunState.create(node, content, collective, task, task_cid)
         run.deliver_own = self._deliver_own
         self.data = DataFeed(run)
         self.attesting = Attesting(run, self.data)
         self.spans = Spans(run, self.data, self.attesting)
-        self.resync = Resync(run)
+        self.resync = Resync(run, self.spans.restore_feedback)
+        self.resume = Resume(run, self.resync)
         self.leading = Leading(run, self.spans, self.attesting, self.resync)
         self._head_news = Nudge()  # a head arrived: the join's wait for the run's state looks again
 
@@ -146,6 +156,7 @@ class TaskRun:
             sync_s=round(run.timings.sync_s, 4),
             apply_s=round(run.timings.apply_s, 4),
             rejected=dict(run.rejected),
+            resumed_from=run.resumed_from,
             last_round=last_round,
             last_step=last_step,
             # Local-SGD mode: read from the trainer while its worker thread runs the inner loop
@@ -169,6 +180,7 @@ class TaskRun:
                 nursery.start_soon(self.spans.run_loop)
                 nursery.start_soon(self.resync.run_loop, self.spans.follow)
                 nursery.start_soon(self.data.replicate)
+                nursery.start_soon(self.resume.hear_others)
                 await run.done.wait()
                 nursery.cancel_scope.cancel()
             run.phase = Phase.DONE if run.cancel_reason is None else Phase.CANCELLED
@@ -191,22 +203,37 @@ class TaskRun:
         run = self.shared
         task, content = run.task, run.content
         run.phase = Phase.FETCHING
-        await content.fetch(task.dataset.manifest, max_bytes=MAX_MANIFEST_BYTES)
-        run.manifest = await trio.to_thread.run_sync(Manifest.load, content.store, task.dataset.manifest)
-        train_samples = run.manifest.num_samples(task.dataset.train_split)
+        train_samples = 0
+        if task.dataset is not None:
+            manifest_cid = task.dataset.manifest
+            await content.fetch(manifest_cid, max_bytes=MAX_MANIFEST_BYTES)
+            run.manifest = await trio.to_thread.run_sync(Manifest.load, content.store, manifest_cid)
+            train_samples = run.manifest.num_samples(task.dataset.train_split)
         run.total_steps = total_steps(task, train_samples, task.peers.max)
-        trainer = await trio.to_thread.run_sync(
-            lambda: new_trainer(task, total_steps=run.total_steps, device=self.device, precision=self.precision)
-        )
-        if task.initial_model:
+        make = self.make_trainer
+        if make is not None:
+            trainer = make(run.total_steps)
+        else:
+            if task.model.user:
+                raise TrainerError("a run of the members' own model: only a process running its script joins it "
+                                   "(p2ptrain.Optimizer)")
+            trainer = await trio.to_thread.run_sync(
+                lambda: new_trainer(task, total_steps=run.total_steps, device=self.device, precision=self.precision)
+            )
+        if task.initial_model and make is None:  # the user's module holds the run's initial weights already
             await content.fetch(task.initial_model)
             data = await trio.to_thread.run_sync(content.store.cat, task.initial_model)
             load_model_bytes(trainer.model, data)
         run.initial_cid = await trio.to_thread.run_sync(content.store.add_bytes, trainer.model_bytes())
         run.trainer = trainer
-        chain = Chain(run.task_cid, run.initial_cid, ChainRules.of(task, run.task_cid))
-        run.book = RoundBook(task, run.task_cid, chain, run.total_steps,
+        # The chain this home confirmed (a RecordError for a file that does not verify: kept as it is).
+        rules = ChainRules.of(task, run.task_cid)
+        run.chain_file = await trio.to_thread.run_sync(ChainFile.open, run.dir, run.task_cid, run.initial_cid, rules)
+        run.book = RoundBook(task, run.task_cid, Chain(run.task_cid, run.initial_cid, rules), run.total_steps,
                              cancelled=run.cancel_reason is not None)
+        if run.chain_file.chain.version:
+            await self.resume.load_own(run.chain_file.copy())  # then hears the others (run's nursery)
+            return
         # A run under way has a coordinator that publishes its head every HEAD_EVERY_S: hear it
         # before claiming to hold the run's state (we hold step 0, which is only right early on).
         # A run that is over has none: ask, and its members answer (runtime/head_answers.py), and
@@ -243,7 +270,8 @@ class TaskRun:
         elif isinstance(msg, SignedAttestation):
             await self.attesting.on_attestation(msg)
         elif isinstance(msg, TaskHead):
-            self.resync.on_head(sender, msg)
+            if not self.resume.on_head(sender, msg):
+                self.resync.on_head(sender, msg)
             self._head_news.set()
         elif isinstance(msg, TaskCancel):
             self._on_cancel(sender, msg)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -26,13 +26,17 @@ from p2ptrain.net import control_ops
 from p2ptrain.node import Node
 from p2ptrain.runtime.content import ContentService
 from p2ptrain.atomic import write_atomic
+from p2ptrain.runtime.chain_file import CHAIN_FILE
 from p2ptrain.runtime.head_answers import HeadAnswers
 from p2ptrain.runtime.latest import LatestFinder, head_key, held_tasks
 from p2ptrain.runtime.run_state import CANCEL_SENT_FILE, CANCELLED_FILE
-from p2ptrain.runtime.status import FINISHED, TaskStatus
+from p2ptrain.runtime.status import FINISHED, Phase, TaskStatus
 from p2ptrain.runtime.task_run import TaskRun
+from p2ptrain.training.trainer import Trainer
 from p2ptrain.training.lineage import Chain
-from p2ptrain.training.task import MAX_TASK_BYTES, TaskError, load_task, task_bytes, task_from_bytes, unmet_requirement
+from p2ptrain.training.task import (
+    MAX_TASK_BYTES, Task, TaskError, load_task, task_bytes, task_from_bytes, unmet_requirement,
+)
 from p2ptrain.wire import Signed
 from p2ptrain.wire.topics import TASKS_TOPIC, task_topic
 from p2ptrain.wire.messages import (
@@ -46,6 +50,7 @@ from p2ptrain.wire.messages import (
     TaskAnnounce,
     TaskCancel,
     TaskHead,
+    TaskResume,
     VoteRequest,
 )
 
@@ -57,6 +62,12 @@ MAX_KNOWN_TASKS = 256
 # instead of piling up fetches and worker threads. Coordinators re-announce their task every few
 # seconds, so an honest task refused while busy is joined on a later announcement.
 MAX_CONCURRENT_JOINS = 4
+# ``--join`` on a home that does not hold the task: it comes from peers, so the join waits this long
+# for one to be in view, and a join that found nobody holding it yet is tried again JOIN_RETRIES times,
+# JOIN_RETRY_S apart (the others may still be starting: a power cut, every machine at once).
+JOIN_PEER_WAIT_S = 60.0
+JOIN_RETRIES = 5
+JOIN_RETRY_S = 5.0
 # How long a task CID whose join failed is not tried again: long enough that a hostile announcer
 # repeating a bad CID costs one failed fetch per 10 minutes, short enough that a task whose data was
 # briefly unreachable is joined again without restarting the node.
@@ -72,6 +83,9 @@ JOIN_FETCH_TIMEOUT_S = 30.0
 # a head every 2 s, and a finished run's members answer a request within a second.
 VERIFY_HEAD_S = 10.0
 MAX_VERIFY_HEAD_S = 60.0
+# A run in one of these states does not hold the run's state yet: its node answers head requests from
+# the chain on its disk, so members that restart together hear each other's chains (runtime/resume.py).
+STARTING_PHASES = frozenset({Phase.STARTING, Phase.FETCHING, Phase.RESUMING})
 
 
 @dataclass
@@ -135,10 +149,14 @@ class TaskService:
         self._joining: set[str] = set()
         self._failed: dict[str, float] = {}  # task CID -> trio time until which it is not retried
         self._finders: dict[str, LatestFinder] = {}  # task CID -> a lookup of its latest chain under way
+        # Runs of the user's own model this process takes part in: task CID -> the trainer maker
+        # (p2ptrain.Optimizer binds one before it joins; training/user.py).
+        self.bindings: dict[str, Callable[[int], Trainer]] = {}
         node.on(TaskAnnounce, self._on_announce)
         node.on(TaskHead, self._on_head)
         node.on(TaskCancel, self._on_cancel)
-        self.head_answers = HeadAnswers(node.home, content.store, self._running, self._total_steps,
+        node.on(TaskResume, self._on_resume)
+        self.head_answers = HeadAnswers(node.home, content.store, self._under_way, self._total_steps,
                                         lambda head: node.publish(TASKS_TOPIC, head))
         node.on(HeadRequest, self._on_head_request)
         for msg_type in (VoteRequest, SignedVote, CoordinatorBeat, RoundPlan, RoundFailed, SignedModelRecord,
@@ -150,6 +168,7 @@ class TaskService:
             (control_ops.TASK_LIST, self._list_op),
             (control_ops.TASK_STATUS, self._status_op),
             (control_ops.TASK_CANCEL, self._cancel_op),
+            (control_ops.TASK_RESUME, self._resume_op),
         ):
             node.control.register(op, handler)
         node.add_status("tasks", self._node_status)
@@ -168,6 +187,12 @@ class TaskService:
         run = self.runs.get(task_cid)
         return run is not None and run.shared.phase not in FINISHED
 
+    def _under_way(self, task_cid: str) -> bool:
+        """Whether this node's run of ``task_cid`` holds (or is getting) the run's state: then its
+        coordinator's heads are the run's, and this node answers no head request for it."""
+        run = self.runs.get(task_cid)
+        return run is not None and run.shared.phase not in FINISHED | STARTING_PHASES
+
     def _total_steps(self, task_cid: str) -> int | None:
         run = self.runs.get(task_cid)
         return run.shared.total_steps if run is not None and run.shared.total_steps else None
@@ -182,7 +207,7 @@ class TaskService:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             for cid in self.options.join:
-                nursery.start_soon(self._join_quietly, cid)
+                nursery.start_soon(self._join_named, cid)
             task_status.started()
             await trio.sleep_forever()
 
@@ -199,6 +224,9 @@ class TaskService:
         why = unmet_requirement(task, self.node.membership.caps)
         if why is None and not task.peers.admits(self.node.peer_id.to_base58()):
             why = "the task admits only the peers on its allowlist (peers.allow), and this node is not one"
+        if why is None and task.model.user and task_cid not in self.bindings:
+            why = ("it trains the members' own model: only a process running its script takes part "
+                   "(p2ptrain.Optimizer or p2ptrain.train), no node joins it by itself")
         if why is not None:
             raise UserError(f"this node cannot take part in task {task.name} ({task_cid}): {why}")
         if task_cid in self.runs:  # joined meanwhile
@@ -207,7 +235,8 @@ class TaskService:
             raise UserError(f"task {task.name} ({task_cid}) was cancelled by its publisher")
         assert self.collective is not None and self._nursery is not None
         run = TaskRun(self.node, self.content, self.collective, task, task_cid,
-                      device=self.options.device, precision=self.options.precision)
+                      device=self.options.device, precision=self.options.precision,
+                      make_trainer=self.bindings.get(task_cid))
         self.runs[task_cid] = run
         self._failed.pop(task_cid, None)
         known = self.known.get(task_cid)
@@ -229,15 +258,17 @@ class TaskService:
         a DAG that claims more, or hides a bomb, fails on its declared sizes before it is walked."""
         return self.content.store.cat(task_cid, max_bytes=MAX_TASK_BYTES + 1)
 
-    async def _join_quietly(self, task_cid: str) -> None:
+    async def _join_quietly(self, task_cid: str) -> Exception | None:
         """Join from an announcement or ``--join``: the one boundary of the join path.
 
         Whatever goes wrong (a bad CID, content that is not a task, a DAG bomb, a bug) is a counted,
-        logged refusal of this task, remembered for FAILED_JOIN_MEMORY_S; never a node exit.
+        logged refusal of this task, remembered for FAILED_JOIN_MEMORY_S; never a node exit. The
+        failure is returned (None: joined).
         """
         self._joining.add(task_cid)
         try:
             await self.join(task_cid)
+            return None
         except Exception as exc:
             kind = "refused" if isinstance(exc, (UserError, ContentUnavailable)) else type(exc).__name__
             self.join_rejections[kind] += 1
@@ -250,8 +281,22 @@ class TaskService:
             else:
                 logger.warning("node %s does not join task %s (%s): %s", short_id(self.node.peer_id), task_cid, kind, exc,
                                exc_info=not isinstance(exc, ValueError))
+            return exc
         finally:
             self._joining.discard(task_cid)
+
+    async def _join_named(self, task_cid: str) -> None:
+        """``--join``: a home that does not hold the task gets it from peers, so the join waits for
+        one to be in view (at most JOIN_PEER_WAIT_S: a node started at the same time as the others,
+        after a power cut, or on a new home); a join that still found nobody holding the task is
+        tried again, JOIN_RETRY_S apart, JOIN_RETRIES times."""
+        if not self.content.store.has(task_cid):
+            with trio.move_on_after(JOIN_PEER_WAIT_S):
+                await self.node.membership.wait_until(lambda m: bool(m.alive()))
+        for _ in range(JOIN_RETRIES):
+            if not isinstance(await self._join_quietly(task_cid), ContentUnavailable):
+                return
+            await trio.sleep(JOIN_RETRY_S)
 
     def _remember_failure(self, task_cid: str) -> None:
         self._failed.pop(task_cid, None)
@@ -324,6 +369,40 @@ class TaskService:
         if run is not None:
             await run.on_message(signed.sender.to_base58(), signed.msg)
 
+    async def _on_resume(self, signed: Signed[TaskResume], topic: str) -> None:
+        """A task's resume: obeyed for a run this home cancelled, and only from the task's publisher."""
+        if topic == TASKS_TOPIC:
+            await self._resume_here(signed.msg.task_cid, signed.sender.to_base58())
+
+    async def _resume_here(self, task_cid: str, sender: str) -> None:
+        """Forget the cancel of ``task_cid`` and resume its run from this home's chain, if ``sender``
+        is the publisher its task file names; anyone else's resume is refused and counted (in the
+        run's status, ``rejected``, and in ``task list --json``, ``joins``). A run this home never
+        cancelled ignores it."""
+        run = self.runs.get(task_cid)
+        if run is None or run.shared.cancel_reason is None:
+            held = (self.node.home / "tasks" / task_cid / CHAIN_FILE).is_file() and self.content.store.has(task_cid)
+            if run is not None or not self._cancelled_here(task_cid) or not held:
+                return  # no run of ours to resume (only a task held here is read, never fetched for a stranger)
+        task = run.shared.task if run is not None else task_from_bytes(
+            await trio.to_thread.run_sync(self._read_task, task_cid))
+        if task.publisher is None or sender != task.publisher:
+            why = "the task names no publisher" if task.publisher is None else "not the task's publisher"
+            self.join_rejections["resume_refused"] += 1
+            if run is not None:
+                run.shared.refuse("resume", f"refused a resume from {short_id(sender)}: {why}")
+            else:
+                logger.warning("node %s refused a resume of task %s from %s: %s", short_id(self.node.peer_id),
+                               task_cid, short_id(sender), why)
+            return
+        (self.node.home / "tasks" / task_cid / CANCELLED_FILE).unlink(missing_ok=True)
+        if run is not None and run.shared.phase not in FINISHED:
+            run.shared.uncancel()  # the cancel had not settled yet: the run simply goes on
+            return
+        self.runs.pop(task_cid, None)
+        logger.info("node %s resumes task %s: its publisher continues it", short_id(self.node.peer_id), task_cid)
+        await self._join_quietly(task_cid)  # the join path's one boundary: a failure is counted, logged
+
     async def _on_task_message(self, signed: Signed[Any], topic: str) -> None:
         msg = signed.msg
         if isinstance(msg, SignedVote):
@@ -347,10 +426,11 @@ class TaskService:
         task = load_task(text)
         if task.publisher is None:  # this node's key is the one that may cancel it (task cancel)
             task = replace(task, publisher=self.node.peer_id.to_base58())
-        try:
-            await self.content.fetch(task.dataset.manifest, timeout=float(request.get("timeout", 30.0)))
-        except ContentUnavailable as exc:
-            raise TaskError(f"dataset.manifest: {exc}; add it first with: p2ptrain dataset add") from None
+        if task.dataset is not None:
+            try:
+                await self.content.fetch(task.dataset.manifest, timeout=float(request.get("timeout", 30.0)))
+            except ContentUnavailable as exc:
+                raise TaskError(f"dataset.manifest: {exc}; add it first with: p2ptrain dataset add") from None
         if task.initial_model:
             try:
                 await self.content.fetch(task.initial_model)
@@ -382,11 +462,7 @@ class TaskService:
         task_cid = requested_cid(request.get("task_cid", ""))
         reason = str(request.get("reason") or "")[:256]
         run = self.runs.get(task_cid)
-        if run is not None:
-            task = run.shared.task
-        else:
-            await self.content.fetch(task_cid, timeout=JOIN_FETCH_TIMEOUT_S, max_bytes=MAX_TASK_BYTES)
-            task = task_from_bytes(await trio.to_thread.run_sync(self._read_task, task_cid))
+        task = await self._task_of(task_cid)
         me = self.node.peer_id.to_base58()
         if task.publisher != me:
             raise UserError(f"only the task's publisher ({task.publisher or 'none named'}) can cancel it; "
@@ -401,6 +477,31 @@ class TaskService:
             await run.on_message(me, msg)  # pubsub does not deliver our own message back to us
         logger.info("node %s cancelled task %s", short_id(self.node.peer_id), task_cid)
         return {"task_cid": task_cid, "cancelled": True}
+
+    async def _resume_op(self, request: dict[str, Any]) -> dict[str, Any]:
+        """`task resume`: announce that this node, the task's publisher, continues a run it
+        cancelled; the members (and this node, if it is one) resume it from their chains."""
+        task_cid = requested_cid(request.get("task_cid", ""))
+        task = await self._task_of(task_cid)
+        me = self.node.peer_id.to_base58()
+        if task.publisher != me:
+            raise UserError(f"only the task's publisher ({task.publisher or 'none named'}) can resume it; "
+                            f"this node is {me}")
+        run_dir = self.node.home / "tasks" / task_cid
+        (run_dir / CANCEL_SENT_FILE).unlink(missing_ok=True)  # joiners are no longer told it is cancelled
+        await self.node.publish(TASKS_TOPIC, TaskResume(task_cid=task_cid))
+        await self._resume_here(task_cid, me)  # pubsub does not deliver our own message back to us
+        (run_dir / CANCELLED_FILE).unlink(missing_ok=True)  # a publisher that is no member: no run to resume
+        logger.info("node %s resumed task %s", short_id(self.node.peer_id), task_cid)
+        return {"task_cid": task_cid, "resumed": True}
+
+    async def _task_of(self, task_cid: str) -> Task:
+        """The task ``task_cid`` (from its run here, else fetched by CID, bounded)."""
+        run = self.runs.get(task_cid)
+        if run is not None:
+            return run.shared.task
+        await self.content.fetch(task_cid, timeout=JOIN_FETCH_TIMEOUT_S, max_bytes=MAX_TASK_BYTES)
+        return task_from_bytes(await trio.to_thread.run_sync(self._read_task, task_cid))
 
     async def _status_op(self, request: dict[str, Any]) -> dict[str, Any]:
         task_cid = str(request.get("task_cid", ""))

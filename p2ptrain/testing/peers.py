@@ -185,20 +185,33 @@ class LocalPeers(Sequence["Peer"]):
 
     def running(self) -> list[Peer]:
         """The peers whose node has not been stopped."""
-        return [p for p in self._peers if not p.node.stopped.is_set()]
+        return [p for p in self._peers if p is not None and not p.node.stopped.is_set()]
 
     async def add_peer(self, *, see_all: bool = True) -> Peer:
         """Start one more full peer (home ``<base>/peer<i>``), bootstrapping from every running one;
         with ``see_all``, return once it and they see each other. Bound it with ``trio.fail_after``."""
+        self._peers.append(None)  # type: ignore[arg-type]  # filled by _start
+        self._scopes.append(trio.CancelScope())
+        return await self._start(len(self._peers) - 1, see_all)
+
+    async def restart_peer(self, index: int, *, see_all: bool = True) -> Peer:
+        """Start peer ``index`` again on its home after :meth:`stop_peer` (a restarted machine: the
+        same identity and disk, a new node and services, no run until it joins one), bootstrapping
+        from every running peer. Bound it with ``trio.fail_after``."""
+        if not self._peers[index].node.stopped.is_set():
+            raise RuntimeError(f"peer{index} is running: stop it first")
+        self._scopes[index] = trio.CancelScope()
+        return await self._start(index, see_all)
+
+    async def _start(self, index: int, see_all: bool) -> Peer:
         from p2ptrain.runtime.peer import make_peer
 
-        bootstrap = [addr for p in self.running() for addr in p.node.addrs[:1]]
-        node = Node(self.base / f"peer{len(self._peers)}", replace(self._config, bootstrap=bootstrap))
+        bootstrap = [addr for p in self.running() if p is not None for addr in p.node.addrs[:1]]
+        node = Node(self.base / f"peer{index}", replace(self._config, bootstrap=bootstrap))
         peer = make_peer(node, self._task_options)
         self.changes.watch(node)
-        self._peers.append(peer)
-        scope = trio.CancelScope()
-        self._scopes.append(scope)
+        self._peers[index] = peer
+        scope = self._scopes[index]
 
         async def run(*, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
             with scope:

@@ -126,9 +126,23 @@ class Election:
         # candidate). If we give that coordinator up and enter that term, we vote for it at once
         # instead of waiting a heartbeat for the candidate to ask again.
         self._deferred: tuple[int, str] | None = None
+        # Terms up to here were used before this member's run resumed (resume_after): no vote in them.
+        self._floor = -1
         # How many more roster members must be alive before an election can be won (0: enough);
         # while short, the member waits in its term instead of standing and timing out term after term.
         self.short_of_quorum = 0
+
+    def resume_after(self, term: int) -> None:
+        """This member resumes a run whose confirmed chain ends with a record of ``term`` (after a
+        stop; its ballots of that time are forgotten): it goes to the next term and votes in no
+        term up to ``term``. Terms are not used twice, so a chain never holds two coordinators'
+        records under one term, and the run's first election takes one term, not a timeout first.
+        Called again once the member may lead, while no coordinator is known: that term's clock
+        starts afresh (a term that ran out while every member was still loading would cost another)."""
+        self._floor = max(self._floor, term)
+        if self.coordinator is None and self.term <= term + 1:
+            self._new_term(0.0, term + 1)
+            self._term_started = None  # the term's clock starts at the next tick
 
     # --- queries --------------------------------------------------------------------------------
 
@@ -348,7 +362,7 @@ class Election:
         return CoordinatorBeat(task_cid=self.task_cid, term=self.term, coordinator=self.me, votes=self._certificate)
 
     def _on_request(self, now: float, sender: str, msg: VoteRequest) -> list[ElectionMessage]:
-        if sender != msg.candidate:
+        if sender != msg.candidate or msg.term <= self._floor:
             return []
         # A suspect that asks for votes is not the hung coordinator we gave up: it may be designated
         # again. Otherwise members that each suspect all the others each stood alone, term after term.

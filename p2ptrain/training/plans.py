@@ -23,6 +23,22 @@ def round_id(plan: RoundPlan, index: int) -> int:
     return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "big")
 
 
+def round_seed(task: Task, round_index: int) -> int:
+    """The seed of round ``round_index``'s top-k choices (which member picks which slice's indices,
+    where the threshold sample starts): a 64-bit hash of the task's seed and the round's number only,
+    so that the same round computes the same bits whichever term or attempt runs it (a run that
+    resumes after a whole-run stop, under a new term, reproduces the run that did not stop)."""
+    name = f"seed{task.seed}/r{round_index}"
+    return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "big")
+
+
+def buffers_round_id(plan: RoundPlan) -> int:
+    """The id of the all-reduce that averages the members' buffers at the end of ``plan``'s span
+    (runtime/spans.py): apart from every round's (:func:`round_id`)."""
+    name = f"{plan.task_cid}/t{plan.term}/r{plan.round + plan.rounds - 1}/a{plan.attempt}/buffers"
+    return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "big")
+
+
 def shard_of(plan: RoundPlan, peer: str) -> tuple[int, int]:
     """``(rank, world_size)`` of ``peer`` in the plan: its index in the plan's member order."""
     return plan.members.index(peer), len(plan.members)

@@ -69,7 +69,8 @@ RETRY_BACKOFF_S = 1.5
 FAILED_PEER_QUARANTINE_S = 10.0
 # The first plan waits this long after the coordinator's election, for peers still joining, unless
 # the task's ``peers.max`` already advertise it (no one else could be admitted: the wait would only
-# delay the run's first step, by 2 s of its ~9 s start on an emulated WAN, bench/wan_train.py).
+# delay the run's first step, by 2 s of its ~9 s start on an emulated WAN, bench/wan_train.py), or
+# the run resumed from a record whose members all advertise it again (runtime/resume.py).
 FIRST_ROUND_GRACE_S = 2.0
 # Spans whose plans a member keeps for their records: the span under way, the one whose checkpoint
 # may be unsettled (overlap mode), and two more for records that come late.
@@ -196,11 +197,17 @@ class RoundBook:
         for a peer that is not among them (a joiner, or one dropped while away), the members of the
         latest plan seen on the topic; with no plan seen yet, ``head_members`` (the members the
         run's head names: with the live peers instead, a joiner refused the coordinator's
-        certificate, 2 votes where a quorum of its 4 live peers is 3, and stood itself); none
-        before the first span (then the live peers vote)."""
+        certificate, 2 votes where a quorum of its 4 live peers is 3, and stood itself); without
+        those, the members of the last record of our chain (a member that resumed its chain after
+        a stop of the whole run: nobody publishes plans or heads, and a quorum of those members
+        elects the run's next coordinator); none before the first span (then the live peers vote)."""
         if self.last_plan is not None and me in self.last_plan.members:
             return self.last_plan.members
-        return self.observed.members if self.observed is not None else tuple(head_members)
+        if self.observed is not None:
+            return self.observed.members
+        if head_members or not self.chain.records:
+            return tuple(head_members)
+        return self.chain.records[-1].record.members
 
     def resynced(self, chain: Chain) -> RoundBook:
         """The book of a member that loaded ``chain``'s head: plans and failures start afresh from
@@ -306,6 +313,8 @@ class RoundBook:
             # e.g. it joined at step 0 and missed the records): it must not plan from its stale state.
             return Hold.BEHIND
         joining_possible = len(set(advertising) - quarantined) < self.task.peers.max
+        if last is None and self.chain.records and set(self.chain.records[-1].record.members) <= set(advertising):
+            joining_possible = False  # resumed, with every member of the last record back: start now
         if last is None and self.elected_at is not None and now - self.elected_at < FIRST_ROUND_GRACE_S \
                 and joining_possible:
             return Hold.WAIT

@@ -55,12 +55,25 @@ OUTER_MOMENTUM = 0.9
 OUTER_WAIT_S = 60.0
 
 
+# [model] name of a run of the user's own module (p2ptrain.Optimizer, p2ptrain.train): no builder
+# here; every member brings its module, and the task names its architecture card by CID.
+USER_MODEL = "user"
+
+
 @dataclass(frozen=True)
 class ModelSpec:
-    """A builder from :mod:`p2ptrain.training.models` and its keyword arguments (JSON scalars/lists)."""
+    """A builder from :mod:`p2ptrain.training.models` and its keyword arguments (JSON scalars/lists),
+    or, for a run of the user's own module (``name = "user"``), the CID of its architecture card
+    (:mod:`p2ptrain.training.fingerprint`: every tensor, the optimizer, the run's options)."""
 
     name: str
     kwargs: dict[str, Any] = field(default_factory=dict)
+    architecture: str | None = None  # name = "user" only
+
+    @property
+    def user(self) -> bool:
+        """Whether the members bring the module themselves (no builder of ours makes it)."""
+        return self.name == USER_MODEL
 
 
 @dataclass(frozen=True)
@@ -202,8 +215,11 @@ class Task:
 
     name: str
     model: ModelSpec
-    dataset: DatasetSpec
-    optimizer: OptimizerSpec
+    # None: each member trains on its own data (a run of the user's own module and loop).
+    dataset: DatasetSpec | None
+    # None for a run of the user's own module: its optimizer is the members' own, described in the
+    # architecture card the model names.
+    optimizer: OptimizerSpec | None
     training: TrainingSpec
     schedule: ScheduleSpec = ScheduleSpec()
     compression: CompressionSpec = CompressionSpec()
@@ -236,53 +252,12 @@ def parse_task(data: dict[str, Any]) -> Task:
     initial_model = fields.cid(data, "initial_model", "", None)
     publisher = fields.text(data, "publisher", "", None, max_len=_MAX_PEER_LEN)
 
-    m = fields.table(data, "model", "", True)
-    fields.only(m, {"name", "kwargs"}, "model.")
-    kwargs_t = fields.table(m, "kwargs", "model.", False)
-    if len(kwargs_t) > 32:
-        raise TaskError("model.kwargs: more than 32 arguments")
-    model = ModelSpec(
-        name=fields.text(m, "name", "model."),
-        kwargs={k: fields.kwarg_value(v, f"model.kwargs.{k}") for k, v in sorted(kwargs_t.items())},
-    )
-
-    try:
-        check_model(model.name, model.kwargs)
-    except ModelError as exc:
-        raise TaskError(str(exc)) from None
-
-    d = fields.table(data, "dataset", "", True)
-    fields.only(d, {"manifest", "train_split", "test_split"}, "dataset.")
-    dataset = DatasetSpec(
-        manifest=fields.cid(d, "manifest", "dataset."),
-        train_split=fields.text(d, "train_split", "dataset.", "train"),
-        test_split=fields.text(d, "test_split", "dataset.", "test"),
-    )
-
-    o = fields.table(data, "optimizer", "", True)
-    fields.only(o, {"name", "lr", "momentum", "weight_decay", "beta1", "beta2", "eps"}, "optimizer.")
-    opt_name = fields.choice(o, "name", "optimizer.", OPTIMIZERS)
-    if opt_name == "sgd":
-        extra = sorted({"beta1", "beta2", "eps"} & set(o))
-        if extra:
-            raise TaskError(f"optimizer.{extra[0]}: only for adam/adamw")
-        optimizer = OptimizerSpec(
-            name=opt_name,
-            lr=fields.number(o, "lr", "optimizer.", lo=0.0, hi=10.0, lo_open=True),
-            weight_decay=fields.number(o, "weight_decay", "optimizer.", 0.0, 0.0, 1.0),
-            momentum=fields.number(o, "momentum", "optimizer.", 0.0, 0.0, 0.999),
-        )
-    else:
-        if "momentum" in o:
-            raise TaskError(f"optimizer.momentum: only for sgd ({opt_name} uses beta1/beta2)")
-        optimizer = OptimizerSpec(
-            name=opt_name,
-            lr=fields.number(o, "lr", "optimizer.", lo=0.0, hi=10.0, lo_open=True),
-            weight_decay=fields.number(o, "weight_decay", "optimizer.", 0.0, 0.0, 1.0),
-            beta1=fields.number(o, "beta1", "optimizer.", 0.9, 0.0, 0.9999),
-            beta2=fields.number(o, "beta2", "optimizer.", 0.999, 0.0, 0.99999),
-            eps=fields.number(o, "eps", "optimizer.", 1e-8, 0.0, 1.0, lo_open=True),
-        )
+    model = _model(fields.table(data, "model", "", True))
+    dataset = _dataset(data, required=not model.user)
+    optimizer = _optimizer(data) if not model.user else None
+    if model.user and "optimizer" in data:
+        raise TaskError('optimizer: a run of the members\' own model ([model] name = "user") uses their own '
+                        "optimizer, described in its architecture card")
 
     s = fields.table(data, "schedule", "", False)
     fields.only(s, {"name", "warmup_steps", "min_lr_ratio"}, "schedule.")
@@ -339,6 +314,75 @@ def parse_task(data: dict[str, Any]) -> Task:
         name=name, model=model, dataset=dataset, optimizer=optimizer, training=training,
         schedule=schedule, compression=compression, peers=peers, requirements=requirements,
         seed=seed, initial_model=initial_model, publisher=publisher, outer=outer,
+    )
+
+
+def _model(m: dict[str, Any]) -> ModelSpec:
+    """``[model]``: a registry builder and its checked kwargs, or ``name = "user"`` with its
+    ``architecture`` card's CID."""
+    fields.only(m, {"name", "kwargs", "architecture"}, "model.")
+    kwargs_t = fields.table(m, "kwargs", "model.", False)
+    if len(kwargs_t) > 32:
+        raise TaskError("model.kwargs: more than 32 arguments")
+    model = ModelSpec(
+        name=fields.text(m, "name", "model."),
+        kwargs={k: fields.kwarg_value(v, f"model.kwargs.{k}") for k, v in sorted(kwargs_t.items())},
+        architecture=fields.cid(m, "architecture", "model.", None),
+    )
+    if model.user:
+        if model.architecture is None:
+            raise TaskError('model.architecture: a run of the members\' own model ([model] name = "user") names '
+                            "its architecture card by CID")
+        if model.kwargs:
+            raise TaskError('model.kwargs: not for name = "user" (the members build their own module)')
+        return model
+    if model.architecture is not None:
+        raise TaskError('model.architecture: only for name = "user"')
+    try:
+        check_model(model.name, model.kwargs)
+    except ModelError as exc:
+        raise TaskError(str(exc)) from None
+    return model
+
+
+def _dataset(data: dict[str, Any], required: bool) -> DatasetSpec | None:
+    """``[dataset]``: a manifest by CID and its split names; only a run of the user's own model may
+    have none (each member trains on its own data)."""
+    if not required and "dataset" not in data:
+        return None
+    d = fields.table(data, "dataset", "", True)
+    fields.only(d, {"manifest", "train_split", "test_split"}, "dataset.")
+    return DatasetSpec(
+        manifest=fields.cid(d, "manifest", "dataset."),
+        train_split=fields.text(d, "train_split", "dataset.", "train"),
+        test_split=fields.text(d, "test_split", "dataset.", "test"),
+    )
+
+
+def _optimizer(data: dict[str, Any]) -> OptimizerSpec:
+    """``[optimizer]``: the task's optimizer, which every member runs identically."""
+    o = fields.table(data, "optimizer", "", True)
+    fields.only(o, {"name", "lr", "momentum", "weight_decay", "beta1", "beta2", "eps"}, "optimizer.")
+    opt_name = fields.choice(o, "name", "optimizer.", OPTIMIZERS)
+    if opt_name == "sgd":
+        extra = sorted({"beta1", "beta2", "eps"} & set(o))
+        if extra:
+            raise TaskError(f"optimizer.{extra[0]}: only for adam/adamw")
+        return OptimizerSpec(
+            name=opt_name,
+            lr=fields.number(o, "lr", "optimizer.", lo=0.0, hi=10.0, lo_open=True),
+            weight_decay=fields.number(o, "weight_decay", "optimizer.", 0.0, 0.0, 1.0),
+            momentum=fields.number(o, "momentum", "optimizer.", 0.0, 0.0, 0.999),
+        )
+    if "momentum" in o:
+        raise TaskError(f"optimizer.momentum: only for sgd ({opt_name} uses beta1/beta2)")
+    return OptimizerSpec(
+        name=opt_name,
+        lr=fields.number(o, "lr", "optimizer.", lo=0.0, hi=10.0, lo_open=True),
+        weight_decay=fields.number(o, "weight_decay", "optimizer.", 0.0, 0.0, 1.0),
+        beta1=fields.number(o, "beta1", "optimizer.", 0.9, 0.0, 0.9999),
+        beta2=fields.number(o, "beta2", "optimizer.", 0.999, 0.0, 0.99999),
+        eps=fields.number(o, "eps", "optimizer.", 1e-8, 0.0, 1.0, lo_open=True),
     )
 
 

@@ -319,3 +319,13 @@ class ModelServed:
 
     model_cid: str = field(metadata=_CID)
     url: str = field(metadata={"max_len": 256})
+
+
+@message("task_resume")
+@dataclass(frozen=True)
+class TaskResume:
+    """The task's publisher continues a run it cancelled (``p2ptrain task resume``): members forget
+    the cancel and resume the run from the confirmed chain on their homes. Published on the tasks
+    topic; obeyed, like :class:`TaskCancel`, only from the peer the task file names as ``publisher``."""
+
+    task_cid: str = field(metadata=_CID)

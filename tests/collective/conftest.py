@@ -118,12 +118,12 @@ class LocalMember:
         result = await self.ring.meet((round_id, "dense"), self.index, data.clone(), lambda xs: ring_sum(xs, spec.average))
         data.copy_(result)
 
-    async def sparse_round(self, source, ring, round_id, spec, *, sizes, ks, select, prepare=None):
+    async def sparse_round(self, source, ring, round_id, spec, *, sizes, ks, select, prepare=None, seed=None):
         size = self.ring.size
         if prepare is not None:
             prepare()
         ranges = slice_ranges(sizes, ks, size)
-        mine = slice_of(self.index, round_id, size)
+        mine = slice_of(self.index, round_id if seed is None else seed, size)
         chosen = select(ranges[mine])
         per_slice = await self.ring.meet((round_id, "idx"), self.index, (mine, chosen), dict)
         indices = assemble([per_slice[m] for m in range(size)], ranges)

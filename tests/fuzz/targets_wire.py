@@ -38,6 +38,7 @@ from p2ptrain.wire.messages import (
     SignedVote,
     TaskAnnounce,
     TaskCancel,
+    TaskResume,
     TaskHead,
     Vote,
     VoteRequest,
@@ -109,6 +110,7 @@ SAMPLES = [
     TaskCancel(task_cid=_CID, reason="enough"),
     HeadRequest(task_cid=_CID),
     ModelServed(model_cid=_CID, url="http://127.0.0.1:8080"),
+    TaskResume(task_cid=_CID),
 ]
 _WIRE_TYPES = set(MESSAGES.names())
 assert {type(m).TYPE for m in SAMPLES} == _WIRE_TYPES, "every wire message type needs a fuzz seed here"

@@ -16,7 +16,7 @@ from PIL import Image
 from sklearn.datasets import load_digits
 
 from p2ptrain.testing import LocalPeers, local_peers
-from p2ptrain.training.records import Chain, record_from_bytes
+from p2ptrain.training.lineage import Chain, read_chain
 
 DEADLINE_S = 150.0
 STEPS, CHECKPOINT = 60, 20
@@ -71,8 +71,7 @@ async def _publish(peers: LocalPeers, folder: Path) -> str:
 
 def _chain(peer: Any, task_cid: str) -> Chain:
     data = (peer.node.home / "tasks" / task_cid / "chain.jsonl").read_bytes()
-    first = record_from_bytes(data.splitlines()[0]).record
-    return Chain.from_bytes(task_cid, first.parent, data)
+    return read_chain(task_cid, data)
 
 
 async def test_two_peers_train_a_cnn_on_an_image_folder_added_by_cid(tmp_path: Path) -> None:

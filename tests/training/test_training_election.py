@@ -583,3 +583,17 @@ def test_a_coordinator_caught_breaking_the_rules_is_given_up_and_never_voted_for
         assert all(net.nodes[p].coordinator != hostile for p in left)
     assert not any(isinstance(m, SignedVote) and m.vote.candidate == hostile and m.vote.voter in left
                    and m.vote.term > term for _, m in net.sent)
+
+
+def test_members_that_resume_a_stopped_run_elect_in_the_term_after_its_last_record_at_once():
+    """After a stop of the whole run (ballots forgotten), a term of the chain is never used again:
+    the members go to the term after the last record's and elect its designated candidate without
+    waiting for a term to time out; a request for a term up to the record's gets no vote."""
+    net = Net(3)
+    for node in net.nodes.values():
+        node.resume_after(7)
+    stale = net.ids[0]
+    net.broadcast(stale, [VoteRequest(task_cid=TASK, term=7, candidate=stale)])
+    assert not [m for _, m in net.sent if isinstance(m, SignedVote)]
+    net.run(2 * HB)
+    assert net.agreed() == (8, designated(TASK, 8, net.ids))
