@@ -24,6 +24,7 @@ from p2ptrain.data.manifest import Manifest
 from p2ptrain.logs import count_rejection, short_id
 from p2ptrain.metrics_hist import RoundHistograms
 from p2ptrain.node import Node
+from p2ptrain.runtime.ballots_file import load_voted_through, save_voted_through
 from p2ptrain.runtime.chain_file import ChainFile
 from p2ptrain.runtime.content import ContentService
 from p2ptrain.runtime.status import Phase
@@ -45,9 +46,6 @@ CANCELLED_FILE = "cancelled"
 # In a run's folder on the publisher's node: it sent the cancel, and repeats it to whoever asks for
 # the task's head (a joiner), since only its key can sign one.
 CANCEL_SENT_FILE = "cancel_sent"
-# In a run's folder: the latest term this member may have voted in (Election.voted_through), written
-# before the vote leaves, read when the run starts again: one vote per term holds across restarts.
-VOTED_FILE = "voted_through"
 
 class Nudge:
     """Wake one waiting loop now instead of at its next period; a nudge while nobody waits is kept.
@@ -125,18 +123,17 @@ class RunState:
     cancelled_at: float = 0.0
     # Set by TaskRun: hands a message this member sent to its own handlers, as a peer's would be.
     deliver_own: Callable[[Any], Awaitable[None]] | None = None
-    # The election's voted_through as VOTED_FILE holds it.
+    # The election's voted_through as this home keeps it (runtime/ballots_file.py).
     voted_saved: int = -1
 
     @classmethod
     def create(cls, node: Node, content: ContentService, collective: Collective, task: Task, task_cid: str) -> RunState:
         run_dir = node.home / "tasks" / task_cid
-        voted = _read_voted(run_dir / VOTED_FILE)
         election = Election(task_cid, node.key_pair, ElectionConfig(heartbeat_s=node.config.heartbeat_interval),
-                            voted_through=voted)
+                            voted_through=load_voted_through(run_dir))
         return cls(node=node, content=content, collective=collective, task=task, task_cid=task_cid,
                    election=election, me=node.peer_id.to_base58(), topic=task_topic(task_cid),
-                   dir=run_dir, voted_saved=voted)
+                   dir=run_dir, voted_saved=election.voted_through)
 
     @property
     def log_prefix(self) -> str:
@@ -175,14 +172,11 @@ class RunState:
             self.node.membership.poke()
 
     def save_ballots(self) -> None:
-        """Persist the election's ballots (``voted_through``) if they changed: call it after a tick
-        or a receive and before publishing what it returned, as Raft persists its vote before
-        answering. Otherwise a member that restarts within a term votes in it again, maybe for
-        another candidate, and that term can elect two coordinators."""
+        """Keep the election's ``voted_through`` on disk if it grew: call it after a tick or a
+        receive and before publishing what it returned (runtime/ballots_file.py says why)."""
         voted = self.election.voted_through
         if voted > self.voted_saved:
-            self.dir.mkdir(parents=True, exist_ok=True)
-            write_atomic(self.dir / VOTED_FILE, str(voted).encode(), mode=0o600)
+            save_voted_through(self.dir, voted)
             self.voted_saved = voted
 
     def save_chain(self) -> None:
@@ -282,18 +276,3 @@ class RunState:
     def refuse(self, kind: str, why: str) -> None:
         """Count a refusal of ``kind``; log it the 1st, 2nd, 4th, 8th... time (a flood stays a few lines)."""
         count_rejection(self.rejected, kind, logger, logging.WARNING, "%s: %s", self.log_prefix, why)
-
-
-def _read_voted(path: Path) -> int:
-    """The term VOTED_FILE says this member voted through; -1 when there is none (a first run)."""
-    try:
-        text = path.read_bytes()[:32]
-    except FileNotFoundError:
-        return -1
-    try:
-        return max(-1, int(text))
-    except ValueError:
-        # Written atomically, so damaged only by hand: say so, and start as a first run would.
-        logger.warning("%s is not a term number (%r); this member may vote again in a term it voted in",
-                       path, text)
-        return -1

@@ -83,14 +83,17 @@ _LOWER_TERM_VOTES = 2
 _MAX_CERTIFICATE = 128
 # The ballot of a term at or below Election._forgotten_through: cast for someone we no longer know.
 _FORGOTTEN = "?"
+# Election(voted_through=None): the member cannot tell which terms it voted in, so it votes in none.
+_EVERY_TERM = 2**63 - 1  # the largest term the wire carries
 
 
 class Election:
     """One member's view of the election of one task."""
 
     def __init__(self, task_cid: str, key_pair: KeyPair, config: ElectionConfig = ElectionConfig(), *,
-                 voted_through: int = -1) -> None:
-        """``voted_through``: what :attr:`voted_through` was when this member last ran the task."""
+                 voted_through: int | None = -1) -> None:
+        """``voted_through``: :attr:`voted_through` when this member last ran the task (-1: never);
+        None when that is unknown (its file was damaged): it then votes and stands in no term."""
         self.task_cid = task_cid
         self.key_pair = key_pair
         self.me = signing.peer_str(key_pair)
@@ -99,8 +102,9 @@ class Election:
         self.coordinator: str | None = None  # accepted for self.term
         self._ballots: dict[int, str] = {}  # term -> whom I voted for (one vote per term, ever)
         # Every term up to this one counts as voted in, for nobody we know: ballots cast before a
-        # restart, and ballots dropped from memory (_BALLOT_MEMORY). All of _ballots lie above it.
-        self._forgotten_through = voted_through
+        # restart, terms used before a stop of the run (resume_after), ballots dropped from memory
+        # (_BALLOT_MEMORY). No vote is ever cast in them.
+        self._forgotten_through = _EVERY_TERM if voted_through is None else voted_through
         self.live: frozenset[str] = frozenset()
         self.roster: tuple[str, ...] = ()
         self.suspects: set[str] = set()  # peers whose coordinatorship timed out
@@ -126,8 +130,6 @@ class Election:
         # candidate). If we give that coordinator up and enter that term, we vote for it at once
         # instead of waiting a heartbeat for the candidate to ask again.
         self._deferred: tuple[int, str] | None = None
-        # Terms up to here were used before this member's run resumed (resume_after): no vote in them.
-        self._floor = -1
         # How many more roster members must be alive before an election can be won (0: enough);
         # while short, the member waits in its term instead of standing and timing out term after term.
         self.short_of_quorum = 0
@@ -139,7 +141,7 @@ class Election:
         records under one term, and the run's first election takes one term, not a timeout first.
         Called again once the member may lead, while no coordinator is known: that term's clock
         starts afresh (a term that ran out while every member was still loading would cost another)."""
-        self._floor = max(self._floor, term)
+        self._forgotten_through = max(self._forgotten_through, term)
         if self.coordinator is None and self.term <= term + 1:
             self._new_term(0.0, term + 1)
             self._term_started = None  # the term's clock starts at the next tick
@@ -152,10 +154,9 @@ class Election:
 
     @property
     def voted_through(self) -> int:
-        """The latest term this member may have voted in (-1: none). The node persists it before it
-        sends what a tick or a receive returned and passes it to the Election it makes after a
-        restart: without it, a member restarted within a term voted in it again."""
-        return max(self._ballots, default=self._forgotten_through)
+        """The latest term this member may have voted in (-1: none): kept on disk before a vote
+        leaves, given back after a restart (runtime/ballots_file.py)."""
+        return max(self._forgotten_through, max(self._ballots, default=-1))
 
     def _ballot(self, term: int) -> str | None:
         """Whom we voted for in ``term``: None if nobody, :data:`_FORGOTTEN` if we cannot tell."""
@@ -327,6 +328,8 @@ class Election:
 
     def _stand(self, now: float) -> list[ElectionMessage]:
         """Vote for myself and ask for votes (again each heartbeat, in case a request was lost)."""
+        if self.voted_for not in (None, self.me):
+            return []  # our one vote of this term went elsewhere (or may have: see _ballot)
         if self.voted_for is None:
             own = self._vote(self.me)
             self._votes[self.me] = own
@@ -362,8 +365,8 @@ class Election:
         return CoordinatorBeat(task_cid=self.task_cid, term=self.term, coordinator=self.me, votes=self._certificate)
 
     def _on_request(self, now: float, sender: str, msg: VoteRequest) -> list[ElectionMessage]:
-        if sender != msg.candidate or msg.term <= self._floor:
-            return []
+        if sender != msg.candidate or msg.term <= self._forgotten_through:
+            return []  # (a term we may have voted in: nothing to answer)
         # A suspect that asks for votes is not the hung coordinator we gave up: it may be designated
         # again. Otherwise members that each suspect all the others each stood alone, term after term.
         self.suspects.discard(msg.candidate)
