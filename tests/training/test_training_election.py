@@ -358,7 +358,7 @@ def random_failures(seed, grow, wire=False):
 
 
 # Seeds per kind in the sweep below: 40 keep this file fast (about 2 s); the full sweep is
-# P2PTRAIN_ELECTION_SEEDS=1000 (about 90 s on the shared 2-core machine). Before voted_through,
+# P2PTRAIN_ELECTION_SEEDS=1000 (1.5-2.5 min on the shared 2-core machine). Before voted_through,
 # 5 of 1000 runs with joiners elected two coordinators in one term (the seeds replayed next).
 RANDOM_SEEDS = int(os.environ.get("P2PTRAIN_ELECTION_SEEDS", "40"))
 
