@@ -39,6 +39,7 @@ from p2ptrain.ipfs.bitswap_wire import MAX_MESSAGE_SIZE, PROTOCOLS as BITSWAP_PR
 from p2ptrain.ipfs.blockstore import BlockStore
 from p2ptrain.ipfs.cid import DAG_PB, cid_str, make_cid
 from p2ptrain.ipfs.dagpb import encode_file_leaf, encode_file_node, varint
+from p2ptrain.ipfs.embedded import EmbeddedStore
 from p2ptrain.ipfs.exchange import BlockExchange
 from p2ptrain.wire.topics import MESH_TOPIC
 from p2ptrain.net.control import socket_path
@@ -137,6 +138,11 @@ class HostilePeer:
         for cid, data in blocks:
             self.blocks.put(cid, data)
 
+    @property
+    def store(self) -> EmbeddedStore:
+        """The files this peer serves (a data set, a task), over the same blocks."""
+        return EmbeddedStore(self.blocks.root.parent)
+
 
 def gossip_message(key_pair: KeyPair, topic: str, data: bytes, seqno: bytes) -> rpc_pb2.Message:
     """A gossipsub message whose origin is ``key_pair``'s peer, signed as strict signing requires."""
@@ -156,7 +162,7 @@ async def hostile_peer(topics: Sequence[str] = (MESH_TOPIC, TASKS_TOPIC)) -> Asy
     host = make_host(key_pair, ["/ip4/127.0.0.1/tcp/0"])
     pubsub = make_pubsub(host)
     with tempfile.TemporaryDirectory(prefix="p2ptrain-hostile-") as tmp:
-        blocks = BlockStore(Path(tmp) / "blocks")
+        blocks = EmbeddedStore(Path(tmp)).blocks  # files and data sets added to it are served too
         async with host.run(listen_addrs=[Multiaddr("/ip4/127.0.0.1/tcp/0")]):
             async with running_pubsub(pubsub), trio.open_nursery() as nursery:
                 exchange = BlockExchange(host, blocks)

@@ -21,6 +21,7 @@ from p2ptrain.collective import Collective
 from p2ptrain.errors import UserError
 from p2ptrain.ipfs.cid import requested_cid
 from p2ptrain.ipfs.store import ContentUnavailable
+from p2ptrain.ipfs.unixfs import dag_bytes_limit
 from p2ptrain.logs import short_id
 from p2ptrain.net import control_ops
 from p2ptrain.node import Node
@@ -30,6 +31,7 @@ from p2ptrain.runtime.head_answers import HeadAnswers
 from p2ptrain.runtime.latest import head_key, held_tasks
 from p2ptrain.runtime.run_state import CANCEL_SENT_FILE, CANCELLED_FILE
 from p2ptrain.runtime.task_run import TaskRun
+from p2ptrain.training.models import model_file_limit
 from p2ptrain.training.task import MAX_TASK_BYTES, TaskError, load_task, task_bytes, task_from_bytes, unmet_requirement
 from p2ptrain.wire.topics import TASKS_TOPIC, task_topic
 from p2ptrain.wire.messages import (
@@ -330,9 +332,10 @@ class TaskService:
             await self.content.fetch(task.dataset.manifest, timeout=float(request.get("timeout", 30.0)))
         except ContentUnavailable as exc:
             raise TaskError(f"dataset.manifest: {exc}; add it first with: p2ptrain dataset add") from None
-        if task.initial_model:
+        if task.initial_model:  # within what a model of the task's architecture takes
+            limit = await trio.to_thread.run_sync(model_file_limit, task.model.name, task.model.kwargs)
             try:
-                await self.content.fetch(task.initial_model)
+                await self.content.fetch(task.initial_model, max_bytes=dag_bytes_limit(limit))
             except ContentUnavailable as exc:
                 raise TaskError(f"initial_model: {exc}") from None
         task_cid = await trio.to_thread.run_sync(self.content.store.add_bytes, task_bytes(task))

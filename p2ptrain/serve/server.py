@@ -70,8 +70,9 @@ def resolve_device(device: str) -> torch.device:
 def load_served(store: ContentStore, cid: str, device: torch.device, home: Path | None = None) -> Loaded:
     """The model ``cid`` from ``store`` (every byte verified), built from the registry, on ``device``."""
     from p2ptrain.training.loading import model_from_bytes
+    from p2ptrain.training.models import MAX_MODEL_FILE_BYTES
 
-    data = store.cat(cid)
+    data = store.cat(cid, max_bytes=MAX_MODEL_FILE_BYTES)  # no model the registry builds is larger
     module = model_from_bytes(data)  # RecordError for anything that is not a p2ptrain model
     card = read_model_card(data) or {}
     try:

@@ -1,0 +1,98 @@
+"""Issue 27's "Bounds" attacks, done as a hostile peer or client would: a task whose initial model
+is a bomb, floods of forged heads and of head requests, and slow or big request bodies against
+``model serve``.
+
+Like :mod:`hostile` (whose :class:`~hostile.HostilePeer` the pubsub and Bitswap attacks use), every
+attack here is bounded in count and time and returns a small dict of what it sent, for the bench's
+report. Used by bench/chaos.py and bench/head_flood.py; tests/bench_chaos runs them against real
+node processes and a real server.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from typing import Any
+
+from hostile import HostilePeer
+from p2ptrain.ipfs.cid import CID, DAG_PB, cid_from_digest, cid_str
+from p2ptrain.ipfs.dagpb import encode_file_leaf, encode_file_node
+from p2ptrain.ipfs.unixfs import CHUNK_SIZE, MAX_LINKS
+from p2ptrain.training.demo import TASK_TEMPLATE
+from p2ptrain.training.task import load_task, task_bytes
+from p2ptrain.wire.messages import TaskAnnounce
+from p2ptrain.wire.topics import TASKS_TOPIC
+
+Block = tuple[CID, bytes]
+
+# The model bomb of issue 27: a task's initial_model that declares 2 GiB and is one 256 KiB leaf
+# linked at every position (a few blocks to fetch; a node that reads it unbounded holds gigabytes).
+MODEL_BOMB_BYTES = 2 * 1024**3
+# ... and one of distinct random leaves under a root that declares 1,000 bytes, so that only a
+# fetch counting the bytes as they arrive stops it: 256 MiB (the issue downloaded 2 GiB of such).
+MODEL_FLOOD_CHUNKS = 1024
+
+
+def _dag_pb(block: bytes) -> Block:
+    return cid_from_digest(hashlib.sha256(block).digest(), DAG_PB, 0), block
+
+
+def repeated_leaf_file(declared: int) -> list[Block]:
+    """A well-formed UnixFS file of about ``declared`` bytes (whole subtrees of MAX_LINKS leaves,
+    all sizes consistent, so any reader takes it for a file) whose every leaf is one random 256 KiB
+    chunk; root first."""
+    leaf = _dag_pb(encode_file_leaf(os.urandom(CHUNK_SIZE)))
+    blocks = [leaf]
+    child, size, tsize = leaf, CHUNK_SIZE, len(leaf[1])
+    while size * MAX_LINKS <= declared:
+        node = _dag_pb(encode_file_node([(bytes(child[0]), tsize)] * MAX_LINKS, [size] * MAX_LINKS))
+        blocks.append(node)
+        child, size, tsize = node, size * MAX_LINKS, tsize * MAX_LINKS + len(node[1])
+    count = max(1, declared // size)
+    blocks.append(_dag_pb(encode_file_node([(bytes(child[0]), tsize)] * count, [size] * count)))
+    return blocks[::-1]
+
+
+def distinct_leaves_file(chunks: int) -> list[Block]:
+    """``chunks`` distinct random 256 KiB leaves under one node, under a root that declares its one
+    child holds 1,000 bytes: the root's size passes any bound; root first. (A reader finds the lie;
+    a fetch that trusts declared sizes, or counts nothing, downloads every leaf.)"""
+    leaves = [_dag_pb(encode_file_leaf(os.urandom(CHUNK_SIZE))) for _ in range(chunks)]
+    nodes, level = [], leaves
+    while len(level) > 1:  # a balanced tree of MAX_LINKS links a node, as an importer lays it out
+        level = [_dag_pb(encode_file_node([(bytes(c), len(b)) for c, b in level[i:i + MAX_LINKS]],
+                                          [CHUNK_SIZE] * len(level[i:i + MAX_LINKS])))
+                 for i in range(0, len(level), MAX_LINKS)]
+        nodes += level
+    root = _dag_pb(encode_file_node([(bytes(level[0][0]), 1000)], [1000]))
+    return [root, *nodes[::-1], *leaves]
+
+
+def model_task_text(name: str, manifest: str, initial_model: str) -> str:
+    """The demo's digits task (a 64-64-10 MLP: ~17 KB of weights) naming ``initial_model``."""
+    text = TASK_TEMPLATE.format(manifest=manifest, steps=100, checkpoint=10, density=0.01, peers=8)
+    return text.replace('name = "demo-digits-mlp"', f'name = "{name}"\ninitial_model = "{initial_model}"')
+
+
+async def model_bomb_tasks(peer: HostilePeer, manifest: str, *, declared: int = MODEL_BOMB_BYTES,
+                           chunks: int = MODEL_FLOOD_CHUNKS) -> dict[str, Any]:
+    """Serve two tasks on ``manifest`` (a data set the victims can fetch) whose initial models are
+    :func:`repeated_leaf_file` and :func:`distinct_leaves_file`, and announce both, signed, on the
+    tasks topic. Returns the task and model CIDs and what was served."""
+    bomb, flood = repeated_leaf_file(declared), distinct_leaves_file(chunks)
+    peer.put_blocks(bomb)
+    peer.put_blocks(flood)
+    out: dict[str, Any] = {"declared_bytes": declared, "bomb_blocks": len(bomb),
+                           "bomb_bytes": sum(len(b) for _, b in bomb), "flood_bytes": sum(len(b) for _, b in flood)}
+    for name, blocks in (("model-bomb", bomb), ("model-flood", flood)):
+        model = cid_str(blocks[0][0])
+        task_cid = peer.store.add_bytes(task_bytes(load_task(model_task_text(name, manifest, model))))
+        out[name] = {"task_cid": task_cid, "model_cid": model, "leaf": cid_str(blocks[-1][0])}
+    await announce(peer, {out[name]["task_cid"]: name for name in ("model-bomb", "model-flood")})
+    return out
+
+
+async def announce(peer: HostilePeer, tasks: dict[str, str]) -> None:
+    """Announce each task (CID -> name), signed by the peer, on the tasks topic."""
+    for task_cid, name in tasks.items():
+        await peer.publish(TASKS_TOPIC, peer.signed(TaskAnnounce(task_cid=task_cid, name=name)))
