@@ -27,7 +27,7 @@ from p2ptrain.errors import UserError
 from p2ptrain.hostport import AddressError, format_host_port, parse_host_port
 from p2ptrain.ipfs.store import ContentStore
 from p2ptrain.runtime.served import SERVED_EVERY_S
-from p2ptrain.serve.app import ServeApp
+from p2ptrain.serve.app import BODY_TIMEOUT_S, ServeApp
 from p2ptrain.serve.batcher import Batcher, Loaded
 from p2ptrain.serve.limits import MAX_CONNECTIONS, MAX_CONNECTIONS_LIMIT
 from p2ptrain.serve.spec import spec_for
@@ -49,8 +49,9 @@ MAX_WAIT_MS_LIMIT = 1000
 # --latest: how often the task's newest confirmed head is looked up (a control call to the running
 # node, or a temporary node's head request): checkpoints come every few seconds at the fastest.
 LATEST_POLL_S = 5.0
-# A connection idle this long between requests is closed (hypercorn keep_alive_timeout), and a
-# request whose body does not arrive within READ_TIMEOUT_S is dropped (a slow client holds no slot).
+# A connection idle this long between requests is closed (hypercorn keep_alive_timeout), and one
+# that sends nothing for READ_TIMEOUT_S is dropped (hypercorn's read_timeout: per read, so it bounds
+# a silent client, not a trickling one; a body's whole time is app.BODY_TIMEOUT_S).
 KEEP_ALIVE_S = 30
 READ_TIMEOUT_S = 30
 # Connections waiting to be accepted (listen backlog): the bench's 64 clients and then some.
@@ -121,7 +122,7 @@ class Server:
         self, loaded: Loaded, *, listen: str = "127.0.0.1:8080", max_batch: int = 64, max_wait_ms: float = 5.0,
         follow: Callable[[], str] | None = None, store: ContentStore | None = None, home: Path | None = None,
         follow_every_s: float = LATEST_POLL_S, announce: Callable[[str, str], None] | None = None,
-        max_connections: int = MAX_CONNECTIONS,
+        max_connections: int = MAX_CONNECTIONS, body_timeout_s: float = BODY_TIMEOUT_S,
     ) -> None:
         if not 1 <= max_batch <= MAX_BATCH_LIMIT:
             raise UserError(f"--max-batch must be 1 to {MAX_BATCH_LIMIT}")
@@ -136,7 +137,7 @@ class Server:
         if follow is not None and store is None:
             raise ValueError("follow needs the store its CIDs are made local in")
         self.batcher = Batcher(loaded, max_batch, max_wait_ms / 1000)
-        self.app = ServeApp(self.batcher)
+        self.app = ServeApp(self.batcher, body_timeout_s)
         self.listen, self.follow, self.store, self.home = listen, follow, store, home
         self.follow_every_s = follow_every_s
         self.follow_failures = 0
