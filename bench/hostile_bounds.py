@@ -14,13 +14,13 @@ import hashlib
 import os
 from typing import Any
 
-from hostile import HostilePeer
+from hostile import HostilePeer, gossip_message
 from p2ptrain.ipfs.cid import CID, DAG_PB, cid_from_digest, cid_str
 from p2ptrain.ipfs.dagpb import encode_file_leaf, encode_file_node
 from p2ptrain.ipfs.unixfs import CHUNK_SIZE, MAX_LINKS
 from p2ptrain.training.demo import TASK_TEMPLATE
 from p2ptrain.training.task import load_task, task_bytes
-from p2ptrain.wire.messages import TaskAnnounce
+from p2ptrain.wire.messages import HeadRequest, TaskAnnounce, TaskHead
 from p2ptrain.wire.topics import TASKS_TOPIC
 
 Block = tuple[CID, bytes]
@@ -31,6 +31,12 @@ MODEL_BOMB_BYTES = 2 * 1024**3
 # ... and one of distinct random leaves under a root that declares 1,000 bytes, so that only a
 # fetch counting the bytes as they arrive stops it: 256 MiB (the issue downloaded 2 GiB of such).
 MODEL_FLOOD_CHUNKS = 1024
+# The head floods of issue 27: forged heads (signed by the attacker, naming the run's task, the
+# most members a head may list: ~55 KB each) cut a run's steps/s by 69-77% at 131/s; head
+# requests by 43-45% at 2,600/s.
+HEAD_FLOOD_RATE = 131.0
+HEAD_MEMBERS = 1024
+HEAD_REQUEST_RATE = 2600.0
 
 
 def _dag_pb(block: bytes) -> Block:
@@ -96,3 +102,28 @@ async def announce(peer: HostilePeer, tasks: dict[str, str]) -> None:
     """Announce each task (CID -> name), signed by the peer, on the tasks topic."""
     for task_cid, name in tasks.items():
         await peer.publish(TASKS_TOPIC, peer.signed(TaskAnnounce(task_cid=task_cid, name=name)))
+
+
+def forged_head(peer: HostilePeer, task_cid: str, members: int = HEAD_MEMBERS) -> TaskHead:
+    """A head for ``task_cid`` far ahead of the run (v999), listing ``members`` made-up members,
+    naming CIDs nobody holds: what a peer that is not the coordinator can sign."""
+    fake = cid_str(cid_from_digest(hashlib.sha256(task_cid.encode()).digest(), DAG_PB, 0))
+    ids = tuple(peer.peer_id.to_base58()[:-6] + f"{i:06d}" for i in range(members))
+    return TaskHead(task_cid=task_cid, term=999, version=999, step=10**6, round=10**6, total_steps=10**6,
+                    chain_cid=fake, model_cid=fake, optimizer_cid=fake, members=ids)
+
+
+def head_flood(peer: HostilePeer, task_cid: str, count: int, members: int = HEAD_MEMBERS) -> list[Any]:
+    """``count`` forged heads of ``task_cid`` for the tasks topic, each signed anew (wire and
+    gossipsub signatures): made before a flood starts, so the attacker's CPU does not set its pace.
+    Send them with :func:`hostile.send_paced` (HEAD_FLOOD_RATE)."""
+    head = forged_head(peer, task_cid, members)
+    return [gossip_message(peer.key_pair, TASKS_TOPIC, peer.signed(head), peer._next_gossip_seq())
+            for _ in range(count)]
+
+
+def head_request_flood(peer: HostilePeer, task_cid: str, count: int) -> list[Any]:
+    """``count`` head requests for ``task_cid``, signed, for the tasks topic (HEAD_REQUEST_RATE)."""
+    request = HeadRequest(task_cid=task_cid)
+    return [gossip_message(peer.key_pair, TASKS_TOPIC, peer.signed(request), peer._next_gossip_seq())
+            for _ in range(count)]

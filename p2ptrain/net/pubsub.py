@@ -22,7 +22,8 @@ a silent drop measured in ../shared/FIELD-NOTES.md:
   subscriptions in one RPC, messages that did not fit a subscription's queue (``queue-full``), and
   messages over the wire cap (``oversized``, dropped as read: they are never checked, queued or
   forwarded), and messages over a peer's inbound rate (``rate-limited``, see
-  ``MAX_INBOUND_MESSAGES_PER_PEER_PER_S``).
+  ``MAX_INBOUND_MESSAGES_PER_PEER_PER_S``); and messages its ``inbound_gate`` refuses (per-sender
+  rates of message types, counted by the router that sets it) are neither delivered nor relayed.
 
 Two more cut its CPU, which training peers share with their local steps (an idle node went from
 24 to 12 ms of CPU a second in a cluster of four):
@@ -161,6 +162,10 @@ class TrainingPubsub(Pubsub):
         # Per peer reading from us: (tokens, trio time of the last refill); entries live while the
         # peer's stream is read, so there is one per connected peer at most.
         self._inbound_tokens: dict[ID, tuple[float, float]] = {}
+        # Asked about each new message as it is read, before pubsub checks, delivers or relays it:
+        # False drops it (the layer that set it counts why). The node sets its message router's
+        # per-sender rates here (mesh.router.MessageRouter.admit).
+        self.inbound_gate: Callable[[rpc_pb2.Message], bool] | None = None
 
     def _admit(self, peer_id: ID, count: int) -> int:
         """How many of ``count`` messages just read from ``peer_id`` its token bucket allows."""
@@ -226,6 +231,8 @@ class TrainingPubsub(Pubsub):
             if self.max_message_bytes is not None and len(msg.data) > self.max_message_bytes:
                 self._drop("oversized", peer_id, f"{len(msg.data)} B")
             elif self._is_subscribed_to_msg(msg) and self.manager.is_running:
+                if self.inbound_gate is not None and not self._is_msg_seen(msg) and not self.inbound_gate(msg):
+                    continue
                 # A copy of its own: a message parsed out of an RPC keeps the whole RPC's buffer
                 # alive (protobuf's arena) for as long as it waits in a queue, so one small
                 # message could pin a 1 MiB frame (a 3,000 msg/s flood grew a node by 336 MB).

@@ -23,6 +23,7 @@ from p2ptrain.ipfs.cid import requested_cid
 from p2ptrain.ipfs.store import ContentUnavailable
 from p2ptrain.ipfs.unixfs import dag_bytes_limit
 from p2ptrain.logs import short_id
+from p2ptrain.mesh.rates import Rate
 from p2ptrain.net import control_ops
 from p2ptrain.node import Node
 from p2ptrain.runtime.content import ContentService
@@ -68,6 +69,13 @@ MAX_FAILED_JOINS = 1024
 JOIN_FETCH_TIMEOUT_S = 30.0
 # A run in one of these states is over: it acts on no head, and its node answers head requests for it.
 FINISHED_PHASES = frozenset({"done", "cancelled", "failed", "stopped"})
+# Heads and head requests taken from one sender (issue 27: forged heads at 131/s took a run from
+# 2.7 to 0.1 steps/s). An honest coordinator sends a task's head every HEAD_EVERY_S (2 s) and one
+# beside each checkpoint's plan, a member of a finished run answers at most once a second a task,
+# a joiner or fetcher asks every second or two: these leave room for several tasks at once, and
+# hold a flood from one identity to what a node checks and relays in a few ms a second.
+HEAD_RATE = Rate(per_s=4.0, burst=16.0)
+HEAD_REQUEST_RATE = Rate(per_s=2.0, burst=8.0)
 
 
 @dataclass
@@ -127,6 +135,8 @@ class TaskService:
         self.head_answers = HeadAnswers(node.home, content.store, self._running, self._total_steps,
                                         lambda head: node.publish(TASKS_TOPIC, head))
         node.on(HeadRequest, self._on_head_request)
+        node.limit(TaskHead, HEAD_RATE)
+        node.limit(HeadRequest, HEAD_REQUEST_RATE)
         for msg_type in (VoteRequest, SignedVote, CoordinatorBeat, RoundPlan, RoundFailed, SignedModelRecord,
                          SignedAttestation):
             node.on(msg_type, self._on_task_message)
