@@ -11,8 +11,14 @@ node processes and a real server.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+import random
+import statistics
+from collections import Counter
 from typing import Any
+
+import trio
 
 from hostile import HostilePeer, gossip_message
 from p2ptrain.ipfs.cid import CID, DAG_PB, cid_from_digest, cid_str
@@ -84,12 +90,14 @@ async def model_bomb_tasks(peer: HostilePeer, manifest: str, *, declared: int = 
                            chunks: int = MODEL_FLOOD_CHUNKS) -> dict[str, Any]:
     """Serve two tasks on ``manifest`` (a data set the victims can fetch) whose initial models are
     :func:`repeated_leaf_file` and :func:`distinct_leaves_file`, and announce both, signed, on the
-    tasks topic. Returns the task and model CIDs and what was served."""
+    tasks topic. Returns the task and model CIDs, what was served, and (``cids``) every block of
+    both models."""
     bomb, flood = repeated_leaf_file(declared), distinct_leaves_file(chunks)
     peer.put_blocks(bomb)
     peer.put_blocks(flood)
     out: dict[str, Any] = {"declared_bytes": declared, "bomb_blocks": len(bomb),
-                           "bomb_bytes": sum(len(b) for _, b in bomb), "flood_bytes": sum(len(b) for _, b in flood)}
+                           "bomb_bytes": sum(len(b) for _, b in bomb), "flood_bytes": sum(len(b) for _, b in flood),
+                           "cids": [cid for cid, _ in bomb + flood]}
     for name, blocks in (("model-bomb", bomb), ("model-flood", flood)):
         model = cid_str(blocks[0][0])
         task_cid = peer.store.add_bytes(task_bytes(load_task(model_task_text(name, manifest, model))))
@@ -127,3 +135,117 @@ def head_request_flood(peer: HostilePeer, task_cid: str, count: int) -> list[Any
     request = HeadRequest(task_cid=task_cid)
     return [gossip_message(peer.key_pair, TASKS_TOPIC, peer.signed(request), peer._next_gossip_seq())
             for _ in range(count)]
+
+
+# ---- model serve: slow and big request bodies --------------------------------------------------------
+
+# The slow bodies of issue 27: 32 connections declaring 8 MiB each (all of the server's 256 MiB
+# body budget, charged up front) and trickling a byte at a time.
+TRICKLERS = 32
+TRICKLE_DECLARED = 8 * 1024 * 1024
+TRICKLE_EVERY_S = 0.2
+# The big bodies: four clients posting 6.7 MB JSON bodies back to back (digits-shaped samples of long
+# floats, 2,600 of them: over the 1,024 a request may hold, refused only once parsed).
+BIG_CLIENTS = 4
+BIG_SAMPLES = 2600
+
+
+def predict_head(length: int) -> bytes:
+    """The head of a ``POST /predict`` declaring ``length`` body bytes (one request a connection)."""
+    return (b"POST /predict HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nConnection: close\r\n"
+            b"Content-Length: " + str(length).encode() + b"\r\n\r\n")
+
+
+def big_body(samples: int = BIG_SAMPLES, features: int = 64) -> bytes:
+    """``samples`` samples of ``features`` floats written long (24 characters each)."""
+    rng = random.Random(0)
+    return json.dumps({"inputs": [[rng.random() * 1e-300 for _ in range(features)] for _ in range(samples)]}).encode()
+
+
+async def _answer(stream: trio.SocketStream) -> bytes:
+    """Everything the server sends until it closes the connection."""
+    data = b""
+    try:
+        while chunk := await stream.receive_some(65536):
+            data += chunk
+    except trio.BrokenResourceError:
+        pass
+    return data
+
+
+def status_of(answer: bytes) -> int:
+    """The status code of an HTTP answer (0: none came)."""
+    parts = answer.split(b" ", 2)
+    return int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else 0
+
+
+async def post(host: str, port: int, body: bytes) -> tuple[int, float]:
+    """One ``POST /predict`` on a fresh connection: its status and its latency in seconds."""
+    started = trio.current_time()
+    async with await trio.open_tcp_stream(host, port) as stream:
+        try:
+            await stream.send_all(predict_head(len(body)) + body)
+        except trio.BrokenResourceError:
+            pass  # answered (413) and closed before the body was taken
+        answer = await _answer(stream)
+    return status_of(answer), trio.current_time() - started
+
+
+async def trickle(host: str, port: int, declared: int, stop: trio.Event, every_s: float = TRICKLE_EVERY_S) -> int:
+    """Declare a body of ``declared`` bytes and send a byte of it every ``every_s`` until ``stop`` or
+    the server answers; the answer's status (0: none)."""
+    async with await trio.open_tcp_stream(host, port) as stream:
+        await stream.send_all(predict_head(declared) + b'{"inputs": [')
+        got: list[bytes] = []
+        async with trio.open_nursery() as nursery:
+            async def read() -> None:
+                got.append(await _answer(stream))
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(read)
+            while not stop.is_set():
+                with trio.move_on_after(every_s):
+                    await stop.wait()
+                try:
+                    await stream.send_all(b" ")
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    break
+            nursery.cancel_scope.cancel()
+    return status_of(got[0]) if got else 0
+
+
+async def slow_and_big_bodies(host: str, port: int, seconds: float, honest: bytes,
+                              tricklers: int = TRICKLERS, declared: int = TRICKLE_DECLARED,
+                              big: tuple[bytes, ...] = ()) -> dict[str, Any]:
+    """``tricklers`` slow bodies declaring ``declared`` bytes and clients posting each of ``big``
+    back to back, for ``seconds``; meanwhile one honest client posts ``honest`` again and again.
+    What each got (status -> count) and the honest latencies' p50."""
+    stop = trio.Event()
+    slow: Counter[int] = Counter()
+    bulky: Counter[int] = Counter()
+    fair: list[tuple[int, float]] = []
+    async with trio.open_nursery() as nursery:
+        async def one_trickler() -> None:
+            slow[await trickle(host, port, declared, stop)] += 1
+
+        async def one_big(body: bytes) -> None:
+            while not stop.is_set():
+                bulky[(await post(host, port, body))[0]] += 1
+
+        for _ in range(tricklers):
+            nursery.start_soon(one_trickler)
+        for body in big:
+            nursery.start_soon(one_big, body)
+        with trio.move_on_after(seconds):
+            await trio.sleep(min(1.0, seconds / 4))  # the attackers are in
+            while True:
+                fair.append(await post(host, port, honest))
+        stop.set()
+    latencies = sorted(t for _, t in fair)
+    return {"tricklers": dict(slow), "big": dict(bulky), "honest": dict(Counter(s for s, _ in fair)),
+            "honest_p50_s": round(statistics.median(latencies), 4) if latencies else None}
+
+
+async def honest_p50(host: str, port: int, honest: bytes, count: int = 30) -> float:
+    """The median latency of ``count`` honest requests, one after another."""
+    return statistics.median([(await post(host, port, honest))[1] for _ in range(count)])
