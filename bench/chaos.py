@@ -694,7 +694,7 @@ async def _flood_cost(cluster: Cluster, seconds: float, messages: list[Any], rat
                       peer: hostile.HostilePeer) -> dict[str, Any]:
     """Steps/s for ``seconds`` quiet, then while ``messages`` (signed beforehand) go out at ``rate``."""
     quiet, _ = await steps_per_s(cluster, seconds)
-    flood, sent = await steps_per_s(cluster, seconds, lambda: hostile.send_paced(peer, messages, rate))
+    flood, sent = await steps_per_s(cluster, seconds, lambda: hostile.send_paced(peer, messages, rate, seconds))
     return {"sent": sent, "bytes_each": len(messages[0].data), "steps_per_s": {"quiet": round(quiet, 2),
             "flood": round(flood, 2)}, "steps_ratio": round(flood / quiet, 3) if quiet else None}
 

@@ -15,6 +15,7 @@ Used by bench/chaos.py; tests/bench_chaos checks that what it sends are real, ac
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 import tempfile
@@ -373,16 +374,25 @@ async def flood(peer: HostilePeer, seconds: float, rate: float = FLOOD_RATE) -> 
     return await send_paced(peer, ready, rate)
 
 
-async def send_paced(peer: HostilePeer, ready: Sequence[rpc_pb2.Message], rate: float) -> dict[str, Any]:
+async def send_paced(peer: HostilePeer, ready: Sequence[rpc_pb2.Message], rate: float,
+                     seconds: float | None = None) -> dict[str, Any]:
     """Send gossip messages made beforehand at ``rate`` per second, BATCH to an RPC (fewer where
-    BATCH of them would pass pubsub's 1 MiB RPC cap); what was sent."""
+    BATCH of them would pass pubsub's 1 MiB RPC cap); what was sent.
+
+    With ``seconds``, the flood ends then even if a write is under way: a victim that stops reading
+    a flooder holds its writes back for as long as it likes. A write cut short leaves half an RPC
+    on the stream, so close this peer after such a flood."""
     batch = max(1, min(BATCH, RPC_BYTES // max(1, max((len(m.data) for m in ready), default=1))))
     started = trio.current_time()
-    for sent in range(0, len(ready), batch):
-        await peer.send_batch(ready[sent: sent + batch])
-        await _pace(started, min(sent + batch, len(ready)), rate)
+    sent = 0
+    with trio.move_on_at(started + seconds if seconds is not None else math.inf) as scope:
+        while sent < len(ready):
+            await peer.send_batch(ready[sent: sent + batch])
+            sent = min(sent + batch, len(ready))
+            await _pace(started, sent, rate)
     elapsed = trio.current_time() - started
-    return {"messages": len(ready), "seconds": round(elapsed, 2), "rate": round(len(ready) / max(elapsed, 1e-9), 1)}
+    return {"messages": sent, "seconds": round(elapsed, 2), "rate": round(sent / max(elapsed, 1e-9), 1),
+            "held_back": scope.cancelled_caught and sent < rate * elapsed * 0.9}
 
 
 async def _pace(started: float, done: int, rate: float) -> None:

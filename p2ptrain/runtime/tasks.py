@@ -70,12 +70,13 @@ JOIN_FETCH_TIMEOUT_S = 30.0
 # A run in one of these states is over: it acts on no head, and its node answers head requests for it.
 FINISHED_PHASES = frozenset({"done", "cancelled", "failed", "stopped"})
 # Heads and head requests taken from one sender (issue 27: forged heads at 131/s took a run from
-# 2.7 to 0.1 steps/s). An honest coordinator sends a task's head every HEAD_EVERY_S (2 s) and one
-# beside each checkpoint's plan, a member of a finished run answers at most once a second a task,
-# a joiner or fetcher asks every second or two: these leave room for several tasks at once, and
-# hold a flood from one identity to what a node checks and relays in a few ms a second.
-HEAD_RATE = Rate(per_s=4.0, burst=16.0)
-HEAD_REQUEST_RATE = Rate(per_s=2.0, burst=8.0)
+# 17 to 0.3 steps/s, and it never recovered). An honest coordinator sends a task's head every
+# HEAD_EVERY_S (2 s) and one at each confirmed checkpoint (up to ~8 a second in a tiny task that
+# checkpoints every few 30 ms rounds: 8 at most), a member of a finished run answers at most once a second a
+# task, a joiner or fetcher asks every second or two: these leave room for that, and hold a flood
+# from one identity to what a node checks and relays in a few ms a second.
+HEAD_RATE = Rate(per_s=8.0, burst=32.0)
+HEAD_REQUEST_RATE = Rate(per_s=4.0, burst=16.0)
 
 
 @dataclass

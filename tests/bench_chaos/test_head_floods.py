@@ -72,3 +72,28 @@ async def test_a_flood_of_heads_and_head_requests_from_one_sender_is_held_to_its
             assert heard.get(("second", kind, me), 0) <= got
         assert ID.from_base58(me) not in second.host.get_connected_peers()
         assert heard[("first", "task_head_request", sent)] == 1
+
+
+PAUSE_FLOOD = 3000  # head requests in one second: ~3 RPCs of refusals past the flooder allowance
+
+
+async def test_a_sender_that_keeps_flooding_is_not_read_for_a_while(tmp_path: Path) -> None:
+    """Past its allowance of refusals, a flooder's stream is read about once a second: what it sends
+    waits on its side of the connection instead of costing the node a read and a refusal each.
+    Before: the node read all 3,000 within the flood's second."""
+    from p2ptrain.net.pubsub import FLOODER_BURST, FLOODER_PAUSE_S
+
+    async with local_peers(1, tmp_path) as peers, hostile.hostile_peer() as peer:
+        node = peers[0].node
+        with trio.fail_after(60):
+            target = await peer.connect(str(node.addrs[0]))
+            await peer.wait_in_topic(TASKS_TOPIC, [target])
+            requests = bounds.head_request_flood(peer, TASK, PAUSE_FLOOD)
+            started = trio.current_time()
+            await hostile.send_paced(peer, requests, rate=PAUSE_FLOOD, seconds=2.0)
+            await trio.sleep_until(started + 3.0)
+            read = node.router.dropped["rate-limited:task_head_request"] + node.router.delivered["task_head_request"]
+        # Within 3 s: the burst of refusals, then one RPC (hostile.BATCH messages) per pause.
+        most = HEAD_REQUEST_RATE.burst + FLOODER_BURST + hostile.BATCH * (3.0 / FLOODER_PAUSE_S + 2)
+        assert 0 < read <= most < PAUSE_FLOOD, (read, most)
+        assert node.pubsub is not None and node.pubsub.dropped["flooder-paused"] >= 1
