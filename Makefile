@@ -6,14 +6,18 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test setup cli-docs
+.PHONY: demo test setup cli-docs lint test-tools
 
 setup: $(STAMP)
 
+# trio-typing (a dependency of libp2p) also installs `trio-stubs` and `outcome-stubs`, written for
+# trio 0.22: mypy prefers them to the inline types of the trio we run (no TaskStatus, no
+# abandon_on_cancel), so they go. The runtime module trio_typing, which libp2p imports, stays.
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[test]'
+	rm -rf $(VENV)/lib/python*/site-packages/trio-stubs $(VENV)/lib/python*/site-packages/outcome-stubs
 	touch $@
 
 demo: $(STAMP)
@@ -41,13 +45,38 @@ $(HELIA_STAMP): ipfs/install-helia.sh
 		rm -f $@ && ipfs/install-helia.sh; \
 	else echo "npm not found: the Helia interop test will be skipped" >&2; fi
 
+# Tools the suite needs from the system, as TOOL:DEBIAN-PACKAGE pairs (tests/conftest.py reads this
+# line): the emulated WAN's `ip` and `tc`, the emulated NAT's `iptables`. Installed when missing and
+# this runs as root; otherwise their tests skip and say why. Under CI=true a test that finds one of
+# these missing fails instead of skipping (tests/conftest.py): CI never passes by running less.
+TEST_TOOLS := ip:iproute2 tc:iproute2 iptables:iptables
+
+test-tools:
+	@missing=""; for pair in $(TEST_TOOLS); do \
+		command -v "$${pair%%:*}" >/dev/null 2>&1 || missing="$$missing $${pair#*:}"; \
+	done; \
+	missing=$$(echo $$missing | tr ' ' '\n' | sort -u | tr '\n' ' '); \
+	if [ -z "$${missing% }" ]; then exit 0; fi; \
+	if [ "$$(id -u)" -ne 0 ] || ! command -v apt-get >/dev/null 2>&1; then \
+		echo "not root (or no apt-get): not installing $$missing; the tests that need it will skip" >&2; \
+	else \
+		echo "installing $$missing for the WAN/NAT tests" >&2; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; \
+	fi
+
 # pytest exits 5 when it collected no tests: that is a failure here, never a pass.
 # Two workers (pytest-xdist): most of the suite's time is real peers waiting on each other (rounds,
 # heartbeats, elections), not CPU; on a 2-core machine the suite took 645 s in one process and 419 s
 # in two, every test passing in both.
 TEST_WORKERS ?= 2
 
-test: $(STAMP) $(JSIPFS_STAMP) $(HELIA_STAMP)
+# ruff (tests, benches too) and mypy (strict on p2ptrain/; pyproject.toml lists any module that is
+# not) before the suite: a few seconds with mypy's cache (.mypy_cache), ~1 min without.
+lint: $(STAMP)
+	$(BIN)/ruff check --quiet .
+	$(BIN)/mypy
+
+test: lint test-tools $(JSIPFS_STAMP) $(HELIA_STAMP)
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing" >&2; exit 1; fi; \
 	exit $$rc

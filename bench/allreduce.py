@@ -75,7 +75,7 @@ async def p2p_worker(args: argparse.Namespace) -> None:
     from libp2p.peer.peerinfo import info_from_p2p_addr
     from multiaddr import Multiaddr
 
-    from p2ptrain.collective import Collective, SparseAllReducer
+    from p2ptrain.collective import Collective, RoundSpec, SparseAllReducer
     from p2ptrain.net.host import make_host
     from p2ptrain.tensors import large_empty
 
@@ -112,9 +112,8 @@ async def p2p_worker(args: argparse.Namespace) -> None:
         ring = [info.peer_id for info in infos]
         n = numel_of(args)
         grad = torch.randn(n, generator=torch.Generator().manual_seed(me))
-        reducer = SparseAllReducer(
-            collective, density=args.density, value_dtype=VALUE_DTYPES[args.value_dtype]
-        )
+        spec = RoundSpec(density=args.density, value_dtype=VALUE_DTYPES[args.value_dtype], timeout=args.timeout)
+        reducer = SparseAllReducer(collective, spec)
         barrier = torch.zeros(1)
         # Reused, as the trainer's (training/sync.py) is: a fresh 64 MiB tensor costs page faults;
         # on huge pages where the kernel offers them, as the trainer's is too.
@@ -122,14 +121,14 @@ async def p2p_worker(args: argparse.Namespace) -> None:
         times, sent, cpu, spans = [], [], [], []
         for r in range(args.rounds + 1):
             # A one-element round first: everyone starts the timed round together.
-            await collective.allreduce(barrier, ring, 2 * r + 1, timeout=120, start_timeout=120)
+            await collective.allreduce(barrier, ring, 2 * r + 1, RoundSpec(timeout=120, start_timeout=120))
             if args.density >= 1.0:
                 data = grad.clone()
                 wall_started, started, cpu_started = time.time(), time.perf_counter(), time.process_time()
-                await collective.dense_round(data, ring, 2 * r + 2, timeout=args.timeout)
+                await collective.dense_round(data, ring, 2 * r + 2, RoundSpec(timeout=args.timeout))
             else:
                 wall_started, started, cpu_started = time.time(), time.perf_counter(), time.process_time()
-                await reducer.allreduce(grad, ring, 2 * r + 2, out=out, timeout=args.timeout)
+                await reducer.allreduce(grad, ring, 2 * r + 2, out=out)
             elapsed = time.perf_counter() - started
             if r:  # the first round warms up
                 times.append(elapsed)

@@ -35,6 +35,9 @@ Scenarios (``--only`` takes these names; a prefix selects a group, e.g. ``--only
   kill_provider_mid_fetch    SIGKILL one of two providers while a third node fetches a blob
   kill_coordinator           SIGKILL the elected coordinator
   full_disk                  a member's home on a small tmpfs filled up across checkpoints, then freed (root only)
+  kill_all                   SIGKILL every member at once, then restart all on their homes (with --join): steps
+                             trained again (<= the checkpoint interval), records lost (0), seconds from the
+                             restart to the first round
   hostile_flood              1,000 signed messages/s on the mesh topic; `node status` latency measured
   hostile_collective_hello   80 collective HELLO channels per node from a non-member (issue 13, #4)
   hostile_bitswap_pinning    200 Bitswap streams each holding most of a 4 MiB message (#5)
@@ -237,6 +240,15 @@ class Cluster:
     def kill(self, p: NodeProcess) -> None:
         self.killed.add(self.name(p))
         p.kill()
+
+    def kill_all(self) -> None:
+        """SIGKILL every live node at once (a power cut), then reap them."""
+        victims = self.alive()
+        for p in victims:
+            self.killed.add(self.name(p))
+            p.proc.kill()
+        for p in victims:
+            p.kill()
 
     async def wait_ready(self, procs: list[NodeProcess]) -> None:
         async with trio.open_nursery() as nursery:
@@ -590,13 +602,62 @@ async def kill_coordinator(cluster: Cluster, sizes: Sizes, result: Result) -> No
     await finish(cluster, result, before)
 
 
+def chain_steps(cluster: Cluster) -> dict[str, int]:
+    """Each node's last confirmed step, from the chain file on its disk (0 for none)."""
+    out = {}
+    for p in cluster.procs:
+        path = p.home / "tasks" / cluster.task_cid / "chain.jsonl"
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError, IndexError):
+            out[cluster.name(p)] = json.loads(path.read_text().splitlines()[-1])["record"]["step"]
+    return out
+
+
+async def kill_all(cluster: Cluster, sizes: Sizes, result: Result) -> None:
+    """Every member killed at once, then all restarted on their homes: they resume from the last
+    confirmed record. ``steps_lost``: rounds done before the kill past that record (trained again);
+    ``recover_s``: from the restart until the first round completes; ``ready_s``: until every node
+    answers again."""
+    # A run with confirmed models on every node (the chain to resume from), killed inside a span.
+    with trio.move_on_after(sizes.recover_timeout_s):
+        while min((s.get("version") or 0 for s in (await statuses(cluster)).values()), default=0) < 2:
+            await trio.sleep(POLL_S)
+    await trio.sleep(CHECKPOINT_INTERVAL * 0.02)  # land anywhere in a span, not just after a checkpoint
+    snap = await statuses(cluster)
+    before = models_of(snap, cluster)
+    reached = top_step(snap)
+    cluster.kill_all()
+    confirmed = max(chain_steps(cluster).values(), default=0)
+    started = trio.current_time()
+    for p in cluster.procs:
+        await cluster.restart(p, wait=False)
+    await cluster.wait_ready(cluster.procs)
+    ready = trio.current_time()
+    first_round, resumed = None, {}
+    while trio.current_time() < ready + sizes.rejoin_timeout_s:
+        snap = await statuses(cluster)
+        resumed = {name: s.get("resumed_from") for name, s in sorted(snap.items())}
+        if top_step(snap) > confirmed:
+            first_round = trio.current_time()
+            break
+        await trio.sleep(POLL_S)
+    result.recover_s = None if first_round is None else round(first_round - started, 2)
+    result.detail.update(step_at_kill=reached, resumed_at_step=confirmed, steps_lost=max(0, reached - confirmed),
+                         checkpoint_interval=CHECKPOINT_INTERVAL, ready_s=round(ready - started, 2),
+                         first_round_after_ready_s=None if first_round is None else round(first_round - ready, 2),
+                         resumed_from=resumed,
+                         note="recover_s: from the restart until the first round after it completes; ready_s: "
+                              "until every node process answers")
+    await finish(cluster, result, before)
+
+
 FAULTS: dict[str, Callable[[Cluster, Sizes, Result], Awaitable[None]]] = {
     "kill_member": kill_member,
     "restart_same_home": restart_same_home,
     "stop_member": stop_member,
     "kill_provider_mid_fetch": kill_provider_mid_fetch,
     "kill_coordinator": kill_coordinator,
-    "full_disk": full_disk,  # last: a full disk on the coordinator can stall the run for a while
+    "full_disk": full_disk,  # late: a full disk on the coordinator can stall the run for a while
+    "kill_all": kill_all,  # last: every node restarts (and it does not displace the others from --quick's budget)
 }
 
 
@@ -711,16 +772,24 @@ async def _head_request_flood(peer: hostile.HostilePeer, cluster: Cluster, sizes
     return await _flood_cost(cluster, sizes.flood_s, requests, rate, peer)
 
 
+def piped(cmd: list[str], stdin: bool = False) -> subprocess.Popen[str]:
+    """A process whose stdout (and stdin, if asked) this one reads by lines; stderr discarded."""
+    return subprocess.Popen(cmd, stdin=subprocess.PIPE if stdin else None, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True)
+
+
 async def _serve_bodies(peer: hostile.HostilePeer, cluster: Cluster, sizes: Sizes) -> dict[str, Any]:
     """`model serve` of the run's latest model on the first node's home, under slow and big bodies."""
     snap = await statuses(cluster)
     model = next(s["latest_model_cid"] for s in snap.values() if s.get("latest_model_cid"))
     home = cluster.procs[0].home
     honest = json.dumps({"inputs": [[0.5] * 64] * 4}).encode()
-    proc = subprocess.Popen([sys.executable, "-m", "p2ptrain.cli.main", "model", "serve", model, "--home", str(home),
-                             "--listen", "127.0.0.1:0"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    proc = piped([sys.executable, "-m", "p2ptrain.cli.main", "model", "serve", model, "--home", str(home),
+                  "--listen", "127.0.0.1:0"])
     try:
-        line = await trio.to_thread.run_sync(proc.stdout.readline)  # "serving CID at URL ..."
+        assert proc.stdout is not None
+        with trio.fail_after(READY_TIMEOUT_S):  # "serving CID at URL ..."
+            line = await trio.to_thread.run_sync(proc.stdout.readline, abandon_on_cancel=True)
         if " at http://" not in line:
             raise RuntimeError(f"model serve did not start: {line!r}")
         host, port = line.split(" at http://")[1].split()[0].split(":")
@@ -967,7 +1036,8 @@ def table(report: dict[str, Any]) -> str:
         if s.get("exited"):
             notes = f"exited: {s['exited']} " + notes
         for key in ("status_latency_s", "peak_rss_mb", "victim_cpu_pct", "status_bytes_max", "rejoined_after_sigcont_s",
-                    "caught_up_after_free_s", "fetch_done_after_kill_s", "recover_each_s"):
+                    "caught_up_after_free_s", "fetch_done_after_kill_s", "recover_each_s", "steps_lost",
+                    "ready_s", "first_round_after_ready_s"):
             if key in d:
                 notes += f" {key}={d[key]}"
         for key in ("steps_ratio", "p50_ratio", "honest", "blocks_kept"):  # issue 27's attacks

@@ -38,6 +38,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import trio
 
@@ -107,7 +108,7 @@ def poll_status(home: Path, interval: float) -> None:
     print(json.dumps({"calls": calls, "failures": failures, "max_size": max(sizes, default=0)}))
 
 
-def _build(kinds: list[str], count: int, attacker_key, topic: str) -> list[tuple[str, "rpc_pb2.Message"]]:
+def _build(kinds: list[str], count: int, attacker_key, topic: str) -> list[tuple[str, Any]]:  # (kind, rpc_pb2.Message)
     """Pre-built, pre-signed pubsub messages, so the attacker spends the flood sending."""
     from libp2p.crypto.ed25519 import create_new_key_pair
     from libp2p.pubsub.pb import rpc_pb2

@@ -26,7 +26,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -76,7 +75,7 @@ async def flood_phase(cluster: chaos.Cluster, kind: str, task_cid: str, seconds:
     """One flood by a fresh attacker process, measured like a quiet phase."""
     cmd = [sys.executable, __file__, "--attack", kind, "--task", task_cid, "--window", str(seconds),
            *[p.addr for p in cluster.procs]]
-    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    proc = chaos.piped(cmd, stdin=True)
     try:
         assert proc.stdin is not None and proc.stdout is not None
         out, into = proc.stdout, proc.stdin

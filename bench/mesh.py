@@ -139,8 +139,9 @@ async def _peer(index: int, home: Path, port: int, bootstrap: list[str], message
     import torch  # noqa: F401  (as `node start` does; else the node's GPU probe imports it mid-measurement)
 
     from p2ptrain.node import Node
+    from p2ptrain.node_config import NodeConfig
 
-    node = Node(home, listen=[f"/ip4/127.0.0.1/tcp/{port}"], bootstrap=bootstrap, messages=BENCH_MESSAGES)
+    node = Node(home, NodeConfig(listen=[f"/ip4/127.0.0.1/tcp/{port}"], bootstrap=bootstrap), messages=BENCH_MESSAGES)
     received: list[tuple[int, float]] = []
     node.on(BenchPing, lambda signed, topic: received.append((signed.msg.n, time.time() - signed.msg.sent_at)))
 
@@ -152,7 +153,7 @@ async def _peer(index: int, home: Path, port: int, bootstrap: list[str], message
                 await node.membership.wait_until(lambda m: len(m.alive()) >= 3)
                 for rec in node.membership.alive():
                     await node.pubsub.wait_for_subscription(rec.peer_id, TOPIC, timeout=30)
-            print(json.dumps({"event": "ready", "peer": index, "status": node.status()}), flush=True)
+            print(json.dumps({"event": "ready", "peer": index, "status": node.status().to_json()}), flush=True)
             if index == 0:
                 await trio.sleep(1.0)  # everyone ready and meshed
                 for n in range(messages):
@@ -163,7 +164,8 @@ async def _peer(index: int, home: Path, port: int, bootstrap: list[str], message
                 with trio.move_on_after(60):
                     while len(received) < messages:
                         await trio.sleep(0.05)
-                print(json.dumps({"event": "received", "peer": index, "latencies": [l for _, l in received]}), flush=True)
+                latencies = [latency for _, latency in received]
+                print(json.dumps({"event": "received", "peer": index, "latencies": latencies}), flush=True)
             node.stop()
 
     await main()

@@ -16,7 +16,8 @@ at ``--rate``: seconds, MB/s, and the bytes the relay forwarded (Noise and yamux
 Per layout: ``run_s`` (task published to every member done), ``steps_per_s`` (steps / run_s),
 ``sync_s`` (members' mean time in the gradient exchange), ``relayed_bytes`` (what the relays
 forwarded), and for the NAT layouts ``private_pairs_direct`` (of the private pairs behind
-different NATs, how many are directly connected when the run ends, as "n/m"), ``private_ready_s`` (a private node's process start to: knows it
+different NATs, how many are directly connected when the run ends, as "n/m"), ``private_ready_s`` (a private node's
+process start to: knows it
 is private, holds relay slots and is connected to all others) and ``first_round_s`` (publish to
 the private members' first round). ``ratio``: NAT steps/s over all-public steps/s
 (``ratio_firewalled``: the same for the firewalled NATs). One run each, on

@@ -1,5 +1,6 @@
 """One role of bench/nat.py's stream measurement, run inside a namespace of the emulated NAT:
-``relay`` (serves circuit relay v2; answers each line on stdin with the bytes it relayed), ``sink`` (reserves on a relay if given one, then counts what
+``relay`` (serves circuit relay v2; answers each line on stdin with the bytes it relayed), ``sink`` (reserves on a
+relay if given one, then counts what
 one stream brings and answers with the byte count) or ``source`` (dials a sink, directly or
 through a relay, and sends ``--mib`` MiB on one stream). Each prints one JSON line per event.
 Real p2ptrain hosts (Noise, yamux) and p2ptrain.net.relay, as a node uses them.

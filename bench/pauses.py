@@ -61,7 +61,7 @@ def main() -> None:
         raise SystemExit(f"no completed rounds logged below {args.folder}")
     print(f"training ran {done[-1] - done[0]:.1f} s; {len(done)} round completions logged")
     for start, length in pauses(lines, args.min):
-        print(f"  pause of {length:.1f} s after {next(l for t, l in lines if t == start)[:12]}")
+        print(f"  pause of {length:.1f} s after {next(line for t, line in lines if t == start)[:12]}")
         if args.events:
             for at, line in lines:
                 if start <= at <= start + length and _EVENTS.search(line):

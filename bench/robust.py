@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 import trio
 
-from p2ptrain.collective import SparseAllReducer
+from p2ptrain.collective import RoundSpec, SparseAllReducer
 from p2ptrain.collective.robust import clip_scales, contribution_norm, scaled
 
 _spec = importlib.util.spec_from_file_location(
@@ -84,7 +84,8 @@ async def round_cost(collectives, numel: int, density: float, rounds: int, first
     gens = [torch.Generator().manual_seed(i) for i in range(WORLD)]
     grads = [torch.randn(numel, generator=g) for g in gens]
     reducers = {
-        rule: [SparseAllReducer(c, density=density, robust=rule) for c in collectives] for rule in ("none", "clip")
+        rule: [SparseAllReducer(c, RoundSpec(density=density, robust=rule, timeout=ROUND_TIMEOUT_S)) for c in collectives]
+        for rule in ("none", "clip")
     }
     times: dict[str, list[float]] = {"none": [], "clip": []}
     for i in range(rounds + 2):
@@ -94,7 +95,7 @@ async def round_cost(collectives, numel: int, density: float, rounds: int, first
             with trio.fail_after(ROUND_TIMEOUT_S):
                 async with trio.open_nursery() as nursery:
                     for r, g in zip(reducers[rule], grads):
-                        nursery.start_soon(lambda r=r, g=g: r.allreduce(g, ring, round_id, timeout=ROUND_TIMEOUT_S))
+                        nursery.start_soon(lambda r=r, g=g: r.allreduce(g, ring, round_id))
             if i >= 2:
                 times[rule].append(time.perf_counter() - started)
     none, clip = statistics.median(times["none"]), statistics.median(times["clip"])

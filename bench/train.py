@@ -49,7 +49,8 @@ from p2ptrain.training.demo import TASK_TEMPLATE
 
 
 def task_text(manifest: str, density: float, args: argparse.Namespace, name: str) -> str:
-    text = TASK_TEMPLATE.format(manifest=manifest, steps=args.steps, checkpoint=args.checkpoint, density=density, peers=args.peers)
+    text = TASK_TEMPLATE.format(manifest=manifest, steps=args.steps, checkpoint=args.checkpoint, density=density,
+                                peers=args.peers)
     text = text.replace('name = "demo-digits-mlp"', f'name = "{name}"')
     text = text.replace("hidden = [64]", f"hidden = [{args.hidden}, {args.hidden}]")
     return text.replace("batch_size = 32", f"batch_size = {args.batch}\nsync_interval = {args.sync_interval}")

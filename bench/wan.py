@@ -25,10 +25,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ is not a package: its siblings by path
 
-import allreduce  # noqa: E402  (bench/allreduce.py: the peers and the report)
-import wan_train  # noqa: E402  (bench/wan_train.py: --train)
+import allreduce  # bench/allreduce.py: the peers and the report
+import wan_train  # bench/wan_train.py: --train
 
-from p2ptrain.testing.wan import IFACE, emulated_wan, parse_rate, wan_unavailable  # noqa: E402
+from p2ptrain.testing.wan import IFACE, emulated_wan, parse_rate, wan_unavailable
 
 DENSE_VALUE_BYTES = 4  # gloo reduces float32
 

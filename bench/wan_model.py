@@ -122,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="use this per-message cost instead of the fitted one (a sensitivity check)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
-    rows = [json.loads(line) for line in open(args.fit) if line.strip()]
+    with open(args.fit) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
     fit = fit_sparse(rows)
     if args.per_message_ms is not None:
         fit.per_message_s = args.per_message_ms / 1e3
@@ -131,7 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps({"fit": fit.__dict__, "latency_ms": args.latency_ms, "predictions": table}))
         return 0
-    print(f"fit over {len(rows)} runs ({sum(r['density'] < 1 for r in rows)} sparse): fixed {fit.fixed_s * 1e3:.0f} ms a round, {fit.per_message_s * 1e3:.2f} ms a "
+    sparse = sum(r["density"] < 1 for r in rows)
+    print(f"fit over {len(rows)} runs ({sparse} sparse): fixed {fit.fixed_s * 1e3:.0f} ms a round, "
+          f"{fit.per_message_s * 1e3:.2f} ms a "
           f"message, RMS error {fit.residual_s * 1e3:.0f} ms; latency {args.latency_ms:g} ms a hop")
     print(f"{'peers':>6} {'sparse 100M':>12} {'sparse mix':>11} {'ring 100M':>10} {'ring mix':>9} {'msgs':>6} {'vals/msg':>9}")
     for r in table:

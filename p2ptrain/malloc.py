@@ -37,7 +37,7 @@ def use_one_arena() -> bool:
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int
-    ok = mallopt(_M_ARENA_MAX, 1) == 1
+    ok: bool = mallopt(_M_ARENA_MAX, 1) == 1
     if not ok:
         logger.debug("mallopt(M_ARENA_MAX, 1) was refused")
     return ok

@@ -22,6 +22,7 @@ import logging
 import socket
 import threading
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
@@ -34,6 +35,7 @@ from p2ptrain.errors import UserError
 from p2ptrain.hostport import AddressError, parse_host_port
 from p2ptrain.logs import short_id
 from p2ptrain.runtime.peer import Peer
+from p2ptrain.runtime.status import NodeStatus, TaskStatus
 
 logger = logging.getLogger(__name__)
 
@@ -59,15 +61,19 @@ def parse_address(text: str, what: str = "--metrics") -> tuple[str, int]:
         raise UserError(f"{what} {text!r}: expected HOST:PORT or PORT, e.g. 127.0.0.1:9464") from None
 
 
-def snapshot(peer: Peer) -> dict[str, Any]:
-    """Everything a scrape reports, as plain data. Runs in the trio thread (see the module doc)."""
-    runs = []
-    for run in list(peer.tasks.runs.values()):
-        status = run.status()
-        status["round_seconds"] = run.shared.round_seconds.snapshot()
-        status["is_coordinator"] = run.shared.election.coordinator == run.shared.me
-        runs.append(status)
-    return {"node": peer.node.status(), "fetch": dict(peer.content.fetch_totals), "runs": runs}
+@dataclass(frozen=True)
+class Snapshot:
+    """Everything a scrape reports, taken at once."""
+
+    node: NodeStatus
+    fetch: dict[str, float]  # the content service's fetch totals
+    runs: list[TaskStatus]
+
+
+def snapshot(peer: Peer) -> Snapshot:
+    """Everything a scrape reports. Runs in the trio thread (see the module doc)."""
+    return Snapshot(peer.node.status(), dict(peer.content.fetch_totals),
+                    [run.status() for run in list(peer.tasks.runs.values())])
 
 
 class PeerCollector(Collector):
@@ -108,27 +114,27 @@ def _gauge(name: str, doc: str, labels: list[str], rows: list[tuple[list[str], f
     return family
 
 
-def families(snap: dict[str, Any]) -> Iterator[Metric]:
+def families(snap: Snapshot) -> Iterator[Metric]:
     """The metric families of one snapshot (names and labels: docs/operating.md)."""
-    node = snap["node"]
-    messages = node.get("messages") or {}
+    node = snap.node
+    messages = node.messages
     yield _gauge("info", "This peer: its peer ID and p2ptrain version (always 1).", ["peer_id", "version"],
-                 [([node["peer_id"], node["version"]], 1)])
+                 [([node.peer_id, node.version], 1)])
     yield _gauge("peers", "Peers this node hears heartbeats from (alive) and peers it saw go (gone).", ["state"],
-                 [(["alive"], node.get("peers_total", 0)), (["gone"], node.get("gone_total", 0))])
-    yield _gauge("connected_peers", "Peers with an open libp2p connection.", [], [([], len(node.get("connected") or []))])
-    membership = node.get("membership") or {}
+                 [(["alive"], node.peers_total), (["gone"], node.gone_total)])
+    yield _gauge("connected_peers", "Peers with an open libp2p connection.", [], [([], len(node.connected))])
+    membership = node.membership
     yield _counter("peer_records_dropped", "Peer records the membership view let go: forgotten (gone longer "
                    "than its 10 min memory) or evicted (the view was full).", ["reason"],
                    [(["forgotten"], membership.get("expired", 0)), (["evicted"], membership.get("evicted", 0))])
     yield _counter("messages_received", "Valid pubsub messages delivered to handlers, by type.", ["type"],
                    [([t], n) for t, n in sorted((messages.get("delivered") or {}).items())])
     yield _counter("messages_rejected", "Input refused, by where it was refused (source) and why (reason).",
-                   ["source", "reason"], list(_rejections(node, snap["runs"])))
-    collective_sent = sum(r.get("bytes_sent", 0) for r in snap["runs"])
-    collective_received = sum(r.get("bytes_received", 0) for r in snap["runs"])
-    fetch = snap["fetch"]
-    bitswap = ((node.get("services") or {}).get("content") or {}).get("bitswap") or {}
+                   ["source", "reason"], list(_rejections(node, snap.runs)))
+    collective_sent = sum(r.bytes_sent for r in snap.runs)
+    collective_received = sum(r.bytes_received for r in snap.runs)
+    fetch = snap.fetch
+    bitswap = (node.services.get("content") or {}).get("bitswap") or {}
     yield _counter("bytes", "Payload bytes by protocol and direction: pubsub (signed messages we published / "
                    "received), collective (gradient frames sent / received), bitswap (blocks fetched / "
                    "served to peers).",
@@ -143,17 +149,17 @@ def families(snap: dict[str, Any]) -> Iterator[Metric]:
                    [(["ok"], fetch.get("ok", 0)), (["failed"], fetch.get("failed", 0))])
     yield _counter("fetch_seconds", "Time spent in successful fetches; rate(bytes{protocol=\"bitswap\"}) / "
                    "rate(fetch_seconds) is the fetch throughput.", [], [([], fetch.get("seconds", 0.0))])
-    yield from _task_families(snap["runs"])
+    yield from _task_families(snap.runs)
 
 
-def _rejections(node: dict[str, Any], runs: list[dict[str, Any]]) -> Iterator[tuple[list[str], float]]:
-    messages = node.get("messages") or {}
+def _rejections(node: NodeStatus, runs: list[TaskStatus]) -> Iterator[tuple[list[str], float]]:
+    messages = node.messages
     sources: list[tuple[str, dict[str, Any]]] = [
         ("pubsub", messages.get("dropped") or {}),
         ("pubsub_wire", messages.get("dropped_below_router") or {}),
-        ("control", (node.get("control") or {}).get("rejected") or {}),
+        ("control", node.control.get("rejected") or {}),
     ]
-    services = node.get("services") or {}
+    services = node.services
     bitswap = (services.get("content") or {}).get("bitswap") or {}
     sources.append(("bitswap", {k.removeprefix("rejected_"): v for k, v in bitswap.items() if k.startswith("rejected_")}))
     tasks = services.get("tasks") or {}
@@ -162,7 +168,7 @@ def _rejections(node: dict[str, Any], runs: list[dict[str, Any]]) -> Iterator[tu
     sources.append(("collective", {k.removeprefix("refused_"): v for k, v in collective.items() if k.startswith("refused_")}))
     task_rejected: dict[str, int] = {}
     for run in runs:
-        for reason, n in (run.get("rejected") or {}).items():
+        for reason, n in run.rejected.items():
             task_rejected[reason] = task_rejected.get(reason, 0) + n
     sources.append(("task", task_rejected))
     for source, reasons in sources:
@@ -171,10 +177,11 @@ def _rejections(node: dict[str, Any], runs: list[dict[str, Any]]) -> Iterator[tu
                 yield [source, reason], n
 
 
-def _task_families(runs: list[dict[str, Any]]) -> Iterator[Metric]:
+def _task_families(runs: list[TaskStatus]) -> Iterator[Metric]:
     """Per joined task (label ``task``: the task CID): progress, election, model, round times."""
     def rows(key: str) -> list[tuple[list[str], float]]:
-        return [([r["task_cid"]], float(r[key])) for r in runs if r.get(key) is not None]
+        values = [(r.task_cid, getattr(r, key)) for r in runs]
+        return [([cid], float(value)) for cid, value in values if value is not None]
 
     yield _counter("task_rounds", "Rounds this member completed.", ["task"], rows("rounds_done"))
     yield _gauge("task_step", "Optimizer steps this member's model has taken.", ["task"], rows("step"))
@@ -183,21 +190,21 @@ def _task_families(runs: list[dict[str, Any]]) -> Iterator[Metric]:
                  ["task"], rows("version"))
     yield _gauge("task_coordinator_term", "The election term of the run's current coordinator.", ["task"], rows("term"))
     yield _gauge("task_is_coordinator", "1 while this peer is the run's coordinator.", ["task"],
-                 [([r["task_cid"]], 1.0 if r["is_coordinator"] else 0.0) for r in runs])
+                 [([r.task_cid], 1.0 if r.is_coordinator else 0.0) for r in runs])
     yield _gauge("task_members", "Members of the last round plan.", ["task"],
-                 [([r["task_cid"]], len(r.get("members") or [])) for r in runs])
+                 [([r.task_cid], len(r.members)) for r in runs])
     yield _gauge("task_train_loss", "This member's training loss in its last round.", ["task"], rows("loss"))
     yield _gauge("task_test_accuracy", "Test accuracy of the latest confirmed model.", ["task"], rows("accuracy"))
     yield _gauge("task_test_loss", "Test loss of the latest confirmed model.", ["task"], rows("test_loss"))
     yield _gauge("task_state", "1 for the run's state (starting, fetching data, training, resyncing, done, "
-                 "cancelled, failed).", ["task", "state"], [([r["task_cid"], str(r["state"])], 1) for r in runs])
+                 "cancelled, failed, stopped).", ["task", "state"], [([r.task_cid, str(r.state)], 1) for r in runs])
     hist = HistogramMetricFamily(f"{PREFIX}_task_round_seconds",
                                  "Time of each completed round by phase: compute (local gradient), sync "
                                  "(all-reduce), apply (optimizer step).", labels=["task", "phase"])
     for r in runs:
-        for phase, h in r["round_seconds"].items():
+        for phase, h in (r.round_seconds or {}).items():
             buckets = [(_le(b), n) for b, n in zip(h.bounds, h.cumulative)] + [("+Inf", h.count)]
-            hist.add_metric([r["task_cid"], phase], buckets, sum_value=h.total)
+            hist.add_metric([r.task_cid, phase], buckets, sum_value=h.total)
     yield hist
 
 

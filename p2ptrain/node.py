@@ -44,9 +44,10 @@ from p2ptrain.logs import short_id
 from p2ptrain.mesh.discovery import Discovery, parse_bootstrap
 from p2ptrain.mesh.membership import Membership
 from p2ptrain.mesh.rates import Rate
-from p2ptrain.mesh.router import Handler, MessageRouter
+from p2ptrain.mesh.router import M, MessageRouter
 from p2ptrain.net import control_ops
 from p2ptrain.node_config import CONFIG_FILE, NodeConfig, prepare_home
+from p2ptrain.runtime.status import NodeStatus
 from p2ptrain.wire.topics import MESH_TOPIC
 from p2ptrain.net.control import ControlServer
 from p2ptrain.net.host import advertised_addrs, make_host
@@ -54,7 +55,7 @@ from p2ptrain.net.pubsub import MessageTooLarge, close_host, make_pubsub, publis
 from p2ptrain.mesh.relays import keep_reservations
 from p2ptrain.net.reachability import Reachability
 from p2ptrain.net.relay import Relaying, is_circuit, relay_limits
-from p2ptrain.wire import encode
+from p2ptrain.wire import Signed, encode
 from p2ptrain.wire.limits import MAX_MESSAGE_BYTES
 from p2ptrain.wire.messages import MESSAGES, MessageRegistry
 
@@ -78,42 +79,21 @@ Service = Callable[..., Awaitable[Any]]
 class Node:
     """One peer. ``await node.run()`` (or ``await nursery.start(node.run)``) until ``node.stop()``.
 
+    ``config``: its settings, whole (``node start`` resolves them from flags, ``P2PTRAIN_*``,
+    config.toml and defaults: :func:`p2ptrain.cli.config.resolve`); None: the home's config.toml,
+    else the defaults. A home without a config.toml gets this one written.
     ``messages``: the message types its router decodes (default: the package's); tests and
     extensions with types of their own pass ``MESSAGES.copy()`` extended with them.
     """
 
     def __init__(
-        self,
-        home: Path | str,
-        listen: Sequence[str] | None = None,
-        bootstrap: Sequence[str] | None = None,
-        *,
-        mdns: bool | None = None,
-        dht: bool | None = None,
-        heartbeat_interval: float | None = None,
-        silence_heartbeats: int | None = None,
-        relay_service: bool | None = None,
-        relay_max_reservations: int | None = None,
-        relay_max_circuit_duration: int | None = None,
-        relay_max_circuit_bytes: int | None = None,
-        messages: MessageRegistry = MESSAGES,
+        self, home: Path | str, config: NodeConfig | None = None, *, messages: MessageRegistry = MESSAGES,
     ) -> None:
         self.home = Path(home).expanduser().absolute()
         prepare_home(self.home)
         stored = NodeConfig.load(self.home)
-        base = stored or NodeConfig()
-        self.config = NodeConfig(
-            listen=list(listen) if listen else base.listen,
-            bootstrap=list(bootstrap) if bootstrap is not None else base.bootstrap,
-            mdns=base.mdns if mdns is None else mdns,
-            dht=base.dht if dht is None else dht,
-            heartbeat_interval=heartbeat_interval or base.heartbeat_interval,
-            silence_heartbeats=silence_heartbeats or base.silence_heartbeats,
-            relay_service=base.relay_service if relay_service is None else relay_service,
-            relay_max_reservations=relay_max_reservations or base.relay_max_reservations,
-            relay_max_circuit_duration=relay_max_circuit_duration or base.relay_max_circuit_duration,
-            relay_max_circuit_bytes=relay_max_circuit_bytes or base.relay_max_circuit_bytes,
-        )
+        self.config = config or stored or NodeConfig()
+        self.config.check()
         self._listen = _maddrs(self.config.listen)
         for addr in self.config.bootstrap:
             parse_bootstrap(addr)  # a bad --bootstrap is the user's error: say so before starting
@@ -169,7 +149,7 @@ class Node:
             out.extend(self.relaying.addrs)  # through relays, when we are behind a NAT
         return out
 
-    def on(self, msg_type: type, handler: Handler) -> None:
+    def on(self, msg_type: type[M], handler: Callable[[Signed[M], str], Awaitable[None] | None]) -> None:
         """Call ``handler(signed, topic)`` for every valid ``msg_type`` message on joined topics."""
         self.router.on(msg_type, handler)
 
@@ -207,7 +187,7 @@ class Node:
         """
         if self._nursery is not None:
             raise RuntimeError("the node is running: use node.start_soon(...) instead")
-        self._services.append((fn, args, name or getattr(fn, "__qualname__", repr(fn))))
+        self._services.append((fn, args, name or str(getattr(fn, "__qualname__", repr(fn)))))
 
     def add_status(self, section: str, fn: Callable[[], dict[str, Any]]) -> None:
         """Show ``fn()`` under ``services.<section>`` in `node status`: how a service above the node
@@ -347,50 +327,49 @@ class Node:
 
     # -- control ops ---------------------------------------------------------------------------
 
-    def status(self) -> dict[str, Any]:
-        """What `p2ptrain node status --json` prints (keys peer_id, addrs, peers are a contract)."""
+    def status(self) -> NodeStatus:
+        """What `p2ptrain node status` shows (its ``to_json``: the keys of ``--json``)."""
         connected = []
         if self.host is not None:
             connected = sorted(p.to_base58() for p in self.host.get_connected_peers())
         members = self.membership.all()
         alive = sorted((r for r in members if r.alive), key=lambda r: r.first_seen)
         gone = sorted((r for r in members if not r.alive), key=lambda r: -r.left_at)
-        return {
-            "peer_id": self.peer_id.to_base58(),
-            "addrs": self.addrs,
-            # public / private / unknown (p2ptrain.net.reachability): a contract, like the keys above.
-            "reachability": self.reachability.status if self.reachability is not None else "unknown",
-            "autonat": self.reachability.stats() if self.reachability is not None else None,
-            "relay": self.relaying.stats() if self.relaying is not None else None,
-            "home": str(self.home),
-            "version": __version__,
-            "listening_at": self.listening_at,
-            "started_at": self.started_at,
-            "connected": connected,
-            "topics": self.router.topics,
-            "mesh_topic": MESH_TOPIC,
-            "heartbeat_interval_s": self.config.heartbeat_interval,
-            "caps": self.membership.heartbeat().caps.__dict__ if self.host is not None else None,
+        return NodeStatus(
+            peer_id=self.peer_id.to_base58(),
+            addrs=tuple(self.addrs),
+            reachability=self.reachability.status if self.reachability is not None else "unknown",
+            autonat=self.reachability.stats() if self.reachability is not None else None,
+            relay=self.relaying.stats() if self.relaying is not None else None,
+            home=str(self.home),
+            version=__version__,
+            listening_at=self.listening_at,
+            started_at=self.started_at,
+            connected=tuple(connected),
+            topics=tuple(self.router.topics),
+            mesh_topic=MESH_TOPIC,
+            heartbeat_interval_s=self.config.heartbeat_interval,
+            caps=self.membership.heartbeat().caps.__dict__ if self.host is not None else None,
             # Bounded however many identities heartbeat at us: the oldest members and the latest
             # departures are listed, the rest counted.
-            "peers": [r.as_json() for r in alive[:STATUS_MAX_PEERS]],
-            "gone": [r.as_json() for r in gone[:STATUS_MAX_PEERS]],
-            "peers_total": len(alive),
-            "gone_total": len(gone),
-            "membership": {"evicted": self.membership.evicted, "expired": self.membership.expired,
-                           "dropped_events": dict(self.membership.dropped_events)},
-            "discovery": self.discovery.stats() if self.discovery is not None else None,
-            "control": self.control.stats(),
-            "messages": {
+            peers=tuple(r.as_json() for r in alive[:STATUS_MAX_PEERS]),
+            gone=tuple(r.as_json() for r in gone[:STATUS_MAX_PEERS]),
+            peers_total=len(alive),
+            gone_total=len(gone),
+            membership={"evicted": self.membership.evicted, "expired": self.membership.expired,
+                        "dropped_events": dict(self.membership.dropped_events)},
+            discovery=self.discovery.stats() if self.discovery is not None else None,
+            control=self.control.stats(),
+            messages={
                 **self.router.stats(),
                 "bytes_published": self.bytes_published,
                 "dropped_below_router": dict(getattr(self.pubsub, "dropped", {})),
             },
-            "services": {section: fn() for section, fn in self._status_sections.items()},
-        }
+            services={section: fn() for section, fn in self._status_sections.items()},
+        )
 
     async def _status_op(self, request: dict[str, Any]) -> dict[str, Any]:
-        return self.status()
+        return self.status().to_json()
 
     async def _ping_op(self, request: dict[str, Any]) -> dict[str, Any]:
         return {"peer_id": self.peer_id.to_base58(), "started": self.started.is_set()}

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import os
 import tomllib
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from p2ptrain.errors import UserError
-from p2ptrain.mesh.membership import DEFAULT_SILENCE_HEARTBEATS
-from p2ptrain.net.relay import (
+from p2ptrain.mesh.liveness import DEFAULT_SILENCE_HEARTBEATS
+from p2ptrain.net.relay_limits import (
     RELAY_CIRCUIT_BYTES_RANGE,
     RELAY_CIRCUIT_S_RANGE,
     RELAY_MAX_CIRCUIT_BYTES,
@@ -34,21 +35,98 @@ MAX_HEARTBEAT_INTERVAL_S = 60.0
 MAX_SILENCE_HEARTBEATS = 1000
 
 
-@dataclass
-class NodeConfig:
-    """The settings of a node; stored in ``<home>/config.toml``."""
+@dataclass(frozen=True)
+class Setting:
+    """How a node setting is given besides ``config.toml`` (key: the field's name): its flag of
+    ``node start`` and ``config show``, its ``P2PTRAIN_<NAME>`` variable, and its bounds."""
 
-    listen: list[str] = field(default_factory=lambda: list(DEFAULT_LISTEN))
-    bootstrap: list[str] = field(default_factory=list)
-    mdns: bool = False
-    dht: bool = True
-    heartbeat_interval: float = 1.0
-    silence_heartbeats: int = DEFAULT_SILENCE_HEARTBEATS
-    relay_service: bool = False  # relay connections for peers behind NAT (docs/nat.md)
-    # What a relay allows each reservation (used with relay_service; p2ptrain.net.relay)
-    relay_max_reservations: int = RELAY_MAX_RESERVATIONS
-    relay_max_circuit_duration: int = RELAY_MAX_CIRCUIT_S  # seconds
-    relay_max_circuit_bytes: int = RELAY_MAX_CIRCUIT_BYTES
+    flag: str  # "--no-x" for a setting that is on by default: the flag turns it off
+    help: str
+    check: Callable[[Any], str | None]  # why a value is refused (one phrase), or None
+    metavar: str | None = None
+    repeat: str = "extend"  # a list's flag: "extend" (--flag A B) or "append" (--flag A --flag B)
+
+
+def setting(default: Any = MISSING, *, factory: Callable[[], Any] | None = None, **how: Any) -> Any:
+    """A :class:`NodeConfig` field: its default (or ``factory``) and its :class:`Setting`."""
+    meta = {"setting": Setting(**how)}
+    if factory is not None:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def _addresses(value: Any) -> str | None:
+    if not isinstance(value, list) or not all(isinstance(a, str) and len(a) <= MAX_CONFIG_ADDR_LEN for a in value):
+        return f"must be a list of multiaddr strings (each at most {MAX_CONFIG_ADDR_LEN} characters)"
+    if len(value) > MAX_CONFIG_ADDRS:
+        return f"lists {len(value)} addresses; at most {MAX_CONFIG_ADDRS}"
+    return None
+
+
+def _boolean(value: Any) -> str | None:
+    return None if isinstance(value, bool) else "must be true or false"
+
+
+def _interval(value: Any) -> str | None:
+    if type(value) not in (int, float) or not 0 < value <= MAX_HEARTBEAT_INTERVAL_S:
+        return f"must be a number of seconds above 0 and at most {MAX_HEARTBEAT_INTERVAL_S:g}"
+    return None
+
+
+def _silence(value: Any) -> str | None:
+    if type(value) is not int or not 1 <= value <= MAX_SILENCE_HEARTBEATS:
+        return f"must be a whole number from 1 to {MAX_SILENCE_HEARTBEATS}"
+    return None
+
+
+def _within(bounds: tuple[int, int]) -> Callable[[Any], str | None]:
+    return lambda value: bound_problem(value, bounds)
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    """The settings of a node; stored in ``<home>/config.toml``.
+
+    Each field is one setting, declared once: its ``config.toml`` key is the field's name, its
+    environment variable ``P2PTRAIN_<NAME>``, and its :class:`Setting` (from :func:`setting`) gives
+    the flag, the help and the bounds. ``node start``'s flags, ``config show`` and the checks of the
+    file, the variables and the flags all come from here (:mod:`p2ptrain.cli.config`).
+    """
+
+    listen: list[str] = setting(
+        factory=lambda: list(DEFAULT_LISTEN), flag="--listen", metavar="MULTIADDR", repeat="append", check=_addresses,
+        help="address to listen on, e.g. /ip4/127.0.0.1/tcp/4001 (repeatable; default /ip4/127.0.0.1/tcp/0)")
+    bootstrap: list[str] = setting(
+        factory=list, flag="--bootstrap", metavar="MULTIADDR", check=_addresses,
+        help="peers to connect to first, each ending in /p2p/<peer id> (copy them from `node status --json`, "
+        "key \"addrs\")")
+    mdns: bool = setting(False, flag="--mdns", check=_boolean,
+                         help="also find peers on the local network by mDNS (binds all interfaces)")
+    dht: bool = setting(True, flag="--no-dht", check=_boolean, help="do not run Kad-DHT peer routing")
+    heartbeat_interval: float = setting(1.0, flag="--heartbeat", metavar="SECONDS", check=_interval,
+                                        help="heartbeat interval (default 1.0)")
+    silence_heartbeats: int = setting(
+        DEFAULT_SILENCE_HEARTBEATS, flag="--silence-heartbeats", metavar="N", check=_silence,
+        help=f"a peer silent this many heartbeat intervals is gone (default {DEFAULT_SILENCE_HEARTBEATS}, "
+        f"from 1 to {MAX_SILENCE_HEARTBEATS})")
+    relay_service: bool = setting(
+        False, flag="--relay-service", check=_boolean,
+        help="relay connections for peers behind NAT (within per-reservation limits; see docs/nat.md); "
+        "useful on a node others can dial")
+    # What a relay allows each reservation (used with relay_service; p2ptrain.net.relay says why these bounds).
+    relay_max_reservations: int = setting(
+        RELAY_MAX_RESERVATIONS, flag="--relay-max-reservations", metavar="N", check=_within(RELAY_RESERVATIONS_RANGE),
+        help="with --relay-service: peers that may hold a reservation at once; more are refused "
+        "(default 32, from 1 to 4096)")
+    relay_max_circuit_duration: int = setting(
+        RELAY_MAX_CIRCUIT_S, flag="--relay-max-circuit-duration", metavar="SECONDS", check=_within(RELAY_CIRCUIT_S_RANGE),
+        help="with --relay-service: a relayed connection is reset after this long and the peers "
+        "redial (default 3600, from 10 to 604800)")
+    relay_max_circuit_bytes: int = setting(
+        RELAY_MAX_CIRCUIT_BYTES, flag="--relay-max-circuit-bytes", metavar="BYTES",
+        check=_within(RELAY_CIRCUIT_BYTES_RANGE),
+        help="with --relay-service: bytes one relayed connection may carry both ways, then it is "
+        "reset and redialed (default 8589934592 = 8 GiB, from 1048576 to 1099511627776)")
 
     @classmethod
     def load(cls, home: Path) -> NodeConfig | None:
@@ -58,6 +136,11 @@ class NodeConfig:
         if not path.exists():
             return None
         return cls.parse(path)
+
+    @classmethod
+    def of_home(cls, home: Path) -> NodeConfig:
+        """The home's stored config, else the defaults."""
+        return cls.load(home) or cls()
 
     @classmethod
     def parse(cls, path: Path) -> NodeConfig:
@@ -86,6 +169,13 @@ class NodeConfig:
                 raise UserError(f"{path}: {name} {problem}")
         return cls(**node)
 
+    def check(self) -> None:
+        """A :class:`UserError` naming the first setting out of bounds (a config built in code)."""
+        for name in self.__dataclass_fields__:
+            problem = config_problem(name, getattr(self, name))
+            if problem:
+                raise UserError(f"node setting {name} {problem}")
+
     def to_toml(self) -> str:
         def value(v: Any) -> str:
             if isinstance(v, bool):
@@ -101,33 +191,20 @@ class NodeConfig:
         return "\n".join(lines) + "\n"
 
 
-# Whole-number settings and their bounds (the relay's: p2ptrain.net.relay says why these).
-_RANGES = {
-    "relay_max_reservations": RELAY_RESERVATIONS_RANGE,
-    "relay_max_circuit_duration": RELAY_CIRCUIT_S_RANGE,
-    "relay_max_circuit_bytes": RELAY_CIRCUIT_BYTES_RANGE,
-}
+def settings() -> dict[str, Setting]:
+    """Every node setting by name (the fields of :class:`NodeConfig`, in order)."""
+    return {f.name: f.metadata["setting"] for f in fields(NodeConfig)}
+
+
+def env_variable(name: str) -> str:
+    """The environment variable of setting ``name``."""
+    return f"P2PTRAIN_{name.upper()}"
 
 
 def config_problem(name: str, value: Any) -> str | None:
     """Why ``value`` is not acceptable for setting ``name``, or None."""
-    if name in ("listen", "bootstrap"):
-        if not isinstance(value, list) or not all(isinstance(a, str) and len(a) <= MAX_CONFIG_ADDR_LEN for a in value):
-            return f"must be a list of multiaddr strings (each at most {MAX_CONFIG_ADDR_LEN} characters)"
-        if len(value) > MAX_CONFIG_ADDRS:
-            return f"lists {len(value)} addresses; at most {MAX_CONFIG_ADDRS}"
-    elif name in ("mdns", "dht", "relay_service"):
-        if not isinstance(value, bool):
-            return "must be true or false"
-    elif name == "heartbeat_interval":
-        if type(value) not in (int, float) or not 0 < value <= MAX_HEARTBEAT_INTERVAL_S:
-            return f"must be a number of seconds above 0 and at most {MAX_HEARTBEAT_INTERVAL_S:g}"
-    elif name in _RANGES:
-        return bound_problem(value, _RANGES[name])
-    elif name == "silence_heartbeats":
-        if type(value) is not int or not 1 <= value <= MAX_SILENCE_HEARTBEATS:
-            return f"must be a whole number from 1 to {MAX_SILENCE_HEARTBEATS}"
-    return None
+    how = settings().get(name)
+    return None if how is None else how.check(value)
 
 
 def prepare_home(home: Path) -> None:

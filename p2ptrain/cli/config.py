@@ -13,11 +13,15 @@ import argparse
 import json
 import os
 import tomllib
+import typing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from p2ptrain.errors import UserError
+
+if TYPE_CHECKING:
+    from p2ptrain.node_config import NodeConfig
 
 # The one spelling of where a home is when --home is not given (identity.default_home decides it).
 HOME_DEFAULT = "$P2PTRAIN_HOME or ~/.p2ptrain"
@@ -28,28 +32,6 @@ def home_help(what: str) -> str:
     return f"{what} (default: {HOME_DEFAULT})"
 
 
-# config.toml settings that the environment may set: (setting, variable, how its text is read).
-ENV_SETTINGS: tuple[tuple[str, str, str], ...] = (
-    ("listen", "P2PTRAIN_LISTEN", "list"),
-    ("bootstrap", "P2PTRAIN_BOOTSTRAP", "list"),
-    ("mdns", "P2PTRAIN_MDNS", "bool"),
-    ("dht", "P2PTRAIN_DHT", "bool"),
-    ("heartbeat_interval", "P2PTRAIN_HEARTBEAT_INTERVAL", "float"),
-    ("silence_heartbeats", "P2PTRAIN_SILENCE_HEARTBEATS", "int"),
-    ("relay_service", "P2PTRAIN_RELAY_SERVICE", "bool"),
-    ("relay_max_reservations", "P2PTRAIN_RELAY_MAX_RESERVATIONS", "int"),
-    ("relay_max_circuit_duration", "P2PTRAIN_RELAY_MAX_CIRCUIT_DURATION", "int"),
-    ("relay_max_circuit_bytes", "P2PTRAIN_RELAY_MAX_CIRCUIT_BYTES", "int"),
-)
-# Flags of ``node start`` that set a config.toml setting (the argparse dest of each).
-FLAG_OF = {"listen": "--listen", "bootstrap": "--bootstrap", "mdns": "--mdns", "dht": "--no-dht",
-           "heartbeat_interval": "--heartbeat", "relay_service": "--relay-service",
-           "relay_max_reservations": "--relay-max-reservations",
-           "relay_max_circuit_duration": "--relay-max-circuit-duration",
-           "relay_max_circuit_bytes": "--relay-max-circuit-bytes"}
-DEST_OF = {"listen": "listen", "bootstrap": "bootstrap", "mdns": "mdns", "dht": "dht", "heartbeat_interval": "heartbeat",
-           "relay_service": "relay_service", "relay_max_reservations": "relay_max_reservations",
-           "relay_max_circuit_duration": "relay_max_circuit_duration", "relay_max_circuit_bytes": "relay_max_circuit_bytes"}
 TRUE, FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
@@ -64,33 +46,19 @@ def add_setting_flags(parser: argparse.ArgumentParser) -> None:
     """The flags of ``node start`` that override a setting (``config show`` takes them too)."""
     parser.add_argument("--home", type=Path, default=None,
                         help=home_help("node home: identity key, config, control socket, blocks, logs"))
-    parser.add_argument(
-        "--listen", action="append", metavar="MULTIADDR",
-        help="address to listen on, e.g. /ip4/127.0.0.1/tcp/4001 (repeatable; default /ip4/127.0.0.1/tcp/0)",
-    )
-    parser.add_argument(
-        "--bootstrap", nargs="+", action="extend", metavar="MULTIADDR",
-        help="peers to connect to first, each ending in /p2p/<peer id> (copy them from `node status --json`, "
-        "key \"addrs\")",
-    )
-    parser.add_argument("--mdns", action="store_true", default=None,
-                        help="also find peers on the local network by mDNS (binds all interfaces)")
-    parser.add_argument("--no-dht", dest="dht", action="store_false", default=None, help="do not run Kad-DHT peer routing")
-    parser.add_argument("--heartbeat", type=float, metavar="SECONDS", help="heartbeat interval (default 1.0)")
-    parser.add_argument(
-        "--relay-service", dest="relay_service", action="store_true", default=None,
-        help="relay connections for peers behind NAT (within per-reservation limits; see docs/nat.md); "
-        "useful on a node others can dial",
-    )
-    parser.add_argument("--relay-max-reservations", type=int, metavar="N",
-                        help="with --relay-service: peers that may hold a reservation at once; more are refused "
-                        "(default 32, from 1 to 4096)")
-    parser.add_argument("--relay-max-circuit-duration", type=int, metavar="SECONDS",
-                        help="with --relay-service: a relayed connection is reset after this long and the peers "
-                        "redial (default 3600, from 10 to 604800)")
-    parser.add_argument("--relay-max-circuit-bytes", type=int, metavar="BYTES",
-                        help="with --relay-service: bytes one relayed connection may carry both ways, then it is "
-                        "reset and redialed (default 8589934592 = 8 GiB, from 1048576 to 1099511627776)")
+    from p2ptrain.node_config import NodeConfig, settings  # the flags are declared with the settings
+
+    kinds = typing.get_type_hints(NodeConfig)
+    for name, how in settings().items():
+        kind = kinds[name]
+        if kind is bool:
+            action = "store_false" if how.flag.startswith("--no-") else "store_true"
+            parser.add_argument(how.flag, dest=name, action=action, default=None, help=how.help)
+        elif kind == list[str]:
+            parser.add_argument(how.flag, dest=name, action=how.repeat, nargs="+" if how.repeat == "extend" else None,
+                                metavar=how.metavar, help=how.help)
+        else:
+            parser.add_argument(how.flag, dest=name, type=kind, metavar=how.metavar, help=how.help)
     parser.add_argument(
         "--metrics", metavar="[HOST:]PORT", default=None,
         help="serve Prometheus metrics over HTTP at this address, e.g. 127.0.0.1:9464 (a bare PORT "
@@ -106,7 +74,8 @@ def add_setting_flags(parser: argparse.ArgumentParser) -> None:
 def resolve(args: argparse.Namespace) -> list[Setting]:
     """Every setting of ``node start`` with its value and source (first: ``home``)."""
     from p2ptrain.identity import default_home
-    from p2ptrain.node_config import CONFIG_FILE, NodeConfig, config_problem
+    from p2ptrain.node_config import CONFIG_FILE, NodeConfig, env_variable
+    from p2ptrain.node_config import settings as node_settings
 
     if args.home:
         home = Setting("home", str(Path(args.home).expanduser().absolute()), "flag --home")
@@ -118,17 +87,18 @@ def resolve(args: argparse.Namespace) -> list[Setting]:
     stored = NodeConfig.parse(path) if path.exists() else None  # checked: every problem one line
     in_file = set(tomllib.loads(path.read_text()).get("node", {})) if stored is not None else set()
     defaults = NodeConfig()
+    kinds = typing.get_type_hints(NodeConfig)
     settings = [home]
-    for name, variable, kind in ENV_SETTINGS:
-        flag_value = getattr(args, DEST_OF[name], None) if name in DEST_OF else None
+    for name, how in node_settings().items():
+        flag_value, variable = getattr(args, name, None), env_variable(name)
         if flag_value is not None:
-            problem = config_problem(name, flag_value)
+            problem = how.check(flag_value)
             if problem:
-                raise UserError(f"{FLAG_OF[name]}: {name} {problem}")
-            settings.append(Setting(name, flag_value, f"flag {FLAG_OF[name]}"))
+                raise UserError(f"{how.flag}: {name} {problem}")
+            settings.append(Setting(name, flag_value, f"flag {how.flag}"))
         elif os.environ.get(variable):
-            value = _from_env(variable, os.environ[variable], kind)
-            problem = config_problem(name, value)
+            value = _from_env(variable, os.environ[variable], kinds[name])
+            problem = how.check(value)
             if problem:
                 raise UserError(f"${variable}: {name} {problem}")
             settings.append(Setting(name, value, f"env {variable}"))
@@ -159,19 +129,19 @@ def _flag_env_default(name: str, flag_value: Any, flag: str, variable: str, defa
     return Setting(name, default, "default")
 
 
-def _from_env(variable: str, text: str, kind: str) -> Any:
-    """A setting from an environment variable's text: lists split on commas or spaces."""
+def _from_env(variable: str, text: str, kind: Any) -> Any:
+    """A setting of type ``kind`` from an environment variable's text: lists split on commas or spaces."""
     text = text.strip()
-    if kind == "list":
+    if kind == list[str]:
         return [part for part in text.replace(",", " ").split() if part]
-    if kind == "bool":
+    if kind is bool:
         if text.lower() in TRUE:
             return True
         if text.lower() in FALSE:
             return False
         raise UserError(f"${variable}: {text!r} is not true or false")
     try:
-        return int(text) if kind == "int" else float(text)
+        return int(text) if kind is int else float(text)
     except ValueError:
         raise UserError(f"${variable}: {text!r} is not a number") from None
 
@@ -180,7 +150,15 @@ def values(settings: list[Setting]) -> dict[str, Any]:
     return {s.name: s.value for s in settings}
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
+def node_config(settings: list[Setting]) -> NodeConfig:
+    """The node's settings among ``settings`` (what :func:`resolve` found), as the node takes them."""
+    from p2ptrain.node_config import NodeConfig
+
+    names = set(NodeConfig.__dataclass_fields__)
+    return NodeConfig(**{s.name: s.value for s in settings if s.name in names})
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     group = sub.add_parser("config", help="show a node's effective settings and where each came from",
                            description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     cmds = group.add_subparsers(dest="config_cmd", metavar="SUBCOMMAND", required=True)

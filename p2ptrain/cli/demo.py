@@ -24,6 +24,7 @@ from typing import Any
 from p2ptrain.errors import UserError
 from p2ptrain.logs import fmt_bytes
 from p2ptrain.net import control_ops
+from p2ptrain.runtime.status import TaskStatus
 from p2ptrain.training.demo import TASK_TEMPLATE
 
 MESH_TIMEOUT_S = 60.0
@@ -35,7 +36,7 @@ DEFAULT_REPORT = "p2ptrain-demo-report.png"
 STATUS_WIDTH = 64
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     demo = sub.add_parser(
         "demo", help="train on N local peers over loopback, then fetch the model by CID",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -164,10 +165,12 @@ def _run(args: argparse.Namespace, cluster: Cluster, workdir: Path, say: Any) ->
 
     say("[4/5] training")
     final = _follow(cluster, task_cid, args.steps, deadline, quiet=args.json)
-    model_cid = final[first.name]["latest_model_cid"]
+    model_cid = final[first.name].latest_model_cid
+    if model_cid is None:
+        raise UserError("the run ended without a confirmed model")
     per_peer = [
-        {"peer": name, "peer_id": cluster.call(h, control_ops.STATUS)["peer_id"], "model_cid": final[name]["latest_model_cid"],
-         "version": final[name]["version"], "bytes_sent": final[name]["bytes_sent"]}
+        {"peer": name, "peer_id": cluster.call(h, control_ops.STATUS)["peer_id"], "model_cid": final[name].latest_model_cid,
+         "version": final[name].version, "bytes_sent": final[name].bytes_sent}
         for name, h in ((h.name, h) for h in cluster.homes)
     ]
     agree = len({p["model_cid"] for p in per_peer}) == 1
@@ -175,7 +178,7 @@ def _run(args: argparse.Namespace, cluster: Cluster, workdir: Path, say: Any) ->
 
     say("[5/5] fetching the model by CID on a fresh home, through the mesh, and evaluating it")
     accuracy, loss = _fetch_and_evaluate(workdir / "fetcher", model_cid, manifest_cid, bootstrap)
-    chain = final[first.name]["chain"]
+    chain = final[first.name].chain
     report = _draw(args.report, first, task_cid, say)
     return {
         "report": report,
@@ -190,13 +193,13 @@ def _run(args: argparse.Namespace, cluster: Cluster, workdir: Path, say: Any) ->
         "steps": args.steps,
         "density": args.density,
         "versions": len(chain),
-        "coordinator_accuracy": chain[-1]["metrics"].get("accuracy") if chain else None,
-        "train_loss": chain[-1]["metrics"].get("train_loss") if chain else None,
+        "coordinator_accuracy": chain[-1].metrics.get("accuracy") if chain else None,
+        "train_loss": chain[-1].metrics.get("train_loss") if chain else None,
         "bytes_sent": sum(p["bytes_sent"] for p in per_peer),
     }
 
 
-def _follow(cluster: Cluster, task_cid: str, steps: int, deadline: float, quiet: bool) -> dict[str, dict[str, Any]]:
+def _follow(cluster: Cluster, task_cid: str, steps: int, deadline: float, quiet: bool) -> dict[str, TaskStatus]:
     """Show the run live until every peer has the final model confirmed; return each peer's status."""
     from tqdm import tqdm
 
@@ -210,29 +213,30 @@ def _follow(cluster: Cluster, task_cid: str, steps: int, deadline: float, quiet:
     training = False  # the first round is done: the bar's rate counts from here, not from the election
     try:
         while True:
-            statuses = {}
+            statuses: dict[str, TaskStatus] = {}
             for home in cluster.homes:
                 try:
-                    statuses[home.name] = cluster.call(home, control_ops.TASK_STATUS, task_cid=task_cid)
+                    statuses[home.name] = TaskStatus.from_json(
+                        cluster.call(home, control_ops.TASK_STATUS, task_cid=task_cid))
                 except UserError:
                     continue
             if not statuses:
                 raise UserError("no peer answers about the task any more")
-            failed = {n: s["error"] for n, s in statuses.items() if s.get("state") == "failed"}
+            failed = {n: s.error for n, s in statuses.items() if s.state == "failed"}
             if failed:
                 raise UserError(f"the task failed on {', '.join(failed)}: {next(iter(failed.values()))}")
-            step = max(s.get("step", 0) for s in statuses.values())
-            lead = max(statuses.values(), key=lambda s: (s.get("version", 0), s.get("step", 0)))
-            acc = lead.get("accuracy")
-            sent = sum(s.get("bytes_sent", 0) for s in statuses.values())
+            step = max(s.step for s in statuses.values())
+            lead = max(statuses.values(), key=lambda s: (s.version, s.step))
+            acc = lead.accuracy
+            sent = sum(s.bytes_sent for s in statuses.values())
             if step == 0:  # before the first round: say what the peers are doing
-                states = sorted({str(s.get("state")) for s in statuses.values()})
+                states = sorted({s.state for s in statuses.values()})
                 if states == ["training"]:
-                    states = ["electing a coordinator" if not lead.get("coordinator") else "coordinator elected"]
+                    states = ["electing a coordinator" if not lead.coordinator else "coordinator elected"]
                 line = f"{', '.join(states)} ..."
             else:
-                line = (f"model v{lead.get('version', 0)}  loss {_num(lead.get('loss'))}  test acc {_num(acc)}  "
-                        f"peers {len(lead.get('members') or [])}  sent {fmt_bytes(sent)}")
+                line = (f"model v{lead.version}  loss {_num(lead.loss)}  test acc {_num(acc)}  "
+                        f"peers {len(lead.members)}  sent {fmt_bytes(sent)}")
                 if not training:
                     training = True
                     # restart tqdm's clock here, counting from this step: the rate (and the time
@@ -246,7 +250,7 @@ def _follow(cluster: Cluster, task_cid: str, steps: int, deadline: float, quiet:
             if not live and not quiet and time.monotonic() - last_line >= 5.0 and text != last_text:
                 last_line, last_text = time.monotonic(), text
                 print(text, file=sys.stderr)
-            if len(statuses) == len(cluster.homes) and all(s.get("state") == "done" for s in statuses.values()):
+            if len(statuses) == len(cluster.homes) and all(s.state == "done" for s in statuses.values()):
                 return statuses
             if time.monotonic() > deadline:
                 raise UserError(f"the task did not finish in time (step {step} of {steps})")

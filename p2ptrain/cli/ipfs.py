@@ -330,7 +330,7 @@ def cmd_pin_ls(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     group = sub.add_parser("ipfs", help="add, read and pin content by IPFS CID", description=__doc__)
     group.add_argument("--ipfs", metavar="API", default=None,
                        help="for every subcommand: use a Kubo daemon's RPC API, e.g. http://127.0.0.1:5001")

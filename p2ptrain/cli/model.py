@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -19,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from p2ptrain.cli.ipfs import cid_arg
 from p2ptrain.errors import UserError
 from p2ptrain.net import control_ops
+from p2ptrain.runtime.status import TaskStatus
 
 if TYPE_CHECKING:
     from p2ptrain.ipfs.store import ContentStore
@@ -27,7 +29,7 @@ HOME_HELP = "node home whose store (and running node, if any) to use (default: $
 EPHEMERAL_MESH_TIMEOUT_S = 20.0
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     group = sub.add_parser("model", help="fetch, evaluate and serve trained models by CID", description=__doc__)
     msub = group.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
@@ -51,8 +53,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     evaluate.set_defaults(func=cmd_eval)
 
     from p2ptrain.cli import serve as serve_cli  # model serve, model predict
+    from p2ptrain.cli import verify as verify_cli  # model verify
 
     serve_cli.add_parsers(msub)
+    verify_cli.add_parser(msub, HOME_HELP)
 
 
 def _source_options(parser: argparse.ArgumentParser) -> None:
@@ -90,7 +94,9 @@ def ensure_local(
         client = ControlClient(home, timeout=600.0)
         try:
             if latest is not None:
-                cids = cids + [_latest_from_status(client.call(control_ops.TASK_STATUS, task_cid=latest), latest)]
+                status = TaskStatus.from_json(
+                    client.call(control_ops.TASK_STATUS, task_cid=latest, timeout=EPHEMERAL_MESH_TIMEOUT_S))
+                cids = cids + [_latest_from_status(status, latest)]
             for cid in cids:
                 client.call(control_ops.IPFS_FETCH, cid=cid, timeout=300.0)
             for cid in then(store) if then else []:
@@ -110,11 +116,11 @@ def ensure_local(
     return _fetch_with_ephemeral_node(home, cids, bootstrap, latest, then)
 
 
-def _latest_from_status(status: dict[str, Any], task_cid: str) -> str:
-    cid = status.get("latest_model_cid")
-    if not cid or not status.get("version"):
-        raise UserError(f"task {task_cid} has no confirmed model yet (state: {status.get('state')})")
-    return str(cid)
+def _latest_from_status(status: TaskStatus, task_cid: str) -> str:
+    cid = status.latest_model_cid
+    if not cid or not status.version:
+        raise UserError(f"task {task_cid} has no confirmed model yet (state: {status.state})")
+    return cid
 
 
 def _fetch_with_ephemeral_node(
@@ -123,58 +129,87 @@ def _fetch_with_ephemeral_node(
 ) -> list[str]:
     import trio
 
+    out = list(cids)
+
+    async def work(peer: Any) -> None:
+        if latest is not None:
+            # Any member of a run (under way or over) answers; the chain is verified.
+            _, chain = await find_latest(peer, latest)
+            out.append(chain.head_cid)
+        for cid in out:
+            await fetch_through(peer, cid)
+        more = await trio.to_thread.run_sync(then, peer.content.store) if then else []
+        for cid in more:
+            await fetch_through(peer, cid)
+
+    with_ephemeral_node(home, bootstrap, work)
+    return out
+
+
+async def fetch_through(peer: Any, cid: str) -> None:
+    """One CID through a temporary node, showing on stderr how far it is (as through a node)."""
+    import trio
+
     from p2ptrain.cli.ipfs import fetch_progress
+
+    if await trio.to_thread.run_sync(peer.content.store.has, cid):
+        return
+    with fetch_progress(f"fetch {cid[:16]}") as show:
+        await peer.content.fetch(cid, timeout=300.0, progress=show)
+
+
+async def find_latest(peer: Any, task_cid: str) -> tuple[Any, Any]:
+    """The latest verified ``(head, chain)`` of ``task_cid`` through a temporary node, within
+    EPHEMERAL_MESH_TIMEOUT_S (a UserError line naming what was refused otherwise)."""
+    import trio
+
+    from p2ptrain.runtime.latest import LatestFinder
+
+    finder = LatestFinder(peer.node, peer.content, task_cid)
+    try:
+        with trio.fail_after(EPHEMERAL_MESH_TIMEOUT_S):
+            found = await finder.find()
+    except trio.TooSlowError:
+        refused = dict(finder.refused)
+        raise UserError(f"no peer told us the latest model of task {task_cid} within {EPHEMERAL_MESH_TIMEOUT_S:.0f} s"
+                        + (f" (heads refused: {refused})" if refused else "")) from None
+    if finder.refused["fork"]:
+        print(f"warning: peers hold verified chains of task {task_cid} that fork; took the longest "
+              f"(v{found[1].version}). See docs/security.md (open admission).", file=sys.stderr)
+    return found
+
+
+def with_ephemeral_node(home: Path, bootstrap: list[str], work: Callable[[Any], Any]) -> None:
+    """Run ``await work(peer)`` on a temporary node of ``home`` that joins the mesh through
+    ``bootstrap`` (its first peer within EPHEMERAL_MESH_TIMEOUT_S), then stop it."""
+    import trio
+
     from p2ptrain.ipfs.store import ContentUnavailable
     from p2ptrain.node import Node
-    from p2ptrain.runtime.latest import LatestFinder
+    from p2ptrain.node_config import NodeConfig
     from p2ptrain.runtime.peer import make_peer
-    from p2ptrain.training.records import RecordError
 
     logging.getLogger("libp2p").setLevel(logging.CRITICAL)
-    node = Node(home, listen=["/ip4/127.0.0.1/tcp/0"], bootstrap=bootstrap)
+    node = Node(home, dataclasses.replace(NodeConfig.of_home(home), listen=["/ip4/127.0.0.1/tcp/0"], bootstrap=bootstrap))
     peer = make_peer(node)
-    out = list(cids)
-    finder = LatestFinder(node, peer.content, latest) if latest is not None else None
-
-    async def fetch(cid: str) -> None:
-        """One CID through the temporary node, showing on stderr how far it is (as through a node)."""
-        if await trio.to_thread.run_sync(peer.content.store.has, cid):
-            return
-        with fetch_progress(f"fetch {cid[:16]}") as show:
-            await peer.content.fetch(cid, timeout=300.0, progress=show)
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
             await nursery.start(node.run)
             try:
-                with trio.fail_after(EPHEMERAL_MESH_TIMEOUT_S):
-                    while not node.host or not node.host.get_connected_peers():
+                with trio.move_on_after(EPHEMERAL_MESH_TIMEOUT_S):
+                    # py-libp2p has no event for a new connection: poll.
+                    while not node.host or not node.host.get_connected_peers():  # noqa: ASYNC110
                         await trio.sleep(0.1)
-                    if finder is not None:
-                        # Any member of a run (under way or over) answers; the chain is verified.
-                        head, _ = await finder.find()
-                        out.append(head.model_cid)
-                for cid in out:
-                    await fetch(cid)
-                more = await trio.to_thread.run_sync(then, peer.content.store) if then else []
-                for cid in more:
-                    await fetch(cid)
-            except trio.TooSlowError:
-                refused = dict(finder.refused) if finder is not None else {}
-                raise UserError(
-                    f"no peer reachable through {bootstrap[0]}" if latest is None or not node.host.get_connected_peers()
-                    else f"no peer told us the latest model of task {latest} within {EPHEMERAL_MESH_TIMEOUT_S:.0f} s"
-                    + (f" (heads refused: {refused})" if refused else "")
-                ) from None
-            except RecordError as exc:  # two verified chains that fork
-                raise UserError(f"the peers disagree on task {latest}'s history: {exc}") from None
+                if not node.host or not node.host.get_connected_peers():
+                    raise UserError(f"no peer reachable through {bootstrap[0]}")
+                await work(peer)
             except ContentUnavailable as exc:
                 raise UserError(str(exc)) from None
             finally:
                 node.stop()
 
     trio.run(main)
-    return out
 
 
 def split_shards(store: ContentStore, manifest_cid: str, split: str) -> list[str]:
@@ -207,6 +242,7 @@ def cmd_fetch(args: argparse.Namespace) -> int:
         raise UserError(f"{model_cid} is not a p2ptrain model: {exc}") from None
     with progress_bar(f"writing {args.output.name}", len(data)) as progress:
         store.get(model_cid, args.output, progress=progress)
+    assert card is not None  # model_from_bytes refuses a file without one
     params = sum(p.numel() for p in module.parameters())
     summary = {"model_cid": model_cid, "path": str(args.output), "bytes": len(data), "model": card,
                "parameters": params}

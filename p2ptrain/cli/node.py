@@ -8,18 +8,18 @@ import logging
 import signal
 import sys
 from pathlib import Path
-from typing import Any
 
 from p2ptrain.cli.ipfs import cid_arg
-from p2ptrain.cli.config import add_setting_flags, home_help, resolve, values
+from p2ptrain.cli.config import add_setting_flags, home_help, node_config, resolve, values
 from p2ptrain.errors import UserError
 from p2ptrain.logs import formatter
 from p2ptrain.net import control_ops
+from p2ptrain.runtime.status import NodeStatus
 
 HOME_HELP = home_help("node home: identity key, config, control socket, blocks, logs")
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     node = sub.add_parser(
         "node",
         help="run a peer and inspect it",
@@ -46,7 +46,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--accept-tasks", action="store_true",
         help="join every announced task whose requirements this node meets (default: only --join)",
     )
-    start.add_argument("--join", action="append", default=[], metavar="TASK_CID", type=cid_arg, help="take part in this task (repeatable)")
+    start.add_argument("--join", action="append", default=[], metavar="TASK_CID", type=cid_arg,
+                       help="take part in this task (repeatable)")
     start.add_argument(
         "--device", default="auto",
         help="where to train: auto (CUDA when available, else CPU), cpu, cuda or cuda:N (default auto)",
@@ -124,19 +125,7 @@ def cmd_start(args: argparse.Namespace) -> int:
         what = source if source.startswith("--") else f"${source}"
         metrics_at = parse_address(settings["metrics"], what)  # a typo is one line, before anything starts
     _check_device(args.device)
-    node = Node(
-        settings["home"],
-        listen=settings["listen"],
-        bootstrap=settings["bootstrap"],
-        mdns=settings["mdns"],
-        dht=settings["dht"],
-        heartbeat_interval=settings["heartbeat_interval"],
-        silence_heartbeats=settings["silence_heartbeats"],
-        relay_service=settings["relay_service"],
-        relay_max_reservations=settings["relay_max_reservations"],
-        relay_max_circuit_duration=settings["relay_max_circuit_duration"],
-        relay_max_circuit_bytes=settings["relay_max_circuit_bytes"],
-    )
+    node = Node(settings["home"], node_config(resolved))
     if args.threads > 0:
         import torch
 
@@ -180,9 +169,9 @@ def _log_to_home(home: Path, log_format: str) -> None:
 def cmd_status(args: argparse.Namespace) -> int:
     from p2ptrain.net.control import ControlClient
 
-    status = ControlClient(_home(args)).call(control_ops.STATUS)
+    status = NodeStatus.from_json(ControlClient(_home(args)).call(control_ops.STATUS))
     if args.json:
-        json.dump(status, sys.stdout, indent=2)
+        json.dump(status.to_json(), sys.stdout, indent=2)
         print()
         return 0
     print(_render(status))
@@ -193,13 +182,13 @@ def _gib(n: int | None) -> str:
     return "?" if not n else f"{n / 2**30:.1f} GiB"
 
 
-def _render(s: dict[str, Any]) -> str:
-    lines = [f"peer   {s['peer_id']}", "addrs"]
-    lines += [f"  {a}" for a in s["addrs"]]
-    lines.append(f"topics {', '.join(s['topics']) or '-'}")
-    lines.append(f"connected to {len(s['connected'])} peer(s)")
-    lines.append(f"peers  {s.get('peers_total', len(s['peers']))} alive, {s.get('gone_total', len(s['gone']))} gone")
-    for p in s["peers"] + s["gone"]:
+def _render(s: NodeStatus) -> str:
+    lines = [f"peer   {s.peer_id}", "addrs"]
+    lines += [f"  {a}" for a in s.addrs]
+    lines.append(f"topics {', '.join(s.topics) or '-'}")
+    lines.append(f"connected to {len(s.connected)} peer(s)")
+    lines.append(f"peers  {s.peers_total} alive, {s.gone_total} gone")
+    for p in s.peers + s.gone:
         c = p["caps"]
         device = c["device"] + (f" {c['gpu_name']} {_gib(c['gpu_memory_bytes'])}" if c.get("gpu_name") else "")
         state = "alive" if p["alive"] else f"gone ({p['left_reason']})"
@@ -207,7 +196,7 @@ def _render(s: dict[str, Any]) -> str:
             f"  {p['peer_id']}  {state:<10} heartbeat {p['last_heartbeat_age_s']:.1f} s ago  "
             f"{device}, {c['cpu_count']} CPU, {_gib(c['free_ram_bytes'])} free RAM, v{c['version']}"
         )
-    dropped = s.get("messages", {}).get("dropped", {})
+    dropped = s.messages.get("dropped", {})
     if dropped:
         lines.append("dropped messages: " + ", ".join(f"{k} {v}" for k, v in sorted(dropped.items())))
     return "\n".join(lines)

@@ -45,7 +45,7 @@ def commands(parser: argparse.ArgumentParser) -> Iterator[argparse.ArgumentParse
 def _help(parser: argparse.ArgumentParser) -> str:
     """The parser's ``--help`` text at :data:`WIDTH` columns, whatever its formatter class."""
     formatter_class = parser.formatter_class
-    parser.formatter_class = functools.partial(formatter_class, width=WIDTH)  # type: ignore[assignment]
+    parser.formatter_class = functools.partial(formatter_class, width=WIDTH)  # type: ignore[call-arg]
     try:
         return parser.format_help().rstrip() + "\n"
     finally:

@@ -140,7 +140,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     group = sub.add_parser("repo", help="verify and garbage-collect a home's block store")
     cmds = group.add_subparsers(dest="repo_command", metavar="SUBCOMMAND", required=True)
 

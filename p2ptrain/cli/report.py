@@ -49,13 +49,14 @@ class Point:
     bytes_sent: float | None
 
 
-def add_parser(tsub: argparse._SubParsersAction) -> None:
+def add_parser(tsub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Register ``task report`` in the task group."""
     report = tsub.add_parser(
         "report", help="draw a run: loss, accuracy, members, bytes and time per round (PNG or HTML)",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    report.add_argument("task_cid", metavar="TASK_CID", type=cid_arg, help="the task whose run to draw (this home must be a member)")
+    report.add_argument("task_cid", metavar="TASK_CID", type=cid_arg,
+                        help="the task whose run to draw (this home must be a member)")
     report.add_argument("-o", "--output", type=Path, required=True, metavar="FILE",
                         help="where to write the report: FILE.png (a picture) or FILE.html (the picture and a table)")
     report.add_argument("--home", type=Path, default=None,
@@ -75,7 +76,8 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 def load_points(home: Path, task_cid: str) -> list[Point]:
     """The run's confirmed records from ``home``, verified; a UserError line when there are none."""
-    from p2ptrain.training.records import MAX_CHAIN_BYTES, Chain, RecordError, record_from_bytes
+    from p2ptrain.training.lineage import MAX_CHAIN_BYTES, read_chain
+    from p2ptrain.training.records import RecordError
 
     path = home / "tasks" / task_cid / CHAIN_FILE
     try:
@@ -86,12 +88,10 @@ def load_points(home: Path, task_cid: str) -> list[Point]:
                         f"tasks/<task CID>/{CHAIN_FILE}; pass it with --home)") from None
     except OSError as exc:
         raise UserError(f"cannot read {path}: {exc.strerror or exc}") from None
-    lines = data.splitlines()
-    if not any(line.strip() for line in lines):
+    if not data.strip():
         raise UserError(f"{path} holds no confirmed model yet")
     try:
-        first = record_from_bytes(lines[0]).record
-        chain = Chain.from_bytes(task_cid, first.parent, data)
+        chain = read_chain(task_cid, data)
     except RecordError as exc:
         raise UserError(f"{path}: {exc}") from None
     return [_point(s.record) for s in chain.records]

@@ -34,7 +34,7 @@ MAX_TRIED_SERVERS = 8
 MISSING_HYPERCORN = "model serve needs hypercorn: pip install 'p2ptrain[serve]'"
 
 
-def add_parsers(msub: argparse._SubParsersAction) -> None:
+def add_parsers(msub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Register ``serve`` and ``predict`` under the ``model`` group."""
     from p2ptrain.cli.model import _source_options
 

@@ -17,11 +17,12 @@ from p2ptrain.cli.ipfs import cid_arg
 from p2ptrain.errors import UserError
 from p2ptrain.logs import short_id
 from p2ptrain.net import control_ops
+from p2ptrain.runtime.status import TaskStatus
 
 HOME_HELP = home_help("home of the running node to use")
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     group = sub.add_parser("task", help="publish and follow training tasks", description=__doc__)
     tsub = group.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
@@ -48,13 +49,26 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         description="Announce, signed by this node's key, that the task is cancelled. Members obey it "
         "only from the task's publisher (the node that ran `task publish`, named in the task file): "
         "they finish the span under way, keep the last confirmed model and report the state "
-        "'cancelled'. A cancel from any other peer is refused and counted (`task status`, rejected).",
+        "'cancelled'. A cancel from any other peer is refused and counted (`task status`, rejected). "
+        "`task resume` continues the run from its last confirmed model.",
     )
     cancel.add_argument("task_cid", metavar="TASK_CID", type=cid_arg, help="the CID of a task this node published")
     cancel.add_argument("--reason", default="", help="a short note the members log (at most 256 characters)")
     cancel.add_argument("--home", type=Path, default=None, help=HOME_HELP)
     cancel.add_argument("--json", action="store_true", help="print one JSON object (task_cid, cancelled)")
     cancel.set_defaults(func=cmd_cancel)
+
+    resume = tsub.add_parser(
+        "resume", help="continue a task this node published and cancelled",
+        description="Announce, signed by this node's key, that the cancelled task goes on. Members "
+        "obey it only from the task's publisher: each forgets the cancel and resumes the run from the "
+        "last confirmed model on its home (`task status` shows resumed_from). A resume from any other "
+        "peer is refused and counted. Safe to repeat (e.g. once a member that was down is up again).",
+    )
+    resume.add_argument("task_cid", metavar="TASK_CID", type=cid_arg, help="the CID of a task this node published")
+    resume.add_argument("--home", type=Path, default=None, help=HOME_HELP)
+    resume.add_argument("--json", action="store_true", help="print one JSON object (task_cid, resumed)")
+    resume.set_defaults(func=cmd_resume)
 
     listing = tsub.add_parser("list", help="tasks this node has heard of or takes part in")
     listing.add_argument("--home", type=Path, default=None, help=HOME_HELP)
@@ -86,8 +100,8 @@ def cmd_publish(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    status = _client(args).call(control_ops.TASK_STATUS, task_cid=args.task_cid)
-    print(json.dumps(status, indent=None) if args.json else render_status(status))
+    status = TaskStatus.from_json(_client(args).call(control_ops.TASK_STATUS, task_cid=args.task_cid))
+    print(json.dumps(status.to_json(), indent=None) if args.json else render_status(status))
     return 0
 
 
@@ -97,72 +111,79 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_resume(args: argparse.Namespace) -> int:
+    reply = _client(args).call(control_ops.TASK_RESUME, task_cid=args.task_cid)
+    print(json.dumps(reply) if args.json else f"resumed task {reply['task_cid']}")
+    return 0
+
+
 def cmd_list(args: argparse.Namespace) -> int:
     reply = _client(args).call(control_ops.TASK_LIST)
-    tasks = reply["tasks"]
+    tasks = [TaskStatus.from_json(t) for t in reply["tasks"]]
     if args.json:  # "joins": announcements not joined, by why (busy, recently_failed, refused, ...)
-        print(json.dumps({"tasks": tasks, "joins": reply.get("joins")}))
+        print(json.dumps({"tasks": [t.to_json() for t in tasks], "joins": reply.get("joins")}))
         return 0
     if not tasks:
         print("no tasks heard of yet")
     for t in tasks:
-        step = f"step {t.get('step', 0)}/{t.get('total_steps') or '?'}"
-        print(f"{t['task_cid']}  {t['name']:<20} {t['state']:<10} {step}  {'member' if t.get('member') else ''}")
+        step = f"step {t.step}/{t.total_steps or '?'}"
+        print(f"{t.task_cid}  {t.name:<20} {t.state:<10} {step}  {'member' if t.member else ''}")
     return 0
 
 
-def render_status(s: dict[str, Any]) -> str:
+def render_status(s: TaskStatus) -> str:
     """Human-readable task status: progress as the last *completed* round and step, the latest
     confirmed model with its test metrics, and what the run waits for before its first round."""
     lines = [
-        f"task       {s['name']} ({s['task_cid']})",
-        f"state      {s['state']}" + (f" ({s['error']})" if s.get("error") else ""),
+        f"task       {s.name} ({s.task_cid})",
+        f"state      {s.state}" + (f" ({s.error})" if s.error else ""),
         f"progress   {_progress(s)}",
-        f"members    {len(s.get('members') or [])}: " + ", ".join(short_id(m) for m in s.get("members") or []),
+        f"members    {len(s.members)}: " + ", ".join(short_id(m) for m in s.members),
     ]
-    if s.get("member"):
-        lines.append(f"coordinator {short_id(s.get('coordinator') or '-')} (term {s.get('term')})")
-        if s.get("loss") is not None:
-            lines.append(f"training   loss {_num(s.get('loss'), '.4g')} (this peer's last round)")
-        lines.append(f"sent       {s.get('bytes_sent', 0)} bytes over {s.get('rounds_done', 0)} rounds")
+    if s.member:
+        lines.append(f"coordinator {short_id(s.coordinator or '-')} (term {s.term})")
+        if s.loss is not None:
+            lines.append(f"training   loss {_num(s.loss, '.4g')} (this peer's last round)")
+        lines.append(f"sent       {s.bytes_sent} bytes over {s.rounds_done} rounds")
+    if s.resumed_from:
+        lines.append(f"resumed    from model v{s.resumed_from['version']} at step {s.resumed_from['step']}")
     lines.append(f"model      {_model(s)}")
     return "\n".join(lines)
 
 
-def _num(value: Any, spec: str = ".3f") -> str:
+def _num(value: float | None, spec: str = ".3f") -> str:
     """A metric for people: fixed digits, '-' when there is none."""
     return "-" if value is None else format(float(value), spec)
 
 
-def _progress(s: dict[str, Any]) -> str:
-    total = s.get("total_steps") or "?"
-    if not s.get("member"):  # what the run's head says: its step, not a round this node saw complete
-        return f"step {s.get('step', 0)}/{total}"
-    if s.get("last_round") is None:
-        text = f"no round completed yet (step {s.get('step', 0)}/{total})" + _inner(s)
-        waiting = s.get("waiting_for_peers") or 0
+def _progress(s: TaskStatus) -> str:
+    total = s.total_steps or "?"
+    if not s.member:  # what the run's head says: its step, not a round this node saw complete
+        return f"step {s.step}/{total}"
+    if s.last_round is None:
+        text = f"no round completed yet (step {s.step}/{total})" + _inner(s)
+        waiting = s.waiting_for_peers
         if waiting:
             text += f"; waiting for {waiting} more peer{'s' if waiting > 1 else ''}"
         return text
-    text = f"round {s['last_round']} completed, step {s['last_step']}/{total}"
+    text = f"round {s.last_round} completed, step {s.last_step}/{total}"
     return text + _inner(s)
 
 
-def _inner(s: dict[str, Any]) -> str:
+def _inner(s: TaskStatus) -> str:
     """Local-SGD mode: where this member is in its inner loop (a round there takes H local steps)."""
-    if s.get("inner_step") is None:
+    if s.inner_step is None:
         return ""
-    return f"; inner step {s['inner_step']}/{s.get('inner_steps') or '?'}"
+    return f"; inner step {s.inner_step}/{s.inner_steps or '?'}"
 
 
-def _model(s: dict[str, Any]) -> str:
+def _model(s: TaskStatus) -> str:
     """The latest confirmed model: version, CID and the test metrics its record carries."""
-    if not s.get("version"):
-        return "none confirmed yet" + (f" (initial model {s['latest_model_cid']})" if s.get("latest_model_cid") else "")
-    text = f"v{s['version']} {s.get('latest_model_cid') or '-'}"
-    chain = s.get("chain") or []
-    metrics = chain[-1].get("metrics", {}) if chain else {}
+    if not s.version:
+        return "none confirmed yet" + (f" (initial model {s.latest_model_cid})" if s.latest_model_cid else "")
+    text = f"v{s.version} {s.latest_model_cid or '-'}"
+    metrics = s.chain[-1].metrics if s.chain else {}
     if "accuracy" in metrics or "loss" in metrics:
         text += f"\n           test accuracy {_num(metrics.get('accuracy'))}, test loss {_num(metrics.get('loss'))}"
-        text += f" (round {chain[-1].get('round')}, step {chain[-1].get('step')})"
+        text += f" (round {s.chain[-1].round}, step {s.chain[-1].step})"
     return text

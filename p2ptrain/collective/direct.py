@@ -20,26 +20,26 @@ import trio
 
 from p2ptrain.collective.errors import BadPayload, single_failure
 from p2ptrain.collective.ring import SEGMENT_BYTES, chunk_bounds, segments
-from p2ptrain.collective.robust import check_rule, clip_scales, contribution_norm, scaled
+from p2ptrain.collective.robust import clip_scales, contribution_norm, scaled
 from p2ptrain.collective.links import RoundLinks
+from p2ptrain.collective.spec import RoundSpec
 from p2ptrain.wire.frames import DTYPES, HEADER, Header, Kind, Phase
 
 
 def _bytes_of(t: torch.Tensor) -> memoryview:
-    return memoryview(t.view(torch.uint8).numpy())
+    return memoryview(t.view(torch.uint8).numpy())  # type: ignore[arg-type]  # an ndarray is a buffer
 
 
 async def direct_allreduce(
-    links: RoundLinks, data: torch.Tensor, *, average: bool, segment_bytes: int = SEGMENT_BYTES,
-    robust: str = "none",
+    links: RoundLinks, data: torch.Tensor, spec: RoundSpec, *, segment_bytes: int = SEGMENT_BYTES,
 ) -> None:
-    """Sum (or average) the flat contiguous ``data`` of every member in place, bitwise-identically.
+    """Sum (or average, ``spec.op``) the flat contiguous ``data`` of every member in place,
+    bitwise-identically.
 
-    ``robust="clip"``: the owner of a chunk clips each member's contribution to it to the median of
-    their norms before summing (:mod:`p2ptrain.collective.robust`); only the owner computes, and
-    its bytes are what everyone copies.
+    ``spec.robust="clip"``: the owner of a chunk clips each member's contribution to it to the
+    median of their norms before summing (:mod:`p2ptrain.collective.robust`); only the owner
+    computes, and its bytes are what everyone copies.
     """
-    check_rule(robust)
     size, me, ring = links.size, links.me, links.ring
     if size == 1:
         return
@@ -81,7 +81,7 @@ async def direct_allreduce(
         return data[a:b] if member == me else contributions[member][j]
 
     scales = [1.0] * size
-    if robust == "clip":
+    if spec.robust == "clip":
         scales = clip_scales([contribution_norm([part(m, j) for j in range(len(segs[mine]))]) for m in range(size)])
     for j, (a, b) in enumerate(segs[mine]):
         first = part(mine, j)
@@ -89,7 +89,7 @@ async def direct_allreduce(
         for step in range(1, size):
             member = (mine + step) % size
             total = torch.add(scaled(part(member, j), scales[member]), total)
-        if average:
+        if spec.average:
             total.div_(size)
         data[a:b].copy_(total)
 

@@ -18,16 +18,15 @@ from libp2p.peer.id import ID
 from p2ptrain.collective.direct import direct_allreduce
 from p2ptrain.collective.errors import BadPayload, CollectiveError, single_failure
 from p2ptrain.collective.ring import FLOAT_DTYPES, SEGMENT_BYTES, ring_allreduce
-from p2ptrain.collective.robust import check_rule
 from p2ptrain.collective.rounds import RoundHub
+from p2ptrain.collective.spec import RoundSpec
 from p2ptrain.collective.sparse import Range, check_ranges, clt_k_round, select_ranges, slice_of, slice_ranges
 from p2ptrain.tensors import all_finite
 from p2ptrain.wire.frames import DTYPES, PROTOCOL, round_digest
-from p2ptrain.wire.quantized import KINDS
 
 logger = logging.getLogger(__name__)
 
-OPS = ("mean", "sum")
+DENSE = RoundSpec()  # the exact dense mean, 5 s a hop
 
 
 @dataclass
@@ -62,87 +61,65 @@ class Collective:
         return self.hub.me
 
     async def allreduce(
-        self,
-        tensor: torch.Tensor,
-        ring: list[ID],
-        round_id: int,
-        *,
-        op: str = "mean",
-        density: float = 1.0,
-        value_dtype: torch.dtype | None = None,
-        timeout: float = 5.0,
-        start_timeout: float | None = None,
-        robust: str = "none",
+        self, tensor: torch.Tensor, ring: list[ID], round_id: int, spec: RoundSpec = DENSE, *,
+        seed: int | None = None,
     ) -> torch.Tensor:
         """The mean (or sum) over the ring of every member's ``tensor``, identical bits everywhere.
 
-        ``tensor`` is flat float32/float16/bfloat16 and is not modified. With ``density < 1`` this is
-        a one-shot sparse all-reduce: each member picks the top ``density`` share of its own entries
-        in its slice of the tensor and the ring sums exactly the union of those entries (zeros
-        elsewhere); for training use :class:`SparseAllReducer`, which keeps what was not sent
+        ``tensor`` is flat float32/float16/bfloat16 and is not modified. With ``spec.density < 1``
+        this is a one-shot sparse all-reduce: each member picks the top ``density`` share of its own
+        entries in its slice of the tensor and the ring sums exactly the union of those entries
+        (zeros elsewhere); for training use :class:`SparseAllReducer`, which keeps what was not sent
         (error feedback).
 
-        ``timeout`` bounds every hop; ``start_timeout`` (default ``timeout``) bounds waiting for the
-        neighbours to join. A dead, stalled or misbehaving peer raises :class:`PeerFailed` naming it.
-        ``robust="clip"`` clips every member's contribution to the round's median norm
-        (:mod:`p2ptrain.collective.robust`); every member must pass the same.
+        ``spec.timeout`` bounds every hop; ``spec.start_timeout`` (default ``timeout``) bounds waiting
+        for the neighbours to join. A dead, stalled or misbehaving peer raises :class:`PeerFailed`
+        naming it. ``spec.robust="clip"`` clips every member's contribution to the round's median
+        norm (:mod:`p2ptrain.collective.robust`); every member must pass the same spec. ``seed``: as
+        in :meth:`sparse_round`.
         """
-        _check_tensor(tensor, op)
-        if not 0.0 < density <= 1.0:
-            raise CollectiveError(f"density must be in (0, 1], got {density}")
-        if density >= 1.0:
+        _check_tensor(tensor)
+        if spec.density >= 1.0:
             out = tensor.detach().clone()
-            await self.dense_round(
-                out, ring, round_id, op=op, timeout=timeout, start_timeout=start_timeout, robust=robust
-            )
+            await self.dense_round(out, ring, round_id, spec)
             return out
-        k = max(1, math.ceil(density * tensor.numel()))
+        k = max(1, math.ceil(spec.density * tensor.numel()))
         flat = tensor.detach()
         idx, values = await self.sparse_round(
-            flat, ring, round_id, sizes=[flat.numel()], ks=[k], select=lambda ranges: select_ranges(flat, ranges),
-            value_dtype=value_dtype or tensor.dtype, op=op, timeout=timeout, start_timeout=start_timeout,
-            robust=robust,
+            flat, ring, round_id, spec, sizes=[flat.numel()], ks=[k], select=lambda ranges: select_ranges(flat, ranges),
+            seed=seed,
         )
         out = torch.zeros_like(flat)
         out.index_copy_(0, idx, values.to(flat.dtype))
         return out
 
-    async def dense_round(
-        self, data: torch.Tensor, ring: list[ID], round_id: int, *, op: str = "mean",
-        timeout: float = 5.0, start_timeout: float | None = None, robust: str = "none",
-    ) -> None:
+    async def dense_round(self, data: torch.Tensor, ring: list[ID], round_id: int, spec: RoundSpec = DENSE) -> None:
         """All-reduce ``data`` in place (flat, contiguous): the exact dense ring.
 
-        With ``robust="clip"`` the direct exchange instead (every member meets every other), since
-        in a ring nobody sees a member's contribution alone, only partial sums: each chunk's owner
-        clips the contributions to it. Same chunks and summation order, so without a hostile member
-        it differs from the ring only where a norm exceeds the median.
+        With ``spec.robust="clip"`` the direct exchange instead (every member meets every other),
+        since in a ring nobody sees a member's contribution alone, only partial sums: each chunk's
+        owner clips the contributions to it. Same chunks and summation order, so without a hostile
+        member it differs from the ring only where a norm exceeds the median.
         """
-        _check_tensor(data, op)
-        _check_robust(robust)
+        _check_tensor(data)
         if not data.is_contiguous():
             raise CollectiveError("the tensor must be contiguous")
-        digest = round_digest(round_id, ring, dense_description(data.numel(), data.dtype, op, robust))
+        digest = round_digest(round_id, ring, dense_description(data.numel(), data.dtype, spec.op, spec.robust))
         started = time.perf_counter()
         async with self.hub.open_round(
-            ring, round_id, digest, timeout=timeout, start_timeout=start_timeout or timeout,
-            mesh=robust != "none",
+            ring, round_id, digest, timeout=spec.timeout, start_timeout=spec.join_timeout, mesh=spec.robust != "none",
         ) as links:
             _check_finite_local(data)
-            if robust == "none":
-                await ring_allreduce(links, data, average=op == "mean", segment_bytes=self.segment_bytes)
+            if spec.robust == "none":
+                await ring_allreduce(links, data, average=spec.average, segment_bytes=self.segment_bytes)
             else:
-                await direct_allreduce(
-                    links, data, average=op == "mean", segment_bytes=self.segment_bytes, robust=robust
-                )
+                await direct_allreduce(links, data, spec, segment_bytes=self.segment_bytes)
         self.last_round = RoundStats(round_id, time.perf_counter() - started, links.bytes_sent, links.bytes_received)
 
     async def sparse_round(
-        self, source: torch.Tensor, ring: list[ID], round_id: int, *, sizes: Sequence[int],
-        ks: Sequence[int], select: Callable[[list[Range]], torch.Tensor],
-        prepare: Callable[[], None] | None = None, value_dtype: torch.dtype, op: str = "mean",
-        timeout: float = 5.0, start_timeout: float | None = None, robust: str = "none",
-        quantize: str | None = None,
+        self, source: torch.Tensor, ring: list[ID], round_id: int, spec: RoundSpec, *, sizes: Sequence[int],
+        ks: Sequence[int], select: Callable[[list[Range]], torch.Tensor], prepare: Callable[[], None] | None = None,
+        seed: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Sliced CLT-k: each member's ``select(ranges)`` picks its slice's indices, the ring
         reduces ``source`` at their union.
@@ -152,28 +129,25 @@ class Collective:
         global indices in each. ``prepare()`` and then ``select`` run in a worker thread, overlapping
         with the round's setup; ``source`` is read only after ``prepare`` returned, so it may fill
         ``source`` (its size and dtype must be final). Returns the sorted indices and the reduced
-        values (``value_dtype``), the same bits on every member. ``robust``: as in :meth:`allreduce`.
-        ``quantize`` (``"int8"``, ``"2bit"``): the values travel quantized (``value_dtype`` is then
-        unused and the values come back float32); with ``robust``, every member clips. A member
-        whose bytes we refuse is counted (``refused_bad_payload`` in the hub's stats) and named in the failure.
+        values (``spec.values_of(source.dtype)``), the same bits on every member. ``spec.quantize``
+        (``"int8"``, ``"2bit"``): the values travel quantized (the value dtype is then unused and the
+        values come back float32); with ``spec.robust``, every member clips. A member whose bytes we
+        refuse is counted (``refused_bad_payload`` in the hub's stats) and named in the failure.
+        ``seed`` (default ``round_id``, the same on every member) rotates which slice each member picks.
         """
-        if quantize is not None and quantize not in KINDS:
-            raise CollectiveError(f"quantize={quantize!r} is not supported")
-        _check_tensor(source, op)
-        _check_robust(robust)
-        if value_dtype not in FLOAT_DTYPES:
-            raise CollectiveError(f"unsupported value dtype {value_dtype}")
+        _check_tensor(source)
         if len(sizes) != len(ks) or sum(sizes) != source.numel():
             raise CollectiveError(f"bucket sizes must add up to the tensor's {source.numel()} entries")
         if not all(0 <= k <= n for n, k in zip(sizes, ks)) or sum(ks) < 1:
             raise CollectiveError("every bucket's k must be in [0, its size], and at least one index sent")
-        description = sparse_description(sizes, ks, source.dtype, value_dtype, op, robust)
-        if quantize is not None:  # members must agree on it; plain rounds keep their digests
-            description += f" quantize={quantize}"
+        description = sparse_description(sizes, ks, source.dtype, spec.values_of(source.dtype), spec.op, spec.robust)
+        if spec.quantize is not None:  # members must agree on it; plain rounds keep their digests
+            description += f" quantize={spec.quantize}"
         digest = round_digest(round_id, ring, description)
         ranges = slice_ranges(sizes, ks, len(ring))
-        mine_ranges = ranges[slice_of(ring.index(self.peer_id), round_id, len(ring))] if self.peer_id in ring else []
-        selected: list = []
+        rotation = round_id if seed is None else seed
+        mine_ranges = ranges[slice_of(ring.index(self.peer_id), rotation, len(ring))] if self.peer_id in ring else []
+        selected: list[torch.Tensor | Exception] = []
         done = trio.Event()
 
         def work() -> torch.Tensor:
@@ -198,8 +172,7 @@ class Collective:
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(run_local)
                     async with self.hub.open_round(
-                        ring, round_id, digest, timeout=timeout, start_timeout=start_timeout or timeout,
-                        mesh=True,
+                        ring, round_id, digest, timeout=spec.timeout, start_timeout=spec.join_timeout, mesh=True,
                     ) as links:
                         logger.debug("round %d: connected (%.1f ms)", round_id, _ms(started))
                         await done.wait()
@@ -207,9 +180,8 @@ class Collective:
                         if isinstance(selected[0], Exception):
                             raise selected[0]
                         result = await clt_k_round(
-                            links, source, ranges=ranges, mine=selected[0], value_dtype=value_dtype,
-                            average=op == "mean", segment_bytes=self.segment_bytes, robust=robust,
-                            quantize=quantize,
+                            links, source, spec, ranges=ranges, mine=selected[0], segment_bytes=self.segment_bytes,
+                            rotation=rotation,
                         )
         except BadPayload as error:
             self.hub.refused["bad_payload"] += 1
@@ -246,16 +218,7 @@ def _robust_suffix(robust: str) -> str:
     return "" if robust == "none" else f" robust={robust}"
 
 
-def _check_robust(robust: str) -> None:
-    try:
-        check_rule(robust)
-    except ValueError as error:
-        raise CollectiveError(str(error)) from None
-
-
-def _check_tensor(tensor: torch.Tensor, op: str) -> None:
-    if op not in OPS:
-        raise CollectiveError(f"op must be one of {OPS}, got {op!r}")
+def _check_tensor(tensor: torch.Tensor) -> None:
     if tensor.dtype not in FLOAT_DTYPES:
         raise CollectiveError(f"unsupported dtype {tensor.dtype}; use float32, float16 or bfloat16")
     if tensor.dim() != 1:

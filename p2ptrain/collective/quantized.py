@@ -28,20 +28,23 @@ import trio
 from p2ptrain.collective.direct import direct_broadcast
 from p2ptrain.collective.errors import single_failure
 from p2ptrain.collective.ring import SEGMENT_BYTES
-from p2ptrain.collective.robust import check_rule, clip_scales, exact_norm, scaled
+from p2ptrain.collective.robust import clip_scales, exact_norm, scaled
 from p2ptrain.collective.links import RoundLinks
+from p2ptrain.collective.spec import RoundSpec
 from p2ptrain.wire.quantized import decode, encode, encoded_size
 
 
 async def quantized_allreduce(
-    links: RoundLinks, values: torch.Tensor, kind: str, *, average: bool, segment_bytes: int = SEGMENT_BYTES,
-    robust: str = "none",
+    links: RoundLinks, values: torch.Tensor, spec: RoundSpec, *, segment_bytes: int = SEGMENT_BYTES,
 ) -> torch.Tensor:
-    """The sum (or mean) over the round's members of their ``values`` (flat float32, the same count
-    everywhere), each quantized as ``kind``; the same bits on every member. A member whose bytes do
-    not decode to that count of values fails the round as :class:`BadPayload` naming it.
-    ``robust="clip"``: each dequantized contribution is clipped to the median of their norms first."""
-    check_rule(robust)
+    """The sum (or mean, ``spec.op``) over the round's members of their ``values`` (flat float32,
+    the same count everywhere), each quantized as ``spec.quantize``; the same bits on every member.
+    A member whose bytes do not decode to that count of values fails the round as
+    :class:`BadPayload` naming it. ``spec.robust="clip"``: each dequantized contribution is clipped
+    to the median of their norms first."""
+    if spec.quantize is None:
+        raise ValueError("a quantized round needs spec.quantize")
+    kind = spec.quantize
     count = values.numel()
     size = links.size
     decoded: list[torch.Tensor | None] = [None] * size
@@ -65,11 +68,11 @@ async def quantized_allreduce(
     parts = [part for part in decoded if part is not None]
     assert len(parts) == size  # every broadcast completed, or the round raised
     factors = [1.0] * size
-    if robust == "clip":  # ~10 ms per 100,000 values and member: off the event loop
+    if spec.robust == "clip":  # ~10 ms per 100,000 values and member: off the event loop
         factors = await trio.to_thread.run_sync(lambda: clip_scales([exact_norm(part) for part in parts]))
     total = torch.zeros(count, dtype=torch.float32)
     for part, factor in zip(parts, factors):
         total.add_(scaled(part, factor))
-    if average:
+    if spec.average:
         total.div_(size)
     return total

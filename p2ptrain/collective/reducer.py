@@ -9,17 +9,16 @@ from libp2p.peer.id import ID
 
 from p2ptrain.collective.endpoint import Collective
 from p2ptrain.collective.feedback import ErrorFeedback
-from p2ptrain.collective.ring import FLOAT_DTYPES
-from p2ptrain.collective.robust import check_rule
+from p2ptrain.collective.spec import RoundSpec
 from p2ptrain.collective.sparse import Workspace, bucket_ks, select_ranges
 from p2ptrain.tensors import large_empty, zero_fill
-from p2ptrain.wire.quantized import KINDS, roundtrip
+from p2ptrain.wire.quantized import roundtrip
 
 logger = logging.getLogger(__name__)
 
 
 class SparseAllReducer:
-    """Averages a peer's flat gradient with the ring, sending its top ``density`` share.
+    """Averages a peer's flat gradient with the ring, sending its top ``spec.density`` share.
 
     Each call is one all-reduce round (sliced CLT-k: each member picks the indices of its slice). What was not
     sent stays in this object's residual and is added next step. If a round fails
@@ -30,49 +29,35 @@ class SparseAllReducer:
     sender believes it was sent, as with a lost round of plain gradient clipping).
     ``quantize="int8"|"2bit"``: the values travel quantized (:mod:`p2ptrain.collective.quantized`),
     and the residual keeps what the quantization dropped (with ``robust="clip"``, every member clips
-    the dequantized contributions itself).
+    the dequantized contributions itself). Every round runs with ``spec`` (its timeouts too); the
+    values travel as ``spec.value_dtype`` (None: float32, the gradient's).
     """
 
     def __init__(
-        self,
-        collective: Collective,
-        *,
-        density: float = 0.01,
-        value_dtype: torch.dtype = torch.float32,
-        momentum: float = 0.0,
-        clip_norm: float | None = None,
-        robust: str = "none",
-        quantize: str | None = None,
+        self, collective: Collective, spec: RoundSpec, *, momentum: float = 0.0, clip_norm: float | None = None,
     ) -> None:
-        if not 0.0 < density <= 1.0:
-            raise ValueError(f"density must be in (0, 1], got {density}")
-        if value_dtype not in FLOAT_DTYPES:
-            raise ValueError(f"unsupported value dtype {value_dtype}")
-        check_rule(robust)
-        if quantize is not None and (quantize not in KINDS or density >= 1.0):
-            raise ValueError(f"quantize={quantize!r} needs density < 1")
-        self.quantize = quantize
+        self.spec = spec
         self.collective = collective
-        self.density = density
-        self.value_dtype = value_dtype
+        self.value_dtype = spec.values_of(torch.float32)
         self.momentum = momentum
         self.clip_norm = clip_norm
-        self.robust = robust
         self.feedback: ErrorFeedback | None = None
         self.last_indices: torch.Tensor | None = None  # sent in the last round (None: all)
         self._workspace = Workspace()
 
     async def allreduce(
-        self, grad: torch.Tensor, ring: list[ID], round_id: int, *,
-        out: torch.Tensor | None = None, timeout: float = 5.0, start_timeout: float | None = None,
+        self, grad: torch.Tensor, ring: list[ID], round_id: int, *, out: torch.Tensor | None = None,
+        seed: int | None = None,
     ) -> torch.Tensor:
         """The ring's average of the members' (compressed) flat float32 gradients.
 
         Top-k is taken over the whole vector, one bucket (what training has always run: the node
         passes the model's flat gradient). Written into ``out`` when given (saves allocating a
         full-size tensor every step; it is overwritten even if the round fails), else into a new
-        tensor.
+        tensor. ``seed`` (default ``round_id``; the same on every member) draws the round's top-k
+        choices: which slice each member picks, where the threshold sample starts.
         """
+        seed = round_id if seed is None else seed
         if grad.dim() != 1:
             raise ValueError("grad must be flat (1-D)")
         sizes = [grad.numel()]
@@ -83,19 +68,17 @@ class SparseAllReducer:
         started = time.perf_counter()
         feedback = self.feedback
         pending = feedback.prepare(grad)
-        ks = bucket_ks(sizes, self.density)
+        ks = bucket_ks(sizes, self.spec.density)
         k = sum(ks)
         if k == grad.numel():
             values = feedback.materialize(pending).to(self.value_dtype, copy=True)
-            await self.collective.dense_round(
-                values, ring, round_id, timeout=timeout, start_timeout=start_timeout, robust=self.robust
-            )
+            await self.collective.dense_round(values, ring, round_id, self.spec)
             feedback.commit(pending, None, self.value_dtype)
             self.last_indices = None
             if out is None:
                 return values.to(torch.float32)
             return out.copy_(values)
-        generator = torch.Generator().manual_seed(round_id & 0x7FFF_FFFF_FFFF_FFFF)
+        generator = torch.Generator().manual_seed(seed & 0x7FFF_FFFF_FFFF_FFFF)
         # Every member forms residual + grad during the round's setup (it selects its slice's
         # indices from it; its values at the agreed indices are what it sends; afterwards it simply
         # becomes the residual).
@@ -107,13 +90,13 @@ class SparseAllReducer:
             zero_fill(result)  # here rather than after the round, where every member waits for it
 
         indices, values = await self.collective.sparse_round(
-            accumulated, ring, round_id, sizes=sizes, ks=ks,
+            accumulated, ring, round_id, self.spec, sizes=sizes, ks=ks,
             select=lambda ranges: select_ranges(accumulated, ranges, generator=generator, workspace=self._workspace),
-            prepare=prepare, value_dtype=self.value_dtype, timeout=timeout, start_timeout=start_timeout,
-            robust=self.robust, quantize=self.quantize,
+            prepare=prepare, seed=seed,
         )
         # What the others received for our values: the quantization's rounding stays in the residual.
-        sent = None if self.quantize is None else roundtrip(accumulated.index_select(0, indices), self.quantize)
+        quantize = self.spec.quantize
+        sent = None if quantize is None else roundtrip(accumulated.index_select(0, indices), quantize)
         feedback.commit(pending, indices, self.value_dtype, sent)
         self.last_indices = indices
         logger.debug("round %d: committed (%.1f ms)", round_id, (time.perf_counter() - started) * 1e3)

@@ -40,7 +40,7 @@ def segments(start: int, end: int, seg_elems: int) -> list[tuple[int, int]]:
 
 
 def _bytes_of(t: torch.Tensor) -> memoryview:
-    return memoryview(t.view(torch.uint8).numpy())
+    return memoryview(t.view(torch.uint8).numpy())  # type: ignore[arg-type]  # an ndarray is a buffer
 
 
 async def ring_allreduce(

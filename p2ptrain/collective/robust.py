@@ -32,13 +32,8 @@ from collections.abc import Sequence
 import torch
 
 ROBUST_RULES = ("none", "clip")
-"""``none``: the plain mean; ``clip``: each contribution's norm clipped to the round's median norm."""
-
-
-def check_rule(rule: str) -> None:
-    """ValueError unless ``rule`` is one of :data:`ROBUST_RULES`."""
-    if rule not in ROBUST_RULES:
-        raise ValueError(f"robust must be one of {ROBUST_RULES}, got {rule!r}")
+"""``none``: the plain mean; ``clip``: each contribution's norm clipped to the round's median norm
+(a round's :class:`~p2ptrain.collective.spec.RoundSpec` checks it)."""
 
 
 def contribution_norm(parts: Sequence[torch.Tensor]) -> float:

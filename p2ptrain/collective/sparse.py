@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -37,12 +38,13 @@ from p2ptrain.collective.errors import single_failure
 from p2ptrain.collective.quantized import quantized_allreduce
 from p2ptrain.collective.ring import SEGMENT_BYTES, chunk_bounds
 from p2ptrain.collective.links import RoundLinks
+from p2ptrain.collective.spec import RoundSpec
 from p2ptrain.tensors import all_finite
 
 logger = logging.getLogger(__name__)
 
 _CAP = {1: 0xFF, 2: 0xFFFF}  # index codec: word width -> the capped value that means "escaped"
-_WORD = {1: np.dtype("<u1"), 2: np.dtype("<u2")}
+_WORD: dict[int, np.dtype[Any]] = {1: np.dtype("<u1"), 2: np.dtype("<u2")}
 _EXACT_BELOW = 1 << 16  # small tensors: a plain topk is cheaper than sampling
 # Entries per block of the candidate scan (Workspace.candidates): 1 MiB of float32 magnitudes, what
 # one core's L2 cache holds here; 64K-1M all measured within ~10% of each other, 4M (no blocks) 25% slower.
@@ -228,7 +230,8 @@ def encode_indices(indices: torch.Tensor) -> bytes:
     width = min(sizes, key=lambda w: (sizes[w], w))
     words = np.minimum(gaps, _CAP[width]).astype(_WORD[width])
     escaped = gaps[gaps >= _CAP[width]].astype("<u4")
-    return bytes([width]) + words.tobytes() + escaped.tobytes()
+    encoded: bytes = bytes([width]) + words.tobytes() + escaped.tobytes()
+    return encoded
 
 
 def decode_indices(data: bytes, n: int, k: int) -> torch.Tensor:
@@ -260,24 +263,25 @@ def max_encoded_bytes(n: int, k: int) -> int:
 
 
 async def clt_k_round(
-    links: RoundLinks, source: torch.Tensor, *, ranges: Sequence[Sequence[Range]], mine: torch.Tensor,
-    value_dtype: torch.dtype, average: bool, segment_bytes: int = SEGMENT_BYTES, robust: str = "none",
-    quantize: str | None = None,
+    links: RoundLinks, source: torch.Tensor, spec: RoundSpec, *, ranges: Sequence[Sequence[Range]],
+    mine: torch.Tensor, segment_bytes: int = SEGMENT_BYTES, rotation: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One sliced CLT-k round: every member sends its slice's indices (``mine``, chosen in
-    ``ranges[slice_of(me)]``) to every other, then the exact all-reduce of every member's values
-    at the union (``robust="clip"``: each owner clips the contributions to its chunk of those
-    values, see :mod:`p2ptrain.collective.robust`). Returns the sorted indices and the reduced
-    values, the same bits everywhere. ``quantize`` (``"int8"``, ``"2bit"``): the values travel
-    quantized and all-gathered instead (:mod:`p2ptrain.collective.quantized`, where every member
-    clips under ``robust="clip"``); the result is float32."""
+    ``ranges[slice_of(me, rotation)]``; ``rotation`` defaults to the round id) to every other, then
+    the exact all-reduce of every member's values at the union, in ``spec.values_of(source.dtype)``
+    (``spec.robust="clip"``: each owner clips the contributions to its chunk of those values, see
+    :mod:`p2ptrain.collective.robust`). Returns the sorted indices and the reduced values, the same
+    bits everywhere. ``spec.quantize`` (``"int8"``, ``"2bit"``): the values travel quantized and
+    all-gathered instead (:mod:`p2ptrain.collective.quantized`, where every member clips under
+    ``robust="clip"``); the result is float32."""
     n, size = source.numel(), links.size
     # Each slice's indices: ours now, the others' as they arrive and pass their check.
     per_slice: list[torch.Tensor] = [torch.empty(0, dtype=torch.int64)] * size
-    per_slice[slice_of(links.me, links.round_id, size)] = mine
+    rotation = links.round_id if rotation is None else rotation
+    per_slice[slice_of(links.me, rotation, size)] = mine
 
     async def indices_of(member: int) -> None:
-        m = slice_of(member, links.round_id, size)
+        m = slice_of(member, rotation, size)
         k = sum(count for _, _, count in ranges[m])
 
         def check(raw: bytes) -> None:
@@ -296,17 +300,16 @@ async def clt_k_round(
                 nursery.start_soon(indices_of, member)
     indices = assemble(per_slice, ranges)
     logger.debug("round %d: %d indices agreed", links.round_id, indices.numel())
-    if quantize is not None:
+    if spec.quantize is not None:
         chosen = source.index_select(0, indices).to(torch.float32)
         if not all_finite(chosen):
             raise ValueError("local values contain NaN or Inf")
-        reduced = await quantized_allreduce(links, chosen, quantize, average=average, segment_bytes=segment_bytes,
-                                            robust=robust)
+        reduced = await quantized_allreduce(links, chosen, spec, segment_bytes=segment_bytes)
         logger.debug("round %d: %d quantized values reduced", links.round_id, indices.numel())
         return indices, reduced
-    values = source.index_select(0, indices).to(value_dtype)
+    values = source.index_select(0, indices).to(spec.values_of(source.dtype))
     if not all_finite(values):
         raise ValueError("local values contain NaN or Inf (or overflow the value dtype)")
-    await direct_allreduce(links, values, average=average, segment_bytes=segment_bytes, robust=robust)
+    await direct_allreduce(links, values, spec, segment_bytes=segment_bytes)
     logger.debug("round %d: %d values reduced", links.round_id, indices.numel())
     return indices, values

@@ -1,5 +1,6 @@
 """Where datasets come from before they become shards: scikit-learn's bundled real data, text that
-ships with Python, or a folder.
+ships with Python, or a folder of arrays (image folders, tables and text files:
+:mod:`p2ptrain.data.sources`).
 
 ``sklearn:<name>`` reads a data set scikit-learn ships inside its wheel (nothing is downloaded).
 ``text:python-stdlib`` is a language-modelling set from the Python standard library's own sources
@@ -15,9 +16,11 @@ files are read with ``allow_pickle=False``: a folder may have come from anywhere
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
+from p2ptrain.data.source import dataset_name
 from p2ptrain.errors import UserError
 
 SKLEARN = ("digits", "iris", "wine", "breast_cancer")
@@ -38,7 +41,7 @@ def load_source(source: str) -> tuple[str, np.ndarray, np.ndarray]:
     path = Path(source)
     if path.is_dir():
         features, labels = load_folder(path)
-        return path.resolve().name, features, labels
+        return dataset_name(path.resolve().name), features, labels
     known = [f"sklearn:{n}" for n in SKLEARN] + [f"text:{n}" for n in TEXT]
     raise UserError(f"{source}: not a folder, and not one of " + ", ".join(known))
 
@@ -53,13 +56,22 @@ def _sklearn(name: str) -> tuple[str, np.ndarray, np.ndarray]:
 
 
 def _text(name: str) -> tuple[str, np.ndarray, np.ndarray]:
+    from p2ptrain.data.tokens import token_source
+
+    source = token_source(f"text-{name}", stdlib_documents(name), TEXT_CONTEXT)
+    return source.name, source.features, source.labels
+
+
+def stdlib_documents(name: str = "python-stdlib") -> list[tuple[str, bytes]]:
+    """``(path, bytes)`` of the standard library's ``.py`` files in path order, up to
+    :data:`TEXT_MAX_BYTES` in all (the last one cut there)."""
     if name not in TEXT:
         have = ", ".join(f"text:{n}" for n in TEXT)
         raise UserError(f"unknown built-in text text:{name} (have: {have})")
     import sysconfig
 
     root = Path(sysconfig.get_paths()["stdlib"])
-    chunks: list[bytes] = []
+    documents: list[tuple[str, bytes]] = []
     total = 0
     for path in sorted(root.rglob("*.py")):
         if "site-packages" in path.parts or "dist-packages" in path.parts:
@@ -68,17 +80,11 @@ def _text(name: str) -> tuple[str, np.ndarray, np.ndarray]:
             data = path.read_bytes()
         except OSError:
             continue
-        chunks.append(data[: TEXT_MAX_BYTES - total])
-        total += len(chunks[-1])
+        documents.append((str(path), data[: TEXT_MAX_BYTES - total]))
+        total += len(documents[-1][1])
         if total >= TEXT_MAX_BYTES:
             break
-    text = np.frombuffer(b"".join(chunks), dtype=np.uint8)
-    window = TEXT_CONTEXT + 1
-    count = len(text) // window
-    if count < 2:
-        raise UserError(f"text:{name}: found only {len(text)} bytes of Python sources under {root}")
-    windows = text[: count * window].reshape(count, window)
-    return f"text-{name}", np.ascontiguousarray(windows[:, :-1]), np.ascontiguousarray(windows[:, 1:])
+    return documents
 
 
 def load_folder(folder: Path) -> tuple[np.ndarray, np.ndarray]:
@@ -106,19 +112,20 @@ def load_folder(folder: Path) -> tuple[np.ndarray, np.ndarray]:
         raise UserError(f"{folder}: files do not have matching shapes: {exc}") from None
 
 
-def _npy(path: Path):
+def _npy(path: Path) -> Any:
     """``np.load`` without pickle; a missing or unreadable file is the user's to fix."""
     try:
-        return np.load(path, allow_pickle=False)
+        return np.load(path, allow_pickle=False)  # an array, or an archive of them (.npz)
     except FileNotFoundError:
         raise UserError(f"{path}: missing") from None
     except (ValueError, OSError) as exc:
         raise UserError(f"{path}: cannot read as a numpy file without pickle: {exc}") from None
 
 
-def _array(archive, key: str, path: Path) -> np.ndarray:
+def _array(archive: Any, key: str, path: Path) -> np.ndarray:
     try:
-        return archive[key]
+        array: np.ndarray = archive[key]
+        return array
     except ValueError as exc:  # object arrays refuse to load without pickle
         raise UserError(f"{path}[{key}]: {exc}") from None
 

@@ -5,12 +5,19 @@ its CID names exactly one manifest and peers that build the same dataset get the
 from the network, so :meth:`Manifest.from_json` is strict: known keys only, bounded sizes, depth, counts
 and numbers, dtypes from an allow-list, valid CIDs, and bytes that are not in canonical form are refused
 (two encodings of one manifest would make two CIDs). Every way to fail is one :class:`ManifestError`.
+
+Optional fields describe what the numbers mean; each is absent from the JSON when unused, so a
+manifest without it keeps the bytes (and CID) it had before the field existed: ``standardize``
+(per-feature statistics readers apply), ``classes`` (the name of each label), ``pixels`` (features are
+uint8 images, readers scale them) and ``tokens`` (features are token ids: the vocabulary size and the
+CID of the tokenizer that made them).
 """
 
 from __future__ import annotations
 
 import math
 import re
+import unicodedata
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,8 +47,17 @@ MAX_DEPTH = 8
 # per-feature standardization is for.
 MAX_STANDARDIZE_FEATURES = 1 << 16
 DTYPES = frozenset(
-    {"float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "bool"}
+    {"float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "uint16", "bool"}
 )
+# Label names (an image folder's class folders, a table's string labels): ImageNet-21k has ~21,000.
+MAX_CLASSES = 1 << 16
+MAX_CLASS_NAME = 256
+# Token vocabulary: the largest in use are ~256,000 (Gemma); token ids stay exact in int32.
+MAX_VOCAB = 1 << 21
+# The smallest dtype that holds every id of a vocabulary up to each size (what `dataset add` writes).
+TOKEN_DTYPES = {"uint8": 1 << 8, "uint16": 1 << 16, "int32": MAX_VOCAB}
+# The optional fields (the module docstring says what each is).
+OPTIONAL = frozenset({"standardize", "classes", "pixels", "tokens"})
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 
@@ -74,6 +90,26 @@ class Standardize:
 
 
 @dataclass(frozen=True)
+class Pixels:
+    """Features are uint8 images ``(channels, height, width)``; readers yield float32
+    ``(x / 255 - mean[c]) / std[c]`` per channel (mean 0 and std 1: pixels in [0, 1]). Set by
+    ``dataset add`` of an image folder (``--normalize``: the train split's statistics)."""
+
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+
+
+@dataclass(frozen=True)
+class Tokens:
+    """Features and labels are token ids below ``vocab_size`` (labels: the next token at every
+    position). ``tokenizer``: the CID of the ``tokenizer.json`` that made them (any peer decodes
+    with the same file); ``None``: the ids are bytes."""
+
+    vocab_size: int
+    tokenizer: str | None = None
+
+
+@dataclass(frozen=True)
 class Manifest:
     name: str
     features: TensorSpec
@@ -81,6 +117,9 @@ class Manifest:
     splits: dict[str, tuple[ShardRef, ...]]
     # Optional, and absent from the JSON when None: manifests from before it keep their bytes and CIDs.
     standardize: Standardize | None = None
+    classes: tuple[str, ...] | None = None
+    pixels: Pixels | None = None
+    tokens: Tokens | None = None
 
     def num_samples(self, split: str) -> int:
         return sum(s.num_samples for s in self.shards(split))
@@ -104,8 +143,20 @@ class Manifest:
                 split: [{"cid": s.cid, "num_samples": s.num_samples} for s in shards]
                 for split, shards in self.splits.items()
             },
-        } | ({"standardize": {"mean": list(self.standardize.mean), "std": list(self.standardize.std)}}
-             if self.standardize is not None else {})
+        } | self._optional()
+
+    def _optional(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        if self.standardize is not None:
+            out["standardize"] = {"mean": list(self.standardize.mean), "std": list(self.standardize.std)}
+        if self.classes is not None:
+            out["classes"] = list(self.classes)
+        if self.pixels is not None:
+            out["pixels"] = {"mean": list(self.pixels.mean), "std": list(self.pixels.std)}
+        if self.tokens is not None:
+            out["tokens"] = {"vocab_size": self.tokens.vocab_size} | (
+                {"tokenizer": self.tokens.tokenizer} if self.tokens.tokenizer is not None else {})
+        return out
 
     def to_json(self) -> bytes:
         """The canonical encoding; validated, so a manifest we write is one we would accept."""
@@ -169,7 +220,7 @@ def _spec(obj: Any, where: str) -> TensorSpec:
 
 def _parse(raw: Any) -> Manifest:
     keys = {"schema", "version", "name", "features", "labels", "splits"}
-    raw = _keys(raw, "manifest", keys | ({"standardize"} & set(raw)) if isinstance(raw, dict) else keys)
+    raw = _keys(raw, "manifest", keys | (OPTIONAL & set(raw)) if isinstance(raw, dict) else keys)
     if raw["schema"] != SCHEMA or type(raw["version"]) is not int or raw["version"] != VERSION:
         raise ManifestError(f"not a {SCHEMA} version {VERSION} manifest")
     if not isinstance(raw["name"], str) or not _NAME.fullmatch(raw["name"]):
@@ -190,17 +241,27 @@ def _parse(raw: Any) -> Manifest:
         for i, shard in enumerate(shards):
             where = f"splits.{split}[{i}]"
             shard = _keys(shard, where, {"cid", "num_samples"})
-            try:
-                cid = cid_str(parse_cid(shard["cid"])) if isinstance(shard["cid"], str) else None
-            except InvalidCID as exc:
-                raise ManifestError(f"{where}.cid: {exc}") from None
-            if cid != shard["cid"]:
-                raise ManifestError(f"{where}.cid must be a CID in canonical text form")
-            refs.append(ShardRef(cid, _int(shard["num_samples"], f"{where}.num_samples", 1, MAX_SHARD_SAMPLES)))
+            refs.append(ShardRef(_cid(shard["cid"], f"{where}.cid"),
+                                 _int(shard["num_samples"], f"{where}.num_samples", 1, MAX_SHARD_SAMPLES)))
         splits[split] = tuple(refs)
-    features = _spec(raw["features"], "features")
+    features, labels = _spec(raw["features"], "features"), _spec(raw["labels"], "labels")
     standardize = _standardize(raw["standardize"], features) if "standardize" in raw else None
-    return Manifest(raw["name"], features, _spec(raw["labels"], "labels"), splits, standardize)
+    classes = _classes(raw["classes"], labels) if "classes" in raw else None
+    pixels = _pixels(raw["pixels"], features) if "pixels" in raw else None
+    tokens = _tokens(raw["tokens"], features, labels) if "tokens" in raw else None
+    if pixels is not None and standardize is not None:
+        raise ManifestError("pixels and standardize are two ways to scale features: give one")
+    return Manifest(raw["name"], features, labels, splits, standardize, classes, pixels, tokens)
+
+
+def _cid(value: Any, where: str) -> str:
+    try:
+        cid = cid_str(parse_cid(value)) if isinstance(value, str) else None
+    except InvalidCID as exc:
+        raise ManifestError(f"{where}: {exc}") from None
+    if cid is None or cid != value:  # (null passed here once)
+        raise ManifestError(f"{where} must be a CID in canonical text form")
+    return cid
 
 
 def _floats(value: Any, where: str, count: int, low: float) -> tuple[float, ...]:
@@ -218,3 +279,43 @@ def _standardize(obj: Any, features: TensorSpec) -> Standardize:
         raise ManifestError(f"standardize: {count} features exceed {MAX_STANDARDIZE_FEATURES}")
     return Standardize(_floats(obj["mean"], "standardize.mean", count, -math.inf),
                        _floats(obj["std"], "standardize.std", count, 0.0))
+
+
+def _classes(value: Any, labels: TensorSpec) -> tuple[str, ...]:
+    if labels != TensorSpec("int64", ()):
+        raise ManifestError("classes name int64 labels, one per sample")
+    if type(value) is not list or not 1 <= len(value) <= MAX_CLASSES:
+        raise ManifestError(f"classes must be a list of 1 to {MAX_CLASSES} names")
+    for name in value:
+        if (type(name) is not str or not 1 <= len(name) <= MAX_CLASS_NAME
+                or any(unicodedata.category(c) in ("Cc", "Cs") for c in name)):
+            raise ManifestError(f"a class name must be 1-{MAX_CLASS_NAME} printable characters")
+    if len(set(value)) != len(value):
+        raise ManifestError("class names must be distinct")
+    return tuple(value)
+
+
+def _pixels(obj: Any, features: TensorSpec) -> Pixels:
+    obj = _keys(obj, "pixels", {"mean", "std"})
+    if features.dtype != "uint8" or len(features.shape) != 3:
+        raise ManifestError("pixels describe uint8 features of shape [channels, height, width]")
+    channels = features.shape[0]
+    std = _floats(obj["std"], "pixels.std", channels, 0.0)
+    if not all(s > 0 for s in std):
+        raise ManifestError("pixels.std must be positive")
+    return Pixels(_floats(obj["mean"], "pixels.mean", channels, -math.inf), std)
+
+
+def _tokens(obj: Any, features: TensorSpec, labels: TensorSpec) -> Tokens:
+    keys = {"vocab_size"}
+    obj = _keys(obj, "tokens", keys | ({"tokenizer"} & set(obj)) if isinstance(obj, dict) else keys)
+    vocab = _int(obj["vocab_size"], "tokens.vocab_size", 2, MAX_VOCAB)
+    for where, spec in (("features", features), ("labels", labels)):
+        if spec.dtype not in TOKEN_DTYPES or len(spec.shape) != 1:
+            raise ManifestError(f"tokens: {where} must be a sequence of {', '.join(TOKEN_DTYPES)} ids")
+        if vocab > TOKEN_DTYPES[spec.dtype]:
+            raise ManifestError(f"tokens: a vocabulary of {vocab} does not fit {where} of {spec.dtype}")
+    if features.shape != labels.shape:
+        raise ManifestError("tokens: features and labels must be sequences of one length")
+    tokenizer = _cid(obj["tokenizer"], "tokens.tokenizer") if "tokenizer" in obj else None
+    return Tokens(vocab, tokenizer)

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import trio
 from google.protobuf.message import DecodeError as ProtobufDecodeError
+from libp2p.abc import INetStream
 from libp2p.bitswap.pb.bitswap_pb2 import Message
 from libp2p.custom_types import TProtocol
 from libp2p.network.stream.exceptions import StreamEOF
@@ -289,7 +290,7 @@ class MessageReader:
 
     def __init__(
         self,
-        stream,
+        stream: INetStream,
         budget: ByteBudget | None = None,
         *,
         idle_timeout: float = math.inf,
@@ -374,7 +375,7 @@ class MessageReader:
         return parts[0] if len(parts) == 1 and isinstance(parts[0], bytes) else b"".join(parts)
 
 
-async def _read_or_eof(stream, n: int) -> bytes:
+async def _read_or_eof(stream: INetStream, n: int) -> bytes:
     """One read of at most ``n`` bytes; b"" at end of stream (py-libp2p raises EOF errors rather
     than returning b"")."""
     try:

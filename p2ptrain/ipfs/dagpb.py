@@ -8,7 +8,9 @@ the block) so garbage is rejected with :class:`DecodeError` instead of being hal
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from p2ptrain.ipfs.cid import CID, InvalidCID, parse_cid
 
@@ -120,7 +122,7 @@ def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
     raise DecodeError("varint longer than 10 bytes")
 
 
-def _fields(buf: memoryview):
+def _fields(buf: memoryview) -> Iterator[tuple[int, int, Any]]:
     """Yield ``(field_number, wire_type, value)``; value is an int or a memoryview slice of ``buf``."""
     pos = 0
     while pos < len(buf):
@@ -128,6 +130,7 @@ def _fields(buf: memoryview):
         number, wire = key >> 3, key & 7
         if number == 0:
             raise DecodeError("field number 0")
+        value: int | memoryview
         if wire == _VARINT:
             value, pos = _read_varint(buf, pos)
         elif wire == _LEN:

@@ -94,7 +94,7 @@ class EmbeddedStore:
 
     # ---- reading -------------------------------------------------------------------------------
 
-    def iter_cat(self, cid: CID | str, max_bytes: int | None = None) -> Iterator[bytes]:
+    def iter_cat(self, cid: CID | str, max_bytes: int | None = None) -> Iterator[bytes | memoryview]:
         """The file's bytes in order, chunk by chunk, each block verified (a file need not fit in RAM);
         a file declared larger than ``max_bytes`` fails with ``FileTooLarge`` before it is read."""
         return read_file(parse_cid(cid), self.block, verified=True, max_bytes=max_bytes)  # self.block verifies

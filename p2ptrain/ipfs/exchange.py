@@ -419,7 +419,12 @@ class BlockExchange:
                 # A block another fetch under way has too (fetched or held) stays.
                 others = {d for other in self._sessions if other is not session for d in other.done}
                 doomed = [cid for cid in session.fetched if cid.digest not in others]
-                await trio.to_thread.run_sync(lambda: [self.store.delete(cid) for cid in doomed])
+
+                def remove() -> None:
+                    for cid in doomed:
+                        self.store.delete(cid)
+
+                await trio.to_thread.run_sync(remove)
                 logger.info("bitswap: refused %s: removed the %d block(s) it had stored", cid_str(exc.root),
                             len(doomed))
             raise

@@ -224,7 +224,7 @@ class FetchSession:
                 cid = self.unchecked.popleft()
                 if cid.digest not in self.done and cid.digest not in self.owner:
                     batch.append(cid)
-            held = await trio.to_thread.run_sync(lambda: [self.ex.store.has(c) for c in batch])
+            held = await trio.to_thread.run_sync(lambda: [self.ex.store.has(c) for c in batch])  # noqa: B023 - run at once
             for cid, is_held in zip(batch, held):
                 if is_held:
                     await self._resolve_local(cid)

@@ -24,9 +24,10 @@ import io
 import os
 import secrets
 import warnings
+from collections import deque
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 from urllib.parse import urlsplit
 
 import ipfshttpclient
@@ -69,7 +70,7 @@ class KuboStore:
         except ipfs_errors.AddressError as exc:
             raise UserError(f"--ipfs: not a usable RPC API address {api!r}: {exc}") from None
 
-    def _call(self, what: str, fn: Callable, *args, **kwargs):
+    def _call(self, what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """One RPC call; transport failures become one clear line naming the daemon."""
         try:
             return fn(*args, **kwargs)
@@ -142,7 +143,8 @@ class KuboStore:
 
     def _block(self, cid: CID) -> bytes:
         try:
-            return self._call("block/get", self._client.block.get, cid_str(cid))
+            data: bytes = self._call("block/get", self._client.block.get, cid_str(cid))
+            return data
         except ipfs_errors.ErrorResponse as exc:
             raise ContentUnavailable(cid, f"the daemon at {self.api} says: {exc}") from None
 
@@ -223,11 +225,9 @@ class KuboStore:
 
 
 def _root_cid(stream: BinaryIO, cid_version: int, progress: Progress | None) -> CID:
-    root = None
-    for root, _ in import_stream(stream, cid_version=cid_version, progress=progress):
-        pass
-    assert root is not None  # the importer always yields a root, even for empty input
-    return root
+    last = deque(import_stream(stream, cid_version=cid_version, progress=progress), maxlen=1)
+    assert last  # the importer always yields a root (its last block), even for empty input
+    return last[0][0]
 
 
 def _recomputes_to(cid: CID, f: BinaryIO) -> bool:

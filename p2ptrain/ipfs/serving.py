@@ -102,10 +102,10 @@ async def next_messages(peer: Outbox, store: BlockSource) -> list[Packed]:
     """Take queued wants and up to one batch of served blocks; pack them into messages."""
     # At most MAX_ENTRIES wants a message: a receiver refuses more (ours does, bitswap_wire);
     # the rest go in the next message.
-    wants = []
+    wants: list[WantEntry] = []
     while peer.wants and len(wants) < MAX_ENTRIES:
         wants.append(peer.wants.pop(next(iter(peer.wants))))
-    items = []
+    items: list[tuple[CID, str]] = []
     while peer.serve and len(items) < _SERVE_BATCH:
         key = next(iter(peer.serve))
         items.append(peer.serve.pop(key))

@@ -270,7 +270,7 @@ def _read(
         for link, size in children:
             yield from _read(link.cid, get_block, verified, size, depth + 1, cache)
         return
-    parts = [meta.data] if meta.data else []
+    parts: list[bytes | memoryview] = [meta.data] if meta.data else []
     for link, size in children:
         parts.extend(_read(link.cid, get_block, verified, size, depth + 1, cache))
     data = b"".join(parts)

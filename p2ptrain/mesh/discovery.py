@@ -26,6 +26,7 @@ per-peer backoff that grows to ``REDIAL_MAX_UNREACHED_S`` for a peer never once 
 
 from __future__ import annotations
 
+import functools
 import logging
 import random
 from collections.abc import Awaitable, Callable, Iterable
@@ -43,6 +44,7 @@ from multiaddr import Multiaddr
 from p2ptrain.errors import UserError
 from p2ptrain.logs import short_id
 from p2ptrain.mesh.membership import MemberEvent, Membership
+from p2ptrain.wire import Signed
 from p2ptrain.wire.messages import Heartbeat
 from p2ptrain.wire.topics import MESH_TOPIC
 from p2ptrain.net.service import running_service
@@ -214,7 +216,7 @@ class Discovery:
                         await self.dial_relayed(addr)  # bounded by its own timeout (several round trips)
                     else:
                         with trio.fail_after(DIAL_TIMEOUT_S):
-                            await network.dial_addr(addr, peer_id)  # type: ignore[attr-defined]
+                            await network.dial_addr(addr, peer_id)
                 logger.debug("connected to %s at %s", short_id(peer_id), addr)
                 return True
             except (Exception, trio.TooSlowError) as exc:  # every dial failure is the remote's
@@ -258,7 +260,7 @@ class Discovery:
             self._keeping.discard(peer_id)
             self._new_relayed.pop(peer_id, None)
 
-    def _on_heartbeat(self, signed: Any, topic: str) -> None:
+    def _on_heartbeat(self, signed: Signed[Heartbeat], topic: str) -> None:
         """Wake the backed-off redial of a kept, unconnected peer whose heartbeat names a relayed
         address (it reserved one since we last tried): at most one redial per heartbeat of it."""
         event = self._new_relayed.get(signed.sender)
@@ -356,7 +358,7 @@ class Discovery:
                     addrs = self.host.get_peerstore().addrs(peer_id)
                     if addrs:
                         logger.debug("DHT revealed %s", short_id(peer_id))
-                        self.keep_connected(peer_id, list(addrs), lambda p=peer_id: self._known_alive(p))
+                        self.keep_connected(peer_id, list(addrs), functools.partial(self._known_alive, peer_id))
 
     def _known_alive(self, peer_id: ID) -> bool:
         """Keep a DHT-found peer until heartbeats say it is gone (or it never heartbeats at all)."""
@@ -369,7 +371,7 @@ class Discovery:
 
         tcp_ports = [a.value_for_protocol("tcp") for a in self.host.get_addrs() if "tcp" in str(a)]
         mdns = create_mdns_discovery(
-            self.host.get_network(),  # type: ignore[arg-type]
+            self.host.get_network(),
             port=int(tcp_ports[0]) if tcp_ports else 4001,
             private_network_fingerprint="p2ptrain",
             host=self.host,
@@ -395,7 +397,7 @@ class Discovery:
             async with receive:
                 async for info in receive:
                     logger.info("mDNS found %s", short_id(info.peer_id))
-                    self.keep_connected(info.peer_id, list(info.addrs), lambda p=info.peer_id: self._known_alive(p))
+                    self.keep_connected(info.peer_id, list(info.addrs), functools.partial(self._known_alive, info.peer_id))
         finally:
             peerDiscovery.unregister_peer_discovered_handler(found)
             mdns.stop()

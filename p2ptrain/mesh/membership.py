@@ -33,6 +33,7 @@ from libp2p.peer.id import ID
 
 from p2ptrain.logs import count_rejection, short_id
 from p2ptrain.mesh import capabilities as caps_probe
+from p2ptrain.mesh.liveness import DEFAULT_SILENCE_HEARTBEATS
 from p2ptrain.mesh.router import MessageRouter
 from p2ptrain.net import reachability
 from p2ptrain.wire import Signed
@@ -41,8 +42,6 @@ from p2ptrain.wire.topics import MESH_TOPIC
 
 logger = logging.getLogger(__name__)
 
-# Five missed heartbeats: on a busy shared machine three were missed now and then by live peers.
-DEFAULT_SILENCE_HEARTBEATS = 5
 # A new peer makes us heartbeat early so it sees us at once, but never more often than this.
 MIN_HEARTBEAT_GAP_S = 0.05
 EVENT_QUEUE = 1024

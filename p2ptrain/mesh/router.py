@@ -37,6 +37,7 @@ from p2ptrain.wire.messages import MESSAGES, MessageRegistry
 logger = logging.getLogger(__name__)
 
 M = TypeVar("M")
+# A handler of one message type M gets a Signed[M]; the router keeps them all as this.
 Handler = Callable[[Signed[Any], str], Awaitable[None] | None]
 # Messages charged to their sender's rate lately, by gossipsub message ID: a message that arrives
 # from two relays before pubsub marks it seen is charged once.
@@ -59,7 +60,7 @@ class MessageRouter:
         self.rates = SenderRates()
         self._charged: dict[bytes, None] = {}  # ordered set of charged message IDs (_CHARGED_IDS)
 
-    def on(self, msg_type: type[M], handler: Handler) -> None:
+    def on(self, msg_type: type[M], handler: Callable[[Signed[M], str], Awaitable[None] | None]) -> None:
         """Call ``handler(signed, topic)`` (sync or async) for every valid ``msg_type`` message.
 
         Handlers run in the topic's reader task, in arrival order: keep them short (hand long work
@@ -69,7 +70,7 @@ class MessageRouter:
             raise TypeError(f"{msg_type!r} is not a registered wire message type")
         self._handlers.setdefault(msg_type, []).append(handler)
 
-    def limit(self, msg_type: type, rate: Rate) -> None:
+    def limit(self, msg_type: type[Any], rate: Rate) -> None:
         """Take at most ``rate`` of ``msg_type`` messages from each sender; the rest are dropped
         (counted ``rate-limited:<type>``) before they are checked or relayed."""
         if not self._types.knows(msg_type):
@@ -180,5 +181,5 @@ class MessageRouter:
             return None
         return signed
 
-    def stats(self) -> dict[str, dict[str, int]]:
+    def stats(self) -> dict[str, Any]:
         return {"dropped": dict(self.dropped), "delivered": dict(self.delivered), "bytes_received": self.bytes_received}

@@ -363,6 +363,8 @@ class ControlClient:
             except ConnectionResetError:
                 raise ControlError(f"the node for home {self.home} reset the connection before answering {op!r}") from None
         reply = json.loads(buffer[: buffer.index(b"\n")])
+        if not isinstance(reply, dict):
+            raise ControlError(f"reply to {op!r} is not a JSON object")
         if not reply.get("ok"):
             raise ControlError(f"{op}: {reply.get('error', 'failed')}")
         reply.pop("ok")

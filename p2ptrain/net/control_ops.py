@@ -25,10 +25,11 @@ TASK_JOIN = "task.join"  # join an announced task
 TASK_LIST = "task.list"  # tasks known here
 TASK_STATUS = "task.status"  # one task's state, round, members and latest model
 TASK_CANCEL = "task.cancel"  # the publisher stops a task's run (TaskCancel on the tasks topic)
+TASK_RESUME = "task.resume"  # the publisher continues a run it cancelled (TaskResume on the tasks topic)
 # The directory of served models (runtime/served.py).
 SERVE_ANNOUNCE = "serve.announce"  # `model serve`: announce that this home serves a model CID at a URL
 SERVE_FIND = "serve.find"  # `model predict`: the URLs at which peers announced a model CID
 
 ALL: tuple[str, ...] = (OPS, CONTROL_STATS, STATUS, PING, IPFS_ADD, IPFS_FETCH, IPFS_PROGRESS, TASK_PUBLISH, TASK_JOIN,
-                        TASK_LIST, TASK_STATUS, TASK_CANCEL, SERVE_ANNOUNCE, SERVE_FIND)
+                        TASK_LIST, TASK_STATUS, TASK_CANCEL, TASK_RESUME, SERVE_ANNOUNCE, SERVE_FIND)
 """Every op a full peer (node + content + tasks) answers; a test holds a running peer to exactly these."""

@@ -8,10 +8,12 @@ security transport offered or accepted here is Noise; the muxer is yamux.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import libp2p
 from libp2p.abc import IHost
 from libp2p.crypto.keys import KeyPair
+from libp2p.custom_types import TProtocol
 from libp2p.crypto.x25519 import create_new_key_pair as create_new_x25519_key_pair
 from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from libp2p.security.noise.transport import Transport as NoiseTransport
@@ -22,7 +24,7 @@ from p2ptrain.net import muxer
 from p2ptrain.net.noise import NoiseTransport as FastNoiseTransport
 
 
-def noise_only(key_pair: KeyPair, transport: type[NoiseTransport] = NoiseTransport) -> dict:
+def noise_only(key_pair: KeyPair, transport: type[NoiseTransport] = NoiseTransport) -> dict[TProtocol, Any]:
     """The security options that offer and accept Noise alone (py-libp2p's class by default)."""
     noise_key = create_new_x25519_key_pair().private_key
     return {NOISE_PROTOCOL_ID: transport(key_pair, noise_privkey=noise_key)}

@@ -10,7 +10,8 @@ Errors are ours (:class:`ChannelClosed`, :class:`ChannelError`) and name the rem
 never handle libp2p's internal exception zoo.
 
 On hosts from :func:`p2ptrain.net.host.make_host` the channel runs on our yamux and Noise classes
-(:mod:`p2ptrain.net.muxer` and :mod:`~p2ptrain.net.yamux_stream`, :mod:`p2ptrain.net.noise`): large frames, no copies of message bodies on
+(:mod:`p2ptrain.net.muxer` and :mod:`~p2ptrain.net.yamux_stream`, :mod:`p2ptrain.net.noise`): large frames, no copies
+of message bodies on
 the way out, one join on the way in. With any other libp2p stream it falls back to plain
 ``read``/``write``.
 

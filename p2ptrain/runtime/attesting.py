@@ -13,12 +13,12 @@ import math
 
 import trio
 
-from p2ptrain.atomic import write_atomic
 from p2ptrain.ipfs.store import ContentUnavailable
 from p2ptrain.logs import short_id
 from p2ptrain.runtime.datafeed import DataFeed
 from p2ptrain.runtime.run_state import Nudge, RunState
-from p2ptrain.training.records import RecordError, Status, Tally, attest
+from p2ptrain.training.lineage import election_problem
+from p2ptrain.training.records import Misconduct, RecordError, Status, Tally, attest
 from p2ptrain.training.trainer import StateSnapshot
 from p2ptrain.wire.messages import RoundPlan, SignedAttestation, SignedModelRecord
 
@@ -79,10 +79,21 @@ class Attesting:
             del self.checkpoint_cids[old]
         if metrics is not None and await self._previous_settled(plan, step):
             _, book = run.require()
-            signed = book.checkpoint_record(plan, step, model_cid, optim_cid, metrics, run.node.key_pair)
-            logger.info("%s: publishing model v%d %s (accuracy %s)", run.log_prefix, signed.record.version,
-                        model_cid, _fmt(metrics.get("accuracy")))
-            await run.broadcast(signed)  # our own copy comes back through on_record
+            signed = book.checkpoint_record(plan, step, model_cid, optim_cid, metrics, run.node.key_pair,
+                                            votes=run.election.certificate)
+            problem = election_problem(signed, book.chain.rules) if book.chain.rules is not None else None
+            if problem is not None:
+                # Our votes do not make a quorum of this span's members (members left since we were
+                # elected, in overlap mode): nobody could check the record, so it is not published;
+                # the checkpoint counts as rejected and the next one tries again.
+                logger.warning("%s: not publishing the checkpoint at step %d: %s", run.log_prefix, step, problem)
+                book.rejected_step = step
+                self._settle_news.set()
+                run.wake_leader.set()
+            else:
+                logger.info("%s: publishing model v%d %s (accuracy %s)", run.log_prefix, signed.record.version,
+                            model_cid, _fmt(metrics.get("accuracy")))
+                await run.broadcast(signed)  # our own copy comes back through on_record
         await self._attest_if_ready()
 
     async def _previous_settled(self, plan: RoundPlan, step: int) -> bool:
@@ -120,13 +131,24 @@ class Attesting:
         if run.book is None or not run.synced:
             return
         try:
-            status = run.attestations.offer_record(signed, run.book.chain, run.election.coordinator,
-                                                   trio.current_time())
+            status = run.attestations.offer_record(signed, run.book, run.election.coordinator, trio.current_time())
         except RecordError as exc:
-            logger.warning("%s: refused model record: %s", run.log_prefix, exc)
+            self._refused(signed, exc)
             return
         await self._settled(status)
         await self._attest_if_ready()
+
+    def _refused(self, signed: SignedModelRecord, exc: RecordError) -> None:
+        """Count a refused record; one that breaks the run's rules (:class:`Misconduct`) signed by
+        the coordinator we follow is evidence against it: we stop following it (a new term)."""
+        run = self.run
+        if not isinstance(exc, Misconduct):
+            logger.warning("%s: refused model record: %s", run.log_prefix, exc)
+            return
+        run.refuse("record_rules", f"refused model record v{signed.record.version} of "
+                   f"{short_id(signed.record.coordinator)}: {exc}")
+        if signed.record.coordinator == run.election.coordinator:
+            run.accuse(signed.record.coordinator, str(exc))
 
     async def _attest_if_ready(self) -> None:
         """Attest the pending record once our own state is at its step (we hashed our weights)."""
@@ -171,7 +193,7 @@ class Attesting:
         if run.attestations.next is None or run.book is None:
             return
         try:
-            status = run.attestations.take_next(run.book.chain, run.election.coordinator, trio.current_time())
+            status = run.attestations.take_next(run.book, run.election.coordinator, trio.current_time())
         except RecordError as exc:
             logger.warning("%s: refused the model record kept for after v%d: %s", run.log_prefix,
                            tally.record.version, exc)
@@ -182,13 +204,13 @@ class Attesting:
     def _confirm(self, tally: Tally) -> None:
         run = self.run
         _, book = run.require()
-        book.chain.append(tally.signed)
+        book.chain.append(tally.signed, tuple(tally.matching.values()))
         record = tally.record
         run.metrics.update(record.metrics)
-        write_atomic(run.dir / "chain.jsonl", book.chain.to_bytes(), mode=0o600)
+        run.save_chain()
         logger.info(
             "%s: model v%d confirmed by %d/%d members: %s (round %d, step %d, accuracy %s)",
-            run.log_prefix, record.version, len(tally.matching), len(record.members), record.model_cid,
+            run.log_prefix, record.version, len(tally.matching), len(tally.members), record.model_cid,
             record.round, record.step, _fmt(record.metrics.get("accuracy")),
         )
         run.end_if_over()

@@ -176,8 +176,8 @@ class ContentService:
                 with trio.fail_after(timeout):
                     # Pinning makes Kubo fetch the whole DAG; cat then verifies it block by block.
                     await trio.to_thread.run_sync(self.kubo.pin_add, cid, abandon_on_cancel=True)
-                    await trio.to_thread.run_sync(lambda: self.kubo.cat(cid, max_bytes=max_bytes),
-                                                  abandon_on_cancel=True)
+                    kubo = self.kubo
+                    await trio.to_thread.run_sync(lambda: kubo.cat(cid, max_bytes=max_bytes), abandon_on_cancel=True)
             except trio.TooSlowError:
                 raise ContentUnavailable(cid, f"Kubo did not fetch it in {timeout:.0f} s") from None
             except DagError as exc:  # FileTooLarge: over the bound

@@ -12,7 +12,7 @@ import trio
 from p2ptrain.data.dataset import IPFSDataset
 from p2ptrain.ipfs.store import ContentUnavailable
 from p2ptrain.runtime.run_state import RunState
-from p2ptrain.training.batches import batched, batches_forever
+from p2ptrain.training.batches import PositionedBatches, batched
 from p2ptrain.training.trainer import StateSnapshot
 
 logger = logging.getLogger(__name__)
@@ -28,15 +28,20 @@ class DataFeed:
 
     def __init__(self, run: RunState) -> None:
         self.run = run
-        self._batches: tuple[tuple[int, int], Iterator[Any]] | None = None
+        self._batches: tuple[tuple[int, int], PositionedBatches] | None = None
         self._own_shards_held = trio.Event()
 
-    async def training_batches(self, rank: int, world: int) -> Iterator[Any]:
-        """This member's batches for its place in the ring; shards are fetched (only these) first."""
-        if self._batches is not None and self._batches[0] == (rank, world):
-            return self._batches[1]
+    async def training_batches(self, rank: int, world: int, position: int) -> Iterator[Any]:
+        """This member's batches for its place in the ring, from batch ``position`` of that stream
+        (the trainer's ``batch_position``: a function of its step); shards are fetched (only these)
+        first. The stream in use is kept while it is at that position already."""
+        held = self._batches
+        if held is not None and held[0] == (rank, world) and held[1].position == position:
+            return held[1]
         run = self.run
-        assert run.manifest is not None
+        if run.task.model.user:
+            return iter(())  # the user's loop reads its own data (training/user.py)
+        assert run.manifest is not None and run.task.dataset is not None
         split = run.task.dataset.train_split
         shards = run.manifest.shards(split)
         for index in range(rank, len(shards), world):
@@ -46,15 +51,17 @@ class DataFeed:
             store=run.content.store, seed=run.task.seed + rank,
         )
         self._own_shards_held.set()
-        batches = batches_forever(dataset, run.task.training.batch_size)
+        batches = PositionedBatches(dataset, run.task.training.batch_size, position)
         self._batches = ((rank, world), batches)
-        logger.info("%s: training on shards %s of %d (rank %d of %d)", run.log_prefix,
-                    list(range(rank, len(shards), world)), len(shards), rank, world)
+        logger.info("%s: training on shards %s of %d (rank %d of %d) from batch %d", run.log_prefix,
+                    list(range(rank, len(shards), world)), len(shards), rank, world, position)
         return batches
 
     async def fetch_test_split(self) -> None:
         """Every shard of the test split, for the coordinator's evaluation (ContentUnavailable if not)."""
         run = self.run
+        if run.task.dataset is None:
+            return  # the members' own data: each evaluates (or not) on its own
         assert run.manifest is not None
         for ref in run.manifest.shards(run.task.dataset.test_split):
             await run.content.fetch(ref.cid)
@@ -64,6 +71,8 @@ class DataFeed:
         (coordinator only)."""
         run = self.run
         trainer, _ = run.require()
+        if run.task.dataset is None:
+            return trainer.evaluate_own()
         split = run.task.dataset.test_split
         dataset = IPFSDataset(run.task.dataset.manifest, split=split, store=run.content.store, shuffle=False)
         batches = batched(dataset, run.task.training.eval_batch_size)
@@ -75,10 +84,12 @@ class DataFeed:
         dataset dies, whichever shards a new ring assigns us, and the test split a new coordinator
         evaluates on, can still be had from the other members."""
         run = self.run
+        dataset = run.task.dataset
+        if dataset is None:
+            return  # nothing shared to replicate: each member's data is its own
         assert run.manifest is not None
         with trio.move_on_after(REPLICATE_DEADLINE_S):
             await self._own_shards_held.wait()
-        dataset = run.task.dataset
         test = run.manifest.shards(dataset.test_split) if dataset.test_split in run.manifest.splits else ()
         refs = (*run.manifest.shards(dataset.train_split), *test)
         held = 0

@@ -6,7 +6,9 @@ holds a task's confirmed chain (``<home>/tasks/<task CID>/chain.jsonl``, kept by
 after a restart) and whose run of it is not under way answers a
 :class:`~p2ptrain.wire.messages.HeadRequest` with a :class:`~p2ptrain.wire.messages.TaskHead` of
 its own. A member of a run under way stays quiet: its coordinator's heads are the ones members act
-on, and an extra head from a non-coordinator would only be refused (and counted) by them.
+on, and an extra head from a non-coordinator would only be refused (and counted) by them. A member
+still starting (or resuming its chain after a stop) is not under way yet and answers: that is how
+the members of a run stopped whole hear each other's chains when they come back (runtime/resume.py).
 
 The answer is a claim, not proof: the fetcher re-verifies the chain it names (signatures, links,
 the head model) before it believes it (cli/model.py). Requests come from anyone, so answers are
@@ -25,7 +27,8 @@ import trio
 from p2ptrain.ipfs.cid import InvalidCID, parse_cid
 from p2ptrain.ipfs.store import ContentStore
 from p2ptrain.runtime.run_state import CANCEL_SENT_FILE
-from p2ptrain.training.records import MAX_CHAIN_BYTES, Chain, RecordError, record_from_bytes
+from p2ptrain.training.lineage import MAX_CHAIN_BYTES, read_chain
+from p2ptrain.training.records import RecordError
 from p2ptrain.wire.messages import HeadRequest, TaskHead
 
 logger = logging.getLogger(__name__)
@@ -115,7 +118,7 @@ class HeadAnswers:
                 return
             await self.publish(head)  # type: ignore[misc]
             self.stats["answered"] += 1
-        except Exception as exc:  # noqa: BLE001 - the boundary: an answer never takes the node down
+        except Exception as exc:  # the boundary: an answer never takes the node down
             known = isinstance(exc, (OSError, RecordError))
             self.stats["bad_chain" if known else type(exc).__name__] += 1
             logger.warning("cannot answer for task %s: %s", task_cid,
@@ -137,10 +140,9 @@ class HeadAnswers:
             return cached[1]
         with open(path, "rb") as f:
             data = f.read(MAX_CHAIN_BYTES + 1)
-        lines = data.splitlines()
-        if not lines:
+        if not data.strip():
             return None
-        chain = Chain.from_bytes(task_cid, record_from_bytes(lines[0]).record.parent, data)
+        chain = read_chain(task_cid, data)
         last = chain.records[-1].record
         total = self.total_steps(task_cid) or 0  # 0: not known here (read from disk after a restart)
         head = TaskHead(

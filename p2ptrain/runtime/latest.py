@@ -1,23 +1,26 @@
-"""Finding the latest confirmed model of a task from a fresh home: ask, then verify what is told.
+"""Finding the latest confirmed model of a task: ask, then verify what is told.
 
-``model fetch --latest TASK`` from a home that never took part in the run asks the mesh (a
-:class:`~p2ptrain.wire.messages.HeadRequest` on the tasks topic, again every HEAD_REQUEST_EVERY_S)
-and hears :class:`~p2ptrain.wire.messages.TaskHead` answers: from the coordinator of a run under
-way, or from any member of a run that is over (:mod:`p2ptrain.runtime.head_answers`). Anyone can
-publish a head, so none is believed as told: the chain it names is fetched (bounded) and
-re-verified, every record signed by the coordinator it names, each the child of the one before, of
-this task; the head's model must be the chain's head, and each record's signer one of that record's
-members. Of the heads that verify, the longest chain wins, and two verified chains that disagree at a
-version they both hold (a fork) are refused: the fetch fails rather than pick one.
+``model fetch --latest TASK`` (from a fresh home, or through a node that takes no part in the run)
+asks the mesh (a :class:`~p2ptrain.wire.messages.HeadRequest` on the tasks topic, again every
+HEAD_REQUEST_EVERY_S) and hears :class:`~p2ptrain.wire.messages.TaskHead` answers: from the
+coordinator of a run under way, or from any member of a run that is over
+(:mod:`p2ptrain.runtime.head_answers`). Anyone can publish a head, so nothing a head says is
+believed: only the chain it names counts. That chain is fetched (bounded) and verified against the
+task's own rules (:class:`~p2ptrain.training.lineage.ChainRules`, from the task fetched by its CID):
+every record signed by a coordinator that a quorum of the record's members elected, attested by a
+quorum of them, each the child of the one before. The chain's own head is the answer, whatever
+version or model the head claimed. Of the chains that verify the longest wins; a head is judged
+once per chain it names (not per claim), so a head that lies about a real chain costs nothing and
+hides nothing. Two verified chains that fork are counted and logged; the longer is taken.
 
 Holders are found through the Kad-DHT too: a node that holds a task's chain (a member of its run,
 also after the run and after a restart) announces :func:`head_key` of the task, and the fetcher
 looks that key up and dials the holders it names, so its requests reach a holder that shares no
 pubsub mesh with the node it bootstrapped from. What a holder then answers is verified as above.
 
-What a fresh home cannot check: that the signers were *elected* (the vote certificates are not
-kept in the chain). So a peer that forged a whole chain of its own for the task would be believed
-if no honest holder answered; docs/training.md says so.
+What the check cannot tell for a task with open admission: that the identities that signed a chain
+are distinct people. A chain forged by enough made-up identities verifies; docs/security.md says
+what that means and how ``admission = "allowlist"`` closes it.
 """
 
 from __future__ import annotations
@@ -26,7 +29,6 @@ import logging
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import trio
 
@@ -35,7 +37,10 @@ from p2ptrain.ipfs.store import ContentUnavailable
 from p2ptrain.mesh.providers import derived_key
 from p2ptrain.node import Node
 from p2ptrain.runtime.content import ContentService
-from p2ptrain.training.records import MAX_CHAIN_BYTES, Chain, RecordError, record_from_bytes
+from p2ptrain.training.lineage import MAX_CHAIN_BYTES, Chain, ChainRules, read_chain
+from p2ptrain.training.records import RecordError
+from p2ptrain.training.task import MAX_TASK_BYTES, task_from_bytes
+from p2ptrain.wire import Signed
 from p2ptrain.wire.messages import HeadRequest, TaskHead
 from p2ptrain.wire.topics import TASKS_TOPIC
 
@@ -50,10 +55,10 @@ HEAD_COLLECT_S = 1.0
 # Heads queued for verification; more arriving meanwhile are dropped (counted "busy"): each costs a
 # chain fetch, and a flood of fake heads must not queue fetches without end.
 MAX_QUEUED_HEADS = 16
-# Distinct heads remembered as judged; past this, new ones are dropped (counted "busy"): a flood of
+# Distinct chains remembered as judged; past this, new ones are dropped (counted "busy"): a flood of
 # made-up heads cannot grow the fetcher's memory without end.
 MAX_SEEN_HEADS = 1024
-# Each chain fetch stops after this long (a head naming content nobody serves).
+# Each chain (or task) fetch stops after this long (a head naming content nobody serves).
 CHAIN_FETCH_TIMEOUT_S = 10.0
 # The fetcher looks the task's head key up on the DHT again this often (each lookup bounded by
 # providers.FIND_DEADLINE_S, each names at most providers.MAX_PROVIDERS_PER_QUERY holders to dial):
@@ -90,63 +95,83 @@ def held_tasks(home: Path) -> list[str]:
 
 @dataclass
 class LatestFinder:
-    """Asks for ``task_cid``'s head and verifies the answers; ``refused`` counts the heads not believed."""
+    """Asks for ``task_cid``'s head and verifies the chains heads name; ``refused`` counts those not
+    believed. ``listen``: hear heads from the node itself (a fresh home's temporary node); a node's
+    task service passes False and hands heads in with :meth:`offer`."""
 
     node: Node
     content: ContentService
     task_cid: str
+    listen: bool = True
     refused: Counter[str] = field(default_factory=Counter)
     best: tuple[TaskHead, Chain] | None = None
+    rules: ChainRules | None = None
 
     def __post_init__(self) -> None:
         self._send, self._recv = trio.open_memory_channel[TaskHead](MAX_QUEUED_HEADS)
-        self._seen: set[tuple[str, str]] = set()  # (chain CID, model CID) already judged
-        self.node.on(TaskHead, self._on_head)
+        self._seen: set[str] = set()  # chain CIDs already judged
+        if self.listen:
+            self.node.on(TaskHead, self._on_head)
 
     @property
     def judged(self) -> int:
-        """Distinct heads judged so far (at most MAX_SEEN_HEADS)."""
+        """Distinct chains judged so far (at most MAX_SEEN_HEADS)."""
         return len(self._seen)
 
+    @property
+    def model_cid(self) -> str | None:
+        """The head model of the longest chain verified so far."""
+        return self.best[1].head_cid if self.best is not None and self.best[1].version else None
+
     def forget_judged(self) -> None:
-        """Forget which heads were judged, keeping the best: a finder that lives as long as a
-        server (``model serve --latest``, serve/temporary.py) calls this now and then, so
+        """Forget which chains were judged, keeping the best: a finder that lives as long as a
+        server (``model serve --latest``, serve/temporary.py) or a node calls this now and then, so
         MAX_SEEN_HEADS bounds its memory, not how many checkpoints it can follow."""
         self._seen.clear()
 
-    def _on_head(self, signed: Any, topic: str) -> None:
-        head: TaskHead = signed.msg
-        if head.task_cid != self.task_cid or head.version < 1 or (head.chain_cid, head.model_cid) in self._seen:
+    def _on_head(self, signed: Signed[TaskHead], topic: str) -> None:
+        self.offer(signed.msg)
+
+    def offer(self, head: TaskHead) -> None:
+        """A head heard: its chain is judged once (by chain CID, whatever the head claims)."""
+        if head.task_cid != self.task_cid or head.version < 1 or head.chain_cid in self._seen:
             return
         if len(self._seen) >= MAX_SEEN_HEADS:
             self.refused["busy"] += 1
             return
-        self._seen.add((head.chain_cid, head.model_cid))
+        self._seen.add(head.chain_cid)
         try:
             self._send.send_nowait(head)
         except trio.WouldBlock:
+            self._seen.discard(head.chain_cid)  # not judged: a later head naming it is taken up
             self.refused["busy"] += 1
 
     async def find(self) -> tuple[TaskHead, Chain]:
-        """The verified head with the longest chain (unbounded: the caller bounds it)."""
+        """The verified chain that is longest, with the head that named it (unbounded: the caller
+        bounds it). :class:`ContentUnavailable` or :class:`TaskError` when the task itself cannot be
+        had: its rules are what every chain is checked against. The task is fetched when the first
+        head arrives: a peer that answers is connected then, and has the task if it ran it."""
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._ask)
             nursery.start_soon(self._find_holders)
             async for head in self._recv:
-                chain = await self._verify(head)
-                if chain is None:
-                    continue
-                if self.best is None or chain.version > self.best[1].version:
-                    self.best = (head, chain)
-                break
+                if await self._judge(head):
+                    break
             with trio.move_on_after(HEAD_COLLECT_S):
                 async for head in self._recv:
-                    chain = await self._verify(head)
-                    if chain is not None and chain.version > self.best[1].version:  # type: ignore[index]
-                        self.best = (head, chain)
+                    await self._judge(head)
             nursery.cancel_scope.cancel()
         assert self.best is not None
         return self.best
+
+    async def _load_rules(self) -> None:
+        """The task, by CID (verified as every fetch is), for the rules its chains must follow."""
+        if self.rules is not None:
+            return
+        store = self.content.store
+        await self.content.fetch(self.task_cid, timeout=CHAIN_FETCH_TIMEOUT_S, max_bytes=MAX_TASK_BYTES)
+        data = await trio.to_thread.run_sync(lambda: store.cat(self.task_cid, max_bytes=MAX_TASK_BYTES + 1))
+        self.rules = ChainRules.of(task_from_bytes(data), self.task_cid)
 
     async def _ask(self) -> None:
         while True:
@@ -168,42 +193,37 @@ class LatestFinder:
                     nursery.start_soon(routing.connect, info)
             await trio.sleep(HEAD_LOOKUP_EVERY_S)
 
+    async def _judge(self, head: TaskHead) -> bool:
+        """Verify the chain ``head`` names; True when it verified (kept as the best if longest)."""
+        await self._load_rules()
+        chain = await self._verify(head)
+        if chain is None:
+            return False
+        if self.best is not None:
+            longer, shorter = (chain, self.best[1]) if chain.version > self.best[1].version else (self.best[1], chain)
+            try:
+                shorter.extension(longer)
+            except RecordError as exc:  # two chains that each verify: the longer is taken
+                self.refused["fork"] += 1
+                logger.warning("task %s: two verified chains fork (%s); taking the longer, v%d", self.task_cid,
+                               exc, longer.version)
+        if self.best is None or chain.version > self.best[1].version:
+            self.best = (head, chain)
+        return True
+
     async def _verify(self, head: TaskHead) -> Chain | None:
-        """The chain ``head`` names, fetched and re-verified, or None (counted by why)."""
-        store = self.content.store
+        """The chain ``head`` names, fetched and verified, or None (counted by why)."""
+        assert self.rules is not None
+        store, rules = self.content.store, self.rules
         try:
             await self.content.fetch(head.chain_cid, timeout=CHAIN_FETCH_TIMEOUT_S, max_bytes=MAX_CHAIN_BYTES)
             data = await trio.to_thread.run_sync(lambda: store.cat(head.chain_cid, max_bytes=MAX_CHAIN_BYTES))
-            chain = await trio.to_thread.run_sync(_verified_chain, self.task_cid, data)
-            if (chain.version, chain.head_cid) != (head.version, head.model_cid):
-                raise RecordError(f"the head says model v{head.version} {head.model_cid}, its chain "
-                                  f"ends at v{chain.version} {chain.head_cid}")
-            if self.best is not None:
-                longer, shorter = (chain, self.best[1]) if chain.version >= self.best[1].version else (self.best[1], chain)
-                shorter.extension(longer)  # a different record at a version both hold: a fork
+            return await trio.to_thread.run_sync(read_chain, self.task_cid, data, rules)
         except ContentUnavailable as exc:
             self.refused["chain_unavailable"] += 1
-            logger.warning("head of task %s (model v%d) names a chain nobody served: %s", self.task_cid,
-                           head.version, exc)
-            return None
+            logger.warning("head of task %s names a chain nobody served: %s", self.task_cid, exc)
         except RecordError as exc:
-            if str(exc).startswith("fork"):
-                raise
             self.refused["bad_chain"] += 1
-            logger.warning("refused a head of task %s (model v%d): %s", self.task_cid, head.version, exc)
-            return None
-        return chain
-
-
-def _verified_chain(task_cid: str, data: bytes) -> Chain:
-    """Rebuild ``data`` as the chain of ``task_cid`` (signatures, versions, parents: Chain.from_bytes),
-    each record signed by one of its own members."""
-    lines = data.splitlines()
-    if not lines:
-        raise RecordError("an empty chain")
-    chain = Chain.from_bytes(task_cid, record_from_bytes(lines[0]).record.parent, data)
-    for signed in chain.records:
-        record = signed.record
-        if record.coordinator not in record.members:
-            raise RecordError(f"model record v{record.version} is signed by a peer not among its members")
-    return chain
+            logger.warning("refused a chain of task %s (a head claimed model v%d): %s", self.task_cid,
+                           head.version, exc)
+        return None

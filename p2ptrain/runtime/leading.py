@@ -21,6 +21,7 @@ from p2ptrain.runtime.attesting import Attesting
 from p2ptrain.runtime.resync import Resync
 from p2ptrain.runtime.run_state import RunState
 from p2ptrain.runtime.spans import Spans
+from p2ptrain.runtime.status import Phase
 from p2ptrain.training.attestations import ATTEST_TIMEOUT_S
 from p2ptrain.training.election import ElectionMessage, View
 from p2ptrain.training.rounds import Hold
@@ -127,7 +128,7 @@ class Leading:
                     last_head, head_version = now, run.book.chain.version
                     await self._publish_head()
             if run.cancel_reason is not None and self.cancel_settled(now):
-                run.phase = "cancelled"
+                run.phase = Phase.CANCELLED
                 run.done.set()
                 return
             await run.wake_leader.wait(period)

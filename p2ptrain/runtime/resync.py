@@ -19,9 +19,9 @@ import trio
 from p2ptrain.ipfs.store import ContentUnavailable
 from p2ptrain.ipfs.unixfs import DagError
 from p2ptrain.logs import short_id
-from p2ptrain.atomic import write_atomic
 from p2ptrain.runtime.run_state import Nudge, RunState
-from p2ptrain.training.records import MAX_CHAIN_BYTES, Chain, RecordError
+from p2ptrain.training.lineage import MAX_CHAIN_BYTES, Chain
+from p2ptrain.training.records import Misconduct, RecordError
 from p2ptrain.training.trainer import TrainerError
 from p2ptrain.wire.messages import RoundPlan, TaskHead
 
@@ -46,8 +46,11 @@ KNOWN_TERMS = 256
 class Resync:
     """Heads, the resync loop and catching up to a plan; calls ``follow`` once a plan can be run."""
 
-    def __init__(self, run: RunState) -> None:
+    def __init__(self, run: RunState, restore_feedback: Callable[[int], None]) -> None:
+        """``restore_feedback(step)``: take back the error feedback this member kept at ``step``
+        (:meth:`~p2ptrain.runtime.spans.Spans.restore_feedback`), once its checkpoint is loaded."""
         self.run = run
+        self.restore_feedback = restore_feedback
         # term -> the coordinator our election accepted for it (the last KNOWN_TERMS terms)
         self.coordinators: dict[int, str] = {}
         self._new_head = Nudge()  # a new head was heard (wakes a member waiting to catch up)
@@ -65,6 +68,10 @@ class Resync:
 
     def on_head(self, sender: str, head: TaskHead) -> None:
         run = self.run
+        if run.election.coordinator is None and run.book is not None and 0 < head.version <= run.book.chain.version:
+            # No news from a peer whose head we would refuse anyway (no coordinator known): the
+            # members of a run that resumed answer each other's head requests while they start.
+            return
         problem = self.head_problem(sender)
         if problem is not None:
             run.refuse("head_untrusted", f"ignored a head (model v{head.version}): {problem}")
@@ -203,13 +210,13 @@ class Resync:
         """Load the last checkpoint of our own confirmed chain (the run ended without us; see
         :meth:`RunState.end_if_over`), through the same boundary as a head."""
         _, book = self.run.require()
-        return await self._load_bounded(book.chain.version, self._load_chain(book.chain))
+        return await self._load_bounded(book.chain.version, self.load_chain(book.chain))
 
     async def _load_bounded(self, version: int, loading: Awaitable[None]) -> str | None:
         run = self.run
         try:
             await loading
-        except Exception as exc:  # noqa: BLE001 - the boundary: trio.Cancelled is a BaseException
+        except Exception as exc:  # the boundary: trio.Cancelled is a BaseException
             if isinstance(exc, RecordError) and str(exc).startswith("fork"):
                 run.rejected["fork"] += 1
             known = isinstance(exc, (ContentUnavailable, RecordError, TrainerError, DagError))
@@ -240,32 +247,51 @@ class Resync:
         store = run.content.store
         await run.content.fetch(head.chain_cid, timeout=RESYNC_FETCH_TIMEOUT_S, max_bytes=MAX_CHAIN_BYTES)
         data = await trio.to_thread.run_sync(lambda: store.cat(head.chain_cid, max_bytes=MAX_CHAIN_BYTES))
-        chain = await trio.to_thread.run_sync(Chain.from_bytes, run.task_cid, run.initial_cid, data)
-        for signed in book.chain.extension(chain):  # a fork raises RecordError
+        chain = await trio.to_thread.run_sync(Chain.from_bytes, run.task_cid, run.initial_cid, data, book.chain.rules)
+        added = book.chain.extension(chain)  # a fork raises RecordError
+        if chain.version < book.chain.version:
+            # Loading it would take this member back behind records it confirmed (and a chain
+            # file is never cut short): a head from behind is no state to go to.
+            raise RecordError(f"the head's chain ends at v{chain.version}, before this member's v{book.chain.version}")
+        for signed in added:
             self._check_signer(signed.record.version, signed.record.term, signed.record.coordinator)
-        await self._load_chain(chain)
+        problem = book.lineage_problem(added)
+        if problem is not None:
+            raise Misconduct(problem)
+        await self.load_chain(chain)
 
-    async def _load_chain(self, chain: Chain) -> None:
+    async def load_chain(self, chain: Chain, *, sync: bool = True) -> None:
         """Load the model and optimizer state of ``chain``'s last checkpoint (a verified chain that
-        extends ours, or ours) and follow the run from it."""
+        extends ours, or ours), by CID and verified, and follow the run from it (``sync``: say so
+        at once; a member that resumes after a stop first hears the others, runtime/resume.py).
+
+        The chain goes to chain.jsonl only as records appended to the file's: one that does not
+        extend the file (a fork) is refused before anything is loaded (RecordError)."""
         run = self.run
         trainer, book = run.require()
         store = run.content.store
         if chain.version == 0:
             return
+        if run.chain_file is not None:
+            run.chain_file.chain.extension(chain)  # a fork of the file raises RecordError
         last = chain.records[-1].record
         max_model, max_optim = trainer.state_limits()
         await run.content.fetch(last.model_cid, timeout=RESYNC_FETCH_TIMEOUT_S, max_bytes=max_model)
         await run.content.fetch(last.optimizer_cid, timeout=RESYNC_FETCH_TIMEOUT_S, max_bytes=max_optim)
         model = await trio.to_thread.run_sync(lambda: store.cat(last.model_cid, max_bytes=max_model))
         optim = await trio.to_thread.run_sync(lambda: store.cat(last.optimizer_cid, max_bytes=max_optim))
-        trainer.load_state(model, optim)
+        # In a worker thread: a trainer driven by the user's loop loads only while the user waits in
+        # its step (training/user.py), and parsing a large state is CPU work anyway.
+        await trio.to_thread.run_sync(trainer.load_state, model, optim)
         if trainer.step != last.step:
             raise TrainerError(f"checkpoint v{last.version} says step {last.step}, its state says {trainer.step}")
+        self.restore_feedback(last.step)
         run.book = book.resynced(chain)  # the roster we know of stays the roster
         run.attestations.clear()
         run.metrics.update(last.metrics)
-        write_atomic(run.dir / "chain.jsonl", chain.to_bytes(), mode=0o600)
-        run.set_synced()
-        logger.info("%s: resynced to model v%d %s at step %d", run.log_prefix, last.version, last.model_cid, last.step)
-        run.end_if_over()
+        run.save_chain()
+        logger.info("%s: %s model v%d %s at step %d", run.log_prefix, "resynced to" if sync else "loaded",
+                    last.version, last.model_cid, last.step)
+        if sync:
+            run.set_synced()
+            run.end_if_over()

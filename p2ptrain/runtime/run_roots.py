@@ -13,7 +13,8 @@ from p2ptrain.errors import UserError
 from p2ptrain.ipfs.cid import InvalidCID, parse_cid
 from p2ptrain.ipfs.store import ContentStore, ContentUnavailable
 from p2ptrain.ipfs.unixfs import DagError
-from p2ptrain.training.records import MAX_CHAIN_BYTES, RecordError, record_from_bytes
+from p2ptrain.training.lineage import MAX_CHAIN_BYTES, chain_lines, entry_from_bytes
+from p2ptrain.training.records import RecordError
 from p2ptrain.training.task import MAX_TASK_BYTES, task_from_bytes
 
 # A run's chain.jsonl: the one limit on a chain's bytes, on disk or fetched (records.MAX_CHAIN_BYTES, 64 MiB).
@@ -54,21 +55,23 @@ def _run_roots(run_dir: Path, store: ContentStore) -> list[str]:
     cids = [task_cid]
     if store.has(task_cid):
         task = task_from_bytes(store.cat(task_cid, max_bytes=MAX_TASK_BYTES + 1))
-        cids.append(task.dataset.manifest)
         if task.initial_model:
             cids.append(task.initial_model)
-        if store.has(task.dataset.manifest):
-            manifest = Manifest.from_json(store.cat(task.dataset.manifest, max_bytes=MAX_MANIFEST_BYTES + 1))
-            cids.extend(ref.cid for shards in manifest.splits.values() for ref in shards)
+        if task.model.architecture:
+            cids.append(task.model.architecture)
+        if task.dataset is not None:
+            cids.append(task.dataset.manifest)
+            if store.has(task.dataset.manifest):
+                manifest = Manifest.from_json(store.cat(task.dataset.manifest, max_bytes=MAX_MANIFEST_BYTES + 1))
+                cids.extend(ref.cid for shards in manifest.splits.values() for ref in shards)
     chain_file = run_dir / "chain.jsonl"
     if chain_file.exists():
         with open(chain_file, "rb") as f:
             data = f.read(MAX_CHAIN_FILE_BYTES + 1)
         if len(data) > MAX_CHAIN_FILE_BYTES:
             raise RecordError(f"chain.jsonl is over {MAX_CHAIN_FILE_BYTES} bytes")
-        for line in data.splitlines():
-            if line.strip():
-                record = record_from_bytes(line).record
-                cids += [record.model_cid, record.optimizer_cid]
+        for line in chain_lines(data):
+            record = entry_from_bytes(line).signed.record
+            cids += [record.model_cid, record.optimizer_cid]
         cids.append(store.add_bytes(data, only_hash=True))  # the chain's CID, as TaskRun stores it
     return cids

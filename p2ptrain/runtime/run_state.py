@@ -24,9 +24,12 @@ from p2ptrain.data.manifest import Manifest
 from p2ptrain.logs import count_rejection, short_id
 from p2ptrain.metrics_hist import RoundHistograms
 from p2ptrain.node import Node
+from p2ptrain.runtime.chain_file import ChainFile
 from p2ptrain.runtime.content import ContentService
+from p2ptrain.runtime.status import Phase
 from p2ptrain.training.attestations import Attestations
 from p2ptrain.training.election import Election, ElectionConfig
+from p2ptrain.training.records import RecordError
 from p2ptrain.training.rounds import RoundBook
 from p2ptrain.training.sync import RoundTimings
 from p2ptrain.training.task import Task, unmet_requirement
@@ -79,8 +82,7 @@ class RunState:
     me: str = ""
     topic: str = ""
     dir: Path = Path()
-    # `task status` "state": starting, fetching data, training, resyncing, done, cancelled, failed
-    phase: str = "starting"
+    phase: Phase = Phase.STARTING  # `task status` "state"
     error: str | None = None
     # Whether this member holds the state the run is at (so it advertises the task and may lead).
     synced: bool = False
@@ -89,6 +91,11 @@ class RunState:
     initial_cid: str = ""
     trainer: Trainer | None = None
     book: RoundBook | None = None
+    # The confirmed chain on disk (chain.jsonl): read when the run starts, only ever extended.
+    chain_file: ChainFile | None = None
+    # The confirmed record this run resumed from when it started with a chain on its home (or took
+    # a longer one from the run's other members then): {"version", "step"}; None for a fresh start.
+    resumed_from: dict[str, int] | None = None
     heads: TaskHead | None = None  # the latest head of the run heard from its coordinator
     head_sender: str | None = None
     metrics: dict[str, float] = field(default_factory=dict)
@@ -159,14 +166,26 @@ class RunState:
             self.node.membership.tasks = tuple(sorted(tasks))
             self.node.membership.poke()
 
+    def save_chain(self) -> None:
+        """Append to chain.jsonl the records the book's chain adds to it (runtime/chain_file.py).
+        A chain that does not extend the file (a fork) is refused, counted and logged there; the
+        file is kept as it was and the run goes on."""
+        if self.book is None or self.chain_file is None:
+            return
+        try:
+            self.chain_file.extend(self.book.chain)
+        except RecordError as exc:
+            self.rejected["fork"] += 1
+            self.refuse("chain_file", f"chain.jsonl not extended: {exc}")
+
     def set_synced(self) -> None:
-        self.synced, self.phase = True, "training"
+        self.synced, self.phase = True, Phase.TRAINING
         self.advertise(True)
 
     def desync(self, now: float) -> None:
         """Our state is not the run's: stop leading and advertising until the resync loop loads it."""
         self.election.step_down(now)
-        self.synced, self.phase = False, "resyncing"
+        self.synced, self.phase = False, Phase.RESYNCING
         self.advertise(False)
 
     def end_if_over(self) -> None:
@@ -208,13 +227,38 @@ class RunState:
                     self.log_prefix, self.cancel_reason)
         self.wake_leader.set()
 
+    def uncancel(self) -> None:
+        """The publisher resumed the run before its cancel settled (task resume): plan again."""
+        if self.cancel_reason is None:
+            return
+        self.cancel_reason = None
+        if self.book is not None:
+            self.book.cancelled = False
+        (self.dir / CANCELLED_FILE).unlink(missing_ok=True)
+        logger.info("%s: resumed by the task's publisher before the cancel settled", self.log_prefix)
+        self.wake_leader.set()
+
     def advertising(self) -> set[str]:
-        """Peers that advertise this task (so hold the state the run is at) and meet its requirements."""
+        """Peers that advertise this task (so hold the state the run is at), meet its requirements
+        and, where the task has an allowlist, are on it: only these are planned and vote."""
         live = {self.me} if self.synced else set()
         for record in self.node.membership.alive():
-            if self.task_cid in record.tasks and unmet_requirement(self.task, record.caps) is None:
-                live.add(record.peer_id.to_base58())
+            peer = record.peer_id.to_base58()
+            if (self.task_cid in record.tasks and unmet_requirement(self.task, record.caps) is None
+                    and self.task.peers.admits(peer)):
+                live.add(peer)
         return live
+
+    def accuse(self, coordinator: str, why: str) -> None:
+        """``coordinator`` signed a plan or record that breaks the run's rules: stop following it
+        (the election moves on and never votes for it again) and leave it out of plans we make."""
+        now = trio.current_time()
+        logger.warning("%s: coordinator %s broke the run's rules (%s); no longer following it",
+                       self.log_prefix, short_id(coordinator), why)
+        self.election.give_up(now, coordinator)
+        if self.book is not None:
+            self.book.note_silent_coordinator(now, coordinator)
+        self.wake_leader.set()
 
     def refuse(self, kind: str, why: str) -> None:
         """Count a refusal of ``kind``; log it the 1st, 2nd, 4th, 8th... time (a flood stays a few lines)."""

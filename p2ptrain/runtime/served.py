@@ -25,6 +25,7 @@ from p2ptrain.ipfs.cid import InvalidCID, parse_cid, requested_cid
 from p2ptrain.logs import count_rejection, short_id
 from p2ptrain.net import control_ops
 from p2ptrain.node import Node
+from p2ptrain.wire import Signed
 from p2ptrain.wire.messages import ModelServed
 from p2ptrain.wire.topics import TASKS_TOPIC
 
@@ -70,8 +71,8 @@ class ServedModels:
         node.control.register(control_ops.SERVE_FIND, self._find_op)
         node.add_status("serving", self.status)
 
-    def _on_served(self, signed: Any, topic: str) -> None:
-        msg: ModelServed = signed.msg
+    def _on_served(self, signed: Signed[ModelServed], topic: str) -> None:
+        msg = signed.msg
         self.note(signed.sender.to_base58(), msg.model_cid, msg.url)
 
     def note(self, peer: str, model_cid: str, url: str) -> bool:

@@ -19,15 +19,18 @@ import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import torch
 import trio
+from libp2p.peer.id import ID
 
-from p2ptrain.collective import CollectiveError, PeerFailed
+from p2ptrain.collective import CollectiveError, PeerFailed, RoundSpec
 from p2ptrain.ipfs.store import ContentUnavailable
 from p2ptrain.logs import fmt_bytes, fmt_s
 from p2ptrain.runtime.attesting import Attesting
 from p2ptrain.runtime.datafeed import DataFeed
+from p2ptrain.runtime.feedback_file import load_feedback, save_feedback
 from p2ptrain.runtime.run_state import RunState
-from p2ptrain.training.plans import round_id, shard_of
+from p2ptrain.training.plans import buffers_round_id, round_id, shard_of
 from p2ptrain.training.sync import PlanAverager, run_round
 from p2ptrain.training.task import Task
 from p2ptrain.training.trainer import Average, StateSnapshot, TrainerError
@@ -120,7 +123,7 @@ class Spans:
             return
         rank, world = shard_of(plan, run.me)
         try:
-            batches = await self.data.training_batches(rank, world)
+            batches = await self.data.training_batches(rank, world, trainer.batch_position)
         except ContentUnavailable as exc:
             logger.warning("%s: cannot get my shards for rank %d of %d: %s", run.log_prefix, rank, world, exc)
             await run.report_failure(plan, 0, f"no training data: {exc}")
@@ -186,9 +189,44 @@ class Spans:
         default mode; with ``overlap_checkpoints`` the next span starts once the state is copied
         (:meth:`Trainer.snapshot`), and the evaluation, storing and the record happen meanwhile."""
         run = self.run
+        trainer, book = run.require()
+        step = trainer.step
+        try:
+            if not await self._average_buffers(plan):
+                book.rejected_step = step  # no checkpoint this span: the barrier opens, the next tries again
+                run.wake_leader.set()
+                return
+            await self._take_checkpoint(plan)
+        finally:
+            trainer.release_span()  # a user's loop waits for this (training/user.py)
+
+    async def _average_buffers(self, plan: RoundPlan) -> bool:
+        """Average the members' buffers (BatchNorm's running statistics: each member's come from its
+        own data) over the span's ring, so that the checkpoint every member hashes is the same;
+        False when that round failed (this span then has no checkpoint). Models without buffers
+        (the registry's) skip it."""
+        run = self.run
+        trainer, _ = run.require()
+        flat = trainer.buffer_vector()
+        if flat is None or len(plan.members) < 2:
+            return True
+        ring = [ID.from_base58(p) for p in plan.members]
+        try:
+            averaged = await run.collective.allreduce(
+                flat, ring, buffers_round_id(plan), RoundSpec(timeout=HOP_TIMEOUT_S, start_timeout=START_TIMEOUT_S))
+        except CollectiveError as exc:
+            logger.warning("%s: averaging the buffers at step %d failed (%s); no checkpoint this span",
+                           run.log_prefix, trainer.step, exc)
+            return False
+        trainer.load_buffer_vector(averaged)
+        return True
+
+    async def _take_checkpoint(self, plan: RoundPlan) -> None:
+        run = self.run
         trainer, _ = run.require()
         step = trainer.step
         metrics = self.attesting.span_metrics(plan)
+        residual = self.averager.feedback_state()  # a copy: the next span changes the residual
         if run.task.training.overlap_checkpoints and self._settling is not None:
             # In a thread: copying a model and its optimizer state (205 MB at 17.1 M parameters with
             # Adam) would stall this host's part in the others' traffic.
@@ -196,33 +234,49 @@ class Spans:
             snapshot = await trio.to_thread.run_sync(trainer.snapshot)
             logger.info("%s: checkpoint at step %d: state copied in %s; storing it while the next span trains",
                         run.log_prefix, step, fmt_s(trio.current_time() - began))
-            self._settling.start_soon(self._settle, plan, snapshot, metrics)
+            self._settling.start_soon(self._settle, plan, snapshot, residual, metrics)
         else:
             if metrics is not None:
                 await self.attesting.evaluate(metrics)
-            model_cid, optim_cid = await self._store(step, trainer.model_bytes, trainer.optimizer_bytes)
+            model_cid, optim_cid = await self._store(step, trainer.model_bytes, trainer.optimizer_bytes, residual)
             await self.attesting.checkpoint_stored(plan, step, model_cid, optim_cid, metrics)
 
-    async def _settle(self, plan: RoundPlan, snapshot: StateSnapshot, metrics: dict[str, float] | None) -> None:
+    async def _settle(self, plan: RoundPlan, snapshot: StateSnapshot, residual: torch.Tensor | None,
+                      metrics: dict[str, float] | None) -> None:
         """Overlap mode, in the round loop's nursery: evaluate the snapshot (coordinator), store it,
         then the record and attestations (:meth:`Attesting.checkpoint_stored`)."""
         if metrics is not None:
             await self.attesting.evaluate(metrics, snapshot)
         step = snapshot.step
-        model_cid, optim_cid = await self._store(step, snapshot.model_bytes, snapshot.optimizer_bytes)
-        del snapshot  # its tensors go now, not when its record settles
+        model_cid, optim_cid = await self._store(step, snapshot.model_bytes, snapshot.optimizer_bytes, residual)
+        del snapshot, residual  # their tensors go now, not when the record settles
         await self.attesting.checkpoint_stored(plan, step, model_cid, optim_cid, metrics)
 
+    def restore_feedback(self, step: int) -> None:
+        """This member loaded the checkpoint at ``step``: take back the error feedback it kept there
+        (runtime/feedback_file.py), if it did; otherwise its residual stays as it is."""
+        run = self.run
+        trainer, _ = run.require()
+        residual = load_feedback(run.dir, step, trainer.num_parameters)
+        if residual is not None:
+            self.averager.restore_feedback(residual)
+            logger.info("%s: error feedback of step %d restored", run.log_prefix, step)
+
     async def _store(
-        self, step: int, model_bytes: Callable[[], bytes], optimizer_bytes: Callable[[], bytes]
+        self, step: int, model_bytes: Callable[[], bytes], optimizer_bytes: Callable[[], bytes],
+        residual: torch.Tensor | None,
     ) -> tuple[str, str]:
-        """Serialize the state of ``step`` and add it to the store: its model and optimizer CIDs."""
+        """Serialize the state of ``step`` and add it to the store: its model and optimizer CIDs.
+        This member's error feedback at ``step`` (``residual``) is kept on its disk first, so any
+        checkpoint it attests can be resumed from exactly (runtime/feedback_file.py)."""
         began = trio.current_time()
         # In a thread: serializing a model and its optimizer state copies every tensor (60 ms at 4.3M
         # parameters with Adam), long enough to stall this host's part in the others' traffic.
         model_data, optim_data = await trio.to_thread.run_sync(lambda: (model_bytes(), optimizer_bytes()))
         serialized = trio.current_time()
         store = self.run.content.store
+        if residual is not None:
+            await trio.to_thread.run_sync(save_feedback, self.run.dir, step, residual)
         model_cid = await trio.to_thread.run_sync(store.add_bytes, model_data)
         optim_cid = await trio.to_thread.run_sync(store.add_bytes, optim_data)
         logger.info("%s: checkpoint at step %d: serialized in %s, stored in %s", self.run.log_prefix, step,

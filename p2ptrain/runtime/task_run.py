@@ -10,6 +10,8 @@ they decide, one job per module:
 - :mod:`~p2ptrain.runtime.spans`: the round loop (the rounds of a followed plan, then its checkpoint);
 - :mod:`~p2ptrain.runtime.attesting`: records, attestations, the confirmed chain on disk;
 - :mod:`~p2ptrain.runtime.resync`: heads, loading the confirmed chain by CID, catching up to a plan;
+- :mod:`~p2ptrain.runtime.resume`: a member that starts with the task's chain on its home resumes
+  from its last record (after hearing the other members' chains);
 - :mod:`~p2ptrain.runtime.datafeed`: the member's shards, the test split, replication;
 - :mod:`~p2ptrain.runtime.run_state`: what they share.
 
@@ -23,6 +25,7 @@ the coordinator never puts a member into a ring that would compute from differen
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import trio
@@ -34,17 +37,21 @@ from p2ptrain.ipfs.store import ContentUnavailable
 from p2ptrain.logs import short_id
 from p2ptrain.node import Node
 from p2ptrain.runtime.attesting import Attesting
+from p2ptrain.runtime.chain_file import ChainFile
 from p2ptrain.runtime.content import ContentService
 from p2ptrain.runtime.datafeed import DataFeed
 from p2ptrain.runtime.leading import HEAD_EVERY_S, Leading
+from p2ptrain.runtime.resume import Resume
 from p2ptrain.runtime.resync import Resync
 from p2ptrain.runtime.run_state import Nudge, RunState
 from p2ptrain.runtime.spans import Spans
-from p2ptrain.training.records import Chain, RecordError, load_model_bytes
-from p2ptrain.training.rounds import RoundBook
+from p2ptrain.runtime.status import FINISHED, ChainEntry, Phase, TaskStatus
+from p2ptrain.training.lineage import Chain, ChainRules
+from p2ptrain.training.records import RecordError, load_model_bytes
+from p2ptrain.training.rounds import RoundBook, RuleBreak
 from p2ptrain.training.task import Task, total_steps
 from p2ptrain.training.local_sgd import LocalSGDTrainer, new_trainer
-from p2ptrain.training.trainer import TrainerError
+from p2ptrain.training.trainer import Trainer, TrainerError
 from p2ptrain.wire.topics import TASKS_TOPIC
 from p2ptrain.wire.messages import (
     CoordinatorBeat,
@@ -64,8 +71,9 @@ logger = logging.getLogger(__name__)
 # A joiner listens this long for the run's head before it takes step 0 as the run's state: the
 # coordinator of a run under way publishes one every HEAD_EVERY_S, and one may be lost.
 HEAR_HEAD_S = HEAD_EVERY_S * 1.5
-# Meanwhile it asks for the head this often (a request published before our pubsub mesh formed is lost): a run that is over has no coordinator publishing heads,
-# its members answer requests (runtime/head_answers.py), at most one answer per task per second.
+# Meanwhile it asks for the head this often (a request published before our pubsub mesh formed is
+# lost): a run that is over has no coordinator publishing heads, its members answer requests
+# (runtime/head_answers.py), at most one answer per task per second.
 ASK_HEAD_EVERY_S = 1.0
 
 
@@ -88,15 +96,20 @@ class TaskRun:
         *,
         device: str = "auto",
         precision: str = "fp32",
+        make_trainer: Callable[[int], Trainer] | None = None,
     ) -> None:
         self.device = device
         self.precision = precision
+        # A run of the user's own module: its trainer (the user's module, optimizer and loop) comes
+        # from the process that runs the user's script (p2ptrain.Optimizer), given the run's length.
+        self.make_trainer = make_trainer
         self.shared = run = RunState.create(node, content, collective, task, task_cid)
         run.deliver_own = self._deliver_own
         self.data = DataFeed(run)
         self.attesting = Attesting(run, self.data)
         self.spans = Spans(run, self.data, self.attesting)
-        self.resync = Resync(run)
+        self.resync = Resync(run, self.spans.restore_feedback)
+        self.resume = Resume(run, self.resync)
         self.leading = Leading(run, self.spans, self.attesting, self.resync)
         self._head_news = Nudge()  # a head arrived: the join's wait for the run's state looks again
 
@@ -104,50 +117,55 @@ class TaskRun:
     def task_cid(self) -> str:
         return self.shared.task_cid
 
-    def status(self) -> dict[str, Any]:
-        """What `p2ptrain task status --json` shows for a task this node takes part in."""
+    def status(self) -> TaskStatus:
+        """What `p2ptrain task status` shows for a task this node takes part in."""
         run = self.shared
         book = run.book
         chain = book.chain if book else None
         plan = book.last_plan if book else None
-        return {
-            "task_cid": run.task_cid,
-            "name": run.task.name,
-            "state": run.phase,
-            "error": run.error,
-            "cancel_reason": run.cancel_reason,
-            # "waiting for N more peers since T": N, and the seconds waited so far (None: not waiting)
-            "waiting_for_peers": run.waiting_for,
-            "waiting_s": None if run.waiting_since is None else round(trio.current_time() - run.waiting_since, 1),
-            "member": True,
-            "synced": run.synced,
-            "round": plan.round if plan else None,
-            "step": run.trainer.step if run.trainer else 0,
-            "total_steps": run.total_steps,
-            "members": list(plan.members) if plan else [],
-            "coordinator": run.election.coordinator,
-            "term": run.election.term,
-            "version": chain.version if chain else 0,
-            "latest_model_cid": chain.head_cid if chain else None,
-            "chain": [
-                {"version": s.record.version, "model_cid": s.record.model_cid, "round": s.record.round,
-                 "step": s.record.step, "metrics": dict(s.record.metrics)}
-                for s in (chain.records if chain else [])
-            ],
-            "loss": run.metrics.get("train_loss"),
-            "accuracy": run.metrics.get("accuracy"),
-            "test_loss": run.metrics.get("loss"),
-            "bytes_sent": run.bytes_sent,
-            "bytes_received": run.bytes_received,
-            "rounds_done": run.rounds_done,
-            "compute_s": round(run.timings.compute_s, 4),
-            "sync_s": round(run.timings.sync_s, 4),
-            "apply_s": round(run.timings.apply_s, 4),
-            "rejected": dict(run.rejected),
-            # the last round completed (not the start of the last span) and the step after it
-            **_progress(run),
-            **_inner(run),
-        }
+        last_round, last_step = _progress(run)
+        inner = run.trainer.inner_step if isinstance(run.trainer, LocalSGDTrainer) else None
+        return TaskStatus(
+            task_cid=run.task_cid,
+            name=run.task.name,
+            state=run.phase,
+            member=True,
+            error=run.error,
+            cancel_reason=run.cancel_reason,
+            waiting_for_peers=run.waiting_for,
+            waiting_s=None if run.waiting_since is None else round(trio.current_time() - run.waiting_since, 1),
+            synced=run.synced,
+            round=plan.round if plan else None,
+            step=run.trainer.step if run.trainer else 0,
+            total_steps=run.total_steps,
+            members=tuple(plan.members) if plan else (),
+            coordinator=run.election.coordinator,
+            term=run.election.term,
+            version=chain.version if chain else 0,
+            latest_model_cid=chain.head_cid if chain else None,
+            chain=tuple(ChainEntry(version=s.record.version, model_cid=s.record.model_cid, round=s.record.round,
+                                   step=s.record.step, metrics=dict(s.record.metrics))
+                        for s in (chain.records if chain else [])),
+            loss=run.metrics.get("train_loss"),
+            accuracy=run.metrics.get("accuracy"),
+            test_loss=run.metrics.get("loss"),
+            bytes_sent=run.bytes_sent,
+            bytes_received=run.bytes_received,
+            rounds_done=run.rounds_done,
+            compute_s=round(run.timings.compute_s, 4),
+            sync_s=round(run.timings.sync_s, 4),
+            apply_s=round(run.timings.apply_s, 4),
+            rejected=dict(run.rejected),
+            resumed_from=run.resumed_from,
+            last_round=last_round,
+            last_step=last_step,
+            # Local-SGD mode: read from the trainer while its worker thread runs the inner loop
+            # (one int, the last one it set); shown 1 to H.
+            inner_steps=run.task.training.inner_steps,
+            inner_step=None if inner is None else inner + 1,
+            is_coordinator=run.election.coordinator == run.me,
+            round_seconds=run.round_seconds.snapshot(),
+        )
 
     # -- lifetime ----------------------------------------------------------------------------
 
@@ -162,42 +180,61 @@ class TaskRun:
                 nursery.start_soon(self.spans.run_loop)
                 nursery.start_soon(self.resync.run_loop, self.spans.follow)
                 nursery.start_soon(self.data.replicate)
+                nursery.start_soon(self.resume.hear_others)
                 await run.done.wait()
                 nursery.cancel_scope.cancel()
-            run.phase = "done" if run.cancel_reason is None else "cancelled"
+            run.phase = Phase.DONE if run.cancel_reason is None else Phase.CANCELLED
             logger.info("%s: %s; final model %s", run.log_prefix, run.phase,
                         run.book.chain.head_cid if run.book else "-")
         except (ContentUnavailable, TrainerError, RecordError) as exc:
-            run.phase, run.error = "failed", str(exc)
+            run.phase, run.error = Phase.FAILED, str(exc)
             logger.error("%s: failed: %s", run.log_prefix, exc)
         except Exception as exc:
             # A bug in one task must not take the node (and its other tasks) down with it.
-            run.phase, run.error = "failed", f"internal error: {exc!r}"
+            run.phase, run.error = Phase.FAILED, f"internal error: {exc!r}"
             logger.exception("%s: failed with an internal error", run.log_prefix)
         finally:
-            if run.phase not in ("done", "cancelled", "failed"):
-                run.phase = "stopped"  # the node is stopping (the run was cancelled)
+            if run.phase not in FINISHED:
+                run.phase = Phase.STOPPED  # the node is stopping (the run was cancelled)
             run.advertise(False)
 
     async def _prepare(self) -> None:
         """Fetch the manifest, build the initial model (or fetch it) and the first round's state."""
         run = self.shared
         task, content = run.task, run.content
-        run.phase = "fetching data"
-        await content.fetch(task.dataset.manifest, max_bytes=MAX_MANIFEST_BYTES)
-        run.manifest = await trio.to_thread.run_sync(Manifest.load, content.store, task.dataset.manifest)
-        train_samples = run.manifest.num_samples(task.dataset.train_split)
+        run.phase = Phase.FETCHING
+        train_samples = 0
+        if task.dataset is not None:
+            manifest_cid = task.dataset.manifest
+            await content.fetch(manifest_cid, max_bytes=MAX_MANIFEST_BYTES)
+            run.manifest = await trio.to_thread.run_sync(Manifest.load, content.store, manifest_cid)
+            train_samples = run.manifest.num_samples(task.dataset.train_split)
         run.total_steps = total_steps(task, train_samples, task.peers.max)
-        trainer = await trio.to_thread.run_sync(
-            lambda: new_trainer(task, total_steps=run.total_steps, device=self.device, precision=self.precision)
-        )
-        if task.initial_model:  # no more than a model of the task's architecture takes, fetched or read
+        make = self.make_trainer
+        if make is not None:
+            trainer = make(run.total_steps)
+        else:
+            if task.model.user:
+                raise TrainerError("a run of the members' own model: only a process running its script joins it "
+                                   "(p2ptrain.Optimizer)")
+            trainer = await trio.to_thread.run_sync(
+                lambda: new_trainer(task, total_steps=run.total_steps, device=self.device, precision=self.precision)
+            )
+        # The user's module holds the run's initial weights already; a registry model's are fetched
+        # and read within what a model of the task's architecture takes.
+        if task.initial_model and make is None:
             data = await content.read(task.initial_model, max_bytes=trainer.state_limits()[0])
             load_model_bytes(trainer.model, data)
         run.initial_cid = await trio.to_thread.run_sync(content.store.add_bytes, trainer.model_bytes())
         run.trainer = trainer
-        run.book = RoundBook(task, run.task_cid, Chain(run.task_cid, run.initial_cid), run.total_steps,
+        # The chain this home confirmed (a RecordError for a file that does not verify: kept as it is).
+        rules = ChainRules.of(task, run.task_cid)
+        run.chain_file = await trio.to_thread.run_sync(ChainFile.open, run.dir, run.task_cid, run.initial_cid, rules)
+        run.book = RoundBook(task, run.task_cid, Chain(run.task_cid, run.initial_cid, rules), run.total_steps,
                              cancelled=run.cancel_reason is not None)
+        if run.chain_file.chain.version:
+            await self.resume.load_own(run.chain_file.copy())  # then hears the others (run's nursery)
+            return
         # A run under way has a coordinator that publishes its head every HEAD_EVERY_S: hear it
         # before claiming to hold the run's state (we hold step 0, which is only right early on).
         # A run that is over has none: ask, and its members answer (runtime/head_answers.py), and
@@ -217,7 +254,7 @@ class TaskRun:
         if fresh:  # step 0 from the task's seed (or initial model): every member holds it
             run.set_synced()
         else:
-            run.phase = "resyncing"
+            run.phase = Phase.RESYNCING
 
     # -- messages ------------------------------------------------------------------------------
 
@@ -234,7 +271,8 @@ class TaskRun:
         elif isinstance(msg, SignedAttestation):
             await self.attesting.on_attestation(msg)
         elif isinstance(msg, TaskHead):
-            self.resync.on_head(sender, msg)
+            if not self.resume.on_head(sender, msg):
+                self.resync.on_head(sender, msg)
             self._head_news.set()
         elif isinstance(msg, TaskCancel):
             self._on_cancel(sender, msg)
@@ -273,6 +311,10 @@ class TaskRun:
         last = book.last_plan
         new = last is None or (plan.term, plan.round, plan.attempt) > (last.term, last.round, last.attempt)
         problem = book.plan_problem(plan, sender, run.election)
+        if isinstance(problem, RuleBreak):
+            run.refuse("plan_rules", f"refused plan {plan.round}.{plan.attempt} of {short_id(sender)}: {problem}")
+            run.accuse(sender, problem)
+            return
         if problem is not None:
             logger.debug("%s: not following plan %d.%d: %s", run.log_prefix, plan.round, plan.attempt, problem)
             if new and run.me in plan.members:
@@ -294,16 +336,7 @@ class TaskRun:
         self.spans.follow(plan)
 
 
-def _inner(run: RunState) -> dict[str, Any]:
-    """Local-SGD mode: ``inner_steps`` is H and ``inner_step`` the inner step under way, 1 to H (None
-    between inner loops: in the all-reduce, the outer step, a checkpoint). Both None in sync mode.
-    Read from the trainer while its worker thread runs the loop: one int, the last one it set."""
-    trainer = run.trainer
-    inner = trainer.inner_step if isinstance(trainer, LocalSGDTrainer) else None
-    return {"inner_steps": run.task.training.inner_steps, "inner_step": None if inner is None else inner + 1}
-
-
-def _progress(run: RunState) -> dict[str, Any]:
+def _progress(run: RunState) -> tuple[int | None, int | None]:
     """``last_round``/``last_step``: the last round this member completed and the step after it
     (round ``plan.round + i`` of a followed plan ends at step ``plan.step + i + 1``; a member that
     loaded a checkpoint instead is at its record's last round); None before the first round."""
@@ -315,4 +348,4 @@ def _progress(run: RunState) -> dict[str, Any]:
         last_round = plan.round + (step - plan.step) - 1
     elif book is not None and book.chain.records and step == book.head_step:
         last_round = book.chain.records[-1].record.round
-    return {"last_round": last_round, "last_step": step if last_round is not None else None}
+    return last_round, step if last_round is not None else None

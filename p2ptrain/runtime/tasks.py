@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -26,14 +26,21 @@ from p2ptrain.logs import short_id
 from p2ptrain.mesh.rates import Rate
 from p2ptrain.net import control_ops
 from p2ptrain.node import Node
-from p2ptrain.runtime.content import ContentService
+from p2ptrain.runtime.content import DEFAULT_MAX_FETCH_BYTES, ContentService
 from p2ptrain.atomic import write_atomic
+from p2ptrain.runtime.chain_file import CHAIN_FILE
 from p2ptrain.runtime.head_answers import HeadAnswers
-from p2ptrain.runtime.latest import head_key, held_tasks
+from p2ptrain.runtime.latest import LatestFinder, head_key, held_tasks
 from p2ptrain.runtime.run_state import CANCEL_SENT_FILE, CANCELLED_FILE
+from p2ptrain.runtime.status import FINISHED, Phase, TaskStatus
 from p2ptrain.runtime.task_run import TaskRun
 from p2ptrain.training.models import model_file_limit
-from p2ptrain.training.task import MAX_TASK_BYTES, TaskError, load_task, task_bytes, task_from_bytes, unmet_requirement
+from p2ptrain.training.trainer import Trainer
+from p2ptrain.training.lineage import Chain
+from p2ptrain.training.task import (
+    MAX_TASK_BYTES, Task, TaskError, load_task, task_bytes, task_from_bytes, unmet_requirement,
+)
+from p2ptrain.wire import Signed
 from p2ptrain.wire.topics import TASKS_TOPIC, task_topic
 from p2ptrain.wire.messages import (
     CoordinatorBeat,
@@ -46,6 +53,7 @@ from p2ptrain.wire.messages import (
     TaskAnnounce,
     TaskCancel,
     TaskHead,
+    TaskResume,
     VoteRequest,
 )
 
@@ -57,6 +65,12 @@ MAX_KNOWN_TASKS = 256
 # instead of piling up fetches and worker threads. Coordinators re-announce their task every few
 # seconds, so an honest task refused while busy is joined on a later announcement.
 MAX_CONCURRENT_JOINS = 4
+# ``--join`` on a home that does not hold the task: it comes from peers, so the join waits this long
+# for one to be in view, and a join that found nobody holding it yet is tried again JOIN_RETRIES times,
+# JOIN_RETRY_S apart (the others may still be starting: a power cut, every machine at once).
+JOIN_PEER_WAIT_S = 60.0
+JOIN_RETRIES = 5
+JOIN_RETRY_S = 5.0
 # How long a task CID whose join failed is not tried again: long enough that a hostile announcer
 # repeating a bad CID costs one failed fetch per 10 minutes, short enough that a task whose data was
 # briefly unreachable is joined again without restarting the node.
@@ -67,8 +81,14 @@ MAX_FAILED_JOINS = 1024
 # A join from an announcement fetches a file of at most MAX_TASK_BYTES: if that takes longer than
 # this, the announcer (or its content) is not worth waiting for.
 JOIN_FETCH_TIMEOUT_S = 30.0
-# A run in one of these states is over: it acts on no head, and its node answers head requests for it.
-FINISHED_PHASES = frozenset({"done", "cancelled", "failed", "stopped"})
+# `task status` of a task this node is not a member of looks its latest chain up and verifies it for
+# this long by default (a request may say less, up to MAX_VERIFY_HEAD_S): a run under way publishes
+# a head every 2 s, and a finished run's members answer a request within a second.
+VERIFY_HEAD_S = 10.0
+MAX_VERIFY_HEAD_S = 60.0
+# A run in one of these states does not hold the run's state yet: its node answers head requests from
+# the chain on its disk, so members that restart together hear each other's chains (runtime/resume.py).
+STARTING_PHASES = frozenset({Phase.STARTING, Phase.FETCHING, Phase.RESUMING})
 # Heads and head requests taken from one sender (issue 27: forged heads at 131/s took a run from
 # 17 to 0.3 steps/s, and it never recovered). An honest coordinator sends a task's head every
 # HEAD_EVERY_S (2 s) and one at each confirmed checkpoint (up to ~8 a second in a tiny task that
@@ -81,30 +101,39 @@ HEAD_REQUEST_RATE = Rate(per_s=4.0, burst=16.0)
 
 @dataclass
 class KnownTask:
-    """A task this node has heard of, joined or not."""
+    """A task this node has heard of, joined or not.
+
+    ``head`` is the latest head heard, a claim anyone can make: it says only whether the run looks
+    under way or done. What the run confirmed comes from ``verified``, the longest chain a
+    :class:`~p2ptrain.runtime.latest.LatestFinder` verified for it (``task status`` looks it up).
+    """
 
     task_cid: str
     name: str
     announced_by: str
     head: TaskHead | None = None
     refused: str | None = None  # why this node did not join it
+    verified: Chain | None = None
+    verified_cid: str | None = None  # the CID of ``verified``'s bytes (a head named it)
 
-    def as_json(self) -> dict[str, Any]:
-        head = self.head
-        return {
-            "task_cid": self.task_cid,
-            "name": self.name,
-            "announced_by": self.announced_by,
-            "member": False,
-            "state": ("done" if head.done else "running") if head else "announced",
-            "refused": self.refused,
-            "version": head.version if head else 0,
-            "step": head.step if head else 0,
-            "round": head.round if head else None,
-            "total_steps": head.total_steps if head else None,
-            "latest_model_cid": head.model_cid if head and head.version else None,
-            "members": list(head.members) if head else [],
-        }
+    def status(self) -> TaskStatus:
+        head, chain = self.head, self.verified
+        last = chain.records[-1].record if chain is not None and chain.records else None
+        return TaskStatus(
+            task_cid=self.task_cid,
+            name=self.name,
+            announced_by=self.announced_by,
+            member=False,
+            state=("done" if head.done else "running") if head else "announced",
+            refused=self.refused,
+            version=last.version if last else 0,
+            step=last.step if last else 0,
+            round=head.round if head else None,
+            total_steps=head.total_steps if head else None,
+            latest_model_cid=last.model_cid if last else None,
+            members=tuple(last.members) if last else (),
+            chain_cid=self.verified_cid,
+        )
 
 
 @dataclass
@@ -130,10 +159,15 @@ class TaskService:
         self.join_rejections: Counter[str] = Counter()
         self._joining: set[str] = set()
         self._failed: dict[str, float] = {}  # task CID -> trio time until which it is not retried
+        self._finders: dict[str, LatestFinder] = {}  # task CID -> a lookup of its latest chain under way
+        # Runs of the user's own model this process takes part in: task CID -> the trainer maker
+        # (p2ptrain.Optimizer binds one before it joins; training/user.py).
+        self.bindings: dict[str, Callable[[int], Trainer]] = {}
         node.on(TaskAnnounce, self._on_announce)
         node.on(TaskHead, self._on_head)
         node.on(TaskCancel, self._on_cancel)
-        self.head_answers = HeadAnswers(node.home, content.store, self._running, self._total_steps,
+        node.on(TaskResume, self._on_resume)
+        self.head_answers = HeadAnswers(node.home, content.store, self._under_way, self._total_steps,
                                         lambda head: node.publish(TASKS_TOPIC, head))
         node.on(HeadRequest, self._on_head_request)
         node.limit(TaskHead, HEAD_RATE)
@@ -147,6 +181,7 @@ class TaskService:
             (control_ops.TASK_LIST, self._list_op),
             (control_ops.TASK_STATUS, self._status_op),
             (control_ops.TASK_CANCEL, self._cancel_op),
+            (control_ops.TASK_RESUME, self._resume_op),
         ):
             node.control.register(op, handler)
         node.add_status("tasks", self._node_status)
@@ -163,7 +198,13 @@ class TaskService:
     def _running(self, task_cid: str) -> bool:
         """Whether this node's run of ``task_cid`` is under way (not done, cancelled, failed or stopped)."""
         run = self.runs.get(task_cid)
-        return run is not None and run.shared.phase not in FINISHED_PHASES
+        return run is not None and run.shared.phase not in FINISHED
+
+    def _under_way(self, task_cid: str) -> bool:
+        """Whether this node's run of ``task_cid`` holds (or is getting) the run's state: then its
+        coordinator's heads are the run's, and this node answers no head request for it."""
+        run = self.runs.get(task_cid)
+        return run is not None and run.shared.phase not in FINISHED | STARTING_PHASES
 
     def _total_steps(self, task_cid: str) -> int | None:
         run = self.runs.get(task_cid)
@@ -179,7 +220,7 @@ class TaskService:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             for cid in self.options.join:
-                nursery.start_soon(self._join_quietly, cid)
+                nursery.start_soon(self._join_named, cid)
             task_status.started()
             await trio.sleep_forever()
 
@@ -194,6 +235,11 @@ class TaskService:
         data = await trio.to_thread.run_sync(self._read_task, task_cid)
         task = task_from_bytes(data)
         why = unmet_requirement(task, self.node.membership.caps)
+        if why is None and not task.peers.admits(self.node.peer_id.to_base58()):
+            why = "the task admits only the peers on its allowlist (peers.allow), and this node is not one"
+        if why is None and task.model.user and task_cid not in self.bindings:
+            why = ("it trains the members' own model: only a process running its script takes part "
+                   "(p2ptrain.Optimizer or p2ptrain.train), no node joins it by itself")
         if why is not None:
             raise UserError(f"this node cannot take part in task {task.name} ({task_cid}): {why}")
         if task_cid in self.runs:  # joined meanwhile
@@ -202,7 +248,8 @@ class TaskService:
             raise UserError(f"task {task.name} ({task_cid}) was cancelled by its publisher")
         assert self.collective is not None and self._nursery is not None
         run = TaskRun(self.node, self.content, self.collective, task, task_cid,
-                      device=self.options.device, precision=self.options.precision)
+                      device=self.options.device, precision=self.options.precision,
+                      make_trainer=self.bindings.get(task_cid))
         self.runs[task_cid] = run
         self._failed.pop(task_cid, None)
         known = self.known.get(task_cid)
@@ -224,15 +271,17 @@ class TaskService:
         a DAG that claims more, or hides a bomb, fails on its declared sizes before it is walked."""
         return self.content.store.cat(task_cid, max_bytes=MAX_TASK_BYTES + 1)
 
-    async def _join_quietly(self, task_cid: str) -> None:
+    async def _join_quietly(self, task_cid: str) -> Exception | None:
         """Join from an announcement or ``--join``: the one boundary of the join path.
 
         Whatever goes wrong (a bad CID, content that is not a task, a DAG bomb, a bug) is a counted,
-        logged refusal of this task, remembered for FAILED_JOIN_MEMORY_S; never a node exit.
+        logged refusal of this task, remembered for FAILED_JOIN_MEMORY_S; never a node exit. The
+        failure is returned (None: joined).
         """
         self._joining.add(task_cid)
         try:
             await self.join(task_cid)
+            return None
         except Exception as exc:
             kind = "refused" if isinstance(exc, (UserError, ContentUnavailable)) else type(exc).__name__
             self.join_rejections[kind] += 1
@@ -245,8 +294,22 @@ class TaskService:
             else:
                 logger.warning("node %s does not join task %s (%s): %s", short_id(self.node.peer_id), task_cid, kind, exc,
                                exc_info=not isinstance(exc, ValueError))
+            return exc
         finally:
             self._joining.discard(task_cid)
+
+    async def _join_named(self, task_cid: str) -> None:
+        """``--join``: a home that does not hold the task gets it from peers, so the join waits for
+        one to be in view (at most JOIN_PEER_WAIT_S: a node started at the same time as the others,
+        after a power cut, or on a new home); a join that still found nobody holding the task is
+        tried again, JOIN_RETRY_S apart, JOIN_RETRIES times."""
+        if not self.content.store.has(task_cid):
+            with trio.move_on_after(JOIN_PEER_WAIT_S):
+                await self.node.membership.wait_until(lambda m: bool(m.alive()))
+        for _ in range(JOIN_RETRIES):
+            if not isinstance(await self._join_quietly(task_cid), ContentUnavailable):
+                return
+            await trio.sleep(JOIN_RETRY_S)
 
     def _remember_failure(self, task_cid: str) -> None:
         self._failed.pop(task_cid, None)
@@ -279,8 +342,8 @@ class TaskService:
             known = self.known[task_cid] = KnownTask(task_cid, name, sender)
         return known
 
-    async def _on_announce(self, signed: Any, topic: str) -> None:
-        msg: TaskAnnounce = signed.msg
+    async def _on_announce(self, signed: Signed[TaskAnnounce], topic: str) -> None:
+        msg = signed.msg
         new = msg.task_cid not in self.known
         self._remember(msg.task_cid, msg.name, signed.sender.to_base58())
         if new:
@@ -290,16 +353,19 @@ class TaskService:
             self._joining.add(msg.task_cid)  # counted from now: a burst cannot start more than the cap
             self._nursery.start_soon(self._join_quietly, msg.task_cid)
 
-    async def _on_head(self, signed: Any, topic: str) -> None:
-        head: TaskHead = signed.msg
+    async def _on_head(self, signed: Signed[TaskHead], topic: str) -> None:
+        head = signed.msg
         known = self.known.get(head.task_cid)
         if known is not None and (known.head is None or (head.version, head.step) >= (known.head.version, known.head.step)):
             known.head = head
+        finder = self._finders.get(head.task_cid)
+        if finder is not None:
+            finder.offer(head)
         run = self.runs.get(head.task_cid)
         if run is not None and self._running(head.task_cid):  # an ended run acts on no head
             await run.on_message(signed.sender.to_base58(), head)
 
-    def _on_head_request(self, signed: Any, topic: str) -> None:
+    def _on_head_request(self, signed: Signed[HeadRequest], topic: str) -> None:
         if topic != TASKS_TOPIC or self._nursery is None:
             return
         self.head_answers.on_request(signed.msg, self._nursery)
@@ -310,13 +376,47 @@ class TaskService:
             self._nursery.start_soon(self.node.publish, TASKS_TOPIC,
                                      TaskCancel(task_cid=signed.msg.task_cid, reason=reason.decode(errors="replace")))
 
-    async def _on_cancel(self, signed: Any, topic: str) -> None:
+    async def _on_cancel(self, signed: Signed[TaskCancel], topic: str) -> None:
         """A task's cancel: its run (if we take part) checks that the publisher sent it."""
         run = self.runs.get(signed.msg.task_cid)
         if run is not None:
             await run.on_message(signed.sender.to_base58(), signed.msg)
 
-    async def _on_task_message(self, signed: Any, topic: str) -> None:
+    async def _on_resume(self, signed: Signed[TaskResume], topic: str) -> None:
+        """A task's resume: obeyed for a run this home cancelled, and only from the task's publisher."""
+        if topic == TASKS_TOPIC:
+            await self._resume_here(signed.msg.task_cid, signed.sender.to_base58())
+
+    async def _resume_here(self, task_cid: str, sender: str) -> None:
+        """Forget the cancel of ``task_cid`` and resume its run from this home's chain, if ``sender``
+        is the publisher its task file names; anyone else's resume is refused and counted (in the
+        run's status, ``rejected``, and in ``task list --json``, ``joins``). A run this home never
+        cancelled ignores it."""
+        run = self.runs.get(task_cid)
+        if run is None or run.shared.cancel_reason is None:
+            held = (self.node.home / "tasks" / task_cid / CHAIN_FILE).is_file() and self.content.store.has(task_cid)
+            if run is not None or not self._cancelled_here(task_cid) or not held:
+                return  # no run of ours to resume (only a task held here is read, never fetched for a stranger)
+        task = run.shared.task if run is not None else task_from_bytes(
+            await trio.to_thread.run_sync(self._read_task, task_cid))
+        if task.publisher is None or sender != task.publisher:
+            why = "the task names no publisher" if task.publisher is None else "not the task's publisher"
+            self.join_rejections["resume_refused"] += 1
+            if run is not None:
+                run.shared.refuse("resume", f"refused a resume from {short_id(sender)}: {why}")
+            else:
+                logger.warning("node %s refused a resume of task %s from %s: %s", short_id(self.node.peer_id),
+                               task_cid, short_id(sender), why)
+            return
+        (self.node.home / "tasks" / task_cid / CANCELLED_FILE).unlink(missing_ok=True)
+        if run is not None and run.shared.phase not in FINISHED:
+            run.shared.uncancel()  # the cancel had not settled yet: the run simply goes on
+            return
+        self.runs.pop(task_cid, None)
+        logger.info("node %s resumes task %s: its publisher continues it", short_id(self.node.peer_id), task_cid)
+        await self._join_quietly(task_cid)  # the join path's one boundary: a failure is counted, logged
+
+    async def _on_task_message(self, signed: Signed[Any], topic: str) -> None:
         msg = signed.msg
         if isinstance(msg, SignedVote):
             task_cid = msg.vote.task_cid
@@ -339,14 +439,16 @@ class TaskService:
         task = load_task(text)
         if task.publisher is None:  # this node's key is the one that may cancel it (task cancel)
             task = replace(task, publisher=self.node.peer_id.to_base58())
-        try:
-            await self.content.fetch(task.dataset.manifest, timeout=float(request.get("timeout", 30.0)))
-        except ContentUnavailable as exc:
-            raise TaskError(f"dataset.manifest: {exc}; add it first with: p2ptrain dataset add") from None
-        if task.initial_model:  # within what a model of the task's architecture takes
-            limit = await trio.to_thread.run_sync(model_file_limit, task.model.name, task.model.kwargs)
+        if task.dataset is not None:
             try:
-                await self.content.fetch(task.initial_model, max_bytes=dag_bytes_limit(limit))
+                await self.content.fetch(task.dataset.manifest, timeout=float(request.get("timeout", 30.0)))
+            except ContentUnavailable as exc:
+                raise TaskError(f"dataset.manifest: {exc}; add it first with: p2ptrain dataset add") from None
+        if task.initial_model:  # a registry model's: within what a model of the task's architecture takes
+            limit = DEFAULT_MAX_FETCH_BYTES if task.model.user else dag_bytes_limit(
+                await trio.to_thread.run_sync(model_file_limit, task.model.name, task.model.kwargs))
+            try:
+                await self.content.fetch(task.initial_model, max_bytes=limit)
             except ContentUnavailable as exc:
                 raise TaskError(f"initial_model: {exc}") from None
         task_cid = await trio.to_thread.run_sync(self.content.store.add_bytes, task_bytes(task))
@@ -365,9 +467,9 @@ class TaskService:
         return {"task_cid": run.task_cid, "name": run.shared.task.name}
 
     async def _list_op(self, request: dict[str, Any]) -> dict[str, Any]:
-        tasks = {cid: known.as_json() for cid, known in self.known.items()}
+        tasks = {cid: known.status().to_json() for cid, known in self.known.items()}
         for cid, run in self.runs.items():
-            tasks[cid] = run.status()
+            tasks[cid] = run.status().to_json()
         return {"tasks": list(tasks.values()), "joins": self._joins()}
 
     async def _cancel_op(self, request: dict[str, Any]) -> dict[str, Any]:
@@ -375,11 +477,7 @@ class TaskService:
         task_cid = requested_cid(request.get("task_cid", ""))
         reason = str(request.get("reason") or "")[:256]
         run = self.runs.get(task_cid)
-        if run is not None:
-            task = run.shared.task
-        else:
-            await self.content.fetch(task_cid, timeout=JOIN_FETCH_TIMEOUT_S, max_bytes=MAX_TASK_BYTES)
-            task = task_from_bytes(await trio.to_thread.run_sync(self._read_task, task_cid))
+        task = await self._task_of(task_cid)
         me = self.node.peer_id.to_base58()
         if task.publisher != me:
             raise UserError(f"only the task's publisher ({task.publisher or 'none named'}) can cancel it; "
@@ -395,12 +493,63 @@ class TaskService:
         logger.info("node %s cancelled task %s", short_id(self.node.peer_id), task_cid)
         return {"task_cid": task_cid, "cancelled": True}
 
+    async def _resume_op(self, request: dict[str, Any]) -> dict[str, Any]:
+        """`task resume`: announce that this node, the task's publisher, continues a run it
+        cancelled; the members (and this node, if it is one) resume it from their chains."""
+        task_cid = requested_cid(request.get("task_cid", ""))
+        task = await self._task_of(task_cid)
+        me = self.node.peer_id.to_base58()
+        if task.publisher != me:
+            raise UserError(f"only the task's publisher ({task.publisher or 'none named'}) can resume it; "
+                            f"this node is {me}")
+        run_dir = self.node.home / "tasks" / task_cid
+        (run_dir / CANCEL_SENT_FILE).unlink(missing_ok=True)  # joiners are no longer told it is cancelled
+        await self.node.publish(TASKS_TOPIC, TaskResume(task_cid=task_cid))
+        await self._resume_here(task_cid, me)  # pubsub does not deliver our own message back to us
+        (run_dir / CANCELLED_FILE).unlink(missing_ok=True)  # a publisher that is no member: no run to resume
+        logger.info("node %s resumed task %s", short_id(self.node.peer_id), task_cid)
+        return {"task_cid": task_cid, "resumed": True}
+
+    async def _task_of(self, task_cid: str) -> Task:
+        """The task ``task_cid`` (from its run here, else fetched by CID, bounded)."""
+        run = self.runs.get(task_cid)
+        if run is not None:
+            return run.shared.task
+        await self.content.fetch(task_cid, timeout=JOIN_FETCH_TIMEOUT_S, max_bytes=MAX_TASK_BYTES)
+        return task_from_bytes(await trio.to_thread.run_sync(self._read_task, task_cid))
+
     async def _status_op(self, request: dict[str, Any]) -> dict[str, Any]:
         task_cid = str(request.get("task_cid", ""))
         run = self.runs.get(task_cid)
         if run is not None:
-            return run.status()
+            return run.status().to_json()
         known = self.known.get(task_cid)
-        if known is not None:
-            return known.as_json()
-        raise UserError(f"this node has not heard of task {task_cid}")
+        if known is None:
+            raise UserError(f"this node has not heard of task {task_cid}")
+        # A lookup when asked for one (a timeout given: `model fetch --latest`, `model verify`), or
+        # when a head claimed a confirmed model: a task only announced has nothing to verify yet.
+        timeout = request.get("timeout")
+        if isinstance(timeout, (int, float)) or (known.head is not None and known.head.version >= 1):
+            await self._verify_latest(known, float(timeout) if isinstance(timeout, (int, float)) else VERIFY_HEAD_S)
+        return known.status().to_json()
+
+    async def _verify_latest(self, known: KnownTask, timeout: float) -> None:
+        """Look up and verify the latest chain of a task this node is not a member of (the same
+        :class:`LatestFinder` as a fresh home's ``model fetch --latest``): heads heard meanwhile are
+        judged by the chains they name, and the longest that verifies becomes ``known.verified``."""
+        if known.task_cid in self._finders or len(self._finders) >= MAX_CONCURRENT_JOINS:
+            return  # one lookup per task at a time, a few at once: the busy ones answer with what is known
+        finder = LatestFinder(self.node, self.content, known.task_cid, listen=False)
+        self._finders[known.task_cid] = finder
+        if known.head is not None:
+            finder.offer(known.head)
+        try:
+            with trio.move_on_after(min(max(timeout, 0.0), MAX_VERIFY_HEAD_S)):
+                await finder.find()
+        except (ContentUnavailable, TaskError) as exc:
+            logger.warning("node %s cannot verify the chain of task %s: %s", short_id(self.node.peer_id),
+                           known.task_cid, exc)
+        finally:
+            del self._finders[known.task_cid]
+        if finder.best is not None and (known.verified is None or finder.best[1].version > known.verified.version):
+            known.verified, known.verified_cid = finder.best[1], finder.best[0].chain_cid

@@ -62,7 +62,8 @@ def forward(loaded: Loaded, xs: list[torch.Tensor]) -> torch.Tensor:
     """One forward over the concatenated samples of ``xs`` (run in a worker thread)."""
     with torch.inference_mode():
         x = xs[0] if len(xs) == 1 else torch.cat(xs)
-        return loaded.module(x.to(loaded.device)).to("cpu")
+        out: torch.Tensor = loaded.module(x.to(loaded.device)).to("cpu")
+        return out
 
 
 class Batcher:
@@ -128,6 +129,7 @@ class Batcher:
                     pending = await self._recv.receive()
                 if pending is None:
                     break
+            assert pending is not None  # (the None branch broke out above)
             if samples + len(pending.x) > self.max_batch:
                 self._carry = pending
                 break

@@ -14,7 +14,6 @@ import http.client
 import json
 import socket
 import threading
-import time
 from collections.abc import Sequence
 from typing import Any
 from urllib.parse import urlsplit

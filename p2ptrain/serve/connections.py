@@ -83,7 +83,7 @@ async def serve_capped(
 
     async def serve_one(stream: trio.SocketStream) -> None:
         try:
-            await _Connection(wrapped, config, context, ConnectionState({}), stream)
+            await _Connection(wrapped, config, context, ConnectionState({}), stream)  # type: ignore[arg-type]  # TLS off
         finally:
             listener.release()
 

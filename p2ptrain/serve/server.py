@@ -31,7 +31,8 @@ from p2ptrain.serve.app import BODY_TIMEOUT_S, ServeApp
 from p2ptrain.serve.batcher import Batcher, Loaded
 from p2ptrain.serve.limits import MAX_CONNECTIONS, MAX_CONNECTIONS_LIMIT
 from p2ptrain.serve.spec import spec_for
-from p2ptrain.training.records import MAX_CHAIN_BYTES, RecordError, quorum, read_model_card, record_from_bytes
+from p2ptrain.training.lineage import MAX_CHAIN_BYTES, chain_lines, entry_from_bytes
+from p2ptrain.training.records import RecordError, read_model_card
 from p2ptrain.training.trainer import TrainerError
 from p2ptrain.training.trainer import resolve_device as training_device
 
@@ -91,8 +92,8 @@ def record_info(home: Path, model_cid: str) -> dict[str, Any]:
     """Task, version, step, metrics and attestations of the confirmed record of ``model_cid`` in the
     chains this home keeps (``tasks/*/chain.jsonl``), or {} if none holds it.
 
-    ``attestations`` is the quorum the record was confirmed by: at least that many of its members
-    attested (the chain keeps the signed records, not each attestation).
+    ``attestations`` counts the signed attestations the chain keeps for the record: a quorum of
+    its members, which is what confirmed it.
     """
     tasks = home / "tasks"
     chains = sorted(tasks.glob("*/chain.jsonl"))[:MAX_CHAINS_SCANNED] if tasks.is_dir() else []
@@ -100,13 +101,13 @@ def record_info(home: Path, model_cid: str) -> dict[str, Any]:
         try:
             if path.stat().st_size > MAX_CHAIN_BYTES:
                 continue
-            for line in path.read_bytes().splitlines():
-                signed = record_from_bytes(line)
-                if signed.record.model_cid == model_cid:  # record_from_bytes verified its signature
-                    record = signed.record
+            for line in chain_lines(path.read_bytes()):
+                entry = entry_from_bytes(line)
+                if entry.signed.record.model_cid == model_cid:  # entry_from_bytes verified its signature
+                    record = entry.signed.record
                     return {"task_cid": record.task_cid, "version": record.version, "step": record.step,
                             "metrics": dict(record.metrics), "members": len(record.members),
-                            "attestations": quorum(len(record.members))}
+                            "attestations": len(entry.attestations)}
         except (OSError, RecordError) as exc:
             logger.warning("%s: not read (%s)", path, exc)
     return {}

@@ -17,6 +17,7 @@ thread where the node lives.
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -25,9 +26,9 @@ import trio
 from p2ptrain.errors import UserError
 from p2ptrain.ipfs.store import ContentUnavailable
 from p2ptrain.node import Node
+from p2ptrain.node_config import NodeConfig
 from p2ptrain.runtime.latest import MAX_SEEN_HEADS, LatestFinder
 from p2ptrain.runtime.peer import make_peer
-from p2ptrain.training.records import RecordError
 
 __all__ = ["FIRST_LOOKUP_S", "LOOKUP_S", "TemporaryFollower"]
 
@@ -49,7 +50,7 @@ class TemporaryFollower:
     ``task_cid``, for as long as :meth:`run` runs; ``lookups`` counts the lookups answered."""
 
     def __init__(self, home: Path, bootstrap: list[str], task_cid: str, *, lookup_s: float = LOOKUP_S) -> None:
-        self.node = Node(home, listen=["/ip4/127.0.0.1/tcp/0"], bootstrap=bootstrap)
+        self.node = Node(home, replace(NodeConfig.of_home(home), listen=["/ip4/127.0.0.1/tcp/0"], bootstrap=bootstrap))
         self.peer = make_peer(self.node)
         self.finder = LatestFinder(self.node, self.peer.content, task_cid)
         self.task_cid = task_cid
@@ -77,14 +78,14 @@ class TemporaryFollower:
         with trio.move_on_after(FIRST_LOOKUP_S if first else self.lookup_s):
             try:
                 await self.finder.find()
-            except RecordError as exc:  # two verified chains that fork
-                raise UserError(f"the peers disagree on task {self.task_cid}'s history: {exc}") from None
-        if self.finder.best is None:
+            except ContentUnavailable as exc:  # the task itself (its rules) could not be had
+                raise UserError(f"task {self.task_cid}: {exc}") from None
+        cid = self.finder.model_cid
+        if cid is None:
             connected = self.node.host is not None and self.node.host.get_connected_peers()
             raise UserError(
                 f"no peer told us the latest model of task {self.task_cid} within {FIRST_LOOKUP_S:.0f} s"
                 if connected else f"no peer reachable through {self.bootstrap[0]}")
-        cid = self.finder.best[0].model_cid
         store = self.peer.content.store
         if not await trio.to_thread.run_sync(store.has, cid):
             try:

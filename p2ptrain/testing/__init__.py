@@ -49,7 +49,7 @@ import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -67,8 +67,10 @@ from p2ptrain.net import control_ops
 from p2ptrain.net.control import ControlClient
 from p2ptrain.net.host import make_host
 from p2ptrain.node import Node
+from p2ptrain.node_config import NodeConfig
+from p2ptrain.wire.messages import MESSAGES, MessageRegistry
 
-from p2ptrain.testing.wan import (  # noqa: E402, F401  (the WAN harness: public from here, re-exported)
+from p2ptrain.testing.wan import (  # noqa: F401  (the WAN harness: public from here, re-exported)
     EmulatedWan,
     WanError,
     WanPeer,
@@ -78,8 +80,15 @@ from p2ptrain.testing.wan import (  # noqa: E402, F401  (the WAN harness: public
     wan_node_processes,
     wan_unavailable,
 )
-from p2ptrain.testing.nat import EmulatedNat, emulated_nat, nat_unavailable  # noqa: E402  (NATs on that WAN)
-from p2ptrain.testing.peers import (  # noqa: E402, F401  (full peers in one process, re-exported)
+from p2ptrain.testing.nat import EmulatedNat, emulated_nat, nat_unavailable  # noqa: F401  (NATs on that WAN)
+from p2ptrain.testing.chains import (  # noqa: F401  (chains with their proofs, re-exported)
+    attestations_for,
+    proven_chain,
+    proven_record,
+    rules_task,
+    votes_for,
+)
+from p2ptrain.testing.peers import (  # noqa: F401  (full peers in one process, re-exported)
     DIGITS_TASK,
     PEER_STOP_TIMEOUT_S,
     WAIT_FALLBACK_S,
@@ -93,19 +102,21 @@ from p2ptrain.testing.peers import (  # noqa: E402, F401  (full peers in one pro
 
 @asynccontextmanager
 async def local_mesh(
-    n: int, base: Path, *, timeout: float = 20.0, **node_kwargs: Any
+    n: int, base: Path, *, timeout: float = 20.0, messages: MessageRegistry = MESSAGES, **settings: Any
 ) -> AsyncIterator[list[Node]]:
-    """N in-process nodes on 127.0.0.1; all bootstrap from the first; yields once each sees N-1 peers."""
+    """N in-process nodes on 127.0.0.1; all bootstrap from the first; yields once each sees N-1 peers.
+    ``settings``: :class:`~p2ptrain.node_config.NodeConfig` fields of every node (e.g. ``dht=False``)."""
+    config = NodeConfig(**settings)
     homes = [Path(base) / f"node{i}" for i in range(n)]
     nodes: list[Node] = []
     async with trio.open_nursery() as nursery:
         try:
             with trio.fail_after(timeout):
-                first = Node(homes[0], **node_kwargs)
+                first = Node(homes[0], config, messages=messages)
                 await nursery.start(first.run)
                 nodes.append(first)
                 for home in homes[1:]:
-                    node = Node(home, bootstrap=first.addrs[:1], **node_kwargs)
+                    node = Node(home, replace(config, bootstrap=first.addrs[:1]), messages=messages)
                     nodes.append(node)
                 async with trio.open_nursery() as starting:
                     for node in nodes[1:]:
@@ -119,7 +130,9 @@ async def local_mesh(
 
 
 @contextmanager
-def node_processes(n: int, base: Path, *, extra_args: Sequence[str] = (), ready_timeout: float = READY_TIMEOUT_S) -> Iterator[list[NodeProcess]]:
+def node_processes(
+    n: int, base: Path, *, extra_args: Sequence[str] = (), ready_timeout: float = READY_TIMEOUT_S
+) -> Iterator[list[NodeProcess]]:
     """N node processes on loopback, each bootstrapping from all the others, started at once."""
     procs: list[NodeProcess] = []
     for i in range(n):
@@ -187,7 +200,8 @@ def run_cli(*args: str, launcher: Sequence[str] = (), timeout: float = CLI_TIMEO
 
 
 def task_status_of(home: Path, task_cid: str) -> dict[str, Any] | None:
-    """A running node's status of one task (``task status --json``) through its control socket,
+    """A running node's status of one task (``task status --json``: a
+    :class:`~p2ptrain.runtime.status.TaskStatus`'s ``to_json``) through its control socket,
     or None while it does not answer it (starting, stopped, killed, or not in the task)."""
     try:
         return ControlClient(home, timeout=10).call(control_ops.TASK_STATUS, task_cid=task_cid)

@@ -45,7 +45,9 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from p2ptrain.testing.wan import IFACE, STOP_GRACE_S, EmulatedWan, WanError, WanPeer, _run, _tbf, emulated_wan, parse_rate, wan_unavailable
+from p2ptrain.testing.wan import (
+    IFACE, STOP_GRACE_S, EmulatedWan, WanError, WanPeer, _run, _tbf, emulated_wan, parse_rate, wan_unavailable,
+)
 
 # The bridge inside a router namespace that joins its LAN's peers (and the router's LAN address).
 LAN_BRIDGE = "lan0"
@@ -94,7 +96,7 @@ class EmulatedNat(Sequence[WanPeer]):
     def __len__(self) -> int:
         return len(self.public) + len(self.private)
 
-    def __getitem__(self, index: int) -> WanPeer:  # type: ignore[override]  (no slices)
+    def __getitem__(self, index: int) -> WanPeer:  # type: ignore[override]  # (no slices)
         return [*self.public, *self.private][index]
 
     def __iter__(self) -> Iterator[WanPeer]:
@@ -167,7 +169,7 @@ def emulated_nat(public: int = 2, lans: Sequence[int] = (2, 1), rate: str | int 
     if public < 0 or not lans or any(not 1 <= n <= MAX_LAN_PEERS for n in lans):
         raise ValueError(f"an emulated NAT needs at least one LAN of 1 to {MAX_LAN_PEERS} peers, not {list(lans)}")
     bits = parse_rate(rate)
-    router_rates: list[str | int | tuple[str | int, str | int]] = [bits] * public + [bits * n for n in lans]
+    router_rates = [bits] * public + [bits * n for n in lans]
     with emulated_wan(public + len(lans), bits, rates=router_rates) as wan:
         net = EmulatedNat(wan, list(wan)[:public], [])
         try:

@@ -6,9 +6,11 @@ messages, peers added or stopped mid-run) and :func:`publish_digits_task`. Re-ex
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -16,6 +18,8 @@ import trio
 
 from p2ptrain.logs import short_id
 from p2ptrain.node import Node
+from p2ptrain.node_config import NodeConfig
+from p2ptrain.wire import Signed
 from p2ptrain.wire.messages import (
     CoordinatorBeat,
     RoundFailed,
@@ -29,6 +33,9 @@ from p2ptrain.wire.messages import (
 )
 
 if TYPE_CHECKING:  # the runtime imports torch: only local_peers' users pay for it, when they call it
+    from libp2p.peer.id import ID
+
+    from p2ptrain.mesh.membership import Membership
     from p2ptrain.runtime.peer import Peer
     from p2ptrain.runtime.tasks import TaskOptions
 
@@ -100,7 +107,7 @@ class Changes:
             node.on(msg_type, self._heard)
         self._nodes.append(node)
 
-    def _heard(self, signed: Any, topic: str) -> None:
+    def _heard(self, signed: Signed[Any], topic: str) -> None:
         self.fire()
 
     def fire(self) -> None:
@@ -135,7 +142,7 @@ async def wait_until(
     ``interval`` seconds with no event (state that changes without a message). ``what`` names the
     condition in the error; a predicate that raises ends the wait with its error::
 
-        await wait_until(lambda: peer.tasks.runs[cid].status()["version"] >= 1, 60, changes=changes,
+        await wait_until(lambda: peer.tasks.runs[cid].status().version >= 1, 60, changes=changes,
                          what="the first checkpoint confirmed")
     """
     try:
@@ -157,12 +164,12 @@ class LocalPeers(Sequence["Peer"]):
     plus what a test of a run needs: start one more (a late joiner), stop one (a member that
     leaves), read a peer's task status, and wait, waking on the peers' task messages."""
 
-    def __init__(self, base: Path, nursery: trio.Nursery, node_kwargs: dict[str, Any],
+    def __init__(self, base: Path, nursery: trio.Nursery, config: NodeConfig,
                  task_options: TaskOptions | None) -> None:
         self.base = Path(base)
         self.changes = Changes()
         self._nursery = nursery
-        self._node_kwargs = node_kwargs
+        self._config = config
         self._task_options = task_options
         self._peers: list[Peer] = []
         self._scopes: list[trio.CancelScope] = []
@@ -170,7 +177,7 @@ class LocalPeers(Sequence["Peer"]):
     def __len__(self) -> int:
         return len(self._peers)
 
-    def __getitem__(self, index: int) -> Peer:  # type: ignore[override]  (no slices)
+    def __getitem__(self, index: int) -> Peer:  # type: ignore[override]  # (no slices)
         return self._peers[index]
 
     def __iter__(self) -> Iterator[Peer]:
@@ -178,20 +185,33 @@ class LocalPeers(Sequence["Peer"]):
 
     def running(self) -> list[Peer]:
         """The peers whose node has not been stopped."""
-        return [p for p in self._peers if not p.node.stopped.is_set()]
+        return [p for p in self._peers if p is not None and not p.node.stopped.is_set()]
 
     async def add_peer(self, *, see_all: bool = True) -> Peer:
         """Start one more full peer (home ``<base>/peer<i>``), bootstrapping from every running one;
         with ``see_all``, return once it and they see each other. Bound it with ``trio.fail_after``."""
+        self._peers.append(None)  # type: ignore[arg-type]  # filled by _start
+        self._scopes.append(trio.CancelScope())
+        return await self._start(len(self._peers) - 1, see_all)
+
+    async def restart_peer(self, index: int, *, see_all: bool = True) -> Peer:
+        """Start peer ``index`` again on its home after :meth:`stop_peer` (a restarted machine: the
+        same identity and disk, a new node and services, no run until it joins one), bootstrapping
+        from every running peer. Bound it with ``trio.fail_after``."""
+        if not self._peers[index].node.stopped.is_set():
+            raise RuntimeError(f"peer{index} is running: stop it first")
+        self._scopes[index] = trio.CancelScope()
+        return await self._start(index, see_all)
+
+    async def _start(self, index: int, see_all: bool) -> Peer:
         from p2ptrain.runtime.peer import make_peer
 
-        bootstrap = [addr for p in self.running() for addr in p.node.addrs[:1]]
-        node = Node(self.base / f"peer{len(self._peers)}", bootstrap=bootstrap, **self._node_kwargs)
+        bootstrap = [addr for p in self.running() if p is not None for addr in p.node.addrs[:1]]
+        node = Node(self.base / f"peer{index}", replace(self._config, bootstrap=bootstrap))
         peer = make_peer(node, self._task_options)
         self.changes.watch(node)
-        self._peers.append(peer)
-        scope = trio.CancelScope()
-        self._scopes.append(scope)
+        self._peers[index] = peer
+        scope = self._scopes[index]
 
         async def run(*, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
             with scope:
@@ -207,8 +227,7 @@ class LocalPeers(Sequence["Peer"]):
         running = self.running()
         for peer in running:
             others = {p.node.peer_id for p in running if p is not peer}
-            await peer.node.membership.wait_until(
-                lambda m, others=others: others <= {r.peer_id for r in m.alive()})
+            await peer.node.membership.wait_until(functools.partial(_sees, others))
 
     async def stop_peer(self, index: int) -> None:
         """Stop peer ``index``'s node (its goodbye sent, its tasks cancelled) and wait until it is
@@ -220,9 +239,11 @@ class LocalPeers(Sequence["Peer"]):
         self._scopes[index].cancel()
 
     def status(self, index: int, task_cid: str) -> dict[str, Any]:
-        """What ``p2ptrain task status --json`` shows on peer ``index`` ({} before it joined)."""
+        """What ``p2ptrain task status --json`` shows on peer ``index`` ({} before it joined): the
+        JSON a test of a node process reads too (``task_status_of``); ``run.status()`` is the
+        typed :class:`~p2ptrain.runtime.status.TaskStatus` it comes from."""
         run = self._peers[index].tasks.runs.get(task_cid)
-        return run.status() if run is not None else {}
+        return run.status().to_json() if run is not None else {}
 
     def describe(self) -> str:
         """One line per peer and task it runs: what a failed test needs to see first."""
@@ -235,7 +256,7 @@ class LocalPeers(Sequence["Peer"]):
             if not runs:
                 lines.append(f"peer{i} {short_id(peer.node.peer_id)}{stopped}: no task")
             for task_cid, run in runs:
-                status = run.status()
+                status = run.status().to_json()
                 status["coordinator"] = short_id(status["coordinator"]) if status["coordinator"] else "-"
                 status["members"] = [short_id(m) for m in status["members"]]
                 shown = ", ".join(f"{k}={status.get(k)}" for k in keys)
@@ -249,13 +270,13 @@ class LocalPeers(Sequence["Peer"]):
 
 @asynccontextmanager
 async def local_peers(
-    n: int, base: Path, *, timeout: float = 60.0, task_options: TaskOptions | None = None, **node_kwargs: Any
+    n: int, base: Path, *, timeout: float = 60.0, task_options: TaskOptions | None = None, **settings: Any
 ) -> AsyncIterator[LocalPeers]:
     """N full p2ptrain peers in this process (``runtime.peer.make_peer``: a node with its content
     and task services) on 127.0.0.1, each bootstrapping from the ones before; yields once each sees
-    the other N-1 (all within ``timeout`` seconds). ``node_kwargs`` go to each :class:`Node` (e.g.
-    ``heartbeat_interval``); ``task_options`` is a ``runtime.tasks.TaskOptions``. On exit every
-    node is stopped. A test of a run::
+    the other N-1 (all within ``timeout`` seconds). ``settings`` are each node's
+    :class:`~p2ptrain.node_config.NodeConfig` fields (e.g. ``heartbeat_interval``); ``task_options``
+    is a ``runtime.tasks.TaskOptions``. On exit every node is stopped. A test of a run::
 
         async with local_peers(3, tmp_path) as peers:
             task_cid = await publish_digits_task(peers[0], total_steps=30, checkpoint_interval=3, min_peers=3)
@@ -269,9 +290,9 @@ async def local_peers(
             statuses = await peers.wait_until(at_v1, 60, what="every member at model v1")
             assert len({s["chain"][0]["model_cid"] for s in statuses}) == 1
     """
-    node_kwargs.setdefault("dht", False)  # peers bootstrap from each other: no DHT walks to pay for
+    settings.setdefault("dht", False)  # peers bootstrap from each other: no DHT walks to pay for
     async with trio.open_nursery() as nursery:
-        peers = LocalPeers(base, nursery, node_kwargs, task_options)
+        peers = LocalPeers(base, nursery, NodeConfig(**settings), task_options)
         try:
             with trio.fail_after(timeout):
                 for _ in range(n):
@@ -325,3 +346,8 @@ async def publish_digits_task(
         return cid
 
     return await trio.to_thread.run_sync(build)
+
+
+def _sees(others: set[ID], membership: Membership) -> bool:
+    """Whether ``membership`` holds every one of ``others`` alive."""
+    return others <= {r.peer_id for r in membership.alive()}

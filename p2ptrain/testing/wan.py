@@ -229,7 +229,7 @@ class EmulatedWan(Sequence[WanPeer]):
     def __len__(self) -> int:
         return len(self._peers)
 
-    def __getitem__(self, index: int) -> WanPeer:  # type: ignore[override]  (no slices)
+    def __getitem__(self, index: int) -> WanPeer:  # type: ignore[override]  # (no slices)
         return self._peers[index]
 
     def __iter__(self) -> Iterator[WanPeer]:

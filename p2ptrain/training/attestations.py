@@ -15,7 +15,8 @@ from __future__ import annotations
 import logging
 
 from p2ptrain.logs import short_id
-from p2ptrain.training.records import Chain, RecordError, Status, Tally, verify_record
+from p2ptrain.training.records import RecordError, Status, Tally, verify_record
+from p2ptrain.training.rounds import RoundBook
 from p2ptrain.wire.messages import ModelRecord, SignedAttestation, SignedModelRecord
 
 log = logging.getLogger(__name__)
@@ -52,21 +53,27 @@ class Attestations:
         return self.tally is not None and self.tally.status is Status.PENDING
 
     def offer_record(
-        self, signed: SignedModelRecord, chain: Chain, coordinator: str | None, now: float
+        self, signed: SignedModelRecord, book: RoundBook, coordinator: str | None, now: float
     ) -> Status | None:
         """Take up ``signed`` to count attestations for it; the early ones for it are counted now.
 
         Returns the tally's status, or None when it is the record already taken up (nothing new).
         Raises :class:`RecordError` (one line, the reason) when it is refused: it does not extend
-        ``chain``, is not signed by ``coordinator`` (when we know one), or another record is pending.
+        ``book``'s chain (or its signer's election does not hold up), is not signed by
+        ``coordinator`` (when we know one), names other members than its span's plan (or no plan of
+        its span is known here: its quorum cannot be counted), or another record is pending.
         """
         if self.pending and self._extends_pending(signed, coordinator):
             self.next = signed
             return None
-        record = chain.check(signed)
-        tally = Tally(signed)
+        record = book.chain.check(signed)
         if coordinator is not None and record.coordinator != coordinator:
             raise RecordError(f"model record v{record.version} from {short_id(record.coordinator)}, not the coordinator")
+        members = book.span_members(record)
+        if members is None:
+            raise RecordError(f"model record v{record.version}: no plan of its span (round {record.round}, "
+                              f"term {record.term}) is known here, so its quorum cannot be counted")
+        tally = Tally(signed, members)
         if self.tally is not None and self.tally.id == tally.id:
             return None
         if self.pending:
@@ -93,13 +100,13 @@ class Attestations:
         verify_record(signed)  # a forged one must not take the slot of the coordinator's
         return True
 
-    def take_next(self, chain: Chain, coordinator: str | None, now: float) -> Status | None:
+    def take_next(self, book: RoundBook, coordinator: str | None, now: float) -> Status | None:
         """Once the pending record settled: take up the record kept for after it (:meth:`offer_record`,
-        so :class:`RecordError` when it does not extend ``chain``: its parent was rejected)."""
+        so :class:`RecordError` when it does not extend ``book``'s chain: its parent was rejected)."""
         signed, self.next = self.next, None
         if signed is None or self.pending:
             return None
-        return self.offer_record(signed, chain, coordinator, now)
+        return self.offer_record(signed, book, coordinator, now)
 
     def add(self, signed: SignedAttestation) -> Status | None:
         """Count one attestation: the tally's status, or None when its record has not come (kept

@@ -4,7 +4,8 @@ trainer, the coordinator's evaluation, ``model eval`` and the benches' baselines
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Iterator
+import itertools
+from collections.abc import Callable, Iterable, Iterator, Sized
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,20 +48,46 @@ def batched(samples: Iterable[Batch], batch_size: int) -> Iterator[Batch]:
         yield torch.stack(xs), torch.stack(ys)
 
 
-def batches_forever(dataset: Iterable[Batch], batch_size: int, first_epoch: int = 0) -> Iterator[Batch]:
-    """Batches epoch after epoch, calling ``dataset.set_epoch`` (when it has one) to reshuffle."""
+def batches_forever(dataset: Iterable[Batch], batch_size: int, first_epoch: int = 0, skip: int = 0) -> Iterator[Batch]:
+    """Batches epoch after epoch, calling ``dataset.set_epoch`` (when it has one) to reshuffle;
+    the first epoch's first ``skip`` batches are passed over (their samples read, not stacked)."""
     epoch = first_epoch
     while True:
         set_epoch = getattr(dataset, "set_epoch", None)
         if set_epoch is not None:
             set_epoch(epoch)
-        empty = True
-        for batch in batched(dataset, batch_size):
+        samples = itertools.islice(dataset, skip * batch_size, None) if skip else dataset
+        skip, empty = 0, True
+        for batch in batched(samples, batch_size):
             empty = False
             yield batch
         if empty:
             raise TrainerError("the training data of this member is empty")
         epoch += 1
+
+
+class PositionedBatches(Iterator[Batch]):
+    """:func:`batches_forever` of a sized dataset from its ``position``-th batch (counted over
+    every epoch from the first), knowing its position as it goes.
+
+    So the batches a member takes at a step are a function of the step (the trainer's
+    ``batch_position``), not of what its process did before: a member that resumed after a stop, rolled a
+    step back, or moved to another rank takes the batches it would have taken without that.
+    Getting there reads (not stacks) up to one epoch of the member's samples.
+    """
+
+    def __init__(self, dataset: Sized, batch_size: int, position: int = 0) -> None:
+        per_epoch = -(-len(dataset) // batch_size)  # batched() yields a last, short batch
+        if per_epoch == 0:
+            raise TrainerError("the training data of this member is empty")
+        epoch, skip = divmod(position, per_epoch)
+        self.position = position
+        self._batches = batches_forever(dataset, batch_size, first_epoch=epoch, skip=skip)  # type: ignore[arg-type]
+
+    def __next__(self) -> Batch:
+        batch = next(self._batches)
+        self.position += 1
+        return batch
 
 
 @torch.no_grad()

@@ -61,7 +61,9 @@ from p2ptrain.logs import short_id
 from p2ptrain.training import signing
 from p2ptrain.training.records import quorum
 from p2ptrain.training.signing import SignatureError
-from p2ptrain.training.voters import ElectionConfig, View, certificate_problem, designated, voters_alive
+from p2ptrain.training.voters import ElectionConfig as ElectionConfig  # re-exported with View: what a tick takes
+from p2ptrain.training.voters import View as View
+from p2ptrain.training.voters import certificate_problem, designated, voters_alive
 from p2ptrain.wire.messages import CoordinatorBeat, SignedVote, Vote, VoteRequest
 
 log = logging.getLogger(__name__)
@@ -89,6 +91,11 @@ class Election:
         self.live: frozenset[str] = frozenset()
         self.roster: tuple[str, ...] = ()
         self.suspects: set[str] = set()  # peers whose coordinatorship timed out
+        # Peers this member caught breaking the run's rules as coordinator (give_up), with the term
+        # it caught them in: it never votes for them again, nor names them as a term's candidate,
+        # nor follows them in that term or an earlier one. Unlike suspects they are not forgiven
+        # when heard again: a peer that signs a forged record is not merely slow.
+        self.accused: dict[str, int] = {}
         # The coordinator the latest tick gave up on (it fell silent), else None: most likely dead,
         # so the planner leaves it out like a peer a round named (RoundBook.note_silent_coordinator).
         self.given_up: str | None = None
@@ -106,9 +113,23 @@ class Election:
         # candidate). If we give that coordinator up and enter that term, we vote for it at once
         # instead of waiting a heartbeat for the candidate to ask again.
         self._deferred: tuple[int, str] | None = None
+        # Terms up to here were used before this member's run resumed (resume_after): no vote in them.
+        self._floor = -1
         # How many more roster members must be alive before an election can be won (0: enough);
         # while short, the member waits in its term instead of standing and timing out term after term.
         self.short_of_quorum = 0
+
+    def resume_after(self, term: int) -> None:
+        """This member resumes a run whose confirmed chain ends with a record of ``term`` (after a
+        stop; its ballots of that time are forgotten): it goes to the next term and votes in no
+        term up to ``term``. Terms are not used twice, so a chain never holds two coordinators'
+        records under one term, and the run's first election takes one term, not a timeout first.
+        Called again once the member may lead, while no coordinator is known: that term's clock
+        starts afresh (a term that ran out while every member was still loading would cost another)."""
+        self._floor = max(self._floor, term)
+        if self.coordinator is None and self.term <= term + 1:
+            self._new_term(0.0, term + 1)
+            self._term_started = None  # the term's clock starts at the next tick
 
     # --- queries --------------------------------------------------------------------------------
 
@@ -129,12 +150,13 @@ class Election:
         return self.roster or tuple(sorted(self.live | {self.me}))
 
     def _votable(self, candidate: str) -> bool:
-        """Whether we may vote for ``candidate``: a live roster member (or ourselves)."""
-        return candidate in self._voters() and candidate in self.live | {self.me}
+        """Whether we may vote for ``candidate``: a live roster member (or ourselves), never one we
+        caught breaking the run's rules."""
+        return candidate in self._voters() and candidate in self.live | {self.me} and candidate not in self.accused
 
     def _eligible(self) -> list[str]:
         alive = self.live | {self.me}
-        return [p for p in self._voters() if p in alive and p not in self.suspects]
+        return [p for p in self._voters() if p in alive and p not in self.suspects and p not in self.accused]
 
     # --- inputs ---------------------------------------------------------------------------------
 
@@ -229,6 +251,26 @@ class Election:
             return self._on_beat(now, sender, msg)
         return []
 
+    def give_up(self, now: float, peer: str) -> None:
+        """Stop following coordinator ``peer`` now: it signed a plan or record that breaks the run's
+        rules. We move to the next term (so does every member that saw the same evidence) and never
+        vote for it again; a quorum that did not see it can still elect it, and we follow a valid
+        certificate as always (a minority must not cut itself off from the run)."""
+        if peer == self.me:
+            return
+        self.accused[peer] = max(self.term, self.accused.get(peer, 0))
+        if self.coordinator != peer:
+            return
+        log.warning("task %s: %s stops following coordinator %s (it broke the run's rules); moves to term %d",
+                    self.task_cid[:12], short_id(self.me), short_id(peer), self.term + 1)
+        self.suspects.add(peer)
+        self._new_term(now, self.term + 1)
+
+    @property
+    def certificate(self) -> tuple[SignedVote, ...]:
+        """The votes that elected this member in the current term (empty unless coordinator)."""
+        return self._certificate if self.is_coordinator else ()
+
     def step_down(self, now: float) -> None:
         """Give up coordinatorship (e.g. our state fell behind the run): move to the next term, so
         the members time out on us and elect the next term's candidate."""
@@ -293,7 +335,7 @@ class Election:
         return CoordinatorBeat(task_cid=self.task_cid, term=self.term, coordinator=self.me, votes=self._certificate)
 
     def _on_request(self, now: float, sender: str, msg: VoteRequest) -> list[ElectionMessage]:
-        if sender != msg.candidate:
+        if sender != msg.candidate or msg.term <= self._floor:
             return []
         if msg.term < self.term:
             # Our terms time out on our own clock, so ours may have run ahead of the candidate's
@@ -361,6 +403,8 @@ class Election:
     def _on_beat(self, now: float, sender: str, beat: CoordinatorBeat) -> list[ElectionMessage]:
         if sender != beat.coordinator:
             return []
+        if beat.term <= self.accused.get(beat.coordinator, -1):
+            return []  # the term we caught it in, or an earlier one: its certificate changes nothing
         if beat.term < self.term and self.coordinator is not None:
             return []  # stale: we follow (or are) the coordinator of a later term
         if beat.term == self.term and self.coordinator is not None:

@@ -61,6 +61,11 @@ class LocalSGDTrainer(Trainer):
         # that stop a member in the middle of one.
         self.inner_step: int | None = None
 
+    @property
+    def batches_per_step(self) -> int:
+        """A round's H inner steps take ``sync_interval`` batches each."""
+        return self.inner_steps * self.task.training.sync_interval
+
     def flat_weights(self, out: torch.Tensor | None = None) -> torch.Tensor:
         """The model's parameters as one flat float32 CPU vector (in ``out`` when given)."""
         flat = torch.cat([p.detach().reshape(-1).float().cpu() for p in self.params])

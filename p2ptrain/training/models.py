@@ -203,7 +203,8 @@ class SmallCNN(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x.reshape(x.shape[0], *self.shape)
-        return self.head(self.features(x).flatten(1))
+        out: torch.Tensor = self.head(self.features(x).flatten(1))
+        return out
 
 
 @register(
@@ -252,7 +253,8 @@ class TinyLM(nn.Module):
         mask = nn.Transformer.generate_square_subsequent_mask(t, device=x.device, dtype=h.dtype)
         for block in self.blocks:
             h = block(h, src_mask=mask, is_causal=True)
-        return self.head(self.norm(h))
+        out: torch.Tensor = self.head(self.norm(h))
+        return out
 
 
 @register(

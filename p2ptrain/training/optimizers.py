@@ -14,6 +14,7 @@ from p2ptrain.training.task import Task
 
 def lr_at(task: Task, step: int, total_steps: int) -> float:
     """The learning rate of optimizer step ``step`` (0-based) under the task's schedule."""
+    assert task.optimizer is not None, "a run of the user's own model brings its optimizer (and its lr)"
     base, sched = task.optimizer.lr, task.schedule
     if sched.name != "constant" and step < sched.warmup_steps:
         return base * (step + 1) / sched.warmup_steps
@@ -35,6 +36,7 @@ def build_optimizer(task: Task, params: Iterable[nn.Parameter]) -> torch.optim.O
     4.3M floats): an Adam step of a 4.3M-parameter model took 26 ms single-tensor, 3.4 ms fused.
     """
     o = task.optimizer
+    assert o is not None, "a run of the user's own model brings its optimizer"
     if o.name == "sgd":
         return torch.optim.SGD(params, lr=o.lr, momentum=o.momentum or 0.0, weight_decay=o.weight_decay,
                                fused=True)

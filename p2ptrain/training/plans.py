@@ -1,13 +1,15 @@
 """What a coordinator's plan is made of: its members and their ring order, how many rounds it
 covers (up to the next checkpoint), and what each member derives from it (a round's all-reduce id,
-its data shard). Pure functions of the plan and the task, shared by the planner
-(:class:`~p2ptrain.training.rounds.RoundBook`) and the members that follow its plans."""
+its data shard), and the rules a member holds the coordinator's plans to. Pure functions of the plan
+and the task, shared by the planner (:class:`~p2ptrain.training.rounds.RoundBook`) and the members
+that follow its plans."""
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Collection, Sequence
 
+from p2ptrain.logs import short_id
 from p2ptrain.training.records import quorum
 from p2ptrain.training.task import Task
 from p2ptrain.training.voters import rank
@@ -18,6 +20,22 @@ def round_id(plan: RoundPlan, index: int) -> int:
     """The all-reduce's id for the ``index``-th round of the plan: a 64-bit hash of task, term,
     round and attempt, so every attempt of every task sharing a host gets a fresh id."""
     name = f"{plan.task_cid}/t{plan.term}/r{plan.round + index}/a{plan.attempt}"
+    return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "big")
+
+
+def round_seed(task: Task, round_index: int) -> int:
+    """The seed of round ``round_index``'s top-k choices (which member picks which slice's indices,
+    where the threshold sample starts): a 64-bit hash of the task's seed and the round's number only,
+    so that the same round computes the same bits whichever term or attempt runs it (a run that
+    resumes after a whole-run stop, under a new term, reproduces the run that did not stop)."""
+    name = f"seed{task.seed}/r{round_index}"
+    return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "big")
+
+
+def buffers_round_id(plan: RoundPlan) -> int:
+    """The id of the all-reduce that averages the members' buffers at the end of ``plan``'s span
+    (runtime/spans.py): apart from every round's (:func:`round_id`)."""
+    name = f"{plan.task_cid}/t{plan.term}/r{plan.round + plan.rounds - 1}/a{plan.attempt}/buffers"
     return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "big")
 
 
@@ -56,6 +74,33 @@ def plan_members(
     if len(members) < task.peers.min:
         return None
     return ring_order(members, private)
+
+
+def rule_problem(task: Task, total_steps: int, plan: RoundPlan, before: RoundPlan | None) -> str | None:
+    """Why an elected coordinator's ``plan`` breaks the run's rules, or None. The rules come from
+    the task and from ``before`` (the latest plan the member took from a coordinator), never from the
+    coordinator: the plan's members are distinct, admitted by the task and between ``peers.min`` and
+    ``peers.max``; its span fits the task; and it keeps a quorum of ``before``'s members (no
+    coordinator can swap the members out from under the run in one plan, which is also why a
+    minority side of a partition never plans). A plan that breaks them is evidence against its
+    coordinator (:class:`~p2ptrain.training.rounds.RuleBreak`)."""
+    peers = task.peers
+    members = plan.members
+    if len(set(members)) != len(members):
+        return "members are not distinct"
+    if not peers.min <= len(members) <= peers.max:
+        return f"{len(members)} members, the task allows {peers.min} to {peers.max}"
+    outsiders = [m for m in members if not peers.admits(m)]
+    if outsiders:
+        return f"it names {short_id(outsiders[0])}, whom the task's allowlist does not admit"
+    if plan.rounds < 1 or plan.step + plan.rounds > total_steps:
+        return f"a span of {plan.rounds} rounds from step {plan.step} does not fit the task"
+    if before is not None and (plan.term, plan.round, plan.attempt) > (before.term, before.round, before.attempt):
+        kept = len(set(before.members) & set(members))
+        if kept < quorum(len(before.members)):
+            return (f"it keeps {kept} of the {len(before.members)} members of plan {before.round}.{before.attempt}, "
+                    f"a quorum is {quorum(len(before.members))}")
+    return None
 
 
 def ring_order(members: Collection[str], private: Collection[str]) -> tuple[str, ...]:

@@ -8,16 +8,17 @@ Loading uses ``safetensors.torch`` only (never ``torch.load``), after
 inside the file), and insists on exactly the names, shapes and dtypes of a module built from the
 registry. Every way a model file, record or attestation can be bad is one :class:`RecordError`.
 
-A record is *confirmed* when a quorum (a strict majority of the round's members) attest that their
-own weights hash to the record's CIDs. Confirmed records form a chain: each record's parent is the
-model CID of the previous confirmed record (the first one's parent is the initial model) and versions
-count up by one, so the history has no fork and no gap.
+A record is *confirmed* when a quorum (a strict majority of the span's planned members) attest that
+their own weights hash to the record's CIDs (:class:`Tally`). Confirmed records form a chain
+(:mod:`p2ptrain.training.lineage`): each record's parent is the model CID of the previous confirmed
+record (the first one's parent is the initial model) and versions count up by one, so the history
+has no fork and no gap.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 from enum import Enum
@@ -33,8 +34,7 @@ from p2ptrain.errors import UserError
 from p2ptrain.logs import short_id
 from p2ptrain.training import signing
 from p2ptrain.training.signing import SignatureError
-from p2ptrain.wire.messages import Attestation, ModelRecord, SignedAttestation, SignedModelRecord
-from p2ptrain.wire.schema import SchemaError, from_plain, to_plain
+from p2ptrain.wire.messages import Attestation, ModelRecord, SignedAttestation, SignedModelRecord, SignedVote
 
 log = logging.getLogger(__name__)
 
@@ -43,23 +43,20 @@ log = logging.getLogger(__name__)
 # between two saves of the same tensors.
 _METADATA = {"format": "pt"}
 MODEL_CARD_KEY = "p2ptrain.model"
-# A signed record is ~1 KiB plus 60 B per member (MAX_PEERS = 128): 64 KiB is ample.
-MAX_RECORD_BYTES = 64 * 1024
-# A signed record nests four levels (record > metrics/members); eight refuse any bomb early.
+# A chain line nests five levels (line > attestations > attestation > body > field); eight refuse
+# any bomb early.
 MAX_RECORD_DEPTH = 8
 # A model card is {"name": ..., "kwargs": {"hidden": [..]}}: three levels.
 MAX_CARD_DEPTH = 4
-# A chain's bytes (JSON lines of signed records, on disk as chain.jsonl or named by a head's
-# chain_cid): 64 MiB is over a thousand checkpoints of the largest record (MAX_RECORD_BYTES) and
-# ~100,000 of a typical one (~650 B), and keeps a hostile or damaged chain from being read whole.
-MAX_CHAIN_BYTES = 64 * 1024 * 1024
-# Records in one chain: each costs a signature check (~0.2 ms here), so 65,536 records take ~13 s of
-# one worker thread at most; that is a checkpoint every 10 steps for 655,360 steps.
-MAX_CHAIN_RECORDS = 65_536
 
 
 class RecordError(UserError, ValueError):
     """A record, attestation or model file is invalid or does not fit the chain (one line in the CLI)."""
+
+
+class Misconduct(RecordError):
+    """A validly signed record that breaks the run's rules (members other than its span's plan, a
+    signer the votes it carries do not elect): evidence against its signer, not a lost message."""
 
 
 # --- deterministic tensor files ---------------------------------------------------------------
@@ -141,10 +138,21 @@ def load_model_bytes(module: nn.Module, data: bytes) -> nn.Module:
 # --- signed records -----------------------------------------------------------------------------
 
 
-def sign_record(record: ModelRecord, key_pair: KeyPair) -> SignedModelRecord:
-    """Sign ``record`` as its coordinator (``record.coordinator`` is set to the signer)."""
+def sign_record(record: ModelRecord, key_pair: KeyPair, votes: Sequence[SignedVote] = ()) -> SignedModelRecord:
+    """Sign ``record`` as its coordinator (``record.coordinator`` is set to the signer), with the
+    ``votes`` that elected it in the record's term (see :func:`certificate`)."""
     record = replace(record, coordinator=signing.peer_str(key_pair))
-    return SignedModelRecord(record=record, signature=signing.sign(record, key_pair))
+    return SignedModelRecord(record=record, signature=signing.sign(record, key_pair), votes=tuple(votes))
+
+
+def certificate(votes: Sequence[SignedVote], members: Sequence[str]) -> tuple[SignedVote, ...]:
+    """The votes a record carries: those of its members, one each, sorted by voter, a quorum of the
+    members at most (more proves nothing more, and a record's bytes stay small)."""
+    by_voter: dict[str, SignedVote] = {}
+    for vote in votes:
+        if vote.vote.voter in members:
+            by_voter.setdefault(vote.vote.voter, vote)
+    return tuple(by_voter[v] for v in sorted(by_voter))[: quorum(len(members))]
 
 
 def verify_record(signed: SignedModelRecord) -> ModelRecord:
@@ -159,24 +167,6 @@ def verify_record(signed: SignedModelRecord) -> ModelRecord:
 def record_id(record: ModelRecord) -> str:
     """What attestations name a record by: sha256 hex of its canonical bytes."""
     return signing.body_id(record)
-
-
-def record_bytes(signed: SignedModelRecord) -> bytes:
-    """Canonical JSON of a signed record, for storing by CID or on disk."""
-    return boundedjson.canonical(to_plain(signed))
-
-
-def record_from_bytes(data: bytes) -> SignedModelRecord:
-    """Parse and verify a stored signed record."""
-    if len(data) > MAX_RECORD_BYTES:
-        raise RecordError(f"model record of {len(data)} B is over the {MAX_RECORD_BYTES} B limit")
-    try:
-        plain = boundedjson.loads(data, max_depth=MAX_RECORD_DEPTH, what="model record")
-        signed = from_plain(SignedModelRecord, plain, "model_record")
-    except (boundedjson.JSONBoundsError, SchemaError) as exc:
-        raise RecordError(f"not a model record: {exc}") from None
-    verify_record(signed)
-    return signed
 
 
 def attest(record: ModelRecord, model_cid: str, optimizer_cid: str, key_pair: KeyPair) -> SignedAttestation:
@@ -216,19 +206,26 @@ def quorum(members: int) -> int:
 
 @dataclass
 class Tally:
-    """Attestations collected for one signed record, from its round's members only.
+    """Attestations collected for one signed record, from the members of its span's plan only.
 
-    Confirmed at a quorum of matching attestations; rejected as soon as a quorum can no longer be
-    reached (too many members hashed their weights to something else), or by :meth:`expire` when
-    the attestation deadline passes first.
+    ``members`` is the plan's member list, which every member of the span holds: never the record's
+    own, which its signer wrote (a record naming only its coordinator confirmed itself 1/1 before).
+    A record whose members differ from the plan's is refused at once. Confirmed at a quorum of
+    matching attestations; rejected as soon as a quorum can no longer be reached (too many members
+    hashed their weights to something else), or by :meth:`expire` when the attestation deadline
+    passes first.
     """
 
     signed: SignedModelRecord
-    matching: set[str] = field(default_factory=set)
+    members: tuple[str, ...]
+    matching: dict[str, SignedAttestation] = field(default_factory=dict)  # attester -> its attestation
     differing: dict[str, str] = field(default_factory=dict)  # attester -> the model CID it computed
 
     def __post_init__(self) -> None:
         self.record = verify_record(self.signed)
+        if tuple(self.record.members) != tuple(self.members):
+            raise Misconduct(f"model record v{self.record.version} names {len(self.record.members)} members, "
+                              f"not the {len(self.members)} its span's plan put in the round")
         self.id = record_id(self.record)
         self.status = Status.PENDING
 
@@ -237,12 +234,12 @@ class Tally:
         att = verify_attestation(signed)
         if att.record_id != self.id or att.task_cid != self.record.task_cid:
             raise RecordError(f"attestation by {att.attester[:16]} is for another record")
-        if att.attester not in self.record.members:
+        if att.attester not in self.members:
             raise RecordError(f"attestation by {att.attester[:16]}, not a member of round {self.record.round}")
         if att.attester in self.matching or att.attester in self.differing:
             return self.status  # one voice per member; repeats change nothing
         if (att.model_cid, att.optimizer_cid) == (self.record.model_cid, self.record.optimizer_cid):
-            self.matching.add(att.attester)
+            self.matching[att.attester] = signed
         else:
             self.differing[att.attester] = att.model_cid
         self._settle()
@@ -251,10 +248,10 @@ class Tally:
     def _settle(self) -> None:
         if self.status is not Status.PENDING:
             return
-        need = quorum(len(self.record.members))
+        need = quorum(len(self.members))
         if len(self.matching) >= need:
             self.status = Status.CONFIRMED
-        elif len(self.record.members) - len(self.differing) < need:
+        elif len(self.members) - len(self.differing) < need:
             self._reject("a quorum can no longer reproduce it")
 
     def expire(self) -> Status:
@@ -270,77 +267,5 @@ class Tally:
             "task %s: model record v%d (%s, round %d, coordinator %s) rejected: %s; "
             "%d of %d members reproduced it, %d computed other CIDs %s",
             r.task_cid[:12], r.version, r.model_cid, r.round, short_id(r.coordinator), why,
-            len(self.matching), len(r.members), len(self.differing), sorted(set(self.differing.values()))[:3],
+            len(self.matching), len(self.members), len(self.differing), sorted(set(self.differing.values()))[:3],
         )
-
-
-class Chain:
-    """The confirmed history of one task: versions 1, 2, … each the child of the one before."""
-
-    def __init__(self, task_cid: str, initial_cid: str) -> None:
-        self.task_cid = task_cid
-        self.initial_cid = initial_cid
-        self.records: list[SignedModelRecord] = []
-
-    @property
-    def version(self) -> int:
-        return len(self.records)
-
-    @property
-    def head_cid(self) -> str:
-        """The latest confirmed model CID (the initial model before any record)."""
-        return self.records[-1].record.model_cid if self.records else self.initial_cid
-
-    def check(self, signed: SignedModelRecord) -> ModelRecord:
-        """Verify ``signed`` and that it extends the chain; :class:`RecordError` names fork or gap."""
-        r = verify_record(signed)
-        if r.version < 1:
-            raise RecordError(f"model record v{r.version}: versions start at 1")
-        if r.task_cid != self.task_cid:
-            raise RecordError(f"model record v{r.version} belongs to task {r.task_cid[:16]}")
-        if r.version <= self.version:
-            held = self.records[r.version - 1].record if r.version >= 1 else None
-            if held is not None and record_id(held) == record_id(r):
-                raise RecordError(f"model record v{r.version} is already in the chain")
-            raise RecordError(f"fork: a different model record v{r.version} is already confirmed")
-        if r.version != self.version + 1:
-            raise RecordError(f"gap: model record v{r.version} after v{self.version}")
-        if r.parent != self.head_cid:
-            raise RecordError(
-                f"fork: model record v{r.version} has parent {r.parent}, the chain's head is {self.head_cid}"
-            )
-        return r
-
-    def extension(self, other: Chain) -> list[SignedModelRecord]:
-        """The records ``other`` adds to this chain, which must be a prefix of it: the same records
-        at every version this chain holds. A different record at a version we confirmed is a fork
-        (:class:`RecordError`); a shorter chain adds nothing (an empty list)."""
-        if (other.task_cid, other.initial_cid) != (self.task_cid, self.initial_cid):
-            raise RecordError("fork: the chain starts from another task or initial model")
-        for mine, theirs in zip(self.records, other.records):
-            if record_id(mine.record) != record_id(theirs.record):
-                raise RecordError(f"fork: a different model record v{mine.record.version} than the one confirmed here")
-        return other.records[self.version:]
-
-    def append(self, signed: SignedModelRecord) -> None:
-        """Add a confirmed record (checked by :meth:`check` again)."""
-        self.check(signed)
-        self.records.append(signed)
-
-    def to_bytes(self) -> bytes:
-        """JSON lines of the signed records, oldest first."""
-        return b"".join(record_bytes(s) + b"\n" for s in self.records)
-
-    @classmethod
-    def from_bytes(cls, task_cid: str, initial_cid: str, data: bytes) -> Chain:
-        """Rebuild and re-verify a chain saved by :meth:`to_bytes` (at most :data:`MAX_CHAIN_BYTES`
-        and :data:`MAX_CHAIN_RECORDS`); every way it can be bad is a :class:`RecordError`."""
-        if len(data) > MAX_CHAIN_BYTES:
-            raise RecordError(f"chain of {len(data)} B is over the {MAX_CHAIN_BYTES} B limit")
-        lines = [line for line in data.splitlines() if line.strip()]
-        if len(lines) > MAX_CHAIN_RECORDS:
-            raise RecordError(f"chain of {len(lines)} records is over the {MAX_CHAIN_RECORDS} record limit")
-        chain = cls(task_cid, initial_cid)
-        for line in lines:
-            chain.append(record_from_bytes(line))
-        return chain

@@ -56,10 +56,11 @@ from libp2p.crypto.keys import KeyPair
 
 from p2ptrain.logs import short_id
 from p2ptrain.training.election import Election
-from p2ptrain.training.plans import is_checkpoint, plan_members, span_length
-from p2ptrain.training.records import Chain, sign_record
+from p2ptrain.training.plans import is_checkpoint, plan_members, rule_problem, span_length
+from p2ptrain.training.lineage import Chain
+from p2ptrain.training.records import certificate, sign_record
 from p2ptrain.training.task import Task
-from p2ptrain.wire.messages import ModelRecord, RoundFailed, RoundPlan, SignedModelRecord
+from p2ptrain.wire.messages import ModelRecord, RoundFailed, RoundPlan, SignedModelRecord, SignedVote
 
 # After a failed round, the coordinator waits this long before it plans the retry, so the other
 # members have left the failed round (unless all of them reported that they have).
@@ -68,8 +69,17 @@ RETRY_BACKOFF_S = 1.5
 FAILED_PEER_QUARANTINE_S = 10.0
 # The first plan waits this long after the coordinator's election, for peers still joining, unless
 # the task's ``peers.max`` already advertise it (no one else could be admitted: the wait would only
-# delay the run's first step, by 2 s of its ~9 s start on an emulated WAN, bench/wan_train.py).
+# delay the run's first step, by 2 s of its ~9 s start on an emulated WAN, bench/wan_train.py), or
+# the run resumed from a record whose members all advertise it again (runtime/resume.py).
 FIRST_ROUND_GRACE_S = 2.0
+# Spans whose plans a member keeps for their records: the span under way, the one whose checkpoint
+# may be unsettled (overlap mode), and two more for records that come late.
+KEPT_SPAN_PLANS = 4
+
+
+class RuleBreak(str):
+    """A reason not to follow a plan that is also evidence against the coordinator that sent it
+    (:meth:`RoundBook.rule_problem`): the member stops following that coordinator."""
 
 
 class Hold(Enum):
@@ -118,6 +128,13 @@ class RoundBook:
     culprit_reported: bool = False
     # The task's publisher cancelled the run: no plan is made any more (the span under way ends).
     cancelled: bool = False
+    # The elected coordinators' latest plan for each span, by the step the span ends at (followed or
+    # only seen): a record of that span must name exactly its members, and its quorum counts them.
+    span_plans: dict[int, RoundPlan] = field(default_factory=dict)
+    # Plans of the elected coordinator that broke the rules, as (end step, term, attempt): no record
+    # of theirs is believed, here or in a chain a head names.
+    refused_spans: set[tuple[int, int, int]] = field(default_factory=set)
+    accepted: RoundPlan | None = None  # the latest plan taken from an elected coordinator
 
     @property
     def head_step(self) -> int:
@@ -180,20 +197,49 @@ class RoundBook:
         for a peer that is not among them (a joiner, or one dropped while away), the members of the
         latest plan seen on the topic; with no plan seen yet, ``head_members`` (the members the
         run's head names: with the live peers instead, a joiner refused the coordinator's
-        certificate, 2 votes where a quorum of its 4 live peers is 3, and stood itself); none
-        before the first span (then the live peers vote)."""
+        certificate, 2 votes where a quorum of its 4 live peers is 3, and stood itself); without
+        those, the members of the last record of our chain (a member that resumed its chain after
+        a stop of the whole run: nobody publishes plans or heads, and a quorum of those members
+        elects the run's next coordinator); none before the first span (then the live peers vote)."""
         if self.last_plan is not None and me in self.last_plan.members:
             return self.last_plan.members
-        return self.observed.members if self.observed is not None else tuple(head_members)
+        if self.observed is not None:
+            return self.observed.members
+        if head_members or not self.chain.records:
+            return tuple(head_members)
+        return self.chain.records[-1].record.members
 
     def resynced(self, chain: Chain) -> RoundBook:
         """The book of a member that loaded ``chain``'s head: plans and failures start afresh from
-        it; the roster seen on the topic and the plan gating's timers carry over."""
+        it; the roster seen on the topic, the spans' plans and the plan gating's timers carry over."""
         return RoundBook(
             self.task, self.task_cid, chain, self.total_steps, observed=self.observed,
             failed_peers=self.failed_peers, gone_peers=self.gone_peers, retry_after=self.retry_after,
             elected_at=self.elected_at, culprit_reported=self.culprit_reported, cancelled=self.cancelled,
+            span_plans=self.span_plans, refused_spans=self.refused_spans, accepted=self.accepted,
         )
+
+    def span_members(self, record: ModelRecord) -> tuple[str, ...] | None:
+        """The members of the plan that ``record``'s span ran under (the coordinator's latest plan
+        for the span ending at its step, of its term and last round), or None when this member knows
+        no such plan: then it cannot count the record's quorum, and does not take it up."""
+        plan = self.span_plans.get(record.step)
+        if plan is None or (plan.term, plan.attempt, plan.round + plan.rounds - 1) != (
+                record.term, record.attempt, record.round):
+            return None  # none, or another of the span's plans (a retry this member did not see)
+        return plan.members
+
+    def lineage_problem(self, records: Sequence[SignedModelRecord]) -> str | None:
+        """Why records a head's chain adds cannot be taken, by what this member saw of their spans:
+        a span whose plan it refused, or a record whose members are not its span's plan's."""
+        for signed in records:
+            r = signed.record
+            if (r.step, r.term, r.attempt) in self.refused_spans:
+                return f"model record v{r.version} ends a span whose plan broke the rules"
+            members = self.span_members(r)
+            if members is not None and tuple(r.members) != members:
+                return f"model record v{r.version} names other members than its span's plan"
+        return None
 
     # --- what the coordinator hears (inputs to decide) --------------------------------------------
 
@@ -267,6 +313,8 @@ class RoundBook:
             # e.g. it joined at step 0 and missed the records): it must not plan from its stale state.
             return Hold.BEHIND
         joining_possible = len(set(advertising) - quarantined) < self.task.peers.max
+        if last is None and self.chain.records and set(self.chain.records[-1].record.members) <= set(advertising):
+            joining_possible = False  # resumed, with every member of the last record back: start now
         if last is None and self.elected_at is not None and now - self.elected_at < FIRST_ROUND_GRACE_S \
                 and joining_possible:
             return Hold.WAIT
@@ -319,24 +367,27 @@ class RoundBook:
         if not election.is_coordinator:
             return None
         last = self.last_plan
+        # The members the next plan must keep a quorum of: the latest plan the members took from a
+        # coordinator (rule_problem checks it against the same plan).
+        previous = self.accepted.members if self.accepted is not None else ()
         if last is None:
             # A coordinator that (re)synced from the chain continues the round numbering after it.
             start_round = self.chain.records[-1].record.round + 1 if self.chain.records else 0
-            attempt, step, previous = 0, my_step, ()
+            attempt, step = 0, my_step
             if my_step != self.head_step:
                 return None  # a fresh run starts from the head of the chain
         elif self.failed_round is not None:
-            start_round, attempt, previous = self.failed_round, last.attempt + 1, last.members
+            start_round, attempt = self.failed_round, last.attempt + 1
             step = last.step + (self.failed_round - last.round)
         elif my_step == last.step + last.rounds:
-            start_round, attempt, step, previous = last.round + last.rounds, last.attempt, my_step, last.members
+            start_round, attempt, step = last.round + last.rounds, last.attempt, my_step
             if my_step not in (self.head_step, self.rejected_step) and not self._may_overlap(last, my_step, live):
                 return None  # barrier: the span's checkpoint is not confirmed (or rejected) yet
         elif last.term != election.term and last.step <= my_step < last.step + last.rounds:
             # Taking over a span the old coordinator did not finish: step back one round when we
             # can, since we may have applied a round that others did not complete.
             step = my_step - 1 if can_roll_back and my_step > last.step else my_step
-            start_round, attempt, previous = last.round + (step - last.step), last.attempt + 1, last.members
+            start_round, attempt = last.round + (step - last.step), last.attempt + 1
         else:
             return None  # the current span is still running
         if my_step not in (step, step + 1) or step >= self.total_steps:
@@ -374,12 +425,16 @@ class RoundBook:
             self.observed = plan
         if plan.term != election.term or sender != election.coordinator:
             return f"plan from {short_id(sender)} in term {plan.term}, not from the coordinator of term {election.term}"
+        broken = self.rule_problem(plan)
+        if broken is not None:
+            self.refused_spans.add((plan.step + plan.rounds, plan.term, plan.attempt))
+            return RuleBreak(broken)
+        accepted = self.accepted
+        if accepted is None or (plan.term, plan.round, plan.attempt) > (accepted.term, accepted.round, accepted.attempt):
+            self.accepted = plan
+        self._note_span(plan)
         if election.me not in plan.members:
             return "not a member of this span"
-        if len(set(plan.members)) != len(plan.members):
-            return "members are not distinct"
-        if plan.rounds < 1 or plan.step + plan.rounds > self.total_steps:
-            return f"a span of {plan.rounds} rounds from step {plan.step} does not fit the task"
         last = self.last_plan
         if last is not None and (plan.term, plan.round, plan.attempt) <= (last.term, last.round, last.attempt):
             return f"plan {plan.term}/{plan.round}.{plan.attempt} is not after {last.term}/{last.round}.{last.attempt}"
@@ -389,6 +444,23 @@ class RoundBook:
         self.culprit_reported = False  # it was about the plan this one supersedes
         return None
 
+    def rule_problem(self, plan: RoundPlan) -> str | None:
+        """Why the elected coordinator's ``plan`` breaks the run's rules
+        (:func:`~p2ptrain.training.plans.rule_problem`, against the latest plan accepted here)."""
+        return rule_problem(self.task, self.total_steps, plan, self.accepted)
+
+    def _note_span(self, plan: RoundPlan) -> None:
+        """Remember ``plan`` as its span's (the latest for the step it ends at), for the record of
+        that span; a few spans back are kept (at most one checkpoint is unsettled)."""
+        end = plan.step + plan.rounds
+        held = self.span_plans.get(end)
+        if held is None or (plan.term, plan.round, plan.attempt) > (held.term, held.round, held.attempt):
+            self.span_plans[end] = plan
+        for step in sorted(self.span_plans)[:-KEPT_SPAN_PLANS]:
+            del self.span_plans[step]
+        for refused in sorted(self.refused_spans)[:-KEPT_SPAN_PLANS]:
+            self.refused_spans.discard(refused)  # (end step first: the oldest spans go)
+
     def checkpoint_record(
         self,
         plan: RoundPlan,
@@ -397,8 +469,11 @@ class RoundBook:
         optimizer_cid: str,
         metrics: dict[str, float],
         key_pair: KeyPair,
+        votes: Sequence[SignedVote] = (),
     ) -> SignedModelRecord:
-        """As coordinator, after the last round of a span: the signed record that extends the chain.
+        """As coordinator, after the last round of a span: the signed record that extends the chain,
+        carrying ``votes`` (this coordinator's certificate of ``plan``'s term) for whoever checks
+        its election later.
 
         Non-finite metrics (a diverged evaluation) are left out: records are strict JSON.
         """
@@ -406,6 +481,6 @@ class RoundBook:
             task_cid=self.task_cid, version=self.chain.version + 1, parent=self.chain.head_cid,
             round=plan.round + plan.rounds - 1, step=step, members=plan.members,
             metrics={k: float(v) for k, v in sorted(metrics.items()) if math.isfinite(v)},
-            model_cid=model_cid, optimizer_cid=optimizer_cid, term=plan.term, coordinator="",
+            model_cid=model_cid, optimizer_cid=optimizer_cid, term=plan.term, coordinator="", attempt=plan.attempt,
         )
-        return sign_record(record, key_pair)
+        return sign_record(record, key_pair, certificate(votes, plan.members))

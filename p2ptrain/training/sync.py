@@ -28,9 +28,11 @@ import torch
 import trio
 from libp2p.peer.id import ID
 
-from p2ptrain.collective import Collective, SparseAllReducer
+from p2ptrain.collective import Collective, RoundSpec, SparseAllReducer
+from p2ptrain.collective.feedback import ErrorFeedback
 from p2ptrain.tensors import large_empty
-from p2ptrain.training.task import Task
+from p2ptrain.training import plans
+from p2ptrain.training.task import CompressionSpec, Task
 from p2ptrain.training.trainer import Average, StepResult, Trainer
 from p2ptrain.wire.messages import RoundPlan
 
@@ -88,41 +90,62 @@ class PlanAverager:
     ) -> None:
         self.task = task
         self.collective = collective
-        self.timeout = timeout
         # Members start a round at different moments (compute, plan latency): waiting for the
-        # neighbours to join may need longer than one hop.
-        self.start_timeout = start_timeout
-        c = task.compression
-        self.value_dtype = torch.float16 if c.fp16_values else torch.float32
-        self.reducer = (
-            SparseAllReducer(collective, density=c.density, value_dtype=self.value_dtype, robust=c.robust,
-                             quantize=c.values)
-            if c.error_feedback
-            else None
-        )
+        # neighbours to join may need longer than one hop (start_timeout).
+        self.spec = round_spec(task.compression, timeout=timeout, start_timeout=start_timeout)
+        self.reducer = SparseAllReducer(collective, self.spec) if task.compression.error_feedback else None
         self._out: torch.Tensor | None = None
+
+    def feedback_state(self) -> torch.Tensor | None:
+        """A copy of this member's error-feedback residual now (what it has not sent yet), to keep
+        with a checkpoint; None without error feedback or before the first round."""
+        feedback = self.reducer.feedback if self.reducer is not None else None
+        return None if feedback is None else feedback.residual.clone()
+
+    def restore_feedback(self, residual: torch.Tensor) -> None:
+        """Take ``residual`` (a :meth:`feedback_state` kept at the step the trainer was loaded at) as
+        this member's error feedback, so its next rounds send what it would have sent had it not
+        stopped. Without error feedback there is nothing to restore."""
+        if self.reducer is None:
+            return
+        if residual.dtype != torch.float32 or residual.dim() != 1:
+            raise ValueError(f"an error-feedback residual is flat float32, not {residual.dtype} {tuple(residual.shape)}")
+        feedback = ErrorFeedback(residual.numel(), momentum=self.reducer.momentum, clip_norm=self.reducer.clip_norm)
+        feedback.residual.copy_(residual)
+        self.reducer.feedback = feedback
 
     def for_plan(self, plan: RoundPlan) -> Average:
         """The ``average`` for the rounds of ``plan``: its members, in plan order, form the ring.
 
-        What it returns is valid until its next call (the buffer is reused).
+        What it returns is valid until its next call (the buffer is reused). Each round's top-k
+        choices are drawn from :func:`~p2ptrain.training.plans.round_seed` (the task's seed and the
+        round's number), not from its round id, which names the term and attempt too: a run that
+        stopped and resumed under a new term makes the very choices it would have made.
         """
         ring = [ID.from_base58(p) for p in plan.members]
+        seeds = {plans.round_id(plan, i): plans.round_seed(self.task, plan.round + i) for i in range(plan.rounds)}
 
         async def average(flat: torch.Tensor, round_id: int) -> torch.Tensor:
+            seed = seeds.get(round_id, round_id)
             if self.reducer is not None:
                 # One output buffer for every round: the trainer's step reads the average (as
                 # views) before the next round, and a fresh model-sized tensor per round costs
                 # page faults (huge pages: the round's fill and scatter into it are cheaper).
                 if self._out is None or self._out.numel() != flat.numel():
                     self._out = large_empty(flat.numel())
-                return await self.reducer.allreduce(
-                    flat, ring, round_id, out=self._out, timeout=self.timeout, start_timeout=self.start_timeout
-                )
-            return await self.collective.allreduce(
-                flat, ring, round_id, density=self.task.compression.density,
-                value_dtype=self.value_dtype, timeout=self.timeout, start_timeout=self.start_timeout,
-                robust=self.task.compression.robust,
-            )
+                return await self.reducer.allreduce(flat, ring, round_id, out=self._out, seed=seed)
+            return await self.collective.allreduce(flat, ring, round_id, self.spec, seed=seed)
 
         return average
+
+
+def round_spec(c: CompressionSpec, *, timeout: float = 5.0, start_timeout: float | None = None) -> RoundSpec:
+    """The rounds a task's ``[compression]`` asks for (already checked when the task was parsed).
+
+    ``fp16_values`` (or ``values = "fp16"``) sends float16 values, else float32; ``values = "int8"``
+    or ``"2bit"`` quantizes them (``c.values``). Without error feedback the one-shot sparse round of
+    :meth:`Collective.allreduce` quantizes nothing (the task parser refuses that combination).
+    """
+    return RoundSpec(density=c.density, value_dtype=torch.float16 if c.fp16_values else torch.float32,
+                     robust=c.robust, quantize=c.values if c.error_feedback else None, timeout=timeout,
+                     start_timeout=start_timeout)

@@ -22,7 +22,7 @@ from typing import Any
 from p2ptrain import boundedjson
 from p2ptrain.training import task_fields as fields
 from p2ptrain.training.models import ModelError, check_model
-from p2ptrain.training.task_fields import TaskError
+from p2ptrain.training.task_fields import TaskError as TaskError  # re-exported: the task's one error
 from p2ptrain.wire.messages import Capabilities
 
 # A base58 peer ID of an Ed25519 key is 52 characters; 128 leaves room for other key types.
@@ -37,6 +37,9 @@ MAX_PEERS = 128
 OPTIMIZERS = ("sgd", "adam", "adamw")
 SCHEDULES = ("constant", "warmup", "cosine")
 DEVICES = ("any", "cpu", "cuda")
+ADMISSION = ("open", "allowlist")  # peers.admission
+# An allowlist names at most this many peers (8x MAX_PEERS: room to rotate machines in and out).
+MAX_ALLOWED = 1024
 ROBUST = ("none", "clip")  # compression.robust: the plain mean, or each contribution's norm clipped to the median
 MODES = ("sync", "local_sgd")  # training.mode: one all-reduce per optimizer step, or DiLoCo-style outer steps
 OUTER_OPTIMIZERS = ("nesterov", "average")  # outer.optimizer
@@ -52,12 +55,25 @@ OUTER_MOMENTUM = 0.9
 OUTER_WAIT_S = 60.0
 
 
+# [model] name of a run of the user's own module (p2ptrain.Optimizer, p2ptrain.train): no builder
+# here; every member brings its module, and the task names its architecture card by CID.
+USER_MODEL = "user"
+
+
 @dataclass(frozen=True)
 class ModelSpec:
-    """A builder from :mod:`p2ptrain.training.models` and its keyword arguments (JSON scalars/lists)."""
+    """A builder from :mod:`p2ptrain.training.models` and its keyword arguments (JSON scalars/lists),
+    or, for a run of the user's own module (``name = "user"``), the CID of its architecture card
+    (:mod:`p2ptrain.training.fingerprint`: every tensor, the optimizer, the run's options)."""
 
     name: str
     kwargs: dict[str, Any] = field(default_factory=dict)
+    architecture: str | None = None  # name = "user" only
+
+    @property
+    def user(self) -> bool:
+        """Whether the members bring the module themselves (no builder of ours makes it)."""
+        return self.name == USER_MODEL
 
 
 @dataclass(frozen=True)
@@ -160,10 +176,23 @@ class CompressionSpec:
 
 @dataclass(frozen=True)
 class PeersSpec:
-    """How many members a round needs (``min``) and admits (``max``)."""
+    """How many members a round needs (``min``) and admits (``max``), and who may be one.
+
+    ``admission = "allowlist"`` (with ``allow``, the peer IDs that may be members) closes the run:
+    no other identity is planned, elected, counted in a quorum or believed in a chain, so made-up
+    identities (Sybils) cannot outvote the members. ``"open"`` (stored as no field, so the bytes of
+    tasks written before the option stay the same) admits any peer that meets the requirements;
+    docs/security.md says what a quorum of open members proves and what it does not.
+    """
 
     min: int = 1
     max: int = 64
+    admission: str | None = None  # None: "open"
+    allow: tuple[str, ...] | None = None  # admission = "allowlist" only
+
+    def admits(self, peer: str) -> bool:
+        """Whether ``peer`` may be a member of the run."""
+        return self.allow is None or peer in self.allow
 
 
 @dataclass(frozen=True)
@@ -186,8 +215,11 @@ class Task:
 
     name: str
     model: ModelSpec
-    dataset: DatasetSpec
-    optimizer: OptimizerSpec
+    # None: each member trains on its own data (a run of the user's own module and loop).
+    dataset: DatasetSpec | None
+    # None for a run of the user's own module: its optimizer is the members' own, described in the
+    # architecture card the model names.
+    optimizer: OptimizerSpec | None
     training: TrainingSpec
     schedule: ScheduleSpec = ScheduleSpec()
     compression: CompressionSpec = CompressionSpec()
@@ -220,53 +252,12 @@ def parse_task(data: dict[str, Any]) -> Task:
     initial_model = fields.cid(data, "initial_model", "", None)
     publisher = fields.text(data, "publisher", "", None, max_len=_MAX_PEER_LEN)
 
-    m = fields.table(data, "model", "", True)
-    fields.only(m, {"name", "kwargs"}, "model.")
-    kwargs_t = fields.table(m, "kwargs", "model.", False)
-    if len(kwargs_t) > 32:
-        raise TaskError("model.kwargs: more than 32 arguments")
-    model = ModelSpec(
-        name=fields.text(m, "name", "model."),
-        kwargs={k: fields.kwarg_value(v, f"model.kwargs.{k}") for k, v in sorted(kwargs_t.items())},
-    )
-
-    try:
-        check_model(model.name, model.kwargs)
-    except ModelError as exc:
-        raise TaskError(str(exc)) from None
-
-    d = fields.table(data, "dataset", "", True)
-    fields.only(d, {"manifest", "train_split", "test_split"}, "dataset.")
-    dataset = DatasetSpec(
-        manifest=fields.cid(d, "manifest", "dataset."),
-        train_split=fields.text(d, "train_split", "dataset.", "train"),
-        test_split=fields.text(d, "test_split", "dataset.", "test"),
-    )
-
-    o = fields.table(data, "optimizer", "", True)
-    fields.only(o, {"name", "lr", "momentum", "weight_decay", "beta1", "beta2", "eps"}, "optimizer.")
-    opt_name = fields.choice(o, "name", "optimizer.", OPTIMIZERS)
-    if opt_name == "sgd":
-        extra = sorted({"beta1", "beta2", "eps"} & set(o))
-        if extra:
-            raise TaskError(f"optimizer.{extra[0]}: only for adam/adamw")
-        optimizer = OptimizerSpec(
-            name=opt_name,
-            lr=fields.number(o, "lr", "optimizer.", lo=0.0, hi=10.0, lo_open=True),
-            weight_decay=fields.number(o, "weight_decay", "optimizer.", 0.0, 0.0, 1.0),
-            momentum=fields.number(o, "momentum", "optimizer.", 0.0, 0.0, 0.999),
-        )
-    else:
-        if "momentum" in o:
-            raise TaskError(f"optimizer.momentum: only for sgd ({opt_name} uses beta1/beta2)")
-        optimizer = OptimizerSpec(
-            name=opt_name,
-            lr=fields.number(o, "lr", "optimizer.", lo=0.0, hi=10.0, lo_open=True),
-            weight_decay=fields.number(o, "weight_decay", "optimizer.", 0.0, 0.0, 1.0),
-            beta1=fields.number(o, "beta1", "optimizer.", 0.9, 0.0, 0.9999),
-            beta2=fields.number(o, "beta2", "optimizer.", 0.999, 0.0, 0.99999),
-            eps=fields.number(o, "eps", "optimizer.", 1e-8, 0.0, 1.0, lo_open=True),
-        )
+    model = _model(fields.table(data, "model", "", True))
+    dataset = _dataset(data, required=not model.user)
+    optimizer = _optimizer(data) if not model.user else None
+    if model.user and "optimizer" in data:
+        raise TaskError('optimizer: a run of the members\' own model ([model] name = "user") uses their own '
+                        "optimizer, described in its architecture card")
 
     s = fields.table(data, "schedule", "", False)
     fields.only(s, {"name", "warmup_steps", "min_lr_ratio"}, "schedule.")
@@ -311,11 +302,7 @@ def parse_task(data: dict[str, Any]) -> Task:
     fields.only(c, {"density", "error_feedback", "fp16_values", "robust", "values"}, "compression.")
     compression = _compression(c)
 
-    p = fields.table(data, "peers", "", False)
-    fields.only(p, {"min", "max"}, "peers.")
-    peers = PeersSpec(min=fields.integer(p, "min", "peers.", 1, 1, MAX_PEERS), max=fields.integer(p, "max", "peers.", 64, 1, MAX_PEERS))
-    if peers.max < peers.min:
-        raise TaskError(f"peers.max: must be >= peers.min ({peers.min})")
+    peers = _peers(fields.table(data, "peers", "", False))
 
     r = fields.table(data, "requirements", "", False)
     fields.only(r, {"device", "min_memory_mb"}, "requirements.")
@@ -328,6 +315,93 @@ def parse_task(data: dict[str, Any]) -> Task:
         schedule=schedule, compression=compression, peers=peers, requirements=requirements,
         seed=seed, initial_model=initial_model, publisher=publisher, outer=outer,
     )
+
+
+def _model(m: dict[str, Any]) -> ModelSpec:
+    """``[model]``: a registry builder and its checked kwargs, or ``name = "user"`` with its
+    ``architecture`` card's CID."""
+    fields.only(m, {"name", "kwargs", "architecture"}, "model.")
+    kwargs_t = fields.table(m, "kwargs", "model.", False)
+    if len(kwargs_t) > 32:
+        raise TaskError("model.kwargs: more than 32 arguments")
+    model = ModelSpec(
+        name=fields.text(m, "name", "model."),
+        kwargs={k: fields.kwarg_value(v, f"model.kwargs.{k}") for k, v in sorted(kwargs_t.items())},
+        architecture=fields.cid(m, "architecture", "model.", None),
+    )
+    if model.user:
+        if model.architecture is None:
+            raise TaskError('model.architecture: a run of the members\' own model ([model] name = "user") names '
+                            "its architecture card by CID")
+        if model.kwargs:
+            raise TaskError('model.kwargs: not for name = "user" (the members build their own module)')
+        return model
+    if model.architecture is not None:
+        raise TaskError('model.architecture: only for name = "user"')
+    try:
+        check_model(model.name, model.kwargs)
+    except ModelError as exc:
+        raise TaskError(str(exc)) from None
+    return model
+
+
+def _dataset(data: dict[str, Any], required: bool) -> DatasetSpec | None:
+    """``[dataset]``: a manifest by CID and its split names; only a run of the user's own model may
+    have none (each member trains on its own data)."""
+    if not required and "dataset" not in data:
+        return None
+    d = fields.table(data, "dataset", "", True)
+    fields.only(d, {"manifest", "train_split", "test_split"}, "dataset.")
+    return DatasetSpec(
+        manifest=fields.cid(d, "manifest", "dataset."),
+        train_split=fields.text(d, "train_split", "dataset.", "train"),
+        test_split=fields.text(d, "test_split", "dataset.", "test"),
+    )
+
+
+def _optimizer(data: dict[str, Any]) -> OptimizerSpec:
+    """``[optimizer]``: the task's optimizer, which every member runs identically."""
+    o = fields.table(data, "optimizer", "", True)
+    fields.only(o, {"name", "lr", "momentum", "weight_decay", "beta1", "beta2", "eps"}, "optimizer.")
+    opt_name = fields.choice(o, "name", "optimizer.", OPTIMIZERS)
+    if opt_name == "sgd":
+        extra = sorted({"beta1", "beta2", "eps"} & set(o))
+        if extra:
+            raise TaskError(f"optimizer.{extra[0]}: only for adam/adamw")
+        return OptimizerSpec(
+            name=opt_name,
+            lr=fields.number(o, "lr", "optimizer.", lo=0.0, hi=10.0, lo_open=True),
+            weight_decay=fields.number(o, "weight_decay", "optimizer.", 0.0, 0.0, 1.0),
+            momentum=fields.number(o, "momentum", "optimizer.", 0.0, 0.0, 0.999),
+        )
+    if "momentum" in o:
+        raise TaskError(f"optimizer.momentum: only for sgd ({opt_name} uses beta1/beta2)")
+    return OptimizerSpec(
+        name=opt_name,
+        lr=fields.number(o, "lr", "optimizer.", lo=0.0, hi=10.0, lo_open=True),
+        weight_decay=fields.number(o, "weight_decay", "optimizer.", 0.0, 0.0, 1.0),
+        beta1=fields.number(o, "beta1", "optimizer.", 0.9, 0.0, 0.9999),
+        beta2=fields.number(o, "beta2", "optimizer.", 0.999, 0.0, 0.99999),
+        eps=fields.number(o, "eps", "optimizer.", 1e-8, 0.0, 1.0, lo_open=True),
+    )
+
+
+def _peers(p: dict[str, Any]) -> PeersSpec:
+    """``[peers]``: the member bounds and, with ``admission = "allowlist"``, who may be a member."""
+    fields.only(p, {"min", "max", "admission", "allow"}, "peers.")
+    lo = fields.integer(p, "min", "peers.", 1, 1, MAX_PEERS)
+    hi = fields.integer(p, "max", "peers.", 64, 1, MAX_PEERS)
+    if hi < lo:
+        raise TaskError(f"peers.max: must be >= peers.min ({lo})")
+    admission = fields.choice(p, "admission", "peers.", ADMISSION, "open")
+    if admission == "open":
+        if "allow" in p:
+            raise TaskError('peers.allow: only with admission = "allowlist"')
+        return PeersSpec(min=lo, max=hi)
+    allow = fields.peer_ids(p, "allow", "peers.", MAX_ALLOWED)
+    if len(allow) < lo:
+        raise TaskError(f"peers.allow: {len(allow)} peers can never make peers.min = {lo} members")
+    return PeersSpec(min=lo, max=hi, admission=admission, allow=allow)
 
 
 def _outer(data: dict[str, Any], training: TrainingSpec) -> OuterSpec | None:

@@ -122,6 +122,31 @@ def cid(table: dict[str, Any], key: str, where: str, default: Any = ...) -> Any:
     return value
 
 
+def peer_ids(table: dict[str, Any], key: str, where: str, max_items: int) -> tuple[str, ...]:
+    """A list of distinct peer IDs, each an Ed25519 key's (the only keys that sign here), sorted so
+    that the same set has the same bytes whatever order a person wrote it in."""
+    from libp2p.crypto.ed25519 import Ed25519PublicKey
+    from libp2p.peer.id import ID
+
+    value = table.get(key)
+    if not isinstance(value, list) or not value:
+        raise TaskError(f"{where}{key}: must be a non-empty list of peer IDs")
+    if len(value) > max_items:
+        raise TaskError(f"{where}{key}: more than {max_items} peer IDs")
+    for i, peer in enumerate(value):
+        if not isinstance(peer, str) or len(peer) > MAX_NAME_LEN:
+            raise TaskError(f"{where}{key}[{i}]: must be a peer ID")
+        try:
+            ok = isinstance(ID.from_base58(peer).extract_public_key(), Ed25519PublicKey)
+        except Exception:  # base58 and multihash parsing raise many kinds
+            ok = False
+        if not ok:
+            raise TaskError(f"{where}{key}[{i}]: {peer[:64]!r} is not the peer ID of an Ed25519 key")
+    if len(set(value)) != len(value):
+        raise TaskError(f"{where}{key}: a peer ID is listed twice")
+    return tuple(sorted(value))
+
+
 def kwarg_value(value: Any, where: str, nested_ok: bool = True) -> Any:
     """Model kwargs are JSON scalars or short flat lists of them: nothing that could carry code."""
     if type(value) in (bool, str) or finite_number(value):

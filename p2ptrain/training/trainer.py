@@ -30,7 +30,7 @@ from torch import nn
 
 from p2ptrain.tensors import all_finite
 from p2ptrain.training.batches import Batch, Metrics, evaluate_batches, loss_and_hits
-from p2ptrain.training.errors import TrainerError
+from p2ptrain.training.errors import TrainerError as TrainerError  # re-exported: callers catch it here
 from p2ptrain.training.models import HEADER_PER_TENSOR, HEADER_SLACK, build_model, file_bytes_bound
 from p2ptrain.training.optimizers import build_optimizer, lr_at
 from p2ptrain.training.records import (
@@ -123,6 +123,7 @@ class Trainer:
         device: str = "auto",
         precision: str = "fp32",
         model: nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
     ) -> None:
         if precision not in PRECISIONS:
             raise TrainerError(f"precision {precision!r}: must be one of {', '.join(PRECISIONS)}")
@@ -139,7 +140,7 @@ class Trainer:
             model = build_model(task.model.name, task.model.kwargs, task.seed)
         self.model = model.to(self.device)
         self.params = list(self.model.parameters())
-        self.optimizer = build_optimizer(task, self.params)
+        self.optimizer = optimizer if optimizer is not None else build_optimizer(task, self.params)
         self.step = 0
         self.pending: torch.Tensor | None = None
         self.pending_loss = math.nan
@@ -155,6 +156,18 @@ class Trainer:
     def can_roll_back(self) -> bool:
         """Whether the state before the last step is kept (see :meth:`rollback`)."""
         return self._snapshot is not None
+
+    @property
+    def batches_per_step(self) -> int:
+        """Batches one step's gradient takes: ``sync_interval``."""
+        return self.task.training.sync_interval
+
+    @property
+    def batch_position(self) -> int:
+        """Where the batches of the next gradient start in this member's stream of batches
+        (:class:`~p2ptrain.training.batches.PositionedBatches`): a function of the step alone (the
+        pending gradient, kept for a retry, took its step's batches already)."""
+        return (self.step + (self.pending is not None)) * self.batches_per_step
 
     @property
     def done(self) -> bool:
@@ -199,7 +212,7 @@ class Trainer:
             with self._autocast():
                 logits = self.model(x)
             loss, _hits, _n = loss_and_hits(logits, y)
-            (loss * (scale / k)).backward()
+            (loss * (scale / k)).backward()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
             total += float(loss.detach())
             classes = logits.shape[-1]
         self._check_first_loss(total / k, classes)
@@ -287,11 +300,48 @@ class Trainer:
         if self.step == plan_step + 1:
             self.rollback()
 
+    # --- buffers (BatchNorm's running statistics, ...) ------------------------------------------
+
+    def buffer_vector(self) -> torch.Tensor | None:
+        """The model's buffers (state that is not a parameter: running means, counters) as one flat
+        float32 vector, None when it has none. Members update them from their own data, so they are
+        averaged at every checkpoint (:meth:`load_buffer_vector`): the checkpoint's bytes, which
+        every member hashes, must be the same everywhere."""
+        params = {name for name, _ in self.model.named_parameters()}
+        buffers = [t for name, t in self.model.state_dict().items() if name not in params]
+        if not buffers:
+            return None
+        return torch.cat([t.detach().reshape(-1).to(device="cpu", dtype=torch.float32) for t in buffers])
+
+    def load_buffer_vector(self, flat: torch.Tensor) -> None:
+        """Set the buffers from :meth:`buffer_vector`'s layout (integer buffers rounded)."""
+        params = {name for name, _ in self.model.named_parameters()}
+        offset = 0
+        with torch.no_grad():
+            for name, tensor in self.model.state_dict().items():
+                if name in params:
+                    continue
+                n = tensor.numel()
+                part = flat[offset : offset + n].view_as(tensor)
+                if not tensor.is_floating_point():
+                    part = part.round()
+                tensor.copy_(part.to(dtype=tensor.dtype))
+                offset += n
+
+    def release_span(self) -> None:
+        """The span's checkpoint is taken (its state serialized): a trainer driven by the user's loop
+        lets the user's last step of the span return only now (:mod:`p2ptrain.training.user`)."""
+
     # --- evaluation --------------------------------------------------------------------------
 
     def evaluate(self, batches: Iterable[Batch]) -> Metrics:
         """Mean loss and accuracy over ``batches`` (e.g. ``batched(test_dataset, eval_batch_size)``)."""
         return evaluate_batches(self.model, batches, self.device, self._autocast)
+
+    def evaluate_own(self) -> dict[str, float]:
+        """The metrics of a run whose members bring their own data (none here: a task's trainer is
+        evaluated on the task's test split)."""
+        return {}
 
     def evaluate_snapshot(self, snapshot: StateSnapshot, batches: Iterable[Batch]) -> Metrics:
         """:meth:`evaluate` of the weights in ``snapshot``, while this trainer's own module may be
@@ -341,13 +391,19 @@ class Trainer:
     def _card(self) -> dict[str, Any]:
         return {"name": self.task.model.name, "kwargs": self.task.model.kwargs}
 
+    def optimizer_state_keys(self) -> frozenset[str]:
+        """The per-parameter state keys this trainer's optimizer keeps (what an optimizer file may
+        name, and how many model-sized tensors it may hold per parameter)."""
+        assert self.task.optimizer is not None, "a task of the registry names its optimizer"
+        return frozenset(_OPTIMIZER_STATE_KEYS[self.task.optimizer.name])
+
     def state_limits(self) -> tuple[int, int]:
         """The most bytes an honest (model, optimizer) checkpoint of this architecture can take:
         the bound for reading a checkpoint named by a peer, before anything is parsed."""
         model = file_bytes_bound(self.model.state_dict().values())
         # Each state key of the optimizer at most once per parameter and at most as large as it (a
         # scalar "step" takes 8 bytes, inside its header allowance); plus trainer.step.
-        keys = len(_OPTIMIZER_STATE_KEYS[self.task.optimizer.name])
+        keys = len(self.optimizer_state_keys())
         optim = keys * sum(p.numel() * p.element_size() + HEADER_PER_TENSOR for p in self.params)
         return model, optim + HEADER_SLACK + HEADER_PER_TENSOR + 8
 
@@ -366,7 +422,7 @@ class Trainer:
     ) -> None:
         if model_t is not None:
             self.model.load_state_dict(model_t, strict=True)
-        allowed = _OPTIMIZER_STATE_KEYS[self.task.optimizer.name]
+        allowed = self.optimizer_state_keys()
         state: dict[int, dict[str, torch.Tensor]] = {}
         for name, tensor in sorted(optim_t.items()):  # sorted: the first problem named is the same everywhere
             if name == "trainer.step":

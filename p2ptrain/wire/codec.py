@@ -151,7 +151,7 @@ def decode(data: bytes, now: float | None = None, types: MessageRegistry = MESSA
     if abs(now - ts) > MAX_CLOCK_SKEW_S:
         raise DecodeError("stale", f"timestamp {ts:.0f} is {now - ts:+.0f} s off")
     try:
-        msg = from_plain(cls, env["body"], mtype)
+        msg: Any = from_plain(cls, env["body"], mtype)
     except SchemaError as exc:
         raise DecodeError("schema", str(exc)) from None
     return Signed(sender=sender, seq=seq, ts=float(ts), msg=msg)

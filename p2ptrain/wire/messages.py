@@ -164,6 +164,23 @@ class RoundFailed:
 
 
 @dataclass(frozen=True)
+class Vote:
+    """A member's one vote in ``term``."""
+
+    task_cid: str = field(metadata=_CID)
+    term: int
+    candidate: str = field(metadata=_PEER)
+    voter: str = field(metadata=_PEER)
+
+
+@message("vote")
+@dataclass(frozen=True)
+class SignedVote:
+    vote: Vote
+    signature: str = field(metadata=_SIG)
+
+
+@dataclass(frozen=True)
 class ModelRecord:
     """One published global model: the unit of the run's history (a chain of confirmed records)."""
 
@@ -178,15 +195,23 @@ class ModelRecord:
     optimizer_cid: str = field(metadata=_CID)  # optimizer state, so a late joiner resumes exactly
     term: int
     coordinator: str = field(metadata=_PEER)
+    # The attempt of the span's plan (with ``term``): which of the span's plans, retries included,
+    # its members are; a member that holds that plan checks them against it.
+    attempt: int = 0
 
 
 @message("model_record")
 @dataclass(frozen=True)
 class SignedModelRecord:
-    """A model record with the coordinator's detached signature over its canonical bytes."""
+    """A model record with the coordinator's detached signature over its canonical bytes, and the
+    votes that elected the coordinator in the record's term (its certificate: each vote signed by
+    its voter, so they need no signature of the coordinator's). Anyone can then check, without
+    having seen the election, that a quorum of the record's members chose its signer
+    (:mod:`p2ptrain.training.lineage`)."""
 
     record: ModelRecord
     signature: str = field(metadata=_SIG)
+    votes: tuple[SignedVote, ...] = field(default=(), metadata={"max_items": 128})
 
 
 @dataclass(frozen=True)
@@ -208,6 +233,16 @@ class SignedAttestation:
     signature: str = field(metadata=_SIG)
 
 
+@dataclass(frozen=True)
+class ConfirmedRecord:
+    """A confirmed record as a chain keeps it (one line of ``chain.jsonl``, or of the chain a head
+    names): the signed record and the matching attestations of a quorum of its members, so that
+    whoever reads the chain later can check the confirmation instead of believing it."""
+
+    signed: SignedModelRecord
+    attestations: tuple[SignedAttestation, ...] = field(metadata={"max_items": 128})
+
+
 @message("vote_request")
 @dataclass(frozen=True)
 class VoteRequest:
@@ -216,23 +251,6 @@ class VoteRequest:
     task_cid: str = field(metadata=_CID)
     term: int
     candidate: str = field(metadata=_PEER)
-
-
-@dataclass(frozen=True)
-class Vote:
-    """A member's one vote in ``term``."""
-
-    task_cid: str = field(metadata=_CID)
-    term: int
-    candidate: str = field(metadata=_PEER)
-    voter: str = field(metadata=_PEER)
-
-
-@message("vote")
-@dataclass(frozen=True)
-class SignedVote:
-    vote: Vote
-    signature: str = field(metadata=_SIG)
 
 
 @message("coordinator")
@@ -301,3 +319,13 @@ class ModelServed:
 
     model_cid: str = field(metadata=_CID)
     url: str = field(metadata={"max_len": 256})
+
+
+@message("task_resume")
+@dataclass(frozen=True)
+class TaskResume:
+    """The task's publisher continues a run it cancelled (``p2ptrain task resume``): members forget
+    the cancel and resume the run from the confirmed chain on their homes. Published on the tasks
+    topic; obeyed, like :class:`TaskCancel`, only from the peer the task file names as ``publisher``."""
+
+    task_cid: str = field(metadata=_CID)

@@ -10,8 +10,8 @@ What a peer sends is only ever *dequantized* (``code * scale`` in float32, the s
 every member), never trusted for its size: :func:`decode` checks the exact length for the expected
 count before it reads anything, and refuses non-finite or negative scales, int8 values that
 overflow float32 (a scale above its max / 127), the int8 code -128 and non-zero padding bits, with
-one error, :class:`QuantError`. The sender's error feedback keeps ``v - dequantize(quantize(v))``, so nothing the quantization drops is lost
-(tests/wire/test_quantized.py pins the bytes).
+one error, :class:`QuantError`. The sender's error feedback keeps ``v - dequantize(quantize(v))``,
+so nothing the quantization drops is lost (tests/wire/test_quantized.py pins the bytes).
 """
 
 from __future__ import annotations

@@ -105,7 +105,7 @@ def _check(value: Any, tp: Any, where: str, meta: dict[str, Any]) -> Any:
             _check(k, str, f"{where} key", {}): _check(v, val_tp, f"{where}.{k}", {})
             for k, v in value.items()
         }
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         return from_plain(tp, value, where)
     raise TypeError(f"unsupported schema type {tp!r} at {where}")
 
@@ -123,7 +123,7 @@ def from_plain(cls: type[T], data: Any, where: str = "body") -> T:
     unknown ones (an ``EXTENSIBLE`` type skips up to :data:`MAX_UNKNOWN_FIELDS` well-named ones)."""
     if type(data) is not dict:
         raise SchemaError(f"{where}: expected an object")
-    hints, fields = _layout(cls)
+    hints, fields = _layout(cls)  # type: ignore[arg-type]  # a class is hashable
     unknown = set(data) - set(fields)
     if unknown:
         if not getattr(cls, "EXTENSIBLE", False):

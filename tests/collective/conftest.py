@@ -114,21 +114,21 @@ class LocalMember:
     ring: LocalRing
     index: int
 
-    async def dense_round(self, data, ring, round_id, *, op="mean", **_):
-        result = await self.ring.meet((round_id, "dense"), self.index, data.clone(), lambda xs: ring_sum(xs, op == "mean"))
+    async def dense_round(self, data, ring, round_id, spec):
+        result = await self.ring.meet((round_id, "dense"), self.index, data.clone(), lambda xs: ring_sum(xs, spec.average))
         data.copy_(result)
 
-    async def sparse_round(self, source, ring, round_id, *, sizes, ks, select, value_dtype, op="mean", prepare=None, **_):
+    async def sparse_round(self, source, ring, round_id, spec, *, sizes, ks, select, prepare=None, seed=None):
         size = self.ring.size
         if prepare is not None:
             prepare()
         ranges = slice_ranges(sizes, ks, size)
-        mine = slice_of(self.index, round_id, size)
+        mine = slice_of(self.index, round_id if seed is None else seed, size)
         chosen = select(ranges[mine])
         per_slice = await self.ring.meet((round_id, "idx"), self.index, (mine, chosen), dict)
         indices = assemble([per_slice[m] for m in range(size)], ranges)
-        values = source.index_select(0, indices).to(value_dtype)
-        reduced = await self.ring.meet((round_id, "values"), self.index, values, lambda xs: ring_sum(xs, op == "mean"))
+        values = source.index_select(0, indices).to(spec.values_of(source.dtype))
+        reduced = await self.ring.meet((round_id, "values"), self.index, values, lambda xs: ring_sum(xs, spec.average))
         return indices, reduced.clone()
 
 

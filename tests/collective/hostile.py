@@ -17,7 +17,7 @@ from contextlib import asynccontextmanager
 import torch
 import trio
 
-from p2ptrain.collective import Collective, SparseAllReducer
+from p2ptrain.collective import Collective, RoundSpec, SparseAllReducer
 from p2ptrain.testing import connected_hosts
 
 ROUND_TIMEOUT_S = 20.0  # one training round of four members, generous for a loaded machine
@@ -34,11 +34,12 @@ class Hostile:
         self.collective = collective
         self.factor = factor
 
-    async def dense_round(self, data: torch.Tensor, ring: list, round_id: int, **options) -> None:
+    async def dense_round(self, data: torch.Tensor, ring: list, round_id: int, spec: RoundSpec) -> None:
         data.mul_(self.factor)  # the reducer sends a copy of its accumulated gradient; the result overwrites it
-        await self.collective.dense_round(data, ring, round_id, **options)
+        await self.collective.dense_round(data, ring, round_id, spec)
 
-    async def sparse_round(self, source: torch.Tensor, ring: list, round_id: int, *, prepare=None, **options):
+    async def sparse_round(self, source: torch.Tensor, ring: list, round_id: int, spec: RoundSpec, *, prepare=None,
+                           **options):
         # ``source`` is filled by ``prepare`` (in a worker thread) and read only after it: transform
         # it there, into a tensor of our own, leaving the reducer's accumulated gradient honest.
         sent = torch.empty_like(source)
@@ -48,7 +49,7 @@ class Hostile:
                 prepare()
             torch.mul(source, self.factor, out=sent)
 
-        return await self.collective.sparse_round(sent, ring, round_id, prepare=hostile_prepare, **options)
+        return await self.collective.sparse_round(sent, ring, round_id, spec, prepare=hostile_prepare, **options)
 
 
 @asynccontextmanager
@@ -58,11 +59,11 @@ async def hosts(n: int) -> AsyncIterator[list[Collective]]:
         yield [Collective(peer.host) for peer in peers]
 
 
-async def average_gradients(reducer: SparseAllReducer, model: torch.nn.Module, ring: list, round_id: int, **options) -> None:
+async def average_gradients(reducer: SparseAllReducer, model: torch.nn.Module, ring: list, round_id: int) -> None:
     """What a node does with a round: the model's flat gradient through the reducer (top-k over the
     whole vector), the members' mean written back as every parameter's ``.grad``."""
     params = list(model.parameters())
-    mean = await reducer.allreduce(torch.cat([p.grad.reshape(-1) for p in params]), ring, round_id, **options)
+    mean = await reducer.allreduce(torch.cat([p.grad.reshape(-1) for p in params]), ring, round_id)
     offset = 0
     for p in params:
         p.grad.copy_(mean[offset : offset + p.numel()].view_as(p))
@@ -98,8 +99,9 @@ async def train_digits(
     size = len(collectives)
     ring = [c.peer_id for c in collectives]
     models = [mlp() for _ in range(size)]
+    spec = RoundSpec(density=density, robust=robust, timeout=ROUND_TIMEOUT_S)
     reducers = [
-        SparseAllReducer(Hostile(c, hostile[i]) if i in hostile else c, density=density, robust=robust)
+        SparseAllReducer(Hostile(c, hostile[i]) if i in hostile else c, spec)
         for i, c in enumerate(collectives)
     ]
     optimizers = [torch.optim.SGD(m.parameters(), lr=lr) for m in models]
@@ -110,7 +112,7 @@ async def train_digits(
         chosen = shards[i][pick]
         optimizers[i].zero_grad()
         torch.nn.functional.cross_entropy(models[i](x[chosen]), y[chosen]).backward()
-        await average_gradients(reducers[i], models[i], ring, first_round + step, timeout=ROUND_TIMEOUT_S)
+        await average_gradients(reducers[i], models[i], ring, first_round + step)
         optimizers[i].step()
 
     for step in range(steps):

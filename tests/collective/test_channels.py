@@ -6,7 +6,7 @@ import torch
 import trio
 from multiaddr import Multiaddr
 
-from p2ptrain.collective import Collective, PeerFailed
+from p2ptrain.collective import Collective, PeerFailed, RoundSpec
 from p2ptrain.net.relay import Relaying, over_relay
 from p2ptrain.testing import connected_hosts
 
@@ -15,9 +15,9 @@ def _inputs(n: int, size: int) -> list[torch.Tensor]:
     return [torch.randn(n, generator=torch.Generator().manual_seed(i)) for i in range(size)]
 
 
-def _calls(peers, xs, ring, round_id, **options):
+def _calls(peers, xs, ring, round_id, spec=RoundSpec()):
     """One all-reduce call per peer, for ``gather``."""
-    return [lambda i=i: peers[i].collective.allreduce(xs[i], ring, round_id, **options) for i in range(len(peers))]
+    return [lambda i=i: peers[i].collective.allreduce(xs[i], ring, round_id, spec) for i in range(len(peers))]
 
 
 async def test_clean_rounds_reuse_their_channels(cluster, gather):
@@ -28,7 +28,7 @@ async def test_clean_rounds_reuse_their_channels(cluster, gather):
         expected = torch.stack(xs).sum(0) / 4
         for rid in range(1, 7):
             density = 1.0 if rid % 3 == 0 else 0.01
-            outs = await gather(_calls(peers, xs, ring, rid, density=density))
+            outs = await gather(_calls(peers, xs, ring, rid, RoundSpec(density=density)))
             assert all(out.equal(outs[0]) for out in outs), rid
             if density == 1.0:
                 assert torch.allclose(outs[0], expected, atol=1e-6)
@@ -66,7 +66,7 @@ async def test_after_a_failed_round_the_next_one_runs_on_fresh_channels(cluster,
         # Peer 2 disagrees on the ring's order: the round fails on everyone, mid-handshake.
         wrong = [ring[0], ring[2], ring[1]]
         outs = await gather([
-            lambda i=i: peers[i].collective.allreduce(xs[i], wrong if i == 2 else ring, 2, timeout=2.0)
+            lambda i=i: peers[i].collective.allreduce(xs[i], wrong if i == 2 else ring, 2, RoundSpec(timeout=2.0))
             for i in range(3)
         ], deadline=30)
         assert all(isinstance(out, PeerFailed) for out in outs), outs
@@ -74,7 +74,7 @@ async def test_after_a_failed_round_the_next_one_runs_on_fresh_channels(cluster,
         for out in outs:
             assert out.equal(outs[0])
             assert torch.allclose(out, expected, atol=1e-6)
-        outs = await gather(_calls(peers, xs, ring, 4, density=0.05))
+        outs = await gather(_calls(peers, xs, ring, 4, RoundSpec(density=0.05)))
         assert all(out.equal(outs[0]) for out in outs)
 
 
@@ -106,12 +106,12 @@ async def test_after_a_direct_connection_appears_the_rounds_leave_the_relay(gath
                 if direct:
                     with trio.fail_after(30):
                         await a.host.get_network().dial_addr(b.host.get_addrs()[0], b.id)
-                outs = await gather([lambda i=i: peers[i].allreduce(xs[i], ring, rid, density=1.0) for i in range(2)])
+                outs = await gather([lambda i=i: peers[i].allreduce(xs[i], ring, rid, RoundSpec(density=1.0)) for i in range(2)])
                 for out in outs:
                     assert torch.allclose(out, expected, atol=1e-6)
                 channels = idle_channels()
                 assert len(channels) == 2 and all(over_relay(c.connection) is not direct for c in channels), rid
             forwarded = relays[0].protocol.relayed_bytes
-            outs = await gather([lambda i=i: peers[i].allreduce(xs[i], ring, 3, density=1.0) for i in range(2)])
+            outs = await gather([lambda i=i: peers[i].allreduce(xs[i], ring, 3, RoundSpec(density=1.0)) for i in range(2)])
             assert relays[0].protocol.relayed_bytes == forwarded  # round 3 reused the direct channels
             nursery.cancel_scope.cancel()

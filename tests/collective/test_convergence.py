@@ -13,7 +13,7 @@ import pytest
 import torch
 import trio
 
-from p2ptrain.collective import SparseAllReducer
+from p2ptrain.collective import RoundSpec, SparseAllReducer
 
 # What a node does with a round and the digits split: one copy, shared with test_robust.py.
 _spec = importlib.util.spec_from_file_location("p2ptrain_test_hostile", Path(__file__).with_name("hostile.py"))
@@ -33,7 +33,7 @@ async def train(local_ring, density: float) -> tuple[float, list[torch.nn.Module
     ring = local_ring(PEERS)
     members = list(range(PEERS))  # LocalRing ignores the ring's contents, only its order matters
     models = [model() for _ in members]
-    reducers = [SparseAllReducer(ring.member(i), density=density) for i in members]
+    reducers = [SparseAllReducer(ring.member(i), RoundSpec(density=density)) for i in members]
     optimizers = [torch.optim.SGD(m.parameters(), lr=LR) for m in models]
     shards = [train_idx[i::PEERS] for i in members]
 

@@ -12,7 +12,7 @@ import torch
 import trio
 from safetensors.torch import load_file, save_file
 
-from p2ptrain.collective import CollectiveError
+from p2ptrain.collective import CollectiveError, RoundSpec
 
 SIZES = [1, 2, 7, 1001, 65_537]
 GLOO = Path(__file__).with_name("gloo_reference.py")
@@ -55,7 +55,7 @@ async def test_dense_matches_gloo_and_is_bitwise_identical(cluster, gather, tmp_
                 rid = round_id * 2 + (op == "mean")
                 outs = await gather(
                     [
-                        lambda p=p, r=r: p.collective.allreduce(data[n][r], ring, rid, op=op)
+                        lambda p=p, r=r: p.collective.allreduce(data[n][r], ring, rid, RoundSpec(op=op))
                         for r, p in enumerate(peers)
                     ]
                 )
@@ -104,7 +104,7 @@ async def test_round_ids_are_single_use_and_rings_must_agree(cluster, gather):
         # Peer 2 thinks the tensor is longer: every member fails, nothing is summed.
         outs = await gather(
             [
-                lambda p=p, i=i: p.collective.allreduce(torch.ones(11 if i == 2 else 10), ring, 2, timeout=3)
+                lambda p=p, i=i: p.collective.allreduce(torch.ones(11 if i == 2 else 10), ring, 2, RoundSpec(timeout=3))
                 for i, p in enumerate(peers)
             ]
         )

@@ -6,7 +6,7 @@ import pytest
 import torch
 import trio
 
-from p2ptrain.collective import BadPayload, PeerFailed
+from p2ptrain.collective import BadPayload, PeerFailed, RoundSpec
 from p2ptrain.collective.endpoint import dense_description, sparse_description
 from p2ptrain.collective.ring import chunk_bounds
 from p2ptrain.collective.sparse import encode_indices, slice_of, slice_ranges
@@ -24,7 +24,7 @@ async def test_killed_peer_fails_the_round_on_every_survivor(cluster, gather):
 
         async def member(i):
             try:
-                return await peers[i].collective.allreduce(xs[i], ring, 1, timeout=timeout)
+                return await peers[i].collective.allreduce(xs[i], ring, 1, RoundSpec(timeout=timeout))
             finally:
                 failed_at[i] = trio.current_time()
 
@@ -54,7 +54,7 @@ async def test_peer_that_never_joins_is_named_within_the_start_deadline(cluster,
         ring = [p.id for p in peers]
         x = torch.ones(1000)
         outs = await gather(
-            [lambda p=p: p.collective.allreduce(x, ring, 5, timeout=1.5) for p in peers[:2]], deadline=10
+            [lambda p=p: p.collective.allreduce(x, ring, 5, RoundSpec(timeout=1.5)) for p in peers[:2]], deadline=10
         )
     assert all(isinstance(o, PeerFailed) and o.peer_id == ring[2] for o in outs), outs
 
@@ -104,9 +104,9 @@ async def test_bad_dense_payload_is_rejected_naming_the_sender(cluster, gather, 
         frames = [BAD_DENSE[case](rid, count)]
         outs = await gather(
             [
-                lambda: peers[0].collective.allreduce(torch.ones(n), ring, rid, timeout=3),
+                lambda: peers[0].collective.allreduce(torch.ones(n), ring, rid, RoundSpec(timeout=3)),
                 lambda: _evil_member(peers[1], ring, rid, dense_description(n, torch.float32, "mean"), frames),
-                lambda: peers[2].collective.allreduce(torch.ones(n), ring, rid, timeout=3),
+                lambda: peers[2].collective.allreduce(torch.ones(n), ring, rid, RoundSpec(timeout=3)),
             ],
             deadline=20,
         )
@@ -137,7 +137,7 @@ async def test_bad_index_set_from_a_member_is_rejected(cluster, gather, case):
 
     def honest(i):
         x = torch.randn(n)
-        return lambda: peers[i].collective.allreduce(x, ring, rid, density=k / n, timeout=3)
+        return lambda: peers[i].collective.allreduce(x, ring, rid, RoundSpec(density=k / n, timeout=3))
 
     async with cluster(3) as peers:
         ring = [p.id for p in peers]
@@ -154,7 +154,8 @@ async def test_local_nan_is_refused_and_the_others_hear_at_once(cluster, gather)
         ring = [p.id for p in peers]
         xs = [torch.ones(100), torch.ones(100), torch.ones(100)]
         xs[0][5] = float("nan")
-        outs = await gather([lambda p=p, x=x: p.collective.allreduce(x, ring, 4, timeout=3) for p, x in zip(peers, xs)])
+        outs = await gather([lambda p=p, x=x: p.collective.allreduce(x, ring, 4, RoundSpec(timeout=3))
+                             for p, x in zip(peers, xs)])
     assert isinstance(outs[0], ValueError), outs[0]
     for out in outs[1:]:
         assert isinstance(out, PeerFailed) and out.peer_id == ring[0], out
@@ -171,14 +172,16 @@ async def test_peer_that_stalls_mid_round_is_named_by_everyone(cluster, gather, 
         description, mesh = dense_description(n, torch.float32, "mean"), False
     async with cluster(4) as peers:
         ring = [p.id for p in peers]
-        stalled = lambda: _evil_member(peers[2], ring, rid, description, [], mesh=mesh)
+        def stalled():
+            return _evil_member(peers[2], ring, rid, description, [], mesh=mesh)
+
         started = trio.current_time()
         ended = {}
 
         async def honest(i):
             try:
                 x = torch.randn(n)
-                return await peers[i].collective.allreduce(x, ring, rid, density=density, timeout=timeout)
+                return await peers[i].collective.allreduce(x, ring, rid, RoundSpec(density=density, timeout=timeout))
             finally:
                 ended[i] = trio.current_time()
 
@@ -207,7 +210,7 @@ async def test_a_member_that_joins_after_the_others_gave_up_learns_it_was_named(
         for p in peers:  # every member has the plan (as the runtime tells the hub), peer 2 too
             p.collective.hub.expect(ring)
         outs = await gather(
-            [lambda p=p: p.collective.allreduce(torch.ones(n), ring, rid, density=density, timeout=start)
+            [lambda p=p: p.collective.allreduce(torch.ones(n), ring, rid, RoundSpec(density=density, timeout=start))
              for p in peers[:2]],
             deadline=10,
         )
@@ -222,7 +225,7 @@ async def test_a_member_that_joins_after_the_others_gave_up_learns_it_was_named(
             hub._early_aborts.clear()  # as if the notice never arrived
         began = trio.current_time()
         late, = await gather(
-            [lambda: peers[2].collective.allreduce(torch.ones(n), ring, rid, density=density, timeout=5.0)],
+            [lambda: peers[2].collective.allreduce(torch.ones(n), ring, rid, RoundSpec(density=density, timeout=5.0))],
             deadline=10,
         )
         assert isinstance(late, PeerFailed) and late.peer_id == ring[2], late
@@ -252,7 +255,7 @@ async def test_a_member_whose_join_is_dropped_waits_for_the_notice_that_explains
             await hub.broadcast_abort(ring, rid, ring[3], "cannot reach it")
 
         outs = await gather(
-            [lambda p=p: p.collective.allreduce(torch.ones(1000), ring, rid, timeout=3) for p in peers[:2]]
+            [lambda p=p: p.collective.allreduce(torch.ones(1000), ring, rid, RoundSpec(timeout=3)) for p in peers[:2]]
             + [member_2_fails_on_peer_3],
             deadline=10,
         )

@@ -8,7 +8,7 @@ import os
 import torch
 import trio
 
-from p2ptrain.collective import rounds
+from p2ptrain.collective import RoundSpec, rounds
 from p2ptrain.net.streams import ChannelError, open_channel
 from p2ptrain.wire.frames import PROTOCOL, Header, Kind
 
@@ -54,7 +54,7 @@ async def test_outsider_hellos_do_not_block_a_real_round(cluster, gather):
                     nursery.start_soon(_park_hellos, outsider.host, member.id, FLOOD, 1000, held)
         data = [torch.full((4096,), float(i + 1)) for i in range(3)]
         results = await gather([
-            (lambda p=p, d=d: p.collective.allreduce(d, ring, 7, timeout=5.0, start_timeout=10.0))
+            (lambda p=p, d=d: p.collective.allreduce(d, ring, 7, RoundSpec(timeout=5.0, start_timeout=10.0)))
             for p, d in zip(members, data)
         ])
         for result in results:
@@ -83,7 +83,7 @@ async def test_a_member_parks_at_most_its_share(cluster, gather):
         # A real round between them still runs (its HELLO is retried once a slot frees or the
         # round opens here, which admits its members).
         results = await gather([
-            (lambda p=p: p.collective.allreduce(torch.ones(64), [a.id, b.id], 9, timeout=5.0))
+            (lambda p=p: p.collective.allreduce(torch.ones(64), [a.id, b.id], 9, RoundSpec(timeout=5.0)))
             for p in peers
         ])
         assert all(isinstance(r, torch.Tensor) for r in results), results
@@ -115,6 +115,6 @@ async def test_a_handler_exception_is_a_counted_reset_and_the_host_keeps_serving
                 pass  # reset by b's boundary
         assert b.collective.hub.stats()["handler_error"] == 1
         results = await gather([
-            (lambda p=p: p.collective.allreduce(torch.ones(64), [a.id, b.id], 2, timeout=5.0)) for p in peers
+            (lambda p=p: p.collective.allreduce(torch.ones(64), [a.id, b.id], 2, RoundSpec(timeout=5.0))) for p in peers
         ])
         assert all(isinstance(r, torch.Tensor) for r in results), results

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import p2ptrain.collective.quantized as quantized_round
-from p2ptrain.collective import BadPayload, SparseAllReducer
+from p2ptrain.collective import BadPayload, RoundSpec, SparseAllReducer
 from p2ptrain.wire.quantized import roundtrip
 
 WORLD, N = 4, 20_000
@@ -20,7 +20,7 @@ async def test_quantized_sparse_rounds_agree_bitwise_and_keep_the_rounding(clust
     grads = [[torch.randn(N, generator=torch.Generator().manual_seed(10 * s + i)) for i in range(WORLD)] for s in range(2)]
     async with cluster(WORLD) as peers:
         ring = [p.id for p in peers]
-        reducers = [SparseAllReducer(p.collective, density=0.02, quantize=kind) for p in peers]
+        reducers = [SparseAllReducer(p.collective, RoundSpec(density=0.02, quantize=kind)) for p in peers]
         for step in range(2):
             # What each member will send: its residual + gradient at the round's indices, quantized.
             before = [(r.feedback.residual.clone() if r.feedback else torch.zeros(N)) + g
@@ -55,7 +55,7 @@ async def test_a_member_sending_malformed_values_is_refused_named_and_counted(cl
     monkeypatch.setattr(quantized_round, "decode", decode)
     async with cluster(3) as peers:
         ring = [p.id for p in peers]
-        reducers = [SparseAllReducer(p.collective, density=0.05, quantize="2bit") for p in peers]
+        reducers = [SparseAllReducer(p.collective, RoundSpec(density=0.05, quantize="2bit")) for p in peers]
         grads = [torch.randn(N) for _ in peers]
 
         async def bad() -> torch.Tensor:

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from p2ptrain.collective import CollectiveError, PeerFailed, SparseAllReducer
+from p2ptrain.collective import CollectiveError, PeerFailed, RoundSpec, SparseAllReducer
 from p2ptrain.collective.ring import chunk_bounds
 from p2ptrain.collective.robust import clip_scales, contribution_norm, exact_norm, median_radius
 from p2ptrain.training.task import load_task
@@ -70,11 +70,9 @@ def clip_bound(honest: list[torch.Tensor], factor: float, *, rounding: float = 1
 async def one_round(peers, gather, xs, factor, *, density, robust, round_id, value_dtype=torch.float32, quantize=None):
     """One SparseAllReducer round (fresh residuals: sent = the input at the agreed indices)."""
     ring = [p.id for p in peers]
+    spec = RoundSpec(density=density, robust=robust, value_dtype=value_dtype, quantize=quantize)
     reducers = [
-        SparseAllReducer(
-            hostile.Hostile(p.collective, factor) if i == BAD else p.collective, density=density, robust=robust,
-            value_dtype=value_dtype, quantize=quantize,
-        )
+        SparseAllReducer(hostile.Hostile(p.collective, factor) if i == BAD else p.collective, spec)
         for i, p in enumerate(peers)
     ]
     results = await gather([lambda r=r, x=x: r.allreduce(x, ring, round_id) for r, x in zip(reducers, xs)])
@@ -92,7 +90,8 @@ async def test_clip_bounds_a_hostile_member_and_honest_results_stay_identical(cl
     xs = contributions(20_000)
     async with cluster(WORLD, segment_bytes=4096) as peers:  # several segments per chunk
         clipped, indices = await one_round(peers, gather, xs, factor, density=density, robust="clip", round_id=1)
-        plain, plain_indices = await one_round(peers, gather, xs, factor, density=density, robust="none", round_id=1 + WORLD)  # same slice owners
+        plain, plain_indices = await one_round(peers, gather, xs, factor, density=density, robust="none",
+                                               round_id=1 + WORLD)  # same slice owners
     for r in clipped[:BAD]:
         assert r.equal(clipped[0])  # every honest member holds the same bits
     for r in plain[:BAD]:
@@ -174,7 +173,7 @@ async def test_without_a_hostile_member_clip_in_the_direct_exchange_matches_the_
     async with cluster(WORLD, segment_bytes=8192) as peers:
         ring = [p.id for p in peers]
         ringed = await gather([lambda p=p: p.collective.allreduce(x, ring, 1) for p in peers])
-        direct = await gather([lambda p=p: p.collective.allreduce(x, ring, 2, robust="clip") for p in peers])
+        direct = await gather([lambda p=p: p.collective.allreduce(x, ring, 2, RoundSpec(robust="clip")) for p in peers])
     for i in range(WORLD):
         assert direct[i].equal(ringed[0]) and ringed[i].equal(ringed[0])
 
@@ -184,11 +183,11 @@ async def test_members_that_disagree_on_the_rule_fail_the_round_at_once(cluster,
     async with cluster(2) as peers:
         ring = [p.id for p in peers]
         results = await gather([
-            lambda: peers[0].collective.allreduce(x, ring, 1, density=0.1, robust="clip", timeout=10),
-            lambda: peers[1].collective.allreduce(x, ring, 1, density=0.1, timeout=10),
+            lambda: peers[0].collective.allreduce(x, ring, 1, RoundSpec(density=0.1, robust="clip", timeout=10)),
+            lambda: peers[1].collective.allreduce(x, ring, 1, RoundSpec(density=0.1, timeout=10)),
         ])
         with pytest.raises(CollectiveError):
-            await peers[0].collective.allreduce(x, ring, 2, robust="median")
+            await peers[0].collective.allreduce(x, ring, 2, RoundSpec(robust="median"))
     for result in results:
         assert isinstance(result, PeerFailed) and "disagrees" in str(result)
 

@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from p2ptrain.collective import ErrorFeedback, SparseAllReducer
+from p2ptrain.collective import ErrorFeedback, RoundSpec, SparseAllReducer
 from p2ptrain.collective.sparse import (
     assemble,
     bucket_ks,
@@ -165,14 +165,14 @@ async def test_density_one_sparse_path_equals_dense_bitwise(cluster, gather):
     async with cluster(world, segment_bytes=8192) as peers:
         ring = [p.id for p in peers]
         dense = await gather([lambda p=p, x=x: p.collective.allreduce(x, ring, 1) for p, x in zip(peers, xs)])
-        reducers = [SparseAllReducer(p.collective, density=1.0) for p in peers]
+        reducers = [SparseAllReducer(p.collective, RoundSpec(density=1.0)) for p in peers]
         via_reducer = await gather([lambda r=r, x=x: r.allreduce(x, ring, 2) for r, x in zip(reducers, xs)])
         # The CLT-k machinery itself with every index selected: the same chunks, the same bits.
         all_idx = torch.arange(n)
         clt = await gather(
             [
                 lambda p=p, x=x: p.collective.sparse_round(
-                    x, ring, 3, sizes=[n], ks=[n], value_dtype=torch.float32,
+                    x, ring, 3, RoundSpec(value_dtype=torch.float32), sizes=[n], ks=[n],
                     select=lambda ranges: torch.cat([torch.arange(a, b) for a, b, _ in ranges]),
                 )
                 for p, x in zip(peers, xs)
@@ -192,8 +192,8 @@ async def test_sparse_rounds_over_hosts_match_the_in_process_ring_bitwise(cluste
     local = local_ring(world)
     async with cluster(world, segment_bytes=16_384) as peers:
         ring = [p.id for p in peers]
-        net = [SparseAllReducer(p.collective, density=0.01, value_dtype=torch.float16) for p in peers]
-        sim = [SparseAllReducer(local.member(i), density=0.01, value_dtype=torch.float16) for i in range(world)]
+        net = [SparseAllReducer(p.collective, RoundSpec(density=0.01, value_dtype=torch.float16)) for p in peers]
+        sim = [SparseAllReducer(local.member(i), RoundSpec(density=0.01, value_dtype=torch.float16)) for i in range(world)]
         for step in range(steps):
             a = await gather([lambda r=r, g=g: r.allreduce(g, ring, 100 + step) for r, g in zip(net, grads[step])])
             b = await gather([lambda r=r, g=g: r.allreduce(g, ring, 100 + step) for r, g in zip(sim, grads[step])])

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from p2ptrain.data.build import build_dataset
-from p2ptrain.data.manifest import Manifest, ManifestError, ShardRef, TensorSpec
+from p2ptrain.data.manifest import Manifest, ManifestError, Pixels, ShardRef, TensorSpec, Tokens
 from p2ptrain.data.shards import ShardError, decode_shard, encode_shard
 from p2ptrain.ipfs.cid import make_cid
 from p2ptrain.ipfs.embedded import EmbeddedStore
@@ -120,3 +120,66 @@ def test_a_manifest_error_is_a_user_error_for_the_cli():
     from p2ptrain.errors import UserError
 
     assert issubclass(ManifestError, UserError) and issubclass(ShardError, UserError)
+
+
+# --- what the numbers mean: classes, pixels, tokens ------------------------------------------------
+
+IMAGES = Manifest("imgs", TensorSpec("uint8", (3, 4, 4)), TensorSpec("int64", ()), {"train": (ShardRef(SHARD, 10),)},
+                  classes=("cat", "dog"), pixels=Pixels((0.5, 0.4, 0.3), (0.2, 0.2, 0.25)))
+TEXT = Manifest("text", TensorSpec("uint16", (16,)), TensorSpec("uint16", (16,)), {"train": (ShardRef(SHARD, 10),)},
+                tokens=Tokens(50_257, SHARD))
+
+
+def test_optional_fields_round_trip_and_are_absent_when_unused(tmp_path):
+    store = EmbeddedStore(tmp_path)
+    for manifest in (IMAGES, TEXT, Manifest("bytes", TensorSpec("uint8", (8,)), TensorSpec("uint8", (8,)),
+                                            {"train": (ShardRef(SHARD, 1),)}, tokens=Tokens(256))):
+        assert Manifest.load(store, manifest.save(store)) == manifest
+    assert set(GOOD.to_dict()) == {"schema", "version", "name", "features", "labels", "splits"}
+
+
+def _change(manifest: Manifest, **changes) -> bytes:
+    raw = manifest.to_dict()
+    raw.update(changes)
+    return json.dumps(raw, sort_keys=True, separators=(",", ":")).encode()
+
+
+@pytest.mark.parametrize("data,why", [
+    (_change(IMAGES, classes=[]), "1 to 65536 names"),
+    (_change(IMAGES, classes=["cat", "cat"]), "distinct"),
+    (_change(IMAGES, classes=["cat", "d\x00g"]), "printable"),
+    (_change(IMAGES, classes=["x" * 257]), "printable"),
+    (_change(IMAGES, labels={"dtype": "float32", "shape": []}), "int64 labels"),
+    (_change(IMAGES, pixels={"mean": [0, 0, 0], "std": [1, 0, 1]}), "positive"),
+    (_change(IMAGES, pixels={"mean": [0, 0], "std": [1, 1]}), "one per feature"),
+    (_change(IMAGES, features={"dtype": "float32", "shape": [3, 4, 4]}), "uint8 features"),
+    (_change(IMAGES, standardize={"mean": [0.0] * 48, "std": [1.0] * 48}), "give one"),
+    (_change(TEXT, tokens={"vocab_size": 70_000, "tokenizer": SHARD}), "does not fit features of uint16"),
+    (_change(TEXT, tokens={"vocab_size": 1}), "vocab_size"),
+    (_change(TEXT, tokens={"vocab_size": 300, "tokenizer": "Qmnope"}), "tokenizer"),
+    (_change(TEXT, tokens={"vocab_size": 300, "extra": 1}), "exactly the keys"),
+    (_change(TEXT, labels={"dtype": "uint16", "shape": [15]}), "one length"),
+    (_change(TEXT, features={"dtype": "float32", "shape": [16]}), "sequence of"),
+])
+def test_invalid_optional_fields_are_refused(data, why):
+    with pytest.raises(ManifestError, match=why):
+        Manifest.from_json(data)
+
+
+def test_a_shard_with_labels_or_tokens_outside_the_manifest_is_unusable(tmp_path):
+    """A shard from the network whose labels exceed the classes (or ids the vocabulary) would stop a
+    training step with an index error: IPFSDataset refuses it as ShardUnavailable instead."""
+    from p2ptrain.data import IPFSDataset
+    from p2ptrain.data.dataset import ShardUnavailable
+
+    store = EmbeddedStore(tmp_path)
+    _, built = build_dataset(store, "ids", np.arange(20, dtype=np.uint8).reshape(10, 2),
+                             np.arange(10), 1, test_fraction=0)
+    lying = Manifest("ids", built.features, built.labels, built.splits, classes=("a", "b", "c"))
+    with pytest.raises(ShardUnavailable, match=r"labels hold values outside \[0, 3\)"):
+        list(IPFSDataset(lying.save(store), store=store))
+    tokens = np.arange(40, dtype=np.uint8).reshape(10, 4)
+    _, built = build_dataset(store, "t", tokens, tokens, 1, test_fraction=0)
+    lying = Manifest("t", built.features, built.labels, built.splits, tokens=Tokens(32))
+    with pytest.raises(ShardUnavailable, match=r"features hold values outside \[0, 32\)"):
+        list(IPFSDataset(lying.save(store), store=store))

@@ -15,16 +15,18 @@ import torch
 from _p2ptrain_fuzzing import FuzzTarget
 from libp2p.crypto.ed25519 import create_new_key_pair
 
-from p2ptrain.data.manifest import Manifest, ManifestError, ShardRef, Standardize, TensorSpec
+from p2ptrain.data.manifest import Manifest, ManifestError, Pixels, ShardRef, Standardize, TensorSpec, Tokens
 from p2ptrain.data.shards import ShardError, decode_shard, encode_shard
 from p2ptrain.data.tensorfile import TensorFileError, read_header
 from p2ptrain.ipfs.cid import make_cid
 from p2ptrain.net.control import ControlRequestError, parse_request
 from p2ptrain.training.loading import model_from_bytes
 from p2ptrain.training.models import build_model
-from p2ptrain.training.records import RecordError, model_bytes, record_bytes, record_from_bytes, sign_record, tensors_bytes
+from p2ptrain.testing import attestations_for, proven_record
+from p2ptrain.training.lineage import entry_bytes, entry_from_bytes
+from p2ptrain.training.records import RecordError, model_bytes, tensors_bytes
 from p2ptrain.training.task import TaskError, load_task, task_bytes, task_from_bytes
-from p2ptrain.wire.messages import ModelRecord
+from p2ptrain.wire.messages import ConfirmedRecord, ModelRecord
 
 CID = "QmT78zSuBmuS4z925WZfrqQ1qHaJ56DQaTfyMUF7F8ff5o"
 SHARD_CID = make_cid(b"shard").encode("base32")
@@ -38,6 +40,10 @@ MANIFESTS = [
              {"train": (ShardRef(SHARD_CID, 100), ShardRef(CID, 90)), "test": (ShardRef(SHARD_CID, 5),)}).to_json(),
     Manifest("toy-std", TensorSpec("float32", (3,)), TensorSpec("int64", ()), {"train": (ShardRef(SHARD_CID, 10),)},
              Standardize((0.5, -1e-05, 3.0), (1.25, 0.0, 4254.0))).to_json(),
+    Manifest("images", TensorSpec("uint8", (3, 8, 8)), TensorSpec("int64", ()), {"train": (ShardRef(SHARD_CID, 10),)},
+             classes=("cat", "dog"), pixels=Pixels((0.5, 0.4, 0.3), (0.25, 0.2, 0.2))).to_json(),
+    Manifest("text", TensorSpec("uint16", (16,)), TensorSpec("uint16", (16,)), {"train": (ShardRef(SHARD_CID, 10),)},
+             tokens=Tokens(50_257, SHARD_CID)).to_json(),
 ]
 
 # --- tasks --------------------------------------------------------------------------------------
@@ -70,13 +76,19 @@ TASK_BYTES = [task_bytes(load_task(TASK_TOML)), task_bytes(load_task(TASK_TOML_S
 
 # --- records ------------------------------------------------------------------------------------
 
-KEY = create_new_key_pair()
-RECORDS = [
-    record_bytes(sign_record(ModelRecord(
-        task_cid=CID, version=v, parent=CID, round=3 * v, step=3 * v, members=("a", "b"),
-        metrics={"loss": 0.5, "accuracy": 0.9}, model_cid=CID, optimizer_cid=CID, term=1, coordinator=""), KEY))
-    for v in (1, 2)
-]
+KEYS = [create_new_key_pair() for _ in range(2)]
+
+
+def _chain_line(version: int) -> bytes:
+    """A chain line: a signed record with its certificate and both members' attestations."""
+    signed = proven_record(ModelRecord(
+        task_cid=CID, version=version, parent=CID, round=3 * version, step=3 * version, members=(),
+        metrics={"loss": 0.5, "accuracy": 0.9}, model_cid=CID, optimizer_cid=CID, term=1, coordinator=""),
+        KEYS[0], KEYS)
+    return entry_bytes(ConfirmedRecord(signed=signed, attestations=attestations_for(signed.record, KEYS)))
+
+
+RECORDS = [_chain_line(v) for v in (1, 2)]
 
 # --- safetensors: headers, model files and their cards, shards --------------------------------
 
@@ -141,7 +153,7 @@ TARGETS = [
     FuzzTarget("parsers.manifest", Manifest.from_json, (ManifestError,), MANIFESTS),
     FuzzTarget("parsers.task_bytes", task_from_bytes, (TaskError,), TASK_BYTES),
     FuzzTarget("parsers.task_toml", load_task, (TaskError,), [TASK_TOML, TASK_TOML_SGD]),
-    FuzzTarget("parsers.model_record", record_from_bytes, (RecordError,), RECORDS),
+    FuzzTarget("parsers.chain_line", entry_from_bytes, (RecordError,), RECORDS),
     FuzzTarget("parsers.safetensors_header", _decode_header, (TensorFileError,), HEADERS),
     FuzzTarget("parsers.model_file", model_from_bytes, (RecordError,), MODEL_FILES),
     FuzzTarget("parsers.model_card", _decode_card, (RecordError,), CARDS),

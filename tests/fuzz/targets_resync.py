@@ -3,11 +3,16 @@ optimizer state a member resumes from (safetensors whose tensor names carry para
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
+
 import torch
 from _p2ptrain_fuzzing import FuzzTarget
 from libp2p.crypto.ed25519 import create_new_key_pair
 
-from p2ptrain.training.records import Chain, RecordError, sign_record
+from p2ptrain.runtime.feedback_file import load_feedback
+from p2ptrain.training.lineage import Chain
+from p2ptrain.training.records import RecordError, sign_record, tensors_bytes
 from p2ptrain.training.task import load_task
 from p2ptrain.training.trainer import Trainer
 from p2ptrain.wire.messages import ModelRecord
@@ -53,7 +58,20 @@ def _load_optimizer(data: bytes) -> None:
     _TRAINER.load_state(MODEL, data)
 
 
+_RUN_DIR = Path(tempfile.mkdtemp(prefix="p2ptrain-fuzz-run-"))
+_FEEDBACK_SEED = tensors_bytes({"residual": torch.arange(_TRAINER.num_parameters, dtype=torch.float32)})
+
+
+def _load_feedback(data: bytes) -> None:
+    """A member's kept error feedback (disk input, runtime/feedback_file.py): any bytes give a
+    residual of the model's size or None, never an error."""
+    (_RUN_DIR / "feedback-7.safetensors").write_bytes(data)
+    residual = load_feedback(_RUN_DIR, 7, _TRAINER.num_parameters)
+    assert residual is None or tuple(residual.shape) == (_TRAINER.num_parameters,)
+
+
 TARGETS = [
     FuzzTarget("resync.chain", lambda data: Chain.from_bytes(CID, INITIAL, data), (RecordError,), [_chain(1), _chain(2)]),
     FuzzTarget("resync.optimizer_state", _load_optimizer, (RecordError,), [OPTIMIZER]),
+    FuzzTarget("resync.feedback_file", _load_feedback, (), [_FEEDBACK_SEED]),
 ]

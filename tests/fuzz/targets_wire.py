@@ -38,6 +38,7 @@ from p2ptrain.wire.messages import (
     SignedVote,
     TaskAnnounce,
     TaskCancel,
+    TaskResume,
     TaskHead,
     Vote,
     VoteRequest,
@@ -95,7 +96,8 @@ SAMPLES = [
         signature=_SIG,
     ),
     SignedAttestation(
-        attestation=Attestation(task_cid=_CID, version=2, record_id="r" * 64, model_cid=_CID, optimizer_cid=_CID, attester=_SENDER),
+        attestation=Attestation(task_cid=_CID, version=2, record_id="r" * 64, model_cid=_CID, optimizer_cid=_CID,
+                                attester=_SENDER),
         signature=_SIG,
     ),
     VoteRequest(task_cid=_CID, term=3, candidate=_SENDER),
@@ -108,6 +110,7 @@ SAMPLES = [
     TaskCancel(task_cid=_CID, reason="enough"),
     HeadRequest(task_cid=_CID),
     ModelServed(model_cid=_CID, url="http://127.0.0.1:8080"),
+    TaskResume(task_cid=_CID),
 ]
 _WIRE_TYPES = set(MESSAGES.names())
 assert {type(m).TYPE for m in SAMPLES} == _WIRE_TYPES, "every wire message type needs a fuzz seed here"
@@ -141,7 +144,8 @@ TARGETS = [
         "node.config",
         _parse_config,
         (UserError,),
-        [NodeConfig().to_toml().encode(), NodeConfig(bootstrap=["/ip4/127.0.0.1/tcp/1/p2p/" + _SENDER], heartbeat_interval=0.5).to_toml().encode()],
+        [NodeConfig().to_toml().encode(),
+         NodeConfig(bootstrap=["/ip4/127.0.0.1/tcp/1/p2p/" + _SENDER], heartbeat_interval=0.5).to_toml().encode()],
     ),
     *(
         FuzzTarget(f"wire.{type(m).TYPE}", _decode_signed_payload, (DecodeError,), [_signed_payload_of(m)])

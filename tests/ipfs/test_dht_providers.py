@@ -29,11 +29,10 @@ import trio
 from p2ptrain.ipfs.store import ContentUnavailable
 from p2ptrain.mesh import discovery as discovery_module
 from p2ptrain.node import Node
+from p2ptrain.node_config import NodeConfig
 from p2ptrain.runtime.latest import LatestFinder, head_key
 from p2ptrain.runtime.peer import make_peer
-from p2ptrain.testing import wait_until
-from p2ptrain.training.records import Chain, sign_record
-from p2ptrain.wire.messages import ModelRecord
+from p2ptrain.testing import proven_chain, rules_task, wait_until
 
 DEADLINE_S = 60.0  # four nodes start, two announcements, two lookups, 1 MiB and a chain on loopback
 STEP_S = 15.0  # each wait inside it: an announcement (retried every 2 s), a lookup and its dial
@@ -55,28 +54,23 @@ async def test_a_fetcher_finds_the_holder_of_content_and_of_a_runs_head_through_
                 return node
 
             try:
-                h = make_peer(Node(tmp_path / "h", dht=True))
+                h = make_peer(Node(tmp_path / "h", NodeConfig(dht=True)))
                 store = h.content.store
                 data = os.urandom(FILE_BYTES)
                 cid = store.add_bytes(data)
                 store.pin_add(cid)  # announced when H starts
-                task_cid = store.add_bytes(b"a task's bytes, for its CID\n")
+                task_cid, rules = rules_task(store)
                 initial, v1 = store.add_bytes(b"model 0"), store.add_bytes(b"model 1")
-                me = h.node.peer_id.to_base58()
-                chain = Chain(task_cid, initial)
-                chain.append(sign_record(ModelRecord(
-                    task_cid=task_cid, version=1, parent=initial, round=9, step=10, members=(me,),
-                    metrics={"accuracy": 0.5}, model_cid=v1, optimizer_cid=v1, term=1, coordinator=""),
-                    h.node.key_pair))
+                chain = proven_chain(task_cid, initial, [v1], [h.node.key_pair], rules=rules)
                 (tmp_path / "h" / "tasks" / task_cid).mkdir(parents=True)
                 (tmp_path / "h" / "tasks" / task_cid / "chain.jsonl").write_bytes(chain.to_bytes())
                 await start(h.node)
-                b = await start(Node(tmp_path / "b", bootstrap=h.node.addrs[:1], dht=True))
+                b = await start(Node(tmp_path / "b", NodeConfig(bootstrap=h.node.addrs[:1], dht=True)))
                 routing = h.content.routing
                 assert routing is not None
                 await wait_until(lambda: routing.provides >= 2, STEP_S, what="H's two announcements taken by B")
-                c = make_peer(Node(tmp_path / "c", bootstrap=b.addrs[:1], dht=True))
-                d = make_peer(Node(tmp_path / "d", bootstrap=b.addrs[:1], dht=True))
+                c = make_peer(Node(tmp_path / "c", NodeConfig(bootstrap=b.addrs[:1], dht=True)))
+                d = make_peer(Node(tmp_path / "d", NodeConfig(bootstrap=b.addrs[:1], dht=True)))
                 await start(c.node)
                 await start(d.node)
                 # C and D hear H's heartbeat through B, yet do not dial it.

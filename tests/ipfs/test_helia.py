@@ -13,7 +13,6 @@ import hashlib
 import io
 import json
 import os
-import shutil
 from pathlib import Path
 
 import pytest
@@ -41,14 +40,8 @@ DEADLINE_S = 120
 # Helia's start (Node loads ~1,000 modules) and each request's answer.
 STARTUP_S = 30
 
-if not NODE.exists():
-    why = (
-        "npm is not installed: the Helia interop test needs it (ipfs/install-helia.sh installs Node 22 "
-        "and Helia with npm)"
-        if shutil.which("npm") is None
-        else "Helia is not installed: run ipfs/install-helia.sh (make test does it when npm is present)"
-    )
-    pytest.skip(why, allow_module_level=True)
+# npm: ipfs/install-helia.sh installs Node 22 and Helia with it (make test does, when npm is present).
+pytestmark = pytest.mark.needs("npm", "helia")  # tests/conftest.py decides
 
 
 class Helia:
@@ -85,8 +78,8 @@ async def test_bitswap_with_helia_both_directions(tmp_path):
     link = HELIA_DIR / "helia-peer.mjs"  # ESM resolves packages from the script's own folder
     if not link.is_symlink():
         link.symlink_to(SCRIPT)
-    stderr = open(tmp_path / "helia.log", "wb")
-    with trio.fail_after(DEADLINE_S):
+    # the node process writes its log here; closed when the test ends
+    with open(tmp_path / "helia.log", "wb") as stderr, trio.fail_after(DEADLINE_S):  # noqa: ASYNC230
         async with connected_hosts(1, connected=False) as (ours,), trio.open_nursery() as nursery:
             store = BlockStore(tmp_path / "blocks")
             exchange = BlockExchange(ours.host, store)

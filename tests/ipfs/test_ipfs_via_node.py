@@ -87,7 +87,7 @@ async def test_progress_of_a_fetch_in_flight_is_answered_by_the_control_op(tmp_p
                 nursery.start_soon(fetch)
                 while not done.is_set():
                     replies.append(await ask())
-                    await trio.sleep(0)
+                    await trio.lowlevel.checkpoint()
             assert any(r["fetching"] and 0 < r["bytes"] < FILE_BYTES for r in replies), replies[-3:]
             assert await ask() == {"ok": True, "cid": cid, "fetching": False, "bytes": 0}
 

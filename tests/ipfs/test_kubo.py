@@ -10,7 +10,6 @@ from __future__ import annotations
 import io
 import os
 import select
-import shutil
 import signal
 import subprocess
 import time
@@ -26,7 +25,9 @@ from p2ptrain.ipfs.kubo import KuboStore, api_multiaddr
 from p2ptrain.ipfs.store import ContentStore, ContentUnavailable, open_store
 
 # The first test may install js-ipfs (~4 min) when `make test` has not already: allow for it.
+# Every test but the unreachable-daemon one talks to js-ipfs: they need node and npm (tests/conftest.py).
 pytestmark = pytest.mark.timeout(900)
+NEEDS_JSIPFS = pytest.mark.needs("node", "npm")
 
 IPFS_DIR = Path(__file__).resolve().parents[2] / "ipfs"
 START_TIMEOUT = 180
@@ -58,8 +59,6 @@ def vector_bytes(spec: bytes | int) -> bytes:
 @pytest.fixture(scope="session")
 def kubo_api(tmp_path_factory) -> str:
     """The RPC API URL of a js-ipfs daemon on 127.0.0.1, running for the whole session."""
-    if not (shutil.which("node") and shutil.which("npm")):
-        pytest.skip("node/npm are not installed: the Kubo-backend tests need the js-ipfs RPC daemon")
     subprocess.run([str(IPFS_DIR / "install-jsipfs.sh")], check=True, timeout=900)  # no-op once done
     repo = tmp_path_factory.mktemp("jsipfs") / "repo"
     proc = subprocess.Popen(
@@ -102,12 +101,14 @@ def kubo(kubo_api) -> KuboStore:
     return KuboStore(kubo_api)
 
 
+@NEEDS_JSIPFS
 def test_open_store_picks_kubo_for_an_api_url(kubo_api, tmp_path):
     store = open_store(tmp_path, kubo_api)
     assert isinstance(store, KuboStore) and isinstance(store, ContentStore)
 
 
 @pytest.mark.parametrize("spec,cid0,cid1", VECTORS, ids=lambda v: str(v)[:12])
+@NEEDS_JSIPFS
 def test_identical_cids_on_both_backends(kubo, tmp_path, spec, cid0, cid1):
     data = vector_bytes(spec)
     embedded = EmbeddedStore(tmp_path)
@@ -116,6 +117,7 @@ def test_identical_cids_on_both_backends(kubo, tmp_path, spec, cid0, cid1):
     assert kubo.add_bytes(data, only_hash=True) == cid0
 
 
+@NEEDS_JSIPFS
 def test_cat_and_get_return_verified_bytes(kubo, tmp_path):
     data = os.urandom(700_000)
     cid = kubo.add_bytes(data, cid_version=1)
@@ -126,6 +128,7 @@ def test_cat_and_get_return_verified_bytes(kubo, tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["out.bin"]  # no temporary file left behind
 
 
+@NEEDS_JSIPFS
 def test_content_with_another_layout_is_verified_block_by_block(kubo_api, kubo, tmp_path):
     """Content someone added with a non-default chunker cannot be recomputed; it is still checked."""
     data = os.urandom(50_000)
@@ -136,6 +139,7 @@ def test_content_with_another_layout_is_verified_block_by_block(kubo_api, kubo, 
     assert (tmp_path / "small-chunks").read_bytes() == data
 
 
+@NEEDS_JSIPFS
 def test_pins(kubo):
     data = os.urandom(10_000)
     cid = kubo.add_bytes(data)  # Kubo's add pins, as `ipfs add` does
@@ -156,6 +160,7 @@ def test_unreachable_daemon_is_one_clear_error():
         KuboStore("ftp://example")
 
 
+@NEEDS_JSIPFS
 def test_cli_add_and_cat_through_kubo(kubo_api, tmp_path, capsys):
     path = tmp_path / "hello.txt"
     path.write_bytes(b"hello world\n")
@@ -165,6 +170,7 @@ def test_cli_add_and_cat_through_kubo(kubo_api, tmp_path, capsys):
     assert capsys.readouterr().out == "hello world\n"
 
 
+@NEEDS_JSIPFS
 def test_cli_ipfs_flag_before_the_subcommand(kubo_api, tmp_path, capsys):
     cid = KuboStore(kubo_api).add_bytes(b"flag first\n")
     assert cli_main(["ipfs", "--ipfs", kubo_api, "cat", cid]) == 0

@@ -18,9 +18,10 @@ from p2ptrain.data.build import build_dataset
 from p2ptrain.ipfs.blockstore import BlockStore
 from p2ptrain.ipfs.cid import cid_str, make_cid, parse_cid
 from p2ptrain.ipfs.embedded import EmbeddedStore
-from p2ptrain.training.records import record_bytes, sign_record
+from p2ptrain.testing import proven_record
+from p2ptrain.training.lineage import entry_bytes
 from p2ptrain.training.task import load_task, task_bytes
-from p2ptrain.wire.messages import ModelRecord
+from p2ptrain.wire.messages import ConfirmedRecord, ModelRecord
 
 P2PTRAIN = str(Path(sys.executable).with_name("p2ptrain"))
 
@@ -85,10 +86,11 @@ def _task_home(tmp_path: Path) -> tuple[EmbeddedStore, dict[str, set[bytes]], se
     task = load_task(TASK_TEMPLATE.format(manifest=manifest, steps=10, checkpoint=5, density=1.0, peers=2))
     task_cid = store.add_bytes(task_bytes(task))
     model, optim, initial = (store.add_bytes(noise(300_000, s)) for s in (2, 3, 4))
-    record = sign_record(ModelRecord(task_cid=task_cid, version=1, parent=initial, round=0, step=5,
-                                     members=("a",), metrics={}, model_cid=model, optimizer_cid=optim,
-                                     term=1, coordinator=""), create_new_key_pair())
-    chain = record_bytes(record) + b"\n"
+    key = create_new_key_pair()
+    record = proven_record(ModelRecord(task_cid=task_cid, version=1, parent=initial, round=0, step=5,
+                                       members=(), metrics={}, model_cid=model, optimizer_cid=optim,
+                                       term=1, coordinator=""), key, [key])
+    chain = entry_bytes(ConfirmedRecord(signed=record, attestations=())) + b"\n"
     chain_cid = store.add_bytes(chain)
     run_dir = home / "tasks" / task_cid
     run_dir.mkdir(parents=True)

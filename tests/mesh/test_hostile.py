@@ -17,6 +17,7 @@ from libp2p.utils.varint import encode_uvarint
 from p2ptrain.mesh import router as router_module
 from p2ptrain.wire.topics import MESH_TOPIC
 from p2ptrain.node import Node
+from p2ptrain.node_config import NodeConfig
 from p2ptrain.testing import local_mesh, node_processes, wait_for
 from p2ptrain.wire import codec
 from p2ptrain.wire.limits import WIRE_VERSION
@@ -49,7 +50,7 @@ async def subscribed(node: Node, peers, topic: str) -> None:
 async def test_a_signed_timestamp_of_10_pow_400_stops_no_node_of_a_three_process_mesh(tmp_path):
     """Issue 13, found 1: this one message made all three nodes exit with code 1."""
     with node_processes(3, tmp_path / "procs") as procs:
-        attacker = Node(tmp_path / "attacker", bootstrap=[procs[0].addr])
+        attacker = Node(tmp_path / "attacker", NodeConfig(bootstrap=[procs[0].addr]))
         async with trio.open_nursery() as nursery:
             await nursery.start(attacker.run)
             victims = [ID.from_base58(p.peer_id) for p in procs]
@@ -86,7 +87,7 @@ async def test_broken_pubsub_frames_are_counted_below_the_router_and_the_node_ke
         stream = await raw_pubsub_stream(attacker, victim)
         with trio.fail_after(10):
             await stream.write(frame)
-            while victim.status()["messages"]["dropped_below_router"].get(reason, 0) < 1:
+            while victim.status().messages["dropped_below_router"].get(reason, 0) < 1:
                 await trio.sleep(0.02)
         # The victim still runs and still delivers: a fresh, honest message gets through.
         inbox: list = []
@@ -129,7 +130,7 @@ async def test_exceptions_in_decode_and_in_a_handler_are_counted_rejections_not_
         with trio.fail_after(15):
             while inbox != ["after"]:
                 await trio.sleep(0.02)
-        dropped = victim.status()["messages"]["dropped"]
+        dropped = victim.status().messages["dropped"]
         assert dropped["decoder-error"] == 1 and dropped["handler-error"] == 1
         assert not victim.stopped.is_set()
 
@@ -153,7 +154,8 @@ async def test_a_peer_flooding_faster_than_its_inbound_rate_is_cut_off_before_an
         for batch in range(60):
             msgs = []
             for i in range(100):
-                msg = rpc_pb2.Message(data=b"junk", topicIDs=[MESH_TOPIC], from_id=origin, seqno=(batch * 100 + i).to_bytes(8, "big"))
+                msg = rpc_pb2.Message(data=b"junk", topicIDs=[MESH_TOPIC], from_id=origin,
+                                      seqno=(batch * 100 + i).to_bytes(8, "big"))
                 msg.signature = key.private_key.sign(PUBSUB_SIGNING_PREFIX.encode() + msg.SerializeToString())
                 msgs.append(msg)
             rpc = rpc_pb2.RPC(publish=msgs).SerializeToString()
@@ -169,4 +171,4 @@ async def test_a_peer_flooding_faster_than_its_inbound_rate_is_cut_off_before_an
                 await trio.sleep(0.05)
         assert limited >= 3000, "the flood was cut off as it was read"
         assert counted >= 200, "the burst got through to be checked (and dropped) by the router"
-        assert victim.status()["messages"]["dropped_below_router"]["rate-limited"] == limited
+        assert victim.status().messages["dropped_below_router"]["rate-limited"] == limited

@@ -66,9 +66,9 @@ async def test_the_view_is_capped_gone_peers_expire_and_status_stays_bounded(tmp
         # Honest peers heartbeat every second, so they are never the ones evicted.
         assert {r.peer_id for r in victim.membership.alive()} >= {honest.peer_id, attacker.peer_id}
         status = victim.status()
-        assert len(status["peers"]) == STATUS_MAX_PEERS and status["peers_total"] <= 100
-        assert status["membership"]["evicted"] >= 50
-        assert len(json.dumps(status)) < 150_000
+        assert len(status.peers) == STATUS_MAX_PEERS and status.peers_total <= 100
+        assert status.membership["evicted"] >= 50
+        assert len(json.dumps(status.to_json())) < 150_000
         # The fresh identities fall silent: marked gone, then forgotten after gone_ttl.
         with trio.fail_after(30):
             while len(victim.membership.all()) > 2:
@@ -98,6 +98,6 @@ async def test_discovery_dials_few_addresses_of_a_peer_and_keeps_a_bounded_numbe
                 await trio.sleep(0.05)
         assert all(len(a) <= 4 for a in dialed()), "at most MAX_DIAL_ADDRS_PER_PEER of 16 addresses"
         with trio.fail_after(10):  # a peer with a larger ID than ours is followed a second later
-            while victim.status()["discovery"]["not_kept"] < 40 - 12:
+            while victim.status().discovery["not_kept"] < 40 - 12:
                 await trio.sleep(0.05)
         assert len(victim.discovery._keeping) <= 12

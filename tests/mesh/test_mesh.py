@@ -13,6 +13,7 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 from p2ptrain.wire.topics import MESH_TOPIC
 from p2ptrain.net.pubsub import MessageTooLarge
 from p2ptrain.node import Node
+from p2ptrain.node_config import NodeConfig
 from p2ptrain.testing import local_mesh
 from p2ptrain.wire import codec, encode
 from p2ptrain.wire.limits import MAX_MESSAGE_BYTES, WIRE_VERSION
@@ -52,10 +53,10 @@ async def test_typed_messages_reach_every_peer_with_a_verified_sender(tmp_path):
         assert inboxes[0] == [], "a node does not dispatch its own messages back to itself"
         # Status lists every other peer with its capabilities and a fresh heartbeat.
         status = nodes[1].status()
-        assert {p["peer_id"] for p in status["peers"]} == {n.peer_id.to_base58() for n in nodes if n is not nodes[1]}
-        assert all(p["caps"]["cpu_count"] >= 1 and p["last_heartbeat_age_s"] < 5 for p in status["peers"])
-        assert MESH_TOPIC in status["topics"] and TOPIC in status["topics"]
-        assert all(a.endswith("/p2p/" + status["peer_id"]) for a in status["addrs"])
+        assert {p["peer_id"] for p in status.peers} == {n.peer_id.to_base58() for n in nodes if n is not nodes[1]}
+        assert all(p["caps"]["cpu_count"] >= 1 and p["last_heartbeat_age_s"] < 5 for p in status.peers)
+        assert MESH_TOPIC in status.topics and TOPIC in status.topics
+        assert all(a.endswith("/p2p/" + status.peer_id) for a in status.addrs)
 
 
 async def test_a_burst_of_our_messages_arrives_whole(tmp_path):
@@ -95,7 +96,8 @@ async def test_bad_messages_through_a_real_mesh_are_dropped_and_counted(tmp_path
         valid_once = encode(Note(text="first", n=1), attacker.key_pair, seq=10**15)
 
         def env(**kw) -> bytes:
-            base = {"type": "test.note", "sender": attacker.peer_id.to_base58(), "seq": 5, "ts": time.time(), "body": {"text": "x"}}
+            base = {"type": "test.note", "sender": attacker.peer_id.to_base58(), "seq": 5, "ts": time.time(),
+                    "body": {"text": "x"}}
             base.update(kw)
             return json.dumps(base, sort_keys=True, separators=(",", ":")).encode()  # as every encoder writes it
 
@@ -132,8 +134,8 @@ async def test_bad_messages_through_a_real_mesh_are_dropped_and_counted(tmp_path
         for inbox in inboxes:
             assert [m.text for _, m, _ in inbox] == ["first", "after"], "nothing bad was accepted"
         for v in victims:
-            assert v.status()["messages"]["dropped"]["replayed"] >= 1
-            assert v.status()["messages"]["dropped_below_router"]["oversized"] >= 1
+            assert v.status().messages["dropped"]["replayed"] >= 1
+            assert v.status().messages["dropped_below_router"]["oversized"] >= 1
 
 
 async def test_goodbye_marks_a_peer_gone_at_once_and_joins_are_events(tmp_path):
@@ -146,7 +148,7 @@ async def test_goodbye_marks_a_peer_gone_at_once_and_joins_are_events(tmp_path):
         assert event.kind == "leave" and event.peer_id == leaver.peer_id
         assert "goodbye" in event.reason
         assert [r.peer_id for r in watcher.membership.alive()] == [nodes[1].peer_id]
-        assert watcher.status()["gone"][0]["peer_id"] == leaver.peer_id.to_base58()
+        assert watcher.status().gone[0]["peer_id"] == leaver.peer_id.to_base58()
 
 
 async def test_a_node_that_knows_one_peer_finds_the_rest(tmp_path):
@@ -154,9 +156,9 @@ async def test_a_node_that_knows_one_peer_finds_the_rest(tmp_path):
     async with trio.open_nursery() as nursery:
         a = Node(tmp_path / "a")
         await nursery.start(a.run)
-        b = Node(tmp_path / "b", bootstrap=a.addrs)
+        b = Node(tmp_path / "b", NodeConfig(bootstrap=a.addrs))
         await nursery.start(b.run)
-        c = Node(tmp_path / "c", bootstrap=b.addrs)
+        c = Node(tmp_path / "c", NodeConfig(bootstrap=b.addrs))
         await nursery.start(c.run)
         with trio.fail_after(15):
             while a.peer_id not in c.host.get_connected_peers() or c.peer_id not in a.host.get_connected_peers():
@@ -171,11 +173,11 @@ async def test_the_dht_learns_peers_from_connections_and_lookups_reveal_them(tmp
     async with trio.open_nursery() as nursery:
         a = Node(tmp_path / "a")
         await nursery.start(a.run)
-        b = Node(tmp_path / "b", bootstrap=a.addrs)
+        b = Node(tmp_path / "b", NodeConfig(bootstrap=a.addrs))
         await nursery.start(b.run)
         with trio.fail_after(10):
             await b.membership.wait_until(lambda m: len(m.alive()) == 1)
-        c = Node(tmp_path / "c", bootstrap=b.addrs)
+        c = Node(tmp_path / "c", NodeConfig(bootstrap=b.addrs))
         await nursery.start(c.run)
         with trio.fail_after(15):
             while b.discovery.dht.routing_table.size() < 2:

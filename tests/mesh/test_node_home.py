@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import stat
+from dataclasses import replace
 
 import pytest
 import trio
@@ -13,6 +14,12 @@ from p2ptrain.net import control_ops
 from p2ptrain.net.control import ControlClient
 from p2ptrain.node import Node
 from p2ptrain.node_config import NodeConfig
+from p2ptrain.runtime.status import NodeStatus
+
+
+NODE_KEYS = {"peer_id", "addrs", "reachability", "autonat", "relay", "home", "version", "listening_at", "started_at",
+             "connected", "topics", "mesh_topic", "heartbeat_interval_s", "caps", "peers", "gone", "peers_total",
+             "gone_total", "membership", "discovery", "control", "messages", "services"}
 
 
 def mode(path) -> int:
@@ -22,7 +29,7 @@ def mode(path) -> int:
 async def test_home_layout_permissions_and_a_control_op_from_another_layer(tmp_path):
     home = tmp_path / "home"
     home.mkdir(mode=0o755)  # too open: the node tightens it
-    node = Node(home, listen=["/ip4/127.0.0.1/tcp/0"], relay_service=True, relay_max_reservations=4)
+    node = Node(home, NodeConfig(listen=["/ip4/127.0.0.1/tcp/0"], relay_service=True, relay_max_reservations=4))
 
     async def answer(request):
         return {"answer": request.get("x", 0) + 1}
@@ -41,6 +48,8 @@ async def test_home_layout_permissions_and_a_control_op_from_another_layer(tmp_p
         assert status["peer_id"] == node.peer_id.to_base58()
         assert status["addrs"] == node.addrs
         assert status["relay"]["limits"]["max_reservations"] == 4  # what the relay it serves enforces
+        assert set(status) == NODE_KEYS  # `node status --json`: every key, pinned (a contract)
+        assert NodeStatus.from_json(status).to_json() == status  # what the CLI rebuilds is what it prints
         with pytest.raises(UserError, match="already running"):
             await Node(home).run()  # a second node on the same home is refused
         node.stop()
@@ -49,13 +58,13 @@ async def test_home_layout_permissions_and_a_control_op_from_another_layer(tmp_p
 
 async def test_config_is_written_on_first_start_and_fills_in_what_the_command_line_leaves_out(tmp_path):
     home = tmp_path / "h"
-    Node(home, listen=["/ip4/127.0.0.1/tcp/0"], heartbeat_interval=0.5, dht=False)
+    Node(home, NodeConfig(listen=["/ip4/127.0.0.1/tcp/0"], heartbeat_interval=0.5, dht=False))
     stored = NodeConfig.load(home)
     assert stored is not None and stored.heartbeat_interval == 0.5 and stored.dht is False
     assert mode(home / "config.toml") == 0o600
     again = Node(home)
     assert again.config == stored
-    override = Node(home, heartbeat_interval=2.0)
+    override = Node(home, replace(NodeConfig.of_home(home), heartbeat_interval=2.0))  # what a flag does
     assert override.config.heartbeat_interval == 2.0
     assert NodeConfig.load(home).heartbeat_interval == 0.5, "the stored config is not rewritten"
 
@@ -70,7 +79,7 @@ async def test_config_is_written_on_first_start_and_fills_in_what_the_command_li
 )
 def test_bad_addresses_are_user_errors(tmp_path, kwargs, message):
     with pytest.raises(UserError, match=message):
-        Node(tmp_path / "h", **kwargs)
+        Node(tmp_path / "h", NodeConfig(**kwargs))
 
 
 def test_unknown_config_setting_is_a_user_error(tmp_path):
@@ -88,7 +97,7 @@ async def test_a_port_in_use_is_a_user_error_not_a_silent_node(tmp_path):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        node = Node(tmp_path / "h", listen=[f"/ip4/127.0.0.1/tcp/{port}"])
+        node = Node(tmp_path / "h", NodeConfig(listen=[f"/ip4/127.0.0.1/tcp/{port}"]))
         with trio.fail_after(30), pytest.raises(UserError, match="could not listen"):
             await node.run()
     assert not (tmp_path / "h" / "control.sock").exists()
@@ -139,8 +148,10 @@ def test_relay_limits_come_from_flags_environment_or_file_within_bounds(tmp_path
     assert json.loads(capsys.readouterr().out)["relay_max_circuit_bytes"]["value"] == RELAY_MAX_CIRCUIT_BYTES
 
     for args, error in [
-        (["--relay-max-reservations", "0"], "--relay-max-reservations: relay_max_reservations must be a whole number from 1 to 4096"),
-        (["--relay-max-circuit-bytes", "1000"], "--relay-max-circuit-bytes: relay_max_circuit_bytes must be a whole number from 1048576 to 1099511627776"),
+        (["--relay-max-reservations", "0"],
+         "--relay-max-reservations: relay_max_reservations must be a whole number from 1 to 4096"),
+        (["--relay-max-circuit-bytes", "1000"],
+         "--relay-max-circuit-bytes: relay_max_circuit_bytes must be a whole number from 1048576 to 1099511627776"),
     ]:
         assert main(["config", "show", "--home", str(tmp_path), *args]) == 1
         assert capsys.readouterr().err.strip() == f"p2ptrain: error: {error}"

@@ -38,7 +38,8 @@ def views(procs) -> str:
         try:
             s = p.status()
             lines.append(f"{short_id(p.peer_id)}: peers {[short_id(x['peer_id']) for x in s['peers']]} "
-                         f"gone {[(short_id(x['peer_id']), x['left_reason']) for x in s['gone']]} connected {len(s['connected'])}")
+                         f"gone {[(short_id(x['peer_id']), x['left_reason']) for x in s['gone']]} "
+                         f"connected {len(s['connected'])}")
         except Exception as exc:
             lines.append(f"{short_id(p.peer_id)}: {exc}")
     return "\n".join(lines)
@@ -70,7 +71,8 @@ def test_four_node_processes_form_a_mesh_survive_a_kill_and_a_restart(tmp_path):
         victim = procs[3]
         victim.kill()
         survivors = procs[:3]
-        settle(survivors, lambda: all(victim.peer_id in {g["peer_id"] for g in s.status()["gone"]} for s in survivors), timeout=20)
+        settle(survivors, lambda: all(victim.peer_id in {g["peer_id"] for g in s.status()["gone"]} for s in survivors),
+               timeout=20)
         assert all(victim.peer_id not in peer_ids(s.status()) for s in survivors)
         reasons = [g["left_reason"] for g in survivors[0].status()["gone"]]
         assert any("silent" in r for r in reasons)

@@ -255,9 +255,10 @@ async def test_connections_over_the_cap_are_told_busy_and_the_server_recovers(ho
 
 async def test_every_op_of_a_real_peer_answers_hostile_parameters_and_the_node_keeps_serving(tmp_path):
     from p2ptrain.node import Node
+    from p2ptrain.node_config import NodeConfig
     from p2ptrain.runtime.peer import make_peer
 
-    node = Node(tmp_path / "peer", listen=["/ip4/127.0.0.1/tcp/0"], dht=False)
+    node = Node(tmp_path / "peer", NodeConfig(listen=["/ip4/127.0.0.1/tcp/0"], dht=False))
     make_peer(node)
     hostile = [
         {},

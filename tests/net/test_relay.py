@@ -99,7 +99,7 @@ async def test_a_relay_refuses_reservations_beyond_its_count_and_closes_a_circui
                 with pytest.raises(Exception):
                     for _ in range(4 * LIMITED_BYTES // len(MARKER)):  # 4x what the circuit may carry
                         await stream.write(MARKER)
-                        await trio.sleep(0)
+                        await trio.lowlevel.checkpoint()
                     await stream.read(1)
                 await circuit.event_closed.wait()  # the relay reset the circuit: the connection over it ends
             assert received[0] < LIMITED_BYTES

@@ -17,9 +17,10 @@ import torch
 import trio
 
 from p2ptrain.cli.task import render_status
+from p2ptrain.runtime.status import TaskStatus
 from p2ptrain.testing import LocalPeers, local_peers
 from p2ptrain.training.local_sgd import LocalSGDTrainer
-from p2ptrain.training.records import Chain, record_from_bytes
+from p2ptrain.training.lineage import Chain, read_chain
 
 # The whole run, alone about 15 s; room for a loaded 2-core box.
 DEADLINE_S = 150.0
@@ -76,8 +77,7 @@ async def _publish(peers: LocalPeers) -> str:
 
 def _chain(peer: Any, task_cid: str) -> Chain:
     data = (peer.node.home / "tasks" / task_cid / "chain.jsonl").read_bytes()
-    first = record_from_bytes(data.splitlines()[0]).record
-    return Chain.from_bytes(task_cid, first.parent, data)
+    return read_chain(task_cid, data)
 
 
 def _trainer(peers: LocalPeers, index: int, task_cid: str) -> LocalSGDTrainer | None:
@@ -119,7 +119,7 @@ async def test_a_local_sgd_run_survives_a_member_stopped_mid_inner_loop_takes_a_
 
             seen = await peers.wait_until(mid_inner_loop, STEP_S, what="the victim inside its inner loop")
             assert seen["inner_steps"] == INNER and seen["inner_step"] <= INNER
-            assert f"; inner step {seen['inner_step']}/{INNER}" in render_status(seen)
+            assert f"; inner step {seen['inner_step']}/{INNER}" in render_status(TaskStatus.from_json(seen))
             await peers.stop_peer(victim)
             await late.tasks.join(task_cid)
             rest = [i for i in range(4) if i != victim]

@@ -23,6 +23,7 @@ from p2ptrain.data.builtin import load_source
 from p2ptrain.ipfs.cid import DAG_PB, cid_from_digest, cid_str, make_cid
 from p2ptrain.ipfs.dagpb import encode_file_leaf, encode_file_node
 from p2ptrain.node import Node
+from p2ptrain.node_config import NodeConfig
 from p2ptrain.runtime.peer import Peer, make_peer
 from p2ptrain.wire.topics import TASKS_TOPIC
 from p2ptrain.runtime.task_run import TaskRun
@@ -79,7 +80,7 @@ def _head(task_cid: str, chain_cid: str, version: int) -> TaskHead:
 
 
 async def _with_victim_and_attacker(tmp_path: Path, body: Any) -> None:
-    victim = Node(tmp_path / "victim", listen=["/ip4/127.0.0.1/tcp/0"])
+    victim = Node(tmp_path / "victim", NodeConfig(listen=["/ip4/127.0.0.1/tcp/0"]))
     victim_peer = make_peer(victim)
     name, features, labels = load_source("sklearn:digits")
     manifest, _ = build_dataset(victim_peer.content.store, name, (features / 16.0).astype(np.float32), labels, 4,
@@ -87,7 +88,7 @@ async def _with_victim_and_attacker(tmp_path: Path, body: Any) -> None:
     async with trio.open_nursery() as nursery:
         with trio.fail_after(DEADLINE_S):
             await nursery.start(victim.run)
-            attacker = Node(tmp_path / "attacker", listen=["/ip4/127.0.0.1/tcp/0"], bootstrap=victim.addrs[:1])
+            attacker = Node(tmp_path / "attacker", NodeConfig(listen=["/ip4/127.0.0.1/tcp/0"], bootstrap=victim.addrs[:1]))
             attacker_peer = make_peer(attacker)
             await nursery.start(attacker.run)
             await victim.membership.wait_until(lambda m: len(m.alive()) >= 1)
@@ -120,7 +121,7 @@ async def test_heads_from_a_peer_that_is_not_the_coordinator_are_refused_and_tra
         assert run.shared.trainer.step > step
         assert run.shared.heads is not None and run.shared.heads.version < 10**9
         assert run.shared.rejected["head_untrusted"] > 0
-        assert run.status()["rejected"]["head_untrusted"] == run.shared.rejected["head_untrusted"]
+        assert run.status().rejected["head_untrusted"] == run.shared.rejected["head_untrusted"]
         assert run.shared.rejected["resync_failed"] == 0
 
     await _with_victim_and_attacker(tmp_path, body)
@@ -152,7 +153,7 @@ async def test_a_head_naming_content_that_is_no_chain_is_a_counted_resync_failur
             reply = await victim.tasks._publish_op({"text": text, "join": True})
             assert reply["task_cid"] == task_cid
             run: TaskRun = victim.tasks.runs[task_cid]
-            await _wait(lambda: run.shared.phase == "failed" or run.status().get("rejected", {}).get("resync_failed", 0) >= 3)
+            await _wait(lambda: run.shared.phase == "failed" or run.status().rejected.get("resync_failed", 0) >= 3)
             flooding.cancel_scope.cancel()
         assert run.shared.phase == "resyncing", (run.shared.phase, run.shared.error)
         assert run.shared.error is None
@@ -164,12 +165,14 @@ async def test_a_head_naming_content_that_is_no_chain_is_a_counted_resync_failur
 
 async def test_a_chain_extended_by_a_stranger_or_forked_is_not_loaded(tmp_path: Path) -> None:
     """The chain a head names is re-verified record by record, but anyone can sign a record whose
-    parent is the real head and that names a model of their choice: the records a chain adds must be
-    signed by the coordinator our election accepted for their term, and the records we confirmed
-    must be there unchanged."""
+    parent is the real head and that names a model of their choice: the records a chain adds must
+    prove their signer's election and a quorum of attestations, be signed by the coordinator our
+    election accepted for their term, and the records we confirmed must be there unchanged."""
     from dataclasses import replace
 
-    from p2ptrain.training.records import Chain, sign_record
+    from p2ptrain.testing import attestations_for, proven_record
+    from p2ptrain.training.lineage import Chain
+    from p2ptrain.training.records import sign_record
     from p2ptrain.training.trainer import Trainer
 
     async def body(victim: Peer, attacker: Peer, manifest: str) -> None:
@@ -186,15 +189,18 @@ async def test_a_chain_extended_by_a_stranger_or_forked_is_not_loaded(tmp_path: 
         model_cid = store.add_bytes(poisoned.model_bytes())
         optim_cid = store.add_bytes(poisoned.optimizer_bytes())
         key = attacker.node.key_pair
+        # A record that only its signer backs (no votes, no attestations) ...
         extra = sign_record(replace(real, version=real.version + 1, parent=real.model_cid, step=real.step + 5,
-                                    model_cid=model_cid, optimizer_cid=optim_cid), key)
+                                    round=real.round + 5, model_cid=model_cid, optimizer_cid=optim_cid), key)
         extended = Chain.from_bytes(run.shared.task_cid, run.shared.initial_cid, ours.to_bytes())
         extended.append(extra)
-        forked = Chain(run.shared.task_cid, run.shared.initial_cid)
-        forked.append(sign_record(replace(ours.records[0].record, model_cid=model_cid, optimizer_cid=optim_cid), key))
+        # ... and a whole chain the attacker proves by itself, as the one member of its own v1.
+        forged = proven_record(replace(ours.records[0].record, model_cid=model_cid, optimizer_cid=optim_cid), key, [key])
+        forked = Chain(run.shared.task_cid, run.shared.initial_cid, ours.rules)
+        forked.append(forged, attestations_for(forged.record, [key]))
         # The victim keeps training meanwhile: if it confirmed its own next version first, the
         # stranger's extension is refused as a fork of it instead (refused either way).
-        for chain, reasons in ((extended, ("signed by", "fork")), (forked, ("fork",))):
+        for chain, reasons in ((extended, ("not one of its members", "fork")), (forked, ("fork",))):
             chain_cid = store.add_bytes(chain.to_bytes())
             head = _head(run.shared.task_cid, chain_cid, chain.version)
             failure = await run.resync.try_load_head(head)

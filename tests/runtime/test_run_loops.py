@@ -21,7 +21,7 @@ from p2ptrain.errors import UserError
 from p2ptrain.logs import short_id
 from p2ptrain.ipfs.store import ContentUnavailable
 from p2ptrain.testing import LocalPeers, local_peers, publish_digits_task
-from p2ptrain.training.records import Chain, record_from_bytes
+from p2ptrain.training.lineage import Chain, read_chain
 from p2ptrain.training.task import TaskError, task_from_bytes
 
 # Each test, whole: peers start, torch warms up, the members train a tiny MLP to a checkpoint or
@@ -61,7 +61,9 @@ async def _start_run(peers: LocalPeers) -> str:
     return task_cid
 
 
-async def _all_at_version(peers: LocalPeers, task_cid: str, version: int, indexes: list[int] | None = None) -> list[dict[str, Any]]:
+async def _all_at_version(
+    peers: LocalPeers, task_cid: str, version: int, indexes: list[int] | None = None
+) -> list[dict[str, Any]]:
     """Wait until every listed member has confirmed ``version``; their statuses then."""
 
     def reached() -> list[dict[str, Any]] | None:
@@ -75,8 +77,7 @@ async def _all_at_version(peers: LocalPeers, task_cid: str, version: int, indexe
 def _chain_on_disk(peer: Any, task_cid: str) -> Chain:
     """The member's chain.jsonl, re-verified record by record (signatures, versions, parents)."""
     data = (peer.node.home / "tasks" / task_cid / "chain.jsonl").read_bytes()
-    first = record_from_bytes(data.splitlines()[0]).record
-    return Chain.from_bytes(task_cid, first.parent, data)
+    return read_chain(task_cid, data)
 
 
 # -- the control loop: election and plans ---------------------------------------------------------------
@@ -145,7 +146,8 @@ async def test_after_the_first_checkpoint_every_member_holds_the_same_chain_and_
             assert firsts[0].step == CHECKPOINT_INTERVAL and firsts[0].version == 1
             assert set(firsts[0].members) == _ids(peers)
             # Same head at the same version, on every member.
-            assert all(s["latest_model_cid"] == chains[i].head_cid for i, s in enumerate(_statuses(peers, task_cid)) if s["version"] == chains[i].version)
+            assert all(s["latest_model_cid"] == chains[i].head_cid
+                       for i, s in enumerate(_statuses(peers, task_cid)) if s["version"] == chains[i].version)
             for s in _statuses(peers, task_cid):
                 assert s["chain"][0]["model_cid"] == firsts[0].model_cid
             # Attesting: confirmed means a quorum attested that their own weights hash to the

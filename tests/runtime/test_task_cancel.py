@@ -1,6 +1,7 @@
-"""`p2ptrain task cancel`: the publisher's cancel stops a run at a span boundary; anyone else's is
-refused and counted. Real loopback peers in this process (``p2ptrain.testing.local_peers``); the
-cancel goes through the publisher's control socket, as the CLI sends it."""
+"""`p2ptrain task cancel` and `task resume`: the publisher's cancel stops a run at a span boundary,
+its resume continues it from the confirmed head; anyone else's is refused and counted. Real loopback
+peers in this process (``p2ptrain.testing.local_peers``); the cancel and the resume go through the
+publisher's control socket, as the CLI sends them."""
 
 from __future__ import annotations
 
@@ -15,9 +16,9 @@ from p2ptrain.errors import UserError
 from p2ptrain.net import control_ops
 from p2ptrain.net.control import ControlClient
 from p2ptrain.testing import LocalPeers, local_peers, publish_digits_task
-from p2ptrain.training.records import Chain, record_from_bytes
+from p2ptrain.training.lineage import read_chain
 from p2ptrain.training.task import task_bytes, task_from_bytes
-from p2ptrain.wire.messages import TaskCancel
+from p2ptrain.wire.messages import TaskCancel, TaskResume
 from p2ptrain.wire.topics import TASKS_TOPIC
 
 # The whole test: peers start, a checkpoint or two, the cancel settles. Well under a minute alone.
@@ -85,7 +86,7 @@ async def test_the_publishers_cancel_stops_every_member_and_a_strangers_is_refus
             heads = set()
             for i, s in enumerate(stopped):
                 data = (peers[i].node.home / "tasks" / task_cid / "chain.jsonl").read_bytes()
-                chain = Chain.from_bytes(task_cid, record_from_bytes(data.splitlines()[0]).record.parent, data)
+                chain = read_chain(task_cid, data)
                 assert (chain.version, chain.head_cid) == (s["version"], s["latest_model_cid"])
                 assert s["step"] == chain.records[-1].record.step
                 heads.add(chain.head_cid)
@@ -113,3 +114,59 @@ async def _rejoin(peer: Any, task_cid: str) -> None:
     """Join ``task_cid`` as a restarted node would (its run of this process forgotten)."""
     peer.tasks.runs.pop(task_cid)
     await peer.tasks.join(task_cid)
+
+
+async def test_the_publishers_resume_continues_a_cancelled_run_from_its_head_and_a_strangers_is_refused(
+    tmp_path: Path,
+) -> None:
+    with trio.fail_after(2 * DEADLINE_S):
+        async with local_peers(3, tmp_path) as peers:
+            task_cid = await _published_by(peers, 0)
+            async with trio.open_nursery() as nursery:
+                for peer in peers:
+                    nursery.start_soon(peer.tasks.join, task_cid)
+
+            def at_v1() -> list[dict[str, Any]] | None:
+                statuses = [peers.status(i, task_cid) for i in range(3)]
+                return statuses if all(s.get("version", 0) >= 1 for s in statuses) else None
+
+            await peers.wait_until(at_v1, STEP_S, what="every member at model v1")
+            await trio.to_thread.run_sync(
+                lambda: _control(peers[0], control_ops.TASK_CANCEL, task_cid=task_cid, reason="for the night"))
+
+            def cancelled() -> list[dict[str, Any]] | None:
+                statuses = [peers.status(i, task_cid) for i in range(3)]
+                return statuses if all(s["state"] == "cancelled" for s in statuses) else None
+
+            stopped = await peers.wait_until(cancelled, STEP_S, what="every member's run cancelled")
+            head = {(s["version"], s["step"]) for s in stopped}
+            assert len(head) == 1
+            version, step = head.pop()
+
+            # Anyone but the publisher: its node refuses to send the resume, and a resume it
+            # publishes anyway is refused and counted by the members, who stay cancelled.
+            with pytest.raises(UserError, match="publisher"):
+                await trio.to_thread.run_sync(lambda: _control(peers[1], control_ops.TASK_RESUME, task_cid=task_cid))
+            await peers[1].node.publish(TASKS_TOPIC, TaskResume(task_cid=task_cid))
+
+            def refused() -> list[dict[str, Any]] | None:
+                statuses = [peers.status(i, task_cid) for i in (0, 2)]
+                return statuses if all(s["rejected"].get("resume", 0) >= 1 for s in statuses) else None
+
+            after = await peers.wait_until(refused, STEP_S, what="the stranger's resume refused by both others")
+            assert all(s["state"] == "cancelled" for s in after)
+            assert all((peers[i].node.home / "tasks" / task_cid / "cancelled").is_file() for i in range(3))
+
+            reply = await trio.to_thread.run_sync(lambda: _control(peers[0], control_ops.TASK_RESUME, task_cid=task_cid))
+            assert reply == {"task_cid": task_cid, "resumed": True}
+
+            def moved_on() -> list[dict[str, Any]] | None:
+                statuses = [peers.status(i, task_cid) for i in range(3)]
+                return statuses if all(s["state"] == "training" and s["version"] > version for s in statuses) else None
+
+            resumed = await peers.wait_until(moved_on, STEP_S, what="every member past the cancelled head")
+            for i, s in enumerate(resumed):
+                # Each resumed its run from the head it was cancelled at, not from step 0.
+                assert s["resumed_from"] == {"version": version, "step": step}
+                assert s["chain"][version]["step"] > step
+                assert not (peers[i].node.home / "tasks" / task_cid / "cancelled").exists()

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -18,6 +17,7 @@ import trio.testing
 from p2ptrain.ipfs.cid import DAG_PB, cid_from_digest, cid_str, make_cid
 from p2ptrain.ipfs.dagpb import encode_file_leaf, encode_file_node
 from p2ptrain.node import Node
+from p2ptrain.node_config import NodeConfig
 from p2ptrain.net import control_ops
 from p2ptrain.runtime.peer import make_peer
 from p2ptrain.wire.topics import TASKS_TOPIC
@@ -53,7 +53,7 @@ def _bad_tasks(store) -> dict[str, str]:
 
 async def test_bad_task_announcements_are_counted_refusals_and_the_node_keeps_serving(tmp_path: Path) -> None:
     with node_processes(1, tmp_path / "victim", extra_args=["--accept-tasks"]) as (victim,):
-        attacker = Node(tmp_path / "attacker", listen=["/ip4/127.0.0.1/tcp/0"], bootstrap=[victim.addr])
+        attacker = Node(tmp_path / "attacker", NodeConfig(listen=["/ip4/127.0.0.1/tcp/0"], bootstrap=[victim.addr]))
         peer = make_peer(attacker)
         assert attacker.home.is_dir()
         bad = _bad_tasks(peer.content.store.blocks)
@@ -91,11 +91,10 @@ async def test_bad_task_announcements_are_counted_refusals_and_the_node_keeps_se
             nursery.cancel_scope.cancel()
 
         assert sum(first["joins"]["rejected"].values()) >= len(bad)
-        listing = again
-        joins = listing["joins"]
+        joins = again["joins"]
         assert sum(joins["rejected"].values()) >= len(bad)
         assert joins["remembered_failures"] == len(bad)
-        tasks = {t["task_cid"]: t for t in listing["tasks"]}
+        tasks = {t["task_cid"]: t for t in again["tasks"]}
         assert "empty subtree" in tasks[bad["bomb"]]["refused"]
         # Still serving: the control socket answers and the process runs; the CLI shows the counters.
         status = victim.status()
@@ -104,8 +103,9 @@ async def test_bad_task_announcements_are_counted_refusals_and_the_node_keeps_se
         assert status["services"]["tasks"]["joins"]["remembered_failures"] == len(bad)
         assert "parked" in status["services"]["tasks"]["collective"]
         assert "inbound_bytes_held" in status["services"]["content"]["bitswap"]
-        shown = subprocess.run([sys.executable, "-m", "p2ptrain.cli.main", "task", "list", "--json", "--home",
-                                str(victim.home)], capture_output=True, text=True, timeout=60)
+        with trio.fail_after(60):
+            shown = await trio.run_process([sys.executable, "-m", "p2ptrain.cli.main", "task", "list", "--json",
+                                            "--home", str(victim.home)], capture_stdout=True)
         assert json.loads(shown.stdout)["joins"]["rejected"]["recently_failed"] >= len(bad)
         assert victim.proc.poll() is None
 

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from libp2p.crypto.ed25519 import create_new_key_pair
 import trio
 
 import p2ptrain
@@ -38,8 +39,10 @@ from p2ptrain.serve.server import load_served
 from p2ptrain.serve.spec import MAX_BODY_BYTES, InputError, parse_request, spec_for
 from p2ptrain.testing import wait_until
 from p2ptrain.training.models import build_model
-from p2ptrain.training.records import model_bytes, record_bytes, sign_record
-from p2ptrain.wire.messages import ModelRecord
+from p2ptrain.testing import attestations_for, proven_record
+from p2ptrain.training.lineage import entry_bytes
+from p2ptrain.training.records import model_bytes
+from p2ptrain.wire.messages import ConfirmedRecord, ModelRecord
 
 P2PTRAIN = str(Path(sys.executable).with_name("p2ptrain"))
 CARD = {"name": "mlp", "kwargs": {"in_features": 64, "hidden": [32], "out_features": 10}}
@@ -209,12 +212,14 @@ async def test_a_head_swap_during_a_burst_loses_no_request(home: dict) -> None:
     store = open_store(home["home"])
     # The home holds the chain of a task whose v1 is the second model: GET /model tells its record.
     task = store.add_bytes(b"a task", cid_version=1)
-    key = load_or_create_identity(home["home"])
-    record = ModelRecord(task_cid=task, version=1, parent=home["model"], round=9, step=10, members=("a", "b", "c"),
+    keys = [load_or_create_identity(home["home"])] + [create_new_key_pair() for _ in range(2)]
+    record = ModelRecord(task_cid=task, version=1, parent=home["model"], round=9, step=10, members=(),
                          metrics={"accuracy": 0.5}, model_cid=home["other"], optimizer_cid=home["other"], term=1,
                          coordinator="")
+    signed = proven_record(record, keys[0], keys)
+    line = entry_bytes(ConfirmedRecord(signed=signed, attestations=attestations_for(signed.record, keys[:2])))
     (home["home"] / "tasks" / task).mkdir(parents=True)
-    (home["home"] / "tasks" / task / "chain.jsonl").write_bytes(record_bytes(sign_record(record, key)) + b"\n")
+    (home["home"] / "tasks" / task / "chain.jsonl").write_bytes(line + b"\n")
     first = load_served(store, home["model"], torch.device("cpu"), home["home"])
     second = load_served(store, home["other"], torch.device("cpu"), home["home"])
     assert first.info["task_cid"] is None
@@ -264,7 +269,8 @@ def test_serve_refuses_in_one_line_without_hypercorn_a_device_or_an_address(
     assert capsys.readouterr().err.strip() == "p2ptrain: error: --max-connections must be 1 to 4096"
     assert main(argv[:-1] + [home["url"].removeprefix("http://")]) == 1  # the server process holds that port
     err = capsys.readouterr().err
-    assert err.startswith(f"p2ptrain: error: cannot listen on {home['url'].removeprefix('http://')}: ") and len(err.splitlines()) == 1
+    assert err.startswith(f"p2ptrain: error: cannot listen on {home['url'].removeprefix('http://')}: ")
+    assert len(err.splitlines()) == 1
     monkeypatch.setitem(sys.modules, "hypercorn", None)  # import hypercorn raises ImportError
     assert main(argv) == 1
     assert capsys.readouterr().err.strip() == "p2ptrain: error: model serve needs hypercorn: pip install 'p2ptrain[serve]'"

@@ -18,7 +18,9 @@ from p2ptrain.serve.api import open_model
 from p2ptrain.serve.temporary import TemporaryFollower
 from p2ptrain.testing import local_peers
 from p2ptrain.training.models import build_model
-from p2ptrain.training.records import Chain, model_bytes, sign_record
+from p2ptrain.training.lineage import Chain
+from p2ptrain.testing import attestations_for, proven_record, rules_task
+from p2ptrain.training.records import model_bytes
 from p2ptrain.wire.messages import ModelRecord
 
 CARD = {"name": "mlp", "kwargs": {"in_features": 64, "hidden": [32], "out_features": 10}}
@@ -38,20 +40,20 @@ async def test_latest_through_bootstrap_keeps_one_temporary_node_for_the_servers
         async with local_peers(1, tmp_path / "holder") as peers:
             holder = peers[0]
             store = holder.content.store
-            task_cid = store.add_bytes(b"a task's bytes, for its CID\n")
+            task_cid, rules = rules_task(store)
             models = [store.add_bytes(model_bytes(build_model(CARD["name"], CARD["kwargs"], seed), CARD), cid_version=1)
                       for seed in (1, 2)]
-            me = holder.node.peer_id.to_base58()
-            chain = Chain(task_cid, models[0])
+            chain = Chain(task_cid, models[0], rules)
             chain_file = holder.node.home / "tasks" / task_cid / "chain.jsonl"
             chain_file.parent.mkdir(parents=True)
 
             def confirm(model: str) -> None:  # what a member keeps of a run: its chain on disk
                 record = ModelRecord(task_cid=task_cid, version=chain.version + 1, parent=chain.head_cid,
-                                     round=chain.version, step=chain.version + 1, members=(me,),
+                                     round=chain.version, step=chain.version + 1, members=(),
                                      metrics={"accuracy": 0.5}, model_cid=model, optimizer_cid=model, term=1,
                                      coordinator="")
-                chain.append(sign_record(record, holder.node.key_pair))
+                signed = proven_record(record, holder.node.key_pair, [holder.node.key_pair])
+                chain.append(signed, attestations_for(signed.record, [holder.node.key_pair]))
                 chain_file.write_bytes(chain.to_bytes())
 
             confirm(models[0])

@@ -466,3 +466,43 @@ def test_a_lone_member_below_a_quorum_waits_instead_of_cycling_through_terms():
         net.nodes[stopped] = Election(TASK, net.keys[net.ids.index(stopped)], CONFIG)  # restarted
         assert net.run_until_agreed(4 * CONFIG.timeout_s) is not None
         assert all(e.short_of_quorum == 0 for e in net.nodes.values())
+
+
+def test_a_coordinator_caught_breaking_the_rules_is_given_up_and_never_voted_for_again():
+    """Issue 27: members that hold evidence against their coordinator (a forged record or a plan
+    that breaks the task's rules) leave it at once and elect another; it can stand again, but no
+    member that accused it votes for it, so it never gets a quorum of them."""
+    net = Net(4)
+    net.run(CONFIG.timeout_s + 2 * HB)
+    term, hostile = net.agreed()
+    honest = [p for p in net.ids if p != hostile]
+    for p in honest:
+        net.nodes[p].give_up(net.now, hostile)
+        assert net.nodes[p].coordinator is None and net.nodes[p].term == term + 1
+    net.run(2 * CONFIG.timeout_s + 4 * HB)
+    new_term, new = net.agreed(honest)
+    assert new != hostile and new_term > term
+    # The honest coordinator dies: the hostile peer is now a designated candidate in some terms and
+    # stands, but the two honest members left never vote for it, so it never leads again.
+    net.alive.discard(new)
+    left = [p for p in honest if p != new]
+    for _ in range(6):
+        net.run(CONFIG.timeout_s + HB)
+        net.broadcast(hostile, [VoteRequest(task_cid=TASK, term=net.nodes[hostile].term, candidate=hostile)])
+        assert all(net.nodes[p].coordinator != hostile for p in left)
+    assert not any(isinstance(m, SignedVote) and m.vote.candidate == hostile and m.vote.voter in left
+                   and m.vote.term > term for _, m in net.sent)
+
+
+def test_members_that_resume_a_stopped_run_elect_in_the_term_after_its_last_record_at_once():
+    """After a stop of the whole run (ballots forgotten), a term of the chain is never used again:
+    the members go to the term after the last record's and elect its designated candidate without
+    waiting for a term to time out; a request for a term up to the record's gets no vote."""
+    net = Net(3)
+    for node in net.nodes.values():
+        node.resume_after(7)
+    stale = net.ids[0]
+    net.broadcast(stale, [VoteRequest(task_cid=TASK, term=7, candidate=stale)])
+    assert not [m for _, m in net.sent if isinstance(m, SignedVote)]
+    net.run(2 * HB)
+    assert net.agreed() == (8, designated(TASK, 8, net.ids))

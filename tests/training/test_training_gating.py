@@ -9,13 +9,14 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 
 from p2ptrain.training import signing
 from p2ptrain.training.election import Election, ElectionConfig
-from p2ptrain.training.records import Chain
+from p2ptrain.training.lineage import Chain
 from p2ptrain.training.rounds import (
     FAILED_PEER_QUARANTINE_S,
     FIRST_ROUND_GRACE_S,
     RETRY_BACKOFF_S,
     Hold,
     RoundBook,
+    RuleBreak,
 )
 from p2ptrain.training.voters import View
 from p2ptrain.wire.messages import RoundFailed, RoundPlan
@@ -187,3 +188,51 @@ def test_a_resynced_book_keeps_the_roster_and_the_timers(run):
     assert fresh.last_plan is None and fresh.failed_round is None and fresh.observed is plan
     assert fresh.quarantined(20.0) == fresh.gone(20.0) == {run.others[0]}
     assert (fresh.retry_after, fresh.elected_at) == (20.0 + RETRY_BACKOFF_S, 9.0)
+
+
+# -- the rules a member holds the coordinator's plans to (issue 27) ------------------------------------
+
+
+def test_a_plan_that_breaks_the_tasks_rules_is_evidence_against_its_coordinator(run):
+    """A member refuses, as a RuleBreak (it then stops following the coordinator), a plan from the
+    elected coordinator whose members are too few for the task, not distinct, or that drops more
+    than a minority of the plan before it; and refuses the records of that span later."""
+    member = run.others[0]
+    book, election = run.books[member], run.elections[member]
+    first = run.decide(FIRST_ROUND_GRACE_S + 1)
+    assert isinstance(first, RoundPlan) and book.plan_problem(first, run.c, election) is None
+    assert book.span_plans[first.step + first.rounds] == first
+    nxt = dict(task_cid=first.task_cid, term=first.term, round=first.round + first.rounds, attempt=0,
+               step=first.step + first.rounds, rounds=first.rounds, base_cid=first.base_cid, version=1)
+    # The coordinator alone: it drops 2 of the 3 members of the plan before.
+    alone = RoundPlan(members=(run.c,), **nxt)
+    problem = book.plan_problem(alone, run.c, election)
+    assert isinstance(problem, RuleBreak) and "keeps 1 of the 3 members" in problem
+    assert (nxt["step"] + first.rounds, first.term, 0) in book.refused_spans
+    # Two members, one of them a newcomer in place of a member: still 1 of 3 kept.
+    swapped = RoundPlan(members=(run.c, "12D3KooWnewcomerNotInThePlanBefore000000000000000"), **nxt)
+    assert isinstance(book.plan_problem(swapped, run.c, election), RuleBreak)
+    twice = RoundPlan(members=(run.c, member, member), **nxt)
+    assert book.plan_problem(twice, run.c, election) == "members are not distinct"
+    # Dropping one of three is allowed (a member died), and followed.
+    fine = RoundPlan(members=(run.c, member), **nxt)
+    assert book.plan_problem(fine, run.c, election) is None
+    # The same plans from a peer that is not the coordinator are no evidence of anything.
+    assert not isinstance(book.plan_problem(alone, member, election), RuleBreak)
+
+
+def test_a_plan_naming_a_peer_off_the_allowlist_breaks_the_rules(digits, digits_task):
+    store, manifest = digits
+    keys = [create_new_key_pair() for _ in range(3)]
+    ids = [signing.peer_str(k) for k in keys]
+    allow = "[" + ", ".join(f'"{p}"' for p in ids[:2]) + "]"
+    task = digits_task(manifest, **{"peers.min": "1", "peers.admission": '"allowlist"', "peers.allow": allow})
+    assert task.peers.admits(ids[0]) and not task.peers.admits(ids[2])
+    book = RoundBook(task, "QmT78zSuBmuS4z925WZfrqQ1qHaJ56DQaTfyMUF7F8ff5o", Chain("x", INITIAL), 10)
+    plan = RoundPlan(task_cid=book.task_cid, term=1, round=0, attempt=0, step=0, rounds=5, members=tuple(ids),
+                     base_cid=INITIAL, version=0)
+    assert "allowlist does not admit" in book.rule_problem(plan)
+    assert book.rule_problem(RoundPlan(**{**plan.__dict__, "members": tuple(ids[:2])})) is None
+    few = digits_task(manifest, **{"peers.min": "3"})
+    book = RoundBook(few, book.task_cid, Chain("x", INITIAL), 10)
+    assert "2 members, the task allows 3 to 64" in book.rule_problem(RoundPlan(**{**plan.__dict__, "members": tuple(ids[:2])}))

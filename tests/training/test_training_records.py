@@ -10,8 +10,8 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 from p2ptrain.ipfs.embedded import EmbeddedStore
 from p2ptrain.training import signing
 from p2ptrain.training.models import build_model
+from p2ptrain.training.lineage import Chain, entry_bytes, entry_from_bytes
 from p2ptrain.training.records import (
-    Chain,
     RecordError,
     Status,
     Tally,
@@ -19,15 +19,13 @@ from p2ptrain.training.records import (
     load_model_bytes,
     model_bytes,
     quorum,
-    record_bytes,
-    record_from_bytes,
     record_id,
     sign_record,
     tensors_bytes,
     verify_record,
 )
 from p2ptrain.wire import decode, encode
-from p2ptrain.wire.messages import ModelRecord, SignedAttestation
+from p2ptrain.wire.messages import ConfirmedRecord, ModelRecord, SignedAttestation
 
 TASK = "QmT78zSuBmuS4z925WZfrqQ1qHaJ56DQaTfyMUF7F8ff5o"
 KEYS = [create_new_key_pair() for _ in range(5)]
@@ -89,16 +87,22 @@ def test_signed_record_verifies_and_tampering_is_caught():
         verify_record(wrong_key)
 
 
+def line(signed, attestations=()):
+    """One chain line holding ``signed``."""
+    return entry_bytes(ConfirmedRecord(signed=signed, attestations=tuple(attestations)))
+
+
 def test_record_bytes_round_trip_and_travel_on_the_wire():
     signed = sign_record(record(), KEYS[0])
-    data = record_bytes(signed)
-    assert record_from_bytes(data) == signed
+    att = attest(signed.record, "Qmmodel", "Qmoptim", KEYS[1])
+    data = line(signed, [att])
+    assert entry_from_bytes(data) == ConfirmedRecord(signed=signed, attestations=(att,))
     tampered = data.replace(b'"accuracy":0.9', b'"accuracy":1.0')
     assert tampered != data
     with pytest.raises(RecordError, match="bad signature"):
-        record_from_bytes(tampered)
-    with pytest.raises(RecordError, match="not a model record"):
-        record_from_bytes(json.dumps({"record": {}}).encode())
+        entry_from_bytes(tampered)
+    with pytest.raises(RecordError, match="not a chain line"):
+        entry_from_bytes(json.dumps({"signed": {}}).encode())
     # The same signed record inside a wire envelope (signed by someone else, who relays it).
     got = decode(encode(signed, KEYS[4], seq=1)).msg
     assert got == signed and verify_record(got)
@@ -106,7 +110,7 @@ def test_record_bytes_round_trip_and_travel_on_the_wire():
 
 def test_tally_confirms_at_a_quorum_of_members():
     signed = sign_record(record(members=tuple(PEERS[:4])), KEYS[0])
-    tally = Tally(signed)
+    tally = Tally(signed, signed.record.members)
     assert quorum(4) == 3
     assert tally.add(attest(signed.record, "Qmmodel", "Qmoptim", KEYS[0])) is Status.PENDING
     assert tally.add(attest(signed.record, "Qmmodel", "Qmoptim", KEYS[0])) is Status.PENDING  # repeat
@@ -115,25 +119,25 @@ def test_tally_confirms_at_a_quorum_of_members():
     with pytest.raises(RecordError, match="not a member"):
         tally.add(attest(signed.record, "Qmmodel", "Qmoptim", KEYS[4]))
     assert tally.add(attest(signed.record, "Qmmodel", "Qmoptim", KEYS[3])) is Status.CONFIRMED
-    assert tally.matching == set(PEERS[:1] + PEERS[2:4]) and tally.differing == {PEERS[1]: "Qmother"}
+    assert set(tally.matching) == set(PEERS[:1] + PEERS[2:4]) and tally.differing == {PEERS[1]: "Qmother"}
 
 
 def test_tally_rejects_a_record_nobody_reproduces(caplog):
     signed = sign_record(record(), KEYS[0])
-    tally = Tally(signed)
+    tally = Tally(signed, signed.record.members)
     tally.add(attest(signed.record, "QmA", "Qmoptim", KEYS[1]))
     assert tally.status is Status.PENDING
     assert tally.add(attest(signed.record, "QmB", "Qmoptim", KEYS[2])) is Status.REJECTED
     assert "rejected" in caplog.text and "0 of 3 members reproduced it" in caplog.text
     # Same model, other optimizer state: not a reproduction either.
-    tally2 = Tally(sign_record(record(), KEYS[0]))
+    tally2 = Tally(sign_record(record(), KEYS[0]), record().members)
     tally2.add(attest(tally2.record, "Qmmodel", "Qmdiff", KEYS[1]))
     assert tally2.expire() is Status.REJECTED
 
 
 def test_tally_refuses_forged_or_foreign_attestations():
     signed = sign_record(record(), KEYS[0])
-    tally = Tally(signed)
+    tally = Tally(signed, signed.record.members)
     att = attest(signed.record, "Qmmodel", "Qmoptim", KEYS[1])
     forged = SignedAttestation(dataclasses.replace(att.attestation, attester=PEERS[2]), att.signature)
     with pytest.raises(RecordError, match="bad signature"):
@@ -141,7 +145,7 @@ def test_tally_refuses_forged_or_foreign_attestations():
     other = attest(record(version=2), "Qmmodel", "Qmoptim", KEYS[1])
     with pytest.raises(RecordError, match="another record"):
         tally.add(other)
-    assert tally.matching == set()
+    assert not tally.matching
 
 
 def test_chain_refuses_fork_and_gap():
@@ -151,7 +155,7 @@ def test_chain_refuses_fork_and_gap():
     assert chain.head_cid == "Qm1" and chain.version == 1
     with pytest.raises(RecordError, match="gap: model record v3 after v1"):
         chain.append(sign_record(record(3, parent="Qm1", model_cid="Qm3"), KEYS[0]))
-    with pytest.raises(RecordError, match="fork: model record v2 has parent Qminit"):
+    with pytest.raises(RecordError, match="fork: model record v2: its parent Qminit"):
         chain.append(sign_record(record(2, parent="Qminit", model_cid="Qm2"), KEYS[0]))
     with pytest.raises(RecordError, match="fork: a different model record v1"):
         chain.append(sign_record(record(1, parent="Qminit", model_cid="Qm1b"), KEYS[1]))
@@ -166,7 +170,7 @@ def test_chain_refuses_fork_and_gap():
     with pytest.raises(RecordError, match="bad signature"):
         Chain.from_bytes(TASK, "Qminit", chain.to_bytes().replace(b"Qm2", b"Qm9"))
     with pytest.raises(RecordError, match="gap"):
-        Chain.from_bytes(TASK, "Qminit", record_bytes(r2))
+        Chain.from_bytes(TASK, "Qminit", line(r2))
     with pytest.raises(RecordError, match="versions start at 1"):
         Chain(TASK, "Qminit").append(sign_record(record(0, parent="Qminit"), KEYS[0]))
 
@@ -199,14 +203,14 @@ def test_a_hostile_model_file_header_is_a_record_error(data, why):
 
 
 def test_huge_numbers_and_deep_nesting_in_a_stored_record_are_record_errors():
-    data = record_bytes(sign_record(record(), KEYS[0]))
+    data = line(sign_record(record(), KEYS[0]))
     assert b'"accuracy":0.9' in data
     with pytest.raises(RecordError, match="integer"):  # a float overflow in the schema check before
-        record_from_bytes(data.replace(b'"accuracy":0.9', b'"accuracy":1' + b"0" * 400))
+        entry_from_bytes(data.replace(b'"accuracy":0.9', b'"accuracy":1' + b"0" * 400))
     with pytest.raises(RecordError, match="nested"):
-        record_from_bytes(data.replace(b'"accuracy":0.9', b'"accuracy":' + b"[" * 5000 + b"]" * 5000))
+        entry_from_bytes(data.replace(b'"accuracy":0.9', b'"accuracy":' + b"[" * 5000 + b"]" * 5000))
     with pytest.raises(RecordError):
-        record_from_bytes(b"[" * 60_000)
+        entry_from_bytes(b"[" * 60_000)
 
 
 def test_reading_tensors_checks_the_header_first():
@@ -244,15 +248,15 @@ def test_a_chain_extends_another_only_with_the_same_records_as_a_prefix():
 
 
 def test_chain_bytes_and_records_are_bounded(monkeypatch):
-    import p2ptrain.training.records as records
+    import p2ptrain.training.lineage as lineage
 
     with pytest.raises(RecordError, match="over the 67108864 B limit"):
-        Chain.from_bytes(TASK, "Qminit", b"\n" * (records.MAX_CHAIN_BYTES + 1))
+        Chain.from_bytes(TASK, "Qminit", b"\n" * (lineage.MAX_CHAIN_BYTES + 1))
     chain = Chain(TASK, "Qminit")
     parent = "Qminit"
     for v in (1, 2, 3):
         chain.append(sign_record(record(v, parent=parent, model_cid=f"Qm{v}"), KEYS[0]))
         parent = f"Qm{v}"
-    monkeypatch.setattr(records, "MAX_CHAIN_RECORDS", 2)
+    monkeypatch.setattr(lineage, "MAX_CHAIN_RECORDS", 2)
     with pytest.raises(RecordError, match="3 records is over the 2 record limit"):
         Chain.from_bytes(TASK, "Qminit", chain.to_bytes())

@@ -15,7 +15,8 @@ from p2ptrain.logs import short_id
 from p2ptrain.training import signing
 from p2ptrain.training.batches import batched, batches_forever
 from p2ptrain.training.election import Election, ElectionConfig
-from p2ptrain.training.records import Chain, Status, Tally, attest
+from p2ptrain.training.lineage import Chain
+from p2ptrain.training.records import Status, Tally, attest
 from p2ptrain.training.plans import plan_members, ring_order, round_id, shard_of, span_length
 from p2ptrain.training.rounds import RoundBook
 from p2ptrain.training.sync import RoundTimings, run_round
@@ -90,7 +91,8 @@ class Swarm:
             queue = []
             for m in self.members.values():
                 roster = m.book.roster(m.id)
-                queue += [(m.id, msg) for msg in m.election.tick(self.now, View(advertising=frozenset(self.live() - {m.id})), roster)]
+                advertising = frozenset(self.live() - {m.id})
+                queue += [(m.id, msg) for msg in m.election.tick(self.now, View(advertising=advertising), roster)]
             while queue:
                 src, msg = queue.pop(0)
                 for m in self.members.values():
@@ -125,7 +127,7 @@ class Swarm:
                     if die and (i > die[0] or (i == die[0] and plan.members.index(m.id) >= victim_rank)):
                         raise ConnectionError(f"ring neighbour {short_id(die[1].id)} is gone")
                     while len(got) < len(group):
-                        await trio.sleep(0)
+                        await trio.lowlevel.checkpoint()
                     return torch.stack([got[p] for p in plan.members]).mean(0)
 
                 try:
@@ -162,7 +164,7 @@ class Swarm:
         )
         attestations = [attest(signed.record, *self.members[p].own_cids(), self.members[p].key) for p in plan.members]
         for p in plan.members:
-            tally = Tally(signed)
+            tally = Tally(signed, plan.members)
             for a in attestations:
                 tally.add(a)
             assert tally.status is Status.CONFIRMED

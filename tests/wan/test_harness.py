@@ -13,10 +13,10 @@ import sys
 
 import pytest
 
-from p2ptrain.testing import WanError, cleanup_stale, emulated_wan, parse_rate, wan_unavailable
+from p2ptrain.testing import WanError, cleanup_stale, emulated_wan, parse_rate
 from p2ptrain.testing.wan import harness_names
 
-pytestmark = pytest.mark.skipif(bool(wan_unavailable()), reason=wan_unavailable() or "")
+pytestmark = pytest.mark.needs("ip", "tc", root=True)  # tests/conftest.py decides
 
 # Bound on a child process printing its first line (a python start on a loaded 2-core box).
 LINE_TIMEOUT_S = 30.0

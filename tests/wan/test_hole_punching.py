@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 
 from p2ptrain.local_nodes import NODE_ARGS
-from p2ptrain.testing import emulated_nat, nat_unavailable, wait_for, wan_node_processes
+from p2ptrain.testing import emulated_nat, wait_for, wan_node_processes
 
-pytestmark = pytest.mark.skipif(bool(nat_unavailable()), reason=nat_unavailable() or "")
+pytestmark = pytest.mark.needs("ip", "tc", "iptables", root=True)  # tests/conftest.py decides
 
 # Bound on the nodes knowing their reachability, the private ones holding relay slots, meeting
 # through a relay and punching (2 s auto-drive period, 3 attempts of up to ~7 s each).

@@ -11,10 +11,10 @@ import sys
 
 import pytest
 
-from p2ptrain.testing import emulated_nat, nat_unavailable
+from p2ptrain.testing import emulated_nat
 from p2ptrain.testing.wan import harness_names
 
-pytestmark = pytest.mark.skipif(bool(nat_unavailable()), reason=nat_unavailable() or "")
+pytestmark = pytest.mark.needs("ip", "tc", "iptables", root=True)  # tests/conftest.py decides
 
 PORT = 5002
 # Bound on one connect attempt and one child process (python starts slowly on a loaded box).

@@ -13,10 +13,12 @@ import pytest
 from p2ptrain.local_nodes import NODE_ARGS
 from p2ptrain.net import control_ops
 from p2ptrain.net.control import ControlClient
-from p2ptrain.testing import run_cli as cli, task_status_of as task_status, emulated_nat, nat_unavailable, wait_for, wan_node_processes
+from p2ptrain.testing import emulated_nat, wait_for, wan_node_processes
+from p2ptrain.testing import run_cli as cli
+from p2ptrain.testing import task_status_of as task_status
 from p2ptrain.training.demo import TASK_TEMPLATE
 
-pytestmark = pytest.mark.skipif(bool(nat_unavailable()), reason=nat_unavailable() or "")
+pytestmark = pytest.mark.needs("ip", "tc", "iptables", root=True)  # tests/conftest.py decides
 
 STEPS, CHECKPOINT = 10, 10
 # Bound on every node knowing its reachability and every private one holding relay slots, and on

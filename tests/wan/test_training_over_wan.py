@@ -14,10 +14,12 @@ import pytest
 from p2ptrain.local_nodes import NODE_ARGS
 from p2ptrain.net import control_ops
 from p2ptrain.net.control import ControlClient
-from p2ptrain.testing import run_cli as cli, task_status_of as task_status, emulated_wan, wait_for, wan_node_processes, wan_unavailable
+from p2ptrain.testing import emulated_wan, wait_for, wan_node_processes
+from p2ptrain.testing import run_cli as cli
+from p2ptrain.testing import task_status_of as task_status
 from p2ptrain.training.demo import TASK_TEMPLATE
 
-pytestmark = pytest.mark.skipif(bool(wan_unavailable()), reason=wan_unavailable() or "")
+pytestmark = pytest.mark.needs("ip", "tc", root=True)  # tests/conftest.py decides
 
 # Short: the test is about the links, not the accuracy (tests/runtime covers that on loopback).
 STEPS, CHECKPOINT = 10, 10

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 
 from p2ptrain.local_nodes import NodeProcess
-from p2ptrain.testing import emulated_wan, wait_for, wan_unavailable
+from p2ptrain.testing import emulated_wan, wait_for
 from p2ptrain.testing.wan import NODE_PORT
 
-pytestmark = pytest.mark.skipif(bool(wan_unavailable()), reason=wan_unavailable() or "")
+pytestmark = pytest.mark.needs("ip", "tc", root=True)  # tests/conftest.py decides
 
 CONNECT_TIMEOUT_S = 60.0  # heartbeats every second, a redial within a few: connected in ~10 s here
 

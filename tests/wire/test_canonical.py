@@ -21,10 +21,11 @@ from p2ptrain.boundedjson import canonical
 from p2ptrain.data import manifest as manifest_module
 from p2ptrain.data.manifest import Manifest, ShardRef, TensorSpec
 from p2ptrain.ipfs.embedded import EmbeddedStore
-from p2ptrain.training.records import attest, model_bytes, record_bytes, record_id, sign_record
+from p2ptrain.training.lineage import entry_bytes
+from p2ptrain.training.records import attest, model_bytes, record_id, sign_record
 from p2ptrain.training.task import TaskError, load_task, task_bytes
 from p2ptrain.wire import encode
-from p2ptrain.wire.messages import ModelRecord
+from p2ptrain.wire.messages import ConfirmedRecord, ModelRecord
 
 KEY = create_new_key_pair(b"\x02" * 32)
 CID = "QmT78zSuBmuS4z925WZfrqQ1qHaJ56DQaTfyMUF7F8ff5o"
@@ -48,7 +49,7 @@ RECORD = ModelRecord(
     metrics={"loss": 0.1, "acc": 1e-7, "n\u00e9": 2.5}, model_cid=CID, optimizer_cid=CID, term=2, coordinator="x",
 )
 RECORD_SIGNATURE = (
-    "c1d5827b6f5f28a3dc0af9d7283acd5dd67e7d050399ba7d76ffeffa1305a6eaf6ec3ede9518ade282b4de3b75e9a70d264f7fd478914317823c7014e00b060f"
+    "60948d5bd58ca8852666b572cd6dfe5d5e1c68e401da87a71bf118bc015ecd3e06403dfc1946e9bad98f60cd982220a3eb66fed8247934b2ea5af980eac0a008"
 )
 
 
@@ -85,16 +86,19 @@ def test_manifest_bytes_and_cid(tmp_path) -> None:
 def test_signed_record_attestation_and_their_ids() -> None:
     signed = sign_record(RECORD, KEY)
     assert signed.signature == RECORD_SIGNATURE  # Ed25519 is deterministic: same bytes, same signature
-    assert record_bytes(signed) == (
-        b'{"record":{"coordinator":"12D3KooWJWoaqZhDaoEFshF7Rh1bpY9ohihFhzcW6d69Lr2NASuq","members":["b","a"],'
+    # As a chain keeps it. Changed once, on purpose, in issue 27: a record names the attempt of its
+    # span's plan (so its signature and id changed), carries the votes that elected its signer, and a
+    # chain line keeps the attestations that confirmed it.
+    assert entry_bytes(ConfirmedRecord(signed=signed, attestations=())) == (
+        b'{"attestations":[],"signed":{"record":{"attempt":0,"coordinator":"12D3KooWJWoaqZhDaoEFshF7Rh1bpY9ohihFhzcW6d69Lr2NASuq","members":["b","a"],'
         b'"metrics":{"acc":1e-07,"loss":0.1,"n\\u00e9":2.5},"model_cid":"QmT78zSuBmuS4z925WZfrqQ1qHaJ56DQaTfyMUF7F8ff5o",'
         b'"optimizer_cid":"QmT78zSuBmuS4z925WZfrqQ1qHaJ56DQaTfyMUF7F8ff5o","parent":"QmT78zSuBmuS4z925WZfrqQ1qHaJ56DQaTfyMUF7F8ff5o",'
         b'"round":12,"step":40,"task_cid":"QmT78zSuBmuS4z925WZfrqQ1qHaJ56DQaTfyMUF7F8ff5o","term":2,"version":3},'
-        b'"signature":"' + RECORD_SIGNATURE.encode() + b'"}'
+        b'"signature":"' + RECORD_SIGNATURE.encode() + b'","votes":[]}}'
     )
-    assert record_id(signed.record) == "9de889495a2b80daa443e6f8724be9b95bcacb4deac9f3e1c74c5500d3352dcb"
+    assert record_id(signed.record) == "6e7324dcacc7adf09678dd228b65e943dd16c7dcb93b219e0930171344281933"
     assert attest(signed.record, CID, CID, KEY).signature == (
-        "ba33ccba37a43484916fee6f36c96378a5e2b37a28efecdf07798cd2a7d295df6b104261d2f8ced1064a66de329edfe9fa611f22b84c260d18bb18be68fb1205"
+        "52ae6070935337ae604e1c62bc536a0b96421fd09974f0b0dce9903d97988d6a839337dfb1d07a636beafc67e0ee53705ecc35dc7e05feaa00375f9d4bb64707"
     )
 
 
@@ -109,7 +113,8 @@ def test_model_file_with_its_card() -> None:
 
 def test_signed_wire_message() -> None:
     data = encode(sign_record(RECORD, KEY), KEY, seq=5, ts=1700000000.25)
-    assert hashlib.sha256(data).hexdigest() == "dca16ca6af250c8b56c0dd90d4c49e616298b85d81109e76fdeea8eaa4ebff32"
+    # Changed once, on purpose, in issue 27 (see above).
+    assert hashlib.sha256(data).hexdigest() == "6caa08d3e09e26b75890c299df20ad36eb8ee535e4810b17bcb3f2f1ea877bbe"
 
 
 # --- the options the old encoders differed in ------------------------------------------------------

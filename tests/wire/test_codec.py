@@ -66,7 +66,9 @@ def test_oversized():
 
 def test_encoder_refuses_to_build_an_oversized_message():
     with pytest.raises(ValueError, match="cap"):
-        encode(Heartbeat(addrs=tuple("a" * 4000 for _ in range(16)), caps=CAPS, tasks=tuple("b" * 4000 for _ in range(64))), KEY, 1)
+        heartbeat = Heartbeat(addrs=tuple("a" * 4000 for _ in range(16)), caps=CAPS,
+                              tasks=tuple("b" * 4000 for _ in range(64)))
+        encode(heartbeat, KEY, 1)
 
 
 @pytest.mark.parametrize(
@@ -116,7 +118,8 @@ def test_stale_or_future_timestamp():
     assert reason_of(frame(envelope(ts=time.time() + MAX_CLOCK_SKEW_S + 10))) == "stale"
 
 
-@pytest.mark.parametrize("ts", [10**400, -(10**400), 2**63, 1e308, -1e308], ids=["huge-int", "huge-neg", "int64+1", "huge-float", "huge-neg-float"])
+@pytest.mark.parametrize("ts", [10**400, -(10**400), 2**63, 1e308, -1e308],
+                         ids=["huge-int", "huge-neg", "int64+1", "huge-float", "huge-neg-float"])
 def test_a_signed_timestamp_too_large_for_a_float_is_malformed_not_an_overflow(ts):
     """Issue 13 found 1: ``abs(now - 10**400)`` raised OverflowError and stopped the node."""
     assert reason_of(frame(envelope(ts=ts))) == "malformed"
@@ -243,7 +246,8 @@ def test_replay_guard_memory_is_bounded_however_many_identities_write():
 
 
 def test_a_heartbeat_address_longer_than_the_bound_is_a_schema_error():
-    hb = {"addrs": ["/ip4/127.0.0.1/tcp/1/" + "x" * 300], "caps": {"device": "cpu", "cpu_count": 1, "free_ram_bytes": 1, "version": "0"}}
+    hb = {"addrs": ["/ip4/127.0.0.1/tcp/1/" + "x" * 300],
+          "caps": {"device": "cpu", "cpu_count": 1, "free_ram_bytes": 1, "version": "0"}}
     assert reason_of(frame(envelope(type="heartbeat", body=hb))) == "schema"
 
 

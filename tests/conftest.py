@@ -1,0 +1,76 @@
+"""Tests that need a tool declare it, and one hook decides: run, skip, or (in CI) fail.
+
+``pytestmark = pytest.mark.needs("ip", "tc", "iptables", root=True)`` on a test module (or a test):
+the hook below checks each tool on PATH (``helia``: the Helia install under ipfs/.helia) before the
+test runs. A missing tool skips the test with the reason, except under ``CI=true`` when the
+Makefile's ``test-tools`` target (or the Helia stamp) installs it: there ``make test`` ran and the
+tool should be here, so the test fails instead of passing quietly (a CI machine without iptables
+once skipped every NAT test and stayed green). Nothing that needs root fails for want of root:
+``make test`` installs nothing when it is not root, and the skip says so.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+HELIA_NODE = ROOT / "ipfs" / ".helia" / "node_modules" / ".bin" / "node"
+
+
+def installed_by_make() -> dict[str, str]:
+    """{tool: how `make test` installs it}: the Makefile's TEST_TOOLS (tool:debian-package pairs),
+    read from the Makefile so that the list lives in one place, and Helia (installed when npm is)."""
+    text = (ROOT / "Makefile").read_text()
+    match = re.search(r"^TEST_TOOLS\s*:=\s*(.*)$", text, re.MULTILINE)
+    pairs = match.group(1).split() if match else []
+    tools = {tool: f"apt-get install {package}" for tool, _, package in (p.partition(":") for p in pairs)}
+    tools["helia"] = "ipfs/install-helia.sh (when npm is present)"
+    return tools
+
+
+def _present(tool: str) -> bool:
+    return HELIA_NODE.exists() if tool == "helia" else shutil.which(tool) is not None
+
+
+def missing_tool_verdict(tools: tuple[str, ...], *, root: bool, ci: bool, euid: int) -> tuple[str, str] | None:
+    """("skip" | "fail", why) for a test that needs ``tools`` (and root), or None if it can run."""
+    if root and euid != 0:
+        return "skip", "needs root (network namespaces, veth, tc); make test installs nothing when not root"
+    missing = [t for t in tools if not _present(t)]
+    if not missing:
+        return None
+    installable = installed_by_make()
+    made = [t for t in missing if t in installable]
+    if ci and made and euid == 0:
+        how = "; ".join(f"{t}: {installable[t]}" for t in made)
+        return "fail", f"missing {', '.join(made)}, which make test installs as root ({how}): did make test run?"
+    why = f"needs {', '.join(missing)} on PATH"
+    if made and euid != 0:
+        why += " (make test installs it as root; not root here, so it did not)"
+    elif made:
+        why += " (make test installs it: run make test)"
+    return "skip", why
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "needs(*tools, root=False): tools on PATH (and root) the test needs; see tests/conftest.py"
+    )
+
+
+@pytest.hookimpl(tryfirst=True)  # before fixtures start (a session daemon) and like skipif
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    for mark in item.iter_markers("needs"):
+        verdict = missing_tool_verdict(tuple(mark.args), root=bool(mark.kwargs.get("root")),
+                                       ci=os.environ.get("CI") == "true", euid=os.geteuid())
+        if verdict is None:
+            continue
+        kind, why = verdict
+        if kind == "fail":
+            pytest.fail(why, pytrace=False)
+        pytest.skip(why)
