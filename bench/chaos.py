@@ -772,10 +772,12 @@ async def _head_request_flood(peer: hostile.HostilePeer, cluster: Cluster, sizes
     return await _flood_cost(cluster, sizes.flood_s, requests, rate, peer)
 
 
-def piped(cmd: list[str], stdin: bool = False) -> subprocess.Popen[str]:
-    """A process whose stdout (and stdin, if asked) this one reads by lines; stderr discarded."""
-    return subprocess.Popen(cmd, stdin=subprocess.PIPE if stdin else None, stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True)
+def piped(cmd: list[str], stdin: bool = False, log: Path | None = None) -> subprocess.Popen[str]:
+    """A process whose stdout (and stdin, if asked) this one reads by lines; stderr to ``log``
+    (appended) or discarded."""
+    with open(log, "a") if log is not None else contextlib.nullcontext(subprocess.DEVNULL) as err:
+        return subprocess.Popen(cmd, stdin=subprocess.PIPE if stdin else None, stdout=subprocess.PIPE,
+                                stderr=err, text=True)
 
 
 async def _serve_bodies(peer: hostile.HostilePeer, cluster: Cluster, sizes: Sizes) -> dict[str, Any]:

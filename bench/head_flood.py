@@ -42,7 +42,7 @@ from p2ptrain.wire.topics import TASKS_TOPIC
 RATES = {"heads": hostile_bounds.HEAD_FLOOD_RATE, "requests": hostile_bounds.HEAD_REQUEST_RATE}
 # --idle: a task nobody runs (the messages are the same whatever task they name)
 IDLE_TASK = "QmT78zSuBmuS4z925WZfrqQ1qHaJ56DQaTfyMUF7F8ff5o"
-ATTACKER_READY_S = 120.0  # start, connect, sign a window's messages: seconds on a loaded box
+ATTACKER_READY_S = 300.0  # start, connect, sign a window's messages: seconds on a loaded box
 
 
 def proc_cpu_s(pid: int) -> float:
@@ -75,14 +75,17 @@ async def flood_phase(cluster: chaos.Cluster, kind: str, task_cid: str, seconds:
     """One flood by a fresh attacker process, measured like a quiet phase."""
     cmd = [sys.executable, __file__, "--attack", kind, "--task", task_cid, "--window", str(seconds),
            *[p.addr for p in cluster.procs]]
-    proc = chaos.piped(cmd, stdin=True)
+    log = cluster.base / "attacker.log"
+    proc = chaos.piped(cmd, stdin=True, log=log)
+    line = ""
     try:
         assert proc.stdin is not None and proc.stdout is not None
         out, into = proc.stdout, proc.stdin
-        with trio.fail_after(ATTACKER_READY_S):
+        with trio.move_on_after(ATTACKER_READY_S):
             line = await trio.to_thread.run_sync(out.readline, abandon_on_cancel=True)
         if line.strip() != "ready":
-            raise RuntimeError(f"the attacker did not start: {line!r}")
+            tail = log.read_text()[-2000:] if log.exists() else ""
+            raise RuntimeError(f"the attacker did not start in {ATTACKER_READY_S:g} s: {line!r}\n{tail}")
         cpu0 = proc_cpu_s(proc.pid)
 
         async def go() -> Any:

@@ -48,3 +48,35 @@ async def test_an_honest_initial_model_starts_the_run_and_one_over_the_bound_is_
         its_blocks = list(walk_dag(parse_cid(big_cid), owner.content.store.blocks.get))
         assert len(its_blocks) == 3
         assert not any(joiner.content.store.blocks.has(cid) for cid in its_blocks)
+
+
+async def test_a_members_own_module_reads_the_initial_model_within_what_it_takes(tmp_path: Path) -> None:
+    """p2ptrain.Optimizer's members load the run's initial weights into their own module
+    (api.rendezvous.load_initial): within what a file of that module's tensors takes. Before: any
+    size was fetched and read whole."""
+    import pytest
+
+    from p2ptrain.api.rendezvous import load_initial
+    from p2ptrain.ipfs.store import ContentUnavailable
+    from p2ptrain.training.models import file_bytes_bound
+    from p2ptrain.training.task import task_from_bytes
+
+    first = build_model("mlp", KWARGS, seed=7)
+    honest = model_bytes(first, {"name": "mlp", "kwargs": KWARGS})
+    limit = file_bytes_bound(first.state_dict().values())
+    big = os.urandom(limit + CHUNK_SIZE)
+    async with local_peers(2, tmp_path) as peers:
+        owner, member = peers[0], peers[1]
+        honest_cid = await trio.to_thread.run_sync(owner.content.store.add_bytes, honest)
+        big_cid = await trio.to_thread.run_sync(owner.content.store.add_bytes, big)
+        good = await publish_digits_task(owner, name="honest", initial_model=honest_cid)
+        bad = await publish_digits_task(owner, name="too-big", initial_model=big_cid)
+        good_task, bad_task = (task_from_bytes(owner.content.store.cat(cid)) for cid in (good, bad))
+        mine = build_model("mlp", KWARGS, seed=8)
+        with trio.fail_after(60):
+            await load_initial(member, good_task, mine)
+            assert all(torch.equal(a, b) for a, b in zip(mine.state_dict().values(), first.state_dict().values()))
+            with pytest.raises(ContentUnavailable, match=f"over the {dag_bytes_limit(limit)} byte limit"):
+                await load_initial(member, bad_task, build_model("mlp", KWARGS, seed=8))
+        its_blocks = list(walk_dag(parse_cid(big_cid), owner.content.store.blocks.get))
+        assert not any(member.content.store.blocks.has(cid) for cid in its_blocks)
