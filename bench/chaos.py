@@ -46,6 +46,14 @@ Scenarios (``--only`` takes these names; a prefix selects a group, e.g. ``--only
   hostile_control_socket     a control-socket line of 100,000 '[' (a local attacker) (#6)
   hostile_ts_overflow        a signed envelope with ts=10**400 on the mesh topic, sent to one node (#1)
   hostile_dag_bomb_task      a task announcement naming a 3-level, 174-link DAG bomb (#3)
+  hostile_model_bomb         tasks whose initial_model declares 2 GiB (one leaf repeated) or is 256 MiB of
+                             distinct leaves under a root that declares 1,000 bytes (issue 27)
+  hostile_head_flood         forged heads of the run (v999, 1,024 members, ~57 KB) at 131/s: steps/s against
+                             the same run just before (issue 27)
+  hostile_head_request_flood head requests for the run at 2,600/s: steps/s likewise (issue 27)
+  hostile_serve_bodies       `model serve` of the run's model on a node's home: 32 clients declaring 8 MiB
+                             and trickling, 4 posting 2.3-6.7 MB bodies; honest requests' status and p50
+                             against their baseline (issue 27)
 """
 
 from __future__ import annotations
@@ -72,6 +80,7 @@ from typing import Any
 import trio
 
 import hostile
+import hostile_bounds
 from p2ptrain.training.demo import TASK_TEMPLATE
 from p2ptrain.errors import UserError
 from p2ptrain.ipfs.blockstore import BlockStore
@@ -117,13 +126,15 @@ class Sizes:
     attack_hold_s: float
     flood_s: float
     identities: int
+    model_chunks: int  # distinct 256 KiB leaves of hostile_model_bomb's second model
     budget_s: float
 
 
 QUICK = Sizes(kill_repeats=2, recover_timeout_s=30, rejoin_timeout_s=60, blob_bytes=32 << 20, full_disk_hold_s=5,
-              attack_hold_s=5, flood_s=5, identities=hostile.FRESH_IDENTITIES, budget_s=240)
+              attack_hold_s=5, flood_s=5, identities=hostile.FRESH_IDENTITIES, model_chunks=256, budget_s=240)
 FULL = Sizes(kill_repeats=5, recover_timeout_s=90, rejoin_timeout_s=120, blob_bytes=64 << 20, full_disk_hold_s=15,
-             attack_hold_s=20, flood_s=20, identities=hostile.FRESH_IDENTITIES, budget_s=1800)
+             attack_hold_s=20, flood_s=20, identities=hostile.FRESH_IDENTITIES,
+             model_chunks=hostile_bounds.MODEL_FLOOD_CHUNKS, budget_s=1800)
 
 
 @dataclass
@@ -182,6 +193,7 @@ class Cluster:
         self.killed: set[str] = set()  # nodes killed on purpose by the running scenario
         self.frozen: set[str] = set()  # nodes SIGSTOPped right now: not asked anything (they cannot answer)
         self.task_cid = ""
+        self.manifest = ""  # the run's data set (attacks name it in tasks of their own)
 
     def __enter__(self) -> Cluster:
         try:
@@ -335,6 +347,7 @@ async def start_training(cluster: Cluster, join_others: bool) -> None:
     name, features, labels = load_source("sklearn:digits")
     manifest, _ = await trio.to_thread.run_sync(
         lambda: build_dataset(EmbeddedStore(first.home), name, features, labels, num_shards=8))
+    cluster.manifest = manifest
     text = TASK_TEMPLATE.format(manifest=manifest, steps=TOTAL_STEPS, checkpoint=CHECKPOINT_INTERVAL,
                                 density=0.01, peers=8).replace("demo-digits-mlp", "chaos-digits-mlp")
     published = await call(first, control_ops.TASK_PUBLISH, {"text": text, "join": True}, timeout=120)
@@ -692,6 +705,110 @@ async def _ts(peer: hostile.HostilePeer, cluster: Cluster, sizes: Sizes) -> dict
     return info
 
 
+async def _model_bomb(peer: hostile.HostilePeer, cluster: Cluster, sizes: Sizes) -> dict[str, Any]:
+    """Both bomb tasks announced (again each second) until every node's runs of them have failed,
+    at most attack_hold_s * 3; what each node said, and the bombs' blocks it kept."""
+    sent = await hostile_bounds.model_bomb_tasks(peer, cluster.manifest, chunks=sizes.model_chunks)
+    cids = sent.pop("cids")
+    tasks = {sent[name]["task_cid"]: name for name in ("model-bomb", "model-flood")}
+    refused: dict[str, dict[str, str]] = {}
+    with trio.move_on_after(sizes.attack_hold_s * 3):
+        while len(refused) < len(cluster.alive()) or any(len(r) < len(tasks) for r in refused.values()):
+            for p in cluster.alive():
+                listing = await call(p, control_ops.TASK_LIST) or {}
+                for t in listing.get("tasks", []):
+                    if t.get("task_cid") in tasks and (t.get("state") == "failed" or t.get("refused")):
+                        why = t.get("error") or t.get("refused") or ""
+                        refused.setdefault(cluster.name(p), {})[tasks[t["task_cid"]]] = why[-160:]
+            await hostile_bounds.announce(peer, tasks)
+            await trio.sleep(1.0)
+
+    def kept(home: Path) -> int:
+        blocks = BlockStore(home / "blocks")
+        return sum(1 for cid in cids if blocks.has(cid))
+
+    sent["refused"] = refused
+    sent["blocks_kept"] = {cluster.name(p): await trio.to_thread.run_sync(kept, p.home) for p in cluster.procs}
+    return sent
+
+
+async def steps_per_s(cluster: Cluster, seconds: float, attack: Callable[[], Awaitable[Any]] | None = None
+                      ) -> tuple[float, Any]:
+    """Steps/s of the run over ``seconds`` (while ``attack()`` runs, if given; it is bounded by
+    the same seconds), and what the attack returned."""
+    first = top_step(await statuses(cluster))
+    started = trio.current_time()
+    out: list[Any] = []
+    async with trio.open_nursery() as nursery:
+        if attack is not None:
+            nursery.start_soon(_append, out, attack)
+        await trio.sleep(seconds)
+    rate = (top_step(await statuses(cluster)) - first) / (trio.current_time() - started)
+    return rate, out[0] if out else None
+
+
+async def _append(out: list[Any], attack: Callable[[], Awaitable[Any]]) -> None:
+    out.append(await attack())
+
+
+async def _flood_cost(cluster: Cluster, seconds: float, messages: list[Any], rate: float,
+                      peer: hostile.HostilePeer) -> dict[str, Any]:
+    """Steps/s for ``seconds`` quiet, then while ``messages`` (signed beforehand) go out at ``rate``."""
+    quiet, _ = await steps_per_s(cluster, seconds)
+    flood, sent = await steps_per_s(cluster, seconds, lambda: hostile.send_paced(peer, messages, rate, seconds))
+    return {"sent": sent, "bytes_each": len(messages[0].data), "steps_per_s": {"quiet": round(quiet, 2),
+            "flood": round(flood, 2)}, "steps_ratio": round(flood / quiet, 3) if quiet else None}
+
+
+async def _head_flood(peer: hostile.HostilePeer, cluster: Cluster, sizes: Sizes) -> dict[str, Any]:
+    rate = hostile_bounds.HEAD_FLOOD_RATE
+    heads = hostile_bounds.head_flood(peer, cluster.task_cid, int(rate * sizes.flood_s))
+    return await _flood_cost(cluster, sizes.flood_s, heads, rate, peer)
+
+
+async def _head_request_flood(peer: hostile.HostilePeer, cluster: Cluster, sizes: Sizes) -> dict[str, Any]:
+    rate = hostile_bounds.HEAD_REQUEST_RATE
+    requests = hostile_bounds.head_request_flood(peer, cluster.task_cid, int(rate * sizes.flood_s))
+    return await _flood_cost(cluster, sizes.flood_s, requests, rate, peer)
+
+
+def piped(cmd: list[str], stdin: bool = False, log: Path | None = None) -> subprocess.Popen[str]:
+    """A process whose stdout (and stdin, if asked) this one reads by lines; stderr to ``log``
+    (appended) or discarded."""
+    with open(log, "a") if log is not None else contextlib.nullcontext(subprocess.DEVNULL) as err:
+        return subprocess.Popen(cmd, stdin=subprocess.PIPE if stdin else None, stdout=subprocess.PIPE,
+                                stderr=err, text=True)
+
+
+async def _serve_bodies(peer: hostile.HostilePeer, cluster: Cluster, sizes: Sizes) -> dict[str, Any]:
+    """`model serve` of the run's latest model on the first node's home, under slow and big bodies."""
+    snap = await statuses(cluster)
+    model = next(s["latest_model_cid"] for s in snap.values() if s.get("latest_model_cid"))
+    home = cluster.procs[0].home
+    honest = json.dumps({"inputs": [[0.5] * 64] * 4}).encode()
+    proc = piped([sys.executable, "-m", "p2ptrain.cli.main", "model", "serve", model, "--home", str(home),
+                  "--listen", "127.0.0.1:0"])
+    try:
+        assert proc.stdout is not None
+        with trio.fail_after(READY_TIMEOUT_S):  # "serving CID at URL ..."
+            line = await trio.to_thread.run_sync(proc.stdout.readline, abandon_on_cancel=True)
+        if " at http://" not in line:
+            raise RuntimeError(f"model serve did not start: {line!r}")
+        host, port = line.split(" at http://")[1].split()[0].split(":")
+        base = await hostile_bounds.honest_p50(host, int(port), honest)
+        big = (hostile_bounds.big_body(1024),) * 2 + (hostile_bounds.big_body(),) * 2
+        seen = await hostile_bounds.slow_and_big_bodies(host, int(port), sizes.flood_s, honest, big=big)
+        seen.update(baseline_p50_s=round(base, 4), p50_ratio=round(seen["honest_p50_s"] / base, 2),
+                    server_alive=proc.poll() is None)
+        return seen
+    finally:
+        proc.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            await trio.to_thread.run_sync(proc.wait, STOP_TIMEOUT_S)
+        if proc.poll() is None:
+            proc.kill()
+
+
 # In this order: the attacks that kill or wedge nodes on today's code come last, so the others run
 # on a cluster that has not been through restarts.
 ATTACKS: dict[str, Attack] = {
@@ -702,6 +819,10 @@ ATTACKS: dict[str, Attack] = {
     "hostile_empty_dagpb_task": _empty,
     "hostile_control_socket": _control,
     "hostile_ts_overflow": _ts,
+    "hostile_serve_bodies": _serve_bodies,
+    "hostile_model_bomb": _model_bomb,  # before issue 27: +1-2 GB of RSS a node, 256 MiB kept each
+    "hostile_head_request_flood": _head_request_flood,
+    "hostile_head_flood": _head_flood,  # before issue 27: the run's steps/s fell to ~5% and stayed there
     "hostile_dag_bomb_task": _bomb,  # last: today it wedges the nodes for minutes
 }
 # Attacks sent on pubsub to ONE node: gossipsub relays to the others before anyone decodes (issue 13, 1).
@@ -921,6 +1042,9 @@ def table(report: dict[str, Any]) -> str:
                     "ready_s", "first_round_after_ready_s"):
             if key in d:
                 notes += f" {key}={d[key]}"
+        for key in ("steps_ratio", "p50_ratio", "honest", "blocks_kept"):  # issue 27's attacks
+            if key in d.get("attack", {}):
+                notes += f" {key}={d['attack'][key]}"
         fmt = lambda v: "-" if v is None else str(v)  # noqa: E731
         rows.append((s["name"], fmt(s["survived"]), fmt(s["recover_s"]), fmt(s["lost_models"]),
                      fmt(s["corrupted_blocks"]), notes.strip()))

@@ -15,6 +15,7 @@ Used by bench/chaos.py; tests/bench_chaos checks that what it sends are real, ac
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 import tempfile
@@ -39,6 +40,7 @@ from p2ptrain.ipfs.bitswap_wire import MAX_MESSAGE_SIZE, PROTOCOLS as BITSWAP_PR
 from p2ptrain.ipfs.blockstore import BlockStore
 from p2ptrain.ipfs.cid import DAG_PB, cid_str, make_cid
 from p2ptrain.ipfs.dagpb import encode_file_leaf, encode_file_node, varint
+from p2ptrain.ipfs.embedded import EmbeddedStore
 from p2ptrain.ipfs.exchange import BlockExchange
 from p2ptrain.wire.topics import MESH_TOPIC
 from p2ptrain.net.control import socket_path
@@ -58,6 +60,8 @@ IO_TIMEOUT_S = 10.0
 # The rate-paced attacks (flood, fresh identities) send this many messages per gossipsub RPC: a batch
 # every 50 ms at 1,000 messages/s.
 BATCH = 50
+# ... within this many message bytes an RPC: pubsub refuses (and resets the stream of) an RPC over 1 MiB.
+RPC_BYTES = 900 * 1024
 
 # Attack sizes from issue 13's "Found" list.
 TS_OVERFLOW = 10**400  # finding 1: an int JSON carries but a float cannot hold
@@ -137,6 +141,11 @@ class HostilePeer:
         for cid, data in blocks:
             self.blocks.put(cid, data)
 
+    @property
+    def store(self) -> EmbeddedStore:
+        """The files this peer serves (a data set, a task), over the same blocks."""
+        return EmbeddedStore(self.blocks.root.parent)
+
 
 def gossip_message(key_pair: KeyPair, topic: str, data: bytes, seqno: bytes) -> rpc_pb2.Message:
     """A gossipsub message whose origin is ``key_pair``'s peer, signed as strict signing requires."""
@@ -156,7 +165,7 @@ async def hostile_peer(topics: Sequence[str] = (MESH_TOPIC, TASKS_TOPIC)) -> Asy
     host = make_host(key_pair, ["/ip4/127.0.0.1/tcp/0"])
     pubsub = make_pubsub(host)
     with tempfile.TemporaryDirectory(prefix="p2ptrain-hostile-") as tmp:
-        blocks = BlockStore(Path(tmp) / "blocks")
+        blocks = EmbeddedStore(Path(tmp)).blocks  # files and data sets added to it are served too
         async with host.run(listen_addrs=[Multiaddr("/ip4/127.0.0.1/tcp/0")]):
             async with running_pubsub(pubsub), trio.open_nursery() as nursery:
                 exchange = BlockExchange(host, blocks)
@@ -362,12 +371,28 @@ async def flood(peer: HostilePeer, seconds: float, rate: float = FLOOD_RATE) -> 
     heartbeat = Heartbeat(addrs=(peer.addr,), caps=_caps())
     ready = [gossip_message(peer.key_pair, MESH_TOPIC, peer.signed(heartbeat), peer._next_gossip_seq())
              for _ in range(int(rate * seconds))]
+    return await send_paced(peer, ready, rate)
+
+
+async def send_paced(peer: HostilePeer, ready: Sequence[rpc_pb2.Message], rate: float,
+                     seconds: float | None = None) -> dict[str, Any]:
+    """Send gossip messages made beforehand at ``rate`` per second, BATCH to an RPC (fewer where
+    BATCH of them would pass pubsub's 1 MiB RPC cap); what was sent.
+
+    With ``seconds``, the flood ends then even if a write is under way: a victim that stops reading
+    a flooder holds its writes back for as long as it likes. A write cut short leaves half an RPC
+    on the stream, so close this peer after such a flood."""
+    batch = max(1, min(BATCH, RPC_BYTES // max(1, max((len(m.data) for m in ready), default=1))))
     started = trio.current_time()
-    for sent in range(0, len(ready), BATCH):
-        await peer.send_batch(ready[sent: sent + BATCH])
-        await _pace(started, min(sent + BATCH, len(ready)), rate)
+    sent = 0
+    with trio.move_on_at(started + seconds if seconds is not None else math.inf) as scope:
+        while sent < len(ready):
+            await peer.send_batch(ready[sent: sent + batch])
+            sent = min(sent + batch, len(ready))
+            await _pace(started, sent, rate)
     elapsed = trio.current_time() - started
-    return {"messages": len(ready), "seconds": round(elapsed, 2), "rate": round(len(ready) / max(elapsed, 1e-9), 1)}
+    return {"messages": sent, "seconds": round(elapsed, 2), "rate": round(sent / max(elapsed, 1e-9), 1),
+            "held_back": scope.cancelled_caught and sent < rate * elapsed * 0.9}
 
 
 async def _pace(started: float, done: int, rate: float) -> None:

@@ -30,7 +30,9 @@ MIN_INT = -(2**63)
 # int() runs, so a 4,000-digit number costs nothing.
 _MAX_INT_DIGITS = 20
 
-_STRINGS = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
+# A JSON string, as "unrolled" runs of plain characters between escapes: one step per run, where
+# an alternation per character took 10 ms over a 57 KB message (the regex was most of its decode).
+_STRINGS = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
 _OPEN = np.zeros(256, dtype=np.int8)
 _OPEN[[ord("["), ord("{")]] = 1
 _OPEN[[ord("]"), ord("}")]] = -1

@@ -43,6 +43,7 @@ from p2ptrain.identity import load_or_create_identity, peer_id_of
 from p2ptrain.logs import short_id
 from p2ptrain.mesh.discovery import Discovery, parse_bootstrap
 from p2ptrain.mesh.membership import Membership
+from p2ptrain.mesh.rates import Rate
 from p2ptrain.mesh.router import M, MessageRouter
 from p2ptrain.net import control_ops
 from p2ptrain.node_config import CONFIG_FILE, NodeConfig, prepare_home
@@ -152,6 +153,11 @@ class Node:
         """Call ``handler(signed, topic)`` for every valid ``msg_type`` message on joined topics."""
         self.router.on(msg_type, handler)
 
+    def limit(self, msg_type: type, rate: Rate) -> None:
+        """Take at most ``rate`` of ``msg_type`` messages from each sender (mesh.rates); the rest
+        are dropped before they are checked or relayed. For the service that knows the honest rate."""
+        self.router.limit(msg_type, rate)
+
     async def subscribe(self, topic: str) -> None:
         """Join ``topic`` (while running); its messages go to the handlers registered with ``on``."""
         await self.router.join(topic)
@@ -244,6 +250,7 @@ class Node:
         host = make_host(self.key_pair, self._listen)
         # Before any connection exists; inbound messages over the wire cap are dropped as read.
         pubsub = make_pubsub(host, self.config.heartbeat_interval, MAX_MESSAGE_BYTES)
+        pubsub.inbound_gate = self.router.admit  # per-sender rates (Node.limit), before any check or relay
         self.host, self.pubsub = host, pubsub
         try:
             async with host.run(listen_addrs=self._listen):

@@ -17,9 +17,13 @@ from p2ptrain.errors import UserError
 from p2ptrain.identity import default_home
 from p2ptrain.ipfs.cid import parse_cid
 from p2ptrain.ipfs.store import open_store
-from p2ptrain.training.records import RecordError, load_model_bytes
+from p2ptrain.ipfs.unixfs import FileTooLarge
+from p2ptrain.training.records import RecordError, load_model_bytes, model_bytes
 
 __all__ = ["load_state"]
+
+# A model file of the user's module is its instance's own file, give or take its card's few bytes.
+USER_CARD_SLACK = 64 * 1024
 
 
 def load_state(model: nn.Module, cid_or_path: str | Path, *, home: str | Path | None = None,
@@ -48,7 +52,11 @@ def load_state(model: nn.Module, cid_or_path: str | Path, *, home: str | Path | 
             from p2ptrain.cli.model import ensure_local  # the fetch paths model fetch has
 
             ensure_local(where, [cid], list(bootstrap))
-        data = store.cat(cid)  # verified against the CID, block by block
+        # Verified against the CID block by block, and no larger than a file of the instance's tensors.
+        try:
+            data = store.cat(cid, max_bytes=len(model_bytes(model)) + USER_CARD_SLACK)
+        except FileTooLarge:
+            raise UserError(f"{cid} is larger than a model file of this model: it does not fit it") from None
     state = {k: v.clone() for k, v in model.state_dict().items()}
     try:
         load_model_bytes(model, data)

@@ -24,6 +24,7 @@ from torch import nn
 from p2ptrain.errors import UserError
 from p2ptrain.ipfs.store import ContentUnavailable
 from p2ptrain.runtime.peer import Peer
+from p2ptrain.training.models import file_bytes_bound
 from p2ptrain.training.fingerprint import MAX_CARD_BYTES, CardError, card_from_bytes, first_difference
 from p2ptrain.training.records import load_model_bytes, model_bytes
 from p2ptrain.training.task import MAX_TASK_BYTES, Task, TaskError, task_bytes, task_from_bytes
@@ -141,9 +142,10 @@ async def _card(peer: Peer, task: Task) -> dict[str, object]:
 
 
 async def load_initial(peer: Peer, task: Task, module: nn.Module) -> None:
-    """The run's initial weights (another member's, by CID) into this member's module."""
+    """The run's initial weights (another member's, by CID) into this member's module, fetched and
+    read within what a file of this module's tensors takes (issue 27: no model bomb)."""
     cid = task.initial_model
     assert cid is not None
-    await peer.content.fetch(cid, timeout=FETCH_TIMEOUT_S)
-    data = await trio.to_thread.run_sync(peer.content.store.cat, cid)
+    data = await peer.content.read(cid, max_bytes=file_bytes_bound(module.state_dict().values()),
+                                   timeout=FETCH_TIMEOUT_S)
     await trio.to_thread.run_sync(load_model_bytes, module, data)

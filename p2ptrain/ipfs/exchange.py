@@ -412,6 +412,22 @@ class BlockExchange:
         self._sessions.add(session)
         try:
             return await session.run()
+        except FetchError as exc:
+            if exc.refused and session.fetched:
+                # Refused content (over its size bound, malformed) is not kept: a task naming a
+                # 2 GiB "model" must not leave what arrived before the bound was met on the disk.
+                # A block another fetch under way has too (fetched or held) stays.
+                others = {d for other in self._sessions if other is not session for d in other.done}
+                doomed = [cid for cid in session.fetched if cid.digest not in others]
+
+                def remove() -> None:
+                    for cid in doomed:
+                        self.store.delete(cid)
+
+                await trio.to_thread.run_sync(remove)
+                logger.info("bitswap: refused %s: removed the %d block(s) it had stored", cid_str(exc.root),
+                            len(doomed))
+            raise
         finally:
             self._sessions.discard(session)
 

@@ -23,7 +23,7 @@ from libp2p.peer.id import ID
 
 from p2ptrain.ipfs.bitswap_wire import WantEntry, WireBlock
 from p2ptrain.ipfs.cid import CID, DAG_PB, cid_str
-from p2ptrain.ipfs.dagpb import DecodeError, decode_node
+from p2ptrain.ipfs.dagpb import DecodeError, PBNode, decode_node, decode_unixfs
 from p2ptrain.ipfs.store import BlockSource
 from p2ptrain.ipfs.unixfs import MAX_DEPTH
 from p2ptrain.logs import short_id
@@ -36,6 +36,7 @@ DEFAULT_WINDOW = 32  # blocks outstanding per provider: 8 MiB of 256 KiB leaves
 DEFAULT_STALL_TIMEOUT = 10.0
 _TICK = 0.25  # how often a fetch looks for stalled or disconnected providers
 _WRITERS = 4  # blocks being written (and fsynced) at once by one fetch
+CONTENT = "content"  # FetchError's reason key when the content, not a provider, is at fault
 
 
 class FetchError(Exception):
@@ -47,6 +48,12 @@ class FetchError(Exception):
         self.reasons = reasons
         tried = "; ".join(f"{peer}: {why}" for peer, why in reasons.items()) or "no providers given"
         super().__init__(f"cannot fetch block {cid_str(cid)} of {cid_str(root)}: {tried}")
+
+    @property
+    def refused(self) -> bool:
+        """The content itself was refused (over the size bound, malformed, too deep): no provider
+        can help, and what the fetch stored of it is worth nothing."""
+        return CONTENT in self.reasons
 
 
 @dataclass
@@ -114,6 +121,7 @@ class FetchSession:
         self.done: set[bytes] = set()
         self.last_progress: dict[ID, float] = {}
         self.stats = FetchStats()
+        self.fetched: list[CID] = []  # blocks this fetch got from providers (none was held before)
         self.reasons: dict[str, str] = {}
         self.changed = trio.Event()
         self.error: FetchError | None = None
@@ -237,20 +245,39 @@ class FetchSession:
         if not self.recursive or cid.codec.name != DAG_PB:
             return
         try:
-            links = decode_node(data).links
+            node = decode_node(data)
         except DecodeError as exc:
             # The block matches its hash, so the content itself is malformed: no provider can help.
-            self.error = FetchError(cid, self.root, {"content": f"not a valid dag-pb node: {exc}"})
+            self.error = FetchError(cid, self.root, {CONTENT: f"not a valid dag-pb node: {exc}"})
+            return
+        if cid.digest == self.root.digest and self._declares_too_much(node):
             return
         depth = self.depth[cid.digest] + 1
-        for link in links:
+        for link in node.links:
             if link.cid.digest in self.depth:
                 continue
             if depth > MAX_DEPTH:
-                self.error = FetchError(link.cid, self.root, {"content": f"DAG deeper than {MAX_DEPTH} levels"})
+                self.error = FetchError(link.cid, self.root, {CONTENT: f"DAG deeper than {MAX_DEPTH} levels"})
                 return
             self.depth[link.cid.digest] = depth
             self.unchecked.append(link.cid)
+
+    def _declares_too_much(self, root: PBNode) -> bool:
+        """Whether the root of a UnixFS file declares more file bytes than ``max_bytes`` (then the
+        fetch ends with that error before any child is asked for). Counting arriving blocks alone
+        misses a DAG that repeats one leaf: a few KB to fetch, its declared gigabytes to read."""
+        if self.max_bytes is None or root.data is None:
+            return False
+        try:
+            meta = decode_unixfs(root.data)
+        except DecodeError:
+            return False  # not a UnixFS file: its reader refuses it, and its blocks are counted
+        declared = max(meta.filesize or 0, len(meta.data or b"") + sum(meta.blocksizes))
+        if declared <= self.max_bytes:
+            return False
+        self.error = FetchError(self.root, self.root, {
+            CONTENT: f"the file declares {declared} bytes, over the {self.max_bytes} byte limit"})
+        return True
 
     def _failure(self, cid: CID) -> FetchError:
         reasons = dict(self.reasons)
@@ -280,9 +307,10 @@ class FetchSession:
         self.stats.per_provider[key] = self.stats.per_provider.get(key, 0) + len(data)
         if self.max_bytes is not None and self.stats.bytes > self.max_bytes:
             self.error = FetchError(
-                wanted, self.root, {"content": f"DAG is larger than the {self.max_bytes} byte limit"}
+                wanted, self.root, {CONTENT: f"DAG is larger than the {self.max_bytes} byte limit"}
             )
         self._queue_children(wanted, data)
+        self.fetched.append(wanted)
         self._to_disk.send_nowait((wanted, data))  # the wanted CID: same hash, our codec
         if self.progress is not None:
             self.progress(len(data))

@@ -29,7 +29,7 @@ class ContentUnavailable(LookupError):
 class BlockSource(Protocol):
     """What Bitswap needs of a block store (:class:`~p2ptrain.ipfs.blockstore.BlockStore` fits).
 
-    ``get`` must verify what it returns; ``put`` must verify and write atomically. Both are called
+    ``get`` must verify what it returns; ``put`` must verify and write atomically. All are called
     from worker threads.
     """
 
@@ -38,6 +38,10 @@ class BlockSource(Protocol):
     def get(self, cid: CID) -> bytes: ...
 
     def put(self, cid: CID, data: bytes) -> None: ...
+
+    def delete(self, cid: CID) -> None:
+        """Remove the block if held (a fetch refused its content)."""
+        ...
 
 
 @runtime_checkable

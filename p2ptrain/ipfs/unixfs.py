@@ -36,6 +36,19 @@ MAX_DEPTH = 32
 
 Block = tuple[CID, bytes]
 
+# Block bytes a file's DAG takes beyond the file's own, per CHUNK_SIZE chunk: a dag-pb leaf wraps
+# its chunk in 14 bytes, and each link above it (hash, size, blocksize) takes under 62; measured
+# 63 a chunk with CIDv0 and 51 with raw leaves. 128 is twice that, and DAG_SLACK covers the root.
+DAG_BYTES_PER_CHUNK = 128
+DAG_SLACK = 4096
+
+
+def dag_bytes_limit(file_bytes: int) -> int:
+    """The most block bytes the DAG of a file of ``file_bytes`` takes in Kubo's default layout
+    (what a fetch counts as blocks arrive): the bound to fetch a file with when only its size is
+    known. A file chunked finer than CHUNK_SIZE (``ipfs add --chunker``) may take more."""
+    return file_bytes + (file_bytes // CHUNK_SIZE + 1) * DAG_BYTES_PER_CHUNK + DAG_SLACK
+
 
 @dataclass(frozen=True)
 class _Link:

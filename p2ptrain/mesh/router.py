@@ -6,6 +6,13 @@ replays, and checked that the wire sender is the peer gossipsub verified as the 
 relay others' messages, but may not re-sign them as someone else). Anything wrong is dropped with a
 per-reason counter and a debug line; the node keeps running. Handlers are registered by message
 type by any layer: ``router.on(Heartbeat, handler)``.
+
+Rates: a layer may also cap how often one sender's messages of a type are taken
+(``router.limit(TaskHead, Rate(4, 16))``, :mod:`p2ptrain.mesh.rates`). Pubsub asks :meth:`admit`
+about each message as it is read, before it checks, delivers or relays it: a message of a limited
+type whose sender (as the message claims it) has no token left is dropped there, unchecked and not
+relayed, which is what makes a flood cheap to ignore; one whose sender has a token is charged only
+once gossipsub's signature proves the sender, so nobody can spend another peer's tokens.
 """
 
 from __future__ import annotations
@@ -20,9 +27,11 @@ import trio
 from libp2p.peer.id import ID
 from libp2p.pubsub.pb import rpc_pb2
 from libp2p.pubsub.pubsub import Pubsub
+from libp2p.pubsub.validators import signature_validator
 
 from p2ptrain.logs import short_id
-from p2ptrain.wire import DecodeError, ReplayGuard, Signed, decode
+from p2ptrain.mesh.rates import Rate, SenderRates
+from p2ptrain.wire import DecodeError, ReplayGuard, Signed, decode, peek_type
 from p2ptrain.wire.messages import MESSAGES, MessageRegistry
 
 logger = logging.getLogger(__name__)
@@ -30,7 +39,9 @@ logger = logging.getLogger(__name__)
 M = TypeVar("M")
 # A handler of one message type M gets a Signed[M]; the router keeps them all as this.
 Handler = Callable[[Signed[Any], str], Awaitable[None] | None]
-
+# Messages charged to their sender's rate lately, by gossipsub message ID: a message that arrives
+# from two relays before pubsub marks it seen is charged once.
+_CHARGED_IDS = 4096
 
 
 class MessageRouter:
@@ -46,6 +57,8 @@ class MessageRouter:
         self.dropped: Counter[str] = Counter()
         self.delivered: Counter[str] = Counter()
         self.bytes_received = 0  # payload bytes of peers' messages on our topics, before checks
+        self.rates = SenderRates()
+        self._charged: dict[bytes, None] = {}  # ordered set of charged message IDs (_CHARGED_IDS)
 
     def on(self, msg_type: type[M], handler: Callable[[Signed[M], str], Awaitable[None] | None]) -> None:
         """Call ``handler(signed, topic)`` (sync or async) for every valid ``msg_type`` message.
@@ -56,6 +69,33 @@ class MessageRouter:
         if not self._types.knows(msg_type):
             raise TypeError(f"{msg_type!r} is not a registered wire message type")
         self._handlers.setdefault(msg_type, []).append(handler)
+
+    def limit(self, msg_type: type[Any], rate: Rate) -> None:
+        """Take at most ``rate`` of ``msg_type`` messages from each sender; the rest are dropped
+        (counted ``rate-limited:<type>``) before they are checked or relayed."""
+        if not self._types.knows(msg_type):
+            raise TypeError(f"{msg_type!r} is not a registered wire message type")
+        self.rates.limit(msg_type.TYPE, rate)
+
+    def admit(self, raw: rpc_pb2.Message) -> bool:
+        """Pubsub's question about each message it reads, before it checks, delivers or relays it:
+        False drops it. A limited type's message is refused when the sender it claims has no token;
+        else it is charged once gossipsub's signature proves that sender (pubsub drops a forgery)."""
+        kind = peek_type(raw.data)
+        if kind is None or not self.rates.limited(kind):
+            return True
+        now = trio.current_time()
+        if not self.rates.has_token(raw.from_id, kind, now):
+            self.dropped[f"rate-limited:{kind}"] += 1
+            return False
+        msg_id = raw.from_id + raw.seqno
+        if msg_id in self._charged or not signature_validator(raw):
+            return True
+        self.rates.take(raw.from_id, kind, now)
+        self._charged[msg_id] = None
+        if len(self._charged) > _CHARGED_IDS:
+            del self._charged[next(iter(self._charged))]
+        return True
 
     @property
     def topics(self) -> list[str]:

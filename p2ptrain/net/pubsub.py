@@ -22,7 +22,9 @@ a silent drop measured in ../shared/FIELD-NOTES.md:
   subscriptions in one RPC, messages that did not fit a subscription's queue (``queue-full``), and
   messages over the wire cap (``oversized``, dropped as read: they are never checked, queued or
   forwarded), and messages over a peer's inbound rate (``rate-limited``, see
-  ``MAX_INBOUND_MESSAGES_PER_PEER_PER_S``).
+  ``MAX_INBOUND_MESSAGES_PER_PEER_PER_S``); and messages its ``inbound_gate`` refuses (per-sender
+  rates of message types, counted by the router that sets it) are neither delivered nor relayed, and
+  a peer that keeps sending its own over their rate is not read for a while (``flooder-paused``).
 
 Two more cut its CPU, which training peers share with their local steps (an idle node went from
 24 to 12 ms of CPU a second in a cluster of four):
@@ -82,6 +84,14 @@ MAX_MESSAGES_PER_TOPIC_PER_S = 1000.0
 # (a coordinator's burst of round messages is tens; our burst test sends 400).
 MAX_INBOUND_MESSAGES_PER_PEER_PER_S = 1000.0
 INBOUND_BURST = 2000
+# A peer whose *own* messages the inbound gate keeps refusing (over their type's rate per sender,
+# mesh.rates) is flooding: past this many refusals (a token bucket: rate, burst), each RPC of its
+# that brings more is followed by FLOODER_PAUSE_S in which its stream is not read, so what it sends
+# waits in its yamux window (bounded) instead of costing our event loop. An honest peer's own
+# messages stay within their rates, and a relay's refusals (messages of others) do not count.
+FLOODER_REFUSALS_PER_S = 10.0
+FLOODER_BURST = 100
+FLOODER_PAUSE_S = 1.0
 # Mesh degree: every training peer wants every control message quickly, and clusters are small.
 DEGREE, DEGREE_LOW, DEGREE_HIGH = 6, 4, 12
 
@@ -161,15 +171,24 @@ class TrainingPubsub(Pubsub):
         # Per peer reading from us: (tokens, trio time of the last refill); entries live while the
         # peer's stream is read, so there is one per connected peer at most.
         self._inbound_tokens: dict[ID, tuple[float, float]] = {}
+        # Asked about each new message as it is read, before pubsub checks, delivers or relays it:
+        # False drops it (the layer that set it counts why). The node sets its message router's
+        # per-sender rates here (mesh.router.MessageRouter.admit).
+        self.inbound_gate: Callable[[rpc_pb2.Message], bool] | None = None
+        # Refusals of a peer's own messages (FLOODER_*), and until when its stream is not read.
+        self._refusal_tokens: dict[ID, tuple[float, float]] = {}
+        self._paused_until: dict[ID, float] = {}
 
     def _admit(self, peer_id: ID, count: int) -> int:
         """How many of ``count`` messages just read from ``peer_id`` its token bucket allows."""
-        now = trio.current_time()
-        tokens, then = self._inbound_tokens.get(peer_id, (float(INBOUND_BURST), now))
-        tokens = min(float(INBOUND_BURST), tokens + (now - then) * MAX_INBOUND_MESSAGES_PER_PEER_PER_S)
-        admitted = min(count, int(tokens))
-        self._inbound_tokens[peer_id] = (tokens - admitted, now)
-        return admitted
+        return _take(self._inbound_tokens, peer_id, count, MAX_INBOUND_MESSAGES_PER_PEER_PER_S, INBOUND_BURST)
+
+    def _note_own_refusals(self, peer_id: ID, count: int) -> None:
+        """``count`` of ``peer_id``'s own messages were refused by the gate: past its allowance,
+        its stream is not read for FLOODER_PAUSE_S (counted ``flooder-paused``)."""
+        if _take(self._refusal_tokens, peer_id, count, FLOODER_REFUSALS_PER_S, FLOODER_BURST) < count:
+            self._paused_until[peer_id] = trio.current_time() + FLOODER_PAUSE_S
+            self._drop("flooder-paused", peer_id, f"{count} of its own messages refused")
 
     def _drop(self, reason: str, peer_id: ID, detail: object = "") -> None:
         self.dropped[reason] += 1
@@ -185,6 +204,9 @@ class TrainingPubsub(Pubsub):
         peer_id = stream.muxed_conn.peer_id
         try:
             while self.manager.is_running:
+                paused = self._paused_until.pop(peer_id, None)
+                if paused is not None:
+                    await trio.sleep_until(paused)
                 try:
                     incoming = await read_varint_prefixed_bytes_limited(stream, self.max_inbound_rpc_size)
                     rpc = rpc_pb2.RPC()
@@ -202,7 +224,8 @@ class TrainingPubsub(Pubsub):
         except (StreamEOF, StreamError, IncompleteReadError, IOException) as exc:
             logger.debug("pubsub stream from %s ended: %s", peer_id, exc)
         finally:
-            self._inbound_tokens.pop(peer_id, None)
+            for held in (self._inbound_tokens, self._refusal_tokens, self._paused_until):
+                held.pop(peer_id, None)
 
     async def _give_up_on(self, stream: INetStream, peer_id: ID, reason: str, detail: object) -> None:
         """Count the bad frame, reset the stream and forget the peer's pubsub state (as py-libp2p
@@ -222,16 +245,22 @@ class TrainingPubsub(Pubsub):
         if admitted < len(rpc.publish):
             self.dropped["rate-limited"] += len(rpc.publish) - admitted
             logger.debug("pubsub dropped %d messages from %s: rate-limited", len(rpc.publish) - admitted, peer_id)
+        own_refused, sender = 0, peer_id.to_bytes()
         for msg in rpc.publish[:admitted]:
             if self.max_message_bytes is not None and len(msg.data) > self.max_message_bytes:
                 self._drop("oversized", peer_id, f"{len(msg.data)} B")
             elif self._is_subscribed_to_msg(msg) and self.manager.is_running:
+                if self.inbound_gate is not None and not self._is_msg_seen(msg) and not self.inbound_gate(msg):
+                    own_refused += msg.from_id == sender
+                    continue
                 # A copy of its own: a message parsed out of an RPC keeps the whole RPC's buffer
                 # alive (protobuf's arena) for as long as it waits in a queue, so one small
                 # message could pin a 1 MiB frame (a 3,000 msg/s flood grew a node by 336 MB).
                 own = rpc_pb2.Message()
                 own.CopyFrom(msg)
                 self.manager.run_task(self.push_msg, peer_id, own)
+        if own_refused:
+            self._note_own_refusals(peer_id, own_refused)
         if rpc.subscriptions:
             if len(rpc.subscriptions) > self.max_subscriptions_per_rpc:
                 self._drop("rpc-too-many-subscriptions", peer_id, len(rpc.subscriptions))
@@ -316,6 +345,16 @@ class TrainingPubsub(Pubsub):
         await self.message_all_peers(packet.SerializeToString(), announce=subopt)
         await self.router.join(topic_id)
         return subscription
+
+
+def _take(buckets: dict[ID, tuple[float, float]], peer_id: ID, count: int, rate: float, burst: float) -> int:
+    """How many of ``count`` tokens ``peer_id``'s bucket in ``buckets`` gives now (that many taken)."""
+    now = trio.current_time()
+    tokens, then = buckets.get(peer_id, (float(burst), now))
+    tokens = min(float(burst), tokens + (now - then) * rate)
+    taken = min(count, int(tokens))
+    buckets[peer_id] = (tokens - taken, now)
+    return taken
 
 
 def make_pubsub(

@@ -25,6 +25,7 @@ from p2ptrain.ipfs.cid import parse_cid, requested_cid
 from p2ptrain.ipfs.embedded import EmbeddedStore
 from p2ptrain.ipfs.exchange import BlockExchange, FetchError, FetchStats
 from p2ptrain.ipfs.store import ContentStore, ContentUnavailable, open_store
+from p2ptrain.ipfs.unixfs import DagError, dag_bytes_limit
 from p2ptrain.logs import fmt_bytes, short_id
 from p2ptrain.mesh.providers import MAX_PROVIDERS_PER_QUERY, ContentRouting
 from p2ptrain.net import control_ops
@@ -175,9 +176,12 @@ class ContentService:
                 with trio.fail_after(timeout):
                     # Pinning makes Kubo fetch the whole DAG; cat then verifies it block by block.
                     await trio.to_thread.run_sync(self.kubo.pin_add, cid, abandon_on_cancel=True)
-                    await trio.to_thread.run_sync(self.kubo.cat, cid, abandon_on_cancel=True)
+                    kubo = self.kubo
+                    await trio.to_thread.run_sync(lambda: kubo.cat(cid, max_bytes=max_bytes), abandon_on_cancel=True)
             except trio.TooSlowError:
                 raise ContentUnavailable(cid, f"Kubo did not fetch it in {timeout:.0f} s") from None
+            except DagError as exc:  # FileTooLarge: over the bound
+                raise ContentUnavailable(cid, str(exc)) from None
             return
         assert self.exchange is not None and self.node.host is not None
         providers = list(self.node.host.get_connected_peers())
@@ -215,6 +219,18 @@ class ContentService:
         logger.debug("node %s fetched %s: %d blocks, %s in %.2f s from %d peer(s)", short_id(self.node.peer_id), cid,
                     stats.blocks, fmt_bytes(stats.bytes), stats.seconds, len(stats.per_provider))
         self.announce(cid)
+
+    async def read(self, cid: str, *, max_bytes: int, timeout: float = 60.0) -> bytes:
+        """The file ``cid``, fetched if need be, refused beyond ``max_bytes`` of content: the fetch
+        ends once its blocks pass what a file of that size takes (``unixfs.dag_bytes_limit``) or its
+        root declares more, and removes what it stored; the read stops at the bound too. For
+        content whose honest size is known before it arrives (a model of the architecture a task
+        names). Raises :class:`ContentUnavailable` naming the bound."""
+        await self.fetch(cid, timeout=timeout, max_bytes=dag_bytes_limit(max_bytes))
+        try:
+            return await trio.to_thread.run_sync(lambda: self.store.cat(cid, max_bytes=max_bytes))
+        except DagError as exc:  # FileTooLarge, or a DAG that is not a readable file
+            raise ContentUnavailable(cid, str(exc)) from None
 
     async def _fetch_dag(
         self, cid: str, connected: list[ID], max_bytes: int, progress: Callable[[int], None]

@@ -54,7 +54,9 @@ class Leading:
         run = self.run
         now = trio.current_time()
         before = run.election.coordinator
-        for out in run.election.receive(now, sender, msg):
+        outs = run.election.receive(now, sender, msg)
+        run.save_ballots()  # before a vote leaves (see RunState.save_ballots)
+        for out in outs:
             await run.node.publish(run.topic, out)
         self._note_coordinator(before, now)
 
@@ -111,7 +113,9 @@ class Leading:
             # its 4 live peers is 3) and stood for the term itself.
             roster = run.book.roster(run.me, head_members) if run.book is not None else tuple(head_members)
             before = election.coordinator
-            for out in election.tick(now, self.view(), roster, may_lead=run.synced):
+            outs = election.tick(now, self.view(), roster, may_lead=run.synced)
+            run.save_ballots()
+            for out in outs:
                 await run.node.publish(run.topic, out)
             if election.given_up is not None and run.book is not None:
                 # A coordinator that fell silent is most likely dead: a plan listing it would fail

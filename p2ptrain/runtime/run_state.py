@@ -24,6 +24,7 @@ from p2ptrain.data.manifest import Manifest
 from p2ptrain.logs import count_rejection, short_id
 from p2ptrain.metrics_hist import RoundHistograms
 from p2ptrain.node import Node
+from p2ptrain.runtime.ballots_file import load_voted_through, save_voted_through
 from p2ptrain.runtime.chain_file import ChainFile
 from p2ptrain.runtime.content import ContentService
 from p2ptrain.runtime.status import Phase
@@ -122,13 +123,17 @@ class RunState:
     cancelled_at: float = 0.0
     # Set by TaskRun: hands a message this member sent to its own handlers, as a peer's would be.
     deliver_own: Callable[[Any], Awaitable[None]] | None = None
+    # The election's voted_through as this home keeps it (runtime/ballots_file.py).
+    voted_saved: int = -1
 
     @classmethod
     def create(cls, node: Node, content: ContentService, collective: Collective, task: Task, task_cid: str) -> RunState:
-        election = Election(task_cid, node.key_pair, ElectionConfig(heartbeat_s=node.config.heartbeat_interval))
+        run_dir = node.home / "tasks" / task_cid
+        election = Election(task_cid, node.key_pair, ElectionConfig(heartbeat_s=node.config.heartbeat_interval),
+                            voted_through=load_voted_through(run_dir))
         return cls(node=node, content=content, collective=collective, task=task, task_cid=task_cid,
                    election=election, me=node.peer_id.to_base58(), topic=task_topic(task_cid),
-                   dir=node.home / "tasks" / task_cid)
+                   dir=run_dir, voted_saved=election.voted_through)
 
     @property
     def log_prefix(self) -> str:
@@ -165,6 +170,14 @@ class RunState:
         if set(self.node.membership.tasks) != tasks:
             self.node.membership.tasks = tuple(sorted(tasks))
             self.node.membership.poke()
+
+    def save_ballots(self) -> None:
+        """Keep the election's ``voted_through`` on disk if it grew: call it after a tick or a
+        receive and before publishing what it returned (runtime/ballots_file.py says why)."""
+        voted = self.election.voted_through
+        if voted > self.voted_saved:
+            save_voted_through(self.dir, voted)
+            self.voted_saved = voted
 
     def save_chain(self) -> None:
         """Append to chain.jsonl the records the book's chain adds to it (runtime/chain_file.py).

@@ -220,9 +220,10 @@ class TaskRun:
             trainer = await trio.to_thread.run_sync(
                 lambda: new_trainer(task, total_steps=run.total_steps, device=self.device, precision=self.precision)
             )
-        if task.initial_model and make is None:  # the user's module holds the run's initial weights already
-            await content.fetch(task.initial_model)
-            data = await trio.to_thread.run_sync(content.store.cat, task.initial_model)
+        # The user's module holds the run's initial weights already; a registry model's are fetched
+        # and read within what a model of the task's architecture takes.
+        if task.initial_model and make is None:
+            data = await content.read(task.initial_model, max_bytes=trainer.state_limits()[0])
             load_model_bytes(trainer.model, data)
         run.initial_cid = await trio.to_thread.run_sync(content.store.add_bytes, trainer.model_bytes())
         run.trainer = trainer

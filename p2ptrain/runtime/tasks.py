@@ -21,10 +21,12 @@ from p2ptrain.collective import Collective
 from p2ptrain.errors import UserError
 from p2ptrain.ipfs.cid import requested_cid
 from p2ptrain.ipfs.store import ContentUnavailable
+from p2ptrain.ipfs.unixfs import dag_bytes_limit
 from p2ptrain.logs import short_id
+from p2ptrain.mesh.rates import Rate
 from p2ptrain.net import control_ops
 from p2ptrain.node import Node
-from p2ptrain.runtime.content import ContentService
+from p2ptrain.runtime.content import DEFAULT_MAX_FETCH_BYTES, ContentService
 from p2ptrain.atomic import write_atomic
 from p2ptrain.runtime.chain_file import CHAIN_FILE
 from p2ptrain.runtime.head_answers import HeadAnswers
@@ -32,6 +34,7 @@ from p2ptrain.runtime.latest import LatestFinder, head_key, held_tasks
 from p2ptrain.runtime.run_state import CANCEL_SENT_FILE, CANCELLED_FILE
 from p2ptrain.runtime.status import FINISHED, Phase, TaskStatus
 from p2ptrain.runtime.task_run import TaskRun
+from p2ptrain.training.models import model_file_limit
 from p2ptrain.training.trainer import Trainer
 from p2ptrain.training.lineage import Chain
 from p2ptrain.training.task import (
@@ -86,6 +89,14 @@ MAX_VERIFY_HEAD_S = 60.0
 # A run in one of these states does not hold the run's state yet: its node answers head requests from
 # the chain on its disk, so members that restart together hear each other's chains (runtime/resume.py).
 STARTING_PHASES = frozenset({Phase.STARTING, Phase.FETCHING, Phase.RESUMING})
+# Heads and head requests taken from one sender (issue 27: forged heads at 131/s took a run from
+# 17 to 0.3 steps/s, and it never recovered). An honest coordinator sends a task's head every
+# HEAD_EVERY_S (2 s) and one at each confirmed checkpoint (up to ~8 a second in a tiny task that
+# checkpoints every few 30 ms rounds: 8 at most), a member of a finished run answers at most once a second a
+# task, a joiner or fetcher asks every second or two: these leave room for that, and hold a flood
+# from one identity to what a node checks and relays in a few ms a second.
+HEAD_RATE = Rate(per_s=8.0, burst=32.0)
+HEAD_REQUEST_RATE = Rate(per_s=4.0, burst=16.0)
 
 
 @dataclass
@@ -159,6 +170,8 @@ class TaskService:
         self.head_answers = HeadAnswers(node.home, content.store, self._under_way, self._total_steps,
                                         lambda head: node.publish(TASKS_TOPIC, head))
         node.on(HeadRequest, self._on_head_request)
+        node.limit(TaskHead, HEAD_RATE)
+        node.limit(HeadRequest, HEAD_REQUEST_RATE)
         for msg_type in (VoteRequest, SignedVote, CoordinatorBeat, RoundPlan, RoundFailed, SignedModelRecord,
                          SignedAttestation):
             node.on(msg_type, self._on_task_message)
@@ -431,9 +444,11 @@ class TaskService:
                 await self.content.fetch(task.dataset.manifest, timeout=float(request.get("timeout", 30.0)))
             except ContentUnavailable as exc:
                 raise TaskError(f"dataset.manifest: {exc}; add it first with: p2ptrain dataset add") from None
-        if task.initial_model:
+        if task.initial_model:  # a registry model's: within what a model of the task's architecture takes
+            limit = DEFAULT_MAX_FETCH_BYTES if task.model.user else dag_bytes_limit(
+                await trio.to_thread.run_sync(model_file_limit, task.model.name, task.model.kwargs))
             try:
-                await self.content.fetch(task.initial_model)
+                await self.content.fetch(task.initial_model, max_bytes=limit)
             except ContentUnavailable as exc:
                 raise TaskError(f"initial_model: {exc}") from None
         task_cid = await trio.to_thread.run_sync(self.content.store.add_bytes, task_bytes(task))

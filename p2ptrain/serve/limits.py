@@ -5,7 +5,7 @@ server (torch, trio, hypercorn). :mod:`p2ptrain.serve.server` enforces it.
 """
 
 # Connections served at once (--max-connections). Each holds a socket and a few tasks for up to
-# server.KEEP_ALIVE_S idle or server.READ_TIMEOUT_S mid-request; bodies are bounded on their own
+# server.KEEP_ALIVE_S idle or app.BODY_TIMEOUT_S mid-body; bodies are bounded on their own
 # (app.MAX_BODY_BYTES_IN_FLIGHT). 256: four times the bench's 64 clients, and a quarter of the
 # 1024 open files a process usually gets, so a flood of idle connections cannot take them all.
 # Past the cap a connection waits in the listen backlog (server.BACKLOG) until one ends.

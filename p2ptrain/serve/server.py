@@ -28,12 +28,12 @@ from p2ptrain.errors import UserError
 from p2ptrain.hostport import AddressError, format_host_port, parse_host_port
 from p2ptrain.ipfs.store import ContentStore
 from p2ptrain.runtime.served import SERVED_EVERY_S
-from p2ptrain.serve.app import ServeApp
+from p2ptrain.serve.app import BODY_TIMEOUT_S, ServeApp
 from p2ptrain.serve.batcher import Batcher, Loaded
 from p2ptrain.serve.limits import MAX_CONNECTIONS, MAX_CONNECTIONS_LIMIT
 from p2ptrain.serve.spec import UserModel, spec_for
 from p2ptrain.training.lineage import MAX_CHAIN_BYTES, chain_lines, entry_from_bytes
-from p2ptrain.training.records import RecordError, load_model_bytes, read_model_card
+from p2ptrain.training.records import RecordError, load_model_bytes, model_bytes, read_model_card
 from p2ptrain.training.trainer import TrainerError
 from p2ptrain.training.trainer import resolve_device as training_device
 
@@ -51,14 +51,18 @@ MAX_WAIT_MS_LIMIT = 1000
 # --latest: how often the task's newest confirmed head is looked up (a control call to the running
 # node, or a temporary node's head request): checkpoints come every few seconds at the fastest.
 LATEST_POLL_S = 5.0
-# A connection idle this long between requests is closed (hypercorn keep_alive_timeout), and a
-# request whose body does not arrive within READ_TIMEOUT_S is dropped (a slow client holds no slot).
+# A connection idle this long between requests is closed (hypercorn keep_alive_timeout), and one
+# that sends nothing for READ_TIMEOUT_S is dropped (hypercorn's read_timeout: per read, so it bounds
+# a silent client, not a trickling one; a body's whole time is app.BODY_TIMEOUT_S).
 KEEP_ALIVE_S = 30
 READ_TIMEOUT_S = 30
 # Connections waiting to be accepted (listen backlog): the bench's 64 clients and then some.
 BACKLOG = 1024
 # Task directories scanned for the record of a served model (``GET /model``'s task, step, metrics).
 MAX_CHAINS_SCANNED = 256
+# A model of the user's own module is the size of the file of the user's instance, give or take its
+# card (the architecture CID in its header).
+USER_CARD_SLACK = 64 * 1024
 
 
 def resolve_device(device: str) -> torch.device:
@@ -74,8 +78,11 @@ def load_served(store: ContentStore, cid: str, device: torch.device, home: Path 
     """The model ``cid`` from ``store`` (every byte verified), built from the registry (or loaded
     into a copy of the user's own instance), on ``device``."""
     from p2ptrain.training.loading import model_from_bytes
+    from p2ptrain.training.models import MAX_MODEL_FILE_BYTES
 
-    data = store.cat(cid)
+    # No model the registry builds is larger; a user's is the size of its instance's own file.
+    bound = MAX_MODEL_FILE_BYTES if user_model is None else len(model_bytes(user_model.module)) + USER_CARD_SLACK
+    data = store.cat(cid, max_bytes=bound)
     card = read_model_card(data) or {}
     if user_model is not None:
         module = copy.deepcopy(user_model.module)  # a followed head swaps in beside the one serving
@@ -129,7 +136,8 @@ class Server:
         self, loaded: Loaded, *, listen: str = "127.0.0.1:8080", max_batch: int = 64, max_wait_ms: float = 5.0,
         follow: Callable[[], str] | None = None, store: ContentStore | None = None, home: Path | None = None,
         follow_every_s: float = LATEST_POLL_S, announce: Callable[[str, str], None] | None = None,
-        max_connections: int = MAX_CONNECTIONS, user_model: UserModel | None = None,
+        max_connections: int = MAX_CONNECTIONS, body_timeout_s: float = BODY_TIMEOUT_S,
+        user_model: UserModel | None = None,
     ) -> None:
         if not 1 <= max_batch <= MAX_BATCH_LIMIT:
             raise UserError(f"--max-batch must be 1 to {MAX_BATCH_LIMIT}")
@@ -144,7 +152,7 @@ class Server:
         if follow is not None and store is None:
             raise ValueError("follow needs the store its CIDs are made local in")
         self.batcher = Batcher(loaded, max_batch, max_wait_ms / 1000)
-        self.app = ServeApp(self.batcher)
+        self.app = ServeApp(self.batcher, body_timeout_s)
         self.listen, self.follow, self.store, self.home = listen, follow, store, home
         self.follow_every_s = follow_every_s
         self.user_model = user_model  # the user's instance that followed heads load into (a copy each)

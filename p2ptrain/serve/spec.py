@@ -11,6 +11,7 @@ serving needs to know what a sample looks like before the model sees it.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,8 +26,14 @@ from p2ptrain.errors import UserError
 MAX_INPUTS_PER_REQUEST = 1024
 # A request body: 8 MiB holds 1024 samples of 784 floats written with 8 digits each (~7 MB), the
 # largest request MAX_INPUTS_PER_REQUEST allows for MNIST-sized inputs. Larger bodies get 413
-# before they are read.
+# before they are read. A model whose samples are smaller takes less (InputSpec.max_body_bytes).
 MAX_BODY_BYTES = 8 * 1024 * 1024
+# What one number of a sample may take in a request's JSON: a float as Python writes it
+# ("-1.2345678901234567e-308", 24 characters), its separator, and the indentation of JSON
+# pretty-printed four levels deep; and each sample's brackets, and the document's own.
+BODY_BYTES_PER_NUMBER = 40
+BODY_BYTES_PER_SAMPLE = 64
+BODY_BYTES_SLACK = 1024
 # {"inputs": [[[...]]]}: a (C, H, W) sample nests four levels; six refuse any bracket bomb early.
 MAX_REQUEST_DEPTH = 6
 # Numbers in one answer: 2M floats are ~40 MB of JSON (under the client's 64 MiB read limit). A
@@ -48,6 +55,15 @@ class InputSpec:
     vocab: int = 0
     max_len: int = 0  # > 0: a variable-length sequence of 1..max_len ids (shapes is unused)
     outputs: int = 0  # numbers answered per sample (classes), or per token (vocab) for sequences
+
+    @property
+    def max_body_bytes(self) -> int:
+        """The largest body an honest request for this model sends: MAX_INPUTS_PER_REQUEST of the
+        largest samples, each number written long (at most MAX_BODY_BYTES). For digits (64
+        features) 2.7 MB, not 8 MiB: a body past it is refused before it is read or parsed."""
+        numbers = self.max_len or max(math.prod(shape) for shape in self.shapes)
+        per_sample = BODY_BYTES_PER_SAMPLE + numbers * BODY_BYTES_PER_NUMBER
+        return min(MAX_BODY_BYTES, BODY_BYTES_SLACK + MAX_INPUTS_PER_REQUEST * per_sample)
 
     def describe(self) -> dict[str, Any]:
         """The spec as JSON, for ``GET /model``."""
@@ -106,9 +122,10 @@ def spec_for(card: dict[str, Any]) -> InputSpec:
 
 
 def parse_request(body: bytes, spec: InputSpec) -> torch.Tensor:
-    """The ``inputs`` of a ``POST /predict`` body as one checked tensor (N, *sample)."""
+    """The ``inputs`` of a ``POST /predict`` body as one checked tensor (N, *sample). Up to
+    ``spec.max_body_bytes`` of JSON: the server runs it in a worker thread."""
     try:
-        doc = boundedjson.loads(body, max_bytes=MAX_BODY_BYTES, max_depth=MAX_REQUEST_DEPTH, what="request")
+        doc = boundedjson.loads(body, max_bytes=spec.max_body_bytes, max_depth=MAX_REQUEST_DEPTH, what="request")
     except boundedjson.JSONBoundsError as exc:
         raise InputError(str(exc)) from None
     if not isinstance(doc, dict) or set(doc) != {"inputs"}:

@@ -314,13 +314,14 @@ async def local_peers(
 
 async def publish_digits_task(
     peer: Peer, *, name: str = "digits", shards: int = 4, total_steps: int = 12, checkpoint_interval: int = 4,
-    min_peers: int = 1, max_peers: int = 8, extra: str = "",
+    min_peers: int = 1, max_peers: int = 8, extra: str = "", initial_model: str | None = None,
 ) -> str:
     """Add sklearn's digits (``shards`` train shards) to ``peer``'s store and store a tiny task on
     it (:data:`DIGITS_TASK`); return the task's CID, which any connected peer can
     ``await peer.tasks.join(task_cid)`` (joining fetches the task and its data from the mesh).
 
-    ``extra``: TOML appended to the task file, e.g. ``"[requirements]\\nmin_memory_mb = 1024\\n"``.
+    ``extra``: TOML appended to the task file, e.g. ``"[requirements]\\nmin_memory_mb = 1024\\n"``;
+    ``initial_model``: the CID of the model the run starts from (the task's ``initial_model``).
     Nothing is announced: joins by CID are what a test controls. Needs scikit-learn.
     """
     import numpy as np
@@ -338,6 +339,8 @@ async def publish_digits_task(
         text = DIGITS_TASK.format(name=name, manifest=manifest, total_steps=total_steps,
                                   checkpoint_interval=checkpoint_interval, min_peers=min_peers, max_peers=max_peers)
         text += extra
+        if initial_model is not None:  # a top-level key: before the first table
+            text = f'initial_model = "{initial_model}"\n' + text
         cid = store.add_bytes(task_bytes(load_task(text)))
         store.pin_add(cid)
         return cid

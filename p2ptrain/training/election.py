@@ -13,12 +13,11 @@ The scheme is Raft's election with a deterministic candidate:
   live roster member; its vote is a signed :class:`~p2ptrain.wire.messages.Vote`.
 - A candidate that collects votes from a strict majority of the roster is coordinator for that
   term. Its heartbeat carries those signed votes, and a member accepts a coordinator only with such
-  a quorum certificate. Two majorities of one roster share a member, who voted once: so at most one
-  coordinator is accepted per term.
+  a quorum certificate.
 - When the accepted coordinator is silent for ``timeout_beats`` heartbeats (or a term passes with no
   coordinator), a member moves to the next term. Only the *designated* candidate of a term asks for
-  votes: the live roster member (not suspected of being the dead coordinator) with the lowest
-  ``sha256(task, term, peer)``. Members with the same view agree on it without talking, so
+  votes: the live roster member (not suspected: given up as silent, until it beats or asks for votes)
+  with the lowest ``sha256(task, term, peer)``. Members with the same view agree on it without talking, so
   elections do not split; when views differ and votes split, the term times out and the next term's
   ranking (a fresh hash order) picks again.
 - Stale terms are ignored; a valid heartbeat of a higher term moves a member to it (a coordinator
@@ -31,14 +30,12 @@ The scheme is Raft's election with a deterministic candidate:
 - A member that sees fewer of its roster alive than a quorum (a lone member of a two-member run, the
   minority side of a partition) cannot win any term: it neither stands nor lets its term time out,
   and says how many more peers it waits for (``short_of_quorum``). It still votes when asked, and
-  its term's timer starts afresh when enough peers are back. Before, it stood and timed out term
-  after term (a new term every 3 s), which only looked like progress.
+  its term's timer starts afresh when enough peers are back.
 - A coordinator keeps every vote of its term in its certificate, also those that came after it had a
   quorum, so a roster that grows a little (a joiner admitted) is still covered. One whose votes no
   longer cover the roster renews its mandate: it stands in the next term at once, designated or not,
   and the members that follow it vote for it although their term is still working: the request comes
-  from their own coordinator. Without this, the others noticed only when its heartbeats stopped, and
-  every admission cost a heartbeat timeout (3 s) without rounds.
+  from their own coordinator (else every admission cost a heartbeat timeout, 3 s, without rounds).
 - Terms time out on each member's own clock, so a member's term may run ahead of a candidate's (a
   coordinator that left its term starts the next one seconds before the others notice). A member
   without a coordinator still votes, once, in a term up to ``_LOWER_TERM_VOTES`` behind its own, and
@@ -47,6 +44,15 @@ The scheme is Raft's election with a deterministic candidate:
 - A member that still hears its coordinator sets a request of a later term aside, and votes for it
   at once if it gives that coordinator up and enters that term: the candidate is usually the member
   that saw the coordinator die first, and would otherwise ask again only a heartbeat later.
+
+Safety (at most one coordinator accepted per term) rests on two facts. (1) One vote per member per
+term, ever: ``_vote_in`` signs every vote and refuses a second; ballots are kept per term (a member
+whose term goes back cannot vote again in a term it passed), and a term whose ballot it lost
+(dropped from memory, or cast before a restart: the node persists ``voted_through``) counts as
+voted. (2) Two majorities of one roster share a member, so two certificates of one term name the
+same coordinator while the rosters they are checked against have intersecting majorities: the same
+roster, or rosters one member apart. No rule above may break (1) or count votes on other grounds
+than (2); where rosters differ more, (2) fails (docs/training.md, "Election").
 """
 
 from __future__ import annotations
@@ -75,12 +81,19 @@ _BALLOT_MEMORY = 256
 _LOWER_TERM_VOTES = 2
 # Votes carried in a heartbeat (task.MAX_PEERS members at most, so all of them fit).
 _MAX_CERTIFICATE = 128
+# The ballot of a term at or below Election._forgotten_through: cast for someone we no longer know.
+_FORGOTTEN = "?"
+# Election(voted_through=None): the member cannot tell which terms it voted in, so it votes in none.
+_EVERY_TERM = 2**63 - 1  # the largest term the wire carries
 
 
 class Election:
     """One member's view of the election of one task."""
 
-    def __init__(self, task_cid: str, key_pair: KeyPair, config: ElectionConfig = ElectionConfig()) -> None:
+    def __init__(self, task_cid: str, key_pair: KeyPair, config: ElectionConfig = ElectionConfig(), *,
+                 voted_through: int | None = -1) -> None:
+        """``voted_through``: :attr:`voted_through` when this member last ran the task (-1: never);
+        None when that is unknown (its file was damaged): it then votes and stands in no term."""
         self.task_cid = task_cid
         self.key_pair = key_pair
         self.me = signing.peer_str(key_pair)
@@ -88,6 +101,10 @@ class Election:
         self.term = 0
         self.coordinator: str | None = None  # accepted for self.term
         self._ballots: dict[int, str] = {}  # term -> whom I voted for (one vote per term, ever)
+        # Every term up to this one counts as voted in, for nobody we know: ballots cast before a
+        # restart, terms used before a stop of the run (resume_after), ballots dropped from memory
+        # (_BALLOT_MEMORY). No vote is ever cast in them.
+        self._forgotten_through = _EVERY_TERM if voted_through is None else voted_through
         self.live: frozenset[str] = frozenset()
         self.roster: tuple[str, ...] = ()
         self.suspects: set[str] = set()  # peers whose coordinatorship timed out
@@ -113,8 +130,6 @@ class Election:
         # candidate). If we give that coordinator up and enter that term, we vote for it at once
         # instead of waiting a heartbeat for the candidate to ask again.
         self._deferred: tuple[int, str] | None = None
-        # Terms up to here were used before this member's run resumed (resume_after): no vote in them.
-        self._floor = -1
         # How many more roster members must be alive before an election can be won (0: enough);
         # while short, the member waits in its term instead of standing and timing out term after term.
         self.short_of_quorum = 0
@@ -126,7 +141,7 @@ class Election:
         records under one term, and the run's first election takes one term, not a timeout first.
         Called again once the member may lead, while no coordinator is known: that term's clock
         starts afresh (a term that ran out while every member was still loading would cost another)."""
-        self._floor = max(self._floor, term)
+        self._forgotten_through = max(self._forgotten_through, term)
         if self.coordinator is None and self.term <= term + 1:
             self._new_term(0.0, term + 1)
             self._term_started = None  # the term's clock starts at the next tick
@@ -135,7 +150,17 @@ class Election:
 
     @property
     def voted_for(self) -> str | None:
-        return self._ballots.get(self.term)
+        return self._ballot(self.term)
+
+    @property
+    def voted_through(self) -> int:
+        """The latest term this member may have voted in (-1: none): kept on disk before a vote
+        leaves, given back after a restart (runtime/ballots_file.py)."""
+        return max(self._forgotten_through, max(self._ballots, default=-1))
+
+    def _ballot(self, term: int) -> str | None:
+        """Whom we voted for in ``term``: None if nobody, :data:`_FORGOTTEN` if we cannot tell."""
+        return _FORGOTTEN if term <= self._forgotten_through else self._ballots.get(term)
 
     @property
     def is_coordinator(self) -> bool:
@@ -217,7 +242,7 @@ class Election:
             self._new_term(now, self.term + 1)
             if self._deferred is not None and self._deferred[0] == self.term:
                 candidate = self._deferred[1]
-                if candidate in self._eligible():
+                if candidate in self._eligible() and self.voted_for in (None, candidate):
                     log.info("task %s: %s votes for %s in term %d (asked while its coordinator looked alive)",
                              self.task_cid[:12], short_id(self.me), short_id(candidate), self.term)
                     out.append(self._vote(candidate))
@@ -292,14 +317,19 @@ class Election:
         return self._vote_in(self.term, candidate)
 
     def _vote_in(self, term: int, candidate: str) -> SignedVote:
+        assert self._ballot(term) in (None, candidate), "a second vote in one term"
         self._ballots[term] = candidate
         while len(self._ballots) > _BALLOT_MEMORY:
-            del self._ballots[min(self._ballots)]
+            oldest = min(self._ballots)
+            del self._ballots[oldest]
+            self._forgotten_through = max(self._forgotten_through, oldest)
         body = Vote(task_cid=self.task_cid, term=term, candidate=candidate, voter=self.me)
         return SignedVote(vote=body, signature=signing.sign(body, self.key_pair))
 
     def _stand(self, now: float) -> list[ElectionMessage]:
         """Vote for myself and ask for votes (again each heartbeat, in case a request was lost)."""
+        if self.voted_for not in (None, self.me):
+            return []  # our one vote of this term went elsewhere (or may have: see _ballot)
         if self.voted_for is None:
             own = self._vote(self.me)
             self._votes[self.me] = own
@@ -335,15 +365,18 @@ class Election:
         return CoordinatorBeat(task_cid=self.task_cid, term=self.term, coordinator=self.me, votes=self._certificate)
 
     def _on_request(self, now: float, sender: str, msg: VoteRequest) -> list[ElectionMessage]:
-        if sender != msg.candidate or msg.term <= self._floor:
-            return []
+        if sender != msg.candidate or msg.term <= self._forgotten_through:
+            return []  # (a term we may have voted in: nothing to answer)
+        # A suspect that asks for votes is not the hung coordinator we gave up: it may be designated
+        # again. Otherwise members that each suspect all the others each stood alone, term after term.
+        self.suspects.discard(msg.candidate)
         if msg.term < self.term:
             # Our terms time out on our own clock, so ours may have run ahead of the candidate's
             # (a coordinator that gave up its term starts the next one before the others notice).
             # With no coordinator we still vote in that recent term, once: ballots are per term,
             # so no term gets two coordinators, and its winner is followed (see _on_beat).
             if (self.coordinator is None and msg.term >= self.term - _LOWER_TERM_VOTES
-                    and msg.term not in self._ballots and self._votable(msg.candidate)):
+                    and self._ballot(msg.term) is None and self._votable(msg.candidate)):
                 log.info("task %s: %s votes for %s in earlier term %d (at term %d)", self.task_cid[:12],
                          short_id(self.me), short_id(msg.candidate), msg.term, self.term)
                 return [self._vote_in(msg.term, msg.candidate)]

@@ -14,7 +14,7 @@ from p2ptrain.errors import UserError
 from p2ptrain.identity import default_home
 from p2ptrain.ipfs.cid import parse_cid
 from p2ptrain.ipfs.store import ContentStore, ContentUnavailable, open_store
-from p2ptrain.training.models import ModelError, build_model
+from p2ptrain.training.models import MAX_MODEL_FILE_BYTES, ModelError, build_model
 from p2ptrain.training.records import RecordError, load_model_bytes, read_model_card, read_tensors
 from p2ptrain.training.task import USER_MODEL
 
@@ -81,4 +81,4 @@ def load_model(cid_or_path: str | Path, *, home: Path | None = None, store: Cont
         store = open_store(home or default_home())
     if not store.has(cid):
         raise ContentUnavailable(cid, "not in the local store; fetch it first: p2ptrain model fetch " + cid)
-    return model_from_bytes(store.cat(cid))
+    return model_from_bytes(store.cat(cid, max_bytes=MAX_MODEL_FILE_BYTES))  # no model the registry builds is larger

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +25,15 @@ from p2ptrain.errors import UserError
 
 # 50M float32 parameters = 200 MB of weights (about 800 MB with Adam state and gradients).
 MAX_PARAMETERS = 50_000_000
+# What a safetensors file of tensors may carry beyond their bytes: the 8-byte length, the header's
+# JSON (each tensor's name, dtype, shape and offsets: under HEADER_PER_TENSOR bytes with names of at
+# most tensorfile.MAX_NAME_LENGTH) and the metadata (the model card, a few hundred bytes; 64 KiB allowed).
+HEADER_PER_TENSOR = 512
+HEADER_SLACK = 64 * 1024
+# Any model file the registry's builders can make: MAX_PARAMETERS float32 values (builders make
+# nothing else: no buffers) and a header for up to 2,048 tensors. The bound for reading a model
+# whose card is not known before it is read (``model serve``, ``load_model``).
+MAX_MODEL_FILE_BYTES = MAX_PARAMETERS * 4 + 2048 * HEADER_PER_TENSOR + HEADER_SLACK
 
 
 class ModelError(UserError):
@@ -116,6 +125,23 @@ def check_model(name: str, kwargs: dict[str, Any]) -> int:
     if n > MAX_PARAMETERS:
         raise ModelError(f"model.kwargs: {name} would have {n:,} parameters, over the {MAX_PARAMETERS:,} cap")
     return n
+
+
+def file_bytes_bound(tensors: Iterable[torch.Tensor]) -> int:
+    """The most bytes a safetensors file of ``tensors`` takes: their bytes at their dtypes' sizes,
+    plus the header allowance (HEADER_PER_TENSOR each, HEADER_SLACK in all)."""
+    return sum(t.numel() * t.element_size() + HEADER_PER_TENSOR for t in tensors) + HEADER_SLACK
+
+
+def model_file_limit(name: str, kwargs: dict[str, Any]) -> int:
+    """The most bytes an honest model file of this architecture takes, from its state dict built on
+    the meta device (nothing allocated, no initialisation). A task names the architecture, so this
+    bounds what a node fetches and reads of any model the task names (``initial_model``) before a
+    byte of it is parsed: a model of 10k parameters is never a 2 GiB download."""
+    full = check_kwargs(name, kwargs)
+    with torch.device("meta"):
+        module = REGISTRY[name].fn(**full)
+    return file_bytes_bound(module.state_dict().values())
 
 
 _SEEDED_BUILD = threading.Lock()

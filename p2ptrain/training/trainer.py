@@ -31,7 +31,7 @@ from torch import nn
 from p2ptrain.tensors import all_finite
 from p2ptrain.training.batches import Batch, Metrics, evaluate_batches, loss_and_hits
 from p2ptrain.training.errors import TrainerError as TrainerError  # re-exported: callers catch it here
-from p2ptrain.training.models import build_model
+from p2ptrain.training.models import HEADER_PER_TENSOR, HEADER_SLACK, build_model, file_bytes_bound
 from p2ptrain.training.optimizers import build_optimizer, lr_at
 from p2ptrain.training.records import (
     RecordError, load_model_bytes, model_bytes, read_tensors, state_bytes, tensors_bytes,
@@ -49,11 +49,6 @@ FP16_LOSS_SCALE = 1024.0
 # A parameter index in an optimizer file's tensor names: up to 9 ASCII digits (a model of more than
 # 10**9 parameter tensors does not exist; a longer run of digits only costs int() time).
 _INDEX = re.compile(r"[0-9]{1,9}")
-# What a checkpoint file may carry beyond its tensors' bytes: the 8-byte length, the header's JSON
-# (each tensor's name, dtype, shape and offsets: under _HEADER_PER_TENSOR bytes with names of at most
-# tensorfile.MAX_NAME_LENGTH) and the metadata (the model card, a few hundred bytes; 64 KiB allowed).
-_HEADER_PER_TENSOR = 512
-_HEADER_SLACK = 64 * 1024
 # A fresh classifier's cross-entropy is about log(num_classes) (uniform guesses); a local loss over
 # LOSS_WARN_FACTOR times that in the first LOSS_WARN_STEPS steps means the inputs are on a scale the
 # model cannot start from (raw tabular features: losses of 25-72 on a 2-class CSV), so the log says
@@ -405,15 +400,12 @@ class Trainer:
     def state_limits(self) -> tuple[int, int]:
         """The most bytes an honest (model, optimizer) checkpoint of this architecture can take:
         the bound for reading a checkpoint named by a peer, before anything is parsed."""
-        def size(tensors: list[torch.Tensor], per_tensor: int) -> int:
-            return sum(t.numel() * t.element_size() + per_tensor for t in tensors) + _HEADER_SLACK
-
-        model = size(list(self.model.state_dict().values()), _HEADER_PER_TENSOR)
+        model = file_bytes_bound(self.model.state_dict().values())
         # Each state key of the optimizer at most once per parameter and at most as large as it (a
         # scalar "step" takes 8 bytes, inside its header allowance); plus trainer.step.
         keys = len(self.optimizer_state_keys())
-        optim = keys * sum(p.numel() * p.element_size() + _HEADER_PER_TENSOR for p in self.params)
-        return model, optim + _HEADER_SLACK + _HEADER_PER_TENSOR + 8
+        optim = keys * sum(p.numel() * p.element_size() + HEADER_PER_TENSOR for p in self.params)
+        return model, optim + HEADER_SLACK + HEADER_PER_TENSOR + 8
 
     def load_state(self, model_data: bytes, optimizer_data: bytes) -> None:
         """Resume from a checkpoint's bytes (checked against the architecture and the optimizer)."""

@@ -77,6 +77,28 @@ def encode(msg: Any, key_pair: KeyPair, seq: int, ts: float | None = None) -> by
     return data
 
 
+_TYPE_KEY = b',"type":"'
+
+
+def peek_type(data: bytes) -> str | None:
+    """The type name of a framed message, read without parsing or verifying it (None if it is not
+    where the canonical payload puts it: the last key, ``..."type":"NAME"}``). A cheap look for
+    deciding whether a message is worth checking at all (per-sender rates); :func:`decode`
+    refuses a message whose type is not found here, so a look cannot be fooled."""
+    if len(data) < _HEADER.size + SIG_LEN + 2:
+        return None
+    end = len(data) - SIG_LEN
+    if data[end - 2:end] != b'"}':
+        return None
+    start = data.rfind(_TYPE_KEY, _HEADER.size, end)
+    if start < 0:
+        return None
+    name = data[start + len(_TYPE_KEY):end - 2]
+    if len(name) > 64 or b'"' in name or b"\\" in name:
+        return None
+    return name.decode("ascii", errors="replace")
+
+
 def decode(data: bytes, now: float | None = None, types: MessageRegistry = MESSAGES) -> Signed[Any]:
     """Check and verify a framed message; raise :class:`DecodeError` on anything wrong (a type
     ``types`` does not know is ``unknown-type``)."""
@@ -123,6 +145,8 @@ def decode(data: bytes, now: float | None = None, types: MessageRegistry = MESSA
     cls = types.get(mtype)
     if cls is None:
         raise DecodeError("unknown-type", mtype[:64])
+    if peek_type(data) != mtype:  # every encoder writes the payload canonically, type last
+        raise DecodeError("malformed", "the type is not the payload's last key")
     now = time.time() if now is None else now
     if abs(now - ts) > MAX_CLOCK_SKEW_S:
         raise DecodeError("stale", f"timestamp {ts:.0f} is {now - ts:+.0f} s off")

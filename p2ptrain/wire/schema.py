@@ -87,6 +87,12 @@ def _check(value: Any, tp: Any, where: str, meta: dict[str, Any]) -> Any:
             raise SchemaError(f"{where}: more than {meta.get('max_items', MAX_LIST_LEN)} items")
         # A tuple field's "max_len" bounds each of its strings (e.g. a heartbeat's addresses).
         item_meta = {k: v for k, v in meta.items() if k != "max_items"}
+        if inner is str:  # member lists, addresses: checked in one pass, each item named only if wrong
+            limit = item_meta.get("max_len", MAX_STR_LEN)
+            for i, v in enumerate(value):
+                if type(v) is not str or len(v) > limit:
+                    _check(v, str, f"{where}[{i}]", item_meta)  # raises, naming the item
+            return tuple(value)
         return tuple(_check(v, inner, f"{where}[{i}]", item_meta) for i, v in enumerate(value))
     if origin is dict:
         key_tp, val_tp = typing.get_args(tp)

@@ -99,7 +99,7 @@ async def test_bad_messages_through_a_real_mesh_are_dropped_and_counted(tmp_path
             base = {"type": "test.note", "sender": attacker.peer_id.to_base58(), "seq": 5, "ts": time.time(),
                     "body": {"text": "x"}}
             base.update(kw)
-            return json.dumps(base).encode()
+            return json.dumps(base, sort_keys=True, separators=(",", ":")).encode()  # as every encoder writes it
 
         bad = {
             "malformed": b"definitely not a p2ptrain message",

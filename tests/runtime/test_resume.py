@@ -11,6 +11,7 @@ from typing import Any
 
 import trio
 
+from p2ptrain.runtime.ballots_file import load_voted_through
 from p2ptrain.testing import LocalPeers, local_peers, publish_digits_task
 from p2ptrain.training.lineage import Chain, entry_bytes, read_chain
 from p2ptrain.training.records import sign_record
@@ -65,6 +66,7 @@ async def test_members_stopped_together_resume_from_their_last_record_and_end_wh
             for i in range(3):
                 await peers.stop_peer(i)
             before = [chain_bytes(peers, i, stopped) for i in range(3)]
+            voted = [load_voted_through(peers[i].node.home / "tasks" / stopped) for i in range(3)]
             for i in range(3):
                 await peers.restart_peer(i, see_all=False)
             await peers.wait_connected()
@@ -84,6 +86,15 @@ async def test_members_stopped_together_resume_from_their_last_record_and_end_wh
                 assert after.startswith(before[i]), "a record of the chain before the stop was lost or changed"
                 assert verified(after, stopped).to_bytes() == after
             assert {s["latest_model_cid"] for s in final} == {reference[0]["latest_model_cid"]}
+            # Each home kept where it voted (runtime/ballots_file.py), through the stop: the terms of
+            # the resumed run come after the last record's, whose coordinator voted for itself.
+            voted_after = [load_voted_through(peers[i].node.home / "tasks" / stopped) for i in range(3)]
+            terms = [v for v in voted if v is not None]
+            terms_after = [v for v in voted_after if v is not None]
+            assert len(terms) == len(terms_after) == 3
+            assert max(terms) >= longest.records[-1].record.term
+            assert all(a >= b for a, b in zip(terms_after, terms))
+            assert max(terms_after) > longest.records[-1].record.term
 
 
 async def test_a_chain_file_whose_last_record_forks_is_refused_and_kept_as_it_was(tmp_path: Path) -> None:

@@ -269,3 +269,23 @@ def test_a_decoder_knows_only_the_types_it_is_handed() -> None:
     assert decode(encode(Goodbye(reason="x"), KEY, seq=2), types=ours).msg == Goodbye(reason="x")
     with pytest.raises(ValueError, match="registered twice"):
         message("heartbeat", into=ours)(Extra)
+
+
+def test_peek_type_reads_the_type_of_what_the_encoder_writes_without_verifying_it():
+    for msg in (Goodbye(reason='a "quoted" type":"x" reason'), Heartbeat(addrs=(), caps=CAPS)):
+        data = encode(msg, KEY, seq=1)
+        assert codec.peek_type(data) == type(msg).TYPE
+        assert codec.peek_type(data[:-1] + bytes([data[-1] ^ 1])) == type(msg).TYPE  # no signature check
+    assert codec.peek_type(b"") is None and codec.peek_type(b"P2TM" + b"\0" * 80) is None
+
+
+def test_a_payload_whose_type_is_not_its_last_key_is_malformed():
+    """Per-sender rates look at a message's type before verifying it (mesh.router.admit): a sender
+    must not be able to show one type to that look and another to the decoder."""
+    env = json.loads(envelope())
+    disguised = json.dumps({"type": env.pop("type"), **env}, separators=(",", ":")).encode()
+    assert reason_of(frame(disguised)) == "malformed"
+    # A duplicated "type": the decoder takes the last one, as the look does: both say heartbeat.
+    shown = json.dumps({**env, "type": "goodbye"}, separators=(",", ":"))[:-1] + ',"type":"heartbeat"}'
+    assert codec.peek_type(frame(shown.encode())) == "heartbeat"
+    assert reason_of(frame(shown.encode())) == "schema"  # a goodbye's body is not a heartbeat's

@@ -1,0 +1,99 @@
+"""Per-sender rates of heads and head requests (issue 27): the chaos bench's hostile peer floods
+one full peer (a node with its task service, in this process, on real libp2p hosts) with forged
+heads and with head requests; a second full peer hears the first through gossipsub only.
+
+What one identity gets through is its burst plus its rate, at the first peer and, relayed, at the
+second; the rest is dropped as it is read, counted, and never relayed. An honest sender beside it
+is not touched. Before: every forged head was decoded, delivered and relayed (131/s took a run
+from 2.7 to 0.1 steps/s).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import trio
+from libp2p.peer.id import ID
+
+from p2ptrain.runtime.tasks import HEAD_RATE, HEAD_REQUEST_RATE
+from p2ptrain.testing import local_peers
+from p2ptrain.wire.messages import HeadRequest, TaskHead
+from p2ptrain.wire.topics import TASKS_TOPIC
+
+from .test_model_bomb import hostile, bounds
+
+TASK = "QmT78zSuBmuS4z925WZfrqQ1qHaJ56DQaTfyMUF7F8ff5o"
+FLOOD = 400  # each kind, sent in a few hundred milliseconds: far past any burst
+
+
+async def test_a_flood_of_heads_and_head_requests_from_one_sender_is_held_to_its_rate(tmp_path: Path) -> None:
+    async with local_peers(2, tmp_path) as peers, hostile.hostile_peer() as peer:
+        first, second = peers[0].node, peers[1].node
+        heard: dict[tuple[str, str, str], int] = {}  # (node, type, sender) -> messages delivered
+
+        def counter(name: str):
+            def count(signed, topic: str) -> None:
+                key = (name, type(signed.msg).TYPE, signed.sender.to_base58())
+                heard[key] = heard.get(key, 0) + 1
+            return count
+
+        for name, node in (("first", first), ("second", second)):
+            node.on(TaskHead, counter(name))
+            node.on(HeadRequest, counter(name))
+        with trio.fail_after(60):
+            target = await peer.connect(str(first.addrs[0]))
+            await peer.wait_in_topic(TASKS_TOPIC, [target])
+            heads = bounds.head_flood(peer, TASK, FLOOD, members=64)
+            requests = bounds.head_request_flood(peer, TASK, FLOOD)
+            started = trio.current_time()
+            await hostile.send_paced(peer, heads, rate=4000)
+            await hostile.send_paced(peer, requests, rate=4000)
+            # The honest peer's own request, after the flood: its rate is its own.
+            await second.publish(TASKS_TOPIC, HeadRequest(task_cid=TASK))
+            me, sent = peer.peer_id.to_base58(), second.peer_id.to_base58()
+
+            def settled() -> bool:
+                dropped = first.router.dropped
+                return (dropped["rate-limited:task_head"] + heard.get(("first", "task_head", me), 0) >= FLOOD
+                        and dropped["rate-limited:task_head_request"]
+                        + heard.get(("first", "task_head_request", me), 0) >= FLOOD
+                        and heard.get(("first", "task_head_request", sent), 0) >= 1)
+
+            while not settled():
+                await trio.sleep(0.05)
+            elapsed = trio.current_time() - started
+            await trio.sleep(1.0)  # what the first peer relayed has reached the second
+        for kind, rate in (("task_head", HEAD_RATE), ("task_head_request", HEAD_REQUEST_RATE)):
+            allowed = rate.burst + rate.per_s * (elapsed + 1.0)
+            got = heard.get(("first", kind, me), 0)
+            assert 1 <= got <= allowed, (kind, got, allowed)
+            assert first.router.dropped[f"rate-limited:{kind}"] >= FLOOD - allowed
+            # Relayed: only what the first peer took (the second one has no link to the attacker).
+            assert heard.get(("second", kind, me), 0) <= got
+        assert ID.from_base58(me) not in second.host.get_connected_peers()
+        assert heard[("first", "task_head_request", sent)] == 1
+
+
+PAUSE_FLOOD = 3000  # head requests in one second: ~3 RPCs of refusals past the flooder allowance
+
+
+async def test_a_sender_that_keeps_flooding_is_not_read_for_a_while(tmp_path: Path) -> None:
+    """Past its allowance of refusals, a flooder's stream is read about once a second: what it sends
+    waits on its side of the connection instead of costing the node a read and a refusal each.
+    Before: the node read all 3,000 within the flood's second."""
+    from p2ptrain.net.pubsub import FLOODER_BURST, FLOODER_PAUSE_S
+
+    async with local_peers(1, tmp_path) as peers, hostile.hostile_peer() as peer:
+        node = peers[0].node
+        with trio.fail_after(60):
+            target = await peer.connect(str(node.addrs[0]))
+            await peer.wait_in_topic(TASKS_TOPIC, [target])
+            requests = bounds.head_request_flood(peer, TASK, PAUSE_FLOOD)
+            started = trio.current_time()
+            await hostile.send_paced(peer, requests, rate=PAUSE_FLOOD, seconds=2.0)
+            await trio.sleep_until(started + 3.0)
+            read = node.router.dropped["rate-limited:task_head_request"] + node.router.delivered["task_head_request"]
+        # Within 3 s: the burst of refusals, then one RPC (hostile.BATCH messages) per pause.
+        most = HEAD_REQUEST_RATE.burst + FLOODER_BURST + hostile.BATCH * (3.0 / FLOODER_PAUSE_S + 2)
+        assert 0 < read <= most < PAUSE_FLOOD, (read, most)
+        assert node.pubsub is not None and node.pubsub.dropped["flooder-paused"] >= 1
