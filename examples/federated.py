@@ -23,7 +23,7 @@ import p2ptrain
 class SimpleNN(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+        self.net = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
@@ -37,11 +37,12 @@ def main() -> None:
     train_data, test_data = digits(args.member, args.members)
     torch.manual_seed(args.member)
     model = SimpleNN()
-    # Local-SGD here is federated averaging: 4 local steps, then the members' mean model.
-    mode = ({"mode": "local_sgd", "inner_steps": 4, "quantize": "int8", "outer_optimizer": "average"}
+    # Local-SGD here is federated averaging: 4 local steps, then the members' mean model (every
+    # coordinate of the pseudo-gradient); sync mode sends the top 10% of each gradient.
+    mode = ({"mode": "local_sgd", "inner_steps": 4, "outer_optimizer": "average", "density": 1.0}
             if local_sgd else {"density": 0.1})
     result = p2ptrain.train(model, train_data, test_data=test_data, steps=args.steps, batch_size=32,
-                            optimizer=lambda params: torch.optim.Adam(params, lr=3e-3),
+                            optimizer=lambda params: torch.optim.Adam(params, lr=1e-2),
                             run=args.run or "digits-federated", home=args.home, listen=[args.listen],
                             bootstrap=args.bootstrap, min_peers=min(2, args.members),
                             checkpoint_every=10 if local_sgd else 40, seed=args.member, **mode)

@@ -1,5 +1,5 @@
 """Local-SGD from your own loop: each ``opt.step()`` is an inner step on this member alone; every
-``inner_steps``-th one averages the members' pseudo-gradients (quantized to int8 on the wire) and
+``inner_steps``-th one averages the members' pseudo-gradients (their top 25%, int8 on the wire) and
 takes one outer step, the same on every member. Fewer, larger exchanges: for slow links.
 
     python examples/local_sgd_loop.py --member 0 --members 2 --listen /ip4/127.0.0.1/tcp/4001
@@ -23,10 +23,10 @@ def main() -> None:
     torch.manual_seed(args.member)
     model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
     loader = torch.utils.data.DataLoader(train_data, batch_size=32, shuffle=True, drop_last=True)
-    opt = p2ptrain.Optimizer(torch.optim.Adam(model.parameters(), lr=3e-3), model=model,
+    opt = p2ptrain.Optimizer(torch.optim.Adam(model.parameters(), lr=1e-2), model=model,
                              run=args.run or "digits-local-sgd", home=args.home, listen=[args.listen],
                              bootstrap=args.bootstrap, mode="local_sgd", inner_steps=INNER_STEPS,
-                             quantize="int8", checkpoint_every=5, min_peers=min(2, args.members),
+                             density=0.25, quantize="int8", checkpoint_every=5, min_peers=min(2, args.members),
                              total_steps=args.steps)
     with opt:
         try:
