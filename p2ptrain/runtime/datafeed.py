@@ -44,17 +44,20 @@ class DataFeed:
         assert run.manifest is not None and run.task.dataset is not None
         split = run.task.dataset.train_split
         shards = run.manifest.shards(split)
-        for index in range(rank, len(shards), world):
+        # More members than shards: positions share shards (each in its own order, seeded by its
+        # rank) rather than one member holding none.
+        shard_rank, shard_world = (rank, world) if world <= len(shards) else (rank % len(shards), len(shards))
+        for index in range(shard_rank, len(shards), shard_world):
             await run.content.fetch(shards[index].cid)
         dataset = IPFSDataset(
-            run.task.dataset.manifest, split=split, rank=rank, world_size=world,
+            run.task.dataset.manifest, split=split, rank=shard_rank, world_size=shard_world,
             store=run.content.store, seed=run.task.seed + rank,
         )
         self._own_shards_held.set()
         batches = PositionedBatches(dataset, run.task.training.batch_size, position)
         self._batches = ((rank, world), batches)
         logger.info("%s: training on shards %s of %d (rank %d of %d) from batch %d", run.log_prefix,
-                    list(range(rank, len(shards), world)), len(shards), rank, world, position)
+                    list(range(shard_rank, len(shards), shard_world)), len(shards), rank, world, position)
         return batches
 
     async def fetch_test_split(self) -> None:
