@@ -43,6 +43,8 @@ def digits(member: int, members: int) -> tuple[torch.utils.data.TensorDataset, t
     x, y = load_digits(return_X_y=True)
     x = torch.tensor(x / 16.0, dtype=torch.float32)
     y = torch.tensor(y)
+    order = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))  # the same split on every machine
+    x, y = x[order], y[order]
     train_x, train_y, test_x, test_y = x[:1400], y[:1400], x[1400:], y[1400:]
     mine = slice(member, None, members)
     return (torch.utils.data.TensorDataset(train_x[mine], train_y[mine]),

@@ -10,6 +10,8 @@ import argparse
 import hashlib
 import json
 import logging
+import os
+import time
 
 import torch
 from sklearn.datasets import load_digits
@@ -32,6 +34,8 @@ def digits() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     x, y = load_digits(return_X_y=True)
     x = torch.tensor(x / 16.0, dtype=torch.float32)
     y = torch.tensor(y)
+    order = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))  # the same split everywhere
+    x, y = x[order], y[order]
     return x[:1400], y[:1400], x[1400:], y[1400:]
 
 
@@ -57,6 +61,7 @@ def main() -> None:
     parser.add_argument("--robust", default="none")
     parser.add_argument("--scale", type=float, default=1.0)
     parser.add_argument("--load", help="only load this model CID from --home into a fresh instance and report")
+    parser.add_argument("--wait-for", help="a late joiner: start taking part once this file exists")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     for noisy in ("libp2p", "p2ptrain.mesh", "p2ptrain.net", "p2ptrain.ipfs"):
@@ -69,6 +74,8 @@ def main() -> None:
         weights, predictions = digest(model, test_x)
         print(json.dumps({"weights": weights, "predictions": predictions}), flush=True)
         return
+    while args.wait_for and not os.path.exists(args.wait_for):  # imports done: join the moment it is told
+        time.sleep(0.1)
     mine = slice(args.member, None, args.members)
     data = torch.utils.data.TensorDataset(train_x[mine], train_y[mine])
     loader = torch.utils.data.DataLoader(data, batch_size=32, shuffle=True, drop_last=True)
@@ -96,7 +103,7 @@ def main() -> None:
             accuracy = float((model(test_x).argmax(1) == test_y).float().mean())
         weights, predictions = digest(model, test_x)
         print(json.dumps({"member": args.member, "model_cid": opt.model_cid, "run_cid": opt.run_cid,
-                          "steps": opt.step_count, "accuracy": accuracy, "weights": weights,
+                          "steps": opt.step_count, "peers": list(opt.peers), "accuracy": accuracy, "weights": weights,
                           "predictions": predictions}), flush=True)
 
 
