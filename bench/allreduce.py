@@ -76,8 +76,8 @@ async def p2p_worker(args: argparse.Namespace) -> None:
     from multiaddr import Multiaddr
 
     from p2ptrain.collective import Collective, RoundSpec, SparseAllReducer
-    from p2ptrain.net.host import make_host
-    from p2ptrain.tensors import large_empty
+    from p2ptrain.net import make_host
+    from p2ptrain.base import large_empty
 
     me = args.worker
     if args.trace:
@@ -115,7 +115,7 @@ async def p2p_worker(args: argparse.Namespace) -> None:
         spec = RoundSpec(density=args.density, value_dtype=VALUE_DTYPES[args.value_dtype], timeout=args.timeout)
         reducer = SparseAllReducer(collective, spec)
         barrier = torch.zeros(1)
-        # Reused, as the trainer's (training/sync.py) is: a fresh 64 MiB tensor costs page faults;
+        # Reused, as the trainer's (training/_sync.py) is: a fresh 64 MiB tensor costs page faults;
         # on huge pages where the kernel offers them, as the trainer's is too.
         out = large_empty(n).zero_()
         times, sent, cpu, spans = [], [], [], []
@@ -255,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def measure(args: argparse.Namespace, launch: Callable[[int, list[str]], list[str]] = same_machine) -> dict:
     """gloo's rounds, then p2ptrain's, each peer's worker started by ``launch``; the report."""
-    from p2ptrain.collective.sparse import bucket_ks
+    from p2ptrain.collective import bucket_ks
 
     n = numel_of(args)
     k = sum(bucket_ks([n], args.density)) if args.density < 1.0 else n

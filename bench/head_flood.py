@@ -36,8 +36,8 @@ import trio
 import chaos
 import hostile
 import hostile_bounds
-from p2ptrain.net import control_ops
-from p2ptrain.wire.topics import TASKS_TOPIC
+from p2ptrain.control import ops as control_ops
+from p2ptrain.wire import TASKS_TOPIC
 
 RATES = {"heads": hostile_bounds.HEAD_FLOOD_RATE, "requests": hostile_bounds.HEAD_REQUEST_RATE}
 # --idle: a task nobody runs (the messages are the same whatever task they name)

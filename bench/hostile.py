@@ -1,9 +1,9 @@
 """A hostile peer for the chaos bench: a real libp2p host that does each attack of issue 13.
 
 It is what an attacker on the network would run, with nothing faked on our side: a Noise/yamux host
-(:func:`p2ptrain.net.host.make_host`), gossipsub set up as the nodes set it up
-(:mod:`p2ptrain.net.pubsub`), messages signed by :func:`p2ptrain.wire.encode` (or raw bytes where
-the attack is a malformed one), a Bitswap server (:class:`p2ptrain.ipfs.exchange.BlockExchange`)
+(:func:`p2ptrain.net.make_host`), gossipsub set up as the nodes set it up
+(:mod:`p2ptrain.net._pubsub`), messages signed by :func:`p2ptrain.wire.encode` (or raw bytes where
+the attack is a malformed one), a Bitswap server (:class:`p2ptrain.ipfs.BlockExchange`)
 serving the blocks its task announcements name, and channels on the collective protocol.
 
 Each attack is one function taking a :class:`HostilePeer` (or a node's home, for the local control
@@ -36,21 +36,32 @@ from libp2p.pubsub.pb import rpc_pb2
 from libp2p.pubsub.validators import PUBSUB_SIGNING_PREFIX
 from multiaddr import Multiaddr
 
-from p2ptrain.ipfs.bitswap_wire import MAX_MESSAGE_SIZE, PROTOCOLS as BITSWAP_PROTOCOLS
-from p2ptrain.ipfs.blockstore import BlockStore
-from p2ptrain.ipfs.cid import DAG_PB, cid_str, make_cid
-from p2ptrain.ipfs.dagpb import encode_file_leaf, encode_file_node, varint
-from p2ptrain.ipfs.embedded import EmbeddedStore
-from p2ptrain.ipfs.exchange import BlockExchange
-from p2ptrain.wire.topics import MESH_TOPIC
-from p2ptrain.net.control import socket_path
-from p2ptrain.net.host import make_host
-from p2ptrain.net.pubsub import make_pubsub, running_pubsub
-from p2ptrain.net.streams import open_channel
-from p2ptrain.wire.topics import TASKS_TOPIC
-from p2ptrain.wire import encode
-from p2ptrain.wire.frames import PROTOCOL as COLLECTIVE_PROTOCOL, Header, Kind
-from p2ptrain.wire.messages import Capabilities, Heartbeat, TaskAnnounce
+from p2ptrain.ipfs import (
+    BlockExchange,
+    BlockStore,
+    DAG_PB,
+    EmbeddedStore,
+    MAX_MESSAGE_SIZE,
+    PROTOCOLS as BITSWAP_PROTOCOLS,
+    cid_str,
+    encode_file_leaf,
+    encode_file_node,
+    make_cid,
+    varint,
+)
+from p2ptrain.wire import (
+    Capabilities,
+    Header,
+    Heartbeat,
+    Kind,
+    MESH_TOPIC,
+    PROTOCOL as COLLECTIVE_PROTOCOL,
+    TASKS_TOPIC,
+    TaskAnnounce,
+    encode,
+)
+from p2ptrain.control import socket_path
+from p2ptrain.net import make_host, make_pubsub, open_channel, running_pubsub
 
 # Connecting to a node and seeing it in a topic's gossipsub peers takes ~1 s on loopback (pubsub's
 # hello, then the subscription exchange); a loaded shared box takes several.

@@ -21,13 +21,9 @@ from typing import Any
 import trio
 
 from hostile import HostilePeer, gossip_message
-from p2ptrain.ipfs.cid import CID, DAG_PB, cid_from_digest, cid_str
-from p2ptrain.ipfs.dagpb import encode_file_leaf, encode_file_node
-from p2ptrain.ipfs.unixfs import CHUNK_SIZE, MAX_LINKS
-from p2ptrain.training.demo import TASK_TEMPLATE
-from p2ptrain.training.task import load_task, task_bytes
-from p2ptrain.wire.messages import HeadRequest, TaskAnnounce, TaskHead
-from p2ptrain.wire.topics import TASKS_TOPIC
+from p2ptrain.ipfs import CHUNK_SIZE, CID, DAG_PB, MAX_LINKS, cid_from_digest, cid_str, encode_file_leaf, encode_file_node
+from p2ptrain.task import TASK_TEMPLATE, load_task, task_bytes
+from p2ptrain.wire import HeadRequest, TASKS_TOPIC, TaskAnnounce, TaskHead
 
 Block = tuple[CID, bytes]
 

@@ -32,9 +32,9 @@ import json, sys, trio
 from multiaddr import Multiaddr
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.id import ID
-from p2ptrain.ipfs.blockstore import BlockStore
-from p2ptrain.ipfs.exchange import BlockExchange
-from p2ptrain.net.host import make_host
+from p2ptrain.ipfs import BlockStore
+from p2ptrain.ipfs import BlockExchange
+from p2ptrain.net import make_host
 
 async def main():
     host = make_host(create_new_key_pair(), ["/ip4/127.0.0.1/tcp/0"])
@@ -76,9 +76,8 @@ async def attack(addr: str, streams: int, hold: float, node: subprocess.Popen) -
     from libp2p.peer.peerinfo import info_from_p2p_addr
     from multiaddr import Multiaddr
 
-    from p2ptrain.ipfs.bitswap_wire import MAX_MESSAGE_SIZE, PROTOCOLS
-    from p2ptrain.ipfs.dagpb import varint
-    from p2ptrain.net.host import make_host
+    from p2ptrain.ipfs import MAX_MESSAGE_SIZE, PROTOCOLS, varint
+    from p2ptrain.net import make_host
 
     attacker = make_host(create_new_key_pair(), ["/ip4/127.0.0.1/tcp/0"])
     info = info_from_p2p_addr(Multiaddr(addr))

@@ -18,11 +18,11 @@ import sys
 import numpy as np
 import torch
 
-from p2ptrain.collective.feedback import ErrorFeedback
-from p2ptrain.data.builtin import load_source
-from p2ptrain.training.local_sgd import new_trainer
-from p2ptrain.training.task import load_task
-from p2ptrain.wire.quantized import KINDS, roundtrip
+from p2ptrain.collective import ErrorFeedback
+from p2ptrain.data import load_source
+from p2ptrain.training import new_trainer
+from p2ptrain.task import load_task
+from p2ptrain.wire.quantization import KINDS, roundtrip
 
 WORLD, BATCH, HIDDEN = 4, 16, 32
 

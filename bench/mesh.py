@@ -31,7 +31,7 @@ from pathlib import Path
 
 import trio
 
-from p2ptrain.wire.messages import MESSAGES, message
+from p2ptrain.wire import MESSAGES, message
 
 BENCH_MESSAGES = MESSAGES.copy()  # the package's types plus ours; the package's registry is untouched
 
@@ -53,7 +53,7 @@ async def _dial_full_mesh(use_connect: bool) -> float:
     from libp2p.peer.peerinfo import PeerInfo
     from multiaddr import Multiaddr
 
-    from p2ptrain.net.host import make_host
+    from p2ptrain.net import make_host
 
     listen = [Multiaddr("/ip4/127.0.0.1/tcp/0")]
     hosts = [make_host(create_new_key_pair(), listen) for _ in range(4)]
@@ -138,8 +138,7 @@ def _readiness(statuses: list[dict], launched: float, polled_all_seen: float | N
 async def _peer(index: int, home: Path, port: int, bootstrap: list[str], messages: int, interval: float) -> None:
     import torch  # noqa: F401  (as `node start` does; else the node's GPU probe imports it mid-measurement)
 
-    from p2ptrain.node import Node
-    from p2ptrain.node_config import NodeConfig
+    from p2ptrain.node import Node, NodeConfig
 
     node = Node(home, NodeConfig(listen=[f"/ip4/127.0.0.1/tcp/{port}"], bootstrap=bootstrap), messages=BENCH_MESSAGES)
     received: list[tuple[int, float]] = []
@@ -172,7 +171,7 @@ async def _peer(index: int, home: Path, port: int, bootstrap: list[str], message
 
 
 def bench_latency(messages: int, interval: float) -> dict:
-    from p2ptrain.identity import load_or_create_identity, peer_id_of
+    from p2ptrain.base import load_or_create_identity, peer_id_of
     from p2ptrain.testing import free_port
 
     with tempfile.TemporaryDirectory(dir="/tmp") as base:

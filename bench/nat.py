@@ -1,6 +1,6 @@
 """What NAT costs a training run: the demo task trained by 4 `p2ptrain node start` processes, each
 in its own namespace behind a ``--rate`` link, all public, against the same with two members
-behind two different emulated NATs (p2ptrain.testing.nat; the two public peers run
+behind two different emulated NATs (p2ptrain.testing._nat; the two public peers run
 ``--relay-service``): routers that answer unsolicited packets with a reset (``two_behind_nat``:
 the private pair reaches each other only through a relay; hole punching cannot work), and routers
 that drop them like home routers' firewalls (``two_behind_firewalled_nat``: the pair meets through
@@ -35,13 +35,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from p2ptrain.errors import UserError
-from p2ptrain.local_nodes import NODE_ARGS
-from p2ptrain.logs import short_id
-from p2ptrain.net import control_ops
-from p2ptrain.net.control import ControlClient
+from p2ptrain.base import UserError, short_id
+from p2ptrain.node import NODE_ARGS
+from p2ptrain.control import ControlClient, ops as control_ops
 from p2ptrain.testing import emulated_nat, emulated_wan, nat_unavailable, wait_for, wan_node_processes
-from p2ptrain.training.demo import TASK_TEMPLATE
+from p2ptrain.task import TASK_TEMPLATE
 
 CLI_TIMEOUT_S = 180.0
 MESH_TIMEOUT_S = 120.0

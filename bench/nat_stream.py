@@ -3,7 +3,7 @@
 relay if given one, then counts what
 one stream brings and answers with the byte count) or ``source`` (dials a sink, directly or
 through a relay, and sends ``--mib`` MiB on one stream). Each prints one JSON line per event.
-Real p2ptrain hosts (Noise, yamux) and p2ptrain.net.relay, as a node uses them.
+Real p2ptrain hosts (Noise, yamux) and p2ptrain.net._relay, as a node uses them.
 """
 
 from __future__ import annotations
@@ -20,8 +20,7 @@ from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import info_from_p2p_addr
 from multiaddr import Multiaddr
 
-from p2ptrain.net.host import make_host
-from p2ptrain.net.relay import Relaying, is_circuit
+from p2ptrain.net import Relaying, is_circuit, make_host
 
 PROTO = "/p2ptrain-bench/sink/1"
 CHUNK = 65_524 * 4  # whole yamux frames (see FIELD-NOTES: stream throughput)

@@ -39,11 +39,17 @@ import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.id import ID
 
-from p2ptrain.collective import RoundSpec, SparseAllReducer
-from p2ptrain.collective.direct import reduce_chunk
-from p2ptrain.collective.robust import clip_scales, contribution_norm, scaled
-from p2ptrain.collective.witness import digest_of, signed_by
-from p2ptrain.wire.frames import statement
+from p2ptrain.collective import (
+    RoundSpec,
+    SparseAllReducer,
+    clip_scales,
+    contribution_norm,
+    digest_of,
+    reduce_chunk,
+    scaled,
+    signed_by,
+)
+from p2ptrain.wire import statement
 
 _spec = importlib.util.spec_from_file_location(
     "p2ptrain_bench_hostile", Path(__file__).resolve().parent.parent / "tests" / "collective" / "hostile.py"

@@ -32,9 +32,9 @@ from pathlib import Path
 
 import torch
 
-from p2ptrain.ipfs.store import open_store
-from p2ptrain.training.models import build_model
-from p2ptrain.training.records import model_bytes
+from p2ptrain.ipfs import open_store
+from p2ptrain.models import build_model
+from p2ptrain.protocol import model_bytes
 
 P2PTRAIN = str(Path(sys.executable).with_name("p2ptrain"))
 # The server prints its URL once listening; a loaded machine takes seconds to import torch.

@@ -11,13 +11,10 @@ from __future__ import annotations
 
 import tempfile
 from pathlib import Path
-from p2ptrain.data import IPFSDataset
-from p2ptrain.data.build import build_dataset
-from p2ptrain.data.builtin import load_source
-from p2ptrain.ipfs.store import open_store
-from p2ptrain.training.batches import batched, batches_forever
-from p2ptrain.training.task import load_task
-from p2ptrain.training.trainer import Trainer
+from p2ptrain.data import IPFSDataset, build_dataset, load_source
+from p2ptrain.ipfs import open_store
+from p2ptrain.training import Trainer, batched, batches_forever
+from p2ptrain.task import load_task
 
 TASK = """name = "bc"\nseed = {seed}\n[model]\nname = "mlp"\nkwargs = {{ in_features = 30, hidden = [64], out_features = 2 }}
 [dataset]\nmanifest = "{cid}"\n[optimizer]\nname = "{opt}"\nlr = {lr}\n[training]\nbatch_size = 32\ntotal_steps = {steps}\n"""

@@ -105,12 +105,12 @@ def new_libp2p_host(kind: str):
 
     key_pair = create_new_key_pair()
     if kind == "channel":
-        from p2ptrain.net.host import make_host
+        from p2ptrain.net import make_host
 
         return make_host(key_pair, ["/ip4/127.0.0.1/tcp/0"])
     import libp2p
 
-    from p2ptrain.net.host import noise_only
+    from p2ptrain.net import noise_only
 
     return libp2p.new_host(key_pair=key_pair, sec_opt=noise_only(key_pair), muxer_preference="YAMUX")
 
@@ -148,7 +148,7 @@ async def serve_one(kind: str, total: int, msg_len: int, on_ready, task_status=t
 
             host.set_stream_handler(PROTO, handler)
         else:
-            from p2ptrain.net.streams import serve_channels
+            from p2ptrain.net import serve_channels
 
             async def handler(channel) -> None:
                 await channel_receive(channel, total, msg_len)
@@ -181,7 +181,7 @@ async def send_one(kind: str, addr: str, payload: bytes, chunk: int) -> float:
             seconds = await stock_send(stream, payload, chunk)
             await stream.close()
         else:
-            from p2ptrain.net.streams import open_channel
+            from p2ptrain.net import open_channel
 
             async with await open_channel(host, info.peer_id, PROTO) as channel:
                 seconds = await channel_send(channel, payload, chunk)
@@ -208,7 +208,7 @@ async def round_trips(kind: str, size: int, count: int) -> float:
 
             there.set_stream_handler(PROTO, echo_stream)
         else:
-            from p2ptrain.net.streams import serve_channels
+            from p2ptrain.net import serve_channels
 
             async def echo_channel(channel) -> None:
                 while True:
@@ -229,7 +229,7 @@ async def round_trips(kind: str, size: int, count: int) -> float:
                     got += len(await stream.read(size - got))
                 times.append(time.perf_counter() - start)
         else:
-            from p2ptrain.net.streams import open_channel
+            from p2ptrain.net import open_channel
 
             channel = await open_channel(here, info.peer_id, PROTO)
             for _ in range(count):

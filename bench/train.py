@@ -40,12 +40,11 @@ import time
 from pathlib import Path
 
 from p2ptrain.cli.demo import Cluster
-from p2ptrain.data.build import build_dataset
-from p2ptrain.data.builtin import load_source
-from p2ptrain.errors import UserError
-from p2ptrain.ipfs.embedded import EmbeddedStore
-from p2ptrain.local_nodes import NODE_ARGS
-from p2ptrain.training.demo import TASK_TEMPLATE
+from p2ptrain.data import build_dataset, load_source
+from p2ptrain.base import UserError
+from p2ptrain.ipfs import EmbeddedStore
+from p2ptrain.node import NODE_ARGS
+from p2ptrain.task import TASK_TEMPLATE
 
 
 def task_text(manifest: str, density: float, args: argparse.Namespace, name: str) -> str:
@@ -68,10 +67,9 @@ def local_worker(args: argparse.Namespace) -> None:
     """
     import torch
 
-    from p2ptrain.data.dataset import IPFSDataset
-    from p2ptrain.training.batches import batches_forever
-    from p2ptrain.training.task import load_task
-    from p2ptrain.training.trainer import Trainer
+    from p2ptrain.data import IPFSDataset
+    from p2ptrain.training import Trainer, batches_forever
+    from p2ptrain.task import load_task
 
     torch.set_num_threads(THREADS)
     task = load_task(Path(args.local_task).read_text())

@@ -25,7 +25,7 @@ import time
 from libp2p.crypto.ed25519 import create_new_key_pair
 
 from p2ptrain.testing import proven_chain
-from p2ptrain.training.lineage import Chain, ChainRules, audit, chain_lines, entry_from_bytes
+from p2ptrain.protocol import Chain, ChainRules, audit, chain_lines, entry_from_bytes
 
 TASK = "QmT78zSuBmuS4z925WZfrqQ1qHaJ56DQaTfyMUF7F8ff5o"
 INITIAL = "QmbFMke1KXqnYyBBWxB74N4c5SBnJMVAiMNRcGu6x1AwQH"

@@ -1,5 +1,5 @@
 """p2ptrain against gloo across an emulated WAN: each peer in its own network namespace behind a
-link limited to ``--rate`` both ways (p2ptrain.testing.wan: veth + bridge + tc tbf; no added
+link limited to ``--rate`` both ways (p2ptrain.testing._wan: veth + bridge + tc tbf; no added
 latency, the kernel here has no netem). Needs root.
 
     python bench/wan.py --peers 4 --rate 100mbit --size-mib 64 --density 0.01 --json
@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ is not a pack
 import allreduce  # bench/allreduce.py: the peers and the report
 import wan_train  # bench/wan_train.py: --train
 
-from p2ptrain.testing.wan import IFACE, emulated_wan, parse_rate, wan_unavailable
+from p2ptrain.testing import IFACE, emulated_wan, parse_rate, wan_unavailable
 
 DENSE_VALUE_BYTES = 4  # gloo reduces float32
 

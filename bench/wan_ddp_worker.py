@@ -24,12 +24,12 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 
-from p2ptrain.data.dataset import IPFSDataset  # noqa: E402
-from p2ptrain.ipfs.embedded import EmbeddedStore  # noqa: E402
-from p2ptrain.training.batches import batched, batches_forever, evaluate_batches, loss_and_hits  # noqa: E402
-from p2ptrain.training.optimizers import lr_at  # noqa: E402
-from p2ptrain.training.task import load_task  # noqa: E402
-from p2ptrain.training.trainer import Trainer  # noqa: E402
+from p2ptrain.data import IPFSDataset  # noqa: E402
+from p2ptrain.ipfs import EmbeddedStore  # noqa: E402
+from p2ptrain.training import batched, batches_forever, evaluate_batches, loss_and_hits  # noqa: E402
+from p2ptrain.training import lr_at  # noqa: E402
+from p2ptrain.task import load_task  # noqa: E402
+from p2ptrain.training import Trainer  # noqa: E402
 
 
 def main(argv: list[str]) -> None:

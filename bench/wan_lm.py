@@ -44,12 +44,11 @@ from typing import Any
 
 import numpy as np
 
-from p2ptrain.data.build import build_dataset
-from p2ptrain.data.builtin import load_source
-from p2ptrain.errors import UserError
-from p2ptrain.ipfs.embedded import EmbeddedStore
-from p2ptrain.local_nodes import NODE_ARGS
-from p2ptrain.net.control import ControlClient
+from p2ptrain.data import build_dataset, load_source
+from p2ptrain.base import UserError
+from p2ptrain.ipfs import EmbeddedStore
+from p2ptrain.node import NODE_ARGS
+from p2ptrain.control import ControlClient
 from p2ptrain.testing import emulated_wan, wait_for, wan_node_processes
 
 TASK_FILE = Path(__file__).resolve().parent.parent / "node" / "tasks" / "stdlib-lm.toml"
@@ -170,8 +169,8 @@ def offline(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     import torch.nn.functional as F
 
-    from p2ptrain.training.models import build_model
-    from p2ptrain.wire.quantized import roundtrip
+    from p2ptrain.models import build_model
+    from p2ptrain.wire.quantization import roundtrip
 
     torch.set_num_threads(1)
     _, features, labels = load_source("text:python-stdlib")

@@ -41,14 +41,12 @@ from typing import Any
 
 import train as train_bench  # bench/train.py: the task text and the p2ptrain run (bench/ is on sys.path)
 
-from p2ptrain.data.build import build_dataset
-from p2ptrain.data.builtin import load_source
-from p2ptrain.errors import UserError
-from p2ptrain.ipfs.embedded import EmbeddedStore
-from p2ptrain.local_nodes import NODE_ARGS
-from p2ptrain.net.control import ControlClient
-from p2ptrain.testing import emulated_wan, wait_for, wan_node_processes
-from p2ptrain.testing.wan import IFACE
+from p2ptrain.data import build_dataset, load_source
+from p2ptrain.base import UserError
+from p2ptrain.ipfs import EmbeddedStore
+from p2ptrain.node import NODE_ARGS
+from p2ptrain.control import ControlClient
+from p2ptrain.testing import IFACE, emulated_wan, wait_for, wan_node_processes
 
 HIVEMIND_VENV = Path(os.environ.get("HIVEMIND_VENV", "/work/hivemind-venv"))
 TARGET_ACCURACY = 0.90  # what bench/train.py's run_task times
@@ -315,7 +313,7 @@ def export_arrays(manifest: str, store_home: Path, peers: int, out: Path) -> Non
     """Each rank's train shards and the test split as numpy arrays, for a process without p2ptrain."""
     import numpy as np
 
-    from p2ptrain.data.dataset import IPFSDataset
+    from p2ptrain.data import IPFSDataset
 
     store = EmbeddedStore(store_home)
     arrays: dict[str, Any] = {}

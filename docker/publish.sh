@@ -2,7 +2,7 @@
 # The compose's one-shot publisher (docker/compose.yaml, service "publish"). It shares peer1's home
 # volume, so the p2ptrain commands below reach peer1's running node through its control socket
 # (same uid, the socket's 0600 mode is the access control). It adds scikit-learn's digits as 8
-# shards to peer1's store, publishes the demo task (p2ptrain.training.demo's template, the task
+# shards to peer1's store, publishes the demo task (p2ptrain.task._demo_task's template, the task
 # `p2ptrain demo` trains), follows it until every member is done, and leaves the task, dataset and
 # final model CIDs in /shared for the fetcher. Environment: PEERS (members, default 3), STEPS
 # (default 150), CHECKPOINT (default 25), DENSITY (default 0.01), P2PTRAIN_IPFS (the Kubo RPC API
@@ -36,7 +36,7 @@ MANIFEST=$(p2ptrain dataset add sklearn:digits --shards 8 "$@")
 echo "publish: dataset manifest $MANIFEST"
 python3 - "$MANIFEST" "$PEERS" > /tmp/task.toml <<'PY'
 import os, sys
-from p2ptrain.training.demo import TASK_TEMPLATE
+from p2ptrain.task import TASK_TEMPLATE
 print(TASK_TEMPLATE.format(manifest=sys.argv[1], peers=sys.argv[2], steps=os.environ.get("STEPS", "150"),
                            checkpoint=os.environ.get("CHECKPOINT", "25"), density=os.environ.get("DENSITY", "0.01")))
 PY

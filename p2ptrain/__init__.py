@@ -12,28 +12,23 @@ The Python API, imported lazily (``import p2ptrain`` stays cheap for the command
 - ``serve(model_cid, ...)`` — serve a model over HTTP/JSON, batched (``p2ptrain.serve.predict``: the client).
 """
 
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from p2ptrain import serve as serve
+    from p2ptrain.api import (
+        load_state as load_state,
+        Optimizer as Optimizer,
+        RunFinished as RunFinished,
+        train as train,
+        TrainResult as TrainResult,
+    )
+    from p2ptrain.data import IPFSDataset as IPFSDataset
+    from p2ptrain.training import load_model as load_model
+else:
+    from p2ptrain._exports import lazy_exports
+
+    __getattr__, __dir__, __all__ = lazy_exports(__name__, __file__)
+    __all__ = sorted([*__all__, "__version__"])
 
 __version__ = "0.1.0"
-
-_LAZY = {
-    "Optimizer": ("p2ptrain.api", "Optimizer"),
-    "RunFinished": ("p2ptrain.api", "RunFinished"),
-    "TrainResult": ("p2ptrain.api", "TrainResult"),
-    "train": ("p2ptrain.api", "train"),
-    "load_state": ("p2ptrain.api", "load_state"),
-    "load_model": ("p2ptrain.training.loading", "load_model"),
-    "IPFSDataset": ("p2ptrain.data.dataset", "IPFSDataset"),
-}
-
-__all__ = ["IPFSDataset", "Optimizer", "RunFinished", "TrainResult", "__version__", "load_model", "load_state",
-           "serve", "train"]
-
-
-def __getattr__(name: str) -> Any:
-    if name == "serve":  # the package p2ptrain.serve, callable as serve(model_cid, ...)
-        return __import__("p2ptrain.serve", fromlist=["serve"])
-    if name in _LAZY:
-        module, attr = _LAZY[name]
-        return getattr(__import__(module, fromlist=[attr]), attr)
-    raise AttributeError(f"module 'p2ptrain' has no attribute {name!r}")

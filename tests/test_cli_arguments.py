@@ -52,10 +52,11 @@ def test_model_eval_names_a_model_that_is_neither_a_file_nor_a_cid(tmp_path):
 
 def _eval_home(tmp_path):
     """A home whose store holds a model, a valid manifest over a garbage shard, and a garbage manifest."""
-    from p2ptrain.data.manifest import Manifest, ShardRef, TensorSpec
-    from p2ptrain.ipfs.store import open_store
-    from p2ptrain.training.models import build_model
-    from p2ptrain.training.records import model_bytes
+    from p2ptrain.data import Manifest
+    from p2ptrain.data._manifest import ShardRef, TensorSpec
+    from p2ptrain.ipfs import open_store
+    from p2ptrain.models import build_model
+    from p2ptrain.protocol import model_bytes
 
     home = tmp_path / "home"
     store = open_store(home)

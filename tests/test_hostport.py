@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from p2ptrain.hostport import AddressError, format_host_port, parse_host_port
+from p2ptrain.base import AddressError, format_host_port, parse_host_port
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -55,6 +55,6 @@ def test_an_ipv6_host_is_bracketed_for_a_bind_option() -> None:
 
 
 def test_it_is_a_leaf_and_both_flags_use_it() -> None:
-    assert not [m for m in imported_modules(ROOT / "p2ptrain" / "hostport.py") if m.startswith("p2ptrain")]
-    for user in ("metrics.py", "serve/server.py"):
-        assert "p2ptrain.hostport" in imported_modules(ROOT / "p2ptrain" / user), user
+    assert not [m for m in imported_modules(ROOT / "p2ptrain" / "base/_hostport.py") if m.startswith("p2ptrain")]
+    for user in ("services/_metrics.py", "serve/_server.py"):
+        assert {"p2ptrain.base", "p2ptrain.base._hostport"} & imported_modules(ROOT / "p2ptrain" / user), user

@@ -12,7 +12,7 @@ import pytest
 # arenas, let four threads allocate, then count the arenas glibc reports in malloc_info's XML.
 CHILD = r"""
 import ctypes, ctypes.util, os, sys, tempfile, threading
-from p2ptrain.malloc import use_one_arena
+from p2ptrain.base import use_one_arena
 
 if sys.argv[1] == "one":
     assert use_one_arena()

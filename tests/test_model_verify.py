@@ -14,8 +14,8 @@ import trio
 
 from p2ptrain.cli.verify import verify
 from p2ptrain.testing import local_peers, publish_digits_task
-from p2ptrain.training.lineage import entry_bytes, entry_from_bytes
-from p2ptrain.training.records import sign_record
+from p2ptrain.protocol._lineage import entry_bytes
+from p2ptrain.protocol import entry_from_bytes, sign_record
 
 RUN_S = 180.0  # three peers start, train 9 rounds with 3 checkpoints, on a loaded 2-core box
 

@@ -1,7 +1,7 @@
 """One declaration per node setting: every field of NodeConfig is a flag of `node start` (and of
 `config show`), a P2PTRAIN_* variable, a config.toml key, a `config show` row and a row of the
 settings table in docs/operating.md, with its bounds checked on each path. A new setting is one
-field in p2ptrain/node_config.py; this test fails until every one of those works for it.
+field in p2ptrain/node/_node_config.py; this test fails until every one of those works for it.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 
 from p2ptrain.cli.main import build_parser, main
-from p2ptrain.errors import UserError
-from p2ptrain.node_config import CONFIG_FILE, NodeConfig, env_variable, settings
+from p2ptrain.base import UserError
+from p2ptrain.node import CONFIG_FILE, NodeConfig, env_variable, settings
 
 ROOT = Path(__file__).resolve().parents[1]
 KINDS = typing.get_type_hints(NodeConfig)

@@ -13,7 +13,7 @@ import trio
 from prometheus_client.parser import text_string_to_metric_families
 
 from p2ptrain.cli.report import load_points, write_report
-from p2ptrain.metrics import MetricsServer
+from p2ptrain.services import MetricsServer
 from p2ptrain.testing import local_peers, publish_digits_task
 
 DEADLINE_S = 120.0
@@ -86,14 +86,14 @@ async def test_a_run_is_scraped_while_it_trains_and_drawn_after(tmp_path: Path, 
     assert "data:image/png;base64," in (tmp_path / "report.html").read_text()
 
     # INFO tells the story of the run per span, not per round (those lines are DEBUG)
-    info = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO and r.name.startswith("p2ptrain.runtime")]
+    info = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO and r.name.startswith("p2ptrain.run.")]
     assert any("span of rounds 0-3 (steps 1-4) done with 2 peers" in line for line in info), info
     assert not [line for line in info if " done with 2 peers: compute " in line]
 
 
 def test_metrics_address_is_loopback_unless_a_host_is_named(tmp_path: Path, capsys) -> None:
     from p2ptrain.cli.main import main
-    from p2ptrain.metrics import parse_address
+    from p2ptrain.services import parse_address
 
     assert parse_address("9464") == ("127.0.0.1", 9464)
     assert parse_address("0.0.0.0:9464") == ("0.0.0.0", 9464)
@@ -104,7 +104,7 @@ def test_metrics_address_is_loopback_unless_a_host_is_named(tmp_path: Path, caps
 
 
 def test_json_log_lines_are_one_object_each() -> None:
-    from p2ptrain.logs import formatter
+    from p2ptrain.base import formatter
 
     record = logging.LogRecord("p2ptrain.x", logging.WARNING, __file__, 1, "model v%d: loss %.4f", (3, 0.123456), None)
     line = formatter("json").format(record)

@@ -21,8 +21,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from p2ptrain.local_nodes import NodeProcess, free_port
-from p2ptrain.net import control_ops
+from p2ptrain.node import NodeProcess, free_port
+from p2ptrain.control import ops as control_ops
 from p2ptrain.testing import wait_for
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -17,7 +17,7 @@ from typing import Any
 import trio
 
 from p2ptrain.cli.task import render_status
-from p2ptrain.runtime.status import TaskStatus
+from p2ptrain.control import TaskStatus
 from p2ptrain.testing import LocalPeers, local_peers, publish_digits_task
 
 # The whole test: two peers start, torch warms up, a tiny MLP trains 9 steps. Well under a minute
@@ -101,7 +101,7 @@ async def test_status_says_the_last_completed_round_the_confirmed_model_and_who_
 
 
 def test_a_non_member_shows_the_heads_step_not_a_round_it_did_not_see_complete() -> None:
-    # The shape runtime/tasks.py reports for a task this node only heard of (its head's "round" is
+    # The shape services/_tasks.py reports for a task this node only heard of (its head's "round" is
     # the start of the coordinator's span).
     s = {"task_cid": "bafy", "name": "t", "member": False, "state": "running", "version": 11, "step": 300,
          "round": 275, "total_steps": 300, "latest_model_cid": "bafymodel", "members": []}

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from p2ptrain.tensors import all_finite, large_empty, zero_fill
+from p2ptrain.base import all_finite, large_empty, zero_fill
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])

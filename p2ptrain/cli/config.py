@@ -18,10 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from p2ptrain.errors import UserError
+from p2ptrain.base import UserError
 
 if TYPE_CHECKING:
-    from p2ptrain.node_config import NodeConfig
+    from p2ptrain.node import NodeConfig
 
 # The one spelling of where a home is when --home is not given (identity.default_home decides it).
 HOME_DEFAULT = "$P2PTRAIN_HOME or ~/.p2ptrain"
@@ -46,7 +46,7 @@ def add_setting_flags(parser: argparse.ArgumentParser) -> None:
     """The flags of ``node start`` that override a setting (``config show`` takes them too)."""
     parser.add_argument("--home", type=Path, default=None,
                         help=home_help("node home: identity key, config, control socket, blocks, logs"))
-    from p2ptrain.node_config import NodeConfig, settings  # the flags are declared with the settings
+    from p2ptrain.node import NodeConfig, settings  # the flags are declared with the settings
 
     kinds = typing.get_type_hints(NodeConfig)
     for name, how in settings().items():
@@ -73,9 +73,8 @@ def add_setting_flags(parser: argparse.ArgumentParser) -> None:
 
 def resolve(args: argparse.Namespace) -> list[Setting]:
     """Every setting of ``node start`` with its value and source (first: ``home``)."""
-    from p2ptrain.identity import default_home
-    from p2ptrain.node_config import CONFIG_FILE, NodeConfig, env_variable
-    from p2ptrain.node_config import settings as node_settings
+    from p2ptrain.base import default_home
+    from p2ptrain.node import CONFIG_FILE, NodeConfig, env_variable, settings as node_settings
 
     if args.home:
         home = Setting("home", str(Path(args.home).expanduser().absolute()), "flag --home")
@@ -152,7 +151,7 @@ def values(settings: list[Setting]) -> dict[str, Any]:
 
 def node_config(settings: list[Setting]) -> NodeConfig:
     """The node's settings among ``settings`` (what :func:`resolve` found), as the node takes them."""
-    from p2ptrain.node_config import NodeConfig
+    from p2ptrain.node import NodeConfig
 
     names = set(NodeConfig.__dataclass_fields__)
     return NodeConfig(**{s.name: s.value for s in settings if s.name in names})

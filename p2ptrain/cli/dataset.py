@@ -11,15 +11,12 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from p2ptrain.cli.ipfs import add_store_options, cid_arg, content_errors, store_from_args
-from p2ptrain.data.manifest import Manifest, ManifestError, Pixels
-from p2ptrain.errors import UserError
+from p2ptrain.data import Manifest, ManifestError, Pixels
+from p2ptrain.base import UserError
 
 
 def cmd_add(args: argparse.Namespace) -> int:
-    from p2ptrain.data.build import build_source, dataset_cids
-    from p2ptrain.data.builtin import TEXT_CONTEXT
-    from p2ptrain.data.images import parse_size
-    from p2ptrain.data.sources import SourceOptions, read_source
+    from p2ptrain.data import SourceOptions, TEXT_CONTEXT, build_source, dataset_cids, parse_size, read_source
 
     options = SourceOptions(
         image_size=parse_size(args.image_size) if args.image_size else None,

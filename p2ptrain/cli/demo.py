@@ -21,11 +21,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from p2ptrain.errors import UserError
-from p2ptrain.logs import fmt_bytes
-from p2ptrain.net import control_ops
-from p2ptrain.runtime.status import TaskStatus
-from p2ptrain.training.demo import TASK_TEMPLATE
+from p2ptrain.base import UserError, fmt_bytes
+from p2ptrain.control import TaskStatus, ops as control_ops
+from p2ptrain.task import TASK_TEMPLATE
 
 MESH_TIMEOUT_S = 60.0
 POLL_S = 0.5
@@ -58,7 +56,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 class Cluster:
-    """N ``p2ptrain node start`` processes on loopback (:class:`p2ptrain.local_nodes.NodeProcess`), each
+    """N ``p2ptrain node start`` processes on loopback (:class:`p2ptrain.node.NodeProcess`), each
     with its own home; all bootstrap from the first."""
 
     def __init__(self, workdir: Path, n: int) -> None:
@@ -67,13 +65,13 @@ class Cluster:
         self.procs: list[Any] = []  # local_nodes.NodeProcess
 
     def call(self, home: Path, op: str, **params: Any) -> dict[str, Any]:
-        from p2ptrain.net.control import ControlClient
+        from p2ptrain.control import ControlClient
 
         return ControlClient(home, timeout=120.0).call(op, **params)
 
     def start(self, ready_timeout: float) -> list[str]:
         """Start every peer; return once each sees all the others. Returns the first peer's address."""
-        from p2ptrain.local_nodes import NODE_ARGS, NodeProcess, free_port
+        from p2ptrain.node import NODE_ARGS, NodeProcess, free_port
 
         for home in self.homes:
             (home / "logs").mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -140,9 +138,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace, cluster: Cluster, workdir: Path, say: Any) -> dict[str, Any]:
-    from p2ptrain.data.build import build_dataset
-    from p2ptrain.data.builtin import load_source
-    from p2ptrain.ipfs.embedded import EmbeddedStore
+    from p2ptrain.data import build_dataset, load_source
+    from p2ptrain.ipfs import EmbeddedStore
 
     deadline = time.monotonic() + args.timeout
     first = cluster.homes[0]
@@ -276,10 +273,9 @@ def _draw(output: Path | None, home: Path, task_cid: str, say: Any) -> str | Non
 
 def _fetch_and_evaluate(home: Path, model_cid: str, manifest_cid: str, bootstrap: list[str]) -> tuple[float, float]:
     from p2ptrain.cli.model import ensure_local, split_shards
-    from p2ptrain.data.dataset import IPFSDataset
-    from p2ptrain.ipfs.embedded import EmbeddedStore
-    from p2ptrain.training.batches import batched, evaluate_batches
-    from p2ptrain.training.loading import load_model
+    from p2ptrain.data import IPFSDataset
+    from p2ptrain.ipfs import EmbeddedStore
+    from p2ptrain.training import batched, evaluate_batches, load_model
 
     home.mkdir(mode=0o700)
     ensure_local(home, [model_cid, manifest_cid], bootstrap,

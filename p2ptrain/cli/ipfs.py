@@ -17,14 +17,28 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from p2ptrain.errors import UserError
-from p2ptrain.ipfs.blockstore import PinFileError
-from p2ptrain.ipfs.cid import CID, RAW, BlockMismatch, InvalidCID, cid_str, parse_cid
-from p2ptrain.ipfs.dagpb import DecodeError, PBNode, UnixFSData, decode_node, decode_unixfs
-from p2ptrain.ipfs.embedded import EmbeddedStore
-from p2ptrain.ipfs.store import ContentStore, ContentUnavailable, open_store
-from p2ptrain.ipfs.unixfs import DagError, walk_dag
-from p2ptrain.net import control_ops
+from p2ptrain.base import UserError
+from p2ptrain.ipfs import (
+    BlockMismatch,
+    CID,
+    ContentStore,
+    ContentUnavailable,
+    DagError,
+    DecodeError,
+    EmbeddedStore,
+    InvalidCID,
+    PBNode,
+    PinFileError,
+    RAW,
+    UnixFSData,
+    cid_str,
+    decode_node,
+    decode_unixfs,
+    open_store,
+    parse_cid,
+    walk_dag,
+)
+from p2ptrain.control import ops as control_ops
 
 # What the CLI asks of the home's running node: the same 300 s to fetch that `model fetch` asks for.
 NODE_FETCH_TIMEOUT_S = 300.0
@@ -80,7 +94,7 @@ def pin_flag(text: str) -> bool:
 
 def store_from_args(args: argparse.Namespace) -> ContentStore:
     if args.home is None:
-        from p2ptrain.identity import default_home  # imports libp2p (~1 s): only when needed
+        from p2ptrain.base import default_home  # imports libp2p (~1 s): only when needed
 
         args.home = default_home()
     return open_store(args.home, ipfs_api=getattr(args, "ipfs", None))
@@ -106,7 +120,7 @@ def make_local(args: argparse.Namespace, store: ContentStore, cid: str) -> None:
 def node_answers(home: Path) -> bool:
     """Whether a node runs for ``home``: the rule is that its control socket answers a ping (a
     socket file left by a crashed node does not)."""
-    from p2ptrain.net.control import ControlClient, ControlError
+    from p2ptrain.control import ControlClient, ControlError
 
     try:
         ControlClient(home, timeout=NODE_PROBE_TIMEOUT_S).call(control_ops.PING)
@@ -123,7 +137,7 @@ def fetch_through_node(home: Path, cid: str) -> None:
     The fetch is one request that returns when the DAG is local; meanwhile a second connection asks
     ``ipfs.progress`` every :data:`PROGRESS_POLL_S` (a node that does not know the op is not asked again).
     """
-    from p2ptrain.net.control import ControlClient, ControlError
+    from p2ptrain.control import ControlClient, ControlError
 
     done = threading.Event()
     failed: list[BaseException] = []

@@ -9,7 +9,7 @@ import re
 import sys
 
 from p2ptrain import __version__
-from p2ptrain.errors import UserError
+from p2ptrain.base import UserError
 
 # Declared errors of decoders below the CLI that are not UserErrors (module, class): what they say
 # is the whole story for a user (a CID not held, a block that fails its hash, a malformed file), so
@@ -17,15 +17,15 @@ from p2ptrain.errors import UserError
 # module was never imported, nothing it declares can have been raised, and the CLI imports nothing
 # heavy just to be ready for it.
 DECLARED_ERRORS: list[tuple[str, str]] = [
-    ("p2ptrain.ipfs.store", "ContentUnavailable"),
-    ("p2ptrain.ipfs.unixfs", "DagError"),
-    ("p2ptrain.ipfs.cid", "BlockMismatch"),
-    ("p2ptrain.ipfs.cid", "InvalidCID"),
-    ("p2ptrain.ipfs.dagpb", "DecodeError"),
-    ("p2ptrain.ipfs.blockstore", "PinFileError"),
-    ("p2ptrain.data.tensorfile", "TensorFileError"),
-    ("p2ptrain.boundedjson", "JSONBoundsError"),
-    ("p2ptrain.training.signing", "SignatureError"),
+    ("p2ptrain.ipfs._store", "ContentUnavailable"),
+    ("p2ptrain.ipfs._unixfs", "DagError"),
+    ("p2ptrain.ipfs._cid", "BlockMismatch"),
+    ("p2ptrain.ipfs._cid", "InvalidCID"),
+    ("p2ptrain.ipfs._dagpb", "DecodeError"),
+    ("p2ptrain.ipfs._blockstore", "PinFileError"),
+    ("p2ptrain.data._tensorfile", "TensorFileError"),
+    ("p2ptrain.base.boundedjson", "JSONBoundsError"),
+    ("p2ptrain.protocol.signing", "SignatureError"),
 ]
 
 # Each module registers one command group with ``add_parser(subparsers)``.
@@ -79,7 +79,7 @@ def _plain_help(parser: argparse.ArgumentParser) -> None:
 
 def setup_logging(verbosity: int, log_format: str = "text") -> None:
     """Log to stderr at the level -v / -vv / $P2PTRAIN_LOG ask for, as text or one JSON object a line."""
-    from p2ptrain.logs import formatter
+    from p2ptrain.base import formatter
 
     level = [logging.WARNING, logging.INFO, logging.DEBUG][min(verbosity, 2)]
     if os.environ.get("P2PTRAIN_LOG"):

@@ -18,12 +18,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from p2ptrain.cli.ipfs import cid_arg
-from p2ptrain.errors import UserError
-from p2ptrain.net import control_ops
-from p2ptrain.runtime.status import TaskStatus
+from p2ptrain.base import UserError
+from p2ptrain.control import TaskStatus, ops as control_ops
 
 if TYPE_CHECKING:
-    from p2ptrain.ipfs.store import ContentStore
+    from p2ptrain.ipfs import ContentStore
 
 HOME_HELP = "node home whose store (and running node, if any) to use (default: $P2PTRAIN_HOME or ~/.p2ptrain)"
 EPHEMERAL_MESH_TIMEOUT_S = 20.0
@@ -68,7 +67,7 @@ def _source_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _home(args: argparse.Namespace) -> Path:
-    from p2ptrain.identity import default_home
+    from p2ptrain.base import default_home
 
     return (args.home or default_home()).expanduser()
 
@@ -82,8 +81,8 @@ def ensure_local(
     ``then(store)`` names more CIDs once the first ones are local (a dataset split's shards, read
     from its manifest); they are fetched in the same session.
     """
-    from p2ptrain.ipfs.store import open_store
-    from p2ptrain.net.control import ControlClient, ControlError, socket_path
+    from p2ptrain.ipfs import open_store
+    from p2ptrain.control import ControlClient, ControlError, socket_path
 
     store = open_store(home)
     if latest is None and all(store.has(c) for c in cids):
@@ -163,7 +162,7 @@ async def find_latest(peer: Any, task_cid: str) -> tuple[Any, Any]:
     EPHEMERAL_MESH_TIMEOUT_S (a UserError line naming what was refused otherwise)."""
     import trio
 
-    from p2ptrain.runtime.latest import LatestFinder
+    from p2ptrain.services import LatestFinder
 
     finder = LatestFinder(peer.node, peer.content, task_cid)
     try:
@@ -184,10 +183,9 @@ def with_ephemeral_node(home: Path, bootstrap: list[str], work: Callable[[Any], 
     ``bootstrap`` (its first peer within EPHEMERAL_MESH_TIMEOUT_S), then stop it."""
     import trio
 
-    from p2ptrain.ipfs.store import ContentUnavailable
-    from p2ptrain.node import Node
-    from p2ptrain.node_config import NodeConfig
-    from p2ptrain.runtime.peer import make_peer
+    from p2ptrain.ipfs import ContentUnavailable
+    from p2ptrain.node import Node, NodeConfig
+    from p2ptrain.services import make_peer
 
     logging.getLogger("libp2p").setLevel(logging.CRITICAL)
     node = Node(home, dataclasses.replace(NodeConfig.of_home(home), listen=["/ip4/127.0.0.1/tcp/0"], bootstrap=bootstrap))
@@ -214,7 +212,7 @@ def with_ephemeral_node(home: Path, bootstrap: list[str], work: Callable[[Any], 
 
 def split_shards(store: ContentStore, manifest_cid: str, split: str) -> list[str]:
     """The shard CIDs of one split of a dataset whose manifest is local."""
-    from p2ptrain.data.manifest import Manifest
+    from p2ptrain.data import Manifest
 
     manifest = Manifest.load(store, manifest_cid)
     if split not in manifest.splits:
@@ -229,9 +227,9 @@ def cmd_fetch(args: argparse.Namespace) -> int:
     cids = ensure_local(home, [args.model_cid] if args.model_cid else [], args.bootstrap, args.latest)
     model_cid = cids[-1]
     from p2ptrain.cli.ipfs import progress_bar
-    from p2ptrain.ipfs.store import open_store
-    from p2ptrain.training.loading import describe_model_file
-    from p2ptrain.training.records import RecordError
+    from p2ptrain.ipfs import open_store
+    from p2ptrain.training import describe_model_file
+    from p2ptrain.protocol import RecordError
 
     store = open_store(home)
     data = store.cat(model_cid)
@@ -252,10 +250,9 @@ def cmd_fetch(args: argparse.Namespace) -> int:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     home = _home(args)
-    from p2ptrain.data.dataset import IPFSDataset
-    from p2ptrain.ipfs.store import open_store
-    from p2ptrain.training.batches import batched, evaluate_batches
-    from p2ptrain.training.loading import load_model
+    from p2ptrain.data import IPFSDataset
+    from p2ptrain.ipfs import open_store
+    from p2ptrain.training import batched, evaluate_batches, load_model
 
     is_file = Path(args.model).exists()
     if not is_file:

@@ -11,10 +11,8 @@ from pathlib import Path
 
 from p2ptrain.cli.ipfs import cid_arg
 from p2ptrain.cli.config import add_setting_flags, home_help, node_config, resolve, values
-from p2ptrain.errors import UserError
-from p2ptrain.logs import formatter
-from p2ptrain.net import control_ops
-from p2ptrain.runtime.status import NodeStatus
+from p2ptrain.base import UserError, formatter
+from p2ptrain.control import NodeStatus, ops as control_ops
 
 HOME_HELP = home_help("node home: identity key, config, control socket, blocks, logs")
 
@@ -92,34 +90,33 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 def _home(args: argparse.Namespace) -> Path:
     if args.home:
         return Path(args.home).expanduser()
-    from p2ptrain.identity import default_home  # imports libp2p (~1.5 s): only when needed
+    from p2ptrain.base import default_home  # imports libp2p (~1.5 s): only when needed
 
     return default_home()
 
 
 def cmd_id(args: argparse.Namespace) -> int:
-    from p2ptrain.identity import load_or_create_identity, peer_id_of
+    from p2ptrain.base import load_or_create_identity, peer_id_of
 
     print(peer_id_of(load_or_create_identity(_home(args))).to_base58())
     return 0
 
 
 def cmd_start(args: argparse.Namespace) -> int:
-    from p2ptrain.malloc import use_one_arena
+    from p2ptrain.base import use_one_arena
 
-    use_one_arena()  # before any thread allocates (see p2ptrain/malloc.py)
+    use_one_arena()  # before any thread allocates (see p2ptrain/base/_malloc.py)
     import trio
 
-    from p2ptrain.logs import short_id
+    from p2ptrain.base import short_id
     from p2ptrain.node import Node
-    from p2ptrain.runtime.peer import make_peer
-    from p2ptrain.runtime.tasks import TaskOptions
+    from p2ptrain.services import TaskOptions, make_peer
 
     resolved = resolve(args)  # flags, P2PTRAIN_* environment, config.toml, defaults
     settings = values(resolved)
     metrics_at = None
     if settings["metrics"] is not None:
-        from p2ptrain.metrics import MetricsServer, parse_address
+        from p2ptrain.services import MetricsServer, parse_address
 
         source = next(s.source for s in resolved if s.name == "metrics").split()[-1]
         what = source if source.startswith("--") else f"${source}"
@@ -167,7 +164,7 @@ def _log_to_home(home: Path, log_format: str) -> None:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from p2ptrain.net.control import ControlClient
+    from p2ptrain.control import ControlClient
 
     status = NodeStatus.from_json(ControlClient(_home(args)).call(control_ops.STATUS))
     if args.json:
@@ -205,7 +202,7 @@ def _render(s: NodeStatus) -> str:
 def _check_device(device: str) -> None:
     """``--device`` as the trainer will resolve it, now: a typo or a missing GPU is one line at
     start, not a failed task run later."""
-    from p2ptrain.training.trainer import TrainerError, resolve_device
+    from p2ptrain.training import TrainerError, resolve_device
 
     try:
         resolve_device(device)

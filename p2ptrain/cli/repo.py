@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from p2ptrain.cli.ipfs import content_errors
-from p2ptrain.errors import UserError
+from p2ptrain.base import UserError
 
 # How long connecting to the home's control socket may take before the node is taken for gone.
 SOCKET_PROBE_TIMEOUT_S = 2.0
@@ -32,14 +32,14 @@ SOCKET_PROBE_TIMEOUT_S = 2.0
 
 def _home(args: argparse.Namespace) -> Path:
     if args.home is None:
-        from p2ptrain.identity import default_home  # imports libp2p (~1 s): only when needed
+        from p2ptrain.base import default_home  # imports libp2p (~1 s): only when needed
 
         return default_home()
     return Path(args.home).expanduser()
 
 
 def _store(home: Path) -> Any:
-    from p2ptrain.ipfs.embedded import EmbeddedStore
+    from p2ptrain.ipfs import EmbeddedStore
 
     if not (home / "blocks").is_dir():
         raise UserError(f"{home} has no block store ({home / 'blocks'} does not exist)")
@@ -88,7 +88,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 def _node_running(home: Path) -> bool:
     """Whether a node answers on the home's control socket (a stale socket file does not count)."""
-    from p2ptrain.net.control import socket_path
+    from p2ptrain.control import socket_path
 
     path = socket_path(home)
     if not path.exists():
@@ -103,8 +103,8 @@ def _node_running(home: Path) -> bool:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    from p2ptrain.ipfs.blockstore import DIRECT, CorruptBlock
-    from p2ptrain.runtime.run_roots import run_state_roots
+    from p2ptrain.ipfs import DIRECT, CorruptBlock
+    from p2ptrain.services import run_state_roots
 
     home = _home(args)
     store = _store(home)

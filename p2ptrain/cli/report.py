@@ -23,7 +23,7 @@ from typing import Any
 
 from p2ptrain.cli.config import home_help
 from p2ptrain.cli.ipfs import cid_arg
-from p2ptrain.errors import UserError
+from p2ptrain.base import UserError
 
 CHAIN_FILE = "chain.jsonl"
 FORMATS = (".png", ".html")
@@ -65,7 +65,7 @@ def add_parser(tsub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from p2ptrain.identity import default_home
+    from p2ptrain.base import default_home
 
     home = Path(args.home).expanduser() if args.home else default_home()
     points = load_points(home, args.task_cid)
@@ -76,8 +76,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 def load_points(home: Path, task_cid: str) -> list[Point]:
     """The run's confirmed records from ``home``, verified; a UserError line when there are none."""
-    from p2ptrain.training.lineage import MAX_CHAIN_BYTES, read_chain
-    from p2ptrain.training.records import RecordError
+    from p2ptrain.protocol import MAX_CHAIN_BYTES, RecordError, read_chain
 
     path = home / "tasks" / task_cid / CHAIN_FILE
     try:

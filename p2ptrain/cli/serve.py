@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING
 
 from p2ptrain.cli.ipfs import cid_arg
 from p2ptrain.cli.model import HOME_HELP
-from p2ptrain.errors import UserError
-from p2ptrain.serve.limits import MAX_CONNECTIONS
+from p2ptrain.base import UserError
+from p2ptrain.serve import MAX_CONNECTIONS
 
 if TYPE_CHECKING:
-    from p2ptrain.serve.server import Server
+    from p2ptrain.serve import Server
 
 # The input file of `model predict`: a request body, so the server's own body limit
 # (serve.spec.MAX_BODY_BYTES, 8 MiB) is the useful size; the file is not read past it.
@@ -78,13 +78,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import trio
 
     from p2ptrain.cli.model import _home, ensure_local
-    from p2ptrain.net.control import socket_path
-    from p2ptrain.serve.api import open_model
+    from p2ptrain.control import socket_path
+    from p2ptrain.serve import open_model
 
     home = _home(args)
     cids = [args.model_cid] if args.model_cid else []
     if args.public_url is not None:
-        from p2ptrain.runtime.served import check_url
+        from p2ptrain.services import check_url
 
         try:
             check_url(args.public_url)
@@ -98,7 +98,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             resolve=resolve, announce=lambda cid, bound: announce(home, cid, args.public_url or reachable(bound)),
         )
 
-    # --latest through --bootstrap alone: one temporary node for the server's life (serve/temporary.py),
+    # --latest through --bootstrap alone: one temporary node for the server's life (serve/_temporary.py),
     # not one per lookup. Otherwise the home's store or running node (or, for a fixed CID, a temporary
     # node for the first fetch only).
     temporary = args.latest is not None and bool(args.bootstrap) and not socket_path(home).exists()
@@ -108,7 +108,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         async with trio.open_nursery() as nursery:
             nonlocal server
             if server is None:
-                from p2ptrain.serve.temporary import TemporaryFollower
+                from p2ptrain.serve import TemporaryFollower
 
                 follower = TemporaryFollower(home, args.bootstrap, args.latest)
                 await nursery.start(follower.run)
@@ -124,8 +124,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def announce(home: Path, model_cid: str, url: str) -> None:
     """Ask the home's running node to announce that ``url`` serves ``model_cid`` (UserError: no node)."""
-    from p2ptrain.net import control_ops
-    from p2ptrain.net.control import ControlClient, socket_path
+    from p2ptrain.control import ControlClient, ops as control_ops, socket_path
 
     if not socket_path(home).exists():
         raise UserError(f"no node runs for {home}: start one (p2ptrain node start) to announce this server")
@@ -146,8 +145,8 @@ def reachable(bound: str) -> str:
 def cmd_predict(args: argparse.Namespace) -> int:
     import random
 
-    from p2ptrain import boundedjson
-    from p2ptrain.serve.client import ServeError, predict
+    from p2ptrain.base import boundedjson
+    from p2ptrain.serve import ServeError, predict
 
     raw = sys.stdin.buffer.read(MAX_INPUT_FILE_BYTES + 1) if str(args.input) == "-" else _read(args.input)
     doc = boundedjson.loads(raw, max_bytes=MAX_INPUT_FILE_BYTES, what=str(args.input))
@@ -178,8 +177,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
 def _servers(args: argparse.Namespace) -> list[str]:
     """The URLs peers announced for ``args.model_cid``, asked through the home's running node."""
     from p2ptrain.cli.model import _home
-    from p2ptrain.net import control_ops
-    from p2ptrain.net.control import ControlClient, socket_path
+    from p2ptrain.control import ControlClient, ops as control_ops, socket_path
 
     home = _home(args)
     if not socket_path(home).exists():

@@ -14,10 +14,8 @@ from typing import Any
 from p2ptrain.cli import report
 from p2ptrain.cli.config import home_help
 from p2ptrain.cli.ipfs import cid_arg
-from p2ptrain.errors import UserError
-from p2ptrain.logs import short_id
-from p2ptrain.net import control_ops
-from p2ptrain.runtime.status import TaskStatus
+from p2ptrain.base import UserError, short_id
+from p2ptrain.control import TaskStatus, ops as control_ops
 
 HOME_HELP = home_help("home of the running node to use")
 
@@ -79,8 +77,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def _client(args: argparse.Namespace) -> Any:
-    from p2ptrain.identity import default_home
-    from p2ptrain.net.control import ControlClient
+    from p2ptrain.base import default_home
+    from p2ptrain.control import ControlClient
 
     return ControlClient(args.home or default_home(), timeout=120.0)
 
@@ -90,7 +88,7 @@ def cmd_publish(args: argparse.Namespace) -> int:
         data = args.task_file.read_bytes()
     except OSError as exc:
         raise UserError(f"cannot read {args.task_file}: {exc.strerror}") from None
-    from p2ptrain.training.task import load_task
+    from p2ptrain.task import load_task
 
     load_task(data)  # the same validation the node runs, before a node is needed (and UTF-8 checked)
     text = data.decode()

@@ -9,7 +9,7 @@ chain of confirmed records above it; this command checks that chain with nothing
   and hashed: the first record's parent must be it;
 - every record up to the model's: signed by a coordinator that a quorum of the record's members
   elected (the votes it carries), attested by a quorum of them, the child of the record before it
-  (:func:`p2ptrain.training.lineage.audit`);
+  (:func:`p2ptrain.protocol.audit`);
 - the model and its optimizer state, hashed again byte for byte, and the model loaded into the
   task's architecture;
 - with ``--eval``, the record's test loss and accuracy recomputed on the task's test split.
@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from p2ptrain.cli.ipfs import cid_arg
-from p2ptrain.errors import UserError
-from p2ptrain.net import control_ops
+from p2ptrain.base import UserError
+from p2ptrain.control import ops as control_ops
 
 # --eval: a recomputed metric may differ from the recorded one by float rounding (another thread
 # count sums a batch in another order), no more.
@@ -108,10 +108,9 @@ def verify(home: Path, *, model_cid: str | None, task_cid: str | None, bootstrap
            evaluate: bool = False) -> Report:
     """Check ``model_cid`` (or the latest model of ``task_cid``) from its task down; see the module."""
     from p2ptrain.cli.model import ensure_local, split_shards
-    from p2ptrain.ipfs.store import open_store
-    from p2ptrain.training.lineage import ChainRules, audit, chain_lines, parse_entry
-    from p2ptrain.training.records import RecordError
-    from p2ptrain.training.task import MAX_TASK_BYTES, task_from_bytes
+    from p2ptrain.ipfs import open_store
+    from p2ptrain.protocol import ChainRules, RecordError, audit, chain_lines, parse_entry
+    from p2ptrain.task import MAX_TASK_BYTES, task_from_bytes
 
     store = open_store(home)
     if task_cid is None:
@@ -158,9 +157,8 @@ def verify(home: Path, *, model_cid: str | None, task_cid: str | None, bootstrap
 
 def _task_naming(home: Path, model_cid: str) -> str:
     """The task whose chain in this home names ``model_cid`` (a member's home keeps them)."""
-    from p2ptrain.ipfs.cid import InvalidCID, parse_cid
-    from p2ptrain.training.lineage import MAX_CHAIN_BYTES, chain_lines, entry_from_bytes
-    from p2ptrain.training.records import RecordError
+    from p2ptrain.ipfs import InvalidCID, parse_cid
+    from p2ptrain.protocol import MAX_CHAIN_BYTES, RecordError, chain_lines, entry_from_bytes
 
     tasks = home / "tasks"
     for path in sorted(tasks.glob("*/chain.jsonl")) if tasks.is_dir() else []:
@@ -178,8 +176,7 @@ def _task_naming(home: Path, model_cid: str) -> str:
 
 def _up_to(lines: list[bytes], model_cid: str) -> list[bytes]:
     """The chain's lines up to the record of ``model_cid`` (none if no line names it)."""
-    from p2ptrain.training.lineage import parse_entry
-    from p2ptrain.training.records import RecordError
+    from p2ptrain.protocol import RecordError, parse_entry
 
     for i, line in enumerate(lines):
         try:
@@ -195,9 +192,9 @@ def _chain_and_task(home: Path, task_cid: str, bootstrap: list[str]) -> tuple[by
     else the latest chain that verifies, from the mesh (the home's running node, or a temporary one
     through ``bootstrap``). Returns the chain's bytes and where they came from."""
     from p2ptrain.cli.model import ensure_local
-    from p2ptrain.ipfs.store import open_store
-    from p2ptrain.net.control import ControlClient, ControlError, socket_path
-    from p2ptrain.training.lineage import MAX_CHAIN_BYTES
+    from p2ptrain.ipfs import open_store
+    from p2ptrain.control import ControlClient, ControlError, socket_path
+    from p2ptrain.protocol import MAX_CHAIN_BYTES
 
     path = home / "tasks" / task_cid / "chain.jsonl"
     store = open_store(home)
@@ -234,8 +231,8 @@ def _chain_and_task(home: Path, task_cid: str, bootstrap: list[str]) -> tuple[by
 def _initial_cid(store: Any, task: Any) -> str:
     """The CID of the run's initial model, rebuilt here from the task as every member builds it
     (a run of the members' own module names its initial weights instead: nothing here builds it)."""
-    from p2ptrain.training.local_sgd import new_trainer
-    from p2ptrain.training.records import load_model_bytes
+    from p2ptrain.training import new_trainer
+    from p2ptrain.protocol import load_model_bytes
 
     if task.model.user:
         return str(task.initial_model)
@@ -247,8 +244,8 @@ def _initial_cid(store: Any, task: Any) -> str:
 
 def _check_bytes(store: Any, task: Any, model_cid: str, optimizer_cid: str, report: Report) -> list[str]:
     """Hash the model and optimizer bytes again and load the model into the task's architecture."""
-    from p2ptrain.training.records import RecordError, load_model_bytes
-    from p2ptrain.training.trainer import Trainer
+    from p2ptrain.protocol import RecordError, load_model_bytes
+    from p2ptrain.training import Trainer
 
     problems: list[str] = []
     sizes = []
@@ -272,8 +269,8 @@ def _check_bytes(store: Any, task: Any, model_cid: str, optimizer_cid: str, repo
 def _check_user_model(store: Any, task: Any, model_cid: str, optimizer_cid: str, report: Report) -> list[str]:
     """A run of the members' own module: the model's tensors against the architecture card the
     task names (nothing here can build the module itself)."""
-    from p2ptrain.training.fingerprint import CardError, card_from_bytes
-    from p2ptrain.training.records import RecordError, read_tensors
+    from p2ptrain.models import CardError, card_from_bytes
+    from p2ptrain.protocol import RecordError, read_tensors
 
     problems = []
     for what, cid in (("model", model_cid), ("optimizer state", optimizer_cid)):
@@ -297,10 +294,9 @@ def _check_user_model(store: Any, task: Any, model_cid: str, optimizer_cid: str,
 
 def _check_metrics(store: Any, task: Any, record: Any, report: Report) -> list[str]:
     """Recompute the record's test loss and accuracy on the task's test split."""
-    from p2ptrain.data.dataset import IPFSDataset
-    from p2ptrain.training.batches import batched
-    from p2ptrain.training.local_sgd import new_trainer
-    from p2ptrain.training.records import load_model_bytes
+    from p2ptrain.data import IPFSDataset
+    from p2ptrain.training import batched, new_trainer
+    from p2ptrain.protocol import load_model_bytes
 
     split = task.dataset.test_split
     trainer = new_trainer(task, total_steps=1, device="cpu")

@@ -1,8 +1,9 @@
 """Serving trained models by CID over HTTP/JSON, batched (``p2ptrain model serve``); see docs/serving.md.
 
-``spec``: what a sample must look like; ``batcher``: dynamic batching and head swaps; ``app``: the
-ASGI app; ``server``: hypercorn on trio around them; ``api``: serving from Python; ``client``:
-``predict`` (stdlib only).
+Inside: what a sample must look like (the input spec, from the model card), dynamic batching and
+head swaps, the ASGI app, hypercorn on trio around them with a connection cap, ``--latest`` through
+a temporary node, serving from Python (:class:`Server`, :func:`open_model`), and :func:`predict`
+(the client, stdlib only). Imports ``services`` and everything below it.
 
 ``p2ptrain.serve`` is this package and also the function ``p2ptrain.serve(model_cid, ...)``: the
 module is callable (its class is swapped for one with ``__call__``), because importing any submodule
@@ -15,26 +16,27 @@ from __future__ import annotations
 
 import sys
 import types
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from p2ptrain.serve.client import ServeError, predict
+from p2ptrain.serve._client import ServeError as ServeError, predict as predict
 
-__all__ = ["ServeError", "Server", "open_model", "predict", "serve"]
+if TYPE_CHECKING:
+    from p2ptrain.serve._api import open_model as open_model
+    from p2ptrain.serve._connection_limits import MAX_CONNECTIONS as MAX_CONNECTIONS
+    from p2ptrain.serve._server import Server as Server
+    from p2ptrain.serve._temporary import TemporaryFollower as TemporaryFollower
+else:
+    from p2ptrain._exports import lazy_exports
+
+    __getattr__, __dir__, __all__ = lazy_exports(__name__, __file__)
+    __all__ = sorted([*__all__, "ServeError", "predict", "serve"])
 
 
 def serve(model_cid: str | None = None, **options: Any) -> None:
-    """Serve ``model_cid`` (or ``latest=TASK_CID``) over HTTP until interrupted: :func:`p2ptrain.serve.api.serve`."""
-    from p2ptrain.serve.api import serve as run
+    """Serve ``model_cid`` (or ``latest=TASK_CID``) over HTTP until interrupted: :func:`p2ptrain.serve._api.serve`."""
+    from p2ptrain.serve._api import serve as run
 
     run(model_cid, **options)
-
-
-def __getattr__(name: str) -> Any:
-    if name in ("Server", "open_model"):
-        from p2ptrain.serve import api
-
-        return getattr(api, name)
-    raise AttributeError(f"module 'p2ptrain.serve' has no attribute {name!r}")
 
 
 class _CallablePackage(types.ModuleType):

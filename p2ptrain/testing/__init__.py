@@ -8,7 +8,7 @@ Four shapes on loopback:
       async with local_mesh(4, tmp_path) as nodes:
           await nodes[0].publish("my/topic", msg)
 
-- :class:`~p2ptrain.local_nodes.NodeProcess` / :func:`node_processes` (sync): N ``p2ptrain node start`` processes,
+- :class:`~p2ptrain.node.NodeProcess` / :func:`node_processes` (sync): N ``p2ptrain node start`` processes,
   each ready (its control socket answers) before the call returns; they know each other's
   addresses up front (identities are created and ports reserved before launch), so all start at
   once, as on a real cluster::
@@ -31,7 +31,7 @@ Four shapes on loopback:
       async with connected_hosts(3) as peers:
           collectives = [Collective(p.host) for p in peers]
 
-And beyond loopback, :mod:`p2ptrain.testing.wan` (re-exported here): :func:`emulated_wan` puts N
+And beyond loopback, :mod:`p2ptrain.testing._wan` (re-exported here): :func:`emulated_wan` puts N
 peers in network namespaces behind rate-limited links (needs root), :func:`wan_node_processes`
 starts ``node start`` processes inside them::
 
@@ -51,7 +51,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequen
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 from libp2p.abc import IHost
@@ -60,44 +60,89 @@ from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
 from multiaddr import Multiaddr
 
-from p2ptrain.errors import UserError
-from p2ptrain.local_nodes import READY_TIMEOUT_S, NodeProcess, free_port
-from p2ptrain.logs import short_id
-from p2ptrain.net import control_ops
-from p2ptrain.net.control import ControlClient
-from p2ptrain.net.host import make_host
-from p2ptrain.node import Node
-from p2ptrain.node_config import NodeConfig
-from p2ptrain.wire.messages import MESSAGES, MessageRegistry
+from p2ptrain.base import UserError, short_id
+from p2ptrain.node import Node, NodeConfig, NodeProcess, READY_TIMEOUT_S, free_port
+from p2ptrain.control import ControlClient, ops as control_ops
+from p2ptrain.net import make_host
+from p2ptrain.wire import MESSAGES, MessageRegistry
 
-from p2ptrain.testing.wan import (  # noqa: F401  (the WAN harness: public from here, re-exported)
-    EmulatedWan,
-    WanError,
-    WanPeer,
-    cleanup_stale,
-    emulated_wan,
-    parse_rate,
-    wan_node_processes,
-    wan_unavailable,
+from p2ptrain.testing._wan import (
+    EmulatedWan as EmulatedWan,
+    WanError as WanError,
+    WanPeer as WanPeer,
+    cleanup_stale as cleanup_stale,
+    emulated_wan as emulated_wan,
+    parse_rate as parse_rate,
+    wan_node_processes as wan_node_processes,
+    wan_unavailable as wan_unavailable,
 )
-from p2ptrain.testing.nat import EmulatedNat, emulated_nat, nat_unavailable  # noqa: F401  (NATs on that WAN)
-from p2ptrain.testing.chains import (  # noqa: F401  (chains with their proofs, re-exported)
-    attestations_for,
-    proven_chain,
-    proven_record,
-    rules_task,
-    votes_for,
+from p2ptrain.testing._nat import EmulatedNat as EmulatedNat, emulated_nat as emulated_nat, nat_unavailable as nat_unavailable
+from p2ptrain.testing._chains import (
+    attestations_for as attestations_for,
+    proven_chain as proven_chain,
+    proven_record as proven_record,
+    rules_task as rules_task,
+    votes_for as votes_for,
 )
-from p2ptrain.testing.peers import (  # noqa: F401  (full peers in one process, re-exported)
-    DIGITS_TASK,
-    PEER_STOP_TIMEOUT_S,
-    WAIT_FALLBACK_S,
-    Changes,
-    LocalPeers,
-    local_peers,
-    publish_digits_task,
-    wait_until,
+from p2ptrain.testing._peers import (
+    DIGITS_TASK as DIGITS_TASK,
+    PEER_STOP_TIMEOUT_S as PEER_STOP_TIMEOUT_S,
+    WAIT_FALLBACK_S as WAIT_FALLBACK_S,
+    Changes as Changes,
+    LocalPeers as LocalPeers,
+    local_peers as local_peers,
+    publish_digits_task as publish_digits_task,
+    wait_until as wait_until,
 )
+
+if TYPE_CHECKING:
+    from p2ptrain.testing._wan import IFACE as IFACE
+else:
+    from p2ptrain._exports import lazy_exports
+
+    __getattr__, __dir__, __all__ = lazy_exports(__name__, __file__)
+    __all__ = sorted([
+        *__all__,
+        "CLI_TIMEOUT_S",
+        "CONNECT_TIMEOUT_S",
+        "Changes",
+        "DIGITS_TASK",
+        "EmulatedNat",
+        "EmulatedWan",
+        "LOOPBACK",
+        "LocalHost",
+        "LocalPeers",
+        "NodeProcess",
+        "PEER_STOP_TIMEOUT_S",
+        "WAIT_FALLBACK_S",
+        "WanError",
+        "WanPeer",
+        "attestations_for",
+        "cleanup_stale",
+        "connect",
+        "connected_hosts",
+        "emulated_nat",
+        "emulated_wan",
+        "free_port",
+        "local_mesh",
+        "local_peers",
+        "nat_unavailable",
+        "new_host",
+        "node_processes",
+        "parse_rate",
+        "proven_chain",
+        "proven_record",
+        "publish_digits_task",
+        "rules_task",
+        "run_cli",
+        "run_node_processes",
+        "task_status_of",
+        "votes_for",
+        "wait_for",
+        "wait_until",
+        "wan_node_processes",
+        "wan_unavailable",
+    ])
 
 
 @asynccontextmanager
@@ -105,7 +150,7 @@ async def local_mesh(
     n: int, base: Path, *, timeout: float = 20.0, messages: MessageRegistry = MESSAGES, **settings: Any
 ) -> AsyncIterator[list[Node]]:
     """N in-process nodes on 127.0.0.1; all bootstrap from the first; yields once each sees N-1 peers.
-    ``settings``: :class:`~p2ptrain.node_config.NodeConfig` fields of every node (e.g. ``dht=False``)."""
+    ``settings``: :class:`~p2ptrain.node.NodeConfig` fields of every node (e.g. ``dht=False``)."""
     config = NodeConfig(**settings)
     homes = [Path(base) / f"node{i}" for i in range(n)]
     nodes: list[Node] = []
@@ -201,7 +246,7 @@ def run_cli(*args: str, launcher: Sequence[str] = (), timeout: float = CLI_TIMEO
 
 def task_status_of(home: Path, task_cid: str) -> dict[str, Any] | None:
     """A running node's status of one task (``task status --json``: a
-    :class:`~p2ptrain.runtime.status.TaskStatus`'s ``to_json``) through its control socket,
+    :class:`~p2ptrain.control.TaskStatus`'s ``to_json``) through its control socket,
     or None while it does not answer it (starting, stopped, killed, or not in the task)."""
     try:
         return ControlClient(home, timeout=10).call(control_ops.TASK_STATUS, task_cid=task_cid)
@@ -252,7 +297,7 @@ async def connect(a: IHost, b: IHost, timeout: float = CONNECT_TIMEOUT_S) -> Non
 
 
 def new_host() -> IHost:
-    """A host as a node makes it (:func:`p2ptrain.net.host.make_host`), fresh key, loopback."""
+    """A host as a node makes it (:func:`p2ptrain.net.make_host`), fresh key, loopback."""
     return make_host(create_new_key_pair(), [LOOPBACK])
 
 

@@ -1,16 +1,43 @@
-"""The training layer: task specs, the model registry, the local trainer, coordinator election,
-round bookkeeping, and signed model records with attestations.
-
-Modules, each with one job:
-
-- :mod:`~p2ptrain.training.task`: the task file (strict TOML) and its canonical bytes.
-- :mod:`~p2ptrain.training.models`: the registry of model builders a task may name.
-- :mod:`~p2ptrain.training.trainer`: local gradients, the averaged step, evaluation, state bytes.
-- :mod:`~p2ptrain.training.election`: the coordinator election state machine.
-- :mod:`~p2ptrain.training.rounds`: plans, spans, retries, checkpoints.
-- :mod:`~p2ptrain.training.records`: deterministic model bytes, records, attestations, the chain.
-- :mod:`~p2ptrain.training.signing`: detached signatures for bodies that outlive pubsub.
-- :mod:`~p2ptrain.training.demo`: the demo's task file (``p2ptrain demo``, tests, benches).
-
-Nothing is re-exported here: import what you use from its module.
+"""The numerics of one member: the trainer (local gradients, the averaged step, evaluation, state
+bytes), optimizers, batches, local SGD (DiLoCo) with its outer optimizer, one round over the
+collective (``run_round``), the trainer of a run of the user's own module (fed by the user's loop),
+and ``load_model``. It follows the protocol's plans and writes its records' bytes, so it imports
+``protocol`` (never the reverse), and ``base``, ``wire``, ``ipfs``, ``data``, ``collective``,
+``models`` and ``task``.
 """
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from p2ptrain.training._batches import (
+        batched as batched,
+        batches_forever as batches_forever,
+        evaluate_batches as evaluate_batches,
+        loss_and_hits as loss_and_hits,
+        PositionedBatches as PositionedBatches,
+    )
+    from p2ptrain.training._loading import (
+        describe_model_file as describe_model_file,
+        load_model as load_model,
+        model_from_bytes as model_from_bytes,
+    )
+    from p2ptrain.training._local_sgd import LocalSGDTrainer as LocalSGDTrainer, new_trainer as new_trainer
+    from p2ptrain.training._optimizers import lr_at as lr_at
+    from p2ptrain.training._sync import PlanAverager as PlanAverager, RoundTimings as RoundTimings, run_round as run_round
+    from p2ptrain.training._trainer import (
+        Average as Average,
+        resolve_device as resolve_device,
+        StateSnapshot as StateSnapshot,
+        Trainer as Trainer,
+        TrainerError as TrainerError,
+    )
+    from p2ptrain.training._user_trainer import (
+        GradientBridge as GradientBridge,
+        StepSkipped as StepSkipped,
+        UserLocalSGDTrainer as UserLocalSGDTrainer,
+        UserTrainer as UserTrainer,
+    )
+else:
+    from p2ptrain._exports import lazy_exports
+
+    __getattr__, __dir__, __all__ = lazy_exports(__name__, __file__)

@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 import p2ptrain
-from p2ptrain.errors import UserError
-from p2ptrain.local_nodes import free_port
+from p2ptrain.base import UserError
+from p2ptrain.node import free_port
 
 
 def _net(width: int = 32) -> nn.Module:
@@ -92,7 +92,7 @@ def test_a_run_of_a_users_module_is_loaded_and_served_into_the_users_instance_no
     import trio
 
     from p2ptrain.serve import open_model, predict
-    from p2ptrain.training.loading import NoBuilder
+    from p2ptrain.training._loading import NoBuilder
 
     import urllib.request
 

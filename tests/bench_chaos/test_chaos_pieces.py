@@ -19,13 +19,10 @@ import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.id import ID
 
-from p2ptrain.ipfs.cid import cid_str, parse_cid, verify_block
-from p2ptrain.ipfs.dagpb import decode_node
-from p2ptrain.ipfs.embedded import EmbeddedStore
-from p2ptrain.wire.topics import MESH_TOPIC
+from p2ptrain.ipfs import EmbeddedStore, cid_str, decode_node, parse_cid
+from p2ptrain.ipfs._cid import verify_block
+from p2ptrain.wire import Kind, MESH_TOPIC, _codec as codec, parse_header
 from p2ptrain.testing import local_mesh
-from p2ptrain.wire import codec
-from p2ptrain.wire.frames import Kind, parse_header
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 

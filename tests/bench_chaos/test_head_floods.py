@@ -15,10 +15,9 @@ from pathlib import Path
 import trio
 from libp2p.peer.id import ID
 
-from p2ptrain.runtime.tasks import HEAD_RATE, HEAD_REQUEST_RATE
+from p2ptrain.services._tasks import HEAD_RATE, HEAD_REQUEST_RATE
 from p2ptrain.testing import local_peers
-from p2ptrain.wire.messages import HeadRequest, TaskHead
-from p2ptrain.wire.topics import TASKS_TOPIC
+from p2ptrain.wire import HeadRequest, TASKS_TOPIC, TaskHead
 
 from .test_model_bomb import hostile, bounds
 
@@ -81,7 +80,7 @@ async def test_a_sender_that_keeps_flooding_is_not_read_for_a_while(tmp_path: Pa
     """Past its allowance of refusals, a flooder's stream is read about once a second: what it sends
     waits on its side of the connection instead of costing the node a read and a refusal each.
     Before: the node read all 3,000 within the flood's second."""
-    from p2ptrain.net.pubsub import FLOODER_BURST, FLOODER_PAUSE_S
+    from p2ptrain.net._pubsub import FLOODER_BURST, FLOODER_PAUSE_S
 
     async with local_peers(1, tmp_path) as peers, hostile.hostile_peer() as peer:
         node = peers[0].node

@@ -15,11 +15,10 @@ from typing import Any
 
 import trio
 
-from p2ptrain.ipfs.blockstore import BlockStore
-from p2ptrain.ipfs.cid import parse_cid
-from p2ptrain.net import control_ops
+from p2ptrain.ipfs import BlockStore, parse_cid
+from p2ptrain.control import ops as control_ops
 from p2ptrain.testing import node_processes
-from p2ptrain.wire.topics import TASKS_TOPIC
+from p2ptrain.wire import TASKS_TOPIC
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 DEADLINE_S = 180.0  # the victim fetches a data set and two models from the attacker on a loaded box
@@ -52,8 +51,7 @@ def peak_rss_mb(pid: int) -> float:
 async def test_a_task_whose_initial_model_is_a_bomb_is_refused_within_the_model_cards_bound(tmp_path: Path) -> None:
     import numpy as np
 
-    from p2ptrain.data.build import build_dataset
-    from p2ptrain.data.builtin import load_source
+    from p2ptrain.data import build_dataset, load_source
 
     with node_processes(1, tmp_path / "victim", extra_args=["--accept-tasks", "--device", "cpu"]) as (victim,):
         before_mb = peak_rss_mb(victim.proc.pid)

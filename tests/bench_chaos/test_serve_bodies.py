@@ -18,10 +18,11 @@ from pathlib import Path
 import torch
 import trio
 
-from p2ptrain.ipfs.embedded import EmbeddedStore
-from p2ptrain.serve.server import Server, load_served
-from p2ptrain.training.models import build_model
-from p2ptrain.training.records import model_bytes
+from p2ptrain.ipfs import EmbeddedStore
+from p2ptrain.serve import Server
+from p2ptrain.serve._server import load_served
+from p2ptrain.models import build_model
+from p2ptrain.protocol import model_bytes
 
 from .test_model_bomb import bounds
 

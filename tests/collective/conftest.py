@@ -10,8 +10,8 @@ import torch
 import trio
 
 from p2ptrain.collective import Collective
-from p2ptrain.collective.ring import chunk_bounds
-from p2ptrain.collective.sparse import assemble, slice_of, slice_ranges
+from p2ptrain.collective._ring import chunk_bounds
+from p2ptrain.collective._sparse import assemble, slice_of, slice_ranges
 from p2ptrain.testing import LocalHost, connected_hosts
 
 

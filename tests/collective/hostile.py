@@ -26,12 +26,11 @@ from contextvars import ContextVar
 import torch
 import trio
 
-from p2ptrain.collective import Collective, PeerFailed, RoundSpec, SparseAllReducer
-from p2ptrain.collective import direct
-from p2ptrain.collective.links import RoundLinks
-from p2ptrain.collective.witness import Witness
+from p2ptrain.collective import Collective, PeerFailed, RoundSpec, SparseAllReducer, _direct as direct
+from p2ptrain.collective._links import RoundLinks
+from p2ptrain.collective._witness import Witness
 from p2ptrain.testing import connected_hosts
-from p2ptrain.wire.frames import DTYPES, SIGNATURE_BYTES, Phase, Said
+from p2ptrain.wire import DTYPES, SIGNATURE_BYTES, Phase, Said
 
 ROUND_TIMEOUT_S = 20.0  # one training round of four members, generous for a loaded machine
 

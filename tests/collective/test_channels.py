@@ -7,7 +7,7 @@ import trio
 from multiaddr import Multiaddr
 
 from p2ptrain.collective import Collective, PeerFailed, RoundSpec
-from p2ptrain.net.relay import Relaying, over_relay
+from p2ptrain.net import Relaying, over_relay
 from p2ptrain.testing import connected_hosts
 
 

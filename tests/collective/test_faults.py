@@ -7,11 +7,11 @@ import torch
 import trio
 
 from p2ptrain.collective import BadPayload, PeerFailed, RoundSpec
-from p2ptrain.collective.endpoint import dense_description, sparse_description
-from p2ptrain.collective.ring import chunk_bounds
-from p2ptrain.collective.sparse import encode_indices, slice_of, slice_ranges
-from p2ptrain.logs import short_id
-from p2ptrain.wire.frames import DTYPES, Header, Kind, Phase, round_digest
+from p2ptrain.collective._endpoint import dense_description, sparse_description
+from p2ptrain.collective._ring import chunk_bounds
+from p2ptrain.collective._sparse import encode_indices, slice_of, slice_ranges
+from p2ptrain.base import short_id
+from p2ptrain.wire import DTYPES, Header, Kind, Phase, round_digest
 
 
 async def test_killed_peer_fails_the_round_on_every_survivor(cluster, gather):

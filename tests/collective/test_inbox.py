@@ -8,9 +8,9 @@ import os
 import torch
 import trio
 
-from p2ptrain.collective import RoundSpec, rounds
-from p2ptrain.net.streams import ChannelError, open_channel
-from p2ptrain.wire.frames import PROTOCOL, Header, Kind
+from p2ptrain.collective import RoundSpec, _round_hub as rounds
+from p2ptrain.net import ChannelError, open_channel
+from p2ptrain.wire import PROTOCOL, Header, Kind
 
 # More than the whole pending inbox (64) per member.
 FLOOD = 70

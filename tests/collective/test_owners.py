@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from p2ptrain.collective import BadPayload, Misbehaved, PeerFailed, RoundSpec
-from p2ptrain.collective.owners import drawn, ring_owners
-from p2ptrain.training.plans import owner_seed
-from p2ptrain.wire.messages import RoundPlan
+from p2ptrain.collective._owners import drawn, ring_owners
+from p2ptrain.protocol import owner_seed
+from p2ptrain.wire import RoundPlan
 
 _spec = importlib.util.spec_from_file_location("p2ptrain_test_hostile_owners", Path(__file__).with_name("hostile.py"))
 hostile = importlib.util.module_from_spec(_spec)

@@ -8,9 +8,9 @@ import contextvars
 import pytest
 import torch
 
-import p2ptrain.collective.quantized as quantized_round
+import p2ptrain.collective._quantized_gather as quantized_round
 from p2ptrain.collective import BadPayload, RoundSpec, SparseAllReducer
-from p2ptrain.wire.quantized import roundtrip
+from p2ptrain.wire.quantization import roundtrip
 
 WORLD, N = 4, 20_000
 

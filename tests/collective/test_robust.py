@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from p2ptrain.collective import CollectiveError, PeerFailed, RoundSpec, SparseAllReducer
-from p2ptrain.collective.ring import chunk_bounds
-from p2ptrain.collective.robust import clip_scales, contribution_norm, exact_norm, median_radius
-from p2ptrain.training.task import load_task
-from p2ptrain.wire.quantized import roundtrip
+from p2ptrain.collective import CollectiveError, PeerFailed, RoundSpec, SparseAllReducer, clip_scales, contribution_norm
+from p2ptrain.collective._ring import chunk_bounds
+from p2ptrain.collective._robust import exact_norm, median_radius
+from p2ptrain.task import load_task
+from p2ptrain.wire.quantization import roundtrip
 
 _spec = importlib.util.spec_from_file_location("p2ptrain_test_hostile", Path(__file__).with_name("hostile.py"))
 hostile = importlib.util.module_from_spec(_spec)

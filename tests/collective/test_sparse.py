@@ -8,10 +8,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from p2ptrain.collective import ErrorFeedback, RoundSpec, SparseAllReducer
-from p2ptrain.collective.sparse import (
+from p2ptrain.collective import ErrorFeedback, RoundSpec, SparseAllReducer, bucket_ks
+from p2ptrain.collective._sparse import (
     assemble,
-    bucket_ks,
     check_ranges,
     decode_indices,
     encode_indices,

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from p2ptrain.collective import CollectiveError, RoundSpec
-from p2ptrain.testing.peers import DIGITS_TASK
-from p2ptrain.training.sync import round_spec
-from p2ptrain.training.task import load_task
+from p2ptrain.testing._peers import DIGITS_TASK
+from p2ptrain.training._sync import round_spec
+from p2ptrain.task import load_task
 
 TASK = DIGITS_TASK.format(name="t", manifest="QmT78zSuBmuS4z925WZfrqQ1qHaJ56DQaTfyMUF7F8ff5o", total_steps=10,
                           checkpoint_interval=5, min_peers=1, max_peers=4)

@@ -7,11 +7,9 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from p2ptrain.data import IPFSDataset
-from p2ptrain.data.build import build_dataset
-from p2ptrain.data.dataset import ShardUnavailable
-from p2ptrain.ipfs.cid import parse_cid
-from p2ptrain.ipfs.embedded import EmbeddedStore
+from p2ptrain.data import IPFSDataset, build_dataset
+from p2ptrain.data._ipfs_dataset import ShardUnavailable
+from p2ptrain.ipfs import EmbeddedStore, parse_cid
 
 N = 600
 SHARDS = 6

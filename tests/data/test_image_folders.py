@@ -15,7 +15,7 @@ from PIL import Image
 from sklearn.datasets import load_digits
 
 from p2ptrain.data import IPFSDataset
-from p2ptrain.data.images import MAX_IMAGE_PIXELS
+from p2ptrain.data._images import MAX_IMAGE_PIXELS
 
 COUNT = 300
 

@@ -7,11 +7,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from p2ptrain.data.build import build_dataset
-from p2ptrain.data.manifest import Manifest, ManifestError, Pixels, ShardRef, TensorSpec, Tokens
-from p2ptrain.data.shards import ShardError, decode_shard, encode_shard
-from p2ptrain.ipfs.cid import make_cid
-from p2ptrain.ipfs.embedded import EmbeddedStore
+from p2ptrain.data import Manifest, ManifestError, Pixels, build_dataset
+from p2ptrain.data._manifest import ShardRef, TensorSpec, Tokens
+from p2ptrain.data._shards import ShardError, decode_shard, encode_shard
+from p2ptrain.ipfs import EmbeddedStore, make_cid
 
 SHARD = make_cid(b"shard").encode("base32")
 GOOD = Manifest(
@@ -117,7 +116,7 @@ def test_hostile_manifests_are_one_declared_error(data, why):
 
 
 def test_a_manifest_error_is_a_user_error_for_the_cli():
-    from p2ptrain.errors import UserError
+    from p2ptrain.base import UserError
 
     assert issubclass(ManifestError, UserError) and issubclass(ShardError, UserError)
 
@@ -170,7 +169,7 @@ def test_a_shard_with_labels_or_tokens_outside_the_manifest_is_unusable(tmp_path
     """A shard from the network whose labels exceed the classes (or ids the vocabulary) would stop a
     training step with an index error: IPFSDataset refuses it as ShardUnavailable instead."""
     from p2ptrain.data import IPFSDataset
-    from p2ptrain.data.dataset import ShardUnavailable
+    from p2ptrain.data._ipfs_dataset import ShardUnavailable
 
     store = EmbeddedStore(tmp_path)
     _, built = build_dataset(store, "ids", np.arange(20, dtype=np.uint8).reshape(10, 2),

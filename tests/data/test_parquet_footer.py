@@ -6,7 +6,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from p2ptrain.data.parquet_footer import FooterError, read_footer
+from p2ptrain.data._parquet_footer import FooterError, read_footer
 
 
 def footer_bytes(path) -> bytes:

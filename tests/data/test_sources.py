@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from p2ptrain.data.builtin import load_source
-from p2ptrain.errors import UserError
+from p2ptrain.data import load_source
+from p2ptrain.base import UserError
 
 
 def test_sklearn_digits():

@@ -14,17 +14,14 @@ import numpy as np
 import pytest
 import torch
 
-from p2ptrain import boundedjson
-from p2ptrain.data import IPFSDataset
-from p2ptrain.data.build import build_dataset
-from p2ptrain.data.builtin import load_source
-from p2ptrain.data.manifest import MAX_STANDARDIZE_FEATURES, Manifest, ManifestError
-from p2ptrain.ipfs.store import open_store
-from p2ptrain.training.batches import batched, batches_forever
-from p2ptrain.training.models import build_model
-from p2ptrain.training.records import model_bytes
-from p2ptrain.training.task import load_task
-from p2ptrain.training.trainer import Trainer
+from p2ptrain.base import boundedjson
+from p2ptrain.data import IPFSDataset, Manifest, ManifestError, build_dataset, load_source
+from p2ptrain.data._manifest import MAX_STANDARDIZE_FEATURES
+from p2ptrain.ipfs import open_store
+from p2ptrain.training import Trainer, batched, batches_forever
+from p2ptrain.models import build_model
+from p2ptrain.protocol import model_bytes
+from p2ptrain.task import load_task
 
 P2PTRAIN = str(Path(sys.executable).with_name("p2ptrain"))
 # sklearn:breast_cancer in 4 shards, test fraction 0.2, seed 0, built before --standardize existed.
@@ -138,7 +135,7 @@ def test_enormous_first_losses_warn_once_to_standardize(tmp_path: Path, caplog: 
         trainer = Trainer(load_task(TASK.format(manifest=cid)), device="cpu")
         batches = batches_forever(IPFSDataset(cid, store=store), 16)
         caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="p2ptrain.training.trainer"):
+        with caplog.at_level(logging.WARNING, logger="p2ptrain.training._trainer"):
             for _ in range(5):
                 trainer.apply(trainer.compute_gradient(batches))
         warnings.append([r.getMessage() for r in caplog.records if "--standardize" in r.getMessage()])

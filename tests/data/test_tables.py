@@ -14,7 +14,7 @@ import pytest
 from sklearn.datasets import load_digits
 
 from p2ptrain.data import IPFSDataset
-from p2ptrain.data.tables import MAX_LINE_BYTES, MAX_TABLE_BYTES
+from p2ptrain.data._tables import MAX_LINE_BYTES, MAX_TABLE_BYTES
 
 NAMES = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
 

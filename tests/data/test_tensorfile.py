@@ -7,9 +7,10 @@ import numpy as np
 import pytest
 from safetensors.numpy import save
 
-from p2ptrain.data.manifest import TensorSpec
-from p2ptrain.data.shards import ShardError, decode_shard
-from p2ptrain.data.tensorfile import MAX_HEADER_BYTES, MAX_TENSORS, TensorFileError, read_header
+from p2ptrain.data._manifest import TensorSpec
+from p2ptrain.data._shards import ShardError, decode_shard
+from p2ptrain.data._tensorfile import MAX_HEADER_BYTES, MAX_TENSORS
+from p2ptrain.data import TensorFileError, read_header
 
 
 def crafted(header, body: bytes = b"") -> bytes:

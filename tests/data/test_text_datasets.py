@@ -13,11 +13,9 @@ import pyarrow.parquet as pq
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from p2ptrain.data import IPFSDataset
-from p2ptrain.data.builtin import load_source
-from p2ptrain.data.build import build_dataset
-from p2ptrain.data.tokens import MAX_TOKENIZER_BYTES, TokenizerError, tokenizer_by_cid
-from p2ptrain.ipfs.embedded import EmbeddedStore
+from p2ptrain.data import IPFSDataset, build_dataset, load_source
+from p2ptrain.data._tokens import MAX_TOKENIZER_BYTES, TokenizerError, tokenizer_by_cid
+from p2ptrain.ipfs import EmbeddedStore
 
 EOS = "<|endoftext|>"
 CONTEXT = 16

@@ -21,9 +21,9 @@ from _p2ptrain_fuzzing import FuzzTarget
 from PIL import Image
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
 
-from p2ptrain.data.images import ImageError, read_image_folder
-from p2ptrain.data.tables import TableError, table_arrays
-from p2ptrain.data.tokens import TokenizerError, parse_tokenizer
+from p2ptrain.data._images import ImageError, read_image_folder
+from p2ptrain.data._tables import TableError, table_arrays
+from p2ptrain.data._tokens import TokenizerError, parse_tokenizer
 
 _SCRATCH = tempfile.TemporaryDirectory(prefix="p2ptrain-fuzz-data-")
 _ROOT = Path(_SCRATCH.name)

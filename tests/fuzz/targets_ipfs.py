@@ -10,10 +10,25 @@ import json
 
 from _p2ptrain_fuzzing import FuzzTarget
 
-from p2ptrain.ipfs.blockstore import PinFileError, parse_pins
-from p2ptrain.ipfs.cid import DAG_PB, BlockMismatch, InvalidCID, cid_from_digest, cid_str, make_cid, parse_cid
-from p2ptrain.ipfs.dagpb import DecodeError, decode_node, decode_unixfs, encode_file_leaf, encode_file_node
-from p2ptrain.ipfs.unixfs import DagError, import_stream, read_file
+from p2ptrain.ipfs import (
+    BlockMismatch,
+    DAG_PB,
+    DagError,
+    DecodeError,
+    InvalidCID,
+    PinFileError,
+    cid_from_digest,
+    cid_str,
+    decode_node,
+    decode_unixfs,
+    encode_file_leaf,
+    encode_file_node,
+    import_stream,
+    make_cid,
+    parse_cid,
+    read_file,
+)
+from p2ptrain.ipfs._blockstore import parse_pins
 
 _FILE_BLOCKS = list(import_stream(io.BytesIO(b"hello world\n" * 30_000)))  # two leaves and a root
 _NODES = [encode_file_leaf(b""), encode_file_leaf(b"hello world\n"), _FILE_BLOCKS[-1][1], b""]

@@ -15,18 +15,18 @@ import torch
 from _p2ptrain_fuzzing import FuzzTarget
 from libp2p.crypto.ed25519 import create_new_key_pair
 
-from p2ptrain.data.manifest import Manifest, ManifestError, Pixels, ShardRef, Standardize, TensorSpec, Tokens
-from p2ptrain.data.shards import ShardError, decode_shard, encode_shard
-from p2ptrain.data.tensorfile import TensorFileError, read_header
-from p2ptrain.ipfs.cid import make_cid
-from p2ptrain.net.control import ControlRequestError, parse_request
-from p2ptrain.training.loading import model_from_bytes
-from p2ptrain.training.models import build_model
+from p2ptrain.data import Manifest, ManifestError, Pixels, TensorFileError, read_header
+from p2ptrain.data._manifest import ShardRef, Standardize, TensorSpec, Tokens
+from p2ptrain.data._shards import ShardError, decode_shard, encode_shard
+from p2ptrain.ipfs import make_cid
+from p2ptrain.control._socket import ControlRequestError, parse_request
+from p2ptrain.training import model_from_bytes
+from p2ptrain.models import build_model
 from p2ptrain.testing import attestations_for, proven_record
-from p2ptrain.training.lineage import entry_bytes, entry_from_bytes
-from p2ptrain.training.records import RecordError, model_bytes, tensors_bytes
-from p2ptrain.training.task import TaskError, load_task, task_bytes, task_from_bytes
-from p2ptrain.wire.messages import ConfirmedRecord, ModelRecord
+from p2ptrain.protocol._lineage import entry_bytes
+from p2ptrain.protocol import RecordError, entry_from_bytes, model_bytes, tensors_bytes
+from p2ptrain.task import TaskError, load_task, task_bytes, task_from_bytes
+from p2ptrain.wire import ConfirmedRecord, ModelRecord
 
 CID = "QmT78zSuBmuS4z925WZfrqQ1qHaJ56DQaTfyMUF7F8ff5o"
 SHARD_CID = make_cid(b"shard").encode("base32")

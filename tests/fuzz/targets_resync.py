@@ -10,12 +10,11 @@ import torch
 from _p2ptrain_fuzzing import FuzzTarget
 from libp2p.crypto.ed25519 import create_new_key_pair
 
-from p2ptrain.runtime.feedback_file import load_feedback
-from p2ptrain.training.lineage import Chain
-from p2ptrain.training.records import RecordError, sign_record, tensors_bytes
-from p2ptrain.training.task import load_task
-from p2ptrain.training.trainer import Trainer
-from p2ptrain.wire.messages import ModelRecord
+from p2ptrain.run._feedback_file import load_feedback
+from p2ptrain.protocol import Chain, RecordError, sign_record, tensors_bytes
+from p2ptrain.task import load_task
+from p2ptrain.training import Trainer
+from p2ptrain.wire import ModelRecord
 
 CID = "QmT78zSuBmuS4z925WZfrqQ1qHaJ56DQaTfyMUF7F8ff5o"
 INITIAL = "QmPZ9gcCEpqKTo6aq61g2nXGUhM4iCL3ewB6LDXZCtioEB"
@@ -63,7 +62,7 @@ _FEEDBACK_SEED = tensors_bytes({"residual": torch.arange(_TRAINER.num_parameters
 
 
 def _load_feedback(data: bytes) -> None:
-    """A member's kept error feedback (disk input, runtime/feedback_file.py): any bytes give a
+    """A member's kept error feedback (disk input, run/_feedback_file.py): any bytes give a
     residual of the model's size or None, never an error."""
     (_RUN_DIR / "feedback-7.safetensors").write_bytes(data)
     residual = load_feedback(_RUN_DIR, 7, _TRAINER.num_parameters)

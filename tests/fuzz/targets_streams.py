@@ -11,19 +11,12 @@ from _p2ptrain_fuzzing import FuzzTarget
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.id import ID
 
-from p2ptrain.ipfs.bitswap_wire import (
-    MAX_MESSAGE_SIZE,
-    ByteBudget,
-    MessageReader,
-    WantEntry,
-    WireError,
-    decode_message,
-    encode_message,
-)
-from p2ptrain.ipfs.cid import make_cid
-from p2ptrain.net.yamux_frames import YamuxFrameError, parse_frame_header
-from p2ptrain.net.noise import NoiseFrameError, message_spans
-from p2ptrain.wire.frames import HEADER, FrameError, Header, Kind, abort_frame, parse_abort, parse_header
+from p2ptrain.ipfs import MAX_MESSAGE_SIZE, make_cid
+from p2ptrain.ipfs._bitswap_wire import ByteBudget, MessageReader, WantEntry, WireError, decode_message, encode_message
+from p2ptrain.net._yamux_frames import YamuxFrameError, parse_frame_header
+from p2ptrain.net._noise import NoiseFrameError, message_spans
+from p2ptrain.wire import HEADER, Header, Kind, abort_frame, parse_abort, parse_header
+from p2ptrain.wire._frames import FrameError
 
 _LEAF = make_cid(b"leaf", version=1)
 _V0 = make_cid(b"v0 leaf", codec="dag-pb", version=0)

@@ -1,6 +1,6 @@
 """Fuzz targets of the wire layer: framed messages, and their JSON payloads signed as a real
 sender would sign them (so hostile bodies get past the signature check and reach the schema);
-one target per message type of p2ptrain.wire.messages, seeded with a valid message of that type,
+one target per message type of p2ptrain.wire._messages, seeded with a valid message of that type,
 so the fuzzer's mutations land in that type's own fields."""
 
 from __future__ import annotations
@@ -14,21 +14,17 @@ from pathlib import Path
 from _p2ptrain_fuzzing import FuzzTarget
 from libp2p.crypto.ed25519 import create_new_key_pair
 
-from p2ptrain import boundedjson
-from p2ptrain.errors import UserError
-from p2ptrain.node_config import NodeConfig
-from p2ptrain.identity import peer_id_of
-from p2ptrain.wire import DecodeError, decode, encode
-from p2ptrain.wire import codec
-from p2ptrain.wire.limits import WIRE_VERSION
-from p2ptrain.wire.messages import (
-    MESSAGES,
+from p2ptrain.base import UserError, boundedjson, peer_id_of
+from p2ptrain.node import NodeConfig
+from p2ptrain.wire import (
     Attestation,
     Capabilities,
     CoordinatorBeat,
+    DecodeError,
     Goodbye,
     HeadRequest,
     Heartbeat,
+    MESSAGES,
     ModelRecord,
     ModelServed,
     RoundFailed,
@@ -38,11 +34,15 @@ from p2ptrain.wire.messages import (
     SignedVote,
     TaskAnnounce,
     TaskCancel,
-    TaskResume,
     TaskHead,
+    TaskResume,
     Vote,
     VoteRequest,
+    _codec as codec,
+    decode,
+    encode,
 )
+from p2ptrain.wire._limits import WIRE_VERSION
 
 
 KEY = create_new_key_pair()

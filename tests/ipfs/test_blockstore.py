@@ -5,13 +5,8 @@ import os
 
 import pytest
 
-from p2ptrain.ipfs.blockstore import (
-    BlockNotFound,
-    BlockStore,
-    CorruptBlock,
-    PinFileError,
-)
-from p2ptrain.ipfs.cid import BlockMismatch, cid_str, make_cid
+from p2ptrain.ipfs._blockstore import BlockNotFound
+from p2ptrain.ipfs import BlockMismatch, BlockStore, CorruptBlock, PinFileError, cid_str, make_cid
 
 DATA = b"some block bytes"
 CID = make_cid(DATA)

@@ -12,21 +12,26 @@ import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
 from multiaddr import Multiaddr
 
-from p2ptrain.ipfs.blockstore import BlockStore
-from p2ptrain.ipfs.cid import CID, DAG_PB, cid_from_digest, parse_cid
-from p2ptrain.ipfs.dagpb import encode_file_leaf, encode_file_node
-from p2ptrain.ipfs.embedded import EmbeddedStore
-from p2ptrain.ipfs.exchange import BlockExchange, FetchError
-from p2ptrain.ipfs.unixfs import (
+from p2ptrain.ipfs import (
+    BlockExchange,
+    BlockStore,
     CHUNK_SIZE,
-    MAX_DEPTH,
+    CID,
+    DAG_PB,
     DagError,
+    EmbeddedStore,
+    FetchError,
     FileTooLarge,
+    cid_from_digest,
+    encode_file_leaf,
+    encode_file_node,
     import_stream,
+    parse_cid,
     read_file,
     walk_dag,
 )
-from p2ptrain.net.host import make_host
+from p2ptrain.ipfs._unixfs import MAX_DEPTH
+from p2ptrain.net import make_host
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 # Far more than any DAG here has distinct blocks, far less than the bombs' 174**levels visits: a

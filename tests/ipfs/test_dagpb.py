@@ -4,16 +4,18 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from p2ptrain.ipfs.cid import InvalidCID, make_cid, parse_cid
-from p2ptrain.ipfs.dagpb import (
-    FILE,
+from p2ptrain.ipfs import (
     DecodeError,
+    InvalidCID,
     decode_node,
     decode_unixfs,
     encode_file_leaf,
     encode_file_node,
+    make_cid,
+    parse_cid,
     varint,
 )
+from p2ptrain.ipfs._dagpb import FILE
 
 LEAF = make_cid(b"leaf")
 
@@ -111,7 +113,7 @@ def test_parse_cid_refuses_other_hashes_and_codecs():
 
 
 def test_decode_node_bounds_links_and_names():
-    from p2ptrain.ipfs.dagpb import MAX_LINK_NAME_BYTES, MAX_LINKS_PER_NODE
+    from p2ptrain.ipfs._dagpb import MAX_LINK_NAME_BYTES, MAX_LINKS_PER_NODE
 
     link = b"\x0a" + varint(len(bytes(LEAF))) + bytes(LEAF)
     many = (b"\x12" + varint(len(link)) + link) * (MAX_LINKS_PER_NODE + 1)

@@ -26,12 +26,11 @@ from pathlib import Path
 import pytest
 import trio
 
-from p2ptrain.ipfs.store import ContentUnavailable
-from p2ptrain.mesh import discovery as discovery_module
-from p2ptrain.node import Node
-from p2ptrain.node_config import NodeConfig
-from p2ptrain.runtime.latest import LatestFinder, head_key
-from p2ptrain.runtime.peer import make_peer
+from p2ptrain.ipfs import ContentUnavailable
+from p2ptrain.mesh import _discovery as discovery_module
+from p2ptrain.node import Node, NodeConfig
+from p2ptrain.services import LatestFinder, make_peer
+from p2ptrain.services._latest import head_key
 from p2ptrain.testing import proven_chain, rules_task, wait_until
 
 DEADLINE_S = 60.0  # four nodes start, two announcements, two lookups, 1 MiB and a chain on loopback

@@ -4,9 +4,7 @@ import os
 
 import pytest
 
-from p2ptrain.ipfs.cid import cid_str, parse_cid
-from p2ptrain.ipfs.embedded import EmbeddedStore
-from p2ptrain.ipfs.store import ContentStore, ContentUnavailable, open_store
+from p2ptrain.ipfs import ContentStore, ContentUnavailable, EmbeddedStore, cid_str, open_store, parse_cid
 
 DATA = os.urandom(5 * 256 * 1024 + 123)
 

@@ -12,13 +12,10 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.peerinfo import PeerInfo
 from multiaddr import Multiaddr
 
-from p2ptrain.ipfs.bitswap_wire import WantEntry, decode_message, encode_message
-from p2ptrain.ipfs.blockstore import BlockStore
-from p2ptrain.ipfs.cid import make_cid, parse_cid
-from p2ptrain.ipfs.exchange import BlockExchange, FetchError
-from p2ptrain.ipfs.unixfs import import_stream, read_file
-from p2ptrain.logs import short_id
-from p2ptrain.net.host import make_host
+from p2ptrain.ipfs._bitswap_wire import WantEntry, decode_message, encode_message
+from p2ptrain.ipfs import BlockExchange, BlockStore, FetchError, import_stream, make_cid, parse_cid, read_file
+from p2ptrain.base import short_id
+from p2ptrain.net import make_host
 from p2ptrain.testing import connected_hosts
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
@@ -228,7 +225,7 @@ class ChunkedStream:
 
 @pytest.mark.parametrize("sizes", [[1] * 64, [3, 700_000, 5], [10_000_000]])
 async def test_message_reader_reassembles_across_any_read_boundaries(sizes):
-    from p2ptrain.ipfs.bitswap_wire import MessageReader, WireError
+    from p2ptrain.ipfs._bitswap_wire import MessageReader, WireError
 
     blocks = [content(n, seed=n) for n in (0, 5, 300_000, 7)]
     wire = b"".join(encode_message(blocks=[(make_cid(b), b)]) for b in blocks)
@@ -267,8 +264,7 @@ HOSTILE_STREAMS = 200
 async def _hostile_streams(attacker, target_id, count: int, partial: int, opened: list) -> None:
     """``count`` Bitswap streams, each announcing a 4 MiB message and sending ``partial`` bytes of it,
     then holding it open; returns once every stream was refused or has its bytes written."""
-    from p2ptrain.ipfs.bitswap_wire import MAX_MESSAGE_SIZE, PROTOCOLS
-    from p2ptrain.ipfs.dagpb import varint
+    from p2ptrain.ipfs import MAX_MESSAGE_SIZE, PROTOCOLS, varint
 
     async def one() -> None:
         try:
@@ -284,8 +280,8 @@ async def _hostile_streams(attacker, target_id, count: int, partial: int, opened
 
 
 async def test_hostile_streams_pin_at_most_the_per_peer_budget(tmp_path):
-    from p2ptrain.ipfs.bitswap_wire import MAX_MESSAGE_SIZE
-    from p2ptrain.ipfs.exchange import MAX_INBOUND_BYTES_PER_PEER, MAX_INBOUND_STREAMS_PER_PEER
+    from p2ptrain.ipfs import MAX_MESSAGE_SIZE
+    from p2ptrain.ipfs._exchange import MAX_INBOUND_BYTES_PER_PEER, MAX_INBOUND_STREAMS_PER_PEER
 
     data = content(MiB + 7, seed=5)
     async with nodes(tmp_path, BlockStore, BlockStore) as (node, honest):
@@ -324,7 +320,7 @@ async def test_hostile_streams_pin_at_most_the_per_peer_budget(tmp_path):
 
 
 async def test_a_stalled_message_is_dropped_after_the_message_timeout(tmp_path, monkeypatch):
-    from p2ptrain.ipfs import exchange as exchange_module
+    from p2ptrain.ipfs import _exchange as exchange_module
 
     monkeypatch.setattr(exchange_module, "MESSAGE_TIMEOUT_S", 0.5)
     async with nodes(tmp_path, BlockStore) as (node,):
@@ -346,8 +342,7 @@ async def test_a_stalled_message_is_dropped_after_the_message_timeout(tmp_path, 
 async def test_a_handler_exception_is_a_counted_reset_and_the_node_keeps_serving(tmp_path, monkeypatch):
     """The Bitswap handler's boundary: an unexpected error while handling one message resets that
     stream, is counted, and the node serves the next request."""
-    from p2ptrain.ipfs import exchange as exchange_module
-    from p2ptrain.ipfs.bitswap_wire import PROTOCOLS
+    from p2ptrain.ipfs import PROTOCOLS, _exchange as exchange_module
 
     real_decode = exchange_module.decode_message
 
@@ -377,7 +372,7 @@ async def test_a_handler_exception_is_a_counted_reset_and_the_node_keeps_serving
 async def test_fetches_work_across_idle_timeouts(tmp_path, monkeypatch):
     """Idle streams are closed on both sides (the sender first), and a later fetch from the same
     provider opens fresh ones instead of failing on a stream the provider dropped."""
-    from p2ptrain.ipfs import exchange as exchange_module
+    from p2ptrain.ipfs import _exchange as exchange_module
 
     monkeypatch.setattr(exchange_module, "_SEND_IDLE_S", 0.2)
     monkeypatch.setattr(exchange_module, "INBOUND_IDLE_S", 0.4)
@@ -415,7 +410,7 @@ class JsLikeBitswap:
         self.changed = trio.Event()
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        from p2ptrain.ipfs.bitswap_wire import PROTOCOLS
+        from p2ptrain.ipfs import PROTOCOLS
 
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
@@ -428,7 +423,7 @@ class JsLikeBitswap:
         self.changed = trio.Event()
 
     async def _on_stream(self, stream) -> None:
-        from p2ptrain.ipfs.bitswap_wire import MessageReader
+        from p2ptrain.ipfs._bitswap_wire import MessageReader
 
         peer_id = stream.muxed_conn.peer_id
         try:
@@ -459,7 +454,7 @@ class JsLikeBitswap:
             pass  # the other side went away: the test sees it as a missing block
 
     async def _send(self, peer_id, **message) -> None:
-        from p2ptrain.ipfs.bitswap_wire import PROTOCOLS
+        from p2ptrain.ipfs import PROTOCOLS
 
         stream = await self.host.new_stream(peer_id, [PROTOCOLS[0]])
         await stream.write(encode_message(**message))
@@ -467,7 +462,7 @@ class JsLikeBitswap:
 
     async def fetch(self, root, peer_id) -> bytes:
         """The file under ``root``, level by level: each level's wants in one message on a fresh stream."""
-        from p2ptrain.ipfs.dagpb import decode_node
+        from p2ptrain.ipfs import decode_node
 
         level = [root]
         while level:
@@ -535,7 +530,7 @@ async def test_fetch_after_the_peer_reset_our_idle_stream(tmp_path):
 async def test_a_wantlist_longer_than_one_message_may_carry_is_split(tmp_path):
     """A receiver takes at most MAX_ENTRIES wants a message (go and JS bound theirs too); more queued
     at once went out as one message, which the provider refused and reset (the fetch then failed)."""
-    from p2ptrain.ipfs.bitswap_wire import MAX_ENTRIES
+    from p2ptrain.ipfs._bitswap_wire import MAX_ENTRIES
 
     data = content(300_000, seed=50)
     async with nodes(tmp_path, BlockStore, BlockStore) as (provider, fetcher):

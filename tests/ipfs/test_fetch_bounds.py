@@ -12,12 +12,19 @@ from pathlib import Path
 import pytest
 import trio
 
-from p2ptrain.ipfs.blockstore import BlockStore
-from p2ptrain.ipfs.cid import CID, DAG_PB, cid_from_digest
-from p2ptrain.ipfs.dagpb import encode_file_leaf, encode_file_node
-from p2ptrain.ipfs.embedded import EmbeddedStore
-from p2ptrain.ipfs.exchange import BlockExchange, FetchError
-from p2ptrain.ipfs.unixfs import CHUNK_SIZE, dag_bytes_limit
+from p2ptrain.ipfs import (
+    BlockExchange,
+    BlockStore,
+    CHUNK_SIZE,
+    CID,
+    DAG_PB,
+    EmbeddedStore,
+    FetchError,
+    cid_from_digest,
+    dag_bytes_limit,
+    encode_file_leaf,
+    encode_file_node,
+)
 from p2ptrain.testing import connected_hosts
 
 GIB = 1 << 30

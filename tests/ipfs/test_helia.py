@@ -20,10 +20,7 @@ import trio
 from libp2p.peer.peerinfo import info_from_p2p_addr
 from multiaddr import Multiaddr
 
-from p2ptrain.ipfs.blockstore import BlockStore
-from p2ptrain.ipfs.cid import cid_str, parse_cid
-from p2ptrain.ipfs.exchange import BlockExchange
-from p2ptrain.ipfs.unixfs import import_stream, read_file
+from p2ptrain.ipfs import BlockExchange, BlockStore, cid_str, import_stream, parse_cid, read_file
 from p2ptrain.testing import connected_hosts
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import trio
 
-from p2ptrain.net import control_ops
+from p2ptrain.control import ops as control_ops
 from p2ptrain.testing import local_peers, node_processes, wait_for
 
 P2PTRAIN = str(Path(sys.executable).with_name("p2ptrain"))

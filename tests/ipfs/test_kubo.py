@@ -19,10 +19,9 @@ import ipfshttpclient
 import pytest
 
 from p2ptrain.cli.main import main as cli_main
-from p2ptrain.errors import UserError
-from p2ptrain.ipfs.embedded import EmbeddedStore
-from p2ptrain.ipfs.kubo import KuboStore, api_multiaddr
-from p2ptrain.ipfs.store import ContentStore, ContentUnavailable, open_store
+from p2ptrain.base import UserError
+from p2ptrain.ipfs import ContentStore, ContentUnavailable, EmbeddedStore, open_store
+from p2ptrain.ipfs._kubo import KuboStore, api_multiaddr
 
 # The first test may install js-ipfs (~4 min) when `make test` has not already: allow for it.
 # Every test but the unreachable-daemon one talks to js-ipfs: they need node and npm (tests/conftest.py).

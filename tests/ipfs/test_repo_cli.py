@@ -13,15 +13,12 @@ import numpy as np
 import pytest
 from libp2p.crypto.ed25519 import create_new_key_pair
 
-from p2ptrain.training.demo import TASK_TEMPLATE
-from p2ptrain.data.build import build_dataset
-from p2ptrain.ipfs.blockstore import BlockStore
-from p2ptrain.ipfs.cid import cid_str, make_cid, parse_cid
-from p2ptrain.ipfs.embedded import EmbeddedStore
+from p2ptrain.task import TASK_TEMPLATE, load_task, task_bytes
+from p2ptrain.data import build_dataset
+from p2ptrain.ipfs import BlockStore, EmbeddedStore, cid_str, make_cid, parse_cid
 from p2ptrain.testing import proven_record
-from p2ptrain.training.lineage import entry_bytes
-from p2ptrain.training.task import load_task, task_bytes
-from p2ptrain.wire.messages import ConfirmedRecord, ModelRecord
+from p2ptrain.protocol._lineage import entry_bytes
+from p2ptrain.wire import ConfirmedRecord, ModelRecord
 
 P2PTRAIN = str(Path(sys.executable).with_name("p2ptrain"))
 
@@ -37,7 +34,7 @@ def noise(n: int, seed: int) -> bytes:
 
 def blocks_of(store: EmbeddedStore, cid: str) -> set[bytes]:
     """The multihashes of a file's blocks, read before anything is collected."""
-    from p2ptrain.ipfs.unixfs import walk_dag
+    from p2ptrain.ipfs import walk_dag
 
     return {c.digest for c in walk_dag(parse_cid(cid), store.blocks.get)}
 

@@ -4,9 +4,19 @@ import io
 
 import pytest
 
-from p2ptrain.ipfs.cid import DAG_PB, BlockMismatch, cid_str, make_cid, parse_cid
-from p2ptrain.ipfs.dagpb import encode_file_node
-from p2ptrain.ipfs.unixfs import CHUNK_SIZE, MAX_LINKS, DagError, import_stream, read_file
+from p2ptrain.ipfs import (
+    BlockMismatch,
+    CHUNK_SIZE,
+    DAG_PB,
+    DagError,
+    MAX_LINKS,
+    cid_str,
+    encode_file_node,
+    import_stream,
+    make_cid,
+    parse_cid,
+    read_file,
+)
 
 # (content length, CIDv0 default, CIDv1 raw leaves); content = bytes(i % 251 for i in range(n)).
 VECTORS = [

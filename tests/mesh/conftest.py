@@ -1,6 +1,6 @@
 """Message types used only by the mesh tests, in a registry of their own.
 
-The package's registry (:data:`p2ptrain.wire.messages.MESSAGES`) is never touched: nodes that must
+The package's registry (:data:`p2ptrain.wire.MESSAGES`) is never touched: nodes that must
 read these types are built with ``messages=TEST_MESSAGES``.
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from p2ptrain.wire.messages import MESSAGES, message
+from p2ptrain.wire import MESSAGES, message
 
 TEST_MESSAGES = MESSAGES.copy()
 

@@ -14,13 +14,11 @@ from libp2p.peer.id import ID
 from libp2p.pubsub.gossipsub import PROTOCOL_ID_V11
 from libp2p.utils.varint import encode_uvarint
 
-from p2ptrain.mesh import router as router_module
-from p2ptrain.wire.topics import MESH_TOPIC
-from p2ptrain.node import Node
-from p2ptrain.node_config import NodeConfig
+from p2ptrain.mesh import _router as router_module
+from p2ptrain.wire import MESH_TOPIC, _codec as codec
+from p2ptrain.node import Node, NodeConfig
 from p2ptrain.testing import local_mesh, node_processes, wait_for
-from p2ptrain.wire import codec
-from p2ptrain.wire.limits import WIRE_VERSION
+from p2ptrain.wire._limits import WIRE_VERSION
 
 from .conftest import TEST_MESSAGES, Note
 
@@ -143,7 +141,7 @@ async def test_a_peer_flooding_faster_than_its_inbound_rate_is_cut_off_before_an
     from libp2p.pubsub.pb import rpc_pb2
     from libp2p.pubsub.validators import PUBSUB_SIGNING_PREFIX
 
-    from p2ptrain.net import pubsub as pubsub_module
+    from p2ptrain.net import _pubsub as pubsub_module
 
     monkeypatch.setattr(pubsub_module, "MAX_INBOUND_MESSAGES_PER_PEER_PER_S", 100.0, raising=False)
     monkeypatch.setattr(pubsub_module, "INBOUND_BURST", 200, raising=False)

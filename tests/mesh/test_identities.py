@@ -18,14 +18,12 @@ from libp2p.peer.id import ID
 from libp2p.pubsub.pb import rpc_pb2
 from libp2p.pubsub.validators import PUBSUB_SIGNING_PREFIX
 
-from p2ptrain.identity import peer_id_of
-from p2ptrain.mesh import discovery as discovery_module
-from p2ptrain.mesh import membership as membership_module
-from p2ptrain.wire.topics import MESH_TOPIC
-from p2ptrain.node import STATUS_MAX_PEERS, Node
+from p2ptrain.base import peer_id_of
+from p2ptrain.mesh import _discovery as discovery_module, _membership as membership_module
+from p2ptrain.wire import Capabilities, Heartbeat, MESH_TOPIC, encode
+from p2ptrain.node._node import STATUS_MAX_PEERS
+from p2ptrain.node import Node
 from p2ptrain.testing import free_port, local_mesh
-from p2ptrain.wire import encode
-from p2ptrain.wire.messages import Capabilities, Heartbeat
 
 CAPS = Capabilities(device="cpu", cpu_count=1, free_ram_bytes=1, version="0")
 

@@ -10,13 +10,11 @@ import pytest
 import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
 
-from p2ptrain.wire.topics import MESH_TOPIC
-from p2ptrain.net.pubsub import MessageTooLarge
-from p2ptrain.node import Node
-from p2ptrain.node_config import NodeConfig
+from p2ptrain.wire import MAX_MESSAGE_BYTES, MESH_TOPIC, _codec as codec, encode
+from p2ptrain.net import PubsubMessageTooLarge as MessageTooLarge
+from p2ptrain.node import Node, NodeConfig
 from p2ptrain.testing import local_mesh
-from p2ptrain.wire import codec, encode
-from p2ptrain.wire.limits import MAX_MESSAGE_BYTES, WIRE_VERSION
+from p2ptrain.wire._limits import WIRE_VERSION
 
 from .conftest import TEST_MESSAGES, Blob, Note
 

@@ -9,12 +9,9 @@ from dataclasses import replace
 import pytest
 import trio
 
-from p2ptrain.errors import UserError
-from p2ptrain.net import control_ops
-from p2ptrain.net.control import ControlClient
-from p2ptrain.node import Node
-from p2ptrain.node_config import NodeConfig
-from p2ptrain.runtime.status import NodeStatus
+from p2ptrain.base import UserError
+from p2ptrain.control import ControlClient, NodeStatus, ops as control_ops
+from p2ptrain.node import Node, NodeConfig
 
 
 NODE_KEYS = {"peer_id", "addrs", "reachability", "autonat", "relay", "home", "version", "listening_at", "started_at",
@@ -130,11 +127,11 @@ def test_a_bad_config_file_is_one_user_error_line(tmp_path, text, message):
 
 def test_relay_limits_come_from_flags_environment_or_file_within_bounds(tmp_path, monkeypatch, capsys):
     """node start's --relay-max-* (config show resolves what it would run with): flag over
-    P2PTRAIN_* over config.toml over the defaults of p2ptrain.net.relay; out of bounds is one line."""
+    P2PTRAIN_* over config.toml over the defaults of p2ptrain.net._relay; out of bounds is one line."""
     import json
 
     from p2ptrain.cli.main import main
-    from p2ptrain.net.relay import RELAY_MAX_CIRCUIT_BYTES
+    from p2ptrain.net import RELAY_MAX_CIRCUIT_BYTES
 
     (tmp_path / "config.toml").write_text("[node]\nrelay_max_circuit_duration = 600\n")
     monkeypatch.setenv("P2PTRAIN_RELAY_MAX_CIRCUIT_BYTES", str(64 * 1024**2))

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from p2ptrain.logs import short_id
+from p2ptrain.base import short_id
 from p2ptrain.testing import node_processes, wait_for
 
 CLI = [sys.executable, "-m", "p2ptrain.cli.main"]

@@ -3,7 +3,8 @@ driven by an injected clock."""
 
 from __future__ import annotations
 
-from p2ptrain.mesh.rates import Rate, SenderRates
+from p2ptrain.mesh import Rate
+from p2ptrain.mesh._rates import SenderRates
 
 
 def test_a_sender_gets_its_burst_then_its_rate_and_others_are_untouched():

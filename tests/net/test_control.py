@@ -10,18 +10,9 @@ import stat
 import pytest
 import trio
 
-from p2ptrain.errors import UserError
-from p2ptrain.net import control_ops
-from p2ptrain.net.control import (
-    MAX_CONNECTIONS,
-    MAX_REQUEST_BYTES,
-    ControlClient,
-    ControlError,
-    ControlRequestError,
-    ControlServer,
-    parse_request,
-    socket_path,
-)
+from p2ptrain.base import UserError
+from p2ptrain.control import ControlClient, ControlError, ControlServer, ops as control_ops, socket_path
+from p2ptrain.control._socket import MAX_CONNECTIONS, MAX_REQUEST_BYTES, ControlRequestError, parse_request
 from p2ptrain.testing import NodeProcess, free_port, local_mesh
 
 
@@ -254,9 +245,8 @@ async def test_connections_over_the_cap_are_told_busy_and_the_server_recovers(ho
 
 
 async def test_every_op_of_a_real_peer_answers_hostile_parameters_and_the_node_keeps_serving(tmp_path):
-    from p2ptrain.node import Node
-    from p2ptrain.node_config import NodeConfig
-    from p2ptrain.runtime.peer import make_peer
+    from p2ptrain.node import Node, NodeConfig
+    from p2ptrain.services import make_peer
 
     node = Node(tmp_path / "peer", NodeConfig(listen=["/ip4/127.0.0.1/tcp/0"], dht=False))
     make_peer(node)

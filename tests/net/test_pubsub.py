@@ -8,8 +8,8 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.pubsub.gossipsub import PROTOCOL_ID_V11
 from multiaddr import Multiaddr
 
-from p2ptrain.net.host import make_host
-from p2ptrain.net.pubsub import SUBSCRIPTION_QUEUE, MessageTooLarge, make_pubsub, publish_bytes, running_pubsub
+from p2ptrain.net import PubsubMessageTooLarge as MessageTooLarge, make_host, make_pubsub, publish_bytes, running_pubsub
+from p2ptrain.net._pubsub import SUBSCRIPTION_QUEUE
 from p2ptrain.testing import connect, connected_hosts
 
 LOOPBACK = Multiaddr("/ip4/127.0.0.1/tcp/0")
@@ -57,7 +57,7 @@ async def test_connections_made_before_pubsub_started_carry_messages_and_bursts_
 async def test_a_subscription_queue_holds_a_bounded_number_of_bytes_and_counts_the_rest(monkeypatch):
     """A flood of maximal messages at a reader that is behind must not pin memory without bound:
     4096 queued messages of 64 KiB would be 256 MiB."""
-    from p2ptrain.net import pubsub as pubsub_module
+    from p2ptrain.net import _pubsub as pubsub_module
 
     monkeypatch.setattr(pubsub_module, "SUBSCRIPTION_QUEUE_BYTES", 1 << 20, raising=False)
     a = make_host(create_new_key_pair(), [LOOPBACK])

@@ -1,4 +1,4 @@
-"""AutoNAT dial-back (p2ptrain.net.reachability) between real hosts on 127.0.0.1, and the verdict rule."""
+"""AutoNAT dial-back (p2ptrain.net._reachability) between real hosts on 127.0.0.1, and the verdict rule."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import trio
 from libp2p.host.autonat.pb.autonat_pb2 import Message
 from multiaddr import Multiaddr
 
-from p2ptrain.net.reachability import DialBackService, Reachability, decide
+from p2ptrain.net._reachability import DialBackService, decide
+from p2ptrain.net import Reachability
 from p2ptrain.testing import connected_hosts
 
 TIMEOUT_S = 30.0

@@ -1,4 +1,4 @@
-"""Circuit relay v2 between real hosts on 127.0.0.1 (p2ptrain.net.relay): a peer that reserved a
+"""Circuit relay v2 between real hosts on 127.0.0.1 (p2ptrain.net._relay): a peer that reserved a
 slot is dialed through the relay, and the relay forwards only ciphertext."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import trio
 from multiaddr import Multiaddr
 
-from p2ptrain.net.relay import Relaying, is_circuit, relay_limits
+from p2ptrain.net import Relaying, is_circuit, relay_limits
 from p2ptrain.testing import connected_hosts
 
 TIMEOUT_S = 30.0

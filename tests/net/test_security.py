@@ -10,7 +10,7 @@ from libp2p.peer.peerinfo import PeerInfo
 from libp2p.security.insecure.transport import PLAINTEXT_PROTOCOL_ID, InsecureTransport
 from multiaddr import Multiaddr
 
-from p2ptrain.net.host import make_host, noise_only
+from p2ptrain.net import make_host, noise_only
 
 LOOPBACK = Multiaddr("/ip4/127.0.0.1/tcp/0")
 

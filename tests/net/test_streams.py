@@ -13,17 +13,10 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.peerinfo import PeerInfo
 from multiaddr import Multiaddr
 
-from p2ptrain.logs import short_id
-from p2ptrain.net.host import noise_only
-from p2ptrain.net.muxer import FastYamux
-from p2ptrain.net.noise import NoiseSession
-from p2ptrain.net.streams import (
-    Channel,
-    ChannelClosed,
-    MessageTooLarge,
-    open_channel,
-    serve_channels,
-)
+from p2ptrain.base import short_id
+from p2ptrain.net import Channel, ChannelClosed, MessageTooLarge, noise_only, open_channel, serve_channels
+from p2ptrain.net._muxer import FastYamux
+from p2ptrain.net._noise import NoiseSession
 from p2ptrain.testing import connect, new_host
 
 PROTO = "/p2ptrain/test-channel/1.0.0"
@@ -381,7 +374,7 @@ async def _tampering_proxy(target_port: int, tamper: trio.Event, task_status=tri
 
 
 async def test_tampered_ciphertext_ends_the_connection_with_channel_closed(caplog):
-    caplog.set_level(logging.DEBUG, logger="p2ptrain.net.muxer")
+    caplog.set_level(logging.DEBUG, logger="p2ptrain.net._muxer")
     tamper = trio.Event()
     outcome: dict[str, object] = {}
     done = trio.Event()
@@ -537,7 +530,7 @@ async def test_a_send_cancelled_mid_frame_resets_its_channel_and_keeps_the_conne
 async def test_inbound_streams_over_the_muxer_cap_are_refused_counted_and_logged_at_powers_of_two(caplog):
     """Streams beyond MAX_INBOUND_STREAMS on one connection are reset at SYN; the count is readable
     (FastYamux.refused) and the log gets the 1st, 2nd, 4th, ... refusal only (logs.count_rejection)."""
-    from p2ptrain.net.muxer import MAX_INBOUND_STREAMS
+    from p2ptrain.net._muxer import MAX_INBOUND_STREAMS
 
     hold = trio.Event()
 
@@ -545,7 +538,7 @@ async def test_inbound_streams_over_the_muxer_cap_are_refused_counted_and_logged
         await hold.wait()
 
     extra = 12
-    caplog.set_level(logging.INFO, logger="p2ptrain.net.muxer")
+    caplog.set_level(logging.INFO, logger="p2ptrain.net._muxer")
     with trio.fail_after(60):
         async with running(new_host()) as a, running(new_host()) as b:
             b.set_stream_handler(PROTO, holder)

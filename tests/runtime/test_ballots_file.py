@@ -1,4 +1,4 @@
-"""The file where a member keeps the latest term it may have voted in (runtime/ballots_file.py):
+"""The file where a member keeps the latest term it may have voted in (run/_ballots_file.py):
 real files in a temporary run folder."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from p2ptrain.runtime.ballots_file import VOTED_FILE, load_voted_through, save_voted_through
+from p2ptrain.run._ballots_file import VOTED_FILE, load_voted_through, save_voted_through
 
 
 def test_a_term_kept_is_read_back_and_a_first_run_has_none(tmp_path: Path) -> None:

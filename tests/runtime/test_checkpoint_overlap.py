@@ -17,12 +17,11 @@ from typing import Any
 import numpy as np
 import trio
 
-from p2ptrain.data.build import build_dataset
-from p2ptrain.data.builtin import load_source
+from p2ptrain.data import build_dataset, load_source
 from p2ptrain.testing import LocalPeers, local_peers
-from p2ptrain.testing.peers import DIGITS_TASK
-from p2ptrain.training.records import read_tensors
-from p2ptrain.training.task import load_task, task_bytes
+from p2ptrain.testing._peers import DIGITS_TASK
+from p2ptrain.protocol import read_tensors
+from p2ptrain.task import load_task, task_bytes
 
 DEADLINE_S = 120.0  # the whole test: three peers train 3 spans of a tiny MLP (~10 s alone)
 STEP_S = 60.0  # one condition: the run's own deadlines are a few seconds

@@ -14,9 +14,8 @@ from pathlib import Path
 import pytest
 import trio
 
-from p2ptrain.ipfs.bitswap_wire import PROTOCOLS
-from p2ptrain.ipfs.store import ContentUnavailable
-from p2ptrain.net.control import ControlClient, ControlError
+from p2ptrain.ipfs import ContentUnavailable, PROTOCOLS
+from p2ptrain.control import ControlClient, ControlError
 from p2ptrain.testing import local_peers
 
 DEADLINE_S = 60.0  # each test: two peers start and exchange at most a few MiB on loopback

@@ -21,10 +21,10 @@ import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.crypto.keys import KeyPair
 
-from p2ptrain.identity import KEY_FILE
+from p2ptrain.base._identity import KEY_FILE
 from p2ptrain.testing import local_peers, publish_digits_task
-from p2ptrain.training import signing
-from p2ptrain.training.voters import designated
+from p2ptrain.protocol import signing
+from p2ptrain.protocol._voters import designated
 
 RUN_S = 240.0  # four peers, 30 rounds and three checkpoints, an election after the accusation
 

@@ -16,7 +16,7 @@ from PIL import Image
 from sklearn.datasets import load_digits
 
 from p2ptrain.testing import LocalPeers, local_peers
-from p2ptrain.training.lineage import Chain, read_chain
+from p2ptrain.protocol import Chain, read_chain
 
 DEADLINE_S = 150.0
 STEPS, CHECKPOINT = 60, 20
@@ -52,9 +52,8 @@ def write_image_folder(root: Path) -> None:
 
 
 async def _publish(peers: LocalPeers, folder: Path) -> str:
-    from p2ptrain.data.build import build_source
-    from p2ptrain.data.sources import read_source
-    from p2ptrain.training.task import load_task, task_bytes
+    from p2ptrain.data import build_source, read_source
+    from p2ptrain.task import load_task, task_bytes
 
     store = peers[0].content.store
 

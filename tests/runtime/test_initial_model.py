@@ -10,11 +10,10 @@ from pathlib import Path
 import torch
 import trio
 
-from p2ptrain.ipfs.cid import parse_cid
-from p2ptrain.ipfs.unixfs import CHUNK_SIZE, dag_bytes_limit, walk_dag
+from p2ptrain.ipfs import CHUNK_SIZE, dag_bytes_limit, parse_cid, walk_dag
 from p2ptrain.testing import local_peers, publish_digits_task
-from p2ptrain.training.models import build_model, model_file_limit
-from p2ptrain.training.records import model_bytes
+from p2ptrain.models import build_model, model_file_limit
+from p2ptrain.protocol import model_bytes
 
 KWARGS = {"in_features": 64, "hidden": [16], "out_features": 10}  # testing.DIGITS_TASK's model
 
@@ -56,10 +55,10 @@ async def test_a_members_own_module_reads_the_initial_model_within_what_it_takes
     size was fetched and read whole."""
     import pytest
 
-    from p2ptrain.api.rendezvous import load_initial
-    from p2ptrain.ipfs.store import ContentUnavailable
-    from p2ptrain.training.models import file_bytes_bound
-    from p2ptrain.training.task import task_from_bytes
+    from p2ptrain.api._rendezvous import load_initial
+    from p2ptrain.ipfs import ContentUnavailable
+    from p2ptrain.models import file_bytes_bound
+    from p2ptrain.task import task_from_bytes
 
     first = build_model("mlp", KWARGS, seed=7)
     honest = model_bytes(first, {"name": "mlp", "kwargs": KWARGS})

@@ -1,5 +1,5 @@
 """`model fetch --latest` believes no head as told: a node that holds a task's chain on disk answers
-a head request, and the fetcher (runtime/latest.py) judges the chain each head names against the
+a head request, and the fetcher (services/_latest.py) judges the chain each head names against the
 task's own rules; what a head claims (version, model) counts for nothing. Loopback peers in this
 process, real keys, real chains with their proofs."""
 
@@ -10,11 +10,10 @@ from pathlib import Path
 import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
 
-from p2ptrain.runtime.latest import LatestFinder
+from p2ptrain.services import LatestFinder
 from p2ptrain.testing import local_peers, proven_chain, rules_task
-from p2ptrain.training import signing
-from p2ptrain.wire.messages import TaskHead
-from p2ptrain.wire.topics import TASKS_TOPIC
+from p2ptrain.protocol import signing
+from p2ptrain.wire import TASKS_TOPIC, TaskHead
 
 # Peers start, one request and its answer, a few chains fetched: seconds; room for a loaded box.
 DEADLINE_S = 60.0

@@ -17,10 +17,10 @@ import torch
 import trio
 
 from p2ptrain.cli.task import render_status
-from p2ptrain.runtime.status import TaskStatus
+from p2ptrain.control import TaskStatus
 from p2ptrain.testing import LocalPeers, local_peers
-from p2ptrain.training.local_sgd import LocalSGDTrainer
-from p2ptrain.training.lineage import Chain, read_chain
+from p2ptrain.training import LocalSGDTrainer
+from p2ptrain.protocol import Chain, read_chain
 
 # The whole run, alone about 15 s; room for a loaded 2-core box.
 DEADLINE_S = 150.0
@@ -58,9 +58,8 @@ max = 8
 
 
 async def _publish(peers: LocalPeers) -> str:
-    from p2ptrain.data.build import build_dataset
-    from p2ptrain.data.builtin import load_source
-    from p2ptrain.training.task import load_task, task_bytes
+    from p2ptrain.data import build_dataset, load_source
+    from p2ptrain.task import load_task, task_bytes
 
     store = peers[0].content.store
 
@@ -156,11 +155,11 @@ async def test_the_outer_round_waits_for_a_slower_member_up_to_outer_wait_s_then
     up to ``outer.wait_s`` (a member that is merely slower is waited for); past it the round fails
     naming the late member, not as gone, and the coordinator's retry leaves it out."""
     from p2ptrain.collective import Collective, PeerFailed
-    from p2ptrain.runtime.spans import START_TIMEOUT_S, round_start_timeout
+    from p2ptrain.run._spans import START_TIMEOUT_S, round_start_timeout
     from p2ptrain.testing import connected_hosts
-    from p2ptrain.training.sync import PlanAverager
-    from p2ptrain.training.task import load_task
-    from p2ptrain.wire.messages import RoundPlan
+    from p2ptrain.training import PlanAverager
+    from p2ptrain.task import load_task
+    from p2ptrain.wire import RoundPlan
 
     text = TASK.format(manifest="bafkreigh2akiscaildcqabsyg3dfr6chu3fgpregiymsck7e7aqa4s52zy", inner=5, steps=4,
                        checkpoint=2).replace('[outer]\n', '[outer]\nwait_s = 1.5\n')

@@ -1,11 +1,11 @@
-"""Nudge: how one job of a run wakes another's loop (runtime/run_state.py)."""
+"""Nudge: how one job of a run wakes another's loop (run/_run_state.py)."""
 
 from __future__ import annotations
 
 import trio
 import trio.testing
 
-from p2ptrain.runtime.run_state import Nudge
+from p2ptrain.run._run_state import Nudge
 
 
 def test_a_nudge_given_while_nobody_waits_is_kept_for_the_next_wait_and_then_consumed() -> None:

@@ -11,11 +11,11 @@ from typing import Any
 
 import trio
 
-from p2ptrain.runtime.ballots_file import load_voted_through
+from p2ptrain.run._ballots_file import load_voted_through
 from p2ptrain.testing import LocalPeers, local_peers, publish_digits_task
-from p2ptrain.training.lineage import Chain, entry_bytes, read_chain
-from p2ptrain.training.records import sign_record
-from p2ptrain.wire.messages import ConfirmedRecord
+from p2ptrain.protocol import Chain, read_chain, sign_record
+from p2ptrain.protocol._lineage import entry_bytes
+from p2ptrain.wire import ConfirmedRecord
 
 # Three peers start, a run of a few dozen rounds twice: well under two minutes alone.
 DEADLINE_S = 240.0
@@ -86,7 +86,7 @@ async def test_members_stopped_together_resume_from_their_last_record_and_end_wh
                 assert after.startswith(before[i]), "a record of the chain before the stop was lost or changed"
                 assert verified(after, stopped).to_bytes() == after
             assert {s["latest_model_cid"] for s in final} == {reference[0]["latest_model_cid"]}
-            # Each home kept where it voted (runtime/ballots_file.py), through the stop: the terms of
+            # Each home kept where it voted (run/_ballots_file.py), through the stop: the terms of
             # the resumed run come after the last record's, whose coordinator voted for itself.
             voted_after = [load_voted_through(peers[i].node.home / "tasks" / stopped) for i in range(3)]
             terms = [v for v in voted if v is not None]

@@ -18,17 +18,13 @@ from typing import Any
 import numpy as np
 import trio
 
-from p2ptrain.data.build import build_dataset
-from p2ptrain.data.builtin import load_source
-from p2ptrain.ipfs.cid import DAG_PB, cid_from_digest, cid_str, make_cid
-from p2ptrain.ipfs.dagpb import encode_file_leaf, encode_file_node
-from p2ptrain.node import Node
-from p2ptrain.node_config import NodeConfig
-from p2ptrain.runtime.peer import Peer, make_peer
-from p2ptrain.wire.topics import TASKS_TOPIC
-from p2ptrain.runtime.task_run import TaskRun
-from p2ptrain.training.task import load_task, task_bytes
-from p2ptrain.wire.messages import TaskHead
+from p2ptrain.data import build_dataset, load_source
+from p2ptrain.ipfs import DAG_PB, cid_from_digest, cid_str, encode_file_leaf, encode_file_node, make_cid
+from p2ptrain.node import Node, NodeConfig
+from p2ptrain.services import Peer, make_peer
+from p2ptrain.wire import TASKS_TOPIC, TaskHead
+from p2ptrain.run import TaskRun
+from p2ptrain.task import load_task, task_bytes
 
 DEADLINE_S = 240.0  # whole test: two nodes start, torch warms up, the victim trains (a loaded 2-core box)
 FLOOD_S = 8.0  # how long the attacker publishes heads while the victim trains
@@ -171,9 +167,8 @@ async def test_a_chain_extended_by_a_stranger_or_forked_is_not_loaded(tmp_path: 
     from dataclasses import replace
 
     from p2ptrain.testing import attestations_for, proven_record
-    from p2ptrain.training.lineage import Chain
-    from p2ptrain.training.records import sign_record
-    from p2ptrain.training.trainer import Trainer
+    from p2ptrain.protocol import Chain, sign_record
+    from p2ptrain.training import Trainer
 
     async def body(victim: Peer, attacker: Peer, manifest: str) -> None:
         reply = await victim.tasks._publish_op({"text": TASK.format(name="forged", manifest=manifest), "join": True})

@@ -16,13 +16,12 @@ from typing import Any
 import pytest
 import trio
 
-from p2ptrain.data.manifest import Manifest
-from p2ptrain.errors import UserError
-from p2ptrain.logs import short_id
-from p2ptrain.ipfs.store import ContentUnavailable
+from p2ptrain.data import Manifest
+from p2ptrain.base import UserError, short_id
+from p2ptrain.ipfs import ContentUnavailable
 from p2ptrain.testing import LocalPeers, local_peers, publish_digits_task
-from p2ptrain.training.lineage import Chain, read_chain
-from p2ptrain.training.task import TaskError, task_from_bytes
+from p2ptrain.protocol import Chain, read_chain
+from p2ptrain.task import TaskError, task_from_bytes
 
 # Each test, whole: peers start, torch warms up, the members train a tiny MLP to a checkpoint or
 # two. Well under a minute alone; this bound leaves room for a loaded 2-core box.

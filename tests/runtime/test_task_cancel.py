@@ -12,14 +12,12 @@ from typing import Any
 import pytest
 import trio
 
-from p2ptrain.errors import UserError
-from p2ptrain.net import control_ops
-from p2ptrain.net.control import ControlClient
+from p2ptrain.base import UserError
+from p2ptrain.control import ControlClient, ops as control_ops
 from p2ptrain.testing import LocalPeers, local_peers, publish_digits_task
-from p2ptrain.training.lineage import read_chain
-from p2ptrain.training.task import task_bytes, task_from_bytes
-from p2ptrain.wire.messages import TaskCancel, TaskResume
-from p2ptrain.wire.topics import TASKS_TOPIC
+from p2ptrain.protocol import read_chain
+from p2ptrain.task import task_bytes, task_from_bytes
+from p2ptrain.wire import TASKS_TOPIC, TaskCancel, TaskResume
 
 # The whole test: peers start, a checkpoint or two, the cancel settles. Well under a minute alone.
 DEADLINE_S = 120.0

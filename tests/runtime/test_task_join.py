@@ -14,15 +14,12 @@ from pathlib import Path
 import trio
 import trio.testing
 
-from p2ptrain.ipfs.cid import DAG_PB, cid_from_digest, cid_str, make_cid
-from p2ptrain.ipfs.dagpb import encode_file_leaf, encode_file_node
-from p2ptrain.node import Node
-from p2ptrain.node_config import NodeConfig
-from p2ptrain.net import control_ops
-from p2ptrain.runtime.peer import make_peer
-from p2ptrain.wire.topics import TASKS_TOPIC
+from p2ptrain.ipfs import DAG_PB, cid_from_digest, cid_str, encode_file_leaf, encode_file_node, make_cid
+from p2ptrain.node import Node, NodeConfig
+from p2ptrain.control import ops as control_ops
+from p2ptrain.services import make_peer
+from p2ptrain.wire import TASKS_TOPIC, TaskAnnounce
 from p2ptrain.testing import node_processes
-from p2ptrain.wire.messages import TaskAnnounce
 
 DEADLINE_S = 120.0  # joins fetch from the attacker; the node process itself is slow to start here
 POLL_S = 5.0  # how long one round of announcements is given to show in the victim's task list
@@ -115,8 +112,9 @@ async def test_a_flood_of_announced_tasks_starts_at_most_the_join_cap(tmp_path: 
     waits on it, as joins stuck on a silent provider would; the rest are refused as "busy"."""
     from libp2p.crypto.ed25519 import create_new_key_pair
 
-    from p2ptrain.runtime.tasks import MAX_CONCURRENT_JOINS, TaskOptions, TaskService
-    from p2ptrain.runtime.content import ContentService
+    from p2ptrain.services._tasks import MAX_CONCURRENT_JOINS, TaskService
+    from p2ptrain.services import TaskOptions
+    from p2ptrain.node import ContentService
     from p2ptrain.wire import decode, encode
 
     node = Node(tmp_path / "node")

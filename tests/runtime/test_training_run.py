@@ -12,13 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from p2ptrain.training.demo import TASK_TEMPLATE
-from p2ptrain.net import control_ops
-from p2ptrain.net.control import ControlClient
+from p2ptrain.task import TASK_TEMPLATE, task_from_bytes
+from p2ptrain.control import ControlClient, ops as control_ops
 from p2ptrain.testing import NodeProcess, node_processes, run_cli as cli, task_status_of, wait_for
-from p2ptrain.ipfs.store import open_store
-from p2ptrain.training.lineage import Chain, ChainRules, first_parent
-from p2ptrain.training.task import task_from_bytes
+from p2ptrain.ipfs import open_store
+from p2ptrain.protocol import Chain, ChainRules
+from p2ptrain.protocol._lineage import first_parent
 
 
 def publish(proc: NodeProcess, name: str, steps: int, checkpoint: int) -> tuple[str, str]:

@@ -12,11 +12,10 @@ from typing import Any
 
 import pytest
 
-from p2ptrain.net import control_ops
-from p2ptrain.net.control import ControlClient
+from p2ptrain.control import ControlClient, ops as control_ops
 from p2ptrain.testing import NodeProcess, node_processes, run_cli as cli, task_status_of, wait_for
-from p2ptrain.training.demo import TASK_TEMPLATE
-from p2ptrain.training.lineage import Chain, read_chain
+from p2ptrain.task import TASK_TEMPLATE
+from p2ptrain.protocol import Chain, read_chain
 
 NODE_ARGS = ["--device", "cpu", "--threads", "1"]
 STEPS = 300

@@ -14,11 +14,12 @@ import trio
 
 from p2ptrain.cli.main import main
 from p2ptrain.cli.serve import announce
-from p2ptrain.runtime.served import MAX_MODELS_PER_PEER, SERVED_TTL_S
-from p2ptrain.serve.server import Server, load_served
+from p2ptrain.services._served import MAX_MODELS_PER_PEER, SERVED_TTL_S
+from p2ptrain.serve import Server
+from p2ptrain.serve._server import load_served
 from p2ptrain.testing import local_peers
-from p2ptrain.training.models import build_model
-from p2ptrain.training.records import model_bytes
+from p2ptrain.models import build_model
+from p2ptrain.protocol import model_bytes
 
 CARD = {"name": "mlp", "kwargs": {"in_features": 64, "hidden": [16], "out_features": 10}}
 # Peers start, the announcement crosses the mesh, the CLI call answers: each within this.

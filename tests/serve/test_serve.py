@@ -29,20 +29,17 @@ import trio
 import p2ptrain
 
 from p2ptrain.cli.main import main
-from p2ptrain.data import IPFSDataset
-from p2ptrain.data.build import build_dataset
-from p2ptrain.data.builtin import load_source
-from p2ptrain.identity import load_or_create_identity
-from p2ptrain.ipfs.store import open_store
+from p2ptrain.data import IPFSDataset, build_dataset, load_source
+from p2ptrain.base import load_or_create_identity
+from p2ptrain.ipfs import open_store
 from p2ptrain.serve import ServeError, predict
-from p2ptrain.serve.server import load_served
-from p2ptrain.serve.spec import MAX_BODY_BYTES, InputError, parse_request, spec_for
-from p2ptrain.testing import wait_until
-from p2ptrain.training.models import build_model
-from p2ptrain.testing import attestations_for, proven_record
-from p2ptrain.training.lineage import entry_bytes
-from p2ptrain.training.records import model_bytes
-from p2ptrain.wire.messages import ConfirmedRecord, ModelRecord
+from p2ptrain.serve._server import load_served
+from p2ptrain.serve._input_spec import MAX_BODY_BYTES, InputError, parse_request, spec_for
+from p2ptrain.testing import attestations_for, proven_record, wait_until
+from p2ptrain.models import build_model
+from p2ptrain.protocol._lineage import entry_bytes
+from p2ptrain.protocol import model_bytes
+from p2ptrain.wire import ConfirmedRecord, ModelRecord
 
 P2PTRAIN = str(Path(sys.executable).with_name("p2ptrain"))
 CARD = {"name": "mlp", "kwargs": {"in_features": 64, "hidden": [32], "out_features": 10}}
@@ -277,8 +274,8 @@ def test_serve_refuses_in_one_line_without_hypercorn_a_device_or_an_address(
 
 
 async def test_bodies_in_flight_and_queued_samples_are_bounded_with_503(home: dict) -> None:
-    from p2ptrain.serve.app import MAX_BODY_BYTES_IN_FLIGHT, ServeApp
-    from p2ptrain.serve.batcher import MAX_QUEUED_SAMPLES, Batcher
+    from p2ptrain.serve._app import MAX_BODY_BYTES_IN_FLIGHT, ServeApp
+    from p2ptrain.serve._batcher import MAX_QUEUED_SAMPLES, Batcher
 
     loaded = load_served(open_store(home["home"]), home["model"], torch.device("cpu"))
     app = ServeApp(Batcher(loaded, 64, 0.001))  # its batch loop is not running: requests stay queued
@@ -334,7 +331,7 @@ async def _response(stream: trio.SocketStream) -> bytes:
 
 
 async def test_connections_past_the_cap_wait_unaccepted_while_the_open_ones_are_served(home: dict) -> None:
-    from p2ptrain.serve.server import Server
+    from p2ptrain.serve import Server
 
     loaded = load_served(open_store(home["home"]), home["model"], torch.device("cpu"))
     server = Server(loaded, listen="127.0.0.1:0", max_connections=2)

@@ -12,16 +12,12 @@ import pytest
 import torch
 import trio
 
-from p2ptrain.logs import short_id
-from p2ptrain.serve import predict
-from p2ptrain.serve.api import open_model
-from p2ptrain.serve.temporary import TemporaryFollower
-from p2ptrain.testing import local_peers
-from p2ptrain.training.models import build_model
-from p2ptrain.training.lineage import Chain
-from p2ptrain.testing import attestations_for, proven_record, rules_task
-from p2ptrain.training.records import model_bytes
-from p2ptrain.wire.messages import ModelRecord
+from p2ptrain.base import short_id
+from p2ptrain.serve import TemporaryFollower, open_model, predict
+from p2ptrain.testing import attestations_for, local_peers, proven_record, rules_task
+from p2ptrain.models import build_model
+from p2ptrain.protocol import Chain, model_bytes
+from p2ptrain.wire import ModelRecord
 
 CARD = {"name": "mlp", "kwargs": {"in_features": 64, "hidden": [32], "out_features": 10}}
 # The holder starts, the server's node connects, two heads are found and verified, two models

@@ -8,10 +8,9 @@ import pytest
 import torch
 import trio
 
-from p2ptrain.data.build import build_dataset
-from p2ptrain.data.builtin import load_source
-from p2ptrain.ipfs.embedded import EmbeddedStore
-from p2ptrain.training.task import load_task
+from p2ptrain.data import build_dataset, load_source
+from p2ptrain.ipfs import EmbeddedStore
+from p2ptrain.task import load_task
 
 # The models here are tiny: extra intra-op threads only fight the other processes on a small machine.
 torch.set_num_threads(1)

@@ -4,10 +4,9 @@ import pytest
 import torch
 
 import p2ptrain
-from p2ptrain.ipfs.embedded import EmbeddedStore
-from p2ptrain.ipfs.store import ContentUnavailable
-from p2ptrain.training.models import build_model
-from p2ptrain.training.records import RecordError, model_bytes
+from p2ptrain.ipfs import ContentUnavailable, EmbeddedStore
+from p2ptrain.models import build_model
+from p2ptrain.protocol import RecordError, model_bytes
 
 CARD = {"name": "mlp", "kwargs": {"in_features": 64, "hidden": [32], "out_features": 10}}
 

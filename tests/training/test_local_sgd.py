@@ -7,13 +7,10 @@ import torch
 import trio
 
 from p2ptrain.data import IPFSDataset
-from p2ptrain.training.batches import batched, batches_forever
-from p2ptrain.training.local_sgd import LocalSGDTrainer, new_trainer
-from p2ptrain.training.outer import MOMENTUM_KEY, OuterOptimizer
-from p2ptrain.training.records import RecordError, tensors_bytes
-from p2ptrain.training.sync import RoundTimings, run_round
-from p2ptrain.training.task import OuterSpec, TaskError, load_task, task_bytes, task_from_bytes, total_steps
-from p2ptrain.training.trainer import Trainer
+from p2ptrain.training import LocalSGDTrainer, RoundTimings, Trainer, batched, batches_forever, new_trainer, run_round
+from p2ptrain.training._outer import MOMENTUM_KEY, OuterOptimizer
+from p2ptrain.protocol import RecordError, tensors_bytes
+from p2ptrain.task import OuterSpec, TaskError, load_task, task_bytes, task_from_bytes, total_steps
 
 BASE = """name = "t"
 [model]
@@ -186,10 +183,10 @@ def test_the_stdlib_text_source_and_the_example_language_task(monkeypatch, tmp_p
     import re
     from pathlib import Path
 
-    import p2ptrain.data.builtin as builtin
-    from p2ptrain.data.build import build_dataset
-    from p2ptrain.ipfs.embedded import EmbeddedStore
-    from p2ptrain.training.models import build_model
+    import p2ptrain.data._builtin as builtin
+    from p2ptrain.data import build_dataset
+    from p2ptrain.ipfs import EmbeddedStore
+    from p2ptrain.models import build_model
 
     monkeypatch.setattr(builtin, "TEXT_MAX_BYTES", 64 * 1024)  # the first 64 KiB: enough to check the shape
     name, features, labels = builtin.load_source("text:python-stdlib")

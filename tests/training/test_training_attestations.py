@@ -1,21 +1,24 @@
-"""Counting attestations of the pending checkpoint record (training/attestations.py), with real
+"""Counting attestations of the pending checkpoint record (protocol/_attestations.py), with real
 signed records and attestations and an injected clock."""
 
 import pytest
 from libp2p.crypto.ed25519 import create_new_key_pair
 
-from p2ptrain.training import signing
-from p2ptrain.training.attestations import (
+from p2ptrain.protocol import (
     ATTEST_TIMEOUT_S,
-    MAX_EARLY_PER_RECORD,
-    MAX_EARLY_RECORDS,
     Attestations,
+    Chain,
+    Misconduct,
+    RecordError,
+    RoundBook,
+    Status,
+    attest,
+    sign_record,
+    signing,
 )
-from p2ptrain.training.lineage import Chain
-from p2ptrain.training.records import Misconduct, RecordError, Status, attest, sign_record
-from p2ptrain.training.rounds import RoundBook
-from p2ptrain.training.task import load_task
-from p2ptrain.wire.messages import Attestation, ModelRecord, RoundPlan, SignedAttestation
+from p2ptrain.protocol._attestations import MAX_EARLY_PER_RECORD, MAX_EARLY_RECORDS
+from p2ptrain.task import load_task
+from p2ptrain.wire import Attestation, ModelRecord, RoundPlan, SignedAttestation
 
 TASK = "QmT78zSuBmuS4z925WZfrqQ1qHaJ56DQaTfyMUF7F8ff5o"
 INITIAL = "bafkreigh2akiscaildcqabsyg3dfr6chu3fgpregiymsck7e7aqa4s52zy"

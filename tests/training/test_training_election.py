@@ -12,11 +12,9 @@ import random
 import pytest
 from libp2p.crypto.ed25519 import create_new_key_pair
 
-from p2ptrain.training import signing
-from p2ptrain.training.election import Election, ElectionConfig, designated
-from p2ptrain.training.voters import View
-from p2ptrain.wire import decode, encode
-from p2ptrain.wire.messages import CoordinatorBeat, SignedVote, Vote, VoteRequest
+from p2ptrain.protocol import Election, ElectionConfig, View, signing
+from p2ptrain.protocol._election import designated
+from p2ptrain.wire import CoordinatorBeat, SignedVote, Vote, VoteRequest, decode, encode
 
 TASK = "QmT78zSuBmuS4z925WZfrqQ1qHaJ56DQaTfyMUF7F8ff5o"
 HB = 1.0
@@ -381,7 +379,7 @@ def test_random_failures_never_give_two_coordinators_per_term(grow):
 
 def test_largest_certificate_fits_the_wire():
     """A task admits at most task.MAX_PEERS members; a heartbeat with all their votes must encode."""
-    from p2ptrain.training.task import MAX_PEERS
+    from p2ptrain.task._spec import MAX_PEERS
 
     keys = [create_new_key_pair() for _ in range(MAX_PEERS)]
     candidate = signing.peer_str(keys[0])
@@ -475,7 +473,7 @@ def test_a_request_that_came_while_the_coordinator_looked_alive_is_answered_once
     assert net.agreed() == (term + 1, candidate)
 
 
-# --- liveness and standing (what the node's view says; training/voters.py) ----------------------
+# --- liveness and standing (what the node's view says; protocol/_voters.py) ----------------------
 
 
 def test_a_dead_coordinator_with_no_connection_is_given_up_after_one_and_a_half_beats():

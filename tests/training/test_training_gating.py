@@ -7,19 +7,9 @@ node's control loop asks at every tick: a plan to publish, or why not (Hold.WAIT
 import pytest
 from libp2p.crypto.ed25519 import create_new_key_pair
 
-from p2ptrain.training import signing
-from p2ptrain.training.election import Election, ElectionConfig
-from p2ptrain.training.lineage import Chain
-from p2ptrain.training.rounds import (
-    FAILED_PEER_QUARANTINE_S,
-    FIRST_ROUND_GRACE_S,
-    RETRY_BACKOFF_S,
-    Hold,
-    RoundBook,
-    RuleBreak,
-)
-from p2ptrain.training.voters import View
-from p2ptrain.wire.messages import RoundFailed, RoundPlan
+from p2ptrain.protocol import Chain, Election, ElectionConfig, Hold, RoundBook, RuleBreak, View, signing
+from p2ptrain.protocol._round_book import FAILED_PEER_QUARANTINE_S, FIRST_ROUND_GRACE_S, RETRY_BACKOFF_S
+from p2ptrain.wire import RoundFailed, RoundPlan
 
 CONFIG = ElectionConfig(heartbeat_s=1.0, timeout_beats=3)
 INITIAL = "bafkreigh2akiscaildcqabsyg3dfr6chu3fgpregiymsck7e7aqa4s52zy"

@@ -1,4 +1,4 @@
-"""What a chain proves to someone who took no part in the run (training/lineage.py): every record
+"""What a chain proves to someone who took no part in the run (protocol/_lineage.py): every record
 signed by a coordinator that a quorum of its members elected, attested by a quorum of them, linked
 to the one before; the rules from the task, not from the chain. Real keys and signatures."""
 
@@ -8,16 +8,9 @@ import pytest
 from libp2p.crypto.ed25519 import create_new_key_pair
 
 from p2ptrain.testing import attestations_for, proven_chain, proven_record, votes_for
-from p2ptrain.training import signing
-from p2ptrain.training.lineage import (
-    Chain,
-    ChainRules,
-    audit,
-    entry_bytes,
-    first_parent,
-)
-from p2ptrain.training.records import Misconduct, RecordError, sign_record
-from p2ptrain.wire.messages import ConfirmedRecord, ModelRecord
+from p2ptrain.protocol import Chain, ChainRules, Misconduct, RecordError, audit, sign_record, signing
+from p2ptrain.protocol._lineage import entry_bytes, first_parent
+from p2ptrain.wire import ConfirmedRecord, ModelRecord
 
 TASK = "QmT78zSuBmuS4z925WZfrqQ1qHaJ56DQaTfyMUF7F8ff5o"
 INITIAL = "Qminit"

@@ -3,8 +3,9 @@
 import pytest
 import torch
 
-from p2ptrain.training.models import MAX_PARAMETERS, ModelError, build_model, check_model, count_parameters
-from p2ptrain.training.records import model_bytes
+from p2ptrain.models._registry import MAX_PARAMETERS, count_parameters
+from p2ptrain.models import ModelError, build_model, check_model
+from p2ptrain.protocol import model_bytes
 
 
 def test_unknown_model_and_arguments_refused():
@@ -74,7 +75,7 @@ def test_models_built_at_once_from_threads_are_identical():
     started from different initial models, and every record forked)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from p2ptrain.training.models import build_model
+    from p2ptrain.models import build_model
 
     def weights(_: int) -> bytes:
         module = build_model("mlp", {"in_features": 64, "hidden": [256, 256, 256], "out_features": 10}, 7)

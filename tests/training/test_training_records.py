@@ -7,25 +7,24 @@ import pytest
 import torch
 from libp2p.crypto.ed25519 import create_new_key_pair
 
-from p2ptrain.ipfs.embedded import EmbeddedStore
-from p2ptrain.training import signing
-from p2ptrain.training.models import build_model
-from p2ptrain.training.lineage import Chain, entry_bytes, entry_from_bytes
-from p2ptrain.training.records import (
+from p2ptrain.ipfs import EmbeddedStore
+from p2ptrain.protocol import (
+    Chain,
     RecordError,
     Status,
     Tally,
     attest,
+    entry_from_bytes,
     load_model_bytes,
     model_bytes,
-    quorum,
-    record_id,
     sign_record,
+    signing,
     tensors_bytes,
-    verify_record,
 )
-from p2ptrain.wire import decode, encode
-from p2ptrain.wire.messages import ConfirmedRecord, ModelRecord, SignedAttestation
+from p2ptrain.models import build_model
+from p2ptrain.protocol._lineage import entry_bytes
+from p2ptrain.protocol._records import quorum, record_id, verify_record
+from p2ptrain.wire import ConfirmedRecord, ModelRecord, SignedAttestation, decode, encode
 
 TASK = "QmT78zSuBmuS4z925WZfrqQ1qHaJ56DQaTfyMUF7F8ff5o"
 KEYS = [create_new_key_pair() for _ in range(5)]
@@ -196,7 +195,7 @@ def _model_with_card(card_text: str) -> bytes:
     ],
 )
 def test_a_hostile_model_file_header_is_a_record_error(data, why):
-    from p2ptrain.training.records import read_model_card
+    from p2ptrain.protocol import read_model_card
 
     with pytest.raises(RecordError, match=why):
         read_model_card(data)
@@ -214,7 +213,7 @@ def test_huge_numbers_and_deep_nesting_in_a_stored_record_are_record_errors():
 
 
 def test_reading_tensors_checks_the_header_first():
-    from p2ptrain.training.records import read_tensors
+    from p2ptrain.protocol import read_tensors
 
     good = tensors_bytes({"a": torch.zeros(2)})
     assert read_tensors(good)["a"].shape == (2,)
@@ -248,7 +247,7 @@ def test_a_chain_extends_another_only_with_the_same_records_as_a_prefix():
 
 
 def test_chain_bytes_and_records_are_bounded(monkeypatch):
-    import p2ptrain.training.lineage as lineage
+    import p2ptrain.protocol._lineage as lineage
 
     with pytest.raises(RecordError, match="over the 67108864 B limit"):
         Chain.from_bytes(TASK, "Qminit", b"\n" * (lineage.MAX_CHAIN_BYTES + 1))

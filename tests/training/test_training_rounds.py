@@ -10,20 +10,13 @@ import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
 
 from p2ptrain.data import IPFSDataset
-from p2ptrain.ipfs.embedded import EmbeddedStore
-from p2ptrain.logs import short_id
-from p2ptrain.training import signing
-from p2ptrain.training.batches import batched, batches_forever
-from p2ptrain.training.election import Election, ElectionConfig
-from p2ptrain.training.lineage import Chain
-from p2ptrain.training.records import Status, Tally, attest
-from p2ptrain.training.plans import plan_members, ring_order, round_id, shard_of, span_length
-from p2ptrain.training.rounds import RoundBook
-from p2ptrain.training.sync import RoundTimings, run_round
-from p2ptrain.training.task import task_bytes
-from p2ptrain.training.trainer import Trainer
-from p2ptrain.training.voters import View
-from p2ptrain.wire.messages import RoundFailed, RoundPlan
+from p2ptrain.ipfs import EmbeddedStore
+from p2ptrain.base import short_id
+from p2ptrain.protocol import Chain, Election, ElectionConfig, RoundBook, Status, Tally, View, attest, round_id, shard_of, signing
+from p2ptrain.training import RoundTimings, Trainer, batched, batches_forever, run_round
+from p2ptrain.protocol._plans import plan_members, ring_order, span_length
+from p2ptrain.task import task_bytes
+from p2ptrain.wire import RoundFailed, RoundPlan
 
 CONFIG = ElectionConfig(heartbeat_s=1.0, timeout_beats=3)
 

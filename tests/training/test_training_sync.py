@@ -8,12 +8,10 @@ import trio
 from p2ptrain.collective import Collective, CollectiveError, PeerFailed
 from p2ptrain.data import IPFSDataset
 from p2ptrain.testing import connected_hosts
-from p2ptrain.training.batches import batched, batches_forever
-from p2ptrain.training.plans import round_id
-from p2ptrain.training.sync import PlanAverager, RoundTimings, run_round
-from p2ptrain.training.task import TaskError
-from p2ptrain.training.trainer import Trainer
-from p2ptrain.wire.messages import RoundPlan
+from p2ptrain.training import PlanAverager, RoundTimings, Trainer, batched, batches_forever, run_round
+from p2ptrain.protocol import round_id
+from p2ptrain.task import TaskError
+from p2ptrain.wire import RoundPlan
 
 # Hosts start and stop inside this bound too: a stuck shutdown fails the test instead of hanging it.
 WHOLE_TEST_S = 150

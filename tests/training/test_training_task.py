@@ -5,16 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from p2ptrain.training.task import (
-    TaskError,
-    load_task,
-    meets_requirements,
-    task_bytes,
-    task_from_bytes,
-    total_steps,
-    unmet_requirement,
-)
-from p2ptrain.wire.messages import Capabilities
+from p2ptrain.task import TaskError, load_task, task_bytes, task_from_bytes, total_steps, unmet_requirement
+from p2ptrain.task._spec import meets_requirements
+from p2ptrain.wire import Capabilities
 
 CID = "QmT78zSuBmuS4z925WZfrqQ1qHaJ56DQaTfyMUF7F8ff5o"
 EXAMPLE = Path(__file__).resolve().parents[2] / "node" / "tasks" / "digits-mlp.toml"

@@ -7,11 +7,8 @@ import torch
 import trio
 
 from p2ptrain.data import IPFSDataset
-from p2ptrain.training.batches import batched, batches_forever
-from p2ptrain.training.optimizers import lr_at
-from p2ptrain.training.records import RecordError, tensors_bytes
-from p2ptrain.training.sync import RoundTimings, run_round
-from p2ptrain.training.trainer import Trainer, TrainerError, resolve_device
+from p2ptrain.training import RoundTimings, Trainer, TrainerError, batched, batches_forever, lr_at, resolve_device, run_round
+from p2ptrain.protocol import RecordError, tensors_bytes
 
 
 def member_data(store, cid, rank, world, batch=32):

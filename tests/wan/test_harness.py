@@ -1,4 +1,4 @@
-"""The emulated WAN harness (p2ptrain.testing.wan): links really limited, nothing left behind.
+"""The emulated WAN harness (p2ptrain.testing._wan): links really limited, nothing left behind.
 
 Needs root (namespaces, veth, tc); skipped with the reason otherwise. No timing assertion that
 load could break: rates are checked as loose *upper* bounds (a loaded machine only moves less).
@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from p2ptrain.testing import WanError, cleanup_stale, emulated_wan, parse_rate
-from p2ptrain.testing.wan import harness_names
+from p2ptrain.testing._wan import harness_names
 
 pytestmark = pytest.mark.needs("ip", "tc", root=True)  # tests/conftest.py decides
 
@@ -75,7 +75,7 @@ def test_an_exception_in_the_block_leaves_no_namespace_link_or_process_behind():
 
 def test_what_a_killed_run_left_is_removed_by_the_next_harness_and_a_live_one_is_kept():
     # A test process SIGKILLed inside the block: no finally runs, its namespaces stay.
-    code = ("import os, signal; from p2ptrain.testing.wan import emulated_wan\n"
+    code = ("import os, signal; from p2ptrain.testing._wan import emulated_wan\n"
             "with emulated_wan(2) as wan:\n"
             "    print(wan.prefix, flush=True); os.kill(os.getpid(), signal.SIGKILL)")
     killed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,

@@ -2,14 +2,14 @@
 drop unsolicited packets, as home routers do (``emulated_nat(firewall=True)``): real node
 processes, two public relays; the private pair, first connected through a relay, ends up
 connected directly. Behind routers that answer with a reset the punch cannot work
-(p2ptrain.testing.nat says why): tests/wan/test_training_behind_nat.py trains over the relay there.
+(p2ptrain.testing._nat says why): tests/wan/test_training_behind_nat.py trains over the relay there.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from p2ptrain.local_nodes import NODE_ARGS
+from p2ptrain.node import NODE_ARGS
 from p2ptrain.testing import emulated_nat, wait_for, wan_node_processes
 
 pytestmark = pytest.mark.needs("ip", "tc", "iptables", root=True)  # tests/conftest.py decides

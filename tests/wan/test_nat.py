@@ -1,4 +1,4 @@
-"""The emulated NAT (p2ptrain.testing.nat): a private peer dials out and is seen at its router's
+"""The emulated NAT (p2ptrain.testing._nat): a private peer dials out and is seen at its router's
 address, nobody dials in, peers of one LAN reach each other, and nothing is left behind.
 
 Needs root (namespaces, veth, iptables); skipped with the reason otherwise.
@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from p2ptrain.testing import emulated_nat
-from p2ptrain.testing.wan import harness_names
+from p2ptrain.testing._wan import harness_names
 
 pytestmark = pytest.mark.needs("ip", "tc", "iptables", root=True)  # tests/conftest.py decides
 

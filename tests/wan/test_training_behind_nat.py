@@ -1,4 +1,4 @@
-"""Peers behind NAT are full members (issue 20), in the emulated NAT (p2ptrain.testing.nat): two
+"""Peers behind NAT are full members (issue 20), in the emulated NAT (p2ptrain.testing._nat): two
 public peers (relays, `--relay-service`), two private peers behind one NAT and one behind another
 train the demo task, and a fresh private node fetches the model by CID. One run, checked for
 reachability (status and heartbeats), reservations, relayed connections, the training and the fetch.
@@ -10,13 +10,10 @@ import json
 
 import pytest
 
-from p2ptrain.local_nodes import NODE_ARGS
-from p2ptrain.net import control_ops
-from p2ptrain.net.control import ControlClient
-from p2ptrain.testing import emulated_nat, wait_for, wan_node_processes
-from p2ptrain.testing import run_cli as cli
-from p2ptrain.testing import task_status_of as task_status
-from p2ptrain.training.demo import TASK_TEMPLATE
+from p2ptrain.node import NODE_ARGS
+from p2ptrain.control import ControlClient, ops as control_ops
+from p2ptrain.testing import emulated_nat, run_cli as cli, task_status_of as task_status, wait_for, wan_node_processes
+from p2ptrain.task import TASK_TEMPLATE
 
 pytestmark = pytest.mark.needs("ip", "tc", "iptables", root=True)  # tests/conftest.py decides
 

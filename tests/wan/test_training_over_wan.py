@@ -1,5 +1,5 @@
 """The demo task trained across 4 `p2ptrain node start` processes, each in its own network
-namespace behind a 100 Mbit/s link (p2ptrain.testing.wan), and the model fetched by CID from a
+namespace behind a 100 Mbit/s link (p2ptrain.testing._wan), and the model fetched by CID from a
 fifth namespace by a node that took no part: what loopback cannot show (real addresses, real link
 rates, no shared 127.0.0.1).
 """
@@ -11,13 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from p2ptrain.local_nodes import NODE_ARGS
-from p2ptrain.net import control_ops
-from p2ptrain.net.control import ControlClient
-from p2ptrain.testing import emulated_wan, wait_for, wan_node_processes
-from p2ptrain.testing import run_cli as cli
-from p2ptrain.testing import task_status_of as task_status
-from p2ptrain.training.demo import TASK_TEMPLATE
+from p2ptrain.node import NODE_ARGS
+from p2ptrain.control import ControlClient, ops as control_ops
+from p2ptrain.testing import emulated_wan, run_cli as cli, task_status_of as task_status, wait_for, wan_node_processes
+from p2ptrain.task import TASK_TEMPLATE
 
 pytestmark = pytest.mark.needs("ip", "tc", root=True)  # tests/conftest.py decides
 

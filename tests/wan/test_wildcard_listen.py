@@ -1,6 +1,6 @@
 """Peers that listen on 0.0.0.0 advertise addresses other machines can dial.
 
-Three ``node start`` processes, each in its own network namespace (p2ptrain.testing.wan), all
+Three ``node start`` processes, each in its own network namespace (p2ptrain.testing._wan), all
 listening on ``/ip4/0.0.0.0``; B and C know only A. They can find each other only through the
 addresses in each other's heartbeats: advertised as ``/ip4/0.0.0.0/…`` (as py-libp2p reports a
 wildcard listen address), a dial from C's namespace reached C itself and B and C never connected
@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from p2ptrain.local_nodes import NodeProcess
+from p2ptrain.node import NodeProcess
 from p2ptrain.testing import emulated_wan, wait_for
-from p2ptrain.testing.wan import NODE_PORT
+from p2ptrain.testing._wan import NODE_PORT
 
 pytestmark = pytest.mark.needs("ip", "tc", root=True)  # tests/conftest.py decides
 

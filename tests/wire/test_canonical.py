@@ -1,7 +1,7 @@
 """Canonical JSON byte for byte: these bytes are hashed into CIDs and signed, so a change to how any
 of them is encoded orphans every published task, manifest and model record.
 
-Pinned before the six canonical-JSON encoders became one (:func:`p2ptrain.boundedjson.canonical`);
+Pinned before the six canonical-JSON encoders became one (:func:`p2ptrain.base.boundedjson.canonical`);
 non-ASCII text and floats in exponent form are where encoder options would show.
 """
 
@@ -17,15 +17,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from libp2p.crypto.ed25519 import create_new_key_pair
 
-from p2ptrain.boundedjson import canonical
-from p2ptrain.data import manifest as manifest_module
-from p2ptrain.data.manifest import Manifest, ShardRef, TensorSpec
-from p2ptrain.ipfs.embedded import EmbeddedStore
-from p2ptrain.training.lineage import entry_bytes
-from p2ptrain.training.records import attest, model_bytes, record_id, sign_record
-from p2ptrain.training.task import TaskError, load_task, task_bytes
-from p2ptrain.wire import encode
-from p2ptrain.wire.messages import ConfirmedRecord, ModelRecord
+from p2ptrain.base.boundedjson import canonical
+from p2ptrain.data import Manifest, _manifest as manifest_module
+from p2ptrain.data._manifest import ShardRef, TensorSpec
+from p2ptrain.ipfs import EmbeddedStore
+from p2ptrain.protocol._lineage import entry_bytes
+from p2ptrain.protocol import attest, model_bytes, sign_record
+from p2ptrain.protocol._records import record_id
+from p2ptrain.task import TaskError, load_task, task_bytes
+from p2ptrain.wire import ConfirmedRecord, ModelRecord, encode
 
 KEY = create_new_key_pair(b"\x02" * 32)
 CID = "QmT78zSuBmuS4z925WZfrqQ1qHaJ56DQaTfyMUF7F8ff5o"

@@ -12,11 +12,21 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from libp2p.crypto.ed25519 import create_new_key_pair
 
-from p2ptrain.wire import DecodeError, ReplayGuard, decode, encode
-from p2ptrain.wire import codec
-from p2ptrain.wire.limits import MAX_CLOCK_SKEW_S, MAX_MESSAGE_BYTES, WIRE_VERSION
-from p2ptrain.wire.messages import MESSAGES, Capabilities, Goodbye, Heartbeat, message
-from p2ptrain.identity import peer_id_of
+from p2ptrain.wire import (
+    Capabilities,
+    DecodeError,
+    Goodbye,
+    Heartbeat,
+    MAX_MESSAGE_BYTES,
+    MESSAGES,
+    ReplayGuard,
+    _codec as codec,
+    decode,
+    encode,
+    message,
+)
+from p2ptrain.wire._limits import MAX_CLOCK_SKEW_S, WIRE_VERSION
+from p2ptrain.base import peer_id_of
 
 KEY = create_new_key_pair()
 OTHER = create_new_key_pair()
@@ -138,7 +148,8 @@ def test_a_signed_payload_nested_deeper_than_the_bound_is_malformed(depth):
 )
 def test_schema_float_fields_refuse_what_is_not_a_finite_number_in_range(value):
     """The schema check of a float field (a model record's metrics) must not overflow either."""
-    from p2ptrain.wire.schema import SchemaError, _check
+    from p2ptrain.wire import SchemaError
+    from p2ptrain.wire._schema import _check
 
     with pytest.raises(SchemaError):
         _check(value, float, "metrics.loss", {})
@@ -154,7 +165,7 @@ def test_schema(body):
 
 
 def heartbeat_body(**extra) -> dict:
-    from p2ptrain.wire.schema import to_plain
+    from p2ptrain.wire import to_plain
 
     return {**to_plain(Heartbeat(addrs=("/ip4/127.0.0.1/tcp/1",), caps=CAPS, reachability="public")), **extra}
 
@@ -163,7 +174,7 @@ def test_a_heartbeat_from_a_newer_version_with_added_fields_is_read_without_them
     """Mixed versions: a newer node's heartbeat with fields this version does not know (in the
     heartbeat and in its capabilities) is read, the fields skipped; so adding a field to heartbeats
     no longer makes older nodes drop every heartbeat of newer ones."""
-    from p2ptrain.wire.schema import MAX_UNKNOWN_FIELDS
+    from p2ptrain.wire._schema import MAX_UNKNOWN_FIELDS
 
     body = heartbeat_body(uplink_mbit=100, relay={"slots": 3})
     body["caps"]["npu_count"] = 2

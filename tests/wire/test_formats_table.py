@@ -5,9 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from p2ptrain.net import control_ops
-from p2ptrain.wire.frames import Kind
-from p2ptrain.wire.messages import MESSAGES
+from p2ptrain.control import ops as control_ops
+from p2ptrain.wire import Kind, MESSAGES
 
 DOC = (Path(__file__).resolve().parents[2] / "docs" / "mesh.md").read_text()
 

@@ -11,10 +11,9 @@ import torch
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.id import ID
 
-from p2ptrain.wire.frames import (
+from p2ptrain.wire import (
     DTYPES,
     PROTOCOL,
-    FrameError,
     Header,
     Kind,
     Phase,
@@ -27,6 +26,7 @@ from p2ptrain.wire.frames import (
     ready_frame,
     round_digest,
 )
+from p2ptrain.wire._frames import FrameError
 
 PEER = ID.from_pubkey(create_new_key_pair(b"\x01" * 32).public_key)
 DIGEST = "ee104a6e86de1f0278e0a7317040de9e0ef637a652c2f49052cad4bcec3bfce5"

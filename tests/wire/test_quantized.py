@@ -1,4 +1,4 @@
-"""The quantized sparse values (wire/quantized.py): bytes pinned, decoder bounded, error feedback exact."""
+"""The quantized sparse values (wire/quantization.py): bytes pinned, decoder bounded, error feedback exact."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from p2ptrain.collective import ErrorFeedback
-from p2ptrain.wire.quantized import CHUNK, KINDS, QuantError, decode, encode, encoded_size, roundtrip
+from p2ptrain.wire.quantization import CHUNK, KINDS, QuantError, decode, encode, encoded_size, roundtrip
 
 VALUES = torch.tensor([1.0, -0.5, 0.2, 0.0, -1.0])
 

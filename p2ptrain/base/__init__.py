@@ -1,0 +1,37 @@
+"""The leaves every layer may use; they import nothing of ours but each other.
+
+Atomic file writes, the bounded JSON parser (:mod:`p2ptrain.base.boundedjson`, a public submodule:
+``boundedjson.loads``), ``UserError``, how log lines name peers, the home folder and its Ed25519 key,
+one-pass tensor checks, round-time histograms, ``HOST:PORT``, one glibc arena.
+"""
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from p2ptrain.base import boundedjson as boundedjson
+    from p2ptrain.base._atomic import write_atomic as write_atomic
+    from p2ptrain.base._errors import UserError as UserError
+    from p2ptrain.base._hostport import (
+        AddressError as AddressError,
+        format_host_port as format_host_port,
+        parse_host_port as parse_host_port,
+    )
+    from p2ptrain.base._identity import (
+        default_home as default_home,
+        load_or_create_identity as load_or_create_identity,
+        peer_id_of as peer_id_of,
+    )
+    from p2ptrain.base._logs import (
+        count_rejection as count_rejection,
+        fmt_bytes as fmt_bytes,
+        fmt_s as fmt_s,
+        formatter as formatter,
+        short_id as short_id,
+    )
+    from p2ptrain.base._malloc import use_one_arena as use_one_arena
+    from p2ptrain.base._metrics_hist import HistogramSnapshot as HistogramSnapshot, RoundHistograms as RoundHistograms
+    from p2ptrain.base._tensors import all_finite as all_finite, large_empty as large_empty, zero_fill as zero_fill
+else:
+    from p2ptrain._exports import lazy_exports
+
+    __getattr__, __dir__, __all__ = lazy_exports(__name__, __file__)

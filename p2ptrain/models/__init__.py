@@ -1,0 +1,30 @@
+"""What a model is, as data: the registry of model builders a task may name (a task names a builder and
+its checked keyword arguments, never code), and the architecture card of a user's own module (its
+CID, the fingerprint, names one architecture exactly). Imports only ``base``.
+"""
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from p2ptrain.models._fingerprint import (
+        card_bytes as card_bytes,
+        card_from_bytes as card_from_bytes,
+        card_of as card_of,
+        CardError as CardError,
+        first_difference as first_difference,
+        MAX_CARD_BYTES as MAX_CARD_BYTES,
+    )
+    from p2ptrain.models._registry import (
+        build_model as build_model,
+        check_model as check_model,
+        file_bytes_bound as file_bytes_bound,
+        HEADER_PER_TENSOR as HEADER_PER_TENSOR,
+        HEADER_SLACK as HEADER_SLACK,
+        MAX_MODEL_FILE_BYTES as MAX_MODEL_FILE_BYTES,
+        model_file_limit as model_file_limit,
+        ModelError as ModelError,
+    )
+else:
+    from p2ptrain._exports import lazy_exports
+
+    __getattr__, __dir__, __all__ = lazy_exports(__name__, __file__)

@@ -1,0 +1,272 @@
+"""The registry of model builders a task may name.
+
+A task names a builder and passes keyword arguments; it never carries code. Every argument is checked
+against the builder's declared parameters (type and bounds), and the parameter count of the result is
+capped before any memory is allocated (the model is first built on the ``meta`` device), so a task
+cannot ask a peer for a 100 GB model. Initialisation is seeded from the task's seed, so every member
+builds bitwise-identical initial weights without exchanging them.
+
+Models take a batch ``x`` and return logits: ``(N, classes)`` for classifiers and ``(N, T, vocab)``
+for the language model (targets ``(N, T)``); the trainer's loss and accuracy handle both shapes.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from p2ptrain.base import UserError
+
+# 50M float32 parameters = 200 MB of weights (about 800 MB with Adam state and gradients).
+MAX_PARAMETERS = 50_000_000
+# What a safetensors file of tensors may carry beyond their bytes: the 8-byte length, the header's
+# JSON (each tensor's name, dtype, shape and offsets: under HEADER_PER_TENSOR bytes with names of at
+# most tensorfile.MAX_NAME_LENGTH) and the metadata (the model card, a few hundred bytes; 64 KiB allowed).
+HEADER_PER_TENSOR = 512
+HEADER_SLACK = 64 * 1024
+# Any model file the registry's builders can make: MAX_PARAMETERS float32 values (builders make
+# nothing else: no buffers) and a header for up to 2,048 tensors. The bound for reading a model
+# whose card is not known before it is read (``model serve``, ``load_model``).
+MAX_MODEL_FILE_BYTES = MAX_PARAMETERS * 4 + 2048 * HEADER_PER_TENSOR + HEADER_SLACK
+
+
+class ModelError(UserError):
+    """A model name or its arguments are not acceptable; the message names the field."""
+
+
+@dataclass(frozen=True)
+class Arg:
+    """One keyword argument of a builder: its type (int, float, bool, or a list of ints) and bounds."""
+
+    kind: type
+    default: Any
+    lo: float = 0
+    hi: float = math.inf
+    max_items: int = 8
+    doc: str = ""
+
+
+@dataclass(frozen=True)
+class Builder:
+    name: str
+    fn: Callable[..., nn.Module]
+    args: dict[str, Arg]
+    doc: str
+
+
+REGISTRY: dict[str, Builder] = {}
+
+
+def register(name: str, doc: str, **args: Arg) -> Callable[[Callable[..., nn.Module]], Callable[..., nn.Module]]:
+    """Register ``fn`` as the builder called ``name`` with declared keyword arguments."""
+
+    def wrap(fn: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
+        REGISTRY[name] = Builder(name, fn, args, doc)
+        return fn
+
+    return wrap
+
+
+def _check_number(value: Any, kind: type, arg: Arg, where: str) -> Any:
+    if kind is bool:
+        if type(value) is not bool:
+            raise ModelError(f"{where}: must be true or false")
+        return value
+    if kind is int and type(value) is not int:
+        raise ModelError(f"{where}: must be an integer")
+    if kind is float and (type(value) not in (int, float) or not math.isfinite(value)):
+        raise ModelError(f"{where}: must be a finite number")
+    if not arg.lo <= value <= arg.hi:
+        raise ModelError(f"{where}: must be between {arg.lo:g} and {arg.hi:g} (got {value})")
+    return float(value) if kind is float else value
+
+
+def check_kwargs(name: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Validate a builder's kwargs; return them complete with defaults (the builder's real call)."""
+    builder = REGISTRY.get(name)
+    if builder is None:
+        raise ModelError(f"model.name: unknown model {name!r} (known: {', '.join(sorted(REGISTRY))})")
+    unknown = sorted(set(kwargs) - set(builder.args))
+    if unknown:
+        raise ModelError(
+            f"model.kwargs.{unknown[0]}: {name} takes no such argument "
+            f"(it takes: {', '.join(sorted(builder.args))})"
+        )
+    out: dict[str, Any] = {}
+    for key, arg in builder.args.items():
+        where = f"model.kwargs.{key}"
+        value = kwargs.get(key, arg.default)
+        if arg.kind is list:
+            if not isinstance(value, (list, tuple)) or not 1 <= len(value) <= arg.max_items:
+                raise ModelError(f"{where}: must be a list of 1 to {arg.max_items} integers")
+            out[key] = tuple(_check_number(v, int, arg, f"{where}[{i}]") for i, v in enumerate(value))
+        else:
+            out[key] = _check_number(value, arg.kind, arg, where)
+    return out
+
+
+def count_parameters(name: str, kwargs: dict[str, Any]) -> int:
+    """Parameters of the model, counted on the meta device (no memory allocated)."""
+    full = check_kwargs(name, kwargs)
+    with torch.device("meta"):
+        module = REGISTRY[name].fn(**full)
+    return sum(p.numel() for p in module.parameters())
+
+
+def check_model(name: str, kwargs: dict[str, Any]) -> int:
+    """Validate name and kwargs and the size of the result; return its parameter count."""
+    n = count_parameters(name, kwargs)
+    if n > MAX_PARAMETERS:
+        raise ModelError(f"model.kwargs: {name} would have {n:,} parameters, over the {MAX_PARAMETERS:,} cap")
+    return n
+
+
+def file_bytes_bound(tensors: Iterable[torch.Tensor]) -> int:
+    """The most bytes a safetensors file of ``tensors`` takes: their bytes at their dtypes' sizes,
+    plus the header allowance (HEADER_PER_TENSOR each, HEADER_SLACK in all)."""
+    return sum(t.numel() * t.element_size() + HEADER_PER_TENSOR for t in tensors) + HEADER_SLACK
+
+
+def model_file_limit(name: str, kwargs: dict[str, Any]) -> int:
+    """The most bytes an honest model file of this architecture takes, from its state dict built on
+    the meta device (nothing allocated, no initialisation). A task names the architecture, so this
+    bounds what a node fetches and reads of any model the task names (``initial_model``) before a
+    byte of it is parsed: a model of 10k parameters is never a 2 GiB download."""
+    full = check_kwargs(name, kwargs)
+    with torch.device("meta"):
+        module = REGISTRY[name].fn(**full)
+    return file_bytes_bound(module.state_dict().values())
+
+
+_SEEDED_BUILD = threading.Lock()
+
+
+def build_model(name: str, kwargs: dict[str, Any], seed: int) -> nn.Module:
+    """Build a registered model with weights initialised deterministically from ``seed`` (on CPU)."""
+    check_model(name, kwargs)
+    full = check_kwargs(name, kwargs)
+    # torch's initialisers draw from its one global generator: two peers of one process (local_peers)
+    # building at once from threads interleaved their draws, and members of a run started from
+    # different "initial" models (their records then forked). fork_rng alone does not keep other
+    # threads out; the lock does.
+    with _SEEDED_BUILD, torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        module = REGISTRY[name].fn(**full)
+    return module
+
+
+# --- builders -----------------------------------------------------------------------------------
+
+
+@register(
+    "mlp",
+    "Fully connected classifier on flat feature vectors (digits: 64 features, 10 classes).",
+    in_features=Arg(int, 64, 1, 1 << 20, doc="input features"),
+    hidden=Arg(list, [128], 1, 1 << 16, doc="hidden layer widths"),
+    out_features=Arg(int, 10, 1, 1 << 20, doc="classes"),
+)
+def mlp(in_features: int, hidden: tuple[int, ...], out_features: int) -> nn.Module:
+    layers: list[nn.Module] = [nn.Flatten()]
+    width = in_features
+    for h in hidden:
+        layers += [nn.Linear(width, h), nn.ReLU()]
+        width = h
+    layers.append(nn.Linear(width, out_features))
+    return nn.Sequential(*layers)
+
+
+class SmallCNN(nn.Module):
+    """Conv blocks (conv 3x3, ReLU, 2x2 max-pool while the image is large enough) and a linear head.
+
+    Accepts flat inputs too (``(N, C*H*W)``), as tabular image data sets like digits arrive flat.
+    """
+
+    def __init__(self, in_channels: int, image_size: int, channels: tuple[int, ...], num_classes: int) -> None:
+        super().__init__()
+        self.shape = (in_channels, image_size, image_size)
+        blocks: list[nn.Module] = []
+        size, width = image_size, in_channels
+        for c in channels:
+            blocks += [nn.Conv2d(width, c, 3, padding=1), nn.ReLU()]
+            if size >= 4:
+                blocks.append(nn.MaxPool2d(2))
+                size //= 2
+            width = c
+        self.features = nn.Sequential(*blocks)
+        self.head = nn.Linear(width * size * size, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.reshape(x.shape[0], *self.shape)
+        out: torch.Tensor = self.head(self.features(x).flatten(1))
+        return out
+
+
+@register(
+    "cnn",
+    "Small convolutional classifier for square images (digits 8x8, MNIST-like 28x28).",
+    in_channels=Arg(int, 1, 1, 16),
+    image_size=Arg(int, 8, 4, 256),
+    channels=Arg(list, [16, 32], 1, 1024, max_items=6),
+    num_classes=Arg(int, 10, 1, 1 << 16),
+)
+def cnn(in_channels: int, image_size: int, channels: tuple[int, ...], num_classes: int) -> nn.Module:
+    return SmallCNN(in_channels, image_size, channels, num_classes)
+
+
+class TinyLM(nn.Module):
+    """A causal transformer language model: token + position embeddings, pre-norm blocks, linear head.
+
+    Input ``(N, T)`` token ids with ``T <= context``; output ``(N, T, vocab_size)`` next-token logits.
+    The head is not tied to the embedding so the state dict has no shared tensors (safetensors stores
+    each tensor once by name, and deterministic bytes need no aliasing rules).
+    """
+
+    def __init__(self, vocab_size: int, context: int, width: int, depth: int, heads: int) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(vocab_size, width)
+        self.positions = nn.Embedding(context, width)
+        # Built one by one (not nn.TransformerEncoder, which deep-copies one layer) so that each block
+        # gets its own random initialisation.
+        self.blocks = nn.ModuleList(
+            nn.TransformerEncoderLayer(
+                width, heads, dim_feedforward=4 * width, dropout=0.0, activation="gelu",
+                batch_first=True, norm_first=True,
+            )
+            for _ in range(depth)
+        )
+        self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, vocab_size)
+        self.context = context
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = x.shape[1]
+        if t > self.context:
+            raise ValueError(f"sequence of {t} tokens is longer than the model's context {self.context}")
+        pos = torch.arange(t, device=x.device)
+        h = self.tokens(x.long()) + self.positions(pos)  # byte datasets store uint8 tokens
+        mask = nn.Transformer.generate_square_subsequent_mask(t, device=x.device, dtype=h.dtype)
+        for block in self.blocks:
+            h = block(h, src_mask=mask, is_causal=True)
+        out: torch.Tensor = self.head(self.norm(h))
+        return out
+
+
+@register(
+    "transformer_lm",
+    "Tiny causal transformer language model over byte/token ids.",
+    vocab_size=Arg(int, 256, 2, 1 << 17),
+    context=Arg(int, 64, 1, 8192),
+    width=Arg(int, 128, 8, 4096),
+    depth=Arg(int, 2, 1, 48),
+    heads=Arg(int, 4, 1, 64),
+)
+def transformer_lm(vocab_size: int, context: int, width: int, depth: int, heads: int) -> nn.Module:
+    if width % heads:
+        raise ModelError(f"model.kwargs.heads: width {width} is not divisible by heads {heads}")
+    return TinyLM(vocab_size, context, width, depth, heads)

@@ -1,0 +1,125 @@
+"""``p2ptrain node start`` child processes on this machine, over loopback.
+
+Used by ``p2ptrain demo`` (which must not import :mod:`p2ptrain.testing`) and by
+:mod:`p2ptrain.testing` (``node_processes``), so there is one way to launch a local peer and wait
+until it answers. Every wait is bounded; a node that fails to start raises with its log attached.
+"""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from p2ptrain.base import UserError, load_or_create_identity, peer_id_of
+from p2ptrain.control import ControlClient, ops as control_ops
+
+# Generous: a node process imports libp2p and torch, which takes tens of seconds on a loaded 2-core box.
+READY_TIMEOUT_S = 120.0
+# How long wait_ready sleeps between pings of a starting node's control socket: a child process
+# gives no event we could wait on, and 20 ms is short next to its seconds of start-up.
+READY_POLL_S = 0.02
+# ``node start`` flags of a peer that trains on this machine: it joins tasks it hears of, on the
+# CPU with one thread (several peers share the cores). The demo's peers and the multi-process tests.
+NODE_ARGS = ["--accept-tasks", "--device", "cpu", "--threads", "1"]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (the kernel's pick)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class NodeProcess:
+    """One ``p2ptrain node start`` child process and its control client."""
+
+    def __init__(self, home: Path, port: int, bootstrap: Sequence[str] = (), extra_args: Sequence[str] = (), *,
+                 ip: str = "127.0.0.1", launcher: Sequence[str] = ()) -> None:
+        """``ip``: the address it listens on; ``launcher``: argv put before the command (e.g.
+        ``ip netns exec NS``, to start it inside a network namespace: p2ptrain.testing._wan)."""
+        self.home = Path(home)
+        self.port = port
+        self.ip = ip
+        self.launcher = list(launcher)
+        self.peer_id = peer_id_of(load_or_create_identity(self.home)).to_base58()
+        self.addr = f"/ip4/{ip}/tcp/{port}/p2p/{self.peer_id}"
+        self.bootstrap = list(bootstrap)
+        self.extra_args = list(extra_args)
+        self.client = ControlClient(self.home, timeout=10.0)
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.started_at = 0.0
+
+    def start(self) -> NodeProcess:
+        cmd = [*self.launcher, sys.executable, "-m", "p2ptrain.cli.main", "node", "start", "--home", str(self.home)]
+        cmd += ["--listen", f"/ip4/{self.ip}/tcp/{self.port}", *self.extra_args]
+        if self.bootstrap:
+            cmd += ["--bootstrap", *self.bootstrap]
+        self.log = open(self.home / "logs" / "stderr.log", "ab")  # noqa: SIM115 (closed in wait)
+        self.started_at = time.monotonic()
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        return self
+
+    def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> None:
+        """Block until the node's control socket answers (bounded)."""
+        assert self.proc is not None
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"node {self.home} exited with {self.proc.returncode}:\n{self.read_log()}")
+            try:
+                if self.client.call(control_ops.PING)["started"]:
+                    return
+            except (UserError, OSError):
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"node {self.home} not ready in {timeout} s:\n{self.read_log()}")
+            time.sleep(READY_POLL_S)
+
+    def status(self) -> dict[str, Any]:
+        return self.client.call(control_ops.STATUS)
+
+    def _log_text(self) -> str:
+        try:
+            return (self.home / "logs" / "stderr.log").read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def read_log(self) -> str:
+        return self._log_text()[-4000:]
+
+    def events(self, lines: int = 60) -> str:
+        """The last ``lines`` lines of the node's log without its per-round progress lines: what a
+        failed multi-node test needs to show (elections, plans, failures), which thousands of
+        round lines would otherwise push out of view."""
+        kept = [line for line in self._log_text().splitlines() if " done with " not in line]
+        return "\n".join(kept[-lines:])
+
+    def terminate(self, timeout: float = 20.0) -> int:
+        """SIGTERM, then wait (bounded); SIGKILL if it does not stop. Returns the exit code."""
+        if self.proc is None:
+            return 0
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise
+
+    def kill(self) -> None:
+        """SIGKILL: the node gets no chance to say goodbye (a crash, as far as peers can tell)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+    def wait(self, timeout: float) -> int:
+        assert self.proc is not None
+        code = self.proc.wait(timeout)
+        self.log.close()
+        return code

@@ -1,0 +1,59 @@
+"""The coordination protocol: pure, clock-injected state machines that a simulator can drive.
+
+The election of a coordinator (terms, votes, certificates; who counts as alive), the round book
+(plans followed, failures, quarantine, whether to plan now), what a plan is made of, signed model
+records and their attestations (deterministic model bytes, the tally), the confirmed chain and its
+proofs, and detached signatures (:mod:`p2ptrain.protocol.signing`, a public submodule). Nothing
+here touches the network or the clock: ``run`` gathers the inputs and carries out the decisions.
+Imports ``base``, ``wire``, ``data`` (a checked safetensors header) and ``task``.
+"""
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from p2ptrain.protocol import signing as signing
+    from p2ptrain.protocol._attestations import ATTEST_TIMEOUT_S as ATTEST_TIMEOUT_S, Attestations as Attestations
+    from p2ptrain.protocol._election import (
+        Election as Election,
+        ElectionConfig as ElectionConfig,
+        ElectionMessage as ElectionMessage,
+        View as View,
+    )
+    from p2ptrain.protocol._lineage import (
+        audit as audit,
+        Chain as Chain,
+        chain_lines as chain_lines,
+        ChainRules as ChainRules,
+        election_problem as election_problem,
+        entry_from_bytes as entry_from_bytes,
+        MAX_CHAIN_BYTES as MAX_CHAIN_BYTES,
+        parse_entry as parse_entry,
+        read_chain as read_chain,
+    )
+    from p2ptrain.protocol._plans import (
+        buffers_round_id as buffers_round_id,
+        is_checkpoint as is_checkpoint,
+        owner_seed as owner_seed,
+        round_id as round_id,
+        round_seed as round_seed,
+        shard_of as shard_of,
+    )
+    from p2ptrain.protocol._records import (
+        attest as attest,
+        load_model_bytes as load_model_bytes,
+        Misconduct as Misconduct,
+        model_bytes as model_bytes,
+        read_model_card as read_model_card,
+        read_tensors as read_tensors,
+        RecordError as RecordError,
+        sign_record as sign_record,
+        state_bytes as state_bytes,
+        Status as Status,
+        Tally as Tally,
+        tensors_bytes as tensors_bytes,
+    )
+    from p2ptrain.protocol._round_book import Hold as Hold, RoundBook as RoundBook, RuleBreak as RuleBreak
+else:
+    from p2ptrain._exports import lazy_exports
+
+    __getattr__, __dir__, __all__ = lazy_exports(__name__, __file__)

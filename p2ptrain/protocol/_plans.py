@@ -1,0 +1,140 @@
+"""What a coordinator's plan is made of: its members and their ring order, how many rounds it
+covers (up to the next checkpoint), and what each member derives from it (a round's all-reduce id,
+its data shard), and the rules a member holds the coordinator's plans to. Pure functions of the plan
+and the task, shared by the planner (:class:`~p2ptrain.protocol.RoundBook`) and the members
+that follow its plans."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Collection, Sequence
+
+from p2ptrain.base import short_id
+from p2ptrain.protocol._records import quorum
+from p2ptrain.task import Task
+from p2ptrain.protocol._voters import rank
+from p2ptrain.wire import RoundPlan
+
+
+def round_id(plan: RoundPlan, index: int) -> int:
+    """The all-reduce's id for the ``index``-th round of the plan: a 64-bit hash of task, term,
+    round and attempt, so every attempt of every task sharing a host gets a fresh id."""
+    name = f"{plan.task_cid}/t{plan.term}/r{plan.round + index}/a{plan.attempt}"
+    return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "big")
+
+
+def round_seed(task: Task, round_index: int) -> int:
+    """The seed of round ``round_index``'s top-k choices (which member picks which slice's indices,
+    where the threshold sample starts): a 64-bit hash of the task's seed and the round's number only,
+    so that the same round computes the same bits whichever term or attempt runs it (a run that
+    resumes after a whole-run stop, under a new term, reproduces the run that did not stop)."""
+    name = f"seed{task.seed}/r{round_index}"
+    return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "big")
+
+
+def owner_seed(plan: RoundPlan, round_index: int) -> int:
+    """The seed that draws, in a robust round, who reduces and who checks each chunk
+    (:mod:`p2ptrain.collective._owners`): a 64-bit hash of the plan's base (the run's last confirmed
+    model, which members check against their chain) and the round's number. Nobody chooses it: the
+    model is the previous span's all-reduce, fixed before this span's members are known, so no key a
+    member picks makes it the owner of a chosen slice (issue 27). Term and attempt do not enter it,
+    so a retry or a resumed run draws the same owners for the same ring."""
+    name = f"owners/{plan.base_cid}/r{round_index}"
+    return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "big")
+
+
+def buffers_round_id(plan: RoundPlan) -> int:
+    """The id of the all-reduce that averages the members' buffers at the end of ``plan``'s span
+    (run/_spans.py): apart from every round's (:func:`round_id`)."""
+    name = f"{plan.task_cid}/t{plan.term}/r{plan.round + plan.rounds - 1}/a{plan.attempt}/buffers"
+    return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "big")
+
+
+def shard_of(plan: RoundPlan, peer: str) -> tuple[int, int]:
+    """``(rank, world_size)`` of ``peer`` in the plan: its index in the plan's member order."""
+    return plan.members.index(peer), len(plan.members)
+
+
+def is_checkpoint(task: Task, round_index: int, total_steps: int) -> bool:
+    """Whether round ``round_index`` (0-based, ending at step ``round_index + 1``) ends with a
+    published model: every ``checkpoint_interval`` rounds, and the last round."""
+    return (round_index + 1) % task.training.checkpoint_interval == 0 or round_index + 1 >= total_steps
+
+
+def span_length(task: Task, round_index: int, total_steps: int) -> int:
+    """Rounds from ``round_index`` up to and including the next checkpoint round."""
+    interval = task.training.checkpoint_interval
+    next_checkpoint = min((round_index // interval + 1) * interval, total_steps)
+    return max(1, next_checkpoint - round_index)
+
+
+def plan_members(
+    task: Task, task_cid: str, previous: Sequence[str], live: Collection[str], admit_joiners: bool,
+    private: Collection[str] = (),
+) -> tuple[str, ...] | None:
+    """Members of the next span in ring order (:func:`ring_order`, given the members whose heartbeats
+    say ``private``); None when no span may start now (see the module rules)."""
+    live = set(live)
+    kept = [p for p in previous if p in live]
+    if previous and len(kept) < quorum(len(previous)):
+        return None
+    members = sorted(kept)[: task.peers.max]
+    if admit_joiners:
+        joiners = sorted((p for p in live if p not in previous), key=lambda p: rank(task_cid, 0, p))
+        members += joiners[: task.peers.max - len(members)]
+    if len(members) < task.peers.min:
+        return None
+    return ring_order(members, private)
+
+
+def rule_problem(task: Task, total_steps: int, plan: RoundPlan, before: RoundPlan | None) -> str | None:
+    """Why an elected coordinator's ``plan`` breaks the run's rules, or None. The rules come from
+    the task and from ``before`` (the latest plan the member took from a coordinator), never from the
+    coordinator: the plan's members are distinct, admitted by the task and between ``peers.min`` and
+    ``peers.max``; its span fits the task; and it keeps a quorum of ``before``'s members (no
+    coordinator can swap the members out from under the run in one plan, which is also why a
+    minority side of a partition never plans). A plan that breaks them is evidence against its
+    coordinator (:class:`~p2ptrain.protocol.RuleBreak`)."""
+    peers = task.peers
+    members = plan.members
+    if len(set(members)) != len(members):
+        return "members are not distinct"
+    if not peers.min <= len(members) <= peers.max:
+        return f"{len(members)} members, the task allows {peers.min} to {peers.max}"
+    outsiders = [m for m in members if not peers.admits(m)]
+    if outsiders:
+        return f"it names {short_id(outsiders[0])}, whom the task's allowlist does not admit"
+    if plan.rounds < 1 or plan.step + plan.rounds > total_steps:
+        return f"a span of {plan.rounds} rounds from step {plan.step} does not fit the task"
+    if before is not None and (plan.term, plan.round, plan.attempt) > (before.term, before.round, before.attempt):
+        kept = len(set(before.members) & set(members))
+        if kept < quorum(len(before.members)):
+            return (f"it keeps {kept} of the {len(before.members)} members of plan {before.round}.{before.attempt}, "
+                    f"a quorum is {quorum(len(before.members))}")
+    return None
+
+
+def ring_order(members: Collection[str], private: Collection[str]) -> tuple[str, ...]:
+    """The order of a plan's members, which is the dense ring's (each member sends to the next and
+    receives from the one before, the last wrapping to the first) and the ranks of data shards.
+
+    A link between two private members (behind NATs, reached through a relay unless they share a
+    LAN) crosses the relay's link twice and runs at the narrower of its rates; a link with a public
+    member is direct (the private one dialed it). So the public members go first, sorted, and each
+    is followed by one private member, sorted, while there are any: no two private members are
+    ring neighbours when there are at least as many public members as private ones; otherwise the
+    remaining private members come last, together, and the ring has as few private-private links as
+    any order can (one per private member beyond the public ones). Without private members this is
+    the sorted order, as plans were before reachability was known. Pure and deterministic from the
+    members and the reachability they advertised (the coordinator's view; members do not recompute
+    it, they check only that the members are distinct: :meth:`RoundBook.plan_problem`).
+    """
+    private = set(private)
+    hidden = sorted(p for p in members if p in private)
+    public = sorted(p for p in members if p not in private)
+    order: list[str] = []
+    for i, peer in enumerate(public):
+        order.append(peer)
+        if i < len(hidden):
+            order.append(hidden[i])
+    return tuple(order + hidden[len(public):])

@@ -1,0 +1,486 @@
+"""Round bookkeeping: who takes part, from which step, for how many rounds, and when to checkpoint.
+
+Every member keeps a :class:`RoundBook` (the last plan it followed, the latest plan it saw, and the
+confirmed chain), so when the coordinator dies the next one continues from its own state instead of
+from scratch. All of it is pure: the node decides when to call it.
+
+Rules, and why:
+
+- A plan covers a *span* of rounds, up to and including the next checkpoint round; members run its
+  rounds back to back (round ``round + i`` starts at step ``step + i``). One pubsub message per span,
+  not per round, keeps fast rounds clear of gossipsub's per-peer rate limit.
+- A span's members are the previous span's members that are still live, then joiners (in a fixed
+  hash order) up to ``peers.max``. No span starts with fewer than ``peers.min`` members, nor without
+  a quorum of the previous span's members: on the minority side of a partition nobody can plan, so
+  the two sides never both extend the history.
+- Joiners are admitted only when the members' state *is* the latest confirmed checkpoint (after a
+  confirmation, or at the start), because a joiner loads that checkpoint by CID (weights and
+  optimizer state) and must hold exactly what the others hold.
+- A span ends with a checkpoint: the coordinator publishes a record and waits for its confirmation
+  (or rejection) before the next plan (a barrier), so members still hold the checkpointed state when
+  they attest.
+- With ``[training] overlap_checkpoints = true`` the barrier moves one span later: every member
+  takes its checkpoint's bytes (and the coordinator its evaluation) before the next span starts,
+  and storing, the record, the attestations and the confirmation go on while the next span trains.
+  At most one checkpoint is unsettled: the span after a checkpoint's span is not planned before it
+  is confirmed or rejected (:meth:`RoundBook.settled_step`). While peers wait to join (and there is
+  room) the coordinator keeps the barrier of a checkpoint, since joiners are admitted only at a
+  confirmed head. A plan made while its start's checkpoint is unsettled names the latest confirmed
+  model as its ``base_cid``/``version``: its ``step`` is then one span past that record's.
+  A checkpoint that a coordinator of an earlier term stored but never recorded (it died first)
+  gets no record any more (records come from the coordinator only): a new coordinator with no
+  record pending counts it as rejected (:meth:`RoundBook.abandon_unrecorded`), or the barrier one
+  span later would never open.
+- When a member's all-reduce fails (a peer died) it stops and sends ``round_failed``; the
+  coordinator answers with a retry plan: the failed round, next attempt, its start step, the live
+  members. A member that already applied that round's step rolls it back (:meth:`Trainer.align`):
+  nobody can be further ahead, because the next round's all-reduce needs everyone.
+- A new coordinator continues from its own state. If it stopped inside a span it steps back one
+  round when it can (it may have applied a round that others did not finish); a member that cannot
+  reach a plan's step stops advertising the task until it has resumed from the latest checkpoint.
+- When to plan at all (:meth:`RoundBook.decide`): not while its own span runs (unless that span is
+  stuck on a peer that will not come), not during a failed round's backoff, not while behind the run
+  (then resync), not in the first moments of a fresh run's first term; and without the peers a round
+  or a silent coordinator term named, for a while (they are most likely dead); never again once the
+  task's publisher cancelled the run.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+
+from libp2p.crypto.keys import KeyPair
+
+from p2ptrain.base import short_id
+from p2ptrain.protocol._election import Election
+from p2ptrain.protocol._plans import is_checkpoint, plan_members, rule_problem, span_length
+from p2ptrain.protocol._lineage import Chain
+from p2ptrain.protocol._records import certificate, sign_record
+from p2ptrain.task import Task
+from p2ptrain.wire import ModelRecord, RoundFailed, RoundPlan, SignedModelRecord, SignedVote
+
+# After a failed round, the coordinator waits this long before it plans the retry, so the other
+# members have left the failed round (unless all of them reported that they have).
+RETRY_BACKOFF_S = 1.5
+# A peer named in a failed round (or a coordinator that fell silent) is left out of plans this long.
+FAILED_PEER_QUARANTINE_S = 10.0
+# The first plan waits this long after the coordinator's election, for peers still joining, unless
+# the task's ``peers.max`` already advertise it (no one else could be admitted: the wait would only
+# delay the run's first step, by 2 s of its ~9 s start on an emulated WAN, bench/wan_train.py), or
+# the run resumed from a record whose members all advertise it again (run/_resume.py).
+FIRST_ROUND_GRACE_S = 2.0
+# Spans whose plans a member keeps for their records: the span under way, the one whose checkpoint
+# may be unsettled (overlap mode), and two more for records that come late.
+KEPT_SPAN_PLANS = 4
+
+
+class RuleBreak(str):
+    """A reason not to follow a plan that is also evidence against the coordinator that sent it
+    (:meth:`RoundBook.rule_problem`): the member stops following that coordinator."""
+
+
+class Hold(Enum):
+    """Why :meth:`RoundBook.decide` gives no plan now."""
+
+    WAIT = "wait"  # nothing to plan yet: a span runs, a retry backs off, a barrier, too few peers
+    BEHIND = "behind"  # the run is past this coordinator's state: resync instead of planning
+
+
+def _until_later(deadlines: dict[str, float], now: float) -> frozenset[str]:
+    """The peers whose entry in ``deadlines`` (peer -> until when) has not run out at ``now``."""
+    return frozenset(p for p, until in deadlines.items() if until > now)
+
+
+def _exclude(deadlines: dict[str, float], peer: str, now: float) -> None:
+    """Leave ``peer`` out until FAILED_PEER_QUARANTINE_S from ``now``; entries that ran out go, so
+    the map holds only the peers excluded now (reporters come from the network)."""
+    for p in [p for p, until in deadlines.items() if until <= now]:
+        del deadlines[p]
+    deadlines[peer] = now + FAILED_PEER_QUARANTINE_S
+
+
+@dataclass
+class RoundBook:
+    """What a member knows of the run: plans followed and seen, failures, the confirmed chain."""
+
+    task: Task
+    task_cid: str
+    chain: Chain
+    total_steps: int
+    last_plan: RoundPlan | None = None  # the last plan this member followed
+    observed: RoundPlan | None = None  # the latest plan seen on the topic, followed or not
+    failed_round: int | None = None  # a reported failure of last_plan's attempt
+    failure_reporters: set[str] = field(default_factory=set)  # who reported it
+    # The step of a checkpoint whose record was rejected: the barrier opens, training goes on, and
+    # the next checkpoint tries again (joiners wait for a confirmed one).
+    rejected_step: int | None = None
+    # The coordinator's plan gating (see decide); kept across a resync (see resynced).
+    failed_peers: dict[str, float] = field(default_factory=dict)  # peer -> left out of plans until
+    # Peers a round found unreachable (a broken channel, a refused dial) -> until when: the election
+    # counts them as dead at once, not when the mesh stops hearing them (5 s) or beats stop (3 s).
+    gone_peers: dict[str, float] = field(default_factory=dict)
+    retry_after: float = 0.0  # a retry is not planned before then (RETRY_BACKOFF_S after a failure)
+    elected_at: float | None = None  # when this member last became coordinator
+    # A member of the current plan reported that it cannot take part: retry without it now.
+    culprit_reported: bool = False
+    # The task's publisher cancelled the run: no plan is made any more (the span under way ends).
+    cancelled: bool = False
+    # The elected coordinators' latest plan for each span, by the step the span ends at (followed or
+    # only seen): a record of that span must name exactly its members, and its quorum counts them.
+    span_plans: dict[int, RoundPlan] = field(default_factory=dict)
+    # Plans of the elected coordinator that broke the rules, as (end step, term, attempt): no record
+    # of theirs is believed, here or in a chain a head names.
+    refused_spans: set[tuple[int, int, int]] = field(default_factory=set)
+    accepted: RoundPlan | None = None  # the latest plan taken from an elected coordinator
+
+    @property
+    def head_step(self) -> int:
+        """The step of the latest confirmed model (0 for the initial model)."""
+        return self.chain.records[-1].record.step if self.chain.records else 0
+
+    @property
+    def overlap(self) -> bool:
+        """Whether checkpoints settle while the next span trains (the task's ``overlap_checkpoints``)."""
+        return bool(self.task.training.overlap_checkpoints)
+
+    @property
+    def settled_step(self) -> int:
+        """The step of the latest checkpoint that is settled: confirmed (the chain's head) or rejected."""
+        return max(self.head_step, self.rejected_step or 0)
+
+    def previous_checkpoint(self, step: int) -> int:
+        """The step of the last checkpoint before ``step`` (0, the initial model, for none): every
+        ``checkpoint_interval`` steps, where spans end (:func:`~p2ptrain.protocol._plans.span_length`;
+        a round ``r`` ends at step ``r + 1``)."""
+        interval = self.task.training.checkpoint_interval
+        return max(0, (step - 1) // interval * interval)
+
+    def unsettled(self, my_step: int) -> int | None:
+        """The step of this member's checkpoint that is neither confirmed nor rejected, or None: at
+        ``my_step`` when a span just ended there, else the last one before it (overlap mode)."""
+        if my_step > self.settled_step and is_checkpoint(self.task, my_step - 1, self.total_steps):
+            return my_step
+        previous = self.previous_checkpoint(my_step)
+        return previous if previous > self.settled_step else None
+
+    def abandon_unrecorded(self, my_step: int) -> int | None:
+        """As a newly elected coordinator with no record pending: the checkpoint an earlier
+        coordinator stored but did not record (it died between its span's end and its record) never
+        gets a record (records are taken from the coordinator only), so it counts as rejected: the
+        barrier opens and training goes on from the latest confirmed model. In either mode: without
+        it the barrier at that checkpoint (one span later with overlap) waited forever. Returns its
+        step, or None when there is none."""
+        step = self.unsettled(my_step)
+        if step is not None:
+            self.rejected_step = step
+        return step
+
+    def end_of_run(self, me: str, trainer_step: int) -> str | None:
+        """Whether the confirmed chain ends the run for this member: None while its last record is
+        short of the run's last step; "done" when this member holds that checkpoint's weights (it
+        was a member of the span that computed it, or its trainer is at that step); "load" when the
+        record was confirmed without it (a joiner synced to an earlier checkpoint and not yet
+        admitted when the last span ran): it must load the last checkpoint by CID before it is
+        done, or it would end naming a model it does not hold, with older weights in its trainer."""
+        if not self.chain.records:
+            return None
+        last = self.chain.records[-1].record
+        if last.step < self.total_steps:
+            return None
+        return "done" if me in last.members or trainer_step == last.step else "load"
+
+    def roster(self, me: str, head_members: Sequence[str] = ()) -> tuple[str, ...]:
+        """The voters to give :meth:`Election.tick`: the members of the last span we took part in;
+        for a peer that is not among them (a joiner, or one dropped while away), the members of the
+        latest plan seen on the topic; with no plan seen yet, ``head_members`` (the members the
+        run's head names: with the live peers instead, a joiner refused the coordinator's
+        certificate, 2 votes where a quorum of its 4 live peers is 3, and stood itself); without
+        those, the members of the last record of our chain (a member that resumed its chain after
+        a stop of the whole run: nobody publishes plans or heads, and a quorum of those members
+        elects the run's next coordinator); none before the first span (then the live peers vote)."""
+        if self.last_plan is not None and me in self.last_plan.members:
+            return self.last_plan.members
+        if self.observed is not None:
+            return self.observed.members
+        if head_members or not self.chain.records:
+            return tuple(head_members)
+        return self.chain.records[-1].record.members
+
+    def resynced(self, chain: Chain) -> RoundBook:
+        """The book of a member that loaded ``chain``'s head: plans and failures start afresh from
+        it; the roster seen on the topic, the spans' plans and the plan gating's timers carry over."""
+        return RoundBook(
+            self.task, self.task_cid, chain, self.total_steps, observed=self.observed,
+            failed_peers=self.failed_peers, gone_peers=self.gone_peers, retry_after=self.retry_after,
+            elected_at=self.elected_at, culprit_reported=self.culprit_reported, cancelled=self.cancelled,
+            span_plans=self.span_plans, refused_spans=self.refused_spans, accepted=self.accepted,
+        )
+
+    def span_members(self, record: ModelRecord) -> tuple[str, ...] | None:
+        """The members of the plan that ``record``'s span ran under (the coordinator's latest plan
+        for the span ending at its step, of its term and last round), or None when this member knows
+        no such plan: then it cannot count the record's quorum, and does not take it up."""
+        plan = self.span_plans.get(record.step)
+        if plan is None or (plan.term, plan.attempt, plan.round + plan.rounds - 1) != (
+                record.term, record.attempt, record.round):
+            return None  # none, or another of the span's plans (a retry this member did not see)
+        return plan.members
+
+    def lineage_problem(self, records: Sequence[SignedModelRecord]) -> str | None:
+        """Why records a head's chain adds cannot be taken, by what this member saw of their spans:
+        a span whose plan it refused, or a record whose members are not its span's plan's."""
+        for signed in records:
+            r = signed.record
+            if (r.step, r.term, r.attempt) in self.refused_spans:
+                return f"model record v{r.version} ends a span whose plan broke the rules"
+            members = self.span_members(r)
+            if members is not None and tuple(r.members) != members:
+                return f"model record v{r.version} names other members than its span's plan"
+        return None
+
+    # --- what the coordinator hears (inputs to decide) --------------------------------------------
+
+    def note_elected(self, now: float) -> None:
+        """This member became coordinator at ``now`` (the first plan waits FIRST_ROUND_GRACE_S)."""
+        self.elected_at = now
+
+    def note_round_failed(self, now: float, culprit: str | None = None, gone: bool = False) -> None:
+        """A round failed here at ``now``: back off the retry; leave ``culprit`` (the peer the
+        all-reduce blamed, not ourselves) out of plans, and when ``gone`` (unreachable) out of the
+        election's live peers too, for FAILED_PEER_QUARANTINE_S."""
+        if culprit is not None:
+            _exclude(self.failed_peers, culprit, now)
+            if gone:
+                _exclude(self.gone_peers, culprit, now)
+        self.retry_after = now + RETRY_BACKOFF_S
+
+    def note_failure_report(self, now: float, report: RoundFailed, reporter: str, me: str, *, coordinator: bool) -> bool:
+        """A ``round_failed`` from ``reporter`` (:meth:`report_failure`; True if it calls for a
+        retry). As coordinator, a reporter that could not take part at all (:meth:`reporter_out_of_step`)
+        is the culprit: left out of plans, and the retry is planned now (see decide's "stuck")."""
+        if not self.report_failure(report, reporter):
+            return False
+        if coordinator and reporter != me and self.reporter_out_of_step(report):
+            _exclude(self.failed_peers, reporter, now)
+            self.culprit_reported = True
+        return True
+
+    def note_silent_coordinator(self, now: float, peer: str) -> None:
+        """The election gave up on coordinator ``peer`` (:attr:`Election.given_up`): most likely
+        dead, and a plan listing it would fail on it (the mesh drops it only after 5 s)."""
+        _exclude(self.failed_peers, peer, now)
+
+    def gone(self, now: float) -> frozenset[str]:
+        """Peers a round found unreachable, still quarantined: for the election's View.gone."""
+        return _until_later(self.gone_peers, now)
+
+    def quarantined(self, now: float) -> frozenset[str]:
+        """Peers left out of plans at ``now``."""
+        return _until_later(self.failed_peers, now)
+
+    def decide(
+        self, now: float, election: Election, my_step: int, advertising: Collection[str], *,
+        can_roll_back: bool, span_running: bool, rounds_running: bool, head_version: int,
+        private: Collection[str] = (),
+    ) -> RoundPlan | Hold:
+        """As coordinator at ``now``: the next plan to publish, or why none (:class:`Hold`).
+
+        ``advertising``: the peers (ourselves included) that advertise the task and meet its
+        requirements. ``span_running``: our own span (rounds and checkpoint) is under way;
+        ``rounds_running``: its rounds are (a newer plan can stop them). ``head_version``: the
+        version of the run's latest head heard (0 for none). ``private``: the peers whose
+        reachability is ``private`` (their heartbeats, and ours), for the ring's order.
+        """
+        if not election.is_coordinator or self.cancelled:
+            return Hold.WAIT
+        last = self.last_plan
+        # Our own round may be waiting (up to the start timeout, 15 s) on a peer that will not
+        # come: one of the old term's plan, when we were just elected, or one that reported it
+        # cannot take part. Plan at once; the new plan stops that round everywhere.
+        stuck = rounds_running and ((last is not None and last.term != election.term) or self.culprit_reported)
+        if span_running and not stuck:
+            return Hold.WAIT
+        quarantined = self.quarantined(now)
+        if now < self.retry_after and self.failed_round is not None and not self.all_reported(quarantined):
+            # A retry: give the other members time to leave the failed round, unless all have said
+            # so. (Only a retry: the next span after a successful one waited here too, ~1 s.)
+            return Hold.WAIT
+        if head_version > self.chain.version or (self.observed is not None and self.observed.step > my_step):
+            # Elected while behind the run (a later confirmed model, or a plan seen past our step,
+            # e.g. it joined at step 0 and missed the records): it must not plan from its stale state.
+            return Hold.BEHIND
+        joining_possible = len(set(advertising) - quarantined) < self.task.peers.max
+        if last is None and self.chain.records and set(self.chain.records[-1].record.members) <= set(advertising):
+            joining_possible = False  # resumed, with every member of the last record back: start now
+        if last is None and self.elected_at is not None and now - self.elected_at < FIRST_ROUND_GRACE_S \
+                and joining_possible:
+            return Hold.WAIT
+        plan = self.next_plan(election, my_step, set(advertising) - quarantined, can_roll_back, private)
+        return Hold.WAIT if plan is None else plan
+
+    def report_failure(self, report: RoundFailed, reporter: str) -> bool:
+        """Note ``reporter``'s ``round_failed`` for the current plan; True if it calls for a retry."""
+        last = self.last_plan
+        if last is None or (report.task_cid, report.term, report.attempt) != (self.task_cid, last.term, last.attempt):
+            return False
+        if not last.round <= report.round < last.round + last.rounds:
+            return False
+        if self.failed_round is None or report.round < self.failed_round:
+            self.failed_round = report.round
+        self.failure_reporters.add(reporter)
+        return True
+
+    def all_reported(self, excluding: Collection[str]) -> bool:
+        """Whether every member of the failed plan but ``excluding`` (the culprits) reported the
+        failure: then all have left the round, and the retry need not wait any longer."""
+        last = self.last_plan
+        return (
+            last is not None and self.failed_round is not None
+            and set(last.members) - set(excluding) <= self.failure_reporters
+        )
+
+    def reporter_out_of_step(self, report: RoundFailed) -> bool:
+        """Whether a failure report of the current plan comes from a member that could not take part
+        at all: its optimizer step is neither the failed round's nor the one after (a member that
+        advertised the task from a state the run had left). The coordinator leaves it out of the
+        retry: it is the culprit, and the others may still be waiting for it."""
+        last = self.last_plan
+        if last is None:
+            return False
+        expected = last.step + (report.round - last.round)
+        return report.step not in (expected, expected + 1)
+
+    def next_plan(
+        self, election: Election, my_step: int, live: Collection[str], can_roll_back: bool = False,
+        private: Collection[str] = (),
+    ) -> RoundPlan | None:
+        """As coordinator at optimizer step ``my_step``: the next plan, or None (wait, or done).
+
+        ``live``: the peers (the coordinator included) that advertise this task and meet its
+        requirements. ``can_roll_back``: the trainer keeps the state before its last step.
+        ``private``: the peers behind NATs (:func:`~p2ptrain.protocol._plans.ring_order`). The
+        coordinator then follows its own plan like any member (:meth:`plan_problem`, then align).
+        """
+        if not election.is_coordinator:
+            return None
+        last = self.last_plan
+        # The members the next plan must keep a quorum of: the latest plan the members took from a
+        # coordinator (rule_problem checks it against the same plan).
+        previous = self.accepted.members if self.accepted is not None else ()
+        if last is None:
+            # A coordinator that (re)synced from the chain continues the round numbering after it.
+            start_round = self.chain.records[-1].record.round + 1 if self.chain.records else 0
+            attempt, step = 0, my_step
+            if my_step != self.head_step:
+                return None  # a fresh run starts from the head of the chain
+        elif self.failed_round is not None:
+            start_round, attempt = self.failed_round, last.attempt + 1
+            step = last.step + (self.failed_round - last.round)
+        elif my_step == last.step + last.rounds:
+            start_round, attempt, step = last.round + last.rounds, last.attempt, my_step
+            if my_step not in (self.head_step, self.rejected_step) and not self._may_overlap(last, my_step, live):
+                return None  # barrier: the span's checkpoint is not confirmed (or rejected) yet
+        elif last.term != election.term and last.step <= my_step < last.step + last.rounds:
+            # Taking over a span the old coordinator did not finish: step back one round when we
+            # can, since we may have applied a round that others did not complete.
+            step = my_step - 1 if can_roll_back and my_step > last.step else my_step
+            start_round, attempt = last.round + (step - last.step), last.attempt + 1
+        else:
+            return None  # the current span is still running
+        if my_step not in (step, step + 1) or step >= self.total_steps:
+            return None
+        admit = step == self.head_step
+        members = plan_members(self.task, self.task_cid, previous, live, admit_joiners=admit, private=private)
+        if members is None or election.me not in members:
+            return None
+        return RoundPlan(
+            task_cid=self.task_cid, term=election.term, round=start_round, attempt=attempt, step=step,
+            rounds=span_length(self.task, start_round, self.total_steps), members=members,
+            base_cid=self.chain.head_cid, version=self.chain.version,
+        )
+
+    def _may_overlap(self, last: RoundPlan, my_step: int, live: Collection[str]) -> bool:
+        """Whether the span after ``last`` (ended at ``my_step``, its checkpoint unsettled) may be
+        planned now: in overlap mode, once the checkpoint before it is settled (at most one unsettled)
+        and while no peer waits to join a span with room for it (joiners need a confirmed head)."""
+        if not self.overlap or self.settled_step < self.previous_checkpoint(my_step):
+            return False
+        kept = [p for p in last.members if p in live]
+        waiting = [p for p in live if p not in last.members]
+        return not (waiting and len(kept) < self.task.peers.max)
+
+    def plan_problem(self, plan: RoundPlan, sender: str, election: Election) -> str | None:
+        """Why a member should not follow ``plan``, or None. Records it as the last plan when followed.
+
+        Every plan of this task that arrives should pass through here, also on peers that are not
+        members: it is how a joiner learns the roster that elected the coordinator.
+        """
+        if plan.task_cid != self.task_cid:
+            return "plan for another task"
+        seen = self.observed
+        if seen is None or (plan.term, plan.round, plan.attempt) > (seen.term, seen.round, seen.attempt):
+            self.observed = plan
+        if plan.term != election.term or sender != election.coordinator:
+            return f"plan from {short_id(sender)} in term {plan.term}, not from the coordinator of term {election.term}"
+        broken = self.rule_problem(plan)
+        if broken is not None:
+            self.refused_spans.add((plan.step + plan.rounds, plan.term, plan.attempt))
+            return RuleBreak(broken)
+        accepted = self.accepted
+        if accepted is None or (plan.term, plan.round, plan.attempt) > (accepted.term, accepted.round, accepted.attempt):
+            self.accepted = plan
+        self._note_span(plan)
+        if election.me not in plan.members:
+            return "not a member of this span"
+        last = self.last_plan
+        if last is not None and (plan.term, plan.round, plan.attempt) <= (last.term, last.round, last.attempt):
+            return f"plan {plan.term}/{plan.round}.{plan.attempt} is not after {last.term}/{last.round}.{last.attempt}"
+        self.last_plan = plan
+        self.failed_round = None
+        self.failure_reporters = set()
+        self.culprit_reported = False  # it was about the plan this one supersedes
+        return None
+
+    def rule_problem(self, plan: RoundPlan) -> str | None:
+        """Why the elected coordinator's ``plan`` breaks the run's rules
+        (:func:`~p2ptrain.protocol._plans.rule_problem`, against the latest plan accepted here)."""
+        return rule_problem(self.task, self.total_steps, plan, self.accepted)
+
+    def _note_span(self, plan: RoundPlan) -> None:
+        """Remember ``plan`` as its span's (the latest for the step it ends at), for the record of
+        that span; a few spans back are kept (at most one checkpoint is unsettled)."""
+        end = plan.step + plan.rounds
+        held = self.span_plans.get(end)
+        if held is None or (plan.term, plan.round, plan.attempt) > (held.term, held.round, held.attempt):
+            self.span_plans[end] = plan
+        for step in sorted(self.span_plans)[:-KEPT_SPAN_PLANS]:
+            del self.span_plans[step]
+        for refused in sorted(self.refused_spans)[:-KEPT_SPAN_PLANS]:
+            self.refused_spans.discard(refused)  # (end step first: the oldest spans go)
+
+    def checkpoint_record(
+        self,
+        plan: RoundPlan,
+        step: int,
+        model_cid: str,
+        optimizer_cid: str,
+        metrics: dict[str, float],
+        key_pair: KeyPair,
+        votes: Sequence[SignedVote] = (),
+    ) -> SignedModelRecord:
+        """As coordinator, after the last round of a span: the signed record that extends the chain,
+        carrying ``votes`` (this coordinator's certificate of ``plan``'s term) for whoever checks
+        its election later.
+
+        Non-finite metrics (a diverged evaluation) are left out: records are strict JSON.
+        """
+        record = ModelRecord(
+            task_cid=self.task_cid, version=self.chain.version + 1, parent=self.chain.head_cid,
+            round=plan.round + plan.rounds - 1, step=step, members=plan.members,
+            metrics={k: float(v) for k, v in sorted(metrics.items()) if math.isfinite(v)},
+            model_cid=model_cid, optimizer_cid=optimizer_cid, term=plan.term, coordinator="", attempt=plan.attempt,
+        )
+        return sign_record(record, key_pair, certificate(votes, plan.members))

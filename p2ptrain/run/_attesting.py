@@ -1,0 +1,220 @@
+"""Checkpoints: the coordinator's signed record of a span's model, every member's attestation of it,
+and the confirmed chain on disk.
+
+The counting (which record is pending, attestations that came before their record, the quorum,
+the deadline) is the pure :class:`~p2ptrain.protocol.Attestations`; this module evaluates,
+signs and publishes, and writes what was confirmed.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import trio
+
+from p2ptrain.ipfs import ContentUnavailable
+from p2ptrain.base import short_id
+from p2ptrain.run._datafeed import DataFeed
+from p2ptrain.run._run_state import Nudge, RunState
+from p2ptrain.protocol import Misconduct, RecordError, Status, Tally, attest, election_problem
+from p2ptrain.training import StateSnapshot
+from p2ptrain.wire import RoundPlan, SignedAttestation, SignedModelRecord
+
+logger = logging.getLogger(__name__)
+
+
+# The coordinator's record of a checkpoint waits for the one before it to settle (overlap mode: the
+# next span's checkpoint can be stored first); it looks again at each settlement, and this often
+# besides, since it also stops waiting when this member is no longer the plan's coordinator.
+SETTLE_CHECK_S = 0.5
+# Checkpoint CIDs kept for attesting: the one whose record may be pending and the one stored during
+# the next span (at most one checkpoint is unsettled: training.rounds).
+KEPT_CHECKPOINTS = 2
+
+
+class Attesting:
+    """Records and attestations of one run, and the coordinator's record at the end of a span."""
+
+    def __init__(self, run: RunState, data: DataFeed) -> None:
+        self.run = run
+        self.data = data
+        self.checkpoint_cids: dict[int, tuple[str, str]] = {}  # step -> (model CID, optimizer CID)
+        # This member's round totals (rounds, compute, sync, apply seconds, bytes sent) at its last
+        # checkpoint: the coordinator's record reports the span's means from them.
+        self._totals_before = (0, 0.0, 0.0, 0.0, 0)
+        self._settle_news = Nudge()  # a record was confirmed or rejected
+
+    def span_metrics(self, plan: RoundPlan) -> dict[str, float] | None:
+        """At the end of ``plan``'s span, before the next one: as the coordinator of its term, the
+        record's metrics known now (the last training loss, the span's round means; the evaluation
+        comes next, :meth:`evaluate`); None for the other members."""
+        run = self.run
+        coordinator = run.election.is_coordinator and plan.term == run.election.term
+        metrics = {"train_loss": run.metrics.get("train_loss", math.nan), **self._span_means()}
+        self._totals_before = self._totals()
+        return metrics if coordinator else None
+
+    async def evaluate(self, metrics: dict[str, float], snapshot: StateSnapshot | None = None) -> None:
+        """Add the test split's loss and accuracy to ``metrics``: of the trainer's weights now, or
+        of ``snapshot``'s (overlap mode: the trainer is in the next span by then)."""
+        run = self.run
+        try:
+            await self.data.fetch_test_split()
+            metrics.update(await trio.to_thread.run_sync(self.data.evaluate, snapshot))
+        except ContentUnavailable as exc:
+            # Metrics are a report, not part of the model: publish without them rather than stall.
+            logger.warning("%s: cannot evaluate (test data unavailable: %s)", run.log_prefix, exc)
+
+    async def checkpoint_stored(
+        self, plan: RoundPlan, step: int, model_cid: str, optim_cid: str, metrics: dict[str, float] | None
+    ) -> None:
+        """Our state at the end of ``plan`` is stored: as its coordinator (``metrics`` from
+        :meth:`span_metrics` and :meth:`evaluate`), publish the signed record once the checkpoint
+        before it is settled; as a member, attest the record once it is here."""
+        run = self.run
+        self.checkpoint_cids[step] = (model_cid, optim_cid)
+        for old in sorted(self.checkpoint_cids)[:-KEPT_CHECKPOINTS]:
+            del self.checkpoint_cids[old]
+        if metrics is not None and await self._previous_settled(plan, step):
+            _, book = run.require()
+            signed = book.checkpoint_record(plan, step, model_cid, optim_cid, metrics, run.node.key_pair,
+                                            votes=run.election.certificate)
+            problem = election_problem(signed, book.chain.rules) if book.chain.rules is not None else None
+            if problem is not None:
+                # Our votes do not make a quorum of this span's members (members left since we were
+                # elected, in overlap mode): nobody could check the record, so it is not published;
+                # the checkpoint counts as rejected and the next one tries again.
+                logger.warning("%s: not publishing the checkpoint at step %d: %s", run.log_prefix, step, problem)
+                book.rejected_step = step
+                self._settle_news.set()
+                run.wake_leader.set()
+            else:
+                logger.info("%s: publishing model v%d %s (accuracy %s)", run.log_prefix, signed.record.version,
+                            model_cid, _fmt(metrics.get("accuracy")))
+                await run.broadcast(signed)  # our own copy comes back through on_record
+        await self._attest_if_ready()
+
+    async def _previous_settled(self, plan: RoundPlan, step: int) -> bool:
+        """Wait until the checkpoint before ``step`` is confirmed or rejected (its record is the new
+        one's parent); False when this member stopped being the coordinator of ``plan``'s term
+        meanwhile (its record would be refused). At once without overlapping checkpoints: the
+        barrier held the span until then."""
+        run = self.run
+        while run.election.is_coordinator and plan.term == run.election.term:
+            _, book = run.require()
+            if book.settled_step >= book.previous_checkpoint(step):
+                return True
+            await self._settle_news.wait(SETTLE_CHECK_S)
+        logger.info("%s: not publishing the checkpoint at step %d: no longer the coordinator of term %d",
+                    run.log_prefix, step, plan.term)
+        return False
+
+    def _totals(self) -> tuple[int, float, float, float, int]:
+        t = self.run.timings
+        return (self.run.rounds_done, t.compute_s, t.sync_s, t.apply_s, self.run.bytes_sent)
+
+    def _span_means(self) -> dict[str, float]:
+        """The coordinator's mean round of the span (since its last checkpoint): compute, sync and
+        apply seconds and bytes sent, for ``task report``. Four of the record's 16 metrics; none when
+        it ran no round (a coordinator that just took over)."""
+        now, before = self._totals(), self._totals_before
+        rounds = now[0] - before[0]
+        if rounds <= 0:
+            return {}
+        names = ("round_compute_s", "round_sync_s", "round_apply_s", "round_bytes_sent")
+        return {name: round((now[i + 1] - before[i + 1]) / rounds, 6) for i, name in enumerate(names)}
+
+    async def on_record(self, signed: SignedModelRecord) -> None:
+        run = self.run
+        if run.book is None or not run.synced:
+            return
+        try:
+            status = run.attestations.offer_record(signed, run.book, run.election.coordinator, trio.current_time())
+        except RecordError as exc:
+            self._refused(signed, exc)
+            return
+        await self._settled(status)
+        await self._attest_if_ready()
+
+    def _refused(self, signed: SignedModelRecord, exc: RecordError) -> None:
+        """Count a refused record; one that breaks the run's rules (:class:`Misconduct`) signed by
+        the coordinator we follow is evidence against it: we stop following it (a new term)."""
+        run = self.run
+        if not isinstance(exc, Misconduct):
+            logger.warning("%s: refused model record: %s", run.log_prefix, exc)
+            return
+        run.refuse("record_rules", f"refused model record v{signed.record.version} of "
+                   f"{short_id(signed.record.coordinator)}: {exc}")
+        if signed.record.coordinator == run.election.coordinator:
+            run.accuse(signed.record.coordinator, str(exc))
+
+    async def _attest_if_ready(self) -> None:
+        """Attest the pending record once our own state is at its step (we hashed our weights)."""
+        run = self.run
+        record = run.attestations.due(run.me)
+        if record is None:
+            return
+        cids = self.checkpoint_cids.get(record.step)
+        if cids is None:
+            return  # our round is still running; checkpoint_stored calls us again
+        await run.broadcast(attest(record, cids[0], cids[1], run.node.key_pair))
+
+    async def on_attestation(self, signed: SignedAttestation) -> None:
+        try:
+            status = self.run.attestations.add(signed)
+        except RecordError as exc:
+            logger.warning("%s: refused attestation: %s", self.run.log_prefix, exc)
+            return
+        logger.debug("%s: attestation of v%d from %s: %s", self.run.log_prefix, signed.attestation.version,
+                     short_id(signed.attestation.attester), "early" if status is None else status.value)
+        await self._settled(status)
+
+    async def expire(self, now: float) -> None:
+        """A pending record short of a quorum of attestations by its deadline is rejected."""
+        await self._settled(self.run.attestations.expire(now))
+
+    async def _settled(self, status: Status | None) -> None:
+        """Act on what counting decided: append a confirmed record, open the barrier on a rejection;
+        then take up the record kept for after it (overlap mode) and attest it."""
+        run = self.run
+        tally = run.attestations.tally
+        if tally is None or run.book is None:
+            return
+        if status is Status.CONFIRMED and run.book.chain.version < tally.record.version:
+            self._confirm(tally)
+        elif status is Status.REJECTED:
+            run.book.rejected_step = tally.record.step
+            run.wake_leader.set()
+        else:
+            return
+        self._settle_news.set()
+        if run.attestations.next is None or run.book is None:
+            return
+        try:
+            status = run.attestations.take_next(run.book, run.election.coordinator, trio.current_time())
+        except RecordError as exc:
+            logger.warning("%s: refused the model record kept for after v%d: %s", run.log_prefix,
+                           tally.record.version, exc)
+            return
+        await self._settled(status)
+        await self._attest_if_ready()
+
+    def _confirm(self, tally: Tally) -> None:
+        run = self.run
+        _, book = run.require()
+        book.chain.append(tally.signed, tuple(tally.matching.values()))
+        record = tally.record
+        run.metrics.update(record.metrics)
+        run.save_chain()
+        logger.info(
+            "%s: model v%d confirmed by %d/%d members: %s (round %d, step %d, accuracy %s)",
+            run.log_prefix, record.version, len(tally.matching), len(tally.members), record.model_cid,
+            record.round, record.step, _fmt(record.metrics.get("accuracy")),
+        )
+        run.end_if_over()
+        run.wake_leader.set()
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"

@@ -1,0 +1,295 @@
+"""Bringing a member to the run's state: heads heard, the confirmed chain loaded by CID, catching up
+to a plan that starts from a checkpoint this member lacks.
+
+A member that is not at a confirmed state (a late joiner, one that missed a round or a record)
+stops advertising the task, loads the head of the confirmed chain (by CID, verified, every read
+bounded) and only then advertises again, so no coordinator puts it into a ring with stale weights.
+Everything a head names comes from the network: a head is heard only from the coordinator our
+election accepted, and the chain it names must extend ours, each added record signed by the
+coordinator of its term where we know it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+
+import trio
+
+from p2ptrain.ipfs import ContentUnavailable, DagError
+from p2ptrain.base import short_id
+from p2ptrain.run._run_state import Nudge, RunState
+from p2ptrain.protocol import Chain, MAX_CHAIN_BYTES, Misconduct, RecordError
+from p2ptrain.training import TrainerError
+from p2ptrain.wire import RoundPlan, TaskHead
+
+logger = logging.getLogger(__name__)
+
+# Fetching a head's chain, model or optimizer state: each is bounded in bytes too (MAX_CHAIN_BYTES,
+# Trainer.state_limits), so this only ends a transfer that stalls; 60 s is ContentService's default.
+RESYNC_FETCH_TIMEOUT_S = 60.0
+# A member listed in a plan from a checkpoint it lacks waits this long for the head that names it
+# (the coordinator publishes it next to the plan), then tells the coordinator it cannot follow.
+CATCH_UP_WAIT_S = 2.0
+# The resync loop looks at the run's head this often (in heartbeats) when nothing wakes it: a synced
+# member whose chain stays behind the head for BEHIND_CHECKS looks in a row (no record pending) has
+# missed a record, and resyncs. Heads come every HEAD_EVERY_S (2 s), so two looks span one head.
+CHECK_EVERY_BEATS = 1.0
+BEHIND_CHECKS = 2
+# Terms whose coordinator (as our election accepted it) is remembered, to check who signed the
+# records a head's chain adds: 256 terms (a few KiB) go back further than any member stays away.
+KNOWN_TERMS = 256
+
+
+class Resync:
+    """Heads, the resync loop and catching up to a plan; calls ``follow`` once a plan can be run."""
+
+    def __init__(self, run: RunState, restore_feedback: Callable[[int], None]) -> None:
+        """``restore_feedback(step)``: take back the error feedback this member kept at ``step``
+        (:meth:`~p2ptrain.run._spans.Spans.restore_feedback`), once its checkpoint is loaded."""
+        self.run = run
+        self.restore_feedback = restore_feedback
+        # term -> the coordinator our election accepted for it (the last KNOWN_TERMS terms)
+        self.coordinators: dict[int, str] = {}
+        self._new_head = Nudge()  # a new head was heard (wakes a member waiting to catch up)
+        self._catch_up_send, self._catch_up_recv = trio.open_memory_channel[tuple[str, RoundPlan]](1)
+
+    # -- heads -----------------------------------------------------------------------------------
+
+    def note_coordinator(self) -> None:
+        """Remember who our election accepted for the current term (for checking chains later)."""
+        election = self.run.election
+        if election.coordinator is not None:
+            self.coordinators[election.term] = election.coordinator
+            while len(self.coordinators) > KNOWN_TERMS:
+                del self.coordinators[min(self.coordinators)]
+
+    def on_head(self, sender: str, head: TaskHead) -> None:
+        run = self.run
+        if run.election.coordinator is None and run.book is not None and 0 < head.version <= run.book.chain.version:
+            # No news from a peer whose head we would refuse anyway (no coordinator known): the
+            # members of a run that resumed answer each other's head requests while they start.
+            return
+        problem = self.head_problem(sender)
+        if problem is not None:
+            run.refuse("head_untrusted", f"ignored a head (model v{head.version}): {problem}")
+            return
+        if (run.heads is None or sender != run.head_sender
+                or (head.version, head.step) >= (run.heads.version, run.heads.step)):
+            run.heads, run.head_sender = head, sender
+            self._new_head.set()
+        if head.done and run.synced and run.book and run.book.chain.version >= head.version:
+            run.end_if_over()
+
+    def head_problem(self, sender: str) -> str | None:
+        """Why a head from ``sender`` is not to be acted on, or None.
+
+        A head makes a member stop advertising and load a chain, a model and an optimizer state by
+        CID, so only the coordinator our election accepted (a quorum of the roster voted for it) is
+        heard. A member that knows no coordinator right now (between terms) waits for the next one,
+        unless it holds no confirmed model: a fresh joiner has no other way into a run under way and
+        trusts the head's sender (see docs/training.md, "Heads and resync").
+        """
+        run = self.run
+        coordinator = run.election.coordinator
+        if coordinator is not None:
+            if sender == coordinator:
+                return None
+            return f"from {short_id(sender)}, not the coordinator {short_id(coordinator)} of term {run.election.term}"
+        if run.book is not None and run.book.chain.version > 0:
+            return f"from {short_id(sender)} while no coordinator is known"
+        return None
+
+    # -- catching up to a plan ---------------------------------------------------------------
+
+    def catch_up(self, sender: str, plan: RoundPlan) -> None:
+        """Listed in ``plan`` from a checkpoint we do not hold: load it, then follow the plan.
+
+        The newest such plan wins: one still waiting is replaced.
+        """
+        try:
+            self._catch_up_recv.receive_nowait()
+        except trio.WouldBlock:
+            pass
+        self._catch_up_send.send_nowait((sender, plan))
+
+    async def run_loop(self, follow: Callable[[RoundPlan], None]) -> None:
+        """While out of sync: load the head of the confirmed chain (by CID, verified) and rejoin;
+        catch up to plans that list us from a checkpoint we lack.
+
+        A member also notices on its own that it fell behind: when the published head stays ahead
+        of its chain for BEHIND_CHECKS checks in a row (it missed a record, or its attestations), it
+        stops advertising the task, so no coordinator puts it into a ring with a stale state.
+        """
+        run = self.run
+        behind = 0
+        period = run.node.config.heartbeat_interval * CHECK_EVERY_BEATS
+        while True:
+            caught_up = None
+            with trio.move_on_after(period):
+                caught_up = await self._catch_up_recv.receive()
+            if caught_up is not None:
+                await self._follow_from_behind(*caught_up, follow)
+                continue
+            if run.book is not None and run.trainer is not None and not run.synced \
+                    and run.book.end_of_run(run.me, run.trainer.step) == "load":
+                await self.try_load_last_checkpoint()  # the run ended without us: our chain names its end
+                continue
+            head = run.heads
+            if run.book is None or head is None:
+                continue
+            if run.synced:
+                pending = run.attestations.pending
+                behind = behind + 1 if head.version > run.book.chain.version and not pending else 0
+                if behind >= BEHIND_CHECKS:
+                    logger.warning("%s: the run is at model v%d, this member at v%d", run.log_prefix,
+                                   head.version, run.book.chain.version)
+                    run.desync(trio.current_time())
+                continue
+            if head.version == 0:
+                continue
+            if head.version <= run.book.chain.version and run.trainer and run.trainer.step == run.book.head_step:
+                run.set_synced()
+                continue
+            await self.try_load_head(head)
+
+    async def _head_at_least(self, version: int) -> TaskHead | None:
+        """The run's head once it names ``version`` or later, waiting at most CATCH_UP_WAIT_S."""
+        run = self.run
+        deadline = trio.current_time() + CATCH_UP_WAIT_S
+        while (run.heads is None or run.heads.version < version) and trio.current_time() < deadline:
+            await self._new_head.wait(deadline - trio.current_time())
+        return run.heads
+
+    async def _follow_from_behind(self, sender: str, plan: RoundPlan, follow: Callable[[RoundPlan], None]) -> None:
+        """Catch up to the checkpoint ``plan`` starts from, by CID from the run's head, then follow
+        it; if that cannot be done now, say so at once so the coordinator retries without us.
+
+        The coordinator publishes the head as soon as a checkpoint is confirmed, next to the plan
+        that starts from it, so the head is either here or on its way.
+        """
+        run = self.run
+        trainer, book = run.require()
+        head = await self._head_at_least(plan.version)
+        problem = None
+        if head is None or head.version != plan.version or head.model_cid != plan.base_cid:
+            problem = f"behind the run, and its head is not the plan's base v{plan.version}"
+        elif head.version > book.chain.version or not trainer.can_align(plan.step):
+            failure = await self.try_load_head(head)
+            if failure is not None:
+                problem = f"could not load the plan's base v{plan.version}: {failure}"
+        if problem is None and not trainer.can_align(plan.step):
+            problem = f"at step {trainer.step}, the plan starts at step {plan.step}"
+        if problem is not None:
+            logger.warning("%s: cannot follow plan %d.%d: %s", run.log_prefix, plan.round, plan.attempt, problem)
+            await run.report_failure(plan, 0, f"cannot follow this plan: {problem}")
+            return
+        if not run.synced:  # at the plan's base already (e.g. step 0 of a run that just began)
+            run.set_synced()
+        _, book = run.require()  # a load replaced it
+        if book.last_plan is not plan and book.plan_problem(plan, sender, run.election) is not None:
+            return  # a newer plan came meanwhile: it is queued or catching up
+        logger.info("%s: caught up to model v%d; following plan %d.%d", run.log_prefix, plan.version,
+                    plan.round, plan.attempt)
+        follow(plan)
+
+    # -- loading a head ----------------------------------------------------------------------
+
+    async def try_load_head(self, head: TaskHead) -> str | None:
+        """The resync path's one boundary: load ``head``, or count and log why not (returned).
+
+        Everything a head names comes from the network: any failure to load it (content missing or
+        too large, a DAG that is not a file, a chain that forks or is signed by a stranger, a state
+        that does not fit) is a refused resync, never an error out of the run.
+        """
+        return await self._load_bounded(head.version, self._load_head(head))
+
+    async def try_load_last_checkpoint(self) -> str | None:
+        """Load the last checkpoint of our own confirmed chain (the run ended without us; see
+        :meth:`RunState.end_if_over`), through the same boundary as a head."""
+        _, book = self.run.require()
+        return await self._load_bounded(book.chain.version, self.load_chain(book.chain))
+
+    async def _load_bounded(self, version: int, loading: Awaitable[None]) -> str | None:
+        run = self.run
+        try:
+            await loading
+        except Exception as exc:  # the boundary: trio.Cancelled is a BaseException
+            if isinstance(exc, RecordError) and str(exc).startswith("fork"):
+                run.rejected["fork"] += 1
+            known = isinstance(exc, (ContentUnavailable, RecordError, TrainerError, DagError))
+            run.refuse("resync_failed", f"resync from model v{version} failed: {exc if known else repr(exc)}")
+            return str(exc)
+        return None
+
+    def _check_signer(self, version: int, term: int, coordinator: str) -> None:
+        """A record a head's chain adds must come from the coordinator our election accepted for its
+        term (where we know that term), and from no term later than ours (where we know ours)."""
+        election = self.run.election
+        known = self.coordinators.get(term)
+        if known is not None and coordinator != known:
+            raise RecordError(f"model record v{version} of term {term} is signed by {short_id(coordinator)}, "
+                              f"the coordinator of that term was {short_id(known)}")
+        if election.coordinator is not None and term > election.term:
+            raise RecordError(f"model record v{version} is of term {term}, after the current term {election.term}")
+
+    async def _load_head(self, head: TaskHead) -> None:
+        """Load the chain ``head`` names (it must extend ours), then its head's model and optimizer.
+
+        Every read is bounded: the chain by MAX_CHAIN_BYTES, the state by what this architecture
+        takes (Trainer.state_limits). The records it adds must each be signed by the coordinator our
+        election accepted for that record's term, where we know that term.
+        """
+        run = self.run
+        _, book = run.require()
+        store = run.content.store
+        await run.content.fetch(head.chain_cid, timeout=RESYNC_FETCH_TIMEOUT_S, max_bytes=MAX_CHAIN_BYTES)
+        data = await trio.to_thread.run_sync(lambda: store.cat(head.chain_cid, max_bytes=MAX_CHAIN_BYTES))
+        chain = await trio.to_thread.run_sync(Chain.from_bytes, run.task_cid, run.initial_cid, data, book.chain.rules)
+        added = book.chain.extension(chain)  # a fork raises RecordError
+        if chain.version < book.chain.version:
+            # Loading it would take this member back behind records it confirmed (and a chain
+            # file is never cut short): a head from behind is no state to go to.
+            raise RecordError(f"the head's chain ends at v{chain.version}, before this member's v{book.chain.version}")
+        for signed in added:
+            self._check_signer(signed.record.version, signed.record.term, signed.record.coordinator)
+        problem = book.lineage_problem(added)
+        if problem is not None:
+            raise Misconduct(problem)
+        await self.load_chain(chain)
+
+    async def load_chain(self, chain: Chain, *, sync: bool = True) -> None:
+        """Load the model and optimizer state of ``chain``'s last checkpoint (a verified chain that
+        extends ours, or ours), by CID and verified, and follow the run from it (``sync``: say so
+        at once; a member that resumes after a stop first hears the others, run/_resume.py).
+
+        The chain goes to chain.jsonl only as records appended to the file's: one that does not
+        extend the file (a fork) is refused before anything is loaded (RecordError)."""
+        run = self.run
+        trainer, book = run.require()
+        store = run.content.store
+        if chain.version == 0:
+            return
+        if run.chain_file is not None:
+            run.chain_file.chain.extension(chain)  # a fork of the file raises RecordError
+        last = chain.records[-1].record
+        max_model, max_optim = trainer.state_limits()
+        await run.content.fetch(last.model_cid, timeout=RESYNC_FETCH_TIMEOUT_S, max_bytes=max_model)
+        await run.content.fetch(last.optimizer_cid, timeout=RESYNC_FETCH_TIMEOUT_S, max_bytes=max_optim)
+        model = await trio.to_thread.run_sync(lambda: store.cat(last.model_cid, max_bytes=max_model))
+        optim = await trio.to_thread.run_sync(lambda: store.cat(last.optimizer_cid, max_bytes=max_optim))
+        # In a worker thread: a trainer driven by the user's loop loads only while the user waits in
+        # its step (training/_user_trainer.py), and parsing a large state is CPU work anyway.
+        await trio.to_thread.run_sync(trainer.load_state, model, optim)
+        if trainer.step != last.step:
+            raise TrainerError(f"checkpoint v{last.version} says step {last.step}, its state says {trainer.step}")
+        self.restore_feedback(last.step)
+        run.book = book.resynced(chain)  # the roster we know of stays the roster
+        run.attestations.clear()
+        run.metrics.update(last.metrics)
+        run.save_chain()
+        logger.info("%s: %s model v%d %s at step %d", run.log_prefix, "resynced to" if sync else "loaded",
+                    last.version, last.model_cid, last.step)
+        if sync:
+            run.set_synced()
+            run.end_if_over()

@@ -1,0 +1,270 @@
+"""What the parts of one member's run of a task share: the run's objects, its phase, its counters.
+
+A run is split by job (:mod:`~p2ptrain.run._leading`, :mod:`~p2ptrain.run._spans`,
+:mod:`~p2ptrain.run._attesting`, :mod:`~p2ptrain.run._resync`,
+:mod:`~p2ptrain.run._datafeed`); each holds only what its job needs and reads the rest here.
+What one job tells another goes through :class:`Nudge` (wake a loop now) or a method call, never a
+flag another loop polls.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from p2ptrain.base import RoundHistograms, count_rejection, short_id, write_atomic
+from p2ptrain.collective import Collective
+from p2ptrain.data import Manifest
+from p2ptrain.node import ContentService, Node
+from p2ptrain.run._ballots_file import load_voted_through, save_voted_through
+from p2ptrain.run._chain_file import ChainFile
+from p2ptrain.control import Phase
+from p2ptrain.protocol import Attestations, Election, ElectionConfig, RecordError, RoundBook
+from p2ptrain.training import RoundTimings, Trainer
+from p2ptrain.task import Task, unmet_requirement
+from p2ptrain.wire import RoundFailed, RoundPlan, TaskHead, task_topic
+
+logger = logging.getLogger(__name__)
+
+# In a run's folder: the publisher's cancel, kept so that this home never runs the task again
+# (a restart with --join, an announcement) and, on the publisher's node, so that it tells joiners.
+CANCELLED_FILE = "cancelled"
+# In a run's folder on the publisher's node: it sent the cancel, and repeats it to whoever asks for
+# the task's head (a joiner), since only its key can sign one.
+CANCEL_SENT_FILE = "cancel_sent"
+
+class Nudge:
+    """Wake one waiting loop now instead of at its next period; a nudge while nobody waits is kept.
+
+    trio's Event cannot be cleared, so each wait that consumed a nudge starts a fresh one: that
+    reset lives here, in one place, not in every loop that waits.
+    """
+
+    def __init__(self) -> None:
+        self._event = trio.Event()
+
+    def set(self) -> None:
+        self._event.set()
+
+    async def wait(self, timeout: float) -> bool:
+        """Wait for a nudge, at most ``timeout`` seconds (the loop's period); True if nudged."""
+        with trio.move_on_after(timeout):
+            await self._event.wait()
+        nudged = self._event.is_set()
+        if nudged:
+            self._event = trio.Event()
+        return nudged
+
+
+@dataclass
+class RunState:
+    """One member's run of one task: set up by :class:`~p2ptrain.run.TaskRun`."""
+
+    node: Node
+    content: ContentService
+    collective: Collective
+    task: Task
+    task_cid: str
+    election: Election
+    me: str = ""
+    topic: str = ""
+    dir: Path = Path()
+    phase: Phase = Phase.STARTING  # `task status` "state"
+    error: str | None = None
+    # Whether this member holds the state the run is at (so it advertises the task and may lead).
+    synced: bool = False
+    manifest: Manifest | None = None
+    total_steps: int = 0
+    initial_cid: str = ""
+    trainer: Trainer | None = None
+    book: RoundBook | None = None
+    # The confirmed chain on disk (chain.jsonl): read when the run starts, only ever extended.
+    chain_file: ChainFile | None = None
+    # The confirmed record this run resumed from when it started with a chain on its home (or took
+    # a longer one from the run's other members then): {"version", "step"}; None for a fresh start.
+    resumed_from: dict[str, int] | None = None
+    heads: TaskHead | None = None  # the latest head of the run heard from its coordinator
+    head_sender: str | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+    timings: RoundTimings = field(default_factory=RoundTimings)
+    # Every completed round's compute / sync / apply time, bucketed (for `node start --metrics`).
+    round_seconds: RoundHistograms = field(default_factory=RoundHistograms)
+    # The pending record's count of attestations (and those that came before their record).
+    attestations: Attestations = field(default_factory=Attestations)
+    bytes_sent: int = 0
+    bytes_received: int = 0  # collective frames taken off the wire (the metrics' collective/received)
+    rounds_done: int = 0
+    # Heads and chains refused, resyncs that failed, by kind: shown in `task status` ("rejected").
+    rejected: Counter[str] = field(default_factory=Counter)
+    # The coordinator may be able to plan now (a span ended, a checkpoint was confirmed or
+    # rejected, a failure was reported): its control loop wakes at once, not at its next tick.
+    wake_leader: Nudge = field(default_factory=Nudge)
+    done: trio.Event = field(default_factory=trio.Event)
+    # How many more peers the run waits for (a quorum of its roster to elect a coordinator, or
+    # peers.min to plan a span), and since when (trio time); 0 and None while it does not wait.
+    waiting_for: int = 0
+    waiting_since: float | None = None
+    # The publisher's reason, once it cancelled the run (see cancel), and when that was heard.
+    cancel_reason: str | None = None
+    cancelled_at: float = 0.0
+    # Set by TaskRun: hands a message this member sent to its own handlers, as a peer's would be.
+    deliver_own: Callable[[Any], Awaitable[None]] | None = None
+    # The election's voted_through as this home keeps it (run/_ballots_file.py).
+    voted_saved: int = -1
+
+    @classmethod
+    def create(cls, node: Node, content: ContentService, collective: Collective, task: Task, task_cid: str) -> RunState:
+        run_dir = node.home / "tasks" / task_cid
+        election = Election(task_cid, node.key_pair, ElectionConfig(heartbeat_s=node.config.heartbeat_interval),
+                            voted_through=load_voted_through(run_dir))
+        return cls(node=node, content=content, collective=collective, task=task, task_cid=task_cid,
+                   election=election, me=node.peer_id.to_base58(), topic=task_topic(task_cid),
+                   dir=run_dir, voted_saved=election.voted_through)
+
+    @property
+    def log_prefix(self) -> str:
+        return f"task {self.task.name} ({self.task_cid[:10]}) peer {short_id(self.node.peer_id)}"
+
+    def require(self) -> tuple[Trainer, RoundBook]:
+        """The trainer and the book, which exist from the end of the run's preparation on."""
+        if self.trainer is None or self.book is None:
+            raise RuntimeError("the run is not prepared yet")
+        return self.trainer, self.book
+
+    # -- what every job does -----------------------------------------------------------------
+
+    async def broadcast(self, msg: Any) -> None:
+        """Publish ``msg`` on the task's topic and handle it here too, as every other member does.
+
+        Pubsub does not deliver a peer's own messages back to it: this is the one place where a
+        member's plans, records, attestations and failure reports reach its own handlers.
+        """
+        await self.node.publish(self.topic, msg)
+        if self.deliver_own is not None:
+            await self.deliver_own(msg)
+
+    async def report_failure(self, plan: RoundPlan, index: int, reason: str) -> None:
+        """Tell the coordinator (and ourselves, when we are it) that round ``index`` of ``plan`` failed here."""
+        trainer, _ = self.require()
+        await self.broadcast(RoundFailed(task_cid=self.task_cid, term=plan.term, round=plan.round + index,
+                                         attempt=plan.attempt, step=trainer.step, reason=reason[:256]))
+
+    def advertise(self, on: bool) -> None:
+        """Say (in our heartbeats) whether we hold the run's state: only advertising peers are planned."""
+        tasks = set(self.node.membership.tasks)
+        tasks.add(self.task_cid) if on else tasks.discard(self.task_cid)
+        if set(self.node.membership.tasks) != tasks:
+            self.node.membership.tasks = tuple(sorted(tasks))
+            self.node.membership.poke()
+
+    def save_ballots(self) -> None:
+        """Keep the election's ``voted_through`` on disk if it grew: call it after a tick or a
+        receive and before publishing what it returned (run/_ballots_file.py says why)."""
+        voted = self.election.voted_through
+        if voted > self.voted_saved:
+            save_voted_through(self.dir, voted)
+            self.voted_saved = voted
+
+    def save_chain(self) -> None:
+        """Append to chain.jsonl the records the book's chain adds to it (run/_chain_file.py).
+        A chain that does not extend the file (a fork) is refused, counted and logged there; the
+        file is kept as it was and the run goes on."""
+        if self.book is None or self.chain_file is None:
+            return
+        try:
+            self.chain_file.extend(self.book.chain)
+        except RecordError as exc:
+            self.rejected["fork"] += 1
+            self.refuse("chain_file", f"chain.jsonl not extended: {exc}")
+
+    def set_synced(self) -> None:
+        self.synced, self.phase = True, Phase.TRAINING
+        self.advertise(True)
+
+    def desync(self, now: float) -> None:
+        """Our state is not the run's: stop leading and advertising until the resync loop loads it."""
+        self.election.step_down(now)
+        self.synced, self.phase = False, Phase.RESYNCING
+        self.advertise(False)
+
+    def end_if_over(self) -> None:
+        """Done once the confirmed chain ends the run and this member holds its last checkpoint.
+        A member that does not (:meth:`RoundBook.end_of_run` says "load": the last span ran without
+        it) resyncs first: the resync loop loads that checkpoint by CID, then ends the run. Done at
+        once, it ended naming a model whose weights it did not hold."""
+        trainer, book = self.require()
+        verdict = book.end_of_run(self.me, trainer.step)
+        if verdict == "done":
+            self.done.set()
+        elif verdict == "load" and self.synced:
+            logger.info("%s: the run ended at step %d without this member (at step %d): loading its last checkpoint",
+                        self.log_prefix, book.head_step, trainer.step)
+            self.desync(trio.current_time())
+
+    def note_waiting(self, short: int, now: float) -> None:
+        """Record (and log, once per wait) that the run needs ``short`` more peers (0: it does not)."""
+        if short and self.waiting_since is None:
+            self.waiting_since = now
+            logger.info("%s: waiting for %d more peer(s) (peers.min %d); not electing or planning until then",
+                        self.log_prefix, short, self.task.peers.min)
+        elif not short and self.waiting_since is not None:
+            logger.info("%s: enough peers again after waiting %.0f s", self.log_prefix, now - self.waiting_since)
+            self.waiting_since = None
+        self.waiting_for = short
+
+    def cancel(self, reason: str) -> None:
+        """The publisher cancelled the run: plan no more; the control loop ends the run at the next
+        span boundary (:meth:`~p2ptrain.run._leading.Leading.cancel_settled`)."""
+        if self.cancel_reason is not None:
+            return
+        self.cancel_reason, self.cancelled_at = reason or "cancelled by the publisher", trio.current_time()
+        if self.book is not None:
+            self.book.cancelled = True
+        self.dir.mkdir(parents=True, exist_ok=True)
+        write_atomic(self.dir / CANCELLED_FILE, self.cancel_reason.encode(), mode=0o600)
+        logger.info("%s: cancelled by the task's publisher (%s); stopping at the end of the span under way",
+                    self.log_prefix, self.cancel_reason)
+        self.wake_leader.set()
+
+    def uncancel(self) -> None:
+        """The publisher resumed the run before its cancel settled (task resume): plan again."""
+        if self.cancel_reason is None:
+            return
+        self.cancel_reason = None
+        if self.book is not None:
+            self.book.cancelled = False
+        (self.dir / CANCELLED_FILE).unlink(missing_ok=True)
+        logger.info("%s: resumed by the task's publisher before the cancel settled", self.log_prefix)
+        self.wake_leader.set()
+
+    def advertising(self) -> set[str]:
+        """Peers that advertise this task (so hold the state the run is at), meet its requirements
+        and, where the task has an allowlist, are on it: only these are planned and vote."""
+        live = {self.me} if self.synced else set()
+        for record in self.node.membership.alive():
+            peer = record.peer_id.to_base58()
+            if (self.task_cid in record.tasks and unmet_requirement(self.task, record.caps) is None
+                    and self.task.peers.admits(peer)):
+                live.add(peer)
+        return live
+
+    def accuse(self, coordinator: str, why: str) -> None:
+        """``coordinator`` signed a plan or record that breaks the run's rules: stop following it
+        (the election moves on and never votes for it again) and leave it out of plans we make."""
+        now = trio.current_time()
+        logger.warning("%s: coordinator %s broke the run's rules (%s); no longer following it",
+                       self.log_prefix, short_id(coordinator), why)
+        self.election.give_up(now, coordinator)
+        if self.book is not None:
+            self.book.note_silent_coordinator(now, coordinator)
+        self.wake_leader.set()
+
+    def refuse(self, kind: str, why: str) -> None:
+        """Count a refusal of ``kind``; log it the 1st, 2nd, 4th, 8th... time (a flood stays a few lines)."""
+        count_rejection(self.rejected, kind, logger, logging.WARNING, "%s: %s", self.log_prefix, why)

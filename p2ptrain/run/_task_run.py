@@ -1,0 +1,347 @@
+"""One task as seen by one member: the run's parts, wired together for the lifetime of the run.
+
+The protocol logic lives in :mod:`p2ptrain.training` as pure state machines (``Election``,
+``RoundBook``, ``Attestations``, ``Chain``) and the numerics in ``Trainer``,
+:func:`~p2ptrain.training.run_round` and the collective. A run feeds them and carries out what
+they decide, one job per module:
+
+- :mod:`~p2ptrain.run._leading`: the control loop (election ticks; while coordinator, plans and
+  the run's head);
+- :mod:`~p2ptrain.run._spans`: the round loop (the rounds of a followed plan, then its checkpoint);
+- :mod:`~p2ptrain.run._attesting`: records, attestations, the confirmed chain on disk;
+- :mod:`~p2ptrain.run._resync`: heads, loading the confirmed chain by CID, catching up to a plan;
+- :mod:`~p2ptrain.run._resume`: a member that starts with the task's chain on its home resumes
+  from its last record (after hearing the other members' chains);
+- :mod:`~p2ptrain.run._datafeed`: the member's shards, the test split, replication;
+- :mod:`~p2ptrain.run._run_state`: what they share.
+
+This module prepares the run, routes the task's messages to the part whose job they are, and
+reports the run's status.
+
+A member advertises a task in its heartbeats only while its state is one that the others hold, so
+the coordinator never puts a member into a ring that would compute from different weights.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import trio
+from libp2p.peer.id import ID
+
+from p2ptrain.collective import Collective
+from p2ptrain.data import MAX_MANIFEST_BYTES, Manifest
+from p2ptrain.ipfs import ContentUnavailable
+from p2ptrain.base import short_id
+from p2ptrain.node import ContentService, Node
+from p2ptrain.run._attesting import Attesting
+from p2ptrain.run._chain_file import ChainFile
+from p2ptrain.run._datafeed import DataFeed
+from p2ptrain.run._leading import HEAD_EVERY_S, Leading
+from p2ptrain.run._resume import Resume
+from p2ptrain.run._resync import Resync
+from p2ptrain.run._run_state import Nudge, RunState
+from p2ptrain.run._spans import Spans
+from p2ptrain.control import FINISHED, ChainEntry, Phase, TaskStatus
+from p2ptrain.protocol import Chain, ChainRules, RecordError, RoundBook, RuleBreak, load_model_bytes
+from p2ptrain.task import Task, total_steps
+from p2ptrain.training import LocalSGDTrainer, Trainer, TrainerError, new_trainer
+from p2ptrain.wire import (
+    CoordinatorBeat,
+    HeadRequest,
+    RoundFailed,
+    RoundPlan,
+    SignedAttestation,
+    SignedModelRecord,
+    SignedVote,
+    TASKS_TOPIC,
+    TaskCancel,
+    TaskHead,
+    VoteRequest,
+)
+
+logger = logging.getLogger(__name__)
+
+# A joiner listens this long for the run's head before it takes step 0 as the run's state: the
+# coordinator of a run under way publishes one every HEAD_EVERY_S, and one may be lost.
+HEAR_HEAD_S = HEAD_EVERY_S * 1.5
+# Meanwhile it asks for the head this often (a request published before our pubsub mesh formed is
+# lost): a run that is over has no coordinator publishing heads, its members answer requests
+# (services/_head_answers.py), at most one answer per task per second.
+ASK_HEAD_EVERY_S = 1.0
+
+
+def _fresh(heads: TaskHead | None) -> bool:
+    """Whether the run's state may be step 0: no head heard, or one from before the first span
+    (a head at v0 with members may be up to HEAD_EVERY_S old, the run past its first checkpoint)."""
+    return heads is None or (heads.version == 0 and not heads.members)
+
+
+class TaskRun:
+    """One member's run of one task, for the lifetime of :meth:`run`."""
+
+    def __init__(
+        self,
+        node: Node,
+        content: ContentService,
+        collective: Collective,
+        task: Task,
+        task_cid: str,
+        *,
+        device: str = "auto",
+        precision: str = "fp32",
+        make_trainer: Callable[[int], Trainer] | None = None,
+    ) -> None:
+        self.device = device
+        self.precision = precision
+        # A run of the user's own module: its trainer (the user's module, optimizer and loop) comes
+        # from the process that runs the user's script (p2ptrain.Optimizer), given the run's length.
+        self.make_trainer = make_trainer
+        self.shared = run = RunState.create(node, content, collective, task, task_cid)
+        run.deliver_own = self._deliver_own
+        self.data = DataFeed(run)
+        self.attesting = Attesting(run, self.data)
+        self.spans = Spans(run, self.data, self.attesting)
+        self.resync = Resync(run, self.spans.restore_feedback)
+        self.resume = Resume(run, self.resync)
+        self.leading = Leading(run, self.spans, self.attesting, self.resync)
+        self._head_news = Nudge()  # a head arrived: the join's wait for the run's state looks again
+
+    @property
+    def task_cid(self) -> str:
+        return self.shared.task_cid
+
+    def status(self) -> TaskStatus:
+        """What `p2ptrain task status` shows for a task this node takes part in."""
+        run = self.shared
+        book = run.book
+        chain = book.chain if book else None
+        plan = book.last_plan if book else None
+        last_round, last_step = _progress(run)
+        inner = run.trainer.inner_step if isinstance(run.trainer, LocalSGDTrainer) else None
+        return TaskStatus(
+            task_cid=run.task_cid,
+            name=run.task.name,
+            state=run.phase,
+            member=True,
+            error=run.error,
+            cancel_reason=run.cancel_reason,
+            waiting_for_peers=run.waiting_for,
+            waiting_s=None if run.waiting_since is None else round(trio.current_time() - run.waiting_since, 1),
+            synced=run.synced,
+            round=plan.round if plan else None,
+            step=run.trainer.step if run.trainer else 0,
+            total_steps=run.total_steps,
+            members=tuple(plan.members) if plan else (),
+            coordinator=run.election.coordinator,
+            term=run.election.term,
+            version=chain.version if chain else 0,
+            latest_model_cid=chain.head_cid if chain else None,
+            chain=tuple(ChainEntry(version=s.record.version, model_cid=s.record.model_cid, round=s.record.round,
+                                   step=s.record.step, metrics=dict(s.record.metrics))
+                        for s in (chain.records if chain else [])),
+            loss=run.metrics.get("train_loss"),
+            accuracy=run.metrics.get("accuracy"),
+            test_loss=run.metrics.get("loss"),
+            bytes_sent=run.bytes_sent,
+            bytes_received=run.bytes_received,
+            rounds_done=run.rounds_done,
+            compute_s=round(run.timings.compute_s, 4),
+            sync_s=round(run.timings.sync_s, 4),
+            apply_s=round(run.timings.apply_s, 4),
+            rejected=dict(run.rejected),
+            resumed_from=run.resumed_from,
+            last_round=last_round,
+            last_step=last_step,
+            # Local-SGD mode: read from the trainer while its worker thread runs the inner loop
+            # (one int, the last one it set); shown 1 to H.
+            inner_steps=run.task.training.inner_steps,
+            inner_step=None if inner is None else inner + 1,
+            is_coordinator=run.election.coordinator == run.me,
+            round_seconds=run.round_seconds.snapshot(),
+        )
+
+    # -- lifetime ----------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Take part in the task until it is done (or the node stops)."""
+        run = self.shared
+        run.dir.mkdir(parents=True, exist_ok=True)
+        try:
+            await self._prepare()
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self.leading.run_loop)
+                nursery.start_soon(self.spans.run_loop)
+                nursery.start_soon(self.resync.run_loop, self.spans.follow)
+                nursery.start_soon(self.data.replicate)
+                nursery.start_soon(self.resume.hear_others)
+                await run.done.wait()
+                nursery.cancel_scope.cancel()
+            run.phase = Phase.DONE if run.cancel_reason is None else Phase.CANCELLED
+            logger.info("%s: %s; final model %s", run.log_prefix, run.phase,
+                        run.book.chain.head_cid if run.book else "-")
+        except (ContentUnavailable, TrainerError, RecordError) as exc:
+            run.phase, run.error = Phase.FAILED, str(exc)
+            logger.error("%s: failed: %s", run.log_prefix, exc)
+        except Exception as exc:
+            # A bug in one task must not take the node (and its other tasks) down with it.
+            run.phase, run.error = Phase.FAILED, f"internal error: {exc!r}"
+            logger.exception("%s: failed with an internal error", run.log_prefix)
+        finally:
+            if run.phase not in FINISHED:
+                run.phase = Phase.STOPPED  # the node is stopping (the run was cancelled)
+            run.advertise(False)
+
+    async def _prepare(self) -> None:
+        """Fetch the manifest, build the initial model (or fetch it) and the first round's state."""
+        run = self.shared
+        task, content = run.task, run.content
+        run.phase = Phase.FETCHING
+        train_samples = 0
+        if task.dataset is not None:
+            manifest_cid = task.dataset.manifest
+            await content.fetch(manifest_cid, max_bytes=MAX_MANIFEST_BYTES)
+            run.manifest = await trio.to_thread.run_sync(Manifest.load, content.store, manifest_cid)
+            train_samples = run.manifest.num_samples(task.dataset.train_split)
+        run.total_steps = total_steps(task, train_samples, task.peers.max)
+        make = self.make_trainer
+        if make is not None:
+            trainer = make(run.total_steps)
+        else:
+            if task.model.user:
+                raise TrainerError("a run of the members' own model: only a process running its script joins it "
+                                   "(p2ptrain.Optimizer)")
+            trainer = await trio.to_thread.run_sync(
+                lambda: new_trainer(task, total_steps=run.total_steps, device=self.device, precision=self.precision)
+            )
+        # The user's module holds the run's initial weights already; a registry model's are fetched
+        # and read within what a model of the task's architecture takes.
+        if task.initial_model and make is None:
+            data = await content.read(task.initial_model, max_bytes=trainer.state_limits()[0])
+            load_model_bytes(trainer.model, data)
+        run.initial_cid = await trio.to_thread.run_sync(content.store.add_bytes, trainer.model_bytes())
+        run.trainer = trainer
+        # The chain this home confirmed (a RecordError for a file that does not verify: kept as it is).
+        rules = ChainRules.of(task, run.task_cid)
+        run.chain_file = await trio.to_thread.run_sync(ChainFile.open, run.dir, run.task_cid, run.initial_cid, rules)
+        run.book = RoundBook(task, run.task_cid, Chain(run.task_cid, run.initial_cid, rules), run.total_steps,
+                             cancelled=run.cancel_reason is not None)
+        if run.chain_file.chain.version:
+            await self.resume.load_own(run.chain_file.copy())  # then hears the others (run's nursery)
+            return
+        # A run under way has a coordinator that publishes its head every HEAD_EVERY_S: hear it
+        # before claiming to hold the run's state (we hold step 0, which is only right early on).
+        # A run that is over has none: ask, and its members answer (services/_head_answers.py), and
+        # its publisher repeats its cancel if it cancelled it. Without asking, a joiner of a
+        # finished run trained it again from step 0, alone, and forked its history (gossip had
+        # handed it the run's first head, v0 with no members). Asked once even with a head in hand.
+        with trio.move_on_after(HEAR_HEAD_S):
+            await run.node.publish(TASKS_TOPIC, HeadRequest(task_cid=run.task_cid))
+            while _fresh(run.heads):
+                await self._head_news.wait(ASK_HEAD_EVERY_S)
+                if _fresh(run.heads):
+                    await run.node.publish(TASKS_TOPIC, HeadRequest(task_cid=run.task_cid))
+        heads = run.heads
+        fresh = _fresh(heads)
+        logger.info("%s: joined; %d steps, initial model %s%s", run.log_prefix, run.total_steps, run.initial_cid,
+                    "" if heads is None or fresh else f"; the run is under way (model v{heads.version}): resyncing")
+        if fresh:  # step 0 from the task's seed (or initial model): every member holds it
+            run.set_synced()
+        else:
+            run.phase = Phase.RESYNCING
+
+    # -- messages ------------------------------------------------------------------------------
+
+    async def on_message(self, sender: str, msg: Any) -> None:
+        """Called by the task service for every valid message about this task."""
+        if isinstance(msg, (VoteRequest, SignedVote, CoordinatorBeat)):
+            await self.leading.on_election_message(sender, msg)
+        elif isinstance(msg, RoundPlan):
+            await self._on_plan(sender, msg)
+        elif isinstance(msg, RoundFailed):
+            self._on_failure_report(sender, msg)
+        elif isinstance(msg, SignedModelRecord):
+            await self.attesting.on_record(msg)
+        elif isinstance(msg, SignedAttestation):
+            await self.attesting.on_attestation(msg)
+        elif isinstance(msg, TaskHead):
+            if not self.resume.on_head(sender, msg):
+                self.resync.on_head(sender, msg)
+            self._head_news.set()
+        elif isinstance(msg, TaskCancel):
+            self._on_cancel(sender, msg)
+
+    def _on_cancel(self, sender: str, msg: TaskCancel) -> None:
+        """Obey a cancel only from the publisher the task file names: anyone else is counted."""
+        run = self.shared
+        publisher = run.task.publisher
+        if publisher is None or sender != publisher:
+            run.refuse("cancel", f"refused a cancel from {short_id(sender)}: "
+                       + ("the task names no publisher" if publisher is None else "not the task's publisher"))
+            return
+        run.cancel(msg.reason)
+
+    async def _deliver_own(self, msg: Any) -> None:
+        await self.on_message(self.shared.me, msg)
+
+    def _on_failure_report(self, sender: str, report: RoundFailed) -> None:
+        run = self.shared
+        if run.book is None:
+            return
+        coordinator = run.election.is_coordinator
+        if run.book.note_failure_report(trio.current_time(), report, sender, run.me, coordinator=coordinator):
+            logger.info("%s: %s reports round %d failed: %s", run.log_prefix, short_id(sender), report.round,
+                        report.reason)
+            if coordinator:
+                run.wake_leader.set()  # the last report may be the one the retry waits for
+
+    async def _on_plan(self, sender: str, plan: RoundPlan) -> None:
+        # Every plan goes through the book, also when we are not a member: that is how a joiner
+        # learns the roster whose votes elected the coordinator.
+        run = self.shared
+        if run.book is None or run.trainer is None or plan.task_cid != run.task_cid:
+            return
+        book = run.book
+        last = book.last_plan
+        new = last is None or (plan.term, plan.round, plan.attempt) > (last.term, last.round, last.attempt)
+        problem = book.plan_problem(plan, sender, run.election)
+        if isinstance(problem, RuleBreak):
+            run.refuse("plan_rules", f"refused plan {plan.round}.{plan.attempt} of {short_id(sender)}: {problem}")
+            run.accuse(sender, problem)
+            return
+        if problem is not None:
+            logger.debug("%s: not following plan %d.%d: %s", run.log_prefix, plan.round, plan.attempt, problem)
+            if new and run.me in plan.members:
+                # Listed in a plan we will not follow (we do not recognise its coordinator yet):
+                # the others would wait for us until their start timeout.
+                await run.report_failure(plan, 0, f"cannot follow this plan: {problem}")
+            return
+        # Only members of a plan we follow may open round channels to us before the round opens.
+        run.collective.hub.expect(ID.from_base58(member) for member in plan.members)
+        if not run.synced or not run.trainer.can_align(plan.step):
+            # Listed in a plan from a checkpoint we do not hold (a joiner that advertised from a
+            # head the run has left, or a member that fell behind): the resync loop loads that
+            # checkpoint by CID and then follows the plan, while the others wait for our channels.
+            if run.synced:
+                run.desync(trio.current_time())
+            self.spans.stop_rounds()
+            self.resync.catch_up(sender, plan)
+            return
+        self.spans.follow(plan)
+
+
+def _progress(run: RunState) -> tuple[int | None, int | None]:
+    """``last_round``/``last_step``: the last round this member completed and the step after it
+    (round ``plan.round + i`` of a followed plan ends at step ``plan.step + i + 1``; a member that
+    loaded a checkpoint instead is at its record's last round); None before the first round."""
+    book, trainer = run.book, run.trainer
+    step = trainer.step if trainer else 0
+    plan = book.last_plan if book else None
+    last_round: int | None = None
+    if plan is not None and plan.step < step <= plan.step + plan.rounds:
+        last_round = plan.round + (step - plan.step) - 1
+    elif book is not None and book.chain.records and step == book.head_step:
+        last_round = book.chain.records[-1].record.round
+    return last_round, step if last_round is not None else None

@@ -1,0 +1,19 @@
+"""What a node runs beside its runs: the task service (publish, announcements, joining, one
+``TaskRun`` per joined task), answers to head requests, the latest-head finder, the directory of
+served models, the Prometheus exporter, and ``make_peer`` (a node plus its services: what
+``p2ptrain node start`` runs). Imports ``run`` and everything below it.
+"""
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from p2ptrain.services._latest import LatestFinder as LatestFinder, MAX_SEEN_HEADS as MAX_SEEN_HEADS
+    from p2ptrain.services._metrics import MetricsServer as MetricsServer, parse_address as parse_address
+    from p2ptrain.services._peer import make_peer as make_peer, Peer as Peer
+    from p2ptrain.services._run_roots import run_state_roots as run_state_roots
+    from p2ptrain.services._served import check_url as check_url, SERVED_EVERY_S as SERVED_EVERY_S
+    from p2ptrain.services._tasks import TaskOptions as TaskOptions
+else:
+    from p2ptrain._exports import lazy_exports
+
+    __getattr__, __dir__, __all__ = lazy_exports(__name__, __file__)

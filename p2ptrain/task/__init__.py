@@ -1,0 +1,28 @@
+"""The task spec: what to train, on what data, how, with how many peers. Strict parsing of the TOML a
+person writes and of the canonical JSON bytes stored by CID (one ``TaskError`` naming the field),
+and the demo's task file. Both the coordination protocol and the training read it; it imports
+``base``, ``wire``, ``ipfs`` (CIDs) and ``models``.
+"""
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from p2ptrain.task._demo_task import TASK_TEMPLATE as TASK_TEMPLATE
+    from p2ptrain.task._spec import (
+        CompressionSpec as CompressionSpec,
+        load_task as load_task,
+        MAX_TASK_BYTES as MAX_TASK_BYTES,
+        OuterSpec as OuterSpec,
+        parse_task as parse_task,
+        Task as Task,
+        task_bytes as task_bytes,
+        task_from_bytes as task_from_bytes,
+        TaskError as TaskError,
+        total_steps as total_steps,
+        unmet_requirement as unmet_requirement,
+        USER_MODEL as USER_MODEL,
+    )
+else:
+    from p2ptrain._exports import lazy_exports
+
+    __getattr__, __dir__, __all__ = lazy_exports(__name__, __file__)

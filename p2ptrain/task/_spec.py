@@ -1,0 +1,526 @@
+"""The task spec: what to train, on what data, how, and with how many peers.
+
+A task is written as TOML by a person and travels as canonical JSON bytes stored by CID. Parsing
+is strict (unknown keys, wrong types and out-of-range values are errors that name the field) because
+a task comes from another peer: it must not be able to smuggle in anything we did not plan for, and a
+typo must not silently fall back to a default. Canonical bytes fill in every default and sort keys, so
+the same task always has the same bytes and therefore the same CID on every peer.
+
+Both decoders, :func:`load_task` (TOML) and :func:`task_from_bytes` (JSON by CID), raise one error,
+:class:`TaskError`, for anything they refuse: text over :data:`MAX_TASK_BYTES`, nesting deeper than
+:data:`MAX_TASK_DEPTH`, integers beyond ``task_fields.MAX_NUMBER`` (TOML and JSON both carry integers
+of any size, and a float check of ``10**400`` overflows) and every field out of its range (checks: task_fields).
+"""
+
+from __future__ import annotations
+
+import math
+import tomllib
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from p2ptrain.base import boundedjson
+from p2ptrain.task import _fields as fields
+from p2ptrain.models import ModelError, check_model
+from p2ptrain.task._fields import TaskError as TaskError  # re-exported: the task's one error
+from p2ptrain.wire import Capabilities
+
+# A base58 peer ID of an Ed25519 key is 52 characters; 128 leaves room for other key types.
+_MAX_PEER_LEN = 128
+# A task is a few hundred bytes; 64 KiB bounds both the TOML a person writes and the JSON we fetch.
+MAX_TASK_BYTES = 64 * 1024
+# A task nests three levels (task > model > kwargs > a list); eight refuse any bomb before parsing.
+MAX_TASK_DEPTH = 8
+# A coordinator's heartbeat carries a quorum of signed votes; 128 members keep it far below the wire cap.
+MAX_PEERS = 128
+
+OPTIMIZERS = ("sgd", "adam", "adamw")
+SCHEDULES = ("constant", "warmup", "cosine")
+DEVICES = ("any", "cpu", "cuda")
+ADMISSION = ("open", "allowlist")  # peers.admission
+# An allowlist names at most this many peers (8x MAX_PEERS: room to rotate machines in and out).
+MAX_ALLOWED = 1024
+ROBUST = ("none", "clip")  # compression.robust: the plain mean, or each contribution's norm clipped to the median
+MODES = ("sync", "local_sgd")  # training.mode: one all-reduce per optimizer step, or DiLoCo-style outer steps
+OUTER_OPTIMIZERS = ("nesterov", "average")  # outer.optimizer
+VALUES = ("fp32", "fp16", "int8", "2bit")  # compression.values: how the sent values travel
+# DiLoCo's outer Nesterov defaults (Douillard et al. 2023): learning rate 0.7, momentum 0.9.
+OUTER_LR = 0.7
+OUTER_MOMENTUM = 0.9
+# How long the outer all-reduce waits for the members' inner loops by default: members compute H
+# steps each, at different speeds; a member later than this past the first is left out of the round
+# (the retry goes on without it). 60 s is 4x sync mode's 15 s start timeout: the gap between the
+# fastest and slowest member grows with H. Tasks with minutes-long inner loops set their own
+# outer.wait_s (node/tasks/stdlib-lm.toml: 120 s for 50 steps of 1.6-2.1 s on a loaded CPU core).
+OUTER_WAIT_S = 60.0
+
+
+# [model] name of a run of the user's own module (p2ptrain.Optimizer, p2ptrain.train): no builder
+# here; every member brings its module, and the task names its architecture card by CID.
+USER_MODEL = "user"
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A builder from :mod:`p2ptrain.models._registry` and its keyword arguments (JSON scalars/lists),
+    or, for a run of the user's own module (``name = "user"``), the CID of its architecture card
+    (:mod:`p2ptrain.models._fingerprint`: every tensor, the optimizer, the run's options)."""
+
+    name: str
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    architecture: str | None = None  # name = "user" only
+
+    @property
+    def user(self) -> bool:
+        """Whether the members bring the module themselves (no builder of ours makes it)."""
+        return self.name == USER_MODEL
+
+
+@dataclass(frozen=True)
+class DatasetSpec:
+    """A dataset manifest stored by CID and the names of its train and test splits."""
+
+    manifest: str
+    train_split: str = "train"
+    test_split: str = "test"
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """The optimizer every member runs, identically, on the averaged gradient."""
+
+    name: str
+    lr: float
+    weight_decay: float = 0.0
+    momentum: float | None = None  # sgd only
+    beta1: float | None = None  # adam/adamw only, like beta2 and eps
+    beta2: float | None = None
+    eps: float | None = None
+
+
+@dataclass(frozen=True)
+class ScheduleSpec:
+    """Learning-rate schedule over optimizer steps: constant, linear warmup, or warmup + cosine decay."""
+
+    name: str = "constant"
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.0
+
+
+@dataclass(frozen=True)
+class TrainingSpec:
+    """How long and how often: one round = ``sync_interval`` local batches, one all-reduce, one step.
+
+    Exactly one of ``total_steps`` (optimizer steps, i.e. rounds) and ``epochs`` is set.
+
+    ``mode = "local_sgd"`` (stored as ``mode``; sync mode is stored as no field at all, so the bytes
+    and CIDs of tasks written before the option existed do not change): a round is ``inner_steps``
+    local optimizer steps, then one all-reduce of the pseudo-gradient and one outer step
+    (:mod:`p2ptrain.training._outer`); ``total_steps`` then counts outer steps.
+    """
+
+    batch_size: int
+    sync_interval: int = 1
+    total_steps: int | None = None
+    epochs: float | None = None
+    checkpoint_interval: int = 10
+    eval_batch_size: int = 256
+    mode: str | None = None  # None: "sync"
+    inner_steps: int | None = None  # local_sgd only
+    # True: a span's checkpoint is stored, recorded and attested while the next span trains
+    # (training.rounds); None (stored as no field, like ``mode``): the next span waits for it.
+    overlap_checkpoints: bool | None = None
+
+    @property
+    def local_sgd(self) -> bool:
+        return self.mode == "local_sgd"
+
+    @property
+    def steps_per_round(self) -> int:
+        """Local optimizer steps per round: ``inner_steps`` in local-SGD mode, else one."""
+        return self.inner_steps if self.inner_steps is not None else 1
+
+
+@dataclass(frozen=True)
+class OuterSpec:
+    """The outer optimizer of local-SGD mode, run identically by every member on the averaged
+    pseudo-gradient: ``nesterov`` (SGD with Nesterov momentum, DiLoCo's choice) or ``average``
+    (the members' mean model, federated averaging's; no lr or momentum)."""
+
+    optimizer: str = "nesterov"
+    lr: float | None = OUTER_LR
+    momentum: float | None = OUTER_MOMENTUM
+    # Seconds the outer all-reduce waits for the slowest member's inner loop (the slow-peer rule:
+    # a deadline, not a weighted contribution; docs/training.md).
+    wait_s: float = OUTER_WAIT_S
+
+
+@dataclass(frozen=True)
+class CompressionSpec:
+    """Top-k sparsification of the gradient all-reduce (density 1.0 means dense).
+
+    ``robust = "clip"`` defends the average against Byzantine members (scaled or sign-flipped
+    contributions): whoever reduces a part clips every member's contribution to the median of their
+    norms (docs/collective.md, "Byzantine members").
+    """
+
+    density: float = 0.01
+    error_feedback: bool = True
+    fp16_values: bool = False
+    robust: str = "none"
+    # "int8" or "2bit": the values travel quantized with a scale per chunk (wire/quantization.py).
+    # None: as fp16_values says (``values = "fp16"`` is stored as fp16_values, "fp32" as neither,
+    # so older tasks keep their bytes).
+    values: str | None = None
+
+
+@dataclass(frozen=True)
+class PeersSpec:
+    """How many members a round needs (``min``) and admits (``max``), and who may be one.
+
+    ``admission = "allowlist"`` (with ``allow``, the peer IDs that may be members) closes the run:
+    no other identity is planned, elected, counted in a quorum or believed in a chain, so made-up
+    identities (Sybils) cannot outvote the members. ``"open"`` (stored as no field, so the bytes of
+    tasks written before the option stay the same) admits any peer that meets the requirements;
+    docs/security.md says what a quorum of open members proves and what it does not.
+    """
+
+    min: int = 1
+    max: int = 64
+    admission: str | None = None  # None: "open"
+    allow: tuple[str, ...] | None = None  # admission = "allowlist" only
+
+    def admits(self, peer: str) -> bool:
+        """Whether ``peer`` may be a member of the run."""
+        return self.allow is None or peer in self.allow
+
+
+@dataclass(frozen=True)
+class Requirements:
+    """Where members train and what memory they need (MiB of RAM, or of GPU memory for CUDA).
+
+    ``cpu`` (the default) runs every member on CPU, which any peer can; ``cuda`` admits CUDA peers
+    only; ``any`` lets each member pick. Members that hold bitwise-identical weights must compute the
+    optimizer step on the same kind of device, so ``any`` can make attestations fail between a CPU and
+    a GPU member.
+    """
+
+    device: str = "cpu"
+    min_memory_mb: int = 0
+
+
+@dataclass(frozen=True)
+class Task:
+    """A validated task; build it with :func:`parse_task` / :func:`load_task` / :func:`task_from_bytes`."""
+
+    name: str
+    model: ModelSpec
+    # None: each member trains on its own data (a run of the user's own module and loop).
+    dataset: DatasetSpec | None
+    # None for a run of the user's own module: its optimizer is the members' own, described in the
+    # architecture card the model names.
+    optimizer: OptimizerSpec | None
+    training: TrainingSpec
+    schedule: ScheduleSpec = ScheduleSpec()
+    compression: CompressionSpec = CompressionSpec()
+    peers: PeersSpec = PeersSpec()
+    requirements: Requirements = Requirements()
+    seed: int = 0
+    initial_model: str | None = None
+    outer: OuterSpec | None = None  # local-SGD mode only
+    # The peer ID of the node that published the task (`task publish` fills it in when the file
+    # leaves it out): the one key whose `task cancel` members obey. Part of the task's bytes, so
+    # every member learns it from the task it fetched by CID, not from who happened to announce it.
+    publisher: str | None = None
+
+
+# --- parsing ----------------------------------------------------------------------------------
+
+
+def parse_task(data: dict[str, Any]) -> Task:
+    """Validate a task from its TOML/JSON table form; raise :class:`TaskError` naming the bad field."""
+    if not isinstance(data, dict):
+        raise TaskError("task: must be a table")
+    fields.only(
+        data,
+        {"name", "seed", "initial_model", "publisher", "model", "dataset", "optimizer", "schedule", "training",
+         "outer", "compression", "peers", "requirements"},
+        "",
+    )
+    name = fields.text(data, "name", "")
+    seed = fields.integer(data, "seed", "", 0, 0, 2**32 - 1)
+    initial_model = fields.cid(data, "initial_model", "", None)
+    publisher = fields.text(data, "publisher", "", None, max_len=_MAX_PEER_LEN)
+
+    model = _model(fields.table(data, "model", "", True))
+    dataset = _dataset(data, required=not model.user)
+    optimizer = _optimizer(data) if not model.user else None
+    if model.user and "optimizer" in data:
+        raise TaskError('optimizer: a run of the members\' own model ([model] name = "user") uses their own '
+                        "optimizer, described in its architecture card")
+
+    s = fields.table(data, "schedule", "", False)
+    fields.only(s, {"name", "warmup_steps", "min_lr_ratio"}, "schedule.")
+    schedule = ScheduleSpec(
+        name=fields.choice(s, "name", "schedule.", SCHEDULES, "constant"),
+        warmup_steps=fields.integer(s, "warmup_steps", "schedule.", 0, 0, 10**9),
+        min_lr_ratio=fields.number(s, "min_lr_ratio", "schedule.", 0.0, 0.0, 1.0),
+    )
+    if schedule.name == "constant" and schedule.warmup_steps:
+        raise TaskError("schedule.warmup_steps: a constant schedule has no warmup (use name = \"warmup\")")
+
+    t = fields.table(data, "training", "", True)
+    fields.only(t, {"batch_size", "sync_interval", "total_steps", "epochs", "checkpoint_interval",
+              "eval_batch_size", "mode", "inner_steps", "overlap_checkpoints"}, "training.")
+    mode = fields.choice(t, "mode", "training.", MODES, "sync")
+    if mode == "local_sgd":
+        inner_steps = fields.integer(t, "inner_steps", "training.", ..., 1, 10000)
+    elif "inner_steps" in t:
+        raise TaskError('training.inner_steps: only for mode = "local_sgd"')
+    else:
+        inner_steps = None
+    training = TrainingSpec(
+        batch_size=fields.integer(t, "batch_size", "training.", lo=1, hi=65536),
+        sync_interval=fields.integer(t, "sync_interval", "training.", 1, 1, 10000),
+        total_steps=fields.integer(t, "total_steps", "training.", None, 1, 10**9),
+        epochs=fields.number(t, "epochs", "training.", None, 0.0, 10000.0, lo_open=True),
+        checkpoint_interval=fields.integer(t, "checkpoint_interval", "training.", 10, 1, 10**6),
+        eval_batch_size=fields.integer(t, "eval_batch_size", "training.", 256, 1, 65536),
+        mode="local_sgd" if mode == "local_sgd" else None,
+        inner_steps=inner_steps,
+        overlap_checkpoints=fields.boolean(t, "overlap_checkpoints", "training.", False) or None,
+    )
+    outer = _outer(data, training)
+    if (training.total_steps is None) == (training.epochs is None):
+        raise TaskError("training.total_steps: set exactly one of training.total_steps and training.epochs")
+    # The schedule runs over optimizer steps: in local-SGD mode the inner ones, H per outer step.
+    if training.total_steps is not None and schedule.warmup_steps > training.total_steps * training.steps_per_round:
+        raise TaskError("schedule.warmup_steps: longer than training.total_steps"
+                        + (" x training.inner_steps" if training.local_sgd else ""))
+
+    c = fields.table(data, "compression", "", False)
+    fields.only(c, {"density", "error_feedback", "fp16_values", "robust", "values"}, "compression.")
+    compression = _compression(c)
+
+    peers = _peers(fields.table(data, "peers", "", False))
+
+    r = fields.table(data, "requirements", "", False)
+    fields.only(r, {"device", "min_memory_mb"}, "requirements.")
+    requirements = Requirements(
+        device=fields.choice(r, "device", "requirements.", DEVICES, "cpu"),
+        min_memory_mb=fields.integer(r, "min_memory_mb", "requirements.", 0, 0, 2**40),
+    )
+    return Task(
+        name=name, model=model, dataset=dataset, optimizer=optimizer, training=training,
+        schedule=schedule, compression=compression, peers=peers, requirements=requirements,
+        seed=seed, initial_model=initial_model, publisher=publisher, outer=outer,
+    )
+
+
+def _model(m: dict[str, Any]) -> ModelSpec:
+    """``[model]``: a registry builder and its checked kwargs, or ``name = "user"`` with its
+    ``architecture`` card's CID."""
+    fields.only(m, {"name", "kwargs", "architecture"}, "model.")
+    kwargs_t = fields.table(m, "kwargs", "model.", False)
+    if len(kwargs_t) > 32:
+        raise TaskError("model.kwargs: more than 32 arguments")
+    model = ModelSpec(
+        name=fields.text(m, "name", "model."),
+        kwargs={k: fields.kwarg_value(v, f"model.kwargs.{k}") for k, v in sorted(kwargs_t.items())},
+        architecture=fields.cid(m, "architecture", "model.", None),
+    )
+    if model.user:
+        if model.architecture is None:
+            raise TaskError('model.architecture: a run of the members\' own model ([model] name = "user") names '
+                            "its architecture card by CID")
+        if model.kwargs:
+            raise TaskError('model.kwargs: not for name = "user" (the members build their own module)')
+        return model
+    if model.architecture is not None:
+        raise TaskError('model.architecture: only for name = "user"')
+    try:
+        check_model(model.name, model.kwargs)
+    except ModelError as exc:
+        raise TaskError(str(exc)) from None
+    return model
+
+
+def _dataset(data: dict[str, Any], required: bool) -> DatasetSpec | None:
+    """``[dataset]``: a manifest by CID and its split names; only a run of the user's own model may
+    have none (each member trains on its own data)."""
+    if not required and "dataset" not in data:
+        return None
+    d = fields.table(data, "dataset", "", True)
+    fields.only(d, {"manifest", "train_split", "test_split"}, "dataset.")
+    return DatasetSpec(
+        manifest=fields.cid(d, "manifest", "dataset."),
+        train_split=fields.text(d, "train_split", "dataset.", "train"),
+        test_split=fields.text(d, "test_split", "dataset.", "test"),
+    )
+
+
+def _optimizer(data: dict[str, Any]) -> OptimizerSpec:
+    """``[optimizer]``: the task's optimizer, which every member runs identically."""
+    o = fields.table(data, "optimizer", "", True)
+    fields.only(o, {"name", "lr", "momentum", "weight_decay", "beta1", "beta2", "eps"}, "optimizer.")
+    opt_name = fields.choice(o, "name", "optimizer.", OPTIMIZERS)
+    if opt_name == "sgd":
+        extra = sorted({"beta1", "beta2", "eps"} & set(o))
+        if extra:
+            raise TaskError(f"optimizer.{extra[0]}: only for adam/adamw")
+        return OptimizerSpec(
+            name=opt_name,
+            lr=fields.number(o, "lr", "optimizer.", lo=0.0, hi=10.0, lo_open=True),
+            weight_decay=fields.number(o, "weight_decay", "optimizer.", 0.0, 0.0, 1.0),
+            momentum=fields.number(o, "momentum", "optimizer.", 0.0, 0.0, 0.999),
+        )
+    if "momentum" in o:
+        raise TaskError(f"optimizer.momentum: only for sgd ({opt_name} uses beta1/beta2)")
+    return OptimizerSpec(
+        name=opt_name,
+        lr=fields.number(o, "lr", "optimizer.", lo=0.0, hi=10.0, lo_open=True),
+        weight_decay=fields.number(o, "weight_decay", "optimizer.", 0.0, 0.0, 1.0),
+        beta1=fields.number(o, "beta1", "optimizer.", 0.9, 0.0, 0.9999),
+        beta2=fields.number(o, "beta2", "optimizer.", 0.999, 0.0, 0.99999),
+        eps=fields.number(o, "eps", "optimizer.", 1e-8, 0.0, 1.0, lo_open=True),
+    )
+
+
+def _peers(p: dict[str, Any]) -> PeersSpec:
+    """``[peers]``: the member bounds and, with ``admission = "allowlist"``, who may be a member."""
+    fields.only(p, {"min", "max", "admission", "allow"}, "peers.")
+    lo = fields.integer(p, "min", "peers.", 1, 1, MAX_PEERS)
+    hi = fields.integer(p, "max", "peers.", 64, 1, MAX_PEERS)
+    if hi < lo:
+        raise TaskError(f"peers.max: must be >= peers.min ({lo})")
+    admission = fields.choice(p, "admission", "peers.", ADMISSION, "open")
+    if admission == "open":
+        if "allow" in p:
+            raise TaskError('peers.allow: only with admission = "allowlist"')
+        return PeersSpec(min=lo, max=hi)
+    allow = fields.peer_ids(p, "allow", "peers.", MAX_ALLOWED)
+    if len(allow) < lo:
+        raise TaskError(f"peers.allow: {len(allow)} peers can never make peers.min = {lo} members")
+    return PeersSpec(min=lo, max=hi, admission=admission, allow=allow)
+
+
+def _outer(data: dict[str, Any], training: TrainingSpec) -> OuterSpec | None:
+    """``[outer]``: only in local-SGD mode, where it defaults to DiLoCo's Nesterov (0.7, 0.9)."""
+    o = fields.table(data, "outer", "", False)
+    if not training.local_sgd:
+        if "outer" in data:
+            raise TaskError('outer: only for training.mode = "local_sgd"')
+        return None
+    fields.only(o, {"optimizer", "lr", "momentum", "wait_s"}, "outer.")
+    name = fields.choice(o, "optimizer", "outer.", OUTER_OPTIMIZERS, "nesterov")
+    wait_s = fields.number(o, "wait_s", "outer.", OUTER_WAIT_S, 1.0, 3600.0)
+    if name == "average":
+        extra = sorted({"lr", "momentum"} & set(o))
+        if extra:
+            raise TaskError(f'outer.{extra[0]}: not for optimizer = "average" (the mean model is taken as is)')
+        return OuterSpec(optimizer=name, lr=None, momentum=None, wait_s=wait_s)
+    return OuterSpec(
+        optimizer=name, wait_s=wait_s,
+        lr=fields.number(o, "lr", "outer.", OUTER_LR, 0.0, 10.0, lo_open=True),
+        momentum=fields.number(o, "momentum", "outer.", OUTER_MOMENTUM, 0.0, 0.999),
+    )
+
+
+def _compression(c: dict[str, Any]) -> CompressionSpec:
+    density = fields.number(c, "density", "compression.", 0.01, 0.0, 1.0, lo_open=True)
+    error_feedback = fields.boolean(c, "error_feedback", "compression.", True)
+    fp16 = fields.boolean(c, "fp16_values", "compression.", False)
+    robust = fields.choice(c, "robust", "compression.", ROBUST, "none")
+    values = fields.choice(c, "values", "compression.", VALUES, "fp16" if fp16 else "fp32")
+    if fp16 and values != "fp16":
+        raise TaskError(f'compression.values: "{values}" contradicts fp16_values = true')
+    if values in ("int8", "2bit"):
+        if density >= 1.0:
+            raise TaskError(f'compression.values: "{values}" quantizes sparse values; it needs density < 1')
+        if not error_feedback:
+            raise TaskError(f'compression.values: "{values}" needs error_feedback = true (it keeps what '
+                            "the quantization drops)")
+    return CompressionSpec(
+        density=density, error_feedback=error_feedback, fp16_values=values == "fp16", robust=robust,
+        values=values if values in ("int8", "2bit") else None,
+    )
+
+
+def load_task(text: str | bytes) -> Task:
+    """Parse and validate a task from TOML text; :class:`TaskError` for anything we refuse."""
+    size = len(text) if isinstance(text, bytes) else len(text.encode(errors="surrogatepass"))
+    if size > MAX_TASK_BYTES:
+        raise TaskError(f"task: {size} B is over the {MAX_TASK_BYTES} B limit")
+    if isinstance(text, bytes):
+        try:
+            text = text.decode()
+        except UnicodeDecodeError as exc:
+            raise TaskError(f"task: not UTF-8 ({exc})") from None
+    try:
+        data = tomllib.loads(text)
+    except ValueError as exc:  # TOMLDecodeError, and an integer of over 4,300 digits
+        raise TaskError(f"task: not valid TOML ({exc})") from None
+    except RecursionError:
+        # tomllib recurses per nested array or inline table; within MAX_TASK_BYTES the recursion
+        # ends at the interpreter's limit, cleanly, and the text is simply not a task.
+        raise TaskError("task: nested too deeply") from None
+    return parse_task(data)
+
+
+def _plain(task: Task) -> dict[str, Any]:
+    """The table form with every default filled in and absent optionals left out."""
+
+    def drop_none(obj: Any) -> Any:
+        if isinstance(obj, dict):
+            return {k: drop_none(v) for k, v in obj.items() if v is not None}
+        return obj
+
+    return drop_none(asdict(task))  # type: ignore[no-any-return]
+
+
+def task_bytes(task: Task) -> bytes:
+    """Canonical JSON bytes of a task (sorted keys, defaults filled in): store these by CID."""
+    return boundedjson.canonical(_plain(task)) + b"\n"
+
+
+def task_from_bytes(data: bytes) -> Task:
+    """Validate task bytes fetched by CID and insist they are canonical (one task, one CID)."""
+    if len(data) > MAX_TASK_BYTES:
+        raise TaskError(f"task: {len(data)} B is over the {MAX_TASK_BYTES} B limit")
+    try:
+        plain = boundedjson.loads(data, max_depth=MAX_TASK_DEPTH, what="task")
+    except boundedjson.JSONBoundsError as exc:
+        raise TaskError(str(exc)) from None
+    task = parse_task(plain)
+    if task_bytes(task) != data:
+        raise TaskError("task: bytes are not in canonical form")
+    return task
+
+
+def unmet_requirement(task: Task, caps: Capabilities) -> str | None:
+    """Why a peer with ``caps`` may not join ``task``, or None when it may."""
+    req = task.requirements
+    if req.device == "cuda" and caps.device != "cuda":
+        return f"task needs a CUDA device, peer has {caps.device}"
+    if req.device == "cuda" or (req.device == "any" and caps.device == "cuda"):
+        memory, what = caps.gpu_memory_bytes or 0, "GPU memory"
+    else:
+        memory, what = caps.free_ram_bytes, "free RAM"
+    if memory < req.min_memory_mb * 1024 * 1024:
+        return f"task needs {req.min_memory_mb} MiB of {what}, peer has {memory // (1024 * 1024)} MiB"
+    return None
+
+
+def meets_requirements(task: Task, caps: Capabilities) -> bool:
+    """Whether a peer with ``caps`` may join ``task`` (see :func:`unmet_requirement` for why not)."""
+    return unmet_requirement(task, caps) is None
+
+
+def total_steps(task: Task, train_samples: int, peers: int) -> int:
+    """Rounds the task runs (optimizer steps; outer steps in local-SGD mode): ``total_steps`` or
+    ``epochs`` worth of rounds over ``peers``."""
+    if task.training.total_steps is not None:
+        return task.training.total_steps
+    per_round = task.training.batch_size * task.training.sync_interval * task.training.steps_per_round * max(1, peers)
+    assert task.training.epochs is not None
+    return max(1, math.ceil(task.training.epochs * train_samples / per_round))

@@ -1,0 +1,157 @@
+"""The public names of each package, exactly (as httpx pins its ``__all__``): removing or renaming one
+is a visible change to whoever imports it, so it shows here first. Each package keeps its code in
+private modules (``_name.py``) and re-exports these from its ``__init__.py`` (p2ptrain/_exports.py says
+how); a public submodule (``p2ptrain.base.boundedjson``) is listed by its name."""
+
+from __future__ import annotations
+
+import importlib
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+EXPORTS: dict[str, list[str]] = {
+    "p2ptrain": [
+        "IPFSDataset", "Optimizer", "RunFinished", "TrainResult", "__version__", "load_model", "load_state", "serve",
+        "train",
+    ],
+    "p2ptrain.api": [
+        "Optimizer", "RunFinished", "TrainResult", "load_state", "train",
+    ],
+    "p2ptrain.base": [
+        "AddressError", "HistogramSnapshot", "RoundHistograms", "UserError", "all_finite", "boundedjson",
+        "count_rejection", "default_home", "fmt_bytes", "fmt_s", "format_host_port", "formatter", "large_empty",
+        "load_or_create_identity", "parse_host_port", "peer_id_of", "short_id", "use_one_arena", "write_atomic",
+        "zero_fill",
+    ],
+    "p2ptrain.collective": [
+        "BadPayload", "Collective", "CollectiveError", "ErrorFeedback", "Misbehaved", "PROTOCOL", "PeerFailed",
+        "RoundSpec", "RoundStats", "SparseAllReducer", "bucket_ks", "clip_scales", "contribution_norm", "digest_of",
+        "reduce_chunk", "scaled", "signed_by",
+    ],
+    "p2ptrain.control": [
+        "ChainEntry", "ControlClient", "ControlError", "ControlServer", "FINISHED", "NodeStatus", "Phase",
+        "TaskStatus", "ops", "socket_path",
+    ],
+    "p2ptrain.data": [
+        "IPFSDataset", "MAX_MANIFEST_BYTES", "Manifest", "ManifestError", "Pixels", "SourceOptions", "TEXT_CONTEXT",
+        "TensorFileError", "build_dataset", "build_source", "dataset_cids", "load_source", "parse_size",
+        "read_header", "read_source",
+    ],
+    "p2ptrain.ipfs": [
+        "BlockExchange", "BlockMismatch", "BlockStore", "CHUNK_SIZE", "CID", "ContentStore", "ContentUnavailable",
+        "CorruptBlock", "DAG_PB", "DIRECT", "DagError", "DecodeError", "EmbeddedStore", "FetchError", "FetchStats",
+        "FileTooLarge", "InvalidCID", "MAX_LINKS", "MAX_MESSAGE_SIZE", "PBNode", "PROTOCOLS", "PinFileError", "RAW",
+        "UnixFSData", "cid_from_digest", "cid_str", "dag_bytes_limit", "decode_node", "decode_unixfs",
+        "encode_file_leaf", "encode_file_node", "import_stream", "make_cid", "open_store", "parse_cid", "read_file",
+        "requested_cid", "varint", "walk_dag",
+    ],
+    "p2ptrain.mesh": [
+        "ContentRouting", "DEFAULT_SILENCE_HEARTBEATS", "Discovery", "M", "MAX_PROVIDERS_PER_QUERY", "Membership",
+        "MessageRouter", "Rate", "derived_key", "keep_reservations", "parse_bootstrap",
+    ],
+    "p2ptrain.models": [
+        "CardError", "HEADER_PER_TENSOR", "HEADER_SLACK", "MAX_CARD_BYTES", "MAX_MODEL_FILE_BYTES", "ModelError",
+        "build_model", "card_bytes", "card_from_bytes", "card_of", "check_model", "file_bytes_bound",
+        "first_difference", "model_file_limit",
+    ],
+    "p2ptrain.net": [
+        "Channel", "ChannelClosed", "ChannelError", "MessageTooLarge", "PubsubMessageTooLarge",
+        "RELAY_CIRCUIT_BYTES_RANGE", "RELAY_CIRCUIT_S_RANGE", "RELAY_MAX_CIRCUIT_BYTES", "RELAY_MAX_CIRCUIT_S",
+        "RELAY_MAX_RESERVATIONS", "RELAY_RESERVATIONS_RANGE", "Reachability", "Relaying", "STATUSES", "StreamGuard",
+        "advertised_addrs", "bound_problem", "close_host", "has_direct_connection", "is_circuit", "make_host",
+        "make_pubsub", "noise_only", "open_channel", "over_relay", "publish_bytes", "relay_limits", "running_pubsub",
+        "running_service", "serve_channels",
+    ],
+    "p2ptrain.node": [
+        "CONFIG_FILE", "ContentService", "DEFAULT_MAX_FETCH_BYTES", "NODE_ARGS", "Node", "NodeConfig", "NodeProcess",
+        "READY_TIMEOUT_S", "env_variable", "free_port", "settings",
+    ],
+    "p2ptrain.protocol": [
+        "ATTEST_TIMEOUT_S", "Attestations", "Chain", "ChainRules", "Election", "ElectionConfig", "ElectionMessage",
+        "Hold", "MAX_CHAIN_BYTES", "Misconduct", "RecordError", "RoundBook", "RuleBreak", "Status", "Tally", "View",
+        "attest", "audit", "buffers_round_id", "chain_lines", "election_problem", "entry_from_bytes", "is_checkpoint",
+        "load_model_bytes", "model_bytes", "owner_seed", "parse_entry", "read_chain", "read_model_card",
+        "read_tensors", "round_id", "round_seed", "shard_of", "sign_record", "signing", "state_bytes",
+        "tensors_bytes",
+    ],
+    "p2ptrain.run": [
+        "CANCELLED_FILE", "CANCEL_SENT_FILE", "CHAIN_FILE", "HOP_TIMEOUT_S", "TaskRun",
+    ],
+    "p2ptrain.serve": [
+        "MAX_CONNECTIONS", "ServeError", "Server", "TemporaryFollower", "open_model", "predict", "serve",
+    ],
+    "p2ptrain.services": [
+        "LatestFinder", "MAX_SEEN_HEADS", "MetricsServer", "Peer", "SERVED_EVERY_S", "TaskOptions", "check_url",
+        "make_peer", "parse_address", "run_state_roots",
+    ],
+    "p2ptrain.task": [
+        "CompressionSpec", "MAX_TASK_BYTES", "OuterSpec", "TASK_TEMPLATE", "Task", "TaskError", "USER_MODEL",
+        "load_task", "parse_task", "task_bytes", "task_from_bytes", "total_steps", "unmet_requirement",
+    ],
+    "p2ptrain.testing": [
+        "CLI_TIMEOUT_S", "CONNECT_TIMEOUT_S", "Changes", "DIGITS_TASK", "EmulatedNat", "EmulatedWan", "IFACE",
+        "LOOPBACK", "LocalHost", "LocalPeers", "NodeProcess", "PEER_STOP_TIMEOUT_S", "WAIT_FALLBACK_S", "WanError",
+        "WanPeer", "attestations_for", "cleanup_stale", "connect", "connected_hosts", "emulated_nat", "emulated_wan",
+        "free_port", "local_mesh", "local_peers", "nat_unavailable", "new_host", "node_processes", "parse_rate",
+        "proven_chain", "proven_record", "publish_digits_task", "rules_task", "run_cli", "run_node_processes",
+        "task_status_of", "votes_for", "wait_for", "wait_until", "wan_node_processes", "wan_unavailable",
+    ],
+    "p2ptrain.training": [
+        "Average", "GradientBridge", "LocalSGDTrainer", "PlanAverager", "PositionedBatches", "RoundTimings",
+        "StateSnapshot", "StepSkipped", "Trainer", "TrainerError", "UserLocalSGDTrainer", "UserTrainer", "batched",
+        "batches_forever", "describe_model_file", "evaluate_batches", "load_model", "loss_and_hits", "lr_at",
+        "model_from_bytes", "new_trainer", "resolve_device", "run_round",
+    ],
+    "p2ptrain.wire": [
+        "Attestation", "Capabilities", "ConfirmedRecord", "CoordinatorBeat", "DIGEST_BYTES", "DTYPES", "DecodeError",
+        "ENTRY_BYTES", "Goodbye", "HEADER", "HeadRequest", "Header", "Heartbeat", "Kind", "MAX_FIRST_FRAME",
+        "MAX_MESSAGE_BYTES", "MESH_TOPIC", "MESSAGES", "MessageRegistry", "ModelRecord", "ModelServed", "PROTOCOL",
+        "Phase", "ReplayGuard", "RoundFailed", "RoundPlan", "SIGNATURE_BYTES", "Said", "SchemaError", "Signed",
+        "SignedAttestation", "SignedModelRecord", "SignedVote", "TASKS_TOPIC", "TaskAnnounce", "TaskCancel",
+        "TaskHead", "TaskResume", "Vote", "VoteRequest", "abort_frame", "busy_frame", "decode", "encode",
+        "from_plain", "hello_frame", "is_busy", "message", "parse_abort", "parse_header", "peek_type", "ready_frame",
+        "round_digest", "statement", "task_topic", "to_plain",
+    ],
+}
+
+
+def test_every_package_is_listed() -> None:
+    packages = sorted("p2ptrain" + "".join("." + part for part in p.parent.relative_to(ROOT / "p2ptrain").parts)
+                      for p in (ROOT / "p2ptrain").rglob("__init__.py") if p.parent.name != "cli")
+    assert packages == sorted(EXPORTS)
+
+
+@pytest.mark.parametrize("package", sorted(EXPORTS))
+def test_each_package_exports_exactly_its_public_names(package: str) -> None:
+    module = importlib.import_module(package)
+    assert sorted(module.__all__) == EXPORTS[package]
+
+
+@pytest.mark.parametrize("package", sorted(EXPORTS))
+def test_every_exported_name_resolves_and_is_listed_by_dir(package: str) -> None:
+    module = importlib.import_module(package)
+    missing = [name for name in module.__all__ if getattr(module, name, None) is None]
+    assert missing == []
+    assert set(module.__all__) <= set(dir(module))
+
+
+def test_an_unknown_name_is_an_attribute_error() -> None:
+    import p2ptrain.protocol
+
+    with pytest.raises(AttributeError, match="no attribute 'Nope'"):
+        p2ptrain.protocol.Nope  # noqa: B018
+
+
+def test_a_name_is_imported_from_its_module_only_when_asked_for() -> None:
+    # `p2ptrain --help` stays light: p2ptrain.ipfs exports the Bitswap exchange (libp2p) beside the
+    # CID parser; asking for the parser alone must not import the exchange, nor torch.
+    code = ("import sys; from p2ptrain.ipfs import parse_cid; from p2ptrain.control import TaskStatus; "
+            "print(sorted(m for m in ('libp2p', 'torch', 'trio', 'p2ptrain.ipfs._exchange') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
