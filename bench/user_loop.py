@@ -9,7 +9,8 @@ member, top-k density, checkpoint interval and number of members, on loopback:
   publishes the task and all join; each node computes its gradients itself;
 - **user loop**: N processes of this script (``--worker``, started with
   :mod:`p2ptrain.testing.scripts`), each an ordinary PyTorch loop over ``DataLoader(IPFSDataset(...))``
-  with ``p2ptrain.Optimizer`` wrapping ``torch.optim.Adam``; each runs its own in-process node.
+  with ``p2ptrain.Optimizer`` wrapping ``torch.optim.Adam(fused=True)`` (the kernel the node-run
+  task's optimizer uses; ``--unfused``: torch's default); each runs its own in-process node.
 
 Both are timed the same way, from outside: the driver polls member 0's ``task status`` (its control
 socket) and takes the wall time from the first status at step ``--warmup`` or later to the first
@@ -17,9 +18,9 @@ at step ``--warmup + --window`` or later, over the steps between them. Startup, 
 are before the window; checkpoints inside it (elections, signatures, attestations, the test-set
 evaluation) count on both sides. The members' processes' CPU time (user + system, every thread,
 from /proc) over the same window, per step, is the second measure: on a shared 2-core machine the
-wall time moves with other users' load, the CPU a step costs much less. Repetitions alternate the sides (node, user, node, user, ...) so
-that a change in the machine's load falls on both; the ratio is user / node of the medians, and
-each repetition's pair is printed too.
+wall time moves with other users' load, the CPU a step costs much less. Repetitions alternate
+the sides (node, user, node, user, ...) so that a change in the machine's load falls on both; the
+ratio is user / node of the medians, and each repetition's pair is printed too.
 
     .venv/bin/python bench/user_loop.py [--members 3] [--hidden 64] [--batch 32] [--density 0.01]
                                         [--warmup 20] [--window 100] [--checkpoint 25] [--reps 3] [--json]
@@ -187,8 +188,9 @@ def run_users(workdir: Path, manifest: str, data_home: Path, args: argparse.Name
 
 
 def passed_args(args: argparse.Namespace) -> list[str]:
-    return ["--hidden", *map(str, args.hidden), "--batch", str(args.batch), "--density", str(args.density),
-            "--warmup", str(args.warmup), "--window", str(args.window), "--checkpoint", str(args.checkpoint)]
+    return [*([] if args.fused else ["--unfused"]), "--hidden", *map(str, args.hidden), "--batch", str(args.batch),
+            "--density", str(args.density), "--warmup", str(args.warmup), "--window", str(args.window),
+            "--checkpoint", str(args.checkpoint)]
 
 
 def started(proc: subprocess.Popen[str], home: Path) -> str:
@@ -227,7 +229,7 @@ def worker(args: argparse.Namespace) -> None:
 
     model = build_model("mlp", model_kwargs(args), seed=0)
     loader = torch.utils.data.DataLoader(train, batch_size=args.batch, drop_last=True)
-    opt = p2ptrain.Optimizer(torch.optim.Adam(model.parameters(), lr=LR), model=model, run=args.run,
+    opt = p2ptrain.Optimizer(torch.optim.Adam(model.parameters(), lr=LR, fused=args.fused), model=model, run=args.run,
                              home=args.home, listen=[args.listen], bootstrap=args.bootstrap, density=args.density,
                              checkpoint_every=args.checkpoint, min_peers=args.members, max_peers=args.members,
                              total_steps=total_steps(args), evaluate=evaluate)
@@ -261,6 +263,8 @@ def main() -> None:
     parser.add_argument("--checkpoint", type=int, default=25, help="steps between confirmed models")
     parser.add_argument("--reps", type=int, default=3, help="repetitions of each side, alternating")
     parser.add_argument("--timeout", type=float, default=600.0, help="bound on one timed window (s)")
+    parser.add_argument("--unfused", dest="fused", action="store_false",
+                        help="the user's Adam with torch's default (single-tensor) kernel; the node-run task's is fused")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--keep", action="store_true", help="keep homes and logs (the path is printed)")
     # A worker (one user-loop member), as p2ptrain.testing.scripts starts it.
