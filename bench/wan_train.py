@@ -1,5 +1,6 @@
 """Time to a target accuracy across an emulated WAN (``bench/wan.py --train``): p2ptrain (top-k 1%,
-dense, and local-SGD with 2-bit sparse pseudo-gradients), torch DDP over gloo, and hivemind 1.1.12's
+dense, and local-SGD with 2-bit sparse pseudo-gradients), ``p2ptrain.Optimizer`` in a user's loop
+(top-k 1%, bench/wan_user_worker.py), torch DDP over gloo, and hivemind 1.1.12's
 ``hivemind.Optimizer``; each peer in its own network namespace behind the same ``--rate`` link, same
 task, same model, same per-peer batch.
 
