@@ -1,5 +1,6 @@
 """Time to a target accuracy across an emulated WAN (``bench/wan.py --train``): p2ptrain (top-k 1%,
-dense, and local-SGD with 2-bit sparse pseudo-gradients), torch DDP over gloo, and hivemind 1.1.12's
+dense, and local-SGD with 2-bit sparse pseudo-gradients), ``p2ptrain.Optimizer`` in a user's loop
+(top-k 1%, bench/wan_user_worker.py), torch DDP over gloo, and hivemind 1.1.12's
 ``hivemind.Optimizer``; each peer in its own network namespace behind the same ``--rate`` link, same
 task, same model, same per-peer batch.
 
@@ -59,6 +60,7 @@ NODE_READY_TIMEOUT_S = 300.0
 # request timeout, which hivemind warns may deadlock) its peers at load 20 kept failing to form a
 # group ("could not find a group") and fell out of sync.
 HIVEMIND_MATCHMAKING_S = 5.0
+USER_PORT = 4101  # p2ptrain.Optimizer's members listen here, each inside its own namespace
 POLL_S = 0.25  # how often the bench asks the publisher's node for the run's confirmed chain
 # After the target, the bench cancels the run; members settle their last span's checkpoint first
 # (leading.CANCEL_SETTLE_S, 20 s) and the next run waits for them.
@@ -76,6 +78,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--skip-hivemind", action="store_true")
     group.add_argument("--hivemind-timeout", type=float, default=RUN_TIMEOUT_S,
                        help="seconds of hivemind training before it counts as not reaching the target")
+    group.add_argument("--skip-user-loop", action="store_true",
+                       help="no p2ptrain.Optimizer run (a user's loop, bench/wan_user_worker.py)")
+    group.add_argument("--skip-node-run", action="store_true", help="no node-run p2ptrain runs")
     group.add_argument("--skip-dense", action="store_true", help="no p2ptrain dense run")
     group.add_argument("--skip-ddp", action="store_true", help="no DDP run (a run too long to share one lock with hivemind's)")
     group.add_argument("--lsgd-inner", type=int, default=10,
@@ -192,13 +197,18 @@ def run_p2p_task(cluster: WanCluster, text: str, name: str, nodes_up_s: float) -
     return row
 
 
-def run_p2ptrain(args: argparse.Namespace, workdir: Path) -> tuple[str, dict[str, dict]]:
-    """p2ptrain's runs (sync 1%, sync dense, local-SGD) one after the other on the same node
-    processes in the namespaces; the dataset's manifest."""
-    home0 = workdir / "node0"
+def dataset_only(home0: Path) -> str:
+    """The digits dataset in ``home0``'s store (8 train shards); its manifest."""
     home0.mkdir(parents=True, mode=0o700)
     name, features, labels = load_source("sklearn:digits")
     manifest, _ = build_dataset(EmbeddedStore(home0), name, features, labels, num_shards=8)
+    return manifest
+
+
+def run_p2ptrain(args: argparse.Namespace, workdir: Path) -> tuple[str, dict[str, dict]]:
+    """p2ptrain's runs (sync 1%, sync dense, local-SGD) one after the other on the same node
+    processes in the namespaces; the dataset's manifest."""
+    manifest = dataset_only(workdir / "node0")
     with emulated_wan(args.peers, args.rate) as wan:
         launched = time.time()
         with wan_node_processes(wan, workdir, extra_args=NODE_ARGS, ready_timeout=NODE_READY_TIMEOUT_S) as procs:
@@ -228,6 +238,86 @@ def run_p2ptrain(args: argparse.Namespace, workdir: Path) -> tuple[str, dict[str
                     if log.exists():
                         shutil.copyfile(log, args.logs / f"node{i}.log")
     return manifest, runs
+
+
+# ---- p2ptrain.Optimizer in a user's loop, one member per namespace ------------------------------------
+
+
+def run_user_loop(args: argparse.Namespace, task_file: Path, store_home: Path, workdir: Path) -> dict:
+    """The members of bench/wan_user_worker.py (a user's script around ``p2ptrain.Optimizer``), one
+    per namespace, top-k 1% as the node-run sync run; the target is seen as for a node-run task (a
+    confirmed record at it in member 0's ``task status``), then the members are stopped.
+
+    Clocks: from launch (the processes started) and from member 0's first ``opt.step()``."""
+    from p2ptrain.identity import load_or_create_identity, peer_id_of
+
+    worker = Path(__file__).resolve().parent / "wan_user_worker.py"
+    homes = [workdir / f"user{i}" for i in range(args.peers)]
+    ids = []
+    for home in homes:
+        home.mkdir(parents=True, mode=0o700)
+        ids.append(peer_id_of(load_or_create_identity(home)).to_base58())
+    with emulated_wan(args.peers, args.rate) as wan:
+        addrs = [f"/ip4/{wan[i].ip}/tcp/{USER_PORT}" for i in range(args.peers)]
+        logs = [open(home / "script.log", "w") for home in homes]  # noqa: SIM115 (the members hold them)
+        launched = time.time()
+        procs = [wan[i].popen([sys.executable, str(worker), "--home", str(homes[i]), "--listen", addrs[i],
+                               "--bootstrap", *[f"{addrs[j]}/p2p/{ids[j]}" for j in range(args.peers) if j != i],
+                               "--member", str(i), "--members", str(args.peers), "--task", str(task_file),
+                               "--store", str(store_home), "--density", "0.01", "--checkpoint", str(args.checkpoint)],
+                              stdout=subprocess.PIPE, stderr=logs[i], text=True)
+                 for i in range(args.peers)]
+        try:
+            line = procs[0].stdout.readline()
+            if not line.startswith('{"started"'):
+                raise SystemExit(f"user loop: member 0 did not take part: {(homes[0] / 'script.log').read_text()[-3000:]}")
+            run_cid = json.loads(line)["run_cid"]
+            client = ControlClient(homes[0], timeout=120.0)
+            hit, status = None, {}
+            while hit is None and time.time() - launched < RUN_TIMEOUT_S:
+                if any(p.poll() is not None for p in procs):
+                    if all(p.poll() == 0 for p in procs):
+                        break  # the run reached its last step (RunFinished) short of the target
+                    raise SystemExit(f"user loop: a member failed: {(homes[0] / 'script.log').read_text()[-3000:]}")
+                try:
+                    status = client.call("task.status", task_cid=run_cid)
+                except UserError:  # member 0 is leaving: the run is over
+                    continue
+                for record in status.get("chain", []):
+                    if record["metrics"].get("accuracy", 0) >= TARGET_ACCURACY:
+                        hit = (time.time(), record["step"], record["metrics"]["accuracy"])
+                        break
+                if hit is None:
+                    time.sleep(POLL_S)
+            statuses = [_status_or_empty(h, run_cid) for h in homes]
+        finally:
+            for proc in procs:
+                proc.kill()
+                proc.wait()
+            for log in logs:
+                log.close()
+    first_step = json.loads((homes[0] / "first_step.json").read_text())["wall"]
+    members = [s for s in statuses if s.get("rounds_done")]
+    rounds = sum(s["rounds_done"] for s in members) or 1
+    best = max((r["metrics"].get("accuracy", 0) for r in status.get("chain", [])), default=None)
+    return {
+        "from_launch_s": hit and round(hit[0] - launched, 2),
+        "from_first_step_s": hit and round(hit[0] - first_step, 2),
+        "time_to_target_s": hit and round(hit[0] - first_step, 2),
+        "steps": hit[1] if hit else None,
+        "final_accuracy": hit[2] if hit else best,
+        "start_s": {"first_step": round(first_step - launched, 2)},
+        "compute_ms_per_round": round(1000 * sum(s["compute_s"] + s["apply_s"] for s in members) / rounds, 1),
+        "sync_ms_per_round": round(1000 * sum(s["sync_s"] for s in members) / rounds, 1),
+        "bytes_per_peer_per_step": round(sum(s["bytes_sent"] for s in members) / rounds),
+    }
+
+
+def _status_or_empty(home: Path, task_cid: str) -> dict[str, Any]:
+    try:
+        return ControlClient(home, timeout=120.0).call("task.status", task_cid=task_cid)
+    except UserError:  # that member's run is over and its node gone
+        return {}
 
 
 # ---- torch DDP over gloo, one rank per namespace ------------------------------------------------------
@@ -368,6 +458,14 @@ def run_hivemind(args: argparse.Namespace, data: Path, workdir: Path) -> dict:
     return result
 
 
+def task_file_1pct(manifest: str, args: argparse.Namespace, workdir: Path) -> Path:
+    """The sync 1% task's file (its model, data, batch, optimizer and schedule are what the user's
+    script reads; its checkpoints and density it passes to p2ptrain.Optimizer)."""
+    path = workdir / "task-1pct.toml"
+    path.write_text(train_bench.task_text(manifest, 0.01, task_args(args), "wan-user-loop"))
+    return path
+
+
 def train_race(args: argparse.Namespace) -> dict:
     """Every run, one after another; ``time_to_target_s`` per system (each on its own clock, as
     since the bench was written: p2ptrain from the task's publication, DDP from its first step,
@@ -376,11 +474,22 @@ def train_race(args: argparse.Namespace) -> dict:
     workdir = Path(tempfile.mkdtemp(prefix="p2ptrain-wan-train-"))
     load = {"before": round(os.getloadavg()[0], 2)}
     try:
-        manifest, runs = run_p2ptrain(args, workdir)
+        if args.skip_node_run:
+            manifest, runs = dataset_only(workdir / "node0"), {}
+        else:
+            manifest, runs = run_p2ptrain(args, workdir)
         load["after_p2ptrain"] = round(os.getloadavg()[0], 2)
         home0 = workdir / "node0"
         task_file = workdir / "task.toml"
         task_file.write_text(train_bench.task_text(manifest, 1.0, task_args(args), "bench-ddp"))
+        if not args.skip_user_loop:
+            try:
+                runs["p2ptrain_optimizer"] = run_user_loop(args, task_file_1pct(manifest, args, workdir), home0, workdir)
+            except SystemExit as exc:  # the other systems' runs still count
+                runs["p2ptrain_optimizer"] = {"error": str(exc)[-2000:], "from_launch_s": None, "from_first_step_s": None,
+                                              "time_to_target_s": None}
+            progress("p2ptrain.Optimizer", runs["p2ptrain_optimizer"])
+            load["after_user_loop"] = round(os.getloadavg()[0], 2)
         if not args.skip_ddp:
             runs["ddp"] = run_ddp(args, task_file, home0)
             progress("ddp", runs["ddp"])
