@@ -8,7 +8,7 @@ member, top-k density, checkpoint interval and number of members, on loopback:
 - **node-run**: N ``p2ptrain node start`` processes (:class:`p2ptrain.cli.demo.Cluster`); the first
   publishes the task and all join; each node computes its gradients itself;
 - **user loop**: N processes of this script (``--worker``, started with
-  :mod:`p2ptrain.testing.scripts`), each an ordinary PyTorch loop over ``DataLoader(IPFSDataset(...))``
+  ``p2ptrain.testing.script_members``), each an ordinary PyTorch loop over ``DataLoader(IPFSDataset(...))``
   with ``p2ptrain.Optimizer`` wrapping ``torch.optim.Adam(fused=True)`` (the kernel the node-run
   task's optimizer uses; ``--unfused``: torch's default); each runs its own in-process node.
 
@@ -41,14 +41,14 @@ from pathlib import Path
 from typing import Any
 
 from p2ptrain.cli.demo import Cluster
-from p2ptrain.data.build import build_dataset
-from p2ptrain.data.builtin import load_source
-from p2ptrain.errors import UserError
-from p2ptrain.ipfs.embedded import EmbeddedStore
-from p2ptrain.local_nodes import NODE_ARGS
-from p2ptrain.net import control_ops
-from p2ptrain.net.control import ControlClient
-from p2ptrain.testing.scripts import last_json, script_members, start_script
+from p2ptrain.data import build_dataset
+from p2ptrain.data import load_source
+from p2ptrain.base import UserError
+from p2ptrain.ipfs import EmbeddedStore
+from p2ptrain.node import NODE_ARGS
+from p2ptrain.control import ops as control_ops
+from p2ptrain.control import ControlClient
+from p2ptrain.testing import last_json, script_members, start_script
 
 THREADS = int(NODE_ARGS[NODE_ARGS.index("--threads") + 1])  # the user's processes get what the nodes get
 LR = 0.003
@@ -212,7 +212,7 @@ def worker(args: argparse.Namespace) -> None:
     from torch import nn
 
     import p2ptrain
-    from p2ptrain.training.models import build_model
+    from p2ptrain.models import build_model
 
     torch.set_num_threads(THREADS)
     store = EmbeddedStore(Path(args.data_home))
@@ -267,7 +267,7 @@ def main() -> None:
                         help="the user's Adam with torch's default (single-tensor) kernel; the node-run task's is fused")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--keep", action="store_true", help="keep homes and logs (the path is printed)")
-    # A worker (one user-loop member), as p2ptrain.testing.scripts starts it.
+    # A worker (one user-loop member), as p2ptrain.testing.start_script starts it.
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     for flag in ("--home", "--listen", "--manifest", "--data-home", "--run"):
         parser.add_argument(flag, help=argparse.SUPPRESS)

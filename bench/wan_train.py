@@ -249,7 +249,7 @@ def run_user_loop(args: argparse.Namespace, task_file: Path, store_home: Path, w
     confirmed record at it in member 0's ``task status``), then the members are stopped.
 
     Clocks: from launch (the processes started) and from member 0's first ``opt.step()``."""
-    from p2ptrain.identity import load_or_create_identity, peer_id_of
+    from p2ptrain.base import load_or_create_identity, peer_id_of
 
     worker = Path(__file__).resolve().parent / "wan_user_worker.py"
     homes = [workdir / f"user{i}" for i in range(args.peers)]

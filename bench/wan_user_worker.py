@@ -26,11 +26,11 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 import p2ptrain  # noqa: E402
-from p2ptrain.ipfs.embedded import EmbeddedStore  # noqa: E402
-from p2ptrain.training.batches import batched, evaluate_batches  # noqa: E402
-from p2ptrain.training.models import build_model  # noqa: E402
-from p2ptrain.training.optimizers import lr_at  # noqa: E402
-from p2ptrain.training.task import load_task  # noqa: E402
+from p2ptrain.ipfs import EmbeddedStore  # noqa: E402
+from p2ptrain.training import batched, evaluate_batches  # noqa: E402
+from p2ptrain.models import build_model  # noqa: E402
+from p2ptrain.training import lr_at  # noqa: E402
+from p2ptrain.task import load_task  # noqa: E402
 
 
 def main() -> None:

@@ -95,11 +95,12 @@ EXPORTS: dict[str, list[str]] = {
     ],
     "p2ptrain.testing": [
         "CLI_TIMEOUT_S", "CONNECT_TIMEOUT_S", "Changes", "DIGITS_TASK", "EmulatedNat", "EmulatedWan", "IFACE",
-        "LOOPBACK", "LocalHost", "LocalPeers", "NodeProcess", "PEER_STOP_TIMEOUT_S", "WAIT_FALLBACK_S", "WanError",
-        "WanPeer", "attestations_for", "cleanup_stale", "connect", "connected_hosts", "emulated_nat", "emulated_wan",
-        "free_port", "local_mesh", "local_peers", "nat_unavailable", "new_host", "node_processes", "parse_rate",
-        "proven_chain", "proven_record", "publish_digits_task", "rules_task", "run_cli", "run_node_processes",
-        "task_status_of", "votes_for", "wait_for", "wait_until", "wan_node_processes", "wan_unavailable",
+        "LOOPBACK", "LocalHost", "LocalPeers", "NodeProcess", "PEER_STOP_TIMEOUT_S", "ScriptMember", "WAIT_FALLBACK_S",
+        "WanError", "WanPeer", "attestations_for", "cleanup_stale", "connect", "connected_hosts", "emulated_nat",
+        "emulated_wan", "free_port", "last_json", "local_mesh", "local_peers", "nat_unavailable", "new_host",
+        "node_processes", "parse_rate", "proven_chain", "proven_record", "publish_digits_task", "rules_task",
+        "run_cli", "run_node_processes", "run_script", "script_members", "start_script", "task_status_of",
+        "votes_for", "wait_for", "wait_until", "wan_node_processes", "wan_unavailable",
     ],
     "p2ptrain.training": [
         "Average", "GradientBridge", "LocalSGDTrainer", "PlanAverager", "PositionedBatches", "RoundTimings",

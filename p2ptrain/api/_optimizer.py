@@ -123,6 +123,12 @@ class Optimizer:
             raise ValueError('inner_steps goes with mode="local_sgd" (and it needs one)')
         self.optimizer = optimizer
         self.model = model
+        if density < 1.0 and isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)) \
+                and not optimizer.defaults.get("fused"):
+            # A sparse average leaves most of Adam's second moment at 0, where torch's default kernel
+            # is slow: 1.6-2x the time per step at 4.3M parameters (docs/benchmarks.md, issue 29).
+            log.warning("run %r: %s without fused=True takes up to 2x longer per step on sparse averages; "
+                        "pass fused=True", run, type(optimizer).__name__)
         self.run = run
         self.mode = mode
         self.inner_steps = inner_steps

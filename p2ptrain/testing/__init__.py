@@ -84,6 +84,13 @@ from p2ptrain.testing._chains import (
     rules_task as rules_task,
     votes_for as votes_for,
 )
+from p2ptrain.testing._scripts import (  # a user's script as N members, one process each
+    ScriptMember as ScriptMember,
+    last_json as last_json,
+    run_script as run_script,
+    script_members as script_members,
+    start_script as start_script,
+)
 from p2ptrain.testing._peers import (
     DIGITS_TASK as DIGITS_TASK,
     PEER_STOP_TIMEOUT_S as PEER_STOP_TIMEOUT_S,
@@ -114,6 +121,7 @@ else:
         "LocalPeers",
         "NodeProcess",
         "PEER_STOP_TIMEOUT_S",
+        "ScriptMember",
         "WAIT_FALLBACK_S",
         "WanError",
         "WanPeer",
@@ -123,6 +131,10 @@ else:
         "connected_hosts",
         "emulated_nat",
         "emulated_wan",
+        "last_json",
+        "run_script",
+        "script_members",
+        "start_script",
         "free_port",
         "local_mesh",
         "local_peers",

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from p2ptrain.testing._scripts import run_script, script_members
+from p2ptrain.testing import run_script, script_members
 
 EXAMPLES = Path(__file__).parents[2] / "examples"
 RUN_S = 420.0  # processes import torch and libp2p, meet and train: a minute alone, more when loaded

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from p2ptrain.testing import task_status_of
-from p2ptrain.testing._scripts import ScriptMember, last_json, script_members, start_script
+from p2ptrain.testing import ScriptMember, last_json, script_members, start_script
 
 SCRIPT = Path(__file__).with_name("member_script.py")
 # Three or four processes import torch and libp2p, meet, train 160 steps: about a minute alone,
