@@ -36,7 +36,7 @@ def main() -> None:
     torch.manual_seed(args.member)
     model = SmallCNN()
     loader = torch.utils.data.DataLoader(train_data, batch_size=32, shuffle=True, drop_last=True)
-    opt = p2ptrain.Optimizer(torch.optim.Adam(model.parameters(), lr=3e-3), model=model,
+    opt = p2ptrain.Optimizer(torch.optim.Adam(model.parameters(), lr=3e-3, fused=True), model=model,
                              run=args.run or "digits-cnn", home=args.home, listen=[args.listen],
                              bootstrap=args.bootstrap, density=0.1, checkpoint_every=25,
                              min_peers=min(2, args.members), total_steps=args.steps,

@@ -42,7 +42,7 @@ def main() -> None:
     mode = ({"mode": "local_sgd", "inner_steps": 4, "outer_optimizer": "average", "density": 1.0}
             if local_sgd else {"density": 0.1})
     result = p2ptrain.train(model, train_data, test_data=test_data, steps=args.steps, batch_size=32,
-                            optimizer=lambda params: torch.optim.Adam(params, lr=1e-2),
+                            optimizer=lambda params: torch.optim.Adam(params, lr=1e-2, fused=True),
                             run=args.run or "digits-federated", home=args.home, listen=[args.listen],
                             bootstrap=args.bootstrap, min_peers=min(2, args.members),
                             checkpoint_every=10 if local_sgd else 40, seed=args.member, **mode)

@@ -79,7 +79,7 @@ def main() -> None:
     mine = slice(args.member, None, args.members)
     data = torch.utils.data.TensorDataset(train_x[mine], train_y[mine])
     loader = torch.utils.data.DataLoader(data, batch_size=32, shuffle=True, drop_last=True)
-    opt = p2ptrain.Optimizer(torch.optim.Adam(model.parameters(), lr=3e-3), model=model, run="test-digits",
+    opt = p2ptrain.Optimizer(torch.optim.Adam(model.parameters(), lr=3e-3, fused=True), model=model, run="test-digits",
                              home=args.home, listen=[args.listen], bootstrap=args.bootstrap, density=0.1,
                              robust=args.robust, checkpoint_every=args.checkpoint_every, min_peers=2,
                              total_steps=args.steps)
