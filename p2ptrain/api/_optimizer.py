@@ -39,7 +39,15 @@ from torch import nn
 
 from p2ptrain.api._background import BackgroundPeer
 from p2ptrain.api._rendezvous import JOIN_WINDOW_S, choose_run, keep_announcing, load_initial, store_own
-from p2ptrain.base import UserError, all_finite, default_home, load_or_create_identity, peer_id_of
+from p2ptrain.base import (
+    UserError,
+    all_finite,
+    default_home,
+    flat_params,
+    load_flat_params,
+    load_or_create_identity,
+    peer_id_of,
+)
 from p2ptrain.ipfs import open_store
 from p2ptrain.services import parse_address
 from p2ptrain.control import FINISHED, TaskStatus, socket_path
@@ -307,15 +315,10 @@ class Optimizer:
         load_model_bytes(self.model, store.cat(status.latest_model_cid))
 
     def _weights(self) -> torch.Tensor:
-        return torch.cat([p.detach().reshape(-1).float().cpu() for p in self._params])
+        return flat_params(self._params)
 
     def _set_weights(self, flat: torch.Tensor) -> None:
-        offset = 0
-        with torch.no_grad():
-            for p in self._params:
-                n = p.numel()
-                p.copy_(flat[offset : offset + n].view_as(p))
-                offset += n
+        load_flat_params(self._params, flat)
 
     # -- what the run is doing --------------------------------------------------------------------
 

@@ -30,7 +30,13 @@ if TYPE_CHECKING:
     )
     from p2ptrain.base._malloc import use_one_arena as use_one_arena
     from p2ptrain.base._metrics_hist import HistogramSnapshot as HistogramSnapshot, RoundHistograms as RoundHistograms
-    from p2ptrain.base._tensors import all_finite as all_finite, large_empty as large_empty, zero_fill as zero_fill
+    from p2ptrain.base._tensors import (
+        all_finite as all_finite,
+        flat_params as flat_params,
+        large_empty as large_empty,
+        load_flat_params as load_flat_params,
+        zero_fill as zero_fill,
+    )
 else:
     from p2ptrain._exports import lazy_exports
 

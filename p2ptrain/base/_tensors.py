@@ -6,6 +6,7 @@ A leaf module (it imports nothing of ours), so the collective and the trainer ca
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -23,6 +24,21 @@ def all_finite(tensor: torch.Tensor) -> bool:
         return True
     low, high = torch.aminmax(tensor.detach())
     return bool(torch.isfinite(low)) and bool(torch.isfinite(high))
+
+
+def flat_params(params: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``params`` as one flat float32 CPU vector, in their order (a local-SGD member's weights)."""
+    return torch.cat([p.detach().reshape(-1).float().cpu() for p in params])
+
+
+def load_flat_params(params: Sequence[torch.Tensor], flat: torch.Tensor) -> None:
+    """Copy :func:`flat_params`' layout back into ``params``, in place."""
+    offset = 0
+    with torch.no_grad():
+        for p in params:
+            n = p.numel()
+            p.copy_(flat[offset : offset + n].view_as(p))
+            offset += n
 
 
 _NUMPY_OF = {torch.float32: np.float32, torch.float16: np.float16, torch.bfloat16: np.uint16, torch.uint8: np.uint8}

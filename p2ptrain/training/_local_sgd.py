@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from p2ptrain.base import all_finite
+from p2ptrain.base import all_finite, flat_params, load_flat_params
 from p2ptrain.training._batches import Batch
 from p2ptrain.training._optimizers import lr_at
 from p2ptrain.training._outer import OuterError, OuterOptimizer
@@ -68,16 +68,11 @@ class LocalSGDTrainer(Trainer):
 
     def flat_weights(self, out: torch.Tensor | None = None) -> torch.Tensor:
         """The model's parameters as one flat float32 CPU vector (in ``out`` when given)."""
-        flat = torch.cat([p.detach().reshape(-1).float().cpu() for p in self.params])
+        flat = flat_params(self.params)
         return flat if out is None else out.copy_(flat)
 
     def _set_weights(self, flat: torch.Tensor) -> None:
-        offset = 0
-        with torch.no_grad():
-            for p in self.params:
-                n = p.numel()
-                p.copy_(flat[offset : offset + n].view_as(p))
-                offset += n
+        load_flat_params(self.params, flat)
 
     def compute_gradient(self, batches: Iterator[Batch]) -> torch.Tensor:
         """H inner steps from the shared weights; the pseudo-gradient ``theta - theta_after`` (kept
