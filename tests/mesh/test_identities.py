@@ -65,7 +65,9 @@ async def test_the_view_is_capped_gone_peers_expire_and_status_stays_bounded(tmp
         assert {r.peer_id for r in victim.membership.alive()} >= {honest.peer_id, attacker.peer_id}
         status = victim.status()
         assert len(status.peers) == STATUS_MAX_PEERS and status.peers_total <= 100
-        assert status.membership["evicted"] >= 50
+        # At least 50 of the 150 left the view: pushed out by newcomers, or, where sending them took
+        # longer than silence + gone_ttl (a loaded machine), already forgotten as silent.
+        assert status.membership["evicted"] + victim.membership.expired >= 50
         assert len(json.dumps(status.to_json())) < 150_000
         # The fresh identities fall silent: marked gone, then forgotten after gone_ttl.
         with trio.fail_after(30):
