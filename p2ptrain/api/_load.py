@@ -15,12 +15,10 @@ from torch import nn
 
 from p2ptrain.base import UserError, default_home
 from p2ptrain.ipfs import FileTooLarge, open_store, parse_cid
-from p2ptrain.protocol import RecordError, load_model_bytes, model_bytes
+from p2ptrain.models import file_bytes_bound
+from p2ptrain.protocol import RecordError, load_model_bytes
 
 __all__ = ["load_state"]
-
-# A model file of the user's module is its instance's own file, give or take its card's few bytes.
-USER_CARD_SLACK = 64 * 1024
 
 
 def load_state(model: nn.Module, cid_or_path: str | Path, *, home: str | Path | None = None,
@@ -51,7 +49,7 @@ def load_state(model: nn.Module, cid_or_path: str | Path, *, home: str | Path | 
             ensure_local(where, [cid], list(bootstrap))
         # Verified against the CID block by block, and no larger than a file of the instance's tensors.
         try:
-            data = store.cat(cid, max_bytes=len(model_bytes(model)) + USER_CARD_SLACK)
+            data = store.cat(cid, max_bytes=file_bytes_bound(model.state_dict().values()))
         except FileTooLarge:
             raise UserError(f"{cid} is larger than a model file of this model: it does not fit it") from None
     state = {k: v.clone() for k, v in model.state_dict().items()}

@@ -37,7 +37,6 @@ from p2ptrain.protocol import (
     chain_lines,
     entry_from_bytes,
     load_model_bytes,
-    model_bytes,
     read_model_card,
 )
 from p2ptrain.training import TrainerError, resolve_device as training_device
@@ -65,9 +64,6 @@ READ_TIMEOUT_S = 30
 BACKLOG = 1024
 # Task directories scanned for the record of a served model (``GET /model``'s task, step, metrics).
 MAX_CHAINS_SCANNED = 256
-# A model of the user's own module is the size of the file of the user's instance, give or take its
-# card (the architecture CID in its header).
-USER_CARD_SLACK = 64 * 1024
 
 
 def resolve_device(device: str) -> torch.device:
@@ -83,10 +79,10 @@ def load_served(store: ContentStore, cid: str, device: torch.device, home: Path 
     """The model ``cid`` from ``store`` (every byte verified), built from the registry (or loaded
     into a copy of the user's own instance), on ``device``."""
     from p2ptrain.training import model_from_bytes
-    from p2ptrain.models import MAX_MODEL_FILE_BYTES
+    from p2ptrain.models import MAX_MODEL_FILE_BYTES, file_bytes_bound
 
     # No model the registry builds is larger; a user's is the size of its instance's own file.
-    bound = MAX_MODEL_FILE_BYTES if user_model is None else len(model_bytes(user_model.module)) + USER_CARD_SLACK
+    bound = MAX_MODEL_FILE_BYTES if user_model is None else file_bytes_bound(user_model.module.state_dict().values())
     data = store.cat(cid, max_bytes=bound)
     card = read_model_card(data) or {}
     if user_model is not None:
