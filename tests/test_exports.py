@@ -86,7 +86,8 @@ EXPORTS: dict[str, list[str]] = {
         "MAX_CONNECTIONS", "ServeError", "Server", "TemporaryFollower", "open_model", "predict", "serve",
     ],
     "p2ptrain.services": [
-        "LatestFinder", "MAX_SEEN_HEADS", "MetricsServer", "Peer", "SERVED_EVERY_S", "TaskOptions", "check_url",
+        "KnownTask", "LatestFinder", "MAX_SEEN_HEADS", "MetricsServer", "Peer", "SERVED_EVERY_S", "TaskOptions",
+        "check_url",
         "make_peer", "parse_address", "run_state_roots",
     ],
     "p2ptrain.task": [

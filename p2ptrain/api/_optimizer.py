@@ -131,6 +131,7 @@ class Optimizer:
             raise ValueError('inner_steps goes with mode="local_sgd" (and it needs one)')
         self.optimizer = optimizer
         self.model = model
+        self._allow = frozenset(allow) if allow is not None else None
         if density < 1.0 and isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)) \
                 and not optimizer.defaults.get("fused"):
             # A sparse average leaves most of Adam's second moment at 0, where torch's default kernel
@@ -144,6 +145,7 @@ class Optimizer:
         options = {"mode": mode, "inner_steps": inner_steps, "density": density, "quantize": quantize,
                    "robust": robust, "checkpoint_every": checkpoint_every, "min_peers": min_peers,
                    "max_peers": max_peers, "total_steps": total_steps or UNBOUNDED_STEPS,
+                   "allow": sorted(allow) if allow is not None else None,
                    "buffers": "averaged at each checkpoint"}
         if mode == "local_sgd":
             options.update(outer_optimizer=outer_optimizer)
@@ -186,7 +188,8 @@ class Optimizer:
         peer = self._peer.peer
         assert peer is not None
         own = await store_own(peer, task, card, self.model, self._user_card)
-        chosen = await choose_run(peer, self.run, own, self._card, window, expect_peers=bool(self._bootstrap))
+        chosen = await choose_run(peer, self.run, own, self._card, window, expect_peers=bool(self._bootstrap),
+                                  allow=self._allow)
         if not chosen.own:
             await load_initial(peer, chosen.task, self.model)  # every member starts from the same bits
         task = chosen.task

@@ -23,7 +23,7 @@ from torch import nn
 
 from p2ptrain.base import UserError
 from p2ptrain.ipfs import ContentUnavailable
-from p2ptrain.services import Peer
+from p2ptrain.services import KnownTask, Peer
 from p2ptrain.models import CardError, MAX_CARD_BYTES, card_from_bytes, file_bytes_bound, first_difference
 from p2ptrain.protocol import load_model_bytes, model_bytes
 from p2ptrain.task import MAX_TASK_BYTES, Task, TaskError, task_bytes, task_from_bytes
@@ -69,11 +69,13 @@ async def store_own(peer: Peer, task: Task, card: bytes, module: nn.Module, user
 
 
 async def choose_run(peer: Peer, name: str, own_cid: str, card: dict[str, object], window: float = JOIN_WINDOW_S,
-                     *, expect_peers: bool = False) -> Chosen:
+                     *, expect_peers: bool = False, allow: frozenset[str] | None = None) -> Chosen:
     """Announce ``own_cid`` as a run named ``name`` for ``window`` seconds, then take the run of that
     name (see the module); :class:`UserError` naming the difference when it is not this model's.
     ``expect_peers`` (bootstrap addresses were given): the window starts once a peer is connected,
-    within :data:`CONNECT_TIMEOUT_S`, so a slow dial does not make a run of one."""
+    within :data:`CONNECT_TIMEOUT_S`, so a slow dial does not make a run of one. ``allow`` (an
+    allowlisted run): only tasks announced by those peers are candidates, so a stranger's task of the
+    same name is never taken (its initial weights never loaded)."""
     tasks = peer.tasks
     if expect_peers:
         with trio.move_on_after(CONNECT_TIMEOUT_S):
@@ -85,11 +87,11 @@ async def choose_run(peer: Peer, name: str, own_cid: str, card: dict[str, object
     deadline = trio.current_time() + window
     while True:
         await peer.node.publish(TASKS_TOPIC, TaskAnnounce(task_cid=own_cid, name=name))
-        under_way = _under_way(peer, name)
+        under_way = _under_way(peer, name, allow)
         if under_way or trio.current_time() >= deadline:
             break
         await trio.sleep(min(ANNOUNCE_EVERY_S, max(0.0, deadline - trio.current_time())))
-    heard = sorted(cid for cid, known in tasks.known.items() if known.name == name and cid != own_cid)
+    heard = sorted(cid for cid, known in tasks.known.items() if _candidate(known, name, allow) and cid != own_cid)
     order = sorted(under_way) or sorted([own_cid, *heard])
     for cid in order:
         if cid == own_cid:
@@ -116,10 +118,16 @@ async def keep_announcing(peer: Peer, name: str, task_cid: str) -> None:
         await trio.sleep(KEEP_ANNOUNCING_S)
 
 
-def _under_way(peer: Peer, name: str) -> list[str]:
-    """Tasks of ``name`` whose run has started: a head heard that names members."""
+def _candidate(known: KnownTask, name: str, allow: frozenset[str] | None) -> bool:
+    """A task heard of that may be this run: its name, and, in an allowlisted run, announced by a
+    member the list names."""
+    return known.name == name and (allow is None or known.announced_by in allow)
+
+
+def _under_way(peer: Peer, name: str, allow: frozenset[str] | None) -> list[str]:
+    """Candidate tasks whose run has started: a head heard that names members."""
     return [cid for cid, known in peer.tasks.known.items()
-            if known.name == name and known.head is not None and known.head.members]
+            if _candidate(known, name, allow) and known.head is not None and known.head.members]
 
 
 async def _task(peer: Peer, cid: str) -> Task:

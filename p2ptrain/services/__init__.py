@@ -12,7 +12,7 @@ if TYPE_CHECKING:
     from p2ptrain.services._peer import make_peer as make_peer, Peer as Peer
     from p2ptrain.services._run_roots import run_state_roots as run_state_roots
     from p2ptrain.services._served import check_url as check_url, SERVED_EVERY_S as SERVED_EVERY_S
-    from p2ptrain.services._tasks import TaskOptions as TaskOptions
+    from p2ptrain.services._tasks import KnownTask as KnownTask, TaskOptions as TaskOptions
 else:
     from p2ptrain._exports import lazy_exports
 

@@ -127,3 +127,20 @@ def test_a_run_of_a_users_module_is_loaded_and_served_into_the_users_instance_no
         answer = trio.run(ask)
         assert answer["model_cid"] == cid
         assert torch.allclose(torch.tensor(answer["outputs"]), expected, atol=1e-6)
+
+
+def test_an_allowlisted_member_never_takes_a_strangers_task_of_the_same_name(tmp_path: Path) -> None:
+    """A stranger's run of the same name is under way; a member whose run is allowlisted does not
+    take it (nor load its weights) and starts the run of its own list."""
+    from p2ptrain.base import load_or_create_identity, peer_id_of
+
+    with _first_member(tmp_path) as (stranger, _):
+        home = tmp_path / "listed"
+        home.mkdir(mode=0o700)
+        me = peer_id_of(load_or_create_identity(home)).to_base58()
+        model = _net()
+        with p2ptrain.Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model,
+                                **_options(home, bootstrap=stranger.addresses, allow=[me])) as listed:
+            assert listed.run_cid != stranger.run_cid
+            _step(listed, model)
+            assert listed.step_count == 1
