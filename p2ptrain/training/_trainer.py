@@ -236,11 +236,9 @@ class Trainer:
         if averaged.shape != (self.num_parameters,):
             raise TrainerError(f"averaged gradient has shape {tuple(averaged.shape)}, expected ({self.num_parameters},)")
         self._take_snapshot()
-        lr = lr_at(self.task, self.step, self.total_steps)
         applied = all_finite(averaged)
+        lr = self._schedule_lr(applied)
         if applied:
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
             offset = 0
             for p in self.params:
                 n = p.numel()
@@ -256,6 +254,15 @@ class Trainer:
         self.step += 1
         self.pending = None
         return result
+
+    def _schedule_lr(self, applied: bool) -> float:
+        """The learning rate of this step, from the task's schedule, set on the optimizer when the step
+        is ``applied`` (a run of the user's own optimizer keeps the user's rates)."""
+        lr = lr_at(self.task, self.step, self.total_steps)
+        if applied:
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+        return lr
 
     def _take_snapshot(self) -> None:
         """Keep the state before a step, for :meth:`rollback`, in the previous snapshot's tensors:

@@ -38,7 +38,6 @@ import torch
 import trio
 from torch import nn
 
-from p2ptrain.base import all_finite
 from p2ptrain.training._batches import Batch
 from p2ptrain.training._trainer_error import TrainerError
 from p2ptrain.training._local_sgd import LocalSGDTrainer
@@ -149,14 +148,20 @@ def _cancelled() -> None:
     trio.from_thread.check_cancelled()
 
 
-class UserTrainer(Trainer):
-    """:class:`Trainer` over the user's module and optimizer, its gradients from the user's loop."""
+class _UserLoop(Trainer):
+    """What both trainers of a user's loop share: the bridge to the user's thread, the module
+    changed only under its lock, the user's last step of a span held until its checkpoint, and the
+    user's own evaluation. Placed before the numerics class in the bases (:class:`UserTrainer`,
+    :class:`UserLocalSGDTrainer`), whose ``apply`` and ``load_state`` it wraps."""
 
-    def __init__(self, task: Task, model: nn.Module, optimizer: torch.optim.Optimizer, bridge: GradientBridge,
-                 *, total_steps: int, evaluate: Callable[[nn.Module], dict[str, float]] | None = None) -> None:
-        if task.optimizer is not None or not task.model.user:
-            raise TrainerError("a UserTrainer runs a task of the members' own model ([model] name = \"user\")")
-        super().__init__(task, total_steps=total_steps, device="cpu", model=model, optimizer=optimizer)
+    bridge: GradientBridge
+    _evaluate_own: Callable[[nn.Module], dict[str, float]] | None
+    _held: bool
+    # What the user's waiting step is told when the run's state is loaded under it.
+    _dropped = "the step was dropped"
+
+    def _bind_user(self, model: nn.Module, bridge: GradientBridge,
+                   evaluate: Callable[[nn.Module], dict[str, float]] | None) -> None:
         self.device = next(model.parameters()).device
         self.bridge = bridge
         self._evaluate_own = evaluate
@@ -173,40 +178,17 @@ class UserTrainer(Trainer):
         return flat
 
     def apply(self, averaged: torch.Tensor) -> StepResult:
-        """The user's optimizer step on the members' mean gradient; then the user's step returns."""
-        if averaged.shape != (self.num_parameters,):
-            raise TrainerError(f"averaged gradient has shape {tuple(averaged.shape)}, expected ({self.num_parameters},)")
+        """The step on the members' mean, while the user waits; then the user's step returns, unless
+        it ended a span: then the user waits until the checkpoint's state is taken
+        (:meth:`release_span`), since its next forward pass would change the buffers (BatchNorm's
+        running statistics) being averaged and hashed."""
         with self.bridge.model_lock:
-            return self._apply(averaged)
-
-    def _apply(self, averaged: torch.Tensor) -> StepResult:
-        self._take_snapshot()
-        applied = all_finite(averaged)
-        if applied:
-            offset = 0
-            for p in self.params:
-                n = p.numel()
-                p.grad = averaged[offset : offset + n].view_as(p).to(device=p.device, dtype=p.dtype)
-                offset += n
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-        else:
-            log.warning("step %d: averaged gradient is not finite; every member skips this step", self.step)
-        lr = float(self.optimizer.param_groups[0].get("lr", float("nan")))
-        result = StepResult(step=self.step, local_loss=self.pending_loss, lr=lr, applied=applied)
-        self.step += 1
-        self.pending = None
-        self._release_unless_checkpoint()
-        return result
-
-    def _release_unless_checkpoint(self) -> None:
-        """Let the user's step return, unless it ended a span: then the user waits until the
-        checkpoint's state is taken (:meth:`release_span`), since its next forward pass would
-        change the buffers (BatchNorm's running statistics) being averaged and hashed."""
+            result = super().apply(averaged)
         if is_checkpoint(self.task, self.step - 1, self.total_steps):
             self._held = True
         else:
             self.bridge.settle()
+        return result
 
     def release_span(self) -> None:
         if self._held:
@@ -219,7 +201,33 @@ class UserTrainer(Trainer):
         weights). Called from a worker thread."""
         with self.bridge.model_lock:
             super().load_state(model_data, optimizer_data)
-        self.bridge.settle(f"this member loaded the run's state at step {self.step}; the step was dropped")
+        self.bridge.settle(f"this member loaded the run's state at step {self.step}; {self._dropped}")
+
+    def _card(self) -> dict[str, Any]:
+        return {"name": "user", "kwargs": {"architecture": self.task.model.architecture}}
+
+    def snapshot(self) -> StateSnapshot:
+        raise TrainerError("overlapping checkpoints are not available for a run of the user's own model")
+
+    def evaluate_own(self) -> dict[str, float]:
+        """The user's own evaluation of the weights now (``train(test_data=...)``), else nothing."""
+        return _evaluate_user(self.model, self.bridge, self._evaluate_own)
+
+
+class UserTrainer(_UserLoop):
+    """:class:`Trainer` over the user's module and optimizer, its gradients from the user's loop."""
+
+    def __init__(self, task: Task, model: nn.Module, optimizer: torch.optim.Optimizer, bridge: GradientBridge,
+                 *, total_steps: int, evaluate: Callable[[nn.Module], dict[str, float]] | None = None) -> None:
+        if task.optimizer is not None or not task.model.user:
+            raise TrainerError("a UserTrainer runs a task of the members' own model ([model] name = \"user\")")
+        super().__init__(task, total_steps=total_steps, device="cpu", model=model, optimizer=optimizer)
+        self._bind_user(model, bridge, evaluate)
+
+    def _schedule_lr(self, applied: bool) -> float:
+        """The user's own rate (a schedule of theirs must be the same function of the run's step on
+        every member; the module docstring says how)."""
+        return float(self.optimizer.param_groups[0].get("lr", float("nan")))
 
     def optimizer_state_keys(self) -> frozenset[str]:
         """The keys the user's optimizer keeps per parameter, as far as it shows them now (for the
@@ -259,67 +267,18 @@ class UserTrainer(Trainer):
         self.step = step
         self.pending = None
 
-    def _card(self) -> dict[str, Any]:
-        return {"name": "user", "kwargs": {"architecture": self.task.model.architecture}}
 
-    def snapshot(self) -> StateSnapshot:
-        raise TrainerError("overlapping checkpoints are not available for a run of the user's own model")
-
-    def evaluate_own(self) -> dict[str, float]:
-        """The user's own evaluation of the weights now (``train(test_data=...)``), else nothing."""
-        return _evaluate_user(self.model, self.bridge, self._evaluate_own)
-
-
-class UserLocalSGDTrainer(LocalSGDTrainer):
+class UserLocalSGDTrainer(_UserLoop, LocalSGDTrainer):
     """Local-SGD from the user's loop: ``opt.step()`` is an inner step (the user's optimizer, at
     once, in the user's thread); every ``inner_steps``-th one hands the pseudo-gradient over and
     waits for the outer step (the same on every member)."""
 
+    _dropped = "its inner steps were dropped"
+
     def __init__(self, task: Task, model: nn.Module, optimizer: torch.optim.Optimizer, bridge: GradientBridge,
                  *, total_steps: int, evaluate: Callable[[nn.Module], dict[str, float]] | None = None) -> None:
         super().__init__(task, total_steps=total_steps, device="cpu", model=model, optimizer=optimizer)
-        self.device = next(model.parameters()).device
-        self.bridge = bridge
-        self._evaluate_own = evaluate
-        self._held = False
-
-    @property
-    def batches_per_step(self) -> int:
-        return 0
-
-    def compute_gradient(self, batches: Iterator[Batch]) -> torch.Tensor:
-        """The pseudo-gradient of the user's H inner steps (waits for the H-th ``opt.step()``)."""
-        flat, loss = self.bridge.take(_cancelled)
-        self.pending, self.pending_loss = flat, loss
-        return flat
-
-    def apply(self, averaged: torch.Tensor) -> StepResult:
-        with self.bridge.model_lock:
-            result = super().apply(averaged)
-        if is_checkpoint(self.task, self.step - 1, self.total_steps):
-            self._held = True
-        else:
-            self.bridge.settle()
-        return result
-
-    def release_span(self) -> None:
-        if self._held:
-            self._held = False
-            self.bridge.settle()
-
-    def load_state(self, model_data: bytes, optimizer_data: bytes) -> None:
-        with self.bridge.model_lock:
-            super().load_state(model_data, optimizer_data)
-        self.bridge.settle(f"this member loaded the run's state at step {self.step}; its inner steps were dropped")
-
-    def _card(self) -> dict[str, Any]:
-        return {"name": "user", "kwargs": {"architecture": self.task.model.architecture}}
-
-    def snapshot(self) -> StateSnapshot:
-        raise TrainerError("overlapping checkpoints are not available for a run of the user's own model")
-
-    def evaluate_own(self) -> dict[str, float]:
-        return _evaluate_user(self.model, self.bridge, self._evaluate_own)
+        self._bind_user(model, bridge, evaluate)
 
 
 def _evaluate_user(model: nn.Module, bridge: GradientBridge,
