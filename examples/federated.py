@@ -7,6 +7,8 @@ pseudo-gradients) cross the network.
 
     python examples/federated.py --member 0 --members 3 --listen /ip4/127.0.0.1/tcp/4001
     python examples/federated.py --member 1 --members 3 --bootstrap /ip4/127.0.0.1/tcp/4001/p2p/<its id>
+
+(the first says its address, with its peer ID, on stderr).
 """
 
 from __future__ import annotations

@@ -77,7 +77,8 @@ def train(
 
     ``optimizer``: a ``torch.optim.Optimizer`` over ``model``'s parameters or a function of the
     parameters making one (default Adam, lr 1e-3). ``loss(output, target)``: default cross-entropy.
-    ``progress``: a bar on stderr (default: when stderr is a terminal). ``seed``: this member's
+    ``progress``: a bar on stderr (default: when stderr is a terminal); one line on stderr says
+    first where this member listens (what the others pass as ``bootstrap``). ``seed``: this member's
     shuffling. Every other keyword goes to :class:`~p2ptrain.api.Optimizer`
     (``bootstrap``, ``home``, ``mode``, ``inner_steps``, ``density``, ``checkpoint_every``,
     ``min_peers``, ...).
@@ -101,6 +102,10 @@ def train(
     inner_opt = _optimizer(optimizer, model)
     evaluate = _evaluator(test_data, batch_size) if test_data is not None else None
     with Optimizer(inner_opt, model=model, run=run, total_steps=total, evaluate=evaluate, **options) as opt:
+        # What the other members need to join (as `node start` says where it listens): without it a
+        # user starting the first member has no address with a peer ID to pass as bootstrap.
+        print(f"p2ptrain: member of run {run!r} ({opt.run_cid}) at {' '.join(opt.addresses)}", file=sys.stderr,
+              flush=True)
         if shared:
             _shard(train_data, opt)
             loader = _loader(train_data, batch_size, seed)

@@ -23,12 +23,16 @@ def test_custom_loop_cnn_with_batchnorm(tmp_path: Path) -> None:
 @pytest.mark.timeout(RUN_S + 60)
 def test_federated_with_train_in_local_sgd_mode(tmp_path: Path) -> None:
     """``p2ptrain.train`` with ``mode="local_sgd"``, three members, each on its own third of the data."""
-    results = run_script(EXAMPLES / "federated.py", script_members(3, tmp_path), ["--local-sgd", "--steps", "240"],
-                         timeout=RUN_S)
+    members = script_members(3, tmp_path)
+    results = run_script(EXAMPLES / "federated.py", members, ["--local-sgd", "--steps", "240"], timeout=RUN_S)
     assert len({r["model_cid"] for r in results}) == 1 and results[0]["model_cid"]
     assert len({r["weights"] for r in results}) == 1
     assert min(r["accuracy"] for r in results) >= 0.9, results
     assert all(abs(r["metrics"]["accuracy"] - r["accuracy"]) < 1e-6 for r in results)  # TrainResult's metrics
+    # train() says where each member listens: what a user starting the first member passes to the others.
+    for m in members:
+        said = [line for line in (m.home / "script.log").read_text().splitlines() if "p2ptrain: member of run" in line]
+        assert said and f"/p2p/{m.peer_id}" in said[0], said
 
 
 @pytest.mark.timeout(RUN_S + 60)
