@@ -54,6 +54,11 @@ class Arg:
 
 @dataclass(frozen=True)
 class Builder:
+    """A model a task may name: ``fn(**kwargs)`` returns an ``nn.Module`` built from the checked
+    ``args`` (no weights downloaded, nothing fetched). The public contract for a package's builders
+    (:mod:`p2ptrain.models._plugins`): ``Builder("mypkg:tiny", tiny, {"width": Arg(int, 16, 1, 1024)},
+    "what it is")``."""
+
     name: str
     fn: Callable[..., nn.Module]
     args: dict[str, Arg]
@@ -61,6 +66,25 @@ class Builder:
 
 
 REGISTRY: dict[str, Builder] = {}
+"""The built-in builders (this module's, and any p2ptrain module's that calls :func:`register`)."""
+
+
+def lookup(name: str) -> Builder:
+    """The builder a task names: a built-in, else one of an installed package (the one lookup every
+    caller uses). Raises ``MissingBuilder`` (a ModelError) saying why this node has none."""
+    builder = REGISTRY.get(name)
+    if builder is not None:
+        return builder
+    from p2ptrain.models._plugins import PLUGINS  # it imports this module: the registry comes first
+
+    return PLUGINS.get(name)
+
+
+def builders() -> dict[str, Builder]:
+    """Every builder this node has, built-ins first, then those of installed packages."""
+    from p2ptrain.models._plugins import PLUGINS
+
+    return {**REGISTRY, **PLUGINS.available()}
 
 
 def register(name: str, doc: str, **args: Arg) -> Callable[[Callable[..., nn.Module]], Callable[..., nn.Module]]:
@@ -89,9 +113,7 @@ def _check_number(value: Any, kind: type, arg: Arg, where: str) -> Any:
 
 def check_kwargs(name: str, kwargs: dict[str, Any]) -> dict[str, Any]:
     """Validate a builder's kwargs; return them complete with defaults (the builder's real call)."""
-    builder = REGISTRY.get(name)
-    if builder is None:
-        raise ModelError(f"model.name: unknown model {name!r} (known: {', '.join(sorted(REGISTRY))})")
+    builder = lookup(name)
     unknown = sorted(set(kwargs) - set(builder.args))
     if unknown:
         raise ModelError(
@@ -115,7 +137,7 @@ def count_parameters(name: str, kwargs: dict[str, Any]) -> int:
     """Parameters of the model, counted on the meta device (no memory allocated)."""
     full = check_kwargs(name, kwargs)
     with torch.device("meta"):
-        module = REGISTRY[name].fn(**full)
+        module = lookup(name).fn(**full)
     return sum(p.numel() for p in module.parameters())
 
 
@@ -140,7 +162,7 @@ def model_file_limit(name: str, kwargs: dict[str, Any]) -> int:
     byte of it is parsed: a model of 10k parameters is never a 2 GiB download."""
     full = check_kwargs(name, kwargs)
     with torch.device("meta"):
-        module = REGISTRY[name].fn(**full)
+        module = lookup(name).fn(**full)
     return file_bytes_bound(module.state_dict().values())
 
 
@@ -157,7 +179,7 @@ def build_model(name: str, kwargs: dict[str, Any], seed: int) -> nn.Module:
     # threads out; the lock does.
     with _SEEDED_BUILD, torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        module = REGISTRY[name].fn(**full)
+        module = lookup(name).fn(**full)
     return module
 
 
