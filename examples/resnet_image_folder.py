@@ -8,7 +8,8 @@ every member starts from the same weights. Needs torchvision beside a torch it w
 scikit-learn's digits (8x8 grayscale PNGs) is written to stand in for your photos.
 
     python examples/resnet_image_folder.py --images ./photos --member 0 --members 2 --listen /ip4/127.0.0.1/tcp/4001
-    python examples/resnet_image_folder.py --images ./photos --member 1 --members 2 --bootstrap /ip4/127.0.0.1/tcp/4001/p2p/<its id>
+    python examples/resnet_image_folder.py --images ./photos --member 1 --members 2 \
+        --bootstrap /ip4/127.0.0.1/tcp/4001/p2p/<its id>
 
 The same model as a task that ``node start --accept-tasks`` peers join: ``p2ptrain dataset add ./photos
 --image-size 64`` and ``[model] name = "torchvision:resnet18"`` (docs/training.md).
