@@ -133,11 +133,26 @@ def check_kwargs(name: str, kwargs: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _construct(name: str, full: dict[str, Any]) -> nn.Module:
+    """Call the builder with checked arguments. A builder may still fail on a combination of them
+    (or, from an installed package, in any way it likes): that is a ModelError naming it, never
+    another exception escaping a task's parse."""
+    try:
+        module = lookup(name).fn(**full)
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"returned {type(module).__name__}, not a torch.nn.Module")
+    except ModelError:
+        raise
+    except Exception as exc:
+        raise ModelError(f"model.kwargs: {name} could not be built: {type(exc).__name__}: {exc}"[:500]) from exc
+    return module
+
+
 def count_parameters(name: str, kwargs: dict[str, Any]) -> int:
     """Parameters of the model, counted on the meta device (no memory allocated)."""
     full = check_kwargs(name, kwargs)
     with torch.device("meta"):
-        module = lookup(name).fn(**full)
+        module = _construct(name, full)
     return sum(p.numel() for p in module.parameters())
 
 
@@ -162,7 +177,7 @@ def model_file_limit(name: str, kwargs: dict[str, Any]) -> int:
     byte of it is parsed: a model of 10k parameters is never a 2 GiB download."""
     full = check_kwargs(name, kwargs)
     with torch.device("meta"):
-        module = lookup(name).fn(**full)
+        module = _construct(name, full)
     return file_bytes_bound(module.state_dict().values())
 
 
@@ -179,7 +194,7 @@ def build_model(name: str, kwargs: dict[str, Any], seed: int) -> nn.Module:
     # threads out; the lock does.
     with _SEEDED_BUILD, torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        module = lookup(name).fn(**full)
+        module = _construct(name, full)
     return module
 
 

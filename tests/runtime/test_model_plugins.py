@@ -36,12 +36,15 @@ BUILDERS = [Builder("tinyplug:mlp", tiny, {"hidden": Arg(int, 16, 1, 256, doc="h
 BROKEN = 'raise RuntimeError("this plugin is broken")\n'
 SHADOW = TINY.replace('"tinyplug:mlp"', '"mlp"')  # a builder that would replace the built-in "mlp"
 NOT_A_BUILDER = 'BUILDERS = ["mlp"]\n'
+CRASHES = (TINY.replace('"tinyplug:mlp"', '"crashplug:mlp"')
+           .replace("    return nn.Sequential", "    return 1 / 0 or nn.Sequential"))  # fails when called
 # dist name -> (module, source, entry point name)
 PACKAGES = {
     "tinyplug": ("tinyplug_builders", TINY, "tinyplug"),
     "brokenplug": ("brokenplug_builders", BROKEN, "brokenplug"),
     "shadowplug": ("shadowplug_builders", SHADOW, "shadowplug"),
     "oddplug": ("oddplug_builders", NOT_A_BUILDER, "oddplug"),
+    "crashplug": ("crashplug_builders", CRASHES, "crashplug"),
 }
 
 
@@ -97,7 +100,7 @@ def test_broken_and_malformed_packages_are_unavailable_logged_once_and_never_rep
 ) -> None:
     caplog.set_level(logging.INFO, logger=_plugins.__name__)
     builtin_mlp = lookup("mlp")
-    plugins = installed("brokenplug", "shadowplug", "oddplug", "tinyplug")
+    plugins = installed("brokenplug", "shadowplug", "oddplug", "crashplug", "tinyplug")
     for _ in range(2):
         with pytest.raises(MissingBuilder, match="no builder 'brokenplug:x' on this node: RuntimeError: this plugin is broken"):
             lookup("brokenplug:x")
@@ -109,6 +112,9 @@ def test_broken_and_malformed_packages_are_unavailable_logged_once_and_never_rep
     assert errors["tinyplug"] is None
     broken_lines = [r for r in caplog.records if "'brokenplug'" in r.getMessage()]
     assert len(broken_lines) == 1 and broken_lines[0].levelno == logging.WARNING
+    # A builder that fails when called is a ModelError (a task's one-line refusal), not its exception.
+    with pytest.raises(ModelError, match="crashplug:mlp could not be built: ZeroDivisionError"):
+        check_model("crashplug:mlp", {})
     # A namespace of no installed package, and a bare unknown name, say so.
     with pytest.raises(MissingBuilder, match="no installed package provides builders 'nope:...'"):
         lookup("nope:x")
