@@ -55,9 +55,10 @@ EXPORTS: dict[str, list[str]] = {
         "MessageRouter", "Rate", "derived_key", "keep_reservations", "parse_bootstrap",
     ],
     "p2ptrain.models": [
-        "CardError", "HEADER_PER_TENSOR", "HEADER_SLACK", "MAX_CARD_BYTES", "MAX_MODEL_FILE_BYTES", "ModelError",
-        "build_model", "card_bytes", "card_from_bytes", "card_of", "check_model", "file_bytes_bound",
-        "first_difference", "model_file_limit",
+        "Arg", "Builder", "CardError", "ENTRY_POINT_GROUP", "HEADER_PER_TENSOR", "HEADER_SLACK", "MAX_CARD_BYTES",
+        "MAX_MODEL_FILE_BYTES", "MissingBuilder", "ModelError", "Origin", "PLUGINS", "build_model", "builders",
+        "card_bytes", "card_from_bytes", "card_of", "check_model", "file_bytes_bound", "first_difference", "lookup",
+        "model_file_limit",
     ],
     "p2ptrain.net": [
         "Channel", "ChannelClosed", "ChannelError", "MessageTooLarge", "PubsubMessageTooLarge",
@@ -91,7 +92,7 @@ EXPORTS: dict[str, list[str]] = {
         "make_peer", "parse_address", "run_state_roots",
     ],
     "p2ptrain.task": [
-        "CompressionSpec", "MAX_TASK_BYTES", "OuterSpec", "TASK_TEMPLATE", "Task", "TaskError", "USER_MODEL",
+        "CompressionSpec", "MAX_TASK_BYTES", "NoBuilder", "OuterSpec", "TASK_TEMPLATE", "Task", "TaskError", "USER_MODEL",
         "load_task", "parse_task", "task_bytes", "task_from_bytes", "total_steps", "unmet_requirement",
     ],
     "p2ptrain.testing": [
@@ -111,7 +112,8 @@ EXPORTS: dict[str, list[str]] = {
     ],
     "p2ptrain.wire": [
         "Attestation", "Capabilities", "ConfirmedRecord", "CoordinatorBeat", "DIGEST_BYTES", "DTYPES", "DecodeError",
-        "ENTRY_BYTES", "Goodbye", "HEADER", "HeadRequest", "Header", "Heartbeat", "Kind", "MAX_FIRST_FRAME",
+        "ENTRY_BYTES", "Goodbye", "HEADER", "HeadRequest", "Header", "Heartbeat", "Kind", "MAX_BUILDERS",
+        "MAX_BUILDER_NAME_LEN", "MAX_FIRST_FRAME",
         "MAX_MESSAGE_BYTES", "MESH_TOPIC", "MESSAGES", "MessageRegistry", "ModelRecord", "ModelServed", "PROTOCOL",
         "Phase", "ReplayGuard", "RoundFailed", "RoundPlan", "SIGNATURE_BYTES", "Said", "SchemaError", "Signed",
         "SignedAttestation", "SignedModelRecord", "SignedVote", "TASKS_TOPIC", "TaskAnnounce", "TaskCancel",

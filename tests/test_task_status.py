@@ -36,7 +36,7 @@ OLD_KEYS = {"task_cid", "name", "state", "error", "member", "synced", "round", "
 MEMBER_KEYS = OLD_KEYS | {"cancel_reason", "waiting_for_peers", "waiting_s", "bytes_received", "last_round",
                           "last_step", "inner_steps", "inner_step", "is_coordinator", "resumed_from"}
 # ... and for a task this node only heard of.
-HEARD_KEYS = {"task_cid", "name", "announced_by", "member", "state", "refused", "version", "step", "round",
+HEARD_KEYS = {"task_cid", "name", "announced_by", "member", "state", "refused", "missing_builder", "version", "step", "round",
               "total_steps", "latest_model_cid", "members", "chain_cid"}
 # A float printed raw (repr) has more than 4 decimals: formatted metrics never do.
 RAW_FLOAT = re.compile(r"\d\.\d{5,}")
@@ -112,8 +112,8 @@ def test_a_non_member_shows_the_heads_step_not_a_round_it_did_not_see_complete()
 
 def test_a_task_only_heard_of_has_its_own_keys_and_survives_the_round_trip() -> None:
     heard = {"task_cid": "bafy", "name": "t", "announced_by": "12D3KooWx", "member": False, "state": "announced",
-             "refused": None, "version": 0, "step": 0, "round": None, "total_steps": None, "latest_model_cid": None,
-             "members": [], "chain_cid": None}
+             "refused": None, "missing_builder": None, "version": 0, "step": 0, "round": None, "total_steps": None,
+             "latest_model_cid": None, "members": [], "chain_cid": None}
     status = TaskStatus.from_json(heard)
     assert set(status.to_json()) == HEARD_KEYS and status.to_json() == heard
     # A newer node may send keys this client does not know: they are ignored, not an error.

@@ -51,9 +51,11 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     evaluate.add_argument("--json", action="store_true", help="print one JSON object (accuracy, loss, samples)")
     evaluate.set_defaults(func=cmd_eval)
 
+    from p2ptrain.cli import builders as builders_cli  # model builders
     from p2ptrain.cli import serve as serve_cli  # model serve, model predict
     from p2ptrain.cli import verify as verify_cli  # model verify
 
+    builders_cli.add_parser(msub)
     serve_cli.add_parsers(msub)
     verify_cli.add_parser(msub, HOME_HELP)
 

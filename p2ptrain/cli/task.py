@@ -138,6 +138,8 @@ def render_status(s: TaskStatus) -> str:
         f"progress   {_progress(s)}",
         f"members    {len(s.members)}: " + ", ".join(short_id(m) for m in s.members),
     ]
+    if s.refused:
+        lines.append(f"not joined {s.refused}")
     if s.member:
         lines.append(f"coordinator {short_id(s.coordinator or '-')} (term {s.term})")
         if s.loss is not None:

@@ -107,6 +107,8 @@ class TaskStatus:
     synced: bool = _member(False)
     announced_by: str | None = _heard()
     refused: str | None = _heard()  # why this node did not join it
+    # The builder the task names that this node lacks (refused then says what to install); added in issue 30.
+    missing_builder: str | None = _heard()
     # The CID of the chain this node verified for a task it is no member of (what version and
     # latest_model_cid then come from): `model verify` reads it through a running node.
     chain_cid: str | None = _heard()

@@ -25,7 +25,7 @@ from collections import Counter
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import trio
@@ -36,7 +36,7 @@ from p2ptrain.mesh import _capabilities as caps_probe
 from p2ptrain.mesh._liveness import DEFAULT_SILENCE_HEARTBEATS
 from p2ptrain.mesh._router import MessageRouter
 from p2ptrain.net import STATUSES
-from p2ptrain.wire import Capabilities, Goodbye, Heartbeat, MESH_TOPIC, Signed
+from p2ptrain.wire import Capabilities, Goodbye, Heartbeat, MAX_BUILDERS, MESH_TOPIC, Signed
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +101,7 @@ class PeerRecord:
                 "cpu_count": self.caps.cpu_count,
                 "free_ram_bytes": self.caps.free_ram_bytes,
                 "version": self.caps.version,
+                "builders": list(self.caps.builders),
             },
         }
 
@@ -125,6 +126,9 @@ class Membership:
     tasks: tuple[str, ...] = ()
     reachability: str = "unknown"  # ours, as the node's Reachability last found it
     caps: Capabilities = field(default_factory=caps_probe.quick_capabilities)
+    # The model builders this node has, set by the layer that knows them (services: installed
+    # packages' builders load with torch, after the mesh is up); sent in caps.builders.
+    builders: tuple[str, ...] = ()
     _peers: dict[ID, PeerRecord] = field(default_factory=dict, init=False)
     _changed: trio.Event = field(default_factory=trio.Event, init=False)
     _wake: trio.Event = field(default_factory=trio.Event, init=False)
@@ -246,7 +250,8 @@ class Membership:
         self._wake.set()
 
     def heartbeat(self) -> Heartbeat:
-        return Heartbeat(addrs=tuple(self.addrs()[:16]), caps=self.caps, tasks=self.tasks, reachability=self.reachability)
+        caps = replace(self.caps, builders=self.builders[:MAX_BUILDERS]) if self.builders else self.caps
+        return Heartbeat(addrs=tuple(self.addrs()[:16]), caps=caps, tasks=self.tasks, reachability=self.reachability)
 
     async def say_goodbye(self, reason: str = "shutdown") -> None:
         await self.publish(MESH_TOPIC, Goodbye(reason=reason[:256]))

@@ -1,5 +1,6 @@
 """What a model is, as data: the registry of model builders a task may name (a task names a builder and
-its checked keyword arguments, never code), and the architecture card of a user's own module (its
+its checked keyword arguments, never code; builders are built in or come from installed packages'
+``p2ptrain.models`` entry points), and the architecture card of a user's own module (its
 CID, the fingerprint, names one architecture exactly). Imports only ``base``.
 """
 
@@ -14,10 +15,20 @@ if TYPE_CHECKING:
         first_difference as first_difference,
         MAX_CARD_BYTES as MAX_CARD_BYTES,
     )
+    from p2ptrain.models._plugins import (
+        ENTRY_POINT_GROUP as ENTRY_POINT_GROUP,
+        MissingBuilder as MissingBuilder,
+        Origin as Origin,
+        PLUGINS as PLUGINS,
+    )
     from p2ptrain.models._registry import (
+        Arg as Arg,
+        Builder as Builder,
         build_model as build_model,
+        builders as builders,
         check_model as check_model,
         file_bytes_bound as file_bytes_bound,
+        lookup as lookup,
         HEADER_PER_TENSOR as HEADER_PER_TENSOR,
         HEADER_SLACK as HEADER_SLACK,
         MAX_MODEL_FILE_BYTES as MAX_MODEL_FILE_BYTES,

@@ -54,6 +54,11 @@ class Arg:
 
 @dataclass(frozen=True)
 class Builder:
+    """A model a task may name: ``fn(**kwargs)`` returns an ``nn.Module`` built from the checked
+    ``args`` (no weights downloaded, nothing fetched). The public contract for a package's builders
+    (:mod:`p2ptrain.models._plugins`): ``Builder("mypkg:tiny", tiny, {"width": Arg(int, 16, 1, 1024)},
+    "what it is")``."""
+
     name: str
     fn: Callable[..., nn.Module]
     args: dict[str, Arg]
@@ -61,6 +66,25 @@ class Builder:
 
 
 REGISTRY: dict[str, Builder] = {}
+"""The built-in builders (this module's, and any p2ptrain module's that calls :func:`register`)."""
+
+
+def lookup(name: str) -> Builder:
+    """The builder a task names: a built-in, else one of an installed package (the one lookup every
+    caller uses). Raises ``MissingBuilder`` (a ModelError) saying why this node has none."""
+    builder = REGISTRY.get(name)
+    if builder is not None:
+        return builder
+    from p2ptrain.models._plugins import PLUGINS  # it imports this module: the registry comes first
+
+    return PLUGINS.get(name)
+
+
+def builders() -> dict[str, Builder]:
+    """Every builder this node has, built-ins first, then those of installed packages."""
+    from p2ptrain.models._plugins import PLUGINS
+
+    return {**REGISTRY, **PLUGINS.available()}
 
 
 def register(name: str, doc: str, **args: Arg) -> Callable[[Callable[..., nn.Module]], Callable[..., nn.Module]]:
@@ -89,9 +113,7 @@ def _check_number(value: Any, kind: type, arg: Arg, where: str) -> Any:
 
 def check_kwargs(name: str, kwargs: dict[str, Any]) -> dict[str, Any]:
     """Validate a builder's kwargs; return them complete with defaults (the builder's real call)."""
-    builder = REGISTRY.get(name)
-    if builder is None:
-        raise ModelError(f"model.name: unknown model {name!r} (known: {', '.join(sorted(REGISTRY))})")
+    builder = lookup(name)
     unknown = sorted(set(kwargs) - set(builder.args))
     if unknown:
         raise ModelError(
@@ -111,11 +133,26 @@ def check_kwargs(name: str, kwargs: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _construct(name: str, full: dict[str, Any]) -> nn.Module:
+    """Call the builder with checked arguments. A builder may still fail on a combination of them
+    (or, from an installed package, in any way it likes): that is a ModelError naming it, never
+    another exception escaping a task's parse."""
+    try:
+        module = lookup(name).fn(**full)
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"returned {type(module).__name__}, not a torch.nn.Module")
+    except ModelError:
+        raise
+    except Exception as exc:
+        raise ModelError(f"model.kwargs: {name} could not be built: {type(exc).__name__}: {exc}"[:500]) from exc
+    return module
+
+
 def count_parameters(name: str, kwargs: dict[str, Any]) -> int:
     """Parameters of the model, counted on the meta device (no memory allocated)."""
     full = check_kwargs(name, kwargs)
     with torch.device("meta"):
-        module = REGISTRY[name].fn(**full)
+        module = _construct(name, full)
     return sum(p.numel() for p in module.parameters())
 
 
@@ -140,7 +177,7 @@ def model_file_limit(name: str, kwargs: dict[str, Any]) -> int:
     byte of it is parsed: a model of 10k parameters is never a 2 GiB download."""
     full = check_kwargs(name, kwargs)
     with torch.device("meta"):
-        module = REGISTRY[name].fn(**full)
+        module = _construct(name, full)
     return file_bytes_bound(module.state_dict().values())
 
 
@@ -157,7 +194,7 @@ def build_model(name: str, kwargs: dict[str, Any], seed: int) -> nn.Module:
     # threads out; the lock does.
     with _SEEDED_BUILD, torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        module = REGISTRY[name].fn(**full)
+        module = _construct(name, full)
     return module
 
 

@@ -26,10 +26,10 @@ from p2ptrain.node import ContentService, DEFAULT_MAX_FETCH_BYTES, Node
 from p2ptrain.run import CANCELLED_FILE, CANCEL_SENT_FILE, CHAIN_FILE, TaskRun
 from p2ptrain.services._head_answers import HeadAnswers
 from p2ptrain.services._latest import LatestFinder, head_key, held_tasks
-from p2ptrain.models import model_file_limit
+from p2ptrain.models import builders, model_file_limit
 from p2ptrain.training import Trainer
 from p2ptrain.protocol import Chain
-from p2ptrain.task import MAX_TASK_BYTES, Task, TaskError, load_task, task_bytes, task_from_bytes, unmet_requirement
+from p2ptrain.task import MAX_TASK_BYTES, NoBuilder, Task, TaskError, load_task, task_bytes, task_from_bytes, unmet_requirement
 from p2ptrain.wire import (
     CoordinatorBeat,
     HeadRequest,
@@ -104,6 +104,7 @@ class KnownTask:
     announced_by: str
     head: TaskHead | None = None
     refused: str | None = None  # why this node did not join it
+    missing_builder: str | None = None  # the builder it names that this node does not have
     verified: Chain | None = None
     verified_cid: str | None = None  # the CID of ``verified``'s bytes (a head named it)
 
@@ -117,6 +118,7 @@ class KnownTask:
             member=False,
             state=("done" if head.done else "running") if head else "announced",
             refused=self.refused,
+            missing_builder=self.missing_builder,
             version=last.version if last else 0,
             step=last.step if last else 0,
             round=head.round if head else None,
@@ -210,10 +212,18 @@ class TaskService:
             self.content.announce(head_key(task_cid))
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
+            nursery.start_soon(self._advertise_builders)
             for cid in self.options.join:
                 nursery.start_soon(self._join_named, cid)
             task_status.started()
             await trio.sleep_forever()
+
+    async def _advertise_builders(self) -> None:
+        """Put the builders this node has in its heartbeats: loading installed packages' builders
+        imports them (torchvision: seconds), so in a worker thread, once the node is up."""
+        names = await trio.to_thread.run_sync(lambda: sorted(builders()), abandon_on_cancel=True)
+        self.node.membership.builders = tuple(names)
+        self.node.membership.poke()
 
     # -- joining -------------------------------------------------------------------------------
 
@@ -224,7 +234,10 @@ class TaskService:
         requested_cid(task_cid)
         await self.content.fetch(task_cid, timeout=JOIN_FETCH_TIMEOUT_S, max_bytes=MAX_TASK_BYTES)
         data = await trio.to_thread.run_sync(self._read_task, task_cid)
-        task = task_from_bytes(data)
+        try:
+            task = task_from_bytes(data)
+        except NoBuilder as exc:  # a sound task this node cannot build: say what to install
+            raise UserError(exc.line) from exc
         why = unmet_requirement(task, self.node.membership.caps)
         if why is None and not task.peers.admits(self.node.peer_id.to_base58()):
             why = "the task admits only the peers on its allowlist (peers.allow), and this node is not one"
@@ -245,7 +258,7 @@ class TaskService:
         self._failed.pop(task_cid, None)
         known = self.known.get(task_cid)
         if known is not None:
-            known.refused = None
+            known.refused = known.missing_builder = None
         if known is not None and known.head is not None:
             await run.on_message(known.announced_by, known.head)  # what we heard before joining
         await self.node.subscribe(task_topic(task_cid))
@@ -280,6 +293,8 @@ class TaskService:
             known = self.known.get(task_cid)
             if known is not None:
                 known.refused = str(exc)[:500]
+                cause = exc.__cause__
+                known.missing_builder = cause.builder if isinstance(cause, NoBuilder) else None
             if kind == "refused":
                 logger.warning("node %s does not join task %s: %s", short_id(self.node.peer_id), task_cid, exc)
             else:

@@ -12,6 +12,7 @@ if TYPE_CHECKING:
         CompressionSpec as CompressionSpec,
         load_task as load_task,
         MAX_TASK_BYTES as MAX_TASK_BYTES,
+        NoBuilder as NoBuilder,
         OuterSpec as OuterSpec,
         parse_task as parse_task,
         Task as Task,

@@ -21,7 +21,7 @@ from typing import Any
 
 from p2ptrain.base import boundedjson
 from p2ptrain.task import _fields as fields
-from p2ptrain.models import ModelError, check_model
+from p2ptrain.models import MissingBuilder, ModelError, check_model
 from p2ptrain.task._fields import TaskError as TaskError  # re-exported: the task's one error
 from p2ptrain.wire import Capabilities
 
@@ -317,6 +317,16 @@ def parse_task(data: dict[str, Any]) -> Task:
     )
 
 
+class NoBuilder(TaskError):
+    """The task names a builder this node does not have (no installed package provides it): the task
+    may be sound, this node just cannot build its model. ``line`` says what to install."""
+
+    def __init__(self, missing: MissingBuilder) -> None:
+        super().__init__(str(missing))
+        self.builder = missing.name
+        self.line = missing.line
+
+
 def _model(m: dict[str, Any]) -> ModelSpec:
     """``[model]``: a registry builder and its checked kwargs, or ``name = "user"`` with its
     ``architecture`` card's CID."""
@@ -340,6 +350,8 @@ def _model(m: dict[str, Any]) -> ModelSpec:
         raise TaskError('model.architecture: only for name = "user"')
     try:
         check_model(model.name, model.kwargs)
+    except MissingBuilder as exc:
+        raise NoBuilder(exc) from None
     except ModelError as exc:
         raise TaskError(str(exc)) from None
     return model

@@ -35,7 +35,11 @@ if TYPE_CHECKING:
         SIGNATURE_BYTES as SIGNATURE_BYTES,
         statement as statement,
     )
-    from p2ptrain.wire._limits import MAX_MESSAGE_BYTES as MAX_MESSAGE_BYTES
+    from p2ptrain.wire._limits import (
+        MAX_BUILDER_NAME_LEN as MAX_BUILDER_NAME_LEN,
+        MAX_BUILDERS as MAX_BUILDERS,
+        MAX_MESSAGE_BYTES as MAX_MESSAGE_BYTES,
+    )
     from p2ptrain.wire._messages import (
         Attestation as Attestation,
         Capabilities as Capabilities,

@@ -19,3 +19,6 @@ REPLAY_WINDOW = 1024
 REPLAY_MAX_ENTRIES = 262_144
 # A heartbeat's listen address: a real multiaddr is well under 100 characters.
 MAX_ADDR_LEN = 256
+# The model builders a heartbeat advertises (Capabilities.builders): names like "torchvision:resnet18".
+MAX_BUILDERS = 64
+MAX_BUILDER_NAME_LEN = 64

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, TypeVar
 
-from p2ptrain.wire._limits import MAX_ADDR_LEN
+from p2ptrain.wire._limits import MAX_ADDR_LEN, MAX_BUILDER_NAME_LEN, MAX_BUILDERS
 
 M = TypeVar("M")
 
@@ -79,6 +79,10 @@ class Capabilities:
     version: str = field(metadata={"max_len": 64})
     gpu_name: str | None = field(default=None, metadata={"max_len": 128})
     gpu_memory_bytes: int | None = None
+    # The model builders this peer has (p2ptrain.models.builders: built-in and from installed packages),
+    # so a publisher can see who can build a task's model (``node peers``). Added in issue 30 with a default: a peer
+    # without it decodes as advertising none, and an older peer skips it.
+    builders: tuple[str, ...] = field(default=(), metadata={"max_items": MAX_BUILDERS, "max_len": MAX_BUILDER_NAME_LEN})
 
 
 @message("heartbeat")

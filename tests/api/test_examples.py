@@ -41,3 +41,16 @@ def test_local_sgd_from_a_loop(tmp_path: Path) -> None:
     assert len({r["model_cid"] for r in results}) == 1 and results[0]["model_cid"]
     assert len({r["weights"] for r in results}) == 1
     assert min(r["accuracy"] for r in results) >= 0.8, results
+
+
+@pytest.mark.timeout(RUN_S + 60)
+def test_resnet18_on_an_image_folder(tmp_path: Path) -> None:
+    """Skipped where torchvision does not import beside this torch (the project's venv): validated
+    in a venv with torch 2.14.1 and torchvision 0.29.1."""
+    pytest.importorskip("torchvision", reason="torchvision does not import beside this torch")
+    results = run_script(EXAMPLES / "resnet_image_folder.py", script_members(2, tmp_path), ["--steps", "12"],
+                         timeout=RUN_S)
+    assert len({r["dataset"] for r in results}) == 1, "the same folder must give the same dataset CID"
+    assert len({r["model_cid"] for r in results}) == 1 and results[0]["model_cid"]
+    assert len({r["weights"] for r in results}) == 1, "weights or BatchNorm statistics differ between members"
+    assert all(r["steps"] == 12 for r in results)

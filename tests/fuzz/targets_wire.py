@@ -72,6 +72,9 @@ PAYLOADS = [
     # mutations' huge numbers and deep nesting also land in values that are never read.
     _payload("heartbeat", {"addrs": ["/ip4/127.0.0.1/tcp/4001"], "caps": {**_CAPS, "npu_count": 2}, "tasks": [],
                            "future_field": {"nested": [1, 2.5, "x", {"deeper": [True]}]}}),
+    # Advertised model builders (issue 30): a bounded list of bounded names.
+    _payload("heartbeat", {"addrs": ["/ip4/127.0.0.1/tcp/4001"], "tasks": [],
+                           "caps": {**_CAPS, "builders": ["mlp", "torchvision:resnet18", "pkg:" + "x" * 60]}}),
 ]
 FRAMES = [
     encode(Goodbye(reason="x"), KEY, seq=3, ts=_NOW),

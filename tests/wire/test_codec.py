@@ -300,3 +300,24 @@ def test_a_payload_whose_type_is_not_its_last_key_is_malformed():
     shown = json.dumps({**env, "type": "goodbye"}, separators=(",", ":"))[:-1] + ',"type":"heartbeat"}'
     assert codec.peek_type(frame(shown.encode())) == "heartbeat"
     assert reason_of(frame(shown.encode())) == "schema"  # a goodbye's body is not a heartbeat's
+
+
+def test_advertised_builders_are_bounded_in_count_and_name_length_and_optional():
+    """Capabilities.builders (issue 30): a peer lists the model builders it has, at most MAX_BUILDERS
+    names of MAX_BUILDER_NAME_LEN characters; a heartbeat without the field (an older peer) still
+    decodes, as advertising none."""
+    from p2ptrain.wire import MAX_BUILDER_NAME_LEN, MAX_BUILDERS
+
+    def with_builders(names: list[str]) -> bytes:
+        body = heartbeat_body()
+        body["caps"]["builders"] = names
+        return frame(envelope(type="heartbeat", body=body))
+
+    full = [f"pkg:model_{i}".ljust(MAX_BUILDER_NAME_LEN, "x") for i in range(MAX_BUILDERS)]
+    assert decode(with_builders(full)).msg.caps.builders == tuple(full)
+    assert reason_of(with_builders([*full, "pkg:one_more"])) == "schema"
+    assert reason_of(with_builders(["pkg:" + "x" * MAX_BUILDER_NAME_LEN])) == "schema"
+    assert reason_of(with_builders([5])) == "schema"  # type: ignore[list-item]
+    older = heartbeat_body()
+    del older["caps"]["builders"]
+    assert decode(frame(envelope(type="heartbeat", body=older))).msg.caps.builders == ()
