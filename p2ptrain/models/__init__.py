@@ -14,6 +14,8 @@ if TYPE_CHECKING:
         first_difference as first_difference,
         MAX_CARD_BYTES as MAX_CARD_BYTES,
     )
+    from p2ptrain.models._errors import ModelError as ModelError
+    from p2ptrain.models._hf import check_hf_config as check_hf_config, HF_MODEL as HF_MODEL
     from p2ptrain.models._registry import (
         build_model as build_model,
         check_model as check_model,
@@ -22,7 +24,6 @@ if TYPE_CHECKING:
         HEADER_SLACK as HEADER_SLACK,
         MAX_MODEL_FILE_BYTES as MAX_MODEL_FILE_BYTES,
         model_file_limit as model_file_limit,
-        ModelError as ModelError,
     )
 else:
     from p2ptrain._exports import lazy_exports

@@ -21,7 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from p2ptrain.base import UserError
+from p2ptrain.models import _hf
+from p2ptrain.models._errors import ModelError as ModelError
 
 # 50M float32 parameters = 200 MB of weights (about 800 MB with Adam state and gradients).
 MAX_PARAMETERS = 50_000_000
@@ -34,10 +35,6 @@ HEADER_SLACK = 64 * 1024
 # nothing else: no buffers) and a header for up to 2,048 tensors. The bound for reading a model
 # whose card is not known before it is read (``model serve``, ``load_model``).
 MAX_MODEL_FILE_BYTES = MAX_PARAMETERS * 4 + 2048 * HEADER_PER_TENSOR + HEADER_SLACK
-
-
-class ModelError(UserError):
-    """A model name or its arguments are not acceptable; the message names the field."""
 
 
 @dataclass(frozen=True)
@@ -58,6 +55,9 @@ class Builder:
     fn: Callable[..., nn.Module]
     args: dict[str, Arg]
     doc: str
+    # Checks the kwargs in place of ``args`` and returns the builder's real call (the hf builder's
+    # config table: its settings are the architecture's, not declared here).
+    check: Callable[[dict[str, Any]], dict[str, Any]] | None = None
 
 
 REGISTRY: dict[str, Builder] = {}
@@ -92,6 +92,8 @@ def check_kwargs(name: str, kwargs: dict[str, Any]) -> dict[str, Any]:
     builder = REGISTRY.get(name)
     if builder is None:
         raise ModelError(f"model.name: unknown model {name!r} (known: {', '.join(sorted(REGISTRY))})")
+    if builder.check is not None:
+        return builder.check(kwargs)
     unknown = sorted(set(kwargs) - set(builder.args))
     if unknown:
         raise ModelError(
@@ -270,3 +272,8 @@ def transformer_lm(vocab_size: int, context: int, width: int, depth: int, heads:
     if width % heads:
         raise ModelError(f"model.kwargs.heads: width {width} is not divisible by heads {heads}")
     return TinyLM(vocab_size, context, width, depth, heads)
+
+
+# transformers is imported only when an hf model is checked or built.
+REGISTRY[_hf.HF_MODEL] = Builder(_hf.HF_MODEL, _hf.build, {}, "Any causal LM of the installed transformers, from a config "
+                           "table (model.config, not kwargs).", check=_hf.check_hf_config)

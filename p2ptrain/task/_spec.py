@@ -21,7 +21,7 @@ from typing import Any
 
 from p2ptrain.base import boundedjson
 from p2ptrain.task import _fields as fields
-from p2ptrain.models import ModelError, check_model
+from p2ptrain.models import HF_MODEL, ModelError, check_hf_config, check_model
 from p2ptrain.task._fields import TaskError as TaskError  # re-exported: the task's one error
 from p2ptrain.wire import Capabilities
 
@@ -69,11 +69,17 @@ class ModelSpec:
     name: str
     kwargs: dict[str, Any] = field(default_factory=dict)
     architecture: str | None = None  # name = "user" only
+    config: dict[str, Any] | None = None  # name = "hf" only: the transformers config (models._hf)
 
     @property
     def user(self) -> bool:
         """Whether the members bring the module themselves (no builder of ours makes it)."""
         return self.name == USER_MODEL
+
+    @property
+    def arguments(self) -> dict[str, Any]:
+        """What the registry's builder takes: the kwargs, or an hf model's config."""
+        return self.config if self.config is not None else self.kwargs
 
 
 @dataclass(frozen=True)
@@ -320,14 +326,19 @@ def parse_task(data: dict[str, Any]) -> Task:
 def _model(m: dict[str, Any]) -> ModelSpec:
     """``[model]``: a registry builder and its checked kwargs, or ``name = "user"`` with its
     ``architecture`` card's CID."""
-    fields.only(m, {"name", "kwargs", "architecture"}, "model.")
+    fields.only(m, {"name", "kwargs", "architecture", "config"}, "model.")
     kwargs_t = fields.table(m, "kwargs", "model.", False)
     if len(kwargs_t) > 32:
         raise TaskError("model.kwargs: more than 32 arguments")
+    name = fields.text(m, "name", "model.")
+    config = _hf_config(m) if name == HF_MODEL else None
+    if config is None and "config" in m:
+        raise TaskError(f'model.config: only for name = "{HF_MODEL}" (other builders take model.kwargs)')
     model = ModelSpec(
-        name=fields.text(m, "name", "model."),
+        name=name,
         kwargs={k: fields.kwarg_value(v, f"model.kwargs.{k}") for k, v in sorted(kwargs_t.items())},
         architecture=fields.cid(m, "architecture", "model.", None),
+        config=config,
     )
     if model.user:
         if model.architecture is None:
@@ -338,11 +349,23 @@ def _model(m: dict[str, Any]) -> ModelSpec:
         return model
     if model.architecture is not None:
         raise TaskError('model.architecture: only for name = "user"')
+    if config is not None and model.kwargs:
+        raise TaskError(f'model.kwargs: not for name = "{HF_MODEL}" (its settings go in model.config)')
     try:
-        check_model(model.name, model.kwargs)
+        check_model(model.name, model.arguments)
     except ModelError as exc:
         raise TaskError(str(exc)) from None
     return model
+
+
+def _hf_config(m: dict[str, Any]) -> dict[str, Any]:
+    """``[model] config`` of an hf model: a table of scalars and short lists, checked for what it
+    names by :func:`p2ptrain.models.check_model` (models._hf)."""
+    config = fields.table(m, "config", "model.", True)
+    try:
+        return check_hf_config(config)
+    except ModelError as exc:
+        raise TaskError(str(exc)) from None
 
 
 def _dataset(data: dict[str, Any], required: bool) -> DatasetSpec | None:
