@@ -15,7 +15,15 @@ if TYPE_CHECKING:
         MAX_CARD_BYTES as MAX_CARD_BYTES,
     )
     from p2ptrain.models._errors import ModelError as ModelError
-    from p2ptrain.models._hf import check_hf_config as check_hf_config, HF_MODEL as HF_MODEL
+    from p2ptrain.models._hf import (
+        CausalLM as CausalLM,
+        check_hf_config as check_hf_config,
+        HF_MODEL as HF_MODEL,
+        HF_REFUSED as HF_REFUSED,
+        hf_config as hf_config,
+        hf_settings as hf_settings,
+        import_transformers as import_transformers,
+    )
     from p2ptrain.models._registry import (
         build_model as build_model,
         check_model as check_model,

@@ -7,7 +7,7 @@ never passed, and the Hub is switched off (``HF_HUB_OFFLINE``) before ``transfor
 so nothing is downloaded. A config arrives from the network, so :func:`check_hf_config` bounds it: at
 most :data:`MAX_SETTINGS` settings, each a scalar or a short flat list, each one the architecture
 declares (a typo is an error, not a silently ignored attribute), none that selects code, files,
-dtypes or kernels (:data:`REFUSED`).
+dtypes or kernels (:data:`HF_REFUSED`).
 
 :class:`CausalLM` wraps the model so that it takes token ids and returns logits ``(N, T, vocab)``, as
 the registry's language model does. A model whose head is tied to its embedding (GPT-2's ``lm_head``
@@ -39,14 +39,14 @@ _KEY = re.compile(r"[a-z][a-z0-9_]{0,63}")
 # Settings a config may not carry, though a config class may list some: they name code
 # (auto_map), files or Hub repositories (name_or_path), another dtype than the fp32 every member
 # trains in, kernels fetched by name (attn_implementation), or change what forward returns.
-REFUSED = frozenset({
+HF_REFUSED = frozenset({
     "trust_remote_code", "auto_map", "name_or_path", "architectures", "transformers_version", "dtype",
     "torch_dtype", "quantization_config", "attn_implementation", "experts_implementation", "return_dict",
     "id2label", "label2id", "revision", "token", "cache_dir", "device_map",
 })
 
 
-def transformers() -> ModuleType:
+def import_transformers() -> ModuleType:
     """The installed ``transformers``, imported with the Hub switched off; a one-line
     :class:`ModelError` saying how to install it when it is missing."""
     os.environ["HF_HUB_OFFLINE"] = "1"  # no download, ever: from_config needs nothing from the Hub
@@ -59,7 +59,7 @@ def transformers() -> ModuleType:
 
 
 def _causal_types() -> Mapping[str, str]:
-    transformers()
+    import_transformers()
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -98,9 +98,9 @@ def _check_value(value: Any, where: str, in_list: bool = False) -> Any:
     raise ModelError(f"{where}: must be a number, boolean, short string or a flat list of at most {MAX_LIST} of them")
 
 
-def settings_of(config_class: Any) -> set[str]:
+def hf_settings(config_class: Any) -> set[str]:
     """The settings an architecture declares: its default config's attributes and their aliases."""
-    return (set(config_class().to_dict()) | set(getattr(config_class, "attribute_map", {}))) - REFUSED
+    return (set(config_class().to_dict()) | set(getattr(config_class, "attribute_map", {}))) - HF_REFUSED
 
 
 def check_hf_config(config: Mapping[str, Any]) -> dict[str, Any]:
@@ -113,10 +113,10 @@ def check_hf_config(config: Mapping[str, Any]) -> dict[str, Any]:
     for key in config:
         if not isinstance(key, str) or not _KEY.fullmatch(key):
             raise ModelError(f"model.config.{str(key)[:40]}: a setting is a lower-case name (no leading underscore)")
-        if key in REFUSED:
+        if key in HF_REFUSED:
             raise ModelError(f"model.config.{key}: not allowed (a task names an architecture, never code, files or dtypes)")
     cls = _config_class(config.get("model_type"))
-    known = settings_of(cls)
+    known = hf_settings(cls)
     out: dict[str, Any] = {"model_type": config["model_type"]}
     for key in sorted(config):
         if key == "model_type":
@@ -131,7 +131,7 @@ def hf_config(config: Mapping[str, Any]) -> Any:
     """The ``transformers`` config object of a checked config."""
     settings = {k: v for k, v in config.items() if k != "model_type"}
     try:
-        return transformers().AutoConfig.for_model(config["model_type"], **settings)
+        return import_transformers().AutoConfig.for_model(config["model_type"], **settings)
     except ModelError:
         raise
     except Exception as exc:  # any config transformers refuses, in its own words
@@ -188,7 +188,7 @@ def _fill_aliases(module: nn.Module, state: dict[str, Any], prefix: str, *_rest:
 def build(**config: Any) -> nn.Module:
     """The registry's builder: a :class:`CausalLM` of a checked config, in fp32 (on the current
     default device: the registry counts parameters on ``meta``)."""
-    tf = transformers()
+    tf = import_transformers()
     cfg = hf_config(config)
     try:
         model = tf.AutoModelForCausalLM.from_config(cfg, trust_remote_code=False, dtype=torch.float32)
