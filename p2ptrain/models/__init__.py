@@ -14,7 +14,7 @@ if TYPE_CHECKING:
         first_difference as first_difference,
         MAX_CARD_BYTES as MAX_CARD_BYTES,
     )
-    from p2ptrain.models._errors import ModelError as ModelError
+    from p2ptrain.models._model_error import ModelError as ModelError
     from p2ptrain.models._hf import (
         CausalLM as CausalLM,
         check_hf_config as check_hf_config,

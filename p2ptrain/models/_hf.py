@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from p2ptrain.models._errors import ModelError
+from p2ptrain.models._model_error import ModelError
 
 HF_MODEL = "hf"
 INSTALL_HINT = "pip install 'p2ptrain[hf]'"

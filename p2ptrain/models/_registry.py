@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from p2ptrain.models import _hf
-from p2ptrain.models._errors import ModelError as ModelError
+from p2ptrain.models._model_error import ModelError as ModelError
 
 # 50M float32 parameters = 200 MB of weights (about 800 MB with Adam state and gradients).
 MAX_PARAMETERS = 50_000_000

@@ -37,3 +37,12 @@ def test_local_sgd_from_a_loop(tmp_path: Path) -> None:
     assert len({r["model_cid"] for r in results}) == 1 and results[0]["model_cid"]
     assert len({r["weights"] for r in results}) == 1
     assert min(r["accuracy"] for r in results) >= 0.8, results
+
+
+@pytest.mark.timeout(RUN_S + 60)
+def test_gpt2_architecture_on_text_files(tmp_path: Path) -> None:
+    """A transformers GPT-2 config (p2ptrain.models.build_model("hf", ...)) on windows of text files."""
+    results = run_script(EXAMPLES / "gpt2_text.py", script_members(2, tmp_path), ["--steps", "40"], timeout=RUN_S)
+    assert len({r["model_cid"] for r in results}) == 1 and results[0]["model_cid"]
+    assert len({r["weights"] for r in results}) == 1
+    assert all(r["steps"] == 40 and r["loss"] < r["first_loss"] - 1.0 for r in results), results
