@@ -5,7 +5,9 @@ The peers are two full p2ptrain peers in this process on loopback (``p2ptrain.te
 libp2p, the all-reduce, checkpoints stored, attested and recorded). Their rate is taken between the
 first confirmed checkpoint and the run's end, so the start (meeting, election) is left out and the
 later checkpoints are in. The baseline builds the same model from the same config and takes the
-same steps (same batch per step, Adam) on the same windows, with no peer. Both use one torch thread.
+same steps (same batch per step, Adam) on the same windows, with no peer, alone and as two loops
+at once in this process (what the two peers' compute costs them without talking), before and after
+the run. Everything uses one torch thread.
 
     .venv/bin/python bench/hf_train.py [--steps 60] [--checkpoint 20] [--batch 16] [--layers 2] [--width 64]
 """
@@ -99,6 +101,16 @@ async def two_peers(args: argparse.Namespace, base: Path) -> tuple[float, list[f
         return rate, losses
 
 
+def plain_loops_at_once(args: argparse.Namespace) -> float:
+    """Steps/s of two plain loops at once in this process (as the two in-process peers share it):
+    what the peers' compute costs them when they talk to nobody."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(2) as pool:
+        rates = list(pool.map(lambda _: plain_loop(args), range(2)))
+    return sum(rates) / 2
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=60)
@@ -108,14 +120,17 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=64)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    baseline_before = plain_loop(args)
+    before, both_before = plain_loop(args), plain_loops_at_once(args)
     with tempfile.TemporaryDirectory() as tmp:
         rate, losses = trio.run(two_peers, args, Path(tmp))
-    baseline_after = plain_loop(args)
-    baseline = (baseline_before + baseline_after) / 2
-    print(json.dumps({"peers_steps_per_s": round(rate, 2), "plain_steps_per_s": round(baseline, 2),
-                      "plain_before_after": [round(baseline_before, 2), round(baseline_after, 2)],
-                      "ratio": round(rate / baseline, 3), "checkpoint_losses": losses}))
+    after, both_after = plain_loop(args), plain_loops_at_once(args)
+    one, two = (before + after) / 2, (both_before + both_after) / 2
+    print(json.dumps({
+        "peers_steps_per_s": round(rate, 2), "plain_steps_per_s": round(one, 2),
+        "plain_before_after": [round(before, 2), round(after, 2)], "ratio": round(rate / one, 3),
+        "two_plain_at_once_steps_per_s": round(two, 2), "ratio_to_two_at_once": round(rate / two, 3),
+        "samples_per_s": {"peers": round(2 * args.batch * rate, 1), "plain": round(args.batch * one, 1)},
+        "checkpoint_losses": losses}))
 
 
 if __name__ == "__main__":

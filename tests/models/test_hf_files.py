@@ -102,3 +102,20 @@ def test_half_precision_weights_are_widened_to_fp32(saved, tmp_path):
     module = model_from_bytes(import_pretrained(directory)[0])
     assert {p.dtype for p in module.parameters()} == {torch.float32}
     assert torch.equal(module.model.transformer.wpe.weight, saved[1].transformer.wpe.weight.half().float())
+
+
+def test_model_serve_takes_an_hf_model_with_its_vocabulary_and_positions(saved, tmp_path):
+    from p2ptrain.ipfs import EmbeddedStore
+    from p2ptrain.serve._input_spec import InputError, parse_request
+    from p2ptrain.serve._server import load_served
+
+    store = EmbeddedStore(tmp_path / "home")
+    cid = store.add_bytes(import_pretrained(saved[0])[0])
+    loaded = load_served(store, cid, torch.device("cpu"))
+    assert loaded.spec.describe() == {"dtype": "int64", "shape": ["T"], "max_len": 8, "vocab": 40}
+    x = parse_request(b'{"inputs": [[1, 2, 3], [4, 5, 6]]}', loaded.spec)
+    with torch.no_grad():
+        assert torch.equal(loaded.module(x), saved[1](x).logits)
+    for body in (b'{"inputs": [[40]]}', b'{"inputs": [[' + b"1," * 8 + b"1]]}"):
+        with pytest.raises(InputError):
+            parse_request(body, loaded.spec)
