@@ -36,6 +36,17 @@ MAX_SETTINGS = 64
 MAX_STRING = 64
 MAX_LIST = 16
 _KEY = re.compile(r"[a-z][a-z0-9_]{0,63}")
+# Integers are bounded before anything is built: the parameter cap is counted on the meta device,
+# but building makes Python modules per layer and per expert (~10-40 ms a GPT-2 layer on a loaded
+# core), so a count of 10**9 would hang the count itself. Layer, block and expert counts (by name)
+# at most MAX_COUNT each and MAX_MODULES multiplied; heads at most MAX_HEADS; any other integer at
+# most MAX_INT (vocabularies and position limits are far below).
+MAX_COUNT = 256
+MAX_MODULES = 2048
+MAX_HEADS = 1024
+MAX_INT = 1 << 24
+_MODULES = re.compile(r"(layer|block|expert)s?$|layers_|blocks_")
+_HEADS = re.compile(r"heads?$")
 # Settings a config may not carry, though a config class may list some: they name code
 # (auto_map), files or Hub repositories (name_or_path), another dtype than the fp32 every member
 # trains in, kernels fetched by name (attn_implementation), or change what forward returns.
@@ -82,8 +93,10 @@ def _check_value(value: Any, where: str, in_list: bool = False) -> Any:
     if type(value) is bool:
         return value
     if type(value) is int:
-        if abs(value) > 2**53:
-            raise ModelError(f"{where}: integer out of range")
+        name = where.rsplit(".", 1)[-1].split("[")[0]
+        limit = MAX_COUNT if _MODULES.search(name) else MAX_HEADS if _HEADS.search(name) else MAX_INT
+        if abs(value) > limit:
+            raise ModelError(f"{where}: at most {limit:,}")
         return value
     if type(value) is float:
         if not math.isfinite(value):
@@ -124,6 +137,9 @@ def check_hf_config(config: Mapping[str, Any]) -> dict[str, Any]:
         if key not in known:
             raise ModelError(f"model.config.{key}: {config['model_type']} has no such setting")
         out[key] = _check_value(config[key], f"model.config.{key}")
+    modules = math.prod(v for k, v in out.items() if _MODULES.search(k) and type(v) is int and v > 0)
+    if modules > MAX_MODULES:
+        raise ModelError(f"model.config: layers x experts is {modules:,}, more than {MAX_MODULES:,}")
     return dict(sorted(out.items()))
 
 

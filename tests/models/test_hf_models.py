@@ -83,7 +83,10 @@ def test_an_untied_config_is_another_architecture_and_a_raw_tied_module_is_named
     ({**GPT2, "n_inner": {"a": 1}}, r"^model.config.n_inner: must be a number"),
     ({**GPT2, "bos_token_id": [[1]]}, r"^model.config.bos_token_id\[0\]: must be a number"),
     ({**GPT2, "bos_token_id": list(range(17))}, r"^model.config.bos_token_id: must be a number"),
-    ({**GPT2, "n_layer": 2**60}, r"^model.config.n_layer: integer out of range"),
+    ({**GPT2, "n_layer": 10**6}, r"^model.config.n_layer: at most 256"),  # a module a layer: never built
+    ({"model_type": "mixtral", "num_hidden_layers": 100, "num_local_experts": 100},
+     r"^model.config: layers x experts is 10,000, more than 2,048"),
+    ({**GPT2, "vocab_size": 2**60}, r"^model.config.vocab_size: at most 16,777,216"),
     ({**GPT2, "layer_norm_epsilon": math.nan}, r"^model.config.layer_norm_epsilon: must be a finite number"),
     ({**GPT2, "activation_function": "x" * 65}, r"^model.config.activation_function: a string of at most 64"),
     ({**GPT2, **{f"k{i}": 1 for i in range(64)}}, r"^model.config: 72 settings, more than 64"),
