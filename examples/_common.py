@@ -58,14 +58,19 @@ def accuracy(model: nn.Module, data: torch.utils.data.TensorDataset) -> float:
         return float((model(x).argmax(1) == y).float().mean())
 
 
-def report(model: nn.Module, data: torch.utils.data.TensorDataset, **fields: object) -> None:
-    """One JSON line: what the run ended with here, and digests to compare members by."""
+def weights_digest(model: nn.Module) -> str:
+    """A digest of every tensor of the state dict, to compare members by."""
     weights = hashlib.sha256()
     for name, tensor in sorted(model.state_dict().items()):
         weights.update(name.encode() + tensor.detach().cpu().contiguous().numpy().tobytes())
+    return weights.hexdigest()
+
+
+def report(model: nn.Module, data: torch.utils.data.TensorDataset, **fields: object) -> None:
+    """One JSON line: what the run ended with here, and digests to compare members by."""
     x, _ = data.tensors
     model.eval()
     with torch.no_grad():
         predictions = hashlib.sha256(model(x).argmax(1).numpy().tobytes()).hexdigest()
-    print(json.dumps({**fields, "accuracy": accuracy(model, data), "weights": weights.hexdigest(),
+    print(json.dumps({**fields, "accuracy": accuracy(model, data), "weights": weights_digest(model),
                       "predictions": predictions}), flush=True)

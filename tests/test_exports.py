@@ -55,10 +55,11 @@ EXPORTS: dict[str, list[str]] = {
         "MessageRouter", "Rate", "derived_key", "keep_reservations", "parse_bootstrap",
     ],
     "p2ptrain.models": [
-        "Arg", "Builder", "CardError", "ENTRY_POINT_GROUP", "HEADER_PER_TENSOR", "HEADER_SLACK", "MAX_CARD_BYTES",
-        "MAX_MODEL_FILE_BYTES", "MissingBuilder", "ModelError", "Origin", "PLUGINS", "build_model", "builders",
-        "card_bytes", "card_from_bytes", "card_of", "check_model", "file_bytes_bound", "first_difference", "lookup",
-        "model_file_limit",
+        "Arg", "Builder", "CardError", "CausalLM", "ENTRY_POINT_GROUP", "HEADER_PER_TENSOR", "HEADER_SLACK",
+        "HF_MODEL", "HF_REFUSED", "MAX_CARD_BYTES", "MAX_MODEL_FILE_BYTES", "MissingBuilder", "ModelError", "Origin",
+        "PLUGINS", "build_model", "builders", "card_bytes", "card_from_bytes", "card_of", "check_hf_config",
+        "check_model", "file_bytes_bound", "first_difference", "hf_config", "hf_settings", "import_transformers",
+        "lookup", "model_file_limit",
     ],
     "p2ptrain.net": [
         "Channel", "ChannelClosed", "ChannelError", "MessageTooLarge", "PubsubMessageTooLarge",
@@ -105,10 +106,11 @@ EXPORTS: dict[str, list[str]] = {
         "votes_for", "wait_for", "wait_until", "wan_node_processes", "wan_unavailable",
     ],
     "p2ptrain.training": [
-        "Average", "GradientBridge", "LocalSGDTrainer", "PlanAverager", "PositionedBatches", "RoundTimings",
-        "StateSnapshot", "StepSkipped", "Trainer", "TrainerError", "UserLocalSGDTrainer", "UserTrainer", "batched",
-        "batches_forever", "describe_model_file", "evaluate_batches", "load_model", "loss_and_hits", "lr_at",
-        "model_from_bytes", "new_trainer", "resolve_device", "run_round",
+        "Average", "GradientBridge", "LocalSGDTrainer", "PlanAverager", "PositionedBatches", "PretrainedError",
+        "RoundTimings", "StateSnapshot", "StepSkipped", "Trainer", "TrainerError", "UserLocalSGDTrainer", "UserTrainer",
+        "batched", "batches_forever", "config_snippet", "describe_model_file", "evaluate_batches", "export_pretrained",
+        "import_pretrained", "load_model", "loss_and_hits", "lr_at", "model_from_bytes", "new_trainer",
+        "resolve_device", "run_round",
     ],
     "p2ptrain.wire": [
         "Attestation", "Capabilities", "ConfirmedRecord", "CoordinatorBeat", "DIGEST_BYTES", "DTYPES", "DecodeError",

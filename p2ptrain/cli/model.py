@@ -51,6 +51,29 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     evaluate.add_argument("--json", action="store_true", help="print one JSON object (accuracy, loss, samples)")
     evaluate.set_defaults(func=cmd_eval)
 
+    importer = msub.add_parser(
+        "import", help="store a local Hugging Face save_pretrained directory as a model CID (to fine-tune)",
+        description="Store DIR (config.json + model.safetensors, as transformers' save_pretrained writes them; "
+                    "a pickled pytorch_model.bin is never read) as a model of [model] name = \"hf\" in the home's "
+                    "store, and print its CID and the task TOML that fine-tunes it (initial_model). Weights are "
+                    "stored as float32; the architecture must be one of the installed transformers.")
+    importer.add_argument("directory", metavar="DIR", type=Path, help="a save_pretrained directory")
+    importer.add_argument("--home", type=Path, default=None, help=HOME_HELP)
+    importer.add_argument("--json", action="store_true",
+                          help="print one JSON object (model_cid, bytes, parameters, model, toml)")
+    importer.set_defaults(func=cmd_import)
+
+    export = msub.add_parser(
+        "export", help="write an hf model by CID as a directory transformers loads (from_pretrained)",
+        description="Write the model MODEL_CID (of [model] name = \"hf\") as a new directory DIR with config.json "
+                    "and model.safetensors, which transformers loads with from_pretrained(DIR); the directory "
+                    "appears whole or not at all.")
+    export.add_argument("model_cid", metavar="MODEL_CID", type=cid_arg, help="the model's CID")
+    export.add_argument("directory", metavar="DIR", type=Path, help="the directory to create (must not exist)")
+    _source_options(export)
+    export.add_argument("--json", action="store_true", help="print one JSON object (model_cid, path, files)")
+    export.set_defaults(func=cmd_export)
+
     from p2ptrain.cli import builders as builders_cli  # model builders
     from p2ptrain.cli import serve as serve_cli  # model serve, model predict
     from p2ptrain.cli import verify as verify_cli  # model verify
@@ -275,4 +298,49 @@ def cmd_eval(args: argparse.Namespace) -> int:
     else:
         print(f"accuracy {result['accuracy']:.4f}  loss {result['loss']:.4f}  on {result['samples']} samples "
               f"of split {args.split!r}")
+    return 0
+
+
+def cmd_import(args: argparse.Namespace) -> int:
+    from p2ptrain.ipfs import open_store
+    from p2ptrain.training import config_snippet, import_pretrained
+
+    data, card = import_pretrained(args.directory)
+    store = open_store(_home(args))
+    cid = store.add_bytes(data)
+    store.pin_add(cid)
+    toml = config_snippet(card, cid)
+    params = _parameters(data)
+    if args.json:
+        print(json.dumps({"model_cid": cid, "bytes": len(data), "parameters": params, "model": card, "toml": toml}))
+    else:
+        print(f"{cid}  ({card['kwargs']['model_type']}, {params:,} parameters, {len(data):,} bytes)")
+        print("fine-tune it with a task that has:\n")
+        print(toml, end="")
+    return 0
+
+
+def _parameters(data: bytes) -> int:
+    from p2ptrain.training import describe_model_file
+
+    return describe_model_file(data)[1]
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from p2ptrain.ipfs import open_store
+    from p2ptrain.models import MAX_MODEL_FILE_BYTES
+    from p2ptrain.training import export_pretrained
+
+    home = _home(args)
+    if args.directory.exists():  # before any fetch
+        raise UserError(f"{args.directory}: exists; export writes a new directory")
+    ensure_local(home, [args.model_cid], args.bootstrap)
+    data = open_store(home).cat(args.model_cid, max_bytes=MAX_MODEL_FILE_BYTES)
+    path = export_pretrained(data, args.directory)
+    files = sorted(p.name for p in path.iterdir())
+    if args.json:
+        print(json.dumps({"model_cid": args.model_cid, "path": str(path), "files": files}))
+    else:
+        print(f"{args.model_cid} -> {path}/ ({', '.join(files)}): transformers loads it with "
+              f"AutoModelForCausalLM.from_pretrained({str(path)!r})")
     return 0

@@ -110,7 +110,7 @@ def verify(home: Path, *, model_cid: str | None, task_cid: str | None, bootstrap
     from p2ptrain.cli.model import ensure_local, split_shards
     from p2ptrain.ipfs import open_store
     from p2ptrain.protocol import ChainRules, RecordError, audit, chain_lines, parse_entry
-    from p2ptrain.task import MAX_TASK_BYTES, task_from_bytes
+    from p2ptrain.task import MAX_TASK_BYTES, read_task
 
     store = open_store(home)
     if task_cid is None:
@@ -118,7 +118,7 @@ def verify(home: Path, *, model_cid: str | None, task_cid: str | None, bootstrap
         task_cid = _task_naming(home, model_cid)
     report = Report(task_cid)
     data, report.chain_source = _chain_and_task(home, task_cid, bootstrap)
-    task = task_from_bytes(store.cat(task_cid, max_bytes=MAX_TASK_BYTES + 1))
+    task = read_task(store.cat(task_cid, max_bytes=MAX_TASK_BYTES + 1))
     report.checked.append(f"task {task.name} read by its CID (admission {task.peers.admission or 'open'}, "
                           f"{task.peers.min} to {task.peers.max} members a span)")
     try:

@@ -21,6 +21,16 @@ if TYPE_CHECKING:
         Origin as Origin,
         PLUGINS as PLUGINS,
     )
+    from p2ptrain.models._model_error import ModelError as ModelError
+    from p2ptrain.models._hf import (
+        CausalLM as CausalLM,
+        check_hf_config as check_hf_config,
+        HF_MODEL as HF_MODEL,
+        HF_REFUSED as HF_REFUSED,
+        hf_config as hf_config,
+        hf_settings as hf_settings,
+        import_transformers as import_transformers,
+    )
     from p2ptrain.models._registry import (
         Arg as Arg,
         Builder as Builder,
@@ -33,7 +43,6 @@ if TYPE_CHECKING:
         HEADER_SLACK as HEADER_SLACK,
         MAX_MODEL_FILE_BYTES as MAX_MODEL_FILE_BYTES,
         model_file_limit as model_file_limit,
-        ModelError as ModelError,
     )
 else:
     from p2ptrain._exports import lazy_exports

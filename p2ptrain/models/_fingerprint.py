@@ -73,6 +73,13 @@ def card_of(module: nn.Module, optimizer: torch.optim.Optimizer, options: Mappin
     (the run's mode, compression, buffers rule: what every member must pass the same)."""
     if not any(True for _ in module.parameters()):
         raise CardError("the model has no parameters: there is nothing to train")
+    state = module.state_dict()
+    first: dict[int, str] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        if id(param) in first and name in state:
+            raise CardError(f"parameters {first[id(param)]} and {name} are one tensor (tied), which a model file stores "
+                            "once: wrap a transformers model in p2ptrain.models.CausalLM (it keeps the tie)")
+        first.setdefault(id(param), name)
     owned = {id(p) for p in module.parameters()}
     given = [p for group in optimizer.param_groups for p in group["params"]]
     strangers = [p for p in given if id(p) not in owned]

@@ -26,6 +26,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from p2ptrain.models._model_error import MissingBuilder as MissingBuilder
 from p2ptrain.models._registry import REGISTRY, Arg, Builder, ModelError
 
 logger = logging.getLogger(__name__)
@@ -41,15 +42,6 @@ BUILDER_NAME = re.compile(r"([a-z][a-z0-9_]{0,23}):[A-Za-z0-9][A-Za-z0-9_.-]{0,3
 BUNDLED = {"torchvision": "p2ptrain.models._torchvision:BUILDERS"}
 # What to install for a bundled namespace whose module does not import.
 INSTALL_HINTS = {"torchvision": "pip install torchvision"}
-
-
-class MissingBuilder(ModelError):
-    """A task names a builder this node does not have; the message says what to install."""
-
-    def __init__(self, name: str, line: str) -> None:
-        super().__init__(f"model.name: {line}")
-        self.name = name
-        self.line = line  # without the field name: what `task status` shows
 
 
 @dataclass(frozen=True)

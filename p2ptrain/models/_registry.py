@@ -21,7 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from p2ptrain.base import UserError
+from p2ptrain.models import _hf
+from p2ptrain.models._model_error import ModelError as ModelError
 
 # 50M float32 parameters = 200 MB of weights (about 800 MB with Adam state and gradients).
 MAX_PARAMETERS = 50_000_000
@@ -34,10 +35,6 @@ HEADER_SLACK = 64 * 1024
 # nothing else: no buffers) and a header for up to 2,048 tensors. The bound for reading a model
 # whose card is not known before it is read (``model serve``, ``load_model``).
 MAX_MODEL_FILE_BYTES = MAX_PARAMETERS * 4 + 2048 * HEADER_PER_TENSOR + HEADER_SLACK
-
-
-class ModelError(UserError):
-    """A model name or its arguments are not acceptable; the message names the field."""
 
 
 @dataclass(frozen=True)
@@ -63,6 +60,9 @@ class Builder:
     fn: Callable[..., nn.Module]
     args: dict[str, Arg]
     doc: str
+    # Checks the kwargs in place of ``args`` and returns the builder's real call (the hf builder's
+    # config table: its settings are the architecture's, not declared here).
+    check: Callable[[dict[str, Any]], dict[str, Any]] | None = None
 
 
 REGISTRY: dict[str, Builder] = {}
@@ -81,10 +81,13 @@ def lookup(name: str) -> Builder:
 
 
 def builders() -> dict[str, Builder]:
-    """Every builder this node has, built-ins first, then those of installed packages."""
+    """Every builder this node has, built-ins first, then those of installed packages; ``hf`` only
+    where ``transformers`` is installed (a node advertises these names, and a peer that chose members
+    by them must not pick one that refuses the task)."""
     from p2ptrain.models._plugins import PLUGINS
 
-    return {**REGISTRY, **PLUGINS.available()}
+    have = {name: b for name, b in REGISTRY.items() if name != _hf.HF_MODEL or _hf.transformers_installed()}
+    return {**have, **PLUGINS.available()}
 
 
 def register(name: str, doc: str, **args: Arg) -> Callable[[Callable[..., nn.Module]], Callable[..., nn.Module]]:
@@ -114,6 +117,8 @@ def _check_number(value: Any, kind: type, arg: Arg, where: str) -> Any:
 def check_kwargs(name: str, kwargs: dict[str, Any]) -> dict[str, Any]:
     """Validate a builder's kwargs; return them complete with defaults (the builder's real call)."""
     builder = lookup(name)
+    if builder.check is not None:
+        return builder.check(kwargs)
     unknown = sorted(set(kwargs) - set(builder.args))
     if unknown:
         raise ModelError(
@@ -307,3 +312,8 @@ def transformer_lm(vocab_size: int, context: int, width: int, depth: int, heads:
     if width % heads:
         raise ModelError(f"model.kwargs.heads: width {width} is not divisible by heads {heads}")
     return TinyLM(vocab_size, context, width, depth, heads)
+
+
+# transformers is imported only when an hf model is checked or built.
+REGISTRY[_hf.HF_MODEL] = Builder(_hf.HF_MODEL, _hf.build, {}, "Any causal LM of the installed transformers, from a config "
+                           "table (model.config, not kwargs).", check=_hf.check_hf_config)

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from p2ptrain.base import UserError, boundedjson
+from p2ptrain.models import HF_MODEL, hf_config
 
 # Samples in one request: 1024 digits rows are ~0.5 MB of JSON; a bigger batch is better sent as
 # several requests (the server batches them anyway), and one request cannot hold the queue alone.
@@ -39,6 +40,8 @@ MAX_REQUEST_DEPTH = 6
 # classifier's 1024 samples of 10 logits are far below; a language model answers (T, vocab) logits a
 # sample, so 128 sequences of 64 tokens over 256 ids is the most one request may ask.
 MAX_OUTPUT_NUMBERS = 2_000_000
+# Tokens a request may send an hf model whose config names no position limit (rotary models may).
+HF_MAX_LEN = 2048
 
 
 class InputError(ValueError):
@@ -117,6 +120,11 @@ def spec_for(card: dict[str, Any]) -> InputSpec:
     if name == "transformer_lm":
         vocab = int(kw.get("vocab_size", 256))
         return InputSpec((), torch.int64, vocab=vocab, max_len=int(kw.get("context", 64)), outputs=vocab)
+    if name == HF_MODEL:  # a causal LM of transformers: its config knows its vocabulary and positions
+        config = hf_config(kw)
+        vocab = int(config.vocab_size)
+        positions = getattr(config, "max_position_embeddings", None)
+        return InputSpec((), torch.int64, vocab=vocab, max_len=int(positions or HF_MAX_LEN), outputs=vocab)
     raise ValueError(f"model serve does not know the inputs of a {name!r} model")
 
 

@@ -36,7 +36,7 @@ from p2ptrain.ipfs import ContentUnavailable, InvalidCID, parse_cid
 from p2ptrain.mesh import derived_key
 from p2ptrain.node import ContentService, Node
 from p2ptrain.protocol import Chain, ChainRules, MAX_CHAIN_BYTES, RecordError, read_chain
-from p2ptrain.task import MAX_TASK_BYTES, task_from_bytes
+from p2ptrain.task import MAX_TASK_BYTES, TaskError, read_task
 from p2ptrain.wire import HeadRequest, Signed, TASKS_TOPIC, TaskHead
 
 logger = logging.getLogger(__name__)
@@ -146,18 +146,28 @@ class LatestFinder:
         bounds it). :class:`ContentUnavailable` or :class:`TaskError` when the task itself cannot be
         had: its rules are what every chain is checked against. The task is fetched when the first
         head arrives: a peer that answers is connected then, and has the task if it ran it."""
+        failure: ContentUnavailable | TaskError | None = None
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._ask)
             nursery.start_soon(self._find_holders)
-            async for head in self._recv:
-                if await self._judge(head):
-                    break
-            with trio.move_on_after(HEAD_COLLECT_S):
-                async for head in self._recv:
-                    await self._judge(head)
+            try:
+                await self._collect()
+            except (ContentUnavailable, TaskError) as exc:  # raised as itself, not in a nursery's group
+                failure = exc
             nursery.cancel_scope.cancel()
+        if failure is not None:
+            raise failure
         assert self.best is not None
         return self.best
+
+    async def _collect(self) -> None:
+        """Judge heads until one verifies, then those that arrive for HEAD_COLLECT_S more."""
+        async for head in self._recv:
+            if await self._judge(head):
+                break
+        with trio.move_on_after(HEAD_COLLECT_S):
+            async for head in self._recv:
+                await self._judge(head)
 
     async def _load_rules(self) -> None:
         """The task, by CID (verified as every fetch is), for the rules its chains must follow."""
@@ -166,7 +176,7 @@ class LatestFinder:
         store = self.content.store
         await self.content.fetch(self.task_cid, timeout=CHAIN_FETCH_TIMEOUT_S, max_bytes=MAX_TASK_BYTES)
         data = await trio.to_thread.run_sync(lambda: store.cat(self.task_cid, max_bytes=MAX_TASK_BYTES + 1))
-        self.rules = ChainRules.of(task_from_bytes(data), self.task_cid)
+        self.rules = ChainRules.of(read_task(data), self.task_cid)  # its builder not needed
 
     async def _ask(self) -> None:
         while True:

@@ -12,7 +12,7 @@ from p2ptrain.data import MAX_MANIFEST_BYTES, Manifest, ManifestError
 from p2ptrain.base import UserError
 from p2ptrain.ipfs import ContentStore, ContentUnavailable, DagError, InvalidCID, parse_cid
 from p2ptrain.protocol import MAX_CHAIN_BYTES, RecordError, chain_lines, entry_from_bytes
-from p2ptrain.task import MAX_TASK_BYTES, task_from_bytes
+from p2ptrain.task import MAX_TASK_BYTES, read_task
 
 # A run's chain.jsonl: the one limit on a chain's bytes, on disk or fetched (records.MAX_CHAIN_BYTES, 64 MiB).
 MAX_CHAIN_FILE_BYTES = MAX_CHAIN_BYTES
@@ -51,7 +51,7 @@ def _run_roots(run_dir: Path, store: ContentStore) -> list[str]:
     task_cid = run_dir.name
     cids = [task_cid]
     if store.has(task_cid):
-        task = task_from_bytes(store.cat(task_cid, max_bytes=MAX_TASK_BYTES + 1))
+        task = read_task(store.cat(task_cid, max_bytes=MAX_TASK_BYTES + 1))
         if task.initial_model:
             cids.append(task.initial_model)
         if task.model.architecture:

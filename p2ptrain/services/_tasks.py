@@ -452,7 +452,7 @@ class TaskService:
                 raise TaskError(f"dataset.manifest: {exc}; add it first with: p2ptrain dataset add") from None
         if task.initial_model:  # a registry model's: within what a model of the task's architecture takes
             limit = DEFAULT_MAX_FETCH_BYTES if task.model.user else dag_bytes_limit(
-                await trio.to_thread.run_sync(model_file_limit, task.model.name, task.model.kwargs))
+                await trio.to_thread.run_sync(model_file_limit, task.model.name, task.model.arguments))
             try:
                 await self.content.fetch(task.initial_model, max_bytes=limit)
             except ContentUnavailable as exc:

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
         parse_task as parse_task,
         Task as Task,
         task_bytes as task_bytes,
+        read_task as read_task,
         task_from_bytes as task_from_bytes,
         TaskError as TaskError,
         total_steps as total_steps,

@@ -21,7 +21,7 @@ from typing import Any
 
 from p2ptrain.base import boundedjson
 from p2ptrain.task import _fields as fields
-from p2ptrain.models import MissingBuilder, ModelError, check_model
+from p2ptrain.models import HF_MODEL, MissingBuilder, ModelError, check_hf_config, check_model
 from p2ptrain.task._fields import TaskError as TaskError  # re-exported: the task's one error
 from p2ptrain.wire import Capabilities
 
@@ -69,11 +69,17 @@ class ModelSpec:
     name: str
     kwargs: dict[str, Any] = field(default_factory=dict)
     architecture: str | None = None  # name = "user" only
+    config: dict[str, Any] | None = None  # name = "hf" only: the transformers config (models._hf)
 
     @property
     def user(self) -> bool:
         """Whether the members bring the module themselves (no builder of ours makes it)."""
         return self.name == USER_MODEL
+
+    @property
+    def arguments(self) -> dict[str, Any]:
+        """What the registry's builder takes: the kwargs, or an hf model's config."""
+        return self.config if self.config is not None else self.kwargs
 
 
 @dataclass(frozen=True)
@@ -252,7 +258,10 @@ def parse_task(data: dict[str, Any]) -> Task:
     initial_model = fields.cid(data, "initial_model", "", None)
     publisher = fields.text(data, "publisher", "", None, max_len=_MAX_PEER_LEN)
 
-    model = _model(fields.table(data, "model", "", True))
+    try:
+        model, unbuildable = _model(fields.table(data, "model", "", True)), None
+    except NoBuilder as exc:  # the rest is checked all the same: the task may be sound
+        model, unbuildable = exc.model, exc
     dataset = _dataset(data, required=not model.user)
     optimizer = _optimizer(data) if not model.user else None
     if model.user and "optimizer" in data:
@@ -310,34 +319,53 @@ def parse_task(data: dict[str, Any]) -> Task:
         device=fields.choice(r, "device", "requirements.", DEVICES, "cpu"),
         min_memory_mb=fields.integer(r, "min_memory_mb", "requirements.", 0, 0, 2**40),
     )
-    return Task(
+    task = Task(
         name=name, model=model, dataset=dataset, optimizer=optimizer, training=training,
         schedule=schedule, compression=compression, peers=peers, requirements=requirements,
         seed=seed, initial_model=initial_model, publisher=publisher, outer=outer,
     )
+    if unbuildable is not None:
+        unbuildable.task = task
+        raise unbuildable
+    return task
 
 
 class NoBuilder(TaskError):
     """The task names a builder this node does not have (no installed package provides it): the task
-    may be sound, this node just cannot build its model. ``line`` says what to install."""
+    may be sound, this node just cannot build its model. ``line`` says what to install; ``task`` is
+    the task with its model unchecked (set once the rest of it parsed), for what a node reads of a
+    task it does not train: its chain's rules, its name, what its home keeps."""
 
-    def __init__(self, missing: MissingBuilder) -> None:
+    def __init__(self, missing: MissingBuilder, model: ModelSpec) -> None:
         super().__init__(str(missing))
         self.builder = missing.name
         self.line = missing.line
+        self.model = model
+        self.task: Task | None = None
 
 
 def _model(m: dict[str, Any]) -> ModelSpec:
     """``[model]``: a registry builder and its checked kwargs, or ``name = "user"`` with its
     ``architecture`` card's CID."""
-    fields.only(m, {"name", "kwargs", "architecture"}, "model.")
+    fields.only(m, {"name", "kwargs", "architecture", "config"}, "model.")
     kwargs_t = fields.table(m, "kwargs", "model.", False)
     if len(kwargs_t) > 32:
         raise TaskError("model.kwargs: more than 32 arguments")
+    name = fields.text(m, "name", "model.")
+    missing: MissingBuilder | None = None
+    config = None
+    if name == HF_MODEL:
+        try:
+            config = _hf_config(m)
+        except MissingBuilder as exc:  # no transformers here: the table as it is, for reading only
+            config, missing = dict(sorted(fields.table(m, "config", "model.", True).items())), exc
+    if config is None and "config" in m:
+        raise TaskError(f'model.config: only for name = "{HF_MODEL}" (other builders take model.kwargs)')
     model = ModelSpec(
-        name=fields.text(m, "name", "model."),
+        name=name,
         kwargs={k: fields.kwarg_value(v, f"model.kwargs.{k}") for k, v in sorted(kwargs_t.items())},
         architecture=fields.cid(m, "architecture", "model.", None),
+        config=config,
     )
     if model.user:
         if model.architecture is None:
@@ -348,13 +376,29 @@ def _model(m: dict[str, Any]) -> ModelSpec:
         return model
     if model.architecture is not None:
         raise TaskError('model.architecture: only for name = "user"')
+    if config is not None and model.kwargs:
+        raise TaskError(f'model.kwargs: not for name = "{HF_MODEL}" (its settings go in model.config)')
+    if missing is not None:
+        raise NoBuilder(missing, model)
     try:
-        check_model(model.name, model.kwargs)
+        check_model(model.name, model.arguments)
     except MissingBuilder as exc:
-        raise NoBuilder(exc) from None
+        raise NoBuilder(exc, model) from None
     except ModelError as exc:
         raise TaskError(str(exc)) from None
     return model
+
+
+def _hf_config(m: dict[str, Any]) -> dict[str, Any]:
+    """``[model] config`` of an hf model: a table of scalars and short lists, checked for what it
+    names by :func:`p2ptrain.models.check_model` (models._hf)."""
+    config = fields.table(m, "config", "model.", True)
+    try:
+        return check_hf_config(config)
+    except MissingBuilder:
+        raise  # no transformers here: the caller keeps the task readable
+    except ModelError as exc:
+        raise TaskError(str(exc)) from None
 
 
 def _dataset(data: dict[str, Any], required: bool) -> DatasetSpec | None:
@@ -503,10 +547,27 @@ def task_from_bytes(data: bytes) -> Task:
         plain = boundedjson.loads(data, max_depth=MAX_TASK_DEPTH, what="task")
     except boundedjson.JSONBoundsError as exc:
         raise TaskError(str(exc)) from None
-    task = parse_task(plain)
+    try:
+        task = parse_task(plain)
+    except NoBuilder as exc:
+        assert exc.task is not None
+        if task_bytes(exc.task) != data:
+            raise TaskError("task: bytes are not in canonical form") from None
+        raise
     if task_bytes(task) != data:
         raise TaskError("task: bytes are not in canonical form")
     return task
+
+
+def read_task(data: bytes) -> Task:
+    """Task bytes fetched by CID, as :func:`task_from_bytes` checks them, also when this node lacks
+    the task's builder (its model unchecked): for the readers that never build it (a chain's rules,
+    `model verify`, what a home keeps). A node that trains the task uses :func:`task_from_bytes`."""
+    try:
+        return task_from_bytes(data)
+    except NoBuilder as exc:
+        assert exc.task is not None
+        return exc.task
 
 
 def unmet_requirement(task: Task, caps: Capabilities) -> str | None:

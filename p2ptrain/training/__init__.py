@@ -21,6 +21,12 @@ if TYPE_CHECKING:
         load_model as load_model,
         model_from_bytes as model_from_bytes,
     )
+    from p2ptrain.training._pretrained import (
+        config_snippet as config_snippet,
+        export_pretrained as export_pretrained,
+        import_pretrained as import_pretrained,
+        PretrainedError as PretrainedError,
+    )
     from p2ptrain.training._local_sgd import LocalSGDTrainer as LocalSGDTrainer, new_trainer as new_trainer
     from p2ptrain.training._optimizers import lr_at as lr_at
     from p2ptrain.training._sync import PlanAverager as PlanAverager, RoundTimings as RoundTimings, run_round as run_round

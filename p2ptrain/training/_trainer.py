@@ -135,7 +135,7 @@ class Trainer:
             raise TrainerError("the task gives epochs, so the trainer needs total_steps (see task.total_steps)")
         self.total_steps = steps
         if model is None:
-            model = build_model(task.model.name, task.model.kwargs, task.seed)
+            model = build_model(task.model.name, task.model.arguments, task.seed)
         self.model = model.to(self.device)
         self.params = list(self.model.parameters())
         self.optimizer = optimizer if optimizer is not None else build_optimizer(task, self.params)
@@ -390,11 +390,11 @@ class Trainer:
         # The module to evaluate it with, on the meta device: no memory, no initialisation, and
         # built now, while this trainer is idle (build_model seeds torch's global generator).
         with torch.device("meta"):
-            module = build_model(self.task.model.name, self.task.model.kwargs, self.task.seed)
+            module = build_model(self.task.model.name, self.task.model.arguments, self.task.seed)
         return StateSnapshot(self.step, self.model_tensors(), self.optimizer_tensors(), self._card(), module)
 
     def _card(self) -> dict[str, Any]:
-        return {"name": self.task.model.name, "kwargs": self.task.model.kwargs}
+        return {"name": self.task.model.name, "kwargs": self.task.model.arguments}
 
     def optimizer_state_keys(self) -> frozenset[str]:
         """The per-parameter state keys this trainer's optimizer keeps (what an optimizer file may

@@ -54,3 +54,12 @@ def test_resnet18_on_an_image_folder(tmp_path: Path) -> None:
     assert len({r["model_cid"] for r in results}) == 1 and results[0]["model_cid"]
     assert len({r["weights"] for r in results}) == 1, "weights or BatchNorm statistics differ between members"
     assert all(r["steps"] == 12 for r in results)
+
+
+@pytest.mark.timeout(RUN_S + 60)
+def test_gpt2_architecture_on_text_files(tmp_path: Path) -> None:
+    """A transformers GPT-2 config (p2ptrain.models.build_model("hf", ...)) on windows of text files."""
+    results = run_script(EXAMPLES / "gpt2_text.py", script_members(2, tmp_path), ["--steps", "40"], timeout=RUN_S)
+    assert len({r["model_cid"] for r in results}) == 1 and results[0]["model_cid"]
+    assert len({r["weights"] for r in results}) == 1
+    assert all(r["steps"] == 40 and r["loss"] < r["first_loss"] - 1.0 for r in results), results

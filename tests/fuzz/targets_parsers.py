@@ -72,7 +72,11 @@ density = 0.5
 min = 2
 """.encode()
 TASK_TOML_SGD = TASK_TOML.replace(b'name = "adam"\nlr = 0.001', b'name = "sgd"\nlr = 0.1\nmomentum = 0.9')
-TASK_BYTES = [task_bytes(load_task(TASK_TOML)), task_bytes(load_task(TASK_TOML_SGD))]
+# An hf model's config: a table the fuzzer's JSON attacks reach (models._hf checks it).
+TASK_TOML_HF = TASK_TOML.replace(b'name = "mlp"\n[model.kwargs]\nhidden = [8, 8]',
+                                 b'name = "hf"\nconfig = { model_type = "gpt2", n_layer = 1, n_embd = 8, n_head = 2, '
+                                 b'vocab_size = 16, n_positions = 4, bos_token_id = 1, layer_norm_epsilon = 1e-06 }')
+TASK_BYTES = [task_bytes(load_task(TASK_TOML)), task_bytes(load_task(TASK_TOML_SGD)), task_bytes(load_task(TASK_TOML_HF))]
 
 # --- records ------------------------------------------------------------------------------------
 
@@ -115,7 +119,9 @@ HEADERS = [
 
 _MODEL = build_model("mlp", {"in_features": 4, "hidden": [4], "out_features": 2}, 0)
 _CARD = {"name": "mlp", "kwargs": {"in_features": 4, "hidden": [4], "out_features": 2}}
-MODEL_FILES = [model_bytes(_MODEL, _CARD)]
+_HF_CARD = {"name": "hf", "kwargs": {"model_type": "gpt2", "n_layer": 1, "n_embd": 8, "n_head": 2, "vocab_size": 16,
+                                     "n_positions": 4}}
+MODEL_FILES = [model_bytes(_MODEL, _CARD), model_bytes(build_model("hf", _HF_CARD["kwargs"], 0), _HF_CARD)]
 CARDS = [json.dumps(_CARD, sort_keys=True, separators=(",", ":")).encode()]
 
 
@@ -152,7 +158,7 @@ CONTROL_LINES = [
 TARGETS = [
     FuzzTarget("parsers.manifest", Manifest.from_json, (ManifestError,), MANIFESTS),
     FuzzTarget("parsers.task_bytes", task_from_bytes, (TaskError,), TASK_BYTES),
-    FuzzTarget("parsers.task_toml", load_task, (TaskError,), [TASK_TOML, TASK_TOML_SGD]),
+    FuzzTarget("parsers.task_toml", load_task, (TaskError,), [TASK_TOML, TASK_TOML_SGD, TASK_TOML_HF]),
     FuzzTarget("parsers.chain_line", entry_from_bytes, (RecordError,), RECORDS),
     FuzzTarget("parsers.safetensors_header", _decode_header, (TensorFileError,), HEADERS),
     FuzzTarget("parsers.model_file", model_from_bytes, (RecordError,), MODEL_FILES),

@@ -19,7 +19,7 @@ from p2ptrain.control import ControlClient, ops as control_ops
 from p2ptrain.models import MissingBuilder, ModelError, build_model, builders, check_model, lookup
 from p2ptrain.models import _plugins
 from p2ptrain.node import NodeProcess, free_port
-from p2ptrain.task import NoBuilder, load_task
+from p2ptrain.task import NoBuilder, load_task, read_task, task_bytes, task_from_bytes
 from p2ptrain.testing import run_cli, run_node_processes, task_status_of, wait_for
 from p2ptrain.testing._peers import DIGITS_TASK
 
@@ -137,6 +137,13 @@ def test_a_task_naming_a_missing_builder_is_a_no_builder_error_saying_what_to_in
         load_task(text)
     assert caught.value.builder == "torchvision:resnet18"
     assert caught.value.line.startswith("no builder 'torchvision:resnet18' on this node: pip install torchvision")
+    # The task is sound: a node without the builder still reads it by CID (its chain's rules for
+    # `model fetch --latest`, `model verify`, what its home keeps), the model unchecked.
+    task = caught.value.task
+    assert task is not None and task.model.name == "torchvision:resnet18" and task.peers.max == 2
+    with pytest.raises(NoBuilder):
+        task_from_bytes(task_bytes(task))
+    assert read_task(task_bytes(task)) == task
 
 
 STEPS = 20
