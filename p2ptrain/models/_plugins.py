@@ -69,6 +69,8 @@ def _check_builder(obj: Any, namespace: str) -> Builder:
         raise ModelError(f"builder {obj.name!r} would replace a built-in")
     if not callable(obj.fn):
         raise ModelError(f"builder {obj.name!r}: fn is not callable")
+    if obj.check is not None:  # the hf builder's own config check: a package's arguments are Arg-checked
+        raise ModelError(f"builder {obj.name!r}: check is for built-in builders (declare its args)")
     if not isinstance(obj.args, Mapping) or not all(
         isinstance(k, str) and isinstance(a, Arg) and a.kind in (int, float, bool, list) for k, a in obj.args.items()
     ):

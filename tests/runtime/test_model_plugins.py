@@ -38,6 +38,9 @@ BUILDERS = [Builder("tinyplug:mlp", tiny, {"hidden": Arg(int, 16, 1, 256, doc="h
 BROKEN = 'raise RuntimeError("this plugin is broken")\n'
 SHADOW = TINY.replace('"tinyplug:mlp"', '"mlp"')  # a builder that would replace the built-in "mlp"
 NOT_A_BUILDER = 'BUILDERS = ["mlp"]\n'
+# A builder that brings its own argument check (Builder.check, the hf builder's): it would skip the Args.
+OWN_CHECK = TINY.replace('"tinyplug:mlp"', '"checkplug:mlp"').replace(
+    '"a test package\'s MLP for digits")', '"a test package\'s MLP for digits", check=lambda kwargs: kwargs)')
 CRASHES = (TINY.replace('"tinyplug:mlp"', '"crashplug:mlp"')
            .replace("    return nn.Sequential", "    return 1 / 0 or nn.Sequential"))  # fails when called
 # dist name -> (module, source, entry point name)
@@ -47,6 +50,7 @@ PACKAGES = {
     "shadowplug": ("shadowplug_builders", SHADOW, "shadowplug"),
     "oddplug": ("oddplug_builders", NOT_A_BUILDER, "oddplug"),
     "crashplug": ("crashplug_builders", CRASHES, "crashplug"),
+    "checkplug": ("checkplug_builders", OWN_CHECK, "checkplug"),
 }
 
 
@@ -102,7 +106,7 @@ def test_broken_and_malformed_packages_are_unavailable_logged_once_and_never_rep
 ) -> None:
     caplog.set_level(logging.INFO, logger=_plugins.__name__)
     builtin_mlp = lookup("mlp")
-    plugins = installed("brokenplug", "shadowplug", "oddplug", "crashplug", "tinyplug")
+    plugins = installed("brokenplug", "shadowplug", "oddplug", "crashplug", "checkplug", "tinyplug")
     for _ in range(2):
         with pytest.raises(MissingBuilder, match="no builder 'brokenplug:x' on this node: RuntimeError: this plugin is broken"):
             lookup("brokenplug:x")
@@ -111,6 +115,7 @@ def test_broken_and_malformed_packages_are_unavailable_logged_once_and_never_rep
     errors = {o.namespace: o.error for o in plugins.origins()}
     assert "not shadowplug:NAME" in errors["shadowplug"]
     assert "is not a p2ptrain.models.Builder" in errors["oddplug"]
+    assert "check is for built-in builders" in errors["checkplug"]
     assert errors["tinyplug"] is None
     broken_lines = [r for r in caplog.records if "'brokenplug'" in r.getMessage()]
     assert len(broken_lines) == 1 and broken_lines[0].levelno == logging.WARNING
