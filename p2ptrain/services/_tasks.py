@@ -227,17 +227,19 @@ class TaskService:
 
     # -- joining -------------------------------------------------------------------------------
 
-    async def join(self, task_cid: str) -> TaskRun:
-        """Fetch the task by CID, check it fits this node, and start taking part in it."""
+    async def join(self, task_cid: str, task: Task | None = None) -> TaskRun:
+        """Fetch the task by CID, check it fits this node, and start taking part in it. ``task``:
+        the task those bytes are, when this node just made them (``task publish``): not read back."""
         if task_cid in self.runs:
             return self.runs[task_cid]
         requested_cid(task_cid)
-        await self.content.fetch(task_cid, timeout=JOIN_FETCH_TIMEOUT_S, max_bytes=MAX_TASK_BYTES)
-        data = await trio.to_thread.run_sync(self._read_task, task_cid)
-        try:
-            task = task_from_bytes(data)
-        except NoBuilder as exc:  # a sound task this node cannot build: say what to install
-            raise UserError(exc.line) from exc
+        if task is None:
+            await self.content.fetch(task_cid, timeout=JOIN_FETCH_TIMEOUT_S, max_bytes=MAX_TASK_BYTES)
+            data = await trio.to_thread.run_sync(self._read_task, task_cid)
+            try:
+                task = task_from_bytes(data)
+            except NoBuilder as exc:  # a sound task this node cannot build: say what to install
+                raise UserError(exc.line) from exc
         why = unmet_requirement(task, self.node.membership.caps)
         if why is None and not task.peers.admits(self.node.peer_id.to_base58()):
             why = "the task admits only the peers on its allowlist (peers.allow), and this node is not one"
@@ -463,7 +465,7 @@ class TaskService:
         await self.node.publish(TASKS_TOPIC, TaskAnnounce(task_cid=task_cid, name=task.name))
         joined = False
         if self.options.accept_tasks or request.get("join"):
-            await self.join(task_cid)
+            await self.join(task_cid, task)  # the task just parsed and stored: not read back by CID
             joined = True
         logger.info("node %s published task %s as %s", short_id(self.node.peer_id), task.name, task_cid)
         return {"task_cid": task_cid, "name": task.name, "joined": joined}
