@@ -193,6 +193,10 @@ def _render(s: NodeStatus) -> str:
             f"  {p['peer_id']}  {state:<10} heartbeat {p['last_heartbeat_age_s']:.1f} s ago  "
             f"{device}, {c['cpu_count']} CPU, {_gib(c['free_ram_bytes'])} free RAM, v{c['version']}"
         )
+        packaged = [b for b in c.get("builders", []) if ":" in b]  # builders of installed packages
+        if packaged:
+            more = f" and {len(packaged) - 6} more" if len(packaged) > 6 else ""
+            lines.append(f"    builders from packages: {', '.join(packaged[:6])}{more}")
     dropped = s.messages.get("dropped", {})
     if dropped:
         lines.append("dropped messages: " + ", ".join(f"{k} {v}" for k, v in sorted(dropped.items())))

@@ -40,8 +40,11 @@ NAMESPACE = re.compile(r"[a-z][a-z0-9_]{0,23}")
 BUILDER_NAME = re.compile(r"([a-z][a-z0-9_]{0,23}):[A-Za-z0-9][A-Za-z0-9_.-]{0,38}")
 # p2ptrain's own sources of optional builders: namespace -> entry-point value, loaded like a plugin.
 BUNDLED = {"torchvision": "p2ptrain.models._torchvision:BUILDERS"}
-# What to install for a bundled namespace whose module does not import.
+# What to install for a bundled namespace whose module is missing, and what to do when it imports
+# but fails (PyPI's torchvision beside a torch it was not built for: "operator torchvision::nms does
+# not exist").
 INSTALL_HINTS = {"torchvision": "pip install torchvision"}
+BROKEN_HINTS = {"torchvision": "install the torchvision release made for this torch"}
 
 
 @dataclass(frozen=True)
@@ -66,6 +69,8 @@ def _check_builder(obj: Any, namespace: str) -> Builder:
         raise ModelError(f"builder {obj.name!r} would replace a built-in")
     if not callable(obj.fn):
         raise ModelError(f"builder {obj.name!r}: fn is not callable")
+    if obj.check is not None:  # the hf builder's own config check: a package's arguments are Arg-checked
+        raise ModelError(f"builder {obj.name!r}: check is for built-in builders (declare its args)")
     if not isinstance(obj.args, Mapping) or not all(
         isinstance(k, str) and isinstance(a, Arg) and a.kind in (int, float, bool, list) for k, a in obj.args.items()
     ):
@@ -137,6 +142,8 @@ class Plugins:
             return
         except Exception as exc:  # a broken plugin is logged and unavailable, never a crash
             error = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
+            if namespace in BROKEN_HINTS:
+                error += f" ({BROKEN_HINTS[namespace]})"
             self._origins[namespace] = Origin(namespace, dist, ep.value, error)
             logger.warning("model builders %r from %s (%s) unavailable: %s", namespace, dist, ep.value, error)
             return
