@@ -149,7 +149,11 @@ def test_any_config_is_built_or_refused_with_a_model_error(config):
 
 
 def test_without_transformers_the_line_says_how_to_install_it(monkeypatch):
+    from p2ptrain.models import builders
+
+    assert "hf" in builders()
     monkeypatch.setitem(sys.modules, "transformers", None)  # what `import transformers` meets when it is not installed
+    assert "hf" not in builders()  # what a node advertises in its capabilities
     with pytest.raises(ModelError, match=r"^model.name: hf models need the transformers package: "
                                          r"pip install 'p2ptrain\[hf\]'$"):
         check_model("hf", GPT2)
