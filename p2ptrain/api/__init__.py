@@ -1,10 +1,21 @@
 """The Python API for the user's own module and loop: ``p2ptrain.Optimizer``, ``p2ptrain.train``,
-``p2ptrain.load_state`` (re-exported by ``p2ptrain``).
+``p2ptrain.load_state`` (re-exported by ``p2ptrain``); and content by CID made local, the fetch
+paths that ``load_state`` and the CLI's commands share.
 """
 
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from p2ptrain.api._fetching import (
+        ensure_local as ensure_local,
+        EPHEMERAL_MESH_TIMEOUT_S as EPHEMERAL_MESH_TIMEOUT_S,
+        fetch_progress as fetch_progress,
+        fetch_through as fetch_through,
+        find_latest as find_latest,
+        PROGRESS_LINE_S as PROGRESS_LINE_S,
+        split_shards as split_shards,
+        with_ephemeral_node as with_ephemeral_node,
+    )
     from p2ptrain.api._load import load_state as load_state
     from p2ptrain.api._optimizer import Optimizer as Optimizer, RunFinished as RunFinished
     from p2ptrain.api._train import train as train, TrainResult as TrainResult

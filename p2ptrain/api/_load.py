@@ -44,7 +44,7 @@ def load_state(model: nn.Module, cid_or_path: str | Path, *, home: str | Path | 
         where = Path(home).expanduser() if home is not None else _home_holding(cid)
         store = open_store(where)
         if not store.has(cid):
-            from p2ptrain.cli.model import ensure_local  # the fetch paths model fetch has
+            from p2ptrain.api._fetching import ensure_local  # the fetch paths model fetch has
 
             ensure_local(where, [cid], list(bootstrap))
         # Verified against the CID block by block, and no larger than a file of the instance's tensors.

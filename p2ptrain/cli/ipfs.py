@@ -12,11 +12,11 @@ import argparse
 import json
 import sys
 import threading
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from p2ptrain.api import fetch_progress
 from p2ptrain.base import UserError
 from p2ptrain.ipfs import (
     BlockMismatch,
@@ -46,9 +46,6 @@ NODE_FETCH_TIMEOUT_S = 300.0
 NODE_PROBE_TIMEOUT_S = 5.0
 # While the node fetches, the CLI asks it how far it is this often (one small request each time).
 PROGRESS_POLL_S = 0.5
-# Off a terminal (a log, CI) a fetch in flight says how far it is this often: a long fetch is seen
-# moving, a short one prints nothing.
-PROGRESS_LINE_S = 10.0
 # Below this a bar is noise when stderr is not a terminal (logs, CI); above it a silent minute worries.
 LARGE_FILE = 256 * 1024 * 1024
 CONTENT_ERRORS = (InvalidCID, BlockMismatch, ContentUnavailable, DagError, PinFileError)
@@ -112,7 +109,7 @@ def make_local(args: argparse.Namespace, store: ContentStore, cid: str) -> None:
     if node_answers(args.home):
         fetch_through_node(args.home, cid)
         return
-    from p2ptrain.cli.model import ensure_local  # here, not at the top: cli.model imports this module
+    from p2ptrain.api import ensure_local
 
     ensure_local(args.home, [cid], args.bootstrap)  # a temporary node, or the line saying how to fetch
 
@@ -167,30 +164,6 @@ def fetch_through_node(home: Path, cid: str) -> None:
     thread.join()
     if failed:
         raise failed[0]
-
-
-@contextmanager
-def fetch_progress(desc: str) -> Iterator[Callable[[int], None]]:
-    """``show(bytes_so_far)`` for a fetch whose size is not known: a live counter on a terminal,
-    else a line on stderr every :data:`PROGRESS_LINE_S` (stdout stays the content's, for ``cat``)."""
-    if sys.stderr.isatty():
-        from tqdm import tqdm
-
-        with tqdm(desc=desc, unit="B", unit_scale=True, unit_divisor=1024, leave=False, file=sys.stderr) as bar:
-            def update(n: int) -> None:
-                bar.update(n - bar.n)
-
-            yield update
-        return
-    next_line = time.monotonic() + PROGRESS_LINE_S
-
-    def line(n: int) -> None:
-        nonlocal next_line
-        if time.monotonic() >= next_line:
-            next_line += PROGRESS_LINE_S
-            print(f"{desc}: {n / 2**20:.1f} MiB so far", file=sys.stderr, flush=True)
-
-    yield line
 
 
 @contextmanager

@@ -11,22 +11,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import logging
-import sys
-from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from p2ptrain.api import ensure_local, split_shards
+from p2ptrain.cli._home import HOME_HELP, home_of, source_options
 from p2ptrain.cli.ipfs import cid_arg
 from p2ptrain.base import UserError
-from p2ptrain.control import TaskStatus, ops as control_ops
 
 if TYPE_CHECKING:
-    from p2ptrain.ipfs import ContentStore
-
-HOME_HELP = "node home whose store (and running node, if any) to use (default: $P2PTRAIN_HOME or ~/.p2ptrain)"
-EPHEMERAL_MESH_TIMEOUT_S = 20.0
-
+    pass
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     group = sub.add_parser("model", help="fetch, evaluate and serve trained models by CID", description=__doc__)
@@ -37,7 +31,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                        help="the model's CID (or give --latest TASK_CID)")
     fetch.add_argument("--latest", metavar="TASK_CID", type=cid_arg, help="fetch the latest confirmed model of this task")
     fetch.add_argument("-o", "--output", type=Path, required=True, help="where to write the .safetensors file")
-    _source_options(fetch)
+    source_options(fetch)
     fetch.add_argument("--json", action="store_true", help="print one JSON object (model_cid, path, bytes, model)")
     fetch.set_defaults(func=cmd_fetch)
 
@@ -47,7 +41,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                           help="dataset manifest CID (a --standardize dataset is evaluated standardized, as trained)")
     evaluate.add_argument("--split", default="test", help="split to evaluate on (default test)")
     evaluate.add_argument("--batch-size", type=int, default=256)
-    _source_options(evaluate)
+    source_options(evaluate)
     evaluate.add_argument("--json", action="store_true", help="print one JSON object (accuracy, loss, samples)")
     evaluate.set_defaults(func=cmd_eval)
 
@@ -70,7 +64,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                     "appears whole or not at all.")
     export.add_argument("model_cid", metavar="MODEL_CID", type=cid_arg, help="the model's CID")
     export.add_argument("directory", metavar="DIR", type=Path, help="the directory to create (must not exist)")
-    _source_options(export)
+    source_options(export)
     export.add_argument("--json", action="store_true", help="print one JSON object (model_cid, path, files)")
     export.set_defaults(func=cmd_export)
 
@@ -83,172 +77,10 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     verify_cli.add_parser(msub, HOME_HELP)
 
 
-def _source_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--home", type=Path, default=None, help=HOME_HELP)
-    parser.add_argument(
-        "--bootstrap", nargs="+", default=[], metavar="MULTIADDR",
-        help="with no node running for --home: start a temporary node that joins the mesh here to fetch",
-    )
-
-
-def _home(args: argparse.Namespace) -> Path:
-    from p2ptrain.base import default_home
-
-    return (args.home or default_home()).expanduser()
-
-
-def ensure_local(
-    home: Path, cids: list[str], bootstrap: list[str], latest: str | None = None,
-    then: Callable[[ContentStore], list[str]] | None = None,
-) -> list[str]:
-    """Make ``cids`` (plus the latest model of task ``latest``) local; return the CIDs in that order.
-
-    ``then(store)`` names more CIDs once the first ones are local (a dataset split's shards, read
-    from its manifest); they are fetched in the same session.
-    """
-    from p2ptrain.ipfs import open_store
-    from p2ptrain.control import ControlClient, ControlError, socket_path
-
-    store = open_store(home)
-    if latest is None and all(store.has(c) for c in cids):
-        more = then(store) if then else []
-        if all(store.has(c) for c in more):
-            return cids
-    if socket_path(home).exists():
-        client = ControlClient(home, timeout=600.0)
-        try:
-            if latest is not None:
-                status = TaskStatus.from_json(
-                    client.call(control_ops.TASK_STATUS, task_cid=latest, timeout=EPHEMERAL_MESH_TIMEOUT_S))
-                cids = cids + [_latest_from_status(status, latest)]
-            for cid in cids:
-                client.call(control_ops.IPFS_FETCH, cid=cid, timeout=300.0)
-            for cid in then(store) if then else []:
-                client.call(control_ops.IPFS_FETCH, cid=cid, timeout=300.0)
-            return cids
-        except ControlError as exc:
-            raise UserError(str(exc)) from None
-        except UserError:
-            if not bootstrap:
-                raise
-    if not bootstrap:
-        missing = [c for c in cids if not store.has(c)] or [f"latest model of {latest}"]
-        raise UserError(
-            f"{', '.join(missing)} not in the store of {home}, and no node is running there: start one "
-            f"(p2ptrain node start --home {home} --bootstrap ...) or pass --bootstrap MULTIADDR"
-        )
-    return _fetch_with_ephemeral_node(home, cids, bootstrap, latest, then)
-
-
-def _latest_from_status(status: TaskStatus, task_cid: str) -> str:
-    cid = status.latest_model_cid
-    if not cid or not status.version:
-        raise UserError(f"task {task_cid} has no confirmed model yet (state: {status.state})")
-    return cid
-
-
-def _fetch_with_ephemeral_node(
-    home: Path, cids: list[str], bootstrap: list[str], latest: str | None,
-    then: Callable[[ContentStore], list[str]] | None,
-) -> list[str]:
-    import trio
-
-    out = list(cids)
-
-    async def work(peer: Any) -> None:
-        if latest is not None:
-            # Any member of a run (under way or over) answers; the chain is verified.
-            _, chain = await find_latest(peer, latest)
-            out.append(chain.head_cid)
-        for cid in out:
-            await fetch_through(peer, cid)
-        more = await trio.to_thread.run_sync(then, peer.content.store) if then else []
-        for cid in more:
-            await fetch_through(peer, cid)
-
-    with_ephemeral_node(home, bootstrap, work)
-    return out
-
-
-async def fetch_through(peer: Any, cid: str) -> None:
-    """One CID through a temporary node, showing on stderr how far it is (as through a node)."""
-    import trio
-
-    from p2ptrain.cli.ipfs import fetch_progress
-
-    if await trio.to_thread.run_sync(peer.content.store.has, cid):
-        return
-    with fetch_progress(f"fetch {cid[:16]}") as show:
-        await peer.content.fetch(cid, timeout=300.0, progress=show)
-
-
-async def find_latest(peer: Any, task_cid: str) -> tuple[Any, Any]:
-    """The latest verified ``(head, chain)`` of ``task_cid`` through a temporary node, within
-    EPHEMERAL_MESH_TIMEOUT_S (a UserError line naming what was refused otherwise)."""
-    import trio
-
-    from p2ptrain.services import LatestFinder
-
-    finder = LatestFinder(peer.node, peer.content, task_cid)
-    try:
-        with trio.fail_after(EPHEMERAL_MESH_TIMEOUT_S):
-            found = await finder.find()
-    except trio.TooSlowError:
-        refused = dict(finder.refused)
-        raise UserError(f"no peer told us the latest model of task {task_cid} within {EPHEMERAL_MESH_TIMEOUT_S:.0f} s"
-                        + (f" (heads refused: {refused})" if refused else "")) from None
-    if finder.refused["fork"]:
-        print(f"warning: peers hold verified chains of task {task_cid} that fork; took the longest "
-              f"(v{found[1].version}). See docs/security.md (open admission).", file=sys.stderr)
-    return found
-
-
-def with_ephemeral_node(home: Path, bootstrap: list[str], work: Callable[[Any], Any]) -> None:
-    """Run ``await work(peer)`` on a temporary node of ``home`` that joins the mesh through
-    ``bootstrap`` (its first peer within EPHEMERAL_MESH_TIMEOUT_S), then stop it."""
-    import trio
-
-    from p2ptrain.ipfs import ContentUnavailable
-    from p2ptrain.node import Node, NodeConfig
-    from p2ptrain.services import make_peer
-
-    logging.getLogger("libp2p").setLevel(logging.CRITICAL)
-    node = Node(home, dataclasses.replace(NodeConfig.of_home(home), listen=["/ip4/127.0.0.1/tcp/0"], bootstrap=bootstrap))
-    peer = make_peer(node)
-
-    async def main() -> None:
-        async with trio.open_nursery() as nursery:
-            await nursery.start(node.run)
-            try:
-                with trio.move_on_after(EPHEMERAL_MESH_TIMEOUT_S):
-                    # py-libp2p has no event for a new connection: poll.
-                    while not node.host or not node.host.get_connected_peers():  # noqa: ASYNC110
-                        await trio.sleep(0.1)
-                if not node.host or not node.host.get_connected_peers():
-                    raise UserError(f"no peer reachable through {bootstrap[0]}")
-                await work(peer)
-            except ContentUnavailable as exc:
-                raise UserError(str(exc)) from None
-            finally:
-                node.stop()
-
-    trio.run(main)
-
-
-def split_shards(store: ContentStore, manifest_cid: str, split: str) -> list[str]:
-    """The shard CIDs of one split of a dataset whose manifest is local."""
-    from p2ptrain.data import Manifest
-
-    manifest = Manifest.load(store, manifest_cid)
-    if split not in manifest.splits:
-        raise UserError(f"dataset {manifest_cid} has no split {split!r} (it has {', '.join(manifest.splits)})")
-    return [ref.cid for ref in manifest.shards(split)]
-
-
 def cmd_fetch(args: argparse.Namespace) -> int:
     if (args.model_cid is None) == (args.latest is None):
         raise UserError("give a MODEL_CID or --latest TASK_CID (one of them)")
-    home = _home(args)
+    home = home_of(args)
     cids = ensure_local(home, [args.model_cid] if args.model_cid else [], args.bootstrap, args.latest)
     model_cid = cids[-1]
     from p2ptrain.cli.ipfs import progress_bar
@@ -274,7 +106,7 @@ def cmd_fetch(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    home = _home(args)
+    home = home_of(args)
     from p2ptrain.data import IPFSDataset
     from p2ptrain.ipfs import open_store
     from p2ptrain.training import batched, evaluate_batches, load_model
@@ -306,7 +138,7 @@ def cmd_import(args: argparse.Namespace) -> int:
     from p2ptrain.training import config_snippet, import_pretrained
 
     data, card = import_pretrained(args.directory)
-    store = open_store(_home(args))
+    store = open_store(home_of(args))
     cid = store.add_bytes(data)
     store.pin_add(cid)
     toml = config_snippet(card, cid)
@@ -331,7 +163,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     from p2ptrain.models import MAX_MODEL_FILE_BYTES
     from p2ptrain.training import export_pretrained
 
-    home = _home(args)
+    home = home_of(args)
     if args.directory.exists():  # before any fetch
         raise UserError(f"{args.directory}: exists; export writes a new directory")
     ensure_local(home, [args.model_cid], args.bootstrap)

@@ -9,6 +9,7 @@ import signal
 import sys
 from pathlib import Path
 
+from p2ptrain.cli._home import home_of
 from p2ptrain.cli.ipfs import cid_arg
 from p2ptrain.cli.config import add_setting_flags, home_help, node_config, resolve, values
 from p2ptrain.base import UserError, formatter
@@ -87,18 +88,10 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     status.set_defaults(func=cmd_status)
 
 
-def _home(args: argparse.Namespace) -> Path:
-    if args.home:
-        return Path(args.home).expanduser()
-    from p2ptrain.base import default_home  # imports libp2p (~1.5 s): only when needed
-
-    return default_home()
-
-
 def cmd_id(args: argparse.Namespace) -> int:
     from p2ptrain.base import load_or_create_identity, peer_id_of
 
-    print(peer_id_of(load_or_create_identity(_home(args))).to_base58())
+    print(peer_id_of(load_or_create_identity(home_of(args))).to_base58())
     return 0
 
 
@@ -166,7 +159,7 @@ def _log_to_home(home: Path, log_format: str) -> None:
 def cmd_status(args: argparse.Namespace) -> int:
     from p2ptrain.control import ControlClient
 
-    status = NodeStatus.from_json(ControlClient(_home(args)).call(control_ops.STATUS))
+    status = NodeStatus.from_json(ControlClient(home_of(args)).call(control_ops.STATUS))
     if args.json:
         json.dump(status.to_json(), sys.stdout, indent=2)
         print()

@@ -23,19 +23,12 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from p2ptrain.cli._home import home_of
 from p2ptrain.cli.ipfs import content_errors
 from p2ptrain.base import UserError
 
 # How long connecting to the home's control socket may take before the node is taken for gone.
 SOCKET_PROBE_TIMEOUT_S = 2.0
-
-
-def _home(args: argparse.Namespace) -> Path:
-    if args.home is None:
-        from p2ptrain.base import default_home  # imports libp2p (~1 s): only when needed
-
-        return default_home()
-    return Path(args.home).expanduser()
 
 
 def _store(home: Path) -> Any:
@@ -70,7 +63,7 @@ def _mib(n: int) -> str:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    home = _home(args)
+    home = home_of(args)
     store = _store(home)
     total = sum(1 for _ in store.blocks.block_files())
     with content_errors(), _progress("verify", total) as progress:
@@ -106,7 +99,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
     from p2ptrain.ipfs import DIRECT, CorruptBlock
     from p2ptrain.services import run_state_roots
 
-    home = _home(args)
+    home = home_of(args)
     store = _store(home)
     if _node_running(home):
         raise UserError(

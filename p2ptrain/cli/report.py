@@ -65,9 +65,9 @@ def add_parser(tsub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from p2ptrain.base import default_home
+    from p2ptrain.cli._home import home_of
 
-    home = Path(args.home).expanduser() if args.home else default_home()
+    home = home_of(args)
     points = load_points(home, args.task_cid)
     write_report(points, args.task_cid, args.output)
     print(f"wrote {args.output} ({len(points)} confirmed models, step {points[-1].step})")

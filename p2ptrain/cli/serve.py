@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from p2ptrain.cli.ipfs import cid_arg
-from p2ptrain.cli.model import HOME_HELP
+from p2ptrain.cli._home import HOME_HELP, home_of, source_options
 from p2ptrain.base import UserError
 from p2ptrain.serve import MAX_CONNECTIONS
 
@@ -36,7 +36,6 @@ MISSING_HYPERCORN = "model serve needs hypercorn: pip install 'p2ptrain[serve]'"
 
 def add_parsers(msub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Register ``serve`` and ``predict`` under the ``model`` group."""
-    from p2ptrain.cli.model import _source_options
 
     serve = msub.add_parser("serve", help="serve a model over HTTP/JSON (POST /predict), batched", description=__doc__)
     serve.add_argument("model_cid", nargs="?", metavar="MODEL_CID", type=cid_arg,
@@ -55,7 +54,7 @@ def add_parsers(msub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     serve.add_argument("--public-url", metavar="URL", default=None,
                        help="the URL peers should use, announced on the mesh through the home's running node "
                        "(default: the listening address; a 0.0.0.0 listener is announced at this host's address)")
-    _source_options(serve)
+    source_options(serve)
     serve.set_defaults(func=cmd_serve)
 
     predict = msub.add_parser("predict", help="send INPUT.json to a server of MODEL_CID; print its answer")
@@ -77,11 +76,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise UserError(MISSING_HYPERCORN)
     import trio
 
-    from p2ptrain.cli.model import _home, ensure_local
+    from p2ptrain.api import ensure_local
     from p2ptrain.control import socket_path
     from p2ptrain.serve import open_model
 
-    home = _home(args)
+    home = home_of(args)
     cids = [args.model_cid] if args.model_cid else []
     if args.public_url is not None:
         from p2ptrain.services import check_url
@@ -176,10 +175,9 @@ def cmd_predict(args: argparse.Namespace) -> int:
 
 def _servers(args: argparse.Namespace) -> list[str]:
     """The URLs peers announced for ``args.model_cid``, asked through the home's running node."""
-    from p2ptrain.cli.model import _home
     from p2ptrain.control import ControlClient, ops as control_ops, socket_path
 
-    home = _home(args)
+    home = home_of(args)
     if not socket_path(home).exists():
         raise UserError(f"give --url, or start a node for {home} (p2ptrain node start) to find servers on the mesh")
     servers = ControlClient(home, timeout=ANNOUNCE_TIMEOUT_S).call(control_ops.SERVE_FIND, model_cid=args.model_cid)

@@ -77,10 +77,10 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def _client(args: argparse.Namespace) -> Any:
-    from p2ptrain.base import default_home
+    from p2ptrain.cli._home import home_of
     from p2ptrain.control import ControlClient
 
-    return ControlClient(args.home or default_home(), timeout=120.0)
+    return ControlClient(home_of(args), timeout=120.0)
 
 
 def cmd_publish(args: argparse.Namespace) -> int:

@@ -104,10 +104,10 @@ def test_add_pins_recursively_unless_pin_false(tmp_path, hello):
 def test_a_fetch_off_a_terminal_says_how_far_it_is_on_stderr_only(capsys, monkeypatch):
     """While the home's node fetches, a log sees a line every PROGRESS_LINE_S (0 here: every call);
     stdout stays the content's, for ipfs cat."""
-    from p2ptrain.cli import ipfs
+    from p2ptrain.api import _fetching
 
-    monkeypatch.setattr(ipfs, "PROGRESS_LINE_S", 0.0)
-    with ipfs.fetch_progress("fetch QmX") as show:  # stderr is captured: not a terminal
+    monkeypatch.setattr(_fetching, "PROGRESS_LINE_S", 0.0)
+    with _fetching.fetch_progress("fetch QmX") as show:  # stderr is captured: not a terminal
         show(3 * 2**20)
     out, err = capsys.readouterr()
     assert out == "" and err == "fetch QmX: 3.0 MiB so far\n"

@@ -1,0 +1,198 @@
+"""Content by CID made local for a command or a call that needs it: from the home's store, else
+through the home's running node, else through a temporary node that joins the mesh by
+``--bootstrap`` for this one job (``model fetch``, ``model eval``, ``model serve``, ``model
+verify``, ``ipfs get``, :func:`p2ptrain.load_state`). Every byte is verified against its CID on the
+way in; a fetch whose size is not known shows how far it is on stderr."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from p2ptrain.base import UserError
+from p2ptrain.control import TaskStatus, ops as control_ops
+
+if TYPE_CHECKING:
+    from p2ptrain.ipfs import ContentStore
+
+# How long a temporary node waits for its first peer, and for the latest head of a task.
+EPHEMERAL_MESH_TIMEOUT_S = 20.0
+# Off a terminal (a log, CI) a fetch in flight says how far it is this often: a long fetch is seen
+# moving, a short one prints nothing.
+PROGRESS_LINE_S = 10.0
+
+
+@contextmanager
+def fetch_progress(desc: str) -> Iterator[Callable[[int], None]]:
+    """``show(bytes_so_far)`` for a fetch whose size is not known: a live counter on a terminal,
+    else a line on stderr every :data:`PROGRESS_LINE_S` (stdout stays the content's, for ``cat``)."""
+    if sys.stderr.isatty():
+        from tqdm import tqdm
+
+        with tqdm(desc=desc, unit="B", unit_scale=True, unit_divisor=1024, leave=False, file=sys.stderr) as bar:
+            def update(n: int) -> None:
+                bar.update(n - bar.n)
+
+            yield update
+        return
+    next_line = time.monotonic() + PROGRESS_LINE_S
+
+    def line(n: int) -> None:
+        nonlocal next_line
+        if time.monotonic() >= next_line:
+            next_line += PROGRESS_LINE_S
+            print(f"{desc}: {n / 2**20:.1f} MiB so far", file=sys.stderr, flush=True)
+
+    yield line
+
+
+def ensure_local(
+    home: Path, cids: list[str], bootstrap: list[str], latest: str | None = None,
+    then: Callable[[ContentStore], list[str]] | None = None,
+) -> list[str]:
+    """Make ``cids`` (plus the latest model of task ``latest``) local; return the CIDs in that order.
+
+    ``then(store)`` names more CIDs once the first ones are local (a dataset split's shards, read
+    from its manifest); they are fetched in the same session.
+    """
+    from p2ptrain.ipfs import open_store
+    from p2ptrain.control import ControlClient, ControlError, socket_path
+
+    store = open_store(home)
+    if latest is None and all(store.has(c) for c in cids):
+        more = then(store) if then else []
+        if all(store.has(c) for c in more):
+            return cids
+    if socket_path(home).exists():
+        client = ControlClient(home, timeout=600.0)
+        try:
+            if latest is not None:
+                status = TaskStatus.from_json(
+                    client.call(control_ops.TASK_STATUS, task_cid=latest, timeout=EPHEMERAL_MESH_TIMEOUT_S))
+                cids = cids + [_latest_from_status(status, latest)]
+            for cid in cids:
+                client.call(control_ops.IPFS_FETCH, cid=cid, timeout=300.0)
+            for cid in then(store) if then else []:
+                client.call(control_ops.IPFS_FETCH, cid=cid, timeout=300.0)
+            return cids
+        except ControlError as exc:
+            raise UserError(str(exc)) from None
+        except UserError:
+            if not bootstrap:
+                raise
+    if not bootstrap:
+        missing = [c for c in cids if not store.has(c)] or [f"latest model of {latest}"]
+        raise UserError(
+            f"{', '.join(missing)} not in the store of {home}, and no node is running there: start one "
+            f"(p2ptrain node start --home {home} --bootstrap ...) or pass --bootstrap MULTIADDR"
+        )
+    return _fetch_with_ephemeral_node(home, cids, bootstrap, latest, then)
+
+
+def _latest_from_status(status: TaskStatus, task_cid: str) -> str:
+    cid = status.latest_model_cid
+    if not cid or not status.version:
+        raise UserError(f"task {task_cid} has no confirmed model yet (state: {status.state})")
+    return cid
+
+
+def _fetch_with_ephemeral_node(
+    home: Path, cids: list[str], bootstrap: list[str], latest: str | None,
+    then: Callable[[ContentStore], list[str]] | None,
+) -> list[str]:
+    import trio
+
+    out = list(cids)
+
+    async def work(peer: Any) -> None:
+        if latest is not None:
+            # Any member of a run (under way or over) answers; the chain is verified.
+            _, chain = await find_latest(peer, latest)
+            out.append(chain.head_cid)
+        for cid in out:
+            await fetch_through(peer, cid)
+        more = await trio.to_thread.run_sync(then, peer.content.store) if then else []
+        for cid in more:
+            await fetch_through(peer, cid)
+
+    with_ephemeral_node(home, bootstrap, work)
+    return out
+
+
+async def fetch_through(peer: Any, cid: str) -> None:
+    """One CID through a temporary node, showing on stderr how far it is (as through a node)."""
+    import trio
+
+    if await trio.to_thread.run_sync(peer.content.store.has, cid):
+        return
+    with fetch_progress(f"fetch {cid[:16]}") as show:
+        await peer.content.fetch(cid, timeout=300.0, progress=show)
+
+
+async def find_latest(peer: Any, task_cid: str) -> tuple[Any, Any]:
+    """The latest verified ``(head, chain)`` of ``task_cid`` through a temporary node, within
+    EPHEMERAL_MESH_TIMEOUT_S (a UserError line naming what was refused otherwise)."""
+    import trio
+
+    from p2ptrain.services import LatestFinder
+
+    finder = LatestFinder(peer.node, peer.content, task_cid)
+    try:
+        with trio.fail_after(EPHEMERAL_MESH_TIMEOUT_S):
+            found = await finder.find()
+    except trio.TooSlowError:
+        refused = dict(finder.refused)
+        raise UserError(f"no peer told us the latest model of task {task_cid} within {EPHEMERAL_MESH_TIMEOUT_S:.0f} s"
+                        + (f" (heads refused: {refused})" if refused else "")) from None
+    if finder.refused["fork"]:
+        print(f"warning: peers hold verified chains of task {task_cid} that fork; took the longest "
+              f"(v{found[1].version}). See docs/security.md (open admission).", file=sys.stderr)
+    return found
+
+
+def with_ephemeral_node(home: Path, bootstrap: list[str], work: Callable[[Any], Any]) -> None:
+    """Run ``await work(peer)`` on a temporary node of ``home`` that joins the mesh through
+    ``bootstrap`` (its first peer within EPHEMERAL_MESH_TIMEOUT_S), then stop it."""
+    import trio
+
+    from p2ptrain.ipfs import ContentUnavailable
+    from p2ptrain.node import Node, NodeConfig
+    from p2ptrain.services import make_peer
+
+    logging.getLogger("libp2p").setLevel(logging.CRITICAL)
+    node = Node(home, dataclasses.replace(NodeConfig.of_home(home), listen=["/ip4/127.0.0.1/tcp/0"], bootstrap=bootstrap))
+    peer = make_peer(node)
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(node.run)
+            try:
+                with trio.move_on_after(EPHEMERAL_MESH_TIMEOUT_S):
+                    # py-libp2p has no event for a new connection: poll.
+                    while not node.host or not node.host.get_connected_peers():  # noqa: ASYNC110
+                        await trio.sleep(0.1)
+                if not node.host or not node.host.get_connected_peers():
+                    raise UserError(f"no peer reachable through {bootstrap[0]}")
+                await work(peer)
+            except ContentUnavailable as exc:
+                raise UserError(str(exc)) from None
+            finally:
+                node.stop()
+
+    trio.run(main)
+
+
+def split_shards(store: ContentStore, manifest_cid: str, split: str) -> list[str]:
+    """The shard CIDs of one split of a dataset whose manifest is local."""
+    from p2ptrain.data import Manifest
+
+    manifest = Manifest.load(store, manifest_cid)
+    if split not in manifest.splits:
+        raise UserError(f"dataset {manifest_cid} has no split {split!r} (it has {', '.join(manifest.splits)})")
+    return [ref.cid for ref in manifest.shards(split)]
