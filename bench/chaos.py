@@ -774,6 +774,7 @@ async def _head_request_flood(peer: hostile.HostilePeer, cluster: Cluster, sizes
 
 
 SYBILS = 5  # as many heartbeat-only identities as issue 27's tester ran
+FETCH_TIMEOUT_S = 150.0  # an outsider's `model fetch --latest`: imports, a node, the mesh, the chain, the model
 
 
 @dataclass(frozen=True)
@@ -791,7 +792,10 @@ def honest_chain(home: Path, task_cid: str) -> HonestChain:
     from p2ptrain.task import task_from_bytes
 
     store = EmbeddedStore(home)
-    data = (home / "tasks" / task_cid / "chain.jsonl").read_bytes()
+    path = home / "tasks" / task_cid / "chain.jsonl"
+    data = path.read_bytes() if path.exists() else b""
+    if not data:  # none before the first checkpoint
+        return HonestChain("", "", frozenset())
     task = task_from_bytes(store.cat(task_cid))
     chain = Chain.from_bytes(task_cid, first_parent(data), data, ChainRules.of(task, task_cid))
     return HonestChain(store.add_bytes(chain.to_bytes(), only_hash=True), chain.head_cid,
@@ -846,6 +850,9 @@ async def _forged_latest(peer: hostile.HostilePeer, cluster: Cluster, sizes: Siz
     """Issue 27: heads of the run at v999, one naming the honest chain's and model's CIDs (a head
     that fails verification must not hide the genuine heads with that pair) and one naming CIDs
     nobody holds, sent each second while an outsider runs `model fetch --latest` through a node."""
+    with trio.fail_after(SETTLE_TIMEOUT_S):  # a confirmed model to name: the first checkpoint
+        while min((s.get("version") or 0 for s in (await statuses(cluster)).values()), default=0) < 1:
+            await trio.sleep(POLL_S)
     chain = await trio.to_thread.run_sync(honest_chain, cluster.procs[0].home, cluster.task_cid)
     honest_head = dataclasses.replace(
         hostile_bounds.forged_head(peer, cluster.task_cid, members=3), chain_cid=chain.cid, model_cid=chain.model_cid,
@@ -864,16 +871,19 @@ async def _forged_latest(peer: hostile.HostilePeer, cluster: Cluster, sizes: Siz
     async with trio.open_nursery() as nursery:
         nursery.start_soon(forge)
         await trio.sleep(2.0)  # the forged heads are heard before the outsider asks
+        began = trio.current_time()
         fetch = await trio.to_thread.run_sync(lambda: _cli(
             "model", "fetch", "--latest", cluster.task_cid, "--home", str(outsider), "--bootstrap",
             cluster.procs[0].addr, "--output", str(cluster.base / "latest.safetensors"), "--json",
-            timeout=READY_TIMEOUT_S))
+            timeout=FETCH_TIMEOUT_S))
+        fetch_s = round(trio.current_time() - began, 1)
         done.set()
     after = await statuses(cluster)
     honest_models = {c["model_cid"] for s in after.values() for c in s.get("chain") or []}
     fetched = json.loads(fetch.stdout.splitlines()[-1])["model_cid"] if fetch.returncode == 0 else None
     out = _chains_hold(cluster, after, {p.peer_id for p in cluster.procs})
-    out.update(fetch_exit=fetch.returncode, fetch_error=fetch.stderr.strip()[-200:] if fetch.returncode else None,
+    out.update(fetch_exit=fetch.returncode, fetch_s=fetch_s,
+               fetch_error=fetch.stderr.strip()[-200:] if fetch.returncode else None,
                outsider_got_honest_model=fetched in honest_models,
                nodes_at_v999=sum(1 for s in after.values() if (s.get("version") or 0) >= 999))
     out["forged_or_poisoned_latest"] += int(fetched is not None and fetched not in honest_models)
@@ -935,6 +945,8 @@ ATTACKS: dict[str, Attack] = {
     "hostile_forged_latest": _forged_latest,  # before issue 27: a v999 head hid the genuine ones
     "hostile_dag_bomb_task": _bomb,  # last: today it wedges the nodes for minutes
 }
+# Attacks that wait on more than the nodes: an outsider's `model fetch` (a process, a node of its own).
+SLOW_ATTACKS_S = {"hostile_forged_latest": FETCH_TIMEOUT_S}
 # Attacks sent on pubsub to ONE node: gossipsub relays to the others before anyone decodes (issue 13, 1).
 ONE_TARGET = {"hostile_ts_overflow"}
 
@@ -989,7 +1001,7 @@ async def run_attack(cluster: Cluster, sizes: Sizes, result: Result, attack: Att
                 await peer.wait_in_topic(hostile.MESH_TOPIC, ids)
                 step = top_step(await statuses(cluster))
                 started = trio.current_time()
-                with trio.fail_after(sizes.attack_hold_s + sizes.flood_s + 60):
+                with trio.fail_after(sizes.attack_hold_s + sizes.flood_s + 60 + SLOW_ATTACKS_S.get(result.name, 0)):
                     result.detail["attack"] = await attack(peer, cluster, sizes)
                 result.detail["attack_s"] = round(trio.current_time() - started, 2)
                 await trio.sleep(EXIT_GRACE_S)

@@ -32,6 +32,10 @@ from p2ptrain.wire import RoundFailed, RoundPlan, TaskHead, task_topic
 
 logger = logging.getLogger(__name__)
 
+# A peer that never took part and does not vote within this many election timeouts of a vote
+# request stops counting (protocol/_participation.py): three, not one, so that votes late on a
+# loaded machine (gossip delays of seconds were seen under the test suite) do not strike an honest peer.
+ANSWER_TIMEOUTS = 3
 # In a run's folder: the publisher's cancel, kept so that this home never runs the task again
 # (a restart with --join, an announcement) and, on the publisher's node, so that it tells joiners.
 CANCELLED_FILE = "cancelled"
@@ -128,7 +132,7 @@ class RunState:
         return cls(node=node, content=content, collective=collective, task=task, task_cid=task_cid,
                    election=election, me=node.peer_id.to_base58(), topic=task_topic(task_cid),
                    dir=run_dir, voted_saved=election.voted_through,
-                   participation=Participation(answer_s=election.config.timeout_s))
+                   participation=Participation(answer_s=ANSWER_TIMEOUTS * election.config.timeout_s))
 
     @property
     def log_prefix(self) -> str:
