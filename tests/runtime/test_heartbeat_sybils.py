@@ -20,7 +20,7 @@ import trio
 
 from p2ptrain.testing import LocalPeers, local_peers, publish_digits_task
 
-RUN_S = 150.0
+RUN_S = 200.0  # generous: the suite shares two cores with other work
 
 
 async def _sybils(peers: LocalPeers, task_cid: str, k: int) -> list[str]:
@@ -47,13 +47,13 @@ async def test_heartbeat_only_sybils_neither_stop_a_new_task_nor_freeze_a_runnin
             first = await _sybils(peers, task_cid, 2)
             for i in honest:
                 await peers[i].tasks.join(task_cid)
-            await peers.wait_until(lambda: _version(peers, task_cid, honest) >= 1, 60,
+            await peers.wait_until(lambda: _version(peers, task_cid, honest) >= 1, 90,
                                    what="a new task's first checkpoint confirmed beside heartbeat-only Sybils")
             # Two fresh Sybils mid-run: admitted at the next checkpoint (they are new), the span's round
             # fails on them; the retry must still be a plan the members follow, and the run go on.
             version = _version(peers, task_cid, honest)
             second = await _sybils(peers, task_cid, 2)
-            await peers.wait_until(lambda: _version(peers, task_cid, honest) >= version + 2, 60,
+            await peers.wait_until(lambda: _version(peers, task_cid, honest) >= version + 2, 90,
                                    what="two more checkpoints confirmed after fresh Sybils came")
             for i in honest:
                 shared = peers[i].tasks.runs[task_cid].shared
