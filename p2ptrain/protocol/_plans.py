@@ -81,7 +81,10 @@ def plan_members(
     members = sorted(kept)[: task.peers.max]
     if admit_joiners:
         joiners = sorted((p for p in live if p not in previous), key=lambda p: rank(task_cid, 0, p))
-        members += joiners[: min(task.peers.max - len(members), joiner_room(len(members)) if previous else task.peers.max)]
+        room = task.peers.max - len(members)
+        if previous:
+            room = min(room, joiner_room(len(members)))
+        members += joiners[:room]
     if len(members) < task.peers.min:
         return None
     return ring_order(members, private)
