@@ -62,6 +62,7 @@ class Participation:
     _peers: dict[str, _Entry] = field(default_factory=dict)
     # A vote request heard while this member had no coordinator: (when, its candidate).
     _asked: tuple[float, str] | None = None
+    _last_round_at: float | None = None  # when this member last completed a round
 
     def _entry(self, now: float, peer: str) -> _Entry:
         entry = self._peers.get(peer)
@@ -79,14 +80,15 @@ class Participation:
         """This member completed a round whose ring was ``members``: each of them took part."""
         for peer in members:
             self._proven(now, peer).rounds_at = now
+        self._last_round_at = now
 
     def note_missed(self, now: float, peer: str) -> None:
-        """A round this member was in failed naming ``peer``: unless it completed a round with us
-        or voted within ``grace_s`` (an honest member that failed once, or whose first round was
-        blamed on it for a neighbour's absence: the book's quarantine covers it), that was its
-        chance, and it is struck."""
+        """A round this member was in failed naming ``peer``: unless it was in the last round we
+        completed, or completed a round with us or voted within ``grace_s`` (an honest member that
+        failed once, however long rounds take, or whose first round was blamed on it for a
+        neighbour's absence: the book's quarantine covers it), that was its chance: it is struck."""
         entry = self._entry(now, peer)
-        if entry.struck_until > now or any(
+        if entry.struck_until > now or (entry.rounds_at is not None and entry.rounds_at == self._last_round_at) or any(
                 at is not None and now - at < self.grace_s for at in (entry.rounds_at, entry.voted_at)):
             return
         self._strike(now, entry)

@@ -46,10 +46,14 @@ def test_a_member_that_trains_or_votes_is_not_struck_for_one_failed_round_and_ev
     ledger.note_vote(21.0, OTHER)
     ledger.note_missed(22.0, OTHER)  # its first round, blamed on it for a neighbour's absence
     assert ledger.counted(22.0, peers) == peers
-    ledger.note_missed(40.0, SYBIL)  # trained once, long ago: that does not keep it counted
+    ledger.note_round(35.0, (HONEST, OTHER))
+    ledger.note_missed(40.0, SYBIL)  # trained once, rounds ago: that does not keep it counted
     assert ledger.counted(40.0, peers) == {HONEST, OTHER}
     ledger.note_vote(41.0, SYBIL)  # a slow but honest peer that votes is back at once
     assert ledger.counted(41.0, peers) == peers
+    ledger.note_round(300.0, (HONEST, OTHER))  # rounds of minutes (local SGD): the last one still counts
+    ledger.note_missed(500.0, OTHER)
+    assert OTHER in ledger.counted(500.0, peers)
 
 
 def test_the_ledger_stays_bounded_and_forgets_peers_that_stopped_advertising() -> None:
