@@ -51,6 +51,10 @@ Scenarios (``--only`` takes these names; a prefix selects a group, e.g. ``--only
   hostile_head_flood         forged heads of the run (v999, 1,024 members, ~57 KB) at 131/s: steps/s against
                              the same run just before (issue 27)
   hostile_head_request_flood head requests for the run at 2,600/s: steps/s likewise (issue 27)
+  hostile_heartbeat_sybils   5 identities whose heartbeats advertise the run (never vote, never train) for >= 30 s:
+                             checkpoints confirmed meanwhile, Sybils planned, steps/s against just before (issue 27)
+  hostile_forged_latest      heads at v999 (one naming the honest chain and model CIDs) while an outsider runs
+                             `model fetch --latest` through a node: it gets an honest model (issue 27)
   hostile_serve_bodies       `model serve` of the run's model on a node's home: 32 clients declaring 8 MiB
                              and trickling, 4 posting 2.3-6.7 MB bodies; honest requests' status and p50
                              against their baseline (issue 27)
@@ -60,6 +64,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import datetime
 import json
 import logging
@@ -768,6 +773,123 @@ async def _head_request_flood(peer: hostile.HostilePeer, cluster: Cluster, sizes
     return await _flood_cost(cluster, sizes.flood_s, requests, rate, peer)
 
 
+SYBILS = 5  # as many heartbeat-only identities as issue 27's tester ran
+FETCH_TIMEOUT_S = 150.0  # an outsider's `model fetch --latest`: imports, a node, the mesh, the chain, the model
+
+
+@dataclass(frozen=True)
+class HonestChain:
+    cid: str  # the CID a head names for it (of the chain's bytes)
+    model_cid: str  # its head model
+    members: frozenset[str]  # every member its records name
+
+
+def honest_chain(home: Path, task_cid: str) -> HonestChain:
+    """A node's confirmed chain of the run (chain.jsonl, read under the task's rules)."""
+    from p2ptrain.ipfs import EmbeddedStore
+    from p2ptrain.protocol import Chain, ChainRules
+    from p2ptrain.protocol._lineage import first_parent
+    from p2ptrain.task import task_from_bytes
+
+    store = EmbeddedStore(home)
+    path = home / "tasks" / task_cid / "chain.jsonl"
+    data = path.read_bytes() if path.exists() else b""
+    if not data:  # none before the first checkpoint
+        return HonestChain("", "", frozenset())
+    task = task_from_bytes(store.cat(task_cid))
+    chain = Chain.from_bytes(task_cid, first_parent(data), data, ChainRules.of(task, task_cid))
+    return HonestChain(store.add_bytes(chain.to_bytes(), only_hash=True), chain.head_cid,
+                       frozenset(m for s in chain.records for m in s.record.members))
+
+
+def _chains_hold(cluster: Cluster, snap: dict[str, dict[str, Any]], honest: set[str]) -> dict[str, Any]:
+    """Whether every node's latest model is the head of its own confirmed chain, whose records name
+    only honest members: forged or poisoned latest models counted (must be 0)."""
+    forged = 0
+    for s in snap.values():
+        chain = s.get("chain") or []
+        if chain and s.get("latest_model_cid") not in (None, chain[-1]["model_cid"]):
+            forged += 1
+    forged += sum(1 for p in cluster.procs if honest_chain(p.home, cluster.task_cid).members - honest)
+    return {"forged_or_poisoned_latest": forged, "versions": sorted({s.get("version", 0) for s in snap.values()})}
+
+
+async def _heartbeat_sybils(peer: hostile.HostilePeer, cluster: Cluster, sizes: Sizes) -> dict[str, Any]:
+    """Issue 27: SYBILS identities advertise the run in their heartbeats (never vote, never train)
+    across at least one checkpoint; confirmed versions and steps/s against the same run just before."""
+    hold = max(3 * sizes.attack_hold_s, 30.0)
+    quiet, _ = await steps_per_s(cluster, sizes.flood_s)
+    before = await statuses(cluster)
+    planned: set[str] = set()
+    out: dict[str, Any] = {}
+    started = trio.current_time()
+    first = top_step(before)
+
+    async def attack() -> None:
+        out.update(await hostile_bounds.heartbeat_sybils(peer, cluster.task_cid, SYBILS, hold))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(attack)
+        while trio.current_time() - started < hold:
+            for s in (await statuses(cluster)).values():
+                planned |= set(s.get("members") or [])
+            await trio.sleep(POLL_S)
+    after = await statuses(cluster)
+    rate = (top_step(after) - first) / (trio.current_time() - started)
+    sybils = set(out.pop("identities", []))
+    honest = {p.peer_id for p in cluster.procs}
+    out.update(_chains_hold(cluster, after, honest), sybils=len(sybils), sybils_planned=len(planned & sybils),
+               confirmed_during=min(s.get("version", 0) for s in after.values())
+               - max(s.get("version", 0) for s in before.values()),
+               steps_per_s={"quiet": round(quiet, 2), "sybils": round(rate, 2)},
+               steps_ratio=round(rate / quiet, 3) if quiet else None)
+    return out
+
+
+async def _forged_latest(peer: hostile.HostilePeer, cluster: Cluster, sizes: Sizes) -> dict[str, Any]:
+    """Issue 27: heads of the run at v999, one naming the honest chain's and model's CIDs (a head
+    that fails verification must not hide the genuine heads with that pair) and one naming CIDs
+    nobody holds, sent each second while an outsider runs `model fetch --latest` through a node."""
+    with trio.fail_after(SETTLE_TIMEOUT_S):  # a confirmed model to name: the first checkpoint
+        while min((s.get("version") or 0 for s in (await statuses(cluster)).values()), default=0) < 1:
+            await trio.sleep(POLL_S)
+    chain = await trio.to_thread.run_sync(honest_chain, cluster.procs[0].home, cluster.task_cid)
+    honest_head = dataclasses.replace(
+        hostile_bounds.forged_head(peer, cluster.task_cid, members=3), chain_cid=chain.cid, model_cid=chain.model_cid,
+        optimizer_cid=chain.model_cid)
+    heads = [honest_head, hostile_bounds.forged_head(peer, cluster.task_cid, members=3)]
+    done = trio.Event()
+
+    async def forge() -> None:
+        while not done.is_set():
+            for head in heads:
+                await peer.publish(hostile.TASKS_TOPIC, peer.signed(head))
+            with trio.move_on_after(1.0):
+                await done.wait()
+
+    outsider = cluster.base / "outsider"
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(forge)
+        await trio.sleep(2.0)  # the forged heads are heard before the outsider asks
+        began = trio.current_time()
+        fetch = await trio.to_thread.run_sync(lambda: _cli(
+            "model", "fetch", "--latest", cluster.task_cid, "--home", str(outsider), "--bootstrap",
+            cluster.procs[0].addr, "--output", str(cluster.base / "latest.safetensors"), "--json",
+            timeout=FETCH_TIMEOUT_S))
+        fetch_s = round(trio.current_time() - began, 1)
+        done.set()
+    after = await statuses(cluster)
+    honest_models = {c["model_cid"] for s in after.values() for c in s.get("chain") or []}
+    fetched = json.loads(fetch.stdout.splitlines()[-1])["model_cid"] if fetch.returncode == 0 else None
+    out = _chains_hold(cluster, after, {p.peer_id for p in cluster.procs})
+    out.update(fetch_exit=fetch.returncode, fetch_s=fetch_s,
+               fetch_error=fetch.stderr.strip()[-200:] if fetch.returncode else None,
+               outsider_got_honest_model=fetched in honest_models,
+               nodes_at_v999=sum(1 for s in after.values() if (s.get("version") or 0) >= 999))
+    out["forged_or_poisoned_latest"] += int(fetched is not None and fetched not in honest_models)
+    return out
+
+
 def piped(cmd: list[str], stdin: bool = False, log: Path | None = None) -> subprocess.Popen[str]:
     """A process whose stdout (and stdin, if asked) this one reads by lines; stderr to ``log``
     (appended) or discarded."""
@@ -819,8 +941,12 @@ ATTACKS: dict[str, Attack] = {
     "hostile_model_bomb": _model_bomb,  # before issue 27: +1-2 GB of RSS a node, 256 MiB kept each
     "hostile_head_request_flood": _head_request_flood,
     "hostile_head_flood": _head_flood,  # before issue 27: the run's steps/s fell to ~5% and stayed there
+    "hostile_heartbeat_sybils": _heartbeat_sybils,  # before issue 27: the run froze at its next checkpoint
+    "hostile_forged_latest": _forged_latest,  # before issue 27: a v999 head hid the genuine ones
     "hostile_dag_bomb_task": _bomb,  # last: today it wedges the nodes for minutes
 }
+# Attacks that wait on more than the nodes: an outsider's `model fetch` (a process, a node of its own).
+SLOW_ATTACKS_S = {"hostile_forged_latest": FETCH_TIMEOUT_S}
 # Attacks sent on pubsub to ONE node: gossipsub relays to the others before anyone decodes (issue 13, 1).
 ONE_TARGET = {"hostile_ts_overflow"}
 
@@ -875,7 +1001,7 @@ async def run_attack(cluster: Cluster, sizes: Sizes, result: Result, attack: Att
                 await peer.wait_in_topic(hostile.MESH_TOPIC, ids)
                 step = top_step(await statuses(cluster))
                 started = trio.current_time()
-                with trio.fail_after(sizes.attack_hold_s + sizes.flood_s + 60):
+                with trio.fail_after(sizes.attack_hold_s + sizes.flood_s + 60 + SLOW_ATTACKS_S.get(result.name, 0)):
                     result.detail["attack"] = await attack(peer, cluster, sizes)
                 result.detail["attack_s"] = round(trio.current_time() - started, 2)
                 await trio.sleep(EXIT_GRACE_S)
@@ -1038,7 +1164,8 @@ def table(report: dict[str, Any]) -> str:
                     "ready_s", "first_round_after_ready_s"):
             if key in d:
                 notes += f" {key}={d[key]}"
-        for key in ("steps_ratio", "p50_ratio", "honest", "blocks_kept"):  # issue 27's attacks
+        for key in ("steps_ratio", "p50_ratio", "honest", "blocks_kept", "confirmed_during", "sybils_planned",
+                    "forged_or_poisoned_latest", "outsider_got_honest_model"):  # issue 27's attacks
             if key in d.get("attack", {}):
                 notes += f" {key}={d['attack'][key]}"
         fmt = lambda v: "-" if v is None else str(v)  # noqa: E731

@@ -20,10 +20,12 @@ from typing import Any
 
 import trio
 
-from hostile import HostilePeer, gossip_message
+from hostile import MESH_TOPIC, HostilePeer, _caps, gossip_message
+from libp2p.crypto.ed25519 import create_new_key_pair
+from libp2p.peer.id import ID
 from p2ptrain.ipfs import CHUNK_SIZE, CID, DAG_PB, MAX_LINKS, cid_from_digest, cid_str, encode_file_leaf, encode_file_node
 from p2ptrain.task import TASK_TEMPLATE, load_task, task_bytes
-from p2ptrain.wire import HeadRequest, TASKS_TOPIC, TaskAnnounce, TaskHead
+from p2ptrain.wire import HeadRequest, Heartbeat, TASKS_TOPIC, TaskAnnounce, TaskHead, encode
 
 Block = tuple[CID, bytes]
 
@@ -115,6 +117,23 @@ def forged_head(peer: HostilePeer, task_cid: str, members: int = HEAD_MEMBERS) -
     ids = tuple(peer.peer_id.to_base58()[:-6] + f"{i:06d}" for i in range(members))
     return TaskHead(task_cid=task_cid, term=999, version=999, step=10**6, round=10**6, total_steps=10**6,
                     chain_cid=fake, model_cid=fake, optimizer_cid=fake, members=ids)
+
+
+async def heartbeat_sybils(peer: HostilePeer, task_cid: str, identities: int, seconds: float) -> dict[str, Any]:
+    """Issue 27's heartbeat-only Sybils: ``identities`` throwaway identities whose heartbeats (one a
+    second each, for ``seconds``) advertise ``task_cid``; they never vote and never take part in a
+    round (the addresses they name are a closed loopback port: a dial is refused at once)."""
+    keys = [create_new_key_pair() for _ in range(identities)]
+    ids = [ID.from_pubkey(k.public_key).to_base58() for k in keys]
+    started, seq = trio.current_time(), 0
+    while trio.current_time() - started < seconds:
+        seq += 1
+        batch = [gossip_message(k, MESH_TOPIC, encode(Heartbeat(addrs=(f"/ip4/127.0.0.1/tcp/9/p2p/{me}",), caps=_caps(),
+                                                                tasks=(task_cid,)), k, seq), peer._next_gossip_seq())
+                 for k, me in zip(keys, ids)]
+        await peer.send_batch(batch)
+        await trio.sleep(1.0)
+    return {"identities": ids, "heartbeats": seq * identities}
 
 
 def head_flood(peer: HostilePeer, task_cid: str, count: int, members: int = HEAD_MEMBERS) -> list[Any]:

@@ -76,7 +76,8 @@ EXPORTS: dict[str, list[str]] = {
     ],
     "p2ptrain.protocol": [
         "ATTEST_TIMEOUT_S", "Attestations", "Chain", "ChainRules", "Election", "ElectionConfig", "ElectionMessage",
-        "Hold", "MAX_CHAIN_BYTES", "Misconduct", "RecordError", "RoundBook", "RuleBreak", "Status", "Tally", "View",
+        "Hold", "MAX_CHAIN_BYTES", "Misconduct", "Participation", "RecordError", "RoundBook", "RuleBreak", "Status",
+        "Tally", "View",
         "attest", "audit", "buffers_round_id", "chain_lines", "election_problem", "entry_from_bytes", "is_checkpoint",
         "load_model_bytes", "model_bytes", "owner_seed", "parse_entry", "read_chain", "read_model_card",
         "read_tensors", "round_id", "round_seed", "shard_of", "sign_record", "signing", "state_bytes",

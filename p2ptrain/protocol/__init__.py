@@ -30,6 +30,7 @@ if TYPE_CHECKING:
         parse_entry as parse_entry,
         read_chain as read_chain,
     )
+    from p2ptrain.protocol._participation import Participation as Participation
     from p2ptrain.protocol._plans import (
         buffers_round_id as buffers_round_id,
         is_checkpoint as is_checkpoint,

@@ -81,10 +81,21 @@ def plan_members(
     members = sorted(kept)[: task.peers.max]
     if admit_joiners:
         joiners = sorted((p for p in live if p not in previous), key=lambda p: rank(task_cid, 0, p))
-        members += joiners[: task.peers.max - len(members)]
+        room = task.peers.max - len(members)
+        if previous:
+            room = min(room, joiner_room(len(members)))
+        members += joiners[:room]
     if len(members) < task.peers.min:
         return None
     return ring_order(members, private)
+
+
+def joiner_room(kept: int) -> int:
+    """How many joiners a span of ``kept`` members of the previous one admits: at most ``kept - 1``
+    (one for a lone member), so that if every joiner fails to take part (a Sybil that only
+    advertised the task, issue 27) the retry without them still keeps a quorum of the plan's
+    members, which every member requires of it (:func:`rule_problem`), and the run goes on."""
+    return max(1, kept - 1)
 
 
 def rule_problem(task: Task, total_steps: int, plan: RoundPlan, before: RoundPlan | None) -> str | None:

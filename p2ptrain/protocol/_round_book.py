@@ -342,6 +342,15 @@ class RoundBook:
             and set(last.members) - set(excluding) <= self.failure_reporters
         )
 
+    def silent_members(self, now: float) -> frozenset[str]:
+        """Members of the failed plan that did not report its failure by the end of the retry's
+        backoff: most likely never in the round at all (a peer that only advertised the task), so
+        the coordinator counts it as their missed chance (:meth:`Participation.note_missed`)."""
+        last = self.last_plan
+        if last is None or self.failed_round is None or now < self.retry_after:
+            return frozenset()
+        return frozenset(set(last.members) - self.failure_reporters)
+
     def reporter_out_of_step(self, report: RoundFailed) -> bool:
         """Whether a failure report of the current plan comes from a member that could not take part
         at all: its optimizer step is neither the failed round's nor the one after (a member that

@@ -23,7 +23,7 @@ from p2ptrain.run._run_state import RunState
 from p2ptrain.run._spans import Spans
 from p2ptrain.control import Phase
 from p2ptrain.protocol import ATTEST_TIMEOUT_S, ElectionMessage, Hold, View
-from p2ptrain.wire import TASKS_TOPIC, TaskAnnounce, TaskHead
+from p2ptrain.wire import TASKS_TOPIC, SignedVote, TaskAnnounce, TaskHead, VoteRequest
 
 logger = logging.getLogger(__name__)
 
@@ -51,11 +51,25 @@ class Leading:
         run = self.run
         now = trio.current_time()
         before = run.election.coordinator
+        if isinstance(msg, VoteRequest) and before is None and msg.term >= run.election.term:
+            run.participation.note_asked(now, sender)  # every peer without a coordinator votes now
+        term = run.election.term
         outs = run.election.receive(now, sender, msg)
+        # It takes part in the run's elections: a vote in one we are in (votes at any other time
+        # are free to send, and would keep a peer that never trains counted), or it won one.
+        if (isinstance(msg, SignedVote) and msg.vote.voter == sender and before is None
+                and msg.vote.term >= term - 2) or run.election.coordinator == sender:
+            run.participation.note_vote(now, sender)
+        self._note_asking(outs, now)
         run.save_ballots()  # before a vote leaves (see RunState.save_ballots)
         for out in outs:
             await run.node.publish(run.topic, out)
         self._note_coordinator(before, now)
+
+    def _note_asking(self, outs: list[ElectionMessage], now: float) -> None:
+        """This member asks for votes: the peers in its state vote now (Participation.note_asked)."""
+        if any(isinstance(out, VoteRequest) for out in outs):
+            self.run.participation.note_asked(now, self.run.me)
 
     def _note_coordinator(self, before: str | None, now: float) -> None:
         """Log a change of coordinator; remember when this member was elected (plan grace) and who
@@ -111,6 +125,7 @@ class Leading:
             roster = run.book.roster(run.me, head_members) if run.book is not None else tuple(head_members)
             before = election.coordinator
             outs = election.tick(now, self.view(), roster, may_lead=run.synced)
+            self._note_asking(outs, now)
             run.save_ballots()
             for out in outs:
                 await run.node.publish(run.topic, out)
@@ -162,6 +177,8 @@ class Leading:
         run = self.run
         trainer, book = run.require()
         membership = run.node.membership
+        for peer in book.silent_members(now) - {run.me}:
+            run.participation.note_missed(now, peer)  # left out of the retry unless it took part lately
         # Peers behind NATs (what their heartbeats say, and what we found of ourselves): the plan's
         # ring keeps them apart where it can (training.plans.ring_order).
         private = {r.peer_id.to_base58() for r in membership.alive() if r.reachability == "private"}

@@ -25,13 +25,17 @@ from p2ptrain.node import ContentService, Node
 from p2ptrain.run._ballots_file import load_voted_through, save_voted_through
 from p2ptrain.run._chain_file import ChainFile
 from p2ptrain.control import Phase
-from p2ptrain.protocol import Attestations, Election, ElectionConfig, RecordError, RoundBook
+from p2ptrain.protocol import Attestations, Election, ElectionConfig, Participation, RecordError, RoundBook
 from p2ptrain.training import RoundTimings, Trainer
 from p2ptrain.task import Task, unmet_requirement
 from p2ptrain.wire import RoundFailed, RoundPlan, TaskHead, task_topic
 
 logger = logging.getLogger(__name__)
 
+# A peer that never took part and does not vote within this many election timeouts of a vote
+# request stops counting (protocol/_participation.py): three, not one, so that votes late on a
+# loaded machine (gossip delays of seconds were seen under the test suite) do not strike an honest peer.
+ANSWER_TIMEOUTS = 3
 # In a run's folder: the publisher's cancel, kept so that this home never runs the task again
 # (a restart with --join, an announcement) and, on the publisher's node, so that it tells joiners.
 CANCELLED_FILE = "cancelled"
@@ -117,6 +121,8 @@ class RunState:
     deliver_own: Callable[[Any], Awaitable[None]] | None = None
     # The election's voted_through as this home keeps it (run/_ballots_file.py).
     voted_saved: int = -1
+    # Who of the peers advertising the task takes part in it (votes, rounds): only they count.
+    participation: Participation = field(default_factory=Participation)
 
     @classmethod
     def create(cls, node: Node, content: ContentService, collective: Collective, task: Task, task_cid: str) -> RunState:
@@ -125,7 +131,8 @@ class RunState:
                             voted_through=load_voted_through(run_dir))
         return cls(node=node, content=content, collective=collective, task=task, task_cid=task_cid,
                    election=election, me=node.peer_id.to_base58(), topic=task_topic(task_cid),
-                   dir=run_dir, voted_saved=election.voted_through)
+                   dir=run_dir, voted_saved=election.voted_through,
+                   participation=Participation(answer_s=ANSWER_TIMEOUTS * election.config.timeout_s))
 
     @property
     def log_prefix(self) -> str:
@@ -244,14 +251,18 @@ class RunState:
         self.wake_leader.set()
 
     def advertising(self) -> set[str]:
-        """Peers that advertise this task (so hold the state the run is at), meet its requirements
-        and, where the task has an allowlist, are on it: only these are planned and vote."""
-        live = {self.me} if self.synced else set()
+        """Peers that advertise this task (so hold the state the run is at), meet its requirements,
+        where the task has an allowlist are on it, and take part in the run or are new to it
+        (:class:`~p2ptrain.protocol.Participation`): only these are planned and vote."""
+        others = set()
         for record in self.node.membership.alive():
             peer = record.peer_id.to_base58()
-            if (self.task_cid in record.tasks and unmet_requirement(self.task, record.caps) is None
+            if (peer != self.me and self.task_cid in record.tasks and unmet_requirement(self.task, record.caps) is None
                     and self.task.peers.admits(peer)):
-                live.add(peer)
+                others.add(peer)
+        live = set(self.participation.counted(trio.current_time(), others))
+        if self.synced:
+            live.add(self.me)
         return live
 
     def accuse(self, coordinator: str, why: str) -> None:

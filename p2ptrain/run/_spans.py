@@ -160,6 +160,8 @@ class Spans:
             if isinstance(exc, PeerFailed) and exc.peer_id != run.node.peer_id:
                 culprit, gone = exc.peer_id.to_base58(), exc.gone
             book.note_round_failed(trio.current_time(), culprit, gone)
+            if culprit is not None:
+                run.participation.note_missed(trio.current_time(), culprit)  # its chance, if it was new
             if gone:
                 run.wake_leader.set()  # the election may act on it now (a dead coordinator)
             logger.warning("%s: round %d (attempt %d) failed: %s", run.log_prefix, plan.round + index,
@@ -172,6 +174,7 @@ class Spans:
         run.bytes_sent += sent
         run.bytes_received += stats.bytes_received if stats else 0
         run.rounds_done += 1
+        run.participation.note_round(trio.current_time(), plan.members)
         run.metrics["train_loss"] = result.local_loss
         run.round_seconds.observe(timings.last_compute_s, timings.last_sync_s, timings.last_apply_s)
         logger.debug(

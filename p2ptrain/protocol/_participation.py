@@ -1,0 +1,136 @@
+"""Who takes part in a run: a participation ledger, so that advertising a task is not membership.
+
+Any peer can name a task in its heartbeats for free. Counted as it is (before issue 27), a few
+identities that only did that stopped a run: a new task's election counted them as voters and never
+reached a quorum (terms churned), and a running task admitted them as joiners at its next
+checkpoint, where the span's round failed on them and no retry could keep a quorum of the plan.
+
+The ledger keeps, per peer that advertises the task, what this member saw it do, and
+:meth:`Participation.counted` says which of them count (for the election's live peers, plans and
+``peers.max``). Pure and clock-injected: the run hands in the time and the evidence.
+
+- Evidence: a vote it signed, a coordinator heartbeat of it that the election accepted (*takes part
+  in elections*), and a round this member completed with it in the ring (*takes part in rounds*,
+  the strong kind: nobody completes a ring round without every member's bytes).
+- A newcomer counts: it gets one chance (its grace) to take part. That chance ends, with a strike,
+  when (a) a round it was planned in failed naming it, or it did not report the failure of a
+  round it was planned in (the coordinator checks, when it plans the retry), and it neither
+  completed a round with us nor voted within ``grace_s``; or (b) it had never taken part and did
+  not vote within ``answer_s`` of a vote request that this member heard (or sent) while it had no
+  coordinator (every peer in that state votes) from another candidate.
+- A struck peer does not count for ``grace_s * 2**strikes`` (at most ``max_backoff_s``); then
+  it gets its next chance. Any evidence clears its strikes at once: a slow but honest peer that
+  votes, or completes a round, is back; one that missed a round is tried again later, never locked
+  out for good.
+
+What this bounds (docs/security.md, "Sybils"): a heartbeat-only identity costs a run at most one
+failed round attempt per chance, its first at once and then one per ``max_backoff_s``; a new
+identity is a new chance, so an attacker that keeps minting them costs one attempt each. A peer that
+really votes and trains is a member: only ``[peers] admission = "allowlist"`` keeps those out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass, field
+
+# Entries of peers that no longer advertise the task are dropped after this long, and the ledger
+# holds at most MAX_ENTRIES (heartbeats are capped upstream: mesh/_membership.py); a dropped Sybil
+# that comes back is a fresh identity, which it could have been anyway.
+FORGET_S = 600.0
+MAX_ENTRIES = 4096
+
+
+@dataclass
+class _Entry:
+    since: float  # when this member first saw it advertise the task
+    touched: float  # last time it advertised the task (or left evidence)
+    rounds_at: float | None = None  # last round this member completed with it
+    voted_at: float | None = None  # last vote of it in an election this member was in
+    proven: bool = False  # it left evidence since its last strike
+    strikes: int = 0
+    struck_until: float = 0.0
+
+
+@dataclass
+class Participation:
+    """One member's ledger of who takes part in one run (see the module docstring)."""
+
+    grace_s: float = 30.0
+    answer_s: float = 3.0
+    max_backoff_s: float = 600.0
+    _peers: dict[str, _Entry] = field(default_factory=dict)
+    # A vote request heard while this member had no coordinator: (when, its candidate).
+    _asked: tuple[float, str] | None = None
+    _last_round_at: float | None = None  # when this member last completed a round
+
+    def _entry(self, now: float, peer: str) -> _Entry:
+        entry = self._peers.get(peer)
+        if entry is None:
+            entry = self._peers[peer] = _Entry(since=now, touched=now)
+        return entry
+
+    def note_vote(self, now: float, peer: str) -> None:
+        """``peer`` voted in an election this member is in (it had no coordinator), or was
+        accepted as coordinator: it takes part in elections."""
+        entry = self._proven(now, peer)
+        entry.voted_at = now
+
+    def note_round(self, now: float, members: Collection[str]) -> None:
+        """This member completed a round whose ring was ``members``: each of them took part."""
+        for peer in members:
+            self._proven(now, peer).rounds_at = now
+        self._last_round_at = now
+
+    def note_missed(self, now: float, peer: str) -> None:
+        """A round this member was in failed naming ``peer``: unless it was in the last round we
+        completed, or completed a round with us or voted within ``grace_s`` (an honest member that
+        failed once, however long rounds take, or whose first round was blamed on it for a
+        neighbour's absence: the book's quarantine covers it), that was its chance: it is struck."""
+        entry = self._entry(now, peer)
+        if entry.struck_until > now or (entry.rounds_at is not None and entry.rounds_at == self._last_round_at) or any(
+                at is not None and now - at < self.grace_s for at in (entry.rounds_at, entry.voted_at)):
+            return
+        self._strike(now, entry)
+
+    def note_asked(self, now: float, candidate: str) -> None:
+        """A vote request from ``candidate`` arrived while this member has no coordinator: every
+        peer in this state votes in it (or has voted in its term), so one that never took part and
+        does not vote within ``answer_s`` is struck (checked in :meth:`counted`)."""
+        if self._asked is None:
+            self._asked = (now, candidate)
+
+    def counted(self, now: float, advertising: Collection[str]) -> frozenset[str]:
+        """Of the peers that advertise the task, those that count at ``now``."""
+        for peer in advertising:
+            self._entry(now, peer).touched = now
+        if self._asked is not None and now - self._asked[0] >= self.answer_s:
+            asked_at, candidate = self._asked
+            self._asked = None
+            for peer, entry in self._peers.items():
+                if peer != candidate and not entry.proven and entry.since <= asked_at and entry.struck_until <= now:
+                    self._strike(now, entry)
+        self._forget(now)
+        return frozenset(p for p in advertising if self._peers[p].struck_until <= now)
+
+    def struck(self, now: float) -> frozenset[str]:
+        """Peers that do not count at ``now`` (for logs and `task status`)."""
+        return frozenset(p for p, e in self._peers.items() if e.struck_until > now)
+
+    def _proven(self, now: float, peer: str) -> _Entry:
+        entry = self._entry(now, peer)
+        entry.touched, entry.proven, entry.strikes, entry.struck_until = now, True, 0, 0.0
+        return entry
+
+    def _strike(self, now: float, entry: _Entry) -> None:
+        entry.strikes += 1
+        entry.proven = False
+        entry.struck_until = now + min(self.grace_s * 2**entry.strikes, self.max_backoff_s)
+
+    def _forget(self, now: float) -> None:
+        stale = [p for p, e in self._peers.items() if now - e.touched > FORGET_S and e.struck_until <= now]
+        for peer in stale:
+            del self._peers[peer]
+        if len(self._peers) > MAX_ENTRIES:
+            for peer in sorted(self._peers, key=lambda p: self._peers[p].touched)[: len(self._peers) - MAX_ENTRIES]:
+                del self._peers[peer]

@@ -1,0 +1,61 @@
+"""Issue 27's heartbeat-only Sybils, on real peers: identities that advertise a task in their
+heartbeats but never vote and never take part in a round. Before, a new task with as many of them
+as honest members made no step (the election counted them as voters and never reached a quorum;
+terms churned), and a running task froze at its next checkpoint (they were admitted as joiners, the
+span's round failed on them, and no retry could keep a quorum of that plan's members).
+
+Now a member counts an identity that advertises the task only while it takes part (votes, asks for
+votes, reports a round, completes a round, attests) or is new (one span of grace): the Sybils fall
+out of the election's voters and the plans, and the run goes on.
+
+Loopback peers in this process; a Sybil is a real node whose heartbeats name the task and nothing
+else (``membership.tasks``), exactly what the issue's tester ran.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import trio
+
+from p2ptrain.testing import LocalPeers, local_peers, publish_digits_task
+
+RUN_S = 200.0  # generous: the suite shares two cores with other work
+
+
+async def _sybils(peers: LocalPeers, task_cid: str, k: int) -> list[str]:
+    """Start ``k`` peers whose heartbeats advertise ``task_cid``; they never join it."""
+    ids = []
+    for _ in range(k):
+        sybil = await peers.add_peer()
+        sybil.node.membership.tasks = (task_cid,)
+        ids.append(sybil.node.peer_id.to_base58())
+    return ids
+
+
+def _version(peers: LocalPeers, task_cid: str, honest: range) -> int:
+    return min(peers.status(i, task_cid).get("version", 0) for i in honest)
+
+
+async def test_heartbeat_only_sybils_neither_stop_a_new_task_nor_freeze_a_running_one(tmp_path: Path) -> None:
+    honest = range(2)
+    with trio.fail_after(RUN_S):
+        async with local_peers(2, tmp_path) as peers:
+            task_cid = await publish_digits_task(peers[0], total_steps=400, checkpoint_interval=4, min_peers=2)
+            # As many Sybils as honest members, there before the run starts: a quorum of the four
+            # identities the members saw advertising it (3) was out of reach of two honest voters.
+            first = await _sybils(peers, task_cid, 2)
+            for i in honest:
+                await peers[i].tasks.join(task_cid)
+            await peers.wait_until(lambda: _version(peers, task_cid, honest) >= 1, 90,
+                                   what="a new task's first checkpoint confirmed beside heartbeat-only Sybils")
+            # Two fresh Sybils mid-run: admitted at the next checkpoint (they are new), the span's round
+            # fails on them; the retry must still be a plan the members follow, and the run go on.
+            version = _version(peers, task_cid, honest)
+            second = await _sybils(peers, task_cid, 2)
+            await peers.wait_until(lambda: _version(peers, task_cid, honest) >= version + 2, 90,
+                                   what="two more checkpoints confirmed after fresh Sybils came")
+            for i in honest:
+                shared = peers[i].tasks.runs[task_cid].shared
+                record = shared.book.chain.records[-1].record
+                assert not set(record.members) & set(first + second)
