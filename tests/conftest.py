@@ -61,6 +61,26 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "needs(*tools, root=False): tools on PATH (and root) the test needs; see tests/conftest.py"
     )
+    # Under xdist (make test), hand each worker one test at a time (see pytest_collection_modifyitems):
+    # by default a worker is first given a quarter of its share of the suite, consecutive tests, so
+    # the long tests, run first, would all land on one worker.
+    if getattr(config.option, "maxschedchunk", 0) is None:
+        config.option.maxschedchunk = 1
+
+
+def _own_timeout(item: pytest.Item) -> float:
+    """The timeout a test declares on itself (``@pytest.mark.timeout(S)`` on the function, not its
+    module's); 0 when it declares none."""
+    marks = getattr(getattr(item, "obj", None), "pytestmark", [])
+    return max((float(m.args[0]) for m in marks if m.name == "timeout" and m.args), default=0.0)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The tests that declare a long timeout of their own (a run of several processes: minutes each)
+    first, longest bound first; the rest in their order. The two workers of ``make test`` then take
+    the long ones side by side and fill in with short ones, instead of one worker ending the suite
+    alone with a run it drew last (longest-first scheduling)."""
+    items.sort(key=lambda item: -_own_timeout(item))
 
 
 @pytest.hookimpl(tryfirst=True)  # before fixtures start (a session daemon) and like skipif

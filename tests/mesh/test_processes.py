@@ -30,7 +30,6 @@ def peer_ids(status: dict) -> set[str]:
     return {p["peer_id"] for p in status["peers"]}
 
 
-@pytest.mark.timeout(900)  # five process starts, each importing libp2p and torch on a shared 2-core box
 def views(procs) -> str:
     """Who sees whom, for a failure message."""
     lines = []
@@ -52,6 +51,7 @@ def settle(procs, predicate, timeout: float) -> None:
         raise AssertionError(f"not settled in {timeout} s:\n{views(procs)}") from None
 
 
+@pytest.mark.timeout(900)  # five process starts, each importing libp2p and torch on a shared 2-core box
 def test_four_node_processes_form_a_mesh_survive_a_kill_and_a_restart(tmp_path):
     with node_processes(4, tmp_path) as procs:
         ids = {p.peer_id for p in procs}
