@@ -103,7 +103,6 @@ def cmd_start(args: argparse.Namespace) -> int:
 
     from p2ptrain.base import short_id
     from p2ptrain.node import Node
-    from p2ptrain.services import TaskOptions, make_peer
 
     resolved = resolve(args)  # flags, P2PTRAIN_* environment, config.toml, defaults
     settings = values(resolved)
@@ -114,8 +113,12 @@ def cmd_start(args: argparse.Namespace) -> int:
         source = next(s.source for s in resolved if s.name == "metrics").split()[-1]
         what = source if source.startswith("--") else f"${source}"
         metrics_at = parse_address(settings["metrics"], what)  # a typo is one line, before anything starts
-    _check_device(args.device)
+    # The settings and the bootstrap addresses first (libp2p, a second or so), then what imports
+    # torch (the device check, the task service: ~8 s on a loaded machine): a typo fails at once.
     node = Node(settings["home"], node_config(resolved))
+    _check_device(args.device)
+    from p2ptrain.services import TaskOptions, make_peer
+
     if args.threads > 0:
         import torch
 

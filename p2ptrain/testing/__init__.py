@@ -84,6 +84,11 @@ from p2ptrain.testing._chains import (
     rules_task as rules_task,
     votes_for as votes_for,
 )
+from p2ptrain.testing._corpus import (  # text files and a tokenizer trained on them, no hub needed
+    EOS as EOS,
+    STDLIB_FILES as STDLIB_FILES,
+    text_corpus as text_corpus,
+)
 from p2ptrain.testing._scripts import (  # a user's script as N members, one process each
     ScriptMember as ScriptMember,
     last_json as last_json,
@@ -114,10 +119,12 @@ else:
         "CONNECT_TIMEOUT_S",
         "Changes",
         "DIGITS_TASK",
+        "EOS",
         "EmulatedNat",
         "EmulatedWan",
         "LOOPBACK",
         "LocalHost",
+        "STDLIB_FILES",
         "LocalPeers",
         "NodeProcess",
         "PEER_STOP_TIMEOUT_S",
@@ -149,6 +156,7 @@ else:
         "run_cli",
         "run_node_processes",
         "task_status_of",
+        "text_corpus",
         "votes_for",
         "wait_for",
         "wait_until",

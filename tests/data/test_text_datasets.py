@@ -3,7 +3,6 @@ files, the tokenizer stored by CID and named in the manifest, windows of token i
 IPFSDataset; bytes without a tokenizer; hostile tokenizer files refused with nothing stored."""
 
 import json
-import sysconfig
 from collections import Counter
 from pathlib import Path
 
@@ -11,33 +10,20 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer
 
 from p2ptrain.data import IPFSDataset, build_dataset, load_source
 from p2ptrain.data._tokens import MAX_TOKENIZER_BYTES, TokenizerError, tokenizer_by_cid
 from p2ptrain.ipfs import EmbeddedStore
+from p2ptrain.testing import EOS, STDLIB_FILES, text_corpus
 
-EOS = "<|endoftext|>"
 CONTEXT = 16
 
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> tuple[Path, Path]:
     """``(folder of text files, tokenizer.json trained on them)``: a few of Python's own modules."""
-    root = tmp_path_factory.mktemp("corpus")
-    texts = root / "texts"
-    texts.mkdir()
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    for name in ("this.py", "colorsys.py", "bisect.py", "keyword.py"):
-        (texts / f"{name}.txt").write_bytes((stdlib / name).read_bytes())
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=[EOS], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tokenizer.train([str(p) for p in sorted(texts.iterdir())], trainer)
-    tokenizer.save(str(root / "tokenizer.json"))
-    return texts, root / "tokenizer.json"
+    return text_corpus(tmp_path_factory.mktemp("corpus"), STDLIB_FILES[:4])
 
 
 def windows_of(ids: list[int], context: int = CONTEXT) -> Counter:

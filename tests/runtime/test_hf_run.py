@@ -7,19 +7,16 @@ and fine-tuned as a task's ``initial_model``: the run starts from those weights.
 from __future__ import annotations
 
 import json
-import sysconfig
 from pathlib import Path
 from typing import Any
 
 import torch
 import trio
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from p2ptrain.testing import LocalPeers, local_peers, run_cli
+from p2ptrain.testing import EOS, LocalPeers, local_peers, run_cli, text_corpus
 from p2ptrain.protocol import Chain, read_chain
 
 DEADLINE_S = 240.0
-EOS = "<|endoftext|>"
 CONFIG = ('{{ model_type = "gpt2", n_layer = 2, n_embd = 32, n_head = 2, vocab_size = {vocab}, n_positions = 16, '
           'bos_token_id = 0, eos_token_id = 0, resid_pdrop = 0.0, embd_pdrop = 0.0, attn_pdrop = 0.0 }}')
 TASK = """\
@@ -44,23 +41,6 @@ min = 2
 """
 
 
-def write_corpus(root: Path) -> tuple[Path, Path]:
-    """``(folder of text files, tokenizer.json trained on them)``: a few of Python's own modules."""
-    texts = root / "texts"
-    texts.mkdir(parents=True)
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    for name in ("this.py", "colorsys.py", "bisect.py", "keyword.py", "glob.py"):
-        (texts / f"{name}.txt").write_bytes((stdlib / name).read_bytes())
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=[EOS], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tokenizer.train([str(p) for p in sorted(texts.iterdir())], trainer)
-    tokenizer.save(str(root / "tokenizer.json"))
-    return texts, root / "tokenizer.json"
-
-
 async def _publish(peers: LocalPeers, root: Path, steps: int, head: str | None = None,
                    manifest: str | None = None) -> tuple[str, str, int]:
     """Store a task (``head``: its text up to the model table; else the config above) and, unless
@@ -74,7 +54,7 @@ async def _publish(peers: LocalPeers, root: Path, steps: int, head: str | None =
         nonlocal manifest
         vocab = 300
         if manifest is None:
-            texts, tokenizer = write_corpus(root)
+            texts, tokenizer = text_corpus(root)
             source = read_source(f"text:{texts}", SourceOptions(tokenizer=tokenizer, context=16, eos=EOS))
             manifest, made = build_source(store, source, 2)
             assert made.tokens is not None
