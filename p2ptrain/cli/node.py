@@ -113,10 +113,15 @@ def cmd_start(args: argparse.Namespace) -> int:
         source = next(s.source for s in resolved if s.name == "metrics").split()[-1]
         what = source if source.startswith("--") else f"${source}"
         metrics_at = parse_address(settings["metrics"], what)  # a typo is one line, before anything starts
-    # The settings and the bootstrap addresses first (libp2p, a second or so), then what imports
-    # torch (the device check, the task service: ~8 s on a loaded machine): a typo fails at once.
-    node = Node(settings["home"], node_config(resolved))
+    # The bootstrap addresses first (libp2p, a second or so), then what imports torch (the device
+    # check, the task service: ~8 s on a loaded machine): a typo fails at once, and before the
+    # node makes its home.
+    from p2ptrain.mesh import parse_bootstrap
+
+    for addr in settings["bootstrap"]:
+        parse_bootstrap(addr)
     _check_device(args.device)
+    node = Node(settings["home"], node_config(resolved))
     from p2ptrain.services import TaskOptions, make_peer
 
     if args.threads > 0:
