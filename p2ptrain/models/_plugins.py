@@ -152,7 +152,8 @@ class Plugins:
             self._builders[b.name] = b
 
     def get(self, name: str) -> Builder:
-        """The builder called ``name``, or MissingBuilder saying why this node has none."""
+        """The builder called ``name``; MissingBuilder saying why this node has none, or ModelError
+        for a name no package could provide (not ``NAMESPACE:NAME``)."""
         builders = self._load()
         if name in builders:
             return builders[name]
@@ -167,8 +168,9 @@ class Plugins:
         if ":" in name:
             raise MissingBuilder(name, f"no builder {name!r} on this node: no installed package provides "
                                        f"builders '{namespace}:...'")
-        raise MissingBuilder(name, f"unknown model {name!r} (known: {', '.join(sorted(REGISTRY))}; installed "
-                                   "packages add NAMESPACE:NAME builders)")
+        # No package can provide a name without a namespace: a typo, not a builder missing here.
+        raise ModelError(f"model.name: unknown model {name!r} (known: {', '.join(sorted(REGISTRY))}; installed "
+                         "packages add NAMESPACE:NAME builders)")
 
     def available(self) -> dict[str, Builder]:
         """Every loaded plugin builder by name."""

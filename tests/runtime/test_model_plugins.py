@@ -125,8 +125,11 @@ def test_broken_and_malformed_packages_are_unavailable_logged_once_and_never_rep
     # A namespace of no installed package, and a bare unknown name, say so.
     with pytest.raises(MissingBuilder, match="no installed package provides builders 'nope:...'"):
         lookup("nope:x")
-    with pytest.raises(ModelError, match=r"^model.name: unknown model 'os.system'"):
+    with pytest.raises(ModelError, match=r"^model.name: unknown model 'os.system'") as bare:
         lookup("os.system")
+    # No package can provide a name without a namespace: a typo, not a task some other node can build
+    # (which read_task would take as sound).
+    assert not isinstance(bare.value, MissingBuilder)
 
 
 def test_a_task_naming_a_missing_builder_is_a_no_builder_error_saying_what_to_install() -> None:
