@@ -176,7 +176,8 @@ class LatestFinder:
         store = self.content.store
         await self.content.fetch(self.task_cid, timeout=CHAIN_FETCH_TIMEOUT_S, max_bytes=MAX_TASK_BYTES)
         data = await trio.to_thread.run_sync(lambda: store.cat(self.task_cid, max_bytes=MAX_TASK_BYTES + 1))
-        self.rules = ChainRules.of(read_task(data), self.task_cid)  # its builder not needed
+        task = await trio.to_thread.run_sync(read_task, data)  # its builder not needed; a parse counts the model
+        self.rules = ChainRules.of(task, self.task_cid)
 
     async def _ask(self) -> None:
         while True:

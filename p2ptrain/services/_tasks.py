@@ -235,9 +235,8 @@ class TaskService:
         requested_cid(task_cid)
         if task is None:
             await self.content.fetch(task_cid, timeout=JOIN_FETCH_TIMEOUT_S, max_bytes=MAX_TASK_BYTES)
-            data = await trio.to_thread.run_sync(self._read_task, task_cid)
             try:
-                task = task_from_bytes(data)
+                task = await trio.to_thread.run_sync(self._held_task, task_cid)
             except NoBuilder as exc:  # a sound task this node cannot build: say what to install
                 raise UserError(exc.line) from exc
         why = unmet_requirement(task, self.node.membership.caps)
@@ -272,10 +271,13 @@ class TaskService:
         """Whether this home heard (or, as publisher, sent) the task's cancel: it never runs it again."""
         return (self.node.home / "tasks" / task_cid / CANCELLED_FILE).is_file()
 
-    def _read_task(self, task_cid: str) -> bytes:
-        """The task's bytes, read no further than MAX_TASK_BYTES + 1 (enough to refuse a bigger one):
-        a DAG that claims more, or hides a bomb, fails on its declared sizes before it is walked."""
-        return self.content.store.cat(task_cid, max_bytes=MAX_TASK_BYTES + 1)
+    def _held_task(self, task_cid: str) -> Task:
+        """The task held here by CID, parsed: in a worker thread, since the parse builds the model on
+        the meta device to count it (seconds for a deep hf config, or a package's first import) and
+        the node's heartbeats and rounds run on the event loop. The bytes are read no further than
+        MAX_TASK_BYTES + 1 (enough to refuse a bigger one): a DAG that claims more, or hides a bomb,
+        fails on its declared sizes before it is walked."""
+        return task_from_bytes(self.content.store.cat(task_cid, max_bytes=MAX_TASK_BYTES + 1))
 
     async def _join_quietly(self, task_cid: str) -> Exception | None:
         """Join from an announcement or ``--join``: the one boundary of the join path.
@@ -405,8 +407,7 @@ class TaskService:
             held = (self.node.home / "tasks" / task_cid / CHAIN_FILE).is_file() and self.content.store.has(task_cid)
             if run is not None or not self._cancelled_here(task_cid) or not held:
                 return  # no run of ours to resume (only a task held here is read, never fetched for a stranger)
-        task = run.shared.task if run is not None else task_from_bytes(
-            await trio.to_thread.run_sync(self._read_task, task_cid))
+        task = run.shared.task if run is not None else await trio.to_thread.run_sync(self._held_task, task_cid)
         if task.publisher is None or sender != task.publisher:
             why = "the task names no publisher" if task.publisher is None else "not the task's publisher"
             self.join_rejections["resume_refused"] += 1
@@ -444,7 +445,7 @@ class TaskService:
         text = request.get("text")
         if not isinstance(text, str) or len(text) > MAX_TASK_BYTES:
             raise UserError(f"a task file must be TOML text of at most {MAX_TASK_BYTES} bytes")
-        task = load_task(text)
+        task = await trio.to_thread.run_sync(load_task, text)  # off the event loop, as _held_task says
         if task.publisher is None:  # this node's key is the one that may cancel it (task cancel)
             task = replace(task, publisher=self.node.peer_id.to_base58())
         if task.dataset is not None:
@@ -524,7 +525,7 @@ class TaskService:
         if run is not None:
             return run.shared.task
         await self.content.fetch(task_cid, timeout=JOIN_FETCH_TIMEOUT_S, max_bytes=MAX_TASK_BYTES)
-        return task_from_bytes(await trio.to_thread.run_sync(self._read_task, task_cid))
+        return await trio.to_thread.run_sync(self._held_task, task_cid)
 
     async def _status_op(self, request: dict[str, Any]) -> dict[str, Any]:
         task_cid = str(request.get("task_cid", ""))
