@@ -8,7 +8,6 @@ are published, attested and fetched by CID. Faults are real too: members are SIG
 from __future__ import annotations
 
 import json
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -21,10 +20,12 @@ from p2ptrain.protocol import Chain, ChainRules
 from p2ptrain.protocol._lineage import first_parent
 
 
-def publish(proc: NodeProcess, manifest: str, name: str, steps: int, checkpoint: int) -> str:
+def publish(proc: NodeProcess, name: str, steps: int, checkpoint: int) -> tuple[str, str]:
+    manifest = cli("dataset", "add", "sklearn:digits", "--shards", "8", "--home", str(proc.home)).splitlines()[-1]
     text = TASK_TEMPLATE.format(manifest=manifest, steps=steps, checkpoint=checkpoint, density=0.01, peers=8)
     text = text.replace('name = "demo-digits-mlp"', f'name = "{name}"')
-    return ControlClient(proc.home, timeout=120).call(control_ops.TASK_PUBLISH, text=text, join=True)["task_cid"]
+    task_cid = ControlClient(proc.home, timeout=120).call(control_ops.TASK_PUBLISH, text=text, join=True)["task_cid"]
+    return manifest, task_cid
 
 
 def task_status(proc: NodeProcess, task_cid: str) -> dict | None:
@@ -49,89 +50,77 @@ STEPS = 1200
 def test_a_run_survives_a_late_joiner_and_killed_members_reaches_90_percent_and_its_model_is_fetched_by_cid(
     tmp_path: Path,
 ) -> None:
-    """One run seen whole (one run, not two: four node processes cost ~35 s of a CI budget each time).
-    The CLI processes (each imports torch) run beside others where nothing orders them: `dataset add`
-    writes the first member's store while the nodes start (the block store takes concurrent writers,
-    p2ptrain/ipfs/_blockstore.py), and the two fetches from a fresh home at the end run together."""
-    (tmp_path / "node0").mkdir(mode=0o700)
-    with ThreadPoolExecutor(2) as pool:
-        adding = pool.submit(cli, "dataset", "add", "sklearn:digits", "--shards", "8", "--home", str(tmp_path / "node0"))
-        with node_processes(4, tmp_path, extra_args=["--device", "cpu", "--threads", "1"]) as procs:
-            run_with_faults(tmp_path, procs, adding.result().splitlines()[-1], pool)
+    """One run seen whole (one run, not two: four node processes cost ~35 s of a CI budget each time)."""
+    with node_processes(4, tmp_path, extra_args=["--device", "cpu", "--threads", "1"]) as procs:
+        members, joiner = procs[:3], procs[3]
+        # Long enough in wall time for every event below to happen before the end: on loopback a
+        # round of this small model takes ~20 ms, and after the member's death the joiner may sit
+        # out a 10 s quarantine (if a round's failure was blamed on it) before it is admitted again.
+        manifest, task_cid = publish(members[0], "digits-faults", steps=STEPS, checkpoint=20)
+        for p in members[1:]:
+            ControlClient(p.home, timeout=60).call(control_ops.TASK_JOIN, task_cid=task_cid)
+        wait_for(lambda: (s := task_status(members[0], task_cid)) and s["version"] >= 1, timeout=120, interval=0.2)
 
+        # A late joiner loads the confirmed model by CID and is admitted at the next checkpoint.
+        ControlClient(joiner.home, timeout=60).call(control_ops.TASK_JOIN, task_cid=task_cid)
+        wait_for(lambda: (s := task_status(members[0], task_cid)) and joiner.peer_id in s["members"],
+                 timeout=120, interval=0.2)
 
-def run_with_faults(tmp_path: Path, procs: list[NodeProcess], manifest: str, pool: ThreadPoolExecutor) -> None:
-    members, joiner = procs[:3], procs[3]
-    # Long enough in wall time for every event below to happen before the end: on loopback a
-    # round of this small model takes ~20 ms, and after the member's death the joiner may sit
-    # out a 10 s quarantine (if a round's failure was blamed on it) before it is admitted again.
-    task_cid = publish(members[0], manifest, "digits-faults", steps=STEPS, checkpoint=20)
-    for p in members[1:]:
-        ControlClient(p.home, timeout=60).call(control_ops.TASK_JOIN, task_cid=task_cid)
-    wait_for(lambda: (s := task_status(members[0], task_cid)) and s["version"] >= 1, timeout=120, interval=0.2)
+        # SIGKILL a member that is not the coordinator: the others drop it and go on.
+        coordinator = task_status(members[0], task_cid)["coordinator"]
+        victim = next(p for p in members if p.peer_id != coordinator)
+        alive = [p for p in procs if p is not victim]
+        version = task_status(alive[0], task_cid)["version"]
+        victim.kill()
+        # Until the roster is exactly the three living peers: losing the coordinator then leaves a
+        # majority (2 of 3) to elect the next one. (A roster that had just dropped a slow member to
+        # two would leave no majority, by design of the quorum.)
+        everyone = {p.peer_id for p in alive}
+        wait_for(lambda: (s := task_status(alive[0], task_cid)) and s["version"] >= version + 2
+                 and set(s["members"]) == everyone, timeout=180, interval=0.2)
 
-    # A late joiner loads the confirmed model by CID and is admitted at the next checkpoint.
-    ControlClient(joiner.home, timeout=60).call(control_ops.TASK_JOIN, task_cid=task_cid)
-    wait_for(lambda: (s := task_status(members[0], task_cid)) and joiner.peer_id in s["members"],
-             timeout=120, interval=0.2)
+        # SIGKILL the coordinator: another is elected in a later term and finishes the run.
+        status = task_status(alive[0], task_cid)
+        old_coordinator, old_term = status["coordinator"], status["term"]
+        boss = next(p for p in alive if p.peer_id == old_coordinator)
+        boss.kill()
+        survivors = [p for p in alive if p is not boss]
+        final = wait_for(
+            lambda: (s := [task_status(p, task_cid) for p in survivors]) and all(x and x["state"] == "done" for x in s) and s,
+            timeout=240, interval=1.0,
+        )
+        assert all(s["term"] > old_term and s["coordinator"] != old_coordinator for s in final)
+        assert len({s["latest_model_cid"] for s in final}) == 1
+        chain = verified_chain(survivors[0], task_cid)  # no fork, no gap, every signature checks
+        assert chain.records[-1].record.step == STEPS
+        # The same records (each member keeps the quorum of attestations it counted: the proofs may
+        # name different members, the records are the same).
+        assert verified_chain(survivors[1], task_cid).records == chain.records
+        coordinators = [r.record.coordinator for r in chain.records]
+        assert old_coordinator in coordinators and len(set(coordinators)) >= 2
+        assert any(joiner.peer_id in r.record.members for r in chain.records)
+        recorded = chain.records[-1].record.metrics["accuracy"]
+        assert recorded >= 0.90
 
-    # SIGKILL a member that is not the coordinator: the others drop it and go on.
-    coordinator = task_status(members[0], task_cid)["coordinator"]
-    victim = next(p for p in members if p.peer_id != coordinator)
-    alive = [p for p in procs if p is not victim]
-    version = task_status(alive[0], task_cid)["version"]
-    victim.kill()
-    # Until the roster is exactly the three living peers: losing the coordinator then leaves a
-    # majority (2 of 3) to elect the next one. (A roster that had just dropped a slow member to
-    # two would leave no majority, by design of the quorum.)
-    everyone = {p.peer_id for p in alive}
-    wait_for(lambda: (s := task_status(alive[0], task_cid)) and s["version"] >= version + 2
-             and set(s["members"]) == everyone, timeout=180, interval=0.2)
+        # A fresh home, no node of its own: fetch by CID through the mesh, then evaluate there.
+        model_cid = chain.head_cid
+        fresh = tmp_path / "fresh"
+        out = tmp_path / "model.safetensors"
+        summary = json.loads(cli("model", "fetch", model_cid, "-o", str(out), "--home", str(fresh),
+                                 "--bootstrap", survivors[0].addr, "--json"))
+        assert summary["model_cid"] == model_cid and out.stat().st_size == summary["bytes"]
+        result = json.loads(cli("model", "eval", str(out), "--dataset", manifest, "--home", str(fresh),
+                                "--bootstrap", survivors[1].addr, "--json"))
+        assert result["accuracy"] == pytest.approx(recorded, abs=1e-9)
 
-    # SIGKILL the coordinator: another is elected in a later term and finishes the run.
-    status = task_status(alive[0], task_cid)
-    old_coordinator, old_term = status["coordinator"], status["term"]
-    boss = next(p for p in alive if p.peer_id == old_coordinator)
-    boss.kill()
-    survivors = [p for p in alive if p is not boss]
-    final = wait_for(
-        lambda: (s := [task_status(p, task_cid) for p in survivors]) and all(x and x["state"] == "done" for x in s) and s,
-        timeout=240, interval=1.0,
-    )
-    assert all(s["term"] > old_term and s["coordinator"] != old_coordinator for s in final)
-    assert len({s["latest_model_cid"] for s in final}) == 1
-    chain = verified_chain(survivors[0], task_cid)  # no fork, no gap, every signature checks
-    assert chain.records[-1].record.step == STEPS
-    # The same records (each member keeps the quorum of attestations it counted: the proofs may
-    # name different members, the records are the same).
-    assert verified_chain(survivors[1], task_cid).records == chain.records
-    coordinators = [r.record.coordinator for r in chain.records]
-    assert old_coordinator in coordinators and len(set(coordinators)) >= 2
-    assert any(joiner.peer_id in r.record.members for r in chain.records)
-    recorded = chain.records[-1].record.metrics["accuracy"]
-    assert recorded >= 0.90
-
-    # Finished runs stay findable: every survivor but one that is not the coordinator stops, so
-    # no coordinator publishes heads any more; `model fetch --latest` from a fresh home asks, and
-    # that member answers with its head (the chain is re-verified by the fetcher).
-    model_cid = chain.head_cid
-    keep = next(p for p in survivors if p.peer_id != final[0]["coordinator"])
-    for p in survivors:
-        if p is not keep:
-            p.terminate()
-    latest = tmp_path / "latest.safetensors"
-    fetching_latest = pool.submit(cli, "model", "fetch", "--latest", task_cid, "-o", str(latest), "--home",
-                                  str(tmp_path / "fresh-latest"), "--bootstrap", keep.addr, "--json")
-
-    # Meanwhile another fresh home, no node of its own: fetch by CID through the mesh, then evaluate there.
-    fresh = tmp_path / "fresh"
-    out = tmp_path / "model.safetensors"
-    summary = json.loads(cli("model", "fetch", model_cid, "-o", str(out), "--home", str(fresh),
-                             "--bootstrap", keep.addr, "--json"))
-    assert summary["model_cid"] == model_cid and out.stat().st_size == summary["bytes"]
-    result = json.loads(cli("model", "eval", str(out), "--dataset", manifest, "--home", str(fresh),
-                            "--bootstrap", keep.addr, "--json"))
-    assert result["accuracy"] == pytest.approx(recorded, abs=1e-9)
-
-    summary = json.loads(fetching_latest.result())
-    assert summary["model_cid"] == model_cid and latest.stat().st_size == summary["bytes"]
+        # Finished runs stay findable: every survivor but one that is not the coordinator stops, so
+        # no coordinator publishes heads any more; `model fetch --latest` from a fresh home asks, and
+        # that member answers with its head (the chain is re-verified by the fetcher).
+        keep = next(p for p in survivors if p.peer_id != final[0]["coordinator"])
+        for p in survivors:
+            if p is not keep:
+                p.terminate()
+        latest = tmp_path / "latest.safetensors"
+        summary = json.loads(cli("model", "fetch", "--latest", task_cid, "-o", str(latest), "--home",
+                                 str(tmp_path / "fresh-latest"), "--bootstrap", keep.addr, "--json"))
+        assert summary["model_cid"] == model_cid and latest.stat().st_size == summary["bytes"]
