@@ -68,7 +68,9 @@ def _forge_records(run: Any, poison: str, named: int) -> None:
 async def test_a_hostile_coordinator_cannot_get_a_model_nobody_trained_confirmed(tmp_path: Path, named: int) -> None:
     with trio.fail_after(RUN_S):
         async with local_peers(3, tmp_path) as peers:
-            task_cid = await publish_digits_task(peers[0], total_steps=30, checkpoint_interval=10, min_peers=2)
+            # peers.max 4: the first plan comes once all four advertise the task, not after a grace for joiners.
+            task_cid = await publish_digits_task(peers[0], total_steps=30, checkpoint_interval=10, min_peers=2,
+                                                 max_peers=4)
             honest_ids = [p.node.peer_id.to_base58() for p in peers]
             key = await trio.to_thread.run_sync(_ground_key, task_cid, honest_ids, range(1, 4))
             _install_key(tmp_path / "peer3", key)

@@ -26,10 +26,10 @@ DEADLINE_S = 120.0
 STEP_S = 60.0
 
 
-async def _published_by(peers: LocalPeers, index: int) -> str:
+async def _published_by(peers: LocalPeers, index: int, max_peers: int = 8) -> str:
     """A digits task whose file names peer ``index`` as its publisher (as `task publish` writes it)."""
     peer = peers[index]
-    unnamed = await publish_digits_task(peer, total_steps=100_000, checkpoint_interval=3)
+    unnamed = await publish_digits_task(peer, total_steps=100_000, checkpoint_interval=3, max_peers=max_peers)
     store = peer.content.store
     task = task_from_bytes(store.cat(unnamed))
     named = dataclasses.replace(task, publisher=peer.node.peer_id.to_base58())
@@ -119,7 +119,7 @@ async def test_the_publishers_resume_continues_a_cancelled_run_from_its_head_and
 ) -> None:
     with trio.fail_after(2 * DEADLINE_S):
         async with local_peers(3, tmp_path) as peers:
-            task_cid = await _published_by(peers, 0)
+            task_cid = await _published_by(peers, 0, max_peers=3)  # no one else joins: no grace for joiners
             async with trio.open_nursery() as nursery:
                 for peer in peers:
                     nursery.start_soon(peer.tasks.join, task_cid)

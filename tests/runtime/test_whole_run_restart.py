@@ -18,8 +18,11 @@ from p2ptrain.task import TASK_TEMPLATE
 from p2ptrain.protocol import Chain, read_chain
 
 NODE_ARGS = ["--device", "cpu", "--threads", "1"]
-STEPS = 300
-CHECKPOINT = 20
+# The members are killed at their third checkpoint (step 30) and resume from it: six checkpoints
+# are left, so the kill lands mid-run however fast the rounds are (a poll of the three statuses is
+# a few rounds). Each step is a round of three processes: ~0.5 s each on this 2-core box at load 20.
+STEPS = 90
+CHECKPOINT = 10
 # A run of STEPS rounds of this MLP by three processes on a loaded 2-core box, or their restart
 # (each process imports torch and libp2p; the resumed members hear each other for up to 20 s).
 RUN_S = 240.0
