@@ -28,7 +28,6 @@ chunk's verifier, and an empty chunk is one empty frame.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, TypeVar
 
 import torch
 import trio
@@ -44,7 +43,6 @@ from p2ptrain.base import short_id
 from p2ptrain.wire import DIGEST_BYTES, DTYPES, ENTRY_BYTES, HEADER, SIGNATURE_BYTES, Header, Kind, Phase, Said
 
 Parts = list[torch.Tensor]  # one member's contribution to a chunk, segment by segment
-_T = TypeVar("_T")
 
 
 def reduce_chunk(parts: list[Parts], start: int, spec: RoundSpec) -> Parts:
@@ -105,8 +103,7 @@ async def direct_allreduce(
     inputs: dict[int, bytes] = {}  # signed digests of the contributions to our chunk (for its verifier)
     results: dict[int, Parts] = {}  # every chunk's reduced values, placed into ``data`` at the end
     proofs = bytearray()  # the signed contributions the owner of the chunk we check reduced
-    contributed, reduced, checked = trio.Event(), trio.Event(), trio.Event()
-    recomputed: list[Parts] = []  # the verifier's own reduction of the chunk it checks
+    contributed, reduced = trio.Event(), trio.Event()
     signatures: dict[int, bytes] = {}
 
     async def send_parts(chunk: int, parts: Parts, phase: int, to: int, trailer: bytes = b"") -> None:
@@ -122,7 +119,7 @@ async def direct_allreduce(
         chunk = owners.owned_by(member)
         signature = b""
         if witness is not None:
-            signature = await _off_loop(_signed, witness, Said.CONTRIBUTION, chunk, local(chunk))
+            signature = await trio.to_thread.run_sync(_signed, witness, Said.CONTRIBUTION, chunk, local(chunk))
         await send_parts(chunk, local(chunk), Phase.REDUCE, member, signature)
         theirs = owners.checked_by(member)
         if theirs is not None:
@@ -148,7 +145,7 @@ async def direct_allreduce(
         """What ``member`` sends us, in the channel's order."""
         parts, signature = await receive_parts(mine, Phase.REDUCE, member, SIGNATURE_BYTES if witness else 0)
         if witness is not None:
-            digest = await _off_loop(_checked, witness, member, Said.CONTRIBUTION, mine, parts, signature)
+            digest = await trio.to_thread.run_sync(_checked, witness, member, Said.CONTRIBUTION, mine, parts, signature)
             if digest is None:
                 raise BadPayload(ring[member], f"its contribution to chunk {mine} does not match its signature")
             inputs[member] = digest + signature
@@ -157,8 +154,6 @@ async def direct_allreduce(
             contributed.set()
         if checking is not None:
             checks[member], _ = await receive_parts(checking, Phase.VERIFY, member)
-            if len(checks) == size:
-                checked.set()
         chunk = owners.owned_by(member)
         trailer = 0
         if witness is not None:
@@ -166,14 +161,8 @@ async def direct_allreduce(
         results[chunk], tail = await receive_parts(chunk, Phase.GATHER, member, trailer)
         if witness is not None:
             signature = tail[:SIGNATURE_BYTES]
-            await _off_loop(_heard, witness, member, Said.RESULT, chunk, results[chunk], signature)
+            await trio.to_thread.run_sync(_heard, witness, member, Said.RESULT, chunk, results[chunk], signature)
             proofs.extend(tail[SIGNATURE_BYTES:])
-
-    async def recompute() -> None:
-        """As a verifier: our own reduction of the chunk we check, as soon as its contributions are
-        in, while the owner computes and sends its own (not after the exchange, on its critical path)."""
-        await checked.wait()
-        recomputed.append(await trio.to_thread.run_sync(_recompute, [checks[m] for m in range(size)], checking, spec))
 
     with single_failure():
         async with trio.open_nursery() as nursery:
@@ -181,38 +170,21 @@ async def direct_allreduce(
                 if member != me:
                     nursery.start_soon(feed, member)
                     nursery.start_soon(take, member)
-            if checking is not None:
-                nursery.start_soon(recompute)
             await contributed.wait()
             results[mine] = await trio.to_thread.run_sync(reduce_chunk, [held[m] for m in range(size)], mine, spec)
             if witness is not None:
-                signatures[mine] = await _off_loop(_signed, witness, Said.RESULT, mine, results[mine])
+                signatures[mine] = await trio.to_thread.run_sync(_signed, witness, Said.RESULT, mine, results[mine])
             reduced.set()
     if checking is not None:
-        _check_chunk(links, owners, checking, [checks[m] for m in range(size)], recomputed[0], results[checking],
-                     bytes(proofs), witness)
+        _check_chunk(links, owners, checking, [checks[m] for m in range(size)], results[checking], bytes(proofs),
+                     spec, witness)
     for chunk, parts in results.items():
         for (a, b), part in zip(segs[chunk], parts):
             data[a:b].copy_(part)
 
 
-# Hashing, signing and verifying a large chunk run in worker threads (hashlib, libsodium and torch
-# release the GIL): they overlap the round's traffic instead of holding up every channel of this
-# member. A small one runs where it is: hashing INLINE_BYTES (~0.2 ms) and an Ed25519 signature or
-# check (~0.03-0.08 ms) cost less than handing work to a thread and back, which on a loaded machine
-# waits for the OS to run both (a sparse robust round made 3(P - 1) + 1 such hand-offs a member).
-INLINE_BYTES = 256 * 1024
-
-
-async def _off_loop(fn: Callable[..., _T], witness: Witness, signer_or_said: int, *args: Any) -> _T:
-    """``fn(witness, signer_or_said, *args)``: in a worker thread if the tensors among ``args``
-    (a chunk's parts) hold more than INLINE_BYTES, else right here."""
-    parts = next((a for a in args if isinstance(a, list)), [])
-    if sum(p.numel() * p.element_size() for p in parts) > INLINE_BYTES:
-        return await trio.to_thread.run_sync(fn, witness, signer_or_said, *args)
-    return fn(witness, signer_or_said, *args)
-
-
+# Hashing, signing and verifying run in worker threads (hashlib, libsodium and torch release the
+# GIL): they overlap the round's traffic instead of holding up every channel of this member.
 def _signed(witness: Witness, said: int, key: int, parts: Parts) -> bytes:
     return witness.sign(said, key, digest_of(parts))
 
@@ -227,20 +199,14 @@ def _heard(witness: Witness, signer: int, said: int, key: int, parts: Parts, sig
     witness.heard(said, key, signer, digest_of(parts), signature)
 
 
-def _recompute(contributions: list[Parts], chunk: int, spec: RoundSpec) -> Parts:
-    """The verifier's own reduction of ``chunk`` (exactly the owner's :func:`reduce_chunk`); a seam
-    of its own so that a test's hostile owner can lie in its chunk and still check others honestly."""
-    return reduce_chunk(contributions, chunk, spec)
-
-
 def _check_chunk(
-    links: RoundLinks, owners: Owners, chunk: int, contributions: list[Parts], ours: Parts, result: Parts,
-    proofs: bytes, witness: Witness | None,
+    links: RoundLinks, owners: Owners, chunk: int, contributions: list[Parts], result: Parts, proofs: bytes,
+    spec: RoundSpec, witness: Witness | None,
 ) -> None:
-    """As ``chunk``'s verifier: compare our own reduction of it (``ours``, from the ``contributions``
-    we received) with the owner's bytes; on a difference, :class:`Misbehaved` naming whoever the
-    signed digests the owner forwarded (``proofs``: one per member but the owner, ring order) prove
-    wrong."""
+    """As ``chunk``'s verifier: recompute it from the contributions we received and compare with
+    the owner's bytes; on a difference, :class:`Misbehaved` naming whoever the signed digests the
+    owner forwarded (``proofs``: one per member but the owner, ring order) prove wrong."""
+    ours = reduce_chunk(contributions, chunk, spec)
     if all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(ours, result)):
         return
     owner = owners.owner[chunk]

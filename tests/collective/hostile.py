@@ -186,6 +186,7 @@ class Owner:
         self.split = split
         self.resign = resign  # False: the altered chunk goes with the signature of the real one
         self._witness: Witness | None = None
+        self._verifying = False
         self._altered: dict[int, hashlib._Hash] = {}  # chunk -> SHA-256 of the altered bytes sent so far
 
     @contextmanager
@@ -211,17 +212,24 @@ def _plus_one(payload, dtype: torch.dtype) -> bytes:
 
 def install(monkeypatch) -> None:
     """Patch the seams :class:`Owner` acts through (pytest's ``monkeypatch`` undoes it)."""
-    reduce_chunk, send, witness_init = direct.reduce_chunk, RoundLinks.send, Witness.__init__
+    reduce_chunk, check_chunk, send, witness_init = direct.reduce_chunk, direct._check_chunk, RoundLinks.send, Witness.__init__
 
     def hostile_reduce(parts, start, spec):
         out = reduce_chunk(parts, start, spec)
         owner = _acting.get()
-        if owner is not None and owner.poison is not None:
+        if owner is not None and owner.poison is not None and not owner._verifying:
             out = [torch.full_like(part, owner.poison) for part in out]
         return out
 
-    def honest_check(parts, start, spec):  # as a verifier it checks honestly: the attack is on its own chunk
-        return reduce_chunk(parts, start, spec)
+    def honest_check(*args, **kwargs):  # as a verifier it checks honestly: the attack is on its own chunk
+        owner = _acting.get()
+        if owner is not None:
+            owner._verifying = True
+        try:
+            return check_chunk(*args, **kwargs)
+        finally:
+            if owner is not None:
+                owner._verifying = False
 
     def remember_witness(self, *args, **kwargs):
         witness_init(self, *args, **kwargs)
@@ -250,6 +258,6 @@ def install(monkeypatch) -> None:
         await send(self, header, payload, to=to)
 
     monkeypatch.setattr(direct, "reduce_chunk", hostile_reduce)
-    monkeypatch.setattr(direct, "_recompute", honest_check)
+    monkeypatch.setattr(direct, "_check_chunk", honest_check)
     monkeypatch.setattr(Witness, "__init__", remember_witness)
     monkeypatch.setattr(RoundLinks, "send", equivocating_send)
