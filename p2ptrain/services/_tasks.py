@@ -78,8 +78,13 @@ STARTING_PHASES = frozenset({Phase.STARTING, Phase.FETCHING, Phase.RESUMING})
 # HEAD_EVERY_S (2 s) and one at each confirmed checkpoint (up to ~8 a second in a tiny task that
 # checkpoints every few 30 ms rounds: 8 at most), a member of a finished run answers at most once a second a
 # task, a joiner or fetcher asks every second or two: these leave room for that, and hold a flood
-# from one identity to what a node checks and relays in a few ms a second.
-HEAD_RATE = Rate(per_s=8.0, burst=32.0)
+# from one identity to what a node checks and relays in a few ms a second. A head costs a token per
+# started 4 KiB: decoding and checking one grows with its member list (a forged head of 1,024
+# members, 57 KB, took 10-20 ms here; at 8 a second that held a node's event loop for 0.4-0.7 s at a
+# time on the loaded 2-core VM, long enough that members missed each other's heartbeats and
+# re-elected). A head of up to ~70 members is one token; the coordinator of a 1,024-member run
+# spends 14 every 2 s.
+HEAD_RATE = Rate(per_s=8.0, burst=32.0, unit_bytes=4096)
 HEAD_REQUEST_RATE = Rate(per_s=4.0, burst=16.0)
 
 
