@@ -8,14 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from p2ptrain.data import MAX_MANIFEST_BYTES, Manifest, ManifestError
 from p2ptrain.base import UserError
 from p2ptrain.ipfs import ContentStore, ContentUnavailable, DagError, InvalidCID, parse_cid
-from p2ptrain.protocol import MAX_CHAIN_BYTES, RecordError, chain_lines, entry_from_bytes
-from p2ptrain.task import MAX_TASK_BYTES, read_task
-
-# A run's chain.jsonl: the one limit on a chain's bytes, on disk or fetched (records.MAX_CHAIN_BYTES, 64 MiB).
-MAX_CHAIN_FILE_BYTES = MAX_CHAIN_BYTES
 
 
 class RunStateError(UserError):
@@ -32,14 +26,16 @@ def run_state_roots(home: Path, store: ContentStore) -> dict[str, list[str]]:
     tell what a run needs must not delete anything.
     """
     tasks_dir = Path(home) / "tasks"
+    runs = [d for d in sorted(tasks_dir.iterdir()) if _named_by_cid(d)] if tasks_dir.is_dir() else []
     roots: dict[str, list[str]] = {}
-    if not tasks_dir.is_dir():
+    if not runs:
         return roots
-    for run_dir in sorted(tasks_dir.iterdir()):
-        try:
-            parse_cid(run_dir.name)
-        except InvalidCID:
-            continue  # not a run's folder: TaskRun names them by task CID
+    # Reading a run (its task builds the model on the meta device, its chain's records) imports torch
+    # and libp2p, seconds of start-up: only for a home that has runs.
+    from p2ptrain.data import ManifestError
+    from p2ptrain.protocol import RecordError
+
+    for run_dir in runs:
         try:
             roots[run_dir.name] = _run_roots(run_dir, store)
         except (UserError, ManifestError, RecordError, DagError, ContentUnavailable, OSError) as exc:
@@ -47,7 +43,20 @@ def run_state_roots(home: Path, store: ContentStore) -> dict[str, list[str]]:
     return roots
 
 
+def _named_by_cid(run_dir: Path) -> bool:
+    """Whether ``run_dir`` is a run's folder: TaskRun names them by task CID."""
+    try:
+        parse_cid(run_dir.name)
+    except InvalidCID:
+        return False
+    return True
+
+
 def _run_roots(run_dir: Path, store: ContentStore) -> list[str]:
+    from p2ptrain.data import MAX_MANIFEST_BYTES, Manifest
+    from p2ptrain.protocol import MAX_CHAIN_BYTES, RecordError, chain_lines, entry_from_bytes
+    from p2ptrain.task import MAX_TASK_BYTES, read_task
+
     task_cid = run_dir.name
     cids = [task_cid]
     if store.has(task_cid):
@@ -64,9 +73,9 @@ def _run_roots(run_dir: Path, store: ContentStore) -> list[str]:
     chain_file = run_dir / "chain.jsonl"
     if chain_file.exists():
         with open(chain_file, "rb") as f:
-            data = f.read(MAX_CHAIN_FILE_BYTES + 1)
-        if len(data) > MAX_CHAIN_FILE_BYTES:
-            raise RecordError(f"chain.jsonl is over {MAX_CHAIN_FILE_BYTES} bytes")
+            data = f.read(MAX_CHAIN_BYTES + 1)  # the one limit on a chain's bytes, on disk or fetched
+        if len(data) > MAX_CHAIN_BYTES:
+            raise RecordError(f"chain.jsonl is over {MAX_CHAIN_BYTES} bytes")
         for line in chain_lines(data):
             record = entry_from_bytes(line).signed.record
             cids += [record.model_cid, record.optimizer_cid]
