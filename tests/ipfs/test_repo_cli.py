@@ -191,13 +191,3 @@ def test_ipfs_add_pins_as_kubo_does_so_gc_keeps_it(tmp_path):
     assert repo("gc", home=home).returncode == 0
     assert store.cat(kept) == kept_file.read_bytes()
     assert not store.has(loose)
-
-
-def test_gc_of_a_home_without_runs_imports_neither_torch_nor_libp2p(tmp_path):
-    """Reading a run's task and chain needs torch and libp2p (seconds of start-up); a home that keeps
-    no run (an IPFS user's, or a node's before its first task) is collected without them."""
-    EmbeddedStore(tmp_path).add_bytes(b"loose")
-    code = ("import sys; from p2ptrain.cli.main import main; rc = main(['repo', 'gc', '--home', sys.argv[1]]); "
-            "print(rc, 'torch' in sys.modules, 'libp2p' in sys.modules)")
-    done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=120)
-    assert done.stdout.split()[-3:] == ["0", "False", "False"], done.stdout + done.stderr
