@@ -105,7 +105,7 @@ def main() -> None:
                             assert p.grad is not None
                             p.grad.mul_(args.scale)
                     opt.step()
-                    if len(opt.peers) < args.slow_below:
+                    if args.slow_below and len(opt.peers) < args.slow_below:
                         time.sleep(SLOW_STEP_S)
         except p2ptrain.RunFinished:
             pass
