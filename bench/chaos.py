@@ -67,7 +67,7 @@ Scenarios (``--only`` takes these names; a prefix selects a group, e.g. ``--only
   hostile_equivocation       (members) an owner that sends the first node other bytes for its chunk (signed anew)
                              than the rest: named, left out, the round retried, checkpoints confirmed (issue 27)
   hostile_coordinator        (members) a member whose key is ground to be the designated candidate of the next
-                             terms; the honest coordinator stalls 6 s (SIGSTOP) and it is elected; its records
+                             terms; the honest coordinator stalls 12 s (SIGSTOP) and it is elected; its records
                              name only itself and a model nobody trained, attested by itself: no honest node
                              confirms it (`poisoned_confirmed` 0), they accuse it (`accused_by`) and elect
                              one of their own (issue 27)
@@ -1042,8 +1042,8 @@ async def run_attack(cluster: Cluster, sizes: Sizes, result: Result, attack: Att
 
 MemberAttack = Callable[[Cluster, Sizes], Awaitable[dict[str, Any]]]
 # A stall of the honest coordinator this long (SIGSTOP, as a machine that hangs) calls an election:
-# past the election's timeout (3 heartbeats) with room for the votes.
-ELECTION_PAUSE_S = 6.0
+# past the election's timeout (3 heartbeats) and a few terms (3 s each) after it, for the votes.
+ELECTION_PAUSE_S = 12.0
 # The hostile key is the designated candidate of this many terms after the current one (4^5 keys
 # tried, seconds): its arrival in the roster and the stall each start a term or two.
 GROUND_TERMS = 5

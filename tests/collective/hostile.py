@@ -329,14 +329,28 @@ def install_key(home: Path, key: KeyPair) -> None:
 def forge_records(run: Any, poison: str, named: int) -> None:
     """Make the hostile member's records (``run``: its TaskRun) name only itself (and ``named - 1``
     of the span's other members) and a model nobody trained (``poison``), with a flattering
-    accuracy, and its own attestation match them."""
-    book = run.shared.book
-    me = run.shared.me
-    honest = book.checkpoint_record
+    accuracy, and its own attestation match them.
 
-    def forged(plan, step, model_cid, optimizer_cid, metrics, key_pair, votes=()):  # type: ignore[no-untyped-def]
-        run.attesting.checkpoint_cids[step] = (poison, poison)  # so that it attests the poison itself
-        few = dataclasses.replace(plan, members=(me, *[m for m in plan.members if m != me][: named - 1]))
-        return honest(few, step, poison, poison, {**metrics, "accuracy": 0.99}, key_pair, votes)
+    Patched on the class, for the book ``run`` holds whenever it makes a record: a resync replaces
+    the run's book (a member that joined a run under way resyncs whenever it falls behind)."""
+    from p2ptrain.protocol._round_book import RoundBook
 
-    book.checkpoint_record = forged
+    _forged_runs.append((run, poison, named))
+    if getattr(RoundBook.checkpoint_record, "forging", False):
+        return
+    honest = RoundBook.checkpoint_record
+
+    def forged(book, plan, step, model_cid, optimizer_cid, metrics, key_pair, votes=()):  # type: ignore[no-untyped-def]
+        for hostile_run, poisoned, count in _forged_runs:
+            if hostile_run.shared.book is book:
+                me = hostile_run.shared.me
+                hostile_run.attesting.checkpoint_cids[step] = (poisoned, poisoned)  # so that it attests the poison
+                few = dataclasses.replace(plan, members=(me, *[m for m in plan.members if m != me][: count - 1]))
+                return honest(book, few, step, poisoned, poisoned, {**metrics, "accuracy": 0.99}, key_pair, votes)
+        return honest(book, plan, step, model_cid, optimizer_cid, metrics, key_pair, votes)
+
+    forged.forging = True  # type: ignore[attr-defined]
+    RoundBook.checkpoint_record = forged  # type: ignore[method-assign]
+
+
+_forged_runs: list[tuple[Any, str, int]] = []  # (a hostile TaskRun, its poison CID, members it names)
