@@ -223,7 +223,6 @@ class Cluster:
                     subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={TMPFS_BYTES},mode=0700", "tmpfs", str(home)],
                                    check=True, capture_output=True, timeout=30)
                     self.mounted.append(home)
-                (home / "logs").mkdir(mode=0o700)
                 self.procs.append(NodeProcess(home, free_port(), extra_args=self.extra_args))
             for p in self.procs:
                 p.bootstrap = [q.addr for q in self.procs if q is not p]

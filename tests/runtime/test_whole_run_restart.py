@@ -128,8 +128,6 @@ def test_members_killed_together_resume_from_the_last_confirmed_model_also_with_
         join_all(procs, lost)
         before = kill_all_at_v3(procs, lost)[:2]
         shutil.rmtree(procs[2].home)
-        procs[2].home.mkdir(mode=0o700)
-        (procs[2].home / "logs").mkdir(mode=0o700)
         procs[2] = NodeProcess(procs[2].home, procs[2].port)
         longest = max((verified(b, lost) for b in before), key=lambda c: c.version)
         head = {"version": longest.version, "step": longest.records[-1].record.step}
