@@ -19,7 +19,7 @@ import trio
 
 from p2ptrain.collective import Collective
 from p2ptrain.base import UserError, short_id, write_atomic
-from p2ptrain.ipfs import ContentUnavailable, dag_bytes_limit, requested_cid
+from p2ptrain.ipfs import ContentUnavailable, InvalidCID, dag_bytes_limit, requested_cid
 from p2ptrain.mesh import Rate
 from p2ptrain.control import FINISHED, Phase, TaskStatus, ops as control_ops
 from p2ptrain.node import ContentService, DEFAULT_MAX_FETCH_BYTES, Node
@@ -402,9 +402,13 @@ class TaskService:
         run's status, ``rejected``, and in ``task list --json``, ``joins``). A run this home never
         cancelled ignores it."""
         run = self.runs.get(task_cid)
+        try:
+            run_dir = RunDir.of(self.node.home, task_cid)  # the CID parsed before it names a folder on disk
+        except InvalidCID:
+            return  # no task of ours is named so
         if run is None or run.shared.cancel_reason is None:
-            held = RunDir.of(self.node.home, task_cid).chain.is_file() and self.content.store.has(task_cid)
-            if run is not None or not self._cancelled_here(task_cid) or not held:
+            held = run_dir.chain.is_file() and self.content.store.has(task_cid)
+            if run is not None or not run_dir.cancelled.is_file() or not held:
                 return  # no run of ours to resume (only a task held here is read, never fetched for a stranger)
         task = run.shared.task if run is not None else await trio.to_thread.run_sync(self._held_task, task_cid)
         if task.publisher is None or sender != task.publisher:
@@ -416,7 +420,7 @@ class TaskService:
                 logger.warning("node %s refused a resume of task %s from %s: %s", short_id(self.node.peer_id),
                                task_cid, short_id(sender), why)
             return
-        RunDir.of(self.node.home, task_cid).cancelled.unlink(missing_ok=True)
+        run_dir.cancelled.unlink(missing_ok=True)
         if run is not None and run.shared.phase not in FINISHED:
             run.shared.uncancel()  # the cancel had not settled yet: the run simply goes on
             return
