@@ -84,6 +84,13 @@ def resolve_device(device: str) -> torch.device:
     return dev
 
 
+def module_device(model: nn.Module) -> torch.device:
+    """Where ``model``'s first parameter (else buffer) lives; the CPU for a module with neither."""
+    for tensor in (*model.parameters(), *model.buffers()):
+        return tensor.device
+    return torch.device("cpu")
+
+
 @dataclass(frozen=True)
 class StateSnapshot:
     """A member's state at one step, as tensor copies (:meth:`Trainer.snapshot`)."""
@@ -118,15 +125,19 @@ class Trainer:
         task: Task,
         *,
         total_steps: int | None = None,
-        device: str = "auto",
+        device: str | None = "auto",
         precision: str = "fp32",
         model: nn.Module | None = None,
         optimizer: torch.optim.Optimizer | None = None,
     ) -> None:
         if precision not in PRECISIONS:
             raise TrainerError(f"precision {precision!r}: must be one of {', '.join(PRECISIONS)}")
+        if device is None and model is None:
+            raise TrainerError("device None means where the given model is: give the model")
         self.task = task
-        self.device = resolve_device(device)
+        # None: the given model stays where its owner put it (a user's module on a GPU: moving it
+        # to another device would move it under the user's loop, whose batches go where it was).
+        self.device = resolve_device(device) if device is not None else module_device(model)  # type: ignore[arg-type]
         if precision == "fp16" and self.device.type != "cuda":
             raise TrainerError("precision fp16 needs a CUDA device (use bf16 on CPU)")
         self.precision = precision
@@ -136,7 +147,7 @@ class Trainer:
         self.total_steps = steps
         if model is None:
             model = build_model(task.model.name, task.model.arguments, task.seed)
-        self.model = model.to(self.device)
+        self.model = model.to(self.device) if device is not None else model
         self.params = list(self.model.parameters())
         self.optimizer = optimizer if optimizer is not None else build_optimizer(task, self.params)
         self.step = 0
