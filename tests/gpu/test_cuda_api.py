@@ -14,8 +14,9 @@ import select
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
+import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -73,25 +74,44 @@ def test_a_users_cuda_module_trains_through_optimizer_and_train_and_its_model_lo
                                listen=[f"/ip4/127.0.0.1/tcp/{free_port()}"], join_window_s=0.5, **options)
     torch.manual_seed(1)
     theirs = DigitsNet().cuda()
-    with first, ThreadPoolExecutor(1) as pool:
-        other = pool.submit(p2ptrain.train, theirs, TensorDataset(train_x[1::2], train_y[1::2]),
-                            test_data=TensorDataset(test_x, test_y), optimizer=_adam, steps=STEPS, batch_size=32,
-                            home=tmp_path / "b", listen=[f"/ip4/127.0.0.1/tcp/{free_port()}"],
-                            bootstrap=first.addresses, progress=False, **options)
-        loader = DataLoader(TensorDataset(train_x[0::2], train_y[0::2]), batch_size=32, shuffle=True, drop_last=True)
-        deadline = time.monotonic() + RUN_S
+    outcome: dict[str, Any] = {}
+
+    def member_b() -> None:  # the one-call form, with the dataset on the CPU
         try:
-            while time.monotonic() < deadline:
+            outcome["b"] = p2ptrain.train(
+                theirs, TensorDataset(train_x[1::2], train_y[1::2]), test_data=TensorDataset(test_x, test_y),
+                optimizer=_adam, steps=STEPS, batch_size=32, home=tmp_path / "b", progress=False,
+                listen=[f"/ip4/127.0.0.1/tcp/{free_port()}"], bootstrap=first.addresses, **options)
+        except BaseException as exc:
+            outcome["b"] = exc
+
+    def member_a() -> None:  # the user's own loop
+        loader = DataLoader(TensorDataset(train_x[0::2], train_y[0::2]), batch_size=32, shuffle=True, drop_last=True)
+        try:
+            while True:
                 for x, y in loader:
-                    if other.done():
-                        other.result()  # the other member's error, if it stopped
                     first.zero_grad()
                     nn.functional.cross_entropy(mine(x.cuda()), y.cuda()).backward()
                     first.step()
         except p2ptrain.RunFinished:
-            pass
-        result = other.result(timeout=max(1.0, deadline - time.monotonic()))
-        cid = first.model_cid
+            outcome["a"] = first.model_cid
+        except BaseException as exc:
+            outcome["a"] = exc
+
+    with first:
+        # Daemon threads: a member that never gets its step (a hung run) must not hold the test.
+        threads = [threading.Thread(target=member, daemon=True) for member in (member_b, member_a)]
+        for thread in threads:
+            thread.start()
+        deadline = time.monotonic() + RUN_S
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        if any(thread.is_alive() for thread in threads):
+            pytest.fail(f"the run did not finish within {RUN_S:.0f} s: {first.status()}")
+    for member in ("a", "b"):
+        if isinstance(outcome[member], BaseException):
+            raise outcome[member]
+    cid, result = outcome["a"], outcome["b"]
     assert all(p.is_cuda for p in [*mine.parameters(), *theirs.parameters()])
     assert cid is not None and result.model_cid == cid
     # Both hold the run's final model, bit for bit (each loaded it at the end), on the GPU.

@@ -25,8 +25,8 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
 
 # A task of testing.DIGITS_TASK's MLP that admits CUDA peers only, with a denser average than the
 # default 1% (a few dozen steps must move the accuracy well above the initial weights').
-CUDA_TASK = '[compression]\ndensity = 0.25\n[requirements]\ndevice = "cuda"\n'
-STEPS, INTERVAL = 60, 20
+CUDA_TASK = '[compression]\ndensity = 0.5\n[requirements]\ndevice = "cuda"\n'
+STEPS, INTERVAL = 150, 50
 DEADLINE_S = 90.0
 
 
@@ -73,9 +73,9 @@ async def test_three_cuda_peers_confirm_their_own_bits_and_the_model_loads_on_th
         initial = model_from_bytes(store.cat(runs[0].shared.initial_cid))
         assert all(t.device.type == "cpu" for t in final.state_dict().values())
         before, after = digits_accuracy(initial), digits_accuracy(final)
-        assert after >= before + 0.2 and after >= 0.5, (before, after)
+        assert after >= before + 0.25 and after >= 0.4, (before, after)
         recorded = statuses[0]["chain"][-1]["metrics"]["accuracy"]  # the coordinator's, on the GPU
-        assert recorded >= 0.5
+        assert recorded >= 0.4
 
         # The heartbeats: each peer advertises this machine's GPU once its torch probe has run.
         name, memory = torch.cuda.get_device_name(0), torch.cuda.get_device_properties(0).total_memory
