@@ -135,8 +135,7 @@ class Trainer:
         if device is None and model is None:
             raise TrainerError("device None means where the given model is: give the model")
         self.task = task
-        # None: the given model stays where its owner put it (a user's module on a GPU: moving it
-        # to another device would move it under the user's loop, whose batches go where it was).
+        # None: the given model stays where its owner put it (a user's module, under the user's loop).
         self.device = resolve_device(device) if device is not None else module_device(model)  # type: ignore[arg-type]
         if precision == "fp16" and self.device.type != "cuda":
             raise TrainerError("precision fp16 needs a CUDA device (use bf16 on CPU)")
@@ -278,14 +277,18 @@ class Trainer:
     def _take_snapshot(self) -> None:
         """Keep the state before a step, for :meth:`rollback`, in the previous snapshot's tensors:
         allocating a model-sized state afresh at every step costs page faults (23 ms a step for an
-        MLP of 4.3M parameters with Adam, against 6 ms for the copies alone)."""
+        MLP of 4.3M parameters with Adam, against 6 ms for the copies alone).
+
+        A GPU's tensors go to page-locked memory, not waited for (the step's kernels queue after
+        the copies on the same stream; :meth:`rollback` waits): waited-for pageable copies took most
+        of a step's apply on a GPU (docs/benchmarks.md#a-members-step-on-a-gpu)."""
         buffers = self._snapshot_buffers
 
         def keep(name: str, value: torch.Tensor) -> torch.Tensor:
             buf = buffers.get(name)
             if buf is None or buf.shape != value.shape or buf.dtype != value.dtype:
-                buf = buffers[name] = torch.empty_like(value, device="cpu")
-            return buf.copy_(value.detach())
+                buf = buffers[name] = torch.empty(value.shape, dtype=value.dtype, pin_memory=value.is_cuda)
+            return buf.copy_(value.detach(), non_blocking=value.is_cuda and buf.is_pinned())
 
         self._snapshot = (
             self.step,
@@ -298,6 +301,8 @@ class Trainer:
         if self._snapshot is None:
             raise TrainerError("nothing to roll back")
         step, model_t, optim_t = self._snapshot
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the snapshot's copies were queued, not waited for
         self._load_tensors(model_t, optim_t, step)
         self._snapshot = None
         self._snapshot_buffers = {}  # the optimizer's state may now be these very tensors

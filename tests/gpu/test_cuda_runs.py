@@ -90,3 +90,41 @@ async def test_three_cuda_peers_confirm_their_own_bits_and_the_model_loads_on_th
             return True
 
         await peers.wait_until(advertised, 30, what="every peer's heartbeats advertise the GPU")
+
+
+MLP_TASK = """\
+name = "rollback"
+[model]
+name = "mlp"
+kwargs = { in_features = 64, hidden = [512, 512], out_features = 10 }
+[dataset]
+manifest = "QmPr27mpm19tVRhDMn98aEecF9ii7FVYZVuQNeTGNTFida"
+[optimizer]
+name = "adam"
+lr = 0.001
+[training]
+batch_size = 64
+total_steps = 100
+"""
+
+
+def test_a_cuda_step_rolls_back_to_the_same_bits_and_replays_to_the_same_bits() -> None:
+    """The rollback snapshot of a GPU trainer is copied to page-locked memory without waiting:
+    a rolled-back step leaves the bits of before it (weights and Adam's state), and the same step
+    again gives the bits it gave the first time."""
+    from p2ptrain.task import load_task
+    from p2ptrain.training import Trainer
+
+    task = load_task(MLP_TASK)
+    trainer = Trainer(task, device="cuda")
+    batches = iter([(torch.randn(64, 64), torch.randint(0, 10, (64,))) for _ in range(4)])
+    trainer.apply(trainer.compute_gradient(batches))  # Adam's state exists from here on
+    before = (trainer.model_bytes(), trainer.optimizer_bytes())
+    flat = trainer.compute_gradient(batches)
+    trainer.apply(flat)
+    once = (trainer.model_bytes(), trainer.optimizer_bytes())
+    assert once != before
+    trainer.rollback()
+    assert (trainer.model_bytes(), trainer.optimizer_bytes()) == before
+    trainer.apply(flat)
+    assert (trainer.model_bytes(), trainer.optimizer_bytes()) == once
