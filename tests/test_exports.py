@@ -96,7 +96,8 @@ EXPORTS: dict[str, list[str]] = {
     ],
     "p2ptrain.task": [
         "CompressionSpec", "MAX_TASK_BYTES", "NoBuilder", "OuterSpec", "TASK_TEMPLATE", "Task", "TaskError", "USER_MODEL",
-        "load_task", "member_device", "parse_task", "read_task", "task_bytes", "task_from_bytes", "total_steps", "unmet_requirement",
+        "load_task", "member_device", "parse_task", "read_task", "task_bytes", "task_from_bytes", "total_steps",
+        "unmet_requirement",
     ],
     "p2ptrain.testing": [
         "CLI_TIMEOUT_S", "CONNECT_TIMEOUT_S", "Changes", "DIGITS_TASK", "EOS", "EmulatedNat", "EmulatedWan", "IFACE",
