@@ -29,7 +29,8 @@ from p2ptrain.services._latest import LatestFinder, head_key, held_tasks
 from p2ptrain.models import builders, model_file_limit
 from p2ptrain.training import Trainer
 from p2ptrain.protocol import Chain
-from p2ptrain.task import MAX_TASK_BYTES, NoBuilder, Task, TaskError, load_task, task_bytes, task_from_bytes, unmet_requirement
+from p2ptrain.task import (MAX_TASK_BYTES, NoBuilder, Task, TaskError, load_task, member_device, task_bytes,
+                           task_from_bytes, unmet_requirement)
 from p2ptrain.wire import (
     HeadRequest,
     Signed,
@@ -239,6 +240,11 @@ class TaskService:
             except NoBuilder as exc:  # a sound task this node cannot build: say what to install
                 raise UserError(exc.line) from exc
         why = unmet_requirement(task, self.node.membership.caps)
+        device = member_device(task, self.options.device)
+        if why is None and task.requirements.device == "cuda" and device == "cpu":
+            why = "task needs a CUDA device, and this node trains on the CPU (--device cpu)"
+        if why is None and device == "cpu" and self.options.precision == "fp16":
+            why = f"task trains on the CPU (requirements.device = {task.requirements.device}), and fp16 needs CUDA"
         if why is None and not task.peers.admits(self.node.peer_id.to_base58()):
             why = "the task admits only the peers on its allowlist (peers.allow), and this node is not one"
         if why is None and task.model.user and task_cid not in self.bindings:
@@ -252,7 +258,7 @@ class TaskService:
             raise UserError(f"task {task.name} ({task_cid}) was cancelled by its publisher")
         assert self.collective is not None and self._nursery is not None
         run = TaskRun(self.node, self.content, self.collective, task, task_cid,
-                      device=self.options.device, precision=self.options.precision,
+                      device=device, precision=self.options.precision,
                       make_trainer=self.bindings.get(task_cid))
         self.runs[task_cid] = run
         self._failed.pop(task_cid, None)
