@@ -126,6 +126,9 @@ class Membership:
     tasks: tuple[str, ...] = ()
     reachability: str = "unknown"  # ours, as the node's Reachability last found it
     caps: Capabilities = field(default_factory=caps_probe.quick_capabilities)
+    # Where this node trains (its --device, set by the layer that knows it: train_on); the GPU
+    # advertised is that one, and none where it is the CPU.
+    device: str = "auto"
     # The model builders this node has, set by the layer that knows them (services: installed
     # packages' builders load with torch, after the mesh is up); sent in caps.builders.
     builders: tuple[str, ...] = ()
@@ -288,11 +291,18 @@ class Membership:
                     del self._peers[record.peer_id]
                     self.expired += 1
 
+    def train_on(self, device: str) -> None:
+        """Advertise the device this node trains on (``--device``), from the next heartbeat."""
+        self.device = device
+        if device == "cpu":
+            self.caps = caps_probe.on_cpu(self.caps)
+
     async def _refine_caps(self) -> None:
         # Wait until the mesh has formed: the import competes for the GIL with the event loop.
         await trio.sleep(TORCH_PROBE_DELAY_S)
         try:
-            self.caps = await trio.to_thread.run_sync(caps_probe.torch_capabilities, abandon_on_cancel=True)
+            self.caps = await trio.to_thread.run_sync(caps_probe.torch_capabilities, self.device,
+                                                      abandon_on_cancel=True)
         except Exception as exc:  # a broken torch install must not stop the node; say so once
             logger.warning("could not probe torch for GPU capabilities: %s", exc)
 

@@ -143,6 +143,7 @@ class TaskService:
         self.node = node
         self.content = content
         self.options = options
+        node.membership.train_on(options.device)  # heartbeats name the GPU it trains on, none for cpu
         self.known: dict[str, KnownTask] = {}
         self.runs: dict[str, TaskRun] = {}
         self.collective: Collective | None = None
