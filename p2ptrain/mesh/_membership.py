@@ -132,6 +132,9 @@ class Membership:
     # The model builders this node has, set by the layer that knows them (services: installed
     # packages' builders load with torch, after the mesh is up); sent in caps.builders.
     builders: tuple[str, ...] = ()
+    # Set once the torch probe has refined caps (or failed): until then a GPU the driver's /proc
+    # entries do not show reads as "cpu" (see caps_known).
+    _probed: trio.Event = field(default_factory=trio.Event, init=False)
     _peers: dict[ID, PeerRecord] = field(default_factory=dict, init=False)
     _changed: trio.Event = field(default_factory=trio.Event, init=False)
     _wake: trio.Event = field(default_factory=trio.Event, init=False)
@@ -297,6 +300,12 @@ class Membership:
         if device == "cpu":
             self.caps = caps_probe.on_cpu(self.caps)
 
+    async def caps_known(self) -> Capabilities:
+        """This node's capabilities once the torch probe has run: a task that needs CUDA is checked
+        against these, not the quick probe's (a machine whose driver has no /proc entries)."""
+        await self._probed.wait()
+        return self.caps
+
     async def _refine_caps(self) -> None:
         # Wait until the mesh has formed: the import competes for the GIL with the event loop.
         await trio.sleep(TORCH_PROBE_DELAY_S)
@@ -305,6 +314,8 @@ class Membership:
                                                       abandon_on_cancel=True)
         except Exception as exc:  # a broken torch install must not stop the node; say so once
             logger.warning("could not probe torch for GPU capabilities: %s", exc)
+        finally:
+            self._probed.set()
 
 
 def _reachability(hb: Heartbeat) -> str:

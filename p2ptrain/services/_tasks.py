@@ -66,6 +66,9 @@ MAX_FAILED_JOINS = 1024
 # A join from an announcement fetches a file of at most MAX_TASK_BYTES: if that takes longer than
 # this, the announcer (or its content) is not worth waiting for.
 JOIN_FETCH_TIMEOUT_S = 30.0
+# A task that needs CUDA, on a node whose quick probe saw no GPU, waits this long for the torch probe
+# (it starts 2 s after the node and imports torch: seconds) before it is refused.
+CAPS_PROBE_WAIT_S = 30.0
 # `task status` of a task this node is not a member of looks its latest chain up and verifies it for
 # this long by default (a request may say less, up to MAX_VERIFY_HEAD_S): a run under way publishes
 # a head every 2 s, and a finished run's members answer a request within a second.
@@ -240,7 +243,11 @@ class TaskService:
                 task = await trio.to_thread.run_sync(self._held_task, task_cid)
             except NoBuilder as exc:  # a sound task this node cannot build: say what to install
                 raise UserError(exc.line) from exc
-        why = unmet_requirement(task, self.node.membership.caps)
+        caps = self.node.membership.caps
+        if task.requirements.device == "cuda" and caps.device == "cpu":  # maybe not probed yet
+            with trio.move_on_after(CAPS_PROBE_WAIT_S):
+                caps = await self.node.membership.caps_known()
+        why = unmet_requirement(task, caps)
         device = member_device(task, self.options.device)
         if why is None and task.requirements.device == "cuda" and device == "cpu":
             why = "task needs a CUDA device, and this node trains on the CPU (--device cpu)"

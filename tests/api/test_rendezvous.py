@@ -49,3 +49,16 @@ def test_a_later_member_joins_the_run_a_waiting_member_took_even_when_its_own_ci
             later.close()
         assert own_cid < first.run_cid
         assert chosen.task_cid == first.run_cid and not chosen.own
+
+
+def test_a_model_on_a_gpu_makes_a_task_that_needs_cuda() -> None:
+    """Members attest each other's bits and a GPU's steps round differently from a CPU's: the same
+    script on a GPU and on a CPU must meet in two runs (tests/gpu/test_cuda_api.py checks the GPU side)."""
+    from p2ptrain.api._optimizer import _task
+
+    options = {"density": 0.1, "robust": "none", "quantize": None, "total_steps": 10, "checkpoint_every": 5,
+               "min_peers": 2, "max_peers": 8, "mode": "sync"}
+    args = ("meet", "Qm" + "a" * 44, "Qm" + "b" * 44, options, None, None)
+    on_cpu, on_gpu = _task(*args), _task(*args, device="cuda")
+    assert on_cpu.requirements.device == "cpu" and on_gpu.requirements.device == "cuda"
+    assert task_bytes(on_cpu) != task_bytes(on_gpu)

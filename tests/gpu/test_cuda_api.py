@@ -31,6 +31,7 @@ from p2ptrain.models import build_model
 from p2ptrain.node import free_port
 from p2ptrain.protocol import model_bytes
 from p2ptrain.serve import open_model, predict
+from p2ptrain.task import task_from_bytes
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="needs a CUDA device (torch.cuda.is_available() is False here)")
@@ -108,6 +109,8 @@ def test_a_users_cuda_module_trains_through_optimizer_and_train_and_its_model_lo
             thread.join(max(0.0, deadline - time.monotonic()))
         if any(thread.is_alive() for thread in threads):
             pytest.fail(f"the run did not finish within {RUN_S:.0f} s: {first.status()}")
+        # A model on the GPU makes a task that needs CUDA: a CPU member of the script meets elsewhere.
+        assert task_from_bytes(open_store(tmp_path / "a").cat(first.run_cid)).requirements.device == "cuda"
     for member in ("a", "b"):
         if isinstance(outcome[member], BaseException):
             raise outcome[member]
