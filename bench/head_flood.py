@@ -55,6 +55,13 @@ def proc_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def machine_cpu_s() -> float:
+    """CPU seconds the whole machine has been busy (all CPUs: user, nice, system, irq, softirq,
+    steal), from /proc/stat: with the nodes' own, what the rest of a shared machine used."""
+    fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+    return sum(int(fields[i]) for i in (0, 1, 2, 5, 6, 7)) / os.sysconf("SC_CLK_TCK")
+
+
 async def attack(kind: str, task_cid: str, seconds: float, targets: list[str]) -> None:
     """``--attack``: connect to ``targets``, sign ``seconds`` of ``kind``, print ``ready``, wait for a
     line on stdin, flood, print what was sent (one JSON line)."""
@@ -97,6 +104,7 @@ async def flood_phase(cluster: chaos.Cluster, kind: str, task_cid: str, seconds:
 
         measured = await phase(cluster, seconds, go, training)
         measured["attacker_cpu_pct"] = round(100 * (proc_cpu_s(proc.pid) - cpu0) / seconds, 1)
+        measured["others_cpu_pct"] = round(measured["others_cpu_pct"] - measured["attacker_cpu_pct"], 1)
         return measured
     finally:
         proc.kill()
@@ -104,16 +112,19 @@ async def flood_phase(cluster: chaos.Cluster, kind: str, task_cid: str, seconds:
 
 
 async def phase(cluster: chaos.Cluster, seconds: float, flood: Any = None, training: bool = True) -> dict[str, Any]:
-    """Steps/s over ``seconds`` (while ``flood()`` runs, if given) and the nodes' CPU (% of one
-    core, summed)."""
+    """Steps/s over ``seconds`` (while ``flood()`` runs, if given), the nodes' CPU (% of one
+    core, summed) and the rest of the machine's (``others_cpu_pct``: the neighbours on a shared
+    machine, and the bench; a flood phase takes the attacker's out)."""
     cpu0, started = sum(chaos.cpu_s(p) or 0 for p in cluster.procs), trio.current_time()
+    machine0 = machine_cpu_s()
     if training:
         rate, sent = await chaos.steps_per_s(cluster, seconds, flood)
     else:
         rate, sent = 0.0, await flood() if flood is not None else await trio.sleep(seconds)
     elapsed = trio.current_time() - started
-    cpu1 = sum(chaos.cpu_s(p) or 0 for p in cluster.procs)
-    return {"sent": sent, "steps_per_s": round(rate, 2), "nodes_cpu_pct": round(100 * (cpu1 - cpu0) / elapsed, 1)}
+    cpu1, machine1 = sum(chaos.cpu_s(p) or 0 for p in cluster.procs), machine_cpu_s()
+    return {"sent": sent, "steps_per_s": round(rate, 2), "nodes_cpu_pct": round(100 * (cpu1 - cpu0) / elapsed, 1),
+            "others_cpu_pct": round(100 * (machine1 - machine0 - (cpu1 - cpu0)) / elapsed, 1)}
 
 
 async def counters(cluster: chaos.Cluster) -> dict[str, Any]:
