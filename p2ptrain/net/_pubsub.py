@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -86,12 +87,20 @@ MAX_INBOUND_MESSAGES_PER_PEER_PER_S = 1000.0
 INBOUND_BURST = 2000
 # A peer whose *own* messages the inbound gate keeps refusing (over their type's rate per sender,
 # mesh.rates) is flooding: past this many refusals (a token bucket: rate, burst), each RPC of its
-# that brings more is followed by FLOODER_PAUSE_S in which its stream is not read, so what it sends
+# that brings more is followed by a pause in which its stream is not read, so what it sends
 # waits in its yamux window (bounded) instead of costing our event loop. An honest peer's own
 # messages stay within their rates, and a relay's refusals (messages of others) do not count.
+# A refusal counts one per started FLOODER_UNIT_BYTES of the message (reading, decrypting and
+# parsing cost what the bytes cost: 100 refused 57 KB heads were 5.7 MB read before the first
+# pause). The pause is FLOODER_PAUSE_S and doubles, up to FLOODER_MAX_PAUSE_S, each time the peer
+# is paused again within FLOODER_FORGET_S of its last pause ending: a flooder that keeps on is read
+# once every 8 s, not once a second (each read is a whole RPC: up to 1 MiB of forged heads).
 FLOODER_REFUSALS_PER_S = 10.0
 FLOODER_BURST = 100
+FLOODER_UNIT_BYTES = 4096
 FLOODER_PAUSE_S = 1.0
+FLOODER_MAX_PAUSE_S = 8.0
+FLOODER_FORGET_S = 2 * FLOODER_MAX_PAUSE_S
 # Mesh degree: every training peer wants every control message quickly, and clusters are small.
 DEGREE, DEGREE_LOW, DEGREE_HIGH = 6, 4, 12
 
@@ -175,20 +184,27 @@ class TrainingPubsub(Pubsub):
         # False drops it (the layer that set it counts why). The node sets its message router's
         # per-sender rates here (mesh.router.MessageRouter.admit).
         self.inbound_gate: Callable[[rpc_pb2.Message], bool] | None = None
-        # Refusals of a peer's own messages (FLOODER_*), and until when its stream is not read.
+        # Refusals of a peer's own messages (FLOODER_*), until when its stream is not read, and
+        # its last pause (seconds, when it ended).
         self._refusal_tokens: dict[ID, tuple[float, float]] = {}
         self._paused_until: dict[ID, float] = {}
+        self._last_pause: dict[ID, tuple[float, float]] = {}
 
     def _admit(self, peer_id: ID, count: int) -> int:
         """How many of ``count`` messages just read from ``peer_id`` its token bucket allows."""
         return _take(self._inbound_tokens, peer_id, count, MAX_INBOUND_MESSAGES_PER_PEER_PER_S, INBOUND_BURST)
 
-    def _note_own_refusals(self, peer_id: ID, count: int) -> None:
-        """``count`` of ``peer_id``'s own messages were refused by the gate: past its allowance,
-        its stream is not read for FLOODER_PAUSE_S (counted ``flooder-paused``)."""
-        if _take(self._refusal_tokens, peer_id, count, FLOODER_REFUSALS_PER_S, FLOODER_BURST) < count:
-            self._paused_until[peer_id] = trio.current_time() + FLOODER_PAUSE_S
-            self._drop("flooder-paused", peer_id, f"{count} of its own messages refused")
+    def _note_own_refusals(self, peer_id: ID, units: int) -> None:
+        """``units`` (FLOODER_UNIT_BYTES each) of ``peer_id``'s own messages were refused by the
+        gate: past its allowance, its stream is not read for a while (counted ``flooder-paused``):
+        FLOODER_PAUSE_S, twice its last pause if that ended less than FLOODER_FORGET_S ago."""
+        if _take(self._refusal_tokens, peer_id, units, FLOODER_REFUSALS_PER_S, FLOODER_BURST) < units:
+            now = trio.current_time()
+            last, ended = self._last_pause.get(peer_id, (0.0, -math.inf))
+            pause = min(FLOODER_MAX_PAUSE_S, 2 * last) if now - ended < FLOODER_FORGET_S else FLOODER_PAUSE_S
+            self._paused_until[peer_id] = now + pause
+            self._last_pause[peer_id] = (pause, now + pause)
+            self._drop("flooder-paused", peer_id, f"{units} units of its own messages refused: {pause:g} s")
 
     def _drop(self, reason: str, peer_id: ID, detail: object = "") -> None:
         self.dropped[reason] += 1
@@ -224,7 +240,7 @@ class TrainingPubsub(Pubsub):
         except (StreamEOF, StreamError, IncompleteReadError, IOException) as exc:
             logger.debug("pubsub stream from %s ended: %s", peer_id, exc)
         finally:
-            for held in (self._inbound_tokens, self._refusal_tokens, self._paused_until):
+            for held in (self._inbound_tokens, self._refusal_tokens, self._paused_until, self._last_pause):
                 held.pop(peer_id, None)
 
     async def _give_up_on(self, stream: INetStream, peer_id: ID, reason: str, detail: object) -> None:
@@ -251,7 +267,8 @@ class TrainingPubsub(Pubsub):
                 self._drop("oversized", peer_id, f"{len(msg.data)} B")
             elif self._is_subscribed_to_msg(msg) and self.manager.is_running:
                 if self.inbound_gate is not None and not self._is_msg_seen(msg) and not self.inbound_gate(msg):
-                    own_refused += msg.from_id == sender
+                    if msg.from_id == sender:
+                        own_refused += max(1, -(-len(msg.data) // FLOODER_UNIT_BYTES))
                     continue
                 # A copy of its own: a message parsed out of an RPC keeps the whole RPC's buffer
                 # alive (protobuf's arena) for as long as it waits in a queue, so one small
