@@ -258,7 +258,7 @@ class Discovery:
     def _addrs_of(self, peer_id: ID, addrs: list[Multiaddr]) -> list[Multiaddr]:
         """Where to dial ``peer_id``: the addresses of its latest heartbeat, else ``addrs``. Parsed
         only when a dial is due (a connected peer is checked twice a second: parsing its addresses
-        each time was most of an idle node's CPU)."""
+        each time was a quarter of an idle node's CPU)."""
         record = self.membership.get(peer_id)
         return (dialable(record.addrs, peer_id) if record is not None else []) or addrs
 

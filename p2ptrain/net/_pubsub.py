@@ -37,7 +37,7 @@ Two more cut its CPU, which training peers share with their local steps (an idle
   once per connection (pubsub's hello) and with identify. Gossipsub also stops *building* the
   record it attached (:func:`_record_for_gossip`): the host's addresses were parsed into multiaddrs
   and compared with the cached record's for every message sent or forwarded and every control
-  message, 14% of a training run's CPU in this process, for bytes that write_msg then cleared.
+  message (0.24 ms of CPU each, ~4% of a small in-process run), for bytes that write_msg then cleared.
 """
 
 from __future__ import annotations

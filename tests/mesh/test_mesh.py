@@ -189,7 +189,7 @@ async def test_the_dht_learns_peers_from_connections_and_lookups_reveal_them(tmp
 
 async def test_discovery_parses_no_address_of_a_peer_it_is_connected_to(tmp_path, monkeypatch):
     """Each kept peer is checked twice a second; while it is connected nothing is dialed, so its
-    heartbeat's addresses are not parsed again (that parsing was most of an idle node's CPU)."""
+    heartbeat's addresses are not parsed again (that parsing was a quarter of an idle node's CPU)."""
     from p2ptrain.mesh import _discovery
 
     parsed = []
