@@ -60,6 +60,7 @@ import libp2p.pubsub.gossipsub as _gossipsub
 from libp2p.pubsub.gossipsub import PROTOCOL_ID_V11, GossipSub
 from libp2p.pubsub.pb import rpc_pb2
 from libp2p.peer.id import ID
+from libp2p.peer.peerstore import env_to_send_in_RPC as _env_to_send_in_rpc
 from libp2p.pubsub.pubsub import Pubsub
 from libp2p.pubsub.rpc_queue import RpcQueue
 from libp2p.pubsub.subscription import TrioSubscriptionAPI
@@ -152,7 +153,6 @@ class _BoundedSubscription(TrioSubscriptionAPI):
 
 # The hosts whose pubsub is a TrainingPubsub: their gossipsub RPCs go out without a sender record.
 _RECORDLESS_HOSTS: weakref.WeakSet[IHost] = weakref.WeakSet()
-_env_to_send_in_rpc = _gossipsub.env_to_send_in_RPC
 
 
 def _record_for_gossip(host: IHost) -> tuple[bytes, bool]:
@@ -165,7 +165,7 @@ def _record_for_gossip(host: IHost) -> tuple[bytes, bool]:
     return _env_to_send_in_rpc(host)
 
 
-_gossipsub.env_to_send_in_RPC = _record_for_gossip
+_gossipsub.env_to_send_in_RPC = _record_for_gossip  # type: ignore[attr-defined]  # gossipsub's own import of it
 
 
 class TrainingPubsub(Pubsub):
