@@ -96,7 +96,8 @@ EXPORTS: dict[str, list[str]] = {
     ],
     "p2ptrain.task": [
         "CompressionSpec", "MAX_TASK_BYTES", "NoBuilder", "OuterSpec", "TASK_TEMPLATE", "Task", "TaskError", "USER_MODEL",
-        "load_task", "parse_task", "read_task", "task_bytes", "task_from_bytes", "total_steps", "unmet_requirement",
+        "load_task", "member_device", "parse_task", "read_task", "task_bytes", "task_from_bytes", "total_steps",
+        "unmet_requirement",
     ],
     "p2ptrain.testing": [
         "CLI_TIMEOUT_S", "CONNECT_TIMEOUT_S", "Changes", "DIGITS_TASK", "EOS", "EmulatedNat", "EmulatedWan", "IFACE",
@@ -112,7 +113,7 @@ EXPORTS: dict[str, list[str]] = {
         "Average", "GradientBridge", "LocalSGDTrainer", "PlanAverager", "PositionedBatches", "PretrainedError",
         "RoundTimings", "StateSnapshot", "StepSkipped", "Trainer", "TrainerError", "UserLocalSGDTrainer", "UserTrainer",
         "batched", "batches_forever", "config_snippet", "describe_model_file", "evaluate_batches", "export_pretrained",
-        "import_pretrained", "load_model", "loss_and_hits", "lr_at", "model_from_bytes", "new_trainer",
+        "import_pretrained", "load_model", "loss_and_hits", "lr_at", "model_from_bytes", "module_device", "new_trainer",
         "resolve_device", "run_round", "warm_up_torch",
     ],
     "p2ptrain.wire": [

@@ -29,7 +29,8 @@ from p2ptrain.services._latest import LatestFinder, head_key, held_tasks
 from p2ptrain.models import builders, model_file_limit
 from p2ptrain.training import Trainer
 from p2ptrain.protocol import Chain
-from p2ptrain.task import MAX_TASK_BYTES, NoBuilder, Task, TaskError, load_task, task_bytes, task_from_bytes, unmet_requirement
+from p2ptrain.task import (MAX_TASK_BYTES, NoBuilder, Task, TaskError, load_task, member_device, task_bytes,
+                           task_from_bytes, unmet_requirement)
 from p2ptrain.wire import (
     HeadRequest,
     Signed,
@@ -65,6 +66,9 @@ MAX_FAILED_JOINS = 1024
 # A join from an announcement fetches a file of at most MAX_TASK_BYTES: if that takes longer than
 # this, the announcer (or its content) is not worth waiting for.
 JOIN_FETCH_TIMEOUT_S = 30.0
+# A task that needs CUDA, on a node whose quick probe saw no GPU, waits this long for the torch probe
+# (it starts 2 s after the node and imports torch: seconds) before it is refused.
+CAPS_PROBE_WAIT_S = 30.0
 # `task status` of a task this node is not a member of looks its latest chain up and verifies it for
 # this long by default (a request may say less, up to MAX_VERIFY_HEAD_S): a run under way publishes
 # a head every 2 s, and a finished run's members answer a request within a second.
@@ -142,6 +146,7 @@ class TaskService:
         self.node = node
         self.content = content
         self.options = options
+        node.membership.train_on(options.device)  # heartbeats name the GPU it trains on, none for cpu
         self.known: dict[str, KnownTask] = {}
         self.runs: dict[str, TaskRun] = {}
         self.collective: Collective | None = None
@@ -238,7 +243,16 @@ class TaskService:
                 task = await trio.to_thread.run_sync(self._held_task, task_cid)
             except NoBuilder as exc:  # a sound task this node cannot build: say what to install
                 raise UserError(exc.line) from exc
-        why = unmet_requirement(task, self.node.membership.caps)
+        caps = self.node.membership.caps
+        if task.requirements.device == "cuda" and caps.device == "cpu":  # maybe not probed yet
+            with trio.move_on_after(CAPS_PROBE_WAIT_S):
+                caps = await self.node.membership.caps_known()
+        why = unmet_requirement(task, caps)
+        device = member_device(task, self.options.device)
+        if why is None and task.requirements.device == "cuda" and device == "cpu":
+            why = "task needs a CUDA device, and this node trains on the CPU (--device cpu)"
+        if why is None and device == "cpu" and self.options.precision == "fp16":
+            why = f"task trains on the CPU (requirements.device = {task.requirements.device}), and fp16 needs CUDA"
         if why is None and not task.peers.admits(self.node.peer_id.to_base58()):
             why = "the task admits only the peers on its allowlist (peers.allow), and this node is not one"
         if why is None and task.model.user and task_cid not in self.bindings:
@@ -252,7 +266,7 @@ class TaskService:
             raise UserError(f"task {task.name} ({task_cid}) was cancelled by its publisher")
         assert self.collective is not None and self._nursery is not None
         run = TaskRun(self.node, self.content, self.collective, task, task_cid,
-                      device=self.options.device, precision=self.options.precision,
+                      device=device, precision=self.options.precision,
                       make_trainer=self.bindings.get(task_cid))
         self.runs[task_cid] = run
         self._failed.pop(task_cid, None)

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from p2ptrain.task._spec import (
         CompressionSpec as CompressionSpec,
         MAX_TASK_BYTES as MAX_TASK_BYTES,
+        member_device as member_device,
         OuterSpec as OuterSpec,
         Task as Task,
         total_steps as total_steps,

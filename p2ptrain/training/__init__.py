@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from p2ptrain.training._sync import PlanAverager as PlanAverager, RoundTimings as RoundTimings, run_round as run_round
     from p2ptrain.training._trainer import (
         Average as Average,
+        module_device as module_device,
         resolve_device as resolve_device,
         StateSnapshot as StateSnapshot,
         Trainer as Trainer,
