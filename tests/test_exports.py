@@ -114,7 +114,7 @@ EXPORTS: dict[str, list[str]] = {
         "RoundTimings", "StateSnapshot", "StepSkipped", "Trainer", "TrainerError", "UserLocalSGDTrainer", "UserTrainer",
         "batched", "batches_forever", "config_snippet", "describe_model_file", "evaluate_batches", "export_pretrained",
         "import_pretrained", "load_model", "loss_and_hits", "lr_at", "model_from_bytes", "module_device", "new_trainer",
-        "resolve_device", "run_round",
+        "resolve_device", "run_round", "warm_up_torch",
     ],
     "p2ptrain.wire": [
         "Attestation", "Capabilities", "ConfirmedRecord", "CoordinatorBeat", "DIGEST_BYTES", "DTYPES", "DecodeError",

@@ -185,3 +185,21 @@ async def test_the_dht_learns_peers_from_connections_and_lookups_reveal_them(tmp
         assert c.host.get_peerstore().addrs(a.peer_id), "the lookup also brought a's addresses"
         for node in (a, b, c):
             node.stop()
+
+
+async def test_discovery_parses_no_address_of_a_peer_it_is_connected_to(tmp_path, monkeypatch):
+    """Each kept peer is checked twice a second; while it is connected nothing is dialed, so its
+    heartbeat's addresses are not parsed again (that parsing was a quarter of an idle node's CPU)."""
+    from p2ptrain.mesh import _discovery
+
+    parsed = []
+    real = _discovery.dialable
+    monkeypatch.setattr(_discovery, "dialable", lambda addrs, peer: parsed.append(peer) or real(addrs, peer))
+    async with local_mesh(2, tmp_path) as (a, b):
+        with trio.fail_after(10):
+            while not (a.discovery.connected(b.peer_id) and b.discovery.connected(a.peer_id)):
+                await trio.sleep(0.05)
+        parsed.clear()
+        await trio.sleep(4 * _discovery.CONNECTED_POLL_S)
+        assert a.discovery.connected(b.peer_id) and b.discovery.connected(a.peer_id)
+    assert parsed == []
