@@ -60,6 +60,12 @@ JOIN_RETRY_S = 5.0
 # repeating a bad CID costs one failed fetch per 10 minutes, short enough that a task whose data was
 # briefly unreachable is joined again without restarting the node.
 FAILED_JOIN_MEMORY_S = 600.0
+# ... except a join that failed only because no peer could give the task's bytes yet (its members
+# still fetching it, its publisher behind a NAT we have no route to yet): tried again after this,
+# doubling with each such failure up to FAILED_JOIN_MEMORY_S. A NATed peer that heard a task first
+# from another NATed peer was otherwise out of the run for 10 minutes, and a run whose peers.min
+# counted it never started (seen in tests/wan/test_training_behind_nat.py).
+UNAVAILABLE_JOIN_RETRY_S = 15.0
 # Failed CIDs remembered at once (oldest forgotten first): bounds the memory a flood of distinct bad
 # CIDs can take to ~1024 short entries.
 MAX_FAILED_JOINS = 1024
@@ -154,7 +160,8 @@ class TaskService:
         # Why announcements were not joined, by kind: read by `p2ptrain task list --json` ("joins").
         self.join_rejections: Counter[str] = Counter()
         self._joining: set[str] = set()
-        self._failed: dict[str, float] = {}  # task CID -> trio time until which it is not retried
+        # Task CID -> (trio time until which it is not retried, its failures in a row for want of bytes).
+        self._failed: dict[str, tuple[float, int]] = {}
         self._finders: dict[str, LatestFinder] = {}  # task CID -> a lookup of its latest chain under way
         # Runs of the user's own model this process takes part in: task CID -> the trainer maker
         # (p2ptrain.Optimizer binds one before it joins; training/_user_trainer.py).
@@ -306,7 +313,7 @@ class TaskService:
         except Exception as exc:
             kind = "refused" if isinstance(exc, (UserError, ContentUnavailable)) else type(exc).__name__
             self.join_rejections[kind] += 1
-            self._remember_failure(task_cid)
+            self._remember_failure(task_cid, unavailable=isinstance(exc, ContentUnavailable))
             known = self.known.get(task_cid)
             if known is not None:
                 known.refused = str(exc)[:500]
@@ -334,22 +341,24 @@ class TaskService:
                 return
             await trio.sleep(JOIN_RETRY_S)
 
-    def _remember_failure(self, task_cid: str) -> None:
-        self._failed.pop(task_cid, None)
+    def _remember_failure(self, task_cid: str, *, unavailable: bool) -> None:
+        """Do not join ``task_cid`` on announcements for a while: FAILED_JOIN_MEMORY_S, or, where no
+        peer had its bytes, UNAVAILABLE_JOIN_RETRY_S doubled by each such failure in a row."""
+        _, misses = self._failed.pop(task_cid, (0.0, 0))
         while len(self._failed) >= MAX_FAILED_JOINS:
             self._failed.pop(next(iter(self._failed)))
-        self._failed[task_cid] = trio.current_time() + FAILED_JOIN_MEMORY_S
+        misses = misses + 1 if unavailable else 0
+        memory = min(UNAVAILABLE_JOIN_RETRY_S * 2 ** (misses - 1), FAILED_JOIN_MEMORY_S) if misses else FAILED_JOIN_MEMORY_S
+        self._failed[task_cid] = (trio.current_time() + memory, misses)
 
     def _should_join(self, task_cid: str) -> bool:
         """Whether an announcement of ``task_cid`` starts a join now; counts why not when it does not."""
         if task_cid in self.runs or task_cid in self._joining:
             return False
-        until = self._failed.get(task_cid)
-        if until is not None:
-            if trio.current_time() < until:
-                self.join_rejections["recently_failed"] += 1
-                return False
-            del self._failed[task_cid]
+        failed = self._failed.get(task_cid)
+        if failed is not None and trio.current_time() < failed[0]:
+            self.join_rejections["recently_failed"] += 1
+            return False
         if len(self._joining) >= MAX_CONCURRENT_JOINS:
             self.join_rejections["busy"] += 1
             return False
