@@ -55,7 +55,7 @@ from p2ptrain.node import NodeConfig
 from p2ptrain.models import card_bytes, card_of
 from p2ptrain.protocol import load_model_bytes, model_bytes
 from p2ptrain.task import USER_MODEL, Task, parse_task
-from p2ptrain.training import GradientBridge, StepSkipped, Trainer, UserLocalSGDTrainer, UserTrainer
+from p2ptrain.training import GradientBridge, StepSkipped, Trainer, UserLocalSGDTrainer, UserTrainer, module_device
 
 log = logging.getLogger(__name__)
 
@@ -165,7 +165,7 @@ class Optimizer:
             publisher = peer_id_of(load_or_create_identity(home)).to_base58()
         # A model on a GPU makes a task that needs CUDA: members attest each other's bits, and a CPU
         # member's steps round differently, so CPU and GPU members of one script meet in two runs.
-        on_gpu = any(p.is_cuda for p in self._params)
+        on_gpu = module_device(model).type == "cuda"  # where the run's trainer finds the model too
         task = _task(run, architecture, initial, options, allow, publisher, device="cuda" if on_gpu else None)
         self.bridge = GradientBridge()
         self._evaluate = evaluate

@@ -251,11 +251,11 @@ class TaskService:
             except NoBuilder as exc:  # a sound task this node cannot build: say what to install
                 raise UserError(exc.line) from exc
         caps = self.node.membership.caps
-        if task.requirements.device == "cuda" and caps.device == "cpu":  # maybe not probed yet
+        device = member_device(task, self.options.device)
+        if task.requirements.device == "cuda" and device != "cpu" and caps.device == "cpu":  # maybe not probed yet
             with trio.move_on_after(CAPS_PROBE_WAIT_S):
                 caps = await self.node.membership.caps_known()
         why = unmet_requirement(task, caps)
-        device = member_device(task, self.options.device)
         if why is None and task.requirements.device == "cuda" and device == "cpu":
             why = "task needs a CUDA device, and this node trains on the CPU (--device cpu)"
         if why is None and device == "cpu" and self.options.precision == "fp16":
