@@ -119,7 +119,7 @@ def stage_bounds(model: nn.Module, stages: int) -> tuple[list[int], str]:
     """p2ptrain's own cut where it is installed, else :func:`balanced_bounds` over the same pieces;
     and which of the two cut it."""
     try:
-        from p2ptrain.models import cut_pieces  # type: ignore[attr-defined]  # issue 31's branch
+        from p2ptrain.models import cut_pieces  # on issue 31's branch
     except ImportError:
         sizes = [sum(p.numel() for name in piece for p in model.get_submodule(name).parameters())
                  for piece in pieces_of(model)]
