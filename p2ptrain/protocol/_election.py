@@ -20,6 +20,9 @@ The scheme is Raft's election with a deterministic candidate:
   with the lowest ``sha256(task, term, peer)``. Members with the same view agree on it without talking, so
   elections do not split; when views differ and votes split, the term times out and the next term's
   ranking (a fresh hash order) picks again.
+- Nobody stands in term 0 of a fresh run (no roster yet): its timeout lets the first members hear
+  each other. A member that sees ``max_members`` (the task's ``peers.max``) alive ends it at once:
+  no one else can be in the first roster.
 - Stale terms are ignored; a valid heartbeat of a higher term moves a member to it (a coordinator
   steps down). A member that hears its coordinator, and the coordinator itself, ignore vote
   requests, so a peer that rejoins with a stale view cannot disrupt a working term; such a peer
