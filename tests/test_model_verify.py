@@ -24,7 +24,8 @@ async def _trained(tmp_path: Path) -> tuple[Path, str, dict[str, object]]:
     """A member's home after a 3-member run of 9 steps (3 records), the task, and the peers' keys."""
     with trio.fail_after(RUN_S):
         async with local_peers(3, tmp_path) as peers:
-            task_cid = await publish_digits_task(peers[0], total_steps=9, checkpoint_interval=3, min_peers=3)
+            task_cid = await publish_digits_task(peers[0], total_steps=9, checkpoint_interval=3, min_peers=3,
+                                                 max_peers=3)  # all three are in: term 0 need not wait for more
             async with trio.open_nursery() as nursery:
                 for peer in peers:
                     nursery.start_soon(peer.tasks.join, task_cid)

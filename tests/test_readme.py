@@ -6,7 +6,7 @@ put on 127.0.0.1; a third is a fresh home with no node. Every other command is r
 writes it, with the installed ``p2ptrain`` and ``P2PTRAIN_HOME`` naming the machine's home; the
 placeholders (``TASK_CID``, ``MANIFEST_CID``, ``MULTIADDR``) become what earlier commands printed.
 ``$EDITOR`` is this test: it writes the manifest CID into a copy of the task file and shortens the
-run (a checkpoint every 5 steps). The run is cancelled once a model is confirmed, as the README's
+run (a checkpoint every 5 steps, peers.max 2). The run is cancelled once a model is confirmed, as the README's
 order has it; the fetch, eval and upkeep commands then run on the fresh home, after the run.
 A README edit that breaks a command breaks this test.
 """
@@ -99,6 +99,9 @@ def test_the_readme_commands_run_as_written(tmp_path: Path) -> None:
                 text = (ROOT / argv[1]).read_text()
                 text = text.replace("QmReplaceWithTheManifestCidPrintedByDatasetAdd", subs["MANIFEST_CID"])
                 text = re.sub(r"(?m)^checkpoint_interval = \d+", "checkpoint_interval = 5", text)
+                # Both machines are the run's members: with peers.max 2 its first term and plan do
+                # not wait for more (3-5 s).
+                text = re.sub(r"(?m)^max = \d+", "max = 2", text)
                 task_file.write_text(text)
                 subs[argv[1]] = str(task_file)
             elif verb == ["task", "publish"]:

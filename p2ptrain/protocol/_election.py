@@ -20,6 +20,9 @@ The scheme is Raft's election with a deterministic candidate:
   with the lowest ``sha256(task, term, peer)``. Members with the same view agree on it without talking, so
   elections do not split; when views differ and votes split, the term times out and the next term's
   ranking (a fresh hash order) picks again.
+- Nobody stands in term 0 of a fresh run (no roster yet): its timeout lets the first members hear
+  each other. A member that sees ``max_members`` (the task's ``peers.max``) alive ends it at once:
+  no one else can be in the first roster.
 - Stale terms are ignored; a valid heartbeat of a higher term moves a member to it (a coordinator
   steps down). A member that hears its coordinator, and the coordinator itself, ignore vote
   requests, so a peer that rejoins with a stale view cannot disrupt a working term; such a peer
@@ -89,13 +92,16 @@ class Election:
     """One member's view of the election of one task."""
 
     def __init__(self, task_cid: str, key_pair: KeyPair, config: ElectionConfig = ElectionConfig(), *,
-                 voted_through: int | None = -1) -> None:
+                 voted_through: int | None = -1, max_members: int | None = None) -> None:
         """``voted_through``: :attr:`voted_through` when this member last ran the task (-1: never);
-        None when that is unknown (its file was damaged): it then votes and stands in no term."""
+        None when that is unknown (its file was damaged): it then votes and stands in no term.
+        ``max_members``: the task's ``peers.max``; once that many members are alive, term 0 of a
+        fresh run ends without waiting out its timeout (see :meth:`_gathered`)."""
         self.task_cid = task_cid
         self.key_pair = key_pair
         self.me = signing.peer_str(key_pair)
         self.config = config
+        self.max_members = max_members
         self.term = 0
         self.coordinator: str | None = None  # accepted for self.term
         self._ballots: dict[int, str] = {}  # term -> whom I voted for (one vote per term, ever)
@@ -177,6 +183,15 @@ class Election:
         caught breaking the run's rules."""
         return candidate in self._voters() and candidate in self.live | {self.me} and candidate not in self.accused
 
+    def _gathered(self) -> bool:
+        """Whether term 0 of a fresh run (no roster yet: the live members vote) may end now. Nobody
+        stands in term 0: its timeout lets the first members hear each other, so that they agree on
+        term 1's candidate. Once ``max_members`` (``peers.max``) are alive no other member can be in
+        the first roster, and the wait would only delay the run. ``peers.min`` is not touched by
+        this: it is at most ``peers.max``, and the plan still waits for it (RoundBook.next_plan)."""
+        return (self.term == 0 and not self.roster and self.max_members is not None
+                and len(self._voters()) >= self.max_members)
+
     def _eligible(self) -> list[str]:
         alive = self.live | {self.me}
         return [p for p in self._voters() if p in alive and p not in self.suspects and p not in self.accused]
@@ -250,6 +265,10 @@ class Election:
             # term every 3 s). Wait in this term; its timer starts when enough peers are back.
             self._term_started = now
             return out
+        elif self._gathered():
+            log.info("task %s: all %d members of a fresh run are alive; %s ends term 0 early",
+                     self.task_cid[:12], len(self._voters()), short_id(self.me))
+            self._new_term(now, self.term + 1)
         elif now - self._term_started >= timeout:
             log.info("task %s: term %d passed without a coordinator; %s moves to term %d (voted for %s)",
                      self.task_cid[:12], self.term, short_id(self.me), self.term + 1,

@@ -123,7 +123,7 @@ class RunState:
     def create(cls, node: Node, content: ContentService, collective: Collective, task: Task, task_cid: str) -> RunState:
         run_dir = RunDir.of(node.home, task_cid)
         election = Election(task_cid, node.key_pair, ElectionConfig(heartbeat_s=node.config.heartbeat_interval),
-                            voted_through=load_voted_through(run_dir))
+                            voted_through=load_voted_through(run_dir), max_members=task.peers.max)
         return cls(node=node, content=content, collective=collective, task=task, task_cid=task_cid,
                    election=election, me=node.peer_id.to_base58(), topic=task_topic(task_cid),
                    dir=run_dir, voted_saved=election.voted_through,

@@ -64,6 +64,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--checkpoint-every", type=int, default=25)
     parser.add_argument("--robust", default="none")
+    parser.add_argument("--max-peers", type=int, default=64, help="the run's max_peers (p2ptrain.Optimizer's default)")
     parser.add_argument("--scale", type=float, default=1.0)
     parser.add_argument("--load", help="only load this model CID from --home into a fresh instance and report")
     parser.add_argument("--wait-for", help="a late joiner: start taking part once this file exists")
@@ -91,7 +92,7 @@ def main() -> None:
     opt = optimizer_class(torch.optim.Adam(model.parameters(), lr=3e-3, fused=True), model=model, run="test-digits",
                              home=args.home, listen=[args.listen], bootstrap=args.bootstrap, density=0.1,
                              robust=args.robust, checkpoint_every=args.checkpoint_every, min_peers=2,
-                             total_steps=args.steps)
+                             max_peers=args.max_peers, total_steps=args.steps)
     print(json.dumps({"started": args.member, "run_cid": opt.run_cid}), flush=True)
     with opt:
         try:

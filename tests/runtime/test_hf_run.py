@@ -38,7 +38,8 @@ total_steps = {steps}
 checkpoint_interval = 10
 [peers]
 min = 2
-"""
+max = 2
+"""  # both peers join every run: its first term need not wait for more
 
 
 async def _publish(peers: LocalPeers, root: Path, steps: int, head: str | None = None,

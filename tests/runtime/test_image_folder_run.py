@@ -40,7 +40,8 @@ checkpoint_interval = {checkpoint}
 density = 0.1
 [peers]
 min = 2
-"""
+max = 2
+"""  # both peers join every run: its first term need not wait for more
 
 
 def write_image_folder(root: Path) -> None:

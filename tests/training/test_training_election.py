@@ -28,10 +28,10 @@ def seeded_keys(n, seed):
 
 
 class Net:
-    def __init__(self, n, seed=0, drop=0.0, key_seed=None, wire=True):
+    def __init__(self, n, seed=0, drop=0.0, key_seed=None, wire=True, max_members=None):
         self.keys = [create_new_key_pair() for _ in range(n)] if key_seed is None else seeded_keys(n, key_seed)
         self.ids = [signing.peer_str(k) for k in self.keys]
-        self.nodes = {p: Election(TASK, k, CONFIG) for p, k in zip(self.ids, self.keys)}
+        self.nodes = {p: Election(TASK, k, CONFIG, max_members=max_members) for p, k in zip(self.ids, self.keys)}
         self.alive = set(self.ids)
         self.groups = [set(self.ids)]  # partitions: a node hears only its own group
         self.roster = tuple(self.ids)
@@ -138,6 +138,31 @@ def test_first_election_is_quick_and_deterministic():
     term, coordinator = net.agreed()
     assert term == 1 and coordinator == designated(TASK, 1, net.ids)
     assert net.nodes[coordinator].is_coordinator
+
+
+def test_a_fresh_run_ends_term_0_once_peers_max_members_are_alive_and_only_then():
+    """Before the first plan (no roster: the live members vote) nobody stands in term 0, so that the
+    first members hear each other; once the task's peers.max are alive, no one else can be in the
+    first roster and term 1 starts at the next tick instead of after the term's timeout."""
+    full = Net(3, max_members=3)
+    full.roster = ()
+    full.run(2 * HB)  # a heartbeat for the views to form (a member not yet ticked votes for nobody), one to elect
+    assert 2 * HB < CONFIG.timeout_s
+    term, coordinator = full.agreed()
+    assert term == 1 and coordinator == designated(TASK, 1, full.ids)
+    # One member short of peers.max: term 0 runs its whole timeout, as before.
+    short = Net(3, max_members=4)
+    short.roster = ()
+    short.run(CONFIG.timeout_s - HB / 2)
+    assert all(e.term == 0 and e.coordinator is None for e in short.nodes.values())
+    short.run(2 * HB)
+    assert short.agreed() == (1, designated(TASK, 1, short.ids))
+    # Members that do not all hear each other yet (a view of 2 of the 3) wait out term 0 too.
+    partial = Net(3, max_members=3)
+    partial.roster = ()
+    partial.groups = [{partial.ids[0]}, set(partial.ids[1:])]
+    partial.run(CONFIG.timeout_s - HB / 2)
+    assert all(e.term == 0 for e in partial.nodes.values())
 
 
 def test_coordinator_death_elects_another_within_a_few_heartbeats():
