@@ -58,10 +58,11 @@ EXPORTS: dict[str, list[str]] = {
     "p2ptrain.models": [
         "Arg", "Builder", "CardError", "CausalLM", "ENTRY_POINT_GROUP", "HEADER_PER_TENSOR", "HEADER_SLACK",
         "HF_MODEL", "HF_REFUSED", "MAX_CARD_BYTES", "MAX_MODEL_FILE_BYTES", "MissingBuilder", "ModelError", "Origin",
-        "PLUGINS", "build_model", "builders", "card_bytes", "card_from_bytes", "card_of", "check_hf_config",
+        "PLUGINS", "TinyLM", "build_model", "builders", "card_bytes", "card_from_bytes", "card_of", "check_hf_config",
         "check_model", "file_bytes_bound", "first_difference", "hf_config", "hf_settings", "import_transformers",
         "lookup", "model_file_limit",
     ],
+    "p2ptrain.pipeline": ["Cut", "PartitionError", "Stage", "balanced_cut", "partition", "pieces_of"],
     "p2ptrain.net": [
         "Channel", "ChannelClosed", "ChannelError", "MessageTooLarge", "PubsubMessageTooLarge",
         "RELAY_CIRCUIT_BYTES_RANGE", "RELAY_CIRCUIT_S_RANGE", "RELAY_MAX_CIRCUIT_BYTES", "RELAY_MAX_CIRCUIT_S",

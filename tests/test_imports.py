@@ -50,6 +50,7 @@ MAY_IMPORT: dict[str, set[str]] = {
     "ipfs": {"base", "net"},
     "data": {"base", "ipfs"},
     "collective": {"base", "wire", "net"},
+    "pipeline": {"base", "wire", "net", "models", "collective"},
     "models": {"base"},
     "task": {"base", "wire", "ipfs", "models"},
     "protocol": {"base", "wire", "data", "task"},

@@ -43,6 +43,7 @@ if TYPE_CHECKING:
         HEADER_SLACK as HEADER_SLACK,
         MAX_MODEL_FILE_BYTES as MAX_MODEL_FILE_BYTES,
         model_file_limit as model_file_limit,
+        TinyLM as TinyLM,
     )
 else:
     from p2ptrain._exports import lazy_exports

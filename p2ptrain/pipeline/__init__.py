@@ -1,0 +1,21 @@
+"""Pipeline stages across peers (issue 31, docs/pipeline.md): a model cut into contiguous stages
+balanced by parameter count, and the stage protocol that carries a microbatch's activations forward
+through one replica of every stage and its gradients back, rerouting around replicas that die.
+Imports ``base``, ``wire``, ``net``, ``models`` and ``collective``.
+"""
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from p2ptrain.pipeline._partition import (
+        balanced_cut as balanced_cut,
+        Cut as Cut,
+        partition as partition,
+        PartitionError as PartitionError,
+        pieces_of as pieces_of,
+        Stage as Stage,
+    )
+else:
+    from p2ptrain._exports import lazy_exports
+
+    __getattr__, __dir__, __all__ = lazy_exports(__name__, __file__)
