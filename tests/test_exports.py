@@ -62,7 +62,10 @@ EXPORTS: dict[str, list[str]] = {
         "check_model", "file_bytes_bound", "first_difference", "hf_config", "hf_settings", "import_transformers",
         "lookup", "model_file_limit",
     ],
-    "p2ptrain.pipeline": ["Cut", "PartitionError", "Stage", "balanced_cut", "partition", "pieces_of"],
+    "p2ptrain.pipeline": [
+        "Cut", "DoubleCounted", "Driver", "PROTOCOL", "PartitionError", "PipelineError", "Stage", "StageReplica",
+        "StageUnavailable", "Wiring", "balanced_cut", "partition", "pieces_of", "sum_stage_gradients",
+    ],
     "p2ptrain.net": [
         "Channel", "ChannelClosed", "ChannelError", "MessageTooLarge", "PubsubMessageTooLarge",
         "RELAY_CIRCUIT_BYTES_RANGE", "RELAY_CIRCUIT_S_RANGE", "RELAY_MAX_CIRCUIT_BYTES", "RELAY_MAX_CIRCUIT_S",

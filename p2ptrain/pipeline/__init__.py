@@ -7,6 +7,13 @@ Imports ``base``, ``wire``, ``net``, ``models`` and ``collective``.
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from p2ptrain.pipeline._averaging import sum_stage_gradients as sum_stage_gradients
+    from p2ptrain.pipeline._driver import (
+        DoubleCounted as DoubleCounted,
+        Driver as Driver,
+        PipelineError as PipelineError,
+        StageUnavailable as StageUnavailable,
+    )
     from p2ptrain.pipeline._partition import (
         balanced_cut as balanced_cut,
         Cut as Cut,
@@ -15,6 +22,8 @@ if TYPE_CHECKING:
         pieces_of as pieces_of,
         Stage as Stage,
     )
+    from p2ptrain.pipeline._replica import PROTOCOL as PROTOCOL, StageReplica as StageReplica
+    from p2ptrain.pipeline._wiring import Wiring as Wiring
 else:
     from p2ptrain._exports import lazy_exports
 

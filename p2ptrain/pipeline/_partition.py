@@ -53,7 +53,8 @@ class _LMEmbed(_Piece):
         if t > self.context:
             raise ValueError(f"sequence of {t} tokens is longer than the model's context {self.context}")
         tokens, positions = self.parts
-        return tokens(x.long()) + positions(torch.arange(t, device=x.device))
+        out: torch.Tensor = tokens(x.long()) + positions(torch.arange(t, device=x.device))
+        return out
 
 
 class _LMBlock(_Piece):

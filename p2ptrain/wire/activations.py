@@ -79,6 +79,9 @@ class Limits:
         return HEADER.size + MAX_TENSORS * per_tensor
 
 
+DEFAULT_LIMITS = Limits()
+
+
 @dataclass(frozen=True)
 class Frame:
     kind: int
@@ -142,7 +145,8 @@ def _decode_tensor(data: memoryview, at: int, limits: Limits) -> tuple[torch.Ten
         raise ActivationError(f"tensor of rank {rank} (1 to {limits.max_rank} allowed)")
     if len(data) - at < rank * _DIM.size + _LENGTH.size:
         raise ActivationError("frame ends inside a tensor's shape")
-    shape, count = [], 1
+    shape: list[int] = []
+    count = 1
     for _ in range(rank):
         (dim,) = _DIM.unpack_from(data, at)
         at += _DIM.size
@@ -173,7 +177,7 @@ def _decode_tensor(data: memoryview, at: int, limits: Limits) -> tuple[torch.Ten
     return out.reshape(shape), at + length
 
 
-def decode_frame(data: bytes | bytearray | memoryview, limits: Limits = Limits()) -> Frame:
+def decode_frame(data: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS) -> Frame:
     """The frame ``data`` holds; :class:`ActivationError` for anything else (see the module's doc)."""
     view = memoryview(data).cast("B")
     if len(view) < HEADER.size:
