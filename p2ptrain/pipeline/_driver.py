@@ -14,12 +14,18 @@ replica which microbatches its gradients hold, and redoes on a live replica each
 microbatches that only a dead replica held. Then each stage's live replicas together hold every
 microbatch exactly once (a microbatch held twice is :class:`DoubleCounted`), and their summed
 gradients are the step's gradient of that stage (docs/pipeline.md).
+
+Integrity: with ``check_fraction`` > 0, that share of the microbatches is also sent FORWARD to a second
+replica of every later stage, and the two outputs are compared bit for bit (replicas of a stage hold
+the same weights). A difference is counted against the pair (:attr:`Driver.disagreements`) and
+logged; which of two replicas lied takes a third opinion, which the runtime's plans will bring.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
+import random
 import time
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
@@ -78,7 +84,7 @@ class Driver:
     def __init__(
         self, host: IHost, stage: Stage, loss: Loss, wiring: Wiring, *, encoding: str = "fp32",
         limits: Limits = DEFAULT_LIMITS, hop_timeout: float = HOP_TIMEOUT_S,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float] = time.monotonic, check_fraction: float = 0.0, check_seed: int = 0,
     ) -> None:
         if stage.index != 0:
             raise ValueError("a driver serves stage 0")
@@ -89,6 +95,13 @@ class Driver:
         self._lock = trio.Lock()  # stage 0's graph and gradients, one computation at a time
         self.reroutes = 0
         self.redone = 0
+        if not 0.0 <= check_fraction <= 1.0:
+            raise ValueError(f"check_fraction must be in [0, 1], not {check_fraction}")
+        self.check_fraction = check_fraction
+        self._checks = random.Random(check_seed)
+        self.checked = 0
+        # {(stage, the replica that answered, the replica that answered differently): times}
+        self.disagreements: collections.Counter[tuple[int, Hashable, Hashable]] = collections.Counter()
 
     def new_step(self, step: int) -> None:
         """Start ``step``: stage 0's gradients zeroed, the kept tensors dropped, every replica usable."""
@@ -110,10 +123,17 @@ class Driver:
         async with self._lock:
             h = await trio.to_thread.run_sync(self._forward0, x)
         a = h.detach()
+        check = self._checks.random() < self.check_fraction
         for s in range(1, count - 1):
             record.inputs[s] = a
-            a = (await self._hop(Kind.FORWARD, s, mb, (a,))).tensors[0]
+            peer, answer = await self._answered(Kind.FORWARD, s, mb, (a,))
+            if check:
+                await self._second_opinion(s, mb, a, peer, answer.tensors[0])
+            a = answer.tensors[0]
         record.inputs[count - 1] = a
+        if check:
+            peer, answer = await self._answered(Kind.FORWARD, count - 1, mb, (a,))
+            await self._second_opinion(count - 1, mb, a, peer, answer.tensors[0])
         answer = await self._hop(Kind.LOSS, count - 1, mb, (a, targets), weight)
         record.loss, g = answer.value, answer.tensors[0]
         for s in range(count - 2, 0, -1):
@@ -136,9 +156,16 @@ class Driver:
 
     async def _hop(self, kind: Kind, stage: int, mb: int, tensors: tuple[torch.Tensor, ...], value: float = 0.0) -> Frame:
         """The answer of a replica of ``stage`` to this request, rerouted until one answers."""
+        return (await self._answered(kind, stage, mb, tensors, value))[1]
+
+    async def _answered(
+        self, kind: Kind, stage: int, mb: int, tensors: tuple[torch.Tensor, ...], value: float = 0.0,
+        besides: Hashable | None = None,
+    ) -> tuple[Hashable, Frame]:
+        """The replica of ``stage`` (not ``besides``) that answered this request, and its answer."""
         request = encode_frame(Frame(kind, self.step, mb, stage, value, tensors), self.encoding)
         while True:
-            peer = self.wiring.choose(stage)
+            peer = self.wiring.choose(stage, besides)
             if peer is None:
                 raise StageUnavailable(stage)
             self.wiring.started(peer)
@@ -154,7 +181,21 @@ class Driver:
                             self.step, mb, stage, _name(peer), error or type(error).__name__)
                 continue
             self.wiring.finished(peer, self.clock() - began)
-            return answer
+            return peer, answer
+
+    async def _second_opinion(self, stage: int, mb: int, sent: torch.Tensor, first: Hashable, out: torch.Tensor) -> None:
+        """Ask another replica of ``stage`` for the same FORWARD and compare; a stage with no other
+        replica left goes unchecked."""
+        try:
+            other, answer = await self._answered(Kind.FORWARD, stage, mb, (sent,), besides=first)
+        except StageUnavailable:
+            return
+        self.checked += 1
+        if not torch.equal(answer.tensors[0], out):
+            self.disagreements[(stage, first, other)] += 1
+            logger.warning("pipeline step %d: microbatch %d: stage %d replicas %s and %s disagree (largest "
+                           "difference %.3g)", self.step, mb, stage, _name(first), _name(other),
+                           float((answer.tensors[0] - out).abs().max()) if answer.tensors[0].shape == out.shape else float("inf"))
 
     async def _ask(self, peer: Hashable, request: bytes) -> Frame:
         assert isinstance(peer, ID)

@@ -1,7 +1,7 @@
 """One replica of one stage, serving the stage protocol (``/p2ptrain/pipeline/1.0.0``) on its host.
 
 The replica keeps nothing of a microbatch between requests (docs/pipeline.md): a FORWARD is computed
-without a graph; a BACKWARD carries the stage's input again with the gradient of its output, and the
+without a graph (at the last stage too, where it answers the logits: a driver's integrity check); a BACKWARD carries the stage's input again with the gradient of its output, and the
 replica recomputes its forward to backpropagate (one more forward per stage, the price of replicas
 that any sender may use for any hop, and of a sender that can redo any hop elsewhere). The sender
 keeps what a hop needs until the step ends; a replica that dies loses only what it computed.
@@ -127,8 +127,8 @@ class StageReplica:
             return f"a {request.kind} frame with {len(request.tensors)} tensors is no request"
         if request.stage != self.stage.index or request.step != self.step:
             return f"request for stage {request.stage} step {request.step}; this is stage {self.stage.index} step {self.step}"
-        if (request.kind == Kind.LOSS) != last and request.kind in (Kind.LOSS, Kind.FORWARD):
-            return "the last stage answers LOSS, the others FORWARD"
+        if request.kind == Kind.LOSS and not last:
+            return "only the last stage computes the loss"
         if request.kind == Kind.BACKWARD and last:
             return "the last stage takes its gradient from the loss"
         if request.kind == Kind.LOSS and not 0 < request.value <= 1:

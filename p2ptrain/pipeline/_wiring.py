@@ -54,9 +54,10 @@ class Wiring:
         mean = sum(measured) / len(measured) if measured else 1.0
         return (state.throughput or mean) / (1 + state.in_flight)
 
-    def choose(self, stage: int) -> Hashable | None:
-        """A usable replica of ``stage`` drawn by weight, or None when the stage has none left."""
-        usable = self.usable(stage)
+    def choose(self, stage: int, besides: Hashable | None = None) -> Hashable | None:
+        """A usable replica of ``stage`` (other than ``besides``) drawn by weight, or None when the
+        stage has none left."""
+        usable = [p for p in self.usable(stage) if p != besides]
         if not usable:
             return None
         return self._rng.choices(usable, weights=[self.weight(p) for p in usable])[0]

@@ -3,9 +3,10 @@ one process, and a replica killed mid-step loses nothing."""
 
 from __future__ import annotations
 
+import collections
 import random
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
@@ -55,11 +56,21 @@ async def answer_wrong_shapes(channel: Channel) -> None:
     await channel.send(encode_frame(Frame(kind, request.step, request.microbatch, request.stage, tensors=tensors)))
 
 
+class AlteringReplica(StageReplica):
+    """A dishonest replica whose outputs are slightly off, well-formed and plausible."""
+
+    def _compute(self, request):
+        answer, grads = super()._compute(request)
+        if answer.kind == Kind.OUTPUT:
+            answer = replace(answer, tensors=(answer.tensors[0] + 1e-3,))
+        return answer, grads
+
+
 @asynccontextmanager
-async def pipeline_run(encoding: str = "fp32", liar: int | None = None):
+async def pipeline_run(encoding: str = "fp32", liar: int | None = None, altering: int | None = None, **driving):
     """Hosts 2s and 2s+1 serve stage s; the two of stage 0 drive. Every member builds the model from
     the same seed and keeps its stage (as a member loads its stage by CID). Host ``liar`` answers
-    wrong shapes instead."""
+    wrong shapes instead, host ``altering`` alters its outputs; ``driving``: the drivers' options."""
     async with connected_hosts(STAGES * REPLICAS) as hosts:
         replicas = {s: [hosts[REPLICAS * s + r].id for r in range(REPLICAS)] for s in range(1, STAGES)}
         members = []
@@ -67,11 +78,13 @@ async def pipeline_run(encoding: str = "fp32", liar: int | None = None):
             stage = partition(build_model("transformer_lm", LM, seed=SEED), STAGES)[i // REPLICAS]
             member = Member(local, stage, Collective(local.host), torch.optim.SGD(stage.parameters(), lr=0.5))
             if stage.index == 0:
-                member.driver = Driver(local.host, stage, lm_loss, Wiring(replicas, random.Random(i)), encoding=encoding)
+                member.driver = Driver(local.host, stage, lm_loss, Wiring(replicas, random.Random(i)), encoding=encoding,
+                                       **driving)
             elif i == liar:
                 serve_channels(local.host, PROTOCOL, answer_wrong_shapes)
             else:
-                member.server = StageReplica(local.host, stage, lm_loss, encoding=encoding)
+                kind = AlteringReplica if i == altering else StageReplica
+                member.server = kind(local.host, stage, lm_loss, encoding=encoding)
                 member.server.serve()
             members.append(member)
         yield members
@@ -240,6 +253,22 @@ async def test_a_replica_refuses_and_counts_requests_it_cannot_take():
         await refused(encode_frame(Frame(Kind.FORWARD, 1, 1, stage=1, tensors=(torch.zeros(2, 8, 5),))))  # width 5
         assert replica.server.refused == {"malformed": 4, "failed": 1}
         assert replica.server.held() == set()
+
+
+async def test_a_replica_altering_its_outputs_is_caught_by_a_second_opinion():
+    async with pipeline_run(altering=REPLICAS * 2, check_fraction=1.0) as members:
+        x, y = batch(1)
+        await pipeline_step(members, 1, x, y, micro=2)
+        drivers = [m.driver for m in members if m.driver]
+        assert sum(d.checked for d in drivers) == 4 * (STAGES - 1)  # every microbatch, every later stage
+        found = collections.Counter()
+        for d in drivers:
+            found.update(d.disagreements)
+        altering, honest = members[REPLICAS * 2].local.id, members[REPLICAS * 2 + 1].local.id
+        # Only stage 2 disagrees, always its two replicas, once per microbatch; the honest pairs of
+        # stages 1 and 3 agree bit for bit.
+        assert set(found) <= {(2, altering, honest), (2, honest, altering)}
+        assert sum(found.values()) == 4
 
 
 @pytest.mark.parametrize(("encoding", "tolerance"), [("fp16", 2e-3), ("int8", 3e-2)])
