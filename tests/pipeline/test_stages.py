@@ -16,7 +16,9 @@ import trio
 from p2ptrain.collective import Collective
 from p2ptrain.models._registry import build_model
 from p2ptrain.net import Channel, ChannelClosed, open_channel, serve_channels
-from p2ptrain.pipeline import Driver, partition, PROTOCOL, Stage, StageReplica, sum_stage_gradients, Wiring
+from p2ptrain.pipeline import (
+    Driver, partition, PROTOCOL, Stage, StageReplica, StageUnavailable, sum_stage_gradients, Wiring,
+)
 from p2ptrain.testing import connected_hosts, LocalHost
 from p2ptrain.wire.activations import decode_frame, encode_frame, Frame, Kind
 
@@ -280,3 +282,17 @@ async def test_compressed_activations_train_close_to_one_process(encoding, toler
     with torch.no_grad():
         expected = float(lm_loss(reference(x), y))
     assert loss == pytest.approx(expected, rel=tolerance)
+
+
+async def test_a_stage_with_no_replica_left_fails_the_step_clearly():
+    async with pipeline_run(hop_timeout=5.0) as members:
+        for m in members[REPLICAS * 3:]:
+            m.local.kill()
+        driver = members[0].driver
+        for m in members:
+            if m.driver or m.server:
+                (m.driver or m.server).new_step(1)
+        x, y = batch(1, size=2)
+        with trio.fail_after(DEADLINE_S), pytest.raises(StageUnavailable, match="no replica of stage 3"):
+            await driver.microbatch(1 << 20, x, y, 1.0)
+        assert driver.reroutes == REPLICAS
