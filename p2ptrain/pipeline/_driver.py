@@ -76,6 +76,7 @@ class _Microbatch:
     inputs: dict[int, torch.Tensor] = field(default_factory=dict)  # what stage s was sent (s >= 1)
     grads: dict[int, torch.Tensor] = field(default_factory=dict)  # the gradient of stage s's output
     loss: float = 0.0
+    done: bool = False  # its gradient came back through stage 0
 
 
 class Driver:
@@ -119,6 +120,7 @@ class Driver:
         if count == 1:
             async with self._lock:
                 record.loss = await trio.to_thread.run_sync(self._local_loss, x, targets, weight)
+            record.done = True
             return record.loss
         async with self._lock:
             h = await trio.to_thread.run_sync(self._forward0, x)
@@ -141,6 +143,7 @@ class Driver:
             g = (await self._hop(Kind.BACKWARD, s, mb, (record.inputs[s], g))).tensors[0]
         async with self._lock:
             await trio.to_thread.run_sync(h.backward, g)
+        record.done = True
         return record.loss
 
     def _forward0(self, x: torch.Tensor) -> torch.Tensor:
@@ -221,6 +224,11 @@ class Driver:
         """End the step: every microbatch of this driver held once by each later stage (redone where
         a dead replica took it along); returns, per stage from 1, the replicas that answered (the
         stage's ring for averaging). Stage 0's ring is the drivers'."""
+        unfinished = sorted(mb for mb, record in self._microbatches.items() if not record.done)
+        if unfinished:
+            # Its gradient is in some stages and not in others: the step cannot be summed; the
+            # runtime reports the round failed and starts the step again (new_step).
+            raise PipelineError(f"step {self.step}: microbatches {unfinished} did not complete")
         rings: dict[int, list[Hashable]] = {}
         for stage in range(1, self.stage.count):
             while True:

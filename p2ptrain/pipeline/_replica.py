@@ -1,10 +1,11 @@
 """One replica of one stage, serving the stage protocol (``/p2ptrain/pipeline/1.0.0``) on its host.
 
 The replica keeps nothing of a microbatch between requests (docs/pipeline.md): a FORWARD is computed
-without a graph (at the last stage too, where it answers the logits: a driver's integrity check); a BACKWARD carries the stage's input again with the gradient of its output, and the
-replica recomputes its forward to backpropagate (one more forward per stage, the price of replicas
-that any sender may use for any hop, and of a sender that can redo any hop elsewhere). The sender
-keeps what a hop needs until the step ends; a replica that dies loses only what it computed.
+without a graph (at the last stage too, where it answers the logits: a driver's integrity check); a
+BACKWARD carries the stage's input again with the gradient of its output, and the replica recomputes
+its forward to backpropagate (one more forward per stage, the price of replicas that any sender may
+use for any hop, and of a sender that can redo any hop elsewhere). The sender keeps what a hop needs
+until the step ends; a replica that dies loses only what it computed.
 
 A replica accumulates a microbatch's gradient into its parameters only *after* its answer went out,
 and only once per microbatch id: a hop whose answer never left (the sender gave up and reset the

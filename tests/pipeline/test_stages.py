@@ -17,7 +17,7 @@ from p2ptrain.collective import Collective
 from p2ptrain.models._registry import build_model
 from p2ptrain.net import Channel, ChannelClosed, open_channel, serve_channels
 from p2ptrain.pipeline import (
-    Driver, partition, PROTOCOL, Stage, StageReplica, StageUnavailable, sum_stage_gradients, Wiring,
+    Driver, partition, PipelineError, PROTOCOL, Stage, StageReplica, StageUnavailable, sum_stage_gradients, Wiring,
 )
 from p2ptrain.testing import connected_hosts, LocalHost
 from p2ptrain.wire.activations import decode_frame, encode_frame, Frame, Kind
@@ -296,3 +296,6 @@ async def test_a_stage_with_no_replica_left_fails_the_step_clearly():
         with trio.fail_after(DEADLINE_S), pytest.raises(StageUnavailable, match="no replica of stage 3"):
             await driver.microbatch(1 << 20, x, y, 1.0)
         assert driver.reroutes == REPLICAS
+        # Half a microbatch cannot be summed: the step's end says so instead of summing it.
+        with trio.fail_after(DEADLINE_S), pytest.raises(PipelineError, match="did not complete"):
+            await driver.finish()
