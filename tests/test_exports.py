@@ -63,8 +63,9 @@ EXPORTS: dict[str, list[str]] = {
         "lookup", "model_file_limit",
     ],
     "p2ptrain.pipeline": [
-        "Cut", "DoubleCounted", "Driver", "PROTOCOL", "PartitionError", "PipelineError", "Stage", "StageReplica",
-        "StageUnavailable", "Wiring", "balanced_cut", "partition", "pieces_of", "sum_stage_gradients",
+        "AssignmentError", "Cut", "DoubleCounted", "Driver", "PROTOCOL", "PartitionError", "PipelineError", "Stage",
+        "StageReplica", "StageUnavailable", "Wiring", "assign", "balanced_cut", "partition", "pieces_of",
+        "sum_stage_gradients", "throughput",
     ],
     "p2ptrain.net": [
         "Channel", "ChannelClosed", "ChannelError", "MessageTooLarge", "PubsubMessageTooLarge",
