@@ -27,7 +27,7 @@ import collections
 import logging
 import random
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Collection, Hashable
 from dataclasses import dataclass, field
 
 import torch
@@ -220,10 +220,16 @@ class Driver:
         if (kind == Kind.FORWARD and got[:1] != sent.shape[:1]) or (kind != Kind.FORWARD and got != sent.shape):
             raise _BadAnswer(f"answer of shape {tuple(got)} to an input of {tuple(sent.shape)}")
 
-    async def finish(self) -> dict[int, list[Hashable]]:
+    async def finish(self, left_out: Collection[Hashable] = ()) -> dict[int, list[Hashable]]:
         """End the step: every microbatch of this driver held once by each later stage (redone where
         a dead replica took it along); returns, per stage from 1, the replicas that answered (the
-        stage's ring for averaging). Stage 0's ring is the drivers'."""
+        stage's ring for averaging). Stage 0's ring is the drivers'.
+
+        ``left_out``: replicas another driver could not reach, treated as dead here too. Drivers
+        agree on the rings by calling ``finish`` again with every replica any of them left out, until
+        their rings are equal (what each driver redoes is its own microbatches only)."""
+        for peer in left_out:
+            self.wiring.leave_out(peer)
         unfinished = sorted(mb for mb, record in self._microbatches.items() if not record.done)
         if unfinished:
             # Its gradient is in some stages and not in others: the step cannot be summed; the
@@ -272,7 +278,8 @@ class Driver:
 
         async with trio.open_nursery() as nursery:
             for peer in self.wiring.replicas(stage):
-                nursery.start_soon(ask, peer)
+                if not self.wiring.is_left_out(peer):
+                    nursery.start_soon(ask, peer)
         return held
 
 

@@ -27,7 +27,8 @@ SMOOTHING = 0.2
 class _Replica:
     throughput: float | None = None  # hops per second, smoothed; None until one completes
     in_flight: int = 0
-    out: bool = False
+    out: bool = False  # a hop to it failed: nothing more is sent to it this step
+    left_out: bool = False  # out of this step's ring too (leave_out)
 
 
 class Wiring:
@@ -78,8 +79,18 @@ class Wiring:
         state.in_flight -= 1
         state.out = True
 
+    def leave_out(self, peer: Hashable) -> None:
+        """Leave ``peer`` out of the rest of the step, for good: not even asked what it holds (another
+        sender found it gone, and the senders of a step must agree on each stage's ring)."""
+        state = self._state.get(peer)
+        if state is not None:
+            state.out = state.left_out = True
+
+    def is_left_out(self, peer: Hashable) -> bool:
+        return self._state[peer].left_out
+
     def new_step(self) -> None:
         """A new step: every replica of the plan may be tried again (the plan left out the gone ones)."""
         for state in self._state.values():
-            state.out = False
+            state.out = state.left_out = False
             state.in_flight = 0

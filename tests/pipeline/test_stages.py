@@ -98,9 +98,12 @@ def batch(step: int, size: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens[:, :-1], tokens[:, 1:]
 
 
-async def pipeline_step(members: list[Member], step: int, x, y, micro: int, during=None) -> tuple[float, dict]:
+async def pipeline_step(
+    members: list[Member], step: int, x, y, micro: int, during=None, first_leaves_out=(),
+) -> tuple[float, dict]:
     """One step: microbatches of ``micro`` sequences dealt to the drivers in turn, all in flight at
-    once; then every driver's finish. Returns the step's loss and each stage's ring."""
+    once; then every driver's finish (the first driver's first with ``first_leaves_out``, as if it
+    could not reach them). Returns the step's loss and each stage's ring."""
     drivers = [m.driver for m in members if m.driver]
     for m in members:
         if m.driver or m.server:
@@ -118,9 +121,23 @@ async def pipeline_step(members: list[Member], step: int, x, y, micro: int, duri
                 nursery.start_soon(one, drivers[i % len(drivers)], i)
             if during is not None:
                 nursery.start_soon(during)
-        rings = [await d.finish() for d in drivers]
-    assert all(r == rings[0] for r in rings), rings
-    return sum(losses), rings[0]
+        if first_leaves_out:
+            await drivers[0].finish(first_leaves_out)
+        rings = await agreed_rings(drivers)
+    return sum(losses), rings
+
+
+async def agreed_rings(drivers: list[Driver]) -> dict:
+    """What the runtime's exchange between the drivers will do: finish again with every replica
+    any driver left out, until all drivers name the same rings."""
+    left_out: set = set()
+    while True:
+        rings = [await d.finish(left_out) for d in drivers]
+        if all(r == rings[0] for r in rings):
+            return rings[0]
+        for r in rings:
+            for stage, ring in r.items():
+                left_out |= set(drivers[0].wiring.replicas(stage)) - set(ring)
 
 
 async def apply_step(members: list[Member], step: int, rings: dict) -> None:
@@ -214,6 +231,20 @@ async def test_a_replica_killed_mid_step_loses_no_microbatch():
         loss, rings = await pipeline_step(members, 2, x, y, micro=2)
         ref_loss, ref_grads = reference_step(reference, ref_opt, x, y)
         assert loss == pytest.approx(ref_loss, rel=1e-5)
+        assert_grads_match(members, rings, ref_grads)
+
+
+async def test_drivers_agree_to_leave_out_a_replica_only_one_of_them_could_reach():
+    reference = build_model("transformer_lm", LM, seed=SEED)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5)
+    async with pipeline_run() as members:
+        unreachable, other = members[REPLICAS * 2].local.id, members[REPLICAS * 2 + 1].local.id
+        x, y = batch(1, size=12)
+        loss, rings = await pipeline_step(members, 1, x, y, micro=1, first_leaves_out={unreachable})
+        ref_loss, ref_grads = reference_step(reference, ref_opt, x, y)
+        assert rings[2] == [other]
+        # Each driver redid its own microbatches that only the unreachable replica held.
+        assert sum(m.driver.redone for m in members if m.driver) >= 1
         assert_grads_match(members, rings, ref_grads)
 
 

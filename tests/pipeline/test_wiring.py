@@ -51,3 +51,13 @@ def test_a_failed_replica_is_out_until_the_next_step():
     assert wiring.usable(1) == [] and wiring.replicas(1) == ["a", "b"]
     wiring.new_step()
     assert wiring.usable(1) == ["a", "b"]
+
+
+def test_a_replica_left_out_by_another_sender_is_out_for_the_step():
+    wiring = Wiring({1: ["a", "b"]}, random.Random(4))
+    wiring.leave_out("a")
+    wiring.leave_out("z")  # not in the plan: nothing to do
+    assert wiring.is_left_out("a") and not wiring.is_left_out("b")
+    assert {wiring.choose(1) for _ in range(20)} == {"b"}
+    wiring.new_step()
+    assert not wiring.is_left_out("a") and wiring.usable(1) == ["a", "b"]
