@@ -34,6 +34,10 @@ logger = logging.getLogger(__name__)
 PROTOCOL = "/p2ptrain/pipeline/1.0.0"
 # How long a replica waits for a request's bytes once a sender opened a channel to it.
 REQUEST_TIMEOUT_S = 30.0
+# Requests one peer may have open at a replica at once: each may buffer a whole frame (up to
+# Limits.max_frame_bytes()) before it waits for the stage's lock; a driver's microbatches in flight
+# at one stage rarely exceed this, and a sender that opens more is reset, not buffered.
+MAX_STREAMS_PER_PEER = 8
 
 Loss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -62,7 +66,7 @@ class StageReplica:
 
     def serve(self) -> StreamGuard:
         """Start answering the stage protocol on the host; returns the stream guard (its counters)."""
-        self.guard = serve_channels(self.host, PROTOCOL, self._on_channel)
+        self.guard = serve_channels(self.host, PROTOCOL, self._on_channel, max_streams_per_peer=MAX_STREAMS_PER_PEER)
         return self.guard
 
     def new_step(self, step: int) -> None:

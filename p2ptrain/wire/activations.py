@@ -68,10 +68,12 @@ ENCODINGS = {"fp32": Encoding.FP32, "fp16": Encoding.FP16, "int8": Encoding.INT8
 @dataclass(frozen=True)
 class Limits:
     """What a receiver accepts: tensors of at most ``max_rank`` dimensions and ``max_elements``
-    values each (a stage's largest activation: microbatch x context x width)."""
+    values each. The runtime sets it from the task (a stage's largest activation: microbatch x
+    context x width); the default, 4M values (a frame of at most 64 MiB), fits the models the
+    registry builds at modest microbatches."""
 
     max_rank: int = 4
-    max_elements: int = 1 << 24
+    max_elements: int = 1 << 22
 
     def max_frame_bytes(self) -> int:
         """The longest frame these limits admit (the bound a channel's ``recv`` is given)."""
