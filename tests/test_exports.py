@@ -89,7 +89,7 @@ EXPORTS: dict[str, list[str]] = {
         "tensors_bytes",
     ],
     "p2ptrain.run": [
-        "CANCELLED_FILE", "CANCEL_SENT_FILE", "CHAIN_FILE", "HOP_TIMEOUT_S", "TaskRun",
+        "HOP_TIMEOUT_S", "RunDir", "TaskRun", "record_naming",
     ],
     "p2ptrain.serve": [
         "MAX_CONNECTIONS", "ServeError", "Server", "TemporaryFollower", "open_model", "predict", "serve",

@@ -25,7 +25,6 @@ from p2ptrain.cli.config import home_help
 from p2ptrain.cli.ipfs import cid_arg
 from p2ptrain.base import UserError
 
-CHAIN_FILE = "chain.jsonl"
 FORMATS = (".png", ".html")
 # Size of the picture: four panels, readable on a laptop screen and in a chat window.
 FIGURE_INCHES = (11.0, 7.5)
@@ -76,17 +75,20 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 def load_points(home: Path, task_cid: str) -> list[Point]:
     """The run's confirmed records from ``home``, verified; a UserError line when there are none."""
-    from p2ptrain.protocol import MAX_CHAIN_BYTES, RecordError, read_chain
+    from p2ptrain.protocol import RecordError, read_chain
+    from p2ptrain.run import RunDir
 
-    path = home / "tasks" / task_cid / CHAIN_FILE
+    run_dir = RunDir.of(home, task_cid)
+    path = run_dir.chain
     try:
-        with path.open("rb") as f:
-            data = f.read(MAX_CHAIN_BYTES + 1)
-    except FileNotFoundError:
-        raise UserError(f"no confirmed models of task {task_cid} in {home} (a member's home holds "
-                        f"tasks/<task CID>/{CHAIN_FILE}; pass it with --home)") from None
+        data = run_dir.read_chain()
     except OSError as exc:
         raise UserError(f"cannot read {path}: {exc.strerror or exc}") from None
+    except RecordError as exc:
+        raise UserError(str(exc)) from None
+    if data is None:
+        raise UserError(f"no confirmed models of task {task_cid} in {home} (a member's home holds "
+                        f"{path.relative_to(home)}; pass it with --home)")
     if not data.strip():
         raise UserError(f"{path} holds no confirmed model yet")
     try:

@@ -157,21 +157,12 @@ def verify(home: Path, *, model_cid: str | None, task_cid: str | None, bootstrap
 
 def _task_naming(home: Path, model_cid: str) -> str:
     """The task whose chain in this home names ``model_cid`` (a member's home keeps them)."""
-    from p2ptrain.ipfs import InvalidCID, parse_cid
-    from p2ptrain.protocol import MAX_CHAIN_BYTES, RecordError, chain_lines, entry_from_bytes
+    from p2ptrain.run import record_naming
 
-    tasks = home / "tasks"
-    for path in sorted(tasks.glob("*/chain.jsonl")) if tasks.is_dir() else []:
-        try:
-            parse_cid(path.parent.name)
-            if path.stat().st_size > MAX_CHAIN_BYTES:
-                continue
-            for line in chain_lines(path.read_bytes()):
-                if entry_from_bytes(line).signed.record.model_cid == model_cid:
-                    return path.parent.name
-        except (OSError, InvalidCID, RecordError):
-            continue
-    raise UserError(f"no chain in {home} names model {model_cid}: give the task with --task TASK_CID")
+    entry = record_naming(home, model_cid)
+    if entry is None:
+        raise UserError(f"no chain in {home} names model {model_cid}: give the task with --task TASK_CID")
+    return entry.signed.record.task_cid
 
 
 def _up_to(lines: list[bytes], model_cid: str) -> list[bytes]:
@@ -195,13 +186,14 @@ def _chain_and_task(home: Path, task_cid: str, bootstrap: list[str]) -> tuple[by
     from p2ptrain.ipfs import open_store
     from p2ptrain.control import ControlClient, ControlError, socket_path
     from p2ptrain.protocol import MAX_CHAIN_BYTES
+    from p2ptrain.run import RunDir
 
-    path = home / "tasks" / task_cid / "chain.jsonl"
+    run_dir = RunDir.of(home, task_cid)
     store = open_store(home)
-    if path.is_file():
+    if run_dir.chain.is_file():
         ensure_local(home, [task_cid], bootstrap)
-        with open(path, "rb") as f:
-            return f.read(MAX_CHAIN_BYTES + 1), str(path)
+        with open(run_dir.chain, "rb") as f:
+            return f.read(MAX_CHAIN_BYTES + 1), str(run_dir.chain)
     if socket_path(home).exists():
         try:
             status = ControlClient(home, timeout=120.0).call(control_ops.TASK_STATUS, task_cid=task_cid, timeout=30.0)

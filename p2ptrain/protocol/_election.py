@@ -59,7 +59,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any
 
 from libp2p.crypto.keys import KeyPair
 
@@ -262,10 +261,9 @@ class Election:
             out += self._stand(now)
         return out
 
-    def receive(self, now: float, sender: str, msg: Any) -> list[ElectionMessage]:
+    def receive(self, now: float, sender: str, msg: ElectionMessage) -> list[ElectionMessage]:
         """Handle one election message from ``sender`` (its wire envelope already verified)."""
-        task_cid = msg.vote.task_cid if isinstance(msg, SignedVote) else getattr(msg, "task_cid", None)
-        if task_cid != self.task_cid:
+        if msg.task_cid != self.task_cid:
             return []
         if isinstance(msg, VoteRequest):
             return self._on_request(now, sender, msg)

@@ -14,31 +14,29 @@ from __future__ import annotations
 
 import logging
 import re
-from pathlib import Path
-
 from p2ptrain.base import write_atomic
+from p2ptrain.run._run_dir import RunDir
 
 logger = logging.getLogger(__name__)
 
-VOTED_FILE = "voted_through"
 # A term as written (a decimal int of at most 19 digits: terms fit the wire's 64-bit ints), or -1.
 _TERM = re.compile(rb"(-1|[0-9]{1,19})\n?")
 _MAX_BYTES = 21
 
 
-def save_voted_through(run_dir: Path, term: int) -> None:
+def save_voted_through(run_dir: RunDir, term: int) -> None:
     """Keep ``term`` as the latest this member may have voted in (atomically: a crash leaves the
     old number or the new one)."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    write_atomic(run_dir / VOTED_FILE, str(term).encode(), mode=0o600)
+    run_dir.path.mkdir(parents=True, exist_ok=True)
+    write_atomic(run_dir.voted, str(term).encode(), mode=0o600)
 
 
-def load_voted_through(run_dir: Path) -> int | None:
+def load_voted_through(run_dir: RunDir) -> int | None:
     """The term kept by :func:`save_voted_through`; -1 when there is none (this home never voted
     in the run). None when the file holds no term (only a hand or a broken disk writes that): this
     member cannot tell where it voted, so it votes in no term while it runs; the file is kept as
     it is, and logged, for its owner to look at."""
-    path = run_dir / VOTED_FILE
+    path = run_dir.voted
     try:
         with open(path, "rb") as f:
             data = f.read(_MAX_BYTES + 1)

@@ -16,11 +16,10 @@ import logging
 from pathlib import Path
 
 from p2ptrain.base import write_atomic
-from p2ptrain.protocol import Chain, ChainRules, MAX_CHAIN_BYTES, RecordError
+from p2ptrain.protocol import Chain, ChainRules, RecordError
+from p2ptrain.run._run_dir import RunDir
 
 logger = logging.getLogger(__name__)
-
-CHAIN_FILE = "chain.jsonl"
 
 
 class ChainFile:
@@ -32,7 +31,7 @@ class ChainFile:
         self._data = data  # the file's bytes: appended to, never rewritten
 
     @classmethod
-    def open(cls, run_dir: Path, task_cid: str, initial_cid: str, rules: ChainRules | None = None) -> ChainFile:
+    def open(cls, run_dir: RunDir, task_cid: str, initial_cid: str, rules: ChainRules | None = None) -> ChainFile:
         """The run's chain file, read and re-verified under the task's ``rules`` (an empty chain when
         there is none yet).
 
@@ -40,13 +39,11 @@ class ChainFile:
         starts from another model, lacks its proof) is refused with a :class:`RecordError` naming the
         file; it is left as it was, for its owner to look at.
         """
-        path = Path(run_dir) / CHAIN_FILE
+        path = run_dir.chain
         try:
-            with open(path, "rb") as f:
-                data = f.read(MAX_CHAIN_BYTES + 1)
-        except FileNotFoundError:
-            return cls(path, Chain(task_cid, initial_cid, rules), b"")
-        try:
+            data = run_dir.read_chain()
+            if data is None:
+                return cls(path, Chain(task_cid, initial_cid, rules), b"")
             chain = Chain.from_bytes(task_cid, initial_cid, data, rules)
         except RecordError as exc:
             raise RecordError(f"{path}: {exc}; the file is kept as it was (move it away to start this "

@@ -12,41 +12,34 @@ It is read from this home's disk only, as safetensors (no pickle), checked again
 from __future__ import annotations
 
 import logging
-import re
-from pathlib import Path
 
 import torch
 
 from p2ptrain.base import write_atomic
 from p2ptrain.protocol import RecordError, read_tensors, tensors_bytes
+from p2ptrain.run._run_dir import RunDir
 
 logger = logging.getLogger(__name__)
 
 # The checkpoint whose record may still be pending and the one before it: a member restarts at the
 # last confirmed record, which is one of these two.
 KEPT = 2
-_NAME = re.compile(r"feedback-([0-9]{1,12})\.safetensors")
 # Beyond the residual's bytes: the safetensors header of one tensor (name, dtype, shape, offsets).
 _HEADER_BYTES = 4096
 
 
-def _path(run_dir: Path, step: int) -> Path:
-    return Path(run_dir) / f"feedback-{step}.safetensors"
-
-
-def save_feedback(run_dir: Path, step: int, residual: torch.Tensor) -> None:
+def save_feedback(run_dir: RunDir, step: int, residual: torch.Tensor) -> None:
     """Keep ``residual`` as this member's error feedback at ``step`` (atomically); older ones beyond
     the last :data:`KEPT` are removed."""
-    write_atomic(_path(run_dir, step), tensors_bytes({"residual": residual}), mode=0o600)
-    steps = sorted(int(m.group(1)) for p in Path(run_dir).iterdir() if (m := _NAME.fullmatch(p.name)))
-    for old in steps[:-KEPT]:
-        _path(run_dir, old).unlink(missing_ok=True)
+    write_atomic(run_dir.feedback(step), tensors_bytes({"residual": residual}), mode=0o600)
+    for old in run_dir.feedback_steps()[:-KEPT]:
+        run_dir.feedback(old).unlink(missing_ok=True)
 
 
-def load_feedback(run_dir: Path, step: int, numel: int) -> torch.Tensor | None:
+def load_feedback(run_dir: RunDir, step: int, numel: int) -> torch.Tensor | None:
     """The residual kept at ``step`` for a model of ``numel`` parameters, or None when there is
     none (or it does not fit: logged, and the member goes on without it)."""
-    path = _path(run_dir, step)
+    path = run_dir.feedback(step)
     try:
         with open(path, "rb") as f:
             data = f.read(4 * numel + _HEADER_BYTES + 1)

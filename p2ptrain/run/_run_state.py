@@ -24,6 +24,7 @@ from p2ptrain.data import Manifest
 from p2ptrain.node import ContentService, Node
 from p2ptrain.run._ballots_file import load_voted_through, save_voted_through
 from p2ptrain.run._chain_file import ChainFile
+from p2ptrain.run._run_dir import RunDir
 from p2ptrain.control import Phase
 from p2ptrain.protocol import Attestations, Election, ElectionConfig, Participation, RecordError, RoundBook
 from p2ptrain.training import RoundTimings, Trainer
@@ -36,12 +37,6 @@ logger = logging.getLogger(__name__)
 # request stops counting (protocol/_participation.py): three, not one, so that votes late on a
 # loaded machine (gossip delays of seconds were seen under the test suite) do not strike an honest peer.
 ANSWER_TIMEOUTS = 3
-# In a run's folder: the publisher's cancel, kept so that this home never runs the task again
-# (a restart with --join, an announcement) and, on the publisher's node, so that it tells joiners.
-CANCELLED_FILE = "cancelled"
-# In a run's folder on the publisher's node: it sent the cancel, and repeats it to whoever asks for
-# the task's head (a joiner), since only its key can sign one.
-CANCEL_SENT_FILE = "cancel_sent"
 
 class Nudge:
     """Wake one waiting loop now instead of at its next period; a nudge while nobody waits is kept.
@@ -78,7 +73,7 @@ class RunState:
     election: Election
     me: str = ""
     topic: str = ""
-    dir: Path = Path()
+    dir: RunDir = RunDir(Path())
     phase: Phase = Phase.STARTING  # `task status` "state"
     error: str | None = None
     # Whether this member holds the state the run is at (so it advertises the task and may lead).
@@ -126,7 +121,7 @@ class RunState:
 
     @classmethod
     def create(cls, node: Node, content: ContentService, collective: Collective, task: Task, task_cid: str) -> RunState:
-        run_dir = node.home / "tasks" / task_cid
+        run_dir = RunDir.of(node.home, task_cid)
         election = Election(task_cid, node.key_pair, ElectionConfig(heartbeat_s=node.config.heartbeat_interval),
                             voted_through=load_voted_through(run_dir))
         return cls(node=node, content=content, collective=collective, task=task, task_cid=task_cid,
@@ -233,8 +228,8 @@ class RunState:
         self.cancel_reason, self.cancelled_at = reason or "cancelled by the publisher", trio.current_time()
         if self.book is not None:
             self.book.cancelled = True
-        self.dir.mkdir(parents=True, exist_ok=True)
-        write_atomic(self.dir / CANCELLED_FILE, self.cancel_reason.encode(), mode=0o600)
+        self.dir.path.mkdir(parents=True, exist_ok=True)
+        write_atomic(self.dir.cancelled, self.cancel_reason.encode(), mode=0o600)
         logger.info("%s: cancelled by the task's publisher (%s); stopping at the end of the span under way",
                     self.log_prefix, self.cancel_reason)
         self.wake_leader.set()
@@ -246,7 +241,7 @@ class RunState:
         self.cancel_reason = None
         if self.book is not None:
             self.book.cancelled = False
-        (self.dir / CANCELLED_FILE).unlink(missing_ok=True)
+        self.dir.cancelled.unlink(missing_ok=True)
         logger.info("%s: resumed by the task's publisher before the cancel settled", self.log_prefix)
         self.wake_leader.set()
 

@@ -25,8 +25,8 @@ the coordinator never puts a member into a ring that would compute from differen
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, ClassVar
 
 import trio
 from libp2p.peer.id import ID
@@ -168,7 +168,7 @@ class TaskRun:
     async def run(self) -> None:
         """Take part in the task until it is done (or the node stops)."""
         run = self.shared
-        run.dir.mkdir(parents=True, exist_ok=True)
+        run.dir.path.mkdir(parents=True, exist_ok=True)
         try:
             await self._prepare()
             async with trio.open_nursery() as nursery:
@@ -255,25 +255,27 @@ class TaskRun:
     # -- messages ------------------------------------------------------------------------------
 
     async def on_message(self, sender: str, msg: Any) -> None:
-        """Called by the task service for every valid message about this task."""
-        if isinstance(msg, (VoteRequest, SignedVote, CoordinatorBeat)):
-            await self.leading.on_election_message(sender, msg)
-        elif isinstance(msg, RoundPlan):
-            await self._on_plan(sender, msg)
-        elif isinstance(msg, RoundFailed):
-            self._on_failure_report(sender, msg)
-        elif isinstance(msg, SignedModelRecord):
-            await self.attesting.on_record(msg)
-        elif isinstance(msg, SignedAttestation):
-            await self.attesting.on_attestation(msg)
-        elif isinstance(msg, TaskHead):
-            if not self.resume.on_head(sender, msg):
-                self.resync.on_head(sender, msg)
-            self._head_news.set()
-        elif isinstance(msg, TaskCancel):
-            self._on_cancel(sender, msg)
+        """Called by the task service for every valid message about this task: handed to the part
+        whose job it is (:data:`ROUTES`); a type the run has no route for is ignored."""
+        route = self.ROUTES.get(type(msg))
+        if route is not None:
+            await route(self, sender, msg)
 
-    def _on_cancel(self, sender: str, msg: TaskCancel) -> None:
+    async def _on_election_message(self, sender: str, msg: VoteRequest | SignedVote | CoordinatorBeat) -> None:
+        await self.leading.on_election_message(sender, msg)
+
+    async def _on_record(self, sender: str, msg: SignedModelRecord) -> None:
+        await self.attesting.on_record(msg)
+
+    async def _on_attestation(self, sender: str, msg: SignedAttestation) -> None:
+        await self.attesting.on_attestation(msg)
+
+    async def _on_head(self, sender: str, msg: TaskHead) -> None:
+        if not self.resume.on_head(sender, msg):
+            self.resync.on_head(sender, msg)
+        self._head_news.set()
+
+    async def _on_cancel(self, sender: str, msg: TaskCancel) -> None:
         """Obey a cancel only from the publisher the task file names: anyone else is counted."""
         run = self.shared
         publisher = run.task.publisher
@@ -286,7 +288,7 @@ class TaskRun:
     async def _deliver_own(self, msg: Any) -> None:
         await self.on_message(self.shared.me, msg)
 
-    def _on_failure_report(self, sender: str, report: RoundFailed) -> None:
+    async def _on_failure_report(self, sender: str, report: RoundFailed) -> None:
         run = self.shared
         if run.book is None:
             return
@@ -330,6 +332,20 @@ class TaskRun:
             self.resync.catch_up(sender, plan)
             return
         self.spans.follow(plan)
+
+    # {message type: the handler}: the one place a task message is routed. The task service
+    # subscribes to these types and hands each message of this task here; a new type is one line.
+    ROUTES: ClassVar[dict[type, Callable[[TaskRun, str, Any], Awaitable[None]]]] = {
+        VoteRequest: _on_election_message,
+        SignedVote: _on_election_message,
+        CoordinatorBeat: _on_election_message,
+        RoundPlan: _on_plan,
+        RoundFailed: _on_failure_report,
+        SignedModelRecord: _on_record,
+        SignedAttestation: _on_attestation,
+        TaskHead: _on_head,
+        TaskCancel: _on_cancel,
+    }
 
 
 def _progress(run: RunState) -> tuple[int | None, int | None]:

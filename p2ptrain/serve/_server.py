@@ -31,14 +31,8 @@ from p2ptrain.serve._app import BODY_TIMEOUT_S, ServeApp
 from p2ptrain.serve._batcher import Batcher, Loaded
 from p2ptrain.serve._connection_limits import MAX_CONNECTIONS, MAX_CONNECTIONS_LIMIT
 from p2ptrain.serve._input_spec import UserModel, spec_for
-from p2ptrain.protocol import (
-    MAX_CHAIN_BYTES,
-    RecordError,
-    chain_lines,
-    entry_from_bytes,
-    load_model_bytes,
-    read_model_card,
-)
+from p2ptrain.protocol import load_model_bytes, read_model_card
+from p2ptrain.run import record_naming
 from p2ptrain.training import TrainerError, resolve_device as training_device
 
 if TYPE_CHECKING:
@@ -62,8 +56,6 @@ KEEP_ALIVE_S = 30
 READ_TIMEOUT_S = 30
 # Connections waiting to be accepted (listen backlog): the bench's 64 clients and then some.
 BACKLOG = 1024
-# Task directories scanned for the record of a served model (``GET /model``'s task, step, metrics).
-MAX_CHAINS_SCANNED = 256
 
 
 def resolve_device(device: str) -> torch.device:
@@ -109,22 +101,13 @@ def record_info(home: Path, model_cid: str) -> dict[str, Any]:
     ``attestations`` counts the signed attestations the chain keeps for the record: a quorum of
     its members, which is what confirmed it.
     """
-    tasks = home / "tasks"
-    chains = sorted(tasks.glob("*/chain.jsonl"))[:MAX_CHAINS_SCANNED] if tasks.is_dir() else []
-    for path in chains:
-        try:
-            if path.stat().st_size > MAX_CHAIN_BYTES:
-                continue
-            for line in chain_lines(path.read_bytes()):
-                entry = entry_from_bytes(line)
-                if entry.signed.record.model_cid == model_cid:  # entry_from_bytes verified its signature
-                    record = entry.signed.record
-                    return {"task_cid": record.task_cid, "version": record.version, "step": record.step,
-                            "metrics": dict(record.metrics), "members": len(record.members),
-                            "attestations": len(entry.attestations)}
-        except (OSError, RecordError) as exc:
-            logger.warning("%s: not read (%s)", path, exc)
-    return {}
+    entry = record_naming(home, model_cid)
+    if entry is None:
+        return {}
+    record = entry.signed.record
+    return {"task_cid": record.task_cid, "version": record.version, "step": record.step,
+            "metrics": dict(record.metrics), "members": len(record.members),
+            "attestations": len(entry.attestations)}
 
 
 class Server:

@@ -24,9 +24,9 @@ from pathlib import Path
 
 import trio
 
-from p2ptrain.ipfs import ContentStore, InvalidCID, parse_cid
-from p2ptrain.run import CANCEL_SENT_FILE
-from p2ptrain.protocol import MAX_CHAIN_BYTES, RecordError, read_chain
+from p2ptrain.ipfs import ContentStore, InvalidCID
+from p2ptrain.protocol import RecordError, read_chain
+from p2ptrain.run import RunDir
 from p2ptrain.wire import HeadRequest, TaskHead
 
 logger = logging.getLogger(__name__)
@@ -65,10 +65,10 @@ class HeadAnswers:
         """Whether this node (the task's publisher) sent the task's cancel and may repeat it now:
         at most once per HEAD_ANSWER_EVERY_S per task, whoever asks."""
         try:
-            parse_cid(task_cid)  # before it names a folder on disk
+            run_dir = RunDir.of(self.home, task_cid)  # the CID parsed before it names a folder on disk
         except InvalidCID:
             return False
-        if not (self.home / "tasks" / task_cid / CANCEL_SENT_FILE).is_file():
+        if not run_dir.cancel_sent.is_file():
             return False
         now = trio.current_time()
         if now - self._cancels.get(task_cid, -HEAD_ANSWER_EVERY_S) < HEAD_ANSWER_EVERY_S:
@@ -87,7 +87,7 @@ class HeadAnswers:
         per task at a time and one per task per HEAD_ANSWER_EVERY_S."""
         task_cid = request.task_cid
         try:
-            parse_cid(task_cid)  # before it names a folder on disk
+            run_dir = RunDir.of(self.home, task_cid)  # the CID parsed before it names a folder on disk
         except InvalidCID:
             self.stats["not_held"] += 1
             return
@@ -98,7 +98,7 @@ class HeadAnswers:
         if task_cid in self._answering or now - self._last.get(task_cid, -HEAD_ANSWER_EVERY_S) < HEAD_ANSWER_EVERY_S:
             self.stats["rate_limited"] += 1
             return
-        if not (self.home / "tasks" / task_cid / "chain.jsonl").is_file():
+        if not run_dir.chain.is_file():
             self.stats["not_held"] += 1
             return
         self._last.pop(task_cid, None)
@@ -127,18 +127,17 @@ class HeadAnswers:
     def head_of(self, task_cid: str) -> TaskHead | None:
         """The head of the confirmed chain this node holds for ``task_cid`` (None: none, or no record
         yet), its bytes stored by CID so a fetcher can get them. Verified once per change of the file."""
-        path = self.home / "tasks" / task_cid / "chain.jsonl"
+        run_dir = RunDir.of(self.home, task_cid)
         try:
-            st = path.stat()
+            st = run_dir.chain.stat()
         except FileNotFoundError:
             return None
         key = (st.st_mtime_ns, st.st_size)
         cached = self._heads.get(task_cid)
         if cached is not None and cached[0] == key and cached[1].total_steps == (self.total_steps(task_cid) or 0):
             return cached[1]
-        with open(path, "rb") as f:
-            data = f.read(MAX_CHAIN_BYTES + 1)
-        if not data.strip():
+        data = run_dir.read_chain()
+        if data is None or not data.strip():
             return None
         chain = read_chain(task_cid, data)
         last = chain.records[-1].record

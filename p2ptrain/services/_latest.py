@@ -25,6 +25,7 @@ what that means and how ``admission = "allowlist"`` closes it.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections import Counter
 from dataclasses import dataclass, field
@@ -32,10 +33,11 @@ from pathlib import Path
 
 import trio
 
-from p2ptrain.ipfs import ContentUnavailable, InvalidCID, parse_cid
+from p2ptrain.ipfs import ContentUnavailable
 from p2ptrain.mesh import derived_key
 from p2ptrain.node import ContentService, Node
 from p2ptrain.protocol import Chain, ChainRules, MAX_CHAIN_BYTES, RecordError, read_chain
+from p2ptrain.run import RunDir
 from p2ptrain.task import MAX_TASK_BYTES, TaskError, read_task
 from p2ptrain.wire import HeadRequest, Signed, TASKS_TOPIC, TaskHead
 
@@ -72,20 +74,8 @@ def head_key(task_cid: str) -> str:
 def held_tasks(home: Path) -> list[str]:
     """Task CIDs whose confirmed chain this home keeps (``tasks/<task CID>/chain.jsonl``), at most
     MAX_ANNOUNCED_TASKS: the heads a node announces on the DHT when it starts."""
-    out: list[str] = []
-    tasks = Path(home) / "tasks"
-    if not tasks.is_dir():
-        return out
-    for entry in sorted(tasks.iterdir()):
-        try:
-            parse_cid(entry.name)
-        except InvalidCID:
-            continue
-        if (entry / "chain.jsonl").is_file():
-            out.append(entry.name)
-            if len(out) >= MAX_ANNOUNCED_TASKS:
-                break
-    return out
+    held = (run.task_cid for run in RunDir.runs(home) if run.chain.is_file())
+    return list(itertools.islice(held, MAX_ANNOUNCED_TASKS))
 
 
 @dataclass

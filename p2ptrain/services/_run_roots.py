@@ -10,12 +10,10 @@ from pathlib import Path
 
 from p2ptrain.data import MAX_MANIFEST_BYTES, Manifest, ManifestError
 from p2ptrain.base import UserError
-from p2ptrain.ipfs import ContentStore, ContentUnavailable, DagError, InvalidCID, parse_cid
-from p2ptrain.protocol import MAX_CHAIN_BYTES, RecordError, chain_lines, entry_from_bytes
+from p2ptrain.ipfs import ContentStore, ContentUnavailable, DagError
+from p2ptrain.protocol import RecordError, chain_lines, entry_from_bytes
+from p2ptrain.run import RunDir
 from p2ptrain.task import MAX_TASK_BYTES, read_task
-
-# A run's chain.jsonl: the one limit on a chain's bytes, on disk or fetched (records.MAX_CHAIN_BYTES, 64 MiB).
-MAX_CHAIN_FILE_BYTES = MAX_CHAIN_BYTES
 
 
 class RunStateError(UserError):
@@ -31,24 +29,17 @@ def run_state_roots(home: Path, store: ContentStore) -> dict[str, list[str]]:
     fetched. Raises :class:`RunStateError` for state that cannot be read: a collection that cannot
     tell what a run needs must not delete anything.
     """
-    tasks_dir = Path(home) / "tasks"
     roots: dict[str, list[str]] = {}
-    if not tasks_dir.is_dir():
-        return roots
-    for run_dir in sorted(tasks_dir.iterdir()):
+    for run_dir in RunDir.runs(home):
         try:
-            parse_cid(run_dir.name)
-        except InvalidCID:
-            continue  # not a run's folder: TaskRun names them by task CID
-        try:
-            roots[run_dir.name] = _run_roots(run_dir, store)
+            roots[run_dir.task_cid] = _run_roots(run_dir, store)
         except (UserError, ManifestError, RecordError, DagError, ContentUnavailable, OSError) as exc:
-            raise RunStateError(f"cannot tell what task {run_dir.name} needs ({run_dir}): {exc}") from None
+            raise RunStateError(f"cannot tell what task {run_dir.task_cid} needs ({run_dir.path}): {exc}") from None
     return roots
 
 
-def _run_roots(run_dir: Path, store: ContentStore) -> list[str]:
-    task_cid = run_dir.name
+def _run_roots(run_dir: RunDir, store: ContentStore) -> list[str]:
+    task_cid = run_dir.task_cid
     cids = [task_cid]
     if store.has(task_cid):
         task = read_task(store.cat(task_cid, max_bytes=MAX_TASK_BYTES + 1))
@@ -61,12 +52,8 @@ def _run_roots(run_dir: Path, store: ContentStore) -> list[str]:
             if store.has(task.dataset.manifest):
                 manifest = Manifest.from_json(store.cat(task.dataset.manifest, max_bytes=MAX_MANIFEST_BYTES + 1))
                 cids.extend(ref.cid for shards in manifest.splits.values() for ref in shards)
-    chain_file = run_dir / "chain.jsonl"
-    if chain_file.exists():
-        with open(chain_file, "rb") as f:
-            data = f.read(MAX_CHAIN_FILE_BYTES + 1)
-        if len(data) > MAX_CHAIN_FILE_BYTES:
-            raise RecordError(f"chain.jsonl is over {MAX_CHAIN_FILE_BYTES} bytes")
+    data = run_dir.read_chain()
+    if data is not None:
         for line in chain_lines(data):
             record = entry_from_bytes(line).signed.record
             cids += [record.model_cid, record.optimizer_cid]

@@ -23,7 +23,7 @@ from p2ptrain.ipfs import ContentUnavailable, dag_bytes_limit, requested_cid
 from p2ptrain.mesh import Rate
 from p2ptrain.control import FINISHED, Phase, TaskStatus, ops as control_ops
 from p2ptrain.node import ContentService, DEFAULT_MAX_FETCH_BYTES, Node
-from p2ptrain.run import CANCELLED_FILE, CANCEL_SENT_FILE, CHAIN_FILE, TaskRun
+from p2ptrain.run import RunDir, TaskRun
 from p2ptrain.services._head_answers import HeadAnswers
 from p2ptrain.services._latest import LatestFinder, head_key, held_tasks
 from p2ptrain.models import builders, model_file_limit
@@ -31,20 +31,13 @@ from p2ptrain.training import Trainer
 from p2ptrain.protocol import Chain
 from p2ptrain.task import MAX_TASK_BYTES, NoBuilder, Task, TaskError, load_task, task_bytes, task_from_bytes, unmet_requirement
 from p2ptrain.wire import (
-    CoordinatorBeat,
     HeadRequest,
-    RoundFailed,
-    RoundPlan,
     Signed,
-    SignedAttestation,
-    SignedModelRecord,
-    SignedVote,
     TASKS_TOPIC,
     TaskAnnounce,
     TaskCancel,
     TaskHead,
     TaskResume,
-    VoteRequest,
     task_topic,
 )
 
@@ -165,8 +158,9 @@ class TaskService:
         node.on(HeadRequest, self._on_head_request)
         node.limit(TaskHead, HEAD_RATE)
         node.limit(HeadRequest, HEAD_REQUEST_RATE)
-        for msg_type in (VoteRequest, SignedVote, CoordinatorBeat, RoundPlan, RoundFailed, SignedModelRecord,
-                         SignedAttestation):
+        # A run's own messages, on its task's topic, go to the run of their task (TaskRun.ROUTES says
+        # which part handles each); a head and a cancel come on the tasks topic, to the handlers above.
+        for msg_type in TaskRun.ROUTES.keys() - {TaskHead, TaskCancel}:
             node.on(msg_type, self._on_task_message)
         for op, handler in (
             (control_ops.TASK_PUBLISH, self._publish_op),
@@ -269,7 +263,7 @@ class TaskService:
 
     def _cancelled_here(self, task_cid: str) -> bool:
         """Whether this home heard (or, as publisher, sent) the task's cancel: it never runs it again."""
-        return (self.node.home / "tasks" / task_cid / CANCELLED_FILE).is_file()
+        return RunDir.of(self.node.home, task_cid).cancelled.is_file()
 
     def _held_task(self, task_cid: str) -> Task:
         """The task held here by CID, parsed: in a worker thread, since the parse builds the model on
@@ -382,7 +376,7 @@ class TaskService:
         if self.head_answers.may_repeat_cancel(signed.msg.task_cid):
             # Only the publisher can sign a cancel: its node tells whoever asks about the task (a
             # joiner) that it is cancelled, once per HEAD_ANSWER_EVERY_S at most.
-            reason = (self.node.home / "tasks" / signed.msg.task_cid / CANCELLED_FILE).read_bytes()[:256]
+            reason = RunDir.of(self.node.home, signed.msg.task_cid).cancelled.read_bytes()[:256]
             self._nursery.start_soon(self.node.publish, TASKS_TOPIC,
                                      TaskCancel(task_cid=signed.msg.task_cid, reason=reason.decode(errors="replace")))
 
@@ -404,7 +398,7 @@ class TaskService:
         cancelled ignores it."""
         run = self.runs.get(task_cid)
         if run is None or run.shared.cancel_reason is None:
-            held = (self.node.home / "tasks" / task_cid / CHAIN_FILE).is_file() and self.content.store.has(task_cid)
+            held = RunDir.of(self.node.home, task_cid).chain.is_file() and self.content.store.has(task_cid)
             if run is not None or not self._cancelled_here(task_cid) or not held:
                 return  # no run of ours to resume (only a task held here is read, never fetched for a stranger)
         task = run.shared.task if run is not None else await trio.to_thread.run_sync(self._held_task, task_cid)
@@ -417,7 +411,7 @@ class TaskService:
                 logger.warning("node %s refused a resume of task %s from %s: %s", short_id(self.node.peer_id),
                                task_cid, short_id(sender), why)
             return
-        (self.node.home / "tasks" / task_cid / CANCELLED_FILE).unlink(missing_ok=True)
+        RunDir.of(self.node.home, task_cid).cancelled.unlink(missing_ok=True)
         if run is not None and run.shared.phase not in FINISHED:
             run.shared.uncancel()  # the cancel had not settled yet: the run simply goes on
             return
@@ -426,18 +420,9 @@ class TaskService:
         await self._join_quietly(task_cid)  # the join path's one boundary: a failure is counted, logged
 
     async def _on_task_message(self, signed: Signed[Any], topic: str) -> None:
-        msg = signed.msg
-        if isinstance(msg, SignedVote):
-            task_cid = msg.vote.task_cid
-        elif isinstance(msg, SignedModelRecord):
-            task_cid = msg.record.task_cid
-        elif isinstance(msg, SignedAttestation):
-            task_cid = msg.attestation.task_cid
-        else:
-            task_cid = msg.task_cid
-        run = self.runs.get(task_cid)
+        run = self.runs.get(signed.msg.task_cid)
         if run is not None and topic == run.shared.topic:
-            await run.on_message(signed.sender.to_base58(), msg)
+            await run.on_message(signed.sender.to_base58(), signed.msg)
 
     # -- control ops ---------------------------------------------------------------------------
 
@@ -492,10 +477,10 @@ class TaskService:
             raise UserError(f"only the task's publisher ({task.publisher or 'none named'}) can cancel it; "
                             f"this node is {me}")
         msg = TaskCancel(task_cid=task_cid, reason=reason)
-        run_dir = self.node.home / "tasks" / task_cid
-        run_dir.mkdir(parents=True, exist_ok=True)
-        write_atomic(run_dir / CANCELLED_FILE, (reason or "cancelled by the publisher").encode(), mode=0o600)
-        write_atomic(run_dir / CANCEL_SENT_FILE, b"", mode=0o600)
+        run_dir = RunDir.of(self.node.home, task_cid)
+        run_dir.path.mkdir(parents=True, exist_ok=True)
+        write_atomic(run_dir.cancelled, (reason or "cancelled by the publisher").encode(), mode=0o600)
+        write_atomic(run_dir.cancel_sent, b"", mode=0o600)
         await self.node.publish(TASKS_TOPIC, msg)
         if run is not None:
             await run.on_message(me, msg)  # pubsub does not deliver our own message back to us
@@ -511,11 +496,11 @@ class TaskService:
         if task.publisher != me:
             raise UserError(f"only the task's publisher ({task.publisher or 'none named'}) can resume it; "
                             f"this node is {me}")
-        run_dir = self.node.home / "tasks" / task_cid
-        (run_dir / CANCEL_SENT_FILE).unlink(missing_ok=True)  # joiners are no longer told it is cancelled
+        run_dir = RunDir.of(self.node.home, task_cid)
+        run_dir.cancel_sent.unlink(missing_ok=True)  # joiners are no longer told it is cancelled
         await self.node.publish(TASKS_TOPIC, TaskResume(task_cid=task_cid))
         await self._resume_here(task_cid, me)  # pubsub does not deliver our own message back to us
-        (run_dir / CANCELLED_FILE).unlink(missing_ok=True)  # a publisher that is no member: no run to resume
+        run_dir.cancelled.unlink(missing_ok=True)  # a publisher that is no member: no run to resume
         logger.info("node %s resumed task %s", short_id(self.node.peer_id), task_cid)
         return {"task_cid": task_cid, "resumed": True}
 

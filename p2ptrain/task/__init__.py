@@ -1,25 +1,27 @@
-"""The task spec: what to train, on what data, how, with how many peers. Strict parsing of the TOML a
-person writes and of the canonical JSON bytes stored by CID (one ``TaskError`` naming the field),
-and the demo's task file. Both the coordination protocol and the training read it; it imports
-``base``, ``wire``, ``ipfs`` (CIDs) and ``models``.
+"""The task spec: what to train, on what data, how, with how many peers (_spec.py). Strict parsing of
+the TOML a person writes and of the canonical JSON bytes stored by CID (_parse.py: one ``TaskError``
+naming the field), and the demo's task file. Both the coordination protocol and the training read
+it; it imports ``base``, ``wire``, ``ipfs`` (CIDs) and ``models``.
 """
 
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from p2ptrain.task._demo_task import TASK_TEMPLATE as TASK_TEMPLATE
+    from p2ptrain.task._fields import TaskError as TaskError
+    from p2ptrain.task._parse import (
+        load_task as load_task,
+        NoBuilder as NoBuilder,
+        parse_task as parse_task,
+        read_task as read_task,
+        task_bytes as task_bytes,
+        task_from_bytes as task_from_bytes,
+    )
     from p2ptrain.task._spec import (
         CompressionSpec as CompressionSpec,
-        load_task as load_task,
         MAX_TASK_BYTES as MAX_TASK_BYTES,
-        NoBuilder as NoBuilder,
         OuterSpec as OuterSpec,
-        parse_task as parse_task,
         Task as Task,
-        task_bytes as task_bytes,
-        read_task as read_task,
-        task_from_bytes as task_from_bytes,
-        TaskError as TaskError,
         total_steps as total_steps,
         unmet_requirement as unmet_requirement,
         USER_MODEL as USER_MODEL,

@@ -183,6 +183,11 @@ class SignedVote:
     vote: Vote
     signature: str = field(metadata=_SIG)
 
+    @property
+    def task_cid(self) -> str:
+        """The task it is about, as every task message says (the run's router reads it)."""
+        return self.vote.task_cid
+
 
 @dataclass(frozen=True)
 class ModelRecord:
@@ -217,6 +222,10 @@ class SignedModelRecord:
     signature: str = field(metadata=_SIG)
     votes: tuple[SignedVote, ...] = field(default=(), metadata={"max_items": 128})
 
+    @property
+    def task_cid(self) -> str:
+        return self.record.task_cid
+
 
 @dataclass(frozen=True)
 class Attestation:
@@ -235,6 +244,10 @@ class Attestation:
 class SignedAttestation:
     attestation: Attestation
     signature: str = field(metadata=_SIG)
+
+    @property
+    def task_cid(self) -> str:
+        return self.attestation.task_cid
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ import torch
 from _p2ptrain_fuzzing import FuzzTarget
 from libp2p.crypto.ed25519 import create_new_key_pair
 
+from p2ptrain.run import RunDir
 from p2ptrain.run._feedback_file import load_feedback
 from p2ptrain.protocol import Chain, RecordError, sign_record, tensors_bytes
 from p2ptrain.task import load_task
@@ -57,14 +58,14 @@ def _load_optimizer(data: bytes) -> None:
     _TRAINER.load_state(MODEL, data)
 
 
-_RUN_DIR = Path(tempfile.mkdtemp(prefix="p2ptrain-fuzz-run-"))
+_RUN_DIR = RunDir(Path(tempfile.mkdtemp(prefix="p2ptrain-fuzz-run-")))
 _FEEDBACK_SEED = tensors_bytes({"residual": torch.arange(_TRAINER.num_parameters, dtype=torch.float32)})
 
 
 def _load_feedback(data: bytes) -> None:
     """A member's kept error feedback (disk input, run/_feedback_file.py): any bytes give a
     residual of the model's size or None, never an error."""
-    (_RUN_DIR / "feedback-7.safetensors").write_bytes(data)
+    _RUN_DIR.feedback(7).write_bytes(data)
     residual = load_feedback(_RUN_DIR, 7, _TRAINER.num_parameters)
     assert residual is None or tuple(residual.shape) == (_TRAINER.num_parameters,)
 

@@ -11,6 +11,7 @@ from typing import Any
 
 import trio
 
+from p2ptrain.run import RunDir
 from p2ptrain.run._ballots_file import load_voted_through
 from p2ptrain.testing import LocalPeers, local_peers, publish_digits_task
 from p2ptrain.protocol import Chain, read_chain, sign_record
@@ -66,7 +67,7 @@ async def test_members_stopped_together_resume_from_their_last_record_and_end_wh
             for i in range(3):
                 await peers.stop_peer(i)
             before = [chain_bytes(peers, i, stopped) for i in range(3)]
-            voted = [load_voted_through(peers[i].node.home / "tasks" / stopped) for i in range(3)]
+            voted = [load_voted_through(RunDir.of(peers[i].node.home, stopped)) for i in range(3)]
             for i in range(3):
                 await peers.restart_peer(i, see_all=False)
             await peers.wait_connected()
@@ -88,7 +89,7 @@ async def test_members_stopped_together_resume_from_their_last_record_and_end_wh
             assert {s["latest_model_cid"] for s in final} == {reference[0]["latest_model_cid"]}
             # Each home kept where it voted (run/_ballots_file.py), through the stop: the terms of
             # the resumed run come after the last record's, whose coordinator voted for itself.
-            voted_after = [load_voted_through(peers[i].node.home / "tasks" / stopped) for i in range(3)]
+            voted_after = [load_voted_through(RunDir.of(peers[i].node.home, stopped)) for i in range(3)]
             terms = [v for v in voted if v is not None]
             terms_after = [v for v in voted_after if v is not None]
             assert len(terms) == len(terms_after) == 3
