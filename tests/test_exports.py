@@ -56,11 +56,12 @@ EXPORTS: dict[str, list[str]] = {
         "MessageRouter", "Rate", "derived_key", "keep_reservations", "parse_bootstrap",
     ],
     "p2ptrain.models": [
-        "Arg", "Builder", "CardError", "CausalLM", "ENTRY_POINT_GROUP", "HEADER_PER_TENSOR", "HEADER_SLACK",
+        "Arg", "Builder", "CardError", "CausalLM", "Cut", "ENTRY_POINT_GROUP", "HEADER_PER_TENSOR", "HEADER_SLACK",
         "HF_MODEL", "HF_REFUSED", "MAX_CARD_BYTES", "MAX_MODEL_FILE_BYTES", "MissingBuilder", "ModelError", "Origin",
-        "PLUGINS", "TinyLM", "build_model", "builders", "card_bytes", "card_from_bytes", "card_of", "check_hf_config",
-        "check_model", "file_bytes_bound", "first_difference", "hf_config", "hf_settings", "import_transformers",
-        "lookup", "model_file_limit",
+        "PLUGINS", "PartitionError", "Piece", "TinyLM", "balanced_cut", "build_model", "builders", "card_bytes",
+        "card_from_bytes", "card_of", "check_hf_config", "check_model", "cut_pieces", "file_bytes_bound",
+        "first_difference", "hf_config", "hf_settings", "import_transformers", "lookup", "model_file_limit",
+        "pieces_of", "stage_sizes",
     ],
     "p2ptrain.pipeline": [
         "AssignmentError", "Cut", "DoubleCounted", "Driver", "PROTOCOL", "PartitionError", "PipelineError", "Stage",

@@ -19,14 +19,13 @@ if TYPE_CHECKING:
         PipelineError as PipelineError,
         StageUnavailable as StageUnavailable,
     )
-    from p2ptrain.pipeline._partition import (
+    from p2ptrain.models import (  # where a model is cut lives with the models (a task's parse checks it)
         balanced_cut as balanced_cut,
         Cut as Cut,
-        partition as partition,
         PartitionError as PartitionError,
         pieces_of as pieces_of,
-        Stage as Stage,
     )
+    from p2ptrain.pipeline._partition import partition as partition, Stage as Stage
     from p2ptrain.pipeline._replica import PROTOCOL as PROTOCOL, StageReplica as StageReplica
     from p2ptrain.pipeline._wiring import Wiring as Wiring
 else:
