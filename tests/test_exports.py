@@ -64,9 +64,9 @@ EXPORTS: dict[str, list[str]] = {
         "pieces_of", "stage_sizes",
     ],
     "p2ptrain.pipeline": [
-        "AssignmentError", "Cut", "DoubleCounted", "Driver", "PROTOCOL", "PartitionError", "PipelineError", "Stage",
-        "StageReplica", "StageUnavailable", "Wiring", "assign", "balanced_cut", "partition", "pieces_of",
-        "sum_stage_gradients", "throughput",
+        "Cut", "DoubleCounted", "Driver", "PROTOCOL", "PartitionError", "PipelineError", "Stage",
+        "StageReplica", "StageUnavailable", "Wiring", "balanced_cut", "partition", "pieces_of",
+        "sum_stage_gradients",
     ],
     "p2ptrain.net": [
         "Channel", "ChannelClosed", "ChannelError", "MessageTooLarge", "PubsubMessageTooLarge",
@@ -81,13 +81,14 @@ EXPORTS: dict[str, list[str]] = {
         "READY_TIMEOUT_S", "env_variable", "free_port", "settings",
     ],
     "p2ptrain.protocol": [
-        "ATTEST_TIMEOUT_S", "Attestations", "Chain", "ChainRules", "Election", "ElectionConfig", "ElectionMessage",
-        "Hold", "MAX_CHAIN_BYTES", "Misconduct", "Participation", "RecordError", "RoundBook", "RuleBreak", "Status",
-        "Tally", "View",
-        "attest", "audit", "buffers_round_id", "chain_lines", "election_problem", "entry_from_bytes", "is_checkpoint",
+        "ATTEST_TIMEOUT_S", "AssignmentError", "Attestations", "Chain", "ChainRules", "Election", "ElectionConfig",
+        "ElectionMessage", "Hold", "MAX_CHAIN_BYTES", "Misconduct", "Participation", "RecordError", "RoundBook",
+        "RuleBreak", "Status", "Tally", "View",
+        "assign", "attest", "audit", "buffers_round_id", "chain_lines", "election_problem", "entry_from_bytes",
+        "is_checkpoint",
         "load_model_bytes", "model_bytes", "owner_seed", "parse_entry", "read_chain", "read_model_card",
         "read_tensors", "round_id", "round_seed", "shard_of", "sign_record", "signing", "state_bytes",
-        "tensors_bytes",
+        "tensors_bytes", "throughput",
     ],
     "p2ptrain.run": [
         "HOP_TIMEOUT_S", "RunDir", "TaskRun", "record_naming",
@@ -101,8 +102,9 @@ EXPORTS: dict[str, list[str]] = {
         "make_peer", "parse_address", "run_state_roots",
     ],
     "p2ptrain.task": [
-        "CompressionSpec", "MAX_TASK_BYTES", "NoBuilder", "OuterSpec", "TASK_TEMPLATE", "Task", "TaskError", "USER_MODEL",
-        "load_task", "parse_task", "read_task", "task_bytes", "task_from_bytes", "total_steps", "unmet_requirement",
+        "CompressionSpec", "MAX_TASK_BYTES", "NoBuilder", "OuterSpec", "PipelineSpec", "TASK_TEMPLATE", "Task",
+        "TaskError", "USER_MODEL", "load_task", "parse_task", "read_task", "stage_parameters", "task_bytes",
+        "task_from_bytes", "total_steps", "unmet_requirement",
     ],
     "p2ptrain.testing": [
         "CLI_TIMEOUT_S", "CONNECT_TIMEOUT_S", "Changes", "DIGITS_TASK", "EOS", "EmulatedNat", "EmulatedWan", "IFACE",

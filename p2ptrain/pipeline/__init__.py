@@ -7,11 +7,6 @@ Imports ``base``, ``wire``, ``net``, ``models`` and ``collective``.
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from p2ptrain.pipeline._assignment import (
-        assign as assign,
-        AssignmentError as AssignmentError,
-        throughput as throughput,
-    )
     from p2ptrain.pipeline._averaging import sum_stage_gradients as sum_stage_gradients
     from p2ptrain.pipeline._driver import (
         DoubleCounted as DoubleCounted,

@@ -12,6 +12,11 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from p2ptrain.protocol import signing as signing
+    from p2ptrain.protocol._assignment import (
+        assign as assign,
+        AssignmentError as AssignmentError,
+        throughput as throughput,
+    )
     from p2ptrain.protocol._attestations import ATTEST_TIMEOUT_S as ATTEST_TIMEOUT_S, Attestations as Attestations
     from p2ptrain.protocol._election import (
         Election as Election,

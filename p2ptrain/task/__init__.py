@@ -14,6 +14,7 @@ if TYPE_CHECKING:
         NoBuilder as NoBuilder,
         parse_task as parse_task,
         read_task as read_task,
+        stage_parameters as stage_parameters,
         task_bytes as task_bytes,
         task_from_bytes as task_from_bytes,
     )
@@ -21,6 +22,7 @@ if TYPE_CHECKING:
         CompressionSpec as CompressionSpec,
         MAX_TASK_BYTES as MAX_TASK_BYTES,
         OuterSpec as OuterSpec,
+        PipelineSpec as PipelineSpec,
         Task as Task,
         total_steps as total_steps,
         unmet_requirement as unmet_requirement,

@@ -331,6 +331,13 @@ def _pipeline(
     return spec
 
 
+def stage_parameters(task: Task) -> list[int]:
+    """Parameters of each of a pipelined task's stages, as its model is cut (on the meta device): the
+    stages' costs in the plans' assignment before any step time is measured."""
+    assert task.pipeline is not None, "a task without [pipeline] has no stages"
+    return stage_sizes(task.model.name, task.model.arguments, task.pipeline.stages)
+
+
 def _compression(c: dict[str, Any]) -> CompressionSpec:
     density = fields.number(c, "density", "compression.", 0.01, 0.0, 1.0, lo_open=True)
     error_feedback = fields.boolean(c, "error_feedback", "compression.", True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from p2ptrain.pipeline import assign, AssignmentError, throughput
+from p2ptrain.protocol import assign, AssignmentError, throughput
 
 
 def _replicas(assignment, stages):

@@ -10,24 +10,7 @@ from p2ptrain.models import build_model, stage_sizes
 from p2ptrain.pipeline import partition
 from p2ptrain.task import TaskError, load_task, task_bytes, task_from_bytes
 
-CID = "QmT78zSuBmuS4z925WZfrqQ1qHaJ56DQaTfyMUF7F8ff5o"
-LM = {"vocab_size": 61, "context": 16, "width": 16, "depth": 2, "heads": 2}  # 4 pieces
-BASE = f"""
-name = "t"
-[model]
-name = "transformer_lm"
-kwargs = {{ vocab_size = 61, context = 16, width = 16, depth = 2, heads = 2 }}
-[dataset]
-manifest = "{CID}"
-[optimizer]
-name = "sgd"
-lr = 0.1
-[training]
-batch_size = 8
-total_steps = 10
-[peers]
-min = 4
-"""
+from .conftest import CID, LM, LM_TASK as BASE
 
 
 def pipelined(*lines: str, base: str = BASE) -> str:

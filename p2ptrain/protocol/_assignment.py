@@ -37,7 +37,7 @@ def _counts(assignment: Mapping[Any, int], stages: int) -> list[int]:
 
 
 def assign(
-    members: Sequence[Hashable], costs: Sequence[float], previous: Mapping[Hashable, int] | None = None,
+    members: Sequence[Hashable], costs: Sequence[float], previous: Mapping[Any, int] | None = None,
     *, max_moves: int = 1,
 ) -> dict[Hashable, int]:
     """{member: stage} for ``members`` over ``len(costs)`` stages whose time per microbatch on one
