@@ -255,6 +255,10 @@ class Task:
 
 def unmet_requirement(task: Task, caps: Capabilities) -> str | None:
     """Why a peer with ``caps`` may not join ``task``, or None when it may."""
+    if task.pipeline is not None:
+        # Parsed, planned and checked (docs/pipeline.md), not run: a node that joined would train
+        # the whole model data-parallel and ignore the stages its plans name. Goes with the runtime.
+        return f"it is cut into {task.pipeline.stages} pipeline stages, which this version does not run yet"
     req = task.requirements
     if req.device == "cuda" and caps.device != "cuda":
         return f"task needs a CUDA device, peer has {caps.device}"

@@ -8,7 +8,8 @@ import pytest
 
 from p2ptrain.models import build_model, stage_sizes
 from p2ptrain.pipeline import partition
-from p2ptrain.task import TaskError, load_task, task_bytes, task_from_bytes
+from p2ptrain.task import TaskError, load_task, task_bytes, task_from_bytes, unmet_requirement
+from p2ptrain.wire import Capabilities
 
 from .conftest import CID, LM, LM_TASK as BASE
 
@@ -88,3 +89,12 @@ def test_the_parse_and_the_partition_cut_the_same_way(stages):
     pipeline.partition (the real model's stages) agree stage by stage."""
     stages_built = partition(build_model("transformer_lm", LM, seed=1), stages)
     assert stage_sizes("transformer_lm", LM, stages) == [s.parameter_count() for s in stages_built]
+
+
+def test_no_node_joins_a_pipelined_task_until_the_runtime_runs_one():
+    """Parsed and planned, not run yet: a node that joined would train the whole model and ignore
+    its stages, so every peer is told why it cannot take part (services' join says it in one line)."""
+    caps = Capabilities(device="cpu", cpu_count=2, free_ram_bytes=1 << 30, version="0.1.0")
+    assert unmet_requirement(load_task(BASE), caps) is None
+    why = unmet_requirement(load_task(pipelined("stages = 4")), caps)
+    assert why == "it is cut into 4 pipeline stages, which this version does not run yet"
