@@ -87,8 +87,8 @@ EXPORTS: dict[str, list[str]] = {
         "assign", "attest", "audit", "buffers_round_id", "chain_lines", "election_problem", "entry_from_bytes",
         "is_checkpoint",
         "load_model_bytes", "model_bytes", "owner_seed", "parse_entry", "read_chain", "read_model_card",
-        "read_tensors", "round_id", "round_seed", "shard_of", "sign_record", "signing", "state_bytes",
-        "tensors_bytes", "throughput",
+        "read_tensors", "round_id", "round_seed", "shard_of", "sign_record", "signing", "stage_rings",
+        "stage_round_id", "state_bytes", "tensors_bytes", "throughput",
     ],
     "p2ptrain.run": [
         "HOP_TIMEOUT_S", "RunDir", "TaskRun", "record_naming",

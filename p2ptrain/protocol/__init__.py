@@ -43,6 +43,8 @@ if TYPE_CHECKING:
         round_id as round_id,
         round_seed as round_seed,
         shard_of as shard_of,
+        stage_rings as stage_rings,
+        stage_round_id as stage_round_id,
     )
     from p2ptrain.protocol._records import (
         attest as attest,

@@ -53,8 +53,29 @@ def buffers_round_id(plan: RoundPlan) -> int:
 
 
 def shard_of(plan: RoundPlan, peer: str) -> tuple[int, int]:
-    """``(rank, world_size)`` of ``peer`` in the plan: its index in the plan's member order."""
+    """``(rank, world_size)`` of ``peer`` in the plan: its index in the plan's member order; in a
+    pipelined plan, among the members of stage 0 (only they read data and drive microbatches)."""
+    if plan.stages is not None:
+        drivers = stage_rings(plan)[0]
+        return drivers.index(peer), len(drivers)
     return plan.members.index(peer), len(plan.members)
+
+
+def stage_rings(plan: RoundPlan) -> list[tuple[str, ...]]:
+    """The members of each stage of a pipelined plan, in the plan's ring order: the replicas whose
+    gradients a stage's all-reduce sums (docs/pipeline.md)."""
+    assert plan.stages is not None, "a plan without stages has one ring: its members"
+    rings: list[list[str]] = [[] for _ in range(max(plan.stages) + 1)]
+    for member, stage in zip(plan.members, plan.stages, strict=True):
+        rings[stage].append(member)
+    return [tuple(ring) for ring in rings]
+
+
+def stage_round_id(plan: RoundPlan, index: int, stage: int) -> int:
+    """The id of stage ``stage``'s all-reduce in the ``index``-th round of a pipelined plan: apart
+    from every other stage's and from :func:`round_id`, so the S rounds run at once on one host."""
+    name = f"{plan.task_cid}/t{plan.term}/r{plan.round + index}/a{plan.attempt}/s{stage}"
+    return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "big")
 
 
 def is_checkpoint(task: Task, round_index: int, total_steps: int) -> bool:

@@ -9,7 +9,10 @@ import hashlib
 import pytest
 from libp2p.crypto.ed25519 import create_new_key_pair
 
-from p2ptrain.protocol import Chain, Election, ElectionConfig, RoundBook, RuleBreak, View, assign, signing
+from p2ptrain.protocol import (
+    Chain, Election, ElectionConfig, RoundBook, RuleBreak, View, assign, round_id, shard_of, signing, stage_rings,
+    stage_round_id,
+)
 from p2ptrain.protocol._plans import plan_stages, rule_problem
 from p2ptrain.task import load_task, stage_parameters
 from p2ptrain.wire import RoundPlan, decode, encode
@@ -94,3 +97,16 @@ def test_a_task_without_pipeline_has_plans_without_stages():
     assert plan is not None and plan.stages is None and plan_stages(task, plan.members, None) is None
     staged = RoundPlan(**{**plan.__dict__, "stages": (0, 1, 0, 1)})
     assert rule_problem(task, 100, staged, None) == "it assigns stages, the task has no [pipeline]"
+
+
+def test_a_pipelined_plan_has_a_ring_and_a_round_per_stage_and_stage_0_reads_the_data():
+    plan = RoundPlan(task_cid=CID, term=2, round=10, attempt=1, step=10, rounds=5, members=tuple(PEERS[:5]),
+                     base_cid=CID, version=2, stages=(1, 0, 1, 0, 0))
+    assert stage_rings(plan) == [(PEERS[1], PEERS[3], PEERS[4]), (PEERS[0], PEERS[2])]
+    # Only stage 0 reads data: its members' shards are 0..2 of 3; the plan without stages shards all five.
+    assert [shard_of(plan, p) for p in (PEERS[1], PEERS[3], PEERS[4])] == [(0, 3), (1, 3), (2, 3)]
+    flat = RoundPlan(**{**plan.__dict__, "stages": None})
+    assert shard_of(flat, PEERS[4]) == (4, 5)
+    ids = {stage_round_id(plan, i, s) for i in range(plan.rounds) for s in range(2)} | {round_id(plan, 0)}
+    assert len(ids) == 2 * plan.rounds + 1
+    assert stage_round_id(plan, 0, 1) == stage_round_id(RoundPlan(**plan.__dict__), 0, 1)  # from the plan alone
