@@ -65,9 +65,9 @@ test-tools:
 	fi
 
 # pytest exits 5 when it collected no tests: that is a failure here, never a pass.
-# Two workers (pytest-xdist): most of the suite's time is real peers waiting on each other (rounds,
-# heartbeats, elections), not CPU; on a 2-core machine the suite took 645 s in one process and 419 s
-# in two, every test passing in both.
+# Two workers (pytest-xdist). On the 2-core machine, idle, 2026-11-26: 1150 s with two workers and
+# 1041 s with four (every test passing in both; 29 min of user CPU in 17 min: the suite is CPU-bound,
+# mostly the imports of the node processes it starts), so more workers buy little and cost flakes.
 TEST_WORKERS ?= 2
 
 # ruff (tests, benches too) and mypy (strict on p2ptrain/; pyproject.toml lists any module that is

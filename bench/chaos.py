@@ -2,15 +2,18 @@
 
     PYTHONPATH=$PWD .venv/bin/python bench/chaos.py [--quick] [--json] [--only NAME ...]
 
-Two clusters of real node processes on loopback train scikit-learn's digits (an MLP, top-k sparse
+Three clusters of real node processes on loopback train scikit-learn's digits (an MLP, top-k sparse
 all-reduce, a checkpoint every few dozen rounds) on a task long enough never to finish while the
 bench runs:
 
 - the *fault* cluster (4 peers) takes crashes, freezes and a full disk, one scenario after another;
 - the *hostile* cluster (3 honest peers with --accept-tasks) is attacked by a hostile libp2p peer
-  (bench/hostile.py) doing each attack of issue 13, one scenario after another.
+  (bench/hostile.py) doing each attack of issue 13, one scenario after another;
+- the *members* cluster (3 honest peers, a task with ``compression.robust = "clip"``) takes a
+  hostile *member* (bench/hostile_member.py: a real p2ptrain peer in the bench's process that
+  joins the run, trains, votes and lies; one per scenario, gone after it).
 
-Both run at once (``--serial``: one after the other). Before each scenario the cluster is made whole
+All run at once (``--serial``: one after the other). Before each scenario the cluster is made whole
 again, outside the scenario's timing: a node that died is restarted on its home (with --join), and
 the bench waits (bounded) until every node is in the plan and training moves; ``detail.settle_s``
 and ``detail.whole_at_start`` say how that went, so one scenario's damage is not charged to the next.
@@ -25,7 +28,10 @@ For every scenario it reports:
 - ``lost_models``: confirmed models (version, CID) seen on any node before the fault that no node
   holds after it, plus versions at which two nodes' confirmed chains disagree (forks); must be 0;
 - ``corrupted_blocks``: blocks under the honest nodes' homes that do not hash to their CID, by
-  ``p2ptrain repo verify``.
+  ``p2ptrain repo verify``;
+- for a hostile member, ``detail.attack.poisoned_confirmed`` (must be 0; the bench exits 1 otherwise):
+  confirmed records of the hostile coordinator or of its model, or of a span the hostile owner
+  took part in whose accuracy fell below half the run's before it joined.
 
 Scenarios (``--only`` takes these names; a prefix selects a group, e.g. ``--only hostile``):
 
@@ -55,6 +61,16 @@ Scenarios (``--only`` takes these names; a prefix selects a group, e.g. ``--only
                              checkpoints confirmed meanwhile, Sybils planned, steps/s against just before (issue 27)
   hostile_forged_latest      heads at v999 (one naming the honest chain and model CIDs) while an outsider runs
                              `model fetch --latest` through a node: it gets an honest model (issue 27)
+  hostile_targeted_owner     (members) a member that, as a chunk's owner, writes 1000.0 into every value of the
+                             chunk it reduces: named by the verifiers (`named_by`), left out of plans,
+                             `poisoned_confirmed` 0, accuracy against the same run's just before (issue 27)
+  hostile_equivocation       (members) an owner that sends the first node other bytes for its chunk (signed anew)
+                             than the rest: named, left out, the round retried, checkpoints confirmed (issue 27)
+  hostile_coordinator        (members) a member whose key is ground to be the designated candidate of the next
+                             terms; the honest coordinator stalls 12 s (SIGSTOP) and it is elected; its records
+                             name only itself and a model nobody trained, attested by itself: no honest node
+                             confirms it (`poisoned_confirmed` 0), they accuse it (`accused_by`) and elect
+                             one of their own (issue 27)
   hostile_serve_bodies       `model serve` of the run's model on a node's home: 32 clients declaring 8 MiB
                              and trickling, 4 posting 2.3-6.7 MB bodies; honest requests' status and p50
                              against their baseline (issue 27)
@@ -86,6 +102,7 @@ import trio
 
 import hostile
 import hostile_bounds
+import hostile_member
 from p2ptrain.task import TASK_TEMPLATE
 from p2ptrain.base import UserError
 from p2ptrain.ipfs import BlockStore, DAG_PB, encode_file_leaf, make_cid
@@ -206,7 +223,6 @@ class Cluster:
                     subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={TMPFS_BYTES},mode=0700", "tmpfs", str(home)],
                                    check=True, capture_output=True, timeout=30)
                     self.mounted.append(home)
-                (home / "logs").mkdir(mode=0o700)
                 self.procs.append(NodeProcess(home, free_port(), extra_args=self.extra_args))
             for p in self.procs:
                 p.bootstrap = [q.addr for q in self.procs if q is not p]
@@ -338,9 +354,10 @@ def lost_models(before: dict[str, dict[int, str]], after: dict[str, dict[int, st
                                     "top_version": max(by_version, default=0)}
 
 
-async def start_training(cluster: Cluster, join_others: bool) -> None:
-    """Add digits on the first node, publish the long task there, have the others join, and wait
-    for the first completed rounds."""
+async def start_training(cluster: Cluster, join_others: bool, robust: str | None = None,
+                         checkpoint: int = CHECKPOINT_INTERVAL) -> None:
+    """Add digits on the first node, publish the long task there (with ``compression.robust``, if
+    given), have the others join, and wait for the first completed rounds."""
     from p2ptrain.data import build_dataset, load_source
     from p2ptrain.ipfs import EmbeddedStore
 
@@ -349,8 +366,10 @@ async def start_training(cluster: Cluster, join_others: bool) -> None:
     manifest, _ = await trio.to_thread.run_sync(
         lambda: build_dataset(EmbeddedStore(first.home), name, features, labels, num_shards=8))
     cluster.manifest = manifest
-    text = TASK_TEMPLATE.format(manifest=manifest, steps=TOTAL_STEPS, checkpoint=CHECKPOINT_INTERVAL,
+    text = TASK_TEMPLATE.format(manifest=manifest, steps=TOTAL_STEPS, checkpoint=checkpoint,
                                 density=0.01, peers=8).replace("demo-digits-mlp", "chaos-digits-mlp")
+    if robust is not None:
+        text = text.replace("error_feedback = true\n", f'error_feedback = true\nrobust = "{robust}"\n')
     published = await call(first, control_ops.TASK_PUBLISH, {"text": text, "join": True}, timeout=120)
     if published is None:
         raise RuntimeError(f"{control_ops.TASK_PUBLISH} failed on {first.home}:\n{first.read_log()}")
@@ -1018,6 +1037,216 @@ async def run_attack(cluster: Cluster, sizes: Sizes, result: Result, attack: Att
     await finish(cluster, result, before)
 
 
+# ---- hostile members (3 honest nodes under robust = "clip", a hostile member in this process) ---------
+
+MemberAttack = Callable[[Cluster, Sizes], Awaitable[dict[str, Any]]]
+# A stall of the honest coordinator this long (SIGSTOP, as a machine that hangs) calls an election:
+# past the election's timeout (3 heartbeats) and a few terms (3 s each) after it, for the votes.
+ELECTION_PAUSE_S = 12.0
+# The hostile key is the designated candidate of this many terms after the current one (4^5 keys
+# tried, seconds): its arrival in the roster and the stall each start a term or two.
+GROUND_TERMS = 5
+# The members cluster checkpoints often: a joiner is planned at a span's end, and the scenarios
+# count the versions confirmed while the hostile member is in.
+MEMBERS_CHECKPOINT_INTERVAL = 10
+PLANNED_TIMEOUT_S = 90.0  # from the hostile member's join until every honest node's plan lists it
+OWNER_POISON = 1000.0  # what the hostile owner writes into every value of the chunk it reduces
+
+
+def member_hold_s(sizes: Sizes) -> float:
+    """How long a hostile member stays in the run: several checkpoints and quarantines (10 s)."""
+    return max(6 * sizes.attack_hold_s, 45.0)
+
+
+def log_offsets(cluster: Cluster) -> dict[str, int]:
+    """Where each node's log ends now: what it logs after this is the attack's."""
+    return {cluster.name(p): (p.home / "logs" / "stderr.log").stat().st_size for p in cluster.procs}
+
+
+def logged_since(cluster: Cluster, offsets: dict[str, int]) -> dict[str, str]:
+    """Each node's log from ``offsets`` on."""
+    out = {}
+    for p in cluster.procs:
+        with open(p.home / "logs" / "stderr.log", "rb") as f:
+            f.seek(offsets.get(cluster.name(p), 0))
+            out[cluster.name(p)] = f.read().decode(errors="replace")
+    return out
+
+
+def chain_records(cluster: Cluster) -> dict[str, list[dict[str, Any]]]:
+    """Each node's confirmed records of the run (its chain.jsonl)."""
+    out = {}
+    for p in cluster.procs:
+        path = p.home / "tasks" / cluster.task_cid / "chain.jsonl"
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+            out[cluster.name(p)] = [json.loads(line)["record"] for line in path.read_text().splitlines() if line.strip()]
+    return out
+
+
+def latest_accuracy(snap: dict[str, dict[str, Any]]) -> float | None:
+    """The recorded test accuracy of the highest confirmed model any node holds."""
+    chains = [s.get("chain") or [] for s in snap.values()]
+    best = max(chains, key=len, default=[])
+    return best[-1]["metrics"].get("accuracy") if best else None
+
+
+async def wait_planned(cluster: Cluster, hostile_id: str) -> float | None:
+    """Seconds until every honest node's plan lists the hostile member (it is then in their
+    roster too), at most PLANNED_TIMEOUT_S (None)."""
+    started = trio.current_time()
+    while trio.current_time() - started < PLANNED_TIMEOUT_S:
+        snap = await statuses(cluster)
+        if len(snap) == len(cluster.alive()) and all(hostile_id in (s.get("members") or []) for s in snap.values()):
+            return round(trio.current_time() - started, 1)
+        await trio.sleep(POLL_S)
+    return None
+
+
+async def watch_run(cluster: Cluster, hostile_id: str, seconds: float, hostile_run: Any) -> dict[str, Any]:
+    """For ``seconds``: the coordinators the honest nodes follow, whether the hostile member is in
+    their plans, whether it coordinates (its own run says so), the versions confirmed."""
+    before = await statuses(cluster)
+    coordinators: set[str] = set()
+    planned_polls = polls = 0
+    hostile_coordinated = False
+    started = trio.current_time()
+    while trio.current_time() - started < seconds:
+        snap = await statuses(cluster)
+        polls += 1
+        coordinators |= {s["coordinator"] for s in snap.values() if s.get("coordinator")}
+        planned_polls += any(hostile_id in (s.get("members") or []) for s in snap.values())
+        hostile_coordinated |= bool(hostile_run.status().is_coordinator)
+        await trio.sleep(POLL_S)
+    after = await statuses(cluster)
+    return {"honest_followed_hostile": hostile_id in coordinators, "hostile_coordinated": hostile_coordinated,
+            "hostile_planned_share": round(planned_polls / max(1, polls), 2),
+            "confirmed_during": min((s.get("version") or 0 for s in after.values()), default=0)
+            - max((s.get("version") or 0 for s in before.values()), default=0),
+            "versions": sorted({s.get("version") or 0 for s in after.values()})}
+
+
+def named_in_logs(logs: dict[str, str], hostile_id: str, phrase: str) -> list[str]:
+    """The honest nodes whose log names the hostile member in a line with ``phrase``."""
+    from p2ptrain.base import short_id
+
+    who = short_id(hostile_id)
+    return sorted(name for name, text in logs.items()
+                  if any(phrase in line and who in line for line in text.splitlines()))
+
+
+async def _member_coordinator(cluster: Cluster, sizes: Sizes) -> dict[str, Any]:
+    """Issue 27's hostile coordinator on real processes: a member whose key is ground to be the
+    designated candidate of the next terms joins the run; the honest coordinator stalls (SIGSTOP)
+    long enough for an election, which the hostile member wins; its records name only itself and a
+    model nobody trained, attested by itself. No honest node may confirm that model."""
+    snap = await statuses(cluster)
+    term = max((s.get("term") or 0 for s in snap.values()), default=0)
+    honest = [p.peer_id for p in cluster.procs]
+    key = await trio.to_thread.run_sync(hostile_member.attacks.ground_key, cluster.task_cid, honest,
+                                        range(term + 1, term + 1 + GROUND_TERMS))
+    offsets = log_offsets(cluster)
+    async with hostile_member.member(cluster.base / "hostile-coordinator", [p.addr for p in cluster.alive()],
+                                     key) as bad:
+        hostile_id = bad.peer.node.peer_id.to_base58()
+        run = await hostile_member.join(bad, cluster.task_cid)
+        poison = bad.peer.content.store.add_bytes(b"weights nobody trained")
+        hostile_member.attacks.forge_records(run, poison, named=1)
+        planned_after_s = await wait_planned(cluster, hostile_id)
+        snap = await statuses(cluster)
+        coordinator, _ = member_procs(cluster, snap)
+        term_at_stall = max((s.get("term") or 0 for s in snap.values()), default=0)
+        boss = next((p for p in cluster.alive() if p.peer_id == coordinator), None)
+        watched: list[dict[str, Any]] = []
+        async with trio.open_nursery() as nursery:  # watched from before the stall: it may win at once
+            nursery.start_soon(_append, watched, partial(watch_run, cluster, hostile_id, member_hold_s(sizes), run))
+            if boss is not None:
+                boss.proc.send_signal(signal.SIGSTOP)
+                cluster.frozen.add(cluster.name(boss))
+                try:
+                    await trio.sleep(ELECTION_PAUSE_S)
+                finally:
+                    boss.proc.send_signal(signal.SIGCONT)
+                    cluster.frozen.discard(cluster.name(boss))
+        out = watched[0]
+    logs = logged_since(cluster, offsets)
+    records = chain_records(cluster)
+    snap = await statuses(cluster)
+    out.update(
+        hostile=hostile_id, term_before=term, ground_terms=[term + 1, term + GROUND_TERMS], term_at_stall=term_at_stall,
+        planned_after_s=planned_after_s, stalled=None if boss is None else cluster.name(boss),
+        poisoned_confirmed=sum(1 for rs in records.values() for r in rs
+                               if r["model_cid"] == poison or r["coordinator"] == hostile_id),
+        poisoned_latest=sum(1 for s in snap.values() if s.get("latest_model_cid") == poison),
+        refused_records={name: s.get("rejected", {}).get("record_rules", 0) for name, s in snap.items()},
+        accused_by=named_in_logs(logs, hostile_id, "broke the run's rules"),
+        accepted_as_coordinator_by=named_in_logs(logs, hostile_id, "accepts coordinator"),
+        honest_coordinator_after=all(s.get("coordinator") in honest for s in snap.values()))
+    return out
+
+
+async def _member_owner(cluster: Cluster, sizes: Sizes, *, equivocate: bool) -> dict[str, Any]:
+    """Issue 27's hostile owner under robust = "clip" on real processes: a member that, as a
+    chunk's owner, writes OWNER_POISON into every value of the chunk it reduces, or (``equivocate``)
+    sends the first node other bytes for its chunk than the rest, signed anew. It must be named
+    (a verifier's check, or the members' digests), left out of later plans, the round retried
+    without it, and checkpoints confirmed; accuracy against the same run's just before."""
+    from libp2p.peer.id import ID
+
+    offsets = log_offsets(cluster)
+    home = cluster.base / ("hostile-equivocator" if equivocate else "hostile-owner")
+    async with hostile_member.member(home, [p.addr for p in cluster.alive()]) as bad:
+        hostile_id = bad.peer.node.peer_id.to_base58()
+        run = await hostile_member.join(bad, cluster.task_cid)
+        planned_after_s = await wait_planned(cluster, hostile_id)  # joined honestly: then it attacks
+        accuracy_before = latest_accuracy(await statuses(cluster))
+        rounds_before = run.status().rounds_done
+        if equivocate:
+            bad.owner.equivocate_to = ID.from_base58(cluster.procs[0].peer_id)
+        else:
+            bad.owner.poison = OWNER_POISON
+        with hostile_member.attacks.installed():
+            attack_started = trio.current_time()
+            out = await watch_run(cluster, hostile_id, member_hold_s(sizes), run)
+        # Rounds the hostile member completed while it attacked: rounds whose result every member
+        # accepted, with its chunk in it (it owns one in each).
+        out["hostile_rounds_completed"] = run.status().rounds_done - rounds_before
+        out["attack_s"] = round(trio.current_time() - attack_started, 1)
+    logs = logged_since(cluster, offsets)
+    snap = await statuses(cluster)
+    accuracy_after = latest_accuracy(snap)
+    records = chain_records(cluster)
+    # A poisoned model confirmed: a record of a span the hostile member took part in that reached a
+    # checkpoint after it attacked, whose accuracy fell below half the run's just before.
+    poisoned = sum(1 for rs in records.values() for r in rs
+                   if hostile_id in r["members"] and accuracy_before
+                   and r["metrics"].get("accuracy", 1.0) < accuracy_before / 2)
+    out.update(hostile=hostile_id, planned_after_s=planned_after_s, named_by=named_in_logs(logs, hostile_id, "failed"),
+               poisoned_confirmed=poisoned, accuracy_before=accuracy_before, accuracy_after=accuracy_after,
+               accuracy_ratio=round(accuracy_after / accuracy_before, 3) if accuracy_before and accuracy_after else None)
+    return out
+
+
+MEMBER_ATTACKS: dict[str, MemberAttack] = {
+    "hostile_targeted_owner": partial(_member_owner, equivocate=False),
+    "hostile_equivocation": partial(_member_owner, equivocate=True),
+    "hostile_coordinator": _member_coordinator,  # last: it stalls the honest coordinator
+}
+
+
+async def run_member_attack(cluster: Cluster, sizes: Sizes, result: Result, attack: MemberAttack) -> None:
+    """A hostile member's scenario: the attack (bounded), then progress after it left, then the verdicts."""
+    before = models_of(await statuses(cluster), cluster)
+    started = trio.current_time()
+    with trio.fail_after(member_hold_s(sizes) + hostile_member.JOIN_TIMEOUT_S + PLANNED_TIMEOUT_S + 120):
+        result.detail["attack"] = await attack(cluster, sizes)
+    result.detail["attack_s"] = round(trio.current_time() - started, 2)
+    left_at = trio.current_time()
+    await trio.sleep(EXIT_GRACE_S)
+    result.recover_s = await wait_progress(cluster, top_step(await statuses(cluster)), left_at,
+                                           sizes.recover_timeout_s)
+    await finish(cluster, result, before)
+
+
 async def settle(cluster: Cluster) -> dict[str, Any]:
     """Before a scenario: restart any node that is down (on its home, with --join), then wait
     (bounded) until every node is in the latest plan and training moves, so each scenario starts from
@@ -1089,18 +1318,22 @@ def workdir(keep: Path | None) -> Iterator[Path]:
 
 
 async def run_group(base: Path, names: list[str], sizes: Sizes, deadline: float, results: list[Result],
-                    hostile_group: bool) -> None:
+                    group: str) -> None:
+    """One cluster (``group``: "faults", "hostile" or "members") through its scenarios in turn."""
     if not names:
         return
-    n = 3 if hostile_group else 4
+    n = 4 if group == "faults" else 3
     tmpfs = None
-    if not hostile_group and "full_disk" in names and os.geteuid() == 0:
+    if group == "faults" and "full_disk" in names and os.geteuid() == 0:
         tmpfs = n - 1
-    extra = [*NODE_ARGS, "--accept-tasks"] if hostile_group else NODE_ARGS
+    extra = [*NODE_ARGS, "--accept-tasks"] if group == "hostile" else NODE_ARGS
     started = trio.current_time()
-    with Cluster(base / ("hostile" if hostile_group else "faults"), n, extra, tmpfs_node=tmpfs) as cluster:
+    with Cluster(base / group, n, extra, tmpfs_node=tmpfs) as cluster:
         await cluster.wait_ready(cluster.procs)
-        await start_training(cluster, join_others=not hostile_group)
+        if group == "members":
+            await start_training(cluster, join_others=True, robust="clip", checkpoint=MEMBERS_CHECKPOINT_INTERVAL)
+        else:
+            await start_training(cluster, join_others=group != "hostile")
         say(f"cluster up in {trio.current_time() - started:.1f} s")
         for name in names:
             result = Result(name)
@@ -1119,8 +1352,10 @@ async def run_group(base: Path, names: list[str], sizes: Sizes, deadline: float,
             t = trio.current_time()
             try:
                 with trio.fail_after(max(10.0, deadline - trio.current_time() + 60)):
-                    if hostile_group:
+                    if group == "hostile":
                         await run_attack(cluster, sizes, result, ATTACKS[name], name in ONE_TARGET)
+                    elif group == "members":
+                        await run_member_attack(cluster, sizes, result, MEMBER_ATTACKS[name])
                     else:
                         await FAULTS[name](cluster, sizes, result)
             except Exception as exc:  # one scenario's failure is its result, not the bench's end
@@ -1139,17 +1374,21 @@ async def main_async(args: argparse.Namespace, results: list[Result]) -> None:
     selected = lambda names: [n for n in names if not args.only or any(n.startswith(o) for o in args.only)]  # noqa: E731
     faults: list[Result] = []
     attacks: list[Result] = []
+    members: list[Result] = []
     with workdir(args.workdir) as base:
         if os.geteuid() != 0 and "full_disk" in selected(FAULTS):
             say("full_disk: skipped (not root: cannot mount a tmpfs home)")
         if args.serial:
-            await run_group(base, selected(FAULTS), sizes, deadline, faults, hostile_group=False)
-            await run_group(base, selected(ATTACKS), sizes, deadline, attacks, hostile_group=True)
+            await run_group(base, selected(FAULTS), sizes, deadline, faults, "faults")
+            await run_group(base, selected(ATTACKS), sizes, deadline, attacks, "hostile")
+            await run_group(base, selected(MEMBER_ATTACKS), sizes, deadline, members, "members")
         else:
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(partial(run_group, base, selected(FAULTS), sizes, deadline, faults, hostile_group=False))
-                nursery.start_soon(partial(run_group, base, selected(ATTACKS), sizes, deadline, attacks, hostile_group=True))
-    results.extend(faults + attacks)
+                nursery.start_soon(partial(run_group, base, selected(FAULTS), sizes, deadline, faults, "faults"))
+                nursery.start_soon(partial(run_group, base, selected(ATTACKS), sizes, deadline, attacks, "hostile"))
+                nursery.start_soon(partial(run_group, base, selected(MEMBER_ATTACKS), sizes, deadline, members,
+                                           "members"))
+    results.extend(faults + attacks + members)
 
 
 def table(report: dict[str, Any]) -> str:
@@ -1165,7 +1404,9 @@ def table(report: dict[str, Any]) -> str:
             if key in d:
                 notes += f" {key}={d[key]}"
         for key in ("steps_ratio", "p50_ratio", "honest", "blocks_kept", "confirmed_during", "sybils_planned",
-                    "forged_or_poisoned_latest", "outsider_got_honest_model"):  # issue 27's attacks
+                    "forged_or_poisoned_latest", "outsider_got_honest_model", "poisoned_confirmed",
+                    "hostile_coordinated", "accused_by", "named_by", "hostile_planned_share",
+                    "accuracy_before", "accuracy_after"):  # issue 27's attacks
             if key in d.get("attack", {}):
                 notes += f" {key}={d['attack'][key]}"
         fmt = lambda v: "-" if v is None else str(v)  # noqa: E731
@@ -1208,7 +1449,8 @@ def main() -> int:
         "scenarios": [asdict(r) for r in results],
     }
     print(json.dumps(report, indent=None if args.json else 2) if args.json else table(report))
-    bad = [r for r in results if r.skipped is None and (not r.survived or r.lost_models or r.corrupted_blocks)]
+    bad = [r for r in results if r.skipped is None and (not r.survived or r.lost_models or r.corrupted_blocks
+                                                         or r.detail.get("attack", {}).get("poisoned_confirmed"))]
     return 1 if bad else 0
 
 

@@ -28,6 +28,7 @@ import os
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +90,7 @@ async def flood_phase(cluster: chaos.Cluster, kind: str, task_cid: str, seconds:
         cpu0 = proc_cpu_s(proc.pid)
 
         async def go() -> Any:
+            print(f"[head_flood {time.strftime('%H:%M:%S')}] {kind} flood starts", file=sys.stderr, flush=True)
             into.write("go\n")
             into.flush()
             return json.loads(await trio.to_thread.run_sync(out.readline, abandon_on_cancel=True))
@@ -126,6 +128,8 @@ async def counters(cluster: chaos.Cluster) -> dict[str, Any]:
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     w, reps, training = args.window, 1 if args.idle else args.repeat, not args.idle
     with tempfile.TemporaryDirectory(prefix="flood-", dir="/tmp") as tmp:
+        if args.keep:  # the nodes' homes and logs stay for a look afterwards
+            tmp = tempfile.mkdtemp(prefix="flood-", dir=args.keep)
         with chaos.Cluster(Path(tmp), 1 if args.idle else 3, [*chaos.NODE_ARGS]) as cluster:
             await cluster.wait_ready(cluster.procs)
             task = IDLE_TASK
@@ -161,6 +165,7 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=3, help="floods of each kind, between quiet phases (default 3)")
     parser.add_argument("--idle", action="store_true", help="one idle node: the CPU each flood costs it")
     parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    parser.add_argument("--keep", metavar="DIR", help="keep the nodes' homes and logs in a new folder under DIR")
     parser.add_argument("--attack", choices=sorted(RATES), help=argparse.SUPPRESS)  # one flood's process
     parser.add_argument("--task", help=argparse.SUPPRESS)
     parser.add_argument("targets", nargs="*", help=argparse.SUPPRESS)

@@ -97,9 +97,9 @@ EXPORTS: dict[str, list[str]] = {
         "MAX_CONNECTIONS", "ServeError", "Server", "TemporaryFollower", "open_model", "predict", "serve",
     ],
     "p2ptrain.services": [
-        "KnownTask", "LatestFinder", "MAX_SEEN_HEADS", "MetricsServer", "Peer", "SERVED_EVERY_S", "TaskOptions",
+        "Fetcher", "KnownTask", "LatestFinder", "MAX_SEEN_HEADS", "MetricsServer", "Peer", "SERVED_EVERY_S", "TaskOptions",
         "check_url",
-        "make_peer", "parse_address", "run_state_roots",
+        "make_fetcher", "make_peer", "parse_address", "run_state_roots",
     ],
     "p2ptrain.task": [
         "CompressionSpec", "MAX_TASK_BYTES", "NoBuilder", "OuterSpec", "PipelineSpec", "TASK_TEMPLATE", "Task",

@@ -75,8 +75,6 @@ def test_the_readme_commands_run_as_written(tmp_path: Path) -> None:
         else:
             flags.append(arg)
     machines = [tmp_path / "machine0", tmp_path / "machine1"]
-    for home in machines:
-        (home / "logs").mkdir(parents=True, mode=0o700)
     nodes = [NodeProcess(home, free_port(), extra_args=flags) for home in machines]
     nodes[0].bootstrap, nodes[1].bootstrap = [nodes[1].addr], [nodes[0].addr]
     fresh = tmp_path / "fresh"

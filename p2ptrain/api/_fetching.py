@@ -10,16 +10,19 @@ import dataclasses
 import logging
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from p2ptrain.base import UserError
 from p2ptrain.control import TaskStatus, ops as control_ops
 
 if TYPE_CHECKING:
     from p2ptrain.ipfs import ContentStore
+    from p2ptrain.protocol import Chain
+    from p2ptrain.services import Fetcher
+    from p2ptrain.wire import TaskHead
 
 # How long a temporary node waits for its first peer, and for the latest head of a task.
 EPHEMERAL_MESH_TIMEOUT_S = 20.0
@@ -110,7 +113,7 @@ def _fetch_with_ephemeral_node(
 
     out = list(cids)
 
-    async def work(peer: Any) -> None:
+    async def work(peer: Fetcher) -> None:
         if latest is not None:
             # Any member of a run (under way or over) answers; the chain is verified.
             _, chain = await find_latest(peer, latest)
@@ -125,7 +128,7 @@ def _fetch_with_ephemeral_node(
     return out
 
 
-async def fetch_through(peer: Any, cid: str) -> None:
+async def fetch_through(peer: Fetcher, cid: str) -> None:
     """One CID through a temporary node, showing on stderr how far it is (as through a node)."""
     import trio
 
@@ -135,7 +138,7 @@ async def fetch_through(peer: Any, cid: str) -> None:
         await peer.content.fetch(cid, timeout=300.0, progress=show)
 
 
-async def find_latest(peer: Any, task_cid: str) -> tuple[Any, Any]:
+async def find_latest(peer: Fetcher, task_cid: str) -> tuple[TaskHead, Chain]:
     """The latest verified ``(head, chain)`` of ``task_cid`` through a temporary node, within
     EPHEMERAL_MESH_TIMEOUT_S (a UserError line naming what was refused otherwise)."""
     import trio
@@ -156,18 +159,18 @@ async def find_latest(peer: Any, task_cid: str) -> tuple[Any, Any]:
     return found
 
 
-def with_ephemeral_node(home: Path, bootstrap: list[str], work: Callable[[Any], Any]) -> None:
+def with_ephemeral_node(home: Path, bootstrap: list[str], work: Callable[[Fetcher], Awaitable[None]]) -> None:
     """Run ``await work(peer)`` on a temporary node of ``home`` that joins the mesh through
     ``bootstrap`` (its first peer within EPHEMERAL_MESH_TIMEOUT_S), then stop it."""
     import trio
 
     from p2ptrain.ipfs import ContentUnavailable
     from p2ptrain.node import Node, NodeConfig
-    from p2ptrain.services import make_peer
+    from p2ptrain.services import make_fetcher
 
     logging.getLogger("libp2p").setLevel(logging.CRITICAL)
     node = Node(home, dataclasses.replace(NodeConfig.of_home(home), listen=["/ip4/127.0.0.1/tcp/0"], bootstrap=bootstrap))
-    peer = make_peer(node)
+    peer = make_fetcher(node)
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:

@@ -16,8 +16,8 @@ if TYPE_CHECKING:
         format_host_port as format_host_port,
         parse_host_port as parse_host_port,
     )
+    from p2ptrain.base._home import default_home as default_home
     from p2ptrain.base._identity import (
-        default_home as default_home,
         load_or_create_identity as load_or_create_identity,
         peer_id_of as peer_id_of,
     )

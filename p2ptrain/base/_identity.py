@@ -22,11 +22,6 @@ from p2ptrain.base._errors import UserError
 KEY_FILE = "identity.key"
 
 
-def default_home() -> Path:
-    """The node home used when ``--home`` is not given: ``$P2PTRAIN_HOME`` or ``~/.p2ptrain``."""
-    return Path(os.environ.get("P2PTRAIN_HOME", Path.home() / ".p2ptrain"))
-
-
 def _write_new_key(path: Path, data: bytes) -> bool:
     """Write ``data`` as ``path`` unless it exists; return False if another process won the race."""
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(8)}.tmp")

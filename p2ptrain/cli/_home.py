@@ -7,6 +7,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from p2ptrain.base import default_home
+
 HOME_HELP = "node home whose store (and running node, if any) to use (default: $P2PTRAIN_HOME or ~/.p2ptrain)"
 
 
@@ -14,8 +16,6 @@ def home_of(args: argparse.Namespace) -> Path:
     """``--home`` (``~`` expanded), else the default home."""
     if args.home:
         return Path(args.home).expanduser()
-    from p2ptrain.base import default_home  # imports libp2p (~1 s): only when needed
-
     return default_home()
 
 

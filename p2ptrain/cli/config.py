@@ -23,7 +23,7 @@ from p2ptrain.base import UserError
 if TYPE_CHECKING:
     from p2ptrain.node import NodeConfig
 
-# The one spelling of where a home is when --home is not given (identity.default_home decides it).
+# The one spelling of where a home is when --home is not given (base.default_home decides it).
 HOME_DEFAULT = "$P2PTRAIN_HOME or ~/.p2ptrain"
 
 

@@ -73,8 +73,6 @@ class Cluster:
         """Start every peer; return once each sees all the others. Returns the first peer's address."""
         from p2ptrain.node import NODE_ARGS, NodeProcess, free_port
 
-        for home in self.homes:
-            (home / "logs").mkdir(parents=True, exist_ok=True, mode=0o700)
         self.procs = [NodeProcess(h, free_port(), extra_args=NODE_ARGS) for h in self.homes]
         bootstrap = [self.procs[0].addr]
         for proc in self.procs[1:]:

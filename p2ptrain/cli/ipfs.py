@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from p2ptrain.api import fetch_progress
-from p2ptrain.base import UserError
+from p2ptrain.base import UserError, default_home
 from p2ptrain.ipfs import (
     BlockMismatch,
     CID,
@@ -91,8 +91,6 @@ def pin_flag(text: str) -> bool:
 
 def store_from_args(args: argparse.Namespace) -> ContentStore:
     if args.home is None:
-        from p2ptrain.base import default_home  # imports libp2p (~1 s): only when needed
-
         args.home = default_home()
     return open_store(args.home, ipfs_api=getattr(args, "ipfs", None))
 

@@ -97,7 +97,6 @@ def _node_running(home: Path) -> bool:
 
 def cmd_gc(args: argparse.Namespace) -> int:
     from p2ptrain.ipfs import DIRECT, CorruptBlock
-    from p2ptrain.services import run_state_roots
 
     home = home_of(args)
     store = _store(home)
@@ -106,6 +105,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
             f"a node is running for home {home}; stop it before repo gc (a running node stores blocks "
             "before anything names them, and gc would delete them)"
         )
+    from p2ptrain.services import run_state_roots  # after the refusal: reading runs imports torch
     started = time.time()
     with content_errors(), store.blocks.gc_lock():
         pins = store.blocks.pin_ls()

@@ -27,12 +27,15 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from p2ptrain.cli._home import home_of
 from p2ptrain.cli.ipfs import cid_arg
 from p2ptrain.base import UserError
 from p2ptrain.control import ops as control_ops
+
+if TYPE_CHECKING:
+    from p2ptrain.services import Fetcher
 
 # --eval: a recomputed metric may differ from the recorded one by float rounding (another thread
 # count sums a batch in another order), no more.
@@ -211,7 +214,7 @@ def _chain_and_task(home: Path, task_cid: str, bootstrap: list[str]) -> tuple[by
 
     found: list[str] = []
 
-    async def work(peer: Any) -> None:
+    async def work(peer: Fetcher) -> None:
         head, _ = await find_latest(peer, task_cid)
         found.append(head.chain_cid)
         await fetch_through(peer, task_cid)

@@ -26,7 +26,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from p2ptrain.data._manifest import Manifest, ShardRef
 from p2ptrain.data._shards import ShardError, decode_shard
 from p2ptrain.data._standardize import apply as standardize, apply_pixels
-from p2ptrain.base import UserError
+from p2ptrain.base import UserError, default_home
 from p2ptrain.ipfs import BlockMismatch, ContentStore, ContentUnavailable, DagError, open_store
 
 
@@ -65,8 +65,6 @@ class IPFSDataset(IterableDataset[tuple[torch.Tensor, torch.Tensor]]):
         super().__init__()
         if store is None:
             if home is None:
-                from p2ptrain.base import default_home  # imports libp2p: only when needed
-
                 home = default_home()
             store = open_store(Path(home).expanduser())
         self.store = store

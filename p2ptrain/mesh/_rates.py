@@ -28,10 +28,17 @@ MAX_BUCKETS = 4096
 
 @dataclass(frozen=True)
 class Rate:
-    """``per_s`` messages a second on average, ``burst`` at once."""
+    """``per_s`` messages a second on average, ``burst`` at once. With ``unit_bytes``, a message
+    costs one token per started ``unit_bytes`` of its data instead of one: what a node pays to check
+    a message (decode, schema, handlers) grows with its size, so a sender of big ones gets fewer."""
 
     per_s: float
     burst: float
+    unit_bytes: int | None = None
+
+    def cost(self, nbytes: int) -> float:
+        """Tokens a message of ``nbytes`` data bytes takes."""
+        return 1.0 if self.unit_bytes is None else float(max(1, -(-nbytes // self.unit_bytes)))
 
 
 class SenderRates:
@@ -53,19 +60,20 @@ class SenderRates:
         tokens, at = self._buckets.get((sender, kind), (rate.burst, now))
         return min(rate.burst, tokens + max(0.0, now - at) * rate.per_s)
 
-    def has_token(self, sender: bytes, kind: str, now: float) -> bool:
-        """Whether ``sender`` may send one more ``kind`` message now (nothing is charged)."""
-        return kind not in self.limits or self._tokens(sender, kind, now) >= 1.0
+    def has_token(self, sender: bytes, kind: str, now: float, nbytes: int = 0) -> bool:
+        """Whether ``sender`` may send one more ``kind`` message of ``nbytes`` now (nothing is charged)."""
+        return kind not in self.limits or self._tokens(sender, kind, now) >= self.limits[kind].cost(nbytes)
 
-    def take(self, sender: bytes, kind: str, now: float) -> bool:
-        """Charge one ``kind`` message to ``sender``; False (nothing charged) when it has no token."""
+    def take(self, sender: bytes, kind: str, now: float, nbytes: int = 0) -> bool:
+        """Charge one ``kind`` message of ``nbytes`` to ``sender``; False (nothing charged) when it
+        has not the tokens."""
         if kind not in self.limits:
             return True
-        tokens = self._tokens(sender, kind, now)
-        if tokens < 1.0:
+        tokens, cost = self._tokens(sender, kind, now), self.limits[kind].cost(nbytes)
+        if tokens < cost:
             return False
         key = (sender, kind)
-        self._buckets[key] = (tokens - 1.0, now)
+        self._buckets[key] = (tokens - cost, now)
         self._buckets.move_to_end(key)
         while len(self._buckets) > self.max_buckets:
             self._buckets.popitem(last=False)

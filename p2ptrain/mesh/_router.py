@@ -84,13 +84,13 @@ class MessageRouter:
         if kind is None or not self.rates.limited(kind):
             return True
         now = trio.current_time()
-        if not self.rates.has_token(raw.from_id, kind, now):
+        if not self.rates.has_token(raw.from_id, kind, now, len(raw.data)):
             self.dropped[f"rate-limited:{kind}"] += 1
             return False
         msg_id = raw.from_id + raw.seqno
         if msg_id in self._charged or not signature_validator(raw):
             return True
-        self.rates.take(raw.from_id, kind, now)
+        self.rates.take(raw.from_id, kind, now, len(raw.data))
         self._charged[msg_id] = None
         if len(self._charged) > _CHARGED_IDS:
             del self._charged[next(iter(self._charged))]

@@ -18,6 +18,7 @@ from typing import Any
 
 from p2ptrain.base import UserError, load_or_create_identity, peer_id_of
 from p2ptrain.control import ControlClient, ops as control_ops
+from p2ptrain.node._node_config import prepare_home
 
 # Generous: a node process imports libp2p and torch, which takes tens of seconds on a loaded 2-core box.
 READY_TIMEOUT_S = 120.0
@@ -44,6 +45,7 @@ class NodeProcess:
         """``ip``: the address it listens on; ``launcher``: argv put before the command (e.g.
         ``ip netns exec NS``, to start it inside a network namespace: p2ptrain.testing._wan)."""
         self.home = Path(home)
+        prepare_home(self.home)  # a fresh home too: its logs/ takes the child's output
         self.port = port
         self.ip = ip
         self.launcher = list(launcher)

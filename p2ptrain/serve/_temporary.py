@@ -26,7 +26,7 @@ import trio
 from p2ptrain.base import UserError
 from p2ptrain.ipfs import ContentUnavailable
 from p2ptrain.node import Node, NodeConfig
-from p2ptrain.services import LatestFinder, MAX_SEEN_HEADS, make_peer
+from p2ptrain.services import LatestFinder, MAX_SEEN_HEADS, make_fetcher
 
 __all__ = ["FIRST_LOOKUP_S", "LOOKUP_S", "TemporaryFollower"]
 
@@ -49,7 +49,7 @@ class TemporaryFollower:
 
     def __init__(self, home: Path, bootstrap: list[str], task_cid: str, *, lookup_s: float = LOOKUP_S) -> None:
         self.node = Node(home, replace(NodeConfig.of_home(home), listen=["/ip4/127.0.0.1/tcp/0"], bootstrap=bootstrap))
-        self.peer = make_peer(self.node)
+        self.peer = make_fetcher(self.node)
         self.finder = LatestFinder(self.node, self.peer.content, task_cid)
         self.task_cid = task_cid
         self.bootstrap = bootstrap

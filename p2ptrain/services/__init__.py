@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from p2ptrain.services._latest import LatestFinder as LatestFinder, MAX_SEEN_HEADS as MAX_SEEN_HEADS
     from p2ptrain.services._metrics import MetricsServer as MetricsServer, parse_address as parse_address
-    from p2ptrain.services._peer import make_peer as make_peer, Peer as Peer
+    from p2ptrain.services._peer import Fetcher as Fetcher, make_fetcher as make_fetcher, make_peer as make_peer, Peer as Peer
     from p2ptrain.services._run_roots import run_state_roots as run_state_roots
     from p2ptrain.services._served import check_url as check_url, SERVED_EVERY_S as SERVED_EVERY_S
     from p2ptrain.services._tasks import KnownTask as KnownTask, TaskOptions as TaskOptions

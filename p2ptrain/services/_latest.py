@@ -137,6 +137,8 @@ class LatestFinder:
         had: its rules are what every chain is checked against. The task is fetched when the first
         head arrives: a peer that answers is connected then, and has the task if it ran it."""
         failure: ContentUnavailable | TaskError | None = None
+        if self.listen:  # heads come on the tasks topic, which a node without a task service never joined
+            await self.node.subscribe(TASKS_TOPIC)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._ask)
             nursery.start_soon(self._find_holders)

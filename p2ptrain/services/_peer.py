@@ -1,4 +1,5 @@
-"""Make a node a full p2ptrain peer: the content service and the task service on top of the mesh."""
+"""Make a node a full p2ptrain peer (the content service and the task service on top of the mesh), or
+a fetcher (the content service alone), for a temporary node that only fetches."""
 
 from __future__ import annotations
 
@@ -12,9 +13,17 @@ from p2ptrain.services._tasks import TaskOptions, TaskService
 
 
 @dataclass
-class Peer:
+class Fetcher:
+    """A node and its content service: what fetching by CID and finding a task's latest chain need."""
+
     node: Node
     content: ContentService
+
+
+@dataclass
+class Peer(Fetcher):
+    """A full peer: a fetcher that also takes part in tasks and lists served models."""
+
     tasks: TaskService
     served: ServedModels
 
@@ -41,3 +50,13 @@ def make_peer(node: Node, options: TaskOptions | None = None, ipfs_api: str | No
     node.add_service(content.run, name="content")
     node.add_service(tasks.run, name="tasks")
     return Peer(node, content, tasks, served)
+
+
+def make_fetcher(node: Node) -> Fetcher:
+    """Install only the content service into ``node`` (before it runs): what a temporary node
+    needs that fetches by CID and finds a task's latest chain (``model fetch --bootstrap``, ``model
+    verify``, ``model serve --latest``). It takes no task, so it pays neither torch's warm-up (4 s
+    of CPU here) nor the task service's start (the builders of installed packages)."""
+    content = ContentService(node)
+    node.add_service(content.run, name="content")
+    return Fetcher(node, content)

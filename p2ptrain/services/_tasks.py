@@ -19,7 +19,7 @@ import trio
 
 from p2ptrain.collective import Collective
 from p2ptrain.base import UserError, short_id, write_atomic
-from p2ptrain.ipfs import ContentUnavailable, dag_bytes_limit, requested_cid
+from p2ptrain.ipfs import ContentUnavailable, InvalidCID, dag_bytes_limit, requested_cid
 from p2ptrain.mesh import Rate
 from p2ptrain.control import FINISHED, Phase, TaskStatus, ops as control_ops
 from p2ptrain.node import ContentService, DEFAULT_MAX_FETCH_BYTES, Node
@@ -78,8 +78,13 @@ STARTING_PHASES = frozenset({Phase.STARTING, Phase.FETCHING, Phase.RESUMING})
 # HEAD_EVERY_S (2 s) and one at each confirmed checkpoint (up to ~8 a second in a tiny task that
 # checkpoints every few 30 ms rounds: 8 at most), a member of a finished run answers at most once a second a
 # task, a joiner or fetcher asks every second or two: these leave room for that, and hold a flood
-# from one identity to what a node checks and relays in a few ms a second.
-HEAD_RATE = Rate(per_s=8.0, burst=32.0)
+# from one identity to what a node checks and relays in a few ms a second. A head costs a token per
+# started 4 KiB: decoding and checking one grows with its member list (a forged head of 1,024
+# members, 57 KB, took 10-20 ms here; at 8 a second that held a node's event loop for 0.4-0.7 s at a
+# time on the loaded 2-core VM, long enough that members missed each other's heartbeats and
+# re-elected). A head of up to ~70 members is one token; the coordinator of a 1,024-member run
+# spends 14 every 2 s.
+HEAD_RATE = Rate(per_s=8.0, burst=32.0, unit_bytes=4096)
 HEAD_REQUEST_RATE = Rate(per_s=4.0, burst=16.0)
 
 
@@ -397,9 +402,13 @@ class TaskService:
         run's status, ``rejected``, and in ``task list --json``, ``joins``). A run this home never
         cancelled ignores it."""
         run = self.runs.get(task_cid)
+        try:
+            run_dir = RunDir.of(self.node.home, task_cid)  # the CID parsed before it names a folder on disk
+        except InvalidCID:
+            return  # no task of ours is named so
         if run is None or run.shared.cancel_reason is None:
-            held = RunDir.of(self.node.home, task_cid).chain.is_file() and self.content.store.has(task_cid)
-            if run is not None or not self._cancelled_here(task_cid) or not held:
+            held = run_dir.chain.is_file() and self.content.store.has(task_cid)
+            if run is not None or not run_dir.cancelled.is_file() or not held:
                 return  # no run of ours to resume (only a task held here is read, never fetched for a stranger)
         task = run.shared.task if run is not None else await trio.to_thread.run_sync(self._held_task, task_cid)
         if task.publisher is None or sender != task.publisher:
@@ -411,7 +420,7 @@ class TaskService:
                 logger.warning("node %s refused a resume of task %s from %s: %s", short_id(self.node.peer_id),
                                task_cid, short_id(sender), why)
             return
-        RunDir.of(self.node.home, task_cid).cancelled.unlink(missing_ok=True)
+        run_dir.cancelled.unlink(missing_ok=True)
         if run is not None and run.shared.phase not in FINISHED:
             run.shared.uncancel()  # the cancel had not settled yet: the run simply goes on
             return

@@ -202,8 +202,6 @@ def node_processes(
     procs: list[NodeProcess] = []
     for i in range(n):
         home = Path(base) / f"node{i}"
-        home.mkdir(parents=True, exist_ok=True, mode=0o700)
-        (home / "logs").mkdir(exist_ok=True, mode=0o700)
         procs.append(NodeProcess(home, free_port(), extra_args=extra_args))
     with run_node_processes(procs, ready_timeout) as started:
         yield started

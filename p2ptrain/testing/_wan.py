@@ -349,8 +349,6 @@ def wan_node_processes(
     procs: list[NodeProcess] = []
     for peer in chosen:
         home = Path(base) / f"node{peer.index}"
-        home.mkdir(parents=True, exist_ok=True, mode=0o700)
-        (home / "logs").mkdir(exist_ok=True, mode=0o700)
         procs.append(NodeProcess(home, NODE_PORT, extra_args=extra_args, ip=peer.ip, launcher=peer.exec_prefix()))
     with run_node_processes(procs, ready_timeout) as started:
         yield started

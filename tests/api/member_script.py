@@ -2,6 +2,9 @@
 what tests/api/test_user_runs.py starts as separate processes. Prints one JSON line at the end.
 
 ``--scale S`` makes a hostile member: it multiplies its gradients by S before each step.
+``--slow-below N`` makes a slow member while the run's span has fewer than N members: it rests
+``SLOW_STEP_S`` after each step (as a member busy with its data would), so that a run of a few hundred
+steps is still under way when a late joiner gets in, however loaded the machine.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from sklearn.datasets import load_digits
 from torch import nn
 
 import p2ptrain
+
+SLOW_STEP_S = 0.5
 
 
 class DigitsNet(nn.Module):
@@ -62,6 +67,7 @@ def main() -> None:
     parser.add_argument("--scale", type=float, default=1.0)
     parser.add_argument("--load", help="only load this model CID from --home into a fresh instance and report")
     parser.add_argument("--wait-for", help="a late joiner: start taking part once this file exists")
+    parser.add_argument("--slow-below", type=int, default=0, help="rest after each step while the span has fewer members")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     for noisy in ("libp2p", "p2ptrain.mesh", "p2ptrain.net", "p2ptrain.ipfs"):
@@ -74,12 +80,15 @@ def main() -> None:
         weights, predictions = digest(model, test_x)
         print(json.dumps({"weights": weights, "predictions": predictions}), flush=True)
         return
-    while args.wait_for and not os.path.exists(args.wait_for):  # imports done: join the moment it is told
+    # p2ptrain imports its API lazily: the Optimizer's imports (libp2p, the services) are done before
+    # the wait, so that a late joiner joins the moment it is told.
+    optimizer_class = p2ptrain.Optimizer
+    while args.wait_for and not os.path.exists(args.wait_for):
         time.sleep(0.1)
     mine = slice(args.member, None, args.members)
     data = torch.utils.data.TensorDataset(train_x[mine], train_y[mine])
     loader = torch.utils.data.DataLoader(data, batch_size=32, shuffle=True, drop_last=True)
-    opt = p2ptrain.Optimizer(torch.optim.Adam(model.parameters(), lr=3e-3, fused=True), model=model, run="test-digits",
+    opt = optimizer_class(torch.optim.Adam(model.parameters(), lr=3e-3, fused=True), model=model, run="test-digits",
                              home=args.home, listen=[args.listen], bootstrap=args.bootstrap, density=0.1,
                              robust=args.robust, checkpoint_every=args.checkpoint_every, min_peers=2,
                              total_steps=args.steps)
@@ -96,6 +105,8 @@ def main() -> None:
                             assert p.grad is not None
                             p.grad.mul_(args.scale)
                     opt.step()
+                    if args.slow_below and len(opt.peers) < args.slow_below:
+                        time.sleep(SLOW_STEP_S)
         except p2ptrain.RunFinished:
             pass
         model.eval()

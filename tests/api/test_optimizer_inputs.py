@@ -37,10 +37,11 @@ def _step(opt: p2ptrain.Optimizer, model: nn.Module) -> None:
 
 @contextmanager
 def _first_member(tmp_path: Path, **more: object) -> Iterator[tuple[p2ptrain.Optimizer, nn.Module]]:
-    """A member alone in run "inputs" (min_peers 1), under way: two steps taken."""
+    """A member alone in run "inputs" (min_peers 1), under way: two steps taken. Nobody else starts
+    with it: a short window (the others, started later, find its run under way)."""
     model = _net()
     opt = p2ptrain.Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model,
-                             **_options(tmp_path / "a", **more))
+                             **_options(tmp_path / "a", join_window_s=0.5, **more))
     try:
         _step(opt, model)
         _step(opt, model)

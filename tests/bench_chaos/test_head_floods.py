@@ -96,3 +96,28 @@ async def test_a_sender_that_keeps_flooding_is_not_read_for_a_while(tmp_path: Pa
         most = HEAD_REQUEST_RATE.burst + FLOODER_BURST + hostile.BATCH * (3.0 / FLOODER_PAUSE_S + 2)
         assert 0 < read <= most < PAUSE_FLOOD, (read, most)
         assert node.pubsub is not None and node.pubsub.dropped["flooder-paused"] >= 1
+
+
+BIG_MEMBERS = 1024  # issue 27's forged head: 57 KB, 10-20 ms to decode and check here
+
+
+async def test_big_forged_heads_cost_their_sender_a_token_per_4_kib(tmp_path: Path) -> None:
+    """A flood of 57 KB heads gets ~14 times fewer through than one of small heads: at 8 a second
+    such heads held a node's event loop for 0.4-0.7 s at a time and its run re-elected (issue 27).
+    Before: the burst of 32 and 8/s got through, whatever their size."""
+    async with local_peers(1, tmp_path) as peers, hostile.hostile_peer() as peer:
+        node = peers[0].node
+        heard: list[int] = []
+        node.on(TaskHead, lambda signed, topic: heard.append(len(signed.msg.members)))
+        with trio.fail_after(60):
+            target = await peer.connect(str(node.addrs[0]))
+            await peer.wait_in_topic(TASKS_TOPIC, [target])
+            heads = bounds.head_flood(peer, TASK, 100, members=BIG_MEMBERS)
+            started = trio.current_time()
+            await hostile.send_paced(peer, heads, rate=1000)
+            while node.router.dropped["rate-limited:task_head"] + len(heard) < len(heads):
+                await trio.sleep(0.05)
+            elapsed = trio.current_time() - started
+        cost = HEAD_RATE.cost(len(heads[0].data))
+        assert cost == 14
+        assert 1 <= len(heard) <= (HEAD_RATE.burst + HEAD_RATE.per_s * (elapsed + 0.5)) / cost, (len(heard), elapsed)

@@ -89,7 +89,7 @@ async def test_big_bodies_beside_honest_requests_leave_their_latency_near_its_ba
         assert len(big) <= server.batcher.current.spec.max_body_bytes < len(biggest)
         with trio.fail_after(DEADLINE_S * 2):
             base = await bounds.honest_p50(host, port, HONEST)
-            seen = await bounds.slow_and_big_bodies(host, port, 8.0, HONEST, tricklers=0,
+            seen = await bounds.slow_and_big_bodies(host, port, 4.0, HONEST, tricklers=0,
                                                     big=(big, big, biggest, biggest))
         assert set(seen["honest"]) == {200}
         assert seen["big"].get(200) and seen["big"].get(413)  # the big ones answered, the biggest refused

@@ -9,26 +9,39 @@ the attack is on the values, which every wire check accepts (finite, right count
 its own into the chunk it reduces (``poison``), or sends one member other bytes for its chunk than
 the rest, signed with its own key like the real ones (``equivocate_to``: equivocation). It runs the
 real code with two seams patched (:func:`install`): the owner's reduction and the frames it sends,
-both only inside the task that :meth:`Owner.acting` marks, so the honest members in the same
-process are untouched.
+both only inside the task that :meth:`Owner.acting` marks (and the tasks it starts: a whole peer's,
+if its node is started there), so the honest members in the same process are untouched.
 
-Loaded by path (bench/robust.py and tests/collective/test_robust.py), so it imports nothing from
-the test tree.
+The hostile *coordinator* of issue 27 (:func:`ground_key`, :func:`install_key`,
+:func:`forge_records`): a key ground to be the task's designated candidate, and a full peer whose
+records name only itself and a model nobody trained, attested by itself.
+
+Loaded by path (bench/robust.py, bench/hostile_member.py, tests/collective/test_robust.py,
+tests/runtime/test_hostile_coordinator.py), so it imports nothing from the test tree.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import os
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from contextvars import ContextVar
+from pathlib import Path
+from typing import Any
 
 import torch
 import trio
+from libp2p.crypto.ed25519 import create_new_key_pair
+from libp2p.crypto.keys import KeyPair
 
 from p2ptrain.collective import Collective, PeerFailed, RoundSpec, SparseAllReducer, _direct as direct
 from p2ptrain.collective._links import RoundLinks
 from p2ptrain.collective._witness import Witness
+from p2ptrain.base._identity import KEY_FILE
+from p2ptrain.protocol import signing
+from p2ptrain.protocol._voters import designated
 from p2ptrain.testing import connected_hosts
 from p2ptrain.wire import DTYPES, SIGNATURE_BYTES, Phase, Said
 
@@ -172,7 +185,8 @@ async def train_digits(
 
 
 class Owner:
-    """What a hostile owner does in the rounds it takes part in (see the module docstring):
+    """What a hostile owner does in the rounds it takes part in (see the module docstring; with
+    none of the three it is honest: an attack can be switched on mid-run):
     ``poison``, a value written into every value of the chunk it reduces; ``equivocate_to``, a
     peer ID that gets this owner's chunk plus one, signed anew (``resign=False``: under the
     signature of the real chunk); ``split``: as a contributor, it
@@ -208,6 +222,34 @@ def _plus_one(payload, dtype: torch.dtype) -> bytes:
     if not len(payload):
         return b""
     return (torch.frombuffer(bytearray(payload), dtype=dtype) + 1).view(torch.uint8).numpy().tobytes()
+
+
+class Patches:
+    """What pytest's ``monkeypatch`` does for :func:`install`, for a process without pytest (the
+    chaos bench): ``setattr`` remembers what it replaced, ``undo`` puts it back."""
+
+    def __init__(self) -> None:
+        self._saved: list[tuple[Any, str, Any]] = []
+
+    def setattr(self, target: Any, name: str, value: Any) -> None:
+        self._saved.append((target, name, getattr(target, name)))
+        setattr(target, name, value)
+
+    def undo(self) -> None:
+        while self._saved:
+            target, name, value = self._saved.pop()
+            setattr(target, name, value)
+
+
+@contextmanager
+def installed() -> Iterator[None]:
+    """:func:`install` for the duration of the block."""
+    patches = Patches()
+    install(patches)
+    try:
+        yield
+    finally:
+        patches.undo()
 
 
 def install(monkeypatch) -> None:
@@ -261,3 +303,54 @@ def install(monkeypatch) -> None:
     monkeypatch.setattr(direct, "_check_chunk", honest_check)
     monkeypatch.setattr(Witness, "__init__", remember_witness)
     monkeypatch.setattr(RoundLinks, "send", equivocating_send)
+
+
+# ---- the hostile coordinator ----------------------------------------------------------------------
+
+
+def ground_key(task_cid: str, others: list[str], terms: range) -> KeyPair:
+    """A key whose peer is the designated candidate of every term in ``terms`` among ``others``
+    (and so among any subset of them: the designated one is the lowest rank)."""
+    while True:
+        key = create_new_key_pair()
+        me = signing.peer_str(key)
+        if all(designated(task_cid, term, [me, *others]) == me for term in terms):
+            return key
+
+
+def install_key(home: Path, key: KeyPair) -> None:
+    """Make ``key`` the identity of a node to be started on ``home`` (which must not exist yet)."""
+    home.mkdir(parents=True, mode=0o700)
+    fd = os.open(home / KEY_FILE, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(key.private_key.serialize())
+
+
+def forge_records(run: Any, poison: str, named: int) -> None:
+    """Make the hostile member's records (``run``: its TaskRun) name only itself (and ``named - 1``
+    of the span's other members) and a model nobody trained (``poison``), with a flattering
+    accuracy, and its own attestation match them.
+
+    Patched on the class, for the book ``run`` holds whenever it makes a record: a resync replaces
+    the run's book (a member that joined a run under way resyncs whenever it falls behind)."""
+    from p2ptrain.protocol._round_book import RoundBook
+
+    _forged_runs.append((run, poison, named))
+    if getattr(RoundBook.checkpoint_record, "forging", False):
+        return
+    honest = RoundBook.checkpoint_record
+
+    def forged(book, plan, step, model_cid, optimizer_cid, metrics, key_pair, votes=()):  # type: ignore[no-untyped-def]
+        for hostile_run, poisoned, count in _forged_runs:
+            if hostile_run.shared.book is book:
+                me = hostile_run.shared.me
+                hostile_run.attesting.checkpoint_cids[step] = (poisoned, poisoned)  # so that it attests the poison
+                few = dataclasses.replace(plan, members=(me, *[m for m in plan.members if m != me][: count - 1]))
+                return honest(book, few, step, poisoned, poisoned, {**metrics, "accuracy": 0.99}, key_pair, votes)
+        return honest(book, plan, step, model_cid, optimizer_cid, metrics, key_pair, votes)
+
+    forged.forging = True  # type: ignore[attr-defined]
+    RoundBook.checkpoint_record = forged  # type: ignore[method-assign]
+
+
+_forged_runs: list[tuple[Any, str, int]] = []  # (a hostile TaskRun, its poison CID, members it names)

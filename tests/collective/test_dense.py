@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
-import trio
 from safetensors.torch import load_file, save_file
 
 from p2ptrain.collective import CollectiveError, RoundSpec
 
 SIZES = [1, 2, 7, 1001, 65_537]
+WORLDS = [2, 3, 4, 5]
 GLOO = Path(__file__).with_name("gloo_reference.py")
 
 
@@ -31,22 +31,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def gloo_sum(tmp_path: Path, world: int, per_rank: list[dict[str, torch.Tensor]]) -> list[dict]:
-    for r, tensors in enumerate(per_rank):
-        save_file(tensors, tmp_path / f"in{r}.safetensors")
-    subprocess.run(
-        [sys.executable, str(GLOO), str(tmp_path), str(world), str(free_port())],
-        check=True, timeout=120,
-    )
-    return [load_file(tmp_path / f"out{r}.safetensors") for r in range(world)]
+
+@pytest.fixture(scope="module")
+def gloo_reference(tmp_path_factory) -> dict[int, list[dict[str, torch.Tensor]]]:
+    """{world: each rank's gloo SUM of every size's inputs}: one script run for the module, whose
+    ranks are forked from one torch import (gloo_reference.py), not four runs of spawned ranks."""
+    folder = tmp_path_factory.mktemp("gloo")
+    for world in WORLDS:
+        (folder / f"w{world}").mkdir()
+        data = {n: inputs(world, n, seed=n) for n in SIZES}
+        for r in range(world):
+            save_file({f"n{n}": data[n][r] for n in SIZES}, folder / f"w{world}" / f"in{r}.safetensors")
+    subprocess.run([sys.executable, str(GLOO), str(folder), *(f"{w}:{free_port()}" for w in WORLDS)],
+                   check=True, timeout=300)
+    return {w: [load_file(folder / f"w{w}" / f"out{r}.safetensors") for r in range(w)] for w in WORLDS}
 
 
-@pytest.mark.parametrize("world", [2, 3, 4, 5])
-async def test_dense_matches_gloo_and_is_bitwise_identical(cluster, gather, tmp_path, world):
+@pytest.mark.parametrize("world", WORLDS)
+async def test_dense_matches_gloo_and_is_bitwise_identical(cluster, gather, gloo_reference, world):
     data = {n: inputs(world, n, seed=n) for n in SIZES}
-    reference = await trio.to_thread.run_sync(
-        gloo_sum, tmp_path, world, [{f"n{n}": data[n][r] for n in SIZES} for r in range(world)]
-    )
+    reference = gloo_reference[world]
     # Small segments, so the larger sizes travel as many pipelined frames per chunk.
     async with cluster(world, segment_bytes=4096) as peers:
         ring = [p.id for p in peers]

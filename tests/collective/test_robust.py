@@ -192,21 +192,25 @@ async def test_members_that_disagree_on_the_rule_fail_the_round_at_once(cluster,
         assert isinstance(result, PeerFailed) and "disagrees" in str(result)
 
 
-TRAIN_STEPS = 400
+# Steps of each run. Every round is deterministic (seeded batches, fixed summation order), so each
+# accuracy is too: clip passes 90% from step 150 on (0.925 at 250; 0.933 at bench/robust.py's 400),
+# while the plain mean stays below 40% (measured every 10 steps from 20 to 100; 0.16 at 50).
+TRAIN_STEPS, WRECKED_STEPS = 250, 50
 
 
 async def test_digits_keeps_training_with_a_member_sending_x100_under_clip(one_thread):
     """4 real hosts, one of them x100, 1% top-k + error feedback: clip keeps > 90% test accuracy;
-    the plain mean, over the first 100 steps alone, is already far below what clip reaches there
+    the plain mean, over the first 50 steps alone, is already far below what clip reaches there
     (bench/robust.py measures the full matrix)."""
     async with hostile.hosts(WORLD) as collectives:
         clipped, models = await hostile.train_digits(
             collectives, steps=TRAIN_STEPS, robust="clip", hostile={BAD: 100.0}
         )
         wrecked, _ = await hostile.train_digits(
-            collectives, steps=100, robust="none", hostile={BAD: 100.0}, first_round=10_000
+            collectives, steps=WRECKED_STEPS, robust="none", hostile={BAD: 100.0}, first_round=10_000
         )
-    print(f"digits, one member of {WORLD} x100: clip {clipped:.4f} after {TRAIN_STEPS} steps, none {wrecked:.4f} after 100")
+    print(f"digits, one member of {WORLD} x100: clip {clipped:.4f} after {TRAIN_STEPS} steps, "
+          f"none {wrecked:.4f} after {WRECKED_STEPS}")
     assert clipped > 0.9
     assert wrecked < 0.5
     for m in models[1:BAD]:  # every honest member applied the same updates: identical replicas

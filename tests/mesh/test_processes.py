@@ -6,7 +6,6 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -20,8 +19,21 @@ def cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout)
 
 
-def status_json(home: Path) -> dict:
-    done = cli("node", "status", "--home", str(home), "--json")
+def clis(*commands: list[str], timeout: float = 60) -> list[subprocess.CompletedProcess]:
+    """Several CLI commands as processes started at once (each imports for seconds on a loaded box)."""
+    procs = [subprocess.Popen([*CLI, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for args in commands]
+    try:
+        outs = [p.communicate(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return [subprocess.CompletedProcess(p.args, p.returncode, out, err) for p, (out, err) in zip(procs, outs)]
+
+
+def status_json(done: subprocess.CompletedProcess) -> dict:
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)
 
@@ -58,13 +70,14 @@ def test_four_node_processes_form_a_mesh_survive_a_kill_and_a_restart(tmp_path):
         # Every node lists the other three (polled through the control socket, bounded at 10 s).
         settle(procs, lambda: all(peer_ids(p.status()) == ids - {p.peer_id} for p in procs), timeout=10)
         # ... and says so through the CLI contract: peer_id, addrs (usable as --bootstrap), peers.
-        for p in procs:
-            status = status_json(p.home)
+        *machine, human = clis(*[["node", "status", "--home", str(p.home), "--json"] for p in procs],
+                               ["node", "status", "--home", str(procs[0].home)])
+        for p, done in zip(procs, machine):
+            status = status_json(done)
             assert status["peer_id"] == p.peer_id
             assert p.addr in status["addrs"]
             assert all(a.endswith(f"/p2p/{p.peer_id}") for a in status["addrs"])
             assert peer_ids(status) == ids - {p.peer_id}
-        human = cli("node", "status", "--home", str(procs[0].home))
         assert human.returncode == 0 and procs[1].peer_id in human.stdout
 
         # A killed node gets no chance to say goodbye: the others notice its silence.

@@ -141,9 +141,7 @@ def test_parse_request_refuses_a_nesting_bomb_with_its_declared_error():
 
 
 async def test_a_100000_bracket_line_is_refused_and_the_node_process_keeps_answering(tmp_path):
-    home = tmp_path / "node"
-    home.mkdir(mode=0o700)
-    (home / "logs").mkdir(mode=0o700)
+    home = tmp_path / "node"  # no folder yet: NodeProcess makes the home as node start would
     proc = NodeProcess(home, free_port(), extra_args=["--no-dht"]).start()
     try:
         await trio.to_thread.run_sync(proc.wait_ready)

@@ -11,54 +11,22 @@ faked but the two things an attacker changes: its key, and the record it signs.
 
 from __future__ import annotations
 
-import dataclasses
-import os
+import importlib.util
 from pathlib import Path
-from typing import Any
 
 import pytest
 import trio
-from libp2p.crypto.ed25519 import create_new_key_pair
-from libp2p.crypto.keys import KeyPair
 
-from p2ptrain.base._identity import KEY_FILE
-from p2ptrain.testing import local_peers, publish_digits_task
 from p2ptrain.protocol import signing
-from p2ptrain.protocol._voters import designated
+from p2ptrain.testing import local_peers, publish_digits_task
+
+# The attack (a ground key, forged records), shared with the chaos bench (bench/hostile_member.py).
+_spec = importlib.util.spec_from_file_location(
+    "p2ptrain_test_hostile_attacks", Path(__file__).resolve().parents[1] / "collective" / "hostile.py")
+attacks = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(attacks)
 
 RUN_S = 240.0  # four peers, 30 rounds and three checkpoints, an election after the accusation
-
-
-def _ground_key(task_cid: str, others: list[str], terms: range) -> KeyPair:
-    """A key whose peer is the designated candidate of every term in ``terms`` among ``others``."""
-    while True:
-        key = create_new_key_pair()
-        me = signing.peer_str(key)
-        if all(designated(task_cid, term, [me, *others]) == me for term in terms):
-            return key
-
-
-def _install_key(home: Path, key: KeyPair) -> None:
-    home.mkdir(parents=True, mode=0o700)
-    fd = os.open(home / KEY_FILE, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(key.private_key.serialize())
-
-
-def _forge_records(run: Any, poison: str, named: int) -> None:
-    """Make the hostile member's records name only itself (and ``named - 1`` of the span's other
-    members) and a model nobody trained (``poison``), with a flattering accuracy, and its own
-    attestation match them."""
-    book = run.shared.book
-    me = run.shared.me
-    honest = book.checkpoint_record
-
-    def forged(plan, step, model_cid, optimizer_cid, metrics, key_pair, votes=()):  # type: ignore[no-untyped-def]
-        run.attesting.checkpoint_cids[step] = (poison, poison)  # so that it attests the poison itself
-        few = dataclasses.replace(plan, members=(me, *[m for m in plan.members if m != me][: named - 1]))
-        return honest(few, step, poison, poison, {**metrics, "accuracy": 0.99}, key_pair, votes)
-
-    book.checkpoint_record = forged
 
 
 # 1: the attack as the issue saw it (a record of one member; peers.min = 2 refuses it even to an
@@ -68,10 +36,12 @@ def _forge_records(run: Any, poison: str, named: int) -> None:
 async def test_a_hostile_coordinator_cannot_get_a_model_nobody_trained_confirmed(tmp_path: Path, named: int) -> None:
     with trio.fail_after(RUN_S):
         async with local_peers(3, tmp_path) as peers:
-            task_cid = await publish_digits_task(peers[0], total_steps=30, checkpoint_interval=10, min_peers=2)
+            # peers.max 4: the first plan comes once all four advertise the task, not after a grace for joiners.
+            task_cid = await publish_digits_task(peers[0], total_steps=30, checkpoint_interval=10, min_peers=2,
+                                                 max_peers=4)
             honest_ids = [p.node.peer_id.to_base58() for p in peers]
-            key = await trio.to_thread.run_sync(_ground_key, task_cid, honest_ids, range(1, 4))
-            _install_key(tmp_path / "peer3", key)
+            key = await trio.to_thread.run_sync(attacks.ground_key, task_cid, honest_ids, range(1, 4))
+            attacks.install_key(tmp_path / "peer3", key)
             hostile = await peers.add_peer()
             hostile_id = hostile.node.peer_id.to_base58()
             assert hostile_id == signing.peer_str(key)
@@ -81,7 +51,7 @@ async def test_a_hostile_coordinator_cannot_get_a_model_nobody_trained_confirmed
             # key makes it the designated one (the attacker of issue 27 had the same head start).
             run = await hostile.tasks.join(task_cid)
             await peers.wait_until(lambda: run.shared.synced, 60, what="the hostile member at the run's state")
-            _forge_records(run, poison, named)
+            attacks.forge_records(run, poison, named)
             async with trio.open_nursery() as nursery:
                 for peer in peers[:3]:
                     nursery.start_soon(peer.tasks.join, task_cid)

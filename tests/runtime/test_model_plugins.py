@@ -168,7 +168,6 @@ def test_a_node_with_the_package_joins_and_trains_and_one_without_it_refuses_say
     procs = []
     for i, (launcher, args) in enumerate([(with_plugin, []), (with_plugin, ["--accept-tasks"]), ([], ["--accept-tasks"])]):
         home = tmp_path / f"node{i}"
-        (home / "logs").mkdir(parents=True, mode=0o700)
         procs.append(NodeProcess(home, free_port(), extra_args=["--device", "cpu", "--threads", "1", *args],
                                  launcher=launcher))
     with run_node_processes(procs) as (publisher, member, lacking):

@@ -46,10 +46,12 @@ async def test_members_stopped_together_resume_from_their_last_record_and_end_wh
     with trio.fail_after(DEADLINE_S):
         async with local_peers(3, tmp_path) as peers:
             # The same task twice but for its name: the same seed, data, model and rounds.
-            stopped = await publish_digits_task(peers[0], name="stopped", total_steps=40, checkpoint_interval=4,
-                                                min_peers=3)
-            unstopped = await publish_digits_task(peers[0], name="unstopped", total_steps=40, checkpoint_interval=4,
-                                                  min_peers=3)
+            # Stopped at v3 (step 12), three checkpoints before the end; no one else can join
+            # (peers.max 3), so the first plan needs no grace for joiners.
+            stopped = await publish_digits_task(peers[0], name="stopped", total_steps=24, checkpoint_interval=4,
+                                                min_peers=3, max_peers=3)
+            unstopped = await publish_digits_task(peers[0], name="unstopped", total_steps=24, checkpoint_interval=4,
+                                                  min_peers=3, max_peers=3)
             async with trio.open_nursery() as nursery:
                 for peer in peers:
                     nursery.start_soon(peer.tasks.join, unstopped)
@@ -104,7 +106,8 @@ async def test_a_chain_file_whose_last_record_forks_is_refused_and_kept_as_it_wa
     while the others go on), and the others resume without it."""
     with trio.fail_after(DEADLINE_S):
         async with local_peers(3, tmp_path) as peers:
-            task_cid = await publish_digits_task(peers[0], total_steps=400, checkpoint_interval=4, min_peers=2)
+            task_cid = await publish_digits_task(peers[0], total_steps=400, checkpoint_interval=4, min_peers=2,
+                                                 max_peers=3)
             async with trio.open_nursery() as nursery:
                 for peer in peers:
                     nursery.start_soon(peer.tasks.join, task_cid)
@@ -156,7 +159,8 @@ async def test_a_member_restarted_while_the_run_goes_on_resumes_its_chain_then_c
     record it had."""
     with trio.fail_after(DEADLINE_S):
         async with local_peers(3, tmp_path) as peers:
-            task_cid = await publish_digits_task(peers[0], total_steps=100_000, checkpoint_interval=4, min_peers=2)
+            task_cid = await publish_digits_task(peers[0], total_steps=100_000, checkpoint_interval=4, min_peers=2,
+                                                 max_peers=3)
             async with trio.open_nursery() as nursery:
                 for peer in peers:
                     nursery.start_soon(peer.tasks.join, task_cid)

@@ -27,9 +27,11 @@ from p2ptrain.run import TaskRun
 from p2ptrain.task import load_task, task_bytes
 
 DEADLINE_S = 240.0  # whole test: two nodes start, torch warms up, the victim trains (a loaded 2-core box)
-FLOOD_S = 8.0  # how long the attacker publishes heads while the victim trains
+FLOOD_S = 4.0  # how long the attacker publishes heads while the victim trains (40 heads, each kind 13 times)
 HEADS_PER_S = 10
 
+# peers.max 1: the victim runs alone (the attacker never joins), so its first plan does not wait
+# the grace that lets more members join.
 TASK = """\
 name = "{name}"
 seed = 0
@@ -47,7 +49,7 @@ total_steps = 1000000
 checkpoint_interval = 5
 [peers]
 min = 1
-max = 4
+max = 1
 """
 
 

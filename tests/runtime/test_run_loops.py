@@ -54,8 +54,11 @@ def _failed(statuses: list[dict[str, Any]]) -> None:
         assert s.get("state") != "failed", s.get("error")
 
 
-async def _start_run(peers: LocalPeers) -> str:
-    task_cid = await publish_digits_task(peers[0], total_steps=TOTAL_STEPS, checkpoint_interval=CHECKPOINT_INTERVAL)
+async def _start_run(peers: LocalPeers, *, max_peers: int | None = None) -> str:
+    """Publish the run and join every peer. ``peers.max`` is the peers' count unless a test adds one
+    later: then no one else can be admitted, so the first plan does not wait its grace for joiners."""
+    task_cid = await publish_digits_task(peers[0], total_steps=TOTAL_STEPS, checkpoint_interval=CHECKPOINT_INTERVAL,
+                                         max_peers=max_peers or len(peers))
     await _join_all(peers, task_cid)
     return task_cid
 
@@ -168,8 +171,10 @@ async def test_a_run_ends_done_on_every_member_at_its_last_checkpoint(tmp_path: 
     with trio.fail_after(DEADLINE_S):
         async with local_peers(3, tmp_path) as peers:
             steps = 2 * CHECKPOINT_INTERVAL
+            # peers.min 3: the run starts with all three, so two of them share a shard (a member that
+            # joined late on a loaded machine found the run over, run alone by the first).
             task_cid = await publish_digits_task(peers[0], shards=2, total_steps=steps,
-                                                 checkpoint_interval=CHECKPOINT_INTERVAL)
+                                                 checkpoint_interval=CHECKPOINT_INTERVAL, min_peers=3, max_peers=3)
             await _join_all(peers, task_cid)
 
             def done() -> list[dict[str, Any]] | None:
@@ -189,7 +194,7 @@ async def test_a_run_ends_done_on_every_member_at_its_last_checkpoint(tmp_path: 
 async def test_a_late_joiner_resyncs_to_the_confirmed_chain_and_is_then_planned(tmp_path: Path) -> None:
     with trio.fail_after(DEADLINE_S):
         async with local_peers(3, tmp_path) as peers:
-            task_cid = await _start_run(peers)
+            task_cid = await _start_run(peers, max_peers=4)  # and the late joiner
             await _all_at_version(peers, task_cid, 1)
             late = await peers.add_peer()
             await late.tasks.join(task_cid)
@@ -313,7 +318,7 @@ async def test_a_member_left_below_peers_min_waits_for_peers_instead_of_cycling_
     with trio.fail_after(DEADLINE_S):
         async with local_peers(2, tmp_path, heartbeat_interval=heartbeat) as peers:
             task_cid = await publish_digits_task(peers[0], total_steps=TOTAL_STEPS,
-                                                 checkpoint_interval=CHECKPOINT_INTERVAL, min_peers=2)
+                                                 checkpoint_interval=CHECKPOINT_INTERVAL, min_peers=2, max_peers=2)
             await _join_all(peers, task_cid)
             await _all_at_version(peers, task_cid, 1)
             await peers.stop_peer(1)

@@ -26,10 +26,10 @@ DEADLINE_S = 120.0
 STEP_S = 60.0
 
 
-async def _published_by(peers: LocalPeers, index: int) -> str:
+async def _published_by(peers: LocalPeers, index: int, max_peers: int = 8) -> str:
     """A digits task whose file names peer ``index`` as its publisher (as `task publish` writes it)."""
     peer = peers[index]
-    unnamed = await publish_digits_task(peer, total_steps=100_000, checkpoint_interval=3)
+    unnamed = await publish_digits_task(peer, total_steps=100_000, checkpoint_interval=3, max_peers=max_peers)
     store = peer.content.store
     task = task_from_bytes(store.cat(unnamed))
     named = dataclasses.replace(task, publisher=peer.node.peer_id.to_base58())
@@ -119,7 +119,7 @@ async def test_the_publishers_resume_continues_a_cancelled_run_from_its_head_and
 ) -> None:
     with trio.fail_after(2 * DEADLINE_S):
         async with local_peers(3, tmp_path) as peers:
-            task_cid = await _published_by(peers, 0)
+            task_cid = await _published_by(peers, 0, max_peers=3)  # no one else joins: no grace for joiners
             async with trio.open_nursery() as nursery:
                 for peer in peers:
                     nursery.start_soon(peer.tasks.join, task_cid)
@@ -168,3 +168,16 @@ async def test_the_publishers_resume_continues_a_cancelled_run_from_its_head_and
                 assert s["resumed_from"] == {"version": version, "step": step}
                 assert s["chain"][version]["step"] > step
                 assert not (peers[i].node.home / "tasks" / task_cid / "cancelled").exists()
+
+
+async def test_a_resume_naming_no_cid_is_ignored_without_a_handler_error(tmp_path: Path) -> None:
+    """A task CID from the network names a folder only once parsed (run/_run_dir.py): a resume whose
+    task_cid is a path is dropped quietly, as a resume of a task this home never ran, not a crash
+    of the handler (counted as handler-error, with a traceback per message)."""
+    with trio.fail_after(60):
+        async with local_peers(2, tmp_path) as peers:
+            router = peers[0].node.router
+            await peers[1].node.publish(TASKS_TOPIC, TaskResume(task_cid="../../escape"))
+            await peers.wait_until(lambda: router.delivered["task_resume"] >= 1, 30, what="the resume delivered")
+            assert router.dropped["handler-error"] == 0
+            assert not (tmp_path / "escape").exists()

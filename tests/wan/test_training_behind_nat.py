@@ -27,9 +27,11 @@ RUN_TIMEOUT_S = 180.0
 
 
 @pytest.mark.timeout(400)
-def test_two_public_and_three_private_peers_behind_two_nats_train_and_a_private_node_fetches_the_model(tmp_path):
+def test_two_public_and_three_private_peers_behind_two_nats_train_and_a_private_node_fetches_the_model(
+        tmp_path, add_digits):
     with emulated_nat(public=2, lans=[2, 1], rate="100mbit") as net, \
             wan_node_processes(net, tmp_path, extra_args=[*NODE_ARGS, "--relay-service"]) as procs:
+        manifest = add_digits(procs[2].home, 5)  # while the mesh forms
         ids = [p.peer_id for p in procs]
 
         def meshed():
@@ -50,8 +52,8 @@ def test_two_public_and_three_private_peers_behind_two_nats_train_and_a_private_
         assert sum(s["discovery"]["relayed_dials"] for s in statuses[2:]) >= 2
         assert all("/p2p-circuit/" in a for a in statuses[4]["relay"]["addrs"])
 
-        manifest = cli("dataset", "add", "sklearn:digits", "--shards", "5", "--home", str(procs[2].home)).splitlines()[-1]
         text = TASK_TEMPLATE.format(manifest=manifest, steps=STEPS, checkpoint=CHECKPOINT, density=0.01, peers=5)
+        text = text.replace("min = 2", "min = 5")  # planned once all five are in: every one trains
         task_cid = ControlClient(procs[2].home, timeout=120).call(control_ops.TASK_PUBLISH, text=text, join=True)["task_cid"]
         done = wait_for(
             lambda: (s := [task_status(p.home, task_cid) for p in procs]) and all(x and x["state"] == "done" for x in s) and s,

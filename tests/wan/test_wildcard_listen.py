@@ -27,7 +27,6 @@ def test_peers_listening_on_the_wildcard_find_each_other_through_their_advertise
         procs = []
         for peer in wan:
             home = tmp_path / f"node{peer.index}"
-            (home / "logs").mkdir(parents=True, mode=0o700)
             procs.append(NodeProcess(home, NODE_PORT, ip="0.0.0.0", launcher=peer.exec_prefix()))
         a, b, c = procs
         seed = f"/ip4/{wan[0].ip}/tcp/{NODE_PORT}/p2p/{a.peer_id}"
