@@ -118,7 +118,8 @@ EXPORTS: dict[str, list[str]] = {
     ],
     "p2ptrain.training": [
         "Average", "GradientBridge", "LocalSGDTrainer", "PlanAverager", "PositionedBatches", "PretrainedError",
-        "RoundTimings", "StateSnapshot", "StepSkipped", "Trainer", "TrainerError", "UserLocalSGDTrainer", "UserTrainer",
+        "RoundTimings", "StateSnapshot", "StepResult", "StepSkipped", "Trainer", "TrainerError", "UserLocalSGDTrainer",
+        "UserTrainer",
         "batched", "batches_forever", "config_snippet", "describe_model_file", "evaluate_batches", "export_pretrained",
         "import_pretrained", "load_model", "loss_and_hits", "lr_at", "model_from_bytes", "new_trainer",
         "resolve_device", "run_round",

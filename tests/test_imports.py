@@ -56,7 +56,7 @@ MAY_IMPORT: dict[str, set[str]] = {
     "protocol": {"base", "wire", "data", "task"},
     "training": _LEARNING,
     "node": _TRANSPORT,
-    "run": _TRANSPORT | _LEARNING | {"node", "training", "collective", "net"},
+    "run": _TRANSPORT | _LEARNING | {"node", "training", "collective", "net", "pipeline"},
     "services": _TRANSPORT | _LEARNING | {"node", "training", "run"},
     "serve": _TRANSPORT | _LEARNING | {"node", "training", "run", "services"},
     "testing": _TRANSPORT | _LEARNING | {"node", "training", "run", "services"},

@@ -86,11 +86,13 @@ class Driver:
         self, host: IHost, stage: Stage, loss: Loss, wiring: Wiring, *, encoding: str = "fp32",
         limits: Limits = DEFAULT_LIMITS, hop_timeout: float = HOP_TIMEOUT_S,
         clock: Callable[[], float] = time.monotonic, check_fraction: float = 0.0, check_seed: int = 0,
+        protocol: str = PROTOCOL,
     ) -> None:
         if stage.index != 0:
             raise ValueError("a driver serves stage 0")
         self.host, self.stage, self.loss, self.wiring = host, stage, loss, wiring
         self.encoding, self.limits, self.hop_timeout, self.clock = encoding, limits, hop_timeout, clock
+        self.protocol = protocol  # the replicas' (a runtime names one per task)
         self.step = 0
         self._microbatches: dict[int, _Microbatch] = {}
         self._lock = trio.Lock()  # stage 0's graph and gradients, one computation at a time
@@ -202,7 +204,7 @@ class Driver:
 
     async def _ask(self, peer: Hashable, request: bytes) -> Frame:
         assert isinstance(peer, ID)
-        async with await open_channel(self.host, peer, PROTOCOL) as channel:
+        async with await open_channel(self.host, peer, self.protocol) as channel:
             await channel.send(request)
             return decode_frame(await channel.recv(self.limits.max_frame_bytes()), self.limits)
 

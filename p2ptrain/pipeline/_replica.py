@@ -34,6 +34,9 @@ logger = logging.getLogger(__name__)
 PROTOCOL = "/p2ptrain/pipeline/1.0.0"
 # How long a replica waits for a request's bytes once a sender opened a channel to it.
 REQUEST_TIMEOUT_S = 30.0
+# How long a request for the step after the replica's waits for the replica to start that step: a
+# driver that finished a step starts the next while the replicas still sum and apply the last one.
+AHEAD_WAIT_S = 10.0
 # Requests one peer may have open at a replica at once: each may buffer a whole frame (up to
 # Limits.max_frame_bytes()) before it waits for the stage's lock; a driver's microbatches in flight
 # at one stage rarely exceed this, and a sender that opens more is reset, not buffered.
@@ -51,10 +54,12 @@ class StageReplica:
 
     def __init__(
         self, host: IHost, stage: Stage, loss: Loss, *, encoding: str = "fp32", limits: Limits = DEFAULT_LIMITS,
+        protocol: str = PROTOCOL,
     ) -> None:
         self.host, self.stage, self.loss = host, stage, loss
-        self.encoding, self.limits = encoding, limits
+        self.encoding, self.limits, self.protocol = encoding, limits, protocol
         self.step = 0
+        self._stepped = trio.Event()  # set (and replaced) by new_step
         self._held: set[int] = set()
         self._lock = trio.Lock()  # one computation at a time: the stage's weights and grads are shared
         self._progress = trio.Event()
@@ -66,7 +71,7 @@ class StageReplica:
 
     def serve(self) -> StreamGuard:
         """Start answering the stage protocol on the host; returns the stream guard (its counters)."""
-        self.guard = serve_channels(self.host, PROTOCOL, self._on_channel, max_streams_per_peer=MAX_STREAMS_PER_PEER)
+        self.guard = serve_channels(self.host, self.protocol, self.answer, max_streams_per_peer=MAX_STREAMS_PER_PEER)
         return self.guard
 
     def new_step(self, step: int) -> None:
@@ -75,6 +80,8 @@ class StageReplica:
         self._held.clear()
         for p in self.stage.parameters():
             p.grad = None
+        self._stepped.set()
+        self._stepped = trio.Event()
 
     def held(self) -> set[int]:
         """The microbatch ids of this step whose gradients are in this replica's parameters."""
@@ -85,7 +92,9 @@ class StageReplica:
         while len(self._held) < count:
             await self._progress.wait()
 
-    async def _on_channel(self, channel: Channel) -> None:
+    async def answer(self, channel: Channel) -> None:
+        """Answer the one request on ``channel`` (what :meth:`serve` runs for every channel; a
+        runtime that serves several stages in turn on one host routes its channels here)."""
         data = None
         with trio.move_on_after(REQUEST_TIMEOUT_S):
             data = await channel.recv(self.limits.max_frame_bytes())
@@ -96,6 +105,10 @@ class StageReplica:
             return
         try:
             request = decode_frame(data, self.limits)
+            if request.step > self.step:  # a driver already in the next step: wait for ours to start
+                with trio.move_on_after(AHEAD_WAIT_S):
+                    while request.step > self.step:
+                        await self._stepped.wait()
             problem = self._problem(request)
         except ActivationError as error:
             problem = str(error)

@@ -44,6 +44,7 @@ from p2ptrain.run._resume import Resume
 from p2ptrain.run._resync import Resync
 from p2ptrain.run._run_state import Nudge, RunState
 from p2ptrain.run._spans import Spans
+from p2ptrain.run._stage_trainer import StagedTrainer
 from p2ptrain.control import FINISHED, ChainEntry, Phase, TaskStatus
 from p2ptrain.protocol import Chain, ChainRules, RecordError, RoundBook, RuleBreak, load_model_bytes
 from p2ptrain.task import Task, total_steps
@@ -193,6 +194,8 @@ class TaskRun:
             if run.phase not in FINISHED:
                 run.phase = Phase.STOPPED  # the node is stopping (the run was cancelled)
             run.advertise(False)
+            if self.spans.stages is not None:
+                self.spans.stages.stop()
 
     async def _prepare(self) -> None:
         """Fetch the manifest, build the initial model (or fetch it) and the first round's state."""
@@ -213,8 +216,10 @@ class TaskRun:
             if task.model.user:
                 raise TrainerError("a run of the members' own model: only a process running its script joins it "
                                    "(p2ptrain.Optimizer)")
+            # A pipelined task's member trains one stage of the whole model (run/_stage_trainer.py).
+            build = new_trainer if task.pipeline is None else StagedTrainer
             trainer = await trio.to_thread.run_sync(
-                lambda: new_trainer(task, total_steps=run.total_steps, device=self.device, precision=self.precision)
+                lambda: build(task, total_steps=run.total_steps, device=self.device, precision=self.precision)
             )
         # The user's module holds the run's initial weights already; a registry model's are fetched
         # and read within what a model of the task's architecture takes.

@@ -255,11 +255,10 @@ class Task:
 
 def unmet_requirement(task: Task, caps: Capabilities) -> str | None:
     """Why a peer with ``caps`` may not join ``task``, or None when it may."""
-    if task.pipeline is not None:
-        # Parsed, planned and checked (docs/pipeline.md), not run: a node that joined would train
-        # the whole model data-parallel and ignore the stages its plans name. Goes with the runtime.
-        return f"it is cut into {task.pipeline.stages} pipeline stages, which this version does not run yet"
     req = task.requirements
+    if task.pipeline is not None and req.device == "cuda":
+        # The stage protocol carries CPU tensors (run/_stage_trainer.py): the stages train on the CPU.
+        return f"it is cut into {task.pipeline.stages} pipeline stages, which this version trains on the CPU only"
     if req.device == "cuda" and caps.device != "cuda":
         return f"task needs a CUDA device, peer has {caps.device}"
     if req.device == "cuda" or (req.device == "any" and caps.device == "cuda"):

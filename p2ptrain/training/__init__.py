@@ -34,6 +34,7 @@ if TYPE_CHECKING:
         Average as Average,
         resolve_device as resolve_device,
         StateSnapshot as StateSnapshot,
+        StepResult as StepResult,
         Trainer as Trainer,
         TrainerError as TrainerError,
     )

@@ -91,10 +91,11 @@ def test_the_parse_and_the_partition_cut_the_same_way(stages):
     assert stage_sizes("transformer_lm", LM, stages) == [s.parameter_count() for s in stages_built]
 
 
-def test_no_node_joins_a_pipelined_task_until_the_runtime_runs_one():
-    """Parsed and planned, not run yet: a node that joined would train the whole model and ignore
-    its stages, so every peer is told why it cannot take part (services' join says it in one line)."""
-    caps = Capabilities(device="cpu", cpu_count=2, free_ram_bytes=1 << 30, version="0.1.0")
-    assert unmet_requirement(load_task(BASE), caps) is None
-    why = unmet_requirement(load_task(pipelined("stages = 4")), caps)
-    assert why == "it is cut into 4 pipeline stages, which this version does not run yet"
+def test_a_node_joins_a_pipelined_task_on_the_cpu():
+    """A pipelined task is run (run/_stages.py), on the CPU: one that requires CUDA is refused in one
+    line, since the stages would not train there."""
+    caps = Capabilities(device="cuda", cpu_count=2, free_ram_bytes=1 << 30, version="0.1.0")
+    assert unmet_requirement(load_task(pipelined("stages = 4")), caps) is None
+    cuda = load_task(pipelined("stages = 4") + '[requirements]\ndevice = "cuda"\n')
+    why = unmet_requirement(cuda, caps)
+    assert why == "it is cut into 4 pipeline stages, which this version trains on the CPU only"

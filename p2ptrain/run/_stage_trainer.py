@@ -1,0 +1,143 @@
+"""A member's trainer in a pipelined run: the whole model, of which it trains one stage.
+
+The member builds, loads and checkpoints the whole model exactly as a data-parallel member does
+(the task's seed or initial model, a checkpoint by CID, the same model and optimizer files), so
+records, attestations, resync, resume and ``model fetch`` work unchanged. Between checkpoints it
+steps only its stage's parameters (the others keep the values of the last checkpoint); at a
+checkpoint one replica of every stage contributes its stage's parameters and optimizer state to an
+exact sum over all the plan's members (:meth:`StagedTrainer.state_vector`), after which every
+member holds the whole model again, bit for bit the same, and hashes it as any member does.
+
+The price: every member holds the whole model's memory (a later step builds and loads only its
+stage's pieces: per-stage checkpoints and a manifest, docs/pipeline.md), and each checkpoint moves
+the whole model and its optimizer state once through a ring of all the members.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from p2ptrain.base import all_finite
+from p2ptrain.pipeline import partition, Stage
+from p2ptrain.training import StepResult, Trainer, TrainerError
+
+log = logging.getLogger(__name__)
+
+
+class StagedTrainer(Trainer):
+    """:class:`~p2ptrain.training.Trainer` of a pipelined task (``task.pipeline``), one stage at a time."""
+
+    def __init__(self, task: Any, **kwargs: Any) -> None:
+        assert task.pipeline is not None, "a task without [pipeline] has the data-parallel trainer"
+        # The stage protocol carries CPU tensors and no autocast: a pipelined run computes on the CPU
+        # in fp32 for now (a task that requires CUDA is refused: task.unmet_requirement).
+        if kwargs.get("device", "auto") not in ("auto", "cpu") or kwargs.get("precision", "fp32") != "fp32":
+            log.warning("a pipelined run trains on the CPU in fp32 (not %s, %s)", kwargs.get("device"),
+                        kwargs.get("precision"))
+        kwargs.update(device="cpu", precision="fp32")
+        super().__init__(task, **kwargs)
+        # The stages share the model's modules: stepping a stage steps the model's own parameters.
+        self.stages: list[Stage] = partition(self.model, task.pipeline.stages)
+        self.whole = True  # every parameter is at self.step (built, loaded, or gathered at a checkpoint)
+        self.trained: int | None = None  # the stage stepped since the model was last whole
+        self._whole_before = True  # `whole` before the last step, for rollback
+
+    def holds(self, stage: int) -> bool:
+        """Whether this member holds ``stage`` at its step: always after a checkpoint or a load; between
+        two, only the stage it steps (the others are at the last checkpoint)."""
+        return self.whole or self.trained == stage
+
+    def take_stage(self, stage: int) -> Stage:
+        """The stage to serve in a plan; a :class:`TrainerError` when this member does not hold it at
+        its step (a plan moved it to another stage between checkpoints: it resyncs from the latest)."""
+        if not self.holds(stage):
+            raise TrainerError(f"holds stage {self.trained} at step {self.step}, not stage {stage} (moved between "
+                               "checkpoints)")
+        return self.stages[stage]
+
+    def apply_stage(self, stage: int, loss: float) -> StepResult:
+        """One optimizer step of ``stage``, whose parameters' gradients are the step's, summed over the
+        stage's replicas (the others have none: torch's optimizers skip them). ``loss``: the step's."""
+        self._take_snapshot()
+        self._whole_before = self.whole
+        params = list(self.stages[stage].parameters())
+        applied = all(all_finite(p.grad) for p in params if p.grad is not None)
+        lr = self._schedule_lr(applied)
+        if applied:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.whole, self.trained = False, stage
+        result = StepResult(step=self.step, local_loss=loss, lr=lr, applied=applied)
+        self.step += 1
+        return result
+
+    def rollback(self) -> None:
+        super().rollback()
+        self.whole = self._whole_before
+
+    def load_state(self, model_data: bytes, optimizer_data: bytes) -> None:
+        super().load_state(model_data, optimizer_data)
+        self.whole = True
+
+    # --- the checkpoint's gather ---------------------------------------------------------------
+
+    def _layout(self) -> list[tuple[str, int]]:
+        """The gather vector's parts: ``(name, entries)`` for every parameter, then for every
+        parameter and optimizer state key a presence flag and the state's values."""
+        parts = [(f"model.{name}", p.numel()) for name, p in self.model.named_parameters()]
+        for i, p in enumerate(self.params):
+            for key in sorted(self.optimizer_state_keys()):
+                parts += [(f"present.{i}.{key}", 1), (f"state.{i}.{key}", 1 if key == "step" else p.numel())]
+        return parts
+
+    def state_vector(self, stage: int, contribute: bool) -> torch.Tensor:
+        """This member's share of the whole state: ``stage``'s parameters and their optimizer state
+        when it ``contribute``\\ s (one replica of each stage does), zeros elsewhere. Summed over
+        the plan's members (``x + 0`` is ``x``), it is the whole model and optimizer state."""
+        own = {id(p) for p in self.stages[stage].parameters()} if contribute else set()
+        state = self.optimizer.state
+        values: dict[str, torch.Tensor] = {}
+        for name, p in self.model.named_parameters():
+            if id(p) in own:
+                values[f"model.{name}"] = p.detach()
+        for i, p in enumerate(self.params):
+            if id(p) not in own:
+                continue
+            for key, value in state.get(p, {}).items():
+                if isinstance(value, torch.Tensor):
+                    values[f"present.{i}.{key}"] = torch.ones(1)
+                    values[f"state.{i}.{key}"] = value.detach()
+        layout = self._layout()
+        flat = torch.zeros(sum(n for _, n in layout), dtype=torch.float32)
+        offset = 0
+        for name, n in layout:
+            if name in values:
+                flat[offset : offset + n] = values[name].reshape(-1).to(device="cpu", dtype=torch.float32)
+            offset += n
+        return flat
+
+    def load_state_vector(self, flat: torch.Tensor) -> None:
+        """Take the summed :meth:`state_vector` as the whole model and optimizer state."""
+        layout = self._layout()
+        if flat.shape != (sum(n for _, n in layout),):
+            raise TrainerError(f"gathered state has shape {tuple(flat.shape)}, expected ({sum(n for _, n in layout)},)")
+        parts: dict[str, torch.Tensor] = {}
+        offset = 0
+        for name, n in layout:
+            parts[name] = flat[offset : offset + n]
+            offset += n
+        model_t = dict(self.model.state_dict())
+        for name, p in self.model.named_parameters():
+            model_t[name] = parts[f"model.{name}"].view_as(p).to(dtype=p.dtype)
+        optim_t: dict[str, torch.Tensor] = {}
+        for i, p in enumerate(self.params):
+            for key in sorted(self.optimizer_state_keys()):
+                if float(parts[f"present.{i}.{key}"]) > 0:
+                    value = parts[f"state.{i}.{key}"]
+                    optim_t[f"state.{i}.{key}"] = value.reshape(()).clone() if key == "step" else value.view_as(p).clone()
+        self._load_tensors(model_t, optim_t, self.step)
+        self.whole, self.trained = True, None
+        self._snapshot = None  # the step before the gather holds stale stages

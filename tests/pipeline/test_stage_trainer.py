@@ -1,0 +1,57 @@
+"""A pipelined member's trainer (run/_stage_trainer.py): it steps its stage only, and a checkpoint's
+gather gives every member the whole model and optimizer state, the bits one trainer of the whole
+model holds after the same steps: what records, attestations and ``model fetch`` rely on."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from p2ptrain.run._stage_trainer import StagedTrainer
+from p2ptrain.task import load_task
+from p2ptrain.training import Trainer, TrainerError
+
+from .conftest import LM_TASK
+
+TASK = load_task(LM_TASK.replace('name = "sgd"\nlr = 0.1', 'name = "adam"\nlr = 0.01') + "[pipeline]\nstages = 2\n")
+REPLICAS = 2
+
+
+def gradients(model: torch.nn.Module, step: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    return {name: torch.randn(p.shape, generator=g) for name, p in model.named_parameters()}
+
+
+def test_stages_stepped_apart_and_gathered_hold_the_whole_trainers_bits() -> None:
+    whole = Trainer(TASK, device="cpu")
+    members = [StagedTrainer(TASK, device="cpu") for _ in range(2 * REPLICAS)]
+    stage_of = [i // REPLICAS for i in range(len(members))]
+    for step in range(3):
+        grads = gradients(whole.model, step)
+        whole.apply(torch.cat([grads[name].reshape(-1) for name, _ in whole.model.named_parameters()]))
+        for member, stage in zip(members, stage_of, strict=True):
+            for name, p in member.stages[stage].model_parameters():
+                p.grad = grads[name].clone()
+            member.apply_stage(stage, 0.0)
+    # Between checkpoints a member holds only its stage: it cannot be moved to another.
+    assert members[0].holds(0) and not members[0].holds(1)
+    with pytest.raises(TrainerError, match="holds stage 0 at step 3, not stage 1"):
+        members[0].take_stage(1)
+    # The gather: one replica of each stage contributes, the sum goes to every member.
+    total = sum(m.state_vector(s, contribute=i % REPLICAS == 0) for i, (m, s) in enumerate(zip(members, stage_of)))
+    for member in members:
+        member.load_state_vector(total.clone())
+        assert member.whole and member.holds(1)
+        assert member.model_bytes() == whole.model_bytes()
+        assert member.optimizer_bytes() == whole.optimizer_bytes()
+
+
+def test_a_rolled_back_step_holds_every_stage_again() -> None:
+    member = StagedTrainer(TASK, device="cpu")
+    for name, p in member.stages[1].model_parameters():
+        p.grad = torch.ones_like(p)
+    member.apply_stage(1, 0.0)
+    assert not member.holds(0)
+    member.align(0)  # a retry of step 0: the step is rolled back
+    assert member.step == 0 and member.holds(0)
+    assert member.model_bytes() == StagedTrainer(TASK, device="cpu").model_bytes()
