@@ -46,7 +46,7 @@ from p2ptrain.run._run_state import Nudge, RunState
 from p2ptrain.run._spans import Spans
 from p2ptrain.run._stage_trainer import StagedTrainer
 from p2ptrain.control import FINISHED, ChainEntry, Phase, TaskStatus
-from p2ptrain.protocol import Chain, ChainRules, RecordError, RoundBook, RuleBreak, load_model_bytes
+from p2ptrain.protocol import Chain, ChainRules, RecordError, RoundBook, RuleBreak, load_model_bytes, stage_rings
 from p2ptrain.task import Task, total_steps
 from p2ptrain.training import LocalSGDTrainer, Trainer, TrainerError, new_trainer
 from p2ptrain.wire import (
@@ -122,6 +122,7 @@ class TaskRun:
         plan = book.last_plan if book else None
         last_round, last_step = _progress(run)
         inner = run.trainer.inner_step if isinstance(run.trainer, LocalSGDTrainer) else None
+        stage, stages = _stages(run)
         return TaskStatus(
             task_cid=run.task_cid,
             name=run.task.name,
@@ -161,6 +162,8 @@ class TaskRun:
             inner_steps=run.task.training.inner_steps,
             inner_step=None if inner is None else inner + 1,
             is_coordinator=run.election.coordinator == run.me,
+            stage=stage,
+            stages=stages,
             round_seconds=run.round_seconds.snapshot(),
         )
 
@@ -351,6 +354,18 @@ class TaskRun:
         TaskHead: _on_head,
         TaskCancel: _on_cancel,
     }
+
+
+def _stages(run: RunState) -> tuple[int | None, tuple[dict[str, Any], ...] | None]:
+    """``stage``/``stages`` of a pipelined task's status: this member's stage and each stage's
+    replicas in the latest plan, with its parameters; (None, None) for any other task."""
+    book, trainer = run.book, run.trainer
+    plan = book.last_plan if book else None
+    if not isinstance(trainer, StagedTrainer) or plan is None or plan.stages is None:
+        return None, None
+    stage = plan.stages[plan.members.index(run.me)] if run.me in plan.members else None
+    return stage, tuple({"stage": i, "replicas": list(ring), "parameters": trainer.stages[i].parameter_count()}
+                        for i, ring in enumerate(stage_rings(plan)))
 
 
 def _progress(run: RunState) -> tuple[int | None, int | None]:

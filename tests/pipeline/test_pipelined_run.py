@@ -20,6 +20,8 @@ import pytest
 import torch
 import trio
 
+from p2ptrain.cli.task import render_status
+from p2ptrain.control import TaskStatus
 from p2ptrain.data import build_dataset, IPFSDataset, load_source
 from p2ptrain.protocol import read_tensors
 from p2ptrain.protocol._plans import plan_stages
@@ -82,6 +84,10 @@ async def publish(peers: LocalPeers) -> tuple[str, str]:
     return await trio.to_thread.run_sync(build)
 
 
+def record_tensors(peers: LocalPeers, record: Any) -> list[torch.Tensor]:
+    return list(read_tensors(peers[0].content.store.cat(record.model_cid)).values())
+
+
 def single_process(task_text: str, store: Any, manifest: str, members: tuple[str, ...], steps: int) -> dict:
     """What one process trains in ``steps`` steps from the task's seed, each step's batch the
     concatenation of what the drivers of a plan of ``members`` read (their shards, their order)."""
@@ -133,6 +139,14 @@ async def test_a_pipelined_task_trains_as_one_process_and_goes_on_when_a_replica
                 return next((i,) for i, p in enumerate(peers) if p.node.peer_id.to_base58() == candidates[0])
 
             (index,) = await peers.wait_until(victim, STEP_S, what="a plan of all four members")
+            # task status --json: this member's stage and every stage's replicas and parameters.
+            plan = run.book.last_plan
+            status = peers.status(0, task_cid)
+            assert status["stage"] == plan.stages[plan.members.index(run.me)]
+            assert [(e["stage"], e["replicas"]) for e in status["stages"]] == [
+                (s, [m for m, t in zip(plan.members, plan.stages, strict=True) if t == s]) for s in (0, 1)]
+            assert sum(e["parameters"] for e in status["stages"]) == sum(t.numel() for t in record_tensors(peers, record))
+            assert "stages     2, this peer serves stage" in render_status(TaskStatus.from_json(status))
             version = max(s.get("version", 0) for s in statuses())
             await peers.stop_peer(index)
 

@@ -48,7 +48,7 @@ def test_stages_stepped_apart_and_gathered_hold_the_whole_trainers_bits() -> Non
 
 def test_a_rolled_back_step_holds_every_stage_again() -> None:
     member = StagedTrainer(TASK, device="cpu")
-    for name, p in member.stages[1].model_parameters():
+    for p in member.stages[1].parameters():
         p.grad = torch.ones_like(p)
     member.apply_stage(1, 0.0)
     assert not member.holds(0)
