@@ -37,8 +37,10 @@ from typing import Any
 
 import torch
 import trio
+from libp2p.custom_types import TProtocol
 from libp2p.peer.id import ID
 
+from p2ptrain.base import short_id
 from p2ptrain.collective import CollectiveError, RoundSpec
 from p2ptrain.net import Channel, serve_channels
 from p2ptrain.pipeline import Driver, PipelineError, PROTOCOL, StageReplica, sum_stage_gradients, Wiring
@@ -108,7 +110,7 @@ class StageRounds:
         """The run is over: this host answers no more of its stage requests."""
         self._replica = self._driver = None
         if self._serving:
-            self.run.collective.host.remove_stream_handler(self.protocol)  # type: ignore[arg-type]
+            self.run.collective.host.remove_stream_handler(TProtocol(self.protocol))
             self._serving = False
 
     async def _answer(self, channel: Channel) -> None:
@@ -190,11 +192,12 @@ class StageRounds:
         async with trio.open_nursery() as nursery:
             for i, (x, y) in enumerate(pieces):
                 nursery.start_soon(one, i, x, y)
-        rings = await driver.finish()
+        answered = await driver.finish()
         for s, ring in enumerate(stage_rings(plan)):
-            if s > 0 and [m.to_base58() for m in rings[s]] != list(ring):  # type: ignore[attr-defined]
-                gone = sorted(set(ring) - {m.to_base58() for m in rings[s]})  # type: ignore[attr-defined]
-                raise PipelineError(f"stage {s}: replicas {', '.join(g[:12] for g in gone)} gave no holdings")
+            live = [str(peer) for peer in answered.get(s, ())] if s else list(ring)  # an ID's str is its base58
+            if live != list(ring):
+                gone = sorted(set(ring) - set(live))
+                raise PipelineError(f"stage {s}: replicas {', '.join(short_id(g) for g in gone)} gave no holdings")
         return sum(losses)
 
     async def gather(self, plan: RoundPlan) -> bool:
