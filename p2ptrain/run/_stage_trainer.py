@@ -119,8 +119,10 @@ class StagedTrainer(Trainer):
             offset += n
         return flat
 
-    def load_state_vector(self, flat: torch.Tensor) -> None:
-        """Take the summed :meth:`state_vector` as the whole model and optimizer state."""
+    def load_state_vector(self, flat: torch.Tensor, stage: int) -> bool:
+        """Take the summed :meth:`state_vector` as the whole model and optimizer state; whether this
+        member's own ``stage`` parameters were those bits already (the replicas of a stage are
+        bitwise identical unless one of them went astray: the caller counts it)."""
         layout = self._layout()
         if flat.shape != (sum(n for _, n in layout),):
             raise TrainerError(f"gathered state has shape {tuple(flat.shape)}, expected ({sum(n for _, n in layout)},)")
@@ -130,8 +132,12 @@ class StagedTrainer(Trainer):
             parts[name] = flat[offset : offset + n]
             offset += n
         model_t = dict(self.model.state_dict())
+        own = {id(p) for p in self.stages[stage].parameters()}
+        same = True
         for name, p in self.model.named_parameters():
             model_t[name] = parts[f"model.{name}"].view_as(p).to(dtype=p.dtype)
+            if id(p) in own and same:
+                same = torch.equal(model_t[name], p.detach())
         optim_t: dict[str, torch.Tensor] = {}
         for i, p in enumerate(self.params):
             for key in sorted(self.optimizer_state_keys()):
@@ -141,3 +147,4 @@ class StagedTrainer(Trainer):
         self._load_tensors(model_t, optim_t, self.step)
         self.whole, self.trained = True, None
         self._snapshot = None  # the step before the gather holds stale stages
+        return same

@@ -217,5 +217,9 @@ class StageRounds:
             logger.warning("%s: gathering the stages at step %d failed (%s); no checkpoint this span",
                            run.log_prefix, trainer.step, exc)
             return False
-        await trio.to_thread.run_sync(trainer.load_state_vector, whole)
+        if not await trio.to_thread.run_sync(trainer.load_state_vector, whole, stage):
+            # Its own stage differed from the replica that contributed it: this member or that one
+            # went astray (the gathered bits are what every member now holds and attests).
+            run.refuse("stage_diverged", f"at step {trainer.step} this member's stage {stage} differed from "
+                       f"{short_id(stage_rings(plan)[stage][0])}'s; took the gathered one")
         return True

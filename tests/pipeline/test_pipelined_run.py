@@ -170,6 +170,8 @@ async def test_a_pipelined_task_trains_as_one_process_and_goes_on_when_a_replica
             assert len(chains) == 1, chains
             chain = next(iter(chains))
             assert chain[-1][1] == STEPS and chain[-1][0] > version
+            # At every checkpoint each replica's stage was the bits its stage's first replica gave.
+            assert not any("stage_diverged" in s["rejected"] for s in final)
             survivors = peers.running()
             left = {p.node.peer_id.to_base58() for p in survivors}
             last_record = survivors[0].tasks.runs[task_cid].shared.book.chain.records[-1].record

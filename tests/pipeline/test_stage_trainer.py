@@ -39,8 +39,10 @@ def test_stages_stepped_apart_and_gathered_hold_the_whole_trainers_bits() -> Non
         members[0].take_stage(1)
     # The gather: one replica of each stage contributes, the sum goes to every member.
     total = sum(m.state_vector(s, contribute=i % REPLICAS == 0) for i, (m, s) in enumerate(zip(members, stage_of)))
-    for member in members:
-        member.load_state_vector(total.clone())
+    with torch.no_grad():  # a replica gone astray: told when it takes the gathered state
+        next(members[REPLICAS - 1].stages[0].parameters()).add_(1e-6)
+    for i, member in enumerate(members):
+        assert member.load_state_vector(total.clone(), stage_of[i]) is (i != REPLICAS - 1)
         assert member.whole and member.holds(1)
         assert member.model_bytes() == whole.model_bytes()
         assert member.optimizer_bytes() == whole.optimizer_bytes()
