@@ -60,8 +60,8 @@ EXPORTS: dict[str, list[str]] = {
         "HF_MODEL", "HF_REFUSED", "MAX_CARD_BYTES", "MAX_MODEL_FILE_BYTES", "MissingBuilder", "ModelError", "Origin",
         "PLUGINS", "PartitionError", "Piece", "TinyLM", "balanced_cut", "build_model", "builders", "card_bytes",
         "card_from_bytes", "card_of", "check_hf_config", "check_model", "cut_pieces", "file_bytes_bound",
-        "first_difference", "hf_config", "hf_settings", "import_transformers", "lookup", "model_file_limit",
-        "pieces_of", "stage_sizes",
+        "first_difference", "hf_config", "hf_settings", "import_transformers", "lookup", "meta_model",
+        "model_file_limit", "pieces_of", "stage_sizes",
     ],
     "p2ptrain.pipeline": [
         "Cut", "DoubleCounted", "Driver", "PROTOCOL", "PartitionError", "PipelineError", "Stage",
@@ -102,7 +102,7 @@ EXPORTS: dict[str, list[str]] = {
         "make_fetcher", "make_peer", "parse_address", "run_state_roots",
     ],
     "p2ptrain.task": [
-        "CompressionSpec", "MAX_TASK_BYTES", "NoBuilder", "OuterSpec", "PipelineSpec", "TASK_TEMPLATE", "Task",
+        "CompressionSpec", "MAX_STAGES", "MAX_TASK_BYTES", "NoBuilder", "OuterSpec", "PipelineSpec", "TASK_TEMPLATE", "Task",
         "TaskError", "USER_MODEL", "load_task", "parse_task", "read_task", "stage_parameters", "task_bytes",
         "task_from_bytes", "total_steps", "unmet_requirement",
     ],
@@ -117,12 +117,12 @@ EXPORTS: dict[str, list[str]] = {
         "wan_unavailable",
     ],
     "p2ptrain.training": [
-        "Average", "GradientBridge", "LocalSGDTrainer", "PlanAverager", "PositionedBatches", "PretrainedError",
-        "RoundTimings", "StateSnapshot", "StepResult", "StepSkipped", "Trainer", "TrainerError", "UserLocalSGDTrainer",
-        "UserTrainer",
+        "Average", "GradientBridge", "LocalSGDTrainer", "ManifestError", "PlanAverager", "PositionedBatches",
+        "PretrainedError", "RoundTimings", "StageFile", "StateSnapshot", "StepResult", "StepSkipped", "Trainer",
+        "TrainerError", "UserLocalSGDTrainer", "UserTrainer",
         "batched", "batches_forever", "config_snippet", "describe_model_file", "evaluate_batches", "export_pretrained",
-        "import_pretrained", "load_model", "loss_and_hits", "lr_at", "model_from_bytes", "new_trainer",
-        "resolve_device", "run_round",
+        "import_pretrained", "is_manifest", "load_model", "loss_and_hits", "lr_at", "manifest_bytes", "model_file",
+        "model_from_bytes", "new_trainer", "read_manifest", "resolve_device", "run_round", "stage_file_cids",
     ],
     "p2ptrain.wire": [
         "Attestation", "Capabilities", "ConfirmedRecord", "CoordinatorBeat", "DIGEST_BYTES", "DTYPES", "DecodeError",

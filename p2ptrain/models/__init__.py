@@ -52,6 +52,7 @@ if TYPE_CHECKING:
         HEADER_PER_TENSOR as HEADER_PER_TENSOR,
         HEADER_SLACK as HEADER_SLACK,
         MAX_MODEL_FILE_BYTES as MAX_MODEL_FILE_BYTES,
+        meta_model as meta_model,
         model_file_limit as model_file_limit,
         TinyLM as TinyLM,
     )

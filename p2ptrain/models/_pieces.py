@@ -41,6 +41,11 @@ class Piece(nn.Module):
             x = part(x)
         return x
 
+    def state_names(self) -> list[str]:
+        """The names this piece's tensors have in the whole model's state dict, in its order."""
+        return [f"{prefix}.{name}" for prefix, part in zip(self.prefixes, self.parts, strict=True)
+                for name in part.state_dict()]
+
 
 class _LMEmbed(Piece):
     """TinyLM's token + position embeddings (what its forward does before the first block)."""

@@ -39,8 +39,7 @@ class Stage(nn.Module):
         names = []
         for piece in self.pieces:
             assert isinstance(piece, Piece)
-            for prefix, part in zip(piece.prefixes, piece.parts, strict=True):
-                names += [f"{prefix}.{name}" for name in part.state_dict()]
+            names += piece.state_names()
         return names
 
     def model_parameters(self) -> list[tuple[str, nn.Parameter]]:

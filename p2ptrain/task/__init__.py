@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     )
     from p2ptrain.task._spec import (
         CompressionSpec as CompressionSpec,
+        MAX_STAGES as MAX_STAGES,
         MAX_TASK_BYTES as MAX_TASK_BYTES,
         OuterSpec as OuterSpec,
         PipelineSpec as PipelineSpec,

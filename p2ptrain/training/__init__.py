@@ -38,6 +38,15 @@ if TYPE_CHECKING:
         Trainer as Trainer,
         TrainerError as TrainerError,
     )
+    from p2ptrain.training._stage_files import model_file as model_file
+    from p2ptrain.training._stage_manifest import (
+        is_manifest as is_manifest,
+        ManifestError as ManifestError,
+        manifest_bytes as manifest_bytes,
+        read_manifest as read_manifest,
+        stage_file_cids as stage_file_cids,
+        StageFile as StageFile,
+    )
     from p2ptrain.training._user_trainer import (
         GradientBridge as GradientBridge,
         StepSkipped as StepSkipped,
