@@ -16,15 +16,20 @@ the whole model and its optimizer state once through a ring of all the members.
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any
 
 import torch
 
 from p2ptrain.base import all_finite
 from p2ptrain.pipeline import partition, Stage
+from p2ptrain.protocol import read_model_card, read_tensors, RecordError, state_bytes, tensors_bytes
 from p2ptrain.training import StepResult, Trainer, TrainerError
 
 log = logging.getLogger(__name__)
+
+# An optimizer file's per-parameter names: state.<index>.<key> (the key is checked by the trainer).
+_INDEX_NAME = re.compile(r"state\.(0|[1-9][0-9]{0,8})\.[a-z_]+")
 
 
 class StagedTrainer(Trainer):
@@ -81,6 +86,57 @@ class StagedTrainer(Trainer):
     def load_state(self, model_data: bytes, optimizer_data: bytes) -> None:
         super().load_state(model_data, optimizer_data)
         self.whole = True
+
+    # --- a stage's checkpoint files ---------------------------------------------------------------
+
+    def _stage_indices(self, stage: int) -> set[int]:
+        """The indices (in :attr:`params`, the optimizer file's numbering) of ``stage``'s parameters."""
+        own = {id(p) for p in self.stages[stage].parameters()}
+        return {i for i, p in enumerate(self.params) if id(p) in own}
+
+    def stage_files(self, stage: int) -> tuple[bytes, bytes]:
+        """``stage``'s checkpoint as a manifest names it (training/_stage_manifest.py): its model file
+        (its pieces' tensors under their names in the whole model, with the whole model's card) and
+        its optimizer file (its parameters' state under their whole-model indices, and the step).
+        The stage files of every stage assemble into :meth:`model_bytes` of the whole
+        (:func:`p2ptrain.training.model_file`), and their optimizer tensors are those of
+        :meth:`optimizer_bytes`."""
+        whole = self.model.state_dict()
+        model_data = state_bytes({name: whole[name] for name in self.stages[stage].state_names()}, self._card())
+        indices = {str(i) for i in self._stage_indices(stage)}
+        optim = {name: t for name, t in self.optimizer_tensors().items()
+                 if name == "trainer.step" or name.split(".")[1] in indices}
+        return model_data, tensors_bytes(optim)
+
+    def load_stage(self, stage: int, model_data: bytes, optimizer_data: bytes) -> None:
+        """Take ``stage``'s checkpoint files (:meth:`stage_files`' form, e.g. by CID from a manifest):
+        its parameters, their optimizer state and the step; the other stages are not held after it.
+        :class:`RecordError` for files that are not exactly that stage's, and nothing is changed."""
+        if read_model_card(model_data) != self._card():
+            raise RecordError(f"stage {stage}'s model file is not of this task's model")
+        tensors = read_tensors(model_data)
+        whole = self.model.state_dict()
+        names = self.stages[stage].state_names()
+        if set(tensors) != set(names):
+            raise RecordError(f"the model file does not hold exactly stage {stage}'s tensors")
+        for name in names:
+            if tensors[name].shape != whole[name].shape or tensors[name].dtype != whole[name].dtype:
+                raise RecordError(f"stage {stage}'s tensor {name}: {tuple(tensors[name].shape)} {tensors[name].dtype}")
+        optim = read_tensors(optimizer_data)
+        step = optim.pop("trainer.step", None)
+        if step is None or step.dtype != torch.int64 or step.numel() != 1:
+            raise RecordError("optimizer file has no valid trainer.step")
+        indices, keys = self._stage_indices(stage), self.optimizer_state_keys()
+        for name, t in sorted(optim.items()):
+            _, index, key = name.split(".", 2) if _INDEX_NAME.fullmatch(name) else ("", "-1", "")
+            if int(index) not in indices or key not in keys:
+                raise RecordError(f"the optimizer file's {name!r} is no state of stage {stage}")
+            if key != "step" and t.shape != self.params[int(index)].shape:
+                raise RecordError(f"optimizer tensor {name} has shape {tuple(t.shape)}")
+        model_t = {**whole, **tensors}
+        self._load_tensors(model_t, optim, int(step))  # checks the optimizer's keys and shapes
+        self.whole, self.trained = False, stage
+        self._snapshot = None
 
     # --- the checkpoint's gather ---------------------------------------------------------------
 

@@ -4,12 +4,17 @@ model holds after the same steps: what records, attestations and ``model fetch``
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
+from p2ptrain.ipfs import EmbeddedStore
+from p2ptrain.protocol import read_tensors, RecordError, tensors_bytes
+
 from p2ptrain.run._stage_trainer import StagedTrainer
 from p2ptrain.task import load_task
-from p2ptrain.training import Trainer, TrainerError
+from p2ptrain.training import manifest_bytes, model_file, StageFile, Trainer, TrainerError
 
 from .conftest import LM_TASK
 
@@ -57,3 +62,39 @@ def test_a_rolled_back_step_holds_every_stage_again() -> None:
     member.align(0)  # a retry of step 0: the step is rolled back
     assert member.step == 0 and member.holds(0)
     assert member.model_bytes() == StagedTrainer(TASK, device="cpu").model_bytes()
+
+
+def test_stage_files_assemble_into_the_whole_and_load_back(tmp_path: Path) -> None:
+    """Each stage's files, written by its replica before any gather, are what a manifest names: they
+    assemble into the whole trainer's model file, their optimizer state is the whole's, and a fresh
+    member (a joiner, or one moved there) loads its stage from them alone."""
+    whole = Trainer(TASK, device="cpu")
+    members = [StagedTrainer(TASK, device="cpu") for _ in range(2)]
+    for step in range(2):
+        grads = gradients(whole.model, step)
+        whole.apply(torch.cat([grads[name].reshape(-1) for name, _ in whole.model.named_parameters()]))
+        for stage, member in enumerate(members):
+            for name, p in member.stages[stage].model_parameters():
+                p.grad = grads[name].clone()
+            member.apply_stage(stage, 0.0)
+    files = [member.stage_files(stage) for stage, member in enumerate(members)]
+    store = EmbeddedStore(tmp_path)
+    entries = []
+    for stage, (model_data, optim_data) in zip(members[0].stages, files, strict=True):
+        entries.append(StageFile(stage.first, stage.last, store.add_bytes(model_data), store.add_bytes(optim_data),
+                                 sum(t.numel() for t in read_tensors(model_data).values())))
+    assert model_file(store, store.add_bytes(manifest_bytes(entries))) == whole.model_bytes()
+    optim: dict[str, torch.Tensor] = {}
+    for _, optim_data in files:
+        optim.update(read_tensors(optim_data))
+    assert tensors_bytes(optim) == whole.optimizer_bytes()
+
+    joiner = StagedTrainer(TASK, device="cpu")
+    joiner.load_stage(1, *files[1])
+    assert joiner.step == 2 and joiner.holds(1) and not joiner.holds(0)
+    assert joiner.stage_files(1) == files[1]
+    with pytest.raises(RecordError, match="exactly stage 0"):
+        joiner.load_stage(0, *files[1])
+    with pytest.raises(RecordError, match="no state of stage 0"):
+        joiner.load_stage(0, files[0][0], files[1][1])
+    assert joiner.stage_files(1) == files[1] and joiner.holds(1)  # a refused file changed nothing
