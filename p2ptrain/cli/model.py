@@ -84,9 +84,8 @@ def cmd_fetch(args: argparse.Namespace) -> int:
     cids = ensure_local(home, [args.model_cid] if args.model_cid else [], args.bootstrap, args.latest)
     model_cid = cids[-1]
     from p2ptrain.cli.ipfs import progress_bar
-    from p2ptrain.ipfs import open_store
     from p2ptrain.base import write_atomic
-    from p2ptrain.ipfs import FileTooLarge
+    from p2ptrain.ipfs import FileTooLarge, open_store
     from p2ptrain.training import describe_model_file, is_manifest, model_file
     from p2ptrain.protocol import RecordError
 
