@@ -14,7 +14,9 @@ Default: three real `p2ptrain node start` processes on loopback train the digits
 bench/chaos.py (one thread each); one phase after another in the same run, ``--repeat`` times:
 nothing, heads, nothing, requests; then nothing once more. Each phase lasts ``--window`` seconds;
 steps/s is the top step the members report over the phase, and a flood's cost its steps/s against
-the mean of the quiet phases on either side (the median over the repeats is reported).
+the mean of the quiet phases on either side (the median over the repeats is reported), and
+``adjusted_ratios``: against what the quiet phases predict for the neighbours' CPU of the same
+seconds (:func:`load_adjusted`; ``quiet`` lists the quiet phases' own, the precision).
 
 ``--idle``: one node process that trains nothing, and the CPU it spends (% of one core) while idle,
 under each flood, idle again: what the flood itself costs a node, free of the run's own noise.
@@ -53,6 +55,13 @@ def proc_cpu_s(pid: int) -> float:
     except OSError:
         return 0.0
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def machine_cpu_s() -> float:
+    """CPU seconds the whole machine has been busy (all CPUs: user, nice, system, irq, softirq,
+    steal), from /proc/stat: with the nodes' own, what the rest of a shared machine used."""
+    fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+    return sum(int(fields[i]) for i in (0, 1, 2, 5, 6, 7)) / os.sysconf("SC_CLK_TCK")
 
 
 async def attack(kind: str, task_cid: str, seconds: float, targets: list[str]) -> None:
@@ -97,6 +106,7 @@ async def flood_phase(cluster: chaos.Cluster, kind: str, task_cid: str, seconds:
 
         measured = await phase(cluster, seconds, go, training)
         measured["attacker_cpu_pct"] = round(100 * (proc_cpu_s(proc.pid) - cpu0) / seconds, 1)
+        measured["others_cpu_pct"] = round(measured["others_cpu_pct"] - measured["attacker_cpu_pct"], 1)
         return measured
     finally:
         proc.kill()
@@ -104,16 +114,19 @@ async def flood_phase(cluster: chaos.Cluster, kind: str, task_cid: str, seconds:
 
 
 async def phase(cluster: chaos.Cluster, seconds: float, flood: Any = None, training: bool = True) -> dict[str, Any]:
-    """Steps/s over ``seconds`` (while ``flood()`` runs, if given) and the nodes' CPU (% of one
-    core, summed)."""
+    """Steps/s over ``seconds`` (while ``flood()`` runs, if given), the nodes' CPU (% of one
+    core, summed) and the rest of the machine's (``others_cpu_pct``: the neighbours on a shared
+    machine, and the bench; a flood phase takes the attacker's out)."""
     cpu0, started = sum(chaos.cpu_s(p) or 0 for p in cluster.procs), trio.current_time()
+    machine0 = machine_cpu_s()
     if training:
         rate, sent = await chaos.steps_per_s(cluster, seconds, flood)
     else:
         rate, sent = 0.0, await flood() if flood is not None else await trio.sleep(seconds)
     elapsed = trio.current_time() - started
-    cpu1 = sum(chaos.cpu_s(p) or 0 for p in cluster.procs)
-    return {"sent": sent, "steps_per_s": round(rate, 2), "nodes_cpu_pct": round(100 * (cpu1 - cpu0) / elapsed, 1)}
+    cpu1, machine1 = sum(chaos.cpu_s(p) or 0 for p in cluster.procs), machine_cpu_s()
+    return {"sent": sent, "steps_per_s": round(rate, 2), "nodes_cpu_pct": round(100 * (cpu1 - cpu0) / elapsed, 1),
+            "others_cpu_pct": round(100 * (machine1 - machine0 - (cpu1 - cpu0)) / elapsed, 1)}
 
 
 async def counters(cluster: chaos.Cluster) -> dict[str, Any]:
@@ -155,7 +168,30 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 quiet = (phases[i - 1]["steps_per_s"] + phases[i + 1]["steps_per_s"]) / 2
                 ratios[p["name"]].append(round(p["steps_per_s"] / quiet, 3) if quiet else 0.0)
         out.update(ratios=ratios, median_ratio={k: statistics.median(v) for k, v in ratios.items()})
+        adjusted = load_adjusted(phases)
+        if adjusted is not None:
+            out.update(adjusted_ratios=adjusted, median_adjusted_ratio={k: statistics.median(v) for k, v in adjusted.items()})
     out.update(phases=phases, nodes=drops, survived=survived)
+    return out
+
+
+def load_adjusted(phases: list[dict[str, Any]]) -> dict[str, list[float]] | None:
+    """Each flood's steps/s against what the run's quiet phases predict for the neighbours' CPU
+    of its own seconds: a least-squares line of steps/s on ``others_cpu_pct`` through the quiet
+    phases. On a shared machine the neighbours move steps/s more than a flood does (quiet phases
+    of one run at 5-33 steps/s); the quiet phases' own scatter about the line is the precision.
+    None with fewer than 3 quiet phases or no spread in the neighbours' CPU among them."""
+    quiet = [(p["others_cpu_pct"], p["steps_per_s"]) for p in phases if p["name"] == "quiet"]
+    if len(quiet) < 3:
+        return None
+    try:
+        slope, intercept = statistics.linear_regression(*zip(*quiet))
+    except statistics.StatisticsError:
+        return None
+    out: dict[str, list[float]] = {"quiet": [], "heads": [], "requests": []}
+    for p in phases:
+        predicted = intercept + slope * p["others_cpu_pct"]
+        out[p["name"]].append(round(p["steps_per_s"] / predicted, 3) if predicted > 0 else 0.0)
     return out
 
 

@@ -103,8 +103,8 @@ EXPORTS: dict[str, list[str]] = {
     ],
     "p2ptrain.task": [
         "CompressionSpec", "MAX_STAGES", "MAX_TASK_BYTES", "NoBuilder", "OuterSpec", "PipelineSpec", "TASK_TEMPLATE", "Task",
-        "TaskError", "USER_MODEL", "load_task", "parse_task", "read_task", "stage_parameters", "task_bytes",
-        "task_from_bytes", "total_steps", "unmet_requirement",
+        "TaskError", "USER_MODEL", "load_task", "member_device", "parse_task", "read_task", "stage_parameters",
+        "task_bytes", "task_from_bytes", "total_steps", "unmet_requirement",
     ],
     "p2ptrain.testing": [
         "CLI_TIMEOUT_S", "CONNECT_TIMEOUT_S", "Changes", "DIGITS_TASK", "EOS", "EmulatedNat", "EmulatedWan", "IFACE",
@@ -122,7 +122,8 @@ EXPORTS: dict[str, list[str]] = {
         "TrainerError", "UserLocalSGDTrainer", "UserTrainer",
         "batched", "batches_forever", "config_snippet", "describe_model_file", "evaluate_batches", "export_pretrained",
         "import_pretrained", "is_manifest", "load_model", "loss_and_hits", "lr_at", "manifest_bytes", "model_file",
-        "model_from_bytes", "new_trainer", "read_manifest", "resolve_device", "run_round", "stage_file_cids",
+        "model_from_bytes", "module_device", "new_trainer", "read_manifest", "resolve_device", "run_round", "stage_file_cids",
+        "warm_up_torch",
     ],
     "p2ptrain.wire": [
         "Attestation", "Capabilities", "ConfirmedRecord", "CoordinatorBeat", "DIGEST_BYTES", "DTYPES", "DecodeError",

@@ -4,6 +4,8 @@ test or bench imports constants from a CLI command (they live where the CLI impo
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -121,3 +123,23 @@ def test_no_two_modules_share_a_name():
 
 def test_the_package_root_holds_no_loose_modules():
     assert sorted(p.name for p in (ROOT / "p2ptrain").glob("*.py")) == ["__init__.py", "_exports.py"]
+
+
+# A peer pays torch's warm-up (the import of torch._dynamo, 4 s of CPU here) at its first task run,
+# not at start: most nodes a user starts to fetch, store or relay never train.
+PEER_WITHOUT_TASK = """
+import sys
+from pathlib import Path
+from p2ptrain.node import Node
+from p2ptrain.services import TaskOptions, make_peer
+make_peer(Node(Path(sys.argv[1])), TaskOptions(accept_tasks=True))
+import torch
+print('torch._dynamo' in sys.modules)
+"""
+
+
+def test_a_peer_warms_torch_up_at_its_first_run_not_at_start(tmp_path):
+    out = subprocess.run([sys.executable, "-c", PEER_WITHOUT_TASK, str(tmp_path / "home")], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False"]

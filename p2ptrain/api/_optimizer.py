@@ -55,7 +55,7 @@ from p2ptrain.node import NodeConfig
 from p2ptrain.models import card_bytes, card_of
 from p2ptrain.protocol import load_model_bytes, model_bytes
 from p2ptrain.task import USER_MODEL, Task, parse_task
-from p2ptrain.training import GradientBridge, StepSkipped, Trainer, UserLocalSGDTrainer, UserTrainer
+from p2ptrain.training import GradientBridge, StepSkipped, Trainer, UserLocalSGDTrainer, UserTrainer, module_device
 
 log = logging.getLogger(__name__)
 
@@ -163,7 +163,10 @@ class Optimizer:
         initial = str(store.add_bytes(model_bytes(model, self._user_card), only_hash=True))
         if publisher is None:  # who may cancel the run: the member whose task is taken, unless told
             publisher = peer_id_of(load_or_create_identity(home)).to_base58()
-        task = _task(run, architecture, initial, options, allow, publisher)
+        # A model on a GPU makes a task that needs CUDA: members attest each other's bits, and a CPU
+        # member's steps round differently, so CPU and GPU members of one script meet in two runs.
+        on_gpu = module_device(model).type == "cuda"  # where the run's trainer finds the model too
+        task = _task(run, architecture, initial, options, allow, publisher, device="cuda" if on_gpu else None)
         self.bridge = GradientBridge()
         self._evaluate = evaluate
         self._inner = 0  # local-SGD: inner steps taken since the last outer step
@@ -404,9 +407,10 @@ class Optimizer:
 
 
 def _task(run: str, architecture: str, initial: str, options: dict[str, Any], allow: Sequence[str] | None,
-          publisher: str | None) -> Task:
+          publisher: str | None, device: str | None = None) -> Task:
     """The task this member would publish for the run (the same bytes on every member with the same
-    script, but for the initial weights: see p2ptrain.api._rendezvous)."""
+    script, but for the initial weights: see p2ptrain.api._rendezvous). ``device``: ``"cuda"`` for a
+    model on a GPU (``[requirements] device``); None: the CPU, the default."""
     compression: dict[str, Any] = {"density": options["density"], "robust": options["robust"]}
     if options["quantize"] is not None:
         compression["values"] = options["quantize"]
@@ -424,6 +428,8 @@ def _task(run: str, architecture: str, initial: str, options: dict[str, Any], al
             data["outer"].update(lr=options["outer_lr"], momentum=options["outer_momentum"])
     if publisher is not None:
         data["publisher"] = publisher
+    if device is not None:
+        data["requirements"] = {"device": device}
     try:
         return parse_task(data)
     except UserError as exc:  # an option out of its range: say which, as the task file would

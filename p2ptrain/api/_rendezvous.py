@@ -4,8 +4,8 @@ A run of the user's own module is a task like any other (its bytes stored by CID
 tasks topic), but nobody publishes it ahead: every member that starts the script makes the task it
 would publish (the run's name, the CID of its architecture card, the options, the CID of its own
 initial weights) and announces it. Each member then takes, among the tasks of that name it heard
-within a short window (:data:`JOIN_WINDOW_S`), a run already under way if there is one, else the
-task with the lowest CID: members that hear each other pick the same one, so a run never splits in
+within a short window (:data:`JOIN_WINDOW_S`), a run already under way if there is one (a member
+of it is heard of), else the task with the lowest CID: members that hear each other pick the same one, so a run never splits in
 two of the same name; the initial weights of the task taken are loaded into every member's module,
 so all start from the same bits. A task whose architecture card differs from this member's refuses
 it, in one line that names the first tensor or option that differs (:mod:`p2ptrain.models._fingerprint`).
@@ -125,9 +125,14 @@ def _candidate(known: KnownTask, name: str, allow: frozenset[str] | None) -> boo
 
 
 def _under_way(peer: Peer, name: str, allow: frozenset[str] | None) -> list[str]:
-    """Candidate tasks whose run has started: a head heard that names members."""
+    """Candidate tasks whose run has started: a head heard that names members, or a peer whose
+    heartbeats say it holds the run's state. The second is what a first member waiting for
+    ``min_peers`` shows (it has no head with members yet): without it a member starting after that
+    one's window closed took the lowest CID, its own half the time, and the two waited apart."""
+    joined = {cid for record in peer.node.membership.alive()
+              if allow is None or record.peer_id.to_base58() in allow for cid in record.tasks}
     return [cid for cid, known in peer.tasks.known.items()
-            if _candidate(known, name, allow) and known.head is not None and known.head.members]
+            if _candidate(known, name, allow) and (known.head is not None and known.head.members or cid in joined)]
 
 
 async def _task(peer: Peer, cid: str) -> Task:

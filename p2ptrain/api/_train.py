@@ -17,6 +17,8 @@ last step, with a progress bar on a terminal. ``steps`` is the run's length in b
 counts it from this member's data (members must agree on the length: it is part of the run's
 card, and a member that counts another is refused naming ``total_steps``; give ``steps`` when the
 members' datasets differ in size). In local-SGD mode a run step is ``inner_steps`` batches.
+Batches go to the device of the model's parameters (a model on a GPU trains there from a dataset
+on the CPU, as the run's own tasks do).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from p2ptrain.api._optimizer import Optimizer, RunFinished
-from p2ptrain.training import evaluate_batches
+from p2ptrain.training import evaluate_batches, module_device
 
 __all__ = ["TrainResult", "train"]
 
@@ -100,7 +102,8 @@ def train(
     total = math.ceil(steps / inner) if inner else steps
     loss_fn: Loss = loss or nn.functional.cross_entropy
     inner_opt = _optimizer(optimizer, model)
-    evaluate = _evaluator(test_data, batch_size) if test_data is not None else None
+    device = module_device(model)
+    evaluate = _evaluator(test_data, batch_size, device) if test_data is not None else None
     with Optimizer(inner_opt, model=model, run=run, total_steps=total, evaluate=evaluate, **options) as opt:
         # What the other members need to join (as `node start` says where it listens): without it a
         # user starting the first member has no address with a peer ID to pass as bootstrap.
@@ -113,6 +116,7 @@ def train(
         try:
             model.train()
             for x, y in _batches(loader):
+                x, y = _to(x, device), _to(y, device)
                 opt.zero_grad()
                 value = loss_fn(model(x), y)
                 value.backward()  # type: ignore[no-untyped-call]
@@ -193,12 +197,18 @@ def _shard(data: Any, opt: Optimizer) -> None:
              position, world)
 
 
-def _evaluator(test_data: Dataset[Any], batch_size: int) -> Callable[[nn.Module], dict[str, float]]:
+def _to(value: Any, device: torch.device) -> Any:
+    """A batch's tensor on ``device``; anything else (a dict of the user's) as it is."""
+    return value.to(device) if isinstance(value, torch.Tensor) else value
+
+
+def _evaluator(test_data: Dataset[Any], batch_size: int,
+               device: torch.device) -> Callable[[nn.Module], dict[str, float]]:
     loader = DataLoader(test_data, batch_size=max(batch_size, 256))
 
     def evaluate(model: nn.Module) -> dict[str, float]:
         with torch.no_grad():
-            metrics = evaluate_batches(model, loader)
+            metrics = evaluate_batches(model, loader, device)
         return {"accuracy": metrics.accuracy, "loss": metrics.loss}
 
     return evaluate

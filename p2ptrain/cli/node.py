@@ -49,7 +49,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                        help="take part in this task (repeatable)")
     start.add_argument(
         "--device", default="auto",
-        help="where to train: auto (CUDA when available, else CPU), cpu, cuda or cuda:N (default auto)",
+        help="where to train: auto (CUDA when available, else CPU), cpu, cuda or cuda:N (default auto); "
+        "a task's [requirements] device comes first: a cpu task (the default) trains on the CPU",
     )
     start.add_argument(
         "--ipfs", metavar="API", default=None,

@@ -105,11 +105,16 @@ def cmd_gc(args: argparse.Namespace) -> int:
             f"a node is running for home {home}; stop it before repo gc (a running node stores blocks "
             "before anything names them, and gc would delete them)"
         )
-    from p2ptrain.services import run_state_roots  # after the refusal: reading runs imports torch
+    from p2ptrain.run import RunDir
+
     started = time.time()
     with content_errors(), store.blocks.gc_lock():
         pins = store.blocks.pin_ls()
-        tasks = run_state_roots(home, store)
+        tasks: dict[str, list[str]] = {}
+        if RunDir.runs(home):  # reading runs imports torch and libp2p: after the refusal, and only if any
+            from p2ptrain.services import run_state_roots
+
+            tasks = run_state_roots(home, store)
         recursive = [cid for cid, kind in pins.items() if kind != DIRECT]
         recursive += [cid for cids in tasks.values() for cid in cids]
         direct = [cid for cid, kind in pins.items() if kind == DIRECT]

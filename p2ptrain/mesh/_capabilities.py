@@ -57,18 +57,28 @@ def quick_capabilities() -> Capabilities:
     )
 
 
-def torch_capabilities() -> Capabilities:
-    """The full probe through torch.cuda (slow: run it in a worker thread)."""
+def on_cpu(caps: Capabilities) -> Capabilities:
+    """``caps`` of a node that trains on the CPU whatever GPU the machine has (``--device cpu``):
+    peers choosing members for a ``cuda`` task must not count one that will refuse it."""
+    return replace(caps, device="cpu", gpu_name=None, gpu_memory_bytes=None)
+
+
+def torch_capabilities(device: str = "auto") -> Capabilities:
+    """The full probe through torch.cuda (slow: run it in a worker thread), of the GPU that
+    ``device`` (the node's ``--device``: auto, cpu, cuda or cuda:N) trains on; none for cpu."""
+    if device == "cpu":
+        return on_cpu(quick_capabilities())
     import torch
 
     gpu_name = gpu_memory = None
-    device = "cpu"
+    kind = "cpu"
     if torch.cuda.is_available():
-        device = "cuda"
-        props = torch.cuda.get_device_properties(0)
+        kind = "cuda"
+        index = int(device.split(":", 1)[1]) if device.startswith("cuda:") else 0
+        props = torch.cuda.get_device_properties(index)
         gpu_name, gpu_memory = props.name, int(props.total_memory)
     return Capabilities(
-        device=device,
+        device=kind,
         cpu_count=_cpu_count(),
         free_ram_bytes=free_ram_bytes(),
         version=__version__,

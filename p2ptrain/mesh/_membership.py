@@ -126,9 +126,15 @@ class Membership:
     tasks: tuple[str, ...] = ()
     reachability: str = "unknown"  # ours, as the node's Reachability last found it
     caps: Capabilities = field(default_factory=caps_probe.quick_capabilities)
+    # Where this node trains (its --device, set by the layer that knows it: train_on); the GPU
+    # advertised is that one, and none where it is the CPU.
+    device: str = "auto"
     # The model builders this node has, set by the layer that knows them (services: installed
     # packages' builders load with torch, after the mesh is up); sent in caps.builders.
     builders: tuple[str, ...] = ()
+    # Set once the torch probe has refined caps (or failed): until then a GPU the driver's /proc
+    # entries do not show reads as "cpu" (see caps_known).
+    _probed: trio.Event = field(default_factory=trio.Event, init=False)
     _peers: dict[ID, PeerRecord] = field(default_factory=dict, init=False)
     _changed: trio.Event = field(default_factory=trio.Event, init=False)
     _wake: trio.Event = field(default_factory=trio.Event, init=False)
@@ -288,13 +294,28 @@ class Membership:
                     del self._peers[record.peer_id]
                     self.expired += 1
 
+    def train_on(self, device: str) -> None:
+        """Advertise the device this node trains on (``--device``), from the next heartbeat."""
+        self.device = device
+        if device == "cpu":
+            self.caps = caps_probe.on_cpu(self.caps)
+
+    async def caps_known(self) -> Capabilities:
+        """This node's capabilities once the torch probe has run: a task that needs CUDA is checked
+        against these, not the quick probe's (a machine whose driver has no /proc entries)."""
+        await self._probed.wait()
+        return self.caps
+
     async def _refine_caps(self) -> None:
         # Wait until the mesh has formed: the import competes for the GIL with the event loop.
         await trio.sleep(TORCH_PROBE_DELAY_S)
         try:
-            self.caps = await trio.to_thread.run_sync(caps_probe.torch_capabilities, abandon_on_cancel=True)
+            self.caps = await trio.to_thread.run_sync(caps_probe.torch_capabilities, self.device,
+                                                      abandon_on_cancel=True)
         except Exception as exc:  # a broken torch install must not stop the node; say so once
             logger.warning("could not probe torch for GPU capabilities: %s", exc)
+        finally:
+            self._probed.set()
 
 
 def _reachability(hb: Heartbeat) -> str:

@@ -100,8 +100,16 @@ class Participation:
         if self._asked is None:
             self._asked = (now, candidate)
 
-    def counted(self, now: float, advertising: Collection[str]) -> frozenset[str]:
-        """Of the peers that advertise the task, those that count at ``now``."""
+    def counted(self, now: float, advertising: Collection[str], needed: int = 0) -> frozenset[str]:
+        """Of the peers that advertise the task, those that count at ``now``.
+
+        ``needed``: how many of them the run cannot go on without (``peers.min`` less this member).
+        When fewer count, struck peers make up the shortfall (:meth:`_retry_order`): a run
+        that waits anyway loses nothing by trying them again, and an honest newcomer whose first
+        round failed (a slow start) would otherwise keep a run of ``peers.min`` members waiting out
+        its backoff. At most the shortfall is let in, and one that fails again is not struck again
+        meanwhile (:meth:`note_missed`): Sybils gain no more than the attempts the run would not
+        have made anyway."""
         for peer in advertising:
             self._entry(now, peer).touched = now
         if self._asked is not None and now - self._asked[0] >= self.answer_s:
@@ -111,7 +119,12 @@ class Participation:
                 if peer != candidate and not entry.proven and entry.since <= asked_at and entry.struck_until <= now:
                     self._strike(now, entry)
         self._forget(now)
-        return frozenset(p for p in advertising if self._peers[p].struck_until <= now)
+        counted = [p for p in advertising if self._peers[p].struck_until <= now]
+        if len(counted) < needed:
+            struck = sorted((p for p in advertising if self._peers[p].struck_until > now),
+                            key=lambda p: self._retry_order(self._peers[p], p))
+            counted += struck[: needed - len(counted)]
+        return frozenset(counted)
 
     def struck(self, now: float) -> frozenset[str]:
         """Peers that do not count at ``now`` (for logs and `task status`)."""
@@ -121,6 +134,13 @@ class Participation:
         entry = self._entry(now, peer)
         entry.touched, entry.proven, entry.strikes, entry.struck_until = now, True, 0, 0.0
         return entry
+
+    @staticmethod
+    def _retry_order(entry: _Entry, peer: str) -> tuple[float, float, str]:
+        """Who of the struck makes up a shortfall first: one that ever took part (the latest
+        first), then the one whose backoff ends soonest."""
+        last = max((at for at in (entry.rounds_at, entry.voted_at) if at is not None), default=None)
+        return (-last if last is not None else float("inf"), entry.struck_until, peer)
 
     def _strike(self, now: float, entry: _Entry) -> None:
         entry.strikes += 1

@@ -13,12 +13,17 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import logging
 
 from p2ptrain.ipfs import InvalidCID, parse_cid
-from p2ptrain.protocol import MAX_CHAIN_BYTES, RecordError, chain_lines, entry_from_bytes
-from p2ptrain.wire import ConfirmedRecord
+
+# The protocol (records, their signatures) is imported where a chain is read: it imports torch and
+# libp2p (4 s of CPU here), which a command that only names or lists runs (``repo gc`` on a home
+# that ran none) need not pay.
+if TYPE_CHECKING:
+    from p2ptrain.wire import ConfirmedRecord
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +102,8 @@ class RunDir:
     def read_chain(self) -> bytes | None:
         """The chain file's bytes, None when there is none; a :class:`~p2ptrain.protocol.RecordError`
         when it is over :data:`~p2ptrain.protocol.MAX_CHAIN_BYTES` (a reader never holds more)."""
+        from p2ptrain.protocol import MAX_CHAIN_BYTES, RecordError  # here: see the note at the imports
+
         try:
             with open(self.chain, "rb") as f:
                 data = f.read(MAX_CHAIN_BYTES + 1)
@@ -111,6 +118,8 @@ def record_naming(home: Path, model_cid: str) -> ConfirmedRecord | None:
     """The confirmed record of ``model_cid`` in the chains ``home`` keeps (its signature checked),
     None if none names it: which task and version a model is, for ``model serve`` and ``model
     verify`` given a bare model CID. A chain that cannot be read is logged and passed over."""
+    from p2ptrain.protocol import RecordError, chain_lines, entry_from_bytes  # here: see the note at the imports
+
     held = [run for run in RunDir.runs(home) if run.chain.is_file()]
     for run in held[:MAX_CHAINS_SEARCHED]:
         try:

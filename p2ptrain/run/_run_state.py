@@ -255,8 +255,9 @@ class RunState:
             if (peer != self.me and self.task_cid in record.tasks and unmet_requirement(self.task, record.caps) is None
                     and self.task.peers.admits(peer)):
                 others.add(peer)
-        live = set(self.participation.counted(trio.current_time(), others))
-        if self.synced:
+        mine = 1 if self.synced else 0
+        live = set(self.participation.counted(trio.current_time(), others, needed=self.task.peers.min - mine))
+        if mine:
             live.add(self.me)
         return live
 

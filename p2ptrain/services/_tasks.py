@@ -29,7 +29,8 @@ from p2ptrain.services._latest import LatestFinder, head_key, held_tasks
 from p2ptrain.models import builders, model_file_limit
 from p2ptrain.training import Trainer
 from p2ptrain.protocol import Chain
-from p2ptrain.task import MAX_TASK_BYTES, NoBuilder, Task, TaskError, load_task, task_bytes, task_from_bytes, unmet_requirement
+from p2ptrain.task import (MAX_TASK_BYTES, NoBuilder, Task, TaskError, load_task, member_device, task_bytes,
+                           task_from_bytes, unmet_requirement)
 from p2ptrain.wire import (
     HeadRequest,
     Signed,
@@ -59,12 +60,21 @@ JOIN_RETRY_S = 5.0
 # repeating a bad CID costs one failed fetch per 10 minutes, short enough that a task whose data was
 # briefly unreachable is joined again without restarting the node.
 FAILED_JOIN_MEMORY_S = 600.0
+# ... except a join that failed only because no peer could give the task's bytes yet (its members
+# still fetching it, its publisher behind a NAT we have no route to yet): tried again after this,
+# doubling with each such failure up to FAILED_JOIN_MEMORY_S. A NATed peer that heard a task first
+# from another NATed peer was otherwise out of the run for 10 minutes, and a run whose peers.min
+# counted it never started (seen in tests/wan/test_training_behind_nat.py).
+UNAVAILABLE_JOIN_RETRY_S = 15.0
 # Failed CIDs remembered at once (oldest forgotten first): bounds the memory a flood of distinct bad
 # CIDs can take to ~1024 short entries.
 MAX_FAILED_JOINS = 1024
 # A join from an announcement fetches a file of at most MAX_TASK_BYTES: if that takes longer than
 # this, the announcer (or its content) is not worth waiting for.
 JOIN_FETCH_TIMEOUT_S = 30.0
+# A task that needs CUDA, on a node whose quick probe saw no GPU, waits this long for the torch probe
+# (it starts 2 s after the node and imports torch: seconds) before it is refused.
+CAPS_PROBE_WAIT_S = 30.0
 # `task status` of a task this node is not a member of looks its latest chain up and verifies it for
 # this long by default (a request may say less, up to MAX_VERIFY_HEAD_S): a run under way publishes
 # a head every 2 s, and a finished run's members answer a request within a second.
@@ -142,6 +152,7 @@ class TaskService:
         self.node = node
         self.content = content
         self.options = options
+        node.membership.train_on(options.device)  # heartbeats name the GPU it trains on, none for cpu
         self.known: dict[str, KnownTask] = {}
         self.runs: dict[str, TaskRun] = {}
         self.collective: Collective | None = None
@@ -149,7 +160,8 @@ class TaskService:
         # Why announcements were not joined, by kind: read by `p2ptrain task list --json` ("joins").
         self.join_rejections: Counter[str] = Counter()
         self._joining: set[str] = set()
-        self._failed: dict[str, float] = {}  # task CID -> trio time until which it is not retried
+        # Task CID -> (trio time until which it is not retried, its failures in a row for want of bytes).
+        self._failed: dict[str, tuple[float, int]] = {}
         self._finders: dict[str, LatestFinder] = {}  # task CID -> a lookup of its latest chain under way
         # Runs of the user's own model this process takes part in: task CID -> the trainer maker
         # (p2ptrain.Optimizer binds one before it joins; training/_user_trainer.py).
@@ -238,7 +250,16 @@ class TaskService:
                 task = await trio.to_thread.run_sync(self._held_task, task_cid)
             except NoBuilder as exc:  # a sound task this node cannot build: say what to install
                 raise UserError(exc.line) from exc
-        why = unmet_requirement(task, self.node.membership.caps)
+        caps = self.node.membership.caps
+        device = member_device(task, self.options.device)
+        if task.requirements.device == "cuda" and device != "cpu" and caps.device == "cpu":  # maybe not probed yet
+            with trio.move_on_after(CAPS_PROBE_WAIT_S):
+                caps = await self.node.membership.caps_known()
+        why = unmet_requirement(task, caps)
+        if why is None and task.requirements.device == "cuda" and device == "cpu":
+            why = "task needs a CUDA device, and this node trains on the CPU (--device cpu)"
+        if why is None and device == "cpu" and self.options.precision == "fp16":
+            why = f"task trains on the CPU (requirements.device = {task.requirements.device}), and fp16 needs CUDA"
         if why is None and not task.peers.admits(self.node.peer_id.to_base58()):
             why = "the task admits only the peers on its allowlist (peers.allow), and this node is not one"
         if why is None and task.model.user and task_cid not in self.bindings:
@@ -252,7 +273,7 @@ class TaskService:
             raise UserError(f"task {task.name} ({task_cid}) was cancelled by its publisher")
         assert self.collective is not None and self._nursery is not None
         run = TaskRun(self.node, self.content, self.collective, task, task_cid,
-                      device=self.options.device, precision=self.options.precision,
+                      device=device, precision=self.options.precision,
                       make_trainer=self.bindings.get(task_cid))
         self.runs[task_cid] = run
         self._failed.pop(task_cid, None)
@@ -292,7 +313,7 @@ class TaskService:
         except Exception as exc:
             kind = "refused" if isinstance(exc, (UserError, ContentUnavailable)) else type(exc).__name__
             self.join_rejections[kind] += 1
-            self._remember_failure(task_cid)
+            self._remember_failure(task_cid, unavailable=isinstance(exc, ContentUnavailable))
             known = self.known.get(task_cid)
             if known is not None:
                 known.refused = str(exc)[:500]
@@ -320,22 +341,24 @@ class TaskService:
                 return
             await trio.sleep(JOIN_RETRY_S)
 
-    def _remember_failure(self, task_cid: str) -> None:
-        self._failed.pop(task_cid, None)
+    def _remember_failure(self, task_cid: str, *, unavailable: bool) -> None:
+        """Do not join ``task_cid`` on announcements for a while: FAILED_JOIN_MEMORY_S, or, where no
+        peer had its bytes, UNAVAILABLE_JOIN_RETRY_S doubled by each such failure in a row."""
+        _, misses = self._failed.pop(task_cid, (0.0, 0))
         while len(self._failed) >= MAX_FAILED_JOINS:
             self._failed.pop(next(iter(self._failed)))
-        self._failed[task_cid] = trio.current_time() + FAILED_JOIN_MEMORY_S
+        misses = misses + 1 if unavailable else 0
+        memory = min(UNAVAILABLE_JOIN_RETRY_S * 2 ** (misses - 1), FAILED_JOIN_MEMORY_S) if misses else FAILED_JOIN_MEMORY_S
+        self._failed[task_cid] = (trio.current_time() + memory, misses)
 
     def _should_join(self, task_cid: str) -> bool:
         """Whether an announcement of ``task_cid`` starts a join now; counts why not when it does not."""
         if task_cid in self.runs or task_cid in self._joining:
             return False
-        until = self._failed.get(task_cid)
-        if until is not None:
-            if trio.current_time() < until:
-                self.join_rejections["recently_failed"] += 1
-                return False
-            del self._failed[task_cid]
+        failed = self._failed.get(task_cid)
+        if failed is not None and trio.current_time() < failed[0]:
+            self.join_rejections["recently_failed"] += 1
+            return False
         if len(self._joining) >= MAX_CONCURRENT_JOINS:
             self.join_rejections["busy"] += 1
             return False

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
         CompressionSpec as CompressionSpec,
         MAX_STAGES as MAX_STAGES,
         MAX_TASK_BYTES as MAX_TASK_BYTES,
+        member_device as member_device,
         OuterSpec as OuterSpec,
         PipelineSpec as PipelineSpec,
         Task as Task,

@@ -270,6 +270,20 @@ def unmet_requirement(task: Task, caps: Capabilities) -> str | None:
     return None
 
 
+def member_device(task: Task, option: str) -> str:
+    """Where a member trains ``task``, given its node's ``--device`` (``auto``, ``cpu``, ``cuda``,
+    ``cuda:N``): a ``cpu`` task on the CPU whatever the node would prefer (its members attest each
+    other's bits, and a GPU's optimizer kernels round differently from the CPU's), a ``cuda`` task
+    on the node's GPU (``auto``: the first; a node told ``cpu`` stays on the CPU and must not
+    join it), an ``any`` task where the node says."""
+    req = task.requirements.device
+    if req == "cpu":
+        return "cpu"
+    if req == "cuda" and option == "auto":
+        return "cuda"
+    return option
+
+
 def meets_requirements(task: Task, caps: Capabilities) -> bool:
     """Whether a peer with ``caps`` may join ``task`` (see :func:`unmet_requirement` for why not)."""
     return unmet_requirement(task, caps) is None

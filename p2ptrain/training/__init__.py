@@ -28,10 +28,11 @@ if TYPE_CHECKING:
         PretrainedError as PretrainedError,
     )
     from p2ptrain.training._local_sgd import LocalSGDTrainer as LocalSGDTrainer, new_trainer as new_trainer
-    from p2ptrain.training._optimizers import lr_at as lr_at
+    from p2ptrain.training._optimizers import lr_at as lr_at, warm_up_torch as warm_up_torch
     from p2ptrain.training._sync import PlanAverager as PlanAverager, RoundTimings as RoundTimings, run_round as run_round
     from p2ptrain.training._trainer import (
         Average as Average,
+        module_device as module_device,
         resolve_device as resolve_device,
         StateSnapshot as StateSnapshot,
         StepResult as StepResult,

@@ -84,6 +84,13 @@ def resolve_device(device: str) -> torch.device:
     return dev
 
 
+def module_device(model: nn.Module) -> torch.device:
+    """Where ``model``'s first parameter (else buffer) lives; the CPU for a module with neither."""
+    for tensor in (*model.parameters(), *model.buffers()):
+        return tensor.device
+    return torch.device("cpu")
+
+
 @dataclass(frozen=True)
 class StateSnapshot:
     """A member's state at one step, as tensor copies (:meth:`Trainer.snapshot`)."""
@@ -118,15 +125,18 @@ class Trainer:
         task: Task,
         *,
         total_steps: int | None = None,
-        device: str = "auto",
+        device: str | None = "auto",
         precision: str = "fp32",
         model: nn.Module | None = None,
         optimizer: torch.optim.Optimizer | None = None,
     ) -> None:
         if precision not in PRECISIONS:
             raise TrainerError(f"precision {precision!r}: must be one of {', '.join(PRECISIONS)}")
+        if device is None and model is None:
+            raise TrainerError("device None means where the given model is: give the model")
         self.task = task
-        self.device = resolve_device(device)
+        # None: the given model stays where its owner put it (a user's module, under the user's loop).
+        self.device = resolve_device(device) if device is not None else module_device(model)  # type: ignore[arg-type]
         if precision == "fp16" and self.device.type != "cuda":
             raise TrainerError("precision fp16 needs a CUDA device (use bf16 on CPU)")
         self.precision = precision
@@ -136,7 +146,7 @@ class Trainer:
         self.total_steps = steps
         if model is None:
             model = build_model(task.model.name, task.model.arguments, task.seed)
-        self.model = model.to(self.device)
+        self.model = model.to(self.device) if device is not None else model
         self.params = list(self.model.parameters())
         self.optimizer = optimizer if optimizer is not None else build_optimizer(task, self.params)
         self.step = 0
@@ -267,14 +277,18 @@ class Trainer:
     def _take_snapshot(self) -> None:
         """Keep the state before a step, for :meth:`rollback`, in the previous snapshot's tensors:
         allocating a model-sized state afresh at every step costs page faults (23 ms a step for an
-        MLP of 4.3M parameters with Adam, against 6 ms for the copies alone)."""
+        MLP of 4.3M parameters with Adam, against 6 ms for the copies alone).
+
+        A GPU's tensors go to page-locked memory, not waited for (the step's kernels queue after
+        the copies on the same stream; :meth:`rollback` waits): waited-for pageable copies took most
+        of a step's apply on a GPU (docs/benchmarks.md#a-members-step-on-a-gpu)."""
         buffers = self._snapshot_buffers
 
         def keep(name: str, value: torch.Tensor) -> torch.Tensor:
             buf = buffers.get(name)
             if buf is None or buf.shape != value.shape or buf.dtype != value.dtype:
-                buf = buffers[name] = torch.empty_like(value, device="cpu")
-            return buf.copy_(value.detach())
+                buf = buffers[name] = torch.empty(value.shape, dtype=value.dtype, pin_memory=value.is_cuda)
+            return buf.copy_(value.detach(), non_blocking=value.is_cuda and buf.is_pinned())
 
         self._snapshot = (
             self.step,
@@ -287,6 +301,8 @@ class Trainer:
         if self._snapshot is None:
             raise TrainerError("nothing to roll back")
         step, model_t, optim_t = self._snapshot
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the snapshot's copies were queued, not waited for
         self._load_tensors(model_t, optim_t, step)
         self._snapshot = None
         self._snapshot_buffers = {}  # the optimizer's state may now be these very tensors

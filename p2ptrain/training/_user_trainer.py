@@ -162,7 +162,6 @@ class _UserLoop(Trainer):
 
     def _bind_user(self, model: nn.Module, bridge: GradientBridge,
                    evaluate: Callable[[nn.Module], dict[str, float]] | None) -> None:
-        self.device = next(model.parameters()).device
         self.bridge = bridge
         self._evaluate_own = evaluate
         self._held = False  # the user's last step of a span waits for its checkpoint
@@ -221,7 +220,7 @@ class UserTrainer(_UserLoop):
                  *, total_steps: int, evaluate: Callable[[nn.Module], dict[str, float]] | None = None) -> None:
         if task.optimizer is not None or not task.model.user:
             raise TrainerError("a UserTrainer runs a task of the members' own model ([model] name = \"user\")")
-        super().__init__(task, total_steps=total_steps, device="cpu", model=model, optimizer=optimizer)
+        super().__init__(task, total_steps=total_steps, device=None, model=model, optimizer=optimizer)
         self._bind_user(model, bridge, evaluate)
 
     def _schedule_lr(self, applied: bool) -> float:
@@ -277,7 +276,7 @@ class UserLocalSGDTrainer(_UserLoop, LocalSGDTrainer):
 
     def __init__(self, task: Task, model: nn.Module, optimizer: torch.optim.Optimizer, bridge: GradientBridge,
                  *, total_steps: int, evaluate: Callable[[nn.Module], dict[str, float]] | None = None) -> None:
-        super().__init__(task, total_steps=total_steps, device="cpu", model=model, optimizer=optimizer)
+        super().__init__(task, total_steps=total_steps, device=None, model=model, optimizer=optimizer)
         self._bind_user(model, bridge, evaluate)
 
 

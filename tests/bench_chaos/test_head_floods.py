@@ -121,3 +121,54 @@ async def test_big_forged_heads_cost_their_sender_a_token_per_4_kib(tmp_path: Pa
         cost = HEAD_RATE.cost(len(heads[0].data))
         assert cost == 14
         assert 1 <= len(heard) <= (HEAD_RATE.burst + HEAD_RATE.per_s * (elapsed + 0.5)) / cost, (len(heard), elapsed)
+
+
+async def test_refused_big_messages_count_by_their_bytes_toward_a_pause(tmp_path: Path) -> None:
+    """A refusal counts one per started 4 KiB toward the flooder allowance, so a sender of 57 KB
+    forged heads is paused after its first RPC (16 heads) instead of after 100 refusals: 7 such
+    RPCs, 6 MB the node read, decrypted and parsed before the first pause (issue 27's heads flood
+    cost a run half its steps/s at each flood's start). Before: all 60 heads were read at once."""
+    from p2ptrain.net._pubsub import FLOODER_PAUSE_S
+
+    async with local_peers(1, tmp_path) as peers, hostile.hostile_peer() as peer:
+        node = peers[0].node
+        refused = lambda: node.router.dropped["rate-limited:task_head"]  # noqa: E731
+        with trio.fail_after(60):
+            target = await peer.connect(str(node.addrs[0]))
+            await peer.wait_in_topic(TASKS_TOPIC, [target])
+            heads = bounds.head_flood(peer, TASK, 60, members=BIG_MEMBERS)
+            per_rpc = min(hostile.BATCH, hostile.RPC_BYTES // len(heads[0].data))  # the attacker's batch: 16
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(hostile.send_paced, peer, heads, 1000.0, 3 * FLOODER_PAUSE_S)
+                while not refused():  # the first RPC is handled (its refusals are counted as it is)
+                    await trio.sleep(0.01)
+                await trio.sleep(FLOODER_PAUSE_S / 2)  # the node, were it not paused, reads the rest now
+                first = refused()
+                nursery.cancel_scope.cancel()
+        assert node.pubsub is not None and node.pubsub.dropped["flooder-paused"] >= 1
+        assert 0 < first < per_rpc < len(heads), (first, per_rpc)
+
+
+async def test_a_flooder_that_keeps_on_is_paused_longer_each_time(tmp_path: Path) -> None:
+    """Each pause of a sender still flooding is twice the one before (1, 2, 4 s, up to 8): over 7 s
+    of head requests at 3,000/s it is paused at most 4 times and read once after each pause, where a
+    fixed 1 s pause read an RPC every second (each read of a heads flood is up to 1 MiB).
+    Before: 6-7 pauses and 50 more requests read per second."""
+    from p2ptrain.net._pubsub import FLOODER_BURST
+
+    async with local_peers(1, tmp_path) as peers, hostile.hostile_peer() as peer:
+        node = peers[0].node
+        with trio.fail_after(60):
+            target = await peer.connect(str(node.addrs[0]))
+            await peer.wait_in_topic(TASKS_TOPIC, [target])
+            requests = bounds.head_request_flood(peer, TASK, 4000)  # more than the node takes in 7 s
+            started = trio.current_time()
+            await hostile.send_paced(peer, requests, rate=PAUSE_FLOOD, seconds=7.0)
+            await trio.sleep_until(started + 7.0)
+            read = node.router.dropped["rate-limited:task_head_request"] + node.router.delivered["task_head_request"]
+            assert node.pubsub is not None
+            pauses = node.pubsub.dropped["flooder-paused"]
+        # Pauses start at ~0, 1, 3 and 7 s: at most 4, and one RPC read after each.
+        assert 1 <= pauses <= 4, pauses
+        most = HEAD_REQUEST_RATE.burst + FLOODER_BURST + hostile.BATCH * (pauses + 2)
+        assert 0 < read <= most, (read, most)

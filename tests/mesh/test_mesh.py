@@ -185,3 +185,31 @@ async def test_the_dht_learns_peers_from_connections_and_lookups_reveal_them(tmp
         assert c.host.get_peerstore().addrs(a.peer_id), "the lookup also brought a's addresses"
         for node in (a, b, c):
             node.stop()
+
+
+async def test_discovery_parses_no_address_of_a_peer_it_is_connected_to(tmp_path, monkeypatch):
+    """Each kept peer is checked twice a second; while it is connected nothing is dialed, so its
+    heartbeat's addresses are not parsed again (that parsing was a quarter of an idle node's CPU).
+    A heartbeat's join event parses them once (Discovery._follow), whenever it is handled: not counted."""
+    import sys
+
+    from p2ptrain.mesh import _discovery
+
+    parsed = []
+    real = _discovery.dialable
+
+    def counting(addrs, peer):
+        caller = sys._getframe(1).f_code.co_name
+        if caller != "_follow":
+            parsed.append((peer, caller))
+        return real(addrs, peer)
+
+    monkeypatch.setattr(_discovery, "dialable", counting)
+    async with local_mesh(2, tmp_path) as (a, b):
+        with trio.fail_after(10):
+            while not (a.discovery.connected(b.peer_id) and b.discovery.connected(a.peer_id)):
+                await trio.sleep(0.05)
+        parsed.clear()
+        await trio.sleep(4 * _discovery.CONNECTED_POLL_S)
+        assert a.discovery.connected(b.peer_id) and b.discovery.connected(a.peer_id)
+    assert parsed == []

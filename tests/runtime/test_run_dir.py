@@ -44,7 +44,7 @@ def test_a_chain_over_the_limit_is_refused_unread(tmp_path: Path, monkeypatch: p
     run = RunDir(tmp_path)
     assert run.read_chain() is None
     run.chain.write_bytes(b"x" * 101)
-    monkeypatch.setattr("p2ptrain.run._run_dir.MAX_CHAIN_BYTES", 100)
+    monkeypatch.setattr("p2ptrain.protocol.MAX_CHAIN_BYTES", 100)  # read_chain imports it when it reads
     with pytest.raises(RecordError, match="over 100 bytes"):
         run.read_chain()
 

@@ -75,3 +75,28 @@ def test_a_span_admits_fewer_joiners_than_its_kept_members_so_a_retry_without_th
     assert joiner_room(1) == 1  # a lone member may still grow
     first = plan_members(task, "cid", (), live, admit_joiners=True)
     assert first is not None and len(first) == len(live)  # the first span: no previous members to keep
+
+
+def test_a_run_short_of_its_minimum_tries_the_struck_peers_whose_backoff_ends_first() -> None:
+    ledger = Participation(grace_s=30.0, answer_s=3.0)
+    peers = {HONEST, LATE, SYBIL}
+    ledger.note_missed(10.0, LATE)  # a newcomer whose first round failed (a slow start)
+    ledger.note_missed(12.0, SYBIL)
+    assert ledger.counted(20.0, peers) == {HONEST}
+    # The run needs two others (peers.min 3): waiting out 60 s of backoff gains nothing.
+    assert ledger.counted(20.0, peers, needed=2) == {HONEST, LATE}  # only the shortfall, soonest first
+    assert ledger.counted(20.0, peers, needed=3) == peers
+    assert ledger.counted(20.0, peers, needed=1) == {HONEST}  # enough count: the struck stay out
+    ledger.note_missed(25.0, LATE)  # failing again while struck: no second strike, no longer backoff
+    assert ledger.counted(70.0, peers) == {HONEST, LATE}
+    ledger.note_round(71.0, (HONEST, LATE))
+    assert ledger.struck(71.0) == {SYBIL}
+
+    # One that took part before (struck later than the newcomers) is tried before them.
+    ledger = Participation(grace_s=30.0, answer_s=3.0)
+    ledger.note_round(1.0, (HONEST, OTHER))
+    ledger.note_round(2.0, (HONEST,))
+    ledger.note_missed(10.0, LATE)
+    ledger.note_missed(40.0, OTHER)
+    assert ledger.struck(40.0) == {LATE, OTHER}
+    assert ledger.counted(40.0, {HONEST, LATE, OTHER}, needed=2) == {HONEST, OTHER}

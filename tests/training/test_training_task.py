@@ -5,7 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from p2ptrain.task import TaskError, load_task, task_bytes, task_from_bytes, total_steps, unmet_requirement
+from p2ptrain.task import (TaskError, load_task, member_device, task_bytes, task_from_bytes, total_steps,
+                           unmet_requirement)
 from p2ptrain.task._spec import meets_requirements
 from p2ptrain.wire import Capabilities
 
@@ -144,6 +145,17 @@ def test_requirements():
     assert not meets_requirements(cuda_task, caps(ram_mb=10**6))
     assert not meets_requirements(cuda_task, caps("cuda", gpu_mb=2048))
     assert meets_requirements(cuda_task, caps("cuda", gpu_mb=8192))
+
+
+def test_the_task_not_the_node_picks_a_cpu_task_s_device():
+    """A ``cpu`` task (the default) trains on the CPU on a node whose --device would pick its GPU:
+    its members attest each other's bits, and a GPU rounds the optimizer step otherwise. Before,
+    the node's --device won and a GPU peer trained a cpu task on CUDA."""
+    cpu_task, any_task = load_task(with_("training", "")), load_task(with_("requirements", 'device = "any"'))
+    cuda_task = load_task(with_("requirements", 'device = "cuda"'))
+    assert [member_device(cpu_task, d) for d in ("auto", "cpu", "cuda", "cuda:1")] == ["cpu"] * 4
+    assert [member_device(cuda_task, d) for d in ("auto", "cuda", "cuda:1", "cpu")] == ["cuda", "cuda", "cuda:1", "cpu"]
+    assert [member_device(any_task, d) for d in ("auto", "cpu", "cuda:1")] == ["auto", "cpu", "cuda:1"]
 
 
 def test_epochs_become_steps():

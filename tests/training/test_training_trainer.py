@@ -228,3 +228,24 @@ def test_a_snapshot_keeps_the_bytes_and_the_evaluation_of_its_step_while_the_tra
     assert trainer.model_bytes() != model and trainer.evaluate(test) != before
     assert snapshot.step == 1 and snapshot.model_bytes() == model and snapshot.optimizer_bytes() == optim
     assert trainer.evaluate_snapshot(snapshot, test) == before
+
+
+def test_a_users_module_stays_on_the_device_the_user_put_it_on():
+    """A run of the user's own module (p2ptrain.Optimizer) trains it where the user's loop feeds it.
+    The meta device stands in for a GPU here: before, the trainer moved the module to the CPU
+    (``model.to("cpu")``, under the user's loop, whose batches then went to another device than
+    its weights; on the meta device the move itself fails)."""
+    from torch import nn
+
+    from p2ptrain.task import parse_task
+    from p2ptrain.training import GradientBridge, UserTrainer
+
+    task = parse_task({"name": "own", "model": {"name": "user", "architecture": "QmPr27mpm19tVRhDMn98aEecF9ii7FVYZVuQNeTGNTFida"},
+                       "training": {"batch_size": 1, "total_steps": 10, "checkpoint_interval": 5}})
+    with torch.device("meta"):
+        module = nn.Linear(4, 2)
+    trainer = UserTrainer(task, module, torch.optim.SGD(module.parameters(), lr=0.1), GradientBridge(), total_steps=10)
+    assert trainer.device.type == "meta" and trainer.model is module
+    assert all(p.device.type == "meta" for p in module.parameters())
+    with pytest.raises(TrainerError, match="give the model"):
+        Trainer(task, device=None)
