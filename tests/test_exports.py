@@ -117,13 +117,14 @@ EXPORTS: dict[str, list[str]] = {
         "wan_unavailable",
     ],
     "p2ptrain.training": [
-        "Average", "GradientBridge", "LocalSGDTrainer", "ManifestError", "PlanAverager", "PositionedBatches",
+        "Average", "GradientBridge", "LocalSGDTrainer", "MAX_MANIFEST_BYTES", "ManifestError", "PlanAverager",
+        "PositionedBatches",
         "PretrainedError", "RoundTimings", "StageFile", "StateSnapshot", "StepResult", "StepSkipped", "Trainer",
         "TrainerError", "UserLocalSGDTrainer", "UserTrainer",
         "batched", "batches_forever", "config_snippet", "describe_model_file", "evaluate_batches", "export_pretrained",
-        "import_pretrained", "is_manifest", "load_model", "loss_and_hits", "lr_at", "manifest_bytes", "model_file",
-        "model_from_bytes", "module_device", "new_trainer", "read_manifest", "resolve_device", "run_round", "stage_file_cids",
-        "warm_up_torch",
+        "import_pretrained", "is_manifest", "load_model", "loss_and_hits", "lr_at", "manifest_bytes",
+        "model_file", "model_from_bytes", "module_device", "new_trainer", "read_manifest", "resolve_device", "run_round",
+        "stage_file_cids", "warm_up_torch",
     ],
     "p2ptrain.wire": [
         "Attestation", "Capabilities", "ConfirmedRecord", "CoordinatorBeat", "DIGEST_BYTES", "DTYPES", "DecodeError",

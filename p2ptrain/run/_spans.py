@@ -120,7 +120,7 @@ class Spans:
         try:
             trainer.align(plan.step)
             if self.stages is not None:
-                self.stages.take(plan)
+                await self.stages.take(plan)
         except TrainerError as exc:
             logger.warning("%s: out of step (%s); resyncing from the latest confirmed model", run.log_prefix, exc)
             run.desync(trio.current_time())
@@ -206,12 +206,18 @@ class Spans:
         trainer, book = run.require()
         step = trainer.step
         try:
-            gathered = await (self._average_buffers(plan) if self.stages is None else self.stages.gather(plan))
-            if not gathered:
-                book.rejected_step = step  # no checkpoint this span: the barrier opens, the next tries again
-                run.wake_leader.set()
+            if self.stages is not None:
+                cid = await self.stages.checkpoint(plan)
+                if cid is not None:
+                    # The record names the stages' manifest; no member holds the whole model to
+                    # evaluate, so its metrics are the training's (docs/pipeline.md).
+                    await self.attesting.checkpoint_stored(plan, step, cid, cid, self.attesting.span_metrics(plan))
+                    return
+            elif await self._average_buffers(plan):
+                await self._take_checkpoint(plan)
                 return
-            await self._take_checkpoint(plan)
+            book.rejected_step = step  # no checkpoint this span: the barrier opens, the next tries again
+            run.wake_leader.set()
         finally:
             trainer.release_span()  # a user's loop waits for this (training/_user_trainer.py)
 

@@ -1,16 +1,12 @@
-"""A member's trainer in a pipelined run: the whole model, of which it trains one stage.
+"""A member's trainer in a pipelined run: the model cut into stages, of which it holds and trains one.
 
-The member builds, loads and checkpoints the whole model exactly as a data-parallel member does
-(the task's seed or initial model, a checkpoint by CID, the same model and optimizer files), so
-records, attestations, resync, resume and ``model fetch`` work unchanged. Between checkpoints it
-steps only its stage's parameters (the others keep the values of the last checkpoint); at a
-checkpoint one replica of every stage contributes its stage's parameters and optimizer state to an
-exact sum over all the plan's members (:meth:`StagedTrainer.state_vector`), after which every
-member holds the whole model again, bit for bit the same, and hashes it as any member does.
-
-The price: every member holds the whole model's memory (a later step builds and loads only its
-stage's pieces: per-stage checkpoints and a manifest, docs/pipeline.md), and each checkpoint moves
-the whole model and its optimizer state once through a ring of all the members.
+Built from the task's seed or initial model, a member holds every stage at step 0 (the same bits as
+one process). From then on it steps only the stage its plan names; its checkpoint is that stage's
+two files (:meth:`StagedTrainer.stage_files`), which a manifest names with the other stages'
+(run/_stage_checkpoints.py). A member that loads a checkpoint (resume, resync, a joiner) takes the
+manifest only (:meth:`StagedTrainer.load_manifest`: it holds no stage at that step) and then the
+one stage its plan names (:meth:`StagedTrainer.load_stage`, by CID from that manifest); a member a
+plan moves to another stage loads that one the same way.
 """
 
 from __future__ import annotations
@@ -24,7 +20,7 @@ import torch
 from p2ptrain.base import all_finite
 from p2ptrain.pipeline import partition, Stage
 from p2ptrain.protocol import read_model_card, read_tensors, RecordError, state_bytes, tensors_bytes
-from p2ptrain.training import StepResult, Trainer, TrainerError
+from p2ptrain.training import ManifestError, read_manifest, StepResult, Trainer, TrainerError
 
 log = logging.getLogger(__name__)
 
@@ -51,16 +47,17 @@ class StagedTrainer(Trainer):
         self._whole_before = True  # `whole` before the last step, for rollback
 
     def holds(self, stage: int) -> bool:
-        """Whether this member holds ``stage`` at its step: always after a checkpoint or a load; between
-        two, only the stage it steps (the others are at the last checkpoint)."""
+        """Whether this member holds ``stage`` at its step: every stage from the task's seed or
+        initial model until its first step; from then on only the stage it steps or loaded (none
+        after :meth:`load_manifest`)."""
         return self.whole or self.trained == stage
 
     def take_stage(self, stage: int) -> Stage:
         """The stage to serve in a plan; a :class:`TrainerError` when this member does not hold it at
         its step (a plan moved it to another stage between checkpoints: it resyncs from the latest)."""
         if not self.holds(stage):
-            raise TrainerError(f"holds stage {self.trained} at step {self.step}, not stage {stage} (moved between "
-                               "checkpoints)")
+            held = "no stage" if self.trained is None else f"stage {self.trained}"
+            raise TrainerError(f"holds {held} at step {self.step}, not stage {stage}")
         return self.stages[stage]
 
     def apply_stage(self, stage: int, loss: float) -> StepResult:
@@ -87,6 +84,24 @@ class StagedTrainer(Trainer):
         super().load_state(model_data, optimizer_data)
         self.whole = True
 
+    def load_manifest(self, model_data: bytes, optimizer_data: bytes, step: int) -> None:
+        """A checkpoint of the run at ``step`` whose model and optimizer CID name one manifest:
+        check it names this model's stages; this member then holds no stage at ``step`` until it
+        loads one (:meth:`load_stage`, from that manifest's files). :class:`RecordError` for bytes
+        that are no such manifest, and nothing is changed."""
+        if model_data != optimizer_data:
+            raise RecordError("a pipelined checkpoint's model and optimizer CIDs name one manifest")
+        try:
+            entries = read_manifest(model_data)
+        except ManifestError as exc:
+            raise RecordError(str(exc)) from None
+        if [(e.first, e.last) for e in entries] != [(s.first, s.last) for s in self.stages]:
+            raise RecordError("the manifest's stages are not this task's cut of the model")
+        self.step, self.pending = step, None
+        self.optimizer.state.clear()  # whatever this member held is of another step
+        self.whole, self.trained = False, None
+        self._snapshot = None
+
     # --- a stage's checkpoint files ---------------------------------------------------------------
 
     def _stage_indices(self, stage: int) -> set[int]:
@@ -108,10 +123,16 @@ class StagedTrainer(Trainer):
                  if name == "trainer.step" or name.split(".")[1] in indices}
         return model_data, tensors_bytes(optim)
 
-    def load_stage(self, stage: int, model_data: bytes, optimizer_data: bytes) -> None:
+    def stage_numbers(self, stage: int) -> int:
+        """How many numbers ``stage``'s model file holds (a manifest's ``parameters``)."""
+        whole = self.model.state_dict()
+        return sum(whole[name].numel() for name in self.stages[stage].state_names())
+
+    def load_stage(self, stage: int, model_data: bytes, optimizer_data: bytes, step: int | None = None) -> None:
         """Take ``stage``'s checkpoint files (:meth:`stage_files`' form, e.g. by CID from a manifest):
-        its parameters, their optimizer state and the step; the other stages are not held after it.
-        :class:`RecordError` for files that are not exactly that stage's, and nothing is changed."""
+        its parameters, their optimizer state and the step (which must be ``step`` when given); the
+        other stages are not held after it. :class:`RecordError` for files that are not exactly
+        that stage's, and nothing is changed."""
         if read_model_card(model_data) != self._card():
             raise RecordError(f"stage {stage}'s model file is not of this task's model")
         tensors = read_tensors(model_data)
@@ -123,9 +144,11 @@ class StagedTrainer(Trainer):
             if tensors[name].shape != whole[name].shape or tensors[name].dtype != whole[name].dtype:
                 raise RecordError(f"stage {stage}'s tensor {name}: {tuple(tensors[name].shape)} {tensors[name].dtype}")
         optim = read_tensors(optimizer_data)
-        step = optim.pop("trainer.step", None)
-        if step is None or step.dtype != torch.int64 or step.numel() != 1:
+        saved = optim.pop("trainer.step", None)
+        if saved is None or saved.dtype != torch.int64 or saved.numel() != 1:
             raise RecordError("optimizer file has no valid trainer.step")
+        if step is not None and int(saved) != step:
+            raise RecordError(f"stage {stage}'s optimizer file is of step {int(saved)}, the checkpoint's is {step}")
         indices, keys = self._stage_indices(stage), self.optimizer_state_keys()
         for name, t in sorted(optim.items()):
             _, index, key = name.split(".", 2) if _INDEX_NAME.fullmatch(name) else ("", "-1", "")
@@ -134,73 +157,6 @@ class StagedTrainer(Trainer):
             if key != "step" and t.shape != self.params[int(index)].shape:
                 raise RecordError(f"optimizer tensor {name} has shape {tuple(t.shape)}")
         model_t = {**whole, **tensors}
-        self._load_tensors(model_t, optim, int(step))  # checks the optimizer's keys and shapes
+        self._load_tensors(model_t, optim, int(saved))  # checks the optimizer's keys and shapes
         self.whole, self.trained = False, stage
         self._snapshot = None
-
-    # --- the checkpoint's gather ---------------------------------------------------------------
-
-    def _layout(self) -> list[tuple[str, int]]:
-        """The gather vector's parts: ``(name, entries)`` for every parameter, then for every
-        parameter and optimizer state key a presence flag and the state's values."""
-        parts = [(f"model.{name}", p.numel()) for name, p in self.model.named_parameters()]
-        for i, p in enumerate(self.params):
-            for key in sorted(self.optimizer_state_keys()):
-                parts += [(f"present.{i}.{key}", 1), (f"state.{i}.{key}", 1 if key == "step" else p.numel())]
-        return parts
-
-    def state_vector(self, stage: int, contribute: bool) -> torch.Tensor:
-        """This member's share of the whole state: ``stage``'s parameters and their optimizer state
-        when it ``contribute``\\ s (one replica of each stage does), zeros elsewhere. Summed over
-        the plan's members (``x + 0`` is ``x``), it is the whole model and optimizer state."""
-        own = {id(p) for p in self.stages[stage].parameters()} if contribute else set()
-        state = self.optimizer.state
-        values: dict[str, torch.Tensor] = {}
-        for name, p in self.model.named_parameters():
-            if id(p) in own:
-                values[f"model.{name}"] = p.detach()
-        for i, p in enumerate(self.params):
-            if id(p) not in own:
-                continue
-            for key, value in state.get(p, {}).items():
-                if isinstance(value, torch.Tensor):
-                    values[f"present.{i}.{key}"] = torch.ones(1)
-                    values[f"state.{i}.{key}"] = value.detach()
-        layout = self._layout()
-        flat = torch.zeros(sum(n for _, n in layout), dtype=torch.float32)
-        offset = 0
-        for name, n in layout:
-            if name in values:
-                flat[offset : offset + n] = values[name].reshape(-1).to(device="cpu", dtype=torch.float32)
-            offset += n
-        return flat
-
-    def load_state_vector(self, flat: torch.Tensor, stage: int) -> bool:
-        """Take the summed :meth:`state_vector` as the whole model and optimizer state; whether this
-        member's own ``stage`` parameters were those bits already (the replicas of a stage are
-        bitwise identical unless one of them went astray: the caller counts it)."""
-        layout = self._layout()
-        if flat.shape != (sum(n for _, n in layout),):
-            raise TrainerError(f"gathered state has shape {tuple(flat.shape)}, expected ({sum(n for _, n in layout)},)")
-        parts: dict[str, torch.Tensor] = {}
-        offset = 0
-        for name, n in layout:
-            parts[name] = flat[offset : offset + n]
-            offset += n
-        model_t = dict(self.model.state_dict())
-        own = {id(p) for p in self.stages[stage].parameters()}
-        same = True
-        for name, p in self.model.named_parameters():
-            model_t[name] = parts[f"model.{name}"].view_as(p).to(dtype=p.dtype)
-            if id(p) in own and same:
-                same = torch.equal(model_t[name], p.detach())
-        optim_t: dict[str, torch.Tensor] = {}
-        for i, p in enumerate(self.params):
-            for key in sorted(self.optimizer_state_keys()):
-                if float(parts[f"present.{i}.{key}"]) > 0:
-                    value = parts[f"state.{i}.{key}"]
-                    optim_t[f"state.{i}.{key}"] = value.reshape(()).clone() if key == "step" else value.view_as(p).clone()
-        self._load_tensors(model_t, optim_t, self.step)
-        self.whole, self.trained = True, None
-        self._snapshot = None  # the step before the gather holds stale stages
-        return same

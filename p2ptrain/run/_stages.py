@@ -23,8 +23,9 @@ replica that dies mid-step is routed around within the step (nothing is lost), b
 fails at the summary (the drivers do not yet agree on smaller rings with the replicas: docs/pipeline.md,
 "Next", item 2), and the retry repeats it without that replica.
 
-At a span's checkpoint, :meth:`StageRounds.gather` gives every member the whole model again
-(:mod:`~p2ptrain.run._stage_trainer`), so the checkpoint is the data-parallel one.
+At a span's checkpoint every member stores its stage's files and the run's record names a manifest
+of every stage's (:meth:`StageRounds.checkpoint`, run/_stage_checkpoints.py); a member that does not
+hold the stage its plan names loads it from the latest confirmed one (:meth:`StageRounds.take`).
 """
 
 from __future__ import annotations
@@ -41,11 +42,12 @@ from libp2p.custom_types import TProtocol
 from libp2p.peer.id import ID
 
 from p2ptrain.base import short_id
-from p2ptrain.collective import CollectiveError, RoundSpec
+from p2ptrain.collective import RoundSpec
 from p2ptrain.net import Channel, serve_channels
 from p2ptrain.pipeline import Driver, PipelineError, PROTOCOL, StageReplica, sum_stage_gradients, Wiring
-from p2ptrain.protocol import buffers_round_id, round_id, shard_of, stage_rings, stage_round_id
+from p2ptrain.protocol import round_id, shard_of, stage_rings, stage_round_id
 from p2ptrain.run._run_state import RunState
+from p2ptrain.run._stage_checkpoints import load_confirmed_stage, store_stage_checkpoint
 from p2ptrain.run._stage_trainer import StagedTrainer
 from p2ptrain.training import loss_and_hits, StepResult
 from p2ptrain.wire import RoundPlan
@@ -81,14 +83,17 @@ class StageRounds:
         assert plan.stages is not None
         return plan.stages[plan.members.index(self.run.me)]
 
-    def take(self, plan: RoundPlan) -> None:
-        """Serve this member's stage of ``plan`` from now on (a :class:`TrainerError` when it does
-        not hold that stage: the span then resyncs)."""
+    async def take(self, plan: RoundPlan) -> None:
+        """Serve this member's stage of ``plan`` from now on, loaded first from the latest confirmed
+        manifest when this member does not hold it (a joiner, one that resumed or resynced, one the
+        plan moves); a :class:`TrainerError` when it cannot be (the span then resyncs)."""
         run = self.run
         trainer = self._trainer()
         task = run.task
         assert task.pipeline is not None
         index = self.stage_of(plan)
+        if not trainer.holds(index):
+            await load_confirmed_stage(run, index)
         stage = trainer.take_stage(index)
         self._plan, self._driver, self._replica = plan, None, None
         encoding = task.pipeline.activations
@@ -200,26 +205,8 @@ class StageRounds:
                 raise PipelineError(f"stage {s}: replicas {', '.join(short_id(g) for g in gone)} gave no holdings")
         return sum(losses)
 
-    async def gather(self, plan: RoundPlan) -> bool:
-        """Before the span's checkpoint: every member takes the whole model and optimizer state,
-        each stage's from its first replica in the plan (an exact sum, :meth:`StagedTrainer.state_vector`).
-        False when that round failed (no checkpoint this span)."""
-        run = self.run
-        trainer = self._trainer()
-        stage = self.stage_of(plan)
-        contribute = stage_rings(plan)[stage][0] == run.me
-        flat = await trio.to_thread.run_sync(trainer.state_vector, stage, contribute)
-        members = [ID.from_base58(m) for m in plan.members]
-        try:
-            whole = await run.collective.allreduce(flat, members, buffers_round_id(plan), RoundSpec(
-                op="sum", timeout=self.hop_timeout, start_timeout=self.start_timeout))
-        except CollectiveError as exc:
-            logger.warning("%s: gathering the stages at step %d failed (%s); no checkpoint this span",
-                           run.log_prefix, trainer.step, exc)
-            return False
-        if not await trio.to_thread.run_sync(trainer.load_state_vector, whole, stage):
-            # Its own stage differed from the replica that contributed it: this member or that one
-            # went astray (the gathered bits are what every member now holds and attests).
-            run.refuse("stage_diverged", f"at step {trainer.step} this member's stage {stage} differed from "
-                       f"{short_id(stage_rings(plan)[stage][0])}'s; took the gathered one")
-        return True
+    async def checkpoint(self, plan: RoundPlan) -> str | None:
+        """At the end of ``plan``'s span: this member's stage files stored and the manifest of every
+        stage's (run/_stage_checkpoints.py); its CID, or None when the gather failed."""
+        return await store_stage_checkpoint(self.run, plan, self.stage_of(plan), timeout=self.hop_timeout,
+                                            start_timeout=self.start_timeout)

@@ -44,6 +44,7 @@ if TYPE_CHECKING:
         is_manifest as is_manifest,
         ManifestError as ManifestError,
         manifest_bytes as manifest_bytes,
+        MAX_MANIFEST_BYTES as MAX_MANIFEST_BYTES,
         read_manifest as read_manifest,
         stage_file_cids as stage_file_cids,
         StageFile as StageFile,

@@ -1,6 +1,7 @@
-"""A pipelined member's trainer (run/_stage_trainer.py): it steps its stage only, and a checkpoint's
-gather gives every member the whole model and optimizer state, the bits one trainer of the whole
-model holds after the same steps: what records, attestations and ``model fetch`` rely on."""
+"""A pipelined member's trainer (run/_stage_trainer.py): it steps its stage only; the stages' files
+assemble into the bits one trainer of the whole model holds after the same steps (what records,
+attestations and ``model fetch`` rely on), and a member that loads a checkpoint takes its manifest,
+then only the stage its plan names."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 from p2ptrain.ipfs import EmbeddedStore
 from p2ptrain.protocol import read_tensors, RecordError, tensors_bytes
 
+from p2ptrain.run._stage_checkpoints import cids_vector, read_cids_vector
 from p2ptrain.run._stage_trainer import StagedTrainer
 from p2ptrain.task import load_task
 from p2ptrain.training import manifest_bytes, model_file, StageFile, Trainer, TrainerError
@@ -27,30 +29,15 @@ def gradients(model: torch.nn.Module, step: int) -> dict[str, torch.Tensor]:
     return {name: torch.randn(p.shape, generator=g) for name, p in model.named_parameters()}
 
 
-def test_stages_stepped_apart_and_gathered_hold_the_whole_trainers_bits() -> None:
-    whole = Trainer(TASK, device="cpu")
-    members = [StagedTrainer(TASK, device="cpu") for _ in range(2 * REPLICAS)]
-    stage_of = [i // REPLICAS for i in range(len(members))]
-    for step in range(3):
-        grads = gradients(whole.model, step)
-        whole.apply(torch.cat([grads[name].reshape(-1) for name, _ in whole.model.named_parameters()]))
-        for member, stage in zip(members, stage_of, strict=True):
-            for name, p in member.stages[stage].model_parameters():
-                p.grad = grads[name].clone()
-            member.apply_stage(stage, 0.0)
-    # Between checkpoints a member holds only its stage: it cannot be moved to another.
-    assert members[0].holds(0) and not members[0].holds(1)
-    with pytest.raises(TrainerError, match="holds stage 0 at step 3, not stage 1"):
-        members[0].take_stage(1)
-    # The gather: one replica of each stage contributes, the sum goes to every member.
-    total = sum(m.state_vector(s, contribute=i % REPLICAS == 0) for i, (m, s) in enumerate(zip(members, stage_of)))
-    with torch.no_grad():  # a replica gone astray: told when it takes the gathered state
-        next(members[REPLICAS - 1].stages[0].parameters()).add_(1e-6)
-    for i, member in enumerate(members):
-        assert member.load_state_vector(total.clone(), stage_of[i]) is (i != REPLICAS - 1)
-        assert member.whole and member.holds(1)
-        assert member.model_bytes() == whole.model_bytes()
-        assert member.optimizer_bytes() == whole.optimizer_bytes()
+def test_stages_stepped_apart_hold_only_their_stage() -> None:
+    member = StagedTrainer(TASK, device="cpu")
+    assert member.holds(0) and member.holds(1)  # built from the seed: every stage at step 0
+    for p in member.stages[0].parameters():
+        p.grad = torch.ones_like(p)
+    member.apply_stage(0, 0.0)
+    assert member.holds(0) and not member.holds(1)
+    with pytest.raises(TrainerError, match="holds stage 0 at step 1, not stage 1"):
+        member.take_stage(1)
 
 
 def test_a_rolled_back_step_holds_every_stage_again() -> None:
@@ -98,3 +85,51 @@ def test_stage_files_assemble_into_the_whole_and_load_back(tmp_path: Path) -> No
     with pytest.raises(RecordError, match="no state of stage 0"):
         joiner.load_stage(0, files[0][0], files[1][1])
     assert joiner.stage_files(1) == files[1] and joiner.holds(1)  # a refused file changed nothing
+
+
+def test_a_loaded_manifest_holds_no_stage_until_one_is_loaded_from_it(tmp_path: Path) -> None:
+    """Resume, resync and a joiner take a pipelined record's manifest (its model and optimizer CID)
+    and hold no stage at its step; then the one stage their plan names, of that step only."""
+    trained = [StagedTrainer(TASK, device="cpu") for _ in range(2)]
+    for stage, member in enumerate(trained):
+        for p in member.stages[stage].parameters():
+            p.grad = torch.ones_like(p)
+        member.apply_stage(stage, 0.0)
+    store = EmbeddedStore(tmp_path)
+    files = [member.stage_files(stage) for stage, member in enumerate(trained)]
+    entries = [StageFile(s.first, s.last, store.add_bytes(m), store.add_bytes(o), trained[0].stage_numbers(i))
+               for i, (s, (m, o)) in enumerate(zip(trained[0].stages, files, strict=True))]
+    manifest = manifest_bytes(entries)
+    assert entries[0].parameters + entries[1].parameters == sum(
+        t.numel() for t in read_tensors(model_file(store, store.add_bytes(manifest))).values())
+
+    member = StagedTrainer(TASK, device="cpu")
+    with pytest.raises(RecordError, match="name one manifest"):
+        member.load_manifest(manifest, b"optimizer", 1)
+    other = manifest_bytes([StageFile(0, 0, e.model, e.optimizer, e.parameters) if i == 0 else
+                            StageFile(1, entries[1].last, e.model, e.optimizer, e.parameters)
+                            for i, e in enumerate(entries)])
+    with pytest.raises(RecordError, match="not this task's cut"):
+        member.load_manifest(other, other, 1)
+    assert member.step == 0 and member.holds(1)  # refused: nothing changed
+    member.load_manifest(manifest, manifest, 1)
+    assert member.step == 1 and not member.holds(0) and not member.holds(1)
+    with pytest.raises(TrainerError, match="holds no stage at step 1"):
+        member.take_stage(1)
+    with pytest.raises(RecordError, match="of step 1, the checkpoint's is 2"):
+        member.load_stage(1, *files[1], step=2)
+    member.load_stage(1, *files[1], step=1)
+    assert member.holds(1) and not member.holds(0) and member.stage_files(1) == files[1]
+
+
+def test_the_gathered_cids_name_every_stage_or_nothing() -> None:
+    """At a checkpoint the first replica of each stage contributes its files' CIDs as bytes; their
+    exact sum over the plan's members names every stage's, and a sum that names no CID is refused."""
+    cids = [("QmT78zSuBmuS4z925WZfrqQ1qHaJ56DQaTfyMUF7F8ff5o", "QmYwAPJzv5CZsnA625s3Xf2nemtYgPpHdWEz79ojWnPbdG"),
+            ("bafkreihdwdcefgh4dqkjv67uzcmw7ojee6xedzdetojuzjevtenxquvyku", "QmUNLLsPACCz1vLxQVkXqqLX5R1X345qqfHbsf67hvA3Nn")]
+    parts = [cids_vector(2, s, c) for s, c in enumerate(cids)] + [cids_vector(2, None, cids[0])]
+    assert read_cids_vector(sum(parts), 2) == cids
+    with pytest.raises(ValueError, match="stage 1's gathered CID '' is no CID"):
+        read_cids_vector(parts[0] + parts[2], 2)  # nobody contributed stage 1
+    with pytest.raises(ValueError, match="not ASCII"):
+        read_cids_vector(sum(parts) + parts[0], 2)  # stage 0 contributed twice
