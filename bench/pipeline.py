@@ -1,8 +1,19 @@
-"""Pipeline stages (issue 31), first measures: bytes a microbatch puts on the wire, and a step on loopback.
+"""Pipeline stages (issue 31), first measures: bytes a microbatch puts on the wire, a step on
+loopback, and a member's memory.
 
     .venv/bin/python bench/pipeline.py [--stages 4] [--replicas 2] [--width 128] [--depth 8]
                                        [--context 64] [--vocab 256] [--batch 16] [--micro 4]
                                        [--steps 3] [--reps 2] [--json]
+    .venv/bin/python bench/pipeline.py --memory [--stages 4] [--width 1024] [--depth 16] [--json]
+
+**Memory** (``--memory``, instead of the two below): peak RSS (``ru_maxrss``) of a pipelined
+member, each stage in its own process (``StagedTrainer`` built from the seed, its stage taken, one
+Adam step of that stage with a gradient of its size), against one process that trains the whole
+model the same way (``Trainer``: one Adam step of every parameter), same model, same run. Both
+include the interpreter with torch and p2ptrain imported (measured too: ``import_rss``). The
+member's peak is the whole model's weights, built once from the seed (the same initial bits as one
+process) before it frees the other stages; the single process's is weights, gradients and Adam's two
+moments.
 
 **Bytes per microbatch**: the frames of one microbatch's whole trip (FORWARD/OUTPUT of the middle
 stages, LOSS/GRAD of the last, BACKWARD/GRAD back), encoded from the real activations and gradients of
@@ -22,7 +33,9 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import resource
 import statistics
+import subprocess
 import sys
 import time
 
@@ -121,13 +134,89 @@ def single_seconds(kwargs: dict, data) -> float:
     return (time.perf_counter() - began) / len(data)
 
 
+MEMORY_TASK = """
+name = "memory"
+[model]
+name = "transformer_lm"
+kwargs = {{ vocab_size = {vocab}, context = {context}, width = {width}, depth = {depth}, heads = 4 }}
+[dataset]
+manifest = "QmT78zSuBmuS4z925WZfrqQ1qHaJ56DQaTfyMUF7F8ff5o"
+[optimizer]
+name = "adam"
+lr = 0.001
+[training]
+batch_size = 8
+total_steps = 10
+[peers]
+min = {stages}
+{pipeline}"""
+
+
+def peak_rss(args: argparse.Namespace, stage: int) -> dict[str, int]:
+    """In this process: the RSS after imports, then the peak after one Adam step of ``stage``'s
+    member (``stage`` -1: of one process training the whole model), in bytes."""
+    from p2ptrain.run._stage_trainer import StagedTrainer
+    from p2ptrain.task import load_task
+    from p2ptrain.training import Trainer
+
+    imported = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    pipeline = f"[pipeline]\nstages = {args.stages}\n" if stage >= 0 else ""
+    task = load_task(MEMORY_TASK.format(vocab=args.vocab, context=args.context, width=args.width, depth=args.depth,
+                                        stages=args.stages, pipeline=pipeline))
+    if stage >= 0:
+        member = StagedTrainer(task, device="cpu")
+        params = list(member.take_stage(stage).parameters())
+    else:
+        member = Trainer(task, device="cpu")
+        params = list(member.model.parameters())
+    for p in params:
+        p.grad = torch.randn_like(p)
+    member.optimizer.step()
+    return {"import_rss": imported, "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "parameters": sum(p.numel() for p in params)}
+
+
+def memory(args: argparse.Namespace) -> dict:
+    """Each stage's member and the single process, each in a fresh process, one after the other."""
+    def measure(stage: int) -> dict[str, int]:
+        argv = [sys.executable, __file__, "--rss-of", str(stage), *(f"--{k}={getattr(args, k)}" for k in
+                                                                     ("stages", "width", "depth", "context", "vocab"))]
+        return json.loads(subprocess.run(argv, check=True, capture_output=True, text=True).stdout)
+
+    single = measure(-1)
+    members = [measure(stage) for stage in range(args.stages)]
+    worst = max(m["peak_rss"] for m in members)
+    return {"parameters": single["parameters"], "stages": args.stages, "single": single, "members": members,
+            "ratio_member_over_single": round(worst / single["peak_rss"], 3),
+            "ratio_above_imports": round((worst - single["import_rss"]) / (single["peak_rss"] - single["import_rss"]), 3)}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     for name, default in [("stages", 4), ("replicas", 2), ("width", 128), ("depth", 8), ("context", 64),
                           ("vocab", 256), ("batch", 16), ("micro", 4), ("steps", 3), ("reps", 2)]:
         parser.add_argument(f"--{name}", type=int, default=default)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--memory", action="store_true", help="peak RSS of each stage's member against one process")
+    parser.add_argument("--rss-of", type=int, default=None, help=argparse.SUPPRESS)  # one measure, in a child
     args = parser.parse_args()
+    if args.rss_of is not None:
+        print(json.dumps(peak_rss(args, args.rss_of)))
+        return 0
+    if args.memory:
+        result = memory(args)
+        if args.json:
+            print(json.dumps(result))
+            return 0
+        mib = 1 << 20
+        print(f"transformer_lm {result['parameters']:,} parameters (Adam), {args.stages} stages")
+        print(f"  one process: peak RSS {result['single']['peak_rss'] / mib:,.0f} MiB "
+              f"(after imports {result['single']['import_rss'] / mib:,.0f} MiB)")
+        for i, m in enumerate(result["members"]):
+            print(f"  stage {i} member ({m['parameters']:,} parameters): peak RSS {m['peak_rss'] / mib:,.0f} MiB")
+        print(f"  largest member / one process: {result['ratio_member_over_single']} "
+              f"(above the imports: {result['ratio_above_imports']})")
+        return 0
     kwargs = {"vocab_size": args.vocab, "context": args.context, "width": args.width, "depth": args.depth,
               "heads": 4}
     parameters = sum(p.numel() for p in build_model("transformer_lm", kwargs, seed=0).parameters())

@@ -118,10 +118,19 @@ async def store_stage_checkpoint(run: RunState, plan: RoundPlan, stage: int, *, 
 async def load_confirmed_stage(run: RunState, stage: int) -> None:
     """Load ``stage`` from the manifest of the latest confirmed checkpoint, which must be at this
     member's step (a joiner, a member that resumed or resynced, one moved to another stage): the
-    manifest, then that stage's two files, each fetched by CID within what it can honestly take.
+    manifest, then that stage's two files, each fetched by CID within what it can honestly take
+    (before the first record: from the run's initial model, which this member stored at its start).
     :class:`TrainerError` naming why not (the span then resyncs)."""
     trainer, book = run.require()
     assert isinstance(trainer, StagedTrainer)
+    if not book.chain.records and trainer.step == 0:  # the run's first step: its initial model
+        try:
+            initial = await run.content.read(run.initial_cid, max_bytes=trainer.state_limits()[0],
+                                             timeout=FETCH_TIMEOUT_S)
+            await trio.to_thread.run_sync(trainer.load_initial_stage, stage, initial)
+        except (ContentUnavailable, RecordError) as exc:
+            raise TrainerError(f"could not load stage {stage} of the initial model: {exc}") from None
+        return
     if not book.chain.records or book.head_step != trainer.step:
         raise TrainerError(f"holds no stage {stage} at step {trainer.step}, and the latest confirmed checkpoint "
                            f"is at step {book.head_step}")

@@ -1,7 +1,9 @@
 """A member's trainer in a pipelined run: the model cut into stages, of which it holds and trains one.
 
 Built from the task's seed or initial model, a member holds every stage at step 0 (the same bits as
-one process). From then on it steps only the stage its plan names; its checkpoint is that stage's
+one process). Once it takes the stage its plan names it frees every other stage's tensors (on the
+meta device: a member's memory is its stage's weights, gradients and optimizer state, after a peak
+of one model's weights at build) and steps only that stage; its checkpoint is that stage's
 two files (:meth:`StagedTrainer.stage_files`), which a manifest names with the other stages'
 (run/_stage_checkpoints.py). A member that loads a checkpoint (resume, resync, a joiner) takes the
 manifest only (:meth:`StagedTrainer.load_manifest`: it holds no stage at that step) and then the
@@ -42,47 +44,82 @@ class StagedTrainer(Trainer):
         super().__init__(task, **kwargs)
         # The stages share the model's modules: stepping a stage steps the model's own parameters.
         self.stages: list[Stage] = partition(self.model, task.pipeline.stages)
-        self.whole = True  # every parameter is at self.step (built, loaded, or gathered at a checkpoint)
-        self.trained: int | None = None  # the stage stepped since the model was last whole
-        self._whole_before = True  # `whole` before the last step, for rollback
+        # A weight tied inside a stage would come apart when the stage is freed and allocated again
+        # (each module's parameter converted on its own): such a model keeps every stage allocated.
+        self._frees = all(len(list(s.parameters())) == len(list(s.named_parameters(remove_duplicate=False)))
+                          for s in self.stages)
+        self.whole = True  # every stage is at self.step and allocated (built from the seed, or loaded whole)
+        self.trained: int | None = None  # otherwise the one stage held (None: none)
 
     def holds(self, stage: int) -> bool:
         """Whether this member holds ``stage`` at its step: every stage from the task's seed or
-        initial model until its first step; from then on only the stage it steps or loaded (none
-        after :meth:`load_manifest`)."""
+        initial model until it takes one (:meth:`take_stage`); from then on only that one, or the
+        one it loaded (none after :meth:`load_manifest`)."""
         return self.whole or self.trained == stage
 
     def take_stage(self, stage: int) -> Stage:
         """The stage to serve in a plan; a :class:`TrainerError` when this member does not hold it at
-        its step (a plan moved it to another stage between checkpoints: it resyncs from the latest)."""
+        its step (it loads it first, run/_stage_checkpoints.py). The first time, every other stage's
+        tensors are freed: from then on this member holds that stage's weights, gradients and
+        optimizer state only."""
         if not self.holds(stage):
             held = "no stage" if self.trained is None else f"stage {self.trained}"
             raise TrainerError(f"holds {held} at step {self.step}, not stage {stage}")
+        if self.whole:
+            self._hold({stage})
+            self.whole, self.trained = False, stage
         return self.stages[stage]
 
     def apply_stage(self, stage: int, loss: float) -> StepResult:
         """One optimizer step of ``stage``, whose parameters' gradients are the step's, summed over the
         stage's replicas (the others have none: torch's optimizers skip them). ``loss``: the step's."""
+        assert self.trained == stage and not self.whole, "a stage is stepped once taken (take_stage)"
         self._take_snapshot()
-        self._whole_before = self.whole
         params = list(self.stages[stage].parameters())
         applied = all(all_finite(p.grad) for p in params if p.grad is not None)
         lr = self._schedule_lr(applied)
         if applied:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.whole, self.trained = False, stage
         result = StepResult(step=self.step, local_loss=loss, lr=lr, applied=applied)
         self.step += 1
         return result
 
-    def rollback(self) -> None:
-        super().rollback()
-        self.whole = self._whole_before
-
     def load_state(self, model_data: bytes, optimizer_data: bytes) -> None:
+        self._hold(set(range(len(self.stages))))  # a whole model file: every stage allocated again
         super().load_state(model_data, optimizer_data)
-        self.whole = True
+        self.whole, self.trained = True, None
+
+    # --- memory: the stages this member holds -------------------------------------------------------
+
+    def _hold(self, keep: set[int]) -> None:
+        """Allocate the stages in ``keep`` that were freed (their values are loaded next) and free
+        every other stage's tensors (``to("meta")``): its weights, gradients and optimizer state. The
+        model's parameter list and the optimizer follow the new parameters, in the same order (the
+        optimizer file's indices are the whole model's)."""
+        self._snapshot, self._snapshot_buffers = None, {}
+        if self._frees:
+            before = list(self.model.parameters())
+            for i, stage in enumerate(self.stages):
+                freed = any(t.is_meta for t in (*stage.parameters(), *stage.buffers()))
+                if i in keep and freed:
+                    stage.to_empty(device=self.device)
+                elif i not in keep and not freed:
+                    stage.to("meta")
+            self.params = list(self.model.parameters())
+            renamed = {id(old): new for old, new in zip(before, self.params, strict=True)}
+            for group in self.optimizer.param_groups:
+                group["params"] = [renamed[id(p)] for p in group["params"]]
+        kept = {id(p) for i in keep for p in self.stages[i].parameters()}
+        state = self.optimizer.state
+        for p in [p for p in state if id(p) not in kept]:
+            del state[p]
+
+    def _load_tensors(self, model_t: dict[str, torch.Tensor] | None, optim_t: dict[str, torch.Tensor],
+                      step: int) -> None:
+        if model_t is not None:  # the freed stages' names, as they are (a rollback keeps the held ones)
+            model_t = {**self.model.state_dict(), **model_t}
+        super()._load_tensors(model_t, optim_t, step)
 
     def load_manifest(self, model_data: bytes, optimizer_data: bytes, step: int) -> None:
         """A checkpoint of the run at ``step`` whose model and optimizer CID name one manifest:
@@ -97,10 +134,9 @@ class StagedTrainer(Trainer):
             raise RecordError(str(exc)) from None
         if [(e.first, e.last) for e in entries] != [(s.first, s.last) for s in self.stages]:
             raise RecordError("the manifest's stages are not this task's cut of the model")
+        self._hold(set())  # whatever this member held is of another step
         self.step, self.pending = step, None
-        self.optimizer.state.clear()  # whatever this member held is of another step
         self.whole, self.trained = False, None
-        self._snapshot = None
 
     # --- a stage's checkpoint files ---------------------------------------------------------------
 
@@ -127,6 +163,14 @@ class StagedTrainer(Trainer):
         """How many numbers ``stage``'s model file holds (a manifest's ``parameters``)."""
         whole = self.model.state_dict()
         return sum(whole[name].numel() for name in self.stages[stage].state_names())
+
+    def load_initial_stage(self, stage: int, model_data: bytes) -> None:
+        """Take ``stage`` from the run's initial model file (step 0, before any record: a member
+        moved by a retry of the first step), with no optimizer state; as :meth:`load_stage`."""
+        tensors = read_tensors(model_data)
+        names = [name for name in self.stages[stage].state_names() if name in tensors]
+        part = state_bytes({name: tensors[name] for name in names}, read_model_card(model_data))
+        self.load_stage(stage, part, tensors_bytes({"trainer.step": torch.tensor(0, dtype=torch.int64)}), 0)
 
     def load_stage(self, stage: int, model_data: bytes, optimizer_data: bytes, step: int | None = None) -> None:
         """Take ``stage``'s checkpoint files (:meth:`stage_files`' form, e.g. by CID from a manifest):
@@ -156,7 +200,6 @@ class StagedTrainer(Trainer):
                 raise RecordError(f"the optimizer file's {name!r} is no state of stage {stage}")
             if key != "step" and t.shape != self.params[int(index)].shape:
                 raise RecordError(f"optimizer tensor {name} has shape {tuple(t.shape)}")
-        model_t = {**whole, **tensors}
-        self._load_tensors(model_t, optim, int(saved))  # checks the optimizer's keys and shapes
+        self._hold({stage})
+        self._load_tensors(tensors, optim, int(saved))  # checks the optimizer's keys and shapes
         self.whole, self.trained = False, stage
-        self._snapshot = None

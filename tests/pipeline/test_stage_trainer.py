@@ -29,26 +29,44 @@ def gradients(model: torch.nn.Module, step: int) -> dict[str, torch.Tensor]:
     return {name: torch.randn(p.shape, generator=g) for name, p in model.named_parameters()}
 
 
-def test_stages_stepped_apart_hold_only_their_stage() -> None:
+def allocated(member: StagedTrainer) -> int:
+    """The bytes of this member's weights, gradients and optimizer state that are allocated."""
+    tensors = [*member.model.parameters(), *(p.grad for p in member.model.parameters() if p.grad is not None),
+               *(t for st in member.optimizer.state.values() for t in st.values() if isinstance(t, torch.Tensor))]
+    return sum(t.numel() * t.element_size() for t in tensors if not t.is_meta)
+
+
+def test_a_member_holds_only_the_stage_it_takes() -> None:
+    """Built from the seed a member holds every stage; once it takes one, the others' tensors are
+    freed: what it allocates is its stage's weights, gradients and Adam's two moments, no more."""
     member = StagedTrainer(TASK, device="cpu")
+    whole = allocated(member)
     assert member.holds(0) and member.holds(1)  # built from the seed: every stage at step 0
+    member.take_stage(0)
+    assert member.holds(0) and not member.holds(1)
+    assert all(p.is_meta for p in member.stages[1].parameters())
+    with pytest.raises(TrainerError, match="holds stage 0 at step 0, not stage 1"):
+        member.take_stage(1)
     for p in member.stages[0].parameters():
         p.grad = torch.ones_like(p)
     member.apply_stage(0, 0.0)
-    assert member.holds(0) and not member.holds(1)
-    with pytest.raises(TrainerError, match="holds stage 0 at step 1, not stage 1"):
-        member.take_stage(1)
+    stage = sum(p.numel() * p.element_size() for p in member.stages[0].parameters())
+    # Its weights and Adam's two moments (the gradients are set to None by the step), and Adam's steps.
+    assert 3 * stage <= allocated(member) <= 3 * stage + 8 * len(list(member.stages[0].parameters()))
+    assert stage < whole
 
 
-def test_a_rolled_back_step_holds_every_stage_again() -> None:
+def test_a_rolled_back_step_holds_its_stage_as_it_was() -> None:
     member = StagedTrainer(TASK, device="cpu")
+    fresh = member.stage_files(1)[0]
+    member.take_stage(1)
     for p in member.stages[1].parameters():
         p.grad = torch.ones_like(p)
     member.apply_stage(1, 0.0)
-    assert not member.holds(0)
+    assert member.stage_files(1)[0] != fresh
     member.align(0)  # a retry of step 0: the step is rolled back
-    assert member.step == 0 and member.holds(0)
-    assert member.model_bytes() == StagedTrainer(TASK, device="cpu").model_bytes()
+    assert member.step == 0 and member.holds(1) and not member.holds(0)
+    assert member.stage_files(1)[0] == fresh
 
 
 def test_stage_files_assemble_into_the_whole_and_load_back(tmp_path: Path) -> None:
@@ -61,7 +79,7 @@ def test_stage_files_assemble_into_the_whole_and_load_back(tmp_path: Path) -> No
         grads = gradients(whole.model, step)
         whole.apply(torch.cat([grads[name].reshape(-1) for name, _ in whole.model.named_parameters()]))
         for stage, member in enumerate(members):
-            for name, p in member.stages[stage].model_parameters():
+            for name, p in member.take_stage(stage).model_parameters():
                 p.grad = grads[name].clone()
             member.apply_stage(stage, 0.0)
     files = [member.stage_files(stage) for stage, member in enumerate(members)]
@@ -92,7 +110,7 @@ def test_a_loaded_manifest_holds_no_stage_until_one_is_loaded_from_it(tmp_path: 
     and hold no stage at its step; then the one stage their plan names, of that step only."""
     trained = [StagedTrainer(TASK, device="cpu") for _ in range(2)]
     for stage, member in enumerate(trained):
-        for p in member.stages[stage].parameters():
+        for p in member.take_stage(stage).parameters():
             p.grad = torch.ones_like(p)
         member.apply_stage(stage, 0.0)
     store = EmbeddedStore(tmp_path)
@@ -114,12 +132,14 @@ def test_a_loaded_manifest_holds_no_stage_until_one_is_loaded_from_it(tmp_path: 
     assert member.step == 0 and member.holds(1)  # refused: nothing changed
     member.load_manifest(manifest, manifest, 1)
     assert member.step == 1 and not member.holds(0) and not member.holds(1)
+    assert allocated(member) == 0  # it holds no stage, so nothing
     with pytest.raises(TrainerError, match="holds no stage at step 1"):
         member.take_stage(1)
     with pytest.raises(RecordError, match="of step 1, the checkpoint's is 2"):
         member.load_stage(1, *files[1], step=2)
     member.load_stage(1, *files[1], step=1)
     assert member.holds(1) and not member.holds(0) and member.stage_files(1) == files[1]
+    assert all(p.is_meta for p in member.stages[0].parameters())
 
 
 def test_the_gathered_cids_name_every_stage_or_nothing() -> None:
@@ -133,3 +153,15 @@ def test_the_gathered_cids_name_every_stage_or_nothing() -> None:
         read_cids_vector(parts[0] + parts[2], 2)  # nobody contributed stage 1
     with pytest.raises(ValueError, match="not ASCII"):
         read_cids_vector(sum(parts) + parts[0], 2)  # stage 0 contributed twice
+
+
+def test_a_member_moved_before_the_first_record_loads_its_stage_from_the_initial_model() -> None:
+    """A retry of step 0 may move a member that freed every stage but its first: it takes the new
+    one from the run's initial model file, the bits every member built from the seed."""
+    member, fresh = StagedTrainer(TASK, device="cpu"), StagedTrainer(TASK, device="cpu")
+    member.take_stage(0)
+    assert not member.holds(1)
+    member.load_initial_stage(1, fresh.model_bytes())
+    assert member.holds(1) and not member.holds(0) and member.step == 0
+    assert member.stage_files(1) == fresh.stage_files(1)
+    assert all(p.is_meta for p in member.stages[0].parameters())
