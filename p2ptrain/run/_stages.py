@@ -187,16 +187,26 @@ class StageRounds:
                 raise PipelineError("the data ran out") from None
             pieces += [(x[i : i + micro], y[i : i + micro].long()) for i in range(0, x.shape[0], micro)]
         losses: list[float] = []
+        failures: list[PipelineError] = []
         limiter = trio.CapacityLimiter(IN_FLIGHT)
 
         async def one(i: int, x: torch.Tensor, y: torch.Tensor) -> None:
             async with limiter:
                 weight = x.shape[0] / total
-                losses.append(weight * await driver.microbatch((rank << 24) | i, x, y, weight))
+                try:
+                    losses.append(weight * await driver.microbatch((rank << 24) | i, x, y, weight))
+                except PipelineError as exc:
+                    # The step fails here (a stage without a replica left): the nursery would raise
+                    # it inside an ExceptionGroup, which the step's caller does not take as a
+                    # PipelineError (the run then failed as an internal error).
+                    failures.append(exc)
+                    nursery.cancel_scope.cancel()
 
         async with trio.open_nursery() as nursery:
             for i, (x, y) in enumerate(pieces):
                 nursery.start_soon(one, i, x, y)
+        if failures:
+            raise failures[0]
         answered = await driver.finish()
         for s, ring in enumerate(stage_rings(plan)):
             live = [str(peer) for peer in answered.get(s, ())] if s else list(ring)  # an ID's str is its base58
