@@ -17,7 +17,12 @@ Four real libp2p hosts on 127.0.0.1 in this process (tests/collective/hostile.py
    the dense path; median round time of each and their ratio. The dense path with clip is the
    direct exchange instead of the ring, so its ratio includes that change of algorithm. A "clip"
    round carries its checks (drawn owners, a verifier per chunk, signed items, CONFIRM: issue 27),
-   so its ratio is what a robust round costs in all. Also, free of network noise, the owner's extra
+   so its ratio is what a robust round costs in all; the quartiles of each rule's round times give
+   the spread. Where a robust round's time goes: its value exchange (``direct_allreduce``:
+   contributions, verification copies, reduced chunks, the verifier's check) and its CONFIRM
+   (``Witness.confirm``), each from the moment the last member entered it to the moment the last
+   one left it (so CONFIRM's is what the round's end waits for once every member holds its
+   values), medians over the same rounds. Also, free of network noise, the owner's extra
    arithmetic alone (norms and scaling of one chunk) and the checks' CPU work at one member (its
    signatures, the signatures it verifies, the SHA-256 of what it sends and receives, and the
    verifier's recomputation of one chunk).
@@ -49,6 +54,7 @@ from p2ptrain.collective import (
     scaled,
     signed_by,
 )
+from p2ptrain.collective import _direct, _endpoint, _sparse, _witness
 from p2ptrain.wire import statement
 
 _spec = importlib.util.spec_from_file_location(
@@ -128,21 +134,65 @@ async def round_cost(collectives, numel: int, density: float, rounds: int, first
         for rule in ("none", "clip")
     }
     times: dict[str, list[float]] = {"none": [], "clip": []}
-    for i in range(rounds + 2):
-        for rule in (("none", "clip") if i % 2 else ("clip", "none")):
-            round_id = first_round + 2 * i + (rule == "clip")
-            started = time.perf_counter()
-            with trio.fail_after(ROUND_TIMEOUT_S):
-                async with trio.open_nursery() as nursery:
-                    for r, g in zip(reducers[rule], grads):
-                        nursery.start_soon(lambda r=r, g=g: r.allreduce(g, ring, round_id))
-            if i >= 2:
-                times[rule].append(time.perf_counter() - started)
+    parts: dict[str, list[float]] = {"exchange": [], "confirm": []}  # clip rounds
+    with pytest.MonkeyPatch.context() as patch:
+        spans = phase_clocks(patch)
+        for i in range(rounds + 2):
+            for rule in (("none", "clip") if i % 2 else ("clip", "none")):
+                round_id = first_round + 2 * i + (rule == "clip")
+                for seen in spans.values():
+                    seen.clear()
+                started = time.perf_counter()
+                with trio.fail_after(ROUND_TIMEOUT_S):
+                    async with trio.open_nursery() as nursery:
+                        for r, g in zip(reducers[rule], grads):
+                            nursery.start_soon(lambda r=r, g=g: r.allreduce(g, ring, round_id))
+                if i >= 2:
+                    times[rule].append(time.perf_counter() - started)
+                    if rule == "clip":
+                        for name, seen in spans.items():
+                            parts[name].append(max(end for _, end in seen) - max(start for start, _ in seen))
     none, clip = statistics.median(times["none"]), statistics.median(times["clip"])
     return {"numel": numel, "density": density, "rounds": rounds, "none_ms": round(none * 1e3, 2),
             "clip_ms": round(clip * 1e3, 2), "ratio": round(clip / none, 3),
+            "none_spread_ms": spread(times["none"]), "clip_spread_ms": spread(times["clip"]),
+            "clip_exchange_ms": round(statistics.median(parts["exchange"]) * 1e3, 2),
+            "clip_confirm_ms": round(statistics.median(parts["confirm"]) * 1e3, 2),
             "owner_clip_ms": round(owner_clip_seconds(grads, density) * 1e3, 3),
             "checks_cpu_ms": round(checks_seconds(grads, density) * 1e3, 3)}
+
+
+def spread(seconds: list[float]) -> list[float]:
+    """The quartiles (25th, 75th percentile) of round times, in ms."""
+    q = statistics.quantiles(seconds, n=4)
+    return [round(q[0] * 1e3, 1), round(q[2] * 1e3, 1)]
+
+
+def phase_clocks(patch: pytest.MonkeyPatch) -> dict[str, list[tuple[float, float]]]:
+    """Wrap the value exchange and CONFIRM of a robust round so that each call's start and end are
+    recorded (one entry per member and round; the caller clears them between rounds)."""
+    spans: dict[str, list[tuple[float, float]]] = {"exchange": [], "confirm": []}
+    exchange, confirm = _direct.direct_allreduce, _witness.Witness.confirm
+
+    async def timed_exchange(links, data, spec, **options):
+        started = time.perf_counter()
+        try:
+            return await exchange(links, data, spec, **options)
+        finally:
+            if options.get("witness") is not None:
+                spans["exchange"].append((started, time.perf_counter()))
+
+    async def timed_confirm(self):
+        started = time.perf_counter()
+        try:
+            return await confirm(self)
+        finally:
+            spans["confirm"].append((started, time.perf_counter()))
+
+    patch.setattr(_sparse, "direct_allreduce", timed_exchange)
+    patch.setattr(_endpoint, "direct_allreduce", timed_exchange)
+    patch.setattr(_witness.Witness, "confirm", timed_confirm)
+    return spans
 
 
 def owner_clip_seconds(grads: list[torch.Tensor], density: float) -> float:

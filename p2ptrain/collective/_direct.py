@@ -28,6 +28,7 @@ chunk's verifier, and an empty chunk is one empty frame.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 import trio
@@ -43,6 +44,7 @@ from p2ptrain.base import short_id
 from p2ptrain.wire import DIGEST_BYTES, DTYPES, ENTRY_BYTES, HEADER, SIGNATURE_BYTES, Header, Kind, Phase, Said
 
 Parts = list[torch.Tensor]  # one member's contribution to a chunk, segment by segment
+_T = TypeVar("_T")
 
 
 def reduce_chunk(parts: list[Parts], start: int, spec: RoundSpec) -> Parts:
@@ -119,7 +121,7 @@ async def direct_allreduce(
         chunk = owners.owned_by(member)
         signature = b""
         if witness is not None:
-            signature = await trio.to_thread.run_sync(_signed, witness, Said.CONTRIBUTION, chunk, local(chunk))
+            signature = await _off_loop(local(chunk), _signed, witness, Said.CONTRIBUTION, chunk, local(chunk))
         await send_parts(chunk, local(chunk), Phase.REDUCE, member, signature)
         theirs = owners.checked_by(member)
         if theirs is not None:
@@ -145,7 +147,7 @@ async def direct_allreduce(
         """What ``member`` sends us, in the channel's order."""
         parts, signature = await receive_parts(mine, Phase.REDUCE, member, SIGNATURE_BYTES if witness else 0)
         if witness is not None:
-            digest = await trio.to_thread.run_sync(_checked, witness, member, Said.CONTRIBUTION, mine, parts, signature)
+            digest = await _off_loop(parts, _checked, witness, member, Said.CONTRIBUTION, mine, parts, signature)
             if digest is None:
                 raise BadPayload(ring[member], f"its contribution to chunk {mine} does not match its signature")
             inputs[member] = digest + signature
@@ -161,7 +163,7 @@ async def direct_allreduce(
         results[chunk], tail = await receive_parts(chunk, Phase.GATHER, member, trailer)
         if witness is not None:
             signature = tail[:SIGNATURE_BYTES]
-            await trio.to_thread.run_sync(_heard, witness, member, Said.RESULT, chunk, results[chunk], signature)
+            await _off_loop(results[chunk], _heard, witness, member, Said.RESULT, chunk, results[chunk], signature)
             proofs.extend(tail[SIGNATURE_BYTES:])
 
     with single_failure():
@@ -171,9 +173,11 @@ async def direct_allreduce(
                     nursery.start_soon(feed, member)
                     nursery.start_soon(take, member)
             await contributed.wait()
-            results[mine] = await trio.to_thread.run_sync(reduce_chunk, [held[m] for m in range(size)], mine, spec)
-            if witness is not None:
-                signatures[mine] = await trio.to_thread.run_sync(_signed, witness, Said.RESULT, mine, results[mine])
+            # The reduction and its signature in one go (a hand-off on this path holds up every
+            # member waiting for our chunk; a small chunk's reduction is cheaper than a hand-off).
+            results[mine], signatures[mine] = await _off_loop(
+                held[me], _reduced_and_signed, [held[m] for m in range(size)], mine, spec, witness
+            )
             reduced.set()
     if checking is not None:
         _check_chunk(links, owners, checking, [checks[m] for m in range(size)], results[checking], bytes(proofs),
@@ -183,8 +187,29 @@ async def direct_allreduce(
             data[a:b].copy_(part)
 
 
-# Hashing, signing and verifying run in worker threads (hashlib, libsodium and torch release the
-# GIL): they overlap the round's traffic instead of holding up every channel of this member.
+# Hashing, signing and verifying a large chunk run in worker threads (hashlib, libsodium and torch
+# release the GIL): they overlap the round's traffic instead of holding up every channel of this
+# member. A small one runs right here: hashing 64 KiB (~70 us) and one Ed25519 signature or check
+# (27-66 us) cost less than a hand-off to a thread and back, which waits for the OS to run both and
+# for the GIL (a sparse robust round made 3(P - 1) + 1 of them a member, three on the round's
+# critical path: docs/benchmarks.md, "The checks of a robust round", fourth pass).
+INLINE_BYTES = 64 * 1024
+
+
+async def _off_loop(parts: Parts, fn: Callable[..., _T], *args: Any) -> _T:
+    """``fn(*args)``, in a worker thread where ``parts`` (what it hashes) hold more than
+    :data:`INLINE_BYTES`, else here."""
+    if sum(p.numel() * p.element_size() for p in parts) > INLINE_BYTES:
+        return await trio.to_thread.run_sync(fn, *args)
+    return fn(*args)
+
+
+def _reduced_and_signed(parts: list[Parts], start: int, spec: RoundSpec, witness: Witness | None) -> tuple[Parts, bytes]:
+    """The owner's chunk (:func:`reduce_chunk`) and, in a robust round, its signature of it."""
+    result = reduce_chunk(parts, start, spec)
+    return result, b"" if witness is None else _signed(witness, Said.RESULT, start, result)
+
+
 def _signed(witness: Witness, said: int, key: int, parts: Parts) -> bytes:
     return witness.sign(said, key, digest_of(parts))
 

@@ -22,7 +22,7 @@ a silent drop measured in ../shared/FIELD-NOTES.md:
   subscriptions in one RPC, messages that did not fit a subscription's queue (``queue-full``), and
   messages over the wire cap (``oversized``, dropped as read: they are never checked, queued or
   forwarded), and messages over a peer's inbound rate (``rate-limited``, see
-  ``MAX_INBOUND_MESSAGES_PER_PEER_PER_S``); and messages its ``inbound_gate`` refuses (per-sender
+  net/_inbound_limits.py); and messages its ``inbound_gate`` refuses (per-sender
   rates of message types, counted by the router that sets it) are neither delivered nor relayed, and
   a peer that keeps sending its own over their rate is not read for a while (``flooder-paused``).
 
@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
 import weakref
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
@@ -69,6 +68,7 @@ from libp2p.pubsub.utils import maybe_consume_signed_record
 from libp2p.utils.varint import read_varint_prefixed_bytes_limited
 from libp2p.tools.anyio_service.exceptions import LifecycleError
 
+from p2ptrain.net._inbound_limits import InboundLimits, refusal_units
 from p2ptrain.net._service import running_service
 
 logger = logging.getLogger(__name__)
@@ -85,28 +85,6 @@ BACKPRESSURE_MAX_WAIT_S = 2.0
 # Resetting the stream of a peer that sent a bad frame must not hang on that peer.
 STREAM_RESET_TIMEOUT_S = 1.0
 MAX_MESSAGES_PER_TOPIC_PER_S = 1000.0
-# Gossipsub's limit above only gates what we *forward*: every message is handed to our subscriptions
-# (after an Ed25519 check, ~0.8 ms of CPU a message all told) first. So each peer's inbound messages
-# are also limited as they are read, before any check: a token bucket of this rate and burst
-# (a coordinator's burst of round messages is tens; our burst test sends 400).
-MAX_INBOUND_MESSAGES_PER_PEER_PER_S = 1000.0
-INBOUND_BURST = 2000
-# A peer whose *own* messages the inbound gate keeps refusing (over their type's rate per sender,
-# mesh.rates) is flooding: past this many refusals (a token bucket: rate, burst), each RPC of its
-# that brings more is followed by a pause in which its stream is not read, so what it sends
-# waits in its yamux window (bounded) instead of costing our event loop. An honest peer's own
-# messages stay within their rates, and a relay's refusals (messages of others) do not count.
-# A refusal counts one per started FLOODER_UNIT_BYTES of the message (reading, decrypting and
-# parsing cost what the bytes cost: 100 refused 57 KB heads were 5.7 MB read before the first
-# pause). The pause is FLOODER_PAUSE_S and doubles, up to FLOODER_MAX_PAUSE_S, each time the peer
-# is paused again within FLOODER_FORGET_S of its last pause ending: a flooder that keeps on is read
-# once every 8 s, not once a second (each read is a whole RPC: up to 1 MiB of forged heads).
-FLOODER_REFUSALS_PER_S = 10.0
-FLOODER_BURST = 100
-FLOODER_UNIT_BYTES = 4096
-FLOODER_PAUSE_S = 1.0
-FLOODER_MAX_PAUSE_S = 8.0
-FLOODER_FORGET_S = 2 * FLOODER_MAX_PAUSE_S
 # Mesh degree: every training peer wants every control message quickly, and clusters are small.
 DEGREE, DEGREE_LOW, DEGREE_HIGH = 6, 4, 12
 
@@ -201,33 +179,17 @@ class TrainingPubsub(Pubsub):
         self._writes_in_flight = 0
         # What pubsub drops before our router sees it, by reason (see the module docstring).
         self.dropped: Counter[str] = Counter()
-        # Per peer reading from us: (tokens, trio time of the last refill); entries live while the
-        # peer's stream is read, so there is one per connected peer at most.
-        self._inbound_tokens: dict[ID, tuple[float, float]] = {}
+        # Each peer's message rate and a flooder's pauses (net/_inbound_limits.py), as it is read.
+        self.limits = InboundLimits()
         # Asked about each new message as it is read, before pubsub checks, delivers or relays it:
         # False drops it (the layer that set it counts why). The node sets its message router's
         # per-sender rates here (mesh.router.MessageRouter.admit).
         self.inbound_gate: Callable[[rpc_pb2.Message], bool] | None = None
-        # Refusals of a peer's own messages (FLOODER_*), until when its stream is not read, and
-        # its last pause (seconds, when it ended).
-        self._refusal_tokens: dict[ID, tuple[float, float]] = {}
-        self._paused_until: dict[ID, float] = {}
-        self._last_pause: dict[ID, tuple[float, float]] = {}
-
-    def _admit(self, peer_id: ID, count: int) -> int:
-        """How many of ``count`` messages just read from ``peer_id`` its token bucket allows."""
-        return _take(self._inbound_tokens, peer_id, count, MAX_INBOUND_MESSAGES_PER_PEER_PER_S, INBOUND_BURST)
-
     def _note_own_refusals(self, peer_id: ID, units: int) -> None:
-        """``units`` (FLOODER_UNIT_BYTES each) of ``peer_id``'s own messages were refused by the
-        gate: past its allowance, its stream is not read for a while (counted ``flooder-paused``):
-        FLOODER_PAUSE_S, twice its last pause if that ended less than FLOODER_FORGET_S ago."""
-        if _take(self._refusal_tokens, peer_id, units, FLOODER_REFUSALS_PER_S, FLOODER_BURST) < units:
-            now = trio.current_time()
-            last, ended = self._last_pause.get(peer_id, (0.0, -math.inf))
-            pause = min(FLOODER_MAX_PAUSE_S, 2 * last) if now - ended < FLOODER_FORGET_S else FLOODER_PAUSE_S
-            self._paused_until[peer_id] = now + pause
-            self._last_pause[peer_id] = (pause, now + pause)
+        """``units`` of ``peer_id``'s own messages were refused by the gate: past its allowance,
+        its stream is not read for a while (counted ``flooder-paused``)."""
+        pause = self.limits.refused(peer_id, units, trio.current_time())
+        if pause is not None:
             self._drop("flooder-paused", peer_id, f"{units} units of its own messages refused: {pause:g} s")
 
     def _drop(self, reason: str, peer_id: ID, detail: object = "") -> None:
@@ -244,7 +206,7 @@ class TrainingPubsub(Pubsub):
         peer_id = stream.muxed_conn.peer_id
         try:
             while self.manager.is_running:
-                paused = self._paused_until.pop(peer_id, None)
+                paused = self.limits.take_pause(peer_id)
                 if paused is not None:
                     await trio.sleep_until(paused)
                 try:
@@ -264,8 +226,7 @@ class TrainingPubsub(Pubsub):
         except (StreamEOF, StreamError, IncompleteReadError, IOException) as exc:
             logger.debug("pubsub stream from %s ended: %s", peer_id, exc)
         finally:
-            for held in (self._inbound_tokens, self._refusal_tokens, self._paused_until, self._last_pause):
-                held.pop(peer_id, None)
+            self.limits.forget(peer_id)
 
     async def _give_up_on(self, stream: INetStream, peer_id: ID, reason: str, detail: object) -> None:
         """Count the bad frame, reset the stream and forget the peer's pubsub state (as py-libp2p
@@ -281,7 +242,7 @@ class TrainingPubsub(Pubsub):
     async def _handle_rpc(self, peer_id: ID, rpc: rpc_pb2.RPC) -> None:
         """py-libp2p's handling of one inbound RPC: messages (rate-limited per peer first),
         subscriptions, control."""
-        admitted = self._admit(peer_id, len(rpc.publish)) if rpc.publish else 0
+        admitted = self.limits.admit(peer_id, len(rpc.publish), trio.current_time()) if rpc.publish else 0
         if admitted < len(rpc.publish):
             self.dropped["rate-limited"] += len(rpc.publish) - admitted
             logger.debug("pubsub dropped %d messages from %s: rate-limited", len(rpc.publish) - admitted, peer_id)
@@ -292,7 +253,7 @@ class TrainingPubsub(Pubsub):
             elif self._is_subscribed_to_msg(msg) and self.manager.is_running:
                 if self.inbound_gate is not None and not self._is_msg_seen(msg) and not self.inbound_gate(msg):
                     if msg.from_id == sender:
-                        own_refused += max(1, -(-len(msg.data) // FLOODER_UNIT_BYTES))
+                        own_refused += refusal_units(len(msg.data))
                     continue
                 # A copy of its own: a message parsed out of an RPC keeps the whole RPC's buffer
                 # alive (protobuf's arena) for as long as it waits in a queue, so one small
@@ -386,16 +347,6 @@ class TrainingPubsub(Pubsub):
         await self.message_all_peers(packet.SerializeToString(), announce=subopt)
         await self.router.join(topic_id)
         return subscription
-
-
-def _take(buckets: dict[ID, tuple[float, float]], peer_id: ID, count: int, rate: float, burst: float) -> int:
-    """How many of ``count`` tokens ``peer_id``'s bucket in ``buckets`` gives now (that many taken)."""
-    now = trio.current_time()
-    tokens, then = buckets.get(peer_id, (float(burst), now))
-    tokens = min(float(burst), tokens + (now - then) * rate)
-    taken = min(count, int(tokens))
-    buckets[peer_id] = (tokens - taken, now)
-    return taken
 
 
 def make_pubsub(

@@ -17,6 +17,12 @@ signed by their terms' coordinators where known; a fork is refused and counted),
 chains differ in length settle on the longest that verifies before one of them leads. It stops
 listening once every other member of that record answered, once the run's coordinator is known (the
 run went on without this member: the resync loop takes it from there), or after RESUME_WAIT_S.
+
+The resync loop starts only after this (run/_task_run.py): a plan that lists this member meanwhile
+waits in its catch-up queue, so one load at a time changes the member's state, and the record the
+member says it resumed from (``resumed_from``) is the one it loaded here, never a record the run
+confirmed later. Any message of the task wakes the wait (:meth:`Resume.nudge`), so a coordinator
+heard ends it at once and the plan's members do not wait for this member's channels.
 """
 
 from __future__ import annotations
@@ -66,6 +72,12 @@ class Resume:
         run.resumed_from = {"version": last.version, "step": last.step}
         self.hearing = True
 
+    def nudge(self) -> None:
+        """A message of the task arrived: while hearing, check again whether to stop (the run's
+        coordinator may be known now)."""
+        if self.hearing:
+            self._news.set()
+
     def on_head(self, sender: str, head: TaskHead) -> bool:
         """While hearing the others: keep the head a member of our last record answered (anyone
         else's is counted and dropped) and say True; False once hearing is over (the resync path's)."""
@@ -105,23 +117,25 @@ class Resume:
                 await run.node.publish(TASKS_TOPIC, HeadRequest(task_cid=run.task_cid))
                 asked = now
             await self._news.wait(min(asked + ASK_EVERY_S, deadline) - now)
-        tried = False
+        failed = False  # the last load tried failed
+        own = book.chain.version
+        resumed = {"version": own, "step": book.head_step}
         for head in sorted(self.heads.values(), key=lambda h: (h.version, h.step), reverse=True):
-            if head.version <= book.chain.version:
+            if head.version <= own:
                 break
             logger.info("%s: a member holds model v%d, past this home's: loading it", run.log_prefix, head.version)
-            if await self.resync.try_load_head(head) is None:
-                tried = False
+            failed = await self.resync.try_load_head(head) is not None
+            if not failed:
+                resumed = {"version": head.version, "step": head.step}
                 break
-            tried = True
-        if tried:  # a load that failed may have failed half-way: our own checkpoint again
+        if failed:  # a load that failed may have failed half-way: our own checkpoint again
             await self.resync.try_load_last_checkpoint()
-        self.hearing = False  # only now: heads go to the resync loop, which must not load meanwhile
+        self.hearing = False  # only now: heads go to the resync loop, which starts after this
         _, book = run.require()
         run.election.resume_after(book.chain.records[-1].record.term)  # the first term's clock starts now
-        run.resumed_from = {"version": book.chain.version, "step": book.head_step}
+        run.resumed_from = resumed
         logger.info("%s: resumed at model v%d, step %d (%d other member(s) answered)", run.log_prefix,
-                    book.chain.version, book.head_step, len(self.heads))
+                    resumed["version"], resumed["step"], len(self.heads))
         if not run.synced:
             run.set_synced()
             run.end_if_over()

@@ -178,9 +178,8 @@ class TaskRun:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self.leading.run_loop)
                 nursery.start_soon(self.spans.run_loop)
-                nursery.start_soon(self.resync.run_loop, self.spans.follow)
+                nursery.start_soon(self._resume_then_resync)
                 nursery.start_soon(self.data.replicate)
-                nursery.start_soon(self.resume.hear_others)
                 await run.done.wait()
                 nursery.cancel_scope.cancel()
             run.phase = Phase.DONE if run.cancel_reason is None else Phase.CANCELLED
@@ -265,12 +264,19 @@ class TaskRun:
 
     # -- messages ------------------------------------------------------------------------------
 
+    async def _resume_then_resync(self) -> None:
+        """A resuming member hears the others first (run/_resume.py); the resync loop, which loads
+        heads and catches up to plans, starts only then: one load at a time changes our state."""
+        await self.resume.hear_others()
+        await self.resync.run_loop(self.spans.follow)
+
     async def on_message(self, sender: str, msg: Any) -> None:
         """Called by the task service for every valid message about this task: handed to the part
         whose job it is (:data:`ROUTES`); a type the run has no route for is ignored."""
         route = self.ROUTES.get(type(msg))
         if route is not None:
             await route(self, sender, msg)
+            self.resume.nudge()
 
     async def _on_election_message(self, sender: str, msg: VoteRequest | SignedVote | CoordinatorBeat) -> None:
         await self.leading.on_election_message(sender, msg)

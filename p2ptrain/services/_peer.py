@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from p2ptrain.node import ContentService, Node
 from p2ptrain.services._served import ServedModels
+from p2ptrain.services._task_control import TaskControl
 from p2ptrain.services._tasks import TaskOptions, TaskService
 
 
@@ -24,6 +25,7 @@ class Peer(Fetcher):
 
     tasks: TaskService
     served: ServedModels
+    control: TaskControl  # the task.* ops of its control socket (`p2ptrain task ...`)
 
 
 def make_peer(node: Node, options: TaskOptions | None = None, ipfs_api: str | None = None) -> Peer:
@@ -37,7 +39,7 @@ def make_peer(node: Node, options: TaskOptions | None = None, ipfs_api: str | No
     served = ServedModels(node)  # the directory of served models (model serve / model predict)
     node.add_service(content.run, name="content")
     node.add_service(tasks.run, name="tasks")
-    return Peer(node, content, tasks, served)
+    return Peer(node, content, tasks, served, TaskControl(tasks))
 
 
 def make_fetcher(node: Node) -> Fetcher:

@@ -12,25 +12,25 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import trio
 
 from p2ptrain.collective import Collective
-from p2ptrain.base import UserError, short_id, write_atomic
-from p2ptrain.ipfs import ContentUnavailable, InvalidCID, dag_bytes_limit, requested_cid
+from p2ptrain.base import UserError, short_id
+from p2ptrain.ipfs import ContentUnavailable, InvalidCID, requested_cid
 from p2ptrain.mesh import Rate
-from p2ptrain.control import FINISHED, Phase, TaskStatus, ops as control_ops
-from p2ptrain.node import ContentService, DEFAULT_MAX_FETCH_BYTES, Node
+from p2ptrain.control import FINISHED, Phase, TaskStatus
+from p2ptrain.node import ContentService, Node
 from p2ptrain.run import RunDir, TaskRun
 from p2ptrain.services._head_answers import HeadAnswers
+from p2ptrain.services._join_memory import JoinMemory
 from p2ptrain.services._latest import LatestFinder, head_key, held_tasks
-from p2ptrain.models import builders, model_file_limit
+from p2ptrain.models import builders
 from p2ptrain.training import Trainer
 from p2ptrain.protocol import Chain
-from p2ptrain.task import (MAX_TASK_BYTES, NoBuilder, Task, TaskError, load_task, member_device, task_bytes,
-                           task_from_bytes, unmet_requirement)
+from p2ptrain.task import (MAX_TASK_BYTES, NoBuilder, Task, member_device, task_from_bytes, unmet_requirement)
 from p2ptrain.wire import (
     HeadRequest,
     Signed,
@@ -56,30 +56,12 @@ MAX_CONCURRENT_JOINS = 4
 JOIN_PEER_WAIT_S = 60.0
 JOIN_RETRIES = 5
 JOIN_RETRY_S = 5.0
-# How long a task CID whose join failed is not tried again: long enough that a hostile announcer
-# repeating a bad CID costs one failed fetch per 10 minutes, short enough that a task whose data was
-# briefly unreachable is joined again without restarting the node.
-FAILED_JOIN_MEMORY_S = 600.0
-# ... except a join that failed only because no peer could give the task's bytes yet (its members
-# still fetching it, its publisher behind a NAT we have no route to yet): tried again after this,
-# doubling with each such failure up to FAILED_JOIN_MEMORY_S. A NATed peer that heard a task first
-# from another NATed peer was otherwise out of the run for 10 minutes, and a run whose peers.min
-# counted it never started (seen in tests/wan/test_training_behind_nat.py).
-UNAVAILABLE_JOIN_RETRY_S = 15.0
-# Failed CIDs remembered at once (oldest forgotten first): bounds the memory a flood of distinct bad
-# CIDs can take to ~1024 short entries.
-MAX_FAILED_JOINS = 1024
 # A join from an announcement fetches a file of at most MAX_TASK_BYTES: if that takes longer than
 # this, the announcer (or its content) is not worth waiting for.
 JOIN_FETCH_TIMEOUT_S = 30.0
 # A task that needs CUDA, on a node whose quick probe saw no GPU, waits this long for the torch probe
 # (it starts 2 s after the node and imports torch: seconds) before it is refused.
 CAPS_PROBE_WAIT_S = 30.0
-# `task status` of a task this node is not a member of looks its latest chain up and verifies it for
-# this long by default (a request may say less, up to MAX_VERIFY_HEAD_S): a run under way publishes
-# a head every 2 s, and a finished run's members answer a request within a second.
-VERIFY_HEAD_S = 10.0
-MAX_VERIFY_HEAD_S = 60.0
 # A run in one of these states does not hold the run's state yet: its node answers head requests from
 # the chain on its disk, so members that restart together hear each other's chains (run/_resume.py).
 STARTING_PHASES = frozenset({Phase.STARTING, Phase.FETCHING, Phase.RESUMING})
@@ -160,9 +142,8 @@ class TaskService:
         # Why announcements were not joined, by kind: read by `p2ptrain task list --json` ("joins").
         self.join_rejections: Counter[str] = Counter()
         self._joining: set[str] = set()
-        # Task CID -> (trio time until which it is not retried, its failures in a row for want of bytes).
-        self._failed: dict[str, tuple[float, int]] = {}
-        self._finders: dict[str, LatestFinder] = {}  # task CID -> a lookup of its latest chain under way
+        self.join_memory = JoinMemory()  # joins that failed, not tried again for a while
+        self.finders: dict[str, LatestFinder] = {}  # task CID -> a lookup of its latest chain under way
         # Runs of the user's own model this process takes part in: task CID -> the trainer maker
         # (p2ptrain.Optimizer binds one before it joins; training/_user_trainer.py).
         self.bindings: dict[str, Callable[[int], Trainer]] = {}
@@ -179,24 +160,15 @@ class TaskService:
         # which part handles each); a head and a cancel come on the tasks topic, to the handlers above.
         for msg_type in TaskRun.ROUTES.keys() - {TaskHead, TaskCancel}:
             node.on(msg_type, self._on_task_message)
-        for op, handler in (
-            (control_ops.TASK_PUBLISH, self._publish_op),
-            (control_ops.TASK_JOIN, self._join_op),
-            (control_ops.TASK_LIST, self._list_op),
-            (control_ops.TASK_STATUS, self._status_op),
-            (control_ops.TASK_CANCEL, self._cancel_op),
-            (control_ops.TASK_RESUME, self._resume_op),
-        ):
-            node.control.register(op, handler)
         node.add_status("tasks", self._node_status)
 
-    def _joins(self) -> dict[str, Any]:
-        return {"joining": len(self._joining), "remembered_failures": len(self._failed),
+    def joins(self) -> dict[str, Any]:
+        return {"joining": len(self._joining), "remembered_failures": len(self.join_memory),
                 "rejected": dict(self.join_rejections)}
 
     def _node_status(self) -> dict[str, Any]:
         """Joins refused and the collective's inbound refusals, for `node status`."""
-        return {"joins": self._joins(), "collective": self.collective.hub.stats() if self.collective else None,
+        return {"joins": self.joins(), "collective": self.collective.hub.stats() if self.collective else None,
                 "head_requests": dict(self.head_answers.stats)}
 
     def _running(self, task_cid: str) -> bool:
@@ -247,7 +219,7 @@ class TaskService:
         if task is None:
             await self.content.fetch(task_cid, timeout=JOIN_FETCH_TIMEOUT_S, max_bytes=MAX_TASK_BYTES)
             try:
-                task = await trio.to_thread.run_sync(self._held_task, task_cid)
+                task = await trio.to_thread.run_sync(self.held_task, task_cid)
             except NoBuilder as exc:  # a sound task this node cannot build: say what to install
                 raise UserError(exc.line) from exc
         caps = self.node.membership.caps
@@ -276,7 +248,7 @@ class TaskService:
                       device=device, precision=self.options.precision,
                       make_trainer=self.bindings.get(task_cid))
         self.runs[task_cid] = run
-        self._failed.pop(task_cid, None)
+        self.join_memory.joined(task_cid)
         known = self.known.get(task_cid)
         if known is not None:
             known.refused = known.missing_builder = None
@@ -291,7 +263,7 @@ class TaskService:
         """Whether this home heard (or, as publisher, sent) the task's cancel: it never runs it again."""
         return RunDir.of(self.node.home, task_cid).cancelled.is_file()
 
-    def _held_task(self, task_cid: str) -> Task:
+    def held_task(self, task_cid: str) -> Task:
         """The task held here by CID, parsed: in a worker thread, since the parse builds the model on
         the meta device to count it (seconds for a deep hf config, or a package's first import) and
         the node's heartbeats and rounds run on the event loop. The bytes are read no further than
@@ -303,7 +275,7 @@ class TaskService:
         """Join from an announcement or ``--join``: the one boundary of the join path.
 
         Whatever goes wrong (a bad CID, content that is not a task, a DAG bomb, a bug) is a counted,
-        logged refusal of this task, remembered for FAILED_JOIN_MEMORY_S; never a node exit. The
+        logged refusal of this task, remembered for a while (services/_join_memory.py); never a node exit. The
         failure is returned (None: joined).
         """
         self._joining.add(task_cid)
@@ -313,7 +285,7 @@ class TaskService:
         except Exception as exc:
             kind = "refused" if isinstance(exc, (UserError, ContentUnavailable)) else type(exc).__name__
             self.join_rejections[kind] += 1
-            self._remember_failure(task_cid, unavailable=isinstance(exc, ContentUnavailable))
+            self.join_memory.failed(task_cid, trio.current_time(), unavailable=isinstance(exc, ContentUnavailable))
             known = self.known.get(task_cid)
             if known is not None:
                 known.refused = str(exc)[:500]
@@ -341,22 +313,11 @@ class TaskService:
                 return
             await trio.sleep(JOIN_RETRY_S)
 
-    def _remember_failure(self, task_cid: str, *, unavailable: bool) -> None:
-        """Do not join ``task_cid`` on announcements for a while: FAILED_JOIN_MEMORY_S, or, where no
-        peer had its bytes, UNAVAILABLE_JOIN_RETRY_S doubled by each such failure in a row."""
-        _, misses = self._failed.pop(task_cid, (0.0, 0))
-        while len(self._failed) >= MAX_FAILED_JOINS:
-            self._failed.pop(next(iter(self._failed)))
-        misses = misses + 1 if unavailable else 0
-        memory = min(UNAVAILABLE_JOIN_RETRY_S * 2 ** (misses - 1), FAILED_JOIN_MEMORY_S) if misses else FAILED_JOIN_MEMORY_S
-        self._failed[task_cid] = (trio.current_time() + memory, misses)
-
     def _should_join(self, task_cid: str) -> bool:
         """Whether an announcement of ``task_cid`` starts a join now; counts why not when it does not."""
         if task_cid in self.runs or task_cid in self._joining:
             return False
-        failed = self._failed.get(task_cid)
-        if failed is not None and trio.current_time() < failed[0]:
+        if self.join_memory.held_off(task_cid, trio.current_time()):
             self.join_rejections["recently_failed"] += 1
             return False
         if len(self._joining) >= MAX_CONCURRENT_JOINS:
@@ -366,7 +327,7 @@ class TaskService:
 
     # -- messages ------------------------------------------------------------------------------
 
-    def _remember(self, task_cid: str, name: str, sender: str) -> KnownTask:
+    def remember(self, task_cid: str, name: str, sender: str) -> KnownTask:
         known = self.known.get(task_cid)
         if known is None:
             if len(self.known) >= MAX_KNOWN_TASKS:
@@ -377,7 +338,7 @@ class TaskService:
     async def _on_announce(self, signed: Signed[TaskAnnounce], topic: str) -> None:
         msg = signed.msg
         new = msg.task_cid not in self.known
-        self._remember(msg.task_cid, msg.name, signed.sender.to_base58())
+        self.remember(msg.task_cid, msg.name, signed.sender.to_base58())
         if new:
             logger.info("node %s heard of task %s (%s) from %s", short_id(self.node.peer_id), msg.name,
                         msg.task_cid, short_id(signed.sender))
@@ -390,7 +351,7 @@ class TaskService:
         known = self.known.get(head.task_cid)
         if known is not None and (known.head is None or (head.version, head.step) >= (known.head.version, known.head.step)):
             known.head = head
-        finder = self._finders.get(head.task_cid)
+        finder = self.finders.get(head.task_cid)
         if finder is not None:
             finder.offer(head)
         run = self.runs.get(head.task_cid)
@@ -417,9 +378,9 @@ class TaskService:
     async def _on_resume(self, signed: Signed[TaskResume], topic: str) -> None:
         """A task's resume: obeyed for a run this home cancelled, and only from the task's publisher."""
         if topic == TASKS_TOPIC:
-            await self._resume_here(signed.msg.task_cid, signed.sender.to_base58())
+            await self.resume_here(signed.msg.task_cid, signed.sender.to_base58())
 
-    async def _resume_here(self, task_cid: str, sender: str) -> None:
+    async def resume_here(self, task_cid: str, sender: str) -> None:
         """Forget the cancel of ``task_cid`` and resume its run from this home's chain, if ``sender``
         is the publisher its task file names; anyone else's resume is refused and counted (in the
         run's status, ``rejected``, and in ``task list --json``, ``joins``). A run this home never
@@ -433,7 +394,7 @@ class TaskService:
             held = run_dir.chain.is_file() and self.content.store.has(task_cid)
             if run is not None or not run_dir.cancelled.is_file() or not held:
                 return  # no run of ours to resume (only a task held here is read, never fetched for a stranger)
-        task = run.shared.task if run is not None else await trio.to_thread.run_sync(self._held_task, task_cid)
+        task = run.shared.task if run is not None else await trio.to_thread.run_sync(self.held_task, task_cid)
         if task.publisher is None or sender != task.publisher:
             why = "the task names no publisher" if task.publisher is None else "not the task's publisher"
             self.join_rejections["resume_refused"] += 1
@@ -455,127 +416,3 @@ class TaskService:
         run = self.runs.get(signed.msg.task_cid)
         if run is not None and topic == run.shared.topic:
             await run.on_message(signed.sender.to_base58(), signed.msg)
-
-    # -- control ops ---------------------------------------------------------------------------
-
-    async def _publish_op(self, request: dict[str, Any]) -> dict[str, Any]:
-        text = request.get("text")
-        if not isinstance(text, str) or len(text) > MAX_TASK_BYTES:
-            raise UserError(f"a task file must be TOML text of at most {MAX_TASK_BYTES} bytes")
-        task = await trio.to_thread.run_sync(load_task, text)  # off the event loop, as _held_task says
-        if task.publisher is None:  # this node's key is the one that may cancel it (task cancel)
-            task = replace(task, publisher=self.node.peer_id.to_base58())
-        if task.dataset is not None:
-            try:
-                await self.content.fetch(task.dataset.manifest, timeout=float(request.get("timeout", 30.0)))
-            except ContentUnavailable as exc:
-                raise TaskError(f"dataset.manifest: {exc}; add it first with: p2ptrain dataset add") from None
-        if task.initial_model:  # a registry model's: within what a model of the task's architecture takes
-            limit = DEFAULT_MAX_FETCH_BYTES if task.model.user else dag_bytes_limit(
-                await trio.to_thread.run_sync(model_file_limit, task.model.name, task.model.arguments))
-            try:
-                await self.content.fetch(task.initial_model, max_bytes=limit)
-            except ContentUnavailable as exc:
-                raise TaskError(f"initial_model: {exc}") from None
-        task_cid = await trio.to_thread.run_sync(self.content.store.add_bytes, task_bytes(task))
-        await trio.to_thread.run_sync(self.content.store.pin_add, task_cid)
-        self._remember(task_cid, task.name, self.node.peer_id.to_base58())
-        await self.node.publish(TASKS_TOPIC, TaskAnnounce(task_cid=task_cid, name=task.name))
-        joined = False
-        if self.options.accept_tasks or request.get("join"):
-            await self.join(task_cid, task)  # the task just parsed and stored: not read back by CID
-            joined = True
-        logger.info("node %s published task %s as %s", short_id(self.node.peer_id), task.name, task_cid)
-        return {"task_cid": task_cid, "name": task.name, "joined": joined}
-
-    async def _join_op(self, request: dict[str, Any]) -> dict[str, Any]:
-        run = await self.join(str(request.get("task_cid", "")))
-        return {"task_cid": run.task_cid, "name": run.shared.task.name}
-
-    async def _list_op(self, request: dict[str, Any]) -> dict[str, Any]:
-        tasks = {cid: known.status().to_json() for cid, known in self.known.items()}
-        for cid, run in self.runs.items():
-            tasks[cid] = run.status().to_json()
-        return {"tasks": list(tasks.values()), "joins": self._joins()}
-
-    async def _cancel_op(self, request: dict[str, Any]) -> dict[str, Any]:
-        """`task cancel`: announce the cancel of a task this node published (members check the key)."""
-        task_cid = requested_cid(request.get("task_cid", ""))
-        reason = str(request.get("reason") or "")[:256]
-        run = self.runs.get(task_cid)
-        task = await self._task_of(task_cid)
-        me = self.node.peer_id.to_base58()
-        if task.publisher != me:
-            raise UserError(f"only the task's publisher ({task.publisher or 'none named'}) can cancel it; "
-                            f"this node is {me}")
-        msg = TaskCancel(task_cid=task_cid, reason=reason)
-        run_dir = RunDir.of(self.node.home, task_cid)
-        run_dir.path.mkdir(parents=True, exist_ok=True)
-        write_atomic(run_dir.cancelled, (reason or "cancelled by the publisher").encode(), mode=0o600)
-        write_atomic(run_dir.cancel_sent, b"", mode=0o600)
-        await self.node.publish(TASKS_TOPIC, msg)
-        if run is not None:
-            await run.on_message(me, msg)  # pubsub does not deliver our own message back to us
-        logger.info("node %s cancelled task %s", short_id(self.node.peer_id), task_cid)
-        return {"task_cid": task_cid, "cancelled": True}
-
-    async def _resume_op(self, request: dict[str, Any]) -> dict[str, Any]:
-        """`task resume`: announce that this node, the task's publisher, continues a run it
-        cancelled; the members (and this node, if it is one) resume it from their chains."""
-        task_cid = requested_cid(request.get("task_cid", ""))
-        task = await self._task_of(task_cid)
-        me = self.node.peer_id.to_base58()
-        if task.publisher != me:
-            raise UserError(f"only the task's publisher ({task.publisher or 'none named'}) can resume it; "
-                            f"this node is {me}")
-        run_dir = RunDir.of(self.node.home, task_cid)
-        run_dir.cancel_sent.unlink(missing_ok=True)  # joiners are no longer told it is cancelled
-        await self.node.publish(TASKS_TOPIC, TaskResume(task_cid=task_cid))
-        await self._resume_here(task_cid, me)  # pubsub does not deliver our own message back to us
-        run_dir.cancelled.unlink(missing_ok=True)  # a publisher that is no member: no run to resume
-        logger.info("node %s resumed task %s", short_id(self.node.peer_id), task_cid)
-        return {"task_cid": task_cid, "resumed": True}
-
-    async def _task_of(self, task_cid: str) -> Task:
-        """The task ``task_cid`` (from its run here, else fetched by CID, bounded)."""
-        run = self.runs.get(task_cid)
-        if run is not None:
-            return run.shared.task
-        await self.content.fetch(task_cid, timeout=JOIN_FETCH_TIMEOUT_S, max_bytes=MAX_TASK_BYTES)
-        return await trio.to_thread.run_sync(self._held_task, task_cid)
-
-    async def _status_op(self, request: dict[str, Any]) -> dict[str, Any]:
-        task_cid = str(request.get("task_cid", ""))
-        run = self.runs.get(task_cid)
-        if run is not None:
-            return run.status().to_json()
-        known = self.known.get(task_cid)
-        if known is None:
-            raise UserError(f"this node has not heard of task {task_cid}")
-        # A lookup when asked for one (a timeout given: `model fetch --latest`, `model verify`), or
-        # when a head claimed a confirmed model: a task only announced has nothing to verify yet.
-        timeout = request.get("timeout")
-        if isinstance(timeout, (int, float)) or (known.head is not None and known.head.version >= 1):
-            await self._verify_latest(known, float(timeout) if isinstance(timeout, (int, float)) else VERIFY_HEAD_S)
-        return known.status().to_json()
-
-    async def _verify_latest(self, known: KnownTask, timeout: float) -> None:
-        """Look up and verify the latest chain of a task this node is not a member of (the same
-        :class:`LatestFinder` as a fresh home's ``model fetch --latest``): heads heard meanwhile are
-        judged by the chains they name, and the longest that verifies becomes ``known.verified``."""
-        if known.task_cid in self._finders or len(self._finders) >= MAX_CONCURRENT_JOINS:
-            return  # one lookup per task at a time, a few at once: the busy ones answer with what is known
-        finder = LatestFinder(self.node, self.content, known.task_cid, listen=False)
-        self._finders[known.task_cid] = finder
-        if known.head is not None:
-            finder.offer(known.head)
-        try:
-            with trio.move_on_after(min(max(timeout, 0.0), MAX_VERIFY_HEAD_S)):
-                await finder.find()
-        except (ContentUnavailable, TaskError) as exc:
-            logger.warning("node %s cannot verify the chain of task %s: %s", short_id(self.node.peer_id),
-                           known.task_cid, exc)
-        finally:
-            del self._finders[known.task_cid]
-        if finder.best is not None and (known.verified is None or finder.best[1].version > known.verified.version):
-            known.verified, known.verified_cid = finder.best[1], finder.best[0].chain_cid

@@ -80,7 +80,7 @@ async def test_a_sender_that_keeps_flooding_is_not_read_for_a_while(tmp_path: Pa
     """Past its allowance of refusals, a flooder's stream is read about once a second: what it sends
     waits on its side of the connection instead of costing the node a read and a refusal each.
     Before: the node read all 3,000 within the flood's second."""
-    from p2ptrain.net._pubsub import FLOODER_BURST, FLOODER_PAUSE_S
+    from p2ptrain.net._inbound_limits import FLOODER_BURST, FLOODER_PAUSE_S
 
     async with local_peers(1, tmp_path) as peers, hostile.hostile_peer() as peer:
         node = peers[0].node
@@ -128,7 +128,7 @@ async def test_refused_big_messages_count_by_their_bytes_toward_a_pause(tmp_path
     forged heads is paused after its first RPC (16 heads) instead of after 100 refusals: 7 such
     RPCs, 6 MB the node read, decrypted and parsed before the first pause (issue 27's heads flood
     cost a run half its steps/s at each flood's start). Before: all 60 heads were read at once."""
-    from p2ptrain.net._pubsub import FLOODER_PAUSE_S
+    from p2ptrain.net._inbound_limits import FLOODER_PAUSE_S
 
     async with local_peers(1, tmp_path) as peers, hostile.hostile_peer() as peer:
         node = peers[0].node
@@ -154,7 +154,7 @@ async def test_a_flooder_that_keeps_on_is_paused_longer_each_time(tmp_path: Path
     of head requests at 3,000/s it is paused at most 4 times and read once after each pause, where a
     fixed 1 s pause read an RPC every second (each read of a heads flood is up to 1 MiB).
     Before: 6-7 pauses and 50 more requests read per second."""
-    from p2ptrain.net._pubsub import FLOODER_BURST
+    from p2ptrain.net._inbound_limits import FLOODER_BURST
 
     async with local_peers(1, tmp_path) as peers, hostile.hostile_peer() as peer:
         node = peers[0].node

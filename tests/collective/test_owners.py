@@ -15,8 +15,10 @@ from pathlib import Path
 
 import pytest
 import torch
+import trio
 
 from p2ptrain.collective import BadPayload, Misbehaved, PeerFailed, RoundSpec
+from p2ptrain.collective._direct import INLINE_BYTES
 from p2ptrain.collective._owners import drawn, ring_owners
 from p2ptrain.protocol import owner_seed
 from p2ptrain.wire import RoundPlan
@@ -68,6 +70,16 @@ def inputs(n: int) -> list[torch.Tensor]:
     return [torch.randn(n, generator=torch.Generator().manual_seed(i)) for i in range(WORLD)]
 
 
+def past_inline(density: float) -> int:
+    """A tensor size whose chunks of values hold more than INLINE_BYTES: their hashes, signatures
+    and checks (and the owner's reduction) run in worker threads, where a small chunk's run inline."""
+    return int(WORLD * (INLINE_BYTES // 4 + 1024) / density)
+
+
+# Small chunks (every check inline) and big ones (checks in worker threads): both paths must name.
+SIZES = {"inline": lambda density: 4096, "threads": past_inline}
+
+
 @pytest.mark.parametrize("density", [1.0, 0.05])
 async def test_who_owns_a_chunk_does_not_change_its_bits(cluster, gather, density):
     async with cluster(WORLD) as peers:
@@ -86,21 +98,49 @@ async def test_who_owns_a_chunk_does_not_change_its_bits(cluster, gather, densit
             assert isinstance(r, torch.Tensor) and r.equal(results[0][0])
 
 
+@pytest.mark.parametrize("size", SIZES)
+async def test_only_big_chunks_are_hashed_and_reduced_in_worker_threads(cluster, gather, monkeypatch, size):
+    """A sparse robust round's chunks are ~40 KB: their hashes, signatures, checks and reduction
+    cost less than a hand-off to a worker thread and back, three of which sat on the round's critical
+    path (docs/benchmarks.md, "The checks of a robust round"); a big chunk's still go to threads."""
+    handed: list[str] = []
+    to_thread = trio.to_thread.run_sync
+
+    async def counted(fn, *args, **kwargs):
+        handed.append(getattr(fn, "__name__", "?"))
+        return await to_thread(fn, *args, **kwargs)
+
+    monkeypatch.setattr(trio.to_thread, "run_sync", counted)
+    async with cluster(WORLD) as peers:
+        ring = [p.id for p in peers]
+        spec = RoundSpec(density=0.05, robust="clip", timeout=20)
+        xs = inputs(SIZES[size](0.05))
+        results = await gather([lambda p=p, x=x: p.collective.allreduce(x, ring, 9, spec, owner_seed=SEED)
+                                for p, x in zip(peers, xs)])
+    assert all(isinstance(r, torch.Tensor) and r.equal(results[0]) for r in results)
+    checks = Counter(name for name in handed if name != "work")  # "work": each member's top-k selection
+    if size == "inline":
+        assert checks == Counter()
+    else:  # per member: P - 1 contributions signed and checked, P - 1 results heard, one reduction
+        assert checks == Counter(_signed=3 * WORLD, _checked=3 * WORLD, _heard=3 * WORLD, _reduced_and_signed=WORLD)
+
+
 def chunk_verifier(seed: int) -> tuple[int, int]:
     owners = drawn(WORLD, seed)
     chunk = owners.owned_by(BAD)
     return chunk, owners.verifier[chunk]
 
 
+@pytest.mark.parametrize("size", SIZES)
 @pytest.mark.parametrize("density", [1.0, 0.05])
-async def test_an_owner_that_writes_its_own_values_is_caught_and_named(cluster, gather, monkeypatch, density):
+async def test_an_owner_that_writes_its_own_values_is_caught_and_named(cluster, gather, monkeypatch, density, size):
     hostile.install(monkeypatch)
     chunk, verifier = chunk_verifier(SEED)
     async with cluster(WORLD) as peers:
         ring = [p.id for p in peers]
         attacker = hostile.Owner(peers[BAD].collective, poison=1000.0)
         spec = RoundSpec(density=density, robust="clip", timeout=20)
-        xs = inputs(4096)
+        xs = inputs(SIZES[size](density))
 
         async def member(i: int):
             if i != BAD:
@@ -121,7 +161,8 @@ async def test_an_owner_that_writes_its_own_values_is_caught_and_named(cluster, 
     assert refused == 1
 
 
-async def test_an_equivocating_owner_is_named_by_every_honest_member(cluster, gather, monkeypatch):
+@pytest.mark.parametrize("size", SIZES)
+async def test_an_equivocating_owner_is_named_by_every_honest_member(cluster, gather, monkeypatch, size):
     hostile.install(monkeypatch)
     chunk, verifier = chunk_verifier(SEED)
     target = next(i for i in range(WORLD) if i not in (BAD, verifier))  # its verifier gets the honest bytes
@@ -129,7 +170,7 @@ async def test_an_equivocating_owner_is_named_by_every_honest_member(cluster, ga
         ring = [p.id for p in peers]
         attacker = hostile.Owner(peers[BAD].collective, equivocate_to=ring[target])
         spec = RoundSpec(density=1.0, robust="clip", timeout=20)
-        xs = inputs(4096)
+        xs = inputs(SIZES[size](1.0))
 
         async def member(i: int):
             if i != BAD:
@@ -149,7 +190,9 @@ async def test_an_equivocating_owner_is_named_by_every_honest_member(cluster, ga
     assert reasons == {f"equivocated: signed two different result {chunk} in round 6"}
 
 
-async def test_a_contributor_that_sends_owner_and_verifier_different_values_is_named(cluster, gather, monkeypatch):
+@pytest.mark.parametrize("size", SIZES)
+async def test_a_contributor_that_sends_owner_and_verifier_different_values_is_named(cluster, gather, monkeypatch,
+                                                                                     size):
     """The verifier's recomputation differs from the owner's chunk; the owner forwarded the signed
     digest of what it got, which the contributor signed: the contributor is named, not the owner."""
     hostile.install(monkeypatch)
@@ -157,7 +200,7 @@ async def test_a_contributor_that_sends_owner_and_verifier_different_values_is_n
         ring = [p.id for p in peers]
         attacker = hostile.Owner(peers[BAD].collective, split=True)
         spec = RoundSpec(density=1.0, robust="clip", timeout=20)
-        xs = inputs(4096)
+        xs = inputs(SIZES[size](1.0))
 
         async def member(i: int):
             if i != BAD:
@@ -174,8 +217,9 @@ async def test_a_contributor_that_sends_owner_and_verifier_different_values_is_n
     assert any("its verifier different values" in results[i].reason for i in range(WORLD) if i != BAD)
 
 
+@pytest.mark.parametrize("size", SIZES)
 async def test_bytes_under_a_wrong_signature_are_refused_on_arrival_so_their_receiver_is_not_blamed(
-    cluster, gather, monkeypatch
+    cluster, gather, monkeypatch, size
 ):
     """An owner sends one member other bytes under the signature of the real ones. Were they kept,
     that member's CONFIRM would report a digest its sender never signed and the others would name
@@ -187,7 +231,7 @@ async def test_bytes_under_a_wrong_signature_are_refused_on_arrival_so_their_rec
         ring = [p.id for p in peers]
         attacker = hostile.Owner(peers[BAD].collective, equivocate_to=ring[target], resign=False)
         spec = RoundSpec(density=1.0, robust="clip", timeout=20)
-        xs = inputs(4096)
+        xs = inputs(SIZES[size](1.0))
 
         async def member(i: int):
             if i != BAD:

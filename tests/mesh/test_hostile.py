@@ -141,7 +141,7 @@ async def test_a_peer_flooding_faster_than_its_inbound_rate_is_cut_off_before_an
     from libp2p.pubsub.pb import rpc_pb2
     from libp2p.pubsub.validators import PUBSUB_SIGNING_PREFIX
 
-    from p2ptrain.net import _pubsub as pubsub_module
+    from p2ptrain.net import _inbound_limits as pubsub_module
 
     monkeypatch.setattr(pubsub_module, "MAX_INBOUND_MESSAGES_PER_PEER_PER_S", 100.0, raising=False)
     monkeypatch.setattr(pubsub_module, "INBOUND_BURST", 200, raising=False)

@@ -105,7 +105,7 @@ async def _wait(predicate: Any) -> None:
 async def test_heads_from_a_peer_that_is_not_the_coordinator_are_refused_and_training_goes_on(tmp_path: Path) -> None:
     async def body(victim: Peer, attacker: Peer, manifest: str) -> None:
         bad = _bad_chains(attacker.content.store.blocks)
-        reply = await victim.tasks._publish_op({"text": TASK.format(name="trusted", manifest=manifest), "join": True})
+        reply = await victim.control.publish({"text": TASK.format(name="trusted", manifest=manifest), "join": True})
         run: TaskRun = victim.tasks.runs[reply["task_cid"]]
         await _wait(lambda: run.shared.phase == "failed" or (run.shared.book is not None and run.shared.book.chain.version >= 1))
         assert run.shared.phase == "training" and run.shared.synced, run.shared.error
@@ -148,7 +148,7 @@ async def test_a_head_naming_content_that_is_no_chain_is_a_counted_resync_failur
 
         async with trio.open_nursery() as flooding:
             flooding.start_soon(flood)
-            reply = await victim.tasks._publish_op({"text": text, "join": True})
+            reply = await victim.control.publish({"text": text, "join": True})
             assert reply["task_cid"] == task_cid
             run: TaskRun = victim.tasks.runs[task_cid]
             await _wait(lambda: run.shared.phase == "failed" or run.status().rejected.get("resync_failed", 0) >= 3)
@@ -173,7 +173,7 @@ async def test_a_chain_extended_by_a_stranger_or_forked_is_not_loaded(tmp_path: 
     from p2ptrain.training import Trainer
 
     async def body(victim: Peer, attacker: Peer, manifest: str) -> None:
-        reply = await victim.tasks._publish_op({"text": TASK.format(name="forged", manifest=manifest), "join": True})
+        reply = await victim.control.publish({"text": TASK.format(name="forged", manifest=manifest), "join": True})
         run: TaskRun = victim.tasks.runs[reply["task_cid"]]
         await _wait(lambda: run.shared.phase == "failed" or (run.shared.book is not None and run.shared.book.chain.version >= 1))
         assert run.shared.phase == "training" and run.shared.synced, run.shared.error

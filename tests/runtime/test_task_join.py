@@ -138,20 +138,20 @@ def test_a_join_that_found_no_bytes_is_tried_again_soon_and_a_refused_task_only_
     its join and, remembered for 10 minutes, never took part: the run waited for it (seen in
     tests/wan/test_training_behind_nat.py). Wanting bytes is retried after 15 s, doubling; anything
     else (a task it cannot run, a bad announcement) stays refused for 10 minutes."""
-    from p2ptrain.services._tasks import FAILED_JOIN_MEMORY_S, UNAVAILABLE_JOIN_RETRY_S
+    from p2ptrain.services._join_memory import FAILED_JOIN_MEMORY_S, UNAVAILABLE_JOIN_RETRY_S
 
     tasks = make_peer(Node(tmp_path / "home")).tasks
     cid, bad = "Qm" + "a" * 44, "Qm" + "b" * 44
 
     async def main() -> None:
         for wait in (UNAVAILABLE_JOIN_RETRY_S, 2 * UNAVAILABLE_JOIN_RETRY_S, 4 * UNAVAILABLE_JOIN_RETRY_S):
-            tasks._remember_failure(cid, unavailable=True)
+            tasks.join_memory.failed(cid, trio.current_time(), unavailable=True)
             await trio.sleep(wait - 0.5)
             assert not tasks._should_join(cid)
             await trio.sleep(0.5)
             assert tasks._should_join(cid)
-        tasks._remember_failure(bad, unavailable=False)
-        tasks._remember_failure(cid, unavailable=False)  # refused once the bytes came: the long memory
+        tasks.join_memory.failed(bad, trio.current_time(), unavailable=False)
+        tasks.join_memory.failed(cid, trio.current_time(), unavailable=False)  # refused once the bytes came: the long memory
         await trio.sleep(FAILED_JOIN_MEMORY_S - 0.5)
         assert not tasks._should_join(bad) and not tasks._should_join(cid)
         await trio.sleep(0.5)
