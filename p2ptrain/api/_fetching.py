@@ -62,14 +62,15 @@ def ensure_local(
     """Make ``cids`` (plus the latest model of task ``latest``) local; return the CIDs in that order.
 
     ``then(store)`` names more CIDs once the first ones are local (a dataset split's shards, read
-    from its manifest); they are fetched in the same session.
+    from its manifest); they are fetched in the same session, as are the stage files of a CID that
+    is a pipelined run's model manifest.
     """
     from p2ptrain.ipfs import open_store
     from p2ptrain.control import ControlClient, ControlError, socket_path
 
     store = open_store(home)
     if latest is None and all(store.has(c) for c in cids):
-        more = then(store) if then else []
+        more = _more(store, cids, then)
         if all(store.has(c) for c in more):
             return cids
     if socket_path(home).exists():
@@ -81,7 +82,7 @@ def ensure_local(
                 cids = cids + [_latest_from_status(status, latest)]
             for cid in cids:
                 client.call(control_ops.IPFS_FETCH, cid=cid, timeout=300.0)
-            for cid in then(store) if then else []:
+            for cid in _more(store, cids, then):
                 client.call(control_ops.IPFS_FETCH, cid=cid, timeout=300.0)
             return cids
         except ControlError as exc:
@@ -90,12 +91,21 @@ def ensure_local(
             if not bootstrap:
                 raise
     if not bootstrap:
-        missing = [c for c in cids if not store.has(c)] or [f"latest model of {latest}"]
+        missing = ([c for c in cids + _more(store, [c for c in cids if store.has(c)], None) if not store.has(c)]
+                   or [f"latest model of {latest}"])
         raise UserError(
             f"{', '.join(missing)} not in the store of {home}, and no node is running there: start one "
             f"(p2ptrain node start --home {home} --bootstrap ...) or pass --bootstrap MULTIADDR"
         )
     return _fetch_with_ephemeral_node(home, cids, bootstrap, latest, then)
+
+
+def _more(store: ContentStore, cids: list[str], then: Callable[[ContentStore], list[str]] | None) -> list[str]:
+    """What is fetched once ``cids`` are local: ``then``'s CIDs and the stage files of every
+    model manifest among ``cids``."""
+    from p2ptrain.training import stage_file_cids
+
+    return (then(store) if then else []) + [part for cid in cids for part in stage_file_cids(store, cid)]
 
 
 def _latest_from_status(status: TaskStatus, task_cid: str) -> str:
@@ -120,7 +130,7 @@ def _fetch_with_ephemeral_node(
             out.append(chain.head_cid)
         for cid in out:
             await fetch_through(peer, cid)
-        more = await trio.to_thread.run_sync(then, peer.content.store) if then else []
+        more = await trio.to_thread.run_sync(_more, peer.content.store, out, then)
         for cid in more:
             await fetch_through(peer, cid)
 

@@ -84,18 +84,25 @@ def cmd_fetch(args: argparse.Namespace) -> int:
     cids = ensure_local(home, [args.model_cid] if args.model_cid else [], args.bootstrap, args.latest)
     model_cid = cids[-1]
     from p2ptrain.cli.ipfs import progress_bar
-    from p2ptrain.ipfs import open_store
-    from p2ptrain.training import describe_model_file
+    from p2ptrain.base import write_atomic
+    from p2ptrain.ipfs import FileTooLarge, open_store
+    from p2ptrain.training import describe_model_file, is_manifest, model_file
     from p2ptrain.protocol import RecordError
 
     store = open_store(home)
     data = store.cat(model_cid)
+    assembled = is_manifest(data)
     try:
+        if assembled:  # a pipelined run's model: its stage files made one
+            data = model_file(store, model_cid)
         card, params = describe_model_file(data)  # refuse to hand over a file that is not a model
-    except RecordError as exc:
+    except (RecordError, FileTooLarge) as exc:
         raise UserError(f"{model_cid} is not a p2ptrain model: {exc}") from None
-    with progress_bar(f"writing {args.output.name}", len(data)) as progress:
-        store.get(model_cid, args.output, progress=progress)
+    if assembled:
+        write_atomic(args.output, data)
+    else:
+        with progress_bar(f"writing {args.output.name}", len(data)) as progress:
+            store.get(model_cid, args.output, progress=progress)
     summary = {"model_cid": model_cid, "path": str(args.output), "bytes": len(data), "model": card,
                "parameters": params}
     if args.json:
@@ -161,13 +168,13 @@ def _parameters(data: bytes) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from p2ptrain.ipfs import open_store
     from p2ptrain.models import MAX_MODEL_FILE_BYTES
-    from p2ptrain.training import export_pretrained
+    from p2ptrain.training import export_pretrained, model_file
 
     home = home_of(args)
     if args.directory.exists():  # before any fetch
         raise UserError(f"{args.directory}: exists; export writes a new directory")
     ensure_local(home, [args.model_cid], args.bootstrap)
-    data = open_store(home).cat(args.model_cid, max_bytes=MAX_MODEL_FILE_BYTES)
+    data = model_file(open_store(home), args.model_cid, max_bytes=MAX_MODEL_FILE_BYTES)
     path = export_pretrained(data, args.directory)
     files = sorted(p.name for p in path.iterdir())
     if args.json:

@@ -145,6 +145,11 @@ def render_status(s: TaskStatus) -> str:
         if s.loss is not None:
             lines.append(f"training   loss {_num(s.loss, '.4g')} (this peer's last round)")
         lines.append(f"sent       {s.bytes_sent} bytes over {s.rounds_done} rounds")
+        if s.stages:
+            served = "-" if s.stage is None else s.stage
+            lines.append(f"stages     {len(s.stages)}, this peer serves stage {served}: " + "; ".join(
+                f"{e['stage']}: {len(e['replicas'])} replica{'s' if len(e['replicas']) != 1 else ''}, "
+                f"{e['parameters']:,} parameters" for e in s.stages))
     if s.resumed_from:
         lines.append(f"resumed    from model v{s.resumed_from['version']} at step {s.resumed_from['step']}")
     lines.append(f"model      {_model(s)}")

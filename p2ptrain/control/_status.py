@@ -140,6 +140,10 @@ class TaskStatus:
     inner_steps: int | None = _member()
     inner_step: int | None = _member()
     is_coordinator: bool = _member(False)
+    # A pipelined task (issue 31): this member's stage in the latest plan (from 0), and every stage's
+    # {"stage", "replicas" (peer IDs, in the plan's order), "parameters"}; None for any other task.
+    stage: int | None = _member()
+    stages: tuple[dict[str, Any], ...] | None = _member()
     # In-process only (the metrics exporter): each completed round's compute / sync / apply times.
     round_seconds: dict[str, HistogramSnapshot] | None = field(default=None, metadata={"shape": _LOCAL},
                                                               compare=False)
@@ -162,6 +166,8 @@ class TaskStatus:
                 value = tuple(ChainEntry.from_json(entry) for entry in value or ())
             elif name == "members":
                 value = tuple(value or ())
+            elif name == "stages" and value is not None:
+                value = tuple(dict(entry) for entry in value)
             elif name == "rejected":
                 value = dict(value or {})
             values[name] = value

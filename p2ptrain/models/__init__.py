@@ -1,6 +1,7 @@
 """What a model is, as data: the registry of model builders a task may name (a task names a builder and
 its checked keyword arguments, never code; builders are built in or come from installed packages'
-``p2ptrain.models`` entry points), and the architecture card of a user's own module (its
+``p2ptrain.models`` entry points), where a model can be cut into pipeline stages (its pieces, on the
+meta device), and the architecture card of a user's own module (its
 CID, the fingerprint, names one architecture exactly). Imports only ``base``.
 """
 
@@ -22,6 +23,15 @@ if TYPE_CHECKING:
         PLUGINS as PLUGINS,
     )
     from p2ptrain.models._model_error import ModelError as ModelError
+    from p2ptrain.models._pieces import (
+        balanced_cut as balanced_cut,
+        Cut as Cut,
+        cut_pieces as cut_pieces,
+        PartitionError as PartitionError,
+        Piece as Piece,
+        pieces_of as pieces_of,
+        stage_sizes as stage_sizes,
+    )
     from p2ptrain.models._hf import (
         CausalLM as CausalLM,
         check_hf_config as check_hf_config,
@@ -42,7 +52,9 @@ if TYPE_CHECKING:
         HEADER_PER_TENSOR as HEADER_PER_TENSOR,
         HEADER_SLACK as HEADER_SLACK,
         MAX_MODEL_FILE_BYTES as MAX_MODEL_FILE_BYTES,
+        meta_model as meta_model,
         model_file_limit as model_file_limit,
+        TinyLM as TinyLM,
     )
 else:
     from p2ptrain._exports import lazy_exports

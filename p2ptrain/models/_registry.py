@@ -153,12 +153,17 @@ def _construct(name: str, full: dict[str, Any]) -> nn.Module:
     return module
 
 
-def count_parameters(name: str, kwargs: dict[str, Any]) -> int:
-    """Parameters of the model, counted on the meta device (no memory allocated)."""
+def meta_model(name: str, kwargs: dict[str, Any]) -> nn.Module:
+    """The model built on the meta device from checked arguments: its shapes and structure, nothing
+    allocated and nothing initialised (to count it, bound its file, or check where it can be cut)."""
     full = check_kwargs(name, kwargs)
     with torch.device("meta"):
-        module = _construct(name, full)
-    return sum(p.numel() for p in module.parameters())
+        return _construct(name, full)
+
+
+def count_parameters(name: str, kwargs: dict[str, Any]) -> int:
+    """Parameters of the model, counted on the meta device (no memory allocated)."""
+    return sum(p.numel() for p in meta_model(name, kwargs).parameters())
 
 
 def check_model(name: str, kwargs: dict[str, Any]) -> int:
@@ -180,10 +185,7 @@ def model_file_limit(name: str, kwargs: dict[str, Any]) -> int:
     the meta device (nothing allocated, no initialisation). A task names the architecture, so this
     bounds what a node fetches and reads of any model the task names (``initial_model``) before a
     byte of it is parsed: a model of 10k parameters is never a 2 GiB download."""
-    full = check_kwargs(name, kwargs)
-    with torch.device("meta"):
-        module = _construct(name, full)
-    return file_bytes_bound(module.state_dict().values())
+    return file_bytes_bound(meta_model(name, kwargs).state_dict().values())
 
 
 _SEEDED_BUILD = threading.Lock()

@@ -12,6 +12,11 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from p2ptrain.protocol import signing as signing
+    from p2ptrain.protocol._assignment import (
+        assign as assign,
+        AssignmentError as AssignmentError,
+        throughput as throughput,
+    )
     from p2ptrain.protocol._attestations import ATTEST_TIMEOUT_S as ATTEST_TIMEOUT_S, Attestations as Attestations
     from p2ptrain.protocol._election import (
         Election as Election,
@@ -38,6 +43,8 @@ if TYPE_CHECKING:
         round_id as round_id,
         round_seed as round_seed,
         shard_of as shard_of,
+        stage_rings as stage_rings,
+        stage_round_id as stage_round_id,
     )
     from p2ptrain.protocol._records import (
         attest as attest,

@@ -1,5 +1,6 @@
 """What a coordinator's plan is made of: its members and their ring order, how many rounds it
-covers (up to the next checkpoint), and what each member derives from it (a round's all-reduce id,
+covers (up to the next checkpoint), for a pipelined task the stage each member serves, and what
+each member derives from it (a round's all-reduce id,
 its data shard), and the rules a member holds the coordinator's plans to. Pure functions of the plan
 and the task, shared by the planner (:class:`~p2ptrain.protocol.RoundBook`) and the members
 that follow its plans."""
@@ -10,8 +11,9 @@ import hashlib
 from collections.abc import Collection, Sequence
 
 from p2ptrain.base import short_id
+from p2ptrain.protocol._assignment import assign
 from p2ptrain.protocol._records import quorum
-from p2ptrain.task import Task
+from p2ptrain.task import Task, stage_parameters
 from p2ptrain.protocol._voters import rank
 from p2ptrain.wire import RoundPlan
 
@@ -51,8 +53,29 @@ def buffers_round_id(plan: RoundPlan) -> int:
 
 
 def shard_of(plan: RoundPlan, peer: str) -> tuple[int, int]:
-    """``(rank, world_size)`` of ``peer`` in the plan: its index in the plan's member order."""
+    """``(rank, world_size)`` of ``peer`` in the plan: its index in the plan's member order; in a
+    pipelined plan, among the members of stage 0 (only they read data and drive microbatches)."""
+    if plan.stages is not None:
+        drivers = stage_rings(plan)[0]
+        return drivers.index(peer), len(drivers)
     return plan.members.index(peer), len(plan.members)
+
+
+def stage_rings(plan: RoundPlan) -> list[tuple[str, ...]]:
+    """The members of each stage of a pipelined plan, in the plan's ring order: the replicas whose
+    gradients a stage's all-reduce sums (docs/pipeline.md)."""
+    assert plan.stages is not None, "a plan without stages has one ring: its members"
+    rings: list[list[str]] = [[] for _ in range(max(plan.stages) + 1)]
+    for member, stage in zip(plan.members, plan.stages, strict=True):
+        rings[stage].append(member)
+    return [tuple(ring) for ring in rings]
+
+
+def stage_round_id(plan: RoundPlan, index: int, stage: int) -> int:
+    """The id of stage ``stage``'s all-reduce in the ``index``-th round of a pipelined plan: apart
+    from every other stage's and from :func:`round_id`, so the S rounds run at once on one host."""
+    name = f"{plan.task_cid}/t{plan.term}/r{plan.round + index}/a{plan.attempt}/s{stage}"
+    return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "big")
 
 
 def is_checkpoint(task: Task, round_index: int, total_steps: int) -> bool:
@@ -117,11 +140,49 @@ def rule_problem(task: Task, total_steps: int, plan: RoundPlan, before: RoundPla
         return f"it names {short_id(outsiders[0])}, whom the task's allowlist does not admit"
     if plan.rounds < 1 or plan.step + plan.rounds > total_steps:
         return f"a span of {plan.rounds} rounds from step {plan.step} does not fit the task"
-    if before is not None and (plan.term, plan.round, plan.attempt) > (before.term, before.round, before.attempt):
+    after = before is not None and (plan.term, plan.round, plan.attempt) > (before.term, before.round, before.attempt)
+    if after:
+        assert before is not None
         kept = len(set(before.members) & set(members))
         if kept < quorum(len(before.members)):
             return (f"it keeps {kept} of the {len(before.members)} members of plan {before.round}.{before.attempt}, "
                     f"a quorum is {quorum(len(before.members))}")
+    return _stages_problem(task, plan, before if after else None)
+
+
+def plan_stages(task: Task, members: Sequence[str], before: RoundPlan | None) -> tuple[int, ...] | None:
+    """The stage of each of ``members`` (in their order) for a pipelined task, None for any other:
+    :func:`~p2ptrain.protocol._assignment.assign` over the stages' parameter counts (step times are
+    not measured yet), from ``before``'s assignment (the latest plan taken from a coordinator). Pure:
+    the coordinator plans it and every member that took ``before`` computes the same."""
+    if task.pipeline is None:
+        return None
+    previous = dict(zip(before.members, before.stages, strict=True)) if before and before.stages else None
+    out = assign(members, stage_parameters(task), previous)
+    return tuple(out[m] for m in members)
+
+
+def _stages_problem(task: Task, plan: RoundPlan, before: RoundPlan | None) -> str | None:
+    """Why ``plan``'s stages break the rules: a stage for each member of a pipelined task (none for
+    any other), each stage served; and, for a plan after ``before``, exactly :func:`plan_stages`.
+    A member that took no plan before (a joiner) checks the shape only: it does not know the
+    assignment the coordinator started from."""
+    if task.pipeline is None:
+        return None if plan.stages is None else "it assigns stages, the task has no [pipeline]"
+    stages, count = plan.stages, task.pipeline.stages
+    if stages is None or len(stages) != len(plan.members):
+        return f"it assigns {len(stages or ())} stages to {len(plan.members)} members of a pipelined task"
+    empty = sorted(set(range(count)) - set(stages))
+    if empty or not all(0 <= s < count for s in stages):
+        return f"its stages leave stage {empty[0]} without a member" if empty else f"a stage out of 0..{count - 1}"
+    if before is None:
+        return None
+    expected = plan_stages(task, plan.members, before)
+    if expected != stages:
+        assert expected is not None
+        moved = next(m for m, s, e in zip(plan.members, stages, expected, strict=True) if s != e)
+        return (f"it puts {short_id(moved)} in stage {stages[plan.members.index(moved)]}; the assignment from "
+                f"plan {before.round}.{before.attempt} puts it in {expected[plan.members.index(moved)]}")
     return None
 
 

@@ -56,7 +56,7 @@ from libp2p.crypto.keys import KeyPair
 
 from p2ptrain.base import short_id
 from p2ptrain.protocol._election import Election
-from p2ptrain.protocol._plans import is_checkpoint, plan_members, rule_problem, span_length
+from p2ptrain.protocol._plans import is_checkpoint, plan_members, plan_stages, rule_problem, span_length
 from p2ptrain.protocol._lineage import Chain
 from p2ptrain.protocol._records import certificate, sign_record
 from p2ptrain.task import Task
@@ -409,6 +409,7 @@ class RoundBook:
             task_cid=self.task_cid, term=election.term, round=start_round, attempt=attempt, step=step,
             rounds=span_length(self.task, start_round, self.total_steps), members=members,
             base_cid=self.chain.head_cid, version=self.chain.version,
+            stages=plan_stages(self.task, members, self.accepted),
         )
 
     def _may_overlap(self, last: RoundPlan, my_step: int, live: Collection[str]) -> bool:

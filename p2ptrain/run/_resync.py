@@ -20,7 +20,8 @@ from p2ptrain.ipfs import ContentUnavailable, DagError
 from p2ptrain.base import short_id
 from p2ptrain.run._run_state import Nudge, RunState
 from p2ptrain.protocol import Chain, MAX_CHAIN_BYTES, Misconduct, RecordError
-from p2ptrain.training import TrainerError
+from p2ptrain.run._stage_trainer import StagedTrainer
+from p2ptrain.training import is_manifest, TrainerError
 from p2ptrain.wire import RoundPlan, TaskHead
 
 logger = logging.getLogger(__name__)
@@ -278,9 +279,16 @@ class Resync:
         await run.content.fetch(last.optimizer_cid, timeout=RESYNC_FETCH_TIMEOUT_S, max_bytes=max_optim)
         model = await trio.to_thread.run_sync(lambda: store.cat(last.model_cid, max_bytes=max_model))
         optim = await trio.to_thread.run_sync(lambda: store.cat(last.optimizer_cid, max_bytes=max_optim))
-        # In a worker thread: a trainer driven by the user's loop loads only while the user waits in
-        # its step (training/_user_trainer.py), and parsing a large state is CPU work anyway.
-        await trio.to_thread.run_sync(trainer.load_state, model, optim)
+        if is_manifest(model):
+            # A pipelined run's checkpoint: the manifest now, the stage a plan names when it names it
+            # (run/_stages.py, StageRounds.take).
+            if not isinstance(trainer, StagedTrainer):
+                raise RecordError(f"checkpoint v{last.version} names a pipelined run's stages; this task has none")
+            trainer.load_manifest(model, optim, last.step)
+        else:
+            # In a worker thread: a trainer driven by the user's loop loads only while the user waits
+            # in its step (training/_user_trainer.py), and parsing a large state is CPU work anyway.
+            await trio.to_thread.run_sync(trainer.load_state, model, optim)
         if trainer.step != last.step:
             raise TrainerError(f"checkpoint v{last.version} says step {last.step}, its state says {trainer.step}")
         self.restore_feedback(last.step)

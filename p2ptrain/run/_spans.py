@@ -30,6 +30,8 @@ from p2ptrain.run._attesting import Attesting
 from p2ptrain.run._datafeed import DataFeed
 from p2ptrain.run._feedback_file import load_feedback, save_feedback
 from p2ptrain.run._run_state import RunState
+from p2ptrain.run._stages import StageRounds
+from p2ptrain.pipeline import PipelineError
 from p2ptrain.protocol import buffers_round_id, round_id, shard_of
 from p2ptrain.training import Average, PlanAverager, StateSnapshot, TrainerError, run_round
 from p2ptrain.task import Task
@@ -68,6 +70,9 @@ class Spans:
         self._scope: trio.CancelScope | None = None
         self.running = False  # a span is under way (its rounds, or its checkpoint until it may overlap)
         self._settling: trio.Nursery | None = None  # run_loop's, for checkpoints that settle meanwhile
+        # A pipelined task's rounds: each member serves its plan's stage (run/_stages.py).
+        self.stages = None if run.task.pipeline is None else StageRounds(
+            run, hop_timeout=HOP_TIMEOUT_S, start_timeout=START_TIMEOUT_S)
 
     @property
     def in_rounds(self) -> bool:
@@ -114,19 +119,23 @@ class Spans:
         trainer, book = run.require()
         try:
             trainer.align(plan.step)
+            if self.stages is not None:
+                await self.stages.take(plan)
         except TrainerError as exc:
             logger.warning("%s: out of step (%s); resyncing from the latest confirmed model", run.log_prefix, exc)
             run.desync(trio.current_time())
             # The other members would wait for us until their start timeout: say so at once.
             await run.report_failure(plan, 0, f"out of step: {exc}")
             return
-        rank, world = shard_of(plan, run.me)
-        try:
-            batches = await self.data.training_batches(rank, world, trainer.batch_position)
-        except ContentUnavailable as exc:
-            logger.warning("%s: cannot get my shards for rank %d of %d: %s", run.log_prefix, rank, world, exc)
-            await run.report_failure(plan, 0, f"no training data: {exc}")
-            return
+        batches: Iterator[Any] = iter(())  # a pipelined run's later stages read no data
+        if self.stages is None or self.stages.stage_of(plan) == 0:
+            rank, world = shard_of(plan, run.me)
+            try:
+                batches = await self.data.training_batches(rank, world, trainer.batch_position)
+            except ContentUnavailable as exc:
+                logger.warning("%s: cannot get my shards for rank %d of %d: %s", run.log_prefix, rank, world, exc)
+                await run.report_failure(plan, 0, f"no training data: {exc}")
+                return
         average = self.averager.for_plan(plan)
         index = 0
         began, sent_before, step_before = trio.current_time(), run.bytes_sent, trainer.step
@@ -154,8 +163,11 @@ class Spans:
         run = self.run
         trainer, book = run.require()
         try:
-            result = await run_round(trainer, batches, average, round_id(plan, index), run.timings)
-        except CollectiveError as exc:
+            if self.stages is not None:
+                result = await self.stages.step(plan, index, batches)
+            else:
+                result = await run_round(trainer, batches, average, round_id(plan, index), run.timings)
+        except (CollectiveError, PipelineError) as exc:
             culprit, gone = None, False
             if isinstance(exc, PeerFailed) and exc.peer_id != run.node.peer_id:
                 culprit, gone = exc.peer_id.to_base58(), exc.gone
@@ -194,11 +206,18 @@ class Spans:
         trainer, book = run.require()
         step = trainer.step
         try:
-            if not await self._average_buffers(plan):
-                book.rejected_step = step  # no checkpoint this span: the barrier opens, the next tries again
-                run.wake_leader.set()
+            if self.stages is not None:
+                cid = await self.stages.checkpoint(plan)
+                if cid is not None:
+                    # The record names the stages' manifest; no member holds the whole model to
+                    # evaluate, so its metrics are the training's (docs/pipeline.md).
+                    await self.attesting.checkpoint_stored(plan, step, cid, cid, self.attesting.span_metrics(plan))
+                    return
+            elif await self._average_buffers(plan):
+                await self._take_checkpoint(plan)
                 return
-            await self._take_checkpoint(plan)
+            book.rejected_step = step  # no checkpoint this span: the barrier opens, the next tries again
+            run.wake_leader.set()
         finally:
             trainer.release_span()  # a user's loop waits for this (training/_user_trainer.py)
 

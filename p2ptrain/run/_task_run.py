@@ -44,8 +44,9 @@ from p2ptrain.run._resume import Resume
 from p2ptrain.run._resync import Resync
 from p2ptrain.run._run_state import Nudge, RunState
 from p2ptrain.run._spans import Spans
+from p2ptrain.run._stage_trainer import StagedTrainer
 from p2ptrain.control import FINISHED, ChainEntry, Phase, TaskStatus
-from p2ptrain.protocol import Chain, ChainRules, RecordError, RoundBook, RuleBreak, load_model_bytes
+from p2ptrain.protocol import Chain, ChainRules, RecordError, RoundBook, RuleBreak, load_model_bytes, stage_rings
 from p2ptrain.task import Task, total_steps
 from p2ptrain.training import LocalSGDTrainer, Trainer, TrainerError, new_trainer, warm_up_torch
 from p2ptrain.wire import (
@@ -121,6 +122,7 @@ class TaskRun:
         plan = book.last_plan if book else None
         last_round, last_step = _progress(run)
         inner = run.trainer.inner_step if isinstance(run.trainer, LocalSGDTrainer) else None
+        stage, stages = _stages(run)
         return TaskStatus(
             task_cid=run.task_cid,
             name=run.task.name,
@@ -160,6 +162,8 @@ class TaskRun:
             inner_steps=run.task.training.inner_steps,
             inner_step=None if inner is None else inner + 1,
             is_coordinator=run.election.coordinator == run.me,
+            stage=stage,
+            stages=stages,
             round_seconds=run.round_seconds.snapshot(),
         )
 
@@ -192,6 +196,8 @@ class TaskRun:
             if run.phase not in FINISHED:
                 run.phase = Phase.STOPPED  # the node is stopping (the run was cancelled)
             run.advertise(False)
+            if self.spans.stages is not None:
+                self.spans.stages.stop()
 
     async def _prepare(self) -> None:
         """Fetch the manifest, build the initial model (or fetch it) and the first round's state."""
@@ -215,8 +221,10 @@ class TaskRun:
             if task.model.user:
                 raise TrainerError("a run of the members' own model: only a process running its script joins it "
                                    "(p2ptrain.Optimizer)")
+            # A pipelined task's member trains one stage of the whole model (run/_stage_trainer.py).
+            build = new_trainer if task.pipeline is None else StagedTrainer
             trainer = await trio.to_thread.run_sync(
-                lambda: new_trainer(task, total_steps=run.total_steps, device=self.device, precision=self.precision)
+                lambda: build(task, total_steps=run.total_steps, device=self.device, precision=self.precision)
             )
         # The user's module holds the run's initial weights already; a registry model's are fetched
         # and read within what a model of the task's architecture takes.
@@ -355,6 +363,18 @@ class TaskRun:
         TaskHead: _on_head,
         TaskCancel: _on_cancel,
     }
+
+
+def _stages(run: RunState) -> tuple[int | None, tuple[dict[str, Any], ...] | None]:
+    """``stage``/``stages`` of a pipelined task's status: this member's stage and each stage's
+    replicas in the latest plan, with its parameters; (None, None) for any other task."""
+    book, trainer = run.book, run.trainer
+    plan = book.last_plan if book else None
+    if not isinstance(trainer, StagedTrainer) or plan is None or plan.stages is None:
+        return None, None
+    stage = plan.stages[plan.members.index(run.me)] if run.me in plan.members else None
+    return stage, tuple({"stage": i, "replicas": list(ring), "parameters": trainer.stages[i].parameter_count()}
+                        for i, ring in enumerate(stage_rings(plan)))
 
 
 def _progress(run: RunState) -> tuple[int | None, int | None]:

@@ -27,6 +27,7 @@ from p2ptrain.base import UserError
 from p2ptrain.ipfs import ContentUnavailable
 from p2ptrain.node import Node, NodeConfig
 from p2ptrain.services import LatestFinder, MAX_SEEN_HEADS, make_fetcher
+from p2ptrain.training import stage_file_cids
 
 __all__ = ["FIRST_LOOKUP_S", "LOOKUP_S", "TemporaryFollower"]
 
@@ -85,11 +86,15 @@ class TemporaryFollower:
                 f"no peer told us the latest model of task {self.task_cid} within {FIRST_LOOKUP_S:.0f} s"
                 if connected else f"no peer reachable through {self.bootstrap[0]}")
         store = self.peer.content.store
-        if not await trio.to_thread.run_sync(store.has, cid):
-            try:
+        try:
+            if not await trio.to_thread.run_sync(store.has, cid):
                 await self.peer.content.fetch(cid, timeout=MODEL_FETCH_TIMEOUT_S)
-            except ContentUnavailable as exc:
-                raise UserError(str(exc)) from None
+            # A pipelined run's model: the manifest's stage files too (assembled by load_served).
+            for part in await trio.to_thread.run_sync(stage_file_cids, store, cid):
+                if not await trio.to_thread.run_sync(store.has, part):
+                    await self.peer.content.fetch(part, timeout=MODEL_FETCH_TIMEOUT_S)
+        except ContentUnavailable as exc:
+            raise UserError(str(exc)) from None
         self.lookups += 1
         return cid
 

@@ -14,14 +14,17 @@ if TYPE_CHECKING:
         NoBuilder as NoBuilder,
         parse_task as parse_task,
         read_task as read_task,
+        stage_parameters as stage_parameters,
         task_bytes as task_bytes,
         task_from_bytes as task_from_bytes,
     )
     from p2ptrain.task._spec import (
         CompressionSpec as CompressionSpec,
+        MAX_STAGES as MAX_STAGES,
         MAX_TASK_BYTES as MAX_TASK_BYTES,
         member_device as member_device,
         OuterSpec as OuterSpec,
+        PipelineSpec as PipelineSpec,
         Task as Task,
         total_steps as total_steps,
         unmet_requirement as unmet_requirement,

@@ -19,11 +19,13 @@ from dataclasses import asdict
 from typing import Any
 
 from p2ptrain.base import boundedjson
-from p2ptrain.models import HF_MODEL, MissingBuilder, ModelError, check_hf_config, check_model
+from p2ptrain.models import HF_MODEL, MissingBuilder, ModelError, PartitionError, check_hf_config, check_model, stage_sizes
 from p2ptrain.task import _fields as fields
 from p2ptrain.task._fields import TaskError
 from p2ptrain.task._spec import (
+    ACTIVATIONS,
     MAX_PEER_ID_LEN,
+    MAX_STAGES,
     ADMISSION,
     DEVICES,
     MAX_ALLOWED,
@@ -45,6 +47,7 @@ from p2ptrain.task._spec import (
     OptimizerSpec,
     OuterSpec,
     PeersSpec,
+    PipelineSpec,
     Requirements,
     ScheduleSpec,
     Task,
@@ -59,7 +62,7 @@ def parse_task(data: dict[str, Any]) -> Task:
     fields.only(
         data,
         {"name", "seed", "initial_model", "publisher", "model", "dataset", "optimizer", "schedule", "training",
-         "outer", "compression", "peers", "requirements"},
+         "outer", "compression", "peers", "requirements", "pipeline"},
         "",
     )
     name = fields.text(data, "name", "")
@@ -128,10 +131,11 @@ def parse_task(data: dict[str, Any]) -> Task:
         device=fields.choice(r, "device", "requirements.", DEVICES, "cpu"),
         min_memory_mb=fields.integer(r, "min_memory_mb", "requirements.", 0, 0, 2**40),
     )
+    pipeline = _pipeline(data, model, training, peers, check_cut=unbuildable is None)
     task = Task(
         name=name, model=model, dataset=dataset, optimizer=optimizer, training=training,
         schedule=schedule, compression=compression, peers=peers, requirements=requirements,
-        seed=seed, initial_model=initial_model, publisher=publisher, outer=outer,
+        seed=seed, initial_model=initial_model, publisher=publisher, outer=outer, pipeline=pipeline,
     )
     if unbuildable is not None:
         unbuildable.task = task
@@ -289,6 +293,49 @@ def _outer(data: dict[str, Any], training: TrainingSpec) -> OuterSpec | None:
         lr=fields.number(o, "lr", "outer.", OUTER_LR, 0.0, 10.0, lo_open=True),
         momentum=fields.number(o, "momentum", "outer.", OUTER_MOMENTUM, 0.0, 0.999),
     )
+
+
+def _pipeline(
+    data: dict[str, Any], model: ModelSpec, training: TrainingSpec, peers: PeersSpec, check_cut: bool,
+) -> PipelineSpec | None:
+    """``[pipeline]``: the model cut into stages across the members (docs/pipeline.md), checked
+    here: the model must be one that can be cut into that many stages (on the meta device, when this
+    node has its builder: ``check_cut``), every stage needs a member, and a step's samples split into
+    whole microbatches."""
+    if "pipeline" not in data:
+        return None
+    p = fields.table(data, "pipeline", "", True)
+    fields.only(p, {"stages", "microbatch_size", "activations", "check_fraction"}, "pipeline.")
+    spec = PipelineSpec(
+        stages=fields.integer(p, "stages", "pipeline.", ..., 2, MAX_STAGES),
+        microbatch_size=fields.integer(p, "microbatch_size", "pipeline.", training.batch_size, 1, 65536),
+        activations=fields.choice(p, "activations", "pipeline.", ACTIVATIONS, "fp16"),
+        check_fraction=fields.number(p, "check_fraction", "pipeline.", 0.05, 0.0, 1.0),
+    )
+    if training.batch_size % spec.microbatch_size:
+        raise TaskError(f"pipeline.microbatch_size: {spec.microbatch_size} does not divide training.batch_size "
+                        f"({training.batch_size}) into whole microbatches")
+    if peers.min < spec.stages:
+        raise TaskError(f"pipeline.stages: {spec.stages} stages need peers.min >= {spec.stages} (each member "
+                        f"serves one stage; peers.min is {peers.min})")
+    if model.user:
+        raise TaskError('pipeline: not for a run of the members\' own model ([model] name = "user"): the cut is '
+                        "checked from a registry model's builder")
+    if training.local_sgd:
+        raise TaskError('pipeline: not with training.mode = "local_sgd" yet (stages average gradients each step)')
+    if check_cut:
+        try:
+            stage_sizes(model.name, model.arguments, spec.stages)
+        except PartitionError as exc:
+            raise TaskError(f"pipeline.stages: {exc}") from None
+    return spec
+
+
+def stage_parameters(task: Task) -> list[int]:
+    """Parameters of each of a pipelined task's stages, as its model is cut (on the meta device): the
+    stages' costs in the plans' assignment before any step time is measured."""
+    assert task.pipeline is not None, "a task without [pipeline] has no stages"
+    return stage_sizes(task.model.name, task.model.arguments, task.pipeline.stages)
 
 
 def _compression(c: dict[str, Any]) -> CompressionSpec:

@@ -169,6 +169,29 @@ class CompressionSpec:
     values: str | None = None
 
 
+ACTIVATIONS = ("fp32", "fp16", "int8")  # pipeline.activations: how a stage boundary's tensors travel
+MAX_STAGES = 64  # pipeline.stages: at most half of MAX_PEERS, so that every stage can have two replicas
+
+
+@dataclass(frozen=True)
+class PipelineSpec:
+    """``[pipeline]``: the model cut into ``stages`` contiguous stages across the members, each member
+    serving one (docs/pipeline.md). A task without the section has none (stored as no field at all,
+    so the bytes and CIDs of data-parallel tasks do not change).
+
+    ``activations``: how the tensors crossing a stage boundary travel (``wire.activations``: fp16
+    halves them, int8 with a scale per 128 values quarters them). ``microbatch_size``: samples per
+    microbatch; a stage-0 member drives its ``training.batch_size`` samples of a step as that many
+    microbatches through the stages. ``check_fraction``: the share of microbatches that also go
+    through a second replica of every later stage, whose outputs must be equal bit for bit.
+    """
+
+    stages: int
+    microbatch_size: int
+    activations: str = "fp16"
+    check_fraction: float = 0.05
+
+
 @dataclass(frozen=True)
 class PeersSpec:
     """How many members a round needs (``min``) and admits (``max``), and who may be one.
@@ -227,11 +250,15 @@ class Task:
     # leaves it out): the one key whose `task cancel` members obey. Part of the task's bytes, so
     # every member learns it from the task it fetched by CID, not from who happened to announce it.
     publisher: str | None = None
+    pipeline: PipelineSpec | None = None  # None: every member holds the whole model (data parallel)
 
 
 def unmet_requirement(task: Task, caps: Capabilities) -> str | None:
     """Why a peer with ``caps`` may not join ``task``, or None when it may."""
     req = task.requirements
+    if task.pipeline is not None and req.device == "cuda":
+        # The stage protocol carries CPU tensors (run/_stage_trainer.py): the stages train on the CPU.
+        return f"it is cut into {task.pipeline.stages} pipeline stages, which this version trains on the CPU only"
     if req.device == "cuda" and caps.device != "cuda":
         return f"task needs a CUDA device, peer has {caps.device}"
     if req.device == "cuda" or (req.device == "any" and caps.device == "cuda"):

@@ -35,8 +35,19 @@ if TYPE_CHECKING:
         module_device as module_device,
         resolve_device as resolve_device,
         StateSnapshot as StateSnapshot,
+        StepResult as StepResult,
         Trainer as Trainer,
         TrainerError as TrainerError,
+    )
+    from p2ptrain.training._stage_files import model_file as model_file
+    from p2ptrain.training._stage_manifest import (
+        is_manifest as is_manifest,
+        ManifestError as ManifestError,
+        manifest_bytes as manifest_bytes,
+        MAX_MANIFEST_BYTES as MAX_MANIFEST_BYTES,
+        read_manifest as read_manifest,
+        stage_file_cids as stage_file_cids,
+        StageFile as StageFile,
     )
     from p2ptrain.training._user_trainer import (
         GradientBridge as GradientBridge,

@@ -15,6 +15,7 @@ from p2ptrain.ipfs import ContentStore, ContentUnavailable, open_store, parse_ci
 from p2ptrain.models import MAX_MODEL_FILE_BYTES, ModelError, build_model
 from p2ptrain.protocol import RecordError, load_model_bytes, read_model_card, read_tensors
 from p2ptrain.task import USER_MODEL
+from p2ptrain.training._stage_files import model_file
 
 
 class NoBuilder(UserError):
@@ -64,7 +65,8 @@ def model_from_bytes(data: bytes) -> nn.Module:
 def load_model(cid_or_path: str | Path, *, home: Path | None = None, store: ContentStore | None = None) -> nn.Module:
     """The model at a path, or by CID from a node home's store (``~/.p2ptrain`` by default).
 
-    Every byte read by CID is verified against it. A CID the store does not hold raises
+    Every byte read by CID is verified against it. The CID of a pipelined run's model names a
+    manifest of stage files: they are assembled into the whole model. A CID the store does not hold raises
     :class:`ContentUnavailable`; fetch it first with ``p2ptrain model fetch CID``.
     """
     path = Path(cid_or_path)
@@ -79,4 +81,5 @@ def load_model(cid_or_path: str | Path, *, home: Path | None = None, store: Cont
         store = open_store(home or default_home())
     if not store.has(cid):
         raise ContentUnavailable(cid, "not in the local store; fetch it first: p2ptrain model fetch " + cid)
-    return model_from_bytes(store.cat(cid, max_bytes=MAX_MODEL_FILE_BYTES))  # no model the registry builds is larger
+    # No model the registry builds is larger; a pipelined run's manifest is assembled from its stages.
+    return model_from_bytes(model_file(store, cid, max_bytes=MAX_MODEL_FILE_BYTES))

@@ -292,7 +292,8 @@ class Trainer:
 
         self._snapshot = (
             self.step,
-            {k: keep(f"model.{k}", v) for k, v in self.model.state_dict().items()},
+            # A pipelined member's freed stages (on the meta device) have nothing to keep.
+            {k: keep(f"model.{k}", v) for k, v in self.model.state_dict().items() if not v.is_meta},
             self.optimizer_tensors(keep),
         )
 

@@ -140,6 +140,10 @@ class RoundPlan:
     ``step`` is the optimizer steps members must have taken before the first round; round
     ``round + i`` starts at step ``step + i``. ``base_cid``/``version`` name the latest confirmed
     model. A retry after a failure starts at the failed round with a higher ``attempt``.
+
+    ``stages``, for a pipelined task only (``[pipeline]``): the stage each member serves, in the
+    order of ``members`` (protocol/_plans.py checks it is what ``assign`` gives). Absent from the
+    plans of every other task, whose bytes are as they were before it existed.
     """
 
     task_cid: str = field(metadata=_CID)
@@ -151,6 +155,7 @@ class RoundPlan:
     members: tuple[str, ...] = field(metadata={"max_items": 1024, **_PEER})
     base_cid: str = field(metadata=_CID)
     version: int
+    stages: tuple[int, ...] | None = field(default=None, metadata={"max_items": 1024, "absent": True})
 
 
 @message("round_failed")

@@ -12,7 +12,12 @@ added to a heartbeat does not make older nodes drop every heartbeat of newer one
 The rule for adding a field (docs/mesh.md): to an extensible type, only an optional one (with a
 default) whose absence means what older nodes do, since they never see it; to any other type
 (plans, records, votes: messages an older node would act on without the field, or whose signed
-bytes are checked again outside pubsub), never: that is a new type or a new wire version.
+bytes are checked again outside pubsub), never: that is a new type or a new wire version. The one
+exception is a field marked ``ABSENT`` (``metadata={"absent": True}``, default None) that only some
+runs use (a plan's ``stages``, for a pipelined task, which no older node can parse and so never
+joins): it is left out of the plain form when None and refused as an explicit null, so every other
+message keeps its bytes and there is one encoding of each; an older node refuses a message that has
+it, which is right, as it could not act on it.
 """
 
 from __future__ import annotations
@@ -139,6 +144,8 @@ def from_plain(cls: type[T], data: Any, where: str = "body") -> T:
             if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING:
                 continue
             raise SchemaError(f"{where}: missing field {name!r}")
+        if data[name] is None and f.metadata.get("absent"):
+            raise SchemaError(f"{where}.{name}: null (leave the field out)")
         kwargs[name] = _check(data[name], hints[name], f"{where}.{name}", dict(f.metadata))
     return cls(**kwargs)
 
@@ -146,7 +153,10 @@ def from_plain(cls: type[T], data: Any, where: str = "body") -> T:
 def to_plain(obj: Any) -> Any:
     """The JSON-ready form of a schema dataclass (tuples become lists)."""
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return {f.name: to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        return {
+            f.name: to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)
+            if not (f.metadata.get("absent") and getattr(obj, f.name) is None)
+        }
     if isinstance(obj, (tuple, list)):
         return [to_plain(v) for v in obj]
     if isinstance(obj, dict):

@@ -76,7 +76,9 @@ TASK_TOML_SGD = TASK_TOML.replace(b'name = "adam"\nlr = 0.001', b'name = "sgd"\n
 TASK_TOML_HF = TASK_TOML.replace(b'name = "mlp"\n[model.kwargs]\nhidden = [8, 8]',
                                  b'name = "hf"\nconfig = { model_type = "gpt2", n_layer = 1, n_embd = 8, n_head = 2, '
                                  b'vocab_size = 16, n_positions = 4, bos_token_id = 1, layer_norm_epsilon = 1e-06 }')
-TASK_BYTES = [task_bytes(load_task(TASK_TOML)), task_bytes(load_task(TASK_TOML_SGD)), task_bytes(load_task(TASK_TOML_HF))]
+# A pipelined task: the cut is checked on the meta device at parse (models._pieces).
+TASK_TOML_PIPELINE = TASK_TOML + b'[pipeline]\nstages = 2\nmicrobatch_size = 4\nactivations = "int8"\n'
+TASK_BYTES = [task_bytes(load_task(t)) for t in (TASK_TOML, TASK_TOML_SGD, TASK_TOML_HF, TASK_TOML_PIPELINE)]
 
 # --- records ------------------------------------------------------------------------------------
 
@@ -158,7 +160,7 @@ CONTROL_LINES = [
 TARGETS = [
     FuzzTarget("parsers.manifest", Manifest.from_json, (ManifestError,), MANIFESTS),
     FuzzTarget("parsers.task_bytes", task_from_bytes, (TaskError,), TASK_BYTES),
-    FuzzTarget("parsers.task_toml", load_task, (TaskError,), [TASK_TOML, TASK_TOML_SGD, TASK_TOML_HF]),
+    FuzzTarget("parsers.task_toml", load_task, (TaskError,), [TASK_TOML, TASK_TOML_SGD, TASK_TOML_HF, TASK_TOML_PIPELINE]),
     FuzzTarget("parsers.chain_line", entry_from_bytes, (RecordError,), RECORDS),
     FuzzTarget("parsers.safetensors_header", _decode_header, (TensorFileError,), HEADERS),
     FuzzTarget("parsers.model_file", model_from_bytes, (RecordError,), MODEL_FILES),

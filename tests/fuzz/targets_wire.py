@@ -90,6 +90,8 @@ SAMPLES = [
     Goodbye(reason="shutdown"),
     TaskAnnounce(task_cid=_CID, name="digits"),
     RoundPlan(task_cid=_CID, term=1, round=2, attempt=0, step=20, rounds=10, members=(_SENDER,), base_cid=_CID, version=1),
+    RoundPlan(task_cid=_CID, term=1, round=2, attempt=0, step=20, rounds=10, members=(_SENDER, _SENDER), base_cid=_CID,
+              version=1, stages=(0, 1)),
     RoundFailed(task_cid=_CID, term=1, round=2, attempt=0, step=20, reason="peer gone"),
     SignedModelRecord(
         record=ModelRecord(

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from p2ptrain.control import ops as control_ops
 from p2ptrain.wire import Kind, MESSAGES
+from p2ptrain.wire import activations
 
 DOC = (Path(__file__).resolve().parents[2] / "docs" / "mesh.md").read_text()
 
@@ -25,4 +26,9 @@ def test_every_control_op_has_a_row_with_its_constant() -> None:
 
 def test_every_frame_kind_has_a_row() -> None:
     for kind in Kind:
+        assert f"| `{kind.name}` ({kind.value}) |" in DOC, kind
+
+
+def test_every_pipeline_frame_kind_has_a_row() -> None:
+    for kind in activations.Kind:
         assert f"| `{kind.name}` ({kind.value}) |" in DOC, kind

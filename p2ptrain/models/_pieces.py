@@ -1,0 +1,162 @@
+"""A model as a sequence of pieces, and where to cut it into S contiguous stages balanced by
+parameter count.
+
+A model that can be cut is a sequence of *pieces* applied one after the other: the registry's
+``transformer_lm`` (embedding, one piece per block, norm and head) and any ``nn.Sequential`` (its
+children). Anything else is refused: cutting an arbitrary ``forward`` would mean tracing the code of
+a model, and the model's code is exactly what the network never sends.
+
+This lives with the models (not in ``pipeline``, which builds the stages and carries them over the
+network) because a task's parse checks that its model can be cut into ``[pipeline] stages``, on the
+meta device (:func:`stage_sizes`), and ``task`` imports ``models`` only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from p2ptrain.models._registry import meta_model, TinyLM
+
+
+class PartitionError(ValueError):
+    """A model that cannot be cut as asked (the only error of this module and of ``pipeline.partition``)."""
+
+
+class Piece(nn.Module):
+    """One piece of a model: its submodules under their names in the whole model, and the call that
+    applies them. ``owned`` keeps the names (``blocks.3``) so that a stage reports them."""
+
+    def __init__(self, owned: dict[str, nn.Module]) -> None:
+        super().__init__()
+        self.prefixes = list(owned)
+        self.parts = nn.ModuleList(owned.values())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for part in self.parts:
+            x = part(x)
+        return x
+
+    def state_names(self) -> list[str]:
+        """The names this piece's tensors have in the whole model's state dict, in its order."""
+        return [f"{prefix}.{name}" for prefix, part in zip(self.prefixes, self.parts, strict=True)
+                for name in part.state_dict()]
+
+
+class _LMEmbed(Piece):
+    """TinyLM's token + position embeddings (what its forward does before the first block)."""
+
+    def __init__(self, model: TinyLM) -> None:
+        super().__init__({"tokens": model.tokens, "positions": model.positions})
+        self.context = model.context
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = x.shape[1]
+        if t > self.context:
+            raise ValueError(f"sequence of {t} tokens is longer than the model's context {self.context}")
+        tokens, positions = self.parts
+        out: torch.Tensor = tokens(x.long()) + positions(torch.arange(t, device=x.device))
+        return out
+
+
+class _LMBlock(Piece):
+    """One TinyLM block; the causal mask is rebuilt from the activation, as TinyLM.forward builds it."""
+
+    def __init__(self, name: str, block: nn.Module) -> None:
+        super().__init__({name: block})
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        t = h.shape[1]
+        mask = nn.Transformer.generate_square_subsequent_mask(t, device=h.device, dtype=h.dtype)
+        out: torch.Tensor = self.parts[0](h, src_mask=mask, is_causal=True)
+        return out
+
+
+def pieces_of(model: nn.Module) -> list[Piece]:
+    """The model as a sequence of pieces; :class:`PartitionError` for a model that is not one."""
+    if isinstance(model, TinyLM):
+        blocks = [_LMBlock(f"blocks.{i}", b) for i, b in enumerate(model.blocks)]
+        return [_LMEmbed(model), *blocks, Piece({"norm": model.norm, "head": model.head})]
+    if isinstance(model, nn.Sequential):
+        # _modules, not named_children(): that skips a module's second appearance, and a Sequential
+        # that applies one module twice would lose a step of its forward.
+        return [Piece({name: child}) for name, child in model._modules.items() if child is not None]
+    raise PartitionError(
+        f"a {type(model).__name__} cannot be cut into stages: only transformer_lm and nn.Sequential "
+        "models (a sequence of blocks) can"
+    )
+
+
+@dataclass(frozen=True)
+class Cut:
+    """Where a model of ``sizes`` (parameters per piece) is cut: stage i holds pieces
+    ``bounds[i]`` .. ``bounds[i + 1] - 1``."""
+
+    bounds: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+    def stage_sizes(self) -> list[int]:
+        return [sum(self.sizes[a:b]) for a, b in zip(self.bounds, self.bounds[1:], strict=False)]
+
+
+def balanced_cut(sizes: Sequence[int], stages: int) -> Cut:
+    """The contiguous cut of pieces of ``sizes`` into ``stages`` non-empty runs whose largest run is
+    smallest (ties: each cut as early as it can be), exactly, by dynamic programming."""
+    n = len(sizes)
+    if not 1 <= stages <= n:
+        raise PartitionError(f"cannot cut {n} pieces into {stages} stages (1 to {n} stages)")
+    prefix = [0]
+    for s in sizes:
+        prefix.append(prefix[-1] + s)
+    inf = float("inf")
+    # best[k][j]: the smallest largest-stage of pieces[:j] in k stages; cut[k][j]: where the last begins.
+    best = [[inf] * (n + 1) for _ in range(stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = 0
+    for k in range(1, stages + 1):
+        for j in range(k, n - (stages - k) + 1):
+            for i in range(k - 1, j):
+                value = max(best[k - 1][i], prefix[j] - prefix[i])
+                if value < best[k][j]:
+                    best[k][j], cut[k][j] = value, i
+    bounds = [n]
+    for k in range(stages, 0, -1):
+        bounds.append(cut[k][bounds[-1]])
+    return Cut(tuple(reversed(bounds)), tuple(sizes))
+
+
+def _tied_across(pieces: Sequence[Piece], cut: Cut) -> str | None:
+    """The name of a parameter reached from two stages, if any."""
+    seen: dict[int, int] = {}
+    for stage, (a, b) in enumerate(zip(cut.bounds, cut.bounds[1:], strict=False)):
+        for piece in pieces[a:b]:
+            for prefix, part in zip(piece.prefixes, piece.parts, strict=True):
+                for name, p in part.named_parameters(remove_duplicate=False):
+                    if seen.setdefault(id(p), stage) != stage:
+                        return f"{prefix}.{name}"
+    return None
+
+
+def cut_pieces(model: nn.Module, stages: int) -> tuple[list[Piece], Cut]:
+    """``model``'s pieces and their balanced cut into ``stages`` (:func:`balanced_cut`);
+    :class:`PartitionError` when the model is no sequence of pieces, has fewer pieces than stages, or
+    a weight is tied across two stages (each stage would train its own copy and the tie would
+    silently break; inside one stage a tie is fine)."""
+    pieces = pieces_of(model)
+    sizes = [sum(p.numel() for p in piece.parameters()) for piece in pieces]
+    cut = balanced_cut(sizes, stages)
+    tied = _tied_across(pieces, cut)
+    if tied is not None:
+        raise PartitionError(f"{tied} is tied to a weight of another stage; cut elsewhere or untie it")
+    return pieces, cut
+
+
+def stage_sizes(name: str, arguments: dict[str, Any], stages: int) -> list[int]:
+    """Parameters of each stage of the registry model ``name`` cut into ``stages``, from the model
+    built on the meta device (nothing allocated): what a task's parse checks, and the stages' costs
+    before any step time is measured. :class:`PartitionError` as :func:`cut_pieces`."""
+    return cut_pieces(meta_model(name, arguments), stages)[1].stage_sizes()

@@ -1,0 +1,32 @@
+"""The replicas of a stage end a step with the same gradient: their sum, by the existing ring.
+
+Each replica of a stage holds the gradients of the microbatches it served (every microbatch of the
+step exactly once across the stage's live replicas, weighted by its share of the step:
+:meth:`p2ptrain.pipeline.Driver.finish`), so the stage's gradient of the whole step is their *sum*.
+The exact dense all-reduce (:class:`p2ptrain.collective.Collective`) gives every replica of the ring
+the same bits, so the same optimizer step keeps the replicas bitwise identical.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+
+import torch
+
+from p2ptrain.collective import Collective, RoundSpec
+from p2ptrain.pipeline._partition import Stage
+
+
+async def sum_stage_gradients(
+    collective: Collective, stage: Stage, ring: Sequence[Hashable], round_id: int, *, timeout: float = 10.0,
+) -> None:
+    """Replace every parameter's gradient of ``stage`` by its sum over ``ring`` (this replica
+    included; a ring of one leaves it as it is). ``round_id`` is fresh for every stage and step."""
+    params = list(stage.parameters())
+    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+    if len(ring) > 1:
+        flat = await collective.allreduce(flat, list(ring), round_id, RoundSpec(op="sum", timeout=timeout))  # type: ignore[arg-type]
+    offset = 0
+    for p in params:
+        p.grad = flat[offset : offset + p.numel()].view_as(p).clone()
+        offset += p.numel()

@@ -1,0 +1,289 @@
+"""A member of stage 0 drives microbatches through the pipeline and back, rerouting around failures.
+
+For each microbatch the driver runs its own stage 0, then sends the activation forward through one
+replica of every later stage (chosen by :class:`~p2ptrain.pipeline._wiring.Wiring`), the last of
+which computes the loss and answers with the gradient of its input; the gradients then come back
+through one replica of every stage (``BACKWARD``: the stage's input again and its output's gradient),
+and the driver backpropagates through its stage 0. Every hop is one request and one answer on a
+fresh channel; a hop whose replica closes the channel, answers garbage or answers too late is sent,
+with the same bytes, to another replica of the stage, and that replica is out for the step.
+
+The driver keeps every microbatch's boundary tensors (each stage's input, and the gradient of its
+output) until the step ends, so any hop can be redone anywhere: at :meth:`Driver.finish` it asks every
+replica which microbatches its gradients hold, and redoes on a live replica each of its own
+microbatches that only a dead replica held. Then each stage's live replicas together hold every
+microbatch exactly once (a microbatch held twice is :class:`DoubleCounted`), and their summed
+gradients are the step's gradient of that stage (docs/pipeline.md).
+
+Integrity: with ``check_fraction`` > 0, that share of the microbatches is also sent FORWARD to a second
+replica of every later stage, and the two outputs are compared bit for bit (replicas of a stage hold
+the same weights). A difference is counted against the pair (:attr:`Driver.disagreements`) and
+logged; which of two replicas lied takes a third opinion, which the runtime's plans will bring.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import random
+import time
+from collections.abc import Callable, Collection, Hashable
+from dataclasses import dataclass, field
+
+import torch
+import trio
+from libp2p.abc import IHost
+from libp2p.peer.id import ID
+
+from p2ptrain.base import short_id
+from p2ptrain.net import ChannelError, open_channel
+from p2ptrain.pipeline._partition import Stage
+from p2ptrain.pipeline._replica import Loss, PROTOCOL
+from p2ptrain.pipeline._wiring import Wiring
+from p2ptrain.wire.activations import ActivationError, decode_frame, DEFAULT_LIMITS, encode_frame, Frame, Kind, Limits
+
+logger = logging.getLogger(__name__)
+
+# A hop's default deadline: a tiny stage answers in milliseconds on loopback; the runtime will set it
+# from the stage's measured hop time.
+HOP_TIMEOUT_S = 10.0
+
+
+class PipelineError(Exception):
+    """A step that cannot complete (the base of this module's errors)."""
+
+
+class StageUnavailable(PipelineError):
+    """Every replica of a stage failed this step."""
+
+    def __init__(self, stage: int) -> None:
+        self.stage = stage
+        super().__init__(f"no replica of stage {stage} is left this step")
+
+
+class DoubleCounted(PipelineError):
+    """Two live replicas of a stage both hold a microbatch's gradient (an answer that arrived late)."""
+
+
+class _BadAnswer(Exception):
+    """An answer that does not answer the request sent."""
+
+
+@dataclass
+class _Microbatch:
+    targets: torch.Tensor
+    weight: float
+    inputs: dict[int, torch.Tensor] = field(default_factory=dict)  # what stage s was sent (s >= 1)
+    grads: dict[int, torch.Tensor] = field(default_factory=dict)  # the gradient of stage s's output
+    loss: float = 0.0
+    done: bool = False  # its gradient came back through stage 0
+
+
+class Driver:
+    """A stage-0 member driving its microbatches of each step through the pipeline."""
+
+    def __init__(
+        self, host: IHost, stage: Stage, loss: Loss, wiring: Wiring, *, encoding: str = "fp32",
+        limits: Limits = DEFAULT_LIMITS, hop_timeout: float = HOP_TIMEOUT_S,
+        clock: Callable[[], float] = time.monotonic, check_fraction: float = 0.0, check_seed: int = 0,
+        protocol: str = PROTOCOL,
+    ) -> None:
+        if stage.index != 0:
+            raise ValueError("a driver serves stage 0")
+        self.host, self.stage, self.loss, self.wiring = host, stage, loss, wiring
+        self.encoding, self.limits, self.hop_timeout, self.clock = encoding, limits, hop_timeout, clock
+        self.protocol = protocol  # the replicas' (a runtime names one per task)
+        self.step = 0
+        self._microbatches: dict[int, _Microbatch] = {}
+        self._lock = trio.Lock()  # stage 0's graph and gradients, one computation at a time
+        self.reroutes = 0
+        self.redone = 0
+        if not 0.0 <= check_fraction <= 1.0:
+            raise ValueError(f"check_fraction must be in [0, 1], not {check_fraction}")
+        self.check_fraction = check_fraction
+        self._checks = random.Random(check_seed)
+        self.checked = 0
+        # {(stage, the replica that answered, the replica that answered differently): times}
+        self.disagreements: collections.Counter[tuple[int, Hashable, Hashable]] = collections.Counter()
+
+    def new_step(self, step: int) -> None:
+        """Start ``step``: stage 0's gradients zeroed, the kept tensors dropped, every replica usable."""
+        self.step = step
+        self._microbatches.clear()
+        self.wiring.new_step()
+        for p in self.stage.parameters():
+            p.grad = None
+
+    async def microbatch(self, mb: int, x: torch.Tensor, targets: torch.Tensor, weight: float) -> float:
+        """Run microbatch ``mb`` (an id unique in the step across drivers) forward and back; its
+        gradient, times ``weight`` (its share of the step), ends in every stage. Returns its loss."""
+        count = self.stage.count
+        record = self._microbatches[mb] = _Microbatch(targets, weight)
+        if count == 1:
+            async with self._lock:
+                record.loss = await trio.to_thread.run_sync(self._local_loss, x, targets, weight)
+            record.done = True
+            return record.loss
+        async with self._lock:
+            h = await trio.to_thread.run_sync(self._forward0, x)
+        a = h.detach()
+        check = self._checks.random() < self.check_fraction
+        for s in range(1, count - 1):
+            record.inputs[s] = a
+            peer, answer = await self._answered(Kind.FORWARD, s, mb, (a,))
+            if check:
+                await self._second_opinion(s, mb, a, peer, answer.tensors[0])
+            a = answer.tensors[0]
+        record.inputs[count - 1] = a
+        if check:
+            peer, answer = await self._answered(Kind.FORWARD, count - 1, mb, (a,))
+            await self._second_opinion(count - 1, mb, a, peer, answer.tensors[0])
+        answer = await self._hop(Kind.LOSS, count - 1, mb, (a, targets), weight)
+        record.loss, g = answer.value, answer.tensors[0]
+        for s in range(count - 2, 0, -1):
+            record.grads[s] = g
+            g = (await self._hop(Kind.BACKWARD, s, mb, (record.inputs[s], g))).tensors[0]
+        async with self._lock:
+            await trio.to_thread.run_sync(h.backward, g)
+        record.done = True
+        return record.loss
+
+    def _forward0(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.enable_grad():
+            out: torch.Tensor = self.stage(x)
+        return out
+
+    def _local_loss(self, x: torch.Tensor, targets: torch.Tensor, weight: float) -> float:
+        with torch.enable_grad():
+            loss = self.loss(self.stage(x), targets)
+            (loss * weight).backward()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
+        return float(loss.detach())
+
+    async def _hop(self, kind: Kind, stage: int, mb: int, tensors: tuple[torch.Tensor, ...], value: float = 0.0) -> Frame:
+        """The answer of a replica of ``stage`` to this request, rerouted until one answers."""
+        return (await self._answered(kind, stage, mb, tensors, value))[1]
+
+    async def _answered(
+        self, kind: Kind, stage: int, mb: int, tensors: tuple[torch.Tensor, ...], value: float = 0.0,
+        besides: Hashable | None = None,
+    ) -> tuple[Hashable, Frame]:
+        """The replica of ``stage`` (not ``besides``) that answered this request, and its answer."""
+        request = encode_frame(Frame(kind, self.step, mb, stage, value, tensors), self.encoding)
+        while True:
+            peer = self.wiring.choose(stage, besides)
+            if peer is None:
+                raise StageUnavailable(stage)
+            self.wiring.started(peer)
+            began = self.clock()
+            try:
+                with trio.fail_after(self.hop_timeout):
+                    answer = await self._ask(peer, request)
+                self._check(answer, kind, stage, mb, tensors[0])
+            except (ChannelError, ActivationError, trio.TooSlowError, _BadAnswer) as error:
+                self.wiring.failed(peer)
+                self.reroutes += 1
+                logger.info("pipeline step %d: microbatch %d: stage %d replica %s failed (%s); rerouting",
+                            self.step, mb, stage, _name(peer), error or type(error).__name__)
+                continue
+            self.wiring.finished(peer, self.clock() - began)
+            return peer, answer
+
+    async def _second_opinion(self, stage: int, mb: int, sent: torch.Tensor, first: Hashable, out: torch.Tensor) -> None:
+        """Ask another replica of ``stage`` for the same FORWARD and compare; a stage with no other
+        replica left goes unchecked."""
+        try:
+            other, answer = await self._answered(Kind.FORWARD, stage, mb, (sent,), besides=first)
+        except StageUnavailable:
+            return
+        self.checked += 1
+        if not torch.equal(answer.tensors[0], out):
+            self.disagreements[(stage, first, other)] += 1
+            logger.warning("pipeline step %d: microbatch %d: stage %d replicas %s and %s disagree (largest "
+                           "difference %.3g)", self.step, mb, stage, _name(first), _name(other),
+                           float((answer.tensors[0] - out).abs().max()) if answer.tensors[0].shape == out.shape else float("inf"))
+
+    async def _ask(self, peer: Hashable, request: bytes) -> Frame:
+        assert isinstance(peer, ID)
+        async with await open_channel(self.host, peer, self.protocol) as channel:
+            await channel.send(request)
+            return decode_frame(await channel.recv(self.limits.max_frame_bytes()), self.limits)
+
+    def _check(self, answer: Frame, kind: Kind, stage: int, mb: int, sent: torch.Tensor) -> None:
+        expected = Kind.OUTPUT if kind == Kind.FORWARD else Kind.HELD if kind == Kind.HOLDINGS else Kind.GRAD
+        if (answer.kind, answer.step, answer.stage) != (expected, self.step, stage):
+            raise _BadAnswer(f"answer {answer.kind} for stage {answer.stage} step {answer.step}")
+        if kind == Kind.HOLDINGS:
+            if len(answer.tensors) > 1 or (answer.tensors and answer.tensors[0].dtype != torch.int64):
+                raise _BadAnswer("holdings are one list of microbatch ids")
+            return
+        if answer.microbatch != mb or len(answer.tensors) != 1 or answer.tensors[0].dtype != torch.float32:
+            raise _BadAnswer(f"answer for microbatch {answer.microbatch} with {len(answer.tensors)} tensors")
+        got = answer.tensors[0].shape
+        if (kind == Kind.FORWARD and got[:1] != sent.shape[:1]) or (kind != Kind.FORWARD and got != sent.shape):
+            raise _BadAnswer(f"answer of shape {tuple(got)} to an input of {tuple(sent.shape)}")
+
+    async def finish(self, left_out: Collection[Hashable] = ()) -> dict[int, list[Hashable]]:
+        """End the step: every microbatch of this driver held once by each later stage (redone where
+        a dead replica took it along); returns, per stage from 1, the replicas that answered (the
+        stage's ring for averaging). Stage 0's ring is the drivers'.
+
+        ``left_out``: replicas another driver could not reach, treated as dead here too. Drivers
+        agree on the rings by calling ``finish`` again with every replica any of them left out, until
+        their rings are equal (what each driver redoes is its own microbatches only)."""
+        for peer in left_out:
+            self.wiring.leave_out(peer)
+        unfinished = sorted(mb for mb, record in self._microbatches.items() if not record.done)
+        if unfinished:
+            # Its gradient is in some stages and not in others: the step cannot be summed; the
+            # runtime reports the round failed and starts the step again (new_step).
+            raise PipelineError(f"step {self.step}: microbatches {unfinished} did not complete")
+        rings: dict[int, list[Hashable]] = {}
+        for stage in range(1, self.stage.count):
+            while True:
+                held = await self._holdings(stage)
+                counts = collections.Counter(i for ids in held.values() for i in ids if i in self._microbatches)
+                doubled = sorted(i for i, c in counts.items() if c > 1)
+                if doubled:
+                    raise DoubleCounted(f"stage {stage}: microbatches {doubled} are held by two replicas")
+                missing = sorted(set(self._microbatches) - set(counts))
+                if not missing:
+                    rings[stage] = [p for p in self.wiring.replicas(stage) if p in held]
+                    break
+                for mb in missing:
+                    await self._redo(stage, mb)
+        return rings
+
+    async def _redo(self, stage: int, mb: int) -> None:
+        record = self._microbatches[mb]
+        self.redone += 1
+        logger.info("pipeline step %d: microbatch %d redone at stage %d", self.step, mb, stage)
+        if stage == self.stage.count - 1:
+            await self._hop(Kind.LOSS, stage, mb, (record.inputs[stage], record.targets), record.weight)
+        else:
+            await self._hop(Kind.BACKWARD, stage, mb, (record.inputs[stage], record.grads[stage]))
+
+    async def _holdings(self, stage: int) -> dict[Hashable, set[int]]:
+        """{replica: microbatch ids it holds} of every replica of ``stage`` that answers in time."""
+        held: dict[Hashable, set[int]] = {}
+        request = encode_frame(Frame(Kind.HOLDINGS, self.step, 0, stage))
+
+        async def ask(peer: Hashable) -> None:
+            try:
+                with trio.fail_after(self.hop_timeout):
+                    answer = await self._ask(peer, request)
+                self._check(answer, Kind.HOLDINGS, stage, 0, torch.empty(0))
+            except (ChannelError, ActivationError, trio.TooSlowError, _BadAnswer) as error:
+                logger.info("pipeline step %d: stage %d replica %s gave no holdings (%s)",
+                            self.step, stage, _name(peer), error or type(error).__name__)
+                return
+            held[peer] = set(answer.tensors[0].tolist()) if answer.tensors else set()
+
+        async with trio.open_nursery() as nursery:
+            for peer in self.wiring.replicas(stage):
+                if not self.wiring.is_left_out(peer):
+                    nursery.start_soon(ask, peer)
+        return held
+
+
+def _name(peer: Hashable) -> str:
+    return short_id(peer) if isinstance(peer, ID) else str(peer)

@@ -1,0 +1,184 @@
+"""One replica of one stage, serving the stage protocol (``/p2ptrain/pipeline/1.0.0``) on its host.
+
+The replica keeps nothing of a microbatch between requests (docs/pipeline.md): a FORWARD is computed
+without a graph (at the last stage too, where it answers the logits: a driver's integrity check); a
+BACKWARD carries the stage's input again with the gradient of its output, and the replica recomputes
+its forward to backpropagate (one more forward per stage, the price of replicas that any sender may
+use for any hop, and of a sender that can redo any hop elsewhere). The sender keeps what a hop needs
+until the step ends; a replica that dies loses only what it computed.
+
+A replica accumulates a microbatch's gradient into its parameters only *after* its answer went out,
+and only once per microbatch id: a hop whose answer never left (the sender gave up and reset the
+channel) leaves no trace, and a sender that retries the same replica is answered without counting
+twice. :meth:`held` says which microbatches of the step are in the replica's gradients; the senders
+ask for it at the end of a step (``HOLDINGS``) and redo elsewhere what a dead replica took with it.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from collections.abc import Callable
+
+import torch
+import trio
+from libp2p.abc import IHost
+
+from p2ptrain.base import count_rejection, short_id
+from p2ptrain.net import Channel, serve_channels, StreamGuard
+from p2ptrain.pipeline._partition import Stage
+from p2ptrain.wire.activations import ActivationError, decode_frame, DEFAULT_LIMITS, encode_frame, Frame, Kind, Limits
+
+logger = logging.getLogger(__name__)
+
+PROTOCOL = "/p2ptrain/pipeline/1.0.0"
+# How long a replica waits for a request's bytes once a sender opened a channel to it.
+REQUEST_TIMEOUT_S = 30.0
+# How long a request for the step after the replica's waits for the replica to start that step: a
+# driver that finished a step starts the next while the replicas still sum and apply the last one.
+AHEAD_WAIT_S = 10.0
+# Requests one peer may have open at a replica at once: each may buffer a whole frame (up to
+# Limits.max_frame_bytes()) before it waits for the stage's lock; a driver's microbatches in flight
+# at one stage rarely exceed this, and a sender that opens more is reset, not buffered.
+MAX_STREAMS_PER_PEER = 8
+
+Loss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class StageReplica:
+    """Serves ``stage`` on ``host``: forward, loss (last stage), backward, and what it holds.
+
+    ``loss(logits, targets)`` is the step's mean loss of one microbatch (the last stage's job);
+    ``encoding`` is how its answers' activations and gradients travel (fp32, fp16, int8).
+    """
+
+    def __init__(
+        self, host: IHost, stage: Stage, loss: Loss, *, encoding: str = "fp32", limits: Limits = DEFAULT_LIMITS,
+        protocol: str = PROTOCOL,
+    ) -> None:
+        self.host, self.stage, self.loss = host, stage, loss
+        self.encoding, self.limits, self.protocol = encoding, limits, protocol
+        self.step = 0
+        self._stepped = trio.Event()  # set (and replaced) by new_step
+        self._held: set[int] = set()
+        self._lock = trio.Lock()  # one computation at a time: the stage's weights and grads are shared
+        self._progress = trio.Event()
+        self.requests = 0
+        # Requests refused, by reason: "malformed" (bytes or fields), "failed" (tensors the stage cannot
+        # take), "slow" (no whole request in time).
+        self.refused: collections.Counter[str] = collections.Counter()
+        self.guard: StreamGuard | None = None
+
+    def serve(self) -> StreamGuard:
+        """Start answering the stage protocol on the host; returns the stream guard (its counters)."""
+        self.guard = serve_channels(self.host, self.protocol, self.answer, max_streams_per_peer=MAX_STREAMS_PER_PEER)
+        return self.guard
+
+    def new_step(self, step: int) -> None:
+        """Start ``step``: the gradients are zeroed and nothing is held."""
+        self.step = step
+        self._held.clear()
+        for p in self.stage.parameters():
+            p.grad = None
+        self._stepped.set()
+        self._stepped = trio.Event()
+
+    def held(self) -> set[int]:
+        """The microbatch ids of this step whose gradients are in this replica's parameters."""
+        return set(self._held)
+
+    async def held_at_least(self, count: int) -> None:
+        """Return once ``count`` microbatches are held (for tests and benches that act mid-step)."""
+        while len(self._held) < count:
+            await self._progress.wait()
+
+    async def answer(self, channel: Channel) -> None:
+        """Answer the one request on ``channel`` (what :meth:`serve` runs for every channel; a
+        runtime that serves several stages in turn on one host routes its channels here)."""
+        data = None
+        with trio.move_on_after(REQUEST_TIMEOUT_S):
+            data = await channel.recv(self.limits.max_frame_bytes())
+        if data is None:
+            count_rejection(self.refused, "slow", logger, logging.INFO, "pipeline stage %d: no request from %s "
+                            "within %.0f s", self.stage.index, short_id(channel.remote_peer), REQUEST_TIMEOUT_S)
+            await channel.reset()
+            return
+        try:
+            request = decode_frame(data, self.limits)
+            if request.step > self.step:  # a driver already in the next step: wait for ours to start
+                with trio.move_on_after(AHEAD_WAIT_S):
+                    while request.step > self.step:
+                        await self._stepped.wait()
+            problem = self._problem(request)
+        except ActivationError as error:
+            problem = str(error)
+        if problem:
+            count_rejection(self.refused, "malformed", logger, logging.INFO, "pipeline stage %d: refused a request "
+                            "from %s: %s", self.stage.index, short_id(channel.remote_peer), problem)
+            await channel.reset()
+            return
+        self.requests += 1
+        async with self._lock:
+            try:
+                answer, grads = await trio.to_thread.run_sync(self._compute, request)
+            except (ActivationError, RuntimeError, ValueError, IndexError) as error:
+                # A tensor this stage cannot take (wrong width, a token id past the vocabulary, a
+                # gradient of the wrong shape): the sender's fault, refused like malformed bytes.
+                count_rejection(self.refused, "failed", logger, logging.INFO, "pipeline stage %d: a request "
+                                "from %s failed: %s", self.stage.index, short_id(channel.remote_peer), error)
+                await channel.reset()
+                return
+            # Sent before anything is accumulated: a hop whose answer never left leaves no trace.
+            await channel.send(encode_frame(answer, self.encoding))
+            if grads is not None and request.microbatch not in self._held:
+                for p, g in zip(self.stage.parameters(), grads, strict=True):
+                    p.grad = g if p.grad is None else p.grad.add_(g)
+                self._held.add(request.microbatch)
+                self._progress.set()
+                self._progress = trio.Event()
+
+    def _problem(self, request: Frame) -> str | None:
+        """Why ``request`` is not one this replica answers, or None."""
+        last = self.stage.index == self.stage.count - 1
+        expected: dict[int, int] = {Kind.FORWARD: 1, Kind.LOSS: 2, Kind.BACKWARD: 2, Kind.HOLDINGS: 0}
+        if request.kind not in expected or len(request.tensors) != expected[request.kind]:
+            return f"a {request.kind} frame with {len(request.tensors)} tensors is no request"
+        if request.stage != self.stage.index or request.step != self.step:
+            return f"request for stage {request.stage} step {request.step}; this is stage {self.stage.index} step {self.step}"
+        if request.kind == Kind.LOSS and not last:
+            return "only the last stage computes the loss"
+        if request.kind == Kind.BACKWARD and last:
+            return "the last stage takes its gradient from the loss"
+        if request.kind == Kind.LOSS and not 0 < request.value <= 1:
+            return f"a microbatch's weight in its step is in (0, 1], not {request.value}"
+        return None
+
+    def _compute(self, request: Frame) -> tuple[Frame, tuple[torch.Tensor, ...] | None]:
+        """The answer to ``request`` and, for LOSS and BACKWARD, the gradients of this stage's
+        parameters (not yet accumulated). Runs in a worker thread, under the replica's lock."""
+        reply = Frame(Kind.GRAD, request.step, request.microbatch, request.stage)
+        if request.kind == Kind.HOLDINGS:
+            ids = torch.tensor(sorted(self._held), dtype=torch.int64)
+            return Frame(Kind.HELD, request.step, 0, request.stage, tensors=(ids,) if len(ids) else ()), None
+        if request.kind == Kind.FORWARD:
+            with torch.no_grad():
+                out = self.stage(request.tensors[0])
+            return Frame(Kind.OUTPUT, request.step, request.microbatch, request.stage, tensors=(out,)), None
+        params = list(self.stage.parameters())
+        x = request.tensors[0].requires_grad_(request.tensors[0].is_floating_point())
+        inputs = [x, *params] if x.requires_grad else params
+        with torch.enable_grad():
+            out = self.stage(x)
+            if request.kind == Kind.LOSS:
+                loss = self.loss(out, request.tensors[1])
+                grads = torch.autograd.grad(loss * request.value, inputs)
+                reply = Frame(Kind.GRAD, request.step, request.microbatch, request.stage, float(loss.detach()))
+            else:
+                if request.tensors[1].shape != out.shape:
+                    raise ActivationError(
+                        f"gradient of shape {tuple(request.tensors[1].shape)} for an output of {tuple(out.shape)}"
+                    )
+                grads = torch.autograd.grad(out, inputs, request.tensors[1])
+        if x.requires_grad:
+            return Frame(reply.kind, reply.step, reply.microbatch, reply.stage, reply.value, (grads[0],)), grads[1:]
+        return reply, grads

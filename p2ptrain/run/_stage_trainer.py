@@ -1,0 +1,205 @@
+"""A member's trainer in a pipelined run: the model cut into stages, of which it holds and trains one.
+
+Built from the task's seed or initial model, a member holds every stage at step 0 (the same bits as
+one process). Once it takes the stage its plan names it frees every other stage's tensors (on the
+meta device: a member's memory is its stage's weights, gradients and optimizer state, after a peak
+of one model's weights at build) and steps only that stage; its checkpoint is that stage's
+two files (:meth:`StagedTrainer.stage_files`), which a manifest names with the other stages'
+(run/_stage_checkpoints.py). A member that loads a checkpoint (resume, resync, a joiner) takes the
+manifest only (:meth:`StagedTrainer.load_manifest`: it holds no stage at that step) and then the
+one stage its plan names (:meth:`StagedTrainer.load_stage`, by CID from that manifest); a member a
+plan moves to another stage loads that one the same way.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Any
+
+import torch
+
+from p2ptrain.base import all_finite
+from p2ptrain.pipeline import partition, Stage
+from p2ptrain.protocol import read_model_card, read_tensors, RecordError, state_bytes, tensors_bytes
+from p2ptrain.training import ManifestError, read_manifest, StepResult, Trainer, TrainerError
+
+log = logging.getLogger(__name__)
+
+# An optimizer file's per-parameter names: state.<index>.<key> (the key is checked by the trainer).
+_INDEX_NAME = re.compile(r"state\.(0|[1-9][0-9]{0,8})\.[a-z_]+")
+
+
+class StagedTrainer(Trainer):
+    """:class:`~p2ptrain.training.Trainer` of a pipelined task (``task.pipeline``), one stage at a time."""
+
+    def __init__(self, task: Any, **kwargs: Any) -> None:
+        assert task.pipeline is not None, "a task without [pipeline] has the data-parallel trainer"
+        # The stage protocol carries CPU tensors and no autocast: a pipelined run computes on the CPU
+        # in fp32 for now (a task that requires CUDA is refused: task.unmet_requirement).
+        if kwargs.get("device", "auto") not in ("auto", "cpu") or kwargs.get("precision", "fp32") != "fp32":
+            log.warning("a pipelined run trains on the CPU in fp32 (not %s, %s)", kwargs.get("device"),
+                        kwargs.get("precision"))
+        kwargs.update(device="cpu", precision="fp32")
+        super().__init__(task, **kwargs)
+        # The stages share the model's modules: stepping a stage steps the model's own parameters.
+        self.stages: list[Stage] = partition(self.model, task.pipeline.stages)
+        # A weight tied inside a stage would come apart when the stage is freed and allocated again
+        # (each module's parameter converted on its own): such a model keeps every stage allocated.
+        self._frees = all(len(list(s.parameters())) == len(list(s.named_parameters(remove_duplicate=False)))
+                          for s in self.stages)
+        self.whole = True  # every stage is at self.step and allocated (built from the seed, or loaded whole)
+        self.trained: int | None = None  # otherwise the one stage held (None: none)
+
+    def holds(self, stage: int) -> bool:
+        """Whether this member holds ``stage`` at its step: every stage from the task's seed or
+        initial model until it takes one (:meth:`take_stage`); from then on only that one, or the
+        one it loaded (none after :meth:`load_manifest`)."""
+        return self.whole or self.trained == stage
+
+    def take_stage(self, stage: int) -> Stage:
+        """The stage to serve in a plan; a :class:`TrainerError` when this member does not hold it at
+        its step (it loads it first, run/_stage_checkpoints.py). The first time, every other stage's
+        tensors are freed: from then on this member holds that stage's weights, gradients and
+        optimizer state only."""
+        if not self.holds(stage):
+            held = "no stage" if self.trained is None else f"stage {self.trained}"
+            raise TrainerError(f"holds {held} at step {self.step}, not stage {stage}")
+        if self.whole:
+            self._hold({stage})
+            self.whole, self.trained = False, stage
+        return self.stages[stage]
+
+    def apply_stage(self, stage: int, loss: float) -> StepResult:
+        """One optimizer step of ``stage``, whose parameters' gradients are the step's, summed over the
+        stage's replicas (the others have none: torch's optimizers skip them). ``loss``: the step's."""
+        assert self.trained == stage and not self.whole, "a stage is stepped once taken (take_stage)"
+        self._take_snapshot()
+        params = list(self.stages[stage].parameters())
+        applied = all(all_finite(p.grad) for p in params if p.grad is not None)
+        lr = self._schedule_lr(applied)
+        if applied:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        result = StepResult(step=self.step, local_loss=loss, lr=lr, applied=applied)
+        self.step += 1
+        return result
+
+    def load_state(self, model_data: bytes, optimizer_data: bytes) -> None:
+        self._hold(set(range(len(self.stages))))  # a whole model file: every stage allocated again
+        super().load_state(model_data, optimizer_data)
+        self.whole, self.trained = True, None
+
+    # --- memory: the stages this member holds -------------------------------------------------------
+
+    def _hold(self, keep: set[int]) -> None:
+        """Allocate the stages in ``keep`` that were freed (their values are loaded next) and free
+        every other stage's tensors (``to("meta")``): its weights, gradients and optimizer state. The
+        model's parameter list and the optimizer follow the new parameters, in the same order (the
+        optimizer file's indices are the whole model's)."""
+        self._snapshot, self._snapshot_buffers = None, {}
+        if self._frees:
+            before = list(self.model.parameters())
+            for i, stage in enumerate(self.stages):
+                freed = any(t.is_meta for t in (*stage.parameters(), *stage.buffers()))
+                if i in keep and freed:
+                    stage.to_empty(device=self.device)
+                elif i not in keep and not freed:
+                    stage.to("meta")
+            self.params = list(self.model.parameters())
+            renamed = {id(old): new for old, new in zip(before, self.params, strict=True)}
+            for group in self.optimizer.param_groups:
+                group["params"] = [renamed[id(p)] for p in group["params"]]
+        kept = {id(p) for i in keep for p in self.stages[i].parameters()}
+        state = self.optimizer.state
+        for p in [p for p in state if id(p) not in kept]:
+            del state[p]
+
+    def _load_tensors(self, model_t: dict[str, torch.Tensor] | None, optim_t: dict[str, torch.Tensor],
+                      step: int) -> None:
+        if model_t is not None:  # the freed stages' names, as they are (a rollback keeps the held ones)
+            model_t = {**self.model.state_dict(), **model_t}
+        super()._load_tensors(model_t, optim_t, step)
+
+    def load_manifest(self, model_data: bytes, optimizer_data: bytes, step: int) -> None:
+        """A checkpoint of the run at ``step`` whose model and optimizer CID name one manifest:
+        check it names this model's stages; this member then holds no stage at ``step`` until it
+        loads one (:meth:`load_stage`, from that manifest's files). :class:`RecordError` for bytes
+        that are no such manifest, and nothing is changed."""
+        if model_data != optimizer_data:
+            raise RecordError("a pipelined checkpoint's model and optimizer CIDs name one manifest")
+        try:
+            entries = read_manifest(model_data)
+        except ManifestError as exc:
+            raise RecordError(str(exc)) from None
+        if [(e.first, e.last) for e in entries] != [(s.first, s.last) for s in self.stages]:
+            raise RecordError("the manifest's stages are not this task's cut of the model")
+        self._hold(set())  # whatever this member held is of another step
+        self.step, self.pending = step, None
+        self.whole, self.trained = False, None
+
+    # --- a stage's checkpoint files ---------------------------------------------------------------
+
+    def _stage_indices(self, stage: int) -> set[int]:
+        """The indices (in :attr:`params`, the optimizer file's numbering) of ``stage``'s parameters."""
+        own = {id(p) for p in self.stages[stage].parameters()}
+        return {i for i, p in enumerate(self.params) if id(p) in own}
+
+    def stage_files(self, stage: int) -> tuple[bytes, bytes]:
+        """``stage``'s checkpoint as a manifest names it (training/_stage_manifest.py): its model file
+        (its pieces' tensors under their names in the whole model, with the whole model's card) and
+        its optimizer file (its parameters' state under their whole-model indices, and the step).
+        The stage files of every stage assemble into :meth:`model_bytes` of the whole
+        (:func:`p2ptrain.training.model_file`), and their optimizer tensors are those of
+        :meth:`optimizer_bytes`."""
+        whole = self.model.state_dict()
+        model_data = state_bytes({name: whole[name] for name in self.stages[stage].state_names()}, self._card())
+        indices = {str(i) for i in self._stage_indices(stage)}
+        optim = {name: t for name, t in self.optimizer_tensors().items()
+                 if name == "trainer.step" or name.split(".")[1] in indices}
+        return model_data, tensors_bytes(optim)
+
+    def stage_numbers(self, stage: int) -> int:
+        """How many numbers ``stage``'s model file holds (a manifest's ``parameters``)."""
+        whole = self.model.state_dict()
+        return sum(whole[name].numel() for name in self.stages[stage].state_names())
+
+    def load_initial_stage(self, stage: int, model_data: bytes) -> None:
+        """Take ``stage`` from the run's initial model file (step 0, before any record: a member
+        moved by a retry of the first step), with no optimizer state; as :meth:`load_stage`."""
+        tensors = read_tensors(model_data)
+        names = [name for name in self.stages[stage].state_names() if name in tensors]
+        part = state_bytes({name: tensors[name] for name in names}, read_model_card(model_data))
+        self.load_stage(stage, part, tensors_bytes({"trainer.step": torch.tensor(0, dtype=torch.int64)}), 0)
+
+    def load_stage(self, stage: int, model_data: bytes, optimizer_data: bytes, step: int | None = None) -> None:
+        """Take ``stage``'s checkpoint files (:meth:`stage_files`' form, e.g. by CID from a manifest):
+        its parameters, their optimizer state and the step (which must be ``step`` when given); the
+        other stages are not held after it. :class:`RecordError` for files that are not exactly
+        that stage's, and nothing is changed."""
+        if read_model_card(model_data) != self._card():
+            raise RecordError(f"stage {stage}'s model file is not of this task's model")
+        tensors = read_tensors(model_data)
+        whole = self.model.state_dict()
+        names = self.stages[stage].state_names()
+        if set(tensors) != set(names):
+            raise RecordError(f"the model file does not hold exactly stage {stage}'s tensors")
+        for name in names:
+            if tensors[name].shape != whole[name].shape or tensors[name].dtype != whole[name].dtype:
+                raise RecordError(f"stage {stage}'s tensor {name}: {tuple(tensors[name].shape)} {tensors[name].dtype}")
+        optim = read_tensors(optimizer_data)
+        saved = optim.pop("trainer.step", None)
+        if saved is None or saved.dtype != torch.int64 or saved.numel() != 1:
+            raise RecordError("optimizer file has no valid trainer.step")
+        if step is not None and int(saved) != step:
+            raise RecordError(f"stage {stage}'s optimizer file is of step {int(saved)}, the checkpoint's is {step}")
+        indices, keys = self._stage_indices(stage), self.optimizer_state_keys()
+        for name, t in sorted(optim.items()):
+            _, index, key = name.split(".", 2) if _INDEX_NAME.fullmatch(name) else ("", "-1", "")
+            if int(index) not in indices or key not in keys:
+                raise RecordError(f"the optimizer file's {name!r} is no state of stage {stage}")
+            if key != "step" and t.shape != self.params[int(index)].shape:
+                raise RecordError(f"optimizer tensor {name} has shape {tuple(t.shape)}")
+        self._hold({stage})
+        self._load_tensors(tensors, optim, int(saved))  # checks the optimizer's keys and shapes
+        self.whole, self.trained = False, stage

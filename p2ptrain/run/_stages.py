@@ -1,0 +1,222 @@
+"""The rounds of a pipelined plan (docs/pipeline.md): each member serves the stage its plan names.
+
+A round is one step:
+
+1. The members of stage 0 (the *drivers*) take their batch of the step (``sync_interval`` batches
+   of their shard: :func:`~p2ptrain.protocol.shard_of` ranks them among the drivers) and drive it,
+   ``microbatch_size`` samples at a time, through one replica of every later stage
+   (:class:`~p2ptrain.pipeline.Driver`); every other member answers them
+   (:class:`~p2ptrain.pipeline.StageReplica`). Each microbatch is weighted by its share of the
+   step's samples over all drivers, so the gradients every stage accumulates sum to the gradient of
+   the mean loss over the global batch, as one process with that batch would compute it.
+2. A *step summary*: an exact sum over all the plan's members of (the step's loss, failures), which
+   is also the barrier that tells the replicas the drivers are done. A driver whose step failed (a
+   stage without a replica left, a replica that answered no ``HOLDINGS``: its microbatches would be
+   missing from that stage's sum) says so there, and every member drops the step alike.
+3. Each stage's replicas sum their stage's gradient over the stage's members in the plan
+   (:func:`~p2ptrain.pipeline.sum_stage_gradients`, round ids namespaced by stage) and step their
+   optimizer: the replicas of a stage stay bitwise identical.
+
+Any failure (a member gone, a :class:`~p2ptrain.pipeline.PipelineError`) is the run's round failure,
+as in a data-parallel round: the coordinator's retry plan goes on without the member that left. A
+replica that dies mid-step is routed around within the step (nothing is lost), but the step still
+fails at the summary (the drivers do not yet agree on smaller rings with the replicas: docs/pipeline.md,
+"Next", item 2), and the retry repeats it without that replica.
+
+At a span's checkpoint every member stores its stage's files and the run's record names a manifest
+of every stage's (:meth:`StageRounds.checkpoint`, run/_stage_checkpoints.py); a member that does not
+hold the stage its plan names loads it from the latest confirmed one (:meth:`StageRounds.take`).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import trio
+from libp2p.custom_types import TProtocol
+from libp2p.peer.id import ID
+
+from p2ptrain.base import short_id
+from p2ptrain.collective import RoundSpec
+from p2ptrain.net import Channel, serve_channels
+from p2ptrain.pipeline import Driver, PipelineError, PROTOCOL, StageReplica, sum_stage_gradients, Wiring
+from p2ptrain.protocol import round_id, shard_of, stage_rings, stage_round_id
+from p2ptrain.run._run_state import RunState
+from p2ptrain.run._stage_checkpoints import load_confirmed_stage, store_stage_checkpoint
+from p2ptrain.run._stage_trainer import StagedTrainer
+from p2ptrain.training import loss_and_hits, StepResult
+from p2ptrain.wire import RoundPlan
+
+logger = logging.getLogger(__name__)
+
+# How long the step summary waits for every member to join: the replicas join at once and wait for
+# the drivers' whole step (every microbatch forward and back through every stage).
+STEP_TIMEOUT_S = 120.0
+# Microbatches one driver has in flight at once: within what a replica takes from one peer at once
+# (pipeline MAX_STREAMS_PER_PEER), enough to keep every stage busy.
+IN_FLIGHT = 4
+
+
+def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return loss_and_hits(logits, targets)[0]
+
+
+class StageRounds:
+    """One member's part in the rounds of a pipelined task, plan after plan."""
+
+    def __init__(self, run: RunState, *, hop_timeout: float, start_timeout: float) -> None:
+        self.run = run
+        self.hop_timeout, self.start_timeout = hop_timeout, start_timeout
+        # One stage protocol per task, so that one node can serve stages of two tasks.
+        self.protocol = f"{PROTOCOL}/{run.task_cid}"
+        self._plan: RoundPlan | None = None
+        self._driver: Driver | None = None
+        self._replica: StageReplica | None = None
+        self._serving = False
+
+    def stage_of(self, plan: RoundPlan) -> int:
+        assert plan.stages is not None
+        return plan.stages[plan.members.index(self.run.me)]
+
+    async def take(self, plan: RoundPlan) -> None:
+        """Serve this member's stage of ``plan`` from now on, loaded first from the latest confirmed
+        manifest when this member does not hold it (a joiner, one that resumed or resynced, one the
+        plan moves); a :class:`TrainerError` when it cannot be (the span then resyncs)."""
+        run = self.run
+        trainer = self._trainer()
+        task = run.task
+        assert task.pipeline is not None
+        index = self.stage_of(plan)
+        if not trainer.holds(index):
+            await load_confirmed_stage(run, index)
+        stage = trainer.take_stage(index)
+        self._plan, self._driver, self._replica = plan, None, None
+        encoding = task.pipeline.activations
+        host = run.collective.host
+        if index == 0:
+            rings = stage_rings(plan)
+            replicas = {s: [ID.from_base58(m) for m in ring] for s, ring in enumerate(rings) if s > 0}
+            rank, _ = shard_of(plan, run.me)
+            self._driver = Driver(host, stage, _loss, Wiring(replicas, random.Random(task.seed + rank)),
+                                  encoding=encoding, hop_timeout=self.hop_timeout, protocol=self.protocol,
+                                  check_fraction=task.pipeline.check_fraction, check_seed=task.seed + rank)
+        else:
+            self._replica = StageReplica(host, stage, _loss, encoding=encoding, protocol=self.protocol)
+        if not self._serving:
+            serve_channels(host, self.protocol, self._answer)
+            self._serving = True
+
+    def stop(self) -> None:
+        """The run is over: this host answers no more of its stage requests."""
+        self._replica = self._driver = None
+        if self._serving:
+            self.run.collective.host.remove_stream_handler(TProtocol(self.protocol))
+            self._serving = False
+
+    async def _answer(self, channel: Channel) -> None:
+        replica = self._replica
+        if replica is None:  # a driver, or between plans: not a replica of anything now
+            await channel.reset()
+            return
+        await replica.answer(channel)
+
+    def _trainer(self) -> StagedTrainer:
+        trainer, _ = self.run.require()
+        assert isinstance(trainer, StagedTrainer)
+        return trainer
+
+    async def step(self, plan: RoundPlan, index: int, batches: Iterator[Any]) -> StepResult:
+        """Round ``index`` of ``plan``: the step forward and back, its summary, the stage's sum and
+        optimizer step. Raises ``CollectiveError`` (a member gone) or :class:`PipelineError`."""
+        run = self.run
+        trainer = self._trainer()
+        timings = run.timings
+        timings.last_compute_s = timings.last_sync_s = timings.last_apply_s = 0.0
+        stage = self.stage_of(plan)
+        step = trainer.step
+        began = time.perf_counter()
+        loss, failed = 0.0, 0.0
+        if self._driver is not None:
+            self._driver.new_step(step)
+            try:
+                loss = await self._drive(plan, batches)
+            except PipelineError as exc:
+                logger.warning("%s: step %d failed at this driver: %s", run.log_prefix, step, exc)
+                failed = 1.0
+        else:
+            assert self._replica is not None
+            self._replica.new_step(step)
+        timings.last_compute_s = time.perf_counter() - began
+        timings.compute_s += timings.last_compute_s
+        summary = torch.tensor([loss, failed], dtype=torch.float32)
+        members = [ID.from_base58(m) for m in plan.members]
+        summary = await run.collective.allreduce(summary, members, round_id(plan, index), RoundSpec(
+            op="sum", timeout=self.hop_timeout, start_timeout=STEP_TIMEOUT_S))
+        if float(summary[1]) > 0:
+            raise PipelineError(f"step {step} failed at {int(summary[1])} of the drivers")
+        synced = time.perf_counter()
+        ring = [ID.from_base58(m) for m in stage_rings(plan)[stage]]
+        await sum_stage_gradients(run.collective, trainer.stages[stage], ring, stage_round_id(plan, index, stage),
+                                  timeout=self.hop_timeout)
+        applied = time.perf_counter()
+        result = await trio.to_thread.run_sync(trainer.apply_stage, stage, float(summary[0]))
+        timings.last_sync_s, timings.last_apply_s = applied - synced, time.perf_counter() - applied
+        timings.sync_s += timings.last_sync_s
+        timings.apply_s += timings.last_apply_s
+        return result
+
+    async def _drive(self, plan: RoundPlan, batches: Iterator[Any]) -> float:
+        """This driver's share of the step: its microbatches forward and back, every one held once by
+        every stage (:meth:`Driver.finish`); its share of the step's mean loss."""
+        driver = self._driver
+        assert driver is not None and self.run.task.pipeline is not None
+        training = self.run.task.training
+        micro = self.run.task.pipeline.microbatch_size or training.batch_size
+        rank, drivers = shard_of(plan, self.run.me)
+        total = drivers * training.sync_interval * training.batch_size  # the step's samples, all drivers
+        pieces: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for _ in range(training.sync_interval):
+            try:
+                x, y = next(batches)
+            except StopIteration:
+                raise PipelineError("the data ran out") from None
+            pieces += [(x[i : i + micro], y[i : i + micro].long()) for i in range(0, x.shape[0], micro)]
+        losses: list[float] = []
+        failures: list[PipelineError] = []
+        limiter = trio.CapacityLimiter(IN_FLIGHT)
+
+        async def one(i: int, x: torch.Tensor, y: torch.Tensor) -> None:
+            async with limiter:
+                weight = x.shape[0] / total
+                try:
+                    losses.append(weight * await driver.microbatch((rank << 24) | i, x, y, weight))
+                except PipelineError as exc:
+                    # The step fails here (a stage without a replica left): the nursery would raise
+                    # it inside an ExceptionGroup, which the step's caller does not take as a
+                    # PipelineError (the run then failed as an internal error).
+                    failures.append(exc)
+                    nursery.cancel_scope.cancel()
+
+        async with trio.open_nursery() as nursery:
+            for i, (x, y) in enumerate(pieces):
+                nursery.start_soon(one, i, x, y)
+        if failures:
+            raise failures[0]
+        answered = await driver.finish()
+        for s, ring in enumerate(stage_rings(plan)):
+            live = [str(peer) for peer in answered.get(s, ())] if s else list(ring)  # an ID's str is its base58
+            if live != list(ring):
+                gone = sorted(set(ring) - set(live))
+                raise PipelineError(f"stage {s}: replicas {', '.join(short_id(g) for g in gone)} gave no holdings")
+        return sum(losses)
+
+    async def checkpoint(self, plan: RoundPlan) -> str | None:
+        """At the end of ``plan``'s span: this member's stage files stored and the manifest of every
+        stage's (run/_stage_checkpoints.py); its CID, or None when the gather failed."""
+        return await store_stage_checkpoint(self.run, plan, self.stage_of(plan), timeout=self.hop_timeout,
+                                            start_timeout=self.start_timeout)

@@ -1,0 +1,167 @@
+"""A pipelined member's trainer (run/_stage_trainer.py): it steps its stage only; the stages' files
+assemble into the bits one trainer of the whole model holds after the same steps (what records,
+attestations and ``model fetch`` rely on), and a member that loads a checkpoint takes its manifest,
+then only the stage its plan names."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from p2ptrain.ipfs import EmbeddedStore
+from p2ptrain.protocol import read_tensors, RecordError, tensors_bytes
+
+from p2ptrain.run._stage_checkpoints import cids_vector, read_cids_vector
+from p2ptrain.run._stage_trainer import StagedTrainer
+from p2ptrain.task import load_task
+from p2ptrain.training import manifest_bytes, model_file, StageFile, Trainer, TrainerError
+
+from .conftest import LM_TASK
+
+TASK = load_task(LM_TASK.replace('name = "sgd"\nlr = 0.1', 'name = "adam"\nlr = 0.01') + "[pipeline]\nstages = 2\n")
+REPLICAS = 2
+
+
+def gradients(model: torch.nn.Module, step: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    return {name: torch.randn(p.shape, generator=g) for name, p in model.named_parameters()}
+
+
+def allocated(member: StagedTrainer) -> int:
+    """The bytes of this member's weights, gradients and optimizer state that are allocated."""
+    tensors = [*member.model.parameters(), *(p.grad for p in member.model.parameters() if p.grad is not None),
+               *(t for st in member.optimizer.state.values() for t in st.values() if isinstance(t, torch.Tensor))]
+    return sum(t.numel() * t.element_size() for t in tensors if not t.is_meta)
+
+
+def test_a_member_holds_only_the_stage_it_takes() -> None:
+    """Built from the seed a member holds every stage; once it takes one, the others' tensors are
+    freed: what it allocates is its stage's weights, gradients and Adam's two moments, no more."""
+    member = StagedTrainer(TASK, device="cpu")
+    whole = allocated(member)
+    assert member.holds(0) and member.holds(1)  # built from the seed: every stage at step 0
+    member.take_stage(0)
+    assert member.holds(0) and not member.holds(1)
+    assert all(p.is_meta for p in member.stages[1].parameters())
+    with pytest.raises(TrainerError, match="holds stage 0 at step 0, not stage 1"):
+        member.take_stage(1)
+    for p in member.stages[0].parameters():
+        p.grad = torch.ones_like(p)
+    member.apply_stage(0, 0.0)
+    stage = sum(p.numel() * p.element_size() for p in member.stages[0].parameters())
+    # Its weights and Adam's two moments (the gradients are set to None by the step), and Adam's steps.
+    assert 3 * stage <= allocated(member) <= 3 * stage + 8 * len(list(member.stages[0].parameters()))
+    assert stage < whole
+
+
+def test_a_rolled_back_step_holds_its_stage_as_it_was() -> None:
+    member = StagedTrainer(TASK, device="cpu")
+    fresh = member.stage_files(1)[0]
+    member.take_stage(1)
+    for p in member.stages[1].parameters():
+        p.grad = torch.ones_like(p)
+    member.apply_stage(1, 0.0)
+    assert member.stage_files(1)[0] != fresh
+    member.align(0)  # a retry of step 0: the step is rolled back
+    assert member.step == 0 and member.holds(1) and not member.holds(0)
+    assert member.stage_files(1)[0] == fresh
+
+
+def test_stage_files_assemble_into_the_whole_and_load_back(tmp_path: Path) -> None:
+    """Each stage's files, written by its replica before any gather, are what a manifest names: they
+    assemble into the whole trainer's model file, their optimizer state is the whole's, and a fresh
+    member (a joiner, or one moved there) loads its stage from them alone."""
+    whole = Trainer(TASK, device="cpu")
+    members = [StagedTrainer(TASK, device="cpu") for _ in range(2)]
+    for step in range(2):
+        grads = gradients(whole.model, step)
+        whole.apply(torch.cat([grads[name].reshape(-1) for name, _ in whole.model.named_parameters()]))
+        for stage, member in enumerate(members):
+            for name, p in member.take_stage(stage).model_parameters():
+                p.grad = grads[name].clone()
+            member.apply_stage(stage, 0.0)
+    files = [member.stage_files(stage) for stage, member in enumerate(members)]
+    store = EmbeddedStore(tmp_path)
+    entries = []
+    for stage, (model_data, optim_data) in zip(members[0].stages, files, strict=True):
+        entries.append(StageFile(stage.first, stage.last, store.add_bytes(model_data), store.add_bytes(optim_data),
+                                 sum(t.numel() for t in read_tensors(model_data).values())))
+    assert model_file(store, store.add_bytes(manifest_bytes(entries))) == whole.model_bytes()
+    optim: dict[str, torch.Tensor] = {}
+    for _, optim_data in files:
+        optim.update(read_tensors(optim_data))
+    assert tensors_bytes(optim) == whole.optimizer_bytes()
+
+    joiner = StagedTrainer(TASK, device="cpu")
+    joiner.load_stage(1, *files[1])
+    assert joiner.step == 2 and joiner.holds(1) and not joiner.holds(0)
+    assert joiner.stage_files(1) == files[1]
+    with pytest.raises(RecordError, match="exactly stage 0"):
+        joiner.load_stage(0, *files[1])
+    with pytest.raises(RecordError, match="no state of stage 0"):
+        joiner.load_stage(0, files[0][0], files[1][1])
+    assert joiner.stage_files(1) == files[1] and joiner.holds(1)  # a refused file changed nothing
+
+
+def test_a_loaded_manifest_holds_no_stage_until_one_is_loaded_from_it(tmp_path: Path) -> None:
+    """Resume, resync and a joiner take a pipelined record's manifest (its model and optimizer CID)
+    and hold no stage at its step; then the one stage their plan names, of that step only."""
+    trained = [StagedTrainer(TASK, device="cpu") for _ in range(2)]
+    for stage, member in enumerate(trained):
+        for p in member.take_stage(stage).parameters():
+            p.grad = torch.ones_like(p)
+        member.apply_stage(stage, 0.0)
+    store = EmbeddedStore(tmp_path)
+    files = [member.stage_files(stage) for stage, member in enumerate(trained)]
+    entries = [StageFile(s.first, s.last, store.add_bytes(m), store.add_bytes(o), trained[0].stage_numbers(i))
+               for i, (s, (m, o)) in enumerate(zip(trained[0].stages, files, strict=True))]
+    manifest = manifest_bytes(entries)
+    assert entries[0].parameters + entries[1].parameters == sum(
+        t.numel() for t in read_tensors(model_file(store, store.add_bytes(manifest))).values())
+
+    member = StagedTrainer(TASK, device="cpu")
+    with pytest.raises(RecordError, match="name one manifest"):
+        member.load_manifest(manifest, b"optimizer", 1)
+    other = manifest_bytes([StageFile(0, 0, e.model, e.optimizer, e.parameters) if i == 0 else
+                            StageFile(1, entries[1].last, e.model, e.optimizer, e.parameters)
+                            for i, e in enumerate(entries)])
+    with pytest.raises(RecordError, match="not this task's cut"):
+        member.load_manifest(other, other, 1)
+    assert member.step == 0 and member.holds(1)  # refused: nothing changed
+    member.load_manifest(manifest, manifest, 1)
+    assert member.step == 1 and not member.holds(0) and not member.holds(1)
+    assert allocated(member) == 0  # it holds no stage, so nothing
+    with pytest.raises(TrainerError, match="holds no stage at step 1"):
+        member.take_stage(1)
+    with pytest.raises(RecordError, match="of step 1, the checkpoint's is 2"):
+        member.load_stage(1, *files[1], step=2)
+    member.load_stage(1, *files[1], step=1)
+    assert member.holds(1) and not member.holds(0) and member.stage_files(1) == files[1]
+    assert all(p.is_meta for p in member.stages[0].parameters())
+
+
+def test_the_gathered_cids_name_every_stage_or_nothing() -> None:
+    """At a checkpoint the first replica of each stage contributes its files' CIDs as bytes; their
+    exact sum over the plan's members names every stage's, and a sum that names no CID is refused."""
+    cids = [("QmT78zSuBmuS4z925WZfrqQ1qHaJ56DQaTfyMUF7F8ff5o", "QmYwAPJzv5CZsnA625s3Xf2nemtYgPpHdWEz79ojWnPbdG"),
+            ("bafkreihdwdcefgh4dqkjv67uzcmw7ojee6xedzdetojuzjevtenxquvyku", "QmUNLLsPACCz1vLxQVkXqqLX5R1X345qqfHbsf67hvA3Nn")]
+    parts = [cids_vector(2, s, c) for s, c in enumerate(cids)] + [cids_vector(2, None, cids[0])]
+    assert read_cids_vector(sum(parts), 2) == cids
+    with pytest.raises(ValueError, match="stage 1's gathered CID '' is no CID"):
+        read_cids_vector(parts[0] + parts[2], 2)  # nobody contributed stage 1
+    with pytest.raises(ValueError, match="not ASCII"):
+        read_cids_vector(sum(parts) + parts[0], 2)  # stage 0 contributed twice
+
+
+def test_a_member_moved_before_the_first_record_loads_its_stage_from_the_initial_model() -> None:
+    """A retry of step 0 may move a member that freed every stage but its first: it takes the new
+    one from the run's initial model file, the bits every member built from the seed."""
+    member, fresh = StagedTrainer(TASK, device="cpu"), StagedTrainer(TASK, device="cpu")
+    member.take_stage(0)
+    assert not member.holds(1)
+    member.load_initial_stage(1, fresh.model_bytes())
+    assert member.holds(1) and not member.holds(0) and member.step == 0
+    assert member.stage_files(1) == fresh.stage_files(1)
+    assert all(p.is_meta for p in member.stages[0].parameters())

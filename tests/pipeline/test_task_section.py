@@ -1,0 +1,101 @@
+"""The ``[pipeline]`` section of a task: checked when the task is parsed (the cut on the meta device,
+the members, the microbatches), one TaskError naming the field, canonical bytes with every default
+filled in; a task without it keeps its bytes (tests/wire/test_canonical.py pins them)."""
+
+from __future__ import annotations
+
+import pytest
+
+from p2ptrain.models import build_model, stage_sizes
+from p2ptrain.pipeline import partition
+from p2ptrain.task import TaskError, load_task, task_bytes, task_from_bytes, unmet_requirement
+from p2ptrain.wire import Capabilities
+
+from .conftest import CID, LM, LM_TASK as BASE
+
+
+def pipelined(*lines: str, base: str = BASE) -> str:
+    return base + "[pipeline]\n" + "\n".join(lines) + "\n"
+
+
+def test_a_pipelined_task_gets_defaults_and_canonical_bytes():
+    task = load_task(pipelined("stages = 4"))
+    assert task.pipeline is not None
+    assert (task.pipeline.stages, task.pipeline.microbatch_size) == (4, 8)  # one microbatch: the batch
+    assert (task.pipeline.activations, task.pipeline.check_fraction) == ("fp16", 0.05)
+    data = task_bytes(task)
+    assert b'"pipeline":{"activations":"fp16","check_fraction":0.05,"microbatch_size":8,"stages":4}' in data
+    assert task_from_bytes(data) == task
+    # Written out in full, it is the same task and the same bytes (one task, one CID).
+    full = pipelined("stages = 4", "microbatch_size = 8", 'activations = "fp16"', "check_fraction = 0.05")
+    assert task_bytes(load_task(full)) == data
+    other = load_task(pipelined("stages = 2", "microbatch_size = 2", 'activations = "int8"', "check_fraction = 0"))
+    assert other.pipeline is not None and other.pipeline.microbatch_size == 2 and task_bytes(other) != data
+
+
+def test_a_task_without_the_section_has_no_pipeline_in_its_bytes():
+    plain = load_task(BASE)
+    assert plain.pipeline is None and b"pipeline" not in task_bytes(plain)
+    assert task_from_bytes(task_bytes(plain)) == plain
+    # Bytes by CID that leave a default out are not canonical: refused as every such task is.
+    short = task_bytes(load_task(pipelined("stages = 4"))).replace(b'"check_fraction":0.05,', b"")
+    with pytest.raises(TaskError, match="canonical"):
+        task_from_bytes(short)
+
+
+CNN = BASE.replace('name = "transformer_lm"\nkwargs = { vocab_size = 61, context = 16, width = 16, depth = 2, heads = 2 }',
+                   'name = "cnn"')
+USER = BASE.replace('name = "transformer_lm"\nkwargs = { vocab_size = 61, context = 16, width = 16, depth = 2, heads = 2 }',
+                    f'name = "user"\narchitecture = "{CID}"').replace('[optimizer]\nname = "sgd"\nlr = 0.1\n', "")
+
+
+@pytest.mark.parametrize(
+    "text, error",
+    [
+        (pipelined("microbatch_size = 2"), "pipeline.stages: missing"),
+        (pipelined("stages = 1"), "pipeline.stages: must be between 2 and 64"),
+        (pipelined("stages = 65"), "pipeline.stages: must be between 2 and 64"),
+        (pipelined("stages = 2", "typo = 1"), "pipeline.typo: unknown field"),
+        (pipelined("stages = 2", 'activations = "2bit"'), "pipeline.activations: must be one of fp32, fp16, int8"),
+        (pipelined("stages = 2", "check_fraction = 1.5"), "pipeline.check_fraction: must be between 0 and 1"),
+        (pipelined("stages = 2", "microbatch_size = 0"), "pipeline.microbatch_size: must be between"),
+        (pipelined("stages = 2", "microbatch_size = 3"), "pipeline.microbatch_size: 3 does not divide training.batch_size (8)"),
+        (pipelined("stages = 2", "microbatch_size = 16"), "pipeline.microbatch_size: 16 does not divide"),
+        (pipelined("stages = 5"), "pipeline.stages: 5 stages need peers.min >= 5"),
+        # 8 members, but a transformer_lm of depth 2 has 4 pieces: embedding, two blocks, head.
+        (pipelined("stages = 5", base=BASE.replace("min = 4", "min = 8")), "pipeline.stages: cannot cut 4 pieces into 5 stages"),
+        (pipelined("stages = 2", base=CNN), "pipeline.stages: a SmallCNN cannot be cut into stages"),
+        (pipelined("stages = 2", base=USER), "pipeline: not for a run of the members' own model"),
+        (pipelined("stages = 2", base=BASE.replace("total_steps = 10", 'total_steps = 10\nmode = "local_sgd"\ninner_steps = 4')),
+         'pipeline: not with training.mode = "local_sgd"'),
+        ("pipeline = 4\n" + BASE, "pipeline: must be a table"),
+    ],
+)
+def test_a_bad_pipeline_is_one_error_naming_the_field(text, error):
+    with pytest.raises(TaskError) as info:
+        load_task(text)
+    assert str(info.value).startswith(error), str(info.value)
+
+
+def test_an_mlp_is_a_sequence_and_can_be_cut():
+    mlp = BASE.replace('name = "transformer_lm"\nkwargs = { vocab_size = 61, context = 16, width = 16, depth = 2, heads = 2 }',
+                       'name = "mlp"\nkwargs = { hidden = [32, 16] }')
+    assert load_task(pipelined("stages = 4", base=mlp)).pipeline is not None
+
+
+@pytest.mark.parametrize("stages", [2, 3, 4])
+def test_the_parse_and_the_partition_cut_the_same_way(stages):
+    """models.stage_sizes (meta device, what the parse checks and the plans weigh) and
+    pipeline.partition (the real model's stages) agree stage by stage."""
+    stages_built = partition(build_model("transformer_lm", LM, seed=1), stages)
+    assert stage_sizes("transformer_lm", LM, stages) == [s.parameter_count() for s in stages_built]
+
+
+def test_a_node_joins_a_pipelined_task_on_the_cpu():
+    """A pipelined task is run (run/_stages.py), on the CPU: one that requires CUDA is refused in one
+    line, since the stages would not train there."""
+    caps = Capabilities(device="cuda", cpu_count=2, free_ram_bytes=1 << 30, version="0.1.0")
+    assert unmet_requirement(load_task(pipelined("stages = 4")), caps) is None
+    cuda = load_task(pipelined("stages = 4") + '[requirements]\ndevice = "cuda"\n')
+    why = unmet_requirement(cuda, caps)
+    assert why == "it is cut into 4 pipeline stages, which this version trains on the CPU only"
