@@ -14,9 +14,7 @@ buffer, divided by R: what DDP's buckets do), then SGD. The global batch (random
 as bench/pipeline.py's) is split over the replicas, each replica's share in microbatches of
 ``--micro``. Every process runs one torch thread (S x R processes share this machine's cores).
 
-Where p2ptrain's ``p2ptrain.pipeline.partition`` is not importable (it lands with issue 31's branch),
-the cut is :func:`balanced_bounds` here: it must stay the same rule (contiguous, smallest largest
-stage, ties cut as early as they can be), so both sides train the same stages.
+The cut is p2ptrain's own (``p2ptrain.models.cut_pieces``), so both sides train the same stages.
 
 Loopback: every process on 127.0.0.1. ``--wan RATE``: each process in its own network namespace of
 ``p2ptrain.testing.emulated_wan`` behind a RATE link both ways; gloo's rendezvous at the first
@@ -54,7 +52,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
-from p2ptrain.models import build_model
+from p2ptrain.models import build_model, cut_pieces
 
 # Bound on one launch (S x R processes, warm-up and every timed block): past it the run failed.
 RUN_TIMEOUT_S = 900.0
@@ -84,46 +82,9 @@ def batches(args: argparse.Namespace, steps: int) -> list[tuple[torch.Tensor, to
 # ---- the stages ---------------------------------------------------------------------------------------
 
 
-def pieces_of(model: nn.Module) -> list[list[str]]:
-    """The model's pieces, each the names of its submodules: what p2ptrain's partition cuts between."""
-    depth = len(model.blocks)
-    return [["tokens", "positions"], *[[f"blocks.{i}"] for i in range(depth)], ["norm", "head"]]
-
-
-def balanced_bounds(sizes: Sequence[int], stages: int) -> list[int]:
-    """Stage i holds pieces ``bounds[i]`` .. ``bounds[i + 1] - 1``: the contiguous cut whose largest
-    stage is smallest; of equal cuts, the one whose later stages begin earliest (the rule of
-    p2ptrain's balanced cut, which both sides of the comparison must share)."""
-    n = len(sizes)
-    if not 1 <= stages <= n:
-        raise SystemExit(f"cannot cut {n} pieces into {stages} stages")
-    prefix = [0]
-    for s in sizes:
-        prefix.append(prefix[-1] + s)
-    best = {(0, 0): 0}
-    start: dict[tuple[int, int], int] = {}
-    for k in range(1, stages + 1):
-        for j in range(k, n - (stages - k) + 1):
-            for i in range(k - 1, j):
-                if (k - 1, i) in best:
-                    value = max(best[(k - 1, i)], prefix[j] - prefix[i])
-                    if value < best.get((k, j), float("inf")):
-                        best[(k, j)], start[(k, j)] = value, i
-    bounds = [n]
-    for k in range(stages, 0, -1):
-        bounds.append(start[(k, bounds[-1])])
-    return bounds[::-1]
-
-
 def stage_bounds(model: nn.Module, stages: int) -> tuple[list[int], str]:
-    """p2ptrain's own cut where it is installed, else :func:`balanced_bounds` over the same pieces;
-    and which of the two cut it."""
-    try:
-        from p2ptrain.models import cut_pieces  # on issue 31's branch
-    except ImportError:
-        sizes = [sum(p.numel() for name in piece for p in model.get_submodule(name).parameters())
-                 for piece in pieces_of(model)]
-        return balanced_bounds(sizes, stages), "bench"
+    """p2ptrain's cut of ``model`` into ``stages`` (the pieces each stage starts at, and the end);
+    and "p2ptrain", which cut it (a key of the bench's JSON)."""
     return list(cut_pieces(model, stages)[1].bounds), "p2ptrain"
 
 
