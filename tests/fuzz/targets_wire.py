@@ -152,8 +152,9 @@ TARGETS = [
         [NodeConfig().to_toml().encode(),
          NodeConfig(bootstrap=["/ip4/127.0.0.1/tcp/1/p2p/" + _SENDER], heartbeat_interval=0.5).to_toml().encode()],
     ),
-    *(
-        FuzzTarget(f"wire.{type(m).TYPE}", _decode_signed_payload, (DecodeError,), [_signed_payload_of(m)])
-        for m in SAMPLES
+    *(  # one target per message type, seeded with every sample of that type
+        FuzzTarget(f"wire.{kind}", _decode_signed_payload, (DecodeError,),
+                   [_signed_payload_of(m) for m in SAMPLES if type(m).TYPE == kind])
+        for kind in dict.fromkeys(type(m).TYPE for m in SAMPLES)
     ),
 ]
