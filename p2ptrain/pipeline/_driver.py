@@ -95,6 +95,8 @@ class Driver:
         self.protocol = protocol  # the replicas' (a runtime names one per task)
         self.step = 0
         self._microbatches: dict[int, _Microbatch] = {}
+        # {(stage, microbatch): the replicas sent its LOSS or BACKWARD this step}: only they may hold it.
+        self._sent: dict[tuple[int, int], set[Hashable]] = {}
         self._lock = trio.Lock()  # stage 0's graph and gradients, one computation at a time
         self.reroutes = 0
         self.redone = 0
@@ -110,6 +112,7 @@ class Driver:
         """Start ``step``: stage 0's gradients zeroed, the kept tensors dropped, every replica usable."""
         self.step = step
         self._microbatches.clear()
+        self._sent.clear()
         self.wiring.new_step()
         for p in self.stage.parameters():
             p.grad = None
@@ -174,6 +177,8 @@ class Driver:
             if peer is None:
                 raise StageUnavailable(stage)
             self.wiring.started(peer)
+            if kind in (Kind.LOSS, Kind.BACKWARD):
+                self._sent.setdefault((stage, mb), set()).add(peer)
             began = self.clock()
             try:
                 with trio.fail_after(self.hop_timeout):
@@ -243,6 +248,13 @@ class Driver:
         for stage in range(1, self.stage.count):
             while True:
                 held = await self._holdings(stage)
+                for peer in [p for p, ids in held.items() if any(p not in self._sent.get((stage, i), ()) for i in ids)]:
+                    # It claims a microbatch of this driver's it was never sent: a lie that would
+                    # fail the step as DoubleCounted, or hide a gradient nobody holds. Out of the step.
+                    logger.warning("pipeline step %d: stage %d replica %s claims microbatches it was never sent; "
+                                   "out of the step", self.step, stage, _name(peer))
+                    self.wiring.leave_out(peer)
+                    del held[peer]
                 counts = collections.Counter(i for ids in held.values() for i in ids if i in self._microbatches)
                 doubled = sorted(i for i, c in counts.items() if c > 1)
                 if doubled:

@@ -66,7 +66,8 @@ class NoHoldings(StageReplica):
 
 
 class ClaimsEverything(StageReplica):
-    """Claims to hold every microbatch id of the step (ids are predictable: the step's indices)."""
+    """Refuses every hop, then claims to hold every microbatch id of the step (ids are predictable:
+    the step's indices): so the honest replica served them all, and the claims are lies."""
 
     claimed: list[int] = []
 
@@ -74,7 +75,7 @@ class ClaimsEverything(StageReplica):
         if request.kind == Kind.HOLDINGS:
             ids = torch.tensor(self.claimed, dtype=torch.int64)
             return Frame(Kind.HELD, request.step, 0, request.stage, tensors=(ids,)), None
-        return super()._compute(request)
+        raise ValueError("refused")
 
 
 class LongerOutputs(StageReplica):
@@ -211,11 +212,10 @@ async def test_a_replica_that_answers_a_redo_and_never_holds_it_does_not_hang_fi
                 await driver.finish()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "one replica's HELD is believed as it is: a replica claiming ids it was never sent makes every "
-    "step of its stage DoubleCounted (the run stalls; nobody is blamed). The driver knows which "
-    "replica it sent each hop to: a claim of an id it never sent there should leave that replica out"))
 async def test_a_replica_claiming_microbatches_it_never_served_is_left_out():
+    """One replica's HELD was believed as it was: claiming ids it was never sent made every step of
+    its stage DoubleCounted (the run stalled; nobody blamed). The driver knows which replicas it sent
+    each microbatch's hop to; one that claims any other is left out of the step."""
     s0, s1 = stages(2)
     ids = list(range(6))
     async with connected_hosts(3) as hosts:
@@ -228,7 +228,7 @@ async def test_a_replica_claiming_microbatches_it_never_served_is_left_out():
                         hop_timeout=10)
         with trio.fail_after(DEADLINE_S):
             await drive(driver, ids)
-            rings = await driver.finish()  # today: DoubleCounted
+            rings = await driver.finish()
         assert rings == {1: [hosts[1].id]}
         assert honest.held() == set(ids)
 
