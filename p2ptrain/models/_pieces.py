@@ -64,13 +64,19 @@ class _LMEmbed(Piece):
 
 
 class _LMBlock(Piece):
-    """One TinyLM block; the causal mask is rebuilt from the activation, as TinyLM.forward builds it."""
+    """One TinyLM block; the causal mask is rebuilt from the activation, as TinyLM.forward builds it.
+    An activation longer than the model's context is refused before the mask is built: a stage
+    replica takes activations from the network, and a t x t mask (and attention) of a t that only
+    the frame limits bound would take gigabytes from one frame."""
 
-    def __init__(self, name: str, block: nn.Module) -> None:
+    def __init__(self, name: str, block: nn.Module, context: int) -> None:
         super().__init__({name: block})
+        self.context = context
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         t = h.shape[1]
+        if t > self.context:
+            raise ValueError(f"activation of {t} positions is longer than the model's context {self.context}")
         mask = nn.Transformer.generate_square_subsequent_mask(t, device=h.device, dtype=h.dtype)
         out: torch.Tensor = self.parts[0](h, src_mask=mask, is_causal=True)
         return out
@@ -79,7 +85,7 @@ class _LMBlock(Piece):
 def pieces_of(model: nn.Module) -> list[Piece]:
     """The model as a sequence of pieces; :class:`PartitionError` for a model that is not one."""
     if isinstance(model, TinyLM):
-        blocks = [_LMBlock(f"blocks.{i}", b) for i, b in enumerate(model.blocks)]
+        blocks = [_LMBlock(f"blocks.{i}", b, model.context) for i, b in enumerate(model.blocks)]
         return [_LMEmbed(model), *blocks, Piece({"norm": model.norm, "head": model.head})]
     if isinstance(model, nn.Sequential):
         # _modules, not named_children(): that skips a module's second appearance, and a Sequential

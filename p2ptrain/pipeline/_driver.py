@@ -95,6 +95,8 @@ class Driver:
         self.protocol = protocol  # the replicas' (a runtime names one per task)
         self.step = 0
         self._microbatches: dict[int, _Microbatch] = {}
+        # {(stage, microbatch): the replicas sent its LOSS or BACKWARD this step}: only they may hold it.
+        self._sent: dict[tuple[int, int], set[Hashable]] = {}
         self._lock = trio.Lock()  # stage 0's graph and gradients, one computation at a time
         self.reroutes = 0
         self.redone = 0
@@ -110,6 +112,7 @@ class Driver:
         """Start ``step``: stage 0's gradients zeroed, the kept tensors dropped, every replica usable."""
         self.step = step
         self._microbatches.clear()
+        self._sent.clear()
         self.wiring.new_step()
         for p in self.stage.parameters():
             p.grad = None
@@ -174,6 +177,8 @@ class Driver:
             if peer is None:
                 raise StageUnavailable(stage)
             self.wiring.started(peer)
+            if kind in (Kind.LOSS, Kind.BACKWARD):
+                self._sent.setdefault((stage, mb), set()).add(peer)
             began = self.clock()
             try:
                 with trio.fail_after(self.hop_timeout):
@@ -213,7 +218,8 @@ class Driver:
         if (answer.kind, answer.step, answer.stage) != (expected, self.step, stage):
             raise _BadAnswer(f"answer {answer.kind} for stage {answer.stage} step {answer.step}")
         if kind == Kind.HOLDINGS:
-            if len(answer.tensors) > 1 or (answer.tensors and answer.tensors[0].dtype != torch.int64):
+            if len(answer.tensors) > 1 or (answer.tensors and (answer.tensors[0].dtype != torch.int64
+                                                               or answer.tensors[0].dim() != 1)):
                 raise _BadAnswer("holdings are one list of microbatch ids")
             return
         if answer.microbatch != mb or len(answer.tensors) != 1 or answer.tensors[0].dtype != torch.float32:
@@ -238,9 +244,17 @@ class Driver:
             # runtime reports the round failed and starts the step again (new_step).
             raise PipelineError(f"step {self.step}: microbatches {unfinished} did not complete")
         rings: dict[int, list[Hashable]] = {}
+        redone: dict[tuple[int, int], Hashable] = {}  # (stage, microbatch): the replica that answered its redo
         for stage in range(1, self.stage.count):
             while True:
                 held = await self._holdings(stage)
+                for peer in [p for p, ids in held.items() if any(p not in self._sent.get((stage, i), ()) for i in ids)]:
+                    # It claims a microbatch of this driver's it was never sent: a lie that would
+                    # fail the step as DoubleCounted, or hide a gradient nobody holds. Out of the step.
+                    logger.warning("pipeline step %d: stage %d replica %s claims microbatches it was never sent; "
+                                   "out of the step", self.step, stage, _name(peer))
+                    self.wiring.leave_out(peer)
+                    del held[peer]
                 counts = collections.Counter(i for ids in held.values() for i in ids if i in self._microbatches)
                 doubled = sorted(i for i, c in counts.items() if c > 1)
                 if doubled:
@@ -250,22 +264,32 @@ class Driver:
                     rings[stage] = [p for p in self.wiring.replicas(stage) if p in held]
                     break
                 for mb in missing:
-                    await self._redo(stage, mb)
+                    liar = redone.get((stage, mb))
+                    if liar is not None:
+                        # It answered the redo and does not hold it: out of the step (redoing there
+                        # again and again, a replica's lie would keep this loop going for ever).
+                        logger.warning("pipeline step %d: stage %d replica %s answered microbatch %d and does "
+                                       "not hold it; out of the step", self.step, stage, _name(liar), mb)
+                        self.wiring.leave_out(liar)
+                    redone[(stage, mb)] = await self._redo(stage, mb)
         return rings
 
-    async def _redo(self, stage: int, mb: int) -> None:
+    async def _redo(self, stage: int, mb: int) -> Hashable:
+        """Redo ``mb``'s hop at ``stage`` on a live replica; the replica that answered."""
         record = self._microbatches[mb]
         self.redone += 1
         logger.info("pipeline step %d: microbatch %d redone at stage %d", self.step, mb, stage)
         if stage == self.stage.count - 1:
-            await self._hop(Kind.LOSS, stage, mb, (record.inputs[stage], record.targets), record.weight)
+            peer, _ = await self._answered(Kind.LOSS, stage, mb, (record.inputs[stage], record.targets), record.weight)
         else:
-            await self._hop(Kind.BACKWARD, stage, mb, (record.inputs[stage], record.grads[stage]))
+            peer, _ = await self._answered(Kind.BACKWARD, stage, mb, (record.inputs[stage], record.grads[stage]))
+        return peer
 
     async def _holdings(self, stage: int) -> dict[Hashable, set[int]]:
         """{replica: microbatch ids it holds} of every replica of ``stage`` that answers in time."""
         held: dict[Hashable, set[int]] = {}
         request = encode_frame(Frame(Kind.HOLDINGS, self.step, 0, stage))
+        mine = torch.tensor(sorted(self._microbatches), dtype=torch.int64)
 
         async def ask(peer: Hashable) -> None:
             try:
@@ -273,10 +297,15 @@ class Driver:
                     answer = await self._ask(peer, request)
                 self._check(answer, Kind.HOLDINGS, stage, 0, torch.empty(0))
             except (ChannelError, ActivationError, trio.TooSlowError, _BadAnswer) as error:
-                logger.info("pipeline step %d: stage %d replica %s gave no holdings (%s)",
+                logger.info("pipeline step %d: stage %d replica %s gave no holdings (%s); out of the step",
                             self.step, stage, _name(peer), error or type(error).__name__)
+                # Out of the stage's ring: a redo sent there would not be summed, and a replica
+                # that answers hops but never its holdings would draw every redo, round after round.
+                self.wiring.leave_out(peer)
                 return
-            held[peer] = set(answer.tensors[0].tolist()) if answer.tensors else set()
+            # Only this driver's ids become Python objects: a replica may list millions of ids.
+            ids = answer.tensors[0] if answer.tensors else torch.empty(0, dtype=torch.int64)
+            held[peer] = set(ids[torch.isin(ids, mine)].tolist())
 
         async with trio.open_nursery() as nursery:
             for peer in self.wiring.replicas(stage):

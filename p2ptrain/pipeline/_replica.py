@@ -121,15 +121,17 @@ class StageReplica:
         async with self._lock:
             try:
                 answer, grads = await trio.to_thread.run_sync(self._compute, request)
-            except (ActivationError, RuntimeError, ValueError, IndexError) as error:
-                # A tensor this stage cannot take (wrong width, a token id past the vocabulary, a
-                # gradient of the wrong shape): the sender's fault, refused like malformed bytes.
+                data = encode_frame(answer, self.encoding)  # an answer that is not finite, too
+            except (ActivationError, AssertionError, RuntimeError, ValueError, IndexError) as error:
+                # A tensor this stage cannot take (wrong width or rank, a token id past the
+                # vocabulary, a gradient of the wrong shape, targets that make the loss NaN; torch's
+                # attention asserts its input's rank): the sender's fault, refused like malformed bytes.
                 count_rejection(self.refused, "failed", logger, logging.INFO, "pipeline stage %d: a request "
                                 "from %s failed: %s", self.stage.index, short_id(channel.remote_peer), error)
                 await channel.reset()
                 return
             # Sent before anything is accumulated: a hop whose answer never left leaves no trace.
-            await channel.send(encode_frame(answer, self.encoding))
+            await channel.send(data)
             if grads is not None and request.microbatch not in self._held:
                 for p, g in zip(self.stage.parameters(), grads, strict=True):
                     p.grad = g if p.grad is None else p.grad.add_(g)

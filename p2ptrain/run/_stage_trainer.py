@@ -194,12 +194,21 @@ class StagedTrainer(Trainer):
         if step is not None and int(saved) != step:
             raise RecordError(f"stage {stage}'s optimizer file is of step {int(saved)}, the checkpoint's is {step}")
         indices, keys = self._stage_indices(stage), self.optimizer_state_keys()
+        held: dict[int, set[str]] = {}
         for name, t in sorted(optim.items()):
             _, index, key = name.split(".", 2) if _INDEX_NAME.fullmatch(name) else ("", "-1", "")
             if int(index) not in indices or key not in keys:
                 raise RecordError(f"the optimizer file's {name!r} is no state of stage {stage}")
-            if key != "step" and t.shape != self.params[int(index)].shape:
-                raise RecordError(f"optimizer tensor {name} has shape {tuple(t.shape)}")
+            param = self.params[int(index)]
+            if t.numel() != 1 if key == "step" else (t.shape != param.shape or t.dtype != param.dtype):
+                raise RecordError(f"optimizer tensor {name} has shape {tuple(t.shape)} {t.dtype}")
+            held.setdefault(int(index), set()).add(key)
+        # A parameter's state is all of the optimizer's keys or none (a step count that is one number):
+        # a file that loads but that the optimizer cannot step would fail this member's first step.
+        partial = sorted(i for i, held_keys in held.items() if held_keys != keys)
+        if partial:
+            raise RecordError(f"the optimizer file keeps {sorted(held[partial[0]])} of parameter {partial[0]}'s "
+                              f"state, not {sorted(keys)}")
         self._hold({stage})
         self._load_tensors(tensors, optim, int(saved))  # checks the optimizer's keys and shapes
         self.whole, self.trained = False, stage
