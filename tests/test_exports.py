@@ -64,7 +64,7 @@ EXPORTS: dict[str, list[str]] = {
         "model_file_limit", "pieces_of", "stage_sizes",
     ],
     "p2ptrain.pipeline": [
-        "Cut", "DoubleCounted", "Driver", "PROTOCOL", "PartitionError", "PipelineError", "Stage",
+        "Cut", "DoubleCounted", "Driver", "MAX_STREAMS_PER_PEER", "PROTOCOL", "PartitionError", "PipelineError", "Stage",
         "StageReplica", "StageUnavailable", "Wiring", "balanced_cut", "partition", "pieces_of",
         "sum_stage_gradients",
     ],

@@ -44,7 +44,8 @@ from libp2p.peer.id import ID
 from p2ptrain.base import short_id
 from p2ptrain.collective import RoundSpec
 from p2ptrain.net import Channel, serve_channels
-from p2ptrain.pipeline import Driver, PipelineError, PROTOCOL, StageReplica, sum_stage_gradients, Wiring
+from p2ptrain.pipeline import (Driver, MAX_STREAMS_PER_PEER, PipelineError, PROTOCOL, StageReplica, sum_stage_gradients,
+                               Wiring)
 from p2ptrain.protocol import round_id, shard_of, stage_rings, stage_round_id
 from p2ptrain.run._run_state import RunState
 from p2ptrain.run._stage_checkpoints import load_confirmed_stage, store_stage_checkpoint
@@ -108,7 +109,7 @@ class StageRounds:
         else:
             self._replica = StageReplica(host, stage, _loss, encoding=encoding, protocol=self.protocol)
         if not self._serving:
-            serve_channels(host, self.protocol, self._answer)
+            serve_channels(host, self.protocol, self._answer, max_streams_per_peer=MAX_STREAMS_PER_PEER)
             self._serving = True
 
     def stop(self) -> None:

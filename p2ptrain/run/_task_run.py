@@ -257,6 +257,10 @@ class TaskRun:
         fresh = _fresh(heads)
         logger.info("%s: joined; %d steps, initial model %s%s", run.log_prefix, run.total_steps, run.initial_cid,
                     "" if heads is None or fresh else f"; the run is under way (model v{heads.version}): resyncing")
+        if run.task.pipeline is not None:
+            logger.warning("%s: a pipelined task: its records do not yet prove what a data-parallel record proves "
+                           "against a hostile member (docs/security.md, 'Pipelined tasks'); run it among members "
+                           "you trust, e.g. with [peers] admission = \"allowlist\"", run.log_prefix)
         if fresh:  # step 0 from the task's seed (or initial model): every member holds it
             run.set_synced()
         else:
