@@ -21,7 +21,7 @@ from p2ptrain.models import model_file_limit
 from p2ptrain.node import DEFAULT_MAX_FETCH_BYTES
 from p2ptrain.run import RunDir
 from p2ptrain.services._latest import LatestFinder
-from p2ptrain.services._tasks import JOIN_FETCH_TIMEOUT_S, MAX_CONCURRENT_JOINS, KnownTask, TaskService
+from p2ptrain.services._tasks import MAX_CONCURRENT_JOINS, KnownTask, TaskService
 from p2ptrain.task import MAX_TASK_BYTES, Task, TaskError, load_task, task_bytes
 from p2ptrain.wire import TASKS_TOPIC, TaskAnnounce, TaskCancel, TaskResume
 
@@ -53,7 +53,7 @@ class TaskControl:
         text = request.get("text")
         if not isinstance(text, str) or len(text) > MAX_TASK_BYTES:
             raise UserError(f"a task file must be TOML text of at most {MAX_TASK_BYTES} bytes")
-        task = await trio.to_thread.run_sync(load_task, text)  # off the event loop, as _held_task says
+        task = await trio.to_thread.run_sync(load_task, text)  # off the event loop, as TaskService.held_task says
         if task.publisher is None:  # this node's key is the one that may cancel it (task cancel)
             task = replace(task, publisher=self.tasks.node.peer_id.to_base58())
         if task.dataset is not None:
@@ -132,8 +132,7 @@ class TaskControl:
         run = self.tasks.runs.get(task_cid)
         if run is not None:
             return run.shared.task
-        await self.tasks.content.fetch(task_cid, timeout=JOIN_FETCH_TIMEOUT_S, max_bytes=MAX_TASK_BYTES)
-        return await trio.to_thread.run_sync(self.tasks.held_task, task_cid)
+        return await self.tasks.fetch_task(task_cid)
 
     async def status(self, request: dict[str, Any]) -> dict[str, Any]:
         task_cid = str(request.get("task_cid", ""))

@@ -217,9 +217,8 @@ class TaskService:
             return self.runs[task_cid]
         requested_cid(task_cid)
         if task is None:
-            await self.content.fetch(task_cid, timeout=JOIN_FETCH_TIMEOUT_S, max_bytes=MAX_TASK_BYTES)
             try:
-                task = await trio.to_thread.run_sync(self.held_task, task_cid)
+                task = await self.fetch_task(task_cid)
             except NoBuilder as exc:  # a sound task this node cannot build: say what to install
                 raise UserError(exc.line) from exc
         caps = self.node.membership.caps
@@ -262,6 +261,12 @@ class TaskService:
     def _cancelled_here(self, task_cid: str) -> bool:
         """Whether this home heard (or, as publisher, sent) the task's cancel: it never runs it again."""
         return RunDir.of(self.node.home, task_cid).cancelled.is_file()
+
+    async def fetch_task(self, task_cid: str) -> Task:
+        """The task ``task_cid``, fetched by CID (at most MAX_TASK_BYTES, within JOIN_FETCH_TIMEOUT_S)
+        and parsed off the event loop (:meth:`held_task`)."""
+        await self.content.fetch(task_cid, timeout=JOIN_FETCH_TIMEOUT_S, max_bytes=MAX_TASK_BYTES)
+        return await trio.to_thread.run_sync(self.held_task, task_cid)
 
     def held_task(self, task_cid: str) -> Task:
         """The task held here by CID, parsed: in a worker thread, since the parse builds the model on
