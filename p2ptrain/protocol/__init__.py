@@ -46,6 +46,13 @@ if TYPE_CHECKING:
         stage_rings as stage_rings,
         stage_round_id as stage_round_id,
     )
+    from p2ptrain.protocol._stage_quorum import (
+        check_statement as check_statement,
+        sign_statement as sign_statement,
+        signed_entry_problem as signed_entry_problem,
+        stage_verdicts as stage_verdicts,
+        StageVerdict as StageVerdict,
+    )
     from p2ptrain.protocol._records import (
         attest as attest,
         load_model_bytes as load_model_bytes,

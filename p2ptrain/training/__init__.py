@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     )
     from p2ptrain.training._stage_files import model_file as model_file
     from p2ptrain.training._stage_manifest import (
+        check_stage_signatures as check_stage_signatures,
         is_manifest as is_manifest,
         ManifestError as ManifestError,
         manifest_bytes as manifest_bytes,
