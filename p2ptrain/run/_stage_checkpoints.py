@@ -110,11 +110,16 @@ async def store_stage_checkpoint(run: RunState, plan: RoundPlan, stage: int, sta
     for signer, why in strangers.items():
         run.refuse("stage_statement", f"at step {step} {short_id(signer)} {why}")
     for verdict in verdicts:
-        if verdict.cids is None:
+        # Other files than the stage's quorum signed; without a quorum, a replica of the stage
+        # still knows its own files: it names those that signed others.
+        agreed = verdict.cids if verdict.cids is not None else own if verdict.stage == stage else None
+        if agreed is None:
             continue
+        whose = "a quorum of its replicas" if verdict.cids is not None else "this member"
         for replica, cids in verdict.dissent.items():
-            run.refuse("stage_diverged", f"at step {step} {short_id(replica)} signed other files for stage "
-                       f"{verdict.stage} ({cids[0]}) than a quorum of its replicas ({verdict.cids[0]})")
+            if cids != agreed:
+                run.refuse("stage_diverged", f"at step {step} {short_id(replica)} signed other files for stage "
+                           f"{verdict.stage} ({cids[0]}) than {whose} ({agreed[0]})")
     missing = [v for v in verdicts if v.cids is None]
     if missing:
         v = missing[0]
@@ -125,8 +130,8 @@ async def store_stage_checkpoint(run: RunState, plan: RoundPlan, stage: int, sta
         return None
     entries = []
     for i, (s, verdict) in enumerate(zip(trainer.stages, verdicts, strict=True)):
+        assert verdict.cids is not None  # every stage has its quorum here
         cids, signatures = verdict.cids, verdict.signatures
-        assert cids is not None
         if i == stage and cids != own:
             # This member's stage differs from what a quorum of its replicas signed: it attests a
             # manifest of its own files (a differing attestation, as a member whose bits differ).

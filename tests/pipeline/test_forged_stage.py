@@ -120,6 +120,9 @@ async def test_a_member_forging_stage_files_is_outvoted_named_and_the_run_goes_o
             named = [r.getMessage() for r in caplog.records if short_id(forger[0]) in r.getMessage()]
             assert any("signed other files for stage 0" in m for m in named), named
             assert any("signed stage 1's files, but the plan puts it in stage 0" in m for m in named), named
+            # F14: garbage in the gather is its sender's, named, and the checkpoints went on.
+            garbage = [m for m in named if f"refused {short_id(forger[0])}'s stage statement" in m]
+            assert any("bad signature" in m for m in garbage) and any("in the name of" in m for m in garbage), named
 
 
 async def _sign_what_is_not_its_own(run: Any, step: int, fake: bytes, optim: bytes, *, other_stage: bool) -> None:
