@@ -48,6 +48,7 @@ if TYPE_CHECKING:
         MAX_MANIFEST_BYTES as MAX_MANIFEST_BYTES,
         read_manifest as read_manifest,
         stage_file_cids as stage_file_cids,
+        stage_signatures_problem as stage_signatures_problem,
         StageFile as StageFile,
     )
     from p2ptrain.training._user_trainer import (

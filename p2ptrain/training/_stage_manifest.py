@@ -134,6 +134,23 @@ def check_stage_signatures(stages: Sequence[StageFile], record: ModelRecord) -> 
             raise ManifestError(problem)
 
 
+def stage_signatures_problem(store: ContentStore, record: ModelRecord) -> str | None:
+    """Why ``record``'s model, a stage manifest ``store`` holds, is not each stage's files as a
+    quorum of its replicas signed them (:func:`check_stage_signatures`); None when it is, or when
+    the model is no manifest (a model file: nothing to check here)."""
+    try:
+        data = store.cat(record.model_cid, max_bytes=MAX_MANIFEST_BYTES)
+    except (FileTooLarge, ContentUnavailable):
+        return None
+    if not is_manifest(data):
+        return None
+    try:
+        check_stage_signatures(read_manifest(data), record)
+    except ManifestError as exc:
+        return f"model {record.model_cid}: {exc}"
+    return None
+
+
 def stage_file_cids(store: ContentStore, cid: str) -> list[str]:
     """The stage model files of ``cid`` when it is a manifest the store holds, else none (a model
     file, or content this cannot tell: the loader that reads it says what it is)."""

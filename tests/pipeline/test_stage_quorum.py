@@ -114,3 +114,22 @@ def test_a_manifest_of_the_first_format_is_refused_by_name() -> None:
            + b'","optimizer":"' + GOOD[0][1].encode() + b'","parameters":1}]}')
     with pytest.raises(ManifestError, match="format"):
         read_manifest(old)
+
+
+def test_the_latest_model_of_a_fetch_is_checked_stage_by_stage(tmp_path) -> None:
+    """``model fetch --latest`` (and a node's verified chain) checks its record's manifest in the
+    store: refused with one line when a stage lacks its quorum; a model file is not a manifest."""
+    from p2ptrain.ipfs import EmbeddedStore
+    from p2ptrain.training import stage_signatures_problem
+
+    store = EmbeddedStore(tmp_path)
+    verdicts, _ = stage_verdicts(RINGS, honest())
+    good = manifest_of(verdicts)
+    cid = str(store.add_bytes(manifest_bytes(good)))
+    assert stage_signatures_problem(store, dataclasses.replace(record(), model_cid=cid)) is None
+    short = (good[0], dataclasses.replace(good[1], signatures=good[1].signatures[:1]))
+    cid = str(store.add_bytes(manifest_bytes(short)))
+    problem = stage_signatures_problem(store, dataclasses.replace(record(), model_cid=cid))
+    assert problem == f"model {cid}: stage 1's files are signed by 1 of its 2 replicas, not a quorum (2)"
+    model = str(store.add_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}      "))  # a (tiny) model file's shape
+    assert stage_signatures_problem(store, dataclasses.replace(record(), model_cid=model)) is None
