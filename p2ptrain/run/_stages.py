@@ -99,15 +99,17 @@ class StageRounds:
         self._plan, self._driver, self._replica = plan, None, None
         encoding = task.pipeline.activations
         host = run.collective.host
+        rings = stage_rings(plan)
         if index == 0:
-            rings = stage_rings(plan)
             replicas = {s: [ID.from_base58(m) for m in ring] for s, ring in enumerate(rings) if s > 0}
             rank, _ = shard_of(plan, run.me)
             self._driver = Driver(host, stage, _loss, Wiring(replicas, random.Random(task.seed + rank)),
-                                  encoding=encoding, hop_timeout=self.hop_timeout, protocol=self.protocol,
-                                  check_fraction=task.pipeline.check_fraction, check_seed=task.seed + rank)
+                                  cut=trainer.stages, encoding=encoding, hop_timeout=self.hop_timeout,
+                                  protocol=self.protocol, check_fraction=task.pipeline.check_fraction,
+                                  check_seed=task.seed + rank)
         else:
-            self._replica = StageReplica(host, stage, _loss, encoding=encoding, protocol=self.protocol)
+            self._replica = StageReplica(host, stage, _loss, senders=[ID.from_base58(m) for m in rings[0]],
+                                         encoding=encoding, protocol=self.protocol)
         if not self._serving:
             serve_channels(host, self.protocol, self._answer, max_streams_per_peer=MAX_STREAMS_PER_PEER)
             self._serving = True
