@@ -1,10 +1,11 @@
 """Hostile peers against the stage protocol, on real libp2p hosts (127.0.0.1), and stage files
 crafted to pass a joiner's checks.
 
-Each test plays one dishonest or careless peer against honest drivers and replicas. Those marked
-``xfail(strict=True)`` reproduce a weakness not fixed yet (the reason says what a fix must do); they
-flip to a failure of the mark, and must lose it, once the weakness is fixed. (No ``raises=``: trio's
-test runner hands an async test's error on inside an ExceptionGroup.)
+Each test plays one dishonest or careless peer against honest drivers and replicas; its docstring
+says what the peer did before the fix. A weakness found and not fixed yet is reproduced here as
+``xfail(strict=True)`` (the reason says what a fix must do; no ``raises=``: trio's test runner hands
+an async test's error on inside an ExceptionGroup), which flips to a failure of the mark, and must
+lose it, once the weakness is fixed.
 """
 
 from __future__ import annotations
