@@ -48,10 +48,15 @@ if TYPE_CHECKING:
     )
     from p2ptrain.protocol._stage_quorum import (
         check_statement as check_statement,
+        read_statement as read_statement,
         sign_statement as sign_statement,
         signed_entry_problem as signed_entry_problem,
+        SignedStageStatement as SignedStageStatement,
         stage_verdicts as stage_verdicts,
+        StageStatement as StageStatement,
         StageVerdict as StageVerdict,
+        statement_bytes as statement_bytes,
+        StatementError as StatementError,
     )
     from p2ptrain.protocol._records import (
         attest as attest,

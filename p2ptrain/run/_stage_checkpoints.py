@@ -3,19 +3,21 @@ loaded by CID from the manifest of the run's latest confirmed checkpoint (docs/p
 
 At the end of a span every member stores its stage's two files
 (:meth:`~p2ptrain.run._stage_trainer.StagedTrainer.stage_files`; the replicas of a stage hold the
-same bits, so the same CIDs) and publishes its signed statement that they are its stage's
-(:class:`~p2ptrain.wire.StageStatement`, on the task's topic: every member gets every member's, as
-it signed it; nobody's sum to steer). Each member waits for the plan's members' statements and takes
-each stage's entry from a quorum of *that stage's* planned replicas
-(:func:`~p2ptrain.protocol.stage_verdicts`); the manifest carries the stage's replicas and their
+same bits, so the same CIDs) and signs its statement that they are its stage's
+(:class:`~p2ptrain.protocol.StageStatement`). One gather over the plan's members
+(:meth:`~p2ptrain.collective.Collective.gather`: each slot its member's own, the same list on every
+member, an equivocating member named; nobody's sum to steer) gives every member every statement,
+and each stage's entry is what a quorum of *that stage's* planned replicas signed
+(:func:`~p2ptrain.protocol.stage_verdicts`). The manifest carries each stage's replicas and their
 signatures, so whoever reads the chain can check them (``check_stage_signatures``). Its CID is both
 the model and the optimizer CID the member hands to the record and its attestation, as a
 data-parallel member hands its files'. Records, attestations and tallies are those of any run.
 
-A stage without such a quorum means no checkpoint this span (as a failed buffer average in a
-data-parallel run). Whoever signed other files than its stage's quorum (``stage_diverged``), signed
-for a stage the plan does not put it in, or sent a statement that is not its own or not signed
-(``stage_statement``) is counted and named in the log.
+A stage without such a quorum, or a failed gather, means no checkpoint this span (as a failed
+buffer average in a data-parallel run). Whoever signed other files than its stage's quorum
+(``stage_diverged``), signed for a stage the plan does not put it in, or put anything but its own
+signed statement in the gather (``stage_statement``) is counted and named in the log, and what it
+said counts for nothing: the checkpoint goes on when the quorums hold.
 """
 
 from __future__ import annotations
@@ -23,79 +25,33 @@ from __future__ import annotations
 import logging
 
 import trio
+from libp2p.peer.id import ID
 
 from p2ptrain.base import short_id
+from p2ptrain.collective import CollectiveError
 from p2ptrain.ipfs import ContentUnavailable
-from p2ptrain.protocol import check_statement, RecordError, sign_statement, stage_rings, stage_verdicts
+from p2ptrain.protocol import (buffers_round_id, check_statement, read_statement, RecordError, sign_statement,
+                               SignedStageStatement, stage_rings, stage_verdicts, statement_bytes, StatementError)
+from p2ptrain.protocol._stage_quorum import MAX_STATEMENT_BYTES
 from p2ptrain.protocol.signing import SignatureError
-from p2ptrain.run._run_state import Nudge, RunState
+from p2ptrain.run._run_state import RunState
 from p2ptrain.run._stage_trainer import StagedTrainer
 from p2ptrain.training import (check_stage_signatures, ManifestError, manifest_bytes, MAX_MANIFEST_BYTES,
                                read_manifest, StageFile, TrainerError)
-from p2ptrain.wire import RoundPlan, SignedStageStatement
+from p2ptrain.wire import RoundPlan
 
 logger = logging.getLogger(__name__)
 
 # Fetching a stage's manifest or files: each read is bounded in bytes too, so this only ends a
 # transfer that stalls (the resync's bound).
 FETCH_TIMEOUT_S = 60.0
-# Checkpoint steps whose statements a member keeps per signer: the one it is storing and the next
-# (overlap mode, or a faster member that is there first).
-KEPT_STEPS = 2
 
 
-class StageStatements:
-    """The signed stage statements of a run's checkpoints, kept as they come: a faster member's
-    arrive before this member is at its checkpoint. Only from the latest plan's members, each
-    signed by its sender, at most :data:`KEPT_STEPS` steps per signer and one statement per step."""
-
-    def __init__(self, run: RunState) -> None:
-        self.run = run
-        self._by_step: dict[int, dict[str, SignedStageStatement]] = {}
-        self._news = Nudge()
-
-    def on_statement(self, sender: str, signed: SignedStageStatement) -> None:
-        run = self.run
-        plan = run.book.last_plan if run.book is not None else None
-        if plan is None or sender not in plan.members:
-            return  # not a member of the span it speaks of (or we follow none): nothing to count it in
-        statement = signed.statement
-        try:
-            check_statement(signed, sender)
-        except SignatureError as exc:
-            run.refuse("stage_statement", f"refused {short_id(sender)}'s stage statement at step {statement.step}: {exc}")
-            return
-        before = self._by_step.get(statement.step, {}).get(sender)
-        if before is not None:
-            if before != signed:
-                run.refuse("stage_statement", f"{short_id(sender)} signed two stage statements at step "
-                           f"{statement.step}; the first counts")
-            return
-        if sum(sender in by for by in self._by_step.values()) >= KEPT_STEPS:
-            run.refuse("stage_statement", f"{short_id(sender)} sent statements of more than {KEPT_STEPS} steps")
-            return
-        kept = self._by_step.setdefault(statement.step, {})
-        kept[sender] = signed
-        self._news.set()
-
-    async def gather(self, plan: RoundPlan, step: int, timeout: float) -> dict[str, SignedStageStatement]:
-        """The statements of ``plan``'s members at ``step``: once every member's is here, or what
-        came within ``timeout``; those of earlier steps are dropped."""
-        members = set(plan.members)
-        with trio.move_on_after(timeout):
-            while not members <= set(self._by_step.get(step, {})):
-                await self._news.wait(timeout)
-        got = {m: s for m, s in self._by_step.get(step, {}).items() if m in members}
-        for old in [s for s in self._by_step if s <= step]:
-            del self._by_step[old]
-        return got
-
-
-async def store_stage_checkpoint(run: RunState, plan: RoundPlan, stage: int, statements: StageStatements, *,
-                                 timeout: float) -> str | None:
+async def store_stage_checkpoint(run: RunState, plan: RoundPlan, stage: int, *, timeout: float,
+                                 start_timeout: float) -> str | None:
     """Store this member's stage files at the end of ``plan``, sign them as its stage's, learn every
     stage's from a quorum of its replicas and store the manifest: its CID (the record's model and
-    optimizer CID), or None when a stage has no quorum (no checkpoint this span)."""
+    optimizer CID), or None when the gather failed or a stage has no quorum (no checkpoint)."""
     trainer, _ = run.require()
     assert isinstance(trainer, StagedTrainer)
     store = run.content.store
@@ -104,9 +60,16 @@ async def store_stage_checkpoint(run: RunState, plan: RoundPlan, stage: int, sta
     own = (str(await trio.to_thread.run_sync(store.add_bytes, model_data)),
            str(await trio.to_thread.run_sync(store.add_bytes, optim_data)))
     mine = sign_statement(run.task_cid, step, stage, own, run.node.key_pair)
-    await run.broadcast(mine)  # our own comes back through on_statement
-    got = await statements.gather(plan, step, timeout)
-    verdicts, strangers = stage_verdicts(stage_rings(plan), got)
+    members = [ID.from_base58(m) for m in plan.members]
+    try:
+        parts = await run.collective.gather(statement_bytes(mine), members, buffers_round_id(plan),
+                                            max_bytes=MAX_STATEMENT_BYTES, check=lambda member, raw: None,
+                                            timeout=timeout, start_timeout=start_timeout)
+    except CollectiveError as exc:
+        logger.warning("%s: gathering the stages' statements at step %d failed (%s); no checkpoint this span",
+                       run.log_prefix, step, exc)
+        return None
+    verdicts, strangers = stage_verdicts(stage_rings(plan), _statements(run, plan, step, parts))
     for signer, why in strangers.items():
         run.refuse("stage_statement", f"at step {step} {short_id(signer)} {why}")
     for verdict in verdicts:
@@ -125,7 +88,7 @@ async def store_stage_checkpoint(run: RunState, plan: RoundPlan, stage: int, sta
         v = missing[0]
         said = ", ".join(f"{short_id(r)}: {c[0]}" for r, c in v.dissent.items()) or "none"
         logger.warning("%s: no checkpoint at step %d: no quorum of stage %d's %d replicas signed the same files "
-                       "(signed: %s; silent: %s)", run.log_prefix, step, v.stage, len(v.replicas), said,
+                       "(signed: %s; no statement: %s)", run.log_prefix, step, v.stage, len(v.replicas), said,
                        ", ".join(short_id(r) for r in v.silent) or "none")
         return None
     entries = []
@@ -143,6 +106,24 @@ async def store_stage_checkpoint(run: RunState, plan: RoundPlan, stage: int, sta
     cid = await trio.to_thread.run_sync(store.add_bytes, manifest_bytes(entries))
     logger.info("%s: checkpoint at step %d: stage %d stored, manifest %s", run.log_prefix, step, stage, cid)
     return str(cid)
+
+
+def _statements(run: RunState, plan: RoundPlan, step: int, parts: list[bytes]) -> dict[str, SignedStageStatement]:
+    """The gather's parts (in plan order) that are their member's own signed statement of this
+    task and step; any other part is counted and named, and counts for nothing."""
+    out = {}
+    for member, raw in zip(plan.members, parts, strict=True):
+        try:
+            signed = read_statement(raw)
+            statement = check_statement(signed, member)
+            if (statement.task_cid, statement.step) != (run.task_cid, step):
+                raise StatementError(f"it speaks of step {statement.step} of task {statement.task_cid}")
+        except (StatementError, SignatureError) as exc:
+            run.refuse("stage_statement", f"at step {step} {short_id(member)} put no statement of its own in the "
+                       f"gather: {exc}")
+            continue
+        out[member] = signed
+    return out
 
 
 async def load_confirmed_stage(run: RunState, stage: int) -> None:

@@ -50,7 +50,7 @@ from p2ptrain.pipeline import (Driver, MAX_STREAMS_PER_PEER, PipelineError, PROT
                                Wiring)
 from p2ptrain.protocol import owner_seed, shard_of, stage_rings, stage_round_id
 from p2ptrain.run._run_state import RunState
-from p2ptrain.run._stage_checkpoints import load_confirmed_stage, StageStatements, store_stage_checkpoint
+from p2ptrain.run._stage_checkpoints import load_confirmed_stage, store_stage_checkpoint
 from p2ptrain.run._stage_trainer import StagedTrainer
 from p2ptrain.run._step_summary import gather_summary
 from p2ptrain.training import loss_and_hits, StepResult
@@ -82,7 +82,6 @@ class StageRounds:
         self._driver: Driver | None = None
         self._replica: StageReplica | None = None
         self._serving = False
-        self.statements = StageStatements(run)  # the members' signed stage files, for the manifest
 
     def stage_of(self, plan: RoundPlan) -> int:
         assert plan.stages is not None
@@ -223,7 +222,7 @@ class StageRounds:
 
     async def checkpoint(self, plan: RoundPlan) -> str | None:
         """At the end of ``plan``'s span: this member's stage files stored and the manifest of every
-        stage's (run/_stage_checkpoints.py); its CID, or None when a stage had no quorum of its
-        replicas' signatures. Members reach it at different times: it waits as a round's start does."""
-        return await store_stage_checkpoint(self.run, plan, self.stage_of(plan), self.statements,
-                                            timeout=self.start_timeout)
+        stage's (run/_stage_checkpoints.py); its CID, or None when the gather failed or a stage had
+        no quorum of its replicas' signatures."""
+        return await store_stage_checkpoint(self.run, plan, self.stage_of(plan), timeout=self.hop_timeout,
+                                            start_timeout=self.start_timeout)

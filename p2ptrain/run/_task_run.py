@@ -56,7 +56,6 @@ from p2ptrain.wire import (
     RoundPlan,
     SignedAttestation,
     SignedModelRecord,
-    SignedStageStatement,
     SignedVote,
     TASKS_TOPIC,
     TaskCancel,
@@ -292,10 +291,6 @@ class TaskRun:
     async def _on_attestation(self, sender: str, msg: SignedAttestation) -> None:
         await self.attesting.on_attestation(msg)
 
-    async def _on_stage_statement(self, sender: str, msg: SignedStageStatement) -> None:
-        if self.spans.stages is not None:
-            self.spans.stages.statements.on_statement(sender, msg)
-
     async def _on_head(self, sender: str, msg: TaskHead) -> None:
         if not self.resume.on_head(sender, msg):
             self.resync.on_head(sender, msg)
@@ -369,7 +364,6 @@ class TaskRun:
         RoundFailed: _on_failure_report,
         SignedModelRecord: _on_record,
         SignedAttestation: _on_attestation,
-        SignedStageStatement: _on_stage_statement,
         TaskHead: _on_head,
         TaskCancel: _on_cancel,
     }

@@ -256,31 +256,6 @@ class SignedAttestation:
 
 
 @dataclass(frozen=True)
-class StageStatement:
-    """A replica's statement in a pipelined run: 'at ``step`` of task ``task_cid`` my stage
-    ``stage``'s files hash to these CIDs'. A stage's entry in the run's manifest is the CIDs a
-    quorum of that stage's planned replicas signed (:mod:`p2ptrain.protocol._stage_quorum`)."""
-
-    task_cid: str = field(metadata=_CID)
-    step: int
-    stage: int
-    model_cid: str = field(metadata=_CID)
-    optimizer_cid: str = field(metadata=_CID)
-    replica: str = field(metadata=_PEER)
-
-
-@message("stage_statement")
-@dataclass(frozen=True)
-class SignedStageStatement:
-    statement: StageStatement
-    signature: str = field(metadata=_SIG)
-
-    @property
-    def task_cid(self) -> str:
-        return self.statement.task_cid
-
-
-@dataclass(frozen=True)
 class ConfirmedRecord:
     """A confirmed record as a chain keeps it (one line of ``chain.jsonl``, or of the chain a head
     names): the signed record and the matching attestations of a quorum of its members, so that

@@ -31,9 +31,7 @@ from p2ptrain.wire import (
     RoundPlan,
     SignedAttestation,
     SignedModelRecord,
-    SignedStageStatement,
     SignedVote,
-    StageStatement,
     TaskAnnounce,
     TaskCancel,
     TaskHead,
@@ -105,10 +103,6 @@ SAMPLES = [
     SignedAttestation(
         attestation=Attestation(task_cid=_CID, version=2, record_id="r" * 64, model_cid=_CID, optimizer_cid=_CID,
                                 attester=_SENDER),
-        signature=_SIG,
-    ),
-    SignedStageStatement(
-        statement=StageStatement(task_cid=_CID, step=30, stage=1, model_cid=_CID, optimizer_cid=_CID, replica=_SENDER),
         signature=_SIG,
     ),
     VoteRequest(task_cid=_CID, term=3, candidate=_SENDER),
