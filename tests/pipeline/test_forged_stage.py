@@ -85,19 +85,19 @@ async def test_a_member_forging_stage_files_is_outvoted_named_and_the_run_goes_o
             del trainer.stage_files
 
     def gathered(signed: Any) -> bytes:
-        """What each member puts in the gather; the forger, by checkpoint: stage 1's entry with its
-        forged files (steps 2, 10), a statement in stage 1's first replica's name (4, 12), its own
-        with a garbage signature (6, 14), its forged stage's (8, 16)."""
+        """What each member puts in the gather; the forger, by checkpoint: its forged stage's (steps
+        2, 10), stage 1's entry with its forged files (4, 12), a statement in stage 1's first
+        replica's name (6, 14), its own with a garbage signature (8, 16)."""
         said = signed.statement
         if said.replica != forger.get("me"):
             return statement_bytes(signed)
         mode = (said.step // 2 - 1) % 4
-        if mode == 0:
+        if mode == 1:
             cids = (said.model_cid, said.optimizer_cid)
             return statement_bytes(sign_statement(said.task_cid, said.step, 1, cids, forger["key"]))
-        if mode == 1:
-            return statement_bytes(dataclasses.replace(signed, statement=dataclasses.replace(said, replica=forger["other"])))
         if mode == 2:
+            return statement_bytes(dataclasses.replace(signed, statement=dataclasses.replace(said, replica=forger["other"])))
+        if mode == 3:
             return statement_bytes(dataclasses.replace(signed, signature="00" * 64))
         return statement_bytes(signed)
 
