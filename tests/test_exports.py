@@ -82,7 +82,8 @@ EXPORTS: dict[str, list[str]] = {
     ],
     "p2ptrain.protocol": [
         "ATTEST_TIMEOUT_S", "AssignmentError", "Attestations", "Chain", "ChainRules", "Election", "ElectionConfig",
-        "ElectionMessage", "Hold", "MAX_CHAIN_BYTES", "Misconduct", "Participation", "RecordError", "RoundBook",
+        "ElectionMessage", "Hold", "MAX_CHAIN_BYTES", "MAX_STATEMENT_BYTES", "Misconduct", "Participation", "RecordError",
+        "RoundBook",
         "RuleBreak", "SignedStageStatement", "StageStatement", "StageVerdict", "StatementError", "Status", "Tally",
         "View",
         "assign", "attest", "audit", "buffers_round_id", "chain_lines", "check_statement", "election_problem",

@@ -48,6 +48,7 @@ if TYPE_CHECKING:
     )
     from p2ptrain.protocol._stage_quorum import (
         check_statement as check_statement,
+        MAX_STATEMENT_BYTES as MAX_STATEMENT_BYTES,
         read_statement as read_statement,
         sign_statement as sign_statement,
         signed_entry_problem as signed_entry_problem,

@@ -30,9 +30,9 @@ from libp2p.peer.id import ID
 from p2ptrain.base import short_id
 from p2ptrain.collective import CollectiveError
 from p2ptrain.ipfs import ContentUnavailable
-from p2ptrain.protocol import (buffers_round_id, check_statement, read_statement, RecordError, sign_statement,
-                               SignedStageStatement, stage_rings, stage_verdicts, statement_bytes, StatementError)
-from p2ptrain.protocol._stage_quorum import MAX_STATEMENT_BYTES
+from p2ptrain.protocol import (buffers_round_id, check_statement, MAX_STATEMENT_BYTES, read_statement, RecordError,
+                               sign_statement, SignedStageStatement, stage_rings, stage_verdicts, statement_bytes,
+                               StatementError)
 from p2ptrain.protocol.signing import SignatureError
 from p2ptrain.run._run_state import RunState
 from p2ptrain.run._stage_trainer import StagedTrainer
