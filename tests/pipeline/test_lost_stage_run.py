@@ -119,6 +119,11 @@ async def test_a_stage_that_lost_its_last_replica_is_taken_by_another_member_and
     with trio.fail_after(DEADLINE_S):
         async with local_peers(4, tmp_path) as peers:
             manifest, task_cid = await publish(peers)
+            # Whichever stage loses its replica, the data stay: every peer holds the training shards
+            # (a publisher pins its data set; here peer 0, which built it, may be the one stopped).
+            for peer in peers[1:]:
+                for cid in split_shards(peers[0].content.store, manifest, "train"):
+                    await peer.content.fetch(cid)
             async with trio.open_nursery() as nursery:
                 for peer in peers:
                     nursery.start_soon(peer.tasks.join, task_cid)
@@ -187,8 +192,6 @@ async def test_a_stage_that_lost_its_last_replica_is_taken_by_another_member_and
             after = run.book.chain.records[1].record
             plan = run.book.span_plans[after.step]
             drivers = len(stage_rings(plan)[0])
-            for cid in split_shards(home.content.store, manifest, "train"):
-                await home.content.fetch(cid)
             start = await whole_model(home, checkpoint.model_cid)
             got = await whole_model(home, after.model_cid)
             expected = await trio.to_thread.run_sync(
