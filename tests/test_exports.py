@@ -86,8 +86,9 @@ EXPORTS: dict[str, list[str]] = {
         "RuleBreak", "Status", "Tally", "View",
         "assign", "attest", "audit", "buffers_round_id", "chain_lines", "election_problem", "entry_from_bytes",
         "is_checkpoint",
-        "load_model_bytes", "model_bytes", "owner_seed", "parse_entry", "read_chain", "read_model_card",
-        "read_tensors", "round_id", "round_seed", "shard_of", "sign_record", "signing", "stage_rings",
+        "load_model_bytes", "model_bytes", "orphaned_stages", "owner_seed", "parse_entry", "plan_order", "read_chain",
+        "read_model_card", "read_tensors", "round_id", "round_seed", "shard_of", "sign_record", "signing",
+        "stage_moves", "stage_rings",
         "stage_round_id", "state_bytes", "tensors_bytes", "throughput",
     ],
     "p2ptrain.run": [

@@ -405,7 +405,9 @@ class RoundBook:
             return None  # the current span is still running
         if my_step not in (step, step + 1) or step >= self.total_steps:
             return None
-        admit = step == self.head_step
+        # A stage whose replicas all left (below) sends the run back to the head, where joiners are
+        # admitted: one may be the member that stage needs (a run with no member to spare).
+        admit = step == self.head_step or (step > self.head_step and bool(orphaned_stages(self.accepted, live)))
         members = plan_members(self.task, self.task_cid, previous, live, admit_joiners=admit, private=private)
         if members is None or election.me not in members:
             return None

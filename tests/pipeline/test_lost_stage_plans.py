@@ -106,3 +106,21 @@ def test_a_stage_that_keeps_a_replica_is_retried_where_it_failed():
     assert isinstance(plan, RoundPlan)
     assert (plan.step, plan.round, plan.attempt) == (2, first.round + 2, first.attempt + 1)
     assert stage_moves(first, plan) == () and not book.rewinds(plan, 2)
+
+
+def test_with_no_member_to_spare_a_joiner_takes_the_stage_at_the_checkpoint():
+    task = load_task(THREE)
+    election, book = _coordinator(task)
+    live = {election.me, *PEERS[:2]}
+    first = _first_span(book, election, live)
+    assert sorted(first.stages) == [0, 1, 2]
+    victim = next(m for m in first.members if m != election.me)
+    orphan = first.stages[first.members.index(victim)]
+    _failed(book, first, first.round + 1, victim, now=100.0)
+    # Two members cannot serve three stages: no plan, until a peer that holds the checkpoint joins.
+    assert _decide(book, election, 100.0 + RETRY_BACKOFF_S, 1, live - {victim}) is Hold.WAIT
+    joiner = PEERS[5]
+    plan = _decide(book, election, 100.0 + RETRY_BACKOFF_S, 1, (live - {victim}) | {joiner})
+    assert isinstance(plan, RoundPlan) and (plan.step, plan.round) == (0, 0)
+    assert plan.stages[plan.members.index(joiner)] == orphan and stage_moves(first, plan) == ()
+    assert rule_problem(task, book.total_steps, plan, first) is None
