@@ -105,8 +105,8 @@ class StagedTrainer(Trainer):
                 if i in keep and freed:
                     stage.to_empty(device=self.device)
                 elif i not in keep and not freed:
-                    for p in stage.parameters():
-                        p.grad = None  # a failed step's, which the optimizer would step on the meta device
+                    for param in stage.parameters():
+                        param.grad = None  # a failed step's, which the optimizer would step on the meta device
                     stage.to("meta")
             self.params = list(self.model.parameters())
             renamed = {id(old): new for old, new in zip(before, self.params, strict=True)}

@@ -367,13 +367,13 @@ class TaskRun:
         orphaned = orphaned_stages(before, plan.members)
         if not orphaned or run.trainer is None:
             return
-        moved = [{"peer": m, "from": a, "to": b} for m, a, b in stage_moves(before, plan)]
+        moves = stage_moves(before, plan)
         redone = max(0, run.trainer.step - plan.step)
-        run.stage_recovery = {"stages": list(orphaned), "moved": moved, "step": plan.step, "version": plan.version,
-                              "redone": redone}
+        run.stage_recovery = {"stages": list(orphaned), "moved": [{"peer": m, "from": a, "to": b} for m, a, b in moves],
+                              "step": plan.step, "version": plan.version, "redone": redone}
         logger.warning("%s: stage %s lost every replica; %s; the run goes back to model v%d (step %d), %d step%s "
                        "redone", run.log_prefix, ", ".join(map(str, orphaned)),
-                       ", ".join(f"{short_id(m['peer'])} moves from stage {m['from']} to {m['to']}" for m in moved)
+                       ", ".join(f"{short_id(m)} moves from stage {a} to {b}" for m, a, b in moves)
                        or "no member moves", plan.version, plan.step, redone, "" if redone == 1 else "s")
 
     # {message type: the handler}: the one place a task message is routed. The task service
