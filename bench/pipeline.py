@@ -93,11 +93,13 @@ async def pipeline_seconds(args: argparse.Namespace, kwargs: dict, data) -> floa
     count, r = args.stages, args.replicas
     async with connected_hosts(count * r) as hosts:
         replicas = {s: [hosts[r * s + k].id for k in range(r)] for s in range(1, count)}
+        drivers = [hosts[k].id for k in range(r)]
         members = []
         for i, local in enumerate(hosts):
-            stage = partition(build_model("transformer_lm", kwargs, seed=0), count)[i // r]
-            role = (Driver(local.host, stage, lm_loss, Wiring(replicas, random.Random(i))) if stage.index == 0
-                    else StageReplica(local.host, stage, lm_loss))
+            cut = partition(build_model("transformer_lm", kwargs, seed=0), count)
+            stage = cut[i // r]
+            role = (Driver(local.host, stage, lm_loss, Wiring(replicas, random.Random(i)), cut=cut) if stage.index == 0
+                    else StageReplica(local.host, stage, lm_loss, senders=drivers))
             if isinstance(role, StageReplica):
                 role.serve()
             members.append((local, stage, role, Collective(local.host), torch.optim.SGD(stage.parameters(), lr=0.1)))

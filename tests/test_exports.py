@@ -26,7 +26,7 @@ EXPORTS: dict[str, list[str]] = {
     "p2ptrain.base": [
         "AddressError", "HistogramSnapshot", "RoundHistograms", "UserError", "all_finite", "boundedjson",
         "count_rejection", "default_home", "flat_params", "fmt_bytes", "fmt_s", "format_host_port", "formatter",
-        "large_empty", "load_flat_params", "load_or_create_identity", "parse_host_port", "peer_id_of", "short_id",
+        "large_empty", "load_flat_params", "load_or_create_identity", "parse_host_port", "peer_id_of", "refilled", "short_id",
         "use_one_arena", "write_atomic", "zero_fill",
     ],
     "p2ptrain.collective": [

@@ -2,7 +2,7 @@
 
 Atomic file writes, the bounded JSON parser (:mod:`p2ptrain.base.boundedjson`, a public submodule:
 ``boundedjson.loads``), ``UserError``, how log lines name peers, the home folder and its Ed25519 key,
-one-pass tensor checks, round-time histograms, ``HOST:PORT``, one glibc arena.
+one-pass tensor checks, round-time histograms, the token-bucket refill, ``HOST:PORT``, one glibc arena.
 """
 
 from typing import TYPE_CHECKING
@@ -37,6 +37,7 @@ if TYPE_CHECKING:
         load_flat_params as load_flat_params,
         zero_fill as zero_fill,
     )
+    from p2ptrain.base._token_bucket import refilled as refilled
 else:
     from p2ptrain._exports import lazy_exports
 

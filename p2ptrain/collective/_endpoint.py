@@ -7,7 +7,8 @@ import json
 import logging
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -16,7 +17,8 @@ from libp2p.abc import IHost
 from libp2p.peer.id import ID
 
 from p2ptrain.collective._direct import direct_allreduce
-from p2ptrain.collective._failures import BadPayload, CollectiveError, Misbehaved, PeerFailed, single_failure
+from p2ptrain.collective._failures import BadPayload, CollectiveError, Misbehaved, single_failure
+from p2ptrain.collective._gather import gather_description, witnessed_gather
 from p2ptrain.collective._owners import Owners, drawn
 from p2ptrain.collective._ring import FLOAT_DTYPES, SEGMENT_BYTES, ring_allreduce
 from p2ptrain.collective._round_hub import RoundHub
@@ -115,7 +117,7 @@ class Collective:
         description = dense_description(data.numel(), data.dtype, spec.op, spec.robust) + suffix
         digest = round_digest(round_id, ring, description)
         started = time.perf_counter()
-        try:
+        with self._counting_refusals(round_id):
             async with self.hub.open_round(
                 ring, round_id, digest, timeout=spec.timeout, start_timeout=spec.join_timeout,
                 mesh=spec.robust != "none",
@@ -128,12 +130,6 @@ class Collective:
                     await direct_allreduce(links, data, spec, owners=owners, witness=witness,
                                            segment_bytes=self.segment_bytes)
                     await witness.confirm()
-        except BadPayload as error:
-            self._refused(round_id, "bad_payload", error)
-            raise
-        except Misbehaved as error:
-            self._refused(round_id, "misbehaved", error)
-            raise
         self.last_round = RoundStats(round_id, time.perf_counter() - started, links.bytes_sent, links.bytes_received)
 
     async def sparse_round(
@@ -196,7 +192,7 @@ class Collective:
             done.set()
 
         started = time.perf_counter()
-        try:
+        with self._counting_refusals(round_id):
             with single_failure():
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(run_local)
@@ -213,19 +209,44 @@ class Collective:
                             links, source, spec, ranges=ranges, mine=selected[0], segment_bytes=self.segment_bytes,
                             rotation=rotation, owners=owners, witness=witness,
                         )
-        except BadPayload as error:
-            self._refused(round_id, "bad_payload", error)
-            raise
-        except Misbehaved as error:
-            self._refused(round_id, "misbehaved", error)
-            raise
         self.last_round = RoundStats(round_id, time.perf_counter() - started, links.bytes_sent, links.bytes_received)
         return result
 
-    def _refused(self, round_id: int, why: str, error: PeerFailed) -> None:
-        """Count and log a round that failed on what a peer sent (a robust round's own check, too)."""
-        self.hub.refused[why] += 1
-        logger.warning("round %d: refused what %s sent: %s", round_id, error.peer_id, error.reason)
+    async def gather(
+        self, payload: bytes, ring: list[ID], round_id: int, *, max_bytes: int,
+        check: Callable[[int, bytes], object], timeout: float = DENSE.timeout, start_timeout: float | None = None,
+    ) -> list[bytes]:
+        """Every member's ``payload`` (at most ``max_bytes``), in ring order, the same list on every
+        member: each slot its member's own, signed, and compared by every member before it returns
+        (:mod:`p2ptrain.collective._gather`). ``check(member, raw)`` raises ``ValueError`` to refuse
+        the payload of ring member ``member``: the round fails as :class:`BadPayload` naming it. An
+        equivocating member fails it as :class:`Misbehaved`. ``timeout`` bounds every hop,
+        ``start_timeout`` (default ``timeout``) waiting for the members to join."""
+        if len(payload) > max_bytes:
+            raise CollectiveError(f"a payload of {len(payload)} bytes in a gather of at most {max_bytes}")
+        digest = round_digest(round_id, ring, gather_description(max_bytes))
+        started = time.perf_counter()
+        with self._counting_refusals(round_id):
+            async with self.hub.open_round(
+                ring, round_id, digest, timeout=timeout, start_timeout=start_timeout or timeout, mesh=True,
+            ) as links:
+                witness = Witness(links, digest, self._key)
+                out = await witnessed_gather(links, payload, witness, max_bytes=max_bytes, check=check,
+                                             segment_bytes=self.segment_bytes)
+                await witness.confirm()
+        self.last_round = RoundStats(round_id, time.perf_counter() - started, links.bytes_sent, links.bytes_received)
+        return out
+
+    @contextmanager
+    def _counting_refusals(self, round_id: int) -> Iterator[None]:
+        """Count and log a round that fails on what a peer sent (a robust round's own check, too)."""
+        try:
+            yield
+        except (BadPayload, Misbehaved) as error:
+            why = "bad_payload" if isinstance(error, BadPayload) else "misbehaved"
+            self.hub.refused[why] += 1
+            logger.warning("round %d: refused what %s sent: %s", round_id, error.peer_id, error.reason)
+            raise
 
 
 def _checks(spec: RoundSpec, size: int, seed: int, *, direct: bool) -> tuple[str, Owners | None]:

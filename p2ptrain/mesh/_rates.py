@@ -20,6 +20,8 @@ from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from p2ptrain.base import refilled
+
 # (sender, type) buckets kept at once; the least recently used goes first. Forgetting a bucket only
 # refills it, so the cap bounds memory (a flood of fresh identities), not any rate: each identity
 # is its own sender either way.
@@ -58,7 +60,7 @@ class SenderRates:
     def _tokens(self, sender: bytes, kind: str, now: float) -> float:
         rate = self.limits[kind]
         tokens, at = self._buckets.get((sender, kind), (rate.burst, now))
-        return min(rate.burst, tokens + max(0.0, now - at) * rate.per_s)
+        return refilled(tokens, at, now, rate.per_s, rate.burst)
 
     def has_token(self, sender: bytes, kind: str, now: float, nbytes: int = 0) -> bool:
         """Whether ``sender`` may send one more ``kind`` message of ``nbytes`` now (nothing is charged)."""

@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 from collections.abc import Hashable
 
+from p2ptrain.base import refilled
+
 # Gossipsub's own rate limit only gates what we *forward*: every message is handed to our
 # subscriptions (after an Ed25519 check, ~0.8 ms of CPU a message all told) first. So each peer's
 # inbound messages are also limited as they are read, before any check: a token bucket of this rate
@@ -81,7 +83,7 @@ def _take(buckets: dict[Hashable, tuple[float, float]], peer: Hashable, count: i
           burst: float) -> int:
     """How many of ``count`` tokens ``peer``'s bucket in ``buckets`` gives at ``now`` (that many taken)."""
     tokens, then = buckets.get(peer, (float(burst), now))
-    tokens = min(float(burst), tokens + (now - then) * rate)
+    tokens = refilled(tokens, then, now, rate, burst)
     taken = min(count, int(tokens))
     buckets[peer] = (tokens - taken, now)
     return taken

@@ -5,6 +5,14 @@ step exactly once across the stage's live replicas, weighted by its share of the
 :meth:`p2ptrain.pipeline.Driver.finish`), so the stage's gradient of the whole step is their *sum*.
 The exact dense all-reduce (:class:`p2ptrain.collective.Collective`) gives every replica of the ring
 the same bits, so the same optimizer step keeps the replicas bitwise identical.
+
+Under the task's ``robust = "clip"`` (``[compression]``, as for a data-parallel run's rounds) the
+sum is the direct exchange's instead: each chunk's owner, drawn from a seed no member chooses,
+clips every replica's contribution to the median of their norms and a verifier recomputes it
+(:mod:`p2ptrain.collective._robust`): a hostile replica weighs at most what an honest one does, and
+an owner that writes a chunk of its own is named. In the plain sum a replica's contribution counts
+whatever its size. (Clipping costs honest replicas too where their shares differ: a replica that
+served more microbatches has the larger norm.)
 """
 
 from __future__ import annotations
@@ -19,13 +27,17 @@ from p2ptrain.pipeline._partition import Stage
 
 async def sum_stage_gradients(
     collective: Collective, stage: Stage, ring: Sequence[Hashable], round_id: int, *, timeout: float = 10.0,
+    robust: str = "none", owner_seed: int | None = None,
 ) -> None:
     """Replace every parameter's gradient of ``stage`` by its sum over ``ring`` (this replica
-    included; a ring of one leaves it as it is). ``round_id`` is fresh for every stage and step."""
+    included; a ring of one leaves it as it is). ``round_id`` is fresh for every stage and step.
+    ``robust``: the task's rule (``"none"``, ``"clip"``); ``owner_seed``: in a robust round, the
+    seed that draws each chunk's owner and verifier (:func:`p2ptrain.protocol.owner_seed`)."""
     params = list(stage.parameters())
     flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
     if len(ring) > 1:
-        flat = await collective.allreduce(flat, list(ring), round_id, RoundSpec(op="sum", timeout=timeout))  # type: ignore[arg-type]
+        spec = RoundSpec(op="sum", robust=robust, timeout=timeout)
+        flat = await collective.allreduce(flat, list(ring), round_id, spec, owner_seed=owner_seed)  # type: ignore[arg-type]
     offset = 0
     for p in params:
         p.grad = flat[offset : offset + p.numel()].view_as(p).clone()

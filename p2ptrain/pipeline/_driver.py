@@ -6,7 +6,10 @@ which computes the loss and answers with the gradient of its input; the gradient
 through one replica of every stage (``BACKWARD``: the stage's input again and its output's gradient),
 and the driver backpropagates through its stage 0. Every hop is one request and one answer on a
 fresh channel; a hop whose replica closes the channel, answers garbage or answers too late is sent,
-with the same bytes, to another replica of the stage, and that replica is out for the step.
+with the same bytes, to another replica of the stage, and that replica is out for the step. An
+answer's shape must be the one the stage computes (each stage's output shape for its input's, found
+once on the meta device from the model's cut): a replica that answers an activation of another
+shape is the one blamed, not the replicas of the next stage that cannot use it.
 
 The driver keeps every microbatch's boundary tensors (each stage's input, and the gradient of its
 output) until the step ends, so any hop can be redone anywhere: at :meth:`Driver.finish` it asks every
@@ -27,17 +30,18 @@ import collections
 import logging
 import random
 import time
-from collections.abc import Callable, Collection, Hashable
+from collections.abc import Callable, Collection, Hashable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 import trio
 from libp2p.abc import IHost
 from libp2p.peer.id import ID
+from torch import nn
 
 from p2ptrain.base import short_id
 from p2ptrain.net import ChannelError, open_channel
-from p2ptrain.pipeline._partition import Stage
+from p2ptrain.pipeline._partition import output_shape, Stage
 from p2ptrain.pipeline._replica import Loss, PROTOCOL
 from p2ptrain.pipeline._wiring import Wiring
 from p2ptrain.wire.activations import ActivationError, decode_frame, DEFAULT_LIMITS, encode_frame, Frame, Kind, Limits
@@ -80,19 +84,29 @@ class _Microbatch:
 
 
 class Driver:
-    """A stage-0 member driving its microbatches of each step through the pipeline."""
+    """A stage-0 member driving its microbatches of each step through the pipeline.
+
+    ``cut``: every stage of the model, in order (their tensors anywhere, the meta device included:
+    only their shapes are used), from which the driver knows what shape each stage must answer.
+    """
 
     def __init__(
-        self, host: IHost, stage: Stage, loss: Loss, wiring: Wiring, *, encoding: str = "fp32",
+        self, host: IHost, stage: Stage, loss: Loss, wiring: Wiring, *, cut: Sequence[nn.Module], encoding: str = "fp32",
         limits: Limits = DEFAULT_LIMITS, hop_timeout: float = HOP_TIMEOUT_S,
         clock: Callable[[], float] = time.monotonic, check_fraction: float = 0.0, check_seed: int = 0,
         protocol: str = PROTOCOL,
     ) -> None:
         if stage.index != 0:
             raise ValueError("a driver serves stage 0")
+        if len(cut) != stage.count:
+            raise ValueError(f"the cut has {len(cut)} stages, not {stage.count}")
         self.host, self.stage, self.loss, self.wiring = host, stage, loss, wiring
         self.encoding, self.limits, self.hop_timeout, self.clock = encoding, limits, hop_timeout, clock
         self.protocol = protocol  # the replicas' (a runtime names one per task)
+        self.cut = list(cut)
+        # {(stage, input shape, input dtype): the stage's output shape}: a few entries (the step's
+        # microbatch sizes), each computed once on the meta device.
+        self._shapes: dict[tuple[int, tuple[int, ...], torch.dtype], torch.Size] = {}
         self.step = 0
         self._microbatches: dict[int, _Microbatch] = {}
         # {(stage, microbatch): the replicas sent its LOSS or BACKWARD this step}: only they may hold it.
@@ -225,8 +239,15 @@ class Driver:
         if answer.microbatch != mb or len(answer.tensors) != 1 or answer.tensors[0].dtype != torch.float32:
             raise _BadAnswer(f"answer for microbatch {answer.microbatch} with {len(answer.tensors)} tensors")
         got = answer.tensors[0].shape
-        if (kind == Kind.FORWARD and got[:1] != sent.shape[:1]) or (kind != Kind.FORWARD and got != sent.shape):
-            raise _BadAnswer(f"answer of shape {tuple(got)} to an input of {tuple(sent.shape)}")
+        shape = self._output_shape(stage, sent) if kind == Kind.FORWARD else sent.shape
+        if got != shape:
+            raise _BadAnswer(f"answer of shape {tuple(got)} to an input of {tuple(sent.shape)}, not {tuple(shape)}")
+
+    def _output_shape(self, stage: int, sent: torch.Tensor) -> torch.Size:
+        key = (stage, tuple(sent.shape), sent.dtype)
+        if key not in self._shapes:
+            self._shapes[key] = output_shape(self.cut[stage], sent)
+        return self._shapes[key]
 
     async def finish(self, left_out: Collection[Hashable] = ()) -> dict[int, list[Hashable]]:
         """End the step: every microbatch of this driver held once by each later stage (redone where

@@ -65,3 +65,17 @@ def partition(model: nn.Module, stages: int) -> list[Stage]:
         Stage(i, stages, a, pieces[a:b])
         for i, (a, b) in enumerate(zip(cut.bounds, cut.bounds[1:], strict=False))
     ]
+
+
+def output_shape(stage: nn.Module, x: torch.Tensor) -> torch.Size:
+    """The shape of ``stage``'s output for an input shaped and typed as ``x``, computed on the meta
+    device (nothing allocated, the values of the stage's tensors untouched, wherever they are: a member's
+    freed stages are on meta already). A driver checks every answer against it: an activation of
+    another shape is the answering replica's fault, not the next stage's. (``functional_call``
+    swaps the stage's tensors for the meta ones while it runs: not for a stage that computes in
+    another thread meanwhile; a driver asks it of the stages it does not serve.)"""
+    meta = {name: torch.empty_like(t, device="meta") for name, t in
+            [*stage.named_parameters(remove_duplicate=False), *stage.named_buffers(remove_duplicate=False)]}
+    with torch.no_grad():
+        out: torch.Tensor = torch.func.functional_call(stage, meta, (torch.empty_like(x, device="meta"),))
+    return out.shape

@@ -7,18 +7,22 @@ its forward to backpropagate (one more forward per stage, the price of replicas 
 use for any hop, and of a sender that can redo any hop elsewhere). The sender keeps what a hop needs
 until the step ends; a replica that dies loses only what it computed.
 
-A replica accumulates a microbatch's gradient into its parameters only *after* its answer went out,
-and only once per microbatch id: a hop whose answer never left (the sender gave up and reset the
-channel) leaves no trace, and a sender that retries the same replica is answered without counting
-twice. :meth:`held` says which microbatches of the step are in the replica's gradients; the senders
-ask for it at the end of a step (``HOLDINGS``) and redo elsewhere what a dead replica took with it.
+A replica answers only the peers its plan names as senders (the drivers: only they send requests in
+this protocol); any other peer's request is refused and counted (``outsider``), before its bytes are
+read. It accumulates a microbatch's gradient into its parameters only *after* its answer went out,
+and only once per (sender, microbatch id): a hop whose answer never left (the sender gave up and
+reset the channel) leaves no trace, a sender that retries the same replica is answered without
+counting twice, and a sender that uses another's (predictable) id adds its own gradient beside the
+other's, never in its place. :meth:`held` says which microbatches of the step are in the replica's
+gradients; each sender asks for its own at the end of a step (``HOLDINGS``: the answer lists only
+the ids that sender sent) and redoes elsewhere what a dead replica took with it.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Hashable
 
 import torch
 import trio
@@ -49,23 +53,25 @@ class StageReplica:
     """Serves ``stage`` on ``host``: forward, loss (last stage), backward, and what it holds.
 
     ``loss(logits, targets)`` is the step's mean loss of one microbatch (the last stage's job);
-    ``encoding`` is how its answers' activations and gradients travel (fp32, fp16, int8).
+    ``senders`` are the peers whose requests it answers (the plan's drivers), from the plan, never
+    from a request; ``encoding`` is how its answers' activations and gradients travel (fp32, fp16, int8).
     """
 
     def __init__(
-        self, host: IHost, stage: Stage, loss: Loss, *, encoding: str = "fp32", limits: Limits = DEFAULT_LIMITS,
-        protocol: str = PROTOCOL,
+        self, host: IHost, stage: Stage, loss: Loss, *, senders: Collection[Hashable], encoding: str = "fp32",
+        limits: Limits = DEFAULT_LIMITS, protocol: str = PROTOCOL,
     ) -> None:
         self.host, self.stage, self.loss = host, stage, loss
+        self.senders = frozenset(senders)
         self.encoding, self.limits, self.protocol = encoding, limits, protocol
         self.step = 0
         self._stepped = trio.Event()  # set (and replaced) by new_step
-        self._held: set[int] = set()
+        self._held: dict[Hashable, set[int]] = {}  # {sender: microbatch ids whose gradients are in the stage's}
         self._lock = trio.Lock()  # one computation at a time: the stage's weights and grads are shared
         self._progress = trio.Event()
         self.requests = 0
-        # Requests refused, by reason: "malformed" (bytes or fields), "failed" (tensors the stage cannot
-        # take), "slow" (no whole request in time).
+        # Requests refused, by reason: "outsider" (a peer the plan names no sender), "malformed" (bytes
+        # or fields), "failed" (tensors the stage cannot take), "slow" (no whole request in time).
         self.refused: collections.Counter[str] = collections.Counter()
         self.guard: StreamGuard | None = None
 
@@ -83,18 +89,27 @@ class StageReplica:
         self._stepped.set()
         self._stepped = trio.Event()
 
-    def held(self) -> set[int]:
-        """The microbatch ids of this step whose gradients are in this replica's parameters."""
-        return set(self._held)
+    def held(self, sender: Hashable | None = None) -> set[int]:
+        """The microbatch ids of this step whose gradients are in this replica's parameters: those
+        ``sender`` sent, or (None) those of every sender."""
+        if sender is not None:
+            return set(self._held.get(sender, ()))
+        return {mb for ids in self._held.values() for mb in ids}
 
     async def held_at_least(self, count: int) -> None:
         """Return once ``count`` microbatches are held (for tests and benches that act mid-step)."""
-        while len(self._held) < count:
+        while sum(len(ids) for ids in self._held.values()) < count:
             await self._progress.wait()
 
     async def answer(self, channel: Channel) -> None:
         """Answer the one request on ``channel`` (what :meth:`serve` runs for every channel; a
         runtime that serves several stages in turn on one host routes its channels here)."""
+        sender = channel.remote_peer
+        if sender not in self.senders:
+            count_rejection(self.refused, "outsider", logger, logging.INFO, "pipeline stage %d: refused a request "
+                            "from %s, which the plan names no sender", self.stage.index, short_id(sender))
+            await channel.reset()
+            return
         data = None
         with trio.move_on_after(REQUEST_TIMEOUT_S):
             data = await channel.recv(self.limits.max_frame_bytes())
@@ -120,7 +135,7 @@ class StageReplica:
         self.requests += 1
         async with self._lock:
             try:
-                answer, grads = await trio.to_thread.run_sync(self._compute, request)
+                answer, grads = await trio.to_thread.run_sync(self._compute, request, sender)
                 data = encode_frame(answer, self.encoding)  # an answer that is not finite, too
             except (ActivationError, AssertionError, RuntimeError, ValueError, IndexError) as error:
                 # A tensor this stage cannot take (wrong width or rank, a token id past the
@@ -132,10 +147,11 @@ class StageReplica:
                 return
             # Sent before anything is accumulated: a hop whose answer never left leaves no trace.
             await channel.send(data)
-            if grads is not None and request.microbatch not in self._held:
+            held = self._held.setdefault(sender, set())
+            if grads is not None and request.microbatch not in held:
                 for p, g in zip(self.stage.parameters(), grads, strict=True):
                     p.grad = g if p.grad is None else p.grad.add_(g)
-                self._held.add(request.microbatch)
+                held.add(request.microbatch)
                 self._progress.set()
                 self._progress = trio.Event()
 
@@ -155,12 +171,12 @@ class StageReplica:
             return f"a microbatch's weight in its step is in (0, 1], not {request.value}"
         return None
 
-    def _compute(self, request: Frame) -> tuple[Frame, tuple[torch.Tensor, ...] | None]:
-        """The answer to ``request`` and, for LOSS and BACKWARD, the gradients of this stage's
-        parameters (not yet accumulated). Runs in a worker thread, under the replica's lock."""
+    def _compute(self, request: Frame, sender: Hashable) -> tuple[Frame, tuple[torch.Tensor, ...] | None]:
+        """The answer to ``sender``'s ``request`` and, for LOSS and BACKWARD, the gradients of this
+        stage's parameters (not yet accumulated). Runs in a worker thread, under the replica's lock."""
         reply = Frame(Kind.GRAD, request.step, request.microbatch, request.stage)
         if request.kind == Kind.HOLDINGS:
-            ids = torch.tensor(sorted(self._held), dtype=torch.int64)
+            ids = torch.tensor(sorted(self._held.get(sender, ())), dtype=torch.int64)
             return Frame(Kind.HELD, request.step, 0, request.stage, tensors=(ids,) if len(ids) else ()), None
         if request.kind == Kind.FORWARD:
             with torch.no_grad():

@@ -9,12 +9,15 @@ A round is one step:
    (:class:`~p2ptrain.pipeline.StageReplica`). Each microbatch is weighted by its share of the
    step's samples over all drivers, so the gradients every stage accumulates sum to the gradient of
    the mean loss over the global batch, as one process with that batch would compute it.
-2. A *step summary*: an exact sum over all the plan's members of (the step's loss, failures), which
-   is also the barrier that tells the replicas the drivers are done. A driver whose step failed (a
+2. A *step summary* (run/_step_summary.py): a gather over all the plan's members in which each
+   driver signs its own entry (its share of the step's loss, whether its step failed), which is
+   also the barrier that tells the replicas the drivers are done. A driver whose step failed (a
    stage without a replica left, a replica that answered no ``HOLDINGS``: its microbatches would be
-   missing from that stage's sum) says so there, and every member drops the step alike.
+   missing from that stage's sum) says so there, and every member drops the step alike; no member
+   can change another's entry.
 3. Each stage's replicas sum their stage's gradient over the stage's members in the plan
-   (:func:`~p2ptrain.pipeline.sum_stage_gradients`, round ids namespaced by stage) and step their
+   (:func:`~p2ptrain.pipeline.sum_stage_gradients`, round ids namespaced by stage; under the task's
+   ``robust = "clip"``, each replica's contribution clipped to the median norm) and step their
    optimizer: the replicas of a stage stay bitwise identical.
 
 Any failure (a member gone, a :class:`~p2ptrain.pipeline.PipelineError`) is the run's round failure,
@@ -41,14 +44,14 @@ import trio
 from libp2p.peer.id import ID
 
 from p2ptrain.base import short_id
-from p2ptrain.collective import RoundSpec
 from p2ptrain.net import Channel, serve_channels
 from p2ptrain.pipeline import (Driver, MAX_STREAMS_PER_PEER, PipelineError, PROTOCOL, StageReplica, sum_stage_gradients,
                                Wiring)
-from p2ptrain.protocol import round_id, shard_of, stage_rings, stage_round_id
+from p2ptrain.protocol import owner_seed, shard_of, stage_rings, stage_round_id
 from p2ptrain.run._run_state import RunState
 from p2ptrain.run._stage_checkpoints import load_confirmed_stage, store_stage_checkpoint
 from p2ptrain.run._stage_trainer import StagedTrainer
+from p2ptrain.run._step_summary import gather_summary
 from p2ptrain.training import loss_and_hits, StepResult
 from p2ptrain.wire import RoundPlan
 
@@ -98,15 +101,17 @@ class StageRounds:
         self._plan, self._driver, self._replica = plan, None, None
         encoding = task.pipeline.activations
         host = run.collective.host
+        rings = stage_rings(plan)
         if index == 0:
-            rings = stage_rings(plan)
             replicas = {s: [ID.from_base58(m) for m in ring] for s, ring in enumerate(rings) if s > 0}
             rank, _ = shard_of(plan, run.me)
             self._driver = Driver(host, stage, _loss, Wiring(replicas, random.Random(task.seed + rank)),
-                                  encoding=encoding, hop_timeout=self.hop_timeout, protocol=self.protocol,
-                                  check_fraction=task.pipeline.check_fraction, check_seed=task.seed + rank)
+                                  cut=trainer.stages, encoding=encoding, hop_timeout=self.hop_timeout,
+                                  protocol=self.protocol, check_fraction=task.pipeline.check_fraction,
+                                  check_seed=task.seed + rank)
         else:
-            self._replica = StageReplica(host, stage, _loss, encoding=encoding, protocol=self.protocol)
+            self._replica = StageReplica(host, stage, _loss, senders=[ID.from_base58(m) for m in rings[0]],
+                                         encoding=encoding, protocol=self.protocol)
         if not self._serving:
             serve_channels(host, self.protocol, self._answer, max_streams_per_peer=MAX_STREAMS_PER_PEER)
             self._serving = True
@@ -139,31 +144,30 @@ class StageRounds:
         stage = self.stage_of(plan)
         step = trainer.step
         began = time.perf_counter()
-        loss, failed = 0.0, 0.0
+        loss, failed = 0.0, False
         if self._driver is not None:
             self._driver.new_step(step)
             try:
                 loss = await self._drive(plan, batches)
             except PipelineError as exc:
                 logger.warning("%s: step %d failed at this driver: %s", run.log_prefix, step, exc)
-                failed = 1.0
+                failed = True
         else:
             assert self._replica is not None
             self._replica.new_step(step)
         timings.last_compute_s = time.perf_counter() - began
         timings.compute_s += timings.last_compute_s
-        summary = torch.tensor([loss, failed], dtype=torch.float32)
-        members = [ID.from_base58(m) for m in plan.members]
-        summary = await run.collective.allreduce(summary, members, round_id(plan, index), RoundSpec(
-            op="sum", timeout=self.hop_timeout, start_timeout=STEP_TIMEOUT_S))
-        if float(summary[1]) > 0:
-            raise PipelineError(f"step {step} failed at {int(summary[1])} of the drivers")
+        summary = await gather_summary(run.collective, plan, index, run.me, loss, failed, timeout=self.hop_timeout,
+                                       start_timeout=STEP_TIMEOUT_S)
+        if summary.failed:
+            raise PipelineError(f"step {step} failed at drivers {', '.join(short_id(d) for d in summary.failed)}")
         synced = time.perf_counter()
         ring = [ID.from_base58(m) for m in stage_rings(plan)[stage]]
         await sum_stage_gradients(run.collective, trainer.stages[stage], ring, stage_round_id(plan, index, stage),
-                                  timeout=self.hop_timeout)
+                                  timeout=self.hop_timeout, robust=run.task.compression.robust,
+                                  owner_seed=owner_seed(plan, plan.round + index))
         applied = time.perf_counter()
-        result = await trio.to_thread.run_sync(trainer.apply_stage, stage, float(summary[0]))
+        result = await trio.to_thread.run_sync(trainer.apply_stage, stage, summary.loss)
         timings.last_sync_s, timings.last_apply_s = applied - synced, time.perf_counter() - applied
         timings.sync_s += timings.last_sync_s
         timings.apply_s += timings.last_apply_s

@@ -1,10 +1,11 @@
 """Hostile peers against the stage protocol, on real libp2p hosts (127.0.0.1), and stage files
 crafted to pass a joiner's checks.
 
-Each test plays one dishonest or careless peer against honest drivers and replicas. Those marked
-``xfail(strict=True)`` reproduce a weakness not fixed yet (the reason says what a fix must do); they
-flip to a failure of the mark, and must lose it, once the weakness is fixed. (No ``raises=``: trio's
-test runner hands an async test's error on inside an ExceptionGroup.)
+Each test plays one dishonest or careless peer against honest drivers and replicas; its docstring
+says what the peer did before the fix. A weakness found and not fixed yet is reproduced here as
+``xfail(strict=True)`` (the reason says what a fix must do; no ``raises=``: trio's test runner hands
+an async test's error on inside an ExceptionGroup), which flips to a failure of the mark, and must
+lose it, once the weakness is fixed.
 """
 
 from __future__ import annotations
@@ -50,19 +51,19 @@ def tokens(size: int, length: int = LM["context"], seed: int = 0) -> tuple[torch
 class MatrixHoldings(StageReplica):
     """Answers HOLDINGS with a rank-2 tensor of ids: well-formed bytes, the wrong shape."""
 
-    def _compute(self, request):
+    def _compute(self, request, sender):
         if request.kind == Kind.HOLDINGS:
             return Frame(Kind.HELD, request.step, 0, request.stage, tensors=(torch.zeros((2, 2), dtype=torch.int64),)), None
-        return super()._compute(request)
+        return super()._compute(request, sender)
 
 
 class NoHoldings(StageReplica):
     """Answers every hop at once and never its holdings (the channel is reset)."""
 
-    def _compute(self, request):
+    def _compute(self, request, sender):
         if request.kind == Kind.HOLDINGS:
             raise ValueError("holdings withheld")
-        return super()._compute(request)
+        return super()._compute(request, sender)
 
 
 class ClaimsEverything(StageReplica):
@@ -71,7 +72,7 @@ class ClaimsEverything(StageReplica):
 
     claimed: list[int] = []
 
-    def _compute(self, request):
+    def _compute(self, request, sender):
         if request.kind == Kind.HOLDINGS:
             ids = torch.tensor(self.claimed, dtype=torch.int64)
             return Frame(Kind.HELD, request.step, 0, request.stage, tensors=(ids,)), None
@@ -82,8 +83,8 @@ class LongerOutputs(StageReplica):
     """Answers every FORWARD with one position more than it was sent: the batch size the driver
     checks is right, the stage after it cannot use the activation."""
 
-    def _compute(self, request):
-        answer, grads = super()._compute(request)
+    def _compute(self, request, sender):
+        answer, grads = super()._compute(request, sender)
         if answer.kind == Kind.OUTPUT:
             out = answer.tensors[0]
             answer = Frame(answer.kind, answer.step, answer.microbatch, answer.stage,
@@ -104,10 +105,10 @@ async def test_holdings_of_the_wrong_rank_leave_the_replica_out_not_crash_the_dr
     nursery: one replica's answer crashed the driver's step instead of being refused."""
     s0, s1 = stages(2)
     async with connected_hosts(3) as hosts:
-        honest = StageReplica(hosts[1].host, s1, lm_loss)
+        honest = StageReplica(hosts[1].host, s1, lm_loss, senders=[hosts[0].id])
         honest.serve()
-        MatrixHoldings(hosts[2].host, stages(2)[1], lm_loss).serve()
-        driver = Driver(hosts[0].host, s0, lm_loss, Wiring({1: [hosts[1].id, hosts[2].id]}, random.Random(1)),
+        MatrixHoldings(hosts[2].host, stages(2)[1], lm_loss, senders=[hosts[0].id]).serve()
+        driver = Driver(hosts[0].host, s0, lm_loss, Wiring({1: [hosts[1].id, hosts[2].id]}, random.Random(1)), cut=stages(2),
                         hop_timeout=10)
         ids = list(range(6))
         with trio.fail_after(DEADLINE_S):
@@ -123,7 +124,7 @@ async def test_an_activation_longer_than_the_context_is_refused_before_it_is_com
     replica's memory. A block now refuses an activation longer than the model's context."""
     stage = stages(2)[1]
     async with connected_hosts(2) as hosts:
-        replica = StageReplica(hosts[1].host, stage, lm_loss)
+        replica = StageReplica(hosts[1].host, stage, lm_loss, senders=[hosts[0].id])
         replica.serve()
 
         async def forward(length: int) -> Frame:
@@ -145,7 +146,7 @@ async def test_requests_the_stage_cannot_take_are_refused_and_counted():
     targets that make the loss NaN, whose answer ``encode_frame`` refuses after the computation."""
     stage = stages(2)[1]  # the last block and the head
     async with connected_hosts(2) as hosts:
-        replica = StageReplica(hosts[1].host, stage, lm_loss)
+        replica = StageReplica(hosts[1].host, stage, lm_loss, senders=[hosts[0].id])
         guard = replica.serve()
         _, y = tokens(2)
         requests = [
@@ -171,11 +172,11 @@ async def test_a_replica_that_gives_no_holdings_gets_no_redo():
     s0, s1 = stages(2)
     ids = list(range(4))
     async with connected_hosts(3) as hosts:
-        honest = StageReplica(hosts[1].host, s1, lm_loss)
+        honest = StageReplica(hosts[1].host, s1, lm_loss, senders=[hosts[0].id])
         honest.serve()
-        liar = NoHoldings(hosts[2].host, stages(2)[1], lm_loss)
+        liar = NoHoldings(hosts[2].host, stages(2)[1], lm_loss, senders=[hosts[0].id])
         liar.serve()
-        driver = Driver(hosts[0].host, s0, lm_loss, Wiring({1: [hosts[1].id, hosts[2].id]}, random.Random(3)),
+        driver = Driver(hosts[0].host, s0, lm_loss, Wiring({1: [hosts[1].id, hosts[2].id]}, random.Random(3)), cut=stages(2),
                         hop_timeout=10)
         with trio.fail_after(DEADLINE_S):
             await drive(driver, ids)
@@ -191,10 +192,10 @@ async def test_a_replica_that_gives_no_holdings_gets_no_redo():
 class HoldsNothing(StageReplica):
     """Answers every hop and says it holds nothing (it may have accumulated it or not)."""
 
-    def _compute(self, request):
+    def _compute(self, request, sender):
         if request.kind == Kind.HOLDINGS:
             return Frame(Kind.HELD, request.step, 0, request.stage), None
-        return super()._compute(request)
+        return super()._compute(request, sender)
 
 
 async def test_a_replica_that_answers_a_redo_and_never_holds_it_does_not_hang_finish():
@@ -204,8 +205,8 @@ async def test_a_replica_that_answers_a_redo_and_never_holds_it_does_not_hang_fi
     Now a replica that answered a redo and does not hold it is out of the step."""
     s0, s1 = stages(2)
     async with connected_hosts(2) as hosts:
-        HoldsNothing(hosts[1].host, s1, lm_loss).serve()
-        driver = Driver(hosts[0].host, s0, lm_loss, Wiring({1: [hosts[1].id]}, random.Random(1)), hop_timeout=10)
+        HoldsNothing(hosts[1].host, s1, lm_loss, senders=[hosts[0].id]).serve()
+        driver = Driver(hosts[0].host, s0, lm_loss, Wiring({1: [hosts[1].id]}, random.Random(1)), cut=stages(2), hop_timeout=10)
         with trio.fail_after(20):
             await drive(driver, [0, 1])
             with pytest.raises(StageUnavailable):
@@ -219,12 +220,12 @@ async def test_a_replica_claiming_microbatches_it_never_served_is_left_out():
     s0, s1 = stages(2)
     ids = list(range(6))
     async with connected_hosts(3) as hosts:
-        honest = StageReplica(hosts[1].host, s1, lm_loss)
+        honest = StageReplica(hosts[1].host, s1, lm_loss, senders=[hosts[0].id])
         honest.serve()
-        liar = ClaimsEverything(hosts[2].host, stages(2)[1], lm_loss)
+        liar = ClaimsEverything(hosts[2].host, stages(2)[1], lm_loss, senders=[hosts[0].id])
         liar.claimed = ids
         liar.serve()
-        driver = Driver(hosts[0].host, s0, lm_loss, Wiring({1: [hosts[1].id, hosts[2].id]}, random.Random(1)),
+        driver = Driver(hosts[0].host, s0, lm_loss, Wiring({1: [hosts[1].id, hosts[2].id]}, random.Random(1)), cut=stages(2),
                         hop_timeout=10)
         with trio.fail_after(DEADLINE_S):
             await drive(driver, ids)
@@ -233,51 +234,112 @@ async def test_a_replica_claiming_microbatches_it_never_served_is_left_out():
         assert honest.held() == set(ids)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a replica takes LOSS/BACKWARD from any peer (the runtime's handler checks no plan membership) and "
-    "counts a microbatch id once, whoever sent it: a peer that sends an honest driver's (predictable) "
-    "id first puts its own gradient in the stage in place of the driver's, and the driver's finish "
-    "sees the id held. A replica should answer only its plan's drivers and key what it holds by sender"))
-async def test_a_peer_that_takes_a_drivers_microbatch_id_first_cannot_replace_its_gradient():
+def rogue_loss(mb: int, y: torch.Tensor) -> Frame:
+    """A LOSS for ``mb`` with an activation and targets of the rogue's own."""
+    a = torch.randn(2, LM["context"], LM["width"], generator=torch.Generator().manual_seed(9))
+    return Frame(Kind.LOSS, 0, mb, 1, 1.0, (a, torch.zeros_like(y)))
+
+
+def reference_grads(x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+    reference = build_model("transformer_lm", LM, seed=SEED)
+    lm_loss(reference(x), y).backward()
+    return {name: p.grad for name, p in reference.named_parameters()}
+
+
+async def test_a_peer_outside_the_plan_is_refused_and_cannot_take_a_drivers_microbatch_id():
+    """A replica took LOSS/BACKWARD from any peer and counted a microbatch id once, whoever sent it:
+    a peer in no plan that sent an honest driver's (predictable) id first put its own gradient in
+    the stage in place of the driver's, and the driver's finish saw the id held. A replica now
+    answers only the senders its plan names (the drivers): the rogue is refused and counted."""
     s0, s1 = stages(2)
     x, y = tokens(2)
     mb = 7
     async with connected_hosts(3) as hosts:
-        replica = StageReplica(hosts[1].host, s1, lm_loss)
+        replica = StageReplica(hosts[1].host, s1, lm_loss, senders=[hosts[0].id])
         replica.serve()
-        driver = Driver(hosts[0].host, s0, lm_loss, Wiring({1: [hosts[1].id]}, random.Random(1)), hop_timeout=10)
-        # The rogue (host 2, in no plan) sends the id first, with an activation and targets of its own.
-        rogue = Frame(Kind.LOSS, 0, mb, 1, 1.0, (torch.randn(2, LM["context"], LM["width"]), torch.zeros_like(y)))
+        driver = Driver(hosts[0].host, s0, lm_loss, Wiring({1: [hosts[1].id]}, random.Random(1)), cut=stages(2),
+                        hop_timeout=10)
         with trio.fail_after(DEADLINE_S):
             async with await open_channel(hosts[2].host, hosts[1].id, PROTOCOL) as channel:
-                await channel.send(encode_frame(rogue))
-                await channel.recv(1 << 24)
+                with pytest.raises(ChannelClosed):  # reset unread: the send may fail already
+                    await channel.send(encode_frame(rogue_loss(mb, y)))
+                    await channel.recv(1 << 24)
             await driver.microbatch(mb, x, y, 1.0)
             assert await driver.finish() == {1: [hosts[1].id]}
-    reference = build_model("transformer_lm", LM, seed=SEED)
-    lm_loss(reference(x), y).backward()
-    expected = dict(reference.named_parameters())
+    assert replica.refused["outsider"] == 1
+    expected = reference_grads(x, y)
     for name, p in s1.model_parameters():
-        torch.testing.assert_close(p.grad, expected[name].grad, msg=name)
+        torch.testing.assert_close(p.grad, expected[name], msg=name)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "the driver checks only an OUTPUT's batch size: a stage-1 replica answering an activation of "
-    "another length passes, the honest replicas of stage 2 fail on it and are the ones marked out, "
-    "and the step fails as StageUnavailable(2) with the liar unnamed. The driver should check each "
-    "boundary's shape (computable on the meta device) and blame the replica that answered it"))
+async def test_a_driver_reusing_another_drivers_microbatch_id_adds_beside_it_not_in_its_place():
+    """Another driver of the plan (a sender the replica answers) that uses an honest driver's id
+    first: what a replica holds is keyed by (sender, id), so the rogue's gradient is added beside
+    the honest driver's (its own share, whatever it is), never in its place, and each driver's
+    HOLDINGS lists only its own ids."""
+    s0, s1 = stages(2)
+    x, y = tokens(2)
+    mb = 7
+    async with connected_hosts(3) as hosts:
+        replica = StageReplica(hosts[1].host, s1, lm_loss, senders=[hosts[0].id, hosts[2].id])
+        replica.serve()
+        driver = Driver(hosts[0].host, s0, lm_loss, Wiring({1: [hosts[1].id]}, random.Random(1)), cut=stages(2),
+                        hop_timeout=10)
+        with trio.fail_after(DEADLINE_S):
+            async with await open_channel(hosts[2].host, hosts[1].id, PROTOCOL) as channel:
+                await channel.send(encode_frame(rogue_loss(mb, y)))
+                assert decode_frame(await channel.recv(1 << 24)).kind == Kind.GRAD
+            await driver.microbatch(mb, x, y, 1.0)
+            assert await driver.finish() == {1: [hosts[1].id]}
+    assert replica.held(hosts[0].id) == replica.held(hosts[2].id) == {mb}
+    rogue = stages(2)[1]
+    frame = rogue_loss(mb, y)
+    lm_loss(rogue(frame.tensors[0]), frame.tensors[1]).backward()
+    expected = reference_grads(x, y)
+    for (name, p), (_, q) in zip(s1.model_parameters(), rogue.model_parameters(), strict=True):
+        torch.testing.assert_close(p.grad, expected[name] + q.grad, msg=name)
+
+
 async def test_a_replica_answering_an_unusable_activation_is_blamed_not_the_stage_after_it():
+    """The driver checked only an OUTPUT's batch size: a stage-1 replica answering an activation of
+    another length passed, the honest replicas of stage 2 failed on it and were the ones marked out,
+    and the step failed as StageUnavailable(2) with the liar unnamed. The driver now checks each
+    answer's shape against the stage's own (on the meta device) and blames the replica that answered."""
     s0, s1, s2 = stages(3)
     x, y = tokens(2, length=4)
     async with connected_hosts(4) as hosts:
-        LongerOutputs(hosts[1].host, s1, lm_loss).serve()
+        LongerOutputs(hosts[1].host, s1, lm_loss, senders=[hosts[0].id]).serve()
         for h in hosts[2:]:
-            StageReplica(h.host, stages(3)[2], lm_loss).serve()
+            StageReplica(h.host, stages(3)[2], lm_loss, senders=[hosts[0].id]).serve()
         wiring = Wiring({1: [hosts[1].id], 2: [hosts[2].id, hosts[3].id]}, random.Random(1))
-        driver = Driver(hosts[0].host, s0, lm_loss, wiring, hop_timeout=10)
+        driver = Driver(hosts[0].host, s0, lm_loss, wiring, cut=stages(3), hop_timeout=10)
         with trio.fail_after(DEADLINE_S), pytest.raises(StageUnavailable) as caught:
             await driver.microbatch(1, x, y, 1.0)
     assert caught.value.stage == 1
+    assert wiring.usable(2) == [hosts[2].id, hosts[3].id]
+
+
+async def test_a_replica_answering_an_unusable_activation_is_routed_around():
+    """With an honest replica beside the liar, its microbatches are redone there and the step
+    completes; the next stage's replicas stay usable and in its ring. (The liar stays in stage 1's
+    ring: what it holds are the true gradients of the hops it answered before it was out.)"""
+    s0, s1, s2 = stages(3)
+    ids = list(range(6))
+    async with connected_hosts(5) as hosts:
+        liar = LongerOutputs(hosts[1].host, s1, lm_loss, senders=[hosts[0].id])
+        liar.serve()
+        StageReplica(hosts[2].host, stages(3)[1], lm_loss, senders=[hosts[0].id]).serve()
+        for h in hosts[3:]:
+            StageReplica(h.host, stages(3)[2], lm_loss, senders=[hosts[0].id]).serve()
+        wiring = Wiring({1: [hosts[1].id, hosts[2].id], 2: [hosts[3].id, hosts[4].id]}, random.Random(1))
+        driver = Driver(hosts[0].host, s0, lm_loss, wiring, cut=stages(3), hop_timeout=10)
+        with trio.fail_after(DEADLINE_S):
+            await drive(driver, ids)
+            assert liar.requests > 0
+            rings = await driver.finish()
+        assert hosts[1].id not in wiring.usable(1)
+        assert wiring.usable(2) == rings[2] == [hosts[3].id, hosts[4].id]
+        assert hosts[2].id in rings[1]
 
 
 def crafted_stage_files(edit) -> tuple[bytes, bytes]:

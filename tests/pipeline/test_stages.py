@@ -61,8 +61,8 @@ async def answer_wrong_shapes(channel: Channel) -> None:
 class AlteringReplica(StageReplica):
     """A dishonest replica whose outputs are slightly off, well-formed and plausible."""
 
-    def _compute(self, request):
-        answer, grads = super()._compute(request)
+    def _compute(self, request, sender):
+        answer, grads = super()._compute(request, sender)
         if answer.kind == Kind.OUTPUT:
             answer = replace(answer, tensors=(answer.tensors[0] + 1e-3,))
         return answer, grads
@@ -75,18 +75,20 @@ async def pipeline_run(encoding: str = "fp32", liar: int | None = None, altering
     wrong shapes instead, host ``altering`` alters its outputs; ``driving``: the drivers' options."""
     async with connected_hosts(STAGES * REPLICAS) as hosts:
         replicas = {s: [hosts[REPLICAS * s + r].id for r in range(REPLICAS)] for s in range(1, STAGES)}
+        drivers = [hosts[r].id for r in range(REPLICAS)]
         members = []
         for i, local in enumerate(hosts):
-            stage = partition(build_model("transformer_lm", LM, seed=SEED), STAGES)[i // REPLICAS]
+            cut = partition(build_model("transformer_lm", LM, seed=SEED), STAGES)
+            stage = cut[i // REPLICAS]
             member = Member(local, stage, Collective(local.host), torch.optim.SGD(stage.parameters(), lr=0.5))
             if stage.index == 0:
-                member.driver = Driver(local.host, stage, lm_loss, Wiring(replicas, random.Random(i)), encoding=encoding,
-                                       **driving)
+                member.driver = Driver(local.host, stage, lm_loss, Wiring(replicas, random.Random(i)), cut=cut,
+                                       encoding=encoding, **driving)
             elif i == liar:
                 serve_channels(local.host, PROTOCOL, answer_wrong_shapes)
             else:
                 kind = AlteringReplica if i == altering else StageReplica
-                member.server = kind(local.host, stage, lm_loss, encoding=encoding)
+                member.server = kind(local.host, stage, lm_loss, senders=drivers, encoding=encoding)
                 member.server.serve()
             members.append(member)
         yield members

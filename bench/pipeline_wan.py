@@ -1,0 +1,200 @@
+"""Pipeline stages (issue 31) across an emulated WAN: p2ptrain's nodes against
+``torch.distributed.pipelining``, same model, same stages, same links, same session.
+
+    flock /tmp/p2ptrain-bench.lock .venv/bin/python bench/pipeline_wan.py [--rate 100mbit]
+        [--stages 4] [--replicas 2] [--width 128] [--depth 8] [--context 64] [--vocab 256] [--heads 4]
+        [--batch 16] [--micro 4] [--activations int8] [--steps 24] [--no-baseline] [--json]
+
+**p2ptrain**: S x R ``p2ptrain node start`` processes, each in its own network namespace behind a
+``--rate`` link both ways (:func:`p2ptrain.testing.emulated_wan`), join one pipelined task (a
+``transformer_lm`` of the given size, ``[pipeline] stages = S``, ``activations``), published by the
+first node: what a user runs, elections, plans, stage protocol, per-stage gradient sums and
+checkpoints included. The global batch is ``--batch`` samples a step, as the baseline's: each driver
+(a replica of stage 0; the plan makes R of them) reads ``--batch / R`` of its shard per step, in
+microbatches of ``--micro``. Random tokens (seed 0), as the baseline's. Tokens/s is counted from the
+first node's ``task status`` polled every ``POLL_S``: (global batch x context) per step, from the
+first time a step >= ``WARMUP_STEPS`` is seen to the last step seen before the run is done, over
+the time between (so the run's start, the joins and the first plan are not counted).
+
+**Baseline**: bench/pipeline_baseline.py ``--wan RATE`` with the same model, stages, replicas, batch
+and microbatches, run first, in the same session (``--no-baseline`` skips it). Its tokens/s is the
+median of its timed blocks; the ratio printed is p2ptrain's over it (the issue's target: >= 1 at
+100 Mbit/s). Every process of either side shares this machine's cores, so both are CPU-bound here
+well before the links are; the load averages are printed with the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from p2ptrain.base import UserError
+from p2ptrain.control import ControlClient
+from p2ptrain.data import build_dataset
+from p2ptrain.ipfs import EmbeddedStore
+from p2ptrain.node import NODE_ARGS
+from p2ptrain.testing import emulated_wan, wait_for, wan_node_processes
+
+BENCH = Path(__file__).resolve().parent
+# S x R node processes importing torch and libp2p at once on a shared 2-core machine: minutes.
+NODE_READY_TIMEOUT_S = 300.0
+MESH_TIMEOUT_S = 180.0
+CONTROL_TIMEOUT_S = 120.0
+POLL_S = 0.5
+WARMUP_STEPS = 2  # steps before the clock starts (the first plan, the streams' first dials)
+RUN_TIMEOUT_S = 1200.0
+SAMPLES = 4096  # random token windows in the data set (shards of it go to the drivers)
+
+TASK = """\
+name = "bench-pipeline-wan-{pid}"
+seed = 0
+[model]
+name = "transformer_lm"
+kwargs = {{ vocab_size = {vocab}, context = {context}, width = {width}, depth = {depth}, heads = {heads} }}
+[dataset]
+manifest = "{manifest}"
+[optimizer]
+name = "sgd"
+lr = 0.1
+[training]
+batch_size = {per_driver}
+total_steps = {steps}
+checkpoint_interval = {steps}
+[peers]
+min = {members}
+max = {members}
+[pipeline]
+stages = {stages}
+microbatch_size = {micro}
+activations = "{activations}"
+check_fraction = 0.0
+"""
+
+
+def call(home: Path, op: str, **params: Any) -> dict[str, Any]:
+    return ControlClient(home, timeout=CONTROL_TIMEOUT_S).call(op, **params)
+
+
+def random_tokens(home: Path, args: argparse.Namespace) -> str:
+    """A data set of ``SAMPLES`` windows of random tokens (seed 0) and their next-token labels, stored
+    in ``home``: its manifest CID."""
+    tokens = np.random.default_rng(0).integers(0, args.vocab, size=(SAMPLES, args.context + 1), dtype=np.int64)
+    dtype = np.uint8 if args.vocab <= 256 else np.int32
+    manifest, _ = build_dataset(EmbeddedStore(home), "random-tokens", tokens[:, :-1].astype(dtype),
+                                tokens[:, 1:].astype(dtype), num_shards=2 * args.replicas, test_fraction=0.01)
+    return manifest
+
+
+def p2ptrain_run(args: argparse.Namespace) -> dict[str, Any]:
+    members = args.stages * args.replicas
+    workdir = Path(tempfile.mkdtemp(prefix="p2ptrain-pipeline-wan-"))
+    load = [round(os.getloadavg()[0], 2)]
+    try:
+        home0 = workdir / "node0"
+        home0.mkdir(parents=True, mode=0o700)
+        manifest = random_tokens(home0, args)
+        with emulated_wan(members, args.rate) as wan, \
+                wan_node_processes(wan, workdir, extra_args=NODE_ARGS, ready_timeout=NODE_READY_TIMEOUT_S) as procs:
+            wait_for(lambda: min(len(p.status()["peers"]) for p in procs) >= members - 1, MESH_TIMEOUT_S, interval=0.5)
+            text = TASK.format(pid=os.getpid(), manifest=manifest, members=members, per_driver=args.batch // args.replicas,
+                               vocab=args.vocab, context=args.context, width=args.width, depth=args.depth,
+                               heads=args.heads, steps=args.steps, stages=args.stages, micro=args.micro,
+                               activations=args.activations)
+            first = procs[0].home
+            published = time.monotonic()
+            task_cid = call(first, "task.publish", text=text, join=True)["task_cid"]
+            start: tuple[float, int] | None = None
+            last: tuple[float, int] | None = None
+            status: dict[str, Any] = {}
+            while status.get("state") not in ("done", "failed", "cancelled"):
+                if time.monotonic() - published > RUN_TIMEOUT_S:
+                    raise SystemExit(f"the pipelined run did not finish in {RUN_TIMEOUT_S:.0f} s (at step {status.get('step')})")
+                try:
+                    status = call(first, "task.status", task_cid=task_cid)
+                except UserError:
+                    status = {}
+                step, now = int(status.get("step") or 0), time.monotonic()
+                if step >= WARMUP_STEPS and start is None:
+                    start = (now, step)
+                if start is not None and step > (last or start)[1]:
+                    last = (now, step)
+                time.sleep(POLL_S)
+            if status.get("state") != "done":
+                raise SystemExit(f"the pipelined run ended {status.get('state')}: {status.get('error')}")
+            statuses = [call(p.home, "task.status", task_cid=task_cid) for p in procs]
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    load.append(round(os.getloadavg()[0], 2))
+    if start is None or last is None:
+        raise SystemExit("too few steps were seen to time (raise --steps)")
+    steps, seconds = last[1] - start[1], last[0] - start[0]
+    stages = statuses[0].get("stages") or []
+    return {
+        "tokens_per_s": round(steps * args.batch * args.context / seconds, 1),
+        "timed_steps": steps, "timed_s": round(seconds, 1), "wall_s": round(time.monotonic() - published, 1),
+        "replicas_per_stage": [len(s["replicas"]) for s in stages],
+        "parameters_per_stage": [s["parameters"] for s in stages],
+        "bytes_sent_per_member": round(sum(s["bytes_sent"] for s in statuses) / len(statuses)),
+        "load_average": load,
+    }
+
+
+def baseline_run(args: argparse.Namespace) -> dict[str, Any]:
+    argv = [sys.executable, str(BENCH / "pipeline_baseline.py"), "--wan", args.rate, "--json"]
+    for name in ("stages", "replicas", "width", "depth", "context", "vocab", "heads", "batch", "micro"):
+        argv += [f"--{name}", str(getattr(args, name))]
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    if out.returncode:
+        raise SystemExit(f"bench/pipeline_baseline.py failed:\n{out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    for name, default in [("stages", 4), ("replicas", 2), ("width", 128), ("depth", 8), ("context", 64),
+                          ("vocab", 256), ("heads", 4), ("batch", 16), ("micro", 4), ("steps", 24)]:
+        parser.add_argument(f"--{name}", type=int, default=default)
+    parser.add_argument("--rate", default="100mbit", help="each process's link, both ways (tc rate)")
+    parser.add_argument("--activations", default="int8", choices=["fp32", "fp16", "int8"])
+    parser.add_argument("--no-baseline", action="store_true", help="skip bench/pipeline_baseline.py")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    args = parser.parse_args()
+    if args.batch % (args.replicas * args.micro):
+        parser.error(f"--batch {args.batch} does not split into {args.replicas} drivers x microbatches of {args.micro}")
+    began = time.strftime("%H:%M:%S", time.gmtime())
+    baseline = None if args.no_baseline else baseline_run(args)
+    ours = p2ptrain_run(args)
+    result: dict[str, Any] = {
+        "rate": args.rate, "stages": args.stages, "replicas": args.replicas, "activations": args.activations,
+        "model": {k: getattr(args, k) for k in ("vocab", "context", "width", "depth", "heads")},
+        "global_batch": args.batch, "micro": args.micro, "utc": [began, time.strftime("%H:%M:%S", time.gmtime())],
+        "p2ptrain": ours,
+    }
+    if baseline is not None:
+        result["baseline"] = {k: baseline.get(k) for k in ("tokens_per_s", "load_avg_1m", "mode", "s_per_step")}
+        result["ratio"] = round(ours["tokens_per_s"] / baseline["tokens_per_s"], 3)
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    print(f"{args.stages} stages x {args.replicas} replicas at {args.rate}, {args.activations} activations, "
+          f"global batch {args.batch} x {args.context} tokens")
+    print(f"p2ptrain: {ours['tokens_per_s']} tokens/s over {ours['timed_steps']} steps ({ours['timed_s']} s), "
+          f"load {ours['load_average']}")
+    if baseline is not None:
+        print(f"baseline (GPipe over gloo): {baseline['tokens_per_s']} tokens/s, load {baseline.get('load_avg_1m')}")
+        print(f"ratio: {result['ratio']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
