@@ -150,6 +150,12 @@ def render_status(s: TaskStatus) -> str:
             lines.append(f"stages     {len(s.stages)}, this peer serves stage {served}: " + "; ".join(
                 f"{e['stage']}: {len(e['replicas'])} replica{'s' if len(e['replicas']) != 1 else ''}, "
                 f"{e['parameters']:,} parameters" for e in s.stages))
+        if s.stage_recovery:
+            r = s.stage_recovery
+            moved = ", ".join(f"{short_id(m['peer'])} moved from stage {m['from']} to {m['to']}" for m in r["moved"])
+            steps = f"{r['redone']} step{'' if r['redone'] == 1 else 's'}"
+            lines.append(f"recovered  stage {', '.join(map(str, r['stages']))} lost every replica: {moved or 'none moved'}; "
+                         f"back to model v{r['version']} (step {r['step']}), {steps} redone")
     if s.resumed_from:
         lines.append(f"resumed    from model v{s.resumed_from['version']} at step {s.resumed_from['step']}")
     lines.append(f"model      {_model(s)}")

@@ -144,6 +144,10 @@ class TaskStatus:
     # {"stage", "replicas" (peer IDs, in the plan's order), "parameters"}; None for any other task.
     stage: int | None = _member()
     stages: tuple[dict[str, Any], ...] | None = _member()
+    # The last time a stage lost every replica (issue 31): {"stages": the stages left empty, "moved":
+    # [{"peer", "from", "to"}], "step" and "version": the confirmed checkpoint the run went back to,
+    # "redone": the steps this member had trained past it}; None when it never happened.
+    stage_recovery: dict[str, Any] | None = _member()
     # In-process only (the metrics exporter): each completed round's compute / sync / apply times.
     round_seconds: dict[str, HistogramSnapshot] | None = field(default=None, metadata={"shape": _LOCAL},
                                                               compare=False)

@@ -39,10 +39,13 @@ if TYPE_CHECKING:
     from p2ptrain.protocol._plans import (
         buffers_round_id as buffers_round_id,
         is_checkpoint as is_checkpoint,
+        orphaned_stages as orphaned_stages,
         owner_seed as owner_seed,
+        plan_order as plan_order,
         round_id as round_id,
         round_seed as round_seed,
         shard_of as shard_of,
+        stage_moves as stage_moves,
         stage_rings as stage_rings,
         stage_round_id as stage_round_id,
     )

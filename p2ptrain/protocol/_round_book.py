@@ -35,6 +35,9 @@ Rules, and why:
   coordinator answers with a retry plan: the failed round, next attempt, its start step, the live
   members. A member that already applied that round's step rolls it back (:meth:`Trainer.align`):
   nobody can be further ahead, because the next round's all-reduce needs everyone.
+- A pipelined plan that leaves a stage without any of its replicas (they died) goes back to the
+  latest confirmed checkpoint with a new attempt: that stage's state since is lost, and the stages
+  must restart from one version (:func:`~p2ptrain.protocol._plans.orphaned_stages`).
 - A new coordinator continues from its own state. If it stopped inside a span it steps back one
   round when it can (it may have applied a round that others did not finish); a member that cannot
   reach a plan's step stops advertising the task until it has resumed from the latest checkpoint.
@@ -56,7 +59,8 @@ from libp2p.crypto.keys import KeyPair
 
 from p2ptrain.base import short_id
 from p2ptrain.protocol._election import Election
-from p2ptrain.protocol._plans import is_checkpoint, plan_members, plan_stages, rule_problem, span_length
+from p2ptrain.protocol._plans import (is_checkpoint, orphaned_stages, plan_members, plan_order, plan_stages,
+                                     rule_problem, span_length)
 from p2ptrain.protocol._lineage import Chain
 from p2ptrain.protocol._records import certificate, sign_record
 from p2ptrain.task import Task
@@ -382,7 +386,7 @@ class RoundBook:
         if last is None:
             # A coordinator that (re)synced from the chain continues the round numbering after it.
             start_round = self.chain.records[-1].record.round + 1 if self.chain.records else 0
-            attempt, step = 0, my_step
+            attempt, step = self._next_attempt(election.term), my_step
             if my_step != self.head_step:
                 return None  # a fresh run starts from the head of the chain
         elif self.failed_round is not None:
@@ -401,16 +405,39 @@ class RoundBook:
             return None  # the current span is still running
         if my_step not in (step, step + 1) or step >= self.total_steps:
             return None
-        admit = step == self.head_step
+        # A stage whose replicas all left (below) sends the run back to the head, where joiners are
+        # admitted: one may be the member that stage needs (a run with no member to spare).
+        admit = step == self.head_step or (step > self.head_step and bool(orphaned_stages(self.accepted, live)))
         members = plan_members(self.task, self.task_cid, previous, live, admit_joiners=admit, private=private)
         if members is None or election.me not in members:
             return None
+        if step > self.head_step and orphaned_stages(self.accepted, members):
+            # A stage lost every replica since the last confirmed checkpoint: what it learnt since is
+            # gone, so every stage goes back to that checkpoint (the same version everywhere, or the
+            # stages would not make one model) and the steps since are redone. assign moves a member
+            # into the empty stage; it loads that stage's files by CID from the checkpoint's manifest.
+            start_round = self.chain.records[-1].record.round + 1 if self.chain.records else 0
+            step, attempt = self.head_step, max(attempt, self._next_attempt(election.term))
         return RoundPlan(
             task_cid=self.task_cid, term=election.term, round=start_round, attempt=attempt, step=step,
             rounds=span_length(self.task, start_round, self.total_steps), members=members,
             base_cid=self.chain.head_cid, version=self.chain.version,
             stages=plan_stages(self.task, members, self.accepted),
         )
+
+    def _next_attempt(self, term: int) -> int:
+        """An attempt after every plan of ``term`` this member took (0 in a new term), so that the
+        next plan comes after them (:func:`~p2ptrain.protocol._plans.plan_order`) whatever its round."""
+        taken = [p.attempt + 1 for p in (self.last_plan, self.accepted) if p is not None and p.term == term]
+        return max(taken, default=0)
+
+    def rewinds(self, plan: RoundPlan, my_step: int) -> bool:
+        """Whether ``plan`` takes this member, at ``my_step``, back to the confirmed checkpoint it
+        starts from (:meth:`next_plan`: a stage lost every replica): a pipelined plan from this
+        member's head of the chain, behind its step. It drops what it holds and loads its plan's
+        stage from that checkpoint (run/_stages.py) instead of resyncing."""
+        return (plan.stages is not None and plan.step == self.head_step < my_step
+                and (plan.version, plan.base_cid) == (self.chain.version, self.chain.head_cid))
 
     def _may_overlap(self, last: RoundPlan, my_step: int, live: Collection[str]) -> bool:
         """Whether the span after ``last`` (ended at ``my_step``, its checkpoint unsettled) may be
@@ -431,7 +458,7 @@ class RoundBook:
         if plan.task_cid != self.task_cid:
             return "plan for another task"
         seen = self.observed
-        if seen is None or (plan.term, plan.round, plan.attempt) > (seen.term, seen.round, seen.attempt):
+        if seen is None or plan_order(plan) > plan_order(seen):
             self.observed = plan
         if plan.term != election.term or sender != election.coordinator:
             return f"plan from {short_id(sender)} in term {plan.term}, not from the coordinator of term {election.term}"
@@ -440,13 +467,13 @@ class RoundBook:
             self.refused_spans.add((plan.step + plan.rounds, plan.term, plan.attempt))
             return RuleBreak(broken)
         accepted = self.accepted
-        if accepted is None or (plan.term, plan.round, plan.attempt) > (accepted.term, accepted.round, accepted.attempt):
+        if accepted is None or plan_order(plan) > plan_order(accepted):
             self.accepted = plan
         self._note_span(plan)
         if election.me not in plan.members:
             return "not a member of this span"
         last = self.last_plan
-        if last is not None and (plan.term, plan.round, plan.attempt) <= (last.term, last.round, last.attempt):
+        if last is not None and plan_order(plan) <= plan_order(last):
             return f"plan {plan.term}/{plan.round}.{plan.attempt} is not after {last.term}/{last.round}.{last.attempt}"
         self.last_plan = plan
         self.failed_round = None
@@ -464,7 +491,7 @@ class RoundBook:
         that span; a few spans back are kept (at most one checkpoint is unsettled)."""
         end = plan.step + plan.rounds
         held = self.span_plans.get(end)
-        if held is None or (plan.term, plan.round, plan.attempt) > (held.term, held.round, held.attempt):
+        if held is None or plan_order(plan) > plan_order(held):
             self.span_plans[end] = plan
         for step in sorted(self.span_plans)[:-KEPT_SPAN_PLANS]:
             del self.span_plans[step]

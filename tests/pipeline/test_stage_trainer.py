@@ -151,3 +151,26 @@ def test_a_member_moved_before_the_first_record_loads_its_stage_from_the_initial
     assert member.holds(1) and not member.holds(0) and member.step == 0
     assert member.stage_files(1) == fresh.stage_files(1)
     assert all(p.is_meta for p in member.stages[0].parameters())
+
+
+def test_a_member_sent_back_to_a_checkpoint_drops_its_stage_and_steps_the_one_it_loads() -> None:
+    """A stage lost every replica: the run goes back to its last checkpoint. A member of stage 0,
+    two steps on and with a failed step's gradients still in its stage, drops all of it (weights,
+    gradients, Adam's moments) and takes stage 1 from the checkpoint's files; its next step steps
+    that stage only (the dropped gradients, on the meta device, are not stepped)."""
+    member, fresh = StagedTrainer(TASK, device="cpu"), StagedTrainer(TASK, device="cpu")
+    member.take_stage(0)
+    for _ in range(2):
+        for p in member.stages[0].parameters():
+            p.grad = torch.ones_like(p)
+        member.apply_stage(0, 0.0)
+    for p in member.stages[0].parameters():
+        p.grad = torch.ones_like(p)  # the failed step's
+    member.back_to(0)
+    assert member.step == 0 and not member.holds(0) and not member.holds(1) and allocated(member) == 0
+    member.load_stage(1, *fresh.stage_files(1), 0)
+    assert member.stage_files(1) == fresh.stage_files(1)
+    for p in member.stages[1].parameters():
+        p.grad = torch.ones_like(p)
+    member.apply_stage(1, 0.0)
+    assert member.step == 1 and all(p.is_meta and p.grad is None for p in member.stages[0].parameters())
