@@ -4,9 +4,9 @@ planned replicas signed (issue 31, docs/pipeline.md "Checkpoints").
 No member can check a stage it does not hold: it has neither the weights nor the optimizer state.
 So a stage's entry cannot be what one member (the stage's first replica, a chunk's owner in a sum)
 says; it is the CIDs that a strict majority of the stage's replicas in the span's plan each signed
-(:class:`StageStatement`, gathered by ``Collective.gather``). The replicas come from the plan, never from a statement
-or its sender; a statement from a member the plan puts in another stage counts for nothing and is
-named. Anyone holding the signed statements can check an entry (:func:`signed_entry_problem`):
+(:class:`StageStatement`, gathered by ``Collective.gather``). The replicas come from the plan,
+never from a statement or its sender; a statement from a member the plan puts in another stage
+counts for nothing and is named. Anyone holding the signed statements can check an entry (:func:`signed_entry_problem`):
 they travel in the manifest itself, with the stage's planned replicas, so whoever verifies a chain
 checks them without any member's help.
 
