@@ -151,9 +151,10 @@ def stage_signatures_problem(store: ContentStore, record: ModelRecord) -> str | 
     return None
 
 
-def stage_file_cids(store: ContentStore, cid: str) -> list[str]:
-    """The stage model files of ``cid`` when it is a manifest the store holds, else none (a model
-    file, or content this cannot tell: the loader that reads it says what it is)."""
+def stage_file_cids(store: ContentStore, cid: str, *, optimizer: bool = False) -> list[str]:
+    """The stage model files of ``cid`` (with ``optimizer``, each stage's optimizer file after its
+    model file) when it is a manifest the store holds, else none (a model file, or content this
+    cannot tell: the loader that reads it says what it is)."""
     try:
         data = store.cat(cid, max_bytes=MAX_MANIFEST_BYTES)
     except (FileTooLarge, ContentUnavailable):
@@ -161,6 +162,6 @@ def stage_file_cids(store: ContentStore, cid: str) -> list[str]:
     if not is_manifest(data):
         return []
     try:
-        return [stage.model for stage in read_manifest(data)]
+        return [cid for stage in read_manifest(data) for cid in (stage.model, stage.optimizer)[:1 + optimizer]]
     except ManifestError:
         return []
