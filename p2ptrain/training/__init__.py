@@ -34,11 +34,11 @@ if TYPE_CHECKING:
         Average as Average,
         module_device as module_device,
         resolve_device as resolve_device,
-        StateSnapshot as StateSnapshot,
         StepResult as StepResult,
         Trainer as Trainer,
         TrainerError as TrainerError,
     )
+    from p2ptrain.training._trainer_state import StateSnapshot as StateSnapshot
     from p2ptrain.training._stage_files import model_file as model_file
     from p2ptrain.training._stage_manifest import (
         check_stage_signatures as check_stage_signatures,
