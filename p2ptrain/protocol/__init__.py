@@ -67,6 +67,7 @@ if TYPE_CHECKING:
     from p2ptrain.protocol._records import (
         attest as attest,
         load_model_bytes as load_model_bytes,
+        model_tensors as model_tensors,
         Misconduct as Misconduct,
         model_bytes as model_bytes,
         read_model_card as read_model_card,

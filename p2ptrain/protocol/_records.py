@@ -117,6 +117,14 @@ def read_tensors(data: bytes) -> dict[str, torch.Tensor]:
 
 def load_model_bytes(module: nn.Module, data: bytes) -> nn.Module:
     """Load deterministic safetensors bytes into ``module``, which must match them exactly."""
+    module.load_state_dict(model_tensors(module, data), strict=True)
+    return module
+
+
+def model_tensors(module: nn.Module, data: bytes) -> dict[str, torch.Tensor]:
+    """The tensors of a model file that fits ``module`` exactly (names, shapes, dtypes), checked and
+    not loaded: a caller that loads more than the model (its optimizer state) checks everything
+    before it changes anything. :class:`RecordError` otherwise."""
     tensors = read_tensors(data)
     expected = module.state_dict()
     missing, extra = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
@@ -129,8 +137,7 @@ def load_model_bytes(module: nn.Module, data: bytes) -> nn.Module:
                 f"model file tensor {name}: {tuple(got.shape)} {got.dtype}, "
                 f"architecture needs {tuple(want.shape)} {want.dtype}"
             )
-    module.load_state_dict(tensors, strict=True)
-    return module
+    return tensors
 
 
 # --- signed records -----------------------------------------------------------------------------

@@ -34,7 +34,7 @@ from p2ptrain.models import HEADER_PER_TENSOR, HEADER_SLACK, build_model, file_b
 from p2ptrain.training._optimizers import build_optimizer, lr_at
 from p2ptrain.training._trainer_state import (OPTIMIZER_STATE_KEYS, StateSnapshot, optimizer_state,
                                              optimizer_tensors)
-from p2ptrain.protocol import RecordError, load_model_bytes, model_bytes, read_tensors, tensors_bytes
+from p2ptrain.protocol import RecordError, model_bytes, model_tensors, read_tensors, tensors_bytes
 from p2ptrain.task import Task
 
 log = logging.getLogger(__name__)
@@ -406,17 +406,18 @@ class Trainer:
         step_t = optim_t.pop("trainer.step", None)
         if step_t is None or step_t.dtype != torch.int64 or step_t.numel() != 1:
             raise RecordError("optimizer file has no valid trainer.step")
-        load_model_bytes(self.model, model_data)
-        self._load_tensors(None, optim_t, int(step_t))
+        # Both files checked before either is loaded: a bad optimizer file leaves the model as it was.
+        self._load_tensors(model_tensors(self.model, model_data), optim_t, int(step_t))
         self._snapshot = None  # the step before a checkpoint is not ours to return to
 
     def _load_tensors(
         self, model_t: dict[str, torch.Tensor] | None, optim_t: dict[str, torch.Tensor], step: int
     ) -> None:
+        state = optimizer_state(optim_t, self.params, self.optimizer_state_keys())  # checked first
         if model_t is not None:
             self.model.load_state_dict(model_t, strict=True)
         sd = self.optimizer.state_dict()
-        sd["state"] = optimizer_state(optim_t, self.params, self.optimizer_state_keys())
+        sd["state"] = state
         self.optimizer.load_state_dict(sd)
         self.step = step
         self.pending = None

@@ -241,9 +241,9 @@ class UserTrainer(_UserLoop):
     ) -> None:
         """An optimizer state of the user's optimizer class: ``state.<index>.<key>`` tensors whose
         keys are whatever that class keeps (a word; at most a few per parameter), each the shape of
-        its parameter or a scalar; anything else is a :class:`RecordError` naming it."""
-        if model_t is not None:
-            self.model.load_state_dict(model_t, strict=True)
+        its parameter or a scalar, the same keys for every parameter and, once the optimizer keeps
+        state, the keys it keeps; anything else, or a state the optimizer's own ``load_state_dict``
+        refuses, is a :class:`RecordError` naming it, and the module and optimizer stay as they were."""
         state: dict[int, dict[str, torch.Tensor]] = {}
         for name, tensor in sorted(optim_t.items()):  # sorted: the first problem named is the same everywhere
             if name == "trainer.step":
@@ -255,11 +255,34 @@ class UserTrainer(_UserLoop):
             state.setdefault(index, {})[key] = tensor
             if len(state[index]) > _MAX_STATE_KEYS:
                 raise RecordError(f"optimizer file keeps more than {_MAX_STATE_KEYS} tensors for parameter {index}")
-        sd = self.optimizer.state_dict()
-        sd["state"] = state
-        self.optimizer.load_state_dict(sd)
+        self._check_keys(state)
+        before = self.optimizer.state_dict()
+        try:
+            self.optimizer.load_state_dict({**before, "state": state})
+        except (KeyError, ValueError, TypeError, RuntimeError) as exc:  # the user's class decides what it takes
+            self.optimizer.load_state_dict(before)
+            raise RecordError(f"the optimizer file does not load into {type(self.optimizer).__name__}: {exc!r}") from None
+        if model_t is not None:
+            try:
+                self.model.load_state_dict(model_t, strict=True)
+            except RuntimeError as exc:
+                self.optimizer.load_state_dict(before)
+                raise RecordError(f"the model file does not load into the module: {exc}") from None
         self.step = step
         self.pending = None
+
+
+    def _check_keys(self, state: dict[int, dict[str, torch.Tensor]]) -> None:
+        """A state whose parameters keep different keys, or other keys than the optimizer keeps
+        now, is no state of this optimizer: a class's ``step`` would fail on it in the user's loop
+        (Adam's: a KeyError), or its ``load_state_dict`` on loading."""
+        kinds = {frozenset(s) for s in state.values()}
+        if len(kinds) > 1:
+            raise RecordError(f"the optimizer file keeps different keys per parameter: {sorted(map(sorted, kinds))}")
+        held = {frozenset(k for k, v in s.items() if isinstance(v, torch.Tensor)) for s in self.optimizer.state.values()}
+        if kinds and held and kinds != held:
+            raise RecordError(f"the optimizer file keeps {sorted(next(iter(kinds)))} per parameter, "
+                              f"{type(self.optimizer).__name__} keeps {sorted(next(iter(held)))}")
 
 
 class UserLocalSGDTrainer(_UserLoop, LocalSGDTrainer):

@@ -249,3 +249,42 @@ def test_a_users_module_stays_on_the_device_the_user_put_it_on():
     assert all(p.device.type == "meta" for p in module.parameters())
     with pytest.raises(TrainerError, match="give the model"):
         Trainer(task, device=None)
+
+
+def test_an_optimizer_file_the_users_optimizer_cannot_take_is_refused_and_changes_nothing():
+    """A peer's optimizer file of well-formed names whose keys are not what the user's optimizer
+    keeps (Adam: exp_avg, exp_avg_sq, step) is a RecordError, and the user's module and optimizer
+    are as they were. Before, ``state.0.s`` / ``state.1.k`` reached torch's ``Adam.load_state_dict``,
+    which raised a KeyError (no declared error), after the module had already taken the file's
+    weights."""
+    from torch import nn
+
+    from p2ptrain.protocol import RecordError, tensors_bytes
+    from p2ptrain.task import parse_task
+    from p2ptrain.training import GradientBridge, UserTrainer
+
+    task = parse_task({"name": "own", "model": {"name": "user", "architecture": "QmPr27mpm19tVRhDMn98aEecF9ii7FVYZVuQNeTGNTFida"},
+                       "training": {"batch_size": 1, "total_steps": 10, "checkpoint_interval": 5}})
+    torch.manual_seed(0)
+    module = nn.Linear(4, 2)
+    optimizer = torch.optim.Adam(module.parameters(), lr=0.1)
+    module(torch.ones(3, 4)).sum().backward()
+    optimizer.step()  # the user's loop: Adam now keeps its three keys per parameter
+    trainer = UserTrainer(task, module, optimizer, GradientBridge(), total_steps=10)
+    weights = {k: v.clone() for k, v in module.state_dict().items()}
+    held = {i: {k: v.clone() for k, v in s.items()} for i, s in optimizer.state_dict()["state"].items()}
+    other = nn.Linear(4, 2)
+    other_model = UserTrainer(task, other, torch.optim.Adam(other.parameters()), GradientBridge(), total_steps=10).model_bytes()
+    hostile = [
+        {"state.0.s": torch.zeros(2, 4), "state.1.k": torch.zeros(2)},  # keys Adam does not keep
+        {"state.0.exp_avg": torch.zeros(2, 4), "state.1.step": torch.tensor(1.0)},  # a partial state
+    ]
+    for tensors in hostile:
+        with pytest.raises(RecordError, match="optimizer"):
+            trainer.load_state(other_model, tensors_bytes({"trainer.step": torch.tensor(3), **tensors}))
+        assert all(torch.equal(module.state_dict()[k], v) for k, v in weights.items())
+        after = optimizer.state_dict()["state"]
+        assert after.keys() == held.keys()
+        assert all(torch.equal(after[i][k], v) for i, s in held.items() for k, v in s.items())
+    module(torch.ones(3, 4)).sum().backward()
+    optimizer.step()  # the user's optimizer still steps
