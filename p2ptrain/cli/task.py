@@ -150,6 +150,9 @@ def render_status(s: TaskStatus) -> str:
             lines.append(f"stages     {len(s.stages)}, this peer serves stage {served}: " + "; ".join(
                 f"{e['stage']}: {len(e['replicas'])} replica{'s' if len(e['replicas']) != 1 else ''}, "
                 f"{e['parameters']:,} parameters" for e in s.stages))
+        for e in s.stage_suspects or ():
+            lines.append(f"suspect    {short_id(e['peer'])}, stage {e['stage']}: sent altered activations "
+                         f"({e['times']} time{'s' if e['times'] != 1 else ''}, last at step {e['step']}); left out of plans")
     if s.resumed_from:
         lines.append(f"resumed    from model v{s.resumed_from['version']} at step {s.resumed_from['step']}")
     lines.append(f"model      {_model(s)}")

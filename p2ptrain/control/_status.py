@@ -144,6 +144,10 @@ class TaskStatus:
     # {"stage", "replicas" (peer IDs, in the plan's order), "parameters"}; None for any other task.
     stage: int | None = _member()
     stages: tuple[dict[str, Any], ...] | None = _member()
+    # A pipelined task: the replicas convicted of sending altered activations (outvoted by a third
+    # opinion, accused by a majority of the drivers), each {"peer", "stage", "times", "step" (the
+    # last)}; left out of plans as a misbehaving member is. None for any other task.
+    stage_suspects: tuple[dict[str, Any], ...] | None = _member()
     # In-process only (the metrics exporter): each completed round's compute / sync / apply times.
     round_seconds: dict[str, HistogramSnapshot] | None = field(default=None, metadata={"shape": _LOCAL},
                                                               compare=False)
@@ -166,7 +170,7 @@ class TaskStatus:
                 value = tuple(ChainEntry.from_json(entry) for entry in value or ())
             elif name == "members":
                 value = tuple(value or ())
-            elif name == "stages" and value is not None:
+            elif name in ("stages", "stage_suspects") and value is not None:
                 value = tuple(dict(entry) for entry in value)
             elif name == "rejected":
                 value = dict(value or {})

@@ -164,6 +164,7 @@ class TaskRun:
             is_coordinator=run.election.coordinator == run.me,
             stage=stage,
             stages=stages,
+            stage_suspects=tuple(dict(e) for e in run.stage_suspects.values()) if run.task.pipeline else None,
             round_seconds=run.round_seconds.snapshot(),
         )
 
