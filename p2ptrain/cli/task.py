@@ -153,6 +153,10 @@ def render_status(s: TaskStatus) -> str:
         for e in s.stage_suspects or ():
             lines.append(f"suspect    {short_id(e['peer'])}, stage {e['stage']}: sent altered activations "
                          f"({e['times']} time{'s' if e['times'] != 1 else ''}, last at step {e['step']}); left out of plans")
+        for e in s.stage_disagreements or ():
+            a, b = e["peers"]
+            lines.append(f"disagree   stage {e['stage']}: {short_id(a)} and {short_id(b)}, {e['times']} "
+                         f"time{'s' if e['times'] != 1 else ''}; no third replica decided, nobody left out")
     if s.resumed_from:
         lines.append(f"resumed    from model v{s.resumed_from['version']} at step {s.resumed_from['step']}")
     lines.append(f"model      {_model(s)}")

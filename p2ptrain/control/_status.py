@@ -148,6 +148,9 @@ class TaskStatus:
     # opinion, accused by a majority of the drivers), each {"peer", "stage", "times", "step" (the
     # last)}; left out of plans as a misbehaving member is. None for any other task.
     stage_suspects: tuple[dict[str, Any], ...] | None = _member()
+    # ... and, as a driver, the disagreements of two replicas nobody could decide (a stage of two, or
+    # three different answers): {"stage", "peers" (the two), "times"}; nobody is left out on them.
+    stage_disagreements: tuple[dict[str, Any], ...] | None = _member()
     # In-process only (the metrics exporter): each completed round's compute / sync / apply times.
     round_seconds: dict[str, HistogramSnapshot] | None = field(default=None, metadata={"shape": _LOCAL},
                                                               compare=False)
@@ -170,7 +173,7 @@ class TaskStatus:
                 value = tuple(ChainEntry.from_json(entry) for entry in value or ())
             elif name == "members":
                 value = tuple(value or ())
-            elif name in ("stages", "stage_suspects") and value is not None:
+            elif name in ("stages", "stage_suspects", "stage_disagreements") and value is not None:
                 value = tuple(dict(entry) for entry in value)
             elif name == "rejected":
                 value = dict(value or {})

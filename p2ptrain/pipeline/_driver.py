@@ -138,9 +138,12 @@ class Driver:
         # {(stage, the replica that answered, the replica that answered differently): times}
         self.disagreements: collections.Counter[tuple[int, Hashable, Hashable]] = collections.Counter()
         # {(stage, replica): times a third opinion outvoted it}, and {replica: its stage} of every
-        # replica outvoted since this driver was made (kept across steps: the driver's accusations).
+        # replica outvoted (kept across steps until the caller takes them: the driver's accusations).
         self.outvoted: collections.Counter[tuple[int, Hashable]] = collections.Counter()
         self.liars: dict[Hashable, int] = {}
+        # {(stage, replica, replica): times} of the disagreements nobody could decide (no third
+        # replica, or three different answers): reported as the pair's, nobody named.
+        self.undecided: collections.Counter[tuple[int, Hashable, Hashable]] = collections.Counter()
 
     def new_step(self, step: int) -> None:
         """Start ``step``: stage 0's gradients zeroed, the kept tensors dropped, every replica usable."""
@@ -248,6 +251,7 @@ class Driver:
         try:
             third, tie = await self._answered(Kind.FORWARD, stage, mb, (sent,), besides=(first, other))
         except StageUnavailable:
+            self.undecided[(stage, first, other)] += 1
             logger.warning("pipeline step %d: microbatch %d: stage %d has no third replica to tell which of %s and "
                            "%s lied; nobody is named", self.step, mb, stage, _name(first), _name(other))
             return out
@@ -257,6 +261,7 @@ class Driver:
         elif torch.equal(verdict, second):
             liar, kept = first, second
         else:
+            self.undecided[(stage, first, other)] += 1
             logger.warning("pipeline step %d: microbatch %d: stage %d replicas %s, %s and %s answered three different "
                            "outputs; nobody is named", self.step, mb, stage, _name(first), _name(other), _name(third))
             return out

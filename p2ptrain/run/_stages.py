@@ -187,6 +187,11 @@ class StageRounds:
                 logger.warning("%s: step %d failed at this driver: %s", run.log_prefix, step, exc)
                 failed = True
             self._accused.update((str(peer), s) for peer, s in self._driver.liars.items())
+            self._driver.liars.clear()
+            for (s, a, b), n in self._driver.undecided.items():
+                low, high = sorted((str(a), str(b)))
+                run.stage_disagreements[(s, low, high)] += n
+            self._driver.undecided.clear()
         else:
             assert self._replica is not None
             self._replica.new_step(step)
@@ -195,6 +200,8 @@ class StageRounds:
         summary = await gather_summary(run.collective, plan, index, run.me, loss, failed, timeout=self.hop_timeout,
                                        start_timeout=STEP_TIMEOUT_S, accused=tuple(self._accused))
         if summary.convicted:
+            for peer in summary.convicted:  # judged: back after its quarantine, only a new lie accuses it
+                self._accused.pop(peer, None)
             raise convicted_failure(plan, step, summary.convicted, run.stage_suspects, run.log_prefix)
         if summary.failed:
             raise PipelineError(f"step {step} failed at drivers {', '.join(short_id(d) for d in summary.failed)}")

@@ -165,6 +165,9 @@ class TaskRun:
             stage=stage,
             stages=stages,
             stage_suspects=tuple(dict(e) for e in run.stage_suspects.values()) if run.task.pipeline else None,
+            stage_disagreements=tuple({"stage": s, "peers": [a, b], "times": n}
+                                      for (s, a, b), n in sorted(run.stage_disagreements.items()))
+            if run.task.pipeline else None,
             round_seconds=run.round_seconds.snapshot(),
         )
 

@@ -15,7 +15,6 @@ import random
 from dataclasses import replace
 
 import pytest
-import torch
 import trio
 
 from p2ptrain.base import short_id
@@ -141,6 +140,13 @@ async def test_with_two_replicas_the_pair_is_reported_and_nobody_is_left_out():
         assert sum(driver.disagreements.values()) == 4
         assert all({a, b} == pair and stage == 1 for stage, a, b in driver.disagreements)
         assert driver.liars == {} and not driver.outvoted
+        assert driver.undecided == driver.disagreements  # reported as the pair's
+        (stage, a, b), times = next(iter(driver.undecided.items()))
+        status = TaskStatus(task_cid=CID, name="t", state="training", member=True, stage_suspects=(),
+                            stage_disagreements=({"stage": stage, "peers": [str(a), str(b)], "times": times},))
+        text = render_status(TaskStatus.from_json(status.to_json()))
+        assert f"disagree   stage 1: {short_id(str(a))} and {short_id(str(b))}, {times} times; no third replica" in text
+        assert "suspect" not in text
         members = [str(h.id) for h in hosts]
         got = await summaries(hosts, plan_of(members, (0, 1, 1)), {members[0]: ()})
         assert [s.convicted for s in got] == [()] * 3, got
