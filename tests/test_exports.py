@@ -65,7 +65,7 @@ EXPORTS: dict[str, list[str]] = {
     ],
     "p2ptrain.pipeline": [
         "Cut", "DoubleCounted", "Driver", "MAX_STREAMS_PER_PEER", "PROTOCOL", "PartitionError", "PipelineError", "Stage",
-        "StageReplica", "StageUnavailable", "Wiring", "balanced_cut", "partition", "pieces_of",
+        "StageReplica", "StageUnavailable", "Wiring", "balanced_cut", "is_checked", "partition", "pieces_of",
         "sum_stage_gradients",
     ],
     "p2ptrain.net": [
@@ -84,7 +84,8 @@ EXPORTS: dict[str, list[str]] = {
         "ATTEST_TIMEOUT_S", "AssignmentError", "Attestations", "Chain", "ChainRules", "Election", "ElectionConfig",
         "ElectionMessage", "Hold", "MAX_CHAIN_BYTES", "Misconduct", "Participation", "RecordError", "RoundBook",
         "RuleBreak", "Status", "Tally", "View",
-        "assign", "attest", "audit", "buffers_round_id", "chain_lines", "election_problem", "entry_from_bytes",
+        "assign", "attest", "audit", "buffers_round_id", "chain_lines", "check_key_message", "convicted",
+        "election_problem", "entry_from_bytes",
         "is_checkpoint",
         "load_model_bytes", "model_bytes", "owner_seed", "parse_entry", "read_chain", "read_model_card",
         "read_tensors", "round_id", "round_seed", "shard_of", "sign_record", "signing", "stage_rings",

@@ -117,9 +117,12 @@ async def test_a_replica_altering_its_outputs_is_convicted_named_and_left_out(tm
             for s in statuses:
                 assert [(e["peer"], e["stage"]) for e in s["stage_suspects"]] == [(liar, 1)]  # it, and only it
 
+            # An honest member's book (the liar follows no plan without itself).
+            watcher = peers[honest[0]].tasks.runs[task_cid].shared
+
             def plan_without_liar() -> tuple[str, ...] | None:
-                plan = run.book.last_plan if run.book else None
-                return plan.members if plan is not None and liar not in plan.members and run.rounds_done else None
+                plan = watcher.book.last_plan if watcher.book else None
+                return plan.members if plan is not None and liar not in plan.members else None
 
             members = await peers.wait_until(plan_without_liar, STEP_S, what="a plan without the liar")
             assert liar not in members and len(members) == 5
