@@ -35,7 +35,8 @@ OLD_KEYS = {"task_cid", "name", "state", "error", "member", "synced", "round", "
 # JSON kept every key and type): a contract, pinned exactly. is_coordinator came with it.
 MEMBER_KEYS = OLD_KEYS | {"cancel_reason", "waiting_for_peers", "waiting_s", "bytes_received", "last_round",
                           "last_step", "inner_steps", "inner_step", "is_coordinator", "resumed_from",
-                          "stage", "stages", "stage_suspects", "stage_disagreements"}
+                          "stage", "stages", "stage_recovery", "stage_suspects",
+                          "stage_disagreements"}
 # ... and for a task this node only heard of.
 HEARD_KEYS = {"task_cid", "name", "announced_by", "member", "state", "refused", "missing_builder", "version", "step", "round",
               "total_steps", "latest_model_cid", "members", "chain_cid"}

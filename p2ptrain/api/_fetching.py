@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from p2ptrain.ipfs import ContentStore
     from p2ptrain.protocol import Chain
     from p2ptrain.services import Fetcher
-    from p2ptrain.wire import TaskHead
+    from p2ptrain.wire import ModelRecord, TaskHead
 
 # How long a temporary node waits for its first peer, and for the latest head of a task.
 EPHEMERAL_MESH_TIMEOUT_S = 20.0
@@ -76,6 +76,7 @@ def ensure_local(
     if socket_path(home).exists():
         client = ControlClient(home, timeout=600.0)
         try:
+            status = None
             if latest is not None:
                 status = TaskStatus.from_json(
                     client.call(control_ops.TASK_STATUS, task_cid=latest, timeout=EPHEMERAL_MESH_TIMEOUT_S))
@@ -84,6 +85,9 @@ def ensure_local(
                 client.call(control_ops.IPFS_FETCH, cid=cid, timeout=300.0)
             for cid in _more(store, cids, then):
                 client.call(control_ops.IPFS_FETCH, cid=cid, timeout=300.0)
+            if status is not None and status.chain_cid:  # the chain the node verified: its last record
+                client.call(control_ops.IPFS_FETCH, cid=status.chain_cid, timeout=300.0)
+                _check_stages(store, _last_record(store, status.chain_cid, cids[-1]))
             return cids
         except ControlError as exc:
             raise UserError(str(exc)) from None
@@ -133,9 +137,31 @@ def _fetch_with_ephemeral_node(
         more = await trio.to_thread.run_sync(_more, peer.content.store, out, then)
         for cid in more:
             await fetch_through(peer, cid)
+        if latest is not None and chain.records:
+            _check_stages(peer.content.store, chain.records[-1].record)
 
     with_ephemeral_node(home, bootstrap, work)
     return out
+
+
+def _check_stages(store: ContentStore, record: ModelRecord) -> None:
+    """The latest model of a pipelined run: each stage's files signed by a quorum of its replicas
+    (its manifest carries them; a verified chain proves the record, not yet its stages)."""
+    from p2ptrain.training import stage_signatures_problem
+
+    problem = stage_signatures_problem(store, record)
+    if problem is not None:
+        raise UserError(f"the latest model of task {record.task_cid} is refused: {problem}")
+
+
+def _last_record(store: ContentStore, chain_cid: str, model_cid: str) -> ModelRecord:
+    """The record of ``model_cid``, the last of the chain ``chain_cid`` a node verified."""
+    from p2ptrain.protocol import MAX_CHAIN_BYTES, chain_lines, parse_entry
+
+    record = parse_entry(chain_lines(store.cat(chain_cid, max_bytes=MAX_CHAIN_BYTES))[-1]).signed.record
+    if record.model_cid != model_cid:
+        raise UserError(f"the node's chain {chain_cid} does not end with model {model_cid}")
+    return record
 
 
 async def fetch_through(peer: Fetcher, cid: str) -> None:

@@ -157,6 +157,12 @@ def render_status(s: TaskStatus) -> str:
             a, b = e["peers"]
             lines.append(f"disagree   stage {e['stage']}: {short_id(a)} and {short_id(b)}, {e['times']} "
                          f"time{'s' if e['times'] != 1 else ''}; no third replica decided, nobody left out")
+        if s.stage_recovery:
+            r = s.stage_recovery
+            moved = ", ".join(f"{short_id(m['peer'])} moved from stage {m['from']} to {m['to']}" for m in r["moved"])
+            steps = f"{r['redone']} step{'' if r['redone'] == 1 else 's'}"
+            lines.append(f"recovered  stage {', '.join(map(str, r['stages']))} lost every replica: {moved or 'none moved'}; "
+                         f"back to model v{r['version']} (step {r['step']}), {steps} redone")
     if s.resumed_from:
         lines.append(f"resumed    from model v{s.resumed_from['version']} at step {s.resumed_from['step']}")
     lines.append(f"model      {_model(s)}")

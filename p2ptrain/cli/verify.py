@@ -150,7 +150,7 @@ def verify(home: Path, *, model_cid: str | None, task_cid: str | None, bootstrap
     if not problems:
         report.checked.append(f"{len(entries)} records: each signed by its elected coordinator, attested by a "
                               f"quorum of its members, linked to the one before; initial model {initial_cid} rebuilt")
-    report.problems += _check_bytes(store, task, last.model_cid, last.optimizer_cid, report)
+    report.problems += _check_bytes(store, task, last, report)
     if evaluate and task.dataset is not None and not task.model.user:
         report.problems += _check_metrics(store, task, last, report)
     elif evaluate:
@@ -237,11 +237,13 @@ def _initial_cid(store: Any, task: Any) -> str:
     return str(store.add_bytes(trainer.model_bytes(), only_hash=True))
 
 
-def _check_bytes(store: Any, task: Any, model_cid: str, optimizer_cid: str, report: Report) -> list[str]:
-    """Hash the model and optimizer bytes again and load the model into the task's architecture."""
+def _check_bytes(store: Any, task: Any, record: Any, report: Report) -> list[str]:
+    """Hash the model and optimizer bytes of ``record`` again and load the model into the task's
+    architecture (a pipelined run's: each stage's files signed by a quorum of its replicas first)."""
     from p2ptrain.protocol import RecordError, load_model_bytes
-    from p2ptrain.training import is_manifest, model_file, Trainer
+    from p2ptrain.training import check_stage_signatures, is_manifest, ManifestError, model_file, read_manifest, Trainer
 
+    model_cid, optimizer_cid = record.model_cid, record.optimizer_cid
     problems: list[str] = []
     sizes = []
     if task.model.user:
@@ -251,6 +253,12 @@ def _check_bytes(store: Any, task: Any, model_cid: str, optimizer_cid: str, repo
         sizes.append(len(data))
         if store.add_bytes(data, only_hash=True) != cid:
             problems.append(f"{what} {cid}: its bytes in the store do not hash to its CID")
+    manifest = is_manifest(store.cat(model_cid, max_bytes=sizes[0]))
+    if manifest:  # its stage entries are only what a quorum of each stage's replicas signed
+        try:
+            check_stage_signatures(read_manifest(store.cat(model_cid, max_bytes=sizes[0])), record)
+        except ManifestError as exc:
+            return problems + [f"model {model_cid}: {exc}"]
     try:
         # A pipelined run's model CID names a manifest: its stage files, each hashed as it is read,
         # assemble into the whole model's file (training/_stage_files.py).
@@ -258,9 +266,9 @@ def _check_bytes(store: Any, task: Any, model_cid: str, optimizer_cid: str, repo
     except RecordError as exc:
         problems.append(f"model {model_cid} does not fit the task's architecture: {exc}")
     if not problems:
-        what = (f"the stage manifest hashed again ({sizes[0]} bytes) and its stages' model files assembled "
-                "(their optimizer files are not fetched here)" if is_manifest(store.cat(model_cid, max_bytes=sizes[0]))
-                else f"model and optimizer state hashed again ({sizes[0]} + {sizes[1]} bytes)")
+        what = (f"the stage manifest hashed again ({sizes[0]} bytes), each stage's files signed by a quorum of its "
+                "replicas, and its stages' model files assembled (their optimizer files are not fetched here)"
+                if manifest else f"model and optimizer state hashed again ({sizes[0]} + {sizes[1]} bytes)")
         report.checked.append(f"{what}; the model loads into the task's {task.model.name}")
     return problems
 

@@ -151,6 +151,10 @@ class TaskStatus:
     # ... and, as a driver, the disagreements of two replicas nobody could decide (a stage of two, or
     # three different answers): {"stage", "peers" (the two), "times"}; nobody is left out on them.
     stage_disagreements: tuple[dict[str, Any], ...] | None = _member()
+    # The last time a stage lost every replica (issue 31): {"stages": the stages left empty, "moved":
+    # [{"peer", "from", "to"}], "step" and "version": the confirmed checkpoint the run went back to,
+    # "redone": the steps this member had trained past it}; None when it never happened.
+    stage_recovery: dict[str, Any] | None = _member()
     # In-process only (the metrics exporter): each completed round's compute / sync / apply times.
     round_seconds: dict[str, HistogramSnapshot] | None = field(default=None, metadata={"shape": _LOCAL},
                                                               compare=False)

@@ -21,9 +21,10 @@ loses its outstanding wants the same way, so a fetch finishes as long as one hon
 Speed: a fetch keeps ``window`` blocks outstanding per provider; a server packs blocks into ~2 MiB
 messages, written with one call each, and reads its store off the event loop. See docs/benchmarks.md.
 
-Layout: this module holds the streams (inbound handlers behind their bounds, one sender per peer)
-and the public API; a fetch's want-list logic is :mod:`p2ptrain.ipfs._fetch_session`, what peers ask
-of us and how the answers are packed is :mod:`p2ptrain.ipfs._serving`.
+Layout: this module holds the inbound streams (handlers behind their bounds) and the public API;
+our one sender per peer is :mod:`p2ptrain.ipfs._senders`, a fetch's want-list logic
+:mod:`p2ptrain.ipfs._fetch_session`, what peers ask of us and how the answers are packed
+:mod:`p2ptrain.ipfs._serving`.
 """
 
 from __future__ import annotations
@@ -37,10 +38,7 @@ from contextlib import asynccontextmanager
 import trio
 from libp2p.abc import IHost, INetStream
 from libp2p.peer.id import ID
-from libp2p.io.exceptions import IOException
-from libp2p.network.stream.exceptions import StreamError
 from libp2p.peer.peerinfo import PeerInfo
-from libp2p.stream_muxer.exceptions import MuxedConnError, MuxedStreamError
 
 from p2ptrain.ipfs._bitswap_wire import (
     MAX_MESSAGE_SIZE,
@@ -55,7 +53,8 @@ from p2ptrain.ipfs._bitswap_wire import (
 )
 from p2ptrain.ipfs._cid import CID, cid_str, parse_cid
 from p2ptrain.ipfs._fetch_session import DEFAULT_STALL_TIMEOUT, DEFAULT_WINDOW, FetchError, FetchSession, FetchStats
-from p2ptrain.ipfs._serving import Outbox, Packed, next_messages, queue_wants
+from p2ptrain.ipfs._senders import STREAM_ENDED, Senders, close_quietly, reset_quietly
+from p2ptrain.ipfs._serving import queue_wants
 from p2ptrain.ipfs._store import BlockSource
 from p2ptrain.base import count_rejection, short_id
 from p2ptrain.net import StreamGuard
@@ -64,7 +63,6 @@ __all__ = ["BlockExchange", "FetchError", "FetchStats", "open_exchange"]
 
 logger = logging.getLogger(__name__)
 
-DIAL_TIMEOUT = 10.0
 _RECENT_WANTS = 1 << 16  # digests we asked for lately: a late duplicate of one is not an offence
 # Inbound Bitswap streams one peer may have open with us (all Bitswap versions together). Kubo and
 # we open one long-lived stream per peer; 4 leaves room for a reconnect overlapping the old one.
@@ -74,17 +72,10 @@ MAX_INBOUND_STREAMS_PER_PEER = 4
 # a block message on its stream and one on ours. A message over the budget resets its stream.
 MAX_INBOUND_BYTES_PER_PEER = 2 * MAX_MESSAGE_SIZE
 # An inbound stream with no message for this long is closed (the sender opens a fresh one when it
-# has something to say; ours closes its own stream after _SEND_IDLE_S, well before this).
+# has something to say; ours closes its own stream after _senders._SEND_IDLE_S, well before this).
 INBOUND_IDLE_S = 120.0
 # A message, once its first byte is in, must be complete within this: 4 MiB at 1 MB/s takes 4 s.
 MESSAGE_TIMEOUT_S = 30.0
-# Our sender closes its stream to a peer after this long with nothing to send, before the peer's
-# idle timeout (ours: INBOUND_IDLE_S) would reset it under a later write.
-_SEND_IDLE_S = 60.0
-# Closing our sender's stream to a peer we drop is shielded from cancellation (so the peer sees the
-# stream end) but bounded: a close is one frame on an open connection (milliseconds), and a peer
-# that does not take it within a second is dead or hostile; the stream is given up then.
-_CLOSE_TIMEOUT_S = 1.0
 
 
 class BlockExchange:
@@ -98,16 +89,12 @@ class BlockExchange:
         self.host = host
         self.store = store
         self.strikes: collections.Counter[str] = collections.Counter()  # short peer id -> offences
-        self._peers: dict[ID, Outbox] = {}
+        self._senders = Senders(host, store, self._read_own, self._on_dropped)
         self._sessions: set[FetchSession] = set()
         self._recent: dict[bytes, None] = {}  # ordered set of digests we asked for
-        self._nursery: trio.Nursery | None = None
         self._guard = StreamGuard("bitswap", MAX_INBOUND_STREAMS_PER_PEER)
         self._budgets: dict[ID, tuple[ByteBudget, int]] = {}  # peer -> (budget, readers using it)
         self.rejected: collections.Counter[str] = collections.Counter()  # inbound refusals, by reason
-        # Blocks we served to peers (written on our stream to them), and their data bytes.
-        self.served_blocks = 0
-        self.served_bytes = 0
 
     def stats(self) -> dict[str, int]:
         """Inbound refusals by reason, what peers hold with us now, and what we served (for node status)."""
@@ -116,8 +103,8 @@ class BlockExchange:
             **{f"rejected_{why}": n for why, n in self.rejected.items()},
             "inbound_bytes_held": sum(budget.used for budget, _ in self._budgets.values()),
             "offences": sum(self.strikes.values()),
-            "served_blocks": self.served_blocks,
-            "served_bytes": self.served_bytes,
+            "served_blocks": self._senders.served_blocks,
+            "served_bytes": self._senders.served_bytes,
         }
 
     def inbound_bytes(self, peer_id: ID) -> int:
@@ -135,18 +122,16 @@ class BlockExchange:
         """Install the Bitswap handlers and run the per-peer senders until cancelled."""
         try:
             async with trio.open_nursery() as nursery:
-                self._nursery = nursery
+                self._senders.nursery = nursery
                 handler = self._guard.wrap(self._handle_inbound)
                 for protocol in PROTOCOLS:
                     self.host.set_stream_handler(protocol, handler)
                 task_status.started()
                 await trio.sleep_forever()
         finally:
-            self._nursery = None
+            self._senders.stop()
             for protocol in PROTOCOLS:
                 self.host.remove_stream_handler(protocol)
-            for peer in self._peers.values():
-                peer.done = True
 
     # ---- receiving -----------------------------------------------------------------------------
 
@@ -181,8 +166,8 @@ class BlockExchange:
             count_rejection(self.rejected, "bad_message", logger, logging.WARNING,
                             "bitswap: peer %s sent a bad message: %s", short_id(peer_id), exc)
             self._offence(peer_id)
-            await _reset(stream)
-        except _STREAM_ENDED as exc:  # the sessions notice through the connection
+            await reset_quietly(stream)
+        except STREAM_ENDED as exc:  # the sessions notice through the connection
             logger.debug("bitswap: stream from %s ended: %r", short_id(peer_id), exc)
         finally:
             reader.release()
@@ -192,11 +177,11 @@ class BlockExchange:
             else:
                 del self._budgets[peer_id]
             if not ours:  # our sender closes its own stream when it is done with it
-                await _close(stream)
+                await close_quietly(stream)
 
     def _on_message(self, peer_id: ID, msg: Received) -> None:
         if msg.wants or msg.full_wantlist:
-            queue_wants(self._peer(peer_id), msg, self.store)
+            queue_wants(self._senders.outbox(peer_id), msg, self.store)
         for block in msg.blocks:
             self._on_block(peer_id, block)
         if msg.dropped_blocks:
@@ -224,27 +209,18 @@ class BlockExchange:
 
     # ---- sending -------------------------------------------------------------------------------
 
-    def _peer(self, peer_id: ID) -> Outbox:
-        peer = self._peers.get(peer_id)
-        if peer is None:
-            if self._nursery is None:
-                raise RuntimeError("BlockExchange is not running (start it with exchange.run)")
-            peer = self._peers[peer_id] = Outbox(peer_id)
-            self._nursery.start_soon(self._send_loop, peer)
-        return peer
-
     def has_outbox(self, peer_id: ID) -> bool:
         """Whether we are talking to ``peer_id`` now (a sender runs for it)."""
-        return peer_id in self._peers
+        return peer_id in self._senders.peers
 
     def has_stream(self, peer_id: ID) -> bool:
         """Whether our sender to ``peer_id`` has opened its stream."""
-        peer = self._peers.get(peer_id)
+        peer = self._senders.peers.get(peer_id)
         return peer is not None and peer.stream is not None
 
     def send_wants(self, peer_id: ID, wants: Iterable[WantEntry]) -> None:
         """Queue wants (or cancels) for ``peer_id``, starting a sender for it if none runs."""
-        peer = self._peer(peer_id)
+        peer = self._senders.outbox(peer_id)
         for want in wants:
             peer.wants[bytes(want.cid)] = want
             if not want.cancel:
@@ -256,80 +232,6 @@ class BlockExchange:
         if len(self._recent) > _RECENT_WANTS:
             del self._recent[next(iter(self._recent))]
 
-    async def _send_loop(self, peer: Outbox) -> None:
-        """Everything we send to one peer, on one long-lived stream; a failure drops the peer.
-
-        Packing (reading blocks from disk, encoding) and writing run as two tasks with one message
-        between them, so the next message is read from disk while the current one is on the wire.
-        """
-        try:
-            async with trio.open_nursery() as nursery:
-                packed, to_write = trio.open_memory_channel[Packed](1)
-                nursery.start_soon(self._pack_loop, peer, packed)
-                async with to_write:
-                    async for item in to_write:
-                        await self._write(peer, item.message)
-                        self.served_blocks += item.blocks
-                        self.served_bytes += item.block_bytes
-        except Exception as exc:
-            reason = f"stream failed: {exc!r}"
-            logger.info("bitswap: dropping peer %s: %s", short_id(peer.id), reason)
-            for session in list(self._sessions):
-                session.on_bad_provider(peer.id, reason, offence=False)
-        finally:
-            if self._peers.get(peer.id) is peer:
-                del self._peers[peer.id]
-            if peer.stream is not None:
-                with trio.CancelScope(shield=True), trio.move_on_after(_CLOSE_TIMEOUT_S):
-                    await _close(peer.stream)
-
-    async def _pack_loop(self, peer: Outbox, packed: trio.MemorySendChannel[Packed]) -> None:
-        async with packed:
-            while not peer.done:
-                with trio.move_on_after(_SEND_IDLE_S):
-                    await peer.wake.wait()
-                if not peer.wake.is_set():
-                    # Idle: leave, closing our stream before the peer's idle timeout resets it; a
-                    # later want starts a fresh Outbox and stream.
-                    peer.done = True
-                    if self._peers.get(peer.id) is peer:
-                        del self._peers[peer.id]
-                    return
-                peer.wake = trio.Event()
-                if peer.stream is None:
-                    await self._open(peer)
-                while peer.wants or peer.serve:
-                    for item in await next_messages(peer, self.store):
-                        await packed.send(item)
-
-    async def _write(self, peer: Outbox, message: bytes) -> None:
-        """Write one message on our stream to ``peer``; if the peer ended that stream, once more on a
-        fresh one.
-
-        A peer may end a stream we opened while it idles: Helia resets an incoming Bitswap stream
-        with no message for 10 s (5 s in older versions), well before our _SEND_IDLE_S. That is not
-        a failure of the peer, so the message goes on a new stream; a second failure in a row is.
-        """
-        assert peer.stream is not None
-        try:
-            await peer.stream.write(message)
-            return
-        except _STREAM_ENDED as exc:
-            logger.debug("bitswap: our stream to %s ended (%r); opening a fresh one",
-                         short_id(peer.id), exc)
-        await _reset(peer.stream)
-        await self._open(peer)
-        await peer.stream.write(message)
-
-    async def _open(self, peer: Outbox) -> None:
-        with trio.fail_after(DIAL_TIMEOUT):
-            stream = await self.host.new_stream(peer.id, list(PROTOCOLS))
-        peer.stream = stream
-        peer.protocol = str(stream.get_protocol() or PROTOCOLS[0])
-        # A peer may answer on the stream we opened (py-libp2p's Bitswap does); Kubo never writes on it.
-        assert self._nursery is not None
-        self._nursery.start_soon(self._read_own, stream)
-
     async def _read_own(self, stream: INetStream) -> None:
         """Read what a peer answers on the stream we opened, behind the same exception boundary as
         inbound streams (this task runs in the exchange's nursery: an escape would end it)."""
@@ -339,7 +241,13 @@ class BlockExchange:
             count_rejection(self._guard.counters, "handler_error", logger, logging.ERROR,
                             "bitswap: reading our stream to %s failed; stream reset",
                             short_id(stream.muxed_conn.peer_id), exc_info=True)
-            await _reset(stream)
+            await reset_quietly(stream)
+
+    def _on_dropped(self, peer_id: ID, reason: str) -> None:
+        """Our stream to ``peer_id`` failed: the fetches take their wants elsewhere."""
+        for session in list(self._sessions):
+            session.on_bad_provider(peer_id, reason, offence=False)
+
     # ---- fetching ------------------------------------------------------------------------------
 
     async def fetch_dag(
@@ -437,24 +345,3 @@ async def open_exchange(host: IHost, store: BlockSource) -> AsyncIterator[BlockE
             yield exchange
         finally:
             nursery.cancel_scope.cancel()
-
-
-# What a stream read raises when the peer closed, reset or went away: an end, not a fault.
-_STREAM_ENDED: tuple[type[BaseException], ...] = (
-    StreamError, MuxedStreamError, MuxedConnError, IOException, OSError, trio.BrokenResourceError,
-    trio.ClosedResourceError,
-)
-
-
-async def _close(stream: INetStream) -> None:
-    try:
-        await stream.close()
-    except Exception:
-        pass
-
-
-async def _reset(stream: INetStream) -> None:
-    try:
-        await stream.reset()
-    except Exception:
-        pass

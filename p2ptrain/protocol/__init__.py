@@ -1,10 +1,11 @@
 """The coordination protocol: pure, clock-injected state machines that a simulator can drive.
 
 The election of a coordinator (terms, votes, certificates; who counts as alive), the round book
-(plans followed, failures, quarantine, whether to plan now), what a plan is made of, signed model
-records and their attestations (deterministic model bytes, the tally), the confirmed chain and its
-proofs, and detached signatures (:mod:`p2ptrain.protocol.signing`, a public submodule). Nothing
-here touches the network or the clock: ``run`` gathers the inputs and carries out the decisions.
+(plans followed, failures, quarantine), the coordinator's planner (whether to plan now, the next
+plan), what a plan is made of, signed model records and their attestations (deterministic model
+bytes, the tally), the confirmed chain and its proofs, and detached signatures
+(:mod:`p2ptrain.protocol.signing`, a public submodule). Nothing here touches the network or the
+clock: ``run`` gathers the inputs and carries out the decisions.
 Imports ``base``, ``wire``, ``data`` (a checked safetensors header) and ``task``.
 """
 
@@ -36,15 +37,32 @@ if TYPE_CHECKING:
         read_chain as read_chain,
     )
     from p2ptrain.protocol._participation import Participation as Participation
+    from p2ptrain.protocol._planner import Hold as Hold
     from p2ptrain.protocol._plans import (
         buffers_round_id as buffers_round_id,
         is_checkpoint as is_checkpoint,
+        orphaned_stages as orphaned_stages,
         owner_seed as owner_seed,
+        plan_order as plan_order,
         round_id as round_id,
         round_seed as round_seed,
         shard_of as shard_of,
+        stage_moves as stage_moves,
         stage_rings as stage_rings,
         stage_round_id as stage_round_id,
+    )
+    from p2ptrain.protocol._stage_quorum import (
+        check_statement as check_statement,
+        MAX_STATEMENT_BYTES as MAX_STATEMENT_BYTES,
+        read_statement as read_statement,
+        sign_statement as sign_statement,
+        signed_entry_problem as signed_entry_problem,
+        SignedStageStatement as SignedStageStatement,
+        stage_verdicts as stage_verdicts,
+        StageStatement as StageStatement,
+        StageVerdict as StageVerdict,
+        statement_bytes as statement_bytes,
+        StatementError as StatementError,
     )
     from p2ptrain.protocol._records import (
         attest as attest,
@@ -60,7 +78,7 @@ if TYPE_CHECKING:
         Tally as Tally,
         tensors_bytes as tensors_bytes,
     )
-    from p2ptrain.protocol._round_book import Hold as Hold, RoundBook as RoundBook, RuleBreak as RuleBreak
+    from p2ptrain.protocol._round_book import RoundBook as RoundBook, RuleBreak as RuleBreak
     from p2ptrain.protocol._stage_verdicts import check_key_message as check_key_message, convicted as convicted
 else:
     from p2ptrain._exports import lazy_exports

@@ -71,6 +71,34 @@ def stage_rings(plan: RoundPlan) -> list[tuple[str, ...]]:
     return [tuple(ring) for ring in rings]
 
 
+def plan_order(plan: RoundPlan) -> tuple[int, int, int]:
+    """Which of two plans comes later: by term, then attempt, then round. Within a term each plan
+    the coordinator makes has a higher attempt than the one before (a retry, a takeover, a plan that
+    goes back to the last checkpoint) or the same attempt and a later round (the next span); so a
+    plan that goes back to an earlier round (:func:`orphaned_stages`) still supersedes the plans
+    whose steps it redoes."""
+    return plan.term, plan.attempt, plan.round
+
+
+def orphaned_stages(before: RoundPlan | None, members: Collection[str]) -> tuple[int, ...]:
+    """The stages of ``before``'s assignment (a pipelined plan) none of whose replicas is among
+    ``members``: what such a stage learnt since the last confirmed checkpoint went with its last
+    replica, and the run can only go back to that checkpoint (:meth:`RoundBook.next_plan`)."""
+    if before is None or before.stages is None:
+        return ()
+    kept = {s for m, s in zip(before.members, before.stages, strict=True) if m in members}
+    return tuple(sorted(set(before.stages) - kept))
+
+
+def stage_moves(before: RoundPlan | None, plan: RoundPlan) -> tuple[tuple[str, int, int], ...]:
+    """``(member, stage before, stage now)`` of each member of both pipelined plans whose stage
+    ``plan`` changed (a move into a stage left empty, or a rebalancing), in ``plan``'s order."""
+    if before is None or before.stages is None or plan.stages is None:
+        return ()
+    was = dict(zip(before.members, before.stages, strict=True))
+    return tuple((m, was[m], s) for m, s in zip(plan.members, plan.stages, strict=True) if was.get(m, s) != s)
+
+
 def stage_round_id(plan: RoundPlan, index: int, stage: int) -> int:
     """The id of stage ``stage``'s all-reduce in the ``index``-th round of a pipelined plan: apart
     from every other stage's and from :func:`round_id`, so the S rounds run at once on one host."""
@@ -140,7 +168,7 @@ def rule_problem(task: Task, total_steps: int, plan: RoundPlan, before: RoundPla
         return f"it names {short_id(outsiders[0])}, whom the task's allowlist does not admit"
     if plan.rounds < 1 or plan.step + plan.rounds > total_steps:
         return f"a span of {plan.rounds} rounds from step {plan.step} does not fit the task"
-    after = before is not None and (plan.term, plan.round, plan.attempt) > (before.term, before.round, before.attempt)
+    after = before is not None and plan_order(plan) > plan_order(before)
     if after:
         assert before is not None
         kept = len(set(before.members) & set(members))

@@ -2,20 +2,14 @@
 
 Every member keeps a :class:`RoundBook` (the last plan it followed, the latest plan it saw, and the
 confirmed chain), so when the coordinator dies the next one continues from its own state instead of
-from scratch. All of it is pure: the node decides when to call it.
+from scratch. All of it is pure: the node decides when to call it. The coordinator makes its plans
+from it (p2ptrain/protocol/_planner.py: whether to plan now, and the plan).
 
 Rules, and why:
 
 - A plan covers a *span* of rounds, up to and including the next checkpoint round; members run its
   rounds back to back (round ``round + i`` starts at step ``step + i``). One pubsub message per span,
   not per round, keeps fast rounds clear of gossipsub's per-peer rate limit.
-- A span's members are the previous span's members that are still live, then joiners (in a fixed
-  hash order) up to ``peers.max``. No span starts with fewer than ``peers.min`` members, nor without
-  a quorum of the previous span's members: on the minority side of a partition nobody can plan, so
-  the two sides never both extend the history.
-- Joiners are admitted only when the members' state *is* the latest confirmed checkpoint (after a
-  confirmation, or at the start), because a joiner loads that checkpoint by CID (weights and
-  optimizer state) and must hold exactly what the others hold.
 - A span ends with a checkpoint: the coordinator publishes a record and waits for its confirmation
   (or rejection) before the next plan (a barrier), so members still hold the checkpointed state when
   they attest.
@@ -35,14 +29,8 @@ Rules, and why:
   coordinator answers with a retry plan: the failed round, next attempt, its start step, the live
   members. A member that already applied that round's step rolls it back (:meth:`Trainer.align`):
   nobody can be further ahead, because the next round's all-reduce needs everyone.
-- A new coordinator continues from its own state. If it stopped inside a span it steps back one
-  round when it can (it may have applied a round that others did not finish); a member that cannot
-  reach a plan's step stops advertising the task until it has resumed from the latest checkpoint.
-- When to plan at all (:meth:`RoundBook.decide`): not while its own span runs (unless that span is
-  stuck on a peer that will not come), not during a failed round's backoff, not while behind the run
-  (then resync), not in the first moments of a fresh run's first term; and without the peers a round
-  or a silent coordinator term named, for a while (they are most likely dead); never again once the
-  task's publisher cancelled the run.
+- Who a span's plan names, when joiners come in, how a new coordinator continues, and when to plan
+  at all: p2ptrain/protocol/_planner.py.
 """
 
 from __future__ import annotations
@@ -50,13 +38,14 @@ from __future__ import annotations
 import math
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
-from enum import Enum
 
 from libp2p.crypto.keys import KeyPair
 
 from p2ptrain.base import short_id
+from p2ptrain.protocol import _planner
 from p2ptrain.protocol._election import Election
-from p2ptrain.protocol._plans import is_checkpoint, plan_members, plan_stages, rule_problem, span_length
+from p2ptrain.protocol._planner import Hold
+from p2ptrain.protocol._plans import is_checkpoint, plan_order, rule_problem
 from p2ptrain.protocol._lineage import Chain
 from p2ptrain.protocol._records import certificate, sign_record
 from p2ptrain.task import Task
@@ -67,11 +56,6 @@ from p2ptrain.wire import ModelRecord, RoundFailed, RoundPlan, SignedModelRecord
 RETRY_BACKOFF_S = 1.5
 # A peer named in a failed round (or a coordinator that fell silent) is left out of plans this long.
 FAILED_PEER_QUARANTINE_S = 10.0
-# The first plan waits this long after the coordinator's election, for peers still joining, unless
-# the task's ``peers.max`` already advertise it (no one else could be admitted: the wait would only
-# delay the run's first step, by 2 s of its ~9 s start on an emulated WAN, bench/wan_train.py), or
-# the run resumed from a record whose members all advertise it again (run/_resume.py).
-FIRST_ROUND_GRACE_S = 2.0
 # Spans whose plans a member keeps for their records: the span under way, the one whose checkpoint
 # may be unsettled (overlap mode), and two more for records that come late.
 KEPT_SPAN_PLANS = 4
@@ -80,13 +64,6 @@ KEPT_SPAN_PLANS = 4
 class RuleBreak(str):
     """A reason not to follow a plan that is also evidence against the coordinator that sent it
     (:meth:`RoundBook.rule_problem`): the member stops following that coordinator."""
-
-
-class Hold(Enum):
-    """Why :meth:`RoundBook.decide` gives no plan now."""
-
-    WAIT = "wait"  # nothing to plan yet: a span runs, a retry backs off, a barrier, too few peers
-    BEHIND = "behind"  # the run is past this coordinator's state: resync instead of planning
 
 
 def _until_later(deadlines: dict[str, float], now: float) -> frozenset[str]:
@@ -286,40 +263,12 @@ class RoundBook:
         can_roll_back: bool, span_running: bool, rounds_running: bool, head_version: int,
         private: Collection[str] = (),
     ) -> RoundPlan | Hold:
-        """As coordinator at ``now``: the next plan to publish, or why none (:class:`Hold`).
-
-        ``advertising``: the peers (ourselves included) that advertise the task and meet its
-        requirements. ``span_running``: our own span (rounds and checkpoint) is under way;
-        ``rounds_running``: its rounds are (a newer plan can stop them). ``head_version``: the
-        version of the run's latest head heard (0 for none). ``private``: the peers whose
-        reachability is ``private`` (their heartbeats, and ours), for the ring's order.
-        """
-        if not election.is_coordinator or self.cancelled:
-            return Hold.WAIT
-        last = self.last_plan
-        # Our own round may be waiting (up to the start timeout, 15 s) on a peer that will not
-        # come: one of the old term's plan, when we were just elected, or one that reported it
-        # cannot take part. Plan at once; the new plan stops that round everywhere.
-        stuck = rounds_running and ((last is not None and last.term != election.term) or self.culprit_reported)
-        if span_running and not stuck:
-            return Hold.WAIT
-        quarantined = self.quarantined(now)
-        if now < self.retry_after and self.failed_round is not None and not self.all_reported(quarantined):
-            # A retry: give the other members time to leave the failed round, unless all have said
-            # so. (Only a retry: the next span after a successful one waited here too, ~1 s.)
-            return Hold.WAIT
-        if head_version > self.chain.version or (self.observed is not None and self.observed.step > my_step):
-            # Elected while behind the run (a later confirmed model, or a plan seen past our step,
-            # e.g. it joined at step 0 and missed the records): it must not plan from its stale state.
-            return Hold.BEHIND
-        joining_possible = len(set(advertising) - quarantined) < self.task.peers.max
-        if last is None and self.chain.records and set(self.chain.records[-1].record.members) <= set(advertising):
-            joining_possible = False  # resumed, with every member of the last record back: start now
-        if last is None and self.elected_at is not None and now - self.elected_at < FIRST_ROUND_GRACE_S \
-                and joining_possible:
-            return Hold.WAIT
-        plan = self.next_plan(election, my_step, set(advertising) - quarantined, can_roll_back, private)
-        return Hold.WAIT if plan is None else plan
+        """As coordinator at ``now``: the next plan to publish, or why none
+        (:func:`~p2ptrain.protocol._planner.decide`)."""
+        return _planner.decide(
+            self, now, election, my_step, advertising, can_roll_back=can_roll_back, span_running=span_running,
+            rounds_running=rounds_running, head_version=head_version, private=private,
+        )
 
     def report_failure(self, report: RoundFailed, reporter: str) -> bool:
         """Note ``reporter``'s ``round_failed`` for the current plan; True if it calls for a retry."""
@@ -366,61 +315,17 @@ class RoundBook:
         self, election: Election, my_step: int, live: Collection[str], can_roll_back: bool = False,
         private: Collection[str] = (),
     ) -> RoundPlan | None:
-        """As coordinator at optimizer step ``my_step``: the next plan, or None (wait, or done).
+        """As coordinator at optimizer step ``my_step``: the next plan, or None
+        (:func:`~p2ptrain.protocol._planner.next_plan`)."""
+        return _planner.next_plan(self, election, my_step, live, can_roll_back, private)
 
-        ``live``: the peers (the coordinator included) that advertise this task and meet its
-        requirements. ``can_roll_back``: the trainer keeps the state before its last step.
-        ``private``: the peers behind NATs (:func:`~p2ptrain.protocol._plans.ring_order`). The
-        coordinator then follows its own plan like any member (:meth:`plan_problem`, then align).
-        """
-        if not election.is_coordinator:
-            return None
-        last = self.last_plan
-        # The members the next plan must keep a quorum of: the latest plan the members took from a
-        # coordinator (rule_problem checks it against the same plan).
-        previous = self.accepted.members if self.accepted is not None else ()
-        if last is None:
-            # A coordinator that (re)synced from the chain continues the round numbering after it.
-            start_round = self.chain.records[-1].record.round + 1 if self.chain.records else 0
-            attempt, step = 0, my_step
-            if my_step != self.head_step:
-                return None  # a fresh run starts from the head of the chain
-        elif self.failed_round is not None:
-            start_round, attempt = self.failed_round, last.attempt + 1
-            step = last.step + (self.failed_round - last.round)
-        elif my_step == last.step + last.rounds:
-            start_round, attempt, step = last.round + last.rounds, last.attempt, my_step
-            if my_step not in (self.head_step, self.rejected_step) and not self._may_overlap(last, my_step, live):
-                return None  # barrier: the span's checkpoint is not confirmed (or rejected) yet
-        elif last.term != election.term and last.step <= my_step < last.step + last.rounds:
-            # Taking over a span the old coordinator did not finish: step back one round when we
-            # can, since we may have applied a round that others did not complete.
-            step = my_step - 1 if can_roll_back and my_step > last.step else my_step
-            start_round, attempt = last.round + (step - last.step), last.attempt + 1
-        else:
-            return None  # the current span is still running
-        if my_step not in (step, step + 1) or step >= self.total_steps:
-            return None
-        admit = step == self.head_step
-        members = plan_members(self.task, self.task_cid, previous, live, admit_joiners=admit, private=private)
-        if members is None or election.me not in members:
-            return None
-        return RoundPlan(
-            task_cid=self.task_cid, term=election.term, round=start_round, attempt=attempt, step=step,
-            rounds=span_length(self.task, start_round, self.total_steps), members=members,
-            base_cid=self.chain.head_cid, version=self.chain.version,
-            stages=plan_stages(self.task, members, self.accepted),
-        )
-
-    def _may_overlap(self, last: RoundPlan, my_step: int, live: Collection[str]) -> bool:
-        """Whether the span after ``last`` (ended at ``my_step``, its checkpoint unsettled) may be
-        planned now: in overlap mode, once the checkpoint before it is settled (at most one unsettled)
-        and while no peer waits to join a span with room for it (joiners need a confirmed head)."""
-        if not self.overlap or self.settled_step < self.previous_checkpoint(my_step):
-            return False
-        kept = [p for p in last.members if p in live]
-        waiting = [p for p in live if p not in last.members]
-        return not (waiting and len(kept) < self.task.peers.max)
+    def rewinds(self, plan: RoundPlan, my_step: int) -> bool:
+        """Whether ``plan`` takes this member, at ``my_step``, back to the confirmed checkpoint it
+        starts from (:meth:`next_plan`: a stage lost every replica): a pipelined plan from this
+        member's head of the chain, behind its step. It drops what it holds and loads its plan's
+        stage from that checkpoint (run/_stages.py) instead of resyncing."""
+        return (plan.stages is not None and plan.step == self.head_step < my_step
+                and (plan.version, plan.base_cid) == (self.chain.version, self.chain.head_cid))
 
     def plan_problem(self, plan: RoundPlan, sender: str, election: Election) -> str | None:
         """Why a member should not follow ``plan``, or None. Records it as the last plan when followed.
@@ -431,7 +336,7 @@ class RoundBook:
         if plan.task_cid != self.task_cid:
             return "plan for another task"
         seen = self.observed
-        if seen is None or (plan.term, plan.round, plan.attempt) > (seen.term, seen.round, seen.attempt):
+        if seen is None or plan_order(plan) > plan_order(seen):
             self.observed = plan
         if plan.term != election.term or sender != election.coordinator:
             return f"plan from {short_id(sender)} in term {plan.term}, not from the coordinator of term {election.term}"
@@ -440,13 +345,13 @@ class RoundBook:
             self.refused_spans.add((plan.step + plan.rounds, plan.term, plan.attempt))
             return RuleBreak(broken)
         accepted = self.accepted
-        if accepted is None or (plan.term, plan.round, plan.attempt) > (accepted.term, accepted.round, accepted.attempt):
+        if accepted is None or plan_order(plan) > plan_order(accepted):
             self.accepted = plan
         self._note_span(plan)
         if election.me not in plan.members:
             return "not a member of this span"
         last = self.last_plan
-        if last is not None and (plan.term, plan.round, plan.attempt) <= (last.term, last.round, last.attempt):
+        if last is not None and plan_order(plan) <= plan_order(last):
             return f"plan {plan.term}/{plan.round}.{plan.attempt} is not after {last.term}/{last.round}.{last.attempt}"
         self.last_plan = plan
         self.failed_round = None
@@ -464,7 +369,7 @@ class RoundBook:
         that span; a few spans back are kept (at most one checkpoint is unsettled)."""
         end = plan.step + plan.rounds
         held = self.span_plans.get(end)
-        if held is None or (plan.term, plan.round, plan.attempt) > (held.term, held.round, held.attempt):
+        if held is None or plan_order(plan) > plan_order(held):
             self.span_plans[end] = plan
         for step in sorted(self.span_plans)[:-KEPT_SPAN_PLANS]:
             del self.span_plans[step]

@@ -21,7 +21,7 @@ from p2ptrain.base import short_id
 from p2ptrain.run._run_state import Nudge, RunState
 from p2ptrain.protocol import Chain, MAX_CHAIN_BYTES, Misconduct, RecordError
 from p2ptrain.run._stage_trainer import StagedTrainer
-from p2ptrain.training import is_manifest, TrainerError
+from p2ptrain.training import check_stage_signatures, is_manifest, ManifestError, read_manifest, TrainerError
 from p2ptrain.wire import RoundPlan, TaskHead
 
 logger = logging.getLogger(__name__)
@@ -284,6 +284,10 @@ class Resync:
             # (run/_stages.py, StageRounds.take).
             if not isinstance(trainer, StagedTrainer):
                 raise RecordError(f"checkpoint v{last.version} names a pipelined run's stages; this task has none")
+            try:  # each stage's files signed by a quorum of its replicas (run/_stage_checkpoints.py)
+                check_stage_signatures(read_manifest(model), last)
+            except ManifestError as exc:
+                raise RecordError(f"checkpoint v{last.version}: {exc}") from None
             trainer.load_manifest(model, optim, last.step)
         else:
             # In a worker thread: a trainer driven by the user's loop loads only while the user waits

@@ -30,6 +30,8 @@ from p2ptrain.run._attesting import Attesting
 from p2ptrain.run._datafeed import DataFeed
 from p2ptrain.run._feedback_file import load_feedback, save_feedback
 from p2ptrain.run._run_state import RunState
+from p2ptrain.run._stage_copies import keep_next_stage
+from p2ptrain.run._stage_trainer import StagedTrainer
 from p2ptrain.run._stages import StageRounds
 from p2ptrain.pipeline import PipelineError
 from p2ptrain.protocol import buffers_round_id, round_id, shard_of
@@ -118,6 +120,13 @@ class Spans:
         run = self.run
         trainer, book = run.require()
         try:
+            if isinstance(trainer, StagedTrainer) and not trainer.can_align(plan.step) \
+                    and book.rewinds(plan, trainer.step):
+                # A stage lost every replica: every stage goes back to the plan's checkpoint, and
+                # take() loads this member's stage of it by CID (the steps since are redone).
+                logger.warning("%s: back from step %d to model v%d (step %d): a stage lost every replica",
+                               run.log_prefix, trainer.step, plan.version, plan.step)
+                trainer.back_to(plan.step)
             trainer.align(plan.step)
             if self.stages is not None:
                 await self.stages.take(plan)
@@ -212,6 +221,8 @@ class Spans:
                     # The record names the stages' manifest; no member holds the whole model to
                     # evaluate, so its metrics are the training's (docs/pipeline.md).
                     await self.attesting.checkpoint_stored(plan, step, cid, cid, self.attesting.span_metrics(plan))
+                    if self._settling is not None:  # while the next span trains (run/_stage_copies.py)
+                        self._settling.start_soon(keep_next_stage, run, cid, self.stages.stage_of(plan))
                     return
             elif await self._average_buffers(plan):
                 await self._take_checkpoint(plan)

@@ -3,116 +3,127 @@ loaded by CID from the manifest of the run's latest confirmed checkpoint (docs/p
 
 At the end of a span every member stores its stage's two files
 (:meth:`~p2ptrain.run._stage_trainer.StagedTrainer.stage_files`; the replicas of a stage hold the
-same bits, so the same CIDs). Then one exact sum over the plan's members in which the first replica
-(in plan order) of every stage contributes its two CIDs, as bytes, one float each (``x + 0`` is
-``x``): every member learns every stage's CIDs and computes the same manifest, whose CID is both
-the model CID and the optimizer CID it hands to the record and its attestation, as a data-parallel
-member hands its files'. Records, attestations and tallies are those of any run.
+same bits, so the same CIDs) and signs its statement that they are its stage's
+(:class:`~p2ptrain.protocol.StageStatement`). One gather over the plan's members
+(:meth:`~p2ptrain.collective.Collective.gather`: each slot its member's own, the same list on every
+member, an equivocating member named; nobody's sum to steer) gives every member every statement,
+and each stage's entry is what a quorum of *that stage's* planned replicas signed
+(:func:`~p2ptrain.protocol.stage_verdicts`). The manifest carries each stage's replicas and their
+signatures, so whoever reads the chain can check them (``check_stage_signatures``). Its CID is both
+the model and the optimizer CID the member hands to the record and its attestation, as a
+data-parallel member hands its files'. Records, attestations and tallies are those of any run.
 
-What each member checks is its own stage: the CIDs the first replica named must be its own, else
-it counts ``stage_diverged`` and attests the manifest with its own (a mismatch, as a member whose
-bits differ attests in a data-parallel run). The stages it does not hold it cannot check: a first
-replica that names files the others of its stage do not hold is refused by them (to come: a quorum
-counted per stage).
+A stage without such a quorum, or a failed gather, means no checkpoint this span (as a failed
+buffer average in a data-parallel run). Whoever signed other files than its stage's quorum
+(``stage_diverged``), signed for a stage the plan does not put it in, or put anything but its own
+signed statement in the gather (``stage_statement``) is counted and named in the log, and what it
+said counts for nothing: the checkpoint goes on when the quorums hold.
 """
 
 from __future__ import annotations
 
 import logging
 
-import torch
 import trio
 from libp2p.peer.id import ID
 
 from p2ptrain.base import short_id
-from p2ptrain.collective import CollectiveError, RoundSpec
-from p2ptrain.ipfs import ContentUnavailable, parse_cid
-from p2ptrain.protocol import buffers_round_id, RecordError, stage_rings
+from p2ptrain.collective import CollectiveError
+from p2ptrain.ipfs import ContentUnavailable
+from p2ptrain.protocol import (buffers_round_id, check_statement, MAX_STATEMENT_BYTES, read_statement, RecordError,
+                               sign_statement, SignedStageStatement, stage_rings, stage_verdicts, statement_bytes,
+                               StatementError)
+from p2ptrain.protocol.signing import SignatureError
 from p2ptrain.run._run_state import RunState
 from p2ptrain.run._stage_trainer import StagedTrainer
-from p2ptrain.training import (ManifestError, manifest_bytes, MAX_MANIFEST_BYTES, read_manifest, StageFile,
-                               TrainerError)
+from p2ptrain.training import (check_stage_signatures, ManifestError, manifest_bytes, MAX_MANIFEST_BYTES,
+                               read_manifest, StageFile, TrainerError)
 from p2ptrain.wire import RoundPlan
 
 logger = logging.getLogger(__name__)
 
-# The bytes one CID takes in the gather (CIDv0 has 46 characters, a base32 CIDv1 of sha2-256 59).
-CID_BYTES = 64
 # Fetching a stage's manifest or files: each read is bounded in bytes too, so this only ends a
 # transfer that stalls (the resync's bound).
 FETCH_TIMEOUT_S = 60.0
 
 
-def cids_vector(stages: int, stage: int | None, cids: tuple[str, str]) -> torch.Tensor:
-    """A member's part of the gather: ``cids`` (model, optimizer) as byte values in ``stage``'s
-    slots when it contributes that stage (``stage`` None: zeros, a member that does not)."""
-    flat = torch.zeros(stages * 2 * CID_BYTES, dtype=torch.float32)
-    if stage is not None:
-        for k, cid in enumerate(cids):
-            raw = cid.encode("ascii")
-            if len(raw) > CID_BYTES:
-                raise ValueError(f"CID {cid} is longer than {CID_BYTES} characters")
-            offset = (2 * stage + k) * CID_BYTES
-            flat[offset : offset + len(raw)] = torch.tensor(list(raw), dtype=torch.float32)
-    return flat
-
-
-def read_cids_vector(flat: torch.Tensor, stages: int) -> list[tuple[str, str]]:
-    """Every stage's (model, optimizer) CIDs from the summed gather; ``ValueError`` for a sum that
-    names no CID somewhere (a stage nobody contributed, or a member that added garbage)."""
-    if flat.shape != (stages * 2 * CID_BYTES,):
-        raise ValueError(f"the gathered CIDs have shape {tuple(flat.shape)}")
-    values = flat.tolist()
-    if any(not (0 <= v < 128 and v == int(v)) for v in values):
-        raise ValueError("the gathered CIDs are not ASCII bytes")
-    out: list[tuple[str, str]] = []
-    for stage in range(stages):
-        pair = []
-        for k in range(2):
-            offset = (2 * stage + k) * CID_BYTES
-            cid = bytes(int(v) for v in values[offset : offset + CID_BYTES]).rstrip(b"\0").decode("ascii")
-            try:
-                parse_cid(cid)
-            except Exception:
-                raise ValueError(f"stage {stage}'s gathered CID {cid!r} is no CID") from None
-            pair.append(cid)
-        out.append((pair[0], pair[1]))
-    return out
-
-
 async def store_stage_checkpoint(run: RunState, plan: RoundPlan, stage: int, *, timeout: float,
                                  start_timeout: float) -> str | None:
-    """Store this member's stage files at the end of ``plan``, learn every other stage's CIDs and
-    store the manifest: its CID (the record's model and optimizer CID), or None when the gather
-    failed (no checkpoint this span, as a failed buffer average in a data-parallel run)."""
+    """Store this member's stage files at the end of ``plan``, sign them as its stage's, learn every
+    stage's from a quorum of its replicas and store the manifest: its CID (the record's model and
+    optimizer CID), or None when the gather failed or a stage has no quorum (no checkpoint)."""
     trainer, _ = run.require()
     assert isinstance(trainer, StagedTrainer)
     store = run.content.store
+    step = trainer.step
     model_data, optim_data = await trio.to_thread.run_sync(trainer.stage_files, stage)
-    own = (await trio.to_thread.run_sync(store.add_bytes, model_data),
-           await trio.to_thread.run_sync(store.add_bytes, optim_data))
-    rings = stage_rings(plan)
-    count = len(trainer.stages)
-    flat = cids_vector(count, stage if rings[stage][0] == run.me else None, own)
+    own = (str(await trio.to_thread.run_sync(store.add_bytes, model_data)),
+           str(await trio.to_thread.run_sync(store.add_bytes, optim_data)))
+    mine = sign_statement(run.task_cid, step, stage, own, run.node.key_pair)
     members = [ID.from_base58(m) for m in plan.members]
     try:
-        summed = await run.collective.allreduce(flat, members, buffers_round_id(plan), RoundSpec(
-            op="sum", timeout=timeout, start_timeout=start_timeout))
-        named = read_cids_vector(summed, count)
-    except (CollectiveError, ValueError) as exc:
-        logger.warning("%s: gathering the stages' CIDs at step %d failed (%s); no checkpoint this span",
-                       run.log_prefix, trainer.step, exc)
+        parts = await run.collective.gather(statement_bytes(mine), members, buffers_round_id(plan),
+                                            max_bytes=MAX_STATEMENT_BYTES, check=lambda member, raw: None,
+                                            timeout=timeout, start_timeout=start_timeout)
+    except CollectiveError as exc:
+        logger.warning("%s: gathering the stages' statements at step %d failed (%s); no checkpoint this span",
+                       run.log_prefix, step, exc)
         return None
-    if named[stage] != own:
-        # This member's stage differs from the files its first replica named: one of them went astray.
-        run.refuse("stage_diverged", f"at step {trainer.step} this member's stage {stage} differed from "
-                   f"{short_id(rings[stage][0])}'s; attesting its own")
-        named[stage] = own
-    entries = [StageFile(s.first, s.last, m, o, trainer.stage_numbers(i))
-               for i, (s, (m, o)) in enumerate(zip(trainer.stages, named, strict=True))]
+    verdicts, strangers = stage_verdicts(stage_rings(plan), _statements(run, plan, step, parts))
+    for signer, why in strangers.items():
+        run.refuse("stage_statement", f"at step {step} {short_id(signer)} {why}")
+    for verdict in verdicts:
+        # Other files than the stage's quorum signed; without a quorum, a replica of the stage
+        # still knows its own files: it names those that signed others.
+        agreed = verdict.cids if verdict.cids is not None else own if verdict.stage == stage else None
+        if agreed is None:
+            continue
+        whose = "a quorum of its replicas" if verdict.cids is not None else "this member"
+        for replica, cids in verdict.dissent.items():
+            if cids != agreed:
+                run.refuse("stage_diverged", f"at step {step} {short_id(replica)} signed other files for stage "
+                           f"{verdict.stage} ({cids[0]}) than {whose} ({agreed[0]})")
+    missing = [v for v in verdicts if v.cids is None]
+    if missing:
+        v = missing[0]
+        said = ", ".join(f"{short_id(r)}: {c[0]}" for r, c in v.dissent.items()) or "none"
+        logger.warning("%s: no checkpoint at step %d: no quorum of stage %d's %d replicas signed the same files "
+                       "(signed: %s; no statement: %s)", run.log_prefix, step, v.stage, len(v.replicas), said,
+                       ", ".join(short_id(r) for r in v.silent) or "none")
+        return None
+    entries = []
+    for i, (s, verdict) in enumerate(zip(trainer.stages, verdicts, strict=True)):
+        assert verdict.cids is not None  # every stage has its quorum here
+        cids, signatures = verdict.cids, verdict.signatures
+        if i == stage and cids != own:
+            # This member's stage differs from what a quorum of its replicas signed: it attests a
+            # manifest of its own files (a differing attestation, as a member whose bits differ).
+            run.refuse("stage_diverged", f"at step {step} this member's stage {stage} differs from what a "
+                       "quorum of its replicas signed; attesting its own")
+            cids, signatures = own, ((run.me, mine.signature),)
+        entries.append(StageFile(s.first, s.last, cids[0], cids[1], trainer.stage_numbers(i), verdict.replicas,
+                                 tuple(sorted(signatures))))
     cid = await trio.to_thread.run_sync(store.add_bytes, manifest_bytes(entries))
-    logger.info("%s: checkpoint at step %d: stage %d stored, manifest %s", run.log_prefix, trainer.step, stage, cid)
+    logger.info("%s: checkpoint at step %d: stage %d stored, manifest %s", run.log_prefix, step, stage, cid)
     return str(cid)
+
+
+def _statements(run: RunState, plan: RoundPlan, step: int, parts: list[bytes]) -> dict[str, SignedStageStatement]:
+    """The gather's parts (in plan order) that are their member's own signed statement of this
+    task and step; any other part is counted and named, and counts for nothing."""
+    out = {}
+    for member, raw in zip(plan.members, parts, strict=True):
+        try:
+            signed = read_statement(raw)
+            statement = check_statement(signed, member)
+            if (statement.task_cid, statement.step) != (run.task_cid, step):
+                raise StatementError(f"it speaks of step {statement.step} of task {statement.task_cid}")
+        except (StatementError, SignatureError) as exc:
+            run.refuse("stage_statement", f"at step {step} {short_id(member)} put no statement of its own in the "
+                       f"gather: {exc}")
+            continue
+        out[member] = signed
+    return out
 
 
 async def load_confirmed_stage(run: RunState, stage: int) -> None:
@@ -141,6 +152,7 @@ async def load_confirmed_stage(run: RunState, stage: int) -> None:
                                                    timeout=FETCH_TIMEOUT_S))
         if len(entries) != len(trainer.stages):
             raise ManifestError(f"it names {len(entries)} stages, the task {len(trainer.stages)}")
+        check_stage_signatures(entries, record)
         max_model, max_optim = trainer.state_limits()
         entry = entries[stage]
         model = await content.read(entry.model, max_bytes=max_model, timeout=FETCH_TIMEOUT_S)

@@ -105,6 +105,8 @@ class StagedTrainer(Trainer):
                 if i in keep and freed:
                     stage.to_empty(device=self.device)
                 elif i not in keep and not freed:
+                    for param in stage.parameters():
+                        param.grad = None  # a failed step's, which the optimizer would step on the meta device
                     stage.to("meta")
             self.params = list(self.model.parameters())
             renamed = {id(old): new for old, new in zip(before, self.params, strict=True)}
@@ -134,7 +136,14 @@ class StagedTrainer(Trainer):
             raise RecordError(str(exc)) from None
         if [(e.first, e.last) for e in entries] != [(s.first, s.last) for s in self.stages]:
             raise RecordError("the manifest's stages are not this task's cut of the model")
-        self._hold(set())  # whatever this member held is of another step
+        self.back_to(step)
+
+    def back_to(self, step: int) -> None:
+        """Hold no stage, at ``step``: what this member holds is of another step (a checkpoint it
+        loads, or the run going back to its last confirmed one after a stage lost every replica);
+        it loads its plan's stage from that checkpoint next (run/_stage_checkpoints.py)."""
+        self.optimizer.zero_grad(set_to_none=True)  # a failed step's gradients are of no step now
+        self._hold(set())
         self.step, self.pending = step, None
         self.whole, self.trained = False, None
 

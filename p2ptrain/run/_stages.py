@@ -49,7 +49,6 @@ from typing import Any
 
 import torch
 import trio
-from libp2p.custom_types import TProtocol
 from libp2p.peer.id import ID
 
 from p2ptrain.base import short_id
@@ -150,11 +149,10 @@ class StageRounds:
             self._serving = True
 
     def stop(self) -> None:
-        """The run is over: this host answers no more of its stage requests."""
+        """The run is over: this host answers no more of its stage requests (each is reset). The
+        handler stays installed: py-libp2p's multiselect looks a protocol up twice around an await,
+        and a handler removed in between raised KeyError in the swarm, which took the node down."""
         self._replica = self._driver = None
-        if self._serving:
-            self.run.collective.host.remove_stream_handler(TProtocol(self.protocol))
-            self._serving = False
 
     async def _answer(self, channel: Channel) -> None:
         replica = self._replica
@@ -264,6 +262,7 @@ class StageRounds:
 
     async def checkpoint(self, plan: RoundPlan) -> str | None:
         """At the end of ``plan``'s span: this member's stage files stored and the manifest of every
-        stage's (run/_stage_checkpoints.py); its CID, or None when the gather failed."""
+        stage's (run/_stage_checkpoints.py); its CID, or None when the gather failed or a stage had
+        no quorum of its replicas' signatures."""
         return await store_stage_checkpoint(self.run, plan, self.stage_of(plan), timeout=self.hop_timeout,
                                             start_timeout=self.start_timeout)

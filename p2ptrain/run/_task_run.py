@@ -46,7 +46,8 @@ from p2ptrain.run._run_state import Nudge, RunState
 from p2ptrain.run._spans import Spans
 from p2ptrain.run._stage_trainer import StagedTrainer
 from p2ptrain.control import FINISHED, ChainEntry, Phase, TaskStatus
-from p2ptrain.protocol import Chain, ChainRules, RecordError, RoundBook, RuleBreak, load_model_bytes, stage_rings
+from p2ptrain.protocol import (Chain, ChainRules, load_model_bytes, orphaned_stages, plan_order, RecordError,
+                               RoundBook, RuleBreak, stage_moves, stage_rings)
 from p2ptrain.task import Task, total_steps
 from p2ptrain.training import LocalSGDTrainer, Trainer, TrainerError, new_trainer, warm_up_torch
 from p2ptrain.wire import (
@@ -168,6 +169,7 @@ class TaskRun:
             stage_disagreements=tuple({"stage": s, "peers": [a, b], "times": n}
                                       for (s, a, b), n in sorted(run.stage_disagreements.items()))
             if run.task.pipeline else None,
+            stage_recovery=run.stage_recovery,
             round_seconds=run.round_seconds.snapshot(),
         )
 
@@ -332,7 +334,8 @@ class TaskRun:
             return
         book = run.book
         last = book.last_plan
-        new = last is None or (plan.term, plan.round, plan.attempt) > (last.term, last.round, last.attempt)
+        new = last is None or plan_order(plan) > plan_order(last)
+        before = book.accepted
         problem = book.plan_problem(plan, sender, run.election)
         if isinstance(problem, RuleBreak):
             run.refuse("plan_rules", f"refused plan {plan.round}.{plan.attempt} of {short_id(sender)}: {problem}")
@@ -345,9 +348,12 @@ class TaskRun:
                 # the others would wait for us until their start timeout.
                 await run.report_failure(plan, 0, f"cannot follow this plan: {problem}")
             return
+        self._note_recovery(before, plan)
         # Only members of a plan we follow may open round channels to us before the round opens.
         run.collective.hub.expect(ID.from_base58(member) for member in plan.members)
-        if not run.synced or not run.trainer.can_align(plan.step):
+        # A pipelined plan that goes back to our confirmed head (a stage lost every replica) is
+        # followed from here: the span drops what this member holds and loads its stage (run/_spans.py).
+        if not run.synced or not (run.trainer.can_align(plan.step) or book.rewinds(plan, run.trainer.step)):
             # Listed in a plan from a checkpoint we do not hold (a joiner that advertised from a
             # head the run has left, or a member that fell behind): the resync loop loads that
             # checkpoint by CID and then follows the plan, while the others wait for our channels.
@@ -357,6 +363,22 @@ class TaskRun:
             self.resync.catch_up(sender, plan)
             return
         self.spans.follow(plan)
+
+    def _note_recovery(self, before: RoundPlan | None, plan: RoundPlan) -> None:
+        """A followed plan that fills a stage whose replicas all left (``before``'s assignment), from
+        the last confirmed checkpoint: say so in the log and in ``task status`` (stage_recovery)."""
+        run = self.shared
+        orphaned = orphaned_stages(before, plan.members)
+        if not orphaned or run.trainer is None:
+            return
+        moves = stage_moves(before, plan)
+        redone = max(0, run.trainer.step - plan.step)
+        run.stage_recovery = {"stages": list(orphaned), "moved": [{"peer": m, "from": a, "to": b} for m, a, b in moves],
+                              "step": plan.step, "version": plan.version, "redone": redone}
+        logger.warning("%s: stage %s lost every replica; %s; the run goes back to model v%d (step %d), %d step%s "
+                       "redone", run.log_prefix, ", ".join(map(str, orphaned)),
+                       ", ".join(f"{short_id(m)} moves from stage {a} to {b}" for m, a, b in moves)
+                       or "no member moves", plan.version, plan.step, redone, "" if redone == 1 else "s")
 
     # {message type: the handler}: the one place a task message is routed. The task service
     # subscribes to these types and hands each message of this task here; a new type is one line.

@@ -34,19 +34,21 @@ if TYPE_CHECKING:
         Average as Average,
         module_device as module_device,
         resolve_device as resolve_device,
-        StateSnapshot as StateSnapshot,
         StepResult as StepResult,
         Trainer as Trainer,
         TrainerError as TrainerError,
     )
+    from p2ptrain.training._trainer_state import StateSnapshot as StateSnapshot
     from p2ptrain.training._stage_files import model_file as model_file
     from p2ptrain.training._stage_manifest import (
+        check_stage_signatures as check_stage_signatures,
         is_manifest as is_manifest,
         ManifestError as ManifestError,
         manifest_bytes as manifest_bytes,
         MAX_MANIFEST_BYTES as MAX_MANIFEST_BYTES,
         read_manifest as read_manifest,
         stage_file_cids as stage_file_cids,
+        stage_signatures_problem as stage_signatures_problem,
         StageFile as StageFile,
     )
     from p2ptrain.training._user_trainer import (

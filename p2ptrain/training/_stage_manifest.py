@@ -1,12 +1,16 @@
-"""The manifest a pipelined run's model CID names: one entry per stage, its pieces and its files.
+"""The manifest a pipelined run's model CID names: one entry per stage, its pieces, its files and
+the signatures that make them the stage's.
 
-Canonical JSON ``{"format": "p2ptrain.stages/1", "stages": [{"first": i, "last": j, "model": CID,
-"optimizer": CID, "parameters": n}, ...]}``: the stages in order, each the pieces ``first..last``
-(inclusive) of the model, its model file (the stage's tensors under their names in the whole model,
-with the whole model's card) and its optimizer file by CID, and how many numbers the model file's
-tensors hold. Bounded JSON of this exact shape in canonical form (one manifest, one CID), or a
-:class:`ManifestError`. No torch here: fetch paths that only look for stage files to fetch (``ipfs
-get``) import nothing heavy; :mod:`p2ptrain.training._stage_files` reads the files.
+Canonical JSON ``{"format": "p2ptrain.stages/2", "stages": [{"first": i, "last": j, "model": CID,
+"optimizer": CID, "parameters": n, "replicas": [peer, ...], "signatures": {peer: signature}}, ...]}``:
+the stages in order, each the pieces ``first..last`` (inclusive) of the model, its model file (the
+stage's tensors under their names in the whole model, with the whole model's card) and its optimizer
+file by CID, how many numbers the model file's tensors hold, the stage's replicas in the span's plan
+and the signed statements (:class:`~p2ptrain.wire.StageStatement`) of a quorum of them that these
+are their stage's files (issue 31: :func:`check_stage_signatures`). Bounded JSON of this exact shape
+in canonical form (one manifest, one CID), or a :class:`ManifestError`. No torch here: fetch paths
+that only look for stage files to fetch (``ipfs get``) import nothing heavy;
+:mod:`p2ptrain.training._stage_files` reads the files.
 
 A manifest cannot be mistaken for a model file: safetensors bytes start with their header's length,
 which these bytes would make 8.4e18.
@@ -19,36 +23,45 @@ from dataclasses import dataclass
 
 from p2ptrain.base import boundedjson
 from p2ptrain.ipfs import ContentStore, ContentUnavailable, FileTooLarge, parse_cid
+from p2ptrain.protocol import signed_entry_problem
 from p2ptrain.task import MAX_STAGES
+from p2ptrain.wire import ModelRecord
 
 
 class ManifestError(ValueError):
     """Bytes that are not a stage manifest (the one error of this module)."""
 
 
-FORMAT = "p2ptrain.stages/1"
-# What every manifest's bytes start with (canonical JSON sorts "format" before "stages").
-_PREFIX = b'{"format":"' + FORMAT.encode() + b'"'
-# A manifest of MAX_STAGES stages is about 14 KB; nothing larger is read as one.
-MAX_MANIFEST_BYTES = 64 * 1024
+FORMAT = "p2ptrain.stages/2"  # 1 had no replicas nor signatures: its entries proved nothing
+# What every manifest's bytes start with, of any version (canonical JSON sorts "format" first).
+_PREFIX = b'{"format":"p2ptrain.stages/'
+# A run's 1,024 members (a record's bound) listed once and a quorum of each stage's signatures is
+# about 160 KB; nothing larger is read as one.
+MAX_MANIFEST_BYTES = 256 * 1024
+MAX_MEMBERS = 1024
 
 
 @dataclass(frozen=True)
 class StageFile:
     """One stage's checkpoint: pieces ``first..last`` (inclusive), its model and optimizer files by
-    CID, and how many numbers the model file's tensors hold."""
+    CID, how many numbers the model file's tensors hold, the stage's planned replicas and the
+    (replica, signature) of those that signed these files (none: an entry nobody vouches for, which
+    only a test or a local assembly makes)."""
 
     first: int
     last: int
     model: str
     optimizer: str
     parameters: int
+    replicas: tuple[str, ...] = ()
+    signatures: tuple[tuple[str, str], ...] = ()
 
 
 def manifest_bytes(stages: Sequence[StageFile]) -> bytes:
     """The canonical bytes of the manifest of ``stages`` (in order): the same stages, the same CID."""
     body = {"format": FORMAT, "stages": [
-        {"first": s.first, "last": s.last, "model": s.model, "optimizer": s.optimizer, "parameters": s.parameters}
+        {"first": s.first, "last": s.last, "model": s.model, "optimizer": s.optimizer, "parameters": s.parameters,
+         "replicas": list(s.replicas), "signatures": dict(s.signatures)}
         for s in stages]}
     return boundedjson.canonical(body)
 
@@ -62,7 +75,7 @@ def read_manifest(data: bytes) -> tuple[StageFile, ...]:
     """The stages of a manifest; :class:`ManifestError` for anything that is not one of the shape above
     (the pieces are checked against the architecture when the files are read)."""
     try:
-        body = boundedjson.loads(data, max_bytes=MAX_MANIFEST_BYTES, max_depth=3, what="stage manifest")
+        body = boundedjson.loads(data, max_bytes=MAX_MANIFEST_BYTES, max_depth=4, what="stage manifest")
     except boundedjson.JSONBoundsError as exc:
         raise ManifestError(str(exc)) from None
     if not isinstance(body, dict) or set(body) != {"format", "stages"} or body["format"] != FORMAT:
@@ -71,7 +84,8 @@ def read_manifest(data: bytes) -> tuple[StageFile, ...]:
     if not isinstance(raw, list) or not 2 <= len(raw) <= MAX_STAGES:
         raise ManifestError(f"a stage manifest names 2 to {MAX_STAGES} stages")
     stages: list[StageFile] = []
-    keys = {"first", "last", "model", "optimizer", "parameters"}
+    keys = {"first", "last", "model", "optimizer", "parameters", "replicas", "signatures"}
+    members = 0
     for i, entry in enumerate(raw):
         if not isinstance(entry, dict) or set(entry) != keys:
             raise ManifestError(f"stage {i} of the manifest must have exactly {sorted(keys)}")
@@ -86,15 +100,61 @@ def read_manifest(data: bytes) -> tuple[StageFile, ...]:
                 parse_cid(entry[key])
             except Exception:
                 raise ManifestError(f"stage {i} of the manifest: {key} is not a CID") from None
-        stages.append(StageFile(first, last, entry["model"], entry["optimizer"], count))
+        replicas, signatures = entry["replicas"], entry["signatures"]
+        if (not isinstance(replicas, list) or not all(isinstance(r, str) and 0 < len(r) <= 128 for r in replicas)
+                or not isinstance(signatures, dict)
+                or not all(isinstance(v, str) and len(v) <= 128 and len(k) <= 128 for k, v in signatures.items())):
+            raise ManifestError(f"stage {i} of the manifest: replicas are a list of peer IDs, signatures an object "
+                                "of peer ID to signature")
+        members += len(replicas)
+        if members > MAX_MEMBERS or len(signatures) > len(replicas):
+            raise ManifestError(f"the manifest names more than {MAX_MEMBERS} replicas, or a stage more signatures "
+                                "than replicas")
+        stages.append(StageFile(first, last, entry["model"], entry["optimizer"], count, tuple(replicas),
+                                tuple(sorted(signatures.items()))))
     if manifest_bytes(stages) != bytes(data):
         raise ManifestError("a stage manifest must be in canonical form")  # one manifest, one CID
     return tuple(stages)
 
 
-def stage_file_cids(store: ContentStore, cid: str) -> list[str]:
-    """The stage model files of ``cid`` when it is a manifest the store holds, else none (a model
-    file, or content this cannot tell: the loader that reads it says what it is)."""
+def check_stage_signatures(stages: Sequence[StageFile], record: ModelRecord) -> None:
+    """Raise :class:`ManifestError` unless every entry of ``record``'s manifest is backed by the
+    signatures of a quorum of its stage's replicas, at the record's step of its task, and the
+    stages' replicas are exactly the record's members, each in one stage (so no stage's replicas
+    are a subset the manifest picked). A quorum of the record's members attested these bytes, and
+    a member computes its manifest from the plan's stages: the replicas are the plan's."""
+    listed = [r for s in stages for r in s.replicas]
+    if len(set(listed)) != len(listed) or set(listed) != set(record.members):
+        raise ManifestError(f"the manifest's replicas are not the {len(record.members)} members of model "
+                            f"v{record.version}, each in one stage")
+    for i, s in enumerate(stages):
+        problem = signed_entry_problem(record.task_cid, record.step, i, (s.model, s.optimizer), s.replicas,
+                                       s.signatures)
+        if problem is not None:
+            raise ManifestError(problem)
+
+
+def stage_signatures_problem(store: ContentStore, record: ModelRecord) -> str | None:
+    """Why ``record``'s model, a stage manifest ``store`` holds, is not each stage's files as a
+    quorum of its replicas signed them (:func:`check_stage_signatures`); None when it is, or when
+    the model is no manifest (a model file: nothing to check here)."""
+    try:
+        data = store.cat(record.model_cid, max_bytes=MAX_MANIFEST_BYTES)
+    except (FileTooLarge, ContentUnavailable):
+        return None
+    if not is_manifest(data):
+        return None
+    try:
+        check_stage_signatures(read_manifest(data), record)
+    except ManifestError as exc:
+        return f"model {record.model_cid}: {exc}"
+    return None
+
+
+def stage_file_cids(store: ContentStore, cid: str, *, optimizer: bool = False) -> list[str]:
+    """The stage model files of ``cid`` (with ``optimizer``, each stage's optimizer file after its
+    model file) when it is a manifest the store holds, else none (a model file, or content this
+    cannot tell: the loader that reads it says what it is)."""
     try:
         data = store.cat(cid, max_bytes=MAX_MANIFEST_BYTES)
     except (FileTooLarge, ContentUnavailable):
@@ -102,6 +162,6 @@ def stage_file_cids(store: ContentStore, cid: str) -> list[str]:
     if not is_manifest(data):
         return []
     try:
-        return [stage.model for stage in read_manifest(data)]
+        return [cid for stage in read_manifest(data) for cid in (stage.model, stage.optimizer)[:1 + optimizer]]
     except ManifestError:
         return []

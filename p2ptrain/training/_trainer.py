@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import math
-import re
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -33,7 +32,9 @@ from p2ptrain.training._batches import Batch, Metrics, evaluate_batches, loss_an
 from p2ptrain.training._trainer_error import TrainerError as TrainerError  # re-exported: callers catch it here
 from p2ptrain.models import HEADER_PER_TENSOR, HEADER_SLACK, build_model, file_bytes_bound
 from p2ptrain.training._optimizers import build_optimizer, lr_at
-from p2ptrain.protocol import RecordError, load_model_bytes, model_bytes, read_tensors, state_bytes, tensors_bytes
+from p2ptrain.training._trainer_state import (OPTIMIZER_STATE_KEYS, StateSnapshot, optimizer_state,
+                                             optimizer_tensors)
+from p2ptrain.protocol import RecordError, load_model_bytes, model_bytes, read_tensors, tensors_bytes
 from p2ptrain.task import Task
 
 log = logging.getLogger(__name__)
@@ -44,17 +45,12 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 # fp16 autocast needs loss scaling to keep small gradients from flushing to zero. A fixed scale is
 # used (not torch's dynamic GradScaler) because the scale must be the same on every member.
 FP16_LOSS_SCALE = 1024.0
-# A parameter index in an optimizer file's tensor names: up to 9 ASCII digits (a model of more than
-# 10**9 parameter tensors does not exist; a longer run of digits only costs int() time).
-_INDEX = re.compile(r"[0-9]{1,9}")
 # A fresh classifier's cross-entropy is about log(num_classes) (uniform guesses); a local loss over
 # LOSS_WARN_FACTOR times that in the first LOSS_WARN_STEPS steps means the inputs are on a scale the
 # model cannot start from (raw tabular features: losses of 25-72 on a 2-class CSV), so the log says
 # once per trainer that the features may need ``dataset add --standardize``.
 LOSS_WARN_FACTOR = 10.0
 LOSS_WARN_STEPS = 10
-_OPTIMIZER_STATE_KEYS = {"sgd": {"momentum_buffer"}, "adam": {"step", "exp_avg", "exp_avg_sq"},
-                         "adamw": {"step", "exp_avg", "exp_avg_sq"}}
 
 
 @dataclass(frozen=True)
@@ -89,25 +85,6 @@ def module_device(model: nn.Module) -> torch.device:
     for tensor in (*model.parameters(), *model.buffers()):
         return tensor.device
     return torch.device("cpu")
-
-
-@dataclass(frozen=True)
-class StateSnapshot:
-    """A member's state at one step, as tensor copies (:meth:`Trainer.snapshot`)."""
-
-    step: int
-    model: dict[str, torch.Tensor]
-    optimizer: dict[str, torch.Tensor]
-    card: dict[str, Any]
-    module: nn.Module  # the architecture on the meta device, for :meth:`Trainer.evaluate_snapshot`
-
-    def model_bytes(self) -> bytes:
-        """What :meth:`Trainer.model_bytes` gave at :attr:`step`."""
-        return state_bytes(self.model, self.card)
-
-    def optimizer_bytes(self) -> bytes:
-        """What :meth:`Trainer.optimizer_bytes` gave at :attr:`step`."""
-        return tensors_bytes(self.optimizer)
 
 
 class Trainer:
@@ -383,13 +360,7 @@ class Trainer:
     ) -> dict[str, torch.Tensor]:
         """Optimizer state as named tensors (``state.<param index>.<key>``) plus the step counter,
         each a copy (``copy(name, tensor)`` makes it; default a fresh CPU clone)."""
-        out = {"trainer.step": torch.tensor(self.step, dtype=torch.int64)}
-        for index, state in self.optimizer.state_dict()["state"].items():
-            for key, value in state.items():
-                if isinstance(value, torch.Tensor):
-                    name = f"state.{index}.{key}"
-                    out[name] = copy(name, value) if copy else value.detach().cpu().clone()
-        return out
+        return optimizer_tensors(self.optimizer, self.step, copy)
 
     def model_bytes(self) -> bytes:
         """Deterministic safetensors of the weights (with the architecture's card): the bytes a model CID names."""
@@ -417,7 +388,7 @@ class Trainer:
         """The per-parameter state keys this trainer's optimizer keeps (what an optimizer file may
         name, and how many model-sized tensors it may hold per parameter)."""
         assert self.task.optimizer is not None, "a task of the registry names its optimizer"
-        return frozenset(_OPTIMIZER_STATE_KEYS[self.task.optimizer.name])
+        return frozenset(OPTIMIZER_STATE_KEYS[self.task.optimizer.name])
 
     def state_limits(self) -> tuple[int, int]:
         """The most bytes an honest (model, optimizer) checkpoint of this architecture can take:
@@ -444,25 +415,8 @@ class Trainer:
     ) -> None:
         if model_t is not None:
             self.model.load_state_dict(model_t, strict=True)
-        allowed = self.optimizer_state_keys()
-        state: dict[int, dict[str, torch.Tensor]] = {}
-        for name, tensor in sorted(optim_t.items()):  # sorted: the first problem named is the same everywhere
-            if name == "trainer.step":
-                continue
-            parts = name.split(".")
-            # ASCII digits only: str.isdigit() also accepts '²', on which int() raises ValueError.
-            if (len(parts) != 3 or parts[0] != "state" or not _INDEX.fullmatch(parts[1])
-                    or parts[2] not in allowed):
-                raise RecordError(f"optimizer file has unexpected tensor {name!r}")
-            index = int(parts[1])
-            if index >= len(self.params):
-                raise RecordError(f"optimizer file names parameter {index}, the model has {len(self.params)}")
-            if parts[2] != "step" and tensor.shape != self.params[index].shape:
-                raise RecordError(f"optimizer tensor {name} has shape {tuple(tensor.shape)}, "
-                                  f"parameter has {tuple(self.params[index].shape)}")
-            state.setdefault(index, {})[parts[2]] = tensor
         sd = self.optimizer.state_dict()
-        sd["state"] = state
+        sd["state"] = optimizer_state(optim_t, self.params, self.optimizer_state_keys())
         self.optimizer.load_state_dict(sd)
         self.step = step
         self.pending = None

@@ -43,7 +43,8 @@ from p2ptrain.training._trainer_error import TrainerError
 from p2ptrain.training._local_sgd import LocalSGDTrainer
 from p2ptrain.protocol import RecordError, is_checkpoint
 from p2ptrain.task import Task
-from p2ptrain.training._trainer import StateSnapshot, StepResult, Trainer
+from p2ptrain.training._trainer import StepResult, Trainer
+from p2ptrain.training._trainer_state import StateSnapshot, state_name
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +55,6 @@ _POLL_S = 0.2
 # optimizer file read from a peer, whose keys are the class's own words.
 _MAX_STATE_KEYS = 6
 _KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
-_INDEX = re.compile(r"[0-9]{1,9}")
 
 
 class StepSkipped(RuntimeError):
@@ -248,16 +248,11 @@ class UserTrainer(_UserLoop):
         for name, tensor in sorted(optim_t.items()):  # sorted: the first problem named is the same everywhere
             if name == "trainer.step":
                 continue
-            parts = name.split(".")
-            if len(parts) != 3 or parts[0] != "state" or not _INDEX.fullmatch(parts[1]) or not _KEY.fullmatch(parts[2]):
-                raise RecordError(f"optimizer file has unexpected tensor {name!r}")
-            index = int(parts[1])
-            if index >= len(self.params):
-                raise RecordError(f"optimizer file names parameter {index}, the model has {len(self.params)}")
+            index, key = state_name(name, len(self.params), lambda k: _KEY.fullmatch(k) is not None)
             if tensor.numel() > 1 and tensor.shape != self.params[index].shape:
                 raise RecordError(f"optimizer tensor {name} has shape {tuple(tensor.shape)}, "
                                   f"parameter has {tuple(self.params[index].shape)}")
-            state.setdefault(index, {})[parts[2]] = tensor
+            state.setdefault(index, {})[key] = tensor
             if len(state[index]) > _MAX_STATE_KEYS:
                 raise RecordError(f"optimizer file keeps more than {_MAX_STATE_KEYS} tensors for parameter {index}")
         sd = self.optimizer.state_dict()

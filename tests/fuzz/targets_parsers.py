@@ -20,11 +20,12 @@ from p2ptrain.data._manifest import ShardRef, Standardize, TensorSpec, Tokens
 from p2ptrain.data._shards import ShardError, decode_shard, encode_shard
 from p2ptrain.ipfs import make_cid
 from p2ptrain.control._socket import ControlRequestError, parse_request
-from p2ptrain.training import model_from_bytes
+from p2ptrain.training import manifest_bytes, ManifestError as StageManifestError, model_from_bytes, read_manifest, StageFile
 from p2ptrain.models import build_model
 from p2ptrain.testing import attestations_for, proven_record
 from p2ptrain.protocol._lineage import entry_bytes
-from p2ptrain.protocol import RecordError, entry_from_bytes, model_bytes, tensors_bytes
+from p2ptrain.protocol import (RecordError, entry_from_bytes, model_bytes, read_statement, sign_statement, statement_bytes,
+                               StatementError, tensors_bytes)
 from p2ptrain.task import TaskError, load_task, task_bytes, task_from_bytes
 from p2ptrain.wire import ConfirmedRecord, ModelRecord
 
@@ -157,7 +158,19 @@ CONTROL_LINES = [
     b'{"op":"task.publish","text":"name = \\"t\\"\\n","join":true}',
 ]
 
+_PEERS = [str(i) * 52 for i in range(3)]
+# A pipelined run's model manifest: its stages, their replicas and signatures (one stage unsigned).
+STAGE_MANIFESTS = [manifest_bytes([
+    StageFile(0, 1, CID, CID, 1000, tuple(_PEERS[:2]), tuple((p, "ab" * 64) for p in _PEERS[:2])),
+    StageFile(2, 3, CID, CID, 50, (_PEERS[2],), ()),
+])]
+
+# A member's part of a pipelined checkpoint's gather: its signed stage statement.
+STAGE_STATEMENTS = [statement_bytes(sign_statement(CID, 30, 1, (CID, SHARD_CID), create_new_key_pair(b"s" * 32)))]
+
 TARGETS = [
+    FuzzTarget("parsers.stage_manifest", read_manifest, (StageManifestError,), STAGE_MANIFESTS),
+    FuzzTarget("parsers.stage_statement", read_statement, (StatementError,), STAGE_STATEMENTS),
     FuzzTarget("parsers.manifest", Manifest.from_json, (ManifestError,), MANIFESTS),
     FuzzTarget("parsers.task_bytes", task_from_bytes, (TaskError,), TASK_BYTES),
     FuzzTarget("parsers.task_toml", load_task, (TaskError,), [TASK_TOML, TASK_TOML_SGD, TASK_TOML_HF, TASK_TOML_PIPELINE]),

@@ -372,9 +372,9 @@ async def test_a_handler_exception_is_a_counted_reset_and_the_node_keeps_serving
 async def test_fetches_work_across_idle_timeouts(tmp_path, monkeypatch):
     """Idle streams are closed on both sides (the sender first), and a later fetch from the same
     provider opens fresh ones instead of failing on a stream the provider dropped."""
-    from p2ptrain.ipfs import _exchange as exchange_module
+    from p2ptrain.ipfs import _exchange as exchange_module, _senders as senders_module
 
-    monkeypatch.setattr(exchange_module, "_SEND_IDLE_S", 0.2)
+    monkeypatch.setattr(senders_module, "_SEND_IDLE_S", 0.2)
     monkeypatch.setattr(exchange_module, "INBOUND_IDLE_S", 0.4)
     first, second = content(300_000, seed=11), content(300_000, seed=12)
     async with nodes(tmp_path, BlockStore, BlockStore) as (provider, fetcher):

@@ -133,6 +133,49 @@ def test_gc_keeps_pins_and_run_state_and_removes_the_rest(tmp_path):
     assert json.loads(again.stdout)["removed"] == 0
 
 
+def test_gc_keeps_the_stage_files_a_pipelined_runs_manifest_names(tmp_path):
+    """A pipelined record's model CID names a stage manifest (JSON: no DAG links to its files), so
+    the stage files it names are kept as the checkpoint itself is (the member's own stage and the
+    copy it keeps of the next); a stage whose files this home never held is no obstacle."""
+    from p2ptrain.training import manifest_bytes, StageFile
+
+    store, kept, gone = _task_home(tmp_path)
+    task = load_task(TASK_TEMPLATE.format(manifest=_manifest_of(store), steps=10, checkpoint=5,
+                                          density=1.0, peers=2).replace('name = "', 'name = "staged-', 1))
+    task_cid = store.add_bytes(task_bytes(task))
+    held_files = [store.add_bytes(noise(300_000, seed)) for seed in (7, 8)]
+    absent = [cid_str(make_cid(b"never held " + bytes([i]))) for i in range(2)]
+    manifest = store.add_bytes(manifest_bytes([
+        StageFile(first=0, last=1, model=held_files[0], optimizer=held_files[1], parameters=10),
+        StageFile(first=2, last=3, model=absent[0], optimizer=absent[1], parameters=10),
+    ]))
+    key = create_new_key_pair()
+    record = proven_record(ModelRecord(task_cid=task_cid, version=1, parent=absent[0], round=0, step=5,
+                                       members=(), metrics={}, model_cid=manifest, optimizer_cid=manifest,
+                                       term=1, coordinator=""), key, [key])
+    run_dir = store.home / "tasks" / task_cid
+    run_dir.mkdir(parents=True)
+    (run_dir / "chain.jsonl").write_bytes(entry_bytes(ConfirmedRecord(signed=record, attestations=())) + b"\n")
+    stage_blocks = set().union(*(blocks_of(store, cid) for cid in [manifest, *held_files]))
+    an_hour_ago = time.time() - 3600
+    for path in store.blocks.block_files():
+        os.utime(path, (an_hour_ago, an_hour_ago))
+
+    done = repo("gc", home=store.home)
+    assert done.returncode == 0, done.stderr
+    assert stage_blocks <= held(store)
+    assert not gone & held(store)
+    assert repo("verify", home=store.home).returncode == 0
+
+
+def _manifest_of(store: EmbeddedStore) -> str:
+    """The dataset manifest of the one task _task_home made."""
+    from p2ptrain.task import MAX_TASK_BYTES, read_task
+
+    (task_dir,) = (store.home / "tasks").iterdir()
+    return read_task(store.cat(task_dir.name, max_bytes=MAX_TASK_BYTES + 1)).dataset.manifest
+
+
 def test_gc_removes_nothing_when_a_tasks_state_cannot_be_read(tmp_path):
     store, _, _ = _task_home(tmp_path)
     before = held(store)

@@ -13,7 +13,6 @@ import torch
 from p2ptrain.ipfs import EmbeddedStore
 from p2ptrain.protocol import read_tensors, RecordError, tensors_bytes
 
-from p2ptrain.run._stage_checkpoints import cids_vector, read_cids_vector
 from p2ptrain.run._stage_trainer import StagedTrainer
 from p2ptrain.task import load_task
 from p2ptrain.training import manifest_bytes, model_file, StageFile, Trainer, TrainerError
@@ -142,19 +141,6 @@ def test_a_loaded_manifest_holds_no_stage_until_one_is_loaded_from_it(tmp_path: 
     assert all(p.is_meta for p in member.stages[0].parameters())
 
 
-def test_the_gathered_cids_name_every_stage_or_nothing() -> None:
-    """At a checkpoint the first replica of each stage contributes its files' CIDs as bytes; their
-    exact sum over the plan's members names every stage's, and a sum that names no CID is refused."""
-    cids = [("QmT78zSuBmuS4z925WZfrqQ1qHaJ56DQaTfyMUF7F8ff5o", "QmYwAPJzv5CZsnA625s3Xf2nemtYgPpHdWEz79ojWnPbdG"),
-            ("bafkreihdwdcefgh4dqkjv67uzcmw7ojee6xedzdetojuzjevtenxquvyku", "QmUNLLsPACCz1vLxQVkXqqLX5R1X345qqfHbsf67hvA3Nn")]
-    parts = [cids_vector(2, s, c) for s, c in enumerate(cids)] + [cids_vector(2, None, cids[0])]
-    assert read_cids_vector(sum(parts), 2) == cids
-    with pytest.raises(ValueError, match="stage 1's gathered CID '' is no CID"):
-        read_cids_vector(parts[0] + parts[2], 2)  # nobody contributed stage 1
-    with pytest.raises(ValueError, match="not ASCII"):
-        read_cids_vector(sum(parts) + parts[0], 2)  # stage 0 contributed twice
-
-
 def test_a_member_moved_before_the_first_record_loads_its_stage_from_the_initial_model() -> None:
     """A retry of step 0 may move a member that freed every stage but its first: it takes the new
     one from the run's initial model file, the bits every member built from the seed."""
@@ -165,3 +151,26 @@ def test_a_member_moved_before_the_first_record_loads_its_stage_from_the_initial
     assert member.holds(1) and not member.holds(0) and member.step == 0
     assert member.stage_files(1) == fresh.stage_files(1)
     assert all(p.is_meta for p in member.stages[0].parameters())
+
+
+def test_a_member_sent_back_to_a_checkpoint_drops_its_stage_and_steps_the_one_it_loads() -> None:
+    """A stage lost every replica: the run goes back to its last checkpoint. A member of stage 0,
+    two steps on and with a failed step's gradients still in its stage, drops all of it (weights,
+    gradients, Adam's moments) and takes stage 1 from the checkpoint's files; its next step steps
+    that stage only (the dropped gradients, on the meta device, are not stepped)."""
+    member, fresh = StagedTrainer(TASK, device="cpu"), StagedTrainer(TASK, device="cpu")
+    member.take_stage(0)
+    for _ in range(2):
+        for p in member.stages[0].parameters():
+            p.grad = torch.ones_like(p)
+        member.apply_stage(0, 0.0)
+    for p in member.stages[0].parameters():
+        p.grad = torch.ones_like(p)  # the failed step's
+    member.back_to(0)
+    assert member.step == 0 and not member.holds(0) and not member.holds(1) and allocated(member) == 0
+    member.load_stage(1, *fresh.stage_files(1), 0)
+    assert member.stage_files(1) == fresh.stage_files(1)
+    for p in member.stages[1].parameters():
+        p.grad = torch.ones_like(p)
+    member.apply_stage(1, 0.0)
+    assert member.step == 1 and all(p.is_meta and p.grad is None for p in member.stages[0].parameters())

@@ -1,0 +1,174 @@
+"""The coordinator's plan-making: whether to plan now (:func:`decide`), and the plan (:func:`next_plan`).
+
+Both read a :class:`~p2ptrain.protocol.RoundBook` (the plans, failures and quarantine a member
+keeps) and change nothing in it: the coordinator then follows its own plan like any member
+(:meth:`RoundBook.plan_problem`). Pure, like the book: the node decides when to call them.
+
+Rules, and why:
+
+- A span's members are the previous span's members that are still live, then joiners (in a fixed
+  hash order) up to ``peers.max``. No span starts with fewer than ``peers.min`` members, nor without
+  a quorum of the previous span's members: on the minority side of a partition nobody can plan, so
+  the two sides never both extend the history.
+- Joiners are admitted only when the members' state *is* the latest confirmed checkpoint (after a
+  confirmation, or at the start), because a joiner loads that checkpoint by CID (weights and
+  optimizer state) and must hold exactly what the others hold.
+- After a failed round (:meth:`RoundBook.report_failure`) the retry plan is the failed round, next
+  attempt, its start step, the live members.
+- A pipelined plan that leaves a stage without any of its replicas (they died) goes back to the
+  latest confirmed checkpoint with a new attempt: that stage's state since is lost, and the stages
+  must restart from one version (:func:`~p2ptrain.protocol._plans.orphaned_stages`).
+- A new coordinator continues from its own state. If it stopped inside a span it steps back one
+  round when it can (it may have applied a round that others did not finish); a member that cannot
+  reach a plan's step stops advertising the task until it has resumed from the latest checkpoint.
+- When to plan at all (:func:`decide`): not while its own span runs (unless that span is stuck on a
+  peer that will not come), not during a failed round's backoff, not while behind the run (then
+  resync), not in the first moments of a fresh run's first term; and without the peers a round or
+  a silent coordinator term named, for a while (they are most likely dead); never again once the
+  task's publisher cancelled the run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from enum import Enum
+from typing import TYPE_CHECKING
+
+from p2ptrain.protocol._election import Election
+from p2ptrain.protocol._plans import orphaned_stages, plan_members, plan_stages, span_length
+from p2ptrain.wire import RoundPlan
+
+if TYPE_CHECKING:
+    from p2ptrain.protocol._round_book import RoundBook
+
+# The first plan waits this long after the coordinator's election, for peers still joining, unless
+# the task's ``peers.max`` already advertise it (no one else could be admitted: the wait would only
+# delay the run's first step, by 2 s of its ~9 s start on an emulated WAN, bench/wan_train.py), or
+# the run resumed from a record whose members all advertise it again (run/_resume.py).
+FIRST_ROUND_GRACE_S = 2.0
+
+
+class Hold(Enum):
+    """Why :func:`decide` gives no plan now."""
+
+    WAIT = "wait"  # nothing to plan yet: a span runs, a retry backs off, a barrier, too few peers
+    BEHIND = "behind"  # the run is past this coordinator's state: resync instead of planning
+
+
+def decide(
+    book: RoundBook, now: float, election: Election, my_step: int, advertising: Collection[str], *,
+    can_roll_back: bool, span_running: bool, rounds_running: bool, head_version: int,
+    private: Collection[str] = (),
+) -> RoundPlan | Hold:
+    """As coordinator at ``now``, by ``book``: the next plan to publish, or why none (:class:`Hold`).
+
+    ``advertising``: the peers (ourselves included) that advertise the task and meet its
+    requirements. ``span_running``: our own span (rounds and checkpoint) is under way;
+    ``rounds_running``: its rounds are (a newer plan can stop them). ``head_version``: the
+    version of the run's latest head heard (0 for none). ``private``: the peers whose
+    reachability is ``private`` (their heartbeats, and ours), for the ring's order.
+    """
+    if not election.is_coordinator or book.cancelled:
+        return Hold.WAIT
+    last = book.last_plan
+    # Our own round may be waiting (up to the start timeout, 15 s) on a peer that will not
+    # come: one of the old term's plan, when we were just elected, or one that reported it
+    # cannot take part. Plan at once; the new plan stops that round everywhere.
+    stuck = rounds_running and ((last is not None and last.term != election.term) or book.culprit_reported)
+    if span_running and not stuck:
+        return Hold.WAIT
+    quarantined = book.quarantined(now)
+    if now < book.retry_after and book.failed_round is not None and not book.all_reported(quarantined):
+        # A retry: give the other members time to leave the failed round, unless all have said
+        # so. (Only a retry: the next span after a successful one waited here too, ~1 s.)
+        return Hold.WAIT
+    if head_version > book.chain.version or (book.observed is not None and book.observed.step > my_step):
+        # Elected while behind the run (a later confirmed model, or a plan seen past our step,
+        # e.g. it joined at step 0 and missed the records): it must not plan from its stale state.
+        return Hold.BEHIND
+    joining_possible = len(set(advertising) - quarantined) < book.task.peers.max
+    if last is None and book.chain.records and set(book.chain.records[-1].record.members) <= set(advertising):
+        joining_possible = False  # resumed, with every member of the last record back: start now
+    if last is None and book.elected_at is not None and now - book.elected_at < FIRST_ROUND_GRACE_S \
+            and joining_possible:
+        return Hold.WAIT
+    plan = next_plan(book, election, my_step, set(advertising) - quarantined, can_roll_back, private)
+    return Hold.WAIT if plan is None else plan
+
+
+def next_plan(
+    book: RoundBook, election: Election, my_step: int, live: Collection[str], can_roll_back: bool = False,
+    private: Collection[str] = (),
+) -> RoundPlan | None:
+    """As coordinator at optimizer step ``my_step``: the next plan, or None (wait, or done).
+
+    ``live``: the peers (the coordinator included) that advertise this task and meet its
+    requirements. ``can_roll_back``: the trainer keeps the state before its last step.
+    ``private``: the peers behind NATs (:func:`~p2ptrain.protocol._plans.ring_order`). The
+    coordinator then follows its own plan like any member (:meth:`RoundBook.plan_problem`, then align).
+    """
+    if not election.is_coordinator:
+        return None
+    last = book.last_plan
+    # The members the next plan must keep a quorum of: the latest plan the members took from a
+    # coordinator (rule_problem checks it against the same plan).
+    previous = book.accepted.members if book.accepted is not None else ()
+    if last is None:
+        # A coordinator that (re)synced from the chain continues the round numbering after it.
+        start_round = book.chain.records[-1].record.round + 1 if book.chain.records else 0
+        attempt, step = _next_attempt(book, election.term), my_step
+        if my_step != book.head_step:
+            return None  # a fresh run starts from the head of the chain
+    elif book.failed_round is not None:
+        start_round, attempt = book.failed_round, last.attempt + 1
+        step = last.step + (book.failed_round - last.round)
+    elif my_step == last.step + last.rounds:
+        start_round, attempt, step = last.round + last.rounds, last.attempt, my_step
+        if my_step not in (book.head_step, book.rejected_step) and not _may_overlap(book, last, my_step, live):
+            return None  # barrier: the span's checkpoint is not confirmed (or rejected) yet
+    elif last.term != election.term and last.step <= my_step < last.step + last.rounds:
+        # Taking over a span the old coordinator did not finish: step back one round when we
+        # can, since we may have applied a round that others did not complete.
+        step = my_step - 1 if can_roll_back and my_step > last.step else my_step
+        start_round, attempt = last.round + (step - last.step), last.attempt + 1
+    else:
+        return None  # the current span is still running
+    if my_step not in (step, step + 1) or step >= book.total_steps:
+        return None
+    # A stage whose replicas all left (below) sends the run back to the head, where joiners are
+    # admitted: one may be the member that stage needs (a run with no member to spare).
+    admit = step == book.head_step or (step > book.head_step and bool(orphaned_stages(book.accepted, live)))
+    members = plan_members(book.task, book.task_cid, previous, live, admit_joiners=admit, private=private)
+    if members is None or election.me not in members:
+        return None
+    if step > book.head_step and orphaned_stages(book.accepted, members):
+        # A stage lost every replica since the last confirmed checkpoint: what it learnt since is
+        # gone, so every stage goes back to that checkpoint (the same version everywhere, or the
+        # stages would not make one model) and the steps since are redone. assign moves a member
+        # into the empty stage; it loads that stage's files by CID from the checkpoint's manifest.
+        start_round = book.chain.records[-1].record.round + 1 if book.chain.records else 0
+        step, attempt = book.head_step, max(attempt, _next_attempt(book, election.term))
+    return RoundPlan(
+        task_cid=book.task_cid, term=election.term, round=start_round, attempt=attempt, step=step,
+        rounds=span_length(book.task, start_round, book.total_steps), members=members,
+        base_cid=book.chain.head_cid, version=book.chain.version,
+        stages=plan_stages(book.task, members, book.accepted),
+    )
+
+
+def _next_attempt(book: RoundBook, term: int) -> int:
+    """An attempt after every plan of ``term`` this member took (0 in a new term), so that the
+    next plan comes after them (:func:`~p2ptrain.protocol._plans.plan_order`) whatever its round."""
+    taken = [p.attempt + 1 for p in (book.last_plan, book.accepted) if p is not None and p.term == term]
+    return max(taken, default=0)
+
+
+def _may_overlap(book: RoundBook, last: RoundPlan, my_step: int, live: Collection[str]) -> bool:
+    """Whether the span after ``last`` (ended at ``my_step``, its checkpoint unsettled) may be
+    planned now: in overlap mode, once the checkpoint before it is settled (at most one unsettled)
+    and while no peer waits to join a span with room for it (joiners need a confirmed head)."""
+    if not book.overlap or book.settled_step < book.previous_checkpoint(my_step):
+        return False
+    kept = [p for p in last.members if p in live]
+    waiting = [p for p in live if p not in last.members]
+    return not (waiting and len(kept) < book.task.peers.max)
