@@ -65,7 +65,7 @@ EXPORTS: dict[str, list[str]] = {
     ],
     "p2ptrain.pipeline": [
         "Cut", "DoubleCounted", "Driver", "MAX_STREAMS_PER_PEER", "PROTOCOL", "PartitionError", "PipelineError", "Stage",
-        "StageReplica", "StageUnavailable", "Wiring", "balanced_cut", "partition", "pieces_of",
+        "StageReplica", "StageUnavailable", "Wiring", "balanced_cut", "is_checked", "partition", "pieces_of",
         "sum_stage_gradients",
     ],
     "p2ptrain.net": [
@@ -86,7 +86,8 @@ EXPORTS: dict[str, list[str]] = {
         "RoundBook",
         "RuleBreak", "SignedStageStatement", "StageStatement", "StageVerdict", "StatementError", "Status", "Tally",
         "View",
-        "assign", "attest", "audit", "buffers_round_id", "chain_lines", "check_statement", "election_problem",
+        "assign", "attest", "audit", "buffers_round_id", "chain_lines", "check_key_message", "check_statement", "convicted",
+        "election_problem",
         "entry_from_bytes",
         "is_checkpoint",
         "load_model_bytes", "model_bytes", "model_tensors", "orphaned_stages", "owner_seed", "parse_entry", "plan_order",

@@ -35,7 +35,8 @@ OLD_KEYS = {"task_cid", "name", "state", "error", "member", "synced", "round", "
 # JSON kept every key and type): a contract, pinned exactly. is_coordinator came with it.
 MEMBER_KEYS = OLD_KEYS | {"cancel_reason", "waiting_for_peers", "waiting_s", "bytes_received", "last_round",
                           "last_step", "inner_steps", "inner_step", "is_coordinator", "resumed_from",
-                          "stage", "stages", "stage_recovery"}
+                          "stage", "stages", "stage_recovery", "stage_suspects",
+                          "stage_disagreements"}
 # ... and for a task this node only heard of.
 HEARD_KEYS = {"task_cid", "name", "announced_by", "member", "state", "refused", "missing_builder", "version", "step", "round",
               "total_steps", "latest_model_cid", "members", "chain_cid"}
@@ -82,7 +83,8 @@ async def test_status_says_the_last_completed_round_the_confirmed_model_and_who_
             assert mid["last_step"] == mid["step"] >= CHECKPOINT_INTERVAL
             assert mid["last_round"] == mid["last_step"] - 1 and mid["waiting_for_peers"] == 0
             assert (mid["inner_steps"], mid["inner_step"]) == (None, None)  # sync mode: no inner loop
-            assert (mid["stage"], mid["stages"]) == (None, None)  # not a pipelined task
+            pipelined = (mid["stage"], mid["stages"], mid["stage_suspects"], mid["stage_disagreements"])
+            assert pipelined == (None,) * 4  # not a pipelined task
             record = mid["chain"][0]
             assert (record["round"], record["step"]) == (CHECKPOINT_INTERVAL - 1, CHECKPOINT_INTERVAL)
             text = render_status(TaskStatus.from_json(mid))

@@ -150,6 +150,13 @@ def render_status(s: TaskStatus) -> str:
             lines.append(f"stages     {len(s.stages)}, this peer serves stage {served}: " + "; ".join(
                 f"{e['stage']}: {len(e['replicas'])} replica{'s' if len(e['replicas']) != 1 else ''}, "
                 f"{e['parameters']:,} parameters" for e in s.stages))
+        for e in s.stage_suspects or ():
+            lines.append(f"suspect    {short_id(e['peer'])}, stage {e['stage']}: sent altered activations "
+                         f"({e['times']} time{'s' if e['times'] != 1 else ''}, last at step {e['step']}); left out of plans")
+        for e in s.stage_disagreements or ():
+            a, b = e["peers"]
+            lines.append(f"disagree   stage {e['stage']}: {short_id(a)} and {short_id(b)}, {e['times']} "
+                         f"time{'s' if e['times'] != 1 else ''}; no third replica decided, nobody left out")
         if s.stage_recovery:
             r = s.stage_recovery
             moved = ", ".join(f"{short_id(m['peer'])} moved from stage {m['from']} to {m['to']}" for m in r["moved"])

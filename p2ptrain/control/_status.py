@@ -144,6 +144,13 @@ class TaskStatus:
     # {"stage", "replicas" (peer IDs, in the plan's order), "parameters"}; None for any other task.
     stage: int | None = _member()
     stages: tuple[dict[str, Any], ...] | None = _member()
+    # A pipelined task: the replicas convicted of sending altered activations (outvoted by a third
+    # opinion, accused by a majority of the drivers), each {"peer", "stage", "times", "step" (the
+    # last)}; left out of plans as a misbehaving member is. None for any other task.
+    stage_suspects: tuple[dict[str, Any], ...] | None = _member()
+    # ... and, as a driver, the disagreements of two replicas nobody could decide (a stage of two, or
+    # three different answers): {"stage", "peers" (the two), "times"}; nobody is left out on them.
+    stage_disagreements: tuple[dict[str, Any], ...] | None = _member()
     # The last time a stage lost every replica (issue 31): {"stages": the stages left empty, "moved":
     # [{"peer", "from", "to"}], "step" and "version": the confirmed checkpoint the run went back to,
     # "redone": the steps this member had trained past it}; None when it never happened.
@@ -170,7 +177,7 @@ class TaskStatus:
                 value = tuple(ChainEntry.from_json(entry) for entry in value or ())
             elif name == "members":
                 value = tuple(value or ())
-            elif name == "stages" and value is not None:
+            elif name in ("stages", "stage_suspects", "stage_disagreements") and value is not None:
                 value = tuple(dict(entry) for entry in value)
             elif name == "rejected":
                 value = dict(value or {})

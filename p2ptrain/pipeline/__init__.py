@@ -11,6 +11,7 @@ if TYPE_CHECKING:
     from p2ptrain.pipeline._driver import (
         DoubleCounted as DoubleCounted,
         Driver as Driver,
+        is_checked as is_checked,
         PipelineError as PipelineError,
         StageUnavailable as StageUnavailable,
     )

@@ -20,15 +20,21 @@ gradients are the step's gradient of that stage (docs/pipeline.md).
 
 Integrity: with ``check_fraction`` > 0, that share of the microbatches is also sent FORWARD to a second
 replica of every later stage, and the two outputs are compared bit for bit (replicas of a stage hold
-the same weights). A difference is counted against the pair (:attr:`Driver.disagreements`) and
-logged; which of two replicas lied takes a third opinion, which the runtime's plans will bring.
+the same weights). A difference is counted against the pair (:attr:`Driver.disagreements`) and takes
+a third opinion, from a third replica of the stage when there is one: the replica outvoted is the
+liar (:attr:`Driver.liars`, :attr:`Driver.outvoted`), and the majority's output goes on down the
+pipeline. Without a third replica (or with three different answers) the disagreement stays the
+pair's: nobody is named on it. Which microbatches are checked is drawn by :func:`is_checked` from a
+key the runtime derives from the plan with the driver's own signature (a replica cannot compute it,
+the driver cannot choose it), not from a random generator the driver seeds.
 """
 
 from __future__ import annotations
 
 import collections
+import hashlib
 import logging
-import random
+import struct
 import time
 from collections.abc import Callable, Collection, Hashable, Sequence
 from dataclasses import dataclass, field
@@ -69,6 +75,14 @@ class DoubleCounted(PipelineError):
     """Two live replicas of a stage both hold a microbatch's gradient (an answer that arrived late)."""
 
 
+def is_checked(key: bytes, step: int, mb: int, fraction: float) -> bool:
+    """Whether microbatch ``mb`` of ``step`` gets a second opinion: a hash of ``key``, the step and the
+    microbatch id below ``fraction`` of its range. The same key, step and id give the same answer on
+    every machine, so who knows the key can recompute which microbatches a driver had to check."""
+    digest = hashlib.sha256(key + struct.pack(">QQ", step, mb)).digest()
+    return int.from_bytes(digest[:8], "big") < fraction * 2.0**64
+
+
 class _BadAnswer(Exception):
     """An answer that does not answer the request sent."""
 
@@ -93,7 +107,7 @@ class Driver:
     def __init__(
         self, host: IHost, stage: Stage, loss: Loss, wiring: Wiring, *, cut: Sequence[nn.Module], encoding: str = "fp32",
         limits: Limits = DEFAULT_LIMITS, hop_timeout: float = HOP_TIMEOUT_S,
-        clock: Callable[[], float] = time.monotonic, check_fraction: float = 0.0, check_seed: int = 0,
+        clock: Callable[[], float] = time.monotonic, check_fraction: float = 0.0, check_key: bytes = b"",
         protocol: str = PROTOCOL,
     ) -> None:
         if stage.index != 0:
@@ -117,10 +131,19 @@ class Driver:
         if not 0.0 <= check_fraction <= 1.0:
             raise ValueError(f"check_fraction must be in [0, 1], not {check_fraction}")
         self.check_fraction = check_fraction
-        self._checks = random.Random(check_seed)
+        # What draws the checked microbatches (is_checked): the runtime's is the driver's signature
+        # of the plan, which no replica can compute in advance.
+        self.check_key = check_key
         self.checked = 0
         # {(stage, the replica that answered, the replica that answered differently): times}
         self.disagreements: collections.Counter[tuple[int, Hashable, Hashable]] = collections.Counter()
+        # {(stage, replica): times a third opinion outvoted it}, and {replica: its stage} of every
+        # replica outvoted (kept across steps until the caller takes them: the driver's accusations).
+        self.outvoted: collections.Counter[tuple[int, Hashable]] = collections.Counter()
+        self.liars: dict[Hashable, int] = {}
+        # {(stage, replica, replica): times} of the disagreements nobody could decide (no third
+        # replica, or three different answers): reported as the pair's, nobody named.
+        self.undecided: collections.Counter[tuple[int, Hashable, Hashable]] = collections.Counter()
 
     def new_step(self, step: int) -> None:
         """Start ``step``: stage 0's gradients zeroed, the kept tensors dropped, every replica usable."""
@@ -144,13 +167,13 @@ class Driver:
         async with self._lock:
             h = await trio.to_thread.run_sync(self._forward0, x)
         a = h.detach()
-        check = self._checks.random() < self.check_fraction
+        check = self.check_fraction > 0 and is_checked(self.check_key, self.step, mb, self.check_fraction)
         for s in range(1, count - 1):
             record.inputs[s] = a
             peer, answer = await self._answered(Kind.FORWARD, s, mb, (a,))
-            if check:
-                await self._second_opinion(s, mb, a, peer, answer.tensors[0])
             a = answer.tensors[0]
+            if check:
+                a = await self._second_opinion(s, mb, record.inputs[s], peer, a)
         record.inputs[count - 1] = a
         if check:
             peer, answer = await self._answered(Kind.FORWARD, count - 1, mb, (a,))
@@ -182,9 +205,9 @@ class Driver:
 
     async def _answered(
         self, kind: Kind, stage: int, mb: int, tensors: tuple[torch.Tensor, ...], value: float = 0.0,
-        besides: Hashable | None = None,
+        besides: Collection[Hashable] = (),
     ) -> tuple[Hashable, Frame]:
-        """The replica of ``stage`` (not ``besides``) that answered this request, and its answer."""
+        """The replica of ``stage`` (none of ``besides``) that answered this request, and its answer."""
         request = encode_frame(Frame(kind, self.step, mb, stage, value, tensors), self.encoding)
         while True:
             peer = self.wiring.choose(stage, besides)
@@ -207,19 +230,47 @@ class Driver:
             self.wiring.finished(peer, self.clock() - began)
             return peer, answer
 
-    async def _second_opinion(self, stage: int, mb: int, sent: torch.Tensor, first: Hashable, out: torch.Tensor) -> None:
-        """Ask another replica of ``stage`` for the same FORWARD and compare; a stage with no other
-        replica left goes unchecked."""
+    async def _second_opinion(
+        self, stage: int, mb: int, sent: torch.Tensor, first: Hashable, out: torch.Tensor,
+    ) -> torch.Tensor:
+        """Ask another replica of ``stage`` for the same FORWARD and compare; on a difference, a third
+        replica decides, and the one outvoted is a liar. Returns the output to go on with (the
+        majority's). A stage with no other replica left goes unchecked; without a third, the
+        disagreement stays the pair's."""
         try:
-            other, answer = await self._answered(Kind.FORWARD, stage, mb, (sent,), besides=first)
+            other, answer = await self._answered(Kind.FORWARD, stage, mb, (sent,), besides=(first,))
         except StageUnavailable:
-            return
+            return out
         self.checked += 1
-        if not torch.equal(answer.tensors[0], out):
-            self.disagreements[(stage, first, other)] += 1
-            logger.warning("pipeline step %d: microbatch %d: stage %d replicas %s and %s disagree (largest "
-                           "difference %.3g)", self.step, mb, stage, _name(first), _name(other),
-                           float((answer.tensors[0] - out).abs().max()) if answer.tensors[0].shape == out.shape else float("inf"))
+        second = answer.tensors[0]
+        if torch.equal(second, out):
+            return out
+        self.disagreements[(stage, first, other)] += 1
+        logger.warning("pipeline step %d: microbatch %d: stage %d replicas %s and %s disagree (largest difference "
+                       "%.3g)", self.step, mb, stage, _name(first), _name(other), float((second - out).abs().max()))
+        try:
+            third, tie = await self._answered(Kind.FORWARD, stage, mb, (sent,), besides=(first, other))
+        except StageUnavailable:
+            self.undecided[(stage, first, other)] += 1
+            logger.warning("pipeline step %d: microbatch %d: stage %d has no third replica to tell which of %s and "
+                           "%s lied; nobody is named", self.step, mb, stage, _name(first), _name(other))
+            return out
+        verdict = tie.tensors[0]
+        if torch.equal(verdict, out):
+            liar, kept = other, out
+        elif torch.equal(verdict, second):
+            liar, kept = first, second
+        else:
+            self.undecided[(stage, first, other)] += 1
+            logger.warning("pipeline step %d: microbatch %d: stage %d replicas %s, %s and %s answered three different "
+                           "outputs; nobody is named", self.step, mb, stage, _name(first), _name(other), _name(third))
+            return out
+        self.outvoted[(stage, liar)] += 1
+        self.liars[liar] = stage
+        honest = [p for p in (first, other, third) if p != liar]
+        logger.warning("pipeline step %d: microbatch %d: stage %d replica %s outvoted by %s and %s: it sent altered "
+                       "activations", self.step, mb, stage, _name(liar), _name(honest[0]), _name(honest[1]))
+        return kept
 
     async def _ask(self, peer: Hashable, request: bytes) -> Frame:
         assert isinstance(peer, ID)

@@ -16,7 +16,7 @@ here: the caller passes each hop's seconds; randomness comes from the caller's s
 from __future__ import annotations
 
 import random
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Collection, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
 # Weight of the newest hop in a replica's throughput: about the last 5 hops count.
@@ -55,10 +55,10 @@ class Wiring:
         mean = sum(measured) / len(measured) if measured else 1.0
         return (state.throughput or mean) / (1 + state.in_flight)
 
-    def choose(self, stage: int, besides: Hashable | None = None) -> Hashable | None:
-        """A usable replica of ``stage`` (other than ``besides``) drawn by weight, or None when the
-        stage has none left."""
-        usable = [p for p in self.usable(stage) if p != besides]
+    def choose(self, stage: int, besides: Collection[Hashable] = ()) -> Hashable | None:
+        """A usable replica of ``stage`` (none of ``besides``: those a second or third opinion
+        already heard) drawn by weight, or None when the stage has none left."""
+        usable = [p for p in self.usable(stage) if p not in besides]
         if not usable:
             return None
         return self._rng.choices(usable, weights=[self.weight(p) for p in usable])[0]

@@ -80,6 +80,7 @@ if TYPE_CHECKING:
         tensors_bytes as tensors_bytes,
     )
     from p2ptrain.protocol._round_book import RoundBook as RoundBook, RuleBreak as RuleBreak
+    from p2ptrain.protocol._stage_verdicts import check_key_message as check_key_message, convicted as convicted
 else:
     from p2ptrain._exports import lazy_exports
 

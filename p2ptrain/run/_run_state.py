@@ -101,6 +101,12 @@ class RunState:
     rounds_done: int = 0
     # Heads and chains refused, resyncs that failed, by kind: shown in `task status` ("rejected").
     rejected: Counter[str] = field(default_factory=Counter)
+    # A pipelined task: replicas convicted of altered activations (run/_stages.py), peer ->
+    # {"peer", "stage", "times", "step"} (the last); shown in `task status` ("stage_suspects").
+    stage_suspects: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # As a driver: disagreements of two replicas nobody could decide, (stage, a, b) -> times
+    # (`task status`'s "stage_disagreements"; nobody is left out on them).
+    stage_disagreements: Counter[tuple[int, str, str]] = field(default_factory=Counter)
     # The coordinator may be able to plan now (a span ended, a checkpoint was confirmed or
     # rejected, a failure was reported): its control loop wakes at once, not at its next tick.
     wake_leader: Nudge = field(default_factory=Nudge)

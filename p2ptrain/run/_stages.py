@@ -20,6 +20,14 @@ A round is one step:
    ``robust = "clip"``, each replica's contribution clipped to the median norm) and step their
    optimizer: the replicas of a stage stay bitwise identical.
 
+Integrity: each driver checks a share of its microbatches with a second replica of every later
+stage, and a third when two disagree (:class:`~p2ptrain.pipeline.Driver`); the replicas it outvoted
+are its accusations, said in its entry of the step summary. A replica accused by more than half the
+drivers (:func:`~p2ptrain.protocol.convicted`) fails the step on every member as
+:class:`~p2ptrain.collective.Misbehaved` naming it: the same path as a member a robust round proves
+wrong (every book leaves it out of plans for the quarantine; the retry runs without it), and
+``task status`` names it (``stage_suspects``).
+
 Any failure (a member gone, a :class:`~p2ptrain.pipeline.PipelineError`) is the run's round failure,
 as in a data-parallel round: the coordinator's retry plan goes on without the member that left. A
 replica that dies mid-step is routed around within the step (nothing is lost), but the step still
@@ -44,10 +52,11 @@ import trio
 from libp2p.peer.id import ID
 
 from p2ptrain.base import short_id
+from p2ptrain.collective import Misbehaved
 from p2ptrain.net import Channel, serve_channels
 from p2ptrain.pipeline import (Driver, MAX_STREAMS_PER_PEER, PipelineError, PROTOCOL, StageReplica, sum_stage_gradients,
                                Wiring)
-from p2ptrain.protocol import owner_seed, shard_of, stage_rings, stage_round_id
+from p2ptrain.protocol import check_key_message, owner_seed, shard_of, stage_rings, stage_round_id
 from p2ptrain.run._run_state import RunState
 from p2ptrain.run._stage_checkpoints import load_confirmed_stage, store_stage_checkpoint
 from p2ptrain.run._stage_trainer import StagedTrainer
@@ -69,6 +78,26 @@ def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return loss_and_hits(logits, targets)[0]
 
 
+def convicted_failure(
+    plan: RoundPlan, step: int, convicted: tuple[str, ...], suspects: dict[str, dict[str, Any]], log_prefix: str,
+) -> Misbehaved:
+    """The failure of ``step``, whose summary convicted the replicas ``convicted`` (base58, of
+    ``plan``): :class:`Misbehaved` naming the first (a retry without it convicts the next), so that
+    the run's usual round failure leaves it out of the next plans; each one counted in ``suspects``
+    (``task status``'s ``stage_suspects``) and logged, naming its stage and the step."""
+    assert plan.stages is not None
+    for peer in convicted:
+        stage = plan.stages[plan.members.index(peer)]
+        seen = suspects.setdefault(peer, {"peer": peer, "stage": stage, "times": 0, "step": step})
+        seen.update(stage=stage, step=step, times=seen["times"] + 1)
+        logger.warning("%s: step %d: stage %d replica %s sent altered activations (outvoted by a third opinion, "
+                       "accused by a majority of the drivers); left out of the next plans", log_prefix, step, stage,
+                       short_id(peer))
+    first = convicted[0]
+    return Misbehaved(ID.from_base58(first), f"sent altered activations as a replica of stage "
+                                             f"{plan.stages[plan.members.index(first)]} in step {step}")
+
+
 class StageRounds:
     """One member's part in the rounds of a pipelined task, plan after plan."""
 
@@ -81,6 +110,9 @@ class StageRounds:
         self._driver: Driver | None = None
         self._replica: StageReplica | None = None
         self._serving = False
+        # As a driver: the replicas (base58) a third opinion outvoted here, and their stage, kept
+        # across plans: this driver's accusations in every step's summary while a plan names them.
+        self._accused: dict[str, int] = {}
 
     def stage_of(self, plan: RoundPlan) -> int:
         assert plan.stages is not None
@@ -108,7 +140,7 @@ class StageRounds:
             self._driver = Driver(host, stage, _loss, Wiring(replicas, random.Random(task.seed + rank)),
                                   cut=trainer.stages, encoding=encoding, hop_timeout=self.hop_timeout,
                                   protocol=self.protocol, check_fraction=task.pipeline.check_fraction,
-                                  check_seed=task.seed + rank)
+                                  check_key=host.get_private_key().sign(check_key_message(plan)))
         else:
             self._replica = StageReplica(host, stage, _loss, senders=[ID.from_base58(m) for m in rings[0]],
                                          encoding=encoding, protocol=self.protocol)
@@ -152,13 +184,23 @@ class StageRounds:
             except PipelineError as exc:
                 logger.warning("%s: step %d failed at this driver: %s", run.log_prefix, step, exc)
                 failed = True
+            self._accused.update((str(peer), s) for peer, s in self._driver.liars.items())
+            self._driver.liars.clear()
+            for (s, a, b), n in self._driver.undecided.items():
+                low, high = sorted((str(a), str(b)))
+                run.stage_disagreements[(s, low, high)] += n
+            self._driver.undecided.clear()
         else:
             assert self._replica is not None
             self._replica.new_step(step)
         timings.last_compute_s = time.perf_counter() - began
         timings.compute_s += timings.last_compute_s
         summary = await gather_summary(run.collective, plan, index, run.me, loss, failed, timeout=self.hop_timeout,
-                                       start_timeout=STEP_TIMEOUT_S)
+                                       start_timeout=STEP_TIMEOUT_S, accused=tuple(self._accused))
+        if summary.convicted:
+            for peer in summary.convicted:  # judged: back after its quarantine, only a new lie accuses it
+                self._accused.pop(peer, None)
+            raise convicted_failure(plan, step, summary.convicted, run.stage_suspects, run.log_prefix)
         if summary.failed:
             raise PipelineError(f"step {step} failed at drivers {', '.join(short_id(d) for d in summary.failed)}")
         synced = time.perf_counter()

@@ -10,6 +10,10 @@ it reads them. A member can say only its own entry; an entry that is not one (a 
 not empty, a driver's that is no finite loss share and failure flag) fails the round naming its
 sender, and so does a driver that tells members different things. Every member reads the same
 entries in plan order, so every member computes the same loss and the same verdict.
+
+A driver's entry also lists the replicas a third opinion outvoted at that driver (their indices in
+the plan, 2 bytes each, at most MAX_ACCUSED): its accusations, which every member weighs alike
+(:func:`~p2ptrain.protocol.convicted`: a replica accused by more than half the drivers is convicted).
 """
 
 from __future__ import annotations
@@ -21,11 +25,15 @@ from dataclasses import dataclass
 from libp2p.peer.id import ID
 
 from p2ptrain.collective import Collective
-from p2ptrain.protocol import round_id, stage_rings
+from p2ptrain.protocol import convicted, round_id, stage_rings
 from p2ptrain.wire import RoundPlan
 
-# A driver's entry: its share of the step's mean loss (float64) and whether its step failed (0 or 1).
+# A driver's entry: its share of the step's mean loss (float64) and whether its step failed (0 or 1),
+# then the plan indices of the replicas it accuses (u16 each).
 ENTRY = struct.Struct("<dB")
+ACCUSED = struct.Struct("<H")
+MAX_ACCUSED = 16
+MAX_ENTRY_BYTES = ENTRY.size + MAX_ACCUSED * ACCUSED.size
 
 
 @dataclass(frozen=True)
@@ -35,46 +43,62 @@ class StepSummary:
 
     loss: float
     failed: tuple[str, ...]
+    # {driver: the replicas it accuses}, drivers with none left out; and the replicas convicted.
+    accusations: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    convicted: tuple[str, ...] = ()
 
 
-def entry_bytes(loss: float, failed: bool) -> bytes:
-    return ENTRY.pack(loss, int(failed))
+def entry_bytes(loss: float, failed: bool, accused: tuple[int, ...] = ()) -> bytes:
+    """A driver's entry; ``accused``: the plan indices of the replicas it accuses."""
+    return ENTRY.pack(loss, int(failed)) + b"".join(ACCUSED.pack(i) for i in accused)
 
 
-def read_entry(raw: bytes) -> tuple[float, bool]:
-    """A driver's entry; ``ValueError`` for bytes that are not one."""
-    if len(raw) != ENTRY.size:
-        raise ValueError(f"a driver's summary has {ENTRY.size} bytes, not {len(raw)}")
-    loss, failed = ENTRY.unpack(raw)
+def read_entry(raw: bytes, plan: RoundPlan | None = None) -> tuple[float, bool, tuple[int, ...]]:
+    """A driver's entry: its loss share, its failure, the plan indices it accuses (replicas of
+    ``plan``, each once); ``ValueError`` for bytes that are not one."""
+    extra = len(raw) - ENTRY.size
+    if extra < 0 or extra % ACCUSED.size or extra > MAX_ACCUSED * ACCUSED.size:
+        raise ValueError(f"a driver's summary has {ENTRY.size} bytes and at most {MAX_ACCUSED} accused, not {len(raw)} bytes")
+    loss, failed = ENTRY.unpack_from(raw)
     if not (math.isfinite(loss) and loss >= 0.0) or failed > 1:
         raise ValueError(f"a driver's summary is a finite loss share >= 0 and a flag 0 or 1, not ({loss}, {failed})")
-    return loss, bool(failed)
+    accused = tuple(i for (i,) in ACCUSED.iter_unpack(raw[ENTRY.size:]))
+    if plan is not None:
+        stages = plan.stages or ()
+        if len(set(accused)) != len(accused) or any(i >= len(stages) or stages[i] == 0 for i in accused):
+            raise ValueError(f"a driver accuses {list(accused)}: not distinct replicas of the plan")
+    return loss, bool(failed), accused
 
 
 async def gather_summary(
     collective: Collective, plan: RoundPlan, index: int, me: str, loss: float, failed: bool, *, timeout: float,
-    start_timeout: float,
+    start_timeout: float, accused: tuple[str, ...] = (),
 ) -> StepSummary:
-    """Round ``index`` of ``plan``'s summary, with this member's entry (``loss``, ``failed``: a
-    driver's; a replica passes 0 and False and says nothing). Raises ``CollectiveError``
-    (:class:`~p2ptrain.collective.PeerFailed` naming a member gone, or one whose entry is refused)."""
-    drivers = set(stage_rings(plan)[0])
+    """Round ``index`` of ``plan``'s summary, with this member's entry (``loss``, ``failed``,
+    ``accused``: a driver's, the replicas of the plan it accuses; a replica passes 0 and False and
+    says nothing). Raises ``CollectiveError`` (:class:`~p2ptrain.collective.PeerFailed` naming a
+    member gone, or one whose entry is refused)."""
+    drivers = stage_rings(plan)[0]
 
     def check(member: int, raw: bytes) -> None:
         if plan.members[member] in drivers:
-            read_entry(raw)
+            read_entry(raw, plan)
         elif raw:
             raise ValueError("a replica says nothing in the step's summary")
 
-    mine = entry_bytes(loss, failed) if me in drivers else b""
+    replicas = {m: i for i, m in enumerate(plan.members) if m not in drivers}
+    indices = tuple(sorted(replicas[r] for r in set(accused) if r in replicas))[:MAX_ACCUSED]
+    mine = entry_bytes(loss, failed, indices) if me in drivers else b""
     ring = [ID.from_base58(m) for m in plan.members]
-    parts = await collective.gather(mine, ring, round_id(plan, index), max_bytes=ENTRY.size, check=check,
+    parts = await collective.gather(mine, ring, round_id(plan, index), max_bytes=MAX_ENTRY_BYTES, check=check,
                                     timeout=timeout, start_timeout=start_timeout)
-    total, failures = 0.0, []
+    total, failures, accusations = 0.0, [], []
     for member, raw in zip(plan.members, parts, strict=True):
         if member in drivers:
-            share, fail = read_entry(raw)
+            share, fail, named = read_entry(raw, plan)
             total += share
             if fail:
                 failures.append(member)
-    return StepSummary(total, tuple(failures))
+            if named:
+                accusations.append((member, tuple(plan.members[i] for i in named)))
+    return StepSummary(total, tuple(failures), tuple(accusations), convicted(drivers, dict(accusations)))

@@ -165,6 +165,10 @@ class TaskRun:
             is_coordinator=run.election.coordinator == run.me,
             stage=stage,
             stages=stages,
+            stage_suspects=tuple(dict(e) for e in run.stage_suspects.values()) if run.task.pipeline else None,
+            stage_disagreements=tuple({"stage": s, "peers": [a, b], "times": n}
+                                      for (s, a, b), n in sorted(run.stage_disagreements.items()))
+            if run.task.pipeline else None,
             stage_recovery=run.stage_recovery,
             round_seconds=run.round_seconds.snapshot(),
         )

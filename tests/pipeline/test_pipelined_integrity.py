@@ -1,0 +1,128 @@
+"""A replica sending altered activations in a pipelined run of full peers (``local_peers``): the
+drivers' third opinions name it, the step summary convicts it on every member, `task status` shows it
+and the coordinator's next plan leaves it out.
+
+Six peers: the task's two stages get three replicas each (stage 0's are the drivers), so a
+disagreement at stage 1 has a third opinion. Nothing is replaced but one replica's answers (a small
+error added to its outputs, from the moment the test picks it). Before this change the drivers only
+counted the disagreeing pair; nobody was named or left out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import trio
+
+import p2ptrain.run._stages as stages_module
+from p2ptrain.data import build_dataset, load_source
+from p2ptrain.pipeline import StageReplica
+from p2ptrain.task import load_task, task_bytes
+from p2ptrain.testing import local_peers
+from p2ptrain.wire.activations import Kind
+
+DEADLINE_S = 300.0
+STEP_S = 150.0
+TASK = """\
+name = "pipelined-integrity"
+seed = 5
+[model]
+name = "transformer_lm"
+kwargs = {{ vocab_size = 256, context = 128, width = 16, depth = 2, heads = 2 }}
+[dataset]
+manifest = "{manifest}"
+[optimizer]
+name = "sgd"
+lr = 0.5
+[training]
+batch_size = 2
+total_steps = 200
+checkpoint_interval = 4
+[peers]
+min = 4
+max = 6
+[pipeline]
+stages = 2
+microbatch_size = 2
+activations = "fp32"
+check_fraction = 1.0
+"""
+# The replicas (base58) whose outputs are altered from now on.
+LIARS: set[str] = set()
+
+
+class MaybeAltering(StageReplica):
+    """A member's replica, honest until the test names its peer in LIARS."""
+
+    def _compute(self, request, sender):
+        answer, grads = super()._compute(request, sender)
+        if answer.kind == Kind.OUTPUT and str(self.host.get_id()) in LIARS:
+            answer = replace(answer, tensors=(answer.tensors[0] + 1e-3,))
+        return answer, grads
+
+
+@pytest.fixture(autouse=True)
+def setting(monkeypatch):
+    import p2ptrain.data._builtin as builtin
+
+    monkeypatch.setattr(builtin, "TEXT_MAX_BYTES", 24 * 1024)
+    monkeypatch.setattr(stages_module, "StageReplica", MaybeAltering)
+    LIARS.clear()
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+    LIARS.clear()
+
+
+async def test_a_replica_altering_its_outputs_is_convicted_named_and_left_out(tmp_path: Path) -> None:
+    with trio.fail_after(DEADLINE_S):
+        async with local_peers(6, tmp_path) as peers:
+            store = peers[0].content.store
+
+            def build() -> str:
+                name, features, labels = load_source("text:python-stdlib")
+                manifest, _ = build_dataset(store, name, features, labels, 3, test_fraction=0.1)
+                cid = store.add_bytes(task_bytes(load_task(TASK.format(manifest=manifest))))
+                store.pin_add(cid)
+                return cid
+
+            task_cid = await trio.to_thread.run_sync(build)
+            async with trio.open_nursery() as nursery:
+                for peer in peers:
+                    nursery.start_soon(peer.tasks.join, task_cid)
+            run = peers[0].tasks.runs[task_cid].shared
+
+            def three_replicas() -> str | None:
+                plan = run.book.last_plan if run.book else None
+                if plan is None or plan.stages is None or len(plan.members) < 6 or not run.rounds_done:
+                    return None
+                last = [m for m, s in zip(plan.members, plan.stages, strict=True) if s == 1]
+                honest_coordinator = [m for m in last if m != run.election.coordinator]
+                return honest_coordinator[0] if len(last) >= 3 and honest_coordinator else None
+
+            liar = await peers.wait_until(three_replicas, STEP_S, what="a plan of six, three replicas of stage 1")
+            LIARS.add(liar)
+            honest = [i for i, p in enumerate(peers) if p.node.peer_id.to_base58() != liar]
+
+            def named() -> list[dict[str, Any]] | None:
+                now = [peers.status(i, task_cid) for i in honest]
+                return now if all(any(e["peer"] == liar for e in s.get("stage_suspects") or ()) for s in now) else None
+
+            statuses = await peers.wait_until(named, STEP_S, what="every honest member naming the liar")
+            for s in statuses:
+                assert [(e["peer"], e["stage"]) for e in s["stage_suspects"]] == [(liar, 1)]  # it, and only it
+
+            # An honest member's book (the liar follows no plan without itself).
+            watcher = peers[honest[0]].tasks.runs[task_cid].shared
+
+            def plan_without_liar() -> tuple[str, ...] | None:
+                plan = watcher.book.last_plan if watcher.book else None
+                return plan.members if plan is not None and liar not in plan.members else None
+
+            members = await peers.wait_until(plan_without_liar, STEP_S, what="a plan without the liar")
+            assert liar not in members and len(members) == 5
