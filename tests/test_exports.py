@@ -56,11 +56,13 @@ EXPORTS: dict[str, list[str]] = {
         "MessageRouter", "Rate", "derived_key", "keep_reservations", "parse_bootstrap",
     ],
     "p2ptrain.models": [
-        "Arg", "Builder", "CardError", "CausalLM", "Cut", "ENTRY_POINT_GROUP", "HEADER_PER_TENSOR", "HEADER_SLACK",
+        "Arg", "Builder", "CHECKED_BUILDERS", "CardError", "CausalLM", "Cut", "ENTRY_POINT_GROUP", "HEADER_PER_TENSOR",
+        "HEADER_SLACK",
         "HF_MODEL", "HF_REFUSED", "MAX_CARD_BYTES", "MAX_MODEL_FILE_BYTES", "MissingBuilder", "ModelError", "Origin",
         "PLUGINS", "PartitionError", "Piece", "TinyLM", "balanced_cut", "build_model", "builders", "card_bytes",
         "card_from_bytes", "card_of", "check_hf_config", "check_model", "cut_pieces", "file_bytes_bound",
-        "first_difference", "hf_config", "hf_settings", "import_transformers", "lookup", "meta_model",
+        "first_difference", "hf_config", "hf_settings", "import_transformers", "input_problem", "lookup",
+        "meta_model",
         "model_file_limit", "pieces_of", "stage_sizes",
     ],
     "p2ptrain.pipeline": [

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
         Origin as Origin,
         PLUGINS as PLUGINS,
     )
+    from p2ptrain.models._fit import CHECKED_BUILDERS as CHECKED_BUILDERS, input_problem as input_problem
     from p2ptrain.models._model_error import ModelError as ModelError
     from p2ptrain.models._pieces import (
         balanced_cut as balanced_cut,

@@ -34,6 +34,7 @@ from libp2p.peer.id import ID
 from p2ptrain.collective import Collective
 from p2ptrain.data import MAX_MANIFEST_BYTES, Manifest
 from p2ptrain.ipfs import ContentUnavailable
+from p2ptrain.models import input_problem
 from p2ptrain.base import short_id
 from p2ptrain.node import ContentService, Node
 from p2ptrain.run._attesting import Attesting
@@ -219,6 +220,10 @@ class TaskRun:
             await content.fetch(manifest_cid, max_bytes=MAX_MANIFEST_BYTES)
             run.manifest = await trio.to_thread.run_sync(Manifest.load, content.store, manifest_cid)
             train_samples = run.manifest.num_samples(task.dataset.train_split)
+            if not task.model.user:
+                problem = input_problem(task.model.name, task.model.arguments, run.manifest.features.shape)
+                if problem is not None:
+                    raise TrainerError(f"the task's data set and model do not fit: {problem}")
         run.total_steps = total_steps(task, train_samples, task.peers.max)
         make = self.make_trainer
         if make is not None:
