@@ -8,8 +8,7 @@ address of a member that already runs::
 
 (the first prints its address). ``--member i --members n`` picks this member's part of the digits
 data: each machine trains on its own samples, which never leave it. ``n`` is also the run's
-``max_peers``: once a member has heard all ``n``, it starts at once instead of waiting out the
-meeting's window and the first election's timeout.
+``max_peers``: once all ``n`` are alive, its first election and first plan need not wait for more.
 """
 
 from __future__ import annotations

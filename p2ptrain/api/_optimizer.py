@@ -192,7 +192,7 @@ class Optimizer:
         assert peer is not None
         own = await store_own(peer, task, card, self.model, self._user_card)
         chosen = await choose_run(peer, self.run, own, self._card, window, expect_peers=bool(self._bootstrap),
-                                  allow=self._allow, max_members=task.peers.max)
+                                  allow=self._allow)
         if not chosen.own:
             await load_initial(peer, chosen.task, self.model)  # every member starts from the same bits
         task = chosen.task

@@ -69,17 +69,13 @@ async def store_own(peer: Peer, task: Task, card: bytes, module: nn.Module, user
 
 
 async def choose_run(peer: Peer, name: str, own_cid: str, card: dict[str, object], window: float = JOIN_WINDOW_S,
-                     *, expect_peers: bool = False, allow: frozenset[str] | None = None,
-                     max_members: int | None = None) -> Chosen:
+                     *, expect_peers: bool = False, allow: frozenset[str] | None = None) -> Chosen:
     """Announce ``own_cid`` as a run named ``name`` for ``window`` seconds, then take the run of that
     name (see the module); :class:`UserError` naming the difference when it is not this model's.
     ``expect_peers`` (bootstrap addresses were given): the window starts once a peer is connected,
     within :data:`CONNECT_TIMEOUT_S`, so a slow dial does not make a run of one. ``allow`` (an
     allowlisted run): only tasks announced by those peers are candidates, so a stranger's task of the
-    same name is never taken (its initial weights never loaded). ``max_members`` (the run's
-    ``peers.max``): once that many candidates are heard, this member's own among them, every member
-    the run can hold has announced, and the window ends then: what is chosen is what waiting it out
-    would choose among them (a script started on exactly ``max_peers`` machines skips the wait)."""
+    same name is never taken (its initial weights never loaded)."""
     tasks = peer.tasks
     if expect_peers:
         with trio.move_on_after(CONNECT_TIMEOUT_S):
@@ -92,7 +88,7 @@ async def choose_run(peer: Peer, name: str, own_cid: str, card: dict[str, object
     while True:
         await peer.node.publish(TASKS_TOPIC, TaskAnnounce(task_cid=own_cid, name=name))
         under_way = _under_way(peer, name, allow)
-        if under_way or trio.current_time() >= deadline or _all_heard(peer, name, own_cid, allow, max_members):
+        if under_way or trio.current_time() >= deadline:
             break
         await trio.sleep(min(ANNOUNCE_EVERY_S, max(0.0, deadline - trio.current_time())))
     heard = sorted(cid for cid, known in tasks.known.items() if _candidate(known, name, allow) and cid != own_cid)
@@ -126,14 +122,6 @@ def _candidate(known: KnownTask, name: str, allow: frozenset[str] | None) -> boo
     """A task heard of that may be this run: its name, and, in an allowlisted run, announced by a
     member the list names."""
     return known.name == name and (allow is None or known.announced_by in allow)
-
-
-def _all_heard(peer: Peer, name: str, own_cid: str, allow: frozenset[str] | None, max_members: int | None) -> bool:
-    """Whether ``max_members`` distinct candidates of run ``name`` are heard, ``own_cid`` among them."""
-    if max_members is None:
-        return False
-    heard = {cid for cid, known in peer.tasks.known.items() if _candidate(known, name, allow)} | {own_cid}
-    return len(heard) >= max_members
 
 
 def _under_way(peer: Peer, name: str, allow: frozenset[str] | None) -> list[str]:
