@@ -7,7 +7,8 @@ address of a member that already runs::
     python examples/custom_loop.py --member 1 --members 3 --bootstrap /ip4/10.0.0.1/tcp/4001/p2p/12D3Koo...
 
 (the first prints its address). ``--member i --members n`` picks this member's part of the digits
-data: each machine trains on its own samples, which never leave it.
+data: each machine trains on its own samples, which never leave it. ``n`` is also the run's
+``max_peers``: once all ``n`` are alive, its first election and first plan need not wait for more.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ def parse_args(doc: str, steps: int) -> argparse.Namespace:
     parser.add_argument("--listen", default="/ip4/127.0.0.1/tcp/0", help="multiaddr to listen on")
     parser.add_argument("--bootstrap", nargs="*", default=[], help="addresses of members already running")
     parser.add_argument("--member", type=int, default=0, help="this member's part of the data (0-based)")
-    parser.add_argument("--members", type=int, default=1, help="parts the data is cut into")
+    parser.add_argument("--members", type=int, default=1, help="parts the data is cut into: the run's members (max_peers)")
     parser.add_argument("--steps", type=int, default=steps, help="the run's length in steps")
     parser.add_argument("--run", default=None, help="the run's name (the same on every member)")
     parser.add_argument("--verbose", action="store_true", help="log what the run does")

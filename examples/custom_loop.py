@@ -39,7 +39,7 @@ def main() -> None:
     opt = p2ptrain.Optimizer(torch.optim.Adam(model.parameters(), lr=3e-3, fused=True), model=model,
                              run=args.run or "digits-cnn", home=args.home, listen=[args.listen],
                              bootstrap=args.bootstrap, density=0.1, checkpoint_every=25,
-                             min_peers=min(2, args.members), total_steps=args.steps,
+                             min_peers=min(2, args.members), max_peers=args.members, total_steps=args.steps,
                              evaluate=lambda m: {"accuracy": accuracy(m, test_data)})
     print(f"member {args.member} of run {opt.run_cid} at {opt.addresses[0]}", flush=True)
     with opt:

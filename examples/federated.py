@@ -46,7 +46,7 @@ def main() -> None:
     result = p2ptrain.train(model, train_data, test_data=test_data, steps=args.steps, batch_size=32,
                             optimizer=lambda params: torch.optim.Adam(params, lr=1e-2, fused=True),
                             run=args.run or "digits-federated", home=args.home, listen=[args.listen],
-                            bootstrap=args.bootstrap, min_peers=min(2, args.members),
+                            bootstrap=args.bootstrap, min_peers=min(2, args.members), max_peers=args.members,
                             checkpoint_every=10 if local_sgd else 40, seed=args.member, **mode)
     report(model, test_data, member=args.member, model_cid=result.model_cid, run_cid=result.run_cid,
            steps=result.steps, metrics=result.metrics)

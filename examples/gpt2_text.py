@@ -71,7 +71,7 @@ def main() -> None:
     opt = p2ptrain.Optimizer(torch.optim.AdamW(model.parameters(), lr=3e-3), model=model,
                              run=args.run or "gpt2-text", home=args.home, listen=[args.listen],
                              bootstrap=args.bootstrap, density=0.1, checkpoint_every=20,
-                             min_peers=min(2, args.members), total_steps=args.steps,
+                             min_peers=min(2, args.members), max_peers=args.members, total_steps=args.steps,
                              evaluate=lambda m: {"loss": held_out_loss(m, test_data)})
     print(f"member {args.member} of run {opt.run_cid} at {opt.addresses[0]}", flush=True)
     with opt:

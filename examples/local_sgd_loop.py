@@ -27,7 +27,7 @@ def main() -> None:
                              run=args.run or "digits-local-sgd", home=args.home, listen=[args.listen],
                              bootstrap=args.bootstrap, mode="local_sgd", inner_steps=INNER_STEPS,
                              density=0.25, quantize="int8", checkpoint_every=5, min_peers=min(2, args.members),
-                             total_steps=args.steps)
+                             max_peers=args.members, total_steps=args.steps)
     with opt:
         try:
             while True:

@@ -72,7 +72,7 @@ def main() -> None:
     result = p2ptrain.train(model, IPFSDataset(manifest_cid, store=store), test_data=test_data, steps=args.steps,
                             batch_size=16, optimizer=lambda params: torch.optim.Adam(params, lr=1e-3),
                             run=args.run or RUN, home=home, listen=[args.listen], bootstrap=args.bootstrap,
-                            min_peers=min(2, args.members), checkpoint_every=10, density=0.05)
+                            min_peers=min(2, args.members), max_peers=args.members, checkpoint_every=10, density=0.05)
     report(model, test_data, member=args.member, model_cid=result.model_cid, run_cid=result.run_cid,
            steps=result.steps, dataset=manifest_cid)
 

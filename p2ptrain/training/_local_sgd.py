@@ -136,8 +136,8 @@ class LocalSGDTrainer(Trainer):
         return out
 
     def state_limits(self) -> tuple[int, int]:
-        model, _ = super().state_limits()
-        return model, self.outer.state_bytes_bound() + _OUTER_HEADER_BYTES
+        # Not the inner optimizer's bound: a user's run names no optimizer of the registry to take it from.
+        return self.model_limit(), self.outer.state_bytes_bound() + _OUTER_HEADER_BYTES
 
     def _load_tensors(
         self, model_t: dict[str, torch.Tensor] | None, optim_t: dict[str, torch.Tensor], step: int

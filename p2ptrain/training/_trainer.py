@@ -390,10 +390,14 @@ class Trainer:
         assert self.task.optimizer is not None, "a task of the registry names its optimizer"
         return frozenset(OPTIMIZER_STATE_KEYS[self.task.optimizer.name])
 
+    def model_limit(self) -> int:
+        """The most bytes an honest model file of this architecture can take."""
+        return file_bytes_bound(self.model.state_dict().values())
+
     def state_limits(self) -> tuple[int, int]:
         """The most bytes an honest (model, optimizer) checkpoint of this architecture can take:
         the bound for reading a checkpoint named by a peer, before anything is parsed."""
-        model = file_bytes_bound(self.model.state_dict().values())
+        model = self.model_limit()
         # Each state key of the optimizer at most once per parameter and at most as large as it (a
         # scalar "step" takes 8 bytes, inside its header allowance); plus trainer.step.
         keys = len(self.optimizer_state_keys())

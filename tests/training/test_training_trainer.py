@@ -288,3 +288,30 @@ def test_an_optimizer_file_the_users_optimizer_cannot_take_is_refused_and_change
         assert all(torch.equal(after[i][k], v) for i, s in held.items() for k, v in s.items())
     module(torch.ones(3, 4)).sum().backward()
     optimizer.step()  # the user's optimizer still steps
+
+
+def test_a_users_local_sgd_trainer_bounds_a_checkpoint_it_reads_and_loads_an_honest_one():
+    """A late joiner of a run of the user's own module in local-SGD mode reads the run's head within
+    the trainer's bounds (state_limits), then loads it. Before, those bounds asked the registry's
+    optimizer of a task that names none (AssertionError): every resync failed, and the joiner of
+    examples/federated.py --local-sgd retried for ever after the others had finished."""
+    from torch import nn
+
+    from p2ptrain.task import parse_task
+    from p2ptrain.training import GradientBridge, UserLocalSGDTrainer
+
+    task = parse_task({"name": "own", "model": {"name": "user", "architecture": "QmPr27mpm19tVRhDMn98aEecF9ii7FVYZVuQNeTGNTFida"},
+                       "training": {"batch_size": 1, "total_steps": 10, "checkpoint_interval": 5,
+                                    "mode": "local_sgd", "inner_steps": 4}})
+
+    def trainer() -> UserLocalSGDTrainer:
+        module = nn.Linear(4, 2)
+        return UserLocalSGDTrainer(task, module, torch.optim.SGD(module.parameters(), lr=0.1), GradientBridge(),
+                                   total_steps=10)
+
+    ahead, joiner = trainer(), trainer()
+    max_model, max_optim = joiner.state_limits()
+    model, optim = ahead.model_bytes(), ahead.optimizer_bytes()
+    assert len(model) <= max_model and len(optim) <= max_optim
+    joiner.load_state(model, optim)
+    assert joiner.model_bytes() == model
