@@ -36,6 +36,7 @@ from libp2p.custom_types import TProtocol
 from libp2p.peer.id import ID
 
 from p2ptrain.base import count_rejection, short_id
+from p2ptrain.net._relay import over_relay
 from p2ptrain.net._yamux_stream import FastYamuxStream
 
 logger = logging.getLogger(__name__)
@@ -48,6 +49,9 @@ _CLOSE_TIMEOUT_S = 2.0
 # refused stream costs the attacker as much as us.
 MAX_STREAMS_PER_PEER = 32
 
+
+# How long closing a dead relayed connection may take (its circuit may not answer at all).
+_DROP_CLOSE_S = 5.0
 
 class ChannelError(Exception):
     """A channel failed: protocol violation, oversize message, or the transport broke."""
@@ -228,10 +232,36 @@ async def open_channel(host: IHost, peer_id: ID, protocol: str) -> Channel:
     except trio.Cancelled:
         raise
     except Exception as error:
+        await _drop_dead_relayed(host, peer_id)
         raise ChannelError(
             peer_id, f"cannot open {protocol} ({type(error).__name__}: {error})"
         ) from error
     return Channel(stream)
+
+
+async def _drop_dead_relayed(host: IHost, peer_id: ID) -> None:
+    """Close the connections to ``peer_id`` when all of them go through a relay and a stream just
+    failed to open on them, so the next open dials a fresh circuit.
+
+    Why: a relayed connection can die at the relay (its circuit gone) while both ends keep it. No
+    stream opens on it any more: one end's muxer refuses, the other's negotiation times out. Nothing
+    else notices, since the two peers' heartbeats reach each other by gossip through other peers.
+    Seen in tests/wan/test_training_behind_nat.py: two private peers behind different NATs, every
+    collective round between them failed "cannot open" for minutes, and no redial happened because
+    the dead connection was still listed. A direct connection is left alone: a refused stream there
+    (a protocol the peer does not serve) says nothing about the connection.
+    """
+    connections = host.get_network().get_connections(peer_id)
+    if not connections or not all(over_relay(c) for c in connections):
+        return
+    logger.info("closing the relayed connection to %s: a stream failed to open on it (the next open dials "
+                "a fresh circuit)", short_id(peer_id))
+    with trio.move_on_after(_DROP_CLOSE_S):
+        for connection in connections:
+            try:
+                await connection.close()
+            except Exception as exc:  # already half gone: what matters is that it is no longer listed
+                logger.debug("closing a relayed connection to %s: %r", short_id(peer_id), exc)
 
 
 StreamHandler = Callable[[INetStream], Awaitable[None]]

@@ -121,3 +121,60 @@ async def test_a_hole_punching_session_is_refused_over_a_direct_connection():
                     await stream.read(1)  # reset at once, before any CONNECT
             assert relaying.counts["punch_refused_not_relayed"] == 1
             nursery.cancel_scope.cancel()
+
+
+async def test_a_relayed_connection_on_which_no_stream_opens_is_closed_and_the_next_open_dials_a_fresh_circuit():
+    """A circuit can die at the relay while both ends keep their connection: no stream opens on it
+    any more, and nothing else notices (tests/wan/test_training_behind_nat.py: two private peers'
+    rounds failed "cannot open" for minutes). The relay here stops forwarding the first circuit's
+    bytes without closing anything; a failed ``open_channel`` closes the dead connection, and the
+    next one dials a fresh circuit that works. Before, the dead connection stayed listed and every
+    open failed on it."""
+    from p2ptrain.net import Channel, ChannelError, open_channel
+
+    async with connected_hosts(3, connected=False) as (dialer, relay_host, target):
+        async with trio.open_nursery() as nursery:
+            relay = Relaying(relay_host.host, serve=True, hole_punch=False)
+            ends = [Relaying(h.host, serve=False, hole_punch=False) for h in (dialer, target)]
+            for r in (relay, *ends):
+                await nursery.start(r.run)
+            dead: set[int] = set()  # ids of the relay's streams it no longer forwards
+            read = relay.protocol._read_stream_with_retry
+
+            async def forwarding(stream, *args, **kwargs):
+                if id(stream) in dead:
+                    await trio.sleep_forever()  # the circuit is silent: no byte, no close
+                return await read(stream, *args, **kwargs)
+
+            relay.protocol._read_stream_with_retry = forwarding
+
+            async def echo(stream):
+                async with Channel(stream) as channel:
+                    await channel.send(await channel.recv(64))
+
+            target.host.set_stream_handler(ECHO, echo)
+            dialer.host.negotiate_timeout = 2  # a dead circuit's stream fails within this
+            with trio.fail_after(TIMEOUT_S):
+                await target.host.connect(relay_host.info)
+                assert await ends[1].reserve(relay_host.id, relay_host.host.get_addrs()[0])
+                (circuit,) = ends[1].addrs
+                await ends[0].dial(Multiaddr(circuit))
+                (first,) = dialer.host.get_network().get_connections(target.id)
+                async with await open_channel(dialer.host, target.id, ECHO) as channel:
+                    await channel.send(b"hello")
+                    assert await channel.recv(64) == b"hello"
+                # Every stream the relay holds now belongs to the first circuit: silence them.
+                dead.update(id(s) for s in _relay_streams(relay_host.host))
+                with pytest.raises(ChannelError, match="cannot open"):
+                    await open_channel(dialer.host, target.id, ECHO)
+                assert first not in dialer.host.get_network().get_connections(target.id)
+                await ends[0].dial(Multiaddr(circuit))
+                async with await open_channel(dialer.host, target.id, ECHO) as channel:
+                    await channel.send(b"again")
+                    assert await channel.recv(64) == b"again"
+            nursery.cancel_scope.cancel()
+
+
+def _relay_streams(host):
+    """Every stream open on ``host``'s connections (the relay's hop and stop streams among them)."""
+    return [s for conns in host.get_network().get_connections_map().values() for c in conns for s in c.get_streams()]
