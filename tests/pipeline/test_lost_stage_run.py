@@ -20,18 +20,19 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import pytest
 import torch
 import trio
 
 from p2ptrain.api import split_shards
 from p2ptrain.cli.task import render_status
 from p2ptrain.control import TaskStatus
-from p2ptrain.data import build_dataset, IPFSDataset, load_source
-from p2ptrain.protocol import read_tensors, stage_rings, tensors_bytes
-from p2ptrain.task import load_task, task_bytes
-from p2ptrain.testing import LocalPeers, local_peers
-from p2ptrain.training import model_file, PositionedBatches, stage_file_cids, Trainer
+from p2ptrain.data import IPFSDataset
+from p2ptrain.protocol import stage_rings, tensors_bytes
+from p2ptrain.task import load_task
+from p2ptrain.testing import local_peers
+from p2ptrain.training import PositionedBatches, Trainer
+
+from .test_pipelined_run import publish, small_text, whole_model  # noqa: F401 (small_text: an autouse fixture)
 
 DEADLINE_S = 300.0
 STEP_S = 120.0
@@ -62,40 +63,6 @@ check_fraction = 0.0
 """
 
 
-@pytest.fixture(autouse=True)
-def small_text(monkeypatch):
-    """24 KiB of the standard library's sources: 85 windows in each train shard, more than 12 steps
-    of 4 windows take (the steps redone after the recovery read the same windows again)."""
-    import p2ptrain.data._builtin as builtin
-
-    monkeypatch.setattr(builtin, "TEXT_MAX_BYTES", 24 * 1024)
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # four members share this process's cores
-    yield
-    torch.set_num_threads(before)
-
-
-async def publish(peers: LocalPeers) -> tuple[str, str]:
-    store = peers[0].content.store
-
-    def build() -> tuple[str, str]:
-        name, features, labels = load_source("text:python-stdlib")
-        manifest, _ = build_dataset(store, name, features, labels, 2, test_fraction=0.1)
-        cid = store.add_bytes(task_bytes(load_task(TASK.format(manifest=manifest))))
-        store.pin_add(cid)
-        return manifest, cid
-
-    return await trio.to_thread.run_sync(build)
-
-
-async def whole_model(peer: Any, model_cid: str) -> dict[str, torch.Tensor]:
-    """The whole model a record's manifest names, its stage files fetched to ``peer`` and assembled."""
-    content = peer.content
-    for cid in stage_file_cids(content.store, model_cid):
-        await content.fetch(cid)
-    return read_tensors(await trio.to_thread.run_sync(model_file, content.store, model_cid))
-
-
 def replay(task_text: str, store: Any, manifest: str, start: dict[str, torch.Tensor], step: int,
            drivers: int, steps: int) -> dict[str, torch.Tensor]:
     """What one process trains in ``steps`` steps from the weights ``start`` at ``step`` (SGD without
@@ -118,7 +85,7 @@ async def test_a_stage_that_lost_its_last_replica_is_taken_by_another_member_and
         tmp_path: Path) -> None:
     with trio.fail_after(DEADLINE_S):
         async with local_peers(4, tmp_path) as peers:
-            manifest, task_cid = await publish(peers)
+            manifest, task_cid = await publish(peers, TASK)
             # Whichever stage loses its replica, the data stay: every peer holds the training shards
             # (a publisher pins its data set; here peer 0, which built it, may be the one stopped).
             for peer in peers[1:]:

@@ -15,15 +15,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 import trio
 
 import p2ptrain.run._stages as stages_module
-from p2ptrain.data import build_dataset, load_source
 from p2ptrain.pipeline import StageReplica
-from p2ptrain.task import load_task, task_bytes
 from p2ptrain.testing import local_peers
 from p2ptrain.wire.activations import Kind
+
+from .test_pipelined_run import publish, small_text  # noqa: F401 (small_text: an autouse fixture)
 
 DEADLINE_S = 300.0
 STEP_S = 150.0
@@ -67,31 +66,16 @@ class MaybeAltering(StageReplica):
 
 @pytest.fixture(autouse=True)
 def setting(monkeypatch):
-    import p2ptrain.data._builtin as builtin
-
-    monkeypatch.setattr(builtin, "TEXT_MAX_BYTES", 24 * 1024)
     monkeypatch.setattr(stages_module, "StageReplica", MaybeAltering)
     LIARS.clear()
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
     yield
-    torch.set_num_threads(before)
     LIARS.clear()
 
 
 async def test_a_replica_altering_its_outputs_is_convicted_named_and_left_out(tmp_path: Path) -> None:
     with trio.fail_after(DEADLINE_S):
         async with local_peers(6, tmp_path) as peers:
-            store = peers[0].content.store
-
-            def build() -> str:
-                name, features, labels = load_source("text:python-stdlib")
-                manifest, _ = build_dataset(store, name, features, labels, 3, test_fraction=0.1)
-                cid = store.add_bytes(task_bytes(load_task(TASK.format(manifest=manifest))))
-                store.pin_add(cid)
-                return cid
-
-            task_cid = await trio.to_thread.run_sync(build)
+            _, task_cid = await publish(peers, TASK, shards=3)
             async with trio.open_nursery() as nursery:
                 for peer in peers:
                     nursery.start_soon(peer.tasks.join, task_cid)

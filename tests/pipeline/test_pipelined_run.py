@@ -75,25 +75,28 @@ def small_text(monkeypatch):
     torch.set_num_threads(before)
 
 
-async def publish(peers: LocalPeers) -> tuple[str, str]:
+async def publish(peers: LocalPeers, task_text: str = TASK, shards: int = 2) -> tuple[str, str]:
+    """The standard library's text in ``shards`` train shards and ``task_text`` (its ``{manifest}``
+    filled in), stored and pinned on peer 0: (the data set's manifest, the task's CID). Shared by the
+    pipelined run tests of this folder."""
     store = peers[0].content.store
 
     def build() -> tuple[str, str]:
         name, features, labels = load_source("text:python-stdlib")
-        manifest, _ = build_dataset(store, name, features, labels, 2, test_fraction=0.1)
-        cid = store.add_bytes(task_bytes(load_task(TASK.format(manifest=manifest))))
+        manifest, _ = build_dataset(store, name, features, labels, shards, test_fraction=0.1)
+        cid = store.add_bytes(task_bytes(load_task(task_text.format(manifest=manifest))))
         store.pin_add(cid)
         return manifest, cid
 
     return await trio.to_thread.run_sync(build)
 
 
-async def record_tensors(peers: LocalPeers, record: Any) -> dict[str, torch.Tensor]:
-    """The whole model a record names: its manifest's stage files fetched to peer 0 and assembled."""
-    content = peers[0].content
-    for cid in stage_file_cids(content.store, record.model_cid):
+async def whole_model(peer: Any, model_cid: str) -> dict[str, torch.Tensor]:
+    """The whole model a record's manifest names, its stage files fetched to ``peer`` and assembled."""
+    content = peer.content
+    for cid in stage_file_cids(content.store, model_cid):
         await content.fetch(cid)
-    return read_tensors(await trio.to_thread.run_sync(model_file, content.store, record.model_cid))
+    return read_tensors(await trio.to_thread.run_sync(model_file, content.store, model_cid))
 
 
 def single_process(task_text: str, store: Any, manifest: str, members: tuple[str, ...], steps: int) -> dict:
@@ -153,7 +156,7 @@ async def test_a_pipelined_task_trains_as_one_process_and_goes_on_when_a_replica
                 return next((i,) for i, p in enumerate(peers) if p.node.peer_id.to_base58() == candidates[0])
 
             (index,) = await peers.wait_until(victim, STEP_S, what="a plan of all four members")
-            whole = await record_tensors(peers, record)
+            whole = await whole_model(peers[0], record.model_cid)
             # task status --json: this member's stage and every stage's replicas and parameters.
             plan = run.book.last_plan
             status = peers.status(0, task_cid)
