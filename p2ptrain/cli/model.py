@@ -114,16 +114,16 @@ def cmd_fetch(args: argparse.Namespace) -> int:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     home = home_of(args)
-    from p2ptrain.data import IPFSDataset
-    from p2ptrain.ipfs import open_store
-    from p2ptrain.training import batched, evaluate_batches, load_model
-
     is_file = Path(args.model).exists()
-    if not is_file:
+    if not is_file:  # a typo is one line at once, before torch is imported (seconds)
         try:
             cid_arg(args.model)
         except argparse.ArgumentTypeError as exc:
             raise UserError(f"{args.model} is not a file, and {exc}") from None
+    from p2ptrain.data import IPFSDataset
+    from p2ptrain.ipfs import open_store
+    from p2ptrain.training import batched, evaluate_batches, load_model
+
     wanted = [args.dataset] + ([] if is_file else [args.model])
     ensure_local(home, wanted, args.bootstrap, then=lambda store: split_shards(store, args.dataset, args.split))
     store = open_store(home)
