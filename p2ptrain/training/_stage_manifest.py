@@ -138,11 +138,8 @@ def stage_signatures_problem(store: ContentStore, record: ModelRecord) -> str | 
     """Why ``record``'s model, a stage manifest ``store`` holds, is not each stage's files as a
     quorum of its replicas signed them (:func:`check_stage_signatures`); None when it is, or when
     the model is no manifest (a model file: nothing to check here)."""
-    try:
-        data = store.cat(record.model_cid, max_bytes=MAX_MANIFEST_BYTES)
-    except (FileTooLarge, ContentUnavailable):
-        return None
-    if not is_manifest(data):
+    data = _held_manifest(store, record.model_cid)
+    if data is None:
         return None
     try:
         check_stage_signatures(read_manifest(data), record)
@@ -155,13 +152,21 @@ def stage_file_cids(store: ContentStore, cid: str, *, optimizer: bool = False) -
     """The stage model files of ``cid`` (with ``optimizer``, each stage's optimizer file after its
     model file) when it is a manifest the store holds, else none (a model file, or content this
     cannot tell: the loader that reads it says what it is)."""
+    data = _held_manifest(store, cid)
+    if data is None:
+        return []
+    try:
+        stages = read_manifest(data)
+    except ManifestError:
+        return []
+    return [file for s in stages for file in ((s.model, s.optimizer) if optimizer else (s.model,))]
+
+
+def _held_manifest(store: ContentStore, cid: str) -> bytes | None:
+    """The bytes of ``cid`` when it is a stage manifest ``store`` holds; None for a model file, or
+    content this cannot tell (too large to be a manifest, not held)."""
     try:
         data = store.cat(cid, max_bytes=MAX_MANIFEST_BYTES)
     except (FileTooLarge, ContentUnavailable):
-        return []
-    if not is_manifest(data):
-        return []
-    try:
-        return [cid for stage in read_manifest(data) for cid in (stage.model, stage.optimizer)[:1 + optimizer]]
-    except ManifestError:
-        return []
+        return None
+    return data if is_manifest(data) else None
