@@ -36,7 +36,7 @@ from libp2p.custom_types import TProtocol
 from libp2p.peer.id import ID
 
 from p2ptrain.base import count_rejection, short_id
-from p2ptrain.net._relay import over_relay
+from p2ptrain.net._relay import has_direct_connection
 from p2ptrain.net._yamux_stream import FastYamuxStream
 
 logger = logging.getLogger(__name__)
@@ -252,7 +252,7 @@ async def _drop_dead_relayed(host: IHost, peer_id: ID) -> None:
     (a protocol the peer does not serve) says nothing about the connection.
     """
     connections = host.get_network().get_connections(peer_id)
-    if not connections or not all(over_relay(c) for c in connections):
+    if not connections or has_direct_connection(host, peer_id):
         return
     logger.info("closing the relayed connection to %s: a stream failed to open on it (the next open dials "
                 "a fresh circuit)", short_id(peer_id))
