@@ -38,7 +38,7 @@ from p2ptrain.run._run_state import RunState
 from p2ptrain.run._stage_trainer import StagedTrainer
 from p2ptrain.training import (check_stage_signatures, ManifestError, manifest_bytes, MAX_MANIFEST_BYTES,
                                read_manifest, StageFile, TrainerError)
-from p2ptrain.wire import RoundPlan
+from p2ptrain.wire import ModelRecord, RoundPlan
 
 logger = logging.getLogger(__name__)
 
@@ -146,18 +146,26 @@ async def load_confirmed_stage(run: RunState, stage: int) -> None:
         raise TrainerError(f"holds no stage {stage} at step {trainer.step}, and the latest confirmed checkpoint "
                            f"is at step {book.head_step}")
     record = book.chain.records[-1].record
-    content = run.content
     try:
-        entries = read_manifest(await content.read(record.model_cid, max_bytes=MAX_MANIFEST_BYTES,
-                                                   timeout=FETCH_TIMEOUT_S))
-        if len(entries) != len(trainer.stages):
-            raise ManifestError(f"it names {len(entries)} stages, the task {len(trainer.stages)}")
-        check_stage_signatures(entries, record)
-        max_model, max_optim = trainer.state_limits()
-        entry = entries[stage]
-        model = await content.read(entry.model, max_bytes=max_model, timeout=FETCH_TIMEOUT_S)
-        optim = await content.read(entry.optimizer, max_bytes=max_optim, timeout=FETCH_TIMEOUT_S)
+        model, optim = await fetch_stage_files(run, trainer, record.model_cid, stage, record)
         await trio.to_thread.run_sync(trainer.load_stage, stage, model, optim, record.step)
     except (ContentUnavailable, ManifestError, RecordError) as exc:
         raise TrainerError(f"could not load stage {stage} of model v{record.version}: {exc}") from None
     logger.info("%s: loaded stage %d of model v%d (step %d)", run.log_prefix, stage, record.version, record.step)
+
+
+async def fetch_stage_files(run: RunState, trainer: StagedTrainer, manifest_cid: str, stage: int,
+                            record: ModelRecord | None = None) -> tuple[bytes, bytes]:
+    """``stage``'s model and optimizer files of the manifest ``manifest_cid``: the manifest, then the
+    two files, each fetched by CID within what it can honestly take (with ``record``: the manifest's
+    signatures checked against it first). :class:`ContentUnavailable` or :class:`ManifestError`."""
+    content = run.content
+    entries = read_manifest(await content.read(manifest_cid, max_bytes=MAX_MANIFEST_BYTES, timeout=FETCH_TIMEOUT_S))
+    if len(entries) != len(trainer.stages):
+        raise ManifestError(f"it names {len(entries)} stages, the task {len(trainer.stages)}")
+    if record is not None:
+        check_stage_signatures(entries, record)
+    max_model, max_optim = trainer.state_limits()
+    entry = entries[stage]
+    return (await content.read(entry.model, max_bytes=max_model, timeout=FETCH_TIMEOUT_S),
+            await content.read(entry.optimizer, max_bytes=max_optim, timeout=FETCH_TIMEOUT_S))

@@ -16,9 +16,9 @@ import logging
 
 from p2ptrain.ipfs import ContentUnavailable
 from p2ptrain.run._run_state import RunState
-from p2ptrain.run._stage_checkpoints import FETCH_TIMEOUT_S
+from p2ptrain.run._stage_checkpoints import fetch_stage_files
 from p2ptrain.run._stage_trainer import StagedTrainer
-from p2ptrain.training import ManifestError, MAX_MANIFEST_BYTES, read_manifest
+from p2ptrain.training import ManifestError
 
 logger = logging.getLogger(__name__)
 
@@ -33,16 +33,9 @@ async def keep_next_stage(run: RunState, manifest_cid: str, stage: int) -> bool:
     names; False, logged, when they cannot be had (a later checkpoint tries again)."""
     trainer, _ = run.require()
     assert isinstance(trainer, StagedTrainer)
-    content = run.content
     other = copied_stage(stage, len(trainer.stages))
     try:
-        entries = read_manifest(await content.read(manifest_cid, max_bytes=MAX_MANIFEST_BYTES,
-                                                   timeout=FETCH_TIMEOUT_S))
-        if len(entries) != len(trainer.stages):
-            raise ManifestError(f"it names {len(entries)} stages, the task {len(trainer.stages)}")
-        max_model, max_optim = trainer.state_limits()
-        await content.read(entries[other].model, max_bytes=max_model, timeout=FETCH_TIMEOUT_S)
-        await content.read(entries[other].optimizer, max_bytes=max_optim, timeout=FETCH_TIMEOUT_S)
+        await fetch_stage_files(run, trainer, manifest_cid, other)  # fetched: kept in this member's store
     except (ContentUnavailable, ManifestError) as exc:
         logger.warning("%s: could not keep a copy of stage %d of manifest %s: %s", run.log_prefix, other,
                        manifest_cid, exc)
