@@ -225,12 +225,19 @@ def _chain_and_task(home: Path, task_cid: str, bootstrap: list[str]) -> tuple[by
 
 def _initial_cid(store: Any, task: Any) -> str:
     """The CID of the run's initial model, rebuilt here from the task as every member builds it
-    (a run of the members' own module names its initial weights instead: nothing here builds it)."""
+    (a run of the members' own module names its initial weights instead: nothing here builds it;
+    a pipelined run's is the manifest of its stages' initial files, made one stage at a time)."""
     from p2ptrain.training import new_trainer
     from p2ptrain.protocol import load_model_bytes
 
     if task.model.user:
         return str(task.initial_model)
+    if task.pipeline is not None:
+        from p2ptrain.run._stage_checkpoints import initial_manifest
+        from p2ptrain.run._stage_trainer import StagedTrainer
+
+        initial = store.cat(task.initial_model) if task.initial_model else None
+        return initial_manifest(store, StagedTrainer(task, total_steps=1, device="cpu"), initial, only_hash=True)
     trainer = new_trainer(task, total_steps=1, device="cpu")
     if task.initial_model:
         load_model_bytes(trainer.model, store.cat(task.initial_model))

@@ -26,8 +26,11 @@ if TYPE_CHECKING:
     from p2ptrain.models._model_error import ModelError as ModelError
     from p2ptrain.models._pieces import (
         balanced_cut as balanced_cut,
+        builds_by_piece as builds_by_piece,
         Cut as Cut,
         cut_pieces as cut_pieces,
+        InitialPieces as InitialPieces,
+        MAX_PIPELINED_PARAMETERS as MAX_PIPELINED_PARAMETERS,
         PartitionError as PartitionError,
         Piece as Piece,
         pieces_of as pieces_of,
@@ -53,6 +56,7 @@ if TYPE_CHECKING:
         HEADER_PER_TENSOR as HEADER_PER_TENSOR,
         HEADER_SLACK as HEADER_SLACK,
         MAX_MODEL_FILE_BYTES as MAX_MODEL_FILE_BYTES,
+        MAX_PARAMETERS as MAX_PARAMETERS,
         meta_model as meta_model,
         model_file_limit as model_file_limit,
         TinyLM as TinyLM,

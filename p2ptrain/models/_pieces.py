@@ -13,14 +13,22 @@ meta device (:func:`stage_sizes`), and ``task`` imports ``models`` only.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
 from torch import nn
 
-from p2ptrain.models._registry import meta_model, TinyLM
+from p2ptrain.models._registry import build_model, check_kwargs, lm_piece, meta_model, seeded_call, TinyLM
+
+# A pipelined task's whole model: at most this many parameters, each stage at most MAX_PARAMETERS
+# (what one member holds; task/_parse.py checks both). Every member initialises every piece once,
+# one at a time (InitialPieces: the run's initial model is a manifest of every stage's initial
+# file, which each member hashes), so this bounds what a task from the network makes a peer
+# compute and hash, never what it holds. Only models built by piece get it (builds_by_piece).
+MAX_PIPELINED_PARAMETERS = 400_000_000
 
 
 class PartitionError(ValueError):
@@ -166,3 +174,44 @@ def stage_sizes(name: str, arguments: dict[str, Any], stages: int) -> list[int]:
     built on the meta device (nothing allocated): what a task's parse checks, and the stages' costs
     before any step time is measured. :class:`PartitionError` as :func:`cut_pieces`."""
     return cut_pieces(meta_model(name, arguments), stages)[1].stage_sizes()
+
+
+def builds_by_piece(name: str) -> bool:
+    """Whether the registry model ``name``'s initial bits are built one piece at a time
+    (:class:`InitialPieces`): only then may a pipelined task's model outgrow one member."""
+    return name == "transformer_lm"
+
+
+class InitialPieces:
+    """A registry model's initial tensors, as ``build_model(name, arguments, seed)`` initialises
+    them, piece by piece (under the names they have in the whole model). A ``transformer_lm``'s
+    pieces are each constructed alone, from torch's generator where the pieces before it left it
+    (``lm_piece``), so only one piece is ever in memory: a pipelined member takes its stage's
+    initial bits, and hashes every stage's, without holding the whole model. Any other model is
+    built whole and cut (its peak is the whole model's weights)."""
+
+    def __init__(self, name: str, arguments: dict[str, Any], seed: int) -> None:
+        self.name, self.seed = name, seed
+        self.arguments = check_kwargs(name, arguments)
+        self.names = [piece.state_names() for piece in pieces_of(meta_model(name, arguments))]
+        # torch's generator before piece i, for each i the pieces drawn so far reached: a later
+        # stage is taken without drawing its predecessors again.
+        self._states: dict[int, torch.Tensor] = {}
+
+    def tensors(self, first: int, last: int) -> Iterator[dict[str, torch.Tensor]]:
+        """Pieces ``first`` to ``last``'s tensors, one piece's at a time, each made when asked for."""
+        if not builds_by_piece(self.name):
+            state = build_model(self.name, self.arguments, self.seed).state_dict()
+            for names in self.names[first : last + 1]:
+                yield {name: state[name] for name in names}
+            return
+        a = self.arguments
+        shape = (a["vocab_size"], a["context"], a["width"], a["depth"], a["heads"])
+        start = max((i for i in self._states if i <= first), default=0)
+        generator: int | torch.Tensor = self._states.get(start, self.seed)
+        for index in range(start, last + 1):
+            modules, generator = seeded_call(partial(lm_piece, *shape, index), generator)
+            self._states[index + 1] = generator
+            if index >= first:
+                values = [t for module in modules for t in module.state_dict().values()]
+                yield dict(zip(self.names[index], values, strict=True))

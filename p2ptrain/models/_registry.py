@@ -16,7 +16,7 @@ import math
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -166,11 +166,13 @@ def count_parameters(name: str, kwargs: dict[str, Any]) -> int:
     return sum(p.numel() for p in meta_model(name, kwargs).parameters())
 
 
-def check_model(name: str, kwargs: dict[str, Any]) -> int:
-    """Validate name and kwargs and the size of the result; return its parameter count."""
+def check_model(name: str, kwargs: dict[str, Any], cap: int = MAX_PARAMETERS) -> int:
+    """Validate name and kwargs and the size of the result (at most ``cap`` parameters: a pipelined
+    task's own bound is :data:`p2ptrain.models.MAX_PIPELINED_PARAMETERS`, its stages'
+    ``MAX_PARAMETERS``); return its parameter count."""
     n = count_parameters(name, kwargs)
-    if n > MAX_PARAMETERS:
-        raise ModelError(f"model.kwargs: {name} would have {n:,} parameters, over the {MAX_PARAMETERS:,} cap")
+    if n > cap:
+        raise ModelError(f"model.kwargs: {name} would have {n:,} parameters, over the {cap:,} cap")
     return n
 
 
@@ -189,20 +191,30 @@ def model_file_limit(name: str, kwargs: dict[str, Any]) -> int:
 
 
 _SEEDED_BUILD = threading.Lock()
+T = TypeVar("T")
 
 
 def build_model(name: str, kwargs: dict[str, Any], seed: int) -> nn.Module:
     """Build a registered model with weights initialised deterministically from ``seed`` (on CPU)."""
     check_model(name, kwargs)
     full = check_kwargs(name, kwargs)
+    return seeded_call(lambda: _construct(name, full), seed)[0]
+
+
+def seeded_call(make: Callable[[], T], start: int | torch.Tensor) -> tuple[T, torch.Tensor]:
+    """``make()`` with torch's global generator seeded with ``start`` (a seed, or a state this
+    returned), and the generator's state after it: what a builder draws from a seed, in parts."""
     # torch's initialisers draw from its one global generator: two peers of one process (local_peers)
     # building at once from threads interleaved their draws, and members of a run started from
     # different "initial" models (their records then forked). fork_rng alone does not keep other
     # threads out; the lock does.
     with _SEEDED_BUILD, torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        module = _construct(name, full)
-    return module
+        if isinstance(start, int):
+            torch.manual_seed(start)
+        else:
+            torch.set_rng_state(start)
+        out = make()
+        return out, torch.get_rng_state()
 
 
 # --- builders -----------------------------------------------------------------------------------
@@ -273,19 +285,10 @@ class TinyLM(nn.Module):
 
     def __init__(self, vocab_size: int, context: int, width: int, depth: int, heads: int) -> None:
         super().__init__()
-        self.tokens = nn.Embedding(vocab_size, width)
-        self.positions = nn.Embedding(context, width)
-        # Built one by one (not nn.TransformerEncoder, which deep-copies one layer) so that each block
-        # gets its own random initialisation.
-        self.blocks = nn.ModuleList(
-            nn.TransformerEncoderLayer(
-                width, heads, dim_feedforward=4 * width, dropout=0.0, activation="gelu",
-                batch_first=True, norm_first=True,
-            )
-            for _ in range(depth)
-        )
-        self.norm = nn.LayerNorm(width)
-        self.head = nn.Linear(width, vocab_size)
+        shape = (vocab_size, context, width, depth, heads)
+        self.tokens, self.positions = lm_piece(*shape, 0)
+        self.blocks = nn.ModuleList(lm_piece(*shape, i)[0] for i in range(1, depth + 1))
+        self.norm, self.head = lm_piece(*shape, depth + 1)
         self.context = context
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -299,6 +302,22 @@ class TinyLM(nn.Module):
             h = block(h, src_mask=mask, is_causal=True)
         out: torch.Tensor = self.head(self.norm(h))
         return out
+
+
+def lm_piece(vocab_size: int, context: int, width: int, depth: int, heads: int, index: int) -> list[nn.Module]:
+    """The modules of :class:`TinyLM`'s piece ``index``, constructed (and so initialised from torch's
+    generator) as its constructor makes them: 0 the token and position embeddings, 1 to ``depth`` a
+    block, ``depth + 1`` the final norm and the head. Constructing pieces 0 to ``depth + 1`` in order
+    draws what one TinyLM draws, so a pipelined member can build the initial bits of one piece at a
+    time (:class:`p2ptrain.models.InitialPieces`) and never hold the whole model."""
+    if index == 0:
+        return [nn.Embedding(vocab_size, width), nn.Embedding(context, width)]
+    if index <= depth:
+        # One by one (not nn.TransformerEncoder, which deep-copies one layer) so that each block gets
+        # its own random initialisation.
+        return [nn.TransformerEncoderLayer(width, heads, dim_feedforward=4 * width, dropout=0.0, activation="gelu",
+                                           batch_first=True, norm_first=True)]
+    return [nn.LayerNorm(width), nn.Linear(width, vocab_size)]
 
 
 @register(

@@ -29,7 +29,7 @@ from libp2p.peer.id import ID
 
 from p2ptrain.base import short_id
 from p2ptrain.collective import CollectiveError
-from p2ptrain.ipfs import ContentUnavailable
+from p2ptrain.ipfs import ContentStore, ContentUnavailable
 from p2ptrain.protocol import (buffers_round_id, check_statement, MAX_STATEMENT_BYTES, read_statement, RecordError,
                                sign_statement, SignedStageStatement, stage_rings, stage_verdicts, statement_bytes,
                                StatementError)
@@ -126,20 +126,38 @@ def _statements(run: RunState, plan: RoundPlan, step: int, parts: list[bytes]) -
     return out
 
 
+def initial_manifest(store: ContentStore, trainer: StagedTrainer, initial: bytes | None = None, *,
+                     only_hash: bool = False) -> str:
+    """The CID of the run's initial model, the root of its chain: the manifest of every stage's
+    files at step 0 (no replicas, no signatures: nobody trained them), computed one stage at a time
+    (``StagedTrainer.initial_stage_files``), so a member agrees on it without holding the whole
+    model. Stored with its files when they are cut from ``initial`` (the task's ``initial_model``:
+    members take their stage from them, :func:`load_confirmed_stage`); from the seed the files are
+    only hashed, since every member makes its stage's again from the seed when it takes it.
+    ``only_hash``: nothing is stored (``model verify``)."""
+    entries = []
+    for i, (model_data, optim_data) in enumerate(trainer.initial_stage_files(initial)):
+        keep = initial is not None and not only_hash
+        cids = [str(store.add_bytes(data, only_hash=not keep)) for data in (model_data, optim_data)]
+        stage = trainer.stages[i]
+        entries.append(StageFile(stage.first, stage.last, *cids, trainer.stage_numbers(i)))
+    return str(store.add_bytes(manifest_bytes(entries), only_hash=only_hash))
+
+
 async def load_confirmed_stage(run: RunState, stage: int) -> None:
     """Load ``stage`` from the manifest of the latest confirmed checkpoint, which must be at this
     member's step (a joiner, a member that resumed or resynced, one moved to another stage): the
     manifest, then that stage's two files, each fetched by CID within what it can honestly take
-    (before the first record: from the run's initial model, which this member stored at its start).
+    (before the first record: from the run's initial manifest, whose files this member stored at its
+    start; a run from the seed never comes here at step 0: its members make any stage from the seed).
     :class:`TrainerError` naming why not (the span then resyncs)."""
     trainer, book = run.require()
     assert isinstance(trainer, StagedTrainer)
-    if not book.chain.records and trainer.step == 0:  # the run's first step: its initial model
+    if not book.chain.records and trainer.step == 0:  # the run's first step: its initial model's manifest
         try:
-            initial = await run.content.read(run.initial_cid, max_bytes=trainer.state_limits()[0],
-                                             timeout=FETCH_TIMEOUT_S)
-            await trio.to_thread.run_sync(trainer.load_initial_stage, stage, initial)
-        except (ContentUnavailable, RecordError) as exc:
+            model, optim = await fetch_stage_files(run, trainer, run.initial_cid, stage)
+            await trio.to_thread.run_sync(trainer.load_stage, stage, model, optim, 0)
+        except (ContentUnavailable, ManifestError, RecordError) as exc:
             raise TrainerError(f"could not load stage {stage} of the initial model: {exc}") from None
         return
     if not book.chain.records or book.head_step != trainer.step:

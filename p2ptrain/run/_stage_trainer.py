@@ -1,27 +1,33 @@
 """A member's trainer in a pipelined run: the model cut into stages, of which it holds and trains one.
 
-Built from the task's seed or initial model, a member holds every stage at step 0 (the same bits as
-one process). Once it takes the stage its plan names it frees every other stage's tensors (on the
-meta device: a member's memory is its stage's weights, gradients and optimizer state, after a peak
-of one model's weights at build) and steps only that stage; its checkpoint is that stage's
-two files (:meth:`StagedTrainer.stage_files`), which a manifest names with the other stages'
-(run/_stage_checkpoints.py). A member that loads a checkpoint (resume, resync, a joiner) takes the
-manifest only (:meth:`StagedTrainer.load_manifest`: it holds no stage at that step) and then the
-one stage its plan names (:meth:`StagedTrainer.load_stage`, by CID from that manifest); a member a
-plan moves to another stage loads that one the same way.
+A member never holds the whole model. It is built on the meta device (its shapes, nothing
+allocated); at step 0 of a run from the task's seed it can take any stage, whose initial bits it
+makes then from the seed, one piece at a time (:class:`~p2ptrain.models.InitialPieces`: the same
+bits as one process's build), and from then on it holds that stage's weights, gradients and
+optimizer state only, and steps only that stage. The run's initial model, the root of its chain,
+is the manifest of every stage's initial files (:meth:`StagedTrainer.initial_stage_files`, hashed
+one stage at a time), so every member agrees on it without holding it. Its checkpoint is its
+stage's two files (:meth:`StagedTrainer.stage_files`), which a manifest names with the other
+stages' (run/_stage_checkpoints.py). A member that loads a checkpoint (resume, resync, a joiner, a
+run from an ``initial_model``) takes the manifest only (:meth:`StagedTrainer.load_manifest`: it
+holds no stage at that step) and then the one stage its plan names
+(:meth:`StagedTrainer.load_stage`, by CID from that manifest); a member a plan moves to another
+stage loads that one the same way.
 """
 
 from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from p2ptrain.base import all_finite
+from p2ptrain.models import build_model, InitialPieces, meta_model
 from p2ptrain.pipeline import partition, Stage
-from p2ptrain.protocol import read_model_card, read_tensors, RecordError, state_bytes, tensors_bytes
+from p2ptrain.protocol import model_tensors, read_model_card, read_tensors, RecordError, state_bytes, tensors_bytes
 from p2ptrain.training import ManifestError, read_manifest, StepResult, Trainer, TrainerError
 
 log = logging.getLogger(__name__)
@@ -40,33 +46,48 @@ class StagedTrainer(Trainer):
         if kwargs.get("device", "auto") not in ("auto", "cpu") or kwargs.get("precision", "fp32") != "fp32":
             log.warning("a pipelined run trains on the CPU in fp32 (not %s, %s)", kwargs.get("device"),
                         kwargs.get("precision"))
-        kwargs.update(device="cpu", precision="fp32")
-        super().__init__(task, **kwargs)
+        kwargs.update(device=None, precision="fp32")
+        model = meta_model(task.model.name, task.model.arguments)  # shapes only: nothing allocated
+        # A weight tied inside a stage would come apart when the stage is freed and allocated again
+        # (each module's parameter converted on its own): such a model is built whole from the seed
+        # and keeps every stage allocated.
+        self._frees = all(len(list(s.parameters())) == len(list(s.named_parameters(remove_duplicate=False)))
+                          for s in partition(model, task.pipeline.stages))
+        if not self._frees:
+            model = build_model(task.model.name, task.model.arguments, task.seed)
+        super().__init__(task, model=model, **kwargs)
+        self.device = torch.device("cpu")
         # The stages share the model's modules: stepping a stage steps the model's own parameters.
         self.stages: list[Stage] = partition(self.model, task.pipeline.stages)
-        # A weight tied inside a stage would come apart when the stage is freed and allocated again
-        # (each module's parameter converted on its own): such a model keeps every stage allocated.
-        self._frees = all(len(list(s.parameters())) == len(list(s.named_parameters(remove_duplicate=False)))
-                          for s in self.stages)
-        self.whole = True  # every stage is at self.step and allocated (built from the seed, or loaded whole)
+        self.initial = InitialPieces(task.model.name, task.model.arguments, task.seed)
+        # A run from the task's seed: at step 0 any stage's bits are the seed's (made when taken).
+        self.seeded = not task.initial_model
+        self.whole = not self._frees and self.seeded  # every stage is at self.step and allocated
         self.trained: int | None = None  # otherwise the one stage held (None: none)
 
     def holds(self, stage: int) -> bool:
-        """Whether this member holds ``stage`` at its step: every stage from the task's seed or
-        initial model until it takes one (:meth:`take_stage`); from then on only that one, or the
-        one it loaded (none after :meth:`load_manifest`)."""
-        return self.whole or self.trained == stage
+        """Whether this member holds ``stage`` at its step, or can take it from the seed (at step 0
+        of a run from the task's seed, any stage); after :meth:`load_manifest` none until it loads
+        one, after :meth:`take_stage` or :meth:`load_stage` that one."""
+        return self.whole or self.trained == stage or (self.seeded and self.step == 0)
 
     def take_stage(self, stage: int) -> Stage:
         """The stage to serve in a plan; a :class:`TrainerError` when this member does not hold it at
-        its step (it loads it first, run/_stage_checkpoints.py). The first time, every other stage's
-        tensors are freed: from then on this member holds that stage's weights, gradients and
-        optimizer state only."""
+        its step (it loads it first, run/_stage_checkpoints.py). A stage not held yet is made from
+        the seed; every other stage's tensors are freed: from then on this member holds that stage's
+        weights, gradients and optimizer state only."""
         if not self.holds(stage):
             held = "no stage" if self.trained is None else f"stage {self.trained}"
             raise TrainerError(f"holds {held} at step {self.step}, not stage {stage}")
-        if self.whole:
+        if self.trained != stage:
+            from_seed = not self.whole
             self._hold({stage})
+            if from_seed:
+                state = self.model.state_dict()
+                with torch.no_grad():
+                    for tensors in self.initial.tensors(self.stages[stage].first, self.stages[stage].last):
+                        for name, t in tensors.items():
+                            state[name].copy_(t)
             self.whole, self.trained = False, stage
         return self.stages[stage]
 
@@ -160,26 +181,45 @@ class StagedTrainer(Trainer):
         its optimizer file (its parameters' state under their whole-model indices, and the step).
         The stage files of every stage assemble into :meth:`model_bytes` of the whole
         (:func:`p2ptrain.training.model_file`), and their optimizer tensors are those of
-        :meth:`optimizer_bytes`."""
-        whole = self.model.state_dict()
-        model_data = state_bytes({name: whole[name] for name in self.stages[stage].state_names()}, self._card())
+        :meth:`optimizer_bytes`. A stage this member can take from the seed but has not taken is
+        made from it (its optimizer file: the step only)."""
+        names = self.stages[stage].state_names()
+        if self.whole or self.trained == stage:
+            whole = self.model.state_dict()
+            tensors = {name: whole[name] for name in names}
+        elif self.holds(stage):
+            tensors = {n: t for piece in self.initial.tensors(self.stages[stage].first, self.stages[stage].last)
+                       for n, t in piece.items()}
+        else:
+            raise TrainerError(f"holds no stage {stage} at step {self.step}")
         indices = {str(i) for i in self._stage_indices(stage)}
         optim = {name: t for name, t in self.optimizer_tensors().items()
                  if name == "trainer.step" or name.split(".")[1] in indices}
-        return model_data, tensors_bytes(optim)
+        return state_bytes(tensors, self._card()), tensors_bytes(optim)
 
     def stage_numbers(self, stage: int) -> int:
         """How many numbers ``stage``'s model file holds (a manifest's ``parameters``)."""
         whole = self.model.state_dict()
         return sum(whole[name].numel() for name in self.stages[stage].state_names())
 
-    def load_initial_stage(self, stage: int, model_data: bytes) -> None:
-        """Take ``stage`` from the run's initial model file (step 0, before any record: a member
-        moved by a retry of the first step), with no optimizer state; as :meth:`load_stage`."""
-        tensors = read_tensors(model_data)
-        names = [name for name in self.stages[stage].state_names() if name in tensors]
-        part = state_bytes({name: tensors[name] for name in names}, read_model_card(model_data))
-        self.load_stage(stage, part, tensors_bytes({"trainer.step": torch.tensor(0, dtype=torch.int64)}), 0)
+    def initial_stage_files(self, initial: bytes | None = None) -> Iterator[tuple[bytes, bytes]]:
+        """Every stage's files at step 0, in order: the run's initial model as a manifest names it
+        (run/_stage_checkpoints.py, ``initial_manifest``). From the seed, each stage's bits are made
+        when its files are asked for, one piece at a time: a stage's are the most this holds at
+        once. With ``initial`` (the bytes of the task's ``initial_model``, which must fit this
+        model exactly: :class:`RecordError`), each stage's part of them."""
+        optim = tensors_bytes({"trainer.step": torch.tensor(0, dtype=torch.int64)})
+        if initial is not None:
+            tensors = model_tensors(self.model, initial)  # checked against the shapes (on the meta device)
+            for stage in self.stages:
+                yield state_bytes({name: tensors[name] for name in stage.state_names()}, self._card()), optim
+            return
+        pieces = self.initial.tensors(0, self.stages[-1].last)
+        for stage in self.stages:
+            part: dict[str, torch.Tensor] = {}
+            for _ in range(stage.first, stage.last + 1):
+                part.update(next(pieces))
+            yield state_bytes(part, self._card()), optim
 
     def load_stage(self, stage: int, model_data: bytes, optimizer_data: bytes, step: int | None = None) -> None:
         """Take ``stage``'s checkpoint files (:meth:`stage_files`' form, e.g. by CID from a manifest):

@@ -45,6 +45,7 @@ from p2ptrain.run._resume import Resume
 from p2ptrain.run._resync import Resync
 from p2ptrain.run._run_state import Nudge, RunState
 from p2ptrain.run._spans import Spans
+from p2ptrain.run._stage_checkpoints import initial_manifest
 from p2ptrain.run._stage_trainer import StagedTrainer
 from p2ptrain.control import FINISHED, ChainEntry, Phase, TaskStatus
 from p2ptrain.protocol import (Chain, ChainRules, load_model_bytes, orphaned_stages, plan_order, RecordError,
@@ -239,10 +240,15 @@ class TaskRun:
             )
         # The user's module holds the run's initial weights already; a registry model's are fetched
         # and read within what a model of the task's architecture takes.
+        data = None
         if task.initial_model and make is None:
             data = await content.read(task.initial_model, max_bytes=trainer.state_limits()[0])
-            load_model_bytes(trainer.model, data)
-        run.initial_cid = await trio.to_thread.run_sync(content.store.add_bytes, trainer.model_bytes())
+            if not isinstance(trainer, StagedTrainer):
+                load_model_bytes(trainer.model, data)
+        if isinstance(trainer, StagedTrainer):  # no member holds the whole model: a manifest of the stages'
+            run.initial_cid = await trio.to_thread.run_sync(initial_manifest, content.store, trainer, data)
+        else:
+            run.initial_cid = await trio.to_thread.run_sync(content.store.add_bytes, trainer.model_bytes())
         run.trainer = trainer
         # The chain this home confirmed (a RecordError for a file that does not verify: kept as it is).
         rules = ChainRules.of(task, run.task_cid)

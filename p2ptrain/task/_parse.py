@@ -19,7 +19,8 @@ from dataclasses import asdict
 from typing import Any
 
 from p2ptrain.base import boundedjson
-from p2ptrain.models import HF_MODEL, MissingBuilder, ModelError, PartitionError, check_hf_config, check_model, stage_sizes
+from p2ptrain.models import (builds_by_piece, check_hf_config, check_model, HF_MODEL, MAX_PARAMETERS,
+                             MAX_PIPELINED_PARAMETERS, MissingBuilder, ModelError, PartitionError, stage_sizes)
 from p2ptrain.task import _fields as fields
 from p2ptrain.task._fields import TaskError
 from p2ptrain.task._spec import (
@@ -71,7 +72,7 @@ def parse_task(data: dict[str, Any]) -> Task:
     publisher = fields.text(data, "publisher", "", None, max_len=MAX_PEER_ID_LEN)
 
     try:
-        model, unbuildable = _model(fields.table(data, "model", "", True)), None
+        model, unbuildable = _model(fields.table(data, "model", "", True), pipelined="pipeline" in data), None
     except NoBuilder as exc:  # the rest is checked all the same: the task may be sound
         model, unbuildable = exc.model, exc
     dataset = _dataset(data, required=not model.user)
@@ -157,9 +158,10 @@ class NoBuilder(TaskError):
         self.task: Task | None = None
 
 
-def _model(m: dict[str, Any]) -> ModelSpec:
+def _model(m: dict[str, Any], pipelined: bool) -> ModelSpec:
     """``[model]``: a registry builder and its checked kwargs, or ``name = "user"`` with its
-    ``architecture`` card's CID."""
+    ``architecture`` card's CID. A ``pipelined`` task's model built by piece may outgrow one member
+    (its stages may not: :func:`_pipeline`)."""
     fields.only(m, {"name", "kwargs", "architecture", "config"}, "model.")
     kwargs_t = fields.table(m, "kwargs", "model.", False)
     if len(kwargs_t) > 32:
@@ -194,7 +196,8 @@ def _model(m: dict[str, Any]) -> ModelSpec:
     if missing is not None:
         raise NoBuilder(missing, model)
     try:
-        check_model(model.name, model.arguments)
+        by_piece = pipelined and builds_by_piece(model.name)
+        check_model(model.name, model.arguments, MAX_PIPELINED_PARAMETERS if by_piece else MAX_PARAMETERS)
     except MissingBuilder as exc:
         raise NoBuilder(exc, model) from None
     except ModelError as exc:
@@ -325,9 +328,13 @@ def _pipeline(
         raise TaskError('pipeline: not with training.mode = "local_sgd" yet (stages average gradients each step)')
     if check_cut:
         try:
-            stage_sizes(model.name, model.arguments, spec.stages)
+            sizes = stage_sizes(model.name, model.arguments, spec.stages)
         except PartitionError as exc:
             raise TaskError(f"pipeline.stages: {exc}") from None
+        largest = max(sizes)
+        if largest > MAX_PARAMETERS:  # what one member holds: the cap of a model no stage cuts
+            raise TaskError(f"pipeline.stages: stage {sizes.index(largest)} would hold {largest:,} parameters, over "
+                            f"the {MAX_PARAMETERS:,} one member holds (cut into more stages)")
     return spec
 
 
