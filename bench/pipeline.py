@@ -4,16 +4,17 @@ loopback, and a member's memory.
     .venv/bin/python bench/pipeline.py [--stages 4] [--replicas 2] [--width 128] [--depth 8]
                                        [--context 64] [--vocab 256] [--batch 16] [--micro 4]
                                        [--steps 3] [--reps 2] [--json]
-    .venv/bin/python bench/pipeline.py --memory [--stages 4] [--width 1024] [--depth 16] [--json]
+    .venv/bin/python bench/pipeline.py --memory [--stages 4] [--width 512] [--depth 15] [--json]
 
 **Memory** (``--memory``, instead of the two below): peak RSS (``ru_maxrss``) of a pipelined
-member, each stage in its own process (``StagedTrainer`` built from the seed, its stage taken, one
-Adam step of that stage with a gradient of its size), against one process that trains the whole
-model the same way (``Trainer``: one Adam step of every parameter), same model, same run. Both
-include the interpreter with torch and p2ptrain imported (measured too: ``import_rss``). The
-member's peak is the whole model's weights, built once from the seed (the same initial bits as one
-process) before it frees the other stages; the single process's is weights, gradients and Adam's two
-moments.
+member, each stage in its own process (``StagedTrainer`` built on the meta device, the run's
+initial manifest computed as ``node start`` does, every stage's initial bits made from the seed
+one piece at a time and hashed, then its stage taken from the seed, one Adam step of that stage
+with a gradient of its size), against one process that trains the whole model the same way
+(``Trainer``: one Adam step of every parameter), same model, same run. Both include the interpreter
+with torch and p2ptrain imported and the task parsed (measured too: ``import_rss``). The single process's model is
+built from the same seed outside the registry's 50 M cap (which a pipelined task's model may
+outgrow when each stage stays under it), so it is measured at any size.
 
 **Bytes per microbatch**: the frames of one microbatch's whole trip (FORWARD/OUTPUT of the middle
 stages, LOSS/GRAD of the last, BACKWARD/GRAD back), encoded from the real activations and gradients of
@@ -157,19 +158,31 @@ min = {stages}
 def peak_rss(args: argparse.Namespace, stage: int) -> dict[str, int]:
     """In this process: the RSS after imports, then the peak after one Adam step of ``stage``'s
     member (``stage`` -1: of one process training the whole model), in bytes."""
+    import tempfile
+
+    from p2ptrain.ipfs import EmbeddedStore
+    from p2ptrain.models import TinyLM
+    from p2ptrain.models._registry import seeded_call
+    from p2ptrain.run._stage_checkpoints import initial_manifest
     from p2ptrain.run._stage_trainer import StagedTrainer
     from p2ptrain.task import load_task
     from p2ptrain.training import Trainer
 
-    imported = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    pipeline = f"[pipeline]\nstages = {args.stages}\n" if stage >= 0 else ""
     task = load_task(MEMORY_TASK.format(vocab=args.vocab, context=args.context, width=args.width, depth=args.depth,
-                                        stages=args.stages, pipeline=pipeline))
+                                        stages=args.stages, pipeline=f"[pipeline]\nstages = {args.stages}\n"))
+    # Everything either side imports, and the task parsed (its checks on the meta device load torch's
+    # meta kernels: 70 MiB), before any of the model is built.
+    imported = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     if stage >= 0:
         member = StagedTrainer(task, device="cpu")
+        with tempfile.TemporaryDirectory() as home:
+            initial_manifest(EmbeddedStore(home), member)  # the chain's root, as a member computes it
         params = list(member.take_stage(stage).parameters())
     else:
-        member = Trainer(task, device="cpu")
+        kwargs = task.model.arguments
+        model = seeded_call(lambda: TinyLM(kwargs["vocab_size"], kwargs["context"], kwargs["width"], kwargs["depth"],
+                                           kwargs["heads"]), task.seed)[0]
+        member = Trainer(task, device="cpu", model=model)
         params = list(member.model.parameters())
     for p in params:
         p.grad = torch.randn_like(p)

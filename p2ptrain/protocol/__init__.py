@@ -78,6 +78,7 @@ if TYPE_CHECKING:
         Status as Status,
         Tally as Tally,
         tensors_bytes as tensors_bytes,
+        write_state_file as write_state_file,
     )
     from p2ptrain.protocol._round_book import RoundBook as RoundBook, RuleBreak as RuleBreak
     from p2ptrain.protocol._stage_verdicts import check_key_message as check_key_message, convicted as convicted

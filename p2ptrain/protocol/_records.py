@@ -22,6 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 from enum import Enum
+from pathlib import Path
 
 import safetensors.torch
 import torch
@@ -62,11 +63,16 @@ class Misconduct(RecordError):
 
 def tensors_bytes(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> bytes:
     """Deterministic safetensors bytes: sorted names, contiguous CPU copies, fixed metadata."""
+    return safetensors.torch.save(*_canonical(tensors, metadata))
+
+
+def _canonical(tensors: Mapping[str, torch.Tensor],
+               metadata: Mapping[str, str] | None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     ordered = {k: tensors[k].detach().to("cpu").contiguous() for k in sorted(tensors)}
     meta = dict(_METADATA if metadata is None else metadata)
     if len(meta) != 1:
         raise ValueError("deterministic safetensors take exactly one metadata key")
-    return safetensors.torch.save(ordered, metadata=meta)
+    return ordered, meta
 
 
 def model_bytes(module: nn.Module, card: Mapping[str, Any] | None = None) -> bytes:
@@ -80,10 +86,19 @@ def model_bytes(module: nn.Module, card: Mapping[str, Any] | None = None) -> byt
 
 def state_bytes(tensors: Mapping[str, torch.Tensor], card: Mapping[str, Any] | None = None) -> bytes:
     """:func:`model_bytes` of a state dict (or a copy of one): the same bytes for the same tensors."""
-    if card is None:
-        return tensors_bytes(tensors)
-    value = boundedjson.canonical(dict(card)).decode("ascii")
-    return tensors_bytes(tensors, metadata={MODEL_CARD_KEY: value})
+    return tensors_bytes(tensors, _card_metadata(card))
+
+
+def _card_metadata(card: Mapping[str, Any] | None) -> dict[str, str] | None:
+    return None if card is None else {MODEL_CARD_KEY: boundedjson.canonical(dict(card)).decode("ascii")}
+
+
+def write_state_file(path: Path, tensors: Mapping[str, torch.Tensor], card: Mapping[str, Any] | None = None) -> None:
+    """:func:`state_bytes` written to ``path`` (not atomically: a scratch file), from the tensors'
+    own memory: no copy of the file is made in memory (a pipelined member hashes every stage's
+    initial file this way, and ``state_bytes`` holds three copies at once)."""
+    ordered, meta = _canonical(tensors, _card_metadata(card))
+    safetensors.torch.save_file(ordered, str(path), metadata=meta)
 
 
 def read_model_card(data: bytes) -> dict[str, Any] | None:

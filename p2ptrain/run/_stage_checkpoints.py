@@ -23,7 +23,10 @@ said counts for nothing: the checkpoint goes on when the quorums hold.
 from __future__ import annotations
 
 import logging
+import tempfile
+from pathlib import Path
 
+import torch
 import trio
 from libp2p.peer.id import ID
 
@@ -32,7 +35,7 @@ from p2ptrain.collective import CollectiveError
 from p2ptrain.ipfs import ContentStore, ContentUnavailable
 from p2ptrain.protocol import (buffers_round_id, check_statement, MAX_STATEMENT_BYTES, read_statement, RecordError,
                                sign_statement, SignedStageStatement, stage_rings, stage_verdicts, statement_bytes,
-                               StatementError)
+                               StatementError, tensors_bytes)
 from p2ptrain.protocol.signing import SignatureError
 from p2ptrain.run._run_state import RunState
 from p2ptrain.run._stage_trainer import StagedTrainer
@@ -127,20 +130,24 @@ def _statements(run: RunState, plan: RoundPlan, step: int, parts: list[bytes]) -
 
 
 def initial_manifest(store: ContentStore, trainer: StagedTrainer, initial: bytes | None = None, *,
-                     only_hash: bool = False) -> str:
+                     only_hash: bool = False, scratch: Path | None = None) -> str:
     """The CID of the run's initial model, the root of its chain: the manifest of every stage's
-    files at step 0 (no replicas, no signatures: nobody trained them), computed one stage at a time
-    (``StagedTrainer.initial_stage_files``), so a member agrees on it without holding the whole
-    model. Stored with its files when they are cut from ``initial`` (the task's ``initial_model``:
-    members take their stage from them, :func:`load_confirmed_stage`); from the seed the files are
-    only hashed, since every member makes its stage's again from the seed when it takes it.
-    ``only_hash``: nothing is stored (``model verify``)."""
+    files at step 0 (no replicas, no signatures: nobody trained them), made one stage at a time
+    (``StagedTrainer.initial_stage_files``, each stage's file written in a folder under ``scratch``
+    and hashed from there), so a member agrees on it without holding the whole model. Stored with
+    its files when they are cut from ``initial`` (the task's ``initial_model``: members take their
+    stage from them, :func:`load_confirmed_stage`); from the seed the files are only hashed, since
+    every member makes its stage's again from the seed when it takes it. ``only_hash``: nothing is
+    stored (``model verify``)."""
+    keep = initial is not None and not only_hash
+    optim = store.add_bytes(tensors_bytes({"trainer.step": torch.tensor(0, dtype=torch.int64)}), only_hash=not keep)
     entries = []
-    for i, (model_data, optim_data) in enumerate(trainer.initial_stage_files(initial)):
-        keep = initial is not None and not only_hash
-        cids = [str(store.add_bytes(data, only_hash=not keep)) for data in (model_data, optim_data)]
-        stage = trainer.stages[i]
-        entries.append(StageFile(stage.first, stage.last, *cids, trainer.stage_numbers(i)))
+    with tempfile.TemporaryDirectory(prefix="initial-stages-", dir=scratch) as folder:
+        for i, path in enumerate(trainer.initial_stage_files(Path(folder), initial)):
+            model = store.add_file(path, only_hash=not keep)
+            path.unlink()
+            stage = trainer.stages[i]
+            entries.append(StageFile(stage.first, stage.last, str(model), str(optim), trainer.stage_numbers(i)))
     return str(store.add_bytes(manifest_bytes(entries), only_hash=only_hash))
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,7 +28,8 @@ import torch
 from p2ptrain.base import all_finite
 from p2ptrain.models import build_model, InitialPieces, meta_model
 from p2ptrain.pipeline import partition, Stage
-from p2ptrain.protocol import model_tensors, read_model_card, read_tensors, RecordError, state_bytes, tensors_bytes
+from p2ptrain.protocol import (model_tensors, read_model_card, read_tensors, RecordError, state_bytes, tensors_bytes,
+                               write_state_file)
 from p2ptrain.training import ManifestError, read_manifest, StepResult, Trainer, TrainerError
 
 log = logging.getLogger(__name__)
@@ -202,24 +204,33 @@ class StagedTrainer(Trainer):
         whole = self.model.state_dict()
         return sum(whole[name].numel() for name in self.stages[stage].state_names())
 
-    def initial_stage_files(self, initial: bytes | None = None) -> Iterator[tuple[bytes, bytes]]:
-        """Every stage's files at step 0, in order: the run's initial model as a manifest names it
+    def initial_stage_files(self, scratch: Path, initial: bytes | None = None) -> Iterator[Path]:
+        """Every stage's model file at step 0, in order, each written to a file in ``scratch`` (and
+        its path yielded): the run's initial model as a manifest names it
         (run/_stage_checkpoints.py, ``initial_manifest``). From the seed, each stage's bits are made
-        when its files are asked for, one piece at a time: a stage's are the most this holds at
-        once. With ``initial`` (the bytes of the task's ``initial_model``, which must fit this
-        model exactly: :class:`RecordError`), each stage's part of them."""
-        optim = tensors_bytes({"trainer.step": torch.tensor(0, dtype=torch.int64)})
+        when its file is asked for, one piece at a time, and written from their own memory: one
+        stage's weights are the most this holds at once. With ``initial`` (the bytes of the task's
+        ``initial_model``, which must fit this model exactly: :class:`RecordError`), each stage's
+        part of them."""
         if initial is not None:
             tensors = model_tensors(self.model, initial)  # checked against the shapes (on the meta device)
-            for stage in self.stages:
-                yield state_bytes({name: tensors[name] for name in stage.state_names()}, self._card()), optim
-            return
+            parts: Iterator[dict[str, torch.Tensor]] = ({name: tensors[name] for name in stage.state_names()}
+                                                        for stage in self.stages)
+        else:
+            parts = self._seeded_stages()
+        for i, part in enumerate(parts):
+            path = scratch / f"stage-{i}.safetensors"
+            write_state_file(path, part, self._card())
+            del part
+            yield path
+
+    def _seeded_stages(self) -> Iterator[dict[str, torch.Tensor]]:
         pieces = self.initial.tensors(0, self.stages[-1].last)
         for stage in self.stages:
             part: dict[str, torch.Tensor] = {}
             for _ in range(stage.first, stage.last + 1):
                 part.update(next(pieces))
-            yield state_bytes(part, self._card()), optim
+            yield part
 
     def load_stage(self, stage: int, model_data: bytes, optimizer_data: bytes, step: int | None = None) -> None:
         """Take ``stage``'s checkpoint files (:meth:`stage_files`' form, e.g. by CID from a manifest):

@@ -246,7 +246,8 @@ class TaskRun:
             if not isinstance(trainer, StagedTrainer):
                 load_model_bytes(trainer.model, data)
         if isinstance(trainer, StagedTrainer):  # no member holds the whole model: a manifest of the stages'
-            run.initial_cid = await trio.to_thread.run_sync(initial_manifest, content.store, trainer, data)
+            run.initial_cid = await trio.to_thread.run_sync(
+                lambda: initial_manifest(content.store, trainer, data, scratch=run.dir.path))
         else:
             run.initial_cid = await trio.to_thread.run_sync(content.store.add_bytes, trainer.model_bytes())
         run.trainer = trainer

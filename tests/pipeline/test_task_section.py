@@ -99,3 +99,27 @@ def test_a_node_joins_a_pipelined_task_on_the_cpu():
     cuda = load_task(pipelined("stages = 4") + '[requirements]\ndevice = "cuda"\n')
     why = unmet_requirement(cuda, caps)
     assert why == "it is cut into 4 pipeline stages, which this version trains on the CPU only"
+
+
+def _lm(width: int, depth: int, stages: int) -> str:
+    base = BASE.replace("width = 16, depth = 2", f"width = {width}, depth = {depth}").replace("min = 4", "min = 16")
+    return pipelined(f"stages = {stages}", base=base) if stages else base
+
+
+def test_a_pipelined_model_may_outgrow_one_member_but_no_stage_may():
+    """A transformer_lm over the 50M parameters one process may build is a pipelined task's when
+    each stage holds at most that many (a member builds its stage only); the whole stays under
+    MAX_PIPELINED_PARAMETERS (every member hashes every stage's initial bits), and a model the
+    registry builds whole (an mlp) keeps the 50M cap, cut or not."""
+    big = load_task(_lm(1024, 12, 4))  # 151M parameters, 4 stages of at most 50M
+    assert big.pipeline is not None and max(stage_sizes("transformer_lm", big.model.arguments, 4)) <= 50_000_000
+    with pytest.raises(TaskError, match="over the 50,000,000 cap"):
+        load_task(_lm(1024, 12, 0))  # the same model without stages: one process holds it all
+    with pytest.raises(TaskError, match=r"pipeline.stages: stage \d would hold [\d,]+ parameters, over the 50,000,000"):
+        load_task(_lm(1024, 12, 2))
+    with pytest.raises(TaskError, match="over the 400,000,000 cap"):
+        load_task(_lm(1536, 16, 16))  # 453M: too much for every member to initialise and hash
+    mlp = BASE.replace('name = "transformer_lm"\nkwargs = { vocab_size = 61, context = 16, width = 16, depth = 2, heads = 2 }',
+                       'name = "mlp"\nkwargs = { in_features = 8192, hidden = [4096, 4096, 4096, 4096] }')
+    with pytest.raises(TaskError, match="over the 50,000,000 cap"):
+        load_task(pipelined("stages = 4", base=mlp))
