@@ -58,8 +58,10 @@ EXPORTS: dict[str, list[str]] = {
     "p2ptrain.models": [
         "Arg", "Builder", "CHECKED_BUILDERS", "CardError", "CausalLM", "Cut", "ENTRY_POINT_GROUP", "HEADER_PER_TENSOR",
         "HEADER_SLACK",
-        "HF_MODEL", "HF_REFUSED", "MAX_CARD_BYTES", "MAX_MODEL_FILE_BYTES", "MissingBuilder", "ModelError", "Origin",
-        "PLUGINS", "PartitionError", "Piece", "TinyLM", "balanced_cut", "build_model", "builders", "card_bytes",
+        "HF_MODEL", "HF_REFUSED", "InitialPieces", "MAX_CARD_BYTES", "MAX_MODEL_FILE_BYTES", "MAX_PARAMETERS",
+        "MAX_PIPELINED_PARAMETERS", "MissingBuilder", "ModelError", "Origin",
+        "PLUGINS", "PartitionError", "Piece", "TinyLM", "balanced_cut", "build_model", "builders", "builds_by_piece",
+        "card_bytes",
         "card_from_bytes", "card_of", "check_hf_config", "check_model", "cut_pieces", "file_bytes_bound",
         "first_difference", "hf_config", "hf_settings", "import_transformers", "input_problem", "lookup",
         "meta_model",
@@ -96,10 +98,10 @@ EXPORTS: dict[str, list[str]] = {
         "read_chain",
         "read_model_card", "read_statement", "read_tensors", "round_id", "round_seed", "shard_of", "sign_record",
         "sign_statement", "signed_entry_problem", "signing", "stage_moves", "stage_rings", "stage_round_id",
-        "stage_verdicts", "state_bytes", "statement_bytes", "tensors_bytes", "throughput",
+        "stage_verdicts", "state_bytes", "statement_bytes", "tensors_bytes", "throughput", "write_state_file",
     ],
     "p2ptrain.run": [
-        "HOP_TIMEOUT_S", "RunDir", "TaskRun", "record_naming",
+        "HOP_TIMEOUT_S", "RunDir", "StagedTrainer", "TaskRun", "initial_manifest", "record_naming",
     ],
     "p2ptrain.serve": [
         "MAX_CONNECTIONS", "ServeError", "Server", "TemporaryFollower", "open_model", "predict", "serve",

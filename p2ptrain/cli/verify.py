@@ -233,8 +233,7 @@ def _initial_cid(store: Any, task: Any) -> str:
     if task.model.user:
         return str(task.initial_model)
     if task.pipeline is not None:
-        from p2ptrain.run._stage_checkpoints import initial_manifest
-        from p2ptrain.run._stage_trainer import StagedTrainer
+        from p2ptrain.run import initial_manifest, StagedTrainer
 
         initial = store.cat(task.initial_model) if task.initial_model else None
         return initial_manifest(store, StagedTrainer(task, total_steps=1, device="cpu"), initial, only_hash=True)
