@@ -246,8 +246,10 @@ def _initial_cid(store: Any, task: Any) -> str:
 def _check_bytes(store: Any, task: Any, record: Any, report: Report) -> list[str]:
     """Hash the model and optimizer bytes of ``record`` again and load the model into the task's
     architecture (a pipelined run's: each stage's files signed by a quorum of its replicas first)."""
-    from p2ptrain.protocol import RecordError, load_model_bytes
-    from p2ptrain.training import check_stage_signatures, is_manifest, ManifestError, model_file, read_manifest, Trainer
+    from p2ptrain.models import meta_model, model_file_limit
+    from p2ptrain.protocol import RecordError, load_model_bytes, model_tensors
+    from p2ptrain.training import (check_stage_signatures, is_manifest, ManifestError, MAX_MANIFEST_BYTES, model_file,
+                                   read_manifest, Trainer)
 
     model_cid, optimizer_cid = record.model_cid, record.optimizer_cid
     problems: list[str] = []
@@ -266,9 +268,14 @@ def _check_bytes(store: Any, task: Any, record: Any, report: Report) -> list[str
         except ManifestError as exc:
             return problems + [f"model {model_cid}: {exc}"]
     try:
-        # A pipelined run's model CID names a manifest: its stage files, each hashed as it is read,
-        # assemble into the whole model's file (training/_stage_files.py).
-        load_model_bytes(Trainer(task, total_steps=1, device="cpu").model, model_file(store, model_cid))
+        if manifest:
+            # A pipelined run's model CID names a manifest: its stage files, each hashed as it is read,
+            # assemble into the whole model's file (training/_stage_files.py), checked against the
+            # architecture on the meta device (the model may be larger than one process may build).
+            bound = model_file_limit(task.model.name, task.model.arguments) + MAX_MANIFEST_BYTES
+            model_tensors(meta_model(task.model.name, task.model.arguments), model_file(store, model_cid, bound))
+        else:
+            load_model_bytes(Trainer(task, total_steps=1, device="cpu").model, model_file(store, model_cid))
     except RecordError as exc:
         problems.append(f"model {model_cid} does not fit the task's architecture: {exc}")
     if not problems:
