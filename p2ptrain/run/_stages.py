@@ -129,7 +129,7 @@ class StageRounds:
         index = self.stage_of(plan)
         if not trainer.holds(index):
             await load_confirmed_stage(run, index)
-        stage = trainer.take_stage(index)
+        stage = await trio.to_thread.run_sync(trainer.take_stage, index)  # at step 0: made from the seed
         self._plan, self._driver, self._replica = plan, None, None
         encoding = task.pipeline.activations
         host = run.collective.host
