@@ -274,6 +274,19 @@ class Tally:
         elif len(self.members) - len(self.differing) < need:
             self._reject("a quorum can no longer reproduce it")
 
+    def outvoted(self) -> str | None:
+        """The model CID that a quorum of the plan's members attested instead of the record's, if
+        any: its signer named a model the span did not compute. Each of those attestations is
+        signed, so every member that counts them comes to the same answer (a coordinator that signs
+        a well-formed record of the plan's members and a model nobody trained is refused so, not
+        only by the record's rules)."""
+        computed: dict[str, int] = {}
+        for cid in self.differing.values():
+            computed[cid] = computed.get(cid, 0) + 1
+            if computed[cid] >= quorum(len(self.members)):
+                return cid
+        return None
+
     def expire(self) -> Status:
         """The deadline passed: a record still short of a quorum is rejected."""
         if self.status is Status.PENDING:

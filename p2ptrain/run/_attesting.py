@@ -185,6 +185,7 @@ class Attesting:
             self._confirm(tally)
         elif status is Status.REJECTED:
             run.book.rejected_step = tally.record.step
+            self._outvoted(tally)
             run.wake_leader.set()
         else:
             return
@@ -199,6 +200,27 @@ class Attesting:
             return
         await self._settled(status)
         await self._attest_if_ready()
+
+    def _outvoted(self, tally: Tally) -> None:
+        """A rejected record that a quorum of its plan's members computed otherwise (their signed
+        attestations all name one other model): its coordinator stops leading. Members accuse it,
+        as for a record that breaks the rules, since one that signs the plan's members and a model
+        nobody trained would otherwise see every record rejected and lead on, the run confirming
+        nothing; a coordinator that finds its own record outvoted (its state is not the span's)
+        steps down. Counted once per coordinator (late attestations settle the tally again)."""
+        run = self.run
+        computed = tally.outvoted()
+        record = tally.record
+        if computed is None or record.coordinator != run.election.coordinator:
+            return
+        why = (f"model record v{record.version} names {record.model_cid}, but a quorum of its span's "
+               f"{len(tally.members)} members computed {computed}")
+        if record.coordinator == run.me:
+            logger.warning("%s: %s; stepping down", run.log_prefix, why)
+            run.election.step_down(trio.current_time())
+            return
+        run.refuse("record_outvoted", f"{why} (coordinator {short_id(record.coordinator)})")
+        run.accuse(record.coordinator, why)
 
     def _confirm(self, tally: Tally) -> None:
         run = self.run

@@ -30,7 +30,7 @@ from p2ptrain.run._attesting import Attesting
 from p2ptrain.run._datafeed import DataFeed
 from p2ptrain.run._feedback_file import load_feedback, save_feedback
 from p2ptrain.run._run_state import RunState
-from p2ptrain.run._stage_copies import keep_next_stage
+from p2ptrain.run._stage_copies import keep_stage_copies
 from p2ptrain.run._stage_trainer import StagedTrainer
 from p2ptrain.run._stages import StageRounds
 from p2ptrain.pipeline import PipelineError
@@ -222,7 +222,7 @@ class Spans:
                     # evaluate, so its metrics are the training's (docs/pipeline.md).
                     await self.attesting.checkpoint_stored(plan, step, cid, cid, self.attesting.span_metrics(plan))
                     if self._settling is not None:  # while the next span trains (run/_stage_copies.py)
-                        self._settling.start_soon(keep_next_stage, run, cid, self.stages.stage_of(plan))
+                        self._settling.start_soon(keep_stage_copies, run, cid, self.stages.stage_of(plan))
                     return
             elif await self._average_buffers(plan):
                 await self._take_checkpoint(plan)

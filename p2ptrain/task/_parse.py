@@ -308,12 +308,14 @@ def _pipeline(
     if "pipeline" not in data:
         return None
     p = fields.table(data, "pipeline", "", True)
-    fields.only(p, {"stages", "microbatch_size", "activations", "check_fraction"}, "pipeline.")
+    fields.only(p, {"stages", "microbatch_size", "activations", "check_fraction", "copies"}, "pipeline.")
+    stages = fields.integer(p, "stages", "pipeline.", ..., 2, MAX_STAGES)
     spec = PipelineSpec(
-        stages=fields.integer(p, "stages", "pipeline.", ..., 2, MAX_STAGES),
+        stages=stages,
         microbatch_size=fields.integer(p, "microbatch_size", "pipeline.", training.batch_size, 1, 65536),
         activations=fields.choice(p, "activations", "pipeline.", ACTIVATIONS, "fp16"),
         check_fraction=fields.number(p, "check_fraction", "pipeline.", 0.05, 0.0, 1.0),
+        copies=fields.integer(p, "copies", "pipeline.", None, 1, stages - 1),
     )
     if training.batch_size % spec.microbatch_size:
         raise TaskError(f"pipeline.microbatch_size: {spec.microbatch_size} does not divide training.batch_size "

@@ -184,12 +184,21 @@ class PipelineSpec:
     microbatch; a stage-0 member drives its ``training.batch_size`` samples of a step as that many
     microbatches through the stages. ``check_fraction``: the share of microbatches that also go
     through a second replica of every later stage, whose outputs must be equal bit for bit.
+    ``copies``: how many of the following stages' checkpoint files each member keeps a copy of
+    (run/_stage_copies.py), so that a run survives that many adjacent stages losing every replica
+    between two checkpoints; None (absent from the task's bytes, as before it existed) is 1.
     """
 
     stages: int
     microbatch_size: int
     activations: str = "fp16"
     check_fraction: float = 0.05
+    copies: int | None = None
+
+    @property
+    def stage_copies(self) -> int:
+        """How many following stages' files a member keeps (``copies``, 1 when the task is silent)."""
+        return 1 if self.copies is None else self.copies
 
 
 @dataclass(frozen=True)

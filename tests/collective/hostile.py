@@ -326,10 +326,10 @@ def install_key(home: Path, key: KeyPair) -> None:
         f.write(key.private_key.serialize())
 
 
-def forge_records(run: Any, poison: str, named: int) -> None:
+def forge_records(run: Any, poison: str, named: int | None) -> None:
     """Make the hostile member's records (``run``: its TaskRun) name only itself (and ``named - 1``
-    of the span's other members) and a model nobody trained (``poison``), with a flattering
-    accuracy, and its own attestation match them.
+    of the span's other members; with ``named`` None, the plan's members as they are) and a model
+    nobody trained (``poison``), with a flattering accuracy, and its own attestation match them.
 
     Patched on the class, for the book ``run`` holds whenever it makes a record: a resync replaces
     the run's book (a member that joined a run under way resyncs whenever it falls behind)."""
@@ -345,7 +345,8 @@ def forge_records(run: Any, poison: str, named: int) -> None:
             if hostile_run.shared.book is book:
                 me = hostile_run.shared.me
                 hostile_run.attesting.checkpoint_cids[step] = (poisoned, poisoned)  # so that it attests the poison
-                few = dataclasses.replace(plan, members=(me, *[m for m in plan.members if m != me][: count - 1]))
+                few = plan if count is None else dataclasses.replace(
+                    plan, members=(me, *[m for m in plan.members if m != me][: count - 1]))
                 return honest(book, few, step, poisoned, poisoned, {**metrics, "accuracy": 0.99}, key_pair, votes)
         return honest(book, plan, step, model_cid, optimizer_cid, metrics, key_pair, votes)
 
@@ -353,4 +354,4 @@ def forge_records(run: Any, poison: str, named: int) -> None:
     RoundBook.checkpoint_record = forged  # type: ignore[method-assign]
 
 
-_forged_runs: list[tuple[Any, str, int]] = []  # (a hostile TaskRun, its poison CID, members it names)
+_forged_runs: list[tuple[Any, str, int | None]] = []  # (a hostile TaskRun, its poison CID, members it names)

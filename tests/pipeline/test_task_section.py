@@ -8,6 +8,7 @@ import pytest
 
 from p2ptrain.models import build_model, stage_sizes
 from p2ptrain.pipeline import partition
+from p2ptrain.run._stage_copies import copied_stages
 from p2ptrain.task import TaskError, load_task, task_bytes, task_from_bytes, unmet_requirement
 from p2ptrain.wire import Capabilities
 
@@ -31,6 +32,21 @@ def test_a_pipelined_task_gets_defaults_and_canonical_bytes():
     assert task_bytes(load_task(full)) == data
     other = load_task(pipelined("stages = 2", "microbatch_size = 2", 'activations = "int8"', "check_fraction = 0"))
     assert other.pipeline is not None and other.pipeline.microbatch_size == 2 and task_bytes(other) != data
+
+
+def test_copies_of_following_stages_are_named_only_by_a_task_that_asks_for_them():
+    silent = load_task(pipelined("stages = 4"))
+    assert silent.pipeline is not None and silent.pipeline.copies is None and silent.pipeline.stage_copies == 1
+    assert b"copies" not in task_bytes(silent)  # the bytes (and CID) of a task that is silent, as before
+    three = load_task(pipelined("stages = 4", "copies = 3"))
+    assert three.pipeline is not None and three.pipeline.stage_copies == 3
+    assert b'"copies":3' in task_bytes(three) and task_from_bytes(task_bytes(three)) == three
+    # Each member keeps the files of the k stages after its own, cyclically: every stage's files on k + 1 stages.
+    assert [copied_stages(s, 4, 1) for s in range(4)] == [[1], [2], [3], [0]]
+    assert [copied_stages(s, 4, 3) for s in range(4)] == [[1, 2, 3], [2, 3, 0], [3, 0, 1], [0, 1, 2]]
+    for k in (1, 2, 3):
+        holders = [sum(t in copied_stages(s, 4, k) or t == s for s in range(4)) for t in range(4)]
+        assert holders == [k + 1] * 4
 
 
 def test_a_task_without_the_section_has_no_pipeline_in_its_bytes():
@@ -59,6 +75,8 @@ USER = BASE.replace('name = "transformer_lm"\nkwargs = { vocab_size = 61, contex
         (pipelined("stages = 2", 'activations = "2bit"'), "pipeline.activations: must be one of fp32, fp16, int8"),
         (pipelined("stages = 2", "check_fraction = 1.5"), "pipeline.check_fraction: must be between 0 and 1"),
         (pipelined("stages = 2", "microbatch_size = 0"), "pipeline.microbatch_size: must be between"),
+        (pipelined("stages = 3", "copies = 3"), "pipeline.copies: must be between 1 and 2"),
+        (pipelined("stages = 3", "copies = 0"), "pipeline.copies: must be between 1 and 2"),
         (pipelined("stages = 2", "microbatch_size = 3"), "pipeline.microbatch_size: 3 does not divide training.batch_size (8)"),
         (pipelined("stages = 2", "microbatch_size = 16"), "pipeline.microbatch_size: 16 does not divide"),
         (pipelined("stages = 5"), "pipeline.stages: 5 stages need peers.min >= 5"),

@@ -31,9 +31,12 @@ RUN_S = 240.0  # four peers, 30 rounds and three checkpoints, an election after 
 
 # 1: the attack as the issue saw it (a record of one member; peers.min = 2 refuses it even to an
 # outsider). 2: one honest member named too, which an outsider cannot tell from a span of two; the
-# members, who hold the span's plan of four, refuse it.
-@pytest.mark.parametrize("named", [1, 2])
-async def test_a_hostile_coordinator_cannot_get_a_model_nobody_trained_confirmed(tmp_path: Path, named: int) -> None:
+# members, who hold the span's plan of four, refuse it. None: the plan's own members, a record that
+# breaks no rule: the honest quorum attests what it computed, every record is rejected, and before
+# the coordinator was outvoted (Tally.outvoted) it led on and the run confirmed nothing.
+@pytest.mark.parametrize("named", [1, 2, None])
+async def test_a_hostile_coordinator_cannot_get_a_model_nobody_trained_confirmed(
+        tmp_path: Path, named: int | None) -> None:
     with trio.fail_after(RUN_S):
         async with local_peers(3, tmp_path) as peers:
             # peers.max 4: the first plan comes once all four advertise the task, not after a grace for joiners.
@@ -72,5 +75,6 @@ async def test_a_hostile_coordinator_cannot_get_a_model_nobody_trained_confirmed
             # record and accused its signer.
             for i in range(3):
                 shared = peers[i].tasks.runs[task_cid].shared
-                assert shared.rejected["record_rules"] >= 1, peers.status(i, task_cid)
+                kind = "record_outvoted" if named is None else "record_rules"
+                assert shared.rejected[kind] >= 1, peers.status(i, task_cid)
                 assert hostile_id in shared.election.accused

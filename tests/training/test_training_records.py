@@ -134,6 +134,21 @@ def test_tally_rejects_a_record_nobody_reproduces(caplog):
     assert tally2.expire() is Status.REJECTED
 
 
+def test_a_record_a_quorum_computed_otherwise_is_outvoted_and_one_without_such_a_quorum_is_not():
+    signed = sign_record(record(members=tuple(PEERS[:5])), KEYS[0])
+    tally = Tally(signed, signed.record.members)
+    tally.add(attest(signed.record, "QmA", "Qmoptim", KEYS[1]))
+    tally.add(attest(signed.record, "QmB", "Qmoptim", KEYS[2]))
+    assert tally.add(attest(signed.record, "QmA", "Qmoptim", KEYS[3])) is Status.REJECTED
+    assert tally.outvoted() is None  # rejected (3 of 5 differ), but no quorum agrees on another model
+    tally.add(attest(signed.record, "QmA", "Qmoptim", KEYS[4]))  # late: still counted
+    assert tally.outvoted() == "QmA"  # 3 of 5 signed that they computed QmA, not the record's model
+    confirmed = Tally(signed, signed.record.members)
+    for key in KEYS[:3]:
+        confirmed.add(attest(signed.record, "Qmmodel", "Qmoptim", key))
+    assert confirmed.status is Status.CONFIRMED and confirmed.outvoted() is None
+
+
 def test_tally_refuses_forged_or_foreign_attestations():
     signed = sign_record(record(), KEYS[0])
     tally = Tally(signed, signed.record.members)
