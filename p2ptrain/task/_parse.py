@@ -303,8 +303,8 @@ def _pipeline(
 ) -> PipelineSpec | None:
     """``[pipeline]``: the model cut into stages across the members (docs/pipeline.md), checked
     here: the model must be one that can be cut into that many stages (on the meta device, when this
-    node has its builder: ``check_cut``), every stage needs a member, and a step's samples split into
-    whole microbatches."""
+    node has its builder: ``check_cut``), no stage may hold more than the ``MAX_PARAMETERS`` one
+    member holds, every stage needs a member, and a step's samples split into whole microbatches."""
     if "pipeline" not in data:
         return None
     p = fields.table(data, "pipeline", "", True)
