@@ -65,7 +65,7 @@ EXPORTS: dict[str, list[str]] = {
         "card_from_bytes", "card_of", "check_hf_config", "check_model", "cut_pieces", "file_bytes_bound",
         "first_difference", "hf_config", "hf_settings", "import_transformers", "input_problem", "lookup",
         "meta_model",
-        "model_file_limit", "pieces_of", "stage_sizes",
+        "model_file_limit", "pieces_of", "stage_sizes", "whole_model_cap",
     ],
     "p2ptrain.pipeline": [
         "Cut", "DoubleCounted", "Driver", "MAX_STREAMS_PER_PEER", "PROTOCOL", "PartitionError", "PipelineError", "Stage",

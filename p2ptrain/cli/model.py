@@ -167,14 +167,13 @@ def _parameters(data: bytes) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     from p2ptrain.ipfs import open_store
-    from p2ptrain.models import MAX_MODEL_FILE_BYTES
     from p2ptrain.training import export_pretrained, model_file
 
     home = home_of(args)
     if args.directory.exists():  # before any fetch
         raise UserError(f"{args.directory}: exists; export writes a new directory")
     ensure_local(home, [args.model_cid], args.bootstrap)
-    data = model_file(open_store(home), args.model_cid, max_bytes=MAX_MODEL_FILE_BYTES)
+    data = model_file(open_store(home), args.model_cid)
     path = export_pretrained(data, args.directory)
     files = sorted(p.name for p in path.iterdir())
     if args.json:

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
         Piece as Piece,
         pieces_of as pieces_of,
         stage_sizes as stage_sizes,
+        whole_model_cap as whole_model_cap,
     )
     from p2ptrain.models._hf import (
         CausalLM as CausalLM,

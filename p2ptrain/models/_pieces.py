@@ -21,7 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from p2ptrain.models._registry import build_model, check_kwargs, lm_piece, meta_model, seeded_call, TinyLM
+from p2ptrain.models._registry import (build_model, check_kwargs, lm_piece, MAX_PARAMETERS, meta_model, seeded_call,
+                                       TinyLM)
 
 # A pipelined task's whole model: at most this many parameters, each stage at most MAX_PARAMETERS
 # (what one member holds; task/_parse.py checks both). Every member initialises every piece once,
@@ -180,6 +181,14 @@ def builds_by_piece(name: str) -> bool:
     """Whether the registry model ``name``'s initial bits are built one piece at a time
     (:class:`InitialPieces`): only then may a pipelined task's model outgrow one member."""
     return name == "transformer_lm"
+
+
+def whole_model_cap(name: str) -> int:
+    """The most parameters a registry model ``name`` may have when one process asked to build it
+    whole (a model fetched, loaded, evaluated or served: a pipelined run's model is made one there):
+    :data:`MAX_PIPELINED_PARAMETERS` for the models a pipelined task may grow past one member
+    (:func:`builds_by_piece`), else :data:`~p2ptrain.models.MAX_PARAMETERS`."""
+    return MAX_PIPELINED_PARAMETERS if builds_by_piece(name) else MAX_PARAMETERS
 
 
 class InitialPieces:

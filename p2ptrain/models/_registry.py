@@ -194,9 +194,10 @@ _SEEDED_BUILD = threading.Lock()
 T = TypeVar("T")
 
 
-def build_model(name: str, kwargs: dict[str, Any], seed: int) -> nn.Module:
-    """Build a registered model with weights initialised deterministically from ``seed`` (on CPU)."""
-    check_model(name, kwargs)
+def build_model(name: str, kwargs: dict[str, Any], seed: int, cap: int = MAX_PARAMETERS) -> nn.Module:
+    """Build a registered model with weights initialised deterministically from ``seed`` (on CPU),
+    of at most ``cap`` parameters (:func:`check_model`)."""
+    check_model(name, kwargs, cap)
     full = check_kwargs(name, kwargs)
     return seeded_call(lambda: _construct(name, full), seed)[0]
 

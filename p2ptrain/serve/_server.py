@@ -71,11 +71,12 @@ def load_served(store: ContentStore, cid: str, device: torch.device, home: Path 
     """The model ``cid`` from ``store`` (every byte verified), built from the registry (or loaded
     into a copy of the user's own instance), on ``device``."""
     from p2ptrain.training import model_file, model_from_bytes
-    from p2ptrain.models import MAX_MODEL_FILE_BYTES, file_bytes_bound
+    from p2ptrain.models import file_bytes_bound
 
-    # No model the registry builds is larger; a user's is the size of its instance's own file.
-    bound = MAX_MODEL_FILE_BYTES if user_model is None else file_bytes_bound(user_model.module.state_dict().values())
-    data = model_file(store, cid, max_bytes=bound)  # a pipelined run's stages assembled
+    # A registry model's file: one member's (a pipelined run's stages assembled within what their
+    # architecture takes); a user's is the size of its instance's own file.
+    bound = None if user_model is None else file_bytes_bound(user_model.module.state_dict().values())
+    data = model_file(store, cid, max_bytes=bound)
     card = read_model_card(data) or {}
     if user_model is not None:
         module = copy.deepcopy(user_model.module)  # a followed head swaps in beside the one serving
