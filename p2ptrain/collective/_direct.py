@@ -39,22 +39,28 @@ from p2ptrain.collective._owners import Owners, ring_owners
 from p2ptrain.collective._ring import SEGMENT_BYTES, chunk_bounds, segments
 from p2ptrain.collective._robust import clip_scales, contribution_norm, scaled
 from p2ptrain.collective._round_spec import RoundSpec
+from p2ptrain.collective._sampling import bound_problem, own_norm_problem, sampled
 from p2ptrain.collective._witness import Witness, digest_of, tensor_bytes
 from p2ptrain.base import short_id
-from p2ptrain.wire import DIGEST_BYTES, DTYPES, ENTRY_BYTES, HEADER, SIGNATURE_BYTES, Header, Kind, Phase, Said
+from p2ptrain.wire import (
+    DIGEST_BYTES, DRAW_BYTES, DTYPES, ENTRY_BYTES, HEADER, NORM_BYTES, SIGNATURE_BYTES, FrameError, Header, Kind,
+    Phase, Said, norms_bytes, parse_draw, parse_norms,
+)
 
 Parts = list[torch.Tensor]  # one member's contribution to a chunk, segment by segment
 _T = TypeVar("_T")
+_U8 = DTYPES[torch.uint8]
 
 
-def reduce_chunk(parts: list[Parts], start: int, spec: RoundSpec) -> Parts:
+def reduce_chunk(parts: list[Parts], start: int, spec: RoundSpec, norms: list[float] | None = None) -> Parts:
     """Chunk ``start``'s reduction from every member's ``parts`` (by ring position): clipped to the
-    median norm under ``spec.robust="clip"``, summed in the order start, start+1, ..., start-1,
-    divided for a mean. The owner and the chunk's verifier both run exactly this."""
+    median norm under ``spec.robust="clip"`` (``norms``: the contributions' norms, if computed
+    already), summed in the order start, start+1, ..., start-1, divided for a mean. The owner and
+    the chunk's verifier both run exactly this."""
     size = len(parts)
     scales = [1.0] * size
     if spec.robust == "clip":
-        scales = clip_scales([contribution_norm(p) for p in parts])
+        scales = clip_scales(norms if norms is not None else [contribution_norm(p) for p in parts])
     out = []
     for j, first in enumerate(parts[start]):
         total = first.clone() if scales[start] == 1.0 else scaled(first, scales[start])
@@ -80,7 +86,8 @@ async def direct_allreduce(
     (:mod:`p2ptrain.collective._robust`); its bytes are what everyone copies, once its verifier (if
     any) found them equal to its own recomputation. A verifier that does not raises
     :class:`Misbehaved` naming the owner, or the contributor that sent the two of them different
-    values.
+    values. ``spec.check_fraction < 1``: a chunk is recomputed only when its verifier's draw says so,
+    and every member checks every chunk's bound (:mod:`p2ptrain.collective._sampling`).
     """
     size, me, ring = links.size, links.me, links.ring
     if size == 1:
@@ -94,6 +101,9 @@ async def direct_allreduce(
     if witness is not None:  # every chunk is one frame at least: its signature rides on the last one
         segs = [s or [(bounds[c], bounds[c])] for c, s in enumerate(segs)]
     mine, checking = owners.owned_by(me), owners.checked_by(me)
+    # Sampled verification: VERIFY copies only for the chunks whose verifier's draw asks for them.
+    sampling = witness is not None and checking is not None and spec.check_fraction < 1.0
+    norms_size = size * NORM_BYTES if sampling else 0
 
     def local(chunk: int) -> Parts:
         return [data[a:b] for a, b in segs[chunk]]
@@ -105,8 +115,11 @@ async def direct_allreduce(
     inputs: dict[int, bytes] = {}  # signed digests of the contributions to our chunk (for its verifier)
     results: dict[int, Parts] = {}  # every chunk's reduced values, placed into ``data`` at the end
     proofs = bytearray()  # the signed contributions the owner of the chunk we check reduced
-    contributed, reduced = trio.Event(), trio.Event()
-    signatures: dict[int, bytes] = {}
+    contributed, reduced, drew = trio.Event(), trio.Event(), trio.Event()
+    signatures: dict[int, bytes] = {}  # our chunk's trailer: its norms (when sampling) and signature
+    # Per chunk: (the result digest drawn over and the draw, checked?), ours and every member's.
+    draws: dict[int, tuple[bytes, bool]] = {}
+    their_draw = {m: trio.Event() for m in range(size)}
 
     async def send_parts(chunk: int, parts: Parts, phase: int, to: int, trailer: bytes = b"") -> None:
         """``parts`` as frames, ``trailer`` (signatures) after the last one's values."""
@@ -124,7 +137,7 @@ async def direct_allreduce(
             signature = await _off_loop(local(chunk), _signed, witness, Said.CONTRIBUTION, chunk, local(chunk))
         await send_parts(chunk, local(chunk), Phase.REDUCE, member, signature)
         theirs = owners.checked_by(member)
-        if theirs is not None:
+        if theirs is not None and not sampling:
             await send_parts(theirs, local(theirs), Phase.VERIFY, member)
         await reduced.wait()
         trailer = b""
@@ -133,6 +146,13 @@ async def direct_allreduce(
             if owners.verifier is not None and owners.verifier[mine] == member:
                 trailer += b"".join(inputs[m] for m in range(size) if m != me)  # the proof of what it reduced
         await send_parts(mine, results[mine], Phase.GATHER, member, trailer)
+        if sampling and theirs is not None:
+            await drew.wait()
+            header = Header(Kind.DATA, links.round_id, Phase.DRAW, checking, 0, DRAW_BYTES, _U8)
+            await links.send(header, draws[checking][0], to=ring[member])
+            await their_draw[member].wait()
+            if draws[theirs][1]:
+                await send_parts(theirs, local(theirs), Phase.VERIFY, member)
 
     async def receive_parts(chunk: int, phase: int, source: int, trailer: int = 0) -> tuple[Parts, bytes]:
         """A chunk's frames from ``source``, and the ``trailer`` bytes after the last one's values."""
@@ -154,17 +174,36 @@ async def direct_allreduce(
         held[member] = parts
         if len(held) == size:
             contributed.set()
-        if checking is not None:
+        if checking is not None and not sampling:
             checks[member], _ = await receive_parts(checking, Phase.VERIFY, member)
         chunk = owners.owned_by(member)
         trailer = 0
         if witness is not None:
-            trailer = SIGNATURE_BYTES + ((size - 1) * ENTRY_BYTES if chunk == checking else 0)
+            trailer = norms_size + SIGNATURE_BYTES + ((size - 1) * ENTRY_BYTES if chunk == checking else 0)
         results[chunk], tail = await receive_parts(chunk, Phase.GATHER, member, trailer)
-        if witness is not None:
-            signature = tail[:SIGNATURE_BYTES]
-            await _off_loop(results[chunk], _heard, witness, member, Said.RESULT, chunk, results[chunk], signature)
-            proofs.extend(tail[SIGNATURE_BYTES:])
+        if witness is None:
+            return
+        said = tail[: norms_size + SIGNATURE_BYTES]
+        proofs.extend(tail[len(said) :])
+        digest = await _off_loop(results[chunk], _heard_result, witness, member, chunk, results[chunk], said,
+                                 local(chunk) if sampling else None, spec)
+        if not sampling:
+            return
+        if chunk == checking:  # the owner has signed its result: now we draw
+            draw = witness.sign(Said.SAMPLE, checking, digest)
+            draws[checking] = (digest + draw, sampled(draw, spec.check_fraction))
+            drew.set()
+        theirs = owners.checked_by(member)
+        assert theirs is not None
+        frame = await links.recv(phase=Phase.DRAW, step=theirs, seg=0, count=DRAW_BYTES, dtype=_U8,
+                                 nbytes=DRAW_BYTES, source=ring[member])
+        drawn_over, draw = parse_draw(memoryview(frame)[HEADER.size :])
+        witness.heard(Said.SAMPLE, theirs, member, drawn_over, draw)
+        draws[theirs] = (drawn_over + draw, sampled(draw, spec.check_fraction))
+        their_draw[member].set()
+        await drew.wait()
+        if draws[checking][1]:
+            checks[member], _ = await receive_parts(checking, Phase.VERIFY, member)
 
     with single_failure():
         async with trio.open_nursery() as nursery:
@@ -176,10 +215,10 @@ async def direct_allreduce(
             # The reduction and its signature in one go (a hand-off on this path holds up every
             # member waiting for our chunk; a small chunk's reduction is cheaper than a hand-off).
             results[mine], signatures[mine] = await _off_loop(
-                held[me], _reduced_and_signed, [held[m] for m in range(size)], mine, spec, witness
+                held[me], _reduced_and_signed, [held[m] for m in range(size)], mine, spec, witness, sampling
             )
             reduced.set()
-    if checking is not None:
+    if checking is not None and (not sampling or draws[checking][1]):
         _check_chunk(links, owners, checking, [checks[m] for m in range(size)], results[checking], bytes(proofs),
                      spec, witness)
     for chunk, parts in results.items():
@@ -204,10 +243,17 @@ async def _off_loop(parts: Parts, fn: Callable[..., _T], *args: Any) -> _T:
     return fn(*args)
 
 
-def _reduced_and_signed(parts: list[Parts], start: int, spec: RoundSpec, witness: Witness | None) -> tuple[Parts, bytes]:
-    """The owner's chunk (:func:`reduce_chunk`) and, in a robust round, its signature of it."""
-    result = reduce_chunk(parts, start, spec)
-    return result, b"" if witness is None else _signed(witness, Said.RESULT, start, result)
+def _reduced_and_signed(
+    parts: list[Parts], start: int, spec: RoundSpec, witness: Witness | None, with_norms: bool,
+) -> tuple[Parts, bytes]:
+    """The owner's chunk (:func:`reduce_chunk`) and, in a robust round, what follows its values:
+    the norms of the contributions (``with_norms``, a sampled round) and its signature of both."""
+    norms = [contribution_norm(p) for p in parts] if with_norms else None
+    result = reduce_chunk(parts, start, spec, norms=norms)
+    if witness is None:
+        return result, b""
+    reported = b"" if norms is None else norms_bytes(norms)
+    return result, reported + witness.sign(Said.RESULT, start, digest_of([*result, reported]))
 
 
 def _signed(witness: Witness, said: int, key: int, parts: Parts) -> bytes:
@@ -220,8 +266,27 @@ def _checked(witness: Witness, signer: int, said: int, key: int, parts: Parts, s
     return digest if witness.signed(signer, said, key, digest, signature) else None
 
 
-def _heard(witness: Witness, signer: int, said: int, key: int, parts: Parts, signature: bytes) -> None:
-    witness.heard(said, key, signer, digest_of(parts), signature)
+def _heard_result(
+    witness: Witness, owner: int, chunk: int, parts: Parts, said: bytes, ours: Parts | None, spec: RoundSpec,
+) -> bytes:
+    """Record chunk ``chunk`` from its ``owner``: ``said`` is what followed its values (the norms
+    it reported, in a sampled round, then its signature of both; :class:`BadPayload` naming it if
+    the signature is not over these bytes). In a sampled round (``ours``: our own contribution to
+    the chunk) also its bound (:mod:`p2ptrain.collective._sampling`): :class:`Misbehaved` naming the
+    owner, whose signature is on what breaks it. Returns the digest it signed."""
+    reported, signature = said[:-SIGNATURE_BYTES], said[-SIGNATURE_BYTES:]
+    digest = digest_of([*parts, reported])
+    witness.heard(Said.RESULT, chunk, owner, digest, signature)
+    if ours is not None:
+        try:
+            norms = parse_norms(reported, witness.links.size)
+        except FrameError as error:
+            raise Misbehaved(witness.links.ring[owner], f"signed chunk {chunk} with bad norms: {error}") from None
+        problem = own_norm_problem(norms[witness.links.me], contribution_norm(ours)) or bound_problem(
+            norms, contribution_norm(parts), average=spec.average)
+        if problem is not None:
+            raise Misbehaved(witness.links.ring[owner], f"its chunk {chunk} {problem}")
+    return digest
 
 
 def _check_chunk(

@@ -256,8 +256,8 @@ def install(monkeypatch) -> None:
     """Patch the seams :class:`Owner` acts through (pytest's ``monkeypatch`` undoes it)."""
     reduce_chunk, check_chunk, send, witness_init = direct.reduce_chunk, direct._check_chunk, RoundLinks.send, Witness.__init__
 
-    def hostile_reduce(parts, start, spec):
-        out = reduce_chunk(parts, start, spec)
+    def hostile_reduce(parts, start, spec, norms=None):
+        out = reduce_chunk(parts, start, spec, norms)
         owner = _acting.get()
         if owner is not None and owner.poison is not None and not owner._verifying:
             out = [torch.full_like(part, owner.poison) for part in out]
