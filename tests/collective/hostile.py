@@ -186,16 +186,19 @@ async def train_digits(
 
 class Owner:
     """What a hostile owner does in the rounds it takes part in (see the module docstring; with
-    none of the three it is honest: an attack can be switched on mid-run):
-    ``poison``, a value written into every value of the chunk it reduces; ``equivocate_to``, a
+    none of them it is honest: an attack can be switched on mid-run):
+    ``poison``, a value written into every value of the chunk it reduces; ``flip``: its chunk
+    negated (the same norm: inside the bound every member checks in a sampled round, so only a
+    verifier's recomputation catches it); ``equivocate_to``, a
     peer ID that gets this owner's chunk plus one, signed anew (``resign=False``: under the
     signature of the real chunk); ``split``: as a contributor, it
     sends each chunk's verifier its values plus one (the owners get the signed, honest ones)."""
 
-    def __init__(self, collective: Collective, *, poison: float | None = None, equivocate_to=None,
-                 split: bool = False, resign: bool = True) -> None:
+    def __init__(self, collective: Collective, *, poison: float | None = None, flip: bool = False,
+                 equivocate_to=None, split: bool = False, resign: bool = True) -> None:
         self.collective = collective
         self.poison = poison
+        self.flip = flip
         self.equivocate_to = equivocate_to
         self.split = split
         self.resign = resign  # False: the altered chunk goes with the signature of the real one
@@ -261,6 +264,8 @@ def install(monkeypatch) -> None:
         owner = _acting.get()
         if owner is not None and owner.poison is not None and not owner._verifying:
             out = [torch.full_like(part, owner.poison) for part in out]
+        if owner is not None and owner.flip and not owner._verifying:
+            out = [torch.neg(part) for part in out]
         return out
 
     def honest_check(*args, **kwargs):  # as a verifier it checks honestly: the attack is on its own chunk
