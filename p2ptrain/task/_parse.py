@@ -352,8 +352,10 @@ def _compression(c: dict[str, Any]) -> CompressionSpec:
         if not error_feedback:
             raise TaskError(f'compression.values: "{values}" needs error_feedback = true (it keeps what '
                             "the quantization drops)")
-    # Absent unless named (stored as no field: tasks that do not name it keep their bytes), meaning 1.0.
+    # Stored only below 1.0 (absent and 1.0 are every chunk), so tasks that check every chunk keep their bytes.
     check_fraction = fields.number(c, "check_fraction", "compression.", None, 0.0, 1.0, lo_open=True)
+    if check_fraction == 1.0:
+        check_fraction = None
     if check_fraction is not None and (robust != "clip" or values in ("int8", "2bit")):
         raise TaskError('compression.check_fraction: samples the chunks that owners reduce under robust = "clip"; '
                         "it needs that, and values that are not quantized (those have no owner)")
