@@ -1,6 +1,7 @@
 """Byzantine members: digits accuracy with and without robust="clip", and what clipping costs.
 
-    python bench/robust.py [--steps 400] [--rounds 30] [--json] [--skip-accuracy] [--skip-owner]
+    python bench/robust.py [--steps 400] [--rounds 30] [--check-fractions 0.25 0.1] [--json]
+                           [--skip-accuracy] [--skip-owner]
 
 Four real libp2p hosts on 127.0.0.1 in this process (tests/collective/hostile.py). Three parts:
 
@@ -11,10 +12,14 @@ Four real libp2p hosts on 127.0.0.1 in this process (tests/collective/hostile.py
 2. **A targeted owner** (issue 27), under "clip": member 3 writes 1000.0 into every value of the
    chunk it reduces, every round; a round that fails is run again without the member the honest
    ones named (what the runtime's next plan does). Test accuracy against an honest run of the same
-   length, in the same run, and who was named.
-3. **Healthy-path cost.** No hostile member; rounds of a flat gradient alternate between "none" and
-   "clip" in the same run (so the machine's load is shared alike), for the sparse path at 1% and
-   the dense path; median round time of each and their ratio. The dense path with clip is the
+   length, in the same run, and who was named. Then, with each of ``--check-fractions`` (sampled
+   verification), the same owner negating its chunk instead (which stays inside the bound every
+   member checks, so only a drawn recomputation catches it): accuracy, and the step it was named at.
+3. **Healthy-path cost.** No hostile member; rounds of a flat gradient rotate between "none",
+   "clip" (every chunk recomputed) and "clip" with each of ``--check-fractions`` (``clip@q``: a
+   chunk recomputed when its verifier's draw says so) in the same run (so the machine's load is
+   shared alike), for the sparse path at 1% and the dense path; median round time of each and its
+   ratio to "none". The 1-minute load average before and after each part. The dense path with clip is the
    direct exchange instead of the ring, so its ratio includes that change of algorithm. A "clip"
    round carries its checks (drawn owners, a verifier per chunk, signed items, CONFIRM: issue 27),
    so its ratio is what a robust round costs in all; the quartiles of each rule's round times give
@@ -33,6 +38,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -72,6 +78,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=400, help="training rounds per accuracy run")
     parser.add_argument("--rounds", type=int, default=30, help="timed rounds per rule and size (after 2 warm-ups)")
+    parser.add_argument("--check-fractions", type=float, nargs="*", default=[0.25, 0.1],
+                        help="sampled verification: the share of chunks recomputed, one clip@q rule each")
     parser.add_argument("--sparse-mib", type=float, default=16.0, help="gradient size of the sparse timing")
     parser.add_argument("--dense-mib", type=float, default=4.0, help="tensor size of the dense timing")
     parser.add_argument("--skip-accuracy", action="store_true")
@@ -106,40 +114,54 @@ async def accuracy(collectives, steps: int, say) -> list[dict]:
     return rows
 
 
-async def owner_accuracy(collectives, steps: int, say) -> list[dict]:
+async def owner_accuracy(collectives, steps: int, fractions: list[float], say) -> list[dict]:
     """Digits under "clip": honest, then member 3 poisoning the chunk it owns (see the docstring)."""
     rows = []
-    for attack, base in (("honest", 1 << 42), ("owner writes 1000.0", 1 << 43)):
+    runs = [("honest", {}, 1.0), ("owner writes 1000.0", {"poison": 1000.0}, 1.0)]
+    runs += [("owner negates its chunk", {"flip": True}, q) for q in fractions]
+    for n, (attack, how, fraction) in enumerate(runs):
         named: list[int] = []
-        owners = {} if attack == "honest" else {BAD: hostile.Owner(collectives[BAD], poison=1000.0)}
+        named_at: list[int] = []
+        owners = {BAD: hostile.Owner(collectives[BAD], **how)} if how else {}
         started = time.perf_counter()
         with pytest.MonkeyPatch.context() as patch:
             hostile.install(patch)
-            acc, _ = await hostile.train_digits(collectives, steps=steps, robust="clip", hostile={}, owners=owners,
-                                                named=named, first_round=base)
-        row = {"owner": attack, "robust": "clip", "accuracy": round(acc, 4), "steps": steps, "named": named,
+            acc, _ = await hostile.train_digits(
+                collectives, steps=steps, robust="clip", hostile={}, owners=owners, named=named,
+                first_round=(1 << 42) * (n + 1), check_fraction=fraction,
+                on_round=lambda step, _seconds: named_at.append(step) if named and not named_at else None,
+            )
+        row = {"owner": attack, "robust": "clip", "check_fraction": fraction, "accuracy": round(acc, 4),
+               "steps": steps, "named": named, "named_at_step": named_at[0] if named_at else None,
                "seconds": round(time.perf_counter() - started, 1)}
         say(row)
         rows.append(row)
     return rows
 
 
-async def round_cost(collectives, numel: int, density: float, rounds: int, first_round: int) -> dict:
-    """Median round time (slowest member) with each rule, rounds alternating between the two."""
+async def round_cost(collectives, numel: int, density: float, rounds: int, first_round: int,
+                     fractions: list[float]) -> dict:
+    """Median round time (slowest member) with each rule, rounds rotating between them (the order
+    shifts every iteration, so no rule always follows the same one)."""
     ring = [c.peer_id for c in collectives]
     gens = [torch.Generator().manual_seed(i) for i in range(WORLD)]
     grads = [torch.randn(numel, generator=g) for g in gens]
-    reducers = {
-        rule: [SparseAllReducer(c, RoundSpec(density=density, robust=rule, timeout=ROUND_TIMEOUT_S)) for c in collectives]
-        for rule in ("none", "clip")
-    }
-    times: dict[str, list[float]] = {"none": [], "clip": []}
-    parts: dict[str, list[float]] = {"exchange": [], "confirm": []}  # clip rounds
+    rules = {"none": RoundSpec(density=density, timeout=ROUND_TIMEOUT_S),
+             "clip": RoundSpec(density=density, robust="clip", timeout=ROUND_TIMEOUT_S)}
+    for q in fractions:
+        rules[f"clip@{q:g}"] = RoundSpec(density=density, robust="clip", check_fraction=q, timeout=ROUND_TIMEOUT_S)
+    names = list(rules)
+    reducers = {rule: [SparseAllReducer(c, spec) for c in collectives] for rule, spec in rules.items()}
+    times: dict[str, list[float]] = {rule: [] for rule in names}
+    parts: dict[str, dict[str, list[float]]] = {rule: {"exchange": [], "confirm": []} for rule in names[1:]}
+    sent: dict[str, list[int]] = {rule: [] for rule in names}  # bytes the members put on the wire, per round
+    load = os.getloadavg()[0]
     with pytest.MonkeyPatch.context() as patch:
         spans = phase_clocks(patch)
         for i in range(rounds + 2):
-            for rule in (("none", "clip") if i % 2 else ("clip", "none")):
-                round_id = first_round + 2 * i + (rule == "clip")
+            for k in range(len(names)):
+                rule = names[(i + k) % len(names)]
+                round_id = first_round + len(names) * i + names.index(rule)
                 for seen in spans.values():
                     seen.clear()
                 started = time.perf_counter()
@@ -149,17 +171,24 @@ async def round_cost(collectives, numel: int, density: float, rounds: int, first
                             nursery.start_soon(lambda r=r, g=g: r.allreduce(g, ring, round_id))
                 if i >= 2:
                     times[rule].append(time.perf_counter() - started)
-                    if rule == "clip":
+                    sent[rule].append(sum(c.last_round.bytes_sent for c in collectives))
+                    if rule != "none":
                         for name, seen in spans.items():
-                            parts[name].append(max(end for _, end in seen) - max(start for start, _ in seen))
-    none, clip = statistics.median(times["none"]), statistics.median(times["clip"])
-    return {"numel": numel, "density": density, "rounds": rounds, "none_ms": round(none * 1e3, 2),
-            "clip_ms": round(clip * 1e3, 2), "ratio": round(clip / none, 3),
-            "none_spread_ms": spread(times["none"]), "clip_spread_ms": spread(times["clip"]),
-            "clip_exchange_ms": round(statistics.median(parts["exchange"]) * 1e3, 2),
-            "clip_confirm_ms": round(statistics.median(parts["confirm"]) * 1e3, 2),
-            "owner_clip_ms": round(owner_clip_seconds(grads, density) * 1e3, 3),
-            "checks_cpu_ms": round(checks_seconds(grads, density) * 1e3, 3)}
+                            parts[rule][name].append(max(end for _, end in seen) - max(start for start, _ in seen))
+    none = statistics.median(times["none"])
+    row: dict = {"numel": numel, "density": density, "rounds": rounds, "load_1min": [round(load, 2)],
+                 "none_ms": round(none * 1e3, 2), "none_spread_ms": spread(times["none"]),
+                 "none_sent_bytes": int(statistics.median(sent["none"]))}
+    for rule in names[1:]:
+        median = statistics.median(times[rule])
+        row[rule] = {"ms": round(median * 1e3, 2), "ratio": round(median / none, 3), "spread_ms": spread(times[rule]),
+                     "exchange_ms": round(statistics.median(parts[rule]["exchange"]) * 1e3, 2),
+                     "confirm_ms": round(statistics.median(parts[rule]["confirm"]) * 1e3, 2),
+                     "sent_bytes": int(statistics.median(sent[rule]))}
+    row["load_1min"].append(round(os.getloadavg()[0], 2))
+    row["owner_clip_ms"] = round(owner_clip_seconds(grads, density) * 1e3, 3)
+    row["checks_cpu_ms"] = round(checks_seconds(grads, density) * 1e3, 3)
+    return row
 
 
 def spread(seconds: list[float]) -> list[float]:
@@ -248,13 +277,13 @@ async def run(args: argparse.Namespace) -> dict:
         if not args.skip_accuracy:
             report["accuracy"] = await accuracy(collectives, args.steps, say)
         if not args.skip_owner:
-            report["owner"] = await owner_accuracy(collectives, args.steps, say)
+            report["owner"] = await owner_accuracy(collectives, args.steps, args.check_fractions, say)
         report["cost"] = []
         for numel, density, first in (
             (int(args.sparse_mib * (1 << 20)) // 4, 0.01, 1 << 40),
             (int(args.dense_mib * (1 << 20)) // 4, 1.0, 1 << 41),
         ):
-            row = await round_cost(collectives, numel, density, args.rounds, first)
+            row = await round_cost(collectives, numel, density, args.rounds, first, args.check_fractions)
             say(row)
             report["cost"].append(row)
     return report

@@ -81,13 +81,14 @@ async def direct_allreduce(
     bitwise-identically.
 
     ``owners`` (default: the ring's) says who reduces each chunk and who checks it; ``witness`` (a
-    robust round) signs what this member sends. ``spec.robust="clip"``: the owner of a chunk clips
-    each member's contribution to it to the median of their norms before summing
-    (:mod:`p2ptrain.collective._robust`); its bytes are what everyone copies, once its verifier (if
-    any) found them equal to its own recomputation. A verifier that does not raises
-    :class:`Misbehaved` naming the owner, or the contributor that sent the two of them different
-    values. ``spec.check_fraction < 1``: a chunk is recomputed only when its verifier's draw says so,
-    and every member checks every chunk's bound (:mod:`p2ptrain.collective._sampling`).
+    robust round) signs what this member sends, and the round ends with its CONFIRM exchange.
+    ``spec.robust="clip"``: the owner of a chunk clips each member's contribution to it to the
+    median of their norms before summing (:mod:`p2ptrain.collective._robust`); its bytes are what
+    everyone copies, once its verifier (if any) found them equal to its own recomputation. A
+    verifier that does not raises :class:`Misbehaved` naming the owner, or the contributor that
+    sent the two of them different values. ``spec.check_fraction < 1``: a chunk is recomputed only
+    when its verifier's draw, sent with its CONFIRM, says so, and every member checks every chunk's
+    bound (:mod:`p2ptrain.collective._sampling`).
     """
     size, me, ring = links.size, links.me, links.ring
     if size == 1:
@@ -101,7 +102,7 @@ async def direct_allreduce(
     if witness is not None:  # every chunk is one frame at least: its signature rides on the last one
         segs = [s or [(bounds[c], bounds[c])] for c, s in enumerate(segs)]
     mine, checking = owners.owned_by(me), owners.checked_by(me)
-    # Sampled verification: VERIFY copies only for the chunks whose verifier's draw asks for them.
+    # Sampled verification: no VERIFY copies during the exchange; those of drawn chunks after CONFIRM.
     sampling = witness is not None and checking is not None and spec.check_fraction < 1.0
     norms_size = size * NORM_BYTES if sampling else 0
 
@@ -115,11 +116,9 @@ async def direct_allreduce(
     inputs: dict[int, bytes] = {}  # signed digests of the contributions to our chunk (for its verifier)
     results: dict[int, Parts] = {}  # every chunk's reduced values, placed into ``data`` at the end
     proofs = bytearray()  # the signed contributions the owner of the chunk we check reduced
-    contributed, reduced, drew = trio.Event(), trio.Event(), trio.Event()
-    signatures: dict[int, bytes] = {}  # our chunk's trailer: its norms (when sampling) and signature
-    # Per chunk: (the result digest drawn over and the draw, checked?), ours and every member's.
-    draws: dict[int, tuple[bytes, bool]] = {}
-    their_draw = {m: trio.Event() for m in range(size)}
+    contributed, reduced = trio.Event(), trio.Event()
+    signatures: dict[int, bytes] = {}  # what follows our chunk's values: its norms (sampling) and signature
+    draw = b""  # sampling: the result digest of the chunk we check and our signature of it (the draw)
 
     async def send_parts(chunk: int, parts: Parts, phase: int, to: int, trailer: bytes = b"") -> None:
         """``parts`` as frames, ``trailer`` (signatures) after the last one's values."""
@@ -146,13 +145,6 @@ async def direct_allreduce(
             if owners.verifier is not None and owners.verifier[mine] == member:
                 trailer += b"".join(inputs[m] for m in range(size) if m != me)  # the proof of what it reduced
         await send_parts(mine, results[mine], Phase.GATHER, member, trailer)
-        if sampling and theirs is not None:
-            await drew.wait()
-            header = Header(Kind.DATA, links.round_id, Phase.DRAW, checking, 0, DRAW_BYTES, _U8)
-            await links.send(header, draws[checking][0], to=ring[member])
-            await their_draw[member].wait()
-            if draws[theirs][1]:
-                await send_parts(theirs, local(theirs), Phase.VERIFY, member)
 
     async def receive_parts(chunk: int, phase: int, source: int, trailer: int = 0) -> tuple[Parts, bytes]:
         """A chunk's frames from ``source``, and the ``trailer`` bytes after the last one's values."""
@@ -165,6 +157,7 @@ async def direct_allreduce(
 
     async def take(member: int) -> None:
         """What ``member`` sends us, in the channel's order."""
+        nonlocal draw
         parts, signature = await receive_parts(mine, Phase.REDUCE, member, SIGNATURE_BYTES if witness else 0)
         if witness is not None:
             digest = await _off_loop(parts, _checked, witness, member, Said.CONTRIBUTION, mine, parts, signature)
@@ -181,29 +174,49 @@ async def direct_allreduce(
         if witness is not None:
             trailer = norms_size + SIGNATURE_BYTES + ((size - 1) * ENTRY_BYTES if chunk == checking else 0)
         results[chunk], tail = await receive_parts(chunk, Phase.GATHER, member, trailer)
-        if witness is None:
-            return
-        said = tail[: norms_size + SIGNATURE_BYTES]
-        proofs.extend(tail[len(said) :])
-        digest = await _off_loop(results[chunk], _heard_result, witness, member, chunk, results[chunk], said,
-                                 local(chunk) if sampling else None, spec)
-        if not sampling:
-            return
-        if chunk == checking:  # the owner has signed its result: now we draw
-            draw = witness.sign(Said.SAMPLE, checking, digest)
-            draws[checking] = (digest + draw, sampled(draw, spec.check_fraction))
-            drew.set()
-        theirs = owners.checked_by(member)
-        assert theirs is not None
-        frame = await links.recv(phase=Phase.DRAW, step=theirs, seg=0, count=DRAW_BYTES, dtype=_U8,
-                                 nbytes=DRAW_BYTES, source=ring[member])
-        drawn_over, draw = parse_draw(memoryview(frame)[HEADER.size :])
-        witness.heard(Said.SAMPLE, theirs, member, drawn_over, draw)
-        draws[theirs] = (drawn_over + draw, sampled(draw, spec.check_fraction))
-        their_draw[member].set()
-        await drew.wait()
-        if draws[checking][1]:
-            checks[member], _ = await receive_parts(checking, Phase.VERIFY, member)
+        if witness is not None:
+            said = tail[: norms_size + SIGNATURE_BYTES]
+            proofs.extend(tail[len(said) :])
+            digest = await _off_loop(results[chunk], _heard_result, witness, member, chunk, results[chunk], said,
+                                     local(chunk) if sampling else None, spec)
+            if sampling and chunk == checking:  # its owner has signed its result: now we draw
+                draw = digest + witness.sign(Said.SAMPLE, checking, digest)
+
+    async def spot_check(drawn: set[int]) -> None:
+        """After CONFIRM, the drawn chunks: every member sends each one's verifier its contribution
+        (VERIFY), the verifier recomputes it and tells every member it matched (CHECKED). On one
+        channel: the VERIFY of the receiver's chunk, then the CHECKED of the sender's."""
+        copies, checked = trio.Event(), trio.Event()
+
+        async def out(member: int) -> None:
+            theirs = owners.checked_by(member)
+            if theirs in drawn:
+                await send_parts(theirs, local(theirs), Phase.VERIFY, member)
+            if checking in drawn:
+                await checked.wait()
+                await links.send(Header(Kind.DATA, links.round_id, Phase.CHECKED, checking, 0, 0, _U8), to=ring[member])
+
+        async def in_(member: int) -> None:
+            if checking in drawn:
+                checks[member], _ = await receive_parts(checking, Phase.VERIFY, member)
+                if len(checks) == size:
+                    copies.set()
+            theirs = owners.checked_by(member)
+            if theirs in drawn:
+                await links.recv(phase=Phase.CHECKED, step=theirs, seg=0, count=0, dtype=_U8, nbytes=0,
+                                 source=ring[member])
+
+        with single_failure():
+            async with trio.open_nursery() as nursery:
+                for member in range(size):
+                    if member != me:
+                        nursery.start_soon(out, member)
+                        nursery.start_soon(in_, member)
+                if checking in drawn:
+                    await copies.wait()
+                    _check_chunk(links, owners, checking, [checks[m] for m in range(size)], results[checking],
+                                 bytes(proofs), spec, witness)
+                    checked.set()
 
     with single_failure():
         async with trio.open_nursery() as nursery:
@@ -218,12 +231,38 @@ async def direct_allreduce(
                 held[me], _reduced_and_signed, [held[m] for m in range(size)], mine, spec, witness, sampling
             )
             reduced.set()
-    if checking is not None and (not sampling or draws[checking][1]):
+    if checking is not None and not sampling:
         _check_chunk(links, owners, checking, [checks[m] for m in range(size)], results[checking], bytes(proofs),
                      spec, witness)
+    if witness is not None:
+        draws = await witness.confirm(draw)
+        if sampling:
+            await spot_check(_drawn(witness, owners, draws, spec.check_fraction))
     for chunk, parts in results.items():
         for (a, b), part in zip(segs[chunk], parts):
             data[a:b].copy_(part)
+
+
+def _drawn(witness: Witness, owners: Owners, draws: dict[int, bytes], fraction: float) -> set[int]:
+    """The chunks whose verifier's draw (``draws``: each member's, by ring position, as sent with its
+    CONFIRM) says to recompute them. A draw must be its verifier's signature over the result digest
+    of that chunk that every member holds (CONFIRM compared them): :class:`BadPayload` or
+    :class:`Misbehaved` naming the verifier if not."""
+    chosen = set()
+    for member, raw in draws.items():
+        peer, chunk = witness.links.ring[member], owners.checked_by(member)
+        assert chunk is not None
+        try:
+            digest, signature = parse_draw(raw)
+        except FrameError as error:
+            raise BadPayload(peer, f"sent a malformed draw: {error}") from None
+        if not witness.signed(member, Said.SAMPLE, chunk, digest, signature):
+            raise BadPayload(peer, f"its draw for chunk {chunk} is not its signature")
+        if digest != witness.items[(Said.RESULT, chunk)][1]:
+            raise Misbehaved(peer, f"drew chunk {chunk} over a result its owner did not send")
+        if sampled(signature, fraction):
+            chosen.add(chunk)
+    return chosen
 
 
 # Hashing, signing and verifying a large chunk run in worker threads (hashlib, libsodium and torch

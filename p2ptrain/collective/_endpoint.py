@@ -128,8 +128,7 @@ class Collective:
                 else:
                     witness = Witness(links, digest, self._key)
                     await direct_allreduce(links, data, spec, owners=owners, witness=witness,
-                                           segment_bytes=self.segment_bytes)
-                    await witness.confirm()
+                                           segment_bytes=self.segment_bytes)  # its CONFIRM too
         self.last_round = RoundStats(round_id, time.perf_counter() - started, links.bytes_sent, links.bytes_received)
 
     async def sparse_round(

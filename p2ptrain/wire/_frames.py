@@ -49,7 +49,7 @@ class Phase(IntEnum):
     GATHER = 3  # all-gather: each chunk owner's final bytes travel around the ring
     VERIFY = 4  # robust rounds: a member's contribution to a chunk, sent to that chunk's verifier too
     CONFIRM = 5  # robust rounds: what each member received from every other, as signed digests
-    DRAW = 6  # sampled robust rounds: a verifier's signed coin for its chunk, drawn after the owner's result
+    CHECKED = 6  # sampled robust rounds: a drawn chunk's verifier found it equal to its recomputation
 
 
 # A frame's dtype byte: the element type of its tensor bytes (0 in frames that carry none).
@@ -174,9 +174,10 @@ def round_digest(round_id: int, ring: list[ID], description: str) -> bytes:
     return h.digest()
 
 
-# A sampled robust round (collective/_sampling.py): a verifier's DRAW frame is the owner's result
-# digest it drew over and its signature of that (the draw); an owner's RESULT carries the norms of
-# the contributions it reduced, one big-endian float64 per member, before its signature.
+# A sampled robust round (collective/_sampling.py): a verifier's draw, at the end of its CONFIRM
+# frame, is the owner's result digest it drew over and its signature of that; an owner's RESULT
+# carries the norms of the contributions it reduced, one big-endian float64 per member, before its
+# signature.
 DRAW_BYTES = DIGEST_BYTES + SIGNATURE_BYTES
 NORM = struct.Struct(">d")
 NORM_BYTES = NORM.size
@@ -199,8 +200,8 @@ def parse_norms(raw: bytes, size: int) -> list[float]:
 
 
 def parse_draw(raw: bytes) -> tuple[bytes, bytes]:
-    """The digest and the signature of a DRAW frame's payload; :class:`FrameError` unless it is
-    exactly :data:`DRAW_BYTES` long."""
+    """The digest and the signature of a verifier's draw; :class:`FrameError` unless it is exactly
+    :data:`DRAW_BYTES` long."""
     if len(raw) != DRAW_BYTES:
         raise FrameError(f"a draw of {len(raw)} bytes, not {DRAW_BYTES}")
     return bytes(raw[:DIGEST_BYTES]), bytes(raw[DIGEST_BYTES:])

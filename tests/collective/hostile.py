@@ -114,14 +114,15 @@ def mlp() -> torch.nn.Module:
 async def train_digits(
     collectives: list[Collective], *, steps: int, robust: str, hostile: dict[int, float], density: float = 0.01,
     batch: int = 32, lr: float = 0.1, first_round: int = 0, on_round: Callable[[int, float], None] | None = None,
-    owners: dict[int, Owner] | None = None, named: list | None = None,
+    owners: dict[int, Owner] | None = None, named: list | None = None, check_fraction: float = 1.0,
 ) -> tuple[float, list[torch.nn.Module]]:
     """Train the digits MLP on every host (member i holds shard i); ``hostile`` maps a member to its
     factor, ``owners`` to its :class:`Owner` attack (:func:`install` must be in effect). Returns
     member 0's test accuracy (0.0 if its weights are no longer finite) and the models.
 
     With ``owners``, a round that fails is run again without every member an honest one named (what
-    the runtime's next plan does), and the names are appended to ``named``. ``on_round(step,
+    the runtime's next plan does), and the names are appended to ``named``. ``check_fraction``: the
+    share of chunks a robust round's verifiers recompute (collective._sampling). ``on_round(step,
     seconds)`` gets each round's wall time (all members, sync included).
     """
     x, y, train_idx, test_idx = digits()
@@ -130,7 +131,7 @@ async def train_digits(
     ring = [c.peer_id for c in collectives]
     live = list(range(size))
     models = [mlp() for _ in range(size)]
-    spec = RoundSpec(density=density, robust=robust, timeout=ROUND_TIMEOUT_S)
+    spec = RoundSpec(density=density, robust=robust, check_fraction=check_fraction, timeout=ROUND_TIMEOUT_S)
     reducers = [
         SparseAllReducer(Hostile(c, hostile[i]) if i in hostile else c, spec)
         for i, c in enumerate(collectives)

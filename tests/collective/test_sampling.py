@@ -18,7 +18,7 @@ import torch
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.id import ID
 
-from p2ptrain.collective import Collective, CollectiveError, Misbehaved, PeerFailed, RoundSpec
+from p2ptrain.collective import Collective, CollectiveError, Misbehaved, PeerFailed, RoundSpec, _direct as direct
 from p2ptrain.collective._direct import reduce_chunk
 from p2ptrain.collective._links import RoundLinks
 from p2ptrain.collective._owners import drawn
@@ -136,17 +136,27 @@ async def test_honest_rounds_give_the_same_bits_with_and_without_sampling(cluste
             assert isinstance(r, torch.Tensor) and r.equal(results[0][0]), r
 
 
+def recording_draws(monkeypatch) -> list[set[int]]:
+    """Every member's set of drawn chunks, as each computes it after CONFIRM, in order."""
+    seen: list[set[int]] = []
+    drawn_of = direct._drawn
+
+    def recorded(*args, **kwargs):
+        seen.append(drawn_of(*args, **kwargs))
+        return seen[-1]
+
+    monkeypatch.setattr(direct, "_drawn", recorded)
+    return seen
+
+
 async def test_verify_copies_go_only_for_drawn_chunks_and_only_after_the_owner_signed(gather, monkeypatch):
     """Each member's draw is made after it heard its chunk's signed result, over that result's digest;
-    VERIFY frames travel for exactly the chunks whose draw says so, from every other member."""
-    witnesses: list[Witness] = []
+    VERIFY frames travel for exactly the chunks whose draw says so, from every other member, and
+    every member's verdict on the draws is the same."""
     events: list[tuple[int, str, int, int, bytes]] = []  # (member, what, said, chunk, digest)
-    init, sign, heard, send = Witness.__init__, Witness.sign, Witness.heard, RoundLinks.send
+    sign, heard, send = Witness.sign, Witness.heard, RoundLinks.send
     verify_frames: Counter = Counter()
-
-    def keep(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        witnesses.append(self)
+    draws = recording_draws(monkeypatch)
 
     def signing(self, said, key, digest):
         events.append((self.links.me, "sign", said, key, digest))
@@ -161,7 +171,6 @@ async def test_verify_copies_go_only_for_drawn_chunks_and_only_after_the_owner_s
             verify_frames[header.step] += 1
         await send(self, header, payload, to=to)
 
-    monkeypatch.setattr(Witness, "__init__", keep)
     monkeypatch.setattr(Witness, "sign", signing)
     monkeypatch.setattr(Witness, "heard", hearing)
     monkeypatch.setattr(RoundLinks, "send", counting)
@@ -171,14 +180,15 @@ async def test_verify_copies_go_only_for_drawn_chunks_and_only_after_the_owner_s
         ring = [p.id for p in peers]
         xs = inputs(4096)  # one segment a chunk: a drawn chunk is P - 1 VERIFY frames
         for round_id in range(1, 5):
-            witnesses.clear(), events.clear(), verify_frames.clear()
+            draws.clear(), events.clear(), verify_frames.clear()
             spec = RoundSpec(robust="clip", check_fraction=fraction, timeout=20)
             results = await gather([lambda p=p, x=x: p.collective.dense_round(x.clone(), ring, round_id, spec,
                                                                              owner_seed=SEED + round_id)
                                     for p, x in zip(peers, xs)])
             assert results == [None] * WORLD
             owners = drawn(WORLD, SEED + round_id)
-            chosen = {c for c in range(WORLD) if sampled(witnesses[0].items[(Said.SAMPLE, c)][2], fraction)}
+            assert len(draws) == WORLD and all(d == draws[0] for d in draws)
+            chosen = draws[0]
             assert verify_frames == Counter({c: WORLD - 1 for c in chosen})
             drawn_chunks |= {(round_id, c) for c in chosen}
             for member in range(WORLD):
@@ -196,6 +206,7 @@ async def test_an_owner_inside_the_bound_is_caught_when_drawn_and_only_then(gath
     bounds); the first round that draws it names the owner, with the verifier's evidence, on every
     honest member. Fixed keys: the same rounds are drawn in every run."""
     hostile.install(monkeypatch)
+    draws = recording_draws(monkeypatch)
     fraction, outcomes = 0.5, []
     async with fixed_cluster(WORLD) as peers:
         ring = [p.id for p in peers]
@@ -215,11 +226,12 @@ async def test_an_owner_inside_the_bound_is_caught_when_drawn_and_only_then(gath
                 with attacker.acting():
                     return await peers[i].collective.allreduce(xs[i], ring, round_id, spec, owner_seed=seed)
 
+            draws.clear()
             results = await gather([lambda i=i: member(i) for i in range(WORLD)])
             owners = drawn(WORLD, seed)
             chunk = owners.owned_by(BAD)
-            draw = attacker._witness.items[(Said.SAMPLE, chunk)][2]  # the verifier's draw reaches the owner too
-            if not sampled(draw, fraction):
+            assert len(draws) == WORLD and all(d == draws[0] for d in draws)  # every member, the attacker too
+            if chunk not in draws[0]:
                 outcomes.append("accepted")
                 a, b = chunk * 4096 // WORLD, (chunk + 1) * 4096 // WORLD
                 for i in range(WORLD):
