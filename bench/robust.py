@@ -1,7 +1,7 @@
 """Byzantine members: digits accuracy with and without robust="clip", and what clipping costs.
 
     python bench/robust.py [--steps 400] [--rounds 30] [--check-fractions 0.25 0.1] [--json]
-                           [--skip-accuracy] [--skip-owner]
+                           [--skip-accuracy] [--skip-owner] [--skip-cost]
 
 Four real libp2p hosts on 127.0.0.1 in this process (tests/collective/hostile.py). Three parts:
 
@@ -84,6 +84,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dense-mib", type=float, default=4.0, help="tensor size of the dense timing")
     parser.add_argument("--skip-accuracy", action="store_true")
     parser.add_argument("--skip-owner", action="store_true", help="skip the targeted-owner runs")
+    parser.add_argument("--skip-cost", action="store_true", help="skip the healthy-path timings")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     return parser.parse_args(argv)
 
@@ -279,7 +280,7 @@ async def run(args: argparse.Namespace) -> dict:
         if not args.skip_owner:
             report["owner"] = await owner_accuracy(collectives, args.steps, args.check_fractions, say)
         report["cost"] = []
-        for numel, density, first in (
+        for numel, density, first in () if args.skip_cost else (
             (int(args.sparse_mib * (1 << 20)) // 4, 0.01, 1 << 40),
             (int(args.dense_mib * (1 << 20)) // 4, 1.0, 1 << 41),
         ):

@@ -22,7 +22,13 @@ On one channel (one sender, one receiver) the frames go in this order: the recei
 sender's values (REDUCE), the chunk the receiver checks (VERIFY), and the sender's finished chunk
 (GATHER). In a robust round the signatures ride after the values of a chunk's last frame (a
 trailer: no frames of their own), the contributions' signed digests too, on the GATHER to the
-chunk's verifier, and an empty chunk is one empty frame.
+chunk's verifier, and an empty chunk is one empty frame; then CONFIRM.
+
+With sampled verification (``spec.check_fraction < 1``, :mod:`p2ptrain.collective._sampling`) no
+VERIFY travels before GATHER: a verifier draws once its chunk's owner has signed the result, sends
+the draw at the end of its CONFIRM, and only the drawn chunks are checked after it: on a channel,
+the VERIFY of the receiver's chunk if drawn, then the sender's CHECKED (its drawn chunk matched)
+if drawn. A round that draws nothing ends at CONFIRM, one hop sooner and with no VERIFY bytes.
 """
 
 from __future__ import annotations

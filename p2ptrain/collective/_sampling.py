@@ -10,16 +10,17 @@ verifier's signature of one message is one fixed string), and the chunk is check
 SHA-256 of that signature (the *draw*) falls below q (:func:`sampled`). The owner cannot compute
 the draw without the verifier's private key, so whatever result it commits to, it is checked with
 probability q; trying other results (grinding) gains nothing, each is checked with probability q
-again, and the draw is made only once the result is signed. Members send their VERIFY copy only for
-a chunk whose draw says so (they check that the verifier signed it, and the draws are compared at
-CONFIRM like everything else sent).
+again, and the draw is made only once the result is signed. The draws travel at the end of the
+verifiers' CONFIRM frames; every member checks that each is its verifier's signature over the
+result digest CONFIRM agreed on, and sends its VERIFY copy of each drawn chunk to that chunk's
+verifier, which recomputes it and tells every member it matched (CHECKED) before anyone finishes.
 
 An unchecked chunk is still bounded (:func:`bound_problem`): with its result the owner sends the
 norms of the contributions it reduced (signed with the values), every member checks that the norm
 it reported for its own contribution is its own, and that the result's norm is within what P
 contributions clipped to the median of those norms can sum to. An owner that writes arbitrary
 values is named by every member at once; one that stays inside the bound is caught by the draw.
-docs/collective.md ("Sampled verification") has the bound.
+docs/collective.md ("Sampled verification") has the bound, and what it does not cover.
 """
 
 from __future__ import annotations
