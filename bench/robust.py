@@ -24,10 +24,10 @@ Four real libp2p hosts on 127.0.0.1 in this process (tests/collective/hostile.py
    round carries its checks (drawn owners, a verifier per chunk, signed items, CONFIRM: issue 27),
    so its ratio is what a robust round costs in all; the quartiles of each rule's round times give
    the spread. Where a robust round's time goes: its value exchange (``direct_allreduce``:
-   contributions, verification copies, reduced chunks, the verifier's check) and its CONFIRM
+   contributions, verification copies, reduced chunks, the verifier's check, and since sampled
+   verification its CONFIRM and the drawn chunks' checks after it) and its CONFIRM
    (``Witness.confirm``), each from the moment the last member entered it to the moment the last
-   one left it (so CONFIRM's is what the round's end waits for once every member holds its
-   values), medians over the same rounds. Also, free of network noise, the owner's extra
+   one left it, medians over the same rounds; and the bytes all members sent in a round (median). Also, free of network noise, the owner's extra
    arithmetic alone (norms and scaling of one chunk) and the checks' CPU work at one member (its
    signatures, the signatures it verifies, the SHA-256 of what it sends and receives, and the
    verifier's recomputation of one chunk).
@@ -182,7 +182,9 @@ async def round_cost(collectives, numel: int, density: float, rounds: int, first
                  "none_sent_bytes": int(statistics.median(sent["none"]))}
     for rule in names[1:]:
         median = statistics.median(times[rule])
-        row[rule] = {"ms": round(median * 1e3, 2), "ratio": round(median / none, 3), "spread_ms": spread(times[rule]),
+        mean = statistics.mean(times[rule]) / statistics.mean(times["none"])
+        row[rule] = {"ms": round(median * 1e3, 2), "ratio": round(median / none, 3), "mean_ratio": round(mean, 3),
+                     "spread_ms": spread(times[rule]),
                      "exchange_ms": round(statistics.median(parts[rule]["exchange"]) * 1e3, 2),
                      "confirm_ms": round(statistics.median(parts[rule]["confirm"]) * 1e3, 2),
                      "sent_bytes": int(statistics.median(sent[rule]))}
@@ -212,10 +214,10 @@ def phase_clocks(patch: pytest.MonkeyPatch) -> dict[str, list[tuple[float, float
             if options.get("witness") is not None:
                 spans["exchange"].append((started, time.perf_counter()))
 
-    async def timed_confirm(self):
+    async def timed_confirm(self, *args):
         started = time.perf_counter()
         try:
-            return await confirm(self)
+            return await confirm(self, *args)
         finally:
             spans["confirm"].append((started, time.perf_counter()))
 
