@@ -27,7 +27,9 @@ Four real libp2p hosts on 127.0.0.1 in this process (tests/collective/hostile.py
    contributions, verification copies, reduced chunks, the verifier's check, and since sampled
    verification its CONFIRM and the drawn chunks' checks after it) and its CONFIRM
    (``Witness.confirm``), each from the moment the last member entered it to the moment the last
-   one left it, medians over the same rounds; and the bytes all members sent in a round (median). Also, free of network noise, the owner's extra
+   one left it, medians over the same rounds; the bytes all members sent in a round (median); and
+   for each ``clip@q``, the median of its rounds that drew no chunk and of those that drew some.
+   Also, free of network noise, the owner's extra
    arithmetic alone (norms and scaling of one chunk) and the checks' CPU work at one member (its
    signatures, the signatures it verifies, the SHA-256 of what it sends and receives, and the
    verifier's recomputation of one chunk).
@@ -155,6 +157,7 @@ async def round_cost(collectives, numel: int, density: float, rounds: int, first
     reducers = {rule: [SparseAllReducer(c, spec) for c in collectives] for rule, spec in rules.items()}
     times: dict[str, list[float]] = {rule: [] for rule in names}
     parts: dict[str, dict[str, list[float]]] = {rule: {"exchange": [], "confirm": []} for rule in names[1:]}
+    by_draw: dict[str, dict[bool, list[float]]] = {rule: {False: [], True: []} for rule in names[1:]}
     sent: dict[str, list[int]] = {rule: [] for rule in names}  # bytes the members put on the wire, per round
     load = os.getloadavg()[0]
     with pytest.MonkeyPatch.context() as patch:
@@ -174,8 +177,10 @@ async def round_cost(collectives, numel: int, density: float, rounds: int, first
                     times[rule].append(time.perf_counter() - started)
                     sent[rule].append(sum(c.last_round.bytes_sent for c in collectives))
                     if rule != "none":
-                        for name, seen in spans.items():
+                        for name in ("exchange", "confirm"):
+                            seen = spans[name]
                             parts[rule][name].append(max(end for _, end in seen) - max(start for start, _ in seen))
+                        by_draw[rule][any(n for _, n in spans["drawn"])].append(times[rule][-1])
     none = statistics.median(times["none"])
     row: dict = {"numel": numel, "density": density, "rounds": rounds, "load_1min": [round(load, 2)],
                  "none_ms": round(none * 1e3, 2), "none_spread_ms": spread(times["none"]),
@@ -188,6 +193,11 @@ async def round_cost(collectives, numel: int, density: float, rounds: int, first
                      "exchange_ms": round(statistics.median(parts[rule]["exchange"]) * 1e3, 2),
                      "confirm_ms": round(statistics.median(parts[rule]["confirm"]) * 1e3, 2),
                      "sent_bytes": int(statistics.median(sent[rule]))}
+        if rule != "clip":  # sampled: rounds that drew no chunk (they end at CONFIRM) and those that drew some
+            for key, drew in (("undrawn", False), ("drawn", True)):
+                seen = by_draw[rule][drew]
+                row[rule][f"{key}_rounds"] = len(seen)
+                row[rule][f"{key}_ratio"] = round(statistics.median(seen) / none, 3) if seen else None
     row["load_1min"].append(round(os.getloadavg()[0], 2))
     row["owner_clip_ms"] = round(owner_clip_seconds(grads, density) * 1e3, 3)
     row["checks_cpu_ms"] = round(checks_seconds(grads, density) * 1e3, 3)
@@ -203,8 +213,13 @@ def spread(seconds: list[float]) -> list[float]:
 def phase_clocks(patch: pytest.MonkeyPatch) -> dict[str, list[tuple[float, float]]]:
     """Wrap the value exchange and CONFIRM of a robust round so that each call's start and end are
     recorded (one entry per member and round; the caller clears them between rounds)."""
-    spans: dict[str, list[tuple[float, float]]] = {"exchange": [], "confirm": []}
-    exchange, confirm = _direct.direct_allreduce, _witness.Witness.confirm
+    spans: dict[str, list[tuple[float, float]]] = {"exchange": [], "confirm": [], "drawn": []}
+    exchange, confirm, drawn = _direct.direct_allreduce, _witness.Witness.confirm, _direct._drawn
+
+    def counted_draws(*args, **kwargs):
+        chosen = drawn(*args, **kwargs)
+        spans["drawn"].append((0.0, float(len(chosen))))  # (unused, chunks drawn), every member alike
+        return chosen
 
     async def timed_exchange(links, data, spec, **options):
         started = time.perf_counter()
@@ -224,6 +239,7 @@ def phase_clocks(patch: pytest.MonkeyPatch) -> dict[str, list[tuple[float, float
     patch.setattr(_sparse, "direct_allreduce", timed_exchange)
     patch.setattr(_endpoint, "direct_allreduce", timed_exchange)
     patch.setattr(_witness.Witness, "confirm", timed_confirm)
+    patch.setattr(_direct, "_drawn", counted_draws)
     return spans
 
 

@@ -49,7 +49,7 @@ from p2ptrain.collective._sampling import bound_problem, own_norm_problem, sampl
 from p2ptrain.collective._witness import Witness, digest_of, tensor_bytes
 from p2ptrain.base import short_id
 from p2ptrain.wire import (
-    DIGEST_BYTES, DRAW_BYTES, DTYPES, ENTRY_BYTES, HEADER, NORM_BYTES, SIGNATURE_BYTES, FrameError, Header, Kind,
+    DIGEST_BYTES, DTYPES, ENTRY_BYTES, HEADER, NORM_BYTES, SIGNATURE_BYTES, FrameError, Header, Kind,
     Phase, Said, norms_bytes, parse_draw, parse_norms,
 )
 
