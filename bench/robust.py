@@ -1,6 +1,7 @@
 """Byzantine members: digits accuracy with and without robust="clip", and what clipping costs.
 
-    python bench/robust.py [--steps 400] [--rounds 30] [--json] [--skip-accuracy] [--skip-owner]
+    python bench/robust.py [--steps 400] [--rounds 30] [--check-fractions 0.25 0.1] [--json]
+                           [--skip-accuracy] [--skip-owner] [--skip-cost]
 
 Four real libp2p hosts on 127.0.0.1 in this process (tests/collective/hostile.py). Three parts:
 
@@ -11,18 +12,24 @@ Four real libp2p hosts on 127.0.0.1 in this process (tests/collective/hostile.py
 2. **A targeted owner** (issue 27), under "clip": member 3 writes 1000.0 into every value of the
    chunk it reduces, every round; a round that fails is run again without the member the honest
    ones named (what the runtime's next plan does). Test accuracy against an honest run of the same
-   length, in the same run, and who was named.
-3. **Healthy-path cost.** No hostile member; rounds of a flat gradient alternate between "none" and
-   "clip" in the same run (so the machine's load is shared alike), for the sparse path at 1% and
-   the dense path; median round time of each and their ratio. The dense path with clip is the
+   length, in the same run, and who was named. Then, with each of ``--check-fractions`` (sampled
+   verification), the same owner negating its chunk instead (which stays inside the bound every
+   member checks, so only a drawn recomputation catches it): accuracy, and the step it was named at.
+3. **Healthy-path cost.** No hostile member; rounds of a flat gradient rotate between "none",
+   "clip" (every chunk recomputed) and "clip" with each of ``--check-fractions`` (``clip@q``: a
+   chunk recomputed when its verifier's draw says so) in the same run (so the machine's load is
+   shared alike), for the sparse path at 1% and the dense path; median round time of each and its
+   ratio to "none". The 1-minute load average before and after each part. The dense path with clip is the
    direct exchange instead of the ring, so its ratio includes that change of algorithm. A "clip"
    round carries its checks (drawn owners, a verifier per chunk, signed items, CONFIRM: issue 27),
    so its ratio is what a robust round costs in all; the quartiles of each rule's round times give
    the spread. Where a robust round's time goes: its value exchange (``direct_allreduce``:
-   contributions, verification copies, reduced chunks, the verifier's check) and its CONFIRM
+   contributions, verification copies, reduced chunks, the verifier's check, and since sampled
+   verification its CONFIRM and the drawn chunks' checks after it) and its CONFIRM
    (``Witness.confirm``), each from the moment the last member entered it to the moment the last
-   one left it (so CONFIRM's is what the round's end waits for once every member holds its
-   values), medians over the same rounds. Also, free of network noise, the owner's extra
+   one left it, medians over the same rounds; the bytes all members sent in a round (median); and
+   for each ``clip@q``, the median of its rounds that drew no chunk and of those that drew some.
+   Also, free of network noise, the owner's extra
    arithmetic alone (norms and scaling of one chunk) and the checks' CPU work at one member (its
    signatures, the signatures it verifies, the SHA-256 of what it sends and receives, and the
    verifier's recomputation of one chunk).
@@ -33,6 +40,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -72,10 +80,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=400, help="training rounds per accuracy run")
     parser.add_argument("--rounds", type=int, default=30, help="timed rounds per rule and size (after 2 warm-ups)")
+    parser.add_argument("--check-fractions", type=float, nargs="*", default=[0.25, 0.1],
+                        help="sampled verification: the share of chunks recomputed, one clip@q rule each")
     parser.add_argument("--sparse-mib", type=float, default=16.0, help="gradient size of the sparse timing")
     parser.add_argument("--dense-mib", type=float, default=4.0, help="tensor size of the dense timing")
     parser.add_argument("--skip-accuracy", action="store_true")
     parser.add_argument("--skip-owner", action="store_true", help="skip the targeted-owner runs")
+    parser.add_argument("--skip-cost", action="store_true", help="skip the healthy-path timings")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     return parser.parse_args(argv)
 
@@ -106,40 +117,55 @@ async def accuracy(collectives, steps: int, say) -> list[dict]:
     return rows
 
 
-async def owner_accuracy(collectives, steps: int, say) -> list[dict]:
+async def owner_accuracy(collectives, steps: int, fractions: list[float], say) -> list[dict]:
     """Digits under "clip": honest, then member 3 poisoning the chunk it owns (see the docstring)."""
     rows = []
-    for attack, base in (("honest", 1 << 42), ("owner writes 1000.0", 1 << 43)):
+    runs = [("honest", {}, 1.0), ("owner writes 1000.0", {"poison": 1000.0}, 1.0)]
+    runs += [("owner negates its chunk", {"flip": True}, q) for q in fractions]
+    for n, (attack, how, fraction) in enumerate(runs):
         named: list[int] = []
-        owners = {} if attack == "honest" else {BAD: hostile.Owner(collectives[BAD], poison=1000.0)}
+        named_at: list[int] = []
+        owners = {BAD: hostile.Owner(collectives[BAD], **how)} if how else {}
         started = time.perf_counter()
         with pytest.MonkeyPatch.context() as patch:
             hostile.install(patch)
-            acc, _ = await hostile.train_digits(collectives, steps=steps, robust="clip", hostile={}, owners=owners,
-                                                named=named, first_round=base)
-        row = {"owner": attack, "robust": "clip", "accuracy": round(acc, 4), "steps": steps, "named": named,
+            acc, _ = await hostile.train_digits(
+                collectives, steps=steps, robust="clip", hostile={}, owners=owners, named=named,
+                first_round=(1 << 42) * (n + 1), check_fraction=fraction,
+                on_round=lambda step, _seconds: named_at.append(step) if named and not named_at else None,
+            )
+        row = {"owner": attack, "robust": "clip", "check_fraction": fraction, "accuracy": round(acc, 4),
+               "steps": steps, "named": named, "named_at_step": named_at[0] if named_at else None,
                "seconds": round(time.perf_counter() - started, 1)}
         say(row)
         rows.append(row)
     return rows
 
 
-async def round_cost(collectives, numel: int, density: float, rounds: int, first_round: int) -> dict:
-    """Median round time (slowest member) with each rule, rounds alternating between the two."""
+async def round_cost(collectives, numel: int, density: float, rounds: int, first_round: int,
+                     fractions: list[float]) -> dict:
+    """Median round time (slowest member) with each rule, rounds rotating between them (the order
+    shifts every iteration, so no rule always follows the same one)."""
     ring = [c.peer_id for c in collectives]
     gens = [torch.Generator().manual_seed(i) for i in range(WORLD)]
     grads = [torch.randn(numel, generator=g) for g in gens]
-    reducers = {
-        rule: [SparseAllReducer(c, RoundSpec(density=density, robust=rule, timeout=ROUND_TIMEOUT_S)) for c in collectives]
-        for rule in ("none", "clip")
-    }
-    times: dict[str, list[float]] = {"none": [], "clip": []}
-    parts: dict[str, list[float]] = {"exchange": [], "confirm": []}  # clip rounds
+    rules = {"none": RoundSpec(density=density, timeout=ROUND_TIMEOUT_S),
+             "clip": RoundSpec(density=density, robust="clip", timeout=ROUND_TIMEOUT_S)}
+    for q in fractions:
+        rules[f"clip@{q:g}"] = RoundSpec(density=density, robust="clip", check_fraction=q, timeout=ROUND_TIMEOUT_S)
+    names = list(rules)
+    reducers = {rule: [SparseAllReducer(c, spec) for c in collectives] for rule, spec in rules.items()}
+    times: dict[str, list[float]] = {rule: [] for rule in names}
+    parts: dict[str, dict[str, list[float]]] = {rule: {"exchange": [], "confirm": []} for rule in names[1:]}
+    by_draw: dict[str, dict[bool, list[float]]] = {rule: {False: [], True: []} for rule in names[1:]}
+    sent: dict[str, list[int]] = {rule: [] for rule in names}  # bytes the members put on the wire, per round
+    load = os.getloadavg()[0]
     with pytest.MonkeyPatch.context() as patch:
         spans = phase_clocks(patch)
         for i in range(rounds + 2):
-            for rule in (("none", "clip") if i % 2 else ("clip", "none")):
-                round_id = first_round + 2 * i + (rule == "clip")
+            for k in range(len(names)):
+                rule = names[(i + k) % len(names)]
+                round_id = first_round + len(names) * i + names.index(rule)
                 for seen in spans.values():
                     seen.clear()
                 started = time.perf_counter()
@@ -149,17 +175,33 @@ async def round_cost(collectives, numel: int, density: float, rounds: int, first
                             nursery.start_soon(lambda r=r, g=g: r.allreduce(g, ring, round_id))
                 if i >= 2:
                     times[rule].append(time.perf_counter() - started)
-                    if rule == "clip":
-                        for name, seen in spans.items():
-                            parts[name].append(max(end for _, end in seen) - max(start for start, _ in seen))
-    none, clip = statistics.median(times["none"]), statistics.median(times["clip"])
-    return {"numel": numel, "density": density, "rounds": rounds, "none_ms": round(none * 1e3, 2),
-            "clip_ms": round(clip * 1e3, 2), "ratio": round(clip / none, 3),
-            "none_spread_ms": spread(times["none"]), "clip_spread_ms": spread(times["clip"]),
-            "clip_exchange_ms": round(statistics.median(parts["exchange"]) * 1e3, 2),
-            "clip_confirm_ms": round(statistics.median(parts["confirm"]) * 1e3, 2),
-            "owner_clip_ms": round(owner_clip_seconds(grads, density) * 1e3, 3),
-            "checks_cpu_ms": round(checks_seconds(grads, density) * 1e3, 3)}
+                    sent[rule].append(sum(c.last_round.bytes_sent for c in collectives))
+                    if rule != "none":
+                        for name in ("exchange", "confirm"):
+                            seen = spans[name]
+                            parts[rule][name].append(max(end for _, end in seen) - max(start for start, _ in seen))
+                        by_draw[rule][any(n for _, n in spans["drawn"])].append(times[rule][-1])
+    none = statistics.median(times["none"])
+    row: dict = {"numel": numel, "density": density, "rounds": rounds, "load_1min": [round(load, 2)],
+                 "none_ms": round(none * 1e3, 2), "none_spread_ms": spread(times["none"]),
+                 "none_sent_bytes": int(statistics.median(sent["none"]))}
+    for rule in names[1:]:
+        median = statistics.median(times[rule])
+        mean = statistics.mean(times[rule]) / statistics.mean(times["none"])
+        row[rule] = {"ms": round(median * 1e3, 2), "ratio": round(median / none, 3), "mean_ratio": round(mean, 3),
+                     "spread_ms": spread(times[rule]),
+                     "exchange_ms": round(statistics.median(parts[rule]["exchange"]) * 1e3, 2),
+                     "confirm_ms": round(statistics.median(parts[rule]["confirm"]) * 1e3, 2),
+                     "sent_bytes": int(statistics.median(sent[rule]))}
+        if rule != "clip":  # sampled: rounds that drew no chunk (they end at CONFIRM) and those that drew some
+            for key, drew in (("undrawn", False), ("drawn", True)):
+                seen = by_draw[rule][drew]
+                row[rule][f"{key}_rounds"] = len(seen)
+                row[rule][f"{key}_ratio"] = round(statistics.median(seen) / none, 3) if seen else None
+    row["load_1min"].append(round(os.getloadavg()[0], 2))
+    row["owner_clip_ms"] = round(owner_clip_seconds(grads, density) * 1e3, 3)
+    row["checks_cpu_ms"] = round(checks_seconds(grads, density) * 1e3, 3)
+    return row
 
 
 def spread(seconds: list[float]) -> list[float]:
@@ -171,8 +213,13 @@ def spread(seconds: list[float]) -> list[float]:
 def phase_clocks(patch: pytest.MonkeyPatch) -> dict[str, list[tuple[float, float]]]:
     """Wrap the value exchange and CONFIRM of a robust round so that each call's start and end are
     recorded (one entry per member and round; the caller clears them between rounds)."""
-    spans: dict[str, list[tuple[float, float]]] = {"exchange": [], "confirm": []}
-    exchange, confirm = _direct.direct_allreduce, _witness.Witness.confirm
+    spans: dict[str, list[tuple[float, float]]] = {"exchange": [], "confirm": [], "drawn": []}
+    exchange, confirm, drawn = _direct.direct_allreduce, _witness.Witness.confirm, _direct._drawn
+
+    def counted_draws(*args, **kwargs):
+        chosen = drawn(*args, **kwargs)
+        spans["drawn"].append((0.0, float(len(chosen))))  # (unused, chunks drawn), every member alike
+        return chosen
 
     async def timed_exchange(links, data, spec, **options):
         started = time.perf_counter()
@@ -182,16 +229,17 @@ def phase_clocks(patch: pytest.MonkeyPatch) -> dict[str, list[tuple[float, float
             if options.get("witness") is not None:
                 spans["exchange"].append((started, time.perf_counter()))
 
-    async def timed_confirm(self):
+    async def timed_confirm(self, *args):
         started = time.perf_counter()
         try:
-            return await confirm(self)
+            return await confirm(self, *args)
         finally:
             spans["confirm"].append((started, time.perf_counter()))
 
     patch.setattr(_sparse, "direct_allreduce", timed_exchange)
     patch.setattr(_endpoint, "direct_allreduce", timed_exchange)
     patch.setattr(_witness.Witness, "confirm", timed_confirm)
+    patch.setattr(_direct, "_drawn", counted_draws)
     return spans
 
 
@@ -248,13 +296,13 @@ async def run(args: argparse.Namespace) -> dict:
         if not args.skip_accuracy:
             report["accuracy"] = await accuracy(collectives, args.steps, say)
         if not args.skip_owner:
-            report["owner"] = await owner_accuracy(collectives, args.steps, say)
+            report["owner"] = await owner_accuracy(collectives, args.steps, args.check_fractions, say)
         report["cost"] = []
-        for numel, density, first in (
+        for numel, density, first in () if args.skip_cost else (
             (int(args.sparse_mib * (1 << 20)) // 4, 0.01, 1 << 40),
             (int(args.dense_mib * (1 << 20)) // 4, 1.0, 1 << 41),
         ):
-            row = await round_cost(collectives, numel, density, args.rounds, first)
+            row = await round_cost(collectives, numel, density, args.rounds, first, args.check_fractions)
             say(row)
             report["cost"].append(row)
     return report

@@ -22,7 +22,13 @@ On one channel (one sender, one receiver) the frames go in this order: the recei
 sender's values (REDUCE), the chunk the receiver checks (VERIFY), and the sender's finished chunk
 (GATHER). In a robust round the signatures ride after the values of a chunk's last frame (a
 trailer: no frames of their own), the contributions' signed digests too, on the GATHER to the
-chunk's verifier, and an empty chunk is one empty frame.
+chunk's verifier, and an empty chunk is one empty frame; then CONFIRM.
+
+With sampled verification (``spec.check_fraction < 1``, :mod:`p2ptrain.collective._sampling`) no
+VERIFY travels before GATHER: a verifier draws once its chunk's owner has signed the result, sends
+the draw at the end of its CONFIRM, and only the drawn chunks are checked after it: on a channel,
+the VERIFY of the receiver's chunk if drawn, then the sender's CHECKED (its drawn chunk matched)
+if drawn. A round that draws nothing ends at CONFIRM, one hop sooner and with no VERIFY bytes.
 """
 
 from __future__ import annotations
@@ -39,22 +45,28 @@ from p2ptrain.collective._owners import Owners, ring_owners
 from p2ptrain.collective._ring import SEGMENT_BYTES, chunk_bounds, segments
 from p2ptrain.collective._robust import clip_scales, contribution_norm, scaled
 from p2ptrain.collective._round_spec import RoundSpec
+from p2ptrain.collective._sampling import bound_problem, own_norm_problem, sampled
 from p2ptrain.collective._witness import Witness, digest_of, tensor_bytes
 from p2ptrain.base import short_id
-from p2ptrain.wire import DIGEST_BYTES, DTYPES, ENTRY_BYTES, HEADER, SIGNATURE_BYTES, Header, Kind, Phase, Said
+from p2ptrain.wire import (
+    DIGEST_BYTES, DTYPES, ENTRY_BYTES, HEADER, NORM_BYTES, SIGNATURE_BYTES, FrameError, Header, Kind,
+    Phase, Said, norms_bytes, parse_draw, parse_norms,
+)
 
 Parts = list[torch.Tensor]  # one member's contribution to a chunk, segment by segment
 _T = TypeVar("_T")
+_U8 = DTYPES[torch.uint8]
 
 
-def reduce_chunk(parts: list[Parts], start: int, spec: RoundSpec) -> Parts:
+def reduce_chunk(parts: list[Parts], start: int, spec: RoundSpec, norms: list[float] | None = None) -> Parts:
     """Chunk ``start``'s reduction from every member's ``parts`` (by ring position): clipped to the
-    median norm under ``spec.robust="clip"``, summed in the order start, start+1, ..., start-1,
-    divided for a mean. The owner and the chunk's verifier both run exactly this."""
+    median norm under ``spec.robust="clip"`` (``norms``: the contributions' norms, if computed
+    already), summed in the order start, start+1, ..., start-1, divided for a mean. The owner and
+    the chunk's verifier both run exactly this."""
     size = len(parts)
     scales = [1.0] * size
     if spec.robust == "clip":
-        scales = clip_scales([contribution_norm(p) for p in parts])
+        scales = clip_scales(norms if norms is not None else [contribution_norm(p) for p in parts])
     out = []
     for j, first in enumerate(parts[start]):
         total = first.clone() if scales[start] == 1.0 else scaled(first, scales[start])
@@ -75,12 +87,14 @@ async def direct_allreduce(
     bitwise-identically.
 
     ``owners`` (default: the ring's) says who reduces each chunk and who checks it; ``witness`` (a
-    robust round) signs what this member sends. ``spec.robust="clip"``: the owner of a chunk clips
-    each member's contribution to it to the median of their norms before summing
-    (:mod:`p2ptrain.collective._robust`); its bytes are what everyone copies, once its verifier (if
-    any) found them equal to its own recomputation. A verifier that does not raises
-    :class:`Misbehaved` naming the owner, or the contributor that sent the two of them different
-    values.
+    robust round) signs what this member sends, and the round ends with its CONFIRM exchange.
+    ``spec.robust="clip"``: the owner of a chunk clips each member's contribution to it to the
+    median of their norms before summing (:mod:`p2ptrain.collective._robust`); its bytes are what
+    everyone copies, once its verifier (if any) found them equal to its own recomputation. A
+    verifier that does not raises :class:`Misbehaved` naming the owner, or the contributor that
+    sent the two of them different values. ``spec.check_fraction < 1``: a chunk is recomputed only
+    when its verifier's draw, sent with its CONFIRM, says so, and every member checks every chunk's
+    bound (:mod:`p2ptrain.collective._sampling`).
     """
     size, me, ring = links.size, links.me, links.ring
     if size == 1:
@@ -94,6 +108,9 @@ async def direct_allreduce(
     if witness is not None:  # every chunk is one frame at least: its signature rides on the last one
         segs = [s or [(bounds[c], bounds[c])] for c, s in enumerate(segs)]
     mine, checking = owners.owned_by(me), owners.checked_by(me)
+    # Sampled verification: no VERIFY copies during the exchange; those of drawn chunks after CONFIRM.
+    sampling = witness is not None and checking is not None and spec.check_fraction < 1.0
+    norms_size = size * NORM_BYTES if sampling else 0
 
     def local(chunk: int) -> Parts:
         return [data[a:b] for a, b in segs[chunk]]
@@ -106,7 +123,8 @@ async def direct_allreduce(
     results: dict[int, Parts] = {}  # every chunk's reduced values, placed into ``data`` at the end
     proofs = bytearray()  # the signed contributions the owner of the chunk we check reduced
     contributed, reduced = trio.Event(), trio.Event()
-    signatures: dict[int, bytes] = {}
+    signatures: dict[int, bytes] = {}  # what follows our chunk's values: its norms (sampling) and signature
+    draw = b""  # sampling: the result digest of the chunk we check and our signature of it (the draw)
 
     async def send_parts(chunk: int, parts: Parts, phase: int, to: int, trailer: bytes = b"") -> None:
         """``parts`` as frames, ``trailer`` (signatures) after the last one's values."""
@@ -124,7 +142,7 @@ async def direct_allreduce(
             signature = await _off_loop(local(chunk), _signed, witness, Said.CONTRIBUTION, chunk, local(chunk))
         await send_parts(chunk, local(chunk), Phase.REDUCE, member, signature)
         theirs = owners.checked_by(member)
-        if theirs is not None:
+        if theirs is not None and not sampling:
             await send_parts(theirs, local(theirs), Phase.VERIFY, member)
         await reduced.wait()
         trailer = b""
@@ -145,6 +163,7 @@ async def direct_allreduce(
 
     async def take(member: int) -> None:
         """What ``member`` sends us, in the channel's order."""
+        nonlocal draw
         parts, signature = await receive_parts(mine, Phase.REDUCE, member, SIGNATURE_BYTES if witness else 0)
         if witness is not None:
             digest = await _off_loop(parts, _checked, witness, member, Said.CONTRIBUTION, mine, parts, signature)
@@ -154,17 +173,56 @@ async def direct_allreduce(
         held[member] = parts
         if len(held) == size:
             contributed.set()
-        if checking is not None:
+        if checking is not None and not sampling:
             checks[member], _ = await receive_parts(checking, Phase.VERIFY, member)
         chunk = owners.owned_by(member)
         trailer = 0
         if witness is not None:
-            trailer = SIGNATURE_BYTES + ((size - 1) * ENTRY_BYTES if chunk == checking else 0)
+            trailer = norms_size + SIGNATURE_BYTES + ((size - 1) * ENTRY_BYTES if chunk == checking else 0)
         results[chunk], tail = await receive_parts(chunk, Phase.GATHER, member, trailer)
         if witness is not None:
-            signature = tail[:SIGNATURE_BYTES]
-            await _off_loop(results[chunk], _heard, witness, member, Said.RESULT, chunk, results[chunk], signature)
-            proofs.extend(tail[SIGNATURE_BYTES:])
+            said = tail[: norms_size + SIGNATURE_BYTES]
+            proofs.extend(tail[len(said) :])
+            digest = await _off_loop(results[chunk], _heard_result, witness, member, chunk, results[chunk], said,
+                                     local(chunk) if sampling else None, spec)
+            if sampling and chunk == checking:  # its owner has signed its result: now we draw
+                draw = digest + witness.sign(Said.SAMPLE, checking, digest)
+
+    async def spot_check(drawn: set[int]) -> None:
+        """After CONFIRM, the drawn chunks: every member sends each one's verifier its contribution
+        (VERIFY), the verifier recomputes it and tells every member it matched (CHECKED). On one
+        channel: the VERIFY of the receiver's chunk, then the CHECKED of the sender's."""
+        copies, checked = trio.Event(), trio.Event()
+
+        async def out(member: int) -> None:
+            theirs = owners.checked_by(member)
+            if theirs in drawn:
+                await send_parts(theirs, local(theirs), Phase.VERIFY, member)
+            if checking in drawn:
+                await checked.wait()
+                await links.send(Header(Kind.DATA, links.round_id, Phase.CHECKED, checking, 0, 0, _U8), to=ring[member])
+
+        async def in_(member: int) -> None:
+            if checking in drawn:
+                checks[member], _ = await receive_parts(checking, Phase.VERIFY, member)
+                if len(checks) == size:
+                    copies.set()
+            theirs = owners.checked_by(member)
+            if theirs in drawn:
+                await links.recv(phase=Phase.CHECKED, step=theirs, seg=0, count=0, dtype=_U8, nbytes=0,
+                                 source=ring[member])
+
+        with single_failure():
+            async with trio.open_nursery() as nursery:
+                for member in range(size):
+                    if member != me:
+                        nursery.start_soon(out, member)
+                        nursery.start_soon(in_, member)
+                if checking in drawn:
+                    await copies.wait()
+                    _check_chunk(links, owners, checking, [checks[m] for m in range(size)], results[checking],
+                                 bytes(proofs), spec, witness)
+                    checked.set()
 
     with single_failure():
         async with trio.open_nursery() as nursery:
@@ -176,15 +234,41 @@ async def direct_allreduce(
             # The reduction and its signature in one go (a hand-off on this path holds up every
             # member waiting for our chunk; a small chunk's reduction is cheaper than a hand-off).
             results[mine], signatures[mine] = await _off_loop(
-                held[me], _reduced_and_signed, [held[m] for m in range(size)], mine, spec, witness
+                held[me], _reduced_and_signed, [held[m] for m in range(size)], mine, spec, witness, sampling
             )
             reduced.set()
-    if checking is not None:
+    if checking is not None and not sampling:
         _check_chunk(links, owners, checking, [checks[m] for m in range(size)], results[checking], bytes(proofs),
                      spec, witness)
+    if witness is not None:
+        draws = await witness.confirm(draw)
+        if sampling:
+            await spot_check(_drawn(witness, owners, draws, spec.check_fraction))
     for chunk, parts in results.items():
         for (a, b), part in zip(segs[chunk], parts):
             data[a:b].copy_(part)
+
+
+def _drawn(witness: Witness, owners: Owners, draws: dict[int, bytes], fraction: float) -> set[int]:
+    """The chunks whose verifier's draw (``draws``: each member's, by ring position, as sent with its
+    CONFIRM) says to recompute them. A draw must be its verifier's signature over the result digest
+    of that chunk that every member holds (CONFIRM compared them): :class:`BadPayload` or
+    :class:`Misbehaved` naming the verifier if not."""
+    chosen = set()
+    for member, raw in draws.items():
+        peer, chunk = witness.links.ring[member], owners.checked_by(member)
+        assert chunk is not None
+        try:
+            digest, signature = parse_draw(raw)
+        except FrameError as error:
+            raise BadPayload(peer, f"sent a malformed draw: {error}") from None
+        if member != witness.links.me and not witness.signed(member, Said.SAMPLE, chunk, digest, signature):
+            raise BadPayload(peer, f"its draw for chunk {chunk} is not its signature")
+        if digest != witness.items[(Said.RESULT, chunk)][1]:
+            raise Misbehaved(peer, f"drew chunk {chunk} over a result its owner did not send")
+        if sampled(signature, fraction):
+            chosen.add(chunk)
+    return chosen
 
 
 # Hashing, signing and verifying a large chunk run in worker threads (hashlib, libsodium and torch
@@ -204,10 +288,17 @@ async def _off_loop(parts: Parts, fn: Callable[..., _T], *args: Any) -> _T:
     return fn(*args)
 
 
-def _reduced_and_signed(parts: list[Parts], start: int, spec: RoundSpec, witness: Witness | None) -> tuple[Parts, bytes]:
-    """The owner's chunk (:func:`reduce_chunk`) and, in a robust round, its signature of it."""
-    result = reduce_chunk(parts, start, spec)
-    return result, b"" if witness is None else _signed(witness, Said.RESULT, start, result)
+def _reduced_and_signed(
+    parts: list[Parts], start: int, spec: RoundSpec, witness: Witness | None, with_norms: bool,
+) -> tuple[Parts, bytes]:
+    """The owner's chunk (:func:`reduce_chunk`) and, in a robust round, what follows its values:
+    the norms of the contributions (``with_norms``, a sampled round) and its signature of both."""
+    norms = [contribution_norm(p) for p in parts] if with_norms else None
+    result = reduce_chunk(parts, start, spec, norms=norms)
+    if witness is None:
+        return result, b""
+    reported = b"" if norms is None else norms_bytes(norms)
+    return result, reported + witness.sign(Said.RESULT, start, digest_of([*result, reported]))
 
 
 def _signed(witness: Witness, said: int, key: int, parts: Parts) -> bytes:
@@ -220,8 +311,27 @@ def _checked(witness: Witness, signer: int, said: int, key: int, parts: Parts, s
     return digest if witness.signed(signer, said, key, digest, signature) else None
 
 
-def _heard(witness: Witness, signer: int, said: int, key: int, parts: Parts, signature: bytes) -> None:
-    witness.heard(said, key, signer, digest_of(parts), signature)
+def _heard_result(
+    witness: Witness, owner: int, chunk: int, parts: Parts, said: bytes, ours: Parts | None, spec: RoundSpec,
+) -> bytes:
+    """Record chunk ``chunk`` from its ``owner``: ``said`` is what followed its values (the norms
+    it reported, in a sampled round, then its signature of both; :class:`BadPayload` naming it if
+    the signature is not over these bytes). In a sampled round (``ours``: our own contribution to
+    the chunk) also its bound (:mod:`p2ptrain.collective._sampling`): :class:`Misbehaved` naming the
+    owner, whose signature is on what breaks it. Returns the digest it signed."""
+    reported, signature = said[:-SIGNATURE_BYTES], said[-SIGNATURE_BYTES:]
+    digest = digest_of([*parts, reported])
+    witness.heard(Said.RESULT, chunk, owner, digest, signature)
+    if ours is not None:
+        try:
+            norms = parse_norms(reported, witness.links.size)
+        except FrameError as error:
+            raise Misbehaved(witness.links.ring[owner], f"signed chunk {chunk} with bad norms: {error}") from None
+        problem = own_norm_problem(norms[witness.links.me], contribution_norm(ours)) or bound_problem(
+            norms, contribution_norm(parts), average=spec.average)
+        if problem is not None:
+            raise Misbehaved(witness.links.ring[owner], f"its chunk {chunk} {problem}")
+    return digest
 
 
 def _check_chunk(

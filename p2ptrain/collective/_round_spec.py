@@ -34,6 +34,9 @@ class RoundSpec:
     robust: str = "none"
     # "int8" or "2bit": a sparse round's values travel quantized and all-gathered (collective.quantized).
     quantize: str | None = None
+    # The share of a robust round's chunks that their verifier recomputes, drawn after each owner
+    # signed its result (p2ptrain.collective._sampling); 1.0: every chunk, every round.
+    check_fraction: float = 1.0
     timeout: float = 5.0  # bounds every hop
     start_timeout: float | None = None  # bounds waiting for the neighbours to join (None: timeout)
 
@@ -48,6 +51,11 @@ class RoundSpec:
             raise CollectiveError(f"robust must be one of {ROBUST_RULES}, got {self.robust!r}")
         if self.quantize is not None and (self.quantize not in KINDS or self.density >= 1.0):
             raise CollectiveError(f"quantize={self.quantize!r} is not supported (int8 or 2bit, with density < 1)")
+        if not 0.0 < self.check_fraction <= 1.0:
+            raise CollectiveError(f"check_fraction must be in (0, 1], got {self.check_fraction}")
+        if self.check_fraction < 1.0 and (self.robust == "none" or self.quantize is not None):
+            raise CollectiveError("check_fraction < 1 samples the chunks a robust round's owners reduce: it needs "
+                                  "robust='clip' and values that are not quantized (those have no owner)")
         if not self.timeout > 0 or not (self.start_timeout is None or self.start_timeout > 0):
             raise CollectiveError("timeouts must be positive")
 

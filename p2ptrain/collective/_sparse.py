@@ -312,6 +312,8 @@ async def clt_k_round(
         if not all_finite(chosen):
             raise ValueError("local values contain NaN or Inf")
         values = await quantized_allreduce(links, chosen, spec, witness=witness, segment_bytes=segment_bytes)
+        if witness is not None:
+            await witness.confirm()
         logger.debug("round %d: %d quantized values reduced", links.round_id, indices.numel())
     else:
         values = source.index_select(0, indices).to(spec.values_of(source.dtype))
@@ -319,6 +321,4 @@ async def clt_k_round(
             raise ValueError("local values contain NaN or Inf (or overflow the value dtype)")
         await direct_allreduce(links, values, spec, owners=owners, witness=witness, segment_bytes=segment_bytes)
         logger.debug("round %d: %d values reduced", links.round_id, indices.numel())
-    if witness is not None:
-        await witness.confirm()
     return indices, values

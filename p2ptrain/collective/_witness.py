@@ -94,9 +94,14 @@ class Witness:
 
     def sign(self, said: int, key: int, digest: bytes) -> bytes:
         """Our signature of a statement about bytes we send (recorded when every member gets them)."""
-        signature: bytes = self._key.sign(self.statement(said, key, digest))
-        if said != Said.CONTRIBUTION:
+        signature = self.signature(said, key, digest)
+        if said not in (Said.CONTRIBUTION, Said.SAMPLE):
             self.items[(said, key)] = (self.links.me, digest, signature)
+        return signature
+
+    def signature(self, said: int, key: int, digest: bytes) -> bytes:
+        """Our signature of a statement, unrecorded (Ed25519's: the same bytes every time)."""
+        signature: bytes = self._key.sign(self.statement(said, key, digest))
         return signature
 
     def heard(self, said: int, key: int, signer: int, digest: bytes, signature: bytes) -> None:
@@ -112,26 +117,30 @@ class Witness:
         """Whether ring member ``signer`` signed that the bytes of (``said``, ``key``) hash to ``digest``."""
         return signed_by(self.links.ring[signer], self.statement(said, key, digest), signature)
 
-    async def confirm(self) -> None:
+    async def confirm(self, extra: bytes = b"") -> dict[int, bytes]:
         """Send every other member what we received (digest and signature of every broadcast item)
         and compare what each of them received with it; :class:`Misbehaved` naming an equivocator,
         or a member that reports a signature its signer never made. Returns once every member's
-        report agrees with ours."""
+        report agrees with ours: what each member (by ring position, us too) sent after its report,
+        ``extra`` of ours (every member's is as long: a sampled round's draw, collective._direct)."""
         links = self.links
         if links.size == 1:
-            return
+            return {links.me: extra}
         keys = sorted(self.items)
         report = b"".join(self.items[k][1] + self.items[k][2] for k in keys)
-        header = Header(Kind.DATA, links.round_id, Phase.CONFIRM, 0, 0, len(report), _U8)
+        size = len(report) + len(extra)
+        header = Header(Kind.DATA, links.round_id, Phase.CONFIRM, 0, 0, size, _U8)
+        extras = {links.me: extra}
 
         async def tell(member: int) -> None:
-            await links.send(header, report, to=links.ring[member])
+            await links.send(header, report + extra, to=links.ring[member])
 
         async def check(member: int) -> None:
             peer = links.ring[member]
-            frame = await links.recv(phase=Phase.CONFIRM, step=0, seg=0, count=len(report), dtype=_U8,
-                                     nbytes=len(report), source=peer)
+            frame = await links.recv(phase=Phase.CONFIRM, step=0, seg=0, count=size, dtype=_U8, nbytes=size,
+                                     source=peer)
             theirs = memoryview(frame)[HEADER.size :]
+            extras[member] = bytes(theirs[len(report) :])
             for i, (said, key) in enumerate(keys):
                 signer, digest, _ = self.items[(said, key)]
                 entry = theirs[i * ENTRY_BYTES : (i + 1) * ENTRY_BYTES]
@@ -152,3 +161,4 @@ class Witness:
                     if member != links.me:
                         nursery.start_soon(tell, member)
                         nursery.start_soon(check, member)
+        return extras

@@ -121,7 +121,7 @@ def parse_task(data: dict[str, Any]) -> Task:
                         + (" x training.inner_steps" if training.local_sgd else ""))
 
     c = fields.table(data, "compression", "", False)
-    fields.only(c, {"density", "error_feedback", "fp16_values", "robust", "values"}, "compression.")
+    fields.only(c, {"check_fraction", "density", "error_feedback", "fp16_values", "robust", "values"}, "compression.")
     compression = _compression(c)
 
     peers = _peers(fields.table(data, "peers", "", False))
@@ -361,9 +361,16 @@ def _compression(c: dict[str, Any]) -> CompressionSpec:
         if not error_feedback:
             raise TaskError(f'compression.values: "{values}" needs error_feedback = true (it keeps what '
                             "the quantization drops)")
+    # Stored only below 1.0 (absent and 1.0 are every chunk), so tasks that check every chunk keep their bytes.
+    check_fraction = fields.number(c, "check_fraction", "compression.", None, 0.0, 1.0, lo_open=True)
+    if check_fraction == 1.0:
+        check_fraction = None
+    if check_fraction is not None and (robust != "clip" or values in ("int8", "2bit")):
+        raise TaskError('compression.check_fraction: samples the chunks that owners reduce under robust = "clip"; '
+                        "it needs that, and values that are not quantized (those have no owner)")
     return CompressionSpec(
         density=density, error_feedback=error_feedback, fp16_values=values == "fp16", robust=robust,
-        values=values if values in ("int8", "2bit") else None,
+        values=values if values in ("int8", "2bit") else None, check_fraction=check_fraction,
     )
 
 

@@ -167,6 +167,9 @@ class CompressionSpec:
     # None: as fp16_values says (``values = "fp16"`` is stored as fp16_values, "fp32" as neither,
     # so older tasks keep their bytes).
     values: str | None = None
+    # Under robust = "clip": the share of chunks a verifier recomputes each round, drawn after the
+    # owner signed its result (docs/collective.md, "Sampled verification"). None: every chunk (1.0).
+    check_fraction: float | None = None
 
 
 ACTIVATIONS = ("fp32", "fp16", "int8")  # pipeline.activations: how a stage boundary's tensors travel

@@ -151,5 +151,6 @@ def round_spec(c: CompressionSpec, *, timeout: float = 5.0, start_timeout: float
     :meth:`Collective.allreduce` quantizes nothing (the task parser refuses that combination).
     """
     return RoundSpec(density=c.density, value_dtype=torch.float16 if c.fp16_values else torch.float32,
-                     robust=c.robust, quantize=c.values if c.error_feedback else None, timeout=timeout,
+                     robust=c.robust, quantize=c.values if c.error_feedback else None,
+                     check_fraction=1.0 if c.check_fraction is None else c.check_fraction, timeout=timeout,
                      start_timeout=start_timeout)

@@ -49,6 +49,7 @@ class Phase(IntEnum):
     GATHER = 3  # all-gather: each chunk owner's final bytes travel around the ring
     VERIFY = 4  # robust rounds: a member's contribution to a chunk, sent to that chunk's verifier too
     CONFIRM = 5  # robust rounds: what each member received from every other, as signed digests
+    CHECKED = 6  # sampled robust rounds: a drawn chunk's verifier found it equal to its recomputation
 
 
 # A frame's dtype byte: the element type of its tensor bytes (0 in frames that carry none).
@@ -145,6 +146,7 @@ class Said(IntEnum):
     CONTRIBUTION = 2  # a member's values of one chunk, sent to the chunk's owner (key: the chunk)
     RESULT = 3  # a chunk's reduced values, sent by its owner to every member (key: the chunk)
     VALUES = 4  # a member's quantized values, broadcast to every member (key: the member)
+    SAMPLE = 5  # a verifier's draw for its chunk, over the owner's result digest (key: the chunk)
 
 
 def statement(round_digest: bytes, said: int, key: int, digest: bytes) -> bytes:
@@ -170,3 +172,36 @@ def round_digest(round_id: int, ring: list[ID], description: str) -> bytes:
         h.update(len(raw).to_bytes(2, "big") + raw)
     h.update(description.encode())
     return h.digest()
+
+
+# A sampled robust round (collective/_sampling.py): a verifier's draw, at the end of its CONFIRM
+# frame, is the owner's result digest it drew over and its signature of that; an owner's RESULT
+# carries the norms of the contributions it reduced, one big-endian float64 per member, before its
+# signature.
+DRAW_BYTES = DIGEST_BYTES + SIGNATURE_BYTES
+NORM = struct.Struct(">d")
+NORM_BYTES = NORM.size
+
+
+def norms_bytes(norms: list[float]) -> bytes:
+    """The norms an owner reports with its chunk (what it clipped to the median of)."""
+    return b"".join(NORM.pack(n) for n in norms)
+
+
+def parse_norms(raw: bytes, size: int) -> list[float]:
+    """The ``size`` norms of :func:`norms_bytes`; :class:`FrameError` unless ``raw`` is exactly
+    that long and every norm a finite float >= 0."""
+    if len(raw) != size * NORM.size:
+        raise FrameError(f"{len(raw)} bytes of norms for {size} members")
+    norms = [value for (value,) in NORM.iter_unpack(raw)]
+    if not all(0.0 <= n < float("inf") for n in norms):  # NaN fails both comparisons
+        raise FrameError("a norm that is negative or not finite")
+    return norms
+
+
+def parse_draw(raw: bytes) -> tuple[bytes, bytes]:
+    """The digest and the signature of a verifier's draw; :class:`FrameError` unless it is exactly
+    :data:`DRAW_BYTES` long."""
+    if len(raw) != DRAW_BYTES:
+        raise FrameError(f"a draw of {len(raw)} bytes, not {DRAW_BYTES}")
+    return bytes(raw[:DIGEST_BYTES]), bytes(raw[DIGEST_BYTES:])

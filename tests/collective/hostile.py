@@ -114,14 +114,15 @@ def mlp() -> torch.nn.Module:
 async def train_digits(
     collectives: list[Collective], *, steps: int, robust: str, hostile: dict[int, float], density: float = 0.01,
     batch: int = 32, lr: float = 0.1, first_round: int = 0, on_round: Callable[[int, float], None] | None = None,
-    owners: dict[int, Owner] | None = None, named: list | None = None,
+    owners: dict[int, Owner] | None = None, named: list | None = None, check_fraction: float = 1.0,
 ) -> tuple[float, list[torch.nn.Module]]:
     """Train the digits MLP on every host (member i holds shard i); ``hostile`` maps a member to its
     factor, ``owners`` to its :class:`Owner` attack (:func:`install` must be in effect). Returns
     member 0's test accuracy (0.0 if its weights are no longer finite) and the models.
 
     With ``owners``, a round that fails is run again without every member an honest one named (what
-    the runtime's next plan does), and the names are appended to ``named``. ``on_round(step,
+    the runtime's next plan does), and the names are appended to ``named``. ``check_fraction``: the
+    share of chunks a robust round's verifiers recompute (collective._sampling). ``on_round(step,
     seconds)`` gets each round's wall time (all members, sync included).
     """
     x, y, train_idx, test_idx = digits()
@@ -130,7 +131,7 @@ async def train_digits(
     ring = [c.peer_id for c in collectives]
     live = list(range(size))
     models = [mlp() for _ in range(size)]
-    spec = RoundSpec(density=density, robust=robust, timeout=ROUND_TIMEOUT_S)
+    spec = RoundSpec(density=density, robust=robust, check_fraction=check_fraction, timeout=ROUND_TIMEOUT_S)
     reducers = [
         SparseAllReducer(Hostile(c, hostile[i]) if i in hostile else c, spec)
         for i, c in enumerate(collectives)
@@ -186,16 +187,19 @@ async def train_digits(
 
 class Owner:
     """What a hostile owner does in the rounds it takes part in (see the module docstring; with
-    none of the three it is honest: an attack can be switched on mid-run):
-    ``poison``, a value written into every value of the chunk it reduces; ``equivocate_to``, a
+    none of them it is honest: an attack can be switched on mid-run):
+    ``poison``, a value written into every value of the chunk it reduces; ``flip``: its chunk
+    negated (the same norm: inside the bound every member checks in a sampled round, so only a
+    verifier's recomputation catches it); ``equivocate_to``, a
     peer ID that gets this owner's chunk plus one, signed anew (``resign=False``: under the
     signature of the real chunk); ``split``: as a contributor, it
     sends each chunk's verifier its values plus one (the owners get the signed, honest ones)."""
 
-    def __init__(self, collective: Collective, *, poison: float | None = None, equivocate_to=None,
-                 split: bool = False, resign: bool = True) -> None:
+    def __init__(self, collective: Collective, *, poison: float | None = None, flip: bool = False,
+                 equivocate_to=None, split: bool = False, resign: bool = True) -> None:
         self.collective = collective
         self.poison = poison
+        self.flip = flip
         self.equivocate_to = equivocate_to
         self.split = split
         self.resign = resign  # False: the altered chunk goes with the signature of the real one
@@ -256,11 +260,13 @@ def install(monkeypatch) -> None:
     """Patch the seams :class:`Owner` acts through (pytest's ``monkeypatch`` undoes it)."""
     reduce_chunk, check_chunk, send, witness_init = direct.reduce_chunk, direct._check_chunk, RoundLinks.send, Witness.__init__
 
-    def hostile_reduce(parts, start, spec):
-        out = reduce_chunk(parts, start, spec)
+    def hostile_reduce(parts, start, spec, norms=None):
+        out = reduce_chunk(parts, start, spec, norms)
         owner = _acting.get()
         if owner is not None and owner.poison is not None and not owner._verifying:
             out = [torch.full_like(part, owner.poison) for part in out]
+        if owner is not None and owner.flip and not owner._verifying:
+            out = [torch.neg(part) for part in out]
         return out
 
     def honest_check(*args, **kwargs):  # as a verifier it checks honestly: the attack is on its own chunk

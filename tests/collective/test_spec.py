@@ -47,6 +47,8 @@ def test_the_defaults_are_the_dense_mean_in_the_tensors_own_dtype() -> None:
     ("fp16_values = true", RoundSpec(density=0.01, value_dtype=torch.float16)),
     ('values = "2bit"\nrobust = "clip"', RoundSpec(density=0.01, value_dtype=torch.float32, robust="clip", quantize="2bit")),
     ("density = 1.0\nerror_feedback = false", RoundSpec(value_dtype=torch.float32)),
+    ('robust = "clip"\ncheck_fraction = 0.25',
+     RoundSpec(density=0.01, value_dtype=torch.float32, robust="clip", check_fraction=0.25)),
 ])
 def test_a_tasks_compression_is_the_spec_its_rounds_run_with(compression: str, expected: RoundSpec) -> None:
     task = load_task(TASK + f"[compression]\n{compression}\n")

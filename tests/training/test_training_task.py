@@ -200,3 +200,16 @@ def test_overlap_checkpoints_is_opt_in_and_leaves_other_tasks_bytes_unchanged():
     assert task_from_bytes(task_bytes(on)) == on
     with pytest.raises(TaskError, match="^training.overlap_checkpoints: must be true or false"):
         load_task(with_("training", 'overlap_checkpoints = "yes"'))
+
+
+def test_check_fraction_is_opt_in_under_clip_and_leaves_other_tasks_bytes_unchanged():
+    clip = load_task(with_("compression", 'robust = "clip"'))
+    assert clip.compression.check_fraction is None and b"check_fraction" not in task_bytes(clip)
+    assert task_bytes(load_task(with_("compression", 'robust = "clip"\ncheck_fraction = 1.0'))) == task_bytes(clip)
+    sampled = load_task(with_("compression", 'robust = "clip"\ncheck_fraction = 0.25'))
+    assert sampled.compression.check_fraction == 0.25 and b'"check_fraction":0.25' in task_bytes(sampled)
+    assert task_from_bytes(task_bytes(sampled)) == sampled
+    for lines in ("check_fraction = 0.5", 'robust = "clip"\ncheck_fraction = 0', 'robust = "clip"\ncheck_fraction = 2',
+                  'robust = "clip"\nvalues = "int8"\ncheck_fraction = 0.5'):
+        with pytest.raises(TaskError, match="^compression.check_fraction"):
+            load_task(with_("compression", lines))
