@@ -98,8 +98,9 @@ async def pipeline_seconds(args: argparse.Namespace, kwargs: dict, data) -> floa
         for i, local in enumerate(hosts):
             cut = partition(build_model("transformer_lm", kwargs, seed=0), count)
             stage = cut[i // r]
-            role = (Driver(local.host, stage, lm_loss, Wiring(replicas, random.Random(i)), cut=cut) if stage.index == 0
-                    else StageReplica(local.host, stage, lm_loss, senders=drivers))
+            role = (Driver(local.host, stage, lm_loss, Wiring(replicas, random.Random(i)), cut=cut,
+                           encoding=args.activations) if stage.index == 0
+                    else StageReplica(local.host, stage, lm_loss, senders=drivers, encoding=args.activations))
             if isinstance(role, StageReplica):
                 role.serve()
             members.append((local, stage, role, Collective(local.host), torch.optim.SGD(stage.parameters(), lr=0.1)))
@@ -198,6 +199,8 @@ def main() -> int:
     for name, default in [("stages", 4), ("replicas", 2), ("width", 128), ("depth", 8), ("context", 64),
                           ("vocab", 256), ("batch", 16), ("micro", 4), ("steps", 3), ("reps", 2)]:
         parser.add_argument(f"--{name}", type=int, default=default)
+    parser.add_argument("--activations", choices=("fp32", "fp16", "int8"), default="fp32",
+                        help="how the timed steps' activations travel (the bytes are printed for all three)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--memory", action="store_true", help="peak RSS of each stage's member against one process")
     parser.add_argument("--rss-of", type=int, default=None, help=argparse.SUPPRESS)  # one measure, in a child
