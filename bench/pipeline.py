@@ -23,7 +23,8 @@ frames passes through the driver's link (the driver relays each boundary: docs/p
 **Seconds per step on loopback**: S x R hosts in this one process (``p2ptrain.testing.connected_hosts``)
 train ``--steps`` steps (each: the global batch in microbatches, ``finish``, each stage's ring sum,
 SGD), against the same model trained in one piece on the same batches, same run, alternating
-(pipeline, single, pipeline, single, ...); the medians' ratio is printed. All members share this
+(pipeline, the pipeline with every BACKWARD recomputing its forward (``keep_graphs=0``), single,
+...); the medians' ratios are printed. All members share this
 process's cores, so this measures the protocol's overhead (recomputed forwards, encoding, streams),
 not what S machines would do; the WAN comparison against ``torch.distributed.pipelining`` is to come.
 """
@@ -45,7 +46,7 @@ import trio
 
 from p2ptrain.collective import Collective
 from p2ptrain.models import build_model
-from p2ptrain.pipeline import Driver, partition, StageReplica, sum_stage_gradients, Wiring
+from p2ptrain.pipeline import Driver, KEEP_GRAPHS, partition, StageReplica, sum_stage_gradients, Wiring
 from p2ptrain.testing import connected_hosts
 from p2ptrain.wire.activations import encode_frame, Frame, Kind
 
@@ -89,7 +90,7 @@ def bytes_per_microbatch(args: argparse.Namespace, kwargs: dict) -> dict[str, in
     return sizes
 
 
-async def pipeline_seconds(args: argparse.Namespace, kwargs: dict, data) -> float:
+async def pipeline_seconds(args: argparse.Namespace, kwargs: dict, data, keep_graphs: int = KEEP_GRAPHS) -> float:
     count, r = args.stages, args.replicas
     async with connected_hosts(count * r) as hosts:
         replicas = {s: [hosts[r * s + k].id for k in range(r)] for s in range(1, count)}
@@ -100,7 +101,8 @@ async def pipeline_seconds(args: argparse.Namespace, kwargs: dict, data) -> floa
             stage = cut[i // r]
             role = (Driver(local.host, stage, lm_loss, Wiring(replicas, random.Random(i)), cut=cut,
                            encoding=args.activations) if stage.index == 0
-                    else StageReplica(local.host, stage, lm_loss, senders=drivers, encoding=args.activations))
+                    else StageReplica(local.host, stage, lm_loss, senders=drivers, encoding=args.activations,
+                                      keep_graphs=keep_graphs))
             if isinstance(role, StageReplica):
                 role.serve()
             members.append((local, stage, role, Collective(local.host), torch.optim.SGD(stage.parameters(), lr=0.1)))
@@ -227,15 +229,18 @@ def main() -> int:
     parameters = sum(p.numel() for p in build_model("transformer_lm", kwargs, seed=0).parameters())
     sizes = bytes_per_microbatch(args, kwargs)
     data = batches(args, args.steps)
-    pipe, single = [], []
+    pipe, recomputing, single = [], [], []
     for _ in range(args.reps):
         pipe.append(trio.run(pipeline_seconds, args, kwargs, data))
+        recomputing.append(trio.run(pipeline_seconds, args, kwargs, data, 0))
         single.append(single_seconds(kwargs, data))
     result = {
         "parameters": parameters, "stages": args.stages, "replicas": args.replicas, "microbatch": args.micro,
         "bytes_per_microbatch": sizes,
         "pipeline_s_per_step": [round(s, 3) for s in pipe], "single_s_per_step": [round(s, 3) for s in single],
         "ratio_pipeline_over_single": round(statistics.median(pipe) / statistics.median(single), 2),
+        "recomputing_s_per_step": [round(s, 3) for s in recomputing],
+        "ratio_kept_graphs_over_recomputing": round(statistics.median(pipe) / statistics.median(recomputing), 3),
     }
     if args.json:
         print(json.dumps(result))
@@ -246,6 +251,8 @@ def main() -> int:
             print(f"  bytes per microbatch ({encoding}): {size:,} ({size / sizes['fp32']:.2f} of fp32)")
         print(f"  s/step: pipeline {result['pipeline_s_per_step']}  single {result['single_s_per_step']}  "
               f"ratio {result['ratio_pipeline_over_single']}")
+        print(f"  s/step with every BACKWARD recomputing its forward (keep_graphs=0): {result['recomputing_s_per_step']}  "
+              f"kept graphs / recomputing: {result['ratio_kept_graphs_over_recomputing']}")
     return 0
 
 

@@ -210,7 +210,8 @@ class StageReplica:
                 graphs.popitem(last=False)
             return Frame(Kind.OUTPUT, request.step, request.microbatch, request.stage, tensors=(out.detach(),)), None
         params = list(self.stage.parameters())
-        kept = self._graphs.get(sender, {}).pop(key, None) if request.kind == Kind.BACKWARD else None
+        sent = self._graphs.get(sender)
+        kept = sent.pop(key, None) if sent is not None and request.kind == Kind.BACKWARD else None
         if kept is not None and kept[0].dtype == x.dtype and torch.equal(kept[0], x):
             x, out = kept[1], kept[2]  # this sender's FORWARD of the same input: no second forward
             self.reused += 1
