@@ -39,12 +39,13 @@ import statistics
 import subprocess
 import sys
 import time
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 import trio
 
-from p2ptrain.collective import Collective
+from p2ptrain.collective import Collective, RoundSpec, SparseAllReducer
 from p2ptrain.models import build_model
 from p2ptrain.pipeline import Driver, KEEP_GRAPHS, partition, StageReplica, sum_stage_gradients, Wiring
 from p2ptrain.testing import connected_hosts
@@ -96,6 +97,7 @@ async def pipeline_seconds(args: argparse.Namespace, kwargs: dict, data, keep_gr
         replicas = {s: [hosts[r * s + k].id for k in range(r)] for s in range(1, count)}
         drivers = [hosts[k].id for k in range(r)]
         members = []
+        reducers: dict[int, SparseAllReducer | None] = {}
         for i, local in enumerate(hosts):
             cut = partition(build_model("transformer_lm", kwargs, seed=0), count)
             stage = cut[i // r]
@@ -105,7 +107,10 @@ async def pipeline_seconds(args: argparse.Namespace, kwargs: dict, data, keep_gr
                                       keep_graphs=keep_graphs))
             if isinstance(role, StageReplica):
                 role.serve()
-            members.append((local, stage, role, Collective(local.host), torch.optim.SGD(stage.parameters(), lr=0.1)))
+            collective = Collective(local.host)
+            reducers[i] = (SparseAllReducer(collective, RoundSpec(op="sum", density=args.stage_density))
+                           if args.stage_density < 1 else None)
+            members.append((local, stage, role, collective, torch.optim.SGD(stage.parameters(), lr=0.1)))
         drivers = [m[2] for m in members if isinstance(m[2], Driver)]
         began = time.perf_counter()
         for step, (x, y) in enumerate(data, start=1):
@@ -120,9 +125,9 @@ async def pipeline_seconds(args: argparse.Namespace, kwargs: dict, data, keep_gr
             for d in drivers[1:]:
                 await d.finish()
             async with trio.open_nursery() as nursery:
-                for _, stage, _, collective, _ in members:
-                    nursery.start_soon(sum_stage_gradients, collective, stage, rings[stage.index],
-                                       step * count + stage.index)
+                for i, (_, stage, _, collective, _) in enumerate(members):
+                    nursery.start_soon(partial(sum_stage_gradients, collective, stage, rings[stage.index],
+                                               step * count + stage.index, reducer=reducers[i], seed=step))
             for m in members:
                 m[4].step()
         return (time.perf_counter() - began) / len(data)
@@ -203,6 +208,8 @@ def main() -> int:
         parser.add_argument(f"--{name}", type=int, default=default)
     parser.add_argument("--activations", choices=("fp32", "fp16", "int8"), default="fp32",
                         help="how the timed steps' activations travel (the bytes are printed for all three)")
+    parser.add_argument("--stage-density", type=float, default=1.0,
+                        help="each stage's sum over its replicas: top-k with error feedback at this density (1: exact dense)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--memory", action="store_true", help="peak RSS of each stage's member against one process")
     parser.add_argument("--rss-of", type=int, default=None, help=argparse.SUPPRESS)  # one measure, in a child
