@@ -24,7 +24,8 @@ frames passes through the driver's link (the driver relays each boundary: docs/p
 **Seconds per step on loopback**: S x R hosts in this one process (``p2ptrain.testing.connected_hosts``)
 train ``--steps`` steps (each: the global batch in microbatches, ``finish``, each stage's ring sum,
 SGD), against the same model trained in one piece on the same batches, same run, alternating
-(pipeline, single, pipeline, single, ...); the medians' ratio is printed. All members share this
+(pipeline, the pipeline with every BACKWARD recomputing its forward (``keep_graphs=0``), single,
+...); the medians' ratios are printed. All members share this
 process's cores, so this measures the protocol's overhead (recomputed forwards, encoding, streams),
 not what S machines would do; the WAN comparison against ``torch.distributed.pipelining`` is to come.
 """
@@ -39,14 +40,15 @@ import statistics
 import subprocess
 import sys
 import time
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 import trio
 
-from p2ptrain.collective import Collective
+from p2ptrain.collective import Collective, RoundSpec, SparseAllReducer
 from p2ptrain.models import build_model
-from p2ptrain.pipeline import Driver, partition, StageReplica, sum_stage_gradients, Wiring
+from p2ptrain.pipeline import Driver, KEEP_GRAPHS, partition, StageReplica, sum_stage_gradients, Wiring
 from p2ptrain.testing import connected_hosts
 from p2ptrain.wire.activations import encode_frame, Frame, Kind
 
@@ -90,20 +92,26 @@ def bytes_per_microbatch(args: argparse.Namespace, kwargs: dict) -> dict[str, in
     return sizes
 
 
-async def pipeline_seconds(args: argparse.Namespace, kwargs: dict, data) -> float:
+async def pipeline_seconds(args: argparse.Namespace, kwargs: dict, data, keep_graphs: int = KEEP_GRAPHS) -> float:
     count, r = args.stages, args.replicas
     async with connected_hosts(count * r) as hosts:
         replicas = {s: [hosts[r * s + k].id for k in range(r)] for s in range(1, count)}
         drivers = [hosts[k].id for k in range(r)]
         members = []
+        reducers: dict[int, SparseAllReducer | None] = {}
         for i, local in enumerate(hosts):
             cut = partition(build_model("transformer_lm", kwargs, seed=0), count)
             stage = cut[i // r]
-            role = (Driver(local.host, stage, lm_loss, Wiring(replicas, random.Random(i)), cut=cut) if stage.index == 0
-                    else StageReplica(local.host, stage, lm_loss, senders=drivers))
+            role = (Driver(local.host, stage, lm_loss, Wiring(replicas, random.Random(i)), cut=cut,
+                           encoding=args.activations) if stage.index == 0
+                    else StageReplica(local.host, stage, lm_loss, senders=drivers, encoding=args.activations,
+                                      keep_graphs=keep_graphs))
             if isinstance(role, StageReplica):
                 role.serve()
-            members.append((local, stage, role, Collective(local.host), torch.optim.SGD(stage.parameters(), lr=0.1)))
+            collective = Collective(local.host)
+            reducers[i] = (SparseAllReducer(collective, RoundSpec(op="sum", density=args.stage_density))
+                           if args.stage_density < 1 else None)
+            members.append((local, stage, role, collective, torch.optim.SGD(stage.parameters(), lr=0.1)))
         drivers = [m[2] for m in members if isinstance(m[2], Driver)]
         began = time.perf_counter()
         for step, (x, y) in enumerate(data, start=1):
@@ -118,9 +126,9 @@ async def pipeline_seconds(args: argparse.Namespace, kwargs: dict, data) -> floa
             for d in drivers[1:]:
                 await d.finish()
             async with trio.open_nursery() as nursery:
-                for _, stage, _, collective, _ in members:
-                    nursery.start_soon(sum_stage_gradients, collective, stage, rings[stage.index],
-                                       step * count + stage.index)
+                for i, (_, stage, _, collective, _) in enumerate(members):
+                    nursery.start_soon(partial(sum_stage_gradients, collective, stage, rings[stage.index],
+                                               step * count + stage.index, reducer=reducers[i], seed=step))
             for m in members:
                 m[4].step()
         return (time.perf_counter() - began) / len(data)
@@ -211,6 +219,10 @@ def main() -> int:
     for name, default in [("stages", 4), ("replicas", 2), ("width", 128), ("depth", 8), ("context", 64),
                           ("vocab", 256), ("batch", 16), ("micro", 4), ("steps", 3), ("reps", 2)]:
         parser.add_argument(f"--{name}", type=int, default=default)
+    parser.add_argument("--activations", choices=("fp32", "fp16", "int8"), default="fp32",
+                        help="how the timed steps' activations travel (the bytes are printed for all three)")
+    parser.add_argument("--stage-density", type=float, default=1.0,
+                        help="each stage's sum over its replicas: top-k with error feedback at this density (1: exact dense)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--memory", action="store_true", help="peak RSS of each stage's member against one process")
     parser.add_argument("--rss-of", type=int, default=None, help=argparse.SUPPRESS)  # one measure, in a child
@@ -237,15 +249,18 @@ def main() -> int:
     parameters = sum(p.numel() for p in build_model("transformer_lm", kwargs, seed=0).parameters())
     sizes = bytes_per_microbatch(args, kwargs)
     data = batches(args, args.steps)
-    pipe, single = [], []
+    pipe, recomputing, single = [], [], []
     for _ in range(args.reps):
         pipe.append(trio.run(pipeline_seconds, args, kwargs, data))
+        recomputing.append(trio.run(pipeline_seconds, args, kwargs, data, 0))
         single.append(single_seconds(kwargs, data))
     result = {
         "parameters": parameters, "stages": args.stages, "replicas": args.replicas, "microbatch": args.micro,
         "bytes_per_microbatch": sizes,
         "pipeline_s_per_step": [round(s, 3) for s in pipe], "single_s_per_step": [round(s, 3) for s in single],
         "ratio_pipeline_over_single": round(statistics.median(pipe) / statistics.median(single), 2),
+        "recomputing_s_per_step": [round(s, 3) for s in recomputing],
+        "ratio_kept_graphs_over_recomputing": round(statistics.median(pipe) / statistics.median(recomputing), 3),
     }
     if args.json:
         print(json.dumps(result))
@@ -256,6 +271,8 @@ def main() -> int:
             print(f"  bytes per microbatch ({encoding}): {size:,} ({size / sizes['fp32']:.2f} of fp32)")
         print(f"  s/step: pipeline {result['pipeline_s_per_step']}  single {result['single_s_per_step']}  "
               f"ratio {result['ratio_pipeline_over_single']}")
+        print(f"  s/step with every BACKWARD recomputing its forward (keep_graphs=0): {result['recomputing_s_per_step']}  "
+              f"kept graphs / recomputing: {result['ratio_kept_graphs_over_recomputing']}")
     return 0
 
 

@@ -145,8 +145,25 @@ def p2ptrain_run(args: argparse.Namespace) -> dict[str, Any]:
         "replicas_per_stage": [len(s["replicas"]) for s in stages],
         "parameters_per_stage": [s["parameters"] for s in stages],
         "bytes_sent_per_member": round(sum(s["bytes_sent"] for s in statuses) / len(statuses)),
+        "phases_s_per_step": phases(statuses),
         "load_average": load,
     }
+
+
+def phases(statuses: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Where a step's time went, from every member's ``task status`` (whole run, failed rounds
+    included in compute): for the drivers (stage 0) and the other replicas, the mean per round done of
+    compute (a driver: its microbatches forward and back and ``finish``; a replica: nothing until
+    the summary, which it joins at once), sync (the stage's gradient sum) and apply (the optimizer).
+    The step summary's gather is what a step's wall time leaves after these."""
+    out: dict[str, dict[str, float]] = {}
+    for role, members in (("drivers", [s for s in statuses if s.get("stage") == 0]),
+                          ("replicas", [s for s in statuses if (s.get("stage") or 0) > 0])):
+        done = [s for s in members if s.get("rounds_done")]
+        if done:
+            out[role] = {k: round(sum(s[f"{k}_s"] / s["rounds_done"] for s in done) / len(done), 4)
+                         for k in ("compute", "sync", "apply")}
+    return out
 
 
 def baseline_run(args: argparse.Namespace) -> dict[str, Any]:

@@ -22,8 +22,8 @@ if TYPE_CHECKING:
         pieces_of as pieces_of,
     )
     from p2ptrain.pipeline._partition import partition as partition, Stage as Stage
-    from p2ptrain.pipeline._replica import (MAX_STREAMS_PER_PEER as MAX_STREAMS_PER_PEER, PROTOCOL as PROTOCOL,
-                                            StageReplica as StageReplica)
+    from p2ptrain.pipeline._replica import (KEEP_GRAPHS as KEEP_GRAPHS, MAX_STREAMS_PER_PEER as MAX_STREAMS_PER_PEER,
+                                            PROTOCOL as PROTOCOL, StageReplica as StageReplica)
     from p2ptrain.pipeline._wiring import Wiring as Wiring
 else:
     from p2ptrain._exports import lazy_exports

@@ -3,8 +3,9 @@
 For each microbatch the driver runs its own stage 0, then sends the activation forward through one
 replica of every later stage (chosen by :class:`~p2ptrain.pipeline._wiring.Wiring`), the last of
 which computes the loss and answers with the gradient of its input; the gradients then come back
-through one replica of every stage (``BACKWARD``: the stage's input again and its output's gradient),
-and the driver backpropagates through its stage 0. Every hop is one request and one answer on a
+through one replica of every stage (``BACKWARD``: the stage's input again and its output's gradient,
+sent first to the replica that served the microbatch's FORWARD, which kept its graph and so skips
+recomputing its forward), and the driver backpropagates through its stage 0. Every hop is one request and one answer on a
 fresh channel; a hop whose replica closes the channel, answers garbage or answers too late is sent,
 with the same bytes, to another replica of the stage, and that replica is out for the step. An
 answer's shape must be the one the stage computes (each stage's output shape for its input's, found
@@ -168,12 +169,15 @@ class Driver:
             h = await trio.to_thread.run_sync(self._forward0, x)
         a = h.detach()
         check = self.check_fraction > 0 and is_checked(self.check_key, self.step, mb, self.check_fraction)
+        served: dict[int, Hashable] = {}  # {stage: the replica whose output went on}: it kept the graph
         for s in range(1, count - 1):
             record.inputs[s] = a
             peer, answer = await self._answered(Kind.FORWARD, s, mb, (a,))
             a = answer.tensors[0]
             if check:
                 a = await self._second_opinion(s, mb, record.inputs[s], peer, a)
+            if a is answer.tensors[0]:
+                served[s] = peer
         record.inputs[count - 1] = a
         if check:
             peer, answer = await self._answered(Kind.FORWARD, count - 1, mb, (a,))
@@ -182,7 +186,7 @@ class Driver:
         record.loss, g = answer.value, answer.tensors[0]
         for s in range(count - 2, 0, -1):
             record.grads[s] = g
-            g = (await self._hop(Kind.BACKWARD, s, mb, (record.inputs[s], g))).tensors[0]
+            g = (await self._hop(Kind.BACKWARD, s, mb, (record.inputs[s], g), prefer=served.get(s))).tensors[0]
         async with self._lock:
             await trio.to_thread.run_sync(h.backward, g)
         record.done = True
@@ -199,18 +203,25 @@ class Driver:
             (loss * weight).backward()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
         return float(loss.detach())
 
-    async def _hop(self, kind: Kind, stage: int, mb: int, tensors: tuple[torch.Tensor, ...], value: float = 0.0) -> Frame:
+    async def _hop(
+        self, kind: Kind, stage: int, mb: int, tensors: tuple[torch.Tensor, ...], value: float = 0.0,
+        prefer: Hashable | None = None,
+    ) -> Frame:
         """The answer of a replica of ``stage`` to this request, rerouted until one answers."""
-        return (await self._answered(kind, stage, mb, tensors, value))[1]
+        return (await self._answered(kind, stage, mb, tensors, value, prefer=prefer))[1]
 
     async def _answered(
         self, kind: Kind, stage: int, mb: int, tensors: tuple[torch.Tensor, ...], value: float = 0.0,
-        besides: Collection[Hashable] = (),
+        besides: Collection[Hashable] = (), prefer: Hashable | None = None,
     ) -> tuple[Hashable, Frame]:
-        """The replica of ``stage`` (none of ``besides``) that answered this request, and its answer."""
+        """The replica of ``stage`` (none of ``besides``) that answered this request, and its answer.
+        ``prefer``: the replica tried first while it is usable (a BACKWARD goes back to the replica
+        that served the microbatch's FORWARD, which kept its graph), else the wiring's draw."""
         request = encode_frame(Frame(kind, self.step, mb, stage, value, tensors), self.encoding)
         while True:
-            peer = self.wiring.choose(stage, besides)
+            usable = prefer is not None and prefer not in besides and prefer in self.wiring.usable(stage)
+            peer = prefer if usable else self.wiring.choose(stage, besides)
+            prefer = None
             if peer is None:
                 raise StageUnavailable(stage)
             self.wiring.started(peer)

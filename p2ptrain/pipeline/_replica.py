@@ -1,11 +1,14 @@
 """One replica of one stage, serving the stage protocol (``/p2ptrain/pipeline/1.0.0``) on its host.
 
-The replica keeps nothing of a microbatch between requests (docs/pipeline.md): a FORWARD is computed
-without a graph (at the last stage too, where it answers the logits: a driver's integrity check); a
-BACKWARD carries the stage's input again with the gradient of its output, and the replica recomputes
-its forward to backpropagate (one more forward per stage, the price of replicas that any sender may
-use for any hop, and of a sender that can redo any hop elsewhere). The sender keeps what a hop needs
-until the step ends; a replica that dies loses only what it computed.
+A replica needs nothing of a microbatch between requests (docs/pipeline.md): a BACKWARD carries the
+stage's input again with the gradient of its output, so any replica can answer it by recomputing its
+forward, and a sender can redo any hop elsewhere. What a replica *keeps* is an optimisation only: the
+graph of its last few FORWARDs from each sender (``keep_graphs``, bounded, dropped at the next step),
+so that the BACKWARD a driver sends back to the replica that served the FORWARD skips the recomputed
+forward. A kept graph is used only for the same sender, step and microbatch id and a bitwise equal
+input; anything else recomputes. The last stage keeps nothing (its FORWARD is a driver's integrity
+check; its LOSS computes its own forward). The sender keeps what a hop needs until the step ends; a
+replica that dies loses only what it computed.
 
 A replica answers only the peers its plan names as senders (the drivers: only they send requests in
 this protocol); any other peer's request is refused and counted (``outsider``), before its bytes are
@@ -45,8 +48,14 @@ AHEAD_WAIT_S = 10.0
 # Limits.max_frame_bytes()) before it waits for the stage's lock; a driver's microbatches in flight
 # at one stage rarely exceed this, and a sender that opens more is reset, not buffered.
 MAX_STREAMS_PER_PEER = 8
+# Graphs of FORWARDs a replica keeps per sender for the BACKWARD that may come back to it: the
+# runtime's microbatches in flight per driver (run/_stages.py IN_FLIGHT). Each holds the stage's
+# saved activations for one microbatch; the oldest is dropped first.
+KEEP_GRAPHS = 4
 
 Loss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+# A FORWARD's graph kept for its BACKWARD: the input as sent, the graph's input leaf, its output.
+_Graph = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 class StageReplica:
@@ -54,12 +63,13 @@ class StageReplica:
 
     ``loss(logits, targets)`` is the step's mean loss of one microbatch (the last stage's job);
     ``senders`` are the peers whose requests it answers (the plan's drivers), from the plan, never
-    from a request; ``encoding`` is how its answers' activations and gradients travel (fp32, fp16, int8).
+    from a request; ``encoding`` is how its answers' activations and gradients travel (fp32, fp16, int8);
+    ``keep_graphs``: FORWARD graphs kept per sender for its BACKWARDs (0: every BACKWARD recomputes).
     """
 
     def __init__(
         self, host: IHost, stage: Stage, loss: Loss, *, senders: Collection[Hashable], encoding: str = "fp32",
-        limits: Limits = DEFAULT_LIMITS, protocol: str = PROTOCOL,
+        limits: Limits = DEFAULT_LIMITS, protocol: str = PROTOCOL, keep_graphs: int = KEEP_GRAPHS,
     ) -> None:
         self.host, self.stage, self.loss = host, stage, loss
         self.senders = frozenset(senders)
@@ -67,6 +77,11 @@ class StageReplica:
         self.step = 0
         self._stepped = trio.Event()  # set (and replaced) by new_step
         self._held: dict[Hashable, set[int]] = {}  # {sender: microbatch ids whose gradients are in the stage's}
+        self.keep_graphs = keep_graphs if stage.index < stage.count - 1 else 0
+        # {sender: {(step, microbatch id): (its input, the input leaf of the graph, the output)}},
+        # oldest first; read and written by the computation (under the lock), cleared by new_step.
+        self._graphs: dict[Hashable, collections.OrderedDict[tuple[int, int], _Graph]] = {}
+        self.reused = 0  # BACKWARDs answered from a kept graph
         self._lock = trio.Lock()  # one computation at a time: the stage's weights and grads are shared
         self._progress = trio.Event()
         self.requests = 0
@@ -84,6 +99,7 @@ class StageReplica:
         """Start ``step``: the gradients are zeroed and nothing is held."""
         self.step = step
         self._held.clear()
+        self._graphs.clear()
         for p in self.stage.parameters():
             p.grad = None
         self._stepped.set()
@@ -178,15 +194,33 @@ class StageReplica:
         if request.kind == Kind.HOLDINGS:
             ids = torch.tensor(sorted(self._held.get(sender, ())), dtype=torch.int64)
             return Frame(Kind.HELD, request.step, 0, request.stage, tensors=(ids,) if len(ids) else ()), None
+        x = request.tensors[0]
+        key = (request.step, request.microbatch)
         if request.kind == Kind.FORWARD:
-            with torch.no_grad():
-                out = self.stage(request.tensors[0])
-            return Frame(Kind.OUTPUT, request.step, request.microbatch, request.stage, tensors=(out,)), None
+            if not (self.keep_graphs and x.is_floating_point()):
+                with torch.no_grad():
+                    out = self.stage(x)
+                return Frame(Kind.OUTPUT, request.step, request.microbatch, request.stage, tensors=(out,)), None
+            leaf = x.detach().requires_grad_()
+            with torch.enable_grad():
+                out = self.stage(leaf)
+            graphs = self._graphs.setdefault(sender, collections.OrderedDict())
+            graphs[key] = (x, leaf, out)
+            while len(graphs) > self.keep_graphs:
+                graphs.popitem(last=False)
+            return Frame(Kind.OUTPUT, request.step, request.microbatch, request.stage, tensors=(out.detach(),)), None
         params = list(self.stage.parameters())
-        x = request.tensors[0].requires_grad_(request.tensors[0].is_floating_point())
+        sent = self._graphs.get(sender)
+        kept = sent.pop(key, None) if sent is not None and request.kind == Kind.BACKWARD else None
+        if kept is not None and kept[0].dtype == x.dtype and torch.equal(kept[0], x):
+            x, out = kept[1], kept[2]  # this sender's FORWARD of the same input: no second forward
+            self.reused += 1
+        else:
+            x = x.requires_grad_(x.is_floating_point())
+            with torch.enable_grad():
+                out = self.stage(x)
         inputs = [x, *params] if x.requires_grad else params
         with torch.enable_grad():
-            out = self.stage(x)
             if request.kind == Kind.LOSS:
                 loss = self.loss(out, request.tensors[1])
                 grads = torch.autograd.grad(loss * request.value, inputs)

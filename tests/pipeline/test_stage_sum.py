@@ -1,14 +1,17 @@
 """A stage's gradient sum over its replicas under the task's robust rule, on real libp2p hosts
 (127.0.0.1): a hostile replica's contribution is bounded by the honest ones' (h-redteam's F2, first
-half). In the plain exact sum it counts at whatever size it is sent."""
+half). In the plain exact sum it counts at whatever size it is sent. A sparse sum (top-k with error
+feedback) keeps the replicas identical and loses nothing."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
 import trio
 
-from p2ptrain.collective import Collective
+from p2ptrain.collective import Collective, RoundSpec, SparseAllReducer
 from p2ptrain.models._registry import build_model
 from p2ptrain.pipeline import partition, sum_stage_gradients
 from p2ptrain.testing import connected_hosts
@@ -60,3 +63,39 @@ async def test_a_hostile_replicas_share_of_the_stage_sum_is_bounded_under_clip(r
         # Each chunk's contributions clipped to their median norm: the hostile one weighs at most
         # an honest one's, so the sum is off by at most about two honest contributions.
         assert off < 2 * largest
+
+
+@pytest.mark.parametrize("replicas", [2, 3])
+async def test_a_sparse_stage_sum_keeps_the_replicas_identical_and_loses_nothing(replicas):
+    """Top-k with error feedback (each replica's own SparseAllReducer, op "sum"): every step the
+    replicas receive the same bits, a small share of the entries, and what nobody sent yet stays in
+    the residuals, so the steps' sums and the residuals add up to the true sums."""
+    density, steps = 0.05, 3
+    spec = RoundSpec(op="sum", density=density, timeout=10.0)
+    async with connected_hosts(replicas) as hosts:
+        ring = [h.id for h in hosts]
+        reducers = [SparseAllReducer(Collective(h.host), spec) for h in hosts]
+        applied, truth = None, None
+        for step in range(steps):
+            stages = [replica_stage(10 * step + k) for k in range(replicas)]
+            step_truth = sum(flat_grad(s) for s in stages)
+            with trio.fail_after(DEADLINE_S):
+                async with trio.open_nursery() as nursery:
+                    for r, s in zip(reducers, stages):
+                        nursery.start_soon(lambda r=r, s=s: sum_stage_gradients(
+                            r.collective, s, ring, 100 + step, reducer=r, seed=step))
+            sums = [flat_grad(s) for s in stages]
+            assert all(torch.equal(s, sums[0]) for s in sums)  # the replicas stay bitwise identical
+            assert 0 < int((sums[0] != 0).sum()) <= replicas * math.ceil(density * sums[0].numel())
+            applied = sums[0] if applied is None else applied + sums[0]
+            truth = step_truth if truth is None else truth + step_truth
+        residuals = sum(r.feedback.residual for r in reducers)
+        torch.testing.assert_close(applied + residuals, truth, rtol=1e-5, atol=1e-6)
+        assert float(residuals.norm()) > 0  # something was held back: the sum was sparse
+
+
+async def test_a_stage_sum_refuses_a_reducer_that_averages():
+    async with connected_hosts(1) as hosts:
+        reducer = SparseAllReducer(Collective(hosts[0].host), RoundSpec(density=0.1))
+        with pytest.raises(ValueError, match="sum"):
+            await sum_stage_gradients(reducer.collective, replica_stage(0), [hosts[0].id], 1, reducer=reducer)
