@@ -101,3 +101,21 @@ def test_what_it_cannot_fork_starts_fresh(tmp_path, monkeypatch):
     proc = start_forked([sys.executable, str(tmp_path / "probe.py")], stdout=subprocess.PIPE, text=True,
                         stderr=subprocess.DEVNULL)
     assert isinstance(proc, subprocess.Popen) and not json.loads(proc.communicate(timeout=60)[0])["torch"]
+
+
+@pytest.mark.needs("ip", root=True)
+def test_a_command_behind_ip_netns_exec_is_forked_into_that_namespace(tmp_path):
+    name = f"p2pfork{os.getpid()}"
+    subprocess.run(["ip", "netns", "add", name], check=True, timeout=30)
+    try:
+        subprocess.run(["ip", "netns", "exec", name, "ip", "link", "set", "lo", "up"], check=True, timeout=30)
+        (tmp_path / "links.py").write_text("import socket\nprint(sorted(n for _, n in socket.if_nameindex()))\n")
+        args = ["ip", "netns", "exec", name, sys.executable, str(tmp_path / "links.py")]
+        fresh = subprocess.run(args, capture_output=True, text=True, timeout=60)
+        proc = start_forked(args, stdout=subprocess.PIPE, text=True)
+        assert isinstance(proc, ForkedProcess)
+        assert proc.communicate(timeout=60)[0] == fresh.stdout == "['lo']\n"
+        here = subprocess.run([sys.executable, str(tmp_path / "links.py")], capture_output=True, text=True, timeout=60)
+        assert here.stdout != fresh.stdout  # the namespace is not this one
+    finally:
+        subprocess.run(["ip", "netns", "delete", name], timeout=30)

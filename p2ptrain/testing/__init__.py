@@ -92,6 +92,7 @@ from p2ptrain.testing._corpus import (  # text files and a tokenizer trained on 
 )
 from p2ptrain.testing._forkserver import (  # processes forked from a template that imported torch once
     ForkedProcess as ForkedProcess,
+    NodeProcess as NodeProcess,
     run_forked as run_forked,
     start_forked as start_forked,
 )
@@ -201,14 +202,6 @@ async def local_mesh(
         finally:
             for node in nodes:
                 node.stop()
-
-
-class NodeProcess(_NodeProcess):
-    """:class:`p2ptrain.node.NodeProcess` started from the fork server (:func:`start_forked`): the
-    same ``p2ptrain node start`` command line, as a separate process to kill or restart, without
-    its seconds of imports; a launcher (a network namespace) starts it fresh as before."""
-
-    popen = staticmethod(start_forked)
 
 
 @contextmanager

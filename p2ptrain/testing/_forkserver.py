@@ -38,7 +38,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
-__all__ = ["ForkedProcess", "run_forked", "start_forked"]
+from p2ptrain.node import NodeProcess as _NodeProcess
+
+__all__ = ["ForkedProcess", "NodeProcess", "run_forked", "start_forked"]
 
 # What the server imports before it forks: what a node that trains, the CLI and the member scripts
 # import (every p2ptrain module), and the data sources the tests add datasets from.
@@ -54,6 +56,9 @@ FORK_TIMEOUT_S = 30.0
 # How long the test process, at its exit, waits for the server to see its children end.
 SERVER_STOP_WAIT_S = 10.0
 MAX_REQUEST = 1 << 20
+# Where ``ip netns add`` names its network namespaces, and setns(2)'s flag for one.
+NETNS_DIR = Path("/run/netns")
+CLONE_NEWNET = 0x40000000
 
 _File = int | IO[Any] | None
 
@@ -64,6 +69,13 @@ def _wanted() -> bool:
 
 def _import_time_env(env: Mapping[str, str]) -> dict[str, str]:
     return {k: v for k, v in env.items() if k.startswith(IMPORT_TIME_PREFIXES)}
+
+
+def _netns(args: Sequence[str]) -> tuple[str | None, Sequence[str]]:
+    """The network namespace an ``ip netns exec NS`` prefix names (None without one), and the rest."""
+    if len(args) > 4 and list(args[:3]) == ["ip", "netns", "exec"] and os.path.exists(NETNS_DIR / args[3]):
+        return args[3], args[4:]
+    return None, args
 
 
 def _target(args: Sequence[str], cwd: str) -> tuple[str, str, list[str], str] | None:
@@ -272,7 +284,8 @@ def start_forked(args: Sequence[str], *, stdin: _File = None, stdout: _File = No
     ``PIPE``/``DEVNULL``/files/descriptors are read as Popen does."""
     env = dict(os.environ if env is None else env)
     cwd = os.path.abspath(cwd if cwd is not None else os.getcwd())
-    target = _target(args, cwd) if _wanted() else None
+    netns, command = _netns(args)
+    target = _target(command, cwd) if _wanted() else None
     server = _the_server() if target is not None else None
     if target is None or server is None or _import_time_env(env) != _import_time_env(server.env):
         return subprocess.Popen(list(args), stdin=stdin, stdout=stdout, stderr=stderr, cwd=cwd, env=env, text=text)
@@ -284,7 +297,7 @@ def start_forked(args: Sequence[str], *, stdin: _File = None, stdout: _File = No
         in_fd = _fd(stdin, 0, pipes, ours, 0, text)
         out_fd = _fd(stdout, 1, pipes, ours, 1, text)
         err_fd = out_fd if stderr == subprocess.STDOUT else _fd(stderr, 2, pipes, ours, 2, text)
-        request = {"kind": kind, "target": path, "argv": argv, "path0": path0, "cwd": cwd, "env": env}
+        request = {"kind": kind, "target": path, "argv": argv, "path0": path0, "cwd": cwd, "env": env, "netns": netns}
         pid = server.fork(request, [in_fd, out_fd, err_fd, status_theirs.fileno()])
     except BaseException:
         status_ours.close()
@@ -320,6 +333,14 @@ def run_forked(args: Sequence[str], *, capture_output: bool = False, stdout: _Fi
     return subprocess.CompletedProcess(list(args), code, out, err)
 
 
+class NodeProcess(_NodeProcess):
+    """:class:`p2ptrain.node.NodeProcess` started from the fork server (:func:`start_forked`): the
+    same ``p2ptrain node start`` command line, a separate process to kill or restart, without its
+    seconds of imports (in a network namespace too, when its launcher is ``ip netns exec NS``)."""
+
+    popen = staticmethod(start_forked)
+
+
 # -- the server ---------------------------------------------------------------------------------
 
 
@@ -341,6 +362,21 @@ def _preload() -> None:
                 importlib.import_module(info.name)
             except ImportError:  # an optional extra not installed (torchvision): its users import it fresh
                 pass
+
+
+def _enter_netns(name: str) -> None:
+    """Move this (single-threaded) child into network namespace ``name``, as ``ip netns exec``
+    does for the command it runs: every socket it opens from now on is in that namespace."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(NETNS_DIR / name, os.O_RDONLY)
+    try:
+        if libc.setns(fd, CLONE_NEWNET) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"setns into network namespace {name}: {os.strerror(err)}")
+    finally:
+        os.close(fd)
 
 
 def _exit_code(exc: SystemExit) -> int:
@@ -369,6 +405,8 @@ def _child(request: dict[str, Any], fds: list[int], inherited: list[int]) -> Non
         for fd in set(fds):
             if fd > 2:
                 os.close(fd)
+        if request.get("netns"):
+            _enter_netns(request["netns"])
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
