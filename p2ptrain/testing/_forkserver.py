@@ -364,6 +364,18 @@ def _preload() -> None:
                 pass
 
 
+def _name_process(request: dict[str, Any]) -> None:
+    """Name the child in ``ps``/``top`` for its command (``p2ptrain``, ``member_script.py``), not
+    for the server its argv still reads as."""
+    target = request["target"]
+    name = target.split(".")[0] if request["kind"] == "module" else os.path.basename(target)
+    try:
+        with open("/proc/self/comm", "w") as comm:
+            comm.write(name[:15])
+    except OSError:
+        pass
+
+
 def _enter_netns(name: str) -> None:
     """Move this (single-threaded) child into network namespace ``name``, as ``ip netns exec``
     does for the command it runs: every socket it opens from now on is in that namespace."""
@@ -405,6 +417,7 @@ def _child(request: dict[str, Any], fds: list[int], inherited: list[int]) -> Non
         for fd in set(fds):
             if fd > 2:
                 os.close(fd)
+        _name_process(request)
         if request.get("netns"):
             _enter_netns(request["netns"])
         os.chdir(request["cwd"])
