@@ -98,7 +98,7 @@ def test_a_member_killed_mid_run_and_a_late_joiner_and_the_model_cid_loads_in_a_
     # The late joiner's home (it got the model by CID from the others, not by training from step 0).
     cid = results[2]["model_cid"]
     out = run_forked([sys.executable, str(SCRIPT), "--home", str(members[3].home), "--load", cid],
-                         capture_output=True, text=True, timeout=120, check=True).stdout
+                     capture_output=True, text=True, timeout=120, check=True).stdout
     loaded = last_json(out)
     assert loaded["weights"] == results[2]["weights"]
     assert loaded["predictions"] == results[2]["predictions"]

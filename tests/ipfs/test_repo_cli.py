@@ -25,7 +25,7 @@ P2PTRAIN = str(Path(sys.executable).with_name("p2ptrain"))
 
 def repo(*args: str, home: Path) -> subprocess.CompletedProcess[str]:
     return run_forked([P2PTRAIN, "repo", *args, "--home", str(home)], capture_output=True, text=True,
-                          timeout=120)
+                      timeout=120)
 
 
 def noise(n: int, seed: int) -> bytes:
@@ -224,7 +224,7 @@ def test_ipfs_add_pins_as_kubo_does_so_gc_keeps_it(tmp_path):
     kept_file.write_bytes(noise(300_000, 7))
     loose_file.write_bytes(noise(300_000, 8))
     add = lambda *a: run_forked([P2PTRAIN, "ipfs", "add", *a, "--home", str(home)],  # noqa: E731
-                                    capture_output=True, text=True, timeout=60)
+                                capture_output=True, text=True, timeout=60)
     kept = add(str(kept_file)).stdout.strip()
     loose = add("--no-pin", str(loose_file)).stdout.strip()
     store = EmbeddedStore(home)

@@ -81,7 +81,7 @@ def test_a_redirect_to_a_local_url_is_refused_not_followed(tmp_path: Path) -> No
             inputs = tmp_path / "inputs.json"
             inputs.write_text(json.dumps({"inputs": [[0.0] * 64]}))
             done = run_forked([sys.executable, "-m", "p2ptrain.cli.main", "model", "predict", CID, str(inputs),
-                                   "--url", hostile], capture_output=True, text=True, timeout=CALL_DEADLINE_S)
+                               "--url", hostile], capture_output=True, text=True, timeout=CALL_DEADLINE_S)
         assert done.returncode == 1
         assert done.stderr.strip().endswith("(a redirect): model predict follows none"), done.stderr
         assert len(done.stderr.strip().splitlines()) == 1
