@@ -29,7 +29,7 @@ sys.exit(int(os.environ.get("FORK_EXIT", "0")))
 
 @pytest.fixture(autouse=True)
 def _fork_server_on(monkeypatch):
-    monkeypatch.delenv("P2PTRAIN_TEST_FORK", raising=False)
+    monkeypatch.setenv("P2PTRAIN_TEST_FORK", "1")
 
 
 def test_a_forked_script_sees_what_a_fresh_interpreter_sees(tmp_path):
@@ -97,7 +97,7 @@ def test_what_it_cannot_fork_starts_fresh(tmp_path, monkeypatch):
     proc = start_forked([sys.executable, str(tmp_path / "probe.py")], env=env, stdout=subprocess.PIPE, text=True,
                         stderr=subprocess.DEVNULL)
     assert isinstance(proc, subprocess.Popen) and not json.loads(proc.communicate(timeout=60)[0])["torch"]
-    monkeypatch.setenv("P2PTRAIN_TEST_FORK", "0")
+    monkeypatch.delenv("P2PTRAIN_TEST_FORK")  # off unless asked for
     proc = start_forked([sys.executable, str(tmp_path / "probe.py")], stdout=subprocess.PIPE, text=True,
                         stderr=subprocess.DEVNULL)
     assert isinstance(proc, subprocess.Popen) and not json.loads(proc.communicate(timeout=60)[0])["torch"]

@@ -208,8 +208,8 @@ async def local_mesh(
 def node_processes(
     n: int, base: Path, *, extra_args: Sequence[str] = (), ready_timeout: float = READY_TIMEOUT_S
 ) -> Iterator[list[_NodeProcess]]:
-    """N node processes on loopback (:class:`NodeProcess`: from the fork server), each bootstrapping
-    from all the others, started at once."""
+    """N node processes on loopback (:class:`NodeProcess`: forked where the fork server is on), each
+    bootstrapping from all the others, started at once."""
     procs: list[_NodeProcess] = []
     for i in range(n):
         home = Path(base) / f"node{i}"

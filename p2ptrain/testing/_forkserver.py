@@ -13,8 +13,11 @@ itself. What cannot run that way is started by ``subprocess.Popen`` as before, u
 program or interpreter, ``python -c`` (tests that look at what a fresh interpreter imported),
 another launcher (``env PYTHONPATH=...``), or an environment whose import-time variables
 (``PYTHONPATH``, thread pools, malloc) differ from the server's. What a fork cannot give: each child shares the server's string
-hash seed, where fresh interpreters each draw their own. ``P2PTRAIN_TEST_FORK=0`` turns the server
-off (every command through ``subprocess.Popen``)::
+hash seed, where fresh interpreters each draw their own.
+
+It is on where ``P2PTRAIN_TEST_FORK=1`` (the project's tests/conftest.py sets it unless it is set:
+``P2PTRAIN_TEST_FORK=0 make test`` turns it off); elsewhere every command goes through
+``subprocess.Popen``, so a benchmark that times a node's start-up still times a fresh process::
 
     proc = start_forked([sys.executable, "-m", "p2ptrain.cli.main", "node", "start", ...], stdout=log)
     proc.kill(); proc.wait(10)
@@ -61,7 +64,7 @@ _File = int | IO[Any] | None
 
 
 def _wanted() -> bool:
-    return os.environ.get("P2PTRAIN_TEST_FORK", "1") != "0" and sys.platform == "linux"
+    return os.environ.get("P2PTRAIN_TEST_FORK") == "1" and sys.platform == "linux"
 
 
 def _import_time_env(env: Mapping[str, str]) -> dict[str, str]:
@@ -334,8 +337,8 @@ def run_forked(args: Sequence[str], *, capture_output: bool = False, stdout: _Fi
 
 
 class NodeProcess(_NodeProcess):
-    """:class:`p2ptrain.node.NodeProcess` started from the fork server (:func:`start_forked`): the
-    same ``p2ptrain node start`` command line, a separate process to kill or restart, without its
-    seconds of imports (in a network namespace too, when its launcher is ``ip netns exec NS``)."""
+    """:class:`p2ptrain.node.NodeProcess` started through :func:`start_forked`: where the fork server
+    is on, the same ``p2ptrain node start`` command line, a separate process to kill or restart,
+    without its seconds of imports (in a network namespace too, behind ``ip netns exec NS``)."""
 
     popen = staticmethod(start_forked)

@@ -72,8 +72,8 @@ def script_members(n: int, base: Path) -> list[ScriptMember]:
 
 
 def start_script(script: str | Path, member: ScriptMember, args: Sequence[str] = ()) -> ForkedProcess | subprocess.Popen[str]:
-    """Start ``script`` as ``member`` (stdout piped, stderr to ``<home>/script.log``), from the fork
-    server (:func:`~p2ptrain.testing.start_forked`)."""
+    """Start ``script`` as ``member`` (stdout piped, stderr to ``<home>/script.log``), through
+    :func:`~p2ptrain.testing.start_forked` (forked where the fork server is on)."""
     with open(member.home / "script.log", "a") as log:  # the child has its own copy of the descriptor
         return start_forked([sys.executable, str(script), *member.argv(), *args], stdout=subprocess.PIPE,
                             stderr=log, text=True)
