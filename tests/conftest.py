@@ -58,6 +58,9 @@ def missing_tool_verdict(tools: tuple[str, ...], *, root: bool, ci: bool, euid: 
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # The processes the tests start (nodes, CLI commands, member scripts) are forked from a server
+    # that imported torch and libp2p once (p2ptrain/testing/_forkserver.py), unless this is "0".
+    os.environ.setdefault("P2PTRAIN_TEST_FORK", "1")
     config.addinivalue_line(
         "markers", "needs(*tools, root=False): tools on PATH (and root) the test needs; see tests/conftest.py"
     )

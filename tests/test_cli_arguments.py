@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from p2ptrain.testing import run_forked
+
 P2PTRAIN = str(Path(sys.executable).with_name("p2ptrain"))
 GOOD = "QmT78zSuBmuS4z925WZfrqQ1qHaJ56DQaTfyMUF7F8ff5o"
 
@@ -24,8 +26,8 @@ GOOD = "QmT78zSuBmuS4z925WZfrqQ1qHaJ56DQaTfyMUF7F8ff5o"
     ],
 )
 def test_a_malformed_cid_is_a_usage_error_naming_the_argument(tmp_path, args):
-    result = subprocess.run([P2PTRAIN, *args, "--home", str(tmp_path / "home")], capture_output=True, timeout=60,
-                            cwd=tmp_path)
+    result = run_forked([P2PTRAIN, *args, "--home", str(tmp_path / "home")], capture_output=True, timeout=60,
+                        cwd=tmp_path)
     err = result.stderr.decode()
     assert result.returncode == 2, err
     assert "not a CID" in err and "NotACid" in err.replace("not-a-cid", "NotACid")
@@ -43,8 +45,8 @@ def test_node_start_refuses_a_device_it_cannot_train_on_before_anything_starts(t
 
 
 def test_model_eval_names_a_model_that_is_neither_a_file_nor_a_cid(tmp_path):
-    result = subprocess.run([P2PTRAIN, "model", "eval", "QmNotACid", "--dataset", GOOD, "--home",
-                             str(tmp_path / "home")], capture_output=True, timeout=60, cwd=tmp_path)
+    result = run_forked([P2PTRAIN, "model", "eval", "QmNotACid", "--dataset", GOOD, "--home",
+                         str(tmp_path / "home")], capture_output=True, timeout=60, cwd=tmp_path)
     err = result.stderr.decode()
     assert result.returncode == 1 and "Traceback" not in err, err
     assert "QmNotACid is not a file, and not a CID" in err
@@ -92,8 +94,8 @@ def _eval_home(tmp_path):
 )
 def test_model_eval_prints_one_line_for_every_declared_error(tmp_path, model, dataset, says):
     h = _eval_home(tmp_path)
-    result = subprocess.run([P2PTRAIN, "model", "eval", str(h[model]), "--dataset", h[dataset], "--home", str(h["home"])],
-                            capture_output=True, timeout=120, cwd=tmp_path)
+    result = run_forked([P2PTRAIN, "model", "eval", str(h[model]), "--dataset", h[dataset], "--home", str(h["home"])],
+                        capture_output=True, timeout=120, cwd=tmp_path)
     err = result.stderr.decode()
     assert result.returncode == 1, err
     assert "Traceback" not in err, err
@@ -113,8 +115,8 @@ def test_model_eval_prints_one_line_for_every_declared_error(tmp_path, model, da
 def test_task_publish_prints_one_line_for_a_bad_task_file(tmp_path, content, says):
     task = tmp_path / "task.toml"
     task.write_bytes(content)
-    result = subprocess.run([P2PTRAIN, "task", "publish", str(task), "--home", str(tmp_path / "home")],
-                            capture_output=True, timeout=120, cwd=tmp_path)
+    result = run_forked([P2PTRAIN, "task", "publish", str(task), "--home", str(tmp_path / "home")],
+                        capture_output=True, timeout=120, cwd=tmp_path)
     err = result.stderr.decode()
     assert result.returncode == 1 and "Traceback" not in err, err
     lines = err.strip().splitlines()

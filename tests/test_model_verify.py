@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import trio
 
 from p2ptrain.cli.verify import verify
-from p2ptrain.testing import local_peers, publish_digits_task
+from p2ptrain.testing import local_peers, publish_digits_task, run_forked
 from p2ptrain.protocol._lineage import entry_bytes
 from p2ptrain.protocol import entry_from_bytes, sign_record
 
@@ -85,12 +84,12 @@ async def test_an_honest_lineage_verifies_and_every_break_is_named(tmp_path: Pat
         assert any(why in p for p in problems), (why, problems)
     # The command itself: exit 1 and one BREAK line per problem; exit 0 once the file is whole again.
     cmd = [sys.executable, "-m", "p2ptrain.cli.main", "model", "verify", "--latest", task_cid, "--home", str(home)]
-    broken = await trio.to_thread.run_sync(lambda: subprocess.run(cmd, capture_output=True, text=True, timeout=120))
+    broken = await trio.to_thread.run_sync(lambda: run_forked(cmd, capture_output=True, text=True, timeout=120))
     assert broken.returncode == 1, broken.stderr
     assert [line for line in broken.stdout.splitlines() if line.startswith("BREAK record v2")]
     path.write_bytes(original)
     ok = await trio.to_thread.run_sync(
-        lambda: subprocess.run(cmd + ["--json"], capture_output=True, text=True, timeout=120))
+        lambda: run_forked(cmd + ["--json"], capture_output=True, text=True, timeout=120))
     assert ok.returncode == 0, ok.stdout + ok.stderr
     summary = json.loads(ok.stdout)
     assert summary["ok"] and summary["version"] == 3 and summary["problems"] == []

@@ -14,7 +14,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from p2ptrain.base import UserError, load_or_create_identity, peer_id_of
 from p2ptrain.control import ControlClient, ops as control_ops
@@ -37,8 +37,24 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+class ChildProcess(Protocol):
+    """What NodeProcess needs of its child: ``subprocess.Popen``'s handle, or one from
+    ``p2ptrain.testing``'s fork server (a child started without re-importing torch)."""
+
+    pid: int
+    returncode: int | None
+
+    def poll(self) -> int | None: ...
+    def wait(self, timeout: float | None = None) -> int: ...
+    def send_signal(self, sig: int) -> None: ...
+    def kill(self) -> None: ...
+
+
 class NodeProcess:
-    """One ``p2ptrain node start`` child process and its control client."""
+    """One ``p2ptrain node start`` child process and its control client. ``popen`` starts it
+    (``subprocess.Popen``'s signature); ``p2ptrain.testing.NodeProcess`` starts it from a fork server."""
+
+    popen: Any = subprocess.Popen
 
     def __init__(self, home: Path, port: int, bootstrap: Sequence[str] = (), extra_args: Sequence[str] = (), *,
                  ip: str = "127.0.0.1", launcher: Sequence[str] = ()) -> None:
@@ -54,7 +70,7 @@ class NodeProcess:
         self.bootstrap = list(bootstrap)
         self.extra_args = list(extra_args)
         self.client = ControlClient(self.home, timeout=10.0)
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.proc: ChildProcess | None = None
         self.started_at = 0.0
 
     def start(self) -> NodeProcess:
@@ -64,7 +80,7 @@ class NodeProcess:
             cmd += ["--bootstrap", *self.bootstrap]
         self.log = open(self.home / "logs" / "stderr.log", "ab")  # noqa: SIM115 (closed in wait)
         self.started_at = time.monotonic()
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = type(self).popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
         return self
 
     def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> None:

@@ -61,7 +61,8 @@ from libp2p.peer.peerinfo import PeerInfo
 from multiaddr import Multiaddr
 
 from p2ptrain.base import UserError, short_id
-from p2ptrain.node import Node, NodeConfig, NodeProcess, READY_TIMEOUT_S, free_port
+from p2ptrain.node import Node, NodeConfig, READY_TIMEOUT_S, free_port
+from p2ptrain.node import NodeProcess as _NodeProcess
 from p2ptrain.control import ControlClient, ops as control_ops
 from p2ptrain.net import make_host
 from p2ptrain.wire import MESSAGES, MessageRegistry
@@ -88,6 +89,12 @@ from p2ptrain.testing._corpus import (  # text files and a tokenizer trained on 
     EOS as EOS,
     STDLIB_FILES as STDLIB_FILES,
     text_corpus as text_corpus,
+)
+from p2ptrain.testing._forkserver import (  # processes forked from a template that imported torch once
+    ForkedProcess as ForkedProcess,
+    NodeProcess as NodeProcess,
+    run_forked as run_forked,
+    start_forked as start_forked,
 )
 from p2ptrain.testing._scripts import (  # a user's script as N members, one process each
     ScriptMember as ScriptMember,
@@ -122,6 +129,7 @@ else:
         "EOS",
         "EmulatedNat",
         "EmulatedWan",
+        "ForkedProcess",
         "LOOPBACK",
         "LocalHost",
         "STDLIB_FILES",
@@ -141,6 +149,7 @@ else:
         "last_json",
         "run_script",
         "script_members",
+        "start_forked",
         "start_script",
         "free_port",
         "local_mesh",
@@ -154,6 +163,7 @@ else:
         "publish_digits_task",
         "rules_task",
         "run_cli",
+        "run_forked",
         "run_node_processes",
         "task_status_of",
         "text_corpus",
@@ -197,9 +207,10 @@ async def local_mesh(
 @contextmanager
 def node_processes(
     n: int, base: Path, *, extra_args: Sequence[str] = (), ready_timeout: float = READY_TIMEOUT_S
-) -> Iterator[list[NodeProcess]]:
-    """N node processes on loopback, each bootstrapping from all the others, started at once."""
-    procs: list[NodeProcess] = []
+) -> Iterator[list[_NodeProcess]]:
+    """N node processes on loopback (:class:`NodeProcess`: forked where the fork server is on), each
+    bootstrapping from all the others, started at once."""
+    procs: list[_NodeProcess] = []
     for i in range(n):
         home = Path(base) / f"node{i}"
         procs.append(NodeProcess(home, free_port(), extra_args=extra_args))
@@ -208,7 +219,7 @@ def node_processes(
 
 
 @contextmanager
-def run_node_processes(procs: list[NodeProcess], ready_timeout: float = READY_TIMEOUT_S) -> Iterator[list[NodeProcess]]:
+def run_node_processes(procs: list[_NodeProcess], ready_timeout: float = READY_TIMEOUT_S) -> Iterator[list[_NodeProcess]]:
     """Start ``procs`` at once, each bootstrapping from all the others; yield once each is ready;
     stop them all when the block ends (SIGTERM, then SIGKILL)."""
     for p in procs:
@@ -256,10 +267,10 @@ def run_cli(*args: str, launcher: Sequence[str] = (), timeout: float = CLI_TIMEO
     """Run ``p2ptrain ARGS`` as a process (inside a namespace with ``launcher``, e.g.
     ``WanPeer.exec_prefix()``) and return its stdout, stripped; a failure raises AssertionError
     with its stderr, which is what a test wants to see."""
-    done = subprocess.run([*launcher, sys.executable, "-m", "p2ptrain.cli.main", *args], capture_output=True,
-                          text=True, timeout=timeout)
+    done = run_forked([*launcher, sys.executable, "-m", "p2ptrain.cli.main", *args], capture_output=True,
+                      text=True, timeout=timeout)
     assert done.returncode == 0, done.stderr
-    return done.stdout.strip()
+    return str(done.stdout).strip()
 
 
 def task_status_of(home: Path, task_cid: str) -> dict[str, Any] | None:

@@ -27,6 +27,7 @@ from typing import Any
 
 from p2ptrain.base import load_or_create_identity, peer_id_of
 from p2ptrain.node import free_port
+from p2ptrain.testing._forkserver import ForkedProcess, start_forked
 
 __all__ = ["ScriptMember", "run_script", "script_members", "start_script"]
 
@@ -70,10 +71,11 @@ def script_members(n: int, base: Path) -> list[ScriptMember]:
     return members
 
 
-def start_script(script: str | Path, member: ScriptMember, args: Sequence[str] = ()) -> subprocess.Popen[str]:
-    """Start ``script`` as ``member`` (stdout piped, stderr to ``<home>/script.log``)."""
-    log = open(member.home / "script.log", "a")  # noqa: SIM115 (the child holds it; closed with the process)
-    return subprocess.Popen([sys.executable, str(script), *member.argv(), *args], stdout=subprocess.PIPE,
+def start_script(script: str | Path, member: ScriptMember, args: Sequence[str] = ()) -> ForkedProcess | subprocess.Popen[str]:
+    """Start ``script`` as ``member`` (stdout piped, stderr to ``<home>/script.log``), through
+    :func:`~p2ptrain.testing.start_forked` (forked where the fork server is on)."""
+    with open(member.home / "script.log", "a") as log:  # the child has its own copy of the descriptor
+        return start_forked([sys.executable, str(script), *member.argv(), *args], stdout=subprocess.PIPE,
                             stderr=log, text=True)
 
 

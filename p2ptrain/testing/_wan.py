@@ -35,7 +35,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from p2ptrain.node import READY_TIMEOUT_S, NodeProcess
+from p2ptrain.node import READY_TIMEOUT_S
+from p2ptrain.node import NodeProcess as _NodeProcess
+from p2ptrain.testing._forkserver import NodeProcess
 
 # Every name the harness creates starts with this, then the owner's pid in base 36, "_", and a
 # two-character sequence number: what cleanup_stale parses to tell a dead owner's leftovers
@@ -334,7 +336,7 @@ NODE_PORT = 4001
 def wan_node_processes(
     wan: EmulatedWan, base: Path, peers: Sequence[int] | None = None, *, extra_args: Sequence[str] = (),
     ready_timeout: float = READY_TIMEOUT_S,
-) -> Iterator[list[NodeProcess]]:
+) -> Iterator[list[_NodeProcess]]:
     """A ``p2ptrain node start`` process in each of ``wan``'s peers (or those of index ``peers``),
     listening on its namespace's address and bootstrapping from all the others, each ready (its
     control socket answers) before the block starts; homes ``<base>/node<i>``. Like
@@ -346,7 +348,7 @@ def wan_node_processes(
     from p2ptrain.testing import run_node_processes
 
     chosen = [wan[i] for i in (peers if peers is not None else range(len(wan)))]
-    procs: list[NodeProcess] = []
+    procs: list[_NodeProcess] = []
     for peer in chosen:
         home = Path(base) / f"node{peer.index}"
         procs.append(NodeProcess(home, NODE_PORT, extra_args=extra_args, ip=peer.ip, launcher=peer.exec_prefix()))

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from p2ptrain.testing import task_status_of
+from p2ptrain.testing import run_forked, task_status_of
 from p2ptrain.testing import ScriptMember, last_json, script_members, start_script
 
 SCRIPT = Path(__file__).with_name("member_script.py")
@@ -97,8 +97,8 @@ def test_a_member_killed_mid_run_and_a_late_joiner_and_the_model_cid_loads_in_a_
         assert set(r["peers"]) == {members[i].peer_id for i in (0, 1, 3)}, r["peers"]
     # The late joiner's home (it got the model by CID from the others, not by training from step 0).
     cid = results[2]["model_cid"]
-    out = subprocess.run([sys.executable, str(SCRIPT), "--home", str(members[3].home), "--load", cid],
-                         capture_output=True, text=True, timeout=120, check=True).stdout
+    out = run_forked([sys.executable, str(SCRIPT), "--home", str(members[3].home), "--load", cid],
+                     capture_output=True, text=True, timeout=120, check=True).stdout
     loaded = last_json(out)
     assert loaded["weights"] == results[2]["weights"]
     assert loaded["predictions"] == results[2]["predictions"]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -12,6 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from p2ptrain.collective import CollectiveError, RoundSpec
+from p2ptrain.testing import run_forked
 
 SIZES = [1, 2, 7, 1001, 65_537]
 WORLDS = [2, 3, 4, 5]
@@ -42,8 +42,8 @@ def gloo_reference(tmp_path_factory) -> dict[int, list[dict[str, torch.Tensor]]]
         data = {n: inputs(world, n, seed=n) for n in SIZES}
         for r in range(world):
             save_file({f"n{n}": data[n][r] for n in SIZES}, folder / f"w{world}" / f"in{r}.safetensors")
-    subprocess.run([sys.executable, str(GLOO), str(folder), *(f"{w}:{free_port()}" for w in WORLDS)],
-                   check=True, timeout=300)
+    run_forked([sys.executable, str(GLOO), str(folder), *(f"{w}:{free_port()}" for w in WORLDS)],
+               check=True, timeout=300)
     return {w: [load_file(folder / f"w{w}" / f"out{r}.safetensors") for r in range(w)] for w in WORLDS}
 
 

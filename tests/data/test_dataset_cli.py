@@ -1,19 +1,19 @@
 """``p2ptrain dataset add/info`` through the installed command, then read back with IPFSDataset."""
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 
+from p2ptrain.testing import run_forked
 from p2ptrain.data import IPFSDataset
 
 P2PTRAIN = str(Path(sys.executable).with_name("p2ptrain"))
 
 
 def run(*args, home):
-    return subprocess.run(
+    return run_forked(
         [P2PTRAIN, "dataset", *args, "--home", str(home)], capture_output=True, text=True, timeout=120
     )
 

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from p2ptrain.testing import run_forked
 from p2ptrain.base import boundedjson
 from p2ptrain.data import IPFSDataset, Manifest, ManifestError, build_dataset, load_source
 from p2ptrain.data._manifest import MAX_STANDARDIZE_FEATURES
@@ -29,7 +30,7 @@ BREAST_CANCER_CID = "bafkreifsifito2uu5jir6mxu5656qohxdyum6vh23vp4kpnu3sssf4t65q
 
 
 def _p2ptrain(*args: str, home: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([P2PTRAIN, *args, "--home", str(home)], capture_output=True, text=True, timeout=120)
+    return run_forked([P2PTRAIN, *args, "--home", str(home)], capture_output=True, text=True, timeout=120)
 
 
 def test_a_manifest_without_standardize_keeps_its_cid(tmp_path: Path) -> None:

@@ -1,10 +1,11 @@
 """``p2ptrain ipfs …`` through the installed command, as a user runs it."""
 
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from p2ptrain.testing import run_forked
 
 P2PTRAIN = str(Path(sys.executable).with_name("p2ptrain"))
 HELLO_V0 = "QmT78zSuBmuS4z925WZfrqQ1qHaJ56DQaTfyMUF7F8ff5o"
@@ -12,7 +13,7 @@ HELLO_V1 = "bafkreifjjcie6lypi6ny7amxnfftagclbuxndqonfipmb64f2km2devei4"
 
 
 def run(*args, home):
-    return subprocess.run(
+    return run_forked(
         [P2PTRAIN, "ipfs", *args, "--home", str(home)], capture_output=True, timeout=60
     )
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import trio
 
 from p2ptrain.control import ops as control_ops
-from p2ptrain.testing import local_peers, node_processes, wait_for
+from p2ptrain.testing import local_peers, node_processes, run_forked, wait_for
 
 P2PTRAIN = str(Path(sys.executable).with_name("p2ptrain"))
 CONNECT_TIMEOUT_S = 30.0  # two node processes on loopback find each other in a few seconds
@@ -22,7 +22,7 @@ CLI_TIMEOUT_S = 90.0  # one command; the temporary node alone may take 20 s to r
 
 
 def ipfs(*args: str, home: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([P2PTRAIN, "ipfs", *args, "--home", str(home)], capture_output=True, timeout=CLI_TIMEOUT_S)
+    return run_forked([P2PTRAIN, "ipfs", *args, "--home", str(home)], capture_output=True, timeout=CLI_TIMEOUT_S)
 
 
 def test_cat_get_pin_through_the_running_node_and_a_temporary_one(tmp_path):

@@ -16,7 +16,7 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 from p2ptrain.task import TASK_TEMPLATE, load_task, task_bytes
 from p2ptrain.data import build_dataset
 from p2ptrain.ipfs import BlockStore, EmbeddedStore, cid_str, make_cid, parse_cid
-from p2ptrain.testing import proven_record
+from p2ptrain.testing import proven_record, run_forked
 from p2ptrain.protocol._lineage import entry_bytes
 from p2ptrain.wire import ConfirmedRecord, ModelRecord
 
@@ -24,8 +24,8 @@ P2PTRAIN = str(Path(sys.executable).with_name("p2ptrain"))
 
 
 def repo(*args: str, home: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([P2PTRAIN, "repo", *args, "--home", str(home)], capture_output=True, text=True,
-                          timeout=120)
+    return run_forked([P2PTRAIN, "repo", *args, "--home", str(home)], capture_output=True, text=True,
+                      timeout=120)
 
 
 def noise(n: int, seed: int) -> bytes:
@@ -213,7 +213,7 @@ def test_gc_refuses_while_a_node_runs(tmp_path):
 
 @pytest.mark.parametrize("command", ["verify", "gc"])
 def test_help_explains(command):
-    result = subprocess.run([P2PTRAIN, "repo", command, "--help"], capture_output=True, text=True, timeout=60)
+    result = run_forked([P2PTRAIN, "repo", command, "--help"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0
     assert ("hash" in result.stdout) if command == "verify" else ("pin" in result.stdout and "node" in result.stdout)
 
@@ -223,8 +223,8 @@ def test_ipfs_add_pins_as_kubo_does_so_gc_keeps_it(tmp_path):
     kept_file, loose_file = tmp_path / "kept", tmp_path / "loose"
     kept_file.write_bytes(noise(300_000, 7))
     loose_file.write_bytes(noise(300_000, 8))
-    add = lambda *a: subprocess.run([P2PTRAIN, "ipfs", "add", *a, "--home", str(home)],  # noqa: E731
-                                    capture_output=True, text=True, timeout=60)
+    add = lambda *a: run_forked([P2PTRAIN, "ipfs", "add", *a, "--home", str(home)],  # noqa: E731
+                                capture_output=True, text=True, timeout=60)
     kept = add(str(kept_file)).stdout.strip()
     loose = add("--no-pin", str(loose_file)).stdout.strip()
     store = EmbeddedStore(home)

@@ -10,18 +10,18 @@ import sys
 import pytest
 
 from p2ptrain.base import short_id
-from p2ptrain.testing import node_processes, wait_for
+from p2ptrain.testing import node_processes, run_forked, start_forked, wait_for
 
 CLI = [sys.executable, "-m", "p2ptrain.cli.main"]
 
 
 def cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout)
+    return run_forked([*CLI, *args], capture_output=True, text=True, timeout=timeout)
 
 
 def clis(*commands: list[str], timeout: float = 60) -> list[subprocess.CompletedProcess]:
     """Several CLI commands as processes started at once (each imports for seconds on a loaded box)."""
-    procs = [subprocess.Popen([*CLI, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    procs = [start_forked([*CLI, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for args in commands]
     try:
         outs = [p.communicate(timeout=timeout) for p in procs]
@@ -107,7 +107,7 @@ def test_four_node_processes_form_a_mesh_survive_a_kill_and_a_restart(tmp_path):
 
 def test_two_processes_racing_on_a_new_home_end_with_one_identity(tmp_path):
     home = tmp_path / "new-home"
-    racers = [subprocess.Popen([*CLI, "node", "id", "--home", str(home)], stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    racers = [start_forked([*CLI, "node", "id", "--home", str(home)], stdout=subprocess.PIPE, text=True) for _ in range(2)]
     outputs = [r.communicate(timeout=60)[0].strip() for r in racers]
     assert all(r.returncode == 0 for r in racers)
     assert outputs[0] == outputs[1] and outputs[0].startswith("12D3KooW")

@@ -19,7 +19,7 @@ from p2ptrain.protocol.signing import peer_str
 from p2ptrain.run import RunDir
 from p2ptrain.run._stage_trainer import StagedTrainer
 from p2ptrain.task import load_task, task_bytes
-from p2ptrain.testing import proven_chain
+from p2ptrain.testing import proven_chain, run_forked
 from p2ptrain.training import manifest_bytes, StageFile
 
 from .conftest import LM_TASK
@@ -55,7 +55,7 @@ def chain_of(home: Path, signers: list[list[int]]) -> str:
 
 def verify(home: Path, task_cid: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "p2ptrain.cli.main", "model", "verify", "--latest", task_cid, "--home", str(home)]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    return run_forked(cmd, capture_output=True, text=True, timeout=120)
 
 
 def test_a_stage_signed_by_less_than_a_quorum_of_its_replicas_breaks_the_lineage(tmp_path: Path) -> None:

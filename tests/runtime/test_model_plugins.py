@@ -20,9 +20,9 @@ from p2ptrain.cli.task import render_status
 from p2ptrain.control import ControlClient, NodeStatus, TaskStatus, ops as control_ops
 from p2ptrain.models import MissingBuilder, ModelError, build_model, builders, check_model, lookup
 from p2ptrain.models import _plugins
-from p2ptrain.node import NodeProcess, free_port
+from p2ptrain.node import free_port
 from p2ptrain.task import NoBuilder, load_task, read_task, task_bytes, task_from_bytes
-from p2ptrain.testing import run_cli, run_node_processes, task_status_of, wait_for
+from p2ptrain.testing import NodeProcess, run_cli, run_node_processes, task_status_of, wait_for
 from p2ptrain.testing._peers import DIGITS_TASK
 
 TINY = """

@@ -19,7 +19,7 @@ from p2ptrain.node import Node, NodeConfig
 from p2ptrain.control import ops as control_ops
 from p2ptrain.services import make_peer
 from p2ptrain.wire import TASKS_TOPIC, TaskAnnounce
-from p2ptrain.testing import node_processes
+from p2ptrain.testing import node_processes, run_forked
 
 DEADLINE_S = 120.0  # joins fetch from the attacker; the node process itself is slow to start here
 POLL_S = 5.0  # how long one round of announcements is given to show in the victim's task list
@@ -100,9 +100,9 @@ async def test_bad_task_announcements_are_counted_refusals_and_the_node_keeps_se
         assert status["services"]["tasks"]["joins"]["remembered_failures"] == len(bad)
         assert "parked" in status["services"]["tasks"]["collective"]
         assert "inbound_bytes_held" in status["services"]["content"]["bitswap"]
-        with trio.fail_after(60):
-            shown = await trio.run_process([sys.executable, "-m", "p2ptrain.cli.main", "task", "list", "--json",
-                                            "--home", str(victim.home)], capture_stdout=True)
+        shown = await trio.to_thread.run_sync(lambda: run_forked(
+            [sys.executable, "-m", "p2ptrain.cli.main", "task", "list", "--json", "--home", str(victim.home)],
+            capture_output=True, timeout=60, check=True))
         assert json.loads(shown.stdout)["joins"]["rejected"]["recently_failed"] >= len(bad)
         assert victim.proc.poll() is None
 

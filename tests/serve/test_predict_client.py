@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import socket
 import socketserver
-import subprocess
 import sys
 import threading
 import time
@@ -17,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from p2ptrain.testing import run_forked
 from p2ptrain.serve import ServeError, predict
 
 CID = "QmT78zSuBmuS4z925WZfrqQ1qHaJ56DQaTfyMUF7F8ff5o"
@@ -80,8 +80,8 @@ def test_a_redirect_to_a_local_url_is_refused_not_followed(tmp_path: Path) -> No
             assert refused.value.status == 0  # not the model's answer: another server may give it
             inputs = tmp_path / "inputs.json"
             inputs.write_text(json.dumps({"inputs": [[0.0] * 64]}))
-            done = subprocess.run([sys.executable, "-m", "p2ptrain.cli.main", "model", "predict", CID, str(inputs),
-                                   "--url", hostile], capture_output=True, text=True, timeout=CALL_DEADLINE_S)
+            done = run_forked([sys.executable, "-m", "p2ptrain.cli.main", "model", "predict", CID, str(inputs),
+                               "--url", hostile], capture_output=True, text=True, timeout=CALL_DEADLINE_S)
         assert done.returncode == 1
         assert done.stderr.strip().endswith("(a redirect): model predict follows none"), done.stderr
         assert len(done.stderr.strip().splitlines()) == 1

@@ -35,7 +35,7 @@ from p2ptrain.ipfs import open_store
 from p2ptrain.serve import ServeError, predict
 from p2ptrain.serve._server import load_served
 from p2ptrain.serve._input_spec import MAX_BODY_BYTES, InputError, parse_request, spec_for
-from p2ptrain.testing import attestations_for, proven_record, wait_until
+from p2ptrain.testing import attestations_for, proven_record, start_forked, wait_until
 from p2ptrain.models import build_model
 from p2ptrain.protocol._lineage import entry_bytes
 from p2ptrain.protocol import model_bytes
@@ -61,7 +61,7 @@ def home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
     home = tmp_path_factory.mktemp("serve-home")
     store = open_store(home)
     h = {"home": home, "model": _model_cid(store, 1), "other": _model_cid(store, 2)}
-    proc = subprocess.Popen(
+    proc = start_forked(
         [P2PTRAIN, "model", "serve", h["model"], "--home", str(home), "--listen", "127.0.0.1:0",
          "--max-batch", "64", "--max-wait-ms", "2"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

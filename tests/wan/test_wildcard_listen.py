@@ -13,8 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from p2ptrain.node import NodeProcess
-from p2ptrain.testing import emulated_wan, wait_for
+from p2ptrain.testing import NodeProcess, emulated_wan, wait_for
 from p2ptrain.testing._wan import NODE_PORT
 
 pytestmark = pytest.mark.needs("ip", "tc", root=True)  # tests/conftest.py decides

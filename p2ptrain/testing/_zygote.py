@@ -1,0 +1,196 @@
+"""The fork server's own process (``python -m p2ptrain.testing._zygote FD``): it imports torch,
+libp2p and every p2ptrain module once, then forks one child per request that arrives on its control
+socket (:mod:`p2ptrain.testing._forkserver` is the side that asks). A child becomes the command it
+was asked for (stdio, working directory, environment, argv, network namespace) and exits as the
+interpreter would; the server reaps it and sends its exit status to the asker. It exits once the
+asker's end of the control socket closes and its last child has ended.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import select
+import signal
+import socket
+import sys
+import threading
+from typing import Any
+
+from p2ptrain.testing._forkserver import MAX_REQUEST, NETNS_DIR
+
+# What the server imports before it forks: what a node that trains, the CLI and the member scripts
+# import (every p2ptrain module), and the data sources the tests add datasets from.
+PRELOAD_PACKAGES = ("p2ptrain",)
+PRELOAD_MODULES = ("torch", "numpy", "libp2p", "trio", "safetensors.torch", "sklearn.datasets")
+# setns(2)'s flag for a network namespace.
+CLONE_NEWNET = 0x40000000
+
+
+def _preload() -> None:
+    import importlib
+    import pkgutil
+
+    for name in PRELOAD_MODULES:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass
+    for package in PRELOAD_PACKAGES:
+        root = importlib.import_module(package)
+        for info in pkgutil.walk_packages(root.__path__, f"{package}."):
+            if info.name == "p2ptrain.testing._zygote":  # this module, running as __main__
+                continue
+            try:
+                importlib.import_module(info.name)
+            except ImportError:  # an optional extra not installed (torchvision): its users import it fresh
+                pass
+
+
+def _name_process(request: dict[str, Any]) -> None:
+    """Name the child in ``ps``/``top`` for its command (``p2ptrain``, ``member_script.py``), not
+    for the server its argv still reads as."""
+    target = request["target"]
+    name = target.split(".")[0] if request["kind"] == "module" else os.path.basename(target)
+    try:
+        with open("/proc/self/comm", "w") as comm:
+            comm.write(name[:15])
+    except OSError:
+        pass
+
+
+def _enter_netns(name: str) -> None:
+    """Move this (single-threaded) child into network namespace ``name``, as ``ip netns exec``
+    does for the command it runs: every socket it opens from now on is in that namespace."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(NETNS_DIR / name, os.O_RDONLY)
+    try:
+        if libc.setns(fd, CLONE_NEWNET) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"setns into network namespace {name}: {os.strerror(err)}")
+    finally:
+        os.close(fd)
+
+
+def _exit_code(exc: SystemExit) -> int:
+    code = exc.code
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    print(code, file=sys.stderr)
+    return 1
+
+
+def _child(request: dict[str, Any], fds: list[int], inherited: list[int]) -> None:
+    """In the forked child: become the command (its stdio, directory, environment, argv), run it,
+    and exit as the interpreter would. Never returns."""
+    import runpy
+
+    code = 1
+    try:
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        for fd in inherited:
+            os.close(fd)
+        for target, fd in zip((0, 1, 2), fds[:3]):
+            os.dup2(fd, target)
+        for fd in set(fds):
+            if fd > 2:
+                os.close(fd)
+        _name_process(request)
+        if request.get("netns"):
+            _enter_netns(request["netns"])
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        sys.argv = list(request["argv"])
+        sys.path[0] = request["path0"]
+        if request["kind"] == "module":
+            sys.modules.pop(request["target"], None)  # run as __main__, as `python -m` does, not the preloaded copy
+            runpy.run_module(request["target"], run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(request["target"], run_name="__main__")
+        code = 0
+    except SystemExit as exc:
+        code = _exit_code(exc)
+    except KeyboardInterrupt:
+        code = 128 + signal.SIGINT
+    except BaseException:
+        sys.excepthook(*sys.exc_info())
+        code = 1
+    finally:
+        try:
+            threading._shutdown()  # type: ignore[attr-defined]  # what interpreter exit does first
+            atexit._run_exitfuncs()
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
+def _serve(control: socket.socket) -> None:
+    """Fork a child per request; tell each requester its child's exit status when it is reaped. On
+    the control socket's end, wait for the children still running, then return."""
+    wake_read, wake_write = os.pipe()
+    os.set_blocking(wake_write, False)
+    signal.set_wakeup_fd(wake_write)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    statuses: dict[int, socket.socket] = {}
+    serving = True
+    while serving or statuses:
+        watched = [wake_read, control.fileno()] if serving else [wake_read]
+        ready, _, _ = select.select(watched, [], [], 1.0)
+        if wake_read in ready:
+            os.read(wake_read, 4096)
+        while statuses:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            sock = statuses.pop(pid, None)
+            if sock is not None:
+                try:
+                    sock.sendall(str(os.waitstatus_to_exitcode(status)).encode())
+                except OSError:
+                    pass
+                sock.close()
+        if serving and control.fileno() in ready:
+            data, fds, _, _ = socket.recv_fds(control, MAX_REQUEST, 4)
+            if not data:
+                serving = False
+                continue
+            try:
+                request = json.loads(data)
+                sys.stdout.flush()
+                sys.stderr.flush()
+                inherited = [wake_read, wake_write, control.fileno(), *(s.fileno() for s in statuses.values())]
+                pid = os.fork()
+                if pid == 0:
+                    _child(request, fds, inherited)
+                statuses[pid] = socket.socket(fileno=fds[3])
+                reply: dict[str, Any] = {"pid": pid}
+            except Exception as exc:  # a request it cannot serve: say so, serve the next
+                reply = {"error": repr(exc)}
+                if len(fds) > 3:
+                    os.close(fds[3])
+            for fd in fds[:3]:
+                os.close(fd)
+            control.send(json.dumps(reply).encode())
+
+
+def main() -> None:
+    control = socket.socket(fileno=int(sys.argv[1]))
+    _preload()
+    sys.stdout.flush()
+    control.send(b"ready")
+    _serve(control)
+
+
+if __name__ == "__main__":
+    main()

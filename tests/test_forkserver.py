@@ -1,0 +1,121 @@
+"""The fork server of p2ptrain.testing: a command it forks is a separate process that sees what a
+fresh interpreter would (argv, sys.path[0], __name__, its cwd, environment and stdio), exits with the
+command's code, and dies by a signal like any process; what it cannot fork starts fresh."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from p2ptrain.testing import ForkedProcess, run_forked, start_forked
+
+P2PTRAIN = str(Path(sys.executable).with_name("p2ptrain"))
+SCRIPT = """\
+import json, os, sys
+print(json.dumps({"argv": sys.argv, "path0": sys.path[0], "name": __name__, "cwd": os.getcwd(),
+                  "env": os.environ.get("FORK_PROBE"), "pid": os.getpid(), "ppid": os.getppid(),
+                  "torch": "torch" in sys.modules}))
+print("to stderr", file=sys.stderr)
+sys.exit(int(os.environ.get("FORK_EXIT", "0")))
+"""
+
+
+@pytest.fixture(autouse=True)
+def _fork_server_on(monkeypatch):
+    monkeypatch.setenv("P2PTRAIN_TEST_FORK", "1")
+
+
+def test_a_forked_script_sees_what_a_fresh_interpreter_sees(tmp_path):
+    (tmp_path / "probe.py").write_text(SCRIPT)
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    args = [sys.executable, str(tmp_path / "probe.py"), "a", "b c"]
+    env = {**os.environ, "FORK_PROBE": "yes", "FORK_EXIT": "3"}
+    fresh = subprocess.run(args, capture_output=True, text=True, timeout=60, cwd=workdir, env=env)
+    proc = start_forked(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=workdir, env=env)
+    assert isinstance(proc, ForkedProcess)
+    out, err = proc.communicate(timeout=60)
+    forked, seen = json.loads(out), json.loads(fresh.stdout)
+    assert proc.returncode == fresh.returncode == 3
+    assert err == fresh.stderr == "to stderr\n"
+    for key in ("argv", "path0", "name", "cwd", "env"):
+        assert forked[key] == seen[key], key
+    assert forked["pid"] == proc.pid != os.getpid() and forked["ppid"] != os.getpid()
+    assert forked["torch"] and not seen["torch"]  # the only difference: what was imported before
+
+
+def test_the_cli_forked_prints_and_exits_as_the_installed_command_does(tmp_path):
+    for args in (["node", "id", "--home", str(tmp_path / "h")], ["node", "status", "--home", str(tmp_path / "none")]):
+        fresh = subprocess.run([P2PTRAIN, *args], capture_output=True, text=True, timeout=120)
+        forked = run_forked([P2PTRAIN, *args], capture_output=True, text=True, timeout=120)
+        assert (forked.returncode, forked.stdout, forked.stderr) == (fresh.returncode, fresh.stdout, fresh.stderr)
+    module = run_forked([sys.executable, "-m", "p2ptrain.cli.main", "node", "id", "--home", str(tmp_path / "h")],
+                        capture_output=True, text=True, timeout=60)
+    assert module.returncode == 0 and module.stdout.startswith("12D3KooW")
+
+
+def test_a_forked_node_is_killed_by_a_signal_and_its_output_goes_where_it_was_sent(tmp_path):
+    log = tmp_path / "node.log"
+    with open(log, "wb") as f:
+        proc = start_forked([sys.executable, "-m", "p2ptrain.cli.main", "node", "start", "--home", str(tmp_path / "h"),
+                             "--listen", "/ip4/127.0.0.1/tcp/0", "--no-dht"], stdout=f, stderr=subprocess.STDOUT)
+    assert isinstance(proc, ForkedProcess)
+    deadline = time.monotonic() + 60
+    while "listening on" not in log.read_text() and time.monotonic() < deadline:
+        assert proc.poll() is None, log.read_text()
+        time.sleep(0.05)
+    assert "listening on" in log.read_text()
+    with pytest.raises(subprocess.TimeoutExpired):
+        proc.wait(0.1)
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait(10) == -signal.SIGKILL
+    with pytest.raises(ProcessLookupError):
+        os.kill(proc.pid, 0)
+
+
+def test_a_command_over_its_timeout_is_killed(tmp_path):
+    (tmp_path / "sleeper.py").write_text("import os, time\nprint(os.getpid(), flush=True)\ntime.sleep(60)\n")
+    started = time.monotonic()
+    with pytest.raises(subprocess.TimeoutExpired):
+        run_forked([sys.executable, str(tmp_path / "sleeper.py")], capture_output=True, timeout=1)
+    assert time.monotonic() - started < 30
+
+
+def test_what_it_cannot_fork_starts_fresh(tmp_path, monkeypatch):
+    code = [sys.executable, "-c", "import sys; print('torch' in sys.modules)"]
+    proc = start_forked(code, stdout=subprocess.PIPE, text=True)
+    assert isinstance(proc, subprocess.Popen) and proc.communicate(timeout=60)[0].strip() == "False"
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}  # read at interpreter start: a fork would miss it
+    (tmp_path / "probe.py").write_text(SCRIPT)
+    proc = start_forked([sys.executable, str(tmp_path / "probe.py")], env=env, stdout=subprocess.PIPE, text=True,
+                        stderr=subprocess.DEVNULL)
+    assert isinstance(proc, subprocess.Popen) and not json.loads(proc.communicate(timeout=60)[0])["torch"]
+    monkeypatch.delenv("P2PTRAIN_TEST_FORK")  # off unless asked for
+    proc = start_forked([sys.executable, str(tmp_path / "probe.py")], stdout=subprocess.PIPE, text=True,
+                        stderr=subprocess.DEVNULL)
+    assert isinstance(proc, subprocess.Popen) and not json.loads(proc.communicate(timeout=60)[0])["torch"]
+
+
+@pytest.mark.needs("ip", root=True)
+def test_a_command_behind_ip_netns_exec_is_forked_into_that_namespace(tmp_path):
+    name = f"p2pfork{os.getpid()}"
+    subprocess.run(["ip", "netns", "add", name], check=True, timeout=30)
+    try:
+        subprocess.run(["ip", "netns", "exec", name, "ip", "link", "set", "lo", "up"], check=True, timeout=30)
+        (tmp_path / "links.py").write_text("import socket\nprint(sorted(n for _, n in socket.if_nameindex()))\n")
+        args = ["ip", "netns", "exec", name, sys.executable, str(tmp_path / "links.py")]
+        fresh = subprocess.run(args, capture_output=True, text=True, timeout=60)
+        proc = start_forked(args, stdout=subprocess.PIPE, text=True)
+        assert isinstance(proc, ForkedProcess)
+        assert proc.communicate(timeout=60)[0] == fresh.stdout == "['lo']\n"
+        here = subprocess.run([sys.executable, str(tmp_path / "links.py")], capture_output=True, text=True, timeout=60)
+        assert here.stdout != fresh.stdout  # the namespace is not this one
+    finally:
+        subprocess.run(["ip", "netns", "delete", name], timeout=30)
