@@ -12,7 +12,7 @@ from torch import nn
 
 from p2ptrain.base import UserError, default_home
 from p2ptrain.ipfs import ContentStore, ContentUnavailable, open_store, parse_cid
-from p2ptrain.models import ModelError, build_model, check_model, meta_model, whole_model_cap
+from p2ptrain.models import ModelError, build_model, meta_model, whole_model_cap
 from p2ptrain.protocol import RecordError, load_model_bytes, read_model_card, read_tensors
 from p2ptrain.task import USER_MODEL
 from p2ptrain.training._stage_files import model_file
@@ -58,12 +58,11 @@ def model_from_bytes(data: bytes) -> nn.Module:
     try:
         # Up to a pipelined run's whole model (a manifest's stages made one file), but never more
         # numbers than the file holds: a few bytes whose card names a large model allocate nothing.
-        check_model(name, kwargs, whole_model_cap(name))
         need = sum(t.numel() * t.element_size() for t in meta_model(name, kwargs).state_dict().values())
         if need > len(data):
             raise RecordError(f"the model file's {len(data):,} B cannot hold the {need:,} B of weights its card's "
                               f"{name} has")
-        module = build_model(name, kwargs, seed=0, cap=whole_model_cap(name))
+        module = build_model(name, kwargs, seed=0, cap=whole_model_cap(name))  # the cap checked there
     except ModelError as exc:  # the card names a model we would not build: the file is at fault
         raise RecordError(f"the model file's card: {exc}") from None
     load_model_bytes(module, data)
