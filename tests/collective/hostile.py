@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from contextvars import ContextVar
 from pathlib import Path
@@ -215,6 +215,17 @@ class Owner:
             yield
         finally:
             _acting.reset(token)
+
+
+def acting_at(attacker: Owner, bad: int, call: Callable[[int], Awaitable[Any]]) -> Callable[[int], Awaitable[Any]]:
+    """Member ``i``'s part of a round, ``call(i)``: member ``bad``'s as ``attacker``'s hostile owner."""
+    async def member(i: int) -> Any:
+        if i != bad:
+            return await call(i)
+        with attacker.acting():
+            return await call(i)
+
+    return member
 
 
 _acting: ContextVar[Owner | None] = ContextVar("p2ptrain_test_hostile_owner", default=None)

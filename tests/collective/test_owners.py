@@ -142,12 +142,8 @@ async def test_an_owner_that_writes_its_own_values_is_caught_and_named(cluster, 
         spec = RoundSpec(density=density, robust="clip", timeout=20)
         xs = inputs(SIZES[size](density))
 
-        async def member(i: int):
-            if i != BAD:
-                return await peers[i].collective.allreduce(xs[i], ring, 5, spec, owner_seed=SEED)
-            with attacker.acting():
-                return await peers[i].collective.allreduce(xs[i], ring, 5, spec, owner_seed=SEED)
-
+        member = hostile.acting_at(
+            attacker, BAD, lambda i: peers[i].collective.allreduce(xs[i], ring, 5, spec, owner_seed=SEED))
         results = await gather([lambda i=i: member(i) for i in range(WORLD)])
         refused = peers[verifier].collective.hub.refused["misbehaved"]
     for i in range(WORLD):
@@ -172,12 +168,8 @@ async def test_an_equivocating_owner_is_named_by_every_honest_member(cluster, ga
         spec = RoundSpec(density=1.0, robust="clip", timeout=20)
         xs = inputs(SIZES[size](1.0))
 
-        async def member(i: int):
-            if i != BAD:
-                return await peers[i].collective.dense_round(xs[i], ring, 6, spec, owner_seed=SEED)
-            with attacker.acting():
-                return await peers[i].collective.dense_round(xs[i], ring, 6, spec, owner_seed=SEED)
-
+        member = hostile.acting_at(
+            attacker, BAD, lambda i: peers[i].collective.dense_round(xs[i], ring, 6, spec, owner_seed=SEED))
         results = await gather([lambda i=i: member(i) for i in range(WORLD)])
     reasons = set()
     for i in range(WORLD):
@@ -202,12 +194,8 @@ async def test_a_contributor_that_sends_owner_and_verifier_different_values_is_n
         spec = RoundSpec(density=1.0, robust="clip", timeout=20)
         xs = inputs(SIZES[size](1.0))
 
-        async def member(i: int):
-            if i != BAD:
-                return await peers[i].collective.dense_round(xs[i], ring, 7, spec, owner_seed=SEED)
-            with attacker.acting():
-                return await peers[i].collective.dense_round(xs[i], ring, 7, spec, owner_seed=SEED)
-
+        member = hostile.acting_at(
+            attacker, BAD, lambda i: peers[i].collective.dense_round(xs[i], ring, 7, spec, owner_seed=SEED))
         results = await gather([lambda i=i: member(i) for i in range(WORLD)])
     for i in range(WORLD):
         if i != BAD:
@@ -233,12 +221,8 @@ async def test_bytes_under_a_wrong_signature_are_refused_on_arrival_so_their_rec
         spec = RoundSpec(density=1.0, robust="clip", timeout=20)
         xs = inputs(SIZES[size](1.0))
 
-        async def member(i: int):
-            if i != BAD:
-                return await peers[i].collective.dense_round(xs[i], ring, 8, spec, owner_seed=SEED)
-            with attacker.acting():
-                return await peers[i].collective.dense_round(xs[i], ring, 8, spec, owner_seed=SEED)
-
+        member = hostile.acting_at(
+            attacker, BAD, lambda i: peers[i].collective.dense_round(xs[i], ring, 8, spec, owner_seed=SEED))
         results = await gather([lambda i=i: member(i) for i in range(WORLD)])
     assert isinstance(results[target], BadPayload) and results[target].peer_id == ring[BAD]
     for i in range(WORLD):

@@ -220,12 +220,8 @@ async def test_an_owner_inside_the_bound_is_caught_when_drawn_and_only_then(gath
                                                                           owner_seed=seed)
                                    for p, x in zip(peers, xs)])
 
-            async def member(i: int):
-                if i != BAD:
-                    return await peers[i].collective.allreduce(xs[i], ring, round_id, spec, owner_seed=seed)
-                with attacker.acting():
-                    return await peers[i].collective.allreduce(xs[i], ring, round_id, spec, owner_seed=seed)
-
+            member = hostile.acting_at(
+                attacker, BAD, lambda i: peers[i].collective.allreduce(xs[i], ring, round_id, spec, owner_seed=seed))
             draws.clear()
             results = await gather([lambda i=i: member(i) for i in range(WORLD)])
             owners = drawn(WORLD, seed)
@@ -262,12 +258,8 @@ async def test_an_owner_outside_the_bound_is_named_by_every_member_without_a_dra
         spec = RoundSpec(density=density, robust="clip", check_fraction=1e-12, timeout=20)
         xs = inputs(4096)
 
-        async def member(i: int):
-            if i != BAD:
-                return await peers[i].collective.allreduce(xs[i], ring, 5, spec, owner_seed=SEED)
-            with attacker.acting():
-                return await peers[i].collective.allreduce(xs[i], ring, 5, spec, owner_seed=SEED)
-
+        member = hostile.acting_at(
+            attacker, BAD, lambda i: peers[i].collective.allreduce(xs[i], ring, 5, spec, owner_seed=SEED))
         results = await gather([lambda i=i: member(i) for i in range(WORLD)])
     chunk = drawn(WORLD, SEED).owned_by(BAD)
     for i in range(WORLD):
