@@ -132,7 +132,7 @@ EXPORTS: dict[str, list[str]] = {
         "PositionedBatches",
         "PretrainedError", "RoundTimings", "StageFile", "StateSnapshot", "StepResult", "StepSkipped", "Trainer",
         "TrainerError", "UserLocalSGDTrainer", "UserTrainer",
-        "batched", "batches_forever", "check_stage_signatures", "config_snippet",
+        "arithmetic_of", "batched", "batches_forever", "check_stage_signatures", "config_snippet",
         "describe_model_file", "evaluate_batches", "export_pretrained",
         "import_pretrained", "is_manifest", "load_model", "loss_and_hits", "lr_at", "manifest_bytes",
         "model_file", "model_from_bytes", "module_device", "new_trainer", "read_manifest", "resolve_device", "run_round",

@@ -7,12 +7,13 @@ until it answers. Every wait is bounded; a node that fails to start raises with 
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -57,9 +58,10 @@ class NodeProcess:
     popen: Any = subprocess.Popen
 
     def __init__(self, home: Path, port: int, bootstrap: Sequence[str] = (), extra_args: Sequence[str] = (), *,
-                 ip: str = "127.0.0.1", launcher: Sequence[str] = ()) -> None:
+                 ip: str = "127.0.0.1", launcher: Sequence[str] = (), env: Mapping[str, str] | None = None) -> None:
         """``ip``: the address it listens on; ``launcher``: argv put before the command (e.g.
-        ``ip netns exec NS``, to start it inside a network namespace: p2ptrain.testing._wan)."""
+        ``ip netns exec NS``, to start it inside a network namespace: p2ptrain.testing._wan);
+        ``env``: variables set for the child beside this process's environment."""
         self.home = Path(home)
         prepare_home(self.home)  # a fresh home too: its logs/ takes the child's output
         self.port = port
@@ -69,6 +71,7 @@ class NodeProcess:
         self.addr = f"/ip4/{ip}/tcp/{port}/p2p/{self.peer_id}"
         self.bootstrap = list(bootstrap)
         self.extra_args = list(extra_args)
+        self.env = {**os.environ, **env} if env else None
         self.client = ControlClient(self.home, timeout=10.0)
         self.proc: ChildProcess | None = None
         self.started_at = 0.0
@@ -80,7 +83,7 @@ class NodeProcess:
             cmd += ["--bootstrap", *self.bootstrap]
         self.log = open(self.home / "logs" / "stderr.log", "ab")  # noqa: SIM115 (closed in wait)
         self.started_at = time.monotonic()
-        self.proc = type(self).popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = type(self).popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=self.env)
         return self
 
     def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> None:

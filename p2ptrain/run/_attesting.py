@@ -18,7 +18,8 @@ from p2ptrain.base import short_id
 from p2ptrain.run._datafeed import DataFeed
 from p2ptrain.run._run_state import Nudge, RunState
 from p2ptrain.protocol import Misconduct, RecordError, Status, Tally, attest, election_problem
-from p2ptrain.training import StateSnapshot
+from p2ptrain.run._stage_trainer import StagedTrainer
+from p2ptrain.training import arithmetic_of, StateSnapshot
 from p2ptrain.wire import RoundPlan, SignedAttestation, SignedModelRecord
 
 logger = logging.getLogger(__name__)
@@ -76,6 +77,9 @@ class Attesting:
         self.checkpoint_cids[step] = (model_cid, optim_cid)
         for old in sorted(self.checkpoint_cids)[:-KEPT_CHECKPOINTS]:
             del self.checkpoint_cids[old]
+        self._check_own_state()  # its record may have been confirmed before our state was hashed
+        if run.book is not None and run.book.chain.records and run.book.chain.records[-1].record.step == step:
+            self._end_if_over()
         if metrics is not None and await self._previous_settled(plan, step):
             _, book = run.require()
             signed = book.checkpoint_record(plan, step, model_cid, optim_cid, metrics, run.node.key_pair,
@@ -234,8 +238,46 @@ class Attesting:
             run.log_prefix, record.version, len(tally.matching), len(tally.members), record.model_cid,
             record.round, record.step, _fmt(record.metrics.get("accuracy")),
         )
-        run.end_if_over()
+        self._check_own_state()
+        self._end_if_over()
         run.wake_leader.set()
+
+    def _end_if_over(self) -> None:
+        """End the run once its last checkpoint is confirmed (:meth:`RunState.end_if_over`), but a
+        member of its span only once its own state of it is hashed and checked (a quorum can confirm
+        a record before the last member has stored its checkpoint): :meth:`checkpoint_stored` calls
+        this again."""
+        run = self.run
+        _, book = run.require()
+        last = book.chain.records[-1].record
+        if run.me in last.members and last.step not in self.checkpoint_cids \
+                and not isinstance(run.trainer, StagedTrainer):
+            return
+        run.end_if_over()
+
+    def _check_own_state(self) -> None:
+        """A member whose own checkpoint at the last confirmed step is not the confirmed one (a quorum
+        attested other bits: its optimizer steps round differently, e.g. torch's scalar CPU kernels
+        among vectorized ones, training/_arithmetic.py) would go on from weights of its own and never
+        attest again, while its status named the run's model. It says so, stops advertising, and
+        loads the confirmed state by CID (run/_resync.py) before it trains on or ends. A pipelined
+        run's stages are checked by their replicas instead (run/_stage_checkpoints.py)."""
+        run = self.run
+        if run.book is None or run.trainer is None or isinstance(run.trainer, StagedTrainer) \
+                or not run.book.chain.records:
+            return
+        record = run.book.chain.records[-1].record
+        own = self.checkpoint_cids.get(record.step)
+        if own is None or own == (record.model_cid, record.optimizer_cid) or run.stale_step == record.step:
+            return
+        run.stale_step = record.step
+        run.refuse("own_state_differs",
+                   f"this member's state at step {record.step} ({own[0]}) is not the confirmed model "
+                   f"v{record.version} ({record.model_cid}): its steps round differently from the quorum's "
+                   f"(this member: {arithmetic_of(run.trainer.device)}; docs/deploy.md, \"Which machines "
+                   f"compute the same bits\"); loading the confirmed state")
+        if run.synced:
+            run.desync(trio.current_time())
 
 
 def _fmt(value: float | None) -> str:

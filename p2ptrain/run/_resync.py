@@ -45,11 +45,14 @@ KNOWN_TERMS = 256
 class Resync:
     """Heads, the resync loop and catching up to a plan; calls ``follow`` once a plan can be run."""
 
-    def __init__(self, run: RunState, restore_feedback: Callable[[int], None]) -> None:
+    def __init__(self, run: RunState, restore_feedback: Callable[[int], None], busy: Callable[[], bool]) -> None:
         """``restore_feedback(step)``: take back the error feedback this member kept at ``step``
-        (:meth:`~p2ptrain.run._spans.Spans.restore_feedback`), once its checkpoint is loaded."""
+        (:meth:`~p2ptrain.run._spans.Spans.restore_feedback`), once its checkpoint is loaded;
+        ``busy()``: whether a span of this member is running (its trainer is not to be replaced
+        under it: a plan that lists this member is caught up to instead, which stops the span)."""
         self.run = run
         self.restore_feedback = restore_feedback
+        self.busy = busy
         # term -> the coordinator our election accepted for it (the last KNOWN_TERMS terms)
         self.coordinators: dict[int, str] = {}
         self._new_head = Nudge()  # a new head was heard (wakes a member waiting to catch up)
@@ -132,9 +135,14 @@ class Resync:
             if caught_up is not None:
                 await self._follow_from_behind(*caught_up, follow)
                 continue
-            if run.book is not None and run.trainer is not None and not run.synced \
-                    and run.book.end_of_run(run.me, run.trainer.step) == "load":
+            if run.book is not None and run.trainer is not None and not run.synced and run.end_of_run() == "load":
                 await self.try_load_last_checkpoint()  # the run ended without us: our chain names its end
+                continue
+            if run.stale_step is not None and not run.synced:
+                # Our own state at a confirmed step was not the confirmed one: take the confirmed
+                # chain's last checkpoint by CID (not while a span of ours runs on the trainer).
+                if not self.busy():
+                    await self.try_load_last_checkpoint()
                 continue
             head = run.heads
             if run.book is None or head is None:
@@ -175,7 +183,7 @@ class Resync:
         problem = None
         if head is None or head.version != plan.version or head.model_cid != plan.base_cid:
             problem = f"behind the run, and its head is not the plan's base v{plan.version}"
-        elif head.version > book.chain.version or not trainer.can_align(plan.step):
+        elif head.version > book.chain.version or not trainer.can_align(plan.step) or run.stale_step is not None:
             failure = await self.try_load_head(head)
             if failure is not None:
                 problem = f"could not load the plan's base v{plan.version}: {failure}"
@@ -296,6 +304,7 @@ class Resync:
         if trainer.step != last.step:
             raise TrainerError(f"checkpoint v{last.version} says step {last.step}, its state says {trainer.step}")
         self.restore_feedback(last.step)
+        run.stale_step = None  # our state is a confirmed one now
         run.book = book.resynced(chain)  # the roster we know of stays the roster
         run.attestations.clear()
         run.metrics.update(last.metrics)

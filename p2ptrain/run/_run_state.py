@@ -78,6 +78,10 @@ class RunState:
     error: str | None = None
     # Whether this member holds the state the run is at (so it advertises the task and may lead).
     synced: bool = False
+    # The step of a confirmed checkpoint that this member's own state at that step is not (its
+    # steps rounded differently: run/_attesting.py): until it loads a confirmed state by CID it is
+    # not synced, and the run does not end for it (run/_resync.py). None: its state is the run's.
+    stale_step: int | None = None
     manifest: Manifest | None = None
     total_steps: int = 0
     initial_cid: str = ""
@@ -205,18 +209,28 @@ class RunState:
         self.synced, self.phase = False, Phase.RESYNCING
         self.advertise(False)
 
+    def end_of_run(self) -> str | None:
+        """:meth:`RoundBook.end_of_run` for this member: "load", not "done", while its own state at
+        a confirmed step was not the confirmed one (:attr:`stale_step`): it ends holding the run's
+        last checkpoint, not weights of its own that happen to be at the same step."""
+        trainer, book = self.require()
+        verdict = book.end_of_run(self.me, trainer.step)
+        return "load" if verdict == "done" and self.stale_step is not None else verdict
+
     def end_if_over(self) -> None:
         """Done once the confirmed chain ends the run and this member holds its last checkpoint.
         A member that does not (:meth:`RoundBook.end_of_run` says "load": the last span ran without
         it) resyncs first: the resync loop loads that checkpoint by CID, then ends the run. Done at
         once, it ended naming a model whose weights it did not hold."""
         trainer, book = self.require()
-        verdict = book.end_of_run(self.me, trainer.step)
+        verdict = self.end_of_run()
         if verdict == "done":
             self.done.set()
         elif verdict == "load" and self.synced:
-            logger.info("%s: the run ended at step %d without this member (at step %d): loading its last checkpoint",
-                        self.log_prefix, book.head_step, trainer.step)
+            how = "not with this member's state" if self.stale_step is not None else \
+                f"without this member (at step {trainer.step})"
+            logger.info("%s: the run ended at step %d %s: loading its last checkpoint", self.log_prefix,
+                        book.head_step, how)
             self.desync(trio.current_time())
 
     def note_waiting(self, short: int, now: float) -> None:

@@ -49,7 +49,7 @@ __all__ = ["ForkedProcess", "NodeProcess", "run_forked", "start_forked"]
 # Environment variables read when the interpreter or a native library starts (import path, hash
 # seed, thread pools, malloc, devices): a child whose values differ from the server's must start fresh.
 IMPORT_TIME_PREFIXES = ("PYTHON", "LD_", "MALLOC_", "GLIBC_", "OMP_", "MKL_", "OPENBLAS_", "KMP_", "CUDA",
-                        "TORCH", "PYTORCH", "NUMEXPR")
+                        "TORCH", "PYTORCH", "NUMEXPR", "ATEN_")
 # Bound on the server's start (its imports: ~10 s of CPU on a loaded 2-core machine) and on one fork.
 SERVER_START_TIMEOUT_S = 180.0
 FORK_TIMEOUT_S = 30.0

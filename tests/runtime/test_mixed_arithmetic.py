@@ -1,0 +1,47 @@
+"""A member whose CPU kernels round differently from the others' (torch's scalar ``DEFAULT`` kernels
+among vectorized ones: ``ATEN_CPU_CAPABILITY=default``, what a CPU without AVX2 gets) on real
+``p2ptrain node start`` processes.
+
+Its optimizer steps give other bits than the quorum's from the same averaged gradient
+(training/_arithmetic.py), so it can never attest a checkpoint. Before, it went on training from
+weights of its own, silently, and ended "done" naming a model it did not hold. Now it says why at
+each checkpoint, loads the confirmed state by CID, and ends holding the run's model.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from p2ptrain.control import ControlClient, ops as control_ops
+from p2ptrain.node import free_port
+from p2ptrain.task import TASK_TEMPLATE
+from p2ptrain.testing import NodeProcess, run_cli as cli, run_node_processes, task_status_of, wait_for
+
+STEPS, CHECKPOINT = 60, 20
+
+
+@pytest.mark.timeout(300)
+def test_a_member_that_rounds_differently_says_so_and_loads_each_confirmed_state(tmp_path: Path) -> None:
+    args = ["--device", "cpu", "--threads", "1"]
+    procs = [NodeProcess(tmp_path / f"node{i}", free_port(), extra_args=args) for i in range(2)]
+    odd = NodeProcess(tmp_path / "scalar", free_port(), extra_args=args, env={"ATEN_CPU_CAPABILITY": "default"})
+    with run_node_processes([*procs, odd]) as started:
+        manifest = cli("dataset", "add", "sklearn:digits", "--shards", "6", "--home", str(procs[0].home)).splitlines()[-1]
+        text = TASK_TEMPLATE.format(manifest=manifest, steps=STEPS, checkpoint=CHECKPOINT, density=0.05, peers=3)
+        task_cid = ControlClient(procs[0].home, timeout=120).call(control_ops.TASK_PUBLISH, text=text,
+                                                                   join=True)["task_cid"]
+        for p in started[1:]:
+            ControlClient(p.home, timeout=60).call(control_ops.TASK_JOIN, task_cid=task_cid)
+        final = wait_for(lambda: (s := [task_status_of(p.home, task_cid) for p in started])
+                         and all(x and x["state"] == "done" for x in s) and s, timeout=240, interval=0.5)
+        log = (odd.home / "logs" / "stderr.log").read_text(errors="replace")
+    assert len({s["latest_model_cid"] for s in final}) == 1, final
+    normal, scalar = final[:2], final[2]
+    assert all("own_state_differs" not in s["rejected"] for s in normal), [s["rejected"] for s in normal]
+    assert scalar["rejected"].get("own_state_differs", 0) >= 1, scalar["rejected"]
+    assert "is not the confirmed model" in log and "with DEFAULT kernels" in log, log[-4000:]
+    # It ends holding the run's last checkpoint: loaded by CID, not its own weights at that step.
+    last_load = [line for line in log.splitlines() if "resynced to model" in line][-1]
+    assert final[0]["latest_model_cid"] in last_load and f"at step {STEPS}" in last_load, last_load
