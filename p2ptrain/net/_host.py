@@ -1,8 +1,16 @@
-"""Build libp2p hosts that accept Noise and nothing else.
+"""Build libp2p hosts that accept Noise and nothing else, and dial nobody on their own.
 
 py-libp2p's default host also accepts ``/plaintext/2.0.0``, secio and TLS (whose client-certificate
 check has a known bypass). Peers we train with must be authenticated and encrypted, so the only
 security transport offered or accepted here is Noise; the muxer is yamux.
+
+Its swarm also runs a background dialer (``AutoConnector``): at start, every 10 s while the host
+has fewer than 50 connections (always, on our meshes) and after every disconnect, it dials peers
+of the peerstore it is not connected to, up to 150, 16 at a time. The peerstore holds addresses
+that DHT answers and heartbeats named, so that dialer went around every bound of
+:mod:`p2ptrain.mesh._discovery` (kept peers, dials at once, the backoff of a peer never reached:
+issue 13) and redialed peers the mesh had given up. On our hosts it is never started: discovery is
+the one thing that dials (lookups of the DHT dial the peers they ask, as they must).
 """
 
 from __future__ import annotations
@@ -12,6 +20,8 @@ from typing import Any
 
 import libp2p
 from libp2p.abc import IHost
+from libp2p.network.auto_connector import AutoConnector
+from libp2p.network.swarm import Swarm
 from libp2p.crypto.keys import KeyPair
 from libp2p.custom_types import TProtocol
 from libp2p.crypto.x25519 import create_new_key_pair as create_new_x25519_key_pair
@@ -30,6 +40,14 @@ def noise_only(key_pair: KeyPair, transport: type[NoiseTransport] = NoiseTranspo
     return {NOISE_PROTOCOL_ID: transport(key_pair, noise_privkey=noise_key)}
 
 
+class _NoAutoConnector(AutoConnector):
+    """py-libp2p's background dialer, never started (the module docstring says why): its periodic
+    task and the swarm's trigger after a disconnect both return at once on a stopped one."""
+
+    async def start(self) -> None:
+        """Stay stopped."""
+
+
 def make_host(key_pair: KeyPair, listen_addrs: Sequence[str | Multiaddr]) -> IHost:
     """A TCP host with our identity, Noise-only security and yamux; start it with ``host.run(...)``.
 
@@ -44,6 +62,9 @@ def make_host(key_pair: KeyPair, listen_addrs: Sequence[str | Multiaddr]) -> IHo
         listen_addrs=addrs,
     )
     muxer.install(host)
+    network = host.get_network()
+    assert isinstance(network, Swarm), type(network)
+    network.auto_connector = _NoAutoConnector(network, network.connection_config.auto_connect_interval)
     return host
 
 

@@ -5,7 +5,10 @@ of its peers (who counts as alive is decided here, from it: :mod:`p2ptrain.proto
 roster (the members of the last round plan; before the first round, the live members of the task),
 whether this member is at the run's state (one that is not never leads), and the messages it
 receives, and broadcasts the messages it returns. So every property is testable by driving several
-machines in one process.
+machines in one process. Its parts with a job of their own: the ballots (one vote per term, ever:
+:mod:`~p2ptrain.protocol._ballot_box`), the candidate's votes and certificate
+(:mod:`~p2ptrain.protocol._candidacy`), and when a term without a coordinator ends
+(:mod:`~p2ptrain.protocol._term_clock`).
 
 The scheme is Raft's election with a deterministic candidate:
 
@@ -19,10 +22,14 @@ The scheme is Raft's election with a deterministic candidate:
   votes: the live roster member (not suspected: given up as silent, until it beats or asks for votes)
   with the lowest ``sha256(task, term, peer)``. Members with the same view agree on it without talking, so
   elections do not split; when views differ and votes split, the term times out and the next term's
-  ranking (a fresh hash order) picks again.
+  ranking (a fresh hash order) picks again. From the third term in a row that times out, terms last
+  longer (x2, x4, x8 at most) until a coordinator is accepted: on a loaded machine a request and its
+  votes took longer than a term to go there and back, and every term failed alike.
 - Nobody stands in term 0 of a fresh run (no roster yet): its timeout lets the first members hear
   each other. A member that sees ``max_members`` (the task's ``peers.max``) alive ends it at once:
-  no one else can be in the first roster.
+  no one else can be in the first roster. Before the first plan, a member that sees nobody else
+  (a roster of one) stands alone only if it saw no other member lately: one whose view emptied for
+  a moment (a stall) elected itself with a certificate nobody accepts.
 - Stale terms are ignored; a valid heartbeat of a higher term moves a member to it (a coordinator
   steps down). A member that hears its coordinator, and the coordinator itself, ignore vote
   requests, so a peer that rejoins with a stale view cannot disrupt a working term; such a peer
@@ -34,28 +41,24 @@ The scheme is Raft's election with a deterministic candidate:
   minority side of a partition) cannot win any term: it neither stands nor lets its term time out,
   and says how many more peers it waits for (``short_of_quorum``). It still votes when asked, and
   its term's timer starts afresh when enough peers are back.
-- A coordinator keeps every vote of its term in its certificate, also those that came after it had a
-  quorum, so a roster that grows a little (a joiner admitted) is still covered. One whose votes no
-  longer cover the roster renews its mandate: it stands in the next term at once, designated or not,
+- A coordinator whose votes no longer cover the roster (its certificate keeps every vote of its
+  term, so a roster that grows by one is covered) renews its mandate: it stands in the next term at once, designated or not,
   and the members that follow it vote for it although their term is still working: the request comes
   from their own coordinator (else every admission cost a heartbeat timeout, 3 s, without rounds).
-- Terms time out on each member's own clock, so a member's term may run ahead of a candidate's (a
-  coordinator that left its term starts the next one seconds before the others notice). A member
-  without a coordinator still votes, once, in a term up to ``_LOWER_TERM_VOTES`` behind its own, and
-  follows that term's winner; without this, a member one term ahead ignored every request and
-  elections went round for dozens of seconds (seen in the fault test's logs).
+- A member without a coordinator still votes, once, in a term up to ``_LOWER_TERM_VOTES`` behind
+  its own (terms time out on each member's own clock), and follows that term's winner; without
+  this, a member one term ahead ignored every request and elections went round for dozens of seconds.
 - A member that still hears its coordinator sets a request of a later term aside, and votes for it
   at once if it gives that coordinator up and enters that term: the candidate is usually the member
   that saw the coordinator die first, and would otherwise ask again only a heartbeat later.
 
 Safety (at most one coordinator accepted per term) rests on two facts. (1) One vote per member per
-term, ever: ``_vote_in`` signs every vote and refuses a second; ballots are kept per term (a member
-whose term goes back cannot vote again in a term it passed), and a term whose ballot it lost
-(dropped from memory, or cast before a restart: the node persists ``voted_through``) counts as
-voted. (2) Two majorities of one roster share a member, so two certificates of one term name the
-same coordinator while the rosters they are checked against have intersecting majorities: the same
-roster, or rosters one member apart. No rule above may break (1) or count votes on other grounds
-than (2); where rosters differ more, (2) fails (docs/training.md, "Election").
+term, ever (:class:`~p2ptrain.protocol._ballot_box.BallotBox` signs every vote, refuses a second,
+and counts a term whose ballot it lost as voted; the node persists ``voted_through``). (2) Two
+majorities of one roster share a member, so two certificates of one term name the same coordinator
+while the rosters they are checked against have intersecting majorities: the same roster, or
+rosters one member apart. No rule above may break (1) or count votes on other grounds than (2);
+where rosters differ more, (2) fails (docs/training.md, "Election").
 """
 
 from __future__ import annotations
@@ -67,25 +70,20 @@ from libp2p.crypto.keys import KeyPair
 
 from p2ptrain.base import short_id
 from p2ptrain.protocol import signing
+from p2ptrain.protocol._ballot_box import BallotBox
+from p2ptrain.protocol._candidacy import Candidacy
 from p2ptrain.protocol._records import quorum
+from p2ptrain.protocol._term_clock import TermClock
 from p2ptrain.protocol.signing import SignatureError
 from p2ptrain.protocol._voters import ElectionConfig as ElectionConfig  # re-exported with View: what a tick takes
 from p2ptrain.protocol._voters import View as View, certificate_problem, designated, voters_alive
-from p2ptrain.wire import CoordinatorBeat, SignedVote, Vote, VoteRequest
+from p2ptrain.wire import CoordinatorBeat, SignedVote, VoteRequest
 
 log = logging.getLogger(__name__)
 
 ElectionMessage = VoteRequest | SignedVote | CoordinatorBeat
-# Ballots older than this many terms are forgotten; those elections ended long ago.
-_BALLOT_MEMORY = 256
 # How many terms back a member without a coordinator still votes (see Election._on_request).
 _LOWER_TERM_VOTES = 2
-# Votes carried in a heartbeat (task.MAX_PEERS members at most, so all of them fit).
-_MAX_CERTIFICATE = 128
-# The ballot of a term at or below Election._forgotten_through: cast for someone we no longer know.
-_FORGOTTEN = "?"
-# Election(voted_through=None): the member cannot tell which terms it voted in, so it votes in none.
-_EVERY_TERM = 2**63 - 1  # the largest term the wire carries
 
 
 class Election:
@@ -96,7 +94,7 @@ class Election:
         """``voted_through``: :attr:`voted_through` when this member last ran the task (-1: never);
         None when that is unknown (its file was damaged): it then votes and stands in no term.
         ``max_members``: the task's ``peers.max``; once that many members are alive, term 0 of a
-        fresh run ends without waiting out its timeout (see :meth:`_gathered`)."""
+        fresh run ends without waiting out its timeout (:meth:`TermClock.gathered`)."""
         self.task_cid = task_cid
         self.key_pair = key_pair
         self.me = signing.peer_str(key_pair)
@@ -104,11 +102,7 @@ class Election:
         self.max_members = max_members
         self.term = 0
         self.coordinator: str | None = None  # accepted for self.term
-        self._ballots: dict[int, str] = {}  # term -> whom I voted for (one vote per term, ever)
-        # Every term up to this one counts as voted in, for nobody we know: ballots cast before a
-        # restart, terms used before a stop of the run (resume_after), ballots dropped from memory
-        # (_BALLOT_MEMORY). No vote is ever cast in them.
-        self._forgotten_through = _EVERY_TERM if voted_through is None else voted_through
+        self._box = BallotBox(task_cid, key_pair, voted_through)  # one vote per term, ever
         self.live: frozenset[str] = frozenset()
         self.roster: tuple[str, ...] = ()
         self.suspects: set[str] = set()  # peers whose coordinatorship timed out
@@ -120,10 +114,9 @@ class Election:
         # The coordinator the latest tick gave up on (it fell silent), else None: most likely dead,
         # so the planner leaves it out like a peer a round named (RoundBook.note_silent_coordinator).
         self.given_up: str | None = None
-        self._votes: dict[str, SignedVote] = {}  # votes for me in self.term
-        self._certificate: tuple[SignedVote, ...] = ()
+        self._candidacy = Candidacy()  # votes for me in self.term, and the certificate they make
         self._certified_for: tuple[int, tuple[str, ...]] | None = None
-        self._term_started: float | None = None
+        self._clock = TermClock(config.timeout_s)  # when a term without a coordinator ends
         self._last_heard = 0.0
         self._last_sent = -1e18
         # The term after one a coordinator stepped down from: it does not stand in it.
@@ -145,26 +138,27 @@ class Election:
         records under one term, and the run's first election takes one term, not a timeout first.
         Called again once the member may lead, while no coordinator is known: that term's clock
         starts afresh (a term that ran out while every member was still loading would cost another)."""
-        self._forgotten_through = max(self._forgotten_through, term)
+        self._box.forget_through(term)
         if self.coordinator is None and self.term <= term + 1:
             self._new_term(0.0, term + 1)
-            self._term_started = None  # the term's clock starts at the next tick
+            self._clock.start(None)  # the term's clock starts at the next tick
 
     # --- queries --------------------------------------------------------------------------------
 
     @property
     def voted_for(self) -> str | None:
-        return self._ballot(self.term)
+        return self._box.ballot(self.term)
 
     @property
     def voted_through(self) -> int:
         """The latest term this member may have voted in (-1: none): kept on disk before a vote
         leaves, given back after a restart (run/_ballots_file.py)."""
-        return max(self._forgotten_through, max(self._ballots, default=-1))
+        return self._box.voted_through
 
-    def _ballot(self, term: int) -> str | None:
-        """Whom we voted for in ``term``: None if nobody, :data:`_FORGOTTEN` if we cannot tell."""
-        return _FORGOTTEN if term <= self._forgotten_through else self._ballots.get(term)
+    @property
+    def failed_terms(self) -> int:
+        """Terms in a row that timed out without a coordinator (they last longer from the third on)."""
+        return self._clock.failed
 
     @property
     def is_coordinator(self) -> bool:
@@ -182,15 +176,6 @@ class Election:
         """Whether we may vote for ``candidate``: a live roster member (or ourselves), never one we
         caught breaking the run's rules."""
         return candidate in self._voters() and candidate in self.live | {self.me} and candidate not in self.accused
-
-    def _gathered(self) -> bool:
-        """Whether term 0 of a fresh run (no roster yet: the live members vote) may end now. Nobody
-        stands in term 0: its timeout lets the first members hear each other, so that they agree on
-        term 1's candidate. Once ``max_members`` (``peers.max``) are alive no other member can be in
-        the first roster, and the wait would only delay the run. ``peers.min`` is not touched by
-        this: it is at most ``peers.max``, and the plan still waits for it (RoundBook.next_plan)."""
-        return (self.term == 0 and not self.roster and self.max_members is not None
-                and len(self._voters()) >= self.max_members)
 
     def _eligible(self) -> list[str]:
         alive = self.live | {self.me}
@@ -211,19 +196,20 @@ class Election:
                                  heard_at=self._last_heard, now=now, config=self.config)
         self.given_up = None
         voters = self._voters()
-        short = max(0, quorum(len(voters)) - sum(1 for p in voters if p in self.live or p == self.me))
+        # Before the first plan, a member that sees nobody else but saw other members lately does not
+        # elect itself with a roster of one (_term_clock.py says why): it waits for one, as one short does.
+        alone = self._clock.waits_alone(now, bool(self.live - {self.me}), not self.roster and voters == (self.me,))
+        short = max(int(alone), quorum(len(voters)) - sum(1 for p in voters if p in self.live or p == self.me))
         if short and not self.short_of_quorum:
             log.info("task %s: %s sees too few of its roster of %d alive; waiting for %d more peer(s) "
                      "instead of moving to new terms", self.task_cid[:12], short_id(self.me), len(voters), short)
         self.short_of_quorum = short
         if self.is_coordinator and not may_lead:
             self.step_down(now)
-        if self._term_started is None:
-            self._term_started = now
-        timeout = self.config.timeout_s
+        if self._clock.started is None:
+            self._clock.start(now)
         out: list[ElectionMessage] = []
         if self.is_coordinator:
-            voters = self._voters()
             if sum(1 for p in voters if p in self.live or p == self.me) < quorum(len(voters)):
                 log.warning("task %s: coordinator %s sees no quorum of its roster alive; stepping down (term %d)",
                             self.task_cid[:12], short_id(self.me), self.term)
@@ -246,7 +232,7 @@ class Election:
                     out.append(self._beat())
             return out
         if self.coordinator is not None:
-            if now - self._last_heard < timeout and self.coordinator in self.live:
+            if now - self._last_heard < self.config.timeout_s and self.coordinator in self.live:
                 return out
             log.info("task %s: coordinator %s silent; %s moves to term %d",
                      self.task_cid[:12], short_id(self.coordinator), short_id(self.me), self.term + 1)
@@ -263,16 +249,18 @@ class Election:
             # No election can be won without a quorum of the roster alive: standing and timing out
             # term after term only churns terms (a lone member of a two-member run moved to a new
             # term every 3 s). Wait in this term; its timer starts when enough peers are back.
-            self._term_started = now
+            self._clock.start(now)
             return out
-        elif self._gathered():
+        elif self._clock.gathered(self.term, not self.roster, len(voters), self.max_members):
             log.info("task %s: all %d members of a fresh run are alive; %s ends term 0 early",
                      self.task_cid[:12], len(self._voters()), short_id(self.me))
             self._new_term(now, self.term + 1)
-        elif now - self._term_started >= timeout:
-            log.info("task %s: term %d passed without a coordinator; %s moves to term %d (voted for %s)",
-                     self.task_cid[:12], self.term, short_id(self.me), self.term + 1,
-                     short_id(self.voted_for or "nobody"))
+        elif self._clock.expired(now):
+            if self.term > 0:  # nobody stands in term 0: its end is no failed election
+                self._clock.note_failed()
+            log.info("task %s: term %d passed without a coordinator; %s moves to term %d (voted for %s; "
+                     "%.0f s a term now)", self.task_cid[:12], self.term, short_id(self.me), self.term + 1,
+                     short_id(self.voted_for or "nobody"), self._clock.timeout_s)
             self._new_term(now, self.term + 1)
         mine = designated(self.task_cid, self.term, self._eligible()) == self.me or self.term == self._renew_term
         if (may_lead and not short and self.term > 0 and self.voted_for in (None, self.me) and mine
@@ -310,7 +298,7 @@ class Election:
     @property
     def certificate(self) -> tuple[SignedVote, ...]:
         """The votes that elected this member in the current term (empty unless coordinator)."""
-        return self._certificate if self.is_coordinator else ()
+        return self._candidacy.certificate if self.is_coordinator else ()
 
     def step_down(self, now: float) -> None:
         """Give up coordinatorship (e.g. our state fell behind the run): move to the next term, so
@@ -325,63 +313,42 @@ class Election:
     def _new_term(self, now: float, term: int) -> None:
         self.term = term
         self.coordinator = None
-        self._votes = {}
-        self._certificate = ()
-        self._term_started = now
+        self._candidacy.clear()
+        self._clock.start(now)
 
     def _vote(self, candidate: str) -> SignedVote:
-        return self._vote_in(self.term, candidate)
-
-    def _vote_in(self, term: int, candidate: str) -> SignedVote:
-        assert self._ballot(term) in (None, candidate), "a second vote in one term"
-        self._ballots[term] = candidate
-        while len(self._ballots) > _BALLOT_MEMORY:
-            oldest = min(self._ballots)
-            del self._ballots[oldest]
-            self._forgotten_through = max(self._forgotten_through, oldest)
-        body = Vote(task_cid=self.task_cid, term=term, candidate=candidate, voter=self.me)
-        return SignedVote(vote=body, signature=signing.sign(body, self.key_pair))
+        return self._box.vote(self.term, candidate)
 
     def _stand(self, now: float) -> list[ElectionMessage]:
         """Vote for myself and ask for votes (again each heartbeat, in case a request was lost)."""
         if self.voted_for not in (None, self.me):
-            return []  # our one vote of this term went elsewhere (or may have: see _ballot)
+            return []  # our one vote of this term went elsewhere (or may have: see BallotBox.ballot)
         if self.voted_for is None:
-            own = self._vote(self.me)
-            self._votes[self.me] = own
+            self._candidacy.add(self._vote(self.me), own=True)
             log.info("task %s: %s stands for term %d (roster %d, eligible %s)", self.task_cid[:12], short_id(self.me),
                      self.term, len(self._voters()), ", ".join(sorted(short_id(p) for p in self._eligible())))
         out: list[ElectionMessage] = []
-        if self._won():
+        if self._candidacy.won(self._voters()):
             return [self._become_coordinator(now)]
         if now - self._last_sent >= self.config.heartbeat_s:
             self._last_sent = now
             out.append(VoteRequest(task_cid=self.task_cid, term=self.term, candidate=self.me))
         return out
 
-    def _won(self) -> bool:
-        voters = set(self._voters())
-        return sum(1 for v in self._votes if v in voters) >= quorum(len(voters))
-
     def _become_coordinator(self, now: float) -> CoordinatorBeat:
-        # Every vote collected, not just a quorum: members whose roster differs a little (a plan
-        # they missed) still find a majority of theirs in it.
-        self._certificate = self._certify()
+        self._candidacy.certify(self._voters())
         self.coordinator = self.me
         self._last_heard = self._last_sent = now
+        self._clock.note_coordinator()
         log.info("task %s: %s is coordinator of term %d (%d votes)", self.task_cid[:12], short_id(self.me),
-                 self.term, len(self._votes))
+                 self.term, len(self._candidacy.votes))
         return self._beat()
 
-    def _certify(self) -> tuple[SignedVote, ...]:
-        voters = set(self._voters())
-        return tuple(self._votes[v] for v in sorted(self._votes) if v in voters)[:_MAX_CERTIFICATE]
-
     def _beat(self) -> CoordinatorBeat:
-        return CoordinatorBeat(task_cid=self.task_cid, term=self.term, coordinator=self.me, votes=self._certificate)
+        return CoordinatorBeat(task_cid=self.task_cid, term=self.term, coordinator=self.me, votes=self._candidacy.certificate)
 
     def _on_request(self, now: float, sender: str, msg: VoteRequest) -> list[ElectionMessage]:
-        if sender != msg.candidate or msg.term <= self._forgotten_through:
+        if sender != msg.candidate or msg.term <= self._box.forgotten_through:
             return []  # (a term we may have voted in: nothing to answer)
         # A suspect that asks for votes is not the hung coordinator we gave up: it may be designated
         # again. Otherwise members that each suspect all the others each stood alone, term after term.
@@ -392,10 +359,10 @@ class Election:
             # With no coordinator we still vote in that recent term, once: ballots are per term,
             # so no term gets two coordinators, and its winner is followed (see _on_beat).
             if (self.coordinator is None and msg.term >= self.term - _LOWER_TERM_VOTES
-                    and self._ballot(msg.term) is None and self._votable(msg.candidate)):
+                    and self._box.ballot(msg.term) is None and self._votable(msg.candidate)):
                 log.info("task %s: %s votes for %s in earlier term %d (at term %d)", self.task_cid[:12],
                          short_id(self.me), short_id(msg.candidate), msg.term, self.term)
-                return [self._vote_in(msg.term, msg.candidate)]
+                return [self._box.vote(msg.term, msg.candidate)]
             return []
         renewal = msg.candidate == self.coordinator and msg.term > self.term  # see the module docstring
         if self.coordinator is not None and not renewal and (
@@ -426,22 +393,18 @@ class Election:
             return []
         if (self.coordinator is not None and not self.is_coordinator) or v.voter not in self._voters():
             return []
-        if v.voter in self._votes:
-            return []
         try:
-            signing.verify(v, v.voter, signed.signature)
+            if not self._candidacy.add(signed):
+                return []
         except SignatureError as exc:
             log.warning("task %s: dropped vote: %s", self.task_cid[:12], exc)
             return []
-        self._votes[v.voter] = signed
         if self.is_coordinator:
-            # A vote that came after we had a quorum still goes into the certificate: with every
-            # vote of a 3-member roster, admitting a 4th member keeps a quorum (3 of 4), so no
-            # new election is needed for it.
-            self._certificate = self._certify()
+            # A vote that came after we had a quorum still goes into the certificate (_candidacy.py).
+            self._candidacy.certify(self._voters())
             self._last_sent = -1e18  # beat at the next tick: members that refused the smaller one accept
             return []
-        if self.voted_for == self.me and self._won():
+        if self.voted_for == self.me and self._candidacy.won(self._voters()):
             return [self._become_coordinator(now)]
         return []
 
@@ -480,6 +443,7 @@ class Election:
         self.coordinator = beat.coordinator
         self.suspects.discard(beat.coordinator)
         self._last_heard = now
+        self._clock.note_coordinator()
         log.info("task %s: %s accepts coordinator %s for term %d",
                  self.task_cid[:12], short_id(self.me), short_id(beat.coordinator), beat.term)
         return []
