@@ -24,7 +24,7 @@ EXPORTS: dict[str, list[str]] = {
         "fetch_progress", "fetch_through", "find_latest", "load_state", "split_shards", "train", "with_ephemeral_node",
     ],
     "p2ptrain.base": [
-        "AddressError", "HistogramSnapshot", "RoundHistograms", "UserError", "all_finite", "boundedjson",
+        "AddressError", "HistogramSnapshot", "RoundHistograms", "UserError", "all_finite", "arithmetic_of", "boundedjson",
         "count_rejection", "default_home", "flat_params", "fmt_bytes", "fmt_s", "format_host_port", "formatter",
         "large_empty", "load_flat_params", "load_or_create_identity", "parse_host_port", "peer_id_of", "refilled", "short_id",
         "use_one_arena", "write_atomic", "zero_fill",
@@ -132,7 +132,7 @@ EXPORTS: dict[str, list[str]] = {
         "PositionedBatches",
         "PretrainedError", "RoundTimings", "StageFile", "StateSnapshot", "StepResult", "StepSkipped", "Trainer",
         "TrainerError", "UserLocalSGDTrainer", "UserTrainer",
-        "arithmetic_of", "batched", "batches_forever", "check_stage_signatures", "config_snippet",
+        "batched", "batches_forever", "check_stage_signatures", "config_snippet",
         "describe_model_file", "evaluate_batches", "export_pretrained",
         "import_pretrained", "is_manifest", "load_model", "loss_and_hits", "lr_at", "manifest_bytes",
         "model_file", "model_from_bytes", "module_device", "new_trainer", "read_manifest", "resolve_device", "run_round",

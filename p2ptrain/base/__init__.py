@@ -2,13 +2,15 @@
 
 Atomic file writes, the bounded JSON parser (:mod:`p2ptrain.base.boundedjson`, a public submodule:
 ``boundedjson.loads``), ``UserError``, how log lines name peers, the home folder and its Ed25519 key,
-one-pass tensor checks, round-time histograms, the token-bucket refill, ``HOST:PORT``, one glibc arena.
+one-pass tensor checks, the arithmetic a member's steps use, round-time histograms, the token-bucket
+refill, ``HOST:PORT``, one glibc arena.
 """
 
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from p2ptrain.base import boundedjson as boundedjson
+    from p2ptrain.base._arithmetic import arithmetic_of as arithmetic_of
     from p2ptrain.base._atomic import write_atomic as write_atomic
     from p2ptrain.base._errors import UserError as UserError
     from p2ptrain.base._hostport import (

@@ -195,6 +195,8 @@ def _render(s: NodeStatus) -> str:
             f"  {p['peer_id']}  {state:<10} heartbeat {p['last_heartbeat_age_s']:.1f} s ago  "
             f"{device}, {c['cpu_count']} CPU, {_gib(c['free_ram_bytes'])} free RAM, v{c['version']}"
         )
+        if c.get("arithmetic"):  # members of one run must compute the same bits (docs/deploy.md)
+            lines.append(f"    arithmetic: {c['arithmetic']}")
         packaged = [b for b in c.get("builders", []) if ":" in b]  # builders of installed packages
         if packaged:
             more = f" and {len(packaged) - 6} more" if len(packaged) > 6 else ""

@@ -12,6 +12,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from p2ptrain import __version__
+from p2ptrain.base import arithmetic_of
 from p2ptrain.wire import Capabilities
 
 
@@ -66,17 +67,17 @@ def on_cpu(caps: Capabilities) -> Capabilities:
 def torch_capabilities(device: str = "auto") -> Capabilities:
     """The full probe through torch.cuda (slow: run it in a worker thread), of the GPU that
     ``device`` (the node's ``--device``: auto, cpu, cuda or cuda:N) trains on; none for cpu."""
-    if device == "cpu":
-        return on_cpu(quick_capabilities())
     import torch
 
+    if device == "cpu":
+        return replace(on_cpu(quick_capabilities()), arithmetic=arithmetic_of(torch.device("cpu")))
     gpu_name = gpu_memory = None
-    kind = "cpu"
+    kind, where = "cpu", torch.device("cpu")
     if torch.cuda.is_available():
         kind = "cuda"
         index = int(device.split(":", 1)[1]) if device.startswith("cuda:") else 0
         props = torch.cuda.get_device_properties(index)
-        gpu_name, gpu_memory = props.name, int(props.total_memory)
+        gpu_name, gpu_memory, where = props.name, int(props.total_memory), torch.device("cuda", index)
     return Capabilities(
         device=kind,
         cpu_count=_cpu_count(),
@@ -84,6 +85,7 @@ def torch_capabilities(device: str = "auto") -> Capabilities:
         version=__version__,
         gpu_name=gpu_name,
         gpu_memory_bytes=gpu_memory,
+        arithmetic=arithmetic_of(where),
     )
 
 

@@ -12,14 +12,15 @@ import logging
 import math
 
 import trio
+from libp2p.peer.id import ID
 
 from p2ptrain.ipfs import ContentUnavailable
-from p2ptrain.base import short_id
+from p2ptrain.base import arithmetic_of, short_id
 from p2ptrain.run._datafeed import DataFeed
 from p2ptrain.run._run_state import Nudge, RunState
 from p2ptrain.protocol import Misconduct, RecordError, Status, Tally, attest, election_problem
 from p2ptrain.run._stage_trainer import StagedTrainer
-from p2ptrain.training import arithmetic_of, StateSnapshot
+from p2ptrain.training import StateSnapshot
 from p2ptrain.wire import RoundPlan, SignedAttestation, SignedModelRecord
 
 logger = logging.getLogger(__name__)
@@ -271,11 +272,14 @@ class Attesting:
         if own is None or own == (record.model_cid, record.optimizer_cid) or run.stale_step == record.step:
             return
         run.stale_step = record.step
+        peer = run.node.membership.get(ID.from_base58(record.coordinator))
+        theirs = peer.caps.arithmetic if peer is not None and record.coordinator != run.me else None
         run.refuse("own_state_differs",
                    f"this member's state at step {record.step} ({own[0]}) is not the confirmed model "
                    f"v{record.version} ({record.model_cid}): its steps round differently from the quorum's "
-                   f"(this member: {arithmetic_of(run.trainer.device)}; docs/deploy.md, \"Which machines "
-                   f"compute the same bits\"); loading the confirmed state")
+                   f"(this member: {arithmetic_of(run.trainer.device)}; its coordinator "
+                   f"{short_id(record.coordinator)}: {theirs or 'not advertised'}; docs/deploy.md, \"Which "
+                   f"machines compute the same bits\"); loading the confirmed state")
         if run.synced:
             run.desync(trio.current_time())
 

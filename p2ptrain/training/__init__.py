@@ -9,7 +9,6 @@ and ``load_model``. It follows the protocol's plans and writes its records' byte
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from p2ptrain.training._arithmetic import arithmetic_of as arithmetic_of
     from p2ptrain.training._batches import (
         batched as batched,
         batches_forever as batches_forever,

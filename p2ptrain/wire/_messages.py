@@ -83,6 +83,11 @@ class Capabilities:
     # so a publisher can see who can build a task's model (``node peers``). Added in issue 30 with a default: a peer
     # without it decodes as advertising none, and an older peer skips it.
     builders: tuple[str, ...] = field(default=(), metadata={"max_items": MAX_BUILDERS, "max_len": MAX_BUILDER_NAME_LEN})
+    # The arithmetic its steps use (p2ptrain.base.arithmetic_of: the torch release and the CPU kernel
+    # set or the GPU), known once the node's torch probe ran: members of one run must compute the
+    # same bits (docs/deploy.md, "Which machines compute the same bits"). Added with a default, as
+    # ``builders``: informational, never a rule of a check.
+    arithmetic: str | None = field(default=None, metadata={"max_len": 128})
 
 
 @message("heartbeat")

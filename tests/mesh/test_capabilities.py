@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 from p2ptrain.mesh import _capabilities as caps_probe
 from p2ptrain.node import Node
 from p2ptrain.services import TaskOptions, make_peer
@@ -33,3 +35,7 @@ def test_the_torch_probe_of_a_cpu_node_names_no_gpu() -> None:
     caps = caps_probe.torch_capabilities("cpu")
     assert (caps.device, caps.gpu_name, caps.gpu_memory_bytes) == ("cpu", None, None)
     assert caps.cpu_count >= 1 and caps.free_ram_bytes >= 0
+    # The arithmetic its steps use, which members of one run must share (docs/deploy.md).
+    assert caps.arithmetic == f"torch {torch.__version__.split('+')[0]} on the CPU with " \
+        f"{torch.backends.cpu.get_cpu_capability()} kernels"
+

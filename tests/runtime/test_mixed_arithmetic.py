@@ -41,7 +41,8 @@ def test_a_member_that_rounds_differently_says_so_and_loads_each_confirmed_state
     normal, scalar = final[:2], final[2]
     assert all("own_state_differs" not in s["rejected"] for s in normal), [s["rejected"] for s in normal]
     assert scalar["rejected"].get("own_state_differs", 0) >= 1, scalar["rejected"]
-    assert "is not the confirmed model" in log and "with DEFAULT kernels" in log, log[-4000:]
+    assert "is not the confirmed model" in log and "this member: torch" in log, log[-4000:]
+    assert "with DEFAULT kernels; its coordinator" in log, log[-4000:]
     # It ends holding the run's last checkpoint: loaded by CID, not its own weights at that step.
     last_load = [line for line in log.splitlines() if "resynced to model" in line][-1]
     assert final[0]["latest_model_cid"] in last_load and f"at step {STEPS}" in last_load, last_load

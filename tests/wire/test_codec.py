@@ -321,3 +321,18 @@ def test_advertised_builders_are_bounded_in_count_and_name_length_and_optional()
     older = heartbeat_body()
     del older["caps"]["builders"]
     assert decode(frame(envelope(type="heartbeat", body=older))).msg.caps.builders == ()
+
+
+def test_capabilities_arithmetic_is_optional_and_bounded():
+    """``Capabilities.arithmetic`` came with a default: an older peer's heartbeat (without it)
+    decodes as advertising none, a newer one's round-trips, and a long one is refused."""
+    from dataclasses import replace
+
+    body = heartbeat_body()
+    del body["caps"]["arithmetic"]
+    assert decode(frame(envelope(type="heartbeat", body=body))).msg.caps.arithmetic is None
+    named = Heartbeat(addrs=(), caps=replace(CAPS, arithmetic="torch 2.13.0 on the CPU with AVX2 kernels"))
+    assert decode(encode(named, KEY, seq=1)).msg == named
+    long = heartbeat_body()
+    long["caps"]["arithmetic"] = "x" * 129
+    assert reason_of(frame(envelope(type="heartbeat", body=long))) == "schema"

@@ -8,8 +8,9 @@ rounding), the scalar ones do not (two). On this project's AMD EPYC machine (tor
 thread, the same inputs) ``lerp``, ``addcmul`` and ``add(alpha=...)`` give different bits under
 ``DEFAULT`` than under ``AVX2``, and so do Adam's and SGD-with-momentum's steps; ``AVX2`` and
 ``AVX512`` agree with each other (docs/deploy.md, "Which machines compute the same bits"). A GPU
-computes with its own kernels again. This names the arithmetic, for the log line of a member whose
-state turned out not to be the confirmed one.
+computes with its own kernels again. This names the arithmetic: every node advertises its own in
+its heartbeats (``Capabilities.arithmetic``, shown by ``node peers``), and a member whose state
+turned out not to be the confirmed one names it in its log.
 """
 
 from __future__ import annotations
