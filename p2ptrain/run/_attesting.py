@@ -46,6 +46,7 @@ class Attesting:
         # checkpoint: the coordinator's record reports the span's means from them.
         self._totals_before = (0, 0.0, 0.0, 0.0, 0)
         self._settle_news = Nudge()  # a record was confirmed or rejected
+        self._split_logged = 0  # the version of the last record whose split attestations were logged (_split)
 
     def span_metrics(self, plan: RoundPlan) -> dict[str, float] | None:
         """At the end of ``plan``'s span, before the next one: as the coordinator of its term, the
@@ -191,6 +192,7 @@ class Attesting:
         elif status is Status.REJECTED:
             run.book.rejected_step = tally.record.step
             self._outvoted(tally)
+            self._split(tally)
             run.wake_leader.set()
         else:
             return
@@ -226,6 +228,31 @@ class Attesting:
             return
         run.refuse("record_outvoted", f"{why} (coordinator {short_id(record.coordinator)})")
         run.accuse(record.coordinator, why)
+
+    def _split(self, tally: Tally) -> None:
+        """A rejected record whose span's members hashed their weights to more than one model, none
+        of them a quorum's: no checkpoint of such a span can ever be confirmed, and the usual cause is
+        members whose steps round differently (docs/deploy.md, "Which machines compute the same
+        bits"). Say which members computed what, with the arithmetic each advertises, once per record."""
+        run = self.run
+        if not tally.differing or tally.outvoted() is not None or tally.record.version == self._split_logged:
+            return
+        self._split_logged = tally.record.version
+        groups: dict[str, list[str]] = {tally.record.model_cid: sorted(tally.matching)}
+        for attester, cid in sorted(tally.differing.items()):
+            groups.setdefault(cid, []).append(attester)
+
+        def who(peer: str) -> str:
+            record = run.node.membership.get(ID.from_base58(peer)) if peer != run.me else None
+            arithmetic = arithmetic_of(run.trainer.device) if peer == run.me and run.trainer is not None else \
+                (record.caps.arithmetic if record is not None else None)
+            return f"{short_id(peer)} ({arithmetic or 'arithmetic not advertised'})"
+
+        run.refuse("attestations_split",
+                   f"model record v{tally.record.version} rejected: its span's {len(tally.members)} members computed "
+                   f"{len(groups)} different models, none by a quorum: "
+                   + "; ".join(f"{cid}: {', '.join(map(who, peers))}" for cid, peers in groups.items() if peers)
+                   + " (members must compute the same bits: docs/deploy.md, \"Which machines compute the same bits\")")
 
     def _confirm(self, tally: Tally) -> None:
         run = self.run
@@ -269,9 +296,10 @@ class Attesting:
             return
         record = run.book.chain.records[-1].record
         own = self.checkpoint_cids.get(record.step)
-        if own is None or own == (record.model_cid, record.optimizer_cid) or run.stale_step == record.step:
+        if own is None or own == (record.model_cid, record.optimizer_cid):
             return
         run.stale_step = record.step
+        del self.checkpoint_cids[record.step]  # not our state at that step once we load the confirmed one
         peer = run.node.membership.get(ID.from_base58(record.coordinator))
         theirs = peer.caps.arithmetic if peer is not None and record.coordinator != run.me else None
         run.refuse("own_state_differs",

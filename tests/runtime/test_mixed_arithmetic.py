@@ -30,7 +30,9 @@ def test_a_member_that_rounds_differently_says_so_and_loads_each_confirmed_state
     with run_node_processes([*procs, odd]) as started:
         manifest = cli("dataset", "add", "sklearn:digits", "--shards", "6", "--home", str(procs[0].home)).splitlines()[-1]
         text = TASK_TEMPLATE.format(manifest=manifest, steps=STEPS, checkpoint=CHECKPOINT, density=0.05, peers=3)
-        task_cid = ControlClient(procs[0].home, timeout=120).call(control_ops.TASK_PUBLISH, text=text,
+        # min = 3: every span has the scalar member (it stops advertising while it loads a confirmed state).
+        task_cid = ControlClient(procs[0].home, timeout=120).call(control_ops.TASK_PUBLISH,
+                                                                   text=text.replace("min = 2\n", "min = 3\n"),
                                                                    join=True)["task_cid"]
         for p in started[1:]:
             ControlClient(p.home, timeout=60).call(control_ops.TASK_JOIN, task_cid=task_cid)
@@ -46,3 +48,33 @@ def test_a_member_that_rounds_differently_says_so_and_loads_each_confirmed_state
     # It ends holding the run's last checkpoint: loaded by CID, not its own weights at that step.
     last_load = [line for line in log.splitlines() if "resynced to model" in line][-1]
     assert final[0]["latest_model_cid"] in last_load and f"at step {STEPS}" in last_load, last_load
+
+
+@pytest.mark.timeout(300)
+def test_members_split_between_two_arithmetics_are_told_why_no_checkpoint_is_confirmed(tmp_path: Path) -> None:
+    """Two members with vectorized kernels and two with scalar ones: each pair attests its own bits,
+    neither is a quorum of four, so no checkpoint can be confirmed. Before, each rejected record
+    said only that it fell short; now every member logs which members computed which model, with
+    the arithmetic each advertises, and counts it (``attestations_split``)."""
+    args = ["--device", "cpu", "--threads", "1"]
+    scalar = {"ATEN_CPU_CAPABILITY": "default"}
+    procs = [NodeProcess(tmp_path / f"node{i}", free_port(), extra_args=args, env=scalar if i >= 2 else None)
+             for i in range(4)]
+    with run_node_processes(procs) as started:
+        manifest = cli("dataset", "add", "sklearn:digits", "--shards", "8", "--home", str(procs[0].home)).splitlines()[-1]
+        text = TASK_TEMPLATE.format(manifest=manifest, steps=STEPS, checkpoint=CHECKPOINT, density=0.05, peers=4)
+        task_cid = ControlClient(procs[0].home, timeout=120).call(control_ops.TASK_PUBLISH,
+                                                                   text=text.replace("min = 2\n", "min = 4\n"),
+                                                                   join=True)["task_cid"]
+        for p in started[1:]:
+            ControlClient(p.home, timeout=60).call(control_ops.TASK_JOIN, task_cid=task_cid)
+        statuses = wait_for(lambda: (s := [task_status_of(p.home, task_cid) for p in started])
+                            and all(x and x["rejected"].get("attestations_split") for x in s) and s,
+                            timeout=240, interval=0.5)
+        logs = [(p.home / "logs" / "stderr.log").read_text(errors="replace") for p in started]
+    assert all(s["version"] == 0 for s in statuses), [s["version"] for s in statuses]  # nothing confirmed
+    for log in logs:
+        line = next(line for line in log.splitlines() if "computed 2 different models" in line)
+        # Rejected as soon as no quorum can be reached: the attesters heard by then, each with its arithmetic,
+        # the scalar ones and the others (on two groups' models).
+        assert line.count("with DEFAULT kernels)") >= 1 and line.count("kernels)") > line.count("DEFAULT kernels)"), line
