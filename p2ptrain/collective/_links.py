@@ -14,6 +14,7 @@ import trio
 from libp2p.peer.id import ID
 
 from p2ptrain.collective._failures import BadPayload, PeerFailed
+from p2ptrain.collective._notice_hold import NoticeHold
 from p2ptrain.net import Channel, ChannelError, MessageTooLarge
 from p2ptrain.base import all_finite
 from p2ptrain.wire import DTYPES, HEADER, Header, Kind, parse_abort, parse_header
@@ -47,7 +48,7 @@ class RoundLinks:
 
     def __init__(
         self, ring: list[ID], me: int, round_id: int, timeout: float, inbound: dict[ID, Channel],
-        outbound: dict[ID, Channel],
+        outbound: dict[ID, Channel], notices: NoticeHold,
     ) -> None:
         self.ring = ring
         self.me = me
@@ -60,6 +61,20 @@ class RoundLinks:
         self._outbound = outbound
         self.bytes_sent = 0
         self.bytes_received = 0  # frames taken off the inbound channels, length prefixes included
+        # Whose abort notices wait for a verifier's verdict (a sampled round's checks hold them).
+        self.notices = notices
+
+    async def _explain_break(self, peer: ID) -> None:
+        """After ``peer``'s channel broke (or it sent an abort notice in-band while held): the
+        notices that may explain it. A notice of ``peer``'s own that we hold until its chunk is
+        checked may be true (it saw a member fail, then left): wait for the verdict, at most the
+        hop deadline; released, the notice ends the round here (its cancellation). Returning means
+        nothing explained it: the caller blames ``peer``."""
+        await wait_for_abort_notice()
+        if self.notices.keeps(peer):
+            with trio.move_on_after(self.timeout):
+                await self.notices.resolved(peer)
+            await trio.lowlevel.checkpoint()  # a released notice's cancellation lands here
 
     async def send(self, header: Header, payload: bytes | memoryview = b"", *, to: ID | None = None) -> None:
         peer = self.right_peer if to is None else to
@@ -72,7 +87,7 @@ class RoundLinks:
                 peer, f"did not accept round {self.round_id} data within {self.timeout:g} s"
             ) from None
         except ChannelError as error:
-            await wait_for_abort_notice()
+            await self._explain_break(peer)
             raise PeerFailed(peer, f"channel broke while sending: {error}", gone=True) from error
         self.bytes_sent += len(frame) + 8  # the channel's length prefix
 
@@ -125,7 +140,7 @@ class RoundLinks:
         except MessageTooLarge as error:
             raise BadPayload(peer, f"sent an oversized frame: {error}") from None
         except ChannelError as error:
-            await wait_for_abort_notice()
+            await self._explain_break(peer)
             raise PeerFailed(peer, f"channel broke while receiving: {error}", gone=True) from error
         self.bytes_received += len(frame) + 8  # the channel's length prefix
         try:
@@ -134,7 +149,12 @@ class RoundLinks:
             raise BadPayload(peer, str(error)) from None
         if header.kind == Kind.ABORT:
             culprit, reason = parse_abort(frame, header)
-            raise PeerFailed(culprit, reason, reported_by=peer)
+            notice = PeerFailed(culprit, reason, reported_by=peer)
+            if not self.notices.holds(peer):
+                raise notice
+            self.notices.notice(peer, notice)  # held: it waits for the verdict, as on its own stream
+            await self._explain_break(peer)
+            raise PeerFailed(peer, "left its round while its chunk was checked", gone=True)
         return peer, frame, header
 
     async def recv_tensor(

@@ -23,6 +23,10 @@ only hold up the report), and a member asked to join a round that already failed
 with the same notice. A member that is merely late (it got the plan after the
 others gave up on it) then learns that it was the one named, instead of finding its neighbours gone
 and blaming them: a healthy peer wrongly blamed would be left out of the next rings it plans.
+
+One exception: in a sampled robust round, the notices of the owner of a chunk drawn for checking
+wait for its verifier's verdict (:mod:`p2ptrain.collective._notice_hold`): otherwise the owner
+could end the round naming someone else as soon as it learns that its chunk is checked.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from p2ptrain.collective._failures import CollectiveError, PeerFailed, single_fa
 from p2ptrain.collective._dialing import Dialer
 from p2ptrain.collective._inbox import Arrival, Inbox
 from p2ptrain.collective._links import RoundLinks, wait_for_abort_notice
+from p2ptrain.collective._notice_hold import NoticeHold
 from p2ptrain.base import count_rejection, short_id
 from p2ptrain.net import Channel, ChannelError, StreamGuard, open_channel, serve_channels
 from p2ptrain.wire import HEADER, MAX_FIRST_FRAME, PROTOCOL, Kind, abort_frame, busy_frame, parse_abort, parse_header, ready_frame
@@ -79,6 +84,14 @@ class _Round:
     ring: list[ID]
     scope: trio.CancelScope
     abort: PeerFailed | None = None
+    notices: NoticeHold | None = None  # set once the round opens
+
+    def end(self, failure: PeerFailed) -> None:
+        """A member's notice ends the round here (the first one only)."""
+        if self.abort is None:
+            logger.info("collective: round %d aborted: %s", self.round_id, failure)
+            self.abort = failure
+            self.scope.cancel()
 
 
 class RoundHub:
@@ -245,10 +258,8 @@ class RoundHub:
             return
         current = self._active.get(round_id)
         if current is not None:
-            if reporter in current.ring and current.abort is None:
-                logger.info("collective: round %d aborted: %s", round_id, failure)
-                current.abort = failure
-                current.scope.cancel()
+            if reporter in current.ring and current.abort is None and current.notices is not None:
+                current.notices.notice(reporter, failure)  # acted on now, unless its sender is held
         elif round_id not in self._finished:
             self._early_aborts[round_id] = (reporter, failure)
             while len(self._early_aborts) > _MEMORY:
@@ -314,6 +325,7 @@ class RoundHub:
         me = ring.index(self.me)
         size = len(ring)
         state = _Round(round_id, ring, trio.CancelScope())
+        state.notices = NoticeHold(self.me, state.end, self.refused)
         early = self._early_aborts.pop(round_id, None)
         if early is not None and early[0] in ring:
             self._remember(round_id, early[1])
@@ -359,7 +371,7 @@ class RoundHub:
                             for peer in sources:
                                 nursery.start_soon(accept, peer)
                     inbound = {peer: arrival.channel for peer, arrival in arrivals.items()}
-                    yield RoundLinks(ring, me, round_id, timeout, inbound, outbound)
+                    yield RoundLinks(ring, me, round_id, timeout, inbound, outbound, state.notices)
                     completed = True
                 except PeerFailed as failure:
                     if failure.reported_by is None and failure.peer_id != self.me:

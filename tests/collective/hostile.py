@@ -193,16 +193,20 @@ class Owner:
     verifier's recomputation catches it); ``equivocate_to``, a
     peer ID that gets this owner's chunk plus one, signed anew (``resign=False``: under the
     signature of the real chunk); ``split``: as a contributor, it
-    sends each chunk's verifier its values plus one (the owners get the signed, honest ones)."""
+    sends each chunk's verifier its values plus one (the owners get the signed, honest ones);
+    ``blame``, a peer ID: in a sampled round whose draws (learnt at CONFIRM) pick its own chunk, it
+    ends the round before the check with an abort notice naming that peer (docs/collective.md,
+    "What sampling does not do")."""
 
     def __init__(self, collective: Collective, *, poison: float | None = None, flip: bool = False,
-                 equivocate_to=None, split: bool = False, resign: bool = True) -> None:
+                 equivocate_to=None, split: bool = False, resign: bool = True, blame=None) -> None:
         self.collective = collective
         self.poison = poison
         self.flip = flip
         self.equivocate_to = equivocate_to
         self.split = split
         self.resign = resign  # False: the altered chunk goes with the signature of the real one
+        self.blame = blame
         self._witness: Witness | None = None
         self._verifying = False
         self._altered: dict[int, hashlib._Hash] = {}  # chunk -> SHA-256 of the altered bytes sent so far
@@ -270,6 +274,7 @@ def installed() -> Iterator[None]:
 def install(monkeypatch) -> None:
     """Patch the seams :class:`Owner` acts through (pytest's ``monkeypatch`` undoes it)."""
     reduce_chunk, check_chunk, send, witness_init = direct.reduce_chunk, direct._check_chunk, RoundLinks.send, Witness.__init__
+    drawn_of = direct.drawn_chunks
 
     def hostile_reduce(parts, start, spec, norms=None):
         out = reduce_chunk(parts, start, spec, norms)
@@ -316,7 +321,16 @@ def install(monkeypatch) -> None:
             payload = values + trailer
         await send(self, header, payload, to=to)
 
+    def escaping_drawn(witness, owners, draws, fraction):
+        chosen = drawn_of(witness, owners, draws, fraction)
+        owner = _acting.get()
+        if owner is not None and owner.blame is not None and owners.owned_by(witness.links.me) in chosen:
+            # A failure "seen" here (reported_by None): the hub tells every member, as an honest one would.
+            raise PeerFailed(owner.blame, "did not answer within the deadline")
+        return chosen
+
     monkeypatch.setattr(direct, "reduce_chunk", hostile_reduce)
+    monkeypatch.setattr(direct, "drawn_chunks", escaping_drawn)
     monkeypatch.setattr(direct, "_check_chunk", honest_check)
     monkeypatch.setattr(Witness, "__init__", remember_witness)
     monkeypatch.setattr(RoundLinks, "send", equivocating_send)

@@ -139,13 +139,13 @@ async def test_honest_rounds_give_the_same_bits_with_and_without_sampling(cluste
 def recording_draws(monkeypatch) -> list[set[int]]:
     """Every member's set of drawn chunks, as each computes it after CONFIRM, in order."""
     seen: list[set[int]] = []
-    drawn_of = direct._drawn
+    drawn_of = direct.drawn_chunks
 
     def recorded(*args, **kwargs):
         seen.append(drawn_of(*args, **kwargs))
         return seen[-1]
 
-    monkeypatch.setattr(direct, "_drawn", recorded)
+    monkeypatch.setattr(direct, "drawn_chunks", recorded)
     return seen
 
 
@@ -244,6 +244,41 @@ async def test_an_owner_inside_the_bound_is_caught_when_drawn_and_only_then(gath
             break
     assert outcomes[-1] == "named", outcomes
     assert "accepted" in outcomes, outcomes  # with these keys the first draws miss: sampling is a probability
+
+
+async def test_an_owner_whose_chunk_is_drawn_cannot_end_the_round_naming_an_honest_member(gather, monkeypatch):
+    """The owner negates its chunk (inside the bound) and, in the first round that draws its chunk,
+    ends the round with an abort notice naming an honest member (``hostile.Owner(blame=...)``: the
+    notice is sent right after it learns the draws at CONFIRM, before the check). The honest members
+    must name the owner (its verifier's evidence, or its withholding), not the member it named:
+    they hold its notices until its verifier's verdict on its chunk (collective._notice_hold). Before,
+    every honest member believed the notice and named member 0. Fixed keys: the same rounds are drawn
+    in every run (the earlier ones accept the negated chunk; the one that draws it draws others too,
+    so honest owners' notices are held and released as well)."""
+    hostile.install(monkeypatch)
+    draws = recording_draws(monkeypatch)
+    framed = 0  # the honest member the owner names
+    async with fixed_cluster(WORLD) as peers:
+        ring = [p.id for p in peers]
+        attacker = hostile.Owner(peers[BAD].collective, flip=True, blame=ring[framed])
+        xs = inputs(4096)
+        for round_id in range(2, 18):
+            seed = SEED + round_id
+            spec = RoundSpec(robust="clip", check_fraction=0.5, timeout=20)
+            member = hostile.acting_at(
+                attacker, BAD, lambda i: peers[i].collective.allreduce(xs[i], ring, round_id, spec, owner_seed=seed))
+            draws.clear()
+            results = await gather([lambda i=i: member(i) for i in range(WORLD)])
+            chunk = drawn(WORLD, seed).owned_by(BAD)
+            if chunk in draws[0]:
+                break
+            assert all(isinstance(r, torch.Tensor) for r in results), results  # not drawn: accepted
+        else:
+            pytest.fail("no round drew the owner's chunk")
+    assert isinstance(results[BAD], PeerFailed) and results[BAD].peer_id == ring[framed]  # what it claimed
+    for i in range(WORLD):
+        if i != BAD:
+            assert isinstance(results[i], PeerFailed) and results[i].peer_id == ring[BAD], (i, results[i])
 
 
 @pytest.mark.parametrize("density", [1.0, 0.05])
