@@ -43,7 +43,7 @@ from p2ptrain.base._identity import KEY_FILE
 from p2ptrain.protocol import signing
 from p2ptrain.protocol._voters import designated
 from p2ptrain.testing import connected_hosts
-from p2ptrain.wire import DTYPES, SIGNATURE_BYTES, Phase, Said
+from p2ptrain.wire import DTYPES, SIGNATURE_BYTES, Phase, Said, abort_frame
 
 ROUND_TIMEOUT_S = 20.0  # one training round of four members, generous for a loaded machine
 
@@ -196,10 +196,13 @@ class Owner:
     sends each chunk's verifier its values plus one (the owners get the signed, honest ones);
     ``blame``, a peer ID: in a sampled round whose draws (learnt at CONFIRM) pick its own chunk, it
     ends the round before the check with an abort notice naming that peer (docs/collective.md,
-    "What sampling does not do")."""
+    "Abort notices while a drawn chunk is checked"): on streams of its own, as its hub sends them,
+    or (``in_band``) as an ABORT frame on each of its round channels instead of the check's first
+    frame, leaving without a notice of its hub's."""
 
     def __init__(self, collective: Collective, *, poison: float | None = None, flip: bool = False,
-                 equivocate_to=None, split: bool = False, resign: bool = True, blame=None) -> None:
+                 equivocate_to=None, split: bool = False, resign: bool = True, blame=None,
+                 in_band: bool = False) -> None:
         self.collective = collective
         self.poison = poison
         self.flip = flip
@@ -207,6 +210,8 @@ class Owner:
         self.split = split
         self.resign = resign  # False: the altered chunk goes with the signature of the real one
         self.blame = blame
+        self.in_band = in_band
+        self._escaping = False  # in_band: its chunk is drawn; the check's first frame is an ABORT instead
         self._witness: Witness | None = None
         self._verifying = False
         self._altered: dict[int, hashlib._Hash] = {}  # chunk -> SHA-256 of the altered bytes sent so far
@@ -303,6 +308,12 @@ def install(monkeypatch) -> None:
 
     async def equivocating_send(self, header, payload=b"", *, to=None):
         owner = _acting.get()
+        if owner is not None and owner._escaping and header.phase in (Phase.VERIFY, Phase.CHECKED):
+            owner._escaping = False
+            for channel in self._outbound.values():
+                await channel.send(abort_frame(self.round_id, owner.blame, "did not answer within the deadline"))
+            # Reported by someone else: its hub sends no notice of its own, and it resets its channels.
+            raise PeerFailed(owner.blame, "did not answer within the deadline", reported_by=owner.blame)
         if owner is not None and owner.split and header.phase == Phase.VERIFY:
             payload = _plus_one(payload, _TORCH_DTYPES[header.dtype])
         if owner is not None and owner.equivocate_to is not None and to == owner.equivocate_to and header.phase == Phase.GATHER:
@@ -325,6 +336,9 @@ def install(monkeypatch) -> None:
         chosen = drawn_of(witness, owners, draws, fraction)
         owner = _acting.get()
         if owner is not None and owner.blame is not None and owners.owned_by(witness.links.me) in chosen:
+            if owner.in_band:
+                owner._escaping = True
+                return chosen
             # A failure "seen" here (reported_by None): the hub tells every member, as an honest one would.
             raise PeerFailed(owner.blame, "did not answer within the deadline")
         return chosen

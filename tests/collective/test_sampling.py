@@ -246,10 +246,13 @@ async def test_an_owner_inside_the_bound_is_caught_when_drawn_and_only_then(gath
     assert "accepted" in outcomes, outcomes  # with these keys the first draws miss: sampling is a probability
 
 
-async def test_an_owner_whose_chunk_is_drawn_cannot_end_the_round_naming_an_honest_member(gather, monkeypatch):
+@pytest.mark.parametrize("in_band", [False, True])
+async def test_an_owner_whose_chunk_is_drawn_cannot_end_the_round_naming_an_honest_member(gather, monkeypatch,
+                                                                                          in_band):
     """The owner negates its chunk (inside the bound) and, in the first round that draws its chunk,
     ends the round with an abort notice naming an honest member (``hostile.Owner(blame=...)``: the
-    notice is sent right after it learns the draws at CONFIRM, before the check). The honest members
+    notice is sent right after it learns the draws at CONFIRM, before the check; ``in_band``: as an
+    ABORT frame on its round channels instead of its first VERIFY copy). The honest members
     must name the owner (its verifier's evidence, or its withholding), not the member it named:
     they hold its notices until its verifier's verdict on its chunk (collective._notice_hold). Before,
     every honest member believed the notice and named member 0. Fixed keys: the same rounds are drawn
@@ -260,7 +263,7 @@ async def test_an_owner_whose_chunk_is_drawn_cannot_end_the_round_naming_an_hone
     framed = 0  # the honest member the owner names
     async with fixed_cluster(WORLD) as peers:
         ring = [p.id for p in peers]
-        attacker = hostile.Owner(peers[BAD].collective, flip=True, blame=ring[framed])
+        attacker = hostile.Owner(peers[BAD].collective, flip=True, blame=ring[framed], in_band=in_band)
         xs = inputs(4096)
         for round_id in range(2, 18):
             seed = SEED + round_id
