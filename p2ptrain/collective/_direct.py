@@ -188,7 +188,6 @@ async def direct_allreduce(
                                      local(chunk) if sampling else None, spec)
             if sampling and chunk == checking:  # its owner has signed its result: now we draw
                 draw = digest + witness.sign(Said.SAMPLE, checking, digest)
-                hold_if_drawn(links, owners, spec.check_fraction, me, draw)
 
     async def spot_check(drawn: set[int]) -> None:
         """After CONFIRM, the drawn chunks: every member sends each one's verifier its contribution
@@ -267,7 +266,10 @@ async def direct_allreduce(
         _check_chunk(links, owners, checking, [checks[m] for m in range(size)], results[checking], bytes(proofs),
                      spec, witness)
     if witness is not None:
-        heard = functools.partial(hold_if_drawn, links, owners, spec.check_fraction) if sampling else None
+        heard = None
+        if sampling:  # the owner can learn our draw once our CONFIRM goes: hold its notices from then on
+            heard = functools.partial(hold_if_drawn, links, owners, spec.check_fraction)
+            heard(me, draw)
         draws = await witness.confirm(draw, heard=heard)
         if sampling:
             await spot_check(drawn_chunks(witness, owners, draws, spec.check_fraction))

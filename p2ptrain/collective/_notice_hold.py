@@ -6,7 +6,7 @@ naming the true culprit. In a sampled round (:mod:`._sampling`) it also let an o
 check: it learns at CONFIRM that its chunk is drawn, and ends the round with a notice naming an
 honest member before its verifier has recomputed the chunk (issue 27; docs/collective.md, "Abort
 notices while a drawn chunk is checked"). So from the moment a member learns that chunk c is drawn
-(its verifier's CONFIRM, or its own draw as the verifier), the notices of c's owner are *held*, not
+(its verifier's CONFIRM; as the verifier, when it sends its own), the notices of c's owner are *held*, not
 acted on, until the verifier's verdict on c:
 
 - its CHECKED (c is the reduction it claims), or, as the verifier, our own check passing and our

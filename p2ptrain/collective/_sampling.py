@@ -102,7 +102,7 @@ def drawn_chunks(witness: Witness, owners: Owners, draws: dict[int, bytes], frac
 
 def hold_if_drawn(links: RoundLinks, owners: Owners, fraction: float, member: int, raw: bytes) -> None:
     """As soon as we learn that the chunk ring member ``member`` verifies is drawn (its draw
-    ``raw``, at its CONFIRM or as we make it), its owner's abort notices wait for ``member``'s
+    ``raw``, at its CONFIRM, or ours as we send it), its owner's abort notices wait for ``member``'s
     verdict on it (:mod:`p2ptrain.collective._notice_hold`): the owner learns the draw at CONFIRM too."""
     try:
         _, signature = parse_draw(raw)

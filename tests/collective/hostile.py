@@ -35,6 +35,7 @@ import torch
 import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.crypto.keys import KeyPair
+from libp2p.peer.id import ID
 
 from p2ptrain.collective import Collective, PeerFailed, RoundSpec, SparseAllReducer, _direct as direct
 from p2ptrain.collective._links import RoundLinks
@@ -197,8 +198,10 @@ class Owner:
     ``blame``, a peer ID: in a sampled round whose draws (learnt at CONFIRM) pick its own chunk, it
     ends the round before the check with an abort notice naming that peer (docs/collective.md,
     "Abort notices while a drawn chunk is checked"): on streams of its own, as its hub sends them,
-    or (``in_band``) as an ABORT frame on each of its round channels instead of the check's first
-    frame, leaving without a notice of its hub's."""
+    or (``in_band``) as an ABORT frame instead of the check's frames on each of its round channels
+    but one: its chunk's verifier gets its real VERIFY copy first (so the verifier's check runs and
+    fails, and the members that miss their copies must not wait on its verdict forever), and it
+    leaves without a notice of its hub's."""
 
     def __init__(self, collective: Collective, *, poison: float | None = None, flip: bool = False,
                  equivocate_to=None, split: bool = False, resign: bool = True, blame=None,
@@ -211,7 +214,8 @@ class Owner:
         self.resign = resign  # False: the altered chunk goes with the signature of the real one
         self.blame = blame
         self.in_band = in_band
-        self._escaping = False  # in_band: its chunk is drawn; the check's first frame is an ABORT instead
+        self._escaping: ID | None = None  # in_band, its chunk drawn: its verifier, which gets its real copy
+        self._copied = trio.Event()  # ... once that copy is sent
         self._witness: Witness | None = None
         self._verifying = False
         self._altered: dict[int, hashlib._Hash] = {}  # chunk -> SHA-256 of the altered bytes sent so far
@@ -308,10 +312,17 @@ def install(monkeypatch) -> None:
 
     async def equivocating_send(self, header, payload=b"", *, to=None):
         owner = _acting.get()
-        if owner is not None and owner._escaping and header.phase in (Phase.VERIFY, Phase.CHECKED):
-            owner._escaping = False
-            for channel in self._outbound.values():
-                await channel.send(abort_frame(self.round_id, owner.blame, "did not answer within the deadline"))
+        if owner is not None and owner._escaping is not None and header.phase in (Phase.VERIFY, Phase.CHECKED):
+            if to == owner._escaping and header.phase == Phase.VERIFY:
+                await send(self, header, payload, to=to)
+                owner._copied.set()
+                return
+            await owner._copied.wait()
+            frame = abort_frame(self.round_id, owner.blame, "did not answer within the deadline")
+            for peer, channel in self._outbound.items():
+                if peer != owner._escaping:
+                    await channel.send(frame)
+            owner._escaping = None
             # Reported by someone else: its hub sends no notice of its own, and it resets its channels.
             raise PeerFailed(owner.blame, "did not answer within the deadline", reported_by=owner.blame)
         if owner is not None and owner.split and header.phase == Phase.VERIFY:
@@ -337,7 +348,8 @@ def install(monkeypatch) -> None:
         owner = _acting.get()
         if owner is not None and owner.blame is not None and owners.owned_by(witness.links.me) in chosen:
             if owner.in_band:
-                owner._escaping = True
+                mine = owners.owned_by(witness.links.me)
+                owner._escaping, owner._copied = witness.links.ring[owners.verifier[mine]], trio.Event()
                 return chosen
             # A failure "seen" here (reported_by None): the hub tells every member, as an honest one would.
             raise PeerFailed(owner.blame, "did not answer within the deadline")

@@ -251,8 +251,9 @@ async def test_an_owner_whose_chunk_is_drawn_cannot_end_the_round_naming_an_hone
                                                                                           in_band):
     """The owner negates its chunk (inside the bound) and, in the first round that draws its chunk,
     ends the round with an abort notice naming an honest member (``hostile.Owner(blame=...)``: the
-    notice is sent right after it learns the draws at CONFIRM, before the check; ``in_band``: as an
-    ABORT frame on its round channels instead of its first VERIFY copy). The honest members
+    notice is sent right after it learns the draws at CONFIRM, before the check; ``in_band``: as
+    ABORT frames on its round channels instead of its VERIFY copies, but for its verifier's copy,
+    so its verifier's check fails while the other members miss their copies). The honest members
     must name the owner (its verifier's evidence, or its withholding), not the member it named:
     they hold its notices until its verifier's verdict on its chunk (collective._notice_hold). Before,
     every honest member believed the notice and named member 0. Fixed keys: the same rounds are drawn
