@@ -214,7 +214,7 @@ def phase_clocks(patch: pytest.MonkeyPatch) -> dict[str, list[tuple[float, float
     """Wrap the value exchange and CONFIRM of a robust round so that each call's start and end are
     recorded (one entry per member and round; the caller clears them between rounds)."""
     spans: dict[str, list[tuple[float, float]]] = {"exchange": [], "confirm": [], "drawn": []}
-    exchange, confirm, drawn = _direct.direct_allreduce, _witness.Witness.confirm, _direct._drawn
+    exchange, confirm, drawn = _direct.direct_allreduce, _witness.Witness.confirm, _direct.drawn_chunks
 
     def counted_draws(*args, **kwargs):
         chosen = drawn(*args, **kwargs)
@@ -229,17 +229,17 @@ def phase_clocks(patch: pytest.MonkeyPatch) -> dict[str, list[tuple[float, float
             if options.get("witness") is not None:
                 spans["exchange"].append((started, time.perf_counter()))
 
-    async def timed_confirm(self, *args):
+    async def timed_confirm(self, *args, **kwargs):
         started = time.perf_counter()
         try:
-            return await confirm(self, *args)
+            return await confirm(self, *args, **kwargs)
         finally:
             spans["confirm"].append((started, time.perf_counter()))
 
     patch.setattr(_sparse, "direct_allreduce", timed_exchange)
     patch.setattr(_endpoint, "direct_allreduce", timed_exchange)
     patch.setattr(_witness.Witness, "confirm", timed_confirm)
-    patch.setattr(_direct, "_drawn", counted_draws)
+    patch.setattr(_direct, "drawn_chunks", counted_draws)
     return spans
 
 

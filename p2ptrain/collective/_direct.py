@@ -33,24 +33,25 @@ if drawn. A round that draws nothing ends at CONFIRM, one hop sooner and with no
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
 import trio
 
-from p2ptrain.collective._failures import BadPayload, Misbehaved, single_failure
+from p2ptrain.collective._failures import BadPayload, Misbehaved, PeerFailed, single_failure
 from p2ptrain.collective._links import RoundLinks
 from p2ptrain.collective._owners import Owners, ring_owners
 from p2ptrain.collective._ring import SEGMENT_BYTES, chunk_bounds, segments
 from p2ptrain.collective._robust import clip_scales, contribution_norm, scaled
 from p2ptrain.collective._round_spec import RoundSpec
-from p2ptrain.collective._sampling import bound_problem, own_norm_problem, sampled
+from p2ptrain.collective._sampling import drawn_chunks, heard_result, hold_if_drawn
 from p2ptrain.collective._witness import Witness, digest_of, tensor_bytes
 from p2ptrain.base import short_id
 from p2ptrain.wire import (
-    DIGEST_BYTES, DTYPES, ENTRY_BYTES, HEADER, NORM_BYTES, SIGNATURE_BYTES, FrameError, Header, Kind,
-    Phase, Said, norms_bytes, parse_draw, parse_norms,
+    DIGEST_BYTES, DTYPES, ENTRY_BYTES, HEADER, NORM_BYTES, SIGNATURE_BYTES, Header, Kind,
+    Phase, Said, norms_bytes,
 )
 
 Parts = list[torch.Tensor]  # one member's contribution to a chunk, segment by segment
@@ -183,7 +184,7 @@ async def direct_allreduce(
         if witness is not None:
             said = tail[: norms_size + SIGNATURE_BYTES]
             proofs.extend(tail[len(said) :])
-            digest = await _off_loop(results[chunk], _heard_result, witness, member, chunk, results[chunk], said,
+            digest = await _off_loop(results[chunk], heard_result, witness, member, chunk, results[chunk], said,
                                      local(chunk) if sampling else None, spec)
             if sampling and chunk == checking:  # its owner has signed its result: now we draw
                 draw = digest + witness.sign(Said.SAMPLE, checking, digest)
@@ -191,16 +192,30 @@ async def direct_allreduce(
     async def spot_check(drawn: set[int]) -> None:
         """After CONFIRM, the drawn chunks: every member sends each one's verifier its contribution
         (VERIFY), the verifier recomputes it and tells every member it matched (CHECKED). On one
-        channel: the VERIFY of the receiver's chunk, then the CHECKED of the sender's."""
-        copies, checked = trio.Event(), trio.Event()
+        channel: the VERIFY of the receiver's chunk, then the CHECKED of the sender's.
+
+        A CHECKED releases the abort notices of the chunk's owner held here (hold_if_drawn); as the
+        verifier we release ours once every member has our CHECKED (a notice acted on here first
+        would leave the others waiting for it). When our check fails we still finish our part (our
+        VERIFY copies, the other CHECKEDs) before leaving: the members that hold our notice until
+        our own drawn chunk is checked must not find our copy missing."""
+        copies, verdict = trio.Event(), trio.Event()
+        failed: list[Misbehaved] = []
+        told = 0
 
         async def out(member: int) -> None:
+            nonlocal told
             theirs = owners.checked_by(member)
             if theirs in drawn:
                 await send_parts(theirs, local(theirs), Phase.VERIFY, member)
             if checking in drawn:
-                await checked.wait()
+                await verdict.wait()
+                if failed:
+                    return
                 await links.send(Header(Kind.DATA, links.round_id, Phase.CHECKED, checking, 0, 0, _U8), to=ring[member])
+                told += 1
+                if told == size - 1:
+                    links.notices.release(ring[owners.owner[checking]])
 
         async def in_(member: int) -> None:
             if checking in drawn:
@@ -211,18 +226,28 @@ async def direct_allreduce(
             if theirs in drawn:
                 await links.recv(phase=Phase.CHECKED, step=theirs, seg=0, count=0, dtype=_U8, nbytes=0,
                                  source=ring[member])
+                links.notices.release(ring[owners.owner[theirs]])
 
-        with single_failure():
-            async with trio.open_nursery() as nursery:
-                for member in range(size):
-                    if member != me:
-                        nursery.start_soon(out, member)
-                        nursery.start_soon(in_, member)
-                if checking in drawn:
-                    await copies.wait()
-                    _check_chunk(links, owners, checking, [checks[m] for m in range(size)], results[checking],
-                                 bytes(proofs), spec, witness)
-                    checked.set()
+        try:
+            with single_failure():
+                async with trio.open_nursery() as nursery:
+                    for member in range(size):
+                        if member != me:
+                            nursery.start_soon(out, member)
+                            nursery.start_soon(in_, member)
+                    if checking in drawn:
+                        await copies.wait()
+                        try:
+                            _check_chunk(links, owners, checking, [checks[m] for m in range(size)], results[checking],
+                                         bytes(proofs), spec, witness)
+                        except Misbehaved as error:
+                            failed.append(error)
+                        verdict.set()
+        except PeerFailed:
+            if not failed:
+                raise
+        if failed:  # our own evidence comes before what went wrong after it
+            raise failed[0]
 
     with single_failure():
         async with trio.open_nursery() as nursery:
@@ -241,34 +266,16 @@ async def direct_allreduce(
         _check_chunk(links, owners, checking, [checks[m] for m in range(size)], results[checking], bytes(proofs),
                      spec, witness)
     if witness is not None:
-        draws = await witness.confirm(draw)
+        heard = None
+        if sampling:  # the owner can learn our draw once our CONFIRM goes: hold its notices from then on
+            heard = functools.partial(hold_if_drawn, links, owners, spec.check_fraction)
+            heard(me, draw)
+        draws = await witness.confirm(draw, heard=heard)
         if sampling:
-            await spot_check(_drawn(witness, owners, draws, spec.check_fraction))
+            await spot_check(drawn_chunks(witness, owners, draws, spec.check_fraction))
     for chunk, parts in results.items():
         for (a, b), part in zip(segs[chunk], parts):
             data[a:b].copy_(part)
-
-
-def _drawn(witness: Witness, owners: Owners, draws: dict[int, bytes], fraction: float) -> set[int]:
-    """The chunks whose verifier's draw (``draws``: each member's, by ring position, as sent with its
-    CONFIRM) says to recompute them. A draw must be its verifier's signature over the result digest
-    of that chunk that every member holds (CONFIRM compared them): :class:`BadPayload` or
-    :class:`Misbehaved` naming the verifier if not."""
-    chosen = set()
-    for member, raw in draws.items():
-        peer, chunk = witness.links.ring[member], owners.checked_by(member)
-        assert chunk is not None
-        try:
-            digest, signature = parse_draw(raw)
-        except FrameError as error:
-            raise BadPayload(peer, f"sent a malformed draw: {error}") from None
-        if member != witness.links.me and not witness.signed(member, Said.SAMPLE, chunk, digest, signature):
-            raise BadPayload(peer, f"its draw for chunk {chunk} is not its signature")
-        if digest != witness.items[(Said.RESULT, chunk)][1]:
-            raise Misbehaved(peer, f"drew chunk {chunk} over a result its owner did not send")
-        if sampled(signature, fraction):
-            chosen.add(chunk)
-    return chosen
 
 
 # Hashing, signing and verifying a large chunk run in worker threads (hashlib, libsodium and torch
@@ -309,29 +316,6 @@ def _checked(witness: Witness, signer: int, said: int, key: int, parts: Parts, s
     """The digest of ``parts`` if ``signer`` signed it, else None."""
     digest = digest_of(parts)
     return digest if witness.signed(signer, said, key, digest, signature) else None
-
-
-def _heard_result(
-    witness: Witness, owner: int, chunk: int, parts: Parts, said: bytes, ours: Parts | None, spec: RoundSpec,
-) -> bytes:
-    """Record chunk ``chunk`` from its ``owner``: ``said`` is what followed its values (the norms
-    it reported, in a sampled round, then its signature of both; :class:`BadPayload` naming it if
-    the signature is not over these bytes). In a sampled round (``ours``: our own contribution to
-    the chunk) also its bound (:mod:`p2ptrain.collective._sampling`): :class:`Misbehaved` naming the
-    owner, whose signature is on what breaks it. Returns the digest it signed."""
-    reported, signature = said[:-SIGNATURE_BYTES], said[-SIGNATURE_BYTES:]
-    digest = digest_of([*parts, reported])
-    witness.heard(Said.RESULT, chunk, owner, digest, signature)
-    if ours is not None:
-        try:
-            norms = parse_norms(reported, witness.links.size)
-        except FrameError as error:
-            raise Misbehaved(witness.links.ring[owner], f"signed chunk {chunk} with bad norms: {error}") from None
-        problem = own_norm_problem(norms[witness.links.me], contribution_norm(ours)) or bound_problem(
-            norms, contribution_norm(parts), average=spec.average)
-        if problem is not None:
-            raise Misbehaved(witness.links.ring[owner], f"its chunk {chunk} {problem}")
-    return digest
 
 
 def _check_chunk(

@@ -14,9 +14,10 @@ import trio
 from libp2p.peer.id import ID
 
 from p2ptrain.collective._failures import BadPayload, PeerFailed
+from p2ptrain.collective._notice_hold import NoticeHold
 from p2ptrain.net import Channel, ChannelError, MessageTooLarge
 from p2ptrain.base import all_finite
-from p2ptrain.wire import DTYPES, HEADER, Header, Kind, parse_abort, parse_header
+from p2ptrain.wire import DTYPES, HEADER, Header, Kind, Phase, parse_abort, parse_header
 
 # How long a member that lost a neighbour's channel waits for the abort notice that may explain it
 # (see wait_for_abort_notice). A deadline, not a sleep: the notice ends the wait when it comes.
@@ -47,7 +48,7 @@ class RoundLinks:
 
     def __init__(
         self, ring: list[ID], me: int, round_id: int, timeout: float, inbound: dict[ID, Channel],
-        outbound: dict[ID, Channel],
+        outbound: dict[ID, Channel], notices: NoticeHold,
     ) -> None:
         self.ring = ring
         self.me = me
@@ -60,6 +61,23 @@ class RoundLinks:
         self._outbound = outbound
         self.bytes_sent = 0
         self.bytes_received = 0  # frames taken off the inbound channels, length prefixes included
+        # Whose abort notices wait for a verifier's verdict (a sampled round's checks hold them).
+        self.notices = notices
+
+    async def _explain_break(self, peer: ID, *, owed_copy: bool = False) -> None:
+        """After ``peer``'s channel broke (or it sent an abort notice in-band while held): the
+        notices that may explain it. A notice of ``peer``'s own that we hold until its chunk is
+        checked may be true (it saw a member fail, then left): wait for the verdict, at most the
+        hop deadline; released, the notice ends the round here (its cancellation). Not when
+        ``peer`` owed us a VERIFY copy (``owed_copy``): our own check needs it, so we are a verdict
+        another member may be waiting for (the verifier of a drawn chunk, waiting for ours before it
+        leaves), and the missing copy is our own evidence. Returning means nothing explained it:
+        the caller blames ``peer``."""
+        await wait_for_abort_notice()
+        if self.notices.keeps(peer) and not owed_copy:
+            with trio.move_on_after(self.timeout):
+                await self.notices.resolved(peer)
+            await trio.lowlevel.checkpoint()  # a released notice's cancellation lands here
 
     async def send(self, header: Header, payload: bytes | memoryview = b"", *, to: ID | None = None) -> None:
         peer = self.right_peer if to is None else to
@@ -72,7 +90,7 @@ class RoundLinks:
                 peer, f"did not accept round {self.round_id} data within {self.timeout:g} s"
             ) from None
         except ChannelError as error:
-            await wait_for_abort_notice()
+            await self._explain_break(peer)
             raise PeerFailed(peer, f"channel broke while sending: {error}", gone=True) from error
         self.bytes_sent += len(frame) + 8  # the channel's length prefix
 
@@ -86,7 +104,7 @@ class RoundLinks:
         away, so a member far from a stalled peer waits a little longer and hears the abort notice
         of the member next to it, instead of blaming its own (healthy, starved) neighbour.
         """
-        peer, frame, header = await self._next(source, nbytes, patience)
+        peer, frame, header = await self._next(source, nbytes, patience, owed_copy=phase == Phase.VERIFY)
         expected = Header(Kind.DATA, self.round_id, phase, step, seg, count, dtype)
         if header != expected or len(frame) != HEADER.size + nbytes:
             raise BadPayload(
@@ -111,9 +129,12 @@ class RoundLinks:
             )
         return header.count, frame
 
-    async def _next(self, source: ID | None, nbytes: int, patience: float) -> tuple[ID, bytes, Header]:
+    async def _next(
+        self, source: ID | None, nbytes: int, patience: float, *, owed_copy: bool = False,
+    ) -> tuple[ID, bytes, Header]:
         """The next frame from ``source`` (default: the left neighbour), of at most ``nbytes``
-        payload bytes; ABORT notices raise here."""
+        payload bytes (``owed_copy``: a VERIFY copy, see :meth:`_explain_break`); ABORT notices
+        raise here."""
         peer = self.left_peer if source is None else source
         try:
             with trio.fail_after(self.timeout + patience):
@@ -125,7 +146,7 @@ class RoundLinks:
         except MessageTooLarge as error:
             raise BadPayload(peer, f"sent an oversized frame: {error}") from None
         except ChannelError as error:
-            await wait_for_abort_notice()
+            await self._explain_break(peer, owed_copy=owed_copy)
             raise PeerFailed(peer, f"channel broke while receiving: {error}", gone=True) from error
         self.bytes_received += len(frame) + 8  # the channel's length prefix
         try:
@@ -134,7 +155,12 @@ class RoundLinks:
             raise BadPayload(peer, str(error)) from None
         if header.kind == Kind.ABORT:
             culprit, reason = parse_abort(frame, header)
-            raise PeerFailed(culprit, reason, reported_by=peer)
+            notice = PeerFailed(culprit, reason, reported_by=peer)
+            if not self.notices.holds(peer):
+                raise notice
+            self.notices.notice(peer, notice)  # held: it waits for the verdict, as on its own stream
+            await self._explain_break(peer, owed_copy=owed_copy)
+            raise PeerFailed(peer, "left its round while its chunk was checked", gone=True)
         return peer, frame, header
 
     async def recv_tensor(

@@ -23,6 +23,10 @@ only hold up the report), and a member asked to join a round that already failed
 with the same notice. A member that is merely late (it got the plan after the
 others gave up on it) then learns that it was the one named, instead of finding its neighbours gone
 and blaming them: a healthy peer wrongly blamed would be left out of the next rings it plans.
+
+One exception: in a sampled robust round, the notices of the owner of a chunk drawn for checking
+wait for its verifier's verdict (:mod:`p2ptrain.collective._notice_hold`): otherwise the owner
+could end the round naming someone else as soon as it learns that its chunk is checked.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ import logging
 from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import trio
 from libp2p.abc import IHost
@@ -40,7 +44,9 @@ from libp2p.peer.id import ID
 
 from p2ptrain.collective._failures import CollectiveError, PeerFailed, single_failure
 from p2ptrain.collective._dialing import Dialer
+from p2ptrain.collective._inbox import Arrival, Inbox
 from p2ptrain.collective._links import RoundLinks, wait_for_abort_notice
+from p2ptrain.collective._notice_hold import NoticeHold
 from p2ptrain.base import count_rejection, short_id
 from p2ptrain.net import Channel, ChannelError, StreamGuard, open_channel, serve_channels
 from p2ptrain.wire import HEADER, MAX_FIRST_FRAME, PROTOCOL, Kind, abort_frame, busy_frame, parse_abort, parse_header, ready_frame
@@ -53,15 +59,6 @@ _MISMATCH_NOTICE_S = 1.0
 # The notice to the culprit itself is bounded tighter: it is often dead, and a dial to a vanished
 # machine hangs where a live one answers in milliseconds.
 _CULPRIT_NOTICE_S = 0.5
-# Inbound round channels parked (HELLO received, round not yet opened here), in all and per sender.
-# Only peers of a plan this hub knows may park at all (see RoundHub.expect): 64 in all covers a
-# 16-member mesh 4 rounds ahead; 4 per sender is one member running up to 4 rounds ahead of us,
-# so one member (honest or not) can never take the whole inbox.
-_MAX_PENDING = 64
-_PENDING_PER_PEER = 4
-# How long a parked channel waits for its round to open here before it is dropped: longer than
-# a member's start timeout (15 s in the runtime) plus a gradient's compute.
-_PARK_S = 30.0
 # How long a fresh inbound channel may take to send its first frame (HELLO or ABORT).
 _FIRST_FRAME_S = 10.0
 # A dialer told BUSY waits this long before it says HELLO again on a fresh channel (until its start
@@ -82,22 +79,19 @@ _IDLE_PER_PEER = 2
 
 
 @dataclass
-class _Arrival:
-    """An inbound round channel waiting for its round to start here."""
-
-    channel: Channel
-    digest: bytes
-    claimed: trio.Event = field(default_factory=trio.Event)
-    released: trio.Event = field(default_factory=trio.Event)
-    reusable: bool = False  # set before ``released``: the round ended cleanly here
-
-
-@dataclass
 class _Round:
     round_id: int
     ring: list[ID]
     scope: trio.CancelScope
     abort: PeerFailed | None = None
+    notices: NoticeHold | None = None  # set once the round opens
+
+    def end(self, failure: PeerFailed) -> None:
+        """A member's notice ends the round here (the first one only)."""
+        if self.abort is None:
+            logger.info("collective: round %d aborted: %s", self.round_id, failure)
+            self.abort = failure
+            self.scope.cancel()
 
 
 class RoundHub:
@@ -108,8 +102,7 @@ class RoundHub:
         self.protocol = protocol
         self.me = host.get_id()
         self._active: dict[int, _Round] = {}
-        self._inbox: dict[tuple[int, ID], _Arrival] = {}
-        self._waiting: dict[tuple[int, ID], trio.Event] = {}
+        self._inbox = Inbox()
         self._early_aborts: OrderedDict[int, tuple[ID, PeerFailed]] = OrderedDict()
         # Rounds ended here, with the failure that ended each (None: it completed).
         self._finished: OrderedDict[int, PeerFailed | None] = OrderedDict()
@@ -120,7 +113,6 @@ class RoundHub:
         # Who may park a HELLO: the members of the plan the caller follows, and of recent rings.
         self._expected: frozenset[ID] = frozenset()
         self._recent_rings: deque[frozenset[ID]] = deque(maxlen=_RECENT_RINGS)
-        self._pending_from: dict[ID, int] = {}
         self.refused: collections.Counter[str] = collections.Counter()
         self._guard: StreamGuard = serve_channels(
             host, protocol, self._on_channel, max_streams_per_peer=_STREAMS_PER_PEER
@@ -206,12 +198,11 @@ class RoundHub:
                     del self._idle_in[peer]
 
     async def _park(self, round_id: int, peer: ID, channel: Channel, digest: bytes) -> bool:
-        """Hold an inbound round channel until its round claims it (at most ``_PARK_S``), then
-        until it ends.
+        """Hold an inbound round channel until its round claims it (:class:`Inbox`), then until it
+        ends.
 
         True if the round ended cleanly here, so the channel can carry the next one.
         """
-        key = (round_id, peer)
         busy = self._busy_reason(round_id, peer)
         if busy is not None:
             count_rejection(self.refused, busy, logger, logging.INFO,
@@ -219,7 +210,7 @@ class RoundHub:
                             short_id(peer))
             await self._answer_busy(channel, round_id)
             return False
-        if round_id in self._finished or key in self._inbox:
+        if round_id in self._finished or (round_id, peer) in self._inbox:
             count_rejection(self.refused, "stale_hello", logger, logging.INFO,
                             "collective: refused round %d channel from %s", round_id, short_id(peer))
             failure = self._finished.get(round_id)
@@ -230,21 +221,8 @@ class RoundHub:
                     except ChannelError:
                         pass
             return False
-        arrival = _Arrival(channel, digest)
-        self._inbox[key] = arrival
-        self._pending_from[peer] = self._pending_from.get(peer, 0) + 1
-        if key in self._waiting:
-            self._waiting[key].set()
-        try:
-            with trio.move_on_after(_PARK_S):
-                await arrival.claimed.wait()
-        finally:
-            if self._inbox.get(key) is arrival:
-                del self._inbox[key]
-            self._pending_from[peer] -= 1
-            if not self._pending_from[peer]:
-                del self._pending_from[peer]
-        if not arrival.claimed.is_set():
+        arrival = await self._inbox.park(round_id, peer, channel, digest)
+        if arrival is None:
             count_rejection(self.refused, "park_expired", logger, logging.INFO,
                             "collective: round %d channel from %s expired unclaimed", round_id,
                             short_id(peer))
@@ -260,11 +238,7 @@ class RoundHub:
             return None if peer in active.ring else "hello_not_member"
         if not self._known(peer):
             return "hello_not_member"
-        if self._pending_from.get(peer, 0) >= _PENDING_PER_PEER:
-            return "hello_over_peer_cap"
-        if len(self._inbox) >= _MAX_PENDING:
-            return "hello_inbox_full"
-        return None
+        return self._inbox.full_for(peer)
 
     async def _answer_busy(self, channel: Channel, round_id: int) -> None:
         """Tell the dialer to retry later (bounded: it may not be reading), then close."""
@@ -284,10 +258,8 @@ class RoundHub:
             return
         current = self._active.get(round_id)
         if current is not None:
-            if reporter in current.ring and current.abort is None:
-                logger.info("collective: round %d aborted: %s", round_id, failure)
-                current.abort = failure
-                current.scope.cancel()
+            if reporter in current.ring and current.abort is None and current.notices is not None:
+                current.notices.notice(reporter, failure)  # acted on now, unless its sender is held
         elif round_id not in self._finished:
             self._early_aborts[round_id] = (reporter, failure)
             while len(self._early_aborts) > _MEMORY:
@@ -317,19 +289,10 @@ class RoundHub:
                     if peer != self.me and (tell_culprit or peer != culprit):
                         nursery.start_soon(tell, peer)
 
-    async def _accept(self, round_id: int, left: ID, digest: bytes, timeout: float) -> _Arrival:
-        key = (round_id, left)
-        if key not in self._inbox:
-            event = self._waiting.setdefault(key, trio.Event())
-            try:
-                with trio.move_on_after(timeout):
-                    await event.wait()
-            finally:
-                self._waiting.pop(key, None)
-            if key not in self._inbox:
-                raise PeerFailed(left, f"did not open its round {round_id} channel within {timeout:g} s")
-        arrival = self._inbox.pop(key)
-        arrival.claimed.set()
+    async def _accept(self, round_id: int, left: ID, digest: bytes, timeout: float) -> Arrival:
+        arrival = await self._inbox.claim(round_id, left, timeout)
+        if arrival is None:
+            raise PeerFailed(left, f"did not open its round {round_id} channel within {timeout:g} s")
         if arrival.digest != digest:
             with trio.move_on_after(_MISMATCH_NOTICE_S):
                 # Naming ourselves: the dialer cannot tell which side's parameters are stale either.
@@ -362,6 +325,7 @@ class RoundHub:
         me = ring.index(self.me)
         size = len(ring)
         state = _Round(round_id, ring, trio.CancelScope())
+        state.notices = NoticeHold(self.me, state.end, self.refused)
         early = self._early_aborts.pop(round_id, None)
         if early is not None and early[0] in ring:
             self._remember(round_id, early[1])
@@ -374,7 +338,7 @@ class RoundHub:
             sources, targets = [ring[(me - 1) % size]], [ring[(me + 1) % size]]
         if size == 1:
             sources = targets = []
-        arrivals: dict[ID, _Arrival] = {}
+        arrivals: dict[ID, Arrival] = {}
         outbound: dict[ID, Channel] = {}
         detected: PeerFailed | None = None
         completed = False
@@ -407,7 +371,7 @@ class RoundHub:
                             for peer in sources:
                                 nursery.start_soon(accept, peer)
                     inbound = {peer: arrival.channel for peer, arrival in arrivals.items()}
-                    yield RoundLinks(ring, me, round_id, timeout, inbound, outbound)
+                    yield RoundLinks(ring, me, round_id, timeout, inbound, outbound, state.notices)
                     completed = True
                 except PeerFailed as failure:
                     if failure.reported_by is None and failure.peer_id != self.me:

@@ -32,7 +32,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import trio
@@ -117,12 +117,13 @@ class Witness:
         """Whether ring member ``signer`` signed that the bytes of (``said``, ``key``) hash to ``digest``."""
         return signed_by(self.links.ring[signer], self.statement(said, key, digest), signature)
 
-    async def confirm(self, extra: bytes = b"") -> dict[int, bytes]:
+    async def confirm(self, extra: bytes = b"", heard: Callable[[int, bytes], None] | None = None) -> dict[int, bytes]:
         """Send every other member what we received (digest and signature of every broadcast item)
         and compare what each of them received with it; :class:`Misbehaved` naming an equivocator,
         or a member that reports a signature its signer never made. Returns once every member's
         report agrees with ours: what each member (by ring position, us too) sent after its report,
-        ``extra`` of ours (every member's is as long: a sampled round's draw, collective._direct)."""
+        ``extra`` of ours (every member's is as long: a sampled round's draw, collective._direct);
+        ``heard(member, its extra)`` is called as each member's report arrives, before it is compared."""
         links = self.links
         if links.size == 1:
             return {links.me: extra}
@@ -141,6 +142,8 @@ class Witness:
                                      source=peer)
             theirs = memoryview(frame)[HEADER.size :]
             extras[member] = bytes(theirs[len(report) :])
+            if heard is not None:
+                heard(member, extras[member])
             for i, (said, key) in enumerate(keys):
                 signer, digest, _ = self.items[(said, key)]
                 entry = theirs[i * ENTRY_BYTES : (i + 1) * ENTRY_BYTES]

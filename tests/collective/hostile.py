@@ -35,6 +35,7 @@ import torch
 import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.crypto.keys import KeyPair
+from libp2p.peer.id import ID
 
 from p2ptrain.collective import Collective, PeerFailed, RoundSpec, SparseAllReducer, _direct as direct
 from p2ptrain.collective._links import RoundLinks
@@ -43,7 +44,7 @@ from p2ptrain.base._identity import KEY_FILE
 from p2ptrain.protocol import signing
 from p2ptrain.protocol._voters import designated
 from p2ptrain.testing import connected_hosts
-from p2ptrain.wire import DTYPES, SIGNATURE_BYTES, Phase, Said
+from p2ptrain.wire import DTYPES, SIGNATURE_BYTES, Phase, Said, abort_frame
 
 ROUND_TIMEOUT_S = 20.0  # one training round of four members, generous for a loaded machine
 
@@ -193,16 +194,28 @@ class Owner:
     verifier's recomputation catches it); ``equivocate_to``, a
     peer ID that gets this owner's chunk plus one, signed anew (``resign=False``: under the
     signature of the real chunk); ``split``: as a contributor, it
-    sends each chunk's verifier its values plus one (the owners get the signed, honest ones)."""
+    sends each chunk's verifier its values plus one (the owners get the signed, honest ones);
+    ``blame``, a peer ID: in a sampled round whose draws (learnt at CONFIRM) pick its own chunk, it
+    ends the round before the check with an abort notice naming that peer (docs/collective.md,
+    "Abort notices while a drawn chunk is checked"): on streams of its own, as its hub sends them,
+    or (``in_band``) as an ABORT frame instead of the check's frames on each of its round channels
+    but one: its chunk's verifier gets its real VERIFY copy first (so the verifier's check runs and
+    fails, and the members that miss their copies must not wait on its verdict forever), and it
+    leaves without a notice of its hub's."""
 
     def __init__(self, collective: Collective, *, poison: float | None = None, flip: bool = False,
-                 equivocate_to=None, split: bool = False, resign: bool = True) -> None:
+                 equivocate_to=None, split: bool = False, resign: bool = True, blame=None,
+                 in_band: bool = False) -> None:
         self.collective = collective
         self.poison = poison
         self.flip = flip
         self.equivocate_to = equivocate_to
         self.split = split
         self.resign = resign  # False: the altered chunk goes with the signature of the real one
+        self.blame = blame
+        self.in_band = in_band
+        self._escaping: ID | None = None  # in_band, its chunk drawn: its verifier, which gets its real copy
+        self._copied = trio.Event()  # ... once that copy is sent
         self._witness: Witness | None = None
         self._verifying = False
         self._altered: dict[int, hashlib._Hash] = {}  # chunk -> SHA-256 of the altered bytes sent so far
@@ -270,6 +283,7 @@ def installed() -> Iterator[None]:
 def install(monkeypatch) -> None:
     """Patch the seams :class:`Owner` acts through (pytest's ``monkeypatch`` undoes it)."""
     reduce_chunk, check_chunk, send, witness_init = direct.reduce_chunk, direct._check_chunk, RoundLinks.send, Witness.__init__
+    drawn_of = direct.drawn_chunks
 
     def hostile_reduce(parts, start, spec, norms=None):
         out = reduce_chunk(parts, start, spec, norms)
@@ -298,6 +312,19 @@ def install(monkeypatch) -> None:
 
     async def equivocating_send(self, header, payload=b"", *, to=None):
         owner = _acting.get()
+        if owner is not None and owner._escaping is not None and header.phase in (Phase.VERIFY, Phase.CHECKED):
+            if to == owner._escaping and header.phase == Phase.VERIFY:
+                await send(self, header, payload, to=to)
+                owner._copied.set()
+                return
+            await owner._copied.wait()
+            frame = abort_frame(self.round_id, owner.blame, "did not answer within the deadline")
+            for peer, channel in self._outbound.items():
+                if peer != owner._escaping:
+                    await channel.send(frame)
+            owner._escaping = None
+            # Reported by someone else: its hub sends no notice of its own, and it resets its channels.
+            raise PeerFailed(owner.blame, "did not answer within the deadline", reported_by=owner.blame)
         if owner is not None and owner.split and header.phase == Phase.VERIFY:
             payload = _plus_one(payload, _TORCH_DTYPES[header.dtype])
         if owner is not None and owner.equivocate_to is not None and to == owner.equivocate_to and header.phase == Phase.GATHER:
@@ -316,7 +343,20 @@ def install(monkeypatch) -> None:
             payload = values + trailer
         await send(self, header, payload, to=to)
 
+    def escaping_drawn(witness, owners, draws, fraction):
+        chosen = drawn_of(witness, owners, draws, fraction)
+        owner = _acting.get()
+        if owner is not None and owner.blame is not None and owners.owned_by(witness.links.me) in chosen:
+            if owner.in_band:
+                mine = owners.owned_by(witness.links.me)
+                owner._escaping, owner._copied = witness.links.ring[owners.verifier[mine]], trio.Event()
+                return chosen
+            # A failure "seen" here (reported_by None): the hub tells every member, as an honest one would.
+            raise PeerFailed(owner.blame, "did not answer within the deadline")
+        return chosen
+
     monkeypatch.setattr(direct, "reduce_chunk", hostile_reduce)
+    monkeypatch.setattr(direct, "drawn_chunks", escaping_drawn)
     monkeypatch.setattr(direct, "_check_chunk", honest_check)
     monkeypatch.setattr(Witness, "__init__", remember_witness)
     monkeypatch.setattr(RoundLinks, "send", equivocating_send)

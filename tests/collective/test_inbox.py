@@ -8,7 +8,7 @@ import os
 import torch
 import trio
 
-from p2ptrain.collective import RoundSpec, _round_hub as rounds
+from p2ptrain.collective import RoundSpec, _inbox as inbox, _round_hub as rounds
 from p2ptrain.net import ChannelError, open_channel
 from p2ptrain.wire import PROTOCOL, Header, Kind
 
@@ -76,10 +76,10 @@ async def test_a_member_parks_at_most_its_share(cluster, gather):
         held: list = []
         with trio.fail_after(30):
             parked = await _park_hellos(a.host, b.id, 10, 5000, held)
-        assert parked == rounds._PENDING_PER_PEER
+        assert parked == inbox._PENDING_PER_PEER
         stats = b.collective.hub.stats()
-        assert stats["parked"] == rounds._PENDING_PER_PEER
-        assert stats["refused_hello_over_peer_cap"] == 10 - rounds._PENDING_PER_PEER
+        assert stats["parked"] == inbox._PENDING_PER_PEER
+        assert stats["refused_hello_over_peer_cap"] == 10 - inbox._PENDING_PER_PEER
         # A real round between them still runs (its HELLO is retried once a slot frees or the
         # round opens here, which admits its members).
         results = await gather([

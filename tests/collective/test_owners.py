@@ -122,7 +122,7 @@ async def test_only_big_chunks_are_hashed_and_reduced_in_worker_threads(cluster,
     if size == "inline":
         assert checks == Counter()
     else:  # per member: P - 1 contributions signed and checked, P - 1 results heard, one reduction
-        assert checks == Counter(_signed=3 * WORLD, _checked=3 * WORLD, _heard_result=3 * WORLD, _reduced_and_signed=WORLD)
+        assert checks == Counter(_signed=3 * WORLD, _checked=3 * WORLD, heard_result=3 * WORLD, _reduced_and_signed=WORLD)
 
 
 def chunk_verifier(seed: int) -> tuple[int, int]:

@@ -15,6 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.id import ID
 
@@ -43,7 +44,7 @@ async def fixed_cluster(n: int):
     every run (a random key would make a sampled round's outcome a coin toss of the test)."""
     keys = iter(create_new_key_pair(bytes([i + 1]) * 32) for i in itertools.count())
     async with connected_hosts(n, make=lambda: make_host(next(keys), [LOOPBACK])) as hosts:
-        yield [SimpleNamespace(id=local.id, collective=Collective(local.host)) for local in hosts]
+        yield [SimpleNamespace(id=local.id, collective=Collective(local.host), kill=local.kill) for local in hosts]
 
 
 def inputs(n: int) -> list[torch.Tensor]:
@@ -139,13 +140,13 @@ async def test_honest_rounds_give_the_same_bits_with_and_without_sampling(cluste
 def recording_draws(monkeypatch) -> list[set[int]]:
     """Every member's set of drawn chunks, as each computes it after CONFIRM, in order."""
     seen: list[set[int]] = []
-    drawn_of = direct._drawn
+    drawn_of = direct.drawn_chunks
 
     def recorded(*args, **kwargs):
         seen.append(drawn_of(*args, **kwargs))
         return seen[-1]
 
-    monkeypatch.setattr(direct, "_drawn", recorded)
+    monkeypatch.setattr(direct, "drawn_chunks", recorded)
     return seen
 
 
@@ -244,6 +245,79 @@ async def test_an_owner_inside_the_bound_is_caught_when_drawn_and_only_then(gath
             break
     assert outcomes[-1] == "named", outcomes
     assert "accepted" in outcomes, outcomes  # with these keys the first draws miss: sampling is a probability
+
+
+@pytest.mark.parametrize("in_band", [False, True])
+async def test_an_owner_whose_chunk_is_drawn_cannot_end_the_round_naming_an_honest_member(gather, monkeypatch,
+                                                                                          in_band):
+    """The owner negates its chunk (inside the bound) and, in the first round that draws its chunk,
+    ends the round with an abort notice naming an honest member (``hostile.Owner(blame=...)``: the
+    notice is sent right after it learns the draws at CONFIRM, before the check; ``in_band``: as
+    ABORT frames on its round channels instead of its VERIFY copies, but for its verifier's copy,
+    so its verifier's check fails while the other members miss their copies). The honest members
+    must name the owner (its verifier's evidence, or its withholding), not the member it named:
+    they hold its notices until its verifier's verdict on its chunk (collective._notice_hold). Before,
+    every honest member believed the notice and named member 0. Fixed keys: the same rounds are drawn
+    in every run (the earlier ones accept the negated chunk; the one that draws it draws others too,
+    so honest owners' notices are held and released as well)."""
+    hostile.install(monkeypatch)
+    draws = recording_draws(monkeypatch)
+    framed = 0  # the honest member the owner names
+    async with fixed_cluster(WORLD) as peers:
+        ring = [p.id for p in peers]
+        attacker = hostile.Owner(peers[BAD].collective, flip=True, blame=ring[framed], in_band=in_band)
+        xs = inputs(4096)
+        for round_id in range(2, 18):
+            seed = SEED + round_id
+            spec = RoundSpec(robust="clip", check_fraction=0.5, timeout=20)
+            member = hostile.acting_at(
+                attacker, BAD, lambda i: peers[i].collective.allreduce(xs[i], ring, round_id, spec, owner_seed=seed))
+            draws.clear()
+            results = await gather([lambda i=i: member(i) for i in range(WORLD)])
+            chunk = drawn(WORLD, seed).owned_by(BAD)
+            if chunk in draws[0]:
+                break
+            assert all(isinstance(r, torch.Tensor) for r in results), results  # not drawn: accepted
+        else:
+            pytest.fail("no round drew the owner's chunk")
+    assert isinstance(results[BAD], PeerFailed) and results[BAD].peer_id == ring[framed]  # what it claimed
+    for i in range(WORLD):
+        if i != BAD:
+            assert isinstance(results[i], PeerFailed) and results[i].peer_id == ring[BAD], (i, results[i])
+
+
+async def test_a_member_that_dies_during_the_checks_is_named_by_every_survivor_at_once(gather, monkeypatch):
+    """Crash faults while drawn chunks are checked, where owners' notices are held: the first member
+    to learn that its own chunk is drawn (two chunks are, with these keys and values) dies right
+    then. The checks of the drawn chunks miss its copies; every survivor still names it within the
+    hop deadline (held notices of the other drawn chunk's owner, naming it too, are released by its
+    verifier's notice, which names it as well), not after waiting for verdicts that never come."""
+    round_id, timeout = 4, 5.0
+    drawn_of, seen, dead = direct.drawn_chunks, [], []
+    async with fixed_cluster(WORLD) as peers:
+        ring = [p.id for p in peers]
+
+        def dying(witness, owners, draws, fraction):
+            chosen = drawn_of(witness, owners, draws, fraction)
+            seen.append(chosen)
+            if not dead and owners.owned_by(witness.links.me) in chosen:
+                dead.append(witness.links.me)
+                peers[dead[0]].kill()  # its host stops: its connections close as if its process died
+            return chosen
+
+        monkeypatch.setattr(direct, "drawn_chunks", dying)
+        spec = RoundSpec(robust="clip", check_fraction=0.5, timeout=timeout)
+        xs = inputs(4096)
+        started = trio.current_time()
+        results = await gather([lambda i=i: peers[i].collective.allreduce(xs[i], ring, round_id, spec,
+                                                                         owner_seed=SEED + round_id)
+                                for i in range(WORLD)], deadline=30)
+        took = trio.current_time() - started
+    assert dead and len(seen[0]) > 1, seen
+    for i, result in enumerate(results):
+        if i != dead[0]:
+            assert isinstance(result, PeerFailed) and result.peer_id == ring[dead[0]], (i, result)
+    assert took < timeout, took
 
 
 @pytest.mark.parametrize("density", [1.0, 0.05])
