@@ -1,10 +1,23 @@
 """The mistakes a new user makes on the way from install to a model CID, each one clear line that
 says what was meant, before anything is spent: a task's CID given where a model's goes, a task
-whose model does not fit its data set."""
+whose model does not fit its data set, a port another node listens on; and a script of one's own
+that waits for members it lacks says so where default logging shows it."""
 
 from __future__ import annotations
 
+import logging
+import socket
+import sys
+import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
+
+import pytest
+
+from p2ptrain.testing import run_forked
+
+P2PTRAIN = str(Path(sys.executable).with_name("p2ptrain"))
 
 TASK = """name = "iris-mlp"
 [model]
@@ -72,3 +85,90 @@ def test_task_publish_refuses_a_model_that_does_not_fit_the_homes_data_set(tmp_p
     right.write_text(TASK.format(width=4, manifest=manifest_cid))
     assert main(["task", "publish", str(right), "--home", str(home)]) == 1  # checked, then: no node to publish it
     assert "no node is running" in capsys.readouterr().err
+
+
+@pytest.fixture
+def taken_port() -> Iterator[int]:
+    """A port listened on the way py-libp2p listens (SO_REUSEPORT), as another node would."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()
+    try:
+        yield sock.getsockname()[1]
+    finally:
+        sock.close()
+
+
+def test_node_start_refuses_a_port_another_node_listens_on(tmp_path, taken_port):
+    """It started, "listening" on the port beside the other node (the kernel then deals each
+    dialer to one of the two), until killed."""
+    home = tmp_path / "home"
+    result = run_forked([P2PTRAIN, "node", "start", "--home", str(home), "--listen",
+                         f"/ip4/127.0.0.1/tcp/{taken_port}"], capture_output=True, timeout=60, cwd=tmp_path)
+    err = result.stderr.decode().strip()
+    assert result.returncode == 1, err
+    assert err == (f"p2ptrain: error: --listen /ip4/127.0.0.1/tcp/{taken_port}: cannot listen on port {taken_port} of "
+                   "127.0.0.1: another node or program listens there (give another port, or 0 for any free one)")
+
+
+def test_a_background_peer_refuses_a_taken_port_and_quiets_libp2p_unless_told(tmp_path, taken_port):
+    """``p2ptrain.Optimizer``'s peer: the same port check as ``node start``; and py-libp2p's churn
+    (``Failed to read DHT message from stream``, at WARNING) stays off a script's terminal unless the
+    script set the ``libp2p`` logger's level itself."""
+    from p2ptrain.api._background import BackgroundPeer
+    from p2ptrain.base import UserError
+    from p2ptrain.node import NodeConfig
+
+    libp2p = logging.getLogger("libp2p")
+    before = libp2p.level
+    try:
+        libp2p.setLevel(logging.NOTSET)
+        with pytest.raises(UserError, match=f"listen= /ip4/127.0.0.1/tcp/{taken_port}: cannot listen"):
+            BackgroundPeer(tmp_path / "a", NodeConfig(listen=[f"/ip4/127.0.0.1/tcp/{taken_port}"]))
+        peer = BackgroundPeer(tmp_path / "b", NodeConfig(listen=["/ip4/127.0.0.1/tcp/0"]))
+        peer.close()
+        assert libp2p.level == logging.CRITICAL
+        libp2p.setLevel(logging.INFO)  # the script's own choice stays
+        peer = BackgroundPeer(tmp_path / "c", NodeConfig(listen=["/ip4/127.0.0.1/tcp/0"]))
+        peer.close()
+        assert libp2p.level == logging.INFO
+    finally:
+        libp2p.setLevel(before)
+
+
+def test_a_member_waiting_for_members_says_so_once_where_default_logging_shows_it(tmp_path, caplog, monkeypatch):
+    """A script's member alone in a run of min_peers 2 printed nothing (the wait was logged at INFO):
+    a user saw a terminal that hung. Now the first report of the wait is a WARNING naming how many
+    are missing and the address they bootstrap from."""
+    import torch
+    from torch import nn
+
+    import p2ptrain
+    from p2ptrain.api import _optimizer
+
+    monkeypatch.setattr(_optimizer, "WAIT_REPORT_S", 0.5)
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    opt = p2ptrain.Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model, run="alone",
+                             home=tmp_path / "home", min_peers=2, total_steps=10, join_window_s=0.5)
+
+    def step() -> None:  # returns once the member leaves the run (close)
+        opt.zero_grad()
+        model(torch.randn(3, 4)).sum().backward()
+        opt.step()
+
+    thread = threading.Thread(target=step)
+    with caplog.at_level(logging.INFO, logger="p2ptrain.api._optimizer"):
+        thread.start()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and sum("waits for the run" in r.message for r in caplog.records) < 2:
+            time.sleep(0.1)
+        opt.close()
+        thread.join(60)
+    assert not thread.is_alive()
+    waits = [r for r in caplog.records if "waits for the run" in r.message]
+    assert len(waits) >= 2, [r.message for r in caplog.records]
+    assert waits[0].levelno == logging.WARNING
+    assert "waiting for 1 more peer(s); they bootstrap from /ip4/127.0.0.1/tcp/" in waits[0].message
+    assert all(r.levelno == logging.INFO for r in waits[1:])
