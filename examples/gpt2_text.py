@@ -15,7 +15,8 @@ The same model as a task that any peer joins (after ``p2ptrain dataset add 'text
 
     [model]
     name = "hf"
-    config = { model_type = "gpt2", n_layer = 2, n_embd = 64, n_head = 4, vocab_size = 256, n_positions = 64 }
+    config = { model_type = "gpt2", n_layer = 2, n_embd = 64, n_head = 4, vocab_size = 256, n_positions = 64,
+               bos_token_id = 0, eos_token_id = 0 }
 """
 
 from __future__ import annotations
