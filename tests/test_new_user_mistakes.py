@@ -172,3 +172,25 @@ def test_a_member_waiting_for_members_says_so_once_where_default_logging_shows_i
     assert waits[0].levelno == logging.WARNING
     assert "waiting for 1 more peer(s); they bootstrap from /ip4/127.0.0.1/tcp/" in waits[0].message
     assert all(r.levelno == logging.INFO for r in waits[1:])
+
+
+def test_task_status_of_a_run_before_the_nodes_restart_says_where_its_models_are(tmp_path, capsys):
+    """A member's node restarted after its run: `task status` said only that this node has not
+    heard of the task, though the home keeps the run's chain and models."""
+    from p2ptrain.cli.main import main
+    from p2ptrain.run import RunDir
+    from p2ptrain.testing import node_processes
+
+    with node_processes(1, tmp_path) as (node,):
+        task_cid = "QmbDMHamurT52U7AbRYAzisR9jCiZAxQcd5b5QNEnL1tAW"
+        unknown = "QmY8LRy4gaMnDj6HkVPXxFN6Zo9fb1WiDFXyn8XMhBqjfQ"
+        run_dir = RunDir.of(node.home, task_cid)
+        run_dir.path.mkdir(parents=True)
+        run_dir.chain.write_bytes(b"")  # what a member's home keeps of a run
+        assert main(["task", "status", task_cid, "--home", str(node.home)]) == 1
+        err = capsys.readouterr().err.strip()
+        assert err == (f"p2ptrain: error: task.status: this node has not heard of task {task_cid} since it started; "
+                       f"this home took part in it before: `p2ptrain model verify --latest {task_cid} --home "
+                       f"{node.home}` shows its models (also `task report`; `node start --join` takes part again)")
+        assert main(["task", "status", unknown, "--home", str(node.home)]) == 1
+        assert capsys.readouterr().err.strip() == f"p2ptrain: error: task.status: this node has not heard of task {unknown}"

@@ -128,7 +128,21 @@ def _fit_problem(home: Path, task: Task) -> str | None:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    status = TaskStatus.from_json(_client(args).call(control_ops.TASK_STATUS, task_cid=args.task_cid))
+    from p2ptrain.cli._home import home_of
+    from p2ptrain.control import ControlError
+
+    try:
+        status = TaskStatus.from_json(_client(args).call(control_ops.TASK_STATUS, task_cid=args.task_cid))
+    except ControlError as exc:
+        from p2ptrain.run import RunDir
+
+        home, cid = home_of(args), args.task_cid
+        if not RunDir.of(home, cid).chain.is_file():
+            raise
+        # A run this home took part in, before its node (re)started: a node hears of tasks anew.
+        raise UserError(f"{exc} since it started; this home took part in it before: `p2ptrain model verify --latest "
+                        f"{cid} --home {home}` shows its models (also `task report`; `node start --join` takes part "
+                        "again)") from None
     print(json.dumps(status.to_json(), indent=None) if args.json else render_status(status))
     return 0
 
