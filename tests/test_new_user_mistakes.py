@@ -194,3 +194,35 @@ def test_task_status_of_a_run_before_the_nodes_restart_says_where_its_models_are
                        f"{node.home}` shows its models (also `task report`; `node start --join` takes part again)")
         assert main(["task", "status", unknown, "--home", str(node.home)]) == 1
         assert capsys.readouterr().err.strip() == f"p2ptrain: error: task.status: this node has not heard of task {unknown}"
+
+
+def test_model_fetch_latest_reads_the_chain_a_members_home_keeps_when_no_node_runs(tmp_path, capsys):
+    """After a script's run (its in-process node gone), `model fetch --latest RUN_CID --home H` said
+    the latest model was 'not in the store of H, and no node is running there', though the home
+    keeps the run's chain and the model (`model verify --latest` read them)."""
+    import torch
+    from torch import nn
+
+    import p2ptrain
+    from p2ptrain.cli.main import main
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    home = tmp_path / "member"
+    opt = p2ptrain.Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model, run="kept", home=home,
+                             min_peers=1, total_steps=2, checkpoint_every=1, join_window_s=0.5)
+    with opt:
+        with pytest.raises(p2ptrain.RunFinished):
+            for _ in range(3):
+                opt.zero_grad()
+                model(torch.randn(3, 4)).sum().backward()
+                opt.step()
+        run_cid, model_cid = opt.run_cid, opt.model_cid
+    out = tmp_path / "model.safetensors"
+    assert main(["model", "fetch", "--latest", run_cid, "-o", str(out), "--home", str(home)]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.startswith(f"{model_cid} -> {out}")
+    assert f"latest model of task {run_cid} in this home's chain: v2 (step 2)" in captured.err
+    fresh = nn.Linear(4, 2)
+    p2ptrain.load_state(fresh, str(out))
+    assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), model.state_dict().values()))

@@ -95,6 +95,9 @@ def ensure_local(
             if not bootstrap:
                 raise
     if not bootstrap:
+        kept = _latest_kept(home, latest) if latest is not None else None
+        if kept is not None and all(store.has(c) for c in [*cids, kept, *_more(store, [*cids, kept], then)]):
+            return cids + [kept]
         missing = ([c for c in cids + _more(store, [c for c in cids if store.has(c)], None) if not store.has(c)]
                    or [f"latest model of {latest}"])
         raise UserError(
@@ -110,6 +113,25 @@ def _more(store: ContentStore, cids: list[str], then: Callable[[ContentStore], l
     from p2ptrain.training import stage_file_cids
 
     return (then(store) if then else []) + [part for cid in cids for part in stage_file_cids(store, cid)]
+
+
+def _latest_kept(home: Path, task_cid: str) -> str | None:
+    """The last model of the chain ``home`` keeps of ``task_cid`` (a member's home, after the run or
+    with its node stopped), said on stderr since the mesh may hold a later one; None if none."""
+    from p2ptrain.protocol import RecordError, chain_lines, entry_from_bytes
+    from p2ptrain.run import RunDir
+
+    run = RunDir.of(home, task_cid)
+    try:
+        lines = chain_lines(run.read_chain() or b"") if run.chain.is_file() else []
+        record = entry_from_bytes(lines[-1]).signed.record if lines else None
+    except (OSError, RecordError):
+        return None
+    if record is None:
+        return None
+    print(f"latest model of task {task_cid} in this home's chain: v{record.version} (step {record.step}); the "
+          "mesh may hold a later one (--bootstrap MULTIADDR asks it)", file=sys.stderr)
+    return record.model_cid
 
 
 def _latest_from_status(status: TaskStatus, task_cid: str) -> str:
