@@ -211,13 +211,13 @@ def test_model_fetch_latest_reads_the_chain_a_members_home_keeps_when_no_node_ru
     home = tmp_path / "member"
     opt = p2ptrain.Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model, run="kept", home=home,
                              min_peers=1, total_steps=2, checkpoint_every=1, join_window_s=0.5)
-    with opt:
-        with pytest.raises(p2ptrain.RunFinished):
-            for _ in range(3):
-                opt.zero_grad()
-                model(torch.randn(3, 4)).sum().backward()
-                opt.step()
-        run_cid, model_cid = opt.run_cid, opt.model_cid
+    with opt, pytest.raises(p2ptrain.RunFinished):
+        for _ in range(3):
+            opt.zero_grad()
+            model(torch.randn(3, 4)).sum().backward()
+            opt.step()
+    run_cid, model_cid = opt.run_cid, opt.model_cid  # after close: as the run was when this member left
+    assert model_cid is not None and opt.step_count == 2
     out = tmp_path / "model.safetensors"
     assert main(["model", "fetch", "--latest", run_cid, "-o", str(out), "--home", str(home)]) == 0
     captured = capsys.readouterr()

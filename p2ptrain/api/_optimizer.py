@@ -170,6 +170,7 @@ class Optimizer:
         self._inner = 0  # local-SGD: inner steps taken since the last outer step
         self._theta: torch.Tensor | None = None  # local-SGD: the shared weights the inner steps started from
         self._closed = False
+        self._left: TaskStatus | None = None  # the run's status when this member left (close)
         self._bootstrap = list(bootstrap)
         config = replace(node_config or NodeConfig(), listen=list(listen), bootstrap=self._bootstrap)
         metrics_at = parse_address(metrics, "metrics=") if metrics is not None else None
@@ -245,7 +246,8 @@ class Optimizer:
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._check_open()
+        if self._closed:
+            raise UserError(f"run {self.run!r}: this p2ptrain.Optimizer is closed")
         grads = [p.grad for p in self._params]
         if all(g is None for g in grads):
             raise RuntimeError("step() before backward(): no parameter has a gradient (call loss.backward() "
@@ -329,7 +331,9 @@ class Optimizer:
     # -- what the run is doing --------------------------------------------------------------------
 
     def status(self) -> TaskStatus:
-        """This member's ``task status`` of the run (a :class:`~p2ptrain.control.TaskStatus`)."""
+        """This member's ``task status`` of the run; after ``close()``, as it was then (``model_cid``...)."""
+        if self._left is not None:
+            return self._left
         def read() -> TaskStatus:
             peer = self._peer.peer
             assert peer is not None
@@ -384,15 +388,12 @@ class Optimizer:
 
     # -- the end -----------------------------------------------------------------------------------
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise UserError(f"run {self.run!r}: this p2ptrain.Optimizer is closed")
-
     def close(self) -> None:
         """Leave the run: this member's node says goodbye and stops (the run goes on with the
         others); idempotent. The home keeps the run's chain and models."""
         if self._closed:
             return
+        self._left = self.status() if self._peer.running else None
         self._closed = True
         self.bridge.close("this member left the run")
         if self.bridge.model_lock.locked():
