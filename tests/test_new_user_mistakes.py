@@ -112,18 +112,20 @@ def test_node_start_refuses_a_port_another_node_listens_on(tmp_path, taken_port)
                    "127.0.0.1: another node or program listens there (give another port, or 0 for any free one)")
 
 
-def test_a_background_peer_refuses_a_taken_port_and_quiets_libp2p_unless_told(tmp_path, taken_port):
+def test_a_background_peer_refuses_a_taken_port_and_quiets_libp2p_unless_told(tmp_path, taken_port, monkeypatch):
     """``p2ptrain.Optimizer``'s peer: the same port check as ``node start``; and py-libp2p's churn
     (``Failed to read DHT message from stream``, at WARNING) stays off a script's terminal unless the
-    script set the ``libp2p`` logger's level itself."""
+    script chose the ``libp2p`` logger's level itself (py-libp2p sets WARNING at import, with no handler
+    and no propagation: Python's last-resort handler printed those lines bare) or set LIBP2P_DEBUG."""
     from p2ptrain.api._background import BackgroundPeer
     from p2ptrain.base import UserError
     from p2ptrain.node import NodeConfig
 
     libp2p = logging.getLogger("libp2p")
     before = libp2p.level
+    monkeypatch.delenv("LIBP2P_DEBUG", raising=False)
     try:
-        libp2p.setLevel(logging.NOTSET)
+        libp2p.setLevel(logging.WARNING)  # what py-libp2p sets as it is imported
         with pytest.raises(UserError, match=f"listen= /ip4/127.0.0.1/tcp/{taken_port}: cannot listen"):
             BackgroundPeer(tmp_path / "a", NodeConfig(listen=[f"/ip4/127.0.0.1/tcp/{taken_port}"]))
         peer = BackgroundPeer(tmp_path / "b", NodeConfig(listen=["/ip4/127.0.0.1/tcp/0"]))
