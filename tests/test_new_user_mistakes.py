@@ -228,3 +228,22 @@ def test_model_fetch_latest_reads_the_chain_a_members_home_keeps_when_no_node_ru
     fresh = nn.Linear(4, 2)
     p2ptrain.load_state(fresh, str(out))
     assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), model.state_dict().values()))
+
+
+def test_dataset_get_makes_a_data_set_by_cid_local_for_ipfsdataset_on_a_machine_that_did_not_add_it(tmp_path, capsys):
+    """A member's script reading shared data (`p2ptrain.train(model, IPFSDataset(CID))`) on a machine
+    that did not run `dataset add` raised ContentUnavailable from the constructor, and no command
+    fetched a data set's shards (`ipfs get` of the manifest fetches the manifest alone)."""
+    from p2ptrain.cli.main import main
+    from p2ptrain.data import IPFSDataset
+    from p2ptrain.testing import node_processes
+
+    with node_processes(1, tmp_path / "nodes") as (node,):
+        assert main(["dataset", "add", "sklearn:iris", "--shards", "3", "--home", str(node.home)]) == 0
+        manifest_cid = capsys.readouterr().out.split()[0]
+        fresh = tmp_path / "fresh"
+        assert main(["dataset", "get", manifest_cid, "--home", str(fresh), "--bootstrap", node.addr]) == 0
+        out = capsys.readouterr().out.strip()
+    assert out == f"{manifest_cid} (iris): test 30 samples in 1 shards, train 120 samples in 3 shards, held in {fresh}"
+    assert len(list(IPFSDataset(manifest_cid, split="train", home=fresh))) == 120  # read with no node, no network
+    assert len(list(IPFSDataset(manifest_cid, split="test", home=fresh))) == 30
