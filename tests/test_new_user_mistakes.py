@@ -247,3 +247,19 @@ def test_dataset_get_makes_a_data_set_by_cid_local_for_ipfsdataset_on_a_machine_
     assert out == f"{manifest_cid} (iris): test 30 samples in 1 shards, train 120 samples in 3 shards, held in {fresh}"
     assert len(list(IPFSDataset(manifest_cid, split="train", home=fresh))) == 120  # read with no node, no network
     assert len(list(IPFSDataset(manifest_cid, split="test", home=fresh))) == 30
+
+
+def test_ipfsdataset_on_a_home_without_the_data_says_how_to_get_it(tmp_path):
+    """It said only `block is not held locally in …/blocks, and no network fetcher is attached`."""
+    from p2ptrain.data import IPFSDataset
+    from p2ptrain.data._ipfs_dataset import ShardUnavailable
+    from p2ptrain.ipfs import ContentUnavailable, open_store
+
+    home, manifest_cid, _ = _home_with_data(tmp_path)
+    with pytest.raises(ContentUnavailable, match=f"fetch the data set first: p2ptrain dataset get {manifest_cid} "
+                                                 "--bootstrap MULTIADDR$"):
+        IPFSDataset(manifest_cid, home=tmp_path / "empty")
+    shard = IPFSDataset(manifest_cid, home=home).manifest.shards("train")[0].cid
+    open_store(home).blocks.delete(shard)  # the manifest held, its shard not
+    with pytest.raises(ShardUnavailable, match=f"p2ptrain dataset get {manifest_cid} --bootstrap MULTIADDR$"):
+        list(IPFSDataset(manifest_cid, home=home))
