@@ -201,7 +201,8 @@ def test_task_status_of_a_run_before_the_nodes_restart_says_where_its_models_are
 def test_model_fetch_latest_reads_the_chain_a_members_home_keeps_when_no_node_runs(tmp_path, capsys):
     """After a script's run (its in-process node gone), `model fetch --latest RUN_CID --home H` said
     the latest model was 'not in the store of H, and no node is running there', though the home
-    keeps the run's chain and the model (`model verify --latest` read them)."""
+    keeps the run's chain and the model (`model verify --latest` read them); so also where a killed
+    script left its control socket's file."""
     import torch
     from torch import nn
 
@@ -220,6 +221,11 @@ def test_model_fetch_latest_reads_the_chain_a_members_home_keeps_when_no_node_ru
             opt.step()
     run_cid, model_cid = opt.run_cid, opt.model_cid  # after close: as the run was when this member left
     assert model_cid is not None and opt.step_count == 2
+    from p2ptrain.control import socket_path
+
+    left = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # what a script killed mid-run leaves: a socket
+    left.bind(str(socket_path(home)))  # file nobody answers on (it was 'no node is running for home H')
+    left.close()
     out = tmp_path / "model.safetensors"
     assert main(["model", "fetch", "--latest", run_cid, "-o", str(out), "--home", str(home)]) == 0
     captured = capsys.readouterr()

@@ -26,6 +26,8 @@ if TYPE_CHECKING:
 
 # How long a temporary node waits for its first peer, and for the latest head of a task.
 EPHEMERAL_MESH_TIMEOUT_S = 20.0
+# A node that does not answer a ping this fast is stuck, not running usefully (or a killed one left its socket file).
+NODE_PROBE_TIMEOUT_S = 5.0
 # Off a terminal (a log, CI) a fetch in flight says how far it is this often: a long fetch is seen
 # moving, a short one prints nothing.
 PROGRESS_LINE_S = 10.0
@@ -55,6 +57,20 @@ def fetch_progress(desc: str) -> Iterator[Callable[[int], None]]:
     yield line
 
 
+def node_answers(home: Path) -> bool:
+    """Whether a node runs for ``home``: the rule is that its control socket answers a ping (a
+    socket file left by a crashed node does not)."""
+    from p2ptrain.control import ControlClient, ControlError
+
+    try:
+        ControlClient(home, timeout=NODE_PROBE_TIMEOUT_S).call(control_ops.PING)
+    except ControlError:
+        raise  # something answered, and failed: say so rather than start a second node on the home
+    except UserError:
+        return False
+    return True
+
+
 def ensure_local(
     home: Path, cids: list[str], bootstrap: list[str], latest: str | None = None,
     then: Callable[[ContentStore], list[str]] | None = None,
@@ -73,7 +89,7 @@ def ensure_local(
         more = _more(store, cids, then)
         if all(store.has(c) for c in more):
             return cids
-    if socket_path(home).exists():
+    if socket_path(home).exists() and node_answers(home):  # not the socket file a killed process left
         client = ControlClient(home, timeout=600.0)
         try:
             status = None
