@@ -17,14 +17,19 @@ import argparse
 import hashlib
 import json
 import logging
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from sklearn.datasets import load_digits
 from torch import nn
 
 
-def parse_args(doc: str, steps: int) -> argparse.Namespace:
+def parse_args(doc: str, steps: int, extra: Sequence[tuple[str, dict[str, Any]]] = ()) -> argparse.Namespace:
+    """The members' options, and ``extra``: an example's own, as ``(flag, add_argument's keywords)``."""
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    for flag, options in extra:
+        parser.add_argument(flag, **options)
     parser.add_argument("--home", help="this member's p2ptrain home (default ~/.p2ptrain/runs/<run>)")
     parser.add_argument("--listen", default="/ip4/127.0.0.1/tcp/0", help="multiaddr to listen on")
     parser.add_argument("--bootstrap", nargs="*", default=[], help="addresses of members already running")

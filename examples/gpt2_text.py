@@ -8,14 +8,15 @@ add text:PATH`` uses, cut into windows of token ids (bytes here; ``dataset add -
 tokenizer.json), and each member trains on every n-th window. Needs ``pip install 'p2ptrain[hf]'``.
 Run one copy per member (see examples/_common.py)::
 
-    python examples/gpt2_text.py --member 0 --members 2 --listen /ip4/127.0.0.1/tcp/4001
-    python examples/gpt2_text.py --member 1 --members 2 --bootstrap /ip4/127.0.0.1/tcp/4001/p2p/<its id>
+    python examples/gpt2_text.py --texts 'corpus/*.txt' --member 0 --members 2 --listen /ip4/127.0.0.1/tcp/4001
+    python examples/gpt2_text.py --texts 'corpus/*.txt' --member 1 --members 2 --bootstrap /ip4/127.0.0.1/tcp/4001/p2p/<its id>
 
 The same model as a task that any peer joins (after ``p2ptrain dataset add 'text:DIR' --context 64``)::
 
     [model]
     name = "hf"
-    config = { model_type = "gpt2", n_layer = 2, n_embd = 64, n_head = 4, vocab_size = 256, n_positions = 64 }
+    config = { model_type = "gpt2", n_layer = 2, n_embd = 64, n_head = 4, vocab_size = 256, n_positions = 64,
+               bos_token_id = 0, eos_token_id = 0 }
 """
 
 from __future__ import annotations
@@ -39,9 +40,9 @@ CONFIG = {"model_type": "gpt2", "n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_
 TEXTS = str(Path(sysconfig.get_paths()["stdlib"]) / "json" / "*.py")
 
 
-def windows(member: int, members: int) -> tuple[torch.utils.data.TensorDataset, torch.utils.data.TensorDataset]:
+def windows(texts: str, member: int, members: int) -> tuple[torch.utils.data.TensorDataset, torch.utils.data.TensorDataset]:
     """This member's windows of the text files (every members-th), and a held-out tenth shared by all."""
-    source = read_source(f"text:{TEXTS}", SourceOptions(context=CONTEXT))
+    source = read_source(f"text:{texts}", SourceOptions(context=CONTEXT))
     x, y = torch.from_numpy(source.features.astype("int64")), torch.from_numpy(source.labels.astype("int64"))
     order = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))  # the same split on every machine
     x, y = x[order], y[order]
@@ -62,13 +63,15 @@ def held_out_loss(model: nn.Module, data: torch.utils.data.TensorDataset) -> flo
 
 
 def main() -> None:
-    args = parse_args(__doc__, steps=60)
-    train_data, test_data = windows(args.member, args.members)
+    args = parse_args(__doc__, steps=60, extra=[("--texts", {
+        "default": TEXTS, "help": "a text file, a folder of them or a glob (the same on every member; default: "
+        "the sources of Python's json package)"})])
+    train_data, test_data = windows(args.texts, args.member, args.members)
     model = build_model("hf", CONFIG, seed=0)  # the same initial weights on every member
     first = held_out_loss(model, test_data)
     torch.manual_seed(args.member)  # dropout and batch order: each member's own
     loader = torch.utils.data.DataLoader(train_data, batch_size=16, shuffle=True, drop_last=True)
-    opt = p2ptrain.Optimizer(torch.optim.AdamW(model.parameters(), lr=3e-3), model=model,
+    opt = p2ptrain.Optimizer(torch.optim.AdamW(model.parameters(), lr=3e-3, fused=True), model=model,
                              run=args.run or "gpt2-text", home=args.home, listen=[args.listen],
                              bootstrap=args.bootstrap, density=0.1, checkpoint_every=20,
                              min_peers=min(2, args.members), max_peers=args.members, total_steps=args.steps,

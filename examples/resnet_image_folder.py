@@ -17,7 +17,6 @@ The same model as a task that ``node start --accept-tasks`` peers join: ``p2ptra
 
 from __future__ import annotations
 
-import sys
 import tempfile
 from pathlib import Path
 
@@ -48,14 +47,10 @@ def digit_images(root: Path, count: int = 400) -> Path:
 
 
 def main() -> None:
-    images, size = None, 16
-    for flag in ("--images", "--image-size"):  # this example's own options, beside _common's
-        if flag in sys.argv:
-            at = sys.argv.index(flag)
-            value = sys.argv[at + 1]
-            del sys.argv[at:at + 2]
-            images, size = (Path(value), size) if flag == "--images" else (images, int(value))
-    args = parse_args(__doc__, steps=30)
+    args = parse_args(__doc__, steps=30, extra=[
+        ("--images", {"type": Path, "help": "the image folder ROOT/CLASS/*.png|jpg (default: digits written as PNGs)"}),
+        ("--image-size", {"type": int, "default": 16, "help": "pixels a side the images are scaled to (default 16)"})])
+    images, size = args.images, args.image_size
     home = Path(args.home) if args.home else default_home() / "runs" / (args.run or RUN)
     home.mkdir(parents=True, exist_ok=True, mode=0o700)
     with tempfile.TemporaryDirectory() as scratch:
@@ -70,7 +65,7 @@ def main() -> None:
     test = list(IPFSDataset(manifest_cid, split="test", store=store, shuffle=False))
     test_data = torch.utils.data.TensorDataset(torch.stack([x for x, _ in test]), torch.stack([y for _, y in test]))
     result = p2ptrain.train(model, IPFSDataset(manifest_cid, store=store), test_data=test_data, steps=args.steps,
-                            batch_size=16, optimizer=lambda params: torch.optim.Adam(params, lr=1e-3),
+                            batch_size=16, optimizer=lambda params: torch.optim.Adam(params, lr=1e-3, fused=True),
                             run=args.run or RUN, home=home, listen=[args.listen], bootstrap=args.bootstrap,
                             min_peers=min(2, args.members), max_peers=args.members, checkpoint_every=10, density=0.05)
     report(model, test_data, member=args.member, model_cid=result.model_cid, run_cid=result.run_cid,

@@ -20,8 +20,9 @@ EXPORTS: dict[str, list[str]] = {
         "train",
     ],
     "p2ptrain.api": [
-        "EPHEMERAL_MESH_TIMEOUT_S", "Optimizer", "PROGRESS_LINE_S", "RunFinished", "TrainResult", "ensure_local",
-        "fetch_progress", "fetch_through", "find_latest", "load_state", "split_shards", "train", "with_ephemeral_node",
+        "EPHEMERAL_MESH_TIMEOUT_S", "NODE_PROBE_TIMEOUT_S", "Optimizer", "PROGRESS_LINE_S", "RunFinished", "TrainResult",
+        "check_listen", "ensure_local", "fetch_progress", "fetch_through", "find_latest", "load_state", "node_answers",
+        "split_shards", "train", "with_ephemeral_node",
     ],
     "p2ptrain.base": [
         "AddressError", "HistogramSnapshot", "RoundHistograms", "UserError", "all_finite", "arithmetic_of", "boundedjson",

@@ -12,6 +12,7 @@ serialize it, where in-process the round loop reads the very tensor ``opt.step()
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -19,6 +20,7 @@ from typing import Any, TypeVar
 
 import trio
 
+from p2ptrain.api._ports import check_listen
 from p2ptrain.base import UserError
 from p2ptrain.node import Node, NodeConfig
 from p2ptrain.services import Peer, make_peer
@@ -47,6 +49,14 @@ class BackgroundPeer:
         self._stop: trio.Event | None = None
         self._nursery: trio.Nursery | None = None
         self.peer: Peer | None = None
+        check_listen(config.listen, "listen=")  # a port in use: libp2p would share it with the other listener
+        libp2p = logging.getLogger("libp2p")
+        if libp2p.level in (logging.NOTSET, logging.WARNING) and not os.environ.get("LIBP2P_DEBUG"):
+            # py-libp2p logs expected churn (a DHT stream a peer closed, a redial of a member that
+            # left) at WARNING and ERROR, on its own logger (WARNING, no handler, not propagated), so
+            # Python's last-resort handler prints it bare on the user's terminal; as `node start`
+            # does, keep it out of the way unless the script chose a level or set LIBP2P_DEBUG.
+            libp2p.setLevel(logging.CRITICAL)
         self._thread = threading.Thread(target=self._main, name="p2ptrain-peer", daemon=True)
         self._thread.start()
         if not self._ready.wait(START_TIMEOUT_S):

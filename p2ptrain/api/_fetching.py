@@ -26,6 +26,8 @@ if TYPE_CHECKING:
 
 # How long a temporary node waits for its first peer, and for the latest head of a task.
 EPHEMERAL_MESH_TIMEOUT_S = 20.0
+# A node that does not answer a ping this fast is stuck, not running usefully (or a killed one left its socket file).
+NODE_PROBE_TIMEOUT_S = 5.0
 # Off a terminal (a log, CI) a fetch in flight says how far it is this often: a long fetch is seen
 # moving, a short one prints nothing.
 PROGRESS_LINE_S = 10.0
@@ -55,6 +57,20 @@ def fetch_progress(desc: str) -> Iterator[Callable[[int], None]]:
     yield line
 
 
+def node_answers(home: Path) -> bool:
+    """Whether a node runs for ``home``: the rule is that its control socket answers a ping (a
+    socket file left by a crashed node does not)."""
+    from p2ptrain.control import ControlClient, ControlError
+
+    try:
+        ControlClient(home, timeout=NODE_PROBE_TIMEOUT_S).call(control_ops.PING)
+    except ControlError:
+        raise  # something answered, and failed: say so rather than start a second node on the home
+    except UserError:
+        return False
+    return True
+
+
 def ensure_local(
     home: Path, cids: list[str], bootstrap: list[str], latest: str | None = None,
     then: Callable[[ContentStore], list[str]] | None = None,
@@ -73,7 +89,7 @@ def ensure_local(
         more = _more(store, cids, then)
         if all(store.has(c) for c in more):
             return cids
-    if socket_path(home).exists():
+    if socket_path(home).exists() and node_answers(home):  # not the socket file a killed process left
         client = ControlClient(home, timeout=600.0)
         try:
             status = None
@@ -95,6 +111,9 @@ def ensure_local(
             if not bootstrap:
                 raise
     if not bootstrap:
+        kept = _latest_kept(home, latest) if latest is not None else None
+        if kept is not None and all(store.has(c) for c in [*cids, kept, *_more(store, [*cids, kept], then)]):
+            return cids + [kept]
         missing = ([c for c in cids + _more(store, [c for c in cids if store.has(c)], None) if not store.has(c)]
                    or [f"latest model of {latest}"])
         raise UserError(
@@ -110,6 +129,25 @@ def _more(store: ContentStore, cids: list[str], then: Callable[[ContentStore], l
     from p2ptrain.training import stage_file_cids
 
     return (then(store) if then else []) + [part for cid in cids for part in stage_file_cids(store, cid)]
+
+
+def _latest_kept(home: Path, task_cid: str) -> str | None:
+    """The last model of the chain ``home`` keeps of ``task_cid`` (a member's home, after the run or
+    with its node stopped), said on stderr since the mesh may hold a later one; None if none."""
+    from p2ptrain.protocol import RecordError, chain_lines, entry_from_bytes
+    from p2ptrain.run import RunDir
+
+    run = RunDir.of(home, task_cid)
+    try:
+        lines = chain_lines(run.read_chain() or b"") if run.chain.is_file() else []
+        record = entry_from_bytes(lines[-1]).signed.record if lines else None
+    except (OSError, RecordError):
+        return None
+    if record is None:
+        return None
+    print(f"latest model of task {task_cid} in this home's chain: v{record.version} (step {record.step}); the "
+          "mesh may hold a later one (--bootstrap MULTIADDR asks it)", file=sys.stderr)
+    return record.model_cid
 
 
 def _latest_from_status(status: TaskStatus, task_cid: str) -> str:

@@ -14,9 +14,8 @@ Everything a node-run task has works the same: the sparse ring with error feedba
 with quantized pseudo-gradients), robust clip, elections, signed and attested model CIDs, late
 joiners (they load the run's head by CID into their own module), dead peers, NATs, metrics. What is
 different: no code and no task file cross the network. Every member runs the same script; the run is
-its name plus the architecture card of its module, optimizer and options
-(:mod:`p2ptrain.models._fingerprint`), and a member whose model or options differ is refused with
-the first difference (:mod:`p2ptrain.api._rendezvous`).
+its name plus the architecture card of its module, optimizer and options (models/_fingerprint.py),
+and a member whose model or options differ is refused with the first difference (_rendezvous.py).
 
 ``step()`` hands this member's gradient to the run's round and returns once the identical step of
 the run is applied here (bitwise the same weights on every member). Between steps the model is the
@@ -79,20 +78,19 @@ class Optimizer:
 
     ``bootstrap``: addresses of peers of the mesh (``/ip4/…/tcp/…/p2p/…``); ``home``: this peer's
     home (identity, store; default ``runs/<run>`` under ``$P2PTRAIN_HOME`` or ``~/.p2ptrain``);
-    ``listen``: where it listens (default loopback; give this machine's address for peers elsewhere). ``mode="local_sgd"`` with
-    ``inner_steps=H``: ``step()`` is an inner step, every H-th one an outer step over the members.
-    ``density``, ``quantize`` (None, "int8", "2bit"), ``robust`` ("none", "clip"): the round's
-    compression and defence, as a task's ``[compression]``. ``outer_optimizer`` ("nesterov",
-    DiLoCo's, or "average": the members' mean, as FedAvg), ``outer_lr``, ``outer_momentum``:
-    local-SGD's outer step. ``checkpoint_every``: steps between
-    confirmed models. ``min_peers``/``max_peers``: members a step needs / admits. ``total_steps``:
-    the run's length (None: as long as members step). ``evaluate(model) -> {"accuracy": …, "loss": …}``:
-    the metrics recorded with each checkpoint (this member's, when it coordinates). ``metrics``:
-    ``HOST:PORT`` of a Prometheus endpoint for this member's node (as ``node start --metrics``).
-    ``node_config``: every other setting of this member's node (NAT, relays, rates: a
-    :class:`~p2ptrain.node.NodeConfig`, as ``node start`` takes them); ``listen`` and
-    ``bootstrap`` override its own.
-    """
+    ``listen``: where it listens (default loopback; give this machine's address for peers
+    elsewhere; a port in use is refused). ``mode="local_sgd"`` with ``inner_steps=H``: ``step()``
+    is an inner step, every H-th one an outer step over the members. ``density``, ``quantize``
+    (None, "int8", "2bit"), ``robust`` ("none", "clip"): the round's compression and defence, as a
+    task's ``[compression]``. ``outer_optimizer`` ("nesterov", DiLoCo's, or "average": the members'
+    mean, as FedAvg), ``outer_lr``, ``outer_momentum``: local-SGD's outer step. ``checkpoint_every``:
+    steps between confirmed models. ``min_peers``/``max_peers``: members a step needs / admits.
+    ``total_steps``: the run's length (None: as long as members step). ``evaluate(model) -> {"accuracy": …,
+    "loss": …}``: the metrics recorded with each checkpoint (this member's, when it coordinates).
+    ``metrics``: ``HOST:PORT`` of a Prometheus endpoint for this member's node (as ``node start
+    --metrics``). ``node_config``: every other setting of this member's node (NAT, relays, rates: a
+    :class:`~p2ptrain.node.NodeConfig`, as ``node start`` takes them); ``listen`` and ``bootstrap``
+    override its own."""
 
     def __init__(
         self,
@@ -172,6 +170,7 @@ class Optimizer:
         self._inner = 0  # local-SGD: inner steps taken since the last outer step
         self._theta: torch.Tensor | None = None  # local-SGD: the shared weights the inner steps started from
         self._closed = False
+        self._left: TaskStatus | None = None  # the run's status when this member left (close)
         self._bootstrap = list(bootstrap)
         config = replace(node_config or NodeConfig(), listen=list(listen), bootstrap=self._bootstrap)
         metrics_at = parse_address(metrics, "metrics=") if metrics is not None else None
@@ -247,7 +246,8 @@ class Optimizer:
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._check_open()
+        if self._closed:
+            raise UserError(f"run {self.run!r}: this p2ptrain.Optimizer is closed")
         grads = [p.grad for p in self._params]
         if all(g is None for g in grads):
             raise RuntimeError("step() before backward(): no parameter has a gradient (call loss.backward() "
@@ -291,7 +291,7 @@ class Optimizer:
 
     def _round(self, flat: torch.Tensor, loss: float) -> None:
         ticket = self.bridge.submit(flat, loss)
-        last_report = time.monotonic()
+        last_report = started = time.monotonic()
         while True:
             try:
                 self.bridge.wait(ticket, timeout=1.0)
@@ -309,8 +309,10 @@ class Optimizer:
                                       f"{status.latest_model_cid}")
                 raise UserError(f"run {self.run!r} stopped: {status.state} {status.error or ''}".rstrip())
             if time.monotonic() - last_report >= WAIT_REPORT_S:
-                last_report = time.monotonic()
-                log.info("run %r: step %d waits for the run (%s)", self.run, self.step_count, _why_waiting(status))
+                # Missing members: the wait a user acts on, said once a wait where default logging shows it.
+                loud, last_report = status.waiting_for_peers > 0 and last_report == started, time.monotonic()
+                (log.warning if loud else log.info)("run %r: step %d waits for the run (%s)", self.run, self.step_count,
+                                                    _why_waiting(status, self.addresses[:1] if loud else []))
 
     def _hold_final(self, status: TaskStatus) -> None:
         """The run is over: the module takes the run's final model (the step just asked for was
@@ -329,7 +331,9 @@ class Optimizer:
     # -- what the run is doing --------------------------------------------------------------------
 
     def status(self) -> TaskStatus:
-        """This member's ``task status`` of the run (a :class:`~p2ptrain.control.TaskStatus`)."""
+        """This member's ``task status`` of the run; after ``close()``, as it was then (``model_cid``...)."""
+        if self._left is not None:
+            return self._left
         def read() -> TaskStatus:
             peer = self._peer.peer
             assert peer is not None
@@ -384,15 +388,12 @@ class Optimizer:
 
     # -- the end -----------------------------------------------------------------------------------
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise UserError(f"run {self.run!r}: this p2ptrain.Optimizer is closed")
-
     def close(self) -> None:
         """Leave the run: this member's node says goodbye and stops (the run goes on with the
         others); idempotent. The home keeps the run's chain and models."""
         if self._closed:
             return
+        self._left = self.status() if self._peer.running else None
         self._closed = True
         self.bridge.close("this member left the run")
         if self.bridge.model_lock.locked():
@@ -440,9 +441,9 @@ def _safe(name: str) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in name)[:64] or "run"
 
 
-def _why_waiting(status: TaskStatus) -> str:
+def _why_waiting(status: TaskStatus, reach: list[str] | None = None) -> str:
     if status.waiting_for_peers:
-        return f"waiting for {status.waiting_for_peers} more peer(s)"
+        return f"waiting for {status.waiting_for_peers} more peer(s)" + "".join(f"; they bootstrap from {a}" for a in reach or [])
     if status.coordinator is None:
         return "no coordinator elected yet"
     return f"state {status.state}, {len(status.members)} member(s) in the span"

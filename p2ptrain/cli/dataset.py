@@ -9,10 +9,15 @@ from typing import Literal
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from p2ptrain.cli.ipfs import add_store_options, cid_arg, content_errors, store_from_args
 from p2ptrain.data import Manifest, ManifestError, Pixels
 from p2ptrain.base import UserError
+from p2ptrain.cli._home import source_options
+
+if TYPE_CHECKING:
+    from p2ptrain.ipfs import ContentStore
 
 
 def cmd_add(args: argparse.Namespace) -> int:
@@ -102,6 +107,37 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_get(args: argparse.Namespace) -> int:
+    """The manifest, every shard of the splits asked for and the tokenizer file it names, made local
+    (verified by CID) through the home's node or a temporary one: what a machine that did not run
+    ``dataset add`` needs before ``IPFSDataset`` (or ``p2ptrain.train``) reads the data set."""
+    from p2ptrain.api import ensure_local, split_shards
+    from p2ptrain.cli._home import home_of
+
+    home = home_of(args)
+
+    def parts(store: ContentStore) -> list[str]:
+        try:
+            manifest = Manifest.load(store, args.cid)
+        except ManifestError as exc:
+            raise UserError(f"{args.cid}: {exc}") from None
+        splits = args.split or list(manifest.splits)
+        tokenizer = [manifest.tokens.tokenizer] if manifest.tokens is not None and manifest.tokens.tokenizer else []
+        return [cid for split in splits for cid in split_shards(store, args.cid, split)] + tokenizer
+
+    with content_errors():
+        cids = ensure_local(home, [args.cid], args.bootstrap, then=parts)
+        manifest = Manifest.load(store_from_args(args), args.cid)
+    held = {split: {"samples": manifest.num_samples(split), "shards": len(manifest.splits[split])}
+            for split in args.split or list(manifest.splits)}
+    if args.json:
+        print(json.dumps({"manifest": cids[0], "home": str(home), "splits": held}))
+    else:
+        print(f"{args.cid} ({manifest.name}): " + ", ".join(
+            f"{split} {v['samples']} samples in {v['shards']} shards" for split, v in held.items()) + f", held in {home}")
+    return 0
+
+
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     group = sub.add_parser("dataset", help="publish datasets as shards by CID and inspect them")
     cmds = group.add_subparsers(dest="dataset_command", metavar="SUBCOMMAND", required=True)
@@ -153,3 +189,15 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--json", action="store_true", help="print the manifest as JSON")
     add_store_options(p)
     p.set_defaults(func=cmd_info)
+
+    p = cmds.add_parser(
+        "get", help="fetch a dataset by its manifest CID (every shard, verified) into this home",
+        description="Make the dataset MANIFEST_CID local: its manifest, the shards of every split (or of "
+        "--split), and the tokenizer file it names, each verified against its CID, through the home's running "
+        "node or, with --bootstrap, a temporary node. Then IPFSDataset(CID, home=...) and p2ptrain.train read it "
+        "on this machine.")
+    p.add_argument("cid", metavar="MANIFEST_CID", type=cid_arg, help="the dataset's manifest CID")
+    p.add_argument("--split", action="append", metavar="NAME", help="only this split (repeatable; default: all)")
+    source_options(p)
+    p.add_argument("--json", action="store_true", help="print one JSON object (manifest, home, splits)")
+    p.set_defaults(func=cmd_get)

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from p2ptrain.api import fetch_progress
+from p2ptrain.api import NODE_PROBE_TIMEOUT_S, fetch_progress, node_answers
 from p2ptrain.base import UserError, default_home
 from p2ptrain.ipfs import (
     BlockMismatch,
@@ -42,8 +42,6 @@ from p2ptrain.control import ops as control_ops
 
 # What the CLI asks of the home's running node: the same 300 s to fetch that `model fetch` asks for.
 NODE_FETCH_TIMEOUT_S = 300.0
-# A node that does not answer a ping this fast is stuck, not running usefully: said in one line.
-NODE_PROBE_TIMEOUT_S = 5.0
 # While the node fetches, the CLI asks it how far it is this often (one small request each time).
 PROGRESS_POLL_S = 0.5
 # Below this a bar is noise when stderr is not a terminal (logs, CI); above it a silent minute worries.
@@ -110,20 +108,6 @@ def make_local(args: argparse.Namespace, store: ContentStore, cid: str) -> None:
     from p2ptrain.api import ensure_local
 
     ensure_local(args.home, [cid], args.bootstrap)  # a temporary node, or the line saying how to fetch
-
-
-def node_answers(home: Path) -> bool:
-    """Whether a node runs for ``home``: the rule is that its control socket answers a ping (a
-    socket file left by a crashed node does not)."""
-    from p2ptrain.control import ControlClient, ControlError
-
-    try:
-        ControlClient(home, timeout=NODE_PROBE_TIMEOUT_S).call(control_ops.PING)
-    except ControlError:
-        raise  # something answered, and failed: say so rather than start a second node on the home
-    except UserError:
-        return False
-    return True
 
 
 def fetch_through_node(home: Path, cid: str) -> None:

@@ -12,15 +12,12 @@ import argparse
 import dataclasses
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from p2ptrain.api import ensure_local, split_shards
 from p2ptrain.cli._home import HOME_HELP, home_of, source_options
 from p2ptrain.cli.ipfs import cid_arg
 from p2ptrain.base import UserError
 
-if TYPE_CHECKING:
-    pass
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     group = sub.add_parser("model", help="fetch, evaluate and serve trained models by CID", description=__doc__)
@@ -97,7 +94,8 @@ def cmd_fetch(args: argparse.Namespace) -> int:
             data = model_file(store, model_cid)
         card, params = describe_model_file(data)  # refuse to hand over a file that is not a model
     except (RecordError, FileTooLarge) as exc:
-        raise UserError(f"{model_cid} is not a p2ptrain model: {exc}") from None
+        raise UserError(f"{model_cid} is not a p2ptrain model: {_what_else(data, model_cid, args.output) or exc}") \
+            from None
     if assembled:
         write_atomic(args.output, data)
     else:
@@ -110,6 +108,24 @@ def cmd_fetch(args: argparse.Namespace) -> int:
     else:
         print(f"{model_cid} -> {args.output} ({len(data)} bytes, {card['name']} with {params} parameters)")
     return 0
+
+
+def _what_else(data: bytes, cid: str, output: Path) -> str | None:
+    """What ``data`` is when it is not a model but a task or a dataset manifest (a CID copied from
+    the wrong line), and the command that was probably meant; None for anything else."""
+    from p2ptrain.data import Manifest, ManifestError
+    from p2ptrain.task import TaskError, read_task
+
+    try:
+        task = read_task(data)
+        return f"it is task {task.name!r}; its latest model: p2ptrain model fetch --latest {cid} -o {output}"
+    except TaskError:
+        pass
+    try:
+        manifest = Manifest.from_json(data)
+        return f"it is the manifest of dataset {manifest.name!r} (p2ptrain dataset info {cid})"
+    except ManifestError:
+        return None
 
 
 def cmd_eval(args: argparse.Namespace) -> int:

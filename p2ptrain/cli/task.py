@@ -9,13 +9,16 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from p2ptrain.cli import report
 from p2ptrain.cli.config import home_help
 from p2ptrain.cli.ipfs import cid_arg
 from p2ptrain.base import UserError, short_id
 from p2ptrain.control import TaskStatus, ops as control_ops
+
+if TYPE_CHECKING:
+    from p2ptrain.task import Task
 
 HOME_HELP = home_help("home of the running node to use")
 
@@ -88,17 +91,58 @@ def cmd_publish(args: argparse.Namespace) -> int:
         data = args.task_file.read_bytes()
     except OSError as exc:
         raise UserError(f"cannot read {args.task_file}: {exc.strerror}") from None
+    from p2ptrain.cli._home import home_of
     from p2ptrain.task import load_task
 
-    load_task(data)  # the same validation the node runs, before a node is needed (and UTF-8 checked)
+    task = load_task(data)  # the same validation the node runs, before a node is needed (and UTF-8 checked)
+    problem = _fit_problem(home_of(args), task)
+    if problem is not None:
+        raise UserError(f"{args.task_file}: the task's data set and model do not fit: {problem.rstrip('.')}; "
+                        "nothing published")
     text = data.decode()
     reply = _client(args).call(control_ops.TASK_PUBLISH, text=text, join=args.join)
     print(json.dumps(reply) if args.json else reply["task_cid"])
     return 0
 
 
+def _fit_problem(home: Path, task: Task) -> str | None:
+    """Why the task's data set does not fit its model, when this home's store holds the manifest
+    (it does after ``dataset add`` on this home): each member would otherwise find out only after
+    joining, and the task's CID would be spent on a run that fails everywhere. None when it fits,
+    or when this cannot be told here (no local manifest, a builder the check does not cover)."""
+    from p2ptrain.models import CHECKED_BUILDERS, input_problem
+
+    if task.dataset is None or task.model.name not in CHECKED_BUILDERS or not (home / "blocks").is_dir():
+        return None
+    from p2ptrain.data import Manifest, ManifestError
+    from p2ptrain.ipfs import open_store
+
+    store = open_store(home)
+    if not store.has(task.dataset.manifest):
+        return None
+    try:
+        manifest = Manifest.load(store, task.dataset.manifest)
+    except ManifestError:
+        return None  # the node's own checks say what is wrong with it
+    return input_problem(task.model.name, task.model.arguments, manifest.features.shape)
+
+
 def cmd_status(args: argparse.Namespace) -> int:
-    status = TaskStatus.from_json(_client(args).call(control_ops.TASK_STATUS, task_cid=args.task_cid))
+    from p2ptrain.cli._home import home_of
+    from p2ptrain.control import ControlError
+
+    try:
+        status = TaskStatus.from_json(_client(args).call(control_ops.TASK_STATUS, task_cid=args.task_cid))
+    except ControlError as exc:
+        from p2ptrain.run import RunDir
+
+        home, cid = home_of(args), args.task_cid
+        if not RunDir.of(home, cid).chain.is_file():
+            raise
+        # A run this home took part in, before its node (re)started: a node hears of tasks anew.
+        raise UserError(f"{exc} since it started; this home took part in it before: `p2ptrain model verify --latest "
+                        f"{cid} --home {home}` shows its models (also `task report`; `node start --join` takes part "
+                        "again)") from None
     print(json.dumps(status.to_json(), indent=None) if args.json else render_status(status))
     return 0
 

@@ -69,7 +69,11 @@ class IPFSDataset(IterableDataset[tuple[torch.Tensor, torch.Tensor]]):
             store = open_store(Path(home).expanduser())
         self.store = store
         self.manifest_cid = manifest_cid
-        self.manifest = Manifest.load(store, manifest_cid)
+        try:
+            self.manifest = Manifest.load(store, manifest_cid)
+        except ContentUnavailable as exc:  # a machine that did not add the data set: say how it gets it
+            raise ContentUnavailable(exc.cid, f"{exc.reason}; fetch the data set first: p2ptrain dataset get "
+                                     f"{manifest_cid} --bootstrap MULTIADDR") from None
         self.split = split
         self.seed = seed
         self.shuffle = shuffle
@@ -143,6 +147,8 @@ class IPFSDataset(IterableDataset[tuple[torch.Tensor, torch.Tensor]]):
             self._check_ranges(features, labels)
         except (ContentUnavailable, BlockMismatch, DagError, ShardError) as exc:
             reason = exc.reason if isinstance(exc, ContentUnavailable) else str(exc)
+            if isinstance(exc, ContentUnavailable):
+                reason += f"; fetch the data set first: p2ptrain dataset get {self.manifest_cid} --bootstrap MULTIADDR"
             raise ShardUnavailable(
                 f"shard {index} of split {self.split!r} ({ref.cid}) cannot be used: {reason}", ref.cid
             ) from exc

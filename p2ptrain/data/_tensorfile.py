@@ -71,6 +71,8 @@ def read_header(data: bytes) -> Header:
         raise TensorFileError("not a safetensors file: shorter than its 8-byte header length")
     header_len = int.from_bytes(data[:8], "little")
     if header_len > MAX_HEADER_BYTES:
+        if data[:1] in (b"{", b"["):  # a length with 8 printable bytes: JSON text, e.g. a task given for a model
+            raise TensorFileError(f"not a safetensors file: it begins as JSON text ({data[:24]!r}...)")
         raise TensorFileError(f"safetensors header of {header_len} B is over the {MAX_HEADER_BYTES} B limit")
     if 8 + header_len > len(data):
         raise TensorFileError(f"safetensors header of {header_len} B runs past the file's {len(data)} B")

@@ -37,6 +37,8 @@ def test_a_real_file_reads_back():
         (b"\x01\x00", "shorter"),
         (struct.pack("<Q", MAX_HEADER_BYTES + 1) + b"{}", "over the"),
         (struct.pack("<Q", 100) + b"{}", "runs past"),
+        # JSON (a task's CID given where a model's goes): said so, not a header of 7.3e18 bytes.
+        (b'{"compression": {"density": 0.01}}\n', r"not a safetensors file: it begins as JSON text \(b'\{\"compression"),
         (crafted(b"[" * 100_000), "nested"),
         (crafted(b"{\"a\":" + b"1" * 400 + b"}"), "integer"),
         (crafted([]), "must be an object"),

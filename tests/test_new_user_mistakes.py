@@ -1,0 +1,271 @@
+"""The mistakes a new user makes on the way from install to a model CID, each one clear line that
+says what was meant, before anything is spent: a task's CID given where a model's goes, a task
+whose model does not fit its data set, a port another node listens on; and a script of one's own
+that waits for members it lacks says so where default logging shows it."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from p2ptrain.testing import run_forked
+
+P2PTRAIN = str(Path(sys.executable).with_name("p2ptrain"))
+
+TASK = """name = "iris-mlp"
+[model]
+name = "mlp"
+kwargs = {{ in_features = {width}, hidden = [16], out_features = 3 }}
+[dataset]
+manifest = "{manifest}"
+[optimizer]
+name = "adam"
+lr = 0.01
+[training]
+batch_size = 16
+total_steps = 20
+"""
+
+
+def _home_with_data(tmp_path: Path) -> tuple[Path, str, str]:
+    """A home whose store holds a data set of 4 features (as ``dataset add`` of a table leaves it)
+    and a task that trains on it; their CIDs."""
+    from p2ptrain.data import Manifest
+    from p2ptrain.data._manifest import ShardRef, TensorSpec
+    from p2ptrain.ipfs import open_store
+    from p2ptrain.task import load_task, task_bytes
+
+    home = tmp_path / "home"
+    store = open_store(home)
+    shard = store.add_bytes(b"a shard", cid_version=1)
+    manifest = Manifest("iris", TensorSpec("float32", (4,)), TensorSpec("int64", ()), {"train": (ShardRef(shard, 4),)})
+    manifest_cid = manifest.save(store)
+    task_cid = store.add_bytes(task_bytes(load_task(TASK.format(width=4, manifest=manifest_cid))))
+    return home, str(manifest_cid), str(task_cid)
+
+
+def test_model_fetch_of_a_task_or_a_manifest_says_what_it_is_and_what_was_meant(tmp_path, capsys):
+    """It said: `is not a p2ptrain model: model file header is not valid: safetensors header of
+    7310028760498250363 B is over the 16777216 B limit` (a task's JSON read as a header length)."""
+    from p2ptrain.cli.main import main
+
+    home, manifest_cid, task_cid = _home_with_data(tmp_path)
+    out = tmp_path / "model.safetensors"
+    assert main(["model", "fetch", task_cid, "-o", str(out), "--home", str(home)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == (f"p2ptrain: error: {task_cid} is not a p2ptrain model: it is task 'iris-mlp'; its latest model: "
+                   f"p2ptrain model fetch --latest {task_cid} -o {out}")
+    assert main(["model", "fetch", manifest_cid, "-o", str(out), "--home", str(home)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == (f"p2ptrain: error: {manifest_cid} is not a p2ptrain model: it is the manifest of dataset 'iris' "
+                   f"(p2ptrain dataset info {manifest_cid})")
+    assert not out.exists()
+
+
+def test_task_publish_refuses_a_model_that_does_not_fit_the_homes_data_set(tmp_path, capsys):
+    """It published the task (a CID, exit 0), and every member then failed at join with torch's words."""
+    from p2ptrain.cli.main import main
+
+    home, manifest_cid, _ = _home_with_data(tmp_path)
+    wrong = tmp_path / "wrong.toml"
+    wrong.write_text(TASK.format(width=64, manifest=manifest_cid))
+    assert main(["task", "publish", str(wrong), "--home", str(home)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"p2ptrain: error: {wrong}: the task's data set and model do not fit: samples of shape (4,) "
+                          "do not fit model mlp: ") and err.endswith("; nothing published"), err
+    assert "\n" not in err
+    right = tmp_path / "right.toml"
+    right.write_text(TASK.format(width=4, manifest=manifest_cid))
+    assert main(["task", "publish", str(right), "--home", str(home)]) == 1  # checked, then: no node to publish it
+    assert "no node is running" in capsys.readouterr().err
+
+
+@pytest.fixture
+def taken_port() -> Iterator[int]:
+    """A port listened on the way py-libp2p listens (SO_REUSEPORT), as another node would."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()
+    try:
+        yield sock.getsockname()[1]
+    finally:
+        sock.close()
+
+
+def test_node_start_refuses_a_port_another_node_listens_on(tmp_path, taken_port):
+    """It started, "listening" on the port beside the other node (the kernel then deals each
+    dialer to one of the two), until killed."""
+    home = tmp_path / "home"
+    result = run_forked([P2PTRAIN, "node", "start", "--home", str(home), "--listen",
+                         f"/ip4/127.0.0.1/tcp/{taken_port}"], capture_output=True, timeout=60, cwd=tmp_path)
+    err = result.stderr.decode().strip()
+    assert result.returncode == 1, err
+    assert err == (f"p2ptrain: error: --listen /ip4/127.0.0.1/tcp/{taken_port}: cannot listen on port {taken_port} of "
+                   "127.0.0.1: another node or program listens there (give another port, or 0 for any free one)")
+
+
+def test_a_background_peer_refuses_a_taken_port_and_quiets_libp2p_unless_told(tmp_path, taken_port, monkeypatch):
+    """``p2ptrain.Optimizer``'s peer: the same port check as ``node start``; and py-libp2p's churn
+    (``Failed to read DHT message from stream``, at WARNING) stays off a script's terminal unless the
+    script chose the ``libp2p`` logger's level itself (py-libp2p sets WARNING at import, with no handler
+    and no propagation: Python's last-resort handler printed those lines bare) or set LIBP2P_DEBUG."""
+    from p2ptrain.api._background import BackgroundPeer
+    from p2ptrain.base import UserError
+    from p2ptrain.node import NodeConfig
+
+    libp2p = logging.getLogger("libp2p")
+    before = libp2p.level
+    monkeypatch.delenv("LIBP2P_DEBUG", raising=False)
+    try:
+        libp2p.setLevel(logging.WARNING)  # what py-libp2p sets as it is imported
+        with pytest.raises(UserError, match=f"listen= /ip4/127.0.0.1/tcp/{taken_port}: cannot listen"):
+            BackgroundPeer(tmp_path / "a", NodeConfig(listen=[f"/ip4/127.0.0.1/tcp/{taken_port}"]))
+        peer = BackgroundPeer(tmp_path / "b", NodeConfig(listen=["/ip4/127.0.0.1/tcp/0"]))
+        peer.close()
+        assert libp2p.level == logging.CRITICAL
+        libp2p.setLevel(logging.INFO)  # the script's own choice stays
+        peer = BackgroundPeer(tmp_path / "c", NodeConfig(listen=["/ip4/127.0.0.1/tcp/0"]))
+        peer.close()
+        assert libp2p.level == logging.INFO
+    finally:
+        libp2p.setLevel(before)
+
+
+def test_a_member_waiting_for_members_says_so_once_where_default_logging_shows_it(tmp_path, caplog, monkeypatch):
+    """A script's member alone in a run of min_peers 2 printed nothing (the wait was logged at INFO):
+    a user saw a terminal that hung. Now the first report of the wait is a WARNING naming how many
+    are missing and the address they bootstrap from."""
+    import torch
+    from torch import nn
+
+    import p2ptrain
+    from p2ptrain.api import _optimizer
+
+    monkeypatch.setattr(_optimizer, "WAIT_REPORT_S", 0.5)
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    opt = p2ptrain.Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model, run="alone",
+                             home=tmp_path / "home", min_peers=2, total_steps=10, join_window_s=0.5)
+
+    def step() -> None:  # returns once the member leaves the run (close)
+        opt.zero_grad()
+        model(torch.randn(3, 4)).sum().backward()
+        opt.step()
+
+    thread = threading.Thread(target=step)
+    with caplog.at_level(logging.INFO, logger="p2ptrain.api._optimizer"):
+        thread.start()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and sum("waits for the run" in r.message for r in caplog.records) < 2:
+            time.sleep(0.1)
+        opt.close()
+        thread.join(60)
+    assert not thread.is_alive()
+    waits = [r for r in caplog.records if "waits for the run" in r.message]
+    assert len(waits) >= 2, [r.message for r in caplog.records]
+    assert waits[0].levelno == logging.WARNING
+    assert "waiting for 1 more peer(s); they bootstrap from /ip4/127.0.0.1/tcp/" in waits[0].message
+    assert all(r.levelno == logging.INFO for r in waits[1:])
+
+
+def test_task_status_of_a_run_before_the_nodes_restart_says_where_its_models_are(tmp_path, capsys):
+    """A member's node restarted after its run: `task status` said only that this node has not
+    heard of the task, though the home keeps the run's chain and models."""
+    from p2ptrain.cli.main import main
+    from p2ptrain.run import RunDir
+    from p2ptrain.testing import node_processes
+
+    with node_processes(1, tmp_path) as (node,):
+        task_cid = "QmbDMHamurT52U7AbRYAzisR9jCiZAxQcd5b5QNEnL1tAW"
+        unknown = "QmY8LRy4gaMnDj6HkVPXxFN6Zo9fb1WiDFXyn8XMhBqjfQ"
+        run_dir = RunDir.of(node.home, task_cid)
+        run_dir.path.mkdir(parents=True)
+        run_dir.chain.write_bytes(b"")  # what a member's home keeps of a run
+        assert main(["task", "status", task_cid, "--home", str(node.home)]) == 1
+        err = capsys.readouterr().err.strip()
+        assert err == (f"p2ptrain: error: task.status: this node has not heard of task {task_cid} since it started; "
+                       f"this home took part in it before: `p2ptrain model verify --latest {task_cid} --home "
+                       f"{node.home}` shows its models (also `task report`; `node start --join` takes part again)")
+        assert main(["task", "status", unknown, "--home", str(node.home)]) == 1
+        assert capsys.readouterr().err.strip() == f"p2ptrain: error: task.status: this node has not heard of task {unknown}"
+
+
+def test_model_fetch_latest_reads_the_chain_a_members_home_keeps_when_no_node_runs(tmp_path, capsys):
+    """After a script's run (its in-process node gone), `model fetch --latest RUN_CID --home H` said
+    the latest model was 'not in the store of H, and no node is running there', though the home
+    keeps the run's chain and the model (`model verify --latest` read them); so also where a killed
+    script left its control socket's file."""
+    import torch
+    from torch import nn
+
+    import p2ptrain
+    from p2ptrain.cli.main import main
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    home = tmp_path / "member"
+    opt = p2ptrain.Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model, run="kept", home=home,
+                             min_peers=1, total_steps=2, checkpoint_every=1, join_window_s=0.5)
+    with opt, pytest.raises(p2ptrain.RunFinished):
+        for _ in range(3):
+            opt.zero_grad()
+            model(torch.randn(3, 4)).sum().backward()
+            opt.step()
+    run_cid, model_cid = opt.run_cid, opt.model_cid  # after close: as the run was when this member left
+    assert model_cid is not None and opt.step_count == 2
+    from p2ptrain.control import socket_path
+
+    left = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # what a script killed mid-run leaves: a socket
+    left.bind(str(socket_path(home)))  # file nobody answers on (it was 'no node is running for home H')
+    left.close()
+    out = tmp_path / "model.safetensors"
+    assert main(["model", "fetch", "--latest", run_cid, "-o", str(out), "--home", str(home)]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.startswith(f"{model_cid} -> {out}")
+    assert f"latest model of task {run_cid} in this home's chain: v2 (step 2)" in captured.err
+    fresh = nn.Linear(4, 2)
+    p2ptrain.load_state(fresh, str(out))
+    assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), model.state_dict().values()))
+
+
+def test_dataset_get_makes_a_data_set_by_cid_local_for_ipfsdataset_on_a_machine_that_did_not_add_it(tmp_path, capsys):
+    """A member's script reading shared data (`p2ptrain.train(model, IPFSDataset(CID))`) on a machine
+    that did not run `dataset add` raised ContentUnavailable from the constructor, and no command
+    fetched a data set's shards (`ipfs get` of the manifest fetches the manifest alone)."""
+    from p2ptrain.cli.main import main
+    from p2ptrain.data import IPFSDataset
+    from p2ptrain.testing import node_processes
+
+    with node_processes(1, tmp_path / "nodes") as (node,):
+        assert main(["dataset", "add", "sklearn:iris", "--shards", "3", "--home", str(node.home)]) == 0
+        manifest_cid = capsys.readouterr().out.split()[0]
+        fresh = tmp_path / "fresh"
+        assert main(["dataset", "get", manifest_cid, "--home", str(fresh), "--bootstrap", node.addr]) == 0
+        out = capsys.readouterr().out.strip()
+    assert out == f"{manifest_cid} (iris): test 30 samples in 1 shards, train 120 samples in 3 shards, held in {fresh}"
+    assert len(list(IPFSDataset(manifest_cid, split="train", home=fresh))) == 120  # read with no node, no network
+    assert len(list(IPFSDataset(manifest_cid, split="test", home=fresh))) == 30
+
+
+def test_ipfsdataset_on_a_home_without_the_data_says_how_to_get_it(tmp_path):
+    """It said only `block is not held locally in …/blocks, and no network fetcher is attached`."""
+    from p2ptrain.data import IPFSDataset
+    from p2ptrain.data._ipfs_dataset import ShardUnavailable
+    from p2ptrain.ipfs import ContentUnavailable, open_store
+
+    home, manifest_cid, _ = _home_with_data(tmp_path)
+    with pytest.raises(ContentUnavailable, match=f"fetch the data set first: p2ptrain dataset get {manifest_cid} "
+                                                 "--bootstrap MULTIADDR$"):
+        IPFSDataset(manifest_cid, home=tmp_path / "empty")
+    shard = IPFSDataset(manifest_cid, home=home).manifest.shards("train")[0].cid
+    open_store(home).blocks.delete(shard)  # the manifest held, its shard not
+    with pytest.raises(ShardUnavailable, match=f"p2ptrain dataset get {manifest_cid} --bootstrap MULTIADDR$"):
+        list(IPFSDataset(manifest_cid, home=home))
