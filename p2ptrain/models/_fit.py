@@ -14,6 +14,7 @@ language model, float32 for the others (pixels are scaled to float32 as they are
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -30,6 +31,11 @@ def input_problem(name: str, kwargs: dict[str, Any], sample_shape: Sequence[int]
     one line; None when they can, or when ``name`` is not one of :data:`CHECKED_BUILDERS`."""
     if name not in CHECKED_BUILDERS:
         return None
+    width = math.prod(sample_shape)
+    if name == "mlp" and kwargs.get("in_features", width) != width:
+        # The forward pass's own words ("a and b must have same reduction dim...") name no setting.
+        return (f"samples of shape {tuple(sample_shape)} do not fit model mlp: it takes in_features = "
+                f"{kwargs['in_features']} values a sample, these have {width} (set in_features = {width})")
     dtype = torch.int64 if name in _TOKEN_INPUTS else torch.float32
     model = meta_model(name, kwargs)
     try:

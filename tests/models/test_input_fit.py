@@ -33,6 +33,11 @@ def test_samples_fit_a_model_or_the_problem_is_one_line(name, kwargs, shape, fit
         assert "\n" not in problem and f"samples of shape {shape}" in problem and name in problem
 
 
+def test_an_mlp_of_the_wrong_width_is_told_which_setting_to_change() -> None:
+    assert input_problem("mlp", MLP, (4,)) == ("samples of shape (4,) do not fit model mlp: it takes in_features = 64 "
+                                               "values a sample, these have 4 (set in_features = 4)")
+
+
 def test_a_builder_this_package_does_not_ship_is_not_judged() -> None:
     assert input_problem("hf", {}, (10_000,)) is None
 
