@@ -236,7 +236,7 @@ class Discovery:
         return any(info.peer_id == peer_id for info in self.bootstrap)
 
     async def _keep(self, peer_id: ID, addrs: list[Multiaddr], while_: Callable[[], bool]) -> None:
-        delay, reached = REDIAL_MIN_S, False
+        delay, reached, failed = REDIAL_MIN_S, False, 0
         self._new_relayed[peer_id] = trio.Event()
         try:
             while while_():
@@ -244,6 +244,13 @@ class Discovery:
                     delay, reached = REDIAL_MIN_S, True
                     await trio.sleep(CONNECTED_POLL_S)
                 else:
+                    failed += 1
+                    if self._is_bootstrap(peer_id) and not reached and failed & (failed - 1) == 0:
+                        # The user named this peer: a typo, a node that is not running or a closed
+                        # port would otherwise leave a node alone with nothing said (1st, 2nd, 4th... try).
+                        logger.warning("bootstrap peer %s not reached at %s (%d tries): check the address, the peer "
+                                       "ID, that its node runs and that its port is open; trying again",
+                                       short_id(peer_id), ", ".join(map(str, addrs)), failed)
                     logger.debug("%s unreachable; redial in %.2f s", short_id(peer_id), delay)
                     with trio.move_on_after(delay * random.uniform(0.8, 1.2)):
                         await self._new_relayed[peer_id].wait()

@@ -166,6 +166,33 @@ async def test_a_node_that_knows_one_peer_finds_the_rest(tmp_path):
             node.stop()
 
 
+async def test_a_bootstrap_peer_never_reached_is_named_at_warning(tmp_path, caplog):
+    """A --bootstrap address whose peer ID is not the listener's (a typo, another node on that
+    port): the dial fails its Noise handshake, and the node says so instead of staying alone in
+    silence; the redials go on (the peer may come up later)."""
+    import logging
+
+    from libp2p.crypto.ed25519 import create_new_key_pair
+
+    from p2ptrain.base import peer_id_of
+
+    caplog.set_level(logging.WARNING, logger="p2ptrain.mesh._discovery")
+    async with trio.open_nursery() as nursery:
+        a = Node(tmp_path / "a")
+        await nursery.start(a.run)
+        stranger = peer_id_of(create_new_key_pair(b"\x07" * 32)).to_base58()
+        wrong = a.addrs[0].rsplit("/p2p/", 1)[0] + f"/p2p/{stranger}"
+        b = Node(tmp_path / "b", NodeConfig(bootstrap=[wrong]))
+        await nursery.start(b.run)
+        with trio.fail_after(15):
+            while not any("not reached" in r.getMessage() for r in caplog.records):
+                await trio.sleep(0.05)
+        line = next(r.getMessage() for r in caplog.records if "not reached" in r.getMessage())
+        assert f"bootstrap peer {stranger[-8:]} not reached at {wrong.rsplit('/p2p/', 1)[0]}" in line, line
+        for node in (a, b):
+            node.stop()
+
+
 async def test_the_dht_learns_peers_from_connections_and_lookups_reveal_them(tmp_path):
     """Kad-DHT peer routing: c knows only b, and a lookup through b finds a."""
     async with trio.open_nursery() as nursery:
