@@ -245,9 +245,10 @@ class Discovery:
                     await trio.sleep(CONNECTED_POLL_S)
                 else:
                     failed += 1
-                    if self._is_bootstrap(peer_id) and not reached and failed & (failed - 1) == 0:
+                    if self._is_bootstrap(peer_id) and not reached and failed >= 4 and failed & (failed - 1) == 0:
                         # The user named this peer: a typo, a node that is not running or a closed
-                        # port would otherwise leave a node alone with nothing said (1st, 2nd, 4th... try).
+                        # port would otherwise leave a node alone with nothing said. From the 4th try
+                        # (~1.5 s: nodes started together are still starting before), then the 8th, 16th...
                         logger.warning("bootstrap peer %s not reached at %s (%d tries): check the address, the peer "
                                        "ID, that its node runs and that its port is open; trying again",
                                        short_id(peer_id), ", ".join(map(str, addrs)), failed)
