@@ -86,6 +86,48 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=lambda item: -_own_timeout(item))
 
 
+# The protocol's waits that a run of in-process peers (p2ptrain.testing.local_peers) spends idle, as
+# (module, name, value for tests); the production values are the modules' own (docs/testing.md, "Quick
+# timers"). Each is a wait for peers that may still come or a message that may still arrive, and the
+# run takes the same path whichever way it ends: only how long nothing happens changes. Each a
+# quarter of production or less, and every one still several times loopback's round trip and a
+# loaded 2-core box's scheduling delays (hundreds of ms), so no test's outcome depends on them.
+QUICK_TIMERS: tuple[tuple[str, str, float], ...] = (
+    # The coordinator publishes the run's head every 2 s; a joiner listens 1.5 heads' worth (3 s)
+    # before it takes step 0 as the run's state: every fresh join waited 3 s for a head nobody sends.
+    ("p2ptrain.run._leading", "HEAD_EVERY_S", 0.5),
+    ("p2ptrain.run._task_run", "HEAR_HEAD_S", 0.75),
+    # A new coordinator's first plan waits 2 s for peers still joining (unless peers.max advertise).
+    ("p2ptrain.protocol._planner", "FIRST_ROUND_GRACE_S", 0.5),
+    # A resuming member hears its record's other members up to 20 s; a test's absent member is dead.
+    ("p2ptrain.run._resume", "RESUME_WAIT_S", 5.0),
+    # A round waits 15 s for every member of its plan to open its channel: for a member that was
+    # stopped, a Sybil that never trains, a hostile one. Members in one process open theirs within
+    # a second of each other, a loaded box's worst seen is a few: 6 s still covers it.
+    ("p2ptrain.run._spans", "START_TIMEOUT_S", 6.0),
+)
+
+
+@pytest.fixture
+def quick_timers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The protocol's idle waits (QUICK_TIMERS) shortened for one test of in-process peers. Opt-in
+    (``pytestmark = pytest.mark.usefixtures("quick_timers")``): tests of the waits themselves, and of
+    the pure state machines that compute with the constants, keep the production values. Processes
+    (forked or fresh) import their own modules and keep them too. ``P2PTRAIN_TEST_QUICK=0`` keeps the
+    production values everywhere (was it the timers? compare)."""
+    import importlib
+
+    if os.environ.get("P2PTRAIN_TEST_QUICK", "1") == "0":
+        return
+
+    # Every module imported before any is patched: _task_run derives HEAR_HEAD_S from _leading's
+    # HEAD_EVERY_S when it is first imported.
+    targets = [(importlib.import_module(module), name, value) for module, name, value in QUICK_TIMERS]
+    for target, name, value in targets:
+        assert getattr(target, name) > value, f"{target.__name__}.{name} is already at or below its quick value"
+        monkeypatch.setattr(target, name, value)
+
+
 @pytest.hookimpl(tryfirst=True)  # before fixtures start (a session daemon) and like skipif
 def pytest_runtest_setup(item: pytest.Item) -> None:
     for mark in item.iter_markers("needs"):
