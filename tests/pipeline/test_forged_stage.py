@@ -20,7 +20,6 @@ import logging
 from pathlib import Path
 from typing import Any
 
-import pytest
 import trio
 
 from p2ptrain.base import short_id
@@ -29,8 +28,6 @@ from p2ptrain.testing import local_peers
 from p2ptrain.training import check_stage_signatures, read_manifest
 
 from .test_pipelined_run import small_text, STEP_S, TASK  # noqa: F401 (small_text: an autouse fixture)
-
-pytestmark = pytest.mark.usefixtures("quick_timers")  # tests/conftest.py: the protocol's idle waits shortened
 
 DEADLINE_S = 300.0
 PEERS = 5

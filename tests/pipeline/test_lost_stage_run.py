@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import pytest
 import trio
 
 from p2ptrain.api import split_shards
@@ -34,8 +33,6 @@ from p2ptrain.testing import local_peers
 from p2ptrain.training import PositionedBatches, Trainer
 
 from .test_pipelined_run import publish, small_text, whole_model  # noqa: F401 (small_text: an autouse fixture)
-
-pytestmark = pytest.mark.usefixtures("quick_timers")  # tests/conftest.py: the protocol's idle waits shortened
 
 DEADLINE_S = 300.0
 STEP_S = 120.0

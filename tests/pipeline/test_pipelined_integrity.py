@@ -24,8 +24,6 @@ from p2ptrain.wire.activations import Kind
 
 from .test_pipelined_run import publish, small_text  # noqa: F401 (small_text: an autouse fixture)
 
-pytestmark = pytest.mark.usefixtures("quick_timers")  # tests/conftest.py: the protocol's idle waits shortened
-
 DEADLINE_S = 300.0
 STEP_S = 150.0
 TASK = """\

@@ -16,8 +16,6 @@ from p2ptrain.training import is_manifest
 
 from .test_pipelined_run import DEADLINE_S, publish, small_text, STEP_S, STEPS
 
-pytestmark = pytest.mark.usefixtures("quick_timers")  # tests/conftest.py: the protocol's idle waits shortened
-
 __all__ = ["small_text"]  # the fixture (autouse): the small text, one thread
 
 

@@ -33,8 +33,6 @@ from p2ptrain.task import load_task, task_bytes
 from p2ptrain.testing import LocalPeers, local_peers
 from p2ptrain.training import is_manifest, model_file, PositionedBatches, stage_file_cids, Trainer
 
-pytestmark = pytest.mark.usefixtures("quick_timers")  # tests/conftest.py: the protocol's idle waits shortened
-
 DEADLINE_S = 240.0
 STEP_S = 120.0
 STEPS, INTERVAL, BATCH = 16, 2, 4
