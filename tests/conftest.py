@@ -89,9 +89,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 # The protocol's waits that a run of in-process peers (p2ptrain.testing.local_peers) spends idle, as
 # (module, name, value for tests); the production values are the modules' own (docs/testing.md, "Quick
 # timers"). Each is a wait for peers that may still come or a message that may still arrive, and the
-# run takes the same path whichever way it ends: only how long nothing happens changes. Each a
-# quarter of production or less, and every one still several times loopback's round trip and a
-# loaded 2-core box's scheduling delays (hundreds of ms), so no test's outcome depends on them.
+# run takes the same path whichever way it ends: only how long nothing happens changes. Each 25-40%
+# of production, and every one still several times loopback's round trip and a loaded 2-core box's
+# scheduling delays (hundreds of ms). Measured: docs/testing.md, "Quick timers".
 QUICK_TIMERS: tuple[tuple[str, str, float], ...] = (
     # The coordinator publishes the run's head every 2 s; a joiner listens 1.5 heads' worth (3 s)
     # before it takes step 0 as the run's state: every fresh join waited 3 s for a head nobody sends.
@@ -102,8 +102,10 @@ QUICK_TIMERS: tuple[tuple[str, str, float], ...] = (
     # A resuming member hears its record's other members up to 20 s; a test's absent member is dead.
     ("p2ptrain.run._resume", "RESUME_WAIT_S", 5.0),
     # A round waits 15 s for every member of its plan to open its channel: for a member that was
-    # stopped, a Sybil that never trains, a hostile one. Members in one process open theirs within
-    # a second of each other, a loaded box's worst seen is a few: 6 s still covers it.
+    # stopped, a Sybil that never trains, a hostile one. Members in one process get a plan within
+    # milliseconds of each other and had opened their channels within half a second in the logs
+    # read (load ~1): 6 s leaves a loaded box seconds to spare, and a member that misses it is left
+    # out of the retry for a while, not failed.
     ("p2ptrain.run._spans", "START_TIMEOUT_S", 6.0),
 )
 
