@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -110,6 +111,20 @@ QUICK_TIMERS: tuple[tuple[str, str, float], ...] = (
 )
 
 
+def _shorten_protocol_waits(patch: pytest.MonkeyPatch) -> None:
+    """QUICK_TIMERS set with ``patch`` (undone with it), unless ``P2PTRAIN_TEST_QUICK=0``."""
+    import importlib
+
+    if os.environ.get("P2PTRAIN_TEST_QUICK", "1") == "0":
+        return
+    # Every module imported before any is patched: _task_run derives HEAR_HEAD_S from _leading's
+    # HEAD_EVERY_S when it is first imported.
+    targets = [(importlib.import_module(module), name, value) for module, name, value in QUICK_TIMERS]
+    for target, name, value in targets:
+        assert getattr(target, name) > value, f"{target.__name__}.{name} is already at or below its quick value"
+        patch.setattr(target, name, value)
+
+
 @pytest.fixture
 def quick_timers(monkeypatch: pytest.MonkeyPatch) -> None:
     """The protocol's idle waits (QUICK_TIMERS) shortened for one test of in-process peers. Opt-in
@@ -117,17 +132,16 @@ def quick_timers(monkeypatch: pytest.MonkeyPatch) -> None:
     the pure state machines that compute with the constants, keep the production values. Processes
     (forked or fresh) import their own modules and keep them too. ``P2PTRAIN_TEST_QUICK=0`` keeps the
     production values everywhere (was it the timers? compare)."""
-    import importlib
+    _shorten_protocol_waits(monkeypatch)
 
-    if os.environ.get("P2PTRAIN_TEST_QUICK", "1") == "0":
-        return
 
-    # Every module imported before any is patched: _task_run derives HEAR_HEAD_S from _leading's
-    # HEAD_EVERY_S when it is first imported.
-    targets = [(importlib.import_module(module), name, value) for module, name, value in QUICK_TIMERS]
-    for target, name, value in targets:
-        assert getattr(target, name) > value, f"{target.__name__}.{name} is already at or below its quick value"
-        monkeypatch.setattr(target, name, value)
+@pytest.fixture(scope="module")
+def quick_timers_for_module() -> Iterator[None]:
+    """:func:`quick_timers` for a whole module, for one whose module-scoped fixture starts a peer
+    that its tests share (the function-scoped one is set up after it, too late)."""
+    with pytest.MonkeyPatch.context() as patch:
+        _shorten_protocol_waits(patch)
+        yield
 
 
 @pytest.hookimpl(tryfirst=True)  # before fixtures start (a session daemon) and like skipif
