@@ -9,12 +9,15 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
 import trio
 
 from p2ptrain.cli.verify import verify
 from p2ptrain.testing import local_peers, publish_digits_task, run_forked
 from p2ptrain.protocol._lineage import entry_bytes
 from p2ptrain.protocol import entry_from_bytes, sign_record
+
+pytestmark = pytest.mark.usefixtures("quick_timers")  # tests/conftest.py: the protocol's idle waits shortened
 
 RUN_S = 180.0  # three peers start, train 9 rounds with 3 checkpoints, on a loaded 2-core box
 

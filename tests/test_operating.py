@@ -16,6 +16,8 @@ from p2ptrain.cli.report import load_points, write_report
 from p2ptrain.services import MetricsServer
 from p2ptrain.testing import local_peers, publish_digits_task
 
+pytestmark = pytest.mark.usefixtures("quick_timers")  # tests/conftest.py: the protocol's idle waits shortened
+
 DEADLINE_S = 120.0
 SCRAPE_TIMEOUT_S = 10.0
 

@@ -14,11 +14,14 @@ import re
 from pathlib import Path
 from typing import Any
 
+import pytest
 import trio
 
 from p2ptrain.cli.task import render_status
 from p2ptrain.control import TaskStatus
 from p2ptrain.testing import LocalPeers, local_peers, publish_digits_task
+
+pytestmark = pytest.mark.usefixtures("quick_timers")  # tests/conftest.py: the protocol's idle waits shortened
 
 # The whole test: two peers start, torch warms up, a tiny MLP trains 9 steps. Well under a minute
 # alone; the bound leaves room for a loaded 2-core box.

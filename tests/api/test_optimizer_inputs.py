@@ -46,10 +46,12 @@ class First:
 
 
 @pytest.fixture(scope="module")
-def first(tmp_path_factory: pytest.TempPathFactory) -> Iterator[First]:
+def first(tmp_path_factory: pytest.TempPathFactory, quick_timers_for_module: None) -> Iterator[First]:
     """A member alone in run "inputs" (min_peers 1), under way: two steps taken, serving Prometheus
     metrics. Nobody else starts with it: a short window (the others, started later, find its run
-    under way). Closed after the module's tests, and no thread of theirs or its own is left."""
+    under way). Closed after the module's tests, and no thread of theirs or its own is left. The
+    members here run in this process, so the protocol's idle waits are the tests' (tests/conftest.py,
+    quick_timers), for this member and those the tests start."""
     home = tmp_path_factory.mktemp("first") / "a"
     metrics_port = free_port()
     model = _net()

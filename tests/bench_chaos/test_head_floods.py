@@ -12,9 +12,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import trio
 from libp2p.peer.id import ID
 
+from p2ptrain.net import _inbound_limits
 from p2ptrain.services._tasks import HEAD_RATE, HEAD_REQUEST_RATE
 from p2ptrain.testing import local_peers
 from p2ptrain.wire import HeadRequest, TASKS_TOPIC, TaskHead
@@ -25,6 +27,16 @@ TASK = "QmT78zSuBmuS4z925WZfrqQ1qHaJ56DQaTfyMUF7F8ff5o"
 FLOOD = 400  # each kind, sent in a few hundred milliseconds: far past any burst
 
 
+@pytest.fixture
+def pauses_of_one_second(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A flooder's pauses stay at FLOODER_PAUSE_S instead of doubling up to 8 s, for a test that
+    waits until a whole flood is read (~40 s of pauses for ~1 s of CPU) and checks what got through
+    against the time that took: a rate, whatever the pauses were. The pauses themselves, and their
+    doubling, are the other tests'."""
+    monkeypatch.setattr(_inbound_limits, "FLOODER_MAX_PAUSE_S", _inbound_limits.FLOODER_PAUSE_S)
+
+
+@pytest.mark.usefixtures("pauses_of_one_second")
 async def test_a_flood_of_heads_and_head_requests_from_one_sender_is_held_to_its_rate(tmp_path: Path) -> None:
     async with local_peers(2, tmp_path) as peers, hostile.hostile_peer() as peer:
         first, second = peers[0].node, peers[1].node
@@ -101,6 +113,7 @@ async def test_a_sender_that_keeps_flooding_is_not_read_for_a_while(tmp_path: Pa
 BIG_MEMBERS = 1024  # issue 27's forged head: 57 KB, 10-20 ms to decode and check here
 
 
+@pytest.mark.usefixtures("pauses_of_one_second")
 async def test_big_forged_heads_cost_their_sender_a_token_per_4_kib(tmp_path: Path) -> None:
     """A flood of 57 KB heads gets ~14 times fewer through than one of small heads: at 8 a second
     such heads held a node's event loop for 0.4-0.7 s at a time and its run re-elected (issue 27).

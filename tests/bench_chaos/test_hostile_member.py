@@ -21,6 +21,8 @@ from p2ptrain.testing import local_peers, publish_digits_task
 
 from .test_model_bomb import _load
 
+pytestmark = pytest.mark.usefixtures("quick_timers")  # tests/conftest.py: the protocol's idle waits shortened
+
 member = _load("hostile_member")
 DEADLINE_S = 180.0  # four peers on a loaded two-core box: joins, a checkpoint, caught rounds, two more
 

@@ -13,6 +13,8 @@ from p2ptrain.models import input_problem
 from p2ptrain.testing import local_peers
 from p2ptrain.testing._peers import DIGITS_TASK
 
+pytestmark = pytest.mark.usefixtures("quick_timers")  # tests/conftest.py: the protocol's idle waits shortened
+
 MLP = {"in_features": 64, "hidden": [16], "out_features": 10}
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 import trio
 
 from p2ptrain.data import build_dataset, load_source
@@ -22,6 +23,8 @@ from p2ptrain.testing import LocalPeers, local_peers
 from p2ptrain.testing._peers import DIGITS_TASK
 from p2ptrain.protocol import read_tensors
 from p2ptrain.task import load_task, task_bytes
+
+pytestmark = pytest.mark.usefixtures("quick_timers")  # tests/conftest.py: the protocol's idle waits shortened
 
 DEADLINE_S = 120.0  # the whole test: three peers train 3 spans of a tiny MLP (~10 s alone)
 STEP_S = 60.0  # one condition: the run's own deadlines are a few seconds
@@ -36,8 +39,9 @@ async def _publish(peers: LocalPeers) -> str:
     def build() -> str:
         source, features, labels = load_source("sklearn:digits")
         manifest, _ = build_dataset(store, source, (features / 16.0).astype(np.float32), labels, 4, test_fraction=0.2)
+        # peers.max: the peers here, so term 0 ends once all are alive (nobody else could join).
         text = DIGITS_TASK.format(name="overlap", manifest=manifest, total_steps=TOTAL_STEPS,
-                                  checkpoint_interval=INTERVAL, min_peers=1, max_peers=8)
+                                  checkpoint_interval=INTERVAL, min_peers=1, max_peers=len(peers))
         text = text.replace("[training]\n", "[training]\noverlap_checkpoints = true\n")
         cid = store.add_bytes(task_bytes(load_task(text)))
         store.pin_add(cid)

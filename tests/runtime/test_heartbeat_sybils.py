@@ -16,9 +16,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import trio
 
 from p2ptrain.testing import LocalPeers, local_peers, publish_digits_task
+
+pytestmark = pytest.mark.usefixtures("quick_timers")  # tests/conftest.py: the protocol's idle waits shortened
 
 RUN_S = 200.0  # generous: the suite shares two cores with other work
 
@@ -40,7 +43,9 @@ def _version(peers: LocalPeers, task_cid: str, honest: range) -> int:
 async def test_heartbeat_only_sybils_neither_stop_a_new_task_nor_freeze_a_running_one(tmp_path: Path) -> None:
     honest = range(2)
     with trio.fail_after(RUN_S):
-        async with local_peers(2, tmp_path) as peers:
+        # Heartbeats every 0.5 s: the Sybils' churn before they fall out of the voters is election
+        # terms (3 heartbeats each), and the run's rounds do not depend on the interval.
+        async with local_peers(2, tmp_path, heartbeat_interval=0.5) as peers:
             task_cid = await publish_digits_task(peers[0], total_steps=400, checkpoint_interval=4, min_peers=2)
             # As many Sybils as honest members, there before the run starts: a quorum of the four
             # identities the members saw advertising it (3) was out of reach of two honest voters.

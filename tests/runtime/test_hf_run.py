@@ -11,10 +11,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import pytest
 import trio
 
 from p2ptrain.testing import EOS, LocalPeers, local_peers, run_cli, text_corpus
 from p2ptrain.protocol import Chain, read_chain
+
+pytestmark = pytest.mark.usefixtures("quick_timers")  # tests/conftest.py: the protocol's idle waits shortened
 
 DEADLINE_S = 240.0
 CONFIG = ('{{ model_type = "gpt2", n_layer = 2, n_embd = 32, n_head = 2, vocab_size = {vocab}, n_positions = 16, '

@@ -20,6 +20,8 @@ import trio
 from p2ptrain.protocol import signing
 from p2ptrain.testing import local_peers, publish_digits_task
 
+pytestmark = pytest.mark.usefixtures("quick_timers")  # tests/conftest.py: the protocol's idle waits shortened
+
 # The attack (a ground key, forged records), shared with the chaos bench (bench/hostile_member.py).
 _spec = importlib.util.spec_from_file_location(
     "p2ptrain_test_hostile_attacks", Path(__file__).resolve().parents[1] / "collective" / "hostile.py")

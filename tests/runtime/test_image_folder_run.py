@@ -11,12 +11,15 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 import trio
 from PIL import Image
 from sklearn.datasets import load_digits
 
 from p2ptrain.testing import LocalPeers, local_peers
 from p2ptrain.protocol import Chain, read_chain
+
+pytestmark = pytest.mark.usefixtures("quick_timers")  # tests/conftest.py: the protocol's idle waits shortened
 
 DEADLINE_S = 150.0
 STEPS, CHECKPOINT = 60, 20

@@ -8,12 +8,15 @@ import os
 from pathlib import Path
 
 import torch
+import pytest
 import trio
 
 from p2ptrain.ipfs import CHUNK_SIZE, dag_bytes_limit, parse_cid, walk_dag
 from p2ptrain.testing import local_peers, publish_digits_task
 from p2ptrain.models import build_model, model_file_limit
 from p2ptrain.protocol import model_bytes
+
+pytestmark = pytest.mark.usefixtures("quick_timers")  # tests/conftest.py: the protocol's idle waits shortened
 
 KWARGS = {"in_features": 64, "hidden": [16], "out_features": 10}  # testing.DIGITS_TASK's model
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
 
@@ -14,6 +15,8 @@ from p2ptrain.services import LatestFinder
 from p2ptrain.testing import local_peers, proven_chain, rules_task
 from p2ptrain.protocol import signing
 from p2ptrain.wire import TASKS_TOPIC, TaskHead
+
+pytestmark = pytest.mark.usefixtures("quick_timers")  # tests/conftest.py: the protocol's idle waits shortened
 
 # Peers start, one request and its answer, a few chains fetched: seconds; room for a loaded box.
 DEADLINE_S = 60.0

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import pytest
 import trio
 
 from p2ptrain.cli.task import render_status
@@ -21,6 +22,8 @@ from p2ptrain.control import TaskStatus
 from p2ptrain.testing import LocalPeers, local_peers
 from p2ptrain.training import LocalSGDTrainer
 from p2ptrain.protocol import Chain, read_chain
+
+pytestmark = pytest.mark.usefixtures("quick_timers")  # tests/conftest.py: the protocol's idle waits shortened
 
 # The whole run, alone about 15 s; room for a loaded 2-core box.
 DEADLINE_S = 150.0

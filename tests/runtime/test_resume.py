@@ -9,6 +9,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import pytest
 import trio
 
 from p2ptrain.run import RunDir
@@ -17,6 +18,8 @@ from p2ptrain.testing import LocalPeers, local_peers, publish_digits_task
 from p2ptrain.protocol import Chain, read_chain, sign_record
 from p2ptrain.protocol._lineage import entry_bytes
 from p2ptrain.wire import ConfirmedRecord
+
+pytestmark = pytest.mark.usefixtures("quick_timers")  # tests/conftest.py: the protocol's idle waits shortened
 
 # Three peers start, a run of a few dozen rounds twice: well under two minutes alone.
 DEADLINE_S = 240.0

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 import trio
 
 from p2ptrain.data import build_dataset, load_source
@@ -25,6 +26,8 @@ from p2ptrain.services import Peer, make_peer
 from p2ptrain.wire import TASKS_TOPIC, TaskHead
 from p2ptrain.run import TaskRun
 from p2ptrain.task import load_task, task_bytes
+
+pytestmark = pytest.mark.usefixtures("quick_timers")  # tests/conftest.py: the protocol's idle waits shortened
 
 DEADLINE_S = 240.0  # whole test: two nodes start, torch warms up, the victim trains (a loaded 2-core box)
 FLOOD_S = 4.0  # how long the attacker publishes heads while the victim trains (40 heads, each kind 13 times)

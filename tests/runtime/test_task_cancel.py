@@ -19,6 +19,8 @@ from p2ptrain.protocol import read_chain
 from p2ptrain.task import task_bytes, task_from_bytes
 from p2ptrain.wire import TASKS_TOPIC, TaskCancel, TaskResume
 
+pytestmark = pytest.mark.usefixtures("quick_timers")  # tests/conftest.py: the protocol's idle waits shortened
+
 # The whole test: peers start, a checkpoint or two, the cancel settles. Well under a minute alone.
 DEADLINE_S = 120.0
 # One condition (a checkpoint, a refusal heard, the runs stopped): the run's own deadlines are

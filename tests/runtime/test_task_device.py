@@ -15,6 +15,8 @@ from p2ptrain.base import UserError
 from p2ptrain.services import TaskOptions
 from p2ptrain.testing import local_peers, publish_digits_task
 
+pytestmark = pytest.mark.usefixtures("quick_timers")  # tests/conftest.py: the protocol's idle waits shortened
+
 DEADLINE_S = 60.0
 
 
@@ -23,7 +25,8 @@ async def test_a_cpu_task_trains_on_the_cpu_whatever_the_nodes_device_and_fp16_t
     # available"): that was the run's fate before the task's device was taken.
     async with local_peers(1, tmp_path, task_options=TaskOptions(device="cuda")) as peers:
         peer = peers[0]
-        task_cid = await publish_digits_task(peer, name="on-cpu", total_steps=4, checkpoint_interval=2)
+        # peers.max 1: the lone member's term 0 ends at once instead of waiting out its timeout.
+        task_cid = await publish_digits_task(peer, name="on-cpu", total_steps=4, checkpoint_interval=2, max_peers=1)
         with trio.fail_after(DEADLINE_S):
             run = await peer.tasks.join(task_cid)
             status = await peers.wait_until(lambda: (s := peers.status(0, task_cid)).get("version", 0) >= 1 and s

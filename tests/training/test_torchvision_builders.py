@@ -25,6 +25,8 @@ from p2ptrain.models._torchvision import MODELS  # noqa: E402
 from p2ptrain.task import load_task, task_bytes  # noqa: E402
 from p2ptrain.testing import local_peers  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("quick_timers")  # tests/conftest.py: the protocol's idle waits shortened
+
 RUN_S = 240.0
 
 
