@@ -24,8 +24,11 @@ frames passes through the driver's link (the driver relays each boundary: docs/p
 **Seconds per step on loopback**: S x R hosts in this one process (``p2ptrain.testing.connected_hosts``)
 train ``--steps`` steps (each: the global batch in microbatches, ``finish``, each stage's ring sum,
 SGD), against the same model trained in one piece on the same batches, same run, alternating
-(pipeline, the pipeline with every BACKWARD recomputing its forward (``keep_graphs=0``), single,
-...); the medians' ratios are printed. All members share this
+(pipeline, the pipeline with every BACKWARD recomputing its forward (``keep_graphs=0``), the pipeline
+with a channel opened and closed per hop as protocol 1.0.0 did (``ChannelPool(keep=0)``), single,
+...); the medians' ratios are printed. For the pipeline with and without kept channels the process's
+CPU seconds per step are printed too (every member is in this process): on a shared machine they
+move far less with other work than the wall clock does. All members share this
 process's cores, so this measures the protocol's overhead (recomputed forwards, encoding, streams),
 not what S machines would do; the WAN comparison against ``torch.distributed.pipelining`` is to come.
 """
@@ -48,7 +51,8 @@ import trio
 
 from p2ptrain.collective import Collective, RoundSpec, SparseAllReducer
 from p2ptrain.models import build_model
-from p2ptrain.pipeline import Driver, KEEP_GRAPHS, partition, StageReplica, sum_stage_gradients, Wiring
+from p2ptrain.pipeline import (ChannelPool, Driver, KEEP_GRAPHS, partition, PROTOCOL, StageReplica, sum_stage_gradients,
+                               Wiring)
 from p2ptrain.testing import connected_hosts
 from p2ptrain.wire.activations import encode_frame, Frame, Kind
 
@@ -92,7 +96,10 @@ def bytes_per_microbatch(args: argparse.Namespace, kwargs: dict) -> dict[str, in
     return sizes
 
 
-async def pipeline_seconds(args: argparse.Namespace, kwargs: dict, data, keep_graphs: int = KEEP_GRAPHS) -> float:
+async def pipeline_seconds(args: argparse.Namespace, kwargs: dict, data, keep_graphs: int = KEEP_GRAPHS,
+                           fresh_channels: bool = False) -> tuple[float, float]:
+    """Seconds per step: wall-clock, and this process's CPU (all 8 members and their threads are in
+    it: what the protocol costs, less sensitive than the wall clock to other load on the machine)."""
     count, r = args.stages, args.replicas
     async with connected_hosts(count * r) as hosts:
         replicas = {s: [hosts[r * s + k].id for k in range(r)] for s in range(1, count)}
@@ -102,8 +109,10 @@ async def pipeline_seconds(args: argparse.Namespace, kwargs: dict, data, keep_gr
         for i, local in enumerate(hosts):
             cut = partition(build_model("transformer_lm", kwargs, seed=0), count)
             stage = cut[i // r]
+            # fresh_channels: no channel kept, one opened (and closed) per hop, as protocol 1.0.0 did.
+            pool = ChannelPool(local.host, PROTOCOL, clock=time.monotonic, keep=0) if fresh_channels else None
             role = (Driver(local.host, stage, lm_loss, Wiring(replicas, random.Random(i)), cut=cut,
-                           encoding=args.activations) if stage.index == 0
+                           encoding=args.activations, pool=pool) if stage.index == 0
                     else StageReplica(local.host, stage, lm_loss, senders=drivers, encoding=args.activations,
                                       keep_graphs=keep_graphs))
             if isinstance(role, StageReplica):
@@ -113,7 +122,7 @@ async def pipeline_seconds(args: argparse.Namespace, kwargs: dict, data, keep_gr
                            if args.stage_density < 1 else None)
             members.append((local, stage, role, collective, torch.optim.SGD(stage.parameters(), lr=0.1)))
         drivers = [m[2] for m in members if isinstance(m[2], Driver)]
-        began = time.perf_counter()
+        began, cpu = time.perf_counter(), time.process_time()
         for step, (x, y) in enumerate(data, start=1):
             for m in members:
                 m[2].new_step(step)
@@ -131,7 +140,7 @@ async def pipeline_seconds(args: argparse.Namespace, kwargs: dict, data, keep_gr
                                                step * count + stage.index, reducer=reducers[i], seed=step))
             for m in members:
                 m[4].step()
-        return (time.perf_counter() - began) / len(data)
+        return (time.perf_counter() - began) / len(data), (time.process_time() - cpu) / len(data)
 
 
 def single_seconds(kwargs: dict, data) -> float:
@@ -249,10 +258,16 @@ def main() -> int:
     parameters = sum(p.numel() for p in build_model("transformer_lm", kwargs, seed=0).parameters())
     sizes = bytes_per_microbatch(args, kwargs)
     data = batches(args, args.steps)
-    pipe, recomputing, single = [], [], []
+    pipe, recomputing, fresh, single = [], [], [], []
+    pipe_cpu, fresh_cpu = [], []
     for _ in range(args.reps):
-        pipe.append(trio.run(pipeline_seconds, args, kwargs, data))
-        recomputing.append(trio.run(pipeline_seconds, args, kwargs, data, 0))
+        wall, cpu = trio.run(pipeline_seconds, args, kwargs, data)
+        pipe.append(wall)
+        pipe_cpu.append(cpu)
+        recomputing.append(trio.run(pipeline_seconds, args, kwargs, data, 0)[0])
+        wall, cpu = trio.run(pipeline_seconds, args, kwargs, data, KEEP_GRAPHS, True)
+        fresh.append(wall)
+        fresh_cpu.append(cpu)
         single.append(single_seconds(kwargs, data))
     result = {
         "parameters": parameters, "stages": args.stages, "replicas": args.replicas, "microbatch": args.micro,
@@ -261,6 +276,11 @@ def main() -> int:
         "ratio_pipeline_over_single": round(statistics.median(pipe) / statistics.median(single), 2),
         "recomputing_s_per_step": [round(s, 3) for s in recomputing],
         "ratio_kept_graphs_over_recomputing": round(statistics.median(pipe) / statistics.median(recomputing), 3),
+        "fresh_channels_s_per_step": [round(s, 3) for s in fresh],
+        "ratio_kept_channels_over_fresh": round(statistics.median(pipe) / statistics.median(fresh), 3),
+        "pipeline_cpu_s_per_step": [round(s, 3) for s in pipe_cpu],
+        "fresh_channels_cpu_s_per_step": [round(s, 3) for s in fresh_cpu],
+        "ratio_kept_channels_over_fresh_cpu": round(statistics.median(pipe_cpu) / statistics.median(fresh_cpu), 3),
     }
     if args.json:
         print(json.dumps(result))
@@ -273,6 +293,10 @@ def main() -> int:
               f"ratio {result['ratio_pipeline_over_single']}")
         print(f"  s/step with every BACKWARD recomputing its forward (keep_graphs=0): {result['recomputing_s_per_step']}  "
               f"kept graphs / recomputing: {result['ratio_kept_graphs_over_recomputing']}")
+        print(f"  s/step with a channel opened per hop (as protocol 1.0.0): {result['fresh_channels_s_per_step']}  "
+              f"kept channels / fresh: {result['ratio_kept_channels_over_fresh']}")
+        print(f"  CPU s/step (this process): pipeline {result['pipeline_cpu_s_per_step']}  a channel per hop "
+              f"{result['fresh_channels_cpu_s_per_step']}  kept / fresh: {result['ratio_kept_channels_over_fresh_cpu']}")
     return 0
 
 

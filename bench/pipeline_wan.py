@@ -14,7 +14,9 @@ checkpoints included. The global batch is ``--batch`` samples a step, as the bas
 microbatches of ``--micro``. Random tokens (seed 0), as the baseline's. Tokens/s is counted from the
 first node's ``task status`` polled every ``POLL_S``: (global batch x context) per step, from the
 first time a step >= ``WARMUP_STEPS`` is seen to the last step seen before the run is done, over
-the time between (so the run's start, the joins and the first plan are not counted).
+the time between (so the run's start, the joins and the first plan are not counted). Over the same
+steps, ``nodes_cpu_s_per_step``: the CPU seconds all node processes used per step (/proc), what a
+step costs the machine whatever else runs on it.
 
 **Baseline**: bench/pipeline_baseline.py ``--wan RATE`` with the same model, stages, replicas, batch
 and microbatches, run first, in the same session (``--no-baseline`` skips it). Its tokens/s is the
@@ -81,6 +83,24 @@ check_fraction = 0.0
 """
 
 
+def nodes_cpu_s(workdir: Path) -> float:
+    """CPU seconds (user + system) used so far by every process whose command line names ``workdir``
+    (the run's node processes), from /proc: what the run costs the machine, which moves far less
+    than its wall clock with other work on a shared machine."""
+    total, tick = 0, os.sysconf("SC_CLK_TCK")
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if str(workdir).encode() not in (proc / "cmdline").read_bytes():
+                continue
+            fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # gone meanwhile
+            continue
+        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
+    return total / tick
+
+
 def call(home: Path, op: str, **params: Any) -> dict[str, Any]:
     return ControlClient(home, timeout=CONTROL_TIMEOUT_S).call(op, **params)
 
@@ -115,6 +135,7 @@ def p2ptrain_run(args: argparse.Namespace) -> dict[str, Any]:
             task_cid = call(first, "task.publish", text=text, join=True)["task_cid"]
             start: tuple[float, int] | None = None
             last: tuple[float, int] | None = None
+            cpu: list[float] = []  # the nodes' CPU seconds at start, then at last
             status: dict[str, Any] = {}
             while status.get("state") not in ("done", "failed", "cancelled"):
                 if time.monotonic() - published > RUN_TIMEOUT_S:
@@ -126,8 +147,10 @@ def p2ptrain_run(args: argparse.Namespace) -> dict[str, Any]:
                 step, now = int(status.get("step") or 0), time.monotonic()
                 if step >= WARMUP_STEPS and start is None:
                     start = (now, step)
+                    cpu = [nodes_cpu_s(workdir)]
                 if start is not None and step > (last or start)[1]:
                     last = (now, step)
+                    cpu[1:] = [nodes_cpu_s(workdir)]
                 time.sleep(POLL_S)
             if status.get("state") != "done":
                 raise SystemExit(f"the pipelined run ended {status.get('state')}: {status.get('error')}")
@@ -141,6 +164,7 @@ def p2ptrain_run(args: argparse.Namespace) -> dict[str, Any]:
     stages = statuses[0].get("stages") or []
     return {
         "tokens_per_s": round(steps * args.batch * args.context / seconds, 1),
+        "nodes_cpu_s_per_step": round((cpu[-1] - cpu[0]) / steps, 3),
         "timed_steps": steps, "timed_s": round(seconds, 1), "wall_s": round(time.monotonic() - published, 1),
         "replicas_per_stage": [len(s["replicas"]) for s in stages],
         "parameters_per_stage": [s["parameters"] for s in stages],

@@ -69,9 +69,9 @@ EXPORTS: dict[str, list[str]] = {
         "model_file_limit", "pieces_of", "stage_sizes", "whole_model_cap",
     ],
     "p2ptrain.pipeline": [
-        "Cut", "DoubleCounted", "Driver", "KEEP_GRAPHS", "MAX_STREAMS_PER_PEER", "PROTOCOL", "PartitionError",
-        "PipelineError", "Stage", "StageReplica", "StageUnavailable", "Wiring", "balanced_cut", "is_checked", "partition",
-        "pieces_of", "sum_stage_gradients",
+        "ChannelPool", "Cut", "DoubleCounted", "Driver", "KEEP_GRAPHS", "MAX_STREAMS_PER_PEER", "PROTOCOL",
+        "PartitionError", "PipelineError", "Stage", "StageReplica", "StageUnavailable", "Wiring", "balanced_cut",
+        "is_checked", "partition", "pieces_of", "serve_requests", "sum_stage_gradients",
     ],
     "p2ptrain.net": [
         "Channel", "ChannelClosed", "ChannelError", "MessageTooLarge", "PubsubMessageTooLarge",

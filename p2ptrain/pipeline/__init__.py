@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from p2ptrain.pipeline._averaging import sum_stage_gradients as sum_stage_gradients
+    from p2ptrain.pipeline._channels import ChannelPool as ChannelPool
     from p2ptrain.pipeline._driver import (
         DoubleCounted as DoubleCounted,
         Driver as Driver,
@@ -23,7 +24,8 @@ if TYPE_CHECKING:
     )
     from p2ptrain.pipeline._partition import partition as partition, Stage as Stage
     from p2ptrain.pipeline._replica import (KEEP_GRAPHS as KEEP_GRAPHS, MAX_STREAMS_PER_PEER as MAX_STREAMS_PER_PEER,
-                                            PROTOCOL as PROTOCOL, StageReplica as StageReplica)
+                                            PROTOCOL as PROTOCOL, serve_requests as serve_requests,
+                                            StageReplica as StageReplica)
     from p2ptrain.pipeline._wiring import Wiring as Wiring
 else:
     from p2ptrain._exports import lazy_exports

@@ -6,7 +6,8 @@ which computes the loss and answers with the gradient of its input; the gradient
 through one replica of every stage (``BACKWARD``: the stage's input again and its output's gradient,
 sent first to the replica that served the microbatch's FORWARD, which kept its graph and so skips
 recomputing its forward), and the driver backpropagates through its stage 0. Every hop is one request and one answer on a
-fresh channel; a hop whose replica closes the channel, answers garbage or answers too late is sent,
+channel to the replica, reused from hop to hop (:class:`~p2ptrain.pipeline._channels.ChannelPool`);
+a hop whose replica closes the channel, answers garbage or answers too late is sent,
 with the same bytes, to another replica of the stage, and that replica is out for the step. An
 answer's shape must be the one the stage computes (each stage's output shape for its input's, found
 once on the meta device from the model's cut): a replica that answers an activation of another
@@ -47,7 +48,8 @@ from libp2p.peer.id import ID
 from torch import nn
 
 from p2ptrain.base import short_id
-from p2ptrain.net import ChannelError, open_channel
+from p2ptrain.net import ChannelError
+from p2ptrain.pipeline._channels import ChannelPool
 from p2ptrain.pipeline._partition import output_shape, Stage
 from p2ptrain.pipeline._replica import Loss, PROTOCOL
 from p2ptrain.pipeline._wiring import Wiring
@@ -109,7 +111,7 @@ class Driver:
         self, host: IHost, stage: Stage, loss: Loss, wiring: Wiring, *, cut: Sequence[nn.Module], encoding: str = "fp32",
         limits: Limits = DEFAULT_LIMITS, hop_timeout: float = HOP_TIMEOUT_S,
         clock: Callable[[], float] = time.monotonic, check_fraction: float = 0.0, check_key: bytes = b"",
-        protocol: str = PROTOCOL,
+        protocol: str = PROTOCOL, pool: ChannelPool | None = None,
     ) -> None:
         if stage.index != 0:
             raise ValueError("a driver serves stage 0")
@@ -118,6 +120,8 @@ class Driver:
         self.host, self.stage, self.loss, self.wiring = host, stage, loss, wiring
         self.encoding, self.limits, self.hop_timeout, self.clock = encoding, limits, hop_timeout, clock
         self.protocol = protocol  # the replicas' (a runtime names one per task)
+        # Channels to the replicas, reused hop after hop (a runtime keeps one pool across its plans).
+        self.pool = pool if pool is not None else ChannelPool(host, protocol, clock=clock)
         self.cut = list(cut)
         # {(stage, input shape, input dtype): the stage's output shape}: a few entries (the step's
         # microbatch sizes), each computed once on the meta device.
@@ -145,6 +149,10 @@ class Driver:
         # {(stage, replica, replica): times} of the disagreements nobody could decide (no third
         # replica, or three different answers): reported as the pair's, nobody named.
         self.undecided: collections.Counter[tuple[int, Hashable, Hashable]] = collections.Counter()
+
+    async def aclose(self) -> None:
+        """Close the channels kept to the replicas (the driver is done)."""
+        await self.pool.aclose()
 
     def new_step(self, step: int) -> None:
         """Start ``step``: stage 0's gradients zeroed, the kept tensors dropped, every replica usable."""
@@ -230,8 +238,7 @@ class Driver:
             began = self.clock()
             try:
                 with trio.fail_after(self.hop_timeout):
-                    answer = await self._ask(peer, request)
-                self._check(answer, kind, stage, mb, tensors[0])
+                    answer = await self._ask(peer, request, kind, stage, mb, tensors[0])
             except (ChannelError, ActivationError, trio.TooSlowError, _BadAnswer) as error:
                 self.wiring.failed(peer)
                 self.reroutes += 1
@@ -283,11 +290,17 @@ class Driver:
                        "activations", self.step, mb, stage, _name(liar), _name(honest[0]), _name(honest[1]))
         return kept
 
-    async def _ask(self, peer: Hashable, request: bytes) -> Frame:
+    async def _ask(
+        self, peer: Hashable, request: bytes, kind: Kind, stage: int, mb: int, sent: torch.Tensor,
+    ) -> Frame:
+        """``peer``'s answer to ``request``, checked (:meth:`_check`); the channel goes back to the
+        pool only with an answer that passed."""
         assert isinstance(peer, ID)
-        async with await open_channel(self.host, peer, self.protocol) as channel:
+        async with self.pool.channel(peer) as channel:
             await channel.send(request)
-            return decode_frame(await channel.recv(self.limits.max_frame_bytes()), self.limits)
+            answer = decode_frame(await channel.recv(self.limits.max_frame_bytes()), self.limits)
+            self._check(answer, kind, stage, mb, sent)
+        return answer
 
     def _check(self, answer: Frame, kind: Kind, stage: int, mb: int, sent: torch.Tensor) -> None:
         expected = Kind.OUTPUT if kind == Kind.FORWARD else Kind.HELD if kind == Kind.HOLDINGS else Kind.GRAD
@@ -377,8 +390,7 @@ class Driver:
         async def ask(peer: Hashable) -> None:
             try:
                 with trio.fail_after(self.hop_timeout):
-                    answer = await self._ask(peer, request)
-                self._check(answer, Kind.HOLDINGS, stage, 0, torch.empty(0))
+                    answer = await self._ask(peer, request, Kind.HOLDINGS, stage, 0, torch.empty(0))
             except (ChannelError, ActivationError, trio.TooSlowError, _BadAnswer) as error:
                 logger.info("pipeline step %d: stage %d replica %s gave no holdings (%s); out of the step",
                             self.step, stage, _name(peer), error or type(error).__name__)

@@ -1,4 +1,4 @@
-"""One replica of one stage, serving the stage protocol (``/p2ptrain/pipeline/1.0.0``) on its host.
+"""One replica of one stage, serving the stage protocol (``/p2ptrain/pipeline/1.1.0``) on its host.
 
 A replica needs nothing of a microbatch between requests (docs/pipeline.md): a BACKWARD carries the
 stage's input again with the gradient of its output, so any replica can answer it by recomputing its
@@ -32,15 +32,20 @@ import trio
 from libp2p.abc import IHost
 
 from p2ptrain.base import count_rejection, short_id
-from p2ptrain.net import Channel, serve_channels, StreamGuard
+from p2ptrain.net import Channel, ChannelClosed, serve_channels, StreamGuard
 from p2ptrain.pipeline._partition import Stage
 from p2ptrain.wire.activations import ActivationError, decode_frame, DEFAULT_LIMITS, encode_frame, Frame, Kind, Limits
 
 logger = logging.getLogger(__name__)
 
-PROTOCOL = "/p2ptrain/pipeline/1.0.0"
+# 1.1.0: a channel carries any number of requests, one at a time, each followed by its answer (1.0.0:
+# one request per channel); the frames are the same (wire/activations.py, version 1).
+PROTOCOL = "/p2ptrain/pipeline/1.1.0"
 # How long a replica waits for a request's bytes once a sender opened a channel to it.
 REQUEST_TIMEOUT_S = 30.0
+# How long a replica waits for the next request on a channel it answered on: a sender reuses its
+# channels across steps and plans (pipeline/_channels.py, which stops reusing one after half this).
+IDLE_TIMEOUT_S = 120.0
 # How long a request for the step after the replica's waits for the replica to start that step: a
 # driver that finished a step starts the next while the replicas still sum and apply the last one.
 AHEAD_WAIT_S = 10.0
@@ -118,22 +123,25 @@ class StageReplica:
             await self._progress.wait()
 
     async def answer(self, channel: Channel) -> None:
-        """Answer the one request on ``channel`` (what :meth:`serve` runs for every channel; a
-        runtime that serves several stages in turn on one host routes its channels here)."""
+        """Answer the requests on ``channel`` until its sender closes it (what :meth:`serve` runs for
+        every channel; a runtime that serves several stages in turn on one host runs
+        :func:`serve_requests` with its current replica)."""
+        await serve_requests(channel, lambda: self)
+
+    async def admitted(self, channel: Channel) -> bool:
+        """Whether ``channel``'s peer is one of this replica's senders; if not, the refusal is
+        counted (``outsider``) and the channel reset."""
+        if channel.remote_peer in self.senders:
+            return True
+        count_rejection(self.refused, "outsider", logger, logging.INFO, "pipeline stage %d: refused a request "
+                        "from %s, which the plan names no sender", self.stage.index, short_id(channel.remote_peer))
+        await channel.reset()
+        return False
+
+    async def handle(self, channel: Channel, data: bytes) -> bool:
+        """Answer the request ``data`` that came on ``channel`` from an admitted sender; False when
+        it was refused (counted, and the channel reset)."""
         sender = channel.remote_peer
-        if sender not in self.senders:
-            count_rejection(self.refused, "outsider", logger, logging.INFO, "pipeline stage %d: refused a request "
-                            "from %s, which the plan names no sender", self.stage.index, short_id(sender))
-            await channel.reset()
-            return
-        data = None
-        with trio.move_on_after(REQUEST_TIMEOUT_S):
-            data = await channel.recv(self.limits.max_frame_bytes())
-        if data is None:
-            count_rejection(self.refused, "slow", logger, logging.INFO, "pipeline stage %d: no request from %s "
-                            "within %.0f s", self.stage.index, short_id(channel.remote_peer), REQUEST_TIMEOUT_S)
-            await channel.reset()
-            return
         try:
             request = decode_frame(data, self.limits)
             if request.step > self.step:  # a driver already in the next step: wait for ours to start
@@ -145,9 +153,9 @@ class StageReplica:
             problem = str(error)
         if problem:
             count_rejection(self.refused, "malformed", logger, logging.INFO, "pipeline stage %d: refused a request "
-                            "from %s: %s", self.stage.index, short_id(channel.remote_peer), problem)
+                            "from %s: %s", self.stage.index, short_id(sender), problem)
             await channel.reset()
-            return
+            return False
         self.requests += 1
         async with self._lock:
             try:
@@ -158,9 +166,9 @@ class StageReplica:
                 # vocabulary, a gradient of the wrong shape, targets that make the loss NaN; torch's
                 # attention asserts its input's rank): the sender's fault, refused like malformed bytes.
                 count_rejection(self.refused, "failed", logger, logging.INFO, "pipeline stage %d: a request "
-                                "from %s failed: %s", self.stage.index, short_id(channel.remote_peer), error)
+                                "from %s failed: %s", self.stage.index, short_id(sender), error)
                 await channel.reset()
-                return
+                return False
             # Sent before anything is accumulated: a hop whose answer never left leaves no trace.
             await channel.send(data)
             held = self._held.setdefault(sender, set())
@@ -170,6 +178,7 @@ class StageReplica:
                 held.add(request.microbatch)
                 self._progress.set()
                 self._progress = trio.Event()
+        return True
 
     def _problem(self, request: Frame) -> str | None:
         """Why ``request`` is not one this replica answers, or None."""
@@ -234,3 +243,46 @@ class StageReplica:
         if x.requires_grad:
             return Frame(reply.kind, reply.step, reply.microbatch, reply.stage, reply.value, (grads[0],)), grads[1:]
         return reply, grads
+
+
+async def serve_requests(channel: Channel, current: Callable[[], StageReplica | None]) -> None:
+    """Answer a sender's requests on ``channel``, one after another, each by the replica ``current()``
+    names when the request has arrived (a runtime's replica changes with its plans; None: this host
+    serves no stage now, and the channel is reset), until the sender closes the channel, a request is
+    refused (the channel is reset) or no request comes for :data:`IDLE_TIMEOUT_S` (the channel is
+    closed). A sender that is no sender of the replica is refused before any of its bytes are read.
+
+    The first request must arrive whole within :data:`REQUEST_TIMEOUT_S` (else ``slow``, counted);
+    each later one within :data:`IDLE_TIMEOUT_S` of the answer before it (a sender's channel idles
+    between its steps). Either wait is bounded, and a sender holds at most the replica's per-peer
+    stream cap of channels (:data:`MAX_STREAMS_PER_PEER`)."""
+    replica = current()
+    if replica is None:
+        await channel.reset()
+        return
+    if not await replica.admitted(channel):
+        return
+    first = True
+    while True:
+        data = None
+        with trio.move_on_after(REQUEST_TIMEOUT_S if first else IDLE_TIMEOUT_S):
+            try:
+                data = await channel.recv(replica.limits.max_frame_bytes())
+            except ChannelClosed:
+                if first:
+                    raise
+                return  # the sender closed its channel between requests: it is done with it
+        if data is None:
+            if not first:
+                return  # idle: serve_channels closes the channel; the sender no longer reuses it by then
+            count_rejection(replica.refused, "slow", logger, logging.INFO, "pipeline stage %d: no request from %s "
+                            "within %.0f s", replica.stage.index, short_id(channel.remote_peer), REQUEST_TIMEOUT_S)
+            await channel.reset()
+            return
+        replica = current()
+        if replica is None:
+            await channel.reset()
+            return
+        if not await replica.admitted(channel) or not await replica.handle(channel, data):
+            return
+        first = False

@@ -54,8 +54,8 @@ from libp2p.peer.id import ID
 from p2ptrain.base import short_id
 from p2ptrain.collective import Misbehaved
 from p2ptrain.net import Channel, serve_channels
-from p2ptrain.pipeline import (Driver, MAX_STREAMS_PER_PEER, PipelineError, PROTOCOL, StageReplica, sum_stage_gradients,
-                               Wiring)
+from p2ptrain.pipeline import (ChannelPool, Driver, MAX_STREAMS_PER_PEER, PipelineError, PROTOCOL, serve_requests,
+                               StageReplica, sum_stage_gradients, Wiring)
 from p2ptrain.protocol import check_key_message, owner_seed, shard_of, stage_rings, stage_round_id
 from p2ptrain.run._run_state import RunState
 from p2ptrain.run._stage_checkpoints import load_confirmed_stage, store_stage_checkpoint
@@ -110,6 +110,8 @@ class StageRounds:
         self._driver: Driver | None = None
         self._replica: StageReplica | None = None
         self._serving = False
+        # As a driver: the channels to the replicas, reused hop after hop, plan after plan.
+        self._pool = ChannelPool(run.collective.host, self.protocol, clock=time.monotonic)
         # As a driver: the replicas (base58) a third opinion outvoted here, and their stage, kept
         # across plans: this driver's accusations in every step's summary while a plan names them.
         self._accused: dict[str, int] = {}
@@ -139,7 +141,8 @@ class StageRounds:
             rank, _ = shard_of(plan, run.me)
             self._driver = Driver(host, stage, _loss, Wiring(replicas, random.Random(task.seed + rank)),
                                   cut=trainer.stages, encoding=encoding, hop_timeout=self.hop_timeout,
-                                  protocol=self.protocol, check_fraction=task.pipeline.check_fraction,
+                                  protocol=self.protocol, pool=self._pool,
+                                  check_fraction=task.pipeline.check_fraction,
                                   check_key=host.get_private_key().sign(check_key_message(plan)))
         else:
             self._replica = StageReplica(host, stage, _loss, senders=[ID.from_base58(m) for m in rings[0]],
@@ -148,18 +151,18 @@ class StageRounds:
             serve_channels(host, self.protocol, self._answer, max_streams_per_peer=MAX_STREAMS_PER_PEER)
             self._serving = True
 
-    def stop(self) -> None:
-        """The run is over: this host answers no more of its stage requests (each is reset). The
-        handler stays installed: py-libp2p's multiselect looks a protocol up twice around an await,
-        and a handler removed in between raised KeyError in the swarm, which took the node down."""
+    async def stop(self) -> None:
+        """The run is over: this host answers no more of its stage requests (each is reset) and
+        closes the channels it kept as a driver. The handler stays installed: py-libp2p's multiselect
+        looks a protocol up twice around an await, and a handler removed in between raised KeyError
+        in the swarm, which took the node down."""
         self._replica = self._driver = None
+        await self._pool.aclose()
 
     async def _answer(self, channel: Channel) -> None:
-        replica = self._replica
-        if replica is None:  # a driver, or between plans: not a replica of anything now
-            await channel.reset()
-            return
-        await replica.answer(channel)
+        # Each request by the replica of the plan current when it arrives; none (a driver, or
+        # between plans): the channel is reset.
+        await serve_requests(channel, lambda: self._replica)
 
     def _trainer(self) -> StagedTrainer:
         trainer, _ = self.run.require()

@@ -75,6 +75,9 @@ HEAR_HEAD_S = HEAD_EVERY_S * 1.5
 # lost): a run that is over has no coordinator publishing heads, its members answer requests
 # (services/_head_answers.py), at most one answer per task per second.
 ASK_HEAD_EVERY_S = 1.0
+# Longest a stopping run waits for its stage channels to close (each close is bounded; the peers see
+# a reset or their idle timeout otherwise).
+STOP_TIMEOUT_S = 5.0
 
 
 def _fresh(heads: TaskHead | None) -> bool:
@@ -205,7 +208,8 @@ class TaskRun:
                 run.phase = Phase.STOPPED  # the node is stopping (the run was cancelled)
             run.advertise(False)
             if self.spans.stages is not None:
-                self.spans.stages.stop()
+                with trio.CancelScope(shield=True), trio.move_on_after(STOP_TIMEOUT_S):
+                    await self.spans.stages.stop()
 
     async def _prepare(self) -> None:
         """Fetch the manifest, build the initial model (or fetch it) and the first round's state."""

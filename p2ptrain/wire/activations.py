@@ -1,4 +1,4 @@
-"""The frames of the stage protocol (``/p2ptrain/pipeline/1.0.0``): activations and their gradients.
+"""The frames of the stage protocol (``/p2ptrain/pipeline/1.1.0``, the same frames as 1.0.0): activations and their gradients.
 
 A frame is a 23-byte header (magic ``PP``, version, kind, step, microbatch id, stage, a float32 value
 and the number of tensors that follow) and up to :data:`MAX_TENSORS` tensors. A tensor is its

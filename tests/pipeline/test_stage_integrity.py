@@ -200,4 +200,5 @@ async def test_a_driver_checks_exactly_the_drawn_microbatches_whatever_its_wirin
                             check_fraction=0.3, check_key=key)
             with trio.fail_after(DEADLINE_S):
                 await drive(driver, ids)
+                await driver.aclose()  # its idle channels would count against the replicas' stream cap
             assert driver.checked == expected and not driver.disagreements
