@@ -20,6 +20,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 import trio
 
@@ -28,6 +29,7 @@ from p2ptrain.cli.task import render_status
 from p2ptrain.control import TaskStatus
 from p2ptrain.data import IPFSDataset
 from p2ptrain.protocol import stage_rings, tensors_bytes
+from p2ptrain.run._stages import StageRounds
 from p2ptrain.task import load_task
 from p2ptrain.testing import local_peers
 from p2ptrain.training import PositionedBatches, Trainer
@@ -82,7 +84,20 @@ def replay(task_text: str, store: Any, manifest: str, start: dict[str, torch.Ten
 
 
 async def test_a_stage_that_lost_its_last_replica_is_taken_by_another_member_and_the_run_goes_on(
-        tmp_path: Path) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Every member waits at the start of its step after step INTERVAL + 1 until the test has stopped
+    # the victim: mid-span after the first checkpoint, where the test must act. Without this gate the
+    # run (12 small steps) could pass that window between two looks of the test (half the runs on
+    # a loaded 2-core machine failed so). Once open it stays open: the recovery redoes those steps.
+    gate = trio.Event()
+    step = StageRounds.step
+
+    async def gated(self: StageRounds, plan: Any, index: int, batches: Any) -> Any:
+        if self._trainer().step == INTERVAL + 1:
+            await gate.wait()
+        return await step(self, plan, index, batches)
+
+    monkeypatch.setattr(StageRounds, "step", gated)
     with trio.fail_after(DEADLINE_S):
         async with local_peers(4, tmp_path) as peers:
             manifest, task_cid = await publish(peers, TASK)
@@ -127,6 +142,7 @@ async def test_a_stage_that_lost_its_last_replica_is_taken_by_another_member_and
             moved = max(stage_rings(before)[donor])  # assign moves the last of the donor stage in sort order
             assert checkpoint.step == INTERVAL
             await peers.stop_peer(index)
+            gate.set()
 
             # Another member serves the orphaned stage, every survivor went back to the checkpoint,
             # and the run makes further confirmed steps, to its end.
