@@ -29,6 +29,7 @@ from p2ptrain.control import TaskStatus
 from p2ptrain.data import build_dataset, IPFSDataset, load_source
 from p2ptrain.protocol import read_tensors
 from p2ptrain.protocol._plans import plan_stages
+from p2ptrain.run._stages import StageRounds
 from p2ptrain.task import load_task, task_bytes
 from p2ptrain.testing import LocalPeers, local_peers
 from p2ptrain.training import is_manifest, model_file, PositionedBatches, stage_file_cids, Trainer
@@ -115,10 +116,28 @@ def single_process(task_text: str, store: Any, manifest: str, members: tuple[str
     return trainer.model_tensors()
 
 
-async def test_a_pipelined_task_trains_as_one_process_and_goes_on_when_a_replica_leaves(tmp_path: Path) -> None:
+async def test_a_pipelined_task_trains_as_one_process_and_goes_on_when_a_replica_leaves(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     with trio.fail_after(DEADLINE_S):
         async with local_peers(4, tmp_path) as peers:
             manifest, task_cid = await publish(peers)
+
+            # The three first members wait at the start of the step after step 2 * INTERVAL until the
+            # fourth (which joins after v1) holds the run's state: its next plan then has all four.
+            # Without this the 16 small steps could end before the joiner was admitted (seen once in
+            # a full suite on the 2-core machine).
+            def joiner_synced() -> bool:
+                run = peers[3].tasks.runs.get(task_cid)
+                return run is not None and run.shared.synced
+
+            step = StageRounds.step
+
+            async def gated(self: StageRounds, plan: Any, index: int, batches: Any) -> Any:
+                if self._trainer().step == 2 * INTERVAL and len(plan.members) < 4:
+                    await peers.wait_until(joiner_synced, STEP_S, what="the fourth member synced")
+                return await step(self, plan, index, batches)
+
+            monkeypatch.setattr(StageRounds, "step", gated)
             async with trio.open_nursery() as nursery:
                 for peer in peers[:3]:
                     nursery.start_soon(peer.tasks.join, task_cid)
