@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from p2ptrain import serve as serve
     from p2ptrain.api import (
+        load_model as load_model,
         load_state as load_state,
         Optimizer as Optimizer,
         RunFinished as RunFinished,
@@ -24,7 +25,6 @@ if TYPE_CHECKING:
         TrainResult as TrainResult,
     )
     from p2ptrain.data import IPFSDataset as IPFSDataset
-    from p2ptrain.training import load_model as load_model
 else:
     from p2ptrain._exports import lazy_exports
 

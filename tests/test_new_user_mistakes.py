@@ -269,3 +269,21 @@ def test_ipfsdataset_on_a_home_without_the_data_says_how_to_get_it(tmp_path):
     open_store(home).blocks.delete(shard)  # the manifest held, its shard not
     with pytest.raises(ShardUnavailable, match=f"p2ptrain dataset get {manifest_cid} --bootstrap MULTIADDR$"):
         list(IPFSDataset(manifest_cid, home=home))
+
+
+def test_a_dataset_add_that_fails_leaves_a_fresh_home_as_it_was(tmp_path):
+    """``dataset add`` with more shards than the data has samples (the store already open) says so
+    in one line and leaves no empty ``HOME/blocks`` (nor the home, nor its parent) behind on a home
+    it created; a home that existed keeps what it held. Red before: ``new/home/blocks`` stayed."""
+    fresh = tmp_path / "new" / "home"
+    failed = run_forked([P2PTRAIN, "dataset", "add", "sklearn:iris", "--shards", "500", "--home", str(fresh)],
+                        capture_output=True, text=True, timeout=120)
+    assert failed.returncode == 1
+    assert failed.stderr.strip().splitlines() == ["p2ptrain: error: sklearn:iris: 120 training samples cannot fill "
+                                                  "500 shards"]
+    assert sorted(tmp_path.iterdir()) == []
+    used = tmp_path / "used"
+    (used / "keep").mkdir(parents=True)
+    again = run_forked([P2PTRAIN, "dataset", "add", "sklearn:iris", "--shards", "500", "--home", str(used)],
+                       capture_output=True, text=True, timeout=120)
+    assert again.returncode == 1 and sorted(p.name for p in used.iterdir()) == ["keep"]

@@ -1,5 +1,5 @@
 """The Python API for the user's own module and loop: ``p2ptrain.Optimizer``, ``p2ptrain.train``,
-``p2ptrain.load_state`` (re-exported by ``p2ptrain``); and content by CID made local, the fetch
+``p2ptrain.load_state`` and ``p2ptrain.load_model`` (re-exported by ``p2ptrain``); and content by CID made local, the fetch
 paths that ``load_state`` and the CLI's commands share.
 """
 
@@ -18,7 +18,7 @@ if TYPE_CHECKING:
         split_shards as split_shards,
         with_ephemeral_node as with_ephemeral_node,
     )
-    from p2ptrain.api._load import load_state as load_state
+    from p2ptrain.api._load import load_model as load_model, load_state as load_state
     from p2ptrain.api._ports import check_listen as check_listen
     from p2ptrain.api._optimizer import Optimizer as Optimizer, RunFinished as RunFinished
     from p2ptrain.api._train import train as train, TrainResult as TrainResult

@@ -1,7 +1,7 @@
 """Content by CID made local for a command or a call that needs it: from the home's store, else
 through the home's running node, else through a temporary node that joins the mesh by
 ``--bootstrap`` for this one job (``model fetch``, ``model eval``, ``model serve``, ``model
-verify``, ``ipfs get``, :func:`p2ptrain.load_state`). Every byte is verified against its CID on the
+verify``, ``ipfs get``, :func:`p2ptrain.load_state`, :func:`p2ptrain.load_model`). Every byte is verified against its CID on the
 way in; a fetch whose size is not known shows how far it is on stderr."""
 
 from __future__ import annotations

@@ -1,4 +1,6 @@
-"""``p2ptrain.load_state(model, cid_or_path)``: a confirmed model's weights into the user's own instance.
+"""``p2ptrain.load_state(model, cid_or_path)``: a confirmed model's weights into the user's own instance;
+and ``p2ptrain.load_model(cid, bootstrap=...)``: a registry model by CID, fetched through the mesh when the
+store lacks it (training's ``load_model`` builds it; the fetch paths live here, above training).
 
 A run of the user's own module publishes safetensors whose card names no builder (only the user's
 script has the code), so the weights go into an instance the user built: the same class, the same
@@ -14,11 +16,40 @@ from pathlib import Path
 from torch import nn
 
 from p2ptrain.base import UserError, default_home
-from p2ptrain.ipfs import FileTooLarge, open_store, parse_cid
+from p2ptrain.ipfs import ContentStore, FileTooLarge, open_store, parse_cid
 from p2ptrain.models import file_bytes_bound
 from p2ptrain.protocol import RecordError, load_model_bytes
+from p2ptrain.training import load_model as build_loaded
 
-__all__ = ["load_state"]
+__all__ = ["load_model", "load_state"]
+
+
+def load_model(cid_or_path: str | Path, *, home: str | Path | None = None, store: ContentStore | None = None,
+               bootstrap: Sequence[str] = ()) -> nn.Module:
+    """:func:`p2ptrain.training.load_model`, and with ``bootstrap`` addresses a CID the home's store
+    lacks is first fetched, as :func:`load_state` fetches it: through the home's running node, else
+    through a temporary node that joins the mesh by ``bootstrap`` (a fresh machine needs no node of
+    its own). Without ``bootstrap`` a CID the store lacks raises
+    :class:`~p2ptrain.ipfs.ContentUnavailable`, as before; a fetch that fails raises
+    :class:`~p2ptrain.base.UserError` in one line.
+    """
+    where = Path(home).expanduser() if home is not None else None
+    if bootstrap and not Path(cid_or_path).exists() and _is_cid(str(cid_or_path)):
+        if store is not None:
+            raise UserError("load_model: bootstrap fetches into a home's store; pass home=, not store=")
+        from p2ptrain.api._fetching import ensure_local  # the fetch paths model fetch has
+
+        where = where or default_home()
+        ensure_local(where, [str(cid_or_path)], list(bootstrap))
+    return build_loaded(cid_or_path, home=where, store=store)
+
+
+def _is_cid(text: str) -> bool:
+    try:
+        parse_cid(text)
+    except Exception:
+        return False
+    return True
 
 
 def load_state(model: nn.Module, cid_or_path: str | Path, *, home: str | Path | None = None,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 from typing import Literal
 from collections.abc import Callable, Iterator
@@ -13,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from p2ptrain.cli.ipfs import add_store_options, cid_arg, content_errors, store_from_args
 from p2ptrain.data import Manifest, ManifestError, Pixels
-from p2ptrain.base import UserError
+from p2ptrain.base import UserError, default_home
 from p2ptrain.cli._home import source_options
 
 if TYPE_CHECKING:
@@ -32,8 +33,8 @@ def cmd_add(args: argparse.Namespace) -> int:
     with _counter(f"read {args.source}") as progress:
         source = read_source(args.source, options, progress)
     # Everything is decoded and checked: only now is the store opened and written.
-    store = store_from_args(args)
-    with content_errors():
+    with _fresh_home_undone(args), content_errors():
+        store = store_from_args(args)
         try:
             cid, manifest = build_source(store, source, args.shards, args.test_fraction, args.seed, name=args.name,
                                          standardize=args.standardize, normalize=normalize)
@@ -46,6 +47,28 @@ def cmd_add(args: argparse.Namespace) -> int:
               file=sys.stderr)
     print(cid)
     return 0
+
+
+@contextmanager
+def _fresh_home_undone(args: argparse.Namespace) -> Iterator[None]:
+    """A ``dataset add`` that fails (too many shards for the data, a source the manifest refuses,
+    Ctrl-C) leaves the home as it found it where it made it: opening the store creates
+    ``HOME/blocks`` (and the home), which a new user then finds empty, or holding half a data set.
+    Only what did not exist before this command is removed (the outermost folder of ``HOME/blocks``
+    it creates); a home in use keeps what it held. A Kubo backend (``--ipfs``) writes no folder."""
+    made = None
+    if not getattr(args, "ipfs", None):
+        blocks = Path(args.home if args.home is not None else default_home()) / "blocks"
+        for folder in [blocks, *blocks.parents]:
+            if folder.exists():
+                break
+            made = folder
+    try:
+        yield
+    except BaseException:
+        if made is not None:
+            shutil.rmtree(made, ignore_errors=True)
+        raise
 
 
 def _normalize(value: str | None) -> Pixels | Literal["train"] | None:

@@ -15,6 +15,8 @@ import json
 import os
 import secrets
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -161,7 +163,8 @@ def export_pretrained(data: bytes, directory: Path) -> Path:
     tmp = directory.with_name(f".{directory.name}.{secrets.token_hex(6)}.tmp")
     try:
         hf_model: Any = module.model  # a transformers PreTrainedModel
-        hf_model.save_pretrained(tmp)
+        with _no_progress_bars():
+            hf_model.save_pretrained(tmp)
         for name in os.listdir(tmp):
             with (tmp / name).open("rb") as f:
                 os.fsync(f.fileno())
@@ -169,6 +172,23 @@ def export_pretrained(data: bytes, directory: Path) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return directory
+
+
+@contextmanager
+def _no_progress_bars() -> Iterator[None]:
+    """transformers' own progress bars off while it writes (its "Writing model shards" tqdm bar on
+    stderr, before ``model export``'s one line); its warnings and errors still show. They are as
+    they were afterwards, for a caller of :func:`export_pretrained` that wants them elsewhere."""
+    from transformers.utils import logging as typed_logging
+
+    hf_logging: Any = typed_logging  # its switches carry no annotations
+    was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_on:
+            hf_logging.enable_progress_bar()
 
 
 def config_snippet(card: dict[str, Any], cid: str) -> str:

@@ -4,15 +4,19 @@ transformers here, then broken one way at a time; each is refused in one line an
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
 import safetensors.torch
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.utils import logging as hf_logging
 
+from p2ptrain.ipfs import EmbeddedStore
 from p2ptrain.models import build_model
 from p2ptrain.protocol import model_bytes, read_model_card
+from p2ptrain.testing import run_forked
 from p2ptrain.training import PretrainedError, export_pretrained, import_pretrained, model_from_bytes
 
 SETTINGS = {"n_layer": 1, "n_embd": 16, "n_head": 2, "vocab_size": 40, "n_positions": 8, "bos_token_id": 0,
@@ -51,6 +55,24 @@ def test_import_keeps_the_weights_and_the_settings_that_differ_and_export_gives_
     assert import_pretrained(out)[0] == data  # the round trip is the same model, byte for byte
     with pytest.raises(PretrainedError, match="exists; export writes a new directory"):
         export_pretrained(data, out)
+
+
+def test_model_export_prints_its_line_and_no_progress_bar_of_transformers(saved, tmp_path):
+    """``p2ptrain model export CID DIR`` (a real process) says what it wrote in one line on stdout,
+    and its stderr holds no "Writing model shards" tqdm bar of save_pretrained's; in a process of
+    the user's, transformers' progress bars are as they were afterwards. Red before: the bar was on
+    stderr."""
+    data, _ = import_pretrained(saved[0])
+    home = tmp_path / "home"
+    cid = EmbeddedStore(home).add_bytes(data)
+    done = run_forked([sys.executable, "-m", "p2ptrain.cli.main", "model", "export", cid, str(tmp_path / "out"),
+                       "--home", str(home)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith(f"{cid} -> ") and len(done.stdout.splitlines()) == 1
+    assert "Writing model shards" not in done.stderr and "\r" not in done.stderr, done.stderr
+    assert hf_logging.is_progress_bar_enabled()
+    export_pretrained(data, tmp_path / "in-process")
+    assert hf_logging.is_progress_bar_enabled()
 
 
 def test_export_refuses_a_model_of_another_builder(tmp_path):
