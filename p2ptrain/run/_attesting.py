@@ -238,7 +238,8 @@ class Attesting:
         if not tally.differing or tally.outvoted() is not None or tally.record.version == self._split_logged:
             return
         self._split_logged = tally.record.version
-        groups: dict[str, list[str]] = {tally.record.model_cid: sorted(tally.matching)}
+        # The record's model: its coordinator's own state (it signed it), and whoever attested it so far.
+        groups: dict[str, list[str]] = {tally.record.model_cid: sorted({*tally.matching, tally.record.coordinator})}
         for attester, cid in sorted(tally.differing.items()):
             groups.setdefault(cid, []).append(attester)
 

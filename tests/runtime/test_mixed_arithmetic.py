@@ -20,22 +20,30 @@ from p2ptrain.task import TASK_TEMPLATE
 from p2ptrain.testing import NodeProcess, run_cli as cli, run_node_processes, task_status_of, wait_for
 
 STEPS, CHECKPOINT = 60, 20
+ARGS = ["--device", "cpu", "--threads", "1"]
+SCALAR = {"ATEN_CPU_CAPABILITY": "default"}  # torch's scalar CPU kernels, as on a CPU without AVX2
+
+
+def _run_digits(started: list[NodeProcess], members: int) -> str:
+    """The demo task on sklearn's digits, published by the first process with ``peers.min`` =
+    ``members`` (every span has every member) and joined by the others; its CID."""
+    home = started[0].home
+    manifest = cli("dataset", "add", "sklearn:digits", "--shards", "8", "--home", str(home)).splitlines()[-1]
+    text = TASK_TEMPLATE.format(manifest=manifest, steps=STEPS, checkpoint=CHECKPOINT, density=0.05, peers=members)
+    task_cid = ControlClient(home, timeout=120).call(control_ops.TASK_PUBLISH, join=True,
+                                                     text=text.replace("min = 2\n", f"min = {members}\n"))["task_cid"]
+    for p in started[1:]:
+        ControlClient(p.home, timeout=60).call(control_ops.TASK_JOIN, task_cid=task_cid)
+    return str(task_cid)
 
 
 @pytest.mark.timeout(300)
 def test_a_member_that_rounds_differently_says_so_and_loads_each_confirmed_state(tmp_path: Path) -> None:
-    args = ["--device", "cpu", "--threads", "1"]
-    procs = [NodeProcess(tmp_path / f"node{i}", free_port(), extra_args=args) for i in range(2)]
-    odd = NodeProcess(tmp_path / "scalar", free_port(), extra_args=args, env={"ATEN_CPU_CAPABILITY": "default"})
+    procs = [NodeProcess(tmp_path / f"node{i}", free_port(), extra_args=ARGS) for i in range(2)]
+    odd = NodeProcess(tmp_path / "scalar", free_port(), extra_args=ARGS, env=SCALAR)
     with run_node_processes([*procs, odd]) as started:
-        manifest = cli("dataset", "add", "sklearn:digits", "--shards", "6", "--home", str(procs[0].home)).splitlines()[-1]
-        text = TASK_TEMPLATE.format(manifest=manifest, steps=STEPS, checkpoint=CHECKPOINT, density=0.05, peers=3)
         # min = 3: every span has the scalar member (it stops advertising while it loads a confirmed state).
-        task_cid = ControlClient(procs[0].home, timeout=120).call(control_ops.TASK_PUBLISH,
-                                                                   text=text.replace("min = 2\n", "min = 3\n"),
-                                                                   join=True)["task_cid"]
-        for p in started[1:]:
-            ControlClient(p.home, timeout=60).call(control_ops.TASK_JOIN, task_cid=task_cid)
+        task_cid = _run_digits(started, 3)
         final = wait_for(lambda: (s := [task_status_of(p.home, task_cid) for p in started])
                          and all(x and x["state"] == "done" for x in s) and s, timeout=240, interval=0.5)
         log = (odd.home / "logs" / "stderr.log").read_text(errors="replace")
@@ -56,18 +64,10 @@ def test_members_split_between_two_arithmetics_are_told_why_no_checkpoint_is_con
     neither is a quorum of four, so no checkpoint can be confirmed. Before, each rejected record
     said only that it fell short; now every member logs which members computed which model, with
     the arithmetic each advertises, and counts it (``attestations_split``)."""
-    args = ["--device", "cpu", "--threads", "1"]
-    scalar = {"ATEN_CPU_CAPABILITY": "default"}
-    procs = [NodeProcess(tmp_path / f"node{i}", free_port(), extra_args=args, env=scalar if i >= 2 else None)
+    procs = [NodeProcess(tmp_path / f"node{i}", free_port(), extra_args=ARGS, env=SCALAR if i >= 2 else None)
              for i in range(4)]
     with run_node_processes(procs) as started:
-        manifest = cli("dataset", "add", "sklearn:digits", "--shards", "8", "--home", str(procs[0].home)).splitlines()[-1]
-        text = TASK_TEMPLATE.format(manifest=manifest, steps=STEPS, checkpoint=CHECKPOINT, density=0.05, peers=4)
-        task_cid = ControlClient(procs[0].home, timeout=120).call(control_ops.TASK_PUBLISH,
-                                                                   text=text.replace("min = 2\n", "min = 4\n"),
-                                                                   join=True)["task_cid"]
-        for p in started[1:]:
-            ControlClient(p.home, timeout=60).call(control_ops.TASK_JOIN, task_cid=task_cid)
+        task_cid = _run_digits(started, 4)
         statuses = wait_for(lambda: (s := [task_status_of(p.home, task_cid) for p in started])
                             and all(x and x["rejected"].get("attestations_split") for x in s) and s,
                             timeout=240, interval=0.5)
@@ -75,6 +75,6 @@ def test_members_split_between_two_arithmetics_are_told_why_no_checkpoint_is_con
     assert all(s["version"] == 0 for s in statuses), [s["version"] for s in statuses]  # nothing confirmed
     for log in logs:
         line = next(line for line in log.splitlines() if "computed 2 different models" in line)
-        # Rejected as soon as no quorum can be reached: the attesters heard by then, each with its arithmetic,
-        # the scalar ones and the others (on two groups' models).
+        # Rejected as soon as no quorum can be reached: the record's coordinator and the attesters heard
+        # by then, each with its arithmetic: scalar members and vectorized ones, on two models.
         assert line.count("with DEFAULT kernels)") >= 1 and line.count("kernels)") > line.count("DEFAULT kernels)"), line
