@@ -6,11 +6,10 @@ import argparse
 import json
 import shutil
 import sys
-from typing import Literal
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from p2ptrain.cli.ipfs import add_store_options, cid_arg, content_errors, store_from_args
 from p2ptrain.data import Manifest, ManifestError, Pixels

@@ -244,10 +244,7 @@ class Attesting:
             groups.setdefault(cid, []).append(attester)
 
         def who(peer: str) -> str:
-            record = run.node.membership.get(ID.from_base58(peer)) if peer != run.me else None
-            arithmetic = arithmetic_of(run.trainer.device) if peer == run.me and run.trainer is not None else \
-                (record.caps.arithmetic if record is not None else None)
-            return f"{short_id(peer)} ({arithmetic or 'arithmetic not advertised'})"
+            return f"{short_id(peer)} ({self._arithmetic(peer) or 'arithmetic not advertised'})"
 
         run.refuse("attestations_split",
                    f"model record v{tally.record.version} rejected: its span's {len(tally.members)} members computed "
@@ -301,16 +298,23 @@ class Attesting:
             return
         run.stale_step = record.step
         del self.checkpoint_cids[record.step]  # not our state at that step once we load the confirmed one
-        peer = run.node.membership.get(ID.from_base58(record.coordinator))
-        theirs = peer.caps.arithmetic if peer is not None and record.coordinator != run.me else None
         run.refuse("own_state_differs",
                    f"this member's state at step {record.step} ({own[0]}) is not the confirmed model "
                    f"v{record.version} ({record.model_cid}): its steps round differently from the quorum's "
-                   f"(this member: {arithmetic_of(run.trainer.device)}; its coordinator "
-                   f"{short_id(record.coordinator)}: {theirs or 'not advertised'}; docs/deploy.md, \"Which "
+                   f"(this member: {self._arithmetic(run.me)}; its coordinator {short_id(record.coordinator)}: "
+                   f"{self._arithmetic(record.coordinator) or 'not advertised'}; docs/deploy.md, \"Which "
                    f"machines compute the same bits\"); loading the confirmed state")
         if run.synced:
             run.desync(trio.current_time())
+
+    def _arithmetic(self, peer: str) -> str | None:
+        """The arithmetic ``peer``'s steps use: this member's own from its trainer, another's as its
+        heartbeats advertise it (None until its torch probe ran, or from an older version)."""
+        run = self.run
+        if peer == run.me:
+            return arithmetic_of(run.trainer.device) if run.trainer is not None else None
+        record = run.node.membership.get(ID.from_base58(peer))
+        return record.caps.arithmetic if record is not None else None
 
 
 def _fmt(value: float | None) -> str:
