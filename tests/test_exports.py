@@ -26,7 +26,7 @@ EXPORTS: dict[str, list[str]] = {
     ],
     "p2ptrain.base": [
         "AddressError", "HistogramSnapshot", "RoundHistograms", "UserError", "all_finite", "arithmetic_of", "boundedjson",
-        "count_rejection", "default_home", "flat_params", "fmt_bytes", "fmt_s", "format_host_port", "formatter",
+        "count_rejection", "default_home", "first_leaf", "flat_params", "fmt_bytes", "fmt_s", "format_host_port", "formatter",
         "large_empty", "load_flat_params", "load_or_create_identity", "parse_host_port", "peer_id_of", "refilled", "short_id",
         "use_one_arena", "write_atomic", "zero_fill",
     ],
@@ -77,7 +77,7 @@ EXPORTS: dict[str, list[str]] = {
         "Channel", "ChannelClosed", "ChannelError", "MessageTooLarge", "PubsubMessageTooLarge",
         "RELAY_CIRCUIT_BYTES_RANGE", "RELAY_CIRCUIT_S_RANGE", "RELAY_MAX_CIRCUIT_BYTES", "RELAY_MAX_CIRCUIT_S",
         "RELAY_MAX_RESERVATIONS", "RELAY_RESERVATIONS_RANGE", "Reachability", "Relaying", "STATUSES", "StreamGuard",
-        "advertised_addrs", "bound_problem", "close_host", "has_direct_connection", "is_circuit", "make_host",
+        "advertised_addrs", "bound_problem", "check_listen", "close_host", "has_direct_connection", "is_circuit", "make_host",
         "make_pubsub", "noise_only", "open_channel", "over_relay", "publish_bytes", "relay_limits", "running_pubsub",
         "running_service", "serve_channels",
     ],

@@ -126,7 +126,7 @@ def test_a_background_peer_refuses_a_taken_port_and_quiets_libp2p_unless_told(tm
     monkeypatch.delenv("LIBP2P_DEBUG", raising=False)
     try:
         libp2p.setLevel(logging.WARNING)  # what py-libp2p sets as it is imported
-        with pytest.raises(UserError, match=f"listen= /ip4/127.0.0.1/tcp/{taken_port}: cannot listen"):
+        with pytest.raises(UserError, match=f"listen address /ip4/127.0.0.1/tcp/{taken_port}: cannot listen"):
             BackgroundPeer(tmp_path / "a", NodeConfig(listen=[f"/ip4/127.0.0.1/tcp/{taken_port}"]))
         peer = BackgroundPeer(tmp_path / "b", NodeConfig(listen=["/ip4/127.0.0.1/tcp/0"]))
         peer.close()

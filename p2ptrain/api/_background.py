@@ -20,8 +20,7 @@ from typing import Any, TypeVar
 
 import trio
 
-from p2ptrain.api._ports import check_listen
-from p2ptrain.base import UserError
+from p2ptrain.base import UserError, first_leaf
 from p2ptrain.node import Node, NodeConfig
 from p2ptrain.services import Peer, make_peer
 
@@ -49,7 +48,6 @@ class BackgroundPeer:
         self._stop: trio.Event | None = None
         self._nursery: trio.Nursery | None = None
         self.peer: Peer | None = None
-        check_listen(config.listen, "listen=")  # a port in use: libp2p would share it with the other listener
         libp2p = logging.getLogger("libp2p")
         if libp2p.level in (logging.NOTSET, logging.WARNING) and not os.environ.get("LIBP2P_DEBUG"):
             # py-libp2p logs expected churn (a DHT stream a peer closed, a redial of a member that
@@ -67,7 +65,11 @@ class BackgroundPeer:
     def _main(self) -> None:
         try:
             trio.run(self._run)
-        except BaseException as exc:  # handed to the thread that waits for the start
+        except BaseExceptionGroup as group:  # handed to the thread that waits for the start
+            user_errors, _ = group.split(UserError)  # a taken port reads as one line in the script
+            self._error = first_leaf(user_errors) if user_errors is not None else group
+            log.debug("the background peer stopped: %r", group)
+        except BaseException as exc:
             self._error = exc
             log.debug("the background peer stopped: %r", exc)
         finally:

@@ -9,7 +9,7 @@ import re
 import sys
 
 from p2ptrain import __version__
-from p2ptrain.base import UserError
+from p2ptrain.base import UserError, first_leaf
 
 # Declared errors of decoders below the CLI that are not UserErrors (module, class): what they say
 # is the whole story for a user (a CID not held, a block that fails its hash, a malformed file), so
@@ -124,18 +124,13 @@ def main(argv: list[str] | None = None) -> int:
         declared, rest = group.split(declared_errors())
         if declared is None or rest is not None:
             raise
-        print(one_line(_first_leaf(declared)), file=sys.stderr)
+        print(one_line(first_leaf(declared)), file=sys.stderr)
         return 1
     except Exception as exc:
         if not isinstance(exc, declared_errors()):
             raise
         print(one_line(exc), file=sys.stderr)
         return 1
-
-
-def _first_leaf(group: BaseExceptionGroup) -> BaseException:
-    first = group.exceptions[0]
-    return _first_leaf(first) if isinstance(first, BaseExceptionGroup) else first
 
 
 if __name__ == "__main__":

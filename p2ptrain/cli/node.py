@@ -121,11 +121,12 @@ def cmd_start(args: argparse.Namespace) -> int:
 
     for addr in settings["bootstrap"]:
         parse_bootstrap(addr)
-    from p2ptrain.api import check_listen
+    from p2ptrain.net import check_listen
     from p2ptrain.control import socket_path
 
     if not socket_path(Path(settings["home"])).exists():  # else this home's node may run: the node says so
-        check_listen(settings["listen"])  # a port in use: libp2p would share it with the other listener
+        # The node checks this itself (Node._live), after torch is imported (~8 s): say it at once.
+        check_listen(settings["listen"])
     _check_device(args.device)
     node = Node(settings["home"], node_config(resolved))
     from p2ptrain.services import TaskOptions, make_peer

@@ -37,7 +37,7 @@ from libp2p.pubsub.pubsub import Pubsub
 from multiaddr import Multiaddr
 
 from p2ptrain import __version__
-from p2ptrain.base import UserError, load_or_create_identity, peer_id_of, short_id, write_atomic
+from p2ptrain.base import UserError, first_leaf, load_or_create_identity, peer_id_of, short_id, write_atomic
 from p2ptrain.mesh import Discovery, M, Membership, MessageRouter, Rate, keep_reservations, parse_bootstrap
 from p2ptrain.control import ControlServer, NodeStatus, ops as control_ops
 from p2ptrain.node._node_config import CONFIG_FILE, NodeConfig, prepare_home
@@ -47,6 +47,7 @@ from p2ptrain.net import (
     Reachability,
     Relaying,
     advertised_addrs,
+    check_listen,
     close_host,
     is_circuit,
     make_host,
@@ -222,7 +223,7 @@ class Node:
             # line, not as the nursery tree it travelled through.
             user_errors, _ = group.split(UserError)
             if user_errors is not None:
-                raise _first_leaf(user_errors) from None
+                raise first_leaf(user_errors) from None
             raise
 
     async def _run_lifetime(self, live: Any, finished: trio.Event, lifetime: trio.CancelScope, task_status: Any) -> None:
@@ -244,6 +245,10 @@ class Node:
         if self._stop.is_set():
             return
         self.control.claim_socket()  # fail fast, before any network work, if the home is in use
+        # py-libp2p binds with SO_REUSEPORT: on a port another node listens on it would start beside
+        # it, and the kernel would deal dialers between the two. Refused here, for every way a node
+        # starts (`node start`, a script's background peer, p2ptrain.testing, a user's own Node).
+        check_listen(self.config.listen, "listen address")
         host = make_host(self.key_pair, self._listen)
         # Before any connection exists; inbound messages over the wire cap are dropped as read.
         pubsub = make_pubsub(host, self.config.heartbeat_interval, MAX_MESSAGE_BYTES)
@@ -377,13 +382,6 @@ def _direct_peers(host: IHost) -> list[ID]:
     network = host.get_network()
     return [p for p in host.get_connected_peers()
             if any(not any(is_circuit(a) for a in c.get_transport_addresses()) for c in network.get_connections(p))]
-
-
-def _first_leaf(group: BaseExceptionGroup) -> BaseException:
-    exc: BaseException = group
-    while isinstance(exc, BaseExceptionGroup):
-        exc = exc.exceptions[0]
-    return exc
 
 
 def _maddrs(addrs: Sequence[str]) -> list[Multiaddr]:
