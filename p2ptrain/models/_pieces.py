@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from p2ptrain.models._hf import CausalLM
 from p2ptrain.models._registry import (build_model, check_kwargs, lm_piece, MAX_PARAMETERS, meta_model, seeded_call,
                                        TinyLM)
 
@@ -96,13 +97,17 @@ def pieces_of(model: nn.Module) -> list[Piece]:
     if isinstance(model, TinyLM):
         blocks = [_LMBlock(f"blocks.{i}", b, model.context) for i, b in enumerate(model.blocks)]
         return [_LMEmbed(model), *blocks, Piece({"norm": model.norm, "head": model.head})]
+    if isinstance(model, CausalLM):
+        from p2ptrain.models._hf_pieces import hf_pieces  # imports this module: on use, not at import
+
+        return hf_pieces(model)
     if isinstance(model, nn.Sequential):
         # _modules, not named_children(): that skips a module's second appearance, and a Sequential
         # that applies one module twice would lose a step of its forward.
         return [Piece({name: child}) for name, child in model._modules.items() if child is not None]
     raise PartitionError(
-        f"a {type(model).__name__} cannot be cut into stages: only transformer_lm and nn.Sequential "
-        "models (a sequence of blocks) can"
+        f"a {type(model).__name__} cannot be cut into stages: only transformer_lm, hf causal LMs and "
+        "nn.Sequential models (a sequence of blocks) can"
     )
 
 
@@ -166,7 +171,8 @@ def cut_pieces(model: nn.Module, stages: int) -> tuple[list[Piece], Cut]:
     cut = balanced_cut(sizes, stages)
     tied = _tied_across(pieces, cut)
     if tied is not None:
-        raise PartitionError(f"{tied} is tied to a weight of another stage; cut elsewhere or untie it")
+        untie = " (model.config.tie_word_embeddings = false unties an hf model's head)" if isinstance(model, CausalLM) else ""
+        raise PartitionError(f"{tied} is tied to a weight of another stage; cut elsewhere or untie it{untie}")
     return pieces, cut
 
 
