@@ -14,6 +14,8 @@ import pytest
 import torch
 import trio
 
+from p2ptrain.api import split_shards
+from p2ptrain.cli.verify import verify
 from p2ptrain.testing import local_peers
 
 from .test_pipelined_run import INTERVAL, publish, single_process, small_text, whole_model  # noqa: F401 (small_text: autouse)
@@ -83,3 +85,12 @@ async def test_an_hf_llama_cut_into_stages_trains_as_one_process(tmp_path: Path)
             assert set(confirmed) == set(expected) and any(name.startswith("model.model.layers.1.") for name in expected)
             for name, tensor in expected.items():
                 torch.testing.assert_close(confirmed[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+
+            # model verify assembles the hf model from the manifest's stage files and evaluates it.
+            home = peers[0]
+            for cid in split_shards(home.content.store, manifest, "test"):
+                await home.content.fetch(cid)
+            report = await trio.to_thread.run_sync(lambda: verify(
+                home.node.home, model_cid=record.model_cid, task_cid=task_cid, bootstrap=[], evaluate=True))
+            assert report.problems == [], report.problems
+            assert report.eval is not None and report.eval["recomputed"]["loss"] > 0, report.eval
