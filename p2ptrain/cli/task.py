@@ -195,7 +195,7 @@ def render_status(s: TaskStatus) -> str:
                 f"{e['stage']}: {len(e['replicas'])} replica{'s' if len(e['replicas']) != 1 else ''}, "
                 f"{e['parameters']:,} parameters" for e in s.stages))
         for e in s.stage_suspects or ():
-            lines.append(f"suspect    {short_id(e['peer'])}, stage {e['stage']}: sent altered activations "
+            lines.append(f"suspect    {short_id(e['peer'])}, stage {e['stage']}: sent altered activations or gradients "
                          f"({e['times']} time{'s' if e['times'] != 1 else ''}, last at step {e['step']}); left out of plans")
         for e in s.stage_disagreements or ():
             a, b = e["peers"]

@@ -22,7 +22,10 @@ gradients are the step's gradient of that stage (docs/pipeline.md).
 
 Integrity: with ``check_fraction`` > 0, that share of the microbatches is also sent FORWARD to a second
 replica of every later stage, and the two outputs are compared bit for bit (replicas of a stage hold
-the same weights). A difference is counted against the pair (:attr:`Driver.disagreements`) and takes
+the same weights); on the way back, each LOSS and BACKWARD of such a microbatch is checked the same
+way (``CHECK_LOSS``, ``CHECK_BACKWARD``: a second replica computes the gradient of the stage's input,
+and the loss, without accumulating anything), so a replica cannot poison the stages before it with
+a gradient either. A difference is counted against the pair (:attr:`Driver.disagreements`) and takes
 a third opinion, from a third replica of the stage when there is one: the replica outvoted is the
 liar (:attr:`Driver.liars`, :attr:`Driver.outvoted`), and the majority's output goes on down the
 pipeline. Without a third replica (or with three different answers) the disagreement stays the
@@ -139,7 +142,8 @@ class Driver:
         # What draws the checked microbatches (is_checked): the runtime's is the driver's signature
         # of the plan, which no replica can compute in advance.
         self.check_key = check_key
-        self.checked = 0
+        self.checked = 0  # FORWARD second opinions asked
+        self.gradients_checked = 0  # LOSS and BACKWARD second opinions asked
         # {(stage, the replica that answered, the replica that answered differently): times}
         self.disagreements: collections.Counter[tuple[int, Hashable, Hashable]] = collections.Counter()
         # {(stage, replica): times a third opinion outvoted it}, and {replica: its stage} of every
@@ -177,24 +181,30 @@ class Driver:
             h = await trio.to_thread.run_sync(self._forward0, x)
         a = h.detach()
         check = self.check_fraction > 0 and is_checked(self.check_key, self.step, mb, self.check_fraction)
-        served: dict[int, Hashable] = {}  # {stage: the replica whose output went on}: it kept the graph
+        served: dict[int, Hashable | None] = {}  # {stage: the replica whose output went on}: it kept the graph
         for s in range(1, count - 1):
             record.inputs[s] = a
             peer, answer = await self._answered(Kind.FORWARD, s, mb, (a,))
-            a = answer.tensors[0]
             if check:
-                a = await self._second_opinion(s, mb, record.inputs[s], peer, a)
-            if a is answer.tensors[0]:
+                kept = await self._second_opinion(Kind.FORWARD, s, mb, (a,), peer, answer)
+                served[s] = peer if kept is answer else None
+                answer = kept
+            else:
                 served[s] = peer
+            a = answer.tensors[0]
         record.inputs[count - 1] = a
+        tensors: tuple[torch.Tensor, ...] = (a, targets)
+        peer, answer = await self._answered(Kind.LOSS, count - 1, mb, tensors, weight)
         if check:
-            peer, answer = await self._answered(Kind.FORWARD, count - 1, mb, (a,))
-            await self._second_opinion(count - 1, mb, a, peer, answer.tensors[0])
-        answer = await self._hop(Kind.LOSS, count - 1, mb, (a, targets), weight)
+            answer = await self._second_opinion(Kind.CHECK_LOSS, count - 1, mb, tensors, peer, answer, weight)
         record.loss, g = answer.value, answer.tensors[0]
         for s in range(count - 2, 0, -1):
             record.grads[s] = g
-            g = (await self._hop(Kind.BACKWARD, s, mb, (record.inputs[s], g), prefer=served.get(s))).tensors[0]
+            tensors = (record.inputs[s], g)
+            peer, answer = await self._answered(Kind.BACKWARD, s, mb, tensors, prefer=served.get(s))
+            if check:
+                answer = await self._second_opinion(Kind.CHECK_BACKWARD, s, mb, tensors, peer, answer)
+            g = answer.tensors[0]
         async with self._lock:
             await trio.to_thread.run_sync(h.backward, g)
         record.done = True
@@ -249,45 +259,51 @@ class Driver:
             return peer, answer
 
     async def _second_opinion(
-        self, stage: int, mb: int, sent: torch.Tensor, first: Hashable, out: torch.Tensor,
-    ) -> torch.Tensor:
-        """Ask another replica of ``stage`` for the same FORWARD and compare; on a difference, a third
-        replica decides, and the one outvoted is a liar. Returns the output to go on with (the
-        majority's). A stage with no other replica left goes unchecked; without a third, the
-        disagreement stays the pair's."""
+        self, kind: Kind, stage: int, mb: int, tensors: tuple[torch.Tensor, ...], first: Hashable, answer: Frame,
+        value: float = 0.0,
+    ) -> Frame:
+        """Ask another replica of ``stage`` for the same request (``kind``: FORWARD, or the CHECK kind
+        of a LOSS or BACKWARD, which accumulates nothing) and compare with ``first``'s ``answer``; on a
+        difference, a third replica decides, and the one outvoted is a liar. Returns the answer to go
+        on with (the majority's). A stage with no other replica left goes unchecked; without a third,
+        the disagreement stays the pair's."""
         try:
-            other, answer = await self._answered(Kind.FORWARD, stage, mb, (sent,), besides=(first,))
+            other, second = await self._answered(kind, stage, mb, tensors, value, besides=(first,))
         except StageUnavailable:
-            return out
-        self.checked += 1
-        second = answer.tensors[0]
-        if torch.equal(second, out):
-            return out
+            return answer
+        if kind == Kind.FORWARD:
+            self.checked += 1
+        else:
+            self.gradients_checked += 1
+        if _same(second, answer):
+            return answer
+        what = "outputs" if kind == Kind.FORWARD else "gradients"
         self.disagreements[(stage, first, other)] += 1
-        logger.warning("pipeline step %d: microbatch %d: stage %d replicas %s and %s disagree (largest difference "
-                       "%.3g)", self.step, mb, stage, _name(first), _name(other), float((second - out).abs().max()))
+        logger.warning("pipeline step %d: microbatch %d: stage %d replicas %s and %s disagree on its %s (largest "
+                       "difference %.3g)", self.step, mb, stage, _name(first), _name(other), what,
+                       float((second.tensors[0] - answer.tensors[0]).abs().max()))
         try:
-            third, tie = await self._answered(Kind.FORWARD, stage, mb, (sent,), besides=(first, other))
+            third, tie = await self._answered(kind, stage, mb, tensors, value, besides=(first, other))
         except StageUnavailable:
             self.undecided[(stage, first, other)] += 1
             logger.warning("pipeline step %d: microbatch %d: stage %d has no third replica to tell which of %s and "
                            "%s lied; nobody is named", self.step, mb, stage, _name(first), _name(other))
-            return out
-        verdict = tie.tensors[0]
-        if torch.equal(verdict, out):
-            liar, kept = other, out
-        elif torch.equal(verdict, second):
+            return answer
+        if _same(tie, answer):
+            liar, kept = other, answer
+        elif _same(tie, second):
             liar, kept = first, second
         else:
             self.undecided[(stage, first, other)] += 1
             logger.warning("pipeline step %d: microbatch %d: stage %d replicas %s, %s and %s answered three different "
-                           "outputs; nobody is named", self.step, mb, stage, _name(first), _name(other), _name(third))
-            return out
+                           "%s; nobody is named", self.step, mb, stage, _name(first), _name(other), _name(third), what)
+            return answer
         self.outvoted[(stage, liar)] += 1
         self.liars[liar] = stage
         honest = [p for p in (first, other, third) if p != liar]
         logger.warning("pipeline step %d: microbatch %d: stage %d replica %s outvoted by %s and %s: it sent altered "
-                       "activations", self.step, mb, stage, _name(liar), _name(honest[0]), _name(honest[1]))
+                       "%s", self.step, mb, stage, _name(liar), _name(honest[0]), _name(honest[1]),
+                       "activations" if kind == Kind.FORWARD else "gradients")
         return kept
 
     async def _ask(
@@ -407,6 +423,12 @@ class Driver:
                 if not self.wiring.is_left_out(peer):
                     nursery.start_soon(ask, peer)
         return held
+
+
+def _same(a: Frame, b: Frame) -> bool:
+    """Two answers to one request are the same: their tensor bit for bit, and their value (a LOSS's
+    loss)."""
+    return torch.equal(a.tensors[0], b.tensors[0]) and a.value == b.value
 
 
 def _name(peer: Hashable) -> str:

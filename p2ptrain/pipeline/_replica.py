@@ -1,4 +1,4 @@
-"""One replica of one stage, serving the stage protocol (``/p2ptrain/pipeline/1.1.0``) on its host.
+"""One replica of one stage, serving the stage protocol (``/p2ptrain/pipeline/1.2.0``) on its host.
 
 A replica needs nothing of a microbatch between requests (docs/pipeline.md): a BACKWARD carries the
 stage's input again with the gradient of its output, so any replica can answer it by recomputing its
@@ -18,7 +18,9 @@ reset the channel) leaves no trace, a sender that retries the same replica is an
 counting twice, and a sender that uses another's (predictable) id adds its own gradient beside the
 other's, never in its place. :meth:`held` says which microbatches of the step are in the replica's
 gradients; each sender asks for its own at the end of a step (``HOLDINGS``: the answer lists only
-the ids that sender sent) and redoes elsewhere what a dead replica took with it.
+the ids that sender sent) and redoes elsewhere what a dead replica took with it. A second opinion
+(``CHECK_LOSS``, ``CHECK_BACKWARD``: a driver checking another replica's gradient) is computed as the
+LOSS or BACKWARD it checks and answered the same way, but accumulates nothing and is held by nobody.
 """
 
 from __future__ import annotations
@@ -39,8 +41,9 @@ from p2ptrain.wire.activations import ActivationError, decode_frame, DEFAULT_LIM
 logger = logging.getLogger(__name__)
 
 # 1.1.0: a channel carries any number of requests, one at a time, each followed by its answer (1.0.0:
-# one request per channel); the frames are the same (wire/activations.py, version 1).
-PROTOCOL = "/p2ptrain/pipeline/1.1.0"
+# one request per channel). 1.2.0: the second opinions on gradients (CHECK_LOSS, CHECK_BACKWARD), which
+# a 1.1.0 replica refuses as unknown frames; the frames are otherwise the same (wire/activations.py, version 1).
+PROTOCOL = "/p2ptrain/pipeline/1.2.0"
 # How long a replica waits for a request's bytes once a sender opened a channel to it.
 REQUEST_TIMEOUT_S = 30.0
 # How long a replica waits for the next request on a channel it answered on: a sender reuses its
@@ -183,22 +186,25 @@ class StageReplica:
     def _problem(self, request: Frame) -> str | None:
         """Why ``request`` is not one this replica answers, or None."""
         last = self.stage.index == self.stage.count - 1
-        expected: dict[int, int] = {Kind.FORWARD: 1, Kind.LOSS: 2, Kind.BACKWARD: 2, Kind.HOLDINGS: 0}
+        expected: dict[int, int] = {Kind.FORWARD: 1, Kind.LOSS: 2, Kind.BACKWARD: 2, Kind.HOLDINGS: 0,
+                                    Kind.CHECK_LOSS: 2, Kind.CHECK_BACKWARD: 2}
         if request.kind not in expected or len(request.tensors) != expected[request.kind]:
             return f"a {request.kind} frame with {len(request.tensors)} tensors is no request"
         if request.stage != self.stage.index or request.step != self.step:
             return f"request for stage {request.stage} step {request.step}; this is stage {self.stage.index} step {self.step}"
-        if request.kind == Kind.LOSS and not last:
+        loss = request.kind in (Kind.LOSS, Kind.CHECK_LOSS)
+        if loss and not last:
             return "only the last stage computes the loss"
-        if request.kind == Kind.BACKWARD and last:
+        if request.kind in (Kind.BACKWARD, Kind.CHECK_BACKWARD) and last:
             return "the last stage takes its gradient from the loss"
-        if request.kind == Kind.LOSS and not 0 < request.value <= 1:
+        if loss and not 0 < request.value <= 1:
             return f"a microbatch's weight in its step is in (0, 1], not {request.value}"
         return None
 
     def _compute(self, request: Frame, sender: Hashable) -> tuple[Frame, tuple[torch.Tensor, ...] | None]:
         """The answer to ``sender``'s ``request`` and, for LOSS and BACKWARD, the gradients of this
-        stage's parameters (not yet accumulated). Runs in a worker thread, under the replica's lock."""
+        stage's parameters (not yet accumulated; None for a second opinion, which accumulates nothing).
+        Runs in a worker thread, under the replica's lock."""
         reply = Frame(Kind.GRAD, request.step, request.microbatch, request.stage)
         if request.kind == Kind.HOLDINGS:
             ids = torch.tensor(sorted(self._held.get(sender, ())), dtype=torch.int64)
@@ -220,7 +226,8 @@ class StageReplica:
             return Frame(Kind.OUTPUT, request.step, request.microbatch, request.stage, tensors=(out.detach(),)), None
         params = list(self.stage.parameters())
         sent = self._graphs.get(sender)
-        kept = sent.pop(key, None) if sent is not None and request.kind == Kind.BACKWARD else None
+        backward = request.kind in (Kind.BACKWARD, Kind.CHECK_BACKWARD)
+        kept = sent.pop(key, None) if sent is not None and backward else None
         if kept is not None and kept[0].dtype == x.dtype and torch.equal(kept[0], x):
             x, out = kept[1], kept[2]  # this sender's FORWARD of the same input: no second forward
             self.reused += 1
@@ -229,8 +236,10 @@ class StageReplica:
             with torch.enable_grad():
                 out = self.stage(x)
         inputs = [x, *params] if x.requires_grad else params
+        # A second opinion computes exactly what the request it checks computes (the parameters'
+        # gradients too, then dropped): the input gradient must come out of the same kernels.
         with torch.enable_grad():
-            if request.kind == Kind.LOSS:
+            if not backward:
                 loss = self.loss(out, request.tensors[1])
                 grads = torch.autograd.grad(loss * request.value, inputs)
                 reply = Frame(Kind.GRAD, request.step, request.microbatch, request.stage, float(loss.detach()))
@@ -240,9 +249,11 @@ class StageReplica:
                         f"gradient of shape {tuple(request.tensors[1].shape)} for an output of {tuple(out.shape)}"
                     )
                 grads = torch.autograd.grad(out, inputs, request.tensors[1])
+        accumulated = None if request.kind in (Kind.CHECK_LOSS, Kind.CHECK_BACKWARD) else grads[1:] if x.requires_grad \
+            else grads
         if x.requires_grad:
-            return Frame(reply.kind, reply.step, reply.microbatch, reply.stage, reply.value, (grads[0],)), grads[1:]
-        return reply, grads
+            return Frame(reply.kind, reply.step, reply.microbatch, reply.stage, reply.value, (grads[0],)), accumulated
+        return reply, accumulated
 
 
 async def serve_requests(channel: Channel, current: Callable[[], StageReplica | None]) -> None:

@@ -90,11 +90,11 @@ def convicted_failure(
         stage = plan.stages[plan.members.index(peer)]
         seen = suspects.setdefault(peer, {"peer": peer, "stage": stage, "times": 0, "step": step})
         seen.update(stage=stage, step=step, times=seen["times"] + 1)
-        logger.warning("%s: step %d: stage %d replica %s sent altered activations (outvoted by a third opinion, "
+        logger.warning("%s: step %d: stage %d replica %s sent altered activations or gradients (outvoted by a third opinion, "
                        "accused by a majority of the drivers); left out of the next plans", log_prefix, step, stage,
                        short_id(peer))
     first = convicted[0]
-    return Misbehaved(ID.from_base58(first), f"sent altered activations as a replica of stage "
+    return Misbehaved(ID.from_base58(first), f"sent altered activations or gradients as a replica of stage "
                                              f"{plan.stages[plan.members.index(first)]} in step {step}")
 
 

@@ -1,4 +1,5 @@
-"""The frames of the stage protocol (``/p2ptrain/pipeline/1.1.0``, the same frames as 1.0.0): activations and their gradients.
+"""The frames of the stage protocol (``/p2ptrain/pipeline/1.2.0``; 1.1.0 and 1.0.0 had the same frames without the
+CHECK kinds): activations and their gradients.
 
 A frame is a 23-byte header (magic ``PP``, version, kind, step, microbatch id, stage, a float32 value
 and the number of tensors that follow) and up to :data:`MAX_TENSORS` tensors. A tensor is its
@@ -53,6 +54,11 @@ class Kind(IntEnum):
     GRAD = 5  # value: the microbatch's loss (answers to LOSS), else 0
     HOLDINGS = 6  # which microbatches of the step has the replica accumulated? -> HELD
     HELD = 7  # one i64 tensor of microbatch ids
+    # A second opinion on a LOSS or a BACKWARD (protocol 1.2.0): the same tensors, answered with the
+    # same GRAD, but nothing accumulated or held: the replica that gives it is not the one whose
+    # gradient the stage sums for that microbatch.
+    CHECK_LOSS = 8
+    CHECK_BACKWARD = 9
 
 
 class Encoding(IntEnum):

@@ -4,7 +4,8 @@ and the coordinator's next plan leaves it out.
 
 Six peers: the task's two stages get three replicas each (stage 0's are the drivers), so a
 disagreement at stage 1 has a third opinion. Nothing is replaced but one replica's answers (a small
-error added to its outputs, from the moment the test picks it). Before this change the drivers only
+error added to what it answers, the gradient of its input as the last stage, from the moment the test
+picks it). Before this change the drivers only
 counted the disagreeing pair; nobody was named or left out.
 """
 
@@ -59,7 +60,7 @@ class MaybeAltering(StageReplica):
 
     def _compute(self, request, sender):
         answer, grads = super()._compute(request, sender)
-        if answer.kind == Kind.OUTPUT and str(self.host.get_id()) in LIARS:
+        if answer.kind in (Kind.OUTPUT, Kind.GRAD) and str(self.host.get_id()) in LIARS:
             answer = replace(answer, tensors=(answer.tensors[0] + 1e-3,))
         return answer, grads
 

@@ -38,12 +38,24 @@ PIPELINED = load_task(LM_TASK + "[pipeline]\nstages = 2\n")
 
 
 class AlteringReplica(StageReplica):
-    """A dishonest replica: its outputs are off by a small error, well-formed and plausible."""
+    """A dishonest replica: what it answers (outputs, and the gradients of its input) is off by a
+    small error, well-formed and plausible."""
 
     def _compute(self, request, sender):
         answer, grads = super()._compute(request, sender)
-        if answer.kind == Kind.OUTPUT:
+        if answer.kind in (Kind.OUTPUT, Kind.GRAD):
             answer = replace(answer, tensors=(answer.tensors[0] + 1e-3,))
+        return answer, grads
+
+
+class GradientAlteringReplica(StageReplica):
+    """A subtler liar: honest outputs, but the gradient of its input (what every stage before it
+    trains on) off by a small error. Before protocol 1.2.0 nothing compared it."""
+
+    def _compute(self, request, sender):
+        answer, grads = super()._compute(request, sender)
+        if answer.kind == Kind.GRAD:
+            answer = replace(answer, tensors=(answer.tensors[0] * 1.01,))
         return answer, grads
 
 
@@ -72,11 +84,14 @@ async def summaries(hosts, plan: RoundPlan, accused: dict[str, tuple[str, ...]])
     return got
 
 
-async def serve_stage_1(hosts, altering: int) -> list[StageReplica]:
+async def serve_stage_1(hosts, altering: int, liar: type[StageReplica] = AlteringReplica,
+                        count: int = 2) -> list[StageReplica]:
+    """Stage 1 of a model cut into ``count`` stages on every host but the first (the driver), host
+    ``altering`` a ``liar``."""
     servers = []
     for i in range(1, len(hosts)):
-        kind = AlteringReplica if i == altering else StageReplica
-        server = kind(hosts[i].host, stages(2)[1], lm_loss, senders=[hosts[0].id])
+        kind = liar if i == altering else StageReplica
+        server = kind(hosts[i].host, stages(count)[1], lm_loss, senders=[hosts[0].id])
         server.serve()
         servers.append(server)
     return servers
@@ -93,7 +108,7 @@ async def test_a_replica_altering_its_outputs_is_outvoted_named_and_left_out_of_
         with trio.fail_after(DEADLINE_S):
             await drive(driver, list(range(9)))
             await driver.finish()
-        assert driver.checked == 9
+        assert driver.gradients_checked == 9 and driver.checked == 0  # stage 1 is the last: its LOSS is checked
         assert driver.liars == {liar: 1}
         assert set(driver.outvoted) == {(1, liar)} and sum(driver.outvoted.values()) >= 1
         assert all(liar in pair[1:] for pair in driver.disagreements)  # every disagreement involved the liar
@@ -112,7 +127,8 @@ async def test_a_replica_altering_its_outputs_is_outvoted_named_and_left_out_of_
     status = TaskStatus(task_cid=CID, name="t", state="training", member=True, stage_suspects=tuple(suspects.values()))
     assert TaskStatus.from_json(status.to_json()).stage_suspects == status.stage_suspects
     text = render_status(status)
-    assert f"suspect    {short_id(str(liar))}, stage 1: sent altered activations (1 time, last at step 3)" in text, text
+    assert (f"suspect    {short_id(str(liar))}, stage 1: sent altered activations or gradients (1 time, last at "
+            "step 3)") in text, text
 
     # Every member's book takes the failure as run/_spans.py does: the coordinator's next plan leaves it out.
     election, book = _coordinator(PIPELINED)
@@ -201,4 +217,29 @@ async def test_a_driver_checks_exactly_the_drawn_microbatches_whatever_its_wirin
             with trio.fail_after(DEADLINE_S):
                 await drive(driver, ids)
                 await driver.aclose()  # its idle channels would count against the replicas' stream cap
-            assert driver.checked == expected and not driver.disagreements
+            assert driver.gradients_checked == expected and not driver.disagreements
+
+
+@pytest.mark.parametrize("count", [2, 3])
+async def test_a_replica_altering_only_the_gradient_of_its_input_is_outvoted_and_named(count):
+    """Honest outputs, altered input gradients: at the last stage (its LOSS, ``count`` = 2) and at a
+    middle stage (its BACKWARD, ``count`` = 3, with one replica of the last stage, which nobody can
+    check). The second opinion on the gradient disagrees, a third names the liar, and only it."""
+    async with connected_hosts(4 if count == 2 else 5) as hosts:
+        await serve_stage_1(hosts[:4], altering=2, liar=GradientAlteringReplica, count=count)
+        later = []
+        if count == 3:  # one honest replica of the last stage
+            last = StageReplica(hosts[4].host, stages(3)[2], lm_loss, senders=[hosts[0].id])
+            last.serve()
+            later = [hosts[4].id]
+        wiring = {1: [h.id for h in hosts[1:4]], **({2: later} if later else {})}
+        driver = Driver(hosts[0].host, stages(count)[0], lm_loss, Wiring(wiring, random.Random(5)),
+                        cut=stages(count), check_fraction=1.0, check_key=b"k")
+        with trio.fail_after(DEADLINE_S):
+            await drive(driver, list(range(4)))
+            await driver.finish()
+        liar = hosts[2].id
+        assert driver.liars == {liar: 1}
+        assert set(driver.outvoted) == {(1, liar)}
+        assert driver.gradients_checked == 4  # stage 1's; a lone replica has no second opinion
+        assert all(liar in pair[1:] for pair in driver.disagreements)

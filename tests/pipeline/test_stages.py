@@ -295,7 +295,10 @@ async def test_a_replica_altering_its_outputs_is_caught_by_a_second_opinion():
         x, y = batch(1)
         await pipeline_step(members, 1, x, y, micro=2)
         drivers = [m.driver for m in members if m.driver]
-        assert sum(d.checked for d in drivers) == 4 * (STAGES - 1)  # every microbatch, every later stage
+        # Every microbatch: a second FORWARD at every middle stage, and a second LOSS or BACKWARD at
+        # every later stage (the last stage's is its LOSS: loss and input gradient, no FORWARD).
+        assert sum(d.checked for d in drivers) == 4 * (STAGES - 2)
+        assert sum(d.gradients_checked for d in drivers) == 4 * (STAGES - 1)
         found = collections.Counter()
         for d in drivers:
             found.update(d.disagreements)
