@@ -104,3 +104,17 @@ async def test_every_backward_of_a_step_goes_back_to_the_replica_that_kept_its_g
         middle = [m.server for m in members if m.server and 0 < m.stage.index < STAGES - 1]
         assert len(middle) == REPLICAS * (STAGES - 2)
         assert sum(r.reused for r in middle) == microbatches * (STAGES - 2)
+
+
+def test_a_second_opinion_on_a_backward_answers_its_gradient_and_accumulates_nothing():
+    """CHECK_BACKWARD (protocol 1.2.0): the input's gradient a BACKWARD answers, to the bit, whether
+    the replica kept the FORWARD's graph or not, and no parameter gradient to accumulate."""
+    x, g = activation(1), activation(2)
+    keeping, reference = replica(), replica(keep_graphs=0)
+    forward(keeping, A, 5, x)
+    answer, grads = keeping._compute(Frame(Kind.CHECK_BACKWARD, 1, 5, 1, tensors=(x.clone(), g)), A)
+    assert grads is None and answer.kind == Kind.GRAD
+    assert torch.equal(answer.tensors[0], backward(reference, A, 5, x, g)[0])
+    assert keeping.reused == 1
+    recomputed, grads = reference._compute(Frame(Kind.CHECK_BACKWARD, 1, 6, 1, tensors=(x.clone(), g)), A)
+    assert grads is None and torch.equal(recomputed.tensors[0], answer.tensors[0])

@@ -284,9 +284,11 @@ async def test_a_replica_refuses_and_counts_requests_it_cannot_take():
         await refused(encode_frame(Frame(Kind.FORWARD, 1, 1, stage=2, tensors=(good,))))  # another stage
         await refused(encode_frame(Frame(Kind.FORWARD, 7, 1, stage=1, tensors=(good,))))  # another step
         await refused(encode_frame(Frame(Kind.LOSS, 1, 1, stage=1, value=0.5, tensors=(good, good))))  # not last
-        assert replica.server.refused == {"malformed": 4}
+        await refused(encode_frame(Frame(Kind.CHECK_LOSS, 1, 1, stage=1, value=0.5, tensors=(good, good))))  # not last
+        await refused(encode_frame(Frame(Kind.CHECK_BACKWARD, 1, 1, stage=1, tensors=(good,))))  # one tensor
+        assert replica.server.refused == {"malformed": 6}
         await refused(encode_frame(Frame(Kind.FORWARD, 1, 1, stage=1, tensors=(torch.zeros(2, 8, 5),))))  # width 5
-        assert replica.server.refused == {"malformed": 4, "failed": 1}
+        assert replica.server.refused == {"malformed": 6, "failed": 1}
         assert replica.server.held() == set()
 
 
