@@ -88,6 +88,13 @@ def _positions(h: torch.Tensor) -> torch.Tensor:
     return torch.arange(h.shape[1], device=h.device).unsqueeze(0)
 
 
+def _mask_positions(h: torch.Tensor) -> torch.Tensor:
+    """The positions the mask functions read: on the CPU when ``h`` is on the meta device (a driver
+    computes the shape a stage answers there, ``pipeline.output_shape``), since transformers reads
+    their values to detect packed sequences, which a meta tensor does not have."""
+    return torch.arange(h.shape[1]).unsqueeze(0) if h.is_meta else _positions(h)
+
+
 def _mask(name: str) -> Callable[..., Any]:
     from transformers import masking_utils
 
@@ -130,7 +137,7 @@ class _GPT2Block(Piece):
         _context_check(h.shape[1], self.context, "activation")
         positions = _positions(h)
         mask = self.mask_function(config=self.config, inputs_embeds=h, attention_mask=None, cache=None,
-                                  position_ids=positions)
+                                  position_ids=_mask_positions(h))
         out: torch.Tensor = self.parts[0](h, None, mask, None, encoder_attention_mask=None, use_cache=False,
                                           position_ids=positions)
         return out
@@ -156,7 +163,7 @@ class _RotaryLayer(Piece):
         _context_check(h.shape[1], self.context, "activation")
         positions = _positions(h)
         mask = self.mask_function(config=self.config, inputs_embeds=h, attention_mask=None, cache=None,
-                                  position_ids=positions)
+                                  position_ids=_mask_positions(h))
         cos_sin = self._rotary[0](h, position_ids=positions)
         out: torch.Tensor = self.parts[0](h, attention_mask=mask, position_embeddings=cos_sin,
                                           position_ids=positions, cache=None, use_cache=False)

@@ -45,6 +45,22 @@ def test_the_pieces_compose_to_the_whole_models_bits_and_names(family):
         assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_a_driver_finds_each_stages_answer_shape_on_the_meta_device(family):
+    """A driver checks every answer's shape against the one the stage computes on the meta device
+    (``pipeline.output_shape``): transformers' mask functions read the positions' values, which a
+    meta tensor has not, and the first 4-stage run of node/tasks/llama-pipeline.toml failed so."""
+    from p2ptrain.models import meta_model
+    from p2ptrain.pipeline import partition
+    from p2ptrain.pipeline._partition import output_shape
+
+    cut = partition(meta_model("hf", FAMILIES[family]), 4)
+    assert output_shape(cut[0], torch.zeros(2, 20, dtype=torch.int64)) == (2, 20, 32)
+    for stage in cut[1:3]:
+        assert output_shape(stage, torch.zeros(2, 20, 32)) == (2, 20, 32)
+    assert output_shape(cut[3], torch.zeros(2, 20, 32)) == (2, 20, 97)
+
+
 def test_a_sequence_longer_than_the_context_is_refused_before_any_mask_is_built():
     pieces, _ = cut_pieces(build_model("hf", FAMILIES["llama"], seed=3), 2)
     with pytest.raises(ValueError, match="activation of 65 positions is longer than the model's context 64"):
@@ -78,3 +94,16 @@ def test_a_pipelined_hf_task_is_checked_when_parsed():
     assert load_task(task(llama)).pipeline.stages == 2
     with pytest.raises(TaskError, match="pipeline.stages: .*drops out activations"):
         load_task(task('model_type = "gpt2", vocab_size = 97, n_embd = 32, n_layer = 2, n_head = 4, n_positions = 64'))
+
+
+def test_the_shipped_pipelined_llama_task_parses_and_cuts_into_four_balanced_stages():
+    from pathlib import Path
+
+    from p2ptrain.task import stage_parameters
+
+    text = (Path(__file__).resolve().parents[2] / "node" / "tasks" / "llama-pipeline.toml").read_text()
+    task = load_task(text.replace("QmReplaceWithTheManifestCidPrintedByDatasetAdd",
+                                  "QmPr27mpm19tVRhDMn98aEecF9ii7FVYZVuQNeTGNTFida"))
+    sizes = stage_parameters(task)
+    assert len(sizes) == 4 and 12_000_000 < sum(sizes) < 14_000_000
+    assert max(sizes) < 1.5 * sum(sizes) / 4  # balanced: no stage much above a quarter
