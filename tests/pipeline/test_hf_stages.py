@@ -1,8 +1,9 @@
 """A Hugging Face causal LM (``[model] name = "hf"``, a Llama by config) cut into pipeline stages
-(issue 31: "a Hugging Face causal LM's decoder layers once hf models exist"), run end to end by
-three full peers in this process: its first checkpoint, assembled from the stages' files, is the
-model one process trains with the same seed and the same global batch (fp32 activations: within
-float rounding). The cut's own exactness, family by family, is tests/models/test_hf_pieces.py's.
+(issue 31: "a Hugging Face causal LM's decoder layers once hf models exist"): 3 stages (embedding
+and a layer, a layer, norm and head) on three full peers in this process. Its first checkpoint,
+assembled from the stages' files, is the model one process trains with the same seed and the same
+global batch (fp32 activations: within float rounding), and `model verify --eval` assembles and
+evaluates it. The cut's own exactness, family by family, is tests/models/test_hf_pieces.py's.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ checkpoint_interval = 2
 min = 3
 max = 8
 [pipeline]
-stages = 2
+stages = 3
 microbatch_size = 2
 activations = "fp32"
 check_fraction = 0.0
@@ -76,7 +77,7 @@ async def test_an_hf_llama_cut_into_stages_trains_as_one_process(tmp_path: Path)
 
             record = await peers.wait_until(first_record, STEP_S, what="model v1")
             status = peers.status(0, task_cid)
-            assert [len(e["replicas"]) for e in status["stages"]] in ([1, 2], [2, 1])
+            assert [len(e["replicas"]) for e in status["stages"]] == [1, 1, 1]
             confirmed = await whole_model(peers[0], record.model_cid)
             expected = await trio.to_thread.run_sync(
                 single_process, TASK.format(manifest=manifest), peers[0].content.store, manifest, record.members,
