@@ -337,3 +337,15 @@ async def test_a_stage_with_no_replica_left_fails_the_step_clearly():
         # Half a microbatch cannot be summed: the step's end says so instead of summing it.
         with trio.fail_after(DEADLINE_S), pytest.raises(PipelineError, match="did not complete"):
             await driver.finish()
+
+
+@pytest.mark.parametrize("encoding", ["int8", "fp16"])
+async def test_honest_replicas_agree_bit_for_bit_on_compressed_answers_and_gradients(encoding):
+    """Second opinions compare decoded int8/fp16 answers, gradients included (CHECK_LOSS,
+    CHECK_BACKWARD): honest replicas must never disagree, or an honest one could be accused."""
+    async with pipeline_run(encoding, check_fraction=1.0) as members:
+        x, y = batch(1)
+        await pipeline_step(members, 1, x, y, micro=2)
+        drivers = [m.driver for m in members if m.driver]
+        assert sum(d.gradients_checked for d in drivers) == 4 * (STAGES - 1)
+        assert not any(d.disagreements for d in drivers), [d.disagreements for d in drivers]
