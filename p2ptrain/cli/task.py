@@ -207,6 +207,10 @@ def render_status(s: TaskStatus) -> str:
             steps = f"{r['redone']} step{'' if r['redone'] == 1 else 's'}"
             lines.append(f"recovered  stage {', '.join(map(str, r['stages']))} lost every replica: {moved or 'none moved'}; "
                          f"back to model v{r['version']} (step {r['step']}), {steps} redone")
+    for e in s.arithmetic_left_out:
+        own = e["arithmetic"] or "an arithmetic it does not advertise"
+        lines.append(f"left out   {short_id(e['peer'])}: computes with {own}, the run with {s.arithmetic_run}; "
+                     "other bits (docs/deploy.md)")
     if s.resumed_from:
         lines.append(f"resumed    from model v{s.resumed_from['version']} at step {s.resumed_from['step']}")
     lines.append(f"model      {_model(s)}")

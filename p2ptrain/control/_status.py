@@ -155,6 +155,12 @@ class TaskStatus:
     # [{"peer", "from", "to"}], "step" and "version": the confirmed checkpoint the run went back to,
     # "redone": the steps this member had trained past it}; None when it never happened.
     stage_recovery: dict[str, Any] | None = _member()
+    # The live peers this member sees left out of the run's plans for their arithmetic (its steps
+    # would round to other bits: docs/deploy.md), each {"peer", "arithmetic" (what it advertises,
+    # None: nothing)}, this member itself among them when it is one; and the run's class of
+    # arithmetic (None: no live peer advertises one). Added with the planner's classes.
+    arithmetic_left_out: tuple[dict[str, Any], ...] = _member(())
+    arithmetic_run: str | None = _member()
     # In-process only (the metrics exporter): each completed round's compute / sync / apply times.
     round_seconds: dict[str, HistogramSnapshot] | None = field(default=None, metadata={"shape": _LOCAL},
                                                               compare=False)
@@ -177,7 +183,8 @@ class TaskStatus:
                 value = tuple(ChainEntry.from_json(entry) for entry in value or ())
             elif name == "members":
                 value = tuple(value or ())
-            elif name in ("stages", "stage_suspects", "stage_disagreements") and value is not None:
+            elif name in ("stages", "stage_suspects", "stage_disagreements", "arithmetic_left_out") \
+                    and value is not None:
                 value = tuple(dict(entry) for entry in value)
             elif name == "rejected":
                 value = dict(value or {})

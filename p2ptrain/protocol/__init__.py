@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from p2ptrain.protocol import signing as signing
+    from p2ptrain.protocol._arithmetics import bits_class as bits_class, Classes as Classes
     from p2ptrain.protocol._assignment import (
         assign as assign,
         AssignmentError as AssignmentError,

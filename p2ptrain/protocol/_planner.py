@@ -26,14 +26,19 @@ Rules, and why:
   resync), not in the first moments of a fresh run's first term; and without the peers a round or
   a silent coordinator term named, for a while (they are most likely dead); never again once the
   task's publisher cancelled the run.
+- Only peers that compute the coordinator's bits, when its class is the run's
+  (:mod:`~p2ptrain.protocol._arithmetics`, given the arithmetics the live peers advertise): a
+  member of another class would never attest the quorum's checkpoints, and two classes without a
+  quorum on either side confirm nothing. A coordinator whose class is not the run's does not plan.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from enum import Enum
 from typing import TYPE_CHECKING
 
+from p2ptrain.protocol._arithmetics import Classes, sort_classes
 from p2ptrain.protocol._election import Election
 from p2ptrain.protocol._plans import orphaned_stages, plan_members, plan_stages, span_length
 from p2ptrain.wire import RoundPlan
@@ -58,7 +63,7 @@ class Hold(Enum):
 def decide(
     book: RoundBook, now: float, election: Election, my_step: int, advertising: Collection[str], *,
     can_roll_back: bool, span_running: bool, rounds_running: bool, head_version: int,
-    private: Collection[str] = (),
+    private: Collection[str] = (), arithmetics: Mapping[str, str | None] | None = None,
 ) -> RoundPlan | Hold:
     """As coordinator at ``now``, by ``book``: the next plan to publish, or why none (:class:`Hold`).
 
@@ -67,9 +72,16 @@ def decide(
     ``rounds_running``: its rounds are (a newer plan can stop them). ``head_version``: the
     version of the run's latest head heard (0 for none). ``private``: the peers whose
     reachability is ``private`` (their heartbeats, and ours), for the ring's order.
+    ``arithmetics``: what each of ``advertising`` advertises as its arithmetic (None: nothing),
+    ours as our trainer computes; None plans every advertising peer (:func:`classes_of`).
     """
     if not election.is_coordinator or book.cancelled:
         return Hold.WAIT
+    if arithmetics is not None:
+        classes = classes_of(book, election.me, {p: arithmetics.get(p) for p in advertising})
+        if not classes.may_lead:
+            return Hold.WAIT  # the election moves on: this member does not stand (run/_leading.py)
+        advertising = classes.planned
     last = book.last_plan
     # Our own round may be waiting (up to the start timeout, 15 s) on a peer that will not
     # come: one of the old term's plan, when we were just elected, or one that reported it
@@ -94,6 +106,22 @@ def decide(
         return Hold.WAIT
     plan = next_plan(book, election, my_step, set(advertising) - quarantined, can_roll_back, private)
     return Hold.WAIT if plan is None else plan
+
+
+def run_history(book: RoundBook) -> tuple[str, ...]:
+    """The members whose class is the run's (:func:`~p2ptrain.protocol._arithmetics.sort_classes`):
+    those of the latest plan taken from a coordinator (the next plan must keep a quorum of them),
+    else of the last confirmed record (a run resumed after a stop), else none (a fresh run)."""
+    if book.accepted is not None:
+        return book.accepted.members
+    return book.chain.records[-1].record.members if book.chain.records else ()
+
+
+def classes_of(book: RoundBook, me: str, arithmetics: Mapping[str, str | None]) -> Classes:
+    """The live peers' classes as ``me`` sees them (``arithmetics``: each live peer's advertised
+    arithmetic, ``me``'s own), from the run's history in ``book``: whom a plan keeps, whom it
+    leaves out, and whether ``me`` may lead."""
+    return sort_classes(book.task_cid, me, arithmetics, run_history(book))
 
 
 def next_plan(

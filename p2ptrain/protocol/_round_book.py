@@ -36,13 +36,14 @@ Rules, and why:
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from libp2p.crypto.keys import KeyPair
 
 from p2ptrain.base import short_id
 from p2ptrain.protocol import _planner
+from p2ptrain.protocol._arithmetics import Classes
 from p2ptrain.protocol._election import Election
 from p2ptrain.protocol._planner import Hold
 from p2ptrain.protocol._plans import is_checkpoint, plan_order, rule_problem
@@ -261,14 +262,19 @@ class RoundBook:
     def decide(
         self, now: float, election: Election, my_step: int, advertising: Collection[str], *,
         can_roll_back: bool, span_running: bool, rounds_running: bool, head_version: int,
-        private: Collection[str] = (),
+        private: Collection[str] = (), arithmetics: Mapping[str, str | None] | None = None,
     ) -> RoundPlan | Hold:
         """As coordinator at ``now``: the next plan to publish, or why none
         (:func:`~p2ptrain.protocol._planner.decide`)."""
         return _planner.decide(
             self, now, election, my_step, advertising, can_roll_back=can_roll_back, span_running=span_running,
-            rounds_running=rounds_running, head_version=head_version, private=private,
+            rounds_running=rounds_running, head_version=head_version, private=private, arithmetics=arithmetics,
         )
+
+    def classes(self, me: str, arithmetics: Mapping[str, str | None]) -> Classes:
+        """The live peers' classes of arithmetic as ``me`` sees them
+        (:func:`~p2ptrain.protocol._planner.classes_of`)."""
+        return _planner.classes_of(self, me, arithmetics)
 
     def report_failure(self, report: RoundFailed, reporter: str) -> bool:
         """Note ``reporter``'s ``round_failed`` for the current plan; True if it calls for a retry."""

@@ -12,10 +12,9 @@ import logging
 import math
 
 import trio
-from libp2p.peer.id import ID
 
 from p2ptrain.ipfs import ContentUnavailable
-from p2ptrain.base import arithmetic_of, short_id
+from p2ptrain.base import short_id
 from p2ptrain.run._datafeed import DataFeed
 from p2ptrain.run._run_state import Nudge, RunState
 from p2ptrain.protocol import Misconduct, RecordError, Status, Tally, attest, election_problem
@@ -244,7 +243,7 @@ class Attesting:
             groups.setdefault(cid, []).append(attester)
 
         def who(peer: str) -> str:
-            return f"{short_id(peer)} ({self._arithmetic(peer) or 'arithmetic not advertised'})"
+            return f"{short_id(peer)} ({run.arithmetic(peer) or 'arithmetic not advertised'})"
 
         run.refuse("attestations_split",
                    f"model record v{tally.record.version} rejected: its span's {len(tally.members)} members computed "
@@ -301,21 +300,11 @@ class Attesting:
         run.refuse("own_state_differs",
                    f"this member's state at step {record.step} ({own[0]}) is not the confirmed model "
                    f"v{record.version} ({record.model_cid}): its steps round differently from the quorum's "
-                   f"(this member: {self._arithmetic(run.me)}; its coordinator {short_id(record.coordinator)}: "
-                   f"{self._arithmetic(record.coordinator) or 'not advertised'}; docs/deploy.md, \"Which "
+                   f"(this member: {run.arithmetic(run.me)}; its coordinator {short_id(record.coordinator)}: "
+                   f"{run.arithmetic(record.coordinator) or 'not advertised'}; docs/deploy.md, \"Which "
                    f"machines compute the same bits\"); loading the confirmed state")
         if run.synced:
             run.desync(trio.current_time())
-
-    def _arithmetic(self, peer: str) -> str | None:
-        """The arithmetic ``peer``'s steps use: this member's own from its trainer, another's as its
-        heartbeats advertise it (None until its torch probe ran, or from an older version)."""
-        run = self.run
-        if peer == run.me:
-            return arithmetic_of(run.trainer.device) if run.trainer is not None else None
-        record = run.node.membership.get(ID.from_base58(peer))
-        return record.caps.arithmetic if record is not None else None
-
 
 def _fmt(value: float | None) -> str:
     return "-" if value is None else f"{value:.3f}"

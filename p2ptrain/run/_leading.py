@@ -5,7 +5,9 @@ at once when woken: a span ended, a checkpoint was confirmed or rejected, a fail
 While this member is coordinator it asks its :class:`~p2ptrain.protocol.RoundBook` for the
 next plan, publishes it, and publishes the run's head (which also re-announces the task). The
 decisions (who is alive, who stands, whether to plan now) are the state machines'; this module only
-gathers their inputs from the node and carries out their outputs.
+gathers their inputs from the node and carries out their outputs. That includes the arithmetic
+each live peer advertises: a member whose class is not the run's does not stand, and the plans leave
+it out (protocol/_arithmetics.py); both sides log that once and show it in ``task status``.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from p2ptrain.run._resync import Resync
 from p2ptrain.run._run_state import RunState
 from p2ptrain.run._spans import Spans
 from p2ptrain.control import Phase
-from p2ptrain.protocol import ATTEST_TIMEOUT_S, ElectionMessage, Hold, View
+from p2ptrain.protocol import ATTEST_TIMEOUT_S, Classes, ElectionMessage, Hold, View
 from p2ptrain.wire import TASKS_TOPIC, SignedVote, TaskAnnounce, TaskHead, VoteRequest
 
 logger = logging.getLogger(__name__)
@@ -124,7 +126,9 @@ class Leading:
             # its 4 live peers is 3) and stood for the term itself.
             roster = run.book.roster(run.me, head_members) if run.book is not None else tuple(head_members)
             before = election.coordinator
-            outs = election.tick(now, self.view(), roster, may_lead=run.synced)
+            classes = self._classes()
+            may_lead = run.synced and (classes is None or classes.may_lead)
+            outs = election.tick(now, self.view(), roster, may_lead=may_lead)
             self._note_asking(outs, now)
             run.save_ballots()
             for out in outs:
@@ -134,10 +138,11 @@ class Leading:
                 # on it (the mesh drops it only after 5 s). Left out like a peer a round named.
                 run.book.note_silent_coordinator(now, election.given_up)
             self._note_coordinator(before, now)
-            run.note_waiting(self._peers_short(), now)
+            self._note_own_exclusion(classes)
+            run.note_waiting(self._peers_short(classes), now)
             await self.attesting.expire(now)
             if election.is_coordinator and run.synced and run.book is not None:
-                await self._maybe_plan(now)
+                await self._maybe_plan(now, classes)
                 # Also at once when a checkpoint was confirmed: a member that the next plan lists
                 # without its state catches up from this head.
                 if now - last_head >= HEAD_EVERY_S or run.book.chain.version != head_version:
@@ -149,14 +154,38 @@ class Leading:
                 return
             await run.wake_leader.wait(period)
 
-    def _peers_short(self) -> int:
+    def _classes(self) -> Classes | None:
+        """The live advertisers' classes of arithmetic as this member sees them (None before its
+        trainer exists), noted for ``task status`` (arithmetic_left_out, arithmetic_run)."""
+        run = self.run
+        if run.book is None or run.trainer is None:
+            return None
+        classes = run.book.classes(run.me, {p: run.arithmetic(p) for p in run.advertising() | {run.me}})
+        run.left_out, run.arithmetic_run = dict(classes.left_out), classes.run
+        return classes
+
+    def _note_own_exclusion(self, classes: Classes | None) -> None:
+        """This member computes other bits than the run's class and the run's latest plan does
+        not list it: say so once, with both arithmetics and what to do. It waits as a non-member
+        (it does not stand, nor count in the members' elections and quorums) rather than spin."""
+        run = self.run
+        plan = run.book.accepted if run.book is not None else None
+        if classes is None or plan is None or run.me in plan.members or run.me not in classes.left_out:
+            return
+        run.note_left_out(run.me, f"this member is left out of the run's plans: it computes with "
+                          f"{run.arithmetic(run.me)}, the run's members with {classes.run}, other bits "
+                          f"(docs/deploy.md, \"Which machines compute the same bits\"); it waits as a non-member")
+
+    def _peers_short(self, classes: Classes | None) -> int:
         """How many more peers the run needs now: for a quorum of the roster (no coordinator can be
-        elected without it), or, between spans, for ``peers.min`` advertising members (no span is
-        planned with fewer). 0 while a span runs, or while this member is not at the run's state."""
+        elected without it), or, between spans, for ``peers.min`` advertising members of the run's
+        class (no span is planned with fewer). 0 while a span runs, or while this member is not at
+        the run's state."""
         run = self.run
         if not run.synced or self.spans.running or run.cancel_reason is not None:
             return 0
-        return max(run.election.short_of_quorum, run.task.peers.min - len(run.advertising()))
+        live = len(classes.planned) if classes is not None and run.me in classes.planned else len(run.advertising())
+        return max(run.election.short_of_quorum, run.task.peers.min - live)
 
     def cancel_settled(self, now: float) -> bool:
         """Whether a cancelled run may stop now: at a span boundary (no span of ours running), once
@@ -173,7 +202,7 @@ class Leading:
         settled = run.trainer.step == run.book.head_step and not run.attestations.pending
         return settled or now - self._idle_since >= CANCEL_SETTLE_S
 
-    async def _maybe_plan(self, now: float) -> None:
+    async def _maybe_plan(self, now: float, classes: Classes | None) -> None:
         run = self.run
         trainer, book = run.require()
         membership = run.node.membership
@@ -184,10 +213,12 @@ class Leading:
         private = {r.peer_id.to_base58() for r in membership.alive() if r.reachability == "private"}
         if membership.reachability == "private":
             private.add(run.me)
+        advertising = run.advertising()
         decision = book.decide(
-            now, run.election, trainer.step, run.advertising(), can_roll_back=trainer.can_roll_back,
+            now, run.election, trainer.step, advertising, can_roll_back=trainer.can_roll_back,
             span_running=self.spans.running, rounds_running=self.spans.in_rounds,
             head_version=run.heads.version if run.heads is not None else 0, private=private,
+            arithmetics={p: run.arithmetic(p) for p in advertising},
         )
         if decision is Hold.BEHIND:
             # Elected while behind the run (e.g. it joined at step 0 and missed the records): it
@@ -198,6 +229,12 @@ class Leading:
         if decision is Hold.WAIT:
             return
         plan = decision
+        for peer, arithmetic in (classes.left_out.items() if classes is not None else ()):
+            if peer != run.me and peer not in plan.members:
+                run.note_left_out(peer, f"plans leave {short_id(peer)} out: it advertises "
+                                  f"{arithmetic or 'no arithmetic (an older version, or its torch probe has not run yet)'}, "
+                                  f"the run computes with {classes.run if classes else None} "
+                                  f"(docs/deploy.md, \"Which machines compute the same bits\")")
         logger.info("%s: plan rounds %d-%d (attempt %d) from step %d with %d members", run.log_prefix,
                     plan.round, plan.round + plan.rounds - 1, plan.attempt, plan.step, len(plan.members))
         await run.broadcast(plan)

@@ -18,7 +18,9 @@ from typing import Any
 
 import trio
 
-from p2ptrain.base import RoundHistograms, count_rejection, short_id, write_atomic
+from libp2p.peer.id import ID
+
+from p2ptrain.base import RoundHistograms, arithmetic_of, count_rejection, short_id, write_atomic
 from p2ptrain.collective import Collective
 from p2ptrain.data import Manifest
 from p2ptrain.node import ContentService, Node
@@ -37,6 +39,8 @@ logger = logging.getLogger(__name__)
 # request stops counting (protocol/_participation.py): three, not one, so that votes late on a
 # loaded machine (gossip delays of seconds were seen under the test suite) do not strike an honest peer.
 ANSWER_TIMEOUTS = 3
+# How many peers left out for their arithmetic a member remembers having logged (note_left_out).
+MAX_LEFT_OUT_NOTED = 256
 
 class Nudge:
     """Wake one waiting loop now instead of at its next period; a nudge while nobody waits is kept.
@@ -132,6 +136,13 @@ class RunState:
     stage_recovery: dict[str, Any] | None = None
     # Who of the peers advertising the task takes part in it (votes, rounds): only they count.
     participation: Participation = field(default_factory=Participation)
+    # The live peers the run's plans leave out for their arithmetic, as this member sees them now
+    # (protocol/_arithmetics.py): peer -> what it advertises (None: nothing); `task status`'s
+    # arithmetic_left_out, with the run's class (arithmetic_run).
+    left_out: dict[str, str | None] = field(default_factory=dict)
+    arithmetic_run: str | None = None
+    # The arithmetic each peer was last logged and counted as left out with (note_left_out): once each.
+    left_out_noted: dict[str, str | None] = field(default_factory=dict)
 
     @classmethod
     def create(cls, node: Node, content: ContentService, collective: Collective, task: Task, task_cid: str) -> RunState:
@@ -284,6 +295,29 @@ class RunState:
         if mine:
             live.add(self.me)
         return live
+
+    def arithmetic(self, peer: str) -> str | None:
+        """The arithmetic ``peer``'s steps use: this member's own from its trainer, another's as its
+        heartbeats advertise it (None until its torch probe ran, or from an older version)."""
+        if peer == self.me:
+            return arithmetic_of(self.trainer.device) if self.trainer is not None else None
+        record = self.node.membership.get(ID.from_base58(peer))
+        return record.caps.arithmetic if record is not None else None
+
+    def note_left_out(self, peer: str, why: str) -> None:
+        """Log and count (``arithmetic_left_out`` under ``rejected``) that the run's plans leave
+        ``peer`` out for its arithmetic: once per peer and arithmetic it advertises, not at every plan.
+        At most MAX_LEFT_OUT_NOTED peers are remembered (the oldest forgotten), so heartbeats from
+        ever new peer IDs cannot grow it."""
+        arithmetic = self.left_out.get(peer)
+        if peer in self.left_out_noted and self.left_out_noted[peer] == arithmetic:
+            return
+        self.left_out_noted.pop(peer, None)
+        if len(self.left_out_noted) >= MAX_LEFT_OUT_NOTED:
+            del self.left_out_noted[next(iter(self.left_out_noted))]
+        self.left_out_noted[peer] = arithmetic
+        self.rejected["arithmetic_left_out"] += 1
+        logger.warning("%s: %s [arithmetic_left_out: %d so far]", self.log_prefix, why, self.rejected["arithmetic_left_out"])
 
     def accuse(self, coordinator: str, why: str) -> None:
         """``coordinator`` signed a plan or record that breaks the run's rules: stop following it

@@ -175,6 +175,8 @@ class TaskRun:
                                       for (s, a, b), n in sorted(run.stage_disagreements.items()))
             if run.task.pipeline else None,
             stage_recovery=run.stage_recovery,
+            arithmetic_left_out=tuple({"peer": p, "arithmetic": a} for p, a in sorted(run.left_out.items())),
+            arithmetic_run=run.arithmetic_run,
             round_seconds=run.round_seconds.snapshot(),
         )
 

@@ -1,0 +1,99 @@
+"""Which live peers a run plans, by the arithmetic they advertise: the members of one run must
+compute the same bits (docs/deploy.md, "Which machines compute the same bits").
+
+Members attest a checkpoint by hashing their own state, so a member whose optimizer steps round
+differently (torch's scalar CPU kernels among vectorized ones, another torch release, a GPU) never
+attests the quorum's checkpoint. Planned anyway, such a member loads the confirmed state at every
+checkpoint (three members and one odd one); two classes of two confirm nothing at all, and the run
+stalls, since every later plan must keep a quorum of the previous plan's members. So plans keep to
+one class. Pure: the planner (:func:`~p2ptrain.protocol._planner.decide`) and the node's control
+loop (whether this member may stand for coordinator) read the same answer from the same inputs.
+
+Rules, and why:
+
+- A *class* is an advertised arithmetic (``Capabilities.arithmetic``: the torch release, and the
+  CPU kernel set or the GPU) with the kernel sets measured to give the same bits folded into one:
+  AVX-512 into AVX2 (keeping those apart would split pools that train together today). The torch
+  release stays in it: releases are not known to agree.
+- The run's class is the class of most live members of the run's history (the latest plan taken,
+  else the last confirmed record's members): a plan must keep a quorum of the previous plan's
+  members (:func:`~p2ptrain.protocol._plans.rule_problem`), so no other class could plan at all.
+  Without a history (a fresh run), the class of most live advertisers: the most members train, and
+  a smaller class cannot hold the run hostage. A tie goes to the class of the peer with the lowest
+  :func:`~p2ptrain.protocol._voters.rank` (a hash of the task CID and the peer ID): a peer ID is a
+  key, so moving a tie means making keys after the task is published (and being admitted by its
+  allowlist), not merely advertising another string; and a tie is only a tie, one more member makes
+  a class the run's outright (Sybils are kept out by ``peers.allow``, as everywhere else).
+- A coordinator plans only from its own class, and only when that is the run's (it trains as a
+  member and attests its own state: a plan of another class would have its own attestations differ
+  every checkpoint). One whose class is not the run's neither plans nor stands for election
+  (:attr:`Classes.may_lead`), so a member of the run's class leads. When even the run's class is
+  short of ``peers.min`` nobody plans: the run waits for peers, as with too few peers of any kind.
+- A peer that advertises no arithmetic (an older version, or one whose torch probe has not run
+  yet, ~2 s after its start) is planned only where it cannot split the run: when it is a member of
+  the history (it took part already, and leaving it out could cost the next plan its quorum of the
+  previous members) or when no live peer advertises any arithmetic (a pool of older nodes, as
+  before). A fresh run thus never starts with a member whose bits are unknown: one planned by
+  chance into a first plan of two against two could stall the run for good. It waits for its next
+  heartbeat and joins at a confirmed checkpoint like any joiner. The defence against a member that
+  computes other bits all the same (unadvertised, or lying) stays the attestation quorum and the
+  member's own check (``Attesting._check_own_state``, run/_attesting.py).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field
+
+from p2ptrain.protocol._voters import rank
+
+# Kernel sets measured to compute the same bits (docs/deploy.md's table): folded into the first.
+_SAME_BITS = {" with AVX512 kernels": " with AVX2 kernels"}
+
+
+def bits_class(arithmetic: str | None) -> str | None:
+    """The class of ``arithmetic`` (as :func:`~p2ptrain.base.arithmetic_of` names it): arithmetics
+    of one class compute the same bits; None when nothing is advertised."""
+    if arithmetic is None:
+        return None
+    for alias, same in _SAME_BITS.items():
+        if arithmetic.endswith(alias):
+            return arithmetic[: -len(alias)] + same
+    return arithmetic
+
+
+@dataclass(frozen=True)
+class Classes:
+    """How one member sees the live peers' arithmetics (:func:`sort_classes`)."""
+
+    run: str | None  # the run's class; None when no live peer advertises an arithmetic
+    mine: str | None  # this member's own class
+    # The live peers a coordinator of the run's class plans (this member among them when it is one).
+    planned: frozenset[str] = frozenset()
+    # The live peers left out for their arithmetic, with the arithmetic each advertises (None: none).
+    left_out: Mapping[str, str | None] = field(default_factory=dict)
+
+    @property
+    def may_lead(self) -> bool:
+        """Whether this member may stand and plan: its class is the run's (or nobody's is known)."""
+        return self.run is None or self.mine == self.run
+
+
+def sort_classes(
+    task_cid: str, me: str, arithmetics: Mapping[str, str | None], history: Collection[str] = (),
+) -> Classes:
+    """The classes of the live peers ``arithmetics`` names (each with the arithmetic it advertises,
+    ``me`` with its own), seen by ``me``; ``history``: the members of the latest plan taken (else of
+    the last confirmed record), which decide the run's class when any of them is live and known."""
+    classes = {peer: bits_class(a) for peer, a in arithmetics.items()}
+    known = [p for p in classes if classes[p] is not None]
+    counted = [p for p in known if p in history] or known
+    if not counted:
+        return Classes(run=None, mine=classes.get(me), planned=frozenset(classes))
+    sizes = Counter(classes[p] for p in counted)
+    first = {c: min(rank(task_cid, 0, p) for p in counted if classes[p] == c) for c in sizes}
+    run = min(sizes, key=lambda c: (-sizes[c], first[c]))
+    planned = frozenset(p for p, c in classes.items() if c == run or (c is None and p in history))
+    left_out = {p: arithmetics[p] for p in sorted(classes) if p not in planned}
+    return Classes(run=run, mine=classes.get(me), planned=planned, left_out=left_out)
