@@ -82,18 +82,24 @@ class Classes:
 
 def sort_classes(
     task_cid: str, me: str, arithmetics: Mapping[str, str | None], history: Collection[str] = (),
+    live: Collection[str] | None = None,
 ) -> Classes:
-    """The classes of the live peers ``arithmetics`` names (each with the arithmetic it advertises,
-    ``me`` with its own), seen by ``me``; ``history``: the members of the latest plan taken (else of
-    the last confirmed record), which decide the run's class when any of them is live and known."""
+    """The classes of the ``live`` peers (those that advertise the task; None: every peer
+    ``arithmetics`` names) as ``me`` sees them. ``arithmetics``: the arithmetic each peer advertises
+    (``me``'s own), for the live peers and for members of ``history`` still heard that do not
+    advertise the task now (done, or loading a checkpoint: they still decide the run's class, or a
+    run whose members finished would seem to change class). ``history``: the members of the latest
+    plan taken (else of the last confirmed record), which decide the run's class when any of them
+    is heard and known."""
     classes = {peer: bits_class(a) for peer, a in arithmetics.items()}
+    live = set(classes) if live is None else set(live) & set(classes)
     known = [p for p in classes if classes[p] is not None]
-    counted = [p for p in known if p in history] or known
+    counted = [p for p in known if p in history] or [p for p in known if p in live]
     if not counted:
-        return Classes(run=None, mine=classes.get(me), planned=frozenset(classes))
+        return Classes(run=None, mine=classes.get(me), planned=frozenset(live))
     sizes = Counter(classes[p] for p in counted)
     first = {c: min(rank(task_cid, 0, p) for p in counted if classes[p] == c) for c in sizes}
     run = min(sizes, key=lambda c: (-sizes[c], first[c]))
-    planned = frozenset(p for p, c in classes.items() if c == run or (c is None and p in history))
-    left_out = {p: arithmetics[p] for p in sorted(classes) if p not in planned}
+    planned = frozenset(p for p in live if classes[p] == run or (classes[p] is None and p in history))
+    left_out = {p: arithmetics[p] for p in sorted(live) if p not in planned}
     return Classes(run=run, mine=classes.get(me), planned=planned, left_out=left_out)

@@ -73,12 +73,14 @@ def decide(
     version of the run's latest head heard (0 for none). ``private``: the peers whose
     reachability is ``private`` (their heartbeats, and ours), for the ring's order.
     ``arithmetics``: what each of ``advertising`` advertises as its arithmetic (None: nothing),
-    ours as our trainer computes; None plans every advertising peer (:func:`classes_of`).
+    ours as our trainer computes, and members of the run's history still heard
+    (:func:`classes_of`); None plans every advertising peer.
     """
     if not election.is_coordinator or book.cancelled:
         return Hold.WAIT
     if arithmetics is not None:
-        classes = classes_of(book, election.me, {p: arithmetics.get(p) for p in advertising})
+        classes = classes_of(book, election.me, {p: arithmetics.get(p) for p in {*advertising, *arithmetics}},
+                             advertising)
         if not classes.may_lead:
             return Hold.WAIT  # the election moves on: this member does not stand (run/_leading.py)
         advertising = classes.planned
@@ -117,11 +119,13 @@ def run_history(book: RoundBook) -> tuple[str, ...]:
     return book.chain.records[-1].record.members if book.chain.records else ()
 
 
-def classes_of(book: RoundBook, me: str, arithmetics: Mapping[str, str | None]) -> Classes:
-    """The live peers' classes as ``me`` sees them (``arithmetics``: each live peer's advertised
-    arithmetic, ``me``'s own), from the run's history in ``book``: whom a plan keeps, whom it
-    leaves out, and whether ``me`` may lead."""
-    return sort_classes(book.task_cid, me, arithmetics, run_history(book))
+def classes_of(
+    book: RoundBook, me: str, arithmetics: Mapping[str, str | None], live: Collection[str] | None = None,
+) -> Classes:
+    """The ``live`` peers' classes as ``me`` sees them (``arithmetics``: each peer's advertised
+    arithmetic, ``me``'s own, also of the history's members heard but not advertising), from the
+    run's history in ``book``: whom a plan keeps, whom it leaves out, and whether ``me`` may lead."""
+    return sort_classes(book.task_cid, me, arithmetics, run_history(book), live)
 
 
 def next_plan(

@@ -271,10 +271,14 @@ class RoundBook:
             rounds_running=rounds_running, head_version=head_version, private=private, arithmetics=arithmetics,
         )
 
-    def classes(self, me: str, arithmetics: Mapping[str, str | None]) -> Classes:
-        """The live peers' classes of arithmetic as ``me`` sees them
+    def classes(self, me: str, arithmetics: Mapping[str, str | None], live: Collection[str] | None = None) -> Classes:
+        """The ``live`` peers' classes of arithmetic as ``me`` sees them
         (:func:`~p2ptrain.protocol._planner.classes_of`)."""
-        return _planner.classes_of(self, me, arithmetics)
+        return _planner.classes_of(self, me, arithmetics, live)
+
+    def history(self) -> tuple[str, ...]:
+        """The members whose class is the run's (:func:`~p2ptrain.protocol._planner.run_history`)."""
+        return _planner.run_history(self)
 
     def report_failure(self, report: RoundFailed, reporter: str) -> bool:
         """Note ``reporter``'s ``round_failed`` for the current plan; True if it calls for a retry."""

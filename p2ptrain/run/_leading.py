@@ -160,9 +160,18 @@ class Leading:
         run = self.run
         if run.book is None or run.trainer is None:
             return None
-        classes = run.book.classes(run.me, {p: run.arithmetic(p) for p in run.advertising() | {run.me}})
+        live = run.advertising() | {run.me}
+        classes = run.book.classes(run.me, self._arithmetics(live), live)
         run.left_out, run.arithmetic_run = dict(classes.left_out), classes.run
         return classes
+
+    def _arithmetics(self, live: set[str]) -> dict[str, str | None]:
+        """What ``live`` peers advertise as their arithmetic, and the run's history members still
+        heard that do not advertise the task now (done, or loading a checkpoint): they still decide
+        the run's class (protocol/_arithmetics.py)."""
+        run = self.run
+        heard = {p for p in (run.book.history() if run.book is not None else ()) if run.arithmetic(p) is not None}
+        return {p: run.arithmetic(p) for p in live | heard}
 
     def _note_own_exclusion(self, classes: Classes | None) -> None:
         """This member computes other bits than the run's class and the run's latest plan does
@@ -218,7 +227,7 @@ class Leading:
             now, run.election, trainer.step, advertising, can_roll_back=trainer.can_roll_back,
             span_running=self.spans.running, rounds_running=self.spans.in_rounds,
             head_version=run.heads.version if run.heads is not None else 0, private=private,
-            arithmetics={p: run.arithmetic(p) for p in advertising},
+            arithmetics=self._arithmetics(advertising),
         )
         if decision is Hold.BEHIND:
             # Elected while behind the run (e.g. it joined at step 0 and missed the records): it

@@ -158,3 +158,12 @@ def test_a_scalar_peer_advertising_a_vectorized_arithmetic_or_none_is_not_told_a
     a, b, liar = _peers(3)
     classes = sort_classes(TASK_CID, a, {a: AVX2, b: AVX2, liar: lying}, history=(a, b, liar))
     assert liar in classes.planned
+
+
+def test_members_of_the_history_that_stop_advertising_still_decide_the_run_s_class() -> None:
+    # The run's members finished (or load a checkpoint) and no longer advertise the task, but are
+    # heard: a left-out scalar peer must not see the run turn scalar and itself planned or leading.
+    x1, x2, y = _peers(3)
+    classes = sort_classes(TASK_CID, y, {x1: AVX2, x2: AVX2, y: SCALAR}, history=(x1, x2), live={y})
+    assert classes.run == AVX2 and not classes.may_lead and classes.left_out == {y: SCALAR}
+    assert classes.planned == frozenset()
