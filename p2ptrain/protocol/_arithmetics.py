@@ -15,9 +15,11 @@ Rules, and why:
   CPU kernel set or the GPU) with the kernel sets measured to give the same bits folded into one:
   AVX-512 into AVX2 (keeping those apart would split pools that train together today). The torch
   release stays in it: releases are not known to agree.
-- The run's class is the class of most live members of the run's history (the latest plan taken,
-  else the last confirmed record's members): a plan must keep a quorum of the previous plan's
-  members (:func:`~p2ptrain.protocol._plans.rule_problem`), so no other class could plan at all.
+- The run's class is the class of most members of the run's history (the latest plan taken, else
+  the last confirmed record's members) still heard, advertising the task or not (done, or loading a
+  checkpoint: else a left-out peer would see the run turn to its class when its members finish).
+  A plan must keep a quorum of the previous plan's members
+  (:func:`~p2ptrain.protocol._plans.rule_problem`), so no other class could plan at all.
   Without a history (a fresh run), the class of most live advertisers: the most members train, and
   a smaller class cannot hold the run hostage. A tie goes to the class of the peer with the lowest
   :func:`~p2ptrain.protocol._voters.rank` (a hash of the task CID and the peer ID): a peer ID is a
