@@ -29,7 +29,9 @@ Rules, and why:
 - Only peers that compute the coordinator's bits, when its class is the run's
   (:mod:`~p2ptrain.protocol._arithmetics`, given the arithmetics the live peers advertise): a
   member of another class would never attest the quorum's checkpoints, and two classes without a
-  quorum on either side confirm nothing. A coordinator whose class is not the run's does not plan.
+  quorum on either side confirm nothing. A coordinator whose class is not the run's does not plan,
+  and a fresh run's first plan waits a while (``ARITHMETIC_WAIT_S``) for live peers whose
+  arithmetic is not known yet.
 """
 
 from __future__ import annotations
@@ -51,6 +53,12 @@ if TYPE_CHECKING:
 # delay the run's first step, by 2 s of its ~9 s start on an emulated WAN, bench/wan_train.py), or
 # the run resumed from a record whose members all advertise it again (run/_resume.py).
 FIRST_ROUND_GRACE_S = 2.0
+# A fresh run's first plan waits up to this long after the coordinator's election for live
+# advertisers whose arithmetic is not known yet (protocol/_arithmetics.py): a node advertises its
+# own once its torch probe ran (mesh/_membership.py: 2 s after its start, then the next heartbeat),
+# and a first plan made before that left out peers that a second later would have been members.
+# An older node never advertises one: it costs a fresh run this wait once, then is left out.
+ARITHMETIC_WAIT_S = 10.0
 
 
 class Hold(Enum):
@@ -83,6 +91,10 @@ def decide(
                              advertising)
         if not classes.may_lead:
             return Hold.WAIT  # the election moves on: this member does not stand (run/_leading.py)
+        unknown = any(arithmetics.get(p) is None for p in set(advertising) - classes.planned)
+        if unknown and not run_history(book) and book.elected_at is not None \
+                and now - book.elected_at < ARITHMETIC_WAIT_S:
+            return Hold.WAIT  # a fresh run: its peers' torch probes may not have run yet
         advertising = classes.planned
     last = book.last_plan
     # Our own round may be waiting (up to the start timeout, 15 s) on a peer that will not

@@ -15,6 +15,7 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 
 from p2ptrain.protocol import Chain, Hold, RoundBook, bits_class, signing
 from p2ptrain.protocol._arithmetics import sort_classes
+from p2ptrain.protocol._planner import ARITHMETIC_WAIT_S, FIRST_ROUND_GRACE_S
 from p2ptrain.protocol._voters import rank
 from p2ptrain.task import Task, load_task
 from p2ptrain.wire import RoundPlan
@@ -106,6 +107,28 @@ def test_a_peer_without_an_advertised_arithmetic_joins_no_fresh_run_of_known_one
     plan = _decide({a: AVX2, b: AVX2, unknown: None}, a)
     assert isinstance(plan, RoundPlan) and set(plan.members) == {a, b}
     assert sort_classes(TASK_CID, a, {a: AVX2, b: AVX2, unknown: None}).left_out == {unknown: None}
+
+
+def test_a_fresh_run_s_first_plan_waits_a_while_for_arithmetics_not_known_yet() -> None:
+    # A node advertises its arithmetic once its torch probe ran (~2 s after its start): a first plan
+    # made before that left out peers that would have been members a second later.
+    a, b, unknown = _peers(3)
+    book = RoundBook(_task(), TASK_CID, Chain(TASK_CID, INITIAL), 10)
+    book.note_elected(100.0)
+
+    def decide(now: float, arithmetics: dict[str, str | None]) -> RoundPlan | Hold:
+        return book.decide(now, Elected(a), 0, set(arithmetics), can_roll_back=False,  # type: ignore[arg-type]
+                           span_running=False, rounds_running=False, head_version=0, arithmetics=arithmetics)
+
+    assert decide(100.0 + FIRST_ROUND_GRACE_S + 1, {a: AVX2, b: AVX2, unknown: None}) is Hold.WAIT
+    plan = decide(101.0 + FIRST_ROUND_GRACE_S, {a: AVX2, b: AVX2, unknown: AVX512})  # its probe ran
+    assert isinstance(plan, RoundPlan) and set(plan.members) == {a, b, unknown}
+    # An older node never says: it holds a fresh run up to ARITHMETIC_WAIT_S, once.
+    book = RoundBook(_task(), TASK_CID, Chain(TASK_CID, INITIAL), 10)
+    book.note_elected(100.0)
+    assert decide(100.0 + ARITHMETIC_WAIT_S - 0.1, {a: AVX2, b: AVX2, unknown: None}) is Hold.WAIT
+    plan = decide(100.0 + ARITHMETIC_WAIT_S, {a: AVX2, b: AVX2, unknown: None})
+    assert isinstance(plan, RoundPlan) and set(plan.members) == {a, b}
 
 
 def test_a_member_of_the_run_without_an_advertised_arithmetic_stays_planned() -> None:
