@@ -147,12 +147,8 @@ async def round_cost(collectives, numel: int, density: float, rounds: int, first
     """Median round time (slowest member) with each rule, rounds rotating between them (the order
     shifts every iteration, so no rule always follows the same one)."""
     ring = [c.peer_id for c in collectives]
-    gens = [torch.Generator().manual_seed(i) for i in range(WORLD)]
-    grads = [torch.randn(numel, generator=g) for g in gens]
-    rules = {"none": RoundSpec(density=density, timeout=ROUND_TIMEOUT_S),
-             "clip": RoundSpec(density=density, robust="clip", timeout=ROUND_TIMEOUT_S)}
-    for q in fractions:
-        rules[f"clip@{q:g}"] = RoundSpec(density=density, robust="clip", check_fraction=q, timeout=ROUND_TIMEOUT_S)
+    grads = [gradient(numel, i) for i in range(WORLD)]
+    rules = cost_rules(density, fractions, ROUND_TIMEOUT_S)
     names = list(rules)
     reducers = {rule: [SparseAllReducer(c, spec) for c in collectives] for rule, spec in rules.items()}
     times: dict[str, list[float]] = {rule: [] for rule in names}
@@ -163,8 +159,7 @@ async def round_cost(collectives, numel: int, density: float, rounds: int, first
     with pytest.MonkeyPatch.context() as patch:
         spans = phase_clocks(patch)
         for i in range(rounds + 2):
-            for k in range(len(names)):
-                rule = names[(i + k) % len(names)]
+            for rule in rotation(names, i):
                 round_id = first_round + len(names) * i + names.index(rule)
                 for seen in spans.values():
                     seen.clear()
@@ -202,6 +197,27 @@ async def round_cost(collectives, numel: int, density: float, rounds: int, first
     row["owner_clip_ms"] = round(owner_clip_seconds(grads, density) * 1e3, 3)
     row["checks_cpu_ms"] = round(checks_seconds(grads, density) * 1e3, 3)
     return row
+
+
+def gradient(numel: int, member: int) -> torch.Tensor:
+    """Member ``member``'s flat gradient of the cost timings (fixed seed: the same in every run)."""
+    return torch.randn(numel, generator=torch.Generator().manual_seed(member))
+
+
+def cost_rules(density: float, fractions: list[float], timeout: float) -> dict[str, RoundSpec]:
+    """The rules the cost timings compare, by name: "none" first (the baseline), "clip", then
+    "clip@q" for each sampled fraction q (bench/robust_wan.py times the same ones)."""
+    rules = {"none": RoundSpec(density=density, timeout=timeout),
+             "clip": RoundSpec(density=density, robust="clip", timeout=timeout)}
+    for q in fractions:
+        rules[f"clip@{q:g}"] = RoundSpec(density=density, robust="clip", check_fraction=q, timeout=timeout)
+    return rules
+
+
+def rotation(names: list[str], i: int) -> list[str]:
+    """The order of the rules in iteration ``i``: shifted by one every iteration, so that no rule
+    always follows the same one (the load each leaves behind is shared alike)."""
+    return [names[(i + k) % len(names)] for k in range(len(names))]
 
 
 def spread(seconds: list[float]) -> list[float]:

@@ -77,10 +77,11 @@ BAD_DENSE = {
 }
 
 
-async def _evil_member(peer, ring, rid, description, frames, *, mesh=False):
+async def _evil_member(peer, ring, rid, description, frames, *, mesh=False, only=None):
     """Join the round properly, then send crafted frames instead of the real ones.
 
-    Ring rounds: to the right neighbour. Mesh rounds (sparse): to every other member.
+    Ring rounds: to the right neighbour. Mesh rounds (sparse): to every other member, or to the
+    members in ``only``.
     """
     digest = round_digest(rid, ring, description)
     with trio.move_on_after(5):
@@ -88,6 +89,7 @@ async def _evil_member(peer, ring, rid, description, frames, *, mesh=False):
             ring, rid, digest, timeout=5, start_timeout=5, mesh=mesh
         ) as links:
             targets = [p for p in ring if p != peer.id] if mesh else [links.right_peer]
+            targets = [p for p in targets if only is None or p in only]
             for to in targets:
                 for header, payload in frames:
                     await links.send(header, payload, to=to)
@@ -145,8 +147,43 @@ async def test_bad_index_set_from_a_member_is_rejected(cluster, gather, case):
             [honest(0), lambda: _evil_member(peers[1], ring, rid, description, frames, mesh=True), honest(2)],
             deadline=20,
         )
-    for out in (outs[0], outs[2]):  # every member sends its slice's set to each other directly
-        assert isinstance(out, BadPayload) and out.peer_id == ring[evil], out
+    # Every member sends its slice's set to each other directly, so each honest member can refuse it
+    # itself; but the first to refuse it aborts the round at once, and under load its notice can
+    # reach the other one before the evil member's frame does (it flaked so): that one then names
+    # the evil member on the first one's report (the next test makes that happen every time).
+    assert any(isinstance(out, BadPayload) for out in (outs[0], outs[2])), outs
+    for me, other in ((0, 2), (2, 0)):
+        out = outs[me]
+        assert isinstance(out, PeerFailed) and out.peer_id == ring[evil], out
+        assert isinstance(out, BadPayload) or (out.reported_by == ring[other] and isinstance(outs[other], BadPayload)), out
+
+
+async def test_a_bad_index_set_sent_to_one_member_is_named_everywhere_on_its_report(cluster, gather):
+    """The evil member sends its bad set to member 0 only: member 2 hears of it from member 0's
+    abort notice (before its own hop deadline on the evil member) and names the evil member,
+    reported by 0."""
+    n, k, evil, rid = 1000, 10, 1, 16
+    (start, _end, count), = slice_ranges([n], [k], 3)[slice_of(evil, rid, 3)]
+    indices = start + torch.arange(count) * 10
+    indices[-1] = n + 3  # out of range
+    payload = encode_indices(indices)
+    frames = [(Header(Kind.DATA, rid, Phase.BROADCAST, 0, 0, len(payload), DTYPES[torch.uint8]), payload)]
+    description = sparse_description([n], [k], torch.float32, torch.float32, "mean")
+
+    def honest(i):
+        x = torch.randn(n)
+        return lambda: peers[i].collective.allreduce(x, ring, rid, RoundSpec(density=k / n, timeout=3))
+
+    async with cluster(3) as peers:
+        ring = [p.id for p in peers]
+        outs = await gather(
+            [honest(0), lambda: _evil_member(peers[1], ring, rid, description, frames, mesh=True, only={ring[0]}),
+             honest(2)],
+            deadline=20,
+        )
+    assert isinstance(outs[0], BadPayload) and outs[0].peer_id == ring[evil], outs[0]
+    assert isinstance(outs[2], PeerFailed) and not isinstance(outs[2], BadPayload), outs[2]
+    assert outs[2].peer_id == ring[evil] and outs[2].reported_by == ring[0], outs[2]
 
 
 async def test_local_nan_is_refused_and_the_others_hear_at_once(cluster, gather):

@@ -1,0 +1,270 @@
+"""The healthy-path cost of robust rounds with members as separate processes: on loopback, or each
+in its own network namespace behind an emulated link (issue 27).
+
+    python bench/robust_wan.py --rate loopback [--rounds 16] [--check-fractions 0.25 0.1] [--json]
+    python bench/robust_wan.py --rate 100mbit --rounds 16 --json       # needs root (namespaces, tc)
+    python bench/robust_wan.py --rate 20mbit --rounds 12 --json
+
+bench/robust.py's third part (its rules, their rotation and its phase clocks, imported) with the
+four members in four processes instead of one: each runs its own trio loop on its own core share,
+so a member's signatures, checks and Noise/yamux work no longer wait for the other three's on one
+Python thread. ``--rate loopback``: the processes talk over 127.0.0.1 (what the one-thread effect
+alone costs); a tc rate (``100mbit``, ``20mbit``): each member sits in a namespace of
+p2ptrain.testing._wan behind a link of that rate both ways (what the link adds). The harness has
+tbf but no netem: no latency is added, the round trip between namespaces is that of a veth pair
+(well under a millisecond); see the report's ``rtt_note``.
+
+Rounds of a flat gradient (sparse 1% of ``--sparse-mib``, dense ``--dense-mib``) rotate between
+"none", "clip" and "clip@q" per ``--check-fractions`` in the same run, every timed round after a
+one-element barrier round (bench/allreduce.py's way), so members start within a few ms of each
+other. A round's time is the slowest member's, each timing from its own start; ``span_ms`` is
+from the first member's start to the last one's end. Per rule: the median and quartiles of round
+times, the ratio of medians to "none", the bytes all members sent (median), the CPU time one
+member's process spent on the round (``cpu_ms``: the mean over members, median over rounds; what
+the round would take from a dedicated machine's core), for clip rules the
+median of the members' slowest value exchange and CONFIRM (each member's own call: in separate
+processes there is no common "last one entered"), and for clip@q the ratios of the rounds that drew
+no chunk and of those that drew some.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ is not a package: its siblings by path
+
+import robust  # bench/robust.py: the rules, their rotation, the phase clocks
+
+WORLD = robust.WORLD
+HOP_TIMEOUT_S = 120.0  # a dense 4 MiB robust round at 20 Mbit/s moves ~9 MB per member
+BARRIER_TIMEOUT_S = 120.0
+PROCESS_TIMEOUT_S = 3600.0
+SHAPE_BASE = 1 << 40  # round ids of shape s start at s * SHAPE_BASE: never reused within a run
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rate", default="loopback",
+                        help="'loopback' (separate processes on 127.0.0.1) or every member's link rate (tc units)")
+    parser.add_argument("--rounds", type=int, default=16, help="timed rounds per rule and shape (after 2 warm-ups)")
+    parser.add_argument("--check-fractions", type=float, nargs="*", default=[0.25, 0.1])
+    parser.add_argument("--sparse-mib", type=float, default=16.0, help="gradient size of the sparse rounds (1%%)")
+    parser.add_argument("--dense-mib", type=float, default=4.0, help="tensor size of the dense rounds")
+    parser.add_argument("--skip-dense", action="store_true")
+    parser.add_argument("--skip-sparse", action="store_true")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--listen-ip", default="127.0.0.1", help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+def shapes(args: argparse.Namespace) -> list[tuple[str, int, float]]:
+    """(name, numel, density) of each timed shape, bench/robust.py's two."""
+    out = []
+    if not args.skip_sparse:
+        out.append(("sparse", int(args.sparse_mib * (1 << 20)) // 4, 0.01))
+    if not args.skip_dense:
+        out.append(("dense", int(args.dense_mib * (1 << 20)) // 4, 1.0))
+    return out
+
+
+# ---- a member's process -------------------------------------------------------------------------
+
+
+async def member(args: argparse.Namespace) -> None:
+    """One member: listen, print its address, read everyone's, connect, time every shape's rounds."""
+    import pytest
+    import trio
+    from libp2p.crypto.ed25519 import create_new_key_pair
+    from libp2p.peer.peerinfo import info_from_p2p_addr
+    from multiaddr import Multiaddr
+
+    from p2ptrain.collective import Collective, RoundSpec, SparseAllReducer
+    from p2ptrain.net import make_host
+
+    import torch
+
+    listen = Multiaddr(f"/ip4/{args.listen_ip}/tcp/0")
+    host = make_host(create_new_key_pair(), [listen])
+    async with host.run(listen_addrs=[listen]):
+        collective = Collective(host)  # before anyone can dial: the handler must be registered
+        print(f"ADDR {host.get_addrs()[0]}/p2p/{host.get_id().to_base58()}", flush=True)
+        infos = [info_from_p2p_addr(Multiaddr(a)) for a in json.loads(await trio.to_thread.run_sync(sys.stdin.readline))]
+        for info in infos:
+            host.get_peerstore().add_addrs(info.peer_id, info.addrs, 3600)
+        with trio.fail_after(BARRIER_TIMEOUT_S):
+            async with trio.open_nursery() as nursery:
+                for info in infos[args.worker + 1 :]:
+                    nursery.start_soon(host.connect, info)
+        ring = [info.peer_id for info in infos]
+        barrier = torch.zeros(1)
+        report = {}
+        for s, (shape, numel, density) in enumerate(shapes(args)):
+            rules = robust.cost_rules(density, args.check_fractions, HOP_TIMEOUT_S)
+            names = list(rules)
+            reducers = {rule: SparseAllReducer(collective, spec) for rule, spec in rules.items()}
+            grad = robust.gradient(numel, args.worker)
+            rows: dict[str, list[dict]] = {rule: [] for rule in names}
+            n = s * SHAPE_BASE
+            with pytest.MonkeyPatch.context() as patch:
+                spans = robust.phase_clocks(patch)
+                for i in range(args.rounds + 2):
+                    for rule in robust.rotation(names, i):
+                        n += 1
+                        await collective.allreduce(barrier, ring, 2 * n + 1,
+                                                   RoundSpec(timeout=BARRIER_TIMEOUT_S, start_timeout=BARRIER_TIMEOUT_S))
+                        for seen in spans.values():
+                            seen.clear()
+                        wall, started, cpu = time.time(), time.perf_counter(), time.process_time()
+                        await reducers[rule].allreduce(grad, ring, 2 * n + 2)
+                        elapsed = time.perf_counter() - started
+                        cpu = time.process_time() - cpu
+                        if i >= 2:
+                            rows[rule].append({
+                                "s": elapsed, "wall": [wall, wall + elapsed], "sent": collective.last_round.bytes_sent,
+                                "cpu": cpu,
+                                "exchange": sum(end - start for start, end in spans["exchange"]),
+                                "confirm": sum(end - start for start, end in spans["confirm"]),
+                                "drawn": sum(int(k) for _, k in spans["drawn"]),
+                            })
+            report[shape] = rows
+        print("RESULT " + json.dumps(report), flush=True)
+
+
+# ---- the driver ---------------------------------------------------------------------------------
+
+
+def same_machine(i: int, argv: list[str]) -> list[str]:
+    return argv
+
+
+def run_members(args: argparse.Namespace, launch: Callable[[int, list[str]], list[str]]) -> list[dict]:
+    """Start the four members (each by ``launch``), give them each other's addresses, collect."""
+    passed = ["--rounds", str(args.rounds), "--sparse-mib", str(args.sparse_mib), "--dense-mib", str(args.dense_mib),
+              "--check-fractions", *map(str, args.check_fractions),
+              *(["--skip-dense"] if args.skip_dense else []), *(["--skip-sparse"] if args.skip_sparse else [])]
+    procs = [subprocess.Popen(launch(i, [sys.executable, os.path.abspath(__file__), *passed, "--worker", str(i)]),
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for i in range(WORLD)]
+    try:
+        addrs = []
+        for proc in procs:
+            line = proc.stdout.readline()
+            if not line.startswith("ADDR "):
+                raise SystemExit(f"a member process failed to start: {line!r}")
+            addrs.append(line.split()[1])
+        for proc in procs:
+            proc.stdin.write(json.dumps(addrs) + "\n")
+            proc.stdin.flush()
+        results = []
+        for proc in procs:
+            out, _ = proc.communicate(timeout=PROCESS_TIMEOUT_S)
+            lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
+            if proc.returncode or not lines:
+                raise SystemExit(f"a member process failed (exit {proc.returncode})")
+            results.append(json.loads(lines[-1][7:]))
+        return results
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+
+
+def summarize(per_member: list[dict[str, list[dict]]]) -> dict:
+    """One shape's rows of all members: per rule, the rounds' slowest member, medians, ratios."""
+    names = list(per_member[0])
+    rounds = len(per_member[0]["none"])
+    slowest = {rule: [max(m[rule][r]["s"] for m in per_member) for r in range(rounds)] for rule in names}
+    none = statistics.median(slowest["none"])
+    out: dict = {}
+    for rule in names:
+        rows = [[m[rule][r] for m in per_member] for r in range(rounds)]
+        median = statistics.median(slowest[rule])
+        entry = {
+            "ms": round(median * 1e3, 2), "ratio": round(median / none, 3),
+            "spread_ms": robust.spread(slowest[rule]),
+            "span_ms": round(statistics.median(max(x["wall"][1] for x in row) - min(x["wall"][0] for x in row)
+                                               for row in rows) * 1e3, 2),
+            "sent_bytes": int(statistics.median(sum(x["sent"] for x in row) for row in rows)),
+            "cpu_ms": round(statistics.median(statistics.mean(x["cpu"] for x in row) for row in rows) * 1e3, 2),
+        }
+        if rule != "none":
+            entry["exchange_ms"] = round(statistics.median(max(x["exchange"] for x in row) for row in rows) * 1e3, 2)
+            entry["confirm_ms"] = round(statistics.median(max(x["confirm"] for x in row) for row in rows) * 1e3, 2)
+        if rule.startswith("clip@"):
+            for key, drew in (("undrawn", False), ("drawn", True)):
+                seen = [t for t, row in zip(slowest[rule], rows) if (row[0]["drawn"] > 0) == drew]
+                entry[f"{key}_rounds"] = len(seen)
+                entry[f"{key}_ratio"] = round(statistics.median(seen) / none, 3) if seen else None
+        out[rule] = entry
+    return out
+
+
+def measure(args: argparse.Namespace) -> dict:
+    load_before = os.getloadavg()[0]
+    if args.rate == "loopback":
+        results = run_members(args, same_machine)
+    else:
+        from p2ptrain.testing import emulated_wan, wan_unavailable
+
+        reason = wan_unavailable()
+        if reason:
+            raise SystemExit(f"bench/robust_wan.py: {reason}")
+        with emulated_wan(WORLD, rate=args.rate) as wan:
+            results = run_members(args, lambda i, argv: [*wan[i].exec_prefix(), *argv, "--listen-ip", wan[i].ip])
+    report: dict = {
+        "members": WORLD, "rate": args.rate, "rounds": args.rounds, "cpus": os.cpu_count(),
+        "load_1min": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+        "rtt_note": "no latency added (tc netem absent): veth/loopback round trip, well under 1 ms",
+    }
+    for shape, numel, density in shapes(args):
+        report[shape] = {"numel": numel, "density": density, **summarize([r[shape] for r in results])}
+    return report
+
+
+def print_report(report: dict) -> None:
+    print(f"{report['members']} member processes, {report['rate']}, {report['rounds']} rounds per rule, "
+          f"load {report['load_1min'][0]} -> {report['load_1min'][1]} on {report['cpus']} CPUs")
+    for shape in ("sparse", "dense"):
+        if shape not in report:
+            continue
+        row = report[shape]
+        print(f"  {shape} ({row['numel']:,} values, density {row['density']:g})")
+        for rule, e in row.items():
+            if not isinstance(e, dict):
+                continue
+            extra = ""
+            if "undrawn_ratio" in e:
+                extra = (f"  undrawn x{e['undrawn_ratio']} ({e['undrawn_rounds']}),"
+                         f" drawn x{e['drawn_ratio']} ({e['drawn_rounds']})")
+            print(f"    {rule:10s} {e['ms']:9.1f} ms  x{e['ratio']:<6} q1-q3 {e['spread_ms']}  "
+                  f"{e['sent_bytes']:>11,} B  cpu {e['cpu_ms']:.1f} ms{extra}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    torch.set_num_threads(1)  # four processes share a small machine
+    if args.worker is not None:
+        import trio
+
+        trio.run(member, args)
+        return 0
+    report = measure(args)
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print_report(report)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
