@@ -164,8 +164,9 @@ def p2ptrain_run(args: argparse.Namespace, stage_sum: str) -> dict[str, Any]:
             losses: dict[int, float] = {}
             status: dict[str, Any] = {}
             while status.get("state") not in ("done", "failed", "cancelled"):
-                if time.monotonic() - published > RUN_TIMEOUT_S:
-                    raise SystemExit(f"the pipelined run did not finish in {RUN_TIMEOUT_S:.0f} s (at step {status.get('step')})")
+                if time.monotonic() - published > args.run_timeout:
+                    raise SystemExit(f"the pipelined run did not finish in {args.run_timeout:.0f} s "
+                                     f"(at step {status.get('step')})")
                 try:
                     status = call(first, "task.status", task_cid=task_cid)
                 except UserError:
@@ -247,6 +248,9 @@ def main() -> int:
     parser.add_argument("--stage-sum", default="dense", choices=["dense", "sparse", "both"],
                         help="[pipeline] stage_sum of p2ptrain's run(s): both = a dense run, then a sparse one")
     parser.add_argument("--density", type=float, default=0.01, help="[compression] density of a sparse stage sum")
+    parser.add_argument("--run-timeout", type=float, default=RUN_TIMEOUT_S,
+                        help="seconds a p2ptrain run may take from its publication; with --stage-sum both a run "
+                             "past it is reported with its error and the next run goes on")
     parser.add_argument("--baseline-steps", type=int, help="bench/pipeline_baseline.py --steps (its default if absent)")
     parser.add_argument("--baseline-reps", type=int, help="bench/pipeline_baseline.py --reps (its default if absent)")
     args = parser.parse_args()
@@ -254,7 +258,17 @@ def main() -> int:
         parser.error(f"--batch {args.batch} does not split into {args.replicas} drivers x microbatches of {args.micro}")
     began = time.strftime("%H:%M:%S", time.gmtime())
     baseline = None if args.no_baseline else baseline_run(args)
-    runs = {how: p2ptrain_run(args, how) for how in (("dense", "sparse") if args.stage_sum == "both" else (args.stage_sum,))}
+    if baseline is not None:  # each side's figures on stderr as soon as it is done: a later side may fail
+        print(json.dumps({"baseline": baseline}), file=sys.stderr, flush=True)
+    runs: dict[str, dict[str, Any]] = {}
+    for how in ("dense", "sparse") if args.stage_sum == "both" else (args.stage_sum,):
+        try:
+            runs[how] = p2ptrain_run(args, how)
+        except SystemExit as exc:
+            if args.stage_sum != "both":
+                raise
+            runs[how] = {"stage_sum": how, "error": str(exc), "tokens_per_s": 0.0}  # the other run still goes
+        print(json.dumps({how: runs[how]}), file=sys.stderr, flush=True)
     ours = next(iter(runs.values()))  # "p2ptrain" and "ratio": the first run's, as before --stage-sum
     result: dict[str, Any] = {
         "rate": args.rate, "stages": args.stages, "replicas": args.replicas, "activations": args.activations,
@@ -277,6 +291,9 @@ def main() -> int:
     print(f"{args.stages} stages x {args.replicas} replicas at {args.rate}, {args.activations} activations, "
           f"global batch {args.batch} x {args.context} tokens")
     for how, run in runs.items():
+        if "error" in run:
+            print(f"p2ptrain, {how} stage sum: {run['error']}")
+            continue
         print(f"p2ptrain, {how} stage sum: {run['tokens_per_s']} tokens/s over {run['timed_steps']} steps "
               f"({run['timed_s']} s), {run['sent_bytes_per_step']:,} B sent a step, load {run['load_average']}")
     if baseline is not None:
