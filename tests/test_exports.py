@@ -136,7 +136,8 @@ EXPORTS: dict[str, list[str]] = {
         "batched", "batches_forever", "check_stage_signatures", "config_snippet",
         "describe_model_file", "evaluate_batches", "export_pretrained",
         "import_pretrained", "is_manifest", "load_model", "loss_and_hits", "lr_at", "manifest_bytes",
-        "model_file", "model_from_bytes", "module_device", "new_trainer", "read_manifest", "resolve_device", "run_round",
+        "model_file", "model_from_bytes", "module_device", "new_trainer", "read_manifest", "resolve_device",
+        "round_spec", "run_round",
         "stage_file_cids", "stage_signatures_problem", "warm_up_torch",
     ],
     "p2ptrain.wire": [

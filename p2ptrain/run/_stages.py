@@ -17,8 +17,10 @@ A round is one step:
    can change another's entry.
 3. Each stage's replicas sum their stage's gradient over the stage's members in the plan
    (:func:`~p2ptrain.pipeline.sum_stage_gradients`, round ids namespaced by stage; under the task's
-   ``robust = "clip"``, each replica's contribution clipped to the median norm) and step their
-   optimizer: the replicas of a stage stay bitwise identical.
+   ``robust = "clip"``, each replica's contribution clipped to the median norm; under
+   ``[pipeline] stage_sum = "sparse"``, top-k with error feedback at the task's ``[compression]``
+   density, each member's residual its own: run/_stage_sum.py) and step their optimizer: the
+   replicas of a stage stay bitwise identical.
 
 Integrity: each driver checks a share of its microbatches with a second replica of every later
 stage, and a third when two disagree (:class:`~p2ptrain.pipeline.Driver`); the replicas it outvoted
@@ -56,9 +58,10 @@ from p2ptrain.collective import Misbehaved
 from p2ptrain.net import Channel, serve_channels
 from p2ptrain.pipeline import (ChannelPool, Driver, MAX_STREAMS_PER_PEER, PipelineError, PROTOCOL, serve_requests,
                                StageReplica, sum_stage_gradients, Wiring)
-from p2ptrain.protocol import check_key_message, owner_seed, shard_of, stage_rings, stage_round_id
+from p2ptrain.protocol import check_key_message, owner_seed, round_seed, shard_of, stage_rings, stage_round_id
 from p2ptrain.run._run_state import RunState
 from p2ptrain.run._stage_checkpoints import load_confirmed_stage, store_stage_checkpoint
+from p2ptrain.run._stage_sum import SparseStageSum
 from p2ptrain.run._stage_trainer import StagedTrainer
 from p2ptrain.run._step_summary import gather_summary
 from p2ptrain.training import loss_and_hits, StepResult
@@ -115,6 +118,11 @@ class StageRounds:
         # As a driver: the replicas (base58) a third opinion outvoted here, and their stage, kept
         # across plans: this driver's accusations in every step's summary while a plan names them.
         self._accused: dict[str, int] = {}
+        # Under stage_sum = "sparse": this member's reducer and residual for the stage it holds
+        # (run/_stage_sum.py: dropped when its stage or step changes otherwise than by its own steps).
+        assert run.task.pipeline is not None
+        self._sparse = SparseStageSum(run.task, run.collective, timeout=hop_timeout) \
+            if run.task.pipeline.sparse_sum else None
 
     def stage_of(self, plan: RoundPlan) -> int:
         assert plan.stages is not None
@@ -208,9 +216,13 @@ class StageRounds:
             raise PipelineError(f"step {step} failed at drivers {', '.join(short_id(d) for d in summary.failed)}")
         synced = time.perf_counter()
         ring = [ID.from_base58(m) for m in stage_rings(plan)[stage]]
-        await sum_stage_gradients(run.collective, trainer.stages[stage], ring, stage_round_id(plan, index, stage),
-                                  timeout=self.hop_timeout, robust=run.task.compression.robust,
-                                  owner_seed=owner_seed(plan, plan.round + index))
+        owners = owner_seed(plan, plan.round + index)
+        if self._sparse is not None:
+            await self._sparse.sum(trainer.stages[stage], stage, step, ring, stage_round_id(plan, index, stage),
+                                   seed=round_seed(run.task, plan.round + index), owner_seed=owners)
+        else:
+            await sum_stage_gradients(run.collective, trainer.stages[stage], ring, stage_round_id(plan, index, stage),
+                                      timeout=self.hop_timeout, robust=run.task.compression.robust, owner_seed=owners)
         applied = time.perf_counter()
         result = await trio.to_thread.run_sync(trainer.apply_stage, stage, summary.loss)
         timings.last_sync_s, timings.last_apply_s = applied - synced, time.perf_counter() - applied

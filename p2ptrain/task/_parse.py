@@ -41,6 +41,7 @@ from p2ptrain.task._spec import (
     OUTER_WAIT_S,
     ROBUST,
     SCHEDULES,
+    STAGE_SUMS,
     VALUES,
     CompressionSpec,
     DatasetSpec,
@@ -132,7 +133,7 @@ def parse_task(data: dict[str, Any]) -> Task:
         device=fields.choice(r, "device", "requirements.", DEVICES, "cpu"),
         min_memory_mb=fields.integer(r, "min_memory_mb", "requirements.", 0, 0, 2**40),
     )
-    pipeline = _pipeline(data, model, training, peers, check_cut=unbuildable is None)
+    pipeline = _pipeline(data, model, training, peers, compression, check_cut=unbuildable is None)
     task = Task(
         name=name, model=model, dataset=dataset, optimizer=optimizer, training=training,
         schedule=schedule, compression=compression, peers=peers, requirements=requirements,
@@ -299,7 +300,8 @@ def _outer(data: dict[str, Any], training: TrainingSpec) -> OuterSpec | None:
 
 
 def _pipeline(
-    data: dict[str, Any], model: ModelSpec, training: TrainingSpec, peers: PeersSpec, check_cut: bool,
+    data: dict[str, Any], model: ModelSpec, training: TrainingSpec, peers: PeersSpec, compression: CompressionSpec,
+    check_cut: bool,
 ) -> PipelineSpec | None:
     """``[pipeline]``: the model cut into stages across the members (docs/pipeline.md), checked
     here: the model must be one that can be cut into that many stages (on the meta device, when this
@@ -308,7 +310,7 @@ def _pipeline(
     if "pipeline" not in data:
         return None
     p = fields.table(data, "pipeline", "", True)
-    fields.only(p, {"stages", "microbatch_size", "activations", "check_fraction", "copies"}, "pipeline.")
+    fields.only(p, {"stages", "microbatch_size", "activations", "check_fraction", "copies", "stage_sum"}, "pipeline.")
     stages = fields.integer(p, "stages", "pipeline.", ..., 2, MAX_STAGES)
     spec = PipelineSpec(
         stages=stages,
@@ -316,7 +318,12 @@ def _pipeline(
         activations=fields.choice(p, "activations", "pipeline.", ACTIVATIONS, "fp16"),
         check_fraction=fields.number(p, "check_fraction", "pipeline.", 0.05, 0.0, 1.0),
         copies=fields.integer(p, "copies", "pipeline.", None, 1, stages - 1),
+        # "dense" is stored as no field: a task that names the default has the bytes of one silent on it.
+        stage_sum="sparse" if fields.choice(p, "stage_sum", "pipeline.", STAGE_SUMS, "dense") == "sparse" else None,
     )
+    if spec.sparse_sum and not (compression.error_feedback and compression.density < 1.0):
+        raise TaskError('pipeline.stage_sum: "sparse" needs compression.error_feedback = true and compression.density '
+                        "< 1 (what a replica does not send stays in its residual for its next step)")
     if training.batch_size % spec.microbatch_size:
         raise TaskError(f"pipeline.microbatch_size: {spec.microbatch_size} does not divide training.batch_size "
                         f"({training.batch_size}) into whole microbatches")

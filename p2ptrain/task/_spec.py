@@ -173,6 +173,7 @@ class CompressionSpec:
 
 
 ACTIVATIONS = ("fp32", "fp16", "int8")  # pipeline.activations: how a stage boundary's tensors travel
+STAGE_SUMS = ("dense", "sparse")  # pipeline.stage_sum: how a stage's replicas sum their gradients
 MAX_STAGES = 64  # pipeline.stages: at most half of MAX_PEERS, so that every stage can have two replicas
 
 
@@ -190,6 +191,10 @@ class PipelineSpec:
     ``copies``: how many of the following stages' checkpoint files each member keeps a copy of
     (run/_stage_copies.py), so that a run survives that many adjacent stages losing every replica
     between two checkpoints; None (absent from the task's bytes, as before it existed) is 1.
+    ``stage_sum``: how the replicas of a stage sum their gradients at the end of a step: None (the
+    default, ``"dense"``, absent from the task's bytes so that tasks written before the option keep
+    their CID) the exact dense sum; ``"sparse"`` the data-parallel rounds' top-k with error feedback
+    at the task's ``[compression]`` density (docs/pipeline.md, "A sparse stage sum").
     """
 
     stages: int
@@ -197,6 +202,12 @@ class PipelineSpec:
     activations: str = "fp16"
     check_fraction: float = 0.05
     copies: int | None = None
+    stage_sum: str | None = None
+
+    @property
+    def sparse_sum(self) -> bool:
+        """Whether a stage's replicas sum their gradients sparsely (``stage_sum = "sparse"``)."""
+        return self.stage_sum == "sparse"
 
     @property
     def stage_copies(self) -> int:

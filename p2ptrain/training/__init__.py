@@ -29,7 +29,12 @@ if TYPE_CHECKING:
     )
     from p2ptrain.training._local_sgd import LocalSGDTrainer as LocalSGDTrainer, new_trainer as new_trainer
     from p2ptrain.training._optimizers import lr_at as lr_at, warm_up_torch as warm_up_torch
-    from p2ptrain.training._sync import PlanAverager as PlanAverager, RoundTimings as RoundTimings, run_round as run_round
+    from p2ptrain.training._sync import (
+        PlanAverager as PlanAverager,
+        round_spec as round_spec,
+        RoundTimings as RoundTimings,
+        run_round as run_round,
+    )
     from p2ptrain.training._trainer import (
         Average as Average,
         module_device as module_device,

@@ -99,3 +99,50 @@ async def test_a_stage_sum_refuses_a_reducer_that_averages():
         reducer = SparseAllReducer(Collective(hosts[0].host), RoundSpec(density=0.1))
         with pytest.raises(ValueError, match="sum"):
             await sum_stage_gradients(reducer.collective, replica_stage(0), [hosts[0].id], 1, reducer=reducer)
+
+
+async def test_a_members_sparse_stage_sum_keeps_its_residual_only_on_its_stage_and_step():
+    """run/_stage_sum.py: the residual is carried from step to step on one stage, taken back to what
+    it was when the trainer rolls a step back (the retry does not count that step's unsent entries
+    twice), and dropped when the member's stage (or its step, otherwise) changes."""
+    from p2ptrain.run._stage_sum import SparseStageSum
+    from p2ptrain.task import load_task
+
+    from .conftest import LM_TASK
+
+    task = load_task(LM_TASK + '[pipeline]\nstages = 2\nstage_sum = "sparse"\n[compression]\ndensity = 0.1\n')
+    async with connected_hosts(1) as hosts:
+        ring = [hosts[0].id]
+        member = SparseStageSum(task, Collective(hosts[0].host), timeout=10.0)
+        assert member.spec.op == "sum" and member.spec.density == 0.1 and member.residual() is None
+
+        rounds = iter(range(100, 200))  # a fresh round id for every sum (a retry's too)
+
+        async def step(stage_index: int, step: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+            stage = replica_stage(k)
+            grad = flat_grad(stage)
+            with trio.fail_after(DEADLINE_S):
+                await member.sum(stage, stage_index, step, ring, next(rounds), seed=step, owner_seed=step)
+            residual = member.residual()
+            assert residual is not None
+            return grad, flat_grad(stage) + residual  # the gradient and what it became: sent + kept
+
+        grad, total = await step(1, 0, k=0)
+        torch.testing.assert_close(total, grad)  # a first step: nothing carried in
+        kept = member.residual().clone()
+        assert float(kept.norm()) > 0
+        # Step 1 on the same stage carries step 0's residual in.
+        grad, total = await step(1, 1, k=1)
+        torch.testing.assert_close(total, grad + kept)
+        after = member.residual().clone()
+        # Step 1 rolled back and redone with the same gradient: step 0's residual carried in again (not
+        # dropped, not step 1's), so the same residual after it, without step 1's unsent part twice.
+        grad, total = await step(1, 1, k=1)
+        torch.testing.assert_close(total, grad + kept)
+        torch.testing.assert_close(member.residual(), after)
+        # Moved to another stage (its gradient happens to have the same size here): nothing carried.
+        grad, total = await step(0, 2, k=2)
+        torch.testing.assert_close(total, grad)
+        # The trainer at another step than the residual's (a checkpoint loaded, a resync): dropped too.
+        grad, total = await step(0, 7, k=3)
+        torch.testing.assert_close(total, grad)

@@ -49,6 +49,22 @@ def test_copies_of_following_stages_are_named_only_by_a_task_that_asks_for_them(
         assert holders == [k + 1] * 4
 
 
+def test_a_sparse_stage_sum_is_named_only_by_a_task_that_asks_for_it():
+    """``stage_sum``: "dense" (the default) is stored as no field, so a task that is silent on it, or
+    names the default, keeps the bytes and CID it had before the option existed; "sparse" is stored."""
+    silent = load_task(pipelined("stages = 4"))
+    assert silent.pipeline is not None and silent.pipeline.stage_sum is None and not silent.pipeline.sparse_sum
+    assert b"stage_sum" not in task_bytes(silent)
+    assert task_bytes(load_task(pipelined("stages = 4", 'stage_sum = "dense"'))) == task_bytes(silent)
+    sparse = load_task(pipelined("stages = 4", 'stage_sum = "sparse"'))
+    assert sparse.pipeline is not None and sparse.pipeline.sparse_sum
+    assert b'"stage_sum":"sparse"' in task_bytes(sparse) and task_from_bytes(task_bytes(sparse)) == sparse
+    # Bytes by CID that spell the default out are not canonical: one task, one CID.
+    spelled = task_bytes(silent).replace(b'"stages":4', b'"stage_sum":"dense","stages":4')
+    with pytest.raises(TaskError, match="canonical"):
+        task_from_bytes(spelled)
+
+
 def test_a_task_without_the_section_has_no_pipeline_in_its_bytes():
     plain = load_task(BASE)
     assert plain.pipeline is None and b"pipeline" not in task_bytes(plain)
@@ -87,6 +103,12 @@ USER = BASE.replace('name = "transformer_lm"\nkwargs = { vocab_size = 61, contex
         (pipelined("stages = 2", base=BASE.replace("total_steps = 10", 'total_steps = 10\nmode = "local_sgd"\ninner_steps = 4')),
          'pipeline: not with training.mode = "local_sgd"'),
         ("pipeline = 4\n" + BASE, "pipeline: must be a table"),
+        (pipelined("stages = 2", 'stage_sum = "topk"'), "pipeline.stage_sum: must be one of dense, sparse (got 'topk')"),
+        (pipelined("stages = 2", "stage_sum = 1"), "pipeline.stage_sum: "),
+        (pipelined("stages = 2", 'stage_sum = "sparse"') + "[compression]\nerror_feedback = false\n",
+         'pipeline.stage_sum: "sparse" needs compression.error_feedback = true and compression.density < 1'),
+        (pipelined("stages = 2", 'stage_sum = "sparse"') + "[compression]\ndensity = 1.0\n",
+         'pipeline.stage_sum: "sparse" needs compression.error_feedback'),
     ],
 )
 def test_a_bad_pipeline_is_one_error_naming_the_field(text, error):
