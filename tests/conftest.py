@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from p2ptrain.testing._timers import QUICK_ENV, apply_quick_timers, quick_timers_off
+
 ROOT = Path(__file__).resolve().parents[1]
 HELIA_NODE = ROOT / "ipfs" / ".helia" / "node_modules" / ".bin" / "node"
 
@@ -87,42 +89,11 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=lambda item: -_own_timeout(item))
 
 
-# The protocol's waits that a run of in-process peers (p2ptrain.testing.local_peers) spends idle, as
-# (module, name, value for tests); the production values are the modules' own (docs/testing.md, "Quick
-# timers"). Each is a wait for peers that may still come or a message that may still arrive, and the
-# run takes the same path whichever way it ends: only how long nothing happens changes. Each 25-40%
-# of production, and every one still several times loopback's round trip and a loaded 2-core box's
-# scheduling delays (hundreds of ms). Measured: docs/testing.md, "Quick timers".
-QUICK_TIMERS: tuple[tuple[str, str, float], ...] = (
-    # The coordinator publishes the run's head every 2 s; a joiner listens 1.5 heads' worth (3 s)
-    # before it takes step 0 as the run's state: every fresh join waited 3 s for a head nobody sends.
-    ("p2ptrain.run._leading", "HEAD_EVERY_S", 0.5),
-    ("p2ptrain.run._task_run", "HEAR_HEAD_S", 0.75),
-    # A new coordinator's first plan waits 2 s for peers still joining (unless peers.max advertise).
-    ("p2ptrain.protocol._planner", "FIRST_ROUND_GRACE_S", 0.5),
-    # A resuming member hears its record's other members up to 20 s; a test's absent member is dead.
-    ("p2ptrain.run._resume", "RESUME_WAIT_S", 5.0),
-    # A round waits 15 s for every member of its plan to open its channel: for a member that was
-    # stopped, a Sybil that never trains, a hostile one. Members in one process get a plan within
-    # milliseconds of each other and had opened their channels within half a second in the logs
-    # read (load ~1): 6 s leaves a loaded box seconds to spare, and a member that misses it is left
-    # out of the retry for a while, not failed.
-    ("p2ptrain.run._spans", "START_TIMEOUT_S", 6.0),
-)
-
-
 def _shorten_protocol_waits(patch: pytest.MonkeyPatch) -> None:
-    """QUICK_TIMERS set with ``patch`` (undone with it), unless ``P2PTRAIN_TEST_QUICK=0``."""
-    import importlib
-
-    if os.environ.get("P2PTRAIN_TEST_QUICK", "1") == "0":
-        return
-    # Every module imported before any is patched: _task_run derives HEAR_HEAD_S from _leading's
-    # HEAD_EVERY_S when it is first imported.
-    targets = [(importlib.import_module(module), name, value) for module, name, value in QUICK_TIMERS]
-    for target, name, value in targets:
-        assert getattr(target, name) > value, f"{target.__name__}.{name} is already at or below its quick value"
-        patch.setattr(target, name, value)
+    """The protocol's idle waits (p2ptrain/testing/_timers.py, QUICK_TIMERS) set with ``patch``
+    (undone with it), unless ``P2PTRAIN_TEST_QUICK=0``."""
+    if not quick_timers_off():
+        apply_quick_timers(patch.setattr)
 
 
 @pytest.fixture
@@ -130,8 +101,9 @@ def quick_timers(monkeypatch: pytest.MonkeyPatch) -> None:
     """The protocol's idle waits (QUICK_TIMERS) shortened for one test of in-process peers. Opt-in
     (``pytestmark = pytest.mark.usefixtures("quick_timers")``): tests of the waits themselves, and of
     the pure state machines that compute with the constants, keep the production values. Processes
-    (forked or fresh) import their own modules and keep them too. ``P2PTRAIN_TEST_QUICK=0`` keeps the
-    production values everywhere (was it the timers? compare)."""
+    (forked or fresh) import their own modules and keep them too (:func:`quick_process_timers` is
+    theirs). ``P2PTRAIN_TEST_QUICK=0`` keeps the production values everywhere (was it the timers?
+    compare)."""
     _shorten_protocol_waits(monkeypatch)
 
 
@@ -141,6 +113,25 @@ def quick_timers_for_module() -> Iterator[None]:
     that its tests share (the function-scoped one is set up after it, too late)."""
     with pytest.MonkeyPatch.context() as patch:
         _shorten_protocol_waits(patch)
+        yield
+
+
+@pytest.fixture
+def quick_process_timers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same waits shortened in the processes one test forks (``node_processes``, ``NodeProcess``,
+    ``start_script``/``run_script``, ``run_cli``): ``P2PTRAIN_TEST_QUICK_TIMERS=1`` in this process's
+    environment, which they inherit, and the fork server's child applies (p2ptrain/testing/_zygote.py).
+    A process started fresh ignores it and keeps the production values, as does this process (add
+    ``quick_timers`` for in-process peers)."""
+    monkeypatch.setenv(QUICK_ENV, "1")
+
+
+@pytest.fixture(scope="module")
+def quick_process_timers_for_module() -> Iterator[None]:
+    """:func:`quick_process_timers` for a module whose module-scoped fixture starts the processes
+    its tests share."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(QUICK_ENV, "1")
         yield
 
 

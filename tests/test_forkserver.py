@@ -88,6 +88,35 @@ def test_a_command_over_its_timeout_is_killed(tmp_path):
     assert time.monotonic() - started < 30
 
 
+TIMERS_PROBE = """\
+import importlib, json
+from p2ptrain.testing._timers import QUICK_TIMERS
+print(json.dumps([getattr(importlib.import_module(m), n) for m, n, _ in QUICK_TIMERS]))
+"""
+
+
+def test_a_child_asked_for_quick_timers_has_them_and_the_others_keep_production_values(tmp_path, monkeypatch):
+    """P2PTRAIN_TEST_QUICK_TIMERS=1 in a child's environment (the quick_process_timers fixture) gives
+    it QUICK_TIMERS; the server and the children not asking keep the modules' values, as does every
+    child under P2PTRAIN_TEST_QUICK=0."""
+    from p2ptrain.testing._timers import QUICK_ENV, QUICK_TIMERS
+
+    (tmp_path / "timers.py").write_text(TIMERS_PROBE)
+    args = [sys.executable, str(tmp_path / "timers.py")]
+    quick = [value for _, _, value in QUICK_TIMERS]
+    monkeypatch.delenv(QUICK_ENV, raising=False)
+    monkeypatch.delenv("P2PTRAIN_TEST_QUICK", raising=False)
+    production = json.loads(run_forked(args, capture_output=True, text=True, timeout=60, check=True).stdout)
+    assert all(p > q for p, q in zip(production, quick)), production
+    asked = run_forked(args, capture_output=True, text=True, timeout=60, check=True, env={**os.environ, QUICK_ENV: "1"})
+    assert json.loads(asked.stdout) == quick
+    after = run_forked(args, capture_output=True, text=True, timeout=60, check=True)
+    assert json.loads(after.stdout) == production  # the server's modules were left as they were
+    off = run_forked(args, capture_output=True, text=True, timeout=60, check=True,
+                     env={**os.environ, QUICK_ENV: "1", "P2PTRAIN_TEST_QUICK": "0"})
+    assert json.loads(off.stdout) == production
+
+
 def test_what_it_cannot_fork_starts_fresh(tmp_path, monkeypatch):
     code = [sys.executable, "-c", "import sys; print('torch' in sys.modules)"]
     proc = start_forked(code, stdout=subprocess.PIPE, text=True)

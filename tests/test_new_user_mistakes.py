@@ -198,6 +198,7 @@ def test_task_status_of_a_run_before_the_nodes_restart_says_where_its_models_are
         assert capsys.readouterr().err.strip() == f"p2ptrain: error: task.status: this node has not heard of task {unknown}"
 
 
+@pytest.mark.usefixtures("quick_timers")  # tests/conftest.py: the in-process member's idle waits shortened
 def test_model_fetch_latest_reads_the_chain_a_members_home_keeps_when_no_node_runs(tmp_path, capsys):
     """After a script's run (its in-process node gone), `model fetch --latest RUN_CID --home H` said
     the latest model was 'not in the store of H, and no node is running there', though the home

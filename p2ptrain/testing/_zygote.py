@@ -3,7 +3,8 @@ libp2p and every p2ptrain module once, then forks one child per request that arr
 socket (:mod:`p2ptrain.testing._forkserver` is the side that asks). A child becomes the command it
 was asked for (stdio, working directory, environment, argv, network namespace) and exits as the
 interpreter would; the server reaps it and sends its exit status to the asker. It exits once the
-asker's end of the control socket closes and its last child has ended.
+asker's end of the control socket closes and its last child has ended. A child whose environment
+has ``P2PTRAIN_TEST_QUICK_TIMERS=1`` shortens the protocol's idle waits first (p2ptrain/testing/_timers.py).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import threading
 from typing import Any
 
 from p2ptrain.testing._forkserver import MAX_REQUEST, NETNS_DIR
+from p2ptrain.testing._timers import QUICK_ENV, apply_quick_timers, quick_timers_off
 
 # What the server imports before it forks: what a node that trains, the CLI and the member scripts
 # import (every p2ptrain module), and the data sources the tests add datasets from.
@@ -107,6 +109,8 @@ def _child(request: dict[str, Any], fds: list[int], inherited: list[int]) -> Non
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
+        if os.environ.get(QUICK_ENV) == "1" and not quick_timers_off():
+            apply_quick_timers()  # this child's own modules: the server and its other children keep theirs
         sys.argv = list(request["argv"])
         sys.path[0] = request["path0"]
         if request["kind"] == "module":

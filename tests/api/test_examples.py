@@ -9,6 +9,10 @@ import pytest
 from p2ptrain.testing import run_script, script_members
 
 EXAMPLES = Path(__file__).parents[2] / "examples"
+# The members' idle waits shortened (tests/conftest.py, quick_process_timers): a joiner listens 0.75 s
+# for a head instead of 3, a new coordinator's first plan waits 0.5 s for joiners instead of 2.
+pytestmark = pytest.mark.usefixtures("quick_process_timers")
+
 RUN_S = 420.0  # processes import torch and libp2p, meet and train: a minute alone, more when loaded
 
 

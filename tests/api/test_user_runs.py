@@ -18,6 +18,10 @@ import pytest
 from p2ptrain.testing import run_forked, task_status_of
 from p2ptrain.testing import ScriptMember, last_json, script_members, start_script
 
+# The member processes' idle waits shortened (tests/conftest.py, quick_process_timers): a joiner
+# listens 0.75 s for a head instead of 3, a new coordinator's first plan waits 0.5 s for joiners instead of 2.
+pytestmark = pytest.mark.usefixtures("quick_process_timers")
+
 SCRIPT = Path(__file__).with_name("member_script.py")
 # Three or four processes import torch and libp2p, meet, train 160 steps: about a minute alone,
 # several on a loaded 2-core machine.

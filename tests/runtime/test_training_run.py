@@ -19,6 +19,10 @@ from p2ptrain.ipfs import open_store
 from p2ptrain.protocol import Chain, ChainRules
 from p2ptrain.protocol._lineage import first_parent
 
+# The node processes' idle waits shortened (tests/conftest.py, quick_process_timers): a joiner listens
+# 0.75 s for a head instead of 3, a new coordinator's first plan waits 0.5 s for joiners instead of 2.
+pytestmark = pytest.mark.usefixtures("quick_process_timers")
+
 
 def publish(proc: NodeProcess, name: str, steps: int, checkpoint: int) -> tuple[str, str]:
     manifest = cli("dataset", "add", "sklearn:digits", "--shards", "8", "--home", str(proc.home)).splitlines()[-1]

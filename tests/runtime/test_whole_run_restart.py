@@ -17,6 +17,10 @@ from p2ptrain.testing import NodeProcess, node_processes, run_cli as cli, task_s
 from p2ptrain.task import TASK_TEMPLATE
 from p2ptrain.protocol import Chain, read_chain
 
+# The node processes' idle waits shortened (tests/conftest.py): a resuming member hears an absent
+# one for 5 s instead of 20, a joiner waits for a head 0.75 s instead of 3.
+pytestmark = pytest.mark.usefixtures("quick_process_timers")
+
 NODE_ARGS = ["--device", "cpu", "--threads", "1"]
 # The members are killed at their third checkpoint (step 30) and resume from it: six checkpoints
 # are left, so the kill lands mid-run however fast the rounds are (a poll of the three statuses is
