@@ -15,17 +15,22 @@ Rules, and why:
   CPU kernel set or the GPU) with the kernel sets measured to give the same bits folded into one:
   AVX-512 into AVX2 (keeping those apart would split pools that train together today). The torch
   release stays in it: releases are not known to agree.
-- The run's class is the class of most members of the run's history (the latest plan taken, else
-  the last confirmed record's members) still heard, advertising the task or not (done, or loading a
-  checkpoint: else a left-out peer would see the run turn to its class when its members finish).
-  A plan must keep a quorum of the previous plan's members
-  (:func:`~p2ptrain.protocol._plans.rule_problem`), so no other class could plan at all.
-  Without a history (a fresh run), the class of most live advertisers: the most members train, and
-  a smaller class cannot hold the run hostage. A tie goes to the class of the peer with the lowest
-  :func:`~p2ptrain.protocol._voters.rank` (a hash of the task CID and the peer ID): a peer ID is a
-  key, so moving a tie means making keys after the task is published (and being admitted by its
-  allowlist), not merely advertising another string; and a tie is only a tie, one more member makes
-  a class the run's outright (Sybils are kept out by ``peers.allow``, as everywhere else).
+- The run's class is the class of most members of the run's history (the latest plan taken, else the
+  last confirmed record's members) still heard, advertising the task or not (done, or loading a
+  checkpoint: else a left-out peer would see the run turn to its class when its members finish). A
+  plan must keep a quorum of the previous plan's members
+  (:func:`~p2ptrain.protocol._plans.rule_problem`), so no other class could plan at all. Without a
+  history (a fresh run), the class of most live advertisers that took part in the run (voted, led,
+  completed a round: :meth:`~p2ptrain.protocol.Participation.took_part`), this member counted too:
+  the most members train, and a smaller class cannot hold the run hostage. Advertising alone does
+  not count: three identities whose heartbeats named the task and another arithmetic took a fresh
+  run's class, left both real members out, and since neither might stand, no vote was ever asked,
+  which is what strikes a heartbeat-only identity (the run made no step in 90 s). A tie goes to the
+  class of the peer with the lowest :func:`~p2ptrain.protocol._voters.rank` (a hash of the task CID
+  and the peer ID): a peer ID is a key, so moving a tie means making keys after the task is
+  published (and being admitted by its allowlist), not merely advertising another string; and a tie
+  is only a tie, one more member makes a class the run's outright (identities that vote but never
+  train are kept out by ``peers.allow``, as everywhere else).
 - A coordinator plans only from its own class, and only when that is the run's (it trains as a
   member and attests its own state: a plan of another class would have its own attestations differ
   every checkpoint). One whose class is not the run's neither plans nor stands for election
@@ -84,7 +89,7 @@ class Classes:
 
 def sort_classes(
     task_cid: str, me: str, arithmetics: Mapping[str, str | None], history: Collection[str] = (),
-    live: Collection[str] | None = None,
+    live: Collection[str] | None = None, took_part: Collection[str] | None = None,
 ) -> Classes:
     """The classes of the ``live`` peers (those that advertise the task; None: every peer
     ``arithmetics`` names) as ``me`` sees them. ``arithmetics``: the arithmetic each peer advertises
@@ -92,11 +97,14 @@ def sort_classes(
     advertise the task now (done, or loading a checkpoint: they still decide the run's class, or a
     run whose members finished would seem to change class). ``history``: the members of the latest
     plan taken (else of the last confirmed record), which decide the run's class when any of them
-    is heard and known."""
+    is heard and known. ``took_part``: the live peers that took part in the run
+    (:meth:`~p2ptrain.protocol.Participation.took_part`); without a history only they and ``me``
+    are counted (None: every live peer)."""
     classes = {peer: bits_class(a) for peer, a in arithmetics.items()}
     live = set(classes) if live is None else set(live) & set(classes)
     known = [p for p in classes if classes[p] is not None]
-    counted = [p for p in known if p in history] or [p for p in known if p in live]
+    census = live if took_part is None else live & {me, *took_part}
+    counted = [p for p in known if p in history] or [p for p in known if p in census]
     if not counted:
         return Classes(run=None, mine=classes.get(me), planned=frozenset(live))
     sizes = Counter(classes[p] for p in counted)

@@ -126,6 +126,12 @@ class Participation:
             counted += struck[: needed - len(counted)]
         return frozenset(counted)
 
+    def took_part(self, now: float) -> frozenset[str]:
+        """Peers that left evidence (a vote, an accepted coordinator heartbeat, a completed round)
+        since their last strike, and are not struck at ``now``: the census of a fresh run's
+        arithmetic (protocol/_arithmetics.py), where advertising alone must not count."""
+        return frozenset(p for p, e in self._peers.items() if e.proven and e.struck_until <= now)
+
     def struck(self, now: float) -> frozenset[str]:
         """Peers that do not count at ``now`` (for logs and `task status`)."""
         return frozenset(p for p, e in self._peers.items() if e.struck_until > now)

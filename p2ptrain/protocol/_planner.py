@@ -72,6 +72,7 @@ def decide(
     book: RoundBook, now: float, election: Election, my_step: int, advertising: Collection[str], *,
     can_roll_back: bool, span_running: bool, rounds_running: bool, head_version: int,
     private: Collection[str] = (), arithmetics: Mapping[str, str | None] | None = None,
+    took_part: Collection[str] | None = None,
 ) -> RoundPlan | Hold:
     """As coordinator at ``now``, by ``book``: the next plan to publish, or why none (:class:`Hold`).
 
@@ -82,13 +83,14 @@ def decide(
     reachability is ``private`` (their heartbeats, and ours), for the ring's order.
     ``arithmetics``: what each of ``advertising`` advertises as its arithmetic (None: nothing),
     ours as our trainer computes, and members of the run's history still heard
-    (:func:`classes_of`); None plans every advertising peer.
+    (:func:`classes_of`); None plans every advertising peer. ``took_part``: the advertising peers
+    that took part in the run (a fresh run's census of arithmetics counts only them and ourselves).
     """
     if not election.is_coordinator or book.cancelled:
         return Hold.WAIT
     if arithmetics is not None:
         classes = classes_of(book, election.me, {p: arithmetics.get(p) for p in {*advertising, *arithmetics}},
-                             advertising)
+                             advertising, took_part)
         if not classes.may_lead:
             return Hold.WAIT  # the election moves on: this member does not stand (run/_leading.py)
         unknown = any(arithmetics.get(p) is None for p in set(advertising) - classes.planned)
@@ -133,11 +135,13 @@ def run_history(book: RoundBook) -> tuple[str, ...]:
 
 def classes_of(
     book: RoundBook, me: str, arithmetics: Mapping[str, str | None], live: Collection[str] | None = None,
+    took_part: Collection[str] | None = None,
 ) -> Classes:
     """The ``live`` peers' classes as ``me`` sees them (``arithmetics``: each peer's advertised
     arithmetic, ``me``'s own, also of the history's members heard but not advertising), from the
-    run's history in ``book``: whom a plan keeps, whom it leaves out, and whether ``me`` may lead."""
-    return sort_classes(book.task_cid, me, arithmetics, run_history(book), live)
+    run's history in ``book``: whom a plan keeps, whom it leaves out, and whether ``me`` may lead.
+    ``took_part``: of ``live``, those that took part (a fresh run counts only them and ``me``)."""
+    return sort_classes(book.task_cid, me, arithmetics, run_history(book), live, took_part)
 
 
 def next_plan(

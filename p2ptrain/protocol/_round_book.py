@@ -263,18 +263,23 @@ class RoundBook:
         self, now: float, election: Election, my_step: int, advertising: Collection[str], *,
         can_roll_back: bool, span_running: bool, rounds_running: bool, head_version: int,
         private: Collection[str] = (), arithmetics: Mapping[str, str | None] | None = None,
+        took_part: Collection[str] | None = None,
     ) -> RoundPlan | Hold:
         """As coordinator at ``now``: the next plan to publish, or why none
         (:func:`~p2ptrain.protocol._planner.decide`)."""
         return _planner.decide(
             self, now, election, my_step, advertising, can_roll_back=can_roll_back, span_running=span_running,
             rounds_running=rounds_running, head_version=head_version, private=private, arithmetics=arithmetics,
+            took_part=took_part,
         )
 
-    def classes(self, me: str, arithmetics: Mapping[str, str | None], live: Collection[str] | None = None) -> Classes:
+    def classes(
+        self, me: str, arithmetics: Mapping[str, str | None], live: Collection[str] | None = None,
+        took_part: Collection[str] | None = None,
+    ) -> Classes:
         """The ``live`` peers' classes of arithmetic as ``me`` sees them
         (:func:`~p2ptrain.protocol._planner.classes_of`)."""
-        return _planner.classes_of(self, me, arithmetics, live)
+        return _planner.classes_of(self, me, arithmetics, live, took_part)
 
     def history(self) -> tuple[str, ...]:
         """The members whose class is the run's (:func:`~p2ptrain.protocol._planner.run_history`)."""

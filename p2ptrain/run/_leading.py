@@ -161,7 +161,8 @@ class Leading:
         if run.book is None or run.trainer is None:
             return None
         live = run.advertising() | {run.me}
-        classes = run.book.classes(run.me, self._arithmetics(live), live)
+        took_part = run.participation.took_part(trio.current_time())
+        classes = run.book.classes(run.me, self._arithmetics(live), live, took_part)
         run.left_out, run.arithmetic_run = dict(classes.left_out), classes.run
         return classes
 
@@ -227,7 +228,7 @@ class Leading:
             now, run.election, trainer.step, advertising, can_roll_back=trainer.can_roll_back,
             span_running=self.spans.running, rounds_running=self.spans.in_rounds,
             head_version=run.heads.version if run.heads is not None else 0, private=private,
-            arithmetics=self._arithmetics(advertising),
+            arithmetics=self._arithmetics(advertising), took_part=run.participation.took_part(now),
         )
         if decision is Hold.BEHIND:
             # Elected while behind the run (e.g. it joined at step 0 and missed the records): it

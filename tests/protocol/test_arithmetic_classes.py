@@ -54,10 +54,11 @@ def _peers(n: int) -> list[str]:
 
 
 def _decide(arithmetics: dict[str, str | None], me: str, task: Task | None = None,
-            book: RoundBook | None = None) -> RoundPlan | Hold:
+            book: RoundBook | None = None, took_part: set[str] | tuple[str, ...] | None = None) -> RoundPlan | Hold:
     book = book or RoundBook(task or _task(), TASK_CID, Chain(TASK_CID, INITIAL), 10)
     return book.decide(0.0, Elected(me), 0, set(arithmetics), can_roll_back=False,  # type: ignore[arg-type]
-                       span_running=False, rounds_running=False, head_version=0, arithmetics=arithmetics)
+                       span_running=False, rounds_running=False, head_version=0, arithmetics=arithmetics,
+                       took_part=took_part)
 
 
 def test_the_kernel_sets_measured_to_agree_are_one_class_and_releases_stay_apart() -> None:
@@ -190,3 +191,22 @@ def test_members_of_the_history_that_stop_advertising_still_decide_the_run_s_cla
     classes = sort_classes(TASK_CID, y, {x1: AVX2, x2: AVX2, y: SCALAR}, history=(x1, x2), live={y})
     assert classes.run == AVX2 and not classes.may_lead and classes.left_out == {y: SCALAR}
     assert classes.planned == frozenset()
+
+
+def test_a_fresh_run_counts_only_the_peers_that_took_part_and_itself() -> None:
+    """Advertising costs nothing: three identities naming another arithmetic outnumbered two members
+    and took a fresh run's class (neither member might then stand, so no vote was asked that would
+    strike them). The census counts the live peers that took part, and the member itself."""
+    a, b, *sybils = _peers(5)
+    arithmetics = {a: AVX2, b: AVX512, **{s: OTHER_RELEASE for s in sybils}}
+    assert sort_classes(TASK_CID, a, arithmetics).run == OTHER_RELEASE  # every advertiser counted
+    alone = sort_classes(TASK_CID, a, arithmetics, took_part=())
+    assert alone.run == AVX2 and alone.may_lead and set(alone.left_out) == set(sybils)
+    voted = sort_classes(TASK_CID, b, arithmetics, took_part={a})
+    assert voted.run == AVX2 and voted.may_lead and voted.planned == {a, b}
+    # Peers that took part do count: two of another class that voted outnumber this member.
+    assert not sort_classes(TASK_CID, a, arithmetics, took_part=sybils[:2]).may_lead
+    # With a history, the history decides, whoever took part.
+    assert sort_classes(TASK_CID, a, arithmetics, history=sybils, took_part={b}).run == OTHER_RELEASE
+    plan = _decide(arithmetics, a, took_part=())
+    assert isinstance(plan, RoundPlan) and set(plan.members) == {a, b}
