@@ -183,17 +183,21 @@ def next_plan(
         return None  # the current span is still running
     if my_step not in (step, step + 1) or step >= book.total_steps:
         return None
+    # A pipelined span continued by a coordinator of a later term goes back to the head: the
+    # members' steps are not the new coordinator's to know (_takes_over_pipeline says why).
+    takeover = _takes_over_pipeline(book, election, last, step)
     # A stage whose replicas all left (below) sends the run back to the head, where joiners are
     # admitted: one may be the member that stage needs (a run with no member to spare).
-    admit = step == book.head_step or (step > book.head_step and bool(orphaned_stages(book.accepted, live)))
+    admit = step == book.head_step or (step > book.head_step and (takeover or bool(orphaned_stages(book.accepted, live))))
     members = plan_members(book.task, book.task_cid, previous, live, admit_joiners=admit, private=private)
     if members is None or election.me not in members:
         return None
-    if step > book.head_step and orphaned_stages(book.accepted, members):
+    if step > book.head_step and (takeover or orphaned_stages(book.accepted, members)):
         # A stage lost every replica since the last confirmed checkpoint: what it learnt since is
         # gone, so every stage goes back to that checkpoint (the same version everywhere, or the
         # stages would not make one model) and the steps since are redone. assign moves a member
         # into the empty stage; it loads that stage's files by CID from the checkpoint's manifest.
+        # A pipelined takeover goes back the same way.
         start_round = book.chain.records[-1].record.round + 1 if book.chain.records else 0
         step, attempt = book.head_step, max(attempt, _next_attempt(book, election.term))
     return RoundPlan(
@@ -202,6 +206,22 @@ def next_plan(
         base_cid=book.chain.head_cid, version=book.chain.version,
         stages=plan_stages(book.task, members, book.accepted),
     )
+
+
+def _takes_over_pipeline(book: RoundBook, election: Election, last: RoundPlan | None, step: int) -> bool:
+    """Whether the plan from ``step`` continues a pipelined span of an earlier term's coordinator
+    (a takeover or a retry of its failed round) past the confirmed head: then it goes back to the
+    head (:meth:`RoundBook.rewinds`), the one step every member can follow.
+
+    A new coordinator plans at once, while its own round of the old plan may still be running
+    (see :func:`decide`), and a pipelined step that every member had under way completes on all
+    of them before the new plan stops it. From a step behind theirs (one before its own, as a
+    takeover plans) no member could follow the plan: each stopped advertising the task, the
+    coordinator itself stepped down, and before the first confirmed checkpoint there was no head
+    to resync from, so nobody could lead again (a 4x2 50.7M run over the emulated WAN: every term
+    passed without a coordinator for 7 minutes). Going back costs the steps since the head."""
+    return (last is not None and last.stages is not None and last.term != election.term
+            and book.head_step < step < last.step + last.rounds)
 
 
 def _next_attempt(book: RoundBook, term: int) -> int:

@@ -97,6 +97,21 @@ class Leading:
             logger.warning("%s: the checkpoint at step %d has no record from the previous coordinator; "
                            "going on from model v%d", run.log_prefix, step, run.book.chain.version)
 
+    def _abandon_inherited(self) -> None:
+        """A coordinator elected while a span of an earlier term ran (its own rounds were past
+        planning over, or the span was storing its checkpoint) sees that span end with a
+        checkpoint its coordinator of that term will not record: it no longer leads, and only it
+        could (:meth:`Attesting.checkpoint_stored`). At election there was nothing to abandon yet,
+        so the barrier at that checkpoint waited forever (a pipelined run whose coordinator stepped
+        down at step 3 of 8 stopped at step 8, version 0). Abandoned the same way once the span
+        has ended here (:meth:`_abandon_unrecorded`: none pending, counted as rejected)."""
+        run = self.run
+        book, trainer = run.book, run.trainer
+        last = book.last_plan if book is not None else None
+        if last is None or trainer is None or last.term >= run.election.term or trainer.step != last.step + last.rounds:
+            return
+        self._abandon_unrecorded()
+
     def view(self) -> View:
         """What this node sees of its peers, for the election."""
         run = self.run
@@ -138,6 +153,8 @@ class Leading:
                 # on it (the mesh drops it only after 5 s). Left out like a peer a round named.
                 run.book.note_silent_coordinator(now, election.given_up)
             self._note_coordinator(before, now)
+            if election.is_coordinator and not self.spans.running:
+                self._abandon_inherited()
             self._note_own_exclusion(classes)
             run.note_waiting(self._peers_short(classes), now)
             await self.attesting.expire(now)

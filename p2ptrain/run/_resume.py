@@ -18,6 +18,13 @@ chains differ in length settle on the longest that verifies before one of them l
 listening once every other member of that record answered, once the run's coordinator is known (the
 run went on without this member: the resync loop takes it from there), or after RESUME_WAIT_S.
 
+A member that resumed still answers the others' head requests until its election accepts a
+coordinator (:meth:`Resume.answers_heads`; services/_tasks.py asks it): a member that resumes later
+asks for heads only once it has loaded its own checkpoint, and one that had already heard everyone
+and said it held the run's state answered nothing once its run was under way. Where the two could
+not elect a coordinator without the others (fewer than a quorum of the record's members), the late
+one waited the whole RESUME_WAIT_S for a member that had resumed seconds before it.
+
 The resync loop starts only after this (run/_task_run.py): a plan that lists this member meanwhile
 waits in its catch-up queue, so one load at a time changes the member's state, and the record the
 member says it resumed from (``resumed_from``) is the one it loaded here, never a record the run
@@ -57,6 +64,7 @@ class Resume:
         self.run = run
         self.resync = resync
         self.hearing = False  # between load_own and the end of hear_others: heads come here
+        self.resumed = False  # hear_others is over: this member said it holds the run's state
         self.heads: dict[str, TaskHead] = {}  # member of our last record -> the latest head it answered
         self._news = Nudge()
 
@@ -71,6 +79,12 @@ class Resume:
         run.election.resume_after(last.term)
         run.resumed_from = {"version": last.version, "step": last.step}
         self.hearing = True
+
+    def answers_heads(self) -> bool:
+        """Whether this member resumed and its election has accepted no coordinator since: it
+        answers head requests as a member still resuming does (the module docstring says why).
+        The run's coordinators publish its heads from the first one accepted on."""
+        return self.resumed and not self.resync.coordinators and self.run.election.coordinator is None
 
     def nudge(self) -> None:
         """A message of the task arrived: while hearing, check again whether to stop (the run's
@@ -131,6 +145,7 @@ class Resume:
         if failed:  # a load that failed may have failed half-way: our own checkpoint again
             await self.resync.try_load_last_checkpoint()
         self.hearing = False  # only now: heads go to the resync loop, which starts after this
+        self.resumed = True
         _, book = run.require()
         run.election.resume_after(book.chain.records[-1].record.term)  # the first term's clock starts now
         run.resumed_from = resumed

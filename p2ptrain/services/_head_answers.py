@@ -7,8 +7,9 @@ after a restart) and whose run of it is not under way answers a
 :class:`~p2ptrain.wire.HeadRequest` with a :class:`~p2ptrain.wire.TaskHead` of
 its own. A member of a run under way stays quiet: its coordinator's heads are the ones members act
 on, and an extra head from a non-coordinator would only be refused (and counted) by them. A member
-still starting (or resuming its chain after a stop) is not under way yet and answers: that is how
-the members of a run stopped whole hear each other's chains when they come back (run/_resume.py).
+still starting (or resuming its chain after a stop, or resumed with no coordinator accepted yet) is
+not under way yet and answers: that is how the members of a run stopped whole hear each other's
+chains when they come back, also those that come back later than the others (run/_resume.py).
 
 The answer is a claim, not proof: the fetcher re-verifies the chain it names (signatures, links,
 the head model) before it believes it (cli/model.py). Requests come from anyone, so answers are

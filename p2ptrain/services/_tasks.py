@@ -178,9 +178,11 @@ class TaskService:
 
     def _under_way(self, task_cid: str) -> bool:
         """Whether this node's run of ``task_cid`` holds (or is getting) the run's state: then its
-        coordinator's heads are the run's, and this node answers no head request for it."""
+        coordinator's heads are the run's, and this node answers no head request for it. A run that
+        resumed and has accepted no coordinator yet is not: the members resuming after it need its
+        head (run/_resume.py, :meth:`Resume.answers_heads`)."""
         run = self.runs.get(task_cid)
-        return run is not None and run.shared.phase not in FINISHED | STARTING_PHASES
+        return run is not None and run.shared.phase not in FINISHED | STARTING_PHASES and not run.resume.answers_heads()
 
     def _total_steps(self, task_cid: str) -> int | None:
         run = self.runs.get(task_cid)
