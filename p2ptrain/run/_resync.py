@@ -4,6 +4,8 @@ to a plan that starts from a checkpoint this member lacks.
 A member that is not at a confirmed state (a late joiner, one that missed a round or a record)
 stops advertising the task, loads the head of the confirmed chain (by CID, verified, every read
 bounded) and only then advertises again, so no coordinator puts it into a ring with stale weights.
+Before the run's first confirmed record that state is the chain's root, the task's initial model at
+step 0, which a member that held the run's state goes back to on its own (:meth:`Resync.load_root`).
 Everything a head names comes from the network: a head is heard only from the coordinator our
 election accepted, and the chain it names must extend ours, each added record signed by the
 coordinator of its term where we know it.
@@ -40,6 +42,17 @@ BEHIND_CHECKS = 2
 # Terms whose coordinator (as our election accepted it) is remembered, to check who signed the
 # records a head's chain adds: 256 terms (a few KiB) go back further than any member stays away.
 KNOWN_TERMS = 256
+
+
+def restarts_at_root(version: int, head: TaskHead | None, *, pending: bool, was_synced: bool) -> bool:
+    """Whether a member that does not hold the run's state goes back to the run's initial state
+    (:meth:`Resync.load_root`) rather than wait for a head: only while its own chain (``version``)
+    has no confirmed record, so its state has no confirmed progress to lose, whatever any head says;
+    not while a head names a later version (that one is loaded instead: the run went on without
+    it), nor while a record is ``pending`` (it may yet be confirmed here). Only a member that held
+    the run's state before (``was_synced``): a joiner that heard the first span under way waits for
+    its checkpoint, as it always did (docs/training.md, "Join")."""
+    return was_synced and version == 0 and (head is None or head.version == 0) and not pending
 
 
 class Resync:
@@ -138,6 +151,11 @@ class Resync:
             if run.book is not None and run.trainer is not None and not run.synced and run.end_of_run() == "load":
                 await self.try_load_last_checkpoint()  # the run ended without us: our chain names its end
                 continue
+            if not run.synced and run.book is not None and restarts_at_root(
+                    run.book.chain.version, run.heads, pending=run.attestations.pending, was_synced=run.was_synced):
+                if not self.busy():  # not under a span of ours on the trainer: it ends first
+                    await self.try_load_root()
+                continue
             if run.stale_step is not None and not run.synced:
                 # Our own state at a confirmed step was not the confirmed one: take the confirmed
                 # chain's last checkpoint by CID (not while a span of ours runs on the trainer).
@@ -179,9 +197,13 @@ class Resync:
         """
         run = self.run
         trainer, book = run.require()
-        head = await self._head_at_least(plan.version)
         problem = None
-        if head is None or head.version != plan.version or head.model_cid != plan.base_cid:
+        if plan.step == 0 and plan.version == 0 and book.chain.version == 0:
+            # The plan starts at the run's initial state, which every member holds without a head.
+            if not trainer.can_align(0) and (failure := await self.try_load_root()) is not None:
+                problem = f"could not go back to the run's initial state: {failure}"
+        elif (head := await self._head_at_least(plan.version)) is None or head.version != plan.version \
+                or head.model_cid != plan.base_cid:
             problem = f"behind the run, and its head is not the plan's base v{plan.version}"
         elif head.version > book.chain.version or not trainer.can_align(plan.step) or run.stale_step is not None:
             failure = await self.try_load_head(head)
@@ -230,6 +252,41 @@ class Resync:
             run.refuse("resync_failed", f"resync from model v{version} failed: {exc if known else repr(exc)}")
             return str(exc)
         return None
+
+    async def try_load_root(self) -> str | None:
+        """Go back to the run's initial state (:meth:`load_root`), through the same boundary as a head."""
+        return await self._load_bounded(0, self.load_root())
+
+    async def load_root(self) -> None:
+        """Hold the run's state at model v0, the task's initial model at step 0, and say so.
+
+        Before its first confirmed record the run's state is the root of its chain, which every
+        member has from the task itself: the initial model and optimizer state it stored when it
+        prepared the run (a pipelined member holds no stage at step 0 and takes its plan's from the
+        seed or the initial manifest), and no error feedback (nothing was left unsent before step 0).
+        Without this, members that all fell out of step at v0 had no head to resync from, so none
+        could stand for election again: every term passed with nobody standing (docs/training.md,
+        "Heads and resync")."""
+        run = self.run
+        trainer, book = run.require()
+        if book.chain.version != 0:
+            raise RecordError(f"this member holds model v{book.chain.version}: the run is past its initial state")
+        if isinstance(trainer, StagedTrainer):
+            trainer.back_to(0)
+        else:
+            store = run.content.store
+            max_model, max_optim = trainer.state_limits()
+            model = await trio.to_thread.run_sync(lambda: store.cat(run.initial_cid, max_bytes=max_model))
+            optim = await trio.to_thread.run_sync(lambda: store.cat(run.initial_optimizer_cid, max_bytes=max_optim))
+            await trio.to_thread.run_sync(trainer.load_state, model, optim)
+        if trainer.step != 0:
+            raise TrainerError(f"the run's initial state says step {trainer.step}")
+        self.restore_feedback(0)
+        run.book = book.resynced(book.chain)
+        run.attestations.clear()
+        logger.info("%s: back to the run's initial state (model v0 %s, step 0): no checkpoint is confirmed yet",
+                    run.log_prefix, run.initial_cid)
+        run.set_synced()
 
     def _check_signer(self, version: int, term: int, coordinator: str) -> None:
         """A record a head's chain adds must come from the coordinator our election accepted for its

@@ -82,6 +82,9 @@ class RunState:
     error: str | None = None
     # Whether this member holds the state the run is at (so it advertises the task and may lead).
     synced: bool = False
+    # Whether it ever did in this run: only such a member goes back to the run's initial state when
+    # it falls out of step before the first confirmed checkpoint (run/_resync.py, restarts_at_root).
+    was_synced: bool = False
     # The step of a confirmed checkpoint that this member's own state at that step is not (its
     # steps rounded differently: run/_attesting.py): until it loads a confirmed state by CID it is
     # not synced, and the run does not end for it (run/_resync.py). None: its state is the run's.
@@ -89,6 +92,9 @@ class RunState:
     manifest: Manifest | None = None
     total_steps: int = 0
     initial_cid: str = ""
+    # The optimizer state at step 0 (data-parallel runs; stored when the run was prepared): with the
+    # initial model, what a member goes back to while no checkpoint is confirmed (run/_resync.py).
+    initial_optimizer_cid: str = ""
     trainer: Trainer | None = None
     book: RoundBook | None = None
     # The confirmed chain on disk (chain.jsonl): read when the run starts, only ever extended.
@@ -211,7 +217,7 @@ class RunState:
             self.refuse("chain_file", f"chain.jsonl not extended: {exc}")
 
     def set_synced(self) -> None:
-        self.synced, self.phase = True, Phase.TRAINING
+        self.synced, self.was_synced, self.phase = True, True, Phase.TRAINING
         self.advertise(True)
 
     def desync(self, now: float) -> None:

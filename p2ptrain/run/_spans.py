@@ -286,8 +286,12 @@ class Spans:
 
     def restore_feedback(self, step: int) -> None:
         """This member loaded the checkpoint at ``step``: take back the error feedback it kept there
-        (run/_feedback_file.py), if it did; otherwise its residual stays as it is."""
+        (run/_feedback_file.py), if it did; otherwise its residual stays as it is. At step 0 (the
+        run's initial state: run/_resync.py, load_root) nothing was left unsent: none is kept."""
         run = self.run
+        if step == 0:
+            self.averager.drop_feedback()
+            return
         trainer, _ = run.require()
         residual = load_feedback(run.dir, step, trainer.num_parameters)
         if residual is not None:

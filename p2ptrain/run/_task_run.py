@@ -254,8 +254,9 @@ class TaskRun:
         if isinstance(trainer, StagedTrainer):  # no member holds the whole model: a manifest of the stages'
             run.initial_cid = await trio.to_thread.run_sync(
                 lambda: initial_manifest(content.store, trainer, data, scratch=run.dir.path))
-        else:
+        else:  # with the optimizer's state at step 0: a member goes back to both at v0 (Resync.load_root)
             run.initial_cid = await trio.to_thread.run_sync(content.store.add_bytes, trainer.model_bytes())
+            run.initial_optimizer_cid = await trio.to_thread.run_sync(content.store.add_bytes, trainer.optimizer_bytes())
         run.trainer = trainer
         # The chain this home confirmed (a RecordError for a file that does not verify: kept as it is).
         rules = ChainRules.of(task, run.task_cid)

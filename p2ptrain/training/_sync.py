@@ -113,6 +113,12 @@ class PlanAverager:
         feedback.residual.copy_(residual)
         self.reducer.feedback = feedback
 
+    def drop_feedback(self) -> None:
+        """Forget this member's error-feedback residual, as before its first round (the trainer went
+        back to the run's initial state)."""
+        if self.reducer is not None:
+            self.reducer.feedback = None
+
     def for_plan(self, plan: RoundPlan) -> Average:
         """The ``average`` for the rounds of ``plan``: its members, in plan order, form the ring.
 
