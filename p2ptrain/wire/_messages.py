@@ -73,11 +73,11 @@ class Capabilities:
     # Newer versions may add optional fields; this one skips them (p2ptrain.wire._schema).
     EXTENSIBLE: ClassVar[bool] = True
 
-    device: str = field(metadata={"max_len": 16})  # "cpu" or "cuda"
+    device: str = field(metadata={"max_len": 16, "printable": True})  # "cpu" or "cuda"
     cpu_count: int
     free_ram_bytes: int
-    version: str = field(metadata={"max_len": 64})
-    gpu_name: str | None = field(default=None, metadata={"max_len": 128})
+    version: str = field(metadata={"max_len": 64, "printable": True})
+    gpu_name: str | None = field(default=None, metadata={"max_len": 128, "printable": True})
     gpu_memory_bytes: int | None = None
     # The model builders this peer has (p2ptrain.models.builders: built-in and from installed packages),
     # so a publisher can see who can build a task's model (``node peers``). Added in issue 30 with a default: a peer
@@ -87,7 +87,7 @@ class Capabilities:
     # set or the GPU), known once the node's torch probe ran: members of one run must compute the
     # same bits (docs/deploy.md, "Which machines compute the same bits"). Added with a default, as
     # ``builders``: informational, never a rule of a check.
-    arithmetic: str | None = field(default=None, metadata={"max_len": 128})
+    arithmetic: str | None = field(default=None, metadata={"max_len": 128, "printable": True})
 
 
 @message("heartbeat")
@@ -115,7 +115,7 @@ class Heartbeat:
 class Goodbye:
     """Sent on clean shutdown so peers mark us gone at once instead of after the liveness timeout."""
 
-    reason: str = field(default="", metadata={"max_len": 256})
+    reason: str = field(default="", metadata={"max_len": 256, "printable": True})  # logged: "peer X left (reason)"
 
 
 # --- training: tasks, rounds, elections, model records --------------------------------------------
@@ -174,7 +174,7 @@ class RoundFailed:
     round: int
     attempt: int
     step: int
-    reason: str = field(default="", metadata={"max_len": 256})
+    reason: str = field(default="", metadata={"max_len": 256, "printable": True})  # logged: "peer X left (reason)"
 
 
 @dataclass(frozen=True)
@@ -322,7 +322,7 @@ class TaskCancel:
     ``publisher`` (the pubsub envelope is signed by the sender's key)."""
 
     task_cid: str = field(metadata=_CID)
-    reason: str = field(default="", metadata={"max_len": 256})
+    reason: str = field(default="", metadata={"max_len": 256, "printable": True})  # logged: "peer X left (reason)"
 
 
 @message("task_head_request")

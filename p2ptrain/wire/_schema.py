@@ -64,6 +64,10 @@ def _check(value: Any, tp: Any, where: str, meta: dict[str, Any]) -> Any:
             raise SchemaError(f"{where}: expected a string")
         if len(value) > meta.get("max_len", MAX_STR_LEN):
             raise SchemaError(f"{where}: string longer than {meta.get('max_len', MAX_STR_LEN)}")
+        # A field shown as it is (logged, printed by the CLI): no newline or terminal escape, which
+        # would let a peer forge log lines or rewrite the reader's terminal.
+        if meta.get("printable") and not value.isprintable():
+            raise SchemaError(f"{where}: string with characters that are not printable")
         return value
     if tp is bool:
         if type(value) is not bool:

@@ -336,3 +336,30 @@ def test_capabilities_arithmetic_is_optional_and_bounded():
     long = heartbeat_body()
     long["caps"]["arithmetic"] = "x" * 129
     assert reason_of(frame(envelope(type="heartbeat", body=long))) == "schema"
+
+
+@pytest.mark.parametrize("field", ["arithmetic", "gpu_name", "version", "device"])
+def test_advertised_capability_strings_must_be_printable(field: str):
+    """A peer's advertised strings are shown as they are: logged at WARNING when the run leaves the
+    peer out for its arithmetic (run/_run_state.py note_left_out), printed by ``task status``
+    ("left out" lines) and ``node peers`` (its GPU). Before, a newline or a terminal escape in them
+    decoded: one heartbeat-only identity could forge whole log lines ("coordinator ... broke the
+    run's rules") in every member's log, or rewrite the user's terminal. Printable text only now;
+    the honest strings (a torch release and kernel set, a GPU's name) still decode."""
+    def with_caps(value: str) -> bytes:
+        body = heartbeat_body()
+        body["caps"][field] = value
+        return frame(envelope(type="heartbeat", body=body))
+
+    honest = {"arithmetic": "torch 2.11.0 on the CPU with AVX2 kernels", "gpu_name": "NVIDIA H100 80GB HBM3",
+              "version": "0.1.0", "device": "cuda"}[field]
+    assert getattr(decode(with_caps(honest)).msg.caps, field) == honest
+    for hostile in ("torch\n2026-11-26 WARNING coordinator 12D3 broke the run's rules", "cpu\x1b[2J", "x\r", "a\x00"):
+        assert reason_of(with_caps(hostile)) == "schema"
+
+
+def test_a_goodbye_reason_must_be_printable():
+    """A goodbye's reason is logged as it is ("peer X left (reason)", mesh/_membership.py): a newline
+    in it forged a log line of the peer's choosing in every node that heard it."""
+    assert decode(frame(envelope(body={"reason": "shutdown"}))).msg == Goodbye(reason="shutdown")
+    assert reason_of(frame(envelope(body={"reason": "shutdown)\n2026-11-26 WARNING forged"}))) == "schema"
