@@ -23,10 +23,11 @@ import torch
 import trio
 from libp2p.peer.id import ID
 
-from p2ptrain.collective import CollectiveError, PeerFailed, RoundSpec
+from p2ptrain.collective import CollectiveError, PeerFailed
 from p2ptrain.ipfs import ContentUnavailable
 from p2ptrain.base import fmt_bytes, fmt_s
 from p2ptrain.run._attesting import Attesting
+from p2ptrain.run._buffers import combine_buffers
 from p2ptrain.run._datafeed import DataFeed
 from p2ptrain.run._feedback_file import load_feedback, save_feedback
 from p2ptrain.run._run_state import RunState
@@ -233,24 +234,30 @@ class Spans:
             trainer.release_span()  # a user's loop waits for this (training/_user_trainer.py)
 
     async def _average_buffers(self, plan: RoundPlan) -> bool:
-        """Average the members' buffers (BatchNorm's running statistics: each member's come from its
-        own data) over the span's ring, so that the checkpoint every member hashes is the same;
-        False when that round failed (this span then has no checkpoint). Models without buffers
-        (the registry's) skip it."""
+        """Combine the members' buffers (BatchNorm's running statistics: each member's come from its
+        own data) over the span's ring (run/_buffers.py: the mean, or under ``robust = "clip"`` the
+        coordinate-wise median), so that the checkpoint every member hashes is the same; False when
+        that round failed (this span then has no checkpoint, and a member it named is left out of
+        later plans, as after a failed round). Models without buffers (the registry's) skip it."""
         run = self.run
-        trainer, _ = run.require()
+        trainer, book = run.require()
         flat = trainer.buffer_vector()
         if flat is None or len(plan.members) < 2:
             return True
         ring = [ID.from_base58(p) for p in plan.members]
         try:
-            averaged = await run.collective.allreduce(
-                flat, ring, buffers_round_id(plan), RoundSpec(timeout=HOP_TIMEOUT_S, start_timeout=START_TIMEOUT_S))
+            combined = await combine_buffers(run.collective, flat, ring, buffers_round_id(plan),
+                                             robust=run.task.compression.robust, timeout=HOP_TIMEOUT_S,
+                                             start_timeout=START_TIMEOUT_S)
         except CollectiveError as exc:
-            logger.warning("%s: averaging the buffers at step %d failed (%s); no checkpoint this span",
+            if isinstance(exc, PeerFailed) and exc.peer_id != run.node.peer_id:
+                now = trio.current_time()
+                book.note_round_failed(now, exc.peer_id.to_base58(), exc.gone)
+                run.participation.note_missed(now, exc.peer_id.to_base58())
+            logger.warning("%s: combining the buffers at step %d failed (%s); no checkpoint this span",
                            run.log_prefix, trainer.step, exc)
             return False
-        trainer.load_buffer_vector(averaged)
+        trainer.load_buffer_vector(combined)
         return True
 
     async def _take_checkpoint(self, plan: RoundPlan) -> None:
