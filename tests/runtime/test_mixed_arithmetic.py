@@ -79,9 +79,6 @@ def _left_out_lines(log: str) -> list[str]:
     return [line for line in log.splitlines() if "this member is left out of the run's plans" in line]
 
 
-# The forked node processes' idle waits shortened (tests/conftest.py, quick_process_timers); the scalar
-# one starts fresh (ATEN_CPU_CAPABILITY is read when torch loads) and keeps the production values.
-@pytest.mark.usefixtures("quick_process_timers")
 @pytest.mark.timeout(300)
 def test_a_scalar_member_among_three_vectorized_ones_is_left_out_once_and_says_why(tmp_path: Path) -> None:
     """On main the scalar member was planned (peers.min 3 of 4), never matched, and loaded the
@@ -108,7 +105,6 @@ def test_a_scalar_member_among_three_vectorized_ones_is_left_out_once_and_says_w
     assert "with DEFAULT kernels, the run's members with torch" in line and "docs/deploy.md" in line, line
 
 
-@pytest.mark.usefixtures("quick_process_timers")
 @pytest.mark.timeout(300)
 def test_two_vectorized_and_two_scalar_members_confirm_records_with_one_class(tmp_path: Path) -> None:
     """On main all four were planned, each pair attested its own bits, neither is a quorum of four:
