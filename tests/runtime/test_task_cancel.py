@@ -47,7 +47,8 @@ def _control(peer: Any, op: str, **params: Any) -> Any:
 async def test_the_publishers_cancel_stops_every_member_and_a_strangers_is_refused(tmp_path: Path) -> None:
     with trio.fail_after(DEADLINE_S):
         async with local_peers(3, tmp_path) as peers:
-            task_cid = await _published_by(peers, 0)
+            # peers.max 3: the three are the run's members, so term 0 and the first plan need not wait for more.
+            task_cid = await _published_by(peers, 0, max_peers=3)
             async with trio.open_nursery() as nursery:
                 for peer in peers:
                     nursery.start_soon(peer.tasks.join, task_cid)
