@@ -51,6 +51,10 @@ def text(table: dict[str, Any], key: str, where: str, default: Any = ..., max_le
         raise TaskError(f"{where}{key}: must be a non-empty string")
     if len(value) > max_len:
         raise TaskError(f"{where}{key}: longer than {max_len} characters")
+    if not value.isprintable():
+        # Shown as it is (task list, task status, logs): a newline or a terminal escape in a task
+        # fetched by CID would forge a line or rewrite the terminal of whoever reads it.
+        raise TaskError(f"{where}{key}: has characters that are not printable")
     return value
 
 

@@ -133,7 +133,7 @@ class TaskAnnounce:
     """A task's canonical bytes are stored by ``task_cid``; peers that meet its requirements may join."""
 
     task_cid: str = field(metadata=_CID)
-    name: str = field(metadata={"max_len": 128})
+    name: str = field(metadata={"max_len": 128, "printable": True})  # shown by `task list`
 
 
 @message("round_plan")

@@ -1,5 +1,6 @@
 """Task spec: strict validation whose errors name the field, canonical bytes, requirements."""
 
+import json
 import re
 from pathlib import Path
 
@@ -213,3 +214,15 @@ def test_check_fraction_is_opt_in_under_clip_and_leaves_other_tasks_bytes_unchan
                   'robust = "clip"\nvalues = "int8"\ncheck_fraction = 0.5'):
         with pytest.raises(TaskError, match="^compression.check_fraction"):
             load_task(with_("compression", lines))
+
+
+@pytest.mark.parametrize("hostile", ["t\n2026-11-26 WARNING forged", "t\x1b[2J", "t\r", "t\x00"])
+def test_text_fields_must_be_printable_in_toml_and_in_bytes_by_cid(hostile: str):
+    """A task's strings are shown as they are (``task list``, ``task status``, log lines): a task
+    fetched by CID whose name held a newline or a terminal escape forged a line or rewrote the
+    terminal of whoever listed it. Printable text only, in the TOML and in the bytes by CID."""
+    with pytest.raises(TaskError, match="^name: has characters that are not printable"):
+        load_task(BASE.replace('name = "t"', f"name = {json.dumps(hostile)}"))
+    data = task_bytes(load_task(BASE))
+    with pytest.raises(TaskError, match="^name: has characters that are not printable"):
+        task_from_bytes(data.replace(b'"name":"t"', b'"name":' + json.dumps(hostile).encode()))

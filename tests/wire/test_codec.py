@@ -363,3 +363,12 @@ def test_a_goodbye_reason_must_be_printable():
     in it forged a log line of the peer's choosing in every node that heard it."""
     assert decode(frame(envelope(body={"reason": "shutdown"}))).msg == Goodbye(reason="shutdown")
     assert reason_of(frame(envelope(body={"reason": "shutdown)\n2026-11-26 WARNING forged"}))) == "schema"
+
+
+def test_an_announced_task_name_must_be_printable():
+    """``task list`` prints the names announced on the tasks topic: a newline or a terminal escape
+    in one rewrote the lister's terminal or forged a line."""
+    cid = "QmT78zSuBmuS4z925WZfrqQ1qHaJ56DQaTfyMUF7F8ff5o"
+    assert decode(frame(envelope(type="task_announce", body={"task_cid": cid, "name": "digits"}))).msg.name == "digits"
+    for hostile in ("digits\n2026-11-26 WARNING forged", "d\x1b[2J"):
+        assert reason_of(frame(envelope(type="task_announce", body={"task_cid": cid, "name": hostile}))) == "schema"
