@@ -4,6 +4,7 @@ in its own network namespace behind an emulated link (issue 27).
     python bench/robust_wan.py --rate loopback [--rounds 16] [--check-fractions 0.25 0.1] [--json]
     python bench/robust_wan.py --rate 100mbit --rounds 16 --json       # needs root (namespaces, tc)
     python bench/robust_wan.py --rate 20mbit --rounds 12 --json
+    python bench/robust_wan.py --rate loopback --direct-baseline --profile /tmp/prof   # where the time goes
 
 bench/robust.py's third part (its rules, their rotation and its phase clocks, imported) with the
 four members in four processes instead of one: each runs its own trio loop on its own core share,
@@ -25,11 +26,20 @@ the round would take from a dedicated machine's core), for clip rules the
 median of the members' slowest value exchange and CONFIRM (each member's own call: in separate
 processes there is no common "last one entered"), and for clip@q the ratios of the rounds that drew
 no chunk and of those that drew some.
+
+``--direct-baseline`` adds the rule "direct" to the dense rounds: the plain direct exchange (no
+clip, no signatures, no verifier), i.e. the robust rounds' transport, where "none" is the ring;
+its ratio is the part of a dense robust round's cost that the exchange's shape takes before any
+check. ``--profile DIR`` writes each member's cProfile of each shape and rule's timed rounds
+(``SHAPE-RULE-mN.prof``, timed by the CPU time of the event loop's thread: what a worker thread
+hashes is not in it; profiling slows the Python-heavy paths, so time ratios come from a run
+without it).
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import os
 import statistics
@@ -61,6 +71,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--skip-dense", action="store_true")
     parser.add_argument("--skip-sparse", action="store_true")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--direct-baseline", action="store_true",
+                        help="also time dense rounds of the plain direct exchange (rule 'direct': the robust "
+                             "rounds' transport without their checks, where 'none' is the ring)")
+    parser.add_argument("--profile", default=None, metavar="DIR",
+                        help="write each member's cProfile of each shape and rule's timed rounds to DIR "
+                             "(SHAPE-RULE-mN.prof; CPU time of the event loop's thread)")
     parser.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--listen-ip", default="127.0.0.1", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
@@ -88,6 +104,7 @@ async def member(args: argparse.Namespace) -> None:
     from multiaddr import Multiaddr
 
     from p2ptrain.collective import Collective, RoundSpec, SparseAllReducer
+    from p2ptrain.collective import _direct, _endpoint
     from p2ptrain.net import make_host
 
     import torch
@@ -109,13 +126,32 @@ async def member(args: argparse.Namespace) -> None:
         report = {}
         for s, (shape, numel, density) in enumerate(shapes(args)):
             rules = robust.cost_rules(density, args.check_fractions, HOP_TIMEOUT_S)
+            if args.direct_baseline and density == 1.0:
+                rules["direct"] = rules["none"]  # a plain dense round, its ring swapped below
             names = list(rules)
             reducers = {rule: SparseAllReducer(collective, spec) for rule, spec in rules.items()}
             grad = robust.gradient(numel, args.worker)
             rows: dict[str, list[dict]] = {rule: [] for rule in names}
+            profilers: dict[str, cProfile.Profile] = {}
             n = s * SHAPE_BASE
             with pytest.MonkeyPatch.context() as patch:
                 spans = robust.phase_clocks(patch)
+                direct = {"on": False}
+                ring_allreduce = _endpoint.ring_allreduce
+
+                async def ring_or_direct(links, data, *, average, segment_bytes):  # type: ignore[no-untyped-def]
+                    if not direct["on"]:
+                        return await ring_allreduce(links, data, average=average, segment_bytes=segment_bytes)
+                    spec = RoundSpec(op="mean" if average else "sum", timeout=HOP_TIMEOUT_S)
+                    return await _direct.direct_allreduce(links, data, spec, segment_bytes=segment_bytes)
+
+                open_round = collective.hub.open_round
+
+                def open_round_meshed(*options, mesh=False, **more):  # type: ignore[no-untyped-def]
+                    return open_round(*options, mesh=mesh or direct["on"], **more)  # the exchange's P - 1 channels
+
+                patch.setattr(_endpoint, "ring_allreduce", ring_or_direct)
+                patch.setattr(collective.hub, "open_round", open_round_meshed)
                 for i in range(args.rounds + 2):
                     for rule in robust.rotation(names, i):
                         n += 1
@@ -123,8 +159,16 @@ async def member(args: argparse.Namespace) -> None:
                                                    RoundSpec(timeout=BARRIER_TIMEOUT_S, start_timeout=BARRIER_TIMEOUT_S))
                         for seen in spans.values():
                             seen.clear()
+                        direct["on"] = rule == "direct"
+                        profiler = None
+                        if args.profile and i >= 2:
+                            profiler = profilers.setdefault(rule, cProfile.Profile(time.thread_time))
                         wall, started, cpu = time.time(), time.perf_counter(), time.process_time()
+                        if profiler is not None:
+                            profiler.enable()
                         await reducers[rule].allreduce(grad, ring, 2 * n + 2)
+                        if profiler is not None:
+                            profiler.disable()
                         elapsed = time.perf_counter() - started
                         cpu = time.process_time() - cpu
                         if i >= 2:
@@ -136,6 +180,8 @@ async def member(args: argparse.Namespace) -> None:
                                 "drawn": sum(int(k) for _, k in spans["drawn"]),
                             })
             report[shape] = rows
+            for rule, profiler in profilers.items():
+                profiler.dump_stats(os.path.join(args.profile, f"{shape}-{rule}-m{args.worker}.prof"))
         print("RESULT " + json.dumps(report), flush=True)
 
 
@@ -150,6 +196,8 @@ def run_members(args: argparse.Namespace, launch: Callable[[int, list[str]], lis
     """Start the four members (each by ``launch``), give them each other's addresses, collect."""
     passed = ["--rounds", str(args.rounds), "--sparse-mib", str(args.sparse_mib), "--dense-mib", str(args.dense_mib),
               "--check-fractions", *map(str, args.check_fractions),
+              *(["--profile", os.path.abspath(args.profile)] if args.profile else []),
+              *(["--direct-baseline"] if args.direct_baseline else []),
               *(["--skip-dense"] if args.skip_dense else []), *(["--skip-sparse"] if args.skip_sparse else [])]
     procs = [subprocess.Popen(launch(i, [sys.executable, os.path.abspath(__file__), *passed, "--worker", str(i)]),
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for i in range(WORLD)]
@@ -195,7 +243,7 @@ def summarize(per_member: list[dict[str, list[dict]]]) -> dict:
             "sent_bytes": int(statistics.median(sum(x["sent"] for x in row) for row in rows)),
             "cpu_ms": round(statistics.median(statistics.mean(x["cpu"] for x in row) for row in rows) * 1e3, 2),
         }
-        if rule != "none":
+        if rule not in ("none", "direct"):
             entry["exchange_ms"] = round(statistics.median(max(x["exchange"] for x in row) for row in rows) * 1e3, 2)
             entry["confirm_ms"] = round(statistics.median(max(x["confirm"] for x in row) for row in rows) * 1e3, 2)
         if rule.startswith("clip@"):
