@@ -38,8 +38,10 @@ well before the links are; the load averages are printed with the figures.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -186,7 +188,7 @@ def p2ptrain_run(args: argparse.Namespace, stage_sum: str) -> dict[str, Any]:
             if status.get("state") != "done":
                 raise SystemExit(f"the pipelined run ended {status.get('state')}: {status.get('error')}")
             statuses = [call(p.home, "task.status", task_cid=task_cid) for p in procs]
-        hop_failures, hop_timeouts, failed_steps = logged_failures(workdir, members)
+        hop_failures, hop_timeouts, failed_steps, reasons = logged_failures(workdir, members)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     load.append(round(os.getloadavg()[0], 2))
@@ -207,22 +209,26 @@ def p2ptrain_run(args: argparse.Namespace, stage_sum: str) -> dict[str, Any]:
         "losses": losses,
         "phases_s_per_step": phases(statuses),
         "hop_failures": hop_failures, "hop_timeouts": hop_timeouts, "failed_steps": failed_steps,
+        "hop_failure_reasons": reasons,
         "load_average": load,
     }
 
 
-def logged_failures(workdir: Path, members: int) -> tuple[int, int, int]:
+def logged_failures(workdir: Path, members: int) -> tuple[int, int, int, dict[str, int]]:
     """From the nodes' logs (the whole run, warm-up included): the drivers' hops that failed and were
     rerouted (a deadline passed, a channel closed, a bad answer), those of them that ran past their
-    deadline, and the steps a driver failed (retried by the run: their work thrown away)."""
+    deadline, the steps a driver failed (retried by the run: their work thrown away), and
+    {why a hop failed (its first 80 characters): times}."""
     hops = timeouts = steps = 0
+    reasons: collections.Counter[str] = collections.Counter()
     for i in range(members):
         log = workdir / f"node{i}" / "logs" / "stderr.log"
         text = log.read_text(errors="replace") if log.exists() else ""
         hops += text.count("; rerouting")
         timeouts += text.count("(TooSlowError); rerouting")
         steps += text.count("failed at this driver")
-    return hops, timeouts, steps
+        reasons.update(why[:80] for why in re.findall(r" failed \((.*)\); rerouting", text))
+    return hops, timeouts, steps, dict(reasons)
 
 
 def phases(statuses: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
