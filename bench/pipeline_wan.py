@@ -225,7 +225,8 @@ def logged_failures(workdir: Path, members: int) -> tuple[int, int, int, dict[st
         log = workdir / f"node{i}" / "logs" / "stderr.log"
         text = log.read_text(errors="replace") if log.exists() else ""
         hops += text.count("; rerouting")
-        timeouts += text.count("(TooSlowError); rerouting")
+        # A timeout's message is empty: logged "()" before the driver named its type.
+        timeouts += text.count("(TooSlowError); rerouting") + text.count(" failed (); rerouting")
         steps += text.count("failed at this driver")
         reasons.update(why[:80] for why in re.findall(r" failed \((.*)\); rerouting", text))
     return hops, timeouts, steps, dict(reasons)

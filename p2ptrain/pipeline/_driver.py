@@ -257,7 +257,7 @@ class Driver:
                 self.wiring.failed(peer)
                 self.reroutes += 1
                 logger.info("pipeline step %d: microbatch %d: stage %d replica %s failed (%s); rerouting",
-                            self.step, mb, stage, _name(peer), error or type(error).__name__)
+                            self.step, mb, stage, _name(peer), str(error) or type(error).__name__)
                 continue
             seconds = self.clock() - began
             self.wiring.finished(peer, seconds)
@@ -416,7 +416,7 @@ class Driver:
                     answer = await self._ask(peer, request, Kind.HOLDINGS, stage, 0, torch.empty(0))
             except (ChannelError, ActivationError, trio.TooSlowError, _BadAnswer) as error:
                 logger.info("pipeline step %d: stage %d replica %s gave no holdings (%s); out of the step",
-                            self.step, stage, _name(peer), error or type(error).__name__)
+                            self.step, stage, _name(peer), str(error) or type(error).__name__)
                 # Out of the stage's ring: a redo sent there would not be summed, and a replica
                 # that answers hops but never its holdings would draw every redo, round after round.
                 self.wiring.leave_out(peer)
