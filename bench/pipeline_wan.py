@@ -24,7 +24,9 @@ step costs the machine whatever else runs on it; ``sent_bytes_per_step``: what t
 all the namespaces sent per step (IP and TCP headers included, as the baseline's measured bytes),
 ``busiest_sent_bytes_per_step`` the most one member sent; ``losses``: the step's loss as the first
 node's ``task status`` showed it at each step it saw (the same data and seed in every run of one
-invocation, so a dense and a sparse run compare at equal tokens).
+invocation, so a dense and a sparse run compare at equal tokens); ``hop_failures``, ``hop_timeouts``
+and ``failed_steps``: from the nodes' logs over the whole run, the drivers' hops rerouted, those
+of them that ran past their deadline, and the steps a driver failed (retried: work thrown away).
 
 **Baseline**: bench/pipeline_baseline.py ``--wan RATE`` with the same model, stages, replicas, batch
 and microbatches, run first, in the same session (``--no-baseline`` skips it). Its tokens/s is the
@@ -36,8 +38,10 @@ well before the links are; the load averages are printed with the figures.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -184,6 +188,7 @@ def p2ptrain_run(args: argparse.Namespace, stage_sum: str) -> dict[str, Any]:
             if status.get("state") != "done":
                 raise SystemExit(f"the pipelined run ended {status.get('state')}: {status.get('error')}")
             statuses = [call(p.home, "task.status", task_cid=task_cid) for p in procs]
+        hop_failures, hop_timeouts, failed_steps, reasons = logged_failures(workdir, members)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     load.append(round(os.getloadavg()[0], 2))
@@ -203,8 +208,28 @@ def p2ptrain_run(args: argparse.Namespace, stage_sum: str) -> dict[str, Any]:
         "sent_bytes_per_step": round(sum(per_member)), "busiest_sent_bytes_per_step": round(max(per_member)),
         "losses": losses,
         "phases_s_per_step": phases(statuses),
+        "hop_failures": hop_failures, "hop_timeouts": hop_timeouts, "failed_steps": failed_steps,
+        "hop_failure_reasons": reasons,
         "load_average": load,
     }
+
+
+def logged_failures(workdir: Path, members: int) -> tuple[int, int, int, dict[str, int]]:
+    """From the nodes' logs (the whole run, warm-up included): the drivers' hops that failed and were
+    rerouted (a deadline passed, a channel closed, a bad answer), those of them that ran past their
+    deadline, the steps a driver failed (retried by the run: their work thrown away), and
+    {why a hop failed (its first 80 characters): times}."""
+    hops = timeouts = steps = 0
+    reasons: collections.Counter[str] = collections.Counter()
+    for i in range(members):
+        log = workdir / f"node{i}" / "logs" / "stderr.log"
+        text = log.read_text(errors="replace") if log.exists() else ""
+        hops += text.count("; rerouting")
+        # A timeout's message is empty: logged "()" before the driver named its type.
+        timeouts += text.count("(TooSlowError); rerouting") + text.count(" failed (); rerouting")
+        steps += text.count("failed at this driver")
+        reasons.update(why[:80] for why in re.findall(r" failed \((.*)\); rerouting", text))
+    return hops, timeouts, steps, dict(reasons)
 
 
 def phases(statuses: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
@@ -295,7 +320,9 @@ def main() -> int:
             print(f"p2ptrain, {how} stage sum: {run['error']}")
             continue
         print(f"p2ptrain, {how} stage sum: {run['tokens_per_s']} tokens/s over {run['timed_steps']} steps "
-              f"({run['timed_s']} s), {run['sent_bytes_per_step']:,} B sent a step, load {run['load_average']}")
+              f"({run['timed_s']} s), {run['sent_bytes_per_step']:,} B sent a step, load {run['load_average']}; "
+              f"{run['hop_failures']} hops rerouted ({run['hop_timeouts']} past their deadline), "
+              f"{run['failed_steps']} driver steps failed")
     if baseline is not None:
         print(f"baseline (GPipe over gloo): {baseline['tokens_per_s']} tokens/s, load {baseline.get('load_avg_1m')}")
         print(f"ratio: {result['ratio']}" + (f", sparse: {result['ratio_sparse']}" if len(runs) > 1 else ""))

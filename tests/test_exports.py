@@ -69,7 +69,7 @@ EXPORTS: dict[str, list[str]] = {
         "model_file_limit", "pieces_of", "stage_sizes", "whole_model_cap",
     ],
     "p2ptrain.pipeline": [
-        "ChannelPool", "Cut", "DoubleCounted", "Driver", "KEEP_GRAPHS", "MAX_STREAMS_PER_PEER", "PROTOCOL",
+        "ChannelPool", "Cut", "DoubleCounted", "Driver", "HopDeadlines", "KEEP_GRAPHS", "MAX_STREAMS_PER_PEER", "PROTOCOL",
         "PartitionError", "PipelineError", "Stage", "StageReplica", "StageUnavailable", "Wiring", "balanced_cut",
         "is_checked", "partition", "pieces_of", "serve_requests", "sum_stage_gradients",
     ],

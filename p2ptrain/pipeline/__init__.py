@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from p2ptrain.pipeline._averaging import sum_stage_gradients as sum_stage_gradients
     from p2ptrain.pipeline._channels import ChannelPool as ChannelPool
+    from p2ptrain.pipeline._deadlines import HopDeadlines as HopDeadlines
     from p2ptrain.pipeline._driver import (
         DoubleCounted as DoubleCounted,
         Driver as Driver,

@@ -7,7 +7,8 @@ through one replica of every stage (``BACKWARD``: the stage's input again and it
 sent first to the replica that served the microbatch's FORWARD, which kept its graph and so skips
 recomputing its forward), and the driver backpropagates through its stage 0. Every hop is one request and one answer on a
 channel to the replica, reused from hop to hop (:class:`~p2ptrain.pipeline._channels.ChannelPool`);
-a hop whose replica closes the channel, answers garbage or answers too late is sent,
+a hop whose replica closes the channel, answers garbage or answers too late (past a deadline
+from that replica's measured hop times: :class:`~p2ptrain.pipeline._deadlines.HopDeadlines`) is sent,
 with the same bytes, to another replica of the stage, and that replica is out for the step. An
 answer's shape must be the one the stage computes (each stage's output shape for its input's, found
 once on the meta device from the model's cut): a replica that answers an activation of another
@@ -53,6 +54,7 @@ from torch import nn
 from p2ptrain.base import short_id
 from p2ptrain.net import ChannelError
 from p2ptrain.pipeline._channels import ChannelPool
+from p2ptrain.pipeline._deadlines import HopDeadlines
 from p2ptrain.pipeline._partition import output_shape, Stage
 from p2ptrain.pipeline._replica import Loss, PROTOCOL
 from p2ptrain.pipeline._wiring import Wiring
@@ -60,9 +62,10 @@ from p2ptrain.wire.activations import ActivationError, decode_frame, DEFAULT_LIM
 
 logger = logging.getLogger(__name__)
 
-# A hop's default deadline: a tiny stage answers in milliseconds on loopback; the runtime will set it
-# from the stage's measured hop time.
+# A hop's deadline before any is measured, and its least (a tiny stage answers in milliseconds on
+# loopback), and its most however slow the replica's hops were measured (pipeline/_deadlines.py).
 HOP_TIMEOUT_S = 10.0
+HOP_CEILING_S = 60.0
 
 
 class PipelineError(Exception):
@@ -108,13 +111,15 @@ class Driver:
 
     ``cut``: every stage of the model, in order (their tensors anywhere, the meta device included:
     only their shapes are used), from which the driver knows what shape each stage must answer.
+    ``deadlines``: each hop's (a runtime keeps one across its plans); by default from ``hop_timeout``
+    (the least and the first) up to :data:`HOP_CEILING_S`.
     """
 
     def __init__(
         self, host: IHost, stage: Stage, loss: Loss, wiring: Wiring, *, cut: Sequence[nn.Module], encoding: str = "fp32",
         limits: Limits = DEFAULT_LIMITS, hop_timeout: float = HOP_TIMEOUT_S,
         clock: Callable[[], float] = time.monotonic, check_fraction: float = 0.0, check_key: bytes = b"",
-        protocol: str = PROTOCOL, pool: ChannelPool | None = None,
+        protocol: str = PROTOCOL, pool: ChannelPool | None = None, deadlines: HopDeadlines | None = None,
     ) -> None:
         if stage.index != 0:
             raise ValueError("a driver serves stage 0")
@@ -125,6 +130,7 @@ class Driver:
         self.protocol = protocol  # the replicas' (a runtime names one per task)
         # Channels to the replicas, reused hop after hop (a runtime keeps one pool across its plans).
         self.pool = pool if pool is not None else ChannelPool(host, protocol, clock=clock)
+        self.deadlines = deadlines or HopDeadlines(hop_timeout, ceiling=max(hop_timeout, HOP_CEILING_S))
         self.cut = list(cut)
         # {(stage, input shape, input dtype): the stage's output shape}: a few entries (the step's
         # microbatch sizes), each computed once on the meta device.
@@ -135,6 +141,7 @@ class Driver:
         self._sent: dict[tuple[int, int], set[Hashable]] = {}
         self._lock = trio.Lock()  # stage 0's graph and gradients, one computation at a time
         self.reroutes = 0
+        self.timeouts = 0  # hops rerouted because their deadline passed
         self.redone = 0
         if not 0.0 <= check_fraction <= 1.0:
             raise ValueError(f"check_fraction must be in [0, 1], not {check_fraction}")
@@ -221,13 +228,6 @@ class Driver:
             (loss * weight).backward()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
         return float(loss.detach())
 
-    async def _hop(
-        self, kind: Kind, stage: int, mb: int, tensors: tuple[torch.Tensor, ...], value: float = 0.0,
-        prefer: Hashable | None = None,
-    ) -> Frame:
-        """The answer of a replica of ``stage`` to this request, rerouted until one answers."""
-        return (await self._answered(kind, stage, mb, tensors, value, prefer=prefer))[1]
-
     async def _answered(
         self, kind: Kind, stage: int, mb: int, tensors: tuple[torch.Tensor, ...], value: float = 0.0,
         besides: Collection[Hashable] = (), prefer: Hashable | None = None,
@@ -245,17 +245,23 @@ class Driver:
             self.wiring.started(peer)
             if kind in (Kind.LOSS, Kind.BACKWARD):
                 self._sent.setdefault((stage, mb), set()).add(peer)
+            deadline = self.deadlines.deadline(stage, peer, len(request))
             began = self.clock()
             try:
-                with trio.fail_after(self.hop_timeout):
+                with trio.fail_after(deadline):
                     answer = await self._ask(peer, request, kind, stage, mb, tensors[0])
             except (ChannelError, ActivationError, trio.TooSlowError, _BadAnswer) as error:
+                if isinstance(error, trio.TooSlowError):
+                    self.deadlines.timed_out(stage, peer, deadline)
+                    self.timeouts += 1
                 self.wiring.failed(peer)
                 self.reroutes += 1
                 logger.info("pipeline step %d: microbatch %d: stage %d replica %s failed (%s); rerouting",
-                            self.step, mb, stage, _name(peer), error or type(error).__name__)
+                            self.step, mb, stage, _name(peer), str(error) or type(error).__name__)
                 continue
-            self.wiring.finished(peer, self.clock() - began)
+            seconds = self.clock() - began
+            self.wiring.finished(peer, seconds)
+            self.deadlines.answered(stage, peer, seconds, len(request))
             return peer, answer
 
     async def _second_opinion(
@@ -405,11 +411,12 @@ class Driver:
 
         async def ask(peer: Hashable) -> None:
             try:
-                with trio.fail_after(self.hop_timeout):
+                # Queued at the replica behind other drivers' hops: as long as one of them may take.
+                with trio.fail_after(self.deadlines.deadline(stage, peer, 0)):
                     answer = await self._ask(peer, request, Kind.HOLDINGS, stage, 0, torch.empty(0))
             except (ChannelError, ActivationError, trio.TooSlowError, _BadAnswer) as error:
                 logger.info("pipeline step %d: stage %d replica %s gave no holdings (%s); out of the step",
-                            self.step, stage, _name(peer), error or type(error).__name__)
+                            self.step, stage, _name(peer), str(error) or type(error).__name__)
                 # Out of the stage's ring: a redo sent there would not be summed, and a replica
                 # that answers hops but never its holdings would draw every redo, round after round.
                 self.wiring.leave_out(peer)

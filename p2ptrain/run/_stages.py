@@ -56,8 +56,8 @@ from libp2p.peer.id import ID
 from p2ptrain.base import short_id
 from p2ptrain.collective import Misbehaved
 from p2ptrain.net import Channel, serve_channels
-from p2ptrain.pipeline import (ChannelPool, Driver, MAX_STREAMS_PER_PEER, PipelineError, PROTOCOL, serve_requests,
-                               StageReplica, sum_stage_gradients, Wiring)
+from p2ptrain.pipeline import (ChannelPool, Driver, HopDeadlines, MAX_STREAMS_PER_PEER, PipelineError, PROTOCOL,
+                               serve_requests, StageReplica, sum_stage_gradients, Wiring)
 from p2ptrain.protocol import check_key_message, owner_seed, round_seed, shard_of, stage_rings, stage_round_id
 from p2ptrain.run._run_state import RunState
 from p2ptrain.run._stage_checkpoints import load_confirmed_stage, store_stage_checkpoint
@@ -72,6 +72,12 @@ logger = logging.getLogger(__name__)
 # How long the step summary waits for every member to join: the replicas join at once and wait for
 # the drivers' whole step (every microbatch forward and back through every stage).
 STEP_TIMEOUT_S = 120.0
+# A driver's hop deadlines (pipeline HopDeadlines, from the hops measured; the least is the run's
+# hop_timeout): before a stage's hops are measured (the first step's allocations, a loaded machine),
+# and the most a hop gets, however slow its replica was measured: half the summary's wait, so a
+# hung replica is given up on, and its microbatch rerouted, while the other members still wait.
+HOP_INITIAL_S = 20.0
+HOP_CEILING_S = STEP_TIMEOUT_S / 2
 # Microbatches one driver has in flight at once: within what a replica takes from one peer at once
 # (pipeline MAX_STREAMS_PER_PEER), enough to keep every stage busy.
 IN_FLIGHT = 4
@@ -115,6 +121,9 @@ class StageRounds:
         self._serving = False
         # As a driver: the channels to the replicas, reused hop after hop, plan after plan.
         self._pool = ChannelPool(run.collective.host, self.protocol, clock=time.monotonic)
+        # As a driver: its hops' measured times, and so their deadlines, kept plan after plan.
+        self._deadlines = HopDeadlines(hop_timeout, ceiling=max(hop_timeout, HOP_CEILING_S),
+                                       initial=max(hop_timeout, HOP_INITIAL_S))
         # As a driver: the replicas (base58) a third opinion outvoted here, and their stage, kept
         # across plans: this driver's accusations in every step's summary while a plan names them.
         self._accused: dict[str, int] = {}
@@ -149,7 +158,7 @@ class StageRounds:
             rank, _ = shard_of(plan, run.me)
             self._driver = Driver(host, stage, _loss, Wiring(replicas, random.Random(task.seed + rank)),
                                   cut=trainer.stages, encoding=encoding, hop_timeout=self.hop_timeout,
-                                  protocol=self.protocol, pool=self._pool,
+                                  protocol=self.protocol, pool=self._pool, deadlines=self._deadlines,
                                   check_fraction=task.pipeline.check_fraction,
                                   check_key=host.get_private_key().sign(check_key_message(plan)))
         else:
