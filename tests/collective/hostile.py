@@ -327,9 +327,12 @@ def install(monkeypatch) -> None:
             raise PeerFailed(owner.blame, "did not answer within the deadline", reported_by=owner.blame)
         if owner is not None and owner.split and header.phase == Phase.VERIFY:
             payload = _plus_one(payload, _TORCH_DTYPES[header.dtype])
-        if owner is not None and owner.equivocate_to is not None and to == owner.equivocate_to and header.phase == Phase.GATHER:
+        if (owner is not None and owner.equivocate_to is not None and to == owner.equivocate_to
+                and header.phase == Phase.GATHER and owner._witness is not None):
             # A segment of its chunk's values, other values, still finite; the last one carries the
             # chunk's signature (then made anew over the altered values, unless resign is False).
+            # Not in a round whose Witness was made before these attacks were installed (_witness
+            # None): it has no statement to sign anew, and it goes on honestly.
             dtype = _TORCH_DTYPES[header.dtype]
             size = header.count * torch.empty((), dtype=dtype).element_size()
             values, trailer = _plus_one(bytes(payload[:size]), dtype), bytes(payload[size:])
