@@ -69,8 +69,11 @@ test-tools:
 # 1041 s with four (every test passing in both; 29 min of user CPU in 17 min: the suite is CPU-bound,
 # mostly the imports of the node processes it starts), so more workers buy little and cost flakes.
 # With the fork server and the quick timers (docs/testing.md), same machine, quiet, 2026-11-26 17:40:
-# 578 s with two workers, 1,434 passed.
-TEST_WORKERS ?= 2
+# 578 s with two workers, 1,434 passed. With two workers the cores were half idle (user+sys 10.2 min
+# in 9.6 min); four, 2026-11-26 22:00 and 23:46: 496 s and 498 s (1,481 and 1,515 tests), 12.6-13 min
+# of CPU: the suite is CPU-bound again, so more workers would buy nothing. Four it is (00:00, after
+# the merges: 446 s, 1,515 passed, 11.7 min of CPU).
+TEST_WORKERS ?= 4
 
 # ruff (tests, benches too) and mypy (strict on p2ptrain/; pyproject.toml lists any module that is
 # not) before the suite: a few seconds with mypy's cache (.mypy_cache), ~1 min without.
