@@ -65,7 +65,7 @@ test-tools:
 	fi
 
 # pytest exits 5 when it collected no tests: that is a failure here, never a pass.
-# Two workers (pytest-xdist). On the 2-core machine, idle, 2026-11-26: 1150 s with two workers and
+# pytest-xdist workers. On the 2-core machine, idle, 2026-11-26: 1150 s with two workers and
 # 1041 s with four (every test passing in both; 29 min of user CPU in 17 min: the suite is CPU-bound,
 # mostly the imports of the node processes it starts), so more workers buy little and cost flakes.
 # With the fork server and the quick timers (docs/testing.md), same machine, quiet, 2026-11-26 17:40:
