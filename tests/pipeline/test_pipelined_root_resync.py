@@ -19,8 +19,9 @@ import pytest
 import torch
 import trio
 
-from p2ptrain.run._spans import Spans
 from p2ptrain.testing import local_peers
+
+from tests.runtime.test_root_resync import hold_first_term_at
 
 from .test_pipelined_run import publish, single_process, small_text, TASK, whole_model  # noqa: F401  (small_text: an autouse fixture)
 
@@ -33,21 +34,7 @@ THREE = TASK.replace("checkpoint_interval = 2", f"checkpoint_interval = {INTERVA
 
 async def test_pipelined_members_that_all_fell_out_of_step_at_v0_go_back_to_the_root(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    first_term: list[int] = []
-    held: set[int] = set()
-    released = trio.Event()
-    run_round = Spans._run_round
-
-    async def gated(self: Spans, plan: Any, index: int, batches: Any, average: Any) -> bool:
-        trainer, _ = self.run.require()
-        if trainer.step == HELD_STEP and (not first_term or plan.term == first_term[0]):
-            first_term[:1] = [plan.term]
-            held.add(id(self))
-            await released.wait()
-            return False  # the span ends here, at step 2, with no checkpoint
-        return await run_round(self, plan, index, batches, average)
-
-    monkeypatch.setattr(Spans, "_run_round", gated)
+    gate = hold_first_term_at(monkeypatch, HELD_STEP)
     with trio.fail_after(DEADLINE_S):
         async with local_peers(3, tmp_path) as peers:
             manifest, task_cid = await publish(peers, THREE)
@@ -55,11 +42,11 @@ async def test_pipelined_members_that_all_fell_out_of_step_at_v0_go_back_to_the_
                 for peer in peers:
                     nursery.start_soon(peer.tasks.join, task_cid)
             runs = [p.tasks.runs[task_cid].shared for p in peers]
-            await peers.wait_until(lambda: len(held) == 3 or None, STEP_S, what="every member at step 2")
+            await peers.wait_until(lambda: len(gate.held) == 3 or None, STEP_S, what="every member at step 2")
             assert all(r.book.chain.version == 0 and r.trainer.step == HELD_STEP for r in runs)
             for run in runs:
                 run.desync(trio.current_time())
-            released.set()
+            gate.released.set()
 
             def at_v1() -> list[dict[str, Any]] | None:
                 statuses = [peers.status(i, task_cid) for i in range(3)]
@@ -70,7 +57,7 @@ async def test_pipelined_members_that_all_fell_out_of_step_at_v0_go_back_to_the_
             statuses = await peers.wait_until(at_v1, STEP_S, what="v1 confirmed on every member")
             assert len({s["chain"][0]["model_cid"] for s in statuses}) == 1
             record = runs[0].book.chain.records[0].record
-            assert record.step == INTERVAL and record.term > first_term[0], record
+            assert record.step == INTERVAL and record.term > gate.first_term[0], record
             # The span started at the root: v1 is what one process trains from the seed in 4 steps.
             store = peers[0].content.store
             confirmed = await whole_model(peers[0], record.model_cid)

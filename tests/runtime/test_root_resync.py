@@ -16,6 +16,7 @@ tested beside it.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -55,26 +56,43 @@ def test_only_a_member_that_held_the_state_and_has_no_confirmed_record_goes_back
     assert not restarts_at_root(0, _head(0), pending=False, was_synced=False)
 
 
+@dataclass
+class HeldStep:
+    """Every member's round at ``step`` in the first term that reaches it, held until ``released``
+    is set; the span then ends there with no checkpoint (:func:`hold_first_term_at`)."""
+
+    step: int
+    first_term: list[int] = field(default_factory=list)  # that term, once a member reached the step
+    held: set[int] = field(default_factory=set)  # the members' Spans held so far (their ids)
+    released: trio.Event = field(default_factory=trio.Event)
+
+
+def hold_first_term_at(monkeypatch: pytest.MonkeyPatch, step: int) -> HeldStep:
+    """Patch ``Spans._run_round`` so that each member stops at ``step`` of the first term's span
+    (a later term's plans run as they come): how these tests make every member fall out of step
+    at v0 together. Also used by tests/pipeline/test_pipelined_root_resync.py."""
+    gate = HeldStep(step)
+    run_round = Spans._run_round
+
+    async def gated(self: Spans, plan: Any, index: int, batches: Any, average: Any) -> bool:
+        trainer, _ = self.run.require()
+        if trainer.step == gate.step and (not gate.first_term or plan.term == gate.first_term[0]):
+            gate.first_term[:1] = [plan.term]
+            gate.held.add(id(self))
+            await gate.released.wait()
+            return False  # the span ends here, with no checkpoint
+        return await run_round(self, plan, index, batches, average)
+
+    monkeypatch.setattr(Spans, "_run_round", gated)
+    return gate
+
+
 async def test_members_that_all_fell_out_of_step_at_v0_go_back_to_the_root_and_confirm_v1(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # SGD with momentum: after a step the optimizer holds state that the root does not.
     monkeypatch.setattr(testing_peers, "DIGITS_TASK", testing_peers.DIGITS_TASK.replace(
         "lr = 0.05", "lr = 0.05\nmomentum = 0.9"))
-    first_term: list[int] = []
-    held: set[int] = set()
-    released = trio.Event()
-    run_round = Spans._run_round
-
-    async def gated(self: Spans, plan: Any, index: int, batches: Any, average: Any) -> bool:
-        trainer, _ = self.run.require()
-        if trainer.step == HELD_STEP and (not first_term or plan.term == first_term[0]):
-            first_term[:1] = [plan.term]
-            held.add(id(self))
-            await released.wait()
-            return False  # the span ends here, at step 2, with no checkpoint
-        return await run_round(self, plan, index, batches, average)
-
-    monkeypatch.setattr(Spans, "_run_round", gated)
+    gate = hold_first_term_at(monkeypatch, HELD_STEP)
     roots: list[tuple[bool, bytes, int]] = []  # (model is the root's, optimizer bytes, step) after each load_root
     load_root = Resync.load_root
 
@@ -95,14 +113,14 @@ async def test_members_that_all_fell_out_of_step_at_v0_go_back_to_the_root_and_c
                 for peer in peers:
                     nursery.start_soon(peer.tasks.join, task_cid)
             runs = [p.tasks.runs[task_cid].shared for p in peers]
-            await peers.wait_until(lambda: len(held) == 3 or None, STEP_S, what="every member at step 2")
+            await peers.wait_until(lambda: len(gate.held) == 3 or None, STEP_S, what="every member at step 2")
             assert all(r.book.chain.version == 0 and r.trainer.step == HELD_STEP for r in runs)
             initial_optimizer = runs[0].content.store.cat(runs[0].initial_optimizer_cid)
             assert runs[0].trainer.optimizer_bytes() != initial_optimizer  # momentum buffers by now
             for run in runs:
                 run.desync(trio.current_time())
             assert not any(r.synced or r.election.is_coordinator for r in runs)
-            released.set()
+            gate.released.set()
 
             def at_v1() -> list[dict[str, Any]] | None:
                 statuses = [peers.status(i, task_cid) for i in range(3)]
@@ -116,7 +134,7 @@ async def test_members_that_all_fell_out_of_step_at_v0_go_back_to_the_root_and_c
             assert first["step"] == CHECKPOINT_INTERVAL, first
             assert {s["chain"][0]["model_cid"] for s in statuses} == {first["model_cid"]}
             assert all(r.synced for r in runs)
-            assert {r.election.term for r in runs} != {first_term[0]}
+            assert {r.election.term for r in runs} != {gate.first_term[0]}
             # Each member went back to the root: its initial model and optimizer state, at step 0.
             assert len(roots) >= 3 and all(ok and optim == initial_optimizer and step == 0 for ok, optim, step in roots)
             assert not any(s["rejected"].get("resync_failed") for s in statuses), [s["rejected"] for s in statuses]
