@@ -171,20 +171,14 @@ class Spans:
 
     async def _run_round(self, plan: RoundPlan, index: int, batches: Iterator[Any], average: Average) -> bool:
         run = self.run
-        trainer, book = run.require()
+        trainer, _ = run.require()
         try:
             if self.stages is not None:
                 result = await self.stages.step(plan, index, batches)
             else:
                 result = await run_round(trainer, batches, average, round_id(plan, index), run.timings)
         except (CollectiveError, PipelineError) as exc:
-            culprit, gone = None, False
-            if isinstance(exc, PeerFailed) and exc.peer_id != run.node.peer_id:
-                culprit, gone = exc.peer_id.to_base58(), exc.gone
-            book.note_round_failed(trio.current_time(), culprit, gone)
-            if culprit is not None:
-                run.participation.note_missed(trio.current_time(), culprit)  # its chance, if it was new
-            if gone:
+            if self._failed_here(exc):
                 run.wake_leader.set()  # the election may act on it now (a dead coordinator)
             logger.warning("%s: round %d (attempt %d) failed: %s", run.log_prefix, plan.round + index,
                            plan.attempt, exc)
@@ -240,7 +234,7 @@ class Spans:
         that round failed (this span then has no checkpoint, and a member it named is left out of
         later plans, as after a failed round). Models without buffers (the registry's) skip it."""
         run = self.run
-        trainer, book = run.require()
+        trainer, _ = run.require()
         flat = trainer.buffer_vector()
         if flat is None or len(plan.members) < 2:
             return True
@@ -250,15 +244,27 @@ class Spans:
                                              robust=run.task.compression.robust, timeout=HOP_TIMEOUT_S,
                                              start_timeout=START_TIMEOUT_S)
         except CollectiveError as exc:
-            if isinstance(exc, PeerFailed) and exc.peer_id != run.node.peer_id:
-                now = trio.current_time()
-                book.note_round_failed(now, exc.peer_id.to_base58(), exc.gone)
-                run.participation.note_missed(now, exc.peer_id.to_base58())
+            self._failed_here(exc)
             logger.warning("%s: combining the buffers at step %d failed (%s); no checkpoint this span",
                            run.log_prefix, trainer.step, exc)
             return False
         trainer.load_buffer_vector(combined)
         return True
+
+    def _failed_here(self, exc: CollectiveError | PipelineError) -> bool:
+        """A round of ours (a step's, or the buffers' at a span's end) failed here: the book backs
+        off the retry and leaves out the peer the failure named (not ourselves), whose chance that
+        was if it was new (Participation.note_missed). True when that peer is gone (unreachable)."""
+        run = self.run
+        _, book = run.require()
+        now = trio.current_time()
+        culprit, gone = None, False
+        if isinstance(exc, PeerFailed) and exc.peer_id != run.node.peer_id:
+            culprit, gone = exc.peer_id.to_base58(), exc.gone
+        book.note_round_failed(now, culprit, gone)
+        if culprit is not None:
+            run.participation.note_missed(now, culprit)
+        return gone
 
     async def _take_checkpoint(self, plan: RoundPlan) -> None:
         run = self.run
