@@ -23,9 +23,10 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 
 import torch
+
+from processes import Launch, join, result, run_workers, same_machine  # bench/processes.py: the parent-worker protocol
 
 VALUE_DTYPES = {"float32": torch.float32, "float16": torch.float16}
 
@@ -70,9 +71,7 @@ def worker_argv(args: argparse.Namespace, extra: list[str]) -> list[str]:
 
 
 async def p2p_worker(args: argparse.Namespace) -> None:
-    import trio
     from libp2p.crypto.ed25519 import create_new_key_pair
-    from libp2p.peer.peerinfo import info_from_p2p_addr
     from multiaddr import Multiaddr
 
     from p2ptrain.collective import Collective, RoundSpec, SparseAllReducer
@@ -89,27 +88,7 @@ async def p2p_worker(args: argparse.Namespace) -> None:
     host = make_host(create_new_key_pair(), [listen])
     async with host.run(listen_addrs=[listen]):
         collective = Collective(host)  # before anyone can dial us: the handler must be registered
-        print(f"ADDR {host.get_addrs()[0]}/p2p/{host.get_id().to_base58()}", flush=True)
-        addrs = json.loads(await trio.to_thread.run_sync(sys.stdin.readline))
-        infos = [info_from_p2p_addr(Multiaddr(a)) for a in addrs]
-        for info in infos:  # so a round can (re)dial any member, whoever dialled first
-            host.get_peerstore().add_addrs(info.peer_id, info.addrs, 3600)
-
-        async def connect(info) -> None:
-            for attempt in range(5):  # a loaded machine can time out a handshake
-                try:
-                    await host.connect(info)
-                    return
-                except Exception:
-                    if attempt == 4:
-                        raise
-                    await trio.sleep(0.5)
-
-        with trio.fail_after(120):
-            async with trio.open_nursery() as nursery:
-                for info in infos[me + 1 :]:
-                    nursery.start_soon(connect, info)
-        ring = [info.peer_id for info in infos]
+        ring = await join(host, me)
         n = numel_of(args)
         grad = torch.randn(n, generator=torch.Generator().manual_seed(me))
         spec = RoundSpec(density=args.density, value_dtype=VALUE_DTYPES[args.value_dtype], timeout=args.timeout)
@@ -135,44 +114,12 @@ async def p2p_worker(args: argparse.Namespace) -> None:
                 spans.append((wall_started, wall_started + elapsed))  # wall clock: one machine's, comparable
                 cpu.append(time.process_time() - cpu_started)
                 sent.append(collective.last_round.bytes_sent)
-        print("RESULT " + json.dumps({"times": times, "bytes": sent, "cpu": cpu, "spans": spans}), flush=True)
+        result({"times": times, "bytes": sent, "cpu": cpu, "spans": spans})
 
 
-def same_machine(i: int, argv: list[str]) -> list[str]:
-    """How peer ``i``'s worker is started: as is (bench/wan.py starts each inside its namespace)."""
-    return argv
-
-
-def run_p2p(args: argparse.Namespace, launch: Callable[[int, list[str]], list[str]] = same_machine) -> list[dict]:
-    procs = [
-        subprocess.Popen(
-            launch(i, worker_argv(args, ["--worker", str(i)])), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            text=True,
-        )
-        for i in range(args.peers)
-    ]
-    try:
-        addrs = []
-        for proc in procs:
-            line = proc.stdout.readline()
-            if not line.startswith("ADDR "):
-                raise SystemExit(f"a peer process failed to start: {line!r}")
-            addrs.append(line.split()[1])
-        for proc in procs:
-            proc.stdin.write(json.dumps(addrs) + "\n")
-            proc.stdin.flush()
-        results = []
-        for proc in procs:
-            out, _ = proc.communicate(timeout=900)
-            lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
-            if proc.returncode or not lines:
-                raise SystemExit(f"a peer process failed (exit {proc.returncode})")
-            results.append(json.loads(lines[-1][7:]))
-        return results
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
+def run_p2p(args: argparse.Namespace, launch: Launch = same_machine) -> list[dict]:
+    """Every peer's worker (bench/wan.py's ``launch`` starts each inside its namespace); their results."""
+    return run_workers(args.peers, lambda i: worker_argv(args, ["--worker", str(i)]), launch, timeout=900)
 
 
 # ---- gloo process ------------------------------------------------------------------------------
@@ -196,11 +143,11 @@ def gloo_worker(args: argparse.Namespace) -> None:
         if r:
             times.append(float(elapsed))
     if rank == 0:
-        print("RESULT " + json.dumps({"times": times}), flush=True)
+        result({"times": times})
     dist.destroy_process_group()
 
 
-def run_gloo(args: argparse.Namespace, launch: Callable[[int, list[str]], list[str]] = same_machine) -> list[float]:
+def run_gloo(args: argparse.Namespace, launch: Launch = same_machine) -> list[float]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -253,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def measure(args: argparse.Namespace, launch: Callable[[int, list[str]], list[str]] = same_machine) -> dict:
+def measure(args: argparse.Namespace, launch: Launch = same_machine) -> dict:
     """gloo's rounds, then p2ptrain's, each peer's worker started by ``launch``; the report."""
     from p2ptrain.collective import bucket_ks
 

@@ -43,15 +43,14 @@ import cProfile
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ is not a package: its siblings by path
 
 import robust  # bench/robust.py: the rules, their rotation, the phase clocks
+from processes import Launch, join, result, run_workers, same_machine  # bench/processes.py: the parent-worker protocol
 
 WORLD = robust.WORLD
 HOP_TIMEOUT_S = 120.0  # a dense 4 MiB robust round at 20 Mbit/s moves ~9 MB per member
@@ -98,9 +97,7 @@ def shapes(args: argparse.Namespace) -> list[tuple[str, int, float]]:
 async def member(args: argparse.Namespace) -> None:
     """One member: listen, print its address, read everyone's, connect, time every shape's rounds."""
     import pytest
-    import trio
     from libp2p.crypto.ed25519 import create_new_key_pair
-    from libp2p.peer.peerinfo import info_from_p2p_addr
     from multiaddr import Multiaddr
 
     from p2ptrain.collective import Collective, RoundSpec, SparseAllReducer
@@ -113,15 +110,7 @@ async def member(args: argparse.Namespace) -> None:
     host = make_host(create_new_key_pair(), [listen])
     async with host.run(listen_addrs=[listen]):
         collective = Collective(host)  # before anyone can dial: the handler must be registered
-        print(f"ADDR {host.get_addrs()[0]}/p2p/{host.get_id().to_base58()}", flush=True)
-        infos = [info_from_p2p_addr(Multiaddr(a)) for a in json.loads(await trio.to_thread.run_sync(sys.stdin.readline))]
-        for info in infos:
-            host.get_peerstore().add_addrs(info.peer_id, info.addrs, 3600)
-        with trio.fail_after(BARRIER_TIMEOUT_S):
-            async with trio.open_nursery() as nursery:
-                for info in infos[args.worker + 1 :]:
-                    nursery.start_soon(host.connect, info)
-        ring = [info.peer_id for info in infos]
+        ring = await join(host, args.worker, timeout=BARRIER_TIMEOUT_S)
         barrier = torch.zeros(1)
         report = {}
         for s, (shape, numel, density) in enumerate(shapes(args)):
@@ -182,47 +171,21 @@ async def member(args: argparse.Namespace) -> None:
             report[shape] = rows
             for rule, profiler in profilers.items():
                 profiler.dump_stats(os.path.join(args.profile, f"{shape}-{rule}-m{args.worker}.prof"))
-        print("RESULT " + json.dumps(report), flush=True)
+        result(report)
 
 
 # ---- the driver ---------------------------------------------------------------------------------
 
 
-def same_machine(i: int, argv: list[str]) -> list[str]:
-    return argv
-
-
-def run_members(args: argparse.Namespace, launch: Callable[[int, list[str]], list[str]]) -> list[dict]:
+def run_members(args: argparse.Namespace, launch: Launch) -> list[dict]:
     """Start the four members (each by ``launch``), give them each other's addresses, collect."""
     passed = ["--rounds", str(args.rounds), "--sparse-mib", str(args.sparse_mib), "--dense-mib", str(args.dense_mib),
               "--check-fractions", *map(str, args.check_fractions),
               *(["--profile", os.path.abspath(args.profile)] if args.profile else []),
               *(["--direct-baseline"] if args.direct_baseline else []),
               *(["--skip-dense"] if args.skip_dense else []), *(["--skip-sparse"] if args.skip_sparse else [])]
-    procs = [subprocess.Popen(launch(i, [sys.executable, os.path.abspath(__file__), *passed, "--worker", str(i)]),
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for i in range(WORLD)]
-    try:
-        addrs = []
-        for proc in procs:
-            line = proc.stdout.readline()
-            if not line.startswith("ADDR "):
-                raise SystemExit(f"a member process failed to start: {line!r}")
-            addrs.append(line.split()[1])
-        for proc in procs:
-            proc.stdin.write(json.dumps(addrs) + "\n")
-            proc.stdin.flush()
-        results = []
-        for proc in procs:
-            out, _ = proc.communicate(timeout=PROCESS_TIMEOUT_S)
-            lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
-            if proc.returncode or not lines:
-                raise SystemExit(f"a member process failed (exit {proc.returncode})")
-            results.append(json.loads(lines[-1][7:]))
-        return results
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
+    return run_workers(WORLD, lambda i: [sys.executable, os.path.abspath(__file__), *passed, "--worker", str(i)],
+                       launch, timeout=PROCESS_TIMEOUT_S)
 
 
 def summarize(per_member: list[dict[str, list[dict]]]) -> dict:
