@@ -5,6 +5,7 @@ in its own network namespace behind an emulated link (issue 27).
     python bench/robust_wan.py --rate 100mbit --rounds 16 --json       # needs root (namespaces, tc)
     python bench/robust_wan.py --rate 20mbit --rounds 12 --json
     python bench/robust_wan.py --rate loopback --direct-baseline --profile /tmp/prof   # where the time goes
+    python bench/robust_wan.py --rate loopback --take-away confirm      # what a part of the checks costs
 
 bench/robust.py's third part (its rules, their rotation and its phase clocks, imported) with the
 four members in four processes instead of one: each runs its own trio loop on its own core share,
@@ -34,6 +35,12 @@ check. ``--profile DIR`` writes each member's cProfile of each shape and rule's 
 (``SHAPE-RULE-mN.prof``, timed by the CPU time of the event loop's thread: what a worker thread
 hashes is not in it; profiling slows the Python-heavy paths, so time ratios come from a run
 without it).
+
+``--take-away PART`` measures what a part of the checks costs by turning it off in every member's
+robust rounds (insecure, for this measurement only; plain rounds are untouched), cumulatively in
+this order: ``confirm`` (no CONFIRM exchange, so nothing is drawn either), ``ed25519`` (also: zero
+signatures, every signature accepted), ``sha256`` (also: no SHA-256 of what is sent and received).
+What is left at ``sha256`` is the robust rounds' transport, trailers, clip and the bound checks.
 """
 
 from __future__ import annotations
@@ -46,6 +53,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ is not a package: its siblings by path
 
@@ -57,6 +65,7 @@ HOP_TIMEOUT_S = 120.0  # a dense 4 MiB robust round at 20 Mbit/s moves ~9 MB per
 BARRIER_TIMEOUT_S = 120.0
 PROCESS_TIMEOUT_S = 3600.0
 SHAPE_BASE = 1 << 40  # round ids of shape s start at s * SHAPE_BASE: never reused within a run
+TAKE_AWAY = ("confirm", "ed25519", "sha256")  # --take-away: each part includes the ones before it
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -76,6 +85,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--profile", default=None, metavar="DIR",
                         help="write each member's cProfile of each shape and rule's timed rounds to DIR "
                              "(SHAPE-RULE-mN.prof; CPU time of the event loop's thread)")
+    parser.add_argument("--take-away", choices=TAKE_AWAY, default=None,
+                        help="turn off part of the robust rounds' checks, cumulatively in the order "
+                             + ", ".join(TAKE_AWAY) + " (insecure: to measure what each costs)")
     parser.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--listen-ip", default="127.0.0.1", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
@@ -124,6 +136,8 @@ async def member(args: argparse.Namespace) -> None:
             profilers: dict[str, cProfile.Profile] = {}
             n = s * SHAPE_BASE
             with pytest.MonkeyPatch.context() as patch:
+                if args.take_away:
+                    take_away(patch, TAKE_AWAY[: TAKE_AWAY.index(args.take_away) + 1])
                 spans = robust.phase_clocks(patch)
                 direct = {"on": False}
                 ring_allreduce = _endpoint.ring_allreduce
@@ -174,6 +188,24 @@ async def member(args: argparse.Namespace) -> None:
         result(report)
 
 
+def take_away(patch: Any, parts: tuple[str, ...]) -> None:
+    """Turn ``parts`` of a robust round's checks off in this process (--take-away): insecure."""
+    from p2ptrain.collective import _direct, _sampling, _witness
+
+    if "confirm" in parts:
+        async def no_confirm(self, extra=b"", heard=None):  # type: ignore[no-untyped-def]
+            return {self.links.me: extra}
+
+        patch.setattr(_witness.Witness, "confirm", no_confirm)
+        patch.setattr(_direct, "drawn_chunks", lambda *args, **kwargs: set())
+    if "ed25519" in parts:
+        patch.setattr(_witness.Witness, "signature", lambda self, said, key, digest: bytes(64))
+        patch.setattr(_witness.Witness, "signed", lambda self, *args: True)
+    if "sha256" in parts:
+        for module in (_witness, _direct, _sampling):
+            patch.setattr(module, "digest_of", lambda pieces: bytes(32))
+
+
 # ---- the driver ---------------------------------------------------------------------------------
 
 
@@ -183,6 +215,7 @@ def run_members(args: argparse.Namespace, launch: Launch) -> list[dict]:
               "--check-fractions", *map(str, args.check_fractions),
               *(["--profile", os.path.abspath(args.profile)] if args.profile else []),
               *(["--direct-baseline"] if args.direct_baseline else []),
+              *(["--take-away", args.take_away] if args.take_away else []),
               *(["--skip-dense"] if args.skip_dense else []), *(["--skip-sparse"] if args.skip_sparse else [])]
     return run_workers(WORLD, lambda i: [sys.executable, os.path.abspath(__file__), *passed, "--worker", str(i)],
                        launch, timeout=PROCESS_TIMEOUT_S)
@@ -232,6 +265,7 @@ def measure(args: argparse.Namespace) -> dict:
             results = run_members(args, lambda i, argv: [*wan[i].exec_prefix(), *argv, "--listen-ip", wan[i].ip])
     report: dict = {
         "members": WORLD, "rate": args.rate, "rounds": args.rounds, "cpus": os.cpu_count(),
+        "take_away": args.take_away,
         "load_1min": [round(load_before, 2), round(os.getloadavg()[0], 2)],
         "rtt_note": "no latency added (tc netem absent): veth/loopback round trip, well under 1 ms",
     }
@@ -243,6 +277,8 @@ def measure(args: argparse.Namespace) -> dict:
 def print_report(report: dict) -> None:
     print(f"{report['members']} member processes, {report['rate']}, {report['rounds']} rounds per rule, "
           f"load {report['load_1min'][0]} -> {report['load_1min'][1]} on {report['cpus']} CPUs")
+    if report["take_away"]:
+        print(f"  robust rounds without: {', '.join(TAKE_AWAY[: TAKE_AWAY.index(report['take_away']) + 1])} (insecure)")
     for shape in ("sparse", "dense"):
         if shape not in report:
             continue
