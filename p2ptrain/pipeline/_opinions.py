@@ -46,7 +46,7 @@ Ask = Callable[[Kind, int, int, tuple[torch.Tensor, ...], float, Collection[Hash
                Awaitable[tuple[Hashable, Frame] | None]]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # its tensors compare by identity, never by value
 class Hop:
     """One hop of a checked microbatch, kept until the step's second opinions: the request as it
     would be asked again (``kind``: FORWARD, CHECK_LOSS or CHECK_BACKWARD; its tensors are the
