@@ -3,7 +3,8 @@ loopback, and a member's memory.
 
     .venv/bin/python bench/pipeline.py [--stages 4] [--replicas 2] [--width 128] [--depth 8]
                                        [--context 64] [--vocab 256] [--batch 16] [--micro 4]
-                                       [--steps 3] [--reps 2] [--json]
+                                       [--steps 3] [--reps 2] [--check-fraction 0] [--pipeline-only]
+                                       [--json]
     .venv/bin/python bench/pipeline.py --memory [--stages 4] [--width 512] [--depth 15] [--json]
 
 **Memory** (``--memory``, instead of the two below): peak RSS (``ru_maxrss``) of a pipelined
@@ -31,6 +32,9 @@ CPU seconds per step are printed too (every member is in this process): on a sha
 move far less with other work than the wall clock does. All members share this
 process's cores, so this measures the protocol's overhead (recomputed forwards, encoding, streams),
 not what S machines would do; the WAN comparison against ``torch.distributed.pipelining`` is to come.
+``--check-fraction``: the drivers' share of microbatches given second opinions (default 0: none);
+``--pipeline-only``: only the pipeline's seconds and CPU seconds per step (the other variants and
+their ratios left out), e.g. to compare two versions of the driver under the same load.
 """
 
 from __future__ import annotations
@@ -112,7 +116,8 @@ async def pipeline_seconds(args: argparse.Namespace, kwargs: dict, data, keep_gr
             # fresh_channels: no channel kept, one opened (and closed) per hop, as protocol 1.0.0 did.
             pool = ChannelPool(local.host, PROTOCOL, clock=time.monotonic, keep=0) if fresh_channels else None
             role = (Driver(local.host, stage, lm_loss, Wiring(replicas, random.Random(i)), cut=cut,
-                           encoding=args.activations, pool=pool) if stage.index == 0
+                           encoding=args.activations, pool=pool, check_fraction=args.check_fraction,
+                           check_key=b"bench") if stage.index == 0
                     else StageReplica(local.host, stage, lm_loss, senders=drivers, encoding=args.activations,
                                       keep_graphs=keep_graphs))
             if isinstance(role, StageReplica):
@@ -232,6 +237,10 @@ def main() -> int:
                         help="how the timed steps' activations travel (the bytes are printed for all three)")
     parser.add_argument("--stage-density", type=float, default=1.0,
                         help="each stage's sum over its replicas: top-k with error feedback at this density (1: exact dense)")
+    parser.add_argument("--check-fraction", type=float, default=0.0,
+                        help="the drivers' share of microbatches given second opinions (0: none)")
+    parser.add_argument("--pipeline-only", action="store_true",
+                        help="time the pipeline only (no recomputing, fresh-channel or single-process runs)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--memory", action="store_true", help="peak RSS of each stage's member against one process")
     parser.add_argument("--rss-of", type=int, default=None, help=argparse.SUPPRESS)  # one measure, in a child
@@ -264,11 +273,20 @@ def main() -> int:
         wall, cpu = trio.run(pipeline_seconds, args, kwargs, data)
         pipe.append(wall)
         pipe_cpu.append(cpu)
+        if args.pipeline_only:
+            continue
         recomputing.append(trio.run(pipeline_seconds, args, kwargs, data, 0)[0])
         wall, cpu = trio.run(pipeline_seconds, args, kwargs, data, KEEP_GRAPHS, True)
         fresh.append(wall)
         fresh_cpu.append(cpu)
         single.append(single_seconds(kwargs, data))
+    if args.pipeline_only:
+        result: dict = {"parameters": parameters, "stages": args.stages, "replicas": args.replicas,
+                        "microbatch": args.micro, "check_fraction": args.check_fraction,
+                        "pipeline_s_per_step": [round(s, 3) for s in pipe],
+                        "pipeline_cpu_s_per_step": [round(s, 3) for s in pipe_cpu]}
+        print(json.dumps(result) if args.json else result)
+        return 0
     result = {
         "parameters": parameters, "stages": args.stages, "replicas": args.replicas, "microbatch": args.micro,
         "bytes_per_microbatch": sizes,

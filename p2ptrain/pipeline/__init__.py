@@ -14,6 +14,7 @@ if TYPE_CHECKING:
         DoubleCounted as DoubleCounted,
         Driver as Driver,
         is_checked as is_checked,
+        Outvoted as Outvoted,
         PipelineError as PipelineError,
         StageUnavailable as StageUnavailable,
     )

@@ -21,18 +21,19 @@ microbatches that only a dead replica held. Then each stage's live replicas toge
 microbatch exactly once (a microbatch held twice is :class:`DoubleCounted`), and their summed
 gradients are the step's gradient of that stage (docs/pipeline.md).
 
-Integrity: with ``check_fraction`` > 0, that share of the microbatches is also sent FORWARD to a second
-replica of every later stage, and the two outputs are compared bit for bit (replicas of a stage hold
-the same weights); on the way back, each LOSS and BACKWARD of such a microbatch is checked the same
-way (``CHECK_LOSS``, ``CHECK_BACKWARD``: a second replica computes the gradient of the stage's input,
-and the loss, without accumulating anything), so a replica cannot poison the stages before it with
-a gradient either. A difference is counted against the pair (:attr:`Driver.disagreements`) and takes
-a third opinion, from a third replica of the stage when there is one: the replica outvoted is the
-liar (:attr:`Driver.liars`, :attr:`Driver.outvoted`), and the majority's output goes on down the
-pipeline. Without a third replica (or with three different answers) the disagreement stays the
-pair's: nobody is named on it. Which microbatches are checked is drawn by :func:`is_checked` from a
-key the runtime derives from the plan with the driver's own signature (a replica cannot compute it,
-the driver cannot choose it), not from a random generator the driver seeds.
+Integrity: with ``check_fraction`` > 0, that share of the microbatches gets a second opinion on each of
+its hops from another replica of the stage (a FORWARD again, the two outputs compared bit for bit:
+replicas of a stage hold the same weights; a LOSS or BACKWARD as ``CHECK_LOSS`` or ``CHECK_BACKWARD``,
+which compute the gradient of the stage's input, and the loss, and accumulate nothing), and a third
+opinion on a difference, whose loser is a liar (pipeline/_opinions.py: :attr:`Driver.liars`,
+:attr:`Driver.outvoted`, :attr:`Driver.disagreements`, :attr:`Driver.undecided`). Every microbatch
+travels alike during the step: the second opinions are asked at :meth:`Driver.finish`, from the
+boundaries the driver keeps anyway, so a replica cannot tell from the timing of its requests which of
+its answers will be checked (asked in line, a checked microbatch came back a hop later). A lie found
+in an answer that went on fails the step (:class:`Outvoted`). Which microbatches are checked is
+drawn by :func:`is_checked` from a key the runtime derives from the plan with the driver's own
+signature (a replica cannot compute it, the driver cannot choose it), not from a random generator
+the driver seeds.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ from p2ptrain.base import short_id
 from p2ptrain.net import ChannelError
 from p2ptrain.pipeline._channels import ChannelPool
 from p2ptrain.pipeline._deadlines import HopDeadlines
+from p2ptrain.pipeline._opinions import Hop, Opinions
 from p2ptrain.pipeline._partition import output_shape, Stage
 from p2ptrain.pipeline._replica import Loss, PROTOCOL
 from p2ptrain.pipeline._wiring import Wiring
@@ -84,6 +86,11 @@ class DoubleCounted(PipelineError):
     """Two live replicas of a stage both hold a microbatch's gradient (an answer that arrived late)."""
 
 
+class Outvoted(PipelineError):
+    """A second and a third opinion outvoted an answer that went on down the pipeline: the step's
+    gradients hold a replica's lie (the liar is in :attr:`Driver.liars`; the step is retried)."""
+
+
 def is_checked(key: bytes, step: int, mb: int, fraction: float) -> bool:
     """Whether microbatch ``mb`` of ``step`` gets a second opinion: a hash of ``key``, the step and the
     microbatch id below ``fraction`` of its range. The same key, step and id give the same answer on
@@ -104,6 +111,8 @@ class _Microbatch:
     grads: dict[int, torch.Tensor] = field(default_factory=dict)  # the gradient of stage s's output
     loss: float = 0.0
     done: bool = False  # its gradient came back through stage 0
+    # A checked microbatch's hops, for the second opinions at the step's end (None: not checked).
+    hops: list[Hop] | None = None
 
 
 class Driver:
@@ -137,6 +146,7 @@ class Driver:
         self._shapes: dict[tuple[int, tuple[int, ...], torch.dtype], torch.Size] = {}
         self.step = 0
         self._microbatches: dict[int, _Microbatch] = {}
+        self._opinions_asked = False  # this step's second opinions (finish may be called again)
         # {(stage, microbatch): the replicas sent its LOSS or BACKWARD this step}: only they may hold it.
         self._sent: dict[tuple[int, int], set[Hashable]] = {}
         self._lock = trio.Lock()  # stage 0's graph and gradients, one computation at a time
@@ -149,17 +159,21 @@ class Driver:
         # What draws the checked microbatches (is_checked): the runtime's is the driver's signature
         # of the plan, which no replica can compute in advance.
         self.check_key = check_key
-        self.checked = 0  # FORWARD second opinions asked
-        self.gradients_checked = 0  # LOSS and BACKWARD second opinions asked
-        # {(stage, the replica that answered, the replica that answered differently): times}
-        self.disagreements: collections.Counter[tuple[int, Hashable, Hashable]] = collections.Counter()
-        # {(stage, replica): times a third opinion outvoted it}, and {replica: its stage} of every
-        # replica outvoted (kept across steps until the caller takes them: the driver's accusations).
-        self.outvoted: collections.Counter[tuple[int, Hashable]] = collections.Counter()
-        self.liars: dict[Hashable, int] = {}
-        # {(stage, replica, replica): times} of the disagreements nobody could decide (no third
-        # replica, or three different answers): reported as the pair's, nobody named.
-        self.undecided: collections.Counter[tuple[int, Hashable, Hashable]] = collections.Counter()
+        # What the second opinions found, kept across steps (pipeline/_opinions.py); the caller
+        # takes (clears) the liars, its accusations, and the undecided pairs.
+        self.opinions = Opinions()
+        self.disagreements, self.outvoted = self.opinions.disagreements, self.opinions.outvoted
+        self.liars, self.undecided = self.opinions.liars, self.opinions.undecided
+
+    @property
+    def checked(self) -> int:
+        """FORWARD second opinions asked."""
+        return self.opinions.checked
+
+    @property
+    def gradients_checked(self) -> int:
+        """CHECK_LOSS and CHECK_BACKWARD second opinions asked."""
+        return self.opinions.gradients_checked
 
     async def aclose(self) -> None:
         """Close the channels kept to the replicas (the driver is done)."""
@@ -169,6 +183,7 @@ class Driver:
         """Start ``step``: stage 0's gradients zeroed, the kept tensors dropped, every replica usable."""
         self.step = step
         self._microbatches.clear()
+        self._opinions_asked = False
         self._sent.clear()
         self.wiring.new_step()
         for p in self.stage.parameters():
@@ -187,30 +202,26 @@ class Driver:
         async with self._lock:
             h = await trio.to_thread.run_sync(self._forward0, x)
         a = h.detach()
-        check = self.check_fraction > 0 and is_checked(self.check_key, self.step, mb, self.check_fraction)
-        served: dict[int, Hashable | None] = {}  # {stage: the replica whose output went on}: it kept the graph
+        # Drawn here, seen by nobody else: a checked microbatch travels as any other, and only keeps
+        # its hops (their tensors are the boundaries kept anyway) for finish's second opinions.
+        if self.check_fraction > 0 and is_checked(self.check_key, self.step, mb, self.check_fraction):
+            record.hops = []
+        served: dict[int, Hashable] = {}  # {stage: the replica whose output went on}: it kept the graph
         for s in range(1, count - 1):
             record.inputs[s] = a
-            peer, answer = await self._answered(Kind.FORWARD, s, mb, (a,))
-            if check:
-                kept = await self._second_opinion(Kind.FORWARD, s, mb, (a,), peer, answer)
-                served[s] = peer if kept is answer else None
-                answer = kept
-            else:
-                served[s] = peer
+            served[s], answer = await self._answered(Kind.FORWARD, s, mb, (a,))
+            _keep(record, Kind.FORWARD, s, mb, (a,), 0.0, served[s], answer)
             a = answer.tensors[0]
         record.inputs[count - 1] = a
         tensors: tuple[torch.Tensor, ...] = (a, targets)
         peer, answer = await self._answered(Kind.LOSS, count - 1, mb, tensors, weight)
-        if check:
-            answer = await self._second_opinion(Kind.CHECK_LOSS, count - 1, mb, tensors, peer, answer, weight)
+        _keep(record, Kind.CHECK_LOSS, count - 1, mb, tensors, weight, peer, answer)
         record.loss, g = answer.value, answer.tensors[0]
         for s in range(count - 2, 0, -1):
             record.grads[s] = g
             tensors = (record.inputs[s], g)
-            peer, answer = await self._answered(Kind.BACKWARD, s, mb, tensors, prefer=served.get(s))
-            if check:
-                answer = await self._second_opinion(Kind.CHECK_BACKWARD, s, mb, tensors, peer, answer)
+            peer, answer = await self._answered(Kind.BACKWARD, s, mb, tensors, prefer=served[s])
+            _keep(record, Kind.CHECK_BACKWARD, s, mb, tensors, 0.0, peer, answer)
             g = answer.tensors[0]
         async with self._lock:
             await trio.to_thread.run_sync(h.backward, g)
@@ -264,53 +275,16 @@ class Driver:
             self.deadlines.answered(stage, peer, seconds, len(request))
             return peer, answer
 
-    async def _second_opinion(
-        self, kind: Kind, stage: int, mb: int, tensors: tuple[torch.Tensor, ...], first: Hashable, answer: Frame,
-        value: float = 0.0,
-    ) -> Frame:
-        """Ask another replica of ``stage`` for the same request (``kind``: FORWARD, or the CHECK kind
-        of a LOSS or BACKWARD, which accumulates nothing) and compare with ``first``'s ``answer``; on a
-        difference, a third replica decides, and the one outvoted is a liar. Returns the answer to go
-        on with (the majority's). A stage with no other replica left goes unchecked; without a third,
-        the disagreement stays the pair's."""
+    async def _another(
+        self, kind: Kind, stage: int, mb: int, tensors: tuple[torch.Tensor, ...], value: float,
+        besides: Collection[Hashable],
+    ) -> tuple[Hashable, Frame] | None:
+        """A second or third opinion (pipeline/_opinions.py's ``Ask``): the hop asked of a replica of
+        ``stage`` none of ``besides``, or None when none is left."""
         try:
-            other, second = await self._answered(kind, stage, mb, tensors, value, besides=(first,))
+            return await self._answered(kind, stage, mb, tensors, value, besides)
         except StageUnavailable:
-            return answer
-        if kind == Kind.FORWARD:
-            self.checked += 1
-        else:
-            self.gradients_checked += 1
-        if _same(second, answer):
-            return answer
-        what = "outputs" if kind == Kind.FORWARD else "gradients"
-        self.disagreements[(stage, first, other)] += 1
-        logger.warning("pipeline step %d: microbatch %d: stage %d replicas %s and %s disagree on its %s (largest "
-                       "difference %.3g)", self.step, mb, stage, _name(first), _name(other), what,
-                       float((second.tensors[0] - answer.tensors[0]).abs().max()))
-        try:
-            third, tie = await self._answered(kind, stage, mb, tensors, value, besides=(first, other))
-        except StageUnavailable:
-            self.undecided[(stage, first, other)] += 1
-            logger.warning("pipeline step %d: microbatch %d: stage %d has no third replica to tell which of %s and "
-                           "%s lied; nobody is named", self.step, mb, stage, _name(first), _name(other))
-            return answer
-        if _same(tie, answer):
-            liar, kept = other, answer
-        elif _same(tie, second):
-            liar, kept = first, second
-        else:
-            self.undecided[(stage, first, other)] += 1
-            logger.warning("pipeline step %d: microbatch %d: stage %d replicas %s, %s and %s answered three different "
-                           "%s; nobody is named", self.step, mb, stage, _name(first), _name(other), _name(third), what)
-            return answer
-        self.outvoted[(stage, liar)] += 1
-        self.liars[liar] = stage
-        honest = [p for p in (first, other, third) if p != liar]
-        logger.warning("pipeline step %d: microbatch %d: stage %d replica %s outvoted by %s and %s: it sent altered "
-                       "%s", self.step, mb, stage, _name(liar), _name(honest[0]), _name(honest[1]),
-                       "activations" if kind == Kind.FORWARD else "gradients")
-        return kept
+            return None
 
     async def _ask(
         self, peer: Hashable, request: bytes, kind: Kind, stage: int, mb: int, sent: torch.Tensor,
@@ -347,9 +321,11 @@ class Driver:
         return self._shapes[key]
 
     async def finish(self, left_out: Collection[Hashable] = ()) -> dict[int, list[Hashable]]:
-        """End the step: every microbatch of this driver held once by each later stage (redone where
-        a dead replica took it along); returns, per stage from 1, the replicas that answered (the
-        stage's ring for averaging). Stage 0's ring is the drivers'.
+        """End the step: the checked microbatches' second opinions asked (once a step; :class:`Outvoted`
+        when a third opinion outvoted an answer the step went on with), then every microbatch of this
+        driver held once by each later stage (redone where a dead replica took it along); returns,
+        per stage from 1, the replicas that answered (the stage's ring for averaging). Stage 0's ring
+        is the drivers'.
 
         ``left_out``: replicas another driver could not reach, treated as dead here too. Drivers
         agree on the rings by calling ``finish`` again with every replica any of them left out, until
@@ -361,6 +337,14 @@ class Driver:
             # Its gradient is in some stages and not in others: the step cannot be summed; the
             # runtime reports the round failed and starts the step again (new_step).
             raise PipelineError(f"step {self.step}: microbatches {unfinished} did not complete")
+        if not self._opinions_asked:
+            self._opinions_asked = True
+            hops = [hop for mb in sorted(self._microbatches) for hop in self._microbatches[mb].hops or ()]
+            poisoned = await self.opinions.check(self._another, self.step, hops)
+            if poisoned:
+                raise Outvoted(f"step {self.step}: " + ", ".join(
+                    f"microbatch {h.microbatch}'s answer at stage {h.stage} from {_name(h.peer)}" for h in poisoned)
+                    + " outvoted by a third opinion")
         rings: dict[int, list[Hashable]] = {}
         redone: dict[tuple[int, int], Hashable] = {}  # (stage, microbatch): the replica that answered its redo
         for stage in range(1, self.stage.count):
@@ -432,10 +416,13 @@ class Driver:
         return held
 
 
-def _same(a: Frame, b: Frame) -> bool:
-    """Two answers to one request are the same: their tensor bit for bit, and their value (a LOSS's
-    loss)."""
-    return torch.equal(a.tensors[0], b.tensors[0]) and a.value == b.value
+def _keep(
+    record: _Microbatch, kind: Kind, stage: int, mb: int, tensors: tuple[torch.Tensor, ...], value: float,
+    peer: Hashable, answer: Frame,
+) -> None:
+    """Keep a checked microbatch's hop for its second opinion (``kind``: how it is asked again)."""
+    if record.hops is not None:
+        record.hops.append(Hop(kind, stage, mb, tensors, value, peer, answer))
 
 
 def _name(peer: Hashable) -> str:

@@ -1,15 +1,17 @@
 """Can a replica tell, before it answers, that its answer will get a second opinion? (issue 27's
 attacker against issue 31's checks; docs/security.md, "Pipelined tasks").
 
-The checked microbatches are drawn from a key no replica knows, but the driver asks its second
-opinions *in line*: a checked microbatch's second FORWARD at a middle stage (and its CHECK_LOSS at
-the last) is asked before the microbatch goes on. So a middle stage's BACKWARD comes back to the
-replica that served the FORWARD one or more hops later for a checked microbatch than for one that is
-not: the replica times the gap between its FORWARD answer and the BACKWARD, and alters only the
-gradients of the microbatches that nobody checks. Real libp2p hosts on 127.0.0.1; each stage-1
-replica takes STAGE_S over a FORWARD (a stand-in for a stage's compute, the same for all three, so
-the wiring weighs them alike), which makes the extra hop of a checked microbatch stand out whatever
-the load of the machine.
+The checked microbatches are drawn from a key no replica knows, but the driver asked its second
+opinions *in line* (before this change): a checked microbatch's second FORWARD at a middle stage (and
+its CHECK_LOSS at the last) was asked before the microbatch went on. So a middle stage's BACKWARD
+came back to the replica that served the FORWARD one or more hops later for a checked microbatch than
+for one that is not: the replica times the gap between its FORWARD answer and the BACKWARD, and
+alters only the gradients of the microbatches it judges unchecked; it was never outvoted. Now every
+microbatch travels alike and the second opinions are asked at ``Driver.finish``
+(pipeline/_opinions.py): the liar's test passes every BACKWARD, a checked one's lie is outvoted, its
+author named, and the step fails. Real libp2p hosts on 127.0.0.1; each stage-1 replica takes STAGE_S
+over a FORWARD (a stand-in for a stage's compute, the same for all three, so the wiring weighs them
+alike), which made the extra hop of a checked microbatch stand out whatever the load of the machine.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from dataclasses import replace
 import pytest
 import trio
 
-from p2ptrain.pipeline import Driver, is_checked, StageReplica, Wiring
+from p2ptrain.pipeline import Driver, is_checked, Outvoted, StageReplica, Wiring
 from p2ptrain.testing import connected_hosts
 from p2ptrain.wire.activations import Kind
 
@@ -42,10 +44,10 @@ class SlowReplica(StageReplica):
 
 class TimingLiar(SlowReplica):
     """Alters the input gradient of a BACKWARD only when it came back sooner than a FORWARD of its
-    stage takes: no second FORWARD was asked in between, so nobody checks this microbatch. A checked
-    one's BACKWARD always comes later (the second FORWARD sits between), so it is never caught; it
-    lies on the unchecked ones that come back within STAGE_S (measured: 0.03-0.33 s at load 10-12 on
-    the 2-core box, against 0.58-1.2 s for checked ones)."""
+    stage takes: no second FORWARD was asked in between, so nobody checks this microbatch. With
+    second opinions asked in line a checked one's BACKWARD always came later (the second FORWARD sat
+    between), so it was never caught; it lied on the unchecked ones that came back within STAGE_S
+    (measured: 0.03-0.33 s at load 10-12 on the 2-core box, against 0.58-1.2 s for checked ones)."""
 
     answered: dict
     altered: int = 0
@@ -67,8 +69,6 @@ class TimingLiar(SlowReplica):
         return answer, grads
 
 
-@pytest.mark.xfail(strict=True, reason="hole: second opinions are asked in line, so a middle-stage replica "
-                   "times its BACKWARD and alters only unchecked microbatches (report of h-attack)")
 async def test_a_replica_cannot_tell_from_the_timing_which_of_its_backwards_are_checked():
     ids = list(range(24))
     checked = {mb for mb in ids if is_checked(KEY, 0, mb, 0.5)}
@@ -87,10 +87,11 @@ async def test_a_replica_cannot_tell_from_the_timing_which_of_its_backwards_are_
         with trio.fail_after(DEADLINE_S * 2):
             for k, mb in enumerate(ids):  # one microbatch at a time
                 await driver.microbatch(mb, x[2 * k : 2 * k + 2], y[2 * k : 2 * k + 2], 1 / len(ids))
-            await driver.finish()
+            with pytest.raises(Outvoted):  # its lie went into the step's gradients: the step fails
+                await driver.finish()
             await driver.aclose()
-        # The property: a replica that alters gradients gets named. Today the liar alters every
-        # unchecked BACKWARD it serves and is never outvoted. A liar that never altered anything
-        # (the wiring never gave it a BACKWARD it judged safe) fails it too, so the test passes
-        # only once lies are caught: then the xfail marker goes.
+        # The property: a replica that alters gradients gets named. On main (second opinions asked
+        # in line) the liar altered every unchecked BACKWARD it served and was never outvoted. A
+        # liar that never altered anything (the wiring never gave it a BACKWARD it judged safe)
+        # fails it too, so the test passes only because a lie was caught.
         assert liar.altered > 0 and hosts[2].id in driver.liars, (liar.altered, liar.spared, dict(driver.liars))

@@ -21,7 +21,7 @@ from p2ptrain.base import short_id
 from p2ptrain.cli.task import render_status
 from p2ptrain.collective import Collective, Misbehaved
 from p2ptrain.control import TaskStatus
-from p2ptrain.pipeline import Driver, is_checked, StageReplica, Wiring
+from p2ptrain.pipeline import Driver, is_checked, Outvoted, StageReplica, Wiring
 from p2ptrain.protocol import check_key_message, convicted, Hold
 from p2ptrain.run._stages import convicted_failure
 from p2ptrain.run._step_summary import entry_bytes, gather_summary, read_entry
@@ -99,7 +99,8 @@ async def serve_stage_1(hosts, altering: int, liar: type[StageReplica] = Alterin
 
 async def test_a_replica_altering_its_outputs_is_outvoted_named_and_left_out_of_the_next_plan():
     """Three replicas of stage 1, one adding 1e-3 to its outputs: the third opinion names it and only
-    it; the summary convicts it on every member; the status shows it; the next plan leaves it out."""
+    it, and the step fails (the lie went into its gradients); the summary convicts it on every
+    member; the status shows it; the next plan leaves it out."""
     async with connected_hosts(4) as hosts:
         await serve_stage_1(hosts, altering=2)
         liar = hosts[2].id
@@ -107,7 +108,8 @@ async def test_a_replica_altering_its_outputs_is_outvoted_named_and_left_out_of_
                         cut=stages(2), check_fraction=1.0, check_key=b"k")
         with trio.fail_after(DEADLINE_S):
             await drive(driver, list(range(9)))
-            await driver.finish()
+            with pytest.raises(Outvoted):
+                await driver.finish()
         assert driver.gradients_checked == 9 and driver.checked == 0  # stage 1 is the last: its LOSS is checked
         assert driver.liars == {liar: 1}
         assert set(driver.outvoted) == {(1, liar)} and sum(driver.outvoted.values()) >= 1
@@ -209,13 +211,17 @@ async def test_a_driver_checks_exactly_the_drawn_microbatches_whatever_its_wirin
     expected = sum(is_checked(key, 0, mb, 0.3) for mb in ids)
     assert 0 < expected < len(ids)
     async with connected_hosts(3) as hosts:
-        await serve_stage_1(hosts, altering=-1)
+        servers = await serve_stage_1(hosts, altering=-1)
         for seed in (1, 2):
+            for server in servers:
+                server.new_step(0)  # the same step again: nothing held from the first driver's
             driver = Driver(hosts[0].host, stages(2)[0], lm_loss,
                             Wiring({1: [h.id for h in hosts[1:]]}, random.Random(seed)), cut=stages(2),
                             check_fraction=0.3, check_key=key)
             with trio.fail_after(DEADLINE_S):
                 await drive(driver, ids)
+                assert driver.gradients_checked == 0  # none during the step: every microbatch alike
+                await driver.finish()
                 await driver.aclose()  # its idle channels would count against the replicas' stream cap
             assert driver.gradients_checked == expected and not driver.disagreements
 
@@ -224,7 +230,8 @@ async def test_a_driver_checks_exactly_the_drawn_microbatches_whatever_its_wirin
 async def test_a_replica_altering_only_the_gradient_of_its_input_is_outvoted_and_named(count):
     """Honest outputs, altered input gradients: at the last stage (its LOSS, ``count`` = 2) and at a
     middle stage (its BACKWARD, ``count`` = 3, with one replica of the last stage, which nobody can
-    check). The second opinion on the gradient disagrees, a third names the liar, and only it."""
+    check). The second opinion on the gradient disagrees, a third names the liar, and only it; the
+    step fails."""
     async with connected_hosts(4 if count == 2 else 5) as hosts:
         await serve_stage_1(hosts[:4], altering=2, liar=GradientAlteringReplica, count=count)
         later = []
@@ -237,7 +244,8 @@ async def test_a_replica_altering_only_the_gradient_of_its_input_is_outvoted_and
                         cut=stages(count), check_fraction=1.0, check_key=b"k")
         with trio.fail_after(DEADLINE_S):
             await drive(driver, list(range(4)))
-            await driver.finish()
+            with pytest.raises(Outvoted):
+                await driver.finish()
         liar = hosts[2].id
         assert driver.liars == {liar: 1}
         assert set(driver.outvoted) == {(1, liar)}
