@@ -5,9 +5,14 @@ command line (its flags read from the README), their ``--home``, ``--listen`` an
 put on 127.0.0.1; a third is a fresh home with no node. Every other command is run as the README
 writes it, with the installed ``p2ptrain`` and ``P2PTRAIN_HOME`` naming the machine's home; the
 placeholders (``TASK_CID``, ``MANIFEST_CID``, ``MULTIADDR``) become what earlier commands printed.
+The nodes and the commands that import torch are forked from the test fork server (the same
+command line and console script, a separate process, without 2-4 s of imports each: issue 28); the
+commands that import no torch (``node status``, ``config show``) start fresh, as a user types them,
+so the installed ``p2ptrain`` is still run once from a fresh interpreter here.
 ``$EDITOR`` is this test: it writes the manifest CID into a copy of the task file and shortens the
-run (a checkpoint every 5 steps, peers.max 2). The run is cancelled once a model is confirmed, as the README's
-order has it; the fetch, eval and upkeep commands then run on the fresh home, after the run.
+run (a checkpoint every 5 steps, peers.max 2). The run is cancelled once a confirmed model has learned
+(its test accuracy over ``LEARNED``), as the README's order has it; the fetch, eval and upkeep
+commands then run on the fresh home, after the run.
 A README edit that breaks a command breaks this test.
 """
 
@@ -23,14 +28,18 @@ from pathlib import Path
 
 import pytest
 
-from p2ptrain.node import NodeProcess, free_port
+from p2ptrain.node import free_port
 from p2ptrain.control import ops as control_ops
-from p2ptrain.testing import wait_for
+from p2ptrain.testing import NodeProcess, run_forked, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 P2PTRAIN = str(Path(sys.executable).with_name("p2ptrain"))
 CLI_TIMEOUT_S = 120.0  # one command: imports torch and libp2p; a temporary node may take 20 s to reach a peer
 RUN_TIMEOUT_S = 240.0  # two node processes reach a quorum and confirm the first checkpoint (5 steps)
+# The run's test accuracy at which the README's `task status` and `task cancel` go on (digits: 0.1 is chance).
+LEARNED = 0.3
+# Commands that import no torch: started fresh (a fraction of a second), the others forked.
+FRESH = (["node", "status"], ["config", "show"])
 CID = re.compile(r"^(Qm[1-9A-HJ-NP-Za-km-z]{44}|b[a-z2-7]{58,})$")
 
 
@@ -50,8 +59,9 @@ def readme_commands() -> list[list[str]]:
 def run(argv: list[str], home: Path, subs: dict[str, str]) -> str:
     argv = [subs.get(a, a) for a in argv]
     assert argv[0] == "p2ptrain", argv
-    done = subprocess.run([P2PTRAIN, *argv[1:]], capture_output=True, timeout=CLI_TIMEOUT_S,
-                          env={**os.environ, "P2PTRAIN_HOME": str(home)}, cwd=home)
+    start = subprocess.run if argv[1:3] in FRESH else run_forked
+    done = start([P2PTRAIN, *argv[1:]], capture_output=True, timeout=CLI_TIMEOUT_S,
+                 env={**os.environ, "P2PTRAIN_HOME": str(home)}, cwd=home)
     assert done.returncode == 0, f"{shlex.join(argv)} failed:\n{done.stderr.decode()[-3000:]}"
     return done.stdout.decode()
 
@@ -68,8 +78,8 @@ def printed_cid(out: str) -> str:
 
 
 # The suite's own bound (pyproject's 300 s), declared on the test: tests/conftest.py starts the tests
-# that declare one first, longest first, and this one takes ~45 s of fresh interpreters under make test
-# (it was dealt three quarters into the suite, where it could end it alone).
+# that declare one first, longest first, and this one took ~45 s under make test when its commands
+# started fresh (it was dealt three quarters into the suite, where it could end it alone).
 @pytest.mark.timeout(300)
 def test_the_readme_commands_run_as_written(tmp_path: Path) -> None:
     commands = readme_commands()
@@ -113,7 +123,12 @@ def test_the_readme_commands_run_as_written(tmp_path: Path) -> None:
             elif verb == ["task", "publish"]:
                 subs["TASK_CID"] = printed_cid(run(argv, machines[0], subs))
             elif verb == ["task", "status"]:
-                wait_for(lambda: status_of(nodes[0], subs).get("version", 0) >= 1, RUN_TIMEOUT_S, interval=0.5)
+                # A confirmed model that has learned something (the run's own test accuracy) before
+                # the README cancels: the eval below asserts > 0.2 on it. Waiting for version 1 alone
+                # relied on the commands' start-up time to train more: cancelled at step 10 (0.12),
+                # as a forked `task cancel` once was, the model had not yet.
+                wait_for(lambda: (s := status_of(nodes[0], subs)).get("version", 0) >= 1
+                         and (s.get("accuracy") or 0) > LEARNED, RUN_TIMEOUT_S, interval=0.5)
                 assert "accuracy" in run(argv, machines[0], subs)
             elif verb == ["task", "cancel"]:
                 run(argv, machines[0], subs)
@@ -125,7 +140,7 @@ def test_the_readme_commands_run_as_written(tmp_path: Path) -> None:
                 assert "listen" in run(argv, machines[0], subs)
             elif verb == ["model", "eval"]:
                 report = json.loads(run([*argv, "--json"], fresh, subs))
-                assert report["samples"] > 0 and report["accuracy"] > 0.2, report
+                assert report["samples"] > 0 and report["accuracy"] > 0.2, report  # the final model: LEARNED or later
             else:  # model fetch, repo verify: on the fresh home, after the run
                 run(argv, fresh, subs)
         assert (fresh / "model.safetensors").stat().st_size > 0
