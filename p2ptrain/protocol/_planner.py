@@ -19,8 +19,12 @@ Rules, and why:
   latest confirmed checkpoint with a new attempt: that stage's state since is lost, and the stages
   must restart from one version (:func:`~p2ptrain.protocol._plans.orphaned_stages`).
 - A new coordinator continues from its own state. If it stopped inside a span it steps back one
-  round when it can (it may have applied a round that others did not finish); a member that cannot
-  reach a plan's step stops advertising the task until it has resumed from the latest checkpoint.
+  round when it can (it may have applied a round that others did not finish), unless its own round
+  of that span still runs (it may yet complete everywhere, and nobody keeps two steps back); a
+  member that cannot reach a plan's step stops advertising the task until it has resumed from the
+  latest checkpoint, or before the first one from the run's root. A coordinator at the root plans
+  from it past a plan its members left (:func:`_behind_observed`), and goes back to it when a
+  member of its failed plan reports it stands there (``RoundBook.root_reported``).
 - When to plan at all (:func:`decide`): not while its own span runs (unless that span is stuck on a
   peer that will not come), not during a failed round's backoff, not while behind the run (then
   resync), not in the first moments of a fresh run's first term; and without the peers a round or
@@ -110,9 +114,17 @@ def decide(
         # A retry: give the other members time to leave the failed round, unless all have said
         # so. (Only a retry: the next span after a successful one waited here too, ~1 s.)
         return Hold.WAIT
-    if head_version > book.chain.version or (book.observed is not None and book.observed.step > my_step):
+    if head_version > book.chain.version or _behind_observed(book, my_step):
         # Elected while behind the run (a later confirmed model, or a plan seen past our step,
         # e.g. it joined at step 0 and missed the records): it must not plan from its stale state.
+        return Hold.BEHIND
+    if book.root_reported and my_step > book.head_step:
+        # Before the first confirmed checkpoint a member of our failed plan is back at the run's
+        # root (RoundBook.note_failure_report), with no checkpoint at the plan's step to come to:
+        # the retry from that step would fail on it, and leaving it out may leave too few to plan
+        # (a plan from step k at v0 that the members could not follow stalled the run). Go back to
+        # the root too (the resync loop's load_root), where a coordinator plans from step 0 and
+        # every member can follow; the steps since are redone.
         return Hold.BEHIND
     joining_possible = len(set(advertising) - quarantined) < book.task.peers.max
     if last is None and book.chain.records and set(book.chain.records[-1].record.members) <= set(advertising):
@@ -120,8 +132,30 @@ def decide(
     if last is None and book.elected_at is not None and now - book.elected_at < FIRST_ROUND_GRACE_S \
             and joining_possible:
         return Hold.WAIT
-    plan = next_plan(book, election, my_step, set(advertising) - quarantined, can_roll_back, private)
+    # A takeover planned while our own round of the old plan still runs does not step back (see
+    # next_plan): that round may yet complete on every member, and none could then go back two steps.
+    plan = next_plan(book, election, my_step, set(advertising) - quarantined, can_roll_back and not rounds_running,
+                     private)
     return Hold.WAIT if plan is None else plan
+
+
+def _behind_observed(book: RoundBook, my_step: int) -> bool:
+    """Whether a plan seen on the topic (:attr:`RoundBook.observed`) past ``my_step`` makes a
+    coordinator resync (:attr:`Hold.BEHIND`) rather than plan.
+
+    At the run's root (step 0, no confirmed checkpoint, none heard) only once for that plan
+    (:meth:`RoundBook.note_behind`): a resync gives such a member nothing but the root it holds,
+    so stepping down only lets a member that follows the plan lead. Elected again with no newer
+    plan seen, nobody led the run past it in between: it is a plan its members left (a takeover
+    plan none could follow, after which each went back to the root). Before, every member at the
+    root stepped down for it, went back to the root it held and stood again, term after term: no
+    plan, ever. It now plans from the root (:func:`next_plan`, the chain's head), which every
+    member can follow, one still past it by going back to the root too; the steps since are redone."""
+    seen = book.observed
+    if seen is None or seen.step <= my_step:
+        return False
+    at_root = book.chain.version == 0 and seen.version == 0 and my_step == book.head_step == 0
+    return not at_root or book.behind_for != seen
 
 
 def run_history(book: RoundBook) -> tuple[str, ...]:
@@ -176,7 +210,10 @@ def next_plan(
             return None  # barrier: the span's checkpoint is not confirmed (or rejected) yet
     elif last.term != election.term and last.step <= my_step < last.step + last.rounds:
         # Taking over a span the old coordinator did not finish: step back one round when we
-        # can, since we may have applied a round that others did not complete.
+        # can, since we may have applied a round that others did not complete. Not while our own
+        # round of it still runs (decide passes can_roll_back False then): it may complete on every
+        # member before our plan arrives, and a member one step past us keeps only the state one
+        # step back (Trainer.can_align), so a plan two steps behind it could not be followed.
         step = my_step - 1 if can_roll_back and my_step > last.step else my_step
         start_round, attempt = last.round + (step - last.step), last.attempt + 1
     else:

@@ -104,6 +104,12 @@ class RoundBook:
     elected_at: float | None = None  # when this member last became coordinator
     # A member of the current plan reported that it cannot take part: retry without it now.
     culprit_reported: bool = False
+    # A member of the failed plan reported that it stands at the run's root, step 0 before the first
+    # confirmed checkpoint (note_failure_report): the retry goes back there (planner's decide).
+    root_reported: bool = False
+    # The plan seen on the topic (observed) that this member, as coordinator, last resynced for
+    # (Hold.BEHIND, note_behind): at the run's root it plans rather than resync for it again.
+    behind_for: RoundPlan | None = None
     # The task's publisher cancelled the run: no plan is made any more (the span under way ends).
     cancelled: bool = False
     # The elected coordinators' latest plan for each span, by the step the span ends at (followed or
@@ -195,7 +201,13 @@ class RoundBook:
             failed_peers=self.failed_peers, gone_peers=self.gone_peers, retry_after=self.retry_after,
             elected_at=self.elected_at, culprit_reported=self.culprit_reported, cancelled=self.cancelled,
             span_plans=self.span_plans, refused_spans=self.refused_spans, accepted=self.accepted,
+            behind_for=self.behind_for,
         )
+
+    def note_behind(self) -> None:
+        """As coordinator, this member resyncs instead of planning (:attr:`Hold.BEHIND`) while it
+        saw :attr:`observed`: remembered across the resync (planner's ``_behind_observed``)."""
+        self.behind_for = self.observed
 
     def span_members(self, record: ModelRecord) -> tuple[str, ...] | None:
         """The members of the plan that ``record``'s span ran under (the coordinator's latest plan
@@ -242,7 +254,12 @@ class RoundBook:
         if not self.report_failure(report, reporter):
             return False
         if coordinator and reporter != me and self.reporter_out_of_step(report):
-            _exclude(self.failed_peers, reporter, now)
+            if not self.chain.records and report.step == 0:
+                # Back at the run's root (run/_resync.py, load_root), with no checkpoint at the
+                # plan's step to come to: it can follow a plan from the root, not this one.
+                self.root_reported = True
+            else:
+                _exclude(self.failed_peers, reporter, now)
             self.culprit_reported = True
         return True
 
@@ -371,7 +388,7 @@ class RoundBook:
         self.last_plan = plan
         self.failed_round = None
         self.failure_reporters = set()
-        self.culprit_reported = False  # it was about the plan this one supersedes
+        self.culprit_reported = self.root_reported = False  # they were about the plan this one supersedes
         return None
 
     def rule_problem(self, plan: RoundPlan) -> str | None:

@@ -251,6 +251,7 @@ class Leading:
             # Elected while behind the run (e.g. it joined at step 0 and missed the records): it
             # must not plan from its own stale state. Resync first; the next term picks another.
             logger.warning("%s: coordinator but behind the run; resyncing instead of planning", run.log_prefix)
+            book.note_behind()
             run.desync(now)
             return
         if decision is Hold.WAIT:
