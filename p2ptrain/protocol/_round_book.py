@@ -107,6 +107,10 @@ class RoundBook:
     # A member of the failed plan reported that it stands at the run's root, step 0 before the first
     # confirmed checkpoint (note_failure_report): the retry goes back there (planner's decide).
     root_reported: bool = False
+    # Who made a failed plan go back to the root that way, once each in a run: a member that goes back
+    # to the root follows the plan from it, so a second such report is a member failing rounds on
+    # purpose (it could otherwise hold the run at v0 forever, never left out) and is a culprit again.
+    root_reporters: set[str] = field(default_factory=set)
     # The plan seen on the topic (observed) that this member, as coordinator, last resynced for
     # (Hold.BEHIND, note_behind): at the run's root it plans rather than resync for it again.
     behind_for: RoundPlan | None = None
@@ -201,7 +205,7 @@ class RoundBook:
             failed_peers=self.failed_peers, gone_peers=self.gone_peers, retry_after=self.retry_after,
             elected_at=self.elected_at, culprit_reported=self.culprit_reported, cancelled=self.cancelled,
             span_plans=self.span_plans, refused_spans=self.refused_spans, accepted=self.accepted,
-            behind_for=self.behind_for,
+            behind_for=self.behind_for, root_reporters=self.root_reporters,
         )
 
     def note_behind(self) -> None:
@@ -254,9 +258,10 @@ class RoundBook:
         if not self.report_failure(report, reporter):
             return False
         if coordinator and reporter != me and self.reporter_out_of_step(report):
-            if not self.chain.records and report.step == 0:
+            if not self.chain.records and report.step == 0 and reporter not in self.root_reporters:
                 # Back at the run's root (run/_resync.py, load_root), with no checkpoint at the
                 # plan's step to come to: it can follow a plan from the root, not this one.
+                self.root_reporters.add(reporter)
                 self.root_reported = True
             else:
                 _exclude(self.failed_peers, reporter, now)

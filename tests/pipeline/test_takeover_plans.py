@@ -153,3 +153,24 @@ def test_members_back_at_the_root_take_the_retry_back_there():
     assert isinstance(plan, RoundPlan), plan
     assert plan.step == 0 and set(at_root) <= set(plan.members)
     assert book.plan_problem(plan, election.me, election) is None
+
+
+def test_a_member_that_goes_back_to_the_root_twice_is_a_culprit_the_second_time():
+    """A member goes back to the root once at v0 and then follows the plan from it. One that reports
+    standing at the root again is failing rounds on purpose: without a limit it could send every
+    coordinator back to the root after each of its rounds and hold the run at v0, never left out."""
+    _, left, book, election = _takeover(LM_TASK, my_step=2, running=False)
+    hostile, now = PEERS[0], 200.0
+    report = RoundFailed(task_cid=left.task_cid, term=left.term, round=left.round, attempt=left.attempt,
+                         step=0, reason="cannot follow this plan: at step 0, the plan starts at step 1")
+    assert book.note_failure_report(now, report, hostile, election.me, coordinator=True)
+    assert book.root_reported and book.quarantined(now) == frozenset()
+    book = book.resynced(book.chain)  # the coordinator went back to the root (its resync)
+    plan = book.next_plan(election, 0, {election.me, *PEERS[:LIVE]})
+    assert plan is not None and hostile in plan.members and plan.rounds > 2
+    assert book.plan_problem(plan, election.me, election) is None
+    # It follows the plan from the root for two rounds, then fails the third and says it is at step 0.
+    again = replace(report, term=plan.term, round=plan.round + 2, attempt=plan.attempt)
+    assert book.note_failure_report(now + 30.0, again, hostile, election.me, coordinator=True)
+    assert not book.root_reported
+    assert hostile in book.quarantined(now + 30.0)
