@@ -104,8 +104,11 @@ class Resync:
         A head makes a member stop advertising and load a chain, a model and an optimizer state by
         CID, so only the coordinator our election accepted (a quorum of the roster voted for it) is
         heard. A member that knows no coordinator right now (between terms) waits for the next one,
-        unless it holds no confirmed model: a fresh joiner has no other way into a run under way and
-        trusts the head's sender (see docs/training.md, "Heads and resync").
+        unless it never held the run's state (a fresh joiner, with no confirmed model): it has no
+        other way into a run under way and trusts the head's sender (see docs/training.md, "Heads
+        and resync"). One that held it, even at v0, waits too: a stranger's head past v0 made it
+        desync between terms, and a member that is not synced does not stand, so nobody was
+        elected again (tests/runtime/test_resync_trust.py).
         """
         run = self.run
         coordinator = run.election.coordinator
@@ -113,7 +116,7 @@ class Resync:
             if sender == coordinator:
                 return None
             return f"from {short_id(sender)}, not the coordinator {short_id(coordinator)} of term {run.election.term}"
-        if run.book is not None and run.book.chain.version > 0:
+        if run.book is not None and (run.book.chain.version > 0 or run.was_synced):
             return f"from {short_id(sender)} while no coordinator is known"
         return None
 

@@ -128,3 +128,13 @@ def test_the_coordinate_median_stays_within_any_majority_and_ignores_the_order()
             assert bool(((median >= lows) & (median <= highs)).all()), median
     assert torch.equal(coordinate_median(honest), torch.tensor([1.5, -2.0, 5.0]))
     assert torch.equal(coordinate_median(honest), coordinate_median(honest[::-1]))
+
+
+async def test_under_clip_a_member_sending_buffers_of_another_length_is_named_and_no_checkpoint_is_taken() -> None:
+    """One value more, one less, or a single one: refused by every honest member, naming the sender
+    (its gather's max_bytes differs too; the round must still name it, not an honest member)."""
+    for count in (SIZE + 1, SIZE - 1, 1):
+        results, got, books, hostile = await _combine("clip", torch.full((count,), 1.1))
+        assert results == [False, False, False], count
+        assert all(book.culprits == [hostile] for book in books), count
+        assert torch.equal(torch.stack([g[0] for g in got]), torch.tensor([1.0, 1.1, 1.2]))

@@ -210,3 +210,53 @@ async def test_a_chain_extended_by_a_stranger_or_forked_is_not_loaded(tmp_path: 
         assert run.shared.phase != "failed" and run.shared.book.chain is ours
 
     await _with_victim_and_attacker(tmp_path, body)
+
+
+async def test_a_strangers_head_between_terms_at_v0_does_not_desync_a_member_that_holds_the_runs_state(
+    tmp_path: Path,
+) -> None:
+    """Before the run's first confirmed record (v0) a member that holds the run's state knows no
+    coordinator between terms (its coordinator stepped down, died, or broke the rules). A stranger's
+    head then was acted on, as a fresh joiner's is: one naming v10**9 made the member desync after
+    two looks (its chain "behind the run"), and a member that is not synced does not stand, so a
+    lone member (or every member of a run) never elected anyone again and tried the stranger's head
+    forever. Fails on main: the victim ends in "resyncing" with resync failures counted."""
+
+    async def body(victim: Peer, attacker: Peer, manifest: str) -> None:
+        bad = _bad_chains(attacker.content.store.blocks)
+        # No checkpoint for the test's length: the run stays at v0.
+        text = TASK.format(name="v0-window", manifest=manifest).replace("checkpoint_interval = 5",
+                                                                         "checkpoint_interval = 1000000")
+        reply = await victim.control.publish({"text": text, "join": True})
+        run: TaskRun = victim.tasks.runs[reply["task_cid"]]
+        shared = run.shared
+        await _wait(lambda: shared.phase == "failed" or (shared.election.is_coordinator and shared.synced
+                                                        and shared.trainer is not None and shared.trainer.step >= 2))
+        assert shared.phase == "training" and shared.book.chain.version == 0, shared.error
+        sent = 0
+
+        async def flood() -> None:
+            nonlocal sent
+            while True:
+                await attacker.node.publish(TASKS_TOPIC, _head(shared.task_cid, bad[sent % len(bad)], 10**9 + sent))
+                sent += 1
+                await trio.sleep(1 / HEADS_PER_S)
+
+        async with trio.open_nursery() as flooding:
+            flooding.start_soon(flood)
+            await trio.sleep(0.5)
+            # The window: this term's coordinator (the victim itself) steps down, as one that fell
+            # behind does; the next term elects it again, unless a stranger's head desynced it.
+            term = shared.election.term
+            shared.election.step_down(trio.current_time())
+            await _wait(lambda: shared.rejected.get("resync_failed", 0) >= 1
+                        or (shared.election.is_coordinator and shared.election.term > term))
+            step = shared.trainer.step
+            await _wait(lambda: shared.rejected.get("resync_failed", 0) >= 1 or shared.trainer.step > step + 2)
+            flooding.cancel_scope.cancel()
+        assert shared.rejected["resync_failed"] == 0, (shared.phase, shared.rejected)
+        assert shared.phase == "training" and shared.synced and shared.error is None
+        assert shared.rejected["head_untrusted"] > 0
+        assert shared.heads is None or shared.heads.version < 10**9
+
+    await _with_victim_and_attacker(tmp_path, body)
