@@ -322,3 +322,17 @@ def test_task_publish_on_a_node_that_joins_no_tasks_says_why_no_one_trains_here(
         joined = run_forked([P2PTRAIN, "task", "publish", str(task), "--join", "--home", str(node.home)],
                             capture_output=True, text=True, timeout=120)
         assert joined.returncode == 0 and "did not join" not in joined.stderr, joined.stderr
+
+
+def test_model_export_of_a_task_or_a_manifest_says_what_it_is(tmp_path):
+    """It said ``model file header is not valid: not a safetensors file: it begins as JSON text
+    (b'{"compression":...')`` of a task's CID, as `model fetch` did before it learned to say."""
+    home, manifest_cid, task_cid = _home_with_data(tmp_path)
+    for cid, said in [(task_cid, f"it is task 'iris-mlp'; `p2ptrain task status {task_cid}` shows its latest "
+                                 "model's CID"),
+                      (manifest_cid, f"it is the manifest of dataset 'iris' (p2ptrain dataset info {manifest_cid})")]:
+        result = run_forked([P2PTRAIN, "model", "export", cid, str(tmp_path / "out"), "--home", str(home)],
+                            capture_output=True, text=True, timeout=120)
+        assert result.returncode == 1
+        assert result.stderr.strip().splitlines() == [f"p2ptrain: error: {cid} is not a p2ptrain model: {said}"]
+        assert not (tmp_path / "out").exists()
