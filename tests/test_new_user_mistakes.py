@@ -336,3 +336,33 @@ def test_model_export_of_a_task_or_a_manifest_says_what_it_is(tmp_path):
         assert result.returncode == 1
         assert result.stderr.strip().splitlines() == [f"p2ptrain: error: {cid} is not a p2ptrain model: {said}"]
         assert not (tmp_path / "out").exists()
+
+
+def test_a_script_stopped_by_ctrl_c_can_start_again_on_its_home_and_a_live_node_still_refuses(tmp_path):
+    """A script's ``p2ptrain.Optimizer`` stopped with Ctrl-C left ``HOME/control.sock`` behind, and
+    every later start of the same script said "a p2ptrain node runs on HOME" with no node running."""
+    import torch
+    from torch import nn
+
+    import p2ptrain
+    from p2ptrain.base import UserError
+    from p2ptrain.control import socket_path
+
+    home = tmp_path / "home"
+    home.mkdir()
+    left = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    left.bind(str(socket_path(home)))  # the file a killed process leaves: nobody answers on it
+    left.close()
+    model = nn.Linear(2, 2)
+    opt = p2ptrain.Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model, run="again", home=home,
+                             min_peers=1, total_steps=1)
+    opt.close()
+    live = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    socket_path(home).unlink(missing_ok=True)
+    live.bind(str(socket_path(home)))
+    live.listen()
+    try:
+        with pytest.raises(UserError, match="a p2ptrain node runs on"):
+            p2ptrain.Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model, run="again", home=home)
+    finally:
+        live.close()
