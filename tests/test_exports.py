@@ -37,7 +37,7 @@ EXPORTS: dict[str, list[str]] = {
     ],
     "p2ptrain.control": [
         "ChainEntry", "ControlClient", "ControlError", "ControlServer", "FINISHED", "NodeStatus", "Phase",
-        "TaskStatus", "ops", "socket_path",
+        "TaskStatus", "is_live", "ops", "socket_path",
     ],
     "p2ptrain.data": [
         "IPFSDataset", "MAX_MANIFEST_BYTES", "Manifest", "ManifestError", "Pixels", "SourceOptions", "TEXT_CONTEXT",

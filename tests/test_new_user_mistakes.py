@@ -288,3 +288,81 @@ def test_a_dataset_add_that_fails_leaves_a_fresh_home_as_it_was(tmp_path):
     again = run_forked([P2PTRAIN, "dataset", "add", "sklearn:iris", "--shards", "500", "--home", str(used)],
                        capture_output=True, text=True, timeout=120)
     assert again.returncode == 1 and sorted(p.name for p in used.iterdir()) == ["keep"]
+
+
+def test_dataset_add_of_a_path_that_does_not_exist_says_so(tmp_path):
+    """It said ``nope.parquet: not a folder, a .parquet/.arrow/.feather/.jsonl file, ...`` of a name
+    that ends in .parquet: the typo in the path went unnamed."""
+    missing = tmp_path / "nope.parquet"
+    result = run_forked([P2PTRAIN, "dataset", "add", str(missing), "--shards", "2", "--label", "y",
+                         "--home", str(tmp_path / "home")], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [f"p2ptrain: error: {missing}: no such file or folder (check the "
+                                                  "path; sklearn: and text: sources take the prefix)"]
+
+
+def test_task_publish_on_a_node_that_joins_no_tasks_says_why_no_one_trains_here(tmp_path):
+    """A node started without --accept-tasks (or restarted with --join CID alone) published, printed
+    the CID, and `task status` then showed "announced, 0 members" with no word why."""
+    from p2ptrain.testing import node_processes
+
+    with node_processes(1, tmp_path) as (node,):
+        added = run_forked([P2PTRAIN, "dataset", "add", "sklearn:iris", "--shards", "2", "--home", str(node.home)],
+                           capture_output=True, text=True, timeout=120)
+        assert added.returncode == 0, added.stderr
+        task = tmp_path / "iris.toml"
+        task.write_text(TASK.format(width=4, manifest=added.stdout.split()[-1]))
+        published = run_forked([P2PTRAIN, "task", "publish", str(task), "--home", str(node.home)],
+                               capture_output=True, text=True, timeout=120)
+        assert published.returncode == 0, published.stderr
+        assert published.stdout.strip().startswith(("Qm", "bafy"))
+        assert published.stderr.strip().splitlines()[-1] == (
+            "p2ptrain: this node did not join the task (it runs without --accept-tasks): peers started with "
+            "--accept-tasks join it; `task publish --join` makes this node a member too")
+        joined = run_forked([P2PTRAIN, "task", "publish", str(task), "--join", "--home", str(node.home)],
+                            capture_output=True, text=True, timeout=120)
+        assert joined.returncode == 0 and "did not join" not in joined.stderr, joined.stderr
+
+
+def test_model_export_of_a_task_or_a_manifest_says_what_it_is(tmp_path):
+    """It said ``model file header is not valid: not a safetensors file: it begins as JSON text
+    (b'{"compression":...')`` of a task's CID, as `model fetch` did before it learned to say."""
+    home, manifest_cid, task_cid = _home_with_data(tmp_path)
+    for cid, said in [(task_cid, f"it is task 'iris-mlp'; `p2ptrain task status {task_cid}` shows its latest "
+                                 "model's CID"),
+                      (manifest_cid, f"it is the manifest of dataset 'iris' (p2ptrain dataset info {manifest_cid})")]:
+        result = run_forked([P2PTRAIN, "model", "export", cid, str(tmp_path / "out"), "--home", str(home)],
+                            capture_output=True, text=True, timeout=120)
+        assert result.returncode == 1
+        assert result.stderr.strip().splitlines() == [f"p2ptrain: error: {cid} is not a p2ptrain model: {said}"]
+        assert not (tmp_path / "out").exists()
+
+
+def test_a_script_stopped_by_ctrl_c_can_start_again_on_its_home_and_a_live_node_still_refuses(tmp_path):
+    """A script's ``p2ptrain.Optimizer`` stopped with Ctrl-C left ``HOME/control.sock`` behind, and
+    every later start of the same script said "a p2ptrain node runs on HOME" with no node running."""
+    import torch
+    from torch import nn
+
+    import p2ptrain
+    from p2ptrain.base import UserError
+    from p2ptrain.control import socket_path
+
+    home = tmp_path / "home"
+    home.mkdir()
+    left = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    left.bind(str(socket_path(home)))  # the file a killed process leaves: nobody answers on it
+    left.close()
+    model = nn.Linear(2, 2)
+    opt = p2ptrain.Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model, run="again", home=home,
+                             min_peers=1, total_steps=1)
+    opt.close()
+    live = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    socket_path(home).unlink(missing_ok=True)
+    live.bind(str(socket_path(home)))
+    live.listen()
+    try:
+        with pytest.raises(UserError, match="a p2ptrain node runs on"):
+            p2ptrain.Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model, run="again", home=home)
+    finally:
+        live.close()

@@ -49,7 +49,7 @@ from p2ptrain.base import (
 )
 from p2ptrain.ipfs import open_store
 from p2ptrain.services import parse_address
-from p2ptrain.control import FINISHED, TaskStatus, socket_path
+from p2ptrain.control import FINISHED, TaskStatus, is_live, socket_path
 from p2ptrain.node import NodeConfig
 from p2ptrain.models import card_bytes, card_of
 from p2ptrain.protocol import load_model_bytes, model_bytes
@@ -152,7 +152,7 @@ class Optimizer:
         self._card = card_of(model, optimizer, options)  # CardError (a ValueError) for a model it cannot describe
         card = card_bytes(self._card)
         home = Path(home).expanduser() if home is not None else default_home() / "runs" / _safe(run)
-        if socket_path(home).exists():
+        if socket_path(home).exists() and is_live(socket_path(home)):  # not the file a killed script left
             raise UserError(f"a p2ptrain node runs on {home}: give p2ptrain.Optimizer(home=...) another home")
         home.mkdir(parents=True, exist_ok=True, mode=0o700)
         store = open_store(home)

@@ -190,7 +190,15 @@ def cmd_export(args: argparse.Namespace) -> int:
         raise UserError(f"{args.directory}: exists; export writes a new directory")
     ensure_local(home, [args.model_cid], args.bootstrap)
     data = model_file(open_store(home), args.model_cid)
-    path = export_pretrained(data, args.directory)
+    from p2ptrain.protocol import RecordError
+
+    try:
+        path = export_pretrained(data, args.directory)
+    except RecordError as exc:  # a task's or a manifest's CID copied from the wrong line
+        what = _what_else(data, args.model_cid, Path("model.safetensors"))
+        if what is not None and what.startswith("it is task"):
+            what = what.split(";")[0] + f"; `p2ptrain task status {args.model_cid}` shows its latest model's CID"
+        raise UserError(f"{args.model_cid} is not a p2ptrain model: {what or exc}") from None
     files = sorted(p.name for p in path.iterdir())
     if args.json:
         print(json.dumps({"model_cid": args.model_cid, "path": str(path), "files": files}))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -102,6 +103,11 @@ def cmd_publish(args: argparse.Namespace) -> int:
     text = data.decode()
     reply = _client(args).call(control_ops.TASK_PUBLISH, text=text, join=args.join)
     print(json.dumps(reply) if args.json else reply["task_cid"])
+    if not args.json and not reply.get("joined", True):
+        # Otherwise `task status` shows "announced, 0 members" with no word why (a node restarted
+        # with --join CID alone, or started without --accept-tasks, joins no new task).
+        print("p2ptrain: this node did not join the task (it runs without --accept-tasks): peers started with "
+              "--accept-tasks join it; `task publish --join` makes this node a member too", file=sys.stderr)
     return 0
 
 

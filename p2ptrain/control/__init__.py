@@ -12,6 +12,7 @@ if TYPE_CHECKING:
         ControlClient as ControlClient,
         ControlError as ControlError,
         ControlServer as ControlServer,
+        is_live as is_live,
         socket_path as socket_path,
     )
     from p2ptrain.control._status import (

@@ -119,7 +119,7 @@ def _no_node(home: Path) -> UserError:
     return UserError(f"no node is running for home {home} (start one with: p2ptrain node start --home {home})")
 
 
-def _is_live(path: Path) -> bool:
+def is_live(path: Path) -> bool:
     """Whether a node answers on ``path`` (False for a stale file left by a crashed node)."""
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     probe.settimeout(2.0)
@@ -188,7 +188,7 @@ class ControlServer:
         if path.exists() or path.is_symlink():
             if not stat.S_ISSOCK(path.lstat().st_mode):
                 raise UserError(f"{path} exists and is not a socket; remove it if it is not yours")
-            if _is_live(path):
+            if is_live(path):
                 raise UserError(f"a node is already running for home {self.home} (see: p2ptrain node status --home {self.home})")
             logger.info("removing stale control socket %s left by a node that did not stop cleanly", path)
             path.unlink()

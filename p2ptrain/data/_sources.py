@@ -52,6 +52,8 @@ def read_source(spec: str, options: SourceOptions = SourceOptions(), progress: P
         _only(options, set(), spec)
         return Source(*builtin.load_source(spec))
     path = Path(spec).expanduser()
+    if not path.exists():
+        raise UserError(f"{spec}: no such file or folder (check the path; sklearn: and text: sources take the prefix)")
     kind = table_kind(path)
     if kind is not None:
         return _table(path, options, progress)

@@ -45,5 +45,10 @@ def input_problem(name: str, kwargs: dict[str, Any], sample_shape: Sequence[int]
         return None  # the meta device cannot tell
     except (ValueError, RuntimeError, IndexError, TypeError) as exc:
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        shape = getattr(model, "shape", None)
+        if name == "cnn" and len(sample_shape) == 3 and sample_shape[1] == sample_shape[2] and shape is not None:
+            # torch's words ("shape '[1, 3, 8, 8]' is invalid for input of size 768") name no setting.
+            return (f"samples of shape {tuple(sample_shape)} do not fit model cnn: it takes {shape[0]} channel(s) of "
+                    f"{shape[1]}x{shape[2]} pixels (set in_channels = {sample_shape[0]}, image_size = {sample_shape[1]})")
         return f"samples of shape {tuple(sample_shape)} do not fit model {name}: {first_line}"
     return None

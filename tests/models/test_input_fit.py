@@ -40,6 +40,13 @@ def test_an_mlp_of_the_wrong_width_is_told_which_setting_to_change() -> None:
                                                "values a sample, these have 4 (set in_features = 4)")
 
 
+def test_a_cnn_of_the_wrong_image_size_is_told_which_settings_to_change() -> None:
+    """It said torch's "shape '[1, 3, 8, 8]' is invalid for input of size 768", naming no setting."""
+    assert input_problem("cnn", {"in_channels": 3}, (3, 16, 16)) == (
+        "samples of shape (3, 16, 16) do not fit model cnn: it takes 3 channel(s) of 8x8 pixels "
+        "(set in_channels = 3, image_size = 16)")
+
+
 def test_a_builder_this_package_does_not_ship_is_not_judged() -> None:
     assert input_problem("hf", {}, (10_000,)) is None
 
