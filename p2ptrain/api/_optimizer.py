@@ -72,6 +72,14 @@ class RunFinished(UserError):
     """The run reached its last step: there is no step to take part in any more."""
 
 
+def slow_on_sparse(optimizer: torch.optim.Optimizer, density: float) -> bool:
+    """Whether ``optimizer`` takes torch's slow path on the averages of a run of ``density``: a sparse
+    average leaves most of Adam's second moment at 0, where the default (unfused) kernel takes
+    1.6-2x the time per step at 4.3M parameters (docs/benchmarks.md, issue 29)."""
+    return density < 1.0 and isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)) \
+        and not optimizer.defaults.get("fused")
+
+
 class Optimizer:
     """Wraps ``optimizer`` (any ``torch.optim.Optimizer`` over ``model``'s parameters) so that each
     ``step()`` is one step of the run named ``run``, identical on every member (see the module).
@@ -130,10 +138,7 @@ class Optimizer:
         self.optimizer = optimizer
         self.model = model
         self._allow = frozenset(allow) if allow is not None else None
-        if density < 1.0 and isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)) \
-                and not optimizer.defaults.get("fused"):
-            # A sparse average leaves most of Adam's second moment at 0, where torch's default kernel
-            # is slow: 1.6-2x the time per step at 4.3M parameters (docs/benchmarks.md, issue 29).
+        if slow_on_sparse(optimizer, density):
             log.warning("run %r: %s without fused=True takes up to 2x longer per step on sparse averages; "
                         "pass fused=True", run, type(optimizer).__name__)
         self.run = run

@@ -157,3 +157,22 @@ def test_an_allowlisted_member_never_takes_a_strangers_task_of_the_same_name(tmp
         assert listed.run_cid != stranger.run_cid
         _step(listed, model)
         assert listed.step_count == 1
+
+
+def test_train_default_optimizer_takes_the_fast_kernel_and_earns_no_warning() -> None:
+    """``p2ptrain.train`` without ``optimizer=`` warned that the Adam it chose itself was slow on
+    sparse averages ("pass fused=True"): the user had chosen nothing. Its default is now fused, and
+    takes a step on the mostly zero gradient a sparse average leaves."""
+    from p2ptrain.api._optimizer import slow_on_sparse
+    from p2ptrain.api._train import _optimizer
+
+    model = _net()
+    opt = _optimizer(None, model)
+    assert not slow_on_sparse(opt, density=0.1)
+    assert slow_on_sparse(torch.optim.Adam(model.parameters(), lr=1e-3), density=0.1)  # the user's own: warned
+    before = [p.detach().clone() for p in model.parameters()]
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+        p.grad.view(-1)[0] = 1.0
+    opt.step()
+    assert all(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
