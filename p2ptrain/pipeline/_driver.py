@@ -341,6 +341,8 @@ class Driver:
             self._opinions_asked = True
             hops = [hop for mb in sorted(self._microbatches) for hop in self._microbatches[mb].hops or ()]
             poisoned = await self.opinions.check(self._another, self.step, hops)
+            for liar in self.liars:  # caught here: none of this driver's hops go there again
+                self.wiring.distrust(liar)
             if poisoned:
                 raise Outvoted(f"step {self.step}: " + ", ".join(
                     f"microbatch {h.microbatch}'s answer at stage {h.stage} from {_name(h.peer)}" for h in poisoned)

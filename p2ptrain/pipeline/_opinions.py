@@ -14,7 +14,8 @@ again; a LOSS or BACKWARD as ``CHECK_LOSS`` or ``CHECK_BACKWARD``, which accumul
 two answers compared bit for bit; on a difference a third replica decides, and the one outvoted is
 a liar (:attr:`Opinions.liars`). When the liar is the replica whose answer went on down the pipeline,
 the step's gradients hold its lie: :meth:`Opinions.check` returns those hops, and the driver fails
-the step (it is retried without the liar once the drivers convict it). A liar that only answered a
+the step (the driver distrusts the liar from then on, :meth:`Wiring.distrust`, and everyone
+leaves it out once the drivers convict it). A liar that only answered a
 check poisoned nothing: it is named, and the step stands. Without a third replica, or with three
 different answers, nobody is named and the step stands on the first answer, as it would unchecked.
 """

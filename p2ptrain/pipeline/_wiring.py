@@ -11,6 +11,11 @@ A replica whose hop failed (its channel closed, or no answer within the hop's de
 the rest of the step: nothing more is sent to it, and :meth:`Wiring.choose` answers ``None`` once a
 stage has no replica left, which the caller reports as the stage being unavailable. No clock is read
 here: the caller passes each hop's seconds; randomness comes from the caller's seeded ``Random``.
+
+A replica this sender caught lying (a third opinion outvoted it) is *distrusted* for good: it is sent
+none of this sender's hops, step after step, though it stays in the stage's ring (asked what it holds:
+it serves the other senders). First-hand evidence needs no majority to be acted on by the one who saw
+it; only leaving the replica out of everyone's plans does (protocol/_stage_verdicts.py).
 """
 
 from __future__ import annotations
@@ -29,23 +34,30 @@ class _Replica:
     in_flight: int = 0
     out: bool = False  # a hop to it failed: nothing more is sent to it this step
     left_out: bool = False  # out of this step's ring too (leave_out)
+    distrusted: bool = False  # caught lying to this sender: none of its hops, every step (distrust)
 
 
 class Wiring:
     """One sender's choice of replicas for every stage it sends to (``replicas[stage]``)."""
 
-    def __init__(self, replicas: Mapping[int, Sequence[Hashable]], rng: random.Random) -> None:
+    def __init__(
+        self, replicas: Mapping[int, Sequence[Hashable]], rng: random.Random, distrusted: Collection[Hashable] = (),
+    ) -> None:
+        """``distrusted``: the replicas this sender caught lying before (the runtime keeps them plan
+        after plan: a retry's plan may name them again while the other senders have not caught them)."""
         self._stages = {stage: list(peers) for stage, peers in replicas.items()}
         self._state = {peer: _Replica() for peers in self._stages.values() for peer in peers}
         self._rng = rng
+        for peer in distrusted:
+            self.distrust(peer)
 
     def replicas(self, stage: int) -> list[Hashable]:
         """Every replica of ``stage`` in the plan, out or not."""
         return list(self._stages.get(stage, ()))
 
     def usable(self, stage: int) -> list[Hashable]:
-        """The replicas of ``stage`` still in this step."""
-        return [p for p in self._stages.get(stage, ()) if not self._state[p].out]
+        """The replicas of ``stage`` still in this step that this sender trusts."""
+        return [p for p in self._stages.get(stage, ()) if not (self._state[p].out or self._state[p].distrusted)]
 
     def weight(self, peer: Hashable) -> float:
         """How much ``peer`` is preferred now: its throughput over one plus its hops in flight."""
@@ -86,11 +98,22 @@ class Wiring:
         if state is not None:
             state.out = state.left_out = True
 
+    def distrust(self, peer: Hashable) -> None:
+        """This sender caught ``peer`` lying: none of its hops go there again, this step or later ones
+        (it stays in the ring: its holdings are still asked, it still serves other senders)."""
+        state = self._state.get(peer)
+        if state is not None:
+            state.distrusted = True
+
+    def is_distrusted(self, peer: Hashable) -> bool:
+        return self._state[peer].distrusted
+
     def is_left_out(self, peer: Hashable) -> bool:
         return self._state[peer].left_out
 
     def new_step(self) -> None:
-        """A new step: every replica of the plan may be tried again (the plan left out the gone ones)."""
+        """A new step: every replica of the plan may be tried again (the plan left out the gone ones),
+        but those this sender distrusts."""
         for state in self._state.values():
             state.out = state.left_out = False
             state.in_flight = 0

@@ -156,7 +156,8 @@ class StageRounds:
         if index == 0:
             replicas = {s: [ID.from_base58(m) for m in ring] for s, ring in enumerate(rings) if s > 0}
             rank, _ = shard_of(plan, run.me)
-            self._driver = Driver(host, stage, _loss, Wiring(replicas, random.Random(task.seed + rank)),
+            distrusted = [ID.from_base58(peer) for peer in self._accused]  # caught here: sent none of its hops
+            self._driver = Driver(host, stage, _loss, Wiring(replicas, random.Random(task.seed + rank), distrusted),
                                   cut=trainer.stages, encoding=encoding, hop_timeout=self.hop_timeout,
                                   protocol=self.protocol, pool=self._pool, deadlines=self._deadlines,
                                   check_fraction=task.pipeline.check_fraction,

@@ -61,3 +61,15 @@ def test_a_replica_left_out_by_another_sender_is_out_for_the_step():
     assert {wiring.choose(1) for _ in range(20)} == {"b"}
     wiring.new_step()
     assert not wiring.is_left_out("a") and wiring.usable(1) == ["a", "b"]
+
+
+def test_a_distrusted_replica_gets_no_hops_step_after_step_and_stays_in_the_ring():
+    wiring = Wiring({1: ["liar", "b"], 2: ["c"]}, random.Random(5), distrusted=["c", "unknown"])
+    wiring.distrust("liar")
+    for _ in range(2):
+        assert {wiring.choose(1) for _ in range(50)} == {"b"}
+        assert wiring.choose(1, besides=["b"]) is None  # no other opinion to ask it for
+        assert wiring.choose(2) is None  # the last of its stage: the stage is unavailable to this sender
+        assert wiring.replicas(1) == ["liar", "b"] and not wiring.is_left_out("liar")  # still asked its holdings
+        assert wiring.is_distrusted("liar") and wiring.is_distrusted("c") and not wiring.is_distrusted("b")
+        wiring.new_step()  # a step does not clear what this sender saw
