@@ -58,7 +58,8 @@ from p2ptrain.collective import Misbehaved
 from p2ptrain.net import Channel, serve_channels
 from p2ptrain.pipeline import (ChannelPool, Driver, evaluate_stages, HopDeadlines, MAX_STREAMS_PER_PEER, PipelineError,
                                PROTOCOL, serve_requests, StageReplica, sum_stage_gradients, Wiring)
-from p2ptrain.protocol import check_key_message, owner_seed, round_seed, shard_of, stage_rings, stage_round_id
+from p2ptrain.protocol import (check_key_message, owner_seed, round_id, round_seed, shard_of, stage_rings,
+                               stage_round_id)
 from p2ptrain.run._run_state import RunState
 from p2ptrain.run._stage_checkpoints import load_confirmed_stage, store_stage_checkpoint
 from p2ptrain.run._stage_sum import SparseStageSum
@@ -211,6 +212,9 @@ class StageRounds:
         began = time.perf_counter()
         loss, failed = 0.0, False
         if self._driver is not None:
+            # The replicas join the summary now and the drivers after their whole step: their
+            # channels wait here for it, however long a (first, slow) step takes within the summary's wait.
+            run.collective.announce(round_id(plan, index), STEP_TIMEOUT_S)
             self._driver.new_step(step)
             try:
                 loss = await self._drive(plan, batches)
