@@ -327,9 +327,10 @@ def _check_metrics(store: Any, task: Any, record: Any, report: Report) -> list[s
     report.eval = {"split": split, "recomputed": got, "recorded": {k: record.metrics.get(k) for k in got}}
     problems: list[str] = []
     if task.pipeline is not None and not any(name in record.metrics for name in got):
-        # No member of a pipelined run holds the whole model to evaluate: its records have none.
+        # A pipelined record of before protocol 1.3.0 (no evaluation through the stages) has none, as
+        # has one whose evaluation failed or passed its deadline (docs/pipeline.md, "Test metrics").
         report.checked.append(f"test metrics computed on split {split!r}: accuracy {got['accuracy']:.4f}, loss "
-                              f"{got['loss']:.4f} (a pipelined run records none to compare)")
+                              f"{got['loss']:.4f} (the pipelined record has none to compare)")
         return problems
     for name, value in got.items():
         recorded = record.metrics.get(name)

@@ -236,6 +236,12 @@ class Collective:
         self.last_round = RoundStats(round_id, time.perf_counter() - started, links.bytes_sent, links.bytes_received)
         return out
 
+    def announce(self, round_id: int, within: float) -> None:
+        """This member will join round ``round_id`` within ``within`` seconds, later than the others
+        may (a pipelined step's summary, which a driver joins once its step is done): the channels
+        they open to it first wait here until then, not the parking window alone."""
+        self.hub.announce(round_id, within)
+
     @contextmanager
     def _counting_refusals(self, round_id: int) -> Iterator[None]:
         """Count and log a round that fails on what a peer sent (a robust round's own check, too)."""

@@ -129,6 +129,11 @@ class RoundHub:
         answered BUSY at once and counted; a member this hub has not heard of yet retries."""
         self._expected = frozenset(members)
 
+    def announce(self, round_id: int, within: float) -> None:
+        """``round_id`` opens here within ``within`` seconds, maybe after the collective's parking
+        window: its members' channels that arrive first wait for it (:meth:`Inbox.announce`)."""
+        self._inbox.announce(round_id, within)
+
     def stats(self) -> dict[str, int]:
         """What the inbound side refused, by reason, and what it holds now (for node status)."""
         return {

@@ -10,6 +10,11 @@ if TYPE_CHECKING:
     from p2ptrain.pipeline._averaging import sum_stage_gradients as sum_stage_gradients
     from p2ptrain.pipeline._channels import ChannelPool as ChannelPool
     from p2ptrain.pipeline._deadlines import HopDeadlines as HopDeadlines
+    from p2ptrain.pipeline._evaluation import (
+        Evaluation as Evaluation,
+        EvaluationFailed as EvaluationFailed,
+        evaluate_stages as evaluate_stages,
+    )
     from p2ptrain.pipeline._driver import (
         DoubleCounted as DoubleCounted,
         Driver as Driver,

@@ -1,4 +1,4 @@
-"""One replica of one stage, serving the stage protocol (``/p2ptrain/pipeline/1.2.0``) on its host.
+"""One replica of one stage, serving the stage protocol (``/p2ptrain/pipeline/1.3.0``) on its host.
 
 A replica needs nothing of a microbatch between requests (docs/pipeline.md): a BACKWARD carries the
 stage's input again with the gradient of its output, so any replica can answer it by recomputing its
@@ -21,6 +21,12 @@ gradients; each sender asks for its own at the end of a step (``HOLDINGS``: the 
 the ids that sender sent) and redoes elsewhere what a dead replica took with it. A second opinion
 (``CHECK_LOSS``, ``CHECK_BACKWARD``: a driver checking another replica's gradient) is computed as the
 LOSS or BACKWARD it checks and answered the same way, but accumulates nothing and is held by nobody.
+
+An evaluation (``EVAL``: a checkpoint's test-split metrics, pipeline/_evaluation.py) is a forward in
+eval mode without a graph: the stage's output, or at the last stage the batch's mean loss and its
+correct predictions (``SCORE``); it keeps and accumulates nothing, and is answered in fp32 whatever
+the task's activation encoding, so that the metrics are the assembled model's. Besides the senders,
+the plan's ``evaluators`` (the coordinator, which may serve another stage) are answered, EVAL only.
 """
 
 from __future__ import annotations
@@ -43,7 +49,8 @@ logger = logging.getLogger(__name__)
 # 1.1.0: a channel carries any number of requests, one at a time, each followed by its answer (1.0.0:
 # one request per channel). 1.2.0: the second opinions on gradients (CHECK_LOSS, CHECK_BACKWARD), which
 # a 1.1.0 replica refuses as unknown frames; the frames are otherwise the same (wire/activations.py, version 1).
-PROTOCOL = "/p2ptrain/pipeline/1.2.0"
+# 1.3.0: evaluations (EVAL, answered OUTPUT or SCORE), which a 1.2.0 replica refuses as unknown frames.
+PROTOCOL = "/p2ptrain/pipeline/1.3.0"
 # How long a replica waits for a request's bytes once a sender opened a channel to it.
 REQUEST_TIMEOUT_S = 30.0
 # How long a replica waits for the next request on a channel it answered on: a sender reuses its
@@ -72,17 +79,23 @@ class StageReplica:
     ``loss(logits, targets)`` is the step's mean loss of one microbatch (the last stage's job);
     ``senders`` are the peers whose requests it answers (the plan's drivers), from the plan, never
     from a request; ``encoding`` is how its answers' activations and gradients travel (fp32, fp16, int8);
-    ``keep_graphs``: FORWARD graphs kept per sender for its BACKWARDs (0: every BACKWARD recomputes).
+    ``keep_graphs``: FORWARD graphs kept per sender for its BACKWARDs (0: every BACKWARD recomputes);
+    ``evaluators``: peers (from the plan too) whose EVAL requests it answers, and nothing else of theirs.
     """
 
     def __init__(
         self, host: IHost, stage: Stage, loss: Loss, *, senders: Collection[Hashable], encoding: str = "fp32",
         limits: Limits = DEFAULT_LIMITS, protocol: str = PROTOCOL, keep_graphs: int = KEEP_GRAPHS,
+        evaluators: Collection[Hashable] = (),
     ) -> None:
         self.host, self.stage, self.loss = host, stage, loss
         self.senders = frozenset(senders)
+        self.evaluators = frozenset(evaluators)
         self.encoding, self.limits, self.protocol = encoding, limits, protocol
         self.step = 0
+        # The step the stage's weights are at (the runtime sets it as it applies a step): what an
+        # EVAL must name, since it evaluates the weights as they are, between steps or within one.
+        self.weights_step = 0
         self._stepped = trio.Event()  # set (and replaced) by new_step
         self._held: dict[Hashable, set[int]] = {}  # {sender: microbatch ids whose gradients are in the stage's}
         self.keep_graphs = keep_graphs if stage.index < stage.count - 1 else 0
@@ -93,6 +106,7 @@ class StageReplica:
         self._lock = trio.Lock()  # one computation at a time: the stage's weights and grads are shared
         self._progress = trio.Event()
         self.requests = 0
+        self.evaluations = 0  # EVAL requests answered
         # Requests refused, by reason: "outsider" (a peer the plan names no sender), "malformed" (bytes
         # or fields), "failed" (tensors the stage cannot take), "slow" (no whole request in time).
         self.refused: collections.Counter[str] = collections.Counter()
@@ -132,9 +146,9 @@ class StageReplica:
         await serve_requests(channel, lambda: self)
 
     async def admitted(self, channel: Channel) -> bool:
-        """Whether ``channel``'s peer is one of this replica's senders; if not, the refusal is
-        counted (``outsider``) and the channel reset."""
-        if channel.remote_peer in self.senders:
+        """Whether ``channel``'s peer is one of this replica's senders or evaluators; if not, the
+        refusal is counted (``outsider``) and the channel reset."""
+        if channel.remote_peer in self.senders or channel.remote_peer in self.evaluators:
             return True
         count_rejection(self.refused, "outsider", logger, logging.INFO, "pipeline stage %d: refused a request "
                         "from %s, which the plan names no sender", self.stage.index, short_id(channel.remote_peer))
@@ -147,13 +161,19 @@ class StageReplica:
         sender = channel.remote_peer
         try:
             request = decode_frame(data, self.limits)
-            if request.step > self.step:  # a driver already in the next step: wait for ours to start
+            # A driver already in the next step: wait for ours to start (an EVAL names the weights' step).
+            if request.kind != Kind.EVAL and request.step > self.step:
                 with trio.move_on_after(AHEAD_WAIT_S):
                     while request.step > self.step:
                         await self._stepped.wait()
             problem = self._problem(request)
         except ActivationError as error:
             problem = str(error)
+        if not problem and sender not in self.senders and request.kind != Kind.EVAL:
+            count_rejection(self.refused, "outsider", logger, logging.INFO, "pipeline stage %d: refused a %s request "
+                            "from %s, an evaluator only", self.stage.index, Kind(request.kind).name, short_id(sender))
+            await channel.reset()
+            return False
         if problem:
             count_rejection(self.refused, "malformed", logger, logging.INFO, "pipeline stage %d: refused a request "
                             "from %s: %s", self.stage.index, short_id(sender), problem)
@@ -163,7 +183,8 @@ class StageReplica:
         async with self._lock:
             try:
                 answer, grads = await trio.to_thread.run_sync(self._compute, request, sender)
-                data = encode_frame(answer, self.encoding)  # an answer that is not finite, too
+                # An evaluation's answer in fp32: the metrics are then the assembled model's.
+                data = encode_frame(answer, "fp32" if request.kind == Kind.EVAL else self.encoding)
             except (ActivationError, AssertionError, RuntimeError, ValueError, IndexError) as error:
                 # A tensor this stage cannot take (wrong width or rank, a token id past the
                 # vocabulary, a gradient of the wrong shape, targets that make the loss NaN; torch's
@@ -174,6 +195,9 @@ class StageReplica:
                 return False
             # Sent before anything is accumulated: a hop whose answer never left leaves no trace.
             await channel.send(data)
+            if request.kind == Kind.EVAL:
+                self.evaluations += 1
+                return True
             held = self._held.setdefault(sender, set())
             if grads is not None and request.microbatch not in held:
                 for p, g in zip(self.stage.parameters(), grads, strict=True):
@@ -187,11 +211,12 @@ class StageReplica:
         """Why ``request`` is not one this replica answers, or None."""
         last = self.stage.index == self.stage.count - 1
         expected: dict[int, int] = {Kind.FORWARD: 1, Kind.LOSS: 2, Kind.BACKWARD: 2, Kind.HOLDINGS: 0,
-                                    Kind.CHECK_LOSS: 2, Kind.CHECK_BACKWARD: 2}
+                                    Kind.CHECK_LOSS: 2, Kind.CHECK_BACKWARD: 2, Kind.EVAL: 2 if last else 1}
         if request.kind not in expected or len(request.tensors) != expected[request.kind]:
             return f"a {request.kind} frame with {len(request.tensors)} tensors is no request"
-        if request.stage != self.stage.index or request.step != self.step:
-            return f"request for stage {request.stage} step {request.step}; this is stage {self.stage.index} step {self.step}"
+        step = self.weights_step if request.kind == Kind.EVAL else self.step
+        if request.stage != self.stage.index or request.step != step:
+            return f"request for stage {request.stage} step {request.step}; this is stage {self.stage.index} step {step}"
         loss = request.kind in (Kind.LOSS, Kind.CHECK_LOSS)
         if loss and not last:
             return "only the last stage computes the loss"
@@ -209,6 +234,8 @@ class StageReplica:
         if request.kind == Kind.HOLDINGS:
             ids = torch.tensor(sorted(self._held.get(sender, ())), dtype=torch.int64)
             return Frame(Kind.HELD, request.step, 0, request.stage, tensors=(ids,) if len(ids) else ()), None
+        if request.kind == Kind.EVAL:
+            return self._evaluate(request), None
         x = request.tensors[0]
         key = (request.step, request.microbatch)
         if request.kind == Kind.FORWARD:
@@ -254,6 +281,25 @@ class StageReplica:
         if x.requires_grad:
             return Frame(reply.kind, reply.step, reply.microbatch, reply.stage, reply.value, (grads[0],)), accumulated
         return reply, accumulated
+
+    def _evaluate(self, request: Frame) -> Frame:
+        """The answer to an EVAL: the stage's output in eval mode (its training mode restored after:
+        the lock keeps any other computation out meanwhile), or at the last stage the SCORE of its
+        targets (mean loss, and the correct predictions among how many)."""
+        training = self.stage.training
+        self.stage.eval()
+        try:
+            with torch.no_grad():
+                out = self.stage(request.tensors[0])
+                if self.stage.index < self.stage.count - 1:
+                    return Frame(Kind.OUTPUT, request.step, request.microbatch, request.stage, tensors=(out,))
+                targets = request.tensors[1]
+                loss = float(self.loss(out, targets))
+                hits = int((out.reshape(-1, out.shape[-1]).argmax(-1) == targets.reshape(-1)).sum())
+        finally:
+            self.stage.train(training)
+        score = torch.tensor([hits, targets.numel()], dtype=torch.int64)
+        return Frame(Kind.SCORE, request.step, request.microbatch, request.stage, loss, (score,))
 
 
 async def serve_requests(channel: Channel, current: Callable[[], StageReplica | None]) -> None:

@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Awaitable, Callable, Iterable
 
+import torch
 import trio
 
 from p2ptrain.ipfs import ContentUnavailable
+from p2ptrain.pipeline import PipelineError
 from p2ptrain.base import short_id
 from p2ptrain.run._datafeed import DataFeed
 from p2ptrain.run._run_state import Nudge, RunState
@@ -67,6 +70,29 @@ class Attesting:
         except ContentUnavailable as exc:
             # Metrics are a report, not part of the model: publish without them rather than stall.
             logger.warning("%s: cannot evaluate (test data unavailable: %s)", run.log_prefix, exc)
+
+    async def evaluate_through(
+        self, metrics: dict[str, float],
+        evaluate: Callable[[Iterable[tuple[torch.Tensor, torch.Tensor]]], Awaitable[dict[str, float]]],
+    ) -> None:
+        """A pipelined checkpoint's :meth:`evaluate`: the test split's loss and accuracy added to
+        ``metrics`` by ``evaluate`` (the run's StageRounds.evaluate: through the stages), when the
+        task has a test split and a replica of every stage answers in time."""
+        run = self.run
+        if run.task.dataset is None:
+            return  # the members' own data: no member holds the whole model to evaluate on it
+        try:
+            await self.data.fetch_test_split()
+            # Read from the store in a worker thread, as the data-parallel evaluation does (the split
+            # is what this member holds already; its batches' tokens are small beside a model).
+            batches = await trio.to_thread.run_sync(lambda: list(self.data.test_batches()))
+            began = trio.current_time()
+            metrics.update(await evaluate(batches))
+            logger.info("%s: test split evaluated through the stages in %.0f ms", run.log_prefix,
+                        1e3 * (trio.current_time() - began))
+        except (ContentUnavailable, PipelineError) as exc:
+            # Metrics are a report, not part of the model: publish without them rather than stall.
+            logger.warning("%s: cannot evaluate through the stages (%s)", run.log_prefix, exc)
 
     async def checkpoint_stored(
         self, plan: RoundPlan, step: int, model_cid: str, optim_cid: str, metrics: dict[str, float] | None

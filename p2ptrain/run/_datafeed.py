@@ -7,6 +7,7 @@ import logging
 from collections.abc import Iterator
 from typing import Any
 
+import torch
 import trio
 
 from p2ptrain.data import IPFSDataset
@@ -75,11 +76,17 @@ class DataFeed:
         trainer, _ = run.require()
         if run.task.dataset is None:
             return trainer.evaluate_own()
-        split = run.task.dataset.test_split
-        dataset = IPFSDataset(run.task.dataset.manifest, split=split, store=run.content.store, shuffle=False)
-        batches = batched(dataset, run.task.training.eval_batch_size)
+        batches = self.test_batches()
         metrics = trainer.evaluate(batches) if snapshot is None else trainer.evaluate_snapshot(snapshot, batches)
         return {"accuracy": metrics.accuracy, "loss": metrics.loss}
+
+    def test_batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """The task's test split (fetched: :meth:`fetch_test_split`) in evaluation batches, in order."""
+        run = self.run
+        assert run.task.dataset is not None
+        split = run.task.dataset.test_split
+        dataset = IPFSDataset(run.task.dataset.manifest, split=split, store=run.content.store, shuffle=False)
+        return batched(dataset, run.task.training.eval_batch_size)
 
     async def replicate(self) -> None:
         """Hold every shard (training, then test), after our own: if the peer that published the

@@ -15,6 +15,7 @@ or with ``[training] overlap_checkpoints`` from a copy taken before it, while it
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -213,9 +214,12 @@ class Spans:
             if self.stages is not None:
                 cid = await self.stages.checkpoint(plan)
                 if cid is not None:
-                    # The record names the stages' manifest; no member holds the whole model to
-                    # evaluate, so its metrics are the training's (docs/pipeline.md).
-                    await self.attesting.checkpoint_stored(plan, step, cid, cid, self.attesting.span_metrics(plan))
+                    # The record names the stages' manifest; no member holds the whole model, so the
+                    # coordinator evaluates through the stages (docs/pipeline.md, "Test metrics").
+                    metrics = self.attesting.span_metrics(plan)
+                    if metrics is not None:
+                        await self.attesting.evaluate_through(metrics, functools.partial(self.stages.evaluate, plan))
+                    await self.attesting.checkpoint_stored(plan, step, cid, cid, metrics)
                     if self._settling is not None:  # while the next span trains (run/_stage_copies.py)
                         self._settling.start_soon(keep_stage_copies, run, cid, self.stages.stage_of(plan))
                     return

@@ -46,7 +46,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -56,9 +56,10 @@ from libp2p.peer.id import ID
 from p2ptrain.base import short_id
 from p2ptrain.collective import Misbehaved
 from p2ptrain.net import Channel, serve_channels
-from p2ptrain.pipeline import (ChannelPool, Driver, HopDeadlines, MAX_STREAMS_PER_PEER, PipelineError, PROTOCOL,
-                               serve_requests, StageReplica, sum_stage_gradients, Wiring)
-from p2ptrain.protocol import check_key_message, owner_seed, round_seed, shard_of, stage_rings, stage_round_id
+from p2ptrain.pipeline import (ChannelPool, Driver, evaluate_stages, HopDeadlines, MAX_STREAMS_PER_PEER, PipelineError,
+                               PROTOCOL, serve_requests, StageReplica, sum_stage_gradients, Wiring)
+from p2ptrain.protocol import (check_key_message, owner_seed, round_id, round_seed, shard_of, stage_rings,
+                               stage_round_id)
 from p2ptrain.run._run_state import RunState
 from p2ptrain.run._stage_checkpoints import load_confirmed_stage, store_stage_checkpoint
 from p2ptrain.run._stage_sum import SparseStageSum
@@ -81,6 +82,11 @@ HOP_CEILING_S = STEP_TIMEOUT_S / 2
 # Microbatches one driver has in flight at once: within what a replica takes from one peer at once
 # (pipeline MAX_STREAMS_PER_PEER), enough to keep every stage busy.
 IN_FLIGHT = 4
+# The longest a checkpoint's evaluation through the stages takes (pipeline/_evaluation.py). The
+# coordinator evaluates before it joins the next span's first step summary, whose replicas send their
+# entries at once: those channels wait at the coordinator at most the collective's 30 s parking
+# window (collective/_inbox.py), so the evaluation ends well within it.
+EVAL_DEADLINE_S = 20.0
 
 
 def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -118,6 +124,9 @@ class StageRounds:
         self._plan: RoundPlan | None = None
         self._driver: Driver | None = None
         self._replica: StageReplica | None = None
+        # What answers the evaluations of this member's stage (EVAL, pipeline/_evaluation.py): its
+        # replica; a driver's, one that answers nothing else (it has no senders).
+        self._evaluee: StageReplica | None = None
         self._serving = False
         # As a driver: the channels to the replicas, reused hop after hop, plan after plan.
         self._pool = ChannelPool(run.collective.host, self.protocol, clock=time.monotonic)
@@ -153,6 +162,8 @@ class StageRounds:
         encoding = task.pipeline.activations
         host = run.collective.host
         rings = stage_rings(plan)
+        # Any member of the plan may be its coordinator, whose evaluation asks every stage (EVAL only).
+        evaluators = [ID.from_base58(m) for m in plan.members if m != run.me]
         if index == 0:
             replicas = {s: [ID.from_base58(m) for m in ring] for s, ring in enumerate(rings) if s > 0}
             rank, _ = shard_of(plan, run.me)
@@ -164,7 +175,10 @@ class StageRounds:
                                   check_key=host.get_private_key().sign(check_key_message(plan)))
         else:
             self._replica = StageReplica(host, stage, _loss, senders=[ID.from_base58(m) for m in rings[0]],
-                                         encoding=encoding, protocol=self.protocol)
+                                         encoding=encoding, protocol=self.protocol, evaluators=evaluators)
+        self._evaluee = self._replica or StageReplica(host, stage, _loss, senders=(), protocol=self.protocol,
+                                                      evaluators=evaluators)
+        self._evaluee.weights_step = trainer.step
         if not self._serving:
             serve_channels(host, self.protocol, self._answer, max_streams_per_peer=MAX_STREAMS_PER_PEER)
             self._serving = True
@@ -174,13 +188,13 @@ class StageRounds:
         closes the channels it kept as a driver. The handler stays installed: py-libp2p's multiselect
         looks a protocol up twice around an await, and a handler removed in between raised KeyError
         in the swarm, which took the node down."""
-        self._replica = self._driver = None
+        self._replica = self._evaluee = self._driver = None
         await self._pool.aclose()
 
     async def _answer(self, channel: Channel) -> None:
         # Each request by the replica of the plan current when it arrives; none (a driver, or
         # between plans): the channel is reset.
-        await serve_requests(channel, lambda: self._replica)
+        await serve_requests(channel, lambda: self._replica or self._evaluee)
 
     def _trainer(self) -> StagedTrainer:
         trainer, _ = self.run.require()
@@ -199,6 +213,9 @@ class StageRounds:
         began = time.perf_counter()
         loss, failed = 0.0, False
         if self._driver is not None:
+            # The replicas join the summary now and the drivers after their whole step: their
+            # channels wait here for it, however long a (first, slow) step takes within the summary's wait.
+            run.collective.announce(round_id(plan, index), STEP_TIMEOUT_S)
             self._driver.new_step(step)
             try:
                 loss = await self._drive(plan, batches)
@@ -235,6 +252,8 @@ class StageRounds:
                                       timeout=self.hop_timeout, robust=run.task.compression.robust, owner_seed=owners)
         applied = time.perf_counter()
         result = await trio.to_thread.run_sync(trainer.apply_stage, stage, summary.loss)
+        if self._evaluee is not None:
+            self._evaluee.weights_step = trainer.step
         timings.last_sync_s, timings.last_apply_s = applied - synced, time.perf_counter() - applied
         timings.sync_s += timings.last_sync_s
         timings.apply_s += timings.last_apply_s
@@ -284,6 +303,17 @@ class StageRounds:
                 gone = sorted(set(ring) - set(live))
                 raise PipelineError(f"stage {s}: replicas {', '.join(short_id(g) for g in gone)} gave no holdings")
         return sum(losses)
+
+    async def evaluate(self, plan: RoundPlan, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, float]:
+        """The test metrics of the weights at this checkpoint (``plan``'s span just ended), through a
+        replica of every stage and this member's own (pipeline/_evaluation.py); EvaluationFailed
+        when no metrics can be had within :data:`EVAL_DEADLINE_S`."""
+        trainer = self._trainer()
+        own = self.stage_of(plan)
+        replicas = {s: [ID.from_base58(m) for m in ring if m != self.run.me] for s, ring in enumerate(stage_rings(plan))}
+        got = await evaluate_stages(self.run.collective.host, replicas, trainer.stages, batches, step=trainer.step,
+                                    local=own, protocol=self.protocol, pool=self._pool, deadline_s=EVAL_DEADLINE_S)
+        return {"accuracy": got.accuracy, "loss": got.loss}
 
     async def checkpoint(self, plan: RoundPlan) -> str | None:
         """At the end of ``plan``'s span: this member's stage files stored and the manifest of every

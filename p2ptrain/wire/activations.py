@@ -1,5 +1,5 @@
-"""The frames of the stage protocol (``/p2ptrain/pipeline/1.2.0``; 1.1.0 and 1.0.0 had the same frames without the
-CHECK kinds): activations and their gradients.
+"""The frames of the stage protocol (``/p2ptrain/pipeline/1.3.0``; 1.2.0 had the same frames without the EVAL
+kinds, 1.1.0 and 1.0.0 without the CHECK kinds either): activations and their gradients.
 
 A frame is a 23-byte header (magic ``PP``, version, kind, step, microbatch id, stage, a float32 value
 and the number of tensors that follow) and up to :data:`MAX_TENSORS` tensors. A tensor is its
@@ -59,6 +59,10 @@ class Kind(IntEnum):
     # gradient the stage sums for that microbatch.
     CHECK_LOSS = 8
     CHECK_BACKWARD = 9
+    # An evaluation (protocol 1.3.0), for the test-split metrics of a checkpoint: the stage's input ->
+    # OUTPUT, or at the last stage its input and targets -> SCORE; no graph kept, nothing accumulated.
+    EVAL = 10
+    SCORE = 11  # value: the batch's mean loss; one i64 tensor (correct predictions, predictions)
 
 
 class Encoding(IntEnum):

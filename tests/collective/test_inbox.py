@@ -118,3 +118,33 @@ async def test_a_handler_exception_is_a_counted_reset_and_the_host_keeps_serving
             (lambda p=p: p.collective.allreduce(torch.ones(64), [a.id, b.id], 2, RoundSpec(timeout=5.0))) for p in peers
         ])
         assert all(isinstance(r, torch.Tensor) for r in results), results
+
+
+async def test_an_announced_round_keeps_its_early_channels_past_the_parking_window(cluster, gather, monkeypatch):
+    """A pipelined step's summary: a replica joins the gather as the step starts, a driver once its
+    whole step is done, which (a slow first step) may be later than the parking window. Its channel
+    from the replica was dropped unclaimed, and the round lost; now the driver announces the round
+    as its step starts, and the channel waits for it. (The window is shortened, the step is a sleep.)"""
+    monkeypatch.setattr(inbox, "_PARK_S", 0.5)
+    step_s = 2.0  # the driver's step: four windows
+
+    async with cluster(2) as peers:
+        replica, driver = peers
+        ring = [replica.id, driver.id]
+        driver.collective.hub.expect(ring)
+
+        def join(p, round_id: int, announce: bool):
+            async def run():
+                if p is driver:
+                    if announce:
+                        driver.collective.announce(round_id, 30.0)
+                    await trio.sleep(step_s)
+                return await p.collective.gather(b"x", ring, round_id, max_bytes=8, check=lambda i, raw: None,
+                                                 timeout=5.0, start_timeout=10.0)
+            return run
+
+        before = await gather([join(p, 41, announce=False) for p in peers])
+        assert not any(isinstance(r, list) for r in before), before  # the window alone loses the round
+        assert driver.collective.hub.stats()["refused_park_expired"] >= 1
+        after = await gather([join(p, 42, announce=True) for p in peers])
+        assert after == [[b"x", b"x"], [b"x", b"x"]], after

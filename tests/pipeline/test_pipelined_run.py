@@ -32,7 +32,8 @@ from p2ptrain.protocol._plans import plan_stages
 from p2ptrain.run._stages import StageRounds
 from p2ptrain.task import load_task, task_bytes
 from p2ptrain.testing import LocalPeers, local_peers
-from p2ptrain.training import is_manifest, model_file, PositionedBatches, stage_file_cids, Trainer
+from p2ptrain.training import (batched, is_manifest, model_file, PositionedBatches, stage_file_cids,
+                                Trainer)
 
 DEADLINE_S = 240.0
 STEP_S = 120.0
@@ -114,6 +115,16 @@ def single_process(task_text: str, store: Any, manifest: str, members: tuple[str
         x, y = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
         trainer.apply(trainer.compute_gradient(iter([(x, y)])))
     return trainer.model_tensors()
+
+
+def evaluate_whole(task_text: str, store: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    """One process's test metrics of the model ``tensors`` (a record's, assembled)."""
+    task = load_task(task_text)
+    trainer = Trainer(task, total_steps=STEPS, device="cpu")
+    trainer.model.load_state_dict(tensors)
+    assert task.dataset is not None
+    split = IPFSDataset(task.dataset.manifest, split=task.dataset.test_split, store=store, shuffle=False)
+    return trainer.evaluate(batched(split, task.training.eval_batch_size))
 
 
 async def test_a_pipelined_task_trains_as_one_process_and_goes_on_when_a_replica_leaves(
@@ -198,6 +209,11 @@ async def test_a_pipelined_task_trains_as_one_process_and_goes_on_when_a_replica
             assert set(confirmed) == set(expected)
             for name, tensor in expected.items():
                 torch.testing.assert_close(confirmed[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+            # Its test metrics, computed through the stages by the coordinator, are those one process
+            # computes on the assembled model (within float rounding: fp32 activations and answers).
+            evaluated = await trio.to_thread.run_sync(evaluate_whole, TASK.format(manifest=manifest), store, confirmed)
+            assert record.metrics["loss"] == pytest.approx(evaluated.loss, rel=1e-5)
+            assert record.metrics["accuracy"] == pytest.approx(evaluated.accuracy, abs=1e-9)
 
             # The run goes on without it to its last step, and the survivors confirm the same chain.
             def done() -> list[dict[str, Any]] | None:
@@ -225,4 +241,6 @@ async def test_a_pipelined_task_trains_as_one_process_and_goes_on_when_a_replica
                 home.node.home, model_cid=None, task_cid=task_cid, bootstrap=[], evaluate=True))
             assert report.problems == [] and report.version == chain[-1][0], report.problems
             assert any("stage manifest hashed again" in line for line in report.checked), report.checked
-            assert report.eval is not None and report.eval["recorded"] == {"accuracy": None, "loss": None}
+            # ... and the last record's test metrics are recomputed on it and agree (problems == []).
+            assert report.eval is not None and report.eval["recorded"]["loss"] is not None
+            assert report.eval["recorded"]["loss"] == pytest.approx(report.eval["recomputed"]["loss"], abs=1e-3)
