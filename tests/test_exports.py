@@ -69,9 +69,10 @@ EXPORTS: dict[str, list[str]] = {
         "model_file_limit", "pieces_of", "stage_sizes", "whole_model_cap",
     ],
     "p2ptrain.pipeline": [
-        "ChannelPool", "Cut", "DoubleCounted", "Driver", "HopDeadlines", "KEEP_GRAPHS", "MAX_STREAMS_PER_PEER", "PROTOCOL",
-        "PartitionError", "PipelineError", "Stage", "StageReplica", "StageUnavailable", "Wiring", "balanced_cut",
-        "is_checked", "partition", "pieces_of", "serve_requests", "sum_stage_gradients",
+        "ChannelPool", "Cut", "DoubleCounted", "Driver", "Evaluation", "EvaluationFailed", "HopDeadlines", "KEEP_GRAPHS",
+        "MAX_STREAMS_PER_PEER", "Outvoted", "PROTOCOL", "PartitionError", "PipelineError", "Stage", "StageReplica",
+        "StageUnavailable", "Wiring", "balanced_cut", "evaluate_stages", "is_checked", "partition", "pieces_of",
+        "serve_requests", "sum_stage_gradients",
     ],
     "p2ptrain.net": [
         "Channel", "ChannelClosed", "ChannelError", "MessageTooLarge", "PubsubMessageTooLarge",

@@ -50,7 +50,7 @@ def test_add_folder(tmp_path):
 def test_errors_are_one_line(tmp_path):
     for args, message in [
         (("add", "sklearn:digits", "--shards", "5000"), "cannot fill 5000 shards"),
-        (("add", str(tmp_path / "nope"), "--shards", "2"), "not a folder"),
+        (("add", str(tmp_path / "nope"), "--shards", "2"), "no such file or folder"),
         (("info", "QmT78zSuBmuS4z925WZfrqQ1qHaJ56DQaTfyMUF7F8ff5o"), "not held locally"),
     ]:
         result = run(*args, home=tmp_path)
