@@ -35,6 +35,7 @@ if TYPE_CHECKING:  # the runtime imports torch: only local_peers' users pay for 
     from libp2p.peer.id import ID
 
     from p2ptrain.mesh import Membership
+    from p2ptrain.run._run_state import RunState
     from p2ptrain.services import Peer, TaskOptions
 
 T = TypeVar("T")
@@ -184,6 +185,14 @@ class LocalPeers(Sequence["Peer"]):
     def running(self) -> list[Peer]:
         """The peers whose node has not been stopped."""
         return [p for p in self._peers if p is not None and not p.node.stopped.is_set()]
+
+    async def join_all(self, task_cid: str) -> list[RunState]:
+        """Every peer joins the task ``task_cid`` at once (as members started together would); the
+        runs' shared states, in the peers' order. Bound it with ``trio.fail_after``."""
+        async with trio.open_nursery() as nursery:
+            for peer in self._peers:
+                nursery.start_soon(peer.tasks.join, task_cid)
+        return [peer.tasks.runs[task_cid].shared for peer in self._peers]
 
     async def add_peer(self, *, see_all: bool = True) -> Peer:
         """Start one more full peer (home ``<base>/peer<i>``), bootstrapping from every running one;

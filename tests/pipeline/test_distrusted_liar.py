@@ -71,10 +71,7 @@ async def test_a_replica_lying_to_one_driver_is_routed_around_and_the_run_goes_o
     with trio.fail_after(DEADLINE_S):
         async with local_peers(6, tmp_path) as peers:
             _, task_cid = await publish(peers, TASK, shards=3)
-            async with trio.open_nursery() as nursery:
-                for peer in peers:
-                    nursery.start_soon(peer.tasks.join, task_cid)
-            run = peers[0].tasks.runs[task_cid].shared
+            run = (await peers.join_all(task_cid))[0]
 
             def liar_and_victim() -> tuple[str, str] | None:
                 plan = run.book.last_plan if run.book else None

@@ -77,10 +77,7 @@ async def test_a_replica_altering_its_outputs_is_convicted_named_and_left_out(tm
     with trio.fail_after(DEADLINE_S):
         async with local_peers(6, tmp_path) as peers:
             _, task_cid = await publish(peers, TASK, shards=3)
-            async with trio.open_nursery() as nursery:
-                for peer in peers:
-                    nursery.start_soon(peer.tasks.join, task_cid)
-            run = peers[0].tasks.runs[task_cid].shared
+            run = (await peers.join_all(task_cid))[0]
 
             def three_replicas() -> str | None:
                 plan = run.book.last_plan if run.book else None

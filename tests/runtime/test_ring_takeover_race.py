@@ -84,10 +84,7 @@ async def test_a_ring_takeover_during_a_round_that_completes_everywhere_is_follo
         async with local_peers(3, tmp_path) as peers:
             task_cid = await publish_digits_task(peers[0], total_steps=100_000, checkpoint_interval=CHECKPOINT_INTERVAL,
                                                  min_peers=3, max_peers=3)
-            async with trio.open_nursery() as nursery:
-                for peer in peers:
-                    nursery.start_soon(peer.tasks.join, task_cid)
-            runs = [p.tasks.runs[task_cid].shared for p in peers]
+            runs = await peers.join_all(task_cid)
             await peers.wait_until(lambda: len(held) == 3 or None, STEP_S, what="every member at step 2")
             old = next(r for r in runs if r.election.is_coordinator)
             old.election.step_down(trio.current_time())

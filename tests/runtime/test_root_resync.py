@@ -109,10 +109,7 @@ async def test_members_that_all_fell_out_of_step_at_v0_go_back_to_the_root_and_c
         async with local_peers(3, tmp_path) as peers:
             task_cid = await publish_digits_task(peers[0], total_steps=100_000, checkpoint_interval=CHECKPOINT_INTERVAL,
                                                  min_peers=3, max_peers=3)
-            async with trio.open_nursery() as nursery:
-                for peer in peers:
-                    nursery.start_soon(peer.tasks.join, task_cid)
-            runs = [p.tasks.runs[task_cid].shared for p in peers]
+            runs = await peers.join_all(task_cid)
             await peers.wait_until(lambda: len(gate.held) == 3 or None, STEP_S, what="every member at step 2")
             assert all(r.book.chain.version == 0 and r.trainer.step == HELD_STEP for r in runs)
             initial_optimizer = runs[0].content.store.cat(runs[0].initial_optimizer_cid)

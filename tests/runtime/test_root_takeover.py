@@ -53,10 +53,7 @@ async def test_members_that_left_a_plan_past_the_root_plan_from_the_root_and_con
         async with local_peers(3, tmp_path) as peers:
             task_cid = await publish_digits_task(peers[0], total_steps=100_000, checkpoint_interval=CHECKPOINT_INTERVAL,
                                                  min_peers=3, max_peers=3)
-            async with trio.open_nursery() as nursery:
-                for peer in peers:
-                    nursery.start_soon(peer.tasks.join, task_cid)
-            runs = [p.tasks.runs[task_cid].shared for p in peers]
+            runs = await peers.join_all(task_cid)
             await peers.wait_until(lambda: len(gate.held) == 3 or None, STEP_S, what="every member at step 3")
             assert all(r.book.chain.version == 0 and r.trainer.step == HELD_STEP for r in runs)
             coordinator = next(r for r in runs if r.election.is_coordinator)
@@ -98,10 +95,7 @@ async def test_a_retry_that_members_back_at_the_root_cannot_follow_goes_back_to_
         async with local_peers(3, tmp_path) as peers:
             task_cid = await publish_digits_task(peers[0], total_steps=100_000, checkpoint_interval=CHECKPOINT_INTERVAL,
                                                  min_peers=3, max_peers=3)
-            async with trio.open_nursery() as nursery:
-                for peer in peers:
-                    nursery.start_soon(peer.tasks.join, task_cid)
-            runs = [p.tasks.runs[task_cid].shared for p in peers]
+            runs = await peers.join_all(task_cid)
             await peers.wait_until(lambda: len(gate.held) == 3 or None, STEP_S, what="every member at step 3")
             coordinator = next(r for r in runs if r.election.is_coordinator)
             others = [r for r in runs if r is not coordinator]
