@@ -55,6 +55,7 @@ from p2ptrain.models import card_bytes, card_of
 from p2ptrain.protocol import load_model_bytes, model_bytes
 from p2ptrain.task import USER_MODEL, Task, parse_task
 from p2ptrain.training import GradientBridge, StepSkipped, Trainer, UserLocalSGDTrainer, UserTrainer, module_device
+from p2ptrain.training._optimizers import slow_on_sparse
 
 log = logging.getLogger(__name__)
 
@@ -70,14 +71,6 @@ READY_TIMEOUT_S = 600.0
 
 class RunFinished(UserError):
     """The run reached its last step: there is no step to take part in any more."""
-
-
-def slow_on_sparse(optimizer: torch.optim.Optimizer, density: float) -> bool:
-    """Whether ``optimizer`` takes torch's slow path on the averages of a run of ``density``: a sparse
-    average leaves most of Adam's second moment at 0, where the default (unfused) kernel takes
-    1.6-2x the time per step at 4.3M parameters (docs/benchmarks.md, issue 29)."""
-    return density < 1.0 and isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)) \
-        and not optimizer.defaults.get("fused")
 
 
 class Optimizer:

@@ -54,3 +54,11 @@ def build_optimizer(task: Task, params: Iterable[nn.Parameter]) -> torch.optim.O
     assert o.beta1 is not None and o.beta2 is not None and o.eps is not None
     return cls(params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay,
                fused=True)
+
+
+def slow_on_sparse(optimizer: torch.optim.Optimizer, density: float) -> bool:
+    """Whether a user's ``optimizer`` takes the slow path above (build_optimizer) on the averages of a
+    run of ``density``: an unfused Adam or AdamW under a sparse average took 1.6-2x the time per step
+    at 4.3M parameters (docs/benchmarks.md, issue 29)."""
+    return density < 1.0 and isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)) \
+        and not optimizer.defaults.get("fused")
