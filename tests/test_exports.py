@@ -104,7 +104,7 @@ EXPORTS: dict[str, list[str]] = {
         "stage_verdicts", "state_bytes", "statement_bytes", "tensors_bytes", "throughput", "write_state_file",
     ],
     "p2ptrain.run": [
-        "HOP_TIMEOUT_S", "RunDir", "StagedTrainer", "TaskRun", "initial_manifest", "record_naming",
+        "HOP_TIMEOUT_S", "RunDir", "RunState", "StagedTrainer", "TaskRun", "initial_manifest", "record_naming",
     ],
     "p2ptrain.serve": [
         "MAX_CONNECTIONS", "ServeError", "Server", "TemporaryFollower", "open_model", "predict", "serve",
@@ -139,7 +139,7 @@ EXPORTS: dict[str, list[str]] = {
         "describe_model_file", "evaluate_batches", "export_pretrained",
         "import_pretrained", "is_manifest", "load_model", "loss_and_hits", "lr_at", "manifest_bytes",
         "model_file", "model_from_bytes", "module_device", "new_trainer", "read_manifest", "resolve_device",
-        "round_spec", "run_round",
+        "round_spec", "run_round", "slow_on_sparse",
         "stage_file_cids", "stage_signatures_problem", "warm_up_torch",
     ],
     "p2ptrain.wire": [

@@ -54,8 +54,9 @@ from p2ptrain.node import NodeConfig
 from p2ptrain.models import card_bytes, card_of
 from p2ptrain.protocol import load_model_bytes, model_bytes
 from p2ptrain.task import USER_MODEL, Task, parse_task
-from p2ptrain.training import GradientBridge, StepSkipped, Trainer, UserLocalSGDTrainer, UserTrainer, module_device
-from p2ptrain.training._optimizers import slow_on_sparse
+from p2ptrain.training import (
+    GradientBridge, StepSkipped, Trainer, UserLocalSGDTrainer, UserTrainer, module_device, slow_on_sparse,
+)
 
 log = logging.getLogger(__name__)
 

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from p2ptrain.run._run_dir import record_naming as record_naming, RunDir as RunDir
+    from p2ptrain.run._run_state import RunState as RunState
     from p2ptrain.run._spans import HOP_TIMEOUT_S as HOP_TIMEOUT_S
     from p2ptrain.run._stage_checkpoints import initial_manifest as initial_manifest
     from p2ptrain.run._stage_trainer import StagedTrainer as StagedTrainer

@@ -35,7 +35,7 @@ if TYPE_CHECKING:  # the runtime imports torch: only local_peers' users pay for 
     from libp2p.peer.id import ID
 
     from p2ptrain.mesh import Membership
-    from p2ptrain.run._run_state import RunState
+    from p2ptrain.run import RunState
     from p2ptrain.services import Peer, TaskOptions
 
 T = TypeVar("T")

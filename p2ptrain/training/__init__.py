@@ -28,7 +28,11 @@ if TYPE_CHECKING:
         PretrainedError as PretrainedError,
     )
     from p2ptrain.training._local_sgd import LocalSGDTrainer as LocalSGDTrainer, new_trainer as new_trainer
-    from p2ptrain.training._optimizers import lr_at as lr_at, warm_up_torch as warm_up_torch
+    from p2ptrain.training._optimizers import (
+        lr_at as lr_at,
+        slow_on_sparse as slow_on_sparse,
+        warm_up_torch as warm_up_torch,
+    )
     from p2ptrain.training._sync import (
         PlanAverager as PlanAverager,
         round_spec as round_spec,

@@ -163,7 +163,7 @@ def test_train_default_optimizer_takes_the_fast_kernel_and_earns_no_warning() ->
     """``p2ptrain.train`` without ``optimizer=`` warned that the Adam it chose itself was slow on
     sparse averages ("pass fused=True"): the user had chosen nothing. Its default is now fused, and
     takes a step on the mostly zero gradient a sparse average leaves."""
-    from p2ptrain.training._optimizers import slow_on_sparse
+    from p2ptrain.training import slow_on_sparse
     from p2ptrain.api._train import _optimizer
 
     model = _net()
