@@ -43,7 +43,7 @@ async def main(args: argparse.Namespace) -> None:
             replicas[s] = [hosts[s].id]
         for _ in range(args.repeat):
             began = time.perf_counter()
-            got = await evaluate_stages(hosts[2].host, replicas, cut, batches, step=0, local=2)
+            got = await evaluate_stages(hosts[2].host, replicas, cut, lm_loss, batches, step=0, local=2)
             staged = time.perf_counter() - began
             began = time.perf_counter()
             one = evaluate_batches(torch.nn.Sequential(*cut), batches)

@@ -33,7 +33,7 @@ from p2ptrain.net import ChannelError
 from p2ptrain.pipeline._channels import ChannelPool
 from p2ptrain.pipeline._driver import PipelineError
 from p2ptrain.pipeline._partition import output_shape
-from p2ptrain.pipeline._replica import PROTOCOL
+from p2ptrain.pipeline._replica import eval_forward, eval_score, Loss, PROTOCOL
 from p2ptrain.wire.activations import ActivationError, decode_frame, DEFAULT_LIMITS, encode_frame, Frame, Kind, Limits
 
 # A hop's deadline and the whole evaluation's, unless the caller says otherwise.
@@ -58,7 +58,7 @@ class _BadAnswer(Exception):
 
 
 async def evaluate_stages(
-    host: IHost, replicas: Mapping[int, Sequence[ID]], cut: Sequence[nn.Module],
+    host: IHost, replicas: Mapping[int, Sequence[ID]], cut: Sequence[nn.Module], loss: Loss,
     batches: Iterable[tuple[torch.Tensor, torch.Tensor]], *, step: int, local: int | None = None,
     protocol: str = PROTOCOL, limits: Limits = DEFAULT_LIMITS, hop_timeout: float = EVAL_HOP_TIMEOUT_S,
     deadline_s: float = EVAL_DEADLINE_S, max_samples: int | None = None,
@@ -66,9 +66,10 @@ async def evaluate_stages(
 ) -> Evaluation:
     """The mean loss and accuracy of the model ``cut`` into stages over ``batches`` (input, targets),
     each stage computed by one of its ``replicas`` (tried in order), except stage ``local``, computed
-    here from ``cut[local]``. ``cut``: every stage's module (those not held here on the meta device:
-    only their output shapes are used, to check the answers). ``step``: what the replicas serve now
-    (each refuses another step). :class:`EvaluationFailed` when it cannot complete (module doc)."""
+    here from ``cut[local]``; ``loss``: the last stage's, as its replicas have it. ``cut``: every
+    stage's module (those not held here on the meta device: only their output shapes are used, to
+    check the answers). ``step``: what the replicas serve now (each refuses another step).
+    :class:`EvaluationFailed` when it cannot complete (module doc)."""
     own = pool if pool is not None else ChannelPool(host, protocol, clock=time.monotonic)
     left_out: set[Hashable] = set()
     loss_sum, hits, predictions, samples = 0.0, 0, 0, 0
@@ -81,9 +82,9 @@ async def evaluate_stages(
                     x, targets = x[: max_samples - samples], targets[: max_samples - samples]
                 for s in range(len(cut) - 1):
                     x = await _through(own, replicas, cut, left_out, s, local, step, mb, (x,), hop_timeout, limits)
-                loss, h = await _scored(own, replicas, cut, left_out, local, step, mb, x, targets, hop_timeout, limits)
+                mean, h = await _scored(own, replicas, cut, loss, left_out, local, step, mb, x, targets, hop_timeout, limits)
                 n = targets.numel()
-                loss_sum, hits, predictions, samples = loss_sum + loss * n, hits + h, predictions + n, samples + len(x)
+                loss_sum, hits, predictions, samples = loss_sum + mean * n, hits + h, predictions + n, samples + len(x)
         if scope.cancelled_caught:
             raise EvaluationFailed(f"the evaluation took over {deadline_s:.0f} s ({samples} samples done)")
     finally:
@@ -94,17 +95,6 @@ async def evaluate_stages(
     return Evaluation(loss=loss_sum / predictions, accuracy=hits / predictions, samples=samples, predictions=predictions)
 
 
-def _local_forward(stage: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    training = stage.training
-    stage.eval()
-    try:
-        with torch.no_grad():
-            out: torch.Tensor = stage(x)
-            return out
-    finally:
-        stage.train(training)
-
-
 async def _through(
     pool: ChannelPool, replicas: Mapping[int, Sequence[ID]], cut: Sequence[nn.Module], left_out: set[Hashable],
     stage: int, local: int | None, step: int, mb: int, tensors: tuple[torch.Tensor, ...], hop_timeout: float,
@@ -112,7 +102,7 @@ async def _through(
 ) -> torch.Tensor:
     """Stage ``stage``'s output for ``tensors[0]`` (a middle stage): here, or from a replica."""
     if stage == local:
-        return await trio.to_thread.run_sync(_local_forward, cut[stage], tensors[0])
+        return await trio.to_thread.run_sync(eval_forward, cut[stage], tensors[0])
     want = output_shape(cut[stage], tensors[0])
     answer = await _ask(pool, replicas, left_out, stage, step, mb, tensors, hop_timeout, limits,
                         lambda a: a.kind == Kind.OUTPUT and len(a.tensors) == 1 and a.tensors[0].shape == want)
@@ -120,16 +110,15 @@ async def _through(
 
 
 async def _scored(
-    pool: ChannelPool, replicas: Mapping[int, Sequence[ID]], cut: Sequence[nn.Module], left_out: set[Hashable],
-    local: int | None, step: int, mb: int, x: torch.Tensor, targets: torch.Tensor, hop_timeout: float, limits: Limits,
+    pool: ChannelPool, replicas: Mapping[int, Sequence[ID]], cut: Sequence[nn.Module], loss: Loss,
+    left_out: set[Hashable], local: int | None, step: int, mb: int, x: torch.Tensor, targets: torch.Tensor,
+    hop_timeout: float, limits: Limits,
 ) -> tuple[float, int]:
     """The last stage's mean loss and correct predictions for ``x`` and ``targets``."""
     last = len(cut) - 1
     if last == local:
-        out = await trio.to_thread.run_sync(_local_forward, cut[last], x)
-        flat = out.reshape(-1, out.shape[-1]).float()
-        loss = torch.nn.functional.cross_entropy(flat, targets.reshape(-1).long())
-        return float(loss), int((flat.argmax(-1) == targets.reshape(-1)).sum())
+        out = await trio.to_thread.run_sync(eval_forward, cut[last], x)
+        return eval_score(out, targets, loss)
     n = targets.numel()
 
     def valid(a: Frame) -> bool:

@@ -36,6 +36,7 @@ import logging
 from collections.abc import Callable, Collection, Hashable
 
 import torch
+from torch import nn
 import trio
 from libp2p.abc import IHost
 
@@ -283,23 +284,36 @@ class StageReplica:
         return reply, accumulated
 
     def _evaluate(self, request: Frame) -> Frame:
-        """The answer to an EVAL: the stage's output in eval mode (its training mode restored after:
-        the lock keeps any other computation out meanwhile), or at the last stage the SCORE of its
-        targets (mean loss, and the correct predictions among how many)."""
-        training = self.stage.training
-        self.stage.eval()
-        try:
-            with torch.no_grad():
-                out = self.stage(request.tensors[0])
-                if self.stage.index < self.stage.count - 1:
-                    return Frame(Kind.OUTPUT, request.step, request.microbatch, request.stage, tensors=(out,))
-                targets = request.tensors[1]
-                loss = float(self.loss(out, targets))
-                hits = int((out.reshape(-1, out.shape[-1]).argmax(-1) == targets.reshape(-1)).sum())
-        finally:
-            self.stage.train(training)
+        """The answer to an EVAL: the stage's output in eval mode (the lock keeps any other
+        computation out meanwhile), or at the last stage the SCORE of its targets (mean loss, and the
+        correct predictions among how many)."""
+        out = eval_forward(self.stage, request.tensors[0])
+        if self.stage.index < self.stage.count - 1:
+            return Frame(Kind.OUTPUT, request.step, request.microbatch, request.stage, tensors=(out,))
+        targets = request.tensors[1]
+        loss, hits = eval_score(out, targets, self.loss)
         score = torch.tensor([hits, targets.numel()], dtype=torch.int64)
         return Frame(Kind.SCORE, request.step, request.microbatch, request.stage, loss, (score,))
+
+
+def eval_forward(stage: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``stage``'s output for ``x`` in eval mode with no graph, its training mode restored after: an
+    evaluation's hop, here or at a replica (pipeline/_evaluation.py)."""
+    training = stage.training
+    stage.eval()
+    try:
+        with torch.no_grad():
+            out: torch.Tensor = stage(x)
+            return out
+    finally:
+        stage.train(training)
+
+
+def eval_score(out: torch.Tensor, targets: torch.Tensor, loss: Loss) -> tuple[float, int]:
+    """The last stage's mean ``loss`` and correct predictions for its evaluated output ``out``."""
+    with torch.no_grad():
+        hits = int((out.reshape(-1, out.shape[-1]).argmax(-1) == targets.reshape(-1)).sum())
+        return float(loss(out, targets)), hits
 
 
 async def serve_requests(channel: Channel, current: Callable[[], StageReplica | None]) -> None:

@@ -314,7 +314,7 @@ class StageRounds:
         # metrics; a stage left with none of another gets no metrics (EvaluationFailed), as its step would fail.
         replicas = {s: [ID.from_base58(m) for m in ring if m != self.run.me and m not in self._accused]
                     for s, ring in enumerate(stage_rings(plan))}
-        got = await evaluate_stages(self.run.collective.host, replicas, trainer.stages, batches, step=trainer.step,
+        got = await evaluate_stages(self.run.collective.host, replicas, trainer.stages, _loss, batches, step=trainer.step,
                                     local=own, protocol=self.protocol, pool=self._pool, deadline_s=EVAL_DEADLINE_S)
         return {"accuracy": got.accuracy, "loss": got.loss}
 

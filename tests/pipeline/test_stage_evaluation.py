@@ -71,7 +71,7 @@ async def test_evaluation_through_the_stages_is_one_process_evaluation():
     batches = split_batches()
     async with stage_hosts() as (hosts, cut, replicas, servers):
         with trio.fail_after(DEADLINE_S):
-            got = await evaluate_stages(hosts[0].host, replicas, cut, batches, step=0, local=2)
+            got = await evaluate_stages(hosts[0].host, replicas, cut, lm_loss, batches, step=0, local=2)
         expected = evaluate_batches(assembled(cut), batches)
         for stage in cut:
             stage.train()
@@ -91,7 +91,7 @@ async def test_a_replica_answering_garbage_is_passed_over():
     batches = split_batches()
     async with stage_hosts(garbage=2) as (hosts, cut, replicas, servers):
         with trio.fail_after(DEADLINE_S):
-            got = await evaluate_stages(hosts[0].host, replicas, cut, batches, step=0, local=2)
+            got = await evaluate_stages(hosts[0].host, replicas, cut, lm_loss, batches, step=0, local=2)
         expected = evaluate_batches(assembled(cut), batches)
         assert got.loss == pytest.approx(expected.loss, rel=1e-6, abs=1e-6)
         assert servers[1].evaluations == len(batches)  # host 3, the other replica of stage 1
@@ -101,16 +101,16 @@ async def test_the_evaluation_is_bounded():
     batches = split_batches()
     async with stage_hosts() as (hosts, cut, replicas, servers):
         with trio.fail_after(DEADLINE_S):
-            part = await evaluate_stages(hosts[0].host, replicas, cut, batches, step=0, local=2, max_samples=7)
+            part = await evaluate_stages(hosts[0].host, replicas, cut, lm_loss, batches, step=0, local=2, max_samples=7)
             assert part.samples == 7
             assert part.loss == pytest.approx(evaluate_batches(assembled(cut), [(batches[0][0], batches[0][1]),
                                                                                  (batches[1][0][:2], batches[1][1][:2])]).loss,
                                               rel=1e-6, abs=1e-6)
             with pytest.raises(EvaluationFailed, match="took over"):
-                await evaluate_stages(hosts[0].host, replicas, cut, batches, step=0, local=2, deadline_s=0.0)
+                await evaluate_stages(hosts[0].host, replicas, cut, lm_loss, batches, step=0, local=2, deadline_s=0.0)
             # A step the replicas do not serve is refused by both replicas of stage 0: no metrics.
             with pytest.raises(EvaluationFailed, match="no replica of stage 0"):
-                await evaluate_stages(hosts[0].host, replicas, cut, batches, step=5, local=2, hop_timeout=2.0)
+                await evaluate_stages(hosts[0].host, replicas, cut, lm_loss, batches, step=5, local=2, hop_timeout=2.0)
 
 
 async def test_an_evaluator_is_answered_eval_only():
