@@ -54,7 +54,9 @@ async def test_the_view_is_capped_gone_peers_expire_and_status_stays_bounded(tmp
     caplog.set_level(logging.INFO, logger=membership_module.__name__)
     async with local_mesh(3, tmp_path) as (victim, honest, attacker):
         victim.membership.max_records = 100
-        victim.membership.gone_ttl = 1.0
+        # Nothing is forgotten while the 150 arrive: on a loaded machine sending them takes longer
+        # than silence + a short gone_ttl, and the view would shrink below the status cap it pins.
+        victim.membership.gone_ttl = 3600.0
         heard = hearing(victim)
         fresh = {await heartbeat_from_a_fresh_identity(attacker) for _ in range(150)}
         with trio.fail_after(20):
@@ -65,11 +67,11 @@ async def test_the_view_is_capped_gone_peers_expire_and_status_stays_bounded(tmp
         assert {r.peer_id for r in victim.membership.alive()} >= {honest.peer_id, attacker.peer_id}
         status = victim.status()
         assert len(status.peers) == STATUS_MAX_PEERS and status.peers_total <= 100
-        # At least 50 of the 150 left the view: pushed out by newcomers, or, where sending them took
-        # longer than silence + gone_ttl (a loaded machine), already forgotten as silent.
-        assert status.membership["evicted"] + victim.membership.expired >= 50
+        # At least 50 of the 150 were pushed out of the view by newcomers.
+        assert status.membership["evicted"] >= 50
         assert len(json.dumps(status.to_json())) < 150_000
         # The fresh identities fall silent: marked gone, then forgotten after gone_ttl.
+        victim.membership.gone_ttl = 1.0
         with trio.fail_after(30):
             while len(victim.membership.all()) > 2:
                 await trio.sleep(0.1)
