@@ -94,6 +94,10 @@ def test_the_outer_state_travels_in_the_stage_file_and_a_failed_round_leaves_the
         member.apply_outer(1, 2, 0.0)
     assert all(torch.equal(a, b) for a, b in zip(joiner.stages[1].parameters(), members[1].stages[1].parameters(),
                                                  strict=True))
+    # That outer step rolled back (it failed elsewhere; the retry plan repeats it): the stage's bits and
+    # outer state are the loaded files' again.
+    joiner.align(1)
+    assert joiner.step == 1 and joiner.stage_files(1) == (model, optim)
     # A round that fails midway: the stage goes back to the weights it began with.
     before = [p.detach().clone() for p in members[1].stages[1].parameters()]
     members[1].begin_round(1)
