@@ -96,7 +96,7 @@ EXPORTS: dict[str, list[str]] = {
         "chain_lines", "check_key_message", "check_statement", "convicted",
         "election_problem",
         "entry_from_bytes",
-        "is_checkpoint",
+        "inner_round_id", "is_checkpoint",
         "load_model_bytes", "model_bytes", "model_tensors", "orphaned_stages", "owner_seed", "parse_entry", "plan_order",
         "read_chain",
         "read_model_card", "read_statement", "read_tensors", "round_id", "round_seed", "shard_of", "sign_record",
@@ -104,7 +104,8 @@ EXPORTS: dict[str, list[str]] = {
         "stage_verdicts", "state_bytes", "statement_bytes", "tensors_bytes", "throughput", "write_state_file",
     ],
     "p2ptrain.run": [
-        "HOP_TIMEOUT_S", "RunDir", "RunState", "StagedTrainer", "TaskRun", "initial_manifest", "record_naming",
+        "HOP_TIMEOUT_S", "LocalSGDStagedTrainer", "RunDir", "RunState", "StagedTrainer", "TaskRun", "initial_manifest",
+        "record_naming",
     ],
     "p2ptrain.serve": [
         "MAX_CONNECTIONS", "ServeError", "Server", "TemporaryFollower", "open_model", "predict", "serve",
@@ -131,7 +132,8 @@ EXPORTS: dict[str, list[str]] = {
         "wan_unavailable",
     ],
     "p2ptrain.training": [
-        "Average", "GradientBridge", "LocalSGDTrainer", "MAX_MANIFEST_BYTES", "ManifestError", "PlanAverager",
+        "Average", "GradientBridge", "LocalSGDTrainer", "MAX_MANIFEST_BYTES", "MOMENTUM_KEY", "ManifestError",
+        "OuterOptimizer", "PlanAverager",
         "PositionedBatches",
         "PretrainedError", "RoundTimings", "StageFile", "StateSnapshot", "StepResult", "StepSkipped", "Trainer",
         "TrainerError", "UserLocalSGDTrainer", "UserTrainer",

@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     from p2ptrain.protocol._planner import Hold as Hold
     from p2ptrain.protocol._plans import (
         buffers_round_id as buffers_round_id,
+        inner_round_id as inner_round_id,
         is_checkpoint as is_checkpoint,
         orphaned_stages as orphaned_stages,
         owner_seed as owner_seed,

@@ -106,6 +106,14 @@ def stage_round_id(plan: RoundPlan, index: int, stage: int) -> int:
     return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "big")
 
 
+def inner_round_id(plan: RoundPlan, index: int, inner: int) -> int:
+    """The id of the summary of inner step ``inner`` in the ``index``-th round of a pipelined plan in
+    local-SGD mode (one pass of the drivers' batch per inner step, run/_stages.py): apart from every
+    other inner step's, every stage's sum (:func:`stage_round_id`) and :func:`round_id`."""
+    name = f"{plan.task_cid}/t{plan.term}/r{plan.round + index}/a{plan.attempt}/i{inner}"
+    return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "big")
+
+
 def is_checkpoint(task: Task, round_index: int, total_steps: int) -> bool:
     """Whether round ``round_index`` (0-based, ending at step ``round_index + 1``) ends with a
     published model: every ``checkpoint_interval`` rounds, and the last round."""

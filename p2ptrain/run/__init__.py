@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     from p2ptrain.run._run_state import RunState as RunState
     from p2ptrain.run._spans import HOP_TIMEOUT_S as HOP_TIMEOUT_S
     from p2ptrain.run._stage_checkpoints import initial_manifest as initial_manifest
+    from p2ptrain.run._stage_local_sgd import LocalSGDStagedTrainer as LocalSGDStagedTrainer
     from p2ptrain.run._stage_trainer import StagedTrainer as StagedTrainer
     from p2ptrain.run._task_run import TaskRun as TaskRun
 else:

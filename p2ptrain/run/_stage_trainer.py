@@ -35,7 +35,7 @@ from p2ptrain.training import ManifestError, read_manifest, StepResult, Trainer,
 log = logging.getLogger(__name__)
 
 # An optimizer file's per-parameter names: state.<index>.<key> (the key is checked by the trainer).
-_INDEX_NAME = re.compile(r"state\.(0|[1-9][0-9]{0,8})\.[a-z_]+")
+INDEX_NAME = re.compile(r"state\.(0|[1-9][0-9]{0,8})\.[a-z_]+")
 
 
 class StagedTrainer(Trainer):
@@ -256,7 +256,7 @@ class StagedTrainer(Trainer):
         indices, keys = self._stage_indices(stage), self.optimizer_state_keys()
         held: dict[int, set[str]] = {}
         for name, t in sorted(optim.items()):
-            _, index, key = name.split(".", 2) if _INDEX_NAME.fullmatch(name) else ("", "-1", "")
+            _, index, key = name.split(".", 2) if INDEX_NAME.fullmatch(name) else ("", "-1", "")
             if int(index) not in indices or key not in keys:
                 raise RecordError(f"the optimizer file's {name!r} is no state of stage {stage}")
             param = self.params[int(index)]

@@ -22,6 +22,11 @@ A round is one step:
    density, each member's residual its own: run/_stage_sum.py) and step their optimizer: the
    replicas of a stage stay bitwise identical.
 
+In local-SGD mode a round is one outer step (:meth:`StageRounds._outer_step`): H passes of 1 and 2,
+each followed by every member's own inner step of its stage on the microbatches it held (no sum),
+then 3 on the pseudo-gradients and the outer step (run/_stage_local_sgd.py). No second opinions in
+that mode (the task has ``check_fraction = 0``: replicas differ between outer steps).
+
 Integrity: each driver checks a share of its microbatches with a second replica of every later
 stage, and a third when two disagree (:class:`~p2ptrain.pipeline.Driver`); the replicas it outvoted
 are its accusations, said in its entry of the step summary. A replica accused by more than half the
@@ -58,10 +63,11 @@ from p2ptrain.collective import Misbehaved
 from p2ptrain.net import Channel, serve_channels
 from p2ptrain.pipeline import (ChannelPool, Driver, evaluate_stages, HopDeadlines, MAX_STREAMS_PER_PEER, PipelineError,
                                PROTOCOL, serve_requests, StageReplica, sum_stage_gradients, Wiring)
-from p2ptrain.protocol import (check_key_message, owner_seed, round_id, round_seed, shard_of, stage_rings,
-                               stage_round_id)
+from p2ptrain.protocol import (check_key_message, inner_round_id, owner_seed, round_id, round_seed, shard_of,
+                               stage_rings, stage_round_id)
 from p2ptrain.run._run_state import RunState
 from p2ptrain.run._stage_checkpoints import load_confirmed_stage, store_stage_checkpoint
+from p2ptrain.run._stage_local_sgd import LocalSGDStagedTrainer
 from p2ptrain.run._stage_sum import SparseStageSum
 from p2ptrain.run._stage_trainer import StagedTrainer
 from p2ptrain.run._step_summary import gather_summary
@@ -82,6 +88,8 @@ HOP_CEILING_S = STEP_TIMEOUT_S / 2
 # Microbatches one driver has in flight at once: within what a replica takes from one peer at once
 # (pipeline MAX_STREAMS_PER_PEER), enough to keep every stage busy.
 IN_FLIGHT = 4
+# The frames carry a step in 32 bits: in local-SGD mode each pass's is the inner step's number, modulo this.
+WIRE_STEPS = 1 << 32
 # The longest a checkpoint's evaluation through the stages takes (pipeline/_evaluation.py). The
 # coordinator evaluates before it joins the next span's first step summary, whose replicas send their
 # entries at once: those channels wait at the coordinator at most the collective's 30 s parking
@@ -203,20 +211,84 @@ class StageRounds:
 
     async def step(self, plan: RoundPlan, index: int, batches: Iterator[Any]) -> StepResult:
         """Round ``index`` of ``plan``: the step forward and back, its summary, the stage's sum and
-        optimizer step. Raises ``CollectiveError`` (a member gone) or :class:`PipelineError`."""
-        run = self.run
+        optimizer step (in local-SGD mode an outer step: :meth:`_outer_step`). Raises
+        ``CollectiveError`` (a member gone) or :class:`PipelineError`."""
         trainer = self._trainer()
-        timings = run.timings
+        timings = self.run.timings
         timings.last_compute_s = timings.last_sync_s = timings.last_apply_s = 0.0
+        if isinstance(trainer, LocalSGDStagedTrainer):
+            return await self._outer_step(plan, index, batches, trainer)
         stage = self.stage_of(plan)
-        step = trainer.step
+        loss = await self._pass(plan, index, batches, trainer.step)
+        synced = time.perf_counter()
+        await self._sum(plan, index, stage)
+        applied = time.perf_counter()
+        result = await trio.to_thread.run_sync(trainer.apply_stage, stage, loss)
+        if self._evaluee is not None:
+            self._evaluee.weights_step = trainer.step
+        self._timed(applied - synced, time.perf_counter() - applied)
+        return result
+
+    async def _outer_step(self, plan: RoundPlan, index: int, batches: Iterator[Any],
+                          trainer: LocalSGDStagedTrainer) -> StepResult:
+        """Round ``index`` of ``plan`` in local-SGD mode (docs/pipeline.md, "Local-SGD mode"): H
+        passes of the drivers' batch through the stages, each with its own summary and then this
+        member's own inner step of its stage (no sum); then the stage's replicas sum their
+        pseudo-gradients and take the outer step, which leaves them bitwise identical. A round that
+        fails on the way puts the stage back to its weights at the round's start."""
+        training = self.run.task.training
+        assert self.run.task.pipeline is not None
+        stage, step, inner_steps = self.stage_of(plan), trainer.step, trainer.inner_steps
+        micro = self.run.task.pipeline.microbatch_size or training.batch_size
+        per_driver = training.sync_interval * (training.batch_size // micro)  # each driver's, every pass
+        total = len(stage_rings(plan)[0]) * per_driver
+        loss, stepping = 0.0, 0.0
+        await trio.to_thread.run_sync(trainer.begin_round, stage)
+        try:
+            for inner in range(inner_steps):
+                # The frames' step (u32): every pass its own, so a late hop of one is never taken for the next.
+                loss += await self._pass(plan, index, batches, (step * inner_steps + inner) % WIRE_STEPS, inner)
+                held = per_driver if self._replica is None else len(self._replica.held())
+                if self._evaluee is not None:
+                    # Its weights are its own until the outer step: no EVAL names them. (Not before the
+                    # first pass: the coordinator evaluates the last checkpoint before it joins that
+                    # pass's summary, which every member's first inner step waits for.)
+                    self._evaluee.weights_step = -1
+                began = time.perf_counter()
+                await trio.to_thread.run_sync(trainer.inner_step_stage, stage, inner, held, total)
+                stepping += time.perf_counter() - began
+            await trio.to_thread.run_sync(trainer.pseudo_gradient, stage)
+            synced = time.perf_counter()
+            await self._sum(plan, index, stage)
+        except BaseException:
+            trainer.end_round(stage)  # a retry repeats the round from the weights it started with
+            if self._evaluee is not None:
+                self._evaluee.weights_step = trainer.step
+            raise
+        applied = time.perf_counter()
+        result = await trio.to_thread.run_sync(trainer.apply_outer, stage, len(stage_rings(plan)[stage]),
+                                               loss / inner_steps)
+        if self._evaluee is not None:
+            self._evaluee.weights_step = trainer.step
+        self._timed(applied - synced, stepping + time.perf_counter() - applied)
+        return result
+
+    async def _pass(self, plan: RoundPlan, index: int, batches: Iterator[Any], wire_step: int,
+                    inner: int | None = None) -> float:
+        """The drivers' batch forward and back through the stages (their frames of step
+        ``wire_step``), then its summary (in local-SGD mode, inner step ``inner``'s): the pass's mean
+        loss. Raises as :meth:`step`: the summary fails it on every member alike."""
+        run = self.run
+        timings = run.timings
+        summary_id = round_id(plan, index) if inner is None else inner_round_id(plan, index, inner)
+        step = self._trainer().step
         began = time.perf_counter()
         loss, failed = 0.0, False
         if self._driver is not None:
             # The replicas join the summary now and the drivers after their whole step: their
             # channels wait here for it, however long a (first, slow) step takes within the summary's wait.
-            run.collective.announce(round_id(plan, index), STEP_TIMEOUT_S)
-            self._driver.new_step(step)
+            run.collective.announce(summary_id, STEP_TIMEOUT_S)
+            self._driver.new_step(wire_step)
             try:
                 loss = await self._drive(plan, batches)
             except PipelineError as exc:
@@ -230,34 +302,39 @@ class StageRounds:
             self._driver.undecided.clear()
         else:
             assert self._replica is not None
-            self._replica.new_step(step)
-        timings.last_compute_s = time.perf_counter() - began
-        timings.compute_s += timings.last_compute_s
+            self._replica.new_step(wire_step)
+        computed = time.perf_counter() - began
+        timings.last_compute_s += computed
+        timings.compute_s += computed
         summary = await gather_summary(run.collective, plan, index, run.me, loss, failed, timeout=self.hop_timeout,
-                                       start_timeout=STEP_TIMEOUT_S, accused=tuple(self._accused))
+                                       start_timeout=STEP_TIMEOUT_S, accused=tuple(self._accused), inner=inner)
         if summary.convicted:
             for peer in summary.convicted:  # judged: back after its quarantine, only a new lie accuses it
                 self._accused.pop(peer, None)
             raise convicted_failure(plan, step, summary.convicted, run.stage_suspects, run.log_prefix)
         if summary.failed:
             raise PipelineError(f"step {step} failed at drivers {', '.join(short_id(d) for d in summary.failed)}")
-        synced = time.perf_counter()
+        return summary.loss
+
+    async def _sum(self, plan: RoundPlan, index: int, stage: int) -> None:
+        """The stage's replicas sum their gradients (in local-SGD mode, pseudo-gradients) over its
+        ring: dense, or sparse with this member's error feedback (run/_stage_sum.py)."""
+        run = self.run
+        trainer = self._trainer()
         ring = [ID.from_base58(m) for m in stage_rings(plan)[stage]]
         owners = owner_seed(plan, plan.round + index)
         if self._sparse is not None:
-            await self._sparse.sum(trainer.stages[stage], stage, step, ring, stage_round_id(plan, index, stage),
+            await self._sparse.sum(trainer.stages[stage], stage, trainer.step, ring, stage_round_id(plan, index, stage),
                                    seed=round_seed(run.task, plan.round + index), owner_seed=owners)
         else:
             await sum_stage_gradients(run.collective, trainer.stages[stage], ring, stage_round_id(plan, index, stage),
                                       timeout=self.hop_timeout, robust=run.task.compression.robust, owner_seed=owners)
-        applied = time.perf_counter()
-        result = await trio.to_thread.run_sync(trainer.apply_stage, stage, summary.loss)
-        if self._evaluee is not None:
-            self._evaluee.weights_step = trainer.step
-        timings.last_sync_s, timings.last_apply_s = applied - synced, time.perf_counter() - applied
-        timings.sync_s += timings.last_sync_s
-        timings.apply_s += timings.last_apply_s
-        return result
+
+    def _timed(self, sync_s: float, apply_s: float) -> None:
+        timings = self.run.timings
+        timings.last_sync_s, timings.last_apply_s = sync_s, apply_s
+        timings.sync_s += sync_s
+        timings.apply_s += apply_s
 
     async def _drive(self, plan: RoundPlan, batches: Iterator[Any]) -> float:
         """This driver's share of the step: its microbatches forward and back, every one held once by

@@ -1,9 +1,10 @@
 """The summary of a pipelined step: each driver's own loss share and whether its step failed.
 
 It is also the step's barrier: the replicas learn there that the drivers are done, and every member
-then drops the step or applies it alike. It was an exact sum over the plan's members, which any
-member could move: one that added 1 to the failures failed every step, unnamed; one that took 1
-away had a failed driver's partial gradient applied. Now it is a gather
+then drops the step or applies it alike (in local-SGD mode, each inner step has its own summary).
+It was an exact sum over the plan's members, which any member could move: one that added 1 to the
+failures failed every step, unnamed; one that took 1 away had a failed driver's partial gradient
+applied. Now it is a gather
 (:meth:`~p2ptrain.collective.Collective.gather`): each driver signs and sends its own entry to
 every member, each replica an empty one, and every member compares what the others received before
 it reads them. A member can say only its own entry; an entry that is not one (a replica's that is
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 from libp2p.peer.id import ID
 
 from p2ptrain.collective import Collective
-from p2ptrain.protocol import convicted, round_id, stage_rings
+from p2ptrain.protocol import convicted, inner_round_id, round_id, stage_rings
 from p2ptrain.wire import RoundPlan
 
 # A driver's entry: its share of the step's mean loss (float64) and whether its step failed (0 or 1),
@@ -72,12 +73,13 @@ def read_entry(raw: bytes, plan: RoundPlan | None = None) -> tuple[float, bool, 
 
 async def gather_summary(
     collective: Collective, plan: RoundPlan, index: int, me: str, loss: float, failed: bool, *, timeout: float,
-    start_timeout: float, accused: tuple[str, ...] = (),
+    start_timeout: float, accused: tuple[str, ...] = (), inner: int | None = None,
 ) -> StepSummary:
     """Round ``index`` of ``plan``'s summary, with this member's entry (``loss``, ``failed``,
     ``accused``: a driver's, the replicas of the plan it accuses; a replica passes 0 and False and
-    says nothing). Raises ``CollectiveError`` (:class:`~p2ptrain.collective.PeerFailed` naming a
-    member gone, or one whose entry is refused)."""
+    says nothing); in local-SGD mode, that of the round's ``inner``-th inner step. Raises
+    ``CollectiveError`` (:class:`~p2ptrain.collective.PeerFailed` naming a member gone, or one whose
+    entry is refused)."""
     drivers = stage_rings(plan)[0]
 
     def check(member: int, raw: bytes) -> None:
@@ -90,7 +92,8 @@ async def gather_summary(
     indices = tuple(sorted(replicas[r] for r in set(accused) if r in replicas))[:MAX_ACCUSED]
     mine = entry_bytes(loss, failed, indices) if me in drivers else b""
     ring = [ID.from_base58(m) for m in plan.members]
-    parts = await collective.gather(mine, ring, round_id(plan, index), max_bytes=MAX_ENTRY_BYTES, check=check,
+    gather_id = round_id(plan, index) if inner is None else inner_round_id(plan, index, inner)
+    parts = await collective.gather(mine, ring, gather_id, max_bytes=MAX_ENTRY_BYTES, check=check,
                                     timeout=timeout, start_timeout=start_timeout)
     total, failures, accusations = 0.0, [], []
     for member, raw in zip(plan.members, parts, strict=True):

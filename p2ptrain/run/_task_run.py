@@ -46,6 +46,7 @@ from p2ptrain.run._resync import Resync
 from p2ptrain.run._run_state import Nudge, RunState
 from p2ptrain.run._spans import Spans
 from p2ptrain.run._stage_checkpoints import initial_manifest
+from p2ptrain.run._stage_local_sgd import LocalSGDStagedTrainer, staged_trainer
 from p2ptrain.run._stage_trainer import StagedTrainer
 from p2ptrain.control import FINISHED, ChainEntry, Phase, TaskStatus
 from p2ptrain.protocol import (Chain, ChainRules, load_model_bytes, orphaned_stages, plan_order, RecordError,
@@ -127,7 +128,7 @@ class TaskRun:
         chain = book.chain if book else None
         plan = book.last_plan if book else None
         last_round, last_step = _progress(run)
-        inner = run.trainer.inner_step if isinstance(run.trainer, LocalSGDTrainer) else None
+        inner = run.trainer.inner_step if isinstance(run.trainer, (LocalSGDTrainer, LocalSGDStagedTrainer)) else None
         stage, stages = _stages(run)
         return TaskStatus(
             task_cid=run.task_cid,
@@ -240,7 +241,7 @@ class TaskRun:
                 raise TrainerError("a run of the members' own model: only a process running its script joins it "
                                    "(p2ptrain.Optimizer)")
             # A pipelined task's member trains one stage of the whole model (run/_stage_trainer.py).
-            build = new_trainer if task.pipeline is None else StagedTrainer
+            build = new_trainer if task.pipeline is None else staged_trainer
             trainer = await trio.to_thread.run_sync(
                 lambda: build(task, total_steps=run.total_steps, device=self.device, precision=self.precision)
             )

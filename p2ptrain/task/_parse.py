@@ -316,7 +316,8 @@ def _pipeline(
         stages=stages,
         microbatch_size=fields.integer(p, "microbatch_size", "pipeline.", training.batch_size, 1, 65536),
         activations=fields.choice(p, "activations", "pipeline.", ACTIVATIONS, "fp16"),
-        check_fraction=fields.number(p, "check_fraction", "pipeline.", 0.05, 0.0, 1.0),
+        # In local-SGD mode the default is 0: replicas differ between outer steps (below).
+        check_fraction=fields.number(p, "check_fraction", "pipeline.", 0.0 if training.local_sgd else 0.05, 0.0, 1.0),
         copies=fields.integer(p, "copies", "pipeline.", None, 1, stages - 1),
         # "dense" is stored as no field: a task that names the default has the bytes of one silent on it.
         stage_sum="sparse" if fields.choice(p, "stage_sum", "pipeline.", STAGE_SUMS, "dense") == "sparse" else None,
@@ -333,8 +334,9 @@ def _pipeline(
     if model.user:
         raise TaskError('pipeline: not for a run of the members\' own model ([model] name = "user"): the cut is '
                         "checked from a registry model's builder")
-    if training.local_sgd:
-        raise TaskError('pipeline: not with training.mode = "local_sgd" yet (stages average gradients each step)')
+    if training.local_sgd and spec.check_fraction > 0:
+        raise TaskError('pipeline.check_fraction: 0 with training.mode = "local_sgd" (a second opinion compares two '
+                        "replicas' answers bit for bit, and a stage's replicas hold the same weights only at outer steps)")
     if check_cut:
         try:
             sizes = stage_sizes(model.name, model.arguments, spec.stages)

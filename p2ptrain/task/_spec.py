@@ -187,7 +187,8 @@ class PipelineSpec:
     halves them, int8 with a scale per 128 values quarters them). ``microbatch_size``: samples per
     microbatch; a stage-0 member drives its ``training.batch_size`` samples of a step as that many
     microbatches through the stages. ``check_fraction``: the share of microbatches that also go
-    through a second replica of every later stage, whose outputs must be equal bit for bit.
+    through a second replica of every later stage, whose outputs must be equal bit for bit (0 in
+    local-SGD mode, where a stage's replicas differ between outer steps: docs/pipeline.md).
     ``copies``: how many of the following stages' checkpoint files each member keeps a copy of
     (run/_stage_copies.py), so that a run survives that many adjacent stages losing every replica
     between two checkpoints; None (absent from the task's bytes, as before it existed) is 1.

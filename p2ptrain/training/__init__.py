@@ -28,6 +28,10 @@ if TYPE_CHECKING:
         PretrainedError as PretrainedError,
     )
     from p2ptrain.training._local_sgd import LocalSGDTrainer as LocalSGDTrainer, new_trainer as new_trainer
+    from p2ptrain.training._outer import (
+        MOMENTUM_KEY as MOMENTUM_KEY,
+        OuterOptimizer as OuterOptimizer,
+    )
     from p2ptrain.training._optimizers import (
         lr_at as lr_at,
         slow_on_sparse as slow_on_sparse,

@@ -10,8 +10,8 @@ import pytest
 from libp2p.crypto.ed25519 import create_new_key_pair
 
 from p2ptrain.protocol import (
-    Chain, Election, ElectionConfig, RoundBook, RuleBreak, View, assign, round_id, shard_of, signing, stage_rings,
-    stage_round_id,
+    Chain, Election, ElectionConfig, RoundBook, RuleBreak, View, assign, inner_round_id, round_id, shard_of, signing,
+    stage_rings, stage_round_id,
 )
 from p2ptrain.protocol._plans import plan_stages, rule_problem
 from p2ptrain.task import load_task, stage_parameters
@@ -108,5 +108,7 @@ def test_a_pipelined_plan_has_a_ring_and_a_round_per_stage_and_stage_0_reads_the
     flat = RoundPlan(**{**plan.__dict__, "stages": None})
     assert shard_of(flat, PEERS[4]) == (4, 5)
     ids = {stage_round_id(plan, i, s) for i in range(plan.rounds) for s in range(2)} | {round_id(plan, 0)}
-    assert len(ids) == 2 * plan.rounds + 1
+    # In local-SGD mode each inner step of a round has its own summary: apart from the rest too.
+    ids |= {inner_round_id(plan, i, inner) for i in range(plan.rounds) for inner in range(3)}
+    assert len(ids) == 2 * plan.rounds + 1 + 3 * plan.rounds
     assert stage_round_id(plan, 0, 1) == stage_round_id(RoundPlan(**plan.__dict__), 0, 1)  # from the plan alone

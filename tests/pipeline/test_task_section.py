@@ -65,6 +65,22 @@ def test_a_sparse_stage_sum_is_named_only_by_a_task_that_asks_for_it():
         task_from_bytes(spelled)
 
 
+def test_a_pipelined_task_may_train_in_local_sgd_mode_without_second_opinions():
+    """Local-SGD mode: a stage's replicas hold the same weights only at outer steps, so a second
+    opinion (bit for bit) cannot be asked between them; the default share is 0 there (stored, like
+    every pipelined task's; a sync task's default stays 0.05, its bytes unchanged), and a share above 0
+    is refused (the test of the table above). On main every such task was refused."""
+    task = load_task(pipelined("stages = 2", base=LOCAL_SGD))
+    assert task.pipeline is not None and task.pipeline.check_fraction == 0.0 and task.training.local_sgd
+    data = task_bytes(task)
+    assert b'"check_fraction":0.0' in data and task_from_bytes(data) == task
+    assert task_bytes(load_task(pipelined("stages = 2", "check_fraction = 0", base=LOCAL_SGD))) == data
+    sparse = load_task(pipelined("stages = 2", 'stage_sum = "sparse"', base=LOCAL_SGD) + "[outer]\noptimizer = \"nesterov\"\n")
+    assert sparse.pipeline is not None and sparse.pipeline.sparse_sum and sparse.outer is not None
+    sync = load_task(pipelined("stages = 2"))
+    assert sync.pipeline is not None and sync.pipeline.check_fraction == 0.05
+
+
 def test_a_task_without_the_section_has_no_pipeline_in_its_bytes():
     plain = load_task(BASE)
     assert plain.pipeline is None and b"pipeline" not in task_bytes(plain)
@@ -75,6 +91,7 @@ def test_a_task_without_the_section_has_no_pipeline_in_its_bytes():
         task_from_bytes(short)
 
 
+LOCAL_SGD = BASE.replace("total_steps = 10", 'total_steps = 10\nmode = "local_sgd"\ninner_steps = 4')
 CNN = BASE.replace('name = "transformer_lm"\nkwargs = { vocab_size = 61, context = 16, width = 16, depth = 2, heads = 2 }',
                    'name = "cnn"')
 USER = BASE.replace('name = "transformer_lm"\nkwargs = { vocab_size = 61, context = 16, width = 16, depth = 2, heads = 2 }',
@@ -100,8 +117,9 @@ USER = BASE.replace('name = "transformer_lm"\nkwargs = { vocab_size = 61, contex
         (pipelined("stages = 5", base=BASE.replace("min = 4", "min = 8")), "pipeline.stages: cannot cut 4 pieces into 5 stages"),
         (pipelined("stages = 2", base=CNN), "pipeline.stages: a SmallCNN cannot be cut into stages"),
         (pipelined("stages = 2", base=USER), "pipeline: not for a run of the members' own model"),
-        (pipelined("stages = 2", base=BASE.replace("total_steps = 10", 'total_steps = 10\nmode = "local_sgd"\ninner_steps = 4')),
-         'pipeline: not with training.mode = "local_sgd"'),
+        (pipelined("stages = 2", "check_fraction = 0.05", base=LOCAL_SGD),
+         'pipeline.check_fraction: 0 with training.mode = "local_sgd" (a second opinion compares two replicas\' '
+         "answers bit for bit"),
         ("pipeline = 4\n" + BASE, "pipeline: must be a table"),
         (pipelined("stages = 2", 'stage_sum = "topk"'), "pipeline.stage_sum: must be one of dense, sparse (got 'topk')"),
         (pipelined("stages = 2", "stage_sum = 1"), "pipeline.stage_sum: "),
