@@ -18,6 +18,7 @@ from pathlib import Path
 
 from p2ptrain.api import NODE_PROBE_TIMEOUT_S, fetch_progress, node_answers
 from p2ptrain.base import UserError, default_home
+from p2ptrain.cli._home_options import home_help
 from p2ptrain.ipfs import (
     BlockMismatch,
     CID,
@@ -61,7 +62,7 @@ def cid_arg(text: str) -> str:
 
 def add_store_options(parser: argparse.ArgumentParser) -> None:
     """``--home`` and ``--ipfs``, shared by every command that reads or writes content."""
-    parser.add_argument("--home", type=Path, default=None, help="node home (default: $P2PTRAIN_HOME or ~/.p2ptrain)")
+    parser.add_argument("--home", type=Path, default=None, help=home_help("node home"))
     parser.add_argument(
         "--ipfs",
         metavar="API",

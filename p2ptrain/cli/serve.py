@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from p2ptrain.cli.ipfs import cid_arg
-from p2ptrain.cli._home import HOME_HELP, home_of, source_options
+from p2ptrain.cli._home_options import HOME_HELP, home_of, source_options
 from p2ptrain.base import UserError
 from p2ptrain.serve import MAX_CONNECTIONS
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from p2ptrain.cli._home import home_of
+from p2ptrain.cli._home_options import home_of
 from p2ptrain.cli.ipfs import cid_arg
 from p2ptrain.base import UserError
 from p2ptrain.control import ops as control_ops
