@@ -25,10 +25,11 @@ EXPORTS: dict[str, list[str]] = {
         "node_answers", "split_shards", "train", "with_ephemeral_node",
     ],
     "p2ptrain.base": [
-        "AddressError", "HistogramSnapshot", "RoundHistograms", "UserError", "all_finite", "arithmetic_of", "boundedjson",
-        "count_rejection", "default_home", "first_leaf", "flat_params", "fmt_bytes", "fmt_s", "format_host_port", "formatter",
-        "large_empty", "load_flat_params", "load_or_create_identity", "parse_host_port", "peer_id_of", "refilled", "short_id",
-        "use_one_arena", "write_atomic", "zero_fill",
+        "AddressError", "HistogramSnapshot", "RoundHistograms", "TensorFileError", "UserError", "all_finite",
+        "arithmetic_of", "boundedjson", "count_rejection", "default_home", "first_leaf", "flat_params", "fmt_bytes",
+        "fmt_s", "format_host_port", "formatter", "large_empty", "load_flat_params", "load_or_create_identity",
+        "parse_host_port", "peer_id_of", "read_header", "refilled", "short_id", "use_one_arena", "write_atomic",
+        "zero_fill",
     ],
     "p2ptrain.collective": [
         "BadPayload", "Collective", "CollectiveError", "ErrorFeedback", "Misbehaved", "PROTOCOL", "PeerFailed",

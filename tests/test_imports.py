@@ -55,7 +55,7 @@ MAY_IMPORT: dict[str, set[str]] = {
     "pipeline": {"base", "wire", "net", "models", "collective"},
     "models": {"base"},
     "task": {"base", "wire", "ipfs", "models"},
-    "protocol": {"base", "wire", "data", "task"},
+    "protocol": {"base", "wire", "task"},
     "training": _LEARNING,
     "node": _TRANSPORT,
     "run": _TRANSPORT | _LEARNING | {"node", "training", "collective", "net", "pipeline"},
