@@ -10,7 +10,7 @@ if TYPE_CHECKING:
     from p2ptrain.net._pubsub import (
         close_host as close_host,
         make_pubsub as make_pubsub,
-        MessageTooLarge as PubsubMessageTooLarge,
+        PubsubMessageTooLarge as PubsubMessageTooLarge,
         publish_bytes as publish_bytes,
         running_pubsub as running_pubsub,
     )
@@ -41,7 +41,6 @@ if TYPE_CHECKING:
         serve_channels as serve_channels,
         StreamGuard as StreamGuard,
     )
-    __all__ = ["PubsubMessageTooLarge"]  # re-exported under another name
 else:
     from p2ptrain._exports import lazy_exports
 
