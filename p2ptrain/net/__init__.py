@@ -39,8 +39,8 @@ if TYPE_CHECKING:
         MessageTooLarge as MessageTooLarge,
         open_channel as open_channel,
         serve_channels as serve_channels,
-        StreamGuard as StreamGuard,
     )
+    from p2ptrain.net._stream_guard import StreamGuard as StreamGuard
 else:
     from p2ptrain._exports import lazy_exports
 
