@@ -133,7 +133,7 @@ def cmd_get(args: argparse.Namespace) -> int:
     """The manifest, every shard of the splits asked for and the tokenizer file it names, made local
     (verified by CID) through the home's node or a temporary one: what a machine that did not run
     ``dataset add`` needs before ``IPFSDataset`` (or ``p2ptrain.train``) reads the data set."""
-    from p2ptrain.api import ensure_local, split_shards
+    from p2ptrain.services import ensure_local, split_shards
     from p2ptrain.cli._home_options import home_of
 
     home = home_of(args)

@@ -76,7 +76,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise UserError(MISSING_HYPERCORN)
     import trio
 
-    from p2ptrain.api import ensure_local
+    from p2ptrain.services import ensure_local
     from p2ptrain.control import socket_path
     from p2ptrain.serve import open_model
 
