@@ -62,7 +62,7 @@ from p2ptrain.collective import (
     scaled,
     signed_by,
 )
-from p2ptrain.collective import _direct, _endpoint, _sparse, _witness
+from p2ptrain.collective import _collective, _direct, _sparse, _witness
 from p2ptrain.wire import statement
 
 _spec = importlib.util.spec_from_file_location(
@@ -253,7 +253,7 @@ def phase_clocks(patch: pytest.MonkeyPatch) -> dict[str, list[tuple[float, float
             spans["confirm"].append((started, time.perf_counter()))
 
     patch.setattr(_sparse, "direct_allreduce", timed_exchange)
-    patch.setattr(_endpoint, "direct_allreduce", timed_exchange)
+    patch.setattr(_collective, "direct_allreduce", timed_exchange)
     patch.setattr(_witness.Witness, "confirm", timed_confirm)
     patch.setattr(_direct, "drawn_chunks", counted_draws)
     return spans

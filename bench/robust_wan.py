@@ -113,7 +113,7 @@ async def member(args: argparse.Namespace) -> None:
     from multiaddr import Multiaddr
 
     from p2ptrain.collective import Collective, RoundSpec, SparseAllReducer
-    from p2ptrain.collective import _direct, _endpoint
+    from p2ptrain.collective import _collective, _direct
     from p2ptrain.net import make_host
 
     import torch
@@ -140,7 +140,7 @@ async def member(args: argparse.Namespace) -> None:
                     take_away(patch, TAKE_AWAY[: TAKE_AWAY.index(args.take_away) + 1])
                 spans = robust.phase_clocks(patch)
                 direct = {"on": False}
-                ring_allreduce = _endpoint.ring_allreduce
+                ring_allreduce = _collective.ring_allreduce
 
                 async def ring_or_direct(links, data, *, average, segment_bytes):  # type: ignore[no-untyped-def]
                     if not direct["on"]:
@@ -153,7 +153,7 @@ async def member(args: argparse.Namespace) -> None:
                 def open_round_meshed(*options, mesh=False, **more):  # type: ignore[no-untyped-def]
                     return open_round(*options, mesh=mesh or direct["on"], **more)  # the exchange's P - 1 channels
 
-                patch.setattr(_endpoint, "ring_allreduce", ring_or_direct)
+                patch.setattr(_collective, "ring_allreduce", ring_or_direct)
                 patch.setattr(collective.hub, "open_round", open_round_meshed)
                 for i in range(args.rounds + 2):
                     for rule in robust.rotation(names, i):

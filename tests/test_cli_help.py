@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Iterator
 
-from p2ptrain.cli.config import HOME_DEFAULT
+from p2ptrain.cli._home_options import HOME_DEFAULT
 from p2ptrain.cli.main import build_parser
 
 

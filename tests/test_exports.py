@@ -25,10 +25,11 @@ EXPORTS: dict[str, list[str]] = {
         "node_answers", "split_shards", "train", "with_ephemeral_node",
     ],
     "p2ptrain.base": [
-        "AddressError", "HistogramSnapshot", "RoundHistograms", "UserError", "all_finite", "arithmetic_of", "boundedjson",
-        "count_rejection", "default_home", "first_leaf", "flat_params", "fmt_bytes", "fmt_s", "format_host_port", "formatter",
-        "large_empty", "load_flat_params", "load_or_create_identity", "parse_host_port", "peer_id_of", "refilled", "short_id",
-        "use_one_arena", "write_atomic", "zero_fill",
+        "AddressError", "HistogramSnapshot", "RoundHistograms", "TensorFileError", "UserError", "all_finite",
+        "arithmetic_of", "boundedjson", "count_rejection", "default_home", "first_leaf", "flat_params", "fmt_bytes",
+        "fmt_s", "format_host_port", "formatter", "large_empty", "load_flat_params", "load_or_create_identity",
+        "parse_host_port", "peer_id_of", "read_header", "refilled", "short_id", "use_one_arena", "write_atomic",
+        "zero_fill",
     ],
     "p2ptrain.collective": [
         "BadPayload", "Collective", "CollectiveError", "ErrorFeedback", "Misbehaved", "PROTOCOL", "PeerFailed",
@@ -111,9 +112,10 @@ EXPORTS: dict[str, list[str]] = {
         "MAX_CONNECTIONS", "ServeError", "Server", "TemporaryFollower", "open_model", "predict", "serve",
     ],
     "p2ptrain.services": [
-        "Fetcher", "KnownTask", "LatestFinder", "MAX_SEEN_HEADS", "MetricsServer", "Peer", "SERVED_EVERY_S", "TaskOptions",
-        "check_url",
-        "make_fetcher", "make_peer", "parse_address", "run_state_roots",
+        "EPHEMERAL_MESH_TIMEOUT_S", "Fetcher", "KnownTask", "LatestFinder", "MAX_SEEN_HEADS", "MetricsServer",
+        "NODE_PROBE_TIMEOUT_S", "PROGRESS_LINE_S", "Peer", "SERVED_EVERY_S", "TaskOptions", "check_url", "ensure_local",
+        "fetch_progress", "fetch_through", "find_latest", "make_fetcher", "make_peer", "node_answers", "parse_address",
+        "run_state_roots", "split_shards", "with_ephemeral_node",
     ],
     "p2ptrain.task": [
         "CompressionSpec", "MAX_STAGES", "MAX_TASK_BYTES", "NoBuilder", "OuterSpec", "PipelineSpec", "TASK_TEMPLATE", "Task",

@@ -1,12 +1,12 @@
 """The Python API for the user's own module and loop: ``p2ptrain.Optimizer``, ``p2ptrain.train``,
-``p2ptrain.load_state`` and ``p2ptrain.load_model`` (re-exported by ``p2ptrain``); and content by CID made local, the fetch
-paths that ``load_state`` and the CLI's commands share.
+``p2ptrain.load_state`` and ``p2ptrain.load_model`` (re-exported by ``p2ptrain``); and, re-exported from
+``p2ptrain.services``, content by CID made local: the fetch paths that ``load_state`` and the CLI's commands share.
 """
 
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from p2ptrain.api._fetching import (
+    from p2ptrain.services import (  # the fetch paths live in services/_fetching.py; the API's names stay
         ensure_local as ensure_local,
         EPHEMERAL_MESH_TIMEOUT_S as EPHEMERAL_MESH_TIMEOUT_S,
         fetch_progress as fetch_progress,

@@ -37,7 +37,7 @@ def load_model(cid_or_path: str | Path, *, home: str | Path | None = None, store
     if bootstrap and not Path(cid_or_path).exists() and _is_cid(str(cid_or_path)):
         if store is not None:
             raise UserError("load_model: bootstrap fetches into a home's store; pass home=, not store=")
-        from p2ptrain.api._fetching import ensure_local  # the fetch paths model fetch has
+        from p2ptrain.services import ensure_local  # the fetch paths model fetch has
 
         where = where or default_home()
         ensure_local(where, [str(cid_or_path)], list(bootstrap))
@@ -75,7 +75,7 @@ def load_state(model: nn.Module, cid_or_path: str | Path, *, home: str | Path | 
         where = Path(home).expanduser() if home is not None else _home_holding(cid)
         store = open_store(where)
         if not store.has(cid):
-            from p2ptrain.api._fetching import ensure_local  # the fetch paths model fetch has
+            from p2ptrain.services import ensure_local  # the fetch paths model fetch has
 
             ensure_local(where, [cid], list(bootstrap))
         # Verified against the CID block by block, and no larger than a file of the instance's tensors.

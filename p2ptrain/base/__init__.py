@@ -2,8 +2,8 @@
 
 Atomic file writes, the bounded JSON parser (:mod:`p2ptrain.base.boundedjson`, a public submodule:
 ``boundedjson.loads``), ``UserError``, how log lines name peers, the home folder and its Ed25519 key,
-one-pass tensor checks, the arithmetic a member's steps use, round-time histograms, the token-bucket
-refill, ``HOST:PORT``, one glibc arena.
+one-pass tensor checks, the checked header of a safetensors file from the network, the arithmetic a
+member's steps use, round-time histograms, the token-bucket refill, ``HOST:PORT``, one glibc arena.
 """
 
 from typing import TYPE_CHECKING
@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     )
     from p2ptrain.base._malloc import use_one_arena as use_one_arena
     from p2ptrain.base._metrics_hist import HistogramSnapshot as HistogramSnapshot, RoundHistograms as RoundHistograms
+    from p2ptrain.base._safetensors_header import read_header as read_header, TensorFileError as TensorFileError
     from p2ptrain.base._tensors import (
         all_finite as all_finite,
         flat_params as flat_params,

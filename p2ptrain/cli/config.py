@@ -19,18 +19,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from p2ptrain.base import UserError
+from p2ptrain.cli._home_options import NODE_HOME_HELP
 
 if TYPE_CHECKING:
     from p2ptrain.node import NodeConfig
-
-# The one spelling of where a home is when --home is not given (base.default_home decides it).
-HOME_DEFAULT = "$P2PTRAIN_HOME or ~/.p2ptrain"
-
-
-def home_help(what: str) -> str:
-    """A ``--home`` help text: what the home is for here, and the default."""
-    return f"{what} (default: {HOME_DEFAULT})"
-
 
 TRUE, FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
@@ -44,8 +36,7 @@ class Setting:
 
 def add_setting_flags(parser: argparse.ArgumentParser) -> None:
     """The flags of ``node start`` that override a setting (``config show`` takes them too)."""
-    parser.add_argument("--home", type=Path, default=None,
-                        help=home_help("node home: identity key, config, control socket, blocks, logs"))
+    parser.add_argument("--home", type=Path, default=None, help=NODE_HOME_HELP)
     from p2ptrain.node import NodeConfig, settings  # the flags are declared with the settings
 
     kinds = typing.get_type_hints(NodeConfig)

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Literal
 from p2ptrain.cli.ipfs import add_store_options, cid_arg, content_errors, store_from_args
 from p2ptrain.data import Manifest, ManifestError, Pixels
 from p2ptrain.base import UserError, default_home
-from p2ptrain.cli._home import source_options
+from p2ptrain.cli._home_options import source_options
 
 if TYPE_CHECKING:
     from p2ptrain.ipfs import ContentStore
@@ -133,8 +133,8 @@ def cmd_get(args: argparse.Namespace) -> int:
     """The manifest, every shard of the splits asked for and the tokenizer file it names, made local
     (verified by CID) through the home's node or a temporary one: what a machine that did not run
     ``dataset add`` needs before ``IPFSDataset`` (or ``p2ptrain.train``) reads the data set."""
-    from p2ptrain.api import ensure_local, split_shards
-    from p2ptrain.cli._home import home_of
+    from p2ptrain.services import ensure_local, split_shards
+    from p2ptrain.cli._home_options import home_of
 
     home = home_of(args)
 

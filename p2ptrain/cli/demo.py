@@ -270,7 +270,7 @@ def _draw(output: Path | None, home: Path, task_cid: str, say: Any) -> str | Non
 
 
 def _fetch_and_evaluate(home: Path, model_cid: str, manifest_cid: str, bootstrap: list[str]) -> tuple[float, float]:
-    from p2ptrain.api import ensure_local, split_shards
+    from p2ptrain.services import ensure_local, split_shards
     from p2ptrain.data import IPFSDataset
     from p2ptrain.ipfs import EmbeddedStore
     from p2ptrain.training import batched, evaluate_batches, load_model

@@ -16,8 +16,9 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from p2ptrain.api import NODE_PROBE_TIMEOUT_S, fetch_progress, node_answers
+from p2ptrain.services import NODE_PROBE_TIMEOUT_S, fetch_progress, node_answers
 from p2ptrain.base import UserError, default_home
+from p2ptrain.cli._home_options import home_help
 from p2ptrain.ipfs import (
     BlockMismatch,
     CID,
@@ -61,7 +62,7 @@ def cid_arg(text: str) -> str:
 
 def add_store_options(parser: argparse.ArgumentParser) -> None:
     """``--home`` and ``--ipfs``, shared by every command that reads or writes content."""
-    parser.add_argument("--home", type=Path, default=None, help="node home (default: $P2PTRAIN_HOME or ~/.p2ptrain)")
+    parser.add_argument("--home", type=Path, default=None, help=home_help("node home"))
     parser.add_argument(
         "--ipfs",
         metavar="API",
@@ -105,7 +106,7 @@ def make_local(args: argparse.Namespace, store: ContentStore, cid: str) -> None:
     if node_answers(args.home):
         fetch_through_node(args.home, cid)
         return
-    from p2ptrain.api import ensure_local
+    from p2ptrain.services import ensure_local
 
     ensure_local(args.home, [cid], args.bootstrap)  # a temporary node, or the line saying how to fetch
 

@@ -23,7 +23,7 @@ DECLARED_ERRORS: list[tuple[str, str]] = [
     ("p2ptrain.ipfs._cid", "InvalidCID"),
     ("p2ptrain.ipfs._dagpb", "DecodeError"),
     ("p2ptrain.ipfs._blockstore", "PinFileError"),
-    ("p2ptrain.data._tensorfile", "TensorFileError"),
+    ("p2ptrain.base._safetensors_header", "TensorFileError"),
     ("p2ptrain.base.boundedjson", "JSONBoundsError"),
     ("p2ptrain.protocol.signing", "SignatureError"),
 ]

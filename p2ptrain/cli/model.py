@@ -13,8 +13,8 @@ import dataclasses
 import json
 from pathlib import Path
 
-from p2ptrain.api import ensure_local, split_shards
-from p2ptrain.cli._home import HOME_HELP, home_of, source_options
+from p2ptrain.services import ensure_local, split_shards
+from p2ptrain.cli._home_options import HOME_HELP, home_of, source_options
 from p2ptrain.cli.ipfs import cid_arg
 from p2ptrain.base import UserError
 

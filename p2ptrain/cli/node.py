@@ -9,13 +9,11 @@ import signal
 import sys
 from pathlib import Path
 
-from p2ptrain.cli._home import home_of
+from p2ptrain.cli._home_options import NODE_HOME_HELP, home_of
 from p2ptrain.cli.ipfs import cid_arg
-from p2ptrain.cli.config import add_setting_flags, home_help, node_config, resolve, values
+from p2ptrain.cli.config import add_setting_flags, node_config, resolve, values
 from p2ptrain.base import UserError, formatter
 from p2ptrain.control import NodeStatus, ops as control_ops
-
-HOME_HELP = home_help("node home: identity key, config, control socket, blocks, logs")
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -73,7 +71,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="print the peer ID of a home (creating its identity if new)",
         description="Print the home's peer ID. No running node is needed; a new home gets a new Ed25519 identity.",
     )
-    ident.add_argument("--home", type=Path, default=None, help=HOME_HELP)
+    ident.add_argument("--home", type=Path, default=None, help=NODE_HOME_HELP)
     ident.set_defaults(func=cmd_id)
 
     status = cmds.add_parser(
@@ -84,7 +82,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
             "addresses, connected peers, mesh topics, and each peer's last heartbeat and capabilities."
         ),
     )
-    status.add_argument("--home", type=Path, default=None, help=HOME_HELP)
+    status.add_argument("--home", type=Path, default=None, help=NODE_HOME_HELP)
     status.add_argument("--json", action="store_true", help="print one JSON object (keys peer_id, addrs, peers, ...)")
     status.set_defaults(func=cmd_status)
 

@@ -23,7 +23,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from p2ptrain.cli._home import home_of
+from p2ptrain.cli._home_options import home_help, home_of
 from p2ptrain.cli.ipfs import content_errors
 from p2ptrain.base import UserError
 
@@ -152,7 +152,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
             "fetched again the next time something reads it."
         ),
     )
-    p.add_argument("--home", type=Path, default=None, help="node home (default: $P2PTRAIN_HOME or ~/.p2ptrain)")
+    p.add_argument("--home", type=Path, default=None, help=home_help("node home"))
     p.add_argument("--json", action="store_true", help='print one JSON object {"blocks": N, "bad": [...]}')
     p.set_defaults(func=cmd_verify)
 
@@ -169,7 +169,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
             "reachable block is corrupt or a task's state cannot be read."
         ),
     )
-    p.add_argument("--home", type=Path, default=None, help="node home (default: $P2PTRAIN_HOME or ~/.p2ptrain)")
+    p.add_argument("--home", type=Path, default=None, help=home_help("node home"))
     p.add_argument("--dry-run", action="store_true", help="only report what would be removed")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object {removed, removed_bytes, kept, kept_bytes, pins, tasks, ...}")

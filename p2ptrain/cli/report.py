@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from p2ptrain.cli.config import home_help
+from p2ptrain.cli._home_options import home_help
 from p2ptrain.cli.ipfs import cid_arg
 from p2ptrain.base import UserError
 
@@ -64,7 +64,7 @@ def add_parser(tsub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from p2ptrain.cli._home import home_of
+    from p2ptrain.cli._home_options import home_of
 
     home = home_of(args)
     points = load_points(home, args.task_cid)

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from p2ptrain.cli.ipfs import cid_arg
-from p2ptrain.cli._home import HOME_HELP, home_of, source_options
+from p2ptrain.cli._home_options import HOME_HELP, home_of, source_options
 from p2ptrain.base import UserError
 from p2ptrain.serve import MAX_CONNECTIONS
 
@@ -76,7 +76,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise UserError(MISSING_HYPERCORN)
     import trio
 
-    from p2ptrain.api import ensure_local
+    from p2ptrain.services import ensure_local
     from p2ptrain.control import socket_path
     from p2ptrain.serve import open_model
 

@@ -13,15 +13,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from p2ptrain.cli import report
-from p2ptrain.cli.config import home_help
+from p2ptrain.cli._home_options import RUNNING_NODE_HOME_HELP
 from p2ptrain.cli.ipfs import cid_arg
 from p2ptrain.base import UserError, short_id
 from p2ptrain.control import TaskStatus, ops as control_ops
 
 if TYPE_CHECKING:
     from p2ptrain.task import Task
-
-HOME_HELP = home_help("home of the running node to use")
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -35,14 +33,14 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "accept tasks and meet its requirements join it.",
     )
     publish.add_argument("task_file", type=Path, metavar="TASK.toml", help="the task file (TOML; docs/training.md)")
-    publish.add_argument("--home", type=Path, default=None, help=HOME_HELP)
+    publish.add_argument("--home", type=Path, default=None, help=RUNNING_NODE_HOME_HELP)
     publish.add_argument("--join", action="store_true", help="this node joins the task too")
     publish.add_argument("--json", action="store_true", help="print one JSON object (task_cid, name, joined)")
     publish.set_defaults(func=cmd_publish)
 
     status = tsub.add_parser("status", help="state, round, members, coordinator and latest model of a task")
     status.add_argument("task_cid", metavar="TASK_CID", type=cid_arg, help="the task's CID (from task publish or task list)")
-    status.add_argument("--home", type=Path, default=None, help=HOME_HELP)
+    status.add_argument("--home", type=Path, default=None, help=RUNNING_NODE_HOME_HELP)
     status.add_argument("--json", action="store_true", help="print one JSON object")
     status.set_defaults(func=cmd_status)
 
@@ -56,7 +54,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     cancel.add_argument("task_cid", metavar="TASK_CID", type=cid_arg, help="the CID of a task this node published")
     cancel.add_argument("--reason", default="", help="a short note the members log (at most 256 characters)")
-    cancel.add_argument("--home", type=Path, default=None, help=HOME_HELP)
+    cancel.add_argument("--home", type=Path, default=None, help=RUNNING_NODE_HOME_HELP)
     cancel.add_argument("--json", action="store_true", help="print one JSON object (task_cid, cancelled)")
     cancel.set_defaults(func=cmd_cancel)
 
@@ -68,12 +66,12 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "peer is refused and counted. Safe to repeat (e.g. once a member that was down is up again).",
     )
     resume.add_argument("task_cid", metavar="TASK_CID", type=cid_arg, help="the CID of a task this node published")
-    resume.add_argument("--home", type=Path, default=None, help=HOME_HELP)
+    resume.add_argument("--home", type=Path, default=None, help=RUNNING_NODE_HOME_HELP)
     resume.add_argument("--json", action="store_true", help="print one JSON object (task_cid, resumed)")
     resume.set_defaults(func=cmd_resume)
 
     listing = tsub.add_parser("list", help="tasks this node has heard of or takes part in")
-    listing.add_argument("--home", type=Path, default=None, help=HOME_HELP)
+    listing.add_argument("--home", type=Path, default=None, help=RUNNING_NODE_HOME_HELP)
     listing.add_argument("--json", action="store_true", help="print one JSON object {tasks: [...], joins: {...}}")
     listing.set_defaults(func=cmd_list)
 
@@ -81,7 +79,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def _client(args: argparse.Namespace) -> Any:
-    from p2ptrain.cli._home import home_of
+    from p2ptrain.cli._home_options import home_of
     from p2ptrain.control import ControlClient
 
     return ControlClient(home_of(args), timeout=120.0)
@@ -92,7 +90,7 @@ def cmd_publish(args: argparse.Namespace) -> int:
         data = args.task_file.read_bytes()
     except OSError as exc:
         raise UserError(f"cannot read {args.task_file}: {exc.strerror}") from None
-    from p2ptrain.cli._home import home_of
+    from p2ptrain.cli._home_options import home_of
     from p2ptrain.task import load_task
 
     task = load_task(data)  # the same validation the node runs, before a node is needed (and UTF-8 checked)
@@ -134,7 +132,7 @@ def _fit_problem(home: Path, task: Task) -> str | None:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from p2ptrain.cli._home import home_of
+    from p2ptrain.cli._home_options import home_of
     from p2ptrain.control import ControlError
 
     try:

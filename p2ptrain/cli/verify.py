@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from p2ptrain.cli._home import home_of
+from p2ptrain.cli._home_options import home_of
 from p2ptrain.cli.ipfs import cid_arg
 from p2ptrain.base import UserError
 from p2ptrain.control import ops as control_ops
@@ -110,7 +110,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 def verify(home: Path, *, model_cid: str | None, task_cid: str | None, bootstrap: list[str],
            evaluate: bool = False) -> Report:
     """Check ``model_cid`` (or the latest model of ``task_cid``) from its task down; see the module."""
-    from p2ptrain.api import ensure_local, split_shards
+    from p2ptrain.services import ensure_local, split_shards
     from p2ptrain.ipfs import open_store
     from p2ptrain.protocol import ChainRules, RecordError, audit, chain_lines, parse_entry
     from p2ptrain.task import MAX_TASK_BYTES, read_task
@@ -185,7 +185,7 @@ def _chain_and_task(home: Path, task_cid: str, bootstrap: list[str]) -> tuple[by
     """The task's chain, and the task made local: this home's ``chain.jsonl`` when it keeps one,
     else the latest chain that verifies, from the mesh (the home's running node, or a temporary one
     through ``bootstrap``). Returns the chain's bytes and where they came from."""
-    from p2ptrain.api import ensure_local
+    from p2ptrain.services import ensure_local
     from p2ptrain.ipfs import open_store
     from p2ptrain.control import ControlClient, ControlError, socket_path
     from p2ptrain.protocol import MAX_CHAIN_BYTES
@@ -210,7 +210,7 @@ def _chain_and_task(home: Path, task_cid: str, bootstrap: list[str]) -> tuple[by
     if not bootstrap:
         raise UserError(f"{home} keeps no chain of task {task_cid}, and no node is running there: "
                         "start one or pass --bootstrap MULTIADDR")
-    from p2ptrain.api import fetch_through, find_latest, with_ephemeral_node
+    from p2ptrain.services import fetch_through, find_latest, with_ephemeral_node
 
     found: list[str] = []
 

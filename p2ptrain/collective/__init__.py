@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from p2ptrain.collective._direct import reduce_chunk as reduce_chunk
-    from p2ptrain.collective._endpoint import Collective as Collective, RoundStats as RoundStats
+    from p2ptrain.collective._collective import Collective as Collective, RoundStats as RoundStats
     from p2ptrain.collective._failures import (
         BadPayload as BadPayload,
         CollectiveError as CollectiveError,
@@ -17,7 +17,7 @@ if TYPE_CHECKING:
         PeerFailed as PeerFailed,
     )
     from p2ptrain.collective._feedback import ErrorFeedback as ErrorFeedback
-    from p2ptrain.collective._reducer import SparseAllReducer as SparseAllReducer
+    from p2ptrain.collective._sparse_reducer import SparseAllReducer as SparseAllReducer
     from p2ptrain.collective._robust import clip_scales as clip_scales, contribution_norm as contribution_norm, scaled as scaled
     from p2ptrain.collective._round_spec import RoundSpec as RoundSpec
     from p2ptrain.collective._sparse import bucket_ks as bucket_ks

@@ -15,8 +15,8 @@ if TYPE_CHECKING:
         MAX_MANIFEST_BYTES as MAX_MANIFEST_BYTES,
         Pixels as Pixels,
     )
-    from p2ptrain.data._sources import read_source as read_source, SourceOptions as SourceOptions
-    from p2ptrain.data._tensorfile import read_header as read_header, TensorFileError as TensorFileError
+    from p2ptrain.data._read_source import read_source as read_source, SourceOptions as SourceOptions
+    from p2ptrain.base import read_header as read_header, TensorFileError as TensorFileError  # moved to base: the old home kept
 else:
     from p2ptrain._exports import lazy_exports
 

@@ -82,7 +82,7 @@ def build_source(
     standardize: bool = False,
     normalize: Pixels | Literal["train"] | None = None,
 ) -> tuple[str, Manifest]:
-    """:func:`build_dataset` of what a reader made (:mod:`p2ptrain.data._sources`): its tokenizer is
+    """:func:`build_dataset` of what a reader made (:mod:`p2ptrain.data._read_source`): its tokenizer is
     stored first (the manifest names it by CID); an image source gets ``pixels`` (``normalize``, or
     plain ``x / 255``). The manifest is checked before any shard is stored, so a source the manifest
     would refuse (a class name, a vocabulary) writes nothing."""

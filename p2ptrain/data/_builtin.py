@@ -1,6 +1,6 @@
 """Where datasets come from before they become shards: scikit-learn's bundled real data, text that
 ships with Python, or a folder of arrays (image folders, tables and text files:
-:mod:`p2ptrain.data._sources`).
+:mod:`p2ptrain.data._read_source`).
 
 ``sklearn:<name>`` reads a data set scikit-learn ships inside its wheel (nothing is downloaded).
 ``text:python-stdlib`` is a language-modelling set from the Python standard library's own sources

@@ -2,7 +2,7 @@
 
 safetensors because shard bytes come from other peers: the format is a JSON header plus raw arrays, so
 reading one cannot run code (unlike pickle, ``torch.load`` or ``np.load(allow_pickle=True)``). A shard's
-header is checked (:func:`p2ptrain.data.read_header`: bounded, every byte range inside the
+header is checked (:func:`p2ptrain.base.read_header`: bounded, every byte range inside the
 file) and compared with the manifest's dtypes, shapes and sample count before any array is built.
 """
 
@@ -13,10 +13,12 @@ from safetensors import SafetensorError
 from safetensors.numpy import load, save
 
 from p2ptrain.data._manifest import TensorSpec
-from p2ptrain.data._tensorfile import NUMPY_CODES, TensorFileError, read_header
-from p2ptrain.base import UserError
+from p2ptrain.base import TensorFileError, UserError, read_header
 
 KEYS = ("features", "labels")
+# numpy's name of a dtype (what manifests say) to the safetensors code.
+NUMPY_CODES = {"bool": "BOOL", "uint8": "U8", "uint16": "U16", "int8": "I8", "int16": "I16", "int32": "I32",
+               "int64": "I64", "float16": "F16", "float32": "F32", "float64": "F64"}
 
 
 class ShardError(UserError, ValueError):

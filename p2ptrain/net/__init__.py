@@ -10,7 +10,7 @@ if TYPE_CHECKING:
     from p2ptrain.net._pubsub import (
         close_host as close_host,
         make_pubsub as make_pubsub,
-        MessageTooLarge as PubsubMessageTooLarge,
+        PubsubMessageTooLarge as PubsubMessageTooLarge,
         publish_bytes as publish_bytes,
         running_pubsub as running_pubsub,
     )
@@ -39,9 +39,8 @@ if TYPE_CHECKING:
         MessageTooLarge as MessageTooLarge,
         open_channel as open_channel,
         serve_channels as serve_channels,
-        StreamGuard as StreamGuard,
     )
-    __all__ = ["PubsubMessageTooLarge"]  # re-exported under another name
+    from p2ptrain.net._stream_guard import StreamGuard as StreamGuard
 else:
     from p2ptrain._exports import lazy_exports
 

@@ -89,7 +89,7 @@ MAX_MESSAGES_PER_TOPIC_PER_S = 1000.0
 DEGREE, DEGREE_LOW, DEGREE_HIGH = 6, 4, 12
 
 
-class MessageTooLarge(ValueError):
+class PubsubMessageTooLarge(ValueError):
     """Our own message is over the wire cap; pubsub would have dropped it without a word."""
 
 
@@ -406,7 +406,7 @@ async def publish_bytes(pubsub: Pubsub, topic: str, data: bytes, limit: int) -> 
     """Publish ``data`` on ``topic``, refusing (loudly) anything over ``limit`` bytes (the mesh
     passes the wire cap, p2ptrain.wire.MAX_MESSAGE_BYTES)."""
     if len(data) > limit:
-        raise MessageTooLarge(
+        raise PubsubMessageTooLarge(
             f"message of {len(data)} B for topic {topic!r} is over the {limit} B cap: "
             "send bulk data on a stream or by CID"
         )

@@ -24,7 +24,6 @@ computes for longer must keep a task reading, or not leave unread data in flight
 
 from __future__ import annotations
 
-import collections
 import logging
 import struct
 from collections.abc import Awaitable, Callable
@@ -35,15 +34,14 @@ from libp2p.abc import IHost, IMuxedConn, INetStream
 from libp2p.custom_types import TProtocol
 from libp2p.peer.id import ID
 
-from p2ptrain.base import count_rejection, short_id
+from p2ptrain.base import short_id
 from p2ptrain.net._relay import has_direct_connection
+from p2ptrain.net._stream_guard import CLOSE_TIMEOUT_S, StreamGuard
 from p2ptrain.net._yamux_stream import FastYamuxStream
 
 logger = logging.getLogger(__name__)
 
 _LENGTH = struct.Struct(">Q")
-# Longest a close or reset may take (it queues one small frame behind at most one in flight).
-_CLOSE_TIMEOUT_S = 2.0
 # Default cap on one peer's open inbound streams of one protocol (serve_channels): 32 concurrent
 # long-lived channels is far more than any of our protocols opens to one peer, while each
 # refused stream costs the attacker as much as us.
@@ -193,7 +191,7 @@ class Channel:
         self._closed = True
         # Shielded so a cancelled caller still tells the peer; bounded in case the connection is
         # wedged.
-        with trio.CancelScope(shield=True), trio.move_on_after(_CLOSE_TIMEOUT_S):
+        with trio.CancelScope(shield=True), trio.move_on_after(CLOSE_TIMEOUT_S):
             try:
                 await self._stream.reset()
             except Exception as error:  # the connection may already be gone
@@ -204,7 +202,7 @@ class Channel:
         if self._closed:
             return
         self._closed = True
-        with trio.CancelScope(shield=True), trio.move_on_after(_CLOSE_TIMEOUT_S):
+        with trio.CancelScope(shield=True), trio.move_on_after(CLOSE_TIMEOUT_S):
             try:
                 await self._stream.close()
             except Exception as error:
@@ -262,73 +260,6 @@ async def _drop_dead_relayed(host: IHost, peer_id: ID) -> None:
                 await connection.close()
             except Exception as exc:  # already half gone: what matters is that it is no longer listed
                 logger.debug("closing a relayed connection to %s: %r", short_id(peer_id), exc)
-
-
-StreamHandler = Callable[[INetStream], Awaitable[None]]
-
-
-class StreamGuard:
-    """The boundary around one protocol's inbound stream handler: a per-peer cap on open streams,
-    and any unexpected exception turned into a counted, logged reset of that one stream.
-
-    Why here: a handler is called by libp2p's stream machinery, where an escaping exception tears
-    down the whole connection to the peer (or worse), and a peer can open streams for free: without
-    a cap each one holds a task, a receive window and whatever the handler buffers.
-    """
-
-    def __init__(self, protocol: str, max_streams_per_peer: int) -> None:
-        self.protocol = protocol
-        self.max_streams_per_peer = max_streams_per_peer
-        self._open: dict[ID, int] = {}
-        # What was refused or failed, by reason; read by ``stats()`` (node status).
-        self.counters: collections.Counter[str] = collections.Counter()
-
-    def open_streams(self, peer_id: ID) -> int:
-        """Inbound streams of this protocol now open from ``peer_id``."""
-        return self._open.get(peer_id, 0)
-
-    def wrap(self, handler: StreamHandler) -> StreamHandler:
-        """``handler`` behind the cap and the exception boundary."""
-
-        async def guarded(stream: INetStream) -> None:
-            peer = stream.muxed_conn.peer_id
-            if self._open.get(peer, 0) >= self.max_streams_per_peer:
-                count_rejection(
-                    self.counters, "over_stream_cap", logger, logging.INFO,
-                    "%s: peer %s already has %d streams open; reset the new one",
-                    self.protocol, short_id(peer), self.max_streams_per_peer,
-                )
-                await reset_stream(stream)
-                return
-            self._open[peer] = self._open.get(peer, 0) + 1
-            try:
-                await handler(stream)
-            except Exception:
-                count_rejection(
-                    self.counters, "handler_error", logger, logging.ERROR,
-                    "%s: handler for a stream from %s failed; stream reset",
-                    self.protocol, short_id(peer), exc_info=True,
-                )
-                await reset_stream(stream)
-            finally:
-                self._open[peer] -= 1
-                if not self._open[peer]:
-                    del self._open[peer]
-
-        return guarded
-
-    def stats(self) -> dict[str, int]:
-        """Counters plus the number of inbound streams open now (all peers)."""
-        return {**self.counters, "open_streams": sum(self._open.values())}
-
-
-async def reset_stream(stream: INetStream) -> None:
-    """Reset ``stream``, bounded and shielded; a stream whose connection is gone is fine."""
-    with trio.CancelScope(shield=True), trio.move_on_after(_CLOSE_TIMEOUT_S):
-        try:
-            await stream.reset()
-        except Exception as error:
-            logger.debug("reset of a stream failed: %s", error)
 
 
 def serve_channels(

@@ -43,7 +43,7 @@ from p2ptrain.control import ControlServer, NodeStatus, ops as control_ops
 from p2ptrain.node._node_config import CONFIG_FILE, NodeConfig, prepare_home
 from p2ptrain.wire import MAX_MESSAGE_BYTES, MESH_TOPIC, MESSAGES, MessageRegistry, Signed, encode
 from p2ptrain.net import (
-    PubsubMessageTooLarge as MessageTooLarge,
+    PubsubMessageTooLarge,
     Reachability,
     Relaying,
     advertised_addrs,
@@ -164,14 +164,14 @@ class Node:
         await self.router.leave(topic)
 
     async def publish(self, topic: str, msg: Any) -> None:
-        """Sign and publish a wire message; raises MessageTooLarge over the wire cap."""
+        """Sign and publish a wire message; raises PubsubMessageTooLarge over the wire cap."""
         if self.pubsub is None:
             raise RuntimeError(f"{self!r} is not running")
         self._seq += 1
         try:
             data = encode(msg, self.key_pair, self._seq)
         except ValueError as exc:
-            raise MessageTooLarge(str(exc)) from None
+            raise PubsubMessageTooLarge(str(exc)) from None
         await publish_bytes(self.pubsub, topic, data, MAX_MESSAGE_BYTES)
         self.bytes_published += len(data)
 

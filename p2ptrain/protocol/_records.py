@@ -4,7 +4,7 @@ Same weights must give the same bytes on every peer, because a member proves it 
 model by hashing its own weights to the CID the coordinator published. So a state dict is written as
 safetensors with sorted names, contiguous CPU tensors and fixed metadata; nothing else goes in.
 Loading uses ``safetensors.torch`` only (never ``torch.load``), after
-:func:`p2ptrain.data.read_header` has checked the header (bounded, every byte range
+:func:`p2ptrain.base.read_header` has checked the header (bounded, every byte range
 inside the file), and insists on exactly the names, shapes and dtypes of a module built from the
 registry. Every way a model file, record or attestation can be bad is one :class:`RecordError`.
 
@@ -29,8 +29,7 @@ import torch
 from libp2p.crypto.keys import KeyPair
 from torch import nn
 
-from p2ptrain.base import UserError, boundedjson, short_id
-from p2ptrain.data import TensorFileError, read_header
+from p2ptrain.base import TensorFileError, UserError, boundedjson, read_header, short_id
 from p2ptrain.protocol import signing
 from p2ptrain.protocol.signing import SignatureError
 from p2ptrain.wire import Attestation, ModelRecord, SignedAttestation, SignedModelRecord, SignedVote

@@ -7,7 +7,7 @@ import torch
 import trio
 
 from p2ptrain.collective import BadPayload, PeerFailed, RoundSpec
-from p2ptrain.collective._endpoint import dense_description, sparse_description
+from p2ptrain.collective._collective import dense_description, sparse_description
 from p2ptrain.collective._ring import chunk_bounds
 from p2ptrain.collective._sparse import encode_indices, slice_of, slice_ranges
 from p2ptrain.base import short_id

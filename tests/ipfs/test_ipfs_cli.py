@@ -105,7 +105,7 @@ def test_add_pins_recursively_unless_pin_false(tmp_path, hello):
 def test_a_fetch_off_a_terminal_says_how_far_it_is_on_stderr_only(capsys, monkeypatch):
     """While the home's node fetches, a log sees a line every PROGRESS_LINE_S (0 here: every call);
     stdout stays the content's, for ipfs cat."""
-    from p2ptrain.api import _fetching
+    from p2ptrain.services import _fetching
 
     monkeypatch.setattr(_fetching, "PROGRESS_LINE_S", 0.0)
     with _fetching.fetch_progress("fetch QmX") as show:  # stderr is captured: not a terminal

@@ -93,10 +93,10 @@ async def test_progress_of_a_fetch_in_flight_is_answered_by_the_control_op(tmp_p
 
 
 async def test_a_temporary_node_shows_how_far_its_fetch_is(tmp_path, capsys, monkeypatch):
-    """``--bootstrap`` (a temporary node in the command's process, api/_fetching.py) says on stderr how
+    """``--bootstrap`` (a temporary node in the command's process, services/_fetching.py) says on stderr how
     far its fetch is, as a fetch through the home's node does: here a line per verified block
     (``PROGRESS_LINE_S`` = 0; 10 s off a terminal in use). Red before: the temporary node was silent."""
-    from p2ptrain.api import _fetching, ensure_local
+    from p2ptrain.services import _fetching, ensure_local
 
     monkeypatch.setattr(_fetching, "PROGRESS_LINE_S", 0.0)
     with trio.fail_after(DEADLINE_S):

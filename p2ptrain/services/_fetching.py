@@ -21,7 +21,7 @@ from p2ptrain.control import TaskStatus, ops as control_ops
 if TYPE_CHECKING:
     from p2ptrain.ipfs import ContentStore
     from p2ptrain.protocol import Chain
-    from p2ptrain.services import Fetcher
+    from p2ptrain.services._peer import Fetcher
     from p2ptrain.wire import ModelRecord, TaskHead
 
 # How long a temporary node waits for its first peer, and for the latest head of a task.
@@ -217,7 +217,7 @@ async def find_latest(peer: Fetcher, task_cid: str) -> tuple[TaskHead, Chain]:
     EPHEMERAL_MESH_TIMEOUT_S (a UserError line naming what was refused otherwise)."""
     import trio
 
-    from p2ptrain.services import LatestFinder
+    from p2ptrain.services._latest import LatestFinder
 
     finder = LatestFinder(peer.node, peer.content, task_cid)
     try:
@@ -240,7 +240,7 @@ def with_ephemeral_node(home: Path, bootstrap: list[str], work: Callable[[Fetche
 
     from p2ptrain.ipfs import ContentUnavailable
     from p2ptrain.node import Node, NodeConfig
-    from p2ptrain.services import make_fetcher
+    from p2ptrain.services._peer import make_fetcher
 
     logging.getLogger("libp2p").setLevel(logging.CRITICAL)
     node = Node(home, dataclasses.replace(NodeConfig.of_home(home), listen=["/ip4/127.0.0.1/tcp/0"], bootstrap=bootstrap))

@@ -7,7 +7,7 @@ import time
 import torch
 from libp2p.peer.id import ID
 
-from p2ptrain.collective._endpoint import Collective
+from p2ptrain.collective._collective import Collective
 from p2ptrain.collective._feedback import ErrorFeedback
 from p2ptrain.collective._round_spec import RoundSpec
 from p2ptrain.collective._sparse import Workspace, bucket_ks, select_ranges

@@ -34,9 +34,6 @@ MAX_HEADER_DEPTH = 4
 # Bytes per element of every dtype we read (safetensors' codes); anything else is refused.
 ITEMSIZE = {"BOOL": 1, "U8": 1, "U16": 2, "I8": 1, "I16": 2, "I32": 4, "I64": 8, "F16": 2, "BF16": 2, "F32": 4,
             "F64": 8}
-# numpy's name of a dtype (what manifests say) to the safetensors code.
-NUMPY_CODES = {"bool": "BOOL", "uint8": "U8", "uint16": "U16", "int8": "I8", "int16": "I16", "int32": "I32",
-               "int64": "I64", "float16": "F16", "float32": "F32", "float64": "F64"}
 
 
 class TensorFileError(ValueError):

@@ -9,8 +9,8 @@ from safetensors.numpy import save
 
 from p2ptrain.data._manifest import TensorSpec
 from p2ptrain.data._shards import ShardError, decode_shard
-from p2ptrain.data._tensorfile import MAX_HEADER_BYTES, MAX_TENSORS
-from p2ptrain.data import TensorFileError, read_header
+from p2ptrain.base import TensorFileError, read_header
+from p2ptrain.base._safetensors_header import MAX_HEADER_BYTES, MAX_TENSORS
 
 
 def crafted(header, body: bytes = b"") -> bytes:
