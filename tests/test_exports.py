@@ -25,7 +25,8 @@ EXPORTS: dict[str, list[str]] = {
         "node_answers", "split_shards", "train", "with_ephemeral_node",
     ],
     "p2ptrain.base": [
-        "AddressError", "HistogramSnapshot", "RoundHistograms", "UserError", "all_finite", "arithmetic_of", "boundedjson",
+        "AddressError", "ArgumentError", "HistogramSnapshot", "RoundHistograms", "UserError", "all_finite", "arithmetic_of",
+        "boundedjson", "command_line_words",
         "count_rejection", "default_home", "first_leaf", "flat_params", "fmt_bytes", "fmt_s", "format_host_port", "formatter",
         "large_empty", "load_flat_params", "load_or_create_identity", "parse_host_port", "peer_id_of", "refilled", "short_id",
         "use_one_arena", "write_atomic", "zero_fill",
@@ -131,7 +132,7 @@ EXPORTS: dict[str, list[str]] = {
         "wan_unavailable",
     ],
     "p2ptrain.training": [
-        "Average", "GradientBridge", "LocalSGDTrainer", "MAX_MANIFEST_BYTES", "ManifestError", "PlanAverager",
+        "Average", "DeviceError", "GradientBridge", "LocalSGDTrainer", "MAX_MANIFEST_BYTES", "ManifestError", "PlanAverager",
         "PositionedBatches",
         "PretrainedError", "RoundTimings", "StageFile", "StateSnapshot", "StepResult", "StepSkipped", "Trainer",
         "TrainerError", "UserLocalSGDTrainer", "UserTrainer",

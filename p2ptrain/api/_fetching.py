@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from p2ptrain.base import UserError
+from p2ptrain.base import ArgumentError, UserError
 from p2ptrain.control import TaskStatus, ops as control_ops
 
 if TYPE_CHECKING:
@@ -116,10 +116,10 @@ def ensure_local(
             return cids + [kept]
         missing = ([c for c in cids + _more(store, [c for c in cids if store.has(c)], None) if not store.has(c)]
                    or [f"latest model of {latest}"])
-        raise UserError(
-            f"{', '.join(missing)} not in the store of {home}, and no node is running there: start one "
-            f"(p2ptrain node start --home {home} --bootstrap ...) or pass --bootstrap MULTIADDR"
-        )
+        raise ArgumentError(
+            "{missing} not in the store of {home_path}, and no node is running there: start one "
+            "(p2ptrain node start --home {home_path} --bootstrap ...) or pass {bootstrap:MULTIADDR}",
+            missing=", ".join(missing), home_path=home)
     return _fetch_with_ephemeral_node(home, cids, bootstrap, latest, then)
 
 

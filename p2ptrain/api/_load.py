@@ -15,6 +15,7 @@ from pathlib import Path
 
 from torch import nn
 
+from p2ptrain.api._arguments import address_list
 from p2ptrain.base import UserError, default_home
 from p2ptrain.ipfs import ContentStore, FileTooLarge, open_store, parse_cid
 from p2ptrain.models import file_bytes_bound
@@ -40,7 +41,7 @@ def load_model(cid_or_path: str | Path, *, home: str | Path | None = None, store
         from p2ptrain.api._fetching import ensure_local  # the fetch paths model fetch has
 
         where = where or default_home()
-        ensure_local(where, [str(cid_or_path)], list(bootstrap))
+        ensure_local(where, [str(cid_or_path)], address_list("bootstrap", bootstrap))
     return build_loaded(cid_or_path, home=where, store=store)
 
 
@@ -77,7 +78,7 @@ def load_state(model: nn.Module, cid_or_path: str | Path, *, home: str | Path | 
         if not store.has(cid):
             from p2ptrain.api._fetching import ensure_local  # the fetch paths model fetch has
 
-            ensure_local(where, [cid], list(bootstrap))
+            ensure_local(where, [cid], address_list("bootstrap", bootstrap))
         # Verified against the CID block by block, and no larger than a file of the instance's tensors.
         try:
             data = store.cat(cid, max_bytes=file_bytes_bound(model.state_dict().values()))

@@ -9,7 +9,7 @@ import re
 import sys
 
 from p2ptrain import __version__
-from p2ptrain.base import UserError, first_leaf
+from p2ptrain.base import UserError, command_line_words, first_leaf
 
 # Declared errors of decoders below the CLI that are not UserErrors (module, class): what they say
 # is the whole story for a user (a CID not held, a block that fails its hash, a malformed file), so
@@ -103,8 +103,9 @@ def declared_errors() -> tuple[type[BaseException], ...]:
 
 
 def one_line(exc: BaseException) -> str:
-    """``p2ptrain: error: <message>`` on one line, whatever the message holds."""
-    message = " ".join(str(exc).split()) or type(exc).__name__
+    """``p2ptrain: error: <message>`` on one line, whatever the message holds; an argument it names
+    is named by its flag (``--bootstrap``, where a Python caller reads ``bootstrap=``)."""
+    message = " ".join(command_line_words(exc).split()) or type(exc).__name__
     return f"p2ptrain: error: {message}"
 
 
