@@ -50,7 +50,7 @@ EXPORTS: dict[str, list[str]] = {
         "CorruptBlock", "DAG_PB", "DIRECT", "DagError", "DecodeError", "EmbeddedStore", "FetchError", "FetchStats",
         "FileTooLarge", "InvalidCID", "MAX_LINKS", "MAX_MESSAGE_SIZE", "PBNode", "PROTOCOLS", "PinFileError", "RAW",
         "UnixFSData", "cid_from_digest", "cid_str", "dag_bytes_limit", "decode_node", "decode_unixfs",
-        "encode_file_leaf", "encode_file_node", "import_stream", "make_cid", "open_store", "parse_cid", "read_file",
+        "encode_file_leaf", "encode_file_node", "import_stream", "make_cid", "not_a_cid", "open_store", "parse_cid", "read_file",
         "requested_cid", "varint", "walk_dag",
     ],
     "p2ptrain.mesh": [

@@ -439,3 +439,38 @@ def test_no_message_below_the_command_line_names_a_flag():
                     found.append(f"{path.relative_to(root)}:{node.lineno}: {text[:80]}")
     assert found == []
 
+
+GOOD_CID = "QmT78zSuBmuS4z925WZfrqQ1qHaJ56DQaTfyMUF7F8ff5o"
+TYPO = "bafybeigdyrzt5sfp7udm7hu76uh7y26nf3efuylqabf3oclgtqy55fbzdX"  # the last of 59 characters mistyped
+
+
+@pytest.mark.parametrize("args", [
+    ["model", "fetch", "--latest", TYPO, "-o", "m.safetensors"],
+    ["model", "fetch", TYPO, "-o", "m.safetensors"],
+    ["model", "verify", TYPO],
+    ["model", "verify", "--latest", TYPO],
+    ["model", "export", TYPO, "out"],
+    ["model", "eval", GOOD_CID, "--dataset", TYPO],
+    ["model", "serve", "--latest", TYPO],
+    ["task", "status", TYPO],
+    ["task", "cancel", TYPO],
+    ["task", "report", TYPO],
+    ["node", "start", "--join", TYPO],
+    ["dataset", "info", TYPO],
+    ["dataset", "get", TYPO],
+])
+def test_a_mistyped_cid_is_one_line_saying_what_a_cid_looks_like(args, tmp_path, capsys):
+    """`model fetch --latest` of a CID with one character wrong printed the command's usage (five
+    lines) and then the multibase decoder's reason, ``(Pad bits must be zero.)``; every command's
+    CID argument goes through cli/ipfs.cid_arg, and the parser prints a refused value alone."""
+    from p2ptrain.cli.main import main
+
+    with pytest.raises(SystemExit) as exited:
+        main([*args, "--home", str(tmp_path / "home")])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1, err
+    assert err[0].endswith(f": {TYPO!r} is not a valid CID: expected Qm... (46 characters) or b... (59, base32), as "
+                           "p2ptrain prints them; a character is mistyped"), err
+    assert err[0].startswith(f"p2ptrain {args[0]} {args[1]}: error: argument ")
+    assert not (tmp_path / "home").exists()

@@ -17,7 +17,7 @@ from torch import nn
 
 from p2ptrain.api._arguments import address_list
 from p2ptrain.base import UserError, default_home
-from p2ptrain.ipfs import ContentStore, FileTooLarge, open_store, parse_cid
+from p2ptrain.ipfs import ContentStore, FileTooLarge, not_a_cid, open_store, parse_cid
 from p2ptrain.models import file_bytes_bound
 from p2ptrain.protocol import RecordError, load_model_bytes
 from p2ptrain.training import load_model as build_loaded
@@ -72,7 +72,7 @@ def load_state(model: nn.Module, cid_or_path: str | Path, *, home: str | Path | 
         try:
             parse_cid(cid)
         except Exception:
-            raise UserError(f"{cid}: no such file, and not a CID") from None
+            raise UserError(f"{cid}: no such file, and {not_a_cid(cid)}") from None
         where = Path(home).expanduser() if home is not None else _home_holding(cid)
         store = open_store(where)
         if not store.has(cid):

@@ -7,6 +7,7 @@ import logging
 import os
 import re
 import sys
+from typing import NoReturn
 
 from p2ptrain import __version__
 from p2ptrain.base import UserError, command_line_words, first_leaf
@@ -41,8 +42,25 @@ GROUPS: list[str] = [
 ]
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse's parser, saying a refused *value* in one line: ``p2ptrain model fetch: error:
+    argument --latest: 'bafy...' is not a valid CID: ...``, exit status 2. argparse printed the
+    command's usage first (five lines for ``model fetch``) above a mistyped CID or number, where the
+    usage says nothing the line does not; a missing or unknown argument keeps its usage. Every
+    subcommand's parser is one of these (add_subparsers makes its parsers of the parent's class)."""
+
+    def error(self, message: str) -> NoReturn:
+        # argparse calls error() from its handler of the ArgumentError it raised while handling
+        # the exception of an argument's type= (ArgumentTypeError, ValueError, TypeError).
+        raised = sys.exc_info()[1]
+        if isinstance(raised, argparse.ArgumentError) and isinstance(
+                raised.__context__, (argparse.ArgumentTypeError, ValueError, TypeError)):
+            self.exit(2, f"{self.prog}: error: {message}\n")
+        super().error(message)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="p2ptrain",
         description=(
             "Train PyTorch models on a peer-to-peer network: peers join a libp2p mesh, fetch tasks, "

@@ -11,7 +11,7 @@ from pathlib import Path
 from torch import nn
 
 from p2ptrain.base import UserError, default_home
-from p2ptrain.ipfs import ContentStore, ContentUnavailable, open_store, parse_cid
+from p2ptrain.ipfs import ContentStore, ContentUnavailable, not_a_cid, open_store, parse_cid
 from p2ptrain.models import ModelError, build_model, meta_model, whole_model_cap
 from p2ptrain.protocol import RecordError, load_model_bytes, read_model_card, read_tensors
 from p2ptrain.task import USER_MODEL
@@ -83,7 +83,7 @@ def load_model(cid_or_path: str | Path, *, home: Path | None = None, store: Cont
     try:
         parse_cid(cid)
     except Exception:
-        raise FileNotFoundError(f"{cid}: no such file, and not a CID") from None
+        raise FileNotFoundError(f"{cid}: no such file, and {not_a_cid(cid)}") from None
     if store is None:
         store = open_store(home or default_home())
     if not store.has(cid):
