@@ -474,3 +474,37 @@ def test_a_mistyped_cid_is_one_line_saying_what_a_cid_looks_like(args, tmp_path,
                            "p2ptrain prints them; a character is mistyped"), err
     assert err[0].startswith(f"p2ptrain {args[0]} {args[1]}: error: argument ")
     assert not (tmp_path / "home").exists()
+
+
+def test_task_status_of_a_task_this_node_did_not_join_says_so_and_task_join_joins_it(tmp_path, capsys):
+    """A task published on a node that joins no tasks showed ``progress step 0/?`` and ``members 0:``,
+    a run of no one with no end, though the node holds the task's definition; no command joined a
+    task with the node running (docs/training.md named a ``task join``), and ``model verify
+    --latest`` of the run said "no chain of task ... verified" before its first checkpoint."""
+    import json
+
+    from p2ptrain.cli.main import main
+    from p2ptrain.testing import node_processes
+
+    with node_processes(1, tmp_path) as (node,):
+        home = ["--home", str(node.home)]
+        assert main(["dataset", "add", "sklearn:iris", "--shards", "2", *home]) == 0
+        task = tmp_path / "iris.toml"
+        task.write_text(TASK.format(width=4, manifest=capsys.readouterr().out.split()[-1]))
+        assert main(["task", "publish", str(task), *home]) == 0
+        task_cid = capsys.readouterr().out.strip()
+        assert main(["task", "status", task_cid, *home]) == 0
+        lines = capsys.readouterr().out.splitlines()
+        assert lines[2:5] == ["progress   no member has reported a step yet (the task runs 20 steps)",
+                              "members    0",
+                              f"not joined this node is not a member: `p2ptrain task join {task_cid}` makes it one"]
+        assert main(["task", "status", task_cid, "--json", *home]) == 0
+        assert json.loads(capsys.readouterr().out)["total_steps"] == 20
+        assert main(["task", "join", task_cid, *home]) == 0
+        assert capsys.readouterr().out.strip() == f"joined task iris-mlp ({task_cid})"
+        assert main(["task", "status", task_cid, "--json", *home]) == 0
+        assert json.loads(capsys.readouterr().out)["member"] is True
+        assert main(["model", "verify", "--latest", task_cid, *home]) == 1
+        err = capsys.readouterr().err.strip()  # (state: fetching data, or training: as far as the run got)
+        assert err.startswith(f"p2ptrain: error: task {task_cid} has no confirmed model yet (state: "), err
+        assert err.endswith(f"): nothing to verify until the first checkpoint (p2ptrain task status {task_cid})"), err

@@ -46,6 +46,18 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     status.add_argument("--json", action="store_true", help="print one JSON object")
     status.set_defaults(func=cmd_status)
 
+    join = tsub.add_parser(
+        "join", help="this node takes part in a task published without it",
+        description="Ask the running node of --home to become a member of TASK_CID: it fetches the task by CID "
+        "from its peers if its store lacks it, checks that it can take part (requirements, builders, allowlist) "
+        "and trains with the other members. A node joins on its own only the tasks it publishes with --join, "
+        "the ones named by `node start --join`, and, started with --accept-tasks, the ones announced.",
+    )
+    join.add_argument("task_cid", metavar="TASK_CID", type=cid_arg, help="the task's CID (from task publish or task list)")
+    join.add_argument("--home", type=Path, default=None, help=HOME_HELP)
+    join.add_argument("--json", action="store_true", help="print one JSON object (task_cid, name)")
+    join.set_defaults(func=cmd_join)
+
     cancel = tsub.add_parser(
         "cancel", help="stop a task this node published",
         description="Announce, signed by this node's key, that the task is cancelled. Members obey it "
@@ -153,6 +165,12 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_join(args: argparse.Namespace) -> int:
+    reply = _client(args).call(control_ops.TASK_JOIN, task_cid=args.task_cid)
+    print(json.dumps(reply) if args.json else f"joined task {reply['name']} ({reply['task_cid']})")
+    return 0
+
+
 def cmd_cancel(args: argparse.Namespace) -> int:
     reply = _client(args).call(control_ops.TASK_CANCEL, task_cid=args.task_cid, reason=args.reason[:256])
     print(json.dumps(reply) if args.json else f"cancelled task {reply['task_cid']}")
@@ -186,10 +204,12 @@ def render_status(s: TaskStatus) -> str:
         f"task       {s.name} ({s.task_cid})",
         f"state      {s.state}" + (f" ({s.error})" if s.error else ""),
         f"progress   {_progress(s)}",
-        f"members    {len(s.members)}: " + ", ".join(short_id(m) for m in s.members),
+        f"members    {len(s.members)}" + "".join(f"{', ' if i else ': '}{short_id(m)}" for i, m in enumerate(s.members)),
     ]
     if s.refused:
         lines.append(f"not joined {s.refused}")
+    elif not s.member:  # else it read as a run of no one, at "step 0/?"
+        lines.append(f"not joined this node is not a member: `p2ptrain task join {s.task_cid}` makes it one")
     if s.member:
         lines.append(f"coordinator {short_id(s.coordinator or '-')} (term {s.term})")
         if s.loss is not None:
@@ -230,6 +250,8 @@ def _num(value: float | None, spec: str = ".3f") -> str:
 
 def _progress(s: TaskStatus) -> str:
     total = s.total_steps or "?"
+    if not s.member and s.state == "announced":  # no member's head heard: no step to show
+        return "no member has reported a step yet" + (f" (the task runs {s.total_steps} steps)" if s.total_steps else "")
     if not s.member:  # what the run's head says: its step, not a round this node saw complete
         return f"step {s.step}/{total}"
     if s.last_round is None:

@@ -70,7 +70,8 @@ class TaskControl:
                 raise TaskError(f"initial_model: {exc}") from None
         task_cid = await trio.to_thread.run_sync(self.tasks.content.store.add_bytes, task_bytes(task))
         await trio.to_thread.run_sync(self.tasks.content.store.pin_add, task_cid)
-        self.tasks.remember(task_cid, task.name, self.tasks.node.peer_id.to_base58())
+        known = self.tasks.remember(task_cid, task.name, self.tasks.node.peer_id.to_base58())
+        known.total_steps = task.training.total_steps  # None for a task that counts epochs
         await self.tasks.node.publish(TASKS_TOPIC, TaskAnnounce(task_cid=task_cid, name=task.name))
         joined = False
         if self.tasks.options.accept_tasks or request.get("join"):
