@@ -508,3 +508,41 @@ def test_task_status_of_a_task_this_node_did_not_join_says_so_and_task_join_join
         err = capsys.readouterr().err.strip()  # (state: fetching data, or training: as far as the run got)
         assert err.startswith(f"p2ptrain: error: task {task_cid} has no confirmed model yet (state: "), err
         assert err.endswith(f"): nothing to verify until the first checkpoint (p2ptrain task status {task_cid})"), err
+
+
+def test_examples_members_on_one_machine_each_get_a_home_of_their_own(monkeypatch, tmp_path):
+    """The examples' own commands (``--member 0 --listen ...`` then ``--member 1 --bootstrap ...``
+    on one machine) gave both members Optimizer's default home for the run, and the second died
+    with a traceback: ``a p2ptrain node runs on ~/.p2ptrain/runs/digits-cnn``."""
+    examples = Path(__file__).resolve().parents[1] / "examples"
+    monkeypatch.syspath_prepend(str(examples))
+    monkeypatch.setenv("P2PTRAIN_HOME", str(tmp_path))
+    from _common import parse_args
+
+    homes = set()
+    for member in ("0", "1"):
+        monkeypatch.setattr(sys, "argv", ["custom_loop.py", "--member", member, "--members", "2"])
+        args = parse_args("doc", steps=10, run="digits-cnn")
+        assert args.run == "digits-cnn"
+        homes.add(args.home)
+    assert homes == {str(tmp_path / "runs" / "digits-cnn-member0"), str(tmp_path / "runs" / "digits-cnn-member1")}
+    monkeypatch.setattr(sys, "argv", ["custom_loop.py", "--home", str(tmp_path / "mine")])
+    assert parse_args("doc", steps=10, run="digits-cnn").home == str(tmp_path / "mine")
+
+
+def test_model_fetch_latest_on_the_default_home_names_the_run_home_that_keeps_the_chain(tmp_path, capsys):
+    """After a script's run (Optimizer's default home, HOME/runs/<run>), `model fetch --latest
+    RUN_CID` on HOME said only 'not in the store of HOME, and no node is running there'."""
+    from p2ptrain.cli.main import main
+    from p2ptrain.run import RunDir
+
+    run_cid = "QmT78zSuBmuS4z925WZfrqQ1qHaJ56DQaTfyMUF7F8ff5o"
+    kept = tmp_path / "home" / "runs" / "digits-cnn-member0"
+    chain = RunDir.of(kept, run_cid).chain
+    chain.parent.mkdir(parents=True)
+    chain.write_bytes(b"")
+    (tmp_path / "home" / "runs" / "other").mkdir()
+    assert main(["model", "fetch", "--latest", run_cid, "-o", str(tmp_path / "m"), "--home",
+                 str(tmp_path / "home")]) == 1
+    assert capsys.readouterr().err.strip().endswith(
+        f"or pass --bootstrap MULTIADDR; a run's home on this machine keeps its chain: --home {kept}")
