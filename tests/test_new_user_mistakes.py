@@ -471,9 +471,23 @@ def test_a_mistyped_cid_is_one_line_saying_what_a_cid_looks_like(args, tmp_path,
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 1, err
     assert err[0].endswith(f": {TYPO!r} is not a valid CID: expected Qm... (46 characters) or b... (59, base32), as "
-                           "p2ptrain prints them; a character is mistyped"), err
+                           "p2ptrain prints them; 'X' is no character of one (base32: a to z, 2 to 7)"), err
     assert err[0].startswith(f"p2ptrain {args[0]} {args[1]}: error: argument ")
     assert not (tmp_path / "home").exists()
+
+
+def test_task_publish_of_the_example_task_as_it_comes_names_the_placeholder(tmp_path, capsys):
+    """node/tasks/digits-mlp.toml holds a placeholder for the manifest's CID; publishing it before
+    putting the CID there said ``(Invalid character 'l' encountered for alphabet StringAlphabet(
+    '123456789ABC...'))``, the decoder's words."""
+    from p2ptrain.cli.main import main
+
+    example = Path(__file__).resolve().parents[1] / "node" / "tasks" / "digits-mlp.toml"
+    assert main(["task", "publish", str(example), "--home", str(tmp_path / "home")]) == 1
+    assert capsys.readouterr().err.strip() == (
+        "p2ptrain: error: dataset.manifest: 'QmReplaceWithTheManifestCidPrintedByDatasetAdd' is not a valid CID: "
+        "expected Qm... (46 characters) or b... (59, base32), as p2ptrain prints them; 'l' is no character of one "
+        "(base58: no 0, O, I or l)")
 
 
 def test_task_status_of_a_task_this_node_did_not_join_says_so_and_task_join_joins_it(tmp_path, capsys):
