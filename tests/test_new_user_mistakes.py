@@ -560,3 +560,16 @@ def test_model_fetch_latest_on_the_default_home_names_the_run_home_that_keeps_th
                  str(tmp_path / "home")]) == 1
     assert capsys.readouterr().err.strip().endswith(
         f"or pass --bootstrap MULTIADDR; a run's home on this machine keeps its chain: --home {kept}")
+
+
+def test_load_model_of_a_cid_the_home_lacks_says_how_to_fetch_it(tmp_path):
+    """It said ``fetch it first: p2ptrain model fetch CID``: that command needs ``-o`` and a way to
+    the mesh, and load_model itself fetches with ``bootstrap=``."""
+    import p2ptrain
+    from p2ptrain.ipfs import ContentUnavailable
+
+    with pytest.raises(ContentUnavailable) as caught:
+        p2ptrain.load_model(GOOD_CID, home=tmp_path / "home")
+    assert str(caught.value) == (
+        f"{GOOD_CID}: not in the local store: p2ptrain.load_model(cid, bootstrap=[MULTIADDR]) fetches it through a "
+        f"peer of the mesh (p2ptrain model fetch {GOOD_CID} -o FILE --bootstrap MULTIADDR on the command line)")

@@ -74,7 +74,7 @@ def load_model(cid_or_path: str | Path, *, home: Path | None = None, store: Cont
 
     Every byte read by CID is verified against it. The CID of a pipelined run's model names a
     manifest of stage files: they are assembled into the whole model. A CID the store does not hold raises
-    :class:`ContentUnavailable`; fetch it first with ``p2ptrain model fetch CID``.
+    :class:`ContentUnavailable` saying how to fetch it (``p2ptrain.load_model(cid, bootstrap=...)``).
     """
     path = Path(cid_or_path)
     if path.exists():
@@ -87,6 +87,9 @@ def load_model(cid_or_path: str | Path, *, home: Path | None = None, store: Cont
     if store is None:
         store = open_store(home or default_home())
     if not store.has(cid):
-        raise ContentUnavailable(cid, "not in the local store; fetch it first: p2ptrain model fetch " + cid)
+        # It said "fetch it first: p2ptrain model fetch CID", a command that needs -o and a way to the mesh.
+        raise ContentUnavailable(cid, "not in the local store: p2ptrain.load_model(cid, bootstrap=[MULTIADDR]) "
+                                 f"fetches it through a peer of the mesh (p2ptrain model fetch {cid} -o FILE "
+                                 "--bootstrap MULTIADDR on the command line)")
     # No model the registry builds is larger; a pipelined run's manifest is assembled from its stages.
     return model_from_bytes(model_file(store, cid))
