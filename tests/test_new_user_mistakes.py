@@ -318,7 +318,7 @@ def test_task_publish_on_a_node_that_joins_no_tasks_says_why_no_one_trains_here(
         assert published.stdout.strip().startswith(("Qm", "bafy"))
         assert published.stderr.strip().splitlines()[-1] == (
             "p2ptrain: this node did not join the task (it runs without --accept-tasks): peers started with "
-            "--accept-tasks join it; `task publish --join` makes this node a member too")
+            f"--accept-tasks join it; `p2ptrain task join {published.stdout.strip()}` makes this node a member too")
         joined = run_forked([P2PTRAIN, "task", "publish", str(task), "--join", "--home", str(node.home)],
                             capture_output=True, text=True, timeout=120)
         assert joined.returncode == 0 and "did not join" not in joined.stderr, joined.stderr

@@ -119,7 +119,8 @@ def cmd_publish(args: argparse.Namespace) -> int:
         # Otherwise `task status` shows "announced, 0 members" with no word why (a node restarted
         # with --join CID alone, or started without --accept-tasks, joins no new task).
         print("p2ptrain: this node did not join the task (it runs without --accept-tasks): peers started with "
-              "--accept-tasks join it; `task publish --join` makes this node a member too", file=sys.stderr)
+              f"--accept-tasks join it; `p2ptrain task join {reply['task_cid']}` makes this node a member too",
+              file=sys.stderr)
     return 0
 
 
