@@ -195,7 +195,9 @@ def test_task_status_of_a_run_before_the_nodes_restart_says_where_its_models_are
                        f"this home took part in it before: `p2ptrain model verify --latest {task_cid} --home "
                        f"{node.home}` shows its models (also `task report`; `node start --join` takes part again)")
         assert main(["task", "status", unknown, "--home", str(node.home)]) == 1
-        assert capsys.readouterr().err.strip() == f"p2ptrain: error: task.status: this node has not heard of task {unknown}"
+        assert capsys.readouterr().err.strip() == (
+            f"p2ptrain: error: task.status: this node has not heard of task {unknown}: `p2ptrain task list` shows the "
+            f"tasks it has heard of; `p2ptrain task join {unknown}` fetches this one from its peers and takes part")
 
 
 @pytest.mark.usefixtures("quick_timers")  # tests/conftest.py: the in-process member's idle waits shortened

@@ -156,8 +156,9 @@ def cmd_status(args: argparse.Namespace) -> int:
         from p2ptrain.run import RunDir
 
         home, cid = home_of(args), args.task_cid
-        if not RunDir.of(home, cid).chain.is_file():
-            raise
+        if not RunDir.of(home, cid).chain.is_file():  # it said only that: no word of where tasks are listed
+            raise UserError(f"{exc}: `p2ptrain task list` shows the tasks it has heard of; `p2ptrain task join "
+                            f"{cid}` fetches this one from its peers and takes part") from None
         # A run this home took part in, before its node (re)started: a node hears of tasks anew.
         raise UserError(f"{exc} since it started; this home took part in it before: `p2ptrain model verify --latest "
                         f"{cid} --home {home}` shows its models (also `task report`; `node start --join` takes part "
