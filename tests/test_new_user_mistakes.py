@@ -575,3 +575,36 @@ def test_load_model_of_a_cid_the_home_lacks_says_how_to_fetch_it(tmp_path):
     assert str(caught.value) == (
         f"{GOOD_CID}: not in the local store: p2ptrain.load_model(cid, bootstrap=[MULTIADDR]) fetches it through a "
         f"peer of the mesh (p2ptrain model fetch {GOOD_CID} -o FILE --bootstrap MULTIADDR on the command line)")
+
+
+@pytest.mark.usefixtures("quick_timers")  # tests/conftest.py: the in-process member's idle waits shortened
+def test_model_fetch_latest_through_a_node_started_after_the_task_was_announced(tmp_path, capsys):
+    """A home whose node started after a run's announcement: `model fetch --latest RUN_CID` asked
+    that node, which said 'task.status: this node has not heard of task ...', where a fresh home
+    with no node (--bootstrap) finds the run's chain by asking the mesh. The node now asks the mesh
+    too: it fetches the task by CID and looks its latest chain up, as a fresh home does."""
+    import torch
+    from torch import nn
+
+    import p2ptrain
+    from p2ptrain.cli.main import main
+    from p2ptrain.testing import NodeProcess, run_node_processes
+    from p2ptrain.testing import free_port
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    member = tmp_path / "member"
+    opt = p2ptrain.Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model, run="late", home=member,
+                             min_peers=1, total_steps=2, checkpoint_every=1, join_window_s=0.5)
+    with opt, pytest.raises(p2ptrain.RunFinished):
+        for _ in range(3):
+            opt.zero_grad()
+            model(torch.randn(3, 4)).sum().backward()
+            opt.step()
+    # The member's home, now a node's (it keeps the chain and answers for it), and a node started since.
+    nodes = [NodeProcess(member, free_port()), NodeProcess(tmp_path / "late", free_port())]
+    with run_node_processes(nodes) as (_, late):
+        out = tmp_path / "model.safetensors"
+        assert main(["model", "fetch", "--latest", opt.run_cid, "-o", str(out), "--home", str(late.home)]) == 0, \
+            capsys.readouterr().err
+    assert capsys.readouterr().out.startswith(f"{opt.model_cid} -> {out}")
