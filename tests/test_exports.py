@@ -80,8 +80,8 @@ EXPORTS: dict[str, list[str]] = {
         "RELAY_CIRCUIT_BYTES_RANGE", "RELAY_CIRCUIT_S_RANGE", "RELAY_MAX_CIRCUIT_BYTES", "RELAY_MAX_CIRCUIT_S",
         "RELAY_MAX_RESERVATIONS", "RELAY_RESERVATIONS_RANGE", "Reachability", "Relaying", "STATUSES", "StreamGuard",
         "advertised_addrs", "bound_problem", "check_listen", "close_host", "has_direct_connection", "is_circuit", "make_host",
-        "make_pubsub", "noise_only", "open_channel", "over_relay", "publish_bytes", "relay_limits", "running_pubsub",
-        "running_service", "serve_channels",
+        "make_pubsub", "noise_only", "not_a_multiaddr", "open_channel", "over_relay", "publish_bytes", "relay_limits",
+        "running_pubsub", "running_service", "serve_channels",
     ],
     "p2ptrain.node": [
         "CONFIG_FILE", "ContentService", "DEFAULT_MAX_FETCH_BYTES", "NODE_ARGS", "Node", "NodeConfig", "NodeProcess",

@@ -608,3 +608,30 @@ def test_model_fetch_latest_through_a_node_started_after_the_task_was_announced(
         assert main(["model", "fetch", "--latest", opt.run_cid, "-o", str(out), "--home", str(late.home)]) == 0, \
             capsys.readouterr().err
     assert capsys.readouterr().out.startswith(f"{opt.model_cid} -> {out}")
+
+
+def test_an_address_given_as_host_port_is_shown_as_the_multiaddr_it_means(tmp_path, capsys):
+    """``--listen 0.0.0.0:4001`` said py-libp2p's "Invalid MultiAddr '0.0.0.0:4001': unknown protocol:
+    0.0.0.0:4001 (string: 0.0.0.0:4001)" and left a new home behind (blocks/, logs/)."""
+    import torch
+    from torch import nn
+
+    import p2ptrain
+    from p2ptrain.base import UserError
+    from p2ptrain.cli.main import main
+
+    home = tmp_path / "home"
+    assert main(["node", "start", "--home", str(home), "--listen", "0.0.0.0:4001"]) == 1
+    assert capsys.readouterr().err.strip() == ("p2ptrain: error: --listen '0.0.0.0:4001' is not a multiaddr: as a "
+                                               "multiaddr it is /ip4/0.0.0.0/tcp/4001")
+    assert not home.exists()
+    model = nn.Linear(2, 2)
+    with pytest.raises(UserError) as caught:
+        p2ptrain.Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model, run="r", home=home,
+                           bootstrap=["10.0.0.1:4001"])
+    assert str(caught.value) == ("bootstrap='10.0.0.1:4001' is not a multiaddr: as a multiaddr it is "
+                                 "/ip4/10.0.0.1/tcp/4001/p2p/<peer id>")
+    with pytest.raises(UserError, match=r"^listen='/ip4/1\.2\.3/tcp/1' is not a multiaddr: write it as /ip4/HOST/tcp/PORT, "
+                                        r"e\.g\. /ip4/127\.0\.0\.1/tcp/4001 \(.+\)$"):
+        p2ptrain.Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model, run="r", home=home,
+                           listen=["/ip4/1.2.3/tcp/1"])

@@ -44,7 +44,7 @@ from multiaddr import Multiaddr
 from p2ptrain.base import ArgumentError, short_id
 from p2ptrain.mesh._membership import MemberEvent, Membership
 from p2ptrain.wire import Heartbeat, MESH_TOPIC, Signed
-from p2ptrain.net import running_service
+from p2ptrain.net import not_a_multiaddr, running_service
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +80,8 @@ def parse_bootstrap(addr: str) -> PeerInfo:
     try:
         maddr = Multiaddr(addr)
     except Exception as exc:
-        raise ArgumentError("{bootstrap:{addr!r}} is not a multiaddr: {exc}", addr=addr, exc=exc) from None
+        raise ArgumentError("{bootstrap:{addr!r}} is not a multiaddr: {why}", addr=addr,
+                            why=not_a_multiaddr(addr, exc, peer=True)) from None
     try:
         return info_from_p2p_addr(maddr)
     except Exception:

@@ -52,6 +52,7 @@ from p2ptrain.net import (
     is_circuit,
     make_host,
     make_pubsub,
+    not_a_multiaddr,
     publish_bytes,
     relay_limits,
     running_pubsub,
@@ -88,13 +89,13 @@ class Node:
         self, home: Path | str, config: NodeConfig | None = None, *, messages: MessageRegistry = MESSAGES,
     ) -> None:
         self.home = Path(home).expanduser().absolute()
-        prepare_home(self.home)
         stored = NodeConfig.load(self.home)
         self.config = config or stored or NodeConfig()
         self.config.check()
         self._listen = _maddrs(self.config.listen)
         for addr in self.config.bootstrap:
             parse_bootstrap(addr)  # a bad --bootstrap is the user's error: say so before starting
+        prepare_home(self.home)  # after the checks: a refused address leaves no new home behind
         if stored is None:
             write_atomic(self.home / CONFIG_FILE, self.config.to_toml().encode(), mode=0o600)
         self.key_pair: KeyPair = load_or_create_identity(self.home)
@@ -390,5 +391,5 @@ def _maddrs(addrs: Sequence[str]) -> list[Multiaddr]:
         try:
             out.append(Multiaddr(a))
         except Exception as exc:
-            raise ArgumentError("{listen:{addr!r}} is not a multiaddr: {exc}", addr=a, exc=exc) from None
+            raise ArgumentError("{listen:{addr!r}} is not a multiaddr: {why}", addr=a, why=not_a_multiaddr(a, exc)) from None
     return out
