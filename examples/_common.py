@@ -6,7 +6,9 @@ address of a member that already runs::
     python examples/custom_loop.py --member 0 --members 3 --listen /ip4/0.0.0.0/tcp/4001
     python examples/custom_loop.py --member 1 --members 3 --bootstrap /ip4/10.0.0.1/tcp/4001/p2p/12D3Koo...
 
-(the first prints its address). ``--member i --members n`` picks this member's part of the digits
+(the first prints its address). Each member keeps its own home (identity, store), by default
+``~/.p2ptrain/runs/<run>-member<i>``: members started on one machine need one each, so ``--member``
+names it as well. ``--member i --members n`` picks this member's part of the digits
 data: each machine trains on its own samples, which never leave it. ``n`` is also the run's
 ``max_peers``: once all ``n`` are alive, its first election and first plan need not wait for more.
 """
@@ -24,21 +26,26 @@ import torch
 from sklearn.datasets import load_digits
 from torch import nn
 
+from p2ptrain.base import default_home
 
-def parse_args(doc: str, steps: int, extra: Sequence[tuple[str, dict[str, Any]]] = ()) -> argparse.Namespace:
-    """The members' options, and ``extra``: an example's own, as ``(flag, add_argument's keywords)``."""
+
+def parse_args(doc: str, steps: int, run: str, extra: Sequence[tuple[str, dict[str, Any]]] = ()) -> argparse.Namespace:
+    """The members' options (``run``: the example's run name), and ``extra``: an example's own, as
+    ``(flag, add_argument's keywords)``."""
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     for flag, options in extra:
         parser.add_argument(flag, **options)
-    parser.add_argument("--home", help="this member's p2ptrain home (default ~/.p2ptrain/runs/<run>)")
+    parser.add_argument("--home", help="this member's p2ptrain home (default ~/.p2ptrain/runs/<run>-member<i>)")
     parser.add_argument("--listen", default="/ip4/127.0.0.1/tcp/0", help="multiaddr to listen on")
     parser.add_argument("--bootstrap", nargs="*", default=[], help="addresses of members already running")
     parser.add_argument("--member", type=int, default=0, help="this member's part of the data (0-based)")
     parser.add_argument("--members", type=int, default=1, help="parts the data is cut into: the run's members (max_peers)")
     parser.add_argument("--steps", type=int, default=steps, help="the run's length in steps")
-    parser.add_argument("--run", default=None, help="the run's name (the same on every member)")
+    parser.add_argument("--run", default=run, help=f"the run's name (the same on every member; default {run})")
     parser.add_argument("--verbose", action="store_true", help="log what the run does")
     args = parser.parse_args()
+    if args.home is None:  # Optimizer's own default is one home per run: a second member here would share it
+        args.home = str(default_home() / "runs" / f"{args.run}-member{args.member}")
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s: %(message)s")
     return args

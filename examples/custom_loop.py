@@ -31,13 +31,13 @@ class SmallCNN(nn.Module):
 
 
 def main() -> None:
-    args = parse_args(__doc__, steps=100)
+    args = parse_args(__doc__, steps=100, run="digits-cnn")
     train_data, test_data = digits(args.member, args.members)
     torch.manual_seed(args.member)
     model = SmallCNN()
     loader = torch.utils.data.DataLoader(train_data, batch_size=32, shuffle=True, drop_last=True)
     opt = p2ptrain.Optimizer(torch.optim.Adam(model.parameters(), lr=3e-3, fused=True), model=model,
-                             run=args.run or "digits-cnn", home=args.home, listen=[args.listen],
+                             run=args.run, home=args.home, listen=[args.listen],
                              bootstrap=args.bootstrap, density=0.1, checkpoint_every=25,
                              min_peers=min(2, args.members), max_peers=args.members, total_steps=args.steps,
                              evaluate=lambda m: {"accuracy": accuracy(m, test_data)})

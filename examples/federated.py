@@ -35,7 +35,7 @@ def main() -> None:
     local_sgd = "--local-sgd" in sys.argv
     if local_sgd:
         sys.argv.remove("--local-sgd")
-    args = parse_args(__doc__, steps=120)
+    args = parse_args(__doc__, steps=120, run="digits-federated")
     train_data, test_data = digits(args.member, args.members)
     torch.manual_seed(args.member)
     model = SimpleNN()
@@ -45,7 +45,7 @@ def main() -> None:
             if local_sgd else {"density": 0.1})
     result = p2ptrain.train(model, train_data, test_data=test_data, steps=args.steps, batch_size=32,
                             optimizer=lambda params: torch.optim.Adam(params, lr=1e-2, fused=True),
-                            run=args.run or "digits-federated", home=args.home, listen=[args.listen],
+                            run=args.run, home=args.home, listen=[args.listen],
                             bootstrap=args.bootstrap, min_peers=min(2, args.members), max_peers=args.members,
                             checkpoint_every=10 if local_sgd else 40, seed=args.member, **mode)
     report(model, test_data, member=args.member, model_cid=result.model_cid, run_cid=result.run_cid,

@@ -63,7 +63,7 @@ def held_out_loss(model: nn.Module, data: torch.utils.data.TensorDataset) -> flo
 
 
 def main() -> None:
-    args = parse_args(__doc__, steps=60, extra=[("--texts", {
+    args = parse_args(__doc__, steps=60, run="gpt2-text", extra=[("--texts", {
         "default": TEXTS, "help": "a text file, a folder of them or a glob (the same on every member; default: "
         "the sources of Python's json package)"})])
     train_data, test_data = windows(args.texts, args.member, args.members)
@@ -72,7 +72,7 @@ def main() -> None:
     torch.manual_seed(args.member)  # dropout and batch order: each member's own
     loader = torch.utils.data.DataLoader(train_data, batch_size=16, shuffle=True, drop_last=True)
     opt = p2ptrain.Optimizer(torch.optim.AdamW(model.parameters(), lr=3e-3, fused=True), model=model,
-                             run=args.run or "gpt2-text", home=args.home, listen=[args.listen],
+                             run=args.run, home=args.home, listen=[args.listen],
                              bootstrap=args.bootstrap, density=0.1, checkpoint_every=20,
                              min_peers=min(2, args.members), max_peers=args.members, total_steps=args.steps,
                              evaluate=lambda m: {"loss": held_out_loss(m, test_data)})

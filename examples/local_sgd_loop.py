@@ -18,13 +18,13 @@ INNER_STEPS = 8
 
 
 def main() -> None:
-    args = parse_args(__doc__, steps=20)  # outer steps: 20 x 8 batches
+    args = parse_args(__doc__, steps=20, run="digits-local-sgd")  # outer steps: 20 x 8 batches
     train_data, test_data = digits(args.member, args.members)
     torch.manual_seed(args.member)
     model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
     loader = torch.utils.data.DataLoader(train_data, batch_size=32, shuffle=True, drop_last=True)
     opt = p2ptrain.Optimizer(torch.optim.Adam(model.parameters(), lr=1e-2, fused=True), model=model,
-                             run=args.run or "digits-local-sgd", home=args.home, listen=[args.listen],
+                             run=args.run, home=args.home, listen=[args.listen],
                              bootstrap=args.bootstrap, mode="local_sgd", inner_steps=INNER_STEPS,
                              density=0.25, quantize="int8", checkpoint_every=5, min_peers=min(2, args.members),
                              max_peers=args.members, total_steps=args.steps)

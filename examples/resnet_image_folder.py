@@ -25,7 +25,6 @@ import torch
 from _common import parse_args, report
 
 import p2ptrain
-from p2ptrain.base import default_home
 from p2ptrain.data import IPFSDataset, SourceOptions, build_source, read_source
 from p2ptrain.ipfs import open_store
 from p2ptrain.models import build_model
@@ -47,11 +46,11 @@ def digit_images(root: Path, count: int = 400) -> Path:
 
 
 def main() -> None:
-    args = parse_args(__doc__, steps=30, extra=[
+    args = parse_args(__doc__, steps=30, run=RUN, extra=[
         ("--images", {"type": Path, "help": "the image folder ROOT/CLASS/*.png|jpg (default: digits written as PNGs)"}),
         ("--image-size", {"type": int, "default": 16, "help": "pixels a side the images are scaled to (default 16)"})])
     images, size = args.images, args.image_size
-    home = Path(args.home) if args.home else default_home() / "runs" / (args.run or RUN)
+    home = Path(args.home)
     home.mkdir(parents=True, exist_ok=True, mode=0o700)
     with tempfile.TemporaryDirectory() as scratch:
         folder = images or digit_images(Path(scratch) / "digits")
@@ -66,7 +65,7 @@ def main() -> None:
     test_data = torch.utils.data.TensorDataset(torch.stack([x for x, _ in test]), torch.stack([y for _, y in test]))
     result = p2ptrain.train(model, IPFSDataset(manifest_cid, store=store), test_data=test_data, steps=args.steps,
                             batch_size=16, optimizer=lambda params: torch.optim.Adam(params, lr=1e-3, fused=True),
-                            run=args.run or RUN, home=home, listen=[args.listen], bootstrap=args.bootstrap,
+                            run=args.run, home=home, listen=[args.listen], bootstrap=args.bootstrap,
                             min_peers=min(2, args.members), max_peers=args.members, checkpoint_every=10, density=0.05)
     report(model, test_data, member=args.member, model_cid=result.model_cid, run_cid=result.run_cid,
            steps=result.steps, dataset=manifest_cid)

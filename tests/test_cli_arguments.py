@@ -30,7 +30,7 @@ def test_a_malformed_cid_is_a_usage_error_naming_the_argument(tmp_path, args):
                         cwd=tmp_path)
     err = result.stderr.decode()
     assert result.returncode == 2, err
-    assert "not a CID" in err and "NotACid" in err.replace("not-a-cid", "NotACid")
+    assert "is not a valid CID" in err and "NotACid" in err.replace("not-a-cid", "NotACid")
     assert "Traceback" not in err
     assert not (tmp_path / "home").exists()  # refused before anything was created
 
@@ -49,7 +49,7 @@ def test_model_eval_names_a_model_that_is_neither_a_file_nor_a_cid(tmp_path):
                          str(tmp_path / "home")], capture_output=True, timeout=60, cwd=tmp_path)
     err = result.stderr.decode()
     assert result.returncode == 1 and "Traceback" not in err, err
-    assert "QmNotACid is not a file, and not a CID" in err
+    assert "QmNotACid is not a file, and 'QmNotACid' is not a valid CID" in err
     # ... at once: before torch is imported (4.4 s here before, for a one-line usage error).
     probe = ("import sys; from p2ptrain.cli.main import main; "
              f"rc = main(['model', 'eval', 'QmNotACid', '--dataset', '{GOOD}', '--home', sys.argv[1]]); "

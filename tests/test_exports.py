@@ -25,11 +25,11 @@ EXPORTS: dict[str, list[str]] = {
         "node_answers", "split_shards", "train", "with_ephemeral_node",
     ],
     "p2ptrain.base": [
-        "AddressError", "HistogramSnapshot", "RoundHistograms", "TensorFileError", "UserError", "all_finite",
-        "arithmetic_of", "boundedjson", "count_rejection", "default_home", "first_leaf", "flat_params", "fmt_bytes",
-        "fmt_s", "format_host_port", "formatter", "large_empty", "load_flat_params", "load_or_create_identity",
-        "parse_host_port", "peer_id_of", "read_header", "refilled", "short_id", "use_one_arena", "write_atomic",
-        "zero_fill",
+        "AddressError", "ArgumentError", "HistogramSnapshot", "RoundHistograms", "TensorFileError", "UserError",
+        "all_finite", "arithmetic_of", "boundedjson", "command_line_words", "count_rejection", "default_home",
+        "first_leaf", "flat_params", "fmt_bytes", "fmt_s", "format_host_port", "formatter", "large_empty",
+        "load_flat_params", "load_or_create_identity", "parse_host_port", "peer_id_of", "read_header", "refilled",
+        "short_id", "use_one_arena", "write_atomic", "zero_fill",
     ],
     "p2ptrain.collective": [
         "BadPayload", "Collective", "CollectiveError", "ErrorFeedback", "Misbehaved", "PROTOCOL", "PeerFailed",
@@ -50,7 +50,7 @@ EXPORTS: dict[str, list[str]] = {
         "CorruptBlock", "DAG_PB", "DIRECT", "DagError", "DecodeError", "EmbeddedStore", "FetchError", "FetchStats",
         "FileTooLarge", "InvalidCID", "MAX_LINKS", "MAX_MESSAGE_SIZE", "PBNode", "PROTOCOLS", "PinFileError", "RAW",
         "UnixFSData", "cid_from_digest", "cid_str", "dag_bytes_limit", "decode_node", "decode_unixfs",
-        "encode_file_leaf", "encode_file_node", "import_stream", "make_cid", "open_store", "parse_cid", "read_file",
+        "encode_file_leaf", "encode_file_node", "import_stream", "make_cid", "not_a_cid", "open_store", "parse_cid", "read_file",
         "requested_cid", "varint", "walk_dag",
     ],
     "p2ptrain.mesh": [
@@ -80,8 +80,8 @@ EXPORTS: dict[str, list[str]] = {
         "RELAY_CIRCUIT_BYTES_RANGE", "RELAY_CIRCUIT_S_RANGE", "RELAY_MAX_CIRCUIT_BYTES", "RELAY_MAX_CIRCUIT_S",
         "RELAY_MAX_RESERVATIONS", "RELAY_RESERVATIONS_RANGE", "Reachability", "Relaying", "STATUSES", "StreamGuard",
         "advertised_addrs", "bound_problem", "check_listen", "close_host", "has_direct_connection", "is_circuit", "make_host",
-        "make_pubsub", "noise_only", "open_channel", "over_relay", "publish_bytes", "relay_limits", "running_pubsub",
-        "running_service", "serve_channels",
+        "make_pubsub", "noise_only", "not_a_multiaddr", "open_channel", "over_relay", "publish_bytes", "relay_limits",
+        "running_pubsub", "running_service", "serve_channels",
     ],
     "p2ptrain.node": [
         "CONFIG_FILE", "ContentService", "DEFAULT_MAX_FETCH_BYTES", "NODE_ARGS", "Node", "NodeConfig", "NodeProcess",
@@ -134,8 +134,8 @@ EXPORTS: dict[str, list[str]] = {
         "wan_unavailable",
     ],
     "p2ptrain.training": [
-        "Average", "GradientBridge", "LocalSGDTrainer", "MAX_MANIFEST_BYTES", "MOMENTUM_KEY", "ManifestError",
-        "OuterOptimizer", "PlanAverager",
+        "Average", "DeviceError", "GradientBridge", "LocalSGDTrainer", "MAX_MANIFEST_BYTES", "MOMENTUM_KEY",
+        "ManifestError", "OuterOptimizer", "PlanAverager",
         "PositionedBatches",
         "PretrainedError", "RoundTimings", "StageFile", "StateSnapshot", "StepResult", "StepSkipped", "Trainer",
         "TrainerError", "UserLocalSGDTrainer", "UserTrainer",

@@ -126,7 +126,7 @@ def test_a_background_peer_refuses_a_taken_port_and_quiets_libp2p_unless_told(tm
     monkeypatch.delenv("LIBP2P_DEBUG", raising=False)
     try:
         libp2p.setLevel(logging.WARNING)  # what py-libp2p sets as it is imported
-        with pytest.raises(UserError, match=f"listen address /ip4/127.0.0.1/tcp/{taken_port}: cannot listen"):
+        with pytest.raises(UserError, match=f"^listen=/ip4/127.0.0.1/tcp/{taken_port}: cannot listen"):
             BackgroundPeer(tmp_path / "a", NodeConfig(listen=[f"/ip4/127.0.0.1/tcp/{taken_port}"]))
         peer = BackgroundPeer(tmp_path / "b", NodeConfig(listen=["/ip4/127.0.0.1/tcp/0"]))
         peer.close()
@@ -195,7 +195,9 @@ def test_task_status_of_a_run_before_the_nodes_restart_says_where_its_models_are
                        f"this home took part in it before: `p2ptrain model verify --latest {task_cid} --home "
                        f"{node.home}` shows its models (also `task report`; `node start --join` takes part again)")
         assert main(["task", "status", unknown, "--home", str(node.home)]) == 1
-        assert capsys.readouterr().err.strip() == f"p2ptrain: error: task.status: this node has not heard of task {unknown}"
+        assert capsys.readouterr().err.strip() == (
+            f"p2ptrain: error: task.status: this node has not heard of task {unknown}: `p2ptrain task list` shows the "
+            f"tasks it has heard of; `p2ptrain task join {unknown}` fetches this one from its peers and takes part")
 
 
 @pytest.mark.usefixtures("quick_timers")  # tests/conftest.py: the in-process member's idle waits shortened
@@ -318,7 +320,7 @@ def test_task_publish_on_a_node_that_joins_no_tasks_says_why_no_one_trains_here(
         assert published.stdout.strip().startswith(("Qm", "bafy"))
         assert published.stderr.strip().splitlines()[-1] == (
             "p2ptrain: this node did not join the task (it runs without --accept-tasks): peers started with "
-            "--accept-tasks join it; `task publish --join` makes this node a member too")
+            f"--accept-tasks join it; `p2ptrain task join {published.stdout.strip()}` makes this node a member too")
         joined = run_forked([P2PTRAIN, "task", "publish", str(task), "--join", "--home", str(node.home)],
                             capture_output=True, text=True, timeout=120)
         assert joined.returncode == 0 and "did not join" not in joined.stderr, joined.stderr
@@ -366,3 +368,270 @@ def test_a_script_stopped_by_ctrl_c_can_start_again_on_its_home_and_a_live_node_
             p2ptrain.Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model, run="again", home=home)
     finally:
         live.close()
+
+
+def test_a_script_reads_the_keyword_it_gave_and_a_command_line_the_flag(tmp_path, capsys):
+    """The checks below the API are shared by both callers, and their messages named the flag:
+    ``p2ptrain.Optimizer(bootstrap=[...])`` said ``--bootstrap '/ip4/...' has no /p2p/<peer id>
+    part``, ``load_state`` said ``pass --bootstrap MULTIADDR``, ``read_source`` ``--eos needs a
+    --tokenizer``, ``serve()`` ``give a MODEL_CID or --latest TASK_CID``; and ``bootstrap="..."``
+    (one string) reached the node as one address per character. Each message is one text: the
+    command line still reads the flag."""
+    import torch
+    from torch import nn
+
+    import p2ptrain
+    from p2ptrain.base import UserError
+    from p2ptrain.cli.main import main
+    from p2ptrain.data import SourceOptions, read_source
+
+    model = nn.Linear(2, 2)
+    home = tmp_path / "home"
+
+    def optimizer(**kwargs: object) -> None:
+        p2ptrain.Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model, run="r", home=home, **kwargs)
+
+    no_id = "/ip4/127.0.0.1/tcp/1"
+    with pytest.raises(UserError) as caught:
+        optimizer(bootstrap=[no_id])
+    assert str(caught.value).startswith(f"bootstrap={no_id!r} has no /p2p/<peer id> part; copy an address from")
+    with pytest.raises(UserError, match="^listen='nonsense' is not a multiaddr: "):
+        optimizer(listen=["nonsense"])
+    with pytest.raises(TypeError, match=r"^bootstrap= takes a list of addresses, not one string: bootstrap=\['/ip4"):
+        optimizer(bootstrap=no_id + "/p2p/12D3KooWFUqNyBmifyPm8ywvnrMACccRGY9BpWj1uyD9fdQLEHW7")
+    with pytest.raises(UserError, match=r"or pass bootstrap=MULTIADDR$"):
+        p2ptrain.load_state(model, "QmT78zSuBmuS4z925WZfrqQ1qHaJ56DQaTfyMUF7F8ff5o", home=tmp_path / "empty")
+    texts = tmp_path / "texts"
+    texts.mkdir()
+    (texts / "a.txt").write_text("some text " * 50)
+    with pytest.raises(UserError, match=r"^eos= needs a tokenizer= \(bytes have no end-of-document token\)$"):
+        read_source(f"text:{texts}", SourceOptions(eos="<eos>"))
+    with pytest.raises(UserError, match=r"^give a model's CID or latest=TASK_CID \(one of them\)$"):
+        p2ptrain.serve()
+
+    assert main(["node", "start", "--home", str(tmp_path / "cli"), "--bootstrap", no_id]) == 1
+    assert capsys.readouterr().err.startswith(f"p2ptrain: error: --bootstrap {no_id!r} has no /p2p/<peer id> part")
+    assert main(["model", "fetch", "QmT78zSuBmuS4z925WZfrqQ1qHaJ56DQaTfyMUF7F8ff5o", "-o", str(tmp_path / "m"),
+                 "--home", str(tmp_path / "empty")]) == 1
+    assert capsys.readouterr().err.strip().endswith("or pass --bootstrap MULTIADDR")
+    assert main(["dataset", "add", f"text:{texts}", "--shards", "2", "--eos", "<eos>", "--home", str(tmp_path / "data")]) == 1
+    assert capsys.readouterr().err.strip() == ("p2ptrain: error: --eos needs a --tokenizer (bytes have no "
+                                               "end-of-document token)")
+
+
+def test_no_message_below_the_command_line_names_a_flag():
+    """What p2ptrain/ raises outside cli/ reaches Python callers too: a flag in it (``"--bootstrap
+    ..."``) is written as an ArgumentError field instead (p2ptrain/base/_errors.py), so each caller
+    reads its own name. A command a message suggests (``p2ptrain node start --home H``) is no flag
+    of the caller's. On main this listed 24 messages."""
+    import ast
+    import re
+
+    flag = re.compile(r"(?<![\w-])--[a-z][a-z-]*")
+    command = re.compile(r"p2ptrain [a-z]+[^;)`]*")
+    root = Path(__file__).resolve().parents[1] / "p2ptrain"
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        if path.relative_to(root).parts[0] == "cli":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Raise) and node.exc is not None:
+                text = "".join(n.value for n in ast.walk(node.exc) if isinstance(n, ast.Constant) and isinstance(n.value, str))
+                if flag.search(command.sub("", text)):
+                    found.append(f"{path.relative_to(root)}:{node.lineno}: {text[:80]}")
+    assert found == []
+
+
+GOOD_CID = "QmT78zSuBmuS4z925WZfrqQ1qHaJ56DQaTfyMUF7F8ff5o"
+TYPO = "bafybeigdyrzt5sfp7udm7hu76uh7y26nf3efuylqabf3oclgtqy55fbzdX"  # the last of 59 characters mistyped
+
+
+@pytest.mark.parametrize("args", [
+    ["model", "fetch", "--latest", TYPO, "-o", "m.safetensors"],
+    ["model", "fetch", TYPO, "-o", "m.safetensors"],
+    ["model", "verify", TYPO],
+    ["model", "verify", "--latest", TYPO],
+    ["model", "export", TYPO, "out"],
+    ["model", "eval", GOOD_CID, "--dataset", TYPO],
+    ["model", "serve", "--latest", TYPO],
+    ["task", "status", TYPO],
+    ["task", "cancel", TYPO],
+    ["task", "report", TYPO],
+    ["node", "start", "--join", TYPO],
+    ["dataset", "info", TYPO],
+    ["dataset", "get", TYPO],
+])
+def test_a_mistyped_cid_is_one_line_saying_what_a_cid_looks_like(args, tmp_path, capsys):
+    """`model fetch --latest` of a CID with one character wrong printed the command's usage (five
+    lines) and then the multibase decoder's reason, ``(Pad bits must be zero.)``; every command's
+    CID argument goes through cli/ipfs.cid_arg, and the parser prints a refused value alone."""
+    from p2ptrain.cli.main import main
+
+    with pytest.raises(SystemExit) as exited:
+        main([*args, "--home", str(tmp_path / "home")])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1, err
+    assert err[0].endswith(f": {TYPO!r} is not a valid CID: expected Qm... (46 characters) or b... (59, base32), as "
+                           "p2ptrain prints them; 'X' is no character of one (base32: a to z, 2 to 7)"), err
+    assert err[0].startswith(f"p2ptrain {args[0]} {args[1]}: error: argument ")
+    assert not (tmp_path / "home").exists()
+
+
+def test_task_publish_of_the_example_task_as_it_comes_names_the_placeholder(tmp_path, capsys):
+    """node/tasks/digits-mlp.toml holds a placeholder for the manifest's CID; publishing it before
+    putting the CID there said ``(Invalid character 'l' encountered for alphabet StringAlphabet(
+    '123456789ABC...'))``, the decoder's words."""
+    from p2ptrain.cli.main import main
+
+    example = Path(__file__).resolve().parents[1] / "node" / "tasks" / "digits-mlp.toml"
+    assert main(["task", "publish", str(example), "--home", str(tmp_path / "home")]) == 1
+    assert capsys.readouterr().err.strip() == (
+        "p2ptrain: error: dataset.manifest: 'QmReplaceWithTheManifestCidPrintedByDatasetAdd' is not a valid CID: "
+        "expected Qm... (46 characters) or b... (59, base32), as p2ptrain prints them; 'l' is no character of one "
+        "(base58: no 0, O, I or l)")
+
+
+def test_task_status_of_a_task_this_node_did_not_join_says_so_and_task_join_joins_it(tmp_path, capsys):
+    """A task published on a node that joins no tasks showed ``progress step 0/?`` and ``members 0:``,
+    a run of no one with no end, though the node holds the task's definition; no command joined a
+    task with the node running (docs/training.md named a ``task join``), and ``model verify
+    --latest`` of the run said "no chain of task ... verified" before its first checkpoint."""
+    import json
+
+    from p2ptrain.cli.main import main
+    from p2ptrain.testing import node_processes
+
+    with node_processes(1, tmp_path) as (node,):
+        home = ["--home", str(node.home)]
+        assert main(["dataset", "add", "sklearn:iris", "--shards", "2", *home]) == 0
+        task = tmp_path / "iris.toml"
+        task.write_text(TASK.format(width=4, manifest=capsys.readouterr().out.split()[-1]))
+        assert main(["task", "publish", str(task), *home]) == 0
+        task_cid = capsys.readouterr().out.strip()
+        assert main(["task", "status", task_cid, *home]) == 0
+        lines = capsys.readouterr().out.splitlines()
+        assert lines[2:5] == ["progress   no member has reported a step yet (the task runs 20 steps)",
+                              "members    0",
+                              f"not joined this node is not a member: `p2ptrain task join {task_cid}` makes it one"]
+        assert main(["task", "status", task_cid, "--json", *home]) == 0
+        assert json.loads(capsys.readouterr().out)["total_steps"] == 20
+        assert main(["task", "join", task_cid, *home]) == 0
+        assert capsys.readouterr().out.strip() == f"joined task iris-mlp ({task_cid})"
+        assert main(["task", "status", task_cid, "--json", *home]) == 0
+        assert json.loads(capsys.readouterr().out)["member"] is True
+        assert main(["model", "verify", "--latest", task_cid, *home]) == 1
+        err = capsys.readouterr().err.strip()  # (state: fetching data, or training: as far as the run got)
+        assert err.startswith(f"p2ptrain: error: task {task_cid} has no confirmed model yet (state: "), err
+        assert err.endswith(f"): nothing to verify until the first checkpoint (p2ptrain task status {task_cid})"), err
+
+
+def test_examples_members_on_one_machine_each_get_a_home_of_their_own(monkeypatch, tmp_path):
+    """The examples' own commands (``--member 0 --listen ...`` then ``--member 1 --bootstrap ...``
+    on one machine) gave both members Optimizer's default home for the run, and the second died
+    with a traceback: ``a p2ptrain node runs on ~/.p2ptrain/runs/digits-cnn``."""
+    examples = Path(__file__).resolve().parents[1] / "examples"
+    monkeypatch.syspath_prepend(str(examples))
+    monkeypatch.setenv("P2PTRAIN_HOME", str(tmp_path))
+    from _common import parse_args
+
+    homes = set()
+    for member in ("0", "1"):
+        monkeypatch.setattr(sys, "argv", ["custom_loop.py", "--member", member, "--members", "2"])
+        args = parse_args("doc", steps=10, run="digits-cnn")
+        assert args.run == "digits-cnn"
+        homes.add(args.home)
+    assert homes == {str(tmp_path / "runs" / "digits-cnn-member0"), str(tmp_path / "runs" / "digits-cnn-member1")}
+    monkeypatch.setattr(sys, "argv", ["custom_loop.py", "--home", str(tmp_path / "mine")])
+    assert parse_args("doc", steps=10, run="digits-cnn").home == str(tmp_path / "mine")
+
+
+def test_model_fetch_latest_on_the_default_home_names_the_run_home_that_keeps_the_chain(tmp_path, capsys):
+    """After a script's run (Optimizer's default home, HOME/runs/<run>), `model fetch --latest
+    RUN_CID` on HOME said only 'not in the store of HOME, and no node is running there'."""
+    from p2ptrain.cli.main import main
+    from p2ptrain.run import RunDir
+
+    run_cid = "QmT78zSuBmuS4z925WZfrqQ1qHaJ56DQaTfyMUF7F8ff5o"
+    kept = tmp_path / "home" / "runs" / "digits-cnn-member0"
+    chain = RunDir.of(kept, run_cid).chain
+    chain.parent.mkdir(parents=True)
+    chain.write_bytes(b"")
+    (tmp_path / "home" / "runs" / "other").mkdir()
+    assert main(["model", "fetch", "--latest", run_cid, "-o", str(tmp_path / "m"), "--home",
+                 str(tmp_path / "home")]) == 1
+    assert capsys.readouterr().err.strip().endswith(
+        f"or pass --bootstrap MULTIADDR; a run's home on this machine keeps its chain: --home {kept}")
+
+
+def test_load_model_of_a_cid_the_home_lacks_says_how_to_fetch_it(tmp_path):
+    """It said ``fetch it first: p2ptrain model fetch CID``: that command needs ``-o`` and a way to
+    the mesh, and load_model itself fetches with ``bootstrap=``."""
+    import p2ptrain
+    from p2ptrain.ipfs import ContentUnavailable
+
+    with pytest.raises(ContentUnavailable) as caught:
+        p2ptrain.load_model(GOOD_CID, home=tmp_path / "home")
+    assert str(caught.value) == (
+        f"{GOOD_CID}: not in the local store: p2ptrain.load_model(cid, bootstrap=[MULTIADDR]) fetches it through a "
+        f"peer of the mesh (p2ptrain model fetch {GOOD_CID} -o FILE --bootstrap MULTIADDR on the command line)")
+
+
+@pytest.mark.usefixtures("quick_timers")  # tests/conftest.py: the in-process member's idle waits shortened
+def test_model_fetch_latest_through_a_node_started_after_the_task_was_announced(tmp_path, capsys):
+    """A home whose node started after a run's announcement: `model fetch --latest RUN_CID` asked
+    that node, which said 'task.status: this node has not heard of task ...', where a fresh home
+    with no node (--bootstrap) finds the run's chain by asking the mesh. The node now asks the mesh
+    too: it fetches the task by CID and looks its latest chain up, as a fresh home does."""
+    import torch
+    from torch import nn
+
+    import p2ptrain
+    from p2ptrain.cli.main import main
+    from p2ptrain.testing import NodeProcess, run_node_processes
+    from p2ptrain.testing import free_port
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    member = tmp_path / "member"
+    opt = p2ptrain.Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model, run="late", home=member,
+                             min_peers=1, total_steps=2, checkpoint_every=1, join_window_s=0.5)
+    with opt, pytest.raises(p2ptrain.RunFinished):
+        for _ in range(3):
+            opt.zero_grad()
+            model(torch.randn(3, 4)).sum().backward()
+            opt.step()
+    # The member's home, now a node's (it keeps the chain and answers for it), and a node started since.
+    nodes = [NodeProcess(member, free_port()), NodeProcess(tmp_path / "late", free_port())]
+    with run_node_processes(nodes) as (_, late):
+        out = tmp_path / "model.safetensors"
+        assert main(["model", "fetch", "--latest", opt.run_cid, "-o", str(out), "--home", str(late.home)]) == 0, \
+            capsys.readouterr().err
+    assert capsys.readouterr().out.startswith(f"{opt.model_cid} -> {out}")
+
+
+def test_an_address_given_as_host_port_is_shown_as_the_multiaddr_it_means(tmp_path, capsys):
+    """``--listen 0.0.0.0:4001`` said py-libp2p's "Invalid MultiAddr '0.0.0.0:4001': unknown protocol:
+    0.0.0.0:4001 (string: 0.0.0.0:4001)" and left a new home behind (blocks/, logs/)."""
+    import torch
+    from torch import nn
+
+    import p2ptrain
+    from p2ptrain.base import UserError
+    from p2ptrain.cli.main import main
+
+    home = tmp_path / "home"
+    assert main(["node", "start", "--home", str(home), "--listen", "0.0.0.0:4001"]) == 1
+    assert capsys.readouterr().err.strip() == ("p2ptrain: error: --listen '0.0.0.0:4001' is not a multiaddr: as a "
+                                               "multiaddr it is /ip4/0.0.0.0/tcp/4001")
+    assert not home.exists()
+    model = nn.Linear(2, 2)
+    with pytest.raises(UserError) as caught:
+        p2ptrain.Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model, run="r", home=home,
+                           bootstrap=["10.0.0.1:4001"])
+    assert str(caught.value) == ("bootstrap='10.0.0.1:4001' is not a multiaddr: as a multiaddr it is "
+                                 "/ip4/10.0.0.1/tcp/4001/p2p/<peer id>")
+    with pytest.raises(UserError, match=r"^listen='/ip4/1\.2\.3/tcp/1' is not a multiaddr: write it as /ip4/HOST/tcp/PORT, "
+                                        r"e\.g\. /ip4/127\.0\.0\.1/tcp/4001 \(.+\)$"):
+        p2ptrain.Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model, run="r", home=home,
+                           listen=["/ip4/1.2.3/tcp/1"])

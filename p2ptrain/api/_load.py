@@ -15,8 +15,9 @@ from pathlib import Path
 
 from torch import nn
 
+from p2ptrain.api._arguments import address_list
 from p2ptrain.base import UserError, default_home
-from p2ptrain.ipfs import ContentStore, FileTooLarge, open_store, parse_cid
+from p2ptrain.ipfs import ContentStore, FileTooLarge, not_a_cid, open_store, parse_cid
 from p2ptrain.models import file_bytes_bound
 from p2ptrain.protocol import RecordError, load_model_bytes
 from p2ptrain.training import load_model as build_loaded
@@ -40,7 +41,7 @@ def load_model(cid_or_path: str | Path, *, home: str | Path | None = None, store
         from p2ptrain.services import ensure_local  # the fetch paths model fetch has
 
         where = where or default_home()
-        ensure_local(where, [str(cid_or_path)], list(bootstrap))
+        ensure_local(where, [str(cid_or_path)], address_list("bootstrap", bootstrap))
     return build_loaded(cid_or_path, home=where, store=store)
 
 
@@ -71,13 +72,13 @@ def load_state(model: nn.Module, cid_or_path: str | Path, *, home: str | Path | 
         try:
             parse_cid(cid)
         except Exception:
-            raise UserError(f"{cid}: no such file, and not a CID") from None
+            raise UserError(f"{cid}: no such file, and {not_a_cid(cid)}") from None
         where = Path(home).expanduser() if home is not None else _home_holding(cid)
         store = open_store(where)
         if not store.has(cid):
             from p2ptrain.services import ensure_local  # the fetch paths model fetch has
 
-            ensure_local(where, [cid], list(bootstrap))
+            ensure_local(where, [cid], address_list("bootstrap", bootstrap))
         # Verified against the CID block by block, and no larger than a file of the instance's tensors.
         try:
             data = store.cat(cid, max_bytes=file_bytes_bound(model.state_dict().values()))

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from p2ptrain.api._arguments import address_list
 from p2ptrain.api._background import BackgroundPeer
 from p2ptrain.api._rendezvous import JOIN_WINDOW_S, choose_run, keep_announcing, load_initial, store_own
 from p2ptrain.base import (
@@ -170,8 +171,8 @@ class Optimizer:
         self._theta: torch.Tensor | None = None  # local-SGD: the shared weights the inner steps started from
         self._closed = False
         self._left: TaskStatus | None = None  # the run's status when this member left (close)
-        self._bootstrap = list(bootstrap)
-        config = replace(node_config or NodeConfig(), listen=list(listen), bootstrap=self._bootstrap)
+        self._bootstrap = address_list("bootstrap", bootstrap)
+        config = replace(node_config or NodeConfig(), listen=address_list("listen", listen), bootstrap=self._bootstrap)
         metrics_at = parse_address(metrics, "metrics=") if metrics is not None else None
         self._peer = BackgroundPeer(home, config, metrics_at=metrics_at)
         try:

@@ -12,7 +12,12 @@ if TYPE_CHECKING:
     from p2ptrain.base import boundedjson as boundedjson
     from p2ptrain.base._arithmetic import arithmetic_of as arithmetic_of
     from p2ptrain.base._atomic import write_atomic as write_atomic
-    from p2ptrain.base._errors import first_leaf as first_leaf, UserError as UserError
+    from p2ptrain.base._errors import (
+        ArgumentError as ArgumentError,
+        command_line_words as command_line_words,
+        first_leaf as first_leaf,
+        UserError as UserError,
+    )
     from p2ptrain.base._hostport import (
         AddressError as AddressError,
         format_host_port as format_host_port,

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Literal
 
 from p2ptrain.cli.ipfs import add_store_options, cid_arg, content_errors, store_from_args
 from p2ptrain.data import Manifest, ManifestError, Pixels
-from p2ptrain.base import UserError, default_home
+from p2ptrain.base import UserError, command_line_words, default_home
 from p2ptrain.cli._home_options import source_options
 
 if TYPE_CHECKING:
@@ -38,7 +38,7 @@ def cmd_add(args: argparse.Namespace) -> int:
             cid, manifest = build_source(store, source, args.shards, args.test_fraction, args.seed, name=args.name,
                                          standardize=args.standardize, normalize=normalize)
         except (ValueError, ManifestError) as exc:
-            raise UserError(f"{args.source}: {exc}") from None
+            raise UserError(f"{args.source}: {command_line_words(exc)}") from None
         for part in dataset_cids(cid, manifest):
             store.pin_add(part)  # pinned like any ipfs add: kept by repo gc
     for split, shards in manifest.splits.items():

@@ -51,8 +51,9 @@ CONTENT_ERRORS = (InvalidCID, BlockMismatch, ContentUnavailable, DagError, PinFi
 
 
 def cid_arg(text: str) -> str:
-    """argparse ``type`` of every CID argument: a mistyped CID is a usage error, named at once,
-    before a store is opened or a node is asked (and never a traceback from deep inside)."""
+    """argparse ``type`` of every CID argument: a mistyped CID is a usage error, named in one line
+    (cli/main.py's parser prints no usage for a value refused) at once, before a store is opened
+    or a node is asked (and never a traceback from deep inside)."""
     try:
         parse_cid(text)
     except InvalidCID as exc:

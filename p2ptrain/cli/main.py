@@ -7,9 +7,10 @@ import logging
 import os
 import re
 import sys
+from typing import NoReturn
 
 from p2ptrain import __version__
-from p2ptrain.base import UserError, first_leaf
+from p2ptrain.base import UserError, command_line_words, first_leaf
 
 # Declared errors of decoders below the CLI that are not UserErrors (module, class): what they say
 # is the whole story for a user (a CID not held, a block that fails its hash, a malformed file), so
@@ -41,8 +42,25 @@ GROUPS: list[str] = [
 ]
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse's parser, saying a refused *value* in one line: ``p2ptrain model fetch: error:
+    argument --latest: 'bafy...' is not a valid CID: ...``, exit status 2. argparse printed the
+    command's usage first (five lines for ``model fetch``) above a mistyped CID or number, where the
+    usage says nothing the line does not; a missing or unknown argument keeps its usage. Every
+    subcommand's parser is one of these (add_subparsers makes its parsers of the parent's class)."""
+
+    def error(self, message: str) -> NoReturn:
+        # argparse calls error() from its handler of the ArgumentError it raised while handling
+        # the exception of an argument's type= (ArgumentTypeError, ValueError, TypeError).
+        raised = sys.exc_info()[1]
+        if isinstance(raised, argparse.ArgumentError) and isinstance(
+                raised.__context__, (argparse.ArgumentTypeError, ValueError, TypeError)):
+            self.exit(2, f"{self.prog}: error: {message}\n")
+        super().error(message)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="p2ptrain",
         description=(
             "Train PyTorch models on a peer-to-peer network: peers join a libp2p mesh, fetch tasks, "
@@ -103,8 +121,9 @@ def declared_errors() -> tuple[type[BaseException], ...]:
 
 
 def one_line(exc: BaseException) -> str:
-    """``p2ptrain: error: <message>`` on one line, whatever the message holds."""
-    message = " ".join(str(exc).split()) or type(exc).__name__
+    """``p2ptrain: error: <message>`` on one line, whatever the message holds; an argument it names
+    is named by its flag (``--bootstrap``, where a Python caller reads ``bootstrap=``)."""
+    message = " ".join(command_line_words(exc).split()) or type(exc).__name__
     return f"p2ptrain: error: {message}"
 
 

@@ -1,4 +1,4 @@
-"""``p2ptrain model …``: fetch a trained model by CID and evaluate it (serve it: cli/serve.py).
+"""``p2ptrain model …``: fetch a trained model by CID, evaluate, verify and serve it.
 
 Content is taken from the home's store when it is there, else fetched from the mesh: through the
 home's running node, or, with ``--bootstrap``, through a short-lived node started for this command.

@@ -12,7 +12,7 @@ from pathlib import Path
 from p2ptrain.cli._home_options import NODE_HOME_HELP, home_of
 from p2ptrain.cli.ipfs import cid_arg
 from p2ptrain.cli.config import add_setting_flags, node_config, resolve, values
-from p2ptrain.base import UserError, formatter
+from p2ptrain.base import formatter
 from p2ptrain.control import NodeStatus, ops as control_ops
 
 
@@ -214,9 +214,6 @@ def _render(s: NodeStatus) -> str:
 def _check_device(device: str) -> None:
     """``--device`` as the trainer will resolve it, now: a typo or a missing GPU is one line at
     start, not a failed task run later."""
-    from p2ptrain.training import TrainerError, resolve_device
+    from p2ptrain.training import resolve_device
 
-    try:
-        resolve_device(device)
-    except TrainerError as exc:
-        raise UserError(f"--{exc}") from None
+    resolve_device(device)  # a DeviceError: cli/main.py names --device

@@ -44,6 +44,18 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     status.add_argument("--json", action="store_true", help="print one JSON object")
     status.set_defaults(func=cmd_status)
 
+    join = tsub.add_parser(
+        "join", help="this node takes part in a task published without it",
+        description="Ask the running node of --home to become a member of TASK_CID: it fetches the task by CID "
+        "from its peers if its store lacks it, checks that it can take part (requirements, builders, allowlist) "
+        "and trains with the other members. A node joins on its own only the tasks it publishes with --join, "
+        "the ones named by `node start --join`, and, started with --accept-tasks, the ones announced.",
+    )
+    join.add_argument("task_cid", metavar="TASK_CID", type=cid_arg, help="the task's CID (from task publish or task list)")
+    join.add_argument("--home", type=Path, default=None, help=RUNNING_NODE_HOME_HELP)
+    join.add_argument("--json", action="store_true", help="print one JSON object (task_cid, name)")
+    join.set_defaults(func=cmd_join)
+
     cancel = tsub.add_parser(
         "cancel", help="stop a task this node published",
         description="Announce, signed by this node's key, that the task is cancelled. Members obey it "
@@ -105,7 +117,8 @@ def cmd_publish(args: argparse.Namespace) -> int:
         # Otherwise `task status` shows "announced, 0 members" with no word why (a node restarted
         # with --join CID alone, or started without --accept-tasks, joins no new task).
         print("p2ptrain: this node did not join the task (it runs without --accept-tasks): peers started with "
-              "--accept-tasks join it; `task publish --join` makes this node a member too", file=sys.stderr)
+              f"--accept-tasks join it; `p2ptrain task join {reply['task_cid']}` makes this node a member too",
+              file=sys.stderr)
     return 0
 
 
@@ -141,13 +154,20 @@ def cmd_status(args: argparse.Namespace) -> int:
         from p2ptrain.run import RunDir
 
         home, cid = home_of(args), args.task_cid
-        if not RunDir.of(home, cid).chain.is_file():
-            raise
+        if not RunDir.of(home, cid).chain.is_file():  # it said only that: no word of where tasks are listed
+            raise UserError(f"{exc}: `p2ptrain task list` shows the tasks it has heard of; `p2ptrain task join "
+                            f"{cid}` fetches this one from its peers and takes part") from None
         # A run this home took part in, before its node (re)started: a node hears of tasks anew.
         raise UserError(f"{exc} since it started; this home took part in it before: `p2ptrain model verify --latest "
                         f"{cid} --home {home}` shows its models (also `task report`; `node start --join` takes part "
                         "again)") from None
     print(json.dumps(status.to_json(), indent=None) if args.json else render_status(status))
+    return 0
+
+
+def cmd_join(args: argparse.Namespace) -> int:
+    reply = _client(args).call(control_ops.TASK_JOIN, task_cid=args.task_cid)
+    print(json.dumps(reply) if args.json else f"joined task {reply['name']} ({reply['task_cid']})")
     return 0
 
 
@@ -184,10 +204,12 @@ def render_status(s: TaskStatus) -> str:
         f"task       {s.name} ({s.task_cid})",
         f"state      {s.state}" + (f" ({s.error})" if s.error else ""),
         f"progress   {_progress(s)}",
-        f"members    {len(s.members)}: " + ", ".join(short_id(m) for m in s.members),
+        f"members    {len(s.members)}" + "".join(f"{', ' if i else ': '}{short_id(m)}" for i, m in enumerate(s.members)),
     ]
     if s.refused:
         lines.append(f"not joined {s.refused}")
+    elif not s.member:  # else it read as a run of no one, at "step 0/?"
+        lines.append(f"not joined this node is not a member: `p2ptrain task join {s.task_cid}` makes it one")
     if s.member:
         lines.append(f"coordinator {short_id(s.coordinator or '-')} (term {s.term})")
         if s.loss is not None:
@@ -228,6 +250,8 @@ def _num(value: float | None, spec: str = ".3f") -> str:
 
 def _progress(s: TaskStatus) -> str:
     total = s.total_steps or "?"
+    if not s.member and s.state == "announced":  # no member's head heard: no step to show
+        return "no member has reported a step yet" + (f" (the task runs {s.total_steps} steps)" if s.total_steps else "")
     if not s.member:  # what the run's head says: its step, not a round this node saw complete
         return f"step {s.step}/{total}"
     if s.last_round is None:

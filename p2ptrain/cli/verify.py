@@ -203,6 +203,9 @@ def _chain_and_task(home: Path, task_cid: str, bootstrap: list[str]) -> tuple[by
         except ControlError as exc:
             raise UserError(str(exc)) from None
         chain_cid = status.get("chain_cid")
+        if not chain_cid and not status.get("version"):  # as model fetch --latest says it, not "no chain"
+            raise UserError(f"task {task_cid} has no confirmed model yet (state: {status.get('state')}): nothing "
+                            f"to verify until the first checkpoint (p2ptrain task status {task_cid})")
         if not chain_cid:
             raise UserError(f"no chain of task {task_cid} verified through the node of {home}")
         ensure_local(home, [task_cid], bootstrap)

@@ -31,7 +31,7 @@ from typing import Any
 
 import trio
 
-from p2ptrain.base import UserError, boundedjson
+from p2ptrain.base import ArgumentError, UserError, boundedjson
 from p2ptrain.control import ops as control_ops
 
 logger = logging.getLogger(__name__)
@@ -111,7 +111,8 @@ def _error(message: str) -> dict[str, Any]:
 def socket_path(home: Path) -> Path:
     path = Path(home) / SOCKET_NAME
     if len(os.fsencode(path)) > MAX_SOCKET_PATH:
-        raise UserError(f"{path} is longer than the {MAX_SOCKET_PATH} bytes a Unix socket path may have; use a shorter --home")
+        raise ArgumentError("{path} is longer than the {limit} bytes a Unix socket path may have; use a shorter {home}",
+                            path=path, limit=MAX_SOCKET_PATH)
     return path
 
 

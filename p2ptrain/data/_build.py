@@ -12,6 +12,7 @@ from typing import Literal
 
 import numpy as np
 
+from p2ptrain.base import ArgumentError
 from p2ptrain.data._manifest import Manifest, Pixels, ShardRef, Tokens
 from p2ptrain.data._shards import encode_shard, spec_of
 from p2ptrain.data._source import Source
@@ -95,11 +96,11 @@ def build_source(
     pixels: Pixels | Literal["train"] | None = None
     if source.images:
         if standardize:
-            raise ValueError("--standardize is per feature, for tables and arrays: an image folder takes --normalize")
+            raise ArgumentError("{standardize} is per feature, for tables and arrays: an image folder takes {normalize}")
         channels = source.features.shape[1]
         pixels = normalize or Pixels((0.0,) * channels, (1.0,) * channels)
     elif normalize is not None:
-        raise ValueError("--normalize is for image folders (tables and arrays: --standardize)")
+        raise ArgumentError("{normalize} is for image folders (tables and arrays: {standardize})")
     built = build_dataset(store, name or source.name, source.features, source.labels, num_shards, test_fraction,
                           seed, standardize, classes=source.classes, pixels=pixels, tokens=tokens)
     if source.tokenizer is not None:

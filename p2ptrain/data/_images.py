@@ -29,7 +29,7 @@ import numpy as np
 
 from p2ptrain.data._manifest import MAX_CLASS_NAME, MAX_CLASSES, MAX_SAMPLE_ELEMENTS
 from p2ptrain.data._source import Source, dataset_name, need
-from p2ptrain.base import UserError
+from p2ptrain.base import ArgumentError, UserError
 
 SUFFIXES = frozenset({".png", ".jpg", ".jpeg"})
 FORMATS = ("PNG", "JPEG")
@@ -61,14 +61,14 @@ def is_image_folder(folder: Path) -> bool:
 
 
 def parse_size(text: str) -> tuple[int, int]:
-    """``--image-size``: ``N`` (square) or ``WIDTHxHEIGHT``, each 1-4096."""
+    """``--image-size`` (``image_size=``): ``N`` (square) or ``WIDTHxHEIGHT``, each 1-4096."""
     parts = text.lower().split("x")
     try:
         width, height = (int(parts[0]), int(parts[0])) if len(parts) == 1 else (int(parts[0]), int(parts[1]))
     except ValueError:
-        raise ImageError(f"--image-size {text}: give N or WIDTHxHEIGHT, e.g. 32 or 64x48") from None
+        raise ArgumentError("{image_size:{text}}: give N or WIDTHxHEIGHT, e.g. 32 or 64x48", text=text) from None
     if len(parts) > 2 or not (1 <= width <= 4096 and 1 <= height <= 4096):
-        raise ImageError(f"--image-size {text}: give N or WIDTHxHEIGHT, each from 1 to 4096")
+        raise ArgumentError("{image_size:{text}}: give N or WIDTHxHEIGHT, each from 1 to 4096", text=text)
     return width, height
 
 
@@ -167,7 +167,7 @@ def _opened(image: Any, path: Path) -> Iterator[Any]:
                     raise ImageError(f"{path}: its header claims {width}x{height} pixels, over the limit of "
                                     f"{MAX_IMAGE_PIXELS}")
                 yield im
-    except ImageError:
+    except (ImageError, ArgumentError):
         raise
     except (image.DecompressionBombError, image.DecompressionBombWarning) as exc:  # Pillow's check, in open()
         raise ImageError(f"{path}: its header claims more pixels than the limit of {MAX_IMAGE_PIXELS} "
@@ -183,8 +183,8 @@ def _decode(image: Any, ops: Any, path: Path, size: tuple[int, int], same: bool,
     still covers ``size`` (``draft``): the same pixels on every run, for a fraction of the work."""
     with _opened(image, path) as im:
         if same and im.size != size:
-            raise ImageError(f"{path}: images differ in size ({size[0]}x{size[1]}, {im.size[0]}x{im.size[1]}, ...): "
-                             "give --image-size")
+            raise ArgumentError("{path}: images differ in size ({a[0]}x{a[1]}, {b[0]}x{b[1]}, ...): give {image_size}",
+                                path=path, a=size, b=im.size)
         gray = im.mode in _GRAY
         mode = "L" if gray else "RGB"
         if im.format == "JPEG":

@@ -22,7 +22,7 @@ from p2ptrain.data._images import is_image_folder, read_image_folder
 from p2ptrain.data._source import Source, dataset_name
 from p2ptrain.data._tables import table_arrays, table_documents, table_kind
 from p2ptrain.data._tokens import read_documents, read_tokenizer, text_files, token_source
-from p2ptrain.base import UserError
+from p2ptrain.base import ArgumentError, UserError
 
 Progress = Callable[[int], None]
 
@@ -85,14 +85,14 @@ def _text(spec: str, options: SourceOptions, progress: Progress | None) -> Sourc
 def _table(path: Path, options: SourceOptions, progress: Progress | None) -> Source:
     name = dataset_name(path.stem)
     if options.text is not None:
-        _only(options, {"text"} | TEXT_OPTIONS, "a table's --text column")
+        _only(options, {"text"} | TEXT_OPTIONS, "a table's text column")
         tokenizer = read_tokenizer(options.tokenizer) if options.tokenizer is not None else None
         return token_source(name, table_documents(path, options.text), options.context, tokenizer, options.eos,
                             progress)
     if options.label is None:
-        raise UserError(f"{path}: a table needs --label COL (with --features COL,... or every other numeric "
-                        "column), or --text COL")
-    _only(options, {"features", "label"}, "a table's --features/--label")
+        raise ArgumentError("{path}: a table needs {label:COL} (with {features:COL,...} or every other numeric "
+                            "column), or {text:COL}", path=path)
+    _only(options, {"features", "label"}, "a table")
     features, labels, classes = table_arrays(path, list(options.features) if options.features else None,
                                              options.label)
     return Source(name, features, labels, classes)
@@ -102,5 +102,4 @@ def _only(options: SourceOptions, allowed: set[str], what: str) -> None:
     default = SourceOptions()
     for field in fields(options):
         if field.name not in allowed and getattr(options, field.name) != getattr(default, field.name):
-            flag = "--" + field.name.replace("_", "-")
-            raise UserError(f"{flag} does not apply to {what}")
+            raise ArgumentError("{" + field.name + "} does not apply to {what}", what=what)

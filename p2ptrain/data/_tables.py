@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from p2ptrain.base import UserError, boundedjson
+from p2ptrain.base import ArgumentError, UserError, boundedjson
 from p2ptrain.data._parquet_footer import Footer, FooterError, read_footer
 from p2ptrain.data._source import need
 
@@ -102,7 +102,8 @@ def table_arrays(
     if features is None:
         features = [name for name in numeric_columns(path) if name != label]
         if not features:
-            raise TableError(f"{path}: no numeric column besides {label!r}: choose --features COL,...")
+            raise ArgumentError("{path}: no numeric column besides {label!r}: choose {features:COL,...}", path=path,
+                                label=label)
     if label in features:
         raise TableError(f"{path}: {label!r} is the label; it cannot be a feature too")
     columns = read_columns(path, [*features, label])
@@ -110,7 +111,8 @@ def table_arrays(
     for name in features:
         column = columns[name]
         if isinstance(column, list):
-            raise TableError(f"{path}: column {name!r} holds text, not numbers: choose other --features (or --text)")
+            raise ArgumentError("{path}: column {name!r} holds text, not numbers: choose other {features} (or {text})",
+                                path=path, name=name)
         with np.errstate(over="ignore"):  # a number beyond float32 becomes inf, refused just below
             part = column.astype(np.float32).reshape(len(column), -1)
         if not np.isfinite(part).all():

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from p2ptrain.base import UserError, boundedjson
+from p2ptrain.base import ArgumentError, UserError, boundedjson
 from p2ptrain.data._manifest import MAX_SAMPLE_ELEMENTS, MAX_VOCAB, TOKEN_DTYPES
 from p2ptrain.data._source import Source, need
 from p2ptrain.ipfs import ContentStore, FileTooLarge
@@ -159,10 +159,10 @@ def token_source(
     token ids (see the module docstring); ``tokenizer`` is a checked ``tokenizer.json``
     (:func:`read_tokenizer`), ``None`` for bytes."""
     if not 1 <= context < MAX_SAMPLE_ELEMENTS:
-        raise UserError(f"--context {context}: give 1 to {MAX_SAMPLE_ELEMENTS - 1} tokens")
+        raise ArgumentError("{context:{value}}: give 1 to {most} tokens", value=context, most=MAX_SAMPLE_ELEMENTS - 1)
     if tokenizer is None:
         if eos is not None:
-            raise UserError("--eos needs a --tokenizer (bytes have no end-of-document token)")
+            raise ArgumentError("{eos} needs a {tokenizer} (bytes have no end-of-document token)")
         parts = [np.frombuffer(d.encode() if isinstance(d, str) else d, dtype=np.uint8) for _, d in documents]
         ids, vocab = np.concatenate(parts) if parts else np.zeros(0, np.uint8), 256
     else:
@@ -172,7 +172,8 @@ def token_source(
     window = context + 1
     count = len(ids) // window
     if count < 2:
-        raise UserError(f"{name}: {len(ids)} tokens make fewer than 2 windows of {window}: add text or lower --context")
+        raise ArgumentError("{name}: {count} tokens make fewer than 2 windows of {window}: add text or lower {context}",
+                            name=name, count=len(ids), window=window)
     windows = ids[: count * window].reshape(count, window)
     return Source(name, np.ascontiguousarray(windows[:, :-1]), np.ascontiguousarray(windows[:, 1:]),
                   vocab_size=vocab, tokenizer=tokenizer)
@@ -187,7 +188,7 @@ def _eos_id(model: Any, eos: str | None) -> int | None:
         return None
     token = model.token_to_id(eos)
     if token is None:
-        raise UserError(f"--eos {eos!r} is not a token of the tokenizer")
+        raise ArgumentError("{eos:{value!r}} is not a token of the tokenizer", value=eos)
     return int(token)
 
 

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
         DAG_PB as DAG_PB,
         InvalidCID as InvalidCID,
         make_cid as make_cid,
+        not_a_cid as not_a_cid,
         parse_cid as parse_cid,
         RAW as RAW,
         requested_cid as requested_cid,

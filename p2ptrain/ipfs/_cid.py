@@ -52,6 +52,17 @@ def _fast_cid(version: int, codec_name: str, multihash_bytes: bytes) -> CID:
     return CID._new_instance(CID, base, version, _CODECS[codec_name], _SHA2_256, multihash_bytes)
 
 
+# The length of a CID as p2ptrain prints one (cid_str) for a sha2-256 digest: CIDv0 in base58btc
+# (Qm...), CIDv1 in base32 (bafy... for dag-pb, bafk... for raw).
+CIDV0_CHARS = 46
+CIDV1_CHARS = 59
+# The characters of each (a CID's first character names its base: Q for CIDv0's base58btc, b for base32).
+_ALPHABETS = {
+    "Q": ("123456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz", "base58: no 0, O, I or l"),
+    "b": ("abcdefghijklmnopqrstuvwxyz234567", "base32: a to z, 2 to 7"),
+}
+
+
 class InvalidCID(ValueError):
     """A string or byte sequence is not a CID p2ptrain accepts."""
 
@@ -105,8 +116,25 @@ def _decode_str(text: str) -> CID:
     """Text CIDs repeat (manifests, pins, shard lists) and multiformats decodes one in ~250 µs."""
     try:
         return CID.decode(text)
-    except Exception as exc:  # multiformats raises a zoo of types; the caller needs one
-        raise InvalidCID(f"not a CID: {text[:100]!r} ({exc})") from None
+    except Exception:  # multiformats raises a zoo of types; the caller needs one
+        raise InvalidCID(not_a_cid(text)) from None
+
+
+def not_a_cid(text: str) -> str:
+    """Why ``text`` is refused as a CID, in words for whoever typed or copied it: what a CID looks
+    like, and how this one differs. The decoder's own reason ("Pad bits must be zero", "CIDv13 is
+    currently not supported") says nothing to a user whose copy lost or gained a character."""
+    length = len(text)
+    alphabet, letters = _ALPHABETS.get(text[:1], ("", ""))
+    stray = next((c for c in text if c not in alphabet), None) if alphabet else None
+    if stray is not None:  # a placeholder left in a task file, a character misread when copied by hand
+        how = f"{stray!r} is no character of one ({letters})"
+    elif length not in (CIDV0_CHARS, CIDV1_CHARS):
+        how = f"this one has {length} character{'s' if length != 1 else ''}"
+    else:
+        how = "a character is mistyped"
+    return (f"{text[:100]!r} is not a valid CID: expected Qm... ({CIDV0_CHARS} characters) or b... "
+            f"({CIDV1_CHARS}, base32), as p2ptrain prints them; {how}")
 
 
 @lru_cache(maxsize=4096)

@@ -33,7 +33,7 @@ from urllib.parse import urlsplit
 import ipfshttpclient
 from ipfshttpclient import exceptions as ipfs_errors
 
-from p2ptrain.base import UserError
+from p2ptrain.base import ArgumentError, UserError
 from p2ptrain.ipfs._cid import CID, BlockMismatch, cid_str, parse_cid
 from p2ptrain.ipfs._store import ContentUnavailable, Progress
 from p2ptrain.ipfs._unixfs import CHUNK_SIZE, FileTooLarge, import_stream, read_file
@@ -44,6 +44,8 @@ __all__ = ["KuboStore", "api_multiaddr"]
 warnings.filterwarnings("ignore", message="The 'strict' parameter", category=FutureWarning)
 
 _READ = 1 << 20
+# The daemon's address is open_store's ipfs_api= in Python, and --ipfs on the command line.
+IPFS_FLAG = {"ipfs_api": "--ipfs"}
 
 
 def api_multiaddr(api: str) -> str:
@@ -52,7 +54,8 @@ def api_multiaddr(api: str) -> str:
         return api
     parts = urlsplit(api if "://" in api else f"http://{api}")
     if parts.scheme not in ("http", "https") or not parts.hostname or parts.path not in ("", "/"):
-        raise UserError(f"--ipfs: expected an RPC API address like http://127.0.0.1:5001, not {api!r}")
+        raise ArgumentError("{ipfs_api}: expected an RPC API address like http://127.0.0.1:5001, not {api!r}", api=api,
+                            flags=IPFS_FLAG)
     host = parts.hostname
     proto = "ip6" if ":" in host else "ip4" if host.replace(".", "").isdigit() else "dns"
     port = parts.port or (443 if parts.scheme == "https" else 5001)
@@ -68,7 +71,8 @@ class KuboStore:
         try:
             self._client = ipfshttpclient.Client(api_multiaddr(api), timeout=timeout)
         except ipfs_errors.AddressError as exc:
-            raise UserError(f"--ipfs: not a usable RPC API address {api!r}: {exc}") from None
+            raise ArgumentError("{ipfs_api}: not a usable RPC API address {api!r}: {exc}", api=api, exc=exc,
+                                flags=IPFS_FLAG) from None
 
     def _call(self, what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """One RPC call; transport failures become one clear line naming the daemon."""

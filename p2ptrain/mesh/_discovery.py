@@ -41,10 +41,10 @@ from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
 from libp2p.pubsub.pubsub import Pubsub
 from multiaddr import Multiaddr
 
-from p2ptrain.base import UserError, short_id
+from p2ptrain.base import ArgumentError, short_id
 from p2ptrain.mesh._membership import MemberEvent, Membership
 from p2ptrain.wire import Heartbeat, MESH_TOPIC, Signed
-from p2ptrain.net import running_service
+from p2ptrain.net import not_a_multiaddr, running_service
 
 logger = logging.getLogger(__name__)
 
@@ -75,17 +75,19 @@ ADDR_TTL_S = 3600
 
 
 def parse_bootstrap(addr: str) -> PeerInfo:
-    """A ``--bootstrap`` multiaddr with its ``/p2p/<peer id>``; a clear error otherwise."""
+    """A bootstrap multiaddr with its ``/p2p/<peer id>``; a clear error otherwise (naming
+    ``--bootstrap`` or ``bootstrap=``, as the caller gave it)."""
     try:
         maddr = Multiaddr(addr)
     except Exception as exc:
-        raise UserError(f"--bootstrap {addr!r} is not a multiaddr: {exc}") from None
+        raise ArgumentError("{bootstrap:{addr!r}} is not a multiaddr: {why}", addr=addr,
+                            why=not_a_multiaddr(addr, exc, peer=True)) from None
     try:
         return info_from_p2p_addr(maddr)
     except Exception:
-        raise UserError(
-            f"--bootstrap {addr!r} has no /p2p/<peer id> part; copy an address from "
-            "`p2ptrain node status --json` (the \"addrs\" list), which includes it"
+        raise ArgumentError(
+            "{bootstrap:{addr!r}} has no /p2p/<peer id> part; copy an address from "
+            "`p2ptrain node status --json` (the \"addrs\" list), which includes it", addr=addr
         ) from None
 
 

@@ -5,6 +5,7 @@ channels, reachability (AutoNAT) and circuit relays. Imports only ``base``.
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from p2ptrain.net._multiaddrs import not_a_multiaddr as not_a_multiaddr
     from p2ptrain.net._ports import check_listen as check_listen
     from p2ptrain.net._host import advertised_addrs as advertised_addrs, make_host as make_host, noise_only as noise_only
     from p2ptrain.net._pubsub import (

@@ -14,12 +14,13 @@ import errno
 import socket
 from collections.abc import Sequence
 
-from p2ptrain.base import UserError
+from p2ptrain.base import ArgumentError
 
 
-def check_listen(addrs: Sequence[str], what: str = "--listen") -> None:
-    """:class:`UserError` naming the first of ``addrs`` (multiaddrs) whose TCP port cannot be bound
-    here; addresses on port 0 (any free port) and other transports pass."""
+def check_listen(addrs: Sequence[str]) -> None:
+    """:class:`~p2ptrain.base.ArgumentError` naming the first of ``addrs`` (multiaddrs, the
+    ``listen`` setting) whose TCP port cannot be bound here; addresses on port 0 (any free port)
+    and other transports pass."""
     from multiaddr import Multiaddr
 
     for text in addrs:
@@ -42,6 +43,7 @@ def check_listen(addrs: Sequence[str], what: str = "--listen") -> None:
         except OSError as exc:
             why = ("another node or program listens there (give another port, or 0 for any free one)"
                    if exc.errno == errno.EADDRINUSE else exc.strerror)
-            raise UserError(f"{what} {text}: cannot listen on port {port} of {host}: {why}") from None
+            raise ArgumentError("{listen:{addr}}: cannot listen on port {port} of {host}: {why}", addr=text, port=port,
+                                host=host, why=why) from None
         finally:
             probe.close()

@@ -37,7 +37,7 @@ from libp2p.pubsub.pubsub import Pubsub
 from multiaddr import Multiaddr
 
 from p2ptrain import __version__
-from p2ptrain.base import UserError, first_leaf, load_or_create_identity, peer_id_of, short_id, write_atomic
+from p2ptrain.base import ArgumentError, UserError, first_leaf, load_or_create_identity, peer_id_of, short_id, write_atomic
 from p2ptrain.mesh import Discovery, M, Membership, MessageRouter, Rate, keep_reservations, parse_bootstrap
 from p2ptrain.control import ControlServer, NodeStatus, ops as control_ops
 from p2ptrain.node._node_config import CONFIG_FILE, NodeConfig, prepare_home
@@ -52,6 +52,7 @@ from p2ptrain.net import (
     is_circuit,
     make_host,
     make_pubsub,
+    not_a_multiaddr,
     publish_bytes,
     relay_limits,
     running_pubsub,
@@ -88,13 +89,13 @@ class Node:
         self, home: Path | str, config: NodeConfig | None = None, *, messages: MessageRegistry = MESSAGES,
     ) -> None:
         self.home = Path(home).expanduser().absolute()
-        prepare_home(self.home)
         stored = NodeConfig.load(self.home)
         self.config = config or stored or NodeConfig()
         self.config.check()
         self._listen = _maddrs(self.config.listen)
         for addr in self.config.bootstrap:
             parse_bootstrap(addr)  # a bad --bootstrap is the user's error: say so before starting
+        prepare_home(self.home)  # after the checks: a refused address leaves no new home behind
         if stored is None:
             write_atomic(self.home / CONFIG_FILE, self.config.to_toml().encode(), mode=0o600)
         self.key_pair: KeyPair = load_or_create_identity(self.home)
@@ -248,7 +249,7 @@ class Node:
         # py-libp2p binds with SO_REUSEPORT: on a port another node listens on it would start beside
         # it, and the kernel would deal dialers between the two. Refused here, for every way a node
         # starts (`node start`, a script's background peer, p2ptrain.testing, a user's own Node).
-        check_listen(self.config.listen, "listen address")
+        check_listen(self.config.listen)
         host = make_host(self.key_pair, self._listen)
         # Before any connection exists; inbound messages over the wire cap are dropped as read.
         pubsub = make_pubsub(host, self.config.heartbeat_interval, MAX_MESSAGE_BYTES)
@@ -390,5 +391,5 @@ def _maddrs(addrs: Sequence[str]) -> list[Multiaddr]:
         try:
             out.append(Multiaddr(a))
         except Exception as exc:
-            raise UserError(f"--listen {a!r} is not a multiaddr: {exc}") from None
+            raise ArgumentError("{listen:{addr!r}} is not a multiaddr: {why}", addr=a, why=not_a_multiaddr(a, exc)) from None
     return out

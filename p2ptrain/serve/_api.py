@@ -15,7 +15,7 @@ from typing import Any
 import trio
 from torch import nn
 
-from p2ptrain.base import UserError
+from p2ptrain.base import ArgumentError, UserError
 from p2ptrain.serve._batcher import Loaded
 from p2ptrain.serve._server import LATEST_POLL_S, Server, load_served, resolve_device
 from p2ptrain.serve._input_spec import UserModel
@@ -60,7 +60,7 @@ def open_model(
     from p2ptrain.ipfs import open_store
 
     if (cid is None) == (latest is None):
-        raise UserError("give a MODEL_CID or --latest TASK_CID (one of them)")
+        raise ArgumentError("give a model's CID or {latest:TASK_CID} (one of them)")
     home = (home or default_home()).expanduser()
     resolve = resolve or (lambda: via_node(home, cid, latest))
     store = open_store(home)

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import trio
 
-from p2ptrain.base import AddressError, UserError, format_host_port, parse_host_port
+from p2ptrain.base import AddressError, ArgumentError, UserError, format_host_port, parse_host_port
 from p2ptrain.ipfs import ContentStore
 from p2ptrain.services import SERVED_EVERY_S
 from p2ptrain.serve._app import BODY_TIMEOUT_S, ServeApp
@@ -33,7 +33,7 @@ from p2ptrain.serve._connection_limits import MAX_CONNECTIONS, MAX_CONNECTIONS_L
 from p2ptrain.serve._input_spec import UserModel, spec_for
 from p2ptrain.protocol import load_model_bytes, read_model_card
 from p2ptrain.run import record_naming
-from p2ptrain.training import TrainerError, resolve_device as training_device
+from p2ptrain.training import resolve_device as training_device
 
 if TYPE_CHECKING:
     from p2ptrain.serve._connections import CappedListener
@@ -59,11 +59,9 @@ BACKLOG = 1024
 
 
 def resolve_device(device: str) -> torch.device:
-    """``auto`` (CUDA if available, else CPU), ``cpu``, ``cuda`` or ``cuda:N``; UserError otherwise."""
-    try:
-        return training_device(device)
-    except TrainerError as exc:
-        raise UserError(f"--{exc}") from None  # "--device 'mps': ..."
+    """``auto`` (CUDA if available, else CPU), ``cpu``, ``cuda`` or ``cuda:N``; a
+    :class:`~p2ptrain.training.DeviceError` (an ArgumentError naming ``device``) otherwise."""
+    return training_device(device)
 
 
 def load_served(store: ContentStore, cid: str, device: torch.device, home: Path | None = None,
@@ -125,15 +123,16 @@ class Server:
         user_model: UserModel | None = None,
     ) -> None:
         if not 1 <= max_batch <= MAX_BATCH_LIMIT:
-            raise UserError(f"--max-batch must be 1 to {MAX_BATCH_LIMIT}")
+            raise ArgumentError("{max_batch} must be 1 to {limit}", limit=MAX_BATCH_LIMIT)
         if not 0 <= max_wait_ms <= MAX_WAIT_MS_LIMIT:
-            raise UserError(f"--max-wait-ms must be 0 to {MAX_WAIT_MS_LIMIT}")
+            raise ArgumentError("{max_wait_ms} must be 0 to {limit}", limit=MAX_WAIT_MS_LIMIT)
         if not 1 <= max_connections <= MAX_CONNECTIONS_LIMIT:
-            raise UserError(f"--max-connections must be 1 to {MAX_CONNECTIONS_LIMIT}")
+            raise ArgumentError("{max_connections} must be 1 to {limit}", limit=MAX_CONNECTIONS_LIMIT)
         try:
             self.bind = format_host_port(*parse_host_port(listen))
         except AddressError:
-            raise UserError(f"--listen {listen!r}: give HOST:PORT (port 0 to 65535; 0 picks a free one)") from None
+            raise ArgumentError("{listen:{value!r}}: give HOST:PORT (port 0 to 65535; 0 picks a free one)",
+                                value=listen) from None
         if follow is not None and store is None:
             raise ValueError("follow needs the store its CIDs are made local in")
         self.batcher = Batcher(loaded, max_batch, max_wait_ms / 1000)
@@ -207,4 +206,5 @@ class Server:
                 self.follow_failures += 1  # logged the 1st, 2nd, 4th, ... time: a stopped node is not a line every 5 s
                 n = self.follow_failures
                 if n & (n - 1) == 0:
-                    logger.warning("--latest: keeping %s (%d failed lookups so far): %s", self.batcher.current.cid, n, exc)
+                    logger.warning("following the task's latest model: keeping %s (%d failed lookups so far): %s",
+                                   self.batcher.current.cid, n, exc)

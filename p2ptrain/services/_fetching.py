@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from p2ptrain.base import UserError
+from p2ptrain.base import ArgumentError, UserError
 from p2ptrain.control import TaskStatus, ops as control_ops
 
 if TYPE_CHECKING:
@@ -31,6 +31,8 @@ NODE_PROBE_TIMEOUT_S = 5.0
 # Off a terminal (a log, CI) a fetch in flight says how far it is this often: a long fetch is seen
 # moving, a short one prints nothing.
 PROGRESS_LINE_S = 10.0
+# Scripts' run homes (HOME/runs/*) looked through for a run's chain, at most (one directory listing).
+MAX_RUN_HOMES = 256
 
 
 @contextmanager
@@ -116,11 +118,24 @@ def ensure_local(
             return cids + [kept]
         missing = ([c for c in cids + _more(store, [c for c in cids if store.has(c)], None) if not store.has(c)]
                    or [f"latest model of {latest}"])
-        raise UserError(
-            f"{', '.join(missing)} not in the store of {home}, and no node is running there: start one "
-            f"(p2ptrain node start --home {home} --bootstrap ...) or pass --bootstrap MULTIADDR"
-        )
+        runs = _run_homes_keeping(home, latest) if latest is not None else []
+        raise ArgumentError(
+            "{missing} not in the store of {home_path}, and no node is running there: start one "
+            "(p2ptrain node start --home {home_path} --bootstrap ...) or pass {bootstrap:MULTIADDR}"
+            + ("; a run's home on this machine keeps its chain: {home:{kept}}" if runs else ""),
+            missing=", ".join(missing), home_path=home, kept=runs[0] if runs else None)
     return _fetch_with_ephemeral_node(home, cids, bootstrap, latest, then)
+
+
+def _run_homes_keeping(home: Path, task_cid: str) -> list[Path]:
+    """The homes of scripts' runs under ``home`` (``p2ptrain.Optimizer``'s default homes,
+    ``HOME/runs/*``) that keep ``task_cid``'s chain: after a script's run, ``model fetch --latest
+    RUN_CID`` on the default home found nothing, with no word of where the run's members kept it."""
+    from p2ptrain.run import RunDir
+
+    runs = home / "runs"
+    homes = sorted(p for p in runs.iterdir() if p.is_dir())[:MAX_RUN_HOMES] if runs.is_dir() else []
+    return [h for h in homes if RunDir.of(h, task_cid).chain.is_file()]
 
 
 def _more(store: ContentStore, cids: list[str], then: Callable[[ContentStore], list[str]] | None) -> list[str]:

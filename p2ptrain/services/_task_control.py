@@ -70,7 +70,8 @@ class TaskControl:
                 raise TaskError(f"initial_model: {exc}") from None
         task_cid = await trio.to_thread.run_sync(self.tasks.content.store.add_bytes, task_bytes(task))
         await trio.to_thread.run_sync(self.tasks.content.store.pin_add, task_cid)
-        self.tasks.remember(task_cid, task.name, self.tasks.node.peer_id.to_base58())
+        known = self.tasks.remember(task_cid, task.name, self.tasks.node.peer_id.to_base58())
+        known.total_steps = task.training.total_steps  # None for a task that counts epochs
         await self.tasks.node.publish(TASKS_TOPIC, TaskAnnounce(task_cid=task_cid, name=task.name))
         joined = False
         if self.tasks.options.accept_tasks or request.get("join"):
@@ -140,11 +141,22 @@ class TaskControl:
         if run is not None:
             return run.status().to_json()
         known = self.tasks.known.get(task_cid)
+        timeout = request.get("timeout")
+        if known is None and isinstance(timeout, (int, float)):
+            # A lookup asked for (`model fetch --latest`, `model verify`) of a task announced before
+            # this node started: the task by CID from the peers, then its chain, as a fresh home's
+            # temporary node finds them (it said "this node has not heard of task ...").
+            try:
+                task = await self.tasks.fetch_task(requested_cid(task_cid))
+            except ContentUnavailable as exc:
+                raise UserError(f"this node has not heard of task {task_cid}, and its peers do not hold it: "
+                                f"{exc.reason}") from None
+            known = self.tasks.remember(task_cid, task.name, task.publisher or "")
+            known.total_steps = task.training.total_steps
         if known is None:
             raise UserError(f"this node has not heard of task {task_cid}")
         # A lookup when asked for one (a timeout given: `model fetch --latest`, `model verify`), or
         # when a head claimed a confirmed model: a task only announced has nothing to verify yet.
-        timeout = request.get("timeout")
         if isinstance(timeout, (int, float)) or (known.head is not None and known.head.version >= 1):
             await self._verify_latest(known, float(timeout) if isinstance(timeout, (int, float)) else VERIFY_HEAD_S)
         return known.status().to_json()

@@ -97,6 +97,9 @@ class KnownTask:
     missing_builder: str | None = None  # the builder it names that this node does not have
     verified: Chain | None = None
     verified_cid: str | None = None  # the CID of ``verified``'s bytes (a head named it)
+    # The run's length from the task's definition, where this node read it (it published the task):
+    # `task status` of a task announced and not joined had only "step 0/?" to show.
+    total_steps: int | None = None
 
     def status(self) -> TaskStatus:
         head, chain = self.head, self.verified
@@ -112,7 +115,7 @@ class KnownTask:
             version=last.version if last else 0,
             step=last.step if last else 0,
             round=head.round if head else None,
-            total_steps=head.total_steps if head else None,
+            total_steps=head.total_steps if head else self.total_steps,
             latest_model_cid=last.model_cid if last else None,
             members=tuple(last.members) if last else (),
             chain_cid=self.verified_cid,

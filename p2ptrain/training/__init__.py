@@ -51,6 +51,7 @@ if TYPE_CHECKING:
         Trainer as Trainer,
         TrainerError as TrainerError,
     )
+    from p2ptrain.training._trainer_error import DeviceError as DeviceError
     from p2ptrain.training._trainer_state import StateSnapshot as StateSnapshot
     from p2ptrain.training._stage_files import model_file as model_file
     from p2ptrain.training._stage_manifest import (

@@ -11,7 +11,7 @@ from pathlib import Path
 from torch import nn
 
 from p2ptrain.base import UserError, default_home
-from p2ptrain.ipfs import ContentStore, ContentUnavailable, open_store, parse_cid
+from p2ptrain.ipfs import ContentStore, ContentUnavailable, not_a_cid, open_store, parse_cid
 from p2ptrain.models import ModelError, build_model, meta_model, whole_model_cap
 from p2ptrain.protocol import RecordError, load_model_bytes, read_model_card, read_tensors
 from p2ptrain.task import USER_MODEL
@@ -74,7 +74,7 @@ def load_model(cid_or_path: str | Path, *, home: Path | None = None, store: Cont
 
     Every byte read by CID is verified against it. The CID of a pipelined run's model names a
     manifest of stage files: they are assembled into the whole model. A CID the store does not hold raises
-    :class:`ContentUnavailable`; fetch it first with ``p2ptrain model fetch CID``.
+    :class:`ContentUnavailable` saying how to fetch it (``p2ptrain.load_model(cid, bootstrap=...)``).
     """
     path = Path(cid_or_path)
     if path.exists():
@@ -83,10 +83,13 @@ def load_model(cid_or_path: str | Path, *, home: Path | None = None, store: Cont
     try:
         parse_cid(cid)
     except Exception:
-        raise FileNotFoundError(f"{cid}: no such file, and not a CID") from None
+        raise FileNotFoundError(f"{cid}: no such file, and {not_a_cid(cid)}") from None
     if store is None:
         store = open_store(home or default_home())
     if not store.has(cid):
-        raise ContentUnavailable(cid, "not in the local store; fetch it first: p2ptrain model fetch " + cid)
+        # It said "fetch it first: p2ptrain model fetch CID", a command that needs -o and a way to the mesh.
+        raise ContentUnavailable(cid, "not in the local store: p2ptrain.load_model(cid, bootstrap=[MULTIADDR]) "
+                                 f"fetches it through a peer of the mesh (p2ptrain model fetch {cid} -o FILE "
+                                 "--bootstrap MULTIADDR on the command line)")
     # No model the registry builds is larger; a pipelined run's manifest is assembled from its stages.
     return model_from_bytes(model_file(store, cid))

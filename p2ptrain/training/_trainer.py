@@ -29,7 +29,7 @@ from torch import nn
 
 from p2ptrain.base import all_finite
 from p2ptrain.training._batches import Batch, Metrics, evaluate_batches, loss_and_hits
-from p2ptrain.training._trainer_error import TrainerError as TrainerError  # re-exported: callers catch it here
+from p2ptrain.training._trainer_error import DeviceError, TrainerError as TrainerError  # re-exported: callers catch it here
 from p2ptrain.models import HEADER_PER_TENSOR, HEADER_SLACK, build_model, file_bytes_bound
 from p2ptrain.training._optimizers import build_optimizer, lr_at
 from p2ptrain.training._trainer_state import (OPTIMIZER_STATE_KEYS, StateSnapshot, optimizer_state,
@@ -65,18 +65,18 @@ class StepResult:
 
 def resolve_device(device: str) -> torch.device:
     """``auto`` picks CUDA when available, else CPU; ``cpu``/``cuda``/``cuda:N`` are taken as given.
-    Anything else is a :class:`TrainerError` naming the device (``node start`` and ``serve`` check
+    Anything else is a :class:`DeviceError` naming the device (``node start`` and ``serve`` check
     their ``--device`` with it before anything starts)."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
         dev = torch.device(device)
     except RuntimeError:  # torch's own parse error ("gpu", "cuda:x"): a traceback for a typo
-        raise TrainerError(f"device {device!r}: use auto, cpu, cuda or cuda:N") from None
+        raise DeviceError("{device:{value!r}}: use auto, cpu, cuda or cuda:N", value=device) from None
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise TrainerError(f"device {device!r} asked for, but CUDA is not available")
+        raise DeviceError("{device:{value!r}} asked for, but CUDA is not available", value=device)
     if dev.type not in ("cpu", "cuda"):
-        raise TrainerError(f"device {device!r}: only cpu, cuda and auto are supported")
+        raise DeviceError("{device:{value!r}}: only cpu, cuda and auto are supported", value=device)
     return dev
 
 
