@@ -8,8 +8,10 @@ from __future__ import annotations
 import pytest
 from libp2p.crypto.ed25519 import create_new_key_pair
 
-from p2ptrain.protocol import read_statement, sign_statement, statement_bytes, StatementError
-from p2ptrain.run._step_summary import entry_bytes, MAX_ENTRY_BYTES, read_entry
+from p2ptrain import protocol
+from p2ptrain.protocol import sign_statement
+from p2ptrain.wire import (MAX_SUMMARY_ENTRY_BYTES, read_statement, read_summary_entry, statement_bytes, StatementError,
+                           summary_entry_bytes)
 
 KEY = create_new_key_pair(b"s" * 32)
 SIGNATURE = (
@@ -24,12 +26,12 @@ STATEMENT = (
 
 def test_step_summary_entry_bytes() -> None:
     # float64 little-endian loss share, one failure byte, then a u16 little-endian per accused replica
-    raw = entry_bytes(0.25, True, (1, 3))
+    raw = summary_entry_bytes(0.25, True, (1, 3))
     assert raw == bytes.fromhex("000000000000d03f" "01" "0100" "0300")
-    assert read_entry(raw) == (0.25, True, (1, 3))
-    assert MAX_ENTRY_BYTES == 9 + 16 * 2
+    assert read_summary_entry(raw) == (0.25, True, (1, 3))
+    assert MAX_SUMMARY_ENTRY_BYTES == 9 + 16 * 2
     with pytest.raises(ValueError):
-        read_entry(raw + b"\x00")
+        read_summary_entry(raw + b"\x00")
 
 
 def test_stage_statement_bytes() -> None:
@@ -39,3 +41,9 @@ def test_stage_statement_bytes() -> None:
     assert read_statement(STATEMENT) == signed
     with pytest.raises(StatementError):
         read_statement(STATEMENT[:-1])
+
+
+def test_protocol_still_exports_the_statement_format() -> None:
+    # where the names were first exported: the same objects as wire's
+    assert protocol.statement_bytes is statement_bytes and protocol.read_statement is read_statement
+    assert protocol.StatementError is StatementError
