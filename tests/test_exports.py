@@ -149,14 +149,17 @@ EXPORTS: dict[str, list[str]] = {
     "p2ptrain.wire": [
         "Attestation", "Capabilities", "ConfirmedRecord", "CoordinatorBeat", "DIGEST_BYTES", "DRAW_BYTES", "DTYPES",
         "DecodeError", "ENTRY_BYTES", "FrameError", "Goodbye", "HEADER", "HeadRequest", "Header", "Heartbeat", "Kind",
-        "MAX_BUILDERS", "MAX_BUILDER_NAME_LEN", "MAX_FIRST_FRAME",
-        "MAX_MESSAGE_BYTES", "MESH_TOPIC", "MESSAGES", "MessageRegistry", "ModelRecord", "ModelServed", "NORM_BYTES",
+        "MAX_ACCUSED", "MAX_BUILDERS", "MAX_BUILDER_NAME_LEN", "MAX_FIRST_FRAME",
+        "MAX_MESSAGE_BYTES", "MAX_STATEMENT_BYTES", "MAX_SUMMARY_ENTRY_BYTES", "MESH_TOPIC", "MESSAGES",
+        "MessageRegistry", "ModelRecord", "ModelServed", "NORM_BYTES",
         "PROTOCOL",
         "Phase", "ReplayGuard", "RoundFailed", "RoundPlan", "SIGNATURE_BYTES", "Said", "SchemaError", "Signed",
-        "SignedAttestation", "SignedModelRecord", "SignedVote", "TASKS_TOPIC", "TaskAnnounce", "TaskCancel",
+        "SignedAttestation", "SignedModelRecord", "SignedStageStatement", "SignedVote", "StageStatement",
+        "StatementError", "TASKS_TOPIC", "TaskAnnounce", "TaskCancel",
         "TaskHead", "TaskResume", "Vote", "VoteRequest", "abort_frame", "busy_frame", "decode", "encode",
         "from_plain", "hello_frame", "is_busy", "message", "norms_bytes", "parse_abort", "parse_draw", "parse_header",
-        "parse_norms", "peek_type", "ready_frame", "round_digest", "statement", "task_topic", "to_plain",
+        "parse_norms", "peek_type", "read_statement", "read_summary_entry", "ready_frame", "round_digest", "statement",
+        "statement_bytes", "summary_entry_bytes", "task_topic", "to_plain",
     ],
 }
 

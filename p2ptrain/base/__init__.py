@@ -36,7 +36,7 @@ if TYPE_CHECKING:
         short_id as short_id,
     )
     from p2ptrain.base._malloc import use_one_arena as use_one_arena
-    from p2ptrain.base._metrics_hist import HistogramSnapshot as HistogramSnapshot, RoundHistograms as RoundHistograms
+    from p2ptrain.base._round_histograms import HistogramSnapshot as HistogramSnapshot, RoundHistograms as RoundHistograms
     from p2ptrain.base._safetensors_header import read_header as read_header, TensorFileError as TensorFileError
     from p2ptrain.base._tensors import (
         all_finite as all_finite,

@@ -192,9 +192,20 @@ def cmd_list(args: argparse.Namespace) -> int:
     if not tasks:
         print("no tasks heard of yet")
     for t in tasks:
-        step = f"step {t.step}/{t.total_steps or '?'}"
-        print(f"{t.task_cid}  {t.name:<20} {t.state:<10} {step}  {'member' if t.member else ''}")
+        print(render_row(t))
     return 0
+
+
+def render_row(t: TaskStatus) -> str:
+    """A `task list` row: CID, name, state, progress, membership. The progress says only what is
+    known, as `task status` does: a task heard of whose run no member has reported yet is "not
+    started" (with its length where this node read the task's definition), and a total this node
+    does not know is left out rather than shown as "step 0/?"."""
+    if not t.member and t.state == "announced":
+        progress = "not started" + (f", {t.total_steps} steps" if t.total_steps else "")
+    else:
+        progress = f"step {t.step}" + (f"/{t.total_steps}" if t.total_steps else "")
+    return f"{t.task_cid}  {t.name:<20} {t.state:<10} {progress}  {'member' if t.member else ''}"
 
 
 def render_status(s: TaskStatus) -> str:

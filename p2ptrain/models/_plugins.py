@@ -135,10 +135,12 @@ class Plugins:
                 raise ModelError(f"entry point name {namespace!r} is not a namespace (a-z, 0-9, _; at most 24)")
             builders = _builders_of(ep.load(), namespace)
         except ModuleNotFoundError as exc:
-            # A missing optional dependency (torchvision on a node without it): expected, so quieter.
+            # A missing optional dependency (torchvision on a node without it): expected, so DEBUG: a
+            # node that never trains such a model is not told at every start; a task naming one of
+            # its builders gets this reason as its one-line refusal (get: MissingBuilder).
             hint = INSTALL_HINTS.get(namespace) or (f"pip install {exc.name}" if exc.name else "")
             self._origins[namespace] = Origin(namespace, dist, ep.value, f"{hint} ({exc})" if hint else str(exc))
-            logger.info("model builders %r from %s unavailable: %s", namespace, dist, self._origins[namespace].error)
+            logger.debug("model builders %r from %s unavailable: %s", namespace, dist, self._origins[namespace].error)
             return
         except Exception as exc:  # a broken plugin is logged and unavailable, never a crash
             error = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]

@@ -55,16 +55,10 @@ if TYPE_CHECKING:
     )
     from p2ptrain.protocol._stage_quorum import (
         check_statement as check_statement,
-        MAX_STATEMENT_BYTES as MAX_STATEMENT_BYTES,
-        read_statement as read_statement,
         sign_statement as sign_statement,
         signed_entry_problem as signed_entry_problem,
-        SignedStageStatement as SignedStageStatement,
         stage_verdicts as stage_verdicts,
-        StageStatement as StageStatement,
         StageVerdict as StageVerdict,
-        statement_bytes as statement_bytes,
-        StatementError as StatementError,
     )
     from p2ptrain.protocol._records import (
         attest as attest,
@@ -84,6 +78,16 @@ if TYPE_CHECKING:
     )
     from p2ptrain.protocol._round_book import RoundBook as RoundBook, RuleBreak as RuleBreak
     from p2ptrain.protocol._stage_verdicts import check_key_message as check_key_message, convicted as convicted
+    # The stage statements' bytes are declared in wire/ (wire/_stage_statements.py); kept here too,
+    # where they were first exported.
+    from p2ptrain.wire import (
+        MAX_STATEMENT_BYTES as MAX_STATEMENT_BYTES,
+        read_statement as read_statement,
+        SignedStageStatement as SignedStageStatement,
+        StageStatement as StageStatement,
+        statement_bytes as statement_bytes,
+        StatementError as StatementError,
+    )
 else:
     from p2ptrain._exports import lazy_exports
 

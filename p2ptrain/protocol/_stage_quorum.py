@@ -4,7 +4,8 @@ planned replicas signed (issue 31, docs/pipeline.md "Checkpoints").
 No member can check a stage it does not hold: it has neither the weights nor the optimizer state.
 So a stage's entry cannot be what one member (the stage's first replica, a chunk's owner in a sum)
 says; it is the CIDs that a strict majority of the stage's replicas in the span's plan each signed
-(:class:`StageStatement`, gathered by ``Collective.gather``). The replicas come from the plan,
+(:class:`~p2ptrain.wire.StageStatement`, its bytes declared in ``wire/_stage_statements.py``,
+gathered by ``Collective.gather``). The replicas come from the plan,
 never from a statement or its sender; a statement from a member the plan puts in another stage
 counts for nothing and is named. Anyone holding the signed statements can check an entry (:func:`signed_entry_problem`):
 they travel in the manifest itself, with the stage's planned replicas, so whoever verifies a chain
@@ -21,40 +22,10 @@ from dataclasses import dataclass, field
 
 from libp2p.crypto.keys import KeyPair
 
-from p2ptrain.base import boundedjson, short_id
+from p2ptrain.base import short_id
 from p2ptrain.protocol import signing
 from p2ptrain.protocol._records import quorum
-from p2ptrain.wire import from_plain, SchemaError
-
-# A signed statement's canonical bytes: two CIDs, a task CID and a peer ID of at most 128
-# characters each, a signature of 128, the field names: under 1 KiB.
-MAX_STATEMENT_BYTES = 1024
-_CID = {"max_len": 128}
-
-
-@dataclass(frozen=True)
-class StageStatement:
-    """A replica's statement in a pipelined run: 'at ``step`` of task ``task_cid`` my stage
-    ``stage``'s files hash to these CIDs'."""
-
-    task_cid: str = field(metadata=_CID)
-    step: int
-    stage: int
-    model_cid: str = field(metadata=_CID)
-    optimizer_cid: str = field(metadata=_CID)
-    replica: str = field(metadata=_CID)
-
-
-@dataclass(frozen=True)
-class SignedStageStatement:
-    """A statement with its replica's detached signature (:mod:`p2ptrain.protocol.signing`)."""
-
-    statement: StageStatement
-    signature: str = field(metadata={"max_len": signing.SIGNATURE_HEX_LEN})
-
-
-class StatementError(ValueError):
-    """Bytes that are not a signed stage statement (the one error of :func:`read_statement`)."""
+from p2ptrain.wire import SignedStageStatement, StageStatement
 
 
 def sign_statement(task_cid: str, step: int, stage: int, cids: tuple[str, str],
@@ -64,22 +35,6 @@ def sign_statement(task_cid: str, step: int, stage: int, cids: tuple[str, str],
     statement = StageStatement(task_cid=task_cid, step=step, stage=stage, model_cid=cids[0],
                                optimizer_cid=cids[1], replica=signing.peer_str(key_pair))
     return SignedStageStatement(statement=statement, signature=signing.sign(statement, key_pair))
-
-
-def statement_bytes(signed: SignedStageStatement) -> bytes:
-    """What a member puts in the checkpoint's gather: its signed statement's canonical JSON."""
-    return signing.canonical_bytes(signed)
-
-
-def read_statement(raw: bytes) -> SignedStageStatement:
-    """A member's part of the gather: :class:`StatementError` for anything that is not a signed
-    statement of this shape within :data:`MAX_STATEMENT_BYTES` (its signature is checked by
-    :func:`check_statement`)."""
-    try:
-        plain = boundedjson.loads(raw, max_bytes=MAX_STATEMENT_BYTES, max_depth=3, what="stage statement")
-        return from_plain(SignedStageStatement, plain)
-    except (boundedjson.JSONBoundsError, SchemaError) as exc:
-        raise StatementError(str(exc)) from None
 
 
 def check_statement(signed: SignedStageStatement, sender: str) -> StageStatement:

@@ -4,7 +4,7 @@ loaded by CID from the manifest of the run's latest confirmed checkpoint (docs/p
 At the end of a span every member stores its stage's two files
 (:meth:`~p2ptrain.run._stage_trainer.StagedTrainer.stage_files`; the replicas of a stage hold the
 same bits, so the same CIDs) and signs its statement that they are its stage's
-(:class:`~p2ptrain.protocol.StageStatement`). One gather over the plan's members
+(:class:`~p2ptrain.wire.StageStatement`). One gather over the plan's members
 (:meth:`~p2ptrain.collective.Collective.gather`: each slot its member's own, the same list on every
 member, an equivocating member named; nobody's sum to steer) gives every member every statement,
 and each stage's entry is what a quorum of *that stage's* planned replicas signed
@@ -33,15 +33,15 @@ from libp2p.peer.id import ID
 from p2ptrain.base import short_id
 from p2ptrain.collective import CollectiveError
 from p2ptrain.ipfs import ContentStore, ContentUnavailable
-from p2ptrain.protocol import (buffers_round_id, check_statement, MAX_STATEMENT_BYTES, read_statement, RecordError,
-                               sign_statement, SignedStageStatement, stage_rings, stage_verdicts, statement_bytes,
-                               StatementError, tensors_bytes)
+from p2ptrain.protocol import (buffers_round_id, check_statement, RecordError, sign_statement, stage_rings,
+                               stage_verdicts, tensors_bytes)
 from p2ptrain.protocol.signing import SignatureError
 from p2ptrain.run._run_state import RunState
 from p2ptrain.run._stage_trainer import StagedTrainer
 from p2ptrain.training import (check_stage_signatures, ManifestError, manifest_bytes, MAX_MANIFEST_BYTES,
                                read_manifest, StageFile, TrainerError)
-from p2ptrain.wire import ModelRecord, RoundPlan
+from p2ptrain.wire import (MAX_STATEMENT_BYTES, ModelRecord, read_statement, RoundPlan, SignedStageStatement,
+                           statement_bytes, StatementError)
 
 logger = logging.getLogger(__name__)
 

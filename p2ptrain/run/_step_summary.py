@@ -13,29 +13,20 @@ sender, and so does a driver that tells members different things. Every member r
 entries in plan order, so every member computes the same loss and the same verdict.
 
 A driver's entry also lists the replicas a third opinion outvoted at that driver (their indices in
-the plan, 2 bytes each, at most MAX_ACCUSED): its accusations, which every member weighs alike
+the plan, 2 bytes each, at most MAX_ACCUSED; the entry's bytes are declared in
+wire/_summary_entries.py): its accusations, which every member weighs alike
 (:func:`~p2ptrain.protocol.convicted`: a replica accused by more than half the drivers is convicted).
 """
 
 from __future__ import annotations
 
-import math
-import struct
 from dataclasses import dataclass
 
 from libp2p.peer.id import ID
 
 from p2ptrain.collective import Collective
 from p2ptrain.protocol import convicted, inner_round_id, round_id, stage_rings
-from p2ptrain.wire import RoundPlan
-
-# A driver's entry: its share of the step's mean loss (float64) and whether its step failed (0 or 1),
-# then the plan indices of the replicas it accuses (u16 each).
-ENTRY = struct.Struct("<dB")
-ACCUSED = struct.Struct("<H")
-MAX_ACCUSED = 16
-MAX_ENTRY_BYTES = ENTRY.size + MAX_ACCUSED * ACCUSED.size
-
+from p2ptrain.wire import MAX_ACCUSED, MAX_SUMMARY_ENTRY_BYTES, read_summary_entry, RoundPlan, summary_entry_bytes
 
 @dataclass(frozen=True)
 class StepSummary:
@@ -47,28 +38,6 @@ class StepSummary:
     # {driver: the replicas it accuses}, drivers with none left out; and the replicas convicted.
     accusations: tuple[tuple[str, tuple[str, ...]], ...] = ()
     convicted: tuple[str, ...] = ()
-
-
-def entry_bytes(loss: float, failed: bool, accused: tuple[int, ...] = ()) -> bytes:
-    """A driver's entry; ``accused``: the plan indices of the replicas it accuses."""
-    return ENTRY.pack(loss, int(failed)) + b"".join(ACCUSED.pack(i) for i in accused)
-
-
-def read_entry(raw: bytes, plan: RoundPlan | None = None) -> tuple[float, bool, tuple[int, ...]]:
-    """A driver's entry: its loss share, its failure, the plan indices it accuses (replicas of
-    ``plan``, each once); ``ValueError`` for bytes that are not one."""
-    extra = len(raw) - ENTRY.size
-    if extra < 0 or extra % ACCUSED.size or extra > MAX_ACCUSED * ACCUSED.size:
-        raise ValueError(f"a driver's summary has {ENTRY.size} bytes and at most {MAX_ACCUSED} accused, not {len(raw)} bytes")
-    loss, failed = ENTRY.unpack_from(raw)
-    if not (math.isfinite(loss) and loss >= 0.0) or failed > 1:
-        raise ValueError(f"a driver's summary is a finite loss share >= 0 and a flag 0 or 1, not ({loss}, {failed})")
-    accused = tuple(i for (i,) in ACCUSED.iter_unpack(raw[ENTRY.size:]))
-    if plan is not None:
-        stages = plan.stages or ()
-        if len(set(accused)) != len(accused) or any(i >= len(stages) or stages[i] == 0 for i in accused):
-            raise ValueError(f"a driver accuses {list(accused)}: not distinct replicas of the plan")
-    return loss, bool(failed), accused
 
 
 async def gather_summary(
@@ -84,21 +53,21 @@ async def gather_summary(
 
     def check(member: int, raw: bytes) -> None:
         if plan.members[member] in drivers:
-            read_entry(raw, plan)
+            read_summary_entry(raw, plan)
         elif raw:
             raise ValueError("a replica says nothing in the step's summary")
 
     replicas = {m: i for i, m in enumerate(plan.members) if m not in drivers}
     indices = tuple(sorted(replicas[r] for r in set(accused) if r in replicas))[:MAX_ACCUSED]
-    mine = entry_bytes(loss, failed, indices) if me in drivers else b""
+    mine = summary_entry_bytes(loss, failed, indices) if me in drivers else b""
     ring = [ID.from_base58(m) for m in plan.members]
     gather_id = round_id(plan, index) if inner is None else inner_round_id(plan, index, inner)
-    parts = await collective.gather(mine, ring, gather_id, max_bytes=MAX_ENTRY_BYTES, check=check,
+    parts = await collective.gather(mine, ring, gather_id, max_bytes=MAX_SUMMARY_ENTRY_BYTES, check=check,
                                     timeout=timeout, start_timeout=start_timeout)
     total, failures, accusations = 0.0, [], []
     for member, raw in zip(plan.members, parts, strict=True):
         if member in drivers:
-            share, fail, named = read_entry(raw, plan)
+            share, fail, named = read_summary_entry(raw, plan)
             total += share
             if fail:
                 failures.append(member)

@@ -3,7 +3,7 @@
 Nothing is counted twice for the exporter: the node and its services already keep counters for
 ``node status`` and ``task status``; :class:`PeerCollector` reads them at scrape time and turns them
 into metric families (docs/operating.md lists the names). The only state kept for metrics alone is
-the bucketed round times of each run (:mod:`p2ptrain.base._metrics_hist`), which no status holds.
+the bucketed round times of each run (:mod:`p2ptrain.base._round_histograms`), which no status holds.
 
 Threads: prometheus-client serves HTTP from its own thread (a ``ThreadingWSGIServer``), beside trio.
 That is safe here because a scrape never touches the node's objects from that thread: it asks the

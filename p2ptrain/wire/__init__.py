@@ -1,6 +1,7 @@
 """Every format we exchange with peers: signed, versioned, schema-checked, size-limited pubsub
-messages (the codec, the message schemas) and the collective's binary frames (which need torch). No
-pickle. docs/mesh.md's table lists each, with the module that declares it. Imports only ``base``.
+messages (the codec, the message schemas), the collective's binary frames (which need torch) and the
+parts members put in a gather (a step summary's driver entry, a signed stage statement). No pickle.
+docs/mesh.md's table lists each, with the module that declares it. Imports only ``base``.
 """
 
 from typing import TYPE_CHECKING
@@ -73,6 +74,20 @@ if TYPE_CHECKING:
     )
     from p2ptrain.wire._replay import ReplayGuard as ReplayGuard
     from p2ptrain.wire._schema import from_plain as from_plain, SchemaError as SchemaError, to_plain as to_plain
+    from p2ptrain.wire._stage_statements import (
+        MAX_STATEMENT_BYTES as MAX_STATEMENT_BYTES,
+        read_statement as read_statement,
+        SignedStageStatement as SignedStageStatement,
+        StageStatement as StageStatement,
+        statement_bytes as statement_bytes,
+        StatementError as StatementError,
+    )
+    from p2ptrain.wire._summary_entries import (
+        MAX_ACCUSED as MAX_ACCUSED,
+        MAX_SUMMARY_ENTRY_BYTES as MAX_SUMMARY_ENTRY_BYTES,
+        read_summary_entry as read_summary_entry,
+        summary_entry_bytes as summary_entry_bytes,
+    )
     from p2ptrain.wire._topics import MESH_TOPIC as MESH_TOPIC, task_topic as task_topic, TASKS_TOPIC as TASKS_TOPIC
 else:
     from p2ptrain._exports import lazy_exports

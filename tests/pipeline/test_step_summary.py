@@ -18,9 +18,9 @@ from p2ptrain.collective._direct import witnessed_broadcast
 from p2ptrain.collective._gather import gather_description
 from p2ptrain.collective._witness import digest_of, Witness
 from p2ptrain.protocol import round_id
-from p2ptrain.run._step_summary import entry_bytes, MAX_ENTRY_BYTES, gather_summary, StepSummary
+from p2ptrain.run._step_summary import gather_summary, StepSummary
 from p2ptrain.testing import connected_hosts
-from p2ptrain.wire import DTYPES, Header, Kind, Phase, RoundPlan, round_digest, Said
+from p2ptrain.wire import DTYPES, Header, Kind, MAX_SUMMARY_ENTRY_BYTES, Phase, RoundPlan, round_digest, Said, summary_entry_bytes
 
 CID = "bafkreigh2akiscaildcqabsyg3dfr6chu3fgpregiymsck7e7aqa4s52zy"
 DEADLINE_S = 60
@@ -75,7 +75,7 @@ async def test_a_replica_that_speaks_for_a_driver_is_named():
         ring = [h.id for h in hosts]
 
         async def forging():
-            return await cs[1].gather(entry_bytes(0.0, True), ring, round_id(plan, 0), max_bytes=MAX_ENTRY_BYTES,
+            return await cs[1].gather(summary_entry_bytes(0.0, True), ring, round_id(plan, 0), max_bytes=MAX_SUMMARY_ENTRY_BYTES,
                                       check=lambda member, raw: None, timeout=10, start_timeout=20)
 
         got = await everyone([honest(cs[0], plan, 0, 0.25), forging, honest(cs[2], plan, 0, 0.5), honest(cs[3], plan, 0)])
@@ -100,12 +100,12 @@ async def test_a_driver_that_tells_members_different_summaries_is_named():
         cs = [Collective(h.host) for h in hosts]
         plan = plan_of(hosts)
         ring = [h.id for h in hosts]
-        said = {hosts[0].id: entry_bytes(0.5, False), hosts[1].id: entry_bytes(0.0, True),
-                hosts[3].id: entry_bytes(0.0, True)}
+        said = {hosts[0].id: summary_entry_bytes(0.5, False), hosts[1].id: summary_entry_bytes(0.0, True),
+                hosts[3].id: summary_entry_bytes(0.0, True)}
 
         async def equivocating():
             rid = round_id(plan, 0)
-            digest = round_digest(rid, ring, gather_description(MAX_ENTRY_BYTES))
+            digest = round_digest(rid, ring, gather_description(MAX_SUMMARY_ENTRY_BYTES))
             async with cs[2].hub.open_round(ring, rid, digest, timeout=10, start_timeout=20, mesh=True) as links:
                 witness = Witness(links, digest, hosts[2].host.get_private_key())
 
@@ -116,7 +116,7 @@ async def test_a_driver_that_tells_members_different_summaries_is_named():
 
                 async def hear(member):
                     await witnessed_broadcast(links, member, None, witness=witness, said=Said.VALUES,
-                                              max_bytes=MAX_ENTRY_BYTES, check=lambda raw: None)
+                                              max_bytes=MAX_SUMMARY_ENTRY_BYTES, check=lambda raw: None)
 
                 async with trio.open_nursery() as nursery:
                     for peer, payload in said.items():

@@ -1,11 +1,12 @@
-"""docs/mesh.md's table of wire formats names every pubsub type, control op and collective frame that
-the code declares, so a format added without its row fails here."""
+"""docs/mesh.md's table of wire formats names every pubsub type, control op, collective frame and
+gather part that the code declares, so a format added without its row fails here."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from p2ptrain.control import ops as control_ops
+from p2ptrain import wire
 from p2ptrain.wire import Kind, MESSAGES
 from p2ptrain.wire import activations
 
@@ -32,3 +33,10 @@ def test_every_frame_kind_has_a_row() -> None:
 def test_every_pipeline_frame_kind_has_a_row() -> None:
     for kind in activations.Kind:
         assert f"| `{kind.name}` ({kind.value}) |" in DOC, kind
+
+
+def test_every_gather_part_has_a_row_naming_its_module() -> None:
+    for build, read in [(wire.summary_entry_bytes, wire.read_summary_entry), (wire.statement_bytes, wire.read_statement)]:
+        module = build.__module__.removeprefix("p2ptrain.").replace(".", "/") + ".py"
+        assert read.__module__ == build.__module__
+        assert f"| `{module}` | `{build.__name__}` / `{read.__name__}` |" in DOC, module
