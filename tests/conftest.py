@@ -15,6 +15,7 @@ import os
 import re
 import shutil
 from collections.abc import Iterator
+from typing import Any
 from pathlib import Path
 
 import pytest
@@ -67,11 +68,34 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "needs(*tools, root=False): tools on PATH (and root) the test needs; see tests/conftest.py"
     )
-    # Under xdist (make test), hand each worker one test at a time (see pytest_collection_modifyitems):
-    # by default a worker is first given a quarter of its share of the suite, consecutive tests, so
-    # the long tests, run first, would all land on one worker.
-    if getattr(config.option, "maxschedchunk", 0) is None:
-        config.option.maxschedchunk = 1
+
+
+# Under xdist (make test) each worker is handed one test at a time, two deep, in the order of
+# pytest_collection_modifyitems (xdist's ``load`` with ``--maxschedchunk 1`` did the same; by default
+# it first gives a worker a quarter of its share of the suite, consecutive tests, so the long tests,
+# run first, would all land on one worker). The test files below share a session-scoped daemon (the
+# js-ipfs of tests/ipfs/test_kubo.py, ~8 CPU-s each start): each is dealt whole to one worker, so the
+# daemon starts once, not on every worker that draws one of its tests. (xdist's ``loadgroup`` names
+# a group by setting ``item._nodeid``, which pytest 9 no longer reads: it deals grouped tests apart.)
+ONE_WORKER_FILES = frozenset({"tests/ipfs/test_kubo.py"})
+
+
+@pytest.hookimpl(optionalhook=True)  # xdist's hook, in the controller
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """For ``-n N`` (``--dist load``): every test its own unit, dealt in the order of
+    pytest_collection_modifyitems (no reordering by unit size), but one unit a file of
+    ONE_WORKER_FILES."""
+    if config.getvalue("dist") != "load":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class OneWorkerFiles(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return path if path in ONE_WORKER_FILES else nodeid
+
+    config.option.loadscopereorder = False
+    return OneWorkerFiles(config, log)
 
 
 def _own_timeout(item: pytest.Item) -> float:

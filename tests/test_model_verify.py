@@ -28,9 +28,7 @@ async def _trained(tmp_path: Path) -> tuple[Path, str, dict[str, object]]:
         async with local_peers(3, tmp_path) as peers:
             task_cid = await publish_digits_task(peers[0], total_steps=9, checkpoint_interval=3, min_peers=3,
                                                  max_peers=3)  # all three are in: term 0 need not wait for more
-            async with trio.open_nursery() as nursery:
-                for peer in peers:
-                    nursery.start_soon(peer.tasks.join, task_cid)
+            await peers.join_all(task_cid)
 
             def done() -> bool:
                 return all(peers.status(i, task_cid).get("state") == "done" for i in range(3))

@@ -47,9 +47,7 @@ async def test_a_run_is_scraped_while_it_trains_and_drawn_after(tmp_path: Path, 
             publisher = MetricsServer(peers[0], "127.0.0.1", 0)  # served the task's blocks to peer 1
             await nursery.start(publisher.run)
             task_cid = await publish_digits_task(peers[0], total_steps=8, checkpoint_interval=4, max_peers=2)
-            async with trio.open_nursery() as joins:
-                for peer in peers:
-                    joins.start_soon(peer.tasks.join, task_cid)
+            await peers.join_all(task_cid)
             await peers.wait_until(lambda: peers.status(1, task_cid).get("version", 0) >= 1, 60,
                                    what="model v1 confirmed on the scraped peer")
             samples = await trio.to_thread.run_sync(_scrape, server.bound_port)

@@ -28,7 +28,7 @@ def test_custom_loop_cnn_with_batchnorm(tmp_path: Path) -> None:
 def test_federated_with_train_in_local_sgd_mode(tmp_path: Path) -> None:
     """``p2ptrain.train`` with ``mode="local_sgd"``, three members, each on its own third of the data."""
     members = script_members(3, tmp_path)
-    results = run_script(EXAMPLES / "federated.py", members, ["--local-sgd", "--steps", "240"], timeout=RUN_S)
+    results = run_script(EXAMPLES / "federated.py", members, ["--local-sgd", "--steps", "120"], timeout=RUN_S)
     assert len({r["model_cid"] for r in results}) == 1 and results[0]["model_cid"]
     assert len({r["weights"] for r in results}) == 1
     assert min(r["accuracy"] for r in results) >= 0.9, results

@@ -33,9 +33,7 @@ async def test_the_benchs_hostile_owner_is_named_left_out_and_never_confirmed(tm
         async with local_peers(3, tmp_path) as peers:
             task_cid = await publish_digits_task(peers[0], total_steps=100_000, checkpoint_interval=5, min_peers=3,
                                                  extra='[compression]\nrobust = "clip"\n')
-            async with trio.open_nursery() as nursery:
-                for peer in peers:
-                    nursery.start_soon(peer.tasks.join, task_cid)
+            await peers.join_all(task_cid)
             # As in the bench, it joins a run under way, led by an honest coordinator.
             await peers.wait_until(lambda: all(peers.status(i, task_cid)["version"] >= 1 for i in range(3)), 60,
                                    what="the run's first checkpoint")

@@ -29,6 +29,28 @@ HERE = Path(__file__).resolve().parent
 MODULE_NAME = "_p2ptrain_fuzzing"
 
 
+class LazySeeds(Sequence[bytes]):
+    """Seeds made on first use rather than when the targets file is imported: every pytest worker
+    imports every targets file to collect the tests, and the seeds of an hf model (its task read,
+    its model file: transformers' model machinery, ~3 CPU-s) cost more than the rest of the
+    collection of tests/fuzz."""
+
+    def __init__(self, make: Callable[[], Sequence[bytes]]) -> None:
+        self._make = make
+        self._seeds: tuple[bytes, ...] | None = None
+
+    def _made(self) -> tuple[bytes, ...]:
+        if self._seeds is None:
+            self._seeds = tuple(self._make())
+        return self._seeds
+
+    def __getitem__(self, index: Any) -> Any:
+        return self._made()[index]
+
+    def __len__(self) -> int:
+        return len(self._made())
+
+
 @dataclass(frozen=True)
 class FuzzTarget:
     """One decoder under fuzz: ``decode`` takes bytes and may raise only ``declared`` errors."""

@@ -12,7 +12,7 @@ import struct
 
 import numpy as np
 import torch
-from _p2ptrain_fuzzing import FuzzTarget
+from _p2ptrain_fuzzing import FuzzTarget, LazySeeds
 from libp2p.crypto.ed25519 import create_new_key_pair
 
 from p2ptrain.data import Manifest, ManifestError, Pixels, TensorFileError, read_header
@@ -79,7 +79,7 @@ TASK_TOML_HF = TASK_TOML.replace(b'name = "mlp"\n[model.kwargs]\nhidden = [8, 8]
                                  b'vocab_size = 16, n_positions = 4, bos_token_id = 1, layer_norm_epsilon = 1e-06 }')
 # A pipelined task: the cut is checked on the meta device at parse (models._pieces).
 TASK_TOML_PIPELINE = TASK_TOML + b'[pipeline]\nstages = 2\nmicrobatch_size = 4\nactivations = "int8"\n'
-TASK_BYTES = [task_bytes(load_task(t)) for t in (TASK_TOML, TASK_TOML_SGD, TASK_TOML_HF, TASK_TOML_PIPELINE)]
+TASK_BYTES = LazySeeds(lambda: [task_bytes(load_task(t)) for t in (TASK_TOML, TASK_TOML_SGD, TASK_TOML_HF, TASK_TOML_PIPELINE)])
 
 # --- records ------------------------------------------------------------------------------------
 
@@ -124,7 +124,7 @@ _MODEL = build_model("mlp", {"in_features": 4, "hidden": [4], "out_features": 2}
 _CARD = {"name": "mlp", "kwargs": {"in_features": 4, "hidden": [4], "out_features": 2}}
 _HF_CARD = {"name": "hf", "kwargs": {"model_type": "gpt2", "n_layer": 1, "n_embd": 8, "n_head": 2, "vocab_size": 16,
                                      "n_positions": 4}}
-MODEL_FILES = [model_bytes(_MODEL, _CARD), model_bytes(build_model("hf", _HF_CARD["kwargs"], 0), _HF_CARD)]
+MODEL_FILES = LazySeeds(lambda: [model_bytes(_MODEL, _CARD), model_bytes(build_model("hf", _HF_CARD["kwargs"], 0), _HF_CARD)])
 CARDS = [json.dumps(_CARD, sort_keys=True, separators=(",", ":")).encode()]
 
 

@@ -25,6 +25,8 @@ from p2ptrain.ipfs._kubo import KuboStore, api_multiaddr
 
 # The first test may install js-ipfs (~4 min) when `make test` has not already: allow for it.
 # Every test but the unreachable-daemon one talks to js-ipfs: they need node and npm (tests/conftest.py).
+# Under `pytest -n N` the file's tests run on one worker (tests/conftest.py, ONE_WORKER_FILES), so
+# the session's daemon starts once.
 pytestmark = pytest.mark.timeout(900)
 NEEDS_JSIPFS = pytest.mark.needs("node", "npm")
 

@@ -111,9 +111,7 @@ async def test_a_member_forging_stage_files_is_outvoted_named_and_the_run_goes_o
     with trio.fail_after(DEADLINE_S):
         async with local_peers(PEERS, tmp_path) as peers:
             task_cid = await publish(peers)
-            async with trio.open_nursery() as nursery:
-                for peer in peers:
-                    nursery.start_soon(peer.tasks.join, task_cid)
+            await peers.join_all(task_cid)
 
             def done() -> list[dict[str, Any]] | None:
                 now = [peers.status(i, task_cid) for i in range(PEERS)]

@@ -63,9 +63,7 @@ async def test_an_hf_llama_cut_into_stages_trains_as_one_process(tmp_path: Path)
     with trio.fail_after(DEADLINE_S):
         async with local_peers(3, tmp_path) as peers:
             manifest, task_cid = await publish(peers, TASK)
-            async with trio.open_nursery() as nursery:
-                for peer in peers:
-                    nursery.start_soon(peer.tasks.join, task_cid)
+            await peers.join_all(task_cid)
 
             def first_record() -> Any:
                 for i in range(len(peers)):

@@ -106,9 +106,7 @@ async def test_a_stage_that_lost_its_last_replica_is_taken_by_another_member_and
             for peer in peers[1:]:
                 for cid in split_shards(peers[0].content.store, manifest, "train"):
                     await peer.content.fetch(cid)
-            async with trio.open_nursery() as nursery:
-                for peer in peers:
-                    nursery.start_soon(peer.tasks.join, task_cid)
+            await peers.join_all(task_cid)
             ids = [p.node.peer_id.to_base58() for p in peers]
 
             def statuses() -> list[dict[str, Any]]:

@@ -25,9 +25,7 @@ async def test_members_stopped_together_resume_their_stages_from_the_last_manife
     with trio.fail_after(DEADLINE_S):
         async with local_peers(3, tmp_path) as peers:
             _, task_cid = await publish(peers)
-            async with trio.open_nursery() as nursery:
-                for peer in peers:
-                    nursery.start_soon(peer.tasks.join, task_cid)
+            await peers.join_all(task_cid)
 
             def at(version: int) -> list[dict[str, Any]] | None:
                 statuses = [peers.status(i, task_cid) for i in range(3)]
@@ -53,9 +51,7 @@ async def test_members_stopped_together_resume_their_stages_from_the_last_manife
             for i in range(3):
                 await peers.restart_peer(i, see_all=False)
             await peers.wait_connected()
-            async with trio.open_nursery() as nursery:
-                for peer in peers:
-                    nursery.start_soon(peer.tasks.join, task_cid)
+            await peers.join_all(task_cid)
 
             def done() -> list[dict[str, Any]] | None:
                 statuses = [peers.status(i, task_cid) for i in range(3)]

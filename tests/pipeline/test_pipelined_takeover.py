@@ -58,9 +58,7 @@ async def test_a_pipelined_span_whose_coordinator_changes_runs_to_the_end(
                 return await step(self, plan, index, batches)
 
             monkeypatch.setattr(StageRounds, "step", gated)
-            async with trio.open_nursery() as nursery:
-                for peer in peers:
-                    nursery.start_soon(peer.tasks.join, task_cid)
+            await peers.join_all(task_cid)
 
             await peers.wait_until(lambda: len(held) == 3 or None, STEP_S, what="every member at step 3")
             old = next(r for r in runs() if r.election.is_coordinator)

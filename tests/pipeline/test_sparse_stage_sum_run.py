@@ -63,9 +63,7 @@ async def test_sparse_stage_sums_keep_the_replicas_identical_after_every_step(
     with trio.fail_after(DEADLINE_S):
         async with local_peers(4, tmp_path) as peers:
             _, task_cid = await publish(peers, SPARSE)
-            async with trio.open_nursery() as nursery:
-                for peer in peers:
-                    nursery.start_soon(peer.tasks.join, task_cid)
+            await peers.join_all(task_cid)
 
             def done() -> list[dict[str, Any]] | None:
                 statuses = [peers.status(i, task_cid) for i in range(4)]

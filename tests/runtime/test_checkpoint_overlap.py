@@ -89,9 +89,7 @@ async def test_a_span_trains_while_the_previous_checkpoint_settles_and_every_che
             later_round: list[bool] = []
             task_cid.append(await _publish(peers))
             _hold_first_checkpoint(peers, task_cid, later_round)
-            async with trio.open_nursery() as nursery:
-                for peer in peers:
-                    nursery.start_soon(peer.tasks.join, task_cid[0])
+            await peers.join_all(task_cid[0])
 
             def done() -> list[dict[str, Any]] | None:
                 statuses = [peers.status(i, task_cid[0]) for i in range(len(peers))]

@@ -81,9 +81,7 @@ async def test_two_peers_train_a_cnn_on_an_image_folder_added_by_cid(tmp_path: P
     with trio.fail_after(DEADLINE_S):
         async with local_peers(2, tmp_path / "peers") as peers:
             task_cid = await _publish(peers, tmp_path / "images")
-            async with trio.open_nursery() as nursery:
-                for peer in peers:
-                    nursery.start_soon(peer.tasks.join, task_cid)
+            await peers.join_all(task_cid)
 
             def finished() -> list[dict[str, Any]] | None:
                 statuses = [peers.status(i, task_cid) for i in range(2)]

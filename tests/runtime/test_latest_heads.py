@@ -90,9 +90,7 @@ async def test_a_joiner_of_a_finished_run_loads_its_final_model_instead_of_train
     with trio.fail_after(2 * DEADLINE_S):
         async with local_peers(2, tmp_path) as peers:
             task_cid = await publish_digits_task(peers[0], total_steps=6, checkpoint_interval=3)
-            async with trio.open_nursery() as nursery:
-                for peer in peers:
-                    nursery.start_soon(peer.tasks.join, task_cid)
+            await peers.join_all(task_cid)
 
             def done() -> list | None:
                 statuses = [peers.status(i, task_cid) for i in range(2)]

@@ -160,8 +160,7 @@ async def test_a_member_that_rounds_differently_unannounced_says_so_and_loads_ea
     with trio.fail_after(180):
         async with local_peers(3, tmp_path) as peers:
             task_cid = await publish_digits_task(peers[0], total_steps=12, checkpoint_interval=4, min_peers=3)
-            for peer in peers:
-                await peer.tasks.join(task_cid)
+            await peers.join_all(task_cid)
             await _skew(peers, 2, task_cid)
             final = await peers.wait_until(
                 lambda: (s := [peers.status(i, task_cid) for i in range(3)]) and all(x.get("state") == "done" for x in s)
@@ -185,8 +184,7 @@ async def test_members_split_between_two_unannounced_arithmetics_are_told_why_no
     with trio.fail_after(180):
         async with local_peers(4, tmp_path) as peers:
             task_cid = await publish_digits_task(peers[0], total_steps=12, checkpoint_interval=4, min_peers=4)
-            for peer in peers:
-                await peer.tasks.join(task_cid)
+            await peers.join_all(task_cid)
             for i in (2, 3):
                 await _skew(peers, i, task_cid)
             statuses = await peers.wait_until(

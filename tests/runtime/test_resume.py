@@ -55,14 +55,10 @@ async def test_members_stopped_together_resume_from_their_last_record_and_end_wh
                                                 min_peers=3, max_peers=3)
             unstopped = await publish_digits_task(peers[0], name="unstopped", total_steps=24, checkpoint_interval=4,
                                                   min_peers=3, max_peers=3)
-            async with trio.open_nursery() as nursery:
-                for peer in peers:
-                    nursery.start_soon(peer.tasks.join, unstopped)
+            await peers.join_all(unstopped)
             reference = await run_to_the_end(peers, unstopped)
 
-            async with trio.open_nursery() as nursery:
-                for peer in peers:
-                    nursery.start_soon(peer.tasks.join, stopped)
+            await peers.join_all(stopped)
 
             def at_v3() -> list[dict[str, Any]] | None:
                 statuses = [peers.status(i, stopped) for i in range(3)]
@@ -76,9 +72,7 @@ async def test_members_stopped_together_resume_from_their_last_record_and_end_wh
             for i in range(3):
                 await peers.restart_peer(i, see_all=False)
             await peers.wait_connected()
-            async with trio.open_nursery() as nursery:
-                for peer in peers:
-                    nursery.start_soon(peer.tasks.join, stopped)
+            await peers.join_all(stopped)
             final = await run_to_the_end(peers, stopped)
 
             heads = [verified(b, stopped) for b in before]
@@ -111,9 +105,7 @@ async def test_a_chain_file_whose_last_record_forks_is_refused_and_kept_as_it_wa
         async with local_peers(3, tmp_path) as peers:
             task_cid = await publish_digits_task(peers[0], total_steps=400, checkpoint_interval=4, min_peers=2,
                                                  max_peers=3)
-            async with trio.open_nursery() as nursery:
-                for peer in peers:
-                    nursery.start_soon(peer.tasks.join, task_cid)
+            await peers.join_all(task_cid)
 
             def at_v3() -> list[dict[str, Any]] | None:
                 statuses = [peers.status(i, task_cid) for i in range(3)]
@@ -135,9 +127,7 @@ async def test_a_chain_file_whose_last_record_forks_is_refused_and_kept_as_it_wa
             for i in range(3):
                 await peers.restart_peer(i, see_all=False)
             await peers.wait_connected()
-            async with trio.open_nursery() as nursery:
-                for peer in peers:
-                    nursery.start_soon(peer.tasks.join, task_cid)
+            await peers.join_all(task_cid)
 
             def refused() -> dict[str, Any] | None:
                 status = peers.status(2, task_cid)
@@ -164,9 +154,7 @@ async def test_a_member_restarted_while_the_run_goes_on_resumes_its_chain_then_c
         async with local_peers(3, tmp_path) as peers:
             task_cid = await publish_digits_task(peers[0], total_steps=100_000, checkpoint_interval=4, min_peers=2,
                                                  max_peers=3)
-            async with trio.open_nursery() as nursery:
-                for peer in peers:
-                    nursery.start_soon(peer.tasks.join, task_cid)
+            await peers.join_all(task_cid)
 
             def at_v2() -> list[dict[str, Any]] | None:
                 statuses = [peers.status(i, task_cid) for i in range(3)]

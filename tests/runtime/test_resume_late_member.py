@@ -38,9 +38,7 @@ async def test_a_member_that_resumes_after_another_hears_it_at_once(tmp_path: Pa
         async with local_peers(4, tmp_path) as peers:
             task_cid = await publish_digits_task(peers[0], total_steps=16, checkpoint_interval=4, min_peers=4,
                                                  max_peers=4)
-            async with trio.open_nursery() as nursery:
-                for peer in peers:
-                    nursery.start_soon(peer.tasks.join, task_cid)
+            await peers.join_all(task_cid)
 
             def at_v1() -> list[dict[str, Any]] | None:
                 statuses = [peers.status(i, task_cid) for i in range(4)]

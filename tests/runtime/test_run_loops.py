@@ -36,13 +36,6 @@ TOTAL_STEPS = 100_000
 CHECKPOINT_INTERVAL = 3
 
 
-async def _join_all(peers: Any, task_cid: str) -> None:
-    """Every given peer joins at once (so all start from step 0, as on a fresh run)."""
-    async with trio.open_nursery() as nursery:
-        for peer in peers:
-            nursery.start_soon(peer.tasks.join, task_cid)
-
-
 def _statuses(peers: LocalPeers, task_cid: str, indexes: list[int] | None = None) -> list[dict[str, Any]]:
     return [peers.status(i, task_cid) for i in (indexes if indexes is not None else range(len(peers)))]
 
@@ -61,7 +54,7 @@ async def _start_run(peers: LocalPeers, *, max_peers: int | None = None) -> str:
     later: then no one else can be admitted, so the first plan does not wait its grace for joiners."""
     task_cid = await publish_digits_task(peers[0], total_steps=TOTAL_STEPS, checkpoint_interval=CHECKPOINT_INTERVAL,
                                          max_peers=max_peers or len(peers))
-    await _join_all(peers, task_cid)
+    await peers.join_all(task_cid)
     return task_cid
 
 
@@ -177,7 +170,7 @@ async def test_a_run_ends_done_on_every_member_at_its_last_checkpoint(tmp_path: 
             # joined late on a loaded machine found the run over, run alone by the first).
             task_cid = await publish_digits_task(peers[0], shards=2, total_steps=steps,
                                                  checkpoint_interval=CHECKPOINT_INTERVAL, min_peers=3, max_peers=3)
-            await _join_all(peers, task_cid)
+            await peers.join_all(task_cid)
 
             def done() -> list[dict[str, Any]] | None:
                 statuses = _statuses(peers, task_cid)
@@ -321,7 +314,7 @@ async def test_a_member_left_below_peers_min_waits_for_peers_instead_of_cycling_
         async with local_peers(2, tmp_path, heartbeat_interval=heartbeat) as peers:
             task_cid = await publish_digits_task(peers[0], total_steps=TOTAL_STEPS,
                                                  checkpoint_interval=CHECKPOINT_INTERVAL, min_peers=2, max_peers=2)
-            await _join_all(peers, task_cid)
+            await peers.join_all(task_cid)
             await _all_at_version(peers, task_cid, 1)
             await peers.stop_peer(1)
 

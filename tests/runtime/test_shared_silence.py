@@ -34,10 +34,7 @@ async def test_members_that_all_lose_each_other_at_once_elect_again_and_train_on
         async with local_peers(3, tmp_path) as peers:
             task_cid = await publish_digits_task(peers[0], total_steps=100_000, checkpoint_interval=4, min_peers=3,
                                                  max_peers=3)
-            async with trio.open_nursery() as nursery:
-                for peer in peers:
-                    nursery.start_soon(peer.tasks.join, task_cid)
-            runs = [peer.tasks.runs[task_cid].shared for peer in peers]
+            runs = await peers.join_all(task_cid)
 
             def at(version: int) -> list[dict[str, Any]] | None:
                 statuses = [peers.status(i, task_cid) for i in range(3)]

@@ -49,9 +49,7 @@ async def test_the_publishers_cancel_stops_every_member_and_a_strangers_is_refus
         async with local_peers(3, tmp_path) as peers:
             # peers.max 3: the three are the run's members, so term 0 and the first plan need not wait for more.
             task_cid = await _published_by(peers, 0, max_peers=3)
-            async with trio.open_nursery() as nursery:
-                for peer in peers:
-                    nursery.start_soon(peer.tasks.join, task_cid)
+            await peers.join_all(task_cid)
 
             def at_v1() -> list[dict[str, Any]] | None:
                 statuses = [peers.status(i, task_cid) for i in range(3)]
@@ -123,9 +121,7 @@ async def test_the_publishers_resume_continues_a_cancelled_run_from_its_head_and
     with trio.fail_after(2 * DEADLINE_S):
         async with local_peers(3, tmp_path) as peers:
             task_cid = await _published_by(peers, 0, max_peers=3)  # no one else joins: no grace for joiners
-            async with trio.open_nursery() as nursery:
-                for peer in peers:
-                    nursery.start_soon(peer.tasks.join, task_cid)
+            await peers.join_all(task_cid)
 
             def at_v1() -> list[dict[str, Any]] | None:
                 statuses = [peers.status(i, task_cid) for i in range(3)]

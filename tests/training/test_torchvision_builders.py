@@ -101,8 +101,7 @@ async def test_a_resnet18_task_on_an_image_folder_trains_across_two_peers(tmp_pa
                 return cid
 
             task_cid = await trio.to_thread.run_sync(publish)
-            for peer in peers:
-                await peer.tasks.join(task_cid)
+            await peers.join_all(task_cid)
             final = await peers.wait_until(
                 lambda: all(peers.status(i, task_cid).get("state") == "done" for i in range(2))
                 and [peers.status(i, task_cid) for i in range(2)], RUN_S - 30, what="both members done")
