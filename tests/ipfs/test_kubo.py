@@ -19,7 +19,7 @@ import ipfshttpclient
 import pytest
 
 from p2ptrain.cli.main import main as cli_main
-from p2ptrain.base import UserError
+from p2ptrain.base import UserError, command_line_words
 from p2ptrain.ipfs import ContentStore, ContentUnavailable, EmbeddedStore, open_store
 from p2ptrain.ipfs._kubo import KuboStore, api_multiaddr
 
@@ -157,8 +157,10 @@ def test_pins(kubo):
 def test_unreachable_daemon_is_one_clear_error():
     with pytest.raises(UserError, match="cannot reach the IPFS RPC API at http://127.0.0.1:9"):
         KuboStore("http://127.0.0.1:9", timeout=5).add_bytes(b"x")
-    with pytest.raises(UserError, match="--ipfs"):
+    # One message, worded for its caller: the keyword to a script, the flag on the command line.
+    with pytest.raises(UserError, match="^ipfs_api=: expected an RPC API address") as bad:
         KuboStore("ftp://example")
+    assert command_line_words(bad.value).startswith("--ipfs: expected an RPC API address"), command_line_words(bad.value)
 
 
 @NEEDS_JSIPFS
