@@ -92,6 +92,7 @@ class RoundBook:
     observed: RoundPlan | None = None  # the latest plan seen on the topic, followed or not
     failed_round: int | None = None  # a reported failure of last_plan's attempt
     failure_reporters: set[str] = field(default_factory=set)  # who reported it
+    failed_at: float | None = None  # when the first report of it came (its own included): silent_members
     # The step of a checkpoint whose record was rejected: the barrier opens, training goes on, and
     # the next checkpoint tries again (joiners wait for a confirmed one).
     rejected_step: int | None = None
@@ -257,6 +258,8 @@ class RoundBook:
         is the culprit: left out of plans, and the retry is planned now (see decide's "stuck")."""
         if not self.report_failure(report, reporter):
             return False
+        if self.failed_at is None:
+            self.failed_at = now
         if coordinator and reporter != me and self.reporter_out_of_step(report):
             if not self.chain.records and report.step == 0 and reporter not in self.root_reporters:
                 # Back at the run's root (run/_resync.py, load_root), with no checkpoint at the
@@ -331,9 +334,17 @@ class RoundBook:
     def silent_members(self, now: float) -> frozenset[str]:
         """Members of the failed plan that did not report its failure by the end of the retry's
         backoff: most likely never in the round at all (a peer that only advertised the task), so
-        the coordinator counts it as their missed chance (:meth:`Participation.note_missed`)."""
+        the coordinator counts it as their missed chance (:meth:`Participation.note_missed`).
+
+        The backoff counts from the first report of this failure (:attr:`failed_at`), or from our
+        own failure if later, never from :attr:`retry_after` alone: a report that came before our own
+        round failed found an earlier failure's (0 for none), and every member yet to report was
+        struck at once. A late joiner in its first span (no round nor vote to shield it) was, and the
+        retry without it kept no quorum of the plan (3 of 4, a member dead): 60 s lost (issue 28)."""
         last = self.last_plan
-        if last is None or self.failed_round is None or now < self.retry_after:
+        if last is None or self.failed_round is None or self.failed_at is None:
+            return frozenset()
+        if now < max(self.retry_after, self.failed_at + RETRY_BACKOFF_S):
             return frozenset()
         return frozenset(set(last.members) - self.failure_reporters)
 
@@ -391,7 +402,7 @@ class RoundBook:
         if last is not None and plan_order(plan) <= plan_order(last):
             return f"plan {plan.term}/{plan.round}.{plan.attempt} is not after {last.term}/{last.round}.{last.attempt}"
         self.last_plan = plan
-        self.failed_round = None
+        self.failed_round = self.failed_at = None
         self.failure_reporters = set()
         self.culprit_reported = self.root_reported = False  # they were about the plan this one supersedes
         return None

@@ -233,8 +233,12 @@ class Leading:
         run = self.run
         trainer, book = run.require()
         membership = run.node.membership
+        struck = run.participation.struck(now)
         for peer in book.silent_members(now) - {run.me}:
             run.participation.note_missed(now, peer)  # left out of the retry unless it took part lately
+        for peer in sorted(run.participation.struck(now) - struck):  # (once per strike: a plan may wait on it)
+            logger.info("%s: %s did not report the failure of round %s; not counted until it takes part "
+                        "or its backoff ends", run.log_prefix, short_id(peer), book.failed_round)
         # Peers behind NATs (what their heartbeats say, and what we found of ourselves): the plan's
         # ring keeps them apart where it can (training.plans.ring_order).
         private = {r.peer_id.to_base58() for r in membership.alive() if r.reachability == "private"}

@@ -7,7 +7,7 @@ node's control loop asks at every tick: a plan to publish, or why not (Hold.WAIT
 import pytest
 from libp2p.crypto.ed25519 import create_new_key_pair
 
-from p2ptrain.protocol import Chain, Election, ElectionConfig, Hold, RoundBook, RuleBreak, View, signing
+from p2ptrain.protocol import Chain, Election, ElectionConfig, Hold, Participation, RoundBook, RuleBreak, View, signing
 from p2ptrain.protocol._planner import FIRST_ROUND_GRACE_S
 from p2ptrain.protocol._round_book import FAILED_PEER_QUARANTINE_S, RETRY_BACKOFF_S
 from p2ptrain.wire import RoundFailed, RoundPlan
@@ -227,3 +227,53 @@ def test_a_plan_naming_a_peer_off_the_allowlist_breaks_the_rules(digits, digits_
     few = digits_task(manifest, **{"peers.min": "3"})
     book = RoundBook(few, book.task_cid, Chain("x", INITIAL), 10)
     assert "2 members, the task allows 3 to 64" in book.rule_problem(RoundPlan(**{**plan.__dict__, "members": tuple(ids[:2])}))
+
+
+def test_a_report_before_the_coordinators_own_failure_does_not_strike_a_joiner_yet_to_report(run):
+    """Issue 28: a member SIGKILLed in a late joiner's first span. Another member's report reached the
+    coordinator before its own round failed, while its retry backoff was still an earlier failure's
+    (none: 0); its control loop then took every member yet to report for silent and struck the joiner
+    (no round or vote of it yet). Without it the retry kept 2 of the 4 members, short of a quorum:
+    the run waited 60 s for the strike to end. The retry is now planned at once with the joiner."""
+    joiner = signing.peer_str(create_new_key_pair())
+    ledger = Participation(grace_s=30.0, answer_s=3.0)
+    ledger.note_round(5.0, run.ids)  # the three trained together; the joiner has done nothing yet
+    everyone = {*run.ids, joiner}
+    plan = run.follow(run.decide(10.0, advertising=everyone))
+    assert set(plan.members) == everyone
+    dead, alive = run.others
+
+    def tick(now, span_running):
+        """What the coordinator's control loop does (run/_leading.py, _maybe_plan), clock injected."""
+        for peer in run.book.silent_members(now) - {run.c}:
+            ledger.note_missed(now, peer)
+        live = ledger.counted(now, everyone - {run.c}, needed=run.book.task.peers.min - 1) | {run.c}
+        return run.decide(now, advertising=live, span_running=span_running, rounds_running=span_running)
+
+    run.book.note_failure_report(20.00, run.report(plan, plan.step), alive, run.c, coordinator=True)
+    assert tick(20.00, span_running=True) is Hold.WAIT  # our own round has not failed yet
+    run.book.note_round_failed(20.01, culprit=dead, gone=True)
+    ledger.note_missed(20.01, dead)  # (run/_spans.py, _failed_here: it trained in our last round)
+    run.book.note_failure_report(20.01, run.report(plan, plan.step), run.c, run.c, coordinator=True)
+    run.book.note_failure_report(20.06, run.report(plan, plan.step), joiner, run.c, coordinator=True)
+    retry = tick(20.06, span_running=False)  # every member but the dead one reported
+    assert isinstance(retry, RoundPlan) and set(retry.members) == everyone - {dead}
+    assert ledger.struck(20.06) == frozenset()
+    assert (retry.round, retry.attempt) == (plan.round, plan.attempt + 1)
+
+
+def test_a_planned_joiner_that_never_reports_a_failure_is_still_struck_after_the_backoff(run):
+    """What the ledger guards against stays: a peer planned in a round that failed, which does not
+    report it within RETRY_BACKOFF_S of the first report (it only advertised the task), is struck,
+    whether or not the coordinator's own round has failed by then."""
+    sybil = signing.peer_str(create_new_key_pair())
+    ledger = Participation(grace_s=30.0, answer_s=3.0)
+    plan = run.follow(run.decide(10.0, advertising={*run.ids, sybil}))
+    for reporter in run.others:
+        run.book.note_failure_report(20.0, run.report(plan, plan.step), reporter, run.c, coordinator=True)
+    assert run.book.silent_members(20.0 + RETRY_BACKOFF_S - 0.01) == frozenset()
+    silent = run.book.silent_members(20.0 + RETRY_BACKOFF_S)
+    assert silent == {run.c, sybil}  # (the coordinator's own round still waits: it skips itself)
+    for peer in silent - {run.c}:
+        ledger.note_missed(20.0 + RETRY_BACKOFF_S, peer)
+    assert ledger.struck(20.0 + RETRY_BACKOFF_S) == {sybil}
