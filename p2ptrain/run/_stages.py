@@ -23,8 +23,9 @@ A round is one step:
    replicas of a stage stay bitwise identical.
 
 Integrity: each driver checks a share of its microbatches with a second replica of every later
-stage, and a third when two disagree (:class:`~p2ptrain.pipeline.Driver`); the replicas it outvoted
-are its accusations, said in its entry of the step summary. A replica accused by more than half the
+stage, and a third when two disagree (:class:`~p2ptrain.pipeline.Driver`); the replicas it outvoted,
+and those that stalled its steps again and again (:class:`~p2ptrain.pipeline.Stragglers`), are its
+accusations, said in its entry of the step summary. A replica accused by more than half the
 drivers (:func:`~p2ptrain.protocol.convicted`) fails the step on every member as
 :class:`~p2ptrain.collective.Misbehaved` naming it: the same path as a member a robust round proves
 wrong (every book leaves it out of plans for the quarantine; the retry runs without it), and
@@ -57,7 +58,7 @@ from p2ptrain.base import short_id
 from p2ptrain.collective import Misbehaved
 from p2ptrain.net import Channel, serve_channels
 from p2ptrain.pipeline import (ChannelPool, Driver, evaluate_stages, HopDeadlines, MAX_STREAMS_PER_PEER, PipelineError,
-                               PROTOCOL, serve_requests, StageReplica, sum_stage_gradients, Wiring)
+                               PROTOCOL, serve_requests, StageReplica, Stragglers, sum_stage_gradients, Wiring)
 from p2ptrain.protocol import (check_key_message, owner_seed, round_id, round_seed, shard_of, stage_rings,
                                stage_round_id)
 from p2ptrain.run._run_state import RunState
@@ -105,11 +106,11 @@ def convicted_failure(
         stage = plan.stages[plan.members.index(peer)]
         seen = suspects.setdefault(peer, {"peer": peer, "stage": stage, "times": 0, "step": step})
         seen.update(stage=stage, step=step, times=seen["times"] + 1)
-        logger.warning("%s: step %d: stage %d replica %s sent altered activations or gradients (outvoted by a third opinion, "
-                       "accused by a majority of the drivers); left out of the next plans", log_prefix, step, stage,
-                       short_id(peer))
+        logger.warning("%s: step %d: stage %d replica %s accused by a majority of the drivers (altered activations or "
+                       "gradients a third opinion outvoted, or steps it stalled); left out of the next plans", log_prefix,
+                       step, stage, short_id(peer))
     first = convicted[0]
-    return Misbehaved(ID.from_base58(first), f"sent altered activations or gradients as a replica of stage "
+    return Misbehaved(ID.from_base58(first), f"altered its answers or stalled the steps as a replica of stage "
                                              f"{plan.stages[plan.members.index(first)]} in step {step}")
 
 
@@ -133,6 +134,8 @@ class StageRounds:
         # As a driver: its hops' measured times, and so their deadlines, kept plan after plan.
         self._deadlines = HopDeadlines(hop_timeout, ceiling=max(hop_timeout, HOP_CEILING_S),
                                        initial=max(hop_timeout, HOP_INITIAL_S))
+        # As a driver: which replicas stalled its steps (pipeline/_stragglers.py), judged plan after plan.
+        self._stragglers = Stragglers()
         # As a driver: the replicas (base58) a third opinion outvoted here, and their stage, kept
         # across plans: this driver's accusations in every step's summary while a plan names them.
         self._accused: dict[str, int] = {}
@@ -171,6 +174,7 @@ class StageRounds:
             self._driver = Driver(host, stage, _loss, Wiring(replicas, random.Random(task.seed + rank), distrusted),
                                   cut=trainer.stages, encoding=encoding, hop_timeout=self.hop_timeout,
                                   protocol=self.protocol, pool=self._pool, deadlines=self._deadlines,
+                                  stragglers=self._stragglers,
                                   check_fraction=task.pipeline.check_fraction,
                                   check_key=host.get_private_key().sign(check_key_message(plan)))
         else:
@@ -222,8 +226,11 @@ class StageRounds:
             except PipelineError as exc:
                 logger.warning("%s: step %d failed at this driver: %s", run.log_prefix, step, exc)
                 failed = True
-            self._accused.update((str(peer), s) for peer, s in self._driver.liars.items())
+            # Its accusations: the replicas it caught lying, and those that stall its steps.
+            self._accused.update((str(peer), s) for peer, s in [*self._driver.liars.items(),
+                                                                 *self._driver.stragglers.items()])
             self._driver.liars.clear()
+            self._driver.stragglers.clear()
             for (s, a, b), n in self._driver.undecided.items():
                 low, high = sorted((str(a), str(b)))
                 run.stage_disagreements[(s, low, high)] += n
