@@ -36,6 +36,7 @@ FACTOR = 4.0  # slower than this many times its stage's other replicas, in the s
 MARGIN_S = 1.0  # and by more than this: a loaded machine's jitter on millisecond hops is no stall
 STRIKES = 3  # slow steps, of the last WINDOW a driver observed, that make a straggler
 WINDOW = 10
+MAX_TRACKED = 1024  # replicas whose record is kept (the oldest dropped first): plans change members
 
 
 class Stragglers:
@@ -82,7 +83,10 @@ class Stragglers:
                 continue
             for peer, seconds in times.items():
                 others = [s for p, s in times.items() if p != peer and math.isfinite(s)]
-                record = self._slow.setdefault(peer, collections.deque(maxlen=self.window))
+                record = self._slow.pop(peer, None) or collections.deque(maxlen=self.window)
+                self._slow[peer] = record  # the most recently judged last
+                if len(self._slow) > MAX_TRACKED:
+                    del self._slow[next(iter(self._slow))]
                 record.append(self.is_slow(seconds, others))
                 if sum(record) >= self.strikes:
                     found[peer] = stage

@@ -12,6 +12,7 @@ import trio
 
 from p2ptrain.net import Channel
 from p2ptrain.pipeline import Driver, HopDeadlines, Stragglers, Wiring
+from p2ptrain.pipeline._stragglers import MAX_TRACKED
 from p2ptrain.testing import connected_hosts
 
 from .test_slow_replica import lm_loss, SlowReplica, stages, tokens
@@ -131,3 +132,10 @@ async def test_a_replica_stalling_every_answer_is_accused_by_its_driver_and_rout
             for k in range(4):
                 await driver.microbatch(k, x[2 * k : 2 * k + 2], y[2 * k : 2 * k + 2], 0.25)
         assert staller.requests == step_5  # none of the driver's hops went there
+
+
+def test_what_it_keeps_is_bounded_however_many_replicas_it_judged():
+    stragglers = Stragglers()
+    for i in range(MAX_TRACKED + 500):
+        stragglers.observe({1: {f"fresh-{i}": STALL, A: FAST, B: FAST}})
+    assert len(stragglers._slow) <= MAX_TRACKED
