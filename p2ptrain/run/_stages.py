@@ -94,6 +94,15 @@ def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return loss_and_hits(logits, targets)[0]
 
 
+def plan_evaluators(plan: RoundPlan, me: str, coordinator: str | None, term: int) -> list[str]:
+    """Whose EVALs this member's stage answers under ``plan``: the coordinator that signed it (our
+    election's of ``plan.term``, the only one that records, and so evaluates, its span), unless that
+    is this member; while it is not known, every other member of the plan."""
+    if coordinator is not None and term == plan.term and coordinator in plan.members:
+        return [] if coordinator == me else [coordinator]
+    return [m for m in plan.members if m != me]
+
+
 def convicted_failure(
     plan: RoundPlan, step: int, convicted: tuple[str, ...], suspects: dict[str, dict[str, Any]], log_prefix: str,
 ) -> Misbehaved:
@@ -165,8 +174,11 @@ class StageRounds:
         encoding = task.pipeline.activations
         host = run.collective.host
         rings = stage_rings(plan)
-        # Any member of the plan may be its coordinator, whose evaluation asks every stage (EVAL only).
-        evaluators = [ID.from_base58(m) for m in plan.members if m != run.me]
+        # The plan's coordinator evaluates its span's checkpoint through every stage (EVAL only), and
+        # nobody else: any member admitted for EVAL could load a replica at every step, unattributed
+        # (docs/security.md, "Pipelined tasks"). Its coordinator unknown here: any member, as before.
+        evaluators = [ID.from_base58(m) for m in plan_evaluators(plan, run.me, run.election.coordinator,
+                                                                   run.election.term)]
         if index == 0:
             replicas = {s: [ID.from_base58(m) for m in ring] for s, ring in enumerate(rings) if s > 0}
             rank, _ = shard_of(plan, run.me)
