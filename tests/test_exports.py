@@ -88,7 +88,8 @@ EXPORTS: dict[str, list[str]] = {
     ],
     "p2ptrain.protocol": [
         "ATTEST_TIMEOUT_S", "AssignmentError", "Attestations", "Chain", "ChainRules", "Classes", "Election", "ElectionConfig",
-        "ElectionMessage", "Hold", "MAX_CHAIN_BYTES", "MAX_STATEMENT_BYTES", "Misconduct", "Participation", "RecordError",
+        "ElectionMessage", "Hold", "LoneFailures", "MAX_CHAIN_BYTES", "MAX_STATEMENT_BYTES", "Misconduct", "Participation",
+        "RecordError",
         "RoundBook",
         "RuleBreak", "SignedStageStatement", "StageStatement", "StageVerdict", "StatementError", "Status", "Tally",
         "View",

@@ -39,6 +39,43 @@ def convicted(drivers: Sequence[str], accusations: Mapping[str, Collection[str]]
     return tuple(sorted(r for r, n in votes.items() if 2 * n > len(voters)))
 
 
+# Steps in a row in which a driver's step failed while another driver's did not: then it is the
+# step's culprit (LoneFailures).
+LONE_FAILURES = 3
+
+
+class LoneFailures:
+    """Which driver fails a pipelined run's steps on its own, as every member reads the summaries.
+
+    A driver's entry in the step summary says whether its step failed, and any failure drops the
+    step on every member; that failure named nobody, so the retry kept the same members. One
+    hostile driver saying "failed" in every entry stopped a run for good (0 steps in 60 s, never left
+    out), and an honest driver whose every replica of a stage it distrusts failed every retry until
+    the plans changed. A step that fails at every driver says nothing of who is to blame (a replica
+    died: each driver misses its holdings). But a driver whose step fails in ``limit`` summaries in a
+    row while another driver's does not is the culprit: the caller fails the step as
+    :class:`~p2ptrain.collective.Misbehaved` naming it, so every book leaves it out for the
+    quarantine, as a convicted replica. A driver that caught a liar fails one step, then distrusts
+    it and goes on: it is never blamed for that. Pure: the caller hands in each summary's drivers
+    and failures, in order.
+    """
+
+    def __init__(self, limit: int = LONE_FAILURES) -> None:
+        self.limit = limit
+        self._streaks: dict[str, int] = {}  # driver -> summaries in a row its step failed alone
+
+    def observe(self, drivers: Sequence[str], failed: Collection[str]) -> str | None:
+        """One step's summary: the driver now to blame (the first in ``drivers``' order), or None."""
+        alone = [d for d in drivers if d in failed]
+        if len(alone) == len(drivers):
+            return None  # every driver failed: nobody is singled out, nobody's streak ends
+        self._streaks = {d: self._streaks.get(d, 0) + 1 for d in alone}
+        culprit = next((d for d in alone if self._streaks[d] >= self.limit), None)
+        if culprit is not None:
+            del self._streaks[culprit]  # back after its quarantine with a clean record
+        return culprit
+
+
 def check_key_message(plan: RoundPlan) -> bytes:
     """What a driver of ``plan`` signs with its peer key to get the key of its checked-microbatch draw
     (:func:`p2ptrain.pipeline.is_checked`). Its parts are fixed before the span: the task and the

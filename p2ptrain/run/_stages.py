@@ -14,7 +14,8 @@ A round is one step:
    also the barrier that tells the replicas the drivers are done. A driver whose step failed (a
    stage without a replica left, a replica that answered no ``HOLDINGS``: its microbatches would be
    missing from that stage's sum) says so there, and every member drops the step alike; no member
-   can change another's entry.
+   can change another's entry. A driver whose step fails alone (another's goes through) in three
+   summaries in a row is the step's culprit (:class:`~p2ptrain.protocol.LoneFailures`).
 3. Each stage's replicas sum their stage's gradient over the stage's members in the plan
    (:func:`~p2ptrain.pipeline.sum_stage_gradients`, round ids namespaced by stage; under the task's
    ``robust = "clip"``, each replica's contribution clipped to the median norm; under
@@ -59,7 +60,7 @@ from p2ptrain.collective import Misbehaved
 from p2ptrain.net import Channel, serve_channels
 from p2ptrain.pipeline import (ChannelPool, Driver, evaluate_stages, HopDeadlines, MAX_STREAMS_PER_PEER, PipelineError,
                                PROTOCOL, serve_requests, StageReplica, Stragglers, sum_stage_gradients, Wiring)
-from p2ptrain.protocol import (check_key_message, owner_seed, round_id, round_seed, shard_of, stage_rings,
+from p2ptrain.protocol import (check_key_message, LoneFailures, owner_seed, round_id, round_seed, shard_of, stage_rings,
                                stage_round_id)
 from p2ptrain.run._run_state import RunState
 from p2ptrain.run._stage_checkpoints import load_confirmed_stage, store_stage_checkpoint
@@ -145,6 +146,8 @@ class StageRounds:
                                        initial=max(hop_timeout, HOP_INITIAL_S))
         # As a driver: which replicas stalled its steps (pipeline/_stragglers.py), judged plan after plan.
         self._stragglers = Stragglers()
+        # Every member: which driver's steps fail while the others' do not, summary after summary.
+        self._lone_failures = LoneFailures()
         # As a driver: the replicas (base58) a third opinion outvoted here, and their stage, kept
         # across plans: this driver's accusations in every step's summary while a plan names them.
         self._accused: dict[str, int] = {}
@@ -258,6 +261,12 @@ class StageRounds:
             for peer in summary.convicted:  # judged: back after its quarantine, only a new lie accuses it
                 self._accused.pop(peer, None)
             raise convicted_failure(plan, step, summary.convicted, run.stage_suspects, run.log_prefix)
+        culprit = self._lone_failures.observe(stage_rings(plan)[0], summary.failed)
+        if culprit is not None:
+            logger.warning("%s: step %d failed at driver %s alone, %d summaries in a row; left out of the next plans",
+                           run.log_prefix, step, short_id(culprit), self._lone_failures.limit)
+            raise Misbehaved(ID.from_base58(culprit), f"its steps failed alone as a driver, {self._lone_failures.limit} "
+                                                      f"in a row, the last step {step}")
         if summary.failed:
             raise PipelineError(f"step {step} failed at drivers {', '.join(short_id(d) for d in summary.failed)}")
         synced = time.perf_counter()

@@ -1,0 +1,98 @@
+"""A driver whose step fails alone, step after step (protocol.LoneFailures): the rule with made-up
+summaries, and one driver saying "failed" in every summary of a pipelined run of full peers.
+
+On main a driver's failure named nobody, so the retry kept the same members: one driver claiming a
+failed step in every summary stopped the run for good (0 steps in 60 s, the driver still in every
+plan). Now a driver whose step fails in three summaries in a row while another driver's does not is
+the step's culprit (``Misbehaved``): left out of the next plans for the quarantine, and the run goes
+on without it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import trio
+
+import p2ptrain.run._stages as stages_module
+from p2ptrain.pipeline import Driver, PipelineError
+from p2ptrain.protocol import LoneFailures
+from p2ptrain.testing import local_peers
+
+from .test_pipelined_integrity import TASK as INTEGRITY_TASK
+from .test_pipelined_run import publish, small_text  # noqa: F401 (small_text: an autouse fixture)
+
+A, B, C = "driver-a", "driver-b", "driver-c"
+
+
+def test_a_driver_failing_alone_three_summaries_in_a_row_is_the_culprit():
+    lone = LoneFailures()
+    assert [lone.observe([A, B, C], {B}) for _ in range(3)] == [None, None, B]
+    assert [lone.observe([A, B, C], {B}) for _ in range(3)] == [None, None, B]  # its record starts again
+
+
+def test_failures_of_every_driver_blame_nobody_and_a_good_step_ends_a_streak():
+    lone = LoneFailures()
+    assert [lone.observe([A, B], {A, B}) for _ in range(5)] == [None] * 5  # a replica died: every driver failed
+    assert lone.observe([A, B], {A}) is None
+    assert lone.observe([A, B], set()) is None  # A's step went through: its streak ends
+    assert [lone.observe([A, B], {A}) for _ in range(2)] == [None, None]
+    assert lone.observe([A, B], {A, B}) is None  # says nothing, ends nothing
+    assert lone.observe([A, B], {A}) == A
+
+
+def test_a_driver_that_caught_a_liar_fails_one_step_and_is_never_blamed():
+    lone = LoneFailures()
+    for _ in range(10):
+        assert lone.observe([A, B, C], {C}) is None
+        assert [lone.observe([A, B, C], set()) for _ in range(3)] == [None] * 3
+
+
+HOSTILE: set[str] = set()  # drivers (base58) that say their step failed in every summary from now on
+TASK = INTEGRITY_TASK.replace("check_fraction = 1.0", "check_fraction = 0.0")
+assert TASK != INTEGRITY_TASK
+
+
+class MaybeFailing(Driver):
+    """A member's driver, honest until the test names its peer in HOSTILE; then every step it
+    drove in full is said to have failed."""
+
+    async def finish(self, left_out=()):
+        rings = await super().finish(left_out)
+        if str(self.host.get_id()) in HOSTILE:
+            raise PipelineError("a failure it made up")
+        return rings
+
+
+@pytest.fixture
+def failing(monkeypatch):
+    monkeypatch.setattr(stages_module, "Driver", MaybeFailing)
+    HOSTILE.clear()
+    yield
+    HOSTILE.clear()
+
+
+@pytest.mark.usefixtures("failing")
+async def test_a_driver_saying_every_step_failed_is_left_out_and_the_run_goes_on(tmp_path: Path) -> None:
+    with trio.fail_after(240):
+        async with local_peers(5, tmp_path) as peers:  # peers.min is 4: the run goes on without one
+            _, task_cid = await publish(peers, TASK, shards=2)
+            run = (await peers.join_all(task_cid))[0]
+
+            def hostile_driver() -> str | None:
+                plan = run.book.last_plan if run.book else None
+                if plan is None or plan.stages is None or len(plan.members) < 5 or run.rounds_done < 2:
+                    return None
+                drivers = [m for m, s in zip(plan.members, plan.stages, strict=True)
+                           if s == 0 and m != run.election.coordinator]
+                return drivers[0] if drivers else None
+
+            hostile = await peers.wait_until(hostile_driver, 150, what="a plan of five")
+            HOSTILE.add(hostile)
+            done = run.rounds_done
+            await peers.wait_until(lambda: run.rounds_done >= done + 3 or None, 90,
+                                   what="steps after a driver began failing every step (on main: none in 60 s)")
+            honest = [p for p in peers if p.node.peer_id.to_base58() != hostile]
+            plan = honest[0].tasks.runs[task_cid].shared.book.last_plan
+            assert hostile not in plan.members
