@@ -15,7 +15,7 @@ A round is one step:
    stage without a replica left, a replica that answered no ``HOLDINGS``: its microbatches would be
    missing from that stage's sum) says so there, and every member drops the step alike; no member
    can change another's entry. A driver whose step fails alone (another's goes through) in three
-   summaries in a row is the step's culprit (:class:`~p2ptrain.protocol.LoneFailures`).
+   of the last ten summaries is the step's culprit (:class:`~p2ptrain.protocol.LoneFailures`).
 3. Each stage's replicas sum their stage's gradient over the stage's members in the plan
    (:func:`~p2ptrain.pipeline.sum_stage_gradients`, round ids namespaced by stage; under the task's
    ``robust = "clip"``, each replica's contribution clipped to the median norm; under
@@ -263,10 +263,10 @@ class StageRounds:
             raise convicted_failure(plan, step, summary.convicted, run.stage_suspects, run.log_prefix)
         culprit = self._lone_failures.observe(stage_rings(plan)[0], summary.failed)
         if culprit is not None:
-            logger.warning("%s: step %d failed at driver %s alone, %d summaries in a row; left out of the next plans",
-                           run.log_prefix, step, short_id(culprit), self._lone_failures.limit)
+            logger.warning("%s: step %d failed at driver %s alone, %d times in %d summaries; left out of the next plans",
+                           run.log_prefix, step, short_id(culprit), self._lone_failures.limit, self._lone_failures.window)
             raise Misbehaved(ID.from_base58(culprit), f"its steps failed alone as a driver, {self._lone_failures.limit} "
-                                                      f"in a row, the last step {step}")
+                                                      f"in {self._lone_failures.window}, the last step {step}")
         if summary.failed:
             raise PipelineError(f"step {step} failed at drivers {', '.join(short_id(d) for d in summary.failed)}")
         synced = time.perf_counter()
