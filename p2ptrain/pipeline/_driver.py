@@ -14,8 +14,8 @@ answer's shape must be the one the stage computes (each stage's output shape for
 once on the meta device from the model's cut): a replica that answers an activation of another
 shape is the one blamed, not the replicas of the next stage that cannot use it. A replica that answers
 in time but slowest of its stage again and again (stalling under its deadline) is judged by
-:class:`~p2ptrain.pipeline.Stragglers` at :meth:`Driver.finish`: routed around, and accused
-(:attr:`Driver.stragglers`, which the runtime takes as it takes :attr:`Driver.liars`).
+:class:`~p2ptrain.pipeline.Stragglers` at :meth:`Driver.finish`: an accusation
+(:attr:`Driver.stragglers`, which the runtime says in the step summary as it says :attr:`Driver.liars`).
 
 The driver keeps every microbatch's boundary tensors (each stage's input, and the gradient of its
 output) until the step ends, so any hop can be redone anywhere: at :meth:`Driver.finish` it asks every
@@ -281,12 +281,12 @@ class Driver:
 
     def _judge_stalls(self) -> None:
         """The step's answers judged (pipeline/_stragglers.py): a replica that stalled this driver's
-        steps again is sent none of its hops from now on, and is this driver's accusation."""
+        steps again is its accusation. Not distrusted: slowness is no evidence of who caused it, the
+        wiring sends a slow replica few hops, and a misjudged one could leave no replica of a stage."""
         for peer, stage in self.straggling.judge().items():
             logger.warning("pipeline step %d: stage %d replica %s stalls this driver's steps (slowest of its stage "
-                           "again and again); routed around and accused", self.step, stage, _name(peer))
+                           "again and again); accused", self.step, stage, _name(peer))
             self.stragglers[peer] = stage
-            self.wiring.distrust(peer)
 
     async def _another(
         self, kind: Kind, stage: int, mb: int, tensors: tuple[torch.Tensor, ...], value: float,

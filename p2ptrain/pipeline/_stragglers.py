@@ -13,9 +13,10 @@ that stage in the same step: a replica whose slowest answer (a hop's seconds ove
 this driver had queued there when it was sent; a HOLDINGS's seconds; a timeout counts as endless)
 is over ``factor`` times the median of the other replicas' slowest answers, and over it by more
 than ``margin_s``, was *slow* that step. A replica slow in ``strikes`` of the last ``window`` steps
-this driver observed is a straggler: the driver routes its hops around it and accuses it in the
-step's summary, where, as for a replica caught lying, a majority of the drivers convicts it and every
-member leaves it out of the next plans for the quarantine (protocol/_stage_verdicts.py).
+this driver observed is a straggler: the driver accuses it in the step's summary (it does not
+distrust it: slowness is no evidence of who caused it), where, as for a replica caught lying, a
+majority of the drivers convicts it and every member leaves it out of the next plans for the
+quarantine (protocol/_stage_verdicts.py).
 
 What it bounds: a replica can stall a driver's steps by at most ``factor`` times its stage's
 others (plus ``margin_s``) each step, or by up to a deadline in at most ``strikes - 1`` of every

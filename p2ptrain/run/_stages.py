@@ -151,6 +151,10 @@ class StageRounds:
         # As a driver: the replicas (base58) a third opinion outvoted here, and their stage, kept
         # across plans: this driver's accusations in every step's summary while a plan names them.
         self._accused: dict[str, int] = {}
+        # As a driver: the replicas that stalled its steps (pipeline/_stragglers.py), accused in the
+        # summaries of the plan it was judged in: not distrusted (slowness is no evidence of who
+        # caused it, and routing around it could leave this driver no replica of a stage).
+        self._stalled: dict[str, int] = {}
         # Under stage_sum = "sparse": this member's reducer and residual for the stage it holds
         # (run/_stage_sum.py: dropped when its stage or step changes otherwise than by its own steps).
         assert run.task.pipeline is not None
@@ -174,6 +178,7 @@ class StageRounds:
             await load_confirmed_stage(run, index)
         stage = await trio.to_thread.run_sync(trainer.take_stage, index)  # at step 0: made from the seed
         self._plan, self._driver, self._replica = plan, None, None
+        self._stalled.clear()
         encoding = task.pipeline.activations
         host = run.collective.host
         rings = stage_rings(plan)
@@ -242,8 +247,8 @@ class StageRounds:
                 logger.warning("%s: step %d failed at this driver: %s", run.log_prefix, step, exc)
                 failed = True
             # Its accusations: the replicas it caught lying, and those that stall its steps.
-            self._accused.update((str(peer), s) for peer, s in [*self._driver.liars.items(),
-                                                                 *self._driver.stragglers.items()])
+            self._accused.update((str(peer), s) for peer, s in self._driver.liars.items())
+            self._stalled.update((str(peer), s) for peer, s in self._driver.stragglers.items())
             self._driver.liars.clear()
             self._driver.stragglers.clear()
             for (s, a, b), n in self._driver.undecided.items():
@@ -256,10 +261,11 @@ class StageRounds:
         timings.last_compute_s = time.perf_counter() - began
         timings.compute_s += timings.last_compute_s
         summary = await gather_summary(run.collective, plan, index, run.me, loss, failed, timeout=self.hop_timeout,
-                                       start_timeout=STEP_TIMEOUT_S, accused=tuple(self._accused))
+                                       start_timeout=STEP_TIMEOUT_S, accused=(*self._accused, *self._stalled))
         if summary.convicted:
             for peer in summary.convicted:  # judged: back after its quarantine, only a new lie accuses it
                 self._accused.pop(peer, None)
+                self._stalled.pop(peer, None)
             raise convicted_failure(plan, step, summary.convicted, run.stage_suspects, run.log_prefix)
         culprit = self._lone_failures.observe(stage_rings(plan)[0], summary.failed)
         if culprit is not None:

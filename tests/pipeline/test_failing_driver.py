@@ -101,9 +101,10 @@ async def test_a_driver_saying_every_step_failed_is_left_out_and_the_run_goes_on
 
             hostile = await peers.wait_until(hostile_driver, 150, what="a plan of five")
             HOSTILE.add(hostile)
-            done = run.rounds_done
-            await peers.wait_until(lambda: run.rounds_done >= done + 3 or None, 90,
-                                   what="steps after a driver began failing every step (on main: none in 60 s)")
             honest = [p for p in peers if p.node.peer_id.to_base58() != hostile]
-            plan = honest[0].tasks.runs[task_cid].shared.book.last_plan
+            watcher = honest[0].tasks.runs[task_cid].shared
+            done = watcher.rounds_done
+            await peers.wait_until(lambda: watcher.rounds_done >= done + 3 or None, 90,
+                                   what="steps after a driver began failing every step (on main: none in 60 s)")
+            plan = watcher.book.last_plan
             assert hostile not in plan.members

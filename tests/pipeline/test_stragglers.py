@@ -95,11 +95,12 @@ class StallsAfterFirstStep(SlowReplica):
         return await super().handle(channel, data)
 
 
-async def test_a_replica_stalling_every_answer_is_accused_by_its_driver_and_routed_around():
+async def test_a_replica_stalling_every_answer_is_accused_by_its_driver():
     """On real hosts: three replicas of stage 1, one of which answers everything (hops and HOLDINGS)
-    2 s late from step 2 on, under the hop deadline (floor 2.5 s: never timed out). Before, it kept
-    drawing hops and stalled every step's end; now after three slow steps the driver names it
-    (``Driver.stragglers``, its accusation) and sends it no more hops."""
+    2 s late from step 2 on, under the hop deadline (floor 2.5 s: never timed out). Before, nothing
+    told it from the others; now after three slow steps the driver names it (``Driver.stragglers``,
+    its accusation in the step summary). It is not distrusted: slowness is no evidence of who caused
+    it, and the wiring already sends it few hops."""
     s0, s1 = stages()
     async with connected_hosts(4) as hosts:
         driver_id = hosts[0].id
@@ -122,16 +123,7 @@ async def test_a_replica_stalling_every_answer_is_accused_by_its_driver_and_rout
                 await driver.finish()
                 assert driver.stragglers == ({hosts[3].id: 1} if step == 4 else {})
         assert driver.timeouts == 0  # never past its deadline: only its stalls gave it away
-        assert driver.wiring.is_distrusted(hosts[3].id)
-        step_5 = staller.requests
-        driver.new_step(5)
-        for r in (*honest, staller):
-            r.new_step(5)
-        x, y = tokens(8, 5)
-        with trio.fail_after(30):
-            for k in range(4):
-                await driver.microbatch(k, x[2 * k : 2 * k + 2], y[2 * k : 2 * k + 2], 0.25)
-        assert staller.requests == step_5  # none of the driver's hops went there
+        assert not driver.wiring.is_distrusted(hosts[3].id)
 
 
 def test_what_it_keeps_is_bounded_however_many_replicas_it_judged():
