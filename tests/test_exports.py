@@ -72,7 +72,7 @@ EXPORTS: dict[str, list[str]] = {
     "p2ptrain.pipeline": [
         "ChannelPool", "Cut", "DoubleCounted", "Driver", "Evaluation", "EvaluationFailed", "HopDeadlines", "KEEP_GRAPHS",
         "MAX_STREAMS_PER_PEER", "Outvoted", "PROTOCOL", "PartitionError", "PipelineError", "Stage", "StageReplica",
-        "StageUnavailable", "Wiring", "balanced_cut", "evaluate_stages", "is_checked", "partition", "pieces_of",
+        "StageUnavailable", "Stragglers", "Wiring", "balanced_cut", "evaluate_stages", "is_checked", "partition", "pieces_of",
         "serve_requests", "sum_stage_gradients",
     ],
     "p2ptrain.net": [
@@ -89,7 +89,8 @@ EXPORTS: dict[str, list[str]] = {
     ],
     "p2ptrain.protocol": [
         "ATTEST_TIMEOUT_S", "AssignmentError", "Attestations", "Chain", "ChainRules", "Classes", "Election", "ElectionConfig",
-        "ElectionMessage", "Hold", "MAX_CHAIN_BYTES", "MAX_STATEMENT_BYTES", "Misconduct", "Participation", "RecordError",
+        "ElectionMessage", "Hold", "LoneFailures", "MAX_CHAIN_BYTES", "MAX_STATEMENT_BYTES", "Misconduct", "Participation",
+        "RecordError",
         "RoundBook",
         "RuleBreak", "SignedStageStatement", "StageStatement", "StageVerdict", "StatementError", "Status", "Tally",
         "View",

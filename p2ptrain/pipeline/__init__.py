@@ -18,7 +18,6 @@ if TYPE_CHECKING:
     from p2ptrain.pipeline._driver import (
         DoubleCounted as DoubleCounted,
         Driver as Driver,
-        is_checked as is_checked,
         Outvoted as Outvoted,
         PipelineError as PipelineError,
         StageUnavailable as StageUnavailable,
@@ -29,10 +28,12 @@ if TYPE_CHECKING:
         PartitionError as PartitionError,
         pieces_of as pieces_of,
     )
+    from p2ptrain.pipeline._opinions import is_checked as is_checked
     from p2ptrain.pipeline._partition import partition as partition, Stage as Stage
     from p2ptrain.pipeline._replica import (KEEP_GRAPHS as KEEP_GRAPHS, MAX_STREAMS_PER_PEER as MAX_STREAMS_PER_PEER,
                                             PROTOCOL as PROTOCOL, serve_requests as serve_requests,
                                             StageReplica as StageReplica)
+    from p2ptrain.pipeline._stragglers import Stragglers as Stragglers
     from p2ptrain.pipeline._wiring import Wiring as Wiring
 else:
     from p2ptrain._exports import lazy_exports

@@ -16,6 +16,14 @@ deadline says the replica may just be slower than measured: its next deadline do
 ceiling) until it answers once, so a replica that is slow, not dead, is timed out a few times at most,
 not every step.
 
+A replica's own slow hops raise its own deadline, so one that stalls each answer just under its
+deadline grew it to the ceiling (red team's H1: steps of 16-108 s where its stage's other replicas
+answered in milliseconds). So where other replicas of the stage were measured, a replica's deadline
+is also at most ``peer_cap`` times what theirs would be (never below the floor): a replica far
+slower than its stage's others is timed out and routed around instead of waited for, and each such
+timeout counts against it (pipeline/_stragglers.py). A stage's only replica is still waited for as
+measured (nobody to route to).
+
 No clock is read here: the caller passes each hop's seconds, so a simulator or a test drives it.
 """
 
@@ -23,7 +31,7 @@ from __future__ import annotations
 
 import collections
 import math
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 
 # The deadline is this many times the hop time measured (its high quantile): room for a burst of load.
@@ -31,6 +39,7 @@ FACTOR = 3.0
 QUANTILE = 0.9
 WINDOW = 16  # hops kept per replica and per stage: the last few steps' worth
 BACKOFF = 2.0  # a hop that ran past its deadline: the replica's next one is this many times longer
+PEER_CAP = 4.0  # a replica's deadline is at most this many times its stage's other replicas' (measured)
 
 
 @dataclass(frozen=True)
@@ -44,13 +53,14 @@ class HopDeadlines:
 
     def __init__(
         self, floor: float, *, ceiling: float, initial: float | None = None, factor: float = FACTOR,
-        quantile: float = QUANTILE, window: int = WINDOW,
+        quantile: float = QUANTILE, window: int = WINDOW, peer_cap: float = PEER_CAP,
     ) -> None:
         if not 0 < floor <= ceiling:
             raise ValueError(f"deadlines need 0 < floor <= ceiling, not {floor} and {ceiling}")
-        if not 0 < quantile <= 1 or factor < 1 or window < 1:
-            raise ValueError("deadlines need a quantile in (0, 1], a factor >= 1 and a window >= 1")
+        if not 0 < quantile <= 1 or factor < 1 or window < 1 or peer_cap < 1:
+            raise ValueError("deadlines need a quantile in (0, 1], a factor >= 1, a window >= 1 and a peer cap >= 1")
         self.floor, self.ceiling, self.factor, self.quantile = floor, ceiling, factor, quantile
+        self.peer_cap = peer_cap
         self.initial = _clamp(floor if initial is None else initial, floor, ceiling)
         self._window = window
         self._replicas: dict[tuple[int, Hashable], collections.deque[_Hop]] = {}
@@ -60,11 +70,16 @@ class HopDeadlines:
     def deadline(self, stage: int, peer: Hashable, size: int) -> float:
         """Seconds to wait for ``peer``'s answer to a request of ``size`` bytes to ``stage``."""
         hops = self._replicas.get((stage, peer)) or self._stages.get(stage)
-        if hops:
-            measured = self.factor * _quantile([h.seconds * max(1.0, size / max(h.size, 1)) for h in hops], self.quantile)
-        else:
-            measured = self.initial
-        return _clamp(max(measured, self._backoff.get((stage, peer), 0.0)), self.floor, self.ceiling)
+        measured = self._measured(hops, size) if hops else self.initial
+        deadline = _clamp(max(measured, self._backoff.get((stage, peer), 0.0)), self.floor, self.ceiling)
+        others = [h for (s, p), kept in self._replicas.items() if s == stage and p != peer for h in kept]
+        if others:
+            deadline = min(deadline, max(self.floor, self.peer_cap * self._measured(others, size)))
+        return deadline
+
+    def _measured(self, hops: Iterable[_Hop], size: int) -> float:
+        """``factor`` times the quantile of ``hops``, each scaled up to a request of ``size`` bytes."""
+        return self.factor * _quantile([h.seconds * max(1.0, size / max(h.size, 1)) for h in hops], self.quantile)
 
     def answered(self, stage: int, peer: Hashable, seconds: float, size: int) -> None:
         """``peer`` answered a request of ``size`` bytes to ``stage`` after ``seconds``."""

@@ -12,7 +12,10 @@ from that replica's measured hop times: :class:`~p2ptrain.pipeline._deadlines.Ho
 with the same bytes, to another replica of the stage, and that replica is out for the step. An
 answer's shape must be the one the stage computes (each stage's output shape for its input's, found
 once on the meta device from the model's cut): a replica that answers an activation of another
-shape is the one blamed, not the replicas of the next stage that cannot use it.
+shape is the one blamed, not the replicas of the next stage that cannot use it. A replica that answers
+in time but slowest of its stage again and again (stalling under its deadline) is judged by
+:class:`~p2ptrain.pipeline.Stragglers` at :meth:`Driver.finish`: an accusation
+(:attr:`Driver.stragglers`, which the runtime says in the step summary as it says :attr:`Driver.liars`).
 
 The driver keeps every microbatch's boundary tensors (each stage's input, and the gradient of its
 output) until the step ends, so any hop can be redone anywhere: at :meth:`Driver.finish` it asks every
@@ -39,9 +42,8 @@ the driver seeds.
 from __future__ import annotations
 
 import collections
-import hashlib
 import logging
-import struct
+import math
 import time
 from collections.abc import Callable, Collection, Hashable, Sequence
 from dataclasses import dataclass, field
@@ -56,9 +58,10 @@ from p2ptrain.base import short_id
 from p2ptrain.net import ChannelError
 from p2ptrain.pipeline._channels import ChannelPool
 from p2ptrain.pipeline._deadlines import HopDeadlines
-from p2ptrain.pipeline._opinions import Hop, Opinions
+from p2ptrain.pipeline._opinions import Hop, is_checked, Opinions
 from p2ptrain.pipeline._partition import output_shape, Stage
 from p2ptrain.pipeline._replica import Loss, PROTOCOL
+from p2ptrain.pipeline._stragglers import Stragglers
 from p2ptrain.pipeline._wiring import Wiring
 from p2ptrain.wire.activations import ActivationError, decode_frame, DEFAULT_LIMITS, encode_frame, Frame, Kind, Limits
 
@@ -91,14 +94,6 @@ class Outvoted(PipelineError):
     gradients hold a replica's lie (the liar is in :attr:`Driver.liars`; the step is retried)."""
 
 
-def is_checked(key: bytes, step: int, mb: int, fraction: float) -> bool:
-    """Whether microbatch ``mb`` of ``step`` gets a second opinion: a hash of ``key``, the step and the
-    microbatch id below ``fraction`` of its range. The same key, step and id give the same answer on
-    every machine, so who knows the key can recompute which microbatches a driver had to check."""
-    digest = hashlib.sha256(key + struct.pack(">QQ", step, mb)).digest()
-    return int.from_bytes(digest[:8], "big") < fraction * 2.0**64
-
-
 class _BadAnswer(Exception):
     """An answer that does not answer the request sent."""
 
@@ -129,6 +124,7 @@ class Driver:
         limits: Limits = DEFAULT_LIMITS, hop_timeout: float = HOP_TIMEOUT_S,
         clock: Callable[[], float] = time.monotonic, check_fraction: float = 0.0, check_key: bytes = b"",
         protocol: str = PROTOCOL, pool: ChannelPool | None = None, deadlines: HopDeadlines | None = None,
+        stragglers: Stragglers | None = None,
     ) -> None:
         if stage.index != 0:
             raise ValueError("a driver serves stage 0")
@@ -140,6 +136,10 @@ class Driver:
         # Channels to the replicas, reused hop after hop (a runtime keeps one pool across its plans).
         self.pool = pool if pool is not None else ChannelPool(host, protocol, clock=clock)
         self.deadlines = deadlines or HopDeadlines(hop_timeout, ceiling=max(hop_timeout, HOP_CEILING_S))
+        # Which replicas stall this driver's steps (pipeline/_stragglers.py; a runtime keeps one across its plans).
+        self.straggling = stragglers or Stragglers()
+        # {replica: its stage} of the stragglers found (the caller takes them: its accusations).
+        self.stragglers: dict[Hashable, int] = {}
         self.cut = list(cut)
         # {(stage, input shape, input dtype): the stage's output shape}: a few entries (the step's
         # microbatch sizes), each computed once on the meta device.
@@ -185,6 +185,7 @@ class Driver:
         self._microbatches.clear()
         self._opinions_asked = False
         self._sent.clear()
+        self.straggling.new_step()
         self.wiring.new_step()
         for p in self.stage.parameters():
             p.grad = None
@@ -253,6 +254,7 @@ class Driver:
             prefer = None
             if peer is None:
                 raise StageUnavailable(stage)
+            queued = self.wiring.in_flight(peer)
             self.wiring.started(peer)
             if kind in (Kind.LOSS, Kind.BACKWARD):
                 self._sent.setdefault((stage, mb), set()).add(peer)
@@ -265,6 +267,7 @@ class Driver:
                 if isinstance(error, trio.TooSlowError):
                     self.deadlines.timed_out(stage, peer, deadline)
                     self.timeouts += 1
+                    self.straggling.took(stage, peer, math.inf)
                 self.wiring.failed(peer)
                 self.reroutes += 1
                 logger.info("pipeline step %d: microbatch %d: stage %d replica %s failed (%s); rerouting",
@@ -273,7 +276,17 @@ class Driver:
             seconds = self.clock() - began
             self.wiring.finished(peer, seconds)
             self.deadlines.answered(stage, peer, seconds, len(request))
+            self.straggling.took(stage, peer, seconds / (1 + queued))  # its share of the wait: the hops queued before it
             return peer, answer
+
+    def _judge_stalls(self) -> None:
+        """The step's answers judged (pipeline/_stragglers.py): a replica that stalled this driver's
+        steps again is its accusation. Not distrusted: slowness is no evidence of who caused it, the
+        wiring sends a slow replica few hops, and a misjudged one could leave no replica of a stage."""
+        for peer, stage in self.straggling.judge().items():
+            logger.warning("pipeline step %d: stage %d replica %s stalls this driver's steps (slowest of its stage "
+                           "again and again); accused", self.step, stage, _name(peer))
+            self.stragglers[peer] = stage
 
     async def _another(
         self, kind: Kind, stage: int, mb: int, tensors: tuple[torch.Tensor, ...], value: float,
@@ -376,6 +389,7 @@ class Driver:
                                        "not hold it; out of the step", self.step, stage, _name(liar), mb)
                         self.wiring.leave_out(liar)
                     redone[(stage, mb)] = await self._redo(stage, mb)
+        self._judge_stalls()
         return rings
 
     async def _redo(self, stage: int, mb: int) -> Hashable:
@@ -396,11 +410,15 @@ class Driver:
         mine = torch.tensor(sorted(self._microbatches), dtype=torch.int64)
 
         async def ask(peer: Hashable) -> None:
+            began = self.clock()
             try:
                 # Queued at the replica behind other drivers' hops: as long as one of them may take.
                 with trio.fail_after(self.deadlines.deadline(stage, peer, 0)):
                     answer = await self._ask(peer, request, Kind.HOLDINGS, stage, 0, torch.empty(0))
+                self.straggling.took(stage, peer, self.clock() - began)
             except (ChannelError, ActivationError, trio.TooSlowError, _BadAnswer) as error:
+                if isinstance(error, trio.TooSlowError):
+                    self.straggling.took(stage, peer, math.inf)
                 logger.info("pipeline step %d: stage %d replica %s gave no holdings (%s); out of the step",
                             self.step, stage, _name(peer), str(error) or type(error).__name__)
                 # Out of the stage's ring: a redo sent there would not be summed, and a replica

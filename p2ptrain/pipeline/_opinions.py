@@ -23,7 +23,9 @@ different answers, nobody is named and the step stands on the first answer, as i
 from __future__ import annotations
 
 import collections
+import hashlib
 import logging
+import struct
 from collections.abc import Awaitable, Callable, Collection, Hashable, Sequence
 from dataclasses import dataclass
 
@@ -45,6 +47,14 @@ CHECKS_IN_FLIGHT = 4
 # replica of the stage is left to ask.
 Ask = Callable[[Kind, int, int, tuple[torch.Tensor, ...], float, Collection[Hashable]],
                Awaitable[tuple[Hashable, Frame] | None]]
+
+
+def is_checked(key: bytes, step: int, mb: int, fraction: float) -> bool:
+    """Whether microbatch ``mb`` of ``step`` gets a second opinion: a hash of ``key``, the step and the
+    microbatch id below ``fraction`` of its range. The same key, step and id give the same answer on
+    every machine, so who knows the key can recompute which microbatches a driver had to check."""
+    digest = hashlib.sha256(key + struct.pack(">QQ", step, mb)).digest()
+    return int.from_bytes(digest[:8], "big") < fraction * 2.0**64
 
 
 @dataclass(frozen=True, eq=False)  # its tensors compare by identity, never by value

@@ -75,6 +75,10 @@ class Wiring:
             return None
         return self._rng.choices(usable, weights=[self.weight(p) for p in usable])[0]
 
+    def in_flight(self, peer: Hashable) -> int:
+        """Hops this sender has in flight at ``peer`` now (queued there before a new one)."""
+        return self._state[peer].in_flight
+
     def started(self, peer: Hashable) -> None:
         self._state[peer].in_flight += 1
 

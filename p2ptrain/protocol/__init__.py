@@ -77,7 +77,8 @@ if TYPE_CHECKING:
         write_state_file as write_state_file,
     )
     from p2ptrain.protocol._round_book import RoundBook as RoundBook, RuleBreak as RuleBreak
-    from p2ptrain.protocol._stage_verdicts import check_key_message as check_key_message, convicted as convicted
+    from p2ptrain.protocol._stage_verdicts import (check_key_message as check_key_message, convicted as convicted,
+                                                   LoneFailures as LoneFailures)
     # The stage statements' bytes are declared in wire/ (wire/_stage_statements.py); kept here too,
     # where they were first exported.
     from p2ptrain.wire import (

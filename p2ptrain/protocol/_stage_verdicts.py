@@ -18,6 +18,7 @@ replica can compute before the microbatches reach it and which the driver does n
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Collection, Mapping, Sequence
 
 from p2ptrain.wire import RoundPlan
@@ -37,6 +38,53 @@ def convicted(drivers: Sequence[str], accusations: Mapping[str, Collection[str]]
         for replica in set(accused) - voters:
             votes[replica] = votes.get(replica, 0) + 1
     return tuple(sorted(r for r, n in votes.items() if 2 * n > len(voters)))
+
+
+# A driver whose step failed while another driver's did not, in LONE_FAILURES of the last
+# FAILURE_WINDOW summaries it was in that blamed anyone, is the step's culprit (LoneFailures).
+LONE_FAILURES = 3
+FAILURE_WINDOW = 10
+MAX_DRIVERS_KEPT = 1024  # drivers whose record is kept (the oldest dropped first): plans change members
+
+
+class LoneFailures:
+    """Which driver fails a pipelined run's steps on its own, as every member reads the summaries.
+
+    A driver's entry in the step summary says whether its step failed, and any failure drops the
+    step on every member; that failure named nobody, so the retry kept the same members. One
+    hostile driver saying "failed" in every entry stopped a run for good (0 steps in 100 s, never
+    left out), and an honest driver whose every replica of a stage it distrusts failed every retry
+    until the plans changed. A step that fails at every driver says nothing of who is to blame (a
+    replica died: each driver misses its holdings). But a driver whose step fails while another
+    driver's does not, in ``limit`` of the last ``window`` such summaries, is the culprit: the caller
+    fails the step as :class:`~p2ptrain.collective.Misbehaved` naming it, so every book leaves it out
+    for the quarantine, as a convicted replica. A window, not a streak: a driver that let every third
+    step through would never complete a streak. A driver that caught a liar fails one step, then
+    distrusts it and goes on. Pure: the caller hands in each summary's drivers and failures, in order.
+    """
+
+    def __init__(self, limit: int = LONE_FAILURES, window: int = FAILURE_WINDOW) -> None:
+        if not 1 <= limit <= window:
+            raise ValueError("lone failures need 1 <= limit <= window")
+        self.limit, self.window = limit, window
+        self._records: dict[str, collections.deque[bool]] = {}  # driver -> its last summaries: failed alone
+
+    def observe(self, drivers: Sequence[str], failed: Collection[str]) -> str | None:
+        """One step's summary: the driver now to blame (the first in ``drivers``' order), or None."""
+        if all(d in failed for d in drivers):
+            return None  # every driver failed (or none drove): nobody is singled out
+        culprit = None
+        for driver in drivers:
+            record = self._records.pop(driver, None) or collections.deque(maxlen=self.window)
+            self._records[driver] = record  # the most recently seen last
+            record.append(driver in failed)
+            if culprit is None and sum(record) >= self.limit:
+                culprit = driver
+        while len(self._records) > MAX_DRIVERS_KEPT:
+            del self._records[next(iter(self._records))]
+        if culprit is not None:
+            del self._records[culprit]  # back after its quarantine with a clean record
+        return culprit
 
 
 def check_key_message(plan: RoundPlan) -> bytes:

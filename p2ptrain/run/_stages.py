@@ -14,7 +14,8 @@ A round is one step:
    also the barrier that tells the replicas the drivers are done. A driver whose step failed (a
    stage without a replica left, a replica that answered no ``HOLDINGS``: its microbatches would be
    missing from that stage's sum) says so there, and every member drops the step alike; no member
-   can change another's entry.
+   can change another's entry. A driver whose step fails alone (another's goes through) in three
+   of the last ten summaries is the step's culprit (:class:`~p2ptrain.protocol.LoneFailures`).
 3. Each stage's replicas sum their stage's gradient over the stage's members in the plan
    (:func:`~p2ptrain.pipeline.sum_stage_gradients`, round ids namespaced by stage; under the task's
    ``robust = "clip"``, each replica's contribution clipped to the median norm; under
@@ -28,8 +29,9 @@ then 3 on the pseudo-gradients and the outer step (run/_stage_local_sgd.py). No 
 that mode (the task has ``check_fraction = 0``: replicas differ between outer steps).
 
 Integrity: each driver checks a share of its microbatches with a second replica of every later
-stage, and a third when two disagree (:class:`~p2ptrain.pipeline.Driver`); the replicas it outvoted
-are its accusations, said in its entry of the step summary. A replica accused by more than half the
+stage, and a third when two disagree (:class:`~p2ptrain.pipeline.Driver`); the replicas it outvoted,
+and those that stalled its steps again and again (:class:`~p2ptrain.pipeline.Stragglers`), are its
+accusations, said in its entry of the step summary. A replica accused by more than half the
 drivers (:func:`~p2ptrain.protocol.convicted`) fails the step on every member as
 :class:`~p2ptrain.collective.Misbehaved` naming it: the same path as a member a robust round proves
 wrong (every book leaves it out of plans for the quarantine; the retry runs without it), and
@@ -62,9 +64,9 @@ from p2ptrain.base import short_id
 from p2ptrain.collective import Misbehaved
 from p2ptrain.net import Channel, serve_channels
 from p2ptrain.pipeline import (ChannelPool, Driver, evaluate_stages, HopDeadlines, MAX_STREAMS_PER_PEER, PipelineError,
-                               PROTOCOL, serve_requests, StageReplica, sum_stage_gradients, Wiring)
-from p2ptrain.protocol import (check_key_message, inner_round_id, owner_seed, round_id, round_seed, shard_of,
-                               stage_rings, stage_round_id)
+                               PROTOCOL, serve_requests, StageReplica, Stragglers, sum_stage_gradients, Wiring)
+from p2ptrain.protocol import (check_key_message, inner_round_id, LoneFailures, owner_seed, round_id, round_seed,
+                               shard_of, stage_rings, stage_round_id)
 from p2ptrain.run._run_state import RunState
 from p2ptrain.run._stage_checkpoints import load_confirmed_stage, store_stage_checkpoint
 from p2ptrain.run._stage_local_sgd import LocalSGDStagedTrainer
@@ -101,6 +103,15 @@ def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return loss_and_hits(logits, targets)[0]
 
 
+def plan_evaluators(plan: RoundPlan, me: str, coordinator: str | None, term: int) -> list[str]:
+    """Whose EVALs this member's stage answers under ``plan``: the coordinator that signed it (our
+    election's of ``plan.term``, the only one that records, and so evaluates, its span), unless that
+    is this member; while it is not known, every other member of the plan."""
+    if coordinator is not None and term == plan.term and coordinator in plan.members:
+        return [] if coordinator == me else [coordinator]
+    return [m for m in plan.members if m != me]
+
+
 def convicted_failure(
     plan: RoundPlan, step: int, convicted: tuple[str, ...], suspects: dict[str, dict[str, Any]], log_prefix: str,
 ) -> Misbehaved:
@@ -113,11 +124,11 @@ def convicted_failure(
         stage = plan.stages[plan.members.index(peer)]
         seen = suspects.setdefault(peer, {"peer": peer, "stage": stage, "times": 0, "step": step})
         seen.update(stage=stage, step=step, times=seen["times"] + 1)
-        logger.warning("%s: step %d: stage %d replica %s sent altered activations or gradients (outvoted by a third opinion, "
-                       "accused by a majority of the drivers); left out of the next plans", log_prefix, step, stage,
-                       short_id(peer))
+        logger.warning("%s: step %d: stage %d replica %s accused by a majority of the drivers (altered activations or "
+                       "gradients a third opinion outvoted, or steps it stalled); left out of the next plans", log_prefix,
+                       step, stage, short_id(peer))
     first = convicted[0]
-    return Misbehaved(ID.from_base58(first), f"sent altered activations or gradients as a replica of stage "
+    return Misbehaved(ID.from_base58(first), f"altered its answers or stalled the steps as a replica of stage "
                                              f"{plan.stages[plan.members.index(first)]} in step {step}")
 
 
@@ -141,9 +152,17 @@ class StageRounds:
         # As a driver: its hops' measured times, and so their deadlines, kept plan after plan.
         self._deadlines = HopDeadlines(hop_timeout, ceiling=max(hop_timeout, HOP_CEILING_S),
                                        initial=max(hop_timeout, HOP_INITIAL_S))
+        # As a driver: which replicas stalled its steps (pipeline/_stragglers.py), judged plan after plan.
+        self._stragglers = Stragglers()
+        # Every member: which driver's steps fail while the others' do not, summary after summary.
+        self._lone_failures = LoneFailures()
         # As a driver: the replicas (base58) a third opinion outvoted here, and their stage, kept
         # across plans: this driver's accusations in every step's summary while a plan names them.
         self._accused: dict[str, int] = {}
+        # As a driver: the replicas that stalled its steps (pipeline/_stragglers.py), accused in the
+        # summaries of the plan it was judged in: not distrusted (slowness is no evidence of who
+        # caused it, and routing around it could leave this driver no replica of a stage).
+        self._stalled: dict[str, int] = {}
         # Under stage_sum = "sparse": this member's reducer and residual for the stage it holds
         # (run/_stage_sum.py: dropped when its stage or step changes otherwise than by its own steps).
         assert run.task.pipeline is not None
@@ -167,11 +186,15 @@ class StageRounds:
             await load_confirmed_stage(run, index)
         stage = await trio.to_thread.run_sync(trainer.take_stage, index)  # at step 0: made from the seed
         self._plan, self._driver, self._replica = plan, None, None
+        self._stalled.clear()
         encoding = task.pipeline.activations
         host = run.collective.host
         rings = stage_rings(plan)
-        # Any member of the plan may be its coordinator, whose evaluation asks every stage (EVAL only).
-        evaluators = [ID.from_base58(m) for m in plan.members if m != run.me]
+        # The plan's coordinator evaluates its span's checkpoint through every stage (EVAL only), and
+        # nobody else: any member admitted for EVAL could load a replica at every step, unattributed
+        # (docs/security.md, "Pipelined tasks"). Its coordinator unknown here: any member, as before.
+        evaluators = [ID.from_base58(m) for m in plan_evaluators(plan, run.me, run.election.coordinator,
+                                                                   run.election.term)]
         if index == 0:
             replicas = {s: [ID.from_base58(m) for m in ring] for s, ring in enumerate(rings) if s > 0}
             rank, _ = shard_of(plan, run.me)
@@ -179,6 +202,7 @@ class StageRounds:
             self._driver = Driver(host, stage, _loss, Wiring(replicas, random.Random(task.seed + rank), distrusted),
                                   cut=trainer.stages, encoding=encoding, hop_timeout=self.hop_timeout,
                                   protocol=self.protocol, pool=self._pool, deadlines=self._deadlines,
+                                  stragglers=self._stragglers,
                                   check_fraction=task.pipeline.check_fraction,
                                   check_key=host.get_private_key().sign(check_key_message(plan)))
         else:
@@ -294,8 +318,11 @@ class StageRounds:
             except PipelineError as exc:
                 logger.warning("%s: step %d failed at this driver: %s", run.log_prefix, step, exc)
                 failed = True
+            # Its accusations: the replicas it caught lying, and those that stall its steps.
             self._accused.update((str(peer), s) for peer, s in self._driver.liars.items())
+            self._stalled.update((str(peer), s) for peer, s in self._driver.stragglers.items())
             self._driver.liars.clear()
+            self._driver.stragglers.clear()
             for (s, a, b), n in self._driver.undecided.items():
                 low, high = sorted((str(a), str(b)))
                 run.stage_disagreements[(s, low, high)] += n
@@ -307,11 +334,18 @@ class StageRounds:
         timings.last_compute_s += computed
         timings.compute_s += computed
         summary = await gather_summary(run.collective, plan, index, run.me, loss, failed, timeout=self.hop_timeout,
-                                       start_timeout=STEP_TIMEOUT_S, accused=tuple(self._accused), inner=inner)
+                                       start_timeout=STEP_TIMEOUT_S, accused=(*self._accused, *self._stalled), inner=inner)
         if summary.convicted:
             for peer in summary.convicted:  # judged: back after its quarantine, only a new lie accuses it
                 self._accused.pop(peer, None)
+                self._stalled.pop(peer, None)
             raise convicted_failure(plan, step, summary.convicted, run.stage_suspects, run.log_prefix)
+        culprit = self._lone_failures.observe(stage_rings(plan)[0], summary.failed)
+        if culprit is not None:
+            logger.warning("%s: step %d failed at driver %s alone, %d times in %d summaries; left out of the next plans",
+                           run.log_prefix, step, short_id(culprit), self._lone_failures.limit, self._lone_failures.window)
+            raise Misbehaved(ID.from_base58(culprit), f"its steps failed alone as a driver, {self._lone_failures.limit} "
+                                                      f"in {self._lone_failures.window}, the last step {step}")
         if summary.failed:
             raise PipelineError(f"step {step} failed at drivers {', '.join(short_id(d) for d in summary.failed)}")
         return summary.loss

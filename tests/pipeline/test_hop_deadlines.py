@@ -66,3 +66,27 @@ def test_a_hop_past_its_deadline_doubles_the_replicas_next_up_to_the_ceiling_unt
     assert deadlines.deadline(1, B, SIZE) == 0.25  # the other replica of the stage is not slowed
     deadlines.answered(1, A, 0.2, SIZE)  # it answers once: its hops decide again
     assert deadlines.deadline(1, A, SIZE) == pytest.approx(0.6)
+
+
+def test_a_replica_cannot_grow_its_deadline_far_past_its_stages_others_by_stalling():
+    """Red team's H1: a replica answering each hop 0.9 of its deadline raised its own deadline 3 x
+    each time, to the ceiling (60 s), while the others of its stage answered in 10 ms. Now its
+    deadline stays within PEER_CAP (4) times theirs, never below the floor; a stage's only replica
+    is still waited for as measured."""
+    deadlines = HopDeadlines(1.0, ceiling=60.0)
+    for _ in range(16):
+        deadlines.answered(1, A, 0.01, SIZE)
+    for _ in range(8):
+        deadlines.answered(1, B, 0.9 * deadlines.deadline(1, B, SIZE), SIZE)
+    assert deadlines.deadline(1, B, SIZE) == 1.0  # 4 x 3 x 0.01 s is under the floor
+    for _ in range(16):
+        deadlines.answered(1, A, 2.0, SIZE)
+    for _ in range(8):
+        deadlines.answered(1, B, 0.9 * deadlines.deadline(1, B, SIZE), SIZE)
+    assert deadlines.deadline(1, B, SIZE) == pytest.approx(24.0)  # 4 x A's 6 s, where B's own grew past it
+    alone = HopDeadlines(1.0, ceiling=60.0)
+    for _ in range(8):
+        alone.answered(2, A, 0.9 * alone.deadline(2, A, SIZE), SIZE)
+    assert alone.deadline(2, A, SIZE) == 60.0
+    with pytest.raises(ValueError):
+        HopDeadlines(1.0, ceiling=60.0, peer_cap=0.5)
