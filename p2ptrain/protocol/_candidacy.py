@@ -51,3 +51,11 @@ class Candidacy:
         """Every vote counted of ``voters`` goes into the certificate (not just a quorum)."""
         voters = set(voters)
         self.certificate = tuple(self.votes[v] for v in sorted(self.votes) if v in voters)[:MAX_CERTIFICATE]
+
+
+def won_alone(certificate: Collection[SignedVote], me: str) -> bool:
+    """Whether ``certificate`` (ours, empty unless we coordinate) elected ``me`` by its own vote alone:
+    a lone first member, which heard no other member of the task (a fresh home while the run's
+    members resume), elects itself with a roster of one. That says nothing about who coordinated the
+    term in the run the others keep, so it must not refuse their chain (run/_resync.py)."""
+    return bool(certificate) and all(v.vote.voter == me for v in certificate)

@@ -21,7 +21,7 @@ import trio
 from p2ptrain.ipfs import ContentUnavailable, DagError
 from p2ptrain.base import short_id
 from p2ptrain.run._run_state import Nudge, RunState
-from p2ptrain.protocol import Chain, MAX_CHAIN_BYTES, Misconduct, RecordError
+from p2ptrain.protocol import Chain, MAX_CHAIN_BYTES, Misconduct, RecordError, won_alone
 from p2ptrain.run._stage_trainer import StagedTrainer
 from p2ptrain.training import check_stage_signatures, is_manifest, ManifestError, read_manifest, TrainerError
 from p2ptrain.wire import RoundPlan, TaskHead
@@ -74,9 +74,13 @@ class Resync:
     # -- heads -----------------------------------------------------------------------------------
 
     def note_coordinator(self) -> None:
-        """Remember who our election accepted for the current term (for checking chains later)."""
+        """Remember who our election accepted for the current term (for checking chains later), but
+        not a term this member won by its own vote alone (``protocol.won_alone``): a fresh home that
+        stood alone while the run's members resumed refused their chain for good ("record v1 of term
+        1 is signed by X, the coordinator of that term was" itself), and the run, one member short
+        of peers.min, stalled (tests/runtime/test_whole_run_restart.py, about 1 full suite in 3)."""
         election = self.run.election
-        if election.coordinator is not None:
+        if election.coordinator is not None and not won_alone(election.certificate, self.run.me):
             self.coordinators[election.term] = election.coordinator
             while len(self.coordinators) > KNOWN_TERMS:
                 del self.coordinators[min(self.coordinators)]

@@ -20,7 +20,7 @@ import pytest
 
 from libp2p.crypto.ed25519 import create_new_key_pair
 
-from p2ptrain.protocol import Election, ElectionConfig, View, signing
+from p2ptrain.protocol import Election, ElectionConfig, View, signing, won_alone
 
 TASK = "QmT78zSuBmuS4z925WZfrqQ1qHaJ56DQaTfyMUF7F8ff5o"
 CONFIG = ElectionConfig(heartbeat_s=1.0, timeout_beats=3)
@@ -140,6 +140,18 @@ def test_a_member_alone_from_its_start_still_leads_alone():
     with its heads, which is how the next members find the run)."""
     net = SlowNet(1, delay_s=0.0, roster=False)
     assert net.run_until_agreed(CONFIG.timeout_s + 2 * CONFIG.heartbeat_s) == (1, net.ids[0])
+    # Won by its own vote alone: a term that says nothing of who coordinated it in the run others
+    # keep, so a chain of theirs is not refused for it (run/_resync.py, note_coordinator).
+    lone = net.nodes[net.ids[0]]
+    assert won_alone(lone.certificate, net.ids[0])
+
+
+def test_a_coordinator_elected_by_others_did_not_win_alone():
+    net = SlowNet(3, delay_s=0.0, roster=False)
+    _, coordinator = net.run_until_agreed(CONFIG.timeout_s + 2 * CONFIG.heartbeat_s)
+    assert not won_alone(net.nodes[coordinator].certificate, coordinator)
+    follower = next(p for p in net.ids if p != coordinator)
+    assert not won_alone(net.nodes[follower].certificate, follower)  # no certificate: not coordinator
 
 
 @pytest.mark.parametrize("roster", [True, False], ids=["after the first plan", "before it"])
