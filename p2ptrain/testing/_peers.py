@@ -274,6 +274,21 @@ class LocalPeers(Sequence["Peer"]):
         """:func:`wait_until`, woken by these peers' task messages and membership changes."""
         return await wait_until(predicate, timeout, changes=self.changes, what=what)
 
+    async def wait_done(self, task_cid: str, timeout: float, indices: Sequence[int] | None = None,
+                        what: str | None = None) -> list[dict[str, Any]]:
+        """The ``task status --json`` of peers ``indices`` (all of them by default) once the run is
+        done on every one; an ``AssertionError`` with the run's error as soon as one has failed,
+        rather than a timeout that hides it."""
+        chosen = list(range(len(self))) if indices is None else list(indices)
+
+        def done() -> list[dict[str, Any]] | None:
+            statuses = [self.status(i, task_cid) for i in chosen]
+            for i, s in zip(chosen, statuses, strict=True):
+                assert s.get("state") != "failed", f"peer{i}: {s.get('error')}"
+            return statuses if all(s.get("state") == "done" for s in statuses) else None
+
+        return await self.wait_until(done, timeout, what=what or f"the run done on peers {chosen}")
+
 
 @asynccontextmanager
 async def local_peers(

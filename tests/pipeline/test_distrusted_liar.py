@@ -25,6 +25,7 @@ from p2ptrain.testing import local_peers
 from p2ptrain.wire.activations import Kind
 
 from .test_pipelined_integrity import TASK as INTEGRITY_TASK
+from .conftest import planned_six
 from .test_pipelined_run import publish, small_text  # noqa: F401 (small_text: an autouse fixture)
 
 # Sixteen microbatches a driver a step: each goes to the liar with about a third's chance, so before
@@ -74,15 +75,8 @@ async def test_a_replica_lying_to_one_driver_is_routed_around_and_the_run_goes_o
             run = (await peers.join_all(task_cid))[0]
 
             def liar_and_victim() -> tuple[str, str] | None:
-                plan = run.book.last_plan if run.book else None
-                if plan is None or plan.stages is None or len(plan.members) < 6 or not run.rounds_done:
-                    return None
-                last = [m for m, s in zip(plan.members, plan.stages, strict=True) if s == 1]
-                drivers = [m for m, s in zip(plan.members, plan.stages, strict=True) if s == 0]
-                honest_coordinator = [m for m in last if m != run.election.coordinator]
-                if len(last) < 3 or len(drivers) < 2 or not honest_coordinator:
-                    return None
-                return honest_coordinator[0], drivers[0]
+                planned = planned_six(run)
+                return (planned[1][0], planned[0][0]) if planned and len(planned[0]) >= 2 else None
 
             liar, victim = await peers.wait_until(liar_and_victim, STEP_S, what="a plan of six, three replicas of stage 1")
             LIARS[liar] = victim

@@ -113,13 +113,7 @@ async def test_a_member_forging_stage_files_is_outvoted_named_and_the_run_goes_o
             task_cid = await publish(peers)
             await peers.join_all(task_cid)
 
-            def done() -> list[dict[str, Any]] | None:
-                now = [peers.status(i, task_cid) for i in range(PEERS)]
-                for s in now:
-                    assert s.get("state") != "failed", s.get("error")
-                return now if all(s.get("state") == "done" for s in now) else None
-
-            final = await peers.wait_until(done, 2 * STEP_S, what="the run done on every member")
+            final = await peers.wait_done(task_cid, 2 * STEP_S, range(PEERS), what="the run done on every member")
             assert forger and forged_cids
             honest = [i for i, p in enumerate(peers) if p.node.peer_id.to_base58() != forger["me"]]
             chains = {tuple((c["version"], c["step"], c["model_cid"]) for c in final[i]["chain"]) for i in honest}

@@ -76,13 +76,7 @@ async def test_local_sgd_stages_hold_the_same_bits_after_every_outer_step(
             _, task_cid = await publish(peers, LOCAL)
             await peers.join_all(task_cid)
 
-            def done() -> list[dict[str, Any]] | None:
-                statuses = [peers.status(i, task_cid) for i in range(4)]
-                for s in statuses:
-                    assert s.get("state") != "failed", s.get("error")
-                return statuses if all(s.get("state") == "done" for s in statuses) else None
-
-            final = await peers.wait_until(done, STEP_S, what="the local-SGD pipelined run done on every member")
+            final = await peers.wait_done(task_cid, STEP_S, range(4), what="the local-SGD pipelined run done on every member")
             run = peers[0].tasks.runs[task_cid].shared
             task = run.task
             assert task.pipeline is not None and task.training.local_sgd and task.pipeline.check_fraction == 0.0

@@ -23,6 +23,7 @@ from p2ptrain.pipeline import StageReplica
 from p2ptrain.testing import local_peers
 from p2ptrain.wire.activations import Kind
 
+from .conftest import planned_six
 from .test_pipelined_run import publish, small_text  # noqa: F401 (small_text: an autouse fixture)
 
 DEADLINE_S = 300.0
@@ -79,15 +80,8 @@ async def test_a_replica_altering_its_outputs_is_convicted_named_and_left_out(tm
             _, task_cid = await publish(peers, TASK, shards=3)
             run = (await peers.join_all(task_cid))[0]
 
-            def three_replicas() -> str | None:
-                plan = run.book.last_plan if run.book else None
-                if plan is None or plan.stages is None or len(plan.members) < 6 or not run.rounds_done:
-                    return None
-                last = [m for m, s in zip(plan.members, plan.stages, strict=True) if s == 1]
-                honest_coordinator = [m for m in last if m != run.election.coordinator]
-                return honest_coordinator[0] if len(last) >= 3 and honest_coordinator else None
-
-            liar = await peers.wait_until(three_replicas, STEP_S, what="a plan of six, three replicas of stage 1")
+            planned = await peers.wait_until(lambda: planned_six(run), STEP_S, what="a plan of six, three replicas of stage 1")
+            liar = planned[1][0]
             LIARS.add(liar)
             honest = [i for i, p in enumerate(peers) if p.node.peer_id.to_base58() != liar]
 

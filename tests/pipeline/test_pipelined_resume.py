@@ -53,13 +53,7 @@ async def test_members_stopped_together_resume_their_stages_from_the_last_manife
             await peers.wait_connected()
             await peers.join_all(task_cid)
 
-            def done() -> list[dict[str, Any]] | None:
-                statuses = [peers.status(i, task_cid) for i in range(3)]
-                for s in statuses:
-                    assert s.get("state") != "failed", s.get("error")
-                return statuses if all(s.get("state") == "done" for s in statuses) else None
-
-            final = await peers.wait_until(done, STEP_S, what="the resumed run done on every member")
+            final = await peers.wait_done(task_cid, STEP_S, range(3), what="the resumed run done on every member")
             for i, status in enumerate(final):
                 assert status["resumed_from"] is not None and status["resumed_from"]["version"] >= 2
                 assert status["chain"][-1]["step"] == STEPS and not status["rejected"].get("stage_diverged")

@@ -74,11 +74,5 @@ async def test_a_pipelined_span_whose_coordinator_changes_runs_to_the_end(
                 # Back to the checkpoint (step 0, the seed-built model), which every member can follow.
                 assert {(p.step, p.round, p.version) for p in plans} == {(0, 0, 0)}, plans
 
-            def done() -> list[dict[str, Any]] | None:
-                statuses = [peers.status(i, task_cid) for i in range(3)]
-                for s in statuses:
-                    assert s.get("state") != "failed", s.get("error")
-                return statuses if all(s.get("state") == "done" for s in statuses) else None
-
-            final = await peers.wait_until(done, STEP_S, what="every member done")
+            final = await peers.wait_done(task_cid, STEP_S, range(3), what="every member done")
             assert len({s["latest_model_cid"] for s in final}) == 1

@@ -65,13 +65,7 @@ async def test_sparse_stage_sums_keep_the_replicas_identical_after_every_step(
             _, task_cid = await publish(peers, SPARSE)
             await peers.join_all(task_cid)
 
-            def done() -> list[dict[str, Any]] | None:
-                statuses = [peers.status(i, task_cid) for i in range(4)]
-                for s in statuses:
-                    assert s.get("state") != "failed", s.get("error")
-                return statuses if all(s.get("state") == "done" for s in statuses) else None
-
-            final = await peers.wait_until(done, STEP_S, what="the sparse-summed run done on every member")
+            final = await peers.wait_done(task_cid, STEP_S, range(4), what="the sparse-summed run done on every member")
             task = peers[0].tasks.runs[task_cid].shared.task
             assert task.pipeline is not None and task.pipeline.sparse_sum
 

@@ -25,6 +25,7 @@ from p2ptrain.testing import local_peers
 from p2ptrain.wire.activations import decode_frame, Kind
 
 from .test_pipelined_integrity import TASK
+from .conftest import planned_six
 from .test_pipelined_run import publish, small_text  # noqa: F401 (small_text: an autouse fixture)
 
 DEADLINE_S = 300.0
@@ -63,15 +64,8 @@ async def test_a_replica_stalling_every_step_under_the_deadline_is_convicted_and
             _, task_cid = await publish(peers, TASK, shards=3)
             run = (await peers.join_all(task_cid))[0]
 
-            def three_replicas() -> str | None:
-                plan = run.book.last_plan if run.book else None
-                if plan is None or plan.stages is None or len(plan.members) < 6 or not run.rounds_done:
-                    return None
-                last = [m for m, s in zip(plan.members, plan.stages, strict=True) if s == 1]
-                honest_coordinator = [m for m in last if m != run.election.coordinator]
-                return honest_coordinator[0] if len(last) >= 3 and honest_coordinator else None
-
-            staller = await peers.wait_until(three_replicas, STEP_S, what="a plan of six, three replicas of stage 1")
+            planned = await peers.wait_until(lambda: planned_six(run), STEP_S, what="a plan of six, three replicas of stage 1")
+            staller = planned[1][0]
             STALLERS.add(staller)
             honest = [i for i, p in enumerate(peers) if p.node.peer_id.to_base58() != staller]
 

@@ -82,13 +82,7 @@ async def _run(peers: LocalPeers, task_cid: str) -> list[Any]:
         for peer in peers:
             nursery.start_soon(lambda p: _join(p, task_cid, runs), peer)
 
-    def finished() -> list[dict[str, Any]] | None:
-        statuses = [peers.status(i, task_cid) for i in range(2)]
-        for status in statuses:
-            assert status.get("state") != "failed", status.get("error")
-        return statuses if all(s.get("state") == "done" for s in statuses) else None
-
-    final = await peers.wait_until(finished, DEADLINE_S / 2, what="the run done on both peers")
+    final = await peers.wait_done(task_cid, DEADLINE_S / 2, range(2), what="the run done on both peers")
     assert len({s["latest_model_cid"] for s in final}) == 1
     return runs
 

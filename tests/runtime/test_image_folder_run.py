@@ -83,13 +83,7 @@ async def test_two_peers_train_a_cnn_on_an_image_folder_added_by_cid(tmp_path: P
             task_cid = await _publish(peers, tmp_path / "images")
             await peers.join_all(task_cid)
 
-            def finished() -> list[dict[str, Any]] | None:
-                statuses = [peers.status(i, task_cid) for i in range(2)]
-                for status in statuses:
-                    assert status.get("state") != "failed", status.get("error")
-                return statuses if all(s.get("state") == "done" for s in statuses) else None
-
-            final = await peers.wait_until(finished, DEADLINE_S - 30, what="the run done on both peers")
+            final = await peers.wait_done(task_cid, DEADLINE_S - 30, range(2), what="the run done on both peers")
             assert len({s["latest_model_cid"] for s in final}) == 1
             records = [r.record for r in _chain(peers[1], task_cid).records]
             assert [r.step for r in records] == [20, 40, 60] and all(len(r.members) == 2 for r in records)

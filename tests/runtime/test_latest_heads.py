@@ -92,11 +92,7 @@ async def test_a_joiner_of_a_finished_run_loads_its_final_model_instead_of_train
             task_cid = await publish_digits_task(peers[0], total_steps=6, checkpoint_interval=3)
             await peers.join_all(task_cid)
 
-            def done() -> list | None:
-                statuses = [peers.status(i, task_cid) for i in range(2)]
-                return statuses if all(s.get("state") == "done" for s in statuses) else None
-
-            final = (await peers.wait_until(done, DEADLINE_S, what="the run done on both members"))[0]
+            final = (await peers.wait_done(task_cid, DEADLINE_S, range(2), what="the run done on both members"))[0]
             late = await peers.add_peer()
             await late.tasks.join(task_cid)
 

@@ -69,9 +69,5 @@ async def test_a_member_that_resumes_after_another_hears_it_at_once(tmp_path: Pa
                 for peer in peers[2:]:
                     nursery.start_soon(peer.tasks.join, task_cid)
 
-            def done() -> list[dict[str, Any]] | None:
-                statuses = [peers.status(i, task_cid) for i in range(4)]
-                return statuses if all(s.get("state") == "done" for s in statuses) else None
-
-            final = await peers.wait_until(done, STEP_S, what="every member done")
+            final = await peers.wait_done(task_cid, STEP_S, range(4), what="every member done")
             assert all(s["resumed_from"] is not None for s in final)
