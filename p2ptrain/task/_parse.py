@@ -316,7 +316,6 @@ def _pipeline(
         stages=stages,
         microbatch_size=fields.integer(p, "microbatch_size", "pipeline.", training.batch_size, 1, 65536),
         activations=fields.choice(p, "activations", "pipeline.", ACTIVATIONS, "fp16"),
-        # In local-SGD mode the default is 0: replicas differ between outer steps (below).
         check_fraction=fields.number(p, "check_fraction", "pipeline.", 0.0 if training.local_sgd else 0.05, 0.0, 1.0),
         copies=fields.integer(p, "copies", "pipeline.", None, 1, stages - 1),
         # "dense" is stored as no field: a task that names the default has the bytes of one silent on it.
