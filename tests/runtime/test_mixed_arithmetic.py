@@ -59,13 +59,17 @@ def _log(p: NodeProcess) -> str:
 
 def _poll(started: list[NodeProcess], task_cid: str, shown: list[set[str]]) -> list[dict[str, Any]] | None:
     """Every process's status of the task (None while one does not answer), noting in ``shown`` the
-    peers each listed as left out once a checkpoint was confirmed (a plan was taken): a status lists
-    the live peers as its member sees them now, and before the first plan a peer whose torch probe
-    has not run yet advertises no arithmetic, so for a moment its class looks smaller than it is."""
+    peers each listed as left out once a checkpoint was confirmed in the run (a plan was taken): a
+    status lists the live peers as its member sees them now, and before the first plan a peer whose
+    torch probe has not run yet advertises no arithmetic, so for a moment its class looks smaller
+    than it is. (Not once the member itself holds a checkpoint: one left out loads one only when the
+    run ends, and on a loaded machine its last status before that could come after it stopped
+    listing; the suite missed the waited pair's view so, twice.)"""
     s = [task_status_of(p.home, task_cid) for p in started]
-    for i, x in enumerate(s):
-        if x and x["version"] >= 1:
-            shown[i] |= {e["peer"] for e in x["arithmetic_left_out"]}
+    if any(x and x["version"] >= 1 for x in s):
+        for i, x in enumerate(s):
+            if x:
+                shown[i] |= {e["peer"] for e in x["arithmetic_left_out"]}
     return s if all(s) else None  # type: ignore[return-value]
 
 
