@@ -279,15 +279,26 @@ class LocalPeers(Sequence["Peer"]):
         """The ``task status --json`` of peers ``indices`` (all of them by default) once the run is
         done on every one; an ``AssertionError`` with the run's error as soon as one has failed,
         rather than a timeout that hides it."""
+        return await self._wait_all(task_cid, lambda s: s.get("state") == "done", timeout, indices,
+                                    what, "the run done")
+
+    async def wait_version(self, task_cid: str, version: int, timeout: float, indices: Sequence[int] | None = None,
+                           what: str | None = None) -> list[dict[str, Any]]:
+        """As :meth:`wait_done`, once every one has confirmed model ``version`` (or a later one)."""
+        return await self._wait_all(task_cid, lambda s: s.get("version", 0) >= version, timeout, indices,
+                                    what, f"model v{version} confirmed")
+
+    async def _wait_all(self, task_cid: str, ready: Callable[[dict[str, Any]], bool], timeout: float,
+                        indices: Sequence[int] | None, what: str | None, default: str) -> list[dict[str, Any]]:
         chosen = list(range(len(self))) if indices is None else list(indices)
 
-        def done() -> list[dict[str, Any]] | None:
+        def reached() -> list[dict[str, Any]] | None:
             statuses = [self.status(i, task_cid) for i in chosen]
             for i, s in zip(chosen, statuses, strict=True):
                 assert s.get("state") != "failed", f"peer{i}: {s.get('error')}"
-            return statuses if all(s.get("state") == "done" for s in statuses) else None
+            return statuses if all(ready(s) for s in statuses) else None
 
-        return await self.wait_until(done, timeout, what=what or f"the run done on peers {chosen}")
+        return await self.wait_until(reached, timeout, what=what or f"{default} on peers {chosen}")
 
 
 @asynccontextmanager

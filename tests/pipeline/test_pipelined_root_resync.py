@@ -13,7 +13,6 @@ the span's 4 steps.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -45,13 +44,7 @@ async def test_pipelined_members_that_all_fell_out_of_step_at_v0_go_back_to_the_
                 run.desync(trio.current_time())
             gate.released.set()
 
-            def at_v1() -> list[dict[str, Any]] | None:
-                statuses = [peers.status(i, task_cid) for i in range(3)]
-                for s in statuses:
-                    assert s.get("state") != "failed", s.get("error")
-                return statuses if all(s.get("version", 0) >= 1 for s in statuses) else None
-
-            statuses = await peers.wait_until(at_v1, STEP_S, what="v1 confirmed on every member")
+            statuses = await peers.wait_version(task_cid, 1, STEP_S, range(3), what="v1 confirmed on every member")
             assert len({s["chain"][0]["model_cid"] for s in statuses}) == 1
             record = runs[0].book.chain.records[0].record
             assert record.step == INTERVAL and record.term > gate.first_term[0], record

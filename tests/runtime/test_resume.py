@@ -60,11 +60,7 @@ async def test_members_stopped_together_resume_from_their_last_record_and_end_wh
 
             await peers.join_all(stopped)
 
-            def at_v3() -> list[dict[str, Any]] | None:
-                statuses = [peers.status(i, stopped) for i in range(3)]
-                return statuses if all(s.get("version", 0) >= 3 for s in statuses) else None
-
-            await peers.wait_until(at_v3, STEP_S, what="every member at model v3")
+            await peers.wait_version(stopped, 3, STEP_S, range(3), what="every member at model v3")
             for i in range(3):
                 await peers.stop_peer(i)
             before = [chain_bytes(peers, i, stopped) for i in range(3)]
@@ -107,11 +103,7 @@ async def test_a_chain_file_whose_last_record_forks_is_refused_and_kept_as_it_wa
                                                  max_peers=3)
             await peers.join_all(task_cid)
 
-            def at_v3() -> list[dict[str, Any]] | None:
-                statuses = [peers.status(i, task_cid) for i in range(3)]
-                return statuses if all(s.get("version", 0) >= 3 for s in statuses) else None
-
-            await peers.wait_until(at_v3, STEP_S, what="every member at model v3")
+            await peers.wait_version(task_cid, 3, STEP_S, range(3), what="every member at model v3")
             for i in range(3):
                 await peers.stop_peer(i)
             chain = verified(chain_bytes(peers, 2, task_cid), task_cid)
@@ -156,11 +148,7 @@ async def test_a_member_restarted_while_the_run_goes_on_resumes_its_chain_then_c
                                                  max_peers=3)
             await peers.join_all(task_cid)
 
-            def at_v2() -> list[dict[str, Any]] | None:
-                statuses = [peers.status(i, task_cid) for i in range(3)]
-                return statuses if all(s.get("version", 0) >= 2 for s in statuses) else None
-
-            await peers.wait_until(at_v2, STEP_S, what="every member at model v2")
+            await peers.wait_version(task_cid, 2, STEP_S, range(3), what="every member at model v2")
             await peers.stop_peer(2)
             before = chain_bytes(peers, 2, task_cid)
             held = verified(before, task_cid)

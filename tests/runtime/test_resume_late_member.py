@@ -9,7 +9,6 @@ Real loopback peers in this process, stopped and started again on their homes.""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 import trio
@@ -40,11 +39,7 @@ async def test_a_member_that_resumes_after_another_hears_it_at_once(tmp_path: Pa
                                                  max_peers=4)
             await peers.join_all(task_cid)
 
-            def at_v1() -> list[dict[str, Any]] | None:
-                statuses = [peers.status(i, task_cid) for i in range(4)]
-                return statuses if all(s.get("version", 0) >= 1 for s in statuses) else None
-
-            await peers.wait_until(at_v1, STEP_S, what="every member at model v1")
+            await peers.wait_version(task_cid, 1, STEP_S, range(4), what="every member at model v1")
             for i in range(4):
                 await peers.stop_peer(i)
             for i in range(4):

@@ -93,12 +93,6 @@ async def test_a_ring_takeover_during_a_round_that_completes_everywhere_is_follo
             # Each took it one step past the step it was planned at, which it can still follow.
             assert {(p.step, step) for p, step in taken} == {(HELD_STEP, HELD_STEP + 1)}, taken
 
-            def at_v1() -> list[dict[str, Any]] | None:
-                statuses = [peers.status(i, task_cid) for i in range(3)]
-                for s in statuses:
-                    assert s.get("state") != "failed", s.get("error")
-                return statuses if all(s.get("version", 0) >= 1 for s in statuses) else None
-
-            statuses = await peers.wait_until(at_v1, STEP_S, what="v1 confirmed on every member")
+            statuses = await peers.wait_version(task_cid, 1, STEP_S, range(3), what="v1 confirmed on every member")
             assert statuses[0]["chain"][0]["step"] == CHECKPOINT_INTERVAL
             assert roots == [], roots  # nobody fell out of step

@@ -119,13 +119,7 @@ async def test_members_that_all_fell_out_of_step_at_v0_go_back_to_the_root_and_c
             assert not any(r.synced or r.election.is_coordinator for r in runs)
             gate.released.set()
 
-            def at_v1() -> list[dict[str, Any]] | None:
-                statuses = [peers.status(i, task_cid) for i in range(3)]
-                for s in statuses:
-                    assert s.get("state") != "failed", s.get("error")
-                return statuses if all(s.get("version", 0) >= 1 for s in statuses) else None
-
-            statuses = await peers.wait_until(at_v1, STEP_S, what="v1 confirmed on every member")
+            statuses = await peers.wait_version(task_cid, 1, STEP_S, range(3), what="v1 confirmed on every member")
             first = statuses[0]["chain"][0]
             # From a span of a later term that started at the root: v1 is at step 3, not 3 past step 2.
             assert first["step"] == CHECKPOINT_INTERVAL, first

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import pytest
 import trio
@@ -67,13 +66,7 @@ async def test_members_that_left_a_plan_past_the_root_plan_from_the_root_and_con
             await peers.wait_until(lambda: all(r.book.observed == left for r in runs) or None, STEP_S,
                                    what="every member saw the plan from step 1")
 
-            def at_v1() -> list[dict[str, Any]] | None:
-                statuses = [peers.status(i, task_cid) for i in range(3)]
-                for s in statuses:
-                    assert s.get("state") != "failed", s.get("error")
-                return statuses if all(s.get("version", 0) >= 1 for s in statuses) else None
-
-            statuses = await peers.wait_until(at_v1, STEP_S, what="v1 confirmed on every member")
+            statuses = await peers.wait_version(task_cid, 1, STEP_S, range(3), what="v1 confirmed on every member")
             chain = statuses[0]["chain"][0]
             # From a span of a later term that started at the root: v1 is at step 5.
             assert chain["step"] == CHECKPOINT_INTERVAL, chain
@@ -110,13 +103,7 @@ async def test_a_retry_that_members_back_at_the_root_cannot_follow_goes_back_to_
                             rounds=span_length(coordinator.book.task, first.round + 2, coordinator.book.total_steps))
             await coordinator.broadcast(retry)
 
-            def at_v1() -> list[dict[str, Any]] | None:
-                statuses = [peers.status(i, task_cid) for i in range(3)]
-                for s in statuses:
-                    assert s.get("state") != "failed", s.get("error")
-                return statuses if all(s.get("version", 0) >= 1 for s in statuses) else None
-
-            statuses = await peers.wait_until(at_v1, STEP_S, what="v1 confirmed on every member")
+            statuses = await peers.wait_version(task_cid, 1, STEP_S, range(3), what="v1 confirmed on every member")
             chain = statuses[0]["chain"][0]
             assert chain["step"] == CHECKPOINT_INTERVAL, chain  # from the root, not 3 past step 2
             assert all(len(r.book.chain.records[0].record.members) == 3 for r in runs)  # none left out

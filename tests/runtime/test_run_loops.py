@@ -62,13 +62,7 @@ async def _all_at_version(
     peers: LocalPeers, task_cid: str, version: int, indexes: list[int] | None = None
 ) -> list[dict[str, Any]]:
     """Wait until every listed member has confirmed ``version``; their statuses then."""
-
-    def reached() -> list[dict[str, Any]] | None:
-        statuses = _statuses(peers, task_cid, indexes)
-        _failed(statuses)
-        return statuses if all(s.get("version", 0) >= version for s in statuses) else None
-
-    return await peers.wait_until(reached, STEP_S, what=f"every member at model v{version}")
+    return await peers.wait_version(task_cid, version, STEP_S, indexes, what=f"every member at model v{version}")
 
 
 def _chain_on_disk(peer: Any, task_cid: str) -> Chain:

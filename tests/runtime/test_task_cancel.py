@@ -51,11 +51,7 @@ async def test_the_publishers_cancel_stops_every_member_and_a_strangers_is_refus
             task_cid = await _published_by(peers, 0, max_peers=3)
             await peers.join_all(task_cid)
 
-            def at_v1() -> list[dict[str, Any]] | None:
-                statuses = [peers.status(i, task_cid) for i in range(3)]
-                return statuses if all(s.get("version", 0) >= 1 for s in statuses) else None
-
-            await peers.wait_until(at_v1, STEP_S, what="every member at model v1")
+            await peers.wait_version(task_cid, 1, STEP_S, range(3), what="every member at model v1")
 
             # A member that is not the publisher: its node refuses to send the cancel at all, and a
             # cancel it publishes anyway is refused (and counted) by the others, who train on.
@@ -123,11 +119,7 @@ async def test_the_publishers_resume_continues_a_cancelled_run_from_its_head_and
             task_cid = await _published_by(peers, 0, max_peers=3)  # no one else joins: no grace for joiners
             await peers.join_all(task_cid)
 
-            def at_v1() -> list[dict[str, Any]] | None:
-                statuses = [peers.status(i, task_cid) for i in range(3)]
-                return statuses if all(s.get("version", 0) >= 1 for s in statuses) else None
-
-            await peers.wait_until(at_v1, STEP_S, what="every member at model v1")
+            await peers.wait_version(task_cid, 1, STEP_S, range(3), what="every member at model v1")
             await trio.to_thread.run_sync(
                 lambda: _control(peers[0], control_ops.TASK_CANCEL, task_cid=task_cid, reason="for the night"))
 
