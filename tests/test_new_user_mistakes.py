@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 from pathlib import Path
 
 import pytest
@@ -200,6 +201,27 @@ def test_task_status_of_a_run_before_the_nodes_restart_says_where_its_models_are
             f"tasks it has heard of; `p2ptrain task join {unknown}` fetches this one from its peers and takes part")
 
 
+def _lone_run(home: Path, run: str) -> tuple[Any, Any]:
+    """A script's whole run alone: an ``nn.Linear`` through ``p2ptrain.Optimizer`` in ``home``, 2
+    steps with a checkpoint after each, to ``RunFinished``; the closed optimizer (its run and model
+    CIDs as they were when the member left) and the module."""
+    import torch
+    from torch import nn
+
+    import p2ptrain
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    opt = p2ptrain.Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model, run=run, home=home,
+                             min_peers=1, total_steps=2, checkpoint_every=1, join_window_s=0.5)
+    with opt, pytest.raises(p2ptrain.RunFinished):
+        for _ in range(3):
+            opt.zero_grad()
+            model(torch.randn(3, 4)).sum().backward()
+            opt.step()
+    return opt, model
+
+
 @pytest.mark.usefixtures("quick_timers")  # tests/conftest.py: the in-process member's idle waits shortened
 def test_model_fetch_latest_reads_the_chain_a_members_home_keeps_when_no_node_runs(tmp_path, capsys):
     """After a script's run (its in-process node gone), `model fetch --latest RUN_CID --home H` said
@@ -212,16 +234,8 @@ def test_model_fetch_latest_reads_the_chain_a_members_home_keeps_when_no_node_ru
     import p2ptrain
     from p2ptrain.cli.main import main
 
-    torch.manual_seed(0)
-    model = nn.Linear(4, 2)
     home = tmp_path / "member"
-    opt = p2ptrain.Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model, run="kept", home=home,
-                             min_peers=1, total_steps=2, checkpoint_every=1, join_window_s=0.5)
-    with opt, pytest.raises(p2ptrain.RunFinished):
-        for _ in range(3):
-            opt.zero_grad()
-            model(torch.randn(3, 4)).sum().backward()
-            opt.step()
+    opt, model = _lone_run(home, "kept")
     run_cid, model_cid = opt.run_cid, opt.model_cid  # after close: as the run was when this member left
     assert model_cid is not None and opt.step_count == 2
     from p2ptrain.control import socket_path
@@ -583,24 +597,11 @@ def test_model_fetch_latest_through_a_node_started_after_the_task_was_announced(
     that node, which said 'task.status: this node has not heard of task ...', where a fresh home
     with no node (--bootstrap) finds the run's chain by asking the mesh. The node now asks the mesh
     too: it fetches the task by CID and looks its latest chain up, as a fresh home does."""
-    import torch
-    from torch import nn
-
-    import p2ptrain
     from p2ptrain.cli.main import main
-    from p2ptrain.testing import NodeProcess, run_node_processes
-    from p2ptrain.testing import free_port
+    from p2ptrain.testing import free_port, NodeProcess, run_node_processes
 
-    torch.manual_seed(0)
-    model = nn.Linear(4, 2)
     member = tmp_path / "member"
-    opt = p2ptrain.Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model, run="late", home=member,
-                             min_peers=1, total_steps=2, checkpoint_every=1, join_window_s=0.5)
-    with opt, pytest.raises(p2ptrain.RunFinished):
-        for _ in range(3):
-            opt.zero_grad()
-            model(torch.randn(3, 4)).sum().backward()
-            opt.step()
+    opt, _ = _lone_run(member, "late")
     # The member's home, now a node's (it keeps the chain and answers for it), and a node started since.
     nodes = [NodeProcess(member, free_port()), NodeProcess(tmp_path / "late", free_port())]
     with run_node_processes(nodes) as (_, late):
