@@ -25,7 +25,8 @@ EXPORTS: dict[str, list[str]] = {
         "node_answers", "split_shards", "train", "with_ephemeral_node",
     ],
     "p2ptrain.base": [
-        "AddressError", "ArgumentError", "HistogramSnapshot", "RoundHistograms", "TensorFileError", "UserError",
+        "AddressError", "ArgumentError", "HistogramSnapshot", "RoundHistograms", "StrikeWindows", "TensorFileError",
+        "UserError",
         "all_finite", "arithmetic_of", "boundedjson", "command_line_words", "count_rejection", "default_home",
         "first_leaf", "flat_params", "fmt_bytes", "fmt_s", "format_host_port", "formatter", "large_empty",
         "load_flat_params", "load_or_create_identity", "parse_host_port", "peer_id_of", "read_header", "refilled",

@@ -45,6 +45,7 @@ if TYPE_CHECKING:
         load_flat_params as load_flat_params,
         zero_fill as zero_fill,
     )
+    from p2ptrain.base._strike_windows import StrikeWindows as StrikeWindows
     from p2ptrain.base._token_bucket import refilled as refilled
 else:
     from p2ptrain._exports import lazy_exports

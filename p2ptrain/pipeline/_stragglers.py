@@ -28,10 +28,11 @@ No clock is read here: the caller passes each step's seconds.
 
 from __future__ import annotations
 
-import collections
 import math
 import statistics
 from collections.abc import Hashable, Mapping
+
+from p2ptrain.base import StrikeWindows
 
 FACTOR = 4.0  # slower than this many times its stage's other replicas, in the same step
 MARGIN_S = 1.0  # and by more than this: a loaded machine's jitter on millisecond hops is no stall
@@ -45,10 +46,10 @@ class Stragglers:
 
     def __init__(self, *, factor: float = FACTOR, margin_s: float = MARGIN_S, strikes: int = STRIKES,
                  window: int = WINDOW) -> None:
-        if factor < 1 or margin_s < 0 or not 1 <= strikes <= window:
-            raise ValueError("stragglers need a factor >= 1, a margin >= 0 and 1 <= strikes <= window")
+        if factor < 1 or margin_s < 0:
+            raise ValueError("stragglers need a factor >= 1 and a margin >= 0")
         self.factor, self.margin_s, self.strikes, self.window = factor, margin_s, strikes, window
-        self._slow: dict[Hashable, collections.deque[bool]] = {}  # per replica, its last steps: slow or not
+        self._slow = StrikeWindows(strikes, window, MAX_TRACKED)  # per replica, its last steps: slow or not
         self._step: dict[int, dict[Hashable, float]] = {}  # this step's slowest answer, {stage: {replica: seconds}}
 
     def new_step(self) -> None:
@@ -84,12 +85,7 @@ class Stragglers:
                 continue
             for peer, seconds in times.items():
                 others = [s for p, s in times.items() if p != peer and math.isfinite(s)]
-                record = self._slow.pop(peer, None) or collections.deque(maxlen=self.window)
-                self._slow[peer] = record  # the most recently judged last
-                if len(self._slow) > MAX_TRACKED:
-                    del self._slow[next(iter(self._slow))]
-                record.append(self.is_slow(seconds, others))
-                if sum(record) >= self.strikes:
+                if self._slow.note(peer, self.is_slow(seconds, others)):
                     found[peer] = stage
-                    del self._slow[peer]
+                    self._slow.forget(peer)
         return found

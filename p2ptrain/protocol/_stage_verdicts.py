@@ -18,9 +18,9 @@ replica can compute before the microbatches reach it and which the driver does n
 
 from __future__ import annotations
 
-import collections
 from collections.abc import Collection, Mapping, Sequence
 
+from p2ptrain.base import StrikeWindows
 from p2ptrain.wire import RoundPlan
 
 
@@ -64,10 +64,8 @@ class LoneFailures:
     """
 
     def __init__(self, limit: int = LONE_FAILURES, window: int = FAILURE_WINDOW) -> None:
-        if not 1 <= limit <= window:
-            raise ValueError("lone failures need 1 <= limit <= window")
         self.limit, self.window = limit, window
-        self._records: dict[str, collections.deque[bool]] = {}  # driver -> its last summaries: failed alone
+        self._records = StrikeWindows(limit, window, MAX_DRIVERS_KEPT)  # driver -> its last summaries: failed alone
 
     def observe(self, drivers: Sequence[str], failed: Collection[str]) -> str | None:
         """One step's summary: the driver now to blame (the first in ``drivers``' order), or None."""
@@ -75,15 +73,10 @@ class LoneFailures:
             return None  # every driver failed (or none drove): nobody is singled out
         culprit = None
         for driver in drivers:
-            record = self._records.pop(driver, None) or collections.deque(maxlen=self.window)
-            self._records[driver] = record  # the most recently seen last
-            record.append(driver in failed)
-            if culprit is None and sum(record) >= self.limit:
+            if self._records.note(driver, driver in failed) and culprit is None:
                 culprit = driver
-        while len(self._records) > MAX_DRIVERS_KEPT:
-            del self._records[next(iter(self._records))]
         if culprit is not None:
-            del self._records[culprit]  # back after its quarantine with a clean record
+            self._records.forget(culprit)  # back after its quarantine with a clean record
         return culprit
 
 
