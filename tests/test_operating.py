@@ -91,7 +91,8 @@ async def test_a_run_is_scraped_while_it_trains_and_drawn_after(tmp_path: Path, 
     assert not [line for line in info if " done with 2 peers: compute " in line]
 
 
-def test_metrics_address_is_loopback_unless_a_host_is_named(tmp_path: Path, capsys) -> None:
+def test_metrics_address_is_loopback_unless_a_host_is_named(tmp_path: Path, capsys, monkeypatch) -> None:
+    from p2ptrain.base import ArgumentError
     from p2ptrain.cli.main import main
     from p2ptrain.services import parse_address
 
@@ -101,6 +102,14 @@ def test_metrics_address_is_loopback_unless_a_host_is_named(tmp_path: Path, caps
     assert main(["node", "start", "--home", str(tmp_path), "--metrics", "localhost:http"]) == 1
     assert capsys.readouterr().err.strip() == (
         "p2ptrain: error: --metrics 'localhost:http': expected HOST:PORT or PORT, e.g. 127.0.0.1:9464")
+    with pytest.raises(ArgumentError) as raised:  # from Python, the keyword the caller wrote
+        parse_address("localhost:http")
+    assert str(raised.value) == "metrics='localhost:http': expected HOST:PORT or PORT, e.g. 127.0.0.1:9464"
+    assert isinstance(raised.value, ValueError)
+    monkeypatch.setenv("P2PTRAIN_METRICS", "nine")  # from the environment, the variable it came from
+    assert main(["node", "start", "--home", str(tmp_path)]) == 1
+    assert capsys.readouterr().err.strip() == (
+        "p2ptrain: error: $P2PTRAIN_METRICS 'nine': expected HOST:PORT or PORT, e.g. 127.0.0.1:9464")
 
 
 def test_json_log_lines_are_one_object_each() -> None:

@@ -173,7 +173,7 @@ class Optimizer:
         self._left: TaskStatus | None = None  # the run's status when this member left (close)
         self._bootstrap = address_list("bootstrap", bootstrap)
         config = replace(node_config or NodeConfig(), listen=address_list("listen", listen), bootstrap=self._bootstrap)
-        metrics_at = parse_address(metrics, "metrics=") if metrics is not None else None
+        metrics_at = parse_address(metrics) if metrics is not None else None
         self._peer = BackgroundPeer(home, config, metrics_at=metrics_at)
         try:
             self.run_cid = self._peer.call(self._join, task, card, join_window_s)

@@ -31,7 +31,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.exposition import ThreadingWSGIServer, make_wsgi_app
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from p2ptrain.base import AddressError, UserError, parse_host_port, short_id
+from p2ptrain.base import AddressError, ArgumentError, UserError, parse_host_port, short_id
 from p2ptrain.services._peer import Peer
 from p2ptrain.control import NodeStatus, TaskStatus
 
@@ -50,13 +50,15 @@ LOOPBACK_HOSTS = ("127.0.0.1", "::1", "localhost")
 PREFIX = "p2ptrain"
 
 
-def parse_address(text: str, what: str = "--metrics") -> tuple[str, int]:
-    """``HOST:PORT`` or ``PORT`` (on loopback) → (host, port); a UserError line naming ``what``
-    (the flag or the environment variable it came from) otherwise."""
+def parse_address(text: str, flag: str = "--metrics") -> tuple[str, int]:
+    """``HOST:PORT`` or ``PORT`` (on loopback) → (host, port); an :class:`ArgumentError` otherwise,
+    which names ``metrics=`` to Python code and ``flag`` on the command line (``--metrics``, or
+    ``$P2PTRAIN_METRICS`` where the value came from the environment)."""
     try:
         return parse_host_port(text, default_host=DEFAULT_METRICS_HOST)
     except AddressError:
-        raise UserError(f"{what} {text!r}: expected HOST:PORT or PORT, e.g. 127.0.0.1:9464") from None
+        raise ArgumentError("{metrics:{text!r}}: expected HOST:PORT or PORT, e.g. 127.0.0.1:9464",
+                            flags={"metrics": flag}, text=text) from None
 
 
 @dataclass(frozen=True)
