@@ -35,3 +35,17 @@ def test_a_run_under_way_shows_its_step_and_total_only_where_the_total_is_known(
     assert row.split() == [CID, "digits", "training", "step", "40", "member"], row
     heard = {**base, "member": False, "state": "running", "round": 35, "total_steps": 300}
     assert render_row(TaskStatus.from_json(heard)).split()[-1] == "40/300"
+
+
+def test_a_members_status_leaves_out_a_total_it_does_not_know_yet() -> None:
+    """A member counts the run's steps once it has read the data set; before that, `task status`
+    said "no round completed yet (step 0/?)". Fails on main."""
+    member = {"task_cid": CID, "name": "digits", "member": True, "state": "joining", "step": 0, "members": []}
+    text = render_status(TaskStatus.from_json({**member, "total_steps": None}))
+    assert "progress   no round completed yet (step 0)" in text.splitlines(), text
+    assert "?" not in text
+    done = {**member, "state": "training", "last_round": 4, "last_step": 5}
+    assert "progress   round 4 completed, step 5/300" in render_status(
+        TaskStatus.from_json({**done, "total_steps": 300})).splitlines()
+    assert "progress   round 4 completed, step 5" in render_status(
+        TaskStatus.from_json({**done, "total_steps": 0})).splitlines()

@@ -204,7 +204,7 @@ def render_row(t: TaskStatus) -> str:
     if not t.member and t.state == "announced":
         progress = "not started" + (f", {t.total_steps} steps" if t.total_steps else "")
     else:
-        progress = f"step {t.step}" + (f"/{t.total_steps}" if t.total_steps else "")
+        progress = _step_of(t.step, t.total_steps)
     return f"{t.task_cid}  {t.name:<20} {t.state:<10} {progress}  {'member' if t.member else ''}"
 
 
@@ -259,19 +259,24 @@ def _num(value: float | None, spec: str = ".3f") -> str:
     return "-" if value is None else format(float(value), spec)
 
 
+def _step_of(step: int, total: int | None) -> str:
+    """Progress in words: "step 3/300", or "step 3" where the total is not known yet (a member
+    counts it once it has read the data set), rather than a "/?" that reads as a fault."""
+    return f"step {step}" + (f"/{total}" if total else "")
+
+
 def _progress(s: TaskStatus) -> str:
-    total = s.total_steps or "?"
     if not s.member and s.state == "announced":  # no member's head heard: no step to show
         return "no member has reported a step yet" + (f" (the task runs {s.total_steps} steps)" if s.total_steps else "")
     if not s.member:  # what the run's head says: its step, not a round this node saw complete
-        return f"step {s.step}/{total}"
+        return _step_of(s.step, s.total_steps)
     if s.last_round is None:
-        text = f"no round completed yet (step {s.step}/{total})" + _inner(s)
+        text = f"no round completed yet ({_step_of(s.step, s.total_steps)})" + _inner(s)
         waiting = s.waiting_for_peers
         if waiting:
             text += f"; waiting for {waiting} more peer{'s' if waiting > 1 else ''}"
         return text
-    text = f"round {s.last_round} completed, step {s.last_step}/{total}"
+    text = f"round {s.last_round} completed, {_step_of(s.step if s.last_step is None else s.last_step, s.total_steps)}"
     return text + _inner(s)
 
 
