@@ -81,12 +81,7 @@ class StepAborts:
         no part in it (then leave at once, naming it), or None."""
         self._keep(plan)
         self._open = plan.round + index
-        return self.absent_from(plan, index)
-
-    def absent_from(self, plan: RoundPlan, index: int) -> str | None:
-        """The member that said it takes no part in the step of round ``index`` of ``plan``, or None."""
-        key = (plan.task_cid, plan.term, plan.round, plan.attempt)
-        return self._absent.get(plan.round + index) if key == self._plan else None
+        return self._absent.get(self._open)
 
     def close(self) -> None:
         """Every member joined this member's step summary (its round opened here, before this member

@@ -32,11 +32,14 @@ class StepWindow:
         self.run = run
         self._aborts = StepAborts(run.me)
         self._scope: trio.CancelScope | None = None  # the step's, while it runs
+        self._culprit: str | None = None  # the member this member left that step for
 
     def on_report(self, plan: RoundPlan | None, reporter: str, report: RoundFailed) -> None:
         """A signed failure report while this member follows ``plan``: leave the step now when its
         sender, a member of the plan, said it takes no part in it and this member still may."""
-        if self._aborts.report(plan, reporter, report) is not None and self._scope is not None:
+        culprit = self._aborts.report(plan, reporter, report)
+        if culprit is not None and self._scope is not None:
+            self._culprit = culprit
             self._scope.cancel()
 
     def joined(self) -> None:
@@ -49,19 +52,18 @@ class StepWindow:
         """The step of round ``index`` of ``plan`` (its summary's round ``summary_id``) as a body this
         member leaves when a member of the plan says it takes no part in it, already or until the
         summary opens (:meth:`joined`): then the others are told and :class:`PeerFailed` names it."""
+        self._culprit = self._aborts.begin(plan, index)
         with trio.CancelScope() as scope:
             self._scope = scope
-            if self._aborts.begin(plan, index) is not None:
+            if self._culprit is not None:
                 scope.cancel()
             try:
                 yield
             finally:
                 self._scope = None
-        if not scope.cancelled_caught:
+        if not scope.cancelled_caught or self._culprit is None:  # only this module cancels the scope
             return
-        absent = self._aborts.absent_from(plan, index)
-        assert absent is not None
-        culprit = ID.from_base58(absent)
+        culprit = ID.from_base58(self._culprit)
         reason = f"said it takes no part in round {plan.round + index} (attempt {plan.attempt})"
         ring = [ID.from_base58(m) for m in plan.members]
         await self.run.collective.hub.broadcast_abort(ring, summary_id, culprit, reason, tell_culprit=False)
