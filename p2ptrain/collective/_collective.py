@@ -214,13 +214,17 @@ class Collective:
     async def gather(
         self, payload: bytes, ring: list[ID], round_id: int, *, max_bytes: int,
         check: Callable[[int, bytes], object], timeout: float = DENSE.timeout, start_timeout: float | None = None,
+        joined: Callable[[], object] | None = None,
     ) -> list[bytes]:
         """Every member's ``payload`` (at most ``max_bytes``), in ring order, the same list on every
         member: each slot its member's own, signed, and compared by every member before it returns
         (:mod:`p2ptrain.collective._gather`). ``check(member, raw)`` raises ``ValueError`` to refuse
         the payload of ring member ``member``: the round fails as :class:`BadPayload` naming it. An
         equivocating member fails it as :class:`Misbehaved`. ``timeout`` bounds every hop,
-        ``start_timeout`` (default ``timeout``) waiting for the members to join."""
+        ``start_timeout`` (default ``timeout``) waiting for the members to join. ``joined()`` is
+        called once every member has joined, before this member sends anything in the round: until
+        then a caller may cancel the gather knowing that no member can complete it (a pipelined
+        step's summary, protocol/_step_aborts.py)."""
         if len(payload) > max_bytes:
             raise CollectiveError(f"a payload of {len(payload)} bytes in a gather of at most {max_bytes}")
         digest = round_digest(round_id, ring, gather_description(max_bytes))
@@ -229,6 +233,8 @@ class Collective:
             async with self.hub.open_round(
                 ring, round_id, digest, timeout=timeout, start_timeout=start_timeout or timeout, mesh=True,
             ) as links:
+                if joined is not None:
+                    joined()
                 witness = Witness(links, digest, self._key)
                 out = await witnessed_gather(links, payload, witness, max_bytes=max_bytes, check=check,
                                              segment_bytes=self.segment_bytes)

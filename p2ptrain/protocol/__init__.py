@@ -80,6 +80,12 @@ if TYPE_CHECKING:
     from p2ptrain.protocol._round_book import RoundBook as RoundBook, RuleBreak as RuleBreak
     from p2ptrain.protocol._stage_verdicts import (check_key_message as check_key_message, convicted as convicted,
                                                    LoneFailures as LoneFailures)
+    from p2ptrain.protocol._step_aborts import (
+        CANNOT_FOLLOW as CANNOT_FOLLOW,
+        NO_TRAINING_DATA as NO_TRAINING_DATA,
+        OUT_OF_STEP as OUT_OF_STEP,
+        StepAborts as StepAborts,
+    )
     # The stage statements' bytes are declared in wire/ (wire/_stage_statements.py); kept here too,
     # where they were first exported.
     from p2ptrain.wire import (

@@ -36,7 +36,7 @@ from p2ptrain.run._stage_copies import keep_stage_copies
 from p2ptrain.run._stage_trainer import StagedTrainer
 from p2ptrain.run._stages import StageRounds
 from p2ptrain.pipeline import PipelineError
-from p2ptrain.protocol import buffers_round_id, round_id, shard_of
+from p2ptrain.protocol import buffers_round_id, NO_TRAINING_DATA, OUT_OF_STEP, round_id, shard_of
 from p2ptrain.training import Average, PlanAverager, StateSnapshot, TrainerError, run_round
 from p2ptrain.task import Task
 from p2ptrain.wire import RoundPlan
@@ -136,7 +136,7 @@ class Spans:
             logger.warning("%s: out of step (%s); resyncing from the latest confirmed model", run.log_prefix, exc)
             run.desync(trio.current_time())
             # The other members would wait for us until their start timeout: say so at once.
-            await run.report_failure(plan, 0, f"out of step: {exc}")
+            await run.report_failure(plan, 0, f"{OUT_OF_STEP}: {exc}")
             return
         batches: Iterator[Any] = iter(())  # a pipelined run's later stages read no data
         if self.stages is None or self.stages.stage_of(plan) == 0:
@@ -145,7 +145,7 @@ class Spans:
                 batches = await self.data.training_batches(rank, world, trainer.batch_position)
             except ContentUnavailable as exc:
                 logger.warning("%s: cannot get my shards for rank %d of %d: %s", run.log_prefix, rank, world, exc)
-                await run.report_failure(plan, 0, f"no training data: {exc}")
+                await run.report_failure(plan, 0, f"{NO_TRAINING_DATA}: {exc}")
                 return
         average = self.averager.for_plan(plan)
         index = 0

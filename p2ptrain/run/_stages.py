@@ -39,6 +39,8 @@ wrong (every book leaves it out of plans for the quarantine; the retry runs with
 
 Any failure (a member gone, a :class:`~p2ptrain.pipeline.PipelineError`) is the run's round failure,
 as in a data-parallel round: the coordinator's retry plan goes on without the member that left. A
+member of the plan that says it takes no part (it cannot follow the plan) is not waited for at the
+summary: every member leaves the step at once naming it, until its summary opens (run/_step_window.py). A
 replica that dies mid-step is routed around within the step (nothing is lost), but the step still
 fails at the summary (the drivers do not yet agree on smaller rings with the replicas: docs/pipeline.md,
 "Next", item 2), and the retry repeats it without that replica.
@@ -73,6 +75,7 @@ from p2ptrain.run._stage_local_sgd import LocalSGDStagedTrainer
 from p2ptrain.run._stage_sum import SparseStageSum
 from p2ptrain.run._stage_trainer import StagedTrainer
 from p2ptrain.run._step_summary import gather_summary
+from p2ptrain.run._step_window import StepWindow
 from p2ptrain.training import loss_and_hits, StepResult
 from p2ptrain.wire import RoundPlan
 
@@ -156,6 +159,8 @@ class StageRounds:
         self._stragglers = Stragglers()
         # Every member: which driver's steps fail while the others' do not, summary after summary.
         self._lone_failures = LoneFailures()
+        # Every member: the step it may leave at once for a member that says it takes no part.
+        self.window = StepWindow(run)
         # As a driver: the replicas (base58) a third opinion outvoted here, and their stage, kept
         # across plans: this driver's accusations in every step's summary while a plan names them.
         self._accused: dict[str, int] = {}
@@ -308,33 +313,35 @@ class StageRounds:
         step = self._trainer().step
         began = time.perf_counter()
         loss, failed = 0.0, False
-        if self._driver is not None:
-            # The replicas join the summary now and the drivers after their whole step: their
-            # channels wait here for it, however long a (first, slow) step takes within the summary's wait.
-            run.collective.announce(summary_id, STEP_TIMEOUT_S)
-            self._driver.new_step(wire_step)
-            try:
-                loss = await self._drive(plan, batches)
-            except PipelineError as exc:
-                logger.warning("%s: step %d failed at this driver: %s", run.log_prefix, step, exc)
-                failed = True
-            # Its accusations: the replicas it caught lying, and those that stall its steps.
-            self._accused.update((str(peer), s) for peer, s in self._driver.liars.items())
-            self._stalled.update((str(peer), s) for peer, s in self._driver.stragglers.items())
-            self._driver.liars.clear()
-            self._driver.stragglers.clear()
-            for (s, a, b), n in self._driver.undecided.items():
-                low, high = sorted((str(a), str(b)))
-                run.stage_disagreements[(s, low, high)] += n
-            self._driver.undecided.clear()
-        else:
-            assert self._replica is not None
-            self._replica.new_step(wire_step)
-        computed = time.perf_counter() - began
-        timings.last_compute_s += computed
-        timings.compute_s += computed
-        summary = await gather_summary(run.collective, plan, index, run.me, loss, failed, timeout=self.hop_timeout,
-                                       start_timeout=STEP_TIMEOUT_S, accused=(*self._accused, *self._stalled), inner=inner)
+        async with self.window.open(plan, index, summary_id):  # left for a member taking no part
+            if self._driver is not None:
+                # The replicas join the summary now and the drivers after their whole step: their
+                # channels wait here for it, however long a (first, slow) step takes within the summary's wait.
+                run.collective.announce(summary_id, STEP_TIMEOUT_S)
+                self._driver.new_step(wire_step)
+                try:
+                    loss = await self._drive(plan, batches)
+                except PipelineError as exc:
+                    logger.warning("%s: step %d failed at this driver: %s", run.log_prefix, step, exc)
+                    failed = True
+                # Its accusations: the replicas it caught lying, and those that stall its steps.
+                self._accused.update((str(peer), s) for peer, s in self._driver.liars.items())
+                self._stalled.update((str(peer), s) for peer, s in self._driver.stragglers.items())
+                self._driver.liars.clear()
+                self._driver.stragglers.clear()
+                for (s, a, b), n in self._driver.undecided.items():
+                    low, high = sorted((str(a), str(b)))
+                    run.stage_disagreements[(s, low, high)] += n
+                self._driver.undecided.clear()
+            else:
+                assert self._replica is not None
+                self._replica.new_step(wire_step)
+            computed = time.perf_counter() - began
+            timings.last_compute_s += computed
+            timings.compute_s += computed
+            summary = await gather_summary(run.collective, plan, index, run.me, loss, failed, timeout=self.hop_timeout,
+                                           start_timeout=STEP_TIMEOUT_S, accused=(*self._accused, *self._stalled), inner=inner,
+                                           joined=self.window.joined)
         if summary.convicted:
             for peer in summary.convicted:  # judged: back after its quarantine, only a new lie accuses it
                 self._accused.pop(peer, None)

@@ -20,6 +20,7 @@ wire/_summary_entries.py): its accusations, which every member weighs alike
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from libp2p.peer.id import ID
@@ -43,10 +44,12 @@ class StepSummary:
 async def gather_summary(
     collective: Collective, plan: RoundPlan, index: int, me: str, loss: float, failed: bool, *, timeout: float,
     start_timeout: float, accused: tuple[str, ...] = (), inner: int | None = None,
+    joined: Callable[[], object] | None = None,
 ) -> StepSummary:
     """Round ``index`` of ``plan``'s summary, with this member's entry (``loss``, ``failed``,
     ``accused``: a driver's, the replicas of the plan it accuses; a replica passes 0 and False and
-    says nothing); in local-SGD mode, that of the round's ``inner``-th inner step. Raises
+    says nothing); in local-SGD mode, that of the round's ``inner``-th inner step. ``joined()``:
+    called once every member joined it, before this member sends its entry (Collective.gather). Raises
     ``CollectiveError`` (:class:`~p2ptrain.collective.PeerFailed` naming a member gone, or one whose
     entry is refused)."""
     drivers = stage_rings(plan)[0]
@@ -63,7 +66,7 @@ async def gather_summary(
     ring = [ID.from_base58(m) for m in plan.members]
     gather_id = round_id(plan, index) if inner is None else inner_round_id(plan, index, inner)
     parts = await collective.gather(mine, ring, gather_id, max_bytes=MAX_SUMMARY_ENTRY_BYTES, check=check,
-                                    timeout=timeout, start_timeout=start_timeout)
+                                    timeout=timeout, start_timeout=start_timeout, joined=joined)
     total, failures, accusations = 0.0, [], []
     for member, raw in zip(plan.members, parts, strict=True):
         if member in drivers:

@@ -49,8 +49,8 @@ from p2ptrain.run._stage_checkpoints import initial_manifest
 from p2ptrain.run._stage_local_sgd import LocalSGDStagedTrainer, staged_trainer
 from p2ptrain.run._stage_trainer import StagedTrainer
 from p2ptrain.control import FINISHED, ChainEntry, Phase, TaskStatus
-from p2ptrain.protocol import (Chain, ChainRules, load_model_bytes, orphaned_stages, plan_order, RecordError,
-                               RoundBook, RuleBreak, stage_moves, stage_rings)
+from p2ptrain.protocol import (CANNOT_FOLLOW, Chain, ChainRules, load_model_bytes, orphaned_stages, plan_order,
+                               RecordError, RoundBook, RuleBreak, stage_moves, stage_rings)
 from p2ptrain.task import Task, total_steps
 from p2ptrain.training import LocalSGDTrainer, Trainer, TrainerError, new_trainer, warm_up_torch
 from p2ptrain.wire import (
@@ -341,6 +341,8 @@ class TaskRun:
             return
         coordinator = run.election.is_coordinator
         if run.book.note_failure_report(trio.current_time(), report, sender, run.me, coordinator=coordinator):
+            if self.spans.stages is not None:  # a member that takes no part: leave the step now
+                self.spans.stages.window.on_report(run.book.last_plan, sender, report)
             logger.info("%s: %s reports round %d failed: %s", run.log_prefix, short_id(sender), report.round,
                         report.reason)
             if coordinator:
@@ -366,7 +368,7 @@ class TaskRun:
             if new and run.me in plan.members:
                 # Listed in a plan we will not follow (we do not recognise its coordinator yet):
                 # the others would wait for us until their start timeout.
-                await run.report_failure(plan, 0, f"cannot follow this plan: {problem}")
+                await run.report_failure(plan, 0, f"{CANNOT_FOLLOW}: {problem}")
             return
         self._note_recovery(before, plan)
         # Only members of a plan we follow may open round channels to us before the round opens.

@@ -8,7 +8,7 @@ import os
 import torch
 import trio
 
-from p2ptrain.collective import RoundSpec, _inbox as inbox, _round_hub as rounds
+from p2ptrain.collective import CollectiveError, RoundSpec, _inbox as inbox, _round_hub as rounds
 from p2ptrain.net import ChannelError, open_channel
 from p2ptrain.wire import PROTOCOL, Header, Kind
 
@@ -148,3 +148,30 @@ async def test_an_announced_round_keeps_its_early_channels_past_the_parking_wind
         assert driver.collective.hub.stats()["refused_park_expired"] >= 1
         after = await gather([join(p, 42, announce=True) for p in peers])
         assert after == [[b"x", b"x"], [b"x", b"x"]], after
+
+
+async def test_a_member_that_leaves_a_gather_as_every_member_joined_lets_no_member_complete_it(cluster, gather):
+    """The pipelined step's abort (run/_step_window.py) rests on this: ``joined`` is called once every
+    member has joined, before the member sends anything, and a member cancelled by then (the report
+    came as its round opened) sends no CONFIRM, so no member returns the gather: all drop the step."""
+    async with cluster(3) as peers:
+        ring = [p.id for p in peers]
+        calls: list[str] = []
+
+        def join(p, leaves: bool):
+            async def run():
+                with trio.CancelScope() as scope:
+                    def joined():
+                        calls.append(str(p.id))
+                        if leaves:
+                            scope.cancel()
+                    return await p.collective.gather(str(p.id).encode()[:8], ring, 43, max_bytes=8,
+                                                     check=lambda i, raw: None, timeout=5.0, start_timeout=10.0,
+                                                     joined=joined)
+                return "left"
+            return run
+
+        got = await gather([join(p, leaves=p is peers[2]) for p in peers])
+        assert sorted(calls) == sorted(str(p.id) for p in peers)  # once each, the round open everywhere
+        assert got[2] == "left"
+        assert all(isinstance(r, CollectiveError) for r in got[:2]), got  # nobody completed it

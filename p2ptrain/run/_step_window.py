@@ -1,0 +1,70 @@
+"""Leaving a pipelined step at once when a member of its plan says it takes no part in it: the runtime
+of :class:`~p2ptrain.protocol.StepAborts` (which reports count, and why leaving is safe only until
+the step's summary opens here, is that module's docstring).
+
+A member leaves by cancelling its part of the step (its drive, or its wait at the summary's join),
+then tells the plan's other members so with the collective's abort notice on the summary's round,
+naming the member that takes no part: one that the report has not reached yet (gossip keeps no
+order between senders) then fails that round at once naming the same member, instead of blaming the
+member that left when it finds its channels gone. The step fails here as :class:`PeerFailed` naming
+it: the run's usual round failure (run/_spans.py) leaves it out of plans for the quarantine, and the
+coordinator's retry goes on without it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import trio
+from libp2p.peer.id import ID
+
+from p2ptrain.collective import PeerFailed
+from p2ptrain.protocol import StepAborts
+from p2ptrain.run._run_state import RunState
+from p2ptrain.wire import RoundFailed, RoundPlan
+
+
+class StepWindow:
+    """One member's pipelined steps, each one it may still leave, step after step, plan after plan."""
+
+    def __init__(self, run: RunState) -> None:
+        self.run = run
+        self._aborts = StepAborts(run.me)
+        self._scope: trio.CancelScope | None = None  # the step's, while it runs
+        self._culprit: str | None = None  # the member this member left that step for
+
+    def on_report(self, plan: RoundPlan | None, reporter: str, report: RoundFailed) -> None:
+        """A signed failure report while this member follows ``plan``: leave the step now when its
+        sender, a member of the plan, said it takes no part in it and this member still may."""
+        culprit = self._aborts.report(plan, reporter, report)
+        if culprit is not None and self._scope is not None:
+            self._culprit = culprit
+            self._scope.cancel()
+
+    def joined(self) -> None:
+        """Every member joined the step's summary here (before this member sends anything in it):
+        no report ends the step any more (Collective.gather's ``joined``)."""
+        self._aborts.close()
+
+    @asynccontextmanager
+    async def open(self, plan: RoundPlan, index: int, summary_id: int) -> AsyncIterator[None]:
+        """The step of round ``index`` of ``plan`` (its summary's round ``summary_id``) as a body this
+        member leaves when a member of the plan says it takes no part in it, already or until the
+        summary opens (:meth:`joined`): then the others are told and :class:`PeerFailed` names it."""
+        self._culprit = self._aborts.begin(plan, index)
+        with trio.CancelScope() as scope:
+            self._scope = scope
+            if self._culprit is not None:
+                scope.cancel()
+            try:
+                yield
+            finally:
+                self._scope = None
+        if not scope.cancelled_caught or self._culprit is None:  # only this module cancels the scope
+            return
+        culprit = ID.from_base58(self._culprit)
+        reason = f"said it takes no part in round {plan.round + index} (attempt {plan.attempt})"
+        ring = [ID.from_base58(m) for m in plan.members]
+        await self.run.collective.hub.broadcast_abort(ring, summary_id, culprit, reason, tell_culprit=False)
+        raise PeerFailed(culprit, reason)
