@@ -72,9 +72,9 @@ EXPORTS: dict[str, list[str]] = {
     ],
     "p2ptrain.pipeline": [
         "ChannelPool", "Cut", "DoubleCounted", "Driver", "Evaluation", "EvaluationFailed", "HopDeadlines", "KEEP_GRAPHS",
-        "MAX_STREAMS_PER_PEER", "Outvoted", "PROTOCOL", "PartitionError", "PipelineError", "Stage", "StageReplica",
-        "StageUnavailable", "Stragglers", "Wiring", "balanced_cut", "evaluate_stages", "is_checked", "partition", "pieces_of",
-        "serve_requests", "sum_stage_gradients",
+        "MAX_STREAMS_PER_PEER", "Outvoted", "PROTOCOL", "PartitionError", "PipelineError", "RequestShapes", "Stage",
+        "StageReplica", "StageUnavailable", "Stragglers", "Wiring", "balanced_cut", "evaluate_stages", "is_checked",
+        "partition", "pieces_of", "request_shapes", "serve_requests", "sum_stage_gradients",
     ],
     "p2ptrain.net": [
         "Channel", "ChannelClosed", "ChannelError", "MessageTooLarge", "PubsubMessageTooLarge",

@@ -65,6 +65,7 @@ async def test_local_sgd_stages_hold_the_same_bits_after_every_outer_step(
     inner_step_stage = LocalSGDStagedTrainer.inner_step_stage
     mid_round: dict[tuple[int, int, int], dict[int, bytes]] = {}  # (step, inner, stage) -> {trainer: its bits}
     residuals: dict[str, float] = {}  # member -> the norm of its sparse residual after its last outer step
+    shaped: dict[str, tuple[int | None, int]] = {}  # member -> its stage's requests' microbatch, and refused for shape
 
     def stepped(self: LocalSGDStagedTrainer, stage: int, inner: int, count: int, total: int) -> bool:
         done = inner_step_stage(self, stage, inner, count, total)
@@ -77,6 +78,9 @@ async def test_local_sgd_stages_hold_the_same_bits_after_every_outer_step(
         stage = self.stage_of(plan)
         held.setdefault((self._trainer().step, stage), {})[self.run.me] = shared_digest(self, stage)
         losses[result.step] = result.local_loss
+        assert self._evaluee is not None
+        shapes = self._evaluee.shapes
+        shaped[self.run.me] = (shapes.microbatch if shapes else None, self._evaluee.refused["shape"])
         if self._sparse is not None:
             residual = self._sparse.residual()
             residuals[self.run.me] = 0.0 if residual is None else float(residual.norm())
@@ -117,6 +121,8 @@ async def test_local_sgd_stages_hold_the_same_bits_after_every_outer_step(
     chains = {tuple((c["version"], c["step"], c["model_cid"]) for c in s["chain"]) for s in final}
     assert len(chains) == 1 and next(iter(chains))[-1][1] == STEPS, chains
     assert not any(s["rejected"].get("stage_diverged") for s in final)
+    # Every member's stage took requests of the task's shapes only (its microbatch of 2), and refused none.
+    assert shaped == {m: (2, 0) for m in shaped} and len(shaped) == 4, shaped
     # And it learns: the last outer step's loss is below the first's.
     assert losses[STEPS - 1] < losses[0], losses
     assert all(torch.isfinite(torch.tensor(v)) for v in losses.values())
