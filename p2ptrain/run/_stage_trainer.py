@@ -174,14 +174,21 @@ class StagedTrainer(Trainer):
     def request_shapes(self, manifest: Manifest) -> list[RequestShapes]:
         """What a request to each stage's replica may hold (pipeline/_request_shapes.py): the task's
         microbatch (an EVAL: its eval batch) of samples of its data set's ``manifest`` (token ids for
-        a text set, as the data loader gives them; float32 otherwise), traced on a model of its own on
-        the meta device, so no stage this member serves is touched."""
+        a text set, float32 otherwise, as the data loader gives them to the model), traced on a model
+        of its own on the meta device, so no stage this member serves is touched. Empty (a replica
+        then takes any request within the default frame limits, as before) when the meta device
+        cannot trace the model: a check that stopped a run that trains would be worse than none."""
         task = self.task
         assert task.pipeline is not None
         sample = torch.empty(manifest.features.shape, dtype=torch.int64 if manifest.tokens is not None else torch.float32)
-        return request_shapes(meta_model(task.model.name, task.model.arguments), task.pipeline.stages, sample,
-                              manifest.labels.shape, microbatch=task.pipeline.microbatch_size or task.training.batch_size,
-                              evaluation=task.training.eval_batch_size)
+        try:
+            return request_shapes(meta_model(task.model.name, task.model.arguments), task.pipeline.stages, sample,
+                                  manifest.labels.shape, microbatch=task.pipeline.microbatch_size or task.training.batch_size,
+                                  evaluation=task.training.eval_batch_size)
+        except (NotImplementedError, RuntimeError, ValueError, TypeError, IndexError) as exc:
+            log.warning("the stages' request shapes cannot be traced on the meta device (%s): their replicas take "
+                        "any request within the default frame limits", str(exc).strip().split("\n")[0])
+            return []
 
     # --- a stage's checkpoint files ---------------------------------------------------------------
 

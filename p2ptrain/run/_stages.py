@@ -167,7 +167,7 @@ class StageRounds:
         # Under stage_sum = "sparse": this member's reducer and residual for the stage it holds
         # (run/_stage_sum.py: dropped when its stage or step changes otherwise than by its own steps).
         assert run.task.pipeline is not None
-        self._shapes: list[RequestShapes] | None = None  # each stage's requests' (from the task, at the first take)
+        self._shapes: list[RequestShapes] | None = None  # each stage's requests' (at the first take; [] untraceable)
         self._sparse = SparseStageSum(run.task, run.collective, timeout=hop_timeout) \
             if run.task.pipeline.sparse_sum else None
 
@@ -188,7 +188,7 @@ class StageRounds:
             await load_confirmed_stage(run, index)
         if self._shapes is None and run.manifest is not None:  # what its requests may hold: its frame limits
             self._shapes = await trio.to_thread.run_sync(trainer.request_shapes, run.manifest)
-        shapes = self._shapes[index] if self._shapes is not None else None
+        shapes = self._shapes[index] if self._shapes else None
         stage = await trio.to_thread.run_sync(trainer.take_stage, index)  # at step 0: made from the seed
         self._plan, self._driver, self._replica = plan, None, None
         self._stalled.clear()

@@ -6,6 +6,8 @@ requests pass, an EVAL of the task's larger eval batch too."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import trio
@@ -16,7 +18,9 @@ from p2ptrain.pipeline import PROTOCOL, request_shapes, RequestShapes, StageRepl
 from p2ptrain.testing import connected_hosts
 from p2ptrain.wire.activations import decode_frame, encode_frame, Frame, Kind, Limits
 
-from .test_hostile_stages import LM, lm_loss, stages
+from p2ptrain.run._stage_trainer import StagedTrainer
+
+from .test_hostile_stages import LM, lm_loss, stages, TRAINER_TASK
 
 MICRO, EVAL = 2, 8
 C, W, V = LM["context"], LM["width"], LM["vocab_size"]
@@ -75,3 +79,18 @@ async def test_an_oversized_forward_is_refused_and_counted_before_it_is_computed
     assert replica.refused == {"shape": 1}
     assert computed == [MICRO, EVAL]  # the oversized FORWARD never reached the stage
     assert replica.limits.max_elements < Limits().max_elements
+
+
+def test_a_run_s_shapes_come_from_its_data_set_and_a_model_the_meta_device_cannot_trace_keeps_the_default(
+        caplog: pytest.LogCaptureFixture):
+    trainer = StagedTrainer(TRAINER_TASK, total_steps=1)  # transformer_lm in 2 stages, microbatch = batch = 8
+    context = TRAINER_TASK.model.arguments["context"]
+    text = SimpleNamespace(features=SimpleNamespace(shape=(context,)), labels=SimpleNamespace(shape=(context,)),
+                           tokens=SimpleNamespace(vocab_size=61))
+    first, second = trainer.request_shapes(text)  # type: ignore[arg-type]
+    assert first.inputs == (context,) and (second.microbatch, second.evaluation, second.inputs) == (8, 256, (context, 16))
+    # Samples the model refuses on the meta device (longer than its context): no shapes, the replicas
+    # keep the default limits, and the run is not stopped by the check.
+    longer = SimpleNamespace(**{**vars(text), "features": SimpleNamespace(shape=(2 * context,))})
+    assert trainer.request_shapes(longer) == []  # type: ignore[arg-type]
+    assert "cannot be traced" in caplog.text
