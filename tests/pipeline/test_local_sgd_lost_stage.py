@@ -33,7 +33,7 @@ from .test_pipelined_run import publish, small_text  # noqa: F401 (small_text: a
 
 DEADLINE_S = 300.0
 STEP_S = 120.0
-STEPS, INTERVAL, INNER = 6, 2, 2
+STEPS, INTERVAL, INNER = 4, 2, 2
 LOCAL = (TASK.replace("total_steps = 12", f"total_steps = {STEPS}")
          .replace("checkpoint_interval = 4", f"checkpoint_interval = {INTERVAL}")
          .replace("batch_size = 4\n", f'batch_size = 4\nmode = "local_sgd"\ninner_steps = {INNER}\n')

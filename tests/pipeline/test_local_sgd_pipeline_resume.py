@@ -28,7 +28,7 @@ from .test_pipelined_run import DEADLINE_S, publish, small_text, STEP_S
 
 __all__ = ["small_text"]  # the fixture (autouse): the small text, one thread
 
-STEPS, INTERVAL = 6, 2
+STEPS, INTERVAL = 4, 2
 RESUMED = LOCAL.replace("min = 4", "min = 3").replace("total_steps = 4", f"total_steps = {STEPS}")
 
 
