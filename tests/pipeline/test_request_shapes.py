@@ -35,9 +35,12 @@ def test_each_stage_s_requests_are_traced_from_the_task_on_the_meta_device():
     first, middle, last = shapes(3)  # embed | a block | a block and the head
     assert first == RequestShapes(MICRO, EVAL, (C,), (C, W), (C,))
     assert middle == RequestShapes(MICRO, EVAL, (C, W), (C, W), (C,))
-    assert last == RequestShapes(MICRO, EVAL, (C, W), (C, V), (C,))
-    # The frame limits are the largest request's: the eval batch of the head's logits here.
-    assert last.limits() == Limits(max_rank=3, max_elements=EVAL * C * V)
+    assert last == RequestShapes(MICRO, EVAL, (C, W), None, (C,))  # its output's gradient is no request's
+    # The frame limits are the largest request's: an eval batch of activations here; never over the default.
+    assert last.limits() == middle.limits() == Limits(max_rank=3, max_elements=EVAL * C * W)
+    assert first.limits() == Limits(max_rank=3, max_elements=EVAL * C * W)  # the gradient of its output
+    huge = RequestShapes(MICRO, 256, (1024, 768), (1024, 768), (1024,))  # a GPT-2's eval batch: 201M values
+    assert huge.limits().max_elements == Limits().max_elements
 
 
 @pytest.mark.parametrize(("kind", "tensors", "refused"), [
