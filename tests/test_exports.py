@@ -72,9 +72,9 @@ EXPORTS: dict[str, list[str]] = {
     ],
     "p2ptrain.pipeline": [
         "ChannelPool", "Cut", "DoubleCounted", "Driver", "Evaluation", "EvaluationFailed", "HopDeadlines", "KEEP_GRAPHS",
-        "MAX_STREAMS_PER_PEER", "Outvoted", "PROTOCOL", "PartitionError", "PipelineError", "Stage", "StageReplica",
-        "StageUnavailable", "Stragglers", "Wiring", "balanced_cut", "evaluate_stages", "is_checked", "partition", "pieces_of",
-        "serve_requests", "sum_stage_gradients",
+        "MAX_STREAMS_PER_PEER", "Outvoted", "PROTOCOL", "PartitionError", "PipelineError", "RequestShapes", "Stage",
+        "StageReplica", "StageUnavailable", "Stragglers", "Wiring", "balanced_cut", "evaluate_stages", "is_checked",
+        "partition", "pieces_of", "request_shapes", "serve_requests", "sum_stage_gradients",
     ],
     "p2ptrain.net": [
         "Channel", "ChannelClosed", "ChannelError", "MessageTooLarge", "PubsubMessageTooLarge",
@@ -145,10 +145,10 @@ EXPORTS: dict[str, list[str]] = {
         "TrainerError", "UserLocalSGDTrainer", "UserTrainer",
         "batched", "batches_forever", "check_stage_signatures", "config_snippet",
         "describe_model_file", "evaluate_batches", "export_pretrained",
-        "import_pretrained", "is_manifest", "load_model", "loss_and_hits", "lr_at", "manifest_bytes",
+        "import_pretrained", "inner_lr", "is_manifest", "load_model", "loss_and_hits", "lr_at", "manifest_bytes",
         "model_file", "model_from_bytes", "module_device", "new_trainer", "read_manifest", "resolve_device",
         "round_spec", "run_round", "slow_on_sparse",
-        "stage_file_cids", "stage_signatures_problem", "warm_up_torch",
+        "stage_file_cids", "stage_signatures_problem", "step_inner", "warm_up_torch", "zero_unless_finite",
     ],
     "p2ptrain.wire": [
         "Attestation", "Capabilities", "ConfirmedRecord", "CoordinatorBeat", "DIGEST_BYTES", "DRAW_BYTES", "DTYPES",

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from p2ptrain.pipeline._replica import (KEEP_GRAPHS as KEEP_GRAPHS, MAX_STREAMS_PER_PEER as MAX_STREAMS_PER_PEER,
                                             PROTOCOL as PROTOCOL, serve_requests as serve_requests,
                                             StageReplica as StageReplica)
+    from p2ptrain.pipeline._request_shapes import request_shapes as request_shapes, RequestShapes as RequestShapes
     from p2ptrain.pipeline._stragglers import Stragglers as Stragglers
     from p2ptrain.pipeline._wiring import Wiring as Wiring
 else:

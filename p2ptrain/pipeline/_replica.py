@@ -43,6 +43,7 @@ from libp2p.abc import IHost
 from p2ptrain.base import count_rejection, short_id
 from p2ptrain.net import Channel, ChannelClosed, serve_channels, StreamGuard
 from p2ptrain.pipeline._partition import Stage
+from p2ptrain.pipeline._request_shapes import RequestShapes
 from p2ptrain.wire.activations import ActivationError, decode_frame, DEFAULT_LIMITS, encode_frame, Frame, Kind, Limits
 
 logger = logging.getLogger(__name__)
@@ -81,18 +82,21 @@ class StageReplica:
     ``senders`` are the peers whose requests it answers (the plan's drivers), from the plan, never
     from a request; ``encoding`` is how its answers' activations and gradients travel (fp32, fp16, int8);
     ``keep_graphs``: FORWARD graphs kept per sender for its BACKWARDs (0: every BACKWARD recomputes);
-    ``evaluators``: peers (from the plan too) whose EVAL requests it answers, and nothing else of theirs.
+    ``evaluators``: peers (from the plan too) whose EVAL requests it answers, and nothing else of theirs;
+    ``shapes``: the task's shapes of its requests (pipeline/_request_shapes.py), which then set its
+    frame limits too; a request of other shapes is refused before it is computed (None: any within ``limits``).
     """
 
     def __init__(
         self, host: IHost, stage: Stage, loss: Loss, *, senders: Collection[Hashable], encoding: str = "fp32",
         limits: Limits = DEFAULT_LIMITS, protocol: str = PROTOCOL, keep_graphs: int = KEEP_GRAPHS,
-        evaluators: Collection[Hashable] = (),
+        evaluators: Collection[Hashable] = (), shapes: RequestShapes | None = None,
     ) -> None:
         self.host, self.stage, self.loss = host, stage, loss
         self.senders = frozenset(senders)
         self.evaluators = frozenset(evaluators)
-        self.encoding, self.limits, self.protocol = encoding, limits, protocol
+        self.encoding, self.protocol, self.shapes = encoding, protocol, shapes
+        self.limits = shapes.limits() if shapes is not None else limits
         self.step = 0
         # The step the stage's weights are at (the runtime sets it as it applies a step): what an
         # EVAL must name, since it evaluates the weights as they are, between steps or within one.
@@ -109,7 +113,8 @@ class StageReplica:
         self.requests = 0
         self.evaluations = 0  # EVAL requests answered
         # Requests refused, by reason: "outsider" (a peer the plan names no sender), "malformed" (bytes
-        # or fields), "failed" (tensors the stage cannot take), "slow" (no whole request in time).
+        # or fields), "shape" (tensors not of the task's shapes: more samples than its microbatch, say),
+        # "failed" (tensors the stage cannot take), "slow" (no whole request in time).
         self.refused: collections.Counter[str] = collections.Counter()
         self.guard: StreamGuard | None = None
 
@@ -162,6 +167,12 @@ class StageReplica:
         sender = channel.remote_peer
         try:
             request = decode_frame(data, self.limits)
+            misshapen = self._misshapen(request)
+            if misshapen:
+                count_rejection(self.refused, "shape", logger, logging.INFO, "pipeline stage %d: refused a request "
+                                "from %s: %s", self.stage.index, short_id(sender), misshapen)
+                await channel.reset()
+                return False
             # A driver already in the next step: wait for ours to start (an EVAL names the weights' step).
             if request.kind != Kind.EVAL and request.step > self.step:
                 with trio.move_on_after(AHEAD_WAIT_S):
@@ -208,13 +219,28 @@ class StageReplica:
                 self._progress = trio.Event()
         return True
 
-    def _problem(self, request: Frame) -> str | None:
-        """Why ``request`` is not one this replica answers, or None."""
+    def _misshapen(self, request: Frame) -> str | None:
+        """Why ``request``'s tensors are not of the task's shapes (None: they are, or none are set),
+        asked of a request of a kind and number of tensors this replica answers only."""
+        if self.shapes is None or self._no_request(request):
+            return None
+        return self.shapes.problem(request)
+
+    def _no_request(self, request: Frame) -> str | None:
+        """Why ``request`` is of no kind, or number of tensors, this replica answers; or None."""
         last = self.stage.index == self.stage.count - 1
         expected: dict[int, int] = {Kind.FORWARD: 1, Kind.LOSS: 2, Kind.BACKWARD: 2, Kind.HOLDINGS: 0,
                                     Kind.CHECK_LOSS: 2, Kind.CHECK_BACKWARD: 2, Kind.EVAL: 2 if last else 1}
         if request.kind not in expected or len(request.tensors) != expected[request.kind]:
             return f"a {request.kind} frame with {len(request.tensors)} tensors is no request"
+        return None
+
+    def _problem(self, request: Frame) -> str | None:
+        """Why ``request`` is not one this replica answers, or None."""
+        no_request = self._no_request(request)
+        if no_request:
+            return no_request
+        last = self.stage.index == self.stage.count - 1
         step = self.weights_step if request.kind == Kind.EVAL else self.step
         if request.stage != self.stage.index or request.step != step:
             return f"request for stage {request.stage} step {request.step}; this is stage {self.stage.index} step {step}"

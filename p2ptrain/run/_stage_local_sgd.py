@@ -40,7 +40,8 @@ from p2ptrain.base import all_finite, flat_params, load_flat_params
 from p2ptrain.protocol import RecordError
 from p2ptrain.run._stage_trainer import INDEX_NAME, StagedTrainer
 from p2ptrain.task import OuterSpec, Task
-from p2ptrain.training import lr_at, MOMENTUM_KEY, OuterOptimizer, StepResult, TrainerError
+from p2ptrain.training import (inner_lr, MOMENTUM_KEY, OuterOptimizer, step_inner, StepResult, TrainerError,
+                                zero_unless_finite)
 
 log = logging.getLogger(__name__)
 
@@ -94,10 +95,7 @@ class LocalSGDStagedTrainer(StagedTrainer):
             for p in params:
                 if p.grad is not None:
                     p.grad.mul_(scale)
-            lr = lr_at(self.task, self.step * self.inner_steps + inner, self.total_steps * self.inner_steps)
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
-            self.optimizer.step()
+            step_inner(self.optimizer, self.task, self.step, inner, self.inner_steps, self.total_steps)
         self.optimizer.zero_grad(set_to_none=True)
         self.inner_step = inner + 1
         return stepped
@@ -111,9 +109,7 @@ class LocalSGDStagedTrainer(StagedTrainer):
         start, self._start = self._start, None
         delta = torch.sub(start, flat_params(params))
         load_flat_params(params, start)
-        if not all_finite(delta):
-            log.warning("step %d: pseudo-gradient is not finite; contributing zeros", self.step)
-            delta.zero_()
+        zero_unless_finite(delta, self.step)
         offset = 0
         for p in params:
             p.grad = delta[offset : offset + p.numel()].view_as(p)
@@ -157,7 +153,7 @@ class LocalSGDStagedTrainer(StagedTrainer):
         else:
             log.warning("step %d: the stage's pseudo-gradient sum is not finite; every replica skips it", self.step)
         self.optimizer.zero_grad(set_to_none=True)
-        lr = lr_at(self.task, (self.step + 1) * self.inner_steps - 1, self.total_steps * self.inner_steps)
+        lr = inner_lr(self.task, self.step, self.inner_steps - 1, self.inner_steps, self.total_steps)
         result = StepResult(step=self.step, local_loss=loss, lr=lr, applied=applied)
         self.step += 1
         return result

@@ -27,7 +27,8 @@ import torch
 
 from p2ptrain.base import all_finite
 from p2ptrain.models import build_model, InitialPieces, meta_model
-from p2ptrain.pipeline import partition, Stage
+from p2ptrain.data import Manifest
+from p2ptrain.pipeline import partition, request_shapes, RequestShapes, Stage
 from p2ptrain.protocol import (model_tensors, read_model_card, read_tensors, RecordError, state_bytes, tensors_bytes,
                                write_state_file)
 from p2ptrain.training import ManifestError, read_manifest, StepResult, Trainer, TrainerError
@@ -169,6 +170,25 @@ class StagedTrainer(Trainer):
         self._hold(set())
         self.step, self.pending = step, None
         self.whole, self.trained = False, None
+
+    def request_shapes(self, manifest: Manifest) -> list[RequestShapes]:
+        """What a request to each stage's replica may hold (pipeline/_request_shapes.py): the task's
+        microbatch (an EVAL: its eval batch) of samples of its data set's ``manifest`` (token ids for
+        a text set, float32 otherwise, as the data loader gives them to the model), traced on a model
+        of its own on the meta device, so no stage this member serves is touched. Empty (a replica
+        then takes any request within the default frame limits, as before) when the meta device
+        cannot trace the model: a check that stopped a run that trains would be worse than none."""
+        task = self.task
+        assert task.pipeline is not None
+        sample = torch.empty(manifest.features.shape, dtype=torch.int64 if manifest.tokens is not None else torch.float32)
+        try:
+            return request_shapes(meta_model(task.model.name, task.model.arguments), task.pipeline.stages, sample,
+                                  manifest.labels.shape, microbatch=task.pipeline.microbatch_size or task.training.batch_size,
+                                  evaluation=task.training.eval_batch_size)
+        except (NotImplementedError, RuntimeError, ValueError, TypeError, IndexError) as exc:
+            log.warning("the stages' request shapes cannot be traced on the meta device (%s): their replicas take "
+                        "any request within the default frame limits", str(exc).strip().split("\n")[0])
+            return []
 
     # --- a stage's checkpoint files ---------------------------------------------------------------
 

@@ -66,7 +66,8 @@ from p2ptrain.base import short_id
 from p2ptrain.collective import Misbehaved
 from p2ptrain.net import Channel, serve_channels
 from p2ptrain.pipeline import (ChannelPool, Driver, evaluate_stages, HopDeadlines, MAX_STREAMS_PER_PEER, PipelineError,
-                               PROTOCOL, serve_requests, StageReplica, Stragglers, sum_stage_gradients, Wiring)
+                               PROTOCOL, RequestShapes, serve_requests, StageReplica, Stragglers, sum_stage_gradients,
+                               Wiring)
 from p2ptrain.protocol import (check_key_message, inner_round_id, LoneFailures, owner_seed, round_id, round_seed,
                                shard_of, stage_rings, stage_round_id)
 from p2ptrain.run._run_state import RunState
@@ -171,6 +172,7 @@ class StageRounds:
         # Under stage_sum = "sparse": this member's reducer and residual for the stage it holds
         # (run/_stage_sum.py: dropped when its stage or step changes otherwise than by its own steps).
         assert run.task.pipeline is not None
+        self._shapes: list[RequestShapes] | None = None  # each stage's requests' (at the first take; [] untraceable)
         self._sparse = SparseStageSum(run.task, run.collective, timeout=hop_timeout) \
             if run.task.pipeline.sparse_sum else None
 
@@ -189,6 +191,9 @@ class StageRounds:
         index = self.stage_of(plan)
         if not trainer.holds(index):
             await load_confirmed_stage(run, index)
+        if self._shapes is None and run.manifest is not None:  # what its requests may hold: its frame limits
+            self._shapes = await trio.to_thread.run_sync(trainer.request_shapes, run.manifest)
+        shapes = self._shapes[index] if self._shapes else None
         stage = await trio.to_thread.run_sync(trainer.take_stage, index)  # at step 0: made from the seed
         self._plan, self._driver, self._replica = plan, None, None
         self._stalled.clear()
@@ -212,9 +217,9 @@ class StageRounds:
                                   check_key=host.get_private_key().sign(check_key_message(plan)))
         else:
             self._replica = StageReplica(host, stage, _loss, senders=[ID.from_base58(m) for m in rings[0]],
-                                         encoding=encoding, protocol=self.protocol, evaluators=evaluators)
+                                         encoding=encoding, protocol=self.protocol, evaluators=evaluators, shapes=shapes)
         self._evaluee = self._replica or StageReplica(host, stage, _loss, senders=(), protocol=self.protocol,
-                                                      evaluators=evaluators)
+                                                      evaluators=evaluators, shapes=shapes)
         self._evaluee.weights_step = trainer.step
         if not self._serving:
             serve_channels(host, self.protocol, self._answer, max_streams_per_peer=MAX_STREAMS_PER_PEER)

@@ -27,7 +27,13 @@ if TYPE_CHECKING:
         import_pretrained as import_pretrained,
         PretrainedError as PretrainedError,
     )
-    from p2ptrain.training._local_sgd import LocalSGDTrainer as LocalSGDTrainer, new_trainer as new_trainer
+    from p2ptrain.training._local_sgd import (
+        inner_lr as inner_lr,
+        LocalSGDTrainer as LocalSGDTrainer,
+        new_trainer as new_trainer,
+        step_inner as step_inner,
+        zero_unless_finite as zero_unless_finite,
+    )
     from p2ptrain.training._outer import (
         MOMENTUM_KEY as MOMENTUM_KEY,
         OuterOptimizer as OuterOptimizer,

@@ -47,6 +47,32 @@ log = logging.getLogger(__name__)
 _OUTER_HEADER_BYTES = 4096
 
 
+
+def inner_lr(task: Task, step: int, inner: int, inner_steps: int, total_steps: int) -> float:
+    """The inner learning rate of inner step ``inner`` of outer step ``step``: the task's schedule
+    over inner steps (``step * inner_steps + inner`` of ``total_steps * inner_steps``), so that a
+    run of H inner steps per round anneals as one of ``total_steps * H`` sync steps would."""
+    return lr_at(task, step * inner_steps + inner, total_steps * inner_steps)
+
+
+def step_inner(optimizer: torch.optim.Optimizer, task: Task, step: int, inner: int, inner_steps: int,
+               total_steps: int) -> None:
+    """``optimizer`` (a member's own inner one) steps at :func:`inner_lr`: what both local-SGD
+    trainers do after each inner step's gradients, the data-parallel one and a pipelined stage's."""
+    lr = inner_lr(task, step, inner, inner_steps, total_steps)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    optimizer.step()
+
+
+def zero_unless_finite(delta: torch.Tensor, step: int) -> None:
+    """A pseudo-gradient that is not finite is contributed as zeros (warned), in place: one member's
+    diverged inner loop must not poison the average, which every member applies alike."""
+    if not all_finite(delta):
+        log.warning("step %d: pseudo-gradient is not finite; contributing zeros", step)
+        delta.zero_()
+
+
 class LocalSGDTrainer(Trainer):
     """A :class:`Trainer` whose round is H inner steps and an outer step (DiLoCo)."""
 
@@ -78,7 +104,6 @@ class LocalSGDTrainer(Trainer):
         """H inner steps from the shared weights; the pseudo-gradient ``theta - theta_after`` (kept
         as :attr:`pending`). The model holds the shared weights again when this returns."""
         start = self.flat_weights(self._start)
-        total_inner = self.total_steps * self.inner_steps
         losses = 0.0
         try:
             for i in range(self.inner_steps):
@@ -89,18 +114,13 @@ class LocalSGDTrainer(Trainer):
                 if not grads_ok:
                     log.warning("step %d: inner step %d has a non-finite gradient; skipped", self.step, i)
                     continue
-                lr = lr_at(self.task, self.step * self.inner_steps + i, total_inner)
-                for group in self.optimizer.param_groups:
-                    group["lr"] = lr
-                self.optimizer.step()
+                step_inner(self.optimizer, self.task, self.step, i, self.inner_steps, self.total_steps)
             self.optimizer.zero_grad(set_to_none=True)
             delta = torch.sub(start, self.flat_weights())
         finally:
             self.inner_step = None
             self._set_weights(start)  # whatever happened, the model holds the shared weights
-        if not all_finite(delta):
-            log.warning("step %d: pseudo-gradient is not finite; contributing zeros", self.step)
-            delta.zero_()
+        zero_unless_finite(delta, self.step)
         self.pending, self.pending_loss = delta, losses / self.inner_steps
         return delta
 
@@ -118,7 +138,7 @@ class LocalSGDTrainer(Trainer):
         else:
             log.warning("step %d: averaged pseudo-gradient is not finite; every member skips this step", self.step)
         # The inner rate of this step's last inner step: the task's schedule, or the user's own optimizer's.
-        lr = (lr_at(self.task, (self.step + 1) * self.inner_steps - 1, self.total_steps * self.inner_steps)
+        lr = (inner_lr(self.task, self.step, self.inner_steps - 1, self.inner_steps, self.total_steps)
               if self.task.optimizer is not None else float(self.optimizer.param_groups[0]["lr"]))
         result = StepResult(step=self.step, local_loss=self.pending_loss, lr=lr, applied=applied)
         self.step += 1
