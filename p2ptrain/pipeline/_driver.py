@@ -275,7 +275,7 @@ class Driver:
                 continue
             seconds = self.clock() - began
             self.wiring.finished(peer, seconds)
-            self.deadlines.answered(stage, peer, seconds, len(request))
+            self.deadlines.answered(stage, peer, seconds, len(request), queued)
             self.straggling.took(stage, peer, seconds / (1 + queued))  # its share of the wait: the hops queued before it
             return peer, answer
 

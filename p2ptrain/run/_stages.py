@@ -163,6 +163,8 @@ class StageRounds:
         # summaries of the plan it was judged in: not distrusted (slowness is no evidence of who
         # caused it, and routing around it could leave this driver no replica of a stage).
         self._stalled: dict[str, int] = {}
+        # Under balance = "measured": the median stage times of the last summary (kept in the book by step, once applied).
+        self._micros: tuple[int, ...] = ()
         # Under stage_sum = "sparse": this member's reducer and residual for the stage it holds
         # (run/_stage_sum.py: dropped when its stage or step changes otherwise than by its own steps).
         assert run.task.pipeline is not None
@@ -248,10 +250,17 @@ class StageRounds:
         await self._sum(plan, index, stage)
         applied = time.perf_counter()
         result = await trio.to_thread.run_sync(trainer.apply_stage, stage, loss)
-        if self._evaluee is not None:
-            self._evaluee.weights_step = trainer.step
+        self._applied()
         self._timed(applied - synced, time.perf_counter() - applied)
         return result
+
+    def _applied(self) -> None:
+        """The round's step applied: EVALs may name it, plans from it weigh the stages by its summary's times."""
+        trainer, book = self.run.require()
+        if self._evaluee is not None:
+            self._evaluee.weights_step = trainer.step
+        if self._micros:
+            book.stage_times.note(trainer.step, self._micros)
 
     async def _outer_step(self, plan: RoundPlan, index: int, batches: Iterator[Any],
                           trainer: LocalSGDStagedTrainer) -> StepResult:
@@ -292,8 +301,7 @@ class StageRounds:
         applied = time.perf_counter()
         result = await trio.to_thread.run_sync(trainer.apply_outer, stage, len(stage_rings(plan)[stage]),
                                                loss / inner_steps)
-        if self._evaluee is not None:
-            self._evaluee.weights_step = trainer.step
+        self._applied()
         self._timed(applied - synced, stepping + time.perf_counter() - applied)
         return result
 
@@ -333,8 +341,12 @@ class StageRounds:
         computed = time.perf_counter() - began
         timings.last_compute_s += computed
         timings.compute_s += computed
+        timed = bool(run.task.pipeline and run.task.pipeline.measured_balance)  # local-SGD: the last pass's times count
+        micros = self._deadlines.stage_micros(len(stage_rings(plan))) if timed and self._driver is not None else ()
         summary = await gather_summary(run.collective, plan, index, run.me, loss, failed, timeout=self.hop_timeout,
-                                       start_timeout=STEP_TIMEOUT_S, accused=(*self._accused, *self._stalled), inner=inner)
+                                       start_timeout=STEP_TIMEOUT_S, accused=(*self._accused, *self._stalled), inner=inner,
+                                       timed=timed, micros=micros)
+        self._micros = summary.micros
         if summary.convicted:
             for peer in summary.convicted:  # judged: back after its quarantine, only a new lie accuses it
                 self._accused.pop(peer, None)
