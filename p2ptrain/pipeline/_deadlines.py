@@ -94,11 +94,12 @@ class HopDeadlines:
         """What a microbatch takes at each of ``stages`` stages, in microseconds, as this sender
         measured it (its timed step summary entry under ``balance = "measured"``): the median of its
         last hops to the stage (to any replica), each over one plus the hops it had queued there
-        before it (its share of the wait), twice at a middle stage (a FORWARD and a BACKWARD), once at
-        the last (a LOSS); 0 at stage 0 (the drivers' own, not hopped to) and where nothing was measured."""
+        before it (its share of the wait), twice at stage 0 and a middle stage (a FORWARD and a
+        BACKWARD), once at the last (a LOSS); 0 where nothing was measured. Stage 0's "hops" are the
+        driver's own forwards and backwards of it (``answered(0, None, ...)``: no deadline reads them)."""
         out = []
         for stage in range(stages):
-            hops = self._stages.get(stage) if stage else None
+            hops = self._stages.get(stage)
             typical = _quantile([h.seconds / (1 + h.queued) for h in hops], 0.5) if hops else 0.0
             out.append(min(round(typical * (1 if stage == stages - 1 else 2) * 1e6), 2**32 - 1))
         return tuple(out)

@@ -5,13 +5,13 @@ computes the same costs and holds the coordinator's assignment to them (protocol
 Where the times come from: each driver puts, in its own signed entry of the step summary
 (wire/_summary_entries.py, a gather every member of the step compares before reading it), the
 microseconds a microbatch took at each stage as it measured them (its recent hops there, each over
-the hops it had queued there: pipeline.HopDeadlines.typical). No driver's word is taken alone:
-per stage, the *median* over the drivers that measured it (:func:`median_micros`), so a minority of
-lying drivers moves it no further than the honest drivers' own spread. A stage no driver measured
-(stage 0, which the drivers compute themselves; any stage before its first hop) is estimated from
-its parameters at the measured stages' median microseconds per parameter, and every measured cost
-stays within :data:`SPREAD` times that estimate either way (:func:`measured_costs`): even a
-majority of lying drivers skews a stage's weight by at most that factor.
+the hops it had queued there, and its own computations of stage 0: pipeline.HopDeadlines.stage_micros).
+No driver's word is taken alone: per stage, the *median* over the drivers that measured it
+(:func:`median_micros`), so a minority of lying drivers moves it no further than the honest drivers'
+own spread. A stage no driver measured (before its first hop) is estimated from its parameters at
+the measured stages' median microseconds per parameter, and every measured cost stays within
+:data:`SPREAD` times that estimate either way (:func:`measured_costs`): even a majority of lying
+drivers skews a stage's weight by a bounded factor.
 
 A member keeps the times of the summary of each step it applied (:class:`StageTimes`, a few steps
 back): a plan from step ``t`` is checked with the times of the step that ended at ``t``, which every

@@ -107,3 +107,6 @@ def test_a_driver_times_each_stage_per_microbatch():
         deadlines.answered(1, "r1", seconds, 100)
     deadlines.answered(2, "r2", 0.060, 100, queued=2)  # a hop queued behind two others: its third of the wait
     assert deadlines.stage_micros(3) == (0, 22000, 20000)  # stage 1's FORWARD and BACKWARD, stage 2's LOSS
+    deadlines.answered(0, None, 0.004, 0)  # the driver's own forward and backward of stage 0
+    deadlines.answered(0, None, 0.004, 0)
+    assert deadlines.stage_micros(3) == (8000, 22000, 20000)
