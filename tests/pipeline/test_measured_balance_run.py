@@ -3,7 +3,8 @@ balance = "measured"``: every replica of stage 1 answers its hops late (a slow m
 the test), the drivers' timed summary entries say so, and the coordinator's next plans move members
 to stage 1 beyond what the stages' parameters give, one a plan; every member checks those plans
 against the times it received itself (none refuses them), and the moved members load their new
-stage by CID and the run confirms models after the move.
+stage by CID and the run confirms models after the move; ``task status --json`` shows each stage's
+time.
 
 Five peers, three stages of a 2-block transformer_lm (its embedding, one block, the other block
 with the head). On main (costs were parameter counts) the plans never moved anyone: the test timed
@@ -103,3 +104,11 @@ async def test_the_plans_move_members_to_the_stage_measured_slowest(tmp_path: Pa
             # and no member found a plan breaking the rules (each checked the stages against its own times).
             await peers.wait_version(task_cid, plan.version + 2, WAIT_S, what="two models confirmed after the move")
             assert all(r.book is not None and not r.book.refused_spans for r in runs)
+
+            def shown() -> list | None:
+                stages = peers.status(0, task_cid).get("stages") or []
+                return stages if stages and all("microseconds" in e for e in stages) else None
+
+            # task status --json shows each stage's time: stage 1's hops are at least SLOW_S each, two a microbatch.
+            stages = await peers.wait_until(shown, WAIT_S, what="task status showing each stage's time")
+            assert stages[1]["microseconds"] >= 2 * SLOW_S * 1e6, stages
