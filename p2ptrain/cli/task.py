@@ -230,7 +230,8 @@ def render_status(s: TaskStatus) -> str:
             served = "-" if s.stage is None else s.stage
             lines.append(f"stages     {len(s.stages)}, this peer serves stage {served}: " + "; ".join(
                 f"{e['stage']}: {len(e['replicas'])} replica{'s' if len(e['replicas']) != 1 else ''}, "
-                f"{e['parameters']:,} parameters" for e in s.stages))
+                f"{e['parameters']:,} parameters" + (f", {e['microseconds'] / 1000:.1f} ms a microbatch"
+                                                     if "microseconds" in e else "") for e in s.stages))
         for e in s.stage_suspects or ():
             lines.append(f"suspect    {short_id(e['peer'])}, stage {e['stage']}: sent altered activations or gradients "
                          f"({e['times']} time{'s' if e['times'] != 1 else ''}, last at step {e['step']}); left out of plans")

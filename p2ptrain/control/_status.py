@@ -141,7 +141,8 @@ class TaskStatus:
     inner_step: int | None = _member()
     is_coordinator: bool = _member(False)
     # A pipelined task (issue 31): this member's stage in the latest plan (from 0), and every stage's
-    # {"stage", "replicas" (peer IDs, in the plan's order), "parameters"}; None for any other task.
+    # {"stage", "replicas" (peer IDs, in the plan's order), "parameters"} (and, under balance =
+    # "measured", "microseconds": the drivers' median time of a microbatch there); None for any other task.
     stage: int | None = _member()
     stages: tuple[dict[str, Any], ...] | None = _member()
     # A pipelined task: the replicas convicted of sending altered activations (outvoted by a third

@@ -46,6 +46,7 @@ PEER_CAP = 4.0  # a replica's deadline is at most this many times its stage's ot
 class _Hop:
     seconds: float
     size: int  # the request's bytes
+    queued: int = 0  # the sender's hops in flight there when it was sent
 
 
 class HopDeadlines:
@@ -81,12 +82,27 @@ class HopDeadlines:
         """``factor`` times the quantile of ``hops``, each scaled up to a request of ``size`` bytes."""
         return self.factor * _quantile([h.seconds * max(1.0, size / max(h.size, 1)) for h in hops], self.quantile)
 
-    def answered(self, stage: int, peer: Hashable, seconds: float, size: int) -> None:
-        """``peer`` answered a request of ``size`` bytes to ``stage`` after ``seconds``."""
-        hop = _Hop(max(seconds, 0.0), size)
+    def answered(self, stage: int, peer: Hashable, seconds: float, size: int, queued: int = 0) -> None:
+        """``peer`` answered a request of ``size`` bytes to ``stage`` after ``seconds``, sent while
+        ``queued`` other hops of this sender were in flight there."""
+        hop = _Hop(max(seconds, 0.0), size, max(queued, 0))
         self._replicas.setdefault((stage, peer), collections.deque(maxlen=self._window)).append(hop)
         self._stages.setdefault(stage, collections.deque(maxlen=self._window)).append(hop)
         self._backoff.pop((stage, peer), None)
+
+    def stage_micros(self, stages: int) -> tuple[int, ...]:
+        """What a microbatch takes at each of ``stages`` stages, in microseconds, as this sender
+        measured it (its timed step summary entry under ``balance = "measured"``): the median of its
+        last hops to the stage (to any replica), each over one plus the hops it had queued there
+        before it (its share of the wait), twice at stage 0 and a middle stage (a FORWARD and a
+        BACKWARD), once at the last (a LOSS); 0 where nothing was measured. Stage 0's "hops" are the
+        driver's own forwards and backwards of it (``answered(0, None, ...)``: no deadline reads them)."""
+        out = []
+        for stage in range(stages):
+            hops = self._stages.get(stage)
+            typical = _quantile([h.seconds / (1 + h.queued) for h in hops], 0.5) if hops else 0.0
+            out.append(min(round(typical * (1 if stage == stages - 1 else 2) * 1e6), 2**32 - 1))
+        return tuple(out)
 
     def timed_out(self, stage: int, peer: Hashable, deadline: float) -> None:
         """``peer`` gave no answer to ``stage``'s request within ``deadline`` seconds: its next

@@ -141,8 +141,7 @@ class Driver:
         # {replica: its stage} of the stragglers found (the caller takes them: its accusations).
         self.stragglers: dict[Hashable, int] = {}
         self.cut = list(cut)
-        # {(stage, input shape, input dtype): the stage's output shape}: a few entries (the step's
-        # microbatch sizes), each computed once on the meta device.
+        # {(stage, input shape, input dtype): the stage's output shape}, each computed once on the meta device.
         self._shapes: dict[tuple[int, tuple[int, ...], torch.dtype], torch.Size] = {}
         self.step = 0
         self._microbatches: dict[int, _Microbatch] = {}
@@ -150,17 +149,14 @@ class Driver:
         # {(stage, microbatch): the replicas sent its LOSS or BACKWARD this step}: only they may hold it.
         self._sent: dict[tuple[int, int], set[Hashable]] = {}
         self._lock = trio.Lock()  # stage 0's graph and gradients, one computation at a time
-        self.reroutes = 0
+        self.reroutes = self.redone = 0
         self.timeouts = 0  # hops rerouted because their deadline passed
-        self.redone = 0
         if not 0.0 <= check_fraction <= 1.0:
             raise ValueError(f"check_fraction must be in [0, 1], not {check_fraction}")
         self.check_fraction = check_fraction
-        # What draws the checked microbatches (is_checked): the runtime's is the driver's signature
-        # of the plan, which no replica can compute in advance.
+        # What draws the checked microbatches (is_checked): the runtime's, its signature of the plan (no replica knows it).
         self.check_key = check_key
-        # What the second opinions found, kept across steps (pipeline/_opinions.py); the caller
-        # takes (clears) the liars, its accusations, and the undecided pairs.
+        # What second opinions found, kept across steps (pipeline/_opinions.py); the caller takes the liars and undecided pairs.
         self.opinions = Opinions()
         self.disagreements, self.outvoted = self.opinions.disagreements, self.opinions.outvoted
         self.liars, self.undecided = self.opinions.liars, self.opinions.undecided
@@ -201,7 +197,9 @@ class Driver:
             record.done = True
             return record.loss
         async with self._lock:
+            began = self.clock()
             h = await trio.to_thread.run_sync(self._forward0, x)
+            self.deadlines.answered(0, None, self.clock() - began, 0)  # stage 0's own time (HopDeadlines.stage_micros)
         a = h.detach()
         # Drawn here, seen by nobody else: a checked microbatch travels as any other, and only keeps
         # its hops (their tensors are the boundaries kept anyway) for finish's second opinions.
@@ -225,7 +223,9 @@ class Driver:
             _keep(record, Kind.CHECK_BACKWARD, s, mb, tensors, 0.0, peer, answer)
             g = answer.tensors[0]
         async with self._lock:
+            began = self.clock()
             await trio.to_thread.run_sync(h.backward, g)
+            self.deadlines.answered(0, None, self.clock() - began, 0)
         record.done = True
         return record.loss
 
@@ -275,7 +275,7 @@ class Driver:
                 continue
             seconds = self.clock() - began
             self.wiring.finished(peer, seconds)
-            self.deadlines.answered(stage, peer, seconds, len(request))
+            self.deadlines.answered(stage, peer, seconds, len(request), queued)
             self.straggling.took(stage, peer, seconds / (1 + queued))  # its share of the wait: the hops queued before it
             return peer, answer
 

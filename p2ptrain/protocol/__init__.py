@@ -19,6 +19,11 @@ if TYPE_CHECKING:
         AssignmentError as AssignmentError,
         throughput as throughput,
     )
+    from p2ptrain.protocol._stage_costs import (
+        measured_costs as measured_costs,
+        median_micros as median_micros,
+        StageTimes as StageTimes,
+    )
     from p2ptrain.protocol._attestations import ATTEST_TIMEOUT_S as ATTEST_TIMEOUT_S, Attestations as Attestations
     from p2ptrain.protocol._candidacy import won_alone as won_alone
     from p2ptrain.protocol._election import (

@@ -8,9 +8,10 @@ replicated stage, and then moves at most ``max_moves`` members per plan from the
 slowest while that raises the pipeline's throughput (Petals' rebalancing; one move a plan keeps a
 noisy measure from making members flap between stages).
 
-A stage's time per microbatch is measured (the drivers' hop times, later) or, before any measure,
-its parameter count (a stage twice the size takes about twice as long). Peers are compared by their
-sort order only, so every member computing the plan from the same inputs gets the same plan.
+A stage's time per microbatch is measured (the drivers' hop times under ``[pipeline] balance =
+"measured"``: protocol/_stage_costs.py) or, before any measure and in any other task, its parameter
+count (a stage twice the size takes about twice as long). Peers are compared by their sort order
+only, so every member computing the plan from the same inputs gets the same plan.
 """
 
 from __future__ import annotations
@@ -38,10 +39,12 @@ def _counts(assignment: Mapping[Any, int], stages: int) -> list[int]:
 
 def assign(
     members: Sequence[Hashable], costs: Sequence[float], previous: Mapping[Any, int] | None = None,
-    *, max_moves: int = 1,
+    *, max_moves: int = 1, margin: float = 1.0,
 ) -> dict[Hashable, int]:
     """{member: stage} for ``members`` over ``len(costs)`` stages whose time per microbatch on one
-    replica is ``costs[s]`` (seconds, or parameters before any measure)."""
+    replica is ``costs[s]`` (measured, or parameters before any measure). A move is made only when
+    it raises the pipeline's throughput more than ``margin`` times (measured costs vary from plan to
+    plan: a margin keeps members from moving back and forth on noise)."""
     stages = len(costs)
     if len(members) < stages:
         raise AssignmentError(f"{len(members)} members cannot serve {stages} stages")
@@ -67,7 +70,7 @@ def assign(
         donor = max(spare, key=lambda s: ((counts[s] - 1) / costs[s], -s))
         moved = dict(out)
         moved[_last_of(out, donor)] = slowest
-        if throughput(moved, costs) <= throughput(out, costs):
+        if throughput(moved, costs) <= margin * throughput(out, costs):
             break
         out = moved
     return out

@@ -13,6 +13,7 @@ from collections.abc import Collection, Sequence
 from p2ptrain.base import short_id
 from p2ptrain.protocol._assignment import assign
 from p2ptrain.protocol._records import quorum
+from p2ptrain.protocol._stage_costs import measured_costs, MOVE_MARGIN
 from p2ptrain.task import Task, stage_parameters
 from p2ptrain.protocol._voters import rank
 from p2ptrain.wire import RoundPlan
@@ -157,14 +158,17 @@ def joiner_room(kept: int) -> int:
     return max(1, kept - 1)
 
 
-def rule_problem(task: Task, total_steps: int, plan: RoundPlan, before: RoundPlan | None) -> str | None:
+def rule_problem(
+    task: Task, total_steps: int, plan: RoundPlan, before: RoundPlan | None, micros: Sequence[int] | None = None,
+) -> str | None:
     """Why an elected coordinator's ``plan`` breaks the run's rules, or None. The rules come from
     the task and from ``before`` (the latest plan the member took from a coordinator), never from the
     coordinator: the plan's members are distinct, admitted by the task and between ``peers.min`` and
     ``peers.max``; its span fits the task; and it keeps a quorum of ``before``'s members (no
     coordinator can swap the members out from under the run in one plan, which is also why a
-    minority side of a partition never plans). A plan that breaks them is evidence against its
-    coordinator (:class:`~p2ptrain.protocol.RuleBreak`)."""
+    minority side of a partition never plans); its stages are :func:`plan_stages`' (``micros``: the
+    stage times this member received in the summary of the step the plan starts at, if it applied
+    it). A plan that breaks them is evidence against its coordinator (:class:`~p2ptrain.protocol.RuleBreak`)."""
     peers = task.peers
     members = plan.members
     if len(set(members)) != len(members):
@@ -183,26 +187,38 @@ def rule_problem(task: Task, total_steps: int, plan: RoundPlan, before: RoundPla
         if kept < quorum(len(before.members)):
             return (f"it keeps {kept} of the {len(before.members)} members of plan {before.round}.{before.attempt}, "
                     f"a quorum is {quorum(len(before.members))}")
-    return _stages_problem(task, plan, before if after else None)
+    return _stages_problem(task, plan, before if after else None, micros)
 
 
-def plan_stages(task: Task, members: Sequence[str], before: RoundPlan | None) -> tuple[int, ...] | None:
+def plan_stages(
+    task: Task, members: Sequence[str], before: RoundPlan | None, micros: Sequence[int] | None = None,
+) -> tuple[int, ...] | None:
     """The stage of each of ``members`` (in their order) for a pipelined task, None for any other:
-    :func:`~p2ptrain.protocol._assignment.assign` over the stages' parameter counts (step times are
-    not measured yet), from ``before``'s assignment (the latest plan taken from a coordinator). Pure:
-    the coordinator plans it and every member that took ``before`` computes the same."""
+    :func:`~p2ptrain.protocol._assignment.assign` from ``before``'s assignment (the latest plan
+    taken from a coordinator) over the stages' parameter counts, or, under ``[pipeline] balance =
+    "measured"`` and given the median stage times ``micros`` of the step the plan starts at, over
+    their measured costs (protocol/_stage_costs.py; a move then needs :data:`MOVE_MARGIN`). Pure:
+    the coordinator plans it and every member that took ``before`` and applied that step computes
+    the same."""
     if task.pipeline is None:
         return None
     previous = dict(zip(before.members, before.stages, strict=True)) if before and before.stages else None
-    out = assign(members, stage_parameters(task), previous)
+    parameters = stage_parameters(task)
+    costs = measured_costs(parameters, micros) if micros and task.pipeline.measured_balance else None
+    out = assign(members, costs or parameters, previous, margin=MOVE_MARGIN if costs else 1.0)
     return tuple(out[m] for m in members)
 
 
-def _stages_problem(task: Task, plan: RoundPlan, before: RoundPlan | None) -> str | None:
+def _stages_problem(task: Task, plan: RoundPlan, before: RoundPlan | None, micros: Sequence[int] | None) -> str | None:
     """Why ``plan``'s stages break the rules: a stage for each member of a pipelined task (none for
-    any other), each stage served; and, for a plan after ``before``, exactly :func:`plan_stages`.
-    A member that took no plan before (a joiner) checks the shape only: it does not know the
-    assignment the coordinator started from."""
+    any other), each stage served; and, for a plan after ``before``, exactly :func:`plan_stages`,
+    over the parameters or, under ``balance = "measured"``, over the times ``micros`` this member
+    received alike with the others (a coordinator that did not apply the plan's start step, a
+    resynced one, has no times and plans by parameters: either is one the member computes itself,
+    so a coordinator chooses between those two, never the costs). A member that took no plan before
+    (a joiner) checks the shape only: it does not know the assignment the coordinator started from;
+    so does a member of a measuring task without the start step's times (it resynced to it): it
+    does not know the costs, and the members that have them check the plan."""
     if task.pipeline is None:
         return None if plan.stages is None else "it assigns stages, the task has no [pipeline]"
     stages, count = plan.stages, task.pipeline.stages
@@ -211,10 +227,10 @@ def _stages_problem(task: Task, plan: RoundPlan, before: RoundPlan | None) -> st
     empty = sorted(set(range(count)) - set(stages))
     if empty or not all(0 <= s < count for s in stages):
         return f"its stages leave stage {empty[0]} without a member" if empty else f"a stage out of 0..{count - 1}"
-    if before is None:
+    if before is None or (task.pipeline.measured_balance and not micros):
         return None
     expected = plan_stages(task, plan.members, before)
-    if expected != stages:
+    if expected != stages and (not micros or plan_stages(task, plan.members, before, micros) != stages):
         assert expected is not None
         moved = next(m for m, s, e in zip(plan.members, stages, expected, strict=True) if s != e)
         return (f"it puts {short_id(moved)} in stage {stages[plan.members.index(moved)]}; the assignment from "

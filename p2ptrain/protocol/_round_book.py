@@ -49,6 +49,7 @@ from p2ptrain.protocol._planner import Hold
 from p2ptrain.protocol._plans import is_checkpoint, plan_order, rule_problem
 from p2ptrain.protocol._lineage import Chain
 from p2ptrain.protocol._records import certificate, sign_record
+from p2ptrain.protocol._stage_costs import StageTimes
 from p2ptrain.task import Task
 from p2ptrain.wire import ModelRecord, RoundFailed, RoundPlan, SignedModelRecord, SignedVote
 
@@ -124,6 +125,7 @@ class RoundBook:
     # of theirs is believed, here or in a chain a head names.
     refused_spans: set[tuple[int, int, int]] = field(default_factory=set)
     accepted: RoundPlan | None = None  # the latest plan taken from an elected coordinator
+    stage_times: StageTimes = field(default_factory=StageTimes)  # by step: what plans from it weigh stages by
 
     @property
     def head_step(self) -> int:
@@ -408,9 +410,9 @@ class RoundBook:
         return None
 
     def rule_problem(self, plan: RoundPlan) -> str | None:
-        """Why the elected coordinator's ``plan`` breaks the run's rules
-        (:func:`~p2ptrain.protocol._plans.rule_problem`, against the latest plan accepted here)."""
-        return rule_problem(self.task, self.total_steps, plan, self.accepted)
+        """Why the elected coordinator's ``plan`` breaks the run's rules (:func:`~p2ptrain.protocol._plans.rule_problem`,
+        against the latest plan accepted here and the stage times of the step it starts at)."""
+        return rule_problem(self.task, self.total_steps, plan, self.accepted, self.stage_times.at(plan.step))
 
     def _note_span(self, plan: RoundPlan) -> None:
         """Remember ``plan`` as its span's (the latest for the step it ends at), for the record of
@@ -425,14 +427,8 @@ class RoundBook:
             self.refused_spans.discard(refused)  # (end step first: the oldest spans go)
 
     def checkpoint_record(
-        self,
-        plan: RoundPlan,
-        step: int,
-        model_cid: str,
-        optimizer_cid: str,
-        metrics: dict[str, float],
-        key_pair: KeyPair,
-        votes: Sequence[SignedVote] = (),
+        self, plan: RoundPlan, step: int, model_cid: str, optimizer_cid: str, metrics: dict[str, float],
+        key_pair: KeyPair, votes: Sequence[SignedVote] = (),
     ) -> SignedModelRecord:
         """As coordinator, after the last round of a span: the signed record that extends the chain,
         carrying ``votes`` (this coordinator's certificate of ``plan``'s term) for whoever checks

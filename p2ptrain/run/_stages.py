@@ -75,7 +75,7 @@ from p2ptrain.run._stage_checkpoints import load_confirmed_stage, store_stage_ch
 from p2ptrain.run._stage_local_sgd import LocalSGDStagedTrainer
 from p2ptrain.run._stage_sum import SparseStageSum
 from p2ptrain.run._stage_trainer import StagedTrainer
-from p2ptrain.run._step_summary import gather_summary
+from p2ptrain.run._step_summary import convicted_failure, gather_summary
 from p2ptrain.run._step_window import StepWindow
 from p2ptrain.training import loss_and_hits, StepResult
 from p2ptrain.wire import RoundPlan
@@ -116,26 +116,6 @@ def plan_evaluators(plan: RoundPlan, me: str, coordinator: str | None, term: int
     return [m for m in plan.members if m != me]
 
 
-def convicted_failure(
-    plan: RoundPlan, step: int, convicted: tuple[str, ...], suspects: dict[str, dict[str, Any]], log_prefix: str,
-) -> Misbehaved:
-    """The failure of ``step``, whose summary convicted the replicas ``convicted`` (base58, of
-    ``plan``): :class:`Misbehaved` naming the first (a retry without it convicts the next), so that
-    the run's usual round failure leaves it out of the next plans; each one counted in ``suspects``
-    (``task status``'s ``stage_suspects``) and logged, naming its stage and the step."""
-    assert plan.stages is not None
-    for peer in convicted:
-        stage = plan.stages[plan.members.index(peer)]
-        seen = suspects.setdefault(peer, {"peer": peer, "stage": stage, "times": 0, "step": step})
-        seen.update(stage=stage, step=step, times=seen["times"] + 1)
-        logger.warning("%s: step %d: stage %d replica %s accused by a majority of the drivers (altered activations or "
-                       "gradients a third opinion outvoted, or steps it stalled); left out of the next plans", log_prefix,
-                       step, stage, short_id(peer))
-    first = convicted[0]
-    return Misbehaved(ID.from_base58(first), f"altered its answers or stalled the steps as a replica of stage "
-                                             f"{plan.stages[plan.members.index(first)]} in step {step}")
-
-
 class StageRounds:
     """One member's part in the rounds of a pipelined task, plan after plan."""
 
@@ -169,6 +149,8 @@ class StageRounds:
         # summaries of the plan it was judged in: not distrusted (slowness is no evidence of who
         # caused it, and routing around it could leave this driver no replica of a stage).
         self._stalled: dict[str, int] = {}
+        # Under balance = "measured": the median stage times of the last summary (kept in the book by step, once applied).
+        self._micros: tuple[int, ...] = ()
         # Under stage_sum = "sparse": this member's reducer and residual for the stage it holds
         # (run/_stage_sum.py: dropped when its stage or step changes otherwise than by its own steps).
         assert run.task.pipeline is not None
@@ -258,10 +240,17 @@ class StageRounds:
         await self._sum(plan, index, stage)
         applied = time.perf_counter()
         result = await trio.to_thread.run_sync(trainer.apply_stage, stage, loss)
-        if self._evaluee is not None:
-            self._evaluee.weights_step = trainer.step
+        self._applied()
         self._timed(applied - synced, time.perf_counter() - applied)
         return result
+
+    def _applied(self) -> None:
+        """The round's step applied: EVALs may name it, plans from it weigh the stages by its summary's times."""
+        trainer, book = self.run.require()
+        if self._evaluee is not None:
+            self._evaluee.weights_step = trainer.step
+        if self._micros:
+            book.stage_times.note(trainer.step, self._micros)
 
     async def _outer_step(self, plan: RoundPlan, index: int, batches: Iterator[Any],
                           trainer: LocalSGDStagedTrainer) -> StepResult:
@@ -302,8 +291,7 @@ class StageRounds:
         applied = time.perf_counter()
         result = await trio.to_thread.run_sync(trainer.apply_outer, stage, len(stage_rings(plan)[stage]),
                                                loss / inner_steps)
-        if self._evaluee is not None:
-            self._evaluee.weights_step = trainer.step
+        self._applied()
         self._timed(applied - synced, stepping + time.perf_counter() - applied)
         return result
 
@@ -344,9 +332,12 @@ class StageRounds:
             computed = time.perf_counter() - began
             timings.last_compute_s += computed
             timings.compute_s += computed
+            timed = bool(run.task.pipeline and run.task.pipeline.measured_balance)  # local-SGD: the last pass's times count
+            micros = self._deadlines.stage_micros(len(stage_rings(plan))) if timed and self._driver is not None else ()
             summary = await gather_summary(run.collective, plan, index, run.me, loss, failed, timeout=self.hop_timeout,
                                            start_timeout=STEP_TIMEOUT_S, accused=(*self._accused, *self._stalled), inner=inner,
-                                           joined=self.window.joined)
+                                           timed=timed, micros=micros, joined=self.window.joined)
+        self._micros = summary.micros
         if summary.convicted:
             for peer in summary.convicted:  # judged: back after its quarantine, only a new lie accuses it
                 self._accused.pop(peer, None)

@@ -419,14 +419,16 @@ class TaskRun:
 
 def _stages(run: RunState) -> tuple[int | None, tuple[dict[str, Any], ...] | None]:
     """``stage``/``stages`` of a pipelined task's status: this member's stage and each stage's
-    replicas in the latest plan, with its parameters; (None, None) for any other task."""
+    replicas in the latest plan, with its parameters and, under ``balance = "measured"``, its
+    drivers' median time of the last step this member applied; (None, None) for any other task."""
     book, trainer = run.book, run.trainer
     plan = book.last_plan if book else None
-    if not isinstance(trainer, StagedTrainer) or plan is None or plan.stages is None:
+    if not isinstance(trainer, StagedTrainer) or book is None or plan is None or plan.stages is None:
         return None, None
     stage = plan.stages[plan.members.index(run.me)] if run.me in plan.members else None
-    return stage, tuple({"stage": i, "replicas": list(ring), "parameters": trainer.stages[i].parameter_count()}
-                        for i, ring in enumerate(stage_rings(plan)))
+    times = book.stage_times.at(trainer.step)
+    return stage, tuple({"stage": i, "replicas": list(ring), "parameters": trainer.stages[i].parameter_count(),
+                         **({"microseconds": times[i]} if times else {})} for i, ring in enumerate(stage_rings(plan)))
 
 
 def _progress(run: RunState) -> tuple[int | None, int | None]:

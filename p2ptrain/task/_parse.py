@@ -24,7 +24,7 @@ from p2ptrain.models import (builds_by_piece, check_hf_config, check_model, HF_M
 from p2ptrain.task import _fields as fields
 from p2ptrain.task._fields import TaskError
 from p2ptrain.task._spec import (
-    ACTIVATIONS,
+    ACTIVATIONS, BALANCES,
     MAX_PEER_ID_LEN,
     MAX_STAGES,
     ADMISSION,
@@ -61,12 +61,8 @@ def parse_task(data: dict[str, Any]) -> Task:
     """Validate a task from its TOML/JSON table form; raise :class:`TaskError` naming the bad field."""
     if not isinstance(data, dict):
         raise TaskError("task: must be a table")
-    fields.only(
-        data,
-        {"name", "seed", "initial_model", "publisher", "model", "dataset", "optimizer", "schedule", "training",
-         "outer", "compression", "peers", "requirements", "pipeline"},
-        "",
-    )
+    fields.only(data, {"name", "seed", "initial_model", "publisher", "model", "dataset", "optimizer", "schedule",
+                       "training", "outer", "compression", "peers", "requirements", "pipeline"}, "")
     name = fields.text(data, "name", "")
     seed = fields.integer(data, "seed", "", 0, 0, 2**32 - 1)
     initial_model = fields.cid(data, "initial_model", "", None)
@@ -310,7 +306,7 @@ def _pipeline(
     if "pipeline" not in data:
         return None
     p = fields.table(data, "pipeline", "", True)
-    fields.only(p, {"stages", "microbatch_size", "activations", "check_fraction", "copies", "stage_sum"}, "pipeline.")
+    fields.only(p, {"stages", "microbatch_size", "activations", "check_fraction", "copies", "stage_sum", "balance"}, "pipeline.")
     stages = fields.integer(p, "stages", "pipeline.", ..., 2, MAX_STAGES)
     spec = PipelineSpec(
         stages=stages,
@@ -318,8 +314,9 @@ def _pipeline(
         activations=fields.choice(p, "activations", "pipeline.", ACTIVATIONS, "fp16"),
         check_fraction=fields.number(p, "check_fraction", "pipeline.", 0.0 if training.local_sgd else 0.05, 0.0, 1.0),
         copies=fields.integer(p, "copies", "pipeline.", None, 1, stages - 1),
-        # "dense" is stored as no field: a task that names the default has the bytes of one silent on it.
+        # The defaults are stored as no field: a task that names one has the bytes of one silent on it.
         stage_sum="sparse" if fields.choice(p, "stage_sum", "pipeline.", STAGE_SUMS, "dense") == "sparse" else None,
+        balance="measured" if fields.choice(p, "balance", "pipeline.", BALANCES, "parameters") == "measured" else None,
     )
     if spec.sparse_sum and not (compression.error_feedback and compression.density < 1.0):
         raise TaskError('pipeline.stage_sum: "sparse" needs compression.error_feedback = true and compression.density '

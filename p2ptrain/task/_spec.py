@@ -174,6 +174,7 @@ class CompressionSpec:
 
 ACTIVATIONS = ("fp32", "fp16", "int8")  # pipeline.activations: how a stage boundary's tensors travel
 STAGE_SUMS = ("dense", "sparse")  # pipeline.stage_sum: how a stage's replicas sum their gradients
+BALANCES = ("parameters", "measured")  # pipeline.balance: what the plans weigh each stage's replicas by
 MAX_STAGES = 64  # pipeline.stages: at most half of MAX_PEERS, so that every stage can have two replicas
 
 
@@ -196,6 +197,10 @@ class PipelineSpec:
     default, ``"dense"``, absent from the task's bytes so that tasks written before the option keep
     their CID) the exact dense sum; ``"sparse"`` the data-parallel rounds' top-k with error feedback
     at the task's ``[compression]`` density (docs/pipeline.md, "A sparse stage sum").
+    ``balance``: what the plans weigh a stage's need of replicas by: None (the default,
+    ``"parameters"``, absent from the task's bytes) its parameter count; ``"measured"`` its step
+    time as the drivers measured it, each driver's in its signed step summary entry and the median
+    over drivers taken (docs/pipeline.md, "Replicas by measured time").
     """
 
     stages: int
@@ -204,11 +209,17 @@ class PipelineSpec:
     check_fraction: float = 0.05
     copies: int | None = None
     stage_sum: str | None = None
+    balance: str | None = None
 
     @property
     def sparse_sum(self) -> bool:
         """Whether a stage's replicas sum their gradients sparsely (``stage_sum = "sparse"``)."""
         return self.stage_sum == "sparse"
+
+    @property
+    def measured_balance(self) -> bool:
+        """Whether the plans weigh stages by their measured step times (``balance = "measured"``)."""
+        return self.balance == "measured"
 
     @property
     def stage_copies(self) -> int:

@@ -85,8 +85,10 @@ if TYPE_CHECKING:
     from p2ptrain.wire._summary_entries import (
         MAX_ACCUSED as MAX_ACCUSED,
         MAX_SUMMARY_ENTRY_BYTES as MAX_SUMMARY_ENTRY_BYTES,
+        MAX_TIMED_ENTRY_BYTES as MAX_TIMED_ENTRY_BYTES,
         read_summary_entry as read_summary_entry,
         summary_entry_bytes as summary_entry_bytes,
+        SummaryEntry as SummaryEntry,
     )
     from p2ptrain.wire._topics import MESH_TOPIC as MESH_TOPIC, task_topic as task_topic, TASKS_TOPIC as TASKS_TOPIC
 else:

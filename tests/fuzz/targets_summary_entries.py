@@ -1,6 +1,6 @@
 """Fuzz target of a pipelined step summary's driver entry (wire/_summary_entries.py): a float64
-loss share, a failure byte and up to 16 u16 accused replica indices, checked against the plan;
-anything else is a ValueError, the decoder's one error."""
+loss share, a failure byte, (a timed entry's) a stage count and a u32 per stage, and up to 16 u16
+accused replica indices, checked against the plan; anything else is a ValueError, the decoder's one error."""
 
 from __future__ import annotations
 
@@ -15,5 +15,6 @@ PLAN = RoundPlan(task_cid=CID, term=1, round=3, attempt=0, step=3, rounds=1, bas
 
 TARGETS = [
     FuzzTarget("wire.summary_entry", lambda data: read_summary_entry(data, PLAN), (ValueError,),
-               [summary_entry_bytes(0.25, False), summary_entry_bytes(1.5, True, (2, 4))]),
+               [summary_entry_bytes(0.25, False), summary_entry_bytes(1.5, True, (2, 4)),
+                summary_entry_bytes(0.5, False, (3,), (0, 1200, 900))]),
 ]

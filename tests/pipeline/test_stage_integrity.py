@@ -23,7 +23,7 @@ from p2ptrain.collective import Collective, Misbehaved
 from p2ptrain.control import TaskStatus
 from p2ptrain.pipeline import Driver, is_checked, Outvoted, StageReplica, Wiring
 from p2ptrain.protocol import check_key_message, convicted, Hold
-from p2ptrain.run._stages import convicted_failure
+from p2ptrain.run._step_summary import convicted_failure
 from p2ptrain.run._step_summary import gather_summary
 from p2ptrain.task import load_task
 from p2ptrain.testing import connected_hosts
@@ -182,8 +182,8 @@ def test_a_replica_is_convicted_by_a_majority_of_the_drivers_only():
 
 def test_an_entry_accusing_a_driver_or_twice_is_refused():
     plan = plan_of(["a", "b", "c", "d"], (0, 1, 0, 1))
-    assert read_summary_entry(summary_entry_bytes(0.25, False, (1, 3)), plan) == (0.25, False, (1, 3))
-    assert read_summary_entry(summary_entry_bytes(0.25, False), plan) == (0.25, False, ())
+    assert read_summary_entry(summary_entry_bytes(0.25, False, (1, 3)), plan) == (0.25, False, (1, 3), ())
+    assert read_summary_entry(summary_entry_bytes(0.25, False), plan) == (0.25, False, (), ())
     for accused in [(2,), (1, 1), (4,)]:  # a driver, twice, not a member
         with pytest.raises(ValueError, match="not distinct replicas"):
             read_summary_entry(summary_entry_bytes(0.25, False, accused), plan)

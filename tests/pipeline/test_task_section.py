@@ -65,6 +65,22 @@ def test_a_sparse_stage_sum_is_named_only_by_a_task_that_asks_for_it():
         task_from_bytes(spelled)
 
 
+def test_balance_by_measured_times_is_named_only_by_a_task_that_asks_for_it():
+    """``balance``: "parameters" (the default) is stored as no field, so a task silent on it, or that
+    names the default, keeps the bytes and CID it had before the option existed; "measured" is stored."""
+    silent = load_task(pipelined("stages = 4"))
+    assert silent.pipeline is not None and silent.pipeline.balance is None and not silent.pipeline.measured_balance
+    assert b"balance" not in task_bytes(silent)
+    assert task_bytes(load_task(pipelined("stages = 4", 'balance = "parameters"'))) == task_bytes(silent)
+    measured = load_task(pipelined("stages = 4", 'balance = "measured"'))
+    assert measured.pipeline is not None and measured.pipeline.measured_balance
+    assert b'"balance":"measured"' in task_bytes(measured) and task_from_bytes(task_bytes(measured)) == measured
+    spelled = task_bytes(silent).replace(b'"activations":"fp16",', b'"activations":"fp16","balance":"parameters",')
+    assert spelled != task_bytes(silent)
+    with pytest.raises(TaskError, match="canonical"):
+        task_from_bytes(spelled)
+
+
 def test_a_pipelined_task_may_train_in_local_sgd_mode_without_second_opinions():
     """Local-SGD mode: a stage's replicas hold the same weights only at outer steps, so a second
     opinion (bit for bit) cannot be asked between them; the default share is 0 there (stored, like
@@ -123,6 +139,7 @@ USER = BASE.replace('name = "transformer_lm"\nkwargs = { vocab_size = 61, contex
         ("pipeline = 4\n" + BASE, "pipeline: must be a table"),
         (pipelined("stages = 2", 'stage_sum = "topk"'), "pipeline.stage_sum: must be one of dense, sparse (got 'topk')"),
         (pipelined("stages = 2", "stage_sum = 1"), "pipeline.stage_sum: "),
+        (pipelined("stages = 2", 'balance = "time"'), "pipeline.balance: must be one of parameters, measured (got 'time')"),
         (pipelined("stages = 2", 'stage_sum = "sparse"') + "[compression]\nerror_feedback = false\n",
          'pipeline.stage_sum: "sparse" needs compression.error_feedback = true and compression.density < 1'),
         (pipelined("stages = 2", 'stage_sum = "sparse"') + "[compression]\ndensity = 1.0\n",
