@@ -1,4 +1,4 @@
-"""Which classes of arithmetic lost their claim to a fresh run: pure, and terms are its clock.
+"""Which classes of arithmetic lost their claim to a fresh run: pure, driven by terms and an injected clock.
 
 A fresh run (no plan taken, no confirmed record) takes the class of most peers that took part in it
 (:func:`~p2ptrain.protocol._arithmetics.sort_classes`), and a vote counts as taking part. A vote is
