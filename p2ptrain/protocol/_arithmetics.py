@@ -29,8 +29,10 @@ Rules, and why:
   class of the peer with the lowest :func:`~p2ptrain.protocol._voters.rank` (a hash of the task CID
   and the peer ID): a peer ID is a key, so moving a tie means making keys after the task is
   published (and being admitted by its allowlist), not merely advertising another string; and a tie
-  is only a tie, one more member makes a class the run's outright (identities that vote but never
-  train are kept out by ``peers.allow``, as everywhere else).
+  is only a tie, one more member makes a class the run's outright. Identities that vote but never
+  plan hold a class only for a few terms: it then yields its claim, and its peers count for nothing
+  until the first plan (:mod:`~p2ptrain.protocol._class_claims`, the ``live`` given here); ``peers.allow``
+  keeps them out altogether, as everywhere else.
 - A coordinator plans only from its own class, and only when that is the run's (it trains as a
   member and attests its own state: a plan of another class would have its own attestations differ
   every checkpoint). One whose class is not the run's neither plans nor stands for election

@@ -177,7 +177,8 @@ class Election:
         caught breaking the run's rules."""
         return candidate in self._voters() and candidate in self.live | {self.me} and candidate not in self.accused
 
-    def _eligible(self) -> list[str]:
+    def eligible(self) -> list[str]:
+        """Who may be designated a term's candidate: live roster members neither suspected nor accused."""
         alive = self.live | {self.me}
         return [p for p in self._voters() if p in alive and p not in self.suspects and p not in self.accused]
 
@@ -241,7 +242,7 @@ class Election:
             self._new_term(now, self.term + 1)
             if self._deferred is not None and self._deferred[0] == self.term:
                 candidate = self._deferred[1]
-                if candidate in self._eligible() and self.voted_for in (None, candidate):
+                if candidate in self.eligible() and self.voted_for in (None, candidate):
                     log.info("task %s: %s votes for %s in term %d (asked while its coordinator looked alive)",
                              self.task_cid[:12], short_id(self.me), short_id(candidate), self.term)
                     out.append(self._vote(candidate))
@@ -262,7 +263,7 @@ class Election:
                      "%.0f s a term now)", self.task_cid[:12], self.term, short_id(self.me), self.term + 1,
                      short_id(self.voted_for or "nobody"), self._clock.timeout_s)
             self._new_term(now, self.term + 1)
-        mine = designated(self.task_cid, self.term, self._eligible()) == self.me or self.term == self._renew_term
+        mine = designated(self.task_cid, self.term, self.eligible()) == self.me or self.term == self._renew_term
         if (may_lead and not short and self.term > 0 and self.voted_for in (None, self.me) and mine
                 and self.term != self._abstain_term):
             out += self._stand(now)
@@ -276,9 +277,7 @@ class Election:
             return self._on_request(now, sender, msg)
         if isinstance(msg, SignedVote):
             return self._on_vote(now, msg)
-        if isinstance(msg, CoordinatorBeat):
-            return self._on_beat(now, sender, msg)
-        return []
+        return self._on_beat(now, sender, msg) if isinstance(msg, CoordinatorBeat) else []
 
     def give_up(self, now: float, peer: str) -> None:
         """Stop following coordinator ``peer`` now: it signed a plan or record that breaks the run's
@@ -326,7 +325,7 @@ class Election:
         if self.voted_for is None:
             self._candidacy.add(self._vote(self.me), own=True)
             log.info("task %s: %s stands for term %d (roster %d, eligible %s)", self.task_cid[:12], short_id(self.me),
-                     self.term, len(self._voters()), ", ".join(sorted(short_id(p) for p in self._eligible())))
+                     self.term, len(self._voters()), ", ".join(sorted(short_id(p) for p in self.eligible())))
         out: list[ElectionMessage] = []
         if self._candidacy.won(self._voters()):
             return [self._become_coordinator(now)]

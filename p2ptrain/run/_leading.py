@@ -24,7 +24,7 @@ from p2ptrain.run._resync import Resync
 from p2ptrain.run._run_state import RunState
 from p2ptrain.run._spans import Spans
 from p2ptrain.control import Phase
-from p2ptrain.protocol import ATTEST_TIMEOUT_S, Classes, ElectionMessage, Hold, View
+from p2ptrain.protocol import ATTEST_TIMEOUT_S, Classes, ElectionMessage, Hold, term_candidate, View
 from p2ptrain.wire import TASKS_TOPIC, SignedVote, TaskAnnounce, TaskHead, VoteRequest
 
 logger = logging.getLogger(__name__)
@@ -153,6 +153,7 @@ class Leading:
                 # on it (the mesh drops it only after 5 s). Left out like a peer a round named.
                 run.book.note_silent_coordinator(now, election.given_up)
             self._note_coordinator(before, now)
+            self._judge_claim(now, classes)
             if election.is_coordinator and not self.spans.running:
                 self._abandon_inherited()
             self._note_own_exclusion(classes)
@@ -177,11 +178,31 @@ class Leading:
         run = self.run
         if run.book is None or run.trainer is None:
             return None
-        live = run.advertising() | {run.me}
+        live = run.advertising()
+        if run.class_of(run.me) not in run.barred:  # (a barred member counts itself no more than the others do)
+            live.add(run.me)
         took_part = run.participation.took_part(trio.current_time())
         classes = run.book.classes(run.me, self._arithmetics(live), live, took_part)
         run.left_out, run.arithmetic_run = dict(classes.left_out), classes.run
         return classes
+
+    def _judge_claim(self, now: float, classes: Classes | None) -> None:
+        """Mark a term of a fresh run whose candidate was of the run's class and that passed without
+        a plan; a class with too many such terms loses its claim (protocol/_class_claims.py): logged
+        and counted (``class_claim_lapsed`` under ``rejected``)."""
+        run = self.run
+        if classes is None or run.book is None:
+            return
+        candidate = term_candidate(run.election)
+        candidate_class = run.class_of(candidate) if candidate is not None else None
+        lapsed = run.claims.tick(now, run.election.term, candidate_class, classes.run, fresh=not run.book.history())
+        run.advertising()  # (the bars as they stand now)
+        if lapsed is not None and lapsed in run.barred:
+            run.rejected["class_claim_lapsed"] += 1
+            logger.warning("%s: %s held this fresh run's class for %d more terms whose candidate was of it, and none "
+                           "of its peers planned: it yields its claim, and its peers count neither as voters nor in the "
+                           "census until a plan is taken or the next class failed as often (docs/security.md, "
+                           "\"Early voting Sybils\")", run.log_prefix, lapsed, run.claims.lapse_terms)
 
     def _arithmetics(self, live: set[str]) -> dict[str, str | None]:
         """What ``live`` peers advertise as their arithmetic, and the run's history members still

@@ -28,7 +28,8 @@ from p2ptrain.run._ballots_file import load_voted_through, save_voted_through
 from p2ptrain.run._chain_file import ChainFile
 from p2ptrain.run._run_dir import RunDir
 from p2ptrain.control import Phase
-from p2ptrain.protocol import Attestations, Election, ElectionConfig, Participation, RecordError, RoundBook
+from p2ptrain.protocol import (Attestations, bits_class, ClassClaims, Election, ElectionConfig, Participation, RecordError,
+                               RoundBook)
 from p2ptrain.training import RoundTimings, Trainer
 from p2ptrain.task import Task, unmet_requirement
 from p2ptrain.wire import RoundFailed, RoundPlan, TaskHead, task_topic
@@ -149,6 +150,11 @@ class RunState:
     arithmetic_run: str | None = None
     # The arithmetic each peer was last logged and counted as left out with (note_left_out): once each.
     left_out_noted: dict[str, str | None] = field(default_factory=dict)
+    # The terms each class of arithmetic failed to lead this fresh run in: until a plan is taken, the
+    # peers of a class that failed more often than another that could plan do not count
+    # (protocol/_class_claims.py); the classes barred at the latest count of the live peers.
+    claims: ClassClaims = field(default_factory=ClassClaims)
+    barred: frozenset[str] = frozenset()
 
     @classmethod
     def create(cls, node: Node, content: ContentService, collective: Collective, task: Task, task_cid: str) -> RunState:
@@ -158,7 +164,8 @@ class RunState:
         return cls(node=node, content=content, collective=collective, task=task, task_cid=task_cid,
                    election=election, me=node.peer_id.to_base58(), topic=task_topic(task_cid),
                    dir=run_dir, voted_saved=election.voted_through,
-                   participation=Participation(answer_s=ANSWER_TIMEOUTS * election.config.timeout_s))
+                   participation=Participation(answer_s=ANSWER_TIMEOUTS * election.config.timeout_s),
+                   claims=ClassClaims(min_term_s=election.config.timeout_s / 2))
 
     @property
     def log_prefix(self) -> str:
@@ -288,8 +295,9 @@ class RunState:
 
     def advertising(self) -> set[str]:
         """Peers that advertise this task (so hold the state the run is at), meet its requirements,
-        where the task has an allowlist are on it, and take part in the run or are new to it
-        (:class:`~p2ptrain.protocol.Participation`): only these are planned and vote."""
+        where the task has an allowlist are on it, take part in the run or are new to it
+        (:class:`~p2ptrain.protocol.Participation`), and in a fresh run are of no class barred
+        from it (:attr:`barred`, updated here): only these are planned and vote."""
         others = set()
         for record in self.node.membership.alive():
             peer = record.peer_id.to_base58()
@@ -300,7 +308,22 @@ class RunState:
         live = set(self.participation.counted(trio.current_time(), others, needed=self.task.peers.min - mine))
         if mine:
             live.add(self.me)
-        return live
+        self.barred = self._barred_classes(live)
+        return {p for p in live if self.class_of(p) not in self.barred} if self.barred else live
+
+    def class_of(self, peer: str) -> str | None:
+        """``peer``'s class of arithmetic (:func:`~p2ptrain.protocol.bits_class`; None: unknown)."""
+        return bits_class(self.arithmetic(peer))
+
+    def _barred_classes(self, live: set[str]) -> frozenset[str]:
+        """The classes whose peers count for nothing in this run now, of the ``live`` peers: none
+        once a plan was taken or a record confirmed; before, those that failed to lead the run more
+        often than another that could plan (protocol/_class_claims.py). Counted, such Sybils were a
+        majority of the first election's voters and held its class for as long as they voted."""
+        if not self.claims.has_lapses or self.book is None or self.book.history():
+            return frozenset()
+        present = Counter(c for c in map(self.class_of, live) if c is not None)
+        return self.claims.barred(present, self.task.peers.min)
 
     def arithmetic(self, peer: str) -> str | None:
         """The arithmetic ``peer``'s steps use: this member's own from its trainer, another's as its

@@ -3,10 +3,11 @@ peers: what they obtain.
 
 A member notes a vote as taking part (protocol/_participation.py) only while it has no coordinator,
 and a fresh run's class (the arithmetic its plans keep to, protocol/_arithmetics.py) is that of most
-of the peers that took part. So early Sybil votes might take a new task's class, leave the honest
-members out for their arithmetic (neither may then stand) and stop the run. With open admission they
-do (three Sybils beside two members: no step in 90 s; the documented gap, docs/security.md); off an
-allowlist they obtain nothing, pinned here.
+of the peers that took part. So early Sybil votes take a new task's class, leave the honest members
+out for their arithmetic (neither may then stand) and stop the run: with open admission they did
+(three Sybils beside two members: no step in 90 s). Off an allowlist they obtain nothing; in an open
+task their class loses its claim after a few terms in which none of them planned
+(protocol/_class_claims.py), and the members' run goes on. Both are pinned here.
 """
 
 from __future__ import annotations
@@ -70,8 +71,8 @@ async def test_early_voting_sybils_off_the_allowlist_take_nothing(tmp_path: Path
     no Sybil is in a record. What holds it is the allowlist in ``RunState.advertising`` (only allowed
     peers count as live, so none of their votes reach the class's census). Without that rule they
     took the class, both members were left out for their arithmetic, no coordinator was elected and
-    no step was made in 90 s: exactly what they do to a task with open admission today (docs/security.md,
-    "Early voting Sybils"), which is why an open run's honest majority is the documented gap."""
+    no step was made in 90 s: what they did to a task with open admission before its class's claim
+    could lapse (the next test; docs/security.md, "Early voting Sybils")."""
     honest = range(2)
     with trio.fail_after(RUN_S):
         async with local_peers(2, tmp_path, heartbeat_interval=0.5) as peers, trio.open_nursery() as nursery:
@@ -91,3 +92,29 @@ async def test_early_voting_sybils_off_the_allowlist_take_nothing(tmp_path: Path
                 assert not set(record.members) & set(sybils)
             nursery.cancel_scope.cancel()
 
+
+
+async def test_early_voting_sybils_of_another_arithmetic_lose_an_open_run(tmp_path: Path) -> None:
+    """The same three identities against a task with open admission (no allowlist): their votes do
+    reach the census, so their class holds the fresh run's claim at first; none of them plans, and
+    after a few terms whose candidate was theirs without a plan, the class loses its claim
+    (protocol/_class_claims.py). Its peers then count neither in the census nor as voters, the
+    members' class is the run's, one of them is elected and the first checkpoint comes. On main
+    they held the run: no coordinator and no step in 90 s. The wait is longer than the allowlist's
+    (150 s): only terms whose designated candidate is a Sybil count (3 of 5), and terms grow to 12 s
+    here; fewer than 2 such terms among the first 12 (~110 s) is under 1 in 1,000 runs."""
+    honest = range(2)
+    with trio.fail_after(RUN_S + 60):
+        async with local_peers(2, tmp_path, heartbeat_interval=0.5) as peers, trio.open_nursery() as nursery:
+            task_cid = await publish_digits_task(peers[0], total_steps=400, checkpoint_interval=4, min_peers=2)
+            sybils = await _voting_sybils(peers, task_cid, 3, honest, FOREIGN, nursery)
+            for i in honest:
+                await peers[i].tasks.join(task_cid)
+            await peers.wait_until(lambda: _version(peers, task_cid, honest) >= 1, 150,
+                                   what="an open task's first checkpoint beside three Sybils voting from its start")
+            for i in honest:
+                status = peers.status(i, task_cid)
+                assert status["arithmetic_run"] != FOREIGN
+                record = peers[i].tasks.runs[task_cid].shared.book.chain.records[-1].record
+                assert not set(record.members) & set(sybils)
+            nursery.cancel_scope.cancel()
