@@ -90,7 +90,8 @@ EXPORTS: dict[str, list[str]] = {
     ],
     "p2ptrain.protocol": [
         "ATTEST_TIMEOUT_S", "AssignmentError", "Attestations", "Chain", "ChainRules", "Classes", "Election", "ElectionConfig",
-        "ElectionMessage", "Hold", "LoneFailures", "MAX_CHAIN_BYTES", "MAX_STATEMENT_BYTES", "Misconduct", "Participation",
+        "ElectionMessage", "HeadAsking", "HeadOffers", "Hold", "LoneFailures", "MAX_CHAIN_BYTES", "MAX_STATEMENT_BYTES",
+        "Misconduct", "Participation",
         "RecordError",
         "RoundBook",
         "RuleBreak", "SignedStageStatement", "StageStatement", "StageVerdict", "StatementError", "Status", "Tally",
@@ -104,7 +105,8 @@ EXPORTS: dict[str, list[str]] = {
         "read_chain",
         "read_model_card", "read_statement", "read_tensors", "round_id", "round_seed", "shard_of", "sign_record",
         "sign_statement", "signed_entry_problem", "signing", "stage_moves", "stage_rings", "stage_round_id",
-        "stage_verdicts", "state_bytes", "statement_bytes", "tensors_bytes", "throughput", "won_alone", "write_state_file",
+        "stage_verdicts", "state_bytes", "statement_bytes", "tensors_bytes", "throughput", "witness_problem", "won_alone",
+        "write_state_file",
     ],
     "p2ptrain.run": [
         "HOP_TIMEOUT_S", "LocalSGDStagedTrainer", "RunDir", "RunState", "StagedTrainer", "TaskRun", "initial_manifest",
