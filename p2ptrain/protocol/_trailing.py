@@ -26,12 +26,12 @@ from p2ptrain.base import short_id
 from p2ptrain.wire import ModelRecord, SignedModelRecord, TaskHead
 
 # A member that knows of a later version than it holds (it refused the coordinator's record vN as a
-# gap) asks this often while no coordinator is known: finished members answer one request per task
-# per second (services/_head_answers.py, HEAD_ANSWER_EVERY_S), so one every 2 s is plenty.
+# gap) asks as soon as no coordinator is known; one that knows of none once no coordinator was heard
+# for QUIET_S (a few election terms of 3 heartbeats: an honest run elects one within a term or two).
+# Then again after ASK_EVERY_S, doubling up to ASK_MAX_EVERY_S: finished members answer one request
+# per task per second (services/_head_answers.py), and a run that simply waits for peers, or one
+# nobody answers for, costs the mesh (and the log) one small message per 30 s.
 ASK_EVERY_S = 2.0
-# One that knows of none asks only once no coordinator was heard this long (a few election terms of
-# 3 heartbeats: an honest run elects one within a term or two), then at doubling intervals up to
-# ASK_MAX_EVERY_S: a run that simply waits for peers costs the mesh one small message per 30 s.
 QUIET_S = 10.0
 ASK_MAX_EVERY_S = 30.0
 # Heads are taken as answers this long after this member's own request (an answering member reads
@@ -44,14 +44,14 @@ MAX_FAILED_SENDERS = 1024
 
 
 class HeadAsking:
-    """When to ask the mesh for the run's head: only while no coordinator is known, at once and
-    every ASK_EVERY_S when a later version is known, else after QUIET_S with a backoff."""
+    """When to ask the mesh for the run's head: only while no coordinator is known, at once when a
+    later version is known, else after QUIET_S; then at doubling intervals."""
 
     def __init__(self) -> None:
         self.later = 0  # the latest version this member knows the run confirmed (note_later)
         self._quiet_since: float | None = None  # since when no coordinator is known
         self._last = -math.inf  # when it last asked
-        self._every = ASK_EVERY_S  # the wait between asks that know of no later version
+        self._every = ASK_EVERY_S  # the wait after the last ask
 
     def note_later(self, version: int) -> None:
         """The coordinator this member follows signed record ``version``, which it could not take
@@ -69,12 +69,11 @@ class HeadAsking:
             return False
         if self._quiet_since is None:
             self._quiet_since = now
-        behind = self.later > version
-        if not behind and now - self._quiet_since < QUIET_S:
+        if self.later <= version and now - self._quiet_since < QUIET_S:
             return False
-        if now - self._last < (ASK_EVERY_S if behind else self._every):
+        if now - self._last < self._every:
             return False
-        if not behind and self._last > -math.inf:
+        if self._last > -math.inf:
             self._every = min(2 * self._every, ASK_MAX_EVERY_S)
         self._last = now
         return True

@@ -27,16 +27,16 @@ def _asks(asking: HeadAsking, times: list[float], *, version: int, known: bool =
     return [t for t in times if asking.due(t, version=version, coordinator_known=known)]
 
 
-def test_a_member_that_knows_of_a_later_version_asks_at_once_and_every_two_seconds_while_no_coordinator_is_known() -> None:
+def test_a_member_that_knows_of_a_later_version_asks_as_soon_as_no_coordinator_is_known_then_backs_off() -> None:
     asking = HeadAsking()
     asking.note_later(3)  # the coordinator's record v3 came while it held v1 (a gap)
     # Not while the coordinator is known: its own heads come every 2 s.
     assert _asks(asking, [0.0, 1.0, 5.0], version=1, known=True) == []
-    assert _asks(asking, [6.0, 7.0, 8.0, 9.5, 10.0], version=1) == [6.0, 8.0, 10.0]
+    assert _asks(asking, [6.0, 7.0, 8.0, 9.5, 10.0, 11.9, 12.0], version=1) == [6.0, 8.0, 12.0]
     # Heads heard within ANSWER_WAIT_S of a request may answer it; none later.
-    assert asking.awaiting(10.0 + ANSWER_WAIT_S) and not asking.awaiting(10.1 + ANSWER_WAIT_S)
+    assert asking.awaiting(12.0 + ANSWER_WAIT_S) and not asking.awaiting(12.1 + ANSWER_WAIT_S)
     # Holding the later version: nothing more to ask for, until no coordinator was heard for QUIET_S.
-    assert _asks(asking, [11.0, 12.0], version=3) == []
+    assert _asks(asking, [13.0, 15.0], version=3) == []
 
 
 def test_a_member_that_knows_of_none_asks_after_quiet_s_with_no_coordinator_then_backs_off() -> None:
