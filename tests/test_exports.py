@@ -90,8 +90,8 @@ EXPORTS: dict[str, list[str]] = {
     ],
     "p2ptrain.protocol": [
         "ATTEST_TIMEOUT_S", "AssignmentError", "Attestations", "CANNOT_FOLLOW", "Chain", "ChainRules", "ClassClaims", "Classes",
-        "Election", "ElectionConfig", "ElectionMessage", "Hold", "LoneFailures", "MAX_CHAIN_BYTES", "MAX_STATEMENT_BYTES",
-        "Misconduct", "NO_TRAINING_DATA", "OUT_OF_STEP", "Participation",
+        "Election", "ElectionConfig", "ElectionMessage", "HeadAsking", "HeadOffers", "Hold", "LoneFailures", "MAX_CHAIN_BYTES",
+        "MAX_STATEMENT_BYTES", "Misconduct", "NO_TRAINING_DATA", "OUT_OF_STEP", "Participation",
         "RecordError",
         "RoundBook",
         "RuleBreak", "SignedStageStatement", "StageStatement", "StageTimes", "StageVerdict", "StatementError", "Status",
@@ -108,7 +108,8 @@ EXPORTS: dict[str, list[str]] = {
         "read_chain",
         "read_model_card", "read_statement", "read_tensors", "round_id", "round_seed", "shard_of", "sign_record",
         "sign_statement", "signed_entry_problem", "signing", "stage_moves", "stage_rings", "stage_round_id",
-        "stage_verdicts", "state_bytes", "statement_bytes", "tensors_bytes", "term_candidate", "throughput", "won_alone",
+        "stage_verdicts", "state_bytes", "statement_bytes", "tensors_bytes", "term_candidate", "throughput", "witness_problem",
+        "won_alone",
         "write_state_file",
     ],
     "p2ptrain.run": [

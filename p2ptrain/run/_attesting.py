@@ -174,6 +174,8 @@ class Attesting:
         run = self.run
         if not isinstance(exc, Misconduct):
             logger.warning("%s: refused model record: %s", run.log_prefix, exc)
+            if str(exc).startswith("gap") and signed.record.coordinator == run.election.coordinator:
+                run.asking.note_later(signed.record.version)  # the run is past us: ask once it ends
             return
         run.refuse("record_rules", f"refused model record v{signed.record.version} of "
                    f"{short_id(signed.record.coordinator)}: {exc}")

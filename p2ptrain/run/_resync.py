@@ -8,7 +8,9 @@ Before the run's first confirmed record that state is the chain's root, the task
 step 0, which a member that held the run's state goes back to on its own (:meth:`Resync.load_root`).
 Everything a head names comes from the network: a head is heard only from the coordinator our
 election accepted, and the chain it names must extend ours, each added record signed by the
-coordinator of its term where we know it.
+coordinator of its term where we know it. A member left behind at the run's end, when no coordinator
+publishes heads any more, asks the run's finished members for the head and loads an answer only if
+every record it adds is one it would have taken live (protocol/_trailing.py).
 """
 
 from __future__ import annotations
@@ -21,10 +23,11 @@ import trio
 from p2ptrain.ipfs import ContentUnavailable, DagError
 from p2ptrain.base import short_id
 from p2ptrain.run._run_state import Nudge, RunState
-from p2ptrain.protocol import Chain, MAX_CHAIN_BYTES, Misconduct, RecordError, won_alone
+from p2ptrain.protocol import (Chain, HeadOffers, MAX_CHAIN_BYTES, Misconduct, RecordError, witness_problem,
+                               won_alone)
 from p2ptrain.run._stage_trainer import StagedTrainer
 from p2ptrain.training import check_stage_signatures, is_manifest, ManifestError, read_manifest, TrainerError
-from p2ptrain.wire import RoundPlan, TaskHead
+from p2ptrain.wire import HeadRequest, RoundPlan, TASKS_TOPIC, TaskHead
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +72,8 @@ class Resync:
         # term -> the coordinator our election accepted for it (the last KNOWN_TERMS terms)
         self.coordinators: dict[int, str] = {}
         self._new_head = Nudge()  # a new head was heard (wakes a member waiting to catch up)
+        # Heads heard from the run's members while no coordinator is known (protocol/_trailing.py).
+        self.offers = HeadOffers()
         self._catch_up_send, self._catch_up_recv = trio.open_memory_channel[tuple[str, RoundPlan]](1)
 
     # -- heads -----------------------------------------------------------------------------------
@@ -92,6 +97,15 @@ class Resync:
             # members of a run that resumed answer each other's head requests while they start.
             return
         problem = self.head_problem(sender)
+        if problem is not None and run.election.coordinator is None and run.book is not None:
+            # Between terms, or after the run ended (nobody publishes heads): one of the run's
+            # members may be answering our head request. Never acted on as a coordinator's head:
+            # the resync loop loads it only if this member witnessed every record it adds.
+            now = trio.current_time()
+            problem = self.offers.offer(now, sender, head, version=run.book.chain.version, roster=self._members(),
+                                        asked=run.asking.awaiting(now))
+            if problem is None:
+                return
         if problem is not None:
             run.refuse("head_untrusted", f"ignored a head (model v{head.version}): {problem}")
             return
@@ -124,6 +138,40 @@ class Resync:
             return f"from {short_id(sender)} while no coordinator is known"
         return None
 
+    def _members(self) -> set[str]:
+        """The run's members as this member knows them, whose head it may try with no coordinator
+        known: those of the latest plan it accepted and of its chain's last record."""
+        _, book = self.run.require()
+        members = set(book.accepted.members) if book.accepted is not None else set()
+        if book.chain.records:
+            members.update(book.chain.records[-1].record.members)
+        members.discard(self.run.me)
+        return members
+
+    async def ask_and_try_offers(self) -> bool:
+        """Left behind with no coordinator known (protocol/_trailing.py): ask the mesh for the run's
+        head when :class:`~p2ptrain.protocol.HeadAsking` says so, and try a head a member of the
+        run offered (True: one was tried). A coordinator known again drops the offers."""
+        run = self.run
+        _, book = run.require()
+        now = trio.current_time()
+        known = run.election.coordinator is not None
+        if run.was_synced and run.asking.due(now, version=book.chain.version, coordinator_known=known):
+            logger.info("%s: no coordinator heard at model v%d%s: asking the run's members for its head",
+                        run.log_prefix, book.chain.version,
+                        f" (the run confirmed v{run.asking.later})" if run.asking.later > book.chain.version else "")
+            await run.node.publish(TASKS_TOPIC, HeadRequest(task_cid=run.task_cid))
+        if known:
+            self.offers.clear()
+            return False
+        offer = self.offers.take()
+        if offer is None or self.busy():
+            return False
+        sender, head = offer
+        if await self._load_bounded(head.version, self._load_head(head, witnessed=True)) is not None:
+            self.offers.failed(trio.current_time(), sender)
+        return True
+
     # -- catching up to a plan ---------------------------------------------------------------
 
     def catch_up(self, sender: str, plan: RoundPlan) -> None:
@@ -154,6 +202,8 @@ class Resync:
                 caught_up = await self._catch_up_recv.receive()
             if caught_up is not None:
                 await self._follow_from_behind(*caught_up, follow)
+                continue
+            if run.book is not None and run.trainer is not None and await self.ask_and_try_offers():
                 continue
             if run.book is not None and run.trainer is not None and not run.synced and run.end_of_run() == "load":
                 await self.try_load_last_checkpoint()  # the run ended without us: our chain names its end
@@ -306,12 +356,14 @@ class Resync:
         if election.coordinator is not None and term > election.term:
             raise RecordError(f"model record v{version} is of term {term}, after the current term {election.term}")
 
-    async def _load_head(self, head: TaskHead) -> None:
+    async def _load_head(self, head: TaskHead, *, witnessed: bool = False) -> None:
         """Load the chain ``head`` names (it must extend ours), then its head's model and optimizer.
 
         Every read is bounded: the chain by MAX_CHAIN_BYTES, the state by what this architecture
         takes (Trainer.state_limits). The records it adds must each be signed by the coordinator our
-        election accepted for that record's term, where we know that term.
+        election accepted for that record's term, where we know that term; with ``witnessed`` (a
+        head from no coordinator), each must also be of a span whose plan we accepted, signed by the
+        coordinator we accepted for its term (:func:`~p2ptrain.protocol.witness_problem`).
         """
         run = self.run
         _, book = run.require()
@@ -329,6 +381,11 @@ class Resync:
         problem = book.lineage_problem(added)
         if problem is not None:
             raise Misconduct(problem)
+        if witnessed:
+            problem = witness_problem(added, book.span_members, self.coordinators) if added else \
+                f"the head's chain adds no record to this member's v{book.chain.version}"
+            if problem is not None:
+                raise RecordError(problem)
         await self.load_chain(chain)
 
     async def load_chain(self, chain: Chain, *, sync: bool = True) -> None:

@@ -28,8 +28,8 @@ from p2ptrain.run._ballots_file import load_voted_through, save_voted_through
 from p2ptrain.run._chain_file import ChainFile
 from p2ptrain.run._run_dir import RunDir
 from p2ptrain.control import Phase
-from p2ptrain.protocol import (Attestations, bits_class, ClassClaims, Election, ElectionConfig, Participation, RecordError,
-                               RoundBook)
+from p2ptrain.protocol import (Attestations, bits_class, ClassClaims, Election, ElectionConfig, HeadAsking, Participation,
+                               RecordError, RoundBook)
 from p2ptrain.training import RoundTimings, Trainer
 from p2ptrain.task import Task, unmet_requirement
 from p2ptrain.wire import RoundFailed, RoundPlan, TaskHead, task_topic
@@ -155,6 +155,9 @@ class RunState:
     # (protocol/_class_claims.py); the classes barred at the latest count of the live peers.
     claims: ClassClaims = field(default_factory=ClassClaims)
     barred: frozenset[str] = frozenset()
+    # When to ask the mesh for the run's head, left behind at its end (run/_resync.py): the later
+    # version the coordinator's records named is noted where they are refused (run/_attesting.py).
+    asking: HeadAsking = field(default_factory=HeadAsking)
 
     @classmethod
     def create(cls, node: Node, content: ContentService, collective: Collective, task: Task, task_cid: str) -> RunState:
