@@ -226,7 +226,8 @@ def next_plan(
     # A stage whose replicas all left (below) sends the run back to the head, where joiners are
     # admitted: one may be the member that stage needs (a run with no member to spare).
     admit = step == book.head_step or (step > book.head_step and (takeover or bool(orphaned_stages(book.accepted, live))))
-    members = plan_members(book.task, book.task_cid, previous, live, admit_joiners=admit, private=private)
+    members = plan_members(book.task, book.task_cid, previous, live, admit_joiners=admit, private=private,
+                           coordinator=election.me)
     if members is None or election.me not in members:
         return None
     if step > book.head_step and (takeover or orphaned_stages(book.accepted, members)):

@@ -130,17 +130,20 @@ def span_length(task: Task, round_index: int, total_steps: int) -> int:
 
 def plan_members(
     task: Task, task_cid: str, previous: Sequence[str], live: Collection[str], admit_joiners: bool,
-    private: Collection[str] = (),
+    private: Collection[str] = (), coordinator: str | None = None,
 ) -> tuple[str, ...] | None:
     """Members of the next span in ring order (:func:`ring_order`, given the members whose heartbeats
-    say ``private``); None when no span may start now (see the module rules)."""
+    say ``private``); None when no span may start now (see the module rules). Joiners come in by
+    rank, the ``coordinator`` planning first: it follows its own plan, and a plan without it is none
+    it can make (with more live peers than ``peers.max`` and itself ranked out, a fresh run's
+    coordinator planned nothing, term after term). No member checks the joiners' order."""
     live = set(live)
     kept = [p for p in previous if p in live]
     if previous and len(kept) < quorum(len(previous)):
         return None
     members = sorted(kept)[: task.peers.max]
     if admit_joiners:
-        joiners = sorted((p for p in live if p not in previous), key=lambda p: rank(task_cid, 0, p))
+        joiners = sorted((p for p in live if p not in previous), key=lambda p: (p != coordinator, rank(task_cid, 0, p)))
         room = task.peers.max - len(members)
         if previous:
             room = min(room, joiner_room(len(members)))

@@ -261,6 +261,13 @@ def test_plan_members_rules(digits, digits_task):
     four = plan_members(task, "T", (), {"p1", "p2", "p3", "p4"}, admit_joiners=True)
     assert len(four) == 3 and four == tuple(sorted(four))  # capped at peers.max
     assert plan_members(task, "T", ("p1", "p2"), {"p1", "p2", "p3"}, admit_joiners=True) == prev
+    # The coordinator plans first among the joiners: ranked out of a fresh run of more live peers
+    # than peers.max, it planned nothing, term after term (it follows only a plan that names it).
+    five = {"p1", "p2", "p3", "p4", "p5"}
+    ranked_out = next(p for p in sorted(five) if p not in plan_members(task, "T", (), five, admit_joiners=True))
+    with_it = plan_members(task, "T", (), five, admit_joiners=True, coordinator=ranked_out)
+    assert len(with_it) == 3 and ranked_out in with_it
+    assert plan_members(task, "T", ("p1", "p2"), five, admit_joiners=True, coordinator="p5") == ("p1", "p2", "p5")
 
 
 def private_links(ring, private):
