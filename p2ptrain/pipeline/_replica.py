@@ -26,7 +26,9 @@ An evaluation (``EVAL``: a checkpoint's test-split metrics, pipeline/_evaluation
 eval mode without a graph: the stage's output, or at the last stage the batch's mean loss and its
 correct predictions (``SCORE``); it keeps and accumulates nothing, and is answered in fp32 whatever
 the task's activation encoding, so that the metrics are the assembled model's. Besides the senders,
-the plan's ``evaluators`` (the coordinator, which may serve another stage) are answered, EVAL only.
+the plan's ``evaluators`` (the coordinator, which may serve another stage) are answered, EVAL only,
+and an EVAL only from them: a sender's would be a forward of the eval batch, which its microbatch's
+shapes do not bound (pipeline/_request_shapes.py).
 """
 
 from __future__ import annotations
@@ -82,7 +84,7 @@ class StageReplica:
     ``senders`` are the peers whose requests it answers (the plan's drivers), from the plan, never
     from a request; ``encoding`` is how its answers' activations and gradients travel (fp32, fp16, int8);
     ``keep_graphs``: FORWARD graphs kept per sender for its BACKWARDs (0: every BACKWARD recomputes);
-    ``evaluators``: peers (from the plan too) whose EVAL requests it answers, and nothing else of theirs;
+    ``evaluators``: peers (from the plan too) whose EVAL requests it answers (nobody else's), and nothing else of theirs;
     ``shapes``: the task's shapes of its requests (pipeline/_request_shapes.py), which then set its
     frame limits too; a request of other shapes is refused before it is computed (None: any within ``limits``).
     """
@@ -181,9 +183,12 @@ class StageReplica:
             problem = self._problem(request)
         except ActivationError as error:
             problem = str(error)
-        if not problem and sender not in self.senders and request.kind != Kind.EVAL:
+        # An evaluator sends EVALs only, and only an evaluator does: a driver's EVAL (up to the eval
+        # batch, not its microbatch) would be a FORWARD the request shapes do not bound.
+        if not problem and sender not in (self.evaluators if request.kind == Kind.EVAL else self.senders):
             count_rejection(self.refused, "outsider", logger, logging.INFO, "pipeline stage %d: refused a %s request "
-                            "from %s, an evaluator only", self.stage.index, Kind(request.kind).name, short_id(sender))
+                            "from %s, %s", self.stage.index, Kind(request.kind).name, short_id(sender),
+                            "a sender only" if request.kind == Kind.EVAL else "an evaluator only")
             await channel.reset()
             return False
         if problem:

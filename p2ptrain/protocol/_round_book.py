@@ -397,6 +397,7 @@ class RoundBook:
         accepted = self.accepted
         if accepted is None or plan_order(plan) > plan_order(accepted):
             self.accepted = plan
+            self.stage_times.forget_after(plan.step)  # the steps it redoes: their times here are a dropped attempt's
         self._note_span(plan)
         if election.me not in plan.members:
             return "not a member of this span"

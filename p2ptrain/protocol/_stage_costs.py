@@ -75,6 +75,15 @@ class StageTimes:
         for old in sorted(self._by_step)[:-KEPT_STEPS]:
             del self._by_step[old]
 
+    def forget_after(self, step: int) -> None:
+        """A plan from ``step`` was accepted: the run redoes the steps after it, so the times this
+        member kept of those are of an attempt the others dropped (it applied that step alone, a
+        stage sum that completed here only). Kept, they would be checked against a later plan that
+        the coordinator made from the times of the attempt that went through, and an honest plan
+        refused as a rule break."""
+        for later in [s for s in self._by_step if s > step]:
+            del self._by_step[later]
+
     def at(self, step: int) -> tuple[int, ...] | None:
         """The times of the step that ended at ``step``, or None when this member did not apply it
         (or measured nothing: a run before its first hop, or a task that does not measure)."""

@@ -23,7 +23,9 @@ What a hostile member gains: nothing it could not do by never joining the summar
 others the 120 s), and it pays the same way. Only a member of the plan counts, for a step of that
 plan, reporting its own absence; each report names its sender as the culprit, so every member that
 left for it leaves it out of its next plans for the quarantine, and it can abort only a step it is
-planned in. A member that keeps reporting is struck like any member that keeps failing rounds.
+planned in. A member that keeps reporting is treated like any member that keeps failing rounds:
+quarantined each time, struck only when it also took part in no round and cast no vote lately
+(docs/security.md, "Step aborts").
 
 Pure: the caller hands in the plan it follows, the reports and where its step stands; no clock is
 needed (the quarantine's is the book's).

@@ -65,7 +65,9 @@ async def test_an_oversized_forward_is_refused_and_counted_before_it_is_computed
     computed: list[int] = []
     stage.register_forward_hook(lambda _module, inputs, _out: computed.append(inputs[0].shape[0]))
     async with connected_hosts(2) as hosts:
-        replica = StageReplica(hosts[1].host, stage, lm_loss, senders=[hosts[0].id], shapes=shapes(3)[1])
+        # hosts[0]: a driver that is the plan's coordinator too (it evaluates the checkpoints).
+        replica = StageReplica(hosts[1].host, stage, lm_loss, senders=[hosts[0].id], evaluators=[hosts[0].id],
+                               shapes=shapes(3)[1])
         replica.serve()
 
         async def ask(kind: Kind, samples: int) -> Frame:
@@ -82,6 +84,39 @@ async def test_an_oversized_forward_is_refused_and_counted_before_it_is_computed
     assert replica.refused == {"shape": 1}
     assert computed == [MICRO, EVAL]  # the oversized FORWARD never reached the stage
     assert replica.limits.max_elements < Limits().max_elements
+
+
+async def test_a_driver_s_eval_is_refused_before_it_is_computed():
+    """The red team's EVAL-for-FORWARD: a driver that is not the plan's coordinator sent EVALs, which a
+    replica answered from any sender, of up to the task's eval batch (32x its microbatch in a task of
+    the defaults): the request shapes' bound on a FORWARD, and the EVAL admission, were both
+    side-stepped. Now a replica answers an EVAL from its evaluators only; on main this driver's EVAL
+    of EVAL samples was computed."""
+    stage = stages(3)[1]
+    computed: list[int] = []
+    stage.register_forward_hook(lambda _module, inputs, _out: computed.append(inputs[0].shape[0]))
+    async with connected_hosts(3) as hosts:
+        driver, coordinator = hosts[0], hosts[2]
+        replica = StageReplica(hosts[1].host, stage, lm_loss, senders=[driver.id], evaluators=[coordinator.id],
+                               shapes=shapes(3)[1])
+        replica.serve()
+
+        async def ask(sender, kind: Kind, samples: int) -> Frame:  # type: ignore[no-untyped-def]
+            request = Frame(kind, 0, samples, 1, tensors=(torch.randn(samples, C, W),))
+            async with await open_channel(sender.host, hosts[1].id, PROTOCOL) as channel:
+                await channel.send(encode_frame(request))
+                return decode_frame(await channel.recv(replica.limits.max_frame_bytes()), replica.limits)
+
+        with trio.fail_after(30):
+            for samples in (EVAL, MICRO):
+                with pytest.raises(ChannelClosed):
+                    await ask(driver, Kind.EVAL, samples)
+            assert (await ask(driver, Kind.FORWARD, MICRO)).kind == Kind.OUTPUT  # its own requests still answered
+            assert (await ask(coordinator, Kind.EVAL, EVAL)).kind == Kind.OUTPUT
+            with pytest.raises(ChannelClosed):
+                await ask(coordinator, Kind.FORWARD, MICRO)  # and an evaluator's EVALs only, as before
+    assert replica.refused == {"outsider": 3}
+    assert computed == [MICRO, EVAL] and replica.evaluations == 1
 
 
 def test_a_run_s_shapes_come_from_its_data_set_and_a_model_the_meta_device_cannot_trace_keeps_the_default(

@@ -6,9 +6,11 @@ any other assignment is a rule break against the coordinator."""
 from __future__ import annotations
 
 import pytest
+from libp2p.crypto.ed25519 import create_new_key_pair
 
 from p2ptrain.pipeline import HopDeadlines
-from p2ptrain.protocol import assign, Chain, measured_costs, median_micros, RoundBook, StageTimes
+from p2ptrain.protocol import (assign, Chain, Election, ElectionConfig, measured_costs, median_micros, RoundBook, signing,
+                               StageTimes, View)
 from p2ptrain.protocol._plans import plan_stages, rule_problem
 from p2ptrain.protocol._stage_costs import KEPT_STEPS, SPREAD
 from p2ptrain.task import load_task, stage_parameters
@@ -110,3 +112,61 @@ def test_a_driver_times_each_stage_per_microbatch():
     deadlines.answered(0, None, 0.004, 0)  # the driver's own forward and backward of stage 0
     deadlines.answered(0, None, 0.004, 0)
     assert deadlines.stage_micros(3) == (8000, 22000, 20000)
+
+
+def test_times_of_a_dropped_attempt_do_not_refuse_an_honest_plan():
+    """A member that applied a step alone (its stage's sum completed, another's did not) kept that
+    attempt's times; left out of the retry, it came back in a plan from that step which the
+    coordinator made from the times of the attempt that went through. It held that honest plan to
+    the dropped attempt's times and refused it as a rule break (it then stops following the
+    coordinator for good). The retry's plan, from the step before, now drops them: no times of that
+    step here, so it checks the plan's shape only, as a member that resynced does."""
+    task = load_task(MEASURED)
+    parameters = stage_parameters(task)
+    key = create_new_key_pair(b"\x03" * 32)
+    election = Election("QmTask", key, ElectionConfig(heartbeat_s=1.0, timeout_beats=3))
+    now = 0.0
+    while not election.is_coordinator:  # a lone peer elected: the plans below are signed by the term's coordinator
+        now += 0.25
+        assert now < 30, "no coordinator"
+        election.tick(now, View(advertising=frozenset()))
+    me = election.me
+    members = tuple(sorted([me, *(signing.peer_str(create_new_key_pair(bytes([i]) * 32)) for i in range(10, 15))]))
+    others = tuple(m for m in members if m != me)
+
+    def plan(first_round: int, attempt: int, names: tuple[str, ...], stages: tuple[int, ...] | None,
+             rounds: int = 5) -> RoundPlan:
+        return RoundPlan(task_cid="QmTask", term=election.term, round=first_round, attempt=attempt, step=first_round,
+                         rounds=rounds, members=names, base_cid=CID, version=1, stages=stages)
+
+    even = tuple(2 * p for p in parameters)  # step 4's times, every member's alike
+    dropped = (even[0], parameters[1], even[2])  # round 4's times in attempt 0, applied here alone
+    through = (even[0], even[1], parameters[2])  # round 4's times in attempt 1, which went through without this member
+    book = RoundBook(task, "QmTask", Chain("QmTask", CID), 100)
+    first = plan(0, 0, members, plan_stages(task, members, None), rounds=10)
+    assert book.plan_problem(first, me, election) is None
+    book.stage_times.note(4, even)
+    book.stage_times.note(5, dropped)
+    retry = plan(4, 1, others, plan_stages(task, others, first, even), rounds=6)
+    assert book.plan_problem(retry, me, election) == "not a member of this span"  # it checked the plan, not in it
+    honest = plan(5, 2, members, plan_stages(task, members, retry, through))
+    assert honest.stages not in (plan_stages(task, members, retry, dropped), plan_stages(task, members, retry))
+    assert book.plan_problem(honest, me, election) is None  # on main: a RuleBreak against an honest coordinator
+    assert book.stage_times.at(5) is None and book.stage_times.at(4) == even
+
+
+def test_half_the_drivers_skew_the_costs_within_spread_squared():
+    """The red team's bound on lying drivers: the median is the lower one, so one driver of two (half,
+    not a minority) sets any stage's time downward. Lowering one stage's time by SPREAD sets the rate
+    that the others are clamped around, and lowering another's to nothing puts it at the floor: a
+    stage honestly measured at the common rate then costs SPREAD squared (64) times another, against
+    their parameters, and never more."""
+    parameters = [1000, 1000, 1000]
+    honest = (10_000, 10_000, 10_000)  # every stage 10 us a parameter
+    liar = (10_000, 1_000 // int(SPREAD) or 1, 1)  # stage 1 at under 1/SPREAD of that, stage 2 at nothing
+    micros = median_micros([honest, liar], 3)
+    assert micros == (10_000, liar[1], 1)  # the liar's values are the median of two
+    costs = measured_costs(parameters, micros)
+    assert costs is not None and costs[0] / costs[2] == pytest.approx(SPREAD * SPREAD)
+    # A third, honest driver takes it back: the liar is a minority.
+    assert median_micros([honest, honest, liar], 3) == honest
