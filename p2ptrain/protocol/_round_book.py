@@ -48,6 +48,7 @@ from p2ptrain.protocol._election import Election
 from p2ptrain.protocol._planner import Hold
 from p2ptrain.protocol._plans import is_checkpoint, plan_order, rule_problem
 from p2ptrain.protocol._lineage import Chain
+from p2ptrain.protocol._quarantine import exclude, until_later
 from p2ptrain.protocol._records import certificate, sign_record
 from p2ptrain.protocol._stage_costs import StageTimes
 from p2ptrain.task import Task
@@ -56,8 +57,6 @@ from p2ptrain.wire import ModelRecord, RoundFailed, RoundPlan, SignedModelRecord
 # After a failed round, the coordinator waits this long before it plans the retry, so the other
 # members have left the failed round (unless all of them reported that they have).
 RETRY_BACKOFF_S = 1.5
-# A peer named in a failed round (or a coordinator that fell silent) is left out of plans this long.
-FAILED_PEER_QUARANTINE_S = 10.0
 # Spans whose plans a member keeps for their records: the span under way, the one whose checkpoint
 # may be unsettled (overlap mode), and two more for records that come late.
 KEPT_SPAN_PLANS = 4
@@ -66,19 +65,6 @@ KEPT_SPAN_PLANS = 4
 class RuleBreak(str):
     """A reason not to follow a plan that is also evidence against the coordinator that sent it
     (:meth:`RoundBook.rule_problem`): the member stops following that coordinator."""
-
-
-def _until_later(deadlines: dict[str, float], now: float) -> frozenset[str]:
-    """The peers whose entry in ``deadlines`` (peer -> until when) has not run out at ``now``."""
-    return frozenset(p for p, until in deadlines.items() if until > now)
-
-
-def _exclude(deadlines: dict[str, float], peer: str, now: float) -> None:
-    """Leave ``peer`` out until FAILED_PEER_QUARANTINE_S from ``now``; entries that ran out go, so
-    the map holds only the peers excluded now (reporters come from the network)."""
-    for p in [p for p, until in deadlines.items() if until <= now]:
-        del deadlines[p]
-    deadlines[peer] = now + FAILED_PEER_QUARANTINE_S
 
 
 @dataclass
@@ -125,6 +111,9 @@ class RoundBook:
     # of theirs is believed, here or in a chain a head names.
     refused_spans: set[tuple[int, int, int]] = field(default_factory=set)
     accepted: RoundPlan | None = None  # the latest plan taken from an elected coordinator
+    # The first step of the plans taken that left this member out (the run redoes its steps from
+    # there without it): what it holds past that step and past the head the run dropped (holds_dropped).
+    left_out_from: int | None = None
     stage_times: StageTimes = field(default_factory=StageTimes)  # by step: what plans from it weigh stages by
 
     @property
@@ -249,9 +238,9 @@ class RoundBook:
         all-reduce blamed, not ourselves) out of plans, and when ``gone`` (unreachable) out of the
         election's live peers too, for FAILED_PEER_QUARANTINE_S."""
         if culprit is not None:
-            _exclude(self.failed_peers, culprit, now)
+            exclude(self.failed_peers, culprit, now)
             if gone:
-                _exclude(self.gone_peers, culprit, now)
+                exclude(self.gone_peers, culprit, now)
         self.retry_after = now + RETRY_BACKOFF_S
 
     def note_failure_report(self, now: float, report: RoundFailed, reporter: str, me: str, *, coordinator: bool) -> bool:
@@ -269,22 +258,22 @@ class RoundBook:
                 self.root_reporters.add(reporter)
                 self.root_reported = True
             else:
-                _exclude(self.failed_peers, reporter, now)
+                exclude(self.failed_peers, reporter, now)
             self.culprit_reported = True
         return True
 
     def note_silent_coordinator(self, now: float, peer: str) -> None:
         """The election gave up on coordinator ``peer`` (:attr:`Election.given_up`): most likely
         dead, and a plan listing it would fail on it (the mesh drops it only after 5 s)."""
-        _exclude(self.failed_peers, peer, now)
+        exclude(self.failed_peers, peer, now)
 
     def gone(self, now: float) -> frozenset[str]:
         """Peers a round found unreachable, still quarantined: for the election's View.gone."""
-        return _until_later(self.gone_peers, now)
+        return until_later(self.gone_peers, now)
 
     def quarantined(self, now: float) -> frozenset[str]:
         """Peers left out of plans at ``now``."""
-        return _until_later(self.failed_peers, now)
+        return until_later(self.failed_peers, now)
 
     def decide(
         self, now: float, election: Election, my_step: int, advertising: Collection[str], *,
@@ -400,6 +389,7 @@ class RoundBook:
             self.stage_times.forget_after(plan.step)  # the steps it redoes: their times here are a dropped attempt's
         self._note_span(plan)
         if election.me not in plan.members:
+            self.left_out_from = min(plan.step, self.left_out_from if self.left_out_from is not None else plan.step)
             return "not a member of this span"
         last = self.last_plan
         if last is not None and plan_order(plan) <= plan_order(last):
@@ -409,6 +399,17 @@ class RoundBook:
         self.failure_reporters = set()
         self.culprit_reported = self.root_reported = False  # they were about the plan this one supersedes
         return None
+
+    def holds_dropped(self, plan: RoundPlan, my_step: int) -> bool:
+        """Whether this member, at ``my_step``, holds steps the run dropped that ``plan`` (which names
+        it) would build on: a plan it took left it out from a step ``s`` it had gone past (it
+        applied an attempt that completed here and failed elsewhere; the retry redid ``s`` without
+        it), the run's head is before ``my_step`` (nothing since was confirmed here, its weights
+        are its own), and ``plan`` starts past ``s`` (from ``s`` itself, align rolls that step
+        back). Such a member resyncs from the head instead: trained on, its stage's answers would
+        disagree with its replicas' (red team h-attack4). Cleared by a resync (a new book)."""
+        s = self.left_out_from
+        return s is not None and my_step > max(s, self.head_step) and plan.step > s
 
     def rule_problem(self, plan: RoundPlan) -> str | None:
         """Why the elected coordinator's ``plan`` breaks the run's rules (:func:`~p2ptrain.protocol._plans.rule_problem`,

@@ -87,8 +87,9 @@ class RunState:
     # it falls out of step before the first confirmed checkpoint (run/_resync.py, restarts_at_root).
     was_synced: bool = False
     # The step of a confirmed checkpoint that this member's own state at that step is not (its
-    # steps rounded differently: run/_attesting.py): until it loads a confirmed state by CID it is
-    # not synced, and the run does not end for it (run/_resync.py). None: its state is the run's.
+    # steps rounded differently: run/_attesting.py), or the step it holds past steps a retry redid
+    # without it (RoundBook.holds_dropped): until it loads a confirmed state by CID it is not
+    # synced, and the run does not end for it (run/_resync.py). None: its state is the run's.
     stale_step: int | None = None
     manifest: Manifest | None = None
     total_steps: int = 0

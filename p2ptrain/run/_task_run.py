@@ -375,10 +375,14 @@ class TaskRun:
         run.collective.hub.expect(ID.from_base58(member) for member in plan.members)
         # A pipelined plan that goes back to our confirmed head (a stage lost every replica) is
         # followed from here: the span drops what this member holds and loads its stage (run/_spans.py).
-        if not run.synced or not (run.trainer.can_align(plan.step) or book.rewinds(plan, run.trainer.step)):
-            # Listed in a plan from a checkpoint we do not hold (a joiner that advertised from a
-            # head the run has left, or a member that fell behind): the resync loop loads that
-            # checkpoint by CID and then follows the plan, while the others wait for our channels.
+        dropped = book.holds_dropped(plan, run.trainer.step)  # steps the run redid without us: not built on
+        book.left_out_from = None  # this plan names us: decided here, once
+        if not run.synced or dropped or not (run.trainer.can_align(plan.step) or book.rewinds(plan, run.trainer.step)):
+            # Listed in a plan from a checkpoint we do not hold (a joiner from a head the run has left, a member
+            # behind): the resync loop loads it by CID, then follows the plan; the others wait for our channels.
+            if dropped:  # not the run's state: the resync loads the confirmed one (run/_resync.py)
+                run.stale_step = run.trainer.step
+                logger.warning("%s: at step %d, past steps the run redid without us: resyncing", run.log_prefix, run.trainer.step)
             if run.synced:
                 run.desync(trio.current_time())
             self.spans.stop_rounds()

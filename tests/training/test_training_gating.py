@@ -9,7 +9,8 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 
 from p2ptrain.protocol import Chain, Election, ElectionConfig, Hold, Participation, RoundBook, RuleBreak, View, signing
 from p2ptrain.protocol._planner import FIRST_ROUND_GRACE_S
-from p2ptrain.protocol._round_book import FAILED_PEER_QUARANTINE_S, RETRY_BACKOFF_S
+from p2ptrain.protocol._quarantine import FAILED_PEER_QUARANTINE_S
+from p2ptrain.protocol._round_book import RETRY_BACKOFF_S
 from p2ptrain.wire import RoundFailed, RoundPlan
 
 CONFIG = ElectionConfig(heartbeat_s=1.0, timeout_beats=3)
