@@ -11,15 +11,18 @@ once skipped every NAT test and stayed green). Nothing that needs root fails for
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import shutil
+import tempfile
 from collections.abc import Iterator
 from typing import Any
 from pathlib import Path
 
 import pytest
 
+from p2ptrain.testing._forkserver import SHARE_ENV
 from p2ptrain.testing._timers import QUICK_ENV, apply_quick_timers, quick_timers_off
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -65,6 +68,11 @@ def pytest_configure(config: pytest.Config) -> None:
     # The processes the tests start (nodes, CLI commands, member scripts) are forked from a server
     # that imported torch and libp2p once (p2ptrain/testing/_forkserver.py), unless this is "0".
     os.environ.setdefault("P2PTRAIN_TEST_FORK", "1")
+    # Under xdist, one server for every worker (the workers inherit this variable from the
+    # controller): its imports paid once, not on each worker as its first process test waits.
+    if config.getoption("dist", "no") != "no" and not hasattr(config, "workerinput") and SHARE_ENV not in os.environ:
+        os.environ[SHARE_ENV] = tempfile.mkdtemp(prefix="p2ptrain-forkserver-")
+        config.add_cleanup(functools.partial(shutil.rmtree, os.environ[SHARE_ENV], ignore_errors=True))
     config.addinivalue_line(
         "markers", "needs(*tools, root=False): tools on PATH (and root) the test needs; see tests/conftest.py"
     )
