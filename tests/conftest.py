@@ -11,15 +11,18 @@ once skipped every NAT test and stayed green). Nothing that needs root fails for
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import shutil
+import tempfile
 from collections.abc import Iterator
 from typing import Any
 from pathlib import Path
 
 import pytest
 
+from p2ptrain.testing._forkserver import SHARE_ENV
 from p2ptrain.testing._timers import QUICK_ENV, apply_quick_timers, quick_timers_off
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -65,6 +68,11 @@ def pytest_configure(config: pytest.Config) -> None:
     # The processes the tests start (nodes, CLI commands, member scripts) are forked from a server
     # that imported torch and libp2p once (p2ptrain/testing/_forkserver.py), unless this is "0".
     os.environ.setdefault("P2PTRAIN_TEST_FORK", "1")
+    # Under xdist, one server for every worker (the workers inherit this variable from the
+    # controller): its imports paid once, not on each worker as its first process test waits.
+    if config.getoption("dist", "no") != "no" and not hasattr(config, "workerinput") and SHARE_ENV not in os.environ:
+        os.environ[SHARE_ENV] = tempfile.mkdtemp(prefix="p2ptrain-forkserver-")
+        config.add_cleanup(functools.partial(shutil.rmtree, os.environ[SHARE_ENV], ignore_errors=True))
     config.addinivalue_line(
         "markers", "needs(*tools, root=False): tools on PATH (and root) the test needs; see tests/conftest.py"
     )
@@ -105,12 +113,92 @@ def _own_timeout(item: pytest.Item) -> float:
     return max((float(m.args[0]) for m in marks if m.name == "timeout" and m.args), default=0.0)
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The tests that declare a long timeout of their own (a run of several processes: minutes each)
-    first, longest bound first; the rest in their order. The two workers of ``make test`` then take
+# Where the last runs' test durations are kept (pytest's cache, .pytest_cache/: never committed), and
+# how the controller hands them to the xdist workers (each worker orders its own collection, and
+# every worker must order it alike, so they read the controller's one copy, not the file).
+DURATIONS_KEY = "p2ptrain/durations"
+_DURATIONS_INPUT = "p2ptrain_durations"
+
+
+def longest_first(nodeids: list[str], own_timeouts: list[float], durations: dict[str, float]) -> list[int]:
+    """The order (indices into ``nodeids``) that runs the longest tests first: files by their
+    longest test, and in a file its tests longest first (a file's tests stay together, so that a
+    module-scoped fixture is set up once per worker that draws them, not once per stretch). A test
+    that ran before counts the seconds it took last (``durations``, recorded by
+    :func:`pytest_sessionfinish`); one that did not (a new test, a fresh checkout), the mean of its
+    file's recorded tests; a test without either that declares a timeout of its own (a run of
+    several processes) counts more than every recorded one, as when the declared timeouts were all
+    there was to go by. Ties keep the collection's order."""
+    def file_of(nodeid: str) -> str:
+        return nodeid.split("::", 1)[0]
+
+    by_file: dict[str, list[float]] = {}
+    for nodeid, seconds in durations.items():
+        by_file.setdefault(file_of(nodeid), []).append(seconds)
+    first = max(durations.values(), default=0.0) + 1.0
+
+    def estimate(i: int) -> float:
+        if nodeids[i] in durations:
+            return durations[nodeids[i]]
+        if own_timeouts[i]:
+            return first + own_timeouts[i]
+        known = by_file.get(file_of(nodeids[i]))
+        return sum(known) / len(known) if known else 0.0
+
+    estimates = [estimate(i) for i in range(len(nodeids))]
+    longest: dict[str, float] = {}
+    place: dict[str, int] = {}  # between files whose longest tests tie: the collection's order
+    for nodeid, seconds in zip(nodeids, estimates, strict=True):
+        longest[file_of(nodeid)] = max(seconds, longest.get(file_of(nodeid), 0.0))
+        place.setdefault(file_of(nodeid), len(place))
+    return sorted(range(len(nodeids)), key=lambda i: (-longest[file_of(nodeids[i])], place[file_of(nodeids[i])],
+                                                      -estimates[i]))
+
+
+def _recorded_durations(config: pytest.Config) -> dict[str, float]:
+    workerinput = getattr(config, "workerinput", None)
+    if workerinput is not None:
+        return dict(workerinput.get(_DURATIONS_INPUT, {}))
+    cache = getattr(config, "cache", None)  # None under -p no:cacheprovider
+    if cache is None:
+        return {}
+    found = cache.get(DURATIONS_KEY, {})
+    return {k: float(v) for k, v in found.items() if isinstance(v, int | float)} if isinstance(found, dict) else {}
+
+
+@pytest.hookimpl(optionalhook=True)  # xdist's hook, in the controller
+def pytest_configure_node(node: Any) -> None:
+    node.workerinput[_DURATIONS_INPUT] = _recorded_durations(node.config)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The longest tests first (:func:`longest_first`). The workers of ``make test`` then take
     the long ones side by side and fill in with short ones, instead of one worker ending the suite
     alone with a run it drew last (longest-first scheduling)."""
-    items.sort(key=lambda item: -_own_timeout(item))
+    order = longest_first([item.nodeid for item in items], [_own_timeout(item) for item in items],
+                          _recorded_durations(config))
+    items[:] = [items[i] for i in order]
+
+
+_ran: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Each test's seconds (setup, call and teardown), in the process that writes the cache: the
+    controller under xdist (the workers' reports come to it), else the one process."""
+    _ran[report.nodeid] = _ran.get(report.nodeid, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """The durations of the tests that ran, kept for the next run's order (those that did not run
+    keep their last)."""
+    config = session.config
+    cache = getattr(config, "cache", None)
+    if hasattr(config, "workerinput") or cache is None or not _ran:
+        return
+    durations = _recorded_durations(config)
+    durations.update((nodeid, round(seconds, 2)) for nodeid, seconds in _ran.items())
+    cache.set(DURATIONS_KEY, durations)
 
 
 def _shorten_protocol_waits(patch: pytest.MonkeyPatch) -> None:

@@ -66,18 +66,23 @@ def test_a_forked_node_is_killed_by_a_signal_and_its_output_goes_where_it_was_se
     with open(log, "wb") as f:
         proc = start_forked([sys.executable, "-m", "p2ptrain.cli.main", "node", "start", "--home", str(tmp_path / "h"),
                              "--listen", "/ip4/127.0.0.1/tcp/0", "--no-dht"], stdout=f, stderr=subprocess.STDOUT)
-    assert isinstance(proc, ForkedProcess)
-    deadline = time.monotonic() + 60
-    while "listening on" not in log.read_text() and time.monotonic() < deadline:
-        assert proc.poll() is None, log.read_text()
-        time.sleep(0.05)
-    assert "listening on" in log.read_text()
-    with pytest.raises(subprocess.TimeoutExpired):
-        proc.wait(0.1)
-    proc.send_signal(signal.SIGKILL)
-    assert proc.wait(10) == -signal.SIGKILL
-    with pytest.raises(ProcessLookupError):
-        os.kill(proc.pid, 0)
+    try:
+        assert isinstance(proc, ForkedProcess)
+        deadline = time.monotonic() + 60
+        while "listening on" not in log.read_text() and time.monotonic() < deadline:
+            assert proc.poll() is None, log.read_text()
+            time.sleep(0.05)
+        assert "listening on" in log.read_text()
+        with pytest.raises(subprocess.TimeoutExpired):
+            proc.wait(0.1)
+        proc.send_signal(signal.SIGKILL)
+        assert proc.wait(10) == -signal.SIGKILL
+        with pytest.raises(ProcessLookupError):
+            os.kill(proc.pid, 0)
+    finally:  # a node left running by a failed assertion would run on after the suite
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
 
 
 def test_a_command_over_its_timeout_is_killed(tmp_path):

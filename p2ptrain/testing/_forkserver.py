@@ -27,6 +27,7 @@ It is on where ``P2PTRAIN_TEST_FORK=1`` (the project's tests/conftest.py sets it
 from __future__ import annotations
 
 import atexit
+import contextlib
 import io
 import json
 import os
@@ -57,6 +58,9 @@ FORK_TIMEOUT_S = 30.0
 SERVER_STOP_WAIT_S = 10.0
 # Bound on one request or reply on the control socket (an environment and an argv: a few KiB).
 MAX_REQUEST = 1 << 20
+# A folder (set by tests/conftest.py for xdist's workers) where one fork server for the whole test
+# run listens (``control``) and the first process to ask starts it (``lock``).
+SHARE_ENV = "P2PTRAIN_TEST_FORK_SHARE"
 # Where ``ip netns add`` names its network namespaces.
 NETNS_DIR = Path("/run/netns")
 
@@ -201,27 +205,65 @@ class ForkedProcess:
 
 
 class _Server:
-    """The fork server of this process: its control socket, and a lock so that threads take turns."""
+    """The fork server this process asks: its control socket, and a lock so that threads take turns.
+    Its own child, or, where ``P2PTRAIN_TEST_FORK_SHARE`` names a folder (tests/conftest.py sets it
+    for xdist's workers), one server that every process of the test run connects to: the first to
+    ask starts it (a lock in the folder), so a ``-n 4`` run pays its imports once, not four times."""
 
     def __init__(self) -> None:
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.env = dict(os.environ)
-        errors = tempfile.TemporaryFile()  # noqa: SIM115 (the server's own output: none expected but a failed start)
-        self.proc = subprocess.Popen([sys.executable, "-m", "p2ptrain.testing._zygote", str(theirs.fileno())],
-                                     pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, stdout=errors,
-                                     stderr=errors, env=self.env)
-        theirs.close()
-        self.sock = ours
         self.owner = os.getpid()
         self.lock = threading.Lock()
+        self.proc: subprocess.Popen[bytes] | None = None
+        errors = tempfile.TemporaryFile()  # noqa: SIM115 (the server's own output: none expected but a failed start)
+        shared = os.environ.get(SHARE_ENV)
+        if shared:
+            self.sock = self._shared(Path(shared), errors)
+        else:
+            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            self.proc = self._start(theirs, errors, listen=False)
+            self.sock = ours
         ready, _, _ = select.select([self.sock], [], [], SERVER_START_TIMEOUT_S)
         hello = self.sock.recv(MAX_REQUEST) if ready else b""
         if hello != b"ready":
-            self.proc.kill()
-            self.proc.wait()
+            if self.proc is not None:
+                self.proc.kill()
+                self.proc.wait()
             errors.seek(0)
             raise RuntimeError(f"the fork server did not start:\n{errors.read()[-4000:].decode(errors='replace')}")
         errors.close()
+
+    def _start(self, passed: socket.socket, errors: IO[bytes], *, listen: bool) -> subprocess.Popen[bytes]:
+        """The server's process, handed ``passed`` (its control socket, or with ``listen`` the
+        socket it accepts its askers on)."""
+        args = [sys.executable, "-m", "p2ptrain.testing._zygote", *(["--listen"] if listen else []),
+                str(passed.fileno())]
+        proc = subprocess.Popen(args, pass_fds=[passed.fileno()], stdin=subprocess.DEVNULL, stdout=errors,
+                                stderr=errors, env=self.env)
+        passed.close()
+        return proc
+
+    def _shared(self, folder: Path, errors: IO[bytes]) -> socket.socket:
+        """A control socket connected to the test run's shared server, started here if none listens."""
+        import fcntl
+
+        path = str(folder / "control")
+        with open(folder / "lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            try:
+                sock.connect(path)
+                return sock
+            except (FileNotFoundError, ConnectionRefusedError):
+                pass
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)  # a server that ended: its last asker had left
+            listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            listener.bind(path)
+            listener.listen(16)
+            self._start(listener, errors, listen=True)  # not waited for: it outlives the asker that started it
+            sock.connect(path)  # held in the backlog until the server has imported everything
+            return sock
 
     def fork(self, request: dict[str, Any], fds: list[int]) -> int:
         with self.lock:
@@ -236,12 +278,14 @@ class _Server:
         return int(answer["pid"])
 
     def close(self) -> None:
-        """The server sees the end, waits for its children, and exits (waited for here, a while)."""
+        """The server sees this asker's end; its own server waits for its children and exits (waited
+        for here, a while), a shared one once its last asker has left."""
         self.sock.close()
-        try:
-            self.proc.wait(SERVER_STOP_WAIT_S)
-        except subprocess.TimeoutExpired:
-            pass
+        if self.proc is not None:
+            try:
+                self.proc.wait(SERVER_STOP_WAIT_S)
+            except subprocess.TimeoutExpired:
+                pass
 
 
 _server: _Server | None = None

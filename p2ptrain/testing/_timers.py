@@ -6,7 +6,7 @@ environment has ``P2PTRAIN_TEST_QUICK_TIMERS=1``: :mod:`p2ptrain.testing._zygote
 A run of real peers spends most of its wall time waiting for what may still come, not computing
 (docs/testing.md, "Quick timers"); the run takes the same path whichever way each wait ends, so a
 test's assertions stay the same and only the idle time changes. A process started fresh (not
-forked: ``P2PTRAIN_TEST_FORK=0``, another interpreter, a network namespace's ``wan_node_processes``)
+forked: ``P2PTRAIN_TEST_FORK=0``, another interpreter, an ``env PYTHONPATH=...`` launcher)
 keeps the production values, as the package itself always does: nothing outside the test harness
 reads the variable.
 """

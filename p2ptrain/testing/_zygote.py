@@ -141,17 +141,18 @@ def _child(request: dict[str, Any], fds: list[int], inherited: list[int]) -> Non
             os._exit(code)
 
 
-def _serve(control: socket.socket) -> None:
-    """Fork a child per request; tell each requester its child's exit status when it is reaped. On
-    the control socket's end, wait for the children still running, then return."""
+def _serve(controls: list[socket.socket], listener: socket.socket | None) -> None:
+    """Fork a child per request on any control socket; tell each requester its child's exit status
+    when it is reaped. A ``listener`` (a fork server shared by a test run's processes) adds a
+    control socket per connection, each greeted with ``ready``. Once the last control socket ends
+    (and no connection waits on the listener), wait for the children still running, then return."""
     wake_read, wake_write = os.pipe()
     os.set_blocking(wake_write, False)
     signal.set_wakeup_fd(wake_write)
     signal.signal(signal.SIGCHLD, lambda *_: None)
     statuses: dict[int, socket.socket] = {}
-    serving = True
-    while serving or statuses:
-        watched = [wake_read, control.fileno()] if serving else [wake_read]
+    while controls or statuses or listener is not None:
+        watched = [wake_read, *(c.fileno() for c in controls), *([listener.fileno()] if listener else [])]
         ready, _, _ = select.select(watched, [], [], 1.0)
         if wake_read in ready:
             os.read(wake_read, 4096)
@@ -169,16 +170,22 @@ def _serve(control: socket.socket) -> None:
                 except OSError:
                     pass
                 sock.close()
-        if serving and control.fileno() in ready:
+        if listener is not None and listener.fileno() in ready:
+            joined, _ = listener.accept()
+            joined.send(b"ready")
+            controls.append(joined)
+        for control in [c for c in controls if c.fileno() in ready]:
             data, fds, _, _ = socket.recv_fds(control, MAX_REQUEST, 4)
             if not data:
-                serving = False
+                controls.remove(control)
+                control.close()
                 continue
             try:
                 request = json.loads(data)
                 sys.stdout.flush()
                 sys.stderr.flush()
-                inherited = [wake_read, wake_write, control.fileno(), *(s.fileno() for s in statuses.values())]
+                inherited = [wake_read, wake_write, *(c.fileno() for c in controls),
+                             *([listener.fileno()] if listener else []), *(s.fileno() for s in statuses.values())]
                 pid = os.fork()
                 if pid == 0:
                     _child(request, fds, inherited)
@@ -191,14 +198,29 @@ def _serve(control: socket.socket) -> None:
             for fd in fds[:3]:
                 os.close(fd)
             control.send(json.dumps(reply).encode())
+        if listener is not None and not controls and not _waiting(listener):
+            listener.close()  # the last asker left: later ones start a server of their own
+            listener = None
+
+
+def _waiting(listener: socket.socket) -> bool:
+    """Whether a connection waits on ``listener`` (read without blocking)."""
+    ready, _, _ = select.select([listener], [], [], 0)
+    return bool(ready)
 
 
 def main() -> None:
-    control = socket.socket(fileno=int(sys.argv[1]))
+    """``FD``: the control socket of the one process that asks; ``--listen FD``: a listening socket
+    that every process of a test run connects to (:mod:`p2ptrain.testing._forkserver`, shared)."""
+    listening = sys.argv[1] == "--listen"
+    first = socket.socket(fileno=int(sys.argv[2 if listening else 1]))
     _preload()
     sys.stdout.flush()
-    control.send(b"ready")
-    _serve(control)
+    if listening:
+        _serve([], first)
+    else:
+        first.send(b"ready")
+        _serve([first], None)
 
 
 if __name__ == "__main__":

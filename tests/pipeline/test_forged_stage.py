@@ -20,6 +20,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+import pytest
 import trio
 
 from p2ptrain.base import short_id
@@ -60,6 +61,7 @@ async def publish(peers: Any) -> str:
     return await trio.to_thread.run_sync(build)
 
 
+@pytest.mark.timeout(300)  # the suite's bound, declared: tests/conftest.py deals it among the first (~30 s or more alone)
 async def test_a_member_forging_stage_files_is_outvoted_named_and_the_run_goes_on(
         tmp_path: Path, monkeypatch, caplog) -> None:
     import p2ptrain.run._stage_checkpoints as checkpoints_module

@@ -19,6 +19,7 @@ from .test_pipelined_run import DEADLINE_S, publish, small_text, STEP_S, STEPS
 __all__ = ["small_text"]  # the fixture (autouse): the small text, one thread
 
 
+@pytest.mark.timeout(300)  # the suite's bound, declared: tests/conftest.py deals it among the first (~30 s or more alone)
 async def test_members_stopped_together_resume_their_stages_from_the_last_manifest(
     tmp_path: Path, caplog: pytest.LogCaptureFixture,
 ) -> None:

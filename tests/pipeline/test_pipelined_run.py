@@ -127,6 +127,7 @@ def evaluate_whole(task_text: str, store: Any, tensors: dict[str, torch.Tensor])
     return trainer.evaluate(batched(split, task.training.eval_batch_size))
 
 
+@pytest.mark.timeout(300)  # the suite's bound, declared: tests/conftest.py deals it among the first (~30 s or more alone)
 async def test_a_pipelined_task_trains_as_one_process_and_goes_on_when_a_replica_leaves(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     with trio.fail_after(DEADLINE_S):

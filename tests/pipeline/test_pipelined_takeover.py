@@ -29,6 +29,7 @@ THREE = TASK.replace("checkpoint_interval = 2", "checkpoint_interval = 8").repla
 HELD_STEP = 3
 
 
+@pytest.mark.timeout(300)  # the suite's bound, declared: tests/conftest.py deals it among the first (~30 s or more alone)
 @pytest.mark.parametrize("until", ["plan", "coordinator"])
 async def test_a_pipelined_span_whose_coordinator_changes_runs_to_the_end(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, until: str) -> None:

@@ -40,6 +40,7 @@ def stage_digest(rounds: StageRounds, stage: int) -> str:
     return digest.hexdigest()
 
 
+@pytest.mark.timeout(300)  # the suite's bound, declared: tests/conftest.py deals it among the first (~30 s or more alone)
 async def test_sparse_stage_sums_keep_the_replicas_identical_after_every_step(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert 'stage_sum = "sparse"' in SPARSE and "density = 0.05" in SPARSE and "min = 4" in SPARSE

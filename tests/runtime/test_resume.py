@@ -43,6 +43,7 @@ async def run_to_the_end(peers: LocalPeers, task_cid: str) -> list[dict[str, Any
     return await peers.wait_until(done, STEP_S, what="every member done")
 
 
+@pytest.mark.timeout(300)  # the suite's bound, declared: tests/conftest.py deals it among the first (~30 s or more alone)
 async def test_members_stopped_together_resume_from_their_last_record_and_end_where_an_unstopped_run_ends(
     tmp_path: Path,
 ) -> None:
@@ -137,6 +138,7 @@ async def test_a_chain_file_whose_last_record_forks_is_refused_and_kept_as_it_wa
             assert path.read_bytes() == kept
 
 
+@pytest.mark.timeout(300)  # the suite's bound, declared: tests/conftest.py deals it among the first (~30 s or more alone)
 async def test_a_member_restarted_while_the_run_goes_on_resumes_its_chain_then_catches_up(tmp_path: Path) -> None:
     """Only one member stops: the others train on. Started again on its home, it resumes from its
     own chain (not step 0), loads the head the run has reached (heard while it resumed, or from the

@@ -26,6 +26,7 @@ RESUME_WAIT_S = 20.0
 HEARD_WITHIN_S = 8.0
 
 
+@pytest.mark.timeout(300)  # the suite's bound, declared: tests/conftest.py deals it among the first (~30 s or more alone)
 async def test_a_member_that_resumes_after_another_hears_it_at_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Four members stop at model v1 and start again. The first to rejoin hears the three others'
     chains from their homes and resumes. The second then needs its answer too: the two of them are
