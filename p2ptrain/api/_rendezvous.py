@@ -9,6 +9,9 @@ of it is heard of), else the task with the lowest CID: members that hear each ot
 two of the same name; the initial weights of the task taken are loaded into every member's module,
 so all start from the same bits. A task whose architecture card differs from this member's refuses
 it, in one line that names the first tensor or option that differs (:mod:`p2ptrain.models._fingerprint`).
+A run heard of whose task cannot be had (its members gone with its bytes) is skipped, and the
+member listens on for the rest of its window: it once took its own task at once instead, beside a
+run of the same name under way.
 """
 
 from __future__ import annotations
@@ -85,30 +88,45 @@ async def choose_run(peer: Peer, name: str, own_cid: str, card: dict[str, object
         if not (peer.node.host and peer.node.host.get_connected_peers()):
             raise UserError(f"run {name!r}: no bootstrap peer answered within {CONNECT_TIMEOUT_S:.0f} s")
     deadline = trio.current_time() + window
+    skipped: set[str] = set()  # runs announced that could not be had: a stale one is not the end of the window
     while True:
         await peer.node.publish(TASKS_TOPIC, TaskAnnounce(task_cid=own_cid, name=name))
-        under_way = _under_way(peer, name, allow)
-        if under_way or trio.current_time() >= deadline:
+        for cid in sorted(set(_under_way(peer, name, allow)) - skipped):
+            if cid == own_cid:  # others took this member's task already
+                return Chosen(own_cid, await _task(peer, own_cid), True)
+            chosen = await _take(peer, cid, name, card)
+            if chosen is not None:
+                return chosen
+            skipped.add(cid)
+        if trio.current_time() >= deadline:
             break
         await trio.sleep(min(ANNOUNCE_EVERY_S, max(0.0, deadline - trio.current_time())))
-    heard = sorted(cid for cid, known in tasks.known.items() if _candidate(known, name, allow) and cid != own_cid)
-    order = sorted(under_way) or sorted([own_cid, *heard])
-    for cid in order:
+    heard = sorted(cid for cid, known in tasks.known.items()
+                   if _candidate(known, name, allow) and cid != own_cid and cid not in skipped)
+    for cid in sorted([own_cid, *heard]):
         if cid == own_cid:
-            return Chosen(own_cid, await _task(peer, own_cid), True)
-        try:
-            task = await _task(peer, cid)
-        except (ContentUnavailable, TaskError) as exc:
-            log.warning("run %s: the task %s someone announced for it cannot be had (%s); skipped", name, cid, exc)
-            continue
-        if not task.model.user or task.name != name:
-            continue  # not a run of this kind (a task of the registry's models of the same name)
-        theirs = await _card(peer, task)
-        difference = first_difference(theirs, card)
-        if difference is not None:
-            raise UserError(f"run {name!r} ({cid}) trains another model or with other options: {difference}")
-        return Chosen(cid, task, False)
+            break
+        chosen = await _take(peer, cid, name, card)
+        if chosen is not None:
+            return chosen
     return Chosen(own_cid, await _task(peer, own_cid), True)
+
+
+async def _take(peer: Peer, cid: str, name: str, card: dict[str, object]) -> Chosen | None:
+    """The run of task ``cid`` if it is one of this model (:class:`UserError` naming the difference
+    if it is another's); None if it cannot be had (its task is gone with its members, or is not a
+    run of the user's module of that name): the caller listens on for another."""
+    try:
+        task = await _task(peer, cid)
+    except (ContentUnavailable, TaskError) as exc:
+        log.warning("run %s: the task %s someone announced for it cannot be had (%s); skipped", name, cid, exc)
+        return None
+    if not task.model.user or task.name != name:
+        return None  # not a run of this kind (a task of the registry's models of the same name)
+    difference = first_difference(await _card(peer, task), card)
+    if difference is not None:
+        raise UserError(f"run {name!r} ({cid}) trains another model or with other options: {difference}")
+    return Chosen(cid, task, False)
 
 
 async def keep_announcing(peer: Peer, name: str, task_cid: str) -> None:
