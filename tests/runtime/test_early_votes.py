@@ -24,7 +24,7 @@ from p2ptrain.wire import SignedVote, task_topic, Vote, VoteRequest
 
 pytestmark = pytest.mark.usefixtures("quick_timers")  # tests/conftest.py: the protocol's idle waits shortened
 
-RUN_S = 200.0
+SETUP_S = 110.0  # beside the wait for the checkpoint: the peers, the task, the Sybils, and their teardown
 FOREIGN = "torch 9.9.9 on the CPU with scalar kernels"  # an arithmetic no member computes with
 
 
@@ -65,6 +65,29 @@ async def _voting_sybils(peers: LocalPeers, task_cid: str, k: int, honest: range
     return ids
 
 
+async def _sybils_take_nothing(tmp_path: Path, allowlist: bool, wait_s: float, what: str) -> None:
+    """Two members join a new task beside three Sybils of another arithmetic voting from its start:
+    within ``wait_s`` the first checkpoint comes, the run's class is the members', and no Sybil is in
+    a record. ``allowlist``: the task admits only the two members."""
+    honest = range(2)
+    with trio.fail_after(wait_s + SETUP_S):
+        async with local_peers(2, tmp_path, heartbeat_interval=0.5) as peers, trio.open_nursery() as nursery:
+            allowed = [peers[i].node.peer_id.to_base58() for i in honest]
+            extra = f'admission = "allowlist"\nallow = {allowed!r}\n'.replace("'", '"') if allowlist else ""
+            task_cid = await publish_digits_task(peers[0], total_steps=400, checkpoint_interval=4, min_peers=2,
+                                                 extra=extra)
+            sybils = await _voting_sybils(peers, task_cid, 3, honest, FOREIGN, nursery)
+            for i in honest:
+                await peers[i].tasks.join(task_cid)
+            await peers.wait_until(lambda: _version(peers, task_cid, honest) >= 1, wait_s, what=what)
+            for i in honest:
+                status = peers.status(i, task_cid)
+                assert status["arithmetic_run"] != FOREIGN
+                record = peers[i].tasks.runs[task_cid].shared.book.chain.records[-1].record
+                assert not set(record.members) & set(sybils)
+            nursery.cancel_scope.cancel()
+
+
 async def test_early_voting_sybils_off_the_allowlist_take_nothing(tmp_path: Path) -> None:
     """Three identities off the task's allowlist, advertising another arithmetic, voting from the
     run's start in every term: the run's class stays its members', the first checkpoint comes, and
@@ -73,25 +96,7 @@ async def test_early_voting_sybils_off_the_allowlist_take_nothing(tmp_path: Path
     took the class, both members were left out for their arithmetic, no coordinator was elected and
     no step was made in 90 s: what they did to a task with open admission before its class's claim
     could lapse (the next test; docs/security.md, "Early voting Sybils")."""
-    honest = range(2)
-    with trio.fail_after(RUN_S):
-        async with local_peers(2, tmp_path, heartbeat_interval=0.5) as peers, trio.open_nursery() as nursery:
-            allowed = [peers[i].node.peer_id.to_base58() for i in honest]
-            extra = f'admission = "allowlist"\nallow = {allowed!r}\n'.replace("'", '"')
-            task_cid = await publish_digits_task(peers[0], total_steps=400, checkpoint_interval=4, min_peers=2,
-                                                 extra=extra)
-            sybils = await _voting_sybils(peers, task_cid, 3, honest, FOREIGN, nursery)
-            for i in honest:
-                await peers[i].tasks.join(task_cid)
-            await peers.wait_until(lambda: _version(peers, task_cid, honest) >= 1, 90,
-                                   what="a new task's first checkpoint beside three Sybils voting from its start")
-            for i in honest:
-                status = peers.status(i, task_cid)
-                assert status["arithmetic_run"] != FOREIGN
-                record = peers[i].tasks.runs[task_cid].shared.book.chain.records[-1].record
-                assert not set(record.members) & set(sybils)
-            nursery.cancel_scope.cancel()
-
+    await _sybils_take_nothing(tmp_path, True, 90, "a new task's first checkpoint beside three Sybils voting from its start")
 
 
 async def test_early_voting_sybils_of_another_arithmetic_lose_an_open_run(tmp_path: Path) -> None:
@@ -103,18 +108,5 @@ async def test_early_voting_sybils_of_another_arithmetic_lose_an_open_run(tmp_pa
     they held the run: no coordinator and no step in 90 s. The wait is longer than the allowlist's
     (150 s): only terms whose designated candidate is a Sybil count (3 of 5), and terms grow to 12 s
     here; fewer than 2 such terms among the first 12 (~110 s) is under 1 in 1,000 runs."""
-    honest = range(2)
-    with trio.fail_after(RUN_S + 60):
-        async with local_peers(2, tmp_path, heartbeat_interval=0.5) as peers, trio.open_nursery() as nursery:
-            task_cid = await publish_digits_task(peers[0], total_steps=400, checkpoint_interval=4, min_peers=2)
-            sybils = await _voting_sybils(peers, task_cid, 3, honest, FOREIGN, nursery)
-            for i in honest:
-                await peers[i].tasks.join(task_cid)
-            await peers.wait_until(lambda: _version(peers, task_cid, honest) >= 1, 150,
-                                   what="an open task's first checkpoint beside three Sybils voting from its start")
-            for i in honest:
-                status = peers.status(i, task_cid)
-                assert status["arithmetic_run"] != FOREIGN
-                record = peers[i].tasks.runs[task_cid].shared.book.chain.records[-1].record
-                assert not set(record.members) & set(sybils)
-            nursery.cancel_scope.cancel()
+    await _sybils_take_nothing(tmp_path, False, 150,
+                               "an open task's first checkpoint beside three Sybils voting from its start")
