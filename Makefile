@@ -72,7 +72,8 @@ test-tools:
 # 578 s with two workers, 1,434 passed. With two workers the cores were half idle (user+sys 10.2 min
 # in 9.6 min); four, 2026-11-26 22:00 and 23:46: 496 s and 498 s (1,481 and 1,515 tests), 12.6-13 min
 # of CPU: the suite is CPU-bound again, so more workers would buy nothing. Four it is (00:00, after
-# the merges: 446 s, 1,515 passed, 11.7 min of CPU).
+# the merges: 446 s, 1,515 passed, 11.7 min of CPU). 2026-11-27, quiet, 1,667 tests: four workers
+# 448-501 s (1.2 cores busy: the suite waits more than it computes now), six 454 s (1.45): no clear gain.
 TEST_WORKERS ?= 4
 
 # ruff (tests, benches too) and mypy (strict on p2ptrain/; pyproject.toml lists any module that is
