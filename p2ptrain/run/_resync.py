@@ -263,7 +263,10 @@ class Resync:
                 or head.model_cid != plan.base_cid:
             problem = f"behind the run, and its head is not the plan's base v{plan.version}"
         elif head.version > book.chain.version or not trainer.can_align(plan.step) or run.stale_step is not None:
-            failure = await self.try_load_head(head)
+            # Our state is not the run's (RoundBook.holds_dropped) before any checkpoint: the run's
+            # confirmed state is its root (a v0 head names nothing to load).
+            root = run.stale_step is not None and head.version == 0
+            failure = await (self.try_load_root() if root else self.try_load_head(head))
             if failure is not None:
                 problem = f"could not load the plan's base v{plan.version}: {failure}"
         if problem is None and not trainer.can_align(plan.step):
@@ -294,8 +297,11 @@ class Resync:
 
     async def try_load_last_checkpoint(self) -> str | None:
         """Load the last checkpoint of our own confirmed chain (the run ended without us; see
-        :meth:`RunState.end_if_over`), through the same boundary as a head."""
+        :meth:`RunState.end_if_over`), through the same boundary as a head; before any, the run's
+        root (our state was not the run's: RoundBook.holds_dropped)."""
         _, book = self.run.require()
+        if book.chain.version == 0:
+            return await self.try_load_root()
         return await self._load_bounded(book.chain.version, self.load_chain(book.chain))
 
     async def _load_bounded(self, version: int, loading: Awaitable[None]) -> str | None:
@@ -339,6 +345,7 @@ class Resync:
         if trainer.step != 0:
             raise TrainerError(f"the run's initial state says step {trainer.step}")
         self.restore_feedback(0)
+        run.stale_step = None  # our state is the run's root now
         run.book = book.resynced(book.chain)
         run.attestations.clear()
         logger.info("%s: back to the run's initial state (model v0 %s, step 0): no checkpoint is confirmed yet",
