@@ -39,7 +39,8 @@ OLD_KEYS = {"task_cid", "name", "state", "error", "member", "synced", "round", "
 MEMBER_KEYS = OLD_KEYS | {"cancel_reason", "waiting_for_peers", "waiting_s", "bytes_received", "last_round",
                           "last_step", "inner_steps", "inner_step", "is_coordinator", "resumed_from",
                           "stage", "stages", "stage_recovery", "stage_suspects",
-                          "stage_disagreements", "arithmetic_left_out", "arithmetic_run"}
+                          "stage_disagreements", "arithmetic_left_out", "arithmetic_run",
+                          "arithmetic_barred"}
 # ... and for a task this node only heard of.
 HEARD_KEYS = {"task_cid", "name", "announced_by", "member", "state", "refused", "missing_builder", "version", "step", "round",
               "total_steps", "latest_model_cid", "members", "chain_cid"}

@@ -249,6 +249,10 @@ def render_status(s: TaskStatus) -> str:
         own = e["arithmetic"] or "an arithmetic it does not advertise"
         lines.append(f"left out   {short_id(e['peer'])}: computes with {own}, the run with {s.arithmetic_run}; "
                      "other bits (docs/deploy.md)")
+    for e in s.arithmetic_barred:
+        lapses = f"{e['lapses']} lapse{'' if e['lapses'] == 1 else 's'}"
+        lines.append(f"barred     {e['class']}: its candidates failed to lead this fresh run ({lapses}); "
+                     "its peers count for nothing until a plan is taken")
     if s.resumed_from:
         lines.append(f"resumed    from model v{s.resumed_from['version']} at step {s.resumed_from['step']}")
     lines.append(f"model      {_model(s)}")

@@ -162,6 +162,11 @@ class TaskStatus:
     # arithmetic (None: no live peer advertises one). Added with the planner's classes.
     arithmetic_left_out: tuple[dict[str, Any], ...] = _member(())
     arithmetic_run: str | None = _member()
+    # Before a run's first plan: the classes of arithmetic whose peers count for nothing now, each
+    # {"class", "lapses" (how often its candidates failed to lead the fresh run)}: Sybils of
+    # another arithmetic voting early, or honest peers too loaded to win (protocol/_class_claims.py);
+    # empty once a plan is taken.
+    arithmetic_barred: tuple[dict[str, Any], ...] = _member(())
     # In-process only (the metrics exporter): each completed round's compute / sync / apply times.
     round_seconds: dict[str, HistogramSnapshot] | None = field(default=None, metadata={"shape": _LOCAL},
                                                               compare=False)
@@ -184,7 +189,8 @@ class TaskStatus:
                 value = tuple(ChainEntry.from_json(entry) for entry in value or ())
             elif name == "members":
                 value = tuple(value or ())
-            elif name in ("stages", "stage_suspects", "stage_disagreements", "arithmetic_left_out") \
+            elif name in ("stages", "stage_suspects", "stage_disagreements", "arithmetic_left_out",
+                          "arithmetic_barred") \
                     and value is not None:
                 value = tuple(dict(entry) for entry in value)
             elif name == "rejected":

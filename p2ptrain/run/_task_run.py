@@ -164,8 +164,7 @@ class TaskRun:
             resumed_from=run.resumed_from,
             last_round=last_round,
             last_step=last_step,
-            # Local-SGD mode: read from the trainer while its worker thread runs the inner loop
-            # (one int, the last one it set); shown 1 to H.
+            # Local-SGD mode: read from the trainer's worker thread (the last int it set); shown 1 to H.
             inner_steps=run.task.training.inner_steps,
             inner_step=None if inner is None else inner + 1,
             is_coordinator=run.election.coordinator == run.me,
@@ -178,6 +177,7 @@ class TaskRun:
             stage_recovery=run.stage_recovery,
             arithmetic_left_out=tuple({"peer": p, "arithmetic": a} for p, a in sorted(run.left_out.items())),
             arithmetic_run=run.arithmetic_run,
+            arithmetic_barred=tuple({"class": c, "lapses": run.claims.lapses(c)} for c in sorted(run.barred)),
             round_seconds=run.round_seconds.snapshot(),
         )
 

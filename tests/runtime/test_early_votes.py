@@ -18,6 +18,9 @@ from pathlib import Path
 import pytest
 import trio
 
+from p2ptrain.cli.task import render_status
+from p2ptrain.control import TaskStatus
+from p2ptrain.protocol import bits_class
 from p2ptrain.protocol.signing import sign
 from p2ptrain.testing import LocalPeers, local_peers, publish_digits_task
 from p2ptrain.wire import SignedVote, task_topic, Vote, VoteRequest
@@ -79,10 +82,26 @@ async def _sybils_take_nothing(tmp_path: Path, allowlist: bool, wait_s: float, w
             sybils = await _voting_sybils(peers, task_cid, 3, honest, FOREIGN, nursery)
             for i in honest:
                 await peers[i].tasks.join(task_cid)
-            await peers.wait_until(lambda: _version(peers, task_cid, honest) >= 1, wait_s, what=what)
+            barred: set[str] = set()  # the classes any member's `task status` named barred on the way
+            shown: list[str] = []  # `task status`'s lines for them
+
+            def checkpoint() -> bool:
+                for i in honest:
+                    status = peers.status(i, task_cid)
+                    if status["arithmetic_barred"]:
+                        barred.update(e["class"] for e in status["arithmetic_barred"])
+                        shown.extend(line for line in render_status(TaskStatus.from_json(status)).splitlines()
+                                     if line.startswith("barred "))
+                return _version(peers, task_cid, honest) >= 1
+
+            await peers.wait_until(checkpoint, wait_s, what=what)
+            # Off the allowlist the Sybils are never live, so nothing is barred; in an open task their
+            # class is barred (and shown so) until the members' first plan ends the census.
+            assert (bits_class(FOREIGN) in barred) if not allowlist else not barred, barred
+            assert any(bits_class(FOREIGN) in line for line in shown) or allowlist, shown
             for i in honest:
                 status = peers.status(i, task_cid)
-                assert status["arithmetic_run"] != FOREIGN
+                assert status["arithmetic_run"] != FOREIGN and status["arithmetic_barred"] == [], status
                 record = peers[i].tasks.runs[task_cid].shared.book.chain.records[-1].record
                 assert not set(record.members) & set(sybils)
             nursery.cancel_scope.cancel()
