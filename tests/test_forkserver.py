@@ -137,6 +137,23 @@ def test_what_it_cannot_fork_starts_fresh(tmp_path, monkeypatch):
     assert isinstance(proc, subprocess.Popen) and not json.loads(proc.communicate(timeout=60)[0])["torch"]
 
 
+def test_what_torch_sets_at_run_time_does_not_stop_forking(tmp_path, monkeypatch):
+    """Inductor's cache folder and OpenMP's duplicate-library switch, which torch puts in a running
+    process's environment when it first compiles: a test process that has them still forks, and the
+    child sees them (it takes the environment whole). They stopped forking for good in subset runs."""
+    (tmp_path / "probe.py").write_text("import os; print(os.environ.get('TORCHINDUCTOR_CACHE_DIR'))")
+    probe = [sys.executable, str(tmp_path / "probe.py")]
+    for name in ("TORCHINDUCTOR_CACHE_DIR", "KMP_DUPLICATE_LIB_OK"):
+        monkeypatch.delenv(name, raising=False)
+    before = start_forked(probe, stdout=subprocess.PIPE, text=True)  # the server runs, without them
+    assert isinstance(before, ForkedProcess) and before.communicate(timeout=60)[0].strip() == "None"
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    monkeypatch.setenv("KMP_DUPLICATE_LIB_OK", "TRUE")
+    after = start_forked(probe, stdout=subprocess.PIPE, text=True)
+    assert isinstance(after, ForkedProcess)
+    assert after.communicate(timeout=60)[0].strip() == str(tmp_path / "inductor")
+
+
 @pytest.mark.needs("ip", root=True)
 def test_a_command_behind_ip_netns_exec_is_forked_into_that_namespace(tmp_path):
     name = f"p2pfork{os.getpid()}"

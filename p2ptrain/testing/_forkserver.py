@@ -51,6 +51,11 @@ __all__ = ["ForkedProcess", "NodeProcess", "run_forked", "start_forked"]
 # seed, thread pools, malloc, devices): a child whose values differ from the server's must start fresh.
 IMPORT_TIME_PREFIXES = ("PYTHON", "LD_", "MALLOC_", "GLIBC_", "OMP_", "MKL_", "OPENBLAS_", "KMP_", "CUDA",
                         "TORCH", "PYTORCH", "NUMEXPR", "ATEN_")
+# ... but for those torch sets in a running process at its first compile (inductor's cache folder,
+# Intel OpenMP's duplicate-library switch) and reads only then, from os.environ, which the child
+# takes whole: told apart, a test process that compiled once (or imported what does) stopped forking
+# for the rest of its run, silently.
+SET_AT_RUN_TIME = ("TORCHINDUCTOR_", "KMP_DUPLICATE_LIB_OK")
 # Bound on the server's start (its imports: ~10 s of CPU on a loaded 2-core machine) and on one fork.
 SERVER_START_TIMEOUT_S = 180.0
 FORK_TIMEOUT_S = 30.0
@@ -72,7 +77,7 @@ def _wanted() -> bool:
 
 
 def _import_time_env(env: Mapping[str, str]) -> dict[str, str]:
-    return {k: v for k, v in env.items() if k.startswith(IMPORT_TIME_PREFIXES)}
+    return {k: v for k, v in env.items() if k.startswith(IMPORT_TIME_PREFIXES) and not k.startswith(SET_AT_RUN_TIME)}
 
 
 def _netns(args: Sequence[str]) -> tuple[str | None, Sequence[str]]:
