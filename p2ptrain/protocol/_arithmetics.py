@@ -33,6 +33,19 @@ Rules, and why:
   plan hold a class only for a few terms: it then yields its claim, and its peers count for nothing
   until the first plan (:mod:`~p2ptrain.protocol._class_claims`, the ``live`` given here); ``peers.allow``
   keeps them out altogether, as everywhere else.
+- Of the census, a class with fewer live peers than ``peers.min`` gives way to one with enough,
+  where there is one (the census still orders those). A coordinator plans only peers of its own
+  class, so one of a class too small to plan never plans, and nothing else ends its term: its
+  heartbeats keep every member following it, and its silence costs its class nothing
+  (:mod:`~p2ptrain.protocol._class_claims` counts only terms whose candidate is of the run's
+  class). A coordinator's census is its own view, and lags: a vote that comes after its election
+  is not counted (run/_leading.py), so a scalar member elected in a fresh run's first term by one
+  vectorized member's vote counted one peer of each class, the tie went to its class, and it led
+  that term for good with two vectorized members live (tests/runtime/test_trailing_member.py, in
+  loaded suites). Now its census names the vectorized class, which could plan: it does not lead,
+  and steps down (tests/protocol/test_census_coordinator.py). Live counts only decide between
+  classes of the census, so advertising alone still wins no class the run; where no class of the
+  census could plan, the census decides as before, and the run waits for peers.
 - A coordinator plans only from its own class, and only when that is the run's (it trains as a
   member and attests its own state: a plan of another class would have its own attestations differ
   every checkpoint). One whose class is not the run's neither plans nor stands for election
@@ -91,7 +104,7 @@ class Classes:
 
 def sort_classes(
     task_cid: str, me: str, arithmetics: Mapping[str, str | None], history: Collection[str] = (),
-    live: Collection[str] | None = None, took_part: Collection[str] | None = None,
+    live: Collection[str] | None = None, took_part: Collection[str] | None = None, min_peers: int = 0,
 ) -> Classes:
     """The classes of the ``live`` peers (those that advertise the task; None: every peer
     ``arithmetics`` names) as ``me`` sees them. ``arithmetics``: the arithmetic each peer advertises
@@ -101,17 +114,23 @@ def sort_classes(
     plan taken (else of the last confirmed record), which decide the run's class when any of them
     is heard and known. ``took_part``: the live peers that took part in the run
     (:meth:`~p2ptrain.protocol.Participation.took_part`); without a history only they and ``me``
-    are counted (None: every live peer)."""
+    are counted (None: every live peer). ``min_peers``: the task's ``peers.min``; without a history,
+    a class of the census with fewer live peers than that gives way to one of the census that has
+    enough (see the module docstring; 0: every class could plan)."""
     classes = {peer: bits_class(a) for peer, a in arithmetics.items()}
     live = set(classes) if live is None else set(live) & set(classes)
     known = [p for p in classes if classes[p] is not None]
     census = live if took_part is None else live & {me, *took_part}
-    counted = [p for p in known if p in history] or [p for p in known if p in census]
+    heard = [p for p in known if p in history]
+    counted = heard or [p for p in known if p in census]
     if not counted:
         return Classes(run=None, mine=classes.get(me), planned=frozenset(live))
     sizes = Counter(classes[p] for p in counted)
-    first = {c: min(rank(task_cid, 0, p) for p in counted if classes[p] == c) for c in sizes}
-    run = min(sizes, key=lambda c: (-sizes[c], first[c]))
+    contenders = list(sizes)
+    if not heard:  # the census: a class too small to plan gives way to one that could (module docstring)
+        contenders = [c for c in sizes if sum(1 for p in live if classes[p] == c) >= min_peers] or contenders
+    first = {c: min(rank(task_cid, 0, p) for p in counted if classes[p] == c) for c in contenders}
+    run = min(contenders, key=lambda c: (-sizes[c], first[c]))
     planned = frozenset(p for p in live if classes[p] == run or (classes[p] is None and p in history))
     left_out = {p: arithmetics[p] for p in sorted(live) if p not in planned}
     return Classes(run=run, mine=classes.get(me), planned=planned, left_out=left_out)

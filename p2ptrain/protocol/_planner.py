@@ -175,7 +175,7 @@ def classes_of(
     arithmetic, ``me``'s own, also of the history's members heard but not advertising), from the
     run's history in ``book``: whom a plan keeps, whom it leaves out, and whether ``me`` may lead.
     ``took_part``: of ``live``, those that took part (a fresh run counts only them and ``me``)."""
-    return sort_classes(book.task_cid, me, arithmetics, run_history(book), live, took_part)
+    return sort_classes(book.task_cid, me, arithmetics, run_history(book), live, took_part, book.task.peers.min)
 
 
 def next_plan(
