@@ -242,7 +242,7 @@ def next_plan(
         task_cid=book.task_cid, term=election.term, round=start_round, attempt=attempt, step=step,
         rounds=span_length(book.task, start_round, book.total_steps), members=members,
         base_cid=book.chain.head_cid, version=book.chain.version,
-        stages=plan_stages(book.task, members, book.accepted, book.stage_times.at(step)),
+        stages=plan_stages(book.task, members, book.accepted, book.stage_times.for_plan(book.chain, step, book.chain.version)),
     )
 
 
