@@ -20,7 +20,7 @@ from __future__ import annotations
 from libp2p.crypto.ed25519 import create_new_key_pair
 
 from p2ptrain.protocol import Chain, Election, ElectionConfig, RoundBook, RuleBreak, sign_record, signing, View
-from p2ptrain.protocol._plans import plan_stages
+from p2ptrain.protocol._plans import plan_stages, rule_problem
 from p2ptrain.task import load_task, stage_parameters
 from p2ptrain.wire import ModelRecord, RoundPlan
 
@@ -95,7 +95,15 @@ def test_a_member_that_never_took_the_retry_does_not_weigh_plans_by_the_dropped_
     assert stale.plan_problem(retry, others[0], election) is not None and stale.accepted == first
     assert honest.plan_problem(retry, me, election) == "not a member of this span"
     honest.stage_times.note(5, through, (retry.term, retry.attempt))
-    # The retry's span is confirmed at step 5, v1: every member holds the record.
+    # The retry's span is confirmed at step 5, v1. This member does not take that record up (its
+    # span's plan is not one it took: RoundBook.span_members), so the next span's plan, from v1,
+    # reaches it first: it holds that plan to no times (a base it has not confirmed), and resyncs to
+    # v1 to follow it, where on main the dropped attempt's times refused it as a rule break.
+    nxt = plan(retry.term, 5, members, plan_stages(task, members, retry, through), version=1, base=MODEL)
+    assert nxt.stages not in (plan_stages(task, members, first, dropped), plan_stages(task, members, first))
+    assert rule_problem(task, 100, nxt, first, dropped) is not None  # what main checked it with
+    assert stale.rule_problem(nxt) is None
+    # Or it holds the record (a head's chain brought it) and the times it kept name another attempt.
     record = ModelRecord(task_cid="QmTask", version=1, parent=CID, round=4, step=5, members=others, metrics={},
                          model_cid=MODEL, optimizer_cid=MODEL, term=retry.term, coordinator="", attempt=retry.attempt)
     for book in (stale, honest):
@@ -115,8 +123,6 @@ def test_a_member_that_never_took_the_retry_does_not_weigh_plans_by_the_dropped_
 
     # The next span admits this member back at the head; the coordinator weighed it by the times of
     # the attempt that went through.
-    nxt = plan(retry.term, 5, members, plan_stages(task, members, retry, through), version=1, base=MODEL)
-    assert nxt.stages not in (plan_stages(task, members, first, dropped), plan_stages(task, members, first))
     assert honest.plan_problem(nxt, me, election) is None
     problem = stale.plan_problem(nxt, me, election)
     assert not isinstance(problem, RuleBreak), problem  # on main: a RuleBreak against an honest coordinator
