@@ -132,9 +132,7 @@ class Channel:
         if self._closed:
             raise ChannelClosed(self.remote_peer, "recv on a closed channel")
         async with self._recv_lock:
-            if self._incoming is None:
-                (self._incoming,) = _LENGTH.unpack(await self._take(_LENGTH.size, "message header"))
-            length = self._incoming
+            length = await self._header()
             if length > max_len:
                 await self.reset()
                 raise MessageTooLarge(
@@ -144,6 +142,21 @@ class Channel:
             body = await self._take(length, f"message of {length} bytes")
             self._incoming = None
             return body
+
+    async def announced(self) -> int:
+        """The length the next message announces: its header read, its body not yet (a :meth:`recv`
+        then takes it). For a receiver that decides what it buffers from a peer before the body is
+        assembled. Cancellation loses nothing, as for ``recv``; the stream's end raises :class:`ChannelClosed`."""
+        if self._closed:
+            raise ChannelClosed(self.remote_peer, "recv on a closed channel")
+        async with self._recv_lock:
+            return await self._header()
+
+    async def _header(self) -> int:
+        """The announced length of the message being received, its header read once (under the recv lock)."""
+        if self._incoming is None:
+            (self._incoming,) = _LENGTH.unpack(await self._take(_LENGTH.size, "message header"))
+        return self._incoming
 
     async def _take(self, n: int, what: str) -> bytes:
         """Exactly ``n`` bytes, or :class:`ChannelClosed` if the stream ends first.

@@ -67,6 +67,11 @@ AHEAD_WAIT_S = 10.0
 # Limits.max_frame_bytes()) before it waits for the stage's lock; a driver's microbatches in flight
 # at one stage rarely exceed this, and a sender that opens more is reset, not buffered.
 MAX_STREAMS_PER_PEER = 8
+# What one peer's requests read and not yet answered may take at a replica: this many of the longest
+# frames it may send (RequestShapes.frame_bytes). An honest driver has no more microbatches in flight
+# (run/_stages.py IN_FLIGHT), one hop each at a time, nor second opinions (_opinions.py CHECKS_IN_FLIGHT);
+# past it a request is refused from its announced length, its body unread (StageReplica.reserve).
+IN_FLIGHT_PER_PEER = 4
 # Graphs of FORWARDs a replica keeps per sender for the BACKWARD that may come back to it: the
 # runtime's microbatches in flight per driver (run/_stages.py IN_FLIGHT). Each holds the stage's
 # saved activations for one microbatch; the oldest is dropped first.
@@ -117,8 +122,10 @@ class StageReplica:
         # Requests refused, by reason: "outsider" (a peer the plan names no sender), "malformed" (bytes
         # or fields), "shape" (tensors not of the task's shapes: more samples than its microbatch, say),
         # "failed" (tensors the stage cannot take), "slow" (no whole request in time).
+        # "oversized" (a frame longer than that peer's requests), "over_budget" (past its bytes in flight).
         self.refused: collections.Counter[str] = collections.Counter()
         self.guard: StreamGuard | None = None
+        self._in_flight: collections.Counter[Hashable] = collections.Counter()  # {peer: bytes read, not answered}
 
     def serve(self) -> StreamGuard:
         """Start answering the stage protocol on the host; returns the stream guard (its counters)."""
@@ -162,6 +169,38 @@ class StageReplica:
                         "from %s, which the plan names no sender", self.stage.index, short_id(channel.remote_peer))
         await channel.reset()
         return False
+
+    def frame_bound(self, peer: Hashable) -> int:
+        """The longest request frame ``peer`` may send: its roles' largest request (a sender's, an
+        evaluator's, or both: pipeline/_request_shapes.py), or the frame limits where no shapes are set."""
+        if self.shapes is None:
+            return self.limits.max_frame_bytes()
+        return self.shapes.frame_bytes(sender=peer in self.senders, evaluator=peer in self.evaluators)
+
+    async def reserve(self, channel: Channel, length: int) -> bool:
+        """Whether the request ``channel``'s peer announced at ``length`` bytes may be read: no longer
+        than that peer's frames (else ``oversized``), and its requests read and not yet answered within
+        :data:`IN_FLIGHT_PER_PEER` such frames (else ``over_budget``): one driver cannot make a replica
+        buffer more, and the others' budgets are their own. Refused: counted, logged, the channel
+        reset; taken: it counts against its peer until :meth:`release`."""
+        peer = channel.remote_peer
+        bound = self.frame_bound(peer)
+        held = self._in_flight[peer]
+        if length <= bound and held + length <= IN_FLIGHT_PER_PEER * bound:
+            self._in_flight[peer] += length
+            return True
+        reason, why = ("oversized", f"its requests take at most {bound}") if length > bound else \
+            ("over_budget", f"{held} bytes of its requests are in flight, at most {IN_FLIGHT_PER_PEER * bound}")
+        count_rejection(self.refused, reason, logger, logging.INFO, "pipeline stage %d: refused a request of %d bytes "
+                        "from %s: %s", self.stage.index, length, short_id(peer), why)
+        await channel.reset()
+        return False
+
+    def release(self, peer: Hashable, length: int) -> None:
+        """``peer``'s request of ``length`` bytes (:meth:`reserve`) was answered or refused."""
+        self._in_flight[peer] -= length
+        if not self._in_flight[peer]:
+            del self._in_flight[peer]
 
     async def handle(self, channel: Channel, data: bytes) -> bool:
         """Answer the request ``data`` that came on ``channel`` from an admitted sender; False when
@@ -354,10 +393,10 @@ async def serve_requests(channel: Channel, current: Callable[[], StageReplica | 
     refused (the channel is reset) or no request comes for :data:`IDLE_TIMEOUT_S` (the channel is
     closed). A sender that is no sender of the replica is refused before any of its bytes are read.
 
-    The first request must arrive whole within :data:`REQUEST_TIMEOUT_S` (else ``slow``, counted);
-    each later one within :data:`IDLE_TIMEOUT_S` of the answer before it (a sender's channel idles
-    between its steps). Either wait is bounded, and a sender holds at most the replica's per-peer
-    stream cap of channels (:data:`MAX_STREAMS_PER_PEER`)."""
+    The first request's header must arrive within :data:`REQUEST_TIMEOUT_S` (else ``slow``, counted),
+    each later one's within :data:`IDLE_TIMEOUT_S` of the answer before it (a channel idles between
+    steps), each body within :data:`REQUEST_TIMEOUT_S` of its header, read only once its announced
+    length fits its peer's frames and budget (:meth:`StageReplica.reserve`)."""
     replica = current()
     if replica is None:
         await channel.reset()
@@ -366,15 +405,15 @@ async def serve_requests(channel: Channel, current: Callable[[], StageReplica | 
         return
     first = True
     while True:
-        data = None
+        length = None
         with trio.move_on_after(REQUEST_TIMEOUT_S if first else IDLE_TIMEOUT_S):
             try:
-                data = await channel.recv(replica.limits.max_frame_bytes())
+                length = await channel.announced()
             except ChannelClosed:
                 if first:
                     raise
                 return  # the sender closed its channel between requests: it is done with it
-        if data is None:
+        if length is None:
             if not first:
                 return  # idle: serve_channels closes the channel; the sender no longer reuses it by then
             count_rejection(replica.refused, "slow", logger, logging.INFO, "pipeline stage %d: no request from %s "
@@ -385,6 +424,26 @@ async def serve_requests(channel: Channel, current: Callable[[], StageReplica | 
         if replica is None:
             await channel.reset()
             return
-        if not await replica.admitted(channel) or not await replica.handle(channel, data):
+        if not await replica.admitted(channel) or not await replica.reserve(channel, length):
             return
+        try:
+            if not await _answer_one(channel, replica, length):
+                return
+        finally:
+            replica.release(channel.remote_peer, length)
         first = False
+
+
+async def _answer_one(channel: Channel, replica: StageReplica, length: int) -> bool:
+    """Read the request whose header announced ``length`` bytes (within :data:`REQUEST_TIMEOUT_S`,
+    else ``slow``, counted) and have ``replica`` answer it; False when the channel is done."""
+    data = None
+    with trio.move_on_after(REQUEST_TIMEOUT_S):
+        data = await channel.recv(length)
+    if data is None:
+        count_rejection(replica.refused, "slow", logger, logging.INFO, "pipeline stage %d: no whole request from %s "
+                        "within %.0f s of its header", replica.stage.index, short_id(channel.remote_peer),
+                        REQUEST_TIMEOUT_S)
+        await channel.reset()
+        return False
+    return await replica.handle(channel, data)

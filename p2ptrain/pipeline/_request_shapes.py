@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from p2ptrain.pipeline._partition import output_shape, partition
-from p2ptrain.wire.activations import DEFAULT_LIMITS, Frame, Kind, Limits
+from p2ptrain.wire.activations import DEFAULT_LIMITS, Frame, frame_bound, HEADER, Kind, Limits
 
 # The requests whose second tensor is the gradient of the stage's output (the others': targets).
 _BACKWARDS = (Kind.BACKWARD, Kind.CHECK_BACKWARD)
@@ -36,13 +36,15 @@ _BACKWARDS = (Kind.BACKWARD, Kind.CHECK_BACKWARD)
 class RequestShapes:
     """The requests one stage's replica answers: at most ``microbatch`` samples (``evaluation`` in an
     EVAL), each shaped ``inputs`` at the stage's input, ``outputs`` at its output (a BACKWARD's
-    gradient; None at the last stage, which takes none) and ``targets`` (the last stage's LOSS and EVAL)."""
+    gradient; None at the last stage, which takes none) and ``targets`` (the last stage's LOSS and EVAL).
+    ``float_inputs``: the stage's input is an activation (stage 0's may be token ids)."""
 
     microbatch: int
     evaluation: int
     inputs: tuple[int, ...]
     outputs: tuple[int, ...] | None
     targets: tuple[int, ...]
+    float_inputs: bool = True
 
     def limits(self) -> Limits:
         """The frame limits of the largest request (a tensor of the most samples of any request, each
@@ -50,6 +52,24 @@ class RequestShapes:
         shapes = [self.inputs, self.targets] + ([self.outputs] if self.outputs is not None else [])
         largest = max(self.microbatch, self.evaluation) * max(math.prod(s) for s in shapes)
         return Limits(max_rank=1 + max(map(len, shapes)), max_elements=min(largest, DEFAULT_LIMITS.max_elements))
+
+    def frame_bytes(self, *, sender: bool, evaluator: bool) -> int:
+        """The longest request frame a peer of these roles sends the stage: a sender's (a driver's)
+        requests carry at most ``microbatch`` samples of the input and of the widest second tensor
+        (its output's gradient, or targets), an evaluator's EVAL ``evaluation`` samples of the input
+        and targets; an activation's values at 4 bytes (fp32, the widest float encoding), any other's
+        (token ids, targets) at 8 (i64); never over the frame limits. A driver's frame is thus never
+        an evaluation batch's (the limits are the largest of any request's, for every peer): the
+        bound a replica reads a peer's request within, and its budget's unit (StageReplica.reserve)."""
+        inputs, targets = (self.inputs, self.float_inputs), (self.targets, False)  # targets counted as i64
+        # A sender's second tensor: its output's gradient (an activation) or targets, the longer.
+        seconds = [targets] + ([(self.outputs, True)] if self.outputs is not None else [])
+        largest = HEADER.size  # HOLDINGS, or a peer of neither role (refused before it is read)
+        if sender:
+            largest = max(largest, *(_frame_bytes(self.microbatch, [inputs, second]) for second in seconds))
+        if evaluator:
+            largest = max(largest, _frame_bytes(self.evaluation, [inputs, targets]))
+        return min(largest, self.limits().max_frame_bytes())
 
     def problem(self, request: Frame) -> str | None:
         """Why ``request``'s tensors are not of the task's shapes, or None (a request of the right
@@ -74,6 +94,11 @@ class RequestShapes:
         return None
 
 
+def _frame_bytes(samples: int, tensors: Sequence[tuple[tuple[int, ...], bool]]) -> int:
+    """The longest frame of one tensor of ``samples`` samples of each ``(per-sample shape, is_float)``."""
+    return frame_bound([((samples, *shape), is_float) for shape, is_float in tensors])
+
+
 def request_shapes(model: nn.Module, stages: int, sample: torch.Tensor, targets: Sequence[int], *,
                    microbatch: int, evaluation: int) -> list[RequestShapes]:
     """Each of the ``stages`` stages' :class:`RequestShapes` for ``model`` (on the meta device: a
@@ -84,5 +109,5 @@ def request_shapes(model: nn.Module, stages: int, sample: torch.Tensor, targets:
     for stage in partition(model, stages):
         x = torch.empty(output_shape(stage, x), dtype=torch.float32, device="meta")
         shapes.append(tuple(x.shape[1:]))
-    return [RequestShapes(microbatch, evaluation, shapes[i], shapes[i + 1] if i < stages - 1 else None, tuple(targets))
-            for i in range(stages)]
+    return [RequestShapes(microbatch, evaluation, shapes[i], shapes[i + 1] if i < stages - 1 else None, tuple(targets),
+                          float_inputs=i > 0 or sample.is_floating_point()) for i in range(stages)]

@@ -242,7 +242,7 @@ def next_plan(
         task_cid=book.task_cid, term=election.term, round=start_round, attempt=attempt, step=step,
         rounds=span_length(book.task, start_round, book.total_steps), members=members,
         base_cid=book.chain.head_cid, version=book.chain.version,
-        stages=plan_stages(book.task, members, book.accepted, book.stage_times.at(step)),
+        stages=plan_stages(book.task, members, book.accepted, book.stage_times.for_plan(book.chain, step, book.chain.version)),
     )
 
 
@@ -257,9 +257,15 @@ def _takes_over_pipeline(book: RoundBook, election: Election, last: RoundPlan | 
     takeover plans) no member could follow the plan: each stopped advertising the task, the
     coordinator itself stepped down, and before the first confirmed checkpoint there was no head
     to resync from, so nobody could lead again (a 4x2 50.7M run over the emulated WAN: every term
-    passed without a coordinator for 7 minutes). Going back costs the steps since the head."""
+    passed without a coordinator for 7 minutes). Going back costs the steps since the head.
+
+    The span's end counts too (``step`` = its last step's end, its checkpoint abandoned: nobody
+    records it in a later term): each stage sums over its own replicas, so a stage whose sum did
+    not need a member that left applied the span's last step while another stage failed it. From
+    the span's end the members one step before it could not follow, plan after plan (a local-SGD
+    pipelined run whose coordinator stopped during its stage's sum stalled so)."""
     return (last is not None and last.stages is not None and last.term != election.term
-            and book.head_step < step < last.step + last.rounds)
+            and book.head_step < step <= last.step + last.rounds)
 
 
 def _next_attempt(book: RoundBook, term: int) -> int:

@@ -414,7 +414,8 @@ class RoundBook:
     def rule_problem(self, plan: RoundPlan) -> str | None:
         """Why the elected coordinator's ``plan`` breaks the run's rules (:func:`~p2ptrain.protocol._plans.rule_problem`,
         against the latest plan accepted here and the stage times of the step it starts at)."""
-        return rule_problem(self.task, self.total_steps, plan, self.accepted, self.stage_times.at(plan.step))
+        times = self.stage_times.for_plan(self.chain, plan.step, plan.version)
+        return rule_problem(self.task, self.total_steps, plan, self.accepted, times)
 
     def _note_span(self, plan: RoundPlan) -> None:
         """Remember ``plan`` as its span's (the latest for the step it ends at), for the record of

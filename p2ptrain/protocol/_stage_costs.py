@@ -14,16 +14,21 @@ the measured stages' median microseconds per parameter, and every measured cost 
 drivers skews a stage's weight by a bounded factor.
 
 A member keeps the times of the summary of each step it applied (:class:`StageTimes`, a few steps
-back): a plan from step ``t`` is checked with the times of the step that ended at ``t``, which every
-member that applied that step received alike (the gather's confirmation), and so did the coordinator
-if it applied it too. Costs that change with every measure would move a member every plan, so a
-move under measured costs is made only when it raises the pipeline's throughput by
-:data:`MOVE_MARGIN` (hysteresis: protocol/_assignment.py).
+back, each with the plan it applied the step under): a plan from step ``t`` is checked with the
+times of the step that ended at ``t``, which every member that applied that step received alike
+(the gather's confirmation), and so did the coordinator if it applied it too; from a confirmed
+checkpoint, only if this member applied it in the attempt the record names (:meth:`StageTimes.for_plan`). Costs that change
+with every measure would move a member every plan, so a move under measured costs is made only
+when it raises the pipeline's throughput by :data:`MOVE_MARGIN` (hysteresis: protocol/_assignment.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from p2ptrain.protocol._lineage import Chain
 
 # A measured stage's cost stays within this factor of its estimate from parameters (either way).
 SPREAD = 8.0
@@ -64,14 +69,16 @@ def measured_costs(parameters: Sequence[int], micros: Sequence[int]) -> tuple[fl
 
 class StageTimes:
     """The median stage times of the last :data:`KEPT_STEPS` steps this member applied, by the step
-    each ended at (a step applied again after a retry replaces its times)."""
+    each ended at, each with the (term, attempt) of the plan it was applied under (a step applied
+    again after a retry replaces its times)."""
 
     def __init__(self) -> None:
-        self._by_step: dict[int, tuple[int, ...]] = {}
+        self._by_step: dict[int, tuple[tuple[int, int], tuple[int, ...]]] = {}
 
-    def note(self, step: int, micros: tuple[int, ...]) -> None:
-        """The step that ended at ``step`` was applied here; its summary's median times ``micros``."""
-        self._by_step[step] = micros
+    def note(self, step: int, micros: tuple[int, ...], attempt: tuple[int, int]) -> None:
+        """The step that ended at ``step`` was applied here under the plan of ``attempt`` (its term
+        and attempt); its summary's median times ``micros``."""
+        self._by_step[step] = (attempt, micros)
         for old in sorted(self._by_step)[:-KEPT_STEPS]:
             del self._by_step[old]
 
@@ -80,12 +87,36 @@ class StageTimes:
         member kept of those are of an attempt the others dropped (it applied that step alone, a
         stage sum that completed here only). Kept, they would be checked against a later plan that
         the coordinator made from the times of the attempt that went through, and an honest plan
-        refused as a rule break."""
+        refused as a rule break. (A member that never took that plan keeps them: a plan from a
+        checkpoint weighs only the times of the attempt its record names: :meth:`for_plan`.)"""
         for later in [s for s in self._by_step if s > step]:
             del self._by_step[later]
 
-    def at(self, step: int) -> tuple[int, ...] | None:
+    def at(self, step: int, attempt: tuple[int, int] | None = None) -> tuple[int, ...] | None:
         """The times of the step that ended at ``step``, or None when this member did not apply it
-        (or measured nothing: a run before its first hop, or a task that does not measure)."""
-        micros = self._by_step.get(step)
-        return micros if micros and any(micros) else None
+        (or measured nothing: a run before its first hop, or a task that does not measure), or,
+        given ``attempt`` (the term and attempt of the plan the run confirmed that step under),
+        applied it under another plan: a dropped attempt's times."""
+        kept = self._by_step.get(step)
+        if kept is None or (attempt is not None and kept[0] != attempt):
+            return None
+        micros = kept[1]
+        return micros if any(micros) else None
+
+    def for_plan(self, chain: Chain, step: int, version: int) -> tuple[int, ...] | None:
+        """The times a plan from ``step`` on ``chain``'s ``version`` (this member's chain) is made and
+        checked with, or None (then by parameters, and checked by shape only).
+
+        From a confirmed checkpoint (the chain's head), only times of the attempt its record names:
+        a member that applied that step in an attempt the others dropped and never took the retry's
+        plan (it did not know that term's coordinator yet) kept that attempt's times, which
+        :meth:`forget_after` drops only on taking the retry. Weighed, they made it refuse the honest
+        plan that admitted it back at the checkpoint, and plan, if elected, a placement the others
+        refuse. From a version this member has not confirmed, none: the attempt that went through
+        is in a record it does not hold. Elsewhere (mid-span) the times kept."""
+        if version > chain.version:
+            return None
+        if version == chain.version and chain.records and step == chain.records[-1].record.step:
+            record = chain.records[-1].record
+            return self.at(step, (record.term, record.attempt))
+        return self.at(step)

@@ -240,17 +240,18 @@ class StageRounds:
         await self._sum(plan, index, stage)
         applied = time.perf_counter()
         result = await trio.to_thread.run_sync(trainer.apply_stage, stage, loss)
-        self._applied()
+        self._applied(plan)
         self._timed(applied - synced, time.perf_counter() - applied)
         return result
 
-    def _applied(self) -> None:
-        """The round's step applied: EVALs may name it, plans from it weigh the stages by its summary's times."""
+    def _applied(self, plan: RoundPlan) -> None:
+        """The round's step applied under ``plan``: EVALs may name it, plans from it weigh the stages by
+        its summary's times (of ``plan``'s attempt: a checkpoint's record names the one that counts)."""
         trainer, book = self.run.require()
         if self._evaluee is not None:
             self._evaluee.weights_step = trainer.step
         if self._micros:
-            book.stage_times.note(trainer.step, self._micros)
+            book.stage_times.note(trainer.step, self._micros, (plan.term, plan.attempt))
 
     async def _outer_step(self, plan: RoundPlan, index: int, batches: Iterator[Any],
                           trainer: LocalSGDStagedTrainer) -> StepResult:
@@ -291,7 +292,7 @@ class StageRounds:
         applied = time.perf_counter()
         result = await trio.to_thread.run_sync(trainer.apply_outer, stage, len(stage_rings(plan)[stage]),
                                                loss / inner_steps)
-        self._applied()
+        self._applied(plan)
         self._timed(applied - synced, stepping + time.perf_counter() - applied)
         return result
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 
@@ -92,6 +93,14 @@ class Limits:
 
 
 DEFAULT_LIMITS = Limits()
+
+
+def frame_bound(tensors: Sequence[tuple[tuple[int, ...], bool]]) -> int:
+    """The longest a frame with one tensor of each ``(shape, is_float)`` of ``tensors`` is: 4 bytes a
+    value of a float tensor (fp32, the widest float encoding), 8 of another (i64). What a receiver
+    that knows a request's shapes reads it within."""
+    return HEADER.size + sum(_TENSOR.size + len(shape) * _DIM.size + _LENGTH.size + (4 if is_float else 8) * math.prod(shape)
+                             for shape, is_float in tensors)
 
 
 @dataclass(frozen=True)

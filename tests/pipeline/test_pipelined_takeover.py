@@ -7,8 +7,10 @@ Every member's step from step 3 waits while the test makes the first coordinator
 every member can follow (protocol/_planner.py ``_takes_over_pipeline``; the pure decision is
 tests/pipeline/test_takeover_plans.py); or until (``coordinator``) the new coordinator is known:
 the span then ends before it plans, and the checkpoint that the old coordinator no longer records
-is abandoned, so the barrier opens (run/_leading.py ``_abandon_inherited``). On main the first
-plan was from step 2 and the second stalled at step 8, version 0, for good."""
+is abandoned, so the barrier opens (run/_leading.py ``_abandon_inherited``); its plan from the
+span's end goes back to the checkpoint too (a stage may have failed the span's last step:
+tests/pipeline/test_takeover_plans.py), so the span is redone. On main the first plan was from step
+2 and the second stalled at step 8, version 0, for good."""
 
 from __future__ import annotations
 

@@ -5,6 +5,8 @@ any other assignment is a rule break against the coordinator."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from libp2p.crypto.ed25519 import create_new_key_pair
 
@@ -80,11 +82,13 @@ def test_members_hold_the_plan_to_the_times_they_received():
     assert rule_problem(task, 100, _plan(by_times), before, (0, micros[1], micros[1])) is not None
     # Without the times (it resynced to the plan's step) a member checks only the shape.
     assert rule_problem(task, 100, _plan(tuple(wrong)), before, None) is None
-    # Through a member's book: the times it kept for the plan's start step.
+    # Through a member's book: the times it kept for the plan's start step (mid-span, on its chain's v0).
     book = RoundBook(task, CID, Chain(CID, CID), 100, accepted=before)
-    book.stage_times.note(5, micros)
-    assert book.rule_problem(_plan(by_times)) is None and book.rule_problem(_plan(tuple(wrong))) is not None
-    assert book.rule_problem(_plan(tuple(wrong), step=6)) is None  # no times of step 6 here: the shape only
+    book.stage_times.note(5, micros, (1, 0))
+    on_v0 = [replace(_plan(stages), version=0) for stages in (by_times, tuple(wrong))]
+    assert book.rule_problem(on_v0[0]) is None and book.rule_problem(on_v0[1]) is not None
+    assert book.rule_problem(replace(on_v0[1], step=6)) is None  # no times of step 6 here: the shape only
+    assert book.rule_problem(_plan(tuple(wrong))) is None  # from v1, which it has not confirmed: the shape only
     # A task that balances by parameters ignores times: only the plan by parameters.
     default = load_task(MEASURED.replace('balance = "measured"\n', ""))
     assert plan_stages(default, MEMBERS, before, micros) == by_parameters
@@ -93,13 +97,15 @@ def test_members_hold_the_plan_to_the_times_they_received():
 
 def test_a_member_keeps_the_times_of_the_last_steps_it_applied():
     times = StageTimes()
-    times.note(3, (0, 0, 0))
+    times.note(3, (0, 0, 0), (1, 0))
     assert times.at(3) is None  # nothing measured is no times
     for step in range(4, 4 + KEPT_STEPS + 1):
-        times.note(step, (0, step, step))
+        times.note(step, (0, step, step), (1, 0))
     assert times.at(4) is None and times.at(5) == (0, 5, 5)
-    times.note(5, (0, 9, 9))  # applied again (a retry): its new summary's times
+    times.note(5, (0, 9, 9), (1, 1))  # applied again (a retry): its new summary's times
     assert times.at(5) == (0, 9, 9)
+    # Asked for the attempt a checkpoint's record names: only times applied under that plan.
+    assert times.at(5, (1, 1)) == (0, 9, 9) and times.at(5, (1, 0)) is None and times.at(6, (1, 0)) == (0, 6, 6)
 
 
 def test_a_driver_times_each_stage_per_microbatch():
@@ -145,8 +151,8 @@ def test_times_of_a_dropped_attempt_do_not_refuse_an_honest_plan():
     book = RoundBook(task, "QmTask", Chain("QmTask", CID), 100)
     first = plan(0, 0, members, plan_stages(task, members, None), rounds=10)
     assert book.plan_problem(first, me, election) is None
-    book.stage_times.note(4, even)
-    book.stage_times.note(5, dropped)
+    book.stage_times.note(4, even, (first.term, first.attempt))
+    book.stage_times.note(5, dropped, (first.term, first.attempt))
     retry = plan(4, 1, others, plan_stages(task, others, first, even), rounds=6)
     assert book.plan_problem(retry, me, election) == "not a member of this span"  # it checked the plan, not in it
     honest = plan(5, 2, members, plan_stages(task, members, retry, through))

@@ -75,6 +75,43 @@ def test_a_pipelined_span_taken_over_goes_back_to_the_head_where_every_member_ca
         assert book.rewinds(plan, member_step), member_step
 
 
+def test_a_pipelined_span_taken_over_at_its_end_without_a_record_goes_back_to_the_head():
+    """A pipelined span's stages end their last step apart: each stage sums over its own replicas,
+    so a stage whose sum did not include the stopped coordinator applied the span's last step (its
+    members at the span's end) while the coordinator's stage failed it (one step before). The old
+    coordinator never records that checkpoint; the new one, elected at the span's end, abandons it
+    (run/_leading.py) and plans. On main it planned the next span from the span's end, past the
+    head: the members one step before it resynced to the head and could not follow, plan after
+    plan, and the run stalled (tests/pipeline/test_local_sgd_pipeline_takeover.py, ``sum``). Now it
+    goes back to the head, which every member can follow."""
+    first, plan, book, _ = _takeover_at_end(PIPELINED)
+    end = first.step + first.rounds
+    assert (plan.step, plan.round, plan.version) == (book.head_step, first.round, book.chain.version) == (0, 0, 0)
+    assert plan.term > first.term  # (term, attempt, round) order: it supersedes the old span's plans
+    for member_step in (end - 1, end):  # the stage that failed the last step, and the one that applied it
+        assert book.rewinds(plan, member_step), member_step
+    # A ring run's members all applied the span's last step alike: its next span starts there, as before.
+    ring_first, ring, _, _ = _takeover_at_end(LM_TASK)
+    assert (ring.step, ring.round) == (ring_first.step + ring_first.rounds, ring_first.round + ring_first.rounds)
+
+
+def _takeover_at_end(task_toml: str) -> tuple[RoundPlan, RoundPlan, RoundBook, Election]:
+    """As :func:`_takeover`, elected again at the end of the first span, whose checkpoint it abandons."""
+    task = load_task(task_toml)
+    election, book = _coordinator(task)
+    live = {election.me, *PEERS[:LIVE]}
+    first = book.next_plan(election, 0, live)
+    assert first is not None and book.plan_problem(first, election.me, election) is None
+    end = first.step + first.rounds
+    now = _elected_again(election, 100.0)
+    assert book.abandon_unrecorded(end) == end
+    plan = book.decide(now + 10.0, election, end, live, can_roll_back=True, span_running=False,
+                       rounds_running=False, head_version=0)
+    assert isinstance(plan, RoundPlan), plan
+    assert book.plan_problem(plan, election.me, election) is None
+    return first, plan, book, election
+
+
 def test_a_ring_span_taken_over_after_its_round_ended_still_steps_back_one_round():
     """Without stages, and with no round of the old span running here, the takeover is as before:
     one step back from the new coordinator's own (it may have applied a round others did not)."""
