@@ -68,7 +68,7 @@ EXPORTS: dict[str, list[str]] = {
         "card_from_bytes", "card_of", "check_hf_config", "check_model", "cut_pieces", "file_bytes_bound",
         "first_difference", "hf_config", "hf_settings", "import_transformers", "input_problem", "lookup",
         "meta_model",
-        "model_file_limit", "pieces_of", "stage_sizes", "whole_model_cap",
+        "model_file_limit", "piece_sizes", "pieces_of", "stage_sizes", "tied_across", "whole_model_cap",
     ],
     "p2ptrain.pipeline": [
         "ChannelPool", "Cut", "DoubleCounted", "Driver", "Evaluation", "EvaluationFailed", "HopDeadlines", "KEEP_GRAPHS",
@@ -91,7 +91,7 @@ EXPORTS: dict[str, list[str]] = {
     "p2ptrain.protocol": [
         "ATTEST_TIMEOUT_S", "AssignmentError", "Attestations", "CANNOT_FOLLOW", "Chain", "ChainRules", "ClassClaims", "Classes",
         "Election", "ElectionConfig", "ElectionMessage", "HeadAsking", "HeadOffers", "Hold", "LoneFailures", "MAX_CHAIN_BYTES",
-        "MAX_STATEMENT_BYTES", "Misconduct", "NO_TRAINING_DATA", "OUT_OF_STEP", "Participation",
+        "MAX_STATEMENT_BYTES", "Misconduct", "NO_TRAINING_DATA", "OUT_OF_STEP", "Participation", "RECUT_MARGIN",
         "RecordError",
         "RoundBook",
         "RuleBreak", "SignedStageStatement", "StageStatement", "StageTimes", "StageVerdict", "StatementError", "Status",
@@ -103,8 +103,8 @@ EXPORTS: dict[str, list[str]] = {
         "election_problem",
         "entry_from_bytes",
         "inner_round_id", "is_checkpoint",
-        "load_model_bytes", "measured_costs", "median_micros", "model_bytes", "model_tensors", "orphaned_stages",
-        "owner_seed", "parse_entry", "plan_order",
+        "load_model_bytes", "measured_costs", "measured_cut", "median_micros", "model_bytes", "model_tensors", "orphaned_stages",
+        "owner_seed", "parse_entry", "piece_costs", "plan_cut", "plan_order",
         "read_chain",
         "read_model_card", "read_statement", "read_tensors", "round_id", "round_seed", "shard_of", "sign_record",
         "sign_statement", "signed_entry_problem", "signing", "stage_moves", "stage_rings", "stage_round_id",
@@ -127,7 +127,8 @@ EXPORTS: dict[str, list[str]] = {
     ],
     "p2ptrain.task": [
         "CompressionSpec", "MAX_STAGES", "MAX_TASK_BYTES", "NoBuilder", "OuterSpec", "PipelineSpec", "TASK_TEMPLATE", "Task",
-        "TaskError", "USER_MODEL", "load_task", "member_device", "parse_task", "read_task", "stage_parameters",
+        "TaskError", "USER_MODEL", "cost_cut", "cut_problem", "load_task", "member_device", "parameter_cut", "parse_task",
+        "piece_parameters", "read_task", "stage_parameters",
         "task_bytes", "task_from_bytes", "total_steps", "unmet_requirement",
     ],
     "p2ptrain.testing": [

@@ -34,7 +34,9 @@ if TYPE_CHECKING:
         PartitionError as PartitionError,
         Piece as Piece,
         pieces_of as pieces_of,
+        piece_sizes as piece_sizes,
         stage_sizes as stage_sizes,
+        tied_across as tied_across,
         whole_model_cap as whole_model_cap,
     )
     from p2ptrain.models._hf import (

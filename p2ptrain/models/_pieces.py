@@ -183,6 +183,20 @@ def stage_sizes(name: str, arguments: dict[str, Any], stages: int) -> list[int]:
     return cut_pieces(meta_model(name, arguments), stages)[1].stage_sizes()
 
 
+def piece_sizes(name: str, arguments: dict[str, Any]) -> list[int]:
+    """Parameters of each piece of the registry model ``name``, in order, from the model built on
+    the meta device: what a cut by measured time spreads a stage's time over (protocol/_recut.py).
+    :class:`PartitionError` for a model that is no sequence of pieces."""
+    return [sum(p.numel() for p in piece.parameters()) for piece in pieces_of(meta_model(name, arguments))]
+
+
+def tied_across(name: str, arguments: dict[str, Any], bounds: Sequence[int]) -> str | None:
+    """The name of a parameter of the registry model ``name`` that the cut ``bounds`` (each
+    stage's first piece, then the number of pieces) puts in two stages, or None (meta device)."""
+    pieces = pieces_of(meta_model(name, arguments))
+    return _tied_across(pieces, Cut(tuple(bounds), tuple(0 for _ in pieces)))
+
+
 def builds_by_piece(name: str) -> bool:
     """Whether the registry model ``name``'s initial bits are built one piece at a time
     (:class:`InitialPieces`): only then may a pipelined task's model outgrow one member."""
