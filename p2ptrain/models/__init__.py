@@ -28,6 +28,7 @@ if TYPE_CHECKING:
         balanced_cut as balanced_cut,
         builds_by_piece as builds_by_piece,
         Cut as Cut,
+        cut_at as cut_at,
         cut_pieces as cut_pieces,
         InitialPieces as InitialPieces,
         MAX_PIPELINED_PARAMETERS as MAX_PIPELINED_PARAMETERS,

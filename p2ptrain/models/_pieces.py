@@ -197,6 +197,19 @@ def tied_across(name: str, arguments: dict[str, Any], bounds: Sequence[int]) -> 
     return _tied_across(pieces, Cut(tuple(bounds), tuple(0 for _ in pieces)))
 
 
+def cut_at(pieces: Sequence[Piece], bounds: Sequence[int]) -> Cut:
+    """The cut of ``pieces`` at ``bounds`` (each stage's first piece, then the number of pieces:
+    a plan's cut by measured time); :class:`PartitionError` for bounds that are no cut of them into
+    non-empty contiguous runs, or that put a weight in two stages."""
+    if len(bounds) < 2 or bounds[0] != 0 or bounds[-1] != len(pieces) or any(b <= a for a, b in zip(bounds, bounds[1:])):
+        raise PartitionError(f"{list(bounds)} is no cut of {len(pieces)} pieces into non-empty stages")
+    cut = Cut(tuple(bounds), tuple(sum(p.numel() for p in piece.parameters()) for piece in pieces))
+    tied = _tied_across(pieces, cut)
+    if tied is not None:
+        raise PartitionError(f"{tied} is tied to a weight of another stage of the cut {list(bounds)}")
+    return cut
+
+
 def builds_by_piece(name: str) -> bool:
     """Whether the registry model ``name``'s initial bits are built one piece at a time
     (:class:`InitialPieces`): only then may a pipelined task's model outgrow one member."""
