@@ -45,7 +45,6 @@ import trio
 
 from p2ptrain.models import build_model
 from p2ptrain.net import Channel
-from p2ptrain.models._pieces import _LMBlock
 from p2ptrain.pipeline import Driver, HopDeadlines, partition, partition_at, StageReplica, Wiring
 from p2ptrain.protocol import assign, measured_costs, measured_cut, median_micros
 from p2ptrain.protocol._recut import stage_costs
@@ -53,12 +52,12 @@ from p2ptrain.protocol._stage_costs import MOVE_MARGIN
 from p2ptrain.task import load_task, parameter_cut
 from p2ptrain.run._spans import HOP_TIMEOUT_S
 from p2ptrain.run._stages import HOP_CEILING_S, HOP_INITIAL_S, IN_FLIGHT
-from p2ptrain.testing import connected_hosts
+from p2ptrain.testing import connected_hosts, slow_layers
 from p2ptrain.wire.activations import decode_frame, Kind
 
 LM = {"vocab_size": 50, "context": 8, "width": 16, "depth": 2, "heads": 2}
 STAGES = 3
-SLOW_BLOCKS = ("blocks.1", "blocks.2")  # under --recut: the slow layers (stage 1 of the cut by parameters)
+SLOW_BLOCKS = ("blocks.1", "blocks.2")  # under --recut: the slow layers (stage 1 of the cut by parameters; testing.slow_layers)
 # Under --recut: the task whose plans the third placement follows (its model is LM at depth 4).
 RECUT_TASK = """\
 name = "recut-bench"
@@ -99,33 +98,6 @@ class SlowMachine(StageReplica):
             async with self.busy:
                 await trio.sleep(self.slow)
         return await super().handle(channel, data)
-
-
-class _SlowBackward(torch.autograd.Function):
-    """Identity, whose backward keeps the computing thread busy ``slow`` seconds first."""
-
-    @staticmethod
-    def forward(ctx, h: torch.Tensor, slow: float) -> torch.Tensor:  # type: ignore[override]
-        ctx.slow = slow
-        return h.view_as(h)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
-        time.sleep(ctx.slow)
-        return grad, None
-
-
-def slow_layer(slow: float) -> None:
-    """Make :data:`SLOW_BLOCKS` slow layers: each forward and backward ``slow`` seconds more, wherever computed."""
-    forward = _LMBlock.forward
-
-    def slowed(self: _LMBlock, h: torch.Tensor) -> torch.Tensor:
-        if self.prefixes[0] not in SLOW_BLOCKS or h.is_meta:
-            return forward(self, h)
-        time.sleep(slow)  # in the computing thread (replicas and drivers compute in worker threads)
-        return _SlowBackward.apply(forward(self, h), slow)
-
-    _LMBlock.forward = slowed  # type: ignore[method-assign]
 
 
 def settle(members: Sequence[str], costs: Sequence[float], margin: float, start: dict | None = None) -> tuple[dict, int]:
@@ -194,7 +166,6 @@ async def run_placement(placement: dict[str, int], args: argparse.Namespace,
 async def main(args: argparse.Namespace) -> None:
     if args.recut:
         LM["depth"] = 4
-        slow_layer(args.slow)
     members = [f"m{i}" for i in range(args.members)]
     parameters = [s.parameter_count() for s in partition(build_model("transformer_lm", LM, seed=3), STAGES)]
     by_parameters, _ = settle(members, parameters, 1.0)
@@ -244,4 +215,6 @@ if __name__ == "__main__":
     parser.add_argument("--micro", type=int, default=8)
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--recut", action="store_true", help='a slow layer, and the cut balance = "recut" moves')
-    trio.run(main, parser.parse_args())
+    arguments = parser.parse_args()
+    with slow_layers(dict.fromkeys(SLOW_BLOCKS, arguments.slow) if arguments.recut else {}):
+        trio.run(main, arguments)

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
         cut_at as cut_at,
         cut_pieces as cut_pieces,
         InitialPieces as InitialPieces,
+        LMBlock as LMBlock,
         MAX_PIPELINED_PARAMETERS as MAX_PIPELINED_PARAMETERS,
         PartitionError as PartitionError,
         Piece as Piece,

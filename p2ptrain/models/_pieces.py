@@ -73,7 +73,7 @@ class _LMEmbed(Piece):
         return out
 
 
-class _LMBlock(Piece):
+class LMBlock(Piece):
     """One TinyLM block; the causal mask is rebuilt from the activation, as TinyLM.forward builds it.
     An activation longer than the model's context is refused before the mask is built: a stage
     replica takes activations from the network, and a t x t mask (and attention) of a t that only
@@ -95,7 +95,7 @@ class _LMBlock(Piece):
 def pieces_of(model: nn.Module) -> list[Piece]:
     """The model as a sequence of pieces; :class:`PartitionError` for a model that is not one."""
     if isinstance(model, TinyLM):
-        blocks = [_LMBlock(f"blocks.{i}", b, model.context) for i, b in enumerate(model.blocks)]
+        blocks = [LMBlock(f"blocks.{i}", b, model.context) for i, b in enumerate(model.blocks)]
         return [_LMEmbed(model), *blocks, Piece({"norm": model.norm, "head": model.head})]
     if isinstance(model, CausalLM):
         from p2ptrain.models._hf_pieces import hf_pieces  # imports this module: on use, not at import

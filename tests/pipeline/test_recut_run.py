@@ -1,13 +1,16 @@
 """The cut moved by measured time in a run of full peers (``local_peers``), ``[pipeline] balance =
-"recut"``: one block of a 4-block transformer_lm is slow wherever it is computed (its forward
-sleeps: the slowness goes with its parameters, which no cut moves away from themselves), so the
-stage that holds it with another block is the pipeline's slowest. The drivers' timed summary entries
-say so; at the first confirmed checkpoint the coordinator's plan cuts the model anew (the slow
-block alone in its stage, its neighbour moved to the stage before), every member checks that cut
-against the times it received itself (none refuses it), loads its stage of the new cut by CID from
-the old stages' files, and the run confirms more models after the re-cut, in the new cut, with
-every stage's replicas agreeing bit for bit (no ``stage_diverged``). The final manifest assembles
-into the whole model, as ``model fetch`` and ``load_model`` read it.
+"recut"``: blocks 1 and 2 of a 4-block transformer_lm are slow layers wherever they are computed
+(``testing.slow_layers``: each one's forward and backward sleep, so the slowness goes with the
+pieces, as the re-cut's model of a stage's time assumes), and the head a little slow, so stage 1 of
+the cut by parameters, which holds both slow blocks, is the pipeline's slowest. The drivers' timed
+summary entries say so; at a confirmed checkpoint the coordinator's plan cuts the model anew (block
+1 moved to stage 0, block 2 alone in stage 1: the slow layers split between two stages), every
+member checks that cut against the times it received itself (none refuses it), loads its stage of
+the new cut by CID from the old stages' files, and the run confirms more models after the re-cut,
+in the new cut, with every stage's replicas agreeing bit for bit (no ``stage_diverged``). The final
+manifest assembles into the whole model, as ``model fetch`` and ``load_model`` read it. Every
+member stopped after the re-cut and restarted on its home resumes from a manifest of the moved cut
+(its trainer starts with the task's cut) and the run confirms more models.
 
 On main (no re-cut) the plans kept the cut by parameters: the test timed out waiting for a plan
 that names a cut.
@@ -15,18 +18,15 @@ that names a cut.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
-import torch
 import trio
 
 from p2ptrain.models import build_model
-from p2ptrain.models._pieces import _LMBlock
 from p2ptrain.protocol import measured_cut
 from p2ptrain.task import load_task, parameter_cut, stage_parameters
-from p2ptrain.testing import local_peers
+from p2ptrain.testing import local_peers, slow_layers
 from p2ptrain.training import read_manifest
 from p2ptrain.wire import RoundPlan
 
@@ -34,8 +34,10 @@ from .test_pipelined_run import publish, small_text, whole_model  # noqa: F401 (
 
 DEADLINE_S = 300.0
 WAIT_S = 200.0
-SLOW_S = 0.1  # each forward of the slow block: far over what this small model's stages take on loopback
-SLOW_BLOCK = "blocks.2"  # piece 3 of 6: with blocks.1 in stage 1 of the cut by parameters
+# Seconds each forward and backward of these pieces take more (by their first module's name): blocks 1 and 2, stage 1
+# of the cut by parameters, far over what this small model's stages take on loopback; the head a
+# little, so that the last stage, not the first, is the one the cut keeps from the slow blocks.
+SLOW_S = {"blocks.1": 0.05, "blocks.2": 0.05, "norm": 0.03}
 TASK = """\
 name = "recut"
 seed = 3
@@ -61,19 +63,13 @@ check_fraction = 0
 balance = "recut"
 """
 BY_PARAMETERS = (0, 2, 4, 6)  # embedding and block 0 | blocks 1 and 2 | block 3 and the head
-RECUT = (0, 3, 4, 6)  # embedding, blocks 0 and 1 | block 2 alone | block 3 and the head
+RECUT = (0, 3, 4, 6)  # embedding, blocks 0 and 1 | block 2 alone | block 3 and the head: each slow layer in its own stage
 
 
 @pytest.fixture(autouse=True)
-def slow_block(monkeypatch):
-    forward = _LMBlock.forward
-
-    def slow(self: _LMBlock, h: torch.Tensor) -> torch.Tensor:
-        if self.prefixes[0] == SLOW_BLOCK and not h.is_meta:
-            time.sleep(SLOW_S)  # in the stage's worker thread (the replica's and driver's computations run there)
-        return forward(self, h)
-
-    monkeypatch.setattr(_LMBlock, "forward", slow)
+def slow():
+    with slow_layers(SLOW_S):
+        yield
 
 
 async def test_the_plans_cut_the_model_anew_by_measured_time(tmp_path: Path) -> None:
@@ -95,7 +91,7 @@ async def test_the_plans_cut_the_model_anew_by_measured_time(tmp_path: Path) -> 
             assert plan.version > 0 and base.step == plan.step and base.model_cid == plan.base_cid
             times = {t for r in runs if r.book is not None and (t := r.book.stage_times.at(plan.step)) is not None}
             assert len(times) == 1 and measured_cut(task, BY_PARAMETERS, min(times)) == RECUT, times
-            assert min(times)[1] == max(min(times)), times  # stage 1, with the slow block, measured slowest
+            assert min(times)[1] == max(min(times)), times  # stage 1, with the slow blocks, measured slowest
             # Models confirmed after the re-cut: every member loaded its stage of the new cut by CID.
             await peers.wait_version(task_cid, plan.version + 2, WAIT_S, what="two models confirmed after the re-cut")
             assert all(r.book is not None and not r.book.refused_spans for r in runs)
@@ -116,3 +112,38 @@ async def test_the_plans_cut_the_model_anew_by_measured_time(tmp_path: Path) -> 
             model = build_model(task.model.name, task.model.arguments, task.seed)
             model.load_state_dict(whole, strict=True)
             assert sum(t.numel() for t in whole.values()) == sum(stage_parameters(task))
+
+
+async def test_members_restarted_after_a_recut_resume_from_the_moved_cut(tmp_path: Path) -> None:
+    with trio.fail_after(DEADLINE_S):
+        async with local_peers(5, tmp_path) as peers:
+            manifest, task_cid = await publish(peers, TASK, shards=2)
+            runs = await peers.join_all(task_cid)
+
+            def recut() -> RoundPlan | None:
+                plan = runs[0].book.accepted if runs[0].book else None
+                return plan if plan is not None and plan.cut is not None else None
+
+            plan = await peers.wait_until(recut, WAIT_S, what="a plan that names a cut (on main, never)")
+            await peers.wait_version(task_cid, plan.version + 1, WAIT_S, what="a model confirmed in the new cut")
+            for i in range(5):
+                await peers.stop_peer(i)
+            for i in range(5):
+                await peers.restart_peer(i, see_all=False)
+            await peers.wait_connected()
+            runs = await peers.join_all(task_cid)
+
+            def resumed_from() -> list[int] | None:
+                said = [peers.status(i, task_cid).get("resumed_from") for i in range(5)]
+                return [r["version"] for r in said] if all(said) else None
+
+            resumed = await peers.wait_until(resumed_from, WAIT_S, what="every member resumed from its home")
+            store = peers[0].content.store
+            head = runs[0].book.chain.records[-1].record
+            assert head.version == min(resumed) > plan.version
+            assert [(e.first, e.last) for e in read_manifest(store.cat(head.model_cid))] == [(0, 2), (3, 3), (4, 5)]
+            # Each member loads its stage of its first plan's cut from that manifest, and the run goes on.
+            await peers.wait_version(task_cid, max(resumed) + 2, WAIT_S, what="two models confirmed after the restart")
+            statuses = [peers.status(i, task_cid) for i in range(5)]
+            assert not any("stage_diverged" in s.get("rejected", {}) for s in statuses), statuses
+            assert all(r.book is not None and not r.book.refused_spans for r in runs)
