@@ -35,7 +35,13 @@ def parameter_cut(task: Task) -> tuple[int, ...]:
     """The bounds of the task's cut by parameter count (``models.balanced_cut``): the cut of every
     plan that names none, and of the run's initial model."""
     assert task.pipeline is not None, "a task without [pipeline] has no cut"
-    return balanced_cut(piece_parameters(task), task.pipeline.stages).bounds
+    name, arguments = _arguments(task)
+    return _parameter_cut(name, json.dumps(arguments, sort_keys=True), task.pipeline.stages)
+
+
+@lru_cache(maxsize=16)
+def _parameter_cut(name: str, arguments: str, stages: int) -> tuple[int, ...]:
+    return balanced_cut(_pieces(name, arguments), stages).bounds  # the search is O(S n^2): once per model
 
 
 def stage_parameters(task: Task, cut: Sequence[int] | None = None) -> list[int]:
