@@ -20,6 +20,15 @@ IN_FLIGHT), ends each step with ``Driver.finish``.
 Printed: each placement's replicas per stage, samples/s over the steps after the first (samples: 2
 per microbatch, every driver's), the ratio measured / by parameters, the median times and the plans
 it took. A measure of placement only: the cut and the model are the same.
+
+``--recut`` measures ``balance = "recut"`` (docs/pipeline.md, "Re-cutting by measured time") instead:
+a 4-block model whose blocks 1 and 2 are slow *layers* (each one's forward and backward take
+``--slow`` seconds more, on whichever member computes it: arithmetic the cut by parameters puts all
+in stage 1, far over the others' time per parameter), and a third placement, same run: 4. the cut
+the same median times give (``protocol.measured_cut``) and the plans by the new stages' costs
+(``stage_costs``) from the measured placement, fresh hosts, ``--steps`` steps. Both ratios are
+against the placement by parameters. With as many members as stages no placement can help; only
+the cut can.
 """
 
 from __future__ import annotations
@@ -36,16 +45,39 @@ import trio
 
 from p2ptrain.models import build_model
 from p2ptrain.net import Channel
-from p2ptrain.pipeline import Driver, HopDeadlines, partition, StageReplica, Wiring
-from p2ptrain.protocol import assign, measured_costs, median_micros
+from p2ptrain.pipeline import Driver, HopDeadlines, partition, partition_at, StageReplica, Wiring
+from p2ptrain.protocol import assign, measured_costs, measured_cut, median_micros
+from p2ptrain.protocol._recut import stage_costs
 from p2ptrain.protocol._stage_costs import MOVE_MARGIN
+from p2ptrain.task import load_task, parameter_cut
 from p2ptrain.run._spans import HOP_TIMEOUT_S
 from p2ptrain.run._stages import HOP_CEILING_S, HOP_INITIAL_S, IN_FLIGHT
-from p2ptrain.testing import connected_hosts
+from p2ptrain.testing import connected_hosts, slow_layers
 from p2ptrain.wire.activations import decode_frame, Kind
 
 LM = {"vocab_size": 50, "context": 8, "width": 16, "depth": 2, "heads": 2}
 STAGES = 3
+SLOW_BLOCKS = ("blocks.1", "blocks.2")  # under --recut: the slow layers (stage 1 of the cut by parameters; testing.slow_layers)
+# Under --recut: the task whose plans the third placement follows (its model is LM at depth 4).
+RECUT_TASK = """\
+name = "recut-bench"
+[model]
+name = "transformer_lm"
+kwargs = {{ {kwargs} }}
+[dataset]
+manifest = "QmT78zSuBmuS4z925WZfrqQ1qHaJ56DQaTfyMUF7F8ff5o"
+[optimizer]
+name = "sgd"
+lr = 0.1
+[training]
+batch_size = 2
+total_steps = 100
+[peers]
+min = 3
+[pipeline]
+stages = 3
+balance = "recut"
+"""
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -76,8 +108,10 @@ def settle(members: Sequence[str], costs: Sequence[float], margin: float, start:
     return out, plans
 
 
-async def run_placement(placement: dict[str, int], args: argparse.Namespace) -> tuple[float, list[tuple[int, ...]]]:
-    """Samples/s of ``--steps`` steps under ``placement`` ({"m<i>": stage}) and each driver's stage times."""
+async def run_placement(placement: dict[str, int], args: argparse.Namespace,
+                        cut: Sequence[int] | None = None) -> tuple[float, list[tuple[int, ...]]]:
+    """Samples/s of ``--steps`` steps under ``placement`` ({"m<i>": stage}) and each driver's stage
+    times; the model cut at ``cut`` (None: by parameters)."""
     members = sorted(placement)
     async with connected_hosts(len(members)) as hosts:
         ids = {m: h.id for m, h in zip(members, hosts, strict=True)}
@@ -86,7 +120,8 @@ async def run_placement(placement: dict[str, int], args: argparse.Namespace) -> 
         rings = {s: [ids[m] for m in members if placement[m] == s] for s in range(1, STAGES)}
         replicas, runs = [], []
         for m, h in zip(members, hosts, strict=True):
-            stages = partition(build_model("transformer_lm", LM, seed=3), STAGES)
+            model = build_model("transformer_lm", LM, seed=3)
+            stages = partition(model, STAGES) if cut is None else partition_at(model, cut)
             if placement[m] == 0:
                 deadlines = HopDeadlines(HOP_TIMEOUT_S, ceiling=max(HOP_TIMEOUT_S, HOP_CEILING_S),
                                          initial=max(HOP_TIMEOUT_S, HOP_INITIAL_S))
@@ -94,7 +129,8 @@ async def run_placement(placement: dict[str, int], args: argparse.Namespace) -> 
                 runs.append(Driver(h.host, stages[0], lm_loss, wiring, cut=stages, hop_timeout=HOP_TIMEOUT_S,
                                    deadlines=deadlines))
             else:
-                replica = SlowMachine(h.host, stages[placement[m]], lm_loss, senders=senders, slow=args.slow)
+                replica = SlowMachine(h.host, stages[placement[m]], lm_loss, senders=senders,
+                                      slow=0.0 if args.recut else args.slow)
                 replica.serve()
                 replicas.append(replica)
         g = torch.Generator().manual_seed(7)
@@ -128,6 +164,8 @@ async def run_placement(placement: dict[str, int], args: argparse.Namespace) -> 
 
 
 async def main(args: argparse.Namespace) -> None:
+    if args.recut:
+        LM["depth"] = 4
     members = [f"m{i}" for i in range(args.members)]
     parameters = [s.parameter_count() for s in partition(build_model("transformer_lm", LM, seed=3), STAGES)]
     by_parameters, _ = settle(members, parameters, 1.0)
@@ -137,6 +175,17 @@ async def main(args: argparse.Namespace) -> None:
     assert costs is not None, "nothing was measured"
     measured, plans = settle(members, costs, MOVE_MARGIN, by_parameters)
     got, _ = await run_placement(measured, args)
+    recut: dict = {}
+    if args.recut:
+        task = load_task(RECUT_TASK.format(kwargs=", ".join(f"{k} = {v}" for k, v in LM.items())))
+        cut = measured_cut(task, parameter_cut(task), micros)
+        assert cut is not None, f"the times {micros} move no cut"
+        new_costs = stage_costs(task, cut, micros, None)
+        assert new_costs is not None
+        placed, moves = settle(members, new_costs, MOVE_MARGIN, measured)
+        rate, _ = await run_placement(placed, args, cut)
+        recut = {"cut": list(cut), "replicas": [sum(1 for s in placed.values() if s == stage) for stage in range(STAGES)],
+                 "samples_per_s": round(rate, 2), "plans": moves, "ratio": round(rate / base, 3)}
 
     def counts(p: dict[str, int]) -> list[int]:
         return [sum(1 for s in p.values() if s == stage) for stage in range(STAGES)]
@@ -144,13 +193,18 @@ async def main(args: argparse.Namespace) -> None:
     result = {"members": args.members, "slow_s": args.slow, "parameters": parameters,
               "by_parameters": {"replicas": counts(by_parameters), "samples_per_s": round(base, 2)},
               "measured": {"replicas": counts(measured), "samples_per_s": round(got, 2), "plans": plans},
-              "micros": list(micros), "ratio": round(got / base, 3)}
+              "micros": list(micros), "ratio": round(got / base, 3), **({"recut": recut} if recut else {})}
     if args.json:
         print(json.dumps(result))
         return
-    print(f"stage parameters {parameters}; stage 1 on slow machines (+{args.slow} s a hop); median times {list(micros)} us")
+    slow = (f"{' and '.join(SLOW_BLOCKS)} slow layers (+{args.slow} s each way)" if args.recut
+            else f"stage 1 on slow machines (+{args.slow} s a hop)")
+    print(f"stage parameters {parameters}; {slow}; median times {list(micros)} us")
     print(f"by parameters: replicas {counts(by_parameters)}: {base:.1f} samples/s")
     print(f"measured:      replicas {counts(measured)} after {plans} plan(s): {got:.1f} samples/s  x{got / base:.2f}")
+    if recut:
+        print(f"re-cut {recut['cut']}: replicas {recut['replicas']} after {recut['plans']} more plan(s): "
+              f"{recut['samples_per_s']:.1f} samples/s  x{recut['ratio']:.2f}")
 
 
 if __name__ == "__main__":
@@ -160,4 +214,7 @@ if __name__ == "__main__":
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--micro", type=int, default=8)
     parser.add_argument("--json", action="store_true")
-    trio.run(main, parser.parse_args())
+    parser.add_argument("--recut", action="store_true", help='a slow layer, and the cut balance = "recut" moves')
+    arguments = parser.parse_args()
+    with slow_layers(dict.fromkeys(SLOW_BLOCKS, arguments.slow) if arguments.recut else {}):
+        trio.run(main, arguments)

@@ -28,13 +28,17 @@ if TYPE_CHECKING:
         balanced_cut as balanced_cut,
         builds_by_piece as builds_by_piece,
         Cut as Cut,
+        cut_at as cut_at,
         cut_pieces as cut_pieces,
         InitialPieces as InitialPieces,
+        LMBlock as LMBlock,
         MAX_PIPELINED_PARAMETERS as MAX_PIPELINED_PARAMETERS,
         PartitionError as PartitionError,
         Piece as Piece,
         pieces_of as pieces_of,
+        piece_sizes as piece_sizes,
         stage_sizes as stage_sizes,
+        tied_across as tied_across,
         whole_model_cap as whole_model_cap,
     )
     from p2ptrain.models._hf import (

@@ -73,7 +73,7 @@ class _LMEmbed(Piece):
         return out
 
 
-class _LMBlock(Piece):
+class LMBlock(Piece):
     """One TinyLM block; the causal mask is rebuilt from the activation, as TinyLM.forward builds it.
     An activation longer than the model's context is refused before the mask is built: a stage
     replica takes activations from the network, and a t x t mask (and attention) of a t that only
@@ -95,7 +95,7 @@ class _LMBlock(Piece):
 def pieces_of(model: nn.Module) -> list[Piece]:
     """The model as a sequence of pieces; :class:`PartitionError` for a model that is not one."""
     if isinstance(model, TinyLM):
-        blocks = [_LMBlock(f"blocks.{i}", b, model.context) for i, b in enumerate(model.blocks)]
+        blocks = [LMBlock(f"blocks.{i}", b, model.context) for i, b in enumerate(model.blocks)]
         return [_LMEmbed(model), *blocks, Piece({"norm": model.norm, "head": model.head})]
     if isinstance(model, CausalLM):
         from p2ptrain.models._hf_pieces import hf_pieces  # imports this module: on use, not at import
@@ -181,6 +181,33 @@ def stage_sizes(name: str, arguments: dict[str, Any], stages: int) -> list[int]:
     built on the meta device (nothing allocated): what a task's parse checks, and the stages' costs
     before any step time is measured. :class:`PartitionError` as :func:`cut_pieces`."""
     return cut_pieces(meta_model(name, arguments), stages)[1].stage_sizes()
+
+
+def piece_sizes(name: str, arguments: dict[str, Any]) -> list[int]:
+    """Parameters of each piece of the registry model ``name``, in order, from the model built on
+    the meta device: what a cut by measured time spreads a stage's time over (protocol/_recut.py).
+    :class:`PartitionError` for a model that is no sequence of pieces."""
+    return [sum(p.numel() for p in piece.parameters()) for piece in pieces_of(meta_model(name, arguments))]
+
+
+def tied_across(name: str, arguments: dict[str, Any], bounds: Sequence[int]) -> str | None:
+    """The name of a parameter of the registry model ``name`` that the cut ``bounds`` (each
+    stage's first piece, then the number of pieces) puts in two stages, or None (meta device)."""
+    pieces = pieces_of(meta_model(name, arguments))
+    return _tied_across(pieces, Cut(tuple(bounds), tuple(0 for _ in pieces)))
+
+
+def cut_at(pieces: Sequence[Piece], bounds: Sequence[int]) -> Cut:
+    """The cut of ``pieces`` at ``bounds`` (each stage's first piece, then the number of pieces:
+    a plan's cut by measured time); :class:`PartitionError` for bounds that are no cut of them into
+    non-empty contiguous runs, or that put a weight in two stages."""
+    if len(bounds) < 2 or bounds[0] != 0 or bounds[-1] != len(pieces) or any(b <= a for a, b in zip(bounds, bounds[1:])):
+        raise PartitionError(f"{list(bounds)} is no cut of {len(pieces)} pieces into non-empty stages")
+    cut = Cut(tuple(bounds), tuple(sum(p.numel() for p in piece.parameters()) for piece in pieces))
+    tied = _tied_across(pieces, cut)
+    if tied is not None:
+        raise PartitionError(f"{tied} is tied to a weight of another stage of the cut {list(bounds)}")
+    return cut
 
 
 def builds_by_piece(name: str) -> bool:

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
         pieces_of as pieces_of,
     )
     from p2ptrain.pipeline._opinions import is_checked as is_checked
-    from p2ptrain.pipeline._partition import partition as partition, Stage as Stage
+    from p2ptrain.pipeline._partition import partition as partition, partition_at as partition_at, Stage as Stage
     from p2ptrain.pipeline._replica import (KEEP_GRAPHS as KEEP_GRAPHS, MAX_STREAMS_PER_PEER as MAX_STREAMS_PER_PEER,
                                             PROTOCOL as PROTOCOL, serve_requests as serve_requests,
                                             StageReplica as StageReplica)

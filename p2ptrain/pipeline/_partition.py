@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from p2ptrain.models import cut_pieces, Piece
+from p2ptrain.models import cut_at, cut_pieces, Piece, pieces_of
 
 
 class Stage(nn.Module):
@@ -65,6 +65,16 @@ def partition(model: nn.Module, stages: int) -> list[Stage]:
         Stage(i, stages, a, pieces[a:b])
         for i, (a, b) in enumerate(zip(cut.bounds, cut.bounds[1:], strict=False))
     ]
+
+
+def partition_at(model: nn.Module, bounds: Sequence[int]) -> list[Stage]:
+    """``model`` cut at ``bounds`` (each stage's first piece, then the number of pieces), as a plan
+    of a task that moves its cut by measured time names it (protocol/_recut.py); the stages hold the
+    model's own modules, as :func:`partition`'s. ``models.PartitionError`` as ``models.cut_at``."""
+    pieces = pieces_of(model)
+    cut = cut_at(pieces, bounds)
+    count = len(cut.bounds) - 1
+    return [Stage(i, count, a, pieces[a:b]) for i, (a, b) in enumerate(zip(cut.bounds, cut.bounds[1:], strict=False))]
 
 
 def output_shape(stage: nn.Module, x: torch.Tensor) -> torch.Size:

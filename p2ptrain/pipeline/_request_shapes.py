@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from p2ptrain.pipeline._partition import output_shape, partition
+from p2ptrain.pipeline._partition import output_shape, partition, partition_at
 from p2ptrain.wire.activations import DEFAULT_LIMITS, Frame, frame_bound, HEADER, Kind, Limits
 
 # The requests whose second tensor is the gradient of the stage's output (the others': targets).
@@ -100,13 +100,14 @@ def _frame_bytes(samples: int, tensors: Sequence[tuple[tuple[int, ...], bool]]) 
 
 
 def request_shapes(model: nn.Module, stages: int, sample: torch.Tensor, targets: Sequence[int], *,
-                   microbatch: int, evaluation: int) -> list[RequestShapes]:
+                   microbatch: int, evaluation: int, cut: Sequence[int] | None = None) -> list[RequestShapes]:
     """Each of the ``stages`` stages' :class:`RequestShapes` for ``model`` (on the meta device: a
-    model of its own, not the one trained) cut as the task cuts it; ``sample``: one sample as stage
-    0 takes it (its shape and dtype; any device), ``targets``: one sample's targets' shape."""
+    model of its own, not the one trained) cut as the task cuts it (or at the bounds ``cut``, a
+    plan's); ``sample``: one sample as stage 0 takes it (its shape and dtype; any device),
+    ``targets``: one sample's targets' shape."""
     x = torch.empty((1, *sample.shape), dtype=sample.dtype, device="meta")
     shapes = [tuple(sample.shape)]
-    for stage in partition(model, stages):
+    for stage in partition(model, stages) if cut is None else partition_at(model, cut):
         x = torch.empty(output_shape(stage, x), dtype=torch.float32, device="meta")
         shapes.append(tuple(x.shape[1:]))
     return [RequestShapes(microbatch, evaluation, shapes[i], shapes[i + 1] if i < stages - 1 else None, tuple(targets),

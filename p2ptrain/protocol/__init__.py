@@ -19,6 +19,12 @@ if TYPE_CHECKING:
         AssignmentError as AssignmentError,
         throughput as throughput,
     )
+    from p2ptrain.protocol._recut import (
+        measured_cut as measured_cut,
+        piece_costs as piece_costs,
+        plan_cut as plan_cut,
+        RECUT_MARGIN as RECUT_MARGIN,
+    )
     from p2ptrain.protocol._stage_costs import (
         measured_costs as measured_costs,
         median_micros as median_micros,

@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING
 from p2ptrain.protocol._arithmetics import Classes, sort_classes
 from p2ptrain.protocol._election import Election
 from p2ptrain.protocol._plans import orphaned_stages, plan_members, plan_stages, span_length
+from p2ptrain.protocol._recut import next_cut
 from p2ptrain.wire import RoundPlan
 
 if TYPE_CHECKING:
@@ -238,11 +239,15 @@ def next_plan(
         # A pipelined takeover goes back the same way.
         start_round = book.chain.records[-1].record.round + 1 if book.chain.records else 0
         step, attempt = book.head_step, max(attempt, _next_attempt(book, election.term))
+    micros = book.stage_times.for_plan(book.chain, step, book.chain.version)
+    times_cut = book.stage_times.cut_at(step)
+    # Under balance = "recut", at the confirmed checkpoint of its step the cut moves by the times (protocol/_recut.py).
+    cut = next_cut(book.task, book.accepted, step == book.head_step, micros, times_cut)
     return RoundPlan(
         task_cid=book.task_cid, term=election.term, round=start_round, attempt=attempt, step=step,
         rounds=span_length(book.task, start_round, book.total_steps), members=members,
         base_cid=book.chain.head_cid, version=book.chain.version,
-        stages=plan_stages(book.task, members, book.accepted, book.stage_times.for_plan(book.chain, step, book.chain.version)),
+        stages=plan_stages(book.task, members, book.accepted, micros, cut, times_cut), cut=cut,
     )
 
 

@@ -13,7 +13,8 @@ from collections.abc import Collection, Sequence
 from p2ptrain.base import short_id
 from p2ptrain.protocol._assignment import assign
 from p2ptrain.protocol._records import quorum
-from p2ptrain.protocol._stage_costs import measured_costs, MOVE_MARGIN
+from p2ptrain.protocol._recut import cut_problem, stage_costs
+from p2ptrain.protocol._stage_costs import MOVE_MARGIN
 from p2ptrain.task import Task, stage_parameters
 from p2ptrain.protocol._voters import rank
 from p2ptrain.wire import RoundPlan
@@ -163,6 +164,7 @@ def joiner_room(kept: int) -> int:
 
 def rule_problem(
     task: Task, total_steps: int, plan: RoundPlan, before: RoundPlan | None, micros: Sequence[int] | None = None,
+    *, head: tuple[int, int, str] | None = None, times_cut: Sequence[int] | None = None,
 ) -> str | None:
     """Why an elected coordinator's ``plan`` breaks the run's rules, or None. The rules come from
     the task and from ``before`` (the latest plan the member took from a coordinator), never from the
@@ -171,7 +173,10 @@ def rule_problem(
     coordinator can swap the members out from under the run in one plan, which is also why a
     minority side of a partition never plans); its stages are :func:`plan_stages`' (``micros``: the
     stage times this member received in the summary of the step the plan starts at, if it applied
-    it). A plan that breaks them is evidence against its coordinator (:class:`~p2ptrain.protocol.RuleBreak`)."""
+    it); its cut is one :func:`~p2ptrain.protocol._recut.cut_problem` accepts (``head``: the step,
+    version and CID of this member's confirmed head, to tell whether the plan starts at its base's
+    step; ``times_cut``: the cut the times ``micros`` were measured under). A plan that breaks them is evidence against its
+    coordinator (:class:`~p2ptrain.protocol.RuleBreak`)."""
     peers = task.peers
     members = plan.members
     if len(set(members)) != len(members):
@@ -190,29 +195,36 @@ def rule_problem(
         if kept < quorum(len(before.members)):
             return (f"it keeps {kept} of the {len(before.members)} members of plan {before.round}.{before.attempt}, "
                     f"a quorum is {quorum(len(before.members))}")
-    return _stages_problem(task, plan, before if after else None, micros)
+    # Whether the plan starts at its base, the confirmed checkpoint of its step (None: its base is ahead of this chain).
+    checkpoint = None if head is None or plan.version > head[1] else (plan.step, plan.version, plan.base_cid) == head
+    return (cut_problem(task, plan, before if after else None, micros, checkpoint, times_cut)
+            or _stages_problem(task, plan, before if after else None, micros, times_cut))
 
 
 def plan_stages(
     task: Task, members: Sequence[str], before: RoundPlan | None, micros: Sequence[int] | None = None,
+    cut: Sequence[int] | None = None, times_cut: Sequence[int] | None = None,
 ) -> tuple[int, ...] | None:
     """The stage of each of ``members`` (in their order) for a pipelined task, None for any other:
     :func:`~p2ptrain.protocol._assignment.assign` from ``before``'s assignment (the latest plan
     taken from a coordinator) over the stages' parameter counts, or, under ``[pipeline] balance =
     "measured"`` and given the median stage times ``micros`` of the step the plan starts at, over
-    their measured costs (protocol/_stage_costs.py; a move then needs :data:`MOVE_MARGIN`). Pure:
+    their measured costs (protocol/_stage_costs.py; a move then needs :data:`MOVE_MARGIN`), the
+    stages being those of the plan's ``cut`` (None: by parameter count) and the times measured under
+    ``times_cut`` (protocol/_recut.py, ``stage_costs``). Pure:
     the coordinator plans it and every member that took ``before`` and applied that step computes
     the same."""
     if task.pipeline is None:
         return None
     previous = dict(zip(before.members, before.stages, strict=True)) if before and before.stages else None
-    parameters = stage_parameters(task)
-    costs = measured_costs(parameters, micros) if micros and task.pipeline.measured_balance else None
+    parameters = stage_parameters(task, cut)
+    costs = stage_costs(task, cut, micros, times_cut)
     out = assign(members, costs or parameters, previous, margin=MOVE_MARGIN if costs else 1.0)
     return tuple(out[m] for m in members)
 
 
-def _stages_problem(task: Task, plan: RoundPlan, before: RoundPlan | None, micros: Sequence[int] | None) -> str | None:
+def _stages_problem(task: Task, plan: RoundPlan, before: RoundPlan | None, micros: Sequence[int] | None,
+                    times_cut: Sequence[int] | None) -> str | None:
     """Why ``plan``'s stages break the rules: a stage for each member of a pipelined task (none for
     any other), each stage served; and, for a plan after ``before``, exactly :func:`plan_stages`,
     over the parameters or, under ``balance = "measured"``, over the times ``micros`` this member
@@ -232,8 +244,8 @@ def _stages_problem(task: Task, plan: RoundPlan, before: RoundPlan | None, micro
         return f"its stages leave stage {empty[0]} without a member" if empty else f"a stage out of 0..{count - 1}"
     if before is None or (task.pipeline.measured_balance and not micros):
         return None
-    expected = plan_stages(task, plan.members, before)
-    if expected != stages and (not micros or plan_stages(task, plan.members, before, micros) != stages):
+    expected = plan_stages(task, plan.members, before, cut=plan.cut)
+    if expected != stages and (not micros or plan_stages(task, plan.members, before, micros, plan.cut, times_cut) != stages):
         assert expected is not None
         moved = next(m for m, s, e in zip(plan.members, stages, expected, strict=True) if s != e)
         return (f"it puts {short_id(moved)} in stage {stages[plan.members.index(moved)]}; the assignment from "

@@ -413,9 +413,10 @@ class RoundBook:
 
     def rule_problem(self, plan: RoundPlan) -> str | None:
         """Why the elected coordinator's ``plan`` breaks the run's rules (:func:`~p2ptrain.protocol._plans.rule_problem`,
-        against the latest plan accepted here and the stage times of the step it starts at)."""
-        times = self.stage_times.for_plan(self.chain, plan.step, plan.version)
-        return rule_problem(self.task, self.total_steps, plan, self.accepted, times)
+        against the latest plan accepted here, the stage times of the step it starts at and this chain's head)."""
+        t = self.stage_times
+        return rule_problem(self.task, self.total_steps, plan, self.accepted, t.for_plan(self.chain, plan.step, plan.version),
+                            times_cut=t.cut_at(plan.step), head=(self.head_step, self.chain.version, self.chain.head_cid))
 
     def _note_span(self, plan: RoundPlan) -> None:
         """Remember ``plan`` as its span's (the latest for the step it ends at), for the record of

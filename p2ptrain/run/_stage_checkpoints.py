@@ -33,7 +33,7 @@ from libp2p.peer.id import ID
 from p2ptrain.base import short_id
 from p2ptrain.collective import CollectiveError
 from p2ptrain.ipfs import ContentStore, ContentUnavailable
-from p2ptrain.protocol import (buffers_round_id, check_statement, RecordError, sign_statement, stage_rings,
+from p2ptrain.protocol import (buffers_round_id, check_statement, plan_cut, RecordError, sign_statement, stage_rings,
                                stage_verdicts, tensors_bytes)
 from p2ptrain.protocol.signing import SignatureError
 from p2ptrain.run._run_state import RunState
@@ -151,6 +151,26 @@ def initial_manifest(store: ContentStore, trainer: StagedTrainer, initial: bytes
     return str(store.add_bytes(manifest_bytes(entries), only_hash=only_hash))
 
 
+def take_plan_cut(run: RunState, plan: RoundPlan) -> bool:
+    """Cut this member's model as ``plan`` cuts it (``[pipeline] balance = "recut"``:
+    protocol/_recut.py); True when that moved its cut: it then holds no stage, and loads its plan's
+    stage from the files of the confirmed checkpoint's stages that cover it (:func:`load_confirmed_stage`;
+    its sparse residual goes too: run/_stage_sum.py keys it by the stage's pieces). A plan moves the
+    cut only from the confirmed checkpoint of its step (a joiner's or a resumed member's trainer
+    has the task's cut and follows any plan's from the checkpoint it holds); a member elsewhere
+    cannot follow it: :class:`TrainerError` (it resyncs)."""
+    trainer, book = run.require()
+    assert isinstance(trainer, StagedTrainer) and run.task.pipeline is not None
+    if not run.task.pipeline.recut or (cut := plan_cut(run.task, plan)) == (was := trainer.cut):
+        return False
+    if not trainer.step == plan.step == book.head_step:
+        raise TrainerError(f"plan {plan.round}.{plan.attempt} cuts the model at {list(cut)} from step {plan.step}; "
+                           f"this member is at step {trainer.step}, the latest confirmed checkpoint at {book.head_step}")
+    trainer.recut(cut)
+    logger.info("%s: the model is cut at %s from step %d (was %s)", run.log_prefix, list(cut), plan.step, list(was))
+    return True
+
+
 async def load_confirmed_stage(run: RunState, stage: int) -> None:
     """Load ``stage`` from the manifest of the latest confirmed checkpoint, which must be at this
     member's step (a joiner, a member that resumed or resynced, one moved to another stage): the
@@ -162,8 +182,8 @@ async def load_confirmed_stage(run: RunState, stage: int) -> None:
     assert isinstance(trainer, StagedTrainer)
     if not book.chain.records and trainer.step == 0:  # the run's first step: its initial model's manifest
         try:
-            model, optim = await fetch_stage_files(run, trainer, run.initial_cid, stage)
-            await trio.to_thread.run_sync(trainer.load_stage, stage, model, optim, 0)
+            parts = await fetch_stage_parts(run, trainer, run.initial_cid, stage)
+            await trio.to_thread.run_sync(trainer.load_parts, stage, parts, 0)
         except (ContentUnavailable, ManifestError, RecordError) as exc:
             raise TrainerError(f"could not load stage {stage} of the initial model: {exc}") from None
         return
@@ -172,8 +192,8 @@ async def load_confirmed_stage(run: RunState, stage: int) -> None:
                            f"is at step {book.head_step}")
     record = book.chain.records[-1].record
     try:
-        model, optim = await fetch_stage_files(run, trainer, record.model_cid, stage, record)
-        await trio.to_thread.run_sync(trainer.load_stage, stage, model, optim, record.step)
+        parts = await fetch_stage_parts(run, trainer, record.model_cid, stage, record)
+        await trio.to_thread.run_sync(trainer.load_parts, stage, parts, record.step)
     except (ContentUnavailable, ManifestError, RecordError) as exc:
         raise TrainerError(f"could not load stage {stage} of model v{record.version}: {exc}") from None
     logger.info("%s: loaded stage %d of model v%d (step %d)", run.log_prefix, stage, record.version, record.step)
@@ -181,16 +201,39 @@ async def load_confirmed_stage(run: RunState, stage: int) -> None:
 
 async def fetch_stage_files(run: RunState, trainer: StagedTrainer, manifest_cid: str, stage: int,
                             record: ModelRecord | None = None) -> tuple[bytes, bytes]:
-    """``stage``'s model and optimizer files of the manifest ``manifest_cid``: the manifest, then the
-    two files, each fetched by CID within what it can honestly take (with ``record``: the manifest's
-    signatures checked against it first). :class:`ContentUnavailable` or :class:`ManifestError`."""
-    content = run.content
-    entries = read_manifest(await content.read(manifest_cid, max_bytes=MAX_MANIFEST_BYTES, timeout=FETCH_TIMEOUT_S))
+    """The model and optimizer files of the manifest ``manifest_cid``'s entry ``stage``: the
+    manifest, then the two files, each fetched by CID within what it can honestly take (with
+    ``record``: the manifest's signatures checked against it first). :class:`ContentUnavailable`
+    or :class:`ManifestError`."""
+    entry = (await _entries(run, trainer, manifest_cid, record))[stage]
+    return await _files(run, trainer, entry)
+
+
+async def fetch_stage_parts(run: RunState, trainer: StagedTrainer, manifest_cid: str, stage: int,
+                            record: ModelRecord | None = None) -> list[tuple[int, int, bytes, bytes]]:
+    """The files of the manifest ``manifest_cid``'s entries that cover the pieces of this member's
+    ``stage`` (as its trainer cuts the model now: the manifest's own cut, or a plan's new one), as
+    ``(first, last, model file, optimizer file)`` for ``StagedTrainer.load_parts``; fetched as
+    :func:`fetch_stage_files` fetches one entry's."""
+    want = trainer.stages[stage]
+    parts = []
+    for entry in await _entries(run, trainer, manifest_cid, record):
+        if entry.first <= want.last and want.first <= entry.last:
+            parts.append((entry.first, entry.last, *await _files(run, trainer, entry)))
+    return parts
+
+
+async def _entries(run: RunState, trainer: StagedTrainer, manifest_cid: str,
+                   record: ModelRecord | None) -> tuple[StageFile, ...]:
+    entries = read_manifest(await run.content.read(manifest_cid, max_bytes=MAX_MANIFEST_BYTES, timeout=FETCH_TIMEOUT_S))
     if len(entries) != len(trainer.stages):
         raise ManifestError(f"it names {len(entries)} stages, the task {len(trainer.stages)}")
     if record is not None:
         check_stage_signatures(entries, record)
+    return entries
+
+
+async def _files(run: RunState, trainer: StagedTrainer, entry: StageFile) -> tuple[bytes, bytes]:
     max_model, max_optim = trainer.state_limits()
-    entry = entries[stage]
-    return (await content.read(entry.model, max_bytes=max_model, timeout=FETCH_TIMEOUT_S),
-            await content.read(entry.optimizer, max_bytes=max_optim, timeout=FETCH_TIMEOUT_S))
+    return (await run.content.read(entry.model, max_bytes=max_model, timeout=FETCH_TIMEOUT_S),
+            await run.content.read(entry.optimizer, max_bytes=max_optim, timeout=FETCH_TIMEOUT_S))

@@ -37,16 +37,17 @@ class SparseStageSum:
         self.spec = replace(round_spec(task.compression, timeout=timeout), op="sum")
         self.collective = collective
         self._reducer: SparseAllReducer | None = None
-        self._at: tuple[int, int] | None = None  # (stage, step) the reducer's residual is on top of
+        # ((stage, its first and last piece), step) the reducer's residual is on top of: a cut moved by a plan is another stage.
+        self._at: tuple[tuple[int, int, int], int] | None = None
         # The residual before the last sum, and the (stage, step) it was on top of: a rolled-back step's.
-        self._before: tuple[tuple[int, int], torch.Tensor | None] | None = None
+        self._before: tuple[tuple[tuple[int, int, int], int], torch.Tensor | None] | None = None
 
     def residual(self) -> torch.Tensor | None:
         """What this member has not sent yet (None before its first sum on the stage it holds)."""
         feedback = None if self._reducer is None else self._reducer.feedback
         return None if feedback is None else feedback.residual
 
-    def _reducer_at(self, stage: int, step: int) -> SparseAllReducer:
+    def _reducer_at(self, stage: tuple[int, int, int], step: int) -> SparseAllReducer:
         """The reducer whose residual is on top of ``stage`` at ``step``: the one kept, the one from
         before the last sum when the trainer rolled that step back, else a new, empty one."""
         if self._at != (stage, step) or self._reducer is None:
@@ -65,9 +66,10 @@ class SparseStageSum:
         """Replace ``stage``'s gradients (stage ``index`` at trainer step ``step``) by their sparse sum
         over ``ring``; the residual is then on top of ``step + 1``, which the stage's optimizer step
         makes the trainer's. A round that fails leaves the residual as it was (the reducer's rule)."""
-        reducer = self._reducer_at(index, step)
+        key = (index, stage.first, stage.last)
+        reducer = self._reducer_at(key, step)
         residual = self.residual()
         before = None if residual is None else residual.clone()
         await sum_stage_gradients(self.collective, stage, ring, round_id, reducer=reducer, seed=seed,
                                   owner_seed=owner_seed)
-        self._before, self._at = ((index, step), before), (index, step + 1)
+        self._before, self._at = ((key, step), before), (key, step + 1)

@@ -19,16 +19,16 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from p2ptrain.base import all_finite
-from p2ptrain.models import build_model, InitialPieces, meta_model
+from p2ptrain.models import build_model, InitialPieces, meta_model, Piece
 from p2ptrain.data import Manifest
-from p2ptrain.pipeline import partition, request_shapes, RequestShapes, Stage
+from p2ptrain.pipeline import partition, partition_at, request_shapes, RequestShapes, Stage
 from p2ptrain.protocol import (model_tensors, read_model_card, read_tensors, RecordError, state_bytes, tensors_bytes,
                                write_state_file)
 from p2ptrain.training import ManifestError, read_manifest, StepResult, Trainer, TrainerError
@@ -62,6 +62,12 @@ class StagedTrainer(Trainer):
         self.device = torch.device("cpu")
         # The stages share the model's modules: stepping a stage steps the model's own parameters.
         self.stages: list[Stage] = partition(self.model, task.pipeline.stages)
+        # Each stage's first piece, then the number of pieces: the task's cut until a plan moves it (recut).
+        self.cut: tuple[int, ...] = (*(s.first for s in self.stages), self.stages[-1].last + 1)
+        # Every piece's tensor names, and each parameter's index in the whole model (the optimizer file's).
+        self._piece_names = [set(piece.state_names()) for stage in self.stages for piece in stage.pieces
+                             if isinstance(piece, Piece)]
+        self._param_names = [name for name, _ in self.model.named_parameters()]
         self.initial = InitialPieces(task.model.name, task.model.arguments, task.seed)
         # A run from the task's seed: at step 0 any stage's bits are the seed's (made when taken).
         self.seeded = not task.initial_model
@@ -158,8 +164,8 @@ class StagedTrainer(Trainer):
             entries = read_manifest(model_data)
         except ManifestError as exc:
             raise RecordError(str(exc)) from None
-        if [(e.first, e.last) for e in entries] != [(s.first, s.last) for s in self.stages]:
-            raise RecordError("the manifest's stages are not this task's cut of the model")
+        if len(entries) != len(self.stages) or entries[-1].last != self.cut[-1] - 1:
+            raise RecordError("the manifest's stages are not a cut of this task's pieces")  # read_manifest: they tile from 0
         self.back_to(step)
 
     def back_to(self, step: int) -> None:
@@ -170,6 +176,15 @@ class StagedTrainer(Trainer):
         self._hold(set())
         self.step, self.pending = step, None
         self.whole, self.trained = False, None
+
+    def recut(self, bounds: Sequence[int]) -> None:
+        """Cut the model at ``bounds`` (a plan's cut: protocol/_recut.py) and hold no stage, at this
+        step: a plan that moves the cut starts at a confirmed checkpoint, from whose manifest this
+        member loads its stage of the new cut next (:meth:`load_parts`, from the files of the old
+        stages that cover it). ``models.PartitionError`` for bounds that are no cut of the pieces."""
+        stages = partition_at(self.model, bounds)  # checked before anything is dropped
+        self.back_to(self.step)
+        self.stages, self.cut = stages, tuple(bounds)
 
     def request_shapes(self, manifest: Manifest) -> list[RequestShapes]:
         """What a request to each stage's replica may hold (pipeline/_request_shapes.py): the task's
@@ -184,7 +199,7 @@ class StagedTrainer(Trainer):
         try:
             return request_shapes(meta_model(task.model.name, task.model.arguments), task.pipeline.stages, sample,
                                   manifest.labels.shape, microbatch=task.pipeline.microbatch_size or task.training.batch_size,
-                                  evaluation=task.training.eval_batch_size)
+                                  evaluation=task.training.eval_batch_size, cut=self.cut)
         except (NotImplementedError, RuntimeError, ValueError, TypeError, IndexError) as exc:
             log.warning("the stages' request shapes cannot be traced on the meta device (%s): their replicas take "
                         "any request within the default frame limits", str(exc).strip().split("\n")[0])
@@ -257,22 +272,51 @@ class StagedTrainer(Trainer):
         its parameters, their optimizer state and the step (which must be ``step`` when given); the
         other stages are not held after it. :class:`RecordError` for files that are not exactly
         that stage's, and nothing is changed."""
-        if read_model_card(model_data) != self._card():
-            raise RecordError(f"stage {stage}'s model file is not of this task's model")
-        tensors = read_tensors(model_data)
+        s = self.stages[stage]
+        self.load_parts(stage, [(s.first, s.last, model_data, optimizer_data)], step)
+
+    def load_parts(self, stage: int, parts: Sequence[tuple[int, int, bytes, bytes]], step: int | None = None) -> None:
+        """Take ``stage`` from the checkpoint files of the stages of a manifest that cover its pieces
+        (``(first, last, model file, optimizer file)`` each, maybe of another cut: a plan moved it):
+        each file must hold exactly pieces ``first..last``'s tensors (its optimizer file their
+        parameters' state only, of one step, ``step`` when given); this stage's are kept. Stage
+        files keep the whole model's names and optimizer indices, so the union of the parts is
+        what :meth:`stage_files` of the stage would hold. :class:`RecordError` as :meth:`load_stage`."""
+        names, at_stage = set(self.stages[stage].state_names()), (self.stages[stage].first, self.stages[stage].last)
+        tensors: dict[str, torch.Tensor] = {}
+        optim: dict[str, torch.Tensor] = {}
+        steps: set[int] = set()
+        for first, last, model_data, optimizer_data in parts:
+            what = f"stage {stage}" if (first, last) == at_stage else f"pieces {first}..{last}"
+            if read_model_card(model_data) != self._card():
+                raise RecordError(f"{what}'s model file is not of this task's model")
+            found = read_tensors(model_data)
+            own: set[str] = set().union(*self._piece_names[first : last + 1])
+            if set(found) != own:
+                raise RecordError(f"the model file does not hold exactly {what}'s tensors")
+            tensors.update((n, t) for n, t in found.items() if n in names)
+            part = read_tensors(optimizer_data)
+            saved = part.pop("trainer.step", None)
+            if saved is None or saved.dtype != torch.int64 or saved.numel() != 1:
+                raise RecordError("optimizer file has no valid trainer.step")
+            steps.add(int(saved))
+            for name, t in part.items():
+                at = int(name.split(".")[1]) if INDEX_NAME.fullmatch(name) else -1
+                if not 0 <= at < len(self._param_names) or self._param_names[at] not in own:
+                    raise RecordError(f"the optimizer file's {name!r} is no state of {what}")
+                if self._param_names[at] in names:
+                    optim[name] = t
+        if len(steps) != 1:
+            raise RecordError(f"stage {stage}'s optimizer files are of steps {sorted(steps)}")
+        if step is not None and steps != {step}:
+            raise RecordError(f"stage {stage}'s optimizer file is of step {steps.pop()}, the checkpoint's is {step}")
+        saved = torch.tensor(steps.pop(), dtype=torch.int64)
         whole = self.model.state_dict()
-        names = self.stages[stage].state_names()
-        if set(tensors) != set(names):
-            raise RecordError(f"the model file does not hold exactly stage {stage}'s tensors")
+        if set(tensors) != names:
+            raise RecordError(f"the model files do not hold exactly stage {stage}'s tensors")
         for name in names:
             if tensors[name].shape != whole[name].shape or tensors[name].dtype != whole[name].dtype:
                 raise RecordError(f"stage {stage}'s tensor {name}: {tuple(tensors[name].shape)} {tensors[name].dtype}")
-        optim = read_tensors(optimizer_data)
-        saved = optim.pop("trainer.step", None)
-        if saved is None or saved.dtype != torch.int64 or saved.numel() != 1:
-            raise RecordError("optimizer file has no valid trainer.step")
-        if step is not None and int(saved) != step:
-            raise RecordError(f"stage {stage}'s optimizer file is of step {int(saved)}, the checkpoint's is {step}")
         indices, keys = self._stage_indices(stage), self.optimizer_state_keys()
         held: dict[int, set[str]] = {}
         for name, t in sorted(optim.items()):

@@ -71,7 +71,7 @@ from p2ptrain.pipeline import (ChannelPool, Driver, evaluate_stages, HopDeadline
 from p2ptrain.protocol import (check_key_message, inner_round_id, LoneFailures, owner_seed, round_id, round_seed,
                                shard_of, stage_rings, stage_round_id)
 from p2ptrain.run._run_state import RunState
-from p2ptrain.run._stage_checkpoints import load_confirmed_stage, store_stage_checkpoint
+from p2ptrain.run._stage_checkpoints import load_confirmed_stage, store_stage_checkpoint, take_plan_cut
 from p2ptrain.run._stage_local_sgd import LocalSGDStagedTrainer
 from p2ptrain.run._stage_sum import SparseStageSum
 from p2ptrain.run._stage_trainer import StagedTrainer
@@ -133,9 +133,8 @@ class StageRounds:
         self._serving = False
         # As a driver: the channels to the replicas, reused hop after hop, plan after plan.
         self._pool = ChannelPool(run.collective.host, self.protocol, clock=time.monotonic)
-        # As a driver: its hops' measured times, and so their deadlines, kept plan after plan.
-        self._deadlines = HopDeadlines(hop_timeout, ceiling=max(hop_timeout, HOP_CEILING_S),
-                                       initial=max(hop_timeout, HOP_INITIAL_S))
+        # As a driver: its hops' measured times, and so their deadlines, kept plan after plan (not past a new cut).
+        self._deadlines = self._new_deadlines()
         # As a driver: which replicas stalled its steps (pipeline/_stragglers.py), judged plan after plan.
         self._stragglers = Stragglers()
         # Every member: which driver's steps fail while the others' do not, summary after summary.
@@ -171,6 +170,8 @@ class StageRounds:
         task = run.task
         assert task.pipeline is not None
         index = self.stage_of(plan)
+        if take_plan_cut(run, plan):  # a moved cut: each stage's request shapes and hop times are another stage's
+            self._shapes, self._deadlines = None, self._new_deadlines()
         if not trainer.holds(index):
             await load_confirmed_stage(run, index)
         if self._shapes is None and run.manifest is not None:  # what its requests may hold: its frame limits
@@ -206,6 +207,10 @@ class StageRounds:
         if not self._serving:
             serve_channels(host, self.protocol, self._answer, max_streams_per_peer=MAX_STREAMS_PER_PEER)
             self._serving = True
+
+    def _new_deadlines(self) -> HopDeadlines:
+        return HopDeadlines(self.hop_timeout, ceiling=max(self.hop_timeout, HOP_CEILING_S),
+                            initial=max(self.hop_timeout, HOP_INITIAL_S))
 
     async def stop(self) -> None:
         """The run is over: this host answers no more of its stage requests (each is reset) and
@@ -251,7 +256,7 @@ class StageRounds:
         if self._evaluee is not None:
             self._evaluee.weights_step = trainer.step
         if self._micros:
-            book.stage_times.note(trainer.step, self._micros, (plan.term, plan.attempt))
+            book.stage_times.note(trainer.step, self._micros, (plan.term, plan.attempt), plan.cut)
 
     async def _outer_step(self, plan: RoundPlan, index: int, batches: Iterator[Any],
                           trainer: LocalSGDStagedTrainer) -> StepResult:

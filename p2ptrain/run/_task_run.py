@@ -47,10 +47,11 @@ from p2ptrain.run._run_state import Nudge, RunState
 from p2ptrain.run._spans import Spans
 from p2ptrain.run._stage_checkpoints import initial_manifest
 from p2ptrain.run._stage_local_sgd import LocalSGDStagedTrainer, staged_trainer
+from p2ptrain.run._stage_status import stage_status
 from p2ptrain.run._stage_trainer import StagedTrainer
 from p2ptrain.control import FINISHED, ChainEntry, Phase, TaskStatus
 from p2ptrain.protocol import (CANNOT_FOLLOW, Chain, ChainRules, load_model_bytes, orphaned_stages, plan_order,
-                               RecordError, RoundBook, RuleBreak, stage_moves, stage_rings)
+                               RecordError, RoundBook, RuleBreak, stage_moves)
 from p2ptrain.task import Task, total_steps
 from p2ptrain.training import LocalSGDTrainer, Trainer, TrainerError, new_trainer, warm_up_torch
 from p2ptrain.wire import (
@@ -129,7 +130,7 @@ class TaskRun:
         plan = book.last_plan if book else None
         last_round, last_step = _progress(run)
         inner = run.trainer.inner_step if isinstance(run.trainer, (LocalSGDTrainer, LocalSGDStagedTrainer)) else None
-        stage, stages = _stages(run)
+        stage, stages = stage_status(run)
         return TaskStatus(
             task_cid=run.task_cid,
             name=run.task.name,
@@ -419,20 +420,6 @@ class TaskRun:
         TaskHead: _on_head,
         TaskCancel: _on_cancel,
     }
-
-
-def _stages(run: RunState) -> tuple[int | None, tuple[dict[str, Any], ...] | None]:
-    """``stage``/``stages`` of a pipelined task's status: this member's stage and each stage's
-    replicas in the latest plan, with its parameters and, under ``balance = "measured"``, its
-    drivers' median time of the last step this member applied; (None, None) for any other task."""
-    book, trainer = run.book, run.trainer
-    plan = book.last_plan if book else None
-    if not isinstance(trainer, StagedTrainer) or book is None or plan is None or plan.stages is None:
-        return None, None
-    stage = plan.stages[plan.members.index(run.me)] if run.me in plan.members else None
-    times = book.stage_times.at(trainer.step)
-    return stage, tuple({"stage": i, "replicas": list(ring), "parameters": trainer.stages[i].parameter_count(),
-                         **({"microseconds": times[i]} if times else {})} for i, ring in enumerate(stage_rings(plan)))
 
 
 def _progress(run: RunState) -> tuple[int | None, int | None]:

@@ -7,6 +7,13 @@ it; it imports ``base``, ``wire``, ``ipfs`` (CIDs) and ``models``.
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from p2ptrain.task._cuts import (
+        cost_cut as cost_cut,
+        cut_problem as cut_problem,
+        parameter_cut as parameter_cut,
+        piece_parameters as piece_parameters,
+        stage_parameters as stage_parameters,
+    )
     from p2ptrain.task._demo_task import TASK_TEMPLATE as TASK_TEMPLATE
     from p2ptrain.task._fields import TaskError as TaskError
     from p2ptrain.task._parse import (
@@ -14,7 +21,6 @@ if TYPE_CHECKING:
         NoBuilder as NoBuilder,
         parse_task as parse_task,
         read_task as read_task,
-        stage_parameters as stage_parameters,
         task_bytes as task_bytes,
         task_from_bytes as task_from_bytes,
     )

@@ -316,8 +316,11 @@ def _pipeline(
         copies=fields.integer(p, "copies", "pipeline.", None, 1, stages - 1),
         # The defaults are stored as no field: a task that names one has the bytes of one silent on it.
         stage_sum="sparse" if fields.choice(p, "stage_sum", "pipeline.", STAGE_SUMS, "dense") == "sparse" else None,
-        balance="measured" if fields.choice(p, "balance", "pipeline.", BALANCES, "parameters") == "measured" else None,
+        balance=None if (balance := fields.choice(p, "balance", "pipeline.", BALANCES, "parameters")) == "parameters"
+        else balance,
     )
+    if spec.recut and training.local_sgd:
+        raise TaskError('pipeline.balance: "recut" is not built for training.mode = "local_sgd" (use "measured")')
     if spec.sparse_sum and not (compression.error_feedback and compression.density < 1.0):
         raise TaskError('pipeline.stage_sum: "sparse" needs compression.error_feedback = true and compression.density '
                         "< 1 (what a replica does not send stays in its residual for its next step)")
@@ -343,13 +346,6 @@ def _pipeline(
             raise TaskError(f"pipeline.stages: stage {sizes.index(largest)} would hold {largest:,} parameters, over "
                             f"the {MAX_PARAMETERS:,} one member holds (cut into more stages)")
     return spec
-
-
-def stage_parameters(task: Task) -> list[int]:
-    """Parameters of each of a pipelined task's stages, as its model is cut (on the meta device): the
-    stages' costs in the plans' assignment before any step time is measured."""
-    assert task.pipeline is not None, "a task without [pipeline] has no stages"
-    return stage_sizes(task.model.name, task.model.arguments, task.pipeline.stages)
 
 
 def _compression(c: dict[str, Any]) -> CompressionSpec:

@@ -174,7 +174,8 @@ class CompressionSpec:
 
 ACTIVATIONS = ("fp32", "fp16", "int8")  # pipeline.activations: how a stage boundary's tensors travel
 STAGE_SUMS = ("dense", "sparse")  # pipeline.stage_sum: how a stage's replicas sum their gradients
-BALANCES = ("parameters", "measured")  # pipeline.balance: what the plans weigh each stage's replicas by
+# pipeline.balance: what the plans weigh each stage's replicas by ("recut": measured, and the cut moved by it too)
+BALANCES = ("parameters", "measured", "recut")
 MAX_STAGES = 64  # pipeline.stages: at most half of MAX_PEERS, so that every stage can have two replicas
 
 
@@ -200,7 +201,9 @@ class PipelineSpec:
     ``balance``: what the plans weigh a stage's need of replicas by: None (the default,
     ``"parameters"``, absent from the task's bytes) its parameter count; ``"measured"`` its step
     time as the drivers measured it, each driver's in its signed step summary entry and the median
-    over drivers taken (docs/pipeline.md, "Replicas by measured time").
+    over drivers taken (docs/pipeline.md, "Replicas by measured time"); ``"recut"`` the same, and
+    the plans may also move the cut itself by those times at a checkpoint (docs/pipeline.md,
+    "Re-cutting by measured time").
     """
 
     stages: int
@@ -218,8 +221,14 @@ class PipelineSpec:
 
     @property
     def measured_balance(self) -> bool:
-        """Whether the plans weigh stages by their measured step times (``balance = "measured"``)."""
-        return self.balance == "measured"
+        """Whether the plans weigh stages by their measured step times (``balance = "measured"`` or
+        ``"recut"``): the drivers' step summary entries then carry their times."""
+        return self.balance in ("measured", "recut")
+
+    @property
+    def recut(self) -> bool:
+        """Whether the plans may move the cut by the measured times (``balance = "recut"``)."""
+        return self.balance == "recut"
 
     @property
     def stage_copies(self) -> int:

@@ -115,6 +115,7 @@ from p2ptrain.testing._peers import (
 )
 
 if TYPE_CHECKING:
+    from p2ptrain.testing._slow_layers import slow_layers as slow_layers
     from p2ptrain.testing._wan import IFACE as IFACE
 else:
     from p2ptrain._exports import lazy_exports

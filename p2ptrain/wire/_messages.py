@@ -149,6 +149,11 @@ class RoundPlan:
     ``stages``, for a pipelined task only (``[pipeline]``): the stage each member serves, in the
     order of ``members`` (protocol/_plans.py checks it is what ``assign`` gives). Absent from the
     plans of every other task, whose bytes are as they were before it existed.
+
+    ``cut``, for a pipelined task whose plans move the cut by measured time (``[pipeline] balance =
+    "recut"``) only: the bounds of the stages (each stage's first piece, then the number of pieces).
+    Absent: the cut by parameter count, so every other plan keeps its bytes (protocol/_recut.py
+    checks it).
     """
 
     task_cid: str = field(metadata=_CID)
@@ -161,6 +166,7 @@ class RoundPlan:
     base_cid: str = field(metadata=_CID)
     version: int
     stages: tuple[int, ...] | None = field(default=None, metadata={"max_items": 1024, "absent": True})
+    cut: tuple[int, ...] | None = field(default=None, metadata={"max_items": 65, "absent": True})
 
 
 @message("round_failed")

@@ -13,7 +13,7 @@ import trio
 
 from p2ptrain.collective import Collective, RoundSpec, SparseAllReducer
 from p2ptrain.models._registry import build_model
-from p2ptrain.pipeline import partition, sum_stage_gradients
+from p2ptrain.pipeline import partition, partition_at, sum_stage_gradients
 from p2ptrain.testing import connected_hosts
 
 LM = {"vocab_size": 50, "context": 8, "width": 16, "depth": 2, "heads": 2}
@@ -21,9 +21,11 @@ HOSTILE, SCALE = 1, 100.0
 DEADLINE_S = 60
 
 
-def replica_stage(k: int):
-    """Stage 1 of 2 with gradients of replica ``k``'s own microbatch (honest: similar norms)."""
-    stage = partition(build_model("transformer_lm", LM, seed=5), 2)[1]
+def replica_stage(k: int, cut: tuple[int, ...] | None = None):
+    """Stage 1 of 2 (of the cut by parameters, or at the bounds ``cut``) with gradients of replica
+    ``k``'s own microbatch (honest: similar norms)."""
+    model = build_model("transformer_lm", LM, seed=5)
+    stage = (partition(model, 2) if cut is None else partition_at(model, cut))[1]
     g = torch.Generator().manual_seed(k)
     x = torch.randn(2, LM["context"], LM["width"], generator=g)
     y = torch.randint(0, LM["vocab_size"], (2, LM["context"]), generator=g)
@@ -104,7 +106,8 @@ async def test_a_stage_sum_refuses_a_reducer_that_averages():
 async def test_a_members_sparse_stage_sum_keeps_its_residual_only_on_its_stage_and_step():
     """run/_stage_sum.py: the residual is carried from step to step on one stage, taken back to what
     it was when the trainer rolls a step back (the retry does not count that step's unsent entries
-    twice), and dropped when the member's stage (or its step, otherwise) changes."""
+    twice), and dropped when the member's stage (or its step, otherwise) changes, or its pieces
+    (a plan moved the cut: the same stage index at the same step is another stage)."""
     from p2ptrain.run._stage_sum import SparseStageSum
     from p2ptrain.task import load_task
 
@@ -118,8 +121,9 @@ async def test_a_members_sparse_stage_sum_keeps_its_residual_only_on_its_stage_a
 
         rounds = iter(range(100, 200))  # a fresh round id for every sum (a retry's too)
 
-        async def step(stage_index: int, step: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-            stage = replica_stage(k)
+        async def step(stage_index: int, step: int, k: int,
+                       cut: tuple[int, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+            stage = replica_stage(k, cut)
             grad = flat_grad(stage)
             with trio.fail_after(DEADLINE_S):
                 await member.sum(stage, stage_index, step, ring, next(rounds), seed=step, owner_seed=step)
@@ -145,4 +149,9 @@ async def test_a_members_sparse_stage_sum_keeps_its_residual_only_on_its_stage_a
         torch.testing.assert_close(total, grad)
         # The trainer at another step than the residual's (a checkpoint loaded, a resync): dropped too.
         grad, total = await step(0, 7, k=3)
+        torch.testing.assert_close(total, grad)
+        # Stage 1 at step 9 of the cut by parameters (pieces 2..3), then at step 10 of a moved cut
+        # (pieces 1..3: the same index and step as the residual's, other parameters): nothing carried.
+        await step(1, 9, k=4)
+        grad, total = await step(1, 10, k=5, cut=(0, 1, 4))
         torch.testing.assert_close(total, grad)

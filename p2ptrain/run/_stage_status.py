@@ -1,0 +1,28 @@
+"""``stage`` and ``stages`` of a pipelined task's ``task status`` (docs/training.md, "Pipelined
+tasks"): this member's stage and each stage's replicas, parameters and measured time."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from p2ptrain.protocol import plan_cut, stage_rings
+from p2ptrain.run._run_state import RunState
+from p2ptrain.run._stage_trainer import StagedTrainer
+from p2ptrain.task import stage_parameters
+
+
+def stage_status(run: RunState) -> tuple[int | None, tuple[dict[str, Any], ...] | None]:
+    """``stage``/``stages`` of a pipelined task's status: this member's stage and each stage's
+    replicas in the latest plan, with its parameters and, under ``balance = "measured"``, its
+    drivers' median time of the last step this member applied; (None, None) for any other task."""
+    book, trainer = run.book, run.trainer
+    plan = book.last_plan if book else None
+    if not isinstance(trainer, StagedTrainer) or book is None or plan is None or plan.stages is None:
+        return None, None
+    stage = plan.stages[plan.members.index(run.me)] if run.me in plan.members else None
+    times = book.stage_times.at(trainer.step)
+    # Under balance = "recut", the stages of the plan's cut (the trainer takes it with the plan's stage).
+    recut = run.task.pipeline is not None and run.task.pipeline.recut
+    sizes = stage_parameters(run.task, plan_cut(run.task, plan)) if recut else [s.parameter_count() for s in trainer.stages]
+    return stage, tuple({"stage": i, "replicas": list(ring), "parameters": sizes[i],
+                         **({"microseconds": times[i]} if times else {})} for i, ring in enumerate(stage_rings(plan)))
