@@ -201,11 +201,11 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     cache.set(DURATIONS_KEY, durations)
 
 
-def _shorten_protocol_waits(patch: pytest.MonkeyPatch) -> None:
+def _shorten_protocol_waits(patch: pytest.MonkeyPatch, keep_margins: bool = False) -> None:
     """The protocol's idle waits (p2ptrain/testing/_timers.py, QUICK_TIMERS) set with ``patch``
-    (undone with it), unless ``P2PTRAIN_TEST_QUICK=0``."""
+    (undone with it), unless ``P2PTRAIN_TEST_QUICK=0``; ``keep_margins``: not JOIN_MARGINS."""
     if not quick_timers_off():
-        apply_quick_timers(patch.setattr)
+        apply_quick_timers(patch.setattr, keep_margins=keep_margins)
 
 
 @pytest.fixture
@@ -217,6 +217,15 @@ def quick_timers(monkeypatch: pytest.MonkeyPatch) -> None:
     theirs). ``P2PTRAIN_TEST_QUICK=0`` keeps the production values everywhere (was it the timers?
     compare)."""
     _shorten_protocol_waits(monkeypatch)
+
+
+@pytest.fixture
+def quick_timers_slow_joins(monkeypatch: pytest.MonkeyPatch) -> None:
+    """:func:`quick_timers` but the first plan's grace (JOIN_MARGINS), for runs whose members join
+    seconds apart (pipelined trainers, four to six built in this process): with the quick grace a
+    member that joined after the election missed the first plan and was left out for a minute
+    (tests/pipeline/test_stalling_replica.py: 24 s -> 104 s at load 6)."""
+    _shorten_protocol_waits(monkeypatch, keep_margins=True)
 
 
 @pytest.fixture(scope="module")

@@ -28,6 +28,8 @@ from .test_pipelined_integrity import TASK as INTEGRITY_TASK
 from .conftest import planned_six
 from .test_pipelined_run import publish, small_text  # noqa: F401 (small_text: an autouse fixture)
 
+pytestmark = pytest.mark.usefixtures("quick_timers_slow_joins")  # tests/conftest.py: idle waits shortened, not the grace
+
 # Sixteen microbatches a driver a step: each goes to the liar with about a third's chance, so before
 # this change the victim's step avoided it about once in 650 (and the run stalled), where with one
 # microbatch a step it avoided it two steps in three and the run crept on.

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 import trio
 
@@ -24,6 +25,8 @@ from p2ptrain.wire.activations import encode_frame, Frame, Kind
 
 from .test_pipelined_integrity import TASK as INTEGRITY_TASK
 from .test_pipelined_run import publish, small_text  # noqa: F401 (small_text: an autouse fixture)
+
+pytestmark = pytest.mark.usefixtures("quick_timers_slow_joins")  # tests/conftest.py: idle waits shortened, not the grace
 
 TASK = INTEGRITY_TASK.replace("check_fraction = 1.0", "check_fraction = 0.0")
 assert TASK != INTEGRITY_TASK

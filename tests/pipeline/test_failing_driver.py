@@ -24,6 +24,8 @@ from p2ptrain.testing import local_peers
 from .test_pipelined_integrity import TASK as INTEGRITY_TASK
 from .test_pipelined_run import publish, small_text  # noqa: F401 (small_text: an autouse fixture)
 
+pytestmark = pytest.mark.usefixtures("quick_timers_slow_joins")  # tests/conftest.py: idle waits shortened, not the grace
+
 A, B, C = "driver-a", "driver-b", "driver-c"
 
 

@@ -30,6 +30,8 @@ from p2ptrain.training import check_stage_signatures, read_manifest
 
 from .test_pipelined_run import small_text, STEP_S, TASK  # noqa: F401 (small_text: an autouse fixture)
 
+pytestmark = pytest.mark.usefixtures("quick_timers_slow_joins")  # tests/conftest.py: idle waits shortened, not the grace
+
 DEADLINE_S = 300.0
 PEERS = 5
 STEPS = 8  # four checkpoints: each of the forger's four ways once

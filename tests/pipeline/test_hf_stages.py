@@ -21,6 +21,8 @@ from p2ptrain.testing import local_peers
 
 from .test_pipelined_run import INTERVAL, publish, single_process, small_text, whole_model  # noqa: F401 (small_text: autouse)
 
+pytestmark = pytest.mark.usefixtures("quick_timers_slow_joins")  # tests/conftest.py: idle waits shortened, not the grace
+
 pytest.importorskip("transformers")
 
 DEADLINE_S = 240.0

@@ -31,6 +31,8 @@ from .test_local_sgd_pipeline_resume import momentum_bits
 from .test_lost_stage_run import TASK
 from .test_pipelined_run import publish, small_text  # noqa: F401 (small_text: an autouse fixture)
 
+pytestmark = pytest.mark.usefixtures("quick_timers_slow_joins")  # tests/conftest.py: idle waits shortened, not the grace
+
 DEADLINE_S = 300.0
 STEP_S = 120.0
 STEPS, INTERVAL, INNER = 4, 2, 2

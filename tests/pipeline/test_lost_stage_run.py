@@ -36,6 +36,8 @@ from p2ptrain.training import PositionedBatches, Trainer
 
 from .test_pipelined_run import publish, small_text, whole_model  # noqa: F401 (small_text: an autouse fixture)
 
+pytestmark = pytest.mark.usefixtures("quick_timers_slow_joins")  # tests/conftest.py: idle waits shortened, not the grace
+
 DEADLINE_S = 300.0
 STEP_S = 120.0
 STEPS, INTERVAL, BATCH = 12, 4, 4

@@ -29,6 +29,8 @@ from p2ptrain.wire.activations import decode_frame, Kind
 
 from .test_pipelined_run import publish, small_text  # noqa: F401 (small_text: an autouse fixture)
 
+pytestmark = pytest.mark.usefixtures("quick_timers_slow_joins")  # tests/conftest.py: idle waits shortened, not the grace
+
 DEADLINE_S = 300.0
 WAIT_S = 200.0
 SLOW_S = 0.25  # each stage-1 hop: far over what a hop of this small model takes on loopback

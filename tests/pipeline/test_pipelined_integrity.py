@@ -26,6 +26,8 @@ from p2ptrain.wire.activations import Kind
 from .conftest import planned_six
 from .test_pipelined_run import publish, small_text  # noqa: F401 (small_text: an autouse fixture)
 
+pytestmark = pytest.mark.usefixtures("quick_timers_slow_joins")  # tests/conftest.py: idle waits shortened, not the grace
+
 DEADLINE_S = 300.0
 STEP_S = 150.0
 TASK = """\

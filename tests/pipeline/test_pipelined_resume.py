@@ -16,6 +16,8 @@ from p2ptrain.training import is_manifest
 
 from .test_pipelined_run import DEADLINE_S, publish, small_text, STEP_S, STEPS
 
+pytestmark = pytest.mark.usefixtures("quick_timers_slow_joins")  # tests/conftest.py: idle waits shortened, not the grace
+
 __all__ = ["small_text"]  # the fixture (autouse): the small text, one thread
 
 

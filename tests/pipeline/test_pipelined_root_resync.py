@@ -24,6 +24,8 @@ from tests.runtime.test_root_resync import hold_first_term_at
 
 from .test_pipelined_run import publish, single_process, small_text, TASK, whole_model  # noqa: F401  (small_text: an autouse fixture)
 
+pytestmark = pytest.mark.usefixtures("quick_timers_slow_joins")  # tests/conftest.py: idle waits shortened, not the grace
+
 DEADLINE_S = 240.0
 STEP_S = 90.0
 INTERVAL = 4

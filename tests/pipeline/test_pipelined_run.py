@@ -35,6 +35,8 @@ from p2ptrain.testing import LocalPeers, local_peers
 from p2ptrain.training import (batched, is_manifest, model_file, PositionedBatches, stage_file_cids,
                                 Trainer)
 
+pytestmark = pytest.mark.usefixtures("quick_timers_slow_joins")  # tests/conftest.py: idle waits shortened, not the grace
+
 DEADLINE_S = 240.0
 STEP_S = 120.0
 STEPS, INTERVAL, BATCH = 16, 2, 4

@@ -25,6 +25,8 @@ from p2ptrain.testing import local_peers
 
 from .test_pipelined_run import publish, small_text, TASK  # noqa: F401  (small_text: an autouse fixture)
 
+pytestmark = pytest.mark.usefixtures("quick_timers_slow_joins")  # tests/conftest.py: idle waits shortened, not the grace
+
 DEADLINE_S = 240.0
 STEP_S = 90.0
 THREE = TASK.replace("checkpoint_interval = 2", "checkpoint_interval = 8").replace("max = 8", "max = 3")

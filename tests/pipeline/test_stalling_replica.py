@@ -28,6 +28,8 @@ from .test_pipelined_integrity import TASK
 from .conftest import planned_six
 from .test_pipelined_run import publish, small_text  # noqa: F401 (small_text: an autouse fixture)
 
+pytestmark = pytest.mark.usefixtures("quick_timers_slow_joins")  # tests/conftest.py: idle waits shortened, not the grace
+
 DEADLINE_S = 300.0
 STEP_S = 150.0
 STALL_S = 0.9 * HOP_TIMEOUT_S  # under the floor of its HOLDINGS deadline: never timed out

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import trio
 
 from p2ptrain.base import short_id
@@ -21,6 +22,8 @@ from p2ptrain.testing import local_peers
 from p2ptrain.wire import RoundPlan
 
 from .test_pipelined_run import publish, small_text, TASK  # noqa: F401 (small_text: an autouse fixture)
+
+pytestmark = pytest.mark.usefixtures("quick_timers_slow_joins")  # tests/conftest.py: idle waits shortened, not the grace
 
 DEADLINE_S = 200.0
 STEP_S = 120.0
