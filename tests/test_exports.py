@@ -109,7 +109,7 @@ EXPORTS: dict[str, list[str]] = {
         "read_model_card", "read_statement", "read_tensors", "round_id", "round_seed", "shard_of", "sign_record",
         "sign_statement", "signed_entry_problem", "signing", "stage_moves", "stage_rings", "stage_round_id",
         "stage_verdicts", "state_bytes", "statement_bytes", "tensors_bytes", "term_candidate", "throughput", "witness_problem",
-        "won_alone",
+        "witnessable", "witnessed_chain_limits", "won_alone",
         "write_state_file",
     ],
     "p2ptrain.run": [
