@@ -50,7 +50,7 @@ from p2ptrain.run._stage_local_sgd import LocalSGDStagedTrainer, staged_trainer
 from p2ptrain.run._stage_trainer import StagedTrainer
 from p2ptrain.control import FINISHED, ChainEntry, Phase, TaskStatus
 from p2ptrain.protocol import (CANNOT_FOLLOW, Chain, ChainRules, load_model_bytes, orphaned_stages, plan_order,
-                               RecordError, RoundBook, RuleBreak, stage_moves, stage_rings)
+                               RecordError, refuse_report, RoundBook, RuleBreak, stage_moves, stage_rings)
 from p2ptrain.task import Task, total_steps
 from p2ptrain.training import LocalSGDTrainer, Trainer, TrainerError, new_trainer, warm_up_torch
 from p2ptrain.wire import (
@@ -76,8 +76,7 @@ HEAR_HEAD_S = HEAD_EVERY_S * 1.5
 # lost): a run that is over has no coordinator publishing heads, its members answer requests
 # (services/_head_answers.py), at most one answer per task per second.
 ASK_HEAD_EVERY_S = 1.0
-# Longest a stopping run waits for its stage channels to close (each close is bounded; the peers see
-# a reset or their idle timeout otherwise).
+# Longest a stopping run waits for its stage channels to close (each close is bounded; peers see a reset or time out).
 STOP_TIMEOUT_S = 5.0
 
 
@@ -164,8 +163,7 @@ class TaskRun:
             resumed_from=run.resumed_from,
             last_round=last_round,
             last_step=last_step,
-            # Local-SGD mode: read from the trainer while its worker thread runs the inner loop
-            # (one int, the last one it set); shown 1 to H.
+            # Local-SGD mode: read from the trainer while its thread runs the inner loop (one int); 1 to H.
             inner_steps=run.task.training.inner_steps,
             inner_step=None if inner is None else inner + 1,
             is_coordinator=run.election.coordinator == run.me,
@@ -340,7 +338,9 @@ class TaskRun:
         if run.book is None:
             return
         coordinator = run.election.is_coordinator
-        if run.book.note_failure_report(trio.current_time(), report, sender, run.me, coordinator=coordinator):
+        if (problem := refuse_report(run.book, trio.current_time(), report, sender)) is not None:
+            run.refuse("failure_report", f"ignored a failure report: {problem}")  # (protocol/_failure_reports.py)
+        elif run.book.note_failure_report(trio.current_time(), report, sender, run.me, coordinator=coordinator):
             if self.spans.stages is not None:  # a member that takes no part: leave the step now
                 self.spans.stages.window.on_report(run.book.last_plan, sender, report)
             logger.info("%s: %s reports round %d failed: %s", run.log_prefix, short_id(sender), report.round,
