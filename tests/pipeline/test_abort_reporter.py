@@ -6,9 +6,10 @@ The reporter runs the project's own code but for one thing: as its own summary's
 member joined, as it sees it: the latest moment a report still ends a step anywhere), it publishes a
 signed ``RoundFailed`` saying it cannot follow the plan, and goes on in the summary. A member whose
 round had not opened yet leaves the step naming it; where every member's had (what the runs here
-showed), the step completed everywhere, and on main the coordinator still redid it:
-a retry plan of the same four members, the reporter never left out, its next step's report again
-(each report one step redone, for as long as it went on). Now the report of a step that completed
+showed), the step completed everywhere, and on main the coordinator still took it as a failure:
+the run stopped for good (2 of 3 runs: at step 4, the retry from the reported step behind the
+coordinator by more than a step, never planned), or redid the step with a retry plan of the same
+four members, the reporter never left out. Now the report of a step that completed
 here with the reporter in it is refuted (counted as ``failure_report``) and its sender left out of
 the next plans for the quarantine. Checked: a later checkpoint, the same record at every honest
 member, of a span without the reporter; on main every plan had it.
