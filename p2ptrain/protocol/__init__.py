@@ -90,8 +90,10 @@ if TYPE_CHECKING:
         write_state_file as write_state_file,
     )
     from p2ptrain.protocol._round_book import RoundBook as RoundBook, RuleBreak as RuleBreak
+    from p2ptrain.protocol._failure_reports import refuse_report as refuse_report, round_completed as round_completed
     from p2ptrain.protocol._trailing import (HeadAsking as HeadAsking, HeadOffers as HeadOffers,
-                                             witness_problem as witness_problem)
+                                             witnessable as witnessable, witness_problem as witness_problem,
+                                             witnessed_chain_limits as witnessed_chain_limits)
     from p2ptrain.protocol._stage_verdicts import (check_key_message as check_key_message, convicted as convicted,
                                                    LoneFailures as LoneFailures)
     from p2ptrain.protocol._step_aborts import (

@@ -45,6 +45,8 @@ from p2ptrain.base import short_id
 from p2ptrain.protocol import _planner
 from p2ptrain.protocol._arithmetics import Classes
 from p2ptrain.protocol._election import Election
+from p2ptrain.protocol._failure_reports import names_plan, report_problem
+from p2ptrain.protocol._step_aborts import says_absent
 from p2ptrain.protocol._planner import Hold
 from p2ptrain.protocol._plans import is_checkpoint, plan_order, rule_problem
 from p2ptrain.protocol._lineage import Chain
@@ -79,6 +81,9 @@ class RoundBook:
     observed: RoundPlan | None = None  # the latest plan seen on the topic, followed or not
     failed_round: int | None = None  # a reported failure of last_plan's attempt
     failure_reporters: set[str] = field(default_factory=set)  # who reported it
+    failure_rounds: dict[str, tuple[int, bool]] = field(default_factory=dict)  # reporter -> earliest (round, absent)
+    completed_round: int | None = None  # the latest round of last_plan completed here (_failure_reports.py)
+    split_rounds: dict[str, int] = field(default_factory=dict)  # member -> round it reported failed, done here
     failed_at: float | None = None  # when the first report of it came (its own included): silent_members
     # The step of a checkpoint whose record was rejected: the barrier opens, training goes on, and
     # the next checkpoint tries again (joiners wait for a confirmed one).
@@ -303,13 +308,11 @@ class RoundBook:
 
     def report_failure(self, report: RoundFailed, reporter: str) -> bool:
         """Note ``reporter``'s ``round_failed`` for the current plan; True if it calls for a retry."""
-        last = self.last_plan
-        if last is None or (report.task_cid, report.term, report.attempt) != (self.task_cid, last.term, last.attempt):
-            return False
-        if not last.round <= report.round < last.round + last.rounds:
-            return False
-        if self.failed_round is None or report.round < self.failed_round:
-            self.failed_round = report.round
+        if not names_plan(self.last_plan, report) or report_problem(self, report, reporter) is not None:
+            return False  # (another plan's, or one not to believe: protocol/_failure_reports.py)
+        said = (report.round, says_absent(report.reason))
+        self.failure_rounds[reporter] = min(said, self.failure_rounds.get(reporter, said))
+        self.failed_round = min(k for k, _ in self.failure_rounds.values())
         self.failure_reporters.add(reporter)
         return True
 
@@ -340,10 +343,8 @@ class RoundBook:
         return frozenset(set(last.members) - self.failure_reporters)
 
     def reporter_out_of_step(self, report: RoundFailed) -> bool:
-        """Whether a failure report of the current plan comes from a member that could not take part
-        at all: its optimizer step is neither the failed round's nor the one after (a member that
-        advertised the task from a state the run had left). The coordinator leaves it out of the
-        retry: it is the culprit, and the others may still be waiting for it."""
+        """Whether a report of the current plan comes from a member that could not take part at all
+        (its step neither the failed round's nor the next: a state the run had left): the culprit."""
         last = self.last_plan
         if last is None:
             return False
@@ -395,8 +396,8 @@ class RoundBook:
         if last is not None and plan_order(plan) <= plan_order(last):
             return f"plan {plan.term}/{plan.round}.{plan.attempt} is not after {last.term}/{last.round}.{last.attempt}"
         self.last_plan = plan
-        self.failed_round = self.failed_at = None
-        self.failure_reporters = set()
+        self.failed_round = self.failed_at = self.completed_round = None
+        self.failure_reporters, self.failure_rounds = set(), {}
         self.culprit_reported = self.root_reported = False  # they were about the plan this one supersedes
         return None
 

@@ -23,6 +23,7 @@ import math
 from collections.abc import Callable, Collection, Mapping, Sequence
 
 from p2ptrain.base import short_id
+from p2ptrain.protocol._lineage import MAX_CHAIN_BYTES, MAX_ENTRY_BYTES
 from p2ptrain.wire import ModelRecord, SignedModelRecord, TaskHead
 
 # A member that knows of a later version than it holds (it refused the coordinator's record vN as a
@@ -80,40 +81,56 @@ class HeadAsking:
 
 
 class HeadOffers:
-    """Heads heard while no coordinator is known: the one to try next (one at a time, the latest
-    version offered by a member of the run not in its retry wait)."""
+    """Heads heard while no coordinator is known: the latest one of each member of the run, tried one
+    at a time, the latest version first, each sender in its retry wait after a failure.
+
+    One per sender, not one in all: a hostile member of the run that answered the same request with
+    a later version (or the same, later) displaced the honest answer, which was then not tried until
+    the next request (2 to 30 s later). Now the honest answer is tried as soon as the hostile one
+    failed. A sender's latest head replaces its earlier one, so a sender holds one place."""
 
     def __init__(self) -> None:
-        self._offer: tuple[str, TaskHead] | None = None
+        self._offers: dict[str, TaskHead] = {}  # sender -> its latest head offered (last offered last)
         self._failed: dict[str, float] = {}  # sender -> when its offer last failed
 
-    def offer(self, now: float, sender: str, head: TaskHead, *, version: int, roster: Collection[str],
+    def offer(self, now: float, sender: str, head: TaskHead, *, version: int, most: int, roster: Collection[str],
               asked: bool) -> str | None:
         """Keep ``head`` from ``sender`` to try, or say why not (it is then ignored): only while it
         may answer this member's own request (``asked``, :meth:`HeadAsking.awaiting`), from a member
         of the run (``roster``: the members of the latest plan this member accepted and of its
-        chain's last record), naming a later version than ``version``, the one held here."""
+        chain's last record), naming a later version than ``version``, the one held here, by at most
+        ``most`` (:func:`witnessable`: one record per span whose plan
+        this member holds past its chain; a chain that adds more holds a record it cannot take,
+        :func:`witness_problem`, so it is refused unread, before its chain is fetched and verified)."""
         if not asked:
             return "while no coordinator is known, and this member did not ask for the run's head"
         if sender not in roster:
             return f"from {short_id(sender)}, not a member of the run, while no coordinator is known"
         if head.version <= version:
             return f"model v{head.version} is not after this member's v{version}"
+        if head.version > version + most:
+            return (f"model v{head.version} from {short_id(sender)} is more than {most} record(s) past this member's "
+                    f"v{version}, as many as it holds the plans of spans to witness")
         failed = self._failed.get(sender)
         if failed is not None and now - failed < RETRY_SENDER_S:
             return f"from {short_id(sender)}, whose last head could not be loaded"
-        if self._offer is None or head.version >= self._offer[1].version:
-            self._offer = (sender, head)
+        self._offers.pop(sender, None)  # a sender holds one place (roster members: at most 1024)
+        self._offers[sender] = head
         return None
 
-    def take(self) -> tuple[str, TaskHead] | None:
-        """The head to try now (sender, head), or None; taken: it is not offered again."""
-        offer, self._offer = self._offer, None
-        return offer
+    def take(self, version: int) -> tuple[str, TaskHead] | None:
+        """The head to try now (sender, head), or None: the latest version offered after ``version``
+        (the one held now), of equal ones the last offered; taken: it is not offered again."""
+        for sender in [s for s, h in self._offers.items() if h.version <= version]:
+            del self._offers[sender]  # nothing new any more (an earlier offer was loaded)
+        if not self._offers:
+            return None
+        sender = max(reversed(self._offers), key=lambda s: self._offers[s].version)
+        return sender, self._offers.pop(sender)
 
     def clear(self) -> None:
         """A coordinator is known again: its heads are the ones to act on."""
-        self._offer = None
+        self._offers.clear()
 
     def failed(self, now: float, sender: str) -> None:
         """``sender``'s head could not be loaded: not tried again for RETRY_SENDER_S."""
@@ -121,6 +138,24 @@ class HeadOffers:
         while len(self._failed) >= MAX_FAILED_SENDERS:
             del self._failed[next(iter(self._failed))]
         self._failed[sender] = now
+
+
+def witnessable(span_ends: Collection[int], head_step: int) -> int:
+    """How many records a head's chain could add that a member would take with no coordinator known
+    (:func:`witness_problem`): one per span whose plan it holds (``span_ends``, the end steps of
+    ``RoundBook.span_plans``, at most KEPT_SPAN_PLANS) ending past its chain's head (``head_step``)."""
+    return sum(1 for end in span_ends if end > head_step)
+
+
+def witnessed_chain_limits(version: int, most: int) -> tuple[int, int]:
+    """The most records and bytes of a chain named by a head heard with no coordinator known, to
+    this member holding ``version`` and the plans of ``most`` spans past it (as
+    :meth:`HeadOffers.offer`): the records it holds and those it could witness, each line at most
+    ``MAX_ENTRY_BYTES``. Before, a member of the run could name a chain of its own identities of
+    65,536 records (64 MiB), which the member left behind fetched and verified whole (about a minute
+    of signature checks) before it found the first record it had not witnessed."""
+    records = version + most
+    return records, min(MAX_CHAIN_BYTES, records * (MAX_ENTRY_BYTES + 1))
 
 
 def witness_problem(records: Sequence[SignedModelRecord], span_members: Callable[[ModelRecord], tuple[str, ...] | None],

@@ -23,8 +23,8 @@ import trio
 from p2ptrain.ipfs import ContentUnavailable, DagError
 from p2ptrain.base import short_id
 from p2ptrain.run._run_state import Nudge, RunState
-from p2ptrain.protocol import (Chain, HeadOffers, MAX_CHAIN_BYTES, Misconduct, RecordError, witness_problem,
-                               won_alone)
+from p2ptrain.protocol import (Chain, chain_lines, HeadOffers, MAX_CHAIN_BYTES, Misconduct, RecordError,
+                               witness_problem, witnessable, witnessed_chain_limits, won_alone)
 from p2ptrain.run._stage_trainer import StagedTrainer
 from p2ptrain.training import check_stage_signatures, is_manifest, ManifestError, read_manifest, TrainerError
 from p2ptrain.wire import HeadRequest, RoundPlan, TASKS_TOPIC, TaskHead
@@ -103,6 +103,7 @@ class Resync:
             # the resync loop loads it only if this member witnessed every record it adds.
             now = trio.current_time()
             problem = self.offers.offer(now, sender, head, version=run.book.chain.version, roster=self._members(),
+                                        most=witnessable(run.book.span_plans, run.book.head_step),
                                         asked=run.asking.awaiting(now))
             if problem is None:
                 return
@@ -164,8 +165,8 @@ class Resync:
         if known:
             self.offers.clear()
             return False
-        offer = self.offers.take()
-        if offer is None or self.busy():
+        offer = None if self.busy() else self.offers.take(book.chain.version)  # (kept while a span runs)
+        if offer is None:
             return False
         sender, head = offer
         if await self._load_bounded(head.version, self._load_head(head, witnessed=True)) is not None:
@@ -375,8 +376,13 @@ class Resync:
         run = self.run
         _, book = run.require()
         store = run.content.store
-        await run.content.fetch(head.chain_cid, timeout=RESYNC_FETCH_TIMEOUT_S, max_bytes=MAX_CHAIN_BYTES)
-        data = await trio.to_thread.run_sync(lambda: store.cat(head.chain_cid, max_bytes=MAX_CHAIN_BYTES))
+        # No coordinator known: no more records (or bytes) than held and witnessable (protocol/_trailing.py).
+        most, most_bytes = (witnessed_chain_limits(book.chain.version, witnessable(book.span_plans, book.head_step))
+                            if witnessed else (0, MAX_CHAIN_BYTES))
+        await run.content.fetch(head.chain_cid, timeout=RESYNC_FETCH_TIMEOUT_S, max_bytes=most_bytes)
+        data = await trio.to_thread.run_sync(lambda: store.cat(head.chain_cid, max_bytes=most_bytes))
+        if witnessed and len(chain_lines(data)) > most:
+            raise RecordError(f"the head's chain holds more than the {most} records this member holds or could witness")
         chain = await trio.to_thread.run_sync(Chain.from_bytes, run.task_cid, run.initial_cid, data, book.chain.rules)
         added = book.chain.extension(chain)  # a fork raises RecordError
         if chain.version < book.chain.version:

@@ -36,7 +36,7 @@ from p2ptrain.run._stage_copies import keep_stage_copies
 from p2ptrain.run._stage_trainer import StagedTrainer
 from p2ptrain.run._stages import StageRounds
 from p2ptrain.pipeline import PipelineError
-from p2ptrain.protocol import buffers_round_id, NO_TRAINING_DATA, OUT_OF_STEP, round_id, shard_of
+from p2ptrain.protocol import buffers_round_id, NO_TRAINING_DATA, OUT_OF_STEP, round_completed, round_id, shard_of
 from p2ptrain.training import Average, PlanAverager, StateSnapshot, TrainerError, run_round
 from p2ptrain.task import Task
 from p2ptrain.wire import RoundPlan
@@ -192,6 +192,8 @@ class Spans:
         run.bytes_received += stats.bytes_received if stats else 0
         run.rounds_done += 1
         run.participation.note_round(trio.current_time(), plan.members)
+        for false in round_completed(run.require()[1], trio.current_time(), plan, plan.round + index):
+            run.refuse("failure_report", f"dropped a failure report: {false}")  # (protocol/_failure_reports.py)
         run.metrics["train_loss"] = result.local_loss
         run.round_seconds.observe(timings.last_compute_s, timings.last_sync_s, timings.last_apply_s)
         logger.debug(

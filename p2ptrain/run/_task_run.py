@@ -51,7 +51,7 @@ from p2ptrain.run._stage_status import stage_status
 from p2ptrain.run._stage_trainer import StagedTrainer
 from p2ptrain.control import FINISHED, ChainEntry, Phase, TaskStatus
 from p2ptrain.protocol import (CANNOT_FOLLOW, Chain, ChainRules, load_model_bytes, orphaned_stages, plan_order,
-                               RecordError, RoundBook, RuleBreak, stage_moves)
+                               RecordError, refuse_report, RoundBook, RuleBreak, stage_moves)
 from p2ptrain.task import Task, total_steps
 from p2ptrain.training import LocalSGDTrainer, Trainer, TrainerError, new_trainer, warm_up_torch
 from p2ptrain.wire import (
@@ -77,8 +77,7 @@ HEAR_HEAD_S = HEAD_EVERY_S * 1.5
 # lost): a run that is over has no coordinator publishing heads, its members answer requests
 # (services/_head_answers.py), at most one answer per task per second.
 ASK_HEAD_EVERY_S = 1.0
-# Longest a stopping run waits for its stage channels to close (each close is bounded; the peers see
-# a reset or their idle timeout otherwise).
+# Longest a stopping run waits for its stage channels to close (each close is bounded; peers see a reset or time out).
 STOP_TIMEOUT_S = 5.0
 
 
@@ -341,7 +340,9 @@ class TaskRun:
         if run.book is None:
             return
         coordinator = run.election.is_coordinator
-        if run.book.note_failure_report(trio.current_time(), report, sender, run.me, coordinator=coordinator):
+        if (problem := refuse_report(run.book, trio.current_time(), report, sender)) is not None:
+            run.refuse("failure_report", f"ignored a failure report: {problem}")  # (protocol/_failure_reports.py)
+        elif run.book.note_failure_report(trio.current_time(), report, sender, run.me, coordinator=coordinator):
             if self.spans.stages is not None:  # a member that takes no part: leave the step now
                 self.spans.stages.window.on_report(run.book.last_plan, sender, report)
             logger.info("%s: %s reports round %d failed: %s", run.log_prefix, short_id(sender), report.round,

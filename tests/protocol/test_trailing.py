@@ -7,7 +7,9 @@ from dataclasses import replace
 
 from libp2p.crypto.ed25519 import create_new_key_pair
 
-from p2ptrain.protocol import HeadAsking, HeadOffers, signing, witness_problem
+from p2ptrain.protocol import (HeadAsking, HeadOffers, MAX_CHAIN_BYTES, signing, witness_problem, witnessable,
+                               witnessed_chain_limits)
+from p2ptrain.protocol._lineage import MAX_ENTRY_BYTES
 from p2ptrain.protocol._trailing import ANSWER_WAIT_S, ASK_EVERY_S, ASK_MAX_EVERY_S, QUIET_S, RETRY_SENDER_S
 from p2ptrain.testing import attestations_for, proven_chain, proven_record
 from p2ptrain.wire import ModelRecord, TaskHead
@@ -56,22 +58,53 @@ def test_only_heads_of_the_runs_members_naming_a_later_version_are_tried_and_a_f
     offers = HeadOffers()
     roster = {"a", "b"}
     # Only answers to this member's own request: a head heard at any other time is not tried.
-    assert "did not ask" in (offers.offer(0.0, "a", _head(3), version=2, roster=roster, asked=False) or "")
-    assert offers.take() is None
+    assert "did not ask" in (offers.offer(0.0, "a", _head(3), version=2, most=2, roster=roster, asked=False) or "")
+    assert offers.take(2) is None
     # A stranger's head of a later version is refused unread, as before (no fetch, no desync).
-    problem = offers.offer(0.0, "stranger", _head(10**9), version=2, roster=roster, asked=True)
+    problem = offers.offer(0.0, "stranger", _head(10**9), version=2, most=2, roster=roster, asked=True)
     assert problem is not None and "not a member of the run" in problem
-    assert offers.take() is None
-    assert offers.offer(0.0, "a", _head(2), version=2, roster=roster, asked=True) is not None  # nothing new
-    assert offers.offer(0.0, "a", _head(3), version=2, roster=roster, asked=True) is None
-    assert offers.offer(0.0, "b", _head(3), version=2, roster=roster, asked=True) is None
-    assert offers.take() == ("b", _head(3))  # one to try at a time: the latest version offered
-    assert offers.take() is None
+    assert offers.take(2) is None
+    assert offers.offer(0.0, "a", _head(2), version=2, most=2, roster=roster, asked=True) is not None  # nothing new
+    assert offers.offer(0.0, "a", _head(3), version=2, most=2, roster=roster, asked=True) is None
+    assert offers.offer(0.0, "b", _head(3), version=2, most=2, roster=roster, asked=True) is None
+    assert offers.take(2) == ("b", _head(3))  # the latest version offered first, of equal ones the last
     offers.failed(1.0, "b")
-    assert "could not be loaded" in (offers.offer(2.0, "b", _head(3), version=2, roster=roster, asked=True) or "")
-    assert offers.offer(1.0 + RETRY_SENDER_S, "b", _head(3), version=2, roster=roster, asked=True) is None
+    assert "could not be loaded" in (offers.offer(2.0, "b", _head(3), version=2, most=2, roster=roster, asked=True) or "")
+    assert offers.take(2) == ("a", _head(3))  # the other answer is still there to try, without asking again
+    assert offers.take(2) is None
+    assert offers.offer(1.0 + RETRY_SENDER_S, "b", _head(3), version=2, most=2, roster=roster, asked=True) is None
     offers.clear()  # a coordinator is known again
-    assert offers.take() is None
+    assert offers.take(2) is None
+
+
+def test_a_member_of_the_run_naming_a_version_past_what_this_member_could_witness_is_refused_unread() -> None:
+    """Fails on main (HeadOffers kept one offer, the latest version, whatever it named): a hostile
+    member of the run answering v10^6 displaced the honest v3, and its chain was fetched and verified
+    whole (up to 64 MiB) before the first record this member had not witnessed refused it."""
+    offers = HeadOffers()
+    roster = {"honest", "hostile"}
+    assert offers.offer(0.0, "honest", _head(3), version=0, most=3, roster=roster, asked=True) is None
+    problem = offers.offer(0.1, "hostile", _head(10**6), version=0, most=3, roster=roster, asked=True)
+    assert problem is not None and "more than 3 record(s) past this member's v0" in problem
+    # At most as far as it holds span plans past its chain: a hostile answer of the same version
+    # comes first (it was offered last), and the honest one is still there once it failed.
+    assert offers.offer(0.2, "hostile", _head(3), version=0, most=3, roster=roster, asked=True) is None
+    assert offers.take(0) == ("hostile", _head(3))
+    offers.failed(1.0, "hostile")
+    assert offers.take(0) == ("honest", _head(3))
+    # Holding no plan past its chain it could witness nothing: every head is refused unread.
+    assert offers.offer(2.0, "honest", _head(4), version=3, most=0, roster=roster, asked=True) is not None
+    # An offer the member has caught up with meanwhile (it loaded another) is not tried.
+    assert offers.offer(3.0, "honest", _head(2), version=1, most=3, roster=roster, asked=True) is None
+    assert offers.take(2) is None
+
+
+def test_a_chain_named_with_no_coordinator_known_is_bounded_by_what_this_member_could_witness() -> None:
+    assert witnessable([4, 8, 12], 0) == 3 and witnessable([4, 8, 12, 16], 8) == 2 and witnessable([], 0) == 0
+    records, size = witnessed_chain_limits(0, 3)
+    assert records == 3 and size == 3 * (MAX_ENTRY_BYTES + 1)
+    # A long chain held: the prefix lines may be as long as any, within the chain's own bound.
+    assert witnessed_chain_limits(10**6, 4) == (10**6 + 4, MAX_CHAIN_BYTES)
 
 
 def test_records_are_taken_only_from_spans_whose_plan_this_member_accepted_signed_by_their_coordinator() -> None:

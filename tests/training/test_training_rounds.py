@@ -107,7 +107,7 @@ class Swarm:
             self.members[member_id].follow(plan, c.id)
         group = [self.members[p] for p in plan.members]
         parts: dict[str, dict[str, torch.Tensor]] = {}
-        failures: list[RoundFailed] = []
+        failures: list[tuple[str, RoundFailed]] = []  # (reporter, its report)
         victim_rank = plan.members.index(die[1].id) if die else None
 
         async def member(m):
@@ -127,8 +127,8 @@ class Swarm:
                     await run_round(m.trainer, m.data, average, rid, RoundTimings())
                 except ConnectionError as exc:
                     if m is not (die and die[1]):
-                        failures.append(RoundFailed(task_cid=plan.task_cid, term=plan.term, round=plan.round + i,
-                                                    attempt=plan.attempt, step=m.trainer.step, reason=str(exc)))
+                        failures.append((m.id, RoundFailed(task_cid=plan.task_cid, term=plan.term, round=plan.round + i,
+                                                           attempt=plan.attempt, step=m.trainer.step, reason=str(exc))))
                     return
 
         async def main():
@@ -140,9 +140,9 @@ class Swarm:
         trio.run(main)
         if die:
             del self.members[die[1].id]
-        for report in failures:
+        for reporter, report in failures:
             for m in self.members.values():
-                m.book.report_failure(report, "x")
+                m.book.report_failure(report, reporter)
         if not failures:
             self.checkpoint(c, plan)
         return plan, failures
@@ -193,12 +193,12 @@ def test_full_run_with_joiner_death_and_failover(tmp_path, digits, digits_task):
     # A member dies during round 1 of the span; some members applied that round, some did not.
     victim = next(m for m in swarm.members.values() if m is not coordinator)
     plan, failures = swarm.run_span(coordinator, die=(1, victim))
-    assert {f.round for f in failures} <= {plan.round + 1, plan.round + 2} and failures
+    assert {f.round for _, f in failures} <= {plan.round + 1, plan.round + 2} and failures
     steps = {m.trainer.step for m in swarm.members.values()}
     assert steps <= {plan.step + 1, plan.step + 2}
     # The retry starts at the first failed round: round 1, or round 2 when the victim was last in
     # the ring (everyone else then got round 1's result). Members ahead roll back to it.
-    first = min(f.round for f in failures)
+    first = min(f.round for _, f in failures)
     retry, failures = swarm.run_span(coordinator)
     assert (retry.round, retry.attempt, retry.step) == (first, plan.attempt + 1, plan.step + first - plan.round)
     assert victim.id not in retry.members and not failures
@@ -210,7 +210,7 @@ def test_full_run_with_joiner_death_and_failover(tmp_path, digits, digits_task):
     new = swarm.elect()
     assert new.election.term > old_term and new is not coordinator
     retry, again = swarm.run_span(new)
-    assert retry.term == new.election.term and retry.round == min(f.round for f in failures)
+    assert retry.term == new.election.term and retry.round == min(f.round for _, f in failures)
     assert retry.round in (plan.round + 2, plan.round + 3) and not again
     while not new.trainer.done:
         swarm.run_span(new)

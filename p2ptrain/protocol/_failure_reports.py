@@ -1,0 +1,123 @@
+"""Which failure reports a member believes: pure, driven by the book and an injected clock.
+
+A ``RoundFailed`` makes the coordinator redo its plan from the earliest round reported failed (the
+retry, docs/training.md, "A member dies"): a round may complete at some members and fail at
+others, and the retry puts them back on one state. Before, every signed report that named the plan
+the coordinator followed (its task, term, attempt and one of its rounds) counted, whoever sent it.
+Red team h-attack5 found two ways to stop a run with it, for good:
+
+- a peer that never joined the task (a fresh identity on the task's topic) sent one report of the
+  running span's first round; the span completed, its checkpoint was confirmed, and the retry from
+  that round, four steps behind every member, could never be planned (``next_plan``: the
+  coordinator's step is neither the retry's nor the one after): three members at step 4 of 24 for
+  the 90 s the test waited, nothing logged;
+- a member of the plan that reported each round it had completed did the same, and was never left
+  out (a report names nobody but its sender, and this sender was not blamed).
+
+Now a report counts only from a member of the plan (nobody else takes part in its rounds), and only
+if no later round of the same plan completed here. Every member of a plan takes part in each of its
+rounds (a ring's all-reduce, a pipelined step's witnessed summary), and a member whose round failed
+leaves the span, so once round ``j`` completed here a report that round ``k < j`` failed is false,
+whenever it comes, and so is one saying its sender took no part in round ``j`` itself (cannot
+follow, out of step, no training data: :data:`~p2ptrain.protocol.CANNOT_FOLLOW`...): it is dropped
+(no retry), counted, and its sender, a member that took part with this one, is left out of the next
+plans for the quarantine (``FAILED_PEER_QUARANTINE_S``), as a member a round names. Any other report
+of the latest round completed here cannot be told from a split completion (that round completed
+here and failed there) and is followed as before: docs/security.md says what that leaves.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from p2ptrain.base import short_id
+from p2ptrain.protocol._quarantine import exclude
+from p2ptrain.protocol._step_aborts import says_absent
+from p2ptrain.wire import RoundFailed, RoundPlan
+
+if TYPE_CHECKING:
+    from p2ptrain.protocol._round_book import RoundBook
+
+
+def names_plan(plan: RoundPlan | None, report: RoundFailed) -> bool:
+    """Whether ``report`` is of ``plan`` (its task, term and attempt, one of its rounds)."""
+    return plan is not None and (report.task_cid, report.term, report.attempt) == (plan.task_cid, plan.term, plan.attempt) \
+        and plan.round <= report.round < plan.round + plan.rounds
+
+
+def report_problem(book: RoundBook, report: RoundFailed, reporter: str) -> str | None:
+    """Why ``reporter``'s ``report`` of the plan this member follows is not to be believed, or None
+    (also None for a report of another plan: that one is ignored as before, not refused)."""
+    plan = book.last_plan
+    if plan is None or not names_plan(plan, report):
+        return None
+    if reporter not in plan.members:
+        return f"{short_id(reporter)}, not a member of plan {plan.round}.{plan.attempt}, reports round {report.round} failed"
+    done = book.completed_round
+    if done is not None and refuted(report.round, says_absent(report.reason), done):
+        return (f"{short_id(reporter)} reports round {report.round} of plan {plan.round}.{plan.attempt} failed "
+                f"({report.reason[:80]}), but round {done} of it completed here with every member of it: left out of "
+                f"the next plans")
+    return None
+
+
+def refuted(round_: int, absent: bool, done: int) -> bool:
+    """Whether a report that round ``round_`` failed at its sender is false once round ``done`` of
+    the same plan completed here: a later one did, in which the sender took part (a member whose
+    round failed leaves the span), or that one did and the sender says it took no part at all
+    (``absent``, :func:`~p2ptrain.protocol.says_absent`: every member takes part in each round)."""
+    return round_ < done or (round_ == done and absent)
+
+
+def refuse_report(book: RoundBook, now: float, report: RoundFailed, reporter: str) -> str | None:
+    """:func:`report_problem`, and :func:`split_problem` for a report of the latest round completed
+    here; a member of the plan whose report is false is left out of the next plans from ``now`` for
+    the quarantine. The runtime's one entry for each report heard (it counts what this returns)."""
+    problem = report_problem(book, report, reporter)
+    if problem is None and book.last_plan is not None and names_plan(book.last_plan, report) \
+            and report.round == book.completed_round:
+        problem = split_problem(book, reporter, report.round)
+    if problem is not None and book.last_plan is not None and reporter in book.last_plan.members:
+        exclude(book.failed_peers, reporter, now)
+    return problem
+
+
+def split_problem(book: RoundBook, reporter: str, round_: int) -> str | None:
+    """A member reports round ``round_`` failed there, and it completed here: a split completion,
+    for all this member can tell, and its retry puts every member back on one state. Believed once
+    per member and round: the retry redoes that round, and a member that reports it failed again
+    after it completed here again (a member that completes each span's last round and says it
+    failed would have it redone for ever) is not believed (None: believed, noted)."""
+    if book.split_rounds.get(reporter) == round_:
+        return (f"{short_id(reporter)} reports round {round_} failed again, and it completed here again with every "
+                f"member of the plan: left out of the next plans")
+    book.split_rounds[reporter] = round_  # (one entry per member of a plan: its latest)
+    return None
+
+
+def round_completed(book: RoundBook, now: float, plan: RoundPlan, round_: int) -> list[str]:
+    """Round ``round_`` of ``plan`` completed here at ``now`` (every member of the plan took part in
+    it). Reports already counted of an earlier round of that plan, or saying their sender took no
+    part in this one, are false, and so is a second report of this round completed here twice
+    (:func:`split_problem`): dropped (the retry they asked for goes with them when no other asks for
+    it), their senders left out of the next plans. Returns why, one line per report dropped."""
+    if plan is not book.last_plan:
+        return []
+    book.completed_round = max(round_, book.completed_round if book.completed_round is not None else round_)
+    lines = []
+    for reporter, (k, absent) in sorted(book.failure_rounds.items()):
+        if refuted(k, absent, round_):
+            lines.append(f"{short_id(reporter)} reported round {k} of plan {plan.round}.{plan.attempt} failed, but "
+                         f"round {round_} of it completed here with every member of it: left out of the next plans")
+        elif k == round_ and (split := split_problem(book, reporter, k)) is not None:
+            lines.append(split)
+        else:
+            continue
+        del book.failure_rounds[reporter]
+        book.failure_reporters.discard(reporter)
+        exclude(book.failed_peers, reporter, now)
+    if lines:
+        book.failed_round = min(k for k, _ in book.failure_rounds.values()) if book.failure_rounds else None
+        if book.failed_round is None:
+            book.failed_at = None
+    return lines

@@ -1,0 +1,115 @@
+"""Which failure reports a coordinator believes (protocol/_failure_reports.py), pure: three members'
+elections and books (test_training_gating.py's ``Run``), a span planned, its rounds completed.
+
+Fails on main: a report from a peer that is not a member of the plan counted, and so did a report
+of a round before one that completed here; the retry from that round, behind the coordinator by
+more than a step, was never planned, and no plan came after it (tests/runtime/test_false_reports.py
+plays both on real hosts: a stranger's one report stopped a run for good)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from p2ptrain.protocol import CANNOT_FOLLOW, refuse_report, round_completed
+from p2ptrain.wire import RoundFailed, RoundPlan
+
+from .test_training_gating import Run
+
+
+@pytest.fixture
+def run3(digits: Any, digits_task: Any) -> Run:
+    _, cid = digits
+    return Run(digits_task(cid, steps=10), "QmTask")
+
+
+def _report(run: Run, plan: RoundPlan, index: int) -> RoundFailed:
+    return RoundFailed(task_cid=run.task_cid, term=plan.term, round=plan.round + index, attempt=plan.attempt,
+                       step=plan.step + index, reason="peer X failed: (is it true?)")
+
+
+def _complete(run: Run, plan: RoundPlan, now: float, rounds: range) -> list[str]:
+    return [line for i in rounds for line in round_completed(run.book, now, plan, plan.round + i)]
+
+
+def test_a_report_from_a_peer_the_plan_does_not_name_is_refused_and_asks_for_no_retry(run3: Run) -> None:
+    run = run3
+    plan = run.follow(run.decide(10.0))
+    assert plan.rounds >= 2
+    report = _report(run, plan, 0)
+    problem = refuse_report(run.book, 11.0, report, "12D3KooWStranger")
+    assert problem is not None and "not a member of plan" in problem
+    assert not run.book.note_failure_report(11.0, report, "12D3KooWStranger", run.c, coordinator=True)
+    assert run.book.failed_round is None
+    # The span completes here; its checkpoint settles: the next span, not a retry 4 steps back.
+    _complete(run, plan, 12.0, range(plan.rounds))
+    end = plan.step + plan.rounds
+    run.book.rejected_step = end
+    following = run.decide(13.0, my_step=end)
+    assert isinstance(following, RoundPlan) and following.step == end, following
+
+
+def test_a_report_of_a_round_before_one_completed_here_is_false_and_its_sender_left_out(run3: Run) -> None:
+    run = run3
+    plan = run.follow(run.decide(10.0))
+    liar = run.others[0]
+    # Round 0 completed here, and the liar says it failed there: a split completion, for all this
+    # member can tell (believed: the retry would go back to round 0).
+    assert _complete(run, plan, 11.0, range(1)) == []
+    assert refuse_report(run.book, 11.1, _report(run, plan, 0), liar) is None
+    assert run.book.note_failure_report(11.1, _report(run, plan, 0), liar, run.c, coordinator=True)
+    assert run.book.failed_round == plan.round
+    # Round 1 completes here, the liar in it: its report of round 0 was false. Dropped, counted once.
+    dropped = _complete(run, plan, 12.0, range(1, 2))
+    assert len(dropped) == 1 and "left out of the next plans" in dropped[0], dropped
+    assert run.book.failed_round is None and liar in run.book.quarantined(12.0)
+    # The same report again, or of any round before: refused at once.
+    problem = refuse_report(run.book, 12.5, _report(run, plan, 0), liar)
+    assert problem is not None and "completed here with every member of it" in problem
+    assert not run.book.note_failure_report(12.5, _report(run, plan, 0), liar, run.c, coordinator=True)
+    # The span ends: the next one is planned (without the liar while it is left out), no retry.
+    _complete(run, plan, 13.0, range(2, plan.rounds))
+    end = plan.step + plan.rounds
+    run.book.rejected_step = end
+    following = run.decide(14.0, my_step=end)
+    assert isinstance(following, RoundPlan) and following.step == end and liar not in following.members, following
+
+
+def test_a_report_of_the_latest_round_completed_here_still_asks_for_its_retry(run3: Run) -> None:
+    run = run3
+    """A split completion (the round completed here, failed there): the retry puts every member back
+    on one state, as before; a report of a round this member has not completed counts as before too."""
+    plan = run.follow(run.decide(10.0))
+    member = run.others[1]
+    _complete(run, plan, 11.0, range(2))
+    assert refuse_report(run.book, 11.5, _report(run, plan, 1), member) is None  # (the runtime's entry)
+    assert run.book.note_failure_report(11.5, _report(run, plan, 1), member, run.c, coordinator=True)
+    retry = run.decide(12.0, my_step=plan.step + 2)
+    assert isinstance(retry, RoundPlan) and (retry.round, retry.attempt) == (plan.round + 1, plan.attempt + 1)
+    assert member in retry.members  # nobody named: a split completion blames no one
+    # The retry redoes that round; it completes here again and the member says it failed again: a
+    # member that did so at every span's last round (nothing later refutes it) had it redone for
+    # ever on main. The second time it is not believed, and the run goes on without it.
+    run.follow(retry)
+    _complete(run, retry, 13.0, range(1))
+    problem = refuse_report(run.book, 13.1, _report(run, retry, 0), member)
+    assert problem is not None and "failed again" in problem and member in run.book.quarantined(13.1)
+
+
+def test_a_member_saying_it_took_no_part_in_a_round_that_completed_here_is_refuted(run3: Run) -> None:
+    """A pipelined step's reporter that joined its summary anyway (red team h-attack5, item 2): the
+    step completed at every member, and on main its report still made the coordinator redo it."""
+    run = run3
+    plan = run.follow(run.decide(10.0))
+    reporter = run.others[0]
+    absent = RoundFailed(task_cid=run.task_cid, term=plan.term, round=plan.round, attempt=plan.attempt,
+                         step=plan.step, reason=f"{CANNOT_FOLLOW}: (it can)")
+    # Before the round completes here the report is believed (its step is left, a retry planned)...
+    assert refuse_report(run.book, 11.0, absent, reporter) is None
+    assert run.book.note_failure_report(11.0, absent, reporter, run.c, coordinator=True)
+    # ... until it completes here: with the reporter in it, so the report was false.
+    dropped = _complete(run, plan, 11.5, range(1))
+    assert len(dropped) == 1 and run.book.failed_round is None and reporter in run.book.quarantined(11.5), dropped
+    # Once completed, the same report is refused as it comes.
+    assert refuse_report(run.book, 12.0, absent, reporter) is not None
