@@ -7,10 +7,10 @@ that never took that plan (its message lost, or its term's coordinator not yet k
 nothing, and a later plan that names it from the step it stands at passed ``can_align``: it trained
 on with weights of the dropped attempt that no other member held (a data-parallel member until its
 next checkpoint was outvoted, ``own_state_differs``; a pipelined stage's only replica unchecked).
-Now a plan that does not follow on the last one this member took (the next span of its attempt, or a
-retry of one of its rounds with the next attempt; from another term, whose attempts start over, also
-not from a checkpoint it has not confirmed) marks what it applied past that plan's start as dropped,
-and the member resyncs before it follows. Fails on main, where the book has no such rule."""
+Now a plan that does not follow on the last one this member took (in its term: the next span of its
+attempt, or a retry of one of its rounds with the next attempt; from another term, whose attempts
+start over: not from a checkpoint it has not confirmed) marks what it applied past that plan's start
+as dropped, and the member resyncs before it follows. Fails on main, where the book has no such rule."""
 
 from __future__ import annotations
 
@@ -118,6 +118,12 @@ def test_plans_that_follow_on_keep_the_steps_applied():
     _elected(election, 50.0)
     takeover = _plan(election.term, 3, 1, everyone)
     assert book.plan_problem(takeover, election.me, election) is None and not book.holds_dropped(takeover, 4)
+    # Or one that continues a plan of the old term this member did not take (from the base it
+    # confirmed): its coordinator's own plans, which this member follows (refused, that coordinator
+    # would lead on with no quorum and no record to outvote it). Its checkpoint's attestations tell.
+    _elected(election, 75.0)
+    own = _plan(election.term, 6, 3, everyone)
+    assert book.plan_problem(own, election.me, election) is None and not book.holds_dropped(own, 6)
     # It goes on to the next span of a checkpoint abandoned (no record: the version confirmed here).
     _elected(election, 100.0)
     span = _plan(election.term, 10, 1, everyone)
