@@ -5,8 +5,8 @@ attempt. A member that took the retry's plan either rolls the step back (``Train
 out of it, notes the step redone without it (``RoundBook.left_out_from``, test_dropped_steps.py). One
 that never took that plan (its message lost, or its term's coordinator not yet known here) noted
 nothing, and a later plan that names it from the step it stands at passed ``can_align``: it trained
-on with weights of the dropped attempt that no other member held (a data-parallel member until its
-next checkpoint was outvoted, ``own_state_differs``; a pipelined stage's only replica unchecked).
+on with weights of the dropped attempt that no other member held, until the resync loop saw the head
+ahead of its chain (about 2 s, mid-span) or its next checkpoint was confirmed without it.
 Now a plan that does not follow on the last one this member took (in its term: the next span of its
 attempt, or a retry of one of its rounds with the next attempt; from another term, whose attempts
 start over: not from a checkpoint it has not confirmed) marks what it applied past that plan's start
