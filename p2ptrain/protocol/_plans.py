@@ -82,6 +82,26 @@ def plan_order(plan: RoundPlan) -> tuple[int, int, int]:
     return plan.term, plan.attempt, plan.round
 
 
+def follows_on(last: RoundPlan, plan: RoundPlan, version: int, head_step: int) -> bool:
+    """Whether ``plan`` builds on the steps a member applied under ``last`` (the plan it took
+    before), with the chain confirmed here at ``version`` (its head at ``head_step``): a plan from
+    ``last``'s start or the head, or before; in ``last``'s term (whose coordinator made both) the
+    next span of the same attempt or a retry of one of ``last``'s rounds with the next attempt;
+    from another term (whose attempts start over, and whose coordinator follows on the plans it
+    took, perhaps not this one's: refused, it would lead with no quorum, never outvoted) a plan
+    from a checkpoint confirmed here. Else it came after a plan this member never took (its
+    message lost, or its coordinator not known here yet), which may have redone steps it applied
+    (RoundBook.holds_dropped). A member left out of such a plan is named again only from a
+    checkpoint (plan_members admits joiners there alone), one it did not confirm."""
+    if plan.step <= max(last.step, head_step):
+        return True  # align rolls a step back, or a pipelined plan goes back to the head (rewinds)
+    if plan.term != last.term:
+        return plan.version <= version
+    end = last.round + last.rounds
+    return (plan.attempt == last.attempt and plan.round == end) or (
+        plan.attempt == last.attempt + 1 and last.round < plan.round < end)
+
+
 def orphaned_stages(before: RoundPlan | None, members: Collection[str]) -> tuple[int, ...]:
     """The stages of ``before``'s assignment (a pipelined plan) none of whose replicas is among
     ``members``: what such a stage learnt since the last confirmed checkpoint went with its last

@@ -48,7 +48,7 @@ from p2ptrain.protocol._election import Election
 from p2ptrain.protocol._failure_reports import names_plan, report_problem
 from p2ptrain.protocol._step_aborts import says_absent
 from p2ptrain.protocol._planner import Hold
-from p2ptrain.protocol._plans import is_checkpoint, plan_order, rule_problem
+from p2ptrain.protocol._plans import follows_on, is_checkpoint, plan_order, rule_problem
 from p2ptrain.protocol._lineage import Chain
 from p2ptrain.protocol._quarantine import exclude, until_later
 from p2ptrain.protocol._records import certificate, sign_record
@@ -116,8 +116,8 @@ class RoundBook:
     # of theirs is believed, here or in a chain a head names.
     refused_spans: set[tuple[int, int, int]] = field(default_factory=set)
     accepted: RoundPlan | None = None  # the latest plan taken from an elected coordinator
-    # The first step of the plans taken that left this member out (the run redoes its steps from
-    # there without it): what it holds past that step and past the head the run dropped (holds_dropped).
+    # The first step of the plans taken that left this member out (the run redoes its steps from there
+    # without it), or the start of the plan it took before one that does not follow on it (holds_dropped).
     left_out_from: int | None = None
     stage_times: StageTimes = field(default_factory=StageTimes)  # by step: what plans from it weigh stages by
 
@@ -395,6 +395,8 @@ class RoundBook:
         last = self.last_plan
         if last is not None and plan_order(plan) <= plan_order(last):
             return f"plan {plan.term}/{plan.round}.{plan.attempt} is not after {last.term}/{last.round}.{last.attempt}"
+        if last is not None and self.left_out_from is None and not follows_on(last, plan, self.chain.version, self.head_step):
+            self.left_out_from = last.step  # a plan it never took may have redone what it applied since (holds_dropped)
         self.last_plan = plan
         self.failed_round = self.failed_at = self.completed_round = None
         self.failure_reporters, self.failure_rounds = set(), {}
@@ -403,14 +405,13 @@ class RoundBook:
 
     def holds_dropped(self, plan: RoundPlan, my_step: int) -> bool:
         """Whether this member, at ``my_step``, holds steps the run dropped that ``plan`` (which names
-        it) would build on: a plan it took left it out from a step ``s`` it had gone past (it
-        applied an attempt that completed here and failed elsewhere; the retry redid ``s`` without
-        it), the run's head is before ``my_step`` (nothing since was confirmed here, its weights
-        are its own), and ``plan`` starts past ``s`` (from ``s`` itself, align rolls that step
-        back). Such a member resyncs from the head instead: trained on, its stage's answers would
-        disagree with its replicas' (red team h-attack4). Cleared by a resync (a new book)."""
-        s = self.left_out_from
-        return s is not None and my_step > max(s, self.head_step) and plan.step > s
+        it) would build on: a plan it took left it out from a step ``s`` it had gone past (it applied
+        an attempt that completed here and failed elsewhere; the retry redid ``s`` without it), or
+        ``plan`` does not follow on the plan it took last, from ``s`` (a plan between them it never
+        took: :func:`~p2ptrain.protocol._plans.follows_on`); the run's head is before ``my_step`` (its
+        weights are its own), and ``plan`` starts past ``s`` (from ``s``, align rolls back). It resyncs
+        from the head instead (red team h-attack4; tests/protocol/test_missed_retry.py)."""
+        return (s := self.left_out_from) is not None and my_step > max(s, self.head_step) and plan.step > s
 
     def rule_problem(self, plan: RoundPlan) -> str | None:
         """Why the elected coordinator's ``plan`` breaks the run's rules (:func:`~p2ptrain.protocol._plans.rule_problem`,
