@@ -226,8 +226,10 @@ async def fetch_stage_parts(run: RunState, trainer: StagedTrainer, manifest_cid:
 async def _entries(run: RunState, trainer: StagedTrainer, manifest_cid: str,
                    record: ModelRecord | None) -> tuple[StageFile, ...]:
     entries = read_manifest(await run.content.read(manifest_cid, max_bytes=MAX_MANIFEST_BYTES, timeout=FETCH_TIMEOUT_S))
-    if len(entries) != len(trainer.stages):
-        raise ManifestError(f"it names {len(entries)} stages, the task {len(trainer.stages)}")
+    if len(entries) != len(trainer.stages) or entries[-1].last != trainer.cut[-1] - 1:
+        # As StagedTrainer.load_manifest: read_manifest checked that they tile from piece 0.
+        raise ManifestError(f"its {len(entries)} stages cover pieces 0..{entries[-1].last}, not a cut of the "
+                            f"task's {trainer.cut[-1]} pieces in {len(trainer.stages)} stages")
     if record is not None:
         check_stage_signatures(entries, record)
     return entries

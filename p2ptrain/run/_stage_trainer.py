@@ -281,7 +281,13 @@ class StagedTrainer(Trainer):
         each file must hold exactly pieces ``first..last``'s tensors (its optimizer file their
         parameters' state only, of one step, ``step`` when given); this stage's are kept. Stage
         files keep the whole model's names and optimizer indices, so the union of the parts is
-        what :meth:`stage_files` of the stage would hold. :class:`RecordError` as :meth:`load_stage`."""
+        what :meth:`stage_files` of the stage would hold. :class:`RecordError` as :meth:`load_stage`,
+        and for a part whose pieces are not this model's (checked first: a slice would take pieces
+        ``-3..7`` for the last three and ``5..1000`` for ``5..7``, and a manifest named them)."""
+        count = len(self._piece_names)
+        for first, last, _, _ in parts:
+            if not 0 <= first <= last < count:
+                raise RecordError(f"pieces {first}..{last} are not pieces of this model's {count}")
         names, at_stage = set(self.stages[stage].state_names()), (self.stages[stage].first, self.stages[stage].last)
         tensors: dict[str, torch.Tensor] = {}
         optim: dict[str, torch.Tensor] = {}

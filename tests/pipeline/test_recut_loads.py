@@ -106,3 +106,19 @@ def test_parts_that_are_not_their_pieces_are_refused_and_change_nothing() -> Non
     with pytest.raises(PartitionError):
         member.recut((0, 4, 4, 8))
     assert member.cut == NEW and member.holds(0)
+
+
+@pytest.mark.parametrize("first, last", [(5, 1000), (-3, 7)], ids=["past-the-end", "negative"])
+def test_a_part_whose_pieces_are_not_the_model_s_is_refused(first: int, last: int) -> None:
+    """A manifest's entry (or a part) naming pieces the model has not: a slice took ``5..1000`` as
+    ``5..7`` and ``-3..7`` as the last three pieces, so stage 2's true file under such an entry
+    loaded (a joiner took its stage by CID from a manifest ``load_manifest`` refuses). Fails before
+    the range check in ``load_parts``."""
+    old, files = _trained()
+    member = StagedTrainer(TASK, device="cpu")
+    member.back_to(2)
+    with pytest.raises(RecordError, match=f"pieces {first}..{last} are not pieces of this model's 8"):
+        member.load_parts(2, [(first, last, *files[2])], step=2)
+    assert not member.holds(2)
+    member.load_parts(2, [(5, 7, *files[2])], step=2)  # the same file under its true pieces
+    assert member.holds(2)
