@@ -122,3 +122,23 @@ def test_a_part_whose_pieces_are_not_the_model_s_is_refused(first: int, last: in
     assert not member.holds(2)
     member.load_parts(2, [(5, 7, *files[2])], step=2)  # the same file under its true pieces
     assert member.holds(2)
+
+
+def test_a_manifest_cut_no_plan_could_name_is_refused_and_each_entry_read_within_its_pieces(monkeypatch) -> None:
+    """A manifest's stages must be a cut a plan of the task may name (``task.cut_problem``): a stage
+    wider than one member's ``MAX_PARAMETERS`` had a joiner read a file of up to the whole model (each
+    entry's files were read within the whole model's bound); now refused, and each entry's files are
+    read within what its own pieces take (``part_limits``). Fails before (load_manifest took any cut)."""
+    old, files = _trained()
+    member = StagedTrainer(TASK, device="cpu")
+    sizes = [sum(p.numel() for p in s.parameters()) for s in old[0].stages]
+    monkeypatch.setattr("p2ptrain.task._cuts.MAX_PARAMETERS", max(sizes))  # one member holds a stage, no more
+    wide = manifest_bytes([StageFile(0, 0, CID, CID, 1), StageFile(1, 1, CID, CID, 1), StageFile(2, 7, CID, CID, 1)])
+    with pytest.raises(RecordError, match="not a cut of this task's pieces: its cut puts .* in stage 2"):
+        member.load_manifest(wide, wide, 2)
+    ours = manifest_bytes([StageFile(s.first, s.last, CID, CID, 1) for s in old[0].stages])
+    member.load_manifest(ours, ours, 2)  # the task's own cut, as every honest manifest's
+    for stage, (model, optim) in enumerate(files):
+        s = old[0].stages[stage]
+        assert len(model) <= member.part_limits(s.first, s.last)[0] < member.state_limits()[0]
+        assert len(optim) <= member.part_limits(s.first, s.last)[1] < member.state_limits()[1]
