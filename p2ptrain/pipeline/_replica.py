@@ -67,10 +67,10 @@ AHEAD_WAIT_S = 10.0
 # Limits.max_frame_bytes()) before it waits for the stage's lock; a driver's microbatches in flight
 # at one stage rarely exceed this, and a sender that opens more is reset, not buffered.
 MAX_STREAMS_PER_PEER = 8
-# What one peer's requests read and not yet answered may take at a replica: this many of the longest
-# frames it may send (RequestShapes.frame_bytes). An honest driver has no more microbatches in flight
-# (run/_stages.py IN_FLIGHT), one hop each at a time, nor second opinions (_opinions.py CHECKS_IN_FLIGHT);
-# past it a request is refused from its announced length, its body unread (StageReplica.reserve).
+# What a driver's requests read and not yet answered may take at a replica: this many of its longest
+# frames (RequestShapes.frame_bytes; an evaluator's EVALs: RequestShapes.budget). An honest driver has no
+# more microbatches in flight (run/_stages.py IN_FLIGHT), one hop each at a time, nor second opinions
+# (_opinions.py CHECKS_IN_FLIGHT); past it a request is refused unread (StageReplica.reserve).
 IN_FLIGHT_PER_PEER = 4
 # Graphs of FORWARDs a replica keeps per sender for the BACKWARD that may come back to it: the
 # runtime's microbatches in flight per driver (run/_stages.py IN_FLIGHT). Each holds the stage's
@@ -178,19 +178,19 @@ class StageReplica:
         return self.shapes.frame_bytes(sender=peer in self.senders, evaluator=peer in self.evaluators)
 
     async def reserve(self, channel: Channel, length: int) -> bool:
-        """Whether the request ``channel``'s peer announced at ``length`` bytes may be read: no longer
-        than that peer's frames (else ``oversized``), and its requests read and not yet answered within
-        :data:`IN_FLIGHT_PER_PEER` such frames (else ``over_budget``): one driver cannot make a replica
-        buffer more, and the others' budgets are their own. Refused: counted, logged, the channel
-        reset; taken: it counts against its peer until :meth:`release`."""
-        peer = channel.remote_peer
-        bound = self.frame_bound(peer)
+        """Whether the request ``channel``'s peer announced at ``length`` bytes may be read: within its
+        frames (else ``oversized``) and, with its requests read and not yet answered, its budget
+        (``RequestShapes.budget``; else ``over_budget``), the others' their own. Refused: counted,
+        logged, the channel reset; taken: it counts against its peer until :meth:`release`."""
+        peer, bound = channel.remote_peer, self.frame_bound(channel.remote_peer)
+        budget = IN_FLIGHT_PER_PEER * bound if self.shapes is None else self.shapes.budget(
+            IN_FLIGHT_PER_PEER, sender=peer in self.senders, evaluator=peer in self.evaluators)
         held = self._in_flight[peer]
-        if length <= bound and held + length <= IN_FLIGHT_PER_PEER * bound:
+        if length <= bound and held + length <= budget:
             self._in_flight[peer] += length
             return True
         reason, why = ("oversized", f"its requests take at most {bound}") if length > bound else \
-            ("over_budget", f"{held} bytes of its requests are in flight, at most {IN_FLIGHT_PER_PEER * bound}")
+            ("over_budget", f"{held} bytes of its requests are in flight, at most {budget}")
         count_rejection(self.refused, reason, logger, logging.INFO, "pipeline stage %d: refused a request of %d bytes "
                         "from %s: %s", self.stage.index, length, short_id(peer), why)
         await channel.reset()

@@ -28,6 +28,8 @@ from torch import nn
 from p2ptrain.pipeline._partition import output_shape, partition, partition_at
 from p2ptrain.wire.activations import DEFAULT_LIMITS, Frame, frame_bound, HEADER, Kind, Limits
 
+# An evaluator's EVALs a replica holds read and not yet answered at most (RequestShapes.budget).
+EVALS_IN_FLIGHT = 1
 # The requests whose second tensor is the gradient of the stage's output (the others': targets).
 _BACKWARDS = (Kind.BACKWARD, Kind.CHECK_BACKWARD)
 
@@ -70,6 +72,17 @@ class RequestShapes:
         if evaluator:
             largest = max(largest, _frame_bytes(self.evaluation, [inputs, targets]))
         return min(largest, self.limits().max_frame_bytes())
+
+    def budget(self, frames: int, *, sender: bool, evaluator: bool) -> int:
+        """The bytes of a peer's requests read and not yet answered a replica holds at most (its
+        ``StageReplica.reserve``): a sender's ``frames`` of its longest request, an evaluator's
+        :data:`EVALS_IN_FLIGHT` of its longest EVAL (an eval batch's, up to 32x a driver's frame with
+        the defaults), a peer of both roles the sum. Not ``frames`` EVALs: an evaluator asks one
+        batch of one stage at a time, on a channel it reuses, and leaves a replica that failed one
+        out of the rest of its evaluation (pipeline/_evaluation.py), so a coordinator's budget of
+        ``frames`` eval batches was only ever a hostile one's."""
+        ours = frames * self.frame_bytes(sender=True, evaluator=False) if sender else 0
+        return ours + (EVALS_IN_FLIGHT * self.frame_bytes(sender=False, evaluator=True) if evaluator else 0)
 
     def problem(self, request: Frame) -> str | None:
         """Why ``request``'s tensors are not of the task's shapes, or None (a request of the right

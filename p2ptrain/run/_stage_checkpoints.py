@@ -226,14 +226,15 @@ async def fetch_stage_parts(run: RunState, trainer: StagedTrainer, manifest_cid:
 async def _entries(run: RunState, trainer: StagedTrainer, manifest_cid: str,
                    record: ModelRecord | None) -> tuple[StageFile, ...]:
     entries = read_manifest(await run.content.read(manifest_cid, max_bytes=MAX_MANIFEST_BYTES, timeout=FETCH_TIMEOUT_S))
-    if len(entries) != len(trainer.stages):
-        raise ManifestError(f"it names {len(entries)} stages, the task {len(trainer.stages)}")
+    problem = trainer.manifest_problem(entries)  # as StagedTrainer.load_manifest
+    if problem is not None:
+        raise ManifestError(f"its stages are not a cut of the task's pieces: {problem}")
     if record is not None:
         check_stage_signatures(entries, record)
     return entries
 
 
 async def _files(run: RunState, trainer: StagedTrainer, entry: StageFile) -> tuple[bytes, bytes]:
-    max_model, max_optim = trainer.state_limits()
+    max_model, max_optim = trainer.part_limits(entry.first, entry.last)  # its pieces' (in range: _entries), not the model's
     return (await run.content.read(entry.model, max_bytes=max_model, timeout=FETCH_TIMEOUT_S),
             await run.content.read(entry.optimizer, max_bytes=max_optim, timeout=FETCH_TIMEOUT_S))

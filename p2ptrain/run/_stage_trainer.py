@@ -26,12 +26,13 @@ from typing import Any
 import torch
 
 from p2ptrain.base import all_finite
-from p2ptrain.models import build_model, InitialPieces, meta_model, Piece
+from p2ptrain.models import build_model, file_bytes_bound, HEADER_PER_TENSOR, HEADER_SLACK, InitialPieces, meta_model, Piece
 from p2ptrain.data import Manifest
 from p2ptrain.pipeline import partition, partition_at, request_shapes, RequestShapes, Stage
 from p2ptrain.protocol import (model_tensors, read_model_card, read_tensors, RecordError, state_bytes, tensors_bytes,
                                write_state_file)
-from p2ptrain.training import ManifestError, read_manifest, StepResult, Trainer, TrainerError
+from p2ptrain.task import cut_problem
+from p2ptrain.training import ManifestError, read_manifest, StageFile, StepResult, Trainer, TrainerError
 
 log = logging.getLogger(__name__)
 
@@ -164,9 +165,27 @@ class StagedTrainer(Trainer):
             entries = read_manifest(model_data)
         except ManifestError as exc:
             raise RecordError(str(exc)) from None
-        if len(entries) != len(self.stages) or entries[-1].last != self.cut[-1] - 1:
-            raise RecordError("the manifest's stages are not a cut of this task's pieces")  # read_manifest: they tile from 0
+        problem = self.manifest_problem(entries)
+        if problem is not None:
+            raise RecordError(f"the manifest's stages are not a cut of this task's pieces: {problem}")
         self.back_to(step)
+
+    def manifest_problem(self, entries: Sequence[StageFile]) -> str | None:
+        """Why a manifest's stages (``read_manifest``: they tile the pieces from 0) are no cut a plan
+        of this task may name (``task.cut_problem``: its stage count over all its pieces, each stage
+        within one member's ``MAX_PARAMETERS``, no weight tied across two), or None. Any such cut,
+        also for a task that does not re-cut: :meth:`load_parts` takes a stage from the files that
+        cover it. A wider stage would have a joiner read a file of up to the whole model."""
+        return cut_problem(self.task, (*(e.first for e in entries), entries[-1].last + 1))
+
+    def part_limits(self, first: int, last: int) -> tuple[int, int]:
+        """The most bytes honest (model, optimizer) files of pieces ``first``..``last`` take
+        (:meth:`state_limits` of those pieces only): what a member reads of a manifest entry's files."""
+        names = set().union(*self._piece_names[first : last + 1])
+        whole = self.model.state_dict()
+        params = [p for name, p in self.model.named_parameters() if name in names]
+        optim = len(self.optimizer_state_keys()) * sum(p.numel() * p.element_size() + HEADER_PER_TENSOR for p in params)
+        return file_bytes_bound(whole[n] for n in sorted(names)), optim + HEADER_SLACK + HEADER_PER_TENSOR + 8
 
     def back_to(self, step: int) -> None:
         """Hold no stage, at ``step``: what this member holds is of another step (a checkpoint it
@@ -281,7 +300,13 @@ class StagedTrainer(Trainer):
         each file must hold exactly pieces ``first..last``'s tensors (its optimizer file their
         parameters' state only, of one step, ``step`` when given); this stage's are kept. Stage
         files keep the whole model's names and optimizer indices, so the union of the parts is
-        what :meth:`stage_files` of the stage would hold. :class:`RecordError` as :meth:`load_stage`."""
+        what :meth:`stage_files` of the stage would hold. :class:`RecordError` as :meth:`load_stage`,
+        and for a part whose pieces are not this model's (checked first: a slice would take pieces
+        ``-3..7`` for the last three and ``5..1000`` for ``5..7``, and a manifest named them)."""
+        count = len(self._piece_names)
+        for first, last, _, _ in parts:
+            if not 0 <= first <= last < count:
+                raise RecordError(f"pieces {first}..{last} are not pieces of this model's {count}")
         names, at_stage = set(self.stages[stage].state_names()), (self.stages[stage].first, self.stages[stage].last)
         tensors: dict[str, torch.Tensor] = {}
         optim: dict[str, torch.Tensor] = {}

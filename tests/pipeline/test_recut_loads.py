@@ -106,3 +106,39 @@ def test_parts_that_are_not_their_pieces_are_refused_and_change_nothing() -> Non
     with pytest.raises(PartitionError):
         member.recut((0, 4, 4, 8))
     assert member.cut == NEW and member.holds(0)
+
+
+@pytest.mark.parametrize("first, last", [(5, 1000), (-3, 7)], ids=["past-the-end", "negative"])
+def test_a_part_whose_pieces_are_not_the_model_s_is_refused(first: int, last: int) -> None:
+    """A manifest's entry (or a part) naming pieces the model has not: a slice took ``5..1000`` as
+    ``5..7`` and ``-3..7`` as the last three pieces, so stage 2's true file under such an entry
+    loaded (a joiner took its stage by CID from a manifest ``load_manifest`` refuses). Fails before
+    the range check in ``load_parts``."""
+    old, files = _trained()
+    member = StagedTrainer(TASK, device="cpu")
+    member.back_to(2)
+    with pytest.raises(RecordError, match=f"pieces {first}..{last} are not pieces of this model's 8"):
+        member.load_parts(2, [(first, last, *files[2])], step=2)
+    assert not member.holds(2)
+    member.load_parts(2, [(5, 7, *files[2])], step=2)  # the same file under its true pieces
+    assert member.holds(2)
+
+
+def test_a_manifest_cut_no_plan_could_name_is_refused_and_each_entry_read_within_its_pieces(monkeypatch) -> None:
+    """A manifest's stages must be a cut a plan of the task may name (``task.cut_problem``): a stage
+    wider than one member's ``MAX_PARAMETERS`` had a joiner read a file of up to the whole model (each
+    entry's files were read within the whole model's bound); now refused, and each entry's files are
+    read within what its own pieces take (``part_limits``). Fails before (load_manifest took any cut)."""
+    old, files = _trained()
+    member = StagedTrainer(TASK, device="cpu")
+    sizes = [sum(p.numel() for p in s.parameters()) for s in old[0].stages]
+    monkeypatch.setattr("p2ptrain.task._cuts.MAX_PARAMETERS", max(sizes))  # one member holds a stage, no more
+    wide = manifest_bytes([StageFile(0, 0, CID, CID, 1), StageFile(1, 1, CID, CID, 1), StageFile(2, 7, CID, CID, 1)])
+    with pytest.raises(RecordError, match="not a cut of this task's pieces: its cut puts .* in stage 2"):
+        member.load_manifest(wide, wide, 2)
+    ours = manifest_bytes([StageFile(s.first, s.last, CID, CID, 1) for s in old[0].stages])
+    member.load_manifest(ours, ours, 2)  # the task's own cut, as every honest manifest's
+    for stage, (model, optim) in enumerate(files):
+        s = old[0].stages[stage]
+        assert len(model) <= member.part_limits(s.first, s.last)[0] < member.state_limits()[0]
+        assert len(optim) <= member.part_limits(s.first, s.last)[1] < member.state_limits()[1]

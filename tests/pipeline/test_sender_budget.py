@@ -117,3 +117,51 @@ async def test_one_driver_buffers_at_most_its_budget_while_another_is_answered()
             # Within its budget again, the hostile driver's next request is answered as any.
             async with await open_to(hostile) as channel:
                 assert (await _ask(channel, backward, replica)).kind == Kind.GRAD
+
+
+async def test_the_coordinator_buffers_one_eval_batch_beside_its_driver_s_budget():
+    """An evaluator asks one EVAL of a stage at a time (pipeline/_evaluation.py), so a replica holds
+    one of its eval batches, not IN_FLIGHT_PER_PEER of them (32x a driver's frame each with the
+    defaults): on main a hostile coordinator had 4 read on a busy replica, and a coordinator that
+    also drives 4 of its eval batches and no more. Now the evaluator's 2nd EVAL is refused unread
+    (``over_budget``) while a peer of both roles still has its 4 hops and its EVAL read. Fails on main."""
+    stage = stages(3)[1]  # a middle block
+    async with connected_hosts(3) as hosts:
+        coordinator, both, host = hosts
+        replica = StageReplica(host.host, stage, lm_loss, senders=[both.id],
+                               evaluators=[coordinator.id, both.id], shapes=shapes(3)[1])
+        replica.serve()
+        evaluation = Frame(Kind.EVAL, 0, 0, 1, tensors=(torch.randn(EVAL, C, W),))
+        backward = Frame(Kind.BACKWARD, 0, 0, 1, tensors=(torch.randn(MICRO, C, W), torch.randn(MICRO, C, W)))
+        answers: list[Kind | None] = []
+
+        async def send(peer: Any, request: Frame) -> None:
+            async with await open_channel(peer.host, host.id, PROTOCOL) as channel:
+                try:
+                    answers.append((await _ask(channel, request, replica)).kind)
+                except ChannelClosed:
+                    answers.append(None)
+
+        with trio.fail_after(DEADLINE_S):
+            async with trio.open_nursery() as nursery:
+                await replica._lock.acquire()
+                try:
+                    for _ in range(3):  # a hostile coordinator's flood of eval batches on a busy stage
+                        nursery.start_soon(send, coordinator, evaluation)
+                    eval_bytes = len(encode_frame(evaluation))
+                    while replica._in_flight[coordinator.id] // eval_bytes + replica.refused["over_budget"] < 3:
+                        await trio.sleep(0.01)  # each of the 3 read and held, or refused unread
+                    assert replica.refused["over_budget"] == 2
+                    assert replica._in_flight[coordinator.id] == len(encode_frame(evaluation))
+                    # A peer of both roles, honest at its worst: 4 hops and an EVAL, all read.
+                    for i in range(IN_FLIGHT_PER_PEER):
+                        nursery.start_soon(send, both, Frame(Kind.BACKWARD, 0, 10 + i, 1, tensors=backward.tensors))
+                    nursery.start_soon(send, both, evaluation)
+                    budget = IN_FLIGHT_PER_PEER * len(encode_frame(backward)) + len(encode_frame(evaluation))
+                    while replica._in_flight[both.id] < budget:
+                        await trio.sleep(0.01)
+                    assert replica.refused["over_budget"] == 2
+                finally:
+                    replica._lock.release()
+            assert sorted(a for a in answers if a is not None) == sorted([Kind.OUTPUT] * 2 + [Kind.GRAD] * IN_FLIGHT_PER_PEER)
+            assert answers.count(None) == 2 and not replica._in_flight
