@@ -409,8 +409,7 @@ class RoundBook:
         an attempt that completed here and failed elsewhere; the retry redid ``s`` without it), or
         ``plan`` does not follow on the plan it took last, from ``s`` (a plan between them it never
         took: :func:`~p2ptrain.protocol._plans.follows_on`); the run's head is before ``my_step`` (its
-        weights are its own), and ``plan`` starts past ``s`` (from ``s``, align rolls back). It resyncs
-        from the head instead (red team h-attack4; tests/protocol/test_missed_retry.py)."""
+        weights are its own), and ``plan`` starts past ``s`` (from ``s``, align rolls back): it resyncs."""
         return (s := self.left_out_from) is not None and my_step > max(s, self.head_step) and plan.step > s
 
     def rule_problem(self, plan: RoundPlan) -> str | None:
