@@ -69,8 +69,15 @@ def cut_problem(task: Task, cut: Sequence[int]) -> str | None:
     sizes = stage_parameters(task, cut)
     if max(sizes) > MAX_PARAMETERS:
         return f"its cut puts {max(sizes):,} parameters in stage {sizes.index(max(sizes))}, over {MAX_PARAMETERS:,}"
-    tied = tied_across(task.model.name, task.model.arguments, cut)
+    name, arguments = _arguments(task)
+    tied = _tied_across(name, json.dumps(arguments, sort_keys=True), tuple(cut))
     return None if tied is None else f"its cut puts {tied} in two stages"
+
+
+@lru_cache(maxsize=64)
+def _tied_across(name: str, arguments: str, cut: tuple[int, ...]) -> str | None:
+    # Builds the model on the meta device: once per cut, not at every plan and manifest checked.
+    return tied_across(name, json.loads(arguments), cut)
 
 
 def cost_cut(task: Task, costs: Sequence[int]) -> tuple[int, ...]:
