@@ -16,24 +16,9 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 from p2ptrain.protocol import Chain, Election, ElectionConfig, RoundBook, signing, View
 from p2ptrain.task import load_task
 from p2ptrain.wire import RoundPlan
+from tests.protocol._tasks import CID, task_text
 
-CID = "QmT78zSuBmuS4z925WZfrqQ1qHaJ56DQaTfyMUF7F8ff5o"
-TASK = f"""
-name = "t"
-[model]
-name = "mlp"
-kwargs = {{ in_features = 4, hidden = [8], out_features = 2 }}
-[dataset]
-manifest = "{CID}"
-[optimizer]
-name = "sgd"
-lr = 0.1
-[training]
-batch_size = 8
-total_steps = 100
-[peers]
-min = 2
-"""
+TASK = task_text()
 
 
 def _elected() -> Election:

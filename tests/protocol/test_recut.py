@@ -19,26 +19,9 @@ from p2ptrain.task import (cut_problem, load_task, parameter_cut, piece_paramete
                            TaskError)
 from p2ptrain.wire import decode, encode, RoundPlan
 from p2ptrain.wire._schema import to_plain
+from tests.protocol._tasks import CID, lm, task_text
 
-CID = "QmT78zSuBmuS4z925WZfrqQ1qHaJ56DQaTfyMUF7F8ff5o"
-TASK = f"""
-name = "t"
-[model]
-name = "transformer_lm"
-kwargs = {{ vocab_size = 61, context = 16, width = 16, depth = 6, heads = 2 }}
-[dataset]
-manifest = "{CID}"
-[optimizer]
-name = "sgd"
-lr = 0.1
-[training]
-batch_size = 8
-total_steps = 10
-[peers]
-min = 3
-[pipeline]
-stages = 3
-"""
+TASK = task_text(lm(6), total_steps=10, min_peers=3, pipeline='stages = 3\n')
 RECUT = TASK + 'balance = "recut"\n'
 MEMBERS = tuple(f"p{i}" for i in range(6))
 HEAD = (5, 1, CID)  # the confirmed head the plans below start from: step 5, version 1

@@ -23,29 +23,10 @@ from p2ptrain.protocol import Chain, Election, ElectionConfig, RoundBook, RuleBr
 from p2ptrain.protocol._plans import plan_stages, rule_problem
 from p2ptrain.task import load_task, stage_parameters
 from p2ptrain.wire import ModelRecord, RoundPlan
+from tests.protocol._tasks import CID, lm, task_text
 
-CID = "QmT78zSuBmuS4z925WZfrqQ1qHaJ56DQaTfyMUF7F8ff5o"
 MODEL = "QmQQFmbEzeKEYVMidxPKhdPYbB5DR8mFW8YG5KaEvoSi1o"
-TASK = f"""
-name = "t"
-[model]
-name = "transformer_lm"
-kwargs = {{ vocab_size = 61, context = 16, width = 16, depth = 2, heads = 2 }}
-[dataset]
-manifest = "{CID}"
-[optimizer]
-name = "sgd"
-lr = 0.1
-[training]
-batch_size = 8
-total_steps = 100
-checkpoint_interval = 5
-[peers]
-min = 3
-[pipeline]
-stages = 3
-balance = "measured"
-"""
+TASK = task_text(lm(2), checkpoint_interval=5, min_peers=3, pipeline='stages = 3\nbalance = "measured"\n')
 
 
 def _elected(election: Election, now: float) -> float:

@@ -1,0 +1,22 @@
+"""Task texts the pure protocol tests build their books on: small models, and a dataset CID that
+nothing fetches (a book never reads its data)."""
+
+from __future__ import annotations
+
+CID = "QmT78zSuBmuS4z925WZfrqQ1qHaJ56DQaTfyMUF7F8ff5o"
+MLP = 'name = "mlp"\nkwargs = { in_features = 4, hidden = [8], out_features = 2 }'
+
+
+def lm(depth: int) -> str:
+    """A transformer_lm small enough to cut and plan in a blink: ``depth`` blocks, ``depth + 2`` pieces."""
+    return f'name = "transformer_lm"\nkwargs = {{ vocab_size = 61, context = 16, width = 16, depth = {depth}, heads = 2 }}'
+
+
+def task_text(model: str = MLP, *, total_steps: int = 100, checkpoint_interval: int | None = None,
+              min_peers: int = 2, pipeline: str = "") -> str:
+    """A task's TOML: ``model`` (its [model] table's lines), SGD, batches of 8, and ``pipeline``
+    (the [pipeline] table's lines; none: a data-parallel task)."""
+    interval = f"checkpoint_interval = {checkpoint_interval}\n" if checkpoint_interval is not None else ""
+    text = (f'\nname = "t"\n[model]\n{model}\n[dataset]\nmanifest = "{CID}"\n[optimizer]\nname = "sgd"\nlr = 0.1\n'
+            f"[training]\nbatch_size = 8\ntotal_steps = {total_steps}\n{interval}[peers]\nmin = {min_peers}\n")
+    return text + (f"[pipeline]\n{pipeline}" if pipeline else "")
