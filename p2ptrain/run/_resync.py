@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
+from contextlib import AbstractAsyncContextManager
 
 import trio
 
@@ -61,14 +62,13 @@ def restarts_at_root(version: int, head: TaskHead | None, *, pending: bool, was_
 class Resync:
     """Heads, the resync loop and catching up to a plan; calls ``follow`` once a plan can be run."""
 
-    def __init__(self, run: RunState, restore_feedback: Callable[[int], None], busy: Callable[[], bool]) -> None:
+    def __init__(self, run: RunState, restore_feedback: Callable[[int], None], busy: Callable[[], bool],
+                 hold: Callable[[], AbstractAsyncContextManager[None]]) -> None:
         """``restore_feedback(step)``: take back the error feedback this member kept at ``step``
-        (:meth:`~p2ptrain.run._spans.Spans.restore_feedback`), once its checkpoint is loaded;
-        ``busy()``: whether a span of this member is running (its trainer is not to be replaced
-        under it: a plan that lists this member is caught up to instead, which stops the span)."""
-        self.run = run
-        self.restore_feedback = restore_feedback
-        self.busy = busy
+        (:meth:`~p2ptrain.run._spans.Spans.restore_feedback`), once its checkpoint is loaded; ``busy()``:
+        whether a span of ours runs (the resync loop loads nothing then: it ends first; a plan that lists us
+        is caught up to, which stops it); ``hold()``: the trainer to a load alone (``Spans.hold_trainer``)."""
+        self.run, self.restore_feedback, self.busy, self.hold = run, restore_feedback, busy, hold
         # term -> the coordinator our election accepted for it (the last KNOWN_TERMS terms)
         self.coordinators: dict[int, str] = {}
         self._new_head = Nudge()  # a new head was heard (wakes a member waiting to catch up)
@@ -176,10 +176,7 @@ class Resync:
     # -- catching up to a plan ---------------------------------------------------------------
 
     def catch_up(self, sender: str, plan: RoundPlan) -> None:
-        """Listed in ``plan`` from a checkpoint we do not hold: load it, then follow the plan.
-
-        The newest such plan wins: one still waiting is replaced.
-        """
+        """Listed in ``plan`` from a checkpoint we do not hold: load it, then follow the plan (the newest wins)."""
         try:
             self._catch_up_recv.receive_nowait()
         except trio.WouldBlock:
@@ -236,7 +233,8 @@ class Resync:
             if head.version <= run.book.chain.version and run.trainer and run.trainer.step == run.book.head_step:
                 run.set_synced()
                 continue
-            await self.try_load_head(head)
+            if not self.busy():  # a span of ours (followed before we fell behind) ends first
+                await self.try_load_head(head)
 
     async def _head_at_least(self, version: int) -> TaskHead | None:
         """The run's head once it names ``version`` or later, waiting at most CATCH_UP_WAIT_S."""
@@ -335,17 +333,18 @@ class Resync:
         trainer, book = run.require()
         if book.chain.version != 0:
             raise RecordError(f"this member holds model v{book.chain.version}: the run is past its initial state")
-        if isinstance(trainer, StagedTrainer):
-            trainer.back_to(0)
-        else:
-            store = run.content.store
-            max_model, max_optim = trainer.state_limits()
-            model = await trio.to_thread.run_sync(lambda: store.cat(run.initial_cid, max_bytes=max_model))
-            optim = await trio.to_thread.run_sync(lambda: store.cat(run.initial_optimizer_cid, max_bytes=max_optim))
-            await trio.to_thread.run_sync(trainer.load_state, model, optim)
-        if trainer.step != 0:
-            raise TrainerError(f"the run's initial state says step {trainer.step}")
-        self.restore_feedback(0)
+        async with self.hold():
+            if isinstance(trainer, StagedTrainer):
+                trainer.back_to(0)
+            else:
+                store = run.content.store
+                max_model, max_optim = trainer.state_limits()
+                model = await trio.to_thread.run_sync(lambda: store.cat(run.initial_cid, max_bytes=max_model))
+                optim = await trio.to_thread.run_sync(lambda: store.cat(run.initial_optimizer_cid, max_bytes=max_optim))
+                await trio.to_thread.run_sync(trainer.load_state, model, optim)
+            if trainer.step != 0:
+                raise TrainerError(f"the run's initial state says step {trainer.step}")
+            self.restore_feedback(0)
         run.stale_step = None  # our state is the run's root now
         run.book = book.resynced(book.chain)
         run.attestations.clear()
@@ -430,14 +429,15 @@ class Resync:
                 check_stage_signatures(read_manifest(model), last)
             except ManifestError as exc:
                 raise RecordError(f"checkpoint v{last.version}: {exc}") from None
-            trainer.load_manifest(model, optim, last.step)
-        else:
-            # In a worker thread: a trainer driven by the user's loop loads only while the user waits
-            # in its step (training/_user_trainer.py), and parsing a large state is CPU work anyway.
-            await trio.to_thread.run_sync(trainer.load_state, model, optim)
-        if trainer.step != last.step:
-            raise TrainerError(f"checkpoint v{last.version} says step {last.step}, its state says {trainer.step}")
-        self.restore_feedback(last.step)
+        async with self.hold():
+            if isinstance(trainer, StagedTrainer) and is_manifest(model):  # (checked above)
+                trainer.load_manifest(model, optim, last.step)
+            else:
+                # In a thread: a user's loop's trainer loads only while it waits in a step (training/_user_trainer.py).
+                await trio.to_thread.run_sync(trainer.load_state, model, optim)
+            if trainer.step != last.step:
+                raise TrainerError(f"checkpoint v{last.version} says step {last.step}, its state says {trainer.step}")
+            self.restore_feedback(last.step)
         run.stale_step = None  # our state is a confirmed one now
         run.book = book.resynced(chain)  # the roster we know of stays the roster
         run.attestations.clear()

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import torch
@@ -49,6 +50,9 @@ HOP_TIMEOUT_S = 5.0
 START_TIMEOUT_S = 15.0
 # Plans queued for the round loop; a newer one supersedes the queued ones, so a few suffice.
 PLAN_QUEUE = 64
+# A load of another state waits this long (or a local-SGD round's ``outer.wait_s``, if longer) for the
+# span it stopped to end: its worker thread ends its step, and a checkpoint under way ends first.
+SPAN_END_WAIT_S = 2 * START_TIMEOUT_S
 
 
 def round_start_timeout(task: Task) -> float:
@@ -73,6 +77,8 @@ class Spans:
         # Open while this member is in a span's rounds: a newer plan cancels it (see follow).
         self._scope: trio.CancelScope | None = None
         self.running = False  # a span is under way (its rounds, or its checkpoint until it may overlap)
+        # Held by a span from its start to its end and by a load of another state (hold_trainer).
+        self._trainer_lock = trio.Lock()
         self._settling: trio.Nursery | None = None  # run_loop's, for checkpoints that settle meanwhile
         # A pipelined task's rounds: each member serves its plan's stage (run/_stages.py).
         self.stages = None if run.task.pipeline is None else StageRounds(
@@ -105,17 +111,39 @@ class Spans:
         async with trio.open_nursery() as settling:
             self._settling = settling
             async for plan in self._plans_recv:
-                while True:  # a newer plan supersedes queued older ones
+                async with self._trainer_lock:  # after a load under way (hold_trainer)
+                    while True:  # a newer plan supersedes queued older ones
+                        try:
+                            plan = self._plans_recv.receive_nowait()
+                        except trio.WouldBlock:
+                            break
+                    self.running = True
                     try:
-                        plan = self._plans_recv.receive_nowait()
-                    except trio.WouldBlock:
-                        break
-                self.running = True
-                try:
-                    await self._run_span(plan)
-                finally:
-                    self.running = False
-                    self.run.wake_leader.set()
+                        await self._run_span(plan)
+                    finally:
+                        self.running = False
+                        self.run.wake_leader.set()
+
+    @asynccontextmanager
+    async def hold_trainer(self) -> AsyncIterator[None]:
+        """The trainer to a load of another state alone (run/_resync.py): a span under way is stopped
+        (its rounds, as a newer plan stops them) and ends first, and none starts until the load is done.
+
+        A round computes and applies in a worker thread: a state loaded meanwhile was torn (a step's
+        weights and the checkpoint's step), or undone (local SGD sets back the weights it started
+        from), or a pipelined stage freed under its step. TrainerError when the span has not ended
+        within SPAN_END_WAIT_S (the resync tries again; a plan it catches up to is told it cannot)."""
+        self.stop_rounds()
+        wait, held = max(SPAN_END_WAIT_S, round_start_timeout(self.run.task)), False
+        with trio.move_on_after(wait):
+            await self._trainer_lock.acquire()
+            held = True
+        if not held:
+            raise TrainerError(f"a span of this member still runs on its trainer after {fmt_s(wait)}")
+        try:
+            yield
+        finally:
+            self._trainer_lock.release()
 
     async def _run_span(self, plan: RoundPlan) -> None:
         """The plan's rounds back to back, then its checkpoint; a newer plan or a failure ends it."""

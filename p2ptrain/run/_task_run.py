@@ -112,7 +112,7 @@ class TaskRun:
         self.data = DataFeed(run)
         self.attesting = Attesting(run, self.data)
         self.spans = Spans(run, self.data, self.attesting)
-        self.resync = Resync(run, self.spans.restore_feedback, busy=lambda: self.spans.running)
+        self.resync = Resync(run, self.spans.restore_feedback, busy=lambda: self.spans.running, hold=self.spans.hold_trainer)
         self.resume = Resume(run, self.resync)
         self.leading = Leading(run, self.spans, self.attesting, self.resync)
         self._head_news = Nudge()  # a head arrived: the join's wait for the run's state looks again
