@@ -256,6 +256,18 @@ def quick_process_timers_for_module() -> Iterator[None]:
         yield
 
 
+@pytest.fixture
+def no_missed_plan(caplog: pytest.LogCaptureFixture) -> Iterator[None]:
+    """Fails the test if any in-process member counted a plan that does not follow on the last it
+    took (``missed_plan`` under ``rejected``: ``follows_on`` in protocol/_plans.py): an honest run
+    never misses a plan, and a false positive there costs a reload or a retry without the member.
+    Opt-in (``pytestmark = pytest.mark.usefixtures("no_missed_plan")``) for runs with no plan lost;
+    read from the log (WARNING), so members stopped before the end count too."""
+    yield
+    missed = [r.getMessage() for r in caplog.get_records("call") if "[missed_plan:" in r.getMessage()]
+    assert not missed, missed
+
+
 @pytest.hookimpl(tryfirst=True)  # before fixtures start (a session daemon) and like skipif
 def pytest_runtest_setup(item: pytest.Item) -> None:
     for mark in item.iter_markers("needs"):

@@ -89,14 +89,15 @@ def follows_on(last: RoundPlan, plan: RoundPlan, version: int, head_step: int) -
     next span of the same attempt or a retry of one of ``last``'s rounds with the next attempt;
     from another term (whose attempts start over, and whose coordinator follows on the plans it
     took, perhaps not this one's: refused, it would lead with no quorum, never outvoted) a plan
-    from a checkpoint confirmed here. Else it came after a plan this member never took (its
+    from a checkpoint confirmed here or no later than ``last``'s base (a member may take a plan
+    before the attestations of its base reach it). Else it came after a plan this member never took (its
     message lost, or its coordinator not known here yet), which may have redone steps it applied
     (RoundBook.holds_dropped). A member left out of such a plan is named again only from a
     checkpoint (plan_members admits joiners there alone), one it did not confirm."""
     if plan.step <= max(last.step, head_step):
         return True  # align rolls a step back, or a pipelined plan goes back to the head (rewinds)
     if plan.term != last.term:
-        return plan.version <= version
+        return plan.version <= max(version, last.version)
     end = last.round + last.rounds
     return (plan.attempt == last.attempt and plan.round == end) or (
         plan.attempt == last.attempt + 1 and last.round < plan.round < end)

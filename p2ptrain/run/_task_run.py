@@ -359,7 +359,7 @@ class TaskRun:
         book = run.book
         last = book.last_plan
         new = last is None or plan_order(plan) > plan_order(last)
-        before = book.accepted
+        before, left_out = book.accepted, book.left_out_from
         problem = book.plan_problem(plan, sender, run.election)
         if isinstance(problem, RuleBreak):
             run.refuse("plan_rules", f"refused plan {plan.round}.{plan.attempt} of {short_id(sender)}: {problem}")
@@ -372,6 +372,9 @@ class TaskRun:
                 # the others would wait for us until their start timeout.
                 await run.report_failure(plan, 0, f"{CANNOT_FOLLOW}: {problem}")
             return
+        if last is not None and left_out is None and book.left_out_from is not None:  # follows_on: honest runs never
+            run.refuse("missed_plan", f"plan {plan.term}/{plan.round}.{plan.attempt} does not follow on plan "
+                       f"{last.term}/{last.round}.{last.attempt}, the last taken: a plan between them was missed")
         self._note_recovery(before, plan)
         # Only members of a plan we follow may open round channels to us before the round opens.
         run.collective.hub.expect(ID.from_base58(member) for member in plan.members)

@@ -31,7 +31,7 @@ from .test_local_sgd_pipeline_resume import momentum_bits
 from .test_lost_stage_run import TASK
 from .test_pipelined_run import publish, small_text  # noqa: F401 (small_text: an autouse fixture)
 
-pytestmark = pytest.mark.usefixtures("quick_timers_slow_joins")  # tests/conftest.py: idle waits shortened, not the grace
+pytestmark = pytest.mark.usefixtures("quick_timers_slow_joins", "no_missed_plan")  # tests/conftest.py: quick waits, slow grace
 
 DEADLINE_S = 300.0
 STEP_S = 120.0

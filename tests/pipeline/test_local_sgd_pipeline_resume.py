@@ -26,7 +26,7 @@ from p2ptrain.testing import local_peers
 from .test_local_sgd_pipeline_run import LOCAL, shared_digest
 from .test_pipelined_run import DEADLINE_S, publish, small_text, STEP_S
 
-pytestmark = pytest.mark.usefixtures("quick_timers_slow_joins")  # tests/conftest.py: idle waits shortened, not the grace
+pytestmark = pytest.mark.usefixtures("quick_timers_slow_joins", "no_missed_plan")  # tests/conftest.py: quick waits, slow grace
 
 __all__ = ["small_text"]  # the fixture (autouse): the small text, one thread
 

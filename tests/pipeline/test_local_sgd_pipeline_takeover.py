@@ -41,6 +41,8 @@ from p2ptrain.testing import local_peers
 from .test_local_sgd_pipeline_run import LOCAL as FOUR, shared_digest
 from .test_pipelined_run import publish, small_text  # noqa: F401 (small_text: an autouse fixture)
 
+pytestmark = pytest.mark.usefixtures("no_missed_plan")  # tests/conftest.py: no member missed a plan
+
 DEADLINE_S = 300.0
 STEP_S = 150.0
 STEPS, INTERVAL, INNER = 6, 2, 2

@@ -32,6 +32,8 @@ from p2ptrain.wire import RoundPlan
 
 from .test_pipelined_run import publish, small_text, whole_model  # noqa: F401 (small_text: an autouse fixture)
 
+pytestmark = pytest.mark.usefixtures("no_missed_plan")  # tests/conftest.py: no member missed a plan
+
 DEADLINE_S = 300.0
 WAIT_S = 200.0
 # Seconds each forward and backward of these pieces take more (by their first module's name): blocks 1 and 2, stage 1

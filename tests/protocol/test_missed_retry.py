@@ -116,3 +116,25 @@ def test_plans_that_follow_on_keep_the_steps_applied():
     election, book, everyone, first = _setup()
     back = _plan(election.term, 0, 1, everyone)
     assert book.plan_problem(back, election.me, election) is None and not book.holds_dropped(back, 3)
+
+
+def test_a_takeover_from_the_base_of_the_plan_taken_is_followed_before_that_base_is_confirmed_here():
+    # The next span from v1 (step 10) arrived before v1's attestations: this member took it with its
+    # chain at v0 (plans may be ahead of the chain). Its coordinator stopped at step 14; the next term's
+    # takes the span over from step 13, from v1 too, before those attestations reach this member. It
+    # built on v1 itself: nothing it applied was redone. On main it was marked and resynced (a reload,
+    # or, the head still v0 here, a report that it cannot follow and a retry without it).
+    election, book, everyone, _ = _setup()
+    nxt = _plan(election.term, 10, 0, everyone, version=1, base=MODEL)
+    assert book.plan_problem(nxt, election.me, election) is None and book.chain.version == 0
+    _elected(election, 50.0)
+    takeover = _plan(election.term, 13, 1, everyone, version=1, base=MODEL)
+    assert book.plan_problem(takeover, election.me, election) is None
+    assert book.left_out_from is None and not book.holds_dropped(takeover, 14)
+    # From a checkpoint after that base (v2, not confirmed here) it is still marked: here it cannot be
+    # told from a redo of the span it missed (the third case above), even when v2 is its own span's.
+    election, book, everyone, _ = _setup()
+    assert book.plan_problem(_plan(election.term, 10, 0, everyone, version=1, base=MODEL), election.me, election) is None
+    _elected(election, 50.0)
+    later = _plan(election.term, 20, 0, everyone, version=2, base=MODEL)
+    assert book.plan_problem(later, election.me, election) is None and book.holds_dropped(later, 20)

@@ -24,7 +24,7 @@ from p2ptrain.testing._peers import DIGITS_TASK
 from p2ptrain.protocol import read_tensors
 from p2ptrain.task import load_task, task_bytes
 
-pytestmark = pytest.mark.usefixtures("quick_timers")  # tests/conftest.py: the protocol's idle waits shortened
+pytestmark = pytest.mark.usefixtures("quick_timers", "no_missed_plan")  # tests/conftest.py: the protocol's idle waits shortened
 
 DEADLINE_S = 120.0  # the whole test: three peers train 3 spans of a tiny MLP (~10 s alone)
 STEP_S = 60.0  # one condition: the run's own deadlines are a few seconds

@@ -23,7 +23,7 @@ from p2ptrain.testing import LocalPeers, local_peers
 from p2ptrain.training import LocalSGDTrainer
 from p2ptrain.protocol import Chain, read_chain
 
-pytestmark = pytest.mark.usefixtures("quick_timers")  # tests/conftest.py: the protocol's idle waits shortened
+pytestmark = pytest.mark.usefixtures("quick_timers", "no_missed_plan")  # tests/conftest.py: the protocol's idle waits shortened
 
 # The whole run, alone about 15 s; room for a loaded 2-core box.
 DEADLINE_S = 150.0

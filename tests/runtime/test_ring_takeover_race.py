@@ -26,7 +26,7 @@ from p2ptrain.testing import local_peers, publish_digits_task
 from p2ptrain.wire import RoundPlan
 
 
-pytestmark = pytest.mark.usefixtures("quick_timers")  # tests/conftest.py: the protocol's idle waits shortened
+pytestmark = pytest.mark.usefixtures("quick_timers", "no_missed_plan")  # tests/conftest.py: the protocol's idle waits shortened
 
 DEADLINE_S = 180.0
 STEP_S = 60.0

@@ -23,7 +23,7 @@ from p2ptrain.testing import LocalPeers, local_peers, publish_digits_task
 from p2ptrain.protocol import Chain, read_chain
 from p2ptrain.task import TaskError, task_from_bytes
 
-pytestmark = pytest.mark.usefixtures("quick_timers")  # tests/conftest.py: the protocol's idle waits shortened
+pytestmark = pytest.mark.usefixtures("quick_timers", "no_missed_plan")  # tests/conftest.py: the protocol's idle waits shortened
 
 # Each test, whole: peers start, torch warms up, the members train a tiny MLP to a checkpoint or
 # two. Well under a minute alone; this bound leaves room for a loaded 2-core box.

@@ -98,6 +98,8 @@ def test_a_run_survives_a_late_joiner_and_killed_members_reaches_90_percent_and_
             timeout=240, interval=1.0,
         )
         assert all(s["term"] > old_term and s["coordinator"] != old_coordinator for s in final)
+        # Killed members lose no plan of a living coordinator: none follows a plan after one it missed.
+        assert all("missed_plan" not in s["rejected"] for s in final), [s["rejected"] for s in final]
         assert len({s["latest_model_cid"] for s in final}) == 1
         chain = verified_chain(survivors[0], task_cid)  # no fork, no gap, every signature checks
         assert chain.records[-1].record.step == STEPS
