@@ -636,3 +636,24 @@ def test_an_address_given_as_host_port_is_shown_as_the_multiaddr_it_means(tmp_pa
                                         r"e\.g\. /ip4/127\.0\.0\.1/tcp/4001 \(.+\)$"):
         p2ptrain.Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model, run="r", home=home,
                            listen=["/ip4/1.2.3/tcp/1"])
+
+
+def test_a_scripts_model_by_cid_is_found_in_its_run_home_by_model_fetch_and_load_model(monkeypatch, tmp_path, capsys):
+    """After the examples' run (homes ``~/.p2ptrain/runs/<run>-member<i>``), ``load_state(model, CID)``
+    found the model, but ``p2ptrain model fetch CID -o FILE`` (as docs/api.md says) and
+    ``load_model(CID)`` looked in ``~/.p2ptrain`` alone: 'not in the store of ~/.p2ptrain, and no node
+    is running there'. Fails before: exit 1 and ContentUnavailable."""
+    import p2ptrain
+    from p2ptrain.cli.main import main
+    from p2ptrain.ipfs import open_store
+    from p2ptrain.models import build_model
+    from p2ptrain.protocol import model_bytes
+
+    monkeypatch.setenv("P2PTRAIN_HOME", str(tmp_path / "home"))
+    data = model_bytes(build_model("mlp", {}, 0), {"name": "mlp", "kwargs": {}})
+    (tmp_path / "home" / "runs" / "digits-cnn-member0").mkdir(parents=True)  # a run home without the model
+    cid = open_store(tmp_path / "home" / "runs" / "digits-cnn-member1").add_bytes(data)
+    out = tmp_path / "model.safetensors"
+    assert main(["model", "fetch", cid, "-o", str(out)]) == 0, capsys.readouterr().err
+    assert out.read_bytes() == data
+    assert p2ptrain.load_model(cid).state_dict().keys() == build_model("mlp", {}, 0).state_dict().keys()
