@@ -26,7 +26,7 @@ import sysconfig
 from pathlib import Path
 
 import torch
-from _common import parse_args, weights_digest
+from _common import parse_args, run_member, weights_digest
 from torch import nn
 
 import p2ptrain
@@ -94,4 +94,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_member(main)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from _common import parse_args, report
+from _common import parse_args, report, run_member
 
 import p2ptrain
 from p2ptrain.data import IPFSDataset, SourceOptions, build_source, read_source
@@ -77,4 +77,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_member(main)

@@ -719,3 +719,34 @@ def test_a_dataset_or_model_of_the_wrong_kind_is_one_line_saying_what_to_pass_be
     with pytest.raises(TypeError, match=r"^run= takes the run's name, a string \(the same on every member\), not 5$"):
         p2ptrain.Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model, run=5, home=home)  # type: ignore[arg-type]
     assert not home.exists()  # refused before a home or a node was made
+
+
+def test_an_examples_member_on_a_home_in_use_or_with_a_bad_bootstrap_says_one_line_not_a_traceback(tmp_path):
+    """Two members started with the same ``--home``, or ``--bootstrap`` without the /p2p/ part:
+    p2ptrain's one-line UserError came at the end of a 15-line traceback. Fails before: a traceback."""
+    import subprocess
+
+    from p2ptrain.control import socket_path
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "custom_loop.py"
+
+    def member(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, str(example), "--steps", "1", *args], capture_output=True, text=True,
+                              timeout=120, env={**os.environ, "P2PTRAIN_HOME": str(tmp_path / "default")})
+
+    done = member("--bootstrap", "/ip4/127.0.0.1/tcp/4001", "--home", str(tmp_path / "a"))
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.startswith("custom_loop.py: error: bootstrap='/ip4/127.0.0.1/tcp/4001' has no /p2p/<peer id> "
+                                  "part") and done.stderr.count("\n") == 1, done.stderr
+    home = tmp_path / "b"
+    home.mkdir()
+    live = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # a node that runs on this home and answers
+    live.bind(str(socket_path(home)))
+    live.listen()
+    try:
+        done = member("--home", str(home))
+    finally:
+        live.close()
+    assert done.returncode == 1 and done.stderr.startswith(f"custom_loop.py: error: a p2ptrain node runs on {home}: "), \
+        done.stderr
+    assert done.stderr.count("\n") == 1, done.stderr
