@@ -19,14 +19,16 @@ import argparse
 import hashlib
 import json
 import logging
-from collections.abc import Sequence
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 from sklearn.datasets import load_digits
 from torch import nn
 
-from p2ptrain.base import default_home
+from p2ptrain.base import UserError, default_home
 
 
 def parse_args(doc: str, steps: int, run: str, extra: Sequence[tuple[str, dict[str, Any]]] = ()) -> argparse.Namespace:
@@ -49,6 +51,16 @@ def parse_args(doc: str, steps: int, run: str, extra: Sequence[tuple[str, dict[s
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s: %(message)s")
     return args
+
+
+def run_member(main: Callable[[], None]) -> None:
+    """``main()``, with p2ptrain's one-line errors (a node already running on this ``--home``, a
+    bootstrap address with no peer ID, a run that stopped) said as one line on stderr with exit status
+    1, as the command line says them: they came as a 15-line traceback ending in that line."""
+    try:
+        main()
+    except UserError as exc:
+        raise SystemExit(f"{Path(sys.argv[0]).name}: error: {exc}") from None
 
 
 def digits(member: int, members: int) -> tuple[torch.utils.data.TensorDataset, torch.utils.data.TensorDataset]:

@@ -12,7 +12,7 @@ Run one copy per member (see examples/_common.py)::
 from __future__ import annotations
 
 import torch
-from _common import accuracy, digits, parse_args, report
+from _common import accuracy, digits, parse_args, report, run_member
 from torch import nn
 
 import p2ptrain
@@ -58,4 +58,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_member(main)

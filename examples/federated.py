@@ -16,7 +16,7 @@ from __future__ import annotations
 import sys
 
 import torch
-from _common import digits, parse_args, report
+from _common import digits, parse_args, report, run_member
 from torch import nn
 
 import p2ptrain
@@ -53,4 +53,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_member(main)

@@ -11,6 +11,10 @@ Run one copy per member (see examples/_common.py)::
     python examples/gpt2_text.py --texts 'corpus/*.txt' --member 0 --members 2 --listen /ip4/127.0.0.1/tcp/4001
     python examples/gpt2_text.py --texts 'corpus/*.txt' --member 1 --members 2 --bootstrap /ip4/127.0.0.1/tcp/4001/p2p/<its id>
 
+Its last line names the run's model CID. The run's card is a user's module (the Optimizer is given
+an instance), so ``p2ptrain.load_model(CID)`` says it has no builder for it: load it into the same
+architecture with ``p2ptrain.load_state(build_model("hf", CONFIG, seed=0), CID)``.
+
 The same model as a task that any peer joins (after ``p2ptrain dataset add 'text:DIR' --context 64``)::
 
     [model]
@@ -26,7 +30,7 @@ import sysconfig
 from pathlib import Path
 
 import torch
-from _common import parse_args, weights_digest
+from _common import parse_args, run_member, weights_digest
 from torch import nn
 
 import p2ptrain
@@ -94,4 +98,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_member(main)

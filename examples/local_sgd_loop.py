@@ -9,7 +9,7 @@ takes one outer step, the same on every member. Fewer, larger exchanges: for slo
 from __future__ import annotations
 
 import torch
-from _common import digits, parse_args, report
+from _common import digits, parse_args, report, run_member
 from torch import nn
 
 import p2ptrain
@@ -42,4 +42,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_member(main)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from _common import parse_args, report
+from _common import parse_args, report, run_member
 
 import p2ptrain
 from p2ptrain.data import IPFSDataset, SourceOptions, build_source, read_source
@@ -49,6 +49,11 @@ def main() -> None:
     args = parse_args(__doc__, steps=30, run=RUN, extra=[
         ("--images", {"type": Path, "help": "the image folder ROOT/CLASS/*.png|jpg (default: digits written as PNGs)"}),
         ("--image-size", {"type": int, "default": 16, "help": "pixels a side the images are scaled to (default 16)"})])
+    try:  # before a minute of reading images: it said so in a traceback once the dataset was stored
+        import torchvision  # noqa: F401
+    except Exception as exc:  # absent, or built for another torch (an ImportError, or a RuntimeError from its ops)
+        raise SystemExit(f"resnet_image_folder.py: needs torchvision beside this torch ({exc}): "
+                         "pip install torch==2.14.1 torchvision==0.29.1") from None
     images, size = args.images, args.image_size
     home = Path(args.home)
     home.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -72,4 +77,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_member(main)

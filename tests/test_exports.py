@@ -21,7 +21,8 @@ EXPORTS: dict[str, list[str]] = {
     ],
     "p2ptrain.api": [
         "EPHEMERAL_MESH_TIMEOUT_S", "NODE_PROBE_TIMEOUT_S", "Optimizer", "PROGRESS_LINE_S", "RunFinished", "TrainResult",
-        "check_listen", "ensure_local", "fetch_progress", "fetch_through", "find_latest", "load_model", "load_state",
+        "check_listen", "ensure_local", "fetch_progress", "fetch_through", "find_latest", "home_holding", "load_model",
+        "load_state",
         "node_answers", "split_shards", "train", "with_ephemeral_node",
     ],
     "p2ptrain.base": [

@@ -6,6 +6,7 @@ that waits for members it lacks says so where default logging shows it."""
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import sys
 import threading
@@ -636,3 +637,116 @@ def test_an_address_given_as_host_port_is_shown_as_the_multiaddr_it_means(tmp_pa
                                         r"e\.g\. /ip4/127\.0\.0\.1/tcp/4001 \(.+\)$"):
         p2ptrain.Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model, run="r", home=home,
                            listen=["/ip4/1.2.3/tcp/1"])
+
+
+def test_a_scripts_model_by_cid_is_found_in_its_run_home_by_model_fetch_and_load_model(monkeypatch, tmp_path, capsys):
+    """After the examples' run (homes ``~/.p2ptrain/runs/<run>-member<i>``), ``load_state(model, CID)``
+    found the model, but ``p2ptrain model fetch CID -o FILE`` (as docs/api.md says) and
+    ``load_model(CID)`` looked in ``~/.p2ptrain`` alone: 'not in the store of ~/.p2ptrain, and no node
+    is running there'. Fails before: exit 1 and ContentUnavailable."""
+    import p2ptrain
+    from p2ptrain.cli.main import main
+    from p2ptrain.ipfs import open_store
+    from p2ptrain.models import build_model
+    from p2ptrain.protocol import model_bytes
+
+    monkeypatch.setenv("P2PTRAIN_HOME", str(tmp_path / "home"))
+    data = model_bytes(build_model("mlp", {}, 0), {"name": "mlp", "kwargs": {}})
+    (tmp_path / "home" / "runs" / "digits-cnn-member0").mkdir(parents=True)  # a run home without the model
+    cid = open_store(tmp_path / "home" / "runs" / "digits-cnn-member1").add_bytes(data)
+    out = tmp_path / "model.safetensors"
+    assert main(["model", "fetch", cid, "-o", str(out)]) == 0, capsys.readouterr().err
+    assert out.read_bytes() == data
+    assert p2ptrain.load_model(cid).state_dict().keys() == build_model("mlp", {}, 0).state_dict().keys()
+
+
+def test_the_resnet_example_without_a_working_torchvision_says_what_to_install_at_once(tmp_path):
+    """It read the images and stored the data set (a minute), then died with a 20-line traceback
+    ending in MissingBuilder. A torchvision that does not import stands in here, installed or not.
+    Fails before: a traceback."""
+    import subprocess
+
+    fake = tmp_path / "path" / "torchvision"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text('raise ImportError("torchvision was built for another torch")\n')
+    example = Path(__file__).resolve().parents[1] / "examples" / "resnet_image_folder.py"
+    done = subprocess.run([sys.executable, str(example), "--home", str(tmp_path / "home"), "--steps", "1"],
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(tmp_path / "path")})
+    assert done.returncode == 1
+    assert done.stderr.strip() == ("resnet_image_folder.py: needs torchvision beside this torch (torchvision was built "
+                                   "for another torch): pip install torch==2.14.1 torchvision==0.29.1")
+    assert not (tmp_path / "home" / "blocks").exists()  # nothing stored before saying so
+
+
+def test_a_dataset_or_model_of_the_wrong_kind_is_one_line_saying_what_to_pass_before_a_node_starts(tmp_path):
+    """``train(model, loader)`` said ``'DataLoader' object is not subscriptable``, a tensor or a CSV
+    path ``too many values to unpack``, numpy arrays ``stack expects each tensor to be equal size``
+    (each after a node had started), an empty dataset ``num_samples should be a positive integer
+    value``; ``Optimizer(model=model.state_dict())`` ``'OrderedDict' object has no attribute
+    'parameters'``; ``run=5`` ``name: must be a non-empty string``. Fails before: those errors."""
+    import numpy as np
+    import torch
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import p2ptrain
+
+    model = nn.Linear(4, 3)
+    x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+    home = tmp_path / "home"
+
+    def train(data: object, **kwargs: object) -> None:
+        p2ptrain.train(model, data, steps=1, run="r", home=home, **kwargs)  # type: ignore[arg-type]
+
+    dataset = "^train_data= takes a torch Dataset of \\(features, label\\), not a "
+    with pytest.raises(TypeError, match=dataset + r"DataLoader: pass train_data=loader\.dataset \(train batches"):
+        train(DataLoader(TensorDataset(x, y), batch_size=4))
+    for data in (x, (x.numpy(), y.numpy()), np.zeros((8, 4))):
+        with pytest.raises(TypeError, match=dataset + r"\w+: pair features with labels: torch\.utils\.data\.TensorDataset"):
+            train(data)
+    with pytest.raises(TypeError, match=dataset + r"str: a file is read by `p2ptrain dataset add PATH`, then p2ptrain"):
+        train("data.csv")
+    with pytest.raises(ValueError, match=r"^train_data= is empty: it has no \(features, label\)"):
+        train(TensorDataset(x[:0], y[:0]))
+    with pytest.raises(TypeError, match="^test_data= takes a torch Dataset of .*not a tuple"):
+        train(TensorDataset(x, y), test_data=(x, y))
+    module = r"^model= takes your torch\.nn\.Module \(the one whose parameters the optimizer holds\), not a "
+    with pytest.raises(TypeError, match=module + "function$"):
+        p2ptrain.train(lambda t: t, TensorDataset(x, y), steps=1, run="r", home=home)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=module + "OrderedDict$"):
+        p2ptrain.Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model.state_dict(), run="r",  # type: ignore[arg-type]
+                           home=home)
+    with pytest.raises(TypeError, match=r"^run= takes the run's name, a string \(the same on every member\), not 5$"):
+        p2ptrain.Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model, run=5, home=home)  # type: ignore[arg-type]
+    assert not home.exists()  # refused before a home or a node was made
+
+
+def test_an_examples_member_on_a_home_in_use_or_with_a_bad_bootstrap_says_one_line_not_a_traceback(tmp_path):
+    """Two members started with the same ``--home``, or ``--bootstrap`` without the /p2p/ part:
+    p2ptrain's one-line UserError came at the end of a 15-line traceback. Fails before: a traceback."""
+    import subprocess
+
+    from p2ptrain.control import socket_path
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "custom_loop.py"
+
+    def member(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, str(example), "--steps", "1", *args], capture_output=True, text=True,
+                              timeout=120, env={**os.environ, "P2PTRAIN_HOME": str(tmp_path / "default")})
+
+    done = member("--bootstrap", "/ip4/127.0.0.1/tcp/4001", "--home", str(tmp_path / "a"))
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.startswith("custom_loop.py: error: bootstrap='/ip4/127.0.0.1/tcp/4001' has no /p2p/<peer id> "
+                                  "part") and done.stderr.count("\n") == 1, done.stderr
+    home = tmp_path / "b"
+    home.mkdir()
+    live = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # a node that runs on this home and answers
+    live.bind(str(socket_path(home)))
+    live.listen()
+    try:
+        done = member("--home", str(home))
+    finally:
+        live.close()
+    assert done.returncode == 1 and done.stderr.startswith(f"custom_loop.py: error: a p2ptrain node runs on {home}: "), \
+        done.stderr
+    assert done.stderr.count("\n") == 1, done.stderr

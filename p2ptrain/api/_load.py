@@ -30,11 +30,14 @@ def load_model(cid_or_path: str | Path, *, home: str | Path | None = None, store
     """:func:`p2ptrain.training.load_model`, and with ``bootstrap`` addresses a CID the home's store
     lacks is first fetched, as :func:`load_state` fetches it: through the home's running node, else
     through a temporary node that joins the mesh by ``bootstrap`` (a fresh machine needs no node of
-    its own). Without ``bootstrap`` a CID the store lacks raises
+    its own). With no ``home`` (nor ``store``) it is the first of ``~/.p2ptrain`` and the runs' homes
+    under it that holds the CID, as for :func:`load_state`. Without ``bootstrap`` a CID the store lacks raises
     :class:`~p2ptrain.ipfs.ContentUnavailable`, as before; a fetch that fails raises
     :class:`~p2ptrain.base.UserError` in one line.
     """
     where = Path(home).expanduser() if home is not None else None
+    if where is None and store is None and not Path(cid_or_path).exists() and _is_cid(str(cid_or_path)):
+        where = home_holding(str(cid_or_path))  # it looked in ~/.p2ptrain alone, not where a script's run keeps it
     if bootstrap and not Path(cid_or_path).exists() and _is_cid(str(cid_or_path)):
         if store is not None:
             raise UserError("load_model: bootstrap fetches into a home's store; pass home=, not store=")
@@ -73,7 +76,7 @@ def load_state(model: nn.Module, cid_or_path: str | Path, *, home: str | Path | 
             parse_cid(cid)
         except Exception:
             raise UserError(f"{cid}: no such file, and {not_a_cid(cid)}") from None
-        where = Path(home).expanduser() if home is not None else _home_holding(cid)
+        where = Path(home).expanduser() if home is not None else home_holding(cid)
         store = open_store(where)
         if not store.has(cid):
             from p2ptrain.services import ensure_local  # the fetch paths model fetch has
@@ -97,8 +100,10 @@ def load_state(model: nn.Module, cid_or_path: str | Path, *, home: str | Path | 
 MAX_RUN_HOMES = 256
 
 
-def _home_holding(cid: str) -> Path:
-    """The default home, or the first run home under it (``Optimizer``'s default) holding ``cid``."""
+def home_holding(cid: str) -> Path:
+    """The default home, or the first run home under it (``Optimizer``'s default) holding ``cid``:
+    where ``load_state``, ``load_model`` and ``model fetch`` look when given no home, so a model a
+    script's run just confirmed is found where its members kept it."""
     base = default_home()
     runs = base / "runs"
     candidates = [base] + (sorted(p for p in runs.iterdir() if p.is_dir())[:MAX_RUN_HOMES] if runs.is_dir() else [])

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from p2ptrain.api._arguments import address_list
+from p2ptrain.api._arguments import address_list, check_inputs
 from p2ptrain.api._background import BackgroundPeer
 from p2ptrain.api._rendezvous import JOIN_WINDOW_S, choose_run, keep_announcing, load_initial, store_own
 from p2ptrain.base import (
@@ -124,8 +124,7 @@ class Optimizer:
         join_window_s: float = JOIN_WINDOW_S,
         ready_timeout_s: float = READY_TIMEOUT_S,
     ) -> None:
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"p2ptrain.Optimizer wraps a torch.optim.Optimizer, not a {type(optimizer).__name__}")
+        check_inputs(optimizer, model, run)  # a state dict as model=, a number as run=: one line, here
         if mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, not {mode!r}")
         if (mode == "local_sgd") != (inner_steps is not None):

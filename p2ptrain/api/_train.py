@@ -35,6 +35,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
+from p2ptrain.api._arguments import check_dataset, check_model
 from p2ptrain.api._optimizer import Optimizer, RunFinished
 from p2ptrain.training import evaluate_batches, module_device
 
@@ -87,6 +88,10 @@ def train(
     """
     if (steps is None) == (epochs is None):
         raise ValueError("give steps or epochs (one of them)")
+    check_model(model)
+    check_dataset("train_data", train_data)
+    if test_data is not None:
+        check_dataset("test_data", test_data)
     if batch_size < 1:
         raise ValueError(f"batch_size must be at least 1, not {batch_size}")
     shared = _is_shared(train_data)

@@ -78,6 +78,10 @@ def cmd_fetch(args: argparse.Namespace) -> int:
     if (args.model_cid is None) == (args.latest is None):
         raise UserError("give a MODEL_CID or --latest TASK_CID (one of them)")
     home = home_of(args)
+    if args.home is None and args.model_cid:  # a script's run keeps its models in HOME/runs/<run>, as load_state finds
+        from p2ptrain.api import home_holding
+
+        home = home_holding(args.model_cid)
     cids = ensure_local(home, [args.model_cid] if args.model_cid else [], args.bootstrap, args.latest)
     model_cid = cids[-1]
     from p2ptrain.cli.ipfs import progress_bar
