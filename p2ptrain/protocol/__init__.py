@@ -50,6 +50,7 @@ if TYPE_CHECKING:
         parse_entry as parse_entry,
         read_chain as read_chain,
     )
+    from p2ptrain.protocol._held_plans import HeldPlans as HeldPlans
     from p2ptrain.protocol._participation import Participation as Participation
     from p2ptrain.protocol._planner import Hold as Hold
     from p2ptrain.protocol._plans import (

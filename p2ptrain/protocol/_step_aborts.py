@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from p2ptrain.wire import RoundFailed, RoundPlan
 
-# How a failure report begins when its sender takes no part in the plan's rounds (run/_task_run.py,
+# How a failure report begins when its sender takes no part in the plan's rounds (run/_plan_intake.py,
 # run/_resync.py and run/_spans.py write these): it cannot follow the plan, it is out of step, or it
 # has no training data. A round that failed for any other reason says so otherwise ("peer X failed:
 # ..."); such a report leaves no step here: its sender took part, and its collective's abort notice

@@ -20,6 +20,7 @@ from libp2p.peer.id import ID
 
 from p2ptrain.base import short_id
 from p2ptrain.run._attesting import Attesting
+from p2ptrain.run._plan_intake import PlanIntake
 from p2ptrain.run._resync import Resync
 from p2ptrain.run._run_state import RunState
 from p2ptrain.run._spans import Spans
@@ -40,8 +41,9 @@ CANCEL_SETTLE_S = ATTEST_TIMEOUT_S
 class Leading:
     """Election ticks for every member; plans and heads while this member is the coordinator."""
 
-    def __init__(self, run: RunState, spans: Spans, attesting: Attesting, resync: Resync) -> None:
+    def __init__(self, run: RunState, spans: Spans, attesting: Attesting, resync: Resync, intake: PlanIntake) -> None:
         self.run = run
+        self.intake = intake  # plans held until the election accepts their sender (settled here)
         self.spans = spans
         self.attesting = attesting
         self.resync = resync
@@ -67,6 +69,7 @@ class Leading:
         for out in outs:
             await run.node.publish(run.topic, out)
         self._note_coordinator(before, now)
+        await self.intake.settle()  # a beat that carried a held plan's certificate: followed now
 
     def _note_asking(self, outs: list[ElectionMessage], now: float) -> None:
         """This member asks for votes: the peers in its state vote now (Participation.note_asked)."""
@@ -153,6 +156,7 @@ class Leading:
                 # on it (the mesh drops it only after 5 s). Left out like a peer a round named.
                 run.book.note_silent_coordinator(now, election.given_up)
             self._note_coordinator(before, now)
+            await self.intake.settle()  # held plans whose hold ended: reported
             self._judge_claim(now, classes)
             if election.is_coordinator and not self.spans.running:
                 self._abandon_inherited()

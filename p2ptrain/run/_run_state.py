@@ -140,7 +140,7 @@ class RunState:
     voted_saved: int = -1
     # A pipelined run that went back to its last confirmed checkpoint because a stage lost every
     # replica, as this member last followed it: {"stages", "moved", "step", "version", "redone"}
-    # (`task status`'s stage_recovery; run/_task_run.py).
+    # (`task status`'s stage_recovery; run/_plan_intake.py).
     stage_recovery: dict[str, Any] | None = None
     # Who of the peers advertising the task takes part in it (votes, rounds): only they count.
     participation: Participation = field(default_factory=Participation)

@@ -7,6 +7,7 @@ they decide, one job per module:
 
 - :mod:`~p2ptrain.run._leading`: the control loop (election ticks; while coordinator, plans and
   the run's head);
+- :mod:`~p2ptrain.run._plan_intake`: each plan received: followed, caught up to, held or reported;
 - :mod:`~p2ptrain.run._spans`: the round loop (the rounds of a followed plan, then its checkpoint);
 - :mod:`~p2ptrain.run._attesting`: records, attestations, the confirmed chain on disk;
 - :mod:`~p2ptrain.run._resync`: heads, loading the confirmed chain by CID, catching up to a plan;
@@ -29,7 +30,6 @@ from collections.abc import Awaitable, Callable
 from typing import Any, ClassVar
 
 import trio
-from libp2p.peer.id import ID
 
 from p2ptrain.collective import Collective
 from p2ptrain.data import MAX_MANIFEST_BYTES, Manifest
@@ -41,6 +41,7 @@ from p2ptrain.run._attesting import Attesting
 from p2ptrain.run._chain_file import ChainFile
 from p2ptrain.run._datafeed import DataFeed
 from p2ptrain.run._leading import HEAD_EVERY_S, Leading
+from p2ptrain.run._plan_intake import PlanIntake
 from p2ptrain.run._resume import Resume
 from p2ptrain.run._resync import Resync
 from p2ptrain.run._run_state import Nudge, RunState
@@ -50,8 +51,7 @@ from p2ptrain.run._stage_local_sgd import LocalSGDStagedTrainer, staged_trainer
 from p2ptrain.run._stage_status import stage_status
 from p2ptrain.run._stage_trainer import StagedTrainer
 from p2ptrain.control import FINISHED, ChainEntry, Phase, TaskStatus
-from p2ptrain.protocol import (CANNOT_FOLLOW, Chain, ChainRules, load_model_bytes, orphaned_stages, plan_order,
-                               RecordError, refuse_report, RoundBook, RuleBreak, stage_moves)
+from p2ptrain.protocol import Chain, ChainRules, load_model_bytes, RecordError, refuse_report, RoundBook
 from p2ptrain.task import Task, total_steps
 from p2ptrain.training import LocalSGDTrainer, Trainer, TrainerError, new_trainer, warm_up_torch
 from p2ptrain.wire import (
@@ -114,7 +114,8 @@ class TaskRun:
         self.spans = Spans(run, self.data, self.attesting)
         self.resync = Resync(run, self.spans.restore_feedback, busy=lambda: self.spans.running, hold=self.spans.hold_trainer)
         self.resume = Resume(run, self.resync)
-        self.leading = Leading(run, self.spans, self.attesting, self.resync)
+        self.intake = PlanIntake(run, self.spans, self.resync)
+        self.leading = Leading(run, self.spans, self.attesting, self.resync, self.intake)
         self._head_news = Nudge()  # a head arrived: the join's wait for the run's state looks again
 
     @property
@@ -351,65 +352,7 @@ class TaskRun:
                 run.wake_leader.set()  # the last report may be the one the retry waits for
 
     async def _on_plan(self, sender: str, plan: RoundPlan) -> None:
-        # Every plan goes through the book, also when we are not a member: that is how a joiner
-        # learns the roster whose votes elected the coordinator.
-        run = self.shared
-        if run.book is None or run.trainer is None or plan.task_cid != run.task_cid:
-            return
-        book = run.book
-        last = book.last_plan
-        new = last is None or plan_order(plan) > plan_order(last)
-        before, left_out = book.accepted, book.left_out_from
-        problem = book.plan_problem(plan, sender, run.election)
-        if isinstance(problem, RuleBreak):
-            run.refuse("plan_rules", f"refused plan {plan.round}.{plan.attempt} of {short_id(sender)}: {problem}")
-            run.accuse(sender, problem)
-            return
-        if problem is not None:
-            logger.debug("%s: not following plan %d.%d: %s", run.log_prefix, plan.round, plan.attempt, problem)
-            if new and run.me in plan.members:
-                # Listed in a plan we will not follow (we do not recognise its coordinator yet):
-                # the others would wait for us until their start timeout.
-                await run.report_failure(plan, 0, f"{CANNOT_FOLLOW}: {problem}")
-            return
-        if last is not None and left_out is None and book.left_out_from is not None:  # follows_on: honest runs never
-            run.refuse("missed_plan", f"plan {plan.term}/{plan.round}.{plan.attempt} does not follow on plan "
-                       f"{last.term}/{last.round}.{last.attempt}, the last taken: a plan between them was missed")
-        self._note_recovery(before, plan)
-        # Only members of a plan we follow may open round channels to us before the round opens.
-        run.collective.hub.expect(ID.from_base58(member) for member in plan.members)
-        # A pipelined plan that goes back to our confirmed head (a stage lost every replica) is
-        # followed from here: the span drops what this member holds and loads its stage (run/_spans.py).
-        dropped = book.holds_dropped(plan, run.trainer.step)  # steps the run redid without us: not built on
-        book.left_out_from = None  # this plan names us: decided here, once
-        if not run.synced or dropped or not (run.trainer.can_align(plan.step) or book.rewinds(plan, run.trainer.step)):
-            # Listed in a plan from a checkpoint we do not hold (a joiner from a head the run has left, a member
-            # behind): the resync loop loads it by CID, then follows the plan; the others wait for our channels.
-            if dropped:  # not the run's state: the resync loads the confirmed one (run/_resync.py)
-                run.stale_step = run.trainer.step
-                logger.warning("%s: at step %d, past steps the run redid without us: resyncing", run.log_prefix, run.trainer.step)
-            if run.synced:
-                run.desync(trio.current_time())
-            self.spans.stop_rounds()
-            self.resync.catch_up(sender, plan)
-            return
-        self.spans.follow(plan)
-
-    def _note_recovery(self, before: RoundPlan | None, plan: RoundPlan) -> None:
-        """A followed plan that fills a stage whose replicas all left (``before``'s assignment), from
-        the last confirmed checkpoint: say so in the log and in ``task status`` (stage_recovery)."""
-        run = self.shared
-        orphaned = orphaned_stages(before, plan.members)
-        if not orphaned or run.trainer is None:
-            return
-        moves = stage_moves(before, plan)
-        redone = max(0, run.trainer.step - plan.step)
-        run.stage_recovery = {"stages": list(orphaned), "moved": [{"peer": m, "from": a, "to": b} for m, a, b in moves],
-                              "step": plan.step, "version": plan.version, "redone": redone}
-        logger.warning("%s: stage %s lost every replica; %s; the run goes back to model v%d (step %d), %d step%s "
-                       "redone", run.log_prefix, ", ".join(map(str, orphaned)),
-                       ", ".join(f"{short_id(m)} moves from stage {a} to {b}" for m, a, b in moves)
-                       or "no member moves", plan.version, plan.step, redone, "" if redone == 1 else "s")
+        await self.intake.on_plan(sender, plan)
 
     # {message type: the handler}: the one place a task message is routed. The task service
     # subscribes to these types and hands each message of this task here; a new type is one line.

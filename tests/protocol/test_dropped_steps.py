@@ -6,7 +6,7 @@ the member that completed it applied the step, and only following the retry woul
 can send), it kept the dropped attempt's weights; named again in a later plan from a step past the
 one redone, ``can_align`` held, and it trained on with weights no other member had (red team
 h-attack4, MEDIUM: its stage's second opinions then disagreed with its honest replicas). Now such a
-member resyncs from the head first (run/_task_run.py ``_on_plan`` marks its state stale). Fails on
+member resyncs from the head first (run/_plan_intake.py ``PlanIntake.on_plan`` marks its state stale). Fails on
 main, where the book has no such rule."""
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def test_a_member_left_out_of_a_retry_does_not_follow_a_later_plan_on_the_step_i
     assert not book.holds_dropped(later, 4)  # at the step the run redid from: its weights are the run's
     # A plan from the step redone itself: align rolls the applied step back, nothing to resync.
     assert not book.holds_dropped(plan(4, 3, everyone), 5)
-    # Once a plan names it, the mark is the runtime's to clear (TaskRun._on_plan decides once).
+    # Once a plan names it, the mark is the runtime's to clear (PlanIntake.on_plan decides once).
     book.left_out_from = None
     assert not book.holds_dropped(later, 5)
 
