@@ -13,10 +13,10 @@ from __future__ import annotations
 
 from libp2p.crypto.ed25519 import create_new_key_pair
 
-from p2ptrain.protocol import Chain, Election, ElectionConfig, RoundBook, signing, View
+from p2ptrain.protocol import Chain, Election, ElectionConfig, RoundBook, signing
 from p2ptrain.task import load_task
 from p2ptrain.wire import RoundPlan
-from tests.protocol._tasks import CID, task_text
+from tests.protocol._books import CID, elected, task_text
 
 TASK = task_text()
 
@@ -24,11 +24,7 @@ TASK = task_text()
 def _elected() -> Election:
     """A lone peer's election, won: the plans below are its term's coordinator's."""
     election = Election("QmTask", create_new_key_pair(b"\x05" * 32), ElectionConfig(heartbeat_s=1.0, timeout_beats=3))
-    now = 0.0
-    while not election.is_coordinator:
-        now += 0.25
-        assert now < 30, "no coordinator"
-        election.tick(now, View(advertising=frozenset()))
+    elected(election)
     return election
 
 

@@ -16,30 +16,18 @@ from __future__ import annotations
 
 from libp2p.crypto.ed25519 import create_new_key_pair
 
-from p2ptrain.protocol import Chain, Election, ElectionConfig, RoundBook, signing, View
+from p2ptrain.protocol import Chain, Election, ElectionConfig, RoundBook, signing
 from p2ptrain.task import load_task
 from p2ptrain.wire import RoundPlan
-from tests.protocol._tasks import CID, task_text
+from tests.protocol._books import CID, elected, task_text
 
 MODEL = "QmQQFmbEzeKEYVMidxPKhdPYbB5DR8mFW8YG5KaEvoSi1o"
 TASK = task_text(checkpoint_interval=10)
 
 
-def _elected(election: Election, now: float = 0.0) -> float:
-    """``election``'s lone member (re-)elected coordinator of a new term, from ``now``: the time then."""
-    if election.is_coordinator:
-        election.step_down(now)
-    term, until = election.term, now + 100.0
-    while not election.is_coordinator or election.term == term:
-        now += 0.25
-        assert now < until, "no coordinator"
-        election.tick(now, View(advertising=frozenset()))
-    return now
-
-
 def _setup() -> tuple[Election, RoundBook, tuple[str, ...], RoundPlan]:
     election = Election("QmTask", create_new_key_pair(b"\x05" * 32), ElectionConfig(heartbeat_s=1.0, timeout_beats=3))
-    _elected(election)
+    elected(election)
     me = election.me
     others = tuple(signing.peer_str(create_new_key_pair(bytes([i]) * 32)) for i in range(10, 13))
     everyone = tuple(sorted((me, *others)))
@@ -81,7 +69,7 @@ def test_a_new_terms_plan_from_a_checkpoint_it_has_not_confirmed_is_not_followed
     # it yet); that span's checkpoint at step 10 is v1, and the next span, attempt 0 again in the new
     # term, names it back: the same (attempt, round) as the next span of the plan it took.
     election, book, everyone, first = _setup()
-    _elected(election, 50.0)
+    elected(election, 50.0)
     assert election.term > first.term
     nxt = _plan(election.term, 10, 0, everyone, version=1, base=MODEL)
     assert book.plan_problem(nxt, election.me, election) is None
@@ -99,17 +87,17 @@ def test_plans_that_follow_on_keep_the_steps_applied():
     assert not book.holds_dropped(retry, 13) and not book.holds_dropped(retry, 14)
     # The next term's coordinator takes the span over (the next attempt, from a step within it).
     election, book, everyone, first = _setup()
-    _elected(election, 50.0)
+    elected(election, 50.0)
     takeover = _plan(election.term, 3, 1, everyone)
     assert book.plan_problem(takeover, election.me, election) is None and not book.holds_dropped(takeover, 4)
     # Or one that continues a plan of the old term this member did not take (from the base it
     # confirmed): its coordinator's own plans, which this member follows (refused, that coordinator
     # would lead on with no quorum and no record to outvote it). Its checkpoint's attestations tell.
-    _elected(election, 75.0)
+    elected(election, 75.0)
     own = _plan(election.term, 6, 3, everyone)
     assert book.plan_problem(own, election.me, election) is None and not book.holds_dropped(own, 6)
     # It goes on to the next span of a checkpoint abandoned (no record: the version confirmed here).
-    _elected(election, 100.0)
+    elected(election, 100.0)
     span = _plan(election.term, 10, 1, everyone)
     assert book.plan_problem(span, election.me, election) is None and not book.holds_dropped(span, 10)
     # A plan from this member's confirmed head (a pipelined run sent back to it: RoundBook.rewinds).
@@ -127,7 +115,7 @@ def test_a_takeover_from_the_base_of_the_plan_taken_is_followed_before_that_base
     election, book, everyone, _ = _setup()
     nxt = _plan(election.term, 10, 0, everyone, version=1, base=MODEL)
     assert book.plan_problem(nxt, election.me, election) is None and book.chain.version == 0
-    _elected(election, 50.0)
+    elected(election, 50.0)
     takeover = _plan(election.term, 13, 1, everyone, version=1, base=MODEL)
     assert book.plan_problem(takeover, election.me, election) is None
     assert book.left_out_from is None and not book.holds_dropped(takeover, 14)
@@ -135,6 +123,6 @@ def test_a_takeover_from_the_base_of_the_plan_taken_is_followed_before_that_base
     # told from a redo of the span it missed (the third case above), even when v2 is its own span's.
     election, book, everyone, _ = _setup()
     assert book.plan_problem(_plan(election.term, 10, 0, everyone, version=1, base=MODEL), election.me, election) is None
-    _elected(election, 50.0)
+    elected(election, 50.0)
     later = _plan(election.term, 20, 0, everyone, version=2, base=MODEL)
     assert book.plan_problem(later, election.me, election) is None and book.holds_dropped(later, 20)

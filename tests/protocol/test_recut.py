@@ -19,7 +19,7 @@ from p2ptrain.task import (cut_problem, load_task, parameter_cut, piece_paramete
                            TaskError)
 from p2ptrain.wire import decode, encode, RoundPlan
 from p2ptrain.wire._schema import to_plain
-from tests.protocol._tasks import CID, lm, task_text
+from tests.protocol._books import CID, lm, task_text
 
 TASK = task_text(lm(6), total_steps=10, min_peers=3, pipeline='stages = 3\n')
 RECUT = TASK + 'balance = "recut"\n'

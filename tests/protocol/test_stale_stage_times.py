@@ -19,26 +19,14 @@ from __future__ import annotations
 
 from libp2p.crypto.ed25519 import create_new_key_pair
 
-from p2ptrain.protocol import Chain, Election, ElectionConfig, RoundBook, RuleBreak, sign_record, signing, View
+from p2ptrain.protocol import Chain, Election, ElectionConfig, RoundBook, RuleBreak, sign_record, signing
 from p2ptrain.protocol._plans import plan_stages, rule_problem
 from p2ptrain.task import load_task, stage_parameters
 from p2ptrain.wire import ModelRecord, RoundPlan
-from tests.protocol._tasks import CID, lm, task_text
+from tests.protocol._books import CID, elected, lm, task_text
 
 MODEL = "QmQQFmbEzeKEYVMidxPKhdPYbB5DR8mFW8YG5KaEvoSi1o"
 TASK = task_text(lm(2), checkpoint_interval=5, min_peers=3, pipeline='stages = 3\nbalance = "measured"\n')
-
-
-def _elected(election: Election, now: float) -> float:
-    """``election``'s lone member (re-)elected coordinator, from ``now``: the time then."""
-    if election.is_coordinator:
-        election.step_down(now)
-    term, until = election.term, now + 100.0
-    while not election.is_coordinator or election.term == term:
-        now += 0.25
-        assert now < until, "no coordinator"
-        election.tick(now, View(advertising=frozenset()))
-    return now
 
 
 def test_a_member_that_never_took_the_retry_does_not_weigh_plans_by_the_dropped_attempts_times():
@@ -46,7 +34,7 @@ def test_a_member_that_never_took_the_retry_does_not_weigh_plans_by_the_dropped_
     parameters = stage_parameters(task)
     key = create_new_key_pair(b"\x05" * 32)
     election = Election("QmTask", key, ElectionConfig(heartbeat_s=1.0, timeout_beats=3))
-    now = _elected(election, 0.0)
+    now = elected(election, 0.0)
     me = election.me  # the member whose times are stale (and, below, a coordinator elected with them)
     members = tuple(sorted([me, *(signing.peer_str(create_new_key_pair(bytes([i]) * 32)) for i in range(10, 15))]))
     others = tuple(m for m in members if m != me)
@@ -71,7 +59,7 @@ def test_a_member_that_never_took_the_retry_does_not_weigh_plans_by_the_dropped_
 
     # Round 4 failed elsewhere; the next term's coordinator goes back to the head (step 0) without
     # this member. Not knowing that coordinator yet, it does not take the plan (another's, to it).
-    now = _elected(election, now)
+    now = elected(election, now)
     retry = plan(election.term, 0, others, plan_stages(task, others, first))
     assert stale.plan_problem(retry, others[0], election) is not None and stale.accepted == first
     assert honest.plan_problem(retry, me, election) == "not a member of this span"

@@ -1,7 +1,9 @@
-"""Task texts the pure protocol tests build their books on: small models, and a dataset CID that
-nothing fetches (a book never reads its data)."""
+"""What the pure protocol tests build their books on: task texts (small models, and a dataset CID
+that nothing fetches: a book never reads its data) and a lone member's election."""
 
 from __future__ import annotations
+
+from p2ptrain.protocol import Election, View
 
 CID = "QmT78zSuBmuS4z925WZfrqQ1qHaJ56DQaTfyMUF7F8ff5o"
 MLP = 'name = "mlp"\nkwargs = { in_features = 4, hidden = [8], out_features = 2 }'
@@ -20,3 +22,15 @@ def task_text(model: str = MLP, *, total_steps: int = 100, checkpoint_interval: 
     text = (f'\nname = "t"\n[model]\n{model}\n[dataset]\nmanifest = "{CID}"\n[optimizer]\nname = "sgd"\nlr = 0.1\n'
             f"[training]\nbatch_size = 8\ntotal_steps = {total_steps}\n{interval}[peers]\nmin = {min_peers}\n")
     return text + (f"[pipeline]\n{pipeline}" if pipeline else "")
+
+
+def elected(election: Election, now: float = 0.0) -> float:
+    """``election``'s lone member (re-)elected coordinator of a new term, from ``now``: the time then."""
+    if election.is_coordinator:
+        election.step_down(now)
+    term, until = election.term, now + 100.0
+    while not election.is_coordinator or election.term == term:
+        now += 0.25
+        assert now < until, "no coordinator"
+        election.tick(now, View(advertising=frozenset()))
+    return now
