@@ -41,6 +41,9 @@ class PlanIntake:
         self.held = HeldPlans(run.node.config.heartbeat_interval * HOLD_BEATS)
 
     async def on_plan(self, sender: str, plan: RoundPlan) -> None:
+        """``plan`` from ``sender`` (see the module). One that names this member and does not follow
+        on the last plan it took (one between them missed: protocol/_plans.py ``follows_on``) is
+        counted as ``missed_plan`` and followed from the head: honest runs never count one."""
         run = self.run
         if run.book is None or run.trainer is None or plan.task_cid != run.task_cid:
             return
