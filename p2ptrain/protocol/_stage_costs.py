@@ -73,22 +73,23 @@ class StageTimes:
     again after a retry replaces its times)."""
 
     def __init__(self) -> None:
-        self._by_step: dict[int, tuple[tuple[int, int], tuple[int, ...]]] = {}
-        self._cuts: dict[int, tuple[int, ...] | None] = {}
+        # step -> ((term, attempt) of the plan it was applied under, its times, the cut they were measured under)
+        self._by_step: dict[int, tuple[tuple[int, int], tuple[int, ...], tuple[int, ...] | None]] = {}
 
     def note(self, step: int, micros: tuple[int, ...], attempt: tuple[int, int],
              cut: tuple[int, ...] | None = None) -> None:
         """The step that ended at ``step`` was applied here under the plan of ``attempt`` (its term
         and attempt); its summary's median times ``micros``, measured with the stages cut at ``cut``
         (its plan's, None: by parameter count)."""
-        self._by_step[step], self._cuts[step] = (attempt, micros), cut
+        self._by_step[step] = (attempt, micros, cut)
         for old in sorted(self._by_step)[:-KEPT_STEPS]:
-            del self._by_step[old], self._cuts[old]
+            del self._by_step[old]
 
     def cut_at(self, step: int) -> tuple[int, ...] | None:
         """The cut the times of the step that ended at ``step`` were measured under (None: by
         parameter count, or no times)."""
-        return self._cuts.get(step)
+        kept = self._by_step.get(step)
+        return kept[2] if kept is not None else None
 
     def forget_after(self, step: int) -> None:
         """A plan from ``step`` was accepted: the run redoes the steps after it, so the times this
@@ -98,7 +99,7 @@ class StageTimes:
         refused as a rule break. (A member that never took that plan keeps them: a plan from a
         checkpoint weighs only the times of the attempt its record names: :meth:`for_plan`.)"""
         for later in [s for s in self._by_step if s > step]:
-            del self._by_step[later], self._cuts[later]
+            del self._by_step[later]
 
     def at(self, step: int, attempt: tuple[int, int] | None = None) -> tuple[int, ...] | None:
         """The times of the step that ended at ``step``, or None when this member did not apply it
