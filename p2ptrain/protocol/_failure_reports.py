@@ -114,10 +114,7 @@ def round_completed(book: RoundBook, now: float, plan: RoundPlan, round_: int) -
         else:
             continue
         del book.failure_rounds[reporter]
-        book.failure_reporters.discard(reporter)
         exclude(book.failed_peers, reporter, now)
-    if lines:
-        book.failed_round = min(k for k, _ in book.failure_rounds.values()) if book.failure_rounds else None
-        if book.failed_round is None:
-            book.failed_at = None
+    if lines and not book.failure_rounds:
+        book.failed_at = None
     return lines

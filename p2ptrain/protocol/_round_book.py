@@ -79,9 +79,7 @@ class RoundBook:
     total_steps: int
     last_plan: RoundPlan | None = None  # the last plan this member followed
     observed: RoundPlan | None = None  # the latest plan seen on the topic, followed or not
-    failed_round: int | None = None  # a reported failure of last_plan's attempt
-    failure_reporters: set[str] = field(default_factory=set)  # who reported it
-    failure_rounds: dict[str, tuple[int, bool]] = field(default_factory=dict)  # reporter -> earliest (round, absent)
+    failure_rounds: dict[str, tuple[int, bool]] = field(default_factory=dict)  # believed: reporter -> earliest (round, absent)
     completed_round: int | None = None  # the latest round of last_plan completed here (_failure_reports.py)
     split_rounds: dict[str, int] = field(default_factory=dict)  # member -> round it reported failed, done here
     failed_at: float | None = None  # when the first report of it came (its own included): silent_members
@@ -120,6 +118,11 @@ class RoundBook:
     # without it), or the start of the plan it took before one that does not follow on it (holds_dropped).
     left_out_from: int | None = None
     stage_times: StageTimes = field(default_factory=StageTimes)  # by step: what plans from it weigh stages by
+
+    @property
+    def failed_round(self) -> int | None:
+        """The earliest round of last_plan's attempt a believed report says failed, or None."""
+        return min((k for k, _ in self.failure_rounds.values()), default=None)
 
     @property
     def head_step(self) -> int:
@@ -312,8 +315,6 @@ class RoundBook:
             return False  # (another plan's, or one not to believe: protocol/_failure_reports.py)
         said = (report.round, says_absent(report.reason))
         self.failure_rounds[reporter] = min(said, self.failure_rounds.get(reporter, said))
-        self.failed_round = min(k for k, _ in self.failure_rounds.values())
-        self.failure_reporters.add(reporter)
         return True
 
     def all_reported(self, excluding: Collection[str]) -> bool:
@@ -322,7 +323,7 @@ class RoundBook:
         last = self.last_plan
         return (
             last is not None and self.failed_round is not None
-            and set(last.members) - set(excluding) <= self.failure_reporters
+            and set(last.members) - set(excluding) <= self.failure_rounds.keys()
         )
 
     def silent_members(self, now: float) -> frozenset[str]:
@@ -340,7 +341,7 @@ class RoundBook:
             return frozenset()
         if now < max(self.retry_after, self.failed_at + RETRY_BACKOFF_S):
             return frozenset()
-        return frozenset(set(last.members) - self.failure_reporters)
+        return frozenset(set(last.members) - self.failure_rounds.keys())
 
     def reporter_out_of_step(self, report: RoundFailed) -> bool:
         """Whether a report of the current plan comes from a member that could not take part at all
@@ -398,8 +399,7 @@ class RoundBook:
         if last is not None and self.left_out_from is None and not follows_on(last, plan, self.chain.version, self.head_step):
             self.left_out_from = last.step  # a plan it never took may have redone what it applied since (holds_dropped)
         self.last_plan = plan
-        self.failed_round = self.failed_at = self.completed_round = None
-        self.failure_reporters, self.failure_rounds = set(), {}
+        self.failed_at, self.completed_round, self.failure_rounds = None, None, {}
         self.culprit_reported = self.root_reported = False  # they were about the plan this one supersedes
         return None
 
