@@ -63,8 +63,6 @@ class StagedTrainer(Trainer):
         self.device = torch.device("cpu")
         # The stages share the model's modules: stepping a stage steps the model's own parameters.
         self.stages: list[Stage] = partition(self.model, task.pipeline.stages)
-        # Each stage's first piece, then the number of pieces: the task's cut until a plan moves it (recut).
-        self.cut: tuple[int, ...] = (*(s.first for s in self.stages), self.stages[-1].last + 1)
         # Every piece's tensor names, and each parameter's index in the whole model (the optimizer file's).
         self._piece_names = [set(piece.state_names()) for stage in self.stages for piece in stage.pieces
                              if isinstance(piece, Piece)]
@@ -196,6 +194,11 @@ class StagedTrainer(Trainer):
         self.step, self.pending = step, None
         self.whole, self.trained = False, None
 
+    @property
+    def cut(self) -> tuple[int, ...]:
+        """Each stage's first piece, then the number of pieces: the task's cut until a plan moves it (recut)."""
+        return (*(s.first for s in self.stages), self.stages[-1].last + 1)
+
     def recut(self, bounds: Sequence[int]) -> None:
         """Cut the model at ``bounds`` (a plan's cut: protocol/_recut.py) and hold no stage, at this
         step: a plan that moves the cut starts at a confirmed checkpoint, from whose manifest this
@@ -203,7 +206,7 @@ class StagedTrainer(Trainer):
         stages that cover it). ``models.PartitionError`` for bounds that are no cut of the pieces."""
         stages = partition_at(self.model, bounds)  # checked before anything is dropped
         self.back_to(self.step)
-        self.stages, self.cut = stages, tuple(bounds)
+        self.stages = stages
 
     def request_shapes(self, manifest: Manifest) -> list[RequestShapes]:
         """What a request to each stage's replica may hold (pipeline/_request_shapes.py): the task's
