@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from p2ptrain.base import all_finite
-from p2ptrain.models import build_model, file_bytes_bound, HEADER_PER_TENSOR, HEADER_SLACK, InitialPieces, meta_model, Piece
+from p2ptrain.models import build_model, file_bytes_bound, InitialPieces, meta_model, Piece
 from p2ptrain.data import Manifest
 from p2ptrain.pipeline import partition, partition_at, request_shapes, RequestShapes, Stage
 from p2ptrain.protocol import (model_tensors, read_model_card, read_tensors, RecordError, state_bytes, tensors_bytes,
@@ -182,8 +182,7 @@ class StagedTrainer(Trainer):
         names = set().union(*self._piece_names[first : last + 1])
         whole = self.model.state_dict()
         params = [p for name, p in self.model.named_parameters() if name in names]
-        optim = len(self.optimizer_state_keys()) * sum(p.numel() * p.element_size() + HEADER_PER_TENSOR for p in params)
-        return file_bytes_bound(whole[n] for n in sorted(names)), optim + HEADER_SLACK + HEADER_PER_TENSOR + 8
+        return file_bytes_bound(whole[n] for n in sorted(names)), self.optimizer_limit(params)
 
     def back_to(self, step: int) -> None:
         """Hold no stage, at ``step``: what this member holds is of another step (a checkpoint it

@@ -397,12 +397,14 @@ class Trainer:
     def state_limits(self) -> tuple[int, int]:
         """The most bytes an honest (model, optimizer) checkpoint of this architecture can take:
         the bound for reading a checkpoint named by a peer, before anything is parsed."""
-        model = self.model_limit()
-        # Each state key of the optimizer at most once per parameter and at most as large as it (a
-        # scalar "step" takes 8 bytes, inside its header allowance); plus trainer.step.
+        return self.model_limit(), self.optimizer_limit(self.params)
+
+    def optimizer_limit(self, params: Iterable[torch.Tensor]) -> int:
+        """The most bytes an honest optimizer file of ``params``' state takes: each state key of the
+        optimizer at most once per parameter and at most as large as it (a scalar "step" takes 8
+        bytes, inside its header allowance); plus trainer.step."""
         keys = len(self.optimizer_state_keys())
-        optim = keys * sum(p.numel() * p.element_size() + HEADER_PER_TENSOR for p in self.params)
-        return model, optim + HEADER_SLACK + HEADER_PER_TENSOR + 8
+        return keys * sum(p.numel() * p.element_size() + HEADER_PER_TENSOR for p in params) + HEADER_SLACK + HEADER_PER_TENSOR + 8
 
     def load_state(self, model_data: bytes, optimizer_data: bytes) -> None:
         """Resume from a checkpoint's bytes (checked against the architecture and the optimizer)."""
