@@ -36,9 +36,10 @@ def load_model(cid_or_path: str | Path, *, home: str | Path | None = None, store
     :class:`~p2ptrain.base.UserError` in one line.
     """
     where = Path(home).expanduser() if home is not None else None
-    if where is None and store is None and not Path(cid_or_path).exists() and _is_cid(str(cid_or_path)):
+    by_cid = not Path(cid_or_path).exists() and _is_cid(str(cid_or_path))
+    if where is None and store is None and by_cid:
         where = home_holding(str(cid_or_path))  # it looked in ~/.p2ptrain alone, not where a script's run keeps it
-    if bootstrap and not Path(cid_or_path).exists() and _is_cid(str(cid_or_path)):
+    if bootstrap and by_cid:
         if store is not None:
             raise UserError("load_model: bootstrap fetches into a home's store; pass home=, not store=")
         from p2ptrain.services import ensure_local  # the fetch paths model fetch has
