@@ -12,6 +12,7 @@ import hashlib
 from functools import lru_cache
 
 from multiformats import CID, multibase, multicodec, multihash
+from multiformats.multibase import raw as raw_bases
 
 from p2ptrain.base import UserError
 
@@ -40,6 +41,14 @@ SHA2_256 = "sha2-256"
 # hashing a 256 KiB block). Where the bytes have been checked here against the only layouts we accept,
 # CIDs are built through its interning constructor instead, as its own ``CID.decode`` does.
 _BASE58 = multibase.get("base58btc")
+# multiformats builds most of its base codecs (base32 among them: every CIDv1 we print) on first use,
+# and two threads that first use one together race: the second registration raises, and a valid CID
+# is refused as "not a valid CID" (a node refused a task so when two arrived 13 ms apart). Build them
+# all now, once, under the import lock (~1 ms).
+for _base in multibase.table():
+    if raw_bases.exists(_base.name):
+        raw_bases.get(_base.name)
+
 _BASE32 = multibase.get("base32")
 _CODECS = {DAG_PB: multicodec.get(DAG_PB), RAW: multicodec.get(RAW)}
 _CODEC_BY_PREFIX = {b"\x01\x70": _CODECS[DAG_PB], b"\x01\x55": _CODECS[RAW]}
