@@ -730,9 +730,9 @@ def test_an_examples_member_on_a_home_in_use_or_with_a_bad_bootstrap_says_one_li
 
     example = Path(__file__).resolve().parents[1] / "examples" / "custom_loop.py"
 
-    def member(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, str(example), "--steps", "1", *args], capture_output=True, text=True,
-                              timeout=120, env={**os.environ, "P2PTRAIN_HOME": str(tmp_path / "default")})
+    def member(*args: str) -> subprocess.CompletedProcess[str]:  # forked: torch is imported already
+        return run_forked([sys.executable, str(example), "--steps", "1", *args], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "P2PTRAIN_HOME": str(tmp_path / "default")})
 
     done = member("--bootstrap", "/ip4/127.0.0.1/tcp/4001", "--home", str(tmp_path / "a"))
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
