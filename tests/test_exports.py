@@ -125,8 +125,8 @@ EXPORTS: dict[str, list[str]] = {
     "p2ptrain.services": [
         "EPHEMERAL_MESH_TIMEOUT_S", "Fetcher", "KnownTask", "LatestFinder", "MAX_SEEN_HEADS", "MetricsServer",
         "NODE_PROBE_TIMEOUT_S", "PROGRESS_LINE_S", "Peer", "SERVED_EVERY_S", "TaskOptions", "check_url", "ensure_local",
-        "fetch_progress", "fetch_through", "find_latest", "make_fetcher", "make_peer", "node_answers", "parse_address",
-        "run_state_roots", "split_shards", "with_ephemeral_node",
+        "fetch_progress", "fetch_through", "find_latest", "home_holding", "make_fetcher", "make_peer", "node_answers",
+        "parse_address", "run_state_roots", "split_shards", "with_ephemeral_node",
     ],
     "p2ptrain.task": [
         "CompressionSpec", "MAX_STAGES", "MAX_TASK_BYTES", "NoBuilder", "OuterSpec", "PipelineSpec", "TASK_TEMPLATE", "Task",
