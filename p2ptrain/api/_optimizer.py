@@ -40,6 +40,7 @@ from p2ptrain.api._arguments import address_list, check_inputs
 from p2ptrain.api._background import BackgroundPeer
 from p2ptrain.api._rendezvous import JOIN_WINDOW_S, choose_run, keep_announcing, load_initial, store_own
 from p2ptrain.base import (
+    ArgumentError,
     UserError,
     all_finite,
     default_home,
@@ -152,7 +153,10 @@ class Optimizer:
         card = card_bytes(self._card)
         home = Path(home).expanduser() if home is not None else default_home() / "runs" / _safe(run)
         if socket_path(home).exists() and is_live(socket_path(home)):  # not the file a killed script left
-            raise UserError(f"a p2ptrain node runs on {home}: give p2ptrain.Optimizer(home=...) another home")
+            # Named as the caller spelt it (an ArgumentError): home= to a script, --home where an
+            # example's command line took it (it said Optimizer(home=...) to a user who typed --home).
+            raise ArgumentError("a p2ptrain node runs on {path}: each member running at once needs a home of its own; "
+                                "pass another {home:DIR}", path=home)
         home.mkdir(parents=True, exist_ok=True, mode=0o700)
         store = open_store(home)
         architecture = str(store.add_bytes(card, only_hash=True))
