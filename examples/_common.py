@@ -28,7 +28,7 @@ import torch
 from sklearn.datasets import load_digits
 from torch import nn
 
-from p2ptrain.base import UserError, default_home
+from p2ptrain.base import UserError, command_line_words, default_home
 
 
 def parse_args(doc: str, steps: int, run: str, extra: Sequence[tuple[str, dict[str, Any]]] = ()) -> argparse.Namespace:
@@ -56,11 +56,13 @@ def parse_args(doc: str, steps: int, run: str, extra: Sequence[tuple[str, dict[s
 def run_member(main: Callable[[], None]) -> None:
     """``main()``, with p2ptrain's one-line errors (a node already running on this ``--home``, a
     bootstrap address with no peer ID, a run that stopped) said as one line on stderr with exit status
-    1, as the command line says them: they came as a 15-line traceback ending in that line."""
+    1, as the command line says them: they came as a 15-line traceback ending in that line. An
+    argument is named by the example's flag (``--home``, ``--bootstrap``: what the user typed), not
+    by the keyword the example passed it on as (``Optimizer(home=...)``)."""
     try:
         main()
     except UserError as exc:
-        raise SystemExit(f"{Path(sys.argv[0]).name}: error: {exc}") from None
+        raise SystemExit(f"{Path(sys.argv[0]).name}: error: {command_line_words(exc)}") from None
 
 
 def digits(member: int, members: int) -> tuple[torch.utils.data.TensorDataset, torch.utils.data.TensorDataset]:

@@ -108,7 +108,7 @@ EXPORTS: dict[str, list[str]] = {
         "load_model_bytes", "measured_costs", "measured_cut", "median_micros", "model_bytes", "model_tensors", "orphaned_stages",
         "owner_seed", "parse_entry", "piece_costs", "plan_cut", "plan_order",
         "read_chain",
-        "read_model_card", "read_statement", "read_tensors", "refuse_report", "round_completed",
+        "read_model_card", "read_statement", "read_tensors", "receive_noting", "refuse_report", "round_completed",
         "round_id", "round_seed", "shard_of", "sign_record",
         "sign_statement", "signed_entry_problem", "signing", "stage_moves", "stage_rings", "stage_round_id",
         "stage_verdicts", "state_bytes", "statement_bytes", "tensors_bytes", "term_candidate", "throughput", "witness_problem",
@@ -125,8 +125,8 @@ EXPORTS: dict[str, list[str]] = {
     "p2ptrain.services": [
         "EPHEMERAL_MESH_TIMEOUT_S", "Fetcher", "KnownTask", "LatestFinder", "MAX_SEEN_HEADS", "MetricsServer",
         "NODE_PROBE_TIMEOUT_S", "PROGRESS_LINE_S", "Peer", "SERVED_EVERY_S", "TaskOptions", "check_url", "ensure_local",
-        "fetch_progress", "fetch_through", "find_latest", "make_fetcher", "make_peer", "node_answers", "parse_address",
-        "run_state_roots", "split_shards", "with_ephemeral_node",
+        "fetch_progress", "fetch_through", "find_latest", "home_holding", "make_fetcher", "make_peer", "node_answers",
+        "parse_address", "run_state_roots", "split_shards", "with_ephemeral_node",
     ],
     "p2ptrain.task": [
         "CompressionSpec", "MAX_STAGES", "MAX_TASK_BYTES", "NoBuilder", "OuterSpec", "PipelineSpec", "TASK_TEMPLATE", "Task",

@@ -379,7 +379,8 @@ def test_a_script_stopped_by_ctrl_c_can_start_again_on_its_home_and_a_live_node_
     live.bind(str(socket_path(home)))
     live.listen()
     try:
-        with pytest.raises(UserError, match="a p2ptrain node runs on"):
+        with pytest.raises(UserError, match=r"^a p2ptrain node runs on .+: each member running at once needs a home "
+                                            r"of its own; pass another home=DIR$"):
             p2ptrain.Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model, run="again", home=home)
     finally:
         live.close()
@@ -723,7 +724,9 @@ def test_a_dataset_or_model_of_the_wrong_kind_is_one_line_saying_what_to_pass_be
 
 def test_an_examples_member_on_a_home_in_use_or_with_a_bad_bootstrap_says_one_line_not_a_traceback(tmp_path):
     """Two members started with the same ``--home``, or ``--bootstrap`` without the /p2p/ part:
-    p2ptrain's one-line UserError came at the end of a 15-line traceback. Fails before: a traceback."""
+    p2ptrain's one-line UserError came at the end of a 15-line traceback. Fails before: a traceback.
+    The line names the example's flags, what the user typed: it said ``give
+    p2ptrain.Optimizer(home=...) another home`` and ``bootstrap='...'`` (fails on 6d977b5)."""
     import subprocess
 
     from p2ptrain.control import socket_path
@@ -736,8 +739,8 @@ def test_an_examples_member_on_a_home_in_use_or_with_a_bad_bootstrap_says_one_li
 
     done = member("--bootstrap", "/ip4/127.0.0.1/tcp/4001", "--home", str(tmp_path / "a"))
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
-    assert done.stderr.startswith("custom_loop.py: error: bootstrap='/ip4/127.0.0.1/tcp/4001' has no /p2p/<peer id> "
-                                  "part") and done.stderr.count("\n") == 1, done.stderr
+    assert done.stderr.startswith("custom_loop.py: error: --bootstrap '/ip4/127.0.0.1/tcp/4001' has no /p2p/<peer "
+                                  "id> part") and done.stderr.count("\n") == 1, done.stderr
     home = tmp_path / "b"
     home.mkdir()
     live = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # a node that runs on this home and answers
@@ -747,6 +750,6 @@ def test_an_examples_member_on_a_home_in_use_or_with_a_bad_bootstrap_says_one_li
         done = member("--home", str(home))
     finally:
         live.close()
-    assert done.returncode == 1 and done.stderr.startswith(f"custom_loop.py: error: a p2ptrain node runs on {home}: "), \
+    assert done.returncode == 1 and done.stderr == (f"custom_loop.py: error: a p2ptrain node runs on {home}: each member "
+                                                    "running at once needs a home of its own; pass another --home DIR\n"), \
         done.stderr
-    assert done.stderr.count("\n") == 1, done.stderr

@@ -12,13 +12,14 @@ if TYPE_CHECKING:
         fetch_progress as fetch_progress,
         fetch_through as fetch_through,
         find_latest as find_latest,
+        home_holding as home_holding,
         node_answers as node_answers,
         NODE_PROBE_TIMEOUT_S as NODE_PROBE_TIMEOUT_S,
         PROGRESS_LINE_S as PROGRESS_LINE_S,
         split_shards as split_shards,
         with_ephemeral_node as with_ephemeral_node,
     )
-    from p2ptrain.api._load import home_holding as home_holding, load_model as load_model, load_state as load_state
+    from p2ptrain.api._load import load_model as load_model, load_state as load_state
     from p2ptrain.net import check_listen as check_listen
     from p2ptrain.api._optimizer import Optimizer as Optimizer, RunFinished as RunFinished
     from p2ptrain.api._train import train as train, TrainResult as TrainResult

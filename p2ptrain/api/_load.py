@@ -38,6 +38,8 @@ def load_model(cid_or_path: str | Path, *, home: str | Path | None = None, store
     where = Path(home).expanduser() if home is not None else None
     by_cid = not Path(cid_or_path).exists() and _is_cid(str(cid_or_path))
     if where is None and store is None and by_cid:
+        from p2ptrain.services import home_holding
+
         where = home_holding(str(cid_or_path))  # it looked in ~/.p2ptrain alone, not where a script's run keeps it
     if bootstrap and by_cid:
         if store is not None:
@@ -77,12 +79,12 @@ def load_state(model: nn.Module, cid_or_path: str | Path, *, home: str | Path | 
             parse_cid(cid)
         except Exception:
             raise UserError(f"{cid}: no such file, and {not_a_cid(cid)}") from None
+        from p2ptrain.services import ensure_local, home_holding  # the fetch paths model fetch has
+
         where = Path(home).expanduser() if home is not None else home_holding(cid)
         store = open_store(where)
         if not store.has(cid):
-            from p2ptrain.services import ensure_local  # the fetch paths model fetch has
-
-            ensure_local(where, [cid], address_list("bootstrap", bootstrap))
+            ensure_local(where, [cid], address_list("bootstrap", bootstrap), runs_looked=home is None)
         # Verified against the CID block by block, and no larger than a file of the instance's tensors.
         try:
             data = store.cat(cid, max_bytes=file_bytes_bound(model.state_dict().values()))
@@ -95,20 +97,3 @@ def load_state(model: nn.Module, cid_or_path: str | Path, *, home: str | Path | 
         model.load_state_dict(state)  # a file that fit only in part leaves nothing behind
         raise UserError(f"{cid_or_path} does not fit this model: {exc}") from None
     return model
-
-
-# Run homes looked through for a CID when no home is given (one directory listing, bounded).
-MAX_RUN_HOMES = 256
-
-
-def home_holding(cid: str) -> Path:
-    """The default home, or the first run home under it (``Optimizer``'s default) holding ``cid``:
-    where ``load_state``, ``load_model`` and ``model fetch`` look when given no home, so a model a
-    script's run just confirmed is found where its members kept it."""
-    base = default_home()
-    runs = base / "runs"
-    candidates = [base] + (sorted(p for p in runs.iterdir() if p.is_dir())[:MAX_RUN_HOMES] if runs.is_dir() else [])
-    for home in candidates:
-        if (home / "blocks").is_dir() and open_store(home).has(cid):
-            return home
-    return base

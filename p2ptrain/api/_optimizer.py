@@ -39,15 +39,8 @@ from torch import nn
 from p2ptrain.api._arguments import address_list, check_inputs
 from p2ptrain.api._background import BackgroundPeer
 from p2ptrain.api._rendezvous import JOIN_WINDOW_S, choose_run, keep_announcing, load_initial, store_own
-from p2ptrain.base import (
-    UserError,
-    all_finite,
-    default_home,
-    flat_params,
-    load_flat_params,
-    load_or_create_identity,
-    peer_id_of,
-)
+from p2ptrain.base import (ArgumentError, UserError, all_finite, default_home, flat_params, load_flat_params,
+                           load_or_create_identity, peer_id_of)
 from p2ptrain.ipfs import open_store
 from p2ptrain.services import parse_address
 from p2ptrain.control import FINISHED, TaskStatus, is_live, socket_path
@@ -152,7 +145,9 @@ class Optimizer:
         card = card_bytes(self._card)
         home = Path(home).expanduser() if home is not None else default_home() / "runs" / _safe(run)
         if socket_path(home).exists() and is_live(socket_path(home)):  # not the file a killed script left
-            raise UserError(f"a p2ptrain node runs on {home}: give p2ptrain.Optimizer(home=...) another home")
+            # home= to a script, --home to a command line (an example's): as the user spelt it.
+            raise ArgumentError("a p2ptrain node runs on {path}: each member running at once needs a home of its own; "
+                                "pass another {home:DIR}", path=home)
         home.mkdir(parents=True, exist_ok=True, mode=0o700)
         store = open_store(home)
         architecture = str(store.add_bytes(card, only_hash=True))

@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 
 from p2ptrain.services import ensure_local, split_shards
-from p2ptrain.cli._home_options import HOME_HELP, home_of, source_options
+from p2ptrain.cli._home_options import HOME_HELP, MODEL_HOME_HELP, home_of, model_home, source_options
 from p2ptrain.cli.ipfs import cid_arg
 from p2ptrain.base import UserError
 
@@ -28,7 +28,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                        help="the model's CID (or give --latest TASK_CID)")
     fetch.add_argument("--latest", metavar="TASK_CID", type=cid_arg, help="fetch the latest confirmed model of this task")
     fetch.add_argument("-o", "--output", type=Path, required=True, help="where to write the .safetensors file")
-    source_options(fetch)
+    source_options(fetch, MODEL_HOME_HELP)
     fetch.add_argument("--json", action="store_true", help="print one JSON object (model_cid, path, bytes, model)")
     fetch.set_defaults(func=cmd_fetch)
 
@@ -38,7 +38,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                           help="dataset manifest CID (a --standardize dataset is evaluated standardized, as trained)")
     evaluate.add_argument("--split", default="test", help="split to evaluate on (default test)")
     evaluate.add_argument("--batch-size", type=int, default=256)
-    source_options(evaluate)
+    source_options(evaluate, MODEL_HOME_HELP)
     evaluate.add_argument("--json", action="store_true", help="print one JSON object (accuracy, loss, samples)")
     evaluate.set_defaults(func=cmd_eval)
 
@@ -61,7 +61,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                     "appears whole or not at all.")
     export.add_argument("model_cid", metavar="MODEL_CID", type=cid_arg, help="the model's CID")
     export.add_argument("directory", metavar="DIR", type=Path, help="the directory to create (must not exist)")
-    source_options(export)
+    source_options(export, MODEL_HOME_HELP)
     export.add_argument("--json", action="store_true", help="print one JSON object (model_cid, path, files)")
     export.set_defaults(func=cmd_export)
 
@@ -71,18 +71,15 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
     builders_cli.add_parser(msub)
     serve_cli.add_parsers(msub)
-    verify_cli.add_parser(msub, HOME_HELP)
+    verify_cli.add_parser(msub, MODEL_HOME_HELP)
 
 
 def cmd_fetch(args: argparse.Namespace) -> int:
     if (args.model_cid is None) == (args.latest is None):
         raise UserError("give a MODEL_CID or --latest TASK_CID (one of them)")
-    home = home_of(args)
-    if args.home is None and args.model_cid:  # a script's run keeps its models in HOME/runs/<run>, as load_state finds
-        from p2ptrain.api import home_holding
-
-        home = home_holding(args.model_cid)
-    cids = ensure_local(home, [args.model_cid] if args.model_cid else [], args.bootstrap, args.latest)
+    home, runs_looked = model_home(args, args.model_cid)
+    cids = ensure_local(home, [args.model_cid] if args.model_cid else [], args.bootstrap, args.latest,
+                        runs_looked=runs_looked)
     model_cid = cids[-1]
     from p2ptrain.cli.ipfs import progress_bar
     from p2ptrain.base import write_atomic
@@ -133,7 +130,6 @@ def _what_else(data: bytes, cid: str, output: Path) -> str | None:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    home = home_of(args)
     is_file = Path(args.model).exists()
     if not is_file:  # a typo is one line at once, before torch is imported (seconds)
         try:
@@ -144,8 +140,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from p2ptrain.ipfs import open_store
     from p2ptrain.training import batched, evaluate_batches, load_model
 
+    home, runs_looked = model_home(args, None if is_file else args.model)
     wanted = [args.dataset] + ([] if is_file else [args.model])
-    ensure_local(home, wanted, args.bootstrap, then=lambda store: split_shards(store, args.dataset, args.split))
+    ensure_local(home, wanted, args.bootstrap, then=lambda store: split_shards(store, args.dataset, args.split),
+                 runs_looked=runs_looked)
     store = open_store(home)
     module = load_model(args.model, store=store)
     # IPFSDataset applies the manifest's standardization (dataset add --standardize): the model is
@@ -189,10 +187,10 @@ def cmd_export(args: argparse.Namespace) -> int:
     from p2ptrain.ipfs import open_store
     from p2ptrain.training import export_pretrained, model_file
 
-    home = home_of(args)
+    home, runs_looked = model_home(args, args.model_cid)
     if args.directory.exists():  # before any fetch
         raise UserError(f"{args.directory}: exists; export writes a new directory")
-    ensure_local(home, [args.model_cid], args.bootstrap)
+    ensure_local(home, [args.model_cid], args.bootstrap, runs_looked=runs_looked)
     data = model_file(open_store(home), args.model_cid)
     from p2ptrain.protocol import RecordError
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from p2ptrain.cli._home_options import home_of
+from p2ptrain.cli._home_options import model_home
 from p2ptrain.cli.ipfs import cid_arg
 from p2ptrain.base import UserError
 from p2ptrain.control import ops as control_ops
@@ -91,8 +91,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
     if args.latest is not None and args.task is not None:
         raise UserError("--task goes with a MODEL_CID; --latest names the task already")
     started = time.perf_counter()
-    report = verify(home_of(args), model_cid=args.model_cid, task_cid=args.latest or args.task,
-                    bootstrap=args.bootstrap, evaluate=args.eval)
+    home, runs_looked = model_home(args, args.model_cid)
+    report = verify(home, model_cid=args.model_cid, task_cid=args.latest or args.task,
+                    bootstrap=args.bootstrap, evaluate=args.eval, runs_looked=runs_looked)
     report.seconds = time.perf_counter() - started
     if args.json:
         print(json.dumps(report.to_json()))
@@ -108,8 +109,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def verify(home: Path, *, model_cid: str | None, task_cid: str | None, bootstrap: list[str],
-           evaluate: bool = False) -> Report:
-    """Check ``model_cid`` (or the latest model of ``task_cid``) from its task down; see the module."""
+           evaluate: bool = False, runs_looked: bool = False) -> Report:
+    """Check ``model_cid`` (or the latest model of ``task_cid``) from its task down; see the module.
+    ``runs_looked``: no home was given, and no run home under ``home`` holds ``model_cid`` either
+    (:func:`~p2ptrain.cli._home_options.model_home`)."""
     from p2ptrain.services import ensure_local, split_shards
     from p2ptrain.ipfs import open_store
     from p2ptrain.protocol import ChainRules, RecordError, audit, chain_lines, parse_entry
@@ -118,7 +121,7 @@ def verify(home: Path, *, model_cid: str | None, task_cid: str | None, bootstrap
     store = open_store(home)
     if task_cid is None:
         assert model_cid is not None
-        task_cid = _task_naming(home, model_cid)
+        task_cid = _task_naming(home, model_cid, runs_looked)
     report = Report(task_cid)
     data, report.chain_source = _chain_and_task(home, task_cid, bootstrap)
     task = read_task(store.cat(task_cid, max_bytes=MAX_TASK_BYTES + 1))
@@ -158,13 +161,15 @@ def verify(home: Path, *, model_cid: str | None, task_cid: str | None, bootstrap
     return report
 
 
-def _task_naming(home: Path, model_cid: str) -> str:
-    """The task whose chain in this home names ``model_cid`` (a member's home keeps them)."""
+def _task_naming(home: Path, model_cid: str, runs_looked: bool) -> str:
+    """The task whose chain in this home names ``model_cid`` (a member's home keeps them);
+    ``runs_looked``: no run home under ``home`` holds the model either, and the error says so."""
     from p2ptrain.run import record_naming
 
     entry = record_naming(home, model_cid)
     if entry is None:
-        raise UserError(f"no chain in {home} names model {model_cid}: give the task with --task TASK_CID")
+        also = " (nor does any run home under it hold the model)" if runs_looked else ""
+        raise UserError(f"no chain in {home} names model {model_cid}{also}: give the task with --task TASK_CID")
     return entry.signed.record.task_cid
 
 

@@ -51,7 +51,7 @@ if TYPE_CHECKING:
         read_chain as read_chain,
     )
     from p2ptrain.protocol._held_plans import HeldPlans as HeldPlans
-    from p2ptrain.protocol._participation import Participation as Participation
+    from p2ptrain.protocol._participation import Participation as Participation, receive_noting as receive_noting
     from p2ptrain.protocol._planner import Hold as Hold
     from p2ptrain.protocol._plans import (
         buffers_round_id as buffers_round_id,

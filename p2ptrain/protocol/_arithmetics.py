@@ -38,9 +38,10 @@ Rules, and why:
   class, so one of a class too small to plan never plans, and nothing else ends its term: its
   heartbeats keep every member following it, and its silence costs its class nothing
   (:mod:`~p2ptrain.protocol._class_claims` counts only terms whose candidate is of the run's
-  class). A coordinator's census is its own view, and lags: a vote that comes after its election
-  is not counted (run/_leading.py), so a scalar member elected in a fresh run's first term by one
-  vectorized member's vote counted one peer of each class, the tie went to its class, and it led
+  class). A coordinator's census is its own view, and lags: a vote that came after its election
+  was not counted (it is now when it comes within the request's answer time:
+  :func:`~p2ptrain.protocol.receive_noting`), so a scalar member elected in a fresh run's first term
+  by one vectorized member's vote counted one peer of each class, the tie went to its class, and it led
   that term for good with two vectorized members live (tests/runtime/test_trailing_member.py, in
   loaded suites). Now its census names the vectorized class, which could plan: it does not lead,
   and steps down (tests/protocol/test_census_coordinator.py). Live counts only decide between

@@ -11,7 +11,11 @@ The ledger keeps, per peer that advertises the task, what this member saw it do,
 
 - Evidence: a vote it signed, a coordinator heartbeat of it that the election accepted (*takes part
   in elections*), and a round this member completed with it in the ring (*takes part in rounds*,
-  the strong kind: nobody completes a ring round without every member's bytes).
+  the strong kind: nobody completes a ring round without every member's bytes). What an election
+  message shows is read off the election as it receives it (:func:`receive_noting`): a vote heard
+  while this member has no coordinator, and a vote for it that came after it was elected, counted
+  into its certificate within ``answer_s`` of the request (a slow voter's: it did vote in the term,
+  and was struck for not voting, as the election's census left it out).
 - A newcomer counts: it gets one chance (its grace) to take part. That chance ends, with a strike,
   when (a) a round it was planned in failed naming it, or it did not report the failure of a
   round it was planned in (the coordinator checks, when it plans the retry), and it neither
@@ -33,6 +37,13 @@ from __future__ import annotations
 
 from collections.abc import Collection
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from p2ptrain.protocol._election import _LOWER_TERM_VOTES
+from p2ptrain.wire import SignedVote, VoteRequest
+
+if TYPE_CHECKING:
+    from p2ptrain.protocol._election import Election, ElectionMessage
 
 # Entries of peers that no longer advertise the task are dropped after this long, and the ledger
 # holds at most MAX_ENTRIES (heartbeats are capped upstream: mesh/_membership.py); a dropped Sybil
@@ -75,6 +86,15 @@ class Participation:
         accepted as coordinator: it takes part in elections."""
         entry = self._proven(now, peer)
         entry.voted_at = now
+
+    def note_late_vote(self, now: float, peer: str) -> None:
+        """A vote of ``peer`` for this member in the term it leads, counted into its certificate
+        after the quorum that elected it: evidence as a vote in the election is when it comes
+        within ``answer_s`` of the vote request this member sent or heard (the time an election's
+        voter has, :meth:`note_asked`); later it is a vote at a time of its sender's choosing,
+        which is free to send and must not clear a strike."""
+        if self._asked is not None and now - self._asked[0] < self.answer_s:
+            self.note_vote(now, peer)
 
     def note_round(self, now: float, members: Collection[str]) -> None:
         """This member completed a round whose ring was ``members``: each of them took part."""
@@ -160,3 +180,27 @@ class Participation:
         if len(self._peers) > MAX_ENTRIES:
             for peer in sorted(self._peers, key=lambda p: self._peers[p].touched)[: len(self._peers) - MAX_ENTRIES]:
                 del self._peers[peer]
+
+
+def receive_noting(election: Election, ledger: Participation, now: float, sender: str,
+                   msg: ElectionMessage) -> list[ElectionMessage]:
+    """``election.receive(now, sender, msg)``, with what the message shows of ``sender`` noted in
+    ``ledger``: a vote request while no coordinator is known (every peer votes now), a vote in an
+    election this member is in (it had no coordinator, and the vote's term is one it still votes
+    in), a late vote for it as coordinator (:meth:`Participation.note_late_vote`), a coordinator
+    it accepts or follows, and its own requests. One function for the runtime (run/_leading.py) and
+    the simulations, which copied these rules. Votes at any other time are free to send, and
+    would keep a peer that never trains counted."""
+    before, term = election.coordinator, election.term
+    if isinstance(msg, VoteRequest) and before is None and msg.term >= term:
+        ledger.note_asked(now, sender)  # every peer without a coordinator votes now
+    certified = {v.vote.voter for v in election.certificate}
+    outs = election.receive(now, sender, msg)
+    vote = msg.vote if isinstance(msg, SignedVote) and msg.vote.voter == sender else None
+    if (vote is not None and before is None and vote.term >= term - _LOWER_TERM_VOTES) or election.coordinator == sender:
+        ledger.note_vote(now, sender)
+    elif vote is not None and before == election.me and sender in {v.vote.voter for v in election.certificate} - certified:
+        ledger.note_late_vote(now, sender)  # its vote went into our certificate just now
+    if any(isinstance(out, VoteRequest) for out in outs):
+        ledger.note_asked(now, election.me)
+    return outs

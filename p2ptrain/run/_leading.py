@@ -25,8 +25,8 @@ from p2ptrain.run._resync import Resync
 from p2ptrain.run._run_state import RunState
 from p2ptrain.run._spans import Spans
 from p2ptrain.control import Phase
-from p2ptrain.protocol import ATTEST_TIMEOUT_S, Classes, ElectionMessage, Hold, term_candidate, View
-from p2ptrain.wire import TASKS_TOPIC, SignedVote, TaskAnnounce, TaskHead, VoteRequest
+from p2ptrain.protocol import ATTEST_TIMEOUT_S, Classes, ElectionMessage, Hold, receive_noting, term_candidate, View
+from p2ptrain.wire import TASKS_TOPIC, TaskAnnounce, TaskHead, VoteRequest
 
 logger = logging.getLogger(__name__)
 
@@ -55,16 +55,9 @@ class Leading:
         run = self.run
         now = trio.current_time()
         before = run.election.coordinator
-        if isinstance(msg, VoteRequest) and before is None and msg.term >= run.election.term:
-            run.participation.note_asked(now, sender)  # every peer without a coordinator votes now
-        term = run.election.term
-        outs = run.election.receive(now, sender, msg)
-        # It takes part in the run's elections: a vote in one we are in (votes at any other time
-        # are free to send, and would keep a peer that never trains counted), or it won one.
-        if (isinstance(msg, SignedVote) and msg.vote.voter == sender and before is None
-                and msg.vote.term >= term - 2) or run.election.coordinator == sender:
-            run.participation.note_vote(now, sender)
-        self._note_asking(outs, now)
+        # What it shows of the sender (a vote in an election we are in, a late vote for us, a
+        # coordinator) goes into the participation ledger there: the simulations drive the same.
+        outs = receive_noting(run.election, run.participation, now, sender, msg)
         run.save_ballots()  # before a vote leaves (see RunState.save_ballots)
         for out in outs:
             await run.node.publish(run.topic, out)

@@ -14,6 +14,7 @@ if TYPE_CHECKING:
         fetch_progress as fetch_progress,
         fetch_through as fetch_through,
         find_latest as find_latest,
+        home_holding as home_holding,
         node_answers as node_answers,
         NODE_PROBE_TIMEOUT_S as NODE_PROBE_TIMEOUT_S,
         PROGRESS_LINE_S as PROGRESS_LINE_S,

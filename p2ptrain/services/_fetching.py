@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from p2ptrain.base import ArgumentError, UserError
+from p2ptrain.base import ArgumentError, UserError, default_home
 from p2ptrain.control import TaskStatus, ops as control_ops
 
 if TYPE_CHECKING:
@@ -75,13 +75,16 @@ def node_answers(home: Path) -> bool:
 
 def ensure_local(
     home: Path, cids: list[str], bootstrap: list[str], latest: str | None = None,
-    then: Callable[[ContentStore], list[str]] | None = None,
+    then: Callable[[ContentStore], list[str]] | None = None, *, runs_looked: bool = False,
 ) -> list[str]:
     """Make ``cids`` (plus the latest model of task ``latest``) local; return the CIDs in that order.
 
     ``then(store)`` names more CIDs once the first ones are local (a dataset split's shards, read
     from its manifest); they are fetched in the same session, as are the stage files of a CID that
-    is a pipelined run's model manifest.
+    is a pipelined run's model manifest. ``runs_looked``: no home was given, and :func:`home_holding`
+    found the CID in no run home under ``home`` either; the error for content that is nowhere says
+    so: it named ``~/.p2ptrain`` alone, where the user's scripts keep their runs' models in
+    ``~/.p2ptrain/runs/*``.
     """
     from p2ptrain.ipfs import open_store
     from p2ptrain.control import ControlClient, ControlError, socket_path
@@ -119,23 +122,45 @@ def ensure_local(
         missing = ([c for c in cids + _more(store, [c for c in cids if store.has(c)], None) if not store.has(c)]
                    or [f"latest model of {latest}"])
         runs = _run_homes_keeping(home, latest) if latest is not None else []
+        looked = len(_run_homes(home)) if runs_looked else 0
         raise ArgumentError(
-            "{missing} not in the store of {home_path}, and no node is running there: start one "
+            "{missing} not in the store of {home_path}"
+            + (" nor in its {looked} run home(s) ({home_path}/runs/*)" if looked else "")
+            + ", and no node is running there: start one "
             "(p2ptrain node start --home {home_path} --bootstrap ...) or pass {bootstrap:MULTIADDR}"
             + ("; a run's home on this machine keeps its chain: {home:{kept}}" if runs else ""),
-            missing=", ".join(missing), home_path=home, kept=runs[0] if runs else None)
+            missing=", ".join(missing), home_path=home, looked=looked, kept=runs[0] if runs else None)
     return _fetch_with_ephemeral_node(home, cids, bootstrap, latest, then)
 
 
-def _run_homes_keeping(home: Path, task_cid: str) -> list[Path]:
+def _run_homes(home: Path) -> list[Path]:
     """The homes of scripts' runs under ``home`` (``p2ptrain.Optimizer``'s default homes,
-    ``HOME/runs/*``) that keep ``task_cid``'s chain: after a script's run, ``model fetch --latest
-    RUN_CID`` on the default home found nothing, with no word of where the run's members kept it."""
+    ``HOME/runs/*``), in name order, at most :data:`MAX_RUN_HOMES` (one directory listing)."""
+    runs = home / "runs"
+    return sorted(p for p in runs.iterdir() if p.is_dir())[:MAX_RUN_HOMES] if runs.is_dir() else []
+
+
+def home_holding(cid: str) -> Path:
+    """The default home, or the first run home under it (``Optimizer``'s default) holding ``cid``,
+    else the default home: where ``load_state``, ``load_model`` and ``model fetch``, ``eval``,
+    ``export`` and ``verify`` look when given no home, so a model a script's run just confirmed is
+    found where its members kept it (pass ``runs_looked=True`` to :func:`ensure_local` with it)."""
+    from p2ptrain.ipfs import open_store
+
+    base = default_home()
+    for home in [base, *_run_homes(base)]:
+        if (home / "blocks").is_dir() and open_store(home).has(cid):
+            return home
+    return base
+
+
+def _run_homes_keeping(home: Path, task_cid: str) -> list[Path]:
+    """The run homes under ``home`` that keep ``task_cid``'s chain: after a script's run, ``model
+    fetch --latest RUN_CID`` on the default home found nothing, with no word of where the run's
+    members kept it."""
     from p2ptrain.run import RunDir
 
-    runs = home / "runs"
-    homes = sorted(p for p in runs.iterdir() if p.is_dir())[:MAX_RUN_HOMES] if runs.is_dir() else []
-    return [h for h in homes if RunDir.of(h, task_cid).chain.is_file()]
+    return [h for h in _run_homes(home) if RunDir.of(h, task_cid).chain.is_file()]
 
 
 def _more(store: ContentStore, cids: list[str], then: Callable[[ContentStore], list[str]] | None) -> list[str]:

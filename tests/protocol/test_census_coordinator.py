@@ -7,8 +7,9 @@ Two members compute with AVX2 kernels, one with the scalar kernels (left out of 
 as in tests/runtime/test_trailing_member.py, whose suite runs stalled so). The scalar member is
 the designated candidate of term 1 and, with nobody's vote heard yet, counts only itself: it
 stands. The fast AVX2 member's vote elects it; the loaded one's comes after the election, which
-counts no vote, so its census is one peer of each class, and the tie went to the scalar class (its
-peer ranks lowest). On main it then stayed coordinator and planned nothing, for good: its class
+then counted no vote (a late vote counts now: tests/protocol/test_late_votes.py; here the rule
+below has made it step down before it comes), so its census is one peer of each class, and the
+tie went to the scalar class (its peer ranks lowest). On main it then stayed coordinator and planned nothing, for good: its class
 (one live peer) could never make a plan of ``peers.min`` (2), the others followed its heartbeats,
 and no term ended (``ClassClaims`` counts only terms whose candidate is of the run's class).
 Now a class of the census too small to plan gives way to one that could: it steps down at once
@@ -19,10 +20,12 @@ from __future__ import annotations
 
 from libp2p.crypto.ed25519 import create_new_key_pair
 
-from p2ptrain.protocol import Chain, Election, ElectionConfig, ElectionMessage, Participation, RoundBook, View, signing
+from p2ptrain.protocol import (
+    Chain, Election, ElectionConfig, ElectionMessage, Participation, RoundBook, View, receive_noting, signing,
+)
 from p2ptrain.protocol._voters import designated, rank
 from p2ptrain.task import Task, load_task
-from p2ptrain.wire import RoundPlan, SignedVote, VoteRequest
+from p2ptrain.wire import RoundPlan, VoteRequest
 
 INITIAL = "bafkreigh2akiscaildcqabsyg3dfr6chu3fgpregiymsck7e7aqa4s52zy"
 CONFIG = ElectionConfig(heartbeat_s=1.0, timeout_beats=3)
@@ -85,14 +88,8 @@ class Member:
         return outs
 
     def receive(self, now: float, sender: str, msg: ElectionMessage) -> list[ElectionMessage]:
-        election, before = self.election, self.election.coordinator
-        if isinstance(msg, VoteRequest) and before is None and msg.term >= election.term:
-            self.participation.note_asked(now, sender)
-        term = election.term
-        outs = election.receive(now, sender, msg)
-        if (isinstance(msg, SignedVote) and msg.vote.voter == sender and before is None
-                and msg.vote.term >= term - 2) or election.coordinator == sender:
-            self.participation.note_vote(now, sender)
+        before = self.election.coordinator
+        outs = receive_noting(self.election, self.participation, now, sender, msg)
         self._noted(now, before, outs)
         return outs
 

@@ -1,0 +1,105 @@
+"""A vote that reaches a coordinator after its election (the quorum came first) is taking part in
+the term: pure simulations of three members, each an Election and a Participation ledger wired by
+``receive_noting`` (as run/_leading.py wires them), time advanced explicitly, every vote signed
+and checked, the links to one loaded member slow.
+
+The loaded member's vote went into the coordinator's certificate, but its ledger noted only votes
+heard while it had no coordinator: the loaded member was left out of its census (took_part), and
+at the end of the vote request's answer time struck for not voting, by the very coordinator its
+vote helped certify. Now such a vote counts when it comes within ``answer_s`` of the request (the
+time any voter has); later, it is a vote at a time of its sender's choosing, and counts for nothing.
+"""
+
+from __future__ import annotations
+
+from libp2p.crypto.ed25519 import create_new_key_pair
+
+from p2ptrain.protocol import Election, ElectionConfig, ElectionMessage, Participation, View, receive_noting, signing
+from p2ptrain.protocol._voters import designated
+from p2ptrain.wire import VoteRequest
+
+CONFIG = ElectionConfig(heartbeat_s=1.0, timeout_beats=3)
+ANSWER_S = 3.0
+DT = 0.25  # a tick (run/_leading.py: a quarter of the heartbeat)
+FAST_S, SLOW_S = 0.05, 1.0  # one way, between the two others / to or from the loaded member
+KEYS = [create_new_key_pair(bytes([i + 7]) * 32) for i in range(3)]  # fixed: the same ranks every run
+PEERS = [signing.peer_str(k) for k in KEYS]
+
+
+def _setting() -> tuple[str, str, str, str]:
+    """The task CID, and its term-1 candidate, the other fast member and the loaded one."""
+    cid = "QmTaskLateVotes"
+    candidate = designated(cid, 1, PEERS)
+    fast, loaded = (p for p in PEERS if p != candidate)
+    return cid, candidate, fast, loaded
+
+
+class Member:
+    def __init__(self, task_cid: str, key: object) -> None:
+        self.election = Election(task_cid, key, CONFIG)  # type: ignore[arg-type]
+        self.me = self.election.me
+        self.ledger = Participation(answer_s=ANSWER_S)
+
+    def tick(self, now: float) -> list[ElectionMessage]:
+        live = self.ledger.counted(now, set(PEERS) - {self.me}) | {self.me}
+        outs = self.election.tick(now, View(advertising=frozenset(live)))
+        if any(isinstance(out, VoteRequest) for out in outs):
+            self.ledger.note_asked(now, self.me)  # run/_leading.py, Leading._note_asking
+        return outs
+
+
+def _simulate(seconds: float, loaded: str) -> dict[str, Member]:
+    task_cid = _setting()[0]
+    members = {m.me: m for m in (Member(task_cid, k) for k in KEYS)}
+    in_flight: list[tuple[float, int, str, str, ElectionMessage]] = []  # (arrival, order, to, from, message)
+    now, order = 0.0, 0
+
+    def send(src: str, outs: list[ElectionMessage]) -> None:
+        nonlocal order
+        for msg in outs:
+            for dst in members:
+                if dst != src:
+                    order += 1
+                    in_flight.append((now + (SLOW_S if loaded in (src, dst) else FAST_S), order, dst, src, msg))
+
+    while now < seconds:
+        now += DT
+        for me, member in members.items():
+            send(me, member.tick(now))
+        in_flight.sort()
+        while in_flight and in_flight[0][0] <= now:
+            _, _, dst, src, msg = in_flight.pop(0)
+            member = members[dst]
+            send(dst, receive_noting(member.election, member.ledger, now, src, msg))
+            in_flight.sort()
+    return members
+
+
+def test_a_vote_that_comes_after_the_election_takes_part_and_is_not_struck() -> None:
+    """Fails on 6d977b5 (run/_leading.py noted no vote once elected): the coordinator's took_part
+    lacks the loaded member, which it strikes at the end of the answer time."""
+    _, candidate, fast, loaded = _setting()
+    members = _simulate(ANSWER_S + 6.0, loaded)
+    coordinator = members[candidate]
+    assert coordinator.election.is_coordinator and coordinator.election.term == 1
+    voters = {v.vote.voter for v in coordinator.election.certificate}
+    assert voters == {candidate, fast, loaded}  # the loaded member's vote came, after the quorum
+    now = ANSWER_S + 6.0
+    assert coordinator.ledger.took_part(now) >= {fast, loaded}
+    assert loaded not in coordinator.ledger.struck(now)
+
+
+def test_a_late_vote_counts_only_within_the_answer_time_of_the_request() -> None:
+    """The rule alone: a vote at a time its sender chose (long after any request) is free to send,
+    and must not clear a strike or keep a peer that never trains counted."""
+    ledger = Participation(answer_s=ANSWER_S)
+    ledger.counted(9.0, ["slow", "silent"])  # both advertise the task
+    ledger.note_asked(10.0, "me")
+    ledger.note_late_vote(10.0 + ANSWER_S - 0.5, "slow")
+    assert ledger.took_part(12.0) == {"slow"}
+    ledger.counted(10.0 + ANSWER_S, ["slow", "silent"])  # the answer time ends: the silent one is struck
+    ledger.note_late_vote(30.0, "silent")
+    assert ledger.struck(30.0) == {"silent"} and ledger.took_part(30.0) == {"slow"}
+    fresh = Participation(answer_s=ANSWER_S)
+    fresh.note_late_vote(1.0, "unasked")  # no request heard or sent: nobody had a vote to give
+    assert fresh.took_part(1.0) == frozenset()
