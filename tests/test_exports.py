@@ -108,7 +108,7 @@ EXPORTS: dict[str, list[str]] = {
         "load_model_bytes", "measured_costs", "measured_cut", "median_micros", "model_bytes", "model_tensors", "orphaned_stages",
         "owner_seed", "parse_entry", "piece_costs", "plan_cut", "plan_order",
         "read_chain",
-        "read_model_card", "read_statement", "read_tensors", "refuse_report", "round_completed",
+        "read_model_card", "read_statement", "read_tensors", "record_confirmed", "refuse_report", "round_completed",
         "round_id", "round_seed", "shard_of", "sign_record",
         "sign_statement", "signed_entry_problem", "signing", "stage_moves", "stage_rings", "stage_round_id",
         "stage_verdicts", "state_bytes", "statement_bytes", "tensors_bytes", "term_candidate", "throughput", "witness_problem",
