@@ -23,7 +23,20 @@ follow, out of step, no training data: :data:`~p2ptrain.protocol.CANNOT_FOLLOW`.
 (no retry), counted, and its sender, a member that took part with this one, is left out of the next
 plans for the quarantine (``FAILED_PEER_QUARANTINE_S``), as a member a round names. Any other report
 of the latest round completed here cannot be told from a split completion (that round completed
-here and failed there) and is followed as before: docs/security.md says what that leaves.
+here and failed there) and is followed as before, once per member and round (:func:`split_problem`).
+
+A report of a span's last round is the exception: the coordinator that completed it publishes the
+span's record at once, and a quorum of the span's members may confirm it whatever comes after. The
+retry redid that round anyway (from the step before the record's): a member that reported every
+span's last round after completing it had the run confirm one state and go on from another (its
+redo without that member), every honest member then found its state was "not the confirmed model"
+and blamed its arithmetic, its coordinator stepped down, and the last span's retry left the members
+one step short of the run's end (tests/runtime/test_false_reports.py). Now such a retry waits for the
+record (:func:`awaits_record`): rejected, the round is redone as before (a split completion where
+too few completed it to confirm its record, e.g. one of two members); confirmed, the report is
+dropped (:func:`record_confirmed`) and refused once the record is (:func:`report_problem`): a
+quorum of the span's members holds the state after the round, and a member whose round really
+failed holds the one before it and loads the confirmed state (out of step for the next plan).
 """
 
 from __future__ import annotations
@@ -36,6 +49,7 @@ from p2ptrain.protocol._step_aborts import says_absent
 from p2ptrain.wire import RoundFailed, RoundPlan
 
 if TYPE_CHECKING:
+    from p2ptrain.protocol._election import Election
     from p2ptrain.protocol._round_book import RoundBook
 
 
@@ -53,6 +67,10 @@ def report_problem(book: RoundBook, report: RoundFailed, reporter: str) -> str |
         return None
     if reporter not in plan.members:
         return f"{short_id(reporter)}, not a member of plan {plan.round}.{plan.attempt}, reports round {report.round} failed"
+    if span_confirmed(book, plan):
+        return (f"{short_id(reporter)} reports round {report.round} of plan {plan.round}.{plan.attempt} failed "
+                f"({report.reason[:80]}), but its span's checkpoint is confirmed (model v{book.chain.version}): "
+                f"left out of the next plans")
     done = book.completed_round
     if done is not None and refuted(report.round, says_absent(report.reason), done):
         return (f"{short_id(reporter)} reports round {report.round} of plan {plan.round}.{plan.attempt} failed "
@@ -117,4 +135,44 @@ def round_completed(book: RoundBook, now: float, plan: RoundPlan, round_: int) -
         exclude(book.failed_peers, reporter, now)
     if lines and not book.failure_rounds:
         book.failed_at = None
+    return lines
+
+
+def span_confirmed(book: RoundBook, plan: RoundPlan) -> bool:
+    """Whether the chain's head is the record of ``plan``'s span (its end step, term, attempt and
+    last round): a quorum of its members attested the state after its last round."""
+    if not book.chain.records:
+        return False
+    r = book.chain.records[-1].record
+    return (r.step, r.term, r.attempt, r.round) == (plan.step + plan.rounds, plan.term, plan.attempt,
+                                                    plan.round + plan.rounds - 1)
+
+
+def awaits_record(book: RoundBook, election: Election, my_step: int) -> bool:
+    """Whether the coordinator, at ``my_step``, holds a believed report's retry until the span's
+    record settles: it completed the span of its own term's plan (so it publishes that record, or
+    counts the checkpoint as rejected: :meth:`RoundBook.unsettled` ends either way, by the
+    attestations' deadline at the latest), and the checkpoint at ``my_step`` is not settled yet.
+    Confirmed, :func:`record_confirmed` drops the reports; rejected, the retry is planned."""
+    plan = book.last_plan
+    return (plan is not None and book.failed_round is not None and plan.term == election.term
+            and my_step == plan.step + plan.rounds and book.unsettled(my_step) == my_step)
+
+
+def record_confirmed(book: RoundBook, now: float) -> list[str]:
+    """The chain's head was just confirmed here at ``now``: if it is the record of the plan this
+    member follows, the reports of that plan still believed (its last round's: nothing later refutes
+    them) are dropped, and their senders left out of the next plans (one whose round failed holds
+    the state before the confirmed one: it is out of step for the next plan until it loads it).
+    Returns why, one line per report dropped."""
+    plan = book.last_plan
+    if plan is None or not span_confirmed(book, plan):
+        return []
+    lines = [f"{short_id(reporter)} reported round {k} of plan {plan.round}.{plan.attempt} failed, but its span's "
+             f"checkpoint was confirmed (model v{book.chain.version}): left out of the next plans"
+             for reporter, (k, _) in sorted(book.failure_rounds.items())]
+    for reporter in book.failure_rounds:
+        exclude(book.failed_peers, reporter, now)
+    book.failure_rounds.clear()
+    book.failed_at = None
     return lines

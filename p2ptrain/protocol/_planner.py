@@ -14,7 +14,8 @@ Rules, and why:
   confirmation, or at the start), because a joiner loads that checkpoint by CID (weights and
   optimizer state) and must hold exactly what the others hold.
 - After a failed round (:meth:`RoundBook.report_failure`) the retry plan is the failed round, next
-  attempt, its start step, the live members.
+  attempt, its start step, the live members; after a span this coordinator completed, only once its
+  record is rejected (a confirmed one drops the reports: protocol/_failure_reports.py).
 - A pipelined plan that leaves a stage without any of its replicas (they died) goes back to the
   latest confirmed checkpoint with a new attempt: that stage's state since is lost, and the stages
   must restart from one version (:func:`~p2ptrain.protocol._plans.orphaned_stages`).
@@ -46,6 +47,7 @@ from typing import TYPE_CHECKING
 
 from p2ptrain.protocol._arithmetics import Classes, sort_classes
 from p2ptrain.protocol._election import Election
+from p2ptrain.protocol._failure_reports import awaits_record
 from p2ptrain.protocol._plans import orphaned_stages, plan_members, plan_stages, span_length
 from p2ptrain.protocol._recut import next_cut
 from p2ptrain.wire import RoundPlan
@@ -127,6 +129,10 @@ def decide(
         # the root too (the resync loop's load_root), where a coordinator plans from step 0 and
         # every member can follow; the steps since are redone.
         return Hold.BEHIND
+    if awaits_record(book, election, my_step):
+        # A member reports the last round of our span failed, and our record of the span is out:
+        # a quorum may confirm it whatever we do, so the retry waits for it (_failure_reports.py).
+        return Hold.WAIT
     joining_possible = len(set(advertising) - quarantined) < book.task.peers.max
     if last is None and book.chain.records and set(book.chain.records[-1].record.members) <= set(advertising):
         joining_possible = False  # resumed, with every member of the last record back: start now

@@ -20,7 +20,7 @@ from p2ptrain.pipeline import PipelineError
 from p2ptrain.base import short_id
 from p2ptrain.run._datafeed import DataFeed
 from p2ptrain.run._run_state import Nudge, RunState
-from p2ptrain.protocol import Misconduct, RecordError, Status, Tally, attest, election_problem
+from p2ptrain.protocol import Misconduct, RecordError, Status, Tally, attest, election_problem, record_confirmed
 from p2ptrain.run._stage_trainer import StagedTrainer
 from p2ptrain.training import StateSnapshot
 from p2ptrain.wire import RoundPlan, SignedAttestation, SignedModelRecord
@@ -283,6 +283,8 @@ class Attesting:
         run = self.run
         _, book = run.require()
         book.chain.append(tally.signed, tuple(tally.matching.values()))
+        for false in record_confirmed(book, trio.current_time()):  # (a retry behind it: protocol/_failure_reports.py)
+            run.refuse("failure_report", f"dropped a failure report: {false}")
         record = tally.record
         run.metrics.update(record.metrics)
         run.save_chain()

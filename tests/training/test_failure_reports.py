@@ -12,10 +12,11 @@ from typing import Any
 
 import pytest
 
-from p2ptrain.protocol import CANNOT_FOLLOW, refuse_report, round_completed
+from p2ptrain.protocol import CANNOT_FOLLOW, Hold, record_confirmed, refuse_report, round_completed
+from p2ptrain.protocol._round_book import RETRY_BACKOFF_S
 from p2ptrain.wire import RoundFailed, RoundPlan
 
-from .test_training_gating import Run
+from .test_training_gating import INITIAL, Run
 
 
 @pytest.fixture
@@ -113,3 +114,61 @@ def test_a_member_saying_it_took_no_part_in_a_round_that_completed_here_is_refut
     assert len(dropped) == 1 and run.book.failed_round is None and reporter in run.book.quarantined(11.5), dropped
     # Once completed, the same report is refused as it comes.
     assert refuse_report(run.book, 12.0, absent, reporter) is not None
+
+
+def _span_reported_at_its_end(run: Run, reporter: str) -> tuple[RoundPlan, int]:
+    """A span that completed here (at the coordinator), then ``reporter`` says its last round failed:
+    believed (a split completion, for all it can tell). Returns the plan and the span's end step."""
+    plan = run.follow(run.decide(10.0))
+    last = plan.rounds - 1
+    assert _complete(run, plan, 11.0, range(plan.rounds)) == []
+    report = _report(run, plan, last)
+    assert refuse_report(run.book, 11.5, report, reporter) is None
+    assert run.book.note_failure_report(11.5, report, reporter, run.c, coordinator=True)
+    assert run.book.failed_round == plan.round + last
+    return plan, plan.step + plan.rounds
+
+
+def test_a_report_of_a_spans_last_round_waits_for_its_record_and_is_dropped_once_it_is_confirmed(run3: Run) -> None:
+    """Fails on main: the coordinator published the span's record and planned the retry of its last
+    round besides; the record was confirmed by a quorum (the reporter among it) while the others
+    redid that round without the reporter, so they went on from a state that was not the confirmed
+    one, were told their arithmetic differed, and the last span's retry ended the run a step short
+    (tests/runtime/test_false_reports.py)."""
+    run = run3
+    liar = run.others[0]
+    plan, end = _span_reported_at_its_end(run, liar)
+    # Our record of the span is out (the checkpoint at ``end`` unsettled): no retry yet.
+    assert run.decide(11.5 + 2 * RETRY_BACKOFF_S, my_step=end) is Hold.WAIT
+    # A quorum confirms it: the report is dropped, counted, its sender left out; the next span follows.
+    record = run.book.checkpoint_record(plan, end, INITIAL, INITIAL, {}, run.election.key_pair)
+    run.book.chain.append(record)
+    dropped = record_confirmed(run.book, 15.0)
+    assert len(dropped) == 1 and "checkpoint was confirmed" in dropped[0], dropped
+    assert run.book.failed_round is None and liar in run.book.quarantined(15.0)
+    following = run.decide(15.5, my_step=end)
+    assert isinstance(following, RoundPlan) and following.step == end and liar not in following.members, following
+    # The same report again, once the record is confirmed: refused as it comes.
+    problem = refuse_report(run.book, 16.0, _report(run, plan, plan.rounds - 1), liar)
+    assert problem is not None and "checkpoint is confirmed" in problem
+    assert not run.book.note_failure_report(16.0, _report(run, plan, plan.rounds - 1), liar, run.c, coordinator=True)
+
+
+def test_a_report_of_a_spans_last_round_is_retried_when_its_record_is_rejected(run3: Run) -> None:
+    """The honest failure the wait must still handle: the last round failed at a member and
+    completed at the others, too few of them to confirm the record (one of two, a member dead):
+    rejected by its deadline, then the round is redone with the reporter, as before. A coordinator
+    whose own last round failed published no record: its retry does not wait."""
+    run = run3
+    member = run.others[1]
+    plan, end = _span_reported_at_its_end(run, member)
+    later = 11.5 + 2 * RETRY_BACKOFF_S
+    own_failed = run.decide(later, my_step=end - 1)
+    assert isinstance(own_failed, RoundPlan) and own_failed.step == end - 1, own_failed
+    assert run.decide(later, my_step=end) is Hold.WAIT
+    run.book.rejected_step = end  # the record had no quorum by its deadline (Attesting._settled)
+    assert record_confirmed(run.book, later) == []
+    retry = run.decide(later, my_step=end)
+    assert isinstance(retry, RoundPlan), retry
+    assert (retry.round, retry.attempt, retry.step) == (plan.round + plan.rounds - 1, plan.attempt + 1, end - 1)
+    assert member in retry.members  # a split completion blames no one
