@@ -82,7 +82,8 @@ def test_a_model_cid_that_is_nowhere_says_where_it_was_looked_for(home, tmp_path
     from p2ptrain.cli.main import main
 
     (home / "runs" / "b-empty").mkdir()
-    for command in (["model", "export", GOOD_CID, str(tmp_path / "out")], ["model", "fetch", GOOD_CID, "-o", "m"]):
+    for command in (["model", "export", GOOD_CID, str(tmp_path / "out")], ["model", "fetch", GOOD_CID, "-o", "m"],
+                    ["model", "serve", GOOD_CID, "--listen", "127.0.0.1:0"]):
         assert main(command) == 1
         assert capsys.readouterr().err.strip() == (
             f"p2ptrain: error: {GOOD_CID} not in the store of {home} nor in its 2 run home(s) ({home}/runs/*), and "
@@ -94,3 +95,35 @@ def test_a_model_cid_that_is_nowhere_says_where_it_was_looked_for(home, tmp_path
         "model): give the task with --task TASK_CID")
     assert main(["model", "export", GOOD_CID, str(tmp_path / "out"), "--home", str(home)]) == 1  # looked in one home
     assert f"not in the store of {home}, and no node" in capsys.readouterr().err
+
+
+def test_model_serve_serves_a_model_kept_in_a_run_home(home):
+    """``model serve CID`` with no ``--home``: the server process reads the model from the run home
+    that holds it (and would announce it through the default home's node, which a run home has not)."""
+    import select
+    import subprocess
+    import sys
+    import urllib.request
+
+    from p2ptrain.ipfs import open_store
+    from p2ptrain.models import build_model
+    from p2ptrain.protocol import model_bytes
+    from p2ptrain.testing import start_forked
+
+    card = {"name": "mlp", "kwargs": {"in_features": 64, "hidden": [32], "out_features": 10}}
+    cid = open_store(home / "runs" / "digits-member0").add_bytes(
+        model_bytes(build_model(card["name"], card["kwargs"], 1), card))
+    p2ptrain = str(Path(sys.executable).with_name("p2ptrain"))
+    proc = start_forked([p2ptrain, "model", "serve", cid, "--listen", "127.0.0.1:0"], stdout=subprocess.PIPE,
+                        stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        ready, _, _ = select.select([proc.stdout], [], [], 60)
+        line = proc.stdout.readline() if ready else ""
+        assert line.startswith(f"serving {cid} at "), (line, proc.poll())
+        url = line.split(" at ")[1].split()[0]
+        with urllib.request.urlopen(f"{url}/model", timeout=60) as answer:
+            assert json.loads(answer.read())["model_cid"] == cid
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)

@@ -21,7 +21,7 @@ def home_help(what: str) -> str:
 
 # The --home of the commands that read a home's store (and ask its node, when one runs).
 HOME_HELP = home_help("node home whose store (and running node, if any) to use")
-# The --home of the commands that take a model by CID (model fetch, eval, export, verify): model_home.
+# The --home of the commands that take a model by CID (model fetch, eval, export, verify, serve): model_home.
 MODEL_HOME_HELP = home_help("node home whose store (and running node, if any) to use; with no --home, a model by CID "
                             "is looked for there and then in the run homes under it (runs/*)")
 # The --home of the commands that start or inspect the node itself (node start/id/status, config show).

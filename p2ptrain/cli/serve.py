@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from p2ptrain.cli.ipfs import cid_arg
-from p2ptrain.cli._home_options import HOME_HELP, home_of, source_options
+from p2ptrain.cli._home_options import HOME_HELP, MODEL_HOME_HELP, home_of, model_home, source_options
 from p2ptrain.base import UserError
 from p2ptrain.serve import MAX_CONNECTIONS
 
@@ -54,7 +54,7 @@ def add_parsers(msub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     serve.add_argument("--public-url", metavar="URL", default=None,
                        help="the URL peers should use, announced on the mesh through the home's running node "
                        "(default: the listening address; a 0.0.0.0 listener is announced at this host's address)")
-    source_options(serve)
+    source_options(serve, MODEL_HOME_HELP)
     serve.set_defaults(func=cmd_serve)
 
     predict = msub.add_parser("predict", help="send INPUT.json to a server of MODEL_CID; print its answer")
@@ -80,7 +80,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from p2ptrain.control import socket_path
     from p2ptrain.serve import open_model
 
-    home = home_of(args)
+    # The model is read where model_home finds it (a script's run home, as for model eval); the mesh
+    # is told through the node of --home or the default home, which a run home never has.
+    node_home = home_of(args)
+    home, runs_looked = model_home(args, args.model_cid if args.latest is None else None)
     cids = [args.model_cid] if args.model_cid else []
     if args.public_url is not None:
         from p2ptrain.services import check_url
@@ -94,14 +97,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return open_model(
             args.model_cid, latest=args.latest, home=home, device=args.device, listen=args.listen,
             max_batch=args.max_batch, max_wait_ms=args.max_wait_ms, max_connections=args.max_connections,
-            resolve=resolve, announce=lambda cid, bound: announce(home, cid, args.public_url or reachable(bound)),
+            resolve=resolve, announce=lambda cid, bound: announce(node_home, cid, args.public_url or reachable(bound)),
         )
 
     # --latest through --bootstrap alone: one temporary node for the server's life (serve/_temporary.py),
     # not one per lookup. Otherwise the home's store or running node (or, for a fixed CID, a temporary
     # node for the first fetch only).
     temporary = args.latest is not None and bool(args.bootstrap) and not socket_path(home).exists()
-    server = None if temporary else build(lambda: ensure_local(home, cids, args.bootstrap, args.latest)[-1])
+    server = None if temporary else build(
+        lambda: ensure_local(home, cids, args.bootstrap, args.latest, runs_looked=runs_looked)[-1])
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
