@@ -319,8 +319,6 @@ def _pipeline(
         balance=None if (balance := fields.choice(p, "balance", "pipeline.", BALANCES, "parameters")) == "parameters"
         else balance,
     )
-    if spec.recut and training.local_sgd:
-        raise TaskError('pipeline.balance: "recut" is not built for training.mode = "local_sgd" (use "measured")')
     if spec.sparse_sum and not (compression.error_feedback and compression.density < 1.0):
         raise TaskError('pipeline.stage_sum: "sparse" needs compression.error_feedback = true and compression.density '
                         "< 1 (what a replica does not send stays in its residual for its next step)")

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import hashlib
 
-import pytest
 from libp2p.crypto.ed25519 import create_new_key_pair
 
 from p2ptrain.protocol import measured_cut, piece_costs, plan_cut, RECUT_MARGIN
 from p2ptrain.protocol._plans import plan_stages, rule_problem
 from p2ptrain.protocol._recut import next_cut, stage_costs
 from p2ptrain.task import (cut_problem, load_task, parameter_cut, piece_parameters, stage_parameters, task_bytes,
-                           TaskError)
+                           task_from_bytes)
 from p2ptrain.wire import decode, encode, RoundPlan
 from p2ptrain.wire._schema import to_plain
 from tests.protocol._books import CID, lm, task_text
@@ -80,9 +79,15 @@ def test_the_option_is_stored_only_when_it_moves_the_cut():
     assert task_bytes(load_task(TASK + 'balance = "parameters"\n')) == task_bytes(silent)
     assert recut.pipeline is not None and recut.pipeline.recut and recut.pipeline.measured_balance
     assert b'"balance":"recut"' in task_bytes(recut)
+    # In local-SGD mode too (the cut moves at a confirmed checkpoint, an outer step's end: a stage file
+    # holds the outer state by whole-model index, tests/pipeline/test_recut_loads_local_sgd.py); refused on main.
     local = RECUT.replace("total_steps = 10", 'total_steps = 10\nmode = "local_sgd"\ninner_steps = 2')
-    with pytest.raises(TaskError, match="recut"):
-        load_task(local.replace("[pipeline]", "[outer]\nlr = 0.7\n[pipeline]"))
+    local = local.replace("[pipeline]", "[outer]\nlr = 0.7\n[pipeline]")
+    task = load_task(local)
+    assert task.training.local_sgd and task.pipeline is not None and task.pipeline.recut
+    assert b'"balance":"recut"' in task_bytes(task) and task_from_bytes(task_bytes(task)) == task
+    measured = load_task(local.replace('balance = "recut"', 'balance = "measured"'))
+    assert task_bytes(measured) == task_bytes(task).replace(b'"balance":"recut"', b'"balance":"measured"')
 
 
 def test_a_plan_names_its_cut_only_when_it_is_not_by_parameters():
