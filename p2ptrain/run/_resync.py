@@ -24,8 +24,8 @@ import trio
 
 from p2ptrain.ipfs import ContentUnavailable, DagError
 from p2ptrain.base import short_id
-from p2ptrain.run._resync_rules import (after_load, head_wanted, restarts_at_root, unsynced_action, Unsynced,
-                                        WaitNotes)
+from p2ptrain.run._resync_rules import (after_load, head_wanted, restarts_at_root, slow_step, unsynced_action,
+                                        Unsynced, WaitNotes)
 from p2ptrain.run._run_state import Nudge, RunState
 from p2ptrain.protocol import (Chain, chain_lines, HeadOffers, MAX_CHAIN_BYTES, Misconduct, RecordError,
                                witness_problem, witnessable, witnessed_chain_limits, won_alone)
@@ -179,28 +179,29 @@ class Resync:
 
     async def run_loop(self, follow: Callable[[RoundPlan], None]) -> None:
         """While out of sync: load the run's state by CID (verified) and rejoin; catch up to plans that
-        list us from a checkpoint we lack. One that stays out of sync says why (WaitNotes)."""
+        list us from a checkpoint we lack. It says what a member that stays out of sync waits for
+        (WaitNotes), and a catch-up or look that took long (slow_step)."""
         run = self.run
         period = run.node.config.heartbeat_interval * CHECK_EVERY_BEATS
         while True:
             caught_up = None
             with trio.move_on_after(period):
                 caught_up = await self._catch_up_recv.receive()
+            began = trio.current_time()
             if caught_up is not None:
                 await self._follow_from_behind(*caught_up, follow)
-                continue
-            waiting = await self._look()
-            note = self._waits.note(trio.current_time(), run.synced, waiting)
-            if note is not None and run.book is not None and run.trainer is not None:
-                logger.warning("%s: %s (at step %d, its chain at model v%d of step %d)", run.log_prefix, note,
-                               run.trainer.step, run.book.chain.version, run.book.head_step)
+            waiting = None if caught_up is not None else await self._look()
+            now = trio.current_time()
+            doing = f"catching up to plan {caught_up[1].round}.{caught_up[1].attempt}" if caught_up else "a look"
+            for line in (slow_step(now - began, doing), self._waits.note(now, run.synced, waiting)):
+                if line is not None and run.book is not None and run.trainer is not None:
+                    logger.warning("%s: %s (at step %d, its chain at model v%d of step %d)", run.log_prefix, line,
+                                   run.trainer.step, run.book.chain.version, run.book.head_step)
 
     async def _look(self) -> str | None:
         """One look of the resync loop: what this member waits for (None: it acted, or needs nothing).
-        A member also notices on its own that it fell behind: when the published head stays ahead
-        of its chain for BEHIND_CHECKS checks in a row (it missed a record, or its attestations), it
-        stops advertising the task, so no coordinator puts it into a ring with a stale state.
-        Nothing is loaded while a span of ours runs on the trainer: it ends first."""
+        A synced member whose head stays ahead of its chain for BEHIND_CHECKS looks (no record
+        pending) missed a record: it stops advertising. Nothing is loaded under a span of ours."""
         run = self.run
         if run.book is None or run.trainer is None or await self.ask_and_try_offers():
             return None  # (the run is being prepared, or it tried a head a member of the run offered)

@@ -25,6 +25,10 @@ from p2ptrain.wire import TaskHead
 # A member unsynced this long says what it waits for (a resync takes a look or two, ~1 s each), then
 # at each doubling of the wait: a few lines for a wait of minutes, each with its reason.
 NOTE_AFTER_S = 15.0
+# A catch-up or a look of the resync loop that took this long is said too: each of its waits is
+# bounded (a fetch 60 s, the trainer's hold 30 s), but no look happens meanwhile, and the members
+# of a plan it catches up to wait for it.
+SLOW_STEP_S = 10.0
 
 
 def restarts_at_root(version: int, head: TaskHead | None, *, pending: bool, was_synced: bool) -> bool:
@@ -90,6 +94,11 @@ class WaitNotes:
         while self._next <= held:
             self._next *= 2
         return f"not synced for {held:.0f} s: waiting for {waiting}"
+
+
+def slow_step(took: float, doing: str) -> str | None:
+    """The line to log when ``doing`` (a catch-up, a look) took ``took`` seconds (None: not long)."""
+    return f"{doing} took {took:.0f} s" if took >= SLOW_STEP_S else None
 
 
 def after_load(failure: str | None) -> str | None:

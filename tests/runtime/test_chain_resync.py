@@ -22,7 +22,8 @@ from pathlib import Path
 import pytest
 import trio
 
-from p2ptrain.run._resync_rules import after_load, NOTE_AFTER_S, unsynced_action, Unsynced, WaitNotes
+from p2ptrain.run._resync_rules import (after_load, NOTE_AFTER_S, slow_step, SLOW_STEP_S, unsynced_action, Unsynced,
+                                        WaitNotes)
 from p2ptrain.testing import local_peers
 from p2ptrain.wire import TaskHead
 
@@ -67,6 +68,9 @@ def test_a_member_that_stays_unsynced_says_what_it_waits_for_at_doubling_interva
     assert notes.note(201.0 + NOTE_AFTER_S, False, None) is None
     assert notes.note(202.0 + NOTE_AFTER_S, False, "x") == f"not synced for {NOTE_AFTER_S + 1:.0f} s: waiting for x"
     assert after_load(None) is None and after_load("gone") == "a state it can load (the last try: gone)"
+    # A catch-up or look that blocked the loop long is said as it ends (no look happens meanwhile).
+    assert slow_step(SLOW_STEP_S - 0.1, "a look") is None
+    assert slow_step(61.0, "catching up to plan 4.0") == "catching up to plan 4.0 took 61 s"
 
 
 async def test_a_member_out_of_step_at_v1_with_no_head_past_v0_loads_its_chain_and_trains_on(
