@@ -15,6 +15,7 @@ every record it adds is one it would have taken live (protocol/_trailing.py).
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
@@ -23,6 +24,8 @@ import trio
 
 from p2ptrain.ipfs import ContentUnavailable, DagError
 from p2ptrain.base import short_id
+from p2ptrain.run._resync_rules import (after_load, head_wanted, restarts_at_root, slow_step, unsynced_action,
+                                        Unsynced, WaitNotes)
 from p2ptrain.run._run_state import Nudge, RunState
 from p2ptrain.protocol import (Chain, chain_lines, HeadOffers, MAX_CHAIN_BYTES, Misconduct, RecordError,
                                witness_problem, witnessable, witnessed_chain_limits, won_alone)
@@ -48,17 +51,6 @@ BEHIND_CHECKS = 2
 KNOWN_TERMS = 256
 
 
-def restarts_at_root(version: int, head: TaskHead | None, *, pending: bool, was_synced: bool) -> bool:
-    """Whether a member that does not hold the run's state goes back to the run's initial state
-    (:meth:`Resync.load_root`) rather than wait for a head: only while its own chain (``version``)
-    has no confirmed record, so its state has no confirmed progress to lose, whatever any head says;
-    not while a head names a later version (that one is loaded instead: the run went on without
-    it), nor while a record is ``pending`` (it may yet be confirmed here). Only a member that held
-    the run's state before (``was_synced``): a joiner that heard the first span under way waits for
-    its checkpoint, as it always did (docs/training.md, "Join")."""
-    return was_synced and version == 0 and (head is None or head.version == 0) and not pending
-
-
 class Resync:
     """Heads, the resync loop and catching up to a plan; calls ``follow`` once a plan can be run."""
 
@@ -75,6 +67,8 @@ class Resync:
         # Heads heard from the run's members while no coordinator is known (protocol/_trailing.py).
         self.offers = HeadOffers()
         self._catch_up_send, self._catch_up_recv = trio.open_memory_channel[tuple[str, RoundPlan]](1)
+        self._behind = 0  # looks in a row that found the head ahead of our chain (BEHIND_CHECKS)
+        self._waits = WaitNotes()
 
     # -- heads -----------------------------------------------------------------------------------
 
@@ -184,57 +178,61 @@ class Resync:
         self._catch_up_send.send_nowait((sender, plan))
 
     async def run_loop(self, follow: Callable[[RoundPlan], None]) -> None:
-        """While out of sync: load the head of the confirmed chain (by CID, verified) and rejoin;
-        catch up to plans that list us from a checkpoint we lack.
-
-        A member also notices on its own that it fell behind: when the published head stays ahead
-        of its chain for BEHIND_CHECKS checks in a row (it missed a record, or its attestations), it
-        stops advertising the task, so no coordinator puts it into a ring with a stale state.
-        """
+        """While out of sync: load the run's state by CID (verified) and rejoin; catch up to plans that
+        list us from a checkpoint we lack. It says what a member that stays out of sync waits for
+        (WaitNotes), and a catch-up or look that took long (slow_step)."""
         run = self.run
-        behind = 0
         period = run.node.config.heartbeat_interval * CHECK_EVERY_BEATS
         while True:
             caught_up = None
             with trio.move_on_after(period):
                 caught_up = await self._catch_up_recv.receive()
+            began = trio.current_time()
             if caught_up is not None:
                 await self._follow_from_behind(*caught_up, follow)
-                continue
-            if run.book is not None and run.trainer is not None and await self.ask_and_try_offers():
-                continue
-            if run.book is not None and run.trainer is not None and not run.synced and run.end_of_run() == "load":
-                await self.try_load_last_checkpoint()  # the run ended without us: our chain names its end
-                continue
-            if not run.synced and run.book is not None and restarts_at_root(
-                    run.book.chain.version, run.heads, pending=run.attestations.pending, was_synced=run.was_synced):
-                if not self.busy():  # not under a span of ours on the trainer: it ends first
-                    await self.try_load_root()
-                continue
-            if run.stale_step is not None and not run.synced:
-                # Our own state at a confirmed step was not the confirmed one: take the confirmed
-                # chain's last checkpoint by CID (not while a span of ours runs on the trainer).
-                if not self.busy():
-                    await self.try_load_last_checkpoint()
-                continue
-            head = run.heads
-            if run.book is None or head is None:
-                continue
-            if run.synced:
-                pending = run.attestations.pending
-                behind = behind + 1 if head.version > run.book.chain.version and not pending else 0
-                if behind >= BEHIND_CHECKS:
+            waiting = None if caught_up is not None else await self._look()
+            now = trio.current_time()
+            doing = f"catching up to plan {caught_up[1].round}.{caught_up[1].attempt}" if caught_up else "a look"
+            for line in (slow_step(now - began, doing), self._waits.note(now, run.synced, waiting)):
+                if line is not None and run.book is not None and run.trainer is not None:
+                    logger.warning("%s: %s (at step %d, its chain at model v%d of step %d)", run.log_prefix, line,
+                                   run.trainer.step, run.book.chain.version, run.book.head_step)
+
+    async def _look(self) -> str | None:
+        """One look of the resync loop: what this member waits for (None: it acted, or needs nothing).
+        A synced member whose head stays ahead of its chain for BEHIND_CHECKS looks (no record
+        pending) missed a record: it stops advertising. Nothing is loaded under a span of ours."""
+        run = self.run
+        if run.book is None or run.trainer is None or await self.ask_and_try_offers():
+            return None  # (the run is being prepared, or it tried a head a member of the run offered)
+        book, head, election = run.book, run.heads, run.election
+        if run.synced:
+            if head is not None:
+                ahead = head.version > book.chain.version and not run.attestations.pending
+                self._behind = self._behind + 1 if ahead else 0
+                if self._behind >= BEHIND_CHECKS:
                     logger.warning("%s: the run is at model v%d, this member at v%d", run.log_prefix,
-                                   head.version, run.book.chain.version)
+                                   head.version, book.chain.version)
                     run.desync(trio.current_time())
-                continue
-            if head.version == 0:
-                continue
-            if head.version <= run.book.chain.version and run.trainer and run.trainer.step == run.book.head_step:
-                run.set_synced()
-                continue
-            if not self.busy():  # a span of ours (followed before we fell behind) ends first
-                await self.try_load_head(head)
+            return None
+        # Our chain's last checkpoint: the run ended without us, our own state at a confirmed step was
+        # not the confirmed one (stale_step), or no head heard names a version past our chain.
+        load: Callable[[], Awaitable[str | None]] = self.try_load_last_checkpoint
+        action = unsynced_action(book.chain.version, book.head_step, run.trainer.step, head)
+        if run.end_of_run() == "load":
+            return after_load(await load())
+        if restarts_at_root(book.chain.version, head, pending=run.attestations.pending, was_synced=run.was_synced):
+            load = self.try_load_root
+        elif run.stale_step is None and action is Unsynced.SYNCED:
+            run.set_synced()
+            return None
+        elif run.stale_step is None and action is Unsynced.WAIT:
+            return head_wanted(head, election.coordinator, election.term)
+        elif run.stale_step is None and action is Unsynced.LOAD_HEAD and head is not None:
+            load = functools.partial(self.try_load_head, head)
+        if self.busy():
+            return "the span of this member under way to end (nothing is loaded under it)"
+        return after_load(await load())
 
     async def _head_at_least(self, version: int) -> TaskHead | None:
         """The run's head once it names ``version`` or later, waiting at most CATCH_UP_WAIT_S."""
