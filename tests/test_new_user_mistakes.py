@@ -508,6 +508,35 @@ def test_task_publish_of_the_example_task_as_it_comes_names_the_placeholder(tmp_
         "(base58: no 0, O, I or l)")
 
 
+def test_the_readmes_task_file_outside_a_checkout_points_to_task_example_which_writes_it(tmp_path, monkeypatch,
+                                                                                         capsys):
+    """Installed from a wheel, there is no node/tasks/: `task publish node/tasks/digits-mlp.toml`, as the
+    README has it, said only "No such file or directory", and nothing gave the example task files."""
+    from p2ptrain.cli.main import main
+
+    monkeypatch.chdir(tmp_path)
+    home = ["--home", str(tmp_path / "home")]
+    assert main(["task", "publish", "node/tasks/digits-mlp.toml", *home]) == 1
+    assert capsys.readouterr().err.strip() == (
+        "p2ptrain: error: cannot read node/tasks/digits-mlp.toml: no such file (`p2ptrain task example` lists "
+        "the example task files and writes one)")
+    assert main(["task", "example"]) == 0
+    assert [line.split()[0] for line in capsys.readouterr().out.splitlines()] == [
+        "digits-mlp", "llama-pipeline", "stdlib-lm"]
+    shipped = (Path(__file__).resolve().parents[1] / "node" / "tasks" / "digits-mlp.toml").read_text()
+    assert main(["task", "example", "digits-mlp", "-o", "digits-mlp.toml"]) == 0
+    assert (tmp_path / "digits-mlp.toml").read_text() == shipped
+    (tmp_path / "digits-mlp.toml").write_text("# edited\n")
+    assert main(["task", "example", "digits-mlp", "-o", "digits-mlp.toml"]) == 1  # never over an edited file
+    assert (tmp_path / "digits-mlp.toml").read_text() == "# edited\n"
+    assert main(["task", "example", "digits"]) == 1
+    assert capsys.readouterr().err.splitlines()[-2:] == [
+        "p2ptrain: error: digits-mlp.toml exists: nothing written",
+        "p2ptrain: error: no example task 'digits': the examples are digits-mlp, llama-pipeline, stdlib-lm"]
+    assert main(["task", "example", "digits-mlp"]) == 0
+    assert capsys.readouterr().out == shipped
+
+
 def test_task_status_of_a_task_this_node_did_not_join_says_so_and_task_join_joins_it(tmp_path, capsys):
     """A task published on a node that joins no tasks showed ``progress step 0/?`` and ``members 0:``,
     a run of no one with no end, though the node holds the task's definition; no command joined a
