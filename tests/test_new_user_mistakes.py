@@ -782,3 +782,19 @@ def test_an_examples_member_on_a_home_in_use_or_with_a_bad_bootstrap_says_one_li
     assert done.returncode == 1 and done.stderr == (f"custom_loop.py: error: a p2ptrain node runs on {home}: each member "
                                                     "running at once needs a home of its own; pass another --home DIR\n"), \
         done.stderr
+
+
+def test_output_into_a_pipe_its_reader_closed_ends_without_a_traceback(tmp_path):
+    """`p2ptrain node status --json | head -c 600` ended in a 10-line BrokenPipeError traceback once
+    head had what it wanted. The reader's end is closed before the command writes, so the command
+    meets the closed pipe every time (`task example` needs no node and imports no torch)."""
+    import subprocess
+
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        done = subprocess.run([str(Path(sys.executable).with_name("p2ptrain")), "task", "example", "digits-mlp"],
+                              stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=60, cwd=tmp_path)
+    finally:
+        os.close(write_end)
+    assert done.stderr == "" and done.returncode == 141
