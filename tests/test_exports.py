@@ -131,7 +131,8 @@ EXPORTS: dict[str, list[str]] = {
     ],
     "p2ptrain.task": [
         "CompressionSpec", "MAX_STAGES", "MAX_TASK_BYTES", "NoBuilder", "OuterSpec", "PipelineSpec", "TASK_TEMPLATE", "Task",
-        "TaskError", "USER_MODEL", "cost_cut", "cut_problem", "load_task", "member_device", "parameter_cut", "parse_task",
+        "TaskError", "USER_MODEL", "cost_cut", "cut_problem", "example_names", "example_task", "load_task",
+        "member_device", "parameter_cut", "parse_task",
         "piece_parameters", "read_task", "stage_parameters",
         "task_bytes", "task_from_bytes", "total_steps", "unmet_requirement",
     ],

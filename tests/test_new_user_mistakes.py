@@ -508,6 +508,35 @@ def test_task_publish_of_the_example_task_as_it_comes_names_the_placeholder(tmp_
         "(base58: no 0, O, I or l)")
 
 
+def test_the_readmes_task_file_outside_a_checkout_points_to_task_example_which_writes_it(tmp_path, monkeypatch,
+                                                                                         capsys):
+    """Installed from a wheel, there is no node/tasks/: `task publish node/tasks/digits-mlp.toml`, as the
+    README has it, said only "No such file or directory", and nothing gave the example task files."""
+    from p2ptrain.cli.main import main
+
+    monkeypatch.chdir(tmp_path)
+    home = ["--home", str(tmp_path / "home")]
+    assert main(["task", "publish", "node/tasks/digits-mlp.toml", *home]) == 1
+    assert capsys.readouterr().err.strip() == (
+        "p2ptrain: error: cannot read node/tasks/digits-mlp.toml: no such file (`p2ptrain task example` lists "
+        "the example task files and writes one)")
+    assert main(["task", "example"]) == 0
+    assert [line.split()[0] for line in capsys.readouterr().out.splitlines()] == [
+        "digits-mlp", "llama-pipeline", "stdlib-lm"]
+    shipped = (Path(__file__).resolve().parents[1] / "node" / "tasks" / "digits-mlp.toml").read_text()
+    assert main(["task", "example", "digits-mlp", "-o", "digits-mlp.toml"]) == 0
+    assert (tmp_path / "digits-mlp.toml").read_text() == shipped
+    (tmp_path / "digits-mlp.toml").write_text("# edited\n")
+    assert main(["task", "example", "digits-mlp", "-o", "digits-mlp.toml"]) == 1  # never over an edited file
+    assert (tmp_path / "digits-mlp.toml").read_text() == "# edited\n"
+    assert main(["task", "example", "digits"]) == 1
+    assert capsys.readouterr().err.splitlines()[-2:] == [
+        "p2ptrain: error: digits-mlp.toml exists: nothing written",
+        "p2ptrain: error: no example task 'digits': the examples are digits-mlp, llama-pipeline, stdlib-lm"]
+    assert main(["task", "example", "digits-mlp"]) == 0
+    assert capsys.readouterr().out == shipped
+
+
 def test_task_status_of_a_task_this_node_did_not_join_says_so_and_task_join_joins_it(tmp_path, capsys):
     """A task published on a node that joins no tasks showed ``progress step 0/?`` and ``members 0:``,
     a run of no one with no end, though the node holds the task's definition; no command joined a
@@ -753,3 +782,19 @@ def test_an_examples_member_on_a_home_in_use_or_with_a_bad_bootstrap_says_one_li
     assert done.returncode == 1 and done.stderr == (f"custom_loop.py: error: a p2ptrain node runs on {home}: each member "
                                                     "running at once needs a home of its own; pass another --home DIR\n"), \
         done.stderr
+
+
+def test_output_into_a_pipe_its_reader_closed_ends_without_a_traceback(tmp_path):
+    """`p2ptrain node status --json | head -c 600` ended in a 10-line BrokenPipeError traceback once
+    head had what it wanted. The reader's end is closed before the command writes, so the command
+    meets the closed pipe every time (`task example` needs no node and imports no torch)."""
+    import subprocess
+
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        done = subprocess.run([str(Path(sys.executable).with_name("p2ptrain")), "task", "example", "digits-mlp"],
+                              stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=60, cwd=tmp_path)
+    finally:
+        os.close(write_end)
+    assert done.stderr == "" and done.returncode == 141

@@ -135,9 +135,19 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     setup_logging(args.verbose, getattr(args, "log_format", None) or os.environ.get("P2PTRAIN_LOG_FORMAT") or "text")
     try:
-        return int(args.func(args) or 0)
+        status = int(args.func(args) or 0)
+        sys.stdout.flush()  # here, where a closed pipe is caught below, not at the interpreter's exit
+        return status
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # The reader went away (`... | head`): it has what it wanted, and a traceback would only
+        # bury its output. stdout goes to /dev/null so the exit's own flush does not fail again;
+        # 141 is what a shell reports for a writer that SIGPIPE ended (128 + 13).
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 141
     except BaseExceptionGroup as group:
         # trio wraps an error raised inside a nursery; a user error stays one line all the same.
         declared, rest = group.split(declared_errors())

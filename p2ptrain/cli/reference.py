@@ -6,6 +6,10 @@ fixed width so the file does not depend on the terminal that ran it. tests/test_
 fails when docs/cli.md differs from what this renders; regenerate it with one command::
 
     python -m p2ptrain.cli.reference --write      # or: make cli-docs
+
+``--write`` and ``--check`` need a source checkout (docs/ beside the package). Installed from a
+wheel, :data:`DOC_PATH` would point into site-packages (where another distribution may even own a
+``docs`` folder): there they refuse in one line, and printing the reference still works.
 """
 
 from __future__ import annotations
@@ -18,7 +22,8 @@ from pathlib import Path
 
 # Help text is wrapped at this many columns in the file (argparse otherwise asks the terminal).
 WIDTH = 100
-DOC_PATH = Path(__file__).resolve().parents[2] / "docs" / "cli.md"
+CHECKOUT = Path(__file__).resolve().parents[2]
+DOC_PATH = CHECKOUT / "docs" / "cli.md"
 REGENERATE = "python -m p2ptrain.cli.reference --write"
 
 HEADER = f"""\
@@ -72,12 +77,22 @@ def render(parser: argparse.ArgumentParser | None = None) -> str:
     return "\n".join(out) + "\n"
 
 
+def in_checkout(root: Path = CHECKOUT) -> bool:
+    """Whether ``root``, the folder above the package, is p2ptrain's source checkout (an editable
+    install or a run from the repository) rather than site-packages."""
+    return (root / "pyproject.toml").is_file() and (root / "docs").is_dir() and (root / "p2ptrain").is_dir()
+
+
 def main(argv: list[str] | None = None) -> int:
     cli = argparse.ArgumentParser(prog="python -m p2ptrain.cli.reference", description=__doc__,
                                   formatter_class=argparse.RawDescriptionHelpFormatter)
     cli.add_argument("--write", action="store_true", help=f"write {DOC_PATH.name} (default: print it)")
     cli.add_argument("--check", action="store_true", help="exit 1 if the file differs from what would be written")
     args = cli.parse_args(argv)
+    if (args.write or args.check) and not in_checkout():
+        print(f"--write and --check update docs/cli.md of a source checkout of p2ptrain; this one is installed "
+              f"in {CHECKOUT} (run it without them to print the reference)", file=sys.stderr)
+        return 2
     text = render()
     if args.check:
         current = DOC_PATH.read_text() if DOC_PATH.exists() else ""

@@ -89,6 +89,17 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
     report.add_parser(tsub)
 
+    example = tsub.add_parser(
+        "example", help="print or write one of the example task files",
+        description="The example task files that come with p2ptrain (a checkout has them in node/tasks/): "
+        "with no NAME, their names and what each trains; with NAME, the file, to edit (its dataset's "
+        "manifest CID first) and publish with `task publish`. Needs no node.",
+    )
+    example.add_argument("name", nargs="?", metavar="NAME", help="the example's name, e.g. digits-mlp")
+    example.add_argument("-o", "--output", type=Path, metavar="FILE",
+                         help="write it to FILE, which must not exist yet (default: print it)")
+    example.set_defaults(func=cmd_example)
+
 
 def _client(args: argparse.Namespace) -> Any:
     from p2ptrain.cli._home_options import home_of
@@ -100,6 +111,10 @@ def _client(args: argparse.Namespace) -> Any:
 def cmd_publish(args: argparse.Namespace) -> int:
     try:
         data = args.task_file.read_bytes()
+    except FileNotFoundError:
+        # The README's node/tasks/ paths exist only in a checkout; a wheel has the same files inside.
+        raise UserError(f"cannot read {args.task_file}: no such file (`p2ptrain task example` lists the "
+                        "example task files and writes one)") from None
     except OSError as exc:
         raise UserError(f"cannot read {args.task_file}: {exc.strerror}") from None
     from p2ptrain.cli._home_options import home_of
@@ -194,6 +209,37 @@ def cmd_list(args: argparse.Namespace) -> int:
     for t in tasks:
         print(render_row(t))
     return 0
+
+
+def cmd_example(args: argparse.Namespace) -> int:
+    from p2ptrain.task import example_names, example_task
+
+    if args.name is None:
+        if args.output is not None:
+            raise UserError("task example: -o needs NAME (one of " + ", ".join(example_names()) + ")")
+        for name in example_names():
+            print(f"{name:16}{_summary(example_task(name))}")
+        return 0
+    text = example_task(args.name)
+    if args.output is None:
+        sys.stdout.write(text)
+        return 0
+    try:
+        with open(args.output, "x", encoding="utf-8") as out:  # never over a task file someone edited
+            out.write(text)
+    except FileExistsError:
+        raise UserError(f"{args.output} exists: nothing written") from None
+    except OSError as exc:
+        raise UserError(f"cannot write {args.output}: {exc.strerror}") from None
+    print(f"wrote {args.output} (example {args.name}): put its dataset's manifest CID in, then "
+          f"`p2ptrain task publish {args.output}`", file=sys.stderr)
+    return 0
+
+
+def _summary(text: str) -> str:
+    """An example's first comment line (what it trains), with "..." where its sentence goes on."""
+    first = (text.splitlines() or [""])[0].removeprefix("#").strip()
+    return first if first.endswith(".") else first + " ..."
 
 
 def render_row(t: TaskStatus) -> str:

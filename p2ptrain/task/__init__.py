@@ -1,7 +1,8 @@
 """The task spec: what to train, on what data, how, with how many peers (_spec.py). Strict parsing of
 the TOML a person writes and of the canonical JSON bytes stored by CID (_parse.py: one ``TaskError``
-naming the field), and the demo's task file. Both the coordination protocol and the training read
-it; it imports ``base``, ``wire``, ``ipfs`` (CIDs) and ``models``.
+naming the field), the demo's task file, and the example task files shipped as package data
+(_examples.py). Both the coordination protocol and the training read it; it imports ``base``,
+``wire``, ``ipfs`` (CIDs) and ``models``.
 """
 
 from typing import TYPE_CHECKING
@@ -15,6 +16,7 @@ if TYPE_CHECKING:
         stage_parameters as stage_parameters,
     )
     from p2ptrain.task._demo_task import TASK_TEMPLATE as TASK_TEMPLATE
+    from p2ptrain.task._examples import example_names as example_names, example_task as example_task
     from p2ptrain.task._fields import TaskError as TaskError
     from p2ptrain.task._parse import (
         load_task as load_task,
