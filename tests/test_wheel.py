@@ -25,8 +25,14 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _tracked() -> list[str]:
-    out = subprocess.run(["git", "ls-files", "p2ptrain/"], cwd=ROOT, capture_output=True, text=True, check=True,
-                         timeout=30)
+    """The package's files as git tracks them; where the tree is no git checkout (an exported
+    source tree, a CI that copies files), every file under p2ptrain/ but Python's caches."""
+    try:
+        out = subprocess.run(["git", "ls-files", "p2ptrain/"], cwd=ROOT, capture_output=True, text=True, check=True,
+                             timeout=30)
+    except (OSError, subprocess.CalledProcessError):
+        return sorted(str(path.relative_to(ROOT)) for path in (ROOT / "p2ptrain").rglob("*")
+                      if path.is_file() and "__pycache__" not in path.parts)
     return sorted(out.stdout.split())
 
 
