@@ -36,7 +36,8 @@ record (:func:`awaits_record`): rejected, the round is redone as before (a split
 too few completed it to confirm its record, e.g. one of two members); confirmed, the report is
 dropped (:func:`record_confirmed`) and refused once the record is (:func:`report_problem`): a
 quorum of the span's members holds the state after the round, and a member whose round really
-failed holds the one before it and loads the confirmed state (out of step for the next plan).
+failed holds the one before it: it loads the confirmed state at once (:func:`own_round_lost`; it
+waited for a checkpoint of its own that never came, and ended the run "done" one step short).
 """
 
 from __future__ import annotations
@@ -159,20 +160,35 @@ def awaits_record(book: RoundBook, election: Election, my_step: int) -> bool:
             and my_step == plan.step + plan.rounds and book.unsettled(my_step) == my_step)
 
 
-def record_confirmed(book: RoundBook, now: float) -> list[str]:
+def record_confirmed(book: RoundBook, now: float, me: str | None = None) -> list[str]:
     """The chain's head was just confirmed here at ``now``: if it is the record of the plan this
     member follows, the reports of that plan still believed (its last round's: nothing later refutes
-    them) are dropped, and their senders left out of the next plans (one whose round failed holds
-    the state before the confirmed one: it is out of step for the next plan until it loads it).
-    Returns why, one line per report dropped."""
+    them) are dropped, and their senders but ``me`` left out of the next plans (one whose round
+    failed holds the state before the confirmed one: it is out of step for the next plan until it
+    loads it). This member's own report (its round failed here) is dropped too, uncounted: it is
+    not hostile, and loads the confirmed state (:func:`own_round_lost`, asked first). Returns why,
+    one line per report of another member dropped."""
     plan = book.last_plan
     if plan is None or not span_confirmed(book, plan):
         return []
+    others = sorted((reporter, k) for reporter, (k, _) in book.failure_rounds.items() if reporter != me)
     lines = [f"{short_id(reporter)} reported round {k} of plan {plan.round}.{plan.attempt} failed, but its span's "
              f"checkpoint was confirmed (model v{book.chain.version}): left out of the next plans"
-             for reporter, (k, _) in sorted(book.failure_rounds.items())]
-    for reporter in book.failure_rounds:
+             for reporter, k in others]
+    for reporter, _ in others:
         exclude(book.failed_peers, reporter, now)
     book.failure_rounds.clear()
     book.failed_at = None
     return lines
+
+
+def own_round_lost(book: RoundBook, me: str) -> bool:
+    """Whether the chain's head, just confirmed, is the record of the span of the plan ``me``
+    follows while ``me``'s own report of a round of it is believed here (asked before
+    :func:`record_confirmed` drops it): its round failed here and completed at a quorum of the
+    span's members, so no retry comes (a confirmed record drops the reports) and ``me`` holds the
+    state before the record's. It loads the record's by CID (run/_attesting.py, ``lost_span``): it
+    waited for a checkpoint of its own at that step that never comes, and at the run's end was
+    ``done`` one step short of the final model (tests/runtime/test_last_round_failure.py)."""
+    plan = book.last_plan
+    return plan is not None and me in book.failure_rounds and span_confirmed(book, plan)

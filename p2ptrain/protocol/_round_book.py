@@ -168,17 +168,17 @@ class RoundBook:
 
     def end_of_run(self, me: str, trainer_step: int) -> str | None:
         """Whether the confirmed chain ends the run for this member: None while its last record is
-        short of the run's last step; "done" when this member holds that checkpoint's weights (it
-        was a member of the span that computed it, or its trainer is at that step); "load" when the
-        record was confirmed without it (a joiner synced to an earlier checkpoint and not yet
-        admitted when the last span ran): it must load the last checkpoint by CID before it is
-        done, or it would end naming a model it does not hold, with older weights in its trainer."""
+        short of the run's last step; "done" when its trainer is at that step; "load" when the record
+        was confirmed without it (a joiner not yet admitted when the last span ran): it loads the last
+        checkpoint by CID first, or it would end naming a model it does not hold. None for a member of
+        the last span short of its step: its last round runs, or failed here (run/_attesting.py,
+        ``lost_span``: it loads); it ended "done" one step short (tests/runtime/test_last_round_failure.py)."""
         if not self.chain.records:
             return None
         last = self.chain.records[-1].record
         if last.step < self.total_steps:
             return None
-        return "done" if me in last.members or trainer_step == last.step else "load"
+        return "done" if trainer_step == last.step else None if me in last.members else "load"
 
     def roster(self, me: str, head_members: Sequence[str] = ()) -> tuple[str, ...]:
         """The voters to give :meth:`Election.tick`: the members of the last span we took part in;

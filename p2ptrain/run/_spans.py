@@ -37,7 +37,8 @@ from p2ptrain.run._stage_copies import keep_stage_copies
 from p2ptrain.run._stage_trainer import StagedTrainer
 from p2ptrain.run._stages import StageRounds
 from p2ptrain.pipeline import PipelineError
-from p2ptrain.protocol import buffers_round_id, NO_TRAINING_DATA, OUT_OF_STEP, round_completed, round_id, shard_of
+from p2ptrain.protocol import (buffers_round_id, NO_TRAINING_DATA, OUT_OF_STEP, round_completed, round_id, shard_of,
+                               span_confirmed)
 from p2ptrain.training import Average, PlanAverager, StateSnapshot, TrainerError, run_round
 from p2ptrain.task import Task
 from p2ptrain.wire import RoundPlan
@@ -212,6 +213,10 @@ class Spans:
             logger.warning("%s: round %d (attempt %d) failed: %s", run.log_prefix, plan.round + index,
                            plan.attempt, exc)
             await run.report_failure(plan, index, str(exc))
+            if span_confirmed(run.require()[1], plan):
+                # The others completed it and confirmed the span's record before our round failed
+                # (its last hop timed out here): no retry comes; take the record's state.
+                self.attesting.lost_span()
             return False
         timings = run.timings
         stats = run.collective.last_round

@@ -12,8 +12,9 @@ from typing import Any
 
 import pytest
 
-from p2ptrain.protocol import CANNOT_FOLLOW, Hold, record_confirmed, refuse_report, round_completed
+from p2ptrain.protocol import CANNOT_FOLLOW, Hold, own_round_lost, record_confirmed, refuse_report, round_completed
 from p2ptrain.protocol._round_book import RETRY_BACKOFF_S
+from p2ptrain.base import short_id
 from p2ptrain.wire import RoundFailed, RoundPlan
 
 from .test_training_gating import INITIAL, Run
@@ -172,3 +173,24 @@ def test_a_report_of_a_spans_last_round_is_retried_when_its_record_is_rejected(r
     assert isinstance(retry, RoundPlan), retry
     assert (retry.round, retry.attempt, retry.step) == (plan.round + plan.rounds - 1, plan.attempt + 1, end - 1)
     assert member in retry.members  # a split completion blames no one
+
+
+def test_a_member_whose_own_last_round_failed_takes_the_confirmed_record(run3: Run) -> None:
+    """The honest side of the drop: a member whose span's last round really failed (it completed at
+    the others, who confirm the record) learns it must load the record's state (on main it waited
+    for a checkpoint of its own at that step, and ended the run one step short:
+    tests/runtime/test_last_round_failure.py); its own report is dropped uncounted, its sender not
+    left out by itself, while another member's report is counted as before."""
+    run = run3
+    member, other = run.others[1], run.others[0]
+    plan, end = _span_reported_at_its_end(run, member)
+    report = _report(run, plan, plan.rounds - 1)
+    assert run.book.note_failure_report(11.6, report, other, run.c, coordinator=True)  # (split_problem: once each)
+    assert not own_round_lost(run.book, member)  # the record is not confirmed yet: a retry may come
+    record = run.book.checkpoint_record(plan, end, INITIAL, INITIAL, {}, run.election.key_pair)
+    run.book.chain.append(record)
+    assert own_round_lost(run.book, member) and not own_round_lost(run.book, run.c)
+    dropped = record_confirmed(run.book, 15.0, member)  # as ``member`` itself sees it
+    assert len(dropped) == 1 and short_id(other) in dropped[0], dropped
+    assert other in run.book.quarantined(15.0) and member not in run.book.quarantined(15.0)
+    assert run.book.failed_round is None and not own_round_lost(run.book, member)
