@@ -78,12 +78,23 @@ class Spans:
         # Open while this member is in a span's rounds: a newer plan cancels it (see follow).
         self._scope: trio.CancelScope | None = None
         self.running = False  # a span is under way (its rounds, or its checkpoint until it may overlap)
+        self._queued = 0  # plans followed that the round loop has not taken up yet (see starting)
         # Held by a span from its start to its end and by a load of another state (hold_trainer).
         self._trainer_lock = trio.Lock()
         self._settling: trio.Nursery | None = None  # run_loop's, for checkpoints that settle meanwhile
         # A pipelined task's rounds: each member serves its plan's stage (run/_stages.py).
         self.stages = None if run.task.pipeline is None else StageRounds(
             run, hop_timeout=HOP_TIMEOUT_S, start_timeout=START_TIMEOUT_S)
+
+    @property
+    def starting(self) -> bool:
+        """Whether a plan this member follows waits for the round loop to take it up: for the
+        coordinator's planner its span is under way. Before, a coordinator that planned the retry
+        of its span's last round (its record rejected) was still at the span's end until the loop
+        rolled its trainer back, planned the next span over the retry at once (the rejected
+        checkpoint opened the barrier), and the reporter, a step short, could not follow it: both
+        went back to the run's last checkpoint (tests/runtime/test_last_round_failure.py)."""
+        return self._queued > 0
 
     @property
     def in_rounds(self) -> bool:
@@ -97,6 +108,7 @@ class Spans:
         except trio.WouldBlock:
             logger.warning("%s: plan queue full; dropped plan %d.%d", self.run.log_prefix, plan.round, plan.attempt)
             return
+        self._queued += 1
         self.stop_rounds()
 
     def stop_rounds(self) -> None:
@@ -118,7 +130,7 @@ class Spans:
                             plan = self._plans_recv.receive_nowait()
                         except trio.WouldBlock:
                             break
-                    self.running = True
+                    self.running, self._queued = True, 0
                     try:
                         await self._run_span(plan)
                     finally:

@@ -31,11 +31,11 @@ RUN_S = 120.0
 TOTAL_STEPS = 12
 
 
-async def _three_members(peers: LocalPeers) -> tuple[str, list[RunState]]:
+async def _members(peers: LocalPeers) -> tuple[str, list[RunState]]:
     task_cid = await publish_digits_task(peers[0], total_steps=TOTAL_STEPS, checkpoint_interval=4, min_peers=2)
-    for peer in list(peers)[:3]:
+    for peer in peers:
         await peer.tasks.join(task_cid)
-    return task_cid, [peer.tasks.runs[task_cid].shared for peer in list(peers)[:3]]
+    return task_cid, [peer.tasks.runs[task_cid].shared for peer in peers]
 
 
 def _split_at(monkeypatch: pytest.MonkeyPatch, victim: list[RunState], last_step: int, failed: list[int],
@@ -64,13 +64,13 @@ def _split_at(monkeypatch: pytest.MonkeyPatch, victim: list[RunState], last_step
 
 
 async def _run_with_a_split(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, last_step: int,
-                            after_record: bool = False) -> list[dict[str, Any]]:
+                            after_record: bool = False, members: int = 3) -> list[dict[str, Any]]:
     victim: list[RunState] = []
     failed: list[int] = []
     _split_at(monkeypatch, victim, last_step, failed, after_record)
     with trio.fail_after(DEADLINE_S):
-        async with local_peers(3, tmp_path) as peers:
-            task_cid, runs = await _three_members(peers)
+        async with local_peers(members, tmp_path) as peers:
+            task_cid, runs = await _members(peers)
             coordinator = await peers.wait_until(lambda: runs[0].election.coordinator, RUN_S, what="a coordinator")
             victim.append(next(r for r in runs if r.me != coordinator))
             statuses = await peers.wait_done(task_cid, RUN_S)
@@ -78,7 +78,7 @@ async def _run_with_a_split(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, las
             steps = [r.require()[0].step for r in runs]
     assert failed == [last_step - 1], failed  # the victim's round did fail, once
     # One model at every member: the run's last confirmed checkpoint, at its last step.
-    assert steps == [TOTAL_STEPS] * 3 and all(s["step"] == TOTAL_STEPS for s in statuses), (steps, statuses)
+    assert steps == [TOTAL_STEPS] * members and all(s["step"] == TOTAL_STEPS for s in statuses), (steps, statuses)
     assert len(models) == 1 and len({s["latest_model_cid"] for s in statuses}) == 1, (models, statuses)
     assert all(s["version"] == TOTAL_STEPS // 4 for s in statuses), statuses
     return statuses
@@ -104,3 +104,16 @@ async def test_a_member_whose_span_ended_in_a_failed_round_takes_the_confirmed_s
     the confirmed state and trains on (passed on main too: the next plan it could not follow, 10 s
     later, made it resync)."""
     await _run_with_a_split(tmp_path, monkeypatch, 4)
+
+
+async def test_a_span_whose_record_is_rejected_for_a_failed_last_round_is_redone_once_and_goes_on(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two members: the first span's last round fails at one after the other completed it, so its
+    record has no quorum (one of two) and is rejected by its deadline, and the round is redone.
+    Fails on main: the coordinator, still at the span's end until its round loop took up the retry,
+    planned the next span over it at once (the checkpoint counted as rejected opened the barrier);
+    the reporter, one step short, could not follow it, and both went back to the run's root
+    (more than TOTAL_STEPS + 1 rounds done, twice the run's time)."""
+    statuses = await _run_with_a_split(tmp_path, monkeypatch, 4, members=2)
+    # The coordinator redid one round (the retry), the reporter completed one round fewer than it.
+    assert sorted(s["rounds_done"] for s in statuses) == [TOTAL_STEPS, TOTAL_STEPS + 1], statuses
