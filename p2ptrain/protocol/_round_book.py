@@ -45,7 +45,7 @@ from p2ptrain.base import short_id
 from p2ptrain.protocol import _planner
 from p2ptrain.protocol._arithmetics import Classes
 from p2ptrain.protocol._election import Election
-from p2ptrain.protocol._failure_reports import names_plan, report_problem
+from p2ptrain.protocol._failure_reports import believed
 from p2ptrain.protocol._step_aborts import says_absent
 from p2ptrain.protocol._planner import Hold
 from p2ptrain.protocol._plans import follows_on, is_checkpoint, plan_order, rule_problem
@@ -311,7 +311,7 @@ class RoundBook:
 
     def report_failure(self, report: RoundFailed, reporter: str) -> bool:
         """Note ``reporter``'s ``round_failed`` for the current plan; True if it calls for a retry."""
-        if not names_plan(self.last_plan, report) or report_problem(self, report, reporter) is not None:
+        if not believed(self, report, reporter):
             return False  # (another plan's, or one not to believe: protocol/_failure_reports.py)
         said = (report.round, says_absent(report.reason))
         self.failure_rounds[reporter] = min(said, self.failure_rounds.get(reporter, said))

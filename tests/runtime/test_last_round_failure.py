@@ -98,12 +98,16 @@ async def test_a_member_whose_final_round_failed_after_its_record_came_ends_done
     await _run_with_a_split(tmp_path, monkeypatch, TOTAL_STEPS, after_record=True)
 
 
-async def test_a_member_whose_span_ended_in_a_failed_round_takes_the_confirmed_state(
+async def test_a_member_whose_span_ended_in_a_failed_round_takes_the_confirmed_state_and_trains_on(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The first span's last round fails at one member after the other two completed it: it loads
-    the confirmed state and trains on (passed on main too: the next plan it could not follow, 10 s
-    later, made it resync)."""
-    await _run_with_a_split(tmp_path, monkeypatch, 4)
+    the confirmed state at once and is back within a span (11 rounds of 12 where it was read; one
+    span later if the next plan comes before its load). Fails on main: it was left out for the
+    quarantine, 10 s, the rest of this short run (3 rounds of 12): a hostile ring neighbour that
+    makes an honest member's last hop time out could do that to one member every span."""
+    statuses = await _run_with_a_split(tmp_path, monkeypatch, 4)
+    assert min(s["rounds_done"] for s in statuses) >= TOTAL_STEPS - 5, statuses
+    assert all(not s["rejected"].get("failure_report") for s in statuses), statuses  # an honest report: not counted
 
 
 async def test_a_span_whose_record_is_rejected_for_a_failed_last_round_is_redone_once_and_goes_on(
