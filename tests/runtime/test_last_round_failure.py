@@ -19,6 +19,7 @@ import pytest
 import trio
 
 from p2ptrain.collective import CollectiveError
+from p2ptrain.protocol import _attestations
 from p2ptrain.run import RunState
 from p2ptrain.run import _spans
 from p2ptrain.testing import LocalPeers, local_peers, publish_digits_task, wait_until
@@ -117,7 +118,9 @@ async def test_a_span_whose_record_is_rejected_for_a_failed_last_round_is_redone
     Fails on main: the coordinator, still at the span's end until its round loop took up the retry,
     planned the next span over it at once (the checkpoint counted as rejected opened the barrier);
     the reporter, one step short, could not follow it, and both went back to the run's root
-    (more than TOTAL_STEPS + 1 rounds done, twice the run's time)."""
+    (more than TOTAL_STEPS + 1 rounds done, twice the run's time). The record's deadline is
+    shortened (20 s: idle time here, nobody else attests)."""
+    monkeypatch.setattr(_attestations, "ATTEST_TIMEOUT_S", 5.0)
     statuses = await _run_with_a_split(tmp_path, monkeypatch, 4, members=2)
     # The coordinator redid one round (the retry), the reporter completed one round fewer than it.
     assert sorted(s["rounds_done"] for s in statuses) == [TOTAL_STEPS, TOTAL_STEPS + 1], statuses
