@@ -91,8 +91,9 @@ if TYPE_CHECKING:
         write_state_file as write_state_file,
     )
     from p2ptrain.protocol._round_book import RoundBook as RoundBook, RuleBreak as RuleBreak
-    from p2ptrain.protocol._failure_reports import (record_confirmed as record_confirmed, refuse_report as refuse_report,
-                                                    round_completed as round_completed)
+    from p2ptrain.protocol._failure_reports import (own_round_lost as own_round_lost, record_confirmed as record_confirmed,
+                                                    refuse_report as refuse_report, round_completed as round_completed,
+                                                    span_confirmed as span_confirmed)
     from p2ptrain.protocol._trailing import (HeadAsking as HeadAsking, HeadOffers as HeadOffers,
                                              witnessable as witnessable, witness_problem as witness_problem,
                                              witnessed_chain_limits as witnessed_chain_limits)

@@ -34,9 +34,13 @@ and blamed its arithmetic, its coordinator stepped down, and the last span's ret
 one step short of the run's end (tests/runtime/test_false_reports.py). Now such a retry waits for the
 record (:func:`awaits_record`): rejected, the round is redone as before (a split completion where
 too few completed it to confirm its record, e.g. one of two members); confirmed, the report is
-dropped (:func:`record_confirmed`) and refused once the record is (:func:`report_problem`): a
-quorum of the span's members holds the state after the round, and a member whose round really
-failed holds the one before it and loads the confirmed state (out of step for the next plan).
+dropped (:func:`record_confirmed`) and not believed once the record is (:func:`believed`): a
+quorum of the span's members holds the state after the round. Its sender is left out only if it
+attested the record (then its report was false: :func:`report_problem`); a member whose round
+really failed holds the state before and attests nothing: it loads the confirmed state at once
+(:func:`own_round_lost`; it waited for a checkpoint of its own that never came, and ended the run
+"done" one step short), and is not left out (red team h-attack7: a hostile ring neighbour that
+made its last hop time out got it left out every span, itself never blamed).
 """
 
 from __future__ import annotations
@@ -67,9 +71,10 @@ def report_problem(book: RoundBook, report: RoundFailed, reporter: str) -> str |
         return None
     if reporter not in plan.members:
         return f"{short_id(reporter)}, not a member of plan {plan.round}.{plan.attempt}, reports round {report.round} failed"
-    if span_confirmed(book, plan):
+    if span_confirmed(book, plan) and attested(book, reporter):
+        # Another member's report of a confirmed span's last round is moot, not false (believed: no retry).
         return (f"{short_id(reporter)} reports round {report.round} of plan {plan.round}.{plan.attempt} failed "
-                f"({report.reason[:80]}), but its span's checkpoint is confirmed (model v{book.chain.version}): "
+                f"({report.reason[:80]}), but it attested its span's checkpoint (model v{book.chain.version}): "
                 f"left out of the next plans")
     done = book.completed_round
     if done is not None and refuted(report.round, says_absent(report.reason), done):
@@ -93,7 +98,7 @@ def refuse_report(book: RoundBook, now: float, report: RoundFailed, reporter: st
     the quarantine. The runtime's one entry for each report heard (it counts what this returns)."""
     problem = report_problem(book, report, reporter)
     if problem is None and book.last_plan is not None and names_plan(book.last_plan, report) \
-            and report.round == book.completed_round:
+            and report.round == book.completed_round and not span_confirmed(book, book.last_plan):
         problem = split_problem(book, reporter, report.round)
     if problem is not None and book.last_plan is not None and reporter in book.last_plan.members:
         exclude(book.failed_peers, reporter, now)
@@ -159,20 +164,52 @@ def awaits_record(book: RoundBook, election: Election, my_step: int) -> bool:
             and my_step == plan.step + plan.rounds and book.unsettled(my_step) == my_step)
 
 
-def record_confirmed(book: RoundBook, now: float) -> list[str]:
+def record_confirmed(book: RoundBook, now: float, me: str | None = None) -> list[str]:
     """The chain's head was just confirmed here at ``now``: if it is the record of the plan this
     member follows, the reports of that plan still believed (its last round's: nothing later refutes
-    them) are dropped, and their senders left out of the next plans (one whose round failed holds
-    the state before the confirmed one: it is out of step for the next plan until it loads it).
-    Returns why, one line per report dropped."""
+    them) are dropped. A sender whose attestation is among the record's quorum's holds the state
+    after the round it said failed: its report was false, and it is left out of the next plans. One
+    that did not attest most likely did fail the round, and loads the record's state
+    (:func:`own_round_lost`, where it is ``me``): its report is dropped uncounted, and it is not
+    left out (a hostile ring neighbour that made its last hop fail got it left out every span).
+    Returns why, one line per false report dropped."""
     plan = book.last_plan
     if plan is None or not span_confirmed(book, plan):
         return []
-    lines = [f"{short_id(reporter)} reported round {k} of plan {plan.round}.{plan.attempt} failed, but its span's "
-             f"checkpoint was confirmed (model v{book.chain.version}): left out of the next plans"
-             for reporter, (k, _) in sorted(book.failure_rounds.items())]
-    for reporter in book.failure_rounds:
+    false = sorted((reporter, k) for reporter, (k, _) in book.failure_rounds.items()
+                   if reporter != me and attested(book, reporter))
+    lines = [f"{short_id(reporter)} reported round {k} of plan {plan.round}.{plan.attempt} failed, but it attested "
+             f"its span's checkpoint (model v{book.chain.version}): left out of the next plans"
+             for reporter, k in false]
+    for reporter, _ in false:
         exclude(book.failed_peers, reporter, now)
     book.failure_rounds.clear()
     book.failed_at = None
     return lines
+
+
+def attested(book: RoundBook, peer: str) -> bool:
+    """Whether ``peer``'s attestation is among those that confirmed the chain's head (the quorum
+    counted when it was confirmed here, or that its chain line carries)."""
+    return bool(book.chain.proofs) and any(a.attestation.attester == peer for a in book.chain.proofs[-1])
+
+
+def believed(book: RoundBook, report: RoundFailed, reporter: str) -> bool:
+    """Whether ``reporter``'s ``report`` calls for a retry: of the plan this member follows, not
+    refused (:func:`report_problem`), and not of a span whose record is confirmed (no retry follows
+    one: the members went on from it)."""
+    plan = book.last_plan
+    return plan is not None and names_plan(plan, report) and not span_confirmed(book, plan) \
+        and report_problem(book, report, reporter) is None
+
+
+def own_round_lost(book: RoundBook, me: str) -> bool:
+    """Whether the chain's head, just confirmed, is the record of the span of the plan ``me``
+    follows while ``me``'s own report of a round of it is believed here (asked before
+    :func:`record_confirmed` drops it): its round failed here and completed at a quorum of the
+    span's members, so no retry comes (a confirmed record drops the reports) and ``me`` holds the
+    state before the record's. It loads the record's by CID (run/_attesting.py, ``lost_span``): it
+    waited for a checkpoint of its own at that step that never comes, and at the run's end was
+    ``done`` one step short of the final model (tests/runtime/test_last_round_failure.py)."""
+    plan = book.last_plan
+    return plan is not None and me in book.failure_rounds and span_confirmed(book, plan)

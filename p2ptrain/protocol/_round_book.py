@@ -45,7 +45,7 @@ from p2ptrain.base import short_id
 from p2ptrain.protocol import _planner
 from p2ptrain.protocol._arithmetics import Classes
 from p2ptrain.protocol._election import Election
-from p2ptrain.protocol._failure_reports import names_plan, report_problem
+from p2ptrain.protocol._failure_reports import believed
 from p2ptrain.protocol._step_aborts import says_absent
 from p2ptrain.protocol._planner import Hold
 from p2ptrain.protocol._plans import follows_on, is_checkpoint, plan_order, rule_problem
@@ -168,17 +168,17 @@ class RoundBook:
 
     def end_of_run(self, me: str, trainer_step: int) -> str | None:
         """Whether the confirmed chain ends the run for this member: None while its last record is
-        short of the run's last step; "done" when this member holds that checkpoint's weights (it
-        was a member of the span that computed it, or its trainer is at that step); "load" when the
-        record was confirmed without it (a joiner synced to an earlier checkpoint and not yet
-        admitted when the last span ran): it must load the last checkpoint by CID before it is
-        done, or it would end naming a model it does not hold, with older weights in its trainer."""
+        short of the run's last step; "done" when its trainer is at that step; "load" when the record
+        was confirmed without it (a joiner not yet admitted when the last span ran): it loads the last
+        checkpoint by CID first, or it would end naming a model it does not hold. None for a member of
+        the last span short of its step: its last round runs, or failed here (run/_attesting.py,
+        ``lost_span``: it loads); it ended "done" one step short (tests/runtime/test_last_round_failure.py)."""
         if not self.chain.records:
             return None
         last = self.chain.records[-1].record
         if last.step < self.total_steps:
             return None
-        return "done" if me in last.members or trainer_step == last.step else "load"
+        return "done" if trainer_step == last.step else None if me in last.members else "load"
 
     def roster(self, me: str, head_members: Sequence[str] = ()) -> tuple[str, ...]:
         """The voters to give :meth:`Election.tick`: the members of the last span we took part in;
@@ -311,7 +311,7 @@ class RoundBook:
 
     def report_failure(self, report: RoundFailed, reporter: str) -> bool:
         """Note ``reporter``'s ``round_failed`` for the current plan; True if it calls for a retry."""
-        if not names_plan(self.last_plan, report) or report_problem(self, report, reporter) is not None:
+        if not believed(self, report, reporter):
             return False  # (another plan's, or one not to believe: protocol/_failure_reports.py)
         said = (report.round, says_absent(report.reason))
         self.failure_rounds[reporter] = min(said, self.failure_rounds.get(reporter, said))

@@ -20,7 +20,8 @@ from p2ptrain.pipeline import PipelineError
 from p2ptrain.base import short_id
 from p2ptrain.run._datafeed import DataFeed
 from p2ptrain.run._run_state import Nudge, RunState
-from p2ptrain.protocol import Misconduct, RecordError, Status, Tally, attest, election_problem, record_confirmed
+from p2ptrain.protocol import (Misconduct, RecordError, Status, Tally, attest, election_problem, own_round_lost,
+                               record_confirmed)
 from p2ptrain.run._stage_trainer import StagedTrainer
 from p2ptrain.training import StateSnapshot
 from p2ptrain.wire import RoundPlan, SignedAttestation, SignedModelRecord
@@ -283,7 +284,8 @@ class Attesting:
         run = self.run
         _, book = run.require()
         book.chain.append(tally.signed, tuple(tally.matching.values()))
-        for false in record_confirmed(book, trio.current_time()):  # (a retry behind it: protocol/_failure_reports.py)
+        lost = own_round_lost(book, run.me)  # (before record_confirmed drops our own report)
+        for false in record_confirmed(book, trio.current_time(), run.me):  # (a retry behind it: protocol/_failure_reports.py)
             run.refuse("failure_report", f"dropped a failure report: {false}")
         record = tally.record
         run.metrics.update(record.metrics)
@@ -293,9 +295,28 @@ class Attesting:
             run.log_prefix, record.version, len(tally.matching), len(tally.members), record.model_cid,
             record.round, record.step, _fmt(record.metrics.get("accuracy")),
         )
+        if lost:
+            self.lost_span()
         self._check_own_state()
         self._end_if_over()
         run.wake_leader.set()
+
+    def lost_span(self) -> None:
+        """This member's round of the span whose record the chain's head is failed here, and a quorum
+        of the span's members confirmed that record (they completed the round): no retry comes
+        (protocol/_failure_reports.py, ``own_round_lost``), and this member holds the state before
+        the record's. It stops advertising and loads the record's state by CID (run/_resync.py)
+        before it trains on or ends. Before, it waited for a checkpoint of its own at that step that
+        never came: out of step for the next plan, and at the run's end "done" one step short of
+        the final model, naming it (tests/runtime/test_last_round_failure.py)."""
+        run = self.run
+        _, book = run.require()
+        record = book.chain.records[-1].record
+        run.stale_step = record.step
+        logger.warning("%s: this member's last round of the span to step %d failed here, and its record (model v%d) "
+                       "was confirmed by the others: loading it", run.log_prefix, record.step, record.version)
+        if run.synced:
+            run.desync(trio.current_time())
 
     def _end_if_over(self) -> None:
         """End the run once its last checkpoint is confirmed (:meth:`RunState.end_if_over`), but a

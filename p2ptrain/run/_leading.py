@@ -265,7 +265,7 @@ class Leading:
         advertising = run.advertising()
         decision = book.decide(
             now, run.election, trainer.step, advertising, can_roll_back=trainer.can_roll_back,
-            span_running=self.spans.running, rounds_running=self.spans.in_rounds,
+            span_running=self.spans.running or self.spans.starting, rounds_running=self.spans.in_rounds,
             head_version=run.heads.version if run.heads is not None else 0, private=private,
             arithmetics=self._arithmetics(advertising), took_part=run.participation.took_part(now),
         )

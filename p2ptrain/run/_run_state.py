@@ -88,7 +88,8 @@ class RunState:
     was_synced: bool = False
     # The step of a confirmed checkpoint that this member's own state at that step is not (its
     # steps rounded differently: run/_attesting.py), or the step it holds past steps a retry redid
-    # without it (RoundBook.holds_dropped): until it loads a confirmed state by CID it is not
+    # without it (RoundBook.holds_dropped), or of a record whose span's last round failed here while
+    # the others completed it (Attesting.lost_span): until it loads a confirmed state by CID it is not
     # synced, and the run does not end for it (run/_resync.py). None: its state is the run's.
     stale_step: int | None = None
     manifest: Manifest | None = None
@@ -240,10 +241,12 @@ class RunState:
     def end_of_run(self) -> str | None:
         """:meth:`RoundBook.end_of_run` for this member: "load", not "done", while its own state at
         a confirmed step was not the confirmed one (:attr:`stale_step`): it ends holding the run's
-        last checkpoint, not weights of its own that happen to be at the same step."""
+        last checkpoint, not weights of its own that happen to be at the same step (or a step
+        before: its last round failed here, Attesting.lost_span)."""
         trainer, book = self.require()
         verdict = book.end_of_run(self.me, trainer.step)
-        return "load" if verdict == "done" and self.stale_step is not None else verdict
+        over = book.head_step >= self.total_steps
+        return "load" if over and self.stale_step is not None else verdict
 
     def end_if_over(self) -> None:
         """Done once the confirmed chain ends the run and this member holds its last checkpoint.

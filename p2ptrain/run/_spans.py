@@ -37,7 +37,8 @@ from p2ptrain.run._stage_copies import keep_stage_copies
 from p2ptrain.run._stage_trainer import StagedTrainer
 from p2ptrain.run._stages import StageRounds
 from p2ptrain.pipeline import PipelineError
-from p2ptrain.protocol import buffers_round_id, NO_TRAINING_DATA, OUT_OF_STEP, round_completed, round_id, shard_of
+from p2ptrain.protocol import (buffers_round_id, NO_TRAINING_DATA, OUT_OF_STEP, round_completed, round_id, shard_of,
+                               span_confirmed)
 from p2ptrain.training import Average, PlanAverager, StateSnapshot, TrainerError, run_round
 from p2ptrain.task import Task
 from p2ptrain.wire import RoundPlan
@@ -77,12 +78,23 @@ class Spans:
         # Open while this member is in a span's rounds: a newer plan cancels it (see follow).
         self._scope: trio.CancelScope | None = None
         self.running = False  # a span is under way (its rounds, or its checkpoint until it may overlap)
+        self._queued = 0  # plans followed that the round loop has not taken up yet (see starting)
         # Held by a span from its start to its end and by a load of another state (hold_trainer).
         self._trainer_lock = trio.Lock()
         self._settling: trio.Nursery | None = None  # run_loop's, for checkpoints that settle meanwhile
         # A pipelined task's rounds: each member serves its plan's stage (run/_stages.py).
         self.stages = None if run.task.pipeline is None else StageRounds(
             run, hop_timeout=HOP_TIMEOUT_S, start_timeout=START_TIMEOUT_S)
+
+    @property
+    def starting(self) -> bool:
+        """Whether a plan this member follows waits for the round loop to take it up: for the
+        coordinator's planner its span is under way. Before, a coordinator that planned the retry
+        of its span's last round (its record rejected) was still at the span's end until the loop
+        rolled its trainer back, planned the next span over the retry at once (the rejected
+        checkpoint opened the barrier), and the reporter, a step short, could not follow it: both
+        went back to the run's last checkpoint (tests/runtime/test_last_round_failure.py)."""
+        return self._queued > 0
 
     @property
     def in_rounds(self) -> bool:
@@ -96,6 +108,7 @@ class Spans:
         except trio.WouldBlock:
             logger.warning("%s: plan queue full; dropped plan %d.%d", self.run.log_prefix, plan.round, plan.attempt)
             return
+        self._queued += 1
         self.stop_rounds()
 
     def stop_rounds(self) -> None:
@@ -117,7 +130,7 @@ class Spans:
                             plan = self._plans_recv.receive_nowait()
                         except trio.WouldBlock:
                             break
-                    self.running = True
+                    self.running, self._queued = True, 0
                     try:
                         await self._run_span(plan)
                     finally:
@@ -212,6 +225,10 @@ class Spans:
             logger.warning("%s: round %d (attempt %d) failed: %s", run.log_prefix, plan.round + index,
                            plan.attempt, exc)
             await run.report_failure(plan, index, str(exc))
+            if span_confirmed(run.require()[1], plan):
+                # The others completed it and confirmed the span's record before our round failed
+                # (its last hop timed out here): no retry comes; take the record's state.
+                self.attesting.lost_span()
             return False
         timings = run.timings
         stats = run.collective.last_round

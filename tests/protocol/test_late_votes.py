@@ -48,7 +48,7 @@ class Member:
         return outs
 
 
-def _simulate(seconds: float, loaded: str) -> dict[str, Member]:
+def _simulate(seconds: float, loaded: str, slow_s: float = SLOW_S) -> dict[str, Member]:
     task_cid = _setting()[0]
     members = {m.me: m for m in (Member(task_cid, k) for k in KEYS)}
     in_flight: list[tuple[float, int, str, str, ElectionMessage]] = []  # (arrival, order, to, from, message)
@@ -60,7 +60,7 @@ def _simulate(seconds: float, loaded: str) -> dict[str, Member]:
             for dst in members:
                 if dst != src:
                     order += 1
-                    in_flight.append((now + (SLOW_S if loaded in (src, dst) else FAST_S), order, dst, src, msg))
+                    in_flight.append((now + (slow_s if loaded in (src, dst) else FAST_S), order, dst, src, msg))
 
     while now < seconds:
         now += DT
@@ -103,3 +103,18 @@ def test_a_late_vote_counts_only_within_the_answer_time_of_the_request() -> None
     fresh = Participation(answer_s=ANSWER_S)
     fresh.note_late_vote(1.0, "unasked")  # no request heard or sent: nobody had a vote to give
     assert fresh.took_part(1.0) == frozenset()
+
+
+def test_a_vote_that_comes_after_the_answer_time_clears_no_strike() -> None:
+    """Red team h-attack7, through the wiring (``receive_noting``), not the rule alone: a vote that
+    reaches the coordinator later than ``answer_s`` after its request (a link so slow that the round
+    trip takes 4 s of the 3) counts for nothing: its voter is struck at the answer time's end (and,
+    no voter of a fresh run's election once struck, its vote does not even enter the certificate)
+    and stays so. A Sybil that times its vote gains nothing it would not have had voting in time."""
+    _, candidate, fast, loaded = _setting()
+    now = ANSWER_S + 6.0
+    coordinator = _simulate(now, loaded, slow_s=2.0)[candidate]
+    assert coordinator.election.is_coordinator and coordinator.election.term == 1
+    assert {v.vote.voter for v in coordinator.election.certificate} == {candidate, fast}
+    assert loaded in coordinator.ledger.struck(now) and loaded not in coordinator.ledger.took_part(now)
+    assert fast in coordinator.ledger.took_part(now)

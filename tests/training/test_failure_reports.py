@@ -12,8 +12,10 @@ from typing import Any
 
 import pytest
 
-from p2ptrain.protocol import CANNOT_FOLLOW, Hold, record_confirmed, refuse_report, round_completed
+from p2ptrain.protocol import (CANNOT_FOLLOW, Hold, attest, own_round_lost, record_confirmed, refuse_report,
+                               round_completed)
 from p2ptrain.protocol._round_book import RETRY_BACKOFF_S
+from p2ptrain.base import short_id
 from p2ptrain.wire import RoundFailed, RoundPlan
 
 from .test_training_gating import INITIAL, Run
@@ -129,6 +131,13 @@ def _span_reported_at_its_end(run: Run, reporter: str) -> tuple[RoundPlan, int]:
     return plan, plan.step + plan.rounds
 
 
+def _confirm(run: Run, plan: RoundPlan, end: int, attesters: tuple[str, ...]) -> None:
+    """The span's record, confirmed here with the attestations of ``attesters`` (and the coordinator's)."""
+    signed = run.book.checkpoint_record(plan, end, INITIAL, INITIAL, {}, run.election.key_pair)
+    run.book.chain.append(signed, [attest(signed.record, INITIAL, INITIAL, run.elections[p].key_pair)
+                                   for p in (run.c, *attesters)])
+
+
 def test_a_report_of_a_spans_last_round_waits_for_its_record_and_is_dropped_once_it_is_confirmed(run3: Run) -> None:
     """Fails on main: the coordinator published the span's record and planned the retry of its last
     round besides; the record was confirmed by a quorum (the reporter among it) while the others
@@ -140,17 +149,17 @@ def test_a_report_of_a_spans_last_round_waits_for_its_record_and_is_dropped_once
     plan, end = _span_reported_at_its_end(run, liar)
     # Our record of the span is out (the checkpoint at ``end`` unsettled): no retry yet.
     assert run.decide(11.5 + 2 * RETRY_BACKOFF_S, my_step=end) is Hold.WAIT
-    # A quorum confirms it: the report is dropped, counted, its sender left out; the next span follows.
-    record = run.book.checkpoint_record(plan, end, INITIAL, INITIAL, {}, run.election.key_pair)
-    run.book.chain.append(record)
+    # A quorum confirms it, the liar's attestation among it (it holds the state after the round it
+    # said failed): the report is dropped, counted, its sender left out; the next span follows.
+    _confirm(run, plan, end, (liar,))
     dropped = record_confirmed(run.book, 15.0)
-    assert len(dropped) == 1 and "checkpoint was confirmed" in dropped[0], dropped
+    assert len(dropped) == 1 and "attested its span's checkpoint" in dropped[0], dropped
     assert run.book.failed_round is None and liar in run.book.quarantined(15.0)
     following = run.decide(15.5, my_step=end)
     assert isinstance(following, RoundPlan) and following.step == end and liar not in following.members, following
     # The same report again, once the record is confirmed: refused as it comes.
     problem = refuse_report(run.book, 16.0, _report(run, plan, plan.rounds - 1), liar)
-    assert problem is not None and "checkpoint is confirmed" in problem
+    assert problem is not None and "attested its span's checkpoint" in problem
     assert not run.book.note_failure_report(16.0, _report(run, plan, plan.rounds - 1), liar, run.c, coordinator=True)
 
 
@@ -172,3 +181,29 @@ def test_a_report_of_a_spans_last_round_is_retried_when_its_record_is_rejected(r
     assert isinstance(retry, RoundPlan), retry
     assert (retry.round, retry.attempt, retry.step) == (plan.round + plan.rounds - 1, plan.attempt + 1, end - 1)
     assert member in retry.members  # a split completion blames no one
+
+
+def test_a_member_whose_own_last_round_failed_takes_the_confirmed_record_and_is_not_left_out(run3: Run) -> None:
+    """The honest side of the drop (red team h-attack7): a member whose span's last round really
+    failed (it completed at the others, who confirm the record) attests nothing. It learns it must
+    load the record's state (on main it waited for a checkpoint of its own at that step, and ended
+    the run one step short: tests/runtime/test_last_round_failure.py), and is not left out (on main
+    it was, for the quarantine: a hostile ring neighbour that made its last hop time out got an
+    honest member left out every span); a report of it after the record is not believed either.
+    A reporter that attested the record is left out, as before."""
+    run = run3
+    member, liar = run.others[1], run.others[0]
+    plan, end = _span_reported_at_its_end(run, member)
+    report = _report(run, plan, plan.rounds - 1)
+    assert run.book.note_failure_report(11.6, report, liar, run.c, coordinator=True)  # (split_problem: once each)
+    assert not own_round_lost(run.book, member)  # the record is not confirmed yet: a retry may come
+    _confirm(run, plan, end, (liar,))
+    assert own_round_lost(run.book, member) and not own_round_lost(run.book, run.c)
+    dropped = record_confirmed(run.book, 15.0)
+    assert len(dropped) == 1 and short_id(liar) in dropped[0], dropped
+    assert liar in run.book.quarantined(15.0) and member not in run.book.quarantined(15.0)
+    assert run.book.failed_round is None and not own_round_lost(run.book, member)
+    # Its report again (or first, after the record: its last hop timed out late): moot, not refused.
+    assert refuse_report(run.book, 16.0, report, member) is None
+    assert not run.book.note_failure_report(16.0, report, member, run.c, coordinator=True)
+    assert member not in run.book.quarantined(16.0) and run.book.failed_round is None
