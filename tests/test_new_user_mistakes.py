@@ -205,7 +205,8 @@ def test_task_status_of_a_run_before_the_nodes_restart_says_where_its_models_are
 def _lone_run(home: Path, run: str) -> tuple[Any, Any]:
     """A script's whole run alone: an ``nn.Linear`` through ``p2ptrain.Optimizer`` in ``home``, 2
     steps with a checkpoint after each, to ``RunFinished``; the closed optimizer (its run and model
-    CIDs as they were when the member left) and the module."""
+    CIDs as they were when the member left) and the module. ``max_peers`` 1: nobody else joins, so its
+    first term and plan need not wait for more."""
     import torch
     from torch import nn
 
@@ -214,7 +215,7 @@ def _lone_run(home: Path, run: str) -> tuple[Any, Any]:
     torch.manual_seed(0)
     model = nn.Linear(4, 2)
     opt = p2ptrain.Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model, run=run, home=home,
-                             min_peers=1, total_steps=2, checkpoint_every=1, join_window_s=0.5)
+                             min_peers=1, max_peers=1, total_steps=2, checkpoint_every=1, join_window_s=0.5)
     with opt, pytest.raises(p2ptrain.RunFinished):
         for _ in range(3):
             opt.zero_grad()

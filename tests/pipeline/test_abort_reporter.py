@@ -29,6 +29,10 @@ from p2ptrain.wire import RoundFailed
 
 from .test_pipelined_run import publish, small_text, TASK  # noqa: F401 (small_text: an autouse fixture)
 
+# peers.max 4: the run's members, all from its start (term 0 and the first plan need not wait for more)
+FOUR = TASK.replace("max = 8", "max = 4")
+assert FOUR != TASK
+
 DEADLINE_S = 300.0
 STEP_S = 120.0
 ATTACKS = 3  # steps the reporter says it cannot follow as its summary opens, at most
@@ -66,7 +70,7 @@ async def test_a_reporter_that_joins_the_summary_anyway_splits_no_step(tmp_path:
         monkeypatch.setattr(StepWindow, "joined", reporting)
         with trio.fail_after(DEADLINE_S):
             async with local_peers(4, tmp_path) as peers:
-                _, task_cid = await publish(peers, TASK)
+                _, task_cid = await publish(peers, FOUR)
                 runs = await peers.join_all(task_cid)
                 watcher = runs[0]
 

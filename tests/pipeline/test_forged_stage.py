@@ -55,7 +55,7 @@ async def publish(peers: Any) -> str:
     def build() -> str:
         name, features, labels = load_source("text:python-stdlib")
         manifest, _ = build_dataset(store, name, features, labels, 3, test_fraction=0.1)
-        text = TASK.format(manifest=manifest).replace("min = 3", f"min = {PEERS}")
+        text = TASK.format(manifest=manifest).replace("min = 3", f"min = {PEERS}").replace("max = 8", f"max = {PEERS}")
         cid = store.add_bytes(task_bytes(load_task(text.replace("total_steps = 16", f"total_steps = {STEPS}"))))
         store.pin_add(cid)
         return str(cid)

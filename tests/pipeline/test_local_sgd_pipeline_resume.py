@@ -31,7 +31,9 @@ pytestmark = pytest.mark.usefixtures("quick_timers_slow_joins", "no_missed_plan"
 __all__ = ["small_text"]  # the fixture (autouse): the small text, one thread
 
 STEPS, INTERVAL = 4, 2
-RESUMED = LOCAL.replace("min = 4", "min = 3").replace("total_steps = 4", f"total_steps = {STEPS}")
+RESUMED = (LOCAL.replace("min = 4", "min = 3").replace("max = 4", "max = 3")  # its three members, restarted as themselves
+           .replace("total_steps = 4", f"total_steps = {STEPS}"))
+assert "max = 3" in RESUMED
 
 
 def momentum_bits(trainer: LocalSGDStagedTrainer) -> dict[int, bytes]:

@@ -35,10 +35,12 @@ pytestmark = pytest.mark.usefixtures("quick_timers_slow_joins", "no_missed_plan"
 __all__ = ["small_text"]  # the fixture (autouse): the small text, one thread
 
 STEPS, INNER = 4, 2
-LOCAL = (TASK.replace("min = 3", "min = 4").replace("total_steps = 16", f"total_steps = {STEPS}")
+# max 4: the four members of its runs (and of test_local_sgd_pipeline_takeover.py's), all from the start
+LOCAL = (TASK.replace("min = 3", "min = 4").replace("max = 8", "max = 4").replace("total_steps = 16", f"total_steps = {STEPS}")
          .replace("batch_size = 4\n", f'batch_size = 4\nmode = "local_sgd"\ninner_steps = {INNER}\n')
          .replace("check_fraction = 0.0\n", "")
          + '[outer]\noptimizer = "nesterov"\nlr = 0.7\nmomentum = 0.5\n')
+assert "max = 4" in LOCAL
 SPARSE = (LOCAL.replace('activations = "fp32"\n', 'activations = "fp32"\nstage_sum = "sparse"\n')
           + "[compression]\ndensity = 0.05\n")
 

@@ -14,11 +14,15 @@ import trio
 from p2ptrain.testing import local_peers
 from p2ptrain.training import is_manifest
 
-from .test_pipelined_run import DEADLINE_S, publish, small_text, STEP_S, STEPS
+from .test_pipelined_run import DEADLINE_S, publish, small_text, STEP_S, STEPS, TASK
 
 pytestmark = pytest.mark.usefixtures("quick_timers_slow_joins")  # tests/conftest.py: idle waits shortened, not the grace
 
 __all__ = ["small_text"]  # the fixture (autouse): the small text, one thread
+
+# peers.max 3: the run's members, all from its start (term 0 and the first plan need not wait for more)
+THREE = TASK.replace("max = 8", "max = 3")
+assert THREE != TASK
 
 
 @pytest.mark.timeout(300)  # the suite's bound, declared: tests/conftest.py deals it among the first (~30 s or more alone)
@@ -27,7 +31,7 @@ async def test_members_stopped_together_resume_their_stages_from_the_last_manife
 ) -> None:
     with trio.fail_after(DEADLINE_S):
         async with local_peers(3, tmp_path) as peers:
-            _, task_cid = await publish(peers)
+            _, task_cid = await publish(peers, THREE)
             await peers.join_all(task_cid)
 
             def at(version: int) -> list[dict[str, Any]] | None:

@@ -28,10 +28,11 @@ pytestmark = pytest.mark.usefixtures("quick_timers_slow_joins")  # tests/conftes
 __all__ = ["small_text"]  # the fixture (autouse): the small text, one thread
 
 STEPS = 8
-SPARSE = (TASK.replace("min = 3", "min = 4").replace("total_steps = 16", f"total_steps = {STEPS}")
+SPARSE = (TASK.replace("min = 3", "min = 4").replace("max = 8", "max = 4").replace("total_steps = 16", f"total_steps = {STEPS}")
           .replace("checkpoint_interval = 2", "checkpoint_interval = 4")
           .replace('activations = "fp32"\n', 'activations = "fp32"\nstage_sum = "sparse"\n')
           + "[compression]\ndensity = 0.05\n")
+assert "max = 4" in SPARSE
 
 
 def stage_digest(rounds: StageRounds, stage: int) -> str:

@@ -25,6 +25,10 @@ from .test_pipelined_run import publish, small_text, TASK  # noqa: F401 (small_t
 
 pytestmark = pytest.mark.usefixtures("quick_timers_slow_joins")  # tests/conftest.py: idle waits shortened, not the grace
 
+# peers.max 4: the run's members, all from its start (term 0 and the first plan need not wait for more)
+FOUR = TASK.replace("max = 8", "max = 4")
+assert FOUR != TASK
+
 DEADLINE_S = 200.0
 STEP_S = 120.0
 # The retry without the member that cannot follow, and a step of it: seconds now; on main the step
@@ -61,7 +65,7 @@ async def test_a_member_that_cannot_follow_a_plan_costs_the_others_no_step_timeo
         kept.clear()
     with trio.fail_after(DEADLINE_S):
         async with local_peers(4, tmp_path) as peers:
-            _, task_cid = await publish(peers, TASK)
+            _, task_cid = await publish(peers, FOUR)
             runs = await peers.join_all(task_cid)
             watcher = runs[0]
             WATCHER.append(watcher.me)

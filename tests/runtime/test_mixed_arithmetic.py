@@ -163,7 +163,8 @@ async def test_a_member_that_rounds_differently_unannounced_says_so_and_loads_ea
     caplog.set_level(logging.WARNING, logger="p2ptrain.run")
     with trio.fail_after(180):
         async with local_peers(3, tmp_path) as peers:
-            task_cid = await publish_digits_task(peers[0], total_steps=12, checkpoint_interval=4, min_peers=3)
+            task_cid = await publish_digits_task(peers[0], total_steps=12, checkpoint_interval=4, min_peers=3,
+                                                 max_peers=3)  # all three join at once: term 0 need not wait
             await peers.join_all(task_cid)
             await _skew(peers, 2, task_cid)
             final = await peers.wait_until(
@@ -187,7 +188,8 @@ async def test_members_split_between_two_unannounced_arithmetics_are_told_why_no
     caplog.set_level(logging.WARNING, logger="p2ptrain.run")
     with trio.fail_after(180):
         async with local_peers(4, tmp_path) as peers:
-            task_cid = await publish_digits_task(peers[0], total_steps=12, checkpoint_interval=4, min_peers=4)
+            task_cid = await publish_digits_task(peers[0], total_steps=12, checkpoint_interval=4, min_peers=4,
+                                                 max_peers=4)  # all four join at once: term 0 need not wait
             await peers.join_all(task_cid)
             for i in (2, 3):
                 await _skew(peers, i, task_cid)

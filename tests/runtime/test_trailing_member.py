@@ -98,7 +98,8 @@ async def test_a_follower_left_behind_at_the_runs_end_asks_for_its_head_and_ends
     with trio.fail_after(DEADLINE_S):
         async with local_peers(3, tmp_path) as peers:
             await _left_out_for_its_arithmetic(peers, 2, monkeypatch)
-            task_cid = await publish_digits_task(peers[0], total_steps=TOTAL_STEPS, checkpoint_interval=4, min_peers=2)
+            task_cid = await publish_digits_task(peers[0], total_steps=TOTAL_STEPS, checkpoint_interval=4, min_peers=2,
+                                                 max_peers=3)  # all three join at once: term 0 need not wait
             await peers.join_all(task_cid)
             _hold_back(peers, task_cid, held)
             statuses = await peers.wait_until(
@@ -239,7 +240,8 @@ async def test_a_hostile_member_answering_first_is_refused_and_the_follower_reac
     with trio.fail_after(DEADLINE_S):
         async with local_peers(3, tmp_path) as peers:
             await _left_out_for_its_arithmetic(peers, 2, monkeypatch)
-            task_cid = await publish_digits_task(peers[0], total_steps=TOTAL_STEPS, checkpoint_interval=4, min_peers=2)
+            task_cid = await publish_digits_task(peers[0], total_steps=TOTAL_STEPS, checkpoint_interval=4, min_peers=2,
+                                                 max_peers=3)  # all three join at once: term 0 need not wait
             await peers.join_all(task_cid)
             _hold_back(peers, task_cid, held)
             await _hostile_answers(peers, task_cid, forgery, sent, refused)
