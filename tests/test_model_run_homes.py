@@ -66,7 +66,7 @@ def test_model_verify_finds_the_chain_of_a_scripts_run_in_its_default_home(home,
     torch.manual_seed(0)
     model = nn.Linear(4, 2)
     opt = p2ptrain.Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model, run="lone", min_peers=1,
-                             total_steps=2, checkpoint_every=1, join_window_s=0.5)
+                             max_peers=1, total_steps=2, checkpoint_every=1, join_window_s=0.5)
     with opt, pytest.raises(p2ptrain.RunFinished):
         for _ in range(3):
             opt.zero_grad()

@@ -33,7 +33,10 @@ TOTAL_STEPS = 12
 
 
 async def _members(peers: LocalPeers) -> tuple[str, list[RunState]]:
-    task_cid = await publish_digits_task(peers[0], total_steps=TOTAL_STEPS, checkpoint_interval=4, min_peers=2)
+    # peers.max: every peer joins, at once, so term 0 and the first plan need not wait for more
+    # (docs/testing.md, "Quick timers")
+    task_cid = await publish_digits_task(peers[0], total_steps=TOTAL_STEPS, checkpoint_interval=4, min_peers=2,
+                                         max_peers=len(peers))
     for peer in peers:
         await peer.tasks.join(task_cid)
     return task_cid, [peer.tasks.runs[task_cid].shared for peer in peers]
