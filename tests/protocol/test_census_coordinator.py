@@ -27,12 +27,13 @@ from p2ptrain.protocol._voters import designated, rank
 from p2ptrain.task import Task, load_task
 from p2ptrain.wire import RoundPlan, VoteRequest
 
+from tests.protocol._books import over_links
+
 INITIAL = "bafkreigh2akiscaildcqabsyg3dfr6chu3fgpregiymsck7e7aqa4s52zy"
 CONFIG = ElectionConfig(heartbeat_s=1.0, timeout_beats=3)
 AVX2 = "torch 2.13.0 on the CPU with AVX2 kernels"
 SCALAR = "torch 2.13.0 on the CPU with DEFAULT kernels"
 MIN_PEERS = 2
-DT = 0.25  # a tick (run/_leading.py: a quarter of the heartbeat)
 FAST_S, SLOW_S = 0.05, 1.0  # one way, between the two others / to or from the loaded member
 KEYS = [create_new_key_pair(bytes([i + 1]) * 32) for i in range(3)]  # fixed: the same ranks every run
 FAST, LOADED, ODD = (signing.peer_str(k) for k in KEYS)
@@ -105,29 +106,10 @@ def _simulate(seconds: float) -> tuple[dict[str, Member], float | None]:
     """Run the three members for ``seconds``; the members and when a plan was first made (None: never)."""
     task_cid = _task_cid()
     members = {m.me: m for m in (Member(task_cid, k) for k in KEYS)}
-    in_flight: list[tuple[float, int, str, str, ElectionMessage]] = []  # (arrival, order, to, from, message)
-    now, order = 0.0, 0
-
-    def send(src: str, outs: list[ElectionMessage]) -> None:
-        nonlocal order
-        for msg in outs:
-            for dst in members:
-                if dst != src:
-                    order += 1
-                    in_flight.append((now + (SLOW_S if LOADED in (src, dst) else FAST_S), order, dst, src, msg))
-
-    while now < seconds:
-        now += DT
-        for me, member in members.items():
-            send(me, member.tick(now))
-        in_flight.sort()
-        while in_flight and in_flight[0][0] <= now:
-            _, _, dst, src, msg = in_flight.pop(0)
-            send(dst, members[dst].receive(now, src, msg))
-            in_flight.sort()
-        if any(m.plan is not None for m in members.values()):
-            return members, now
-    return members, None
+    planned_at = over_links(members, seconds, lambda src, dst: SLOW_S if LOADED in (src, dst) else FAST_S,
+                            lambda dst, now, src, msg: members[dst].receive(now, src, msg),
+                            lambda: any(m.plan is not None for m in members.values()))
+    return members, planned_at
 
 
 def test_a_coordinator_whose_class_cannot_plan_steps_down_and_one_that_can_plans() -> None:

@@ -18,9 +18,10 @@ from p2ptrain.protocol import Election, ElectionConfig, ElectionMessage, Partici
 from p2ptrain.protocol._voters import designated
 from p2ptrain.wire import VoteRequest
 
+from tests.protocol._books import over_links
+
 CONFIG = ElectionConfig(heartbeat_s=1.0, timeout_beats=3)
 ANSWER_S = 3.0
-DT = 0.25  # a tick (run/_leading.py: a quarter of the heartbeat)
 FAST_S, SLOW_S = 0.05, 1.0  # one way, between the two others / to or from the loaded member
 KEYS = [create_new_key_pair(bytes([i + 7]) * 32) for i in range(3)]  # fixed: the same ranks every run
 PEERS = [signing.peer_str(k) for k in KEYS]
@@ -51,27 +52,8 @@ class Member:
 def _simulate(seconds: float, loaded: str, slow_s: float = SLOW_S) -> dict[str, Member]:
     task_cid = _setting()[0]
     members = {m.me: m for m in (Member(task_cid, k) for k in KEYS)}
-    in_flight: list[tuple[float, int, str, str, ElectionMessage]] = []  # (arrival, order, to, from, message)
-    now, order = 0.0, 0
-
-    def send(src: str, outs: list[ElectionMessage]) -> None:
-        nonlocal order
-        for msg in outs:
-            for dst in members:
-                if dst != src:
-                    order += 1
-                    in_flight.append((now + (slow_s if loaded in (src, dst) else FAST_S), order, dst, src, msg))
-
-    while now < seconds:
-        now += DT
-        for me, member in members.items():
-            send(me, member.tick(now))
-        in_flight.sort()
-        while in_flight and in_flight[0][0] <= now:
-            _, _, dst, src, msg = in_flight.pop(0)
-            member = members[dst]
-            send(dst, receive_noting(member.election, member.ledger, now, src, msg))
-            in_flight.sort()
+    over_links(members, seconds, lambda src, dst: slow_s if loaded in (src, dst) else FAST_S,
+               lambda dst, now, src, msg: receive_noting(members[dst].election, members[dst].ledger, now, src, msg))
     return members
 
 
