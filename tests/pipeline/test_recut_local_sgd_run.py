@@ -21,15 +21,14 @@ import pytest
 import torch
 import trio
 
-from p2ptrain.protocol import measured_cut, read_tensors
+from p2ptrain.protocol import read_tensors
 from p2ptrain.run import LocalSGDStagedTrainer
 from p2ptrain.task import load_task, parameter_cut
 from p2ptrain.testing import local_peers, slow_layers
 from p2ptrain.training import read_manifest
-from p2ptrain.wire import RoundPlan
 
 from .test_pipelined_run import publish, small_text  # noqa: F401 (small_text: an autouse fixture)
-from .test_recut_run import BY_PARAMETERS, RECUT, SLOW_S, TASK as SYNC_TASK
+from .test_recut_run import BY_PARAMETERS, RECUT, SLOW_S, TASK as SYNC_TASK, recut_plan
 
 pytestmark = pytest.mark.usefixtures("quick_timers_slow_joins", "no_missed_plan")  # tests/conftest.py
 
@@ -72,17 +71,8 @@ async def test_a_local_sgd_run_moves_its_cut_at_an_outer_step_with_its_outer_sta
             assert task.training.local_sgd and parameter_cut(task) == BY_PARAMETERS
             runs = await peers.join_all(task_cid)
 
-            def recut() -> RoundPlan | None:
-                plan = runs[0].book.accepted if runs[0].book else None
-                return plan if plan is not None and plan.cut is not None else None
-
-            plan = await peers.wait_until(recut, WAIT_S, what="a plan that names a cut (on main, the task refused)")
-            assert plan.cut == RECUT
             # At a confirmed checkpoint (an outer step's end), from the times of that outer step's last pass.
-            base = next(r.record for r in runs[0].book.chain.records if r.record.version == plan.version)
-            assert plan.version > 0 and base.step == plan.step and base.model_cid == plan.base_cid
-            times = {t for r in runs if r.book is not None and (t := r.book.stage_times.at(plan.step)) is not None}
-            assert len(times) == 1 and measured_cut(task, BY_PARAMETERS, min(times)) == RECUT, times
+            plan, _ = await recut_plan(peers, runs, task, "a plan that names a cut (on main, the task refused)")
             # Two models confirmed after the re-cut: every member loaded its stage of the new cut by CID.
             await peers.wait_version(task_cid, plan.version + 2, WAIT_S, what="two models confirmed after the re-cut")
             assert all(r.book is not None and not r.book.refused_spans for r in runs)

@@ -25,8 +25,9 @@ import trio
 
 from p2ptrain.models import build_model
 from p2ptrain.protocol import measured_cut
-from p2ptrain.task import load_task, parameter_cut, stage_parameters
-from p2ptrain.testing import local_peers, slow_layers
+from p2ptrain.run import RunState
+from p2ptrain.task import Task, load_task, parameter_cut, stage_parameters
+from p2ptrain.testing import LocalPeers, local_peers, slow_layers
 from p2ptrain.training import read_manifest
 from p2ptrain.wire import RoundPlan
 
@@ -74,6 +75,25 @@ def slow():
         yield
 
 
+async def recut_plan(peers: LocalPeers, runs: list[RunState], task: Task, what: str,
+                     ) -> tuple[RoundPlan, set[tuple[int, ...]]]:
+    """The first plan that names a cut, and the stage times of its start step the members hold: the
+    cut is RECUT, at a confirmed checkpoint (the plan's base is the record of its step), from those
+    times, which every member that applied that step received alike."""
+
+    def recut() -> RoundPlan | None:
+        plan = runs[0].book.accepted if runs[0].book else None
+        return plan if plan is not None and plan.cut is not None else None
+
+    plan = await peers.wait_until(recut, WAIT_S, what=what)
+    assert plan.cut == RECUT
+    base = next(r.record for r in runs[0].book.chain.records if r.record.version == plan.version)
+    assert plan.version > 0 and base.step == plan.step and base.model_cid == plan.base_cid
+    times = {t for r in runs if r.book is not None and (t := r.book.stage_times.at(plan.step)) is not None}
+    assert len(times) == 1 and measured_cut(task, BY_PARAMETERS, min(times)) == RECUT, times
+    return plan, times
+
+
 async def test_the_plans_cut_the_model_anew_by_measured_time(tmp_path: Path) -> None:
     with trio.fail_after(DEADLINE_S):
         async with local_peers(5, tmp_path) as peers:
@@ -82,17 +102,7 @@ async def test_the_plans_cut_the_model_anew_by_measured_time(tmp_path: Path) -> 
             assert parameter_cut(task) == BY_PARAMETERS
             runs = await peers.join_all(task_cid)
 
-            def recut() -> RoundPlan | None:
-                plan = runs[0].book.accepted if runs[0].book else None
-                return plan if plan is not None and plan.cut is not None else None
-
-            plan = await peers.wait_until(recut, WAIT_S, what="a plan that names a cut (on main, never)")
-            assert plan.cut == RECUT
-            # At a confirmed checkpoint, from the times of its step, which every member that applied it received alike.
-            base = next(r.record for r in runs[0].book.chain.records if r.record.version == plan.version)
-            assert plan.version > 0 and base.step == plan.step and base.model_cid == plan.base_cid
-            times = {t for r in runs if r.book is not None and (t := r.book.stage_times.at(plan.step)) is not None}
-            assert len(times) == 1 and measured_cut(task, BY_PARAMETERS, min(times)) == RECUT, times
+            plan, times = await recut_plan(peers, runs, task, "a plan that names a cut (on main, never)")
             assert min(times)[1] == max(min(times)), times  # stage 1, with the slow blocks, measured slowest
             # Models confirmed after the re-cut: every member loaded its stage of the new cut by CID.
             await peers.wait_version(task_cid, plan.version + 2, WAIT_S, what="two models confirmed after the re-cut")
@@ -122,11 +132,8 @@ async def test_members_restarted_after_a_recut_resume_from_the_moved_cut(tmp_pat
             manifest, task_cid = await publish(peers, TASK, shards=2)
             runs = await peers.join_all(task_cid)
 
-            def recut() -> RoundPlan | None:
-                plan = runs[0].book.accepted if runs[0].book else None
-                return plan if plan is not None and plan.cut is not None else None
-
-            plan = await peers.wait_until(recut, WAIT_S, what="a plan that names a cut (on main, never)")
+            plan, _ = await recut_plan(peers, runs, load_task(TASK.format(manifest=manifest)),
+                                       "a plan that names a cut (on main, never)")
             await peers.wait_version(task_cid, plan.version + 1, WAIT_S, what="a model confirmed in the new cut")
             for i in range(5):
                 await peers.stop_peer(i)
