@@ -130,8 +130,12 @@ class BlockExchange:
                 await trio.sleep_forever()
         finally:
             self._senders.stop()
+            # Replaced, not removed: libp2p looks a protocol's handler up again once a stream has
+            # agreed on it, and a stream that arrived while a stopping node removed it found none
+            # (KeyError out of the swarm's task: the node's run ended with an error). The host
+            # usually stops next; until then a peer's stream is reset.
             for protocol in PROTOCOLS:
-                self.host.remove_stream_handler(protocol)
+                self.host.set_stream_handler(protocol, reset_quietly)
 
     # ---- receiving -----------------------------------------------------------------------------
 
@@ -180,7 +184,8 @@ class BlockExchange:
                 await close_quietly(stream)
 
     def _on_message(self, peer_id: ID, msg: Received) -> None:
-        if msg.wants or msg.full_wantlist:
+        # A stream opened before the exchange stopped may still bring wants: nothing sends now.
+        if (msg.wants or msg.full_wantlist) and self._senders.running:
             queue_wants(self._senders.outbox(peer_id), msg, self.store)
         for block in msg.blocks:
             self._on_block(peer_id, block)

@@ -61,6 +61,11 @@ class Senders:
         self.served_blocks = 0
         self.served_bytes = 0
 
+    @property
+    def running(self) -> bool:
+        """Whether senders may start (the exchange runs): not once it stopped."""
+        return self.nursery is not None
+
     def outbox(self, peer_id: ID) -> Outbox:
         """``peer_id``'s outbox, starting a sender for it if none runs."""
         peer = self.peers.get(peer_id)

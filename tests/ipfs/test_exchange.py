@@ -369,6 +369,39 @@ async def test_a_handler_exception_is_a_counted_reset_and_the_node_keeps_serving
             assert bytes_of(honest.store, root) == data
 
 
+async def test_a_stopped_exchange_answers_nothing_and_fails_nothing(tmp_path):
+    """A node stops its exchange before its host. Before, the exchange removed its Bitswap handlers:
+    a stream negotiated in that moment found none (libp2p looks the handler up again once agreed:
+    KeyError out of the swarm's task, which ended a stopping peer's run with an error, seen in
+    tests/pipeline/test_recut_run.py), and a want on a stream opened before the stop raised
+    'BlockExchange is not running' (an ERROR with a traceback, counted as a handler error). Now a
+    stream after the stop is reset, and a want on an older one is dropped."""
+    from p2ptrain.ipfs import PROTOCOLS
+
+    store = BlockStore(tmp_path / "blocks")
+    root = add(store, content(50_000, seed=3))
+    async with connected_hosts(1, connected=False) as (local,):
+        exchange = BlockExchange(local.host, store)
+        attacker = make_host(create_new_key_pair(), [LOOPBACK])
+        async with attacker.run(listen_addrs=[Multiaddr(LOOPBACK)]):
+            await attacker.connect(local.info)
+            with trio.fail_after(DEADLINE):
+                async with trio.open_nursery() as running:
+                    await running.start(exchange.run)
+                    early = await attacker.new_stream(local.id, [PROTOCOLS[0]])
+                    running.cancel_scope.cancel()
+                await early.write(encode_message(wants=[WantEntry(root)]))
+                await early.close()
+                while exchange.inbound_streams(attacker.get_id()):  # its handler read it to the end
+                    await trio.sleep(0.01)
+                late = await attacker.new_stream(local.id, [PROTOCOLS[0]])
+                with pytest.raises(Exception):  # reset: nothing serves it any more
+                    await late.write(encode_message(wants=[WantEntry(root)]))
+                    while await late.read(1024):
+                        pass
+    assert exchange.stats().get("handler_error", 0) == 0, exchange.stats()
+
+
 async def test_fetches_work_across_idle_timeouts(tmp_path, monkeypatch):
     """Idle streams are closed on both sides (the sender first), and a later fetch from the same
     provider opens fresh ones instead of failing on a stream the provider dropped."""
