@@ -74,7 +74,11 @@ test-tools:
 # of CPU: the suite is CPU-bound again, so more workers would buy nothing. Four it is (00:00, after
 # the merges: 446 s, 1,515 passed, 11.7 min of CPU). 2026-11-27, quiet, 1,667 tests: four workers
 # 448-501 s (1.2 cores busy: the suite waits more than it computes now), six 454 s (1.45): no clear gain.
-TEST_WORKERS ?= 4
+# 2026-11-27 14:00-14:35, quiet, the same tree (1,756-1,757 tests, after the runs whose members all
+# join at once stopped waiting out term 0): four workers 509 s (user+sys 9.9 min, 1.15 cores busy);
+# six 468 s (one failure, a real Bitswap race at a peer's stop, fixed) and 430 s (all passed, 9.8 min):
+# the tests wait more than they compute now, so two more workers fill the idle cores. Six it is.
+TEST_WORKERS ?= 6
 
 # ruff (tests, benches too) and mypy (strict on p2ptrain/; pyproject.toml lists any module that is
 # not) before the suite: a few seconds with mypy's cache (.mypy_cache), ~1 min without.
