@@ -120,6 +120,12 @@ class Participation:
         if self._asked is None:
             self._asked = (now, candidate)
 
+    def note_sent(self, now: float, me: str, outs: Collection[object]) -> None:
+        """What this member ``me`` sends at ``now``: a vote request of its own asks every peer in its
+        state to vote now (:meth:`note_asked`). Its election's tick and its receive both send."""
+        if any(isinstance(out, VoteRequest) for out in outs):
+            self.note_asked(now, me)
+
     def counted(self, now: float, advertising: Collection[str], needed: int = 0) -> frozenset[str]:
         """Of the peers that advertise the task, those that count at ``now``.
 
@@ -201,6 +207,5 @@ def receive_noting(election: Election, ledger: Participation, now: float, sender
         ledger.note_vote(now, sender)
     elif vote is not None and before == election.me and sender in {v.vote.voter for v in election.certificate} - certified:
         ledger.note_late_vote(now, sender)  # its vote went into our certificate just now
-    if any(isinstance(out, VoteRequest) for out in outs):
-        ledger.note_asked(now, election.me)
+    ledger.note_sent(now, election.me, outs)
     return outs

@@ -26,7 +26,7 @@ from p2ptrain.run._run_state import RunState
 from p2ptrain.run._spans import Spans
 from p2ptrain.control import Phase
 from p2ptrain.protocol import ATTEST_TIMEOUT_S, Classes, ElectionMessage, Hold, receive_noting, term_candidate, View
-from p2ptrain.wire import TASKS_TOPIC, TaskAnnounce, TaskHead, VoteRequest
+from p2ptrain.wire import TASKS_TOPIC, TaskAnnounce, TaskHead
 
 logger = logging.getLogger(__name__)
 
@@ -63,11 +63,6 @@ class Leading:
             await run.node.publish(run.topic, out)
         self._note_coordinator(before, now)
         await self.intake.settle()  # a beat that carried a held plan's certificate: followed now
-
-    def _note_asking(self, outs: list[ElectionMessage], now: float) -> None:
-        """This member asks for votes: the peers in its state vote now (Participation.note_asked)."""
-        if any(isinstance(out, VoteRequest) for out in outs):
-            self.run.participation.note_asked(now, self.run.me)
 
     def _note_coordinator(self, before: str | None, now: float) -> None:
         """Log a change of coordinator; remember when this member was elected (plan grace) and who
@@ -140,7 +135,7 @@ class Leading:
             classes = self._classes()
             may_lead = run.synced and (classes is None or classes.may_lead)
             outs = election.tick(now, self.view(), roster, may_lead=may_lead)
-            self._note_asking(outs, now)
+            run.participation.note_sent(now, run.me, outs)
             run.save_ballots()
             for out in outs:
                 await run.node.publish(run.topic, out)

@@ -25,7 +25,7 @@ from p2ptrain.protocol import (
 )
 from p2ptrain.protocol._voters import designated, rank
 from p2ptrain.task import Task, load_task
-from p2ptrain.wire import RoundPlan, VoteRequest
+from p2ptrain.wire import RoundPlan
 
 from tests.protocol._books import over_links
 
@@ -95,8 +95,7 @@ class Member:
         return outs
 
     def _noted(self, now: float, before: str | None, outs: list[ElectionMessage]) -> None:
-        if any(isinstance(out, VoteRequest) for out in outs):
-            self.participation.note_asked(now, self.me)
+        self.participation.note_sent(now, self.me, outs)
         if self.election.is_coordinator and before != self.me:
             self.book.note_elected(now)
             self.led.append(self.election.term)

@@ -16,7 +16,6 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 
 from p2ptrain.protocol import Election, ElectionConfig, ElectionMessage, Participation, View, receive_noting, signing
 from p2ptrain.protocol._voters import designated
-from p2ptrain.wire import VoteRequest
 
 from tests.protocol._books import over_links
 
@@ -44,8 +43,7 @@ class Member:
     def tick(self, now: float) -> list[ElectionMessage]:
         live = self.ledger.counted(now, set(PEERS) - {self.me}) | {self.me}
         outs = self.election.tick(now, View(advertising=frozenset(live)))
-        if any(isinstance(out, VoteRequest) for out in outs):
-            self.ledger.note_asked(now, self.me)  # run/_leading.py, Leading._note_asking
+        self.ledger.note_sent(now, self.me, outs)  # as run/_leading.py's tick
         return outs
 
 
