@@ -218,18 +218,19 @@ class Resync:
         # Our chain's last checkpoint: the run ended without us, our own state at a confirmed step was
         # not the confirmed one (stale_step), or no head heard names a version past our chain.
         load: Callable[[], Awaitable[str | None]] = self.try_load_last_checkpoint
-        action = unsynced_action(book.chain.version, book.head_step, run.trainer.step, head)
         if run.end_of_run() == "load":
             return after_load(await load())
         if restarts_at_root(book.chain.version, head, pending=run.attestations.pending, was_synced=run.was_synced):
             load = self.try_load_root
-        elif run.stale_step is None and action is Unsynced.SYNCED:
-            run.set_synced()
-            return None
-        elif run.stale_step is None and action is Unsynced.WAIT:
-            return head_wanted(head, election.coordinator, election.term)
-        elif run.stale_step is None and action is Unsynced.LOAD_HEAD and head is not None:
-            load = functools.partial(self.try_load_head, head)
+        elif run.stale_step is None:
+            action = unsynced_action(book.chain.version, book.head_step, run.trainer.step, head)
+            if action is Unsynced.SYNCED:
+                run.set_synced()
+                return None
+            if action is Unsynced.WAIT:
+                return head_wanted(head, election.coordinator, election.term)
+            if action is Unsynced.LOAD_HEAD and head is not None:
+                load = functools.partial(self.try_load_head, head)
         if self.busy():
             return "the span of this member under way to end (nothing is loaded under it)"
         return after_load(await load())
