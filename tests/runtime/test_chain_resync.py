@@ -24,10 +24,9 @@ import trio
 
 from p2ptrain.run._resync_rules import (after_load, NOTE_AFTER_S, slow_step, SLOW_STEP_S, unsynced_action, Unsynced,
                                         WaitNotes)
-from p2ptrain.testing import local_peers
 from p2ptrain.wire import TaskHead
 
-from .test_resync_busy import _one_member, CHECKPOINT_INTERVAL, hold_round_at
+from .test_resync_busy import CHECKPOINT_INTERVAL, hold_round_at, held_member
 
 pytestmark = pytest.mark.usefixtures("quick_timers")  # tests/conftest.py: the protocol's idle waits shortened
 
@@ -77,11 +76,8 @@ async def test_a_member_out_of_step_at_v1_with_no_head_past_v0_loads_its_chain_a
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     gate = hold_round_at(monkeypatch, CHECKPOINT_INTERVAL + 1)  # in the second span, v1 confirmed
     with trio.fail_after(DEADLINE_S):
-        async with local_peers(1, tmp_path) as peers:
-            task = await _one_member(peers)
+        async with held_member(tmp_path, gate, STEP_S) as (peers, task):
             run = task.shared
-            with trio.fail_after(STEP_S):
-                await gate.held.wait()
             trainer, book = run.require()
             assert book.chain.version == 1 and book.head_step == CHECKPOINT_INTERVAL
             assert trainer.step == CHECKPOINT_INTERVAL + 1 and run.heads is not None

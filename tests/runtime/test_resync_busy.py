@@ -18,6 +18,8 @@ round at a chosen step is held (``Spans._run_round`` waits on the test), so a sp
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -64,11 +66,18 @@ def hold_round_at(monkeypatch: pytest.MonkeyPatch, step: int) -> Gate:
     return gate
 
 
-async def _one_member(peers: LocalPeers) -> TaskRun:
-    task_cid = await publish_digits_task(peers[0], total_steps=100_000, checkpoint_interval=CHECKPOINT_INTERVAL,
-                                         max_peers=1)
-    await peers.join_all(task_cid)
-    return peers[0].tasks.runs[task_cid]
+@asynccontextmanager
+async def held_member(tmp_path: Path, gate: Gate, within_s: float = STEP_S,
+                      ) -> AsyncIterator[tuple[LocalPeers, TaskRun]]:
+    """One member alone in a long digits run (its peer and its run), once its round at the gate's
+    step is held (within ``within_s``): its span is under way."""
+    async with local_peers(1, tmp_path) as peers:
+        task_cid = await publish_digits_task(peers[0], total_steps=100_000, checkpoint_interval=CHECKPOINT_INTERVAL,
+                                             max_peers=1)
+        await peers.join_all(task_cid)
+        with trio.fail_after(within_s):
+            await gate.held.wait()
+        yield peers, peers[0].tasks.runs[task_cid]
 
 
 async def test_a_member_that_falls_behind_during_its_span_loads_the_head_only_once_the_span_ended(
@@ -100,11 +109,8 @@ async def test_a_member_that_falls_behind_during_its_span_loads_the_head_only_on
     monkeypatch.setattr(Resync, "ask_and_try_offers", looking)
     monkeypatch.setattr(Leading, "_publish_head", publishing)
     with trio.fail_after(DEADLINE_S):
-        async with local_peers(1, tmp_path) as peers:
-            task = await _one_member(peers)
+        async with held_member(tmp_path, gate) as (peers, task):
             run = task.shared
-            with trio.fail_after(STEP_S):
-                await gate.held.wait()
             assert run.synced and task.spans.running and task.spans.in_rounds
             version = run.book.chain.version
             assert version >= 1 and not run.attestations.pending
@@ -130,11 +136,8 @@ async def test_a_load_that_starts_under_a_span_stops_its_rounds_and_waits_for_it
     swaps: list[tuple[bool, bool]] = []  # (spans.running, spans.in_rounds) as the trainer's state is replaced
 
     with trio.fail_after(DEADLINE_S):
-        async with local_peers(1, tmp_path) as peers:
-            task = await _one_member(peers)
+        async with held_member(tmp_path, gate) as (peers, task):
             run = task.shared
-            with trio.fail_after(STEP_S):
-                await gate.held.wait()
             trainer = run.trainer
             assert trainer is not None
             load_state = trainer.load_state
