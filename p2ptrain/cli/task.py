@@ -224,11 +224,12 @@ def cmd_example(args: argparse.Namespace) -> int:
     if args.output is None:
         sys.stdout.write(text)
         return 0
+    if args.output.exists():  # never over a task file someone edited
+        raise UserError(f"{args.output} exists: nothing written")
+    from p2ptrain.base import write_atomic
+
     try:
-        with open(args.output, "x", encoding="utf-8") as out:  # never over a task file someone edited
-            out.write(text)
-    except FileExistsError:
-        raise UserError(f"{args.output} exists: nothing written") from None
+        write_atomic(args.output, text.encode())  # whole or not at all, as every file p2ptrain writes
     except OSError as exc:
         raise UserError(f"cannot write {args.output}: {exc.strerror}") from None
     print(f"wrote {args.output} (example {args.name}): put its dataset's manifest CID in, then "
