@@ -176,17 +176,14 @@ async def _hostile_answers(peers: LocalPeers, task_cid: str, forgery: str, sent:
     tried (and refused) the forged answer, so that it is the one tried first."""
     hostile, honest = peers[1].tasks.head_answers, peers[0].tasks.head_answers
     store, follower = peers[1].content.store, peers[2].tasks.runs[task_cid].shared
-    initial = await peers.wait_until(lambda: follower.initial_cid or None, 30, what="the run's initial model")
-    # A chain that extends the follower's v0 (valid under the task's open rules), built off the loop.
-    far = await trio.to_thread.run_sync(lambda: _sybil_chain(task_cid, initial, store, FAR_AHEAD_RECORDS))
-    forged = {"far": store.add_bytes(far)}
+    forged: dict[str, str] = {}  # the forged chains' CIDs, "far" once built
 
     def done(index: int) -> bool:
         return peers.status(index, task_cid).get("state") == "done"
 
     def answer(request: HeadRequest, nursery: trio.Nursery) -> None:
-        if request.task_cid != task_cid or not done(1):
-            return
+        if request.task_cid != task_cid or not done(1) or "far" not in forged:
+            return  # (not built yet: the follower asks again, at doubling intervals)
         book = follower.require()[1]
         n = book.chain.version + sum(1 for end in book.span_plans if end > book.head_step)
         if "near" not in forged:
@@ -219,6 +216,12 @@ async def _hostile_answers(peers: LocalPeers, task_cid: str, forgery: str, sent:
         refuse(kind, why)
 
     follower.refuse = noted  # type: ignore[method-assign]
+    # Built once every answer is in place: the run goes on meanwhile, and an honest answer sent before
+    # (the handlers installed after this build) let the follower resync without trying the forgery.
+    initial = await peers.wait_until(lambda: follower.initial_cid or None, 30, what="the run's initial model")
+    # A chain that extends the follower's v0 (valid under the task's open rules), built off the loop.
+    far = await trio.to_thread.run_sync(lambda: _sybil_chain(task_cid, initial, store, FAR_AHEAD_RECORDS))
+    forged["far"] = store.add_bytes(far)
 
 
 # What the follower says when it refuses each forged chain (its `resync_failed` reason): one of these.
