@@ -63,7 +63,8 @@ def tree_cpu(root: int) -> float:
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
     before, started = tree_cpu(os.getpid()), time.time()
     yield
-    line = {"id": item.nodeid, "cpu": round(tree_cpu(os.getpid()) - before, 2), "wall": round(time.time() - started, 2)}
+    line = {"id": item.nodeid, "cpu": round(tree_cpu(os.getpid()) - before, 2), "wall": round(time.time() - started, 2),
+            "start": round(started, 2)}
     OUT.mkdir(parents=True, exist_ok=True)
     with open(OUT / f"{os.getpid()}.jsonl", "a") as f:
         f.write(json.dumps(line) + "\n")
