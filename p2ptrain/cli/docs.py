@@ -9,7 +9,6 @@ wheel and sdist hold the files themselves (tests/test_wheel.py checks both).
 from __future__ import annotations
 
 import argparse
-import pydoc
 import sys
 from pathlib import Path
 
@@ -63,6 +62,8 @@ def cmd_docs(args: argparse.Namespace) -> int:
     else:
         text = (DOCS / f"{args.topic}.md").read_text(encoding="utf-8")
         if sys.stdout.isatty():
+            import pydoc  # here, not at the top: every command builds this parser, few page (~6 ms)
+
             pydoc.pager(text)
         else:
             sys.stdout.write(text)
