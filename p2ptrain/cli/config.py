@@ -53,7 +53,7 @@ def add_setting_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--metrics", metavar="[HOST:]PORT", default=None,
         help="serve Prometheus metrics over HTTP at this address, e.g. 127.0.0.1:9464 (a bare PORT "
-        "listens on 127.0.0.1; default: $P2PTRAIN_METRICS, else no metrics). Names: docs/operating.md",
+        "listens on 127.0.0.1; default: $P2PTRAIN_METRICS, else no metrics). Names: `p2ptrain docs operating`",
     )
     parser.add_argument(
         "--log-format", choices=("text", "json"), default=None,

@@ -39,6 +39,7 @@ GROUPS: list[str] = [
     "model",
     "demo",
     "config",
+    "docs",
 ]
 
 

@@ -2,7 +2,7 @@
 
 The model is fetched as ``model fetch`` does (the home's store, its running node, or a temporary node
 with ``--bootstrap``; every byte verified against the CID) and built from the registry. Requests are
-batched dynamically; see docs/serving.md.
+batched dynamically; see `p2ptrain docs serving`.
 """
 
 from __future__ import annotations

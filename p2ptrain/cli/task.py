@@ -32,7 +32,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "store it by CID, sign and announce it on the tasks topic, and print the task CID. Peers that "
         "accept tasks and meet its requirements join it.",
     )
-    publish.add_argument("task_file", type=Path, metavar="TASK.toml", help="the task file (TOML; docs/training.md)")
+    publish.add_argument("task_file", type=Path, metavar="TASK.toml", help="the task file (TOML; `p2ptrain docs training`)")
     publish.add_argument("--home", type=Path, default=None, help=RUNNING_NODE_HOME_HELP)
     publish.add_argument("--join", action="store_true", help="this node joins the task too")
     publish.add_argument("--json", action="store_true", help="print one JSON object (task_cid, name, joined)")
@@ -295,7 +295,7 @@ def render_status(s: TaskStatus) -> str:
     for e in s.arithmetic_left_out:
         own = e["arithmetic"] or "an arithmetic it does not advertise"
         lines.append(f"left out   {short_id(e['peer'])}: computes with {own}, the run with {s.arithmetic_run}; "
-                     "other bits (docs/deploy.md)")
+                     "other bits (`p2ptrain docs deploy`)")
     for e in s.arithmetic_barred:
         lapses = f"{e['lapses']} lapse{'' if e['lapses'] == 1 else 's'}"
         lines.append(f"barred     {e['class']}: its candidates failed to lead this fresh run ({lapses}); "

@@ -111,7 +111,7 @@ class NodeConfig:
         f"from 1 to {MAX_SILENCE_HEARTBEATS})")
     relay_service: bool = setting(
         False, flag="--relay-service", check=_boolean,
-        help="relay connections for peers behind NAT (within per-reservation limits; see docs/nat.md); "
+        help="relay connections for peers behind NAT (within per-reservation limits; see `p2ptrain docs nat`); "
         "useful on a node others can dial")
     # What a relay allows each reservation (used with relay_service; p2ptrain.net._relay says why these bounds).
     relay_max_reservations: int = setting(

@@ -278,7 +278,7 @@ class Attesting:
                    f"model record v{tally.record.version} rejected: its span's {len(tally.members)} members computed "
                    f"{len(groups)} different models, none by a quorum: "
                    + "; ".join(f"{cid}: {', '.join(map(who, peers))}" for cid, peers in groups.items() if peers)
-                   + " (members must compute the same bits: docs/deploy.md, \"Which machines compute the same bits\")")
+                   + " (members must compute the same bits: `p2ptrain docs deploy`, \"Which machines compute the same bits\")")
 
     def _confirm(self, tally: Tally) -> None:
         run = self.run
@@ -352,7 +352,7 @@ class Attesting:
                    f"this member's state at step {record.step} ({own[0]}) is not the confirmed model "
                    f"v{record.version} ({record.model_cid}): its steps round differently from the quorum's "
                    f"(this member: {run.arithmetic(run.me)}; its coordinator {short_id(record.coordinator)}: "
-                   f"{run.arithmetic(record.coordinator) or 'not advertised'}; docs/deploy.md, \"Which "
+                   f"{run.arithmetic(record.coordinator) or 'not advertised'}; `p2ptrain docs deploy`, \"Which "
                    f"machines compute the same bits\"); loading the confirmed state")
         if run.synced:
             run.desync(trio.current_time())

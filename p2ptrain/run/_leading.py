@@ -193,7 +193,7 @@ class Leading:
             run.rejected["class_claim_lapsed"] += 1
             logger.warning("%s: %s held this fresh run's class for %d more terms whose candidate was of it, and none "
                            "of its peers planned: it yields its claim, and its peers count neither as voters nor in the "
-                           "census until a plan is taken or the next class failed as often (docs/security.md, "
+                           "census until a plan is taken or the next class failed as often (`p2ptrain docs security`, "
                            "\"Early voting Sybils\")", run.log_prefix, lapsed, run.claims.lapse_terms)
 
     def _arithmetics(self, live: set[str]) -> dict[str, str | None]:
@@ -214,7 +214,7 @@ class Leading:
             return
         run.note_left_out(run.me, f"this member is left out of the run's plans: it computes with "
                           f"{run.arithmetic(run.me)}, the run's members with {classes.run}, other bits "
-                          f"(docs/deploy.md, \"Which machines compute the same bits\"); it waits as a non-member")
+                          f"(`p2ptrain docs deploy`, \"Which machines compute the same bits\"); it waits as a non-member")
 
     def _peers_short(self, classes: Classes | None) -> int:
         """How many more peers the run needs now: for a quorum of the roster (no coordinator can be
@@ -279,7 +279,7 @@ class Leading:
                 run.note_left_out(peer, f"plans leave {short_id(peer)} out: it advertises "
                                   f"{arithmetic or 'no arithmetic (an older version, or its torch probe has not run yet)'}, "
                                   f"the run computes with {classes.run if classes else None} "
-                                  f"(docs/deploy.md, \"Which machines compute the same bits\")")
+                                  f"(`p2ptrain docs deploy`, \"Which machines compute the same bits\")")
         logger.info("%s: plan rounds %d-%d (attempt %d) from step %d with %d members", run.log_prefix,
                     plan.round, plan.round + plan.rounds - 1, plan.attempt, plan.step, len(plan.members))
         await run.broadcast(plan)

@@ -286,7 +286,7 @@ class TaskRun:
                     "" if heads is None or fresh else f"; the run is under way (model v{heads.version}): resyncing")
         if run.task.pipeline is not None:
             logger.warning("%s: a pipelined task: its records do not yet prove what a data-parallel record proves "
-                           "against a hostile member (docs/security.md, 'Pipelined tasks'); run it among members "
+                           "against a hostile member (`p2ptrain docs security`, 'Pipelined tasks'); run it among members "
                            "you trust, e.g. with [peers] admission = \"allowlist\"", run.log_prefix)
         if fresh:  # step 0 from the task's seed (or initial model): every member holds it
             run.set_synced()

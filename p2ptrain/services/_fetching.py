@@ -269,7 +269,7 @@ async def find_latest(peer: Fetcher, task_cid: str) -> tuple[TaskHead, Chain]:
                         + (f" (heads refused: {refused})" if refused else "")) from None
     if finder.refused["fork"]:
         print(f"warning: peers hold verified chains of task {task_cid} that fork; took the longest "
-              f"(v{found[1].version}). See docs/security.md (open admission).", file=sys.stderr)
+              f"(v{found[1].version}). See `p2ptrain docs security` (open admission).", file=sys.stderr)
     return found
 
 

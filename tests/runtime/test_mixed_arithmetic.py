@@ -106,7 +106,7 @@ def test_a_scalar_member_among_three_vectorized_ones_is_left_out_once_and_says_w
     assert all("DEFAULT" not in s["arithmetic_run"] for s in final), [s["arithmetic_run"] for s in final]
     assert "own_state_differs" not in scalar["rejected"] and scalar["rejected"]["arithmetic_left_out"] == 1, scalar
     [line] = _left_out_lines(log)  # once, not at every plan
-    assert "with DEFAULT kernels, the run's members with torch" in line and "docs/deploy.md" in line, line
+    assert "with DEFAULT kernels, the run's members with torch" in line and "`p2ptrain docs deploy`" in line, line
 
 
 @pytest.mark.timeout(300)
@@ -199,4 +199,4 @@ async def test_members_split_between_two_unannounced_arithmetics_are_told_why_no
                 what="every member counts a split record")
     assert all(s["version"] == 0 for s in statuses), [s["version"] for s in statuses]  # nothing confirmed
     lines = [r.getMessage() for r in caplog.records if "computed 2 different models" in r.getMessage()]
-    assert lines and all("docs/deploy.md" in line and line.count(" (") >= 4 for line in lines), lines
+    assert lines and all("`p2ptrain docs deploy`" in line and line.count(" (") >= 4 for line in lines), lines
