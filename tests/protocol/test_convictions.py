@@ -77,7 +77,7 @@ def test_a_run_of_exactly_peers_min_waits_out_a_replica_convicted_again_rather_t
     _convict(book, election, retry, staller, 30.0)  # back, stalled again: out for 20 s
     assert _decide(book, election, 41.0, live) is Hold.WAIT  # on main: the retry with the staller again
     assert book.quarantined(41.0) == {staller}
-    joined = others[3]  # a peer joins meanwhile: the run goes on without the staller
+    joined = others[3]  # a peer joins meanwhile (at the head, step 0, where joiners come in): it goes on without the staller
     without = _decide(book, election, 41.0, live | {joined})
     assert isinstance(without, RoundPlan) and set(without.members) == live - {staller} | {joined}
     back = _decide(book, election, 50.5, live)  # its time out over and nobody else: it is planned again
