@@ -281,7 +281,8 @@ def render_status(s: TaskStatus) -> str:
                                                      if "microseconds" in e else "") for e in s.stages))
         for e in s.stage_suspects or ():
             lines.append(f"suspect    {short_id(e['peer'])}, stage {e['stage']}: sent altered activations or gradients "
-                         f"({e['times']} time{'s' if e['times'] != 1 else ''}, last at step {e['step']}); left out of plans")
+                         f"({e['times']} time{'s' if e['times'] != 1 else ''}, last at step {e['step']}); left out of plans"
+                         + (f" for {e['out_s']:.0f} s more" if e.get("out_s") else ""))
         for e in s.stage_disagreements or ():
             a, b = e["peers"]
             lines.append(f"disagree   stage {e['stage']}: {short_id(a)} and {short_id(b)}, {e['times']} "

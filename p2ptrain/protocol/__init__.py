@@ -53,6 +53,7 @@ if TYPE_CHECKING:
     from p2ptrain.protocol._held_plans import HeldPlans as HeldPlans
     from p2ptrain.protocol._participation import Participation as Participation, receive_noting as receive_noting
     from p2ptrain.protocol._planner import Hold as Hold
+    from p2ptrain.protocol._quarantine import Convictions as Convictions
     from p2ptrain.protocol._plans import (
         buffers_round_id as buffers_round_id,
         inner_round_id as inner_round_id,

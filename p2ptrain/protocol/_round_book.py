@@ -50,14 +50,13 @@ from p2ptrain.protocol._step_aborts import says_absent
 from p2ptrain.protocol._planner import Hold
 from p2ptrain.protocol._plans import follows_on, is_checkpoint, plan_order, rule_problem
 from p2ptrain.protocol._lineage import Chain
-from p2ptrain.protocol._quarantine import exclude, until_later
+from p2ptrain.protocol._quarantine import Convictions, exclude, until_later
 from p2ptrain.protocol._records import certificate, sign_record
 from p2ptrain.protocol._stage_costs import StageTimes
 from p2ptrain.task import Task
 from p2ptrain.wire import ModelRecord, RoundFailed, RoundPlan, SignedModelRecord, SignedVote
 
-# After a failed round, the coordinator waits this long before it plans the retry, so the other
-# members have left the failed round (unless all of them reported that they have).
+# After a failed round, the coordinator waits this long before it plans the retry, so the other members have left it.
 RETRY_BACKOFF_S = 1.5
 # Spans whose plans a member keeps for their records: the span under way, the one whose checkpoint
 # may be unsettled (overlap mode), and two more for records that come late.
@@ -91,6 +90,7 @@ class RoundBook:
     # Peers a round found unreachable (a broken channel, a refused dial) -> until when: the election
     # counts them as dead at once, not when the mesh stops hearing them (5 s) or beats stop (3 s).
     gone_peers: dict[str, float] = field(default_factory=dict)
+    convictions: Convictions = field(default_factory=Convictions)  # replicas convicted: out longer each time
     retry_after: float = 0.0  # a retry is not planned before then (RETRY_BACKOFF_S after a failure)
     elected_at: float | None = None  # when this member last became coordinator
     # A member of the current plan reported that it cannot take part: retry without it now.
@@ -201,7 +201,7 @@ class RoundBook:
         """The book of a member that loaded ``chain``'s head: plans and failures start afresh from
         it; the roster seen on the topic, the spans' plans and the plan gating's timers carry over."""
         return RoundBook(
-            self.task, self.task_cid, chain, self.total_steps, observed=self.observed,
+            self.task, self.task_cid, chain, self.total_steps, observed=self.observed, convictions=self.convictions,
             failed_peers=self.failed_peers, gone_peers=self.gone_peers, retry_after=self.retry_after,
             elected_at=self.elected_at, culprit_reported=self.culprit_reported, cancelled=self.cancelled,
             span_plans=self.span_plans, refused_spans=self.refused_spans, accepted=self.accepted,
@@ -280,8 +280,8 @@ class RoundBook:
         return until_later(self.gone_peers, now)
 
     def quarantined(self, now: float) -> frozenset[str]:
-        """Peers left out of plans at ``now``."""
-        return until_later(self.failed_peers, now)
+        """Peers left out of plans at ``now`` (named in a failed round, or convicted as replicas)."""
+        return until_later(self.failed_peers, now) | frozenset(self.convictions.out(now))
 
     def decide(
         self, now: float, election: Election, my_step: int, advertising: Collection[str], *,

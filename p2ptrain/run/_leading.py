@@ -149,7 +149,8 @@ class Leading:
             if election.is_coordinator and not self.spans.running:
                 self._abandon_inherited()
             self._note_own_exclusion(classes)
-            run.note_waiting(self._peers_short(classes), now)
+            run.note_waiting(self._peers_short(classes, now), now,
+                             run.book.convictions.out(now) if run.book is not None else {})
             await self.attesting.expire(now)
             if election.is_coordinator and run.synced and run.book is not None:
                 await self._maybe_plan(now, classes)
@@ -216,16 +217,18 @@ class Leading:
                           f"{run.arithmetic(run.me)}, the run's members with {classes.run}, other bits "
                           f"(`p2ptrain docs deploy`, \"Which machines compute the same bits\"); it waits as a non-member")
 
-    def _peers_short(self, classes: Classes | None) -> int:
+    def _peers_short(self, classes: Classes | None, now: float) -> int:
         """How many more peers the run needs now: for a quorum of the roster (no coordinator can be
         elected without it), or, between spans, for ``peers.min`` advertising members of the run's
-        class (no span is planned with fewer). 0 while a span runs, or while this member is not at
-        the run's state."""
+        class (no span is planned with fewer) that no round or conviction left out for now (the
+        book's quarantine: a run of exactly ``peers.min`` waits it out). 0 while a span runs, or
+        while this member is not at the run's state."""
         run = self.run
         if not run.synced or self.spans.running or run.cancel_reason is not None:
             return 0
-        live = len(classes.planned) if classes is not None and run.me in classes.planned else len(run.advertising())
-        return max(run.election.short_of_quorum, run.task.peers.min - live)
+        live = classes.planned if classes is not None and run.me in classes.planned else run.advertising()
+        out = run.book.quarantined(now) if run.book is not None else frozenset()
+        return max(run.election.short_of_quorum, run.task.peers.min - len(set(live) - out))
 
     def cancel_settled(self, now: float) -> bool:
         """Whether a cancelled run may stop now: at a span boundary (no span of ours running), once

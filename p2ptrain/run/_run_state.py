@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -264,12 +264,16 @@ class RunState:
                         book.head_step, how)
             self.desync(trio.current_time())
 
-    def note_waiting(self, short: int, now: float) -> None:
-        """Record (and log, once per wait) that the run needs ``short`` more peers (0: it does not)."""
+    def note_waiting(self, short: int, now: float, convicted: Mapping[str, float] | None = None) -> None:
+        """Record (and log, once per wait) that the run needs ``short`` more peers (0: it does not);
+        ``convicted``: the replicas left out of plans for now by a conviction, with until when (the
+        reason a run of exactly ``peers.min`` members waits: protocol/_quarantine.py)."""
         if short and self.waiting_since is None:
             self.waiting_since = now
-            logger.info("%s: waiting for %d more peer(s) (peers.min %d); not electing or planning until then",
-                        self.log_prefix, short, self.task.peers.min)
+            out = "".join(f"; replica {short_id(p)} convicted, left out for {until - now:.0f} s more"
+                          for p, until in sorted((convicted or {}).items()))
+            logger.info("%s: waiting for %d more peer(s) (peers.min %d%s); not electing or planning until then",
+                        self.log_prefix, short, self.task.peers.min, out)
         elif not short and self.waiting_since is not None:
             logger.info("%s: enough peers again after waiting %.0f s", self.log_prefix, now - self.waiting_since)
             self.waiting_since = None

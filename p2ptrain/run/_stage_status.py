@@ -1,9 +1,12 @@
-"""``stage`` and ``stages`` of a pipelined task's ``task status`` (docs/training.md, "Pipelined
-tasks"): this member's stage and each stage's replicas, parameters and measured time."""
+"""``stage``, ``stages`` and ``stage_suspects`` of a pipelined task's ``task status`` (docs/training.md,
+"Pipelined tasks"): this member's stage, each stage's replicas, parameters and measured time, and the
+replicas convicted."""
 
 from __future__ import annotations
 
 from typing import Any
+
+import trio
 
 from p2ptrain.protocol import plan_cut, stage_rings
 from p2ptrain.run._run_state import RunState
@@ -26,3 +29,12 @@ def stage_status(run: RunState) -> tuple[int | None, tuple[dict[str, Any], ...] 
     sizes = stage_parameters(run.task, plan_cut(run.task, plan)) if recut else [s.parameter_count() for s in trainer.stages]
     return stage, tuple({"stage": i, "replicas": list(ring), "parameters": sizes[i],
                          **({"microseconds": times[i]} if times else {})} for i, ring in enumerate(stage_rings(plan)))
+
+
+def stage_suspects(run: RunState) -> tuple[dict[str, Any], ...]:
+    """``stage_suspects``: each replica convicted in this run (``{"peer", "stage", "times", "step"}``,
+    run/_step_summary.py) and ``out_s``, the seconds it is still left out of plans (0: back; the book's
+    :class:`~p2ptrain.protocol.Convictions`), so a run of exactly ``peers.min`` members says whom it waits out."""
+    now = trio.current_time()
+    out = run.book.convictions.out(now) if run.book is not None else {}
+    return tuple({**e, "out_s": round(max(0.0, out.get(e["peer"], now) - now), 1)} for e in run.stage_suspects.values())

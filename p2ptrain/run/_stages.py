@@ -348,7 +348,8 @@ class StageRounds:
             for peer in summary.convicted:  # judged: back after its quarantine, only a new lie accuses it
                 self._accused.pop(peer, None)
                 self._stalled.pop(peer, None)
-            raise convicted_failure(plan, step, summary.convicted, run.stage_suspects, run.log_prefix)
+            raise convicted_failure(plan, step, summary.convicted, run.stage_suspects, run.log_prefix,
+                                    convictions=run.require()[1].convictions, now=trio.current_time(), me=run.me)
         culprit = self._lone_failures.observe(stage_rings(plan)[0], summary.failed)
         if culprit is not None:
             logger.warning("%s: step %d failed at driver %s alone, %d times in %d summaries; left out of the next plans",

@@ -32,7 +32,7 @@ from libp2p.peer.id import ID
 
 from p2ptrain.base import short_id
 from p2ptrain.collective import Collective, Misbehaved
-from p2ptrain.protocol import convicted, inner_round_id, median_micros, round_id, stage_rings
+from p2ptrain.protocol import Convictions, convicted, inner_round_id, median_micros, round_id, stage_rings
 from p2ptrain.wire import (MAX_ACCUSED, MAX_SUMMARY_ENTRY_BYTES, MAX_TIMED_ENTRY_BYTES, read_summary_entry, RoundPlan,
                            summary_entry_bytes)
 
@@ -102,19 +102,25 @@ async def gather_summary(
 
 def convicted_failure(
     plan: RoundPlan, step: int, convicted: tuple[str, ...], suspects: dict[str, dict[str, Any]], log_prefix: str,
+    *, convictions: Convictions, now: float, me: str,
 ) -> Misbehaved:
     """The failure of ``step``, whose summary convicted the replicas ``convicted`` (base58, of
-    ``plan``): :class:`Misbehaved` naming the first (a retry without it convicts the next), so that
+    ``plan``): :class:`Misbehaved` naming the first (those convicted with it are left out all the same), so that
     the run's usual round failure leaves it out of the next plans; each one counted in ``suspects``
-    (``task status``'s ``stage_suspects``) and logged, naming its stage and the step."""
+    (``task status``'s ``stage_suspects``), left out by ``convictions`` (the book's of member ``me``,
+    at ``now``: longer each time it is convicted again, even where that leaves the run short of
+    ``peers.min``; never ``me`` itself, as no round's culprit is) and logged, naming its stage, the
+    step and for how long it is out."""
     assert plan.stages is not None
     for peer in convicted:
         stage = plan.stages[plan.members.index(peer)]
         seen = suspects.setdefault(peer, {"peer": peer, "stage": stage, "times": 0, "step": step})
         seen.update(stage=stage, step=step, times=seen["times"] + 1)
+        out = "this member" if peer == me else \
+            f"left out of plans for {convictions.convict(peer, now):.0f} s, even if the run must wait for a peer meanwhile"
         logger.warning("%s: step %d: stage %d replica %s accused by a majority of the drivers (altered activations or "
-                       "gradients a third opinion outvoted, or steps it stalled); left out of the next plans", log_prefix,
-                       step, stage, short_id(peer))
+                       "gradients a third opinion outvoted, or steps it stalled; %d time(s) in this run); %s",
+                       log_prefix, step, stage, short_id(peer), seen["times"], out)
     first = convicted[0]
     return Misbehaved(ID.from_base58(first), f"altered its answers or stalled the steps as a replica of stage "
                                              f"{plan.stages[plan.members.index(first)]} in step {step}")

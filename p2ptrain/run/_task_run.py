@@ -48,7 +48,7 @@ from p2ptrain.run._run_state import Nudge, RunState
 from p2ptrain.run._spans import Spans
 from p2ptrain.run._stage_checkpoints import initial_manifest
 from p2ptrain.run._stage_local_sgd import LocalSGDStagedTrainer, staged_trainer
-from p2ptrain.run._stage_status import stage_status
+from p2ptrain.run._stage_status import stage_status, stage_suspects
 from p2ptrain.run._stage_trainer import StagedTrainer
 from p2ptrain.control import FINISHED, ChainEntry, Phase, TaskStatus
 from p2ptrain.protocol import Chain, ChainRules, load_model_bytes, RecordError, refuse_report, RoundBook
@@ -171,7 +171,7 @@ class TaskRun:
             is_coordinator=run.election.coordinator == run.me,
             stage=stage,
             stages=stages,
-            stage_suspects=tuple(dict(e) for e in run.stage_suspects.values()) if run.task.pipeline else None,
+            stage_suspects=stage_suspects(run) if run.task.pipeline else None,
             stage_disagreements=tuple({"stage": s, "peers": [a, b], "times": n}
                                       for (s, a, b), n in sorted(run.stage_disagreements.items()))
             if run.task.pipeline else None,

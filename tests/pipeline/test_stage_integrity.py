@@ -22,7 +22,7 @@ from p2ptrain.cli.task import render_status
 from p2ptrain.collective import Collective, Misbehaved
 from p2ptrain.control import TaskStatus
 from p2ptrain.pipeline import Driver, is_checked, Outvoted, StageReplica, Wiring
-from p2ptrain.protocol import check_key_message, convicted, Hold
+from p2ptrain.protocol import check_key_message, convicted, Convictions, Hold
 from p2ptrain.run._step_summary import convicted_failure
 from p2ptrain.run._step_summary import gather_summary
 from p2ptrain.task import load_task
@@ -123,7 +123,9 @@ async def test_a_replica_altering_its_outputs_is_outvoted_named_and_left_out_of_
 
     # The step fails naming it (the same path as a member a robust round proves wrong), task status names it.
     suspects: dict = {}
-    failure = convicted_failure(plan, 3, got[0].convicted, suspects, "test")
+    convictions = Convictions()
+    failure = convicted_failure(plan, 3, got[0].convicted, suspects, "test", convictions=convictions, now=1.0, me=members[0])
+    assert convictions.out(1.0) == {str(liar): 11.0}  # the first time, the usual quarantine (protocol/_quarantine.py)
     assert isinstance(failure, Misbehaved) and failure.peer_id == liar and "stage 1" in failure.reason
     assert list(suspects) == [str(liar)] and suspects[str(liar)] == {"peer": str(liar), "stage": 1, "times": 1, "step": 3}
     status = TaskStatus(task_cid=CID, name="t", state="training", member=True, stage_suspects=tuple(suspects.values()))
@@ -131,6 +133,9 @@ async def test_a_replica_altering_its_outputs_is_outvoted_named_and_left_out_of_
     text = render_status(status)
     assert (f"suspect    {short_id(str(liar))}, stage 1: sent altered activations or gradients (1 time, last at "
             "step 3)") in text, text
+    out = TaskStatus(task_cid=CID, name="t", state="training", member=True,
+                     stage_suspects=({**suspects[str(liar)], "out_s": 9.6},))  # still left out (run/_stage_status.py)
+    assert "step 3); left out of plans for 10 s more" in render_status(TaskStatus.from_json(out.to_json()))
 
     # Every member's book takes the failure as run/_spans.py does: the coordinator's next plan leaves it out.
     election, book = _coordinator(PIPELINED)

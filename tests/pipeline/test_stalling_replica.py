@@ -7,11 +7,17 @@ hops at once, so its hop deadline stays the floor (``HOP_TIMEOUT_S``, 5 s), and 
 later: never timed out, asked by every driver at every step's end. On main it slowed every step by
 4.5 s for the whole run and was never left out (bench/stage_staller.py: x0.013 of the steps/s on
 loopback); nothing here could fail on it, so this test timed out waiting for its conviction.
+
+With exactly ``peers.min`` members nobody can take the convicted replica's place: the run waits it
+out, says so (``waiting_for_peers``, the suspect's ``out_s``), and a replica convicted again is left
+out twice as long (protocol.Convictions). On main the wait said nothing (``waiting_for_peers`` 0)
+and each conviction was 10 s: the run took the staller back and failed a step every ~25 s for good.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -20,6 +26,7 @@ import trio
 import p2ptrain.run._stages as stages_module
 from p2ptrain.net import Channel
 from p2ptrain.pipeline import StageReplica
+from p2ptrain.protocol._quarantine import FAILED_PEER_QUARANTINE_S
 from p2ptrain.run import HOP_TIMEOUT_S
 from p2ptrain.testing import local_peers
 from p2ptrain.wire.activations import decode_frame, Kind
@@ -91,3 +98,33 @@ async def test_a_replica_stalling_every_step_under_the_deadline_is_convicted_and
 
             members = await peers.wait_until(plan_without_staller, STEP_S, what="a plan without the staller")
             assert staller not in members and len(members) == 5
+
+
+@pytest.mark.timeout(300)  # the suite's bound, declared (as above)
+async def test_a_run_of_exactly_peers_min_waits_out_a_convicted_staller_longer_each_time(tmp_path: Path) -> None:
+    with trio.fail_after(DEADLINE_S):
+        async with local_peers(6, tmp_path) as peers:
+            # peers.max = the six members: the first plan does not wait for joiners (docs/testing.md).
+            _, task_cid = await publish(peers, TASK.replace("min = 4\nmax = 6", "min = 6\nmax = 6"), shards=3)
+            run = (await peers.join_all(task_cid))[0]
+
+            planned = await peers.wait_until(lambda: planned_six(run), STEP_S, what="a plan of six, three replicas of stage 1")
+            staller = planned[1][0]
+            STALLERS.add(staller)
+            honest = [i for i, p in enumerate(peers) if p.node.peer_id.to_base58() != staller]
+
+            def waiting_out(times: int) -> Callable[[], list[dict[str, Any]] | None]:
+                def now() -> list[dict[str, Any]] | None:
+                    statuses = [peers.status(i, task_cid) for i in honest]
+                    return statuses if all(s["waiting_for_peers"] == 1 and [(e["peer"], e["times"], e.get("out_s", 0) > 0)
+                                           for e in s["stage_suspects"]] == [(staller, times, True)]
+                                           for s in statuses) else None
+                return now
+
+            await peers.wait_until(waiting_out(1), STEP_S, what="every honest member waiting the convicted staller out "
+                                                                 "(on main: waiting for no peer, no out_s)")
+            second = await peers.wait_until(waiting_out(2), STEP_S, what="the staller convicted again after its return, "
+                                                                          "every honest member waiting it out")
+            # Out twice as long the second time (20 s; each status read within the first 10 s of it).
+            assert all(FAILED_PEER_QUARANTINE_S < s["stage_suspects"][0]["out_s"] <= 2 * FAILED_PEER_QUARANTINE_S
+                       for s in second), second
