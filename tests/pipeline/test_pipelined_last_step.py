@@ -1,5 +1,6 @@
-"""A pipelined span's last step lost at one member (tests/runtime/test_last_round_failure.py is
-the data-parallel runs'): three full peers in this process, two stages, short runs.
+"""A pipelined span's last step, lost at one member or said lost by one (protocol/_failure_reports.py;
+tests/runtime/test_last_round_failure.py and test_false_reports.py are the data-parallel runs'):
+three full peers in this process, two stages, short runs.
 
 A *split completion* at a span's last step: the victim sums its stage's gradients with the stage's
 other replica (its bytes went out: the other completes the sum and steps) and then fails there
@@ -11,12 +12,19 @@ checkpoint counts as rejected when the gather's start timeout ends, the coordina
 redoes the round with every member (those that stepped roll back one step), and the run ends with
 one chain and each stage's replicas holding the bits its manifest names.
 
+A *false report*: a member completes the first span's last step, sends its stage statement, and
+reports that step failed. The coordinator holds the retry for the record, a quorum confirms it,
+and the report is dropped, counted, and its sender left out of the next plan whether it attested
+or not (``held_after``: the manifest proves it completed the step); the run ends with one chain,
+no step redone.
+
 Each run is checked the same way (``_run``): one chain, each stage's replicas holding the bits its
 manifest names, and the confirmed model the one one process trains with the drivers' batches.
 """
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +35,8 @@ import trio
 from p2ptrain.collective import CollectiveError
 from p2ptrain.protocol import stage_rings
 from p2ptrain.run import RunState
+from p2ptrain.run._attesting import Attesting
+from p2ptrain.run._spans import Spans
 from p2ptrain.run._stages import StageRounds
 from p2ptrain.testing import local_peers
 from p2ptrain.training import read_manifest
@@ -115,3 +125,44 @@ async def test_a_pipelined_member_whose_last_step_failed_after_the_others_is_red
     victim = next(i for i, r in enumerate(runs) if r.me == failed[0][0])
     assert rounds[victim] == STEPS and sorted(rounds) == [STEPS, STEPS + 1, STEPS + 1], rounds
     assert all(not s["rejected"].get("failure_report") for s in statuses), statuses  # an honest report: not counted
+
+
+@pytest.mark.timeout(300)
+async def test_a_false_report_of_a_pipelined_spans_last_step_is_dropped_with_its_record_and_the_run_ends(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The liar sends no attestation of that record (a quorum confirms it without): fails on main,
+    where such a reporter was taken for a member whose last round failed, its report dropped
+    uncounted and itself kept in the next plan (so was one whose attestation came too late for
+    the quorum: 1 run in 2 on main without the withholding)."""
+    lies: list[tuple[str, int, int]] = []  # (liar, the round it said failed, the plan's attempt)
+    run_round: Callable[..., Awaitable[bool]] = Spans._run_round
+    attest_if_ready: Callable[[Attesting], Awaitable[None]] = Attesting._attest_if_ready
+    interval = STEPS // 2
+
+    async def lying(self: Spans, plan: Any, index: int, batches: Any, average: Any) -> bool:
+        ok = await run_round(self, plan, index, batches, average)
+        liar = next(m for m in plan.members if m != self.run.election.coordinator)
+        if ok and not lies and self.run.me == liar and plan.round + index == interval - 1:
+            lies.append((liar, plan.round + index, plan.attempt))
+            await self.run.report_failure(plan, index, "the test's false report: this step completed here")
+        return ok
+
+    async def withholding(self: Attesting) -> None:
+        due = self.run.attestations.due(self.run.me)
+        if not (lies and self.run.me == lies[0][0] and due is not None and due.step == interval):
+            await attest_if_ready(self)
+
+    monkeypatch.setattr(Spans, "_run_round", lying)
+    monkeypatch.setattr(Attesting, "_attest_if_ready", withholding)
+    runs, statuses = await _run(tmp_path, _task(interval), reference=0)
+    assert [r for _, r, _ in lies] == [interval - 1], lies
+    liar = next(i for i, r in enumerate(runs) if r.me == lies[0][0])
+    records = [c.record for c in runs[0].require()[1].chain.records]
+    # No step redone: the first span's record is of the plan the liar lied about, of all three.
+    assert (records[0].version, records[0].attempt) == (1, lies[0][2]) and len(records[0].members) == 3, records
+    assert records[-1].version >= 2 and records[-1].step == STEPS, records
+    # Dropped and counted by the coordinator (and any member it reached before the next plan), and
+    # the liar left out of the next span (its stage, if it was the only replica, goes to another).
+    coordinator = next(i for i, r in enumerate(runs) if r.me == records[0].coordinator)
+    assert statuses[coordinator]["rejected"].get("failure_report"), statuses[coordinator]
+    assert runs[liar].me not in records[1].members, records
