@@ -133,7 +133,7 @@ class StageReplica:
         return self.guard
 
     def new_step(self, step: int) -> None:
-        """Start ``step``: the gradients are zeroed and nothing is held."""
+        """Start ``step`` (-1: none, the last applied: requests wait for the next): gradients zeroed, nothing held."""
         self.step = step
         self._held.clear()
         self._graphs.clear()

@@ -41,6 +41,14 @@ really failed holds the state before and attests nothing: it loads the confirmed
 (:func:`own_round_lost`; it waited for a checkpoint of its own that never came, and ended the run
 "done" one step short), and is not left out (red team h-attack7: a hostile ring neighbour that
 made its last hop time out got it left out every span, itself never blamed).
+
+A pipelined span is different (:func:`held_after`): its record names a manifest gathered from every
+member of the plan, each one's signed statement of its stage at the span's end
+(run/_stage_checkpoints.py), which a member sends only once its last round completed. A member
+whose round really failed sends none, no record comes, the checkpoint counts as rejected and the
+round is redone with it (tests/pipeline/test_pipelined_last_step.py). So once such a record is
+confirmed every report of its span is false, attested or not: on main a liar whose attestation was
+not among the quorum's (it sent none, or a late one) was dropped uncounted and kept in the plans.
 """
 
 from __future__ import annotations
@@ -71,10 +79,10 @@ def report_problem(book: RoundBook, report: RoundFailed, reporter: str) -> str |
         return None
     if reporter not in plan.members:
         return f"{short_id(reporter)}, not a member of plan {plan.round}.{plan.attempt}, reports round {report.round} failed"
-    if span_confirmed(book, plan) and attested(book, reporter):
+    if span_confirmed(book, plan) and held_after(book, plan, reporter):
         # Another member's report of a confirmed span's last round is moot, not false (believed: no retry).
         return (f"{short_id(reporter)} reports round {report.round} of plan {plan.round}.{plan.attempt} failed "
-                f"({report.reason[:80]}), but it attested its span's checkpoint (model v{book.chain.version}): "
+                f"({report.reason[:80]}), but {_how_held(plan)} (model v{book.chain.version}): "
                 f"left out of the next plans")
     done = book.completed_round
     if done is not None and refuted(report.round, says_absent(report.reason), done):
@@ -167,9 +175,10 @@ def awaits_record(book: RoundBook, election: Election, my_step: int) -> bool:
 def record_confirmed(book: RoundBook, now: float, me: str | None = None) -> list[str]:
     """The chain's head was just confirmed here at ``now``: if it is the record of the plan this
     member follows, the reports of that plan still believed (its last round's: nothing later refutes
-    them) are dropped. A sender whose attestation is among the record's quorum's holds the state
-    after the round it said failed: its report was false, and it is left out of the next plans. One
-    that did not attest most likely did fail the round, and loads the record's state
+    them) are dropped. A sender whose attestation is among the record's quorum's (any sender, of a
+    pipelined span: :func:`held_after`) holds the state after the round it said failed: its report
+    was false, and it is left out of the next plans. One that did not attest most likely did fail
+    the round, and loads the record's state
     (:func:`own_round_lost`, where it is ``me``): its report is dropped uncounted, and it is not
     left out (a hostile ring neighbour that made its last hop fail got it left out every span).
     Returns why, one line per false report dropped."""
@@ -177,15 +186,30 @@ def record_confirmed(book: RoundBook, now: float, me: str | None = None) -> list
     if plan is None or not span_confirmed(book, plan):
         return []
     false = sorted((reporter, k) for reporter, (k, _) in book.failure_rounds.items()
-                   if reporter != me and attested(book, reporter))
-    lines = [f"{short_id(reporter)} reported round {k} of plan {plan.round}.{plan.attempt} failed, but it attested "
-             f"its span's checkpoint (model v{book.chain.version}): left out of the next plans"
+                   if reporter != me and held_after(book, plan, reporter))
+    lines = [f"{short_id(reporter)} reported round {k} of plan {plan.round}.{plan.attempt} failed, but "
+             f"{_how_held(plan)} (model v{book.chain.version}): left out of the next plans"
              for reporter, k in false]
     for reporter, _ in false:
         exclude(book.failed_peers, reporter, now)
     book.failure_rounds.clear()
     book.failed_at = None
     return lines
+
+
+def held_after(book: RoundBook, plan: RoundPlan, peer: str) -> bool:
+    """Whether ``peer``, a member of ``plan`` whose span's record the chain's head is, is known to
+    hold the state after the span's last round: every member of a pipelined plan (the record's
+    manifest is a gather of each member's stage statement, sent once its last round completed);
+    in a data-parallel one, a member whose attestation confirmed it (:func:`attested`; a quorum
+    confirms it without a member whose last round failed there)."""
+    return plan.stages is not None or attested(book, peer)
+
+
+def _how_held(plan: RoundPlan) -> str:
+    """Why :func:`held_after` holds, for the log line of a false report."""
+    return "it sent its stage statement for its span's checkpoint" if plan.stages is not None \
+        else "it attested its span's checkpoint"
 
 
 def attested(book: RoundBook, peer: str) -> bool:

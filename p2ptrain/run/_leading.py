@@ -51,8 +51,14 @@ class Leading:
         self._idle_since: float | None = None  # when a cancelled run was first seen between spans
 
     async def on_election_message(self, sender: str, msg: ElectionMessage) -> None:
-        """A vote request, vote or coordinator heartbeat from ``sender``: the election answers."""
+        """A vote request, vote or coordinator heartbeat from ``sender``: the election answers, while
+        the run goes on here. Done, it votes no more: a member that missed the run's last record
+        stood once its coordinator ended, the done members elected it, and it led a run with nothing
+        left to plan, never done (tests/pipeline/test_pipelined_last_step.py); unelected, it asks
+        for the run's head, which they answer (protocol/_trailing.py)."""
         run = self.run
+        if run.done.is_set():
+            return
         now = trio.current_time()
         before = run.election.coordinator
         # What it shows of the sender (a vote in an election we are in, a late vote for us, a

@@ -251,10 +251,13 @@ class StageRounds:
 
     def _applied(self, plan: RoundPlan) -> None:
         """The round's step applied under ``plan``: EVALs may name it, plans from it weigh the stages by
-        its summary's times (of ``plan``'s attempt: a checkpoint's record names the one that counts)."""
+        its summary's times (of ``plan``'s attempt: a checkpoint's record names the one that counts), and
+        the replica answers no request of that step any more: a driver redoing it (a retry planned while
+        this member is at its span's checkpoint, not rolled back yet) was given the next step's weights."""
         trainer, book = self.run.require()
         if self._evaluee is not None:
             self._evaluee.weights_step = trainer.step
+            self._evaluee.new_step(-1)  # (requests wait for the next step's new_step: pipeline/_replica.py)
         if self._micros:
             book.stage_times.note(trainer.step, self._micros, (plan.term, plan.attempt), plan.cut)
 
