@@ -130,13 +130,22 @@ class PlanAverager:
         model and the round's number), which no member chooses.
         """
         ring = [ID.from_base58(p) for p in plan.members]
-        seeds = {
-            round_id(plan, i): (round_seed(self.task, plan.round + i), owner_seed(plan, plan.round + i))
-            for i in range(plan.rounds)
-        }
+        seeds: dict[int, tuple[int, int]] = {}  # round id -> its two seeds, for the rounds drawn so far
+        undrawn = iter(range(plan.rounds))
+
+        def seeds_of(rid: int) -> tuple[int, int]:
+            # Drawn as the rounds come, in order, not all at the plan: a span runs to the next
+            # checkpoint, which may be thousands of rounds away, and three hashes a round for every
+            # round of every plan (retries too) were a quarter of an in-process run test's CPU.
+            while rid not in seeds:
+                i = next(undrawn, None)
+                if i is None:
+                    return rid, rid  # not a round of this plan
+                seeds[round_id(plan, i)] = (round_seed(self.task, plan.round + i), owner_seed(plan, plan.round + i))
+            return seeds[rid]
 
         async def average(flat: torch.Tensor, round_id: int) -> torch.Tensor:
-            seed, owner_seed = seeds.get(round_id, (round_id, round_id))
+            seed, owner_seed = seeds_of(round_id)
             if self.reducer is not None:
                 # One output buffer for every round: the trainer's step reads the average (as
                 # views) before the next round, and a fresh model-sized tensor per round costs
