@@ -273,9 +273,10 @@ class Chain:
         self.records.append(signed)
         self.proofs.append(kept)
 
-    def to_bytes(self) -> bytes:
-        """JSON lines of the confirmed records with their proofs, oldest first."""
-        return b"".join(entry_bytes(e) + b"\n" for e in self.entries)
+    def to_bytes(self, since: int = 0) -> bytes:
+        """JSON lines of the confirmed records with their proofs, oldest first; ``since``: only
+        those past version ``since`` (what a file holding that many lines lacks)."""
+        return b"".join(entry_bytes(e) + b"\n" for e in self.entries[since:])
 
     @classmethod
     def from_bytes(cls, task_cid: str, initial_cid: str, data: bytes, rules: ChainRules | None = None) -> Chain:
