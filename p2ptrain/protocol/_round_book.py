@@ -242,9 +242,9 @@ class RoundBook:
         self.elected_at = now
 
     def note_round_failed(self, now: float, culprit: str | None = None, gone: bool = False) -> None:
-        """A round failed here at ``now``: back off the retry; leave ``culprit`` (the peer the
-        all-reduce blamed, not ourselves) out of plans, and when ``gone`` (unreachable) out of the
-        election's live peers too, for FAILED_PEER_QUARANTINE_S."""
+        """A round failed here at ``now``: back off the retry; leave ``culprit`` (the peer the round
+        blamed; ourselves only when a pipelined step's summary did) out of plans, and when ``gone``
+        (unreachable) out of the election's live peers too, for FAILED_PEER_QUARANTINE_S."""
         if culprit is not None:
             exclude(self.failed_peers, culprit, now)
             if gone:

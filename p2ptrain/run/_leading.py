@@ -139,7 +139,11 @@ class Leading:
             roster = run.book.roster(run.me, head_members) if run.book is not None else tuple(head_members)
             before = election.coordinator
             classes = self._classes()
-            may_lead = run.synced and (classes is None or classes.may_lead)
+            # A member a pipelined step's summary blamed (a replica convicted, a driver failing alone)
+            # leads no plan while its book leaves it out of them, as every member's does: a
+            # coordinator steps down (run/_spans.py, _failed_here).
+            left_out = run.book is not None and run.me in run.book.quarantined(now)
+            may_lead = run.synced and (classes is None or classes.may_lead) and not left_out
             outs = election.tick(now, self.view(), roster, may_lead=may_lead)
             run.participation.note_sent(now, run.me, outs)
             run.save_ballots()

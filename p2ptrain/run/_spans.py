@@ -25,7 +25,7 @@ import torch
 import trio
 from libp2p.peer.id import ID
 
-from p2ptrain.collective import CollectiveError, PeerFailed
+from p2ptrain.collective import CollectiveError, Misbehaved, PeerFailed
 from p2ptrain.ipfs import ContentUnavailable
 from p2ptrain.base import fmt_bytes, fmt_s
 from p2ptrain.run._attesting import Attesting
@@ -304,16 +304,21 @@ class Spans:
 
     def _failed_here(self, exc: CollectiveError | PipelineError) -> bool:
         """A round of ours (a step's, or the buffers' at a span's end) failed here: the book backs
-        off the retry and leaves out the peer the failure named (not ourselves), whose chance that
-        was if it was new (Participation.note_missed). True when that peer is gone (unreachable)."""
+        off the retry and leaves out the peer the failure named, whose chance that was if it was new
+        (Participation.note_missed). True when that peer is gone (unreachable). Ourselves only where
+        a pipelined step's summary blamed us (a replica convicted, a driver failing alone), as every
+        other member's book does: we then lead no plan for the quarantine (run/_leading.py). Before,
+        a coordinator so blamed planned the retry with itself at once, never left out."""
         run = self.run
         _, book = run.require()
         now = trio.current_time()
         culprit, gone = None, False
         if isinstance(exc, PeerFailed) and exc.peer_id != run.node.peer_id:
             culprit, gone = exc.peer_id.to_base58(), exc.gone
+        elif isinstance(exc, Misbehaved) and self.stages is not None:
+            culprit = run.me
         book.note_round_failed(now, culprit, gone)
-        if culprit is not None:
+        if culprit is not None and culprit != run.me:
             run.participation.note_missed(now, culprit)
         return gone
 

@@ -109,15 +109,18 @@ def convicted_failure(
     the run's usual round failure leaves it out of the next plans; each one counted in ``suspects``
     (``task status``'s ``stage_suspects``), left out by ``convictions`` (the book's of member ``me``,
     at ``now``: longer each time it is convicted again, even where that leaves the run short of
-    ``peers.min``; never ``me`` itself, as no round's culprit is) and logged, naming its stage, the
-    step and for how long it is out."""
+    ``peers.min``) and logged, naming its stage, the step and for how long it is out. ``me`` too:
+    convicted, it stands for no election while it is out, and a coordinator steps down
+    (run/_leading.py). Before, its own book skipped it, and a coordinator convicted as a replica
+    planned the retry with itself, never left out, however often the drivers convicted it."""
     assert plan.stages is not None
     for peer in convicted:
         stage = plan.stages[plan.members.index(peer)]
         seen = suspects.setdefault(peer, {"peer": peer, "stage": stage, "times": 0, "step": step})
         seen.update(stage=stage, step=step, times=seen["times"] + 1)
-        out = "this member" if peer == me else \
-            f"left out of plans for {convictions.convict(peer, now):.0f} s, even if the run must wait for a peer meanwhile"
+        out = f"left out of plans for {convictions.convict(peer, now):.0f} s, even if the run must wait for a peer meanwhile"
+        if peer == me:
+            out = f"this member: {out}; it leads no plan meanwhile"
         logger.warning("%s: step %d: stage %d replica %s accused by a majority of the drivers (altered activations or "
                        "gradients a third opinion outvoted, or steps it stalled; %d time(s) in this run); %s",
                        log_prefix, step, stage, short_id(peer), seen["times"], out)
