@@ -12,6 +12,7 @@ once skipped every NAT test and stayed green). Nothing that needs root fails for
 from __future__ import annotations
 
 import functools
+import gc
 import os
 import re
 import shutil
@@ -199,6 +200,15 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     durations = _recorded_durations(config)
     durations.update((nodeid, round(seconds, 2)) for nodeid, seconds in _ran.items())
     cache.set(DURATIONS_KEY, durations)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """Every result is reported by now: what is left is pytest's last garbage collections (5 in a
+    row, for unraisable exceptions of objects freed at the end) and the interpreter's teardown, over
+    a heap of torch, libp2p and every test module. Frozen, those skip it: a 6-worker run that
+    collected and ran no test took 45-46 CPU-s instead of 58-60 (10 s less wall time on 2 cores)."""
+    gc.freeze()
 
 
 def _shorten_protocol_waits(patch: pytest.MonkeyPatch, keep_margins: bool = False) -> None:
