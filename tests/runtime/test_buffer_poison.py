@@ -69,7 +69,7 @@ async def _combine(robust: str, hostile_values: torch.Tensor) -> tuple[list[bool
 
         async def honest_member(i: int) -> None:
             run = SimpleNamespace(require=lambda: (honest[i], books[i]), collective=Collective(hosts[i].host),
-                                  log_prefix=f"member {i}", node=SimpleNamespace(peer_id=hosts[i].id),
+                                  log_prefix=f"member {i}", node=SimpleNamespace(peer_id=hosts[i].id), me=hosts[i].id.to_base58(),
                                   task=SimpleNamespace(compression=SimpleNamespace(robust=robust)),
                                   participation=Participation())
             spans = object.__new__(Spans)
