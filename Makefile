@@ -78,6 +78,9 @@ test-tools:
 # join at once stopped waiting out term 0): four workers 509 s (user+sys 9.9 min, 1.15 cores busy);
 # six 468 s (one failure, a real Bitswap race at a peer's stop, fixed) and 430 s (all passed, 9.8 min):
 # the tests wait more than they compute now, so two more workers fill the idle cores. Six it is.
+# 2026-11-27 evening: eight (one helper's tests beside them) took 623 s against 405 s with six: the
+# machine was already busy 82-90% of a six-worker run (vmstat), and under the extra load the pipelined
+# runs' replicas missed their deadlines and were convicted and waited out (docs/testing.md).
 TEST_WORKERS ?= 6
 
 # ruff (tests, benches too) and mypy (strict on p2ptrain/; pyproject.toml lists any module that is
