@@ -312,11 +312,9 @@ class Attesting:
         run = self.run
         _, book = run.require()
         record = book.chain.records[-1].record
-        run.stale_step = record.step
         logger.warning("%s: this member's last round of the span to step %d failed here, and its record (model v%d) "
                        "was confirmed by the others: loading it", run.log_prefix, record.step, record.version)
-        if run.synced:
-            run.desync(trio.current_time())
+        run.mark_stale(record.step, trio.current_time())
 
     def _end_if_over(self) -> None:
         """End the run once its last checkpoint is confirmed (:meth:`RunState.end_if_over`), but a
@@ -346,7 +344,6 @@ class Attesting:
         own = self.checkpoint_cids.get(record.step)
         if own is None or own == (record.model_cid, record.optimizer_cid):
             return
-        run.stale_step = record.step
         del self.checkpoint_cids[record.step]  # not our state at that step once we load the confirmed one
         run.refuse("own_state_differs",
                    f"this member's state at step {record.step} ({own[0]}) is not the confirmed model "
@@ -354,8 +351,7 @@ class Attesting:
                    f"(this member: {run.arithmetic(run.me)}; its coordinator {short_id(record.coordinator)}: "
                    f"{run.arithmetic(record.coordinator) or 'not advertised'}; `p2ptrain docs deploy`, \"Which "
                    f"machines compute the same bits\"); loading the confirmed state")
-        if run.synced:
-            run.desync(trio.current_time())
+        run.mark_stale(record.step, trio.current_time())
 
 def _fmt(value: float | None) -> str:
     return "-" if value is None else f"{value:.3f}"

@@ -113,9 +113,9 @@ class PlanIntake:
             # Listed in a plan from a checkpoint we do not hold (a joiner from a head the run has left, a member
             # behind): the resync loop loads it by CID, then follows the plan; the others wait for our channels.
             if dropped:  # not the run's state: the resync loads the confirmed one (run/_resync.py)
-                run.stale_step = trainer.step
                 logger.warning("%s: at step %d, past steps the run redid without us: resyncing", run.log_prefix, trainer.step)
-            if run.synced:
+                run.mark_stale(trainer.step, trio.current_time())
+            elif run.synced:
                 run.desync(trio.current_time())
             self.spans.stop_rounds()
             self.resync.catch_up(sender, plan)

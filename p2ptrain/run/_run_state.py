@@ -238,6 +238,14 @@ class RunState:
         self.synced, self.phase = False, Phase.RESYNCING
         self.advertise(False)
 
+    def mark_stale(self, step: int, now: float) -> None:
+        """This member's state at ``step`` is not the run's (:attr:`stale_step`: its own steps rounded
+        differently, the run redid them without it, or its last round failed here): it desyncs, and
+        the resync loop loads a confirmed state by CID before it trains on or ends."""
+        self.stale_step = step
+        if self.synced:
+            self.desync(now)
+
     def end_of_run(self) -> str | None:
         """:meth:`RoundBook.end_of_run` for this member: "load", not "done", while its own state at
         a confirmed step was not the confirmed one (:attr:`stale_step`): it ends holding the run's
