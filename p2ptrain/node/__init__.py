@@ -19,6 +19,7 @@ if TYPE_CHECKING:
         free_port as free_port,
         NODE_ARGS as NODE_ARGS,
         NodeProcess as NodeProcess,
+        port_range as port_range,
         READY_TIMEOUT_S as READY_TIMEOUT_S,
     )
 else:

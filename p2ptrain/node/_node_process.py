@@ -8,6 +8,7 @@ until it answers. Every wait is bounded; a node that fails to start raises with 
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -32,10 +33,57 @@ NODE_ARGS = ["--accept-tasks", "--device", "cpu", "--threads", "1"]
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (the kernel's pick)."""
-    with socket.socket() as s:
+    """A TCP port on 127.0.0.1 that was free a moment ago, for a child process to listen on.
+
+    Not the kernel's pick (``bind(0)``): that port lies in the ephemeral range, where any other
+    process's ``bind(0)`` or outgoing connection may take it in the seconds before the child binds it
+    (a peer of a multi-process test then dials a stranger). The port comes from below that range
+    (:func:`port_range`), at random, never one this process handed out before; only other callers of
+    this function pick there, and parallel ones can be given disjoint slices (``P2PTRAIN_FREE_PORTS``)."""
+    low, high = port_range()
+    for _ in range(64):
+        port = random.randint(low, high)
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:  # in use, or still held by a closed connection
+                continue
+        _handed_out.add(port)
+        if len(_handed_out) > (high - low) // 2:  # a long-lived caller: start over
+            _handed_out.clear()
+        return port
+    with socket.socket() as s:  # the range is full: the kernel's pick
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+# Where free_port picks when the ephemeral range starts at Linux's default (32768) or above.
+_PORTS_BELOW_EPHEMERAL = 20000
+_handed_out: set[int] = set()
+
+
+def port_range() -> tuple[int, int]:
+    """The ports :func:`free_port` picks from: ``P2PTRAIN_FREE_PORTS=LO-HI`` if set (test workers
+    each get their own), else 20000 up to the kernel's ephemeral range
+    (``/proc/sys/net/ipv4/ip_local_port_range``, 32768-60999 by default)."""
+    given = os.environ.get("P2PTRAIN_FREE_PORTS", "")
+    if given:
+        try:
+            low, high = (int(part) for part in given.split("-"))
+        except ValueError:
+            raise UserError(f"P2PTRAIN_FREE_PORTS={given!r}: expected LO-HI, two port numbers") from None
+        if not 1024 <= low <= high <= 65535:
+            raise UserError(f"P2PTRAIN_FREE_PORTS={given!r}: expected 1024 <= LO <= HI <= 65535")
+        return low, high
+    try:
+        ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_low = 32768
+    if ephemeral_low - 1 - _PORTS_BELOW_EPHEMERAL >= 1000:
+        return _PORTS_BELOW_EPHEMERAL, ephemeral_low - 1
+    return 1024, 65535  # an unusual range: anywhere, still checked free
 
 
 class ChildProcess(Protocol):

@@ -91,9 +91,10 @@ def run_script(script: str | Path, members: Sequence[ScriptMember], args: Sequen
             try:
                 out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                raise RuntimeError(f"member {m.index} did not finish in {timeout:.0f} s:\n{_tail(m)}") from None
+                raise RuntimeError(f"member {m.index} did not finish in {timeout:.0f} s:\n{_tail(m)}"
+                                   f"{_others(members, procs, m)}") from None
             if p.returncode != 0:
-                raise RuntimeError(f"member {m.index} exited with {p.returncode}:\n{_tail(m)}")
+                raise RuntimeError(f"member {m.index} exited with {p.returncode}:\n{_tail(m)}{_others(members, procs, m)}")
             results.append(last_json(out))
     finally:
         for p in procs:
@@ -111,6 +112,18 @@ def last_json(out: str) -> dict[str, Any]:
             if isinstance(value, dict):
                 return value
     raise RuntimeError(f"the script printed no JSON line:\n{out[-2000:]}")
+
+
+def _others(members: Sequence[ScriptMember], procs: Sequence[ForkedProcess | subprocess.Popen[str]], failed: ScriptMember) -> str:
+    """How every other member stands, with its log's tail: the one that failed often only waited for
+    another (a member that never came up leaves its peers' logs saying "not reached")."""
+    parts = []
+    for m, p in zip(members, procs):
+        if m is not failed:
+            code = p.poll()
+            state = "still running" if code is None else f"exited with {code}"
+            parts.append(f"\n--- member {m.index}: {state}:\n{_tail(m, 2000)}")
+    return "".join(parts)
 
 
 def _tail(member: ScriptMember, chars: int = 4000) -> str:
