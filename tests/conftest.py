@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from p2ptrain.node import port_range
-from p2ptrain.testing._forkserver import SHARE_ENV
+from p2ptrain.testing._forkserver import SHARE_ENV, forked_worker_python
 from p2ptrain.testing._timers import QUICK_ENV, apply_quick_timers, quick_timers_off
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -83,6 +83,11 @@ def pytest_configure(config: pytest.Config) -> None:
     if config.getoption("dist", "no") != "no" and not hasattr(config, "workerinput") and SHARE_ENV not in os.environ:
         os.environ[SHARE_ENV] = tempfile.mkdtemp(prefix="p2ptrain-forkserver-")
         config.add_cleanup(functools.partial(shutil.rmtree, os.environ[SHARE_ENV], ignore_errors=True))
+        # ... and the workers themselves forked from it (p2ptrain/testing/_forked_python.py): each
+        # starts with torch, libp2p and the package imported instead of importing them beside five others.
+        python = forked_worker_python()
+        if python is not None:
+            config.option.tx = [f"popen//python={python}" if spec == "popen" else spec for spec in config.option.tx]
     # Each xdist worker hands out listening ports (free_port) from its own slice, so two workers
     # never pick the same port for children that have not bound it yet.
     if hasattr(config, "workerinput") and "P2PTRAIN_FREE_PORTS" not in os.environ:

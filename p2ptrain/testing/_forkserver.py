@@ -32,6 +32,7 @@ import io
 import json
 import os
 import select
+import shlex
 import signal
 import socket
 import subprocess
@@ -304,6 +305,16 @@ def _the_server() -> _Server:
             _server = _Server()
             atexit.register(_server.close)
         return _server
+
+
+def forked_worker_python() -> str | None:
+    """The ``python=`` of a pytest-xdist ``popen`` spec whose workers are forked from this test
+    run's shared fork server (:mod:`p2ptrain.testing._forked_python`), which is started now; None
+    where forking is off or no shared server is set up (``P2PTRAIN_TEST_FORK_SHARE``)."""
+    if not _wanted() or not os.environ.get(SHARE_ENV):
+        return None
+    _the_server()  # the workers ask it as they start: it must listen (and have imported) by then
+    return shlex.join([sys.executable, str(Path(__file__).with_name("_forked_python.py"))])
 
 
 def _fd(spec: _File, default: int, pipes: list[int], ours: list[IO[Any] | None], index: int,

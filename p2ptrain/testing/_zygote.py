@@ -17,15 +17,17 @@ import signal
 import socket
 import sys
 import threading
+import types
 from typing import Any
 
 from p2ptrain.testing._forkserver import MAX_REQUEST, NETNS_DIR
 from p2ptrain.testing._timers import QUICK_ENV, apply_quick_timers, quick_timers_off
 
 # What the server imports before it forks: what a node that trains, the CLI and the member scripts
-# import (every p2ptrain module), and the data sources the tests add datasets from.
+# import (every p2ptrain module), the data sources the tests add datasets from, and transformers
+# (the hf models of examples and tests; ~0.6 CPU-s each of the xdist workers forked from here paid).
 PRELOAD_PACKAGES = ("p2ptrain",)
-PRELOAD_MODULES = ("torch", "numpy", "libp2p", "trio", "safetensors.torch", "sklearn.datasets")
+PRELOAD_MODULES = ("torch", "numpy", "libp2p", "trio", "safetensors.torch", "sklearn.datasets", "transformers")
 # setns(2)'s flag for a network namespace.
 CLONE_NEWNET = 0x40000000
 
@@ -58,8 +60,8 @@ def _preload() -> None:
 def _name_process(request: dict[str, Any]) -> None:
     """Name the child in ``ps``/``top`` for its command (``p2ptrain``, ``member_script.py``), not
     for the server its argv still reads as."""
-    target = request["target"]
-    name = target.split(".")[0] if request["kind"] == "module" else os.path.basename(target)
+    target, kind = request["target"], request["kind"]
+    name = target.split(".")[0] if kind == "module" else "python" if kind == "code" else os.path.basename(target)
     try:
         with open("/proc/self/comm", "w") as comm:
             comm.write(name[:15])
@@ -121,6 +123,11 @@ def _child(request: dict[str, Any], fds: list[int], inherited: list[int]) -> Non
         if request["kind"] == "module":
             sys.modules.pop(request["target"], None)  # run as __main__, as `python -m` does, not the preloaded copy
             runpy.run_module(request["target"], run_name="__main__", alter_sys=True)
+        elif request["kind"] == "code":  # `python -c CODE` (a test run's worker: _forked_python.py)
+            main = types.ModuleType("__main__")
+            sys.modules["__main__"] = main
+            # The code of a local launcher (execnet's bootstrap line), never anything from the network.
+            exec(compile(request["target"], "<string>", "exec"), main.__dict__)  # noqa: S102
         else:
             runpy.run_path(request["target"], run_name="__main__")
         code = 0
