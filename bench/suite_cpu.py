@@ -4,9 +4,12 @@
 test's wall time under xdist says little: it waits on the cores. This measures CPU-seconds, which
 other work on the machine barely changes. Around each test (setup, call and teardown) it reads the
 CPU of the pytest process's whole tree from /proc: its own time, the time of the children it has
-waited for, and of every live descendant (nodes, member scripts, the fork server and what it
-forked, fresh interpreters). A descendant that ends moves into its parent's waited-for time, so
-the sum carries on; only a process that outlives its parent (reparented to init) drops out.
+waited for, and of every live descendant (nodes and scripts started fresh). A descendant that ends
+moves into its parent's waited-for time, so the sum carries on; only a process that outlives its
+parent (reparented to init) drops out. What the fork server forks (nodes, member scripts, CLI
+commands) is its child, not the worker's: ``make test``'s controller starts it, and forks the
+workers from it too, so a process test's children count in no test here; vmstat's busy share over
+the run, or the test file alone (``/usr/bin/time``), says what those cost.
 A module- or session-scoped fixture's start counts in the first test that uses it on that worker,
 its end in the last. Collection and the workers' start (importing torch) are in no test::
 
