@@ -25,9 +25,9 @@ from p2ptrain.testing._timers import QUICK_ENV, apply_quick_timers, quick_timers
 
 # What the server imports before it forks: what a node that trains, the CLI and the member scripts
 # import (every p2ptrain module), the data sources the tests add datasets from, and transformers
-# (the hf models of examples and tests; ~0.6 CPU-s each of the xdist workers forked from here paid).
+# (AutoConfig and the Auto classes: the hf models of examples and tests; each xdist worker paid ~1.2 CPU-s).
 PRELOAD_PACKAGES = ("p2ptrain",)
-PRELOAD_MODULES = ("torch", "numpy", "libp2p", "trio", "safetensors.torch", "sklearn.datasets", "transformers")
+PRELOAD_MODULES = ("torch", "numpy", "libp2p", "trio", "safetensors.torch", "sklearn.datasets", "transformers.models.auto")
 # setns(2)'s flag for a network namespace.
 CLONE_NEWNET = 0x40000000
 
