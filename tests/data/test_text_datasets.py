@@ -84,6 +84,28 @@ def test_python_stdlib_without_options_keeps_its_manifest(tmp_path, dataset_cli)
     assert IPFSDataset(cid, home=tmp_path / "a").manifest.tokens is None  # bytes, as before tokens existed
 
 
+def test_python_stdlib_reads_the_librarys_own_files_in_path_order_and_none_installed(tmp_path):
+    """``stdlib_documents`` walks the standard library's tree without entering what was installed in
+    it: the same documents, in the same order, as reading every ``*.py`` below it and dropping those."""
+    import sysconfig
+
+    from p2ptrain.data._builtin import TEXT_MAX_BYTES, stdlib_documents
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    expected, total = [], 0
+    for path in sorted(root.rglob("*.py")):
+        if "site-packages" in path.parts or "dist-packages" in path.parts or not path.is_file():
+            continue
+        data = path.read_bytes()[: TEXT_MAX_BYTES - total]
+        expected.append((str(path), data))
+        total += len(data)
+        if total >= TEXT_MAX_BYTES:
+            break
+    documents = stdlib_documents()
+    assert [p for p, _ in documents] == [p for p, _ in expected] and len(documents) > 100
+    assert documents == expected
+
+
 def test_a_table_text_column_is_tokenized_row_by_row(tmp_path, corpus, dataset_cli):
     _, tokenizer_path = corpus
     rows = [f"row {i}: the quick brown fox jumps over the lazy dog" for i in range(40)]
