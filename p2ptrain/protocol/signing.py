@@ -17,7 +17,7 @@ from libp2p.crypto.keys import KeyPair
 from libp2p.peer.id import ID
 
 from p2ptrain.base import boundedjson
-from p2ptrain.wire import note_verified, to_plain, verified_before
+from p2ptrain.wire import to_plain
 
 SIGNATURE_HEX_LEN = 128
 
@@ -51,13 +51,7 @@ def sign(body: Any, key_pair: KeyPair) -> str:
 
 
 def verify(body: Any, signer: str, signature: str) -> None:
-    """Raise :class:`SignatureError` unless ``signature`` is ``signer``'s signature of ``body``.
-
-    A signature that verified lately over the same bytes is not checked again (the codec's
-    ``verified_before``: a vote is checked in every certificate and chain that carries it)."""
-    data = _signed_bytes(body)
-    if len(signature) == SIGNATURE_HEX_LEN and verified_before(signer, signature.encode(), data):
-        return
+    """Raise :class:`SignatureError` unless ``signature`` is ``signer``'s signature of ``body``."""
     try:
         public_key = ID.from_base58(signer).extract_public_key()
     except Exception:
@@ -67,9 +61,8 @@ def verify(body: Any, signer: str, signature: str) -> None:
     if len(signature) != SIGNATURE_HEX_LEN:
         raise SignatureError(f"signature of {signer[:16]} has the wrong length")
     try:
-        ok = public_key.verify(data, bytes.fromhex(signature))
+        ok = public_key.verify(_signed_bytes(body), bytes.fromhex(signature))
     except Exception:
         ok = False
     if not ok:
         raise SignatureError(f"bad signature by {signer[:16]} on {type(body).__name__}")
-    note_verified(signer, signature.encode(), data)

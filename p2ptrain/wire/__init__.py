@@ -11,10 +11,8 @@ if TYPE_CHECKING:
         decode as decode,
         DecodeError as DecodeError,
         encode as encode,
-        note_verified as note_verified,
         peek_type as peek_type,
         Signed as Signed,
-        verified_before as verified_before,
     )
     from p2ptrain.wire._frames import (
         abort_frame as abort_frame,

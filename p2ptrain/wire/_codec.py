@@ -14,7 +14,6 @@ itself, which also lets a message be stored or forwarded outside pubsub and stil
 from __future__ import annotations
 
 import struct
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
@@ -40,18 +39,6 @@ MAX_PAYLOAD_DEPTH = boundedjson.MAX_DEPTH
 _TS_BOUND = 2**53
 
 T = TypeVar("T")
-
-# Signatures that verified lately: (signer's base58 peer ID, signature) -> the exact bytes signed.
-# The same signed bytes come back to be checked again and again: a vote, record or attestation
-# where it arrives, then in every certificate and chain that carries it (each confirm, each save
-# of the chain file, each head); peers in one process (tests, a script's background peers) check
-# each other's messages too. A hit needs the same signer, signature *and* bytes, compared in full,
-# so nothing unverified passes; bounded in entries and in the bytes held (the oldest go first).
-_VERIFIED_ENTRIES = 4096
-_VERIFIED_BYTES = 8 * 1024 * 1024
-_verified: dict[tuple[str, bytes], bytes] = {}
-_verified_bytes = 0
-_verified_lock = threading.Lock()  # chains are also read and checked in worker threads
 
 
 class DecodeError(ValueError):
@@ -88,29 +75,6 @@ def encode(msg: Any, key_pair: KeyPair, seq: int, ts: float | None = None) -> by
     if len(data) > MAX_MESSAGE_BYTES:
         raise ValueError(f"{type_name(msg)} message is {len(data)} B, over the {MAX_MESSAGE_BYTES} B cap")
     return data
-
-
-def verified_before(signer: str, signature: bytes, data: bytes) -> bool:
-    """Whether ``signer``'s ``signature`` of exactly ``data`` verified lately (see
-    :func:`note_verified`); False only means "check it"."""
-    with _verified_lock:
-        held = _verified.get((signer, signature))
-    return held is not None and held == data
-
-
-def note_verified(signer: str, signature: bytes, data: bytes) -> None:
-    """Remember that ``signature`` of ``data`` verified under the Ed25519 key in peer ID ``signer``:
-    call it only after that verification passed."""
-    global _verified_bytes
-    if len(data) > _VERIFIED_BYTES // 64:
-        return
-    with _verified_lock:
-        old = _verified.pop((signer, signature), None)
-        _verified_bytes -= len(old) if old is not None else 0
-        _verified[(signer, signature)] = data
-        _verified_bytes += len(data)
-        while len(_verified) > _VERIFIED_ENTRIES or _verified_bytes > _VERIFIED_BYTES:
-            _verified_bytes -= len(_verified.pop(next(iter(_verified))))
 
 
 _TYPE_KEY = b',"type":"'
@@ -167,11 +131,17 @@ def decode(data: bytes, now: float | None = None, types: MessageRegistry = MESSA
         raise DecodeError("malformed", "bad envelope field values")
     try:
         sender = ID.from_base58(sender_s)
+        public_key = sender.extract_public_key()
     except Exception:
         raise DecodeError("bad-sender", sender_s[:64]) from None
-    signed_bytes = _DOMAIN + signed_part
-    if not verified_before(sender_s, signature, signed_bytes):
-        _verify(sender, sender_s, signature, signed_bytes)
+    if not isinstance(public_key, Ed25519PublicKey):
+        raise DecodeError("bad-sender", "sender ID does not embed an Ed25519 key")
+    try:
+        valid = public_key.verify(_DOMAIN + signed_part, signature)
+    except Exception:
+        valid = False
+    if not valid:
+        raise DecodeError("bad-signature", sender_s)
     cls = types.get(mtype)
     if cls is None:
         raise DecodeError("unknown-type", mtype[:64])
@@ -185,20 +155,3 @@ def decode(data: bytes, now: float | None = None, types: MessageRegistry = MESSA
     except SchemaError as exc:
         raise DecodeError("schema", str(exc)) from None
     return Signed(sender=sender, seq=seq, ts=float(ts), msg=msg)
-
-
-def _verify(sender: ID, sender_s: str, signature: bytes, data: bytes) -> None:
-    """Check the envelope's signature against the key in the sender's ID; remember it if it holds."""
-    try:
-        public_key = sender.extract_public_key()
-    except Exception:
-        raise DecodeError("bad-sender", sender_s[:64]) from None
-    if not isinstance(public_key, Ed25519PublicKey):
-        raise DecodeError("bad-sender", "sender ID does not embed an Ed25519 key")
-    try:
-        valid = public_key.verify(data, signature)
-    except Exception:
-        valid = False
-    if not valid:
-        raise DecodeError("bad-signature", sender_s)
-    note_verified(sender_s, signature, data)
