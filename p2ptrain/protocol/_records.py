@@ -232,13 +232,14 @@ class Tally:
     A record whose members differ from the plan's is refused at once. Confirmed at a quorum of
     matching attestations; rejected as soon as a quorum can no longer be reached (too many members
     hashed their weights to something else), or by :meth:`expire` when the attestation deadline
-    passes first.
+    passes first; a record the deadline alone rejected is confirmed still if its quorum comes later.
     """
 
     signed: SignedModelRecord
     members: tuple[str, ...]
     matching: dict[str, SignedAttestation] = field(default_factory=dict)  # attester -> its attestation
     differing: dict[str, str] = field(default_factory=dict)  # attester -> the model CID it computed
+    expired: bool = False  # rejected by the deadline alone (expire), not by the attestations
 
     def __post_init__(self) -> None:
         self.record = verify_record(self.signed)
@@ -265,12 +266,21 @@ class Tally:
         return self.status
 
     def _settle(self) -> None:
-        if self.status is not Status.PENDING:
+        # A record rejected only because this member's deadline passed is still confirmed by a
+        # quorum of matching attestations that comes later: that quorum is what confirmation is (the
+        # chain's rules check signatures, not times), and a member that counted it in time holds
+        # the record confirmed. Staying rejected here split the run: in a suite at load ~4 the
+        # coordinator's deadline passed before the other member's attestation came, that member
+        # confirmed v1, and refused every later v1 of the coordinator as a fork.
+        if self.status is Status.CONFIRMED or (self.status is Status.REJECTED and not self.expired):
             return
         need = quorum(len(self.members))
         if len(self.matching) >= need:
+            if self.status is Status.REJECTED:
+                log.info("task %s: model record v%d confirmed after its attestation deadline, by %d of %d members",
+                         self.record.task_cid[:12], self.record.version, len(self.matching), len(self.members))
             self.status = Status.CONFIRMED
-        elif len(self.members) - len(self.differing) < need:
+        elif self.status is Status.PENDING and len(self.members) - len(self.differing) < need:
             self._reject("a quorum can no longer reproduce it")
 
     def outvoted(self) -> str | None:
@@ -287,8 +297,10 @@ class Tally:
         return None
 
     def expire(self) -> Status:
-        """The deadline passed: a record still short of a quorum is rejected."""
+        """The deadline passed: a record still short of a quorum is rejected, until a quorum of
+        matching attestations comes after all (:meth:`add` then confirms it)."""
         if self.status is Status.PENDING:
+            self.expired = True
             self._reject("the attestation deadline passed")
         return self.status
 

@@ -134,6 +134,30 @@ def test_tally_rejects_a_record_nobody_reproduces(caplog):
     assert tally2.expire() is Status.REJECTED
 
 
+def test_a_record_its_deadline_rejected_is_confirmed_by_a_quorum_that_comes_later(caplog):
+    """The coordinator's deadline passed before the other member's attestation came; that member,
+    counting both in time, held v1 confirmed, and refused every later v1 as a fork while the
+    coordinator held it rejected (a suite run at load ~4). The quorum is the confirmation."""
+    signed = sign_record(record(members=tuple(PEERS[:2])), KEYS[0])
+    late = Tally(signed, signed.record.members)
+    assert late.add(attest(signed.record, "Qmmodel", "Qmoptim", KEYS[0])) is Status.PENDING
+    assert late.expire() is Status.REJECTED
+    caplog.set_level("INFO")
+    assert late.add(attest(signed.record, "Qmmodel", "Qmoptim", KEYS[1])) is Status.CONFIRMED
+    assert "confirmed after its attestation deadline" in caplog.text
+    # A late attestation of another model does not: the record stays rejected (no quorum can come).
+    other = Tally(signed, signed.record.members)
+    other.add(attest(signed.record, "Qmmodel", "Qmoptim", KEYS[0]))
+    assert other.expire() is Status.REJECTED
+    assert other.add(attest(signed.record, "Qmelse", "Qmoptim", KEYS[1])) is Status.REJECTED
+    # Rejected by the attestations themselves (a quorum can no longer reproduce it): never confirmed.
+    three = sign_record(record(), KEYS[0])
+    refused = Tally(three, three.record.members)
+    refused.add(attest(three.record, "QmA", "Qmoptim", KEYS[1]))
+    assert refused.add(attest(three.record, "QmB", "Qmoptim", KEYS[2])) is Status.REJECTED
+    assert refused.add(attest(three.record, "Qmmodel", "Qmoptim", KEYS[0])) is Status.REJECTED
+
+
 def test_a_record_a_quorum_computed_otherwise_is_outvoted_and_one_without_such_a_quorum_is_not():
     signed = sign_record(record(members=tuple(PEERS[:5])), KEYS[0])
     tally = Tally(signed, signed.record.members)
