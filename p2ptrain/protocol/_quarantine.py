@@ -53,12 +53,23 @@ class Convictions:
         """``peer`` convicted at ``now``: the seconds it is left out of plans from now."""
         times, until = self._records.pop(peer, (0, now))
         times = times + 1 if now <= until + CONVICTION_MEMORY_S else 1
-        seconds = min(FAILED_PEER_QUARANTINE_S * (1 << min(times - 1, 32)), CONVICTED_MAX_S)
+        seconds = _length(times)
         self._records[peer] = (times, max(until, now + seconds))
         while len(self._records) > MAX_CONVICTED_KEPT:
             del self._records[next(iter(self._records))]
         return seconds
 
+    def length(self, peer: str) -> float:
+        """How long ``peer``'s latest time out is, in all (0 for a replica never convicted): what
+        a status shows beside the seconds left, which a reader sees shrink as it reads them."""
+        record = self._records.get(peer)
+        return _length(record[0]) if record is not None else 0.0
+
     def out(self, now: float) -> dict[str, float]:
         """The replicas left out at ``now``, each with until when."""
         return {p: until for p, (_, until) in self._records.items() if until > now}
+
+
+def _length(times: int) -> float:
+    """A time out's length at the ``times``-th conviction in a row: the quarantine, doubled each time."""
+    return min(FAILED_PEER_QUARANTINE_S * (1 << min(times - 1, 32)), CONVICTED_MAX_S)

@@ -33,8 +33,12 @@ def stage_status(run: RunState) -> tuple[int | None, tuple[dict[str, Any], ...] 
 
 def stage_suspects(run: RunState) -> tuple[dict[str, Any], ...]:
     """``stage_suspects``: each replica convicted in this run (``{"peer", "stage", "times", "step"}``,
-    run/_step_summary.py) and ``out_s``, the seconds it is still left out of plans (0: back; the book's
-    :class:`~p2ptrain.protocol.Convictions`), so a run of exactly ``peers.min`` members says whom it waits out."""
+    run/_step_summary.py), ``out_s``, the seconds it is still left out of plans (0: back; the book's
+    :class:`~p2ptrain.protocol.Convictions`), so a run of exactly ``peers.min`` members says whom it waits out,
+    and ``out_for_s``, how long that latest time out is in all (it doubles at each conviction)."""
     now = trio.current_time()
-    out = run.book.convictions.out(now) if run.book is not None else {}
-    return tuple({**e, "out_s": round(max(0.0, out.get(e["peer"], now) - now), 1)} for e in run.stage_suspects.values())
+    convictions = run.book.convictions if run.book is not None else None
+    out = convictions.out(now) if convictions is not None else {}
+    return tuple({**e, "out_s": round(max(0.0, out.get(e["peer"], now) - now), 1),
+                  "out_for_s": convictions.length(e["peer"]) if convictions is not None else 0.0}
+                 for e in run.stage_suspects.values())

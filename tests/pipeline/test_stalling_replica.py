@@ -125,6 +125,8 @@ async def test_a_run_of_exactly_peers_min_waits_out_a_convicted_staller_longer_e
                                                                  "(on main: waiting for no peer, no out_s)")
             second = await peers.wait_until(waiting_out(2), STEP_S, what="the staller convicted again after its return, "
                                                                           "every honest member waiting it out")
-            # Out twice as long the second time (20 s; each status read within the first 10 s of it).
-            assert all(FAILED_PEER_QUARANTINE_S < s["stage_suspects"][0]["out_s"] <= 2 * FAILED_PEER_QUARANTINE_S
-                       for s in second), second
+            # Out twice as long the second time: 20 s in all, which every honest member's status says
+            # (the seconds left, out_s, shrink as the test reads them: under a suite's load the
+            # statuses all showed the second conviction more than 10 s after it once, at out_s <= 10).
+            assert all(s["stage_suspects"][0]["out_for_s"] == 2 * FAILED_PEER_QUARANTINE_S
+                       and 0 < s["stage_suspects"][0]["out_s"] <= 2 * FAILED_PEER_QUARANTINE_S for s in second), second

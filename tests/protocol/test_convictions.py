@@ -24,11 +24,12 @@ def test_each_conviction_in_a_row_doubles_the_time_out_up_to_a_cap():
     for _ in range(7):
         seconds = convictions.convict("r", now)
         outs.append(seconds)
-        assert convictions.out(now) == {"r": now + seconds}
+        assert convictions.out(now) == {"r": now + seconds} and convictions.length("r") == seconds
         now += seconds
         assert convictions.out(now) == {}  # back when its time out ends
         now += 30.0  # back for a few steps, convicted again
     assert outs == [10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 320.0]
+    assert convictions.length("never convicted") == 0.0
 
 
 def test_a_conviction_long_after_the_last_one_counts_as_a_first_one():
