@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from p2ptrain.node import port_range
+from p2ptrain.node import port_slice
 from p2ptrain.testing._forkserver import SHARE_ENV, forked_worker_python
 from p2ptrain.testing._timers import QUICK_ENV, apply_quick_timers, quick_timers_off
 
@@ -66,14 +66,6 @@ def missing_tool_verdict(tools: tuple[str, ...], *, root: bool, ci: bool, euid: 
     return "skip", why
 
 
-def worker_ports(worker_id: str, workers: int) -> str:
-    """xdist worker ``gwN``'s slice (``LO-HI``) of the ports free_port picks from."""
-    low, high = port_range()
-    size = (high - low + 1) // workers
-    index = int(worker_id.removeprefix("gw"))
-    return f"{low + index * size}-{low + (index + 1) * size - 1}"
-
-
 def pytest_configure(config: pytest.Config) -> None:
     # The processes the tests start (nodes, CLI commands, member scripts) are forked from a server
     # that imported torch and libp2p once (p2ptrain/testing/_forkserver.py), unless this is "0".
@@ -91,7 +83,8 @@ def pytest_configure(config: pytest.Config) -> None:
     # Each xdist worker hands out listening ports (free_port) from its own slice, so two workers
     # never pick the same port for children that have not bound it yet.
     if hasattr(config, "workerinput") and "P2PTRAIN_FREE_PORTS" not in os.environ:
-        os.environ["P2PTRAIN_FREE_PORTS"] = worker_ports(config.workerinput["workerid"], int(config.workerinput["workercount"]))
+        os.environ["P2PTRAIN_FREE_PORTS"] = port_slice(int(config.workerinput["workerid"].removeprefix("gw")),
+                                                       int(config.workerinput["workercount"]))
     config.addinivalue_line(
         "markers", "needs(*tools, root=False): tools on PATH (and root) the test needs; see tests/conftest.py"
     )

@@ -87,7 +87,7 @@ EXPORTS: dict[str, list[str]] = {
     ],
     "p2ptrain.node": [
         "CONFIG_FILE", "ContentService", "DEFAULT_MAX_FETCH_BYTES", "NODE_ARGS", "Node", "NodeConfig", "NodeProcess",
-        "READY_TIMEOUT_S", "env_variable", "free_port", "port_range", "settings",
+        "READY_TIMEOUT_S", "env_variable", "free_port", "port_range", "port_slice", "settings",
     ],
     "p2ptrain.protocol": [
         "ATTEST_TIMEOUT_S", "AssignmentError", "Attestations", "CANNOT_FOLLOW", "Chain", "ChainRules", "ClassClaims", "Classes",

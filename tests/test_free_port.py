@@ -7,19 +7,13 @@ connection can take it before the child binds it.
 
 from __future__ import annotations
 
-import importlib.util
 import socket
 from pathlib import Path
 
 import pytest
 
 from p2ptrain.base import UserError
-from p2ptrain.node import free_port, port_range
-
-_spec = importlib.util.spec_from_file_location("p2ptrain_test_conftest_ports", Path(__file__).with_name("conftest.py"))
-assert _spec is not None and _spec.loader is not None
-conftest = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(conftest)
+from p2ptrain.node import free_port, port_range, port_slice
 
 
 def ephemeral_low() -> int:
@@ -61,7 +55,7 @@ def test_a_bad_range_is_one_line(monkeypatch: pytest.MonkeyPatch, value: str) ->
 def test_test_workers_get_disjoint_slices(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("P2PTRAIN_FREE_PORTS", raising=False)
     low, high = port_range()
-    slices = [tuple(int(p) for p in conftest.worker_ports(f"gw{i}", 6).split("-")) for i in range(6)]
+    slices = [tuple(int(p) for p in port_slice(i, 6).split("-")) for i in range(6)]
     assert slices[0][0] == low and slices[-1][1] <= high
     assert all(a[1] < b[0] for a, b in zip(slices, slices[1:]))
     assert all(hi - lo >= 1000 for lo, hi in slices)

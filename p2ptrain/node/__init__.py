@@ -20,6 +20,7 @@ if TYPE_CHECKING:
         NODE_ARGS as NODE_ARGS,
         NodeProcess as NodeProcess,
         port_range as port_range,
+        port_slice as port_slice,
         READY_TIMEOUT_S as READY_TIMEOUT_S,
     )
 else:

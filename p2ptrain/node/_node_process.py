@@ -86,6 +86,15 @@ def port_range() -> tuple[int, int]:
     return 1024, 65535  # an unusual range: anywhere, still checked free
 
 
+def port_slice(index: int, count: int) -> str:
+    """The ``P2PTRAIN_FREE_PORTS`` value (``LO-HI``) that gives the ``index``-th of ``count``
+    parallel callers of :func:`free_port` (a test run's xdist workers) its own part of
+    :func:`port_range`, so none picks a port another handed out to a child not yet listening."""
+    low, high = port_range()
+    size = (high - low + 1) // count
+    return f"{low + index * size}-{low + (index + 1) * size - 1}"
+
+
 class ChildProcess(Protocol):
     """What NodeProcess needs of its child: ``subprocess.Popen``'s handle, or one from
     ``p2ptrain.testing``'s fork server (a child started without re-importing torch)."""
