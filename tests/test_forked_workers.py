@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from p2ptrain.testing import _forked_python as launcher, _forkserver
+from p2ptrain.testing import _forkserver
 
 # The child reads a line and answers with it, whether torch was there before it ran (it was forked
 # from the server), and its parent's pid; then exits 3.
@@ -42,10 +42,6 @@ def worker_python(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[l
     finally:
         assert _forkserver._server is not None
         _forkserver._server.close()
-
-
-def test_the_launcher_spells_the_servers_names_alike() -> None:
-    assert launcher.SHARE_ENV == _forkserver.SHARE_ENV and launcher.MAX_REQUEST == _forkserver.MAX_REQUEST
 
 
 def test_a_worker_is_forked_with_its_stdio_and_its_exit_status(worker_python: list[str]) -> None:

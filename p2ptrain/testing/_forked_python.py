@@ -11,8 +11,8 @@ on the signals it gets, and exits with the child's status. A command line it doe
 no server to ask, runs a fresh interpreter instead, as the line would have.
 
 It runs as a file, not as ``-m p2ptrain.testing...``: importing the package would cost what it
-saves. So it spells again the two names of the server's socket it needs; tests/test_forked_workers.py
-checks that they agree with :mod:`p2ptrain.testing._forkserver`.
+saves. So the two names of the server's socket live here, in a module of the standard library only,
+and :mod:`p2ptrain.testing._forkserver` imports them.
 """
 
 from __future__ import annotations
@@ -24,8 +24,11 @@ import socket
 import sys
 from typing import NoReturn
 
-SHARE_ENV = "P2PTRAIN_TEST_FORK_SHARE"  # _forkserver.SHARE_ENV
-MAX_REQUEST = 1 << 20  # _forkserver.MAX_REQUEST
+# A folder (set by tests/conftest.py for xdist's workers) where one fork server for the whole test
+# run listens (``control``) and the first process to ask starts it (``lock``).
+SHARE_ENV = "P2PTRAIN_TEST_FORK_SHARE"
+# Bound on one request or reply on the control socket (an environment and an argv: a few KiB).
+MAX_REQUEST = 1 << 20
 # Bound on the server's greeting and its answer (it forks at once; a loaded machine, a few seconds).
 ANSWER_TIMEOUT_S = 60.0
 

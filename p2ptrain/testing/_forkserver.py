@@ -45,6 +45,9 @@ from pathlib import Path
 from typing import IO, Any
 
 from p2ptrain.node import NodeProcess as _NodeProcess
+# The control socket's bound and the shared server's folder, spelled once where the workers'
+# launcher (which imports nothing of the package) can read them too.
+from p2ptrain.testing._forked_python import MAX_REQUEST as MAX_REQUEST, SHARE_ENV as SHARE_ENV
 
 __all__ = ["ForkedProcess", "NodeProcess", "run_forked", "start_forked"]
 
@@ -62,11 +65,6 @@ SERVER_START_TIMEOUT_S = 180.0
 FORK_TIMEOUT_S = 30.0
 # How long the test process, at its exit, waits for the server to see its children end.
 SERVER_STOP_WAIT_S = 10.0
-# Bound on one request or reply on the control socket (an environment and an argv: a few KiB).
-MAX_REQUEST = 1 << 20
-# A folder (set by tests/conftest.py for xdist's workers) where one fork server for the whole test
-# run listens (``control``) and the first process to ask starts it (``lock``).
-SHARE_ENV = "P2PTRAIN_TEST_FORK_SHARE"
 # Where ``ip netns add`` names its network namespaces.
 NETNS_DIR = Path("/run/netns")
 
