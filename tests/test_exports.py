@@ -91,7 +91,7 @@ EXPORTS: dict[str, list[str]] = {
     ],
     "p2ptrain.protocol": [
         "ATTEST_TIMEOUT_S", "AssignmentError", "Attestations", "CANNOT_FOLLOW", "Chain", "ChainRules", "ClassClaims", "Classes",
-        "Convictions", "Election", "ElectionConfig", "ElectionMessage", "HeadAsking", "HeadOffers", "HeldPlans", "Hold",
+        "Convictions", "Election", "ElectionConfig", "ElectionMessage", "Fork", "HeadAsking", "HeadOffers", "HeldPlans", "Hold",
         "LoneFailures",
         "MAX_CHAIN_BYTES",
         "MAX_STATEMENT_BYTES", "Misconduct", "NO_TRAINING_DATA", "OUT_OF_STEP", "Participation", "RECUT_MARGIN",
@@ -109,7 +109,7 @@ EXPORTS: dict[str, list[str]] = {
         "load_model_bytes", "measured_costs", "measured_cut", "median_micros", "model_bytes", "model_tensors", "orphaned_stages",
         "own_round_lost", "owner_seed", "parse_entry", "piece_costs", "plan_cut", "plan_order",
         "read_chain",
-        "read_model_card", "read_statement", "read_tensors", "receive_noting", "record_confirmed", "refuse_report",
+        "read_model_card", "read_statement", "read_tensors", "receive_noting", "record_confirmed", "record_id", "refuse_report",
         "round_completed",
         "round_id", "round_seed", "shard_of", "sign_record",
         "sign_statement", "signed_entry_problem", "signing", "span_confirmed", "stage_moves", "stage_rings", "stage_round_id",

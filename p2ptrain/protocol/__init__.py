@@ -77,12 +77,14 @@ if TYPE_CHECKING:
     )
     from p2ptrain.protocol._records import (
         attest as attest,
+        Fork as Fork,
         load_model_bytes as load_model_bytes,
         model_tensors as model_tensors,
         Misconduct as Misconduct,
         model_bytes as model_bytes,
         read_model_card as read_model_card,
         read_tensors as read_tensors,
+        record_id as record_id,
         RecordError as RecordError,
         sign_record as sign_record,
         state_bytes as state_bytes,

@@ -5,9 +5,22 @@ weights and attests what it got. A record is confirmed at a quorum of matching a
 (:class:`~p2ptrain.protocol.Tally`) and then extends the chain. The decisions around that
 count live here, not in the node, so they are testable without one: which record is taken up (it
 must extend our chain, come from the coordinator we accept, and not replace one still pending),
-attestations that arrive before their record (gossip takes other paths), the deadline, and whether
-this member still owes its own attestation. The node only publishes, stores and reacts to the
-:class:`~p2ptrain.protocol.Status` these methods return.
+attestations that arrive before their record (gossip takes other paths), the deadline, whether
+this member still owes its own attestation, and the two rules that keep one history when members'
+deadlines disagree (below). The node only publishes, stores and reacts to the tallies these
+methods return.
+
+A deadline is a guess about the network, not about the record: a quorum that came in time at one
+member can come late at another, and both see the same signed attestations in the end. So a record
+rejected by the deadline alone stays *open* here (:attr:`Attestations.open`): its quorum still
+confirms it when it comes, even once the coordinator has taken up the record after it (whose
+version it then takes: that one is set aside). And an attestation binds: a member that attested a
+record does not attest another record of the same version and parent (a sibling) for
+``BINDING_DEADLINES`` deadlines after (:meth:`Attestations.bound_to`), so two siblings cannot both
+gather a quorum of honest members (two quorums share a member) while either may still be confirmed
+somewhere. A tests/runtime/test_early_votes.py run at load ~4 split so: the coordinator's deadline
+passed before the other member's attestation came, that member confirmed v1, and the coordinator's
+next v1 was refused by it as a fork for as long as the run lasted.
 """
 
 from __future__ import annotations
@@ -15,7 +28,7 @@ from __future__ import annotations
 import logging
 
 from p2ptrain.base import short_id
-from p2ptrain.protocol._records import RecordError, Status, Tally, verify_record
+from p2ptrain.protocol._records import RecordError, Status, Tally, record_id, verify_record
 from p2ptrain.protocol._round_book import RoundBook
 from p2ptrain.wire import ModelRecord, SignedAttestation, SignedModelRecord
 
@@ -32,10 +45,20 @@ MAX_EARLY_RECORDS = 8
 # on the topic can send them, unverified until counted: the bound keeps that to ~8 x 1024 small
 # messages (a few MiB).
 MAX_EARLY_PER_RECORD = 1024
+# Records kept open for a late quorum (rejected by the deadline alone, or a sibling of the pending
+# record sent by a member that confirmed it): the oldest goes first. Each holds one tally (a quorum
+# of attestations at most, ~0.5 KiB each).
+MAX_OPEN = 4
+# An attestation binds its attester this many deadlines (ATTEST_TIMEOUT_S, read when used) after
+# it was sent: long enough for an attestation that missed one member's deadline to reach it (the
+# split above came seconds late), short enough that a record nobody else will ever attest (its
+# members died, or their last round failed) holds a member back for one or two checkpoints only.
+BINDING_DEADLINES = 2
 
 
 class Attestations:
-    """The pending record's tally, when it started, and the attestations that came early."""
+    """The pending record's tally, when it started, the records kept open for a late quorum, this
+    member's own attestations (what binds it), and the attestations that came early."""
 
     def __init__(self) -> None:
         self.tally: Tally | None = None
@@ -44,6 +67,8 @@ class Attestations:
         # the pending one is kept (one, the latest) and taken up when that one settles (take_next).
         self.next: SignedModelRecord | None = None
         self.started = 0.0  # when self.tally was taken up
+        self.open: list[Tally] = []  # confirmable by a quorum that comes late (MAX_OPEN, oldest first)
+        self._attested: dict[tuple[int, str], tuple[str, float]] = {}  # (version, parent) -> (record id, when)
         self._early: dict[str, list[SignedAttestation]] = {}  # record id -> attestations for it
         self.dropped_early = 0  # early attestations over the bounds, not kept
 
@@ -54,39 +79,46 @@ class Attestations:
 
     def offer_record(
         self, signed: SignedModelRecord, book: RoundBook, coordinator: str | None, now: float
-    ) -> Status | None:
+    ) -> Tally | None:
         """Take up ``signed`` to count attestations for it; the early ones for it are counted now.
 
-        Returns the tally's status, or None when it is the record already taken up (nothing new).
-        Raises :class:`RecordError` (one line, the reason) when it is refused: it does not extend
-        ``book``'s chain (or its signer's election does not hold up), is not signed by
-        ``coordinator`` (when we know one), names other members than its span's plan (or no plan of
-        its span is known here: its quorum cannot be counted), or another record is pending.
+        Returns its tally, or None when it is a record taken up already or kept for after the pending
+        one (nothing new). Raises :class:`RecordError` (one line, the reason) when it is refused: it
+        does not extend ``book``'s chain (or its signer's election does not hold up), names other
+        members than its span's plan (or no plan of its span is known here: its quorum cannot be
+        counted), or, taken up as the pending record, is not signed by ``coordinator`` (when we know
+        one). One that comes while another is pending is kept open (:attr:`open`): a member that
+        confirmed it sends it to a coordinator that missed its quorum.
         """
+        self.open = [t for t in self.open if t.record.version > book.chain.version]
         if self.pending and self._extends_pending(signed, coordinator):
             self.next = signed
             return None
+        if self._tally_of(record_id(signed.record)) is not None:
+            return None
         record = book.chain.check(signed)
-        if coordinator is not None and record.coordinator != coordinator:
+        if not self.pending and coordinator is not None and record.coordinator != coordinator:
             raise RecordError(f"model record v{record.version} from {short_id(record.coordinator)}, not the coordinator")
         members = book.span_members(record)
         if members is None:
             raise RecordError(f"model record v{record.version}: no plan of its span (round {record.round}, "
                               f"term {record.term}) is known here, so its quorum cannot be counted")
         tally = Tally(signed, members)
-        if self.tally is not None and self.tally.id == tally.id:
-            return None
         if self.pending:
-            assert self.tally is not None
-            raise RecordError(f"a second model record v{record.version} while v{self.tally.record.version} "
-                              "is pending; keeping the first")
-        self.tally, self.started = tally, now
+            self._keep_open(tally)
+        else:
+            previous = self.tally
+            if previous is not None and previous.status is Status.REJECTED and previous.expired:
+                self._keep_open(previous)
+            elif previous is not None and previous.status is Status.REJECTED:
+                self._release(previous)
+            self.tally, self.started = tally, now
         for early in self._early.pop(tally.id, []):
             try:
                 tally.add(early)
             except RecordError as exc:
                 log.warning("task %s: refused attestation: %s", record.task_cid[:12], exc)
-        return tally.status
+        return tally
 
     def _extends_pending(self, signed: SignedModelRecord, coordinator: str | None) -> bool:
         """Whether ``signed`` is the record after the pending one (its child, the next version),
@@ -100,7 +132,7 @@ class Attestations:
         verify_record(signed)  # a forged one must not take the slot of the coordinator's
         return True
 
-    def take_next(self, book: RoundBook, coordinator: str | None, now: float) -> Status | None:
+    def take_next(self, book: RoundBook, coordinator: str | None, now: float) -> Tally | None:
         """Once the pending record settled: take up the record kept for after it (:meth:`offer_record`,
         so :class:`RecordError` when it does not extend ``book``'s chain: its parent was rejected)."""
         signed, self.next = self.next, None
@@ -108,35 +140,92 @@ class Attestations:
             return None
         return self.offer_record(signed, book, coordinator, now)
 
-    def add(self, signed: SignedAttestation) -> Status | None:
-        """Count one attestation: the tally's status, or None when its record has not come (kept
-        for it, within the bounds). Raises :class:`RecordError` for one that is invalid or not from
-        the record's members."""
-        tally = self.tally
-        if tally is None or signed.attestation.record_id != tally.id:
+    def add(self, signed: SignedAttestation) -> Tally | None:
+        """Count one attestation: the tally it counted in (the pending record's or an open one's),
+        or None when its record has not come (kept for it, within the bounds). Raises
+        :class:`RecordError` for one that is invalid or not from the record's members."""
+        tally = self._tally_of(signed.attestation.record_id)
+        if tally is None:
             self._keep_early(signed)
             return None
-        return tally.add(signed)
+        tally.add(signed)
+        if tally is not self.tally and _ruled_out(tally):
+            self.open.remove(tally)
+            self._release(tally)
+        return tally
 
-    def expire(self, now: float) -> Status | None:
-        """Status.REJECTED when this call rejected the pending record (ATTEST_TIMEOUT_S passed)."""
+    def expire(self, now: float) -> Tally | None:
+        """The pending record's tally when this call rejected it (ATTEST_TIMEOUT_S passed); it stays
+        confirmable by a quorum that comes later."""
         if self.tally is not None and self.pending and now - self.started > ATTEST_TIMEOUT_S:
-            return self.tally.expire()
+            self.tally.expire()
+            return self.tally
         return None
 
-    def due(self, me: str) -> ModelRecord | None:
-        """The pending record that ``me`` is a member of and has not attested yet, else None."""
-        tally = self.tally
-        if tally is None or tally.status is not Status.PENDING or me not in tally.record.members:
+    def confirmed_late(self, tally: Tally, version: int) -> Tally | None:
+        """An open ``tally`` reached its quorum and the chain took its record as ``version``: forget the
+        records that can no longer extend the chain. Returns the pending record's tally when it was
+        one of them (a sibling: its checkpoint counts as rejected), which is set aside with the
+        record kept for after it."""
+        self.open = [t for t in self.open if t is not tally and t.record.version > version]
+        pending = self.tally
+        if pending is None or pending.record.version > version:
             return None
-        if me in tally.matching or me in tally.differing:
+        self.tally = self.next = None
+        return pending
+
+    def owed(self, me: str) -> list[ModelRecord]:
+        """The records that ``me`` is a member of and has not attested: the pending one first (also
+        once its deadline passed), then the open ones. A late attestation still counts: a matching
+        one may confirm a record after all, and one of other CIDs rules it out, which frees those
+        it binds (a member whose last round failed had its state only after the deadline, and the
+        coordinator stayed bound to a record that member could never attest)."""
+        tallies = [t for t in (self.tally, *self.open)
+                   if t is not None and t.status is not Status.CONFIRMED and not _ruled_out(t)]
+        return [t.record for t in tallies if me in t.members and me not in t.matching and me not in t.differing]
+
+    def attesting(self, record: ModelRecord, now: float) -> None:
+        """This member attests that its state is ``record``'s now: it is bound to it (:meth:`bound_to`).
+        An attestation of other CIDs binds nothing: it never counts towards a quorum."""
+        self._attested = {key: held for key, held in self._attested.items() if not self._lapsed(held, now)}
+        self._attested.setdefault((record.version, record.parent), (record_id(record), now))
+
+    def bound_to(self, record: ModelRecord, now: float) -> tuple[str, float] | None:
+        """The id of the sibling of ``record`` (same version and parent) whose state this member
+        attested, and when, if that still binds it: it may be confirmed somewhere, so attesting
+        ``record``'s too could confirm two records of one version. None when this member may. A
+        sibling binds for BINDING_DEADLINES deadlines, and no longer once the attestations counted
+        here rule it out (a quorum of its members computed something else)."""
+        held = self._attested.get((record.version, record.parent))
+        if held is None or held[0] == record_id(record) or self._lapsed(held, now):
             return None
-        return tally.record
+        tally = self._tally_of(held[0])
+        return None if tally is not None and _ruled_out(tally) else held
 
     def clear(self) -> None:
-        """Forget the pending record and the one kept for after it (a resync loaded a chain past them)."""
+        """Forget the pending record, the one kept for after it and the open ones (a resync loaded
+        another chain)."""
         self.tally = None
         self.next = None
+        self.open = []
+
+    @staticmethod
+    def _lapsed(held: tuple[str, float], now: float) -> bool:
+        return now - held[1] > BINDING_DEADLINES * ATTEST_TIMEOUT_S
+
+    def _release(self, tally: Tally) -> None:
+        """``tally``'s record was ruled out by its attestations: it binds nobody any more."""
+        self._attested = {key: held for key, held in self._attested.items() if held[0] != tally.id}
+
+    def _tally_of(self, rid: str) -> Tally | None:
+        for tally in (self.tally, *self.open):
+            if tally is not None and tally.id == rid:
+                return tally
+        return None
+
+    def _keep_open(self, tally: Tally) -> None:
+        self.open.append(tally)
+        del self.open[:-MAX_OPEN]
 
     def _keep_early(self, signed: SignedAttestation) -> None:
         record_id = signed.attestation.record_id
@@ -147,3 +236,8 @@ class Attestations:
             self.dropped_early += 1
             return
         kept.append(signed)
+
+
+def _ruled_out(tally: Tally) -> bool:
+    """Whether ``tally``'s record can never be confirmed: its attestations, not a deadline, rejected it."""
+    return tally.status is Status.REJECTED and not tally.expired

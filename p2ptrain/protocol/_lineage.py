@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from p2ptrain.base import boundedjson
 from p2ptrain.protocol._records import (
     MAX_RECORD_DEPTH,
+    Fork,
     Misconduct,
     RecordError,
     quorum,
@@ -238,17 +239,23 @@ class Chain:
             held = self.records[r.version - 1].record
             if record_id(held) == record_id(r):
                 raise RecordError(f"model record v{r.version} is already in the chain")
-            raise RecordError(f"fork: a different model record v{r.version} is already confirmed")
+            raise Fork(f"fork: a different model record v{r.version} is already confirmed")
         if r.version != self.version + 1:
             raise RecordError(f"gap: model record v{r.version} after v{self.version}")
         problem = link_problem(self.records[-1].record if self.records else None, self.initial_cid, r)
         if problem is not None:
-            raise RecordError(f"{'fork: ' if r.parent != self.head_cid else ''}model record v{r.version}: {problem}")
+            error = Fork if r.parent != self.head_cid else RecordError
+            raise error(f"{'fork: ' if r.parent != self.head_cid else ''}model record v{r.version}: {problem}")
         if self.rules is not None:
             problems = record_problems(signed, self.rules)
             if problems:
                 raise Misconduct(f"model record v{r.version}: {problems[0]}")
         return r
+
+    def holds(self, record: ModelRecord) -> bool:
+        """Whether ``record`` itself is confirmed here (at its version, the same record id)."""
+        return 1 <= record.version <= self.version \
+            and record_id(self.records[record.version - 1].record) == record_id(record)
 
     def extension(self, other: Chain) -> list[SignedModelRecord]:
         """The records ``other`` adds to this chain, which must be a prefix of it: the same records
@@ -258,7 +265,7 @@ class Chain:
             raise RecordError("fork: the chain starts from another task or initial model")
         for mine, theirs in zip(self.records, other.records):
             if record_id(mine.record) != record_id(theirs.record):
-                raise RecordError(f"fork: a different model record v{mine.record.version} than the one confirmed here")
+                raise Fork(f"fork: a different model record v{mine.record.version} than the one confirmed here")
         return other.records[self.version:]
 
     def append(self, signed: SignedModelRecord, attestations: Sequence[SignedAttestation] = ()) -> None:

@@ -57,6 +57,12 @@ class Misconduct(RecordError):
     signer the votes it carries do not elect): evidence against its signer, not a lost message."""
 
 
+class Fork(RecordError):
+    """A record that cannot extend the chain because the chain confirmed another one at its version
+    (or holds another model where it names its parent): whoever sent it follows a different history
+    (a member that confirmed a record the coordinator missed sends it that record's proof: run/_attesting.py)."""
+
+
 # --- deterministic tensor files ---------------------------------------------------------------
 
 
@@ -280,8 +286,10 @@ class Tally:
                 log.info("task %s: model record v%d confirmed after its attestation deadline, by %d of %d members",
                          self.record.task_cid[:12], self.record.version, len(self.matching), len(self.members))
             self.status = Status.CONFIRMED
-        elif self.status is Status.PENDING and len(self.members) - len(self.differing) < need:
-            self._reject("a quorum can no longer reproduce it")
+        elif len(self.members) - len(self.differing) < need:
+            if self.status is Status.PENDING:
+                self._reject("a quorum can no longer reproduce it")
+            self.expired = False  # ruled out by its attestations now, not by a deadline: for good
 
     def outvoted(self) -> str | None:
         """The model CID that a quorum of the plan's members attested instead of the record's, if

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections import deque
 from collections.abc import Awaitable, Callable, Iterable
 
 import torch
@@ -20,11 +21,11 @@ from p2ptrain.pipeline import PipelineError
 from p2ptrain.base import short_id
 from p2ptrain.run._datafeed import DataFeed
 from p2ptrain.run._run_state import Nudge, RunState
-from p2ptrain.protocol import (Misconduct, RecordError, Status, Tally, attest, election_problem, own_round_lost,
-                               record_confirmed)
+from p2ptrain.protocol import (Fork, Misconduct, RecordError, Status, Tally, attest, election_problem,
+                               own_round_lost, record_confirmed, record_id)
 from p2ptrain.run._stage_trainer import StagedTrainer
 from p2ptrain.training import StateSnapshot
-from p2ptrain.wire import RoundPlan, SignedAttestation, SignedModelRecord
+from p2ptrain.wire import ModelRecord, RoundPlan, SignedAttestation, SignedModelRecord
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +37,9 @@ SETTLE_CHECK_S = 0.5
 # Checkpoint CIDs kept for attesting: the one whose record may be pending and the one stored during
 # the next span (at most one checkpoint is unsettled: training.rounds).
 KEPT_CHECKPOINTS = 2
+# Records of the coordinator refused as forks of this member's chain that it answered with the proof
+# of its own record (each answered once; the coordinator publishes one record per checkpoint).
+ANSWERED_FORKS = 8
 
 
 class Attesting:
@@ -50,6 +54,8 @@ class Attesting:
         self._totals_before = (0, 0.0, 0.0, 0.0, 0)
         self._settle_news = Nudge()  # a record was confirmed or rejected
         self._split_logged = 0  # the version of the last record whose split attestations were logged (_split)
+        self._withheld = ""  # the id of the last record this member did not attest for its binding (logged once)
+        self._answered: deque[str] = deque(maxlen=ANSWERED_FORKS)  # ids of forks answered with a proof
 
     def span_metrics(self, plan: RoundPlan) -> dict[str, float] | None:
         """At the end of ``plan``'s span, before the next one: as the coordinator of its term, the
@@ -135,7 +141,10 @@ class Attesting:
         run = self.run
         while run.election.is_coordinator and plan.term == run.election.term:
             _, book = run.require()
-            if book.settled_step >= book.previous_checkpoint(step):
+            pending = run.attestations.tally if run.attestations.pending else None
+            # (a record of an earlier step still pending: a retried span's, after its first record
+            # of that step was rejected; one record at a time, or members would keep the second open)
+            if book.settled_step >= book.previous_checkpoint(step) and (pending is None or pending.record.step >= step):
                 return True
             await self._settle_news.wait(SETTLE_CHECK_S)
         logger.info("%s: not publishing the checkpoint at step %d: no longer the coordinator of term %d",
@@ -162,17 +171,21 @@ class Attesting:
         if run.book is None or not run.synced:
             return
         try:
-            status = run.attestations.offer_record(signed, run.book, run.election.coordinator, trio.current_time())
+            tally = run.attestations.offer_record(signed, run.book, run.election.coordinator, trio.current_time())
         except RecordError as exc:
             self._refused(signed, exc)
+            if isinstance(exc, Fork):
+                await self._answer_fork(signed)
             return
-        await self._settled(status)
+        await self._settled(tally)
         await self._attest_if_ready()
 
     def _refused(self, signed: SignedModelRecord, exc: RecordError) -> None:
         """Count a refused record; one that breaks the run's rules (:class:`Misconduct`) signed by
         the coordinator we follow is evidence against it: we stop following it (a new term)."""
         run = self.run
+        if run.book is not None and run.book.chain.holds(signed.record):
+            return  # one we confirmed, sent again (a member's proof for a coordinator that missed it)
         if not isinstance(exc, Misconduct):
             logger.warning("%s: refused model record: %s", run.log_prefix, exc)
             if str(exc).startswith("gap") and signed.record.coordinator == run.election.coordinator:
@@ -183,38 +196,82 @@ class Attesting:
         if signed.record.coordinator == run.election.coordinator:
             run.accuse(signed.record.coordinator, str(exc))
 
-    async def _attest_if_ready(self) -> None:
-        """Attest the pending record once our own state is at its step (we hashed our weights)."""
+    async def _answer_fork(self, signed: SignedModelRecord) -> None:
+        """The coordinator we follow published a record of a version this member confirmed with
+        another record of the same parent: it missed that record's quorum (its deadline passed
+        first, or attestations were lost on the way) and goes on from the model before it, which
+        splits the run for good: it confirms nothing we accept, we nothing it leads. Send it the
+        record we confirmed and the attestations that confirmed it, once per record refused: a
+        quorum it counts (it keeps the record open, protocol/_attestations.py) and confirms after
+        all, as every member that missed it does."""
         run = self.run
-        record = run.attestations.due(run.me)
-        if record is None:
+        if run.book is None or signed.record.coordinator != run.election.coordinator:
             return
-        cids = self.checkpoint_cids.get(record.step)
-        if cids is None:
-            return  # our round is still running; checkpoint_stored calls us again
-        await run.broadcast(attest(record, cids[0], cids[1], run.node.key_pair))
+        chain, record = run.book.chain, signed.record
+        if not 1 <= record.version <= chain.version or record_id(record) in self._answered:
+            return
+        if record.parent != (chain.records[record.version - 2].record.model_cid if record.version > 1
+                             else chain.initial_cid):
+            return  # not a sibling of ours: its chain parted from ours earlier, past what one record mends
+        self._answered.append(record_id(record))
+        held, proof = chain.records[record.version - 1], chain.proofs[record.version - 1]
+        logger.warning("%s: the coordinator %s published model record v%d (step %d) while this member confirmed "
+                       "another v%d (step %d) with %d attestations: sending it that record and its proof",
+                       run.log_prefix, short_id(record.coordinator), record.version, record.step,
+                       record.version, held.record.step, len(proof))
+        await run.node.publish(run.topic, held)
+        for attestation in proof:
+            await run.node.publish(run.topic, attestation)
+
+    async def _attest_if_ready(self) -> None:
+        """Attest the records we owe once our own state is at their step (we hashed our weights),
+        unless our state is a record's and an attestation of ours binds us to its sibling."""
+        run = self.run
+        for record in run.attestations.owed(run.me):
+            cids = self.checkpoint_cids.get(record.step)
+            if cids is None:
+                continue  # our round is still running (checkpoint_stored calls us again), or long past
+            now = trio.current_time()
+            if cids == (record.model_cid, record.optimizer_cid):
+                bound = run.attestations.bound_to(record, now)
+                if bound is not None:
+                    self._withhold(record, bound, now)
+                    continue
+                run.attestations.attesting(record, now)
+            await run.broadcast(attest(record, cids[0], cids[1], run.node.key_pair))
+
+    def _withhold(self, record: ModelRecord, bound: tuple[str, float], now: float) -> None:
+        if self._withheld != record_id(record):
+            self._withheld = record_id(record)
+            logger.warning("%s: not attesting model record v%d (step %d): this member attested another v%d "
+                           "%.0f s ago (record %s), which a quorum may still confirm elsewhere", self.run.log_prefix,
+                           record.version, record.step, record.version, now - bound[1], bound[0][:12])
 
     async def on_attestation(self, signed: SignedAttestation) -> None:
         try:
-            status = self.run.attestations.add(signed)
+            tally = self.run.attestations.add(signed)
         except RecordError as exc:
             logger.warning("%s: refused attestation: %s", self.run.log_prefix, exc)
             return
         logger.debug("%s: attestation of v%d from %s: %s", self.run.log_prefix, signed.attestation.version,
-                     short_id(signed.attestation.attester), "early" if status is None else status.value)
-        await self._settled(status)
+                     short_id(signed.attestation.attester), "early" if tally is None else tally.status.value)
+        await self._settled(tally)
 
     async def expire(self, now: float) -> None:
         """A pending record short of a quorum of attestations by its deadline is rejected."""
         await self._settled(self.run.attestations.expire(now))
 
-    async def _settled(self, status: Status | None) -> None:
+    async def _settled(self, tally: Tally | None) -> None:
         """Act on what counting decided: append a confirmed record, open the barrier on a rejection;
-        then take up the record kept for after it (overlap mode) and attest it."""
+        then take up the record kept for after it (overlap mode) and attest it. An open record's
+        late quorum goes to :meth:`_confirmed_late`."""
         run = self.run
-        tally = run.attestations.tally
         if tally is None or run.book is None:
             return
+        if tally is not run.attestations.tally:
+            self._confirmed_late(tally)
+            return
+        status = tally.status
         if status is Status.CONFIRMED and run.book.chain.version < tally.record.version:
             self._confirm(tally)
         elif status is Status.REJECTED:
@@ -228,13 +285,40 @@ class Attesting:
         if run.attestations.next is None or run.book is None:
             return
         try:
-            status = run.attestations.take_next(run.book, run.election.coordinator, trio.current_time())
+            following = run.attestations.take_next(run.book, run.election.coordinator, trio.current_time())
         except RecordError as exc:
             logger.warning("%s: refused the model record kept for after v%d: %s", run.log_prefix,
                            tally.record.version, exc)
             return
-        await self._settled(status)
+        await self._settled(following)
         await self._attest_if_ready()
+
+    def _confirmed_late(self, tally: Tally) -> None:
+        """An open record (one this member's deadline rejected, or one a member sent with its proof)
+        reached its quorum: it is the run's record of its version, confirmed by the same signed
+        attestations as wherever it was confirmed in time. It joins the chain if it still extends
+        it; the pending record of that version (a sibling: the coordinator's next checkpoint, taken
+        up before the quorum came) is set aside and its checkpoint counts as rejected, so the next
+        one extends the record confirmed now."""
+        run = self.run
+        _, book = run.require()
+        if tally.status is not Status.CONFIRMED or book.chain.version >= tally.record.version:
+            return
+        try:
+            book.chain.check(tally.signed)
+        except RecordError as exc:
+            logger.info("%s: a late quorum for model record v%d that no longer extends the chain: %s",
+                        run.log_prefix, tally.record.version, exc)
+            return
+        logger.warning("%s: model record v%d (step %d) confirmed late, after this member had gone on without it: "
+                       "the run's v%d", run.log_prefix, tally.record.version, tally.record.step, tally.record.version)
+        self._confirm(tally)
+        sibling = run.attestations.confirmed_late(tally, book.chain.version)
+        if sibling is not None:
+            logger.warning("%s: model record v%d (step %d) set aside: the run confirmed another v%d",
+                           run.log_prefix, sibling.record.version, sibling.record.step, sibling.record.version)
+            book.rejected_step = max(book.rejected_step or 0, sibling.record.step)
+        self._settle_news.set()
 
     def _outvoted(self, tally: Tally) -> None:
         """A rejected record that a quorum of its plan's members computed otherwise (their signed
