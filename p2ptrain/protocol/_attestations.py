@@ -86,9 +86,9 @@ class Attestations:
         one (nothing new). Raises :class:`RecordError` (one line, the reason) when it is refused: it
         does not extend ``book``'s chain (or its signer's election does not hold up), names other
         members than its span's plan (or no plan of its span is known here: its quorum cannot be
-        counted), or, taken up as the pending record, is not signed by ``coordinator`` (when we know
-        one). One that comes while another is pending is kept open (:attr:`open`): a member that
-        confirmed it sends it to a coordinator that missed its quorum.
+        counted), or is not signed by ``coordinator`` (when we know one: records are taken from the
+        coordinator only). One that comes while another is pending is kept open (:attr:`open`): a
+        member that confirmed it sends it to a coordinator that missed its quorum.
         """
         self.open = [t for t in self.open if t.record.version > book.chain.version]
         if self.pending and self._extends_pending(signed, coordinator):
@@ -97,7 +97,7 @@ class Attestations:
         if self._tally_of(record_id(signed.record)) is not None:
             return None
         record = book.chain.check(signed)
-        if not self.pending and coordinator is not None and record.coordinator != coordinator:
+        if coordinator is not None and record.coordinator != coordinator:
             raise RecordError(f"model record v{record.version} from {short_id(record.coordinator)}, not the coordinator")
         members = book.span_members(record)
         if members is None:

@@ -133,7 +133,9 @@ def test_a_second_record_while_one_is_pending_is_kept_open_and_never_due():
     signed = signed_record()
     att.offer_record(signed, book, PEERS[0], 0.0)
     assert att.offer_record(signed, book, PEERS[0], 1.0) is None  # the same one again: nothing new
-    other = signed_record(model_cid="Qmother", key=KEYS[1])  # not even the coordinator's: counted only
+    with pytest.raises(RecordError, match="not the coordinator"):  # records come from the coordinator only
+        att.offer_record(signed_record(model_cid="Qmother", key=KEYS[1]), book, PEERS[0], 1.0)
+    other = signed_record(model_cid="Qmother")
     kept = att.offer_record(other, book, PEERS[0], 1.0)
     assert kept is not None and att.open == [kept] and att.tally.record == signed.record
     assert att.offer_record(other, book, PEERS[0], 1.5) is None
