@@ -27,6 +27,18 @@ planned in. A member that keeps reporting is treated like any member that keeps 
 quarantined each time, struck only when it also took part in no round and cast no vote lately
 (docs/security.md, "Step aborts").
 
+The same holds for the checkpoint at a span's end, a gather of every member's signed stage
+statement (run/_stage_checkpoints.py) that a member joins only once its last step completed: a
+member of the plan that reports the span's last round failed (a split completion: the others
+stepped, it did not) never sends its statement, so nobody can complete that gather either. The
+others waited for it the gather's start timeout (15 s), and the coordinator's retry, planned at
+once, failed at members still waiting there (not yet rolled back): one more retry. Now a member
+leaves the gather when such a report comes before every member joined it
+(:meth:`StepAborts.begin_checkpoint`), whatever the report's reason, if the reporter has not joined
+it a grace later (run/_step_window.py): a false report, whose sender sent its statement after all,
+ends nothing (it is judged once the record is confirmed), and a member that withholds its statement
+could end the checkpoint anyway (at the cost of the others' start timeout).
+
 Pure: the caller hands in the plan it follows, the reports and where its step stands; no clock is
 needed (the quarantine's is the book's).
 """
@@ -60,20 +72,30 @@ class StepAborts:
         self._plan: tuple[str, int, int, int] | None = None  # (task, term, first round, attempt): whose record
         self._absent: dict[int, str] = {}  # a round of that plan -> the first member that said it takes no part
         self._open: int | None = None  # the round of that plan whose step this member may still leave
+        self._lost_last: str | None = None  # the first member of that plan that reported its last round failed
+        self._gathering = False  # whether this member may still leave that plan's checkpoint gather
 
     def report(self, plan: RoundPlan | None, reporter: str, report: RoundFailed) -> str | None:
         """``reporter``'s signed failure report while this member follows ``plan`` (a pipelined plan:
         None or another plan counts nothing). Returns the member to name when this member must leave
         its step now: ``reporter``, a member of ``plan`` other than this one, said it takes no part in
         the step of ``report.round``, the one this member may still leave. A report for a step this
-        member has not begun is kept for :meth:`begin`."""
-        if plan is None or plan.stages is None or not says_absent(report.reason):
+        member has not begun is kept for :meth:`begin`. While this member may still leave the checkpoint
+        gather of ``plan`` (:meth:`begin_checkpoint`): the member to name when ``reporter`` reported the
+        span's last round failed, for any reason."""
+        if plan is None or plan.stages is None:
             return None
         if (report.task_cid, report.term, report.attempt) != (plan.task_cid, plan.term, plan.attempt):
             return None
         if reporter == self.me or reporter not in plan.members or not plan.round <= report.round < plan.round + plan.rounds:
             return None
         self._keep(plan)
+        if report.round == plan.round + plan.rounds - 1 and self._lost_last is None:
+            self._lost_last = reporter
+        if self._gathering:
+            return self._lost_last
+        if not says_absent(report.reason):
+            return None
         self._absent.setdefault(report.round, reporter)  # at most plan.rounds entries, one plan's
         return self._absent[report.round] if self._open == report.round else None
 
@@ -85,13 +107,22 @@ class StepAborts:
         self._open = plan.round + index
         return self._absent.get(self._open)
 
+    def begin_checkpoint(self, plan: RoundPlan) -> str | None:
+        """This member's last step of ``plan``'s span completed and it joins the checkpoint's gather: it
+        may leave it until :meth:`close`. Returns the member that already reported the span's last
+        round failed (then leave at once, naming it), or None."""
+        self._keep(plan)
+        self._open, self._gathering = None, True
+        return self._lost_last
+
     def close(self) -> None:
-        """Every member joined this member's step summary (its round opened here, before this member
-        sends anything in it): no report ends the step any more."""
-        self._open = None
+        """Every member joined this member's step summary or checkpoint gather (its round opened here,
+        before this member sends anything in it): no report ends it any more."""
+        self._open, self._gathering = None, False
 
     def _keep(self, plan: RoundPlan) -> None:
         """Keep the record of ``plan``: that of an earlier plan goes (its steps are not run again)."""
         key = (plan.task_cid, plan.term, plan.round, plan.attempt)
         if key != self._plan:
             self._plan, self._absent, self._open = key, {}, None
+            self._lost_last, self._gathering = None, False

@@ -38,6 +38,7 @@ from p2ptrain.protocol import (buffers_round_id, check_statement, plan_cut, Reco
 from p2ptrain.protocol.signing import SignatureError
 from p2ptrain.run._run_state import RunState
 from p2ptrain.run._stage_trainer import StagedTrainer
+from p2ptrain.run._step_window import StepWindow
 from p2ptrain.training import (check_stage_signatures, ManifestError, manifest_bytes, MAX_MANIFEST_BYTES,
                                read_manifest, StageFile, TrainerError)
 from p2ptrain.wire import (MAX_STATEMENT_BYTES, ModelRecord, read_statement, RoundPlan, SignedStageStatement,
@@ -50,11 +51,12 @@ logger = logging.getLogger(__name__)
 FETCH_TIMEOUT_S = 60.0
 
 
-async def store_stage_checkpoint(run: RunState, plan: RoundPlan, stage: int, *, timeout: float,
+async def store_stage_checkpoint(run: RunState, plan: RoundPlan, stage: int, window: StepWindow, *, timeout: float,
                                  start_timeout: float) -> str | None:
     """Store this member's stage files at the end of ``plan``, sign them as its stage's, learn every
     stage's from a quorum of its replicas and store the manifest: its CID (the record's model and
-    optimizer CID), or None when the gather failed or a stage has no quorum (no checkpoint)."""
+    optimizer CID), or None when the gather failed or a stage has no quorum (no checkpoint). The
+    gather is left at once when a member reports the span's last round failed (``window``)."""
     trainer, _ = run.require()
     assert isinstance(trainer, StagedTrainer)
     store = run.content.store
@@ -65,9 +67,10 @@ async def store_stage_checkpoint(run: RunState, plan: RoundPlan, stage: int, *, 
     mine = sign_statement(run.task_cid, step, stage, own, run.node.key_pair)
     members = [ID.from_base58(m) for m in plan.members]
     try:
-        parts = await run.collective.gather(statement_bytes(mine), members, buffers_round_id(plan),
-                                            max_bytes=MAX_STATEMENT_BYTES, check=lambda member, raw: None,
-                                            timeout=timeout, start_timeout=start_timeout)
+        async with window.checkpoint(plan):
+            parts = await run.collective.gather(statement_bytes(mine), members, buffers_round_id(plan),
+                                                max_bytes=MAX_STATEMENT_BYTES, check=lambda member, raw: None,
+                                                timeout=timeout, start_timeout=start_timeout, joined=window.joined)
     except CollectiveError as exc:
         logger.warning("%s: gathering the stages' statements at step %d failed (%s); no checkpoint this span",
                        run.log_prefix, step, exc)

@@ -446,5 +446,5 @@ class StageRounds:
         """At the end of ``plan``'s span: this member's stage files stored and the manifest of every
         stage's (run/_stage_checkpoints.py); its CID, or None when the gather failed or a stage had
         no quorum of its replicas' signatures."""
-        return await store_stage_checkpoint(self.run, plan, self.stage_of(plan), timeout=self.hop_timeout,
+        return await store_stage_checkpoint(self.run, plan, self.stage_of(plan), self.window, timeout=self.hop_timeout,
                                             start_timeout=self.start_timeout)

@@ -1,4 +1,5 @@
-"""Leaving a pipelined step at once when a member of its plan says it takes no part in it: the runtime
+"""Leaving a pipelined step at once when a member of its plan says it takes no part in it, and a span's
+checkpoint gather when a member reports the span's last round failed: the runtime
 of :class:`~p2ptrain.protocol.StepAborts` (which reports count, and why leaving is safe only until
 the step's summary opens here, is that module's docstring).
 
@@ -13,6 +14,7 @@ coordinator's retry goes on without it.
 
 from __future__ import annotations
 
+import math
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -24,6 +26,11 @@ from p2ptrain.protocol import StepAborts
 from p2ptrain.run._run_state import RunState
 from p2ptrain.wire import RoundFailed, RoundPlan
 
+# How long a member still waits at a span's checkpoint gather for a member that reported the span's
+# last round failed: an honest one never joins it (it holds the step before); one whose report was
+# false and that sent its statement after all joins within moments of the others.
+CHECKPOINT_GRACE_S = 3.0
+
 
 class StepWindow:
     """One member's pipelined steps, each one it may still leave, step after step, plan after plan."""
@@ -33,6 +40,7 @@ class StepWindow:
         self._aborts = StepAborts(run.me)
         self._scope: trio.CancelScope | None = None  # the step's, while it runs
         self._culprit: str | None = None  # the member this member left that step for
+        self._graced = False  # whether the body is a checkpoint gather (left after CHECKPOINT_GRACE_S)
 
     def on_report(self, plan: RoundPlan | None, reporter: str, report: RoundFailed) -> None:
         """A signed failure report while this member follows ``plan``: leave the step now when its
@@ -40,12 +48,22 @@ class StepWindow:
         culprit = self._aborts.report(plan, reporter, report)
         if culprit is not None and self._scope is not None:
             self._culprit = culprit
+            self._leave()
+
+    def _leave(self) -> None:
+        """Leave the step now, or the checkpoint gather if its reporter has not joined it by the grace."""
+        assert self._scope is not None
+        if self._graced:
+            self._scope.deadline = min(self._scope.deadline, trio.current_time() + CHECKPOINT_GRACE_S)
+        else:
             self._scope.cancel()
 
     def joined(self) -> None:
-        """Every member joined the step's summary here (before this member sends anything in it):
-        no report ends the step any more (Collective.gather's ``joined``)."""
+        """Every member joined the step's summary or checkpoint gather here (before this member sends
+        anything in it): no report ends it any more (Collective.gather's ``joined``)."""
         self._aborts.close()
+        if self._graced and self._scope is not None:
+            self._scope.deadline = math.inf  # (the reporter joined after all: the gather goes on)
 
     @asynccontextmanager
     async def open(self, plan: RoundPlan, index: int, summary_id: int) -> AsyncIterator[None]:
@@ -68,3 +86,27 @@ class StepWindow:
         ring = [ID.from_base58(m) for m in plan.members]
         await self.run.collective.hub.broadcast_abort(ring, summary_id, culprit, reason, tell_culprit=False)
         raise PeerFailed(culprit, reason)
+
+    @asynccontextmanager
+    async def checkpoint(self, plan: RoundPlan) -> AsyncIterator[None]:
+        """The checkpoint gather at the end of ``plan``'s span as a body this member leaves when a member
+        of the plan reports the span's last round failed, already or until every member joined the
+        gather (:meth:`joined`), and has not joined it CHECKPOINT_GRACE_S later: its statement never
+        comes, so no member completes the gather, and waiting out its start timeout only delayed
+        the retry (:class:`PeerFailed` names it). The grace keeps a false report from ending a
+        checkpoint whose reporter sent its statement after all (protocol/_failure_reports.py judges
+        it once the record is confirmed)."""
+        self._culprit = self._aborts.begin_checkpoint(plan)
+        with trio.CancelScope() as scope:
+            self._scope, self._graced = scope, True
+            if self._culprit is not None:
+                self._leave()
+            try:
+                yield
+            finally:
+                self._scope, self._graced = None, False
+                self._aborts.close()
+        if scope.cancelled_caught and self._culprit is not None:
+            raise PeerFailed(ID.from_base58(self._culprit),
+                             f"reported round {plan.round + plan.rounds - 1} (attempt {plan.attempt}) failed: "
+                             "its stage statement will not come")

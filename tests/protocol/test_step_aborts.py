@@ -75,3 +75,23 @@ def test_a_new_plan_starts_a_new_record():
     for i in range(100):
         aborts.report(retry, B, failed(attempt=2, round=4 + i % 2))
     assert len(aborts._absent) <= retry.rounds
+
+
+def test_a_member_reporting_the_spans_last_round_failed_ends_the_checkpoint_gather_until_it_opens():
+    """A split completion at the span's last step (round 5 of PLAN): the reporter never sends its stage
+    statement, so no member completes the checkpoint gather; any reason counts there."""
+    lost = failed(round=5, reason="peer b failed: the last hop timed out")
+    aborts = StepAborts(ME)
+    aborts.begin(PLAN, 1)
+    assert aborts.report(PLAN, A, lost) is None  # its step: it took part (the summary decides)
+    aborts.close()
+    assert aborts.begin_checkpoint(PLAN) == A  # reported before this member got to the gather
+    assert aborts.report(PLAN, B, lost) == A  # the first one named
+    aborts.close()  # every member joined the gather (the report was false): it completes or fails alone
+    assert aborts.report(PLAN, B, lost) is None
+    fresh = StepAborts(ME)
+    assert fresh.begin_checkpoint(PLAN) is None
+    assert fresh.report(PLAN, A, failed(round=4, reason="peer b failed: x")) is None  # not the last round
+    assert fresh.report(PLAN, STRANGER, lost) is None and fresh.report(PLAN, A, replace(lost, attempt=0)) is None
+    assert fresh.report(PLAN, B, lost) == B
+    assert fresh.begin_checkpoint(replace(PLAN, attempt=2)) is None  # the retry's gather: a new record
