@@ -90,7 +90,7 @@ class Attestations:
         coordinator only). One that comes while another is pending is kept open (:attr:`open`): a
         member that confirmed it sends it to a coordinator that missed its quorum.
         """
-        self.open = [t for t in self.open if t.record.version > book.chain.version]
+        self._passed(book.chain.version)
         if self.pending and self._extends_pending(signed, coordinator):
             self.next = signed
             return None
@@ -118,6 +118,8 @@ class Attestations:
                 tally.add(early)
             except RecordError as exc:
                 log.warning("task %s: refused attestation: %s", record.task_cid[:12], exc)
+        if tally is self.tally and tally.status is Status.CONFIRMED:
+            self._passed(record.version)
         return tally
 
     def _extends_pending(self, signed: SignedModelRecord, coordinator: str | None) -> bool:
@@ -149,7 +151,9 @@ class Attestations:
             self._keep_early(signed)
             return None
         tally.add(signed)
-        if tally is not self.tally and _ruled_out(tally):
+        if tally is self.tally and tally.status is Status.CONFIRMED:
+            self._passed(tally.record.version)
+        elif tally is not self.tally and _ruled_out(tally):
             self.open.remove(tally)
             self._release(tally)
         return tally
@@ -223,6 +227,18 @@ class Attestations:
                 return tally
         return None
 
+    def _passed(self, version: int) -> None:
+        """Records up to ``version`` are settled here: forget the open ones (siblings that can no
+        longer extend the chain) and the early attestations of any record of such a version.
+        An open sibling outliving the pending record's confirmation stayed owed, and once the
+        binding lapsed this member attested a sibling of the record it confirmed (a second
+        verifiable record of that version, of honest attestations); an early attestation of a
+        settled record (the last member's, after the quorum; a fork answer's proof) held its slot
+        for good, and after MAX_EARLY_RECORDS of them every early attestation was dropped."""
+        self.open = [t for t in self.open if t.record.version > version]
+        self._early = {rid: kept for rid, held in self._early.items()
+                       if (kept := [a for a in held if a.attestation.version > version])}
+
     def _keep_open(self, tally: Tally) -> None:
         self.open.append(tally)
         del self.open[:-MAX_OPEN]
@@ -230,6 +246,12 @@ class Attestations:
     def _keep_early(self, signed: SignedAttestation) -> None:
         record_id = signed.attestation.record_id
         kept = self._early.get(record_id)
+        if kept is None and len(self._early) >= MAX_EARLY_RECORDS:
+            # Full: the record furthest ahead gives way to a nearer one (the next records come
+            # first; anyone on the topic can sign attestations of records of any version to come).
+            furthest = max(self._early, key=lambda rid: self._early[rid][0].attestation.version)
+            if self._early[furthest][0].attestation.version > signed.attestation.version:
+                self.dropped_early += len(self._early.pop(furthest))
         if kept is None and len(self._early) < MAX_EARLY_RECORDS:
             kept = self._early[record_id] = []
         if kept is None or len(kept) >= MAX_EARLY_PER_RECORD:
