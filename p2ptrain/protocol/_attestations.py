@@ -26,8 +26,10 @@ next v1 was refused by it as a fork for as long as the run lasted.
 from __future__ import annotations
 
 import logging
+import math
 
 from p2ptrain.base import short_id
+from p2ptrain.protocol._lineage import Chain
 from p2ptrain.protocol._records import RecordError, Status, Tally, record_id, verify_record
 from p2ptrain.protocol._round_book import RoundBook
 from p2ptrain.wire import ModelRecord, SignedAttestation, SignedModelRecord
@@ -54,6 +56,10 @@ MAX_OPEN = 4
 # split above came seconds late), short enough that a record nobody else will ever attest (its
 # members died, or their last round failed) holds a member back for one or two checkpoints only.
 BINDING_DEADLINES = 2
+# A fork of a record this member confirmed is answered with that record and its proof (a quorum of
+# attestations) at most once per this long, whatever the version: an honest coordinator is one
+# record behind at most, and publishes one record per checkpoint.
+ANSWER_EVERY_S = ATTEST_TIMEOUT_S
 
 
 class Attestations:
@@ -263,3 +269,36 @@ class Attestations:
 def _ruled_out(tally: Tally) -> bool:
     """Whether ``tally``'s record can never be confirmed: its attestations, not a deadline, rejected it."""
     return tally.status is Status.REJECTED and not tally.expired
+
+
+class ForkAnswers:
+    """When this member answers a fork with the record it confirmed at that version and its proof.
+
+    The coordinator we follow published a sibling of a record confirmed here: it missed that
+    record's quorum and goes on from the model before it, which splits the run for good unless
+    it gets the proof (it keeps the record open and confirms it, :class:`Attestations`). An
+    answer is a quorum's worth of messages from each member that confirmed the record, so it is
+    sent for the coordinator's own publication only (the message's sender, which the mesh
+    checked: anyone could send the coordinator's signed sibling again, and each one made every
+    such member answer) and at most once per ANSWER_EVERY_S in all (per version, an elected
+    coordinator cycling siblings of more versions than were remembered got an answer for each).
+    """
+
+    def __init__(self) -> None:
+        self.last = -math.inf  # when this member last answered
+
+    def due(self, chain: Chain, signed: SignedModelRecord, sender: str, coordinator: str | None,
+            now: float) -> int | None:
+        """The version of ``chain`` to send with its proof in answer to ``signed``, refused as a
+        fork; None when no answer is due (not the coordinator's own, too soon, or its parent is
+        not ours: its chain parted from ours earlier, past what one record mends)."""
+        record = signed.record
+        if coordinator is None or sender != coordinator or record.coordinator != coordinator:
+            return None
+        if not 1 <= record.version <= chain.version or now - self.last < ANSWER_EVERY_S:
+            return None
+        parent = chain.records[record.version - 2].record.model_cid if record.version > 1 else chain.initial_cid
+        if record.parent != parent:
+            return None
+        self.last = now
+        return record.version

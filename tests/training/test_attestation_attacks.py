@@ -6,9 +6,9 @@ from dataclasses import replace
 
 import pytest
 
-from p2ptrain.protocol import ATTEST_TIMEOUT_S, Attestations, RecordError, Status, sign_record, signing
+from p2ptrain.protocol import ATTEST_TIMEOUT_S, Attestations, ForkAnswers, RecordError, Status, sign_record, signing
 from p2ptrain.protocol._lineage import attestation_problem, proof
-from p2ptrain.protocol._attestations import BINDING_DEADLINES, MAX_EARLY_RECORDS
+from p2ptrain.protocol._attestations import ANSWER_EVERY_S, BINDING_DEADLINES, MAX_EARLY_RECORDS
 from p2ptrain.wire import Attestation, SignedAttestation
 
 from .test_training_attestations import KEYS, PEERS, TASK, attestations_for, new_book, own, signed_record
@@ -98,3 +98,28 @@ def test_attestations_of_records_far_ahead_do_not_keep_out_the_next_records():
     assert att.add(first) is None and att.add(second) is None
     tally = att.offer_record(v1, book, PEERS[0], 0.0)
     assert tally is not None and tally.status is Status.CONFIRMED
+
+
+def test_a_fork_is_answered_for_the_coordinators_own_publication_once_per_period_in_all():
+    """The answer to a fork is a quorum's worth of messages from each member that confirmed the
+    record. Anyone could send the coordinator's signed sibling again (the record's sender was not
+    looked at: the mesh refuses a replayed message, not the same record in a message of one's own),
+    and an elected coordinator cycling siblings of more versions than were remembered (8) got an
+    answer for every one of its messages."""
+    book = new_book(*range(1, 12))
+    parent = book.chain.initial_cid
+    for version in range(1, 11):
+        record = signed_record(version=version, parent=parent, model_cid=f"Qmmodel{version}")
+        book.chain.append(record)
+        parent = f"Qmmodel{version}"
+    records = [r.record for r in book.chain.records]
+    siblings = [signed_record(version=r.version, parent=r.parent, model_cid="Qmsibling") for r in records]
+    answers, coordinator = ForkAnswers(), PEERS[0]
+    assert answers.due(book.chain, siblings[0], PEERS[3], coordinator, 0.0) is None  # someone else sent it again
+    assert answers.due(book.chain, siblings[0], coordinator, PEERS[1], 0.0) is None  # not the coordinator's
+    assert answers.due(book.chain, siblings[0], coordinator, coordinator, 0.0) == 1
+    assert [answers.due(book.chain, s, coordinator, coordinator, 1.0) for s in siblings] == [None] * 10
+    assert answers.due(book.chain, siblings[9], coordinator, coordinator, ANSWER_EVERY_S + 0.1) == 10
+    stranger = signed_record(version=3, parent="Qmelsewhere", model_cid="Qmsibling")
+    assert answers.due(book.chain, stranger, coordinator, coordinator, 100.0) is None  # parted earlier
+    assert answers.due(book.chain, signed_record(version=11, parent=parent), coordinator, coordinator, 100.0) is None
