@@ -77,6 +77,7 @@ class Attestations:
         self._attested: dict[tuple[int, str], tuple[str, float]] = {}  # (version, parent) -> (record id, when)
         self._early: dict[str, list[SignedAttestation]] = {}  # record id -> attestations for it
         self.dropped_early = 0  # early attestations over the bounds, not kept
+        self._settled = 0  # the last version whose early attestations were dropped (_passed)
 
     @property
     def pending(self) -> bool:
@@ -94,7 +95,8 @@ class Attestations:
         members than its span's plan (or no plan of its span is known here: its quorum cannot be
         counted), or is not signed by ``coordinator`` (when we know one: records are taken from the
         coordinator only). One that comes while another is pending is kept open (:attr:`open`): a
-        member that confirmed it sends it to a coordinator that missed its quorum.
+        member that confirmed it sends it to a coordinator that missed its quorum; refused while no
+        coordinator is known.
         """
         self._passed(book.chain.version)
         if self.pending and self._extends_pending(signed, coordinator):
@@ -105,6 +107,12 @@ class Attestations:
         record = book.chain.check(signed)
         if coordinator is not None and record.coordinator != coordinator:
             raise RecordError(f"model record v{record.version} from {short_id(record.coordinator)}, not the coordinator")
+        if coordinator is None and self.pending:
+            # Between terms: a peer elected in an earlier term (the one just given up) could have its
+            # sibling of the pending record kept open, attested, and confirmed over the pending one,
+            # while members that already follow the next coordinator refuse it.
+            raise RecordError(f"model record v{record.version} from {short_id(record.coordinator)} while another "
+                              "is pending and no coordinator is known here: not kept open")
         members = book.span_members(record)
         if members is None:
             raise RecordError(f"model record v{record.version}: no plan of its span (round {record.round}, "
@@ -218,6 +226,7 @@ class Attestations:
         self.tally = None
         self.next = None
         self.open = []
+        self._settled = 0
 
     @staticmethod
     def _lapsed(held: tuple[str, float], now: float) -> bool:
@@ -242,8 +251,10 @@ class Attestations:
         settled record (the last member's, after the quorum; a fork answer's proof) held its slot
         for good, and after MAX_EARLY_RECORDS of them every early attestation was dropped."""
         self.open = [t for t in self.open if t.record.version > version]
-        self._early = {rid: kept for rid, held in self._early.items()
-                       if (kept := [a for a in held if a.attestation.version > version])}
+        if version > self._settled:  # (each attestation kept looked at once per version, not per message)
+            self._settled = version
+            self._early = {rid: kept for rid, held in self._early.items()
+                           if (kept := [a for a in held if a.attestation.version > version])}
 
     def _keep_open(self, tally: Tally) -> None:
         self.open.append(tally)

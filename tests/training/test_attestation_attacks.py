@@ -123,3 +123,18 @@ def test_a_fork_is_answered_for_the_coordinators_own_publication_once_per_period
     stranger = signed_record(version=3, parent="Qmelsewhere", model_cid="Qmsibling")
     assert answers.due(book.chain, stranger, coordinator, coordinator, 100.0) is None  # parted earlier
     assert answers.due(book.chain, signed_record(version=11, parent=parent), coordinator, coordinator, 100.0) is None
+
+
+def test_between_terms_no_record_is_kept_open_beside_the_pending_one():
+    """A member between terms (its coordinator fell silent or was caught breaking the rules) knows no
+    coordinator to take records from. A peer elected in an earlier term (the one just given up)
+    signed a sibling of the pending record: it was kept open, owed, attested by every member whose
+    state it names, and its late quorum set the pending record aside, while members that already
+    followed the next coordinator refused it."""
+    book, att = new_book(), Attestations()
+    v1 = signed_record()
+    att.offer_record(v1, book, PEERS[0], 0.0)
+    earlier = signed_record(model_cid="Qmother", key=KEYS[1])
+    with pytest.raises(RecordError, match="no coordinator"):
+        att.offer_record(earlier, book, None, 1.0)
+    assert att.open == [] and att.owed(PEERS[2]) == [v1.record]
