@@ -30,7 +30,7 @@ import math
 
 from p2ptrain.base import short_id
 from p2ptrain.protocol._lineage import Chain
-from p2ptrain.protocol._records import RecordError, Status, Tally, record_id, verify_record
+from p2ptrain.protocol._records import RecordError, Status, Tally, record_id, verify_attestation, verify_record
 from p2ptrain.protocol._round_book import RoundBook
 from p2ptrain.wire import ModelRecord, SignedAttestation, SignedModelRecord
 
@@ -156,13 +156,17 @@ class Attestations:
             return None
         return self.offer_record(signed, book, coordinator, now)
 
-    def add(self, signed: SignedAttestation) -> Tally | None:
+    def add(self, signed: SignedAttestation, book: RoundBook | None = None) -> Tally | None:
         """Count one attestation: the tally it counted in (the pending record's or an open one's),
-        or None when its record has not come (kept for it, within the bounds). Raises
+        or None when its record has not come (kept for it, within the bounds; with ``book``, only
+        a signed one of a version past its chain's, by a member of a span plan known here). Raises
         :class:`RecordError` for one that is invalid or not from the record's members."""
         tally = self._tally_of(signed.attestation.record_id)
         if tally is None:
-            self._keep_early(signed)
+            if book is None or _may_come(signed, book):
+                self._keep_early(signed)
+            else:
+                self.dropped_early += 1
             return None
         tally.add(signed)
         if tally is self.tally and tally.status is Status.CONFIRMED:
@@ -275,6 +279,18 @@ class Attestations:
             self.dropped_early += 1
             return
         kept.append(signed)
+
+
+def _may_come(signed: SignedAttestation, book: RoundBook) -> bool:
+    """Whether an attestation whose record has not come here may be counted when it comes: of a
+    version past the chain's, signed by a member of a span plan this member holds (a record of
+    another span is never taken up). Anyone on the topic can sign attestations of made-up records:
+    eight of them a checkpoint kept every early attestation out."""
+    att = signed.attestation
+    if att.version <= book.chain.version or not any(att.attester in p.members for p in book.span_plans.values()):
+        return False
+    verify_attestation(signed)  # (the attester named is who signed it)
+    return True
 
 
 def _ruled_out(tally: Tally) -> bool:

@@ -244,7 +244,7 @@ class Attesting:
 
     async def on_attestation(self, signed: SignedAttestation) -> None:
         try:
-            tally = self.run.attestations.add(signed)
+            tally = self.run.attestations.add(signed, self.run.book)
         except RecordError as exc:
             logger.warning("%s: refused attestation: %s", self.run.log_prefix, exc)
             return

@@ -138,3 +138,28 @@ def test_between_terms_no_record_is_kept_open_beside_the_pending_one():
     with pytest.raises(RecordError, match="no coordinator"):
         att.offer_record(earlier, book, None, 1.0)
     assert att.open == [] and att.owed(PEERS[2]) == [v1.record]
+
+
+def test_only_signed_attestations_of_planned_members_are_kept_early():
+    """Anyone on the topic (a key of its own, or a member's name and no valid signature) signs
+    attestations of made-up records of the next version, as many as there are slots, again at each
+    checkpoint: no early attestation of the span's members was kept."""
+    book, att = new_book(), Attestations()
+    outsider = KEYS[3]
+    for i in range(MAX_EARLY_RECORDS):
+        body = Attestation(task_cid=TASK, version=1, record_id=f"{i:064x}", model_cid="Qm", optimizer_cid="Qm",
+                           attester=PEERS[3])
+        att.add(SignedAttestation(attestation=body, signature=signing.sign(body, outsider)), book)
+        forged = Attestation(**{**vars(body), "attester": PEERS[1], "record_id": f"{i + 100:064x}"})
+        with pytest.raises(RecordError):
+            att.add(SignedAttestation(attestation=forged, signature=signing.sign(forged, outsider)), book)
+    assert att.dropped_early == MAX_EARLY_RECORDS and att._early == {}
+    v1 = signed_record()
+    first, second, _ = attestations_for(v1)
+    assert att.add(first, book) is None and att.add(second, book) is None
+    tally = att.offer_record(v1, book, PEERS[0], 0.0)
+    assert tally is not None and tally.status is Status.CONFIRMED
+    book.chain.append(v1, tuple(tally.matching.values()))
+    dropped = att.dropped_early
+    assert att.add(own(signed_record(model_cid="Qmother"), PEERS[1]), book) is None
+    assert att.dropped_early == dropped + 1 and att._early == {}  # of a settled version: not kept
