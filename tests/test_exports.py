@@ -91,7 +91,8 @@ EXPORTS: dict[str, list[str]] = {
     ],
     "p2ptrain.protocol": [
         "ATTEST_TIMEOUT_S", "AssignmentError", "Attestations", "CANNOT_FOLLOW", "Chain", "ChainRules", "ClassClaims", "Classes",
-        "Convictions", "Election", "ElectionConfig", "ElectionMessage", "Fork", "HeadAsking", "HeadOffers", "HeldPlans", "Hold",
+        "Convictions", "Election", "ElectionConfig", "ElectionMessage", "Fork", "ForkAnswers", "HeadAsking", "HeadOffers",
+        "HeldPlans", "Hold",
         "LoneFailures",
         "MAX_CHAIN_BYTES",
         "MAX_STATEMENT_BYTES", "Misconduct", "NO_TRAINING_DATA", "OUT_OF_STEP", "Participation", "RECUT_MARGIN",

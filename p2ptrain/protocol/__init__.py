@@ -30,7 +30,11 @@ if TYPE_CHECKING:
         median_micros as median_micros,
         StageTimes as StageTimes,
     )
-    from p2ptrain.protocol._attestations import ATTEST_TIMEOUT_S as ATTEST_TIMEOUT_S, Attestations as Attestations
+    from p2ptrain.protocol._attestations import (
+        ATTEST_TIMEOUT_S as ATTEST_TIMEOUT_S,
+        Attestations as Attestations,
+        ForkAnswers as ForkAnswers,
+    )
     from p2ptrain.protocol._candidacy import won_alone as won_alone
     from p2ptrain.protocol._class_claims import ClassClaims as ClassClaims, term_candidate as term_candidate
     from p2ptrain.protocol._election import (

@@ -26,9 +26,11 @@ next v1 was refused by it as a fork for as long as the run lasted.
 from __future__ import annotations
 
 import logging
+import math
 
 from p2ptrain.base import short_id
-from p2ptrain.protocol._records import RecordError, Status, Tally, record_id, verify_record
+from p2ptrain.protocol._lineage import Chain
+from p2ptrain.protocol._records import RecordError, Status, Tally, record_id, verify_attestation, verify_record
 from p2ptrain.protocol._round_book import RoundBook
 from p2ptrain.wire import ModelRecord, SignedAttestation, SignedModelRecord
 
@@ -54,6 +56,10 @@ MAX_OPEN = 4
 # split above came seconds late), short enough that a record nobody else will ever attest (its
 # members died, or their last round failed) holds a member back for one or two checkpoints only.
 BINDING_DEADLINES = 2
+# A fork of a record this member confirmed is answered with that record and its proof (a quorum of
+# attestations) at most once per this long, whatever the version: an honest coordinator is one
+# record behind at most, and publishes one record per checkpoint.
+ANSWER_EVERY_S = ATTEST_TIMEOUT_S
 
 
 class Attestations:
@@ -71,6 +77,7 @@ class Attestations:
         self._attested: dict[tuple[int, str], tuple[str, float]] = {}  # (version, parent) -> (record id, when)
         self._early: dict[str, list[SignedAttestation]] = {}  # record id -> attestations for it
         self.dropped_early = 0  # early attestations over the bounds, not kept
+        self._settled = 0  # the last version whose early attestations were dropped (_passed)
 
     @property
     def pending(self) -> bool:
@@ -88,9 +95,10 @@ class Attestations:
         members than its span's plan (or no plan of its span is known here: its quorum cannot be
         counted), or is not signed by ``coordinator`` (when we know one: records are taken from the
         coordinator only). One that comes while another is pending is kept open (:attr:`open`): a
-        member that confirmed it sends it to a coordinator that missed its quorum.
+        member that confirmed it sends it to a coordinator that missed its quorum; refused while no
+        coordinator is known.
         """
-        self.open = [t for t in self.open if t.record.version > book.chain.version]
+        self._passed(book.chain.version)
         if self.pending and self._extends_pending(signed, coordinator):
             self.next = signed
             return None
@@ -99,6 +107,12 @@ class Attestations:
         record = book.chain.check(signed)
         if coordinator is not None and record.coordinator != coordinator:
             raise RecordError(f"model record v{record.version} from {short_id(record.coordinator)}, not the coordinator")
+        if coordinator is None and self.pending:
+            # Between terms: a peer elected in an earlier term (the one just given up) could have its
+            # sibling of the pending record kept open, attested, and confirmed over the pending one,
+            # while members that already follow the next coordinator refuse it.
+            raise RecordError(f"model record v{record.version} from {short_id(record.coordinator)} while another "
+                              "is pending and no coordinator is known here: not kept open")
         members = book.span_members(record)
         if members is None:
             raise RecordError(f"model record v{record.version}: no plan of its span (round {record.round}, "
@@ -118,6 +132,8 @@ class Attestations:
                 tally.add(early)
             except RecordError as exc:
                 log.warning("task %s: refused attestation: %s", record.task_cid[:12], exc)
+        if tally is self.tally and tally.status is Status.CONFIRMED:
+            self._passed(record.version)
         return tally
 
     def _extends_pending(self, signed: SignedModelRecord, coordinator: str | None) -> bool:
@@ -140,16 +156,22 @@ class Attestations:
             return None
         return self.offer_record(signed, book, coordinator, now)
 
-    def add(self, signed: SignedAttestation) -> Tally | None:
+    def add(self, signed: SignedAttestation, book: RoundBook | None = None) -> Tally | None:
         """Count one attestation: the tally it counted in (the pending record's or an open one's),
-        or None when its record has not come (kept for it, within the bounds). Raises
+        or None when its record has not come (kept for it, within the bounds; with ``book``, only
+        a signed one of a version past its chain's, by a member of a span plan known here). Raises
         :class:`RecordError` for one that is invalid or not from the record's members."""
         tally = self._tally_of(signed.attestation.record_id)
         if tally is None:
-            self._keep_early(signed)
+            if book is None or _may_come(signed, book):
+                self._keep_early(signed)
+            else:
+                self.dropped_early += 1
             return None
         tally.add(signed)
-        if tally is not self.tally and _ruled_out(tally):
+        if tally is self.tally and tally.status is Status.CONFIRMED:
+            self._passed(tally.record.version)
+        elif tally is not self.tally and _ruled_out(tally):
             self.open.remove(tally)
             self._release(tally)
         return tally
@@ -208,6 +230,7 @@ class Attestations:
         self.tally = None
         self.next = None
         self.open = []
+        self._settled = 0
 
     @staticmethod
     def _lapsed(held: tuple[str, float], now: float) -> bool:
@@ -223,6 +246,20 @@ class Attestations:
                 return tally
         return None
 
+    def _passed(self, version: int) -> None:
+        """Records up to ``version`` are settled here: forget the open ones (siblings that can no
+        longer extend the chain) and the early attestations of any record of such a version.
+        An open sibling outliving the pending record's confirmation stayed owed, and once the
+        binding lapsed this member attested a sibling of the record it confirmed (a second
+        verifiable record of that version, of honest attestations); an early attestation of a
+        settled record (the last member's, after the quorum; a fork answer's proof) held its slot
+        for good, and after MAX_EARLY_RECORDS of them every early attestation was dropped."""
+        self.open = [t for t in self.open if t.record.version > version]
+        if version > self._settled:  # (each attestation kept looked at once per version, not per message)
+            self._settled = version
+            self._early = {rid: kept for rid, held in self._early.items()
+                           if (kept := [a for a in held if a.attestation.version > version])}
+
     def _keep_open(self, tally: Tally) -> None:
         self.open.append(tally)
         del self.open[:-MAX_OPEN]
@@ -230,6 +267,12 @@ class Attestations:
     def _keep_early(self, signed: SignedAttestation) -> None:
         record_id = signed.attestation.record_id
         kept = self._early.get(record_id)
+        if kept is None and len(self._early) >= MAX_EARLY_RECORDS:
+            # Full: the record furthest ahead gives way to a nearer one (the next records come
+            # first; anyone on the topic can sign attestations of records of any version to come).
+            furthest = max(self._early, key=lambda rid: self._early[rid][0].attestation.version)
+            if self._early[furthest][0].attestation.version > signed.attestation.version:
+                self.dropped_early += len(self._early.pop(furthest))
         if kept is None and len(self._early) < MAX_EARLY_RECORDS:
             kept = self._early[record_id] = []
         if kept is None or len(kept) >= MAX_EARLY_PER_RECORD:
@@ -238,6 +281,51 @@ class Attestations:
         kept.append(signed)
 
 
+def _may_come(signed: SignedAttestation, book: RoundBook) -> bool:
+    """Whether an attestation whose record has not come here may be counted when it comes: of a
+    version past the chain's, signed by a member of a span plan this member holds (a record of
+    another span is never taken up). Anyone on the topic can sign attestations of made-up records:
+    eight of them a checkpoint kept every early attestation out."""
+    att = signed.attestation
+    if att.version <= book.chain.version or not any(att.attester in p.members for p in book.span_plans.values()):
+        return False
+    verify_attestation(signed)  # (the attester named is who signed it)
+    return True
+
+
 def _ruled_out(tally: Tally) -> bool:
     """Whether ``tally``'s record can never be confirmed: its attestations, not a deadline, rejected it."""
     return tally.status is Status.REJECTED and not tally.expired
+
+
+class ForkAnswers:
+    """When this member answers a fork with the record it confirmed at that version and its proof.
+
+    The coordinator we follow published a sibling of a record confirmed here: it missed that
+    record's quorum and goes on from the model before it, which splits the run for good unless
+    it gets the proof (it keeps the record open and confirms it, :class:`Attestations`). An
+    answer is a quorum's worth of messages from each member that confirmed the record, so it is
+    sent for the coordinator's own publication only (the message's sender, which the mesh
+    checked: anyone could send the coordinator's signed sibling again, and each one made every
+    such member answer) and at most once per ANSWER_EVERY_S in all (per version, an elected
+    coordinator cycling siblings of more versions than were remembered got an answer for each).
+    """
+
+    def __init__(self) -> None:
+        self.last = -math.inf  # when this member last answered
+
+    def due(self, chain: Chain, signed: SignedModelRecord, sender: str, coordinator: str | None,
+            now: float) -> int | None:
+        """The version of ``chain`` to send with its proof in answer to ``signed``, refused as a
+        fork; None when no answer is due (not the coordinator's own, too soon, or its parent is
+        not ours: its chain parted from ours earlier, past what one record mends)."""
+        record = signed.record
+        if coordinator is None or sender != coordinator or record.coordinator != coordinator:
+            return None
+        if not 1 <= record.version <= chain.version or now - self.last < ANSWER_EVERY_S:
+            return None
+        parent = chain.records[record.version - 2].record.model_cid if record.version > 1 else chain.initial_cid
+        if record.parent != parent:
+            return None
+        self.last = now
+        return record.version

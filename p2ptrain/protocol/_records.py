@@ -258,7 +258,10 @@ class Tally:
     def add(self, signed: SignedAttestation) -> Status:
         """Count one attestation; raise :class:`RecordError` for one that is invalid or not for us."""
         att = verify_attestation(signed)
-        if att.record_id != self.id or att.task_cid != self.record.task_cid:
+        # The version too, as the chain's proof check does (attestation_problem): a member's matching
+        # attestation naming another version made a quorum here that Chain.append then refused
+        # (raising out of the attestation handler; the record never confirmed at that member).
+        if (att.record_id, att.task_cid, att.version) != (self.id, self.record.task_cid, self.record.version):
             raise RecordError(f"attestation by {att.attester[:16]} is for another record")
         if att.attester not in self.members:
             raise RecordError(f"attestation by {att.attester[:16]}, not a member of round {self.record.round}")

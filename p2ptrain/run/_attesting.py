@@ -20,7 +20,7 @@ from p2ptrain.pipeline import PipelineError
 from p2ptrain.base import short_id
 from p2ptrain.run._datafeed import DataFeed
 from p2ptrain.run._run_state import Nudge, RunState
-from p2ptrain.protocol import (ATTEST_TIMEOUT_S, Fork, Misconduct, RecordError, Status, Tally, attest, election_problem,
+from p2ptrain.protocol import (Fork, ForkAnswers, Misconduct, RecordError, Status, Tally, attest, election_problem,
                                own_round_lost, record_confirmed, record_id)
 from p2ptrain.run._stage_trainer import StagedTrainer
 from p2ptrain.training import StateSnapshot
@@ -36,12 +36,6 @@ SETTLE_CHECK_S = 0.5
 # Checkpoint CIDs kept for attesting: the one whose record may be pending and the one stored during
 # the next span (at most one checkpoint is unsettled: training.rounds).
 KEPT_CHECKPOINTS = 2
-# A fork of a version this member confirmed is answered with that version's proof at most once per
-# this long (a quorum of attestations, from every member that confirmed it: an elected coordinator
-# publishing siblings as fast as it can must not make each member send a quorum's worth each time);
-# an honest coordinator publishes one record per checkpoint.
-ANSWER_EVERY_S = ATTEST_TIMEOUT_S
-ANSWERED_VERSIONS = 8  # the versions whose last answer is remembered
 
 
 class Attesting:
@@ -57,7 +51,7 @@ class Attesting:
         self._settle_news = Nudge()  # a record was confirmed or rejected
         self._split_logged = 0  # the version of the last record whose split attestations were logged (_split)
         self._withheld = ""  # the id of the last record this member did not attest for its binding (logged once)
-        self._answered: dict[int, float] = {}  # version -> when a fork of it was last answered with its proof
+        self._answers = ForkAnswers()  # when a fork is answered with the record confirmed here and its proof
 
     def span_metrics(self, plan: RoundPlan) -> dict[str, float] | None:
         """At the end of ``plan``'s span, before the next one: as the coordinator of its term, the
@@ -168,7 +162,9 @@ class Attesting:
         names = ("round_compute_s", "round_sync_s", "round_apply_s", "round_bytes_sent")
         return {name: round((now[i + 1] - before[i + 1]) / rounds, 6) for i, name in enumerate(names)}
 
-    async def on_record(self, signed: SignedModelRecord) -> None:
+    async def on_record(self, signed: SignedModelRecord, sender: str) -> None:
+        """A record from ``sender`` (the mesh checked it published the message: a fork is answered
+        only when the coordinator published it itself)."""
         run = self.run
         if run.book is None or not run.synced:
             return
@@ -177,7 +173,7 @@ class Attesting:
         except RecordError as exc:
             self._refused(signed, exc)
             if isinstance(exc, Fork):
-                await self._answer_fork(signed)
+                await self._answer_fork(signed, sender)
             return
         await self._settled(tally)
         await self._attest_if_ready()
@@ -198,27 +194,22 @@ class Attesting:
         if signed.record.coordinator == run.election.coordinator:
             run.accuse(signed.record.coordinator, str(exc))
 
-    async def _answer_fork(self, signed: SignedModelRecord) -> None:
+    async def _answer_fork(self, signed: SignedModelRecord, sender: str) -> None:
         """The coordinator we follow published a record of a version this member confirmed with
         another record of the same parent: it missed that record's quorum (its deadline passed
         first, or attestations were lost on the way) and goes on from the model before it, which
         splits the run for good: it confirms nothing we accept, we nothing it leads. Send it the
-        record we confirmed and the attestations that confirmed it (once per ANSWER_EVERY_S): a
-        quorum it counts (it keeps the record open, protocol/_attestations.py) and confirms after
-        all, as every member that missed it does."""
+        record we confirmed and the attestations that confirmed it (when :class:`ForkAnswers`
+        says so): a quorum it counts (it keeps the record open, protocol/_attestations.py) and
+        confirms after all, as every member that missed it does."""
         run = self.run
-        if run.book is None or signed.record.coordinator != run.election.coordinator:
+        if run.book is None:
             return
-        chain, record, now = run.book.chain, signed.record, trio.current_time()
-        if not 1 <= record.version <= chain.version or now - self._answered.get(record.version, -math.inf) < ANSWER_EVERY_S:
+        chain, record = run.book.chain, signed.record
+        version = self._answers.due(chain, signed, sender, run.election.coordinator, trio.current_time())
+        if version is None:
             return
-        if record.parent != (chain.records[record.version - 2].record.model_cid if record.version > 1
-                             else chain.initial_cid):
-            return  # not a sibling of ours: its chain parted from ours earlier, past what one record mends
-        self._answered[record.version] = now
-        for old in sorted(self._answered)[:-ANSWERED_VERSIONS]:
-            del self._answered[old]
-        held, proof = chain.records[record.version - 1], chain.proofs[record.version - 1]
+        held, proof = chain.records[version - 1], chain.proofs[version - 1]
         logger.warning("%s: the coordinator %s published model record v%d (step %d) while this member confirmed "
                        "another v%d (step %d) with %d attestations: sending it that record and its proof",
                        run.log_prefix, short_id(record.coordinator), record.version, record.step,
@@ -253,7 +244,7 @@ class Attesting:
 
     async def on_attestation(self, signed: SignedAttestation) -> None:
         try:
-            tally = self.run.attestations.add(signed)
+            tally = self.run.attestations.add(signed, self.run.book)
         except RecordError as exc:
             logger.warning("%s: refused attestation: %s", self.run.log_prefix, exc)
             return

@@ -313,7 +313,7 @@ class TaskRun:
         await self.leading.on_election_message(sender, msg)
 
     async def _on_record(self, sender: str, msg: SignedModelRecord) -> None:
-        await self.attesting.on_record(msg)
+        await self.attesting.on_record(msg, sender)
 
     async def _on_attestation(self, sender: str, msg: SignedAttestation) -> None:
         await self.attesting.on_attestation(msg)

@@ -186,14 +186,14 @@ async def test_a_pipelined_member_that_missed_the_last_record_loads_it_and_ends_
     missed: list[str] = []
     on_record = Attesting.on_record
 
-    async def losing(self: Attesting, signed: Any) -> None:
+    async def losing(self: Attesting, signed: Any, sender: str) -> None:
         run = self.run
         plan = run.book.last_plan if run.book is not None else None
         victim = plan is not None and run.me == next(m for m in plan.members if m != run.election.coordinator)
         if victim and signed.record.step == STEPS:
             missed.append(run.me)
             return
-        await on_record(self, signed)
+        await on_record(self, signed, sender)
 
     monkeypatch.setattr(Attesting, "on_record", losing)
     runs, statuses = await _run(tmp_path, _task(STEPS))
