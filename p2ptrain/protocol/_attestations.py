@@ -94,7 +94,8 @@ class Attestations:
         does not extend ``book``'s chain (or its signer's election does not hold up), names other
         members than its span's plan (or no plan of its span is known here: its quorum cannot be
         counted), or is not signed by ``coordinator`` (when we know one: records are taken from the
-        coordinator only). One that comes while another is pending is kept open (:attr:`open`): a
+        coordinator only, but one that the attestations that came before it confirm already:
+        :meth:`_proven`). One that comes while another is pending is kept open (:attr:`open`): a
         member that confirmed it sends it to a coordinator that missed its quorum; refused while no
         coordinator is known.
         """
@@ -105,19 +106,22 @@ class Attestations:
         if self._tally_of(record_id(signed.record)) is not None:
             return None
         record = book.chain.check(signed)
+        foreign = None
         if coordinator is not None and record.coordinator != coordinator:
-            raise RecordError(f"model record v{record.version} from {short_id(record.coordinator)}, not the coordinator")
-        if coordinator is None and self.pending:
+            foreign = f"model record v{record.version} from {short_id(record.coordinator)}, not the coordinator"
+        elif coordinator is None and self.pending:
             # Between terms: a peer elected in an earlier term (the one just given up) could have its
             # sibling of the pending record kept open, attested, and confirmed over the pending one,
             # while members that already follow the next coordinator refuse it.
-            raise RecordError(f"model record v{record.version} from {short_id(record.coordinator)} while another "
-                              "is pending and no coordinator is known here: not kept open")
+            foreign = (f"model record v{record.version} from {short_id(record.coordinator)} while another "
+                       "is pending and no coordinator is known here: not kept open")
         members = book.span_members(record)
         if members is None:
-            raise RecordError(f"model record v{record.version}: no plan of its span (round {record.round}, "
+            raise RecordError(foreign or f"model record v{record.version}: no plan of its span (round {record.round}, "
                               f"term {record.term}) is known here, so its quorum cannot be counted")
         tally = Tally(signed, members)
+        if foreign is not None:
+            return self._proven(tally, foreign)
         if self.pending:
             self._keep_open(tally)
         else:
@@ -134,6 +138,24 @@ class Attestations:
                 log.warning("task %s: refused attestation: %s", record.task_cid[:12], exc)
         if tally is self.tally and tally.status is Status.CONFIRMED:
             self._passed(record.version)
+        return tally
+
+    def _proven(self, tally: Tally, refusal: str) -> Tally:
+        """A record not from the coordinator we follow (``refusal`` says why) is taken as a proof only:
+        confirmed already by a quorum of its plan's attestations that came before it, which a member
+        answering a fork sends first (run/_attesting.py). A coordinator elected after that record's
+        quorum missed it (its messages lost) refused it from the members that confirmed it, and the
+        run stayed split. Kept open, CONFIRMED, for the run to take; :class:`RecordError` otherwise
+        (never attested here, never pending: records are taken from the coordinator only)."""
+        for early in self._early.get(tally.id, []):
+            try:
+                tally.add(early)
+            except RecordError:
+                pass  # (counted once the record is taken up from the coordinator, if ever)
+        if tally.status is not Status.CONFIRMED:
+            raise RecordError(refusal)
+        del self._early[tally.id]
+        self._keep_open(tally)
         return tally
 
     def _extends_pending(self, signed: SignedModelRecord, coordinator: str | None) -> bool:

@@ -214,9 +214,11 @@ class Attesting:
                        "another v%d (step %d) with %d attestations: sending it that record and its proof",
                        run.log_prefix, short_id(record.coordinator), record.version, record.step,
                        record.version, held.record.step, len(proof))
-        await run.node.publish(run.topic, held)
+        # The attestations first: a coordinator elected after the record takes it only as a proof,
+        # confirmed by the attestations that came before it (Attestations._proven).
         for attestation in proof:
             await run.node.publish(run.topic, attestation)
+        await run.node.publish(run.topic, held)
 
     async def _attest_if_ready(self) -> None:
         """Attest the records we owe once our own state is at their step (we hashed our weights),

@@ -348,3 +348,23 @@ def test_a_record_the_deadline_rejected_and_its_members_then_ruled_out_binds_nob
     att.add(own(v1, PEERS[2], "Qmother"))
     assert tally.status is Status.REJECTED and not tally.expired
     assert att.open == [] and att.bound_to(sibling.record, 30.0) is None
+
+
+def test_a_record_not_from_the_coordinator_is_taken_only_as_a_proof_confirmed_by_what_came_before_it():
+    """A coordinator elected after v1's quorum (its own messages of v1 lost) refused v1 from the
+    members that confirmed it, as "not the coordinator", and the run stayed split. A member's fork
+    answer sends the attestations first: v1, signed by the earlier coordinator, is then taken as a
+    proof (kept open, confirmed, never owed), and only then."""
+    book, att = new_book(), Attestations()
+    v1 = signed_record(key=KEYS[1])  # the earlier coordinator's
+    with pytest.raises(RecordError, match="not the coordinator"):
+        att.offer_record(v1, book, PEERS[0], 0.0)  # no attestations came: refused as before
+    mine = signed_record(model_cid="Qmnext")  # the new coordinator's own v1, pending here
+    att.offer_record(mine, book, PEERS[0], 1.0)
+    first, second, _ = attestations_for(v1)
+    assert att.add(first) is None and att.add(second) is None  # kept: their record is not here
+    proof = att.offer_record(v1, book, PEERS[0], 2.0)
+    assert proof is not None and proof.status is Status.CONFIRMED and proof in att.open
+    assert att.owed(PEERS[2]) == [mine.record]  # never owed
+    book.chain.append(v1, tuple(proof.matching.values()))
+    assert att.confirmed_late(proof, 1) is not None and att.tally is None
