@@ -195,13 +195,10 @@ class Attesting:
             run.accuse(signed.record.coordinator, str(exc))
 
     async def _answer_fork(self, signed: SignedModelRecord, sender: str) -> None:
-        """The coordinator we follow published a record of a version this member confirmed with
-        another record of the same parent: it missed that record's quorum (its deadline passed
-        first, or attestations were lost on the way) and goes on from the model before it, which
-        splits the run for good: it confirms nothing we accept, we nothing it leads. Send it the
-        record we confirmed and the attestations that confirmed it (when :class:`ForkAnswers`
-        says so): a quorum it counts (it keeps the record open, protocol/_attestations.py) and
-        confirms after all, as every member that missed it does."""
+        """The coordinator we follow published a sibling of a record this member confirmed: it missed
+        that record's quorum (its deadline passed first, or attestations were lost), which splits
+        the run for good. Send it the attestations that confirmed the record, then the record
+        (when :class:`ForkAnswers` says so): it counts them and confirms it after all."""
         run = self.run
         if run.book is None:
             return
@@ -253,10 +250,13 @@ class Attesting:
         logger.debug("%s: attestation of v%d from %s: %s", self.run.log_prefix, signed.attestation.version,
                      short_id(signed.attestation.attester), "early" if tally is None else tally.status.value)
         await self._settled(tally)
+        await self._attest_if_ready()  # (one that ruled a record out frees the sibling it bound us from)
 
     async def expire(self, now: float) -> None:
-        """A pending record short of a quorum of attestations by its deadline is rejected."""
+        """A pending record short of a quorum of attestations by its deadline is rejected; a binding
+        that lapsed lets this member attest what it withheld (each tick of the leader)."""
         await self._settled(self.run.attestations.expire(now))
+        await self._attest_if_ready()
 
     async def _settled(self, tally: Tally | None) -> None:
         """Act on what counting decided: append a confirmed record, open the barrier on a rejection;
@@ -266,7 +266,7 @@ class Attesting:
         if tally is None or run.book is None:
             return
         if tally is not run.attestations.tally:
-            self._confirmed_late(tally)
+            await self._confirmed_late(tally)
             return
         status = tally.status
         if status is Status.CONFIRMED and run.book.chain.version < tally.record.version:
@@ -290,13 +290,12 @@ class Attesting:
         await self._settled(following)
         await self._attest_if_ready()
 
-    def _confirmed_late(self, tally: Tally) -> None:
+    async def _confirmed_late(self, tally: Tally) -> None:
         """An open record (one this member's deadline rejected, or one a member sent with its proof)
-        reached its quorum: it is the run's record of its version, confirmed by the same signed
-        attestations as wherever it was confirmed in time. It joins the chain if it still extends
-        it; the pending record of that version (a sibling: the coordinator's next checkpoint, taken
-        up before the quorum came) is set aside and its checkpoint counts as rejected, so the next
-        one extends the record confirmed now."""
+        reached its quorum: it is the run's record of its version, as wherever it was confirmed in
+        time, and joins the chain if it still extends it. The pending sibling of that version (the
+        coordinator's next checkpoint) is set aside: recorded again on the new head by its signer
+        (:meth:`_record_again`), else its checkpoint counts as rejected."""
         run = self.run
         _, book = run.require()
         if tally.status is not Status.CONFIRMED or book.chain.version >= tally.record.version:
@@ -314,8 +313,25 @@ class Attesting:
         if sibling is not None:
             logger.warning("%s: model record v%d (step %d) set aside: the run confirmed another v%d",
                            run.log_prefix, sibling.record.version, sibling.record.step, sibling.record.version)
-            book.rejected_step = max(book.rejected_step or 0, sibling.record.step)
+            if not await self._record_again(sibling):
+                book.rejected_step = max(book.rejected_step or 0, sibling.record.step)
         self._settle_news.set()
+
+    async def _record_again(self, sibling: Tally) -> bool:
+        """As the coordinator that signed ``sibling`` (set aside for a record confirmed late): record
+        its checkpoint again as the next version, on the new head. Counted as rejected instead, a
+        last step's checkpoint was lost and the run never ended (test_last_round_failure, 2 members)."""
+        run = self.run
+        _, book = run.require()
+        r, plan = sibling.record, book.span_plans.get(sibling.record.step)
+        if r.coordinator != run.me or plan is None or r.step <= book.head_step or r.term != run.election.term \
+                or not run.election.is_coordinator:
+            return False
+        again = book.checkpoint_record(plan, r.step, r.model_cid, r.optimizer_cid, dict(r.metrics), run.node.key_pair,
+                                       votes=run.election.certificate)
+        logger.info("%s: recording the checkpoint at step %d again, as model v%d", run.log_prefix, r.step, again.record.version)
+        await run.broadcast(again)  # our own copy comes back through on_record
+        return True
 
     def _outvoted(self, tally: Tally) -> None:
         """A rejected record that a quorum of its plan's members computed otherwise (their signed
@@ -384,12 +400,10 @@ class Attesting:
 
     def lost_span(self) -> None:
         """This member's round of the span whose record the chain's head is failed here, and a quorum
-        of the span's members confirmed that record (they completed the round): no retry comes
-        (protocol/_failure_reports.py, ``own_round_lost``), and this member holds the state before
-        the record's. It stops advertising and loads the record's state by CID (run/_resync.py)
-        before it trains on or ends. Before, it waited for a checkpoint of its own at that step that
-        never came: out of step for the next plan, and at the run's end "done" one step short of
-        the final model, naming it (tests/runtime/test_last_round_failure.py)."""
+        of the span's members confirmed that record: no retry comes (``own_round_lost``). It stops
+        advertising and loads the record's state by CID (run/_resync.py) before it trains on or
+        ends; before, it waited for a checkpoint of its own that never came, and ended "done" one
+        step short (tests/runtime/test_last_round_failure.py)."""
         run = self.run
         _, book = run.require()
         record = book.chain.records[-1].record
@@ -398,10 +412,8 @@ class Attesting:
         run.mark_stale(record.step, trio.current_time())
 
     def _end_if_over(self) -> None:
-        """End the run once its last checkpoint is confirmed (:meth:`RunState.end_if_over`), but a
-        member of its span only once its own state of it is hashed and checked (a quorum can confirm
-        a record before the last member has stored its checkpoint): :meth:`checkpoint_stored` calls
-        this again."""
+        """End the run once its last checkpoint is confirmed (:meth:`RunState.end_if_over`); a member
+        of its span once its own state of it is hashed too (:meth:`checkpoint_stored` calls again)."""
         run = self.run
         _, book = run.require()
         last = book.chain.records[-1].record

@@ -9,7 +9,7 @@ run lasted. Here the other member's attestation of v1 reaches the coordinator on
 up that next v1 (``late``), or never (``lost``). Both fail on main (the run never ends). Now the
 coordinator keeps v1 open and confirms it when the attestation comes (protocol/_attestations.py),
 or when the member, refusing the sibling, sends it v1 with its proof (run/_attesting.py), and sets
-its sibling aside: one chain, v1 at the first checkpoint, v2 at the last.
+its sibling aside, recording that checkpoint again on v1: one chain, a record at every checkpoint.
 """
 
 from __future__ import annotations
@@ -66,11 +66,13 @@ async def test_a_record_its_coordinator_missed_the_quorum_of_is_confirmed_after_
             statuses = await peers.wait_done(task_cid, RUN_S)
             chains = [run.require()[1].chain for run in runs]
     assert chains[0].records == chains[1].records
-    assert [s.record.step for s in chains[0].records] == [10, 30], [s.record for s in chains[0].records]
+    # v1 the first checkpoint's; its sibling (the coordinator's next v1) recorded again on it as v2.
+    assert [s.record.step for s in chains[0].records] == [10, 20, 30], [s.record for s in chains[0].records]
     assert chains[0].records[1].record.parent == chains[0].records[0].record.model_cid
     assert {s["latest_model_cid"] for s in statuses} == {chains[0].records[-1].record.model_cid}
     messages = [r.getMessage() for r in caplog.records]
     assert any("model record v1 (step 10) confirmed late" in m for m in messages), messages
     assert any("model record v1 (step 20) set aside" in m for m in messages), messages
+    assert any("recording the checkpoint at step 20 again, as model v2" in m for m in messages), messages
     if mode == "lost":
         assert any("sending it that record and its proof" in m for m in messages), messages
