@@ -63,9 +63,7 @@ async def test_an_attestation_of_another_version_does_not_stall_the_members(
         async with local_peers(3, tmp_path) as peers:
             task_cid = await publish_digits_task(peers[0], total_steps=30, checkpoint_interval=10, min_peers=3,
                                                  max_peers=3)
-            for peer in peers:
-                await peer.tasks.join(task_cid)
-            runs = [peer.tasks.runs[task_cid].shared for peer in peers]
+            runs = await peers.join_all(task_cid)
             coordinator = await peers.wait_until(lambda: runs[0].election.coordinator, RUN_S, what="a coordinator")
             hostile.append(next(r.me for r in runs if r.me != coordinator))
             honest = [i for i, r in enumerate(runs) if r.me not in hostile]

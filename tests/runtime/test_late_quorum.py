@@ -52,9 +52,7 @@ async def test_a_record_its_coordinator_missed_the_quorum_of_is_confirmed_after_
         async with local_peers(2, tmp_path) as peers:
             task_cid = await publish_digits_task(peers[0], total_steps=30, checkpoint_interval=10, min_peers=2,
                                                  max_peers=2)
-            for peer in peers:
-                await peer.tasks.join(task_cid)
-            runs = [peer.tasks.runs[task_cid].shared for peer in peers]
+            runs = await peers.join_all(task_cid)
             attesting, signed = await peers.wait_until(lambda: held[0] if held else None, RUN_S,
                                                        what="the member's attestation of v1 at the coordinator")
             coordinator = attesting.run
