@@ -324,8 +324,8 @@ class Attesting:
         run = self.run
         _, book = run.require()
         r, plan = sibling.record, book.span_plans.get(sibling.record.step)
-        if r.coordinator != run.me or plan is None or r.step <= book.head_step or r.term != run.election.term \
-                or not run.election.is_coordinator:
+        if r.coordinator != run.me or plan is None or book.span_members(r) is None or r.step <= book.head_step \
+                or r.term != run.election.term or not run.election.is_coordinator:  # (span_members: its plan's)
             return False
         again = book.checkpoint_record(plan, r.step, r.model_cid, r.optimizer_cid, dict(r.metrics), run.node.key_pair,
                                        votes=run.election.certificate)
