@@ -131,11 +131,8 @@ class Attestations:
             elif previous is not None and previous.status is Status.REJECTED:
                 self._release(previous)
             self.tally, self.started = tally, now
-        for early in self._early.pop(tally.id, []):
-            try:
-                tally.add(early)
-            except RecordError as exc:
-                log.warning("task %s: refused attestation: %s", record.task_cid[:12], exc)
+        self._count_early(tally)
+        self._early.pop(tally.id, None)
         if tally is self.tally and tally.status is Status.CONFIRMED:
             self._passed(record.version)
         return tally
@@ -147,16 +144,20 @@ class Attestations:
         quorum missed it (its messages lost) refused it from the members that confirmed it, and the
         run stayed split. Kept open, CONFIRMED, for the run to take; :class:`RecordError` otherwise
         (never attested here, never pending: records are taken from the coordinator only)."""
-        for early in self._early.get(tally.id, []):
-            try:
-                tally.add(early)
-            except RecordError:
-                pass  # (counted once the record is taken up from the coordinator, if ever)
+        self._count_early(tally)  # (kept, unless they confirm it: counted again if it is taken up later)
         if tally.status is not Status.CONFIRMED:
             raise RecordError(refusal)
         del self._early[tally.id]
         self._keep_open(tally)
         return tally
+
+    def _count_early(self, tally: Tally) -> None:
+        """Count into ``tally`` the attestations that came before its record (they stay kept)."""
+        for early in self._early.get(tally.id, []):
+            try:
+                tally.add(early)
+            except RecordError as exc:
+                log.warning("task %s: refused attestation: %s", tally.record.task_cid[:12], exc)
 
     def _extends_pending(self, signed: SignedModelRecord, coordinator: str | None) -> bool:
         """Whether ``signed`` is the record after the pending one (its child, the next version),
@@ -211,7 +212,7 @@ class Attestations:
         records that can no longer extend the chain. Returns the pending record's tally when it was
         one of them (a sibling: its checkpoint counts as rejected), which is set aside with the
         record kept for after it."""
-        self.open = [t for t in self.open if t is not tally and t.record.version > version]
+        self._passed(version)  # (``tally`` among the records it forgets: its version is ``version``)
         pending = self.tally
         if pending is None or pending.record.version > version:
             return None

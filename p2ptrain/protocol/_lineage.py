@@ -244,8 +244,8 @@ class Chain:
             raise RecordError(f"gap: model record v{r.version} after v{self.version}")
         problem = link_problem(self.records[-1].record if self.records else None, self.initial_cid, r)
         if problem is not None:
-            error = Fork if r.parent != self.head_cid else RecordError
-            raise error(f"{'fork: ' if r.parent != self.head_cid else ''}model record v{r.version}: {problem}")
+            fork = r.parent != self.head_cid
+            raise (Fork if fork else RecordError)(f"{'fork: ' if fork else ''}model record v{r.version}: {problem}")
         if self.rules is not None:
             problems = record_problems(signed, self.rules)
             if problems:

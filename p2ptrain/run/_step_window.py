@@ -15,8 +15,8 @@ coordinator's retry goes on without it.
 from __future__ import annotations
 
 import math
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 
 import trio
 from libp2p.peer.id import ID
@@ -65,20 +65,27 @@ class StepWindow:
         if self._graced and self._scope is not None:
             self._scope.deadline = math.inf  # (the reporter joined after all: the gather goes on)
 
+    @contextmanager
+    def _leavable(self, culprit: str | None, *, graced: bool) -> Iterator[trio.CancelScope]:
+        """The scope of a body this member leaves for ``culprit`` (known already, or named by a report
+        while it runs: :meth:`on_report`), at once or, ``graced``, CHECKPOINT_GRACE_S later."""
+        self._culprit, self._graced = culprit, graced
+        with trio.CancelScope() as scope:
+            self._scope = scope
+            if culprit is not None:
+                self._leave()
+            try:
+                yield scope
+            finally:
+                self._scope, self._graced = None, False
+
     @asynccontextmanager
     async def open(self, plan: RoundPlan, index: int, summary_id: int) -> AsyncIterator[None]:
         """The step of round ``index`` of ``plan`` (its summary's round ``summary_id``) as a body this
         member leaves when a member of the plan says it takes no part in it, already or until the
         summary opens (:meth:`joined`): then the others are told and :class:`PeerFailed` names it."""
-        self._culprit = self._aborts.begin(plan, index)
-        with trio.CancelScope() as scope:
-            self._scope = scope
-            if self._culprit is not None:
-                scope.cancel()
-            try:
-                yield
-            finally:
-                self._scope = None
+        with self._leavable(self._aborts.begin(plan, index), graced=False) as scope:
+            yield
         if not scope.cancelled_caught or self._culprit is None:  # only this module cancels the scope
             return
         culprit = ID.from_base58(self._culprit)
@@ -96,16 +103,11 @@ class StepWindow:
         the retry (:class:`PeerFailed` names it). The grace keeps a false report from ending a
         checkpoint whose reporter sent its statement after all (protocol/_failure_reports.py judges
         it once the record is confirmed)."""
-        self._culprit = self._aborts.begin_checkpoint(plan)
-        with trio.CancelScope() as scope:
-            self._scope, self._graced = scope, True
-            if self._culprit is not None:
-                self._leave()
-            try:
+        try:
+            with self._leavable(self._aborts.begin_checkpoint(plan), graced=True) as scope:
                 yield
-            finally:
-                self._scope, self._graced = None, False
-                self._aborts.close()
+        finally:
+            self._aborts.close()
         if scope.cancelled_caught and self._culprit is not None:
             raise PeerFailed(ID.from_base58(self._culprit),
                              f"reported round {plan.round + plan.rounds - 1} (attempt {plan.attempt}) failed: "
