@@ -13,6 +13,8 @@ a silent drop measured in ../shared/FIELD-NOTES.md:
   and :func:`publish_bytes` waits while a peer's queue is half full;
 - pubsub ignores connections made before it started, so :func:`running_pubsub` registers those
   peers explicitly once the service is up, and inbound pubsub streams wait for the service to run;
+- a subscription made while a new peer's pubsub stream is being set up reached every peer but
+  that one, for good; :meth:`TrainingPubsub._handle_new_peer` announces it to the new peer too;
 - messages over our wire cap are refused loudly by :func:`publish_bytes` instead of vanishing
   (pubsub's own cap, ~1 MiB, drops silently);
 - what pubsub drops from the network *below* our message router is counted in
@@ -185,6 +187,23 @@ class TrainingPubsub(Pubsub):
         # False drops it (the layer that set it counts why). The node sets its message router's
         # per-sender rates here (mesh.router.MessageRouter.admit).
         self.inbound_gate: Callable[[rpc_pb2.Message], bool] | None = None
+    async def _handle_new_peer(self, peer_id: ID) -> None:
+        """Register a peer as py-libp2p does, then tell it what we subscribed to or left meanwhile.
+
+        py-libp2p builds its hello (our topics) and only after writing it adds the peer to those a
+        subscription is announced to: a subscription made during that write reached every peer but
+        this one, which then never heard it (no later message repeats it). A node that joins a
+        task's topic while a peer connects, or just after it dropped a peer's broken stream, hit it.
+        """
+        before = set(self.topic_ids)
+        await super()._handle_new_peer(peer_id)
+        queue = self.peer_queues.get(peer_id)
+        if queue is None:  # it could not be registered: it hears our topics in the hello of a later try
+            return
+        for topic in sorted(before.symmetric_difference(self.topic_ids)):
+            packet, announce = self._build_announce_rpc(topic, subscribe=topic in self.topic_ids)
+            self._enqueue_or_retry_announce(peer_id, queue, packet, announce)
+
     def _note_own_refusals(self, peer_id: ID, units: int) -> None:
         """``units`` of ``peer_id``'s own messages were refused by the gate: past its allowance,
         its stream is not read for a while (counted ``flooder-paused``)."""

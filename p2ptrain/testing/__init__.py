@@ -43,11 +43,12 @@ Every wait is bounded; a node that fails to start raises with its log attached.
 
 from __future__ import annotations
 
+import math
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -152,6 +153,8 @@ else:
         "script_members",
         "start_forked",
         "start_script",
+        "SUBSCRIBED_TIMEOUT_S",
+        "subscribed",
         "free_port",
         "local_mesh",
         "local_peers",
@@ -292,6 +295,8 @@ LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 # Bound on starting the hosts and on dialing every pair: each dial is a TCP connect plus a Noise
 # handshake on loopback (milliseconds); 30 s leaves room for a loaded 2-core CI box.
 CONNECT_TIMEOUT_S = 30.0
+# Bound on hearing a peer's subscription (and grafting it): one heartbeat (1 s) when all is well.
+SUBSCRIBED_TIMEOUT_S = 30.0
 
 
 @dataclass
@@ -318,6 +323,22 @@ class LocalHost:
     def kill(self) -> None:
         """Stop the host and its services: its connections close as if its process had died."""
         self.scope.cancel()
+
+
+async def subscribed(
+    pubsub: Any, peers: Iterable[ID], topic: str, *, mesh: bool = False, timeout: float = SUBSCRIBED_TIMEOUT_S
+) -> None:
+    """Wait until ``pubsub`` (a node's ``.pubsub``, or :func:`p2ptrain.net.make_pubsub`'s) has heard
+    each of ``peers`` subscribe to ``topic`` and, with ``mesh``, grafted it into its gossipsub mesh
+    for the topic (what it publishes before that may go nowhere); ``timeout`` bounds the whole wait.
+
+    Why not py-libp2p's waits alone: each stops after 5 s of its own, which a loaded machine or a
+    pubsub stream made again after a reset (a peer that sent a broken frame) can take."""
+    with trio.fail_after(timeout):
+        for peer in peers:
+            await pubsub.wait_for_subscription(peer, topic, timeout=math.inf)
+            if mesh:
+                await pubsub.router.wait_for_mesh(peer, topic, timeout=math.inf)
 
 
 async def connect(a: IHost, b: IHost, timeout: float = CONNECT_TIMEOUT_S) -> None:

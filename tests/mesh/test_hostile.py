@@ -17,7 +17,7 @@ from libp2p.utils.varint import encode_uvarint
 from p2ptrain.mesh import _router as router_module
 from p2ptrain.wire import MESH_TOPIC, _codec as codec
 from p2ptrain.node import Node, NodeConfig
-from p2ptrain.testing import local_mesh, node_processes, wait_for
+from p2ptrain.testing import local_mesh, node_processes, subscribed, wait_for
 from p2ptrain.wire._limits import WIRE_VERSION
 
 from .conftest import TEST_MESSAGES, Note
@@ -35,15 +35,6 @@ def signed_envelope(node: Node, **overrides) -> bytes:
     return head + payload + node.key_pair.private_key.sign(codec._DOMAIN + head + payload)
 
 
-async def subscribed(node: Node, peers, topic: str) -> None:
-    """Wait until ``node`` knows ``peers`` subscribed to ``topic`` and has them in its gossipsub
-    mesh for it (what it publishes before that may go nowhere)."""
-    with trio.fail_after(20):
-        for peer in peers:
-            await node.pubsub.wait_for_subscription(peer, topic)
-            await node.pubsub.router.wait_for_mesh(peer, topic)
-
-
 @pytest.mark.timeout(600)  # three node processes, each importing libp2p and torch on a shared box
 async def test_a_signed_timestamp_of_10_pow_400_stops_no_node_of_a_three_process_mesh(tmp_path):
     """Issue 13, found 1: this one message made all three nodes exit with code 1."""
@@ -52,7 +43,7 @@ async def test_a_signed_timestamp_of_10_pow_400_stops_no_node_of_a_three_process
         async with trio.open_nursery() as nursery:
             await nursery.start(attacker.run)
             victims = [ID.from_base58(p.peer_id) for p in procs]
-            await subscribed(attacker, victims[:1], MESH_TOPIC)
+            await subscribed(attacker.pubsub, victims[:1], MESH_TOPIC, mesh=True)
             poison = signed_envelope(attacker, ts=10**400)
             await attacker.pubsub.publish(MESH_TOPIC, poison)  # raw: our own publish path is not the attack
 
@@ -92,7 +83,7 @@ async def test_broken_pubsub_frames_are_counted_below_the_router_and_the_node_ke
         victim.on(Note, lambda signed, topic: inbox.append(signed.msg))
         await victim.subscribe(TOPIC)
         await attacker.subscribe(TOPIC)
-        await subscribed(attacker, [victim.peer_id], TOPIC)
+        await subscribed(attacker.pubsub, [victim.peer_id], TOPIC, mesh=True)
         with trio.fail_after(15):
             while not inbox:  # until the attacker's new mesh for the topic includes the victim
                 await attacker.publish(TOPIC, Note(text="still here"))
@@ -105,7 +96,7 @@ async def test_exceptions_in_decode_and_in_a_handler_are_counted_rejections_not_
     async with local_mesh(2, tmp_path, messages=TEST_MESSAGES) as (victim, sender):
         await victim.subscribe(TOPIC)
         await sender.subscribe(TOPIC)
-        await subscribed(sender, [victim.peer_id], TOPIC)
+        await subscribed(sender.pubsub, [victim.peer_id], TOPIC, mesh=True)
         inbox: list = []
 
         def handler(signed, topic):

@@ -13,7 +13,7 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 from p2ptrain.wire import MAX_MESSAGE_BYTES, MESH_TOPIC, _codec as codec, encode
 from p2ptrain.net import PubsubMessageTooLarge as MessageTooLarge
 from p2ptrain.node import Node, NodeConfig
-from p2ptrain.testing import local_mesh
+from p2ptrain.testing import local_mesh, subscribed
 from p2ptrain.wire._limits import WIRE_VERSION
 
 from .conftest import TEST_MESSAGES, Blob, Note
@@ -25,11 +25,8 @@ async def join_all(nodes: list[Node], topic: str) -> None:
     """Subscribe everyone and wait until every pair knows the other is subscribed."""
     for node in nodes:
         await node.subscribe(topic)
-    with trio.fail_after(10):
-        for node in nodes:
-            for other in nodes:
-                if other is not node:
-                    await node.pubsub.wait_for_subscription(other.peer_id, topic)
+    for node in nodes:
+        await subscribed(node.pubsub, [other.peer_id for other in nodes if other is not node], topic)
 
 
 def collect(node: Node, into: list) -> None:

@@ -10,7 +10,7 @@ from multiaddr import Multiaddr
 
 from p2ptrain.net import PubsubMessageTooLarge as MessageTooLarge, make_host, make_pubsub, publish_bytes, running_pubsub
 from p2ptrain.net._pubsub import SUBSCRIPTION_QUEUE
-from p2ptrain.testing import connect, connected_hosts
+from p2ptrain.testing import connect, connected_hosts, subscribed
 
 LOOPBACK = Multiaddr("/ip4/127.0.0.1/tcp/0")
 
@@ -25,10 +25,8 @@ async def test_connections_made_before_pubsub_started_carry_messages_and_bursts_
         async with running_pubsub(pa), running_pubsub(pb):
             sub = await pb.subscribe("t")
             await pa.subscribe("t")
-            with trio.fail_after(10):
-                await pa.wait_for_subscription(b.get_id(), "t")
-                await pb.wait_for_subscription(a.get_id(), "t")
-                await pa.router.wait_for_mesh(b.get_id(), "t")
+            await subscribed(pa, [b.get_id()], "t", mesh=True)
+            await subscribed(pb, [a.get_id()], "t")
             # Count the signed peer records b verifies from here on (py-libp2p attaches one to every RPC).
             store = b.get_peerstore()
             verified = []
@@ -72,9 +70,7 @@ async def test_a_subscription_queue_holds_a_bounded_number_of_bytes_and_counts_t
             await connect(a, b, timeout=10)
             sub = await pb.subscribe("t")  # and nobody reads it until the flood is over
             await pa.subscribe("t")
-            with trio.fail_after(10):
-                await pa.wait_for_subscription(b.get_id(), "t")
-                await pa.router.wait_for_mesh(b.get_id(), "t")
+            await subscribed(pa, [b.get_id()], "t", mesh=True)
             size, count = 60_000, 40  # 2.4 MB in all
             for i in range(count):
                 await publish_bytes(pa, "t", i.to_bytes(4, "big") + b"\x00" * (size - 4), limit=1 << 20)
@@ -95,9 +91,7 @@ async def test_wait_for_backlog_returns_once_every_queued_rpc_is_written():
         async with running_pubsub(pa), running_pubsub(pb):
             sub = await pb.subscribe("t")
             await pa.subscribe("t")
-            with trio.fail_after(10):
-                await pa.wait_for_subscription(b.id, "t")
-                await pa.router.wait_for_mesh(b.id, "t")
+            await subscribed(pa, [b.id], "t", mesh=True)
             burst = 200
             for i in range(burst):
                 await publish_bytes(pa, "t", f"m{i}".encode(), limit=1024)
@@ -109,3 +103,38 @@ async def test_wait_for_backlog_returns_once_every_queued_rpc_is_written():
                 while len(got) < burst:
                     got.append((await sub.get()).data)
             assert got == [f"m{i}".encode() for i in range(burst)]
+
+
+async def test_a_subscription_made_while_a_new_peer_is_being_registered_reaches_that_peer():
+    """py-libp2p writes its hello (our topics) to a new peer and registers the peer after: a
+    subscription made during that write went to every registered peer but this one, and nothing
+    repeated it (a hostile-frame test's victim, subscribing just after it dropped a stream, hit it).
+    The hello's write is held open here until the subscription is made."""
+    async with connected_hosts(2, connected=False) as (a, b):
+        pa, pb = make_pubsub(a.host), make_pubsub(b.host)
+        async with running_pubsub(pa), running_pubsub(pb):
+            writing, release = trio.Event(), trio.Event()
+            new_stream = b.host.new_stream
+
+            async def held_new_stream(peer_id, protocols, *args, **kwargs):
+                stream = await new_stream(peer_id, protocols, *args, **kwargs)
+                if PROTOCOL_ID_V11 in protocols and not writing.is_set():
+                    write = stream.write
+
+                    async def held_write(data: bytes) -> None:
+                        stream.write = write
+                        writing.set()
+                        await release.wait()
+                        await write(data)
+
+                    stream.write = held_write
+                return stream
+
+            b.host.new_stream = held_new_stream  # type: ignore[method-assign]
+            await connect(a.host, b.host)
+            with trio.fail_after(10):
+                await writing.wait()
+            assert a.id not in pb.peers
+            await pb.subscribe("t")
+            release.set()
+            await subscribed(pa, [b.id], "t", timeout=10)
