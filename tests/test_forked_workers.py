@@ -4,9 +4,11 @@ exits with the child's status; anything else runs a fresh interpreter."""
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -62,6 +64,34 @@ def test_a_signal_to_the_launcher_reaches_the_worker(worker_python: list[str]) -
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_askers_that_die_mid_request_cost_the_shared_server_nothing(worker_python: list[str]) -> None:
+    """Askers leave without warning (a launcher killed while it waits for its answer); the server
+    the whole run shares serves the next one. (Once a shared server died mid-run and took three
+    tests' forks with it.) One asker leaves before its greeting is read, one right after its request:
+    that child still runs and its status still comes; then a worker is forked as ever."""
+    control = str(Path(os.environ[_forkserver.SHARE_ENV]) / "control")
+    gone = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    gone.connect(control)
+    gone.close()
+    asker = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    asker.settimeout(60)
+    asker.connect(control)
+    assert asker.recv(64) == b"ready"
+    status, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    request = {"kind": "code", "target": "import sys; sys.exit(7)", "argv": ["-c"], "path0": "",
+               "cwd": os.getcwd(), "env": dict(os.environ), "netns": None}
+    with open(os.devnull, "r+b") as null:
+        socket.send_fds(asker, [json.dumps(request).encode()], [null.fileno()] * 3 + [theirs.fileno()])
+    theirs.close()
+    asker.close()
+    status.settimeout(60)
+    assert status.recv(64) == b"7"
+    status.close()
+    done = subprocess.run([*worker_python, "-u", "-c", ECHO], input="again\n", capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 3 and done.stdout.split()[0] == "again", done.stderr
 
 
 def test_another_command_line_runs_a_fresh_interpreter(worker_python: list[str]) -> None:

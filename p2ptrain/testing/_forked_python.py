@@ -51,6 +51,9 @@ def main(args: list[str]) -> NoReturn:
     control.settimeout(ANSWER_TIMEOUT_S)
     if control.recv(64) != b"ready":
         sys.exit("the fork server did not greet this worker")
+    # A signal that comes before the child's pid is known waits, and is passed on once it is.
+    passed = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+    signal.pthread_sigmask(signal.SIG_BLOCK, passed)
     status, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     request = {"kind": "code", "target": args[-1], "argv": ["-c"], "path0": "", "cwd": os.getcwd(),
                "env": dict(os.environ), "netns": None}
@@ -68,8 +71,9 @@ def main(args: list[str]) -> NoReturn:
         except ProcessLookupError:
             pass
 
-    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+    for signum in passed:
         signal.signal(signum, pass_on)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, passed)
     data = status.recv(64)  # the child's exit status, once the server has reaped it
     code = int(data) if data else -signal.SIGKILL  # no status: the server died, and its children with it
     sys.exit(code if code >= 0 else 128 - code)

@@ -65,6 +65,8 @@ SERVER_START_TIMEOUT_S = 180.0
 FORK_TIMEOUT_S = 30.0
 # How long the test process, at its exit, waits for the server to see its children end.
 SERVER_STOP_WAIT_S = 10.0
+# The shared server's output, in its folder.
+SERVER_LOG = "server.log"
 # Where ``ip netns add`` names its network namespaces.
 NETNS_DIR = Path("/run/netns")
 
@@ -221,8 +223,9 @@ class _Server:
         self.proc: subprocess.Popen[bytes] | None = None
         errors = tempfile.TemporaryFile()  # noqa: SIM115 (the server's own output: none expected but a failed start)
         shared = os.environ.get(SHARE_ENV)
-        if shared:
-            self.sock = self._shared(Path(shared), errors)
+        self.folder = Path(shared) if shared else None  # a shared server's: its log lives there
+        if self.folder is not None:
+            self.sock = self._shared(self.folder)
         else:
             ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
             self.proc = self._start(theirs, errors, listen=False)
@@ -234,7 +237,8 @@ class _Server:
                 self.proc.kill()
                 self.proc.wait()
             errors.seek(0)
-            raise RuntimeError(f"the fork server did not start:\n{errors.read()[-4000:].decode(errors='replace')}")
+            said = errors.read()[-4000:].decode(errors="replace") if self.folder is None else self._output()
+            raise RuntimeError(f"the fork server did not start:\n{said}")
         errors.close()
 
     def _start(self, passed: socket.socket, errors: IO[bytes], *, listen: bool) -> subprocess.Popen[bytes]:
@@ -247,7 +251,7 @@ class _Server:
         passed.close()
         return proc
 
-    def _shared(self, folder: Path, errors: IO[bytes]) -> socket.socket:
+    def _shared(self, folder: Path) -> socket.socket:
         """A control socket connected to the test run's shared server, started here if none listens."""
         import fcntl
 
@@ -265,21 +269,34 @@ class _Server:
             listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
             listener.bind(path)
             listener.listen(16)
-            self._start(listener, errors, listen=True)  # not waited for: it outlives the asker that started it
+            # Its output in the folder, not in this asker's temporary file: it outlives this asker,
+            # and what it printed if it ever died is what the others' errors then quote.
+            with open(folder / SERVER_LOG, "ab") as log:
+                self._start(listener, log, listen=True)  # not waited for: it outlives the asker that started it
             sock.connect(path)  # held in the backlog until the server has imported everything
             return sock
 
     def fork(self, request: dict[str, Any], fds: list[int]) -> int:
         with self.lock:
-            socket.send_fds(self.sock, [json.dumps(request).encode()], fds)
-            ready, _, _ = select.select([self.sock], [], [], FORK_TIMEOUT_S)
-            reply = self.sock.recv(MAX_REQUEST) if ready else b""
+            try:
+                socket.send_fds(self.sock, [json.dumps(request).encode()], fds)
+                ready, _, _ = select.select([self.sock], [], [], FORK_TIMEOUT_S)
+                reply = self.sock.recv(MAX_REQUEST) if ready else b""
+            except OSError as exc:
+                raise RuntimeError(f"the fork server is gone ({exc!r}); it printed:\n{self._output()}") from None
         if not reply:
-            raise RuntimeError("the fork server did not answer")
+            raise RuntimeError(f"the fork server did not answer; it printed:\n{self._output()}")
         answer = json.loads(reply)
         if "error" in answer:
             raise RuntimeError(f"the fork server could not fork: {answer['error']}")
         return int(answer["pid"])
+
+    def _output(self) -> str:
+        """The end of what a shared server printed (its log in the folder): why it stopped, where."""
+        try:
+            return (self.folder / SERVER_LOG).read_bytes()[-4000:].decode(errors="replace") if self.folder else ""
+        except OSError:
+            return ""
 
     def close(self) -> None:
         """The server sees this asker's end; its own server waits for its children and exits (waited

@@ -159,7 +159,10 @@ def _serve(controls: list[socket.socket], listener: socket.socket | None) -> Non
     """Fork a child per request on any control socket; tell each requester its child's exit status
     when it is reaped. A ``listener`` (a fork server shared by a test run's processes) adds a
     control socket per connection, each greeted with ``ready``. Once the last control socket ends
-    (and no connection waits on the listener), wait for the children still running, then return."""
+    (and no connection waits on the listener), wait for the children still running, then return.
+
+    An asker may die at any moment (a test killed, a launcher signalled): whatever fails on its
+    socket ends that asker alone, never the server the rest of the run's processes share."""
     wake_read, wake_write = os.pipe()
     os.set_blocking(wake_write, False)
     signal.set_wakeup_fd(wake_write)
@@ -170,51 +173,84 @@ def _serve(controls: list[socket.socket], listener: socket.socket | None) -> Non
         ready, _, _ = select.select(watched, [], [], 1.0)
         if wake_read in ready:
             os.read(wake_read, 4096)
-        while statuses:
-            try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                break
-            if pid == 0:
-                break
-            sock = statuses.pop(pid, None)
-            if sock is not None:
-                try:
-                    sock.sendall(str(os.waitstatus_to_exitcode(status)).encode())
-                except OSError:
-                    pass
-                sock.close()
+        _reap(statuses)
         if listener is not None and listener.fileno() in ready:
-            joined, _ = listener.accept()
-            joined.send(b"ready")
-            controls.append(joined)
+            _greet(listener, controls)
         for control in [c for c in controls if c.fileno() in ready]:
-            data, fds, _, _ = socket.recv_fds(control, MAX_REQUEST, 4)
+            try:
+                data, fds, _, _ = socket.recv_fds(control, MAX_REQUEST, 4)
+            except OSError:  # its asker is gone
+                data, fds = b"", []
             if not data:
+                for fd in fds:
+                    os.close(fd)
                 controls.remove(control)
                 control.close()
                 continue
+            reply = _fork(data, fds, [wake_read, wake_write, *(c.fileno() for c in controls),
+                                      *([listener.fileno()] if listener else []),
+                                      *(s.fileno() for s in statuses.values())], statuses)
             try:
-                request = json.loads(data)
-                sys.stdout.flush()
-                sys.stderr.flush()
-                inherited = [wake_read, wake_write, *(c.fileno() for c in controls),
-                             *([listener.fileno()] if listener else []), *(s.fileno() for s in statuses.values())]
-                pid = os.fork()
-                if pid == 0:
-                    _child(request, fds, inherited)
-                statuses[pid] = socket.socket(fileno=fds[3])
-                reply: dict[str, Any] = {"pid": pid}
-            except Exception as exc:  # a request it cannot serve: say so, serve the next
-                reply = {"error": repr(exc)}
-                if len(fds) > 3:
-                    os.close(fds[3])
-            for fd in fds[:3]:
-                os.close(fd)
-            control.send(json.dumps(reply).encode())
+                control.send(reply)
+            except OSError:  # the asker died waiting: its child runs on and is reaped as any
+                controls.remove(control)
+                control.close()
         if listener is not None and not controls and not _waiting(listener):
             listener.close()  # the last asker left: later ones start a server of their own
             listener = None
+
+
+def _reap(statuses: dict[int, socket.socket]) -> None:
+    """Reap the children that ended; send each one's exit status to its status socket."""
+    while statuses:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        sock = statuses.pop(pid, None)
+        if sock is not None:
+            try:
+                sock.sendall(str(os.waitstatus_to_exitcode(status)).encode())
+            except OSError:  # nobody waits for it any more
+                pass
+            sock.close()
+
+
+def _greet(listener: socket.socket, controls: list[socket.socket]) -> None:
+    """Take the connection waiting on ``listener`` as an asker, greeted with ``ready``."""
+    try:
+        joined, _ = listener.accept()
+    except OSError:  # it gave up before it was taken
+        return
+    try:
+        joined.send(b"ready")
+    except OSError:
+        joined.close()
+        return
+    controls.append(joined)
+
+
+def _fork(data: bytes, fds: list[int], inherited: list[int], statuses: dict[int, socket.socket]) -> bytes:
+    """Fork the child a request asks for (its stdio ``fds[:3]``, its status socket ``fds[3]``);
+    the reply to send: its pid, or the error that stopped it."""
+    try:
+        request = json.loads(data)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            _child(request, fds, inherited)
+        statuses[pid] = socket.socket(fileno=fds[3])
+        reply: dict[str, Any] = {"pid": pid}
+    except Exception as exc:  # a request it cannot serve: say so, serve the next
+        reply = {"error": repr(exc)}
+        for fd in fds[3:]:
+            os.close(fd)
+    for fd in fds[:3]:
+        os.close(fd)
+    return json.dumps(reply).encode()
 
 
 def _waiting(listener: socket.socket) -> bool:
