@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import functools
 import gc
+import itertools
 import os
 import re
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Collection, Iterable, Iterator, Set as AbstractSet
 from typing import Any
 from pathlib import Path
 
@@ -104,18 +105,55 @@ ONE_WORKER_FILES = frozenset({"tests/ipfs/test_kubo.py"})
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """For ``-n N`` (``--dist load``): every test its own unit, dealt in the order of
     pytest_collection_modifyitems (no reordering by unit size), but one unit a file of
-    ONE_WORKER_FILES."""
+    ONE_WORKER_FILES, and at most MAX_HEAVY heavy tests out at a time (:func:`next_unit`)."""
     if config.getvalue("dist") != "load":
         return None
     from xdist.scheduler import LoadScopeScheduling
 
+    heavy = {nodeid for nodeid, seconds in _recorded_durations(config).items() if seconds >= HEAVY_S}
+    limit = int(os.environ.get(MAX_HEAVY_ENV, MAX_HEAVY))
+
     class OneWorkerFiles(LoadScopeScheduling):
+        def __init__(self, *args: Any) -> None:
+            super().__init__(*args)
+            self.heavy_out: set[str] = set()  # heavy tests dealt and not done
+
         def _split_scope(self, nodeid: str) -> str:
             path = nodeid.split("::", 1)[0]
             return path if path in ONE_WORKER_FILES else nodeid
 
+        def _assign_work_unit(self, node: Any) -> None:
+            index = next_unit(self.workqueue.values(), len(self.heavy_out), heavy, limit)
+            if index:
+                self.workqueue.move_to_end(next(itertools.islice(self.workqueue, index, None)), last=False)
+            self.heavy_out.update(heavy.intersection(next(iter(self.workqueue.values()))))
+            super()._assign_work_unit(node)
+
+        def mark_test_complete(self, node: Any, item_index: int, duration: float = 0) -> None:
+            self.heavy_out.discard(self.registered_collections[node][item_index])
+            super().mark_test_complete(node, item_index, duration)
+
     config.option.loadscopereorder = False
     return OneWorkerFiles(config, log)
+
+
+# At most MAX_HEAVY of the tests that took HEAVY_S or more in the last run (pytest's cache) are dealt
+# at a time (P2PTRAIN_TEST_MAX_HEAVY: another limit, 0 none): six of them side by side (in-process
+# runs of six peers, multi-process runs) starved each other on two cores, their deadlines passed, and
+# they redid work: test_distrusted_liar took 119 s there and 15 alone. `make test`, same tree, one run
+# each, 2026-11-28: no limit 421 s of pytest, 3 at a time 407, 4 379, 5 399 (docs/testing.md).
+HEAVY_S = 12.0
+MAX_HEAVY = 4
+MAX_HEAVY_ENV = "P2PTRAIN_TEST_MAX_HEAVY"
+
+
+def next_unit(waiting: Iterable[Collection[str]], heavy_out: int, heavy: AbstractSet[str], limit: int) -> int:
+    """Which of the ``waiting`` units (test ids each, in dealing order) to deal next: the first,
+    unless ``heavy_out`` heavy tests are out already (``limit``, 0 for none): then the first with no
+    heavy test, or the first if every one has one (the run's end)."""
+    if not limit or heavy_out < limit:
+        return 0
+    return next((i for i, unit in enumerate(waiting) if heavy.isdisjoint(unit)), 0)
 
 
 def _own_timeout(item: pytest.Item) -> float:

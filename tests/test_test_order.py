@@ -1,7 +1,8 @@
 """The suite's order (tests/conftest.py, ``longest_first``): the longest tests first, by the seconds
 each took in the last run (pytest's cache), so that ``make test``'s workers do not end on one long
 test drawn last; a file's tests together; and before any run, the tests that declare a long timeout
-of their own first, as the declared timeouts alone ordered them."""
+of their own first, as the declared timeouts alone ordered them. Under xdist, at most a few heavy
+tests at a time (``next_unit``)."""
 
 from __future__ import annotations
 
@@ -48,3 +49,14 @@ def test_a_test_not_yet_recorded_counts_its_files_mean_or_with_a_declared_timeou
 def test_files_that_tie_keep_their_tests_together_in_the_collections_order(durations: dict[str, float]) -> None:
     tests = [("a.py::1", 0), ("a.py::2", 0), ("b.py::1", 0), ("b.py::2", 0)]
     assert _ordered(tests, durations) == ["a.py::1", "a.py::2", "b.py::1", "b.py::2"]
+
+
+def test_at_the_heavy_limit_the_first_unit_without_a_heavy_test_is_dealt() -> None:
+    heavy = {"a.py::run", "b.py::run", "c.py::run"}
+    waiting = [["a.py::run"], ["b.py::run"], ["d.py::x"], ["c.py::run"], ["e.py::y"]]
+    assert conftest.next_unit(waiting, 3, heavy, 4) == 0  # under the limit: the order as it is
+    assert conftest.next_unit(waiting, 4, heavy, 4) == 2  # at it: the first light one
+    assert conftest.next_unit(waiting, 9, heavy, 0) == 0  # 0: no limit
+    assert conftest.next_unit([["a.py::run"], ["c.py::run"]], 4, heavy, 4) == 0  # nothing light left: the first
+    # a unit of several tests (a file dealt whole) is heavy if one of its tests is
+    assert conftest.next_unit([["f.py::1", "a.py::run"], ["f.py::2"]], 4, heavy, 4) == 1
