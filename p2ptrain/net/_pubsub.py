@@ -15,9 +15,6 @@ a silent drop measured in ../shared/FIELD-NOTES.md:
   peers explicitly once the service is up, and inbound pubsub streams wait for the service to run;
 - a subscription made while a new peer's pubsub stream is being set up reached every peer but
   that one, for good; :meth:`TrainingPubsub._handle_new_peer` announces it to the new peer too;
-- when our stream to a peer broke, py-libp2p forgot the topics the peer announced on its own
-  stream to us, which still lives (so it never announces them again): :meth:`TrainingPubsub._handle_dead_peer`
-  keeps them while that stream is read and the peer connected;
 - messages over our wire cap are refused loudly by :func:`publish_bytes` instead of vanishing
   (pubsub's own cap, ~1 MiB, drops silently);
 - what pubsub drops from the network *below* our message router is counted in
@@ -190,8 +187,6 @@ class TrainingPubsub(Pubsub):
         # False drops it (the layer that set it counts why). The node sets its message router's
         # per-sender rates here (mesh.router.MessageRouter.admit).
         self.inbound_gate: Callable[[rpc_pb2.Message], bool] | None = None
-        # The streams each peer writes to us on that are being read now: what it subscribes to comes there.
-        self._reading: dict[ID, set[INetStream]] = {}
     async def _handle_new_peer(self, peer_id: ID) -> None:
         """Register a peer as py-libp2p does, then tell it what we subscribed to or left meanwhile.
 
@@ -208,19 +203,6 @@ class TrainingPubsub(Pubsub):
         for topic in sorted(before.symmetric_difference(self.topic_ids)):
             packet, announce = self._build_announce_rpc(topic, subscribe=topic in self.topic_ids)
             self._enqueue_or_retry_announce(peer_id, queue, packet, announce)
-
-    def _handle_dead_peer(self, peer_id: ID) -> None:
-        """Forget a peer as py-libp2p does, but not what it subscribed to while its own stream to us
-        is still read and it is still connected. Each side writes on a stream of its own; when ours
-        to the peer broke (a relayed connection closed under it), py-libp2p forgot the topics the
-        peer had announced on *its* stream, which lives on: the peer never repeats them, so we
-        stopped sending it those topics for good. Registered again (a fresh stream of ours), it is
-        sent them as before."""
-        kept = ({topic for topic, peers in self.peer_topics.items() if peer_id in peers}
-                if self._reading.get(peer_id) and self._peer_is_connected(peer_id) else set())
-        super()._handle_dead_peer(peer_id)
-        for topic in kept:
-            self.peer_topics.setdefault(topic, set()).add(peer_id)
 
     def _note_own_refusals(self, peer_id: ID, units: int) -> None:
         """``units`` of ``peer_id``'s own messages were refused by the gate: past its allowance,
@@ -241,7 +223,6 @@ class TrainingPubsub(Pubsub):
         py-libp2p's loop also feeds a metrics channel; our hosts do not enable metrics.
         """
         peer_id = stream.muxed_conn.peer_id
-        self._reading.setdefault(peer_id, set()).add(stream)
         try:
             while self.manager.is_running:
                 paused = self.limits.take_pause(peer_id)
@@ -265,20 +246,11 @@ class TrainingPubsub(Pubsub):
             logger.debug("pubsub stream from %s ended: %s", peer_id, exc)
         finally:
             self.limits.forget(peer_id)
-            self._stop_reading(peer_id, stream)
-
-    def _stop_reading(self, peer_id: ID, stream: INetStream) -> None:
-        reading = self._reading.get(peer_id)
-        if reading is not None:
-            reading.discard(stream)
-            if not reading:
-                del self._reading[peer_id]
 
     async def _give_up_on(self, stream: INetStream, peer_id: ID, reason: str, detail: object) -> None:
         """Count the bad frame, reset the stream and forget the peer's pubsub state (as py-libp2p
         does for an oversized frame); the peer may open a new stream, and is counted again."""
         self._drop(reason, peer_id, detail)
-        self._stop_reading(peer_id, stream)  # what it announced there is forgotten with it
         with trio.move_on_after(STREAM_RESET_TIMEOUT_S):
             try:
                 await stream.reset()
