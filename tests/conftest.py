@@ -111,7 +111,10 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     from xdist.scheduler import LoadScopeScheduling
 
     heavy = {nodeid for nodeid, seconds in _recorded_durations(config).items() if seconds >= HEAVY_S}
-    limit = int(os.environ.get(MAX_HEAVY_ENV, MAX_HEAVY))
+    value = os.environ.get(MAX_HEAVY_ENV, str(MAX_HEAVY))
+    if not value.isdigit():
+        raise pytest.UsageError(f"{MAX_HEAVY_ENV}={value!r}: a whole number of heavy tests at a time (0: no limit)")
+    limit = int(value)
 
     class OneWorkerFiles(LoadScopeScheduling):
         def __init__(self, *args: Any) -> None:
