@@ -77,6 +77,9 @@ class PeerRecord:
     left_reason: str = ""
     left_at: float = 0.0  # trio clock, when marked gone
     heartbeats: int = 1  # heard since it (re)joined: what eviction ranks by
+    # The sequence number of its Goodbye (-1: none): a heartbeat it sent before that, which gossip
+    # may bring after the Goodbye by another route, does not make it alive again.
+    left_seq: int = -1
     reachability: str = "unknown"  # what its last heartbeat said (public, private, unknown)
 
     def age(self) -> float:
@@ -189,6 +192,8 @@ class Membership:
         for send in self._listeners:
             try:
                 send.send_nowait(event)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                pass  # a listener whose block is ending (its end closed, the send end not yet removed)
             except trio.WouldBlock:
                 count_rejection(self.dropped_events, "listener-behind", logger, logging.WARNING,
                                 "a membership listener is %d events behind; dropping one", EVENT_QUEUE)
@@ -198,6 +203,9 @@ class Membership:
     def _on_heartbeat(self, signed: Signed[Heartbeat], topic: str) -> None:
         hb, now = signed.msg, trio.current_time()
         record = self._peers.get(signed.sender)
+        if record is not None and not record.alive and signed.seq < record.left_seq:
+            logger.debug("peer %s: a heartbeat sent before its goodbye, heard after it: ignored", short_id(signed.sender))
+            return
         if record is None or not record.alive:
             if record is None and len(self._peers) >= self.max_records:
                 self._evict_one()
@@ -238,6 +246,9 @@ class Membership:
         self.evicted += 1
 
     def _on_goodbye(self, signed: Signed[Goodbye], topic: str) -> None:
+        record = self._peers.get(signed.sender)
+        if record is not None:
+            record.left_seq = max(record.left_seq, signed.seq)
         self._mark_gone(signed.sender, f"goodbye: {signed.msg.reason}" if signed.msg.reason else "goodbye")
 
     def _mark_gone(self, peer_id: ID, reason: str) -> None:

@@ -14,13 +14,14 @@ import time
 
 import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
+from libp2p.crypto.keys import KeyPair
 from libp2p.peer.id import ID
 from libp2p.pubsub.pb import rpc_pb2
 from libp2p.pubsub.validators import PUBSUB_SIGNING_PREFIX
 
 from p2ptrain.base import peer_id_of
 from p2ptrain.mesh import _discovery as discovery_module, _membership as membership_module
-from p2ptrain.wire import Capabilities, Heartbeat, MESH_TOPIC, encode
+from p2ptrain.wire import Capabilities, Goodbye, Heartbeat, MESH_TOPIC, encode
 from p2ptrain.node._node import STATUS_MAX_PEERS
 from p2ptrain.node import Node
 from p2ptrain.testing import free_port, local_mesh
@@ -33,14 +34,20 @@ def closed_port_addrs(n: int) -> tuple[str, ...]:
     return tuple(f"/ip4/127.0.0.1/tcp/{free_port()}" for _ in range(n))
 
 
-async def heartbeat_from_a_fresh_identity(attacker: Node, addrs: tuple[str, ...] = ()) -> ID:
-    key = create_new_key_pair()
-    data = encode(Heartbeat(addrs=addrs, caps=CAPS), key, seq=time.time_ns() // 1000)
-    msg = rpc_pb2.Message(data=data, topicIDs=[MESH_TOPIC], from_id=peer_id_of(key).to_bytes(), seqno=b"\x00" * 8)
+async def inject(attacker: Node, key: KeyPair, message: object, seq: int) -> ID:
+    """``message`` signed by ``key`` with sequence number ``seq``, pushed into ``attacker``'s pubsub
+    (validated, then relayed to the mesh) as a peer of that key would publish it."""
+    data = encode(message, key, seq=seq)
+    msg = rpc_pb2.Message(data=data, topicIDs=[MESH_TOPIC], from_id=peer_id_of(key).to_bytes(),
+                          seqno=seq.to_bytes(8, "big"))
     msg.signature = key.private_key.sign(PUBSUB_SIGNING_PREFIX.encode() + msg.SerializeToString())
     msg.key = key.public_key.serialize()
-    await attacker.pubsub.push_msg(attacker.peer_id, msg)  # validated, then relayed to the mesh
+    await attacker.pubsub.push_msg(attacker.peer_id, msg)
     return peer_id_of(key)
+
+
+async def heartbeat_from_a_fresh_identity(attacker: Node, addrs: tuple[str, ...] = ()) -> ID:
+    return await inject(attacker, create_new_key_pair(), Heartbeat(addrs=addrs, caps=CAPS), time.time_ns() // 1000)
 
 
 def hearing(node: Node) -> set:
@@ -103,3 +110,31 @@ async def test_discovery_dials_few_addresses_of_a_peer_and_keeps_a_bounded_numbe
             while victim.status().discovery["not_kept"] < 40 - 12:
                 await trio.sleep(0.05)
         assert len(victim.discovery._keeping) <= 12
+
+
+async def test_a_heartbeat_sent_before_a_goodbye_and_heard_after_it_does_not_bring_the_peer_back(tmp_path):
+    """Gossip may bring a peer's last heartbeat after its Goodbye, by another route: older than the
+    Goodbye (its sequence number), it no longer makes the peer alive again (a suite run saw a stopped
+    node back in the view a moment after its goodbye). A heartbeat sent after the Goodbye does."""
+    async with local_mesh(2, tmp_path) as (victim, relay):
+        key, seq = create_new_key_pair(), time.time_ns() // 1000
+        heard = hearing(victim)
+
+        async def until(condition) -> None:
+            with trio.fail_after(20):
+                while not condition():
+                    await trio.sleep(0.02)
+
+        def alive() -> set:
+            return {r.peer_id for r in victim.membership.alive()}
+
+        peer = await inject(relay, key, Heartbeat(addrs=(), caps=CAPS), seq)
+        await until(lambda: peer in alive())
+        await inject(relay, key, Goodbye(reason="stopping"), seq + 2)
+        await until(lambda: peer not in alive())
+        heard.clear()
+        await inject(relay, key, Heartbeat(addrs=(), caps=CAPS), seq + 1)  # sent before the Goodbye
+        await until(lambda: peer in heard)
+        assert peer not in alive()
+        await inject(relay, key, Heartbeat(addrs=(), caps=CAPS), seq + 3)  # after it: back
+        await until(lambda: peer in alive())
