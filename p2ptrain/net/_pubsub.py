@@ -187,6 +187,7 @@ class TrainingPubsub(Pubsub):
         # False drops it (the layer that set it counts why). The node sets its message router's
         # per-sender rates here (mesh.router.MessageRouter.admit).
         self.inbound_gate: Callable[[rpc_pb2.Message], bool] | None = None
+
     async def _handle_new_peer(self, peer_id: ID) -> None:
         """Register a peer as py-libp2p does, then tell it what we subscribed to or left meanwhile.
 
